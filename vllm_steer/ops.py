@@ -1,0 +1,76 @@
+"""The one dispatch point of the batched steer operation.
+
+Semantics: see :mod:`vllm_steer.reference`. Backends:
+
+- ``reference``: the pure-torch definition (slow, exact; a per-steer loop).
+- ``torch``: the efficient CPU/GPU torch path of :mod:`vllm_steer.kernels` (rows grouped by
+  steer, zero coefficients skipped).
+- ``triton``: the fused Triton kernel (CUDA, or the interpreter with ``TRITON_INTERPRET=1``).
+
+``auto`` (the default) picks ``triton`` for CUDA tensors when Triton imports, else ``torch``.
+``VLLM_STEER_BACKEND`` overrides the choice for the whole process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Literal, Sequence
+
+import torch
+
+from vllm_steer.reference import steer_reference
+
+Backend = Literal["auto", "reference", "torch", "triton"]
+BACKENDS: tuple[str, ...] = ("auto", "reference", "torch", "triton")
+ENV_BACKEND = "VLLM_STEER_BACKEND"
+
+SteerFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Sequence[int], torch.Tensor],
+                   torch.Tensor]
+_REGISTRY: dict[str, SteerFn] = {"reference": steer_reference}
+
+
+def register_backend(name: str, fn: SteerFn) -> None:
+    """Register (or replace) a backend under ``name``: the kernels plug in here."""
+    _REGISTRY[name] = fn
+
+
+def _load_kernels() -> None:
+    try:
+        from vllm_steer import kernels  # noqa: F401  (registers "torch" and "triton")
+    except ImportError:  # kernels not installed: the reference still works
+        pass
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """Name of the backend that will run for tensors on ``device``."""
+    backend = backend or os.environ.get(ENV_BACKEND) or "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown steer backend {backend!r}; choose one of {BACKENDS} "
+                         f"(argument or ${ENV_BACKEND})")
+    if backend in ("torch", "triton"):
+        _load_kernels()
+    if backend == "auto":
+        _load_kernels()
+        if device.type == "cuda" and "triton" in _REGISTRY:
+            return "triton"
+        return "torch" if "torch" in _REGISTRY else "reference"
+    if backend not in _REGISTRY:
+        raise ValueError(f"steer backend {backend!r} is not available here "
+                         f"(registered: {sorted(_REGISTRY)})")
+    return backend
+
+
+def get_backend(backend: str | None, device: torch.device) -> SteerFn:
+    return _REGISTRY[resolve_backend(backend, device)]
+
+
+def apply_steers(
+    hidden: torch.Tensor,  # [num_rows, hidden]
+    p1: torch.Tensor,  # [hidden, total_rank]
+    p2: torch.Tensor,  # [hidden, total_rank]
+    rank_offsets: Sequence[int],  # K + 1
+    coefs: torch.Tensor,  # [num_rows, K] float32 (strength * epsilon)
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Batched steer operation. Semantics: see :func:`vllm_steer.reference.steer_reference`."""
+    return get_backend(backend, hidden.device)(hidden, p1, p2, rank_offsets, coefs)

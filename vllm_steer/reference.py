@@ -1,0 +1,73 @@
+"""The math, once, in pure torch. Everything else says "Semantics: see reference".
+
+A *steer bank* holds K steers with factors concatenated along the rank axis::
+
+    p1            [hidden, total_rank]   columns rank_offsets[k]:rank_offsets[k+1] are steer k's P1
+    p2            [hidden, total_rank]   same for P2
+    rank_offsets  K + 1 ints, rank_offsets[0] = 0, rank_offsets[K] = total_rank
+
+and each row ``r`` of a batch carries a coefficient per steer, ``coefs[r, k]`` (already
+multiplied by the steer's epsilon, so strength ``s`` gives ``s * eps``). The batched
+steer operation is::
+
+    out[r] = c[r] + sum_k coefs[r, k] * (c[r] @ P1_k) @ P2_k^T
+
+computed with fp32 accumulation and returned in the dtype of ``c``. A row whose
+coefficients are all zero is returned bit-identical to its input.
+
+In the paper's notation (column vectors) this is ``c' = c + sum_i eps_i W_i c`` with
+``W_i = P2_i P1_i^T``; the logits are then ``c'^T E`` from the unchanged LM head.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def steer_reference(
+    hidden: torch.Tensor,  # [num_rows, hidden]
+    p1: torch.Tensor,  # [hidden, total_rank]
+    p2: torch.Tensor,  # [hidden, total_rank]
+    rank_offsets: Sequence[int],  # K + 1
+    coefs: torch.Tensor,  # [num_rows, K] float32
+) -> torch.Tensor:
+    """``out[r] = c[r] + sum_k coefs[r,k] (c[r] P1_k) P2_k^T`` (fp32 math, input dtype out)."""
+    offs = [int(o) for o in rank_offsets]
+    num_rows, d = hidden.shape
+    K = len(offs) - 1
+    assert coefs.shape == (num_rows, K), (coefs.shape, (num_rows, K))
+    assert p1.shape == p2.shape == (d, offs[-1]), (p1.shape, p2.shape, d, offs[-1])
+    c = hidden.float()
+    delta = torch.zeros_like(c)
+    for k in range(K):
+        a, b = offs[k], offs[k + 1]
+        down = c @ p1[:, a:b].float()  # [num_rows, r_k]
+        delta += (coefs[:, k : k + 1].float() * down) @ p2[:, a:b].float().T
+    out = (c + delta).to(hidden.dtype)
+    untouched = (coefs == 0).all(dim=1)
+    return torch.where(untouched[:, None], hidden, out)
+
+
+def steer_dense_reference(hidden: torch.Tensor, matrices: Sequence[torch.Tensor],
+                          coefs: torch.Tensor) -> torch.Tensor:
+    """Same operation from dense ``W_k`` ([hidden, hidden], column form): ``c + sum eps W c``.
+
+    Used by tests to check the factor form against the paper's formula.
+    """
+    c = hidden.float()
+    out = c.clone()
+    for k, w in enumerate(matrices):
+        out += coefs[:, k : k + 1].float() * (c @ w.float().T)
+    return out.to(hidden.dtype)
+
+
+def steered_logits_reference(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                             p1, p2, rank_offsets, coefs, bias=None) -> torch.Tensor:
+    """Logits ``(c + sum eps W c)^T E`` in fp32: what the serving path must reproduce."""
+    h = steer_reference(hidden.float(), p1.float(), p2.float(), rank_offsets, coefs)
+    logits = h @ lm_head_weight.float().T
+    if bias is not None:
+        logits = logits + bias.float()
+    return logits
