@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny random-weight models made on the fly, the embedded model, the data."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA_DIR = Path(os.environ.get("VLLM_STEER_DATA", ROOT.parent / "shared" / "data"))
+
+
+def _tokenizer_src() -> Path:
+    from vllm_steer.models import prepare_embedded
+
+    return prepare_embedded("smollm2", quiet=True)
+
+
+def make_tiny_llama(out: Path, hidden: int = 64, layers: int = 2, tie: bool = False,
+                    seed: int = 0) -> Path:
+    """A random-weight Llama with the embedded model's tokenizer (vocab 49152), saved as an
+    HF folder that both transformers and vLLM load."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    src = _tokenizer_src()
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                      vocab_size=49152, max_position_embeddings=512, tie_word_embeddings=tie,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # larger logits than the default init, so steering changes tokens
+        model.lm_head.weight.normal_(0, 0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / f).exists():
+            shutil.copy(src / f, out / f)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """Tiny random Llama (hidden 64, 2 layers, untied head), HF folder."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct as an HF folder (prepared once, cached)."""
+    return _tokenizer_src()
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    if not DATA_DIR.is_dir():
+        pytest.skip(f"data folder {DATA_DIR} not found (set VLLM_STEER_DATA)")
+    return DATA_DIR
+
+
+def random_steer(hidden: int, rank: int, name: str, seed: int = 0, scale: float = 1.0,
+                 base_model: str | None = None):
+    """A random steer whose effect at strength ~5 is visible on the tiny models."""
+    import torch
+
+    from vllm_steer.format import make_steer
+
+    g = torch.Generator().manual_seed(seed)
+    p1 = torch.randn(hidden, rank, generator=g) * scale
+    p2 = torch.randn(hidden, rank, generator=g) * scale
+    return make_steer(p1, p2, name, base_model=base_model, labels={"positive": name})
