@@ -1,0 +1,323 @@
+"""Fused batched steer kernel in Triton (CUDA; CPU through ``TRITON_INTERPRET=1``).
+
+Semantics: see :mod:`vllm_steer.reference` (``steer_reference``).
+
+Design (details in ``docs/kernels.md``). Two launches, shrink then expand, punica-style:
+
+1. **Segments on the device** (a few small torch ops, no host sync): ``seg_rows[k]`` lists the
+   rows with ``coefs[r, k] != 0`` first (stable order), ``seg_counts[k]`` how many; ``perm`` orders
+   all rows by their first active steer (unsteered rows last).
+2. **Shrink** ``_steer_shrink_kernel``, grid ``(row-blocks, rank-blocks of the bank, d-splits)``:
+   program ``(m, j)`` takes rank block ``j`` (steer ``k``, columns ``col0:col0+BLOCK_R``) and the
+   ``m``-th block of ``seg_rows[k]``; it exits at once when ``m * BLOCK_M >= seg_counts[k]``, so
+   the work scales with the rows that use each steer and each factor tile is read once per
+   block of such rows. It writes ``buf[r, cols] = coefs[r, k] * (c[r] @ P1[:, cols])`` (fp32;
+   the scaling is fused here). Entries of ``buf`` for zero coefficients are never written or read.
+3. **Expand** ``_steer_expand_kernel``, grid ``(row-blocks of perm, hidden-blocks)``: loops over
+   the K steers, skips a steer when no row of the block uses it, accumulates
+   ``buf[rows, a_k:b_k] @ P2_k[dblock]^T`` in fp32, then adds the residual and writes every
+   element of ``out`` once: ``out = c + delta`` for steered rows, ``out = c`` bit for bit for
+   rows whose coefficients are all zero. No atomics, deterministic.
+
+Precision: products are exact and sums fp32. Operands in the same 16-bit dtype go to the tensor
+cores as they are; a fp32 operand against bf16 factors is split into ``hi + lo`` bf16 halves
+(two exact-product dots, ~2^-17 relative error); other mixes run in fp32 with
+``input_precision=FP32_PRECISION`` ("tf32x3" on CUDA: about fp32 accuracy on tensor cores).
+
+Host syncs: none in the steady state when ``rank_offsets`` is a list or a CPU tensor (the
+per-bank device tables are built once and cached; building them copies a few ints host to
+device the first time a bank shape is seen). A CUDA ``rank_offsets`` tensor costs one
+``.tolist()`` sync per call: pass a list. The grid depends only on shapes, never on data, so the
+launch is CUDA-graph friendly once the tables are cached.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+#: fp32 x fp32 dot precision on CUDA ("tf32x3" ~ fp32 accuracy on tensor cores, or "ieee").
+FP32_PRECISION = os.environ.get("VLLM_STEER_FP32_PRECISION", "tf32x3")
+
+# Operand modes of a dot (see _mma).
+_NATIVE, _SPLIT_BF16, _FP32 = 0, 1, 2
+
+
+def _interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_steer_expand_kernel, InterpretedFunction)
+
+
+@triton.jit
+def _mma(acc, a, b, MODE: tl.constexpr, FP32_PREC: tl.constexpr, INTERPRET: tl.constexpr):
+    """``acc += a @ b`` with exact products and fp32 sums (see the module docstring)."""
+    if MODE == 0:  # a and b share one 16-bit dtype
+        if INTERPRET:  # the interpreter's dot mishandles bf16 (raw uint16): same math in fp32
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    elif MODE == 1:  # b is bf16, a is wider: a = hi + lo, both bf16
+        a32 = a.to(tl.float32)
+        hi = a32.to(tl.bfloat16)
+        lo = (a32 - hi.to(tl.float32)).to(tl.bfloat16)
+        if INTERPRET:
+            b32 = b.to(tl.float32)
+            acc = tl.dot(hi.to(tl.float32), b32, acc, input_precision="ieee")
+            acc = tl.dot(lo.to(tl.float32), b32, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(hi, b, acc)
+            acc = tl.dot(lo, b, acc)
+    else:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=FP32_PREC)
+    return acc
+
+
+@triton.jit
+def _steer_shrink_kernel(
+    hidden_ptr,  # [num_rows, hidden], row stride stride_h
+    p1_ptr,  # [hidden, total_rank] contiguous
+    coefs_ptr,  # [num_rows, K] fp32 contiguous
+    seg_rows_ptr,  # [K, num_rows] int32: rows with coefs[:, k] != 0 first
+    seg_counts_ptr,  # [K] int32: number of such rows
+    blk_steer_ptr,  # [num_rank_blocks] int32: steer of each rank block
+    blk_col_ptr,  # [num_rank_blocks] int32: first bank column of the block
+    blk_end_ptr,  # [num_rank_blocks] int32: end column of that steer (exclusive)
+    buf_ptr,  # [num_rows, total_rank] fp32: coefs[r, k] * (c[r] @ P1_k)
+    stride_h, num_rows, hidden, total_rank, K,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_D: tl.constexpr, MODE: tl.constexpr, FP32_PREC: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_rb = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    k = tl.load(blk_steer_ptr + pid_rb)
+    count = tl.load(seg_counts_ptr + k)
+    start = pid_m * BLOCK_M
+    if start < count:  # else: no row of this block uses steer k (early exit)
+        offs_m = start + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count
+        rows = tl.load(seg_rows_ptr + k * num_rows + offs_m, mask=m_mask, other=0).to(tl.int64)
+        col0 = tl.load(blk_col_ptr + pid_rb)
+        col_end = tl.load(blk_end_ptr + pid_rb)
+        offs_r = col0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < col_end
+        d_chunk = tl.cdiv(tl.cdiv(hidden, SPLIT_D), BLOCK_D) * BLOCK_D
+        d_lo = pid_s * d_chunk
+        d_hi = tl.minimum(d_lo + d_chunk, hidden)
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for d0 in range(d_lo, d_hi, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            d_mask = offs_d < d_hi
+            c = tl.load(hidden_ptr + rows[:, None] * stride_h + offs_d[None, :],
+                        mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+            p = tl.load(p1_ptr + offs_d.to(tl.int64)[:, None] * total_rank + offs_r[None, :],
+                        mask=d_mask[:, None] & r_mask[None, :], other=0.0)
+            acc = _mma(acc, c, p, MODE, FP32_PREC, INTERPRET)
+        coef = tl.load(coefs_ptr + rows * K + k, mask=m_mask, other=0.0)
+        acc = acc * coef[:, None]
+        ptrs = buf_ptr + rows[:, None] * total_rank + offs_r[None, :]
+        mask = m_mask[:, None] & r_mask[None, :]
+        if SPLIT_D == 1:
+            tl.store(ptrs, acc, mask=mask)
+        else:  # partial sums over hidden slices (buf zeroed by the wrapper)
+            tl.atomic_add(ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _steer_expand_kernel(
+    hidden_ptr,  # [num_rows, hidden], row stride stride_h
+    p2_ptr,  # [hidden, total_rank] contiguous
+    coefs_ptr,  # [num_rows, K] fp32 contiguous
+    perm_ptr,  # [num_rows] int32: rows ordered by their first active steer
+    rank_offsets_ptr,  # [K + 1] int32
+    buf_ptr,  # [num_rows, total_rank] fp32 from the shrink
+    out_ptr,  # [num_rows, hidden], row stride stride_o
+    stride_h, stride_o, num_rows, hidden, total_rank, K,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    MODE: tl.constexpr, FP32_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < num_rows
+    rows = tl.load(perm_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < hidden
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    steered = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    for k in range(0, K):
+        coef = tl.load(coefs_ptr + rows * K + k, mask=m_mask, other=0.0)
+        nz = coef != 0.0
+        steered = steered | nz.to(tl.int32)
+        if tl.max(nz.to(tl.int32), axis=0) > 0:  # skip steers no row of this block uses
+            a = tl.load(rank_offsets_ptr + k)
+            b = tl.load(rank_offsets_ptr + k + 1)
+            for r0 in range(a, b, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                r_mask = offs_r < b
+                down = tl.load(buf_ptr + rows[:, None] * total_rank + offs_r[None, :],
+                               mask=nz[:, None] & r_mask[None, :], other=0.0)
+                p = tl.load(p2_ptr + offs_d.to(tl.int64)[None, :] * total_rank + offs_r[:, None],
+                            mask=r_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_D]
+                acc = _mma(acc, down, p, MODE, FP32_PREC, INTERPRET)
+    io_mask = m_mask[:, None] & d_mask[None, :]
+    c = tl.load(hidden_ptr + rows[:, None] * stride_h + offs_d[None, :], mask=io_mask, other=0.0)
+    res = (c.to(tl.float32) + acc).to(c.dtype)
+    res = tl.where(steered[:, None] != 0, res, c)  # unsteered rows: the input, bit for bit
+    tl.store(out_ptr + rows[:, None] * stride_o + offs_d[None, :], res, mask=io_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+_TABLES: "OrderedDict[tuple, tuple[torch.Tensor, ...]]" = OrderedDict()
+_TABLES_MAX = 64
+_NUM_SMS: dict[int, int] = {}
+
+
+def _offsets(rank_offsets) -> list[int]:
+    if isinstance(rank_offsets, torch.Tensor):
+        return [int(o) for o in rank_offsets.tolist()]  # a CUDA tensor syncs here: pass a list
+    return [int(o) for o in rank_offsets]
+
+
+def _bank_tables(offs: list[int], block_r: int, device: torch.device):
+    """Device tables of a bank layout (cached: no host-to-device copy in the steady state)."""
+    key = (tuple(offs), block_r, str(device))
+    hit = _TABLES.get(key)
+    if hit is not None:
+        _TABLES.move_to_end(key)
+        return hit
+    steer, col, end = [], [], []
+    for k in range(len(offs) - 1):
+        for c0 in range(offs[k], offs[k + 1], block_r):
+            steer.append(k), col.append(c0), end.append(offs[k + 1])
+    as_t = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    tables = (as_t(steer), as_t(col), as_t(end), as_t(offs))
+    _TABLES[key] = tables
+    if len(_TABLES) > _TABLES_MAX:
+        _TABLES.popitem(last=False)
+    return tables
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def _mode(a_dtype: torch.dtype, b_dtype: torch.dtype) -> int:
+    if a_dtype == b_dtype and a_dtype in (torch.float16, torch.bfloat16):
+        return _NATIVE
+    if b_dtype == torch.bfloat16:
+        return _SPLIT_BF16
+    return _FP32
+
+
+def segments(coefs: torch.Tensor):
+    """Rows grouped by steer, computed on the device without a host sync.
+
+    Returns ``(seg_rows [K, rows] int32, seg_counts [K] int32, perm [rows] int32)``: row
+    ``seg_rows[k, i]`` for ``i < seg_counts[k]`` uses steer ``k``; ``perm`` orders the rows by
+    their first active steer (rows with no steer last).
+    """
+    num_rows, K = coefs.shape
+    nz = coefs != 0
+    seg_counts = nz.sum(dim=0, dtype=torch.int32)
+    seg_rows = torch.argsort((~nz).T.to(torch.uint8), dim=1, stable=True).to(torch.int32)
+    first = torch.where(nz.any(dim=1), nz.to(torch.uint8).argmax(dim=1),
+                        torch.full((), K, dtype=torch.long, device=coefs.device))
+    perm = torch.argsort(first, stable=True).to(torch.int32)
+    return seg_rows.contiguous(), seg_counts, perm
+
+
+def steer_triton(
+    hidden: torch.Tensor,  # [num_rows, hidden] fp32/fp16/bf16, unit stride along hidden
+    p1: torch.Tensor,  # [hidden, total_rank] contiguous, fp32 or the activation's 16-bit dtype
+    p2: torch.Tensor,  # [hidden, total_rank] contiguous, same dtype as p1
+    rank_offsets: Sequence[int] | torch.Tensor,  # K + 1 ints (list or CPU tensor: no sync)
+    coefs: torch.Tensor,  # [num_rows, K] fp32 contiguous
+    out: torch.Tensor | None = None,  # [num_rows, hidden] like hidden (allocated if None)
+) -> torch.Tensor:
+    """Fused batched steer. Semantics: see vllm_steer.reference (``steer_reference``).
+
+    Every element of ``out`` is written; rows whose coefficients are all zero are copied bit for
+    bit. Host syncs: none when ``rank_offsets`` is a list / CPU tensor and the bank layout was
+    seen before (see the module docstring).
+    """
+    offs = _offsets(rank_offsets)
+    K = len(offs) - 1
+    num_rows, d = hidden.shape
+    total_rank = offs[-1]
+    assert hidden.dtype in (torch.float32, torch.float16, torch.bfloat16), hidden.dtype
+    assert hidden.stride(1) == 1, f"hidden needs unit stride along hidden, got {hidden.stride()}"
+    assert p1.dtype == p2.dtype and p1.dtype in (torch.float32, torch.float16, torch.bfloat16), \
+        (p1.dtype, p2.dtype)
+    assert p1.shape == p2.shape == (d, total_rank), (p1.shape, p2.shape, d, total_rank)
+    assert p1.is_contiguous() and p2.is_contiguous(), "p1 and p2 must be contiguous"
+    assert coefs.dtype == torch.float32 and coefs.shape == (num_rows, K), (coefs.dtype, coefs.shape)
+    assert coefs.is_contiguous(), "coefs must be contiguous"
+    assert offs[0] == 0 and all(b >= a for a, b in zip(offs, offs[1:])), offs
+    dev = hidden.device
+    assert p1.device == dev and coefs.device == dev, (hidden.device, p1.device, coefs.device)
+    interpret = _interpreting()
+    if dev.type != "cuda" and not interpret:
+        raise RuntimeError("the triton steer backend needs CUDA tensors (or TRITON_INTERPRET=1 "
+                           "set before triton is imported); use backend='torch' on CPU")
+    if out is None:
+        out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+    assert out.shape == hidden.shape and out.dtype == hidden.dtype and out.stride(1) == 1, \
+        (out.shape, out.dtype, out.stride())
+    if num_rows == 0:
+        return out
+    if K == 0 or total_rank == 0:
+        out.copy_(hidden)
+        return out
+
+    sms = _num_sms(dev)
+    block_m = 16 if num_rows <= 16 else (32 if num_rows <= 32 else 64)
+    row_blocks = triton.cdiv(num_rows, block_m)
+    # Shrink: smaller rank tiles, then a split of the hidden axis, when the grid is too small
+    # to fill the GPU (estimate: each row uses about one steer).
+    est_row_blocks = max(1, triton.cdiv(num_rows, block_m * K))
+    block_r = 64
+    while block_r > 16 and sum(triton.cdiv(offs[k + 1] - offs[k], block_r) for k in range(K)) \
+            * est_row_blocks < 2 * sms:
+        block_r //= 2
+    steer_t, col_t, end_t, offs_t = _bank_tables(offs, block_r, dev)
+    num_rank_blocks = steer_t.numel()
+    block_d = 64
+    split_d = 1
+    while (num_rank_blocks * est_row_blocks * split_d < 2 * sms
+           and d // (split_d * 2) >= 4 * block_d):
+        split_d *= 2
+
+    seg_rows, seg_counts, perm = segments(coefs)
+    alloc = torch.zeros if split_d > 1 else torch.empty
+    buf = alloc((num_rows, total_rank), dtype=torch.float32, device=dev)
+    common = dict(FP32_PREC=FP32_PRECISION, INTERPRET=interpret)
+    if not interpret:
+        common.update(num_warps=4, num_stages=3)
+    _steer_shrink_kernel[(row_blocks, num_rank_blocks, split_d)](
+        hidden, p1, coefs, seg_rows, seg_counts, steer_t, col_t, end_t, buf,
+        hidden.stride(0), num_rows, d, total_rank, K,
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_D=block_d, SPLIT_D=split_d,
+        MODE=_mode(hidden.dtype, p1.dtype), **common)
+    block_d2 = 64 if row_blocks * triton.cdiv(d, 64) >= 2 * sms else 32
+    _steer_expand_kernel[(row_blocks, triton.cdiv(d, block_d2))](
+        hidden, p2, coefs, perm, offs_t, buf, out,
+        hidden.stride(0), out.stride(0), num_rows, d, total_rank, K,
+        BLOCK_M=block_m, BLOCK_D=block_d2, BLOCK_R=64 if total_rank >= 64 else 32,
+        MODE=_mode(torch.float32, p2.dtype), **common)
+    return out
