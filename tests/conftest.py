@@ -27,7 +27,8 @@ def make_tiny_llama(out: Path, hidden: int = 64, layers: int = 2, tie: bool = Fa
 
     src = _tokenizer_src()
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=1,
+                      head_dim=64,  # vLLM's CPU attention needs head_dim 32/64/128...
                       vocab_size=49152, max_position_embeddings=512, tie_word_embeddings=tie,
                       bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(seed)

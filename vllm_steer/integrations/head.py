@@ -1,0 +1,47 @@
+"""The LM-head hook: vLLM's ``LogitsProcessor`` layer, replaced out of tree by ours.
+
+Semantics: see :mod:`vllm_steer.reference`. ``forward(lm_head, hidden_states)`` receives the
+post-norm hidden states of exactly the rows being sampled; ``c' = c + sum_i eps_i W_i c`` is
+applied to them before the one LM-head matmul of the original layer, with no extra
+vocabulary-sized work. Registered by :func:`vllm_steer.integrations.plugin.register` through
+``LogitsProcessor.register_oot`` (vLLM's PluggableLayer mechanism).
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+from vllm_steer.integrations.runtime import SteerRuntime, get_runtime
+
+
+class SteeredLogitsProcessor(LogitsProcessor):
+    """vLLM's logits layer plus per-row steering of the hidden states it receives."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        vllm_config = get_current_vllm_config()
+        self.steer_runtime: SteerRuntime | None = get_runtime(vllm_config.additional_config)
+        if self.steer_runtime is not None and not self.logits_as_input:
+            mc = vllm_config.model_config
+            dtype = self.head_dtype or mc.dtype
+            device = torch.get_default_device()
+            if device.type == "meta":  # loading on meta first: load steers where vLLM runs
+                from vllm.platforms import current_platform
+
+                device = torch.device(current_platform.device_type)
+            self.steer_runtime.load(mc.get_hidden_size(), device, dtype, model_id=mc.model)
+
+    def forward(self, lm_head, hidden_states: torch.Tensor, embedding_bias=None,
+                skip_gather: bool = False):
+        rt = self.steer_runtime
+        if rt is not None and rt.active and not self.logits_as_input:
+            hidden_states = rt.steer_rows(hidden_states)
+        return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+
+    def get_top_tokens(self, lm_head, hidden_states, embedding_bias=None):
+        rt = self.steer_runtime
+        if rt is not None and rt.active:
+            hidden_states = rt.steer_rows(hidden_states)
+        return super().get_top_tokens(lm_head, hidden_states, embedding_bias)

@@ -1,0 +1,233 @@
+"""The vLLM general plugin (entry point ``vllm.general_plugins``: ``vllm_steer``).
+
+vLLM calls :func:`register` in every process it starts (API server, engine core, workers),
+and in ``vllm serve`` before the CLI parser is built. It
+
+1. adds ``--steer NAME=PATH`` (repeatable) and ``--steer-max-strength`` to vLLM's engine
+   arguments (so they show in ``vllm serve --help``) and carries them to the workers in
+   ``additional_config["vllm_steer"]`` (the field vLLM reserves for plugins);
+2. on engine config creation, checks the steer files (metadata only, no torch), refuses
+   speculative decoding, and appends our per-request logits processor for the active model
+   runner (V1 or Model Runner V2) to ``model_config.logits_processors``;
+3. swaps vLLM's ``LogitsProcessor`` layer for :class:`~vllm_steer.integrations.head.
+   SteeredLogitsProcessor` (``register_oot``);
+4. adds the top-level ``steer`` field to the OpenAI request models (completions, chat,
+   responses), so it shows in the OpenAPI schema and reaches ``SamplingParams.extra_args``.
+
+Offline, pass the same configuration yourself::
+
+    LLM(model, additional_config={"vllm_steer": {"steers": {"detox": "detox.safetensors"}}})
+    SamplingParams(extra_args={"steer": {"detox": 5}})
+
+This module imports no torch at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from vllm_steer import ADDITIONAL_CONFIG_KEY, REQUEST_FIELD
+from vllm_steer.config import DEFAULT_MAX_STRENGTH, SteerServerConfig, parse_steer_arg
+
+logger = logging.getLogger("vllm_steer")
+_REGISTERED = False
+
+STEER_HELP = (
+    "Load a steer (LM-Steer, safetensors) that requests can apply with "
+    '`"steer": {"NAME": strength}`. Repeatable. `--steer PATH` takes the name from the file. '
+    "Strengths are in units of the steer's epsilon (the paper's 5*eps0 is 5)."
+)
+
+
+def register() -> None:
+    """Entry point of the ``vllm.general_plugins`` group. Idempotent."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    _REGISTERED = True
+    _patch_engine_args()
+    _register_head()
+    _patch_openai_protocol()
+
+
+# ---- 1. CLI ------------------------------------------------------------------------------
+def add_steer_args(parser) -> None:
+    """Add our arguments to a vLLM (engine args) parser."""
+    if any("--steer" in a.option_strings for a in parser._actions):
+        return
+    group = parser.add_argument_group(
+        title="vllm-steer",
+        description="Per-request LM-Steer steering (vllm-steer plugin). Requests send "
+                    '`"steer": {"detox": 5}` (OpenAI extra_body), or '
+                    '`vllm_xargs={"steer": "detox:5,sentiment:-3"}`.')
+    group.add_argument("--steer", action="append", default=None, metavar="NAME=PATH",
+                       help=STEER_HELP)
+    group.add_argument("--steer-max-strength", type=float, default=DEFAULT_MAX_STRENGTH,
+                       help="Largest |strength| a request may use (default: %(default)s).")
+    group.add_argument("--steer-backend", default="auto",
+                       choices=["auto", "reference", "torch", "triton"],
+                       help="Implementation of the batched steer op (default: auto).")
+
+
+def config_from_args(args: argparse.Namespace) -> SteerServerConfig | None:
+    steers = getattr(args, "steer", None)
+    if not steers:
+        return None
+    pairs = [parse_steer_arg(s) for s in steers]
+    names = [n for n, _ in pairs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"--steer: the name(s) {dup} are given more than once; use NAME=PATH "
+                         "to give each steer its own name")
+    return SteerServerConfig(steers=dict(pairs),
+                             max_strength=getattr(args, "steer_max_strength",
+                                                  DEFAULT_MAX_STRENGTH),
+                             backend=getattr(args, "steer_backend", "auto"))
+
+
+def _patch_engine_args() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    orig_add = EngineArgs.add_cli_args
+    orig_from = EngineArgs.from_cli_args.__func__
+    orig_create = EngineArgs.create_engine_config
+
+    def add_cli_args(parser, *a, **kw):
+        parser = orig_add(parser, *a, **kw)
+        add_steer_args(parser)
+        return parser
+
+    def from_cli_args(cls, args: argparse.Namespace):
+        engine_args = orig_from(cls, args)
+        cfg = config_from_args(args)
+        if cfg is not None:
+            extra = dict(engine_args.additional_config or {})
+            extra.update(cfg.to_additional_config())
+            engine_args.additional_config = extra
+        return engine_args
+
+    def create_engine_config(self, *a, **kw):
+        vllm_config = orig_create(self, *a, **kw)
+        configure_engine(vllm_config)
+        return vllm_config
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    EngineArgs.from_cli_args = classmethod(from_cli_args)
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def configure_engine(vllm_config) -> None:
+    """Check the steers, refuse what we cannot steer, and install our logits processor."""
+    from vllm_steer.format import read_metadata
+    from vllm_steer.integrations import frontend
+
+    cfg = SteerServerConfig.from_additional_config(vllm_config.additional_config)
+    frontend.set_config(cfg)
+    if cfg is None or not cfg.steers:
+        return
+    for name, path in cfg.steers.items():
+        meta = read_metadata(path)  # raises naming the file and every reason
+        hidden = vllm_config.model_config.get_hidden_size()
+        if meta.hidden_size != hidden:
+            from vllm_steer.format import SteerFileError
+
+            raise SteerFileError(path, [
+                f"steer {name!r} has hidden size {meta.hidden_size} but the model "
+                f"{vllm_config.model_config.model} has {hidden}; train or transfer the steer for "
+                "this model (vllm-steer train / vllm-steer transfer)"])
+    if vllm_config.speculative_config is not None:
+        raise ValueError("vllm-steer: speculative decoding is not supported with --steer (draft "
+                         "tokens would be proposed unsteered and verified with several rows per "
+                         "request); remove --speculative-config or the --steer options")
+    mc = vllm_config.model_config
+    if getattr(mc, "runner_type", "generate") == "pooling":
+        raise ValueError("vllm-steer: --steer needs a generative model; "
+                         f"{mc.model} runs as a pooling model")
+    fqcn = _processor_fqcn(vllm_config)
+    procs = list(mc.logits_processors or [])
+    if fqcn not in procs:
+        procs.append(fqcn)
+    mc.logits_processors = procs
+    logger.info("vllm-steer: %d steer(s) %s, max |strength| %g, logits processor %s",
+                len(cfg.steers), list(cfg.steers), cfg.max_strength, fqcn)
+
+
+def _processor_fqcn(vllm_config) -> str:
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        return "vllm_steer.integrations.v2:SteerLogitsProcessorV2"
+    return "vllm_steer.integrations.v1:SteerLogitsProcessorV1"
+
+
+# ---- 3. the LM head ----------------------------------------------------------------------
+def _register_head() -> None:
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    from vllm_steer.integrations.head import SteeredLogitsProcessor
+
+    if "LogitsProcessor" not in op_registry_oot:
+        LogitsProcessor.register_oot(SteeredLogitsProcessor)
+
+
+# ---- 4. request field --------------------------------------------------------------------
+REQUEST_CLASSES = (
+    ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
+    ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
+    ("vllm.entrypoints.openai.responses.protocol", "ResponsesRequest"),
+)
+FIELD_DESCRIPTION = (
+    "vllm-steer: steers to apply to this request, as a mapping from steer name (as loaded with "
+    "`vllm serve --steer NAME=PATH`) to strength in units of the steer's epsilon, e.g. "
+    '{"detox": 5, "sentiment": -3}. Negative strengths steer the other way; omitted or 0 '
+    "means unsteered. Equivalent: vllm_xargs={\"steer\": \"detox:5,sentiment:-3\"}."
+)
+
+
+def _patch_openai_protocol() -> None:
+    import importlib
+
+    for module, name in REQUEST_CLASSES:
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:  # a vLLM without that API
+            logger.debug("vllm-steer: %s.%s not patched (%s)", module, name, e)
+            continue
+        add_request_field(cls)
+
+
+def add_request_field(cls) -> None:
+    """Add the ``steer`` field to a pydantic request model and carry it to SamplingParams."""
+    from typing import Any, Optional, Union
+
+    from pydantic import Field
+    from pydantic.fields import FieldInfo
+
+    if REQUEST_FIELD in cls.model_fields:
+        return
+    ann = Optional[dict[str, Union[float, int, str, Any]]]
+    cls.__pydantic_fields__[REQUEST_FIELD] = FieldInfo.from_annotated_attribute(
+        ann, Field(default=None, description=FIELD_DESCRIPTION,
+                   examples=[{"detox": 5}, {"detox": 5, "sentiment": -3}]))
+    cls.__annotations__[REQUEST_FIELD] = ann
+    if hasattr(cls, "field_names"):
+        cls.field_names = None
+    cls.model_rebuild(force=True)
+
+    orig = cls.to_sampling_params
+
+    def to_sampling_params(self, *a, **kw):
+        params = orig(self, *a, **kw)
+        value = getattr(self, REQUEST_FIELD, None)
+        if value is not None:
+            extra = dict(params.extra_args or {})
+            if REQUEST_FIELD in extra:
+                from vllm_steer.config import SteerRequestError
+
+                raise SteerRequestError(f"{REQUEST_FIELD}: given both as a top-level field and in "
+                                        "vllm_xargs; use one")
+            extra[REQUEST_FIELD] = value
+            params.extra_args = extra
+        return params
+
+    cls.to_sampling_params = to_sampling_params

@@ -1,0 +1,251 @@
+"""Per-worker steer state shared by the LM-head hook and the runner's logits processor.
+
+Semantics: see :mod:`vllm_steer.reference`.
+
+One :class:`SteerRuntime` per worker process and steer configuration. It holds
+
+- the :class:`~vllm_steer.bank.SteerBank` on the model's device and dtype (loaded once),
+- ``slot_coefs`` ``[max_num_reqs, K]`` fp32 on the device: the coefficients of the request in
+  each batch slot (V1: persistent-batch index; V2: request-state slot), written by the logits
+  processor when requests enter, leave or move, fully reset when a slot is reused,
+- the *row source* of the next ``compute_logits`` call: which slot each hidden-state row
+  belongs to. V1 samples rows in batch order (row i = slot i); V2 gives
+  ``expanded_idx_mapping`` (row -> slot) per step; prompt-logprob calls map a slice of the
+  step's hidden states to one request.
+
+The head does no work at all while no slot has a non-zero coefficient (host-side flag, no
+device sync).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_steer import REQUEST_FIELD
+from vllm_steer.bank import SteerBank
+from vllm_steer.config import SteerRequestError, SteerServerConfig, parse_request_steer
+from vllm_steer.format import SteerFileError, load_steer, read_metadata
+
+logger = logging.getLogger("vllm_steer")
+
+
+@dataclass
+class RowSource:
+    """Where the rows of the next ``compute_logits`` call come from."""
+
+    kind: str  # "batch" (row i = slot i), "mapping" (row -> slot), "prompt", "none"
+    mapping: torch.Tensor | None = None  # [num_rows] int64 slots ("mapping")
+    base: torch.Tensor | None = None  # the step's full hidden states ("prompt")
+    query_start_loc: np.ndarray | None = None  # [num_reqs + 1] token offsets ("prompt")
+
+
+class SteerRuntime:
+    """State of one worker. Created by whichever of head/logits processor comes first."""
+
+    def __init__(self, config: SteerServerConfig):
+        self.config = config
+        self.names = list(config.steers)
+        self.metadata = {}
+        problems = []
+        for name, path in config.steers.items():
+            try:
+                self.metadata[name] = read_metadata(path)
+            except SteerFileError as e:
+                problems.append(str(e))
+        if problems:
+            raise SteerFileError(", ".join(config.steers.values()),
+                                 [p.replace("\n", " ") for p in problems])
+        self.bank: SteerBank | None = None
+        self.slot_coefs: torch.Tensor | None = None  # [max_slots, K] on device
+        self._host: np.ndarray | None = None  # [max_slots, K] host mirror
+        self._dirty = False
+        self.num_active_slots = 0
+        self.batch_size = 0
+        self.row_source = RowSource("batch")
+        # the K columns of a coefficient row; a steer served with its domain takes two
+        self.columns: list[tuple[str, str]] = []
+        for n in self.names:
+            self.columns.append((n, "steer"))
+            if self.metadata[n].domain == "with_steer":
+                self.columns.append((n, "domain"))
+
+    # ---- loading (head side) -------------------------------------------------------------
+    def load(self, hidden_size: int, device: torch.device, dtype: torch.dtype,
+             model_id: str | None = None) -> None:
+        """Load every steer on the model's device/dtype; refuse a steer that does not fit."""
+        if self.bank is not None:
+            return
+        reasons = []
+        steers = {}
+        for name, path in self.config.steers.items():
+            meta = self.metadata[name]
+            if meta.hidden_size != hidden_size:
+                reasons.append(f"steer {name!r} ({path}): hidden size {meta.hidden_size} does not "
+                               f"fit the model's hidden size {hidden_size}; train or transfer it "
+                               "for this model (vllm-steer train / vllm-steer transfer)")
+                continue
+            if meta.base_model and model_id and not _same_model(meta.base_model, model_id):
+                logger.warning("vllm-steer: steer %r (%s) was trained on %r but the server runs "
+                               "%r; it fits (same hidden size) but may not steer as intended",
+                               name, path, meta.base_model, model_id)
+            try:
+                steers[name] = load_steer(path)
+            except SteerFileError as e:
+                reasons.append(str(e).replace("\n", " "))
+        if reasons:
+            raise SteerFileError(", ".join(self.config.steers.values()), reasons)
+        self.bank = SteerBank(steers, device=device, dtype=dtype)
+        assert self.bank.num_columns == len(self.columns)
+        logger.info("vllm-steer: loaded %d steer(s) %s on %s/%s", len(steers), self.names,
+                    device, dtype)
+
+    # ---- request state (logits-processor side) -------------------------------------------
+    def ensure_slots(self, max_slots: int, device: torch.device) -> None:
+        if self._host is None or self._host.shape[0] < max_slots:
+            self._host = np.zeros((max_slots, len(self.columns)), dtype=np.float32)
+            self.slot_coefs = torch.zeros((max_slots, len(self.columns)), dtype=torch.float32,
+                                          device=device)
+            self._dirty = False
+            self.num_active_slots = 0
+
+    def coef_row(self, params: Any) -> np.ndarray:
+        """Coefficients of a request (zeros when it asks for no steer)."""
+        strengths = request_strengths(params, self)
+        row = np.zeros(len(self.columns), dtype=np.float32)
+        for k, (n, kind) in enumerate(self.columns):
+            s = strengths.get(n, 0.0)
+            if s:
+                meta = self.metadata[n]
+                row[k] = s * meta.epsilon if kind == "steer" else meta.domain_strength * meta.epsilon
+        return row
+
+    def set_slot(self, slot: int, row: np.ndarray | None) -> None:
+        """(Re)initialise a slot fully: a reused slot keeps nothing of its previous request."""
+        assert self._host is not None
+        if row is None:
+            row = 0.0
+        self._host[slot] = row
+        self._dirty = True
+
+    def move_slot(self, src: int, dst: int, swap: bool) -> None:
+        assert self._host is not None
+        if swap:
+            self._host[[src, dst]] = self._host[[dst, src]]
+        else:
+            self._host[dst] = self._host[src]
+            self._host[src] = 0.0
+        self._dirty = True
+
+    def flush(self) -> None:
+        """Copy changed slot coefficients to the device (once per step, only when changed)."""
+        if not self._dirty or self._host is None:
+            return
+        n = self._host.shape[0]
+        self.slot_coefs[:n].copy_(torch.from_numpy(self._host), non_blocking=True)
+        self.num_active_slots = int(np.count_nonzero(self._host.any(axis=1)))
+        self._dirty = False
+
+    @property
+    def active(self) -> bool:
+        return self.bank is not None and self.num_active_slots > 0
+
+    @contextlib.contextmanager
+    def rows(self, source: RowSource):
+        """Scope a row source to the calls inside the block (V2 sampling, prompt logprobs)."""
+        prev, self.row_source = self.row_source, source
+        try:
+            yield
+        finally:
+            self.row_source = prev
+
+    # ---- the head ------------------------------------------------------------------------
+    def steer_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Steer the rows of one ``compute_logits`` call. Semantics: see reference."""
+        if not self.active or hidden.shape[0] == 0:
+            return hidden
+        coefs = self._coefs_for(hidden)
+        if coefs is None:
+            return hidden
+        return self.bank.apply(hidden, coefs, backend=self.config.backend)
+
+    def _coefs_for(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        src = self.row_source
+        n = hidden.shape[0]
+        if src.kind == "none":
+            return None
+        if src.kind == "mapping":
+            assert src.mapping is not None
+            return self.slot_coefs.index_select(0, src.mapping[:n].long())
+        if src.kind == "prompt":
+            base = src.base
+            assert base is not None and src.query_start_loc is not None
+            row_bytes = base.stride(0) * base.element_size()
+            offset = (hidden.data_ptr() - base.data_ptr()) // row_bytes
+            if hidden.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() \
+                    or not 0 <= offset < base.shape[0]:
+                _warn_once("vllm-steer: prompt-logprob rows could not be matched to a request; "
+                           "they are computed unsteered")
+                return None
+            slot = int(np.searchsorted(src.query_start_loc, offset, side="right") - 1)
+            return self.slot_coefs[slot:slot + 1].expand(n, -1)
+        # "batch": V1 samples one row per request, in persistent-batch order
+        if n != self.batch_size:
+            _warn_once(f"vllm-steer: compute_logits got {n} rows for a batch of "
+                       f"{self.batch_size} requests; rows left unsteered")
+            return None
+        return self.slot_coefs[:n]
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        logger.warning(msg)
+
+
+def _same_model(a: str, b: str) -> bool:
+    norm = lambda s: s.rstrip("/").split("/")[-1].lower().replace("_", "-")  # noqa: E731
+    return norm(a) == norm(b) or a in b or b in a
+
+
+def request_strengths(params: Any, runtime: "SteerRuntime | None" = None,
+                      config: SteerServerConfig | None = None) -> dict[str, float]:
+    """The ``{name: strength}`` a request asks for (``SamplingParams.extra_args["steer"]``)."""
+    extra = getattr(params, "extra_args", None) or {}
+    value = extra.get(REQUEST_FIELD)
+    if value is None:
+        return {}
+    cfg = config or (runtime.config if runtime else None)
+    known = cfg.steers if cfg else None
+    max_s = cfg.max_strength if cfg else float("inf")
+    return parse_request_steer(value, known, max_s)
+
+
+# One runtime per process and configuration (tests may run several engines in one process).
+_RUNTIMES: dict[str, SteerRuntime] = {}
+
+
+def get_runtime(additional_config: dict | None) -> SteerRuntime | None:
+    """The process's runtime for this engine's configuration (None: no steers configured)."""
+    cfg = SteerServerConfig.from_additional_config(additional_config)
+    if cfg is None or not cfg.steers:
+        return None
+    import json
+
+    key = json.dumps(cfg.to_additional_config(), sort_keys=True)
+    rt = _RUNTIMES.get(key)
+    if rt is None:
+        rt = _RUNTIMES[key] = SteerRuntime(cfg)
+    return rt
+
+
+__all__ = ["SteerRuntime", "RowSource", "get_runtime", "request_strengths",
+           "SteerRequestError"]

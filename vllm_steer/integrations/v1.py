@@ -1,0 +1,75 @@
+"""Per-request steer state for vLLM's V1 model runner (the CPU runner and V1 GPU runner).
+
+Semantics: see :mod:`vllm_steer.reference`. The processor does not touch logits itself
+(``apply`` is the identity): it keeps the steer coefficients of each persistent-batch slot in
+the worker's :class:`~vllm_steer.integrations.runtime.SteerRuntime`, where the LM-head hook
+reads them. V1 samples one row per request in batch order, so row i is slot i.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from vllm_steer.integrations import frontend
+from vllm_steer.integrations.runtime import RowSource, get_runtime
+
+FQCN = "vllm_steer.integrations.v1:SteerLogitsProcessorV1"
+
+
+class SteerLogitsProcessorV1(LogitsProcessor):
+    """V1 logits processor carrying per-request steers to the LM head."""
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        frontend.validate(sampling_params)
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        self.runtime = get_runtime(vllm_config.additional_config)
+        if self.runtime is not None:
+            self.runtime.ensure_slots(vllm_config.scheduler_config.max_num_seqs, device)
+            from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU runner's base
+
+            wrap_prompt_logprobs(GPUModelRunner)
+
+    def is_argmax_invariant(self) -> bool:
+        return True  # logits are steered in the head, not here
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        rt = self.runtime
+        if rt is None or batch_update is None:
+            return
+        for slot in batch_update.removed:
+            rt.set_slot(slot, None)
+        for slot, params, _prompt, _out in batch_update.added:
+            rt.set_slot(slot, rt.coef_row(params))
+        for a, b, direction in batch_update.moved:
+            rt.move_slot(a, b, swap=direction == MoveDirectionality.SWAP)
+        rt.batch_size = batch_update.batch_size
+        rt.flush()
+
+
+def wrap_prompt_logprobs(runner_cls) -> None:
+    """Steer prompt logprobs of a steered request like its sampled tokens.
+
+    ``_get_prompt_logprobs_dict`` calls ``compute_logits`` once per request on a slice of the
+    step's hidden states; the runtime maps that slice back to the request's batch slot.
+    """
+    orig = runner_cls._get_prompt_logprobs_dict
+    if getattr(orig, "_vllm_steer", False):
+        return
+
+    def _get_prompt_logprobs_dict(self, hidden_states, num_scheduled_tokens):
+        rt = get_runtime(self.vllm_config.additional_config)
+        if rt is None or not rt.active or not self.num_prompt_logprobs:
+            return orig(self, hidden_states, num_scheduled_tokens)
+        n = self.input_batch.num_reqs
+        qsl = self.query_start_loc.np[: n + 1].copy()
+        with rt.rows(RowSource("prompt", base=hidden_states, query_start_loc=qsl)):
+            return orig(self, hidden_states, num_scheduled_tokens)
+
+    _get_prompt_logprobs_dict._vllm_steer = True
+    runner_cls._get_prompt_logprobs_dict = _get_prompt_logprobs_dict
