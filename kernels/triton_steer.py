@@ -260,15 +260,19 @@ def steer_triton(
     K = len(offs) - 1
     num_rows, d = hidden.shape
     total_rank = offs[-1]
-    assert hidden.dtype in (torch.float32, torch.float16, torch.bfloat16), hidden.dtype
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    assert hidden.dtype in floats, f"hidden dtype must be one of {floats}, got {hidden.dtype}"
     assert hidden.stride(1) == 1, f"hidden needs unit stride along hidden, got {hidden.stride()}"
-    assert p1.dtype == p2.dtype and p1.dtype in (torch.float32, torch.float16, torch.bfloat16), \
-        (p1.dtype, p2.dtype)
-    assert p1.shape == p2.shape == (d, total_rank), (p1.shape, p2.shape, d, total_rank)
+    assert p1.dtype == p2.dtype and p1.dtype in floats, \
+        f"p1 and p2 need one dtype of {floats}, got {p1.dtype} and {p2.dtype}"
+    assert p1.shape == p2.shape == (d, total_rank), \
+        f"p1 {tuple(p1.shape)} and p2 {tuple(p2.shape)} must be [hidden={d}, total_rank={total_rank}]"
     assert p1.is_contiguous() and p2.is_contiguous(), "p1 and p2 must be contiguous"
-    assert coefs.dtype == torch.float32 and coefs.shape == (num_rows, K), (coefs.dtype, coefs.shape)
+    assert coefs.dtype == torch.float32 and coefs.shape == (num_rows, K), \
+        f"coefs must be float32 [num_rows={num_rows}, K={K}], got {coefs.dtype} {tuple(coefs.shape)}"
     assert coefs.is_contiguous(), "coefs must be contiguous"
-    assert offs[0] == 0 and all(b >= a for a, b in zip(offs, offs[1:])), offs
+    assert offs[0] == 0 and all(b >= a for a, b in zip(offs, offs[1:])), \
+        f"rank_offsets must start at 0 and not decrease, got {offs}"
     dev = hidden.device
     assert p1.device == dev and coefs.device == dev, (hidden.device, p1.device, coefs.device)
     interpret = _interpreting()

@@ -1,0 +1,260 @@
+"""The batched steer kernels (``vllm_steer.kernels``) against the reference.
+
+Needs only torch (+ triton for the Triton cases): imports vllm_steer.reference / ops / kernels,
+never vLLM. Device: ``VLLM_STEER_TEST_DEVICE`` (default ``cpu``; ``scripts/gpu_check.sh`` sets
+``cuda``). On CPU the Triton kernel runs in Triton's interpreter, i.e. only when
+``TRITON_INTERPRET=1`` was set before triton was imported (``make test`` does); the interpreter
+is slow, so its cases are small.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from vllm_steer.kernels import HAS_TRITON, steer_torch
+from vllm_steer.kernels.torch_steer import choose_strategy
+from vllm_steer.reference import steer_reference
+
+DEVICE = torch.device(os.environ.get("VLLM_STEER_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip(f"VLLM_STEER_TEST_DEVICE={DEVICE} but CUDA is not available",
+                allow_module_level=True)
+
+
+def _triton_usable() -> str | None:
+    """None when the Triton kernel can run on DEVICE, else why not."""
+    if not HAS_TRITON:
+        return "triton is not installed"
+    from vllm_steer.kernels.triton_steer import _interpreting
+
+    if DEVICE.type == "cpu" and not _interpreting():
+        return "Triton on CPU needs TRITON_INTERPRET=1 set before import (make test sets it)"
+    return None
+
+
+TRITON_SKIP = _triton_usable()
+
+
+def run_triton(*args, **kw):
+    if TRITON_SKIP:
+        pytest.skip(TRITON_SKIP)
+    from vllm_steer.kernels import steer_triton
+
+    return steer_triton(*args, **kw)
+
+
+BACKENDS = {"torch": steer_torch, "triton": run_triton}
+
+# (activation dtype, factor dtype) -> (rtol, atol as a fraction of the output's max |value|).
+# 16-bit outputs: the kernel and the reference both round an fp32 result, so they may differ by
+# one unit in the last place (2^-7 relative for bf16, 2^-10 for fp16). fp32: summation order,
+# and on tensor cores tf32x3 (~2^-21 per product) or, against bf16 factors, the fp32 operand
+# split into two bf16 halves (~2^-17 per product).
+TOL = {
+    (torch.float32, torch.float32): (1e-5, 3e-5),
+    (torch.float32, torch.bfloat16): (1e-5, 1e-4),
+    (torch.bfloat16, torch.bfloat16): (2 ** -7, 2 ** -9),
+    (torch.bfloat16, torch.float32): (2 ** -7, 2 ** -9),
+    (torch.float16, torch.float16): (2 ** -10, 2 ** -12),
+}
+
+
+def offsets(ranks):
+    offs = [0]
+    for r in ranks:
+        offs.append(offs[-1] + r)
+    return offs
+
+
+def make_coefs(rows: int, K: int, pattern: str, gen: torch.Generator) -> torch.Tensor:
+    """Coefficients [rows, K] fp32 with a named sparsity pattern (row 0 always unsteered
+    except in "dense")."""
+    size = 0.3 + torch.rand(rows, K, generator=gen)
+    sign = torch.where(torch.rand(rows, K, generator=gen) < 0.5, -1.0, 1.0)
+    co = size * sign
+    if pattern == "all_zero":
+        return torch.zeros(rows, K)
+    if pattern == "dense":  # every row uses every steer
+        return co
+    if pattern == "negative":
+        co = -size
+    if pattern == "one_per_row":  # row r uses steer r % K only
+        keep = torch.zeros(rows, K, dtype=torch.bool)
+        keep[torch.arange(rows), torch.arange(rows) % K] = True
+    elif pattern in ("mixed", "negative"):  # ~40% of entries, some rows none
+        keep = torch.rand(rows, K, generator=gen) < 0.4
+    else:
+        raise ValueError(pattern)
+    co = co * keep
+    co[0] = 0.0
+    return co
+
+
+def make_inputs(rows, d, ranks, pattern, act_dtype, fac_dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    offs = offsets(ranks)
+    hidden = torch.randn(rows, d, generator=gen)
+    # P1 ~ 1/sqrt(d), P2 ~ 1/sqrt(rank): the steer's delta is about as large as c itself, so an
+    # error in the delta shows in the output.
+    p1 = torch.randn(d, offs[-1], generator=gen) / d ** 0.5
+    p2 = torch.cat([torch.randn(d, r, generator=gen) / max(r, 1) ** 0.5 for r in ranks], dim=1)
+    coefs = make_coefs(rows, len(ranks), pattern, gen)
+    to = lambda t, dt: t.to(device=DEVICE, dtype=dt).contiguous()  # noqa: E731
+    return (to(hidden, act_dtype), to(p1, fac_dtype), to(p2, fac_dtype), offs,
+            coefs.to(DEVICE).contiguous())
+
+
+def check(out, hidden, p1, p2, offs, coefs):
+    """What a user would check: the values, every element written, unsteered rows untouched."""
+    ref = steer_reference(hidden, p1, p2, offs, coefs)
+    assert out.shape == ref.shape and out.dtype == hidden.dtype
+    assert not torch.isnan(out).any(), "some output elements were not written (NaN sentinel)"
+    rtol, atol = TOL[(hidden.dtype, p1.dtype)]
+    scale = ref.float().abs().max().item() or 1.0
+    err = (out.float() - ref.float()).abs()
+    bound = atol * scale + rtol * ref.float().abs()
+    worst = (err - bound).argmax()
+    assert (err <= bound).all(), (
+        f"max error {err.max().item():.3g} (bound at worst element {bound.flatten()[worst]:.3g}, "
+        f"out {out.flatten()[worst].item():.6g} vs reference {ref.flatten()[worst].item():.6g})")
+    zero = (coefs == 0).all(dim=1)
+    assert torch.equal(out[zero], hidden[zero]), "unsteered rows must be bit-identical"
+
+
+def run_case(backend, rows, d, ranks, pattern, act_dtype, fac_dtype, seed=0):
+    hidden, p1, p2, offs, coefs = make_inputs(rows, d, ranks, pattern, act_dtype, fac_dtype, seed)
+    before = hidden.clone()
+    out = torch.full_like(hidden, float("nan"))
+    res = BACKENDS[backend](hidden, p1, p2, offs, coefs, out=out)
+    assert res is out
+    assert torch.equal(hidden, before), "the input must not be modified"
+    check(out, hidden, p1, p2, offs, coefs)
+    return out
+
+
+# Small cases (the Triton interpreter runs them too): odd sizes, several K, ranks and patterns.
+SMALL = [
+    # rows, hidden, ranks, pattern, activation dtype, factor dtype
+    (1, 64, [64], "dense", torch.float32, torch.float32),  # one row, full rank, K=1
+    (3, 64, [64, 64], "one_per_row", torch.float32, torch.float32),  # row 0 unsteered
+    (37, 96, [3, 96, 17], "mixed", torch.bfloat16, torch.bfloat16),
+    (70, 80, [80, 5], "one_per_row", torch.float16, torch.float16),
+    (20, 64, [8, 8, 8, 8], "negative", torch.float32, torch.bfloat16),
+    (9, 128, [16, 128], "dense", torch.bfloat16, torch.float32),
+    (33, 72, [1, 7, 72, 13, 30], "one_per_row", torch.bfloat16, torch.bfloat16),
+    (300, 64, [64, 32], "mixed", torch.float32, torch.float32),  # rows ~300
+    (17, 576, [64], "mixed", torch.bfloat16, torch.bfloat16),  # the served model's hidden
+    (12, 64, [64, 64, 64], "all_zero", torch.float32, torch.float32),
+]
+IDS = [f"r{c[0]}-d{c[1]}-K{len(c[2])}-{c[3]}-{str(c[4])[6:]}-{str(c[5])[6:]}" for c in SMALL]
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("case", SMALL, ids=IDS)
+def test_matches_reference_small(backend, case):
+    run_case(backend, *case)
+
+
+# Real sizes for the torch path (and the Triton kernel on CUDA; too slow for the interpreter).
+LARGE = [
+    (256, 576, [576] * 8, "one_per_row", torch.float32, torch.float32),
+    (96, 576, [576] * 8, "mixed", torch.bfloat16, torch.bfloat16),
+    (128, 576, [64] * 16, "dense", torch.float32, torch.float32),
+    (200, 1000, [1000, 64, 333], "mixed", torch.float16, torch.float16),
+]
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("case", LARGE, ids=[f"r{c[0]}-d{c[1]}-K{len(c[2])}-{c[3]}-"
+                                             f"{str(c[4])[6:]}" for c in LARGE])
+def test_matches_reference_large(backend, case):
+    if backend == "triton" and DEVICE.type != "cuda":
+        pytest.skip("large Triton cases run on CUDA only (the interpreter is too slow)")
+    run_case(backend, *case)
+
+
+@pytest.mark.parametrize("strategy", ["concat", "gather"])
+@pytest.mark.parametrize("pattern", ["one_per_row", "mixed", "dense", "all_zero"])
+def test_torch_strategies_agree(strategy, pattern):
+    hidden, p1, p2, offs, coefs = make_inputs(45, 96, [96, 8, 40], pattern,
+                                              torch.float32, torch.float32, seed=3)
+    out = steer_torch(hidden, p1, p2, offs, coefs, strategy=strategy)
+    check(out, hidden, p1, p2, offs, coefs)
+
+
+def test_torch_strategy_choice_follows_sparsity():
+    offs = offsets([64] * 8)
+    one_each = torch.zeros(64, 8)
+    one_each[torch.arange(64), torch.arange(64) % 8] = 1.0
+    strategy, rows, steers = choose_strategy(one_each != 0, offs)
+    assert (strategy, rows.numel(), steers) == ("gather", 64, list(range(8)))
+    strategy, rows, steers = choose_strategy(torch.ones(64, 8, dtype=torch.bool), offs)
+    assert strategy == "concat"
+    half = one_each.clone()
+    half[32:] = 0
+    half[:, 5] = 0
+    strategy, rows, steers = choose_strategy(half != 0, offs)
+    assert rows.tolist() == [r for r in range(32) if r % 8 != 5]
+    assert steers == [0, 1, 2, 3, 4, 6, 7]
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_rank_offsets_as_list_tuple_or_tensor(backend):
+    hidden, p1, p2, offs, coefs = make_inputs(10, 64, [16, 48], "mixed",
+                                              torch.float32, torch.float32, seed=4)
+    outs = [BACKENDS[backend](hidden, p1, p2, o, coefs)
+            for o in (offs, tuple(offs), torch.tensor(offs))]
+    check(outs[0], hidden, p1, p2, offs, coefs)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_edge_shapes(backend):
+    fn = BACKENDS[backend]
+    hidden, p1, p2, offs, coefs = make_inputs(5, 64, [32], "mixed", torch.float32, torch.float32)
+    empty = fn(hidden[:0], p1, p2, offs, coefs[:0])
+    assert empty.shape == (0, 64)
+    no_steers = fn(hidden, p1[:, :0], p2[:, :0], [0], coefs[:, :0].contiguous())
+    assert torch.equal(no_steers, hidden)
+    zero_rank = fn(hidden, p1[:, :0], p2[:, :0], [0, 0], torch.ones(5, 1, device=DEVICE))
+    assert torch.equal(zero_rank.float(), hidden.float())
+
+
+def test_triton_strided_rows():
+    """Rows of a wider buffer (unit stride along hidden, larger row stride)."""
+    hidden, p1, p2, offs, coefs = make_inputs(13, 64, [64, 16], "mixed",
+                                              torch.bfloat16, torch.bfloat16, seed=5)
+    wide = torch.zeros(13, 100, dtype=hidden.dtype, device=DEVICE)
+    wide[:, 10:74] = hidden
+    view = wide[:, 10:74]
+    assert not view.is_contiguous()
+    out = run_triton(view, p1, p2, offs, coefs)
+    check(out, hidden, p1, p2, offs, coefs)
+
+
+def test_triton_segments_group_rows_by_steer():
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    from vllm_steer.kernels.triton_steer import segments
+
+    coefs = torch.tensor([[0.0, 1.0, 0.0],
+                          [0.0, 0.0, 0.0],
+                          [2.0, -1.0, 0.0],
+                          [0.0, 3.0, 0.0],
+                          [5.0, 0.0, 0.0]], device=DEVICE)
+    seg_rows, seg_counts, perm = segments(coefs)
+    assert seg_counts.tolist() == [2, 3, 0]
+    assert seg_rows[0, :2].tolist() == [2, 4]
+    assert seg_rows[1, :3].tolist() == [0, 2, 3]
+    assert perm.tolist() == [2, 4, 0, 3, 1]  # by first steer, unsteered last
+
+
+def test_triton_rejects_bad_input_clearly():
+    hidden, p1, p2, offs, coefs = make_inputs(4, 64, [16], "mixed", torch.float32, torch.float32)
+    with pytest.raises(AssertionError, match="coefs must be float32"):
+        run_triton(hidden, p1, p2, offs, coefs.double())
+    with pytest.raises(AssertionError, match="contiguous"):
+        run_triton(hidden, p1.T.contiguous().T, p2, offs, coefs)
