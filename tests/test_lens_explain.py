@@ -1,0 +1,127 @@
+"""Explain: SVD from the factors, planted directions and tokens, orientation, table, figure."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_steer.format import make_steer, save_steer
+from vllm_steer.lens.explain import (all_singular_values, direction_tokens, explain,
+                                     markdown_table, steer_directions, word_like)
+
+D, V = 32, 2000
+
+
+def _planted(seed=0):
+    """E with tokens 0..9 planted along +u and 10..19 along -u; W = u v^T (column form),
+    i.e. S = v u^T: P1 = [v, small], P2 = [u, small] (rank 3)."""
+    g = torch.Generator().manual_seed(seed)
+    E = torch.randn(V, D, generator=g) * 0.3
+    u = torch.randn(D, generator=g)
+    u /= u.norm()
+    v = torch.randn(D, generator=g) * 2.0
+    E[:10] += 4.0 * u
+    E[10:20] -= 4.0 * u
+    p1 = torch.cat([v[:, None], 0.01 * torch.randn(D, 2, generator=g)], 1)
+    p2 = torch.cat([u[:, None], 0.01 * torch.randn(D, 2, generator=g)], 1)
+    pieces = [f" tok{i:04d}".replace("0", "o").replace("1", "l") for i in range(V)]
+    pieces = [" " + "".join(c if c.isalpha() else "x" for c in p[1:]) for p in pieces]
+    return E, u, v, p1, p2, pieces
+
+
+def test_top_direction_is_u_and_top_tokens_are_the_planted_ones():
+    E, u, v, p1, p2, pieces = _planted()
+    steer = make_steer(p1, p2, "planted")
+    dirs, rows = explain(steer, E, pieces, k=3, n=10)
+    assert abs(float(dirs.outputs[0] @ u)) > 0.999  # output side = u
+    assert abs(float(dirs.inputs[0] @ v / v.norm())) > 0.999  # input side = v
+    assert float(dirs.sigma[0]) == pytest.approx(float(v.norm()), rel=1e-3)
+    # oriented by extremes: both planted groups are extreme, one per end
+    top = {t for t, _ in rows[0].top}
+    bottom = {t for t, _ in rows[0].bottom}
+    planted_pos, planted_neg = set(pieces[:10]), set(pieces[10:20])
+    assert {frozenset(top), frozenset(bottom)} == {frozenset(planted_pos), frozenset(planted_neg)}
+    assert rows[0].share > 0.99
+
+
+def test_singular_values_match_dense_svd():
+    g = torch.Generator().manual_seed(1)
+    p1, p2 = torch.randn(40, 6, generator=g), torch.randn(40, 6, generator=g)
+    s = make_steer(p1, p2, "x")
+    dense = torch.linalg.svdvals((p1 @ p2.T).double())[:6].float()
+    assert torch.allclose(all_singular_values(s), dense, rtol=1e-4)
+    dirs = steer_directions(p1, p2, k=6)
+    S = (p1 @ p2.T).double()
+    for i in range(6):  # a_i S = sigma_i b_i
+        assert torch.allclose((dirs.inputs[i].double() @ S).float(),
+                              dirs.sigma[i] * dirs.outputs[i], atol=1e-3)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_orientation_follows_the_contexts(sign):
+    """Contexts with c.v > 0 get pushed towards +u, so the + end is the tokens along +u;
+    with c.v < 0 the + end is the tokens along -u."""
+    E, u, v, p1, p2, pieces = _planted()
+    g = torch.Generator().manual_seed(2)
+    contexts = torch.randn(200, D, generator=g) * 0.1 + sign * v / v.norm()
+    dirs, rows = explain(make_steer(p1, p2, "p"), E, pieces, k=1, n=10, contexts=contexts)
+    want = set(pieces[:10]) if sign > 0 else set(pieces[10:20])
+    assert {t for t, _ in rows[0].top} == want
+    assert rows[0].agreement > 0.95
+    # the sign convention: positive strength raises the + end's logits in these contexts
+    steer = make_steer(p1, p2, "p")
+    shift = ((contexts @ steer.p1) @ steer.p2.T) @ E.T  # [contexts, vocab]
+    top_ids = [pieces.index(t) for t, _ in rows[0].top]
+    bottom_ids = [pieces.index(t) for t, _ in rows[0].bottom]
+    assert float(shift[:, top_ids].mean()) > 0 > float(shift[:, bottom_ids].mean())
+
+
+def test_word_like_and_table():
+    assert word_like(" hello") and word_like(" Idiot")
+    assert not word_like("hello") and not word_like(" hi") and not word_like(" he's")
+    assert not word_like(" 123") and not word_like(" ##")
+    E, u, v, p1, p2, pieces = _planted()
+    _, rows = explain(make_steer(p1, p2, "p"), E, pieces, k=2, n=3)
+    md = markdown_table(rows, {"positive": "non-toxic"})
+    lines = md.strip().splitlines()
+    assert lines[0].startswith("| dir | sigma") and "raised by non-toxic" in lines[0]
+    assert len(lines) == 2 + 2
+    assert lines[2].startswith("| 1 | ")
+    first = {t for t, _ in rows[0].top}
+    assert all(t.strip() in lines[2] for t in first)
+
+
+def test_direction_tokens_checks_lengths():
+    E, u, v, p1, p2, pieces = _planted()
+    dirs = steer_directions(p1, p2, 1)
+    with pytest.raises(ValueError, match="token strings"):
+        direction_tokens(dirs, E, pieces[:10])
+
+
+def test_explain_cli_on_tiny_model(tiny_model_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_steer.cli import main
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    E = model.lm_head.weight.detach()
+    words = [" happy", " wonderful"]
+    ids = [tok(w, add_special_tokens=False)["input_ids"] for w in words]
+    assert all(len(i) == 1 for i in ids)
+    u = E[[i[0] for i in ids]].sum(0)
+    g = torch.Generator().manual_seed(0)
+    p1 = torch.randn(64, 2, generator=g)
+    p2 = torch.stack([u, 0.001 * torch.randn(64, generator=g)], 1)
+    path = tmp_path / "planted.safetensors"
+    save_steer(path, make_steer(p1, p2, "planted", labels={"positive": "joy"}))
+    png, md = tmp_path / "e.png", tmp_path / "e.md"
+    rc = main(["explain", "--steer", str(path), "--model", str(tiny_model_dir),
+               "--directions", "2", "--top", "8", "--png", str(png), "--markdown", str(md)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    row1 = [ln for ln in out.splitlines() if ln.startswith("| 1 |")][0]
+    plus, minus = row1.split("|")[5], row1.split("|")[6]
+    assert all(w.strip() in plus for w in words) or all(w.strip() in minus for w in words)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert row1 in md.read_text().splitlines()

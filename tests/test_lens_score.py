@@ -1,0 +1,142 @@
+"""Score: log-likelihood at several strengths, the zero-shot classifier, data readers, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import random_steer
+from vllm_steer.format import make_steer, save_steer
+from vllm_steer.lens.score import (TextScores, auc, balanced_sample, evaluate, read_dataset,
+                                   score_texts)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_auc():
+    assert auc([3, 2, 1, 0], [True, True, False, False]) == 1.0
+    assert auc([0, 1, 2, 3], [True, True, False, False]) == 0.0
+    assert auc([1, 1, 1, 1], [True, False, True, False]) == 0.5
+    assert auc([0.9, 0.1, 0.5, 0.4], [True, False, False, True]) == 0.75
+
+
+def test_text_scores_best_and_contrast():
+    sc = TextScores([-5.0, 0.0, 5.0], [[-3.0, -2.0, -1.0], [-1.0, -2.0, -3.0]])
+    assert sc.best() == [5.0, -5.0]
+    assert sc.contrast(5) == [2.0, -2.0]
+    with pytest.raises(ValueError, match=r"\+2 and -2"):
+        sc.contrast(2)
+
+
+def test_loglik_at_strengths_matches_token_logprobs(tiny):
+    from vllm_steer.hf import token_logprobs
+
+    model, tok = tiny
+    steer = random_steer(64, 4, "s", seed=7)
+    texts = ["A short one.", "A somewhat longer sentence about the weather today."]
+    sc = score_texts(model, tok, steer, texts, [-5.0, 0.0, 5.0], max_tokens=None)
+    for k, s in enumerate(sc.strengths):
+        if s == 0:
+            ref = token_logprobs(model, tok, texts)
+        else:
+            ref = token_logprobs(model, tok, texts, {"s": steer}, {"s": s})
+        for t in range(len(texts)):
+            assert sc.loglik[t][k] == pytest.approx(float(ref[t].mean()), abs=1e-4)
+
+
+def _planted_steer(model, tok, good_words, bad_words, texts):
+    """S = m u^T with ``c . m ~= 1`` for the texts' contexts (least squares): every context
+    is pushed along ``u = mean(good) - mean(bad)`` output embeddings, so a positive strength
+    raises the good words' logits and lowers the bad ones'."""
+    from vllm_steer.lens.lm import final_hidden_states
+
+    E = model.lm_head.weight.detach()
+    ids = lambda ws: [tok(w, add_special_tokens=False)["input_ids"][0] for w in ws]  # noqa
+    u = E[ids(good_words)].mean(0) - E[ids(bad_words)].mean(0)
+    h = torch.cat([e.hidden for e in final_hidden_states(model, tok, texts)])
+    m = torch.linalg.lstsq(h, torch.ones(h.shape[0], 1)).solution[:, 0]  # c . m ~= 1
+    assert float(((h @ m) > 0.5).float().mean()) > 0.9  # (almost) every context reads +1
+    p1, p2 = torch.zeros(64, 2), torch.zeros(64, 2)
+    p1[:, 0] = m
+    p2[:, 0] = 20.0 * u / u.norm()
+    return make_steer(p1, p2, "planted", labels={"positive": "good", "negative": "bad"})
+
+
+def test_classifier_on_planted_steer(tiny):
+    """A steer that raises ' happy'-like tokens: texts full of them score positive."""
+    model, tok = tiny
+    good = [" happy", " wonderful", " great", " lovely"]
+    bad = [" awful", " terrible", " horrible", " nasty"]
+    texts_good = [" ".join([w.strip()] * 4) + "." for w in good] + [
+        "happy happy wonderful great lovely", "lovely great happy wonderful"]
+    texts_bad = [" ".join([w.strip()] * 4) + "." for w in bad] + [
+        "awful awful terrible nasty horrible", "nasty horrible terrible awful"]
+    steer = _planted_steer(model, tok, good, bad, texts_good + texts_bad)
+    rows = [(t, "1") for t in texts_good] + [(t, "0") for t in texts_bad]
+    ev, sc = evaluate(model, tok, steer, rows, "planted", "1", 5.0, progress=False)
+    assert ev.accuracy == 1.0 and ev.auc == 1.0, ev
+    assert ev.n == len(rows) and set(ev.best_strength_by_class) == {"0", "1"}
+    assert ev.best_strength_by_class["1"] == {"5": 6}
+    assert ev.best_strength_by_class["0"] == {"-5": 6}
+    # the opposite steer flips every prediction
+    ev_neg, _ = evaluate(model, tok, steer.scaled(-1.0), rows, "planted", "1", 5.0,
+                         progress=False)
+    assert ev_neg.accuracy == 0.0
+
+
+def test_read_dataset_and_sample(tmp_path):
+    (tmp_path / "sst2").mkdir()
+    (tmp_path / "sst2" / "test.tsv").write_text(
+        "sentence\tlabel\n" + "".join(f"good {i}\t1\nbad {i}\t0\n" for i in range(10)))
+    (tmp_path / "jigsaw").mkdir()
+    (tmp_path / "jigsaw" / "jigsaw_balanced.csv").write_text(
+        '"hello, ""you""\nthere",0\nyou idiot,1\n')
+    rows = read_dataset("sst2", tmp_path)
+    assert len(rows) == 20 and rows[0] == ("good 0", "1")
+    j = read_dataset("jigsaw", tmp_path)
+    assert j == [('hello, "you"\nthere', "0"), ("you idiot", "1")]
+    s = balanced_sample(rows, 6, seed=1)
+    assert len(s) == 6 and sum(lab == "1" for _, lab in s) == 3
+    assert s == balanced_sample(rows, 6, seed=1)
+    with pytest.raises(FileNotFoundError, match="VLLM_STEER_DATA"):
+        read_dataset("sst2", tmp_path / "nope")
+    with pytest.raises(ValueError, match="unknown dataset"):
+        read_dataset("imdb", tmp_path)
+
+
+def test_score_cli_text_and_dataset(tiny_model_dir, tmp_path, capsys):
+    from vllm_steer.cli import main
+
+    path = tmp_path / "s.safetensors"
+    save_steer(path, random_steer(64, 4, "s", seed=2))
+    out = tmp_path / "o.json"
+    rc = main(["score", "--steer", str(path), "--model", str(tiny_model_dir), "--text",
+               "What a lovely day.", "--json", str(out), "--strengths=-2,0,2"])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    assert list(d[0]["loglik"]) == ["-5", "-2", "0", "2", "5"]
+    assert d[0]["best_strength"] in (-5, -2, 0, 2, 5)
+    assert d[0]["side"] in ("positive", "negative")
+    data = tmp_path / "data"
+    (data / "sst2").mkdir(parents=True)
+    (data / "sst2" / "test.tsv").write_text(
+        "sentence\tlabel\n" + "".join(f"nice film {i}\t1\nbad film {i}\t0\n" for i in range(5)))
+    ev_json = tmp_path / "ev.json"
+    rc = main(["score", "--steer", str(path), "--model", str(tiny_model_dir), "--dataset",
+               "sst2", "--data-dir", str(data), "--limit", "6", "--json", str(ev_json),
+               "--quiet"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "s on sst2: accuracy" in printed and "(n=6," in printed
+    ev = json.loads(ev_json.read_text())
+    assert ev["n"] == 6 and 0.0 <= ev["accuracy"] <= 1.0 and ev["positive_label"] == "1"
+    assert main(["score", "--steer", str(path), "--model", str(tiny_model_dir), "--dataset",
+                 "sst2", "--data-dir", str(data), "--positive-label", "7"]) == 1

@@ -1,0 +1,182 @@
+"""Transfer: anchors, the ridge fit, the steer rewrite, and the CLI on two tiny models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import make_tiny_llama, random_steer
+from vllm_steer.format import load_steer, make_steer, save_steer
+from vllm_steer.lens.transfer import (fit_map, fit_quality, logit_shift_rms, shared_anchors,
+                                      transfer, transfer_factors, transfer_steer)
+
+EPS = 1e-3
+
+
+def _shift(c, steer_p1, steer_p2, E):
+    """Centred logit shift per unit eps: (c P1) P2^T E^T minus its row mean."""
+    d = ((c @ steer_p1) @ steer_p2.T) @ E.T
+    return d - d.mean(-1, keepdim=True)
+
+
+def _orthogonal(d, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))
+
+
+def test_shared_anchors_order_markers_and_heldout():
+    va = {"<s>": 0, "\u0120the": 1, "a": 2, "\u0120cat": 3, "zz": 4, "only_a": 5}
+    vb = {"</s>": 0, "\u2581cat": 5, "a": 9, "\u2581the": 2, "zz": 3, "only_b": 1}
+    anc = shared_anchors(va, vb, n_fit=3, n_heldout=1, exclude_a=[0], exclude_b=[0])
+    # order by max(id_a, id_b): " the"(2), "zz"(4), " cat"(5), "a"(9)
+    assert anc.tokens == [" the", "zz", " cat", "a"]
+    assert anc.ids_a == [1, 4, 3, 2] and anc.ids_b == [2, 3, 5, 9]
+    assert anc.shared_total == 4
+    assert len(anc.heldout) == 1 and len(anc.fit) == 3
+    assert not set(anc.heldout) & set(anc.fit)
+    # deterministic
+    assert shared_anchors(va, vb, 3, 1, [0], [0]) == anc
+    with pytest.raises(ValueError, match="share only 1 tokens"):
+        shared_anchors({"x": 0, "y": 1}, {"x": 0, "q": 1}, 10, 0)
+
+
+def _synthetic(seed=0, v=3000, d=32):
+    g = torch.Generator().manual_seed(seed)
+    E_a = torch.randn(v, d, generator=g, dtype=torch.float64) + 0.5  # shared mean on purpose
+    return E_a, g
+
+
+def test_fit_recovers_a_rotation_and_transfer_reproduces_logits():
+    E_a, g = _synthetic()
+    R = _orthogonal(32, 1)
+    E_b = E_a @ R + 0.01 * torch.randn(E_a.shape, generator=g, dtype=torch.float64) - 2.0
+    fit, held = torch.arange(0, 2400), torch.arange(2400, 3000)
+    m = fit_map(E_b[fit], E_a[fit], ridge=1e-4)
+    # E_a ~= E_b H with H = R^T
+    assert torch.linalg.norm(m.H - R.T) / torch.linalg.norm(R) < 0.01
+    q = fit_quality(m, E_b[held], E_a[held])
+    assert q["r2"] > 0.999 and q["cosine"] > 0.999
+    p1 = torch.randn(32, 4, generator=g, dtype=torch.float64)
+    p2 = torch.randn(32, 4, generator=g, dtype=torch.float64)
+    c_a = torch.randn(20, 32, generator=g, dtype=torch.float64)
+    c_b = c_a @ R  # the B context with the same logits
+    la, lb = c_a @ E_a.T, c_b @ E_b.T
+    la, lb = la - la.mean(-1, keepdim=True), lb - lb.mean(-1, keepdim=True)
+    assert float(torch.linalg.norm(la - lb) / torch.linalg.norm(la)) < 0.02
+    want = _shift(c_a, p1, p2, E_a)
+    for form in ("logit", "congruence"):  # identical for a rotation
+        q1, q2 = transfer_factors(p1, p2, m, form)
+        got = _shift(c_b, q1.double(), q2.double(), E_b)
+        rel = float(torch.linalg.norm(got - want) / torch.linalg.norm(want))
+        assert rel < 0.02, (form, rel)
+
+
+def test_logit_form_keeps_the_shift_when_the_map_also_scales():
+    """E_B = 3 E_A R: the logit form keeps the shift; the paper's congruence form gives 1/9."""
+    E_a, g = _synthetic(seed=2)
+    R = _orthogonal(32, 3)
+    E_b = 3.0 * E_a @ R
+    m = fit_map(E_b, E_a, ridge=0.0)
+    p1 = torch.randn(32, 3, generator=g, dtype=torch.float64)
+    p2 = torch.randn(32, 3, generator=g, dtype=torch.float64)
+    c_a = torch.randn(10, 32, generator=g, dtype=torch.float64)
+    c_b = c_a @ R / 3.0  # same logits as c_a on A
+    want = _shift(c_a, p1, p2, E_a)
+    ratios = {}
+    for form in ("logit", "congruence"):
+        q1, q2 = transfer_factors(p1, p2, m, form)
+        got = _shift(c_b, q1.double(), q2.double(), E_b)
+        ratios[form] = float((got * want).sum() / (want * want).sum())
+        if form == "logit":
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    assert ratios["logit"] == pytest.approx(1.0, abs=1e-4)
+    assert ratios["congruence"] == pytest.approx(1 / 9, rel=1e-3)
+
+
+def test_transfer_steer_metadata_and_domain():
+    E_a, g = _synthetic(seed=4, v=500, d=16)
+    m = fit_map(E_a[:, :12].clone(), E_a)  # B = first 12 coordinates of A
+    s = make_steer(torch.randn(16, 2), torch.randn(16, 2), "x", base_model="A",
+                   domain_p1=torch.randn(16, 1), domain_p2=torch.randn(16, 1),
+                   recommended_strength=5.0, labels={"positive": "nice"})
+    out = transfer_steer(s, m, source={"kind": "transfer"}, base_model="B",
+                         recommended_strength=0.7)
+    assert out.p1.shape == (12, 2) and out.domain_p1.shape == (12, 1)
+    assert out.metadata.hidden_size == 12 and out.metadata.base_model == "B"
+    assert out.metadata.labels == {"positive": "nice"}
+    assert out.metadata.source == {"kind": "transfer"}
+    assert out.metadata.recommended_strength == 0.7
+    with pytest.raises(ValueError, match="hidden size 12"):
+        transfer_factors(torch.randn(12, 2), torch.randn(12, 2), m)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_model_dir, tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    small = make_tiny_llama(tmp_path_factory.mktemp("tiny-32"), hidden=32, seed=1)
+    a = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    return tiny_model_dir, small, a, tok
+
+
+def test_transfer_to_the_same_model_gives_back_the_logits(tiny_pair):
+    from vllm_steer.hf import steering
+
+    _, _, model, tok = tiny_pair
+    steer = random_steer(64, 4, "s", seed=3)
+    steer.metadata.recommended_strength = 4.0
+    out, rep = transfer(steer, model, tok, model, tok, name_a="A", name_b="A")
+    assert rep.heldout_fit["r2"] > 0.999
+    x = torch.tensor([tok("Hello there, this is a test of the steer.")["input_ids"]])
+    with torch.no_grad():
+        with steering(model, steer, 5.0):
+            want = model(x).logits
+        with steering(model, out, 5.0):
+            got = model(x).logits
+        plain = model(x).logits
+    shift_w, shift_g = want - plain, got - plain
+    assert float((shift_w - shift_g).abs().max()) < 0.01 * float(shift_w.abs().max())
+    assert rep.recommended_strength == pytest.approx(4.0, rel=0.01)
+    assert out.metadata.source["kind"] == "transfer"
+
+
+def test_transfer_cli_between_two_tiny_models(tiny_pair, tmp_path, capsys):
+    from vllm_steer.cli import main
+
+    big, small, _, _ = tiny_pair
+    src = tmp_path / "s.safetensors"
+    save_steer(src, random_steer(64, 4, "detox", seed=5, base_model=str(big)))
+    out = tmp_path / "s-small.safetensors"
+    rc = main(["transfer", "--steer", str(src), "--from", str(big), "--to", str(small),
+               "--out", str(out), "--anchors", "2000", "--heldout", "500"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "fit (held out): R^2" in printed and "recommended strength" in printed
+    st = load_steer(out)
+    assert st.p1.shape == (32, 4) and st.name == "detox"
+    src_meta = st.metadata.source
+    assert src_meta["kind"] == "transfer" and src_meta["from_model"] == str(big)
+    assert src_meta["anchors"] == 2000 and src_meta["heldout"] == 500
+    assert src_meta["shared_tokens"] > 40000  # same tokenizer: nearly the whole vocabulary
+    assert isinstance(src_meta["heldout_r2"], float)
+    assert st.metadata.recommended_strength > 0
+    assert st.metadata.base_model == str(small)
+    json.dumps(src_meta)
+    # the recommended strength equalises the RMS logit shift on calibration contexts
+    assert st.metadata.recommended_strength == pytest.approx(
+        5.0 * src_meta["logit_shift_rms_source"] / src_meta["logit_shift_rms_target"],
+        rel=1e-3)
+
+
+def test_logit_shift_rms_scales_linearly():
+    g = torch.Generator().manual_seed(0)
+    E = torch.randn(100, 8, generator=g)
+    h = torch.randn(5, 8, generator=g)
+    s = make_steer(torch.randn(8, 2, generator=g), torch.randn(8, 2, generator=g), "x")
+    r1 = logit_shift_rms(h, E, s)
+    assert r1 > 0
+    assert logit_shift_rms(h, E, s.scaled(3.0)) == pytest.approx(3 * r1, rel=1e-5)

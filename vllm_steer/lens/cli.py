@@ -1,0 +1,309 @@
+"""``vllm-steer transfer | highlight | explain | score``: the lens commands.
+
+Heavy imports (torch, transformers) happen inside the command functions, so building the
+parser stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _steer_and_model(args):
+    from vllm_steer.format import load_steer
+    from vllm_steer.lens.lm import load_lm
+
+    steer = load_steer(args.steer)
+    name = args.model or steer.metadata.base_model
+    if not name:
+        raise ValueError(f"{args.steer} names no base_model in its metadata: pass --model")
+    model, tok = load_lm(name)
+    return steer, model, tok, name
+
+
+def _strength(args, steer) -> float:
+    if args.strength is not None:
+        return float(args.strength)
+    return float(steer.metadata.recommended_strength or 5.0)
+
+
+def _read_text(args) -> str:
+    if (args.text is None) == (args.file is None):
+        raise ValueError("give exactly one of --text TEXT or --file PATH")
+    if args.file is not None:
+        with open(args.file, encoding="utf-8") as f:
+            return f.read()
+    return args.text
+
+
+def _labels_line(steer) -> str:
+    lab = steer.metadata.labels or {}
+    if not lab:
+        return ""
+    return ", ".join(f"{k} strength -> {v}" for k, v in sorted(lab.items()))
+
+
+# --------------------------------------------------------------------------- transfer
+
+def cmd_transfer(args) -> int:
+    import torch  # noqa: F401
+
+    from vllm_steer.format import load_steer, save_steer
+    from vllm_steer.lens.lm import load_lm
+    from vllm_steer.lens.transfer import TransferConfig, transfer
+
+    steer = load_steer(args.steer)
+    cfg = TransferConfig(anchors=args.anchors, heldout=args.heldout, ridge=args.ridge,
+                         form=args.form)
+    model_a, tok_a = load_lm(args.from_model)
+    model_b, tok_b = load_lm(args.to_model)
+    texts = None
+    if args.calibration_file:
+        with open(args.calibration_file, encoding="utf-8") as f:
+            texts = [line.strip() for line in f if line.strip()]
+    out, report = transfer(steer, model_a, tok_a, model_b, tok_b, cfg, args.from_model,
+                           args.to_model, texts)
+    if args.name:
+        out.metadata.name = args.name
+    save_steer(args.out, out)
+    print(f"transferred {steer.name!r} ({args.from_model}, hidden {steer.hidden_size}) -> "
+          f"{args.to_model} (hidden {out.hidden_size}), form {cfg.form}")
+    for line in report.lines():
+        print("  " + line)
+    print(f"wrote {args.out}")
+    return 0
+
+
+# --------------------------------------------------------------------------- highlight
+
+def cmd_highlight(args) -> int:
+    from vllm_steer.lens.highlight import (best_spans, dump_json, to_ansi, to_html, to_json,
+                                           token_scores, use_color)
+
+    text = _read_text(args)
+    steer, model, tok, name = _steer_and_model(args)
+    strength = _strength(args, steer)
+    pieces, scores = token_scores(model, tok, text, steer, strength, args.against,
+                                  prefix=args.prefix, max_length=args.max_tokens)
+    spans = best_spans([0.0 if s is None else s for s in scores], args.spans, args.max_span)
+    info = dict(steer=steer.name, model=name, strength=strength, against=float(args.against),
+                labels=steer.metadata.labels, k=args.spans, max_span=args.max_span)
+    sub = (f"steer {steer.name} at strength {strength:g} vs {args.against:g} on {name}; "
+           f"score = log p(steered) - log p(baseline) per token. {_labels_line(steer)}")
+    if args.json:
+        d = to_json(pieces, scores, spans, **info)
+        if args.json == "-":
+            dump_json(d, sys.stdout)
+        else:
+            with open(args.json, "w", encoding="utf-8") as f:
+                dump_json(d, f)
+    if args.html:
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(to_html(pieces, scores, spans, title=f"highlight: {steer.name}",
+                            subtitle=sub))
+    if args.json != "-":
+        print(f"# {sub}")
+        print(to_ansi(pieces, scores, spans, color=use_color(sys.stdout, args.color)))
+    return 0
+
+
+# --------------------------------------------------------------------------- explain
+
+def cmd_explain(args) -> int:
+    import torch
+
+    from vllm_steer.lens.explain import (all_singular_values, explain, markdown_table, plot,
+                                         token_pieces)
+    from vllm_steer.lens.lm import CALIBRATION_TEXTS, final_hidden_states, output_embeddings
+
+    steer, model, tok, name = _steer_and_model(args)
+    E = output_embeddings(model).float().cpu()
+    if E.shape[1] != steer.hidden_size:
+        raise ValueError(f"steer hidden size {steer.hidden_size} does not match {name} "
+                         f"({E.shape[1]}); use `vllm-steer transfer` first")
+    contexts = None
+    if not args.no_orient:
+        contexts = torch.cat([e.hidden for e in final_hidden_states(
+            model, tok, list(CALIBRATION_TEXTS))]).cpu()
+    pieces = token_pieces(tok, E.shape[0])
+    dirs, rows = explain(steer.to(dtype=torch.float32), E, pieces, args.directions, args.top,
+                         contexts, words_only=not args.all_tokens)
+    table = markdown_table(rows, steer.metadata.labels)
+    header = (f"Steer `{steer.name}` on `{name}`: rank {steer.metadata.rank}, top "
+              f"{len(rows)} directions of S = P1 P2^T; tokens read along the output side "
+              f"(b_i). {_labels_line(steer)}\n\n")
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write(header + table)
+    print(header + table, end="")
+    if args.png:
+        plot(all_singular_values(steer), E, dirs, pieces, args.png,
+             title=f"{steer.name} on {name}")
+        print(f"wrote {args.png}")
+    return 0
+
+
+# --------------------------------------------------------------------------- score
+
+def cmd_score(args) -> int:
+    from vllm_steer.lens import score as S
+
+    steer, model, tok, name = _steer_and_model(args)
+    strengths = [float(x) for x in args.strengths.split(",")] if args.strengths else list(
+        S.DEFAULT_STRENGTHS)
+    strength = _strength(args, steer)
+    if args.dataset:
+        if args.text is not None or args.file is not None:
+            raise ValueError("give either --dataset or --text/--file, not both")
+        pos = args.positive_label or S.DATASETS[args.dataset][1]
+        rows = S.read_dataset(args.dataset, args.data_dir, args.split)
+        labels = sorted({lab for _, lab in rows})
+        if pos not in labels:
+            raise ValueError(f"--positive-label {pos!r} is not a label of {args.dataset} "
+                             f"(labels: {labels})")
+        rows = S.balanced_sample(rows, args.limit, args.seed)
+        ev, sc = S.evaluate(model, tok, steer, rows, args.dataset, pos, strength, strengths,
+                            args.max_tokens, args.batch_size, args.prefix,
+                            progress=not args.quiet)
+        print(ev.line())
+        for lab in sorted(ev.best_strength_by_class):
+            print(f"  label {lab}: mean contrast {ev.mean_contrast_by_class[lab]:+.4f}; "
+                  f"best strength counts {ev.best_strength_by_class[lab]}")
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({**ev.__dict__, "model": name, "split": args.split,
+                           "limit": args.limit, "seed": args.seed,
+                           "strengths": sc.strengths}, f, indent=2)
+                f.write("\n")
+        return 0
+    if args.file is not None and args.text is None:
+        with open(args.file, encoding="utf-8") as f:
+            texts = [line.rstrip("\n") for line in f if line.strip()]
+    else:
+        texts = [_read_text(args)]
+    grid = sorted(set(strengths) | {abs(strength), -abs(strength)})
+    sc = S.score_texts(model, tok, steer, texts, grid, args.max_tokens, args.batch_size,
+                       args.prefix, progress=len(texts) > 8 and not args.quiet)
+    con = sc.contrast(strength)
+    lab = steer.metadata.labels or {}
+    out = []
+    for text, row, best, c in zip(texts, sc.loglik, sc.best(), con):
+        side = "positive" if c > 0 else "negative"
+        out.append({"text": text, "loglik": dict(zip([f"{s:g}" for s in grid], row)),
+                    "best_strength": best, "contrast": c, "side": side,
+                    "label": lab.get(side)})
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+    print("strength  " + "  ".join(f"{s:>8g}" for s in grid) + "   best  contrast  side")
+    for o, row in zip(out, sc.loglik):
+        short = o["text"][:60].replace("\n", " ")
+        print("loglik    " + "  ".join(f"{v:8.4f}" for v in row) +
+              f"  {o['best_strength']:5g}  {o['contrast']:+.4f}  {o['side']}"
+              + (f" ({o['label']})" if o["label"] else "") + f"   {short!r}")
+    return 0
+
+
+# --------------------------------------------------------------------------- parsers
+
+def add_commands(subparsers) -> None:
+    from vllm_steer.lens.transfer import DEFAULT_ANCHORS, DEFAULT_HELDOUT, DEFAULT_RIDGE
+
+    # transfer
+    t = subparsers.add_parser(
+        "transfer", help="move a steer to another model through their output embeddings",
+        description="Fit a linear map between the two models' output embeddings on shared "
+        "tokens (ridge least squares) and rewrite the steer's factors for model B. See "
+        "docs/lens.md for the derivation.")
+    t.add_argument("--steer", required=True, help="source steer file (.safetensors)")
+    t.add_argument("--from", dest="from_model", required=True,
+                   help="model the steer was trained on (HF folder/id or smollm2)")
+    t.add_argument("--to", dest="to_model", required=True, help="target model")
+    t.add_argument("--out", required=True, help="output steer file")
+    t.add_argument("--anchors", type=int, default=DEFAULT_ANCHORS,
+                   help=f"shared tokens used to fit the map (default {DEFAULT_ANCHORS})")
+    t.add_argument("--heldout", type=int, default=DEFAULT_HELDOUT,
+                   help=f"shared tokens held out to report the fit (default {DEFAULT_HELDOUT})")
+    t.add_argument("--ridge", type=float, default=DEFAULT_RIDGE,
+                   help=f"relative ridge strength (default {DEFAULT_RIDGE})")
+    t.add_argument("--form", choices=["logit", "congruence"], default="logit",
+                   help="logit: keep the logit shift (default); congruence: the paper's H S H^T")
+    t.add_argument("--calibration-file", help="sentences (one a line) for the strength "
+                   "calibration (default: a dozen built-in plain sentences)")
+    t.add_argument("--name", help="name of the transferred steer (default: the source's)")
+    t.set_defaults(func=cmd_transfer)
+
+    def common(p, strength_help):
+        p.add_argument("--steer", required=True, help="steer file (.safetensors)")
+        p.add_argument("--model", help="model (HF folder/id or smollm2; default: the steer's "
+                       "base_model)")
+        p.add_argument("--strength", type=float, default=None, help=strength_help)
+        p.add_argument("--prefix", default=None, help="context before each text (default: "
+                       "the tokenizer's BOS/EOS token so the first token is scored too; '' "
+                       "for none)")
+        p.add_argument("--max-tokens", type=int, default=None,
+                       help="truncate texts to this many tokens")
+
+    # highlight
+    h = subparsers.add_parser(
+        "highlight", help="per-token evidence of a steer in a text, and its best spans",
+        description="Score each token by log p(steered) - log p(baseline) and pick the best "
+        "spans by dynamic programming.")
+    common(h, "strength of the steered model (default: the steer's recommended strength, "
+              "else 5); a negative strength highlights the negative side (e.g. toxic text "
+              "for a detox steer)")
+    h.add_argument("--text", help="the text")
+    h.add_argument("--file", help="read the text from this file")
+    h.add_argument("--against", type=float, default=0.0,
+                   help="baseline strength (default 0 = the plain model)")
+    h.add_argument("--spans", type=int, default=3, help="at most this many spans (default 3)")
+    h.add_argument("--max-span", type=int, default=8,
+                   help="at most this many tokens per span (default 8)")
+    h.add_argument("--json", help="write JSON here ('-' = stdout only)")
+    h.add_argument("--html", help="write a self-contained HTML page here")
+    h.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                   help="ANSI colours (auto: on a terminal unless NO_COLOR is set)")
+    h.set_defaults(func=cmd_highlight)
+
+    # explain
+    e = subparsers.add_parser(
+        "explain", help="tokens along the steer's top singular directions",
+        description="SVD of S = P1 P2^T from the factors; tokens with the highest/lowest "
+        "projection of their output embedding on each output-side direction.")
+    e.add_argument("--steer", required=True, help="steer file (.safetensors)")
+    e.add_argument("--model", help="model (default: the steer's base_model)")
+    e.add_argument("--directions", type=int, default=5, help="directions shown (default 5)")
+    e.add_argument("--top", type=int, default=12, help="tokens per end (default 12)")
+    e.add_argument("--all-tokens", action="store_true",
+                   help="do not restrict to word-like tokens (' word')")
+    e.add_argument("--no-orient", action="store_true", help="orient directions by their "
+                   "extreme tokens instead of by the model's hidden states")
+    e.add_argument("--markdown", help="also write the table to this file")
+    e.add_argument("--png", help="write a figure (spectrum + token map) to this PNG")
+    e.set_defaults(func=cmd_explain)
+
+    # score
+    s = subparsers.add_parser(
+        "score", help="which strength best explains a text (zero-shot style classifier)",
+        description="Mean token log-likelihood under several strengths; the contrast "
+        "loglik(+s) - loglik(-s) classifies the text. With --dataset, measure accuracy.")
+    common(s, "the s of the +s/-s contrast (default: recommended strength, else 5)")
+    s.add_argument("--text", help="one text")
+    s.add_argument("--file", help="texts, one a line")
+    s.add_argument("--strengths", help="comma-separated grid for the read-out, e.g. --strengths=-10,-5,0,5,10 "
+                   "(default -5,0,5; +/-strength are always added)")
+    s.add_argument("--dataset", choices=["sst2", "jigsaw"], help="evaluate on this data set")
+    s.add_argument("--split", default="test", help="sst2 split: test or dev (default test)")
+    s.add_argument("--data-dir", help="data folder (default $VLLM_STEER_DATA or ../shared/data)")
+    s.add_argument("--limit", type=int, default=300,
+                   help="balanced sample of this many rows (default 300; 0 = all)")
+    s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    s.add_argument("--positive-label", help="dataset label of the steer's positive side "
+                   "(default: sst2 1, jigsaw 0)")
+    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--json", help="write results as JSON here")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(func=cmd_score, max_tokens=128)

@@ -1,0 +1,201 @@
+"""Score: which steering strength best explains a text -- a zero-shot style classifier.
+
+The paper's read-out (its demo's "sentence classification"): compute the text's mean token
+log-likelihood under the model steered at several strengths; the strength with the highest
+likelihood is the style the text is closest to. As a binary classifier we use the contrast::
+
+    score(text) = mean log p(text | +s) - mean log p(text | -s)
+
+and predict the steer's *positive* side when ``score > 0`` (no threshold is fitted: zero-shot).
+``AUC`` (threshold-free) is reported next to the accuracy, and the grid read-out (the argmax
+strength over ``--strengths``) per class.
+
+Datasets (read from the data folder, never copied): ``sst2`` (``sst2/{test,dev}.tsv``,
+label 1 = positive sentiment) and ``jigsaw`` (``jigsaw/jigsaw_balanced.csv``, label 0 =
+non-toxic). Which dataset label is the steer's positive side is ``--positive-label``
+(defaults: sst2 ``1``, jigsaw ``0``, matching the shipped steers: positive strength = positive
+sentiment / non-toxic).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+DEFAULT_STRENGTHS = (-5.0, 0.0, 5.0)
+DEFAULT_LIMIT = 300
+DEFAULT_MAX_TOKENS = 128
+DATASETS = {
+    # name: (relative path pattern, default positive label)
+    "sst2": ("sst2/{split}.tsv", "1"),
+    "jigsaw": ("jigsaw/jigsaw_balanced.csv", "0"),
+}
+
+
+def default_data_dir() -> Path:
+    """``$VLLM_STEER_DATA``, else ``../shared/data`` relative to the repository root."""
+    env = os.environ.get("VLLM_STEER_DATA")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+def read_dataset(name: str, data_dir: str | os.PathLike | None = None, split: str = "test"
+                 ) -> list[tuple[str, str]]:
+    """All ``(text, label)`` rows of a dataset (labels as strings)."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; choose one of {sorted(DATASETS)}")
+    data_dir = Path(data_dir) if data_dir else default_data_dir()
+    path = data_dir / DATASETS[name][0].format(split=split)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: pass --data-dir or set VLLM_STEER_DATA "
+                                "to the folder holding sst2/ and jigsaw/")
+    rows: list[tuple[str, str]] = []
+    with open(path, newline="", encoding="utf-8") as f:
+        if name == "sst2":
+            reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+            header = next(reader)
+            if header[:2] != ["sentence", "label"]:
+                raise ValueError(f"{path}: expected a 'sentence<TAB>label' header, got {header}")
+            rows = [(r[0], r[1].strip()) for r in reader if len(r) >= 2]
+        else:
+            rows = [(r[0], r[1].strip()) for r in csv.reader(f) if len(r) >= 2]
+    return rows
+
+
+def balanced_sample(rows: Sequence[tuple[str, str]], limit: int | None, seed: int = 0
+                    ) -> list[tuple[str, str]]:
+    """A deterministic sample with the same number of rows per label (``limit`` in all)."""
+    if not limit or limit >= len(rows):
+        return list(rows)
+    by: dict[str, list[int]] = {}
+    for i, (_t, lab) in enumerate(rows):
+        by.setdefault(lab, []).append(i)
+    rng = random.Random(seed)
+    per = max(1, limit // len(by))
+    chosen: list[int] = []
+    for lab in sorted(by):
+        idx = by[lab][:]
+        rng.shuffle(idx)
+        chosen += idx[:per]
+    rng.shuffle(chosen)
+    return [rows[i] for i in chosen]
+
+
+def auc(scores: Sequence[float], positive: Sequence[bool]) -> float:
+    """Area under the ROC curve (probability a positive outranks a negative; ties count 1/2)."""
+    pos = [s for s, p in zip(scores, positive) if p]
+    neg = [s for s, p in zip(scores, positive) if not p]
+    if not pos or not neg:
+        return float("nan")
+    ranked = sorted([(s, 1) for s in pos] + [(s, 0) for s in neg])
+    # rank-sum with average ranks for ties
+    ranks = [0.0] * len(ranked)
+    i = 0
+    while i < len(ranked):
+        j = i
+        while j + 1 < len(ranked) and ranked[j + 1][0] == ranked[i][0]:
+            j += 1
+        for t in range(i, j + 1):
+            ranks[t] = (i + j) / 2 + 1
+        i = j + 1
+    rsum = sum(r for r, (_, lab) in zip(ranks, ranked) if lab == 1)
+    return (rsum - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg))
+
+
+@dataclass
+class TextScores:
+    """Log-likelihoods of texts at each strength."""
+
+    strengths: list[float]
+    loglik: list[list[float]]  # [text][strength]: mean token log-likelihood
+
+    def best(self) -> list[float]:
+        """The strength with the highest likelihood, per text."""
+        return [self.strengths[max(range(len(r)), key=r.__getitem__)] for r in self.loglik]
+
+    def contrast(self, s: float) -> list[float]:
+        """``loglik(+s) - loglik(-s)`` per text."""
+        try:
+            ip, im = self.strengths.index(abs(s)), self.strengths.index(-abs(s))
+        except ValueError:
+            raise ValueError(f"the contrast needs both +{abs(s)} and -{abs(s)} among the "
+                             f"strengths {self.strengths}") from None
+        return [r[ip] - r[im] for r in self.loglik]
+
+
+def score_texts(model, tokenizer, steer, texts: Sequence[str],
+                strengths: Sequence[float] = DEFAULT_STRENGTHS,
+                max_tokens: int | None = DEFAULT_MAX_TOKENS, batch_size: int = 8,
+                prefix: str | None = None, progress: bool = False) -> TextScores:
+    """Mean token log-likelihood of each text at each strength (one pass through the model
+    body per text; see :func:`vllm_steer.lens.lm.logprobs_at_strengths`)."""
+    from tqdm.auto import tqdm
+
+    from vllm_steer.lens.lm import final_hidden_states, logprobs_at_strengths
+
+    strengths = [float(s) for s in strengths]
+    if not strengths:
+        raise ValueError("give at least one strength")
+    rows: list[list[float]] = []
+    step = max(batch_size, 1) * 4
+    bar = tqdm(total=len(texts), desc=f"scoring ({steer.name})", disable=not progress,
+               unit="text")
+    for i in range(0, len(texts), step):
+        chunk = list(texts[i:i + step])
+        pre = [prefix] * len(chunk) if prefix else None
+        enc = final_hidden_states(model, tokenizer, chunk, prefixes=pre, batch_size=batch_size,
+                                  max_length=max_tokens)
+        rows += logprobs_at_strengths(model, enc, steer, strengths).tolist()
+        bar.update(len(chunk))
+    bar.close()
+    return TextScores(strengths, rows)
+
+
+@dataclass
+class Evaluation:
+    """Accuracy of the zero-shot classifier on a labelled sample."""
+
+    dataset: str
+    steer: str
+    n: int
+    strength: float
+    accuracy: float
+    auc: float
+    positive_label: str
+    best_strength_by_class: dict[str, dict[str, int]] = field(default_factory=dict)
+    mean_contrast_by_class: dict[str, float] = field(default_factory=dict)
+
+    def line(self) -> str:
+        return (f"{self.steer} on {self.dataset}: accuracy {self.accuracy:.1%}  AUC "
+                f"{self.auc:.3f}  (n={self.n}, +/-{self.strength:g}, positive side = label "
+                f"{self.positive_label})")
+
+
+def evaluate(model, tokenizer, steer, rows: Sequence[tuple[str, str]], dataset: str,
+             positive_label: str, strength: float = 5.0,
+             strengths: Sequence[float] = DEFAULT_STRENGTHS,
+             max_tokens: int | None = DEFAULT_MAX_TOKENS, batch_size: int = 8,
+             prefix: str | None = None, progress: bool = True) -> tuple[Evaluation, TextScores]:
+    """Run the classifier on labelled ``rows`` and measure it."""
+    grid = sorted(set(float(s) for s in strengths) | {abs(strength), -abs(strength)})
+    texts = [t for t, _ in rows]
+    sc = score_texts(model, tokenizer, steer, texts, grid, max_tokens, batch_size, prefix,
+                     progress)
+    con = sc.contrast(strength)
+    truth = [lab == positive_label for _, lab in rows]
+    acc = sum((c > 0) == t for c, t in zip(con, truth)) / max(len(rows), 1)
+    best = sc.best()
+    by: dict[str, dict[str, int]] = {}
+    mean_con: dict[str, list[float]] = {}
+    for (_, lab), b, c in zip(rows, best, con):
+        by.setdefault(lab, {}).setdefault(f"{b:g}", 0)
+        by[lab][f"{b:g}"] += 1
+        mean_con.setdefault(lab, []).append(c)
+    ev = Evaluation(dataset, steer.name, len(rows), abs(strength), acc, auc(con, truth),
+                    positive_label, by, {k: sum(v) / len(v) for k, v in mean_con.items()})
+    return ev, sc
