@@ -105,7 +105,7 @@ def parse_request_steer(value: Any, known: Mapping[str, Any] | None, max_strengt
         items: dict[str, Any] = {}
         for part in filter(None, (p.strip() for p in value.split(","))):
             name, sep, s = part.partition(":")
-            if not sep or not name.strip() or not s.strip():
+            if not sep or not name.strip() or not s.strip() or ":" in s:
                 raise SteerRequestError(f"{where}: malformed entry {part!r} in {value!r}; "
                                         "expected 'name:strength[,name:strength...]'")
             if name.strip() in items:

@@ -39,12 +39,13 @@ def steer_reference(
     K = len(offs) - 1
     assert coefs.shape == (num_rows, K), (coefs.shape, (num_rows, K))
     assert p1.shape == p2.shape == (d, offs[-1]), (p1.shape, p2.shape, d, offs[-1])
-    c = hidden.float()
+    acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 accumulation (fp64 kept)
+    c = hidden.to(acc)
     delta = torch.zeros_like(c)
     for k in range(K):
         a, b = offs[k], offs[k + 1]
-        down = c @ p1[:, a:b].float()  # [num_rows, r_k]
-        delta += (coefs[:, k : k + 1].float() * down) @ p2[:, a:b].float().T
+        down = c @ p1[:, a:b].to(acc)  # [num_rows, r_k]
+        delta += (coefs[:, k : k + 1].to(acc) * down) @ p2[:, a:b].to(acc).T
     out = (c + delta).to(hidden.dtype)
     untouched = (coefs == 0).all(dim=1)
     return torch.where(untouched[:, None], hidden, out)
@@ -56,10 +57,11 @@ def steer_dense_reference(hidden: torch.Tensor, matrices: Sequence[torch.Tensor]
 
     Used by tests to check the factor form against the paper's formula.
     """
-    c = hidden.float()
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    c = hidden.to(acc)
     out = c.clone()
     for k, w in enumerate(matrices):
-        out += coefs[:, k : k + 1].float() * (c @ w.float().T)
+        out += coefs[:, k : k + 1].to(acc) * (c @ w.to(acc).T)
     return out.to(hidden.dtype)
 
 

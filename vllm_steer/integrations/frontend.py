@@ -22,7 +22,18 @@ def get_config() -> SteerServerConfig | None:
 
 
 def validate(params: Any) -> None:
-    """Raise ``ValueError`` (HTTP 400) if the request's steer field is invalid."""
+    """Raise ``VLLMValidationError`` (HTTP 400, ``param: "steer"``) if the steer field is bad."""
+    try:
+        _validate(params)
+    except SteerRequestError as e:
+        try:
+            from vllm.exceptions import VLLMValidationError
+        except ImportError:  # older vLLM: a ValueError is a 400 too
+            raise
+        raise VLLMValidationError(str(e), parameter=REQUEST_FIELD) from None
+
+
+def _validate(params: Any) -> None:
     extra = getattr(params, "extra_args", None) or {}
     value = extra.get(REQUEST_FIELD)
     if value is None:

@@ -64,10 +64,10 @@ def add_steer_args(parser) -> None:
     group.add_argument("--steer", action="append", default=None, metavar="NAME=PATH",
                        help=STEER_HELP)
     group.add_argument("--steer-max-strength", type=float, default=DEFAULT_MAX_STRENGTH,
-                       help="Largest |strength| a request may use (default: %(default)s).")
+                       help="Largest |strength| a request may use.")
     group.add_argument("--steer-backend", default="auto",
                        choices=["auto", "reference", "torch", "triton"],
-                       help="Implementation of the batched steer op (default: auto).")
+                       help="Implementation of the batched steer op.")
 
 
 def config_from_args(args: argparse.Namespace) -> SteerServerConfig | None:
@@ -119,23 +119,14 @@ def _patch_engine_args() -> None:
 
 def configure_engine(vllm_config) -> None:
     """Check the steers, refuse what we cannot steer, and install our logits processor."""
-    from vllm_steer.format import read_metadata
     from vllm_steer.integrations import frontend
 
     cfg = SteerServerConfig.from_additional_config(vllm_config.additional_config)
     frontend.set_config(cfg)
     if cfg is None or not cfg.steers:
         return
-    for name, path in cfg.steers.items():
-        meta = read_metadata(path)  # raises naming the file and every reason
-        hidden = vllm_config.model_config.get_hidden_size()
-        if meta.hidden_size != hidden:
-            from vllm_steer.format import SteerFileError
-
-            raise SteerFileError(path, [
-                f"steer {name!r} has hidden size {meta.hidden_size} but the model "
-                f"{vllm_config.model_config.model} has {hidden}; train or transfer the steer for "
-                "this model (vllm-steer train / vllm-steer transfer)"])
+    check_steers_fit(cfg, vllm_config.model_config.get_hidden_size(),
+                     vllm_config.model_config.model)
     if vllm_config.speculative_config is not None:
         raise ValueError("vllm-steer: speculative decoding is not supported with --steer (draft "
                          "tokens would be proposed unsteered and verified with several rows per "
@@ -151,6 +142,33 @@ def configure_engine(vllm_config) -> None:
     mc.logits_processors = procs
     logger.info("vllm-steer: %d steer(s) %s, max |strength| %g, logits processor %s",
                 len(cfg.steers), list(cfg.steers), cfg.max_strength, fqcn)
+
+
+def check_steers_fit(cfg: SteerServerConfig, hidden_size: int, model: str) -> None:
+    """Load each steer file once (safetensors only) and check it fits the model.
+
+    Raises :class:`~vllm_steer.format.SteerFileError` naming each refused file and every
+    reason (missing, truncated, pickle, NaN/inf, wrong shape, hidden size mismatch).
+    """
+    from vllm_steer.format import SteerFileError, load_steer
+
+    errors: list[SteerFileError] = []
+    for name, path in cfg.steers.items():
+        try:
+            steer = load_steer(path)
+        except SteerFileError as e:
+            errors.append(e)
+            continue
+        if steer.hidden_size != hidden_size:
+            errors.append(SteerFileError(path, [
+                f"steer {name!r} has hidden size {steer.hidden_size} but the model {model} has "
+                f"{hidden_size}; train or transfer the steer for this model "
+                "(vllm-steer train / vllm-steer transfer)"]))
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise SteerFileError(", ".join(e.path for e in errors),
+                             [f"{e.path}: {r}" for e in errors for r in e.reasons])
 
 
 def _processor_fqcn(vllm_config) -> str:

@@ -1,0 +1,40 @@
+"""The steer bank: request strengths to coefficient rows, domain columns, apply."""
+
+import torch
+
+from conftest import random_steer
+from vllm_steer.bank import SteerBank
+from vllm_steer.format import make_steer
+from vllm_steer.reference import steer_dense_reference
+
+
+def test_coef_rows_use_each_steers_epsilon_and_names():
+    a = random_steer(32, 4, "a")
+    b = random_steer(32, 6, "b", seed=1)
+    b.metadata.epsilon = 2e-3
+    bank = SteerBank({"a": a, "b": b})
+    assert bank.rank_offsets == [0, 4, 10]
+    assert bank.coef_row({"b": 5}) == [0.0, 5 * 2e-3]
+    assert bank.coef_row({}) == [0.0, 0.0]
+
+
+def test_domain_column_only_when_steer_is_used():
+    g = torch.Generator().manual_seed(0)
+    s = make_steer(torch.randn(32, 4, generator=g), torch.randn(32, 4, generator=g), "s",
+                   domain_p1=torch.randn(32, 2, generator=g),
+                   domain_p2=torch.randn(32, 2, generator=g), domain="with_steer",
+                   domain_strength=1.0)
+    bank = SteerBank({"s": s})
+    assert bank.num_columns == 2
+    assert bank.coef_row({"s": 5}) == [5e-3, 1e-3] and bank.coef_row({"s": 0}) == [0.0, 0.0]
+
+
+def test_apply_matches_dense_formula():
+    a, b = random_steer(32, 4, "a"), random_steer(32, 32, "b", seed=2)
+    bank = SteerBank({"a": a, "b": b}, dtype=torch.float64)
+    h = torch.randn(3, 32, dtype=torch.float64)
+    coefs = torch.tensor([bank.coef_row({"a": 5}), bank.coef_row({"a": 2, "b": -3}),
+                          bank.coef_row({})], dtype=torch.float32)
+    out = bank.apply(h, coefs, backend="reference")
+    dense = steer_dense_reference(h, [a.matrix().double(), b.matrix().double()], coefs)
+    torch.testing.assert_close(out, dense)

@@ -1,0 +1,62 @@
+"""Request parsing and server configuration: what a bad request or flag is told."""
+
+import pytest
+
+from vllm_steer.config import (
+    SteerRequestError, SteerServerConfig, parse_request_steer, parse_steer_arg,
+)
+
+KNOWN = {"detox": "d.safetensors", "sentiment": "s.safetensors"}
+
+
+def test_mapping_and_string_forms_are_equivalent():
+    a = parse_request_steer({"detox": 5, "sentiment": -3}, KNOWN, 50)
+    b = parse_request_steer("detox:5, sentiment:-3", KNOWN, 50)
+    assert a == b == {"detox": 5.0, "sentiment": -3.0}
+
+
+def test_zero_strengths_are_dropped():
+    assert parse_request_steer({"detox": 0, "sentiment": 0.0}, KNOWN, 50) == {}
+    assert parse_request_steer(None, KNOWN, 50) == {}
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ({"toxic": 1}, "unknown steer 'toxic'; loaded steers: detox, sentiment"),
+    ({"detox": "abc"}, "must be a number, got 'abc'"),
+    ({"detox": True}, "must be a number"),
+    ({"detox": [1]}, "must be a number"),
+    ({"detox": float("inf")}, "must be finite"),
+    ({"detox": float("nan")}, "must be finite"),
+    ({"detox": 51}, "exceeds the server's maximum |strength| 50"),
+    ({"detox": -51}, "exceeds"),
+    ("detox=5", "malformed entry 'detox=5'"),
+    ("detox:5:1", "malformed entry"),
+    ("detox:5,detox:2", "given twice"),
+    (5, "expected an object mapping steer names to strengths"),
+])
+def test_bad_requests_name_the_field_and_problem(value, fragment):
+    with pytest.raises(SteerRequestError) as e:
+        parse_request_steer(value, KNOWN, 50)
+    assert str(e.value).startswith("steer:") and fragment in str(e.value)
+
+
+def test_steer_arg_forms(tmp_path):
+    assert parse_steer_arg("detox=/x/d.safetensors") == ("detox", "/x/d.safetensors")
+    from conftest import random_steer
+    from vllm_steer.format import save_steer
+
+    p = tmp_path / "file.safetensors"
+    save_steer(p, random_steer(16, 2, "from_meta"))
+    assert parse_steer_arg(str(p)) == ("from_meta", str(p))
+    with pytest.raises(ValueError, match="must be letters"):
+        parse_steer_arg("bad name=/x")
+
+
+def test_server_config_round_trip_and_limits():
+    cfg = SteerServerConfig(steers=dict(KNOWN), max_strength=10)
+    assert SteerServerConfig.from_additional_config(cfg.to_additional_config()) == cfg
+    assert SteerServerConfig.from_additional_config({"other": 1}) is None
+    with pytest.raises(ValueError, match="--steer-max-strength=-1"):
+        SteerServerConfig(max_strength=-1)
+    with pytest.raises(ValueError, match="unknown keys"):
+        SteerServerConfig.from_additional_config({"vllm_steer": {"steer": {}}})

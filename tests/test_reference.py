@@ -1,0 +1,60 @@
+"""The reference math: factor form equals the paper's formula; linear and composable."""
+
+import torch
+
+from vllm_steer.reference import steer_dense_reference, steer_reference, steered_logits_reference
+
+
+def _bank(d=48, ranks=(4, 7), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p1 = [torch.randn(d, r, generator=g) for r in ranks]
+    p2 = [torch.randn(d, r, generator=g) for r in ranks]
+    offs = [0]
+    for r in ranks:
+        offs.append(offs[-1] + r)
+    return torch.cat(p1, 1), torch.cat(p2, 1), offs, [b @ a.T for a, b in zip(p1, p2)]
+
+
+def test_factor_form_equals_dense_paper_formula():
+    p1, p2, offs, mats = _bank()
+    h = torch.randn(5, 48, dtype=torch.float64)
+    coefs = torch.tensor([[5e-3, 0], [0, -3e-3], [1e-3, 2e-3], [0, 0], [4e-2, -1e-2]])
+    out = steer_reference(h, p1.double(), p2.double(), offs, coefs)
+    dense = steer_dense_reference(h, [m.double() for m in mats], coefs)
+    torch.testing.assert_close(out, dense, rtol=1e-10, atol=1e-10)
+
+
+def test_zero_rows_are_bit_identical_and_dtype_kept():
+    p1, p2, offs, _ = _bank()
+    h = torch.randn(3, 48, dtype=torch.bfloat16)
+    coefs = torch.tensor([[0.0, 0.0], [1e-2, 0.0], [0.0, 0.0]])
+    out = steer_reference(h, p1, p2, offs, coefs)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out[0], h[0]) and torch.equal(out[2], h[2]) and not torch.equal(out[1], h[1])
+
+
+def test_linearity_and_composition():
+    p1, p2, offs, _ = _bank()
+    h = torch.randn(4, 48, dtype=torch.float64)
+    a = steer_reference(h, p1.double(), p2.double(), offs, torch.tensor([[5e-3, 0.0]] * 4))
+    # strength 5 on W == strength 1 on 5W
+    p2_scaled = p2.double().clone()
+    p2_scaled[:, :4] *= 5
+    b = steer_reference(h, p1.double(), p2_scaled, offs, torch.tensor([[1e-3, 0.0]] * 4))
+    torch.testing.assert_close(a, b)
+    # {a: 2, b: 3} == one steer 2Wa + 3Wb (dense)
+    both = steer_reference(h, p1.double(), p2.double(), offs, torch.tensor([[2e-3, 3e-3]] * 4))
+    _, _, _, mats = _bank()
+    merged = steer_dense_reference(h, [2 * mats[0].double() + 3 * mats[1].double()],
+                                   torch.tensor([[1e-3]] * 4))
+    torch.testing.assert_close(both, merged)
+
+
+def test_steered_logits_shift_towards_the_steer():
+    p1, p2, offs, _ = _bank(d=16, ranks=(16,))
+    h = torch.randn(2, 16)
+    E = torch.randn(100, 16)
+    plain = steered_logits_reference(h, E, p1, p2, offs, torch.zeros(2, 1))
+    torch.testing.assert_close(plain, h @ E.T)
+    steered = steered_logits_reference(h, E, p1, p2, offs, torch.full((2, 1), 5e-3))
+    assert (steered - plain).abs().max() > 1e-3
