@@ -7,8 +7,8 @@ from vllm_steer.reference import steer_dense_reference, steer_reference, steered
 
 def _bank(d=48, ranks=(4, 7), seed=0):
     g = torch.Generator().manual_seed(seed)
-    p1 = [torch.randn(d, r, generator=g) for r in ranks]
-    p2 = [torch.randn(d, r, generator=g) for r in ranks]
+    p1 = [torch.randn(d, r, generator=g, dtype=torch.float64) for r in ranks]
+    p2 = [torch.randn(d, r, generator=g, dtype=torch.float64) for r in ranks]
     offs = [0]
     for r in ranks:
         offs.append(offs[-1] + r)
@@ -26,6 +26,7 @@ def test_factor_form_equals_dense_paper_formula():
 
 def test_zero_rows_are_bit_identical_and_dtype_kept():
     p1, p2, offs, _ = _bank()
+    p1, p2 = p1.bfloat16(), p2.bfloat16()
     h = torch.randn(3, 48, dtype=torch.bfloat16)
     coefs = torch.tensor([[0.0, 0.0], [1e-2, 0.0], [0.0, 0.0]])
     out = steer_reference(h, p1, p2, offs, coefs)
@@ -52,6 +53,7 @@ def test_linearity_and_composition():
 
 def test_steered_logits_shift_towards_the_steer():
     p1, p2, offs, _ = _bank(d=16, ranks=(16,))
+    p1, p2 = p1.float(), p2.float()
     h = torch.randn(2, 16)
     E = torch.randn(100, 16)
     plain = steered_logits_reference(h, E, p1, p2, offs, torch.zeros(2, 1))
