@@ -59,7 +59,7 @@ Form = Literal["logit", "congruence"]
 #: Fitting anchors taken by default, and held-out anchors for the report.
 DEFAULT_ANCHORS = 4000
 DEFAULT_HELDOUT = 1000
-DEFAULT_RIDGE = 1e-3
+DEFAULT_RIDGE = 1e-4
 #: The paper generates at strength 5: the fallback when the source recommends none.
 FALLBACK_STRENGTH = 5.0
 _SPACE_MARKERS = ("\u0120", "\u2581")  # GPT-2 byte-level "Ġ", SentencePiece "▁"
