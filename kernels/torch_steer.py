@@ -16,21 +16,14 @@ Math in fp32 (16-bit factors are upcast per used steer, as the reference does), 
 activation dtype; unsteered rows are copied bit for bit.
 
 Host syncs: the active-row/steer sets are read on the host (``nonzero``/``tolist``), which on
-CUDA is one device-to-host sync per call; the Triton kernel is the sync-free CUDA path.
+CUDA costs a few device-to-host syncs per call; the Triton kernel is the sync-free CUDA path.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
-
-#: "concat" is chosen when its multiply-adds are at most this many times those of "gather"
-#: (one GEMM amortises better than K small ones plus gathers); measured on CPU, see
-#: benchmarks/RESULTS.md ("## Kernels").
-CONCAT_WASTE_LIMIT = 1.5
-#: ... and always when the per-steer loop would run at most this many steers.
-GATHER_MIN_STEERS = 2
 
 
 def _offsets(rank_offsets) -> list[int]:
@@ -39,21 +32,44 @@ def _offsets(rank_offsets) -> list[int]:
     return [int(o) for o in rank_offsets]
 
 
-def choose_strategy(nz: torch.Tensor, offs: list[int]) -> tuple[str, torch.Tensor, list[int]]:
-    """Pick ``"concat"`` or ``"gather"`` from the non-zero pattern ``nz`` ([rows, K] bool).
+# Cost model of choose_strategy, in microseconds, measured on the development CPU (AMD EPYC,
+# 2 threads; see benchmarks/RESULTS.md "## Kernels"). Only the ratios matter.
+US_PER_FLOP = 1 / 50e3  # fp32 GEMM at ~50 GFLOP/s
+US_PER_OP = 5.0  # one small torch op (dispatch, allocation)
+US_PER_BYTE = 1e-4  # gathering factor columns (~10 GB/s)
 
-    Returns ``(strategy, active_rows, active_steers)``.
+
+class Plan(NamedTuple):
+    strategy: str  # "concat" or "gather"
+    rows: torch.Tensor | None  # active rows, None when every row is active
+    steers: list[int]  # steers with a non-zero coefficient and a non-zero rank
+    counts: list[int]  # rows per steer (all K)
+
+
+def choose_strategy(nz: torch.Tensor, offs: list[int], hidden_size: int) -> Plan:
+    """Pick ``"concat"`` or ``"gather"`` from the non-zero pattern ``nz`` ([rows, K] bool).
+ The pick minimises a cost model: GEMM flops plus a fixed cost per torch op plus,
+    for ``concat`` over a subset of the steers, the copy of their factor columns.
     """
-    row_any = nz.any(dim=1)
-    rows = row_any.nonzero().flatten()
+    num_rows, K = nz.shape
+    d = hidden_size
     counts = nz.sum(dim=0).tolist()
     steers = [k for k, c in enumerate(counts) if c and offs[k + 1] > offs[k]]
-    if len(steers) < GATHER_MIN_STEERS:
-        return "concat", rows, steers
-    concat_work = rows.numel() * sum(offs[k + 1] - offs[k] for k in steers)
-    gather_work = sum(counts[k] * (offs[k + 1] - offs[k]) for k in steers)
-    strategy = "concat" if concat_work <= CONCAT_WASTE_LIMIT * gather_work else "gather"
-    return strategy, rows, steers
+    rows = None
+    if not steers or max(counts) < num_rows:  # some row may be unsteered
+        rows = nz.any(dim=1).nonzero().flatten()
+        if rows.numel() == num_rows:
+            rows = None
+    if len(steers) <= 1:
+        return Plan("concat", rows, steers, counts)
+    n_active = num_rows if rows is None else rows.numel()
+    ranks = [offs[k + 1] - offs[k] for k in steers]
+    total = sum(ranks)
+    concat = (4 * n_active * total * d * US_PER_FLOP + 8 * US_PER_OP
+              + (0 if len(steers) == K else 2 * 2 * d * total * 4 * US_PER_BYTE))
+    gather = sum(4 * counts[k] * r * d * US_PER_FLOP + (3 if counts[k] == n_active else 6)
+                 * US_PER_OP for k, r in zip(steers, ranks)) + 2 * US_PER_OP
+    return Plan("concat" if concat <= gather else "gather", rows, steers, counts)
 
 
 def steer_torch(
@@ -70,59 +86,68 @@ def steer_torch(
     K = len(offs) - 1
     num_rows, d = hidden.shape
     assert hidden.dtype in (torch.float32, torch.float16, torch.bfloat16), hidden.dtype
-    assert p1.shape == p2.shape == (d, offs[-1]), (p1.shape, p2.shape, d, offs[-1])
-    assert coefs.dtype == torch.float32 and coefs.shape == (num_rows, K), (coefs.dtype, coefs.shape)
+    assert p1.shape == p2.shape == (d, offs[-1]), \
+        f"p1 {tuple(p1.shape)} and p2 {tuple(p2.shape)} must be [hidden={d}, total_rank={offs[-1]}]"
+    assert coefs.dtype == torch.float32 and coefs.shape == (num_rows, K), \
+        f"coefs must be float32 [num_rows={num_rows}, K={K}], got {coefs.dtype} {tuple(coefs.shape)}"
     if out is not None:
         assert out.shape == hidden.shape and out.dtype == hidden.dtype, (out.shape, out.dtype)
     if num_rows == 0 or K == 0:
         return hidden.clone() if out is None else out.copy_(hidden)
     nz = coefs != 0
-    auto, rows, steers = choose_strategy(nz, offs)
+    auto, rows, steers, counts = choose_strategy(nz, offs, d)
     strategy = strategy or auto
+    if strategy not in ("concat", "gather"):
+        raise ValueError(f"unknown strategy {strategy!r}; choose 'concat' or 'gather'")
     if not steers:
         return hidden.clone() if out is None else out.copy_(hidden)
-    all_rows = rows.numel() == num_rows
-    if all_rows:  # every row is written below
+    if rows is None:  # every row is written below
         out = torch.empty_like(hidden) if out is None else out
         c = hidden.to(torch.float32, copy=True)  # [rows, d]
+        co, local = coefs, nz
     else:  # unsteered rows: the input, bit for bit
         out = hidden.clone() if out is None else out.copy_(hidden)
         c = hidden.index_select(0, rows).float()  # [rows_a, d]
-    if strategy == "concat":
-        if len(steers) == K:
-            w1, w2 = p1.float(), p2.float()  # no copy when the factors are fp32
-            scale = coefs if all_rows else coefs.index_select(0, rows)
-            ranks = torch.tensor([offs[k + 1] - offs[k] for k in range(K)], device=coefs.device)
+        co, local = coefs.index_select(0, rows), nz.index_select(0, rows)
+    if strategy == "concat" or len(steers) == 1:
+        if len(steers) == 1:
+            k = steers[0]
+            w1, w2 = p1[:, offs[k]:offs[k + 1]].float(), p2[:, offs[k]:offs[k + 1]].float()
+            scale = co[:, k:k + 1]
         else:
-            cols = [slice(offs[k], offs[k + 1]) for k in steers]
-            w1 = torch.cat([p1[:, s] for s in cols], dim=1).float()
-            w2 = torch.cat([p2[:, s] for s in cols], dim=1).float()
-            idx = torch.tensor(steers, device=coefs.device)
-            scale = coefs.index_select(1, idx)
-            scale = scale if all_rows else scale.index_select(0, rows)
-            ranks = torch.tensor([offs[k + 1] - offs[k] for k in steers], device=coefs.device)
-        down = c @ w1  # [rows_a, R_a]
-        down.mul_(torch.repeat_interleave(scale, ranks, dim=1, output_size=down.shape[1]))
-        c.addmm_(down, w2.T)  # c + delta, fp32
-    elif strategy == "gather":
-        delta = torch.zeros_like(c)
-        local = nz if all_rows else nz.index_select(0, rows)
-        co = coefs if all_rows else coefs.index_select(0, rows)
-        for k in steers:
-            a, b = offs[k], offs[k + 1]
-            idx = local[:, k].nonzero().flatten()
-            if idx.numel() == c.shape[0]:
-                down = c @ p1[:, a:b].float()
-                down.mul_(co[:, k : k + 1])
-                delta.addmm_(down, p2[:, a:b].float().T)
+            if len(steers) == K:
+                w1, w2, scale = p1.float(), p2.float(), co  # no copy when the factors are fp32
             else:
-                down = c.index_select(0, idx) @ p1[:, a:b].float()
-                down.mul_(co.index_select(0, idx)[:, k : k + 1])
-                delta.index_add_(0, idx, down @ p2[:, a:b].float().T)
-        c.add_(delta)
+                w1 = torch.cat([p1[:, offs[k]:offs[k + 1]] for k in steers], dim=1).float()
+                w2 = torch.cat([p2[:, offs[k]:offs[k + 1]] for k in steers], dim=1).float()
+                scale = co.index_select(1, torch.tensor(steers, device=co.device))
+            ranks = torch.tensor([offs[k + 1] - offs[k] for k in steers], device=co.device)
+            scale = torch.repeat_interleave(scale, ranks, dim=1, output_size=w1.shape[1])
+        down = c @ w1  # [rows_a, R_a]
+        down.mul_(scale)
+        c.addmm_(down, w2.T)  # c + delta, fp32
     else:
-        raise ValueError(f"unknown strategy {strategy!r}; choose 'concat' or 'gather'")
-    if all_rows:
+        # All (row, steer) pairs at once, grouped by steer: one gather of the rows, per steer
+        # two GEMMs on a contiguous slice, one scatter-add back.
+        pairs = local.T.nonzero()  # [P, 2] (steer, local row), sorted by steer
+        pair_rows = pairs[:, 1].contiguous()
+        pair_coef = co.T[pairs[:, 0], pair_rows]  # [P]
+        cp = c.index_select(0, pair_rows)  # [P, d]
+        delta = torch.empty_like(cp)
+        start = 0
+        for k in range(K):
+            a, b, n = offs[k], offs[k + 1], counts[k]
+            if n == 0:
+                continue
+            if a == b:  # a zero-rank steer adds nothing
+                delta[start:start + n].zero_()
+            else:
+                down = cp[start:start + n] @ p1[:, a:b].float()
+                down.mul_(pair_coef[start:start + n, None])
+                torch.mm(down, p2[:, a:b].float().T, out=delta[start:start + n])
+            start += n
+        c.index_add_(0, pair_rows, delta[:start])
+    if rows is None:
         out.copy_(c)
     else:
         out.index_copy_(0, rows, c.to(hidden.dtype))

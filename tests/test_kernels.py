@@ -144,7 +144,7 @@ SMALL = [
     (70, 80, [80, 5], "one_per_row", torch.float16, torch.float16),
     (20, 64, [8, 8, 8, 8], "negative", torch.float32, torch.bfloat16),
     (9, 128, [16, 128], "dense", torch.bfloat16, torch.float32),
-    (33, 72, [1, 7, 72, 13, 30], "one_per_row", torch.bfloat16, torch.bfloat16),
+    (33, 72, [1, 0, 7, 72, 13, 30], "one_per_row", torch.bfloat16, torch.bfloat16),
     (300, 64, [64, 32], "mixed", torch.float32, torch.float32),  # rows ~300
     (17, 576, [64], "mixed", torch.bfloat16, torch.bfloat16),  # the served model's hidden
     (12, 64, [64, 64, 64], "all_zero", torch.float32, torch.float32),
@@ -179,7 +179,8 @@ def test_matches_reference_large(backend, case):
 @pytest.mark.parametrize("strategy", ["concat", "gather"])
 @pytest.mark.parametrize("pattern", ["one_per_row", "mixed", "dense", "all_zero"])
 def test_torch_strategies_agree(strategy, pattern):
-    hidden, p1, p2, offs, coefs = make_inputs(45, 96, [96, 8, 40], pattern,
+    # includes a zero-rank steer that rows use
+    hidden, p1, p2, offs, coefs = make_inputs(45, 96, [96, 0, 8, 40], pattern,
                                               torch.float32, torch.float32, seed=3)
     out = steer_torch(hidden, p1, p2, offs, coefs, strategy=strategy)
     check(out, hidden, p1, p2, offs, coefs)
@@ -189,14 +190,14 @@ def test_torch_strategy_choice_follows_sparsity():
     offs = offsets([64] * 8)
     one_each = torch.zeros(64, 8)
     one_each[torch.arange(64), torch.arange(64) % 8] = 1.0
-    strategy, rows, steers = choose_strategy(one_each != 0, offs)
-    assert (strategy, rows.numel(), steers) == ("gather", 64, list(range(8)))
-    strategy, rows, steers = choose_strategy(torch.ones(64, 8, dtype=torch.bool), offs)
+    strategy, rows, steers, _ = choose_strategy(one_each != 0, offs, 576)
+    assert (strategy, rows, steers) == ("gather", None, list(range(8)))  # None: all rows
+    strategy, rows, steers, _ = choose_strategy(torch.ones(64, 8, dtype=torch.bool), offs, 576)
     assert strategy == "concat"
     half = one_each.clone()
     half[32:] = 0
     half[:, 5] = 0
-    strategy, rows, steers = choose_strategy(half != 0, offs)
+    strategy, rows, steers, _ = choose_strategy(half != 0, offs, 576)
     assert rows.tolist() == [r for r in range(32) if r % 8 != 5]
     assert steers == [0, 1, 2, 3, 4, 6, 7]
 
