@@ -85,9 +85,10 @@ class Timer:
         per_round = sum(first.values())
         reps = int(max(min_reps, min(max_reps, budget_s / max(per_round, 1e-9))))
         times = {name: [first[name]] for name in fns}
-        for _ in range(reps - 1):
-            for name, fn in fns.items():
-                times[name].append(self._once(fn))
+        names = list(fns)
+        for i in range(1, reps):  # rotate the order: no callable always runs on cold caches
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                times[name].append(self._once(fns[name]))
         return {name: self.stat(ts) for name, ts in times.items()}
 
 

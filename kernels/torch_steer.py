@@ -8,9 +8,10 @@ Two strategies, picked per call from the sparsity pattern (``choose_strategy``):
 - ``"concat"``: one down-projection of the active rows through the factors of the active
   steers concatenated (``[rows_a, d] @ [d, R_a]``), scaled by the coefficients expanded along
   rank, one up-projection. Few big GEMMs: best when most active rows use most active steers.
-- ``"gather"``: per active steer, gather its rows, down-project, scale, up-project, and
-  ``index_add`` into the fp32 delta. Work proportional to sum_k rows_k * rank_k: best when each
-  row uses one steer of many.
+- ``"gather"``: per active steer, down-project, scale and up-project only the rows that use it
+  (gathered once for all steers, scattered back with one ``index_add``; a steer used by every
+  active row works on them in place). Work proportional to sum_k rows_k * rank_k: best when
+  each row uses one steer of many.
 
 Math in fp32 (16-bit factors are upcast per used steer, as the reference does), output in the
 activation dtype; unsteered rows are copied bit for bit.
@@ -33,10 +34,21 @@ def _offsets(rank_offsets) -> list[int]:
 
 
 # Cost model of choose_strategy, in microseconds, measured on the development CPU (AMD EPYC,
-# 2 threads; see benchmarks/RESULTS.md "## Kernels"). Only the ratios matter.
-US_PER_FLOP = 1 / 50e3  # fp32 GEMM at ~50 GFLOP/s
-US_PER_OP = 5.0  # one small torch op (dispatch, allocation)
-US_PER_BYTE = 1e-4  # gathering factor columns (~10 GB/s)
+# 2 shared cores; see benchmarks/RESULTS.md "## Kernels"). Only the ratios matter.
+US_PER_FLOP = 1 / 60e3  # fp32 GEMM at ~60 GFLOP/s
+US_PER_GEMM = 8.0  # floor of one small GEMM
+US_PER_OP = 4.0  # one small torch op (dispatch, allocation)
+US_PER_GATHER_BYTE = 1e-4  # index_select + index_add of gathered rows (~10 GB/s)
+US_PER_CAT_BYTE = (1e-4, 5e-4)  # concatenating factor columns: in cache / beyond 4 MB
+
+
+def _gemm_pair_us(m: int, d: int, r: int) -> float:
+    """Down- plus up-projection of m rows through a rank-r steer."""
+    return 2 * max(2 * m * d * r * US_PER_FLOP, US_PER_GEMM)
+
+
+def _cat_us(nbytes: int) -> float:
+    return nbytes * US_PER_CAT_BYTE[nbytes > 4 * 2 ** 20]
 
 
 class Plan(NamedTuple):
@@ -48,8 +60,10 @@ class Plan(NamedTuple):
 
 def choose_strategy(nz: torch.Tensor, offs: list[int], hidden_size: int) -> Plan:
     """Pick ``"concat"`` or ``"gather"`` from the non-zero pattern ``nz`` ([rows, K] bool).
- The pick minimises a cost model: GEMM flops plus a fixed cost per torch op plus,
-    for ``concat`` over a subset of the steers, the copy of their factor columns.
+
+    The pick minimises a cost model: GEMM flops (with a floor per GEMM), a fixed cost per torch
+    op, the bytes of gathered rows (``gather``) and of concatenated factor columns (``concat``
+    over a subset of the steers).
     """
     num_rows, K = nz.shape
     d = hidden_size
@@ -63,12 +77,15 @@ def choose_strategy(nz: torch.Tensor, offs: list[int], hidden_size: int) -> Plan
     if len(steers) <= 1:
         return Plan("concat", rows, steers, counts)
     n_active = num_rows if rows is None else rows.numel()
-    ranks = [offs[k + 1] - offs[k] for k in steers]
-    total = sum(ranks)
-    concat = (4 * n_active * total * d * US_PER_FLOP + 8 * US_PER_OP
-              + (0 if len(steers) == K else 2 * 2 * d * total * 4 * US_PER_BYTE))
-    gather = sum(4 * counts[k] * r * d * US_PER_FLOP + (3 if counts[k] == n_active else 6)
-                 * US_PER_OP for k, r in zip(steers, ranks)) + 2 * US_PER_OP
+    ranks = {k: offs[k + 1] - offs[k] for k in steers}
+    total = sum(ranks.values())
+    subset = len(steers) < K
+    concat = (_gemm_pair_us(n_active, d, total) + 6 * US_PER_OP
+              + (_cat_us(2 * d * total * 4) + (2 * len(steers) + 4) * US_PER_OP if subset else 0))
+    partial = [k for k in steers if counts[k] < n_active]
+    pairs = sum(counts[k] for k in partial)
+    gather = (sum(_gemm_pair_us(counts[k], d, ranks[k]) + 4 * US_PER_OP for k in steers)
+              + (pairs * d * 4 * US_PER_GATHER_BYTE + 12 * US_PER_OP if partial else 0))
     return Plan("concat" if concat <= gather else "gather", rows, steers, counts)
 
 
@@ -127,26 +144,33 @@ def steer_torch(
         down.mul_(scale)
         c.addmm_(down, w2.T)  # c + delta, fp32
     else:
-        # All (row, steer) pairs at once, grouped by steer: one gather of the rows, per steer
-        # two GEMMs on a contiguous slice, one scatter-add back.
-        pairs = local.T.nonzero()  # [P, 2] (steer, local row), sorted by steer
-        pair_rows = pairs[:, 1].contiguous()
-        pair_coef = co.T[pairs[:, 0], pair_rows]  # [P]
-        cp = c.index_select(0, pair_rows)  # [P, d]
-        delta = torch.empty_like(cp)
-        start = 0
-        for k in range(K):
-            a, b, n = offs[k], offs[k + 1], counts[k]
-            if n == 0:
-                continue
-            if a == b:  # a zero-rank steer adds nothing
-                delta[start:start + n].zero_()
-            else:
+        # Steers used by every active row: GEMMs on c itself. The others: all their
+        # (row, steer) pairs gathered at once, grouped by steer, two GEMMs per steer on a
+        # contiguous slice, one scatter-add back.
+        n_active = c.shape[0]
+        delta = torch.zeros_like(c)
+        partial = [k for k in steers if counts[k] < n_active]
+        for k in steers:
+            if counts[k] == n_active:
+                down = c @ p1[:, offs[k]:offs[k + 1]].float()
+                down.mul_(co[:, k:k + 1])
+                delta.addmm_(down, p2[:, offs[k]:offs[k + 1]].float().T)
+        if partial:
+            sel = torch.tensor(partial, device=c.device)
+            pairs = local.index_select(1, sel).T.nonzero()  # [P, 2] (i, row), sorted by i
+            pair_rows = pairs[:, 1].contiguous()
+            pair_coef = co.index_select(1, sel).T[pairs[:, 0], pair_rows]  # [P]
+            cp = c.index_select(0, pair_rows)  # [P, d]
+            dp = torch.empty_like(cp)
+            start = 0
+            for k in partial:
+                a, b, n = offs[k], offs[k + 1], counts[k]
                 down = cp[start:start + n] @ p1[:, a:b].float()
                 down.mul_(pair_coef[start:start + n, None])
-                torch.mm(down, p2[:, a:b].float().T, out=delta[start:start + n])
-            start += n
-        c.index_add_(0, pair_rows, delta[:start])
+                torch.mm(down, p2[:, a:b].float().T, out=dp[start:start + n])
+                start += n
+            delta.index_add_(0, pair_rows, dp)
+        c.add_(delta)
     if rows is None:
         out.copy_(c)
     else:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -225,6 +226,57 @@ def _mode(a_dtype: torch.dtype, b_dtype: torch.dtype) -> int:
     return _FP32
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """Tile sizes and launch options of the two kernels (all powers of two, >= 16)."""
+
+    shrink_m: int = 64  # rows of a steer's segment per shrink program
+    shrink_r: int = 64  # bank columns (rank) per shrink program
+    shrink_d: int = 64  # hidden slice per step of the shrink's reduction loop
+    split_d: int = 1  # shrink programs per rank block along hidden (>1: fp32 atomics)
+    expand_m: int = 64  # rows (in perm order) per expand program
+    expand_d: int = 64  # output columns per expand program
+    expand_r: int = 64  # rank per step of the expand's reduction loop
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def choose_tiles(num_rows: int, hidden: int, offs: list[int], num_sms: int) -> Tiles:
+    """Tiles from shapes only (no data: no sync): the largest tiles (fewest re-reads of the
+    activations and of ``buf``) whose grid still gives every SM a program; a hidden split of
+    the shrink when even the smallest rank tiles leave SMs idle (few rows, low rank)."""
+    K = len(offs) - 1
+    ranks = [offs[k + 1] - offs[k] for k in range(K)]
+    # Rows per steer when each row uses about one steer: the shrink's segments.
+    per_steer = max(1, num_rows // max(K, 1))
+    shrink_m = min(64, max(16, _pow2_at_least(per_steer)))
+    seg_blocks = max(1, -(-per_steer // shrink_m))
+    shrink_r = 16
+    for r in (128, 64, 32):
+        if sum(-(-rk // r) for rk in ranks) * seg_blocks >= num_sms:
+            shrink_r = r
+            break
+    programs = sum(-(-rk // shrink_r) for rk in ranks) * seg_blocks
+    split_d = 1
+    while programs * split_d < num_sms and hidden // (split_d * 2) >= 256:
+        split_d *= 2
+    expand_m = min(64, max(16, _pow2_at_least(num_rows)))
+    row_blocks = -(-num_rows // expand_m)
+    expand_d = 32
+    for dd in (128, 64):
+        if row_blocks * -(-hidden // dd) >= num_sms:
+            expand_d = dd
+            break
+    big = shrink_m * shrink_r >= 64 * 128 or expand_m * expand_d >= 64 * 128
+    return Tiles(shrink_m=shrink_m, shrink_r=shrink_r, split_d=split_d, expand_m=expand_m,
+                 expand_d=expand_d, expand_r=64 if max(ranks, default=0) >= 64 else 32,
+                 num_warps=8 if big else 4)
+
+
 def segments(coefs: torch.Tensor):
     """Rows grouped by steer, computed on the device without a host sync.
 
@@ -249,6 +301,7 @@ def steer_triton(
     rank_offsets: Sequence[int] | torch.Tensor,  # K + 1 ints (list or CPU tensor: no sync)
     coefs: torch.Tensor,  # [num_rows, K] fp32 contiguous
     out: torch.Tensor | None = None,  # [num_rows, hidden] like hidden (allocated if None)
+    tiles: "Tiles | None" = None,  # tile sizes (default: choose_tiles)
 ) -> torch.Tensor:
     """Fused batched steer. Semantics: see vllm_steer.reference (``steer_reference``).
 
@@ -289,39 +342,24 @@ def steer_triton(
         out.copy_(hidden)
         return out
 
-    sms = _num_sms(dev)
-    block_m = 16 if num_rows <= 16 else (32 if num_rows <= 32 else 64)
-    row_blocks = triton.cdiv(num_rows, block_m)
-    # Shrink: smaller rank tiles, then a split of the hidden axis, when the grid is too small
-    # to fill the GPU (estimate: each row uses about one steer).
-    est_row_blocks = max(1, triton.cdiv(num_rows, block_m * K))
-    block_r = 64
-    while block_r > 16 and sum(triton.cdiv(offs[k + 1] - offs[k], block_r) for k in range(K)) \
-            * est_row_blocks < 2 * sms:
-        block_r //= 2
-    steer_t, col_t, end_t, offs_t = _bank_tables(offs, block_r, dev)
-    num_rank_blocks = steer_t.numel()
-    block_d = 64
-    split_d = 1
-    while (num_rank_blocks * est_row_blocks * split_d < 2 * sms
-           and d // (split_d * 2) >= 4 * block_d):
-        split_d *= 2
-
+    t = tiles or choose_tiles(num_rows, d, offs, _num_sms(dev))
+    for name in ("shrink_m", "shrink_r", "shrink_d", "expand_m", "expand_d", "expand_r"):
+        v = getattr(t, name)
+        assert v >= 16 and v & (v - 1) == 0, f"Tiles.{name} must be a power of two >= 16, got {v}"
+    steer_t, col_t, end_t, offs_t = _bank_tables(offs, t.shrink_r, dev)
     seg_rows, seg_counts, perm = segments(coefs)
-    alloc = torch.zeros if split_d > 1 else torch.empty
+    alloc = torch.zeros if t.split_d > 1 else torch.empty  # atomics need a zeroed buffer
     buf = alloc((num_rows, total_rank), dtype=torch.float32, device=dev)
     common = dict(FP32_PREC=FP32_PRECISION, INTERPRET=interpret)
-    if not interpret:
-        common.update(num_warps=4, num_stages=3)
-    _steer_shrink_kernel[(row_blocks, num_rank_blocks, split_d)](
+    launch = {} if interpret else dict(num_warps=t.num_warps, num_stages=t.num_stages)
+    _steer_shrink_kernel[(triton.cdiv(num_rows, t.shrink_m), steer_t.numel(), t.split_d)](
         hidden, p1, coefs, seg_rows, seg_counts, steer_t, col_t, end_t, buf,
         hidden.stride(0), num_rows, d, total_rank, K,
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_D=block_d, SPLIT_D=split_d,
-        MODE=_mode(hidden.dtype, p1.dtype), **common)
-    block_d2 = 64 if row_blocks * triton.cdiv(d, 64) >= 2 * sms else 32
-    _steer_expand_kernel[(row_blocks, triton.cdiv(d, block_d2))](
+        BLOCK_M=t.shrink_m, BLOCK_R=t.shrink_r, BLOCK_D=t.shrink_d, SPLIT_D=t.split_d,
+        MODE=_mode(hidden.dtype, p1.dtype), **common, **launch)
+    _steer_expand_kernel[(triton.cdiv(num_rows, t.expand_m), triton.cdiv(d, t.expand_d))](
         hidden, p2, coefs, perm, offs_t, buf, out,
         hidden.stride(0), out.stride(0), num_rows, d, total_rank, K,
-        BLOCK_M=block_m, BLOCK_D=block_d2, BLOCK_R=64 if total_rank >= 64 else 32,
-        MODE=_mode(torch.float32, p2.dtype), **common)
+        BLOCK_M=t.expand_m, BLOCK_D=t.expand_d, BLOCK_R=t.expand_r,
+        MODE=_mode(torch.float32, p2.dtype), **common, **launch)
     return out

@@ -259,3 +259,47 @@ def test_triton_rejects_bad_input_clearly():
         run_triton(hidden, p1, p2, offs, coefs.double())
     with pytest.raises(AssertionError, match="contiguous"):
         run_triton(hidden, p1.T.contiguous().T, p2, offs, coefs)
+
+
+@pytest.mark.parametrize("tiles", [
+    dict(shrink_m=16, shrink_r=16, shrink_d=16, expand_m=16, expand_d=16, expand_r=16),
+    dict(shrink_m=32, shrink_r=32, split_d=2, expand_m=32, expand_d=32, expand_r=32),
+    dict(shrink_m=16, shrink_r=128, split_d=4, expand_m=64, expand_d=128),
+], ids=["all16", "split2", "split4-wide"])
+def test_triton_tile_variants(tiles):
+    """Every tiling (and the hidden split with fp32 atomics) computes the same function."""
+    from vllm_steer.kernels.triton_steer import Tiles
+
+    hidden, p1, p2, offs, coefs = make_inputs(21, 80, [80, 9, 33], "mixed",
+                                              torch.bfloat16, torch.bfloat16, seed=6)
+    out = run_triton(hidden, p1, p2, offs, coefs, out=torch.full_like(hidden, float("nan")),
+                     tiles=Tiles(**tiles))
+    check(out, hidden, p1, p2, offs, coefs)
+
+
+def test_triton_tiles_follow_the_shape():
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    from vllm_steer.kernels.triton_steer import choose_tiles
+
+    decode = choose_tiles(1, 4096, [0, 64], num_sms=132)  # one row, one rank-64 steer
+    assert decode.split_d > 1 and decode.shrink_r == 16 and decode.expand_d == 32
+    big = choose_tiles(256, 4096, [4096 * k for k in range(9)], num_sms=132)
+    assert big.split_d == 1 and big.shrink_r == 128 and big.expand_m == 64
+
+
+def test_triton_no_host_sync_in_steady_state():
+    """The decode hot path: after the first call (compilation, cached bank tables) a call
+    issues no device-to-host synchronisation."""
+    if DEVICE.type != "cuda":
+        pytest.skip("host syncs exist on CUDA only")
+    hidden, p1, p2, offs, coefs = make_inputs(64, 256, [64, 256, 32], "mixed",
+                                              torch.bfloat16, torch.bfloat16, seed=7)
+    run_triton(hidden, p1, p2, offs, coefs)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = run_triton(hidden, p1, p2, offs, coefs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    check(out, hidden, p1, p2, offs, coefs)
