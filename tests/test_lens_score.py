@@ -36,12 +36,19 @@ def test_text_scores_best_and_contrast():
         sc.contrast(2)
 
 
-def test_loglik_at_strengths_matches_token_logprobs(tiny):
+@pytest.mark.parametrize("domain", [False, True])
+def test_loglik_at_strengths_matches_token_logprobs(tiny, domain):
     from vllm_steer.hf import token_logprobs
 
     model, tok = tiny
     steer = random_steer(64, 4, "s", seed=7)
-    texts = ["A short one.", "A somewhat longer sentence about the weather today."]
+    if domain:  # a served domain component joins every non-zero strength
+        g = torch.Generator().manual_seed(8)
+        steer.domain_p1, steer.domain_p2 = torch.randn(64, 2, generator=g), torch.randn(
+            64, 2, generator=g)
+        steer.metadata.domain, steer.metadata.domain_strength = "with_steer", 3.0
+    texts = ["A somewhat longer sentence about the weather today.", "A short one.",
+             "Medium length text here."]
     sc = score_texts(model, tok, steer, texts, [-5.0, 0.0, 5.0], max_tokens=None)
     for k, s in enumerate(sc.strengths):
         if s == 0:

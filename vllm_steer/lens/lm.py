@@ -58,6 +58,22 @@ class Encoded:
     targets: torch.Tensor  # [n] token ids
 
 
+class _Captured(Exception):
+    """Raised by the head's pre-hook to stop the forward once its input is captured."""
+
+
+def _tokenize(tokenizer, text: str, prefix: str | None, max_length: int | None):
+    if prefix:
+        a = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+        b = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids, start = a + b, len(a)
+    else:
+        ids, start = tokenizer(text, add_special_tokens=False)["input_ids"], 1
+    if max_length:
+        ids = ids[:max_length]
+    return ids, max(start, 1)
+
+
 @torch.no_grad()
 def final_hidden_states(model, tokenizer, texts: Sequence[str],
                         prefixes: Sequence[str] | None = None, batch_size: int = 8,
@@ -66,7 +82,8 @@ def final_hidden_states(model, tokenizer, texts: Sequence[str],
 
     Tokenisation and alignment follow :func:`vllm_steer.hf.token_logprobs` exactly: the text
     is tokenised without special tokens; with a prefix, every text token is predicted,
-    otherwise tokens ``1..n-1``.
+    otherwise tokens ``1..n-1``. Texts are batched by length (less padding) and the forward
+    stops at the head's input (no logits are computed here).
     """
     from tqdm.auto import tqdm
 
@@ -76,42 +93,42 @@ def final_hidden_states(model, tokenizer, texts: Sequence[str],
 
     def grab(_m, args):
         captured.append(args[0].detach())
+        raise _Captured
 
+    toks = [_tokenize(tokenizer, t, prefixes[i] if prefixes is not None else None, max_length)
+            for i, t in enumerate(texts)]
+    order = sorted(range(len(texts)), key=lambda i: len(toks[i][0]))
+    out: list[Encoded | None] = [None] * len(texts)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     handle = head.register_forward_pre_hook(grab)
-    out: list[Encoded] = []
     try:
-        starts_iter = range(0, len(texts), batch_size)
-        for i in tqdm(starts_iter, desc="encoding", disable=not progress, leave=False):
-            chunk = texts[i:i + batch_size]
-            pre = prefixes[i:i + batch_size] if prefixes is not None else [None] * len(chunk)
-            ids_list, starts = [], []
-            for text, p in zip(chunk, pre):
-                if p:
-                    a = tokenizer(p, add_special_tokens=False)["input_ids"]
-                    b = tokenizer(text, add_special_tokens=False)["input_ids"]
-                    ids, start = a + b, len(a)
-                else:
-                    ids, start = tokenizer(text, add_special_tokens=False)["input_ids"], 1
-                if max_length:
-                    ids = ids[:max_length]
-                ids_list.append(ids), starts.append(max(start, 1))
-            T = max(len(x) for x in ids_list)
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-            inp = torch.full((len(ids_list), T), pad, dtype=torch.long)
-            att = torch.zeros((len(ids_list), T), dtype=torch.long)
-            for j, ids in enumerate(ids_list):
-                inp[j, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-                att[j, :len(ids)] = 1
+        batches = range(0, len(order), batch_size)
+        for i in tqdm(batches, desc="encoding", disable=not progress, leave=False):
+            idx = order[i:i + batch_size]
+            T = max(len(toks[j][0]) for j in idx)
+            inp = torch.full((len(idx), T), pad, dtype=torch.long)
+            att = torch.zeros((len(idx), T), dtype=torch.long)
+            for r, j in enumerate(idx):
+                ids = toks[j][0]
+                inp[r, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+                att[r, :len(ids)] = 1
             captured.clear()
-            model(input_ids=inp.to(device), attention_mask=att.to(device))
+            try:
+                model(input_ids=inp.to(device), attention_mask=att.to(device))
+            except _Captured:
+                pass
+            if not captured:
+                raise RuntimeError(f"{type(model).__name__}: the output head was not called "
+                                   "during the forward pass; cannot read final hidden states")
             h = captured[-1]
-            for j, ids in enumerate(ids_list):
-                s, n = starts[j], len(ids)
-                out.append(Encoded(h[j, s - 1:n - 1].float(),
-                                   torch.tensor(ids[s:n], dtype=torch.long)))
+            for r, j in enumerate(idx):
+                ids, s = toks[j]
+                n = len(ids)
+                out[j] = Encoded(h[r, s - 1:n - 1].float(),
+                                 torch.tensor(ids[s:n], dtype=torch.long))
     finally:
         handle.remove()
-    return out
+    return out  # type: ignore[return-value]
 
 
 @torch.no_grad()
@@ -119,26 +136,53 @@ def logprobs_at_strengths(model, encoded: Sequence[Encoded], steer,
                           strengths: Sequence[float]) -> torch.Tensor:
     """Mean token log-likelihood of each encoded text at each strength: ``[texts, strengths]``.
 
-    The model body runs once (in :func:`final_hidden_states`); only the head is re-applied per
-    strength, which is exact because a steer acts on the head input alone. (A model whose
-    logits are post-processed outside its head, e.g. soft-capping, would need
+    The model body runs once (in :func:`final_hidden_states`); only the head is re-applied,
+    which is exact because a steer acts on the head input alone. For a linear head
+    (``logits = c E^T + b``) the steered logits are affine in the strength (semantics: see
+    :mod:`vllm_steer.reference`)::
+
+        logits(s) = logits(0) + s * eps * (c P1) (P2^T E^T) [+ domain term when s != 0]
+
+    so two head-sized products serve every strength. Another head goes through
+    :class:`~vllm_steer.bank.SteerBank` per strength. (A model whose logits are
+    post-processed outside its head, e.g. soft-capping, needs
     :func:`vllm_steer.hf.token_logprobs` instead.)
     """
     from vllm_steer.bank import SteerBank
 
     head = output_head(model)
     w = head.weight
+    linear = isinstance(head, torch.nn.Linear)
     bank = SteerBank({steer.name: steer}, device=w.device, dtype=torch.float32)
     res = torch.zeros(len(encoded), len(strengths))
+    Wf = w.float()
+    factors = steer.to(device=w.device, dtype=torch.float32)
+    eps = factors.metadata.epsilon
+    z = (factors.p2.T @ Wf.T) if linear else None  # [rank, vocab]
+    dom = (factors.metadata.domain == "with_steer" and factors.domain_p1 is not None)
+    zd = (factors.domain_p2.T @ Wf.T) if (linear and dom) else None
     for t, enc in enumerate(encoded):
         if enc.hidden.shape[0] == 0:
             res[t] = float("nan")
             continue
-        h = enc.hidden.to(w.device)
+        h = enc.hidden.to(w.device).float()
         tgt = enc.targets.to(w.device)
+        if linear:
+            base = h @ Wf.T
+            if head.bias is not None:
+                base = base + head.bias.float()
+            unit = eps * ((h @ factors.p1) @ z)
+            extra = (eps * factors.metadata.domain_strength * ((h @ factors.domain_p1) @ zd)
+                     if dom else None)
         for k, s in enumerate(strengths):
-            hs = bank.apply(h, bank.coefs({steer.name: float(s)}, h.shape[0], device=w.device))
-            logits = head(hs.to(w.dtype)).float()
+            s = float(s)
+            if linear:
+                logits = base if s == 0 else base + s * unit
+                if extra is not None and s != 0:
+                    logits = logits + extra
+            else:
+                hs = bank.apply(h, bank.coefs({steer.name: s}, h.shape[0], device=w.device))
+                logits = head(hs.to(w.dtype)).float()
             lp = logits.gather(-1, tgt[:, None])[:, 0] - torch.logsumexp(logits, -1)
             res[t, k] = lp.mean().cpu()
     return res
