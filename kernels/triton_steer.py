@@ -2,11 +2,11 @@
 
 Semantics: see :mod:`vllm_steer.reference` (``steer_reference``).
 
-Design (details in ``docs/kernels.md``). Two launches, shrink then expand, punica-style:
+Design (details in ``docs/kernels.md``). Three launches, segments, shrink, expand (punica-style):
 
-1. **Segments on the device** (a few small torch ops, no host sync): ``seg_rows[k]`` lists the
-   rows with ``coefs[r, k] != 0`` first (stable order), ``seg_counts[k]`` how many; ``perm`` orders
-   all rows by their first active steer (unsteered rows last).
+1. **Segments** ``_steer_segments_kernel``, grid ``(K + 1,)``, on the device (no host sync):
+   ``seg_rows[k]`` lists the rows with ``coefs[r, k] != 0`` (stable order), ``seg_counts[k]``
+   how many; ``perm`` orders all rows by their first active steer (unsteered rows last).
 2. **Shrink** ``_steer_shrink_kernel``, grid ``(row-blocks, rank-blocks of the bank, d-splits)``:
    program ``(m, j)`` takes rank block ``j`` (steer ``k``, columns ``col0:col0+BLOCK_R``) and the
    ``m``-th block of ``seg_rows[k]``; it exits at once when ``m * BLOCK_M >= seg_counts[k]``, so
@@ -78,6 +78,52 @@ def _mma(acc, a, b, MODE: tl.constexpr, FP32_PREC: tl.constexpr, INTERPRET: tl.c
     else:
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=FP32_PREC)
     return acc
+
+
+@triton.jit
+def _steer_segments_kernel(
+    coefs_ptr,  # [num_rows, K] fp32 contiguous
+    seg_rows_ptr,  # [K, num_rows] int32 out: rows with coefs[:, k] != 0, in order
+    seg_counts_ptr,  # [K] int32 out
+    perm_ptr,  # [num_rows] int32 out: rows stably sorted by first active steer (none: last)
+    num_rows, K,
+    CHUNK: tl.constexpr, K_PAD: tl.constexpr,
+):
+    """Program k (0..K): compacts steer k's rows into seg_rows[k], and writes the rows whose
+    first active steer is k (k == K: no steer) to perm, after the rows whose first is < k."""
+    k = tl.program_id(0)
+    kk = tl.arange(0, K_PAD)
+    # Pass 1: how many rows come before this program's rows in perm.
+    before = 0
+    for r0 in range(0, num_rows, CHUNK):
+        offs = r0 + tl.arange(0, CHUNK)
+        valid = offs < num_rows
+        tile = tl.load(coefs_ptr + offs.to(tl.int64)[:, None] * K + kk[None, :],
+                       mask=valid[:, None] & (kk[None, :] < K), other=0.0)
+        first = tl.min(tl.where(tile != 0.0, kk[None, :], K), axis=1)
+        before += tl.sum((valid & (first < k)).to(tl.int32), axis=0)
+    # Pass 2: compaction (stable: a prefix sum over each chunk plus a running count).
+    n_seg = 0
+    n_first = 0
+    for r0 in range(0, num_rows, CHUNK):
+        offs = r0 + tl.arange(0, CHUNK)
+        valid = offs < num_rows
+        tile = tl.load(coefs_ptr + offs.to(tl.int64)[:, None] * K + kk[None, :],
+                       mask=valid[:, None] & (kk[None, :] < K), other=0.0)
+        nzt = tile != 0.0
+        first = tl.min(tl.where(nzt, kk[None, :], K), axis=1)
+        is_first = (valid & (first == k)).to(tl.int32)
+        pos = before + n_first + tl.cumsum(is_first, axis=0) - 1
+        tl.store(perm_ptr + pos, offs, mask=is_first != 0)
+        n_first += tl.sum(is_first, axis=0)
+        uses = (tl.sum((nzt & (kk[None, :] == k)).to(tl.int32), axis=1) > 0) & valid
+        uses_i = uses.to(tl.int32)
+        pos = n_seg + tl.cumsum(uses_i, axis=0) - 1
+        # (program K: no column matches, nothing is stored)
+        tl.store(seg_rows_ptr + k.to(tl.int64) * num_rows + pos, offs, mask=uses)
+        n_seg += tl.sum(uses_i, axis=0)
+    if k < K:
+        tl.store(seg_counts_ptr + k, n_seg)
 
 
 @triton.jit
@@ -278,20 +324,22 @@ def choose_tiles(num_rows: int, hidden: int, offs: list[int], num_sms: int) -> T
 
 
 def segments(coefs: torch.Tensor):
-    """Rows grouped by steer, computed on the device without a host sync.
+    """Rows grouped by steer, on the device in one launch (no host sync).
 
     Returns ``(seg_rows [K, rows] int32, seg_counts [K] int32, perm [rows] int32)``: row
-    ``seg_rows[k, i]`` for ``i < seg_counts[k]`` uses steer ``k``; ``perm`` orders the rows by
-    their first active steer (rows with no steer last).
+    ``seg_rows[k, i]`` for ``i < seg_counts[k]`` uses steer ``k`` (rows in order; entries past
+    the count are unspecified); ``perm`` orders the rows by their first active steer, stably
+    (rows with no steer last).
     """
     num_rows, K = coefs.shape
-    nz = coefs != 0
-    seg_counts = nz.sum(dim=0, dtype=torch.int32)
-    seg_rows = torch.argsort((~nz).T.to(torch.uint8), dim=1, stable=True).to(torch.int32)
-    first = torch.where(nz.any(dim=1), nz.to(torch.uint8).argmax(dim=1),
-                        torch.full((), K, dtype=torch.long, device=coefs.device))
-    perm = torch.argsort(first, stable=True).to(torch.int32)
-    return seg_rows.contiguous(), seg_counts, perm
+    seg_rows = torch.empty((K, num_rows), dtype=torch.int32, device=coefs.device)
+    seg_counts = torch.empty((K,), dtype=torch.int32, device=coefs.device)
+    perm = torch.empty((num_rows,), dtype=torch.int32, device=coefs.device)
+    k_pad = max(16, _pow2_at_least(K))
+    chunk = max(16, min(1024, _pow2_at_least(num_rows), 8192 // k_pad))
+    _steer_segments_kernel[(K + 1,)](coefs, seg_rows, seg_counts, perm, num_rows, K,
+                                     CHUNK=chunk, K_PAD=k_pad)
+    return seg_rows, seg_counts, perm
 
 
 def steer_triton(

@@ -237,8 +237,8 @@ def test_triton_strided_rows():
 
 
 def test_triton_segments_group_rows_by_steer():
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
+    if TRITON_SKIP:
+        pytest.skip(TRITON_SKIP)
     from vllm_steer.kernels.triton_steer import segments
 
     coefs = torch.tensor([[0.0, 1.0, 0.0],
@@ -251,6 +251,25 @@ def test_triton_segments_group_rows_by_steer():
     assert seg_rows[0, :2].tolist() == [2, 4]
     assert seg_rows[1, :3].tolist() == [0, 2, 3]
     assert perm.tolist() == [2, 4, 0, 3, 1]  # by first steer, unsteered last
+
+
+@pytest.mark.parametrize("rows,K", [(300, 40), (1, 1), (129, 3)])
+def test_triton_segments_match_torch_sorting(rows, K):
+    """Several chunks of rows (running offsets), K past a power of two, single row."""
+    if TRITON_SKIP:
+        pytest.skip(TRITON_SKIP)
+    from vllm_steer.kernels.triton_steer import segments
+
+    gen = torch.Generator().manual_seed(rows + K)
+    coefs = torch.randn(rows, K, generator=gen) * (torch.rand(rows, K, generator=gen) < 0.05)
+    coefs[: rows // 3] = 0
+    seg_rows, seg_counts, perm = segments(coefs.to(DEVICE))
+    nz = coefs != 0
+    assert seg_counts.tolist() == nz.sum(dim=0).tolist()
+    for k in range(K):
+        assert seg_rows[k, : int(nz[:, k].sum())].tolist() == nz[:, k].nonzero().flatten().tolist()
+    first = torch.where(nz.any(dim=1), nz.to(torch.uint8).argmax(dim=1), K)
+    assert perm.tolist() == torch.argsort(first, stable=True).tolist()
 
 
 def test_triton_rejects_bad_input_clearly():
