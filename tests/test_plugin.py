@@ -1,0 +1,137 @@
+"""The general plugin without starting an engine: CLI flags, config carried to the workers,
+start-up checks of the steer files, and what `vllm serve` prints."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import random_steer
+from vllm_steer.format import TENSOR_P1, TENSOR_P2, METADATA_KEY, save_steer
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    from vllm_steer.integrations import plugin
+
+    plugin.register()
+    return plugin
+
+
+def _serve_parser():
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+
+
+def test_serve_parser_takes_steer_flags_and_carries_them_in_additional_config(plugin, tmp_path):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    p = tmp_path / "sent.safetensors"
+    save_steer(p, random_steer(64, 4, "sentiment"))
+    args = _serve_parser().parse_args(["m", "--steer", "detox=/x/detox.safetensors",
+                                       "--steer", str(p), "--steer-max-strength", "20"])
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    assert engine_args.additional_config["vllm_steer"] == {
+        "steers": {"detox": "/x/detox.safetensors", "sentiment": str(p)},
+        "max_strength": 20.0, "backend": "auto"}
+
+
+def test_duplicate_steer_names_are_refused(plugin):
+    args = _serve_parser().parse_args(["m", "--steer", "a=/x", "--steer", "a=/y"])
+    with pytest.raises(ValueError, match=r"the name\(s\) \['a'\] are given more than once"):
+        plugin.config_from_args(args)
+
+
+def _engine_config(model, steers, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(model), max_model_len=256,
+                      additional_config={"vllm_steer": {"steers": steers}},
+                      **kw).create_engine_config()
+
+
+def test_engine_config_installs_the_v1_logits_processor(plugin, tiny_model_dir, tmp_path):
+    p = tmp_path / "a.safetensors"
+    save_steer(p, random_steer(64, 4, "a"))
+    cfg = _engine_config(tiny_model_dir, {"a": str(p)})
+    assert cfg.model_config.logits_processors == [
+        "vllm_steer.integrations.v1:SteerLogitsProcessorV1"]
+
+
+def _bad_files(tmp_path):
+    from safetensors.torch import save_file
+
+    good = random_steer(64, 4, "g")
+    files = {}
+    files["missing"] = (str(tmp_path / "missing.safetensors"), "no such file")
+    t = tmp_path / "truncated.safetensors"
+    save_steer(t, good)
+    t.write_bytes(t.read_bytes()[:-64])
+    files["truncated"] = (str(t), "truncated")
+    n = tmp_path / "nan.safetensors"
+    p1 = good.p1.clone()
+    p1[0, 0] = float("inf")
+    save_file({TENSOR_P1: p1, TENSOR_P2: good.p2}, n,
+              metadata={METADATA_KEY: good.metadata.to_json()})
+    files["nan"] = (str(n), "NaN or inf")
+    w = tmp_path / "wide.safetensors"
+    save_steer(w, random_steer(32, 4, "w"))
+    files["shape"] = (str(w), "hidden size 32 but the model")
+    k = tmp_path / "ref.pt"
+    torch.save([{}, {"projector1": torch.zeros(1, 64, 2)}, 0], k)
+    files["pickle"] = (str(k), "pickle")
+    return files
+
+
+def test_each_bad_steer_file_is_refused_at_startup_naming_file_and_reason(plugin, tiny_model_dir,
+                                                                         tmp_path):
+    from vllm_steer.format import SteerFileError
+
+    for kind, (path, reason) in _bad_files(tmp_path).items():
+        with pytest.raises(SteerFileError) as e:
+            _engine_config(tiny_model_dir, {"s": path})
+        assert path in str(e.value) and reason in str(e.value), kind
+
+
+def test_all_refused_files_are_listed_in_one_error(plugin, tiny_model_dir, tmp_path):
+    from vllm_steer.format import SteerFileError
+
+    bad = _bad_files(tmp_path)
+    with pytest.raises(SteerFileError) as e:
+        _engine_config(tiny_model_dir, {k: p for k, (p, _) in bad.items()})
+    for path, reason in bad.values():
+        assert path in str(e.value) and reason in str(e.value)
+
+
+def test_speculative_decoding_is_refused_with_a_clear_error(plugin, tiny_model_dir, tmp_path):
+    p = tmp_path / "a.safetensors"
+    save_steer(p, random_steer(64, 4, "a"))
+    with pytest.raises(ValueError, match="speculative decoding is not supported with --steer"):
+        _engine_config(tiny_model_dir, {"a": str(p)},
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                           "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+
+
+def _vllm(*args, timeout=240):
+    exe = os.path.join(os.path.dirname(sys.executable), "vllm")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_vllm_serve_help_shows_the_steer_flags():
+    out = _vllm("serve", "--help=vllm-steer")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--steer NAME=PATH" in out.stdout and "--steer-max-strength" in out.stdout
+
+
+def test_vllm_serve_exits_naming_a_bad_steer_file(tiny_model_dir, tmp_path):
+    bad = tmp_path / "broken.safetensors"
+    bad.write_bytes(b"not a steer")
+    out = _vllm("serve", str(tiny_model_dir), "--steer", f"detox={bad}", "--port", "8099")
+    assert out.returncode != 0
+    assert str(bad) in out.stderr and "refused" in out.stderr
