@@ -256,8 +256,8 @@ def _bank_tables(offs: list[int], block_r: int, device: torch.device):
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
+    if device.type != "cuda":  # the interpreter: fewest, largest programs
+        return 1
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _NUM_SMS:
         _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
