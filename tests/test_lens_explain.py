@@ -7,7 +7,8 @@ import torch
 
 from vllm_steer.format import make_steer, save_steer
 from vllm_steer.lens.explain import (all_singular_values, direction_tokens, explain,
-                                     markdown_table, steer_directions, word_like)
+                                     markdown_table, orient_by_extremes, steer_directions,
+                                     word_like)
 
 D, V = 32, 2000
 
@@ -24,8 +25,8 @@ def _planted(seed=0):
     E[10:20] -= 4.0 * u
     p1 = torch.cat([v[:, None], 0.01 * torch.randn(D, 2, generator=g)], 1)
     p2 = torch.cat([u[:, None], 0.01 * torch.randn(D, 2, generator=g)], 1)
-    pieces = [f" tok{i:04d}".replace("0", "o").replace("1", "l") for i in range(V)]
-    pieces = [" " + "".join(c if c.isalpha() else "x" for c in p[1:]) for p in pieces]
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    pieces = [" tok" + "".join(letters[(i // 26 ** j) % 26] for j in range(3)) for i in range(V)]
     return E, u, v, p1, p2, pieces
 
 
@@ -91,6 +92,32 @@ def test_word_like_and_table():
     assert all(t.strip() in lines[2] for t in first)
 
 
+def test_is_word_filter_skips_rejected_candidates():
+    E, u, v, p1, p2, pieces = _planted()
+    dirs = orient_by_extremes(steer_directions(p1, p2, 1), E)
+    rejected = set(range(0, 5))  # half of the planted "+" tokens are "fragments"
+    rows = direction_tokens(dirs, E, pieces, n=10,
+                            is_word=lambda ids: [i not in rejected for i in ids])
+    top = [t for t, _ in rows[0].top]
+    assert set(pieces[5:10]) <= set(top) and not set(pieces[:5]) & set(top)
+    assert len(top) == 10  # refilled from further candidates
+
+
+def test_word_end_probability_tells_words_from_fragments(smollm2_dir):
+    from vllm_steer.lens.explain import token_pieces, word_end_probability
+    from vllm_steer.lens.lm import load_lm
+
+    model, tok = load_lm(str(smollm2_dir))
+    words = [" verification", " calligraphy", " ideas", " happy"]
+    fragments = [" affili", " sovere", " strugg", " ingred"]
+    ids = {w: tok(w, add_special_tokens=False)["input_ids"] for w in words + fragments}
+    assert all(len(i) == 1 for i in ids.values()), ids
+    p = word_end_probability(model, tok, [i[0] for i in ids.values()],
+                             token_pieces(tok, model.lm_head.weight.shape[0]))
+    assert all(p[ids[w][0]] > 0.5 for w in words), p
+    assert all(p[ids[f][0]] < 0.5 for f in fragments), p
+
+
 def test_direction_tokens_checks_lengths():
     E, u, v, p1, p2, pieces = _planted()
     dirs = steer_directions(p1, p2, 1)
@@ -117,7 +144,8 @@ def test_explain_cli_on_tiny_model(tiny_model_dir, tmp_path, capsys):
     save_steer(path, make_steer(p1, p2, "planted", labels={"positive": "joy"}))
     png, md = tmp_path / "e.png", tmp_path / "e.md"
     rc = main(["explain", "--steer", str(path), "--model", str(tiny_model_dir),
-               "--directions", "2", "--top", "8", "--png", str(png), "--markdown", str(md)])
+               "--directions", "2", "--top", "8", "--png", str(png), "--markdown", str(md),
+               "--word-threshold", "0"])
     assert rc == 0
     out = capsys.readouterr().out
     row1 = [ln for ln in out.splitlines() if ln.startswith("| 1 |")][0]

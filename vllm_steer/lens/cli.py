@@ -115,7 +115,7 @@ def cmd_explain(args) -> int:
     import torch
 
     from vllm_steer.lens.explain import (all_singular_values, explain, markdown_table, plot,
-                                         token_pieces)
+                                         token_pieces, word_end_probability)
     from vllm_steer.lens.lm import CALIBRATION_TEXTS, final_hidden_states, output_embeddings
 
     steer, model, tok, name = _steer_and_model(args)
@@ -128,8 +128,18 @@ def cmd_explain(args) -> int:
         contexts = torch.cat([e.hidden for e in final_hidden_states(
             model, tok, list(CALIBRATION_TEXTS))]).cpu()
     pieces = token_pieces(tok, E.shape[0])
+    is_word = None
+    if not args.all_tokens and args.word_threshold > 0:
+        cache: dict[int, float] = {}
+
+        def is_word(ids):
+            todo = [i for i in ids if i not in cache]
+            if todo:
+                cache.update(word_end_probability(model, tok, todo, pieces))
+            return [cache[i] >= args.word_threshold for i in ids]
+
     dirs, rows = explain(steer.to(dtype=torch.float32), E, pieces, args.directions, args.top,
-                         contexts, words_only=not args.all_tokens)
+                         contexts, words_only=not args.all_tokens, is_word=is_word)
     table = markdown_table(rows, steer.metadata.labels)
     header = (f"Steer `{steer.name}` on `{name}`: rank {steer.metadata.rank}, top "
               f"{len(rows)} directions of S = P1 P2^T; tokens read along the output side "
@@ -279,6 +289,10 @@ def add_commands(subparsers) -> None:
     e.add_argument("--top", type=int, default=12, help="tokens per end (default 12)")
     e.add_argument("--all-tokens", action="store_true",
                    help="do not restrict to word-like tokens (' word')")
+    e.add_argument("--word-threshold", type=float, default=0.5,
+                   help="keep a token only if the model gives at least this probability "
+                   "that a new word follows it (drops fragments like ' affili'; 0 = off; "
+                   "default 0.5)")
     e.add_argument("--no-orient", action="store_true", help="orient directions by their "
                    "extreme tokens instead of by the model's hidden states")
     e.add_argument("--markdown", help="also write the table to this file")

@@ -101,11 +101,44 @@ class DirectionTokens:
     bottom: list[tuple[str, float]]  # lowest first
 
 
+def word_end_probability(model, tokenizer, ids: Sequence[int], pieces: Sequence[str],
+                         batch_size: int = 512, context: str = "The") -> dict[int, float]:
+    """For each token id: the model's probability that the *next* token starts a new word
+    (begins with a space, a newline or punctuation, or ends the text), after ``context`` and
+    the token. High for whole words (" idiot"), low for fragments (" affili" -> "ate"): a
+    dictionary-free word filter. (Without a context the model's first-position predictions
+    are uninformative, hence the short neutral one.)"""
+    import string
+
+    starts_new = torch.tensor([bool(p) and (p[0] in " \n\t" or p[0] in string.punctuation)
+                               for p in pieces])
+    for t in (tokenizer.eos_token_id,):
+        if t is not None and t < len(starts_new):
+            starts_new[t] = True
+    device = next(model.parameters()).device
+    out: dict[int, float] = {}
+    ids = list(dict.fromkeys(int(i) for i in ids))
+    pre = tokenizer(context, add_special_tokens=False)["input_ids"] if context else []
+    with torch.no_grad():
+        for i in range(0, len(ids), batch_size):
+            chunk = ids[i:i + batch_size]
+            x = torch.tensor([pre + [t] for t in chunk], device=device)
+            logits = model(input_ids=x).logits[:, -1]
+            probs = torch.softmax(logits.float(), -1)[:, :len(starts_new)].cpu()
+            for t, p in zip(chunk, probs[:, starts_new].sum(-1).tolist()):
+                out[t] = p
+    return out
+
+
 def direction_tokens(dirs: Directions, E: torch.Tensor, pieces: Sequence[str],
-                     n: int = DEFAULT_TOP_TOKENS, words_only: bool = True
-                     ) -> list[DirectionTokens]:
+                     n: int = DEFAULT_TOP_TOKENS, words_only: bool = True,
+                     is_word=None, pool: int = 8) -> list[DirectionTokens]:
     """For each direction: the ``n`` tokens with the highest and lowest ``e_v . b_i``
-    (among word-like tokens when ``words_only``). ``pieces[v]`` is token ``v`` decoded."""
+    (among word-like tokens when ``words_only``). ``pieces[v]`` is token ``v`` decoded.
+
+    ``is_word`` (optional): a function from a list of token ids to a list of bools, applied
+    to the ``pool * n`` best candidates of each end to drop word fragments (see
+    :func:`word_end_probability`); candidates it rejects are skipped."""
     if len(pieces) < E.shape[0]:
         raise ValueError(f"{len(pieces)} token strings for {E.shape[0]} embedding rows")
     keep = torch.tensor([word_like(p) for p in pieces[:E.shape[0]]]) if words_only else None
@@ -119,8 +152,13 @@ def direction_tokens(dirs: Directions, E: torch.Tensor, pieces: Sequence[str],
         if keep is not None:
             col, idx = col[keep], idx[keep]
         order = torch.argsort(col, descending=True)
-        top = [(pieces[int(idx[j])], float(col[j])) for j in order[:n]]
-        bottom = [(pieces[int(idx[j])], float(col[j])) for j in order.flip(0)[:n]]
+        ends = []
+        for cand in (order[:pool * n], order.flip(0)[:pool * n]):
+            if is_word is not None:
+                ok = is_word([int(idx[j]) for j in cand])
+                cand = [j for j, good in zip(cand, ok) if good] or list(cand)
+            ends.append([(pieces[int(idx[j])], float(col[j])) for j in cand[:n]])
+        top, bottom = ends
         s = float(dirs.sigma[i])
         out.append(DirectionTokens(i + 1, s, s * s / dirs.total_energy if dirs.total_energy
                                    else 0.0, dirs.agreement[i] if dirs.agreement else None,
@@ -155,11 +193,12 @@ def plot(dirs_all_sigma: torch.Tensor, E: torch.Tensor, dirs: Directions,
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), gridspec_kw={"width_ratios": [1, 2]})
-    s = dirs_all_sigma.float().numpy()
+    s = dirs_all_sigma.float().numpy()[:64]
     axes[0].bar(range(1, len(s) + 1), s, color="#1f6feb")
     axes[0].set_xlabel("direction")
     axes[0].set_ylabel("singular value σ")
-    axes[0].set_title("spectrum of the steer")
+    axes[0].set_title("spectrum of the steer" + (f" (top 64 of {len(dirs_all_sigma)})"
+                                                  if len(dirs_all_sigma) > 64 else ""))
     ax = axes[1]
     keep = [i for i, p in enumerate(pieces[:E.shape[0]]) if word_like(p)] or list(
         range(E.shape[0]))
@@ -191,12 +230,12 @@ def plot(dirs_all_sigma: torch.Tensor, E: torch.Tensor, dirs: Directions,
 
 def explain(steer: Steer, E: torch.Tensor, pieces: Sequence[str], k: int = DEFAULT_DIRECTIONS,
             n: int = DEFAULT_TOP_TOKENS, contexts: torch.Tensor | None = None,
-            words_only: bool = True) -> tuple[Directions, list[DirectionTokens]]:
+            words_only: bool = True, is_word=None) -> tuple[Directions, list[DirectionTokens]]:
     """Directions (oriented by ``contexts`` when given, else by extremes) and their tokens."""
     dirs = steer_directions(steer.p1, steer.p2, k, contexts)
     if contexts is None:
         dirs = orient_by_extremes(dirs, E)
-    return dirs, direction_tokens(dirs, E, pieces, n, words_only)
+    return dirs, direction_tokens(dirs, E, pieces, n, words_only, is_word)
 
 
 def all_singular_values(steer: Steer) -> torch.Tensor:
