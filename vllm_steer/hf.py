@@ -8,6 +8,8 @@ and untied heads are kept as they are.
         out = model.generate(**inputs)
 
     lp = token_logprobs(model, tok, ["some text"], steers={"detox": steer}, strengths={"detox": 5})
+
+    texts = generate(model, tok, ["The weather today"], {"detox": steer}, {"detox": 5})
 """
 
 from __future__ import annotations
@@ -116,3 +118,45 @@ def token_logprobs(model, tokenizer, texts: Sequence[str], steers=None, strength
             for j, ids in enumerate(ids_list):
                 results.append(tok_lp[j, starts[j] - 1:len(ids) - 1].cpu())
     return results
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: Sequence[str], steers=None, strengths=None, *,
+             max_new_tokens: int = 40, do_sample: bool = False, temperature: float = 1.0,
+             top_p: float = 1.0, seed: int | None = None, chat: bool = False,
+             batch_size: int = 8, **generate_kwargs) -> list[str]:
+    """Continuations of ``prompts`` (new text only), steered if ``steers`` given.
+
+    Greedy by default; ``do_sample=True`` with ``temperature``/``top_p`` samples (``seed``
+    makes it repeatable). ``chat=True`` wraps each prompt in the tokenizer's chat template as
+    a user turn (for instruct models). Extra keyword arguments go to ``model.generate``.
+    """
+    ctx = steering(model, steers, strengths) if steers is not None else contextlib.nullcontext()
+    device = output_head(model).weight.device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    outs: list[str] = []
+    try:
+        with ctx:
+            for i in range(0, len(prompts), batch_size):
+                chunk = list(prompts[i:i + batch_size])
+                if chat:
+                    chunk = [tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                           tokenize=False,
+                                                           add_generation_prompt=True)
+                             for p in chunk]
+                enc = tokenizer(chunk, return_tensors="pt", padding=True,
+                                add_special_tokens=not chat).to(device)
+                if seed is not None:
+                    torch.manual_seed(seed + i)
+                kw = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad)
+                if do_sample:
+                    kw.update(temperature=temperature, top_p=top_p)
+                kw.update(generate_kwargs)
+                out = model.generate(**enc, **kw)
+                new = out[:, enc["input_ids"].shape[1]:]
+                outs += tokenizer.batch_decode(new, skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = side
+    return outs

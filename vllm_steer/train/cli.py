@@ -1,0 +1,188 @@
+"""``vllm-steer train`` and ``vllm-steer convert``. Heavy imports happen inside the commands.
+
+    vllm-steer train --model PATH_OR_NAME --positive nontoxic.jsonl --negative toxic.jsonl \\
+        --out detox.safetensors
+    vllm-steer train --model smollm2 --preset detox --data ../shared/data \\
+        --out steers/smollm2-detox.safetensors
+    vllm-steer train --model smollm2 --data reviews.csv --label-field stars \\
+        --positive-labels 4 5 --negative-labels 1 2 --ignore-labels 3 --out stars.safetensors
+    vllm-steer convert checkpoint.pt --unsafe-allow-pickle --out steer.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vllm_steer.train.config import DataConfig, TrainConfig
+
+
+def _dtype_arg(p, flag, default, help_):
+    p.add_argument(flag, default=default, choices=["auto", "float32", "bfloat16", "float16"],
+                   help=help_ + f" (default {default})")
+
+
+def add_commands(subparsers) -> None:
+    d = TrainConfig()
+    t = subparsers.add_parser(
+        "train", help="train a steer offline from positive and negative texts",
+        description="Train an LM-Steer on a frozen Hugging Face causal LM. The final hidden "
+                    "states of the texts are computed once; each step then costs only the "
+                    "output head. See docs/training.md.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    src = t.add_argument_group("data")
+    src.add_argument("--preset", choices=["detox", "sentiment"],
+                     help="known data set: detox = Jigsaw (label 0 positive, 1 negative), "
+                          "sentiment = SST-5 (3-4 positive, 0-1 negative)")
+    src.add_argument("--data", nargs="+", metavar="PATH",
+                     help="with --preset: the data folder (default $VLLM_STEER_DATA or "
+                          "../shared/data); without: labelled CSV/TSV/JSONL file(s)")
+    src.add_argument("--positive", nargs="+", default=[], metavar="FILE",
+                     help="files of positive texts (JSONL, CSV/TSV, or plain text one per line)")
+    src.add_argument("--negative", nargs="+", default=[], metavar="FILE",
+                     help="files of negative texts")
+    src.add_argument("--dev-positive", nargs="+", default=[], metavar="FILE")
+    src.add_argument("--dev-negative", nargs="+", default=[], metavar="FILE")
+    src.add_argument("--dev-data", nargs="+", default=[], metavar="FILE",
+                     help="labelled dev file(s) (same label rule as --data)")
+    src.add_argument("--format", default="auto", choices=["auto", "jsonl", "csv", "tsv", "txt"])
+    src.add_argument("--text-field", help="JSONL key or CSV/TSV column (name or 0-based index) "
+                                          "of the text (default: text, or column 0)")
+    src.add_argument("--label-field", help="JSONL key or CSV/TSV column of the label "
+                                           "(default: label, or column 1)")
+    src.add_argument("--no-header", action="store_true", help="CSV/TSV files have no header row")
+    src.add_argument("--positive-labels", nargs="+", default=[], metavar="LABEL")
+    src.add_argument("--negative-labels", nargs="+", default=[], metavar="LABEL")
+    src.add_argument("--ignore-labels", nargs="+", default=[], metavar="LABEL",
+                     help="labels skipped on purpose (others not listed are an error)")
+    src.add_argument("--max-examples", type=int, metavar="N",
+                     help="training texts per side (seeded random subset; default all)")
+    src.add_argument("--dev-fraction", type=float, default=DataConfig.dev_fraction)
+    src.add_argument("--dev-max", type=int, default=DataConfig.dev_max_per_side,
+                     help="dev texts per side at most")
+
+    rec = t.add_argument_group("recipe")
+    rec.add_argument("--model", default=d.model,
+                     help="HF folder or id, or smollm2 (the embedded model)")
+    rec.add_argument("--steps", type=int, default=d.steps)
+    rec.add_argument("--batch-size", type=int, default=d.batch_size)
+    rec.add_argument("--rank", type=int, default=None,
+                     help="rank of the steer (default: full = hidden size)")
+    rec.add_argument("--domain-rank", type=int, default=None,
+                     help="rank of the domain steer (default = --rank; 0 = none)")
+    rec.add_argument("--lr", type=float, default=d.lr)
+    rec.add_argument("--epsilon", type=float, default=d.epsilon)
+    rec.add_argument("--init-std", type=float, default=d.init_std)
+    rec.add_argument("--regularization", type=float, default=d.regularization)
+    rec.add_argument("--max-length", type=int, default=d.max_length,
+                     help="tokens per text; longer texts are truncated (counted, reported)")
+    rec.add_argument("--seed", type=int, default=d.seed)
+    rec.add_argument("--device", default=d.device)
+    _dtype_arg(rec, "--model-dtype", d.model_dtype, "dtype of the frozen model's one pass")
+    _dtype_arg(rec, "--cache-dtype", d.cache_dtype, "dtype of the stored hidden states")
+    _dtype_arg(rec, "--head-dtype", d.head_dtype, "dtype of the head matmuls in each step")
+    rec.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens)
+    rec.add_argument("--eval-every", type=int, default=d.eval_every)
+    rec.add_argument("--check-strengths", type=float, nargs="+", default=list(d.check_strengths),
+                     help="strengths of the final dev check (+-s versus 0)")
+
+    out = t.add_argument_group("output")
+    out.add_argument("--out", required=True, help="steer file to write (.safetensors)")
+    out.add_argument("--name", help="steer name (default: the preset, or the file's stem)")
+    out.add_argument("--positive-means", help="what positive strengths move towards, for the "
+                                              "metadata (e.g. non-toxic)")
+    out.add_argument("--negative-means", help="what negative strengths move towards")
+    out.add_argument("--recommended-strength", type=float, default=None,
+                     help="recorded in the metadata (default 5, the paper's)")
+    out.add_argument("--checkpoint-dir", help="default: OUT.ckpt")
+    out.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    out.add_argument("--resume", action="store_true",
+                     help="continue from the checkpoint (same data and recipe; --steps may grow)")
+    out.add_argument("--keep-checkpoint", action="store_true",
+                     help="keep the checkpoint folder after success (default: removed)")
+    out.add_argument("--quiet", action="store_true", help="no progress bars")
+    t.set_defaults(func=cmd_train)
+
+    c = subparsers.add_parser(
+        "convert", help="import a steer trained with the paper's original code",
+        description="Convert a checkpoint of github.com/Glaciohound/LM-Steer "
+                    "(torch.save([args, {projector1, projector2}, step])) to a steer file.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    c.add_argument("checkpoint")
+    c.add_argument("--out", required=True)
+    c.add_argument("--unsafe-allow-pickle", action="store_true",
+                   help="allow reading the pickle (can run code: only for files you trust)")
+    c.add_argument("--steer-index", type=int, default=None,
+                   help="which steer is the style (default: args.training_steer, else 0)")
+    c.add_argument("--dummy-index", type=int, default=None,
+                   help="which steer is the dummy/domain one (default: args.dummy_steer, else "
+                        "1 when there are several)")
+    c.add_argument("--no-dummy", action="store_true", help="drop the dummy steer")
+    c.add_argument("--domain", choices=["with_steer", "none"], default="with_steer",
+                   help="serve the dummy steer at strength 1 along with the steer (the paper's "
+                        "--steer_values S 1), or keep it for reference only")
+    c.add_argument("--name")
+    c.add_argument("--base-model", help="default: args.model_name")
+    c.add_argument("--epsilon", type=float, help="default: args.epsilon, else 1e-3")
+    c.set_defaults(func=cmd_convert)
+
+
+def _data_config(args) -> DataConfig:
+    from vllm_steer.train.data import preset_data_config
+
+    common = dict(dev_fraction=args.dev_fraction, dev_max_per_side=args.dev_max,
+                  max_examples=args.max_examples)
+    if args.preset:
+        if args.positive or args.negative:
+            raise ValueError("--preset reads its own files; drop --positive/--negative")
+        if args.data and len(args.data) > 1:
+            raise ValueError("with --preset, --data takes one folder")
+        return preset_data_config(args.preset, args.data[0] if args.data else None, **common)
+    if not (args.positive or args.negative or args.data):
+        raise ValueError("no training data: give --positive FILE --negative FILE, a labelled "
+                         "--data FILE with --positive-labels/--negative-labels, or --preset")
+    return DataConfig(positive=args.positive, negative=args.negative, labelled=args.data or [],
+                      dev_positive=args.dev_positive, dev_negative=args.dev_negative,
+                      dev_labelled=args.dev_data, format=args.format,
+                      text_field=args.text_field, label_field=args.label_field,
+                      header=not args.no_header, positive_labels=args.positive_labels,
+                      negative_labels=args.negative_labels, ignore_labels=args.ignore_labels,
+                      **common)
+
+
+def cmd_train(args) -> int:
+    from vllm_steer.train.trainer import train_steer
+
+    cfg = TrainConfig(model=args.model, rank=args.rank, domain_rank=args.domain_rank,
+                      epsilon=args.epsilon, init_std=args.init_std, lr=args.lr,
+                      steps=args.steps, batch_size=args.batch_size, max_length=args.max_length,
+                      regularization=args.regularization, seed=args.seed, device=args.device,
+                      model_dtype=args.model_dtype, cache_dtype=args.cache_dtype,
+                      head_dtype=args.head_dtype, chunk_tokens=args.chunk_tokens,
+                      eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
+                      check_strengths=tuple(args.check_strengths))
+    cfg.validate()
+    data = _data_config(args)
+    labels = {k: v for k, v in (("positive", args.positive_means),
+                                ("negative", args.negative_means)) if v}
+    train_steer(cfg, data, args.out, name=args.name, labels=labels or None, resume=args.resume,
+                checkpoint_dir=args.checkpoint_dir, keep_checkpoint=args.keep_checkpoint,
+                recommended_strength=args.recommended_strength, progress=not args.quiet)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from vllm_steer.format import save_steer
+    from vllm_steer.train.convert import PickleRefused, convert_checkpoint, describe
+
+    try:
+        steer = convert_checkpoint(args.checkpoint, allow_pickle=args.unsafe_allow_pickle,
+                                   steer_index=args.steer_index, dummy_index=args.dummy_index,
+                                   no_dummy=args.no_dummy, domain=args.domain, name=args.name,
+                                   base_model=args.base_model, epsilon=args.epsilon)
+    except PickleRefused as e:
+        print(f"vllm-steer convert: refused: {e}", file=sys.stderr)
+        return 2
+    save_steer(args.out, steer)
+    print(f"wrote {args.out}: {describe(steer)}")
+    return 0

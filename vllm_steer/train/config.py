@@ -1,0 +1,175 @@
+"""Configuration of offline steer training: the recipe (:class:`TrainConfig`) and the data
+(:class:`DataConfig`). Light: no torch import. Both dataclasses are recorded in full in the
+steer file's metadata (``recipe`` and ``data``), so a steer says how it was made.
+
+Defaults follow the paper's code (Adam, lr 1e-2, epsilon 1e-3, factors initialised as
+``randn * 1e-2``, batch 32, max length 256, 1000 steps) except the rank, which defaults to
+the full hidden size (the paper's 1000 capped at ``hidden_size``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+ENV_DATA = "VLLM_STEER_DATA"
+
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def default_data_dir() -> str:
+    """``$VLLM_STEER_DATA``, else ``../shared/data`` relative to the repository root."""
+    if os.environ.get(ENV_DATA):
+        return os.environ[ENV_DATA]
+    return str(Path(__file__).resolve().parents[3] / "shared" / "data")
+
+
+@dataclass
+class TrainConfig:
+    """The training recipe. Every field is written to the steer file's ``recipe``."""
+
+    model: str = "smollm2"
+    """Base model: a Hugging Face folder or id, or ``smollm2`` (the embedded model)."""
+    rank: int | None = None
+    """Rank of the style steer ``W = P2 P1^T``; ``None`` = full (the hidden size). Values
+    above the hidden size are capped at it."""
+    domain_rank: int | None = None
+    """Rank of the domain ("dummy") steer ``D`` trained alongside; ``None`` = same as
+    ``rank``; 0 = no domain steer."""
+    epsilon: float = 1e-3
+    """Unit of strength ``eps0``: training applies ``c + eps0 (s W + D) c`` with s = +1 for
+    positive and -1 for negative texts."""
+    init_std: float = 1e-2
+    """Standard deviation of the initial factors (the paper's ``init_var``: ``randn * 1e-2``).
+    Both factors start small, so the steer starts near zero; Adam's normalised updates move
+    it anyway (see docs/training.md)."""
+    lr: float = 1e-2
+    """Adam learning rate."""
+    steps: int = 1000
+    """Optimiser steps (one batch each)."""
+    batch_size: int = 32
+    """Texts per step, drawn from both sides shuffled together."""
+    max_length: int = 256
+    """Tokens kept per text; longer texts are truncated (counted and reported). Must not
+    exceed the model's context window."""
+    regularization: float = 0.0
+    """L2 penalty on all factors (the paper's ``--regularization``; 0 = off)."""
+    seed: int = 0
+    """Seed of the initial factors, the data split/subset and the batch order: the same seed
+    gives the same steer."""
+    device: str = "auto"
+    """``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda``, ``cuda:1``, ..."""
+    model_dtype: DTypeName = "auto"
+    """dtype of the frozen model when computing the hidden states once. ``auto`` = bfloat16
+    where bf16 matmuls are fast (CUDA, a CPU with AVX512-BF16/AMX), else float32."""
+    cache_dtype: DTypeName = "bfloat16"
+    """dtype the cached hidden states are stored in (halves memory vs float32)."""
+    head_dtype: DTypeName = "auto"
+    """dtype of the output-head matmuls of each training step (accumulated and summed in
+    float32). ``auto`` = bfloat16 where the hardware has fast bf16 matmuls (CUDA, or a CPU
+    with AVX512-BF16/AMX), else float32. ``float32`` reproduces full-model training to
+    rounding."""
+    chunk_tokens: int = 1024
+    """Tokens per head chunk inside a step (bounds the memory of the [tokens, vocab] logits;
+    the gradient is the same for any value)."""
+    cache_batch_tokens: int = 4096
+    """Padded tokens per forward batch when computing the hidden states."""
+    eval_every: int = 100
+    """Steps between dev-loss evaluations (0 = only at the end)."""
+    checkpoint_every: int = 100
+    """Steps between checkpoints (0 = none; resume then restarts from the beginning)."""
+    final_eval_max_texts: int = 1000
+    """Texts of the training set (seeded sample) on which the final train loss is measured."""
+    check_strengths: tuple[float, ...] = (1.0, 5.0, 10.0)
+    """Strengths at which the final report measures dev losses (positive texts at +s,
+    negative at -s, both versus s = 0, without the domain steer, as served)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["check_strengths"] = list(self.check_strengths)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        d = dict(d)
+        if "check_strengths" in d:
+            d["check_strengths"] = tuple(d["check_strengths"])
+        return cls(**d)
+
+    def validate(self) -> None:
+        problems = []
+        for name in ("steps", "batch_size", "max_length", "chunk_tokens", "cache_batch_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                problems.append(f"{name}={v!r}: must be a positive integer")
+        for name in ("eval_every", "checkpoint_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                problems.append(f"{name}={v!r}: must be an integer >= 0")
+        if self.rank is not None and self.rank < 1:
+            problems.append(f"rank={self.rank}: must be >= 1 (or None for full rank)")
+        if self.domain_rank is not None and self.domain_rank < 0:
+            problems.append(f"domain_rank={self.domain_rank}: must be >= 0 (0 = no domain steer)")
+        for name in ("epsilon", "lr", "init_std"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0):
+                problems.append(f"{name}={v!r}: must be a positive number")
+        if self.regularization < 0:
+            problems.append(f"regularization={self.regularization}: must be >= 0")
+        for name in ("model_dtype", "cache_dtype", "head_dtype"):
+            v = getattr(self, name)
+            if v not in ("auto", "float32", "bfloat16", "float16"):
+                problems.append(f"{name}={v!r}: choose auto, float32, bfloat16 or float16")
+        if problems:
+            raise ValueError("invalid training configuration:\n" +
+                             "\n".join(f"  - {p}" for p in problems))
+
+
+@dataclass
+class DataConfig:
+    """Where the texts come from and which side (positive = +strength, negative = -strength)
+    each belongs to. Recorded in the steer file's ``data`` with each file's sha256."""
+
+    positive: list[str] = field(default_factory=list)
+    """Files whose every text is positive (JSONL, CSV/TSV or plain text)."""
+    negative: list[str] = field(default_factory=list)
+    """Files whose every text is negative."""
+    labelled: list[str] = field(default_factory=list)
+    """Files with a text and a label per example (CSV/TSV/JSONL); labels map to sides by
+    ``positive_labels`` / ``negative_labels`` / ``ignore_labels``."""
+    dev_positive: list[str] = field(default_factory=list)
+    """Held-out positive files (else the dev split is taken from the training texts)."""
+    dev_negative: list[str] = field(default_factory=list)
+    """Held-out negative files."""
+    dev_labelled: list[str] = field(default_factory=list)
+    """Held-out labelled files (same label rule)."""
+    format: Literal["auto", "jsonl", "csv", "tsv", "txt"] = "auto"
+    """File format; ``auto`` goes by extension (.jsonl/.json, .csv, .tsv, anything else =
+    plain text, one example per line)."""
+    text_field: str | None = None
+    """JSONL key or CSV/TSV column (name, or 0-based index) of the text. ``None``: ``text``
+    (JSONL, CSV/TSV with header) or column 0 (no header)."""
+    label_field: str | None = None
+    """JSONL key or CSV/TSV column of the label (labelled files). ``None``: ``label`` or
+    column 1 (no header)."""
+    header: bool = True
+    """CSV/TSV files start with a header row."""
+    positive_labels: list[str] = field(default_factory=list)
+    """Label values (as strings) that make an example positive."""
+    negative_labels: list[str] = field(default_factory=list)
+    """Label values that make an example negative."""
+    ignore_labels: list[str] = field(default_factory=list)
+    """Label values skipped on purpose (e.g. SST-5's neutral 2). Any other label is an error."""
+    dev_fraction: float = 0.1
+    """Fraction of each side held out for the dev loss when no dev files are given."""
+    dev_max_per_side: int = 200
+    """At most this many dev texts per side (keeps evaluation cheap)."""
+    max_examples: int | None = None
+    """Training texts per side (seeded random subset); ``None`` = all."""
+    preset: str | None = None
+    """Name of the preset that filled this config (``detox``, ``sentiment``), for the record."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,340 @@
+"""Training texts: reading JSONL / CSV / TSV / plain-text files, mapping labels to sides,
+the presets (``detox``, ``sentiment``), the dev split and the files' sha256. Light: no torch.
+
+A *side* is +1 (positive: what a positive strength moves towards) or -1 (negative).
+Every problem is a :class:`DataError` naming the file (and line) and what to do.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import random
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator
+
+from vllm_steer.train.config import DataConfig, default_data_dir
+
+POSITIVE, NEGATIVE = 1, -1
+SIDE_NAMES = {POSITIVE: "positive", NEGATIVE: "negative"}
+
+
+class DataError(ValueError):
+    """A training file was refused; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class Example:
+    text: str
+    side: int  # +1 positive, -1 negative
+    where: str = ""  # "file:line", for messages
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A known data set layout under the data folder."""
+
+    name: str
+    train: str
+    dev: str | None
+    format: str
+    header: bool
+    text_field: str
+    label_field: str
+    positive_labels: tuple[str, ...]
+    negative_labels: tuple[str, ...]
+    ignore_labels: tuple[str, ...]
+    labels: dict[str, str]
+    description: str
+
+
+PRESETS: dict[str, Preset] = {
+    "detox": Preset(
+        name="detox", train="jigsaw/jigsaw_balanced.csv", dev=None, format="csv", header=False,
+        text_field="0", label_field="1", positive_labels=("0",), negative_labels=("1",),
+        ignore_labels=(), labels={"positive": "non-toxic", "negative": "toxic"},
+        description="Jigsaw toxic comments (CSV without header: text,label); label 0 "
+                    "(non-toxic) positive, 1 (toxic) negative; dev split from the file"),
+    "sentiment": Preset(
+        name="sentiment", train="sst5/train.jsonl", dev="sst5/dev.jsonl", format="jsonl",
+        header=True, text_field="sentence", label_field="label",
+        positive_labels=("3", "4"), negative_labels=("0", "1"), ignore_labels=("2",),
+        labels={"positive": "positive sentiment", "negative": "negative sentiment"},
+        description="SST-5 (JSONL sentence,label); labels 3-4 positive, 0-1 negative, 2 "
+                    "(neutral) skipped; dev = sst5/dev.jsonl"),
+}
+
+
+def preset_data_config(name: str, data_dir: str | None = None, **overrides) -> DataConfig:
+    """The :class:`DataConfig` of a preset, reading from ``data_dir`` (default
+    ``$VLLM_STEER_DATA`` or ``../shared/data``)."""
+    if name not in PRESETS:
+        raise DataError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}")
+    p = PRESETS[name]
+    data_dir = data_dir or default_data_dir()
+    if not os.path.isdir(data_dir):
+        raise DataError(f"preset {name!r}: data folder {data_dir!r} not found (give --data DIR "
+                        f"or set $VLLM_STEER_DATA)")
+    train = os.path.join(data_dir, p.train)
+    if not os.path.exists(train):
+        raise DataError(f"preset {name!r}: {train!r} not found in the data folder {data_dir!r} "
+                        f"(expected {p.train})")
+    cfg = DataConfig(labelled=[train], dev_labelled=[os.path.join(data_dir, p.dev)] if p.dev else [],
+                     format=p.format, header=p.header, text_field=p.text_field,
+                     label_field=p.label_field, positive_labels=list(p.positive_labels),
+                     negative_labels=list(p.negative_labels),
+                     ignore_labels=list(p.ignore_labels), preset=name)
+    return replace(cfg, **overrides)
+
+
+# ----------------------------------------------------------------------------------- reading
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def detect_format(path: str, fmt: str = "auto") -> str:
+    if fmt != "auto":
+        return fmt
+    low = path.lower()
+    for ext, name in ((".jsonl", "jsonl"), (".json", "jsonl"), (".csv", "csv"), (".tsv", "tsv")):
+        if low.endswith(ext):
+            return name
+    return "txt"
+
+
+def _label_str(v: Any) -> str:
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v).strip()
+
+
+def _check_file(path: str) -> None:
+    if not os.path.exists(path):
+        raise DataError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise DataError(f"{path}: is a directory, expected a file")
+    if os.path.getsize(path) == 0:
+        raise DataError(f"{path}: file is empty")
+
+
+def iter_records(path: str, fmt: str, text_field: str | None, label_field: str | None,
+                 header: bool, need_label: bool) -> Iterator[tuple[int, str, str | None]]:
+    """Yield ``(line_or_row_number, text, label_or_None)`` from one file."""
+    _check_file(path)
+    fmt = detect_format(path, fmt)
+    if fmt == "txt":
+        if need_label:
+            raise DataError(f"{path}: a plain-text file has no labels; give it with --positive "
+                            "or --negative, or use CSV/TSV/JSONL with a label column")
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for i, line in enumerate(f, 1):
+                yield i, line.rstrip("\r\n"), None
+        return
+    if fmt == "jsonl":
+        tkey = text_field or "text"
+        lkey = label_field or "label"
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{i}: not valid JSON ({e})") from None
+                if not isinstance(rec, dict):
+                    raise DataError(f"{path}:{i}: expected a JSON object per line, got "
+                                    f"{type(rec).__name__}")
+                if tkey not in rec:
+                    raise DataError(f"{path}:{i}: no field {tkey!r} (fields: {sorted(rec)}); "
+                                    "name the text field with --text-field")
+                text = rec[tkey]
+                if not isinstance(text, str):
+                    raise DataError(f"{path}:{i}: field {tkey!r} is {type(text).__name__}, "
+                                    "expected a string")
+                label = None
+                if need_label:
+                    if lkey not in rec:
+                        raise DataError(f"{path}:{i}: no label field {lkey!r} (fields: "
+                                        f"{sorted(rec)}); name it with --label-field")
+                    label = _label_str(rec[lkey])
+                yield i, text, label
+        return
+    if fmt not in ("csv", "tsv"):
+        raise DataError(f"{path}: unknown format {fmt!r}; choose jsonl, csv, tsv or txt")
+    delim = "," if fmt == "csv" else "\t"
+    quoting = csv.QUOTE_MINIMAL if fmt == "csv" else csv.QUOTE_NONE
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        reader = csv.reader(f, delimiter=delim, quoting=quoting)
+        columns: list[str] | None = None
+        if header:
+            try:
+                columns = [c.strip() for c in next(reader)]
+            except StopIteration:
+                raise DataError(f"{path}: file is empty") from None
+
+        def col_index(spec: str | None, default_name: str, default_idx: int, what: str) -> int:
+            if spec is None:
+                if columns is not None:
+                    if default_name in columns:
+                        return columns.index(default_name)
+                    raise DataError(f"{path}: no {what} column {default_name!r} in the header "
+                                    f"{columns}; name it with --{what}-field (a name or a "
+                                    "0-based index), or --no-header if the file has none")
+                return default_idx
+            if columns is not None and spec in columns:
+                return columns.index(spec)
+            if str(spec).isdigit():
+                return int(spec)
+            found = f"header {columns}" if columns is not None else "no header (--no-header)"
+            raise DataError(f"{path}: no {what} column {spec!r} ({found})")
+
+        ti = col_index(text_field, "text", 0, "text")
+        li = col_index(label_field, "label", 1, "label") if need_label else None
+        first = 2 if header else 1
+        for n, row in enumerate(reader, first):
+            if not row or (len(row) == 1 and not row[0].strip()):
+                continue
+            need = max(ti, li if li is not None else 0)
+            if len(row) <= need:
+                raise DataError(f"{path}: row {n} has {len(row)} column(s), expected at least "
+                                f"{need + 1} (text column {ti}" +
+                                (f", label column {li})" if li is not None else ")"))
+            yield n, row[ti], (_label_str(row[li]) if li is not None else None)
+
+
+@dataclass
+class LoadReport:
+    """Counts of what reading kept and dropped, per file."""
+
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def add(self, path: str, key: str, n: int = 1) -> None:
+        self.files.setdefault(path, {}).setdefault(key, 0)
+        self.files[path][key] += n
+
+
+def read_examples(cfg: DataConfig, dev: bool = False, report: LoadReport | None = None
+                  ) -> list[Example]:
+    """All examples of the training (or dev) files of ``cfg``, in file order."""
+    report = report if report is not None else LoadReport()
+    pos, neg, lab = ((cfg.dev_positive, cfg.dev_negative, cfg.dev_labelled) if dev
+                     else (cfg.positive, cfg.negative, cfg.labelled))
+    out: list[Example] = []
+    for files, side in ((pos, POSITIVE), (neg, NEGATIVE)):
+        for path in files:
+            n0 = len(out)
+            for i, text, _ in iter_records(path, cfg.format, cfg.text_field, None, cfg.header,
+                                           need_label=False):
+                if not text.strip():
+                    report.add(path, "empty_texts_skipped")
+                    continue
+                out.append(Example(text, side, f"{path}:{i}"))
+            report.add(path, SIDE_NAMES[side], len(out) - n0)
+            if len(out) == n0:
+                raise DataError(f"{path}: no non-empty texts found")
+    if lab:
+        if not cfg.positive_labels or not cfg.negative_labels:
+            raise DataError(f"labelled data {lab}: give both --positive-labels and "
+                            "--negative-labels (e.g. --positive-labels 0 --negative-labels 1)")
+        overlap = set(cfg.positive_labels) & set(cfg.negative_labels)
+        if overlap:
+            raise DataError(f"labels {sorted(overlap)} are both positive and negative")
+        rule = {**{x: None for x in cfg.ignore_labels},
+                **{x: POSITIVE for x in cfg.positive_labels},
+                **{x: NEGATIVE for x in cfg.negative_labels}}
+        for path in lab:
+            for i, text, label in iter_records(path, cfg.format, cfg.text_field,
+                                               cfg.label_field, cfg.header, need_label=True):
+                if label not in rule:
+                    raise DataError(
+                        f"{path}:{i}: unknown label {label!r}; known: positive "
+                        f"{cfg.positive_labels}, negative {cfg.negative_labels}, ignored "
+                        f"{cfg.ignore_labels} (add it to --ignore-labels to skip such rows)")
+                side = rule[label]
+                if side is None:
+                    report.add(path, "ignored_label_rows")
+                    continue
+                if not text.strip():
+                    report.add(path, "empty_texts_skipped")
+                    continue
+                out.append(Example(text, side, f"{path}:{i}"))
+                report.add(path, SIDE_NAMES[side])
+    return out
+
+
+@dataclass
+class Dataset:
+    """The training and dev examples, with where they came from."""
+
+    train: list[Example]
+    dev: list[Example]
+    sha256: dict[str, str]
+    report: LoadReport
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        f = lambda xs: {"positive": sum(e.side > 0 for e in xs),  # noqa: E731
+                        "negative": sum(e.side < 0 for e in xs)}
+        return {"train": f(self.train), "dev": f(self.dev)}
+
+    def describe(self, cfg: DataConfig) -> dict[str, Any]:
+        """What the steer file records under ``data``."""
+        return {"config": cfg.to_dict(), "sha256": dict(self.sha256), "counts": self.counts(),
+                "files": self.report.files}
+
+
+def _by_side(xs: list[Example], side: int) -> list[Example]:
+    return [e for e in xs if e.side == side]
+
+
+def load_dataset(cfg: DataConfig, seed: int = 0) -> Dataset:
+    """Read the files, split off the dev set (seeded), take the training subset (seeded)."""
+    if not (cfg.positive or cfg.negative or cfg.labelled):
+        raise DataError("no training data: give --positive FILE and --negative FILE, a "
+                        "labelled file with --data FILE, or --preset NAME")
+    if not 0 <= cfg.dev_fraction < 1:
+        raise DataError(f"dev_fraction={cfg.dev_fraction}: must be in [0, 1)")
+    report = LoadReport()
+    all_train = read_examples(cfg, dev=False, report=report)
+    has_dev_files = bool(cfg.dev_positive or cfg.dev_negative or cfg.dev_labelled)
+    rng = random.Random(seed)
+    train: list[Example] = []
+    dev: list[Example] = []
+    dev_files = read_examples(cfg, dev=True, report=report) if has_dev_files else []
+    for side in (POSITIVE, NEGATIVE):
+        xs = _by_side(all_train, side)
+        if not xs:
+            srcs = cfg.positive if side > 0 else cfg.negative
+            raise DataError(
+                f"no {SIDE_NAMES[side]} training texts (files: {srcs or cfg.labelled}); "
+                "a steer needs both sides")
+        order = list(range(len(xs)))
+        rng.shuffle(order)
+        xs = [xs[i] for i in order]
+        if has_dev_files:
+            d = _by_side(dev_files, side)
+            if len(d) > cfg.dev_max_per_side:
+                d = rng.sample(d, cfg.dev_max_per_side)
+        else:
+            n_dev = min(int(round(cfg.dev_fraction * len(xs))), cfg.dev_max_per_side)
+            if cfg.dev_fraction > 0 and len(xs) >= 2:
+                n_dev = max(n_dev, 1)
+            n_dev = min(n_dev, len(xs) - 1)
+            d, xs = xs[:n_dev], xs[n_dev:]
+        if cfg.max_examples is not None:
+            xs = xs[:cfg.max_examples]
+        train += xs
+        dev += d
+    files = list(dict.fromkeys(cfg.positive + cfg.negative + cfg.labelled + cfg.dev_positive
+                               + cfg.dev_negative + cfg.dev_labelled))
+    return Dataset(train, dev, {p: file_sha256(p) for p in files}, report)

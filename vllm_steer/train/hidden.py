@@ -1,0 +1,221 @@
+"""Final hidden states of the training texts, computed once.
+
+The model body is frozen, so the input of the output head (the final post-norm hidden state)
+of every training token never changes: compute it once (no grad, length-sorted batches, a
+progress bar), store it compactly (bfloat16 by default) and train the steer on it. The
+states are captured by a forward pre-hook on ``model.get_output_embeddings()`` that stops the
+forward there, so the head itself is never computed and any architecture works.
+
+Storage (:class:`HiddenStates`), all texts concatenated::
+
+    hidden   [total_tokens, hidden]  cache dtype
+    ids      [total_tokens]          token ids
+    offsets  [num_texts + 1]         text i is rows offsets[i]:offsets[i+1]
+    sides    [num_texts]             +1 positive, -1 negative
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from vllm_steer.hf import output_head
+
+
+class _Stop(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def capture_head_input(model, store: list):
+    """Inside the block a forward stops at the output head, appending its input to ``store``."""
+    def pre_hook(_module, args):
+        store.append(args[0].detach())
+        raise _Stop
+
+    handle = output_head(model).register_forward_pre_hook(pre_hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def final_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The head's input [B, T, hidden] for a padded batch (the head is not computed)."""
+    store: list[torch.Tensor] = []
+    with capture_head_input(model, store), torch.no_grad():
+        try:
+            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _Stop:
+            pass
+    if not store:
+        raise RuntimeError(f"{type(model).__name__}: the forward never reached the output head")
+    return store[0]
+
+
+def model_window(model) -> int | None:
+    cfg = model.config
+    for k in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
+        v = getattr(cfg, k, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+@dataclass
+class TokenizeReport:
+    texts: int = 0
+    truncated: int = 0
+    too_short: int = 0
+    """Texts of fewer than 2 tokens (nothing to predict), dropped."""
+    max_tokens_seen: int = 0
+    examples_truncated: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"texts": self.texts, "truncated": self.truncated, "dropped_too_short":
+                self.too_short, "max_tokens_before_truncation": self.max_tokens_seen}
+
+
+def tokenize(tokenizer, texts: Sequence[str], max_length: int, window: int | None,
+             where: Sequence[str] | None = None) -> tuple[list[list[int]], list[int], TokenizeReport]:
+    """Token ids per text (truncated to ``max_length``), the indices kept, and a report."""
+    if window is not None and max_length > window:
+        raise ValueError(f"--max-length {max_length} exceeds the model's context window of "
+                         f"{window} tokens; use --max-length {window} or less")
+    rep = TokenizeReport(texts=len(texts))
+    enc = tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+    ids_out, kept = [], []
+    for i, ids in enumerate(enc):
+        rep.max_tokens_seen = max(rep.max_tokens_seen, len(ids))
+        if len(ids) > max_length:
+            rep.truncated += 1
+            if where is not None and len(rep.examples_truncated) < 3:
+                rep.examples_truncated.append(where[i])
+            ids = ids[:max_length]
+        if len(ids) < 2:
+            rep.too_short += 1
+            continue
+        ids_out.append(list(ids))
+        kept.append(i)
+    return ids_out, kept, rep
+
+
+@dataclass
+class HiddenStates:
+    hidden: torch.Tensor
+    ids: torch.Tensor
+    offsets: torch.Tensor
+    sides: torch.Tensor
+
+    @property
+    def num_texts(self) -> int:
+        return int(self.sides.shape[0])
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.hidden.shape[0]) - self.num_texts
+
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def rows(self, text_idx: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor]:
+        """``(input_rows, target_rows, text_of_row)`` for texts ``text_idx``: every position
+        but the last predicts the next token."""
+        idx = torch.as_tensor(text_idx, dtype=torch.long)
+        starts = self.offsets[idx]
+        n = self.lengths()[idx] - 1
+        text_of_row = torch.repeat_interleave(idx, n)
+        base = torch.repeat_interleave(starts, n)
+        within = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+        inp = base + within
+        return inp, inp + 1, text_of_row
+
+    def batch(self, text_idx, device=None, signs: torch.Tensor | None = None):
+        """``(c [N, hidden], targets [N], row_signs [N])`` for texts ``text_idx``; the signs are
+        the texts' sides unless ``signs`` (per text of ``text_idx``) is given."""
+        inp, tgt, text_of_row = self.rows(text_idx)
+        c = self.hidden.index_select(0, inp)
+        t = self.ids.index_select(0, tgt).long()
+        s = self.sides.index_select(0, text_of_row).float()
+        return c.to(device), t.to(device), s.to(device)
+
+    def save(self, path: str, key: str) -> None:
+        from safetensors.torch import save_file
+
+        tmp = path + ".tmp"
+        save_file({"hidden": self.hidden.contiguous(), "ids": self.ids, "offsets": self.offsets,
+                   "sides": self.sides}, tmp, metadata={"key": key})
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str, key: str) -> "HiddenStates | None":
+        """The states saved at ``path`` if their key matches, else ``None``."""
+        from safetensors import safe_open
+
+        if not os.path.exists(path):
+            return None
+        try:
+            with safe_open(path, framework="pt") as f:
+                if (f.metadata() or {}).get("key") != key:
+                    return None
+                return cls(*(f.get_tensor(k) for k in ("hidden", "ids", "offsets", "sides")))
+        except Exception:  # a truncated cache is simply recomputed
+            return None
+
+
+def cache_key(model_path: str, model, texts: Sequence[str], sides: Sequence[int],
+              max_length: int, model_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps({"model": str(model_path), "config": model.config.to_json_string(),
+                         "max_length": max_length, "model_dtype": str(model_dtype),
+                         "cache_dtype": str(cache_dtype), "v": 1}, sort_keys=True).encode())
+    for t, s in zip(texts, sides):
+        h.update(f"{s}\x00{t}\x01".encode("utf-8", "replace"))
+    return h.hexdigest()
+
+
+def compute_hidden(model, tokenizer, ids_list: Sequence[Sequence[int]], sides: Sequence[int], *,
+                   cache_dtype: torch.dtype = torch.bfloat16, batch_tokens: int = 4096,
+                   progress: bool = True, desc: str = "hidden states") -> HiddenStates:
+    """Run the frozen model once over every text (length-sorted batches, right padding)."""
+    from tqdm.auto import tqdm
+
+    device = output_head(model).weight.device
+    d = output_head(model).weight.shape[1]
+    lens = torch.tensor([len(x) for x in ids_list], dtype=torch.long)
+    offsets = torch.zeros(len(ids_list) + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(lens, 0)
+    total = int(offsets[-1])
+    hidden = torch.empty(total, d, dtype=cache_dtype)
+    ids = torch.empty(total, dtype=torch.int32)
+    for i, x in enumerate(ids_list):
+        ids[offsets[i]:offsets[i + 1]] = torch.as_tensor(x, dtype=torch.int32)
+    order = sorted(range(len(ids_list)), key=lambda i: -len(ids_list[i]))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    bar = tqdm(total=total, desc=desc, unit="tok", disable=not progress, leave=False)
+    i = 0
+    while i < len(order):
+        T = len(ids_list[order[i]])
+        B = max(1, batch_tokens // T)
+        chunk = order[i:i + B]
+        inp = torch.full((len(chunk), T), pad, dtype=torch.long)
+        att = torch.zeros((len(chunk), T), dtype=torch.long)
+        for j, k in enumerate(chunk):
+            x = ids_list[k]
+            inp[j, :len(x)] = torch.as_tensor(x)
+            att[j, :len(x)] = 1
+        h = final_hidden(model, inp.to(device), att.to(device)).to("cpu")
+        for j, k in enumerate(chunk):
+            L = len(ids_list[k])
+            hidden[offsets[k]:offsets[k] + L] = h[j, :L].to(cache_dtype)
+        bar.update(int(att.sum()))
+        i += len(chunk)
+    bar.close()
+    return HiddenStates(hidden, ids, offsets, torch.as_tensor(list(sides), dtype=torch.int8))

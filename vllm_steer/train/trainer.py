@@ -1,0 +1,351 @@
+"""Offline steer training: hidden states once, then Adam steps that cost only the head.
+
+    result = train_steer(TrainConfig(model="smollm2", rank=64, steps=300),
+                         preset_data_config("detox"), out="detox.safetensors")
+
+Semantics: see :mod:`vllm_steer.reference` (via :mod:`vllm_steer.train.module`). The batch
+order is a pure function of (seed, step), so a run resumed from a checkpoint gives the same
+steer as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from vllm_steer.format import Steer, save_steer
+from vllm_steer.train.config import DataConfig, TrainConfig
+from vllm_steer.train.data import PRESETS, Dataset, load_dataset
+from vllm_steer.train.hidden import (HiddenStates, cache_key, compute_hidden, final_hidden,
+                                     model_window, tokenize)
+from vllm_steer.train.module import (LMSteer, dtype_name, load_model, resolve_device,
+                                     resolve_dtype)
+
+CHECKPOINT_NAME = "state.pt"
+CHECKPOINT_FORMAT = "vllm-steer-train-checkpoint"
+#: Recipe fields that may differ between a checkpoint and the resumed run.
+RESUMABLE_CHANGES = {"steps", "eval_every", "checkpoint_every", "device", "chunk_tokens",
+                     "cache_batch_tokens", "final_eval_max_texts", "check_strengths"}
+
+
+class BatchSchedule:
+    """Step -> text indices: a seeded permutation per epoch, cut in batches."""
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        self.n, self.bs, self.seed = n, min(batch_size, n), seed
+        self.per_epoch = math.ceil(n / self.bs)
+        self._perm: tuple[int, torch.Tensor] | None = None
+
+    def indices(self, step: int) -> torch.Tensor:
+        epoch, k = divmod(step, self.per_epoch)
+        if self._perm is None or self._perm[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = (epoch, torch.randperm(self.n, generator=g))
+        return self._perm[1][k * self.bs:(k + 1) * self.bs]
+
+
+@dataclass
+class Prepared:
+    """Everything a training run needs, loaded once (also used by tests and benchmarks)."""
+
+    cfg: TrainConfig
+    device: torch.device
+    model: Any
+    tokenizer: Any
+    model_path: str
+    dataset: Dataset
+    train_ids: list[list[int]]
+    dev_ids: list[list[int]]
+    train_sides: list[int]
+    dev_sides: list[int]
+    reports: dict[str, Any]
+    head_dtype: torch.dtype
+    model_dtype: torch.dtype
+    cache_dtype: torch.dtype
+
+
+def prepare(cfg: TrainConfig, data: DataConfig | Dataset, log: Callable[[str], None] = print
+            ) -> Prepared:
+    """Validate, load the model and the data, tokenize (truncation counted)."""
+    cfg.validate()
+    device = resolve_device(cfg.device)
+    model_dtype = resolve_dtype(cfg.model_dtype, device, "model_dtype")
+    cache_dtype = resolve_dtype(cfg.cache_dtype, device, "cache_dtype")
+    head_dtype = resolve_dtype(cfg.head_dtype, device, "head_dtype")
+    dataset = data if isinstance(data, Dataset) else load_dataset(data, cfg.seed)
+    model, tok, path = load_model(cfg.model, device, model_dtype)
+    window = model_window(model)
+    reports = {}
+    out = {}
+    for split, xs in (("train", dataset.train), ("dev", dataset.dev)):
+        ids, kept, rep = tokenize(tok, [e.text for e in xs], cfg.max_length, window,
+                                  [e.where for e in xs])
+        out[split] = (ids, [xs[i].side for i in kept])
+        reports[split] = rep.to_dict()
+        if rep.truncated:
+            log(f"[train] {split}: {rep.truncated} of {rep.texts} texts longer than "
+                f"--max-length {cfg.max_length} tokens were truncated (longest "
+                f"{rep.max_tokens_seen} tokens; e.g. {', '.join(rep.examples_truncated)})")
+        if rep.too_short:
+            log(f"[train] {split}: {rep.too_short} texts of fewer than 2 tokens dropped")
+    sides = out["train"][1]
+    if not (any(s > 0 for s in sides) and any(s < 0 for s in sides)):
+        raise ValueError("after tokenization the training set lacks one side entirely")
+    return Prepared(cfg, device, model, tok, path, dataset, out["train"][0], out["dev"][0],
+                    out["train"][1], out["dev"][1], reports, head_dtype, model_dtype,
+                    cache_dtype)
+
+
+def check_head(prep: Prepared, lm: LMSteer) -> float:
+    """Max |logit| difference between the model and head(final hidden state) on one text;
+    raises if the model computes its logits in a way the trainer does not reproduce."""
+    ids = torch.tensor([prep.train_ids[0][:32]], device=prep.device)
+    att = torch.ones_like(ids)
+    with torch.no_grad():
+        ref = prep.model(input_ids=ids, attention_mask=att).logits[0].float()
+        c = final_hidden(prep.model, ids, att)[0]
+        ours = lm.head.logits(c, c.dtype)
+    err = float((ref - ours).abs().max())
+    scale = float(ref.abs().max()) + 1e-6
+    if err > 1e-2 * scale + 1e-3:
+        raise RuntimeError(f"{type(prep.model).__name__}: its logits differ from "
+                           f"head(final hidden state) by up to {err:.3g} (logits up to {scale:.3g})"
+                           "; the model post-processes logits in a way the trainer does not "
+                           "reproduce")
+    return err
+
+
+def hidden_states(prep: Prepared, split: str, ckpt_dir: str | None, progress: bool,
+                  log: Callable[[str], None] = print) -> HiddenStates:
+    """The split's hidden states, from ``ckpt_dir`` when already computed for this exact
+    model, data and recipe, else computed (and saved there)."""
+    ids = prep.train_ids if split == "train" else prep.dev_ids
+    sides = prep.train_sides if split == "train" else prep.dev_sides
+    texts = ["\x02".join(map(str, x)) for x in ids]
+    key = cache_key(prep.model_path, prep.model, texts, sides, prep.cfg.max_length,
+                    prep.model_dtype, prep.cache_dtype)
+    path = os.path.join(ckpt_dir, f"hidden-{split}.safetensors") if ckpt_dir else None
+    if path:
+        hs = HiddenStates.load(path, key)
+        if hs is not None:
+            log(f"[train] {split}: reusing the hidden states in {path}")
+            return hs
+    hs = compute_hidden(prep.model, prep.tokenizer, ids, sides, cache_dtype=prep.cache_dtype,
+                        batch_tokens=prep.cfg.cache_batch_tokens, progress=progress,
+                        desc=f"{split} hidden states")
+    if path:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        hs.save(path, key)
+    return hs
+
+
+def mean_loss(lm: LMSteer, hs: HiddenStates, text_idx=None, *, strength: float | None = None,
+              domain: float = 1.0, head_dtype=torch.float32, chunk_tokens: int = 1024,
+              device=None, batch_texts: int = 64) -> float:
+    """Token-mean loss over texts ``text_idx`` (default all). ``strength=None``: the training
+    objective (style sign = the text's side, domain on); a number: that style strength (units
+    of epsilon) on every text, with ``domain`` times the domain steer."""
+    idx = torch.arange(hs.num_texts) if text_idx is None else torch.as_tensor(text_idx)
+    tot, n = 0.0, 0
+    for a in range(0, len(idx), batch_texts):
+        c, t, s = hs.batch(idx[a:a + batch_texts], device)
+        if strength is not None:
+            s = torch.full_like(s, float(strength))
+        loss = lm.loss_backward(c, t, s, head_dtype=head_dtype, chunk_tokens=chunk_tokens,
+                                domain=domain, backward=False)
+        tot += loss * len(t)
+        n += len(t)
+    return tot / max(n, 1)
+
+
+def steer_check(lm: LMSteer, hs: HiddenStates, strengths, **kw) -> dict[str, Any]:
+    """Dev losses per side at strengths 0, +-s (no domain, as served): a working steer lowers
+    the positive side's loss at +s and the negative side's at -s."""
+    out: dict[str, Any] = {}
+    for side_name, side in (("positive", 1), ("negative", -1)):
+        idx = torch.nonzero(hs.sides == side).flatten()
+        if len(idx) == 0:
+            continue
+        row = {"0": mean_loss(lm, hs, idx, strength=0.0, domain=0.0, **kw)}
+        for s in strengths:
+            for v in (s, -s):
+                row[f"{v:+g}"] = mean_loss(lm, hs, idx, strength=v, domain=0.0, **kw)
+        out[side_name] = row
+    return out
+
+
+def _save_checkpoint(path: str, lm: LMSteer, opt, step: int, recipe: dict, data_desc: dict,
+                     history: list) -> None:
+    state = {"format": CHECKPOINT_FORMAT, "version": 1, "step": step,
+             "factors": lm.factor_state(), "optimizer": opt.state_dict(),
+             "recipe": json.dumps(recipe, sort_keys=True),
+             "data": json.dumps(data_desc, sort_keys=True), "history": json.dumps(history)}
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _load_checkpoint(path: str, recipe: dict, data_desc: dict) -> dict:
+    state = torch.load(path, map_location="cpu", weights_only=True)  # our own file: no pickle
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path}: not a vllm-steer training checkpoint")
+    old = json.loads(state["recipe"])
+    diffs = [f"{k}: checkpoint {old.get(k)!r}, now {recipe.get(k)!r}" for k in sorted(recipe)
+             if k not in RESUMABLE_CHANGES and old.get(k) != recipe.get(k)]
+    old_data = json.loads(state["data"])
+    if old_data.get("sha256") != data_desc.get("sha256"):
+        diffs.append("the training files changed (sha256 differs)")
+    if old_data.get("config") != data_desc.get("config"):
+        diffs.append("the data configuration changed")
+    if diffs:
+        raise ValueError(f"cannot resume from {path}: the run differs from the checkpoint's:\n"
+                         + "\n".join(f"  - {d}" for d in diffs)
+                         + "\n(run without --resume to start over)")
+    return state
+
+
+@dataclass
+class TrainResult:
+    steer: Steer
+    path: str | None
+    metrics: dict[str, Any]
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = None, *,
+                name: str | None = None, labels: dict[str, str] | None = None,
+                resume: bool = False, checkpoint_dir: str | None = None,
+                keep_checkpoint: bool = False, recommended_strength: float | None = None,
+                progress: bool = True, log: Callable[[str], None] | None = None,
+                prepared: Prepared | None = None) -> TrainResult:
+    """Train a steer and (if ``out``) write it as a steer file. See the module docstring."""
+    from tqdm.auto import tqdm
+
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    t0 = time.perf_counter()
+    data_cfg = data if isinstance(data, DataConfig) else None
+    prep = prepared or prepare(cfg, data, log)
+    ds = prep.dataset
+    preset = PRESETS.get(data_cfg.preset) if data_cfg and data_cfg.preset else None
+    name = name or (preset.name if preset else
+                    (os.path.basename(out).split(".")[0] if out else "steer"))
+    labels = labels or (dict(preset.labels) if preset else {})
+    recipe = cfg.to_dict()
+    data_desc = ds.describe(data_cfg) if data_cfg else {"sha256": ds.sha256,
+                                                         "counts": ds.counts(), "config": None}
+    data_desc["tokenization"] = prep.reports
+    if checkpoint_dir is None and out and (cfg.checkpoint_every > 0 or resume):
+        checkpoint_dir = out + ".ckpt"
+    ckpt_path = os.path.join(checkpoint_dir, CHECKPOINT_NAME) if checkpoint_dir else None
+
+    lm = LMSteer(prep.model, cfg.rank, cfg.domain_rank, cfg.epsilon, cfg.init_std, cfg.seed)
+    check_head(prep, lm)
+    opt = torch.optim.Adam(lm.factor_params(), lr=cfg.lr)
+    start, history = 0, []
+    if resume:
+        if not (ckpt_path and os.path.exists(ckpt_path)):
+            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; run without "
+                                    "--resume to start")
+        state = _load_checkpoint(ckpt_path, recipe, data_desc)
+        lm.load_factors(state["factors"])
+        opt.load_state_dict(state["optimizer"])
+        start, history = int(state["step"]), json.loads(state["history"])
+        log(f"[train] resuming from step {start} ({ckpt_path})")
+    elif ckpt_path and os.path.exists(ckpt_path):
+        log(f"[train] note: starting over; the checkpoint in {checkpoint_dir} is replaced "
+            "(--resume continues it)")
+
+    t_h = time.perf_counter()
+    train_hs = hidden_states(prep, "train", checkpoint_dir, progress, log)
+    dev_hs = hidden_states(prep, "dev", checkpoint_dir, progress, log) if prep.dev_ids else None
+    t_h = time.perf_counter() - t_h
+    kw = dict(head_dtype=prep.head_dtype, chunk_tokens=cfg.chunk_tokens, device=prep.device)
+    log(f"[train] {name}: {train_hs.num_texts} train texts ({train_hs.num_targets} tokens), "
+        f"{dev_hs.num_texts if dev_hs else 0} dev texts; rank {lm.rank} + domain "
+        f"{lm.domain_rank}; head {dtype_name(prep.head_dtype)} ({lm.route(prep.head_dtype)}); "
+        f"hidden states in {t_h:.1f}s")
+
+    metrics: dict[str, Any] = {}
+    if start == 0 and dev_hs is not None:
+        history.append({"step": 0, "dev_loss": mean_loss(lm, dev_hs, **kw)})
+    sched = BatchSchedule(train_hs.num_texts, cfg.batch_size, cfg.seed)
+    t_train = time.perf_counter()
+    window: list[float] = []
+    bar = tqdm(range(start, cfg.steps), desc=f"train {name}", disable=not progress,
+               initial=start, total=cfg.steps)
+    for step in bar:
+        c, t, s = train_hs.batch(sched.indices(step), prep.device)
+        opt.zero_grad(set_to_none=True)
+        loss = lm.loss_backward(c, t, s, head_dtype=prep.head_dtype,
+                                chunk_tokens=cfg.chunk_tokens)
+        if cfg.regularization > 0:
+            (cfg.regularization * lm.regularization()).backward()
+        opt.step()
+        window.append(loss)
+        bar.set_postfix(loss=f"{sum(window[-20:]) / len(window[-20:]):.4f}")
+        done = step + 1
+        last = done == cfg.steps
+        if (cfg.eval_every and done % cfg.eval_every == 0) or last:
+            entry = {"step": done, "train_loss": sum(window) / len(window)}
+            if dev_hs is not None:
+                entry["dev_loss"] = mean_loss(lm, dev_hs, **kw)
+            history.append(entry)
+            window = []
+        if ckpt_path and cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or last):
+            _save_checkpoint(ckpt_path, lm, opt, done, recipe, data_desc, history)
+    bar.close()
+    t_train = time.perf_counter() - t_train
+
+    t_e = time.perf_counter()
+    n_final = min(train_hs.num_texts, cfg.final_eval_max_texts)
+    g = torch.Generator().manual_seed(cfg.seed)
+    final_idx = torch.randperm(train_hs.num_texts, generator=g)[:n_final]
+    metrics["train_loss"] = mean_loss(lm, train_hs, final_idx, **kw)
+    metrics["train_loss_texts"] = n_final
+    if dev_hs is not None:
+        metrics["dev_loss"] = mean_loss(lm, dev_hs, **kw)
+        metrics["dev_check"] = steer_check(lm, dev_hs, cfg.check_strengths, **kw)
+    metrics["dev_loss_initial"] = next((h["dev_loss"] for h in history if h["step"] == 0), None)
+    metrics["steps"] = cfg.steps
+    metrics["history"] = history
+    metrics["wall_s"] = {"hidden_states": round(t_h, 2), "train": round(t_train, 2),
+                         "final_eval": round(time.perf_counter() - t_e, 2),
+                         "total": round(time.perf_counter() - t0, 2)}
+    metrics["train_tokens"] = train_hs.num_targets
+    metrics["resolved_dtypes"] = {"model": dtype_name(prep.model_dtype),
+                                  "cache": dtype_name(prep.cache_dtype),
+                                  "head": dtype_name(prep.head_dtype)}
+    rec = 5.0 if recommended_strength is None else float(recommended_strength)
+    steer = lm.to_steer(name, base_model=cfg.model if cfg.model == "smollm2" else prep.model_path,
+                        labels=labels, domain="none", recommended_strength=rec,
+                        recipe=recipe, data=data_desc, metrics=metrics)
+    if out:
+        save_steer(out, steer)
+        log(f"[train] wrote {out}")
+    if checkpoint_dir and not keep_checkpoint and os.path.isdir(checkpoint_dir):
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)
+    _log_summary(log, metrics)
+    return TrainResult(steer, out, metrics, history)
+
+
+def _log_summary(log, m: dict[str, Any]) -> None:
+    parts = [f"train loss {m['train_loss']:.4f}"]
+    if m.get("dev_loss") is not None:
+        init = m.get("dev_loss_initial")
+        parts.append(f"dev loss {m['dev_loss']:.4f}" +
+                     (f" (initially {init:.4f})" if init is not None else ""))
+    log("[train] " + ", ".join(parts) + f"; {m['wall_s']['total']:.1f}s in all")
+    for side, row in (m.get("dev_check") or {}).items():
+        sign = 1 if side == "positive" else -1
+        cells = ", ".join(f"s={k}: {v:.4f}" for k, v in row.items())
+        best = min(row, key=row.get)
+        log(f"[train] dev {side} texts (want lower at {'+' if sign > 0 else '-'}s): {cells}; "
+            f"lowest at s={best}")
