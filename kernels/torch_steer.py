@@ -129,20 +129,23 @@ def steer_torch(
     if strategy == "concat" or len(steers) == 1:
         if len(steers) == 1:
             k = steers[0]
-            w1, w2 = p1[:, offs[k]:offs[k + 1]].float(), p2[:, offs[k]:offs[k + 1]].float()
+            cols = lambda p: p[:, offs[k]:offs[k + 1]]  # noqa: E731
             scale = co[:, k:k + 1]
         else:
             if len(steers) == K:
-                w1, w2, scale = p1.float(), p2.float(), co  # no copy when the factors are fp32
+                cols = lambda p: p  # noqa: E731  (no copy when the factors are fp32)
+                scale = co
             else:
-                w1 = torch.cat([p1[:, offs[k]:offs[k + 1]] for k in steers], dim=1).float()
-                w2 = torch.cat([p2[:, offs[k]:offs[k + 1]] for k in steers], dim=1).float()
+                cols = lambda p: torch.cat([p[:, offs[k]:offs[k + 1]] for k in steers], 1)  # noqa
                 scale = co.index_select(1, torch.tensor(steers, device=co.device))
-            ranks = torch.tensor([offs[k + 1] - offs[k] for k in steers], device=co.device)
-            scale = torch.repeat_interleave(scale, ranks, dim=1, output_size=w1.shape[1])
-        down = c @ w1  # [rows_a, R_a]
+            ranks = [offs[k + 1] - offs[k] for k in steers]
+            scale = torch.repeat_interleave(scale, torch.tensor(ranks, device=co.device), dim=1,
+                                            output_size=sum(ranks))
+        # One fp32 factor alive at a time: two fresh multi-MB copies at once make the CPU
+        # allocator return fresh pages each call (page faults cost more than the GEMMs).
+        down = c @ cols(p1).float()  # [rows_a, R_a]
         down.mul_(scale)
-        c.addmm_(down, w2.T)  # c + delta, fp32
+        c.addmm_(down, cols(p2).float().T)  # c + delta, fp32
     else:
         # Steers used by every active row: GEMMs on c itself. The others: all their
         # (row, steer) pairs gathered at once, grouped by steer, two GEMMs per steer on a
