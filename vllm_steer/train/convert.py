@@ -132,20 +132,6 @@ def convert_checkpoint(path: str, *, allow_pickle: bool = False, steer_index: in
                               if k in args})
 
 
-def paper_formula_logits(hidden: torch.Tensor, p1: torch.Tensor, p2: torch.Tensor,
-                         values, epsilon: float, lm_head_weight: torch.Tensor,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The paper's Projected_Adaptor math, verbatim in spirit, for checking conversions:
-    ``(h + eps * sum_i v_i (h P1_i) P2_i^T) E^T``."""
-    h = hidden.float()
-    v = torch.as_tensor(values, dtype=torch.float32)
-    delta = torch.zeros_like(h)
-    for i in range(p1.shape[0]):
-        delta += v[i] * (h @ p1[i].float()) @ p2[i].float().T
-    out = (h + epsilon * delta) @ lm_head_weight.float().T
-    return out if bias is None else out + bias.float()
-
-
 def describe(steer: Steer) -> str:
     m = steer.metadata
     return json.dumps({"name": m.name, "hidden_size": m.hidden_size, "rank": m.rank,

@@ -52,6 +52,22 @@ class BatchSchedule:
         return self._perm[1][k * self.bs:(k + 1) * self.bs]
 
 
+def pad_batch(ids_list, pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``(input_ids, attention_mask)`` for the full-model path."""
+    T = max(len(x) for x in ids_list)
+    inp = torch.full((len(ids_list), T), pad_id, dtype=torch.long)
+    att = torch.zeros((len(ids_list), T), dtype=torch.long)
+    for j, x in enumerate(ids_list):
+        inp[j, :len(x)] = torch.as_tensor(x)
+        att[j, :len(x)] = 1
+    return inp.to(device), att.to(device)
+
+
+#: Recipe fields that :func:`prepare` depends on (a shared ``Prepared`` must agree on them).
+PREPARE_FIELDS = ("model", "max_length", "seed", "device", "model_dtype", "cache_dtype",
+                  "head_dtype")
+
+
 @dataclass
 class Prepared:
     """Everything a training run needs, loaded once (also used by tests and benchmarks)."""
@@ -233,6 +249,9 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
     t0 = time.perf_counter()
     data_cfg = data if isinstance(data, DataConfig) else None
     prep = prepared or prepare(cfg, data, log)
+    diff = [k for k in PREPARE_FIELDS if getattr(prep.cfg, k) != getattr(cfg, k)]
+    if diff:
+        raise ValueError(f"the prepared data was made with a different {', '.join(diff)}")
     ds = prep.dataset
     preset = PRESETS.get(data_cfg.preset) if data_cfg and data_cfg.preset else None
     name = name or (preset.name if preset else

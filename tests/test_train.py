@@ -1,0 +1,258 @@
+"""The trainer (vllm_steer.train.module / hidden / trainer) on the tiny model with synthetic,
+separable data: the math against the reference, cached-state training against full-model
+training, a short real run that steers held-out texts, the steer file, resume and seeds."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from vllm_steer.format import load_steer, read_metadata
+from vllm_steer.hf import token_logprobs
+from vllm_steer.reference import steered_logits_reference
+from vllm_steer.train.config import DataConfig, TrainConfig
+from vllm_steer.train.hidden import compute_hidden, final_hidden
+from vllm_steer.train.module import LMSteer
+from vllm_steer.train.trainer import BatchSchedule, pad_batch, prepare, train_steer
+
+POS_WORDS = "happy good great lovely wonderful kind sunny bright joyful nice".split()
+NEG_WORDS = "sad bad awful terrible horrible cruel dark gloomy nasty ugly".split()
+FILL = "the a day was and it felt very so we".split()
+
+
+def _texts(words, n, seed):
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) if rng.random() < 0.5 else rng.choice(FILL)
+                     for _ in range(8)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    d = tmp_path_factory.mktemp("synth")
+    files = {}
+    for name, words, n, seed in (("pos", POS_WORDS, 80, 1), ("neg", NEG_WORDS, 80, 2),
+                                 ("dev_pos", POS_WORDS, 12, 3), ("dev_neg", NEG_WORDS, 12, 4)):
+        files[name] = d / f"{name}.txt"
+        files[name].write_text("\n".join(_texts(words, n, seed)))
+    return files
+
+
+def _data(synth) -> DataConfig:
+    return DataConfig(positive=[str(synth["pos"])], negative=[str(synth["neg"])],
+                      dev_positive=[str(synth["dev_pos"])], dev_negative=[str(synth["dev_neg"])])
+
+
+def _cfg(model_dir, **kw) -> TrainConfig:
+    base = dict(model=str(model_dir), rank=8, domain_rank=8, steps=40, batch_size=8,
+                max_length=32, eval_every=20, checkpoint_every=0, check_strengths=(5.0,),
+                model_dtype="float32", cache_dtype="float32", head_dtype="float32",
+                final_eval_max_texts=40)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def prep(tiny_model_dir, synth):
+    return prepare(_cfg(tiny_model_dir), _data(synth), log=lambda m: None)
+
+
+def _hidden_batch(prep, n=6):
+    ids, att = pad_batch(prep.train_ids[:n], 0)
+    h = final_hidden(prep.model, ids, att)
+    return h[att.bool()]
+
+
+def test_steered_logits_equal_reference(prep):
+    lm = LMSteer(prep.model, rank=4, domain_rank=3, epsilon=1e-3, init_std=0.5, seed=0)
+    c = _hidden_batch(prep)
+    signs = torch.tensor([1.0, -1.0]).repeat(c.shape[0])[:c.shape[0]]
+    head = prep.model.get_output_embeddings()
+    coefs = torch.stack([signs * 1e-3, torch.full_like(signs, 1e-3)], 1)
+    want = steered_logits_reference(c, head.weight, torch.cat([lm.p1, lm.q1], 1).detach(),
+                                    torch.cat([lm.p2, lm.q2], 1).detach(), [0, 4, 7], coefs)
+    with torch.no_grad():
+        torch.testing.assert_close(lm.logits(c, signs), want, rtol=1e-5, atol=1e-5)
+        # the steer matters at this scale (so the comparison above is not vacuous)
+        assert (want - c @ head.weight.T).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("rank", [4, 64])  # 4: low-rank route, 64 (= hidden): dense route
+def test_fused_step_matches_autograd(prep, rank):
+    lm = LMSteer(prep.model, rank=rank, epsilon=1e-3, init_std=0.3, seed=1)
+    c = _hidden_batch(prep)
+    t = torch.randint(0, 49152, (c.shape[0],), generator=torch.Generator().manual_seed(0))
+    s = (torch.arange(c.shape[0]) % 2).float() * 2 - 1
+    assert lm.route(torch.float32) == ("lowrank" if rank == 4 else "dense")
+
+    def run(fn):
+        for p in lm.factor_params():
+            p.grad = None
+        loss = fn()
+        return loss, torch.cat([p.grad.flatten() for p in lm.factor_params()])
+
+    ref_loss, ref_g = run(lambda: lm._loss_backward_autograd(c, t, s, torch.float32, 10**6,
+                                                              1.0, True))
+    for hd, chunk, tol in ((torch.float32, 10**6, 1e-5), (torch.float32, 7, 1e-5),
+                           (torch.bfloat16, 16, 3e-2)):
+        loss, g = run(lambda: lm.loss_backward(c, t, s, head_dtype=hd, chunk_tokens=chunk))
+        assert loss == pytest.approx(ref_loss, rel=tol)
+        assert float((g - ref_g).norm() / ref_g.norm()) < tol * 10, (hd, chunk)
+
+
+def test_cached_training_equals_full_model_training(prep):
+    """Same seed, same batches, 4 Adam steps: training on cached hidden states (float32) and
+    training through the whole model give the same steer. Tolerance: the step-0 gradients
+    agree to 1e-4 relative and the final W = P2 P1^T to 1e-3 relative (Frobenius)."""
+    cfg = prep.cfg
+    hs = compute_hidden(prep.model, prep.tokenizer, prep.train_ids, prep.train_sides,
+                        cache_dtype=torch.float32, progress=False)
+    sched = BatchSchedule(hs.num_texts, cfg.batch_size, cfg.seed)
+    lms = [LMSteer(prep.model, 8, 8, cfg.epsilon, cfg.init_std, cfg.seed) for _ in range(2)]
+    opts = [torch.optim.Adam(lm.factor_params(), lr=cfg.lr) for lm in lms]
+    grads0 = []
+    for step in range(4):
+        idx = sched.indices(step)
+        c, t, s = hs.batch(idx)
+        for k, (lm, opt) in enumerate(zip(lms, opts)):
+            opt.zero_grad()
+            if k == 0:
+                lm.loss_backward(c, t, s, head_dtype=torch.float32)
+            else:
+                ids, att = pad_batch([prep.train_ids[i] for i in idx], 0)
+                signs = torch.tensor([float(prep.train_sides[i]) for i in idx])
+                lm.full_loss(ids, att, signs).backward()
+            if step == 0:
+                grads0.append(torch.cat([p.grad.flatten() for p in lm.factor_params()]))
+            opt.step()
+    assert float((grads0[0] - grads0[1]).norm() / grads0[1].norm()) < 1e-4
+    w = [(lm.p2 @ lm.p1.T).detach() for lm in lms]
+    moved = [(w_ - (LMSteer(prep.model, 8, 8, cfg.epsilon, cfg.init_std, cfg.seed).p2 @
+                    LMSteer(prep.model, 8, 8, cfg.epsilon, cfg.init_std, cfg.seed).p1.T)
+              ).norm() for w_ in w]
+    assert all(m > 0.1 for m in moved)  # training moved the steer
+    assert float((w[0] - w[1]).norm() / w[1].norm()) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def trained(prep, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out") / "syn.safetensors"
+    res = train_steer(prep.cfg, _data_from(prep), str(out), name="syn",
+                      labels={"positive": "upbeat", "negative": "gloomy"}, progress=False,
+                      log=lambda m: None, prepared=prep)
+    return res, out
+
+
+def _data_from(prep):
+    return prep.dataset
+
+
+def test_trained_steer_steers_held_out_texts(trained, prep):
+    """The user-visible claim, measured with the saved file through hf.token_logprobs on
+    the dev texts (never trained on): +s lowers the positive texts' loss, -s the negative
+    texts', relative to s = 0."""
+    res, out = trained
+    steer = load_steer(out)
+    pos = [e.text for e in prep.dataset.dev if e.side > 0]
+    neg = [e.text for e in prep.dataset.dev if e.side < 0]
+
+    def nll(texts, s):
+        lps = token_logprobs(prep.model, prep.tokenizer, texts, steers=steer, strengths=s)
+        return -float(torch.cat(lps).mean())
+
+    p0, pp, pn = nll(pos, 0.0), nll(pos, 5.0), nll(pos, -5.0)
+    n0, np_, nn_ = nll(neg, 0.0), nll(neg, 5.0), nll(neg, -5.0)
+    assert pp < p0 < pn, (pp, p0, pn)
+    assert nn_ < n0 < np_, (nn_, n0, np_)
+    # the metadata's own dev check says the same, with the same numbers
+    chk = res.metrics["dev_check"]
+    assert chk["positive"]["+5"] < chk["positive"]["0"]
+    assert chk["negative"]["-5"] < chk["negative"]["0"]
+    assert chk["positive"]["0"] == pytest.approx(p0, rel=1e-3)
+    assert chk["negative"]["-5"] == pytest.approx(nn_, rel=1e-3)
+    # and training lowered the held-out objective
+    assert res.metrics["dev_loss"] < res.metrics["dev_loss_initial"]
+
+
+def test_steer_file_records_the_recipe(trained, prep):
+    res, out = trained
+    meta = read_metadata(out)
+    steer = load_steer(out)
+    assert meta.name == "syn" and meta.hidden_size == 64 and meta.rank == 8
+    assert meta.epsilon == 1e-3 and meta.domain == "none" and meta.recommended_strength == 5.0
+    assert meta.labels == {"positive": "upbeat", "negative": "gloomy"}
+    assert meta.base_model == prep.model_path
+    assert steer.domain_p1.shape == (64, 8) and steer.p1.shape == (64, 8)
+    assert meta.recipe["lr"] == 1e-2 and meta.recipe["steps"] == 40 and meta.recipe["seed"] == 0
+    assert meta.recipe["init_std"] == 1e-2 and meta.recipe["batch_size"] == 8
+    assert set(meta.data["sha256"]) == set(prep.dataset.sha256)
+    assert all(len(h) == 64 for h in meta.data["sha256"].values())
+    assert meta.data["counts"]["train"] == {"positive": 80, "negative": 80}
+    for k in ("train_loss", "dev_loss", "dev_loss_initial"):
+        assert isinstance(meta.metrics[k], float) and 0 < meta.metrics[k] < 100
+    assert [h["step"] for h in meta.metrics["history"]] == [0, 20, 40]
+    # steered forward of the file equals the trained module's factors
+    torch.testing.assert_close(steer.p1, res.steer.p1)
+
+
+def test_resume_equals_uninterrupted_and_seed_repeats(prep, tmp_path):
+    cfg6 = _cfg(prep.cfg.model, steps=6, checkpoint_every=3, eval_every=3)
+    kw = dict(progress=False, log=lambda m: None, prepared=prep)
+    full = train_steer(cfg6, prep.dataset, str(tmp_path / "full.safetensors"), **kw)
+    again = train_steer(cfg6, prep.dataset, None, **kw)
+    assert torch.equal(full.steer.p1, again.steer.p1)
+    other = train_steer(_cfg(prep.cfg.model, steps=6, seed=1, checkpoint_every=0),
+                        prep.dataset, None, progress=False, log=lambda m: None)
+    assert not torch.allclose(full.steer.p1, other.steer.p1)
+    # "interrupted" after 3 steps (checkpoint kept), then resumed to 6
+    out = str(tmp_path / "part.safetensors")
+    cfg3 = _cfg(prep.cfg.model, steps=3, checkpoint_every=3, eval_every=3)
+    train_steer(cfg3, prep.dataset, out, keep_checkpoint=True, **kw)
+    assert (tmp_path / "part.safetensors.ckpt" / "state.pt").exists()
+    assert (tmp_path / "part.safetensors.ckpt" / "hidden-train.safetensors").exists()
+    logs = []
+    resumed = train_steer(cfg6, prep.dataset, out, resume=True, progress=False,
+                          log=logs.append, prepared=prep)
+    assert any("resuming from step 3" in m for m in logs)
+    assert any("reusing the hidden states" in m for m in logs)
+    assert torch.equal(resumed.steer.p1, full.steer.p1)
+    assert torch.equal(resumed.steer.domain_p2, full.steer.domain_p2)
+    assert resumed.metrics["dev_loss"] == full.metrics["dev_loss"]
+    assert not (tmp_path / "part.safetensors.ckpt").exists()  # removed after success
+
+
+def test_resume_refuses_a_different_recipe(prep, tmp_path):
+    out = str(tmp_path / "s.safetensors")
+    kw = dict(progress=False, log=lambda m: None, prepared=prep)
+    train_steer(_cfg(prep.cfg.model, steps=2, checkpoint_every=2), prep.dataset, out,
+                keep_checkpoint=True, **kw)
+    with pytest.raises(ValueError, match=r"(?s)cannot resume.*lr: checkpoint 0.01, now 0.05"):
+        train_steer(_cfg(prep.cfg.model, steps=4, lr=0.05, checkpoint_every=2), prep.dataset,
+                    out, resume=True, **kw)
+    with pytest.raises(FileNotFoundError, match="--resume: no checkpoint"):
+        train_steer(_cfg(prep.cfg.model, steps=4), prep.dataset, str(tmp_path / "x.safetensors"),
+                    resume=True, **kw)
+
+
+def test_cli_train_writes_a_steer_and_reports_bad_input(tiny_model_dir, synth, tmp_path, capsys):
+    from vllm_steer.cli import main
+
+    out = tmp_path / "cli.safetensors"
+    rc = main(["train", "--model", str(tiny_model_dir), "--positive", str(synth["pos"]),
+               "--negative", str(synth["neg"]), "--out", str(out), "--rank", "4", "--steps", "3",
+               "--batch-size", "4", "--max-examples", "12", "--check-strengths", "5",
+               "--positive-means", "upbeat", "--quiet", "--head-dtype", "float32"])
+    assert rc == 0
+    meta = read_metadata(out)
+    assert meta.rank == 4 and meta.labels == {"positive": "upbeat"}
+    assert meta.data["counts"]["train"] == {"positive": 12, "negative": 12}
+    assert json.loads(meta.to_json())["recipe"]["steps"] == 3
+    rc = main(["train", "--model", str(tiny_model_dir), "--positive", str(synth["pos"]),
+               "--negative", str(tmp_path / "missing.txt"), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "missing.txt: no such file" in err
+    rc = main(["train", "--model", str(tiny_model_dir), "--positive", str(synth["pos"]),
+               "--negative", str(synth["neg"]), "--out", str(out), "--max-length", "100000"])
+    assert rc == 1 and "exceeds the model's context window of 512" in capsys.readouterr().err
