@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
                         rank=["64", "1024", "full"])
         quick = dict(d=[576, 4096], rows=[1, 256], K=[1, 8, 64], rank=["64", "full"])
     else:
-        defaults = dict(d=[576, 1024], rows=[1, 16, 128], K=[1, 8, 64], rank=["64", "full"])
+        defaults = dict(d=[576], rows=[1, 16, 128], K=[1, 8, 64], rank=["64", "full"])
         quick = dict(d=[576], rows=[1, 64], K=[1, 8, 64], rank=["64", "full"])
     base = quick if args.quick else defaults
     ds = args.d or base["d"]
@@ -199,7 +200,8 @@ def main(argv=None) -> int:
     print(f"# steer kernel benchmark | device: {name} | kernel: {backend} | dtype: "
           f"{str(dtype)[6:]} | torch {torch.__version__} | {stat} of interleaved runs")
     print(f"# copy bandwidth (read+write): {bw / 1e9:.1f} GB/s | LM head vocab {args.vocab} | "
-          f"strength 5e-3 per steered row")
+          f"strength 5e-3 per steered row" + ("" if cuda else f" | load average "
+                                               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus"))
     cols = ("d", "rows", "K", "rank", "pattern", "used", "MB", "kernel_us", "ref_us", "speedup",
             "GB/s", "%copy", "lmhead_us", "%lmhead", "note")
     fmt = "{:>5} {:>5} {:>3} {:>5} {:>8} {:>4} {:>8} {:>10} {:>10} {:>7} {:>7} {:>6} {:>10} {:>7}  {}"
@@ -253,6 +255,9 @@ def main(argv=None) -> int:
         del head
         if cuda:
             torch.cuda.empty_cache()
+    if not cuda:
+        print(f"# load average at the end: {os.getloadavg()[0]:.1f} (other processes on these cores "
+              f"inflate both columns; ratios are of interleaved runs)")
     summarize(results, bw, cuda)
     return 0
 
@@ -277,7 +282,7 @@ def run_shape(fn, timer, device, dtype, d, rows, K, r, pattern, gen, per_shape, 
     err = (out.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-9)
     if err > 2 ** -6:
         note = f"{note} MISMATCH rel err {err:.2g}".strip()
-    times = timer.compare(fns, budget_s=per_shape)
+    times = timer.compare(fns, budget_s=per_shape, min_reps=3 if device.type == "cuda" else 5)
     used = int((coefs != 0).any(dim=0).sum().item())
     res = dict(kernel=times["kernel"], ref=times.get("ref"), used=used, note=note,
                bytes=must_move_bytes(rows, d, ranks, coefs, hidden.element_size(),
