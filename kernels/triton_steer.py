@@ -81,6 +81,23 @@ def _mma(acc, a, b, MODE: tl.constexpr, FP32_PREC: tl.constexpr, INTERPRET: tl.c
 
 
 @triton.jit
+def _load_tile(ptrs, mask_rows, mask_cols, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    """A 2-D masked load whose masks exist only where the shapes need them: an all-true mask
+    of unknown constancy would stop Triton from vectorising the loads."""
+    if MASK_ROWS:
+        if MASK_COLS:
+            x = tl.load(ptrs, mask=mask_rows[:, None] & mask_cols[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=mask_rows[:, None], other=0.0)
+    else:
+        if MASK_COLS:
+            x = tl.load(ptrs, mask=mask_cols[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
 def _steer_segments_kernel(
     coefs_ptr,  # [num_rows, K] fp32 contiguous
     seg_rows_ptr,  # [K, num_rows] int32 out: rows with coefs[:, k] != 0, in order
@@ -93,8 +110,9 @@ def _steer_segments_kernel(
     first active steer is k (k == K: no steer) to perm, after the rows whose first is < k."""
     k = tl.program_id(0)
     kk = tl.arange(0, K_PAD)
+    zero = k * 0  # an int32 scalar tensor: loop-carried counters must keep one type
     # Pass 1: how many rows come before this program's rows in perm.
-    before = 0
+    before = zero
     for r0 in range(0, num_rows, CHUNK):
         offs = r0 + tl.arange(0, CHUNK)
         valid = offs < num_rows
@@ -103,8 +121,8 @@ def _steer_segments_kernel(
         first = tl.min(tl.where(tile != 0.0, kk[None, :], K), axis=1)
         before += tl.sum((valid & (first < k)).to(tl.int32), axis=0)
     # Pass 2: compaction (stable: a prefix sum over each chunk plus a running count).
-    n_seg = 0
-    n_first = 0
+    n_seg = zero
+    n_first = zero
     for r0 in range(0, num_rows, CHUNK):
         offs = r0 + tl.arange(0, CHUNK)
         valid = offs < num_rows
@@ -139,9 +157,12 @@ def _steer_shrink_kernel(
     buf_ptr,  # [num_rows, total_rank] fp32: coefs[r, k] * (c[r] @ P1_k)
     stride_h, num_rows, hidden, total_rank, K,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT_D: tl.constexpr, MODE: tl.constexpr, FP32_PREC: tl.constexpr,
+    SPLIT_D: tl.constexpr, EVEN_R: tl.constexpr, EVEN_D: tl.constexpr,
+    MODE: tl.constexpr, FP32_PREC: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
+    # EVEN_R: every rank offset is a multiple of BLOCK_R (rank tiles need no mask and are
+    # aligned); EVEN_D: hidden is a multiple of BLOCK_D * SPLIT_D (no mask along hidden).
     pid_m = tl.program_id(0)
     pid_rb = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -153,6 +174,8 @@ def _steer_shrink_kernel(
         m_mask = offs_m < count
         rows = tl.load(seg_rows_ptr + k * num_rows + offs_m, mask=m_mask, other=0).to(tl.int64)
         col0 = tl.load(blk_col_ptr + pid_rb)
+        if EVEN_R:
+            col0 = tl.multiple_of(col0, BLOCK_R)
         col_end = tl.load(blk_end_ptr + pid_rb)
         offs_r = col0 + tl.arange(0, BLOCK_R)
         r_mask = offs_r < col_end
@@ -161,17 +184,21 @@ def _steer_shrink_kernel(
         d_hi = tl.minimum(d_lo + d_chunk, hidden)
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for d0 in range(d_lo, d_hi, BLOCK_D):
+            d0 = tl.multiple_of(d0, BLOCK_D)
             offs_d = d0 + tl.arange(0, BLOCK_D)
             d_mask = offs_d < d_hi
-            c = tl.load(hidden_ptr + rows[:, None] * stride_h + offs_d[None, :],
-                        mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-            p = tl.load(p1_ptr + offs_d.to(tl.int64)[:, None] * total_rank + offs_r[None, :],
-                        mask=d_mask[:, None] & r_mask[None, :], other=0.0)
+            c = _load_tile(hidden_ptr + rows[:, None] * stride_h + offs_d[None, :],
+                           m_mask, d_mask, True, not EVEN_D)
+            p = _load_tile(p1_ptr + offs_d.to(tl.int64)[:, None] * total_rank + offs_r[None, :],
+                           d_mask, r_mask, not EVEN_D, not EVEN_R)
             acc = _mma(acc, c, p, MODE, FP32_PREC, INTERPRET)
         coef = tl.load(coefs_ptr + rows * K + k, mask=m_mask, other=0.0)
         acc = acc * coef[:, None]
         ptrs = buf_ptr + rows[:, None] * total_rank + offs_r[None, :]
-        mask = m_mask[:, None] & r_mask[None, :]
+        if EVEN_R:
+            mask = m_mask[:, None]
+        else:
+            mask = m_mask[:, None] & r_mask[None, :]
         if SPLIT_D == 1:
             tl.store(ptrs, acc, mask=mask)
         else:  # partial sums over hidden slices (buf zeroed by the wrapper)
@@ -189,8 +216,10 @@ def _steer_expand_kernel(
     out_ptr,  # [num_rows, hidden], row stride stride_o
     stride_h, stride_o, num_rows, hidden, total_rank, K,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    EVEN_R: tl.constexpr, EVEN_D: tl.constexpr,
     MODE: tl.constexpr, FP32_PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    # EVEN_R: every rank offset is a multiple of BLOCK_R; EVEN_D: hidden % BLOCK_D == 0.
     pid_m = tl.program_id(0)
     pid_d = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -208,17 +237,24 @@ def _steer_expand_kernel(
             a = tl.load(rank_offsets_ptr + k)
             b = tl.load(rank_offsets_ptr + k + 1)
             for r0 in range(a, b, BLOCK_R):
+                if EVEN_R:
+                    r0 = tl.multiple_of(r0, BLOCK_R)
                 offs_r = r0 + tl.arange(0, BLOCK_R)
                 r_mask = offs_r < b
-                down = tl.load(buf_ptr + rows[:, None] * total_rank + offs_r[None, :],
-                               mask=nz[:, None] & r_mask[None, :], other=0.0)
-                p = tl.load(p2_ptr + offs_d.to(tl.int64)[None, :] * total_rank + offs_r[:, None],
-                            mask=r_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_D]
+                down = _load_tile(buf_ptr + rows[:, None] * total_rank + offs_r[None, :],
+                                  nz, r_mask, True, not EVEN_R)  # [BLOCK_M, BLOCK_R]
+                p = _load_tile(p2_ptr + offs_d.to(tl.int64)[None, :] * total_rank
+                               + offs_r[:, None], r_mask, d_mask,
+                               not EVEN_R, not EVEN_D)  # [BLOCK_R, BLOCK_D]
                 acc = _mma(acc, down, p, MODE, FP32_PREC, INTERPRET)
-    io_mask = m_mask[:, None] & d_mask[None, :]
-    c = tl.load(hidden_ptr + rows[:, None] * stride_h + offs_d[None, :], mask=io_mask, other=0.0)
+    c = _load_tile(hidden_ptr + rows[:, None] * stride_h + offs_d[None, :],
+                   m_mask, d_mask, True, not EVEN_D)
     res = (c.to(tl.float32) + acc).to(c.dtype)
     res = tl.where(steered[:, None] != 0, res, c)  # unsteered rows: the input, bit for bit
+    if EVEN_D:
+        io_mask = m_mask[:, None]
+    else:
+        io_mask = m_mask[:, None] & d_mask[None, :]
     tl.store(out_ptr + rows[:, None] * stride_o + offs_d[None, :], res, mask=io_mask)
 
 
@@ -274,7 +310,7 @@ def _mode(a_dtype: torch.dtype, b_dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class Tiles:
-    """Tile sizes and launch options of the two kernels (all powers of two, >= 16)."""
+    """Tile sizes and launch options of the two kernels (tiles: powers of two, >= 16)."""
 
     shrink_m: int = 64  # rows of a steer's segment per shrink program
     shrink_r: int = 64  # bank columns (rank) per shrink program
@@ -282,9 +318,14 @@ class Tiles:
     split_d: int = 1  # shrink programs per rank block along hidden (>1: fp32 atomics)
     expand_m: int = 64  # rows (in perm order) per expand program
     expand_d: int = 64  # output columns per expand program
-    expand_r: int = 64  # rank per step of the expand's reduction loop
-    num_warps: int = 4
+    expand_r: int = 32  # rank per step of the expand's reduction loop
+    shrink_warps: int = 4
+    expand_warps: int = 4
     num_stages: int = 3
+
+
+def _divides(block: int, offs: list[int]) -> bool:
+    return all(o % block == 0 for o in offs)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -292,11 +333,23 @@ def _pow2_at_least(n: int) -> int:
 
 
 def choose_tiles(num_rows: int, hidden: int, offs: list[int], num_sms: int) -> Tiles:
-    """Tiles from shapes only (no data: no sync): the largest tiles (fewest re-reads of the
-    activations and of ``buf``) whose grid still gives every SM a program; a hidden split of
-    the shrink when even the smallest rank tiles leave SMs idle (few rows, low rank)."""
+    """Tiles from shapes only (no data, so no sync and a CUDA-graph-stable launch).
+
+    The largest tiles (fewest re-reads of the activations and of ``buf``) whose grid still
+    gives every SM a program, preferring tiles that divide the rank offsets and hidden (no
+    masks: vectorised, aligned loads); a split of the shrink along hidden when even 16-wide rank
+    tiles leave SMs idle (a few rows, low rank). Warps: enough that no tile spills registers
+    (checked with cuobjdump -res-usage on sm_90 builds of every mode).
+    """
     K = len(offs) - 1
     ranks = [offs[k + 1] - offs[k] for k in range(K)]
+
+    def even(block, fallback):  # the largest power of two <= block dividing all offsets
+        b = block
+        while b >= 16 and not _divides(b, offs):
+            b //= 2
+        return b if b >= 16 else fallback
+
     # Rows per steer when each row uses about one steer: the shrink's segments.
     per_steer = max(1, num_rows // max(K, 1))
     shrink_m = min(64, max(16, _pow2_at_least(per_steer)))
@@ -306,9 +359,12 @@ def choose_tiles(num_rows: int, hidden: int, offs: list[int], num_sms: int) -> T
         if sum(-(-rk // r) for rk in ranks) * seg_blocks >= num_sms:
             shrink_r = r
             break
+    shrink_r = even(shrink_r, shrink_r)
+    shrink_d = next((b for b in (64, 32, 16) if hidden % b == 0), 64)
     programs = sum(-(-rk // shrink_r) for rk in ranks) * seg_blocks
     split_d = 1
-    while programs * split_d < num_sms and hidden // (split_d * 2) >= 256:
+    while (programs * split_d < num_sms and hidden // (split_d * 2) >= 256
+           and hidden % (shrink_d * split_d * 2) == 0):
         split_d *= 2
     expand_m = min(64, max(16, _pow2_at_least(num_rows)))
     row_blocks = -(-num_rows // expand_m)
@@ -317,10 +373,29 @@ def choose_tiles(num_rows: int, hidden: int, offs: list[int], num_sms: int) -> T
         if row_blocks * -(-hidden // dd) >= num_sms:
             expand_d = dd
             break
-    big = shrink_m * shrink_r >= 64 * 128 or expand_m * expand_d >= 64 * 128
-    return Tiles(shrink_m=shrink_m, shrink_r=shrink_r, split_d=split_d, expand_m=expand_m,
-                 expand_d=expand_d, expand_r=64 if max(ranks, default=0) >= 64 else 32,
-                 num_warps=8 if big else 4)
+    while expand_d > 16 and hidden % expand_d:
+        expand_d //= 2
+    return Tiles(shrink_m=shrink_m, shrink_r=shrink_r, shrink_d=shrink_d, split_d=split_d,
+                 expand_m=expand_m, expand_d=expand_d, expand_r=even(32, 32),
+                 shrink_warps=8 if shrink_m * shrink_r >= 2048 else 4,
+                 expand_warps=8 if expand_m * expand_d >= 4096 else 4)
+
+
+def kernel_params(t: Tiles, hidden: int, offs: list[int], act_dtype: torch.dtype,
+                  fac_dtype: torch.dtype, interpret: bool = False) -> tuple[dict, dict]:
+    """Compile-time parameters (and launch options) of the shrink and expand kernels."""
+    common = dict(FP32_PREC=FP32_PRECISION, INTERPRET=interpret)
+    shrink = dict(BLOCK_M=t.shrink_m, BLOCK_R=t.shrink_r, BLOCK_D=t.shrink_d,
+                  SPLIT_D=t.split_d, EVEN_R=_divides(t.shrink_r, offs),
+                  EVEN_D=hidden % (t.shrink_d * t.split_d) == 0,
+                  MODE=_mode(act_dtype, fac_dtype), **common)
+    expand = dict(BLOCK_M=t.expand_m, BLOCK_D=t.expand_d, BLOCK_R=t.expand_r,
+                  EVEN_R=_divides(t.expand_r, offs), EVEN_D=hidden % t.expand_d == 0,
+                  MODE=_mode(torch.float32, fac_dtype), **common)
+    if not interpret:
+        shrink.update(num_warps=t.shrink_warps, num_stages=t.num_stages)
+        expand.update(num_warps=t.expand_warps, num_stages=t.num_stages)
+    return shrink, expand
 
 
 def segments(coefs: torch.Tensor):
@@ -398,16 +473,11 @@ def steer_triton(
     seg_rows, seg_counts, perm = segments(coefs)
     alloc = torch.zeros if t.split_d > 1 else torch.empty  # atomics need a zeroed buffer
     buf = alloc((num_rows, total_rank), dtype=torch.float32, device=dev)
-    common = dict(FP32_PREC=FP32_PRECISION, INTERPRET=interpret)
-    launch = {} if interpret else dict(num_warps=t.num_warps, num_stages=t.num_stages)
+    shrink_kw, expand_kw = kernel_params(t, d, offs, hidden.dtype, p1.dtype, interpret)
     _steer_shrink_kernel[(triton.cdiv(num_rows, t.shrink_m), steer_t.numel(), t.split_d)](
         hidden, p1, coefs, seg_rows, seg_counts, steer_t, col_t, end_t, buf,
-        hidden.stride(0), num_rows, d, total_rank, K,
-        BLOCK_M=t.shrink_m, BLOCK_R=t.shrink_r, BLOCK_D=t.shrink_d, SPLIT_D=t.split_d,
-        MODE=_mode(hidden.dtype, p1.dtype), **common, **launch)
+        hidden.stride(0), num_rows, d, total_rank, K, **shrink_kw)
     _steer_expand_kernel[(triton.cdiv(num_rows, t.expand_m), triton.cdiv(d, t.expand_d))](
         hidden, p2, coefs, perm, offs_t, buf, out,
-        hidden.stride(0), out.stride(0), num_rows, d, total_rank, K,
-        BLOCK_M=t.expand_m, BLOCK_D=t.expand_d, BLOCK_R=t.expand_r,
-        MODE=_mode(torch.float32, p2.dtype), **common, **launch)
+        hidden.stride(0), out.stride(0), num_rows, d, total_rank, K, **expand_kw)
     return out

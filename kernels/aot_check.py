@@ -1,0 +1,114 @@
+"""Compile the steer kernels for a CUDA architecture without a GPU (ahead of time).
+
+Semantics: see vllm_steer.reference. This checks what the interpreter cannot: that the kernels
+lower through Triton's real code generator (types of loop-carried values, dot operand dtypes,
+layouts) for the configurations ``choose_tiles`` picks, and how many registers they use and
+whether they spill (with ``cuobjdump -res-usage`` from Triton's bundled CUDA tools).
+
+    python -m vllm_steer.kernels.aot_check            # the default shapes x dtypes, sm_90
+    python -m vllm_steer.kernels.aot_check --arch 80 --quick
+
+Must run with ``TRITON_INTERPRET`` unset (interpreted kernels cannot be compiled); exits 1 if a
+kernel fails to compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+TT = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
+# (rows, hidden, ranks, K): decode, the goal shape, many low-rank steers, odd sizes.
+SHAPES = [(1, 4096, 64, 1), (256, 4096, 4096, 8), (512, 8192, 1024, 8), (256, 4096, 64, 64),
+          (16, 576, 576, 1), (37, 1000, 17, 3)]
+DTYPES = [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("fp32", "bf16"),
+          ("bf16", "fp32")]
+
+
+def _resources(cubin: bytes) -> str:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    if not os.path.exists(tool):
+        return "?"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return f"regs {m.group(1)} stack {m.group(2)}" if m else "?"
+
+
+def compile_all(arch: int, shapes, dtypes, num_sms: int = 132) -> int:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from . import triton_steer as ts
+
+    if ts._interpreting():
+        print("aot_check: TRITON_INTERPRET is set; run without it", file=sys.stderr)
+        return 2
+    target = GPUTarget("cuda", arch, 32)
+
+    def build(fn, sig, params):
+        params = dict(params)
+        opts = {k: params.pop(k) for k in ("num_warps", "num_stages") if k in params}
+        sig = dict(sig, **{k: "constexpr" for k in params})
+        return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=params),
+                              target=target, options=opts)
+
+    failures = 0
+    seg = build(ts._steer_segments_kernel,
+                dict(coefs_ptr="*fp32", seg_rows_ptr="*i32", seg_counts_ptr="*i32",
+                     perm_ptr="*i32", num_rows="i32", K="i32"), dict(CHUNK=128, K_PAD=64))
+    print(f"segments: {_resources(seg.asm['cubin'])}")
+    for rows, d, rank, K in shapes:
+        offs = [min(rank, d) * k for k in range(K + 1)]
+        t = ts.choose_tiles(rows, d, offs, num_sms)
+        for act, fac in dtypes:
+            shrink_kw, expand_kw = ts.kernel_params(t, d, offs, DT[act], DT[fac])
+            ints = dict(num_rows="i32", hidden="i32", total_rank="i32", K="i32")
+            try:
+                s = build(ts._steer_shrink_kernel, dict(
+                    hidden_ptr=f"*{TT[act]}", p1_ptr=f"*{TT[fac]}", coefs_ptr="*fp32",
+                    seg_rows_ptr="*i32", seg_counts_ptr="*i32", blk_steer_ptr="*i32",
+                    blk_col_ptr="*i32", blk_end_ptr="*i32", buf_ptr="*fp32", stride_h="i32",
+                    **ints), shrink_kw)
+                e = build(ts._steer_expand_kernel, dict(
+                    hidden_ptr=f"*{TT[act]}", p2_ptr=f"*{TT[fac]}", coefs_ptr="*fp32",
+                    perm_ptr="*i32", rank_offsets_ptr="*i32", buf_ptr="*fp32",
+                    out_ptr=f"*{TT[act]}", stride_h="i32", stride_o="i32", **ints), expand_kw)
+                print(f"rows {rows:4} d {d:5} rank {rank:5} K {K:3} {act}/{fac}: "
+                      f"shrink {t.shrink_m}x{t.shrink_r} split {t.split_d} w{t.shrink_warps} "
+                      f"{_resources(s.asm['cubin'])} | expand {t.expand_m}x{t.expand_d} "
+                      f"r{t.expand_r} w{t.expand_warps} {_resources(e.asm['cubin'])}", flush=True)
+            except Exception as exc:  # report every failing configuration, then fail
+                failures += 1
+                print(f"FAILED rows {rows} d {d} rank {rank} K {K} {act}/{fac}: "
+                      f"{type(exc).__name__}: {exc}", flush=True)
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 90")
+    ap.add_argument("--quick", action="store_true", help="the goal shape, bf16 and fp32 only")
+    args = ap.parse_args(argv)
+    shapes = SHAPES[1:2] if args.quick else SHAPES
+    dtypes = [("bf16", "bf16"), ("fp32", "fp32")] if args.quick else DTYPES
+    return compile_all(args.arch, shapes, dtypes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
