@@ -162,7 +162,11 @@ def main(argv=None) -> int:
                     help="statistic over the timed runs (default: median on cuda; min on cpu, "
                          "whose shared cores add noise that only ever makes runs slower)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--tiles", default=None, help="Triton tile overrides, e.g. "
+                    "'expand_r=64,num_stages=4' (sets $VLLM_STEER_TILES; see Tiles)")
     args = ap.parse_args(argv)
+    if args.tiles:
+        os.environ["VLLM_STEER_TILES"] = args.tiles
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -197,6 +201,8 @@ def main(argv=None) -> int:
     act_elt = torch.empty((), dtype=dtype).element_size()
     bw = copy_bandwidth(device, timer, 1024 if cuda else 256)
     name = torch.cuda.get_device_name(device) if cuda else f"CPU, {torch.get_num_threads()} threads"
+    if args.tiles:
+        print(f"# tile overrides: {args.tiles}")
     print(f"# steer kernel benchmark | device: {name} | kernel: {backend} | dtype: "
           f"{str(dtype)[6:]} | torch {torch.__version__} | {stat} of interleaved runs")
     print(f"# copy bandwidth (read+write): {bw / 1e9:.1f} GB/s | LM head vocab {args.vocab} | "

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -44,6 +44,9 @@ import triton.language as tl
 
 #: fp32 x fp32 dot precision on CUDA ("tf32x3" ~ fp32 accuracy on tensor cores, or "ieee").
 FP32_PRECISION = os.environ.get("VLLM_STEER_FP32_PRECISION", "tf32x3")
+#: Tuning on a GPU: "field=value,..." of :class:`Tiles` applied over ``choose_tiles``
+#: (e.g. ``VLLM_STEER_TILES=expand_r=64,num_stages=4``; benchmarks/kernel_bench.py --tiles).
+ENV_TILES = "VLLM_STEER_TILES"
 
 # Operand modes of a dot (see _mma).
 _NATIVE, _SPLIT_BF16, _FP32 = 0, 1, 2
@@ -321,7 +324,7 @@ class Tiles:
     expand_r: int = 32  # rank per step of the expand's reduction loop
     shrink_warps: int = 4
     expand_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 4
 
 
 def _divides(block: int, offs: list[int]) -> bool:
@@ -379,6 +382,22 @@ def choose_tiles(num_rows: int, hidden: int, offs: list[int], num_sms: int) -> T
                  expand_m=expand_m, expand_d=expand_d, expand_r=even(32, 32),
                  shrink_warps=8 if shrink_m * shrink_r >= 2048 else 4,
                  expand_warps=8 if expand_m * expand_d >= 4096 else 4)
+
+
+def _with_overrides(t: Tiles) -> Tiles:
+    spec = os.environ.get(ENV_TILES, "").strip()
+    if not spec:
+        return t
+    fields = set(Tiles.__dataclass_fields__)
+    over = {}
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in fields or not value.strip().isdigit():
+            raise ValueError(f"${ENV_TILES}: bad item {item!r}; use name=int with name one of "
+                             f"{sorted(fields)}")
+        over[name] = int(value)
+    return replace(t, **over)
 
 
 def kernel_params(t: Tiles, hidden: int, offs: list[int], act_dtype: torch.dtype,
@@ -465,7 +484,7 @@ def steer_triton(
         out.copy_(hidden)
         return out
 
-    t = tiles or choose_tiles(num_rows, d, offs, _num_sms(dev))
+    t = tiles or _with_overrides(choose_tiles(num_rows, d, offs, _num_sms(dev)))
     for name in ("shrink_m", "shrink_r", "shrink_d", "expand_m", "expand_d", "expand_r"):
         v = getattr(t, name)
         assert v >= 16 and v & (v - 1) == 0, f"Tiles.{name} must be a power of two >= 16, got {v}"

@@ -296,6 +296,18 @@ def test_triton_tile_variants(tiles):
     check(out, hidden, p1, p2, offs, coefs)
 
 
+def test_triton_tile_overrides_from_the_environment(monkeypatch):
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    from vllm_steer.kernels.triton_steer import ENV_TILES, Tiles, _with_overrides
+
+    monkeypatch.setenv(ENV_TILES, "expand_r=64, num_stages=2")
+    assert _with_overrides(Tiles()) == Tiles(expand_r=64, num_stages=2)
+    monkeypatch.setenv(ENV_TILES, "expand_q=64")
+    with pytest.raises(ValueError, match="bad item 'expand_q=64'.*expand_r"):
+        _with_overrides(Tiles())
+
+
 def test_triton_tiles_follow_the_shape():
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
