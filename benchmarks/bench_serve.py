@@ -1,0 +1,198 @@
+"""The OpenAI server under concurrent load: unsteered vs. mixed steered traffic, side by side.
+
+Starts one `vllm serve MODEL --steer ...` on loopback, then sends the same bounded workload
+(N streaming completions, at most C in flight, fixed output length with EOS ignored) in
+passes that alternate:
+
+  plain   no request steered
+  one     every request steered with one steer (extra_body={"steer": {"s0": 5}})
+  mixed   requests spread over K steers and strengths, some unsteered, some composed
+
+and reports throughput (output tokens/s), time to first token and time per output token
+(p50/p90/p99) for each, with ratios to the plain pass. Strengths are sent through
+`extra_body` as a user would. `vllm bench serve --extra-body '{"steer": {"s0": 5}}'` carries
+one steer for every request too; this script exists for the mixed pass, where each request
+has its own.
+
+    python benchmarks/bench_serve.py --requests 64 --concurrency 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def pct(values, q):
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    i = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
+    return values[i]
+
+
+async def one_request(session, url, prompt, steer, output_len):
+    body = {"model": "m", "prompt": prompt, "max_tokens": output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    if steer:
+        body["steer"] = steer
+    t0 = time.perf_counter()
+    ttft, n = None, 0
+    async with session.post(url, json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk["choices"] and chunk["choices"][0].get("text"):
+                n += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    return {"ttft": ttft or total, "latency": total, "chunks": n,
+            "tpot": (total - (ttft or total)) / max(1, output_len - 1)}
+
+
+async def run_pass(base, prompts, steers, output_len, concurrency):
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    url = base + "/v1/completions"
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def guarded(p, s):
+            async with sem:
+                return await one_request(session, url, p, s, output_len)
+
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(guarded(p, s) for p, s in zip(prompts, steers)))
+        wall = time.perf_counter() - t0
+    return {"wall": wall, "tok_s": len(prompts) * output_len / wall,
+            "ttft": [r["ttft"] for r in res], "tpot": [r["tpot"] for r in res]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--load-format", default=None)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--steers", type=int, default=8, help="K steers loaded for the mixed pass")
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+
+    import requests
+    import torch
+    from transformers import AutoConfig
+
+    from vllm_steer.format import make_steer, save_steer
+    from vllm_steer.models import resolve_model
+
+    model = resolve_model(args.model)
+    hidden = AutoConfig.from_pretrained(model).hidden_size
+    tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    cmd = [str(Path(sys.executable).with_name("vllm")), "serve", model,
+           "--served-model-name", "m", "--host", "127.0.0.1",
+           "--max-num-seqs", str(args.concurrency), "--max-model-len", "1024"]
+    if args.load_format:
+        cmd += ["--load-format", args.load_format]
+    if not torch.cuda.is_available():
+        cmd += ["--kv-cache-memory-bytes", str(1 << 30)]
+    names = []
+    for i in range(args.steers):
+        g = torch.Generator().manual_seed(i)
+        p = tmp / f"s{i}.safetensors"
+        save_steer(p, make_steer(torch.randn(hidden, args.rank, generator=g) * 0.05,
+                                 torch.randn(hidden, args.rank, generator=g) * 0.05, f"s{i}"))
+        cmd += ["--steer", f"s{i}={p}"]
+        names.append(f"s{i}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd += ["--port", str(port)]
+    log = open(tmp / "server.log", "w")
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                print((tmp / "server.log").read_text()[-3000:])
+                return 1
+            try:
+                if requests.get(base + "/health", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        startup = time.time() - t0
+        print(f"server up in {startup:.0f}s")
+        prompts = [f"Request {i}: write a short story about the number {i} and" for i in
+                   range(args.requests)]
+        passes = {
+            "plain": [None] * args.requests,
+            "one": [{names[0]: 5.0}] * args.requests,
+            "mixed": [None if i % 4 == 0 else
+                      {names[i % len(names)]: float(i % 9 - 4) or 1.0} if i % 4 != 3 else
+                      {names[i % len(names)]: 3.0, names[(i + 1) % len(names)]: -2.0}
+                      for i in range(args.requests)],
+        }
+        asyncio.run(run_pass(base, prompts[:4], [None] * 4, 8, 4))  # warm-up
+        results = {k: [] for k in passes}
+        for r in range(args.repeats):
+            for name in (passes if r % 2 == 0 else reversed(list(passes))):
+                results[name].append(asyncio.run(run_pass(base, prompts, passes[name],
+                                                          args.output_len, args.concurrency)))
+                print(f"  repeat {r + 1} {name}: {results[name][-1]['tok_s']:.1f} tok/s",
+                      flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    rows = []
+    base_tps = statistics.median(x["tok_s"] for x in results["plain"])
+    for name, runs in results.items():
+        ttft = [t for x in runs for t in x["ttft"]]
+        tpot = [t for x in runs for t in x["tpot"]]
+        tps = statistics.median(x["tok_s"] for x in runs)
+        rows.append({"pass": name, "tok_s": tps, "ratio": tps / base_tps,
+                     "ttft_ms": {q: 1000 * pct(ttft, q) for q in (50, 90, 99)},
+                     "tpot_ms": {q: 1000 * pct(tpot, q) for q in (50, 90, 99)}})
+    print("\n| traffic | output tok/s | ratio | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        t, p = row["ttft_ms"], row["tpot_ms"]
+        print(f"| {row['pass']} | {row['tok_s']:.1f} | {row['ratio']:.3f} | "
+              f"{t[50]:.0f}/{t[90]:.0f}/{t[99]:.0f} | {p[50]:.1f}/{p[90]:.1f}/{p[99]:.1f} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"model": args.model, "requests": args.requests, "concurrency": args.concurrency,
+            "output_len": args.output_len, "steers": args.steers, "rank": args.rank,
+            "repeats": args.repeats, "startup_s": startup, "cpus": os.cpu_count(),
+            "command": "python benchmarks/bench_serve.py " + " ".join(argv or sys.argv[1:])}
+    (out / "serve.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
