@@ -32,6 +32,8 @@ setup(
     },
     entry_points={
         "vllm.general_plugins": ["vllm_steer = vllm_steer.integrations.plugin:register"],
+        "vllm.endpoint_plugins": [
+            "vllm_steer_lens = vllm_steer.server.lens_route:SteerLensEndpoint"],
         "console_scripts": ["vllm-steer = vllm_steer.cli:main"],
     },
 )

@@ -20,6 +20,7 @@ from conftest import random_steer
 from vllm_steer.format import save_steer
 
 pytestmark = pytest.mark.vllm
+SERVER_DIR = [None]
 
 
 def _free_port() -> int:
@@ -30,7 +31,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    d = tmp_path_factory.mktemp("srv")
+    d = SERVER_DIR[0] = tmp_path_factory.mktemp("srv")
     for name, seed in (("detox", 1), ("sentiment", 2)):
         save_steer(d / f"{name}.safetensors", random_steer(64, 8, name, seed=seed, scale=3.0))
     port = _free_port()
@@ -43,7 +44,9 @@ def server(tiny_model_dir, tmp_path_factory):
          "--steer-max-strength", "20", "--host", "127.0.0.1", "--port", str(port),
          "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "16",
          "--kv-cache-memory-bytes", str(1 << 28), "--enforce-eager"],
-        stdout=log, stderr=subprocess.STDOUT)
+        stdout=log, stderr=subprocess.STDOUT,
+        # endpoint plugins are opt-in: name ours (and the general plugin) in VLLM_PLUGINS
+        env=dict(os.environ, VLLM_PLUGINS="vllm_steer,vllm_steer_lens"))
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
     while time.time() < deadline:
@@ -146,3 +149,29 @@ def test_openapi_schema_documents_the_steer_field(server):
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         prop = schema[name]["properties"]["steer"]
         assert "vllm-steer" in prop["description"] and "--steer" in prop["description"]
+
+
+def test_highlight_route_matches_the_transformers_lens(server, tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_steer.format import load_steer
+    from vllm_steer.lens.highlight import best_spans, token_scores
+
+    text = "You are a wonderful person and I like the way you talk"
+    r = requests.post(server + "/v1/steer/highlight",
+                      json={"text": text, "steer": {"detox": 5}, "k": 2, "max_len": 4})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    steer = load_steer(SERVER_DIR[0] / "detox.safetensors")
+    pieces, want = token_scores(model, tok, text, steer, 5.0)
+    assert got["tokens"] == pieces and "".join(got["tokens"]) == text
+    assert got["scores"] == pytest.approx(want, abs=2e-3)
+    spans = best_spans(want, k=2, max_len=4)
+    assert [(s["start"], s["end"]) for s in got["spans"]] == [(s.start, s.end) for s in spans]
+    html = requests.post(server + "/v1/steer/highlight",
+                         json={"text": text, "steer": {"detox": 5}, "format": "html"})
+    assert html.status_code == 200 and html.text.lstrip().lower().startswith("<!doctype html")
+    bad = requests.post(server + "/v1/steer/highlight", json={"text": text, "steer": {"x": 1}})
+    assert bad.status_code == 400 and "unknown steer 'x'" in bad.json()["error"]["message"]
