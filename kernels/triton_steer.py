@@ -363,6 +363,8 @@ def choose_tiles(num_rows: int, hidden: int, offs: list[int], num_sms: int) -> T
             shrink_r = r
             break
     shrink_r = even(shrink_r, shrink_r)
+    while sum(-(-rk // shrink_r) for rk in ranks) > 65535 and shrink_r < 128:
+        shrink_r *= 2  # grid axis 1 holds the rank blocks (CUDA limit 65535)
     shrink_d = next((b for b in (64, 32, 16) if hidden % b == 0), 64)
     programs = sum(-(-rk // shrink_r) for rk in ranks) * seg_blocks
     split_d = 1
@@ -489,6 +491,10 @@ def steer_triton(
         v = getattr(t, name)
         assert v >= 16 and v & (v - 1) == 0, f"Tiles.{name} must be a power of two >= 16, got {v}"
     steer_t, col_t, end_t, offs_t = _bank_tables(offs, t.shrink_r, dev)
+    if steer_t.numel() > 65535:
+        raise ValueError(f"the bank has {steer_t.numel()} rank blocks of {t.shrink_r} columns, "
+                         f"over CUDA's grid limit 65535 (total rank {total_rank}); use fewer or "
+                         f"lower-rank steers per bank, or Tiles(shrink_r=128)")
     seg_rows, seg_counts, perm = segments(coefs)
     alloc = torch.zeros if t.split_d > 1 else torch.empty  # atomics need a zeroed buffer
     buf = alloc((num_rows, total_rank), dtype=torch.float32, device=dev)

@@ -64,7 +64,9 @@ echo "== 2. benchmark: goal shapes"
 if [ "$BUDGET" != "0" ]; then
   echo
   echo "== 3. benchmark: full sweep (pattern distinct, budget ${BUDGET}s)"
+  # The sizes the goal-shape run did not cover first, in case the budget cuts the sweep.
   "$PY" benchmarks/kernel_bench.py --device cuda --pattern distinct --budget-s "$BUDGET" \
+    --d 2048 8192 4096 576 \
     | tee "${OUT:-/tmp}/kernel_bench_full.txt"
 fi
 
