@@ -47,6 +47,7 @@ def register() -> None:
         return
     _REGISTERED = True
     _patch_engine_args()
+    _patch_input_processor()
     _register_head()
     _patch_openai_protocol()
 
@@ -115,6 +116,25 @@ def _patch_engine_args() -> None:
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
     EngineArgs.from_cli_args = classmethod(from_cli_args)
     EngineArgs.create_engine_config = create_engine_config
+
+
+def _patch_input_processor() -> None:
+    """Every frontend process (also each of `--api-server-count N`) learns the steer names
+    and limits from its own config, for ``validate_params`` at admission."""
+    try:
+        from vllm.v1.engine.input_processor import InputProcessor
+    except ImportError:  # pragma: no cover - other vLLM layouts: create_engine_config covers it
+        return
+    from vllm_steer.integrations import frontend
+
+    orig = InputProcessor.__init__
+
+    def __init__(self, vllm_config, *a, **kw):
+        frontend.set_config(SteerServerConfig.from_additional_config(
+            vllm_config.additional_config))
+        orig(self, vllm_config, *a, **kw)
+
+    InputProcessor.__init__ = __init__
 
 
 def configure_engine(vllm_config) -> None:
