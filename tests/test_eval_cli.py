@@ -1,0 +1,90 @@
+"""``vllm-steer eval``: argument parsing, the reproducible command line, and one end-to-end
+run through a real vLLM engine on the tiny model."""
+
+import argparse
+import json
+import shlex
+
+import pytest
+import torch
+
+from conftest import random_steer
+from vllm_steer.cli import build_parser, main
+from vllm_steer.eval.cli import command_for, config_from_args, parse_strengths
+
+
+def test_strength_lists_parse_including_leading_negatives():
+    assert parse_strengths("-10,-5,0,5,10") == [-10.0, -5.0, 0.0, 5.0, 10.0]
+    assert parse_strengths(" 2.5 , -1, 2.5") == [2.5, -1.0]
+    with pytest.raises(argparse.ArgumentTypeError, match="'x' in '1,x' is not a number"):
+        parse_strengths("1,x")
+    args = build_parser().parse_args(["eval", "toxicity", "--strengths", "-10,-5,0",
+                                      "--baseline-strengths", "-3"])
+    assert args.strengths == [-10.0, -5.0, 0.0] and args.baseline_strengths == [-3.0]
+    assert args.samples == 25 and args.max_tokens == 20 and args.top_p == 0.9  # the paper's
+
+
+def test_the_recorded_command_reproduces_the_config(tmp_path):
+    steer = tmp_path / "detox.safetensors"
+    from vllm_steer.format import save_steer
+
+    save_steer(str(steer), random_steer(64, 4, "detox"))
+    argv = ["eval", "sentiment", "--steer", str(steer), "--strengths", "-5,0,5",
+            "--prompt-set", "negative", "--num-prompts", "7", "--samples", "3",
+            "--baseline", "none", "--sentiment-scorer", "vader", "--max-num-seqs", "32"]
+    cfg = config_from_args(build_parser().parse_args(argv))
+    assert cfg.out.endswith("sentiment-detox") and cfg.sampling.samples == 3
+    again = config_from_args(build_parser().parse_args(shlex.split(cfg.command)[1:]))
+    assert again == cfg
+
+
+def test_missing_steer_is_a_clear_error(capsys):
+    assert main(["eval", "toxicity", "--steer", "nope.safetensors"]) == 1
+    assert "--steer nope.safetensors: no such file" in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+@pytest.mark.data
+def test_eval_end_to_end_on_the_tiny_model(tiny_model_dir, data_dir, tmp_path):
+    """The real thing, very small: vLLM + plugin + soft-blacklist processor + scorers."""
+    from transformers import AutoTokenizer
+
+    from vllm_steer.eval.soft_blacklist import SoftBlacklist, save_soft_blacklist
+    from vllm_steer.format import save_steer
+
+    steer = str(tmp_path / "tiny.safetensors")
+    save_steer(steer, random_steer(64, 8, "tiny", seed=1, scale=3.0))
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    allowed = {"cat", "dog", "the"}
+    ids = [tok.encode(" " + w, add_special_tokens=False)[0] for w in allowed]
+    bias = torch.full((49152,), -1e6)
+    bias[ids] = 0.0  # at strength 1: every other token gets -1000 logits
+    bl = str(tmp_path / "bl.safetensors")
+    save_soft_blacklist(bl, SoftBlacklist(bias, "blacklist"))
+    out = tmp_path / "run"
+    rc = main(["eval", "toxicity", "--model", str(tiny_model_dir), "--steer", steer,
+               "--strengths", "-5,0,5", "--baseline", bl, "--baseline-strengths", "1",
+               "--num-prompts", "2", "--samples", "2", "--max-tokens", "5",
+               "--data", str(data_dir), "--out", str(out), "--max-num-seqs", "16",
+               "--kv-cache-gib", "0.25", "--scorer-dtype", "float32", "--quiet"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [c["label"] for c in res["conditions"]] == [
+        "unsteered", "lm-steer tiny=-5", "lm-steer tiny=+5", "soft-blacklist blacklist=+1"]
+    for c in res["conditions"]:
+        m = c["metrics"]
+        assert 0 <= m["avg_max_toxicity"] <= 1 and m["ppl"] > 1 and 0 < m["dist-1"] <= 1
+    gens = {}
+    for line in (out / "generations.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        gens.setdefault(rec["condition"], []).append([s["text"] for s in rec["samples"]])
+    assert all(len(g) == 2 and all(len(s) == 2 for s in g) for g in gens.values())
+    # same seeds for every condition: only the steering changes the samples
+    assert gens["lm-steer tiny=+5"] != gens["unsteered"] != gens["lm-steer tiny=-5"]
+    # the blacklist reached the sampler: only the allowed words were generated
+    words = {w for g in gens["soft-blacklist blacklist=+1"] for s in g for w in s.split()}
+    assert words and words <= allowed
+    md = (out / "results.md").read_text()
+    assert "| soft-blacklist | blacklist=+1 |" in md and "## Goals" in md
+    for png in ("ablation.png", "tradeoff.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"

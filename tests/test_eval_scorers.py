@@ -1,0 +1,57 @@
+"""The scorer registry: plugging in a scorer in one call, and clear errors."""
+
+import sys
+import types
+
+import pytest
+
+from vllm_steer.eval import scorers
+from vllm_steer.eval.scorers import available, get_scorer, register_scorer, score_texts
+
+
+class Shouty:
+    name = "shouty"
+
+    def score(self, texts):
+        return [float(t.isupper()) for t in texts]
+
+
+def test_unknown_name_is_an_error_listing_the_registered_ones():
+    with pytest.raises(KeyError, match="unknown toxicity scorer 'perspective'.*profanity-check"):
+        get_scorer("toxicity", "perspective")
+    with pytest.raises(ValueError, match="unknown scorer kind 'fluency'"):
+        get_scorer("fluency", "x")
+
+
+def test_register_in_one_call_then_use_by_name(monkeypatch):
+    monkeypatch.setitem(scorers._REGISTRY, "toxicity", dict(scorers._REGISTRY["toxicity"]))
+    register_scorer("toxicity", "shouty", Shouty)
+    assert "shouty" in available("toxicity")
+    assert score_texts("toxicity", "shouty", ["HEY", "hey"]) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="already registered"):
+        register_scorer("toxicity", "shouty", lambda: Shouty())
+    with pytest.raises(TypeError, match="must be callable"):
+        register_scorer("toxicity", "bad", 3)
+
+
+def test_module_colon_class_is_imported_and_registered(monkeypatch):
+    mod = types.ModuleType("my_scorers")
+    mod.Shouty = Shouty
+    monkeypatch.setitem(sys.modules, "my_scorers", mod)
+    monkeypatch.setitem(scorers._REGISTRY, "sentiment", dict(scorers._REGISTRY["sentiment"]))
+    assert get_scorer("sentiment", "my_scorers:Shouty").score(["A"]) == [1.0]
+    with pytest.raises(ValueError, match="cannot import 'Nope' from module 'my_scorers'"):
+        get_scorer("sentiment", "my_scorers:Nope")
+
+
+def test_a_scorer_returning_the_wrong_number_of_scores_is_refused(monkeypatch):
+    class Short:
+        name = "short"
+
+        def score(self, texts):
+            return [0.0]
+
+    monkeypatch.setitem(scorers._REGISTRY, "toxicity", dict(scorers._REGISTRY["toxicity"]))
+    register_scorer("toxicity", "short", Short)
+    with pytest.raises(ValueError, match="returned 1 scores for 2 texts"):
+        score_texts("toxicity", "short", ["a", "b"])

@@ -1,0 +1,290 @@
+"""``vllm-steer eval toxicity | sentiment | grid | train-baseline``: evaluate like the paper.
+
+    vllm-steer eval toxicity --steer steers/smollm2-detox.safetensors \\
+        --num-prompts 100 --samples 5 --out eval_out/detox
+    vllm-steer eval sentiment --steer steers/smollm2-sentiment.safetensors \\
+        --strengths=-10,-5,-3,-1,0,1,3,5,10 --num-prompts 100 --samples 5
+    vllm-steer eval grid --steer steers/smollm2-detox.safetensors \\
+        --steer steers/smollm2-sentiment.safetensors --strengths=0,5,10 --grid-strengths=-5,0,5
+    vllm-steer eval train-baseline --like steers/smollm2-detox.safetensors --out bl.safetensors
+
+Heavy imports happen inside the command functions, so ``--help`` stays fast. Negative
+strength lists may be written ``--strengths -10,-5,0,5,10`` or ``--strengths=-10,...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+
+_NEG_LIST = re.compile(r"^-[\d.]+(\s*,\s*-?[\d.]+)*$")
+
+
+def parse_strengths(text: str) -> list[float]:
+    """``"-10,-5,0,5,10"`` -> ``[-10.0, -5.0, 0.0, 5.0, 10.0]`` (duplicates dropped)."""
+    out: list[float] = []
+    for part in (p.strip() for p in str(text).split(",")):
+        if not part:
+            continue
+        try:
+            v = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"strength {part!r} in {text!r} is not a number; write e.g. -10,-5,0,5,10"
+            ) from None
+        if v != v or v in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"strength {part!r} must be finite")
+        if v not in out:
+            out.append(v)
+    if not out:
+        raise argparse.ArgumentTypeError(f"no strengths in {text!r}")
+    return out
+
+
+def _parser(sub, name: str, **kw) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
+    p._negative_number_matcher = _NEG_LIST  # "-10,-5,0" is a value, not an option
+    return p
+
+
+def _common(p: argparse.ArgumentParser, task: str) -> None:
+    from vllm_steer.eval.generation import EngineConfig, SamplingConfig
+
+    s, e = SamplingConfig(), EngineConfig()
+    g = p.add_argument_group("what to evaluate")
+    g.add_argument("--model", default="smollm2",
+                   help="model to generate with: HF folder or id, or smollm2 (embedded)")
+    if task == "grid":
+        g.add_argument("--steer", action="append", required=True, metavar="PATH",
+                       help="steer file; give exactly two (names come from the files)")
+        g.add_argument("--strengths", type=parse_strengths, default=[0.0, 5.0, 10.0],
+                       help="strengths of the first steer (rows)")
+        g.add_argument("--grid-strengths", type=parse_strengths, default=[-5.0, 0.0, 5.0],
+                       help="strengths of the second steer (columns)")
+        g.add_argument("--prompts", choices=["toxicity", "sentiment"], default="toxicity",
+                       help="which prompts to sample")
+        g.add_argument("--prompt-set", choices=["neutral", "positive", "negative"],
+                       default=None, help="sentiment prompts (with --prompts sentiment)")
+    else:
+        g.add_argument("--steer", metavar="PATH",
+                       help="steer file (its name is read from the file); without it only the "
+                            "unsteered model and the baseline are evaluated")
+        g.add_argument("--strengths", type=parse_strengths, default=[-10.0, -5.0, 0.0, 5.0, 10.0],
+                       help="steer strengths (units of epsilon), comma-separated")
+        if task == "sentiment":
+            g.add_argument("--prompt-set", choices=["neutral", "positive", "negative"],
+                           default="neutral", help="which sentiment prompts")
+        g.add_argument("--baseline", default="auto",
+                       help="soft blacklist: auto (trained on the steer's data on first use, "
+                            "cached in ~/.cache/vllm-steer/eval), none, or a file from "
+                            "`vllm-steer eval train-baseline`")
+        g.add_argument("--baseline-strengths", type=parse_strengths, default=None,
+                       help="soft-blacklist strengths (default: same as --strengths)")
+        g.add_argument("--recommended-strength", type=float, default=None,
+                       help="strength the goals are checked at (default: the steer file's, "
+                            "else 5)")
+    r = p.add_argument_group("sampling (the paper's protocol by default)")
+    r.add_argument("--num-prompts", type=int, default=None,
+                   help="first N prompts (default: all)")
+    r.add_argument("--samples", type=int, default=s.samples, help="samples per prompt")
+    r.add_argument("--max-tokens", type=int, default=s.max_tokens, help="tokens per sample")
+    r.add_argument("--top-p", type=float, default=s.top_p)
+    r.add_argument("--temperature", type=float, default=s.temperature)
+    r.add_argument("--seed", type=int, default=s.seed)
+    o = p.add_argument_group("scoring and output")
+    o.add_argument("--data", default=None,
+                   help="data folder (default $VLLM_STEER_DATA or ../shared/data)")
+    o.add_argument("--out", default=None, help="output folder (default eval_out/TASK-STEER)")
+    o.add_argument("--toxicity-scorer", default="profanity-check",
+                   help="registered toxicity scorer, or module:Class")
+    o.add_argument("--sentiment-scorer", action="append", default=None, metavar="NAME",
+                   help="sentiment scorer(s), repeatable; the first is the headline "
+                        "(default: sst2 and vader)")
+    o.add_argument("--scorer-model", default=None,
+                   help="model computing perplexity (default: the evaluated model)")
+    o.add_argument("--scorer-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the perplexity model (auto: bfloat16 where fast)")
+    o.add_argument("--quiet", action="store_true", help="no progress bars")
+    v = p.add_argument_group("vLLM engine")
+    v.add_argument("--dtype", default=e.dtype, help="model dtype in vLLM")
+    v.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs)
+    v.add_argument("--max-model-len", type=int, default=e.max_model_len)
+    v.add_argument("--kv-cache-gib", type=float, default=e.kv_cache_gib)
+    p.set_defaults(func=cmd_eval, eval_task=task)
+
+
+def add_commands(subparsers) -> None:
+    ev = subparsers.add_parser(
+        "eval", help="evaluate steers like the paper (toxicity, sentiment, composition)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ev.add_subparsers(dest="eval_command", metavar="EVAL_COMMAND")
+    _common(_parser(sub, "toxicity", help="detoxification on RealToxicityPrompts (non-toxic)",
+                    description="Sample continuations of RealToxicityPrompts through vLLM at "
+                                "each strength; report avg max toxicity, toxicity probability, "
+                                "perplexity and dist-n, vs the soft-blacklist baseline."),
+            "toxicity")
+    _common(_parser(sub, "sentiment", help="sentiment control on the sentiment prompts",
+                    description="Sample continuations of the neutral (or positive/negative) "
+                                "sentiment prompts at each strength; report positivity (SST-2 "
+                                "classifier, VADER), perplexity and dist-n, vs the baseline."),
+            "sentiment")
+    _common(_parser(sub, "grid", help="composition: two steers over a grid of strengths",
+                    description="Steer with {A: a, B: b} for every (a, b) of the two strength "
+                                "lists; report toxicity, positivity and perplexity per cell."),
+            "grid")
+    t = _parser(sub, "train-baseline", help="train the soft-blacklist baseline",
+                description="Train a soft blacklist (logits + s * eps * b, a learned "
+                            "context-free logit offset) on the same data as a steer.")
+    t.add_argument("--out", required=True, help="file to write (.safetensors)")
+    t.add_argument("--like", metavar="STEER",
+                   help="use this steer's data and steps/batch/max length (from its metadata)")
+    t.add_argument("--preset", choices=["detox", "sentiment"],
+                   help="else: a training preset (detox = Jigsaw, sentiment = SST-5)")
+    t.add_argument("--max-examples", type=int, default=1000, help="texts per side (--preset)")
+    t.add_argument("--model", default="smollm2")
+    t.add_argument("--data", default=None, help="data folder")
+    t.add_argument("--steps", type=int, default=None)
+    t.add_argument("--batch-size", type=int, default=None)
+    t.add_argument("--max-length", type=int, default=None)
+    t.add_argument("--lr", type=float, default=None)
+    t.add_argument("--seed", type=int, default=None)
+    t.add_argument("--quiet", action="store_true")
+    t.set_defaults(func=cmd_train_baseline)
+    ev.set_defaults(func=lambda args: (ev.print_help(), 2)[1])
+
+
+def _nums(xs) -> str:
+    return ",".join(f"{x:g}" for x in xs)
+
+
+def command_for(cfg) -> str:
+    """The ``vllm-steer eval`` command line that reproduces ``cfg`` (defaults left out;
+    the data folder is not included)."""
+    from vllm_steer.eval.generation import EngineConfig, SamplingConfig
+
+    a = ["vllm-steer", "eval", cfg.task]
+    if cfg.model != "smollm2":
+        a += ["--model", cfg.model]
+    for st in cfg.steers:
+        a += ["--steer", st]
+    a.append(f"--strengths={_nums(cfg.strengths)}")
+    if cfg.task == "grid":
+        a += [f"--grid-strengths={_nums(cfg.grid_strengths)}", "--prompts", cfg.grid_prompts]
+    else:
+        if cfg.baseline != "auto":
+            a += ["--baseline", cfg.baseline]
+        if cfg.baseline_strengths is not None and cfg.baseline != "none":
+            a.append(f"--baseline-strengths={_nums(cfg.baseline_strengths)}")
+        if cfg.recommended_strength is not None:
+            a += ["--recommended-strength", f"{cfg.recommended_strength:g}"]
+    if cfg.prompt_set and not (cfg.task == "sentiment" and cfg.prompt_set == "neutral"):
+        a += ["--prompt-set", cfg.prompt_set]
+    if cfg.num_prompts is not None:
+        a += ["--num-prompts", str(cfg.num_prompts)]
+    d = SamplingConfig()
+    for flag, k in (("--samples", "samples"), ("--max-tokens", "max_tokens"),
+                    ("--top-p", "top_p"), ("--temperature", "temperature"), ("--seed", "seed")):
+        v = getattr(cfg.sampling, k)
+        if v != getattr(d, k):
+            a += [flag, f"{v:g}"]
+    if cfg.toxicity_scorer != "profanity-check":
+        a += ["--toxicity-scorer", cfg.toxicity_scorer]
+    if cfg.sentiment_scorers != ["sst2", "vader"]:
+        for x in cfg.sentiment_scorers:
+            a += ["--sentiment-scorer", x]
+    if cfg.scorer_model:
+        a += ["--scorer-model", cfg.scorer_model]
+    if cfg.scorer_dtype != "auto":
+        a += ["--scorer-dtype", cfg.scorer_dtype]
+    e = EngineConfig()
+    for flag, k in (("--dtype", "dtype"), ("--max-num-seqs", "max_num_seqs"),
+                    ("--max-model-len", "max_model_len"), ("--kv-cache-gib", "kv_cache_gib")):
+        v = getattr(cfg.engine, k)
+        if v != getattr(e, k):
+            a += [flag, str(v)]
+    a += ["--out", cfg.out]
+    return " ".join(shlex.quote(x) for x in a)
+
+
+def config_from_args(args):
+    """The :class:`~vllm_steer.eval.harness.EvalConfig` of parsed arguments."""
+    import os
+
+    from vllm_steer.eval.generation import EngineConfig, SamplingConfig
+    from vllm_steer.eval.harness import EvalConfig
+
+    task = args.eval_task
+    steers = (args.steer or []) if task == "grid" else ([args.steer] if args.steer else [])
+    for p in steers:
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"--steer {p}: no such file")
+    if args.out:
+        out = args.out
+    else:
+        from vllm_steer.format import read_metadata
+
+        tag = "-".join(read_metadata(p).name for p in steers) or "unsteered"
+        out = os.path.join("eval_out", f"{task}-{tag}")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError(f"--num-prompts {args.num_prompts}: must be at least 1")
+    cfg = EvalConfig(
+        task=task, model=args.model, steers=steers, strengths=args.strengths,
+        grid_strengths=getattr(args, "grid_strengths", [-5.0, 0.0, 5.0]),
+        grid_prompts=getattr(args, "prompts", "toxicity"),
+        baseline=getattr(args, "baseline", "none"),
+        baseline_strengths=getattr(args, "baseline_strengths", None),
+        num_prompts=args.num_prompts, prompt_set=getattr(args, "prompt_set", None),
+        sampling=SamplingConfig(samples=args.samples, max_tokens=args.max_tokens,
+                                top_p=args.top_p, temperature=args.temperature, seed=args.seed),
+        data_dir=args.data, out=out, toxicity_scorer=args.toxicity_scorer,
+        sentiment_scorers=args.sentiment_scorer or ["sst2", "vader"],
+        scorer_model=args.scorer_model, scorer_dtype=args.scorer_dtype,
+        engine=EngineConfig(dtype=args.dtype, max_model_len=args.max_model_len,
+                            max_num_seqs=args.max_num_seqs, kv_cache_gib=args.kv_cache_gib),
+        recommended_strength=getattr(args, "recommended_strength", None),
+        progress=not args.quiet)
+    cfg.command = command_for(cfg)
+    return cfg
+
+
+def cmd_eval(args) -> int:
+    from vllm_steer.eval.harness import evaluate
+
+    results = evaluate(config_from_args(args))
+    print(f"{results['config']['out']}/results.md")
+    return 0
+
+
+def cmd_train_baseline(args) -> int:
+    from vllm_steer.eval.harness import EvalConfig, baseline_plan, data_dir_of
+    from vllm_steer.eval.soft_blacklist import train_soft_blacklist
+    from vllm_steer.train.data import preset_data_config
+
+    if (args.like is None) == (args.preset is None):
+        raise ValueError("give exactly one of --like STEER (its data and recipe) or --preset")
+    cfg = EvalConfig(task="toxicity" if args.preset != "sentiment" else "sentiment",
+                     model=args.model, data_dir=args.data)
+    data_dir = data_dir_of(cfg)
+    labels = {}
+    if args.like:
+        from vllm_steer.format import read_metadata
+        import json
+
+        meta = json.loads(read_metadata(args.like).to_json())
+        labels = meta.get("labels") or {}
+        recipe, data_cfg = baseline_plan(cfg, meta, data_dir)
+    else:
+        from vllm_steer.train.data import PRESETS
+
+        recipe, _ = baseline_plan(cfg, None, data_dir)
+        data_cfg = preset_data_config(args.preset, data_dir, max_examples=args.max_examples,
+                                      dev_max_per_side=100)
+        labels = dict(PRESETS[args.preset].labels)
+    for k in ("steps", "batch_size", "max_length", "lr", "seed"):
+        if getattr(args, k) is not None:
+            setattr(recipe, k, getattr(args, k))
+    train_soft_blacklist(recipe, data_cfg, out=args.out, name="blacklist", labels=labels,
+                         progress=not args.quiet)
+    return 0

