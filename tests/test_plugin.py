@@ -135,3 +135,10 @@ def test_vllm_serve_exits_naming_a_bad_steer_file(tiny_model_dir, tmp_path):
     out = _vllm("serve", str(tiny_model_dir), "--steer", f"detox={bad}", "--port", "8099")
     assert out.returncode != 0
     assert str(bad) in out.stderr and "refused" in out.stderr
+
+
+def test_modules_the_frontend_imports_do_not_import_torch():
+    code = ("import sys; import vllm_steer.integrations.plugin, vllm_steer.integrations.frontend, "
+            "vllm_steer.config, vllm_steer.format; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
