@@ -85,6 +85,9 @@ def add_commands(subparsers) -> None:
     rec.add_argument("--eval-every", type=int, default=d.eval_every)
     rec.add_argument("--check-strengths", type=float, nargs="+", default=list(d.check_strengths),
                      help="strengths of the final dev check (+-s versus 0)")
+    rec.add_argument("--fluency-budget", type=float, default=d.fluency_budget,
+                     help="nats/token the steered-towards dev texts may lose at the "
+                          "recommended strength (the largest check strength within it)")
 
     out = t.add_argument_group("output")
     out.add_argument("--out", required=True, help="steer file to write (.safetensors)")
@@ -93,7 +96,8 @@ def add_commands(subparsers) -> None:
                                               "metadata (e.g. non-toxic)")
     out.add_argument("--negative-means", help="what negative strengths move towards")
     out.add_argument("--recommended-strength", type=float, default=None,
-                     help="recorded in the metadata (default 5, the paper's)")
+                     help="recorded in the metadata (default: measured, see "
+                          "--fluency-budget; 5, the paper's, when there is no dev set)")
     out.add_argument("--checkpoint-dir", help="default: OUT.ckpt")
     out.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     out.add_argument("--resume", action="store_true",
@@ -160,7 +164,8 @@ def cmd_train(args) -> int:
                       model_dtype=args.model_dtype, cache_dtype=args.cache_dtype,
                       head_dtype=args.head_dtype, chunk_tokens=args.chunk_tokens,
                       eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
-                      check_strengths=tuple(args.check_strengths))
+                      check_strengths=tuple(args.check_strengths),
+                      fluency_budget=args.fluency_budget)
     cfg.validate()
     data = _data_config(args)
     labels = {k: v for k, v in (("positive", args.positive_means),

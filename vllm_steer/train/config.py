@@ -82,9 +82,13 @@ class TrainConfig:
     """Steps between checkpoints (0 = none; resume then restarts from the beginning)."""
     final_eval_max_texts: int = 1000
     """Texts of the training set (seeded sample) on which the final train loss is measured."""
-    check_strengths: tuple[float, ...] = (1.0, 5.0, 10.0)
-    """Strengths at which the final report measures dev losses (positive texts at +s,
-    negative at -s, both versus s = 0, without the domain steer, as served)."""
+    check_strengths: tuple[float, ...] = (1.0, 2.0, 3.0, 5.0, 10.0)
+    """Strengths at which the final report measures dev losses (positive and negative texts
+    at +s and -s versus s = 0, without the domain steer, as served)."""
+    fluency_budget: float = 0.05
+    """Rule for the recommended strength: the largest of ``check_strengths`` at which the dev
+    texts of the side steered towards (positive at +s, negative at -s) lose at most this
+    much (nats per token, 0.05 = about 5% perplexity) against s = 0."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -116,6 +120,8 @@ class TrainConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0):
                 problems.append(f"{name}={v!r}: must be a positive number")
+        if self.fluency_budget < 0:
+            problems.append(f"fluency_budget={self.fluency_budget}: must be >= 0")
         if self.regularization < 0:
             problems.append(f"regularization={self.regularization}: must be >= 0")
         for name in ("model_dtype", "cache_dtype", "head_dtype"):

@@ -33,7 +33,8 @@ CHECKPOINT_NAME = "state.pt"
 CHECKPOINT_FORMAT = "vllm-steer-train-checkpoint"
 #: Recipe fields that may differ between a checkpoint and the resumed run.
 RESUMABLE_CHANGES = {"steps", "eval_every", "checkpoint_every", "device", "chunk_tokens",
-                     "cache_batch_tokens", "final_eval_max_texts", "check_strengths"}
+                     "cache_batch_tokens", "final_eval_max_texts", "check_strengths",
+                     "fluency_budget"}
 
 
 class BatchSchedule:
@@ -198,6 +199,20 @@ def steer_check(lm: LMSteer, hs: HiddenStates, strengths, **kw) -> dict[str, Any
     return out
 
 
+def recommend_strength(check: dict[str, Any], strengths, budget: float
+                       ) -> tuple[float | None, str]:
+    """The largest strength whose target side stays within ``budget`` nats/token of s = 0 on
+    both sides (positive texts at +s, negative at -s); ``None`` if no strength does."""
+    ok = []
+    for s in sorted(strengths):
+        p, n = check.get("positive"), check.get("negative")
+        if p and n and p[f"{s:+g}"] - p["0"] <= budget and n[f"{-s:+g}"] - n["0"] <= budget:
+            ok.append(s)
+    rule = (f"largest of {sorted(strengths)} at which dev positive texts at +s and negative "
+            f"texts at -s lose at most {budget:g} nats/token against s=0")
+    return (max(ok) if ok else None), rule
+
+
 def _save_checkpoint(path: str, lm: LMSteer, opt, step: int, recipe: dict, data_desc: dict,
                      history: list) -> None:
     state = {"format": CHECKPOINT_FORMAT, "version": 1, "step": step,
@@ -246,7 +261,7 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
     from tqdm.auto import tqdm
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     data_cfg = data if isinstance(data, DataConfig) else None
     prep = prepared or prepare(cfg, data, log)
     diff = [k for k in PREPARE_FIELDS if getattr(prep.cfg, k) != getattr(cfg, k)]
@@ -337,12 +352,22 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
     metrics["history"] = history
     metrics["wall_s"] = {"hidden_states": round(t_h, 2), "train": round(t_train, 2),
                          "final_eval": round(time.perf_counter() - t_e, 2),
-                         "total": round(time.perf_counter() - t0, 2)}
+                         "total": round(time.perf_counter() - t0, 2),
+                         "cpu_total": round(time.process_time() - cpu0, 2)}
     metrics["train_tokens"] = train_hs.num_targets
     metrics["resolved_dtypes"] = {"model": dtype_name(prep.model_dtype),
                                   "cache": dtype_name(prep.cache_dtype),
                                   "head": dtype_name(prep.head_dtype)}
-    rec = 5.0 if recommended_strength is None else float(recommended_strength)
+    rec = recommended_strength
+    if rec is None and metrics.get("dev_check"):
+        rec, rule = recommend_strength(metrics["dev_check"], cfg.check_strengths,
+                                       cfg.fluency_budget)
+        metrics["recommended_strength_rule"] = rule
+        if rec is None:
+            rec = min(cfg.check_strengths)
+            log(f"[train] warning: even strength {rec:g} costs the steered-towards dev texts "
+                f"more than {cfg.fluency_budget} nats/token; recommending {rec:g}")
+    rec = 5.0 if rec is None else float(rec)
     steer = lm.to_steer(name, base_model=cfg.model if cfg.model == "smollm2" else prep.model_path,
                         labels=labels, domain="none", recommended_strength=rec,
                         recipe=recipe, data=data_desc, metrics=metrics)
@@ -352,6 +377,7 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
     if checkpoint_dir and not keep_checkpoint and os.path.isdir(checkpoint_dir):
         shutil.rmtree(checkpoint_dir, ignore_errors=True)
     _log_summary(log, metrics)
+    log(f"[train] recommended strength {rec:g}")
     return TrainResult(steer, out, metrics, history)
 
 

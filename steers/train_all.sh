@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Reproduce the shipped steers (see steers/README.md). From the repository root:
+#   make steers        or        bash steers/train_all.sh
+# Data: $VLLM_STEER_DATA, else ../shared/data. Seeded: the same machine type gives the same
+# files (bf16 matmuls on another CPU/GPU may differ in the last bits).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+DATA=${VLLM_STEER_DATA:-$(cd .. && pwd)/shared/data}
+COMMON=(--model smollm2 --data "$DATA" --rank 64 --batch-size 32 --max-length 64
+        --steps 100 --lr 1e-2 --epsilon 1e-3 --init-std 1e-2 --seed 0 --dev-max 100
+        --eval-every 25 --checkpoint-every 25)
+
+# Detoxification: Jigsaw, 400 non-toxic (positive) + 400 toxic (negative) comments.
+$PY -m vllm_steer.cli train --preset detox --max-examples 400 "${COMMON[@]}" \
+    --out steers/smollm2-detox.safetensors "$@"
+
+# Sentiment: SST-5, 500 positive (labels 3-4) + 500 negative (labels 0-1) sentences.
+$PY -m vllm_steer.cli train --preset sentiment --max-examples 500 "${COMMON[@]}" \
+    --out steers/smollm2-sentiment.safetensors "$@"
