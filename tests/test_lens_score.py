@@ -147,3 +147,22 @@ def test_score_cli_text_and_dataset(tiny_model_dir, tmp_path, capsys):
     assert ev["n"] == 6 and 0.0 <= ev["accuracy"] <= 1.0 and ev["positive_label"] == "1"
     assert main(["score", "--steer", str(path), "--model", str(tiny_model_dir), "--dataset",
                  "sst2", "--data-dir", str(data), "--positive-label", "7"]) == 1
+
+
+def test_training_texts_are_rebuilt_from_the_metadata(tmp_path):
+    """A steer records its data config and seed; the score command leaves those texts out."""
+    from vllm_steer.lens.score import training_texts
+
+    csv_path = tmp_path / "d.csv"
+    csv_path.write_text("".join(f"clean text {i},0\ntoxic text {i},1\n" for i in range(30)))
+    s = random_steer(8, 2, "s")
+    assert training_texts(s) is None
+    s.metadata.data = {"config": {"labelled": [str(csv_path)], "format": "csv",
+                                  "header": False, "text_field": "0", "label_field": "1",
+                                  "positive_labels": ["0"], "negative_labels": ["1"],
+                                  "max_examples": 5, "dev_fraction": 0.1}}
+    s.metadata.recipe = {"seed": 0}
+    texts = training_texts(s)
+    assert texts is not None and len(texts) == 10
+    assert sum(t.startswith("clean") for t in texts) == 5
+    assert texts <= {f"{w} text {i}" for w in ("clean", "toxic") for i in range(30)}

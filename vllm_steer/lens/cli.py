@@ -173,7 +173,19 @@ def cmd_score(args) -> int:
         if pos not in labels:
             raise ValueError(f"--positive-label {pos!r} is not a label of {args.dataset} "
                              f"(labels: {labels})")
+        excluded = 0
+        if not args.keep_training_texts:
+            train = S.training_texts(steer)
+            if train is None:
+                print("note: could not rebuild the steer's training texts from its metadata; "
+                      "the sample may include them", file=sys.stderr)
+            else:
+                before = len(rows)
+                rows = [r for r in rows if r[0] not in train]
+                excluded = before - len(rows)
         rows = S.balanced_sample(rows, args.limit, args.seed)
+        if excluded:
+            print(f"(left out {excluded} rows the steer was trained on)")
         ev, sc = S.evaluate(model, tok, steer, rows, args.dataset, pos, strength, strengths,
                             args.max_tokens, args.batch_size, args.prefix,
                             progress=not args.quiet)
@@ -184,6 +196,7 @@ def cmd_score(args) -> int:
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump({**ev.__dict__, "model": name, "split": args.split,
+                           "excluded_training_rows": excluded,
                            "limit": args.limit, "seed": args.seed,
                            "strengths": sc.strengths}, f, indent=2)
                 f.write("\n")
@@ -317,6 +330,9 @@ def add_commands(subparsers) -> None:
     s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     s.add_argument("--positive-label", help="dataset label of the steer's positive side "
                    "(default: sst2 1, jigsaw 0)")
+    s.add_argument("--keep-training-texts", action="store_true",
+                   help="do not leave out the texts the steer was trained on (by default "
+                   "they are rebuilt from its metadata and left out of --dataset samples)")
     s.add_argument("--batch-size", type=int, default=8)
     s.add_argument("--json", help="write results as JSON here")
     s.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -86,6 +86,25 @@ def balanced_sample(rows: Sequence[tuple[str, str]], limit: int | None, seed: in
     return [rows[i] for i in chosen]
 
 
+def training_texts(steer) -> set[str] | None:
+    """The texts the steer was trained on, rebuilt from its metadata (data config and seed)
+    with :func:`vllm_steer.train.data.load_dataset`; ``None`` when that is not possible
+    (another trainer, files moved)."""
+    cfg_d = (steer.metadata.data or {}).get("config")
+    if not cfg_d:
+        return None
+    try:
+        from vllm_steer.train.config import DataConfig
+        from vllm_steer.train.data import load_dataset
+
+        names = {f.name for f in __import__("dataclasses").fields(DataConfig)}
+        cfg = DataConfig(**{k: v for k, v in cfg_d.items() if k in names})
+        ds = load_dataset(cfg, seed=int((steer.metadata.recipe or {}).get("seed", 0)))
+    except Exception:  # noqa: BLE001 - best effort: report and go on
+        return None
+    return {e.text for e in ds.train}
+
+
 def auc(scores: Sequence[float], positive: Sequence[bool]) -> float:
     """Area under the ROC curve (probability a positive outranks a negative; ties count 1/2)."""
     pos = [s for s, p in zip(scores, positive) if p]

@@ -60,6 +60,8 @@ Form = Literal["logit", "congruence"]
 DEFAULT_ANCHORS = 4000
 DEFAULT_HELDOUT = 1000
 DEFAULT_RIDGE = 1e-4
+#: Below this held-out R^2 the report warns that little of the steer can carry over.
+LOW_R2 = 0.3
 #: The paper generates at strength 5: the fallback when the source recommends none.
 FALLBACK_STRENGTH = 5.0
 _SPACE_MARKERS = ("\u0120", "\u2581")  # GPT-2 byte-level "Ġ", SentencePiece "▁"
@@ -259,6 +261,10 @@ class TransferReport:
         if self.heldout_fit:
             out.append(f"fit (held out): R^2 {self.heldout_fit['r2']:.4f}  mean cosine "
                        f"{self.heldout_fit['cosine']:.4f}")
+            if self.heldout_fit["r2"] < LOW_R2:
+                out.append(f"warning: held-out R^2 below {LOW_R2}: the two embedding spaces "
+                           "are barely linearly related, so the transferred steer is unlikely "
+                           "to mean what it meant on the source model")
         if self.rms_source is not None and self.rms_target is not None:
             out.append(f"logit shift per unit strength (RMS, centred): source "
                        f"{self.rms_source:.4g}, transferred {self.rms_target:.4g} "
