@@ -181,3 +181,21 @@ def test_logit_shift_rms_scales_linearly():
     r1 = logit_shift_rms(h, E, s)
     assert r1 > 0
     assert logit_shift_rms(h, E, s.scaled(3.0)) == pytest.approx(3 * r1, rel=1e-5)
+
+
+def test_cli_help_defaults_match_the_config_and_parser_is_light():
+    import subprocess
+    import sys
+
+    from vllm_steer.lens import cli
+    from vllm_steer.lens.transfer import TransferConfig
+
+    c = TransferConfig()
+    assert (cli.DEFAULT_ANCHORS, cli.DEFAULT_HELDOUT, cli.DEFAULT_RIDGE) == (
+        c.anchors, c.heldout, c.ridge)
+    code = ("import argparse, sys; from vllm_steer.lens.cli import add_commands; "
+            "add_commands(argparse.ArgumentParser().add_subparsers()); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"

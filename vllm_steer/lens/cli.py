@@ -55,8 +55,8 @@ def cmd_transfer(args) -> int:
     from vllm_steer.lens.transfer import TransferConfig, transfer
 
     steer = load_steer(args.steer)
-    cfg = TransferConfig(anchors=args.anchors, heldout=args.heldout, ridge=args.ridge,
-                         form=args.form)
+    given = dict(anchors=args.anchors, heldout=args.heldout, ridge=args.ridge, form=args.form)
+    cfg = TransferConfig(**{k: v for k, v in given.items() if v is not None})
     model_a, tok_a = load_lm(args.from_model)
     model_b, tok_b = load_lm(args.to_model)
     texts = None
@@ -232,9 +232,12 @@ def cmd_score(args) -> int:
 
 # --------------------------------------------------------------------------- parsers
 
-def add_commands(subparsers) -> None:
-    from vllm_steer.lens.transfer import DEFAULT_ANCHORS, DEFAULT_HELDOUT, DEFAULT_RIDGE
+#: Shown in --help; the values used are TransferConfig's (kept equal by a test). Not imported
+#: from vllm_steer.lens.transfer so that building the parser does not import torch.
+DEFAULT_ANCHORS, DEFAULT_HELDOUT, DEFAULT_RIDGE = 4000, 1000, 1e-4
 
+
+def add_commands(subparsers) -> None:
     # transfer
     t = subparsers.add_parser(
         "transfer", help="move a steer to another model through their output embeddings",
@@ -246,11 +249,11 @@ def add_commands(subparsers) -> None:
                    help="model the steer was trained on (HF folder/id or smollm2)")
     t.add_argument("--to", dest="to_model", required=True, help="target model")
     t.add_argument("--out", required=True, help="output steer file")
-    t.add_argument("--anchors", type=int, default=DEFAULT_ANCHORS,
+    t.add_argument("--anchors", type=int, default=None,
                    help=f"shared tokens used to fit the map (default {DEFAULT_ANCHORS})")
-    t.add_argument("--heldout", type=int, default=DEFAULT_HELDOUT,
+    t.add_argument("--heldout", type=int, default=None,
                    help=f"shared tokens held out to report the fit (default {DEFAULT_HELDOUT})")
-    t.add_argument("--ridge", type=float, default=DEFAULT_RIDGE,
+    t.add_argument("--ridge", type=float, default=None,
                    help=f"relative ridge strength (default {DEFAULT_RIDGE})")
     t.add_argument("--form", choices=["logit", "congruence"], default="logit",
                    help="logit: keep the logit shift (default); congruence: the paper's H S H^T")
