@@ -93,6 +93,7 @@ def test_classifier_on_planted_steer(tiny):
     assert ev.n == len(rows) and set(ev.best_strength_by_class) == {"0", "1"}
     assert ev.best_strength_by_class["1"] == {"5": 6}
     assert ev.best_strength_by_class["0"] == {"-5": 6}
+    assert ev.by_strength == {"5": {"accuracy": 1.0, "auc": 1.0}}
     # the opposite steer flips every prediction
     ev_neg, _ = evaluate(model, tok, steer.scaled(-1.0), rows, "planted", "1", 5.0,
                          progress=False)
@@ -145,6 +146,8 @@ def test_score_cli_text_and_dataset(tiny_model_dir, tmp_path, capsys):
     assert "s on sst2: accuracy" in printed and "(n=6," in printed
     ev = json.loads(ev_json.read_text())
     assert ev["n"] == 6 and 0.0 <= ev["accuracy"] <= 1.0 and ev["positive_label"] == "1"
+    assert len(ev["per_text"]) == 6 and len(ev["per_text"][0]["loglik"]) == 3
+    assert sorted(p["label"] for p in ev["per_text"]) == ["0", "0", "0", "1", "1", "1"]
     assert main(["score", "--steer", str(path), "--model", str(tiny_model_dir), "--dataset",
                  "sst2", "--data-dir", str(data), "--positive-label", "7"]) == 1
 

@@ -190,6 +190,10 @@ def cmd_score(args) -> int:
                             args.max_tokens, args.batch_size, args.prefix,
                             progress=not args.quiet)
         print(ev.line())
+        if len(ev.by_strength) > 1:
+            print("  by strength: " + "; ".join(
+                f"+/-{k}: accuracy {v['accuracy']:.1%} AUC {v['auc']:.3f}"
+                for k, v in ev.by_strength.items()))
         for lab in sorted(ev.best_strength_by_class):
             print(f"  label {lab}: mean contrast {ev.mean_contrast_by_class[lab]:+.4f}; "
                   f"best strength counts {ev.best_strength_by_class[lab]}")
@@ -198,7 +202,9 @@ def cmd_score(args) -> int:
                 json.dump({**ev.__dict__, "model": name, "split": args.split,
                            "excluded_training_rows": excluded,
                            "limit": args.limit, "seed": args.seed,
-                           "strengths": sc.strengths}, f, indent=2)
+                           "strengths": sc.strengths,
+                           "per_text": [{"label": lab, "loglik": ll} for (_, lab), ll
+                                        in zip(rows, sc.loglik)]}, f, indent=2)
                 f.write("\n")
         return 0
     if args.file is not None and args.text is None:

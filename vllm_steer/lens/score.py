@@ -188,6 +188,9 @@ class Evaluation:
     positive_label: str
     best_strength_by_class: dict[str, dict[str, int]] = field(default_factory=dict)
     mean_contrast_by_class: dict[str, float] = field(default_factory=dict)
+    by_strength: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Accuracy and AUC of the contrast at every ``s`` with both ``+s`` and ``-s`` in the
+    grid (keys ``"s"``)."""
 
     def line(self) -> str:
         return (f"{self.steer} on {self.dataset}: accuracy {self.accuracy:.1%}  AUC "
@@ -215,6 +218,13 @@ def evaluate(model, tokenizer, steer, rows: Sequence[tuple[str, str]], dataset: 
         by.setdefault(lab, {}).setdefault(f"{b:g}", 0)
         by[lab][f"{b:g}"] += 1
         mean_con.setdefault(lab, []).append(c)
+    by_s: dict[str, dict[str, float]] = {}
+    for g in grid:
+        if g > 0 and -g in grid:
+            cg = sc.contrast(g)
+            by_s[f"{g:g}"] = {"accuracy": sum((c > 0) == t for c, t in zip(cg, truth))
+                              / max(len(rows), 1), "auc": auc(cg, truth)}
     ev = Evaluation(dataset, steer.name, len(rows), abs(strength), acc, auc(con, truth),
-                    positive_label, by, {k: sum(v) / len(v) for k, v in mean_con.items()})
+                    positive_label, by, {k: sum(v) / len(v) for k, v in mean_con.items()},
+                    by_s)
     return ev, sc
