@@ -6,7 +6,6 @@ parser stays fast.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -48,8 +47,6 @@ def _labels_line(steer) -> str:
 # --------------------------------------------------------------------------- transfer
 
 def cmd_transfer(args) -> int:
-    import torch  # noqa: F401
-
     from vllm_steer.format import load_steer, save_steer
     from vllm_steer.lens.lm import load_lm
     from vllm_steer.lens.transfer import TransferConfig, transfer
