@@ -256,3 +256,34 @@ def test_cli_train_writes_a_steer_and_reports_bad_input(tiny_model_dir, synth, t
     rc = main(["train", "--model", str(tiny_model_dir), "--positive", str(synth["pos"]),
                "--negative", str(synth["neg"]), "--out", str(out), "--max-length", "100000"])
     assert rc == 1 and "exceeds the model's context window of 512" in capsys.readouterr().err
+
+
+def test_recommended_strength_rule():
+    from vllm_steer.train.trainer import recommend_strength
+
+    check = {"positive": {"0": 4.00, "+1": 3.99, "-1": 4.1, "+2": 4.04, "-2": 4.3,
+                          "+5": 4.20, "-5": 5.0},
+             "negative": {"0": 5.00, "+1": 5.1, "-1": 4.95, "+2": 5.3, "-2": 4.97,
+                          "+5": 6.0, "-5": 5.02}}
+    rec, rule = recommend_strength(check, (1.0, 2.0, 5.0), budget=0.05)
+    assert rec == 2.0 and "0.05 nats/token" in rule  # +5 costs the positive texts 0.20
+    assert recommend_strength(check, (1.0, 2.0, 5.0), budget=0.5)[0] == 5.0
+    assert recommend_strength(check, (5.0,), budget=0.01)[0] is None
+
+
+def test_domain_dropout_mask_is_per_text_and_repeatable(prep):
+    from vllm_steer.train.trainer import domain_mask
+
+    hs = compute_hidden(prep.model, prep.tokenizer, prep.train_ids[:40], prep.train_sides[:40],
+                        progress=False)
+    idx = torch.arange(40)
+    cfg = _cfg(prep.cfg.model, domain_dropout=0.5)
+    m = domain_mask(hs, idx, cfg, step=3, device="cpu")
+    assert torch.equal(m, domain_mask(hs, idx, cfg, step=3, device="cpu"))
+    assert not torch.equal(m, domain_mask(hs, idx, cfg, step=4, device="cpu"))
+    n_rows = hs.lengths() - 1
+    per_text = torch.split(m, n_rows.tolist())
+    assert all(len(set(x.tolist())) == 1 for x in per_text)  # one value per text
+    kept = sum(float(x[0]) for x in per_text)
+    assert 8 <= kept <= 32  # about half of 40 texts keep the domain steer
+    assert domain_mask(hs, idx, _cfg(prep.cfg.model), step=3, device="cpu") == 1.0

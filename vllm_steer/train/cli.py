@@ -73,6 +73,9 @@ def add_commands(subparsers) -> None:
     rec.add_argument("--lr", type=float, default=d.lr)
     rec.add_argument("--epsilon", type=float, default=d.epsilon)
     rec.add_argument("--init-std", type=float, default=d.init_std)
+    rec.add_argument("--domain-dropout", type=float, default=d.domain_dropout,
+                     help="probability that a text is trained without the domain steer, so "
+                          "that the steer also works alone as served (0 = the paper's recipe)")
     rec.add_argument("--regularization", type=float, default=d.regularization)
     rec.add_argument("--max-length", type=int, default=d.max_length,
                      help="tokens per text; longer texts are truncated (counted, reported)")
@@ -160,7 +163,8 @@ def cmd_train(args) -> int:
     cfg = TrainConfig(model=args.model, rank=args.rank, domain_rank=args.domain_rank,
                       epsilon=args.epsilon, init_std=args.init_std, lr=args.lr,
                       steps=args.steps, batch_size=args.batch_size, max_length=args.max_length,
-                      regularization=args.regularization, seed=args.seed, device=args.device,
+                      regularization=args.regularization, seed=args.seed,
+                      domain_dropout=args.domain_dropout, device=args.device,
                       model_dtype=args.model_dtype, cache_dtype=args.cache_dtype,
                       head_dtype=args.head_dtype, chunk_tokens=args.chunk_tokens,
                       eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,

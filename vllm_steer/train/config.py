@@ -54,6 +54,10 @@ class TrainConfig:
     max_length: int = 256
     """Tokens kept per text; longer texts are truncated (counted and reported). Must not
     exceed the model's context window."""
+    domain_dropout: float = 0.0
+    """Probability that a training text is seen without the domain steer (D off for that
+    text), so that W also learns to work alone, as it is served (``domain="none"``).
+    0 = the paper's recipe (D always on)."""
     regularization: float = 0.0
     """L2 penalty on all factors (the paper's ``--regularization``; 0 = off)."""
     seed: int = 0
@@ -120,6 +124,8 @@ class TrainConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0):
                 problems.append(f"{name}={v!r}: must be a positive number")
+        if not 0 <= self.domain_dropout < 1:
+            problems.append(f"domain_dropout={self.domain_dropout}: must be in [0, 1)")
         if self.fluency_budget < 0:
             problems.append(f"fluency_budget={self.fluency_budget}: must be >= 0")
         if self.regularization < 0:

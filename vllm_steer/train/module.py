@@ -169,12 +169,17 @@ class LMSteer(nn.Module):
         return (torch.cat([self.p1, self.q1], 1), torch.cat([self.p2, self.q2], 1),
                 [0, self.rank, self.rank + self.domain_rank])
 
-    def coefs(self, signs: torch.Tensor, domain: float = 1.0) -> torch.Tensor:
-        """Per-row bank coefficients ``[s * eps0, domain * eps0]`` (float32)."""
+    def coefs(self, signs: torch.Tensor, domain: "float | torch.Tensor" = 1.0) -> torch.Tensor:
+        """Per-row bank coefficients ``[s * eps0, domain * eps0]`` (float32); ``domain`` is
+        a number or a per-row tensor."""
         s = signs.float().reshape(-1, 1) * self.epsilon
         if self.q1 is None:
             return s
-        return torch.cat([s, torch.full_like(s, domain * self.epsilon)], 1)
+        if torch.is_tensor(domain):
+            dcol = domain.to(s.device).float().reshape(-1, 1) * self.epsilon
+        else:
+            dcol = torch.full_like(s, domain * self.epsilon)
+        return torch.cat([s, dcol], 1)
 
     def steer_hidden(self, c: torch.Tensor, signs: torch.Tensor, domain: float = 1.0
                      ) -> torch.Tensor:
@@ -263,7 +268,8 @@ class LMSteer(nn.Module):
             for a in range(0, n, chunk_tokens):
                 e = min(n, a + chunk_tokens)
                 cc, tt = c[a:e], targets[a:e]
-                u = self._u(cc.float(), signs[a:e], domain)  # [n, R] fp32, graph to P1/Q1
+                dom = domain[a:e] if torch.is_tensor(domain) else domain
+                u = self._u(cc.float(), signs[a:e], dom)  # [n, R] fp32, graph to P1/Q1
                 if route == "lowrank":
                     small = u
                     u_hd = u.detach().to(hd)
@@ -305,7 +311,8 @@ class LMSteer(nn.Module):
         with torch.set_grad_enabled(backward):
             for a in range(0, n, chunk_tokens):
                 b = min(n, a + chunk_tokens)
-                lg = self.logits(c[a:b], signs[a:b], head_dtype, domain)
+                dom = domain[a:b] if torch.is_tensor(domain) else domain
+                lg = self.logits(c[a:b], signs[a:b], head_dtype, dom)
                 loss = F.cross_entropy(lg, targets[a:b], reduction="sum") / n
                 if backward:
                     loss.backward()

@@ -164,6 +164,17 @@ def hidden_states(prep: Prepared, split: str, ckpt_dir: str | None, progress: bo
     return hs
 
 
+def domain_mask(hs: HiddenStates, idx: torch.Tensor, cfg: TrainConfig, step: int, device
+                ) -> "float | torch.Tensor":
+    """Per-row domain coefficient of a step: 1, or 0 for the texts that ``domain_dropout``
+    drops (a function of seed and step, so resuming repeats it)."""
+    if cfg.domain_dropout <= 0:
+        return 1.0
+    g = torch.Generator().manual_seed(cfg.seed * 7_919 + step + 1)
+    keep = (torch.rand(len(idx), generator=g) >= cfg.domain_dropout).float()
+    return torch.repeat_interleave(keep, hs.lengths()[idx] - 1).to(device)
+
+
 def mean_loss(lm: LMSteer, hs: HiddenStates, text_idx=None, *, strength: float | None = None,
               domain: float = 1.0, head_dtype=torch.float32, chunk_tokens: int = 1024,
               device=None, batch_texts: int = 64) -> float:
@@ -316,10 +327,12 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
     bar = tqdm(range(start, cfg.steps), desc=f"train {name}", disable=not progress,
                initial=start, total=cfg.steps)
     for step in bar:
-        c, t, s = train_hs.batch(sched.indices(step), prep.device)
+        idx = sched.indices(step)
+        c, t, s = train_hs.batch(idx, prep.device)
         opt.zero_grad(set_to_none=True)
         loss = lm.loss_backward(c, t, s, head_dtype=prep.head_dtype,
-                                chunk_tokens=cfg.chunk_tokens)
+                                chunk_tokens=cfg.chunk_tokens,
+                                domain=domain_mask(train_hs, idx, cfg, step, prep.device))
         if cfg.regularization > 0:
             (cfg.regularization * lm.regularization()).backward()
         opt.step()
