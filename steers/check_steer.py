@@ -31,15 +31,18 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("steer")
     ap.add_argument("--data", default=None, help="data folder (default $VLLM_STEER_DATA)")
-    ap.add_argument("--dev", type=int, default=50, help="held-out texts per side")
-    ap.add_argument("--strengths", type=float, nargs="+", default=[5.0, 10.0])
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--dev", type=int, default=40, help="held-out texts per side")
+    ap.add_argument("--strengths", type=float, nargs="+", default=None,
+                    help="default: the recommended strength, 5 and 10")
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=20)
     ap.add_argument("--max-length", type=int, default=64)
     args = ap.parse_args()
 
     steer = load_steer(args.steer)
     meta = steer.metadata
+    if args.strengths is None:
+        args.strengths = sorted({float(meta.recommended_strength or 5.0), 5.0, 10.0})
     data_dir = args.data or default_data_dir()
     dcfg = dict(meta.data["config"])
     # the files were recorded with the paths used at training time: re-root them
@@ -64,7 +67,8 @@ def main() -> int:
             row.append(-float(torch.cat(lps).mean()))
         best = min(range(len(row)), key=row.__getitem__)
         print(f"| {'positive' if side > 0 else 'negative'} ({name}) | " + " | ".join(
-            (f"**{v:.4f}**" if i == best else f"{v:.4f}") for i, v in enumerate(row)) + " |")
+            (f"**{v:.4f}**" if i == best else f"{v:.4f}") for i, v in enumerate(row)) + " |",
+              flush=True)
     preset = dcfg.get("preset")
     if preset in PROMPTS and args.prompts:
         path = os.path.join(data_dir, PROMPTS[preset])
@@ -77,7 +81,7 @@ def main() -> int:
             print(f"**{p.strip()}**\n")
             for s in gen_strengths:
                 out = generate(model, tok, [p], steer, s, max_new_tokens=args.max_new_tokens)[0]
-                print(f"- s={s:+g}: {out.strip()!r}")
+                print(f"- s={s:+g}: {out.strip()!r}", flush=True)
             print()
     return 0
 
