@@ -224,7 +224,7 @@ def plot(rows, path, meta):
     ax.axhline(0.95, color="r", ls="--", lw=0.8, label="goal 0.95")
     ax.set_xscale("log", base=2)
     ax.set_xticks(ks, [str(k) for k in ks])
-    ax.set_ylim(min(0.8, min(lo) - 0.02), 1.08)
+    ax.set_ylim(min(0.8, min(lo) - 0.02), max(1.08, max(hi) + 0.02))
     ax.set_xlabel("distinct steers in the batch (K)")
     ax.set_ylabel("output tokens/s relative to plain vLLM")
     ax.set_title(f"{meta['model']}, batch {meta['batch']}, {meta['output_len']} output tokens")
