@@ -84,6 +84,16 @@ def test_eval_end_to_end_on_the_tiny_model(tiny_model_dir, data_dir, tmp_path):
     # the blacklist reached the sampler: only the allowed words were generated
     words = {w for g in gens["soft-blacklist blacklist=+1"] for s in g for w in s.split()}
     assert words and words <= allowed
+    # perplexity came from the engine (unsteered prompt logprobs) and equals transformers'
+    from vllm_steer.eval.fluency import PerplexityScorer
+
+    assert res["scorers"]["perplexity"]["backend"] == "vllm"
+    recs = [json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines()]
+    pairs = [(r["prompt"], s) for r in recs[::3] for s in r["samples"]]
+    ref = PerplexityScorer(str(tiny_model_dir), dtype="float32").nll(
+        [p for p, _ in pairs], [s["text"] for _, s in pairs], progress=False)
+    for (_, s), r in zip(pairs, ref):
+        assert s["tokens"] == r.tokens and s["ppl"] == pytest.approx(r.ppl, rel=2e-3)
     md = (out / "results.md").read_text()
     assert "| soft-blacklist | blacklist=+1 |" in md and "## Goals" in md
     for png in ("ablation.png", "tradeoff.png"):

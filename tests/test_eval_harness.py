@@ -83,6 +83,14 @@ def test_toxicity_run_writes_every_file_with_the_numbers(tiny_model_dir, data_di
     for png in ("ablation.png", "tradeoff.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert res["plots"] == ["ablation.png", "tradeoff.png"]
+    assert res["scorers"]["perplexity"]["backend"] == "transformers"  # the fake has no engine
+    # the report can be re-rendered from results.json, e.g. with goals at another strength
+    from vllm_steer.eval.harness import rerender
+
+    again = rerender(str(out), recommended_strength=-5)
+    assert again["goals"]["detox_strength"] == -5.0
+    assert again["conditions"] == res["conditions"]
+    assert "At the recommended strength -5 vs unsteered" in (out / "results.md").read_text()
 
 
 def test_sentiment_run_plots_the_distribution(tiny_model_dir, data_dir, tmp_path, steer_path):

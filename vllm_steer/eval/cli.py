@@ -7,6 +7,7 @@
     vllm-steer eval grid --steer steers/smollm2-detox.safetensors \\
         --steer steers/smollm2-sentiment.safetensors --strengths=0,5,10 --grid-strengths=-5,0,5
     vllm-steer eval train-baseline --like steers/smollm2-detox.safetensors --out bl.safetensors
+    vllm-steer eval report eval_out/sentiment-sentiment --recommended-strength 5
 
 Heavy imports happen inside the command functions, so ``--help`` stays fast. Negative
 strength lists may be written ``--strengths -10,-5,0,5,10`` or ``--strengths=-10,...``.
@@ -106,6 +107,10 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
     o.add_argument("--scorer-dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype of the perplexity model (auto: bfloat16 where fast)")
+    o.add_argument("--ppl-backend", default="auto", choices=["auto", "vllm", "transformers"],
+                   help="who computes perplexity: the evaluation's vLLM engine (unsteered "
+                        "prompt logprobs, same weights; about 2x faster on CPU), transformers, "
+                        "or auto (vllm unless --scorer-model names another model)")
     o.add_argument("--quiet", action="store_true", help="no progress bars")
     v = p.add_argument_group("vLLM engine")
     v.add_argument("--dtype", default=e.dtype, help="model dtype in vLLM")
@@ -134,6 +139,13 @@ def add_commands(subparsers) -> None:
                     description="Steer with {A: a, B: b} for every (a, b) of the two strength "
                                 "lists; report toxicity, positivity and perplexity per cell."),
             "grid")
+    rp = _parser(sub, "report", help="rewrite a finished run's results.md and plots",
+                 description="Re-render results.md, the plots, the comparison and the goals "
+                             "from a run's results.json (no generation, no scoring).")
+    rp.add_argument("out", help="the --out folder of a finished run")
+    rp.add_argument("--recommended-strength", type=float, default=None,
+                    help="check the goals at this strength instead")
+    rp.set_defaults(func=cmd_report)
     t = _parser(sub, "train-baseline", help="train the soft-blacklist baseline",
                 description="Train a soft blacklist (logits + s * eps * b, a learned "
                             "context-free logit offset) on the same data as a steer.")
@@ -198,6 +210,8 @@ def command_for(cfg) -> str:
         a += ["--scorer-model", cfg.scorer_model]
     if cfg.scorer_dtype != "auto":
         a += ["--scorer-dtype", cfg.scorer_dtype]
+    if cfg.ppl_backend != "auto":
+        a += ["--ppl-backend", cfg.ppl_backend]
     e = EngineConfig()
     for flag, k in (("--dtype", "dtype"), ("--max-num-seqs", "max_num_seqs"),
                     ("--max-model-len", "max_model_len"), ("--kv-cache-gib", "kv_cache_gib")):
@@ -241,6 +255,7 @@ def config_from_args(args):
         data_dir=args.data, out=out, toxicity_scorer=args.toxicity_scorer,
         sentiment_scorers=args.sentiment_scorer or ["sst2", "vader"],
         scorer_model=args.scorer_model, scorer_dtype=args.scorer_dtype,
+        ppl_backend=args.ppl_backend,
         engine=EngineConfig(dtype=args.dtype, max_model_len=args.max_model_len,
                             max_num_seqs=args.max_num_seqs, kv_cache_gib=args.kv_cache_gib),
         recommended_strength=getattr(args, "recommended_strength", None),
@@ -254,6 +269,14 @@ def cmd_eval(args) -> int:
 
     results = evaluate(config_from_args(args))
     print(f"{results['config']['out']}/results.md")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from vllm_steer.eval.harness import rerender
+
+    rerender(args.out, args.recommended_strength)
+    print(f"{args.out}/results.md")
     return 0
 
 

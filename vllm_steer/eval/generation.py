@@ -172,6 +172,40 @@ class VLLMGenerator:
             result[label][i] = [c.text for c in sorted(o.outputs, key=lambda c: c.index)]
         return result
 
+    def nll(self, prompts: Sequence[str], continuations: Sequence[str],
+            progress: bool = True) -> list:
+        """Unsteered log-likelihood of each continuation given its prompt, from the engine's
+        prompt logprobs (the same model and weights that generated; prompt and continuation
+        tokenised separately and concatenated, as :func:`vllm_steer.hf.token_logprobs`
+        does). Returns :class:`~vllm_steer.eval.fluency.SampleNLL` per pair."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from vllm_steer.eval.fluency import SampleNLL
+
+        if len(prompts) != len(continuations):
+            raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations")
+        tok = self.llm.get_tokenizer()
+        out: list = [SampleNLL(0.0, 0)] * len(prompts)
+        reqs, where, starts = [], [], []
+        cache: dict[str, list[int]] = {}
+        for i, (p, c) in enumerate(zip(prompts, continuations)):
+            if p not in cache:
+                cache[p] = tok(p, add_special_tokens=False)["input_ids"]
+            a, b = cache[p], tok(c, add_special_tokens=False)["input_ids"]
+            if not b:
+                continue
+            reqs.append(TokensPrompt(prompt_token_ids=a + b))
+            where.append(i)
+            starts.append(max(len(a), 1))
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+        outs = self.llm.generate(reqs, params, use_tqdm=progress)
+        for i, start, o in zip(where, starts, outs):
+            ids = o.prompt_token_ids
+            lps = [o.prompt_logprobs[k][ids[k]].logprob for k in range(start, len(ids))]
+            out[i] = SampleNLL(-float(sum(lps)), len(lps))
+        return out
+
     def close(self) -> None:
         """Stop the engine's processes now (frees the CPU and memory for scoring)."""
         llm = getattr(self, "llm", None)

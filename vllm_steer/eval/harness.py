@@ -68,7 +68,12 @@ class EvalConfig:
     scorer_model: str | None = None
     """Model computing perplexity (``None``: the evaluated model, unsteered)."""
     scorer_dtype: str = "auto"
-    """dtype of the perplexity model (``auto``: bfloat16 where fast, else float32)."""
+    """dtype of the transformers perplexity model (``auto``: bfloat16 where fast, else
+    float32)."""
+    ppl_backend: str = "auto"
+    """Who computes perplexity: ``vllm`` (the evaluation's engine, unsteered prompt logprobs;
+    only when the scorer is the evaluated model), ``transformers``
+    (:func:`vllm_steer.hf.token_logprobs`), or ``auto`` (vllm when possible)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """vLLM engine settings."""
     recommended_strength: float | None = None
@@ -89,6 +94,13 @@ class EvalConfig:
                              f"{len(self.steers)} (use `vllm-steer eval grid` for two)")
         if not self.strengths:
             raise ValueError("--strengths is empty")
+        if self.ppl_backend not in ("auto", "vllm", "transformers"):
+            raise ValueError(f"--ppl-backend {self.ppl_backend!r}: choose auto, vllm or "
+                             "transformers")
+        if self.ppl_backend == "vllm" and self.scorer_model not in (None, self.model):
+            raise ValueError(f"--ppl-backend vllm scores with the evaluated model "
+                             f"({self.model}); --scorer-model {self.scorer_model} needs "
+                             "--ppl-backend transformers")
         self.sampling.validate()
 
 
@@ -238,7 +250,7 @@ def default_generator(model_path: str, steers: dict[str, str], blacklists: dict[
 def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
              log: Callable[[str], None] = _log) -> dict[str, Any]:
     """Run the evaluation; write the files in ``cfg.out``; return the results document."""
-    from vllm_steer.eval import plots, report
+    from vllm_steer.eval import report
     from vllm_steer.eval.diversity import diversity_metrics
     from vllm_steer.eval.fluency import PerplexityScorer, perplexity_metrics
     from vllm_steer.eval.prompts import load_prompts, prompt_file
@@ -283,33 +295,44 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     gen = factory(model_path, {n: steers[n]["path"] for n in names},
                   {bl_name: bl_path} if bl_path else {}, cfg.engine, cfg.sampling.seed)
     timing["engine_start_s"] = time.perf_counter() - t
+    same_model = cfg.scorer_model in (None, cfg.model)
+    engine_ppl = cfg.ppl_backend == "vllm" or (cfg.ppl_backend == "auto" and same_model
+                                                and callable(getattr(gen, "nll", None)))
+    nll = None
     try:
         t = time.perf_counter()
         gens: Generations = gen.generate(prompts, conditions, cfg.sampling, cfg.progress)
         timing["generate_s"] = time.perf_counter() - t
+        flat_texts, flat_prompts, index = [], [], []
+        for c in conditions:
+            for i, samples in enumerate(gens[c.label]):
+                for j, text in enumerate(samples):
+                    flat_texts.append(text)
+                    flat_prompts.append(prompts[i])
+                    index.append((c.label, i, j))
+        if engine_ppl:
+            t = time.perf_counter()
+            nll = gen.nll(flat_prompts, flat_texts, progress=cfg.progress)
+            timing["score_ppl_s"] = time.perf_counter() - t
+            scorer_info = {"model": cfg.model, "path": model_path, "backend": "vllm",
+                           "dtype": cfg.engine.dtype}
     finally:
         gen.close()
 
     # ------------------------------------------------------------------ scoring
-    flat_texts, flat_prompts, index = [], [], []
-    for c in conditions:
-        for i, samples in enumerate(gens[c.label]):
-            for j, text in enumerate(samples):
-                flat_texts.append(text)
-                flat_prompts.append(prompts[i])
-                index.append((c.label, i, j))
     t = time.perf_counter()
     tox = _chunked_scores("toxicity", cfg.toxicity_scorer, flat_texts, cfg.progress)
     sent = {s: _chunked_scores("sentiment", s, flat_texts, cfg.progress)
             for s in cfg.sentiment_scorers}
     timing["score_text_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    ppl_scorer = PerplexityScorer(cfg.scorer_model or model_path, dtype=cfg.scorer_dtype)
-    nll = ppl_scorer.nll(flat_prompts, flat_texts, progress=cfg.progress)
-    scorer_info = {"model": cfg.scorer_model or cfg.model, "path": ppl_scorer.path,
-                   "dtype": ppl_scorer.dtype_name}
-    del ppl_scorer
-    timing["score_ppl_s"] = time.perf_counter() - t
+    if nll is None:
+        t = time.perf_counter()
+        ppl_scorer = PerplexityScorer(cfg.scorer_model or model_path, dtype=cfg.scorer_dtype)
+        nll = ppl_scorer.nll(flat_prompts, flat_texts, progress=cfg.progress)
+        scorer_info = {"model": cfg.scorer_model or cfg.model, "path": ppl_scorer.path,
+                       "backend": "transformers", "dtype": ppl_scorer.dtype_name}
+        del ppl_scorer
+        timing["score_ppl_s"] = time.perf_counter() - t
 
     per: dict[str, dict[str, list[list[Any]]]] = {
         c.label: {k: [[] for _ in prompts] for k in ("tox", "nll", *sent)} for c in conditions}
@@ -371,18 +394,37 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     if cfg.task == "grid":
         results["grid"] = {"steers": names, "a": list(cfg.strengths),
                            "b": list(cfg.grid_strengths)}
-    results["comparison"] = report.compare_at_equal_perplexity(results)
-    results["goals"] = report.check_goals(results)
-    with open(os.path.join(cfg.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1, default=_json_default)
-    results["plots"] = plots.make_plots(results, cfg.out)
-    md = report.markdown(results)
-    with open(os.path.join(cfg.out, "results.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(cfg.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1, default=_json_default)
+    write_outputs(results, cfg.out)
     log(f"wrote {cfg.out}/results.json, results.md, generations.jsonl and "
         f"{len(results['plots'])} plot(s) in {timing['total_s']:.0f}s")
+    return results
+
+
+def write_outputs(results: dict[str, Any], out: str) -> None:
+    """(Re)compute the comparison and the goals, draw the plots, write ``results.json`` and
+    ``results.md`` into ``out``."""
+    from vllm_steer.eval import plots, report
+
+    results["comparison"] = report.compare_at_equal_perplexity(results)
+    results["goals"] = report.check_goals(results)
+    results["plots"] = plots.make_plots(results, out)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=_json_default)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(report.markdown(results))
+
+
+def rerender(out: str, recommended_strength: float | None = None) -> dict[str, Any]:
+    """Rewrite a finished run's report from its ``results.json`` (no generation, no
+    scoring), optionally checking the goals at another strength."""
+    path = os.path.join(out, "results.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file (give the --out folder of a run)")
+    with open(path) as f:
+        results = json.load(f)
+    if recommended_strength is not None:
+        results["recommended_strength"] = float(recommended_strength)
+    write_outputs(results, out)
     return results
 
 

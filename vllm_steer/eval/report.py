@@ -241,7 +241,8 @@ def markdown(results: dict) -> str:
                 f"{100 * sst2['dev_accuracy']:.1f}%, test accuracy "
                 f"{100 * sst2.get('test_accuracy', float('nan')):.1f}%)" if sst2 else "")
              + f"; perplexity under `{sc['perplexity']['model']}` "
-               f"({sc['perplexity']['dtype']}), mean of per-sample perplexities")
+               f"({sc['perplexity'].get('backend', 'transformers')}, "
+               f"{sc['perplexity']['dtype']}), mean of per-sample perplexities")
     L += ["", "## Results", ""] + _table(results, _order(results))
     if task == "grid":
         L += ["", "## Grid", ""]
