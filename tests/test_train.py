@@ -249,6 +249,15 @@ def test_cli_train_writes_a_steer_and_reports_bad_input(tiny_model_dir, synth, t
     assert meta.rank == 4 and meta.labels == {"positive": "upbeat"}
     assert meta.data["counts"]["train"] == {"positive": 12, "negative": 12}
     assert json.loads(meta.to_json())["recipe"]["steps"] == 3
+    # no dev set at all: trains, no dev metrics, the paper's strength 5 recommended
+    nodev = tmp_path / "nodev.safetensors"
+    assert main(["train", "--model", str(tiny_model_dir), "--positive", str(synth["pos"]),
+                 "--negative", str(synth["neg"]), "--out", str(nodev), "--rank", "4",
+                 "--steps", "2", "--batch-size", "4", "--max-examples", "8",
+                 "--dev-fraction", "0", "--quiet"]) == 0
+    meta = read_metadata(nodev)
+    assert meta.recommended_strength == 5.0 and "dev_loss" not in meta.metrics
+    assert meta.data["counts"]["dev"] == {"positive": 0, "negative": 0}
     rc = main(["train", "--model", str(tiny_model_dir), "--positive", str(synth["pos"]),
                "--negative", str(tmp_path / "missing.txt"), "--out", str(out)])
     err = capsys.readouterr().err

@@ -89,7 +89,7 @@ def tokenize(tokenizer, texts: Sequence[str], max_length: int, window: int | Non
         raise ValueError(f"--max-length {max_length} exceeds the model's context window of "
                          f"{window} tokens; use --max-length {window} or less")
     rep = TokenizeReport(texts=len(texts))
-    enc = tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+    enc = tokenizer(list(texts), add_special_tokens=True)["input_ids"] if len(texts) else []
     ids_out, kept = [], []
     for i, ids in enumerate(enc):
         rep.max_tokens_seen = max(rep.max_tokens_seen, len(ids))
