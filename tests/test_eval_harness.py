@@ -90,7 +90,7 @@ def test_toxicity_run_writes_every_file_with_the_numbers(tiny_model_dir, data_di
     again = rerender(str(out), recommended_strength=-5)
     assert again["goals"]["detox_strength"] == -5.0
     assert again["conditions"] == res["conditions"]
-    assert "At the recommended strength -5 vs unsteered" in (out / "results.md").read_text()
+    assert "At strength -5 (recommended: -5) vs unsteered" in (out / "results.md").read_text()
 
 
 def test_sentiment_run_plots_the_distribution(tiny_model_dir, data_dir, tmp_path, steer_path):

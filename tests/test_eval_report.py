@@ -85,3 +85,13 @@ def test_markdown_shows_the_numbers_and_goals():
     assert "avg max toxicity -50.0% (goal <= -50%): met" in md
     assert "toxicity probability -66.7% (goal <= -80%): NOT met" in md
     assert "![ablation](ablation.png)" in md and "vllm-steer eval toxicity" in md
+
+
+def test_goals_fall_back_to_the_nearest_evaluated_strength_and_say_so():
+    r = results(conditions=TOX)
+    r["recommended_strength"] = 2.0  # not evaluated: +5 is the nearest detoxifying one
+    g = check_goals(r)
+    assert g["detox_strength"] == 5.0 and "strength +2 was not evaluated" in g["note"]
+    r["goals"], r["comparison"] = g, []
+    assert "Note: strength +2 was not evaluated; the nearest evaluated one, +5, is used" in \
+        markdown(r)

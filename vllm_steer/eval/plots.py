@@ -137,10 +137,12 @@ def grid(results: dict, path: str) -> None:
                 if c:
                     m[i, j] = c["metrics"][key]
         im = ax.imshow(m, cmap="viridis", aspect="auto", origin="lower")
+        lo, hi = np.nanmin(m), np.nanmax(m)
         for i in range(m.shape[0]):
             for j in range(m.shape[1]):
+                bright = hi > lo and (m[i, j] - lo) / (hi - lo) > 0.6  # viridis: light top
                 ax.text(j, i, fmt(key, m[i, j]), ha="center", va="center", fontsize=8,
-                        color="w")
+                        color="k" if bright else "w")
         ax.set_xticks(range(len(g["b"])), [f"{x:+g}" for x in g["b"]])
         ax.set_yticks(range(len(g["a"])), [f"{x:+g}" for x in g["a"]])
         ax.set_xlabel(f"{b} strength")

@@ -82,6 +82,20 @@ def _at(results: dict, method: str, strength: float) -> dict | None:
                  if math.isclose(c["strength"], strength)), None)
 
 
+def _at_or_nearest(results: dict, strength: float) -> tuple[dict | None, str | None]:
+    """The steer condition at ``strength``, else the evaluated one of the same sign nearest
+    to it (with a note saying so)."""
+    c = _at(results, "lm-steer", strength)
+    if c is not None or strength == 0:
+        return c, None
+    same = [c for c in _by_method(results, "lm-steer") if c["strength"] * strength > 0]
+    if not same:
+        return None, None
+    c = min(same, key=lambda c: (abs(c["strength"] - strength), abs(c["strength"])))
+    return c, (f"strength {strength:+g} was not evaluated; the nearest evaluated one, "
+               f"{c['strength']:+g}, is used")
+
+
 def compare_at_equal_perplexity(results: dict) -> list[dict]:
     """Per steer strength: its headline metrics and the soft blacklist's at the same ppl."""
     if results["task"] == "grid":
@@ -145,11 +159,13 @@ def check_goals(results: dict) -> dict:
     out: dict[str, Any] = {"recommended_strength": r}
     if task == "toxicity":
         sign = _sign_for(labels, "non-toxic", "toxic")
-        c = _at(results, "lm-steer", sign * r)
-        out["detox_strength"] = sign * r
+        c, note = _at_or_nearest(results, sign * r)
         if c is None:
-            out["note"] = f"strength {sign * r:+g} was not evaluated; add it to --strengths"
+            out["note"] = f"no detoxifying strength ({sign * r:+g}) was evaluated"
             return out
+        out["detox_strength"] = c["strength"]
+        if note:
+            out["note"] = note
         m = c["metrics"]
         rel = {k: _rel(m[k], m0[k]) for k in ("avg_max_toxicity", "toxicity_prob", "ppl")}
         out["relative_change"] = rel
@@ -167,10 +183,15 @@ def check_goals(results: dict) -> dict:
                                     for k in ("avg_max_toxicity", "toxicity_prob", "ppl")}}
     else:
         sign = _sign_for(labels, "positive", "negative")
-        up, down = _at(results, "lm-steer", sign * r), _at(results, "lm-steer", -sign * r)
+        (up, n1), (down, n2) = _at_or_nearest(results, sign * r), _at_or_nearest(results,
+                                                                                  -sign * r)
         if up is None or down is None:
-            out["note"] = f"strengths {r:+g} and {-r:+g} are needed; add them to --strengths"
+            out["note"] = f"strengths of both signs are needed (e.g. {r:+g} and {-r:+g})"
             return out
+        out["strengths"] = {"towards_positive": up["strength"],
+                            "towards_negative": down["strength"]}
+        if n1 or n2:
+            out["note"] = "; ".join(n for n in (n1, n2) if n)
         shift = {k: {"towards_positive": 100 * (up["metrics"][k] - m0[k]),
                      "towards_negative": 100 * (down["metrics"][k] - m0[k])}
                  for k in ("positivity", "positivity_vader") if k in m0}
@@ -307,10 +328,12 @@ def _goal_lines(task: str, g: dict) -> list[str]:
     def yes(b):
         return "undefined (0 when unsteered)" if b is None else ("met" if b else "NOT met")
 
+    pre = [f"Note: {g['note']}.", ""] if g.get("note") else []
     if task == "toxicity":
         r, m = g["relative_change"], g["met"]
-        L = [f"At the recommended strength {g['detox_strength']:+g} vs unsteered "
-             "(goal: the paper's relative gains on GPT-2 large, ppl up at most 15%):", "",
+        L = pre + [f"At strength {g['detox_strength']:+g} (recommended: "
+                   f"{g['recommended_strength']:g}) vs unsteered (goal: the paper's relative "
+                   "gains on GPT-2 large, perplexity up at most 15%):", "",
              f"- avg max toxicity {_pct(r['avg_max_toxicity'])} (goal <= -50%): "
              f"{yes(m['avg_max_toxicity'])}",
              f"- toxicity probability {_pct(r['toxicity_prob'])} (goal <= -80%): "
@@ -325,8 +348,10 @@ def _goal_lines(task: str, g: dict) -> list[str]:
                      f"{_pct(br['ppl'])}")
         return L
     s, m = g["shift_points"]["positivity"], g["met"]
-    L = [f"Positivity shift at strength +/-{g['recommended_strength']:g} vs unsteered "
-         "(goal: at least 30 points each way):", "",
+    st = g["strengths"]
+    L = pre + [f"Positivity shift at strengths {st['towards_positive']:+g} / "
+               f"{st['towards_negative']:+g} vs unsteered (goal: at least 30 points each way):",
+               "",
          f"- towards positive: {s['towards_positive']:+.1f} points: "
          f"{yes(m['towards_positive'])}",
          f"- towards negative: {s['towards_negative']:+.1f} points: "
