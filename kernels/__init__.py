@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from vllm_steer.ops import register_backend
 
-from .torch_steer import steer_torch
+from .torch_steer import prepare_torch, steer_torch
 
-register_backend("torch", steer_torch)
+register_backend("torch", steer_torch, prepare=prepare_torch)
 
 try:
     import triton  # noqa: F401

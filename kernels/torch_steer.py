@@ -16,8 +16,11 @@ Two strategies, picked per call from the sparsity pattern (``choose_strategy``):
 Math in fp32 (16-bit factors are upcast per used steer, as the reference does), output in the
 activation dtype; unsteered rows are copied bit for bit.
 
-Host syncs: the active-row/steer sets are read on the host (``nonzero``/``tolist``), which on
-CUDA costs a few device-to-host syncs per call; the Triton kernel is the sync-free CUDA path.
+Planning (:func:`prepare_torch`) reads the active-row/steer sets on the host
+(``nonzero``/``tolist``: a few device-to-host syncs on CUDA) and slices/up-casts the factors;
+its result is reusable while the coefficients do not change, which is how the serving path
+calls it (re-planned only when the batch's steering changes, so a decode step of an unchanged
+batch runs the GEMMs alone). The Triton kernel is the sync-free CUDA path.
 """
 
 from __future__ import annotations
@@ -89,6 +92,100 @@ def choose_strategy(nz: torch.Tensor, offs: list[int], hidden_size: int) -> Plan
     return Plan("concat" if concat <= gather else "gather", rows, steers, counts)
 
 
+class Prepared(NamedTuple):
+    """Everything :func:`steer_torch` derives from the coefficients and the factors alone.
+
+    Made by :func:`prepare_torch`; reusable for as long as the coefficients do not change (the
+    decode steps of an unchanged batch), so a step pays only for the GEMMs: no planning, no
+    host reads of the coefficients, no factor slicing or up-casting.
+    """
+
+    num_rows: int
+    num_steers: int  # K
+    rows: torch.Tensor | None  # active rows, None when every row is active
+    empty: bool  # no steer to apply (every coefficient zero, or zero-rank steers only)
+    # concat: one down- and one up-projection through the active steers' factors
+    down: torch.Tensor | None  # [hidden, R_a] fp32
+    up_t: torch.Tensor | None  # [R_a, hidden] fp32 (a transposed view)
+    scale: torch.Tensor | None  # [rows_a, R_a] fp32: coefficients expanded along rank
+    # gather: steers used by every active row work on them in place; the others on the
+    # gathered (row, steer) pairs, grouped by steer
+    full: list  # [(down [d, r], up_t [r, d], coef [rows_a, 1])]
+    pair_rows: torch.Tensor | None  # [P] active-row index of each pair, grouped by steer
+    groups: list  # [(start, n, down [d, r], up_t [r, d], coef [n, 1])]
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def prepare_torch(
+    p1: torch.Tensor,  # [hidden, total_rank]
+    p2: torch.Tensor,  # [hidden, total_rank]
+    rank_offsets: Sequence[int] | torch.Tensor,  # K + 1 ints
+    coefs: torch.Tensor,  # [num_rows, K] fp32
+    strategy: str | None = None,  # "concat" / "gather" to force one (benchmarks, tests)
+) -> Prepared:
+    """Plan one batch's steering for :func:`steer_torch` (see :class:`Prepared`)."""
+    offs = _offsets(rank_offsets)
+    K = len(offs) - 1
+    num_rows = coefs.shape[0]
+    d = p1.shape[0]
+    assert p1.shape == p2.shape == (d, offs[-1]), \
+        f"p1 {tuple(p1.shape)} and p2 {tuple(p2.shape)} must be [hidden, total_rank={offs[-1]}]"
+    assert coefs.dtype == torch.float32 and coefs.dim() == 2 and coefs.shape[1] == K, \
+        f"coefs must be float32 [num_rows, K={K}], got {coefs.dtype} {tuple(coefs.shape)}"
+    none = Prepared(num_rows, K, None, True, None, None, None, [], None, [])
+    if num_rows == 0 or K == 0:
+        return none
+    nz = coefs != 0
+    auto, rows, steers, counts = choose_strategy(nz, offs, d)
+    strategy = strategy or auto
+    if strategy not in ("concat", "gather"):
+        raise ValueError(f"unknown strategy {strategy!r}; choose 'concat' or 'gather'")
+    if not steers:
+        return none
+    co, local = (coefs, nz) if rows is None else (coefs.index_select(0, rows),
+                                                  nz.index_select(0, rows))
+    if strategy == "concat" or len(steers) == 1:
+        if len(steers) == 1:
+            a, b = offs[steers[0]], offs[steers[0] + 1]
+            down, up = p1[:, a:b], p2[:, a:b]
+            scale = co[:, steers[0]:steers[0] + 1].contiguous()
+        else:
+            if len(steers) == K:
+                down, up, scale = p1, p2, co
+            else:
+                down = torch.cat([p1[:, offs[k]:offs[k + 1]] for k in steers], 1)
+                up = torch.cat([p2[:, offs[k]:offs[k + 1]] for k in steers], 1)
+                scale = co.index_select(1, torch.tensor(steers, device=co.device))
+            ranks = [offs[k + 1] - offs[k] for k in steers]
+            scale = torch.repeat_interleave(scale, torch.tensor(ranks, device=co.device), dim=1,
+                                            output_size=sum(ranks))
+        return Prepared(num_rows, K, rows, False, _f32(down), _f32(up).T, scale.contiguous(),
+                        [], None, [])
+    n_active = co.shape[0]
+    full, groups = [], []
+    partial = [k for k in steers if counts[k] < n_active]
+    for k in steers:
+        if counts[k] == n_active:
+            a, b = offs[k], offs[k + 1]
+            full.append((_f32(p1[:, a:b]), _f32(p2[:, a:b]).T, co[:, k:k + 1].contiguous()))
+    pair_rows = None
+    if partial:
+        sel = torch.tensor(partial, device=co.device)
+        pairs = local.index_select(1, sel).T.nonzero()  # [P, 2] (i, row), sorted by i
+        pair_rows = pairs[:, 1].contiguous()
+        pair_coef = co.index_select(1, sel).T[pairs[:, 0], pair_rows]  # [P]
+        start = 0
+        for k in partial:
+            a, b, n = offs[k], offs[k + 1], counts[k]
+            groups.append((start, n, _f32(p1[:, a:b]), _f32(p2[:, a:b]).T,
+                           pair_coef[start:start + n, None].contiguous()))
+            start += n
+    return Prepared(num_rows, K, rows, False, None, None, None, full, pair_rows, groups)
+
+
 def steer_torch(
     hidden: torch.Tensor,  # [num_rows, hidden] fp32/fp16/bf16
     p1: torch.Tensor,  # [hidden, total_rank]
@@ -97,83 +194,50 @@ def steer_torch(
     coefs: torch.Tensor,  # [num_rows, K] fp32
     out: torch.Tensor | None = None,  # [num_rows, hidden] like hidden (allocated if None)
     strategy: str | None = None,  # "concat" / "gather" to force one (benchmarks, tests)
+    prepared: Prepared | None = None,  # from prepare_torch on these factors and coefs
 ) -> torch.Tensor:
-    """Batched steer in torch. Semantics: see vllm_steer.reference (``steer_reference``)."""
-    offs = _offsets(rank_offsets)
-    K = len(offs) - 1
+    """Batched steer in torch. Semantics: see vllm_steer.reference (``steer_reference``).
+
+    ``prepared`` (from :func:`prepare_torch` with the same factors and coefficients) skips
+    the planning: the caller promises the coefficients did not change since.
+    """
     num_rows, d = hidden.shape
     assert hidden.dtype in (torch.float32, torch.float16, torch.bfloat16), hidden.dtype
-    assert p1.shape == p2.shape == (d, offs[-1]), \
-        f"p1 {tuple(p1.shape)} and p2 {tuple(p2.shape)} must be [hidden={d}, total_rank={offs[-1]}]"
-    assert coefs.dtype == torch.float32 and coefs.shape == (num_rows, K), \
-        f"coefs must be float32 [num_rows={num_rows}, K={K}], got {coefs.dtype} {tuple(coefs.shape)}"
+    if prepared is None:
+        prepared = prepare_torch(p1, p2, rank_offsets, coefs, strategy)
+    assert prepared.num_rows == num_rows and p1.shape[0] == d, \
+        f"prepared for {prepared.num_rows} rows of hidden {p1.shape[0]}, got {tuple(hidden.shape)}"
     if out is not None:
         assert out.shape == hidden.shape and out.dtype == hidden.dtype, (out.shape, out.dtype)
-    if num_rows == 0 or K == 0:
+    if prepared.empty:
         return hidden.clone() if out is None else out.copy_(hidden)
-    nz = coefs != 0
-    auto, rows, steers, counts = choose_strategy(nz, offs, d)
-    strategy = strategy or auto
-    if strategy not in ("concat", "gather"):
-        raise ValueError(f"unknown strategy {strategy!r}; choose 'concat' or 'gather'")
-    if not steers:
-        return hidden.clone() if out is None else out.copy_(hidden)
+    rows = prepared.rows
     if rows is None:  # every row is written below
         out = torch.empty_like(hidden) if out is None else out
         c = hidden.to(torch.float32, copy=True)  # [rows, d]
-        co, local = coefs, nz
     else:  # unsteered rows: the input, bit for bit
         out = hidden.clone() if out is None else out.copy_(hidden)
         c = hidden.index_select(0, rows).float()  # [rows_a, d]
-        co, local = coefs.index_select(0, rows), nz.index_select(0, rows)
-    if strategy == "concat" or len(steers) == 1:
-        if len(steers) == 1:
-            k = steers[0]
-            cols = lambda p: p[:, offs[k]:offs[k + 1]]  # noqa: E731
-            scale = co[:, k:k + 1]
-        else:
-            if len(steers) == K:
-                cols = lambda p: p  # noqa: E731  (no copy when the factors are fp32)
-                scale = co
-            else:
-                cols = lambda p: torch.cat([p[:, offs[k]:offs[k + 1]] for k in steers], 1)  # noqa
-                scale = co.index_select(1, torch.tensor(steers, device=co.device))
-            ranks = [offs[k + 1] - offs[k] for k in steers]
-            scale = torch.repeat_interleave(scale, torch.tensor(ranks, device=co.device), dim=1,
-                                            output_size=sum(ranks))
-        # One fp32 factor alive at a time: two fresh multi-MB copies at once make the CPU
-        # allocator return fresh pages each call (page faults cost more than the GEMMs).
-        down = c @ cols(p1).float()  # [rows_a, R_a]
-        down.mul_(scale)
-        c.addmm_(down, cols(p2).float().T)  # c + delta, fp32
-    else:
-        # Steers used by every active row: GEMMs on c itself. The others: all their
-        # (row, steer) pairs gathered at once, grouped by steer, two GEMMs per steer on a
-        # contiguous slice, one scatter-add back.
-        n_active = c.shape[0]
-        delta = torch.zeros_like(c)
-        partial = [k for k in steers if counts[k] < n_active]
-        for k in steers:
-            if counts[k] == n_active:
-                down = c @ p1[:, offs[k]:offs[k + 1]].float()
-                down.mul_(co[:, k:k + 1])
-                delta.addmm_(down, p2[:, offs[k]:offs[k + 1]].float().T)
-        if partial:
-            sel = torch.tensor(partial, device=c.device)
-            pairs = local.index_select(1, sel).T.nonzero()  # [P, 2] (i, row), sorted by i
-            pair_rows = pairs[:, 1].contiguous()
-            pair_coef = co.index_select(1, sel).T[pairs[:, 0], pair_rows]  # [P]
-            cp = c.index_select(0, pair_rows)  # [P, d]
+    if prepared.down is not None:  # concat
+        down = c @ prepared.down  # [rows_a, R_a]
+        down.mul_(prepared.scale)
+        c.addmm_(down, prepared.up_t)  # c + delta, fp32
+    else:  # gather
+        delta = torch.zeros_like(c) if prepared.full else None
+        for w1, w2t, coef in prepared.full:
+            down = c @ w1
+            down.mul_(coef)
+            delta.addmm_(down, w2t)
+        if prepared.groups:
+            cp = c.index_select(0, prepared.pair_rows)  # [P, d]
             dp = torch.empty_like(cp)
-            start = 0
-            for k in partial:
-                a, b, n = offs[k], offs[k + 1], counts[k]
-                down = cp[start:start + n] @ p1[:, a:b].float()
-                down.mul_(pair_coef[start:start + n, None])
-                torch.mm(down, p2[:, a:b].float().T, out=dp[start:start + n])
-                start += n
-            delta.index_add_(0, pair_rows, dp)
-        c.add_(delta)
+            for start, n, w1, w2t, coef in prepared.groups:
+                down = cp[start:start + n] @ w1
+                down.mul_(coef)
+                torch.mm(down, w2t, out=dp[start:start + n])
+            c.index_add_(0, prepared.pair_rows, dp)
+        if delta is not None:
+            c.add_(delta)
     if rows is None:
         out.copy_(c)
     else:

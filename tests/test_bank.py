@@ -38,3 +38,20 @@ def test_apply_matches_dense_formula():
     out = bank.apply(h, coefs, backend="reference")
     dense = steer_dense_reference(h, [a.matrix().double(), b.matrix().double()], coefs)
     torch.testing.assert_close(out, dense)
+
+
+def test_plan_key_reuses_the_plan_until_the_key_changes():
+    bank = SteerBank({"a": random_steer(32, 4, "a"), "b": random_steer(32, 8, "b", seed=1)})
+    h = torch.randn(4, 32)
+    c1 = torch.tensor([bank.coef_row({"a": 5})] * 2 + [bank.coef_row({"b": -3})] * 2)
+    c2 = torch.tensor([bank.coef_row({"b": 5})] * 4)
+    want1 = bank.apply(h, c1, backend="torch")
+    want2 = bank.apply(h, c2, backend="torch")
+    assert not torch.equal(want1, want2)
+    assert torch.equal(bank.apply(h, c1, backend="torch", plan_key=1), want1)
+    plan = bank._plan
+    assert torch.equal(bank.apply(h * 2, c1, backend="torch", plan_key=1),
+                       bank.apply(h * 2, c1, backend="torch"))
+    assert bank._plan is plan  # same key: not re-planned
+    # a new key (the runtime bumps its version when the slots' coefficients change)
+    assert torch.equal(bank.apply(h, c2, backend="torch", plan_key=2), want2)

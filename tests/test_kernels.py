@@ -354,3 +354,32 @@ def test_triton_kernels_compile_for_sm90_without_a_gpu():
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "shrink 32x128" in run.stdout and "FAILED" not in run.stdout
+
+
+@pytest.mark.parametrize("strategy", ["concat", "gather"])
+@pytest.mark.parametrize("pattern", ["one_per_row", "mixed", "dense", "all_zero"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepared_plan_reused_over_steps_gives_the_per_call_result(strategy, pattern, dtype):
+    # The serving path plans once per change of the batch's steering and reuses the plan on
+    # every decode step: each step (new hidden states, same coefficients) must equal a
+    # freshly planned call, bit for bit.
+    from vllm_steer.kernels.torch_steer import prepare_torch
+
+    _, p1, p2, offs, coefs = make_inputs(37, 96, [96, 0, 8, 40], pattern, dtype, dtype, seed=5)
+    plan = prepare_torch(p1, p2, offs, coefs, strategy)
+    gen = torch.Generator().manual_seed(6)
+    for _step in range(3):
+        hidden = torch.randn(37, 96, generator=gen).to(DEVICE, dtype)
+        out = steer_torch(hidden, p1, p2, offs, coefs, prepared=plan)
+        assert torch.equal(out, steer_torch(hidden, p1, p2, offs, coefs, strategy=strategy))
+        check(out, hidden, p1, p2, offs, coefs)
+
+
+def test_prepared_plan_for_another_batch_size_is_refused():
+    from vllm_steer.kernels.torch_steer import prepare_torch
+
+    hidden, p1, p2, offs, coefs = make_inputs(8, 32, [4, 4], "mixed", torch.float32,
+                                              torch.float32)
+    plan = prepare_torch(p1, p2, offs, coefs)
+    with pytest.raises(AssertionError, match="prepared for 8 rows"):
+        steer_torch(hidden[:5], p1, p2, offs, coefs[:5], prepared=plan)

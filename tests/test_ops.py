@@ -113,3 +113,21 @@ def test_triton_on_cpu_tensors_without_interpreter_says_what_to_do():
     else:
         with pytest.raises(RuntimeError, match="needs CUDA tensors.*TRITON_INTERPRET=1.*torch"):
             apply_steers(hidden, p1, p2, offs, coefs, backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_prepared_steers_match_unprepared(backend):
+    # backends with a planner (torch) reuse the plan; those without (reference) ignore it
+    hidden, p1, p2, offs, coefs = inputs(rows=9)
+    prepared = ops.prepare_steers(p1, p2, offs, coefs, backend=backend)
+    assert prepared.backend == backend and (prepared.plan is None) == (backend == "reference")
+    out = apply_steers(hidden, p1, p2, offs, coefs, backend=backend, prepared=prepared)
+    torch.testing.assert_close(out, steer_reference(hidden, p1, p2, offs, coefs),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_plan_of_one_backend_is_not_run_by_another():
+    hidden, p1, p2, offs, coefs = inputs()
+    prepared = ops.prepare_steers(p1, p2, offs, coefs, backend="torch")
+    with pytest.raises(AssertionError, match="plan made for backend 'torch'"):
+        apply_steers(hidden, p1, p2, offs, coefs, backend="reference", prepared=prepared)

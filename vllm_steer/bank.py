@@ -12,7 +12,7 @@ from typing import Mapping
 import torch
 
 from vllm_steer.format import Steer, load_steer
-from vllm_steer.ops import apply_steers
+from vllm_steer.ops import apply_steers, prepare_steers
 
 
 class SteerBank:
@@ -44,6 +44,8 @@ class SteerBank:
             self.p1 = self.p2 = torch.zeros(0, 0, device=device, dtype=dtype)
         self.rank_offsets: list[int] = offs
         self.index = {n: i for i, n in enumerate(self.names)}
+        self._plan_key: object = None
+        self._plan = None
 
     @classmethod
     def from_files(cls, paths: Mapping[str, str], device=None, dtype=None) -> "SteerBank":
@@ -68,9 +70,23 @@ class SteerBank:
         row = torch.tensor(self.coef_row(strengths), dtype=torch.float32, device=device)
         return row.expand(num_rows, -1).contiguous()
 
-    def apply(self, hidden: torch.Tensor, coefs: torch.Tensor, backend: str | None = None
-              ) -> torch.Tensor:
-        """Steer ``hidden`` ([rows, hidden]) with per-row ``coefs`` ([rows, K])."""
+    def apply(self, hidden: torch.Tensor, coefs: torch.Tensor, backend: str | None = None,
+              plan_key: object = None) -> torch.Tensor:
+        """Steer ``hidden`` ([rows, hidden]) with per-row ``coefs`` ([rows, K]).
+
+        ``plan_key``: a value that changes whenever ``coefs`` may have changed (the serving
+        runtime passes its coefficient version and the row count). Calls with the key of the
+        previous call reuse its plan (no re-planning: see :func:`vllm_steer.ops.prepare_steers`).
+        """
         if self.num_columns == 0:
             return hidden
-        return apply_steers(hidden, self.p1, self.p2, self.rank_offsets, coefs, backend=backend)
+        prepared = None
+        if plan_key is not None:
+            key = (plan_key, backend)
+            if key != self._plan_key:
+                self._plan_key, self._plan = None, None  # never keep a stale plan on error
+                self._plan = prepare_steers(self.p1, self.p2, self.rank_offsets, coefs, backend)
+                self._plan_key = key
+            prepared = self._plan
+        return apply_steers(hidden, self.p1, self.p2, self.rank_offsets, coefs, backend=backend,
+                            prepared=prepared)

@@ -14,7 +14,7 @@ Semantics: see :mod:`vllm_steer.reference`. Backends:
 from __future__ import annotations
 
 import os
-from typing import Callable, Literal, Sequence
+from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import torch
 
@@ -27,11 +27,22 @@ ENV_BACKEND = "VLLM_STEER_BACKEND"
 SteerFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Sequence[int], torch.Tensor],
                    torch.Tensor]
 _REGISTRY: dict[str, SteerFn] = {"reference": steer_reference}
+# Optional per-backend planning: ``prepare(p1, p2, rank_offsets, coefs) -> plan``, the plan then
+# passed as ``fn(..., prepared=plan)`` for as long as the coefficients do not change.
+_PREPARE: dict[str, Callable] = {}
 
 
-def register_backend(name: str, fn: SteerFn) -> None:
-    """Register (or replace) a backend under ``name``: the kernels plug in here."""
+def register_backend(name: str, fn: SteerFn, prepare: Callable | None = None) -> None:
+    """Register (or replace) a backend under ``name``: the kernels plug in here.
+
+    ``prepare`` (optional) plans a batch once from the factors and coefficients; the backend
+    then accepts the plan as ``prepared=`` and skips the planning (see :func:`prepare_steers`).
+    """
     _REGISTRY[name] = fn
+    if prepare is None:
+        _PREPARE.pop(name, None)
+    else:
+        _PREPARE[name] = prepare
 
 
 def _load_kernels() -> None:
@@ -71,6 +82,33 @@ def apply_steers(
     rank_offsets: Sequence[int],  # K + 1
     coefs: torch.Tensor,  # [num_rows, K] float32 (strength * epsilon)
     backend: str | None = None,
+    prepared: Prepared | None = None,  # from prepare_steers(..., same coefs, same backend)
 ) -> torch.Tensor:
     """Batched steer operation. Semantics: see :func:`vllm_steer.reference.steer_reference`."""
-    return get_backend(backend, hidden.device)(hidden, p1, p2, rank_offsets, coefs)
+    fn = get_backend(backend, hidden.device)
+    if prepared is not None and prepared.plan is not None:
+        assert prepared.backend == resolve_backend(backend, hidden.device), \
+            f"plan made for backend {prepared.backend!r}"
+        return fn(hidden, p1, p2, rank_offsets, coefs, prepared=prepared.plan)
+    return fn(hidden, p1, p2, rank_offsets, coefs)
+
+
+class Prepared(NamedTuple):
+    """A backend's plan for one set of coefficients (``plan`` None: the backend plans per call)."""
+
+    backend: str
+    plan: Any
+
+
+def prepare_steers(
+    p1: torch.Tensor,  # [hidden, total_rank]
+    p2: torch.Tensor,  # [hidden, total_rank]
+    rank_offsets: Sequence[int],  # K + 1
+    coefs: torch.Tensor,  # [num_rows, K] float32
+    backend: str | None = None,
+) -> Prepared:
+    """Plan the steering of a batch once, for :func:`apply_steers` (``prepared=``) to reuse
+    on every call while ``coefs`` stays the same (e.g. the decode steps of a batch)."""
+    name = resolve_backend(backend, coefs.device)
+    prep = _PREPARE.get(name)
+    return Prepared(name, prep(p1, p2, rank_offsets, coefs) if prep else None)

@@ -66,6 +66,7 @@ class SteerRuntime:
         self._host: np.ndarray | None = None  # [max_slots, K] host mirror
         self._dirty = False
         self.num_active_slots = 0
+        self.version = 0  # bumped whenever slot_coefs may change (keys the bank's plan)
         self.batch_size = 0
         self.row_source = RowSource("batch")
         # the K columns of a coefficient row; a steer served with its domain takes two
@@ -113,6 +114,7 @@ class SteerRuntime:
                                           device=device)
             self._dirty = False
             self.num_active_slots = 0
+            self.version += 1
 
     def coef_row(self, params: Any) -> np.ndarray:
         """Coefficients of a request (zeros when it asks for no steer)."""
@@ -150,6 +152,7 @@ class SteerRuntime:
         self.slot_coefs[:n].copy_(torch.from_numpy(self._host), non_blocking=True)
         self.num_active_slots = int(np.count_nonzero(self._host.any(axis=1)))
         self._dirty = False
+        self.version += 1
 
     @property
     def active(self) -> bool:
@@ -172,7 +175,10 @@ class SteerRuntime:
         coefs = self._coefs_for(hidden)
         if coefs is None:
             return hidden
-        return self.bank.apply(hidden, coefs, backend=self.config.backend)
+        # V1 decode steps of an unchanged batch see the same slot coefficients: plan once per
+        # change (version), not per step. Other row sources gather coefficients per call.
+        key = (self.version, hidden.shape[0]) if self.row_source.kind == "batch" else None
+        return self.bank.apply(hidden, coefs, backend=self.config.backend, plan_key=key)
 
     def _coefs_for(self, hidden: torch.Tensor) -> torch.Tensor | None:
         src = self.row_source
