@@ -74,6 +74,10 @@ def worker(conn, model: str, kw: dict, disable_plugin: bool, steers: dict | None
     while True:
         msg = conn.recv()
         if msg is None:
+            # shut the engine down before this process exits: otherwise its exit waits on
+            # the engine-core child forever (seen with vLLM 0.32 on CPU)
+            llm.llm_engine.engine_core.shutdown()
+            conn.send("bye")
             break
         prompts, steer_per_req, output_len = msg
         params = [SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0,
@@ -173,7 +177,10 @@ def main(argv=None) -> int:
                 bar.update()
     for conn, p in ((ca, pa), (cb, pb)):
         conn.send(None)
+        conn.recv()
         p.join(timeout=60)
+        if p.is_alive():
+            p.terminate()
 
     base = statistics.median(results["(a) plugin not loaded"])
     rows = []

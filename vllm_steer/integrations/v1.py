@@ -20,6 +20,9 @@ FQCN = "vllm_steer.integrations.v1:SteerLogitsProcessorV1"
 class SteerLogitsProcessorV1(LogitsProcessor):
     """V1 logits processor carrying per-request steers to the LM head."""
 
+    # Read by relax_output_token_ids: this processor never reads output token ids.
+    needs_output_token_ids = False
+
     @classmethod
     def validate_params(cls, sampling_params) -> None:
         frontend.validate(sampling_params)
@@ -30,7 +33,10 @@ class SteerLogitsProcessorV1(LogitsProcessor):
             self.runtime.ensure_slots(vllm_config.scheduler_config.max_num_seqs, device)
             from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU runner's base
 
+            from vllm.v1.worker.gpu_input_batch import InputBatch
+
             wrap_prompt_logprobs(GPUModelRunner)
+            relax_output_token_ids(InputBatch)  # before the runner builds its InputBatch
 
     def is_argmax_invariant(self) -> bool:
         return True  # logits are steered in the head, not here
@@ -50,6 +56,35 @@ class SteerLogitsProcessorV1(LogitsProcessor):
             rt.move_slot(a, b, swap=direction == MoveDirectionality.SWAP)
         rt.batch_size = batch_update.batch_size
         rt.flush()
+
+
+def relax_output_token_ids(batch_cls) -> None:
+    """Do not make V1 track output token ids for this plugin's sake.
+
+    V1 cannot know whether a custom logits processor reads the requests' output token ids, so
+    it tracks them whenever one is loaded; under async scheduling (GPU) that is a wait for the
+    previous step's sampled tokens and a Python loop over the batch at every step. When every
+    custom processor of the batch declares ``needs_output_token_ids = False`` (this plugin's
+    does), the tracking is left off; penalties, bad words and thinking budgets still turn it
+    on per batch, as in vLLM.
+    """
+    orig = batch_cls.__init__
+    if getattr(orig, "_vllm_steer", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        procs = self.logitsprocs
+        if not self.logitsprocs_need_output_token_ids or procs is None:
+            return
+        from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS
+
+        custom = [lp for lp in procs.all if type(lp) not in BUILTIN_LOGITS_PROCESSORS]
+        if custom and all(getattr(lp, "needs_output_token_ids", True) is False for lp in custom):
+            self.logitsprocs_need_output_token_ids = False
+
+    __init__._vllm_steer = True
+    batch_cls.__init__ = __init__
 
 
 def wrap_prompt_logprobs(runner_cls) -> None:
