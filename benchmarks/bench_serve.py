@@ -1,15 +1,18 @@
 """The OpenAI server under concurrent load: unsteered vs. mixed steered traffic, side by side.
 
-Starts one `vllm serve MODEL --steer ...` on loopback, then sends the same bounded workload
-(N streaming completions, at most C in flight, fixed output length with EOS ignored) in
-passes that alternate:
+Starts two servers on loopback, plain `vllm serve MODEL` (``VLLM_PLUGINS=none``) and
+`vllm serve MODEL --steer ...` (K random steers), then sends the same bounded workload (N
+streaming completions, at most C in flight, fixed output length with EOS ignored) in passes
+that alternate, round-robin per repeat:
 
-  plain   no request steered
-  one     every request steered with one steer (extra_body={"steer": {"s0": 5}})
-  mixed   requests spread over K steers and strengths, some unsteered, some composed
+  plain vLLM (no plugin)   the reference
+  plugin, unsteered        no request steered
+  plugin, one steer        every request steered with one steer ({"steer": {"s0": 5}})
+  plugin, mixed            requests spread over K steers and strengths, some unsteered,
+                           some composed
 
 and reports throughput (output tokens/s), time to first token and time per output token
-(p50/p90/p99) for each, with ratios to the plain pass. Strengths are sent through
+(p50/p90/p99) for each, with ratios to plain vLLM. Strengths are sent through
 `extra_body` as a user would. `vllm bench serve --extra-body '{"steer": {"s0": 5}}'` carries
 one steer for every request too; this script exists for the mixed pass, where each request
 has its own.
@@ -21,11 +24,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -99,78 +101,64 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
 
-    import requests
     import torch
     from transformers import AutoConfig
 
     from vllm_steer.format import make_steer, save_steer
     from vllm_steer.models import resolve_model
+    from vllm_steer.server.launch import serve
 
     model = resolve_model(args.model)
     hidden = AutoConfig.from_pretrained(model).hidden_size
     tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    cmd = [str(Path(sys.executable).with_name("vllm")), "serve", model,
-           "--served-model-name", "m", "--host", "127.0.0.1",
-           "--max-num-seqs", str(args.concurrency), "--max-model-len", "1024"]
+    common = [model, "--served-model-name", "m", "--max-num-seqs", str(args.concurrency),
+              "--max-model-len", "1024"]
     if args.load_format:
-        cmd += ["--load-format", args.load_format]
+        common += ["--load-format", args.load_format]
     if not torch.cuda.is_available():
-        cmd += ["--kv-cache-memory-bytes", str(1 << 30)]
-    names = []
+        common += ["--kv-cache-memory-bytes", str(1 << 30)]
+    steer_args, names = [], []
     for i in range(args.steers):
         g = torch.Generator().manual_seed(i)
         p = tmp / f"s{i}.safetensors"
         save_steer(p, make_steer(torch.randn(hidden, args.rank, generator=g) * 0.05,
                                  torch.randn(hidden, args.rank, generator=g) * 0.05, f"s{i}"))
-        cmd += ["--steer", f"s{i}={p}"]
+        steer_args += ["--steer", f"s{i}={p}"]
         names.append(f"s{i}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd += ["--port", str(port)]
-    log = open(tmp / "server.log", "w")
+    print(f"starting two servers (plain vLLM, and vLLM with the plugin and {args.steers} "
+          f"steers); logs in {tmp}", flush=True)
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if proc.poll() is not None:
-                print((tmp / "server.log").read_text()[-3000:])
-                return 1
-            try:
-                if requests.get(base + "/health", timeout=1).ok:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(1)
+    with contextlib.ExitStack() as stack:
+        plain = stack.enter_context(serve(common, tmp / "plain.log",
+                                          env={"VLLM_PLUGINS": "none"}))
+        steered = stack.enter_context(serve(common + steer_args, tmp / "plugin.log"))
         startup = time.time() - t0
-        print(f"server up in {startup:.0f}s")
+        print(f"servers up in {startup:.0f}s", flush=True)
         prompts = [f"Request {i}: write a short story about the number {i} and" for i in
                    range(args.requests)]
-        passes = {
-            "plain": [None] * args.requests,
-            "one": [{names[0]: 5.0}] * args.requests,
-            "mixed": [None if i % 4 == 0 else
-                      {names[i % len(names)]: float(i % 9 - 4) or 1.0} if i % 4 != 3 else
-                      {names[i % len(names)]: 3.0, names[(i + 1) % len(names)]: -2.0}
-                      for i in range(args.requests)],
+        n = args.requests
+        passes = {  # name: (server, per-request steers)
+            "plain vLLM (no plugin)": (plain, [None] * n),
+            "plugin, unsteered": (steered, [None] * n),
+            "plugin, one steer": (steered, [{names[0]: 5.0}] * n),
+            "plugin, mixed": (steered, [
+                None if i % 4 == 0 else
+                {names[i % len(names)]: float(i % 9 - 4) or 1.0} if i % 4 != 3 else
+                {names[i % len(names)]: 3.0, names[(i + 1) % len(names)]: -2.0}
+                for i in range(n)]),
         }
-        asyncio.run(run_pass(base, prompts[:4], [None] * 4, 8, 4))  # warm-up
+        for url in (plain, steered):  # warm-up
+            asyncio.run(run_pass(url, prompts[:4], [None] * 4, 8, 4))
         results = {k: [] for k in passes}
         for r in range(args.repeats):
             for name in (passes if r % 2 == 0 else reversed(list(passes))):
-                results[name].append(asyncio.run(run_pass(base, prompts, passes[name],
+                url, steers = passes[name]
+                results[name].append(asyncio.run(run_pass(url, prompts, steers,
                                                           args.output_len, args.concurrency)))
                 print(f"  repeat {r + 1} {name}: {results[name][-1]['tok_s']:.1f} tok/s",
                       flush=True)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     rows = []
-    base_tps = statistics.median(x["tok_s"] for x in results["plain"])
+    base_tps = statistics.median(x["tok_s"] for x in results["plain vLLM (no plugin)"])
     for name, runs in results.items():
         ttft = [t for x in runs for t in x["ttft"]]
         tpot = [t for x in runs for t in x["tpot"]]

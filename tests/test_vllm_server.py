@@ -7,26 +7,16 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 import requests
 
 from conftest import random_steer
 from vllm_steer.format import save_steer
+from vllm_steer.server.launch import serve
 
 pytestmark = pytest.mark.vllm
 SERVER_DIR = [None]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -34,39 +24,15 @@ def server(tiny_model_dir, tmp_path_factory):
     d = SERVER_DIR[0] = tmp_path_factory.mktemp("srv")
     for name, seed in (("detox", 1), ("sentiment", 2)):
         save_steer(d / f"{name}.safetensors", random_steer(64, 8, name, seed=seed, scale=3.0))
-    port = _free_port()
-    exe = os.path.join(os.path.dirname(sys.executable), "vllm")
-    log = open(d / "server.log", "w")
-    proc = subprocess.Popen(
-        [exe, "serve", str(tiny_model_dir), "--served-model-name", "tiny",
-         "--steer", f"detox={d / 'detox.safetensors'}",
-         "--steer", str(d / "sentiment.safetensors"),  # name taken from the file
-         "--steer-max-strength", "20", "--host", "127.0.0.1", "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "16",
-         "--kv-cache-memory-bytes", str(1 << 28), "--enforce-eager"],
-        stdout=log, stderr=subprocess.STDOUT,
-        # endpoint plugins are opt-in: name ours (and the general plugin) in VLLM_PLUGINS
-        env=dict(os.environ, VLLM_PLUGINS="vllm_steer,vllm_steer_lens"))
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + (d / "server.log").read_text()[-3000:])
-        try:
-            if requests.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not start:\n" + (d / "server.log").read_text()[-3000:])
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    args = [tiny_model_dir, "--served-model-name", "tiny",
+            "--steer", f"detox={d / 'detox.safetensors'}",
+            "--steer", d / "sentiment.safetensors",  # name taken from the file
+            "--steer-max-strength", "20",
+            "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "16",
+            "--kv-cache-memory-bytes", 1 << 28, "--enforce-eager"]
+    # endpoint plugins are opt-in: name ours (and the general plugin) in VLLM_PLUGINS
+    with serve(args, d / "server.log", env={"VLLM_PLUGINS": "vllm_steer,vllm_steer_lens"}) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

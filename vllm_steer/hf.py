@@ -77,6 +77,21 @@ def steering(model, steers: "Mapping[str, Steer] | Steer | SteerBank",
             handle.remove()
 
 
+def tokenize_scored(tokenizer, text: str, prefix: str | None = None,
+                    max_length: int | None = None) -> tuple[list[int], int]:
+    """Token ids of ``prefix + text`` (no special tokens) and the index of the first scored
+    token: the first text token after a prefix, else token 1 (token 0 has no context)."""
+    if prefix:
+        a = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+        b = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids, start = a + b, len(a)
+    else:
+        ids, start = tokenizer(text, add_special_tokens=False)["input_ids"], 1
+    if max_length:
+        ids = ids[:max_length]
+    return ids, max(start, 1)
+
+
 @torch.no_grad()
 def token_logprobs(model, tokenizer, texts: Sequence[str], steers=None, strengths=None,
                    prefixes: Sequence[str] | None = None, batch_size: int = 8,
@@ -95,15 +110,8 @@ def token_logprobs(model, tokenizer, texts: Sequence[str], steers=None, strength
             pre = prefixes[i:i + batch_size] if prefixes is not None else [None] * len(chunk)
             ids_list, starts = [], []
             for text, p in zip(chunk, pre):
-                if p:
-                    a = tokenizer(p, add_special_tokens=False)["input_ids"]
-                    b = tokenizer(text, add_special_tokens=False)["input_ids"]
-                    ids, start = a + b, len(a)
-                else:
-                    ids, start = tokenizer(text, add_special_tokens=False)["input_ids"], 1
-                if max_length:
-                    ids = ids[:max_length]
-                ids_list.append(ids), starts.append(max(start, 1))
+                ids, start = tokenize_scored(tokenizer, text, p, max_length)
+                ids_list.append(ids), starts.append(start)
             T = max(len(x) for x in ids_list)
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
             inp = torch.full((len(ids_list), T), pad, dtype=torch.long)

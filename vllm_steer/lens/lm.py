@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from vllm_steer.hf import output_head
+from vllm_steer.hf import output_head, tokenize_scored
 
 #: A few plain sentences used when a tool needs the model's typical final hidden states
 #: (orienting directions in ``explain``, calibrating strength in ``transfer``).
@@ -62,18 +62,6 @@ class _Captured(Exception):
     """Raised by the head's pre-hook to stop the forward once its input is captured."""
 
 
-def _tokenize(tokenizer, text: str, prefix: str | None, max_length: int | None):
-    if prefix:
-        a = tokenizer(prefix, add_special_tokens=False)["input_ids"]
-        b = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids, start = a + b, len(a)
-    else:
-        ids, start = tokenizer(text, add_special_tokens=False)["input_ids"], 1
-    if max_length:
-        ids = ids[:max_length]
-    return ids, max(start, 1)
-
-
 @torch.no_grad()
 def final_hidden_states(model, tokenizer, texts: Sequence[str],
                         prefixes: Sequence[str] | None = None, batch_size: int = 8,
@@ -95,8 +83,8 @@ def final_hidden_states(model, tokenizer, texts: Sequence[str],
         captured.append(args[0].detach())
         raise _Captured
 
-    toks = [_tokenize(tokenizer, t, prefixes[i] if prefixes is not None else None, max_length)
-            for i, t in enumerate(texts)]
+    toks = [tokenize_scored(tokenizer, t, prefixes[i] if prefixes is not None else None,
+                            max_length) for i, t in enumerate(texts)]
     order = sorted(range(len(texts)), key=lambda i: len(toks[i][0]))
     out: list[Encoded | None] = [None] * len(texts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
