@@ -209,9 +209,19 @@ def plot(dirs_all_sigma: torch.Tensor, E: torch.Tensor, dirs: Directions,
     y = proj[:, 1] if k > 1 else proj[:, 0] * 0
     ax.scatter(x, y, s=3, alpha=0.25, color="#888888", linewidths=0)
     order = x.argsort()
-    for j in list(order[:label_n]) + list(order[-label_n:]):
-        ax.annotate(pieces[keep[j]].strip(), (x[j], y[j]), fontsize=7,
-                    color="#1a7f37" if x[j] > 0 else "#cf222e")
+    # The extremes of direction 1, each in a column of labels in an empty margin of its side
+    # (clustered points would make labels at the points overlap), with a thin leader line.
+    span = float(x.max() - x.min()) or 1.0
+    ax.set_xlim(float(x.min()) - 0.45 * span, float(x.max()) + 0.45 * span)
+    for js, right, color in ((list(order[:label_n]), False, "#cf222e"),
+                             (list(order[-label_n:]), True, "#1a7f37")):
+        js = sorted(js, key=lambda j: -y[j])
+        for r, j in enumerate(js):
+            ax.annotate(pieces[keep[j]].strip(), xy=(x[j], y[j]),
+                        xytext=(0.99 if right else 0.01, 0.95 - r * 0.9 / max(len(js) - 1, 1)),
+                        textcoords="axes fraction", ha="right" if right else "left",
+                        va="center", fontsize=7, color=color,
+                        arrowprops=dict(arrowstyle="-", lw=0.4, color=color, alpha=0.4))
     if k > 1:
         order_y = y.argsort()
         for j in list(order_y[:label_n // 2]) + list(order_y[-label_n // 2:]):
