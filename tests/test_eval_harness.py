@@ -134,3 +134,33 @@ def test_config_errors_are_clear(tmp_path, steer_path, data_dir):
         evaluate(EvalConfig(steers=[steer_path], baseline="nope.safetensors",
                             data_dir=str(data_dir), out=str(tmp_path / "o"), num_prompts=1,
                             progress=False), generator_factory=FakeGenerator)
+
+
+def test_runs_at_other_strengths_merge_into_one_report(tiny_model_dir, data_dir, tmp_path,
+                                                       steer_path):
+    from vllm_steer.eval.harness import merge
+
+    def run(name, strengths, samples=2):
+        cfg = EvalConfig(task="sentiment", model=str(tiny_model_dir), steers=[steer_path],
+                         strengths=strengths, baseline="none", num_prompts=2,
+                         sampling=SamplingConfig(samples=samples), data_dir=str(data_dir),
+                         out=str(tmp_path / name), sentiment_scorers=["vader"], progress=False)
+        return evaluate(cfg, generator_factory=FakeGenerator, log=lambda m: None)
+
+    a, b = run("a", [-2, 0, 2]), run("b", [-5, 0, 5])
+    res = merge([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "ab"))
+    labels = sorted(c["label"] for c in res["conditions"])
+    assert labels == sorted(["unsteered", "lm-steer detox=-2", "lm-steer detox=+2",
+                             "lm-steer detox=-5", "lm-steer detox=+5"])
+    assert res["continuations"] == 5 * 2 * 2
+    assert res["timing"]["total_s"] == pytest.approx(a["timing"]["total_s"]
+                                                     + b["timing"]["total_s"])
+    md = (tmp_path / "ab" / "results.md").read_text()
+    assert "| lm-steer | detox=-2 |" in md and "| lm-steer | detox=+5 |" in md
+    assert (tmp_path / "ab" / "sentiment_distribution.png").exists()
+    # runs that did not draw the same samples are refused, with every reason
+    run("c", [3], samples=1)
+    with pytest.raises(ValueError, match=r"(?s)cannot merge.*sampling differs"):
+        merge([str(tmp_path / "a"), str(tmp_path / "c")], str(tmp_path / "ac"))
+    with pytest.raises(FileNotFoundError, match="results.json"):
+        merge([str(tmp_path / "a"), str(tmp_path / "nope")], str(tmp_path / "x"))

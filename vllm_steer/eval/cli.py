@@ -146,6 +146,16 @@ def add_commands(subparsers) -> None:
     rp.add_argument("--recommended-strength", type=float, default=None,
                     help="check the goals at this strength instead")
     rp.set_defaults(func=cmd_report)
+    mg = _parser(sub, "merge", help="one report from several runs at different strengths",
+                 description="Merge finished runs of the same evaluation (same prompts, "
+                             "sampling, seeds, steers, baseline, scorers) made with different "
+                             "--strengths into one report: tables, comparison at equal "
+                             "perplexity, goals and plots over all strengths.")
+    mg.add_argument("runs", nargs="+", help="the --out folders of the runs")
+    mg.add_argument("--out", required=True, help="folder for the merged report")
+    mg.add_argument("--recommended-strength", type=float, default=None,
+                    help="check the goals at this strength instead")
+    mg.set_defaults(func=cmd_merge)
     t = _parser(sub, "train-baseline", help="train the soft-blacklist baseline",
                 description="Train a soft blacklist (logits + s * eps * b, a learned "
                             "context-free logit offset) on the same data as a steer.")
@@ -276,6 +286,16 @@ def cmd_report(args) -> int:
     from vllm_steer.eval.harness import rerender
 
     rerender(args.out, args.recommended_strength)
+    print(f"{args.out}/results.md")
+    return 0
+
+
+def cmd_merge(args) -> int:
+    from vllm_steer.eval.harness import merge, rerender
+
+    merge(args.runs, args.out)
+    if args.recommended_strength is not None:
+        rerender(args.out, args.recommended_strength)
     print(f"{args.out}/results.md")
     return 0
 

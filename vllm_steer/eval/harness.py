@@ -428,6 +428,75 @@ def rerender(out: str, recommended_strength: float | None = None) -> dict[str, A
     return results
 
 
+# What must be equal for two runs' conditions to be comparable (same prompts, same draws,
+# same steers and baseline, same scorers): key -> how to read it from results.json.
+_MERGE_KEYS: dict[str, Callable[[dict], Any]] = {
+    "task": lambda r: r["task"],
+    "model": lambda r: r.get("model_path") or r["model"],
+    "prompts": lambda r: (r["prompt_file"], r["num_prompts"]),
+    "sampling": lambda r: r["sampling"],
+    "steers": lambda r: {n: i["sha256"] for n, i in r["steers"].items()},
+    "baseline": lambda r: (r.get("baseline") or {}).get("sha256"),
+    "scorers": lambda r: (r["scorers"]["toxicity"]["name"], list(r["scorers"]["sentiment"]),
+                          r["scorers"]["perplexity"]),
+    "engine dtype": lambda r: r["config"]["engine"]["dtype"],
+}
+
+
+def merge(runs: Sequence[str], out: str) -> dict[str, Any]:
+    """One report from several finished runs of the same evaluation at different strengths
+    (same prompts, sampling, seeds, steers, baseline and scorers: the draws are the same, so
+    a condition found in several runs must have the same metrics). Refuses runs that differ,
+    naming every difference."""
+    if len(runs) < 2:
+        raise ValueError("give at least two --out folders of finished runs to merge")
+    docs = []
+    for run in runs:
+        path = os.path.join(run, "results.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: no such file (give the --out folder of a run)")
+        with open(path) as f:
+            docs.append(json.load(f))
+    first = docs[0]
+    problems = []
+    for run, doc in zip(runs[1:], docs[1:]):
+        for key, get in _MERGE_KEYS.items():
+            try:
+                a, b = get(first), get(doc)
+            except (KeyError, TypeError):
+                a, b = "?", None
+            if a != b:
+                problems.append(f"{key} differs: {runs[0]}: {a!r}, {run}: {b!r}")
+    by_label: dict[str, dict] = {}
+    for run, doc in zip(runs, docs):
+        for c in doc["conditions"]:
+            seen = by_label.get(c["label"])
+            if seen is None:
+                by_label[c["label"]] = c
+            elif problems == [] and any(
+                    abs(seen["metrics"][k] - v) > 1e-6 * max(1.0, abs(v))
+                    for k, v in c["metrics"].items() if isinstance(v, (int, float))
+                    and isinstance(seen["metrics"].get(k), (int, float))):
+                problems.append(f"condition {c['label']!r} has different metrics in {run} "
+                                "than in an earlier run (not the same draws?)")
+    if problems:
+        raise ValueError("cannot merge these runs:\n  - " + "\n  - ".join(problems))
+    merged = dict(first)
+    merged["conditions"] = list(by_label.values())
+    merged["continuations"] = (len(merged["conditions"]) * first["num_prompts"]
+                               * first["sampling"]["samples"])
+    merged["command"] = "\n    ".join(d["command"] for d in docs if d.get("command")) or None
+    merged["merged_from"] = [{"run": r, "command": d.get("command"), "timing": d["timing"]}
+                             for r, d in zip(runs, docs)]
+    merged["timing"] = {k: sum(d["timing"].get(k, 0.0) for d in docs)
+                        for k in first["timing"]}
+    strengths = sorted({s for d in docs for s in d["config"].get("strengths") or []})
+    merged["config"] = dict(first["config"], strengths=strengths, out=out)
+    os.makedirs(out, exist_ok=True)
+    write_outputs(merged, out)
+    return merged
+
+
 def _json_default(o):
     if hasattr(o, "__dict__"):
         return o.__dict__
