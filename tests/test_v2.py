@@ -97,6 +97,7 @@ def test_wrapped_sample_maps_rows_to_slots_through_expanded_idx_mapping(processo
     from vllm_steer.integrations.v2 import wrap_sample
 
     rt = processor.runtime
+    assert rt.backend == "torch"  # resolved (kernels imported) at load, not in a request's step
     processor.add_request(0, _params({"a": 4}))
     processor.add_request(5, _params({"b": -3}))
     processor.add_request(2, _params())

@@ -62,6 +62,7 @@ class SteerRuntime:
             raise SteerFileError(", ".join(config.steers.values()),
                                  [p.replace("\n", " ") for p in problems])
         self.bank: SteerBank | None = None
+        self.backend: str | None = None  # resolved at load
         self.slot_coefs: torch.Tensor | None = None  # [max_slots, K] on device
         self._host: np.ndarray | None = None  # [max_slots, K] host mirror
         self._dirty = False
@@ -103,6 +104,11 @@ class SteerRuntime:
             raise SteerFileError(", ".join(self.config.steers.values()), reasons)
         self.bank = SteerBank(steers, device=device, dtype=dtype)
         assert self.bank.num_columns == len(self.columns)
+        # Resolve the backend now (it imports the kernels, and Triton where present: about
+        # half a second), not in the first steered request's step.
+        from vllm_steer.ops import resolve_backend
+
+        self.backend = resolve_backend(self.config.backend, torch.device(device or "cpu"))
         logger.info("vllm-steer: loaded %d steer(s) %s on %s/%s", len(steers), self.names,
                     device, dtype)
 
@@ -178,7 +184,8 @@ class SteerRuntime:
         # V1 decode steps of an unchanged batch see the same slot coefficients: plan once per
         # change (version), not per step. Other row sources gather coefficients per call.
         key = (self.version, hidden.shape[0]) if self.row_source.kind == "batch" else None
-        return self.bank.apply(hidden, coefs, backend=self.config.backend, plan_key=key)
+        return self.bank.apply(hidden, coefs, backend=self.backend or self.config.backend,
+                               plan_key=key)
 
     def _coefs_for(self, hidden: torch.Tensor) -> torch.Tensor | None:
         src = self.row_source

@@ -1,0 +1,57 @@
+"""The worker-side runtime: slot coefficients, the per-batch plan, the head's rows (V1 flow)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from conftest import random_steer
+from vllm_steer.config import SteerServerConfig
+from vllm_steer.format import save_steer
+from vllm_steer.integrations.runtime import SteerRuntime
+from vllm_steer.reference import steer_reference
+
+
+def _runtime(tmp_path):
+    steers = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        steers[name] = str(tmp_path / f"{name}.safetensors")
+        save_steer(steers[name], random_steer(64, 4, name, seed=seed, scale=3.0))
+    rt = SteerRuntime(SteerServerConfig(steers=steers))
+    rt.load(64, torch.device("cpu"), torch.float32)
+    rt.ensure_slots(8, torch.device("cpu"))
+    return rt
+
+
+def _want(rt, h, rows):
+    coefs = torch.tensor(np.stack(rows), dtype=torch.float32)
+    return steer_reference(h, rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets, coefs)
+
+
+def test_decode_steps_reuse_the_plan_and_a_changed_slot_replans(tmp_path):
+    rt = _runtime(tmp_path)
+    assert rt.backend == "torch"
+    a, b, none = (np.array(r, dtype=np.float32) for r in ([5e-3, 0], [0, -3e-3], [0, 0]))
+    for slot, row in enumerate((a, b, none)):
+        rt.set_slot(slot, row)
+    rt.batch_size = 3
+    rt.flush()
+    gen = torch.Generator().manual_seed(0)
+    for _step in range(3):  # decode steps of an unchanged batch: one plan
+        h = torch.randn(3, 64, generator=gen)
+        torch.testing.assert_close(rt.steer_rows(h), _want(rt, h, [a, b, none]))
+    plan = rt.bank._plan
+    assert plan is not None
+    # a request finishes and another takes its slot (update_state): the next step re-plans
+    rt.set_slot(1, a)
+    rt.flush()
+    h = torch.randn(3, 64, generator=gen)
+    out = rt.steer_rows(h)
+    assert rt.bank._plan is not plan
+    torch.testing.assert_close(out, _want(rt, h, [a, a, none]))
+    # a slot moved without a coefficient change still counts as a change
+    rt.move_slot(0, 2, swap=True)
+    rt.flush()
+    h = torch.randn(3, 64, generator=gen)
+    torch.testing.assert_close(rt.steer_rows(h), _want(rt, h, [none, a, a]))
+    assert torch.equal(rt.steer_rows(h)[0], h[0])  # unsteered row untouched
