@@ -125,7 +125,14 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the plot of a saved run")
     args = ap.parse_args(argv)
+    if args.replot:
+        doc = json.loads(Path(args.replot).read_text())
+        path = Path(args.replot).with_name("throughput_vs_k.png")
+        plot(doc["rows"], path, doc["meta"])
+        print(f"wrote {path}")
+        return 0
 
     import torch
     from transformers import AutoConfig
@@ -226,12 +233,16 @@ def plot(rows, path, meta):
     ax.plot(ks, med, "o-", label="vllm-steer, K distinct steers")
     ax.fill_between(ks, lo, hi, alpha=0.2)
     unsteered = next(r for r in rows if r["mode"].startswith("(b)"))["ratio_median"]
-    ax.axhline(1.0, color="k", lw=0.8, label="plain vLLM (plugin not loaded)")
+    plain = next(r for r in rows if r["mode"].startswith("(a)"))
+    ax.axhspan(plain["ratio_min"], plain["ratio_max"], color="k", alpha=0.07,
+               label="plain vLLM: its own run-to-run spread")
+    ax.axhline(1.0, color="k", lw=0.8, label="plain vLLM (plugin not loaded), median")
     ax.axhline(unsteered, color="gray", ls=":", label="plugin loaded, unsteered")
     ax.axhline(0.95, color="r", ls="--", lw=0.8, label="goal 0.95")
     ax.set_xscale("log", base=2)
     ax.set_xticks(ks, [str(k) for k in ks])
-    ax.set_ylim(min(0.8, min(lo) - 0.02), max(1.08, max(hi) + 0.02))
+    ax.set_ylim(min(0.8, min(lo) - 0.02, plain["ratio_min"] - 0.02),
+                max(1.08, max(hi) + 0.02, plain["ratio_max"] + 0.02))
     ax.set_xlabel("distinct steers in the batch (K)")
     ax.set_ylabel("output tokens/s relative to plain vLLM")
     ax.set_title(f"{meta['model']}, batch {meta['batch']}, {meta['output_len']} output tokens")
