@@ -97,22 +97,23 @@ class Prepared(NamedTuple):
 
     Made by :func:`prepare_torch`; reusable for as long as the coefficients do not change (the
     decode steps of an unchanged batch), so a step pays only for the GEMMs: no planning, no
-    host reads of the coefficients, no factor slicing or up-casting.
+    host reads of the coefficients, no factor slicing (and, with ``upcast``, no up-casting).
+    Factors are those of the bank (views, or concatenated columns), up-cast to fp32 when the
+    plan was made with ``upcast=True``, else at use.
     """
 
     num_rows: int
-    num_steers: int  # K
     rows: torch.Tensor | None  # active rows, None when every row is active
     empty: bool  # no steer to apply (every coefficient zero, or zero-rank steers only)
     # concat: one down- and one up-projection through the active steers' factors
-    down: torch.Tensor | None  # [hidden, R_a] fp32
-    up_t: torch.Tensor | None  # [R_a, hidden] fp32 (a transposed view)
+    down: torch.Tensor | None  # [hidden, R_a]
+    up: torch.Tensor | None  # [hidden, R_a]
     scale: torch.Tensor | None  # [rows_a, R_a] fp32: coefficients expanded along rank
     # gather: steers used by every active row work on them in place; the others on the
     # gathered (row, steer) pairs, grouped by steer
-    full: list  # [(down [d, r], up_t [r, d], coef [rows_a, 1])]
+    full: list  # [(down [d, r], up [d, r], coef [rows_a, 1])]
     pair_rows: torch.Tensor | None  # [P] active-row index of each pair, grouped by steer
-    groups: list  # [(start, n, down [d, r], up_t [r, d], coef [n, 1])]
+    groups: list  # [(start, n, down [d, r], up [d, r], coef [n, 1])]
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -125,8 +126,15 @@ def prepare_torch(
     rank_offsets: Sequence[int] | torch.Tensor,  # K + 1 ints
     coefs: torch.Tensor,  # [num_rows, K] fp32
     strategy: str | None = None,  # "concat" / "gather" to force one (benchmarks, tests)
+    upcast: bool = True,  # keep fp32 copies of 16-bit factors in the plan (for reuse)
 ) -> Prepared:
-    """Plan one batch's steering for :func:`steer_torch` (see :class:`Prepared`)."""
+    """Plan one batch's steering for :func:`steer_torch` (see :class:`Prepared`).
+
+    ``upcast=False`` (a plan used once, by :func:`steer_torch` itself) leaves the up-casting
+    to the run, one factor at a time: several fresh multi-MB fp32 copies alive at once make
+    the CPU allocator fault in new pages on every call, which costs more than the GEMMs.
+    """
+    f32 = _f32 if upcast else (lambda t: t)
     offs = _offsets(rank_offsets)
     K = len(offs) - 1
     num_rows = coefs.shape[0]
@@ -135,7 +143,7 @@ def prepare_torch(
         f"p1 {tuple(p1.shape)} and p2 {tuple(p2.shape)} must be [hidden, total_rank={offs[-1]}]"
     assert coefs.dtype == torch.float32 and coefs.dim() == 2 and coefs.shape[1] == K, \
         f"coefs must be float32 [num_rows, K={K}], got {coefs.dtype} {tuple(coefs.shape)}"
-    none = Prepared(num_rows, K, None, True, None, None, None, [], None, [])
+    none = Prepared(num_rows, None, True, None, None, None, [], None, [])
     if num_rows == 0 or K == 0:
         return none
     nz = coefs != 0
@@ -162,15 +170,15 @@ def prepare_torch(
             ranks = [offs[k + 1] - offs[k] for k in steers]
             scale = torch.repeat_interleave(scale, torch.tensor(ranks, device=co.device), dim=1,
                                             output_size=sum(ranks))
-        return Prepared(num_rows, K, rows, False, _f32(down), _f32(up).T, scale.contiguous(),
-                        [], None, [])
+        return Prepared(num_rows, rows, False, f32(down), f32(up), scale.contiguous(), [], None,
+                        [])
     n_active = co.shape[0]
     full, groups = [], []
     partial = [k for k in steers if counts[k] < n_active]
     for k in steers:
         if counts[k] == n_active:
             a, b = offs[k], offs[k + 1]
-            full.append((_f32(p1[:, a:b]), _f32(p2[:, a:b]).T, co[:, k:k + 1].contiguous()))
+            full.append((f32(p1[:, a:b]), f32(p2[:, a:b]), co[:, k:k + 1].contiguous()))
     pair_rows = None
     if partial:
         sel = torch.tensor(partial, device=co.device)
@@ -180,10 +188,10 @@ def prepare_torch(
         start = 0
         for k in partial:
             a, b, n = offs[k], offs[k + 1], counts[k]
-            groups.append((start, n, _f32(p1[:, a:b]), _f32(p2[:, a:b]).T,
+            groups.append((start, n, f32(p1[:, a:b]), f32(p2[:, a:b]),
                            pair_coef[start:start + n, None].contiguous()))
             start += n
-    return Prepared(num_rows, K, rows, False, None, None, None, full, pair_rows, groups)
+    return Prepared(num_rows, rows, False, None, None, None, full, pair_rows, groups)
 
 
 def steer_torch(
@@ -204,7 +212,7 @@ def steer_torch(
     num_rows, d = hidden.shape
     assert hidden.dtype in (torch.float32, torch.float16, torch.bfloat16), hidden.dtype
     if prepared is None:
-        prepared = prepare_torch(p1, p2, rank_offsets, coefs, strategy)
+        prepared = prepare_torch(p1, p2, rank_offsets, coefs, strategy, upcast=False)
     assert prepared.num_rows == num_rows and p1.shape[0] == d, \
         f"prepared for {prepared.num_rows} rows of hidden {p1.shape[0]}, got {tuple(hidden.shape)}"
     if out is not None:
@@ -218,23 +226,24 @@ def steer_torch(
     else:  # unsteered rows: the input, bit for bit
         out = hidden.clone() if out is None else out.copy_(hidden)
         c = hidden.index_select(0, rows).float()  # [rows_a, d]
+    # _f32: a no-op on an up-cast plan's factors, else one fp32 factor alive at a time
     if prepared.down is not None:  # concat
-        down = c @ prepared.down  # [rows_a, R_a]
+        down = c @ _f32(prepared.down)  # [rows_a, R_a]
         down.mul_(prepared.scale)
-        c.addmm_(down, prepared.up_t)  # c + delta, fp32
+        c.addmm_(down, _f32(prepared.up).T)  # c + delta, fp32
     else:  # gather
         delta = torch.zeros_like(c) if prepared.full else None
-        for w1, w2t, coef in prepared.full:
-            down = c @ w1
+        for w1, w2, coef in prepared.full:
+            down = c @ _f32(w1)
             down.mul_(coef)
-            delta.addmm_(down, w2t)
+            delta.addmm_(down, _f32(w2).T)
         if prepared.groups:
             cp = c.index_select(0, prepared.pair_rows)  # [P, d]
             dp = torch.empty_like(cp)
-            for start, n, w1, w2t, coef in prepared.groups:
-                down = cp[start:start + n] @ w1
+            for start, n, w1, w2, coef in prepared.groups:
+                down = cp[start:start + n] @ _f32(w1)
                 down.mul_(coef)
-                torch.mm(down, w2t, out=dp[start:start + n])
+                torch.mm(down, _f32(w2).T, out=dp[start:start + n])
             c.index_add_(0, prepared.pair_rows, dp)
         if delta is not None:
             c.add_(delta)
