@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoConfig
 
-    from vllm_steer.format import make_steer, save_steer
+    from bench_throughput import random_steer_files
     from vllm_steer.models import resolve_model
     from vllm_steer.server.launch import serve
 
@@ -117,14 +117,9 @@ def main(argv=None) -> int:
         common += ["--load-format", args.load_format]
     if not torch.cuda.is_available():
         common += ["--kv-cache-memory-bytes", str(1 << 30)]
-    steer_args, names = [], []
-    for i in range(args.steers):
-        g = torch.Generator().manual_seed(i)
-        p = tmp / f"s{i}.safetensors"
-        save_steer(p, make_steer(torch.randn(hidden, args.rank, generator=g) * 0.05,
-                                 torch.randn(hidden, args.rank, generator=g) * 0.05, f"s{i}"))
-        steer_args += ["--steer", f"s{i}={p}"]
-        names.append(f"s{i}")
+    steers = random_steer_files(hidden, args.rank, args.steers, "bench-serve-steers-")
+    names = list(steers)
+    steer_args = [a for n, p in steers.items() for a in ("--steer", f"{n}={p}")]
     print(f"starting two servers (plain vLLM, and vLLM with the plugin and {args.steers} "
           f"steers); logs in {tmp}", flush=True)
     t0 = time.time()

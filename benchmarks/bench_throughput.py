@@ -61,6 +61,28 @@ def make_prompts(tokenizer_path: str, n: int, length: int) -> list[list[int]]:
     return [[rng.choice(vocab) for _ in range(length)] for _ in range(n)]
 
 
+def random_steer_files(hidden: int, rank: int, n: int, prefix: str,
+                       first: str | None = None) -> dict[str, str]:
+    """``n`` random rank-``rank`` steers ``s0..s{n-1}`` saved in a fresh temporary folder
+    (the cost of a steer does not depend on what it learned); ``first``: a real steer file
+    used as ``s0``. Returns name -> path."""
+    import torch
+
+    from vllm_steer.format import load_steer, make_steer, save_steer
+
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    steers = {}
+    for i in range(n):
+        g = torch.Generator().manual_seed(i)
+        s = make_steer(torch.randn(hidden, rank, generator=g) * 0.05,
+                       torch.randn(hidden, rank, generator=g) * 0.05, f"s{i}")
+        if i == 0 and first:
+            s = load_steer(first)
+        steers[f"s{i}"] = str(folder / f"s{i}.safetensors")
+        save_steer(steers[f"s{i}"], s)
+    return steers
+
+
 def worker(conn, model: str, kw: dict, disable_plugin: bool, steers: dict | None):
     if disable_plugin:
         os.environ["VLLM_PLUGINS"] = "none"
@@ -137,21 +159,11 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoConfig
 
-    from vllm_steer.format import load_steer, make_steer, save_steer
     from vllm_steer.models import resolve_model
 
     model = resolve_model(args.model)
     hidden = AutoConfig.from_pretrained(model).hidden_size
-    tmp = Path(tempfile.mkdtemp(prefix="bench-steers-"))
-    steers = {}
-    for i in range(max(K_LIST)):
-        g = torch.Generator().manual_seed(i)
-        s = make_steer(torch.randn(hidden, args.rank, generator=g) * 0.05,
-                       torch.randn(hidden, args.rank, generator=g) * 0.05, f"s{i}")
-        if i == 0 and args.steer:
-            s = load_steer(args.steer)
-        steers[f"s{i}"] = str(tmp / f"s{i}.safetensors")
-        save_steer(steers[f"s{i}"], s)
+    steers = random_steer_files(hidden, args.rank, max(K_LIST), "bench-steers-", args.steer)
 
     kw = engine_kwargs(args)
     prompts = make_prompts(model, args.batch, args.prompt_len)

@@ -19,7 +19,6 @@ import argparse
 import collections
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -68,9 +67,8 @@ def main(argv=None) -> int:
     from vllm.inputs import TokensPrompt
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    from bench_throughput import make_prompts
+    from bench_throughput import make_prompts, random_steer_files
     from vllm_steer import kernels, ops
-    from vllm_steer.format import make_steer, save_steer
     from vllm_steer.integrations import runtime, v1
     from vllm_steer.models import resolve_model
 
@@ -86,14 +84,7 @@ def main(argv=None) -> int:
 
     model = resolve_model(args.model)
     hidden = AutoConfig.from_pretrained(model).hidden_size
-    tmp = tempfile.mkdtemp(prefix="profile-steers-")
-    steers = {}
-    for i in range(args.steers):
-        g = torch.Generator().manual_seed(i)
-        steers[f"s{i}"] = f"{tmp}/s{i}.safetensors"
-        save_steer(steers[f"s{i}"], make_steer(torch.randn(hidden, args.rank, generator=g) * .05,
-                                               torch.randn(hidden, args.rank, generator=g) * .05,
-                                               f"s{i}"))
+    steers = random_steer_files(hidden, args.rank, args.steers, "profile-steers-")
     llm = LLM(model, max_model_len=args.prompt_len + args.output_len + 16,
               max_num_seqs=args.batch, seed=0, enforce_eager=True, dtype=args.dtype,
               kv_cache_memory_bytes=1 << 30,

@@ -85,10 +85,10 @@ def apply_steers(
     prepared: Prepared | None = None,  # from prepare_steers(..., same coefs, same backend)
 ) -> torch.Tensor:
     """Batched steer operation. Semantics: see :func:`vllm_steer.reference.steer_reference`."""
-    fn = get_backend(backend, hidden.device)
+    name = resolve_backend(backend, hidden.device)
+    fn = _REGISTRY[name]
     if prepared is not None and prepared.plan is not None:
-        assert prepared.backend == resolve_backend(backend, hidden.device), \
-            f"plan made for backend {prepared.backend!r}"
+        assert prepared.backend == name, f"plan made for backend {prepared.backend!r}"
         return fn(hidden, p1, p2, rank_offsets, coefs, prepared=prepared.plan)
     return fn(hidden, p1, p2, rank_offsets, coefs)
 

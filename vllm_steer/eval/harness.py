@@ -414,14 +414,19 @@ def write_outputs(results: dict[str, Any], out: str) -> None:
         f.write(report.markdown(results))
 
 
-def rerender(out: str, recommended_strength: float | None = None) -> dict[str, Any]:
-    """Rewrite a finished run's report from its ``results.json`` (no generation, no
-    scoring), optionally checking the goals at another strength."""
+def _read_results(out: str) -> dict[str, Any]:
+    """The ``results.json`` of a finished run's ``--out`` folder."""
     path = os.path.join(out, "results.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file (give the --out folder of a run)")
     with open(path) as f:
-        results = json.load(f)
+        return json.load(f)
+
+
+def rerender(out: str, recommended_strength: float | None = None) -> dict[str, Any]:
+    """Rewrite a finished run's report from its ``results.json`` (no generation, no
+    scoring), optionally checking the goals at another strength."""
+    results = _read_results(out)
     if recommended_strength is not None:
         results["recommended_strength"] = float(recommended_strength)
     write_outputs(results, out)
@@ -450,13 +455,7 @@ def merge(runs: Sequence[str], out: str) -> dict[str, Any]:
     naming every difference."""
     if len(runs) < 2:
         raise ValueError("give at least two --out folders of finished runs to merge")
-    docs = []
-    for run in runs:
-        path = os.path.join(run, "results.json")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{path}: no such file (give the --out folder of a run)")
-        with open(path) as f:
-            docs.append(json.load(f))
+    docs = [_read_results(run) for run in runs]
     first = docs[0]
     problems = []
     for run, doc in zip(runs[1:], docs[1:]):

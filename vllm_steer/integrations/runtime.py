@@ -184,8 +184,7 @@ class SteerRuntime:
         # V1 decode steps of an unchanged batch see the same slot coefficients: plan once per
         # change (version), not per step. Other row sources gather coefficients per call.
         key = (self.version, hidden.shape[0]) if self.row_source.kind == "batch" else None
-        return self.bank.apply(hidden, coefs, backend=self.backend or self.config.backend,
-                               plan_key=key)
+        return self.bank.apply(hidden, coefs, backend=self.backend, plan_key=key)
 
     def _coefs_for(self, hidden: torch.Tensor) -> torch.Tensor | None:
         src = self.row_source
