@@ -8,10 +8,17 @@ Modes (same prompts, same engine settings, fixed output length with EOS ignored)
   (d) requests spread over K distinct steers and strengths, K = 1, 2, 4, 8, 16
   (e) two steers composed per request
 
-Two engines live side by side in two worker processes, (a) in one and (b)-(e) in the other,
-and the modes are run round-robin for each repeat, so drift of the machine hits all modes
-alike. Prints a table of output tokens/s with the ratio to (a) (median and spread over
-repeats), writes JSON and a PNG of the ratio against K.
+The engines live side by side in worker processes, (a) in one and (b)-(e) in another, and
+every round runs each mode once, in a fresh random order, so drift of the machine hits all
+modes alike. With ``--control`` (the default) a second plugin-free engine, started last,
+runs the same work as (a): its ratio (a') shows what two identical engines differ by on
+this machine, i.e. the smallest difference the run can resolve.
+
+Ratios are paired: each run is divided by the (a) run of the same round, and the median over
+rounds is reported with a 95% bootstrap interval. Besides wall-clock tokens/s, the CPU time
+of each engine's processes (front end, engine core, workers) is recorded per run: tokens per
+CPU-second is much less sensitive to other load on the machine than tokens per second.
+Prints a table, writes JSON and a PNG of the ratio against K.
 
     python benchmarks/bench_throughput.py                    # embedded model, CPU
     python benchmarks/bench_throughput.py --model meta-llama/Llama-3.1-8B --load-format dummy
@@ -27,6 +34,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -83,15 +91,33 @@ def random_steer_files(hidden: int, rank: int, n: int, prefix: str,
     return steers
 
 
+def engine_cpu_seconds(procs) -> float:
+    """User + system CPU seconds used so far by ``procs`` (psutil processes; ones that exited
+    are skipped)."""
+    import psutil
+
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
 def worker(conn, model: str, kw: dict, disable_plugin: bool, steers: dict | None):
     if disable_plugin:
         os.environ["VLLM_PLUGINS"] = "none"
+    import psutil
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     if steers:
         kw = dict(kw, additional_config={"vllm_steer": {"steers": steers}})
     llm = LLM(model, **kw)
+    me = psutil.Process()
+    procs = [me, *me.children(recursive=True)]  # the engine core and its workers
     conn.send("ready")
     while True:
         msg = conn.recv()
@@ -105,11 +131,11 @@ def worker(conn, model: str, kw: dict, disable_plugin: bool, steers: dict | None
         params = [SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0,
                                  extra_args={"steer": s} if s else None) for s in steer_per_req]
         inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        t0 = time.perf_counter()
+        c0, t0 = engine_cpu_seconds(procs), time.perf_counter()
         outs = llm.generate(inputs, params, use_tqdm=False)
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, engine_cpu_seconds(procs) - c0
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        conn.send((n_out, dt))
+        conn.send((n_out, dt, cpu))
 
 
 def start(model, kw, disable_plugin, steers):
@@ -118,6 +144,62 @@ def start(model, kw, disable_plugin, steers):
     p = ctx.Process(target=worker, args=(child, model, kw, disable_plugin, steers), daemon=False)
     p.start()
     return p, parent
+
+
+PLAIN = "(a) plugin not loaded"
+CONTROL = "(a') plugin not loaded, 2nd engine"
+
+
+def paired_ratios(values: list[float], base: list[float]) -> list[float]:
+    """Each round's value over the base mode's value in the same round."""
+    if len(values) != len(base):
+        raise ValueError(f"{len(values)} runs against {len(base)} base runs: rounds must pair")
+    return [v / b for v, b in zip(values, base)]
+
+
+def median_ci(xs: list[float], level: float = 0.95, draws: int = 2000,
+              seed: int = 0) -> tuple[float, float, float]:
+    """Median of ``xs`` and a percentile-bootstrap interval for it (rounds resampled with
+    replacement, ``draws`` times, fixed seed so a rerun on the same numbers agrees)."""
+    if not xs:
+        raise ValueError("no runs to summarize")
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(draws))
+    lo = meds[int((1 - level) / 2 * draws)]
+    hi = meds[min(draws - 1, int((1 + level) / 2 * draws))]
+    return statistics.median(xs), lo, hi
+
+
+def summarize(runs: dict[str, list[tuple[int, float, float]]]) -> list[dict]:
+    """Rows of the table from ``mode -> [(output tokens, seconds, CPU seconds) per round]``;
+    ratios are paired with :data:`PLAIN` round by round."""
+    tok_s = {m: [n / dt for n, dt, _ in v] for m, v in runs.items()}
+    tok_cpu = {m: [n / cpu for n, _, cpu in v] for m, v in runs.items()}
+    rows = []
+    for m in runs:
+        wall = paired_ratios(tok_s[m], tok_s[PLAIN])
+        cpu = paired_ratios(tok_cpu[m], tok_cpu[PLAIN])
+        med, lo, hi = median_ci(wall)
+        cmed, clo, chi = median_ci(cpu)
+        rows.append({"mode": m, "tok_s": tok_s[m], "tok_s_median": statistics.median(tok_s[m]),
+                     "tok_per_cpu_s": tok_cpu[m],
+                     "tok_per_cpu_s_median": statistics.median(tok_cpu[m]),
+                     "ratio_median": med, "ratio_ci95": [lo, hi],
+                     "ratio_min": min(wall), "ratio_max": max(wall),
+                     "cpu_ratio_median": cmed, "cpu_ratio_ci95": [clo, chi]})
+    return rows
+
+
+TABLE_HEAD = ("| mode | output tok/s (median) | ratio to (a), paired median [95% CI] | "
+              "min-max | tokens per CPU-s, ratio to (a) [95% CI] |\n|---|---|---|---|---|")
+
+
+def table_row(row: dict) -> str:
+    lo, hi = row["ratio_ci95"]
+    clo, chi = row["cpu_ratio_ci95"]
+    return (f"| {row['mode']} | {row['tok_s_median']:.1f} | {row['ratio_median']:.3f} "
+            f"[{lo:.3f}, {hi:.3f}] | {row['ratio_min']:.3f}-{row['ratio_max']:.3f} | "
+            f"{row['cpu_ratio_median']:.3f} [{clo:.3f}, {chi:.3f}] |")
 
 
 def modes(n: int, names: list[str]) -> dict[str, list]:
@@ -141,11 +223,15 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32, help="concurrent requests (max_num_seqs)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds; each runs every mode once, in a fresh random order")
     ap.add_argument("--rank", type=int, default=64, help="rank of the random steers")
     ap.add_argument("--steer", default=None, help="a real steer file used as steer 0")
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
+                    help="a second plugin-free engine, (a'): the difference between two "
+                         "identical engines on this machine")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--replot", metavar="JSON", help="only redraw the plot of a saved run")
     args = ap.parse_args(argv)
@@ -167,59 +253,57 @@ def main(argv=None) -> int:
 
     kw = engine_kwargs(args)
     prompts = make_prompts(model, args.batch, args.prompt_len)
-    print(f"starting two engines ({model}; batch {args.batch}, prompt {args.prompt_len}, "
-          f"output {args.output_len} tokens, {args.repeats} repeats)...", flush=True)
+    print(f"starting {3 if args.control else 2} engines ({model}; batch {args.batch}, prompt "
+          f"{args.prompt_len}, output {args.output_len} tokens, {args.repeats} rounds)...",
+          flush=True)
     t0 = time.time()
-    pa, ca = start(model, kw, True, None)
-    assert ca.recv() == "ready"
-    pb, cb = start(model, kw, False, steers)
-    assert cb.recv() == "ready"
+    engines = {}
+    specs = [("plain", True, None), ("plugin", False, steers)]
+    if args.control:  # started last: whatever comes from start order shows up in (a')
+        specs.append(("plain, 2nd", True, None))
+    for name, disable_plugin, engine_steers in specs:  # one at a time, as a user would
+        engines[name] = start(model, kw, disable_plugin, engine_steers)
+        assert engines[name][1].recv() == "ready", name
     startup = time.time() - t0
-    names = list(steers)
-    plan = {"(a) plugin not loaded": (ca, [None] * args.batch)}
-    plan.update({m: (cb, s) for m, s in modes(args.batch, names).items()})
-    # warm-up each engine once
-    for conn in (ca, cb):
-        conn.send((prompts, [None] * args.batch, 8))
+    plan = {PLAIN: ("plain", [None] * args.batch)}
+    if args.control:
+        plan[CONTROL] = ("plain, 2nd", [None] * args.batch)
+    plan.update({m: ("plugin", s) for m, s in modes(args.batch, list(steers)).items()})
+    for _, conn in engines.values():  # warm-up: one full-length pass per engine
+        conn.send((prompts, [None] * args.batch, args.output_len))
         conn.recv()
-    results: dict[str, list[float]] = {m: [] for m in plan}
+    runs: dict[str, list[tuple[int, float, float]]] = {m: [] for m in plan}
     from tqdm import tqdm
 
     with tqdm(total=args.repeats * len(plan), desc="bench", unit="run") as bar:
         for r in range(args.repeats):
-            order = list(plan) if r % 2 == 0 else list(reversed(plan))
+            order = list(plan)
+            random.Random(r).shuffle(order)
             for m in order:
-                conn, steer_per_req = plan[m]
+                engine, steer_per_req = plan[m]
+                conn = engines[engine][1]
                 conn.send((prompts, steer_per_req, args.output_len))
-                n_out, dt = conn.recv()
-                results[m].append(n_out / dt)
+                runs[m].append(conn.recv())
                 bar.update()
-    for conn, p in ((ca, pa), (cb, pb)):
+    for p, conn in engines.values():
         conn.send(None)
         conn.recv()
         p.join(timeout=60)
         if p.is_alive():
             p.terminate()
 
-    base = statistics.median(results["(a) plugin not loaded"])
-    rows = []
-    for m, v in results.items():
-        med = statistics.median(v)
-        ratios = [x / base for x in v]
-        rows.append({"mode": m, "tok_s_median": med, "tok_s": v, "ratio_median": med / base,
-                     "ratio_min": min(ratios), "ratio_max": max(ratios)})
+    rows = summarize(runs)
     print()
-    print(f"| mode | output tok/s (median) | ratio to (a) | spread (min-max ratio) |")
-    print(f"|---|---|---|---|")
+    print(TABLE_HEAD)
     for row in rows:
-        print(f"| {row['mode']} | {row['tok_s_median']:.1f} | {row['ratio_median']:.3f} | "
-              f"{row['ratio_min']:.3f}-{row['ratio_max']:.3f} |")
+        print(table_row(row))
     import vllm
 
     meta = {"model": args.model, "hidden_size": hidden, "batch": args.batch,
             "prompt_len": args.prompt_len, "output_len": args.output_len,
-            "repeats": args.repeats, "steer_rank": args.rank, "engine_kwargs": kw,
-            "startup_s_two_engines": startup, "machine": platform.processor() or platform.machine(),
+            "repeats": args.repeats, "control": args.control, "order": "shuffled per round",
+            "steer_rank": args.rank, "engine_kwargs": kw, "startup_s_all_engines": startup,
+            "machine": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "vllm": vllm.__version__, "torch": torch.__version__,
             "command": "python benchmarks/bench_throughput.py " + " ".join(argv or sys.argv[1:])}
     out = Path(args.out)
@@ -231,34 +315,44 @@ def main(argv=None) -> int:
 
 
 def plot(rows, path, meta):
+    """Paired throughput ratio against K with its 95% interval; the control (a') band shows
+    what two identical plain engines differ by on the machine."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def band(row):  # runs saved before the paired CI existed have only min-max
+        return row.get("ratio_ci95") or [row["ratio_min"], row["ratio_max"]]
+
     ks, med, lo, hi = [], [], [], []
     for row in rows:
         if row["mode"].startswith("(d)"):
             ks.append(int(row["mode"].split("K=")[1].split()[0]))
-            med.append(row["ratio_median"]), lo.append(row["ratio_min"]), hi.append(row["ratio_max"])
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(ks, med, "o-", label="vllm-steer, K distinct steers")
-    ax.fill_between(ks, lo, hi, alpha=0.2)
+            med.append(row["ratio_median"])
+            lo.append(band(row)[0]), hi.append(band(row)[1])
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(ks, med, "o-", label="vllm-steer, K distinct steers (median)")
+    ax.fill_between(ks, lo, hi, alpha=0.2, label="95% interval")
+    floor = min(lo)
+    control = next((r for r in rows if r["mode"] == CONTROL), None)
+    if control:
+        clo, chi = band(control)
+        floor = min(floor, clo)
+        ax.axhspan(clo, chi, color="k", alpha=0.08,
+                   label="second plain engine (a'): 95% interval")
+    ax.axhline(1.0, color="k", lw=0.8, label="plain vLLM (plugin not loaded)")
     unsteered = next(r for r in rows if r["mode"].startswith("(b)"))["ratio_median"]
-    plain = next(r for r in rows if r["mode"].startswith("(a)"))
-    ax.axhspan(plain["ratio_min"], plain["ratio_max"], color="k", alpha=0.07,
-               label="plain vLLM: its own run-to-run spread")
-    ax.axhline(1.0, color="k", lw=0.8, label="plain vLLM (plugin not loaded), median")
     ax.axhline(unsteered, color="gray", ls=":", label="plugin loaded, unsteered")
-    ax.axhline(0.95, color="r", ls="--", lw=0.8, label="goal 0.95")
+    ax.axhline(0.95, color="r", ls="--", lw=0.8, label="goal at K = 16: 0.95")
     ax.set_xscale("log", base=2)
     ax.set_xticks(ks, [str(k) for k in ks])
-    ax.set_ylim(min(0.8, min(lo) - 0.02, plain["ratio_min"] - 0.02),
-                max(1.08, max(hi) + 0.02, plain["ratio_max"] + 0.02))
+    ax.set_ylim(min(0.9, floor - 0.02), max(1.05, max(hi) + 0.02))
     ax.set_xlabel("distinct steers in the batch (K)")
     ax.set_ylabel("output tokens/s relative to plain vLLM")
-    ax.set_title(f"{meta['model']}, batch {meta['batch']}, {meta['output_len']} output tokens")
-    ax.legend(fontsize=8, loc="lower left")
+    ax.set_title(f"{meta['model']}, batch {meta['batch']}, {meta['output_len']} output tokens, "
+                 f"{meta['repeats']} rounds", fontsize=10)
+    ax.legend(fontsize=7.5, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
