@@ -22,6 +22,10 @@ Prints a table, writes JSON and a PNG of the ratio against K.
 
     python benchmarks/bench_throughput.py                    # embedded model, CPU
     python benchmarks/bench_throughput.py --model meta-llama/Llama-3.1-8B --load-format dummy
+    python benchmarks/bench_throughput.py --model benchmarks/configs/llama-3.1-8b.json
+
+The last form needs nothing but the shipped config: the architecture with random weights, no
+tokenizer (token-id prompts, no detokenization), no download.
 
 Steers for (d) are random, at the model's hidden size and the given rank (the cost does not
 depend on what a steer has learned); with --steer FILE the shipped steer is used for (c).
@@ -57,15 +61,43 @@ def engine_kwargs(args) -> dict:
     return kw
 
 
-def make_prompts(tokenizer_path: str, n: int, length: int) -> list[list[int]]:
-    """n distinct prompts of exactly ``length`` token ids (no prefix sharing between them)."""
-    import random
+def architecture_only(config_file: str, load_format: str | None) -> str:
+    """A model folder holding only ``config_file`` (as its config.json), for dummy weights:
+    a real architecture's cost without its weights, tokenizer or network access. Refuses a
+    load format other than dummy, which would look for weights that are not there."""
+    path = Path(config_file)
+    if not path.is_file():
+        raise SystemExit(f"--model {config_file}: no such config file")
+    if load_format not in (None, "dummy"):
+        raise SystemExit(f"--model {config_file} is an architecture without weights: it needs "
+                         f"--load-format dummy, not {load_format!r}")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--model {config_file}: not a JSON config ({e})") from None
+    missing = [k for k in ("architectures", "model_type", "hidden_size", "vocab_size")
+               if k not in config]
+    if missing:
+        raise SystemExit(f"--model {config_file}: a model config needs {', '.join(missing)}")
+    folder = Path(tempfile.mkdtemp(prefix=f"bench-{path.stem}-"))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return str(folder)
 
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+def make_prompts(model: str, n: int, length: int, tokenizer: bool = True) -> list[list[int]]:
+    """n distinct prompts of exactly ``length`` token ids (no prefix sharing between them),
+    avoiding special tokens; without a tokenizer, ids below the config's vocab_size."""
+    if tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model)
+        vocab_size, special = tok.vocab_size, set(tok.all_special_ids)
+    else:
+        config = json.loads((Path(model) / "config.json").read_text())
+        vocab_size = config["vocab_size"]
+        special = {config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     rng = random.Random(0)
-    vocab = [i for i in range(min(tok.vocab_size, 30000)) if i not in tok.all_special_ids]
+    vocab = [i for i in range(min(vocab_size, 30000)) if i not in special]
     return [[rng.choice(vocab) for _ in range(length)] for _ in range(n)]
 
 
@@ -129,6 +161,7 @@ def worker(conn, model: str, kw: dict, disable_plugin: bool, steers: dict | None
             break
         prompts, steer_per_req, output_len = msg
         params = [SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0,
+                                 detokenize=not kw.get("skip_tokenizer_init", False),
                                  extra_args={"steer": s} if s else None) for s in steer_per_req]
         inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         c0, t0 = engine_cpu_seconds(procs), time.perf_counter()
@@ -217,7 +250,10 @@ def modes(n: int, names: list[str]) -> dict[str, list]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2", help="HF folder/id, or smollm2 (embedded)")
+    ap.add_argument("--model", default="smollm2",
+                    help="HF folder/id, smollm2 (embedded), or a config.json file: that "
+                         "architecture with dummy weights and no tokenizer (e.g. "
+                         "benchmarks/configs/llama-3.1-8b.json)")
     ap.add_argument("--load-format", default=None, help="e.g. dummy: random weights, no download")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch", type=int, default=32, help="concurrent requests (max_num_seqs)")
@@ -247,12 +283,19 @@ def main(argv=None) -> int:
 
     from vllm_steer.models import resolve_model
 
-    model = resolve_model(args.model)
+    config_only = args.model.endswith(".json")
+    if config_only:
+        model = architecture_only(args.model, args.load_format)
+        args.load_format = "dummy"
+    else:
+        model = resolve_model(args.model)
     hidden = AutoConfig.from_pretrained(model).hidden_size
     steers = random_steer_files(hidden, args.rank, max(K_LIST), "bench-steers-", args.steer)
 
     kw = engine_kwargs(args)
-    prompts = make_prompts(model, args.batch, args.prompt_len)
+    if config_only:
+        kw["skip_tokenizer_init"] = True
+    prompts = make_prompts(model, args.batch, args.prompt_len, tokenizer=not config_only)
     print(f"starting {3 if args.control else 2} engines ({model}; batch {args.batch}, prompt "
           f"{args.prompt_len}, output {args.output_len} tokens, {args.repeats} rounds)...",
           flush=True)

@@ -13,7 +13,17 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from bench_throughput import PLAIN, median_ci, paired_ratios, summarize, table_row  # noqa: E402
+from bench_throughput import (  # noqa: E402
+    PLAIN,
+    architecture_only,
+    make_prompts,
+    median_ci,
+    paired_ratios,
+    summarize,
+    table_row,
+)
+
+LLAMA_8B = Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / "llama-3.1-8b.json"
 
 
 def test_paired_ratio_cancels_drift_that_hits_both_modes():
@@ -49,3 +59,27 @@ def test_table_row_shows_ratio_interval_and_cpu_ratio():
     line = table_row(rows[1])
     assert line.startswith("| (b) plugin | 100.0 | 1.000 [1.000, 1.000] | 1.000-1.000 |")
     assert line.endswith("1.000 [1.000, 1.000] |")
+
+
+def test_shipped_8b_config_becomes_a_weightless_model_folder():
+    from transformers import AutoConfig
+
+    folder = architecture_only(str(LLAMA_8B), None)
+    config = AutoConfig.from_pretrained(folder)
+    assert (config.model_type, config.hidden_size, config.num_hidden_layers) == ("llama", 4096, 32)
+    assert sorted(p.name for p in Path(folder).iterdir()) == ["config.json"]
+    prompts = make_prompts(folder, 3, 16, tokenizer=False)
+    assert [len(p) for p in prompts] == [16, 16, 16]
+    assert len({tuple(p) for p in prompts}) == 3
+    assert all(0 <= t < config.vocab_size and t not in (128000, 128001) for p in prompts for t in p)
+
+
+def test_architecture_only_refuses_what_cannot_run(tmp_path):
+    with pytest.raises(SystemExit, match="needs --load-format dummy, not 'auto'"):
+        architecture_only(str(LLAMA_8B), "auto")
+    with pytest.raises(SystemExit, match="no such config file"):
+        architecture_only(str(tmp_path / "nope.json"), None)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model_type": "llama"}')
+    with pytest.raises(SystemExit, match="needs architectures, hidden_size, vocab_size"):
+        architecture_only(str(bad), "dummy")
