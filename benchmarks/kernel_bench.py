@@ -162,6 +162,11 @@ def main(argv=None) -> int:
                     help="statistic over the timed runs (default: median on cuda; min on cpu, "
                          "whose shared cores add noise that only ever makes runs slower)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--plan", choices=["call", "once"], default="call",
+                    help="torch backend: plan per call (default), or once per shape and time "
+                         "the plan's runs, as a decode step of the serving path does; with "
+                         "'once', the note compares the chosen strategy with the others, "
+                         "timed side by side")
     ap.add_argument("--tiles", default=None, help="Triton tile overrides, e.g. "
                     "'expand_r=64,num_stages=4' (sets $VLLM_STEER_TILES; see Tiles)")
     args = ap.parse_args(argv)
@@ -177,6 +182,9 @@ def main(argv=None) -> int:
           "reference": steer_reference}[backend]
     if fn is None:
         print(f"backend {backend!r} is not available (triton not installed?)", file=sys.stderr)
+        return 2
+    if args.plan == "once" and backend != "torch":
+        print(f"--plan once applies to the torch backend, not {backend!r}", file=sys.stderr)
         return 2
     dtype = DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
     if cuda:
@@ -203,7 +211,8 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(device) if cuda else f"CPU, {torch.get_num_threads()} threads"
     if args.tiles:
         print(f"# tile overrides: {args.tiles}")
-    print(f"# steer kernel benchmark | device: {name} | kernel: {backend} | dtype: "
+    print(f"# steer kernel benchmark | device: {name} | kernel: {backend}"
+          f"{', planned once per shape' if args.plan == 'once' else ''} | dtype: "
           f"{str(dtype)[6:]} | torch {torch.__version__} | {stat} of interleaved runs")
     print(f"# copy bandwidth (read+write): {bw / 1e9:.1f} GB/s | LM head vocab {args.vocab} | "
           f"strength 5e-3 per steered row" + ("" if cuda else f" | load average "
@@ -238,7 +247,7 @@ def main(argv=None) -> int:
                                              f"cap {limit / 1e9:.1f} GB"))
                             continue
                         res = run_shape(fn, timer, device, dtype, d, rows, K, r, pattern, gen,
-                                        per_shape, not args.no_reference)
+                                        per_shape, not args.no_reference, args.plan == "once")
                         if head is None:
                             head = torch.randn(args.vocab, d, device=device, dtype=dtype)
                         if (rows, d) not in lm_cache:
@@ -268,7 +277,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_shape(fn, timer, device, dtype, d, rows, K, r, pattern, gen, per_shape, with_ref):
+def run_shape(fn, timer, device, dtype, d, rows, K, r, pattern, gen, per_shape, with_ref,
+              plan_once=False):
     ranks = [r] * K
     offs = [r * k for k in range(K + 1)]
     p1 = torch.randn(d, r * K, device=device, dtype=dtype) / math.sqrt(d)
@@ -279,16 +289,30 @@ def run_shape(fn, timer, device, dtype, d, rows, K, r, pattern, gen, per_shape, 
     if with_ref:
         fns["ref"] = lambda: steer_reference(hidden, p1, p2, offs, coefs)
     note = ""
-    if hasattr(fn, "__module__") and fn.__module__.endswith("torch_steer"):
-        from vllm_steer.kernels.torch_steer import choose_strategy
+    others = {}
+    if plan_once:  # the serving path: planned when the batch's steering changes, run per step
+        from vllm_steer.kernels.torch_steer import STRATEGIES, choose_strategy, prepare_torch
 
         note = choose_strategy(coefs != 0, offs, d)[0]
+        plans = {s: prepare_torch(p1, p2, offs, coefs, s) for s in STRATEGIES}
+        fns["kernel"] = lambda: fn(hidden, p1, p2, offs, coefs, prepared=plans[note])
+        for s in STRATEGIES:
+            if s != note:
+                others[s] = (lambda plan: lambda: fn(hidden, p1, p2, offs, coefs,
+                                                     prepared=plan))(plans[s])
+        fns.update(others)
+    elif hasattr(fn, "__module__") and fn.__module__.endswith("torch_steer"):
+        from vllm_steer.kernels.torch_steer import choose_strategy
+
+        note = choose_strategy(coefs != 0, offs, d, reuse=False)[0]  # timed per call
     # Correctness on the benchmark's own inputs (a fast wrong kernel is no result).
     out, ref = fns["kernel"](), steer_reference(hidden, p1, p2, offs, coefs)
     err = (out.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-9)
     if err > 2 ** -6:
         note = f"{note} MISMATCH rel err {err:.2g}".strip()
     times = timer.compare(fns, budget_s=per_shape, min_reps=3 if device.type == "cuda" else 5)
+    if others:  # how much the chosen plan saves over each other strategy's
+        note += " (" + ", ".join(f"{times[s] / times['kernel']:.2f}x vs {s}" for s in others) + ")"
     used = int((coefs != 0).any(dim=0).sum().item())
     res = dict(kernel=times["kernel"], ref=times.get("ref"), used=used, note=note,
                bytes=must_move_bytes(rows, d, ranks, coefs, hidden.element_size(),

@@ -3,7 +3,7 @@
 Semantics: see vllm_steer.reference (``steer_reference``).
 
 Only the rows that carry a non-zero coefficient are touched, and zero coefficients are skipped.
-Two strategies, picked per call from the sparsity pattern (``choose_strategy``):
+Three strategies, picked per call from the sparsity pattern (``choose_strategy``):
 
 - ``"concat"``: one down-projection of the active rows through the factors of the active
   steers concatenated (``[rows_a, d] @ [d, R_a]``), scaled by the coefficients expanded along
@@ -12,6 +12,10 @@ Two strategies, picked per call from the sparsity pattern (``choose_strategy``):
   (gathered once for all steers, scattered back with one ``index_add``; a steer used by every
   active row works on them in place). Work proportional to sum_k rows_k * rank_k: best when
   each row uses one steer of many.
+- ``"bmm"``: ``gather`` with the steers of equal rank stacked: one batched down- and
+  up-projection per rank for all of them, their rows padded to the largest group (padding
+  reads a zero row and adds nothing). About 6 ops per rank instead of 3 per steer: best when
+  many steers of one rank each take a few rows (the serving case: K steers over a batch).
 
 Math in fp32 (16-bit factors are upcast per used steer, as the reference does), output in the
 activation dtype; unsteered rows are copied bit for bit.
@@ -54,19 +58,38 @@ def _cat_us(nbytes: int) -> float:
     return nbytes * US_PER_CAT_BYTE[nbytes > 4 * 2 ** 20]
 
 
+STRATEGIES = ("concat", "gather", "bmm")
+
+
+def _stacked_us(ns: list[int], d: int, r: int) -> float:
+    """The steers of one rank (``ns`` rows each) in one batched pair of GEMMs, rows padded."""
+    return 2 * max(2 * len(ns) * max(ns) * d * r * US_PER_FLOP, US_PER_GEMM) + 6 * US_PER_OP
+
+
+def _by_rank(steers: list[int], ranks: dict[int, int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for k in steers:
+        out.setdefault(ranks[k], []).append(k)
+    return out
+
+
 class Plan(NamedTuple):
-    strategy: str  # "concat" or "gather"
+    strategy: str  # one of STRATEGIES
     rows: torch.Tensor | None  # active rows, None when every row is active
     steers: list[int]  # steers with a non-zero coefficient and a non-zero rank
     counts: list[int]  # rows per steer (all K)
 
 
-def choose_strategy(nz: torch.Tensor, offs: list[int], hidden_size: int) -> Plan:
-    """Pick ``"concat"`` or ``"gather"`` from the non-zero pattern ``nz`` ([rows, K] bool).
+def choose_strategy(nz: torch.Tensor, offs: list[int], hidden_size: int,
+                    reuse: bool = True) -> Plan:
+    """Pick one of :data:`STRATEGIES` from the non-zero pattern ``nz`` ([rows, K] bool).
 
-    The pick minimises a cost model: GEMM flops (with a floor per GEMM), a fixed cost per torch
-    op, the bytes of gathered rows (``gather``) and of concatenated factor columns (``concat``
-    over a subset of the steers).
+    ``bmm`` only for a plan that will be reused: stacking the factors copies them, which one
+    call does not pay back (measured up to 9x slower than ``gather`` when planned per call).
+
+    The pick minimises a cost model: GEMM flops (with a floor per GEMM, padded rows counted for
+    ``bmm``), a fixed cost per torch op, the bytes of gathered rows (``gather``, ``bmm``) and of
+    concatenated factor columns (``concat`` over a subset of the steers).
     """
     num_rows, K = nz.shape
     d = hidden_size
@@ -87,9 +110,17 @@ def choose_strategy(nz: torch.Tensor, offs: list[int], hidden_size: int) -> Plan
               + (_cat_us(2 * d * total * 4) + (2 * len(steers) + 4) * US_PER_OP if subset else 0))
     partial = [k for k in steers if counts[k] < n_active]
     pairs = sum(counts[k] for k in partial)
-    gather = (sum(_gemm_pair_us(counts[k], d, ranks[k]) + 4 * US_PER_OP for k in steers)
-              + (pairs * d * 4 * US_PER_GATHER_BYTE + 12 * US_PER_OP if partial else 0))
-    return Plan("concat" if concat <= gather else "gather", rows, steers, counts)
+    loop = {k: _gemm_pair_us(counts[k], d, ranks[k]) + 4 * US_PER_OP for k in steers}
+    moved = pairs * d * 4 * US_PER_GATHER_BYTE + 12 * US_PER_OP if partial else 0
+    gather = sum(loop.values()) + moved
+    # bmm stacks every rank shared by several partial steers: what that saves over the loop
+    saved = sum(sum(loop[k] for k in ks) - _stacked_us([counts[k] for k in ks], d, r)
+                for r, ks in _by_rank(partial, ranks).items() if len(ks) > 1)
+    bmm = gather - saved
+    if not reuse:
+        saved, bmm = 0.0, gather
+    best = "concat" if concat <= min(gather, bmm) else "bmm" if saved > 0 else "gather"
+    return Plan(best, rows, steers, counts)
 
 
 class Prepared(NamedTuple):
@@ -99,7 +130,7 @@ class Prepared(NamedTuple):
     decode steps of an unchanged batch), so a step pays only for the GEMMs: no planning, no
     host reads of the coefficients, no factor slicing (and, with ``upcast``, no up-casting).
     Factors are those of the bank (views, or concatenated columns), up-cast to fp32 when the
-    plan was made with ``upcast=True``, else at use.
+    plan was made for reuse, else at use.
     """
 
     num_rows: int
@@ -114,6 +145,9 @@ class Prepared(NamedTuple):
     full: list  # [(down [d, r], up [d, r], coef [rows_a, 1])]
     pair_rows: torch.Tensor | None  # [P] active-row index of each pair, grouped by steer
     groups: list  # [(start, n, down [d, r], up [d, r], coef [n, 1])]
+    # bmm: steers of one rank stacked, their rows padded to the largest group with the index
+    # rows_a, a zero row appended to the active rows
+    stacks: tuple = ()  # [(rows [G * n_max], down [G, d, r], up_t [G, r, d], coef [G, n_max, 1])]
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -125,16 +159,19 @@ def prepare_torch(
     p2: torch.Tensor,  # [hidden, total_rank]
     rank_offsets: Sequence[int] | torch.Tensor,  # K + 1 ints
     coefs: torch.Tensor,  # [num_rows, K] fp32
-    strategy: str | None = None,  # "concat" / "gather" to force one (benchmarks, tests)
-    upcast: bool = True,  # keep fp32 copies of 16-bit factors in the plan (for reuse)
+    strategy: str | None = None,  # one of STRATEGIES to force it (benchmarks, tests)
+    reuse: bool = True,  # the plan will run many times (the serving path)
 ) -> Prepared:
     """Plan one batch's steering for :func:`steer_torch` (see :class:`Prepared`).
 
-    ``upcast=False`` (a plan used once, by :func:`steer_torch` itself) leaves the up-casting
-    to the run, one factor at a time: several fresh multi-MB fp32 copies alive at once make
-    the CPU allocator fault in new pages on every call, which costs more than the GEMMs.
+    A plan for reuse keeps fp32 copies of 16-bit factors and may stack factors for ``bmm``:
+    copies made once and paid back over the steps. ``reuse=False`` (a plan used once, by
+    :func:`steer_torch` itself) makes no such copies: the up-casting is left to the run, one
+    factor at a time (several fresh multi-MB fp32 copies alive at once make the CPU allocator
+    fault in new pages on every call, which costs more than the GEMMs), and ``bmm`` is only
+    used when forced.
     """
-    f32 = _f32 if upcast else (lambda t: t)
+    f32 = _f32 if reuse else (lambda t: t)
     offs = _offsets(rank_offsets)
     K = len(offs) - 1
     num_rows = coefs.shape[0]
@@ -147,10 +184,10 @@ def prepare_torch(
     if num_rows == 0 or K == 0:
         return none
     nz = coefs != 0
-    auto, rows, steers, counts = choose_strategy(nz, offs, d)
+    auto, rows, steers, counts = choose_strategy(nz, offs, d, reuse)
     strategy = strategy or auto
-    if strategy not in ("concat", "gather"):
-        raise ValueError(f"unknown strategy {strategy!r}; choose 'concat' or 'gather'")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
     if not steers:
         return none
     co, local = (coefs, nz) if rows is None else (coefs.index_select(0, rows),
@@ -179,19 +216,42 @@ def prepare_torch(
         if counts[k] == n_active:
             a, b = offs[k], offs[k + 1]
             full.append((f32(p1[:, a:b]), f32(p2[:, a:b]), co[:, k:k + 1].contiguous()))
-    pair_rows = None
+    pair_rows, stacks = None, []
     if partial:
         sel = torch.tensor(partial, device=co.device)
         pairs = local.index_select(1, sel).T.nonzero()  # [P, 2] (i, row), sorted by i
-        pair_rows = pairs[:, 1].contiguous()
-        pair_coef = co.index_select(1, sel).T[pairs[:, 0], pair_rows]  # [P]
-        start = 0
+        all_rows = pairs[:, 1]
+        all_coef = co.index_select(1, sel).T[pairs[:, 0], all_rows]  # [P]
+        seg, start = {}, 0
         for k in partial:
-            a, b, n = offs[k], offs[k + 1], counts[k]
-            groups.append((start, n, f32(p1[:, a:b]), f32(p2[:, a:b]),
-                           pair_coef[start:start + n, None].contiguous()))
-            start += n
-    return Prepared(num_rows, rows, False, None, None, None, full, pair_rows, groups)
+            seg[k] = slice(start, start + counts[k])
+            start += counts[k]
+        looped = partial
+        if strategy == "bmm":
+            looped = []
+            for ks in _by_rank(partial, {k: offs[k + 1] - offs[k] for k in partial}).values():
+                if len(ks) == 1:
+                    looped += ks
+                    continue
+                n_max = max(counts[k] for k in ks)
+                idx = torch.full((len(ks), n_max), n_active, dtype=torch.long, device=co.device)
+                coef = torch.zeros(len(ks), n_max, 1, device=co.device)
+                for g, k in enumerate(ks):
+                    idx[g, :counts[k]] = all_rows[seg[k]]
+                    coef[g, :counts[k], 0] = all_coef[seg[k]]
+                down = torch.stack([p1[:, offs[k]:offs[k + 1]] for k in ks])  # [G, d, r]
+                up_t = torch.stack([p2[:, offs[k]:offs[k + 1]].T for k in ks])  # [G, r, d]
+                stacks.append((idx.flatten(), f32(down), f32(up_t), coef))
+        if looped:
+            pair_rows = torch.cat([all_rows[seg[k]] for k in looped])
+            start = 0
+            for k in looped:
+                a, b, n = offs[k], offs[k + 1], counts[k]
+                groups.append((start, n, f32(p1[:, a:b]), f32(p2[:, a:b]),
+                               all_coef[seg[k], None].contiguous()))
+                start += n
+    return Prepared(num_rows, rows, False, None, None, None, full, pair_rows, groups,
+                    tuple(stacks))
 
 
 def steer_torch(
@@ -201,7 +261,7 @@ def steer_torch(
     rank_offsets: Sequence[int] | torch.Tensor,  # K + 1 ints
     coefs: torch.Tensor,  # [num_rows, K] fp32
     out: torch.Tensor | None = None,  # [num_rows, hidden] like hidden (allocated if None)
-    strategy: str | None = None,  # "concat" / "gather" to force one (benchmarks, tests)
+    strategy: str | None = None,  # one of STRATEGIES to force it (benchmarks, tests)
     prepared: Prepared | None = None,  # from prepare_torch on these factors and coefs
 ) -> torch.Tensor:
     """Batched steer in torch. Semantics: see vllm_steer.reference (``steer_reference``).
@@ -212,7 +272,7 @@ def steer_torch(
     num_rows, d = hidden.shape
     assert hidden.dtype in (torch.float32, torch.float16, torch.bfloat16), hidden.dtype
     if prepared is None:
-        prepared = prepare_torch(p1, p2, rank_offsets, coefs, strategy, upcast=False)
+        prepared = prepare_torch(p1, p2, rank_offsets, coefs, strategy, reuse=False)
     assert prepared.num_rows == num_rows and p1.shape[0] == d, \
         f"prepared for {prepared.num_rows} rows of hidden {p1.shape[0]}, got {tuple(hidden.shape)}"
     if out is not None:
@@ -220,12 +280,18 @@ def steer_torch(
     if prepared.empty:
         return hidden.clone() if out is None else out.copy_(hidden)
     rows = prepared.rows
+    n_active = num_rows if rows is None else rows.numel()
+    # bmm pads its groups with the index n_active: a zero row after the active ones
+    c_pad = hidden.new_empty(n_active + bool(prepared.stacks), d, dtype=torch.float32)
+    c = c_pad[:n_active]  # [rows_a, d]
+    if prepared.stacks:
+        c_pad[n_active].zero_()
     if rows is None:  # every row is written below
         out = torch.empty_like(hidden) if out is None else out
-        c = hidden.to(torch.float32, copy=True)  # [rows, d]
+        c.copy_(hidden)
     else:  # unsteered rows: the input, bit for bit
         out = hidden.clone() if out is None else out.copy_(hidden)
-        c = hidden.index_select(0, rows).float()  # [rows_a, d]
+        c.copy_(hidden.index_select(0, rows))
     # _f32: a no-op on an up-cast plan's factors, else one fp32 factor alive at a time
     if prepared.down is not None:  # concat
         down = c @ _f32(prepared.down)  # [rows_a, R_a]
@@ -237,6 +303,12 @@ def steer_torch(
             down = c @ _f32(w1)
             down.mul_(coef)
             delta.addmm_(down, _f32(w2).T)
+        stacked = []  # every read of c comes before the first index_add into it
+        for idx, w1, w2t, coef in prepared.stacks:
+            x = c_pad.index_select(0, idx).view(coef.shape[0], coef.shape[1], d)
+            down = torch.bmm(x, _f32(w1))  # [G, n_max, r]
+            down.mul_(coef)
+            stacked.append((idx, torch.bmm(down, _f32(w2t)).view(-1, d)))
         if prepared.groups:
             cp = c.index_select(0, prepared.pair_rows)  # [P, d]
             dp = torch.empty_like(cp)
@@ -245,6 +317,8 @@ def steer_torch(
                 down.mul_(coef)
                 torch.mm(down, _f32(w2).T, out=dp[start:start + n])
             c.index_add_(0, prepared.pair_rows, dp)
+        for idx, dx in stacked:  # padding rows add into the zero row, which is dropped
+            c_pad.index_add_(0, idx, dx)
         if delta is not None:
             c.add_(delta)
     if rows is None:

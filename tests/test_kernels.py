@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vllm_steer.kernels import HAS_TRITON, steer_torch
-from vllm_steer.kernels.torch_steer import choose_strategy
+from vllm_steer.kernels.torch_steer import STRATEGIES, choose_strategy
 from vllm_steer.reference import steer_reference
 
 DEVICE = torch.device(os.environ.get("VLLM_STEER_TEST_DEVICE", "cpu"))
@@ -176,14 +176,33 @@ def test_matches_reference_large(backend, case):
     run_case(backend, *case)
 
 
-@pytest.mark.parametrize("strategy", ["concat", "gather"])
+# a zero-rank steer that rows use; all ranks distinct; steers sharing ranks (bmm stacks them)
+RANKS = {"distinct": [96, 0, 8, 40], "shared": [8, 40, 8, 0, 8, 40, 96]}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("pattern", ["one_per_row", "mixed", "dense", "all_zero"])
-def test_torch_strategies_agree(strategy, pattern):
-    # includes a zero-rank steer that rows use
-    hidden, p1, p2, offs, coefs = make_inputs(45, 96, [96, 0, 8, 40], pattern,
+@pytest.mark.parametrize("ranks", list(RANKS))
+def test_torch_strategies_agree(strategy, pattern, ranks):
+    hidden, p1, p2, offs, coefs = make_inputs(45, 96, RANKS[ranks], pattern,
                                               torch.float32, torch.float32, seed=3)
     out = steer_torch(hidden, p1, p2, offs, coefs, strategy=strategy)
     check(out, hidden, p1, p2, offs, coefs)
+
+
+def test_bmm_padding_leaves_other_rows_alone():
+    # 3 rows on steer 0, 1 row on steer 1 (same rank): steer 1's group is padded with two
+    # dummy entries; a huge unsteered-by-it row must not leak into anything
+    hidden, p1, p2, offs, coefs = make_inputs(6, 64, [16, 16], "mixed", torch.float32,
+                                              torch.float32, seed=7)
+    coefs.zero_()
+    coefs[1:4, 0] = 2.0
+    coefs[4, 1] = -1.5
+    hidden[5] = 1e30  # unsteered
+    hidden[1] *= 1e3  # steered, by steer 0 only
+    out = steer_torch(hidden, p1, p2, offs, coefs, strategy="bmm")
+    check(out, hidden, p1, p2, offs, coefs)
+    assert torch.isfinite(out[:5]).all()
 
 
 def test_torch_strategy_choice_follows_sparsity():
@@ -191,7 +210,18 @@ def test_torch_strategy_choice_follows_sparsity():
     one_each = torch.zeros(64, 8)
     one_each[torch.arange(64), torch.arange(64) % 8] = 1.0
     strategy, rows, steers, _ = choose_strategy(one_each != 0, offs, 576)
-    assert (strategy, rows, steers) == ("gather", None, list(range(8)))  # None: all rows
+    assert (strategy, rows, steers) == ("bmm", None, list(range(8)))  # None: all rows
+    # planned for one call, stacking the factors would not pay off
+    assert choose_strategy(one_each != 0, offs, 576, reuse=False)[0] == "gather"
+    # one steer takes most rows: padding every group to its size would cost more
+    skewed = torch.zeros(512, 8)
+    skewed[:, 0] = 1.0
+    skewed[torch.arange(7) * 73, torch.arange(1, 8)] = 1.0
+    skewed[torch.arange(7) * 73, 0] = 0.0
+    assert choose_strategy(skewed != 0, offs, 576)[0] == "gather"
+    # each row on one steer of eight, all of different ranks: nothing to stack
+    mixed_ranks = offsets([8, 16, 24, 32, 40, 48, 56, 64])
+    assert choose_strategy(one_each != 0, mixed_ranks, 576)[0] == "gather"
     strategy, rows, steers, _ = choose_strategy(torch.ones(64, 8, dtype=torch.bool), offs, 576)
     assert strategy == "concat"
     half = one_each.clone()
@@ -356,7 +386,7 @@ def test_triton_kernels_compile_for_sm90_without_a_gpu():
     assert "shrink 32x128" in run.stdout and "FAILED" not in run.stdout
 
 
-@pytest.mark.parametrize("strategy", ["concat", "gather"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("pattern", ["one_per_row", "mixed", "dense", "all_zero"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prepared_plan_reused_over_steps_gives_the_per_call_result(strategy, pattern, dtype):
@@ -365,7 +395,7 @@ def test_prepared_plan_reused_over_steps_gives_the_per_call_result(strategy, pat
     # freshly planned call, bit for bit.
     from vllm_steer.kernels.torch_steer import prepare_torch
 
-    _, p1, p2, offs, coefs = make_inputs(37, 96, [96, 0, 8, 40], pattern, dtype, dtype, seed=5)
+    _, p1, p2, offs, coefs = make_inputs(37, 96, RANKS["shared"], pattern, dtype, dtype, seed=5)
     plan = prepare_torch(p1, p2, offs, coefs, strategy)
     gen = torch.Generator().manual_seed(6)
     for _step in range(3):
