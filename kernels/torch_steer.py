@@ -128,7 +128,7 @@ class Prepared(NamedTuple):
 
     Made by :func:`prepare_torch`; reusable for as long as the coefficients do not change (the
     decode steps of an unchanged batch), so a step pays only for the GEMMs: no planning, no
-    host reads of the coefficients, no factor slicing (and, with ``upcast``, no up-casting).
+    host reads of the coefficients, no factor slicing (and, for reuse, no up-casting).
     Factors are those of the bank (views, or concatenated columns), up-cast to fp32 when the
     plan was made for reuse, else at use.
     """
