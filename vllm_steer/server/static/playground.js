@@ -141,13 +141,14 @@ function renderSliders() {
       type: "button", class: "small", text: fmt(v),
       "aria-label": `Set ${s.name} to ${fmt(v)} (recommended strength)`,
       onclick: () => setStrength(s.name, v, null) }));
-    const desc = [labels.negative ? `negative → ${labels.negative}` : null,
-      labels.positive ? `positive → ${labels.positive}` : null,
-      rec !== null ? `recommended ±${rec}` : null].filter(Boolean).join("; ");
+    const poles = [labels.negative ? `negative strengths → ${labels.negative}` : null,
+      labels.positive ? `positive strengths → ${labels.positive}` : null].filter(Boolean).join("; ");
+    const recText = rec !== null ? `recommended ±${rec}` : "no recommended strength in the file";
     return el("div", { class: "steer-row" },
       el("div", { class: "steer-head" },
         el("label", { for: id, text: s.name }),
-        el("span", { class: "poles", id: "desc-" + s.name, text: desc || "no labels in the file" })),
+        el("span", { class: "poles", id: "desc-" + s.name },
+          el("span", { class: "sr-only", text: poles ? poles + "; " : "" }), recText)),
       el("div", { class: "slider-line" },
         el("span", { class: "end", "aria-hidden": "true", text: labels.negative || "\u2212" }),
         el("div", { class: "slider-wrap" }, range, marks),
@@ -259,7 +260,7 @@ async function generate(ev) {
   box.replaceChildren();
   const runs = cols.map((c, i) => {
     const body = requestBody(c.steer);
-    const out = el("div", { class: "out", "data-role": "output" });
+    const out = el("span", { class: "out", "data-role": "output" });
     const status = el("p", { class: "status", "data-role": "status", text: "waiting…" });
     const err = el("div", { class: "error", role: "alert", "data-role": "error", hidden: true });
     const kind = !c.steer ? "plain" : (Object.values(c.steer).some((v) => v < 0) && !Object.values(c.steer).some((v) => v > 0) ? "neg" : "pos");
@@ -414,14 +415,18 @@ function renderHighlight(j, name) {
   const scores = j.scores || [];
   const scale = Math.max(1e-9, ...scores.filter((s) => s !== null).map(Math.abs));
   const owner = new Array(j.tokens.length).fill(-1);
+  // boxes numbered by score: 1 is the span most in favour of the steer
+  const best = (j.spans || []).map((sp, r) => ({ ...sp, r })).sort((a, b) => b.score - a.score);
+  const rankOf = {};
+  best.forEach((sp, i) => { rankOf[sp.r] = i + 1; });
   (j.spans || []).forEach((sp, r) => { for (let i = sp.start; i < sp.end; i++) owner[i] = r; });
   const text = el("p", { class: "hl-text" });
   let i = 0;
   while (i < j.tokens.length) {
     if (owner[i] >= 0) {
       const r = owner[i], sp = j.spans[r];
-      const mark = el("mark", { class: "span", title: `span ${r + 1}: score ${sp.score.toFixed(3)}` },
-        el("span", { class: "rank", text: String(r + 1) }));
+      const mark = el("mark", { class: "span", title: `span ${rankOf[r]}: score ${sp.score.toFixed(3)}` },
+        el("span", { class: "rank", "aria-hidden": "true", text: String(rankOf[r]) }));
       for (; i < sp.end; i++) mark.append(tokenEl(j.tokens[i], scores[i], scale));
       text.append(mark);
     } else {
@@ -430,8 +435,10 @@ function renderHighlight(j, name) {
     }
   }
   const steerDesc = mixLabel(j.steer || {});
-  const list = el("ol", { class: "spans" }, ...(j.spans || []).map((sp) =>
-    el("li", {}, el("q", { text: sp.text }), ` score ${sp.score.toFixed(3)} (tokens ${sp.start}–${sp.end - 1})`)));
+  const list = best.length ? el("ol", { class: "spans" }, ...best.map((sp) =>
+    el("li", {}, el("q", { text: sp.text }), ` score ${sp.score.toFixed(3)}`))) :
+    el("p", { class: "hint", text: `No span of this text is more likely with ${steerDesc} than without it ` +
+      "(every token scores ≤ 0): try a smaller strength, the opposite sign or another text." });
   out.replaceChildren(
     el("p", { class: "legend" },
       el("span", { class: "sw pos" }), ` more likely with ${steerDesc} than with the plain model`,
