@@ -206,7 +206,7 @@ def test_highlight_tab_shows_the_routes_spans(page, server):
     Select(page.find_element(By.ID, "hl-steer")).select_by_visible_text("detox")
     set_field(page, "hl-strength", 1)  # random steers: at 5 every token loses probability
     page.find_element(By.ID, "hl-run").click()
-    wait(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#hl-out mark.span, #hl-out .hint")
+    wait(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#hl-out mark.span, #hl-out .no-spans")
          or d.find_element(By.ID, "hl-error").is_displayed())
     assert not page.find_element(By.ID, "hl-error").is_displayed(), \
         page.find_element(By.ID, "hl-error").text

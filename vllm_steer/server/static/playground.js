@@ -437,7 +437,7 @@ function renderHighlight(j, name) {
   const steerDesc = mixLabel(j.steer || {});
   const list = best.length ? el("ol", { class: "spans" }, ...best.map((sp) =>
     el("li", {}, el("q", { text: sp.text }), ` score ${sp.score.toFixed(3)}`))) :
-    el("p", { class: "hint", text: `No span of this text is more likely with ${steerDesc} than without it ` +
+    el("p", { class: "hint no-spans", text: `No span of this text is more likely with ${steerDesc} than without it ` +
       "(every token scores ≤ 0): try a smaller strength, the opposite sign or another text." });
   out.replaceChildren(
     el("p", { class: "legend" },
