@@ -33,12 +33,16 @@ def chromium(width: int, height: int):
 
 
 def full_page(driver, path: Path, width: int) -> None:
-    """Resize the window to the page's height, then save a PNG."""
+    """Save the whole page (not only the window) as a PNG, through the DevTools protocol."""
+    import base64
+
     height = driver.execute_script("return document.documentElement.scrollHeight")
-    driver.set_window_size(width, height + 100)  # window chrome: headless adds none, keep slack
     time.sleep(0.3)
-    driver.save_screenshot(str(path))
-    print(f"wrote {path}")
+    shot = driver.execute_cdp_cmd("Page.captureScreenshot", {
+        "format": "png", "captureBeyondViewport": True,
+        "clip": {"x": 0, "y": 0, "width": width, "height": height, "scale": 1}})
+    path.write_bytes(base64.b64decode(shot["data"]))
+    print(f"wrote {path} ({width}x{height})")
 
 
 def shoot(base: str, out: Path, args) -> None:
@@ -68,7 +72,6 @@ def shoot(base: str, out: Path, args) -> None:
         d.execute_script("document.activeElement.blur()")
         full_page(d, out / "playground.png", args.width)
 
-        d.set_window_size(args.width, 900)
         d.find_element(By.ID, "tab-highlight").click()
         field("hl-text", args.highlight_text)
         Select(d.find_element(By.ID, "hl-steer")).select_by_visible_text(args.highlight_steer)
@@ -89,8 +92,8 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int, default=1360)
     p.add_argument("--prompt", default="My review of the new pizza place downtown:")
     p.add_argument("--steer", default="sentiment")
-    p.add_argument("--strength", type=float, default=5)
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--strength", type=float, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--highlight-text", default="The food was cold and the waiter was rude, "

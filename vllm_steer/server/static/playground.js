@@ -150,9 +150,10 @@ function renderSliders() {
         el("span", { class: "poles", id: "desc-" + s.name },
           el("span", { class: "sr-only", text: poles ? poles + "; " : "" }), recText)),
       el("div", { class: "slider-line" },
-        el("span", { class: "end", "aria-hidden": "true", text: labels.negative || "\u2212" }),
-        el("div", { class: "slider-wrap" }, range, marks),
-        el("span", { class: "end", "aria-hidden": "true", text: labels.positive || "+" }),
+        el("div", { class: "slider-wrap" }, range, marks,
+          el("div", { class: "ends", "aria-hidden": "true" },
+            el("span", { text: "\u2190 " + (labels.negative || "negative") }),
+            el("span", { text: (labels.positive || "positive") + " \u2192" }))),
         num, ...recButtons));
   }));
 }
@@ -436,7 +437,7 @@ function renderHighlight(j, name) {
   }
   const steerDesc = mixLabel(j.steer || {});
   const list = best.length ? el("ol", { class: "spans" }, ...best.map((sp) =>
-    el("li", {}, el("q", { text: sp.text }), ` score ${sp.score.toFixed(3)}`))) :
+    el("li", {}, el("q", { text: sp.text.trim() }), ` score ${sp.score.toFixed(3)}`))) :
     el("p", { class: "hint no-spans", text: `No span of this text is more likely with ${steerDesc} than without it ` +
       "(every token scores ≤ 0): try a smaller strength, the opposite sign or another text." });
   out.replaceChildren(
