@@ -13,6 +13,7 @@ page can be opened in a browser (``DEMO_PORT`` picks the port; default 8000 when
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import textwrap
 import time
@@ -63,6 +64,10 @@ def demo_port(keep: bool) -> int:
     return free_port()
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     from vllm_steer.format import read_metadata
     from vllm_steer.server.launch import ServerStartError, serve
@@ -94,6 +99,7 @@ def main() -> int:
                       f"browser:\n\n    {base}/steer/\n\n(from another machine: ssh -L "
                       f"{port}:127.0.0.1:{port} THIS_HOST, then the same URL). Ctrl-C stops it.",
                       flush=True)
+                signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the server too
                 while True:
                     time.sleep(3600)
             else:
@@ -103,7 +109,7 @@ def main() -> int:
         print(f"\n{e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("\nCtrl-C: stopping the server")
+        print("\nstopping the server", flush=True)
     print("server stopped")
     return 0
 

@@ -288,7 +288,7 @@ async function stream(path, run) {
   const ctl = new AbortController();
   state.controllers.push(ctl);
   run.text = "";
-  let tokens = 0, finish = null;
+  let tokens = 0, finish = null, failed = false;
   const t0 = performance.now();
   try {
     const resp = await fetch(path, { method: "POST", headers: { "Content-Type": "application/json" },
@@ -317,8 +317,11 @@ async function stream(path, run) {
         if (data === "[DONE]") continue;
         let j;
         try { j = JSON.parse(data); } catch (_) { continue; }
-        if (j.error) {
-          showError(run.err, `error while streaming: ${j.error.message || JSON.stringify(j.error)}`);
+        if (j.error) {  // refused after the stream started (chat validates late): same words
+          const e = j.error, code = e.code || e.status_code;
+          showError(run.err, (code ? `HTTP ${code}: ` : "error from the server: ") +
+            (e.message || JSON.stringify(e)));
+          failed = true;
           continue;
         }
         const ch = (j.choices || [])[0];
@@ -332,8 +335,13 @@ async function stream(path, run) {
         if (ch.finish_reason) finish = ch.finish_reason;
       }
     }
-    run.done = true;
     const secs = (performance.now() - t0) / 1000;
+    if (failed) {
+      run.status.textContent = tokens ? `failed after ${tokens} chunk(s)` : "refused by the server";
+      run.col.classList.add("failed");
+      return;
+    }
+    run.done = true;
     run.status.textContent = `${tokens} chunk(s) · ${secs.toFixed(1)} s` + (finish ? ` · finish: ${finish}` : "");
     run.col.classList.add("finished");
   } catch (e) {
