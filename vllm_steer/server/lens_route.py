@@ -24,6 +24,10 @@ from pydantic import BaseModel, Field
 
 router = APIRouter()
 
+V2_REFUSAL = ("/v1/steer/highlight needs steered prompt logprobs, which Model Runner V2 computes "
+              "unsteered (its scores would all be zero); serve with the V1 model runner "
+              "(VLLM_USE_V2_MODEL_RUNNER=0) to use the highlight route")
+
 
 class HighlightRequest(BaseModel):
     """Body of ``POST /v1/steer/highlight``."""
@@ -65,6 +69,8 @@ async def highlight(body: HighlightRequest, raw: Request):
     engine = getattr(raw.app.state, "vllm_steer_engine", None)
     if engine is None:
         return _error(503, "no engine behind this server")
+    if getattr(getattr(engine, "vllm_config", None), "use_v2_model_runner", False):
+        return _error(501, V2_REFUSAL)
     tokenizer = await engine.get_tokenizer() if _is_coro(engine.get_tokenizer) \
         else engine.get_tokenizer()
     ids, pieces = text_pieces(tokenizer, body.text)
