@@ -85,10 +85,10 @@ def test_slots_are_fully_reset_when_reused(processor):
     assert processor.add_request(3, _params({"a": 5, "b": 2})) is False  # apply() not needed
     processor.apply_staged_writes()
     assert rt.slot_coefs[3].tolist() == pytest.approx([5e-3, 2e-3])
-    assert rt.active
+    assert rt.has_steered_slots
     processor.add_request(3, _params())  # a new request in the same slot, unsteered
     processor.apply_staged_writes()
-    assert rt.slot_coefs[3].tolist() == [0.0, 0.0] and not rt.active
+    assert rt.slot_coefs[3].tolist() == [0.0, 0.0] and not rt.has_steered_slots
 
 
 def test_wrapped_sample_maps_rows_to_slots_through_expanded_idx_mapping(processor, vllm_config):
