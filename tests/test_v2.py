@@ -1,15 +1,18 @@
 """Model Runner V2 integration, driven through vLLM's own V2 interfaces with real objects.
 
-V2 cannot run an engine here (it needs triton-cpu), so this drives the pieces vLLM itself
-calls: the V2 loader and params validator, ``add_request(slot, params)`` with slot reuse,
-``apply_staged_writes()``, and a step's real ``InputBatch`` whose ``expanded_idx_mapping``
-the wrapped ``sample()`` scopes around the LM-head call.
+The live V2 engine is tested in tests/test_vllm_v2.py (through the tests/v2shim harness);
+this drives the pieces vLLM itself calls, one at a time: the V2 loader and params validator,
+``add_request(slot, params)`` with slot reuse, ``apply_staged_writes()``, a step's real
+``InputBatch`` whose ``expanded_idx_mapping`` the wrapped ``sample()`` scopes around the
+LM-head call, stale slots of finished requests, and batch-sharded sampling (TP > 1) through
+vLLM's real ``GPUModelRunner.sample`` and shard plan.
 """
 
 from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,6 +107,7 @@ def test_wrapped_sample_maps_rows_to_slots_through_expanded_idx_mapping(processo
     processor.apply_staged_writes()
 
     batch = InputBatch.make_dummy(3, 3, InputBuffers(8, 64, torch.device("cpu")))
+    batch.idx_mapping_np = np.array([5, 2, 0])  # the step's requests -> slots
     batch.expanded_idx_mapping = torch.tensor([5, 2, 0], dtype=torch.int32)  # rows -> slots
 
     class Runner:  # stands in for V2's GPUModelRunner: sample() calls the LM head
@@ -121,6 +125,41 @@ def test_wrapped_sample_maps_rows_to_slots_through_expanded_idx_mapping(processo
     # outside sample() (e.g. V2 prompt logprobs) rows have no slot: left unsteered
     assert torch.equal(rt.steer_rows(h), h)
 
+
+
+def test_a_finished_requests_stale_slot_costs_no_steer_work(processor, vllm_config):
+    """V2 never tells a request left: its slot keeps its steer until reused. A step whose batch
+    does not contain that slot must not run the steer op."""
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    from vllm_steer.integrations.v2 import wrap_sample
+
+    rt = processor.runtime
+    processor.add_request(6, _params({"a": 4}))  # finished; slot 6 not reused yet
+    processor.add_request(1, _params())
+    processor.apply_staged_writes()
+    batch = InputBatch.make_dummy(1, 1, InputBuffers(8, 64, torch.device("cpu")))
+    batch.idx_mapping_np = np.array([1])
+    batch.expanded_idx_mapping = torch.tensor([1])
+
+    class Runner:
+        def sample(self, hidden_states, input_batch, grammar_output):
+            assert not rt.active  # the head's check: nothing to do for these rows
+            return rt.steer_rows(hidden_states)
+
+    Runner.vllm_config = vllm_config
+    wrap_sample(Runner)
+    calls = rt.stats.calls
+    h = torch.randn(1, 64)
+    assert torch.equal(Runner().sample(h, batch, None), h)
+    assert rt.stats.calls == calls
+    batch.idx_mapping_np = np.array([1, 6])  # the steered slot is in the step again: steered
+    batch.expanded_idx_mapping = torch.tensor([1, 6])
+    Runner.sample = lambda self, hs, ib, go: rt.steer_rows(hs)
+    wrap_sample(Runner)
+    h = torch.randn(2, 64)
+    out = Runner().sample(h, batch, None)
+    assert rt.stats.calls == calls + 1 and torch.equal(out[0], h[0]) and not torch.equal(out[1], h[1])
 
 # Batch-sharded sampling (--enable-batch-sharded-sampling, TP > 1) runs vLLM's Triton shard-plan
 # kernel, so it is driven in a process with the test shim (tests/v2shim, Triton interpreter).
