@@ -196,3 +196,11 @@ def test_every_hook_is_found_on_this_vllm(plugin):
     assert plugin._MISSING == []
     for hook in plugin.HOOKS:
         plugin.resolve(hook.target)
+
+
+def test_pooling_model_is_refused_with_steers(plugin, tiny_model_dir, tmp_path):
+    p = tmp_path / "a.safetensors"
+    save_steer(p, random_steer(64, 4, "a"))
+    with pytest.raises(ValueError, match="--steer needs a generative model; .* runs as a "
+                                         "pooling model"):
+        _engine_config(tiny_model_dir, {"a": str(p)}, runner="pooling")
