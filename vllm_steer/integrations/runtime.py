@@ -140,8 +140,19 @@ class SteerRuntime:
             self.version += 1
 
     def coef_row(self, params: Any) -> np.ndarray:
-        """Coefficients of a request (zeros when it asks for no steer)."""
-        strengths = request_strengths(params, self)
+        """Coefficients of a request (zeros when it asks for no steer).
+
+        Never raises on request data: bad steers are refused at admission (HTTP 400); one
+        that slips through (a frontend that did not validate) is served unsteered, with a
+        warning, instead of killing the engine."""
+        try:
+            strengths = request_strengths(params, self)
+        except Exception as e:  # noqa: BLE001 - request data must not crash a worker
+            logger.warning("vllm-steer: request steer %r refused in the worker (%s); the request "
+                           "is served unsteered. Its frontend did not validate it: see "
+                           "docs/serving.md", (getattr(params, "extra_args", None) or {})
+                           .get(REQUEST_FIELD), e)
+            strengths = {}
         row = np.zeros(len(self.columns), dtype=np.float32)
         for k, (n, kind) in enumerate(self.columns):
             s = strengths.get(n, 0.0)

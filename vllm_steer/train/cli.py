@@ -118,7 +118,11 @@ def add_commands(subparsers) -> None:
     c.add_argument("checkpoint")
     c.add_argument("--out", required=True)
     c.add_argument("--unsafe-allow-pickle", action="store_true",
-                   help="allow reading the pickle (can run code: only for files you trust)")
+                   help="allow reading the pickle with torch's restricted loader "
+                        "(weights_only=True; enough for the paper's checkpoints)")
+    c.add_argument("--unsafe-full-unpickle", action="store_true",
+                   help="unpickle fully when the restricted loader refuses the file: this runs "
+                        "any code the file holds, only for files you trust")
     c.add_argument("--steer-index", type=int, default=None,
                    help="which steer is the style (default: args.training_steer, else 0)")
     c.add_argument("--dummy-index", type=int, default=None,
@@ -181,17 +185,22 @@ def cmd_train(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from vllm_steer.format import save_steer
+    from vllm_steer.format import SteerFileError, save_steer
     from vllm_steer.train.convert import PickleRefused, convert_checkpoint, describe
 
     try:
         steer = convert_checkpoint(args.checkpoint, allow_pickle=args.unsafe_allow_pickle,
+                                   full_unpickle=args.unsafe_full_unpickle,
                                    steer_index=args.steer_index, dummy_index=args.dummy_index,
                                    no_dummy=args.no_dummy, domain=args.domain, name=args.name,
                                    base_model=args.base_model, epsilon=args.epsilon)
     except PickleRefused as e:
         print(f"vllm-steer convert: refused: {e}", file=sys.stderr)
         return 2
-    save_steer(args.out, steer)
+    try:
+        save_steer(args.out, steer)
+    except SteerFileError as e:  # e.g. an out-of-range epsilon in the checkpoint's args
+        print(f"vllm-steer convert: error: {args.out}: " + "; ".join(e.reasons), file=sys.stderr)
+        return 1
     print(f"wrote {args.out}: {describe(steer)}")
     return 0
