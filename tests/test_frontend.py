@@ -21,7 +21,7 @@ def app():
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
 
-    plugin._patch_openai_protocol()
+    plugin.install_hooks([h for h in plugin.HOOKS if h.install is plugin.add_request_field])
     app = FastAPI()
     app.state.args = argparse.Namespace(log_error_stack=False)
     init_exception_handler(app)
