@@ -154,7 +154,7 @@ def test_request_model_validation(steer, xargs):
 
     from vllm_steer.integrations import frontend, plugin
 
-    plugin._patch_openai_protocol()
+    plugin.install_hooks([h for h in plugin.HOOKS if h.install is plugin.add_request_field])
     old = frontend.get_config()
     frontend.set_config(SteerServerConfig(steers=dict(KNOWN), max_strength=MAX))
     try:
