@@ -90,8 +90,8 @@ class TrainConfig:
     """Steps between dev-loss evaluations (0 = only at the end)."""
     checkpoint_every: int = 100
     """Steps between checkpoints (0 = none; resume then restarts from the beginning)."""
-    final_eval_max_texts: int = 1000
-    """Texts of the training set (seeded sample) on which the final train loss is measured."""
+    final_eval_max_texts: int = 256
+    """Texts trained on (seeded sample) on which the final train loss is measured."""
     check_strengths: tuple[float, ...] = (1.0, 2.0, 3.0, 5.0, 10.0)
     """Strengths at which the final report measures dev losses (positive and negative texts
     at +s and -s versus s = 0, without the domain steer, as served)."""
