@@ -310,14 +310,16 @@ def test_strength_over_the_limit_shows_the_servers_error(page, server):
     set_field(page, "num-sentiment", 25)
     page.find_element(By.ID, "generate").click()
     cols = wait(page, settled)
-    r = requests.post(server + "/v1/completions", json={
-        "model": "tiny", "prompt": "hi", "max_tokens": 2, "steer": {"sentiment": 25}})
-    assert r.status_code == 400
-    message = r.json()["error"]["message"]
-    assert "exceeds the server's maximum |strength| 20" in message
     by_steer = {json.dumps(c["steer"]): c for c in cols}
-    assert message in by_steer['{"sentiment": 25}']["error"]
-    assert by_steer['{"sentiment": 25}']["error"].startswith("HTTP 400")
-    assert "-25" in by_steer['{"sentiment": -25}']["error"]
+    for strength in (25, -25):
+        col = by_steer[json.dumps({"sentiment": strength})]
+        # the same request straight to the API: the page shows the server's status and words
+        r = requests.post(server + "/v1/completions", json={**col["request"], "stream": True})
+        assert r.status_code == 400
+        message = r.json()["error"]["message"]
+        assert f"strength {strength} of steer 'sentiment' exceeds the server's maximum " \
+            "|strength| 20" in message
+        assert col["error"].startswith("HTTP 400") and col["error"].endswith(message)
+        assert "failed" in col["classes"] and not col["text"]
     plain = by_steer["null"]
     assert not plain["error"] and plain["text"] == api_completion(server)
