@@ -168,6 +168,24 @@ def _check_refusals(spec: dict) -> dict:
     return out
 
 
+def _inspect_in_process(archs: list[str]) -> None:
+    """Register the native model classes by class: vLLM then inspects them in this process
+    instead of spawning one Python per architecture (cached on disk after the first run, but
+    a fresh machine would pay ~10-30 s per architecture). The Transformers-backend ones stay
+    as they are."""
+    import importlib
+
+    from vllm import ModelRegistry
+
+    for arch in archs:
+        entry = ModelRegistry.models.get(arch)
+        module = getattr(entry, "module_name", "")
+        if not module or module.endswith(".transformers"):
+            continue
+        ModelRegistry.register_model(
+            arch, getattr(importlib.import_module(module), entry.class_name))
+
+
 def main(argv: list[str]) -> None:
     """``python tests/families.py SPEC.json OUT.json``: stock vLLM first (plugins off by
     VLLM_PLUGINS=none), then the plugin registered by hand, in one process (engine core
@@ -180,6 +198,7 @@ def main(argv: list[str]) -> None:
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     spec = json.loads(Path(argv[0]).read_text())
     t0 = time.time()
+    _inspect_in_process([ARCHITECTURES[f["name"]] for f in spec["families"]])
     vanilla = _run_engines(spec, plugin=False)
     t1 = time.time()
     from vllm_steer.integrations.plugin import register
