@@ -122,6 +122,9 @@ def synth(tmp_path_factory):
     for name, words, seed in (("pos", POS_WORDS, 1), ("neg", NEG_WORDS, 2)):
         out[name] = d / f"{name}.txt"
         out[name].write_text("\n".join(_texts(words, 12, seed)))
+    out["calibration"] = d / "calibration.txt"  # for transfer's strength rule; short = fast
+    out["calibration"].write_text("The weather was mild in the morning.\n"
+                                  "She opened the letter and read it twice.\n")
     return out
 
 
@@ -170,14 +173,15 @@ def built(tmp_path_factory, synth, source):
         rec["train_rc"] = main(["train", "--model", str(model_dir), "--positive",
                                 str(synth["pos"]), "--negative", str(synth["neg"]),
                                 "--out", steers["train"], "--rank", str(RANK), "--domain-rank",
-                                "0", "--steps", "6", "--batch-size", "4", "--lr", "0.1",
+                                "0", "--steps", "4", "--batch-size", "4", "--lr", "0.1",
                                 "--max-length", "16", "--dev-fraction", "0", "--quiet",
                                 "--model-dtype", "float32", "--cache-dtype", "float32",
                                 "--head-dtype", "float32"])
         steers["xfer"] = str(d / "xfer.safetensors")
         rec["transfer_rc"] = main(["transfer", "--steer", str(src_steer), "--from",
                                    str(src_model), "--to", str(model_dir), "--out",
-                                   steers["xfer"], "--anchors", "2000", "--heldout", "200"])
+                                   steers["xfer"], "--anchors", "1000", "--heldout", "100",
+                                   "--calibration-file", str(synth["calibration"])])
         ckpt = d / "paper.pt"
         rec["paper"] = _paper_checkpoint(ckpt, dim, seed=100 + i)
         steers["conv"] = str(d / "conv.safetensors")
@@ -259,7 +263,8 @@ def test_serve_steered_logprobs_equal_the_paper_formula(fam, built, engines):
         if req["steer"] is not None:  # and the steer moved the distribution
             moved = max(abs(v - plain["logprobs"][p].get(t, v))
                         for p, e in enumerate(req["logprobs"]) for t, v in e.items())
-            assert moved > 0.05, (fam, req["steer"], moved)
+            assert moved > (0.05 if "rand" in req["steer"] else 1e-3), (fam, req["steer"],
+                                                                          moved)
 
 
 @pytest.mark.parametrize("fam", VANILLA)
