@@ -128,6 +128,8 @@ def _run_engines(spec: dict, plugin: bool) -> dict:
             kw["additional_config"] = {"vllm_steer": {"steers": fam["steers"]}}
         if not plugin and fam["name"] not in spec.get("vanilla", []):
             continue
+        if plugin and fam.get("ready"):  # the test process is still writing its steers
+            _wait_for(fam["ready"], spec.get("wait_s", 900))
         reqs = [r for r in spec["requests"] if plugin or not r["steer"]]
         try:
             llm = LLM(fam["model"], **kw)
@@ -151,6 +153,17 @@ def _run_engines(spec: dict, plugin: bool) -> dict:
         del llm, outs
         gc.collect()
     return results
+
+
+def _wait_for(path: str, timeout: float) -> None:
+    import os
+    import time
+
+    t0 = time.time()
+    while not os.path.exists(path):
+        if time.time() - t0 > timeout:
+            raise TimeoutError(f"{path} did not appear within {timeout:.0f} s")
+        time.sleep(0.2)
 
 
 def _check_refusals(spec: dict) -> dict:
