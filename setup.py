@@ -21,7 +21,7 @@ setup(
     ],
     # The design card's top-level kernels/ folder is installed as vllm_steer.kernels.
     package_dir={"vllm_steer.kernels": "kernels"},
-    package_data={"vllm_steer": ["py.typed"]},
+    package_data={"vllm_steer": ["py.typed"], "vllm_steer.server": ["static/*"]},
     install_requires=["safetensors>=0.4", "numpy", "tqdm"],
     extras_require={
         # cpu and cuda are exclusive: install exactly one (both provide the `vllm` package).
@@ -31,7 +31,8 @@ setup(
         "cuda": ["vllm>=0.32,<0.34"],
         "train": ["transformers>=4.45", "accelerate", "gguf"],
         "eval": ["matplotlib", "alt-profanity-check", "vaderSentiment", "scikit-learn"],
-        "test": ["pytest", "openai", "requests"],
+        "test": ["pytest", "openai", "requests", "hypothesis>=6.100",
+                 "hypothesis-jsonschema>=0.23", "selenium>=4.20"],
     },
     entry_points={
         "vllm.general_plugins": ["vllm_steer = vllm_steer.integrations.plugin:register"],

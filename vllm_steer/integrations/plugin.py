@@ -395,11 +395,19 @@ FIELD_DESCRIPTION = (
 
 
 def add_request_field(cls) -> None:
-    """Add the ``steer`` field to a pydantic request model and carry it to SamplingParams."""
+    """Add the ``steer`` field to a pydantic request model, check it (and
+    ``vllm_xargs["steer"]``) when the request body is parsed, and carry it to SamplingParams.
+
+    The check is a pydantic model validator, so a bad value is a validation error (HTTP 400,
+    ``param: "steer"``) before any endpoint runs, streaming or not.
+    """
     from typing import Any, Optional, Union
 
     from pydantic import Field
+    from pydantic._internal._decorators import Decorator, ModelValidatorDecoratorInfo
     from pydantic.fields import FieldInfo
+
+    from vllm_steer.integrations import frontend
 
     if REQUEST_FIELD in cls.model_fields:
         return
@@ -410,6 +418,16 @@ def add_request_field(cls) -> None:
     cls.__annotations__[REQUEST_FIELD] = ann
     if hasattr(cls, "field_names"):
         cls.field_names = None
+
+    def _vllm_steer_check(self):
+        frontend.check_request_fields(getattr(self, REQUEST_FIELD, None),
+                                      getattr(self, "vllm_xargs", None))
+        return self
+
+    setattr(cls, _VALIDATOR_NAME, _vllm_steer_check)
+    cls.__pydantic_decorators__.model_validators[_VALIDATOR_NAME] = Decorator.build(
+        cls, cls_var_name=_VALIDATOR_NAME, shim=None,
+        info=ModelValidatorDecoratorInfo(mode="after"))
     cls.model_rebuild(force=True)
 
     orig = cls.to_sampling_params
@@ -419,16 +437,17 @@ def add_request_field(cls) -> None:
         value = getattr(self, REQUEST_FIELD, None)
         if value is not None:
             extra = dict(params.extra_args or {})
-            if REQUEST_FIELD in extra:
-                from vllm_steer.config import SteerRequestError
-
-                raise SteerRequestError(f"{REQUEST_FIELD}: given both as a top-level field and in "
-                                        "vllm_xargs; use one")
+            if REQUEST_FIELD in extra:  # also refused when the request was parsed
+                raise frontend.field_error(f"{REQUEST_FIELD}: given both as a top-level field "
+                                           "and in vllm_xargs; use one")
             extra[REQUEST_FIELD] = value
             params.extra_args = extra
         return params
 
     cls.to_sampling_params = to_sampling_params
+
+
+_VALIDATOR_NAME = "_vllm_steer_check"
 
 
 # ---- the hook list (section 0) -----------------------------------------------------------
