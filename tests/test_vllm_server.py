@@ -279,19 +279,3 @@ def test_penalties_apply_to_the_steered_logits(server, ref_model):
     assert got["token_ids"] == reference_greedy(ref_model, prompt, 12, 5, penalise)
     assert got["token_ids"] != _ok(server, max_tokens=12, **pen)[0]["token_ids"]
 
-
-def test_highlight_route_refuses_model_runner_v2():
-    from types import SimpleNamespace
-
-    from fastapi import FastAPI
-    from fastapi.testclient import TestClient
-
-    from vllm_steer.server.lens_route import SteerLensEndpoint
-
-    app = FastAPI()
-    SteerLensEndpoint().attach_router(app)
-    app.state.vllm_steer_engine = SimpleNamespace(
-        vllm_config=SimpleNamespace(use_v2_model_runner=True))
-    r = TestClient(app).post("/v1/steer/highlight", json={"text": "hi", "steer": {"detox": 5}})
-    assert r.status_code == 501
-    assert "Model Runner V2" in r.json()["error"]["message"]
