@@ -213,6 +213,7 @@ def _meta_edit(**kw):
     (_edit(lambda h: h[TENSOR_P1].update(shape=16)), "has shape 16, expected [hidden, rank]"),
     (_edit(lambda h: h.update({TENSOR_P1: "steer"})), "header entry must be a JSON object"),
     (_edit(lambda h: h[TENSOR_P1].update(dtype="I64")), "has dtype 'I64'"),
+    (_edit(lambda h: h[TENSOR_P1].update(dtype=[])), "has dtype []"),  # found by fuzzing
     (_edit(lambda h: h[TENSOR_P1].update(data_offsets=[0, 12])), "span 12 bytes but"),
     (_edit(lambda h: h[TENSOR_P2].update(data_offsets=[8, 24])), "overlapping or gapped"),
     (_edit(_meta_edit(domain_strength=float("nan"))), "domain_strength=nan"),

@@ -322,7 +322,7 @@ def _tensor_entry_problems(key: str, info: Any) -> list[str]:
         return [f"tensor {k}: header entry must be a JSON object, got {type(info).__name__}"]
     out = []
     dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in _SAFETENSORS_DTYPES:
+    if not (isinstance(dtype, str) and dtype in _SAFETENSORS_DTYPES):
         out.append(f"tensor {k} has dtype {_echo(dtype)}, expected one of "
                    f"{sorted(_SAFETENSORS_DTYPES)}")
     if not (isinstance(shape, list) and len(shape) == 2

@@ -154,13 +154,16 @@ def _is_coro(fn) -> bool:
 
 
 class SteerLensEndpoint:
-    """vLLM endpoint plugin adding the lens routes."""
+    """vLLM endpoint plugin adding the lens routes (and the playground page, ``/steer/``)."""
 
     name = "vllm_steer_lens"
     required_tasks = ("generate",)
 
     def attach_router(self, app) -> None:
+        from vllm_steer.server.playground import router as playground_router
+
         app.include_router(router)
+        app.include_router(playground_router)
 
     async def init_state(self, engine_client, state, args) -> None:
         state.vllm_steer_engine = engine_client
