@@ -459,6 +459,12 @@ _WORKER_HOOKS = (
      "steered prompt logprobs (V1)"),
     ("vllm.v1.worker.gpu_input_batch:InputBatch.__init__",
      "no output-token tracking for our processor (V1)"),
+    ("vllm.v1.worker.gpu.sample.logits_processor:LogitsProcessor",
+     "V2 per-request steer state"),
+    ("vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample",
+     "the step's row -> request mapping (V2)"),
+    ("vllm.v1.worker.gpu.sample.batch_shard:BatchSharder.shard_sampler_inputs",
+     "rows of batch-sharded sampling (V2, --enable-batch-sharded-sampling)"),
 )
 
 HOOKS: tuple[Hook, ...] = (
