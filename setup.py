@@ -28,8 +28,7 @@ setup(
         "cuda": ["vllm>=0.32"],
         "train": ["transformers>=4.45", "accelerate", "gguf"],
         "eval": ["matplotlib", "alt-profanity-check", "vaderSentiment", "scikit-learn"],
-        "test": ["pytest", "openai", "requests", "hypothesis>=6.100",
-                 "hypothesis-jsonschema>=0.23"],
+        "test": ["pytest", "openai", "requests", "hypothesis>=6.100"],
     },
     entry_points={
         "vllm.general_plugins": ["vllm_steer = vllm_steer.integrations.plugin:register"],
