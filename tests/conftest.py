@@ -112,3 +112,28 @@ class HFReference:
         for _ in range(n):
             ids.append(int(self.logprobs(ids, strengths)[-1].argmax()))
         return ids[len(prompt_ids):]
+
+
+V2_SHIM_DIR = ROOT / "tests" / "v2shim"
+
+
+def v2_runner_env() -> dict[str, str]:
+    """Environment that puts the vLLM engine processes started from it on Model Runner V2 on
+    this CPU, through the test shim tests/v2shim/sitecustomize.py (a stand-in Triton "cpu"
+    backend, kernels in the Triton interpreter). Also for subprocesses (``vllm serve``)."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(V2_SHIM_DIR), path) if p),
+            "STEER_TEST_V2_SHIM": "1", "VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1",
+            "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}  # sitecustomize runs at process start
+
+
+@pytest.fixture(scope="module")
+def v2_runner():
+    """Engines started in this module (offline ``LLM`` or servers that inherit os.environ) run
+    Model Runner V2; see :func:`v2_runner_env`. Slow (Triton interpreter): tiny models."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in v2_runner_env().items():
+            mp.setenv(k, v)
+        # the test process imported vLLM without the shim; its config check wants Triton too
+        mp.setattr("vllm.config.vllm.HAS_TRITON", True)
+        yield

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import random_steer
+from conftest import random_steer, v2_runner_env
 from vllm_steer.format import save_steer
 from vllm_steer.reference import steer_reference
 
@@ -226,15 +226,11 @@ def test_batch_sharded_sampling_rows_get_their_own_requests_steer(tmp_path, vllm
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     steers = vllm_config.additional_config["vllm_steer"]["steers"]
     script, out = tmp_path / "sharded.py", tmp_path / "out.pt"
     script.write_text(SHARDED)
-    shim = Path(__file__).resolve().parent / "v2shim"
-    env = dict(os.environ, STEER_TEST_V2_SHIM="1", TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(shim), os.environ.get("PYTHONPATH"))
-                                          if p))
+    env = dict(os.environ, **v2_runner_env())
     res = subprocess.run([sys.executable, str(script), f"{steers['a']},{steers['b']}", str(out)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert "DONE" in res.stdout, res.stderr[-3000:]

