@@ -243,8 +243,9 @@ def configure_engine(vllm_config) -> None:
     if cfg is None or not cfg.steers:
         return
     check_hooks()
-    check_steers_fit(cfg, vllm_config.model_config.get_hidden_size(),
-                     vllm_config.model_config.model)
+    from vllm_steer.integrations.families import check_model  # refuses what we cannot steer
+
+    check_steers_fit(cfg, check_model(vllm_config.model_config), vllm_config.model_config.model)
     if vllm_config.speculative_config is not None:
         raise ValueError("vllm-steer: speculative decoding is not supported with --steer (draft "
                          "tokens would be proposed unsteered and verified with several rows per "
