@@ -50,6 +50,8 @@ def register() -> None:
     _patch_input_processor()
     _register_head()
     _patch_openai_protocol()
+    _patch_engine_core()
+    _patch_endpoint_plugins()
 
 
 # ---- 1. CLI ------------------------------------------------------------------------------
@@ -69,11 +71,26 @@ def add_steer_args(parser) -> None:
     group.add_argument("--steer-backend", default="auto",
                        choices=["auto", "reference", "torch", "triton"],
                        help="Implementation of the batched steer op.")
+    group.add_argument("--max-steers", type=int, default=None, metavar="N",
+                       help="Steers that may be loaded at once (slots sized up front). "
+                            "Default: the number of --steer, at least 8.")
+    group.add_argument("--max-steer-rank", type=int, default=None, metavar="R",
+                       help="Refuse steers of a larger rank.")
+    group.add_argument("--steer-dir", default=None, metavar="DIR",
+                       help="A request naming a steer that is not loaded loads "
+                            "DIR/NAME.safetensors on first use.")
+    group.add_argument("--enable-steer-updates", action="store_true", default=False,
+                       help="Allow POST /v1/steers and DELETE /v1/steers/NAME (load and "
+                            "unload steers at run time).")
+    group.add_argument("--steer-updates-any-path", action="store_true", default=False,
+                       help="With --enable-steer-updates: POST /v1/steers may load files "
+                            "outside --steer-dir.")
 
 
 def config_from_args(args: argparse.Namespace) -> SteerServerConfig | None:
-    steers = getattr(args, "steer", None)
-    if not steers:
+    steers = getattr(args, "steer", None) or []
+    if not (steers or getattr(args, "steer_dir", None)
+            or getattr(args, "enable_steer_updates", False)):
         return None
     pairs = [parse_steer_arg(s) for s in steers]
     names = [n for n, _ in pairs]
@@ -84,7 +101,27 @@ def config_from_args(args: argparse.Namespace) -> SteerServerConfig | None:
     return SteerServerConfig(steers=dict(pairs),
                              max_strength=getattr(args, "steer_max_strength",
                                                   DEFAULT_MAX_STRENGTH),
-                             backend=getattr(args, "steer_backend", "auto"))
+                             backend=getattr(args, "steer_backend", "auto"),
+                             **_runtime_args(args))
+
+
+def _runtime_args(args: argparse.Namespace) -> dict:
+    """Run-time steer management flags (issue 15) as SteerServerConfig fields."""
+    steer_dir = getattr(args, "steer_dir", None)
+    if steer_dir is not None:
+        import os
+
+        if not os.path.isdir(steer_dir):
+            raise ValueError(f"--steer-dir {steer_dir!r}: not a directory")
+        steer_dir = os.path.abspath(steer_dir)
+    if getattr(args, "enable_steer_updates", False):
+        logger.warning("vllm-steer: --enable-steer-updates is on: POST /v1/steers and "
+                       "DELETE /v1/steers/NAME can load and unload steers at run time. Do not "
+                       "expose this server to untrusted clients.")
+    return dict(max_steers=getattr(args, "max_steers", None),
+                max_steer_rank=getattr(args, "max_steer_rank", None), steer_dir=steer_dir,
+                enable_updates=bool(getattr(args, "enable_steer_updates", False)),
+                updates_any_path=bool(getattr(args, "steer_updates_any_path", False)))
 
 
 def _patch_engine_args() -> None:
@@ -143,7 +180,7 @@ def configure_engine(vllm_config) -> None:
 
     cfg = SteerServerConfig.from_additional_config(vllm_config.additional_config)
     frontend.set_config(cfg)
-    if cfg is None or not cfg.steers:
+    if cfg is None or not cfg.enabled:
         return
     check_steers_fit(cfg, vllm_config.model_config.get_hidden_size(),
                      vllm_config.model_config.model)
@@ -269,3 +306,65 @@ def add_request_field(cls) -> None:
         return params
 
     cls.to_sampling_params = to_sampling_params
+
+
+# ---- 5. run-time steer management (vllm_steer.integrations.control) ----------------------
+def _patch_engine_core() -> None:
+    """``EngineCore.collective_rpc`` answers :data:`registry.CONTROL_METHOD` in the engine core
+    (load / unload / list, forwarded to every worker by the executor's own collective_rpc);
+    ``EngineCore.add_request`` binds each request's steers to (slot, generation)."""
+    from vllm.v1.engine.core import EngineCore
+
+    from vllm_steer.integrations import control
+    from vllm_steer.integrations.registry import CONTROL_METHOD
+
+    orig_rpc, orig_add = EngineCore.collective_rpc, EngineCore.add_request
+    if getattr(orig_add, "_vllm_steer", False):
+        return
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        if method == CONTROL_METHOD:
+            return [control.handle(self, *args)]
+        return orig_rpc(self, method, timeout, args, kwargs)
+
+    def add_request(self, request, request_wave: int = 0):
+        try:
+            control.bind_request(self, request)
+        except control.SteerAdmissionError as e:
+            send = getattr(self, "_send_error_outputs_to_client", None)
+            if send is None:  # engine core in this process (offline): the caller sees it
+                raise
+            logger.warning("vllm-steer: request %s refused: %s", request.request_id, e)
+            send([request.request_id], request.client_index)
+            return
+        return orig_add(self, request, request_wave)
+
+    add_request._vllm_steer = True
+    EngineCore.collective_rpc = collective_rpc
+    EngineCore.add_request = add_request
+
+
+def _patch_endpoint_plugins() -> None:
+    """Serve ``/v1/steers`` (vllm_steer.server.steers_route) on every API server that steers:
+    vLLM's endpoint-plugin loader also returns our plugin, whatever ``VLLM_PLUGINS`` says (the
+    write routes stay off without ``--enable-steer-updates``)."""
+    import vllm.plugins as plugins
+
+    orig = plugins.load_endpoint_plugins
+    if getattr(orig, "_vllm_steer", False):
+        return
+
+    def load_endpoint_plugins(supported_tasks=None):
+        found = list(orig(supported_tasks))
+        from vllm_steer.integrations import frontend
+
+        cfg = frontend.get_config()
+        if cfg is not None and cfg.enabled and not any(
+                getattr(p, "name", None) == "vllm_steer_steers" for p in found):
+            from vllm_steer.server.steers_route import SteerManagementEndpoint
+
+            found.append(SteerManagementEndpoint())
+        return found
+
+    load_endpoint_plugins._vllm_steer = True
+    plugins.load_endpoint_plugins = load_endpoint_plugins
