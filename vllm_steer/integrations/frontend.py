@@ -66,8 +66,26 @@ def _check_unloaded(value: Any, cfg: SteerServerConfig) -> dict:
             raise SteerRequestError(f"{REQUEST_FIELD}: unknown steer {name!r}: not loaded "
                                     f"(loaded: {avail}) and no file {name}.safetensors in "
                                     f"--steer-dir {cfg.steer_dir}")
+        from vllm_steer.format import SteerFileError, read_metadata
+
+        try:  # the header only (no torch): what can be refused before the engine loads it
+            meta = read_metadata(path)
+        except SteerFileError as e:
+            raise SteerRequestError(f"{REQUEST_FIELD}: steer {name!r} in --steer-dir: "
+                                    + " ".join(str(e).split())) from None
+        if _HIDDEN and meta.hidden_size != _HIDDEN:
+            raise SteerRequestError(f"{REQUEST_FIELD}: steer {name!r} ({path}) has hidden size "
+                                    f"{meta.hidden_size} but the model has {_HIDDEN}")
         known[name] = True
     return known
+
+
+_HIDDEN = 0  # the served model's hidden size (checked for --steer-dir files at admission)
+
+
+def set_model_hidden_size(hidden: int) -> None:
+    global _HIDDEN
+    _HIDDEN = int(hidden or 0)
 
 
 def validate(params: Any) -> None:

@@ -169,6 +169,7 @@ def _patch_input_processor() -> None:
     def __init__(self, vllm_config, *a, **kw):
         frontend.set_config(SteerServerConfig.from_additional_config(
             vllm_config.additional_config))
+        frontend.set_model_hidden_size(vllm_config.model_config.get_hidden_size())
         orig(self, vllm_config, *a, **kw)
 
     InputProcessor.__init__ = __init__
