@@ -93,6 +93,9 @@ def handle(core, op: str, kwargs: dict | None = None) -> dict:
                 "workers": _workers(core, "stats"), "steer_dir": cfg.steer_dir,
                 "enable_updates": cfg.enable_updates, "updates_any_path": cfg.updates_any_path}
     if op == "load":
+        existing = reg.get(kwargs["name"])
+        if kwargs.get("source") == "steer-dir" and existing is not None:  # first use raced
+            return {"ok": True, "steer": existing.to_json(), "evicted": None, "load_ms": 0.0}
         return load(core, kwargs["name"], kwargs["path"], kwargs.get("source", "api"))
     if op == "unload":
         name = kwargs["name"]

@@ -52,6 +52,7 @@ def register() -> None:
     _patch_openai_protocol()
     _patch_engine_core()
     _patch_endpoint_plugins()
+    _patch_async_llm()
 
 
 # ---- 1. CLI ------------------------------------------------------------------------------
@@ -369,3 +370,60 @@ def _patch_endpoint_plugins() -> None:
 
     load_endpoint_plugins._vllm_steer = True
     plugins.load_endpoint_plugins = load_endpoint_plugins
+
+
+def _patch_async_llm() -> None:
+    """``AsyncLLM.add_request`` (the API server) loads a ``--steer-dir`` steer a request names
+    before admitting it, so a refusal (bad file, capacity full) is an HTTP 400 with the reason.
+    (The engine core binds, and loads on first use, anyway: this only surfaces the errors.)"""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    orig = AsyncLLM.add_request
+    if getattr(orig, "_vllm_steer", False):
+        return
+
+    async def add_request(self, request_id, prompt, params, *args, **kwargs):
+        from vllm_steer.integrations import frontend
+
+        cfg = frontend.get_config()
+        if cfg is not None and cfg.steer_dir:
+            await _preload_dir_steers(self, cfg, params)
+        return await orig(self, request_id, prompt, params, *args, **kwargs)
+
+    add_request._vllm_steer = True
+    AsyncLLM.add_request = add_request
+
+
+async def _preload_dir_steers(engine, cfg, params) -> None:
+    import os
+
+    from vllm_steer.config import SteerRequestError, parse_request_steer
+    from vllm_steer.integrations import frontend
+    from vllm_steer.integrations.registry import dir_path, name_problem
+
+    value = (getattr(params, "extra_args", None) or {}).get(REQUEST_FIELD)
+    if value is None:
+        return
+    try:
+        names = [n for n, s in parse_request_steer(value, None, cfg.max_strength).items() if s]
+    except SteerRequestError:
+        return  # validation refuses it with the reason
+    loaded = frontend.loaded_names()
+    for name in names:
+        if name in loaded or name_problem(name):
+            continue
+        try:
+            frontend._check_unloaded({name: 1}, cfg)  # name, file, header, hidden size
+            path = dir_path(cfg.steer_dir, name)
+        except (SteerRequestError, ValueError):
+            return  # validation refuses it with the reason
+        if not os.path.isfile(path):
+            return
+        from vllm_steer.server.steers_route import control
+
+        res = await control(engine, "load", name=name, path=path, source="steer-dir")
+        if not res["ok"] and name not in frontend.loaded_names():
+            from vllm.exceptions import VLLMValidationError
+
+            raise VLLMValidationError(f"{REQUEST_FIELD}: {res['error']}",
+                                      parameter=REQUEST_FIELD)
