@@ -65,8 +65,10 @@ class SteerServerConfig:
 
     @property
     def enabled(self) -> bool:
-        """Whether steering is on (steers given, a steer directory, or run-time updates)."""
-        return bool(self.steers or self.steer_dir or self.enable_updates)
+        """Whether steering is on: steers given, a steer directory, run-time updates, or a
+        capacity (offline: ``{"max_steers": 8}`` with no steers, to load them later)."""
+        return bool(self.steers or self.steer_dir or self.enable_updates
+                    or self.max_steers is not None)
 
     def to_additional_config(self) -> dict[str, Any]:
         d = asdict(self)

@@ -11,8 +11,8 @@
 
 The same engine-core operations as ``POST`` / ``DELETE /v1/steers`` (through
 ``LLM.collective_rpc``, reaching every worker); the same guarantees (see
-``docs/serving.md``). Steering must be enabled on the engine: any ``additional_config
-["vllm_steer"]`` does it, even with no steers.
+``docs/serving.md``). Steering must be enabled on the engine: give steers, or a capacity
+(``"max_steers"``) to start with none.
 """
 
 from __future__ import annotations
