@@ -350,3 +350,18 @@ def test_metrics_move(server):
         time.sleep(0.5)
     assert metric(server, "vllm_steer:loaded_steers") == len(steers(server))
     assert metric(server, "vllm_steer:steer_op_seconds_total") > 0
+
+
+def test_cli_steers_list_load_unload(server, capsys):
+    from vllm_steer.cli import main
+
+    path = STATE["dir"] / "b.safetensors"
+    assert main(["steers", "load", "cli-b", str(path), "--url", server]) == 0
+    assert "loaded cli-b (rank 8" in capsys.readouterr().out
+    assert main(["steers", "list", "--url", server]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^cli-b\s+8\s+64\s+api\s", out, re.M) and f"of {CAPACITY} steer slots" in out
+    assert main(["steers", "unload", "cli-b", "--url", server]) == 0
+    assert "unloaded cli-b" in capsys.readouterr().out
+    assert main(["steers", "unload", "cli-b", "--url", server]) == 1
+    assert "HTTP 404: steer 'cli-b' is not loaded" in capsys.readouterr().err
