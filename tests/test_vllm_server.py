@@ -141,3 +141,15 @@ def test_highlight_route_matches_the_transformers_lens(server, tiny_model_dir):
     assert html.status_code == 200 and html.text.lstrip().lower().startswith("<!doctype html")
     bad = requests.post(server + "/v1/steer/highlight", json={"text": text, "steer": {"x": 1}})
     assert bad.status_code == 400 and "unknown steer 'x'" in bad.json()["error"]["message"]
+
+
+def test_steer_updates_are_off_by_default_and_the_list_is_on(server):
+    listing = requests.get(server + "/v1/steers").json()
+    assert sorted(s["name"] for s in listing["data"]) == ["detox", "sentiment"]
+    assert listing["updates_enabled"] is False
+    path = str(SERVER_DIR[0] / "detox.safetensors")
+    for r in (requests.post(server + "/v1/steers", json={"name": "x", "path": path}),
+              requests.delete(server + "/v1/steers/detox")):
+        assert r.status_code == 403 and "--enable-steer-updates" in r.json()["error"]["message"]
+    assert sorted(s["name"] for s in requests.get(server + "/v1/steers").json()["data"]) == \
+        ["detox", "sentiment"]
