@@ -143,6 +143,159 @@ def test_highlight_route_matches_the_transformers_lens(server, tiny_model_dir):
     assert bad.status_code == 400 and "unknown steer 'x'" in bad.json()["error"]["message"]
 
 
+# ---- sampling features with a steer: each works (checked against a hand computation) or is
+# refused with HTTP 400 naming the reason -----------------------------------------------------
+@pytest.fixture(scope="module")
+def ref_model(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def _raw(server, **body):
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
+            "return_token_ids": True, **body}
+    return requests.post(server + "/v1/completions", json=body)
+
+
+def _ok(server, **body):
+    r = _raw(server, **body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"]
+
+
+def reference_greedy(model, prompt_ids, n, strength=0.0, adjust=None):
+    """Greedy tokens of the tiny model with the detox steer applied by hand
+    (``c + s eps (c P1) P2^T`` before the LM head); ``adjust(logits, out)`` edits the logits
+    of each step like a sampling feature does."""
+    import torch
+
+    from vllm_steer.format import load_steer
+
+    steer = load_steer(SERVER_DIR[0] / "detox.safetensors")
+    ids, out = list(prompt_ids), []
+    for _ in range(n):
+        with torch.no_grad():
+            c = model.model(torch.tensor([ids])).last_hidden_state[0, -1]
+            c = c + strength * steer.metadata.epsilon * (c @ steer.p1) @ steer.p2.T
+            logits = model.lm_head(c).float()
+        if adjust is not None:
+            logits = adjust(logits, out)
+        t = int(logits.argmax())
+        out.append(t)
+        ids.append(t)
+    return out
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"steer": {"detox": 5}}, "beam search (use_beam_search) cannot be steered"),
+    ({"vllm_xargs": {"steer": "detox:5"}}, "beam search (use_beam_search) cannot be steered"),
+    ({"steer": {"nope": 1}}, "unknown steer 'nope'"),
+    ({"steer": {"detox": "x"}}, "must be a number"),
+])
+def test_beam_search_with_a_steer_is_refused_naming_the_reason(server, body, fragment):
+    r = _raw(server, use_beam_search=True, n=2, **body)
+    assert r.status_code == 400, r.text
+    assert fragment in r.json()["error"]["message"]
+    chat = requests.post(server + "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "use_beam_search": True, "n": 2, **body})
+    assert chat.status_code == 400 and fragment in chat.json()["error"]["message"]
+    # beam search itself, and a zero steer (nothing to steer), still work
+    assert _raw(server, use_beam_search=True, n=2).status_code == 200
+    assert _raw(server, use_beam_search=True, n=2, steer={"detox": 0}).status_code == 200
+
+
+def test_n_greater_than_one_steers_every_choice(server, ref_model):
+    one = _ok(server, steer={"detox": 5})[0]
+    want = reference_greedy(ref_model, one["prompt_token_ids"], 8, strength=5)
+    assert one["token_ids"] == want != _ok(server)[0]["token_ids"]
+    many = _ok(server, steer={"detox": 5}, n=3)
+    assert [c["token_ids"] for c in many] == [want] * 3
+
+
+@pytest.mark.parametrize("kind", ["choice", "regex"])
+def test_structured_output_is_decoded_from_the_steered_logits(server, kind):
+    import re as _re
+
+    plain = _ok(server, max_tokens=8)[0]["text"]
+    steered = _ok(server, max_tokens=8, steer={"detox": 5})[0]["text"]
+    assert plain != steered
+    options = [plain, steered]
+    so = {"choice": options} if kind == "choice" else \
+        {"regex": "|".join(f"({_re.escape(o)})" for o in options)}
+    # greedy under the constraint follows the (steered or plain) argmax: each picks its own
+    assert _ok(server, max_tokens=16, structured_outputs=so)[0]["text"] == plain
+    assert _ok(server, max_tokens=16, structured_outputs=so,
+               steer={"detox": 5})[0]["text"] == steered
+
+
+def test_stop_strings_cut_the_steered_text(server):
+    steered = _ok(server, steer={"detox": 5})[0]["text"]
+    stop = steered[len(steered) // 2:len(steered) // 2 + 3]
+    got = _ok(server, steer={"detox": 5}, stop=[stop])[0]
+    assert got["finish_reason"] == "stop" and got["text"] == steered[:steered.index(stop)]
+
+
+def test_min_tokens_with_a_steer_suppresses_the_stop_token_like_vllm(server, ref_model):
+    base = _ok(server, steer={"detox": 5})[0]
+    stop_id = base["token_ids"][2]
+    short = _ok(server, steer={"detox": 5}, stop_token_ids=[stop_id])[0]
+    assert short["token_ids"] == base["token_ids"][:3] and short["finish_reason"] == "stop"
+
+    def ban_until_min(logits, out):
+        if len(out) < 5:
+            logits[[stop_id, 2]] = float("-inf")  # the stop token and EOS (id 2)
+        return logits
+
+    got = _ok(server, steer={"detox": 5}, stop_token_ids=[stop_id], min_tokens=5)[0]
+    want = reference_greedy(ref_model, base["prompt_token_ids"], 8, 5, ban_until_min)
+    if stop_id in want[5:]:
+        want = want[:want.index(stop_id, 5) + 1]
+    assert got["token_ids"] == want
+    assert got["token_ids"] != _ok(server, stop_token_ids=[stop_id], min_tokens=5)[0][
+        "token_ids"]
+
+
+def test_penalties_apply_to_the_steered_logits(server, ref_model):
+    import torch
+
+    pen = dict(repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5)
+    got = _ok(server, steer={"detox": 5}, max_tokens=12, **pen)[0]
+    prompt = got["prompt_token_ids"]
+
+    def penalise(logits, out):  # vLLM's order: repetition, then frequency and presence
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[list(prompt) + out] = True
+        p = torch.where(seen, torch.tensor(pen["repetition_penalty"]), torch.tensor(1.0))
+        logits = torch.where(logits > 0, logits / p, logits * p)
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long),
+                                minlength=logits.shape[0]).float() if out else 0
+        logits = logits - pen["frequency_penalty"] * counts
+        return logits - pen["presence_penalty"] * (torch.as_tensor(counts) > 0).float()
+
+    assert got["token_ids"] == reference_greedy(ref_model, prompt, 12, 5, penalise)
+    assert got["token_ids"] != _ok(server, max_tokens=12, **pen)[0]["token_ids"]
+
+
+def test_highlight_route_refuses_model_runner_v2():
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from vllm_steer.server.lens_route import SteerLensEndpoint
+
+    app = FastAPI()
+    SteerLensEndpoint().attach_router(app)
+    app.state.vllm_steer_engine = SimpleNamespace(
+        vllm_config=SimpleNamespace(use_v2_model_runner=True))
+    r = TestClient(app).post("/v1/steer/highlight", json={"text": "hi", "steer": {"detox": 5}})
+    assert r.status_code == 501
+    assert "Model Runner V2" in r.json()["error"]["message"]
+
+
 def test_steer_updates_are_off_by_default_and_the_list_is_on(server):
     listing = requests.get(server + "/v1/steers").json()
     assert sorted(s["name"] for s in listing["data"]) == ["detox", "sentiment"]

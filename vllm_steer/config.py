@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Mapping
 
 from vllm_steer import ADDITIONAL_CONFIG_KEY, REQUEST_FIELD
+from vllm_steer.names import echo, steer_name_problem
 
 DEFAULT_MAX_STRENGTH = 50.0
 
@@ -105,34 +107,64 @@ def parse_steer_arg(arg: str) -> tuple[str, str]:
     if "=" in arg and not os.path.exists(arg):
         name, path = arg.split("=", 1)
         name = name.strip()
-        if not name or not _valid_name(name):
-            raise ValueError(f"--steer {arg!r}: the name {name!r} must be letters, digits, '_', "
-                             "'-' or '.' (use NAME=PATH)")
+        problem = steer_name_problem(name)
+        if problem:
+            raise ValueError(f"--steer {echo(arg, 80)}: {problem} (use NAME=PATH)")
         return name, path
     from vllm_steer.format import read_metadata
 
     return read_metadata(arg).name, arg
 
 
-def _valid_name(name: str) -> bool:
-    return all(ch.isalnum() or ch in "_-." for ch in name)
+#: What a strength string may look like: a JSON number, optionally with a leading '+'
+#: (ASCII digits only; no '_' separators, no 'inf'/'nan', no full-width digits).
+_STRENGTH_RE = re.compile(r"[+-]?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+#: Longest strength string accepted.
+MAX_STRENGTH_CHARS = 32
+#: Longest ``vllm_xargs`` steer string accepted.
+MAX_XARGS_CHARS = 4096
+#: How many loaded steer names an "unknown steer" error lists.
+LIST_NAMES = 8
 
 
 def _strength(name: str, value: Any, where: str, max_strength: float) -> float:
+    def bad(what: str) -> SteerRequestError:
+        return SteerRequestError(f"{where}: strength of steer {echo(name)} {what}")
+
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise SteerRequestError(f"{where}: strength of steer {name!r} must be a number, got "
-                                f"{type(value).__name__} {value!r}")
-    try:
-        s = float(value)
-    except ValueError:
-        raise SteerRequestError(f"{where}: strength of steer {name!r} must be a number, got "
-                                f"{value!r}") from None
+        raise bad(f"must be a number, got {type(value).__name__} {echo(value)}")
+    if isinstance(value, int):  # exact: a 400-digit integer is over any maximum, not a crash
+        if abs(value) > max_strength:
+            raise SteerRequestError(f"{where}: strength {echo(value)} of steer {echo(name)} "
+                                    f"exceeds the server's maximum |strength| {max_strength:g} "
+                                    "(--steer-max-strength)")
+        try:
+            return float(value)
+        except OverflowError:
+            raise bad(f"must be finite, got {echo(value)}") from None
+    if isinstance(value, str):
+        text = value.strip(" \t")
+        if len(text) > MAX_STRENGTH_CHARS or not _STRENGTH_RE.fullmatch(text):
+            raise bad(f"must be a number, got {echo(value)} (a JSON number such as 5, -2.5 "
+                      "or 1e1)")
+        s = float(text)
+    else:
+        s = value
     if not math.isfinite(s):
-        raise SteerRequestError(f"{where}: strength of steer {name!r} must be finite, got {value!r}")
+        raise bad(f"must be finite, got {echo(value)}")
     if abs(s) > max_strength:
-        raise SteerRequestError(f"{where}: strength {s:g} of steer {name!r} exceeds the server's "
-                                f"maximum |strength| {max_strength:g} (--steer-max-strength)")
+        raise SteerRequestError(f"{where}: strength {s:g} of steer {echo(name)} exceeds the "
+                                f"server's maximum |strength| {max_strength:g} "
+                                "(--steer-max-strength)")
     return s
+
+
+def _names_list(known: Mapping[str, Any]) -> str:
+    names = sorted(known)
+    if not names:
+        return "none (start the server with --steer NAME=PATH)"
+    more = len(names) - LIST_NAMES
+    return ", ".join(names[:LIST_NAMES]) + (f" and {more} more" if more > 0 else "")
 
 
 def parse_request_steer(value: Any, known: Mapping[str, Any] | None, max_strength: float,
@@ -140,20 +172,31 @@ def parse_request_steer(value: Any, known: Mapping[str, Any] | None, max_strengt
     """Parse and check a request's steer field. Returns name -> strength (zeros dropped).
 
     Accepts a mapping ``{"detox": 5, "sentiment": -3}`` or the ``vllm_xargs`` string form
-    ``"detox:5,sentiment:-3"``. Raises :class:`SteerRequestError` naming the field and problem.
+    ``"detox:5,sentiment:-3"`` (an empty string is no steer). Strengths are numbers or
+    strings holding a JSON number. ``known=None`` checks names against the name rule only.
+    Raises :class:`SteerRequestError` naming the field and the problem; the message repeats
+    at most a short prefix of any value.
     """
     if value is None:
         return {}
     if isinstance(value, str):
+        if len(value) > MAX_XARGS_CHARS:
+            raise SteerRequestError(f"{where}: the 'name:strength,...' string is {len(value)} "
+                                    f"characters; at most {MAX_XARGS_CHARS} are allowed")
         items: dict[str, Any] = {}
-        for part in filter(None, (p.strip() for p in value.split(","))):
-            name, sep, s = part.partition(":")
-            if not sep or not name.strip() or not s.strip() or ":" in s:
-                raise SteerRequestError(f"{where}: malformed entry {part!r} in {value!r}; "
-                                        "expected 'name:strength[,name:strength...]'")
-            if name.strip() in items:
-                raise SteerRequestError(f"{where}: steer {name.strip()!r} given twice in {value!r}")
-            items[name.strip()] = s.strip()
+        if value.strip():
+            for part in (p.strip() for p in value.split(",")):
+                name, sep, s = part.partition(":")
+                name, s = name.strip(), s.strip()
+                if not sep or not name or not s or ":" in s:
+                    raise SteerRequestError(
+                        f"{where}: malformed entry {echo(part)} in {echo(value)}; expected "
+                        "'name:strength[,name:strength...]'"
+                        + (" (empty entry: a stray ',')" if not part else ""))
+                if name in items:
+                    raise SteerRequestError(f"{where}: steer {echo(name)} given twice in "
+                                            f"{echo(value)}")
+                items[name] = s
     elif isinstance(value, Mapping):
         items = dict(value)
     else:
@@ -163,10 +206,12 @@ def parse_request_steer(value: Any, known: Mapping[str, Any] | None, max_strengt
     out: dict[str, float] = {}
     for name, raw in items.items():
         if not isinstance(name, str):
-            raise SteerRequestError(f"{where}: steer names must be strings, got {name!r}")
+            raise SteerRequestError(f"{where}: steer names must be strings, got {echo(name)}")
         if known is not None and name not in known:
-            avail = ", ".join(sorted(known)) or "none (start the server with --steer NAME=PATH)"
-            raise SteerRequestError(f"{where}: unknown steer {name!r}; loaded steers: {avail}")
+            raise SteerRequestError(f"{where}: unknown steer {echo(name)}; loaded steers: "
+                                    f"{_names_list(known)}")
+        if known is None and steer_name_problem(name):
+            raise SteerRequestError(f"{where}: {steer_name_problem(name)}")
         s = _strength(name, raw, where, max_strength)
         if s != 0.0:
             out[name] = s
