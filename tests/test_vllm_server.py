@@ -489,3 +489,15 @@ def test_api_fuzz_from_the_openapi_schema(server, client):
     assert 200 in seen and 400 in seen
     assert requests.get(server + "/health", timeout=30).status_code == 200
     assert complete(client, steer={"detox": 5}) == complete(client, steer={"detox": 5.0})
+
+
+def test_steer_updates_are_off_by_default_and_the_list_is_on(server):
+    listing = requests.get(server + "/v1/steers").json()
+    assert sorted(s["name"] for s in listing["data"]) == ["detox", "sentiment"]
+    assert listing["updates_enabled"] is False
+    path = str(SERVER_DIR[0] / "detox.safetensors")
+    for r in (requests.post(server + "/v1/steers", json={"name": "x", "path": path}),
+              requests.delete(server + "/v1/steers/detox")):
+        assert r.status_code == 403 and "--enable-steer-updates" in r.json()["error"]["message"]
+    assert sorted(s["name"] for s in requests.get(server + "/v1/steers").json()["data"]) == \
+        ["detox", "sentiment"]
