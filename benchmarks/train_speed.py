@@ -5,6 +5,11 @@ both see the same machine load).
 
     .venv/bin/python benchmarks/train_speed.py                 # per-step ratio
     .venv/bin/python benchmarks/train_speed.py --full-run      # + a whole detox steer
+    .venv/bin/python benchmarks/train_speed.py --options       # step cost per option only
+
+``--options`` times one training step of our trainer under each option (head dtype, tokens
+per step, threads) on the same batches, and the share of a step spent in the head GEMM over
+the vocabulary, and prints the projected time of a 1,000-step run for each.
 
 Prints a Markdown table (paste under "## Training" in benchmarks/RESULTS.md).
 """
@@ -41,7 +46,12 @@ def main() -> int:
     ap.add_argument("--texts", type=int, default=200, help="training texts per side")
     ap.add_argument("--full-run", action="store_true",
                     help="also time a whole detox steer with steers/train_all.sh's recipe")
+    ap.add_argument("--options", action="store_true",
+                    help="only time one step under each option (head dtype, --step-tokens, "
+                         "threads); prints projected 1,000-step times")
     args = ap.parse_args()
+    if args.options:
+        return options(args)
 
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     cfg = TrainConfig(model=args.model, rank=args.rank, batch_size=args.batch_size,
@@ -144,6 +154,87 @@ def main() -> int:
             print(f"Dev check: positive texts loss {chk['positive']['0']:.4f} at s=0 -> "
                   f"{chk['positive']['+5']:.4f} at +5; negative {chk['negative']['0']:.4f} -> "
                   f"{chk['negative']['-5']:.4f} at -5.")
+    return 0
+
+
+def options(args) -> int:
+    """Step cost of our trainer per option, same batches, interleaved."""
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    cfg = TrainConfig(model=args.model, rank=args.rank, batch_size=args.batch_size,
+                      max_length=args.max_length, steps=args.steps, head_dtype="float32")
+    data = preset_data_config("detox", args.data, max_examples=args.texts, dev_max_per_side=1)
+    prep = prepare(cfg, load_dataset(data, cfg.seed), log)
+    t, cpu = time.perf_counter(), time.process_time()
+    hs = compute_hidden(prep.model, prep.tokenizer, prep.train_ids, prep.train_sides,
+                        cache_dtype=torch.bfloat16, batch_tokens=cfg.cache_batch_tokens,
+                        progress=True)
+    hidden_s, hidden_cpu = time.perf_counter() - t, time.process_time() - cpu
+    tokens = int(hs.lengths().sum())
+    sched = BatchSchedule(hs.num_texts, cfg.batch_size, cfg.seed)
+    threads0 = torch.get_num_threads()
+    variants = []
+    for hd in (torch.bfloat16, torch.float32):
+        for st in (None, 512, 256):
+            variants.append((hd, st, threads0))
+    if threads0 > 1:
+        variants.append((torch.bfloat16, None, 1))
+    lms = {v: LMSteer(prep.model, cfg.rank, cfg.domain_rank, cfg.epsilon, cfg.init_std,
+                      cfg.seed) for v in variants}
+    opts = {v: torch.optim.Adam(lm.factor_params(), lr=cfg.lr) for v, lm in lms.items()}
+    times: dict = {v: [] for v in variants}
+    cpus: dict = {v: [] for v in variants}
+    gemm: dict = {}
+    ntok = []
+    for step in range(args.steps + 1):
+        idx = sched.indices(step)
+        c0, t0, s0 = hs.batch(idx)
+        ntok.append(len(t0))
+        for v in variants:
+            hd, st, th = v
+            torch.set_num_threads(th)
+            c, tg, sg = c0, t0, s0
+            if st is not None and len(tg) > st:
+                g = torch.Generator().manual_seed(step)
+                sel = torch.randperm(len(tg), generator=g)[:st].sort().values
+                c, tg, sg = c[sel], tg[sel], sg[sel]
+            a, ac = time.perf_counter(), time.process_time()
+            opts[v].zero_grad()
+            lms[v].loss_backward(c, tg, sg, head_dtype=hd, chunk_tokens=cfg.chunk_tokens)
+            opts[v].step()
+            if step > 0:
+                times[v].append(time.perf_counter() - a)
+                cpus[v].append(time.process_time() - ac)
+            if step == 1 and th == threads0:  # the head GEMM alone (the forward's [n, V])
+                lm = lms[v]
+                w = lm.head.w(hd)
+                m = lm.steer_logits_matrix(hd).detach()
+                b = torch.cat([w, m.T], 1)
+                x = torch.cat([c.to(hd), torch.zeros(len(c), m.shape[0], dtype=hd)], 1)
+                a = time.perf_counter()
+                for _ in range(3):
+                    x @ b.T
+                gemm[v] = (time.perf_counter() - a) / 3
+        torch.set_num_threads(threads0)
+        log(f"step {step}: " + ", ".join(f"{v[0]} {v[1]} {v[2]}t {times[v][-1]:.2f}s"
+                                        for v in variants if times[v]))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"\n### Step cost per option (detox, batch {cfg.batch_size} texts = "
+          f"{statistics.mean(ntok[1:]):.0f} tokens on average, max length {cfg.max_length}, "
+          f"rank {cfg.rank} + domain {cfg.rank}, median of {args.steps} steps, interleaved)\n")
+    print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"torch {torch.__version__}; load average {load:.1f} at the end (shared machine: "
+          "wall times inflated; CPU seconds are the process's own).\n")
+    print("| head dtype | tokens/step | threads | median s/step (wall) | median CPU-s/step | "
+          "head forward GEMM share | 1,000 steps (wall) |")
+    print("|---|---|---|---|---|---|---|")
+    for v in variants:
+        hd, st, th = v
+        med = statistics.median(times[v])
+        share = f"{gemm[v] / med:.0%}" if v in gemm else ""
+        print(f"| {str(hd).replace('torch.', '')} | {st or 'all'} | {th} | {med:.3f} | "
+              f"{statistics.median(cpus[v]):.3f} | {share} | {med * 1000 / 60:.1f} min |")
+    print(f"\nHidden-state pass (bf16 model): {tokens} tokens of {hs.num_texts} texts in "
+          f"{hidden_s:.1f}s wall, {hidden_cpu:.1f} CPU-s ({tokens / hidden_s:.0f} tokens/s).")
     return 0
 
 

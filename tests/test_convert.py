@@ -123,8 +123,9 @@ def test_steer_and_dummy_indices(tiny, tmp_path):
     got = _steered_logits(model, ids, load_steer(out), 4.0)
     want = _paper_logits(hidden, state, [1.0, 0.0, 4.0], 1e-3, output_head(model))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    # no dummy_steer recorded and several steers: the dummy defaults to index 1
-    assert convert_checkpoint(str(ckpt), allow_pickle=True).metadata.source["dummy_index"] == 1
+    # the args say no dummy steer was trained (dummy_steer=None): none is applied
+    st = convert_checkpoint(str(ckpt), allow_pickle=True)
+    assert st.metadata.source["dummy_index"] is None and st.metadata.domain == "none"
     meta = read_metadata(out)
     assert meta.source["steer_index"] == 2 and meta.source["dummy_index"] == 0
     with pytest.raises(ValueError, match="--steer-index 3 is out of range: the checkpoint "
@@ -145,3 +146,93 @@ def test_not_a_paper_checkpoint(tmp_path):
     torch.save({"weights": torch.zeros(3)}, other)
     with pytest.raises(ValueError, match=r"expected \[args, state_dict, step\]"):
         convert_checkpoint(str(other), allow_pickle=True)
+
+
+# ---- hostile inputs (issue 14) --------------------------------------------------------------
+
+def _one_line_error(capsys, argv):
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc != 0 and err.count("\n") == 0 and err.startswith("vllm-steer convert:"), err
+    return err
+
+
+def test_unreadable_inputs_get_one_line_and_a_nonzero_exit(tmp_path, capsys):
+    import os
+
+    good = tmp_path / "good.pt"
+    _paper_checkpoint(good)
+    data = good.read_bytes()
+    cases = {"random.pt": os.urandom(4096), "empty.pt": b"", "truncated.pt": data[:len(data) // 2],
+             "pickle-head.pt": b"\x80\x02" + os.urandom(64), "tiny.pt": b"\x80"}
+    for fname, raw in cases.items():
+        path = tmp_path / fname
+        path.write_bytes(raw)
+        out = tmp_path / "x.safetensors"
+        err = _one_line_error(capsys, ["convert", str(path), "--out", str(out),
+                                       "--unsafe-allow-pickle"])
+        assert str(path) in err and not out.exists()
+    assert "empty" in _one_line_error(capsys, ["convert", str(tmp_path / "empty.pt"), "--out",
+                                               str(tmp_path / "x.safetensors"),
+                                               "--unsafe-allow-pickle"])
+    steer = tmp_path / "s.safetensors"
+    assert main(["convert", str(good), "--out", str(steer), "--unsafe-allow-pickle"]) == 0
+    capsys.readouterr()
+    assert "already a safetensors file" in _one_line_error(
+        capsys, ["convert", str(steer), "--out", str(tmp_path / "y.safetensors"),
+                 "--unsafe-allow-pickle"])
+
+
+class _Planted:
+    """A pickle payload that creates a file when unpickled (it must never be)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_restricted_loader_refusal_is_final_without_the_second_flag(tmp_path, capsys):
+    marker = tmp_path / "code-ran"
+    evil = tmp_path / "evil.pt"
+    state = {"projector1": torch.zeros(2, 4, 2), "projector2": torch.zeros(2, 4, 2)}
+    torch.save([argparse.Namespace(), state, 1, _Planted(marker)], evil)
+    err = _one_line_error(capsys, ["convert", str(evil), "--out", str(tmp_path / "x.safetensors"),
+                                   "--unsafe-allow-pickle"])
+    assert not marker.exists()
+    assert "restricted loader" in err and "--unsafe-full-unpickle" in err and "open" in err
+
+
+def test_dummy_follows_the_checkpoint_args(tiny, tmp_path):
+    model, ids, hidden = tiny
+    head = output_head(model)
+    ckpt = tmp_path / "nodummy.pt"
+    state = _paper_checkpoint(ckpt, num_steers=2, dummy_steer=None, seed=5)
+    st = convert_checkpoint(str(ckpt), allow_pickle=True)
+    assert st.domain_p1 is None and st.metadata.domain == "none"
+    # the paper without a dummy steer: only the style steer, at S
+    torch.testing.assert_close(_steered_logits(model, ids, st, 4.0),
+                               _paper_logits(hidden, state, [4.0, 0.0], 1e-3, head),
+                               rtol=1e-4, atol=1e-4)
+    # training_steer=1, no dummy: steer 1 alone
+    ckpt1 = tmp_path / "t1.pt"
+    state1 = _paper_checkpoint(ckpt1, num_steers=2, dummy_steer=None, training_steer=1, seed=6)
+    st1 = convert_checkpoint(str(ckpt1), allow_pickle=True)
+    torch.testing.assert_close(_steered_logits(model, ids, st1, 3.0),
+                               _paper_logits(hidden, state1, [0.0, 3.0], 1e-3, head),
+                               rtol=1e-4, atol=1e-4)
+    # no args at all: the dummy defaults to index 1 when there are several steers
+    bare = tmp_path / "bare.pt"
+    torch.save([None, state, 7], bare)
+    assert convert_checkpoint(str(bare), allow_pickle=True).metadata.source["dummy_index"] == 1
+    with pytest.raises(ValueError, match="--no-dummy"):
+        convert_checkpoint(str(bare), allow_pickle=True, steer_index=1)
+    assert convert_checkpoint(str(bare), allow_pickle=True, steer_index=1,
+                              no_dummy=True).domain_p1 is None
+
+
+def test_converted_name_follows_the_name_rule(tmp_path):
+    ckpt = tmp_path / "my ckpt, v2.pt"
+    _paper_checkpoint(ckpt)
+    assert convert_checkpoint(str(ckpt), allow_pickle=True).metadata.name == "my-ckpt-v2"

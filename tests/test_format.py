@@ -146,3 +146,136 @@ def test_read_metadata_does_not_import_torch(tmp_path):
             f"m = read_metadata({str(path)!r}); print(m.name, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["light", "False"]
+
+
+# ---- hostile files (issue 14) -------------------------------------------------------------
+
+def _header_len(path) -> int:
+    return struct.unpack("<Q", path.read_bytes()[:8])[0]
+
+
+def test_valid_file_with_header_length_128_mod_256_loads(tmp_path):
+    """The first byte of such a file is 0x80, the pickle magic: it used to be refused."""
+    path = tmp_path / "h.safetensors"
+    for pad in range(300):
+        s = random_steer(16, 2, "h", seed=1)
+        s.metadata.labels = {"positive": "x" * pad}
+        save_steer(path, s)
+        if _header_len(path) % 256 == 128:
+            break
+    assert path.read_bytes()[:1] == b"\x80"
+    back = load_steer(path)
+    assert torch.equal(back.p1, s.p1) and back.metadata.labels == s.metadata.labels
+
+
+def _raw_file(path, header, data=b""):
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+def _good_header():
+    meta = json.loads(random_steer(4, 1, "g").metadata.to_json())
+    meta.update(hidden_size=4, rank=1)
+    return {"__metadata__": {METADATA_KEY: json.dumps(meta)},
+            TENSOR_P1: {"dtype": "F32", "shape": [4, 1], "data_offsets": [0, 16]},
+            TENSOR_P2: {"dtype": "F32", "shape": [4, 1], "data_offsets": [16, 32]}}
+
+
+def test_hand_made_good_file_loads(tmp_path):
+    path = _raw_file(tmp_path / "g.safetensors", _good_header(),
+                     struct.pack("<8f", *range(8)))
+    s = load_steer(path)
+    assert s.p1.flatten().tolist() == [0, 1, 2, 3] and s.p2.flatten().tolist() == [4, 5, 6, 7]
+
+
+def _edit(edit):
+    h = _good_header()
+    edit(h)
+    return h
+
+
+def _meta_edit(**kw):
+    def f(h):
+        m = json.loads(h["__metadata__"][METADATA_KEY])
+        m.update(kw)
+        h["__metadata__"][METADATA_KEY] = json.dumps(m)
+    return f
+
+
+@pytest.mark.parametrize("header, fragment", [
+    ([1, 2, 3], "header must be a JSON object, got list"),
+    (_edit(lambda h: h[TENSOR_P1].update(data_offsets="0,16")), "malformed data_offsets"),
+    (_edit(lambda h: h.update(__metadata__=[1])), "__metadata__ must be a JSON object"),
+    (_edit(lambda h: h["__metadata__"].update({METADATA_KEY: "[1, 2]"})),
+     "metadata must be a JSON object, got list"),
+    (_edit(lambda h: h[TENSOR_P1].update(shape=16)), "has shape 16, expected [hidden, rank]"),
+    (_edit(lambda h: h.update({TENSOR_P1: "steer"})), "header entry must be a JSON object"),
+    (_edit(lambda h: h[TENSOR_P1].update(dtype="I64")), "has dtype 'I64'"),
+    (_edit(lambda h: h[TENSOR_P1].update(dtype=[])), "has dtype []"),  # found by fuzzing
+    (_edit(lambda h: h[TENSOR_P1].update(data_offsets=[0, 12])), "span 12 bytes but"),
+    (_edit(lambda h: h[TENSOR_P2].update(data_offsets=[8, 24])), "overlapping or gapped"),
+    (_edit(_meta_edit(domain_strength=float("nan"))), "domain_strength=nan"),
+    (_edit(_meta_edit(domain_strength=float("inf"))), "domain_strength=inf"),
+    (_edit(_meta_edit(epsilon=1e30)), "epsilon=1e+30, expected a number from 1e-09 to 1"),
+    (_edit(_meta_edit(epsilon=True)), "epsilon=True"),
+    (_edit(_meta_edit(epsilon=0)), "epsilon=0"),
+    (_edit(_meta_edit(name="a,b:c d")), "name: steer name 'a,b:c d' may use only ASCII"),
+    (_edit(_meta_edit(name=7)), "must be a string, got int"),
+    (_edit(_meta_edit(name="n" * 10_000)), "is 10000 characters long; at most 64"),
+    (_edit(_meta_edit(hidden_size=True)), "hidden_size=True"),
+    (_edit(_meta_edit(labels=[1])), "labels=[1]"),
+    (_edit(_meta_edit(format_version="1")), "format_version='1'"),
+    (_edit(_meta_edit(recommended_strength=float("inf"))), "recommended_strength=inf"),
+])
+def test_malformed_headers_are_refused_with_a_reason(tmp_path, header, fragment):
+    path = _raw_file(tmp_path / "m.safetensors", header, bytes(32))
+    msg = _refusal(path)
+    assert fragment in msg
+    assert len(msg) < 2000  # a 10,000-character name is not echoed back whole
+    with pytest.raises(SteerFileError):
+        read_metadata(path)
+
+
+def test_every_reason_is_listed_at_once(tmp_path):
+    h = _edit(_meta_edit(epsilon=-1, domain_strength=float("nan"), name="a b"))
+    msg = _refusal(_raw_file(tmp_path / "e.safetensors", h, bytes(32)))
+    assert "epsilon=-1" in msg and "domain_strength=nan" in msg and "'a b'" in msg
+
+
+def test_oversized_header_and_metadata_are_refused(tmp_path):
+    from vllm_steer.format import MAX_HEADER_BYTES, MAX_METADATA_BYTES
+
+    big = tmp_path / "big.safetensors"
+    big.write_bytes(struct.pack("<Q", MAX_HEADER_BYTES + 8) + b"{" + b" " * MAX_HEADER_BYTES
+                    + b"}" + bytes(8))
+    assert f"at most {MAX_HEADER_BYTES}" in _refusal(big)
+    h = _edit(_meta_edit(recipe={"note": "x" * MAX_METADATA_BYTES}))
+    assert f"at most {MAX_METADATA_BYTES} bytes" in _refusal(
+        _raw_file(tmp_path / "m.safetensors", h, bytes(32)))
+
+
+def test_duplicate_keys_and_nan_literals_in_the_header_are_refused(tmp_path):
+    h = json.dumps(_good_header())
+    for text, fragment in ((h[:-1] + ', "steer.P1": {}}', "appears twice"),
+                           (h.replace('"F32"', "NaN", 1), "NaN is not valid JSON")):
+        raw = text.encode()
+        raw += b" " * (-len(raw) % 8)
+        path = tmp_path / "d.safetensors"
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(32))
+        assert fragment in _refusal(path)
+
+
+@pytest.mark.parametrize("meta, fragment", [
+    (dict(name="a,b"), "may use only ASCII"),
+    (dict(epsilon=float("nan")), "epsilon=nan"),
+    (dict(domain_strength=float("inf")), "domain_strength=inf"),
+])
+def test_save_refuses_what_load_would_refuse(tmp_path, meta, fragment):
+    s = random_steer(16, 2, "ok")
+    for k, v in meta.items():
+        setattr(s.metadata, k, v)
+    with pytest.raises(SteerFileError, match=fragment):
+        save_steer(tmp_path / "x.safetensors", s)
+    assert not (tmp_path / "x.safetensors").exists()

@@ -142,3 +142,65 @@ def test_modules_the_frontend_imports_do_not_import_torch():
             "vllm_steer.config, vllm_steer.format; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+MISSING_HOOK = r"""
+import sys
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.engine.input_processor import InputProcessor
+
+del InputProcessor._build_logits_processors_params_validator  # "a vLLM that moved it"
+from vllm_steer.integrations import plugin
+
+plugin.register()
+model, steer = sys.argv[1], sys.argv[2]
+EngineArgs(model=model, max_model_len=128).create_engine_config()  # no steers: only warns
+print("NO-STEERS-OK", flush=True)
+for how in ("additional_config", "cli"):
+    try:
+        if how == "cli":
+            from vllm.entrypoints.launchers.cli_args import make_arg_parser
+            from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+            args = make_arg_parser(FlexibleArgumentParser()).parse_args(
+                [model, "--steer", "a=" + steer])
+            EngineArgs.from_cli_args(args)
+        else:
+            EngineArgs(model=model, max_model_len=128, additional_config={
+                "vllm_steer": {"steers": {"a": steer}}}).create_engine_config()
+    except plugin.MissingHookError as e:
+        print("REFUSED " + how + " " + str(e), flush=True)
+"""
+
+
+def test_a_missing_patch_point_warns_and_refuses_steers_naming_version_and_hook(tiny_model_dir,
+                                                                               tmp_path):
+    from vllm import __version__
+
+    save_steer(tmp_path / "a.safetensors", random_steer(64, 4, "a"))
+    out = subprocess.run([sys.executable, "-c", MISSING_HOOK, str(tiny_model_dir),
+                          str(tmp_path / "a.safetensors")], capture_output=True, text=True,
+                         timeout=300)
+    hook = "vllm.v1.engine.input_processor:InputProcessor._build_logits_processors_params_" \
+           "validator"
+    assert "NO-STEERS-OK" in out.stdout, out.stderr[-3000:]
+    assert f"vLLM {__version__} lacks 1 patch point" in out.stderr and hook in out.stderr
+    refused = [ln for ln in out.stdout.splitlines() if ln.startswith("REFUSED")]
+    assert [ln.split()[1] for ln in refused] == ["additional_config", "cli"], out.stderr[-3000:]
+    for ln in refused:
+        assert f"cannot steer on vLLM {__version__}" in ln and hook in ln
+        assert "supports vllm>=0.32,<0.34" in ln
+
+
+def test_every_hook_is_found_on_this_vllm(plugin):
+    assert plugin._MISSING == []
+    for hook in plugin.HOOKS:
+        plugin.resolve(hook.target)
+
+
+def test_pooling_model_is_refused_with_steers(plugin, tiny_model_dir, tmp_path):
+    p = tmp_path / "a.safetensors"
+    save_steer(p, random_steer(64, 4, "a"))
+    with pytest.raises(ValueError, match="--steer needs a generative model; .* runs as a "
+                                         "pooling model"):
+        _engine_config(tiny_model_dir, {"a": str(p)}, runner="pooling")

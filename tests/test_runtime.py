@@ -31,7 +31,8 @@ def _want(rt, h, rows):
 def test_decode_steps_reuse_the_plan_and_a_changed_slot_replans(tmp_path):
     rt = _runtime(tmp_path)
     assert rt.backend == "torch"
-    a, b, none = (np.array(r, dtype=np.float32) for r in ([5e-3, 0], [0, -3e-3], [0, 0]))
+    pad = [0.0] * (rt.num_columns - 2)  # columns: one per steer slot (and domain) of the bank
+    a, b, none = (np.array(r + pad, dtype=np.float32) for r in ([5e-3, 0], [0, -3e-3], [0, 0]))
     for slot, row in enumerate((a, b, none)):
         rt.set_slot(slot, row)
     rt.batch_size = 3
@@ -55,3 +56,28 @@ def test_decode_steps_reuse_the_plan_and_a_changed_slot_replans(tmp_path):
     h = torch.randn(3, 64, generator=gen)
     torch.testing.assert_close(rt.steer_rows(h), _want(rt, h, [none, a, a]))
     assert torch.equal(rt.steer_rows(h)[0], h[0])  # unsteered row untouched
+
+
+def test_no_steer_work_once_the_last_steered_request_left(tmp_path):
+    rt = _runtime(tmp_path)
+    a, none = (np.array(r, dtype=np.float32) for r in ([5e-3, 0], [0, 0]))
+    rt.set_slot(0, none)
+    rt.set_slot(1, a)
+    rt.batch_size = 2
+    rt.flush()
+    h = torch.randn(2, 64)
+    assert rt.active and not torch.equal(rt.steer_rows(h)[1], h[1])
+    assert rt.stats.as_dict() == {"calls": 1, "rows": 2}
+    # V1: the steered request finishes (BatchUpdate.removed), the other one goes on
+    rt.set_slot(1, None)
+    rt.batch_size = 1
+    rt.flush()
+    assert not rt.active and rt.num_active_slots == 0
+    assert torch.equal(rt.steer_rows(h[:1]), h[:1])
+    assert rt.stats.calls == 1
+    # a moved steered slot stays steered; the slot it left does not
+    rt.set_slot(3, a)
+    rt.move_slot(3, 0, swap=False)
+    rt.flush()
+    assert rt.num_active_slots == 1 and rt.any_steered(np.array([0]))
+    assert not rt.any_steered(np.array([1, 2, 3]))

@@ -296,3 +296,118 @@ def test_domain_dropout_mask_is_per_text_and_repeatable(prep):
     kept = sum(float(x[0]) for x in per_text)
     assert 8 <= kept <= 32  # about half of 40 texts keep the domain steer
     assert domain_mask(hs, idx, _cfg(prep.cfg.model), step=3, device="cpu") == 1.0
+
+
+# ------------------------------------------------------------------ what a run computes
+
+def _spy_hidden(monkeypatch, prep):
+    """Record the texts (as training-split indices) whose hidden states the trainer computes."""
+    import vllm_steer.train.trainer as tr
+
+    by_ids = {tuple(x): i for i, x in enumerate(prep.train_ids)}
+    computed: list[list[int]] = []
+    real = tr.compute_hidden
+
+    def spy(model, tok, ids_list, sides, **kw):
+        computed.append([by_ids.get(tuple(x), -1) for x in ids_list])
+        return real(model, tok, ids_list, sides, **kw)
+
+    monkeypatch.setattr(tr, "compute_hidden", spy)
+    return computed
+
+
+def _manual_steer(prep, steps):
+    """The steer of ``steps`` Adam steps on the hidden states of *every* training text (the
+    old behaviour), batches from the same schedule."""
+    cfg = prep.cfg
+    hs = compute_hidden(prep.model, prep.tokenizer, prep.train_ids, prep.train_sides,
+                        cache_dtype=torch.float32, progress=False)
+    sched = BatchSchedule(hs.num_texts, cfg.batch_size, cfg.seed)
+    lm = LMSteer(prep.model, cfg.rank, cfg.domain_rank, cfg.epsilon, cfg.init_std, cfg.seed)
+    opt = torch.optim.Adam(lm.factor_params(), lr=cfg.lr)
+    for step in range(steps):
+        c, t, s = hs.batch(sched.indices(step))
+        opt.zero_grad()
+        lm.loss_backward(c, t, s, head_dtype=torch.float32)
+        opt.step()
+    return lm.p1.detach(), sched
+
+
+def test_a_short_run_computes_only_the_texts_its_steps_use(prep, tmp_path, monkeypatch):
+    """`--steps 3` of batch 8 over 160 texts computes the hidden states of the (at most) 24
+    texts its batches draw, not of all 160, and trains the same steer as a run that had
+    every text's states; resuming to 6 steps computes only the texts not computed before."""
+    computed = _spy_hidden(monkeypatch, prep)
+    out = str(tmp_path / "short.safetensors")
+    cfg3 = _cfg(prep.cfg.model, steps=3, checkpoint_every=3, eval_every=0)
+    logs: list[str] = []
+    res = train_steer(cfg3, prep.dataset, out, keep_checkpoint=True, progress=False,
+                      log=logs.append, prepared=prep)
+    want_p1, sched = _manual_steer(prep, 3)
+    drawn = {int(i) for step in range(3) for i in sched.indices(step)}
+    train_calls = [c for c in computed if -1 not in c]  # the dev texts are not training texts
+    assert len(train_calls) == 1 and set(train_calls[0]) == drawn
+    assert len(drawn) <= 24 < len(prep.train_ids)
+    assert res.metrics["train_texts_used"] == len(drawn)
+    assert any(f"the {len(drawn)} of {len(prep.train_ids)} texts this run uses" in m
+               for m in logs)
+    torch.testing.assert_close(res.steer.p1, want_p1, rtol=1e-5, atol=1e-6)
+
+    computed.clear()
+    cfg6 = _cfg(prep.cfg.model, steps=6, checkpoint_every=3, eval_every=0)
+    res6 = train_steer(cfg6, prep.dataset, out, resume=True, progress=False,
+                       log=lambda m: None, prepared=prep)
+    drawn6 = {int(i) for step in range(6) for i in sched.indices(step)}
+    assert [set(c) for c in computed] == [drawn6 - drawn]  # only the new texts, once
+    torch.testing.assert_close(res6.steer.p1, _manual_steer(prep, 6)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_step_tokens_samples_that_many_target_tokens(prep, monkeypatch):
+    seen: list[int] = []
+    real = LMSteer.loss_backward
+
+    def spy(self, c, targets, signs, **kw):
+        if kw.get("backward", True):
+            seen.append(int(targets.shape[0]))
+        return real(self, c, targets, signs, **kw)
+
+    monkeypatch.setattr(LMSteer, "loss_backward", spy)
+    kw = dict(progress=False, log=lambda m: None, prepared=prep)
+    res = train_steer(_cfg(prep.cfg.model, steps=3, step_tokens=10, eval_every=0),
+                      prep.dataset, None, **kw)
+    assert seen == [10, 10, 10]
+    assert res.metrics["train_loss"] < 100
+    seen.clear()
+    # a budget above the batch's tokens keeps them all: the default run's steer exactly
+    big = train_steer(_cfg(prep.cfg.model, steps=3, step_tokens=10**6, eval_every=0),
+                      prep.dataset, None, **kw)
+    assert min(seen) > 10
+    torch.testing.assert_close(big.steer.p1, _manual_steer(prep, 3)[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="step_tokens=0: must be a positive integer"):
+        _cfg(prep.cfg.model, step_tokens=0).validate()
+
+
+def test_dev_check_losses_equal_plain_cross_entropy_at_every_strength(prep):
+    """All strengths of the dev check come from two GEMMs per chunk; each equals plain
+    cross-entropy of the reference's steered logits (style steer alone, as served)."""
+    import torch.nn.functional as F
+
+    from vllm_steer.train.trainer import steer_check
+
+    lm = LMSteer(prep.model, rank=4, domain_rank=3, epsilon=1e-3, init_std=0.5, seed=2)
+    pick = list(range(15)) + list(range(len(prep.train_ids) - 15, len(prep.train_ids)))
+    hs = compute_hidden(prep.model, prep.tokenizer, [prep.train_ids[i] for i in pick],
+                        [prep.train_sides[i] for i in pick], cache_dtype=torch.float32,
+                        progress=False)
+    assert set(hs.sides.tolist()) == {1, -1}
+    chk = steer_check(lm, hs, (2.0, 5.0), batch_texts=7)
+    head = prep.model.get_output_embeddings().weight
+    for side_name, side in (("positive", 1), ("negative", -1)):
+        idx = torch.nonzero(hs.sides == side).flatten()
+        c, t, _ = hs.batch(idx)
+        for key, st in (("0", 0.0), ("+2", 2.0), ("-5", -5.0), ("+5", 5.0)):
+            coefs = torch.full((len(t), 1), st * 1e-3)
+            lg = steered_logits_reference(c, head, lm.p1.detach(), lm.p2.detach(), [0, 4], coefs)
+            want = float(F.cross_entropy(lg, t))
+            assert chk[side_name][key] == pytest.approx(want, rel=1e-5), (side_name, key)
+    assert chk["positive"]["+5"] != pytest.approx(chk["positive"]["0"], rel=1e-4)

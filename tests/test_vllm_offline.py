@@ -196,3 +196,18 @@ def test_bad_request_is_refused_and_engine_keeps_serving(vanilla_tokens, llm):
         with pytest.raises(VLLMValidationError, match=fragment):
             llm.generate(PROMPTS[:1], sp(bad))
     assert tokens(llm.generate(PROMPTS, sp())) == vanilla_tokens
+
+
+def test_a_bad_steer_that_slips_past_admission_is_served_unsteered_not_a_crash(
+        vanilla_tokens, llm, monkeypatch):
+    from vllm_steer.integrations import frontend
+
+    # a frontend that validates nothing (e.g. an API server that never learnt the steers)
+    monkeypatch.setattr(frontend, "_validate", lambda params: None)
+    outs = tokens(llm.generate(PROMPTS, [sp({"nope": 1}), sp({"a": "x"}), sp({"a": 5}),
+                                         sp({"a": 1e9})]))
+    assert outs[0] == vanilla_tokens[0] and outs[1] == vanilla_tokens[1]
+    assert outs[3] == vanilla_tokens[3]
+    assert outs[2] == tokens(llm.generate(PROMPTS[2:3], sp({"a": 5})))[0] != vanilla_tokens[2]
+    monkeypatch.undo()
+    assert tokens(llm.generate(PROMPTS, sp())) == vanilla_tokens  # the engine is alive

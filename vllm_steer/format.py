@@ -49,7 +49,22 @@ FILE_SUFFIX = ".safetensors"
 
 DomainMode = Literal["none", "with_steer"]
 _SAFETENSORS_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
-_MAX_HEADER = 100 * 1024 * 1024
+
+# ---- limits (documented in docs/format.md) -------------------------------------------------
+#: Largest safetensors header (JSON) a steer file may have, in bytes.
+MAX_HEADER_BYTES = 1 << 20
+#: Largest ``vllm_steer`` metadata JSON document, in bytes.
+MAX_METADATA_BYTES = 256 << 10
+#: Largest hidden size and rank a steer file may declare.
+MAX_HIDDEN_SIZE = 1 << 17
+MAX_RANK = 1 << 13
+#: ``epsilon`` must lie in ``[MIN_EPSILON, MAX_EPSILON]`` (the paper's unit is 1e-3).
+MIN_EPSILON = 1e-9
+MAX_EPSILON = 1.0
+#: ``|domain_strength|`` and ``|recommended_strength|`` at most this (units of epsilon).
+MAX_META_STRENGTH = 1e4
+#: Longest ``base_model`` string.
+MAX_BASE_MODEL_LENGTH = 1024
 
 
 class SteerFileError(ValueError):
@@ -119,50 +134,259 @@ class SteerMetadata:
         return cls(**known, extra=unknown)
 
 
-def _read_header(path: str) -> tuple[dict[str, Any] | None, list[str]]:
-    """Parse the safetensors header by hand (no torch). Returns (header, reasons)."""
-    reasons: list[str] = []
-    if not os.path.exists(path):
-        return None, [f"no such file: {path}"]
-    if os.path.isdir(path):
-        return None, ["is a directory, expected a .safetensors file"]
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return None, [f"file is {size} bytes, too short to be safetensors (truncated or empty)"]
-        if head[:1] == b"\x80" or head[:2] == b"PK":
-            return None, [
-                "this is a pickle / torch.save file, not safetensors; vllm-steer never unpickles "
-                "at load time. If it is a checkpoint of the paper's code, convert it with "
-                "`vllm-steer convert FILE --unsafe-allow-pickle --out steer.safetensors`"
-            ]
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER or n + 8 > size:
-            return None, [
-                f"header length {n} does not fit in the file ({size} bytes): not safetensors, "
-                "or truncated"
-            ]
-        raw = f.read(n)
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _finite(v: Any) -> bool:
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        return None, [f"safetensors header is not valid JSON ({e})"]
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def metadata_problems(d: Any) -> list[str]:
+    """Every reason the metadata document ``d`` (the parsed ``vllm_steer`` JSON) is refused.
+
+    The one check of steer metadata, used when a file is read and when one is saved.
+    """
+    from vllm_steer.names import steer_name_problem
+
+    if not isinstance(d, dict):
+        return [f"metadata must be a JSON object, got {type(d).__name__}"]
+    reasons: list[str] = []
+    fmt = d.get("format", FORMAT_NAME)
+    if fmt != FORMAT_NAME:
+        reasons.append(f"metadata format is {_echo(fmt)}, expected {FORMAT_NAME!r}")
+    ver = d.get("format_version", FORMAT_VERSION)
+    if not _is_int(ver) or ver < 1:
+        reasons.append(f"metadata format_version={_echo(ver)}, expected a positive integer")
+    elif ver > FORMAT_VERSION:
+        reasons.append(f"format_version {ver} is newer than this vllm-steer supports "
+                       f"({FORMAT_VERSION}); upgrade vllm-steer")
+    missing = [k for k in ("name", "hidden_size", "rank") if k not in d]
+    if missing:
+        reasons.append(f"metadata lacks required keys {missing}")
+    if "name" in d:
+        problem = steer_name_problem(d["name"])
+        if problem:
+            reasons.append(f"metadata name: {problem}")
+    for key, top in (("hidden_size", MAX_HIDDEN_SIZE), ("rank", MAX_RANK)):
+        if key in d and not (_is_int(d[key]) and 1 <= d[key] <= top):
+            reasons.append(f"metadata {key}={_echo(d[key])}, expected an integer from 1 to {top}")
+    bm = d.get("base_model")
+    if bm is not None and not (isinstance(bm, str) and len(bm) <= MAX_BASE_MODEL_LENGTH):
+        reasons.append(f"metadata base_model={_echo(bm)}, expected a string of at most "
+                       f"{MAX_BASE_MODEL_LENGTH} characters or null")
+    eps = d.get("epsilon", DEFAULT_EPSILON)
+    if not (_is_number(eps) and _finite(eps) and MIN_EPSILON <= eps <= MAX_EPSILON):
+        reasons.append(f"metadata epsilon={_echo(eps)}, expected a number from {MIN_EPSILON:g} "
+                       f"to {MAX_EPSILON:g} (the paper's unit is {DEFAULT_EPSILON:g})")
+    dom = d.get("domain", "none")
+    if dom not in ("none", "with_steer"):
+        reasons.append(f"metadata domain={_echo(dom)}, expected 'none' or 'with_steer'")
+    for key, default in (("domain_strength", 1.0), ("recommended_strength", None)):
+        v = d.get(key, default)
+        if v is None and default is None:
+            continue
+        if not (_is_number(v) and _finite(v) and abs(v) <= MAX_META_STRENGTH):
+            reasons.append(f"metadata {key}={_echo(v)}, expected a finite number with "
+                           f"|{key}| <= {MAX_META_STRENGTH:g}"
+                           + (" or null" if default is None else ""))
+    labels = d.get("labels", {})
+    if not (isinstance(labels, dict) and all(isinstance(v, str) for v in labels.values())):
+        reasons.append(f"metadata labels={_echo(labels)}, expected an object of strings")
+    for key in ("recipe", "data", "metrics", "source"):
+        if not isinstance(d.get(key, {}), dict):
+            reasons.append(f"metadata {key}={_echo(d[key])}, expected a JSON object")
+    return reasons
+
+
+def _echo(v: Any) -> str:
+    from vllm_steer.names import echo
+
+    return echo(v)
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _unique_keys(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise ValueError(f"key {_echo(k)} appears twice")
+        d[k] = v
+    return d
+
+
+def _strict_json(raw: bytes | str, constants: bool = False) -> Any:
+    """JSON as safetensors (serde) reads it: no duplicate keys, and no NaN/Infinity unless
+    ``constants`` (our metadata document: the value is then refused by name)."""
+    return json.loads(raw, object_pairs_hook=_unique_keys,
+                      **({} if constants else {"parse_constant": _no_constants}))
+
+
+def _looks_like_pickle(head: bytes) -> bool:
+    # pickle protocol 2+ starts with PROTO (0x80) and the protocol number; torch.save's
+    # default is a zip file. Asked only after the bytes failed to read as safetensors.
+    return (head[:1] == b"\x80" and 2 <= head[1] <= 5) or head[:4] == b"PK\x03\x04"
+
+
+_PICKLE_REASON = (
+    "this is a pickle / torch.save file, not safetensors; vllm-steer never unpickles "
+    "at load time. If it is a checkpoint of the paper's code, convert it with "
+    "`vllm-steer convert FILE --unsafe-allow-pickle --out steer.safetensors`")
+
+
+def _read_header(path: str) -> tuple[dict[str, Any] | None, list[str], int]:
+    """Parse the safetensors header by hand (no torch). Returns (header, reasons, data_len).
+
+    ``header`` is None when the bytes are not a safetensors file at all; otherwise it is a
+    JSON object whose tensor entries and data offsets have been checked (``reasons`` lists
+    what is wrong with them).
+    """
+    if not os.path.exists(path):
+        return None, [f"no such file: {path}"], 0
+    if os.path.isdir(path):
+        return None, ["is a directory, expected a .safetensors file"], 0
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return None, [f"file is {size} bytes, too short to be safetensors (truncated "
+                              "or empty)"], 0
+            (n,) = struct.unpack("<Q", head)
+            raw = f.read(n) if 2 <= n <= MAX_HEADER_BYTES and n + 8 <= size else None
+    except OSError as e:
+        return None, [f"cannot read the file ({e.strerror or e})"], 0
+    if raw is None:
+        if _looks_like_pickle(head):
+            return None, [_PICKLE_REASON], 0
+        if n > MAX_HEADER_BYTES and n + 8 <= size:
+            return None, [f"safetensors header is {n} bytes; a steer file's header may have "
+                          f"at most {MAX_HEADER_BYTES}"], 0
+        return None, [f"header length {n} does not fit in the file ({size} bytes): not "
+                      "safetensors, or truncated"], 0
+    try:
+        header = _strict_json(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        if _looks_like_pickle(head):
+            return None, [_PICKLE_REASON], 0
+        return None, [f"safetensors header is not valid JSON ({str(e)[:200]})"], 0
+    if not isinstance(header, dict):
+        return None, [f"safetensors header must be a JSON object, got {type(header).__name__}"], 0
     data_len = size - 8 - n
+    reasons: list[str] = []
+    spans = []
     for key, info in header.items():
         if key == "__metadata__":
+            if not (isinstance(info, dict) and all(isinstance(v, str) for v in info.values())):
+                reasons.append("safetensors __metadata__ must be a JSON object of strings")
             continue
-        try:
-            start, end = info["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            reasons.append(f"tensor {key!r}: malformed header entry")
+        problems = _tensor_entry_problems(key, info)
+        if problems:
+            reasons.extend(problems)
             continue
+        start, end = info["data_offsets"]
         if end > data_len:
-            reasons.append(
-                f"tensor {key!r} ends at byte {end} of the data section but the file holds "
-                f"{data_len} bytes (truncated file)"
-            )
-    return header, reasons
+            reasons.append(f"tensor {_echo(key)} ends at byte {end} of the data section but the "
+                           f"file holds {data_len} bytes (truncated file)")
+            continue
+        spans.append((start, end, key))
+    if not reasons:
+        spans.sort()
+        pos = 0
+        for start, end, key in spans:
+            if start != pos:
+                reasons.append(f"tensor {_echo(key)} starts at byte {start} of the data section, "
+                               f"expected {pos} (overlapping or gapped tensors)")
+                break
+            pos = end
+        else:
+            if pos != data_len:
+                reasons.append(f"the tensors cover {pos} bytes but the data section holds "
+                               f"{data_len} (trailing bytes)")
+    return header, reasons, data_len
+
+
+def _tensor_entry_problems(key: str, info: Any) -> list[str]:
+    k = _echo(key)
+    if not isinstance(info, dict):
+        return [f"tensor {k}: header entry must be a JSON object, got {type(info).__name__}"]
+    out = []
+    dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not (isinstance(dtype, str) and dtype in _SAFETENSORS_DTYPES):
+        out.append(f"tensor {k} has dtype {_echo(dtype)}, expected one of "
+                   f"{sorted(_SAFETENSORS_DTYPES)}")
+    if not (isinstance(shape, list) and len(shape) == 2
+            and all(_is_int(x) and 1 <= x <= MAX_HIDDEN_SIZE for x in shape)):
+        out.append(f"tensor {k} has shape {_echo(shape)}, expected [hidden, rank] with each "
+                   f"size from 1 to {MAX_HIDDEN_SIZE}")
+    if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(x) for x in offs)
+            and 0 <= offs[0] <= offs[1]):
+        out.append(f"tensor {k}: malformed data_offsets {_echo(offs)}, expected [start, end]")
+    elif not out and offs[1] - offs[0] != shape[0] * shape[1] * _SAFETENSORS_DTYPES[dtype]:
+        out.append(f"tensor {k}: data_offsets {offs} span {offs[1] - offs[0]} bytes but a "
+                   f"{dtype} {shape} tensor takes {shape[0] * shape[1] * _SAFETENSORS_DTYPES[dtype]}")
+    return out
+
+
+def _check_file(path: str) -> tuple[dict[str, Any], SteerMetadata]:
+    """The one check of a steer file without loading tensors: (header, metadata), or
+    :class:`SteerFileError` listing every reason."""
+    header, reasons, _ = _read_header(path)
+    if header is None:
+        raise SteerFileError(path, reasons)
+    smeta = header.get("__metadata__")
+    meta_raw = smeta.get(METADATA_KEY) if isinstance(smeta, dict) else None
+    d: Any = None
+    if not isinstance(meta_raw, str):
+        reasons.append(
+            f"no {METADATA_KEY!r} entry in the safetensors metadata (not a vllm-steer file; "
+            "raw factors can be wrapped with vllm_steer.format.save_steer)")
+    elif len(meta_raw.encode("utf-8", "surrogatepass")) > MAX_METADATA_BYTES:
+        reasons.append(f"the {METADATA_KEY!r} metadata is {len(meta_raw)} characters; at most "
+                       f"{MAX_METADATA_BYTES} bytes are allowed")
+    else:
+        try:
+            d = _strict_json(meta_raw, constants=True)
+        except (ValueError, RecursionError) as e:
+            reasons.append(f"metadata is not valid JSON ({str(e)[:200]})")
+        else:
+            reasons.extend(metadata_problems(d))
+    for t in (TENSOR_P1, TENSOR_P2):
+        if t not in header:
+            reasons.append(f"missing tensor {t!r}")
+    unknown = [k for k in header if k != "__metadata__" and k not in KNOWN_TENSORS]
+    if unknown:
+        warnings.warn(f"steer file {path!r}: unknown tensors {[_echo(k) for k in unknown[:5]]}"
+                      f"{' and more' if len(unknown) > 5 else ''} are ignored", stacklevel=3)
+    if not reasons:  # entries are well-formed: compare shapes with each other and the metadata
+        shape = {k: header[k]["shape"] for k in KNOWN_TENSORS if k in header}
+        for a, b in ((TENSOR_P1, TENSOR_P2), (TENSOR_DOMAIN_P1, TENSOR_DOMAIN_P2)):
+            if a in shape and b in shape:
+                if shape[a] != shape[b]:
+                    reasons.append(f"{a} shape {shape[a]} differs from {b} shape {shape[b]}")
+                elif shape[a][0] != d["hidden_size"]:
+                    reasons.append(f"{a} has hidden size {shape[a][0]} but the metadata says "
+                                   f"{d['hidden_size']}")
+            elif (a in shape) != (b in shape):
+                reasons.append(f"{a} and {b} must both be present or both absent")
+        if shape[TENSOR_P1][1] != d["rank"]:
+            reasons.append(f"{TENSOR_P1} has rank {shape[TENSOR_P1][1]} but the metadata says "
+                           f"{d['rank']}")
+        if d.get("domain") == "with_steer" and TENSOR_DOMAIN_P1 not in shape:
+            reasons.append("metadata domain='with_steer' but the file has no domain tensors")
+    if reasons:
+        raise SteerFileError(path, reasons)
+    return header, SteerMetadata.from_dict(d, path)
 
 
 def read_metadata(path: str | os.PathLike) -> SteerMetadata:
@@ -172,73 +396,7 @@ def read_metadata(path: str | os.PathLike) -> SteerMetadata:
     reason the file is refused.
     """
     path = os.fspath(path)
-    header, reasons = _read_header(path)
-    if header is None:
-        raise SteerFileError(path, reasons)
-    meta_raw = (header.get("__metadata__") or {}).get(METADATA_KEY)
-    meta: SteerMetadata | None = None
-    if meta_raw is None:
-        reasons.append(
-            f"no {METADATA_KEY!r} entry in the safetensors metadata (not a vllm-steer file; "
-            "raw factors can be wrapped with vllm_steer.format.save_steer)"
-        )
-    else:
-        try:
-            d = json.loads(meta_raw)
-            if d.get("format", FORMAT_NAME) != FORMAT_NAME:
-                reasons.append(f"metadata format is {d.get('format')!r}, expected {FORMAT_NAME!r}")
-            if int(d.get("format_version", 0)) > FORMAT_VERSION:
-                reasons.append(
-                    f"format_version {d.get('format_version')} is newer than this vllm-steer "
-                    f"supports ({FORMAT_VERSION}); upgrade vllm-steer"
-                )
-            missing = [k for k in ("name", "hidden_size", "rank") if k not in d]
-            if missing:
-                reasons.append(f"metadata lacks required keys {missing}")
-            else:
-                meta = SteerMetadata.from_dict(d, path)
-        except (json.JSONDecodeError, TypeError, ValueError) as e:
-            reasons.append(f"metadata is not valid JSON ({e})")
-    for t in (TENSOR_P1, TENSOR_P2):
-        if t not in header:
-            reasons.append(f"missing tensor {t!r}")
-    for key, info in header.items():
-        if key == "__metadata__" or not isinstance(info, dict):
-            continue
-        if key not in KNOWN_TENSORS:
-            warnings.warn(f"steer file {path!r}: unknown tensor {key!r} is ignored", stacklevel=2)
-        if info.get("dtype") not in _SAFETENSORS_DTYPES:
-            reasons.append(f"tensor {key!r} has dtype {info.get('dtype')!r}, expected a float type")
-        if len(info.get("shape", [])) != 2:
-            reasons.append(f"tensor {key!r} has shape {info.get('shape')}, expected [hidden, rank]")
-    if meta is not None:
-        for a, b in ((TENSOR_P1, TENSOR_P2), (TENSOR_DOMAIN_P1, TENSOR_DOMAIN_P2)):
-            if a in header and b in header:
-                sa, sb = header[a].get("shape"), header[b].get("shape")
-                if sa != sb:
-                    reasons.append(f"{a} shape {sa} differs from {b} shape {sb}")
-                elif sa and sa[0] != meta.hidden_size:
-                    reasons.append(
-                        f"{a} has hidden size {sa[0]} but the metadata says {meta.hidden_size}"
-                    )
-            elif (a in header) != (b in header):
-                reasons.append(f"{a} and {b} must both be present or both absent")
-        if TENSOR_P1 in header and header[TENSOR_P1].get("shape", [0, 0])[1:] != [meta.rank]:
-            reasons.append(
-                f"{TENSOR_P1} has rank {header[TENSOR_P1].get('shape')[1:]} but metadata says "
-                f"{meta.rank}"
-            )
-        if meta.domain == "with_steer" and TENSOR_DOMAIN_P1 not in header:
-            reasons.append("metadata domain='with_steer' but the file has no domain tensors")
-        if meta.domain not in ("none", "with_steer"):
-            reasons.append(f"metadata domain={meta.domain!r}, expected 'none' or 'with_steer'")
-        if not (isinstance(meta.epsilon, (int, float)) and math.isfinite(meta.epsilon)
-                and meta.epsilon > 0):
-            reasons.append(f"metadata epsilon={meta.epsilon!r}, expected a positive number")
-    if reasons:
-        raise SteerFileError(path, reasons)
-    assert meta is not None
-    return meta
+    return _check_file(path)[1]
 
 
 @dataclass
@@ -280,25 +438,63 @@ class Steer:
         return out
 
 
-def save_steer(path: str | os.PathLike, steer: Steer) -> None:
-    """Write ``steer`` to ``path`` (safetensors + JSON metadata), refusing non-finite values."""
+def check_steer(steer: Steer, path: str = "<memory>") -> None:
+    """The checks :func:`load_steer` makes, on a steer in memory (used before saving):
+    raises :class:`SteerFileError` listing every reason."""
     import torch
+
+    reasons: list[str] = []
+    meta = steer.metadata
+    try:
+        doc = meta.to_json()
+    except (TypeError, ValueError) as e:
+        raise SteerFileError(path, [f"metadata is not JSON-serialisable ({e})"]) from None
+    if len(doc.encode("utf-8", "surrogatepass")) > MAX_METADATA_BYTES:
+        reasons.append(f"the metadata JSON is {len(doc)} characters; at most "
+                       f"{MAX_METADATA_BYTES} bytes are allowed")
+    reasons += metadata_problems(json.loads(doc))
+    pairs = [(TENSOR_P1, steer.p1, TENSOR_P2, steer.p2)]
+    if (steer.domain_p1 is None) != (steer.domain_p2 is None):
+        reasons.append("domain P1 and P2 must both be given or both be None")
+    elif steer.domain_p1 is not None:
+        pairs.append((TENSOR_DOMAIN_P1, steer.domain_p1, TENSOR_DOMAIN_P2, steer.domain_p2))
+    elif meta.domain == "with_steer":
+        reasons.append("metadata domain='with_steer' but the steer has no domain tensors")
+    for ka, a, kb, b in pairs:
+        if a.dim() != 2 or a.shape != b.shape:
+            reasons.append(f"{ka} {tuple(a.shape)} and {kb} {tuple(b.shape)} must be equal "
+                           "[hidden, rank] shapes")
+        elif a.shape[0] != steer.p1.shape[0]:
+            reasons.append(f"{ka} has hidden size {a.shape[0]}, {TENSOR_P1} {steer.p1.shape[0]}")
+        for k, t in ((ka, a), (kb, b)):
+            if not t.is_floating_point() or str(t.dtype).split(".")[-1] not in _TORCH_DTYPES:
+                reasons.append(f"tensor {k} has dtype {t.dtype}, expected one of "
+                               f"{sorted(_TORCH_DTYPES)}")
+            elif not torch.isfinite(t).all():
+                reasons.append(f"tensor {k} holds NaN or inf")
+    if reasons:
+        raise SteerFileError(path, reasons)
+
+
+_TORCH_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def save_steer(path: str | os.PathLike, steer: Steer) -> None:
+    """Write ``steer`` to ``path`` (safetensors + JSON metadata) after the checks a reader
+    makes (:func:`check_steer`): a file this writes is one every reader accepts."""
     from safetensors.torch import save_file
 
     path = os.fspath(path)
     meta = steer.metadata
-    if steer.p1.shape != steer.p2.shape or steer.p1.dim() != 2:
-        raise ValueError(f"P1 {tuple(steer.p1.shape)} and P2 {tuple(steer.p2.shape)} must be "
-                         "equal [hidden, rank] shapes")
-    meta = dataclasses.replace(meta, hidden_size=int(steer.p1.shape[0]),
-                               rank=int(steer.p1.shape[1]))
+    if steer.p1.dim() == 2:
+        meta = dataclasses.replace(meta, hidden_size=int(steer.p1.shape[0]),
+                                   rank=int(steer.p1.shape[1]))
+    steer = dataclasses.replace(steer, metadata=meta)
+    check_steer(steer, path)
     tensors = {TENSOR_P1: steer.p1, TENSOR_P2: steer.p2}
     if steer.domain_p1 is not None:
         tensors[TENSOR_DOMAIN_P1] = steer.domain_p1
         tensors[TENSOR_DOMAIN_P2] = steer.domain_p2
-    for k, t in tensors.items():
-        if not torch.isfinite(t).all():
-            raise ValueError(f"refusing to save steer {meta.name!r}: tensor {k} holds NaN or inf")
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
@@ -316,15 +512,18 @@ def load_steer(path: str | os.PathLike, device=None, dtype=None) -> Steer:
     import torch
 
     path = os.fspath(path)
-    meta = read_metadata(path)
+    _, meta = _check_file(path)
     tensors: dict[str, torch.Tensor] = {}
     try:
         with safe_open(path, framework="pt") as f:
             for k in f.keys():
                 if k in KNOWN_TENSORS:
                     tensors[k] = f.get_tensor(k)
-    except Exception as e:  # safetensors raises its own error types
-        raise SteerFileError(path, [f"safetensors could not read the file: {e}"]) from e
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # safetensors' own errors, and a Rust panic (BaseException)
+        raise SteerFileError(path, [f"safetensors could not read the file: "
+                                    f"{str(e)[:300]}"]) from e
     reasons = [f"tensor {k!r} holds NaN or inf values"
                for k, t in tensors.items() if not torch.isfinite(t).all()]
     if reasons:

@@ -71,10 +71,6 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
-def get_backend(backend: str | None, device: torch.device) -> SteerFn:
-    return _REGISTRY[resolve_backend(backend, device)]
-
-
 def apply_steers(
     hidden: torch.Tensor,  # [num_rows, hidden]
     p1: torch.Tensor,  # [hidden, total_rank]

@@ -16,6 +16,7 @@ strength lists may be written ``--strengths -10,-5,0,5,10`` or ``--strengths=-10
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shlex
 
@@ -76,6 +77,10 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
         if task == "sentiment":
             g.add_argument("--prompt-set", choices=["neutral", "positive", "negative"],
                            default="neutral", help="which sentiment prompts")
+        g.add_argument("--prompts", dest="prompt_file", metavar="FILE", default=None,
+                       help="any prompts file (JSONL, prompt.text per line), e.g. "
+                            "prompts/toxicity/rtp_toxic_dev_598.jsonl; default: the task's "
+                            "set in the data folder")
         g.add_argument("--baseline", default="auto",
                        help="soft blacklist: auto (trained on the steer's data on first use, "
                             "cached in ~/.cache/vllm-steer/eval), none, or a file from "
@@ -175,6 +180,88 @@ def add_commands(subparsers) -> None:
     t.add_argument("--quiet", action="store_true")
     t.set_defaults(func=cmd_train_baseline)
     ev.set_defaults(func=lambda args: (ev.print_help(), 2)[1])
+    _tune_command(subparsers)
+
+
+def _tune_command(subparsers) -> None:
+    """``vllm-steer tune STEER --task toxicity|sentiment --prompts FILE``."""
+    from vllm_steer.eval.generation import EngineConfig, SamplingConfig
+    from vllm_steer.eval.tune import DEFAULT_STRENGTHS
+
+    s, e = SamplingConfig(), EngineConfig()
+    t = _parser(subparsers, "tune", help="choose a steer's recommended strength by generation",
+                description="Generate on development prompts through vLLM with the plugin at "
+                            "each candidate strength, and write the strongest strength whose "
+                            "perplexity stays within --ppl-budget of unsteered (with the rule "
+                            "and the measured curve) into the steer file's metadata. "
+                            "See docs/eval.md.")
+    t.add_argument("steer", help="steer file (rewritten in place: recommended_strength, "
+                                 "metrics.tune)")
+    t.add_argument("--task", required=True, choices=["toxicity", "sentiment"],
+                   help="toxicity: steer towards non-toxic; sentiment: both directions")
+    t.add_argument("--prompts", required=True, metavar="FILE",
+                   help="development prompts (JSONL, prompt.text per line)")
+    t.add_argument("--strengths", type=parse_strengths,
+                   default=list(DEFAULT_STRENGTHS), help="candidate magnitudes")
+    t.add_argument("--ppl-budget", type=float, default=0.15,
+                   help="largest relative perplexity increase over unsteered (0.15 = +15%%)")
+    t.add_argument("--num-prompts", type=int, default=100, help="first N prompts")
+    t.add_argument("--samples", type=int, default=4, help="samples per prompt")
+    t.add_argument("--max-tokens", type=int, default=s.max_tokens)
+    t.add_argument("--top-p", type=float, default=s.top_p)
+    t.add_argument("--temperature", type=float, default=s.temperature)
+    t.add_argument("--seed", type=int, default=s.seed)
+    t.add_argument("--model", default="smollm2")
+    t.add_argument("--data", default=None, help="data folder (the sst2 scorer trains from it)")
+    t.add_argument("--out", default=None, help="evaluation folder (default "
+                                               "eval_out/tune-TASK-NAME)")
+    t.add_argument("--toxicity-scorer", default="profanity-check")
+    t.add_argument("--sentiment-scorer", action="append", default=None, metavar="NAME")
+    t.add_argument("--dry-run", action="store_true",
+                   help="measure and print, do not write the steer file")
+    t.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs)
+    t.add_argument("--kv-cache-gib", type=float, default=e.kv_cache_gib)
+    t.add_argument("--quiet", action="store_true", help="no progress bars")
+    t.set_defaults(func=cmd_tune)
+
+
+def _tune_command_line(args) -> str:
+    a = ["vllm-steer", "tune", args.steer, "--task", args.task, "--prompts", args.prompts,
+         f"--strengths={_nums(args.strengths)}", "--ppl-budget", f"{args.ppl_budget:g}",
+         "--num-prompts", str(args.num_prompts), "--samples", str(args.samples),
+         "--max-tokens", str(args.max_tokens), "--seed", str(args.seed)]
+    if args.model != "smollm2":
+        a += ["--model", args.model]
+    if args.toxicity_scorer != "profanity-check":
+        a += ["--toxicity-scorer", args.toxicity_scorer]
+    for x in args.sentiment_scorer or []:
+        a += ["--sentiment-scorer", x]
+    return " ".join(shlex.quote(x) for x in a)
+
+
+def cmd_tune(args) -> int:
+    from vllm_steer.eval.generation import EngineConfig, SamplingConfig
+    from vllm_steer.eval.tune import TuneConfig, tune
+
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError(f"--num-prompts {args.num_prompts}: must be at least 1")
+    cfg = TuneConfig(steer=args.steer, task=args.task, prompts=args.prompts,
+                     strengths=[abs(x) for x in args.strengths], ppl_budget=args.ppl_budget,
+                     num_prompts=args.num_prompts,
+                     sampling=SamplingConfig(samples=args.samples, max_tokens=args.max_tokens,
+                                             top_p=args.top_p, temperature=args.temperature,
+                                             seed=args.seed),
+                     model=args.model, data_dir=args.data, out=args.out,
+                     toxicity_scorer=args.toxicity_scorer,
+                     sentiment_scorers=args.sentiment_scorer or ["sst2", "vader"],
+                     engine=EngineConfig(max_num_seqs=args.max_num_seqs,
+                                         kv_cache_gib=args.kv_cache_gib),
+                     write=not args.dry_run, progress=not args.quiet,
+                     command=_tune_command_line(args))
+    rec = tune(cfg)
+    print(json.dumps({"recommended_strength": rec["recommended_strength"],
+                      "rule": rec["rule"]}))
+    return 0 if rec["recommended_strength"] is not None else 1
 
 
 def _nums(xs) -> str:
@@ -201,7 +288,9 @@ def command_for(cfg) -> str:
             a.append(f"--baseline-strengths={_nums(cfg.baseline_strengths)}")
         if cfg.recommended_strength is not None:
             a += ["--recommended-strength", f"{cfg.recommended_strength:g}"]
-    if cfg.prompt_set and not (cfg.task == "sentiment" and cfg.prompt_set == "neutral"):
+    if cfg.prompt_file:
+        a += ["--prompts", cfg.prompt_file]
+    elif cfg.prompt_set and not (cfg.task == "sentiment" and cfg.prompt_set == "neutral"):
         a += ["--prompt-set", cfg.prompt_set]
     if cfg.num_prompts is not None:
         a += ["--num-prompts", str(cfg.num_prompts)]
@@ -260,6 +349,7 @@ def config_from_args(args):
         baseline=getattr(args, "baseline", "none"),
         baseline_strengths=getattr(args, "baseline_strengths", None),
         num_prompts=args.num_prompts, prompt_set=getattr(args, "prompt_set", None),
+        prompt_file=getattr(args, "prompt_file", None),
         sampling=SamplingConfig(samples=args.samples, max_tokens=args.max_tokens,
                                 top_p=args.top_p, temperature=args.temperature, seed=args.seed),
         data_dir=args.data, out=out, toxicity_scorer=args.toxicity_scorer,

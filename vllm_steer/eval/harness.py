@@ -55,6 +55,9 @@ class EvalConfig:
     """First N prompts of the file (``None``: all)."""
     prompt_set: str | None = None
     """Sentiment prompts: ``neutral`` (default), ``positive`` or ``negative``."""
+    prompt_file: str | None = None
+    """Any prompts file (JSONL with ``prompt.text`` or ``prompt`` per line, e.g.
+    ``prompts/toxicity/rtp_toxic_dev_598.jsonl``) instead of the task's fixed set."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Samples per prompt, max tokens, top-p, temperature, seed."""
     data_dir: str | None = None
@@ -110,10 +113,14 @@ def _log(msg: str) -> None:
     print(f"[eval] {msg}", file=sys.stderr, flush=True)
 
 
-def data_dir_of(cfg: EvalConfig) -> str:
+def data_dir_of(cfg: EvalConfig, required: bool = True) -> str | None:
+    """The data folder; ``None`` when it is missing and not ``required`` (a run with its own
+    ``prompt_file``, no automatic baseline and no scorer that trains from the data)."""
     from vllm_steer.train.config import default_data_dir
 
     d = cfg.data_dir or default_data_dir()
+    if not os.path.isdir(d) and not required:
+        return None
     if not os.path.isdir(d):
         raise FileNotFoundError(f"data folder {d!r} not found (give --data DIR or set "
                                 "$VLLM_STEER_DATA)")
@@ -253,7 +260,7 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     from vllm_steer.eval import report
     from vllm_steer.eval.diversity import diversity_metrics
     from vllm_steer.eval.fluency import PerplexityScorer, perplexity_metrics
-    from vllm_steer.eval.prompts import load_prompts, prompt_file
+    from vllm_steer.eval.prompts import load_prompts, prompt_file, read_prompts
     from vllm_steer.eval.scorers import get_scorer
     from vllm_steer.eval.sentiment import positivity_metrics
     from vllm_steer.eval.toxicity import toxicity_metrics
@@ -262,11 +269,16 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     cfg.validate()
     t_start = time.perf_counter()
     timing: dict[str, float] = {}
-    data_dir = data_dir_of(cfg)
-    os.environ.setdefault("VLLM_STEER_DATA", data_dir)  # the sst2 scorer trains from here
+    data_dir = data_dir_of(cfg, required=not cfg.prompt_file)
+    if data_dir:
+        os.environ.setdefault("VLLM_STEER_DATA", data_dir)  # the sst2 scorer trains from here
     prompt_task = cfg.grid_prompts if cfg.task == "grid" else cfg.task
-    pfile = prompt_file(prompt_task, data_dir, cfg.prompt_set)
-    prompts = load_prompts(prompt_task, data_dir, cfg.prompt_set, cfg.num_prompts)
+    if cfg.prompt_file:
+        pfile = cfg.prompt_file
+        prompts = read_prompts(pfile, cfg.num_prompts)
+    else:
+        pfile = prompt_file(prompt_task, data_dir, cfg.prompt_set)
+        prompts = load_prompts(prompt_task, data_dir, cfg.prompt_set, cfg.num_prompts)
     model_path = resolve_model(cfg.model)
     steers = load_steer_infos(cfg.steers)
     names = list(steers)
@@ -377,7 +389,7 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     tox_scorer = get_scorer("toxicity", cfg.toxicity_scorer)
     timing["total_s"] = time.perf_counter() - t_start
     results: dict[str, Any] = {
-        "task": cfg.task, "prompt_file": os.path.relpath(pfile, data_dir),
+        "task": cfg.task, "prompt_file": _prompt_file_record(pfile, data_dir),
         "num_prompts": len(prompts), "sampling": asdict(cfg.sampling),
         "model": cfg.model, "model_path": model_path,
         "steers": steers, "baseline": report.baseline_info(bl_path),
@@ -494,6 +506,16 @@ def merge(runs: Sequence[str], out: str) -> dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     write_outputs(merged, out)
     return merged
+
+
+def _prompt_file_record(path: str, data_dir: str | None) -> str:
+    """The prompts file relative to the data folder when inside it, else its absolute path."""
+    full = os.path.abspath(path)
+    if data_dir:
+        rel = os.path.relpath(full, os.path.abspath(data_dir))
+        if not rel.startswith(".."):
+            return rel
+    return full
 
 
 def _json_default(o):

@@ -13,14 +13,18 @@ One :class:`SteerRuntime` per worker process and steer configuration. It holds
   ``expanded_idx_mapping`` (row -> slot) per step; prompt-logprob calls map a slice of the
   step's hidden states to one request.
 
-The head does no work at all while no slot has a non-zero coefficient (host-side flag, no
-device sync).
+The head does no work at all while no request *of the current step* is steered (host-side
+flags, no device sync): V1 zeroes a finished request's slot (``BatchUpdate.removed``); V2 has
+no removal callback, so its runner wrapper asks :meth:`SteerRuntime.any_steered` about the
+slots of the step's batch (``idx_mapping``) and a finished request's stale slot costs nothing.
+:attr:`SteerRuntime.stats` counts the steer-op calls (cheap host counters).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +32,7 @@ import numpy as np
 import torch
 
 from vllm_steer import REQUEST_FIELD
-from vllm_steer.bank import SteerBank
+from vllm_steer.bank import SlotBank
 from vllm_steer.config import SteerRequestError, SteerServerConfig, parse_request_steer
 from vllm_steer.format import SteerFileError, load_steer, read_metadata
 
@@ -36,11 +40,22 @@ logger = logging.getLogger("vllm_steer")
 
 
 @dataclass
+class SteerStats:
+    """Counters of the worker's steer op (host-side integers, no device sync)."""
+
+    calls: int = 0  # steer-op calls (one per ``compute_logits`` with steered rows)
+    rows: int = 0  # hidden-state rows passed through the steer op
+
+    def as_dict(self) -> dict[str, int]:
+        return {"calls": self.calls, "rows": self.rows}
+
+
+@dataclass
 class RowSource:
     """Where the rows of the next ``compute_logits`` call come from."""
 
     kind: str  # "batch" (row i = slot i), "mapping" (row -> slot), "prompt", "none"
-    mapping: torch.Tensor | None = None  # [num_rows] int64 slots ("mapping")
+    mapping: torch.Tensor | None = None  # [num_rows] slots ("mapping")
     base: torch.Tensor | None = None  # the step's full hidden states ("prompt")
     query_start_loc: np.ndarray | None = None  # [num_reqs + 1] token offsets ("prompt")
 
@@ -61,21 +76,23 @@ class SteerRuntime:
         if problems:
             raise SteerFileError(", ".join(config.steers.values()),
                                  [p.replace("\n", " ") for p in problems])
-        self.bank: SteerBank | None = None
+        self.bank: SlotBank | None = None
         self.backend: str | None = None  # resolved at load
         self.slot_coefs: torch.Tensor | None = None  # [max_slots, K] on device
         self._host: np.ndarray | None = None  # [max_slots, K] host mirror
+        self._steered: np.ndarray | None = None  # [max_slots] bool: slot has a non-zero row
+        self.stats = SteerStats()
         self._dirty = False
         self.num_active_slots = 0
         self.version = 0  # bumped whenever slot_coefs may change (keys the bank's plan)
         self.batch_size = 0
         self.row_source = RowSource("batch")
-        # the K columns of a coefficient row; a steer served with its domain takes two
-        self.columns: list[tuple[str, str]] = []
-        for n in self.names:
-            self.columns.append((n, "steer"))
-            if self.metadata[n].domain == "with_steer":
-                self.columns.append((n, "domain"))
+        # steers come and go at run time (vllm_steer.integrations.control): a fixed number of
+        # steer slots, two coefficient columns each (steer, domain; see SlotBank)
+        self.capacity = config.capacity
+        self.num_columns = 2 * self.capacity
+        self.op_seconds = 0.0  # host time in steer_rows (metrics)
+        self.op_calls = 0
 
     # ---- loading (head side) -------------------------------------------------------------
     def load(self, hidden_size: int, device: torch.device, dtype: torch.dtype,
@@ -102,8 +119,10 @@ class SteerRuntime:
                 reasons.append(str(e).replace("\n", " "))
         if reasons:
             raise SteerFileError(", ".join(self.config.steers.values()), reasons)
-        self.bank = SteerBank(steers, device=device, dtype=dtype)
-        assert self.bank.num_columns == len(self.columns)
+        self.bank = SlotBank(self.capacity, hidden_size, device=device, dtype=dtype,
+                             max_rank=self.config.max_steer_rank)
+        for slot, name in enumerate(self.names):  # the registry numbers them the same way
+            self.bank.put(slot, slot + 1, name, steers[name])
         # Resolve the backend now (it imports the kernels, and Triton where present: about
         # half a second), not in the first steered request's step.
         from vllm_steer.ops import resolve_backend
@@ -115,23 +134,57 @@ class SteerRuntime:
     # ---- request state (logits-processor side) -------------------------------------------
     def ensure_slots(self, max_slots: int, device: torch.device) -> None:
         if self._host is None or self._host.shape[0] < max_slots:
-            self._host = np.zeros((max_slots, len(self.columns)), dtype=np.float32)
-            self.slot_coefs = torch.zeros((max_slots, len(self.columns)), dtype=torch.float32,
+            self._host = np.zeros((max_slots, self.num_columns), dtype=np.float32)
+            self._steered = np.zeros(max_slots, dtype=bool)
+            self.slot_coefs = torch.zeros((max_slots, self.num_columns), dtype=torch.float32,
                                           device=device)
             self._dirty = False
             self.num_active_slots = 0
             self.version += 1
 
     def coef_row(self, params: Any) -> np.ndarray:
-        """Coefficients of a request (zeros when it asks for no steer)."""
-        strengths = request_strengths(params, self)
-        row = np.zeros(len(self.columns), dtype=np.float32)
-        for k, (n, kind) in enumerate(self.columns):
-            s = strengths.get(n, 0.0)
-            if s:
-                meta = self.metadata[n]
-                row[k] = s * meta.epsilon if kind == "steer" else meta.domain_strength * meta.epsilon
-        return row
+        """Coefficients of a request (zeros when it asks for no steer).
+
+        The engine core bound each named steer to ``(slot, generation)`` at admission
+        (``registry.BOUND_KEY``); a slot that no longer holds that generation is never used
+        (the engine core keeps a slot while a request bound to it runs, so this is a bug
+        guard, logged). Never raises on request data: bad steers are refused at admission
+        (HTTP 400); one that slips through is served unsteered, with a warning."""
+        from vllm_steer.integrations.registry import BOUND_KEY
+
+        extra = getattr(params, "extra_args", None) or {}
+        value = extra.get(REQUEST_FIELD)
+        if value is None or self.bank is None:
+            return np.zeros(self.num_columns, dtype=np.float32)
+        try:
+            strengths = parse_request_steer(value, None, self.config.max_strength)
+        except Exception as e:  # noqa: BLE001 - request data must not crash a worker
+            logger.warning("vllm-steer: request steer %r refused in the worker (%s); the request "
+                           "is served unsteered. Its frontend did not validate it: see "
+                           "docs/serving.md", value, e)
+            return np.zeros(self.num_columns, dtype=np.float32)
+        bound = extra.get(BOUND_KEY)
+        if bound is None:  # not bound by the engine core (no control hook): current slots
+            bound = {n: (s, self.bank.generations[s])
+                     for s, n in enumerate(self.bank.names) if n is not None}
+        row, problems = self.bank.coef_row(bound, strengths)
+        for p in problems:
+            logger.error("vllm-steer: request steer left out: %s", p)
+        return np.asarray(row, dtype=np.float32)
+
+    # ---- run-time loading (vllm_steer.integrations.control) ------------------------------
+    def put_steer(self, slot: int, generation: int, name: str, steer) -> None:
+        """Load a steer into a slot no request uses (the engine core picked it)."""
+        assert self.bank is not None, "steers are loaded with the model"
+        self.bank.put(slot, generation, name, steer)
+        self.version += 1
+
+    def drop_slots(self, slots) -> None:
+        if self.bank is None:
+            return
+        for slot in slots:
+            self.bank.drop(slot)
+        self.version += 1
 
     def set_slot(self, slot: int, row: np.ndarray | None) -> None:
         """(Re)initialise a slot fully: a reused slot keeps nothing of its previous request."""
@@ -139,15 +192,19 @@ class SteerRuntime:
         if row is None:
             row = 0.0
         self._host[slot] = row
+        self._steered[slot] = bool(np.any(self._host[slot]))
         self._dirty = True
 
     def move_slot(self, src: int, dst: int, swap: bool) -> None:
         assert self._host is not None
         if swap:
             self._host[[src, dst]] = self._host[[dst, src]]
+            self._steered[[src, dst]] = self._steered[[dst, src]]
         else:
             self._host[dst] = self._host[src]
             self._host[src] = 0.0
+            self._steered[dst] = self._steered[src]
+            self._steered[src] = False
         self._dirty = True
 
     def flush(self) -> None:
@@ -156,13 +213,23 @@ class SteerRuntime:
             return
         n = self._host.shape[0]
         self.slot_coefs[:n].copy_(torch.from_numpy(self._host), non_blocking=True)
-        self.num_active_slots = int(np.count_nonzero(self._host.any(axis=1)))
+        self.num_active_slots = int(np.count_nonzero(self._steered))
         self._dirty = False
         self.version += 1
 
     @property
-    def active(self) -> bool:
+    def has_steered_slots(self) -> bool:
+        """Some slot holds a steered request (V2: possibly one that has finished)."""
         return self.bank is not None and self.num_active_slots > 0
+
+    def any_steered(self, slots: np.ndarray) -> bool:
+        """Whether any of these slots (a step's ``idx_mapping``) holds a steered request."""
+        return self.has_steered_slots and bool(self._steered[slots].any())
+
+    @property
+    def active(self) -> bool:
+        """Whether the head has steer work for the rows of the next ``compute_logits``."""
+        return self.has_steered_slots and self.row_source.kind != "none"
 
     @contextlib.contextmanager
     def rows(self, source: RowSource):
@@ -184,7 +251,13 @@ class SteerRuntime:
         # V1 decode steps of an unchanged batch see the same slot coefficients: plan once per
         # change (version), not per step. Other row sources gather coefficients per call.
         key = (self.version, hidden.shape[0]) if self.row_source.kind == "batch" else None
-        return self.bank.apply(hidden, coefs, backend=self.backend, plan_key=key)
+        self.stats.calls += 1
+        self.stats.rows += hidden.shape[0]
+        t0 = time.perf_counter()
+        out = self.bank.apply(hidden, coefs, backend=self.backend, plan_key=key)
+        self.op_seconds += time.perf_counter() - t0
+        self.op_calls += 1
+        return out
 
     def _coefs_for(self, hidden: torch.Tensor) -> torch.Tensor | None:
         src = self.row_source
@@ -192,7 +265,10 @@ class SteerRuntime:
         if src.kind == "none":
             return None
         if src.kind == "mapping":
-            assert src.mapping is not None
+            if src.mapping is None:
+                _warn_once("vllm-steer: logits rows came before their row mapping was known; "
+                           "they are computed unsteered")
+                return None
             return self.slot_coefs.index_select(0, src.mapping[:n].long())
         if src.kind == "prompt":
             base = src.base
@@ -245,10 +321,23 @@ def request_strengths(params: Any, runtime: "SteerRuntime | None" = None,
 _RUNTIMES: dict[str, SteerRuntime] = {}
 
 
+def steer_stats(worker: Any = None) -> dict[str, int]:
+    """The steer-op counters of this process, summed over its runtimes.
+
+    Takes (and ignores) a worker as first argument, so that it can be run on every worker with
+    ``LLM.collective_rpc(steer_stats)``.
+    """
+    total = SteerStats()
+    for rt in _RUNTIMES.values():
+        total.calls += rt.stats.calls
+        total.rows += rt.stats.rows
+    return total.as_dict()
+
+
 def get_runtime(additional_config: dict | None) -> SteerRuntime | None:
     """The process's runtime for this engine's configuration (None: no steers configured)."""
     cfg = SteerServerConfig.from_additional_config(additional_config)
-    if cfg is None or not cfg.steers:
+    if cfg is None or not cfg.enabled:
         return None
     import json
 
@@ -259,5 +348,5 @@ def get_runtime(additional_config: dict | None) -> SteerRuntime | None:
     return rt
 
 
-__all__ = ["SteerRuntime", "RowSource", "get_runtime", "request_strengths",
-           "SteerRequestError"]
+__all__ = ["SteerRuntime", "RowSource", "SteerStats", "get_runtime", "request_strengths",
+           "steer_stats", "SteerRequestError"]

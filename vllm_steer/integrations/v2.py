@@ -4,11 +4,17 @@ Semantics: see :mod:`vllm_steer.reference`. Thin by design: V2 keeps request sta
 (``add_request(slot, params)``) and tells, per step, which slot each logits row belongs to
 (``expanded_idx_mapping``). That mapping is needed *before* ``compute_logits``, so the runner's
 ``sample()`` is wrapped to scope it (:meth:`SteerRuntime.rows`) around the LM-head call.
+V2 never says that a request finished, so the head works only in steps whose batch
+(``idx_mapping``) holds a steered slot. Under batch-sharded sampling (TP > 1) rows come
+owner-sorted; they are mapped through the sharder's own sort. Tested live in
+tests/test_vllm_v2.py (through the test shim tests/v2shim) and piecewise in tests/test_v2.py.
 Prompt logprobs under V2 are computed unsteered (the V2 prompt-logprob worker batches rows of
 several requests through ``compute_logits`` without a row mapping).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
 
@@ -53,17 +59,61 @@ class SteerLogitsProcessorV2(LogitsProcessor):
 
 
 def wrap_sample(runner_cls) -> None:
-    """Scope the step's row -> slot mapping around V2's ``sample()`` (which calls the head)."""
+    """Scope the step's row -> slot mapping around V2's ``sample()`` (which calls the head).
+
+    The head works only when a slot of this step's batch (``idx_mapping``) is steered: V2 has
+    no removal callback, and a finished request's slot must cost nothing.
+
+    Rows are the sampled rows of the step in batch order (``expanded_idx_mapping``), except
+    under batch-sharded sampling (``--enable-batch-sharded-sampling``, TP > 1), where
+    ``sample()`` computes the logits of ``hidden_states[sorted_logits_indices]`` (rows sorted
+    by owner rank): there each row's slot is that of the token it was gathered from, read
+    through the very indices the runner's ``BatchSharder`` returns.
+    """
     orig = runner_cls.sample
     if getattr(orig, "_vllm_steer", False):
         return
 
     def sample(self, hidden_states, input_batch, grammar_output):
         rt = get_runtime(self.vllm_config.additional_config)
-        if rt is None or not rt.active:
+        if rt is None or not rt.any_steered(input_batch.idx_mapping_np):
             return orig(self, hidden_states, input_batch, grammar_output)
-        with rt.rows(RowSource("mapping", mapping=input_batch.expanded_idx_mapping)):
+        sharder = getattr(self, "batch_sharder", None)
+        if sharder is None:
+            with rt.rows(RowSource("mapping", mapping=input_batch.expanded_idx_mapping)):
+                return orig(self, hidden_states, input_batch, grammar_output)
+        source = RowSource("mapping", mapping=None)
+        with rt.rows(source), _sorted_rows(sharder, input_batch, source):
             return orig(self, hidden_states, input_batch, grammar_output)
 
     sample._vllm_steer = True
     runner_cls.sample = sample
+
+
+@contextlib.contextmanager
+def _sorted_rows(sharder, input_batch, source: RowSource):
+    """Set ``source.mapping`` from the owner-sorted logits indices the sharder returns."""
+    import numpy as np
+    import torch
+
+    qsl = input_batch.query_start_loc_np
+    token_slots = np.repeat(input_batch.idx_mapping_np, np.diff(qsl[: input_batch.num_reqs + 1]))
+    orig = sharder.shard_sampler_inputs
+
+    def shard_sampler_inputs(batch, grammar_output):
+        out = orig(batch, grammar_output)
+        sorted_idx = out[1] if isinstance(out, tuple) and len(out) == 4 else None
+        if not isinstance(sorted_idx, torch.Tensor) or sorted_idx.dtype.is_floating_point:
+            raise RuntimeError(
+                "vllm-steer: BatchSharder.shard_sampler_inputs no longer returns (batch, "
+                "sorted_logits_indices, grammar_output, metadata) in this vLLM; steered rows "
+                "cannot be matched to requests. Run without --enable-batch-sharded-sampling")
+        slots = torch.from_numpy(token_slots).to(sorted_idx.device, non_blocking=True)
+        source.mapping = slots[sorted_idx.long()]
+        return out
+
+    sharder.shard_sampler_inputs = shard_sampler_inputs  # this step only
+    try:
+        yield
+    finally:
+        del sharder.shard_sampler_inputs

@@ -11,10 +11,11 @@ text "sounds like" the side the strength moves towards. The paper's lens (LM-Ste
 
 The best spans are found by dynamic programming (:func:`best_spans`): at most ``k``
 non-adjacent spans of at most ``max_len`` tokens each, maximising the summed score, in
-``O(n * k * max_len)`` time, i.e. linear in the text length for fixed ``k`` and ``max_len``.
+``O(k * n * log max_len)`` vectorised numpy operations.
 
 This module is light on purpose: :func:`best_spans` and the renderers (:func:`to_json`,
-:func:`to_html`, :func:`to_ansi`) import neither torch nor transformers, so a server route
+:func:`to_html`, :func:`to_ansi`) import neither torch nor transformers (numpy, lazily),
+so a server route
 that gets per-token scores from an engine's prompt logprobs can reuse them. Only
 :func:`token_scores` (the transformers path) imports torch, lazily.
 """
@@ -47,6 +48,20 @@ class Span:
         return iter((self.start, self.end, self.score))
 
 
+def _window_max(a, width: int):
+    """``out[i] = max(a[max(0, i - width + 1) : i + 1])`` for every ``i`` (numpy, by
+    doubling: ``O(len(a) * log(width))``)."""
+    import numpy as np
+
+    n = len(a)
+    padded = np.concatenate([np.full(width - 1, -np.inf), a])
+    m, w = padded, 1
+    while 2 * w <= width:
+        m = np.maximum(m[:-w], m[w:])  # m[t] = max(padded[t : t + 2w])
+        w *= 2
+    return np.maximum(m[:n], m[width - w: width - w + n])
+
+
 def best_spans(scores: Sequence[float], k: int = DEFAULT_K,
                max_len: int = DEFAULT_MAX_LEN) -> list[Span]:
     """At most ``k`` spans of at most ``max_len`` tokens maximising the summed score.
@@ -55,50 +70,58 @@ def best_spans(scores: Sequence[float], k: int = DEFAULT_K,
     is shown as its own block), and each has a positive sum (a span that does not raise the
     total is never chosen). Returned sorted by ``start``; ``end`` is exclusive.
 
-    Dynamic programme over prefixes: ``best[i][j]`` is the best total over ``scores[:i]``
+    Dynamic programme over prefixes: ``best[j][i]`` is the best total over ``scores[:i]``
     with at most ``j`` spans; either token ``i-1`` is outside every span
-    (``best[i-1][j]``), or a span ``[i-l, i)`` ends there and token ``i-l-1`` is a gap::
+    (``best[j][i-1]``), or a span ``[s, i)`` of at most ``max_len`` tokens ends there and
+    token ``s-1`` is a gap::
 
-        best[i][j] = max(best[i-1][j],
-                         max_{l=1..min(max_len, i)} best[max(i-l-1, 0)][j-1] + sum(scores[i-l:i]))
+        best[j][i] = max(best[j][i-1],
+                         prefix[i] + max_{i-max_len <= s < i} (best[j-1][s-1] - prefix[s]))
 
-    ``O(len(scores) * k * max_len)`` time and memory; pure Python, no torch.
+    (``best[j-1][-1] = 0``). Each row is computed at once with numpy: the inner maximum is
+    a sliding-window maximum (``O(n log max_len)``) and the outer one a running maximum, so
+    the whole search is ``O(k * n * log max_len)``, vectorised, with no Python loop over
+    tokens; the spans are then read back from the rows.
     """
+    import numpy as np
+
     k, max_len = int(k), int(max_len)
     if k < 0 or max_len < 1:
         raise ValueError(f"best_spans: k={k} must be >= 0 and max_len={max_len} >= 1")
-    vals = [float(s) for s in scores]
-    bad = [i for i, v in enumerate(vals) if not math.isfinite(v)]
-    if bad:
-        raise ValueError(f"best_spans: scores must be finite; positions {bad[:5]} are not")
+    vals = np.asarray([float(x) for x in scores] if not isinstance(scores, np.ndarray)
+                      else scores, dtype=np.float64).reshape(-1)
+    bad = np.flatnonzero(~np.isfinite(vals))
+    if bad.size:
+        raise ValueError(f"best_spans: scores must be finite; positions {bad[:5].tolist()} "
+                         "are not")
     n = len(vals)
     if n == 0 or k == 0:
         return []
-    prefix = [0.0] * (n + 1)
-    for i, v in enumerate(vals):
-        prefix[i + 1] = prefix[i] + v
-    # best[j][i] and the choice that produced it (0 = token i-1 not in a span, l = span length)
-    best = [[0.0] * (n + 1) for _ in range(k + 1)]
-    choice = [[0] * (n + 1) for _ in range(k + 1)]
-    for j in range(1, k + 1):
-        row, prev, ch = best[j], best[j - 1], choice[j]
-        for i in range(1, n + 1):
-            b, c = row[i - 1], 0
-            for length in range(1, min(max_len, i) + 1):
-                s = i - length
-                cand = (prev[s - 1] if s >= 1 else 0.0) + prefix[i] - prefix[s]
-                if cand > b + 1e-12 * (1.0 + abs(b)):
-                    b, c = cand, length
-            row[i], ch[i] = b, c
+    prefix = np.concatenate([[0.0], np.cumsum(vals)])
+    width = min(max_len, n)
+    rows = [np.zeros(n + 1)]
+    for _ in range(k):
+        prev = rows[-1]
+        # a[s] = best[j-1][s-1] - prefix[s]: the value of starting a span at token s
+        a = np.concatenate([[0.0], prev[:n - 1]]) - prefix[:n]
+        cand = prefix[1:] + _window_max(a, width)  # best total with a span ending at i
+        row = np.maximum.accumulate(np.concatenate([[0.0], cand]))
+        rows.append(row)
+        if np.array_equal(row, prev):
+            break  # one more span does not help: neither will more
     spans: list[Span] = []
-    i, j = n, k
+    i, j = n, len(rows) - 1
     while i > 0 and j > 0:
-        length = choice[j][i]
-        if length == 0:
-            i -= 1
-            continue
-        s = i - length
-        spans.append(Span(s, i, prefix[i] - prefix[s]))
+        row, prev = rows[j], rows[j - 1]
+        if row[i] <= 0.0:
+            break
+        # the first position where the row reaches row[i]: a span ends there
+        i = int(np.searchsorted(row, row[i], side="left"))
+        lo = max(0, i - width)
+        starts = np.arange(lo, i)
+        gain = np.where(starts >= 1, prev[np.maximum(starts - 1, 0)], 0.0) - prefix[starts]
+        s = int(starts[len(gain) - 1 - int(np.argmax(gain[::-1]))])  # the shortest best span
+        spans.append(Span(s, i, float(prefix[i] - prefix[s])))
         i, j = s - 1, j - 1
     spans.reverse()
     return spans

@@ -15,6 +15,7 @@ vLLM loads endpoint plugins only when named in ``VLLM_PLUGINS``::
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any, Literal
 
@@ -23,6 +24,15 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, Field
 
 router = APIRouter()
+
+#: Highlight requests served at once per API-server process; more get HTTP 429.
+MAX_CONCURRENT_HIGHLIGHTS = 4
+#: Characters of text per token of the model's context accepted before tokenising.
+MAX_CHARS_PER_TOKEN = 32
+_in_flight = 0
+V2_REFUSAL = ("/v1/steer/highlight needs steered prompt logprobs, which Model Runner V2 computes "
+              "unsteered (its scores would all be zero); serve with the V1 model runner "
+              "(VLLM_USE_V2_MODEL_RUNNER=0) to use the highlight route")
 
 
 class HighlightRequest(BaseModel):
@@ -39,9 +49,24 @@ class HighlightRequest(BaseModel):
     model: str | None = Field(None, description="Ignored (the served model is used).")
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "BadRequestError",
-                                   "param": "steer", "code": status}}, status_code=status)
+def _error(status: int, message: str, param: str | None = "steer") -> JSONResponse:
+    kind = {429: "TooManyRequests", 501: "NotImplementedError",
+            503: "ServiceUnavailable"}.get(status, "BadRequestError")
+    return JSONResponse({"error": {"message": message, "type": kind,
+                                   "param": param, "code": status}}, status_code=status)
+
+
+def _check_strengths(body: HighlightRequest) -> JSONResponse | None:
+    """The request-field check of the completions routes, on ``steer`` and ``against``."""
+    from vllm_steer.config import SteerRequestError
+    from vllm_steer.integrations.frontend import check_value
+
+    for where in ("steer", "against"):
+        try:
+            check_value(getattr(body, where), where)
+        except SteerRequestError as e:
+            return _error(400, str(e), where)
+    return None
 
 
 async def _prompt_logprobs(engine, ids: list[int], steer: dict | None) -> list[float | None]:
@@ -60,31 +85,67 @@ async def _prompt_logprobs(engine, ids: list[int], steer: dict | None) -> list[f
 
 @router.post("/v1/steer/highlight")
 async def highlight(body: HighlightRequest, raw: Request):
-    from vllm_steer.lens.highlight import best_spans, text_pieces, to_html, to_json
+    """Bounded: the text fits the model's context, at most ``MAX_CONCURRENT_HIGHLIGHTS`` run
+    at once, and tokenising, the span search and rendering run off the event loop."""
+    global _in_flight
 
     engine = getattr(raw.app.state, "vllm_steer_engine", None)
     if engine is None:
-        return _error(503, "no engine behind this server")
+        return _error(503, "no engine behind this server", None)
+    if getattr(getattr(engine, "vllm_config", None), "use_v2_model_runner", False):
+        return _error(501, V2_REFUSAL, None)
+    bad = _check_strengths(body)
+    if bad is not None:
+        return bad
+    if _in_flight >= MAX_CONCURRENT_HIGHLIGHTS:
+        return _error(429, f"too many highlight requests at once (at most "
+                           f"{MAX_CONCURRENT_HIGHLIGHTS}); retry later", None)
+    _in_flight += 1
+    try:
+        return await _highlight(body, engine)
+    finally:
+        _in_flight -= 1
+
+
+async def _highlight(body: HighlightRequest, engine):
+    from vllm_steer.lens.highlight import best_spans, text_pieces, to_html, to_json
+
+    max_model_len = int(getattr(getattr(engine, "model_config", None), "max_model_len", 0)
+                        or 0)
+    if max_model_len and len(body.text) > MAX_CHARS_PER_TOKEN * max_model_len:
+        return _error(400, f"text is {len(body.text)} characters; this server's context is "
+                           f"{max_model_len} tokens (max_model_len), so at most "
+                           f"{MAX_CHARS_PER_TOKEN * max_model_len} characters are read", "text")
     tokenizer = await engine.get_tokenizer() if _is_coro(engine.get_tokenizer) \
         else engine.get_tokenizer()
-    ids, pieces = text_pieces(tokenizer, body.text)
+    ids, pieces = await asyncio.to_thread(text_pieces, tokenizer, body.text)
     prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else \
         ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
     full = prefix + ids
+    if max_model_len and len(full) + 1 > max_model_len:
+        limit = max_model_len - 1 - len(prefix)
+        return _error(400, f"text is {len(ids)} tokens; this server's context is "
+                           f"{max_model_len} tokens (max_model_len), so a highlighted text may "
+                           f"have at most {limit} tokens", "text")
     try:
         steered = await _prompt_logprobs(engine, full, body.steer)
         base = await _prompt_logprobs(engine, full, body.against)
-    except ValueError as e:  # VLLMValidationError: unknown steer, bad strength, ...
-        return _error(400, str(e))
+    except Exception as e:  # noqa: BLE001 -- VLLMValidationError is not a ValueError
+        if not (isinstance(e, ValueError) or type(e).__name__ == "VLLMValidationError"):
+            raise
+        msg = str(e.args[0]) if e.args else type(e).__name__
+        return _error(400, msg[:1000], getattr(e, "parameter", None))
     scores = [None if a is None or b is None else a - b
               for a, b in zip(steered[len(prefix):], base[len(prefix):])]
-    spans = best_spans([s or 0.0 for s in scores], k=body.k, max_len=body.max_len)
+    spans = await asyncio.to_thread(best_spans, [s or 0.0 for s in scores], body.k,
+                                    body.max_len)
     info = {"steer": body.steer, "against": body.against or {}, "k": body.k,
             "max_len": body.max_len, "source": "engine prompt logprobs"}
     if body.format == "html":
-        return HTMLResponse(to_html(pieces, scores, spans, subtitle=(
-            f"steer {body.steer} against {body.against or 'the plain model'}")))
-    return JSONResponse(to_json(pieces, scores, spans, **info))
+        page = await asyncio.to_thread(to_html, pieces, scores, spans, subtitle=(
+            f"steer {body.steer} against {body.against or 'the plain model'}"))
+        return HTMLResponse(page)
+    return JSONResponse(await asyncio.to_thread(to_json, pieces, scores, spans, **info))
 
 
 def _is_coro(fn) -> bool:
@@ -94,13 +155,16 @@ def _is_coro(fn) -> bool:
 
 
 class SteerLensEndpoint:
-    """vLLM endpoint plugin adding the lens routes."""
+    """vLLM endpoint plugin adding the lens routes (and the playground page, ``/steer/``)."""
 
     name = "vllm_steer_lens"
     required_tasks = ("generate",)
 
     def attach_router(self, app) -> None:
+        from vllm_steer.server.playground import router as playground_router
+
         app.include_router(router)
+        app.include_router(playground_router)
 
     async def init_state(self, engine_client, state, args) -> None:
         state.vllm_steer_engine = engine_client

@@ -84,6 +84,10 @@ def add_commands(subparsers) -> None:
     _dtype_arg(rec, "--model-dtype", d.model_dtype, "dtype of the frozen model's one pass")
     _dtype_arg(rec, "--cache-dtype", d.cache_dtype, "dtype of the stored hidden states")
     _dtype_arg(rec, "--head-dtype", d.head_dtype, "dtype of the head matmuls in each step")
+    rec.add_argument("--step-tokens", type=int, default=None, metavar="N",
+                     help="sample N target tokens of each batch (default: all); the head "
+                          "matmul over the vocabulary dominates a step, so N below the "
+                          "batch's tokens makes steps proportionally cheaper")
     rec.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens)
     rec.add_argument("--eval-every", type=int, default=d.eval_every)
     rec.add_argument("--check-strengths", type=float, nargs="+", default=list(d.check_strengths),
@@ -118,7 +122,11 @@ def add_commands(subparsers) -> None:
     c.add_argument("checkpoint")
     c.add_argument("--out", required=True)
     c.add_argument("--unsafe-allow-pickle", action="store_true",
-                   help="allow reading the pickle (can run code: only for files you trust)")
+                   help="allow reading the pickle with torch's restricted loader "
+                        "(weights_only=True; enough for the paper's checkpoints)")
+    c.add_argument("--unsafe-full-unpickle", action="store_true",
+                   help="unpickle fully when the restricted loader refuses the file: this runs "
+                        "any code the file holds, only for files you trust")
     c.add_argument("--steer-index", type=int, default=None,
                    help="which steer is the style (default: args.training_steer, else 0)")
     c.add_argument("--dummy-index", type=int, default=None,
@@ -167,6 +175,7 @@ def cmd_train(args) -> int:
                       domain_dropout=args.domain_dropout, device=args.device,
                       model_dtype=args.model_dtype, cache_dtype=args.cache_dtype,
                       head_dtype=args.head_dtype, chunk_tokens=args.chunk_tokens,
+                      step_tokens=args.step_tokens,
                       eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
                       check_strengths=tuple(args.check_strengths),
                       fluency_budget=args.fluency_budget)
@@ -181,17 +190,22 @@ def cmd_train(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from vllm_steer.format import save_steer
+    from vllm_steer.format import SteerFileError, save_steer
     from vllm_steer.train.convert import PickleRefused, convert_checkpoint, describe
 
     try:
         steer = convert_checkpoint(args.checkpoint, allow_pickle=args.unsafe_allow_pickle,
+                                   full_unpickle=args.unsafe_full_unpickle,
                                    steer_index=args.steer_index, dummy_index=args.dummy_index,
                                    no_dummy=args.no_dummy, domain=args.domain, name=args.name,
                                    base_model=args.base_model, epsilon=args.epsilon)
     except PickleRefused as e:
         print(f"vllm-steer convert: refused: {e}", file=sys.stderr)
         return 2
-    save_steer(args.out, steer)
+    try:
+        save_steer(args.out, steer)
+    except SteerFileError as e:  # e.g. an out-of-range epsilon in the checkpoint's args
+        print(f"vllm-steer convert: error: {args.out}: " + "; ".join(e.reasons), file=sys.stderr)
+        return 1
     print(f"wrote {args.out}: {describe(steer)}")
     return 0

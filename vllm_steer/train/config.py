@@ -75,6 +75,12 @@ class TrainConfig:
     float32). ``auto`` = bfloat16 where the hardware has fast bf16 matmuls (CUDA, or a CPU
     with AVX512-BF16/AMX), else float32. ``float32`` reproduces full-model training to
     rounding."""
+    step_tokens: int | None = None
+    """Target tokens per step: when a batch has more, a seeded uniform sample of this many of
+    its target positions (a function of seed and step). The loss is their mean: an unbiased
+    estimate of the batch's token-mean loss at a fraction of the head cost (the head matmul
+    over the vocabulary dominates a step); more steps buy back the variance. ``None`` =
+    every token (the paper's)."""
     chunk_tokens: int = 1024
     """Tokens per head chunk inside a step (bounds the memory of the [tokens, vocab] logits;
     the gradient is the same for any value)."""
@@ -84,8 +90,8 @@ class TrainConfig:
     """Steps between dev-loss evaluations (0 = only at the end)."""
     checkpoint_every: int = 100
     """Steps between checkpoints (0 = none; resume then restarts from the beginning)."""
-    final_eval_max_texts: int = 1000
-    """Texts of the training set (seeded sample) on which the final train loss is measured."""
+    final_eval_max_texts: int = 256
+    """Texts trained on (seeded sample) on which the final train loss is measured."""
     check_strengths: tuple[float, ...] = (1.0, 2.0, 3.0, 5.0, 10.0)
     """Strengths at which the final report measures dev losses (positive and negative texts
     at +s and -s versus s = 0, without the domain steer, as served)."""
@@ -112,6 +118,10 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 problems.append(f"{name}={v!r}: must be a positive integer")
+        if self.step_tokens is not None and (not isinstance(self.step_tokens, int)
+                                             or self.step_tokens < 1):
+            problems.append(f"step_tokens={self.step_tokens!r}: must be a positive integer "
+                            "or None (every token)")
         for name in ("eval_every", "checkpoint_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:

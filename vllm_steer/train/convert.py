@@ -13,9 +13,12 @@ The paper generates with ``--steer_values S 1`` (style at S, dummy at 1): the de
 ``--steer_values S 0``.
 
 A checkpoint is a pickle, which can run code when loaded: it is read only when the caller
-passes ``allow_pickle=True`` (``--unsafe-allow-pickle``), and even then first with
-``torch.load(weights_only=True)`` (argparse.Namespace allowed), falling back to full
-unpickling only if that fails.
+passes ``allow_pickle=True`` (``--unsafe-allow-pickle``), and then only with the restricted
+loader ``torch.load(weights_only=True)`` (``argparse.Namespace`` allowed), which is enough for
+genuine checkpoints of the paper's code. A file the restricted loader refuses is refused with
+its reason; full unpickling happens only with the separate ``full_unpickle=True``
+(``--unsafe-full-unpickle``). Every unreadable input (empty, truncated, random bytes, not
+a paper checkpoint) raises :class:`CheckpointError` with a one-line message.
 """
 
 from __future__ import annotations
@@ -37,6 +40,35 @@ class PickleRefused(ValueError):
     """Loading a pickle was not explicitly allowed."""
 
 
+class CheckpointError(ValueError):
+    """The checkpoint cannot be converted; the message is one line naming the file."""
+
+
+def _reason(e: BaseException) -> str:
+    """One line from a ``torch.load`` error (whose messages run to paragraphs)."""
+    text = str(e)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        text = text[text.index(marker) + len(marker):]
+        for stop in ("Check the documentation", "Please use `torch.serialization"):
+            text = text.split(stop)[0]
+    text = " ".join(text.split()).rstrip(". ")
+    if len(text) > 200:
+        text = text[:200] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _default_name(path: str) -> str:
+    """A valid steer name from the file name (see :mod:`vllm_steer.names`)."""
+    import re
+
+    from vllm_steer.names import MAX_NAME_LENGTH, is_steer_name
+
+    stem = os.path.basename(path).split(".")[0]
+    name = re.sub(r"[^A-Za-z0-9_.\-]+", "-", stem).strip("-.")[:MAX_NAME_LENGTH]
+    return name if is_steer_name(name) else "converted"
+
+
 def _json_safe(v: Any) -> Any:
     if isinstance(v, (str, int, bool)) or v is None:
         return v
@@ -49,57 +81,104 @@ def _json_safe(v: Any) -> Any:
     return repr(v)
 
 
-def load_paper_checkpoint(path: str, allow_pickle: bool = False
+def load_paper_checkpoint(path: str, allow_pickle: bool = False, full_unpickle: bool = False
                           ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor, int | None]:
-    """``(args, P1 [K, d, r], P2 [K, d, r], step)`` from a checkpoint of the paper's code."""
+    """``(args, P1 [K, d, r], P2 [K, d, r], step)`` from a checkpoint of the paper's code.
+
+    ``args`` is ``{}`` when the checkpoint carries none.
+    """
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file")
-    if not allow_pickle:
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path}: is a directory, expected a checkpoint file")
+    if not (allow_pickle or full_unpickle):
         raise PickleRefused(
             f"{path} is a torch.save pickle; unpickling can run arbitrary code, so it is read "
             "only with --unsafe-allow-pickle (use it only for files you trust): "
             f"vllm-steer convert {path} --unsafe-allow-pickle --out steer.safetensors")
+    size = os.path.getsize(path)
+    if size == 0:
+        raise CheckpointError(f"{path}: the file is empty, not a checkpoint")
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 -- any refusal of the restricted loader
-        warnings.warn(f"{path}: the restricted loader refused it ({type(e).__name__}); "
-                      "unpickling fully as allowed by --unsafe-allow-pickle", stacklevel=2)
-        obj = torch.load(path, map_location="cpu", weights_only=False)
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None
+    if len(head) == 8 and _is_safetensors(path, head, size):
+        raise CheckpointError(f"{path}: this is already a safetensors file, not a checkpoint "
+                              "of the paper's code (see `vllm-steer info FILE`)")
+    try:
+        if full_unpickle:
+            warnings.warn(f"{path}: unpickling fully (--unsafe-full-unpickle): this runs any "
+                          "code the file holds", stacklevel=2)
+            obj = torch.load(path, map_location="cpu", weights_only=False)
+        else:
+            with torch.serialization.safe_globals([argparse.Namespace]):
+                obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 -- corrupt files raise anything
+        if full_unpickle:
+            raise CheckpointError(f"{path}: not a readable checkpoint ({_reason(e)})") from None
+        raise CheckpointError(
+            f"{path}: the restricted loader (torch.load weights_only=True) refused it "
+            f"({_reason(e)}); a genuine checkpoint of the paper's code loads this way, so the "
+            "file is corrupt, truncated, not a checkpoint, or holds other objects. Only for a "
+            "file you trust: --unsafe-full-unpickle (runs any code it holds)") from None
     if not isinstance(obj, (list, tuple)) or len(obj) < 2:
-        raise ValueError(f"{path}: expected [args, state_dict, step] as saved by the paper's "
-                         f"train.py, got {type(obj).__name__}")
+        raise CheckpointError(f"{path}: expected [args, state_dict, step] as saved by the "
+                              f"paper's train.py, got {type(obj).__name__}")
     args, state = obj[0], obj[1]
     step = obj[2] if len(obj) > 2 and isinstance(obj[2], int) else None
     args = vars(args) if isinstance(args, argparse.Namespace) else (
         dict(args) if isinstance(args, dict) else {})
     if not isinstance(state, dict):
-        raise ValueError(f"{path}: the second element should be the steer's state dict, got "
-                         f"{type(state).__name__}")
+        raise CheckpointError(f"{path}: the second element should be the steer's state dict, "
+                              f"got {type(state).__name__}")
     if "projector1" not in state or "projector2" not in state:
         kind = args.get("adaptor_class", "?")
-        raise ValueError(f"{path}: no projector1/projector2 in the state dict (keys "
-                         f"{sorted(state)}; adaptor_class={kind!r}); only the 'multiply' "
-                         "adaptor (LM-Steer proper) can be converted")
+        keys = [repr(k)[:40] for k in list(state)[:8]]
+        raise CheckpointError(f"{path}: no projector1/projector2 in the state dict (keys "
+                              f"{keys}{' ...' if len(state) > 8 else ''}; adaptor_class="
+                              f"{kind!r:.40}); only the 'multiply' adaptor (LM-Steer proper) "
+                              "can be converted")
     p1, p2 = state["projector1"], state["projector2"]
-    if not (torch.is_tensor(p1) and torch.is_tensor(p2)) or p1.dim() != 3 or p1.shape != p2.shape:
-        raise ValueError(f"{path}: projector1 {getattr(p1, 'shape', None)} and projector2 "
-                         f"{getattr(p2, 'shape', None)} must be equal (num_steers, hidden, rank)")
+    if not (torch.is_tensor(p1) and torch.is_tensor(p2)) or p1.dim() != 3 or p1.shape != p2.shape \
+            or not (p1.is_floating_point() and p2.is_floating_point()):
+        raise CheckpointError(f"{path}: projector1 {getattr(p1, 'shape', None)} and projector2 "
+                              f"{getattr(p2, 'shape', None)} must be equal (num_steers, hidden, "
+                              "rank) float tensors")
+    if not (torch.isfinite(p1).all() and torch.isfinite(p2).all()):
+        raise CheckpointError(f"{path}: projector1/projector2 hold NaN or inf values")
     return args, p1.detach().float(), p2.detach().float(), step
 
 
-def convert_checkpoint(path: str, *, allow_pickle: bool = False, steer_index: int | None = None,
+def _is_safetensors(path: str, head: bytes, size: int) -> bool:
+    import struct
+
+    (n,) = struct.unpack("<Q", head)
+    if not 2 <= n <= min(size - 8, 1 << 24):
+        return False
+    with open(path, "rb") as f:
+        f.seek(8)
+        return f.read(1) == b"{"
+
+
+def convert_checkpoint(path: str, *, allow_pickle: bool = False, full_unpickle: bool = False,
+                       steer_index: int | None = None,
                        dummy_index: int | None = None, no_dummy: bool = False,
                        domain: str = "with_steer", name: str | None = None,
                        base_model: str | None = None, epsilon: float | None = None) -> Steer:
     """A :class:`~vllm_steer.format.Steer` from a checkpoint of the paper's code."""
-    args, p1, p2, step = load_paper_checkpoint(path, allow_pickle)
+    args, p1, p2, step = load_paper_checkpoint(path, allow_pickle, full_unpickle)
     K = int(p1.shape[0])
     if steer_index is None:
-        steer_index = int(args.get("training_steer", 0) or 0)
+        steer_index = _index_arg(path, args, "training_steer", 0)
     if dummy_index is None and not no_dummy:
-        d_arg = args.get("dummy_steer")
-        dummy_index = int(d_arg) if d_arg is not None else (1 if K > 1 else None)
+        if args:  # the paper's args record the dummy (None: trained without one)
+            dummy_index = _index_arg(path, args, "dummy_steer", None)
+        else:
+            dummy_index = 1 if K > 1 else None
     if no_dummy:
         dummy_index = None
     for what, i in (("--steer-index", steer_index), ("--dummy-index", dummy_index)):
@@ -107,12 +186,17 @@ def convert_checkpoint(path: str, *, allow_pickle: bool = False, steer_index: in
             raise ValueError(f"{what} {i} is out of range: the checkpoint holds {K} steers "
                              f"(0..{K - 1})")
     if dummy_index is not None and dummy_index == steer_index:
-        raise ValueError(f"--dummy-index {dummy_index} equals --steer-index; pick another")
+        raise ValueError(f"the dummy steer (index {dummy_index}) is the steer itself (index "
+                         f"{steer_index}); pass --no-dummy to convert without a dummy steer, or "
+                         "pick another --dummy-index")
     if domain not in ("none", "with_steer"):
         raise ValueError(f"--domain {domain!r}: choose none or with_steer")
     if dummy_index is None and domain == "with_steer":
         domain = "none"
-    eps = float(epsilon if epsilon is not None else args.get("epsilon") or DEFAULT_EPSILON)
+    eps = epsilon if epsilon is not None else args.get("epsilon") or DEFAULT_EPSILON
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise CheckpointError(f"{path}: args.epsilon={eps!r:.40} is not a number; give --epsilon")
+    eps = float(eps)
     with open(path, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
     source = {"kind": "LM-Steer checkpoint (github.com/Glaciohound/LM-Steer)",
@@ -121,7 +205,7 @@ def convert_checkpoint(path: str, *, allow_pickle: bool = False, steer_index: in
               "args": _json_safe(args)}
     dp1 = p1[dummy_index].contiguous() if dummy_index is not None else None
     dp2 = p2[dummy_index].contiguous() if dummy_index is not None else None
-    name = name or os.path.basename(path).split(".")[0]
+    name = name or _default_name(path)
     return make_steer(p1[steer_index].contiguous(), p2[steer_index].contiguous(), name,
                       base_model=base_model or args.get("model_name"), epsilon=eps,
                       domain_p1=dp1, domain_p2=dp2, domain=domain, domain_strength=1.0,
@@ -130,6 +214,16 @@ def convert_checkpoint(path: str, *, allow_pickle: bool = False, steer_index: in
                               ("lr", "n_steps", "batch_size", "rank", "init_var",
                                "regularization", "max_length", "dataset_name", "seed")
                               if k in args})
+
+
+def _index_arg(path: str, args: dict[str, Any], key: str, default: int | None) -> int | None:
+    v = args.get(key, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise CheckpointError(f"{path}: args.{key}={v!r:.40} is not a steer index; give "
+                              f"--{'steer' if key == 'training_steer' else 'dummy'}-index")
+    return v
 
 
 def describe(steer: Steer) -> str:

@@ -12,6 +12,9 @@ Storage (:class:`HiddenStates`), all texts concatenated::
     ids      [total_tokens]          token ids
     offsets  [num_texts + 1]         text i is rows offsets[i]:offsets[i+1]
     sides    [num_texts]             +1 positive, -1 negative
+    texts    [num_texts]             optional: which texts of the split these are (a run
+                                     computes only the texts its steps use; see
+                                     vllm_steer.train.trainer.hidden_states)
 """
 
 from __future__ import annotations
@@ -112,6 +115,9 @@ class HiddenStates:
     ids: torch.Tensor
     offsets: torch.Tensor
     sides: torch.Tensor
+    texts: torch.Tensor | None = None
+    """Indices (in the split) of the texts stored here, in storage order; ``None`` = all
+    texts of the split, in order."""
 
     @property
     def num_texts(self) -> int:
@@ -150,8 +156,11 @@ class HiddenStates:
         from safetensors.torch import save_file
 
         tmp = path + ".tmp"
-        save_file({"hidden": self.hidden.contiguous(), "ids": self.ids, "offsets": self.offsets,
-                   "sides": self.sides}, tmp, metadata={"key": key})
+        tensors = {"hidden": self.hidden.contiguous(), "ids": self.ids,
+                   "offsets": self.offsets, "sides": self.sides}
+        if self.texts is not None:
+            tensors["texts"] = self.texts
+        save_file(tensors, tmp, metadata={"key": key})
         os.replace(tmp, path)
 
     @classmethod
@@ -165,9 +174,23 @@ class HiddenStates:
             with safe_open(path, framework="pt") as f:
                 if (f.metadata() or {}).get("key") != key:
                     return None
-                return cls(*(f.get_tensor(k) for k in ("hidden", "ids", "offsets", "sides")))
+                parts = [f.get_tensor(k) for k in ("hidden", "ids", "offsets", "sides")]
+                texts = f.get_tensor("texts") if "texts" in f.keys() else None
+                return cls(*parts, texts=texts)
         except Exception:  # a truncated cache is simply recomputed
             return None
+
+    def text_indices(self) -> torch.Tensor:
+        """The split's indices of the stored texts (storage order)."""
+        return self.texts if self.texts is not None else torch.arange(self.num_texts)
+
+    @classmethod
+    def concat(cls, a: "HiddenStates", b: "HiddenStates") -> "HiddenStates":
+        """The texts of ``a`` then those of ``b`` (disjoint subsets of one split)."""
+        off_b = b.offsets[1:] + a.offsets[-1]
+        return cls(torch.cat([a.hidden, b.hidden]), torch.cat([a.ids, b.ids]),
+                   torch.cat([a.offsets, off_b]), torch.cat([a.sides, b.sides]),
+                   torch.cat([a.text_indices(), b.text_indices()]))
 
 
 def cache_key(model_path: str, model, texts: Sequence[str], sides: Sequence[int],

@@ -140,24 +140,61 @@ def check_head(prep: Prepared, lm: LMSteer) -> float:
     return err
 
 
+def used_texts(sched: "BatchSchedule", steps: int) -> torch.Tensor:
+    """The (sorted) indices of the training texts that steps ``0 .. steps-1`` draw: the only
+    ones whose hidden states a run needs (``--steps 20`` of batch 32 reads 640 texts, not the
+    whole file)."""
+    seen = torch.zeros(sched.n, dtype=torch.bool)
+    if steps >= sched.per_epoch:  # a whole epoch reads every text
+        seen[:] = True
+    for step in range(min(steps, sched.per_epoch)):
+        seen[sched.indices(step)] = True
+    return torch.nonzero(seen).flatten()
+
+
+def local_index(hs: HiddenStates, n_split: int) -> torch.Tensor:
+    """Split index -> row of ``hs``'s texts (-1 where the text is not stored)."""
+    pos = torch.full((n_split,), -1, dtype=torch.long)
+    pos[hs.text_indices()] = torch.arange(hs.num_texts)
+    return pos
+
+
 def hidden_states(prep: Prepared, split: str, ckpt_dir: str | None, progress: bool,
-                  log: Callable[[str], None] = print) -> HiddenStates:
-    """The split's hidden states, from ``ckpt_dir`` when already computed for this exact
-    model, data and recipe, else computed (and saved there)."""
+                  log: Callable[[str], None] = print, needed: torch.Tensor | None = None
+                  ) -> HiddenStates:
+    """The split's hidden states of the texts ``needed`` (indices into the split; default
+    all). Only texts not already in ``ckpt_dir``'s cache for this exact model, split and
+    recipe are computed; the cache then holds the union (so a resumed or longer run reuses
+    what a shorter one computed). The result may hold more texts than ``needed``: map split
+    indices with :func:`local_index`."""
     ids = prep.train_ids if split == "train" else prep.dev_ids
     sides = prep.train_sides if split == "train" else prep.dev_sides
     texts = ["\x02".join(map(str, x)) for x in ids]
     key = cache_key(prep.model_path, prep.model, texts, sides, prep.cfg.max_length,
                     prep.model_dtype, prep.cache_dtype)
     path = os.path.join(ckpt_dir, f"hidden-{split}.safetensors") if ckpt_dir else None
-    if path:
-        hs = HiddenStates.load(path, key)
-        if hs is not None:
-            log(f"[train] {split}: reusing the hidden states in {path}")
-            return hs
-    hs = compute_hidden(prep.model, prep.tokenizer, ids, sides, cache_dtype=prep.cache_dtype,
-                        batch_tokens=prep.cfg.cache_batch_tokens, progress=progress,
-                        desc=f"{split} hidden states")
+    want = torch.arange(len(ids)) if needed is None else torch.as_tensor(needed).long()
+    hs = HiddenStates.load(path, key) if path else None
+    have = torch.zeros(len(ids), dtype=torch.bool)
+    if hs is not None:
+        have[hs.text_indices()] = True
+    missing = want[~have[want]]
+    if hs is not None and len(missing) == 0:
+        log(f"[train] {split}: reusing the hidden states in {path}")
+        return hs
+    if hs is not None:
+        log(f"[train] {split}: reusing the hidden states of {hs.num_texts} texts in {path}; "
+            f"{len(missing)} more to compute")
+    if len(missing) < len(ids):
+        log(f"[train] {split}: computing the hidden states of the {len(missing)} of "
+            f"{len(ids)} texts this run uses")
+    sub = missing.tolist()
+    new = compute_hidden(prep.model, prep.tokenizer, [ids[i] for i in sub],
+                         [sides[i] for i in sub], cache_dtype=prep.cache_dtype,
+                         batch_tokens=prep.cfg.cache_batch_tokens, progress=progress,
+                         desc=f"{split} hidden states")
+    new.texts = missing.clone()
+    hs = new if hs is None else HiddenStates.concat(hs, new)
     if path:
         os.makedirs(ckpt_dir, exist_ok=True)
         hs.save(path, key)
@@ -173,6 +210,15 @@ def domain_mask(hs: HiddenStates, idx: torch.Tensor, cfg: TrainConfig, step: int
     g = torch.Generator().manual_seed(cfg.seed * 7_919 + step + 1)
     keep = (torch.rand(len(idx), generator=g) >= cfg.domain_dropout).float()
     return torch.repeat_interleave(keep, hs.lengths()[idx] - 1).to(device)
+
+
+def token_sample(n: int, cfg: TrainConfig, step: int) -> torch.Tensor | None:
+    """Rows of a step's batch kept under ``cfg.step_tokens`` (sorted; a function of seed and
+    step, so resuming repeats it), or ``None`` for all ``n``."""
+    if cfg.step_tokens is None or n <= cfg.step_tokens:
+        return None
+    g = torch.Generator().manual_seed(cfg.seed * 104_729 + step + 7)
+    return torch.randperm(n, generator=g)[:cfg.step_tokens].sort().values
 
 
 def mean_loss(lm: LMSteer, hs: HiddenStates, text_idx=None, *, strength: float | None = None,
@@ -194,19 +240,26 @@ def mean_loss(lm: LMSteer, hs: HiddenStates, text_idx=None, *, strength: float |
     return tot / max(n, 1)
 
 
-def steer_check(lm: LMSteer, hs: HiddenStates, strengths, **kw) -> dict[str, Any]:
+def steer_check(lm: LMSteer, hs: HiddenStates, strengths, *, head_dtype=torch.float32,
+                chunk_tokens: int = 1024, device=None, batch_texts: int = 64) -> dict[str, Any]:
     """Dev losses per side at strengths 0, +-s (no domain, as served): a working steer lowers
-    the positive side's loss at +s and the negative side's at -s."""
+    the positive side's loss at +s and the negative side's at -s. All strengths from the
+    same two head GEMMs per chunk (:meth:`LMSteer.strength_nll`)."""
     out: dict[str, Any] = {}
+    keys = ["0"] + [f"{v:+g}" for s in strengths for v in (s, -s)]
+    values = [0.0] + [float(v) for s in strengths for v in (s, -s)]
     for side_name, side in (("positive", 1), ("negative", -1)):
         idx = torch.nonzero(hs.sides == side).flatten()
         if len(idx) == 0:
             continue
-        row = {"0": mean_loss(lm, hs, idx, strength=0.0, domain=0.0, **kw)}
-        for s in strengths:
-            for v in (s, -s):
-                row[f"{v:+g}"] = mean_loss(lm, hs, idx, strength=v, domain=0.0, **kw)
-        out[side_name] = row
+        tot, n = [0.0] * len(values), 0
+        for a in range(0, len(idx), batch_texts):
+            c, t, _ = hs.batch(idx[a:a + batch_texts], device)
+            part = lm.strength_nll(c, t, values, head_dtype=head_dtype,
+                                   chunk_tokens=min(chunk_tokens, 512))
+            tot = [x + y for x, y in zip(tot, part)]
+            n += len(t)
+        out[side_name] = {k: v / max(n, 1) for k, v in zip(keys, tot)}
     return out
 
 
@@ -308,12 +361,16 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
         log(f"[train] note: starting over; the checkpoint in {checkpoint_dir} is replaced "
             "(--resume continues it)")
 
+    sched = BatchSchedule(len(prep.train_ids), cfg.batch_size, cfg.seed)
+    used = used_texts(sched, cfg.steps)
     t_h = time.perf_counter()
-    train_hs = hidden_states(prep, "train", checkpoint_dir, progress, log)
+    train_hs = hidden_states(prep, "train", checkpoint_dir, progress, log, needed=used)
+    pos = local_index(train_hs, len(prep.train_ids))
     dev_hs = hidden_states(prep, "dev", checkpoint_dir, progress, log) if prep.dev_ids else None
     t_h = time.perf_counter() - t_h
     kw = dict(head_dtype=prep.head_dtype, chunk_tokens=cfg.chunk_tokens, device=prep.device)
-    log(f"[train] {name}: {train_hs.num_texts} train texts ({train_hs.num_targets} tokens), "
+    log(f"[train] {name}: {len(used)} of {len(prep.train_ids)} train texts used "
+        f"({train_hs.num_targets} tokens cached), "
         f"{dev_hs.num_texts if dev_hs else 0} dev texts; rank {lm.rank} + domain "
         f"{lm.domain_rank}; head {dtype_name(prep.head_dtype)} ({lm.route(prep.head_dtype)}); "
         f"hidden states in {t_h:.1f}s")
@@ -321,18 +378,22 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
     metrics: dict[str, Any] = {}
     if start == 0 and dev_hs is not None:
         history.append({"step": 0, "dev_loss": mean_loss(lm, dev_hs, **kw)})
-    sched = BatchSchedule(train_hs.num_texts, cfg.batch_size, cfg.seed)
     t_train = time.perf_counter()
     window: list[float] = []
     bar = tqdm(range(start, cfg.steps), desc=f"train {name}", disable=not progress,
                initial=start, total=cfg.steps)
     for step in bar:
-        idx = sched.indices(step)
+        idx = pos[sched.indices(step)]
         c, t, s = train_hs.batch(idx, prep.device)
+        dom = domain_mask(train_hs, idx, cfg, step, prep.device)
+        sel = token_sample(len(t), cfg, step)
+        if sel is not None:
+            sel = sel.to(c.device)
+            c, t, s = c[sel], t[sel], s[sel]
+            dom = dom[sel] if torch.is_tensor(dom) else dom
         opt.zero_grad(set_to_none=True)
         loss = lm.loss_backward(c, t, s, head_dtype=prep.head_dtype,
-                                chunk_tokens=cfg.chunk_tokens,
-                                domain=domain_mask(train_hs, idx, cfg, step, prep.device))
+                                chunk_tokens=cfg.chunk_tokens, domain=dom)
         if cfg.regularization > 0:
             (cfg.regularization * lm.regularization()).backward()
         opt.step()
@@ -352,9 +413,9 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
     t_train = time.perf_counter() - t_train
 
     t_e = time.perf_counter()
-    n_final = min(train_hs.num_texts, cfg.final_eval_max_texts)
+    n_final = min(len(used), cfg.final_eval_max_texts)  # a sample of the texts trained on
     g = torch.Generator().manual_seed(cfg.seed)
-    final_idx = torch.randperm(train_hs.num_texts, generator=g)[:n_final]
+    final_idx = pos[used[torch.randperm(len(used), generator=g)[:n_final]]]
     metrics["train_loss"] = mean_loss(lm, train_hs, final_idx, **kw)
     metrics["train_loss_texts"] = n_final
     if dev_hs is not None:
@@ -367,7 +428,8 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
                          "final_eval": round(time.perf_counter() - t_e, 2),
                          "total": round(time.perf_counter() - t0, 2),
                          "cpu_total": round(time.process_time() - cpu0, 2)}
-    metrics["train_tokens"] = train_hs.num_targets
+    metrics["train_tokens"] = int((train_hs.lengths()[pos[used]] - 1).sum())
+    metrics["train_texts_used"] = len(used)
     metrics["resolved_dtypes"] = {"model": dtype_name(prep.model_dtype),
                                   "cache": dtype_name(prep.cache_dtype),
                                   "head": dtype_name(prep.head_dtype)}

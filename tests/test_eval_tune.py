@@ -1,0 +1,198 @@
+"""``vllm-steer tune``: the strongest strength within the perplexity budget, written into the
+steer file. A stand-in generator (no vLLM) whose samples carry their strength, stand-in
+scorers and a stand-in perplexity with a known curve, so the right answer is known by hand."""
+
+import json
+import math
+import re
+
+import pytest
+
+from conftest import random_steer
+from vllm_steer.eval import register_scorer
+from vllm_steer.eval.fluency import SampleNLL
+from vllm_steer.eval.generation import SamplingConfig
+from vllm_steer.eval.tune import TuneConfig, choose, tune
+from vllm_steer.format import load_steer, read_metadata, save_steer
+
+
+def _strength(text: str) -> float:
+    return float(re.search(r"s=([-+.\d]+)", text).group(1))
+
+
+def ppl_of(s: float) -> float:
+    """The stand-in perplexity curve: 10 unsteered; +s costs 4% * s^2, -s costs 8% * s^2."""
+    return 10.0 * (1 + (0.04 if s > 0 else 0.08) * s * s)
+
+
+class StandInGenerator:
+    """Each sample says which strength made it; the 'engine' scores it with ppl_of."""
+
+    made = []
+
+    def __init__(self, model, steers, blacklists, engine, seed):
+        StandInGenerator.made.append(steers)
+
+    def generate(self, prompts, conditions, sampling, progress=True):
+        return {c.label: [[f" s={c.strength:+g} sample{j}" for j in range(sampling.samples)]
+                          for _ in prompts] for c in conditions}
+
+    def nll(self, prompts, continuations, progress=True):
+        return [SampleNLL(3 * math.log(ppl_of(_strength(t))), 3) for t in continuations]
+
+    def close(self):
+        pass
+
+
+class StandInToxicity:
+    name = "standin-tox"
+
+    def score(self, texts):  # less toxic as s grows
+        return [max(0.0, 0.9 - 0.2 * max(_strength(t), 0.0)) for t in texts]
+
+
+class StandInPositivity:
+    name = "standin-pos"
+
+    def score(self, texts):
+        return [min(1.0, max(0.0, 0.5 + 0.1 * _strength(t))) for t in texts]
+
+
+@pytest.fixture(autouse=True)
+def scorers():
+    register_scorer("toxicity", "standin-tox", StandInToxicity, overwrite=True)
+    register_scorer("sentiment", "standin-pos", StandInPositivity, overwrite=True)
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    p = tmp_path / "dev.jsonl"
+    p.write_text("\n".join(json.dumps({"prompt": {"text": f"Prompt number {i}"}})
+                           for i in range(5)))
+    return str(p)
+
+
+def _steer(tmp_path, labels, name="detox"):
+    p = str(tmp_path / f"{name}.safetensors")
+    st = random_steer(64, 4, name)
+    st.metadata.labels = labels
+    st.metadata.recommended_strength = 2.0
+    st.metadata.metrics = {"train_loss": 4.5}
+    save_steer(p, st)
+    return p
+
+
+def _cfg(tiny_model_dir, steer, prompts, tmp_path, **kw):
+    base = dict(steer=steer, task="toxicity", prompts=prompts, strengths=[1, 2, 3, 4],
+                num_prompts=3, sampling=SamplingConfig(samples=2, max_tokens=4),
+                model=str(tiny_model_dir), data_dir=str(tmp_path / "no-data"),
+                out=str(tmp_path / "run"), toxicity_scorer="standin-tox",
+                sentiment_scorers=["standin-pos"], progress=False)
+    base.update(kw)
+    return TuneConfig(**base)
+
+
+def test_detox_picks_the_strongest_strength_within_15_percent_and_writes_it(
+        tiny_model_dir, prompts_file, tmp_path):
+    # +s costs 4% s^2: +1 -> +4%, +2 -> +16% > 15%: the answer is 1
+    steer = _steer(tmp_path, {"positive": "non-toxic", "negative": "toxic"})
+    before = load_steer(steer)
+    rec = tune(_cfg(tiny_model_dir, steer, prompts_file, tmp_path), StandInGenerator,
+               log=lambda m: None)
+    assert rec["recommended_strength"] == 1.0
+    meta = read_metadata(steer)
+    assert meta.recommended_strength == 1.0
+    t = meta.metrics["tune"]
+    assert t["ppl_budget"] == 0.15 and "+15%" in t["rule"] and t["directions"] == [1]
+    assert [p["strength"] for p in t["curve"]] == [0, 1, 2, 3, 4]  # +s only for detox
+    for p in t["curve"]:
+        assert p["ppl"] == pytest.approx(ppl_of(p["strength"]) if p["strength"] else 10.0)
+    assert t["curve"][1]["ppl_relative"] == pytest.approx(0.04)
+    assert t["curve"][1]["avg_max_toxicity"] == pytest.approx(0.7)
+    assert t["previous_recommended_strength"] == 2.0 and t["prompts"]["num_prompts"] == 3
+    assert len(t["prompts"]["sha256"]) == 64
+    assert meta.metrics["train_loss"] == 4.5  # the rest of the metadata is kept
+    after = load_steer(steer)
+    assert after.p1.equal(before.p1) and after.p2.equal(before.p2)
+    # a looser budget allows more: +3 -> +36%, +4 -> +64%
+    rec = tune(_cfg(tiny_model_dir, steer, prompts_file, tmp_path, ppl_budget=0.5),
+               StandInGenerator, log=lambda m: None)
+    assert rec["recommended_strength"] == 3.0 and read_metadata(steer).recommended_strength == 3
+
+
+def test_labels_pick_the_direction_and_sentiment_needs_both_ways(tiny_model_dir, prompts_file,
+                                                                 tmp_path):
+    # positive strengths mean *toxic*: detox tunes the negative direction (-s costs 8% s^2)
+    rev = _steer(tmp_path, {"positive": "toxic", "negative": "non-toxic"}, "rev")
+    rec = tune(_cfg(tiny_model_dir, rev, prompts_file, tmp_path, ppl_budget=0.35),
+               StandInGenerator, log=lambda m: None)
+    assert [p["strength"] for p in rec["curve"]] == [-4, -3, -2, -1, 0]
+    assert rec["recommended_strength"] == 2.0  # -2 -> +32%, -3 -> +72%
+    # sentiment: +s and -s must both stay within the budget; -s is the limit
+    sent = _steer(tmp_path, {"positive": "positive", "negative": "negative"}, "sentiment")
+    rec = tune(_cfg(tiny_model_dir, sent, prompts_file, tmp_path, task="sentiment",
+                    ppl_budget=0.35), StandInGenerator, log=lambda m: None)
+    assert [p["strength"] for p in rec["curve"]] == [-4, -3, -2, -1, 0, 1, 2, 3, 4]
+    assert rec["recommended_strength"] == 2.0  # +3 alone (+36%) would fail too; -3 +72%
+    assert rec["curve"][-1]["positivity"] == 1.0 and rec["curve"][0]["positivity"] == 0.0
+
+
+def test_no_strength_within_budget_keeps_the_old_one_and_dry_run_writes_nothing(
+        tiny_model_dir, prompts_file, tmp_path):
+    steer = _steer(tmp_path, {"positive": "non-toxic"})
+    logs = []
+    rec = tune(_cfg(tiny_model_dir, steer, prompts_file, tmp_path, ppl_budget=0.01),
+               StandInGenerator, log=logs.append)
+    assert rec["recommended_strength"] is None
+    assert any("left at 2.0" in m for m in logs)
+    meta = read_metadata(steer)
+    assert meta.recommended_strength == 2.0 and meta.metrics["tune"]["recommended_strength"] is None
+    steer2 = _steer(tmp_path, {"positive": "non-toxic"}, "other")
+    tune(_cfg(tiny_model_dir, steer2, prompts_file, tmp_path, write=False), StandInGenerator,
+         log=lambda m: None)
+    assert "tune" not in read_metadata(steer2).metrics
+
+
+def test_the_rule_requires_every_weaker_strength_within_budget():
+    curve = [{"strength": 0, "ppl": 10}, {"strength": 1, "ppl": 10.5},
+             {"strength": 2, "ppl": 12.0}, {"strength": 3, "ppl": 11.0}]
+    assert choose(curve, 0.15, [1])[0] == 1.0  # +3 dips back under, but +2 broke it
+    assert choose(curve, 0.25, [1])[0] == 3.0
+    with pytest.raises(ValueError, match="no unsteered point"):
+        choose(curve[1:], 0.15, [1])
+
+
+def test_cli_tune_and_eval_with_any_prompts_file(tiny_model_dir, prompts_file, tmp_path,
+                                                 monkeypatch, capsys):
+    import vllm_steer.eval.harness as harness
+    from vllm_steer.cli import build_parser, main
+    from vllm_steer.eval.cli import config_from_args
+
+    monkeypatch.setattr(harness, "default_generator", StandInGenerator)
+    steer = _steer(tmp_path, {"positive": "non-toxic", "negative": "toxic"})
+    rc = main(["tune", steer, "--task", "toxicity", "--prompts", prompts_file,
+               "--strengths", "1,2,3", "--num-prompts", "2", "--samples", "2",
+               "--model", str(tiny_model_dir), "--data", str(tmp_path / "none"),
+               "--toxicity-scorer", "standin-tox", "--sentiment-scorer", "standin-pos",
+               "--out", str(tmp_path / "cli"), "--quiet"])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {
+        "recommended_strength": 1.0, "rule": read_metadata(steer).metrics["tune"]["rule"]}
+    t = read_metadata(steer).metrics["tune"]
+    assert t["command"].startswith(f"vllm-steer tune {steer} --task toxicity --prompts ")
+    # eval --prompts FILE: the file's prompts, recorded by path, in the reproducible command
+    argv = ["eval", "toxicity", "--steer", steer, "--prompts", prompts_file, "--baseline",
+            "none", "--num-prompts", "4", "--strengths", "0,2", "--model",
+            str(tiny_model_dir), "--data", str(tmp_path / "none"), "--toxicity-scorer",
+            "standin-tox", "--sentiment-scorer", "standin-pos", "--out",
+            str(tmp_path / "ev"), "--quiet"]
+    cfg = config_from_args(build_parser().parse_args(argv))
+    assert cfg.prompt_file == prompts_file and f"--prompts {prompts_file}" in cfg.command
+    assert main(argv) == 0
+    res = json.loads((tmp_path / "ev" / "results.json").read_text())
+    assert res["prompt_file"] == prompts_file and res["num_prompts"] == 4
+    gens = (tmp_path / "ev" / "generations.jsonl").read_text().splitlines()
+    assert json.loads(gens[3])["prompt"] == "Prompt number 3"
+    assert main(["tune", steer, "--task", "toxicity", "--prompts",
+                 str(tmp_path / "missing.jsonl")]) == 1
+    assert "--prompts" in capsys.readouterr().err

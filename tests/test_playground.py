@@ -1,0 +1,323 @@
+"""The playground page (``/steer/``) in Debian's headless chromium, against a real `vllm serve`.
+
+One server (tiny random Llama, two random steers, max |strength| 20) and one browser for the
+module (tests marked ``vllm``). They skip cleanly when chromium / chromedriver / selenium are
+missing (scripts/install.sh installs them). What is asserted is what the user sees in the
+page, compared with what the server's API returns for the same requests. The first tests
+check the routes' own logic without a server.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import random_steer
+from vllm_steer.format import save_steer
+from vllm_steer.server.launch import serve
+
+STATIC = Path(__file__).resolve().parents[1] / "vllm_steer" / "server" / "static"
+MAX_TOKENS = 8
+WAIT = 60  # seconds for a page update (generation on a loaded 2-core CPU)
+
+
+def _browser_missing() -> str | None:
+    for exe, pkg in (("chromium", "chromium"), ("chromedriver", "chromium-driver")):
+        if shutil.which(exe) is None:
+            return (f"{exe} not found: the browser test needs Debian's {pkg} "
+                    f"(scripts/install.sh installs it as root: apt-get install {pkg})")
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "selenium not installed (pip install -e .[test])"
+    return None
+
+
+MISSING = _browser_missing()
+browser = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("playground")
+    for name, seed, rec in (("detox", 1, 5.0), ("sentiment", 2, None)):
+        steer = random_steer(64, 8, name, seed=seed, scale=3.0)
+        steer.metadata.recommended_strength = rec
+        steer.metadata.labels = {"positive": f"more {name}", "negative": f"less {name}"}
+        save_steer(d / f"{name}.safetensors", steer)
+    args = [tiny_model_dir, "--served-model-name", "tiny",
+            "--steer", f"detox={d / 'detox.safetensors'}",
+            "--steer", f"sentiment={d / 'sentiment.safetensors'}",
+            "--steer-max-strength", "20",
+            "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8",
+            "--kv-cache-memory-bytes", 1 << 28, "--enforce-eager"]
+    with serve(args, d / "server.log", env={"VLLM_PLUGINS": "vllm_steer,vllm_steer_lens"}) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def driver(server):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = shutil.which("chromium")
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+              "--window-size=1400,1000", "--force-prefers-reduced-motion"):
+        opts.add_argument(a)
+    drv = webdriver.Chrome(options=opts, service=Service(shutil.which("chromedriver")))
+    try:
+        yield drv
+    finally:
+        drv.quit()
+
+
+@pytest.fixture()
+def page(driver, server):
+    """The playground freshly loaded, its steers listed."""
+    from selenium.webdriver.common.by import By
+
+    driver.get(server + "/steer/")
+    wait(driver, lambda d: d.find_elements(By.ID, "sl-detox"))
+    return driver
+
+
+# ------------------------------------------------------------ without a server
+
+def test_static_files_fetch_nothing_from_outside():
+    names = sorted(f.name for f in STATIC.iterdir())
+    assert names == ["index.html", "playground.css", "playground.js"]
+    for f in STATIC.iterdir():  # no CDN, no web font, no absolute URL at all
+        text = f.read_text()
+        assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", text), f.name
+        assert "@import" not in text and "url(" not in text, f.name
+    html = (STATIC / "index.html").read_text()
+    assert re.findall(r'(?:src|href)="([^"]+)"', html) == ["data:,", "playground.css",
+                                                          "playground.js"]
+
+
+def test_only_the_pages_files_are_served():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from vllm_steer.server.playground import router
+
+    app = FastAPI()
+    app.include_router(router)
+    c = TestClient(app)
+    for name, ctype in (("", "text/html"), ("playground.js", "text/javascript"),
+                        ("playground.css", "text/css")):
+        r = c.get("/steer/" + name)
+        assert r.status_code == 200 and r.headers["content-type"].startswith(ctype)
+        assert r.text == (STATIC / (name or "index.html")).read_text()
+        assert "connect-src 'self'" in r.headers["content-security-policy"]
+    assert c.get("/steer", follow_redirects=False).headers["location"] == "/steer/"
+    for name in ("secret.txt", "..%2F..%2Fplayground.py", "static/index.html", "static/"):
+        r = c.get("/steer/" + name)
+        assert r.status_code == 404 and "no playground file" in r.text, name
+    assert c.get("/steer/../lens_route.py").status_code == 404
+
+
+def test_info_lists_each_steer_with_its_metadata(tmp_path):
+    from vllm_steer.config import SteerServerConfig
+    from vllm_steer.server.playground import info_dict
+
+    steer = random_steer(64, 8, "toxicity", seed=1)
+    steer.metadata.recommended_strength = 4.0
+    steer.metadata.labels = {"positive": "polite", "negative": "rude"}
+    steer.metadata.data = {"files": {"/secret/train.csv": {}}}
+    steer.metadata.metrics = {"dev_loss": 1.5, "history": [1, 2, 3]}
+    save_steer(tmp_path / "t.safetensors", steer)
+    cfg = SteerServerConfig(steers={"detox": str(tmp_path / "t.safetensors"),
+                                    "gone": str(tmp_path / "gone.safetensors")},
+                            max_strength=20)
+    info = info_dict(cfg, "tiny")
+    assert (info["model"], info["max_strength"]) == ("tiny", 20.0)
+    detox, gone = info["steers"]
+    assert (detox["name"], detox["name_in_file"], detox["file"]) == \
+        ("detox", "toxicity", "t.safetensors")
+    assert (detox["recommended_strength"], detox["labels"], detox["rank"],
+            detox["hidden_size"]) == (4.0, {"positive": "polite", "negative": "rude"}, 8, 64)
+    assert detox["metrics"] == {"dev_loss": 1.5} and "data" not in detox
+    assert gone["name"] == "gone" and "gone.safetensors" in gone["error"]
+    assert info_dict(None, "tiny") == {"model": "tiny", "max_strength": 50.0, "steers": []}
+
+
+# ------------------------------------------------------------ in chromium, against vllm serve
+
+def wait(driver, cond, timeout=WAIT):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout).until(cond)
+
+
+def api_completion(server, steer=None, prompt="Once upon a time", seed=0, temperature=0.0):
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "seed": seed,
+            "temperature": temperature}
+    if steer:
+        body["steer"] = steer
+    r = requests.post(server + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def set_field(driver, id_, value):
+    from selenium.webdriver.common.by import By
+
+    e = driver.find_element(By.ID, id_)
+    e.clear()
+    e.send_keys(str(value))
+
+
+def columns(driver):
+    from selenium.webdriver.common.by import By
+
+    out = []
+    for col in driver.find_elements(By.CSS_SELECTOR, "#columns .column"):
+        out.append({
+            "title": col.find_element(By.TAG_NAME, "h2").text,
+            "steer": json.loads(col.get_attribute("data-steer") or "null"),
+            "text": col.find_element(By.CSS_SELECTOR, "[data-role=output]").get_attribute(
+                "textContent"),
+            "error": col.find_element(By.CSS_SELECTOR, "[data-role=error]").get_attribute(
+                "textContent"),
+            "classes": col.get_attribute("class").split(),
+            # the request the column shows as a curl command (details > pre)
+            "request": json.loads(re.search(r"-d '(.*)'$", col.find_element(
+                By.CSS_SELECTOR, "details.req pre").get_attribute("textContent"), re.S)[1]),
+        })
+    return out
+
+
+def settled(driver):
+    cols = columns(driver)
+    return cols if cols and all({"finished", "failed"} & set(c["classes"]) for c in cols) \
+        else False
+
+
+@pytest.mark.vllm
+@browser
+def test_server_serves_the_page_with_a_same_origin_policy_and_the_info(server):
+    r = requests.get(server + "/steer/")
+    assert r.status_code == 200 and "vllm-steer playground" in r.text
+    assert "default-src 'self'" in r.headers["content-security-policy"]
+    assert requests.get(server + "/steer", allow_redirects=False).headers["location"] == "/steer/"
+    info = requests.get(server + "/v1/steer/info").json()
+    assert info["model"] == "tiny" and info["max_strength"] == 20
+    assert [(s["name"], s["recommended_strength"]) for s in info["steers"]] == \
+        [("detox", 5.0), ("sentiment", None)]
+
+
+@pytest.mark.vllm
+@browser
+def test_page_lists_the_steers_with_sliders_and_metadata(page, server):
+    from selenium.webdriver.common.by import By
+
+    for name in ("detox", "sentiment"):
+        s = page.find_element(By.ID, f"sl-{name}")
+        assert (s.get_attribute("min"), s.get_attribute("max"), s.get_attribute("step"),
+                s.get_attribute("value")) == ("-20", "20", "0.5", "0")
+        label = page.find_element(By.CSS_SELECTOR, f"label[for=sl-{name}]")
+        assert label.text == name
+    marks = page.find_elements(By.CSS_SELECTOR, ".mark.rec")
+    assert sorted(m.get_attribute("title") for m in marks) == ["recommended +5",
+                                                               "recommended \u22125"]
+    page.find_element(By.ID, "tab-steers").click()
+    cards = wait(page, lambda d: [c for c in d.find_elements(By.CSS_SELECTOR, ".steer-card")
+                                  if c.is_displayed()])
+    assert [c.find_element(By.TAG_NAME, "h2").text for c in cards] == ["detox", "sentiment"]
+    assert "more detox" in cards[0].text and "less detox" in cards[0].text
+    assert "tiny" in page.find_element(By.ID, "server-text").text
+    origin = server.rstrip("/")
+    loaded = page.execute_script("return performance.getEntriesByType('resource')"
+                                 ".map(e => e.name)")
+    assert loaded and all(u.startswith(origin + "/") for u in loaded), loaded
+
+
+@pytest.mark.vllm
+@browser
+def test_slider_and_generate_give_three_columns_as_the_api_returns_them(page, server):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    set_field(page, "prompt", "Once upon a time")
+    set_field(page, "max-tokens", MAX_TOKENS)
+    # greedy: a sampled token of a random model can flip with the batch's float rounding
+    set_field(page, "temperature", 0)
+    slider = page.find_element(By.ID, "sl-detox")
+    slider.send_keys(*[Keys.ARROW_RIGHT] * 10)  # keyboard: 10 steps of 0.5
+    assert page.find_element(By.ID, "num-detox").get_attribute("value") == "5"
+    page.find_element(By.ID, "generate").click()
+    cols = wait(page, settled)
+    assert [c["steer"] for c in cols] == [{"detox": -5}, None, {"detox": 5}]
+    assert [c["title"] for c in cols] == ["detox \u22125", "plain", "detox +5"]
+    texts = [c["text"] for c in cols]
+    assert all(texts) and len(set(texts)) == 3, texts
+    assert texts[1] == api_completion(server)
+    assert texts[0] == api_completion(server, {"detox": -5})
+    assert texts[2] == api_completion(server, {"detox": 5})
+    for c in cols:  # what the page says it sent: the same prompt, seed, no steer when plain
+        assert c["request"] == {"model": "tiny", "prompt": "Once upon a time",
+                                "max_tokens": MAX_TOKENS, "temperature": 0, "seed": 0,
+                                **({"steer": c["steer"]} if c["steer"] else {})}
+
+
+@pytest.mark.vllm
+@browser
+def test_highlight_tab_shows_the_routes_spans(page, server):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select
+
+    tab = page.find_element(By.ID, "tab-compare")
+    tab.send_keys(Keys.ARROW_RIGHT)  # keyboard navigation between tabs
+    assert page.find_element(By.ID, "panel-highlight").is_displayed()
+    text = "You are a wonderful person and I like the way you talk"
+    set_field(page, "hl-text", text)
+    Select(page.find_element(By.ID, "hl-steer")).select_by_visible_text("detox")
+    set_field(page, "hl-strength", 1)  # random steers: at 5 every token loses probability
+    page.find_element(By.ID, "hl-run").click()
+    wait(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#hl-out mark.span, #hl-out .no-spans")
+         or d.find_element(By.ID, "hl-error").is_displayed())
+    assert not page.find_element(By.ID, "hl-error").is_displayed(), \
+        page.find_element(By.ID, "hl-error").text
+    marks = page.find_elements(By.CSS_SELECTOR, "#hl-out mark.span")
+    want = requests.post(server + "/v1/steer/highlight",
+                         json={"text": text, "steer": {"detox": 1}, "k": 3, "max_len": 8}).json()
+    assert len(marks) == len(want["spans"]) >= 1
+    # a span's text in the page: its tokens (the rank badge is a separate element)
+    got = ["".join(t.get_attribute("textContent") for t in m.find_elements(By.CLASS_NAME, "t"))
+           for m in marks]
+    assert sorted(got) == sorted(s["text"] for s in want["spans"])
+    coloured = page.find_elements(By.CSS_SELECTOR, "#hl-out .t[data-score]")
+    assert len(coloured) == sum(s is not None for s in want["scores"])
+
+
+@pytest.mark.vllm
+@browser
+def test_strength_over_the_limit_shows_the_servers_error(page, server):
+    from selenium.webdriver.common.by import By
+
+    set_field(page, "prompt", "Once upon a time")
+    set_field(page, "max-tokens", MAX_TOKENS)
+    # greedy: a sampled token of a random model can flip with the batch's float rounding
+    set_field(page, "temperature", 0)
+    set_field(page, "num-sentiment", 25)
+    page.find_element(By.ID, "generate").click()
+    cols = wait(page, settled)
+    r = requests.post(server + "/v1/completions", json={
+        "model": "tiny", "prompt": "hi", "max_tokens": 2, "steer": {"sentiment": 25}})
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "exceeds the server's maximum |strength| 20" in message
+    by_steer = {json.dumps(c["steer"]): c for c in cols}
+    assert message in by_steer['{"sentiment": 25}']["error"]
+    assert by_steer['{"sentiment": 25}']["error"].startswith("HTTP 400")
+    assert "-25" in by_steer['{"sentiment": -25}']["error"]
+    plain = by_steer["null"]
+    assert not plain["error"] and plain["text"] == api_completion(server)
