@@ -59,7 +59,9 @@ def _state(core):
             reg.commit(SteerEntry.from_metadata(name, path, read_metadata(path),
                                                 reg.new_generation(), slot, "--steer"))
         reg.counters["loads"] = 0  # start-up steers are not run-time loads
-        st = (reg, cfg, core.vllm_config.model_config.get_hidden_size())
+        from vllm_steer.integrations.families import head_input_size  # OPT: != hidden
+
+        st = (reg, cfg, head_input_size(core.vllm_config.model_config))
     core._vllm_steer_state = st
     return st
 
