@@ -122,6 +122,8 @@ def complete(url, steer=None, max_tokens=8, logprobs=False, stream=False, **kw):
         body["steer"] = steer
     if logprobs:
         body.update(logprobs=0, return_tokens_as_token_ids=True)
+    if stream:
+        body["stream"] = True
     return requests.post(url + "/v1/completions", json=body, stream=stream, timeout=120)
 
 
@@ -158,7 +160,10 @@ class Stream:
         for line in self.r.iter_lines():
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
-            self.chunks.append(json.loads(line[6:])["choices"][0]["text"])
+            choices = json.loads(line[6:])["choices"]
+            if not choices:
+                continue
+            self.chunks.append(choices[0]["text"])
             self.after_op += self.op_done
             self.started.set()
 
