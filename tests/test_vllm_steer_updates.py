@@ -79,7 +79,9 @@ def test_tp2_workers_both_steer_with_a_newly_loaded_steer(tmp_path, monkeypatch)
                                                  zip(out.token_ids, out.logprobs)], ref)
         assert [s["name"] for s in offline.list_steers(llm)] == ["t"]
         offline.unload_steer(llm, "t")
-        with pytest.raises(ValueError, match="unknown steer 't'"):
+        from vllm.exceptions import VLLMValidationError
+
+        with pytest.raises(VLLMValidationError, match="unknown steer 't'"):
             llm.generate([{"prompt_token_ids": PROMPT}], sp({"t": 5}), use_tqdm=False)
         with pytest.raises(offline.SteerLoadError, match="hidden size 64"):
             save_steer(tmp_path / "small.safetensors", random_steer(64, 4, "small"))
