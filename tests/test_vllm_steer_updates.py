@@ -326,11 +326,14 @@ def test_every_api_server_process_sees_a_load(server):
     r = load(server, "q", STATE["dir"] / "c.safetensors")
     assert r.status_code == 200, r.text
     time.sleep(2.5)  # each API server refreshes its admission view once a second
-    for _ in range(12):  # new connections: spread over the two API-server processes
-        assert "q" in steers(server)
+    seen = {}
+    for _ in range(24):  # new connections: spread over the two API-server processes
+        listing = requests.get(server + "/v1/steers").json()
+        assert "q" in {s["name"] for s in listing["data"]}
+        seen[listing["api_server"]["pid"]] = listing["api_server"]["admits"]
         assert complete(server, {"q": 2}).status_code == 200
-    pids = set(re.findall(r"\(APIServer pid=(\d+)\)", (STATE["root"] / "server.log").read_text()))
-    assert len(pids) == 2
+    assert len(seen) == 2, "requests reached one API-server process only"
+    assert all("q" in admits for admits in seen.values()), seen
 
 
 def test_metrics_move(server):
