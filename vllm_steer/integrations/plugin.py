@@ -283,8 +283,9 @@ def configure_engine(vllm_config) -> None:
     if cfg is None or not cfg.enabled:
         return
     check_hooks()
-    check_steers_fit(cfg, vllm_config.model_config.get_hidden_size(),
-                     vllm_config.model_config.model)
+    from vllm_steer.integrations.families import check_model  # refuses what we cannot steer
+
+    check_steers_fit(cfg, check_model(vllm_config.model_config), vllm_config.model_config.model)
     if vllm_config.speculative_config is not None:
         raise ValueError("vllm-steer: speculative decoding is not supported with --steer (draft "
                          "tokens would be proposed unsteered and verified with several rows per "
@@ -614,6 +615,12 @@ _WORKER_HOOKS = (
      "steered prompt logprobs (V1)"),
     ("vllm.v1.worker.gpu_input_batch:InputBatch.__init__",
      "no output-token tracking for our processor (V1)"),
+    ("vllm.v1.worker.gpu.sample.logits_processor:LogitsProcessor",
+     "V2 per-request steer state"),
+    ("vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample",
+     "the step's row -> request mapping (V2)"),
+    ("vllm.v1.worker.gpu.sample.batch_shard:BatchSharder.shard_sampler_inputs",
+     "rows of batch-sharded sampling (V2, --enable-batch-sharded-sampling)"),
 )
 
 HOOKS: tuple[Hook, ...] = (
