@@ -183,7 +183,9 @@ rt.ensure_slots(8, torch.device("cpu"))
 rt.row_source = RowSource("none")  # as the V2 processor sets it
 coefs = {1: [4e-3, 0], 2: [0, -3e-3], 3: [0, 5e-3], 4: [-2e-3, 1e-3]}  # slots 0, 5: unsteered
 for slot, row in coefs.items():
-    rt.set_slot(slot, np.array(row, dtype=np.float32))
+    full = np.zeros(rt.num_columns, dtype=np.float32)  # the first two steers' columns
+    full[:2] = row
+    rt.set_slot(slot, full)
 rt.flush()
 
 # rank 0 of TP=2, built without a process group (the only thing __init__ asks it for)

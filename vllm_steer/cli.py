@@ -4,6 +4,7 @@
     vllm-steer train ...                      train a steer (vllm_steer.train.cli)
     vllm-steer convert ...                    import a checkpoint of the paper's code
     vllm-steer eval toxicity|sentiment ...    evaluate like the paper (vllm_steer.eval.cli)
+    vllm-steer tune STEER --task T --prompts F   choose the recommended strength by generation
     vllm-steer transfer|highlight|explain|score ...   the lens (vllm_steer.lens.cli)
     vllm-steer info FILE                      show a steer file's metadata
     vllm-steer steers list|load|unload --url URL   manage a server's steers (HTTP)

@@ -49,6 +49,16 @@ class SteerServerConfig:
             raise ValueError(f"--steer-max-strength={self.max_strength!r}: must be a positive "
                              f"finite number (default {DEFAULT_MAX_STRENGTH})")
         self.max_strength = float(self.max_strength)
+        if not isinstance(self.steers, dict):
+            raise ValueError(f"steers must map steer names to file paths, got "
+                             f"{type(self.steers).__name__}")
+        for name, path in self.steers.items():
+            problem = steer_name_problem(name)
+            if problem:
+                raise ValueError(f"steers: {problem}")
+            if not isinstance(path, (str, os.PathLike)):
+                raise ValueError(f"steers[{name!r}]: expected a file path, got "
+                                 f"{type(path).__name__}")
         for flag, v in (("--max-steers", self.max_steers),
                         ("--max-steer-rank", self.max_steer_rank)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

@@ -59,11 +59,18 @@ def _state(core):
             reg.commit(SteerEntry.from_metadata(name, path, read_metadata(path),
                                                 reg.new_generation(), slot, "--steer"))
         reg.counters["loads"] = 0  # start-up steers are not run-time loads
-        from vllm_steer.integrations.families import head_input_size  # OPT: != hidden
-
-        st = (reg, cfg, head_input_size(core.vllm_config.model_config))
+        st = (reg, cfg, _head_input_size(core.vllm_config.model_config))
     core._vllm_steer_state = st
     return st
+
+
+def _head_input_size(mc) -> int:
+    """What the steers act on: the LM head's input size (the hidden size for most models)."""
+    try:
+        from vllm_steer.integrations.families import head_input_size
+    except ImportError:
+        return mc.get_hidden_size()
+    return head_input_size(mc)
 
 
 def _in_use(core) -> set[tuple[int, int]]:

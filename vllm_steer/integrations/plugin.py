@@ -259,9 +259,9 @@ def _hook_input_processor(input_processor_cls) -> None:
     def __init__(self, vllm_config, *a, **kw):
         frontend.set_config(SteerServerConfig.from_additional_config(
             vllm_config.additional_config))
-        from vllm_steer.integrations.families import head_input_size  # OPT: != hidden
+        from vllm_steer.integrations.control import _head_input_size
 
-        frontend.set_model_hidden_size(head_input_size(vllm_config.model_config))
+        frontend.set_model_hidden_size(_head_input_size(vllm_config.model_config))
         orig(self, vllm_config, *a, **kw)
         procs = [str(p) for p in (vllm_config.model_config.logits_processors or [])]
         if _processor_fqcn(vllm_config) not in procs:

@@ -75,6 +75,9 @@ async def list_steers(raw: Request):
     engine = _engine(raw)
     if engine is None:
         return _error(503, "no engine behind this server")
+    from vllm_steer.integrations import frontend
+
+    admitted = sorted(frontend.loaded_names())  # this process's admission view, before refresh
     res = await control(engine, "list")
     if not res.get("enabled"):
         return _error(404, "steering is not enabled on this server", "NotFoundError")
@@ -83,7 +86,9 @@ async def list_steers(raw: Request):
                          "draining": [s for s in res["steers"] if s["state"] != "loaded"],
                          "max_steers": res["stats"]["capacity"],
                          "steer_dir": res.get("steer_dir"),
-                         "updates_enabled": bool(res.get("enable_updates"))})
+                         "updates_enabled": bool(res.get("enable_updates")),
+                         # which API-server process answered, and the names it admitted then
+                         "api_server": {"pid": os.getpid(), "admits": admitted}})
 
 
 def _updates_refused() -> JSONResponse | None:
