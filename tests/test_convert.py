@@ -236,3 +236,14 @@ def test_converted_name_follows_the_name_rule(tmp_path):
     ckpt = tmp_path / "my ckpt, v2.pt"
     _paper_checkpoint(ckpt)
     assert convert_checkpoint(str(ckpt), allow_pickle=True).metadata.name == "my-ckpt-v2"
+
+
+def test_self_referencing_args_are_recorded_not_a_crash(tmp_path, capsys):
+    loop = []
+    loop.append(loop)
+    ckpt = tmp_path / "loop.pt"
+    state = {"projector1": torch.randn(2, HIDDEN, RANK), "projector2": torch.randn(2, HIDDEN, RANK)}
+    torch.save([argparse.Namespace(dummy_steer=1, training_steer=0, notes=loop), state, 1], ckpt)
+    out = tmp_path / "loop.safetensors"
+    assert main(["convert", str(ckpt), "--out", str(out), "--unsafe-allow-pickle"]) == 0
+    assert read_metadata(out).source["args"]["notes"][0][0][0] == [[[[[[[[[[[[["'list'"]]]]]]]]]]]]]

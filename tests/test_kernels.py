@@ -445,3 +445,26 @@ def test_triton_plan_reused_over_steps_gives_the_per_call_result(pattern):
         check(out, hidden, p1, p2, offs, coefs)
     with pytest.raises(AssertionError, match="prepared for 21 rows"):
         steer_triton(hidden[:5], p1, p2, offs, coefs[:5], prepared=plan)
+
+
+def test_bmm_stacked_factors_follow_bank_changes_and_subsets():
+    """The per-bank stacked factors of 'bmm' (cached) never serve a previous bank's factors."""
+    from vllm_steer.kernels.torch_steer import prepare_torch, steer_torch
+    from vllm_steer.reference import steer_reference
+
+    g = torch.Generator().manual_seed(0)
+    d, r = 32, 4
+    offs = [0, 4, 4, 8, 12, 20, 24]  # an empty slot, a rank-8 steer among rank-4 ones
+    coefs = torch.zeros(6, 6)
+    coefs[[0, 1, 2, 3, 4, 5], [0, 2, 3, 0, 2, 5]] = 5e-3  # a subset of the rank-4 steers
+    h = torch.randn(6, d, generator=g)
+    for _ in range(2):  # a new bank (new tensors, as after a load) is stacked anew
+        p1, p2 = torch.randn(d, 24, generator=g), torch.randn(d, 24, generator=g)
+        plan = prepare_torch(p1, p2, offs, coefs, strategy="bmm")
+        assert plan.stacks
+        torch.testing.assert_close(steer_torch(h, p1, p2, offs, coefs, prepared=plan),
+                                   steer_reference(h, p1, p2, offs, coefs))
+    p1.mul_(2)  # changed in place: the cache key (tensor version) changes too
+    plan = prepare_torch(p1, p2, offs, coefs, strategy="bmm")
+    torch.testing.assert_close(steer_torch(h, p1, p2, offs, coefs, prepared=plan),
+                               steer_reference(h, p1, p2, offs, coefs))

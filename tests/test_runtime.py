@@ -31,7 +31,8 @@ def _want(rt, h, rows):
 def test_decode_steps_reuse_the_plan_and_a_changed_slot_replans(tmp_path):
     rt = _runtime(tmp_path)
     assert rt.backend == "torch"
-    a, b, none = (np.array(r, dtype=np.float32) for r in ([5e-3, 0], [0, -3e-3], [0, 0]))
+    pad = [0.0] * (rt.num_columns - 2)  # columns: one per steer slot (and domain) of the bank
+    a, b, none = (np.array(r + pad, dtype=np.float32) for r in ([5e-3, 0], [0, -3e-3], [0, 0]))
     for slot, row in enumerate((a, b, none)):
         rt.set_slot(slot, row)
     rt.batch_size = 3
@@ -59,7 +60,8 @@ def test_decode_steps_reuse_the_plan_and_a_changed_slot_replans(tmp_path):
 
 def test_no_steer_work_once_the_last_steered_request_left(tmp_path):
     rt = _runtime(tmp_path)
-    a, none = (np.array(r, dtype=np.float32) for r in ([5e-3, 0], [0, 0]))
+    a, none = (np.zeros(rt.num_columns, dtype=np.float32) for _ in range(2))
+    a[0] = 5e-3  # the first loaded steer's column
     rt.set_slot(0, none)
     rt.set_slot(1, a)
     rt.batch_size = 2

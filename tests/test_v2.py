@@ -87,11 +87,12 @@ def test_slots_are_fully_reset_when_reused(processor):
     rt = processor.runtime
     assert processor.add_request(3, _params({"a": 5, "b": 2})) is False  # apply() not needed
     processor.apply_staged_writes()
-    assert rt.slot_coefs[3].tolist() == pytest.approx([5e-3, 2e-3])
+    assert rt.slot_coefs[3, :2].tolist() == pytest.approx([5e-3, 2e-3])  # slots of a, b
+    assert not rt.slot_coefs[3, 2:].any()
     assert rt.has_steered_slots
     processor.add_request(3, _params())  # a new request in the same slot, unsteered
     processor.apply_staged_writes()
-    assert rt.slot_coefs[3].tolist() == [0.0, 0.0] and not rt.has_steered_slots
+    assert not rt.slot_coefs[3].any() and not rt.has_steered_slots
 
 
 def test_wrapped_sample_maps_rows_to_slots_through_expanded_idx_mapping(processor, vllm_config):
@@ -118,7 +119,8 @@ def test_wrapped_sample_maps_rows_to_slots_through_expanded_idx_mapping(processo
     wrap_sample(Runner)
     h = torch.randn(3, 64)
     out = Runner().sample(h, batch, None)
-    coefs = torch.tensor([[0.0, -3e-3], [0.0, 0.0], [4e-3, 0.0]])
+    coefs = torch.zeros(3, rt.num_columns)  # one column per steer slot: a, b first
+    coefs[:, :2] = torch.tensor([[0.0, -3e-3], [0.0, 0.0], [4e-3, 0.0]])
     want = steer_reference(h, rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets, coefs)
     torch.testing.assert_close(out, want)
     assert torch.equal(out[1], h[1])
@@ -181,7 +183,9 @@ rt.ensure_slots(8, torch.device("cpu"))
 rt.row_source = RowSource("none")  # as the V2 processor sets it
 coefs = {1: [4e-3, 0], 2: [0, -3e-3], 3: [0, 5e-3], 4: [-2e-3, 1e-3]}  # slots 0, 5: unsteered
 for slot, row in coefs.items():
-    rt.set_slot(slot, np.array(row, dtype=np.float32))
+    full = np.zeros(rt.num_columns, dtype=np.float32)  # the first two steers' columns
+    full[:2] = row
+    rt.set_slot(slot, full)
 rt.flush()
 
 # rank 0 of TP=2, built without a process group (the only thing __init__ asks it for)

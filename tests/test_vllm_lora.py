@@ -199,7 +199,7 @@ def test_lora_serves_unchanged_with_the_plugin_and_no_steers(nosteer_server, ada
 
 @pytest.mark.parametrize("steer, fragment", [
     ({"detox": 5}, "this server has no steers loaded"),
-    ({"detox": "abc"}, "must be a number"),
+    ({"detox": "abc"}, "this server has no steers loaded"),
 ])
 def test_server_without_steers_refuses_a_steered_request(nosteer_server, steer, fragment):
     for model in ("tiny", "head"):

@@ -33,7 +33,8 @@ def dp_server(tiny_model_dir, tmp_path_factory):
             "--steer", f"detox={d / 'detox.safetensors'}", "--steer-max-strength", "20",
             "--data-parallel-size", "2", "--api-server-count", "2",
             "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4",
-            "--kv-cache-memory-bytes", 1 << 27, "--enforce-eager"]
+            "--kv-cache-memory-bytes", 1 << 27, "--enforce-eager",
+            "--enable-log-requests"]  # each API server logs the requests it received
     with serve(args, d / "server.log") as url:
         yield url, d
 
@@ -44,10 +45,10 @@ def _complete(url, **extra):
         "return_token_ids": True, **extra}, timeout=120)
 
 
-def _served_by(log_text: str, status: int) -> set[str]:
-    """Which API server processes logged a response with this status."""
-    return set(re.findall(rf"\((ApiServer_\d+) pid=\d+\).*POST /v1/completions HTTP/1.1\" "
-                          rf"{status}", log_text))
+def _received_by(log_text: str, steer: dict) -> set[str]:
+    """Which API server processes logged receiving a request with this steer."""
+    return set(re.findall(rf"\((ApiServer_\d+) pid=\d+\).*Received request .*"
+                          rf"{re.escape(repr({'steer': steer}))}", log_text))
 
 
 @pytest.mark.parametrize("steer, fragment", [
@@ -62,8 +63,9 @@ def test_bad_steer_is_400_from_every_api_server_and_the_engines_survive(dp_serve
     for r in rs:
         assert r.status_code == 400, r.text
         assert fragment in r.json()["error"]["message"]
-    # both API server processes answered (the kernel spreads connections over the two)
-    assert _served_by((d / "server.log").read_text(errors="replace"), 400) == \
+    # both API server processes received some (the kernel spreads connections over the two),
+    # and every request got its 400
+    assert _received_by((d / "server.log").read_text(errors="replace"), steer) == \
         {"ApiServer_0", "ApiServer_1"}
     assert requests.get(url + "/health").status_code == 200
     assert _complete(url).status_code == 200

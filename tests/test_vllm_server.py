@@ -211,7 +211,8 @@ def test_n_greater_than_one_steers_every_choice(server, ref_model):
     one = _ok(server, steer={"detox": 5})[0]
     want = reference_greedy(ref_model, one["prompt_token_ids"], 8, strength=5)
     assert one["token_ids"] == want != _ok(server)[0]["token_ids"]
-    many = _ok(server, steer={"detox": 5}, n=3)
+    # vLLM refuses n > 1 with greedy sampling; top_k=1 samples the argmax
+    many = _ok(server, steer={"detox": 5}, n=3, temperature=1.0, top_k=1)
     assert [c["token_ids"] for c in many] == [want] * 3
 
 
@@ -279,18 +280,224 @@ def test_penalties_apply_to_the_steered_logits(server, ref_model):
     assert got["token_ids"] != _ok(server, max_tokens=12, **pen)[0]["token_ids"]
 
 
-def test_highlight_route_refuses_model_runner_v2():
-    from types import SimpleNamespace
+# ---- hostile requests (issue 14) --------------------------------------------------------------
+CHAT_BASE = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION_BASE = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+ROUTES = [("/v1/completions", COMPLETION_BASE), ("/v1/chat/completions", CHAT_BASE)]
 
-    from fastapi import FastAPI
-    from fastapi.testclient import TestClient
 
-    from vllm_steer.server.lens_route import SteerLensEndpoint
+@pytest.mark.parametrize("route, base", ROUTES)
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("body, fragment", [
+    ({"steer": {"toxic": 1}}, "unknown steer 'toxic'"),
+    ({"steer": {"detox": int("9" * 400)}}, "exceeds the server's maximum |strength| 20"),
+    ({"steer": {"detox": "1_0"}}, "must be a number"),
+    ({"vllm_xargs": {"steer": "detox:5,,"}}, "empty entry"),
+    ({"steer": {"detox": 1}, "vllm_xargs": {"steer": "detox:1"}}, "given both"),
+])
+def test_bad_steer_is_400_before_anything_is_sent(server, route, base, stream, body, fragment):
+    """Streaming too: the field is checked when the body is parsed, not after the stream
+    has started (it used to be HTTP 200 and an error event)."""
+    r = requests.post(server + route, json={**base, **body, "stream": stream}, timeout=60)
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == "steer" and fragment in err["message"]
 
-    app = FastAPI()
-    SteerLensEndpoint().attach_router(app)
-    app.state.vllm_steer_engine = SimpleNamespace(
-        vllm_config=SimpleNamespace(use_v2_model_runner=True))
-    r = TestClient(app).post("/v1/steer/highlight", json={"text": "hi", "steer": {"detox": 5}})
-    assert r.status_code == 501
-    assert "Model Runner V2" in r.json()["error"]["message"]
+
+def test_error_bodies_are_bounded(server):
+    r = requests.post(server + "/v1/completions",
+                      json={**COMPLETION_BASE, "steer": {"x" * 1_000_000: 1}}, timeout=60)
+    assert r.status_code == 400 and len(r.content) < 4000
+    assert "1000000 characters" in r.json()["error"]["message"]
+
+
+def _text_of(tokenizer, n_tokens: int) -> str:
+    from vllm_steer.lens.highlight import text_pieces
+
+    words = "the quick brown fox jumps over a lazy dog while rain falls softly ".split()
+    text = " ".join(words[i % len(words)] for i in range(2 * n_tokens))
+    while True:
+        ids, pieces = text_pieces(tokenizer, text)
+        if len(ids) <= n_tokens:
+            return text
+        text = "".join(pieces[:n_tokens - (len(ids) - n_tokens > 0)])
+
+
+def test_health_answers_while_a_maximal_highlight_runs(server, tiny_model_dir):
+    """The longest text the context allows, k=64, max_len=512: /health keeps answering
+    within a second (the span search used to block the event loop for seconds)."""
+    import threading
+    import time
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = _text_of(tok, 510)  # + BOS + the one generated token = 512, the context
+    result = {}
+
+    def run():
+        result["r"] = requests.post(server + "/v1/steer/highlight", timeout=300, json={
+            "text": text, "steer": {"detox": 5}, "against": {"detox": -5}, "k": 64,
+            "max_len": 512})
+
+    t = threading.Thread(target=run)
+    t.start()
+    waits = []
+    while t.is_alive():
+        t0 = time.monotonic()
+        assert requests.get(server + "/health", timeout=30).status_code == 200
+        waits.append(time.monotonic() - t0)
+        time.sleep(0.05)
+    t.join()
+    r = result["r"]
+    assert r.status_code == 200, r.text[:300]
+    assert len(r.json()["tokens"]) >= 500 and waits
+    assert max(waits) < 1.0, waits
+    # one token more than the context holds: a 400 on the text, saying the limit
+    long = requests.post(server + "/v1/steer/highlight", timeout=60,
+                         json={"text": text + " and more words", "steer": {"detox": 5}})
+    assert long.status_code == 400, long.text[:300]
+    err = long.json()["error"]
+    assert err["param"] == "text" and "context is 512 tokens" in err["message"]
+
+
+def _resolve(node, components):
+    """Inline the ``#/components/schemas/...`` references of an OpenAPI schema."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/components/schemas/"):
+            return _resolve(components[ref.rsplit("/", 1)[1]], components)
+        return {k: _resolve(v, components) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_resolve(v, components) for v in node]
+    return node
+
+
+def _from_schema(schema):
+    """A hypothesis strategy for the values a JSON schema (as FastAPI writes it) allows:
+    enough of JSON Schema for request bodies (hypothesis-jsonschema no longer runs on
+    current hypothesis)."""
+    from hypothesis import strategies as st
+
+    any_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats()
+                            | st.text(max_size=20),
+                            lambda inner: st.lists(inner, max_size=3)
+                            | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                            max_leaves=6)
+    if not isinstance(schema, dict) or not schema.keys() - {"title", "description",
+                                                            "examples", "default"}:
+        return any_json
+    if "const" in schema:
+        return st.just(schema["const"])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    if "anyOf" in schema or "oneOf" in schema:
+        return st.one_of([_from_schema(s) for s in schema.get("anyOf", schema.get("oneOf"))])
+    kind = schema.get("type")
+    if kind == "null":
+        return st.none()
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "integer":
+        return st.integers(schema.get("minimum"), schema.get("maximum"))
+    if kind == "number":
+        return st.floats(schema.get("minimum"), schema.get("maximum"))
+    if kind == "string":
+        return st.text(min_size=schema.get("minLength", 0),
+                       max_size=min(schema.get("maxLength", 40), 40))
+    if kind == "array":
+        return st.lists(_from_schema(schema.get("items", {})), max_size=3)
+    if kind == "object":
+        props = schema.get("properties", {})
+        required = set(schema.get("required", []))
+        extra = schema.get("additionalProperties")
+        fixed = st.fixed_dictionaries(
+            {k: _from_schema(v) for k, v in props.items() if k in required},
+            optional={k: _from_schema(v) for k, v in props.items() if k not in required})
+        if not extra:
+            return fixed
+        more = st.dictionaries(st.text(max_size=10), _from_schema(extra), max_size=3)
+        return st.builds(lambda a, b: {**b, **a}, fixed, more)
+    return any_json
+
+
+def test_api_fuzz_from_the_openapi_schema(server, client):
+    """Bodies generated from the server's own OpenAPI schema (the `steer` and `vllm_xargs`
+    properties of the completions routes, the whole highlight body), plus hostile JSON:
+    never a 5xx, error bodies bounded, and the server keeps serving."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from_schema = _from_schema
+    spec = requests.get(server + "/openapi.json", timeout=30).json()
+    comps = spec["components"]["schemas"]
+
+    def body_schema(path):
+        content = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        return _resolve(content["schema"], comps)
+
+    hostile = st.recursive(
+        st.none() | st.booleans() | st.integers(-10**500, 10**500) | st.floats()
+        | st.text(max_size=30),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+            st.sampled_from(["detox", "sentiment", "x" * 300]) | st.text(max_size=10), inner,
+            max_size=3), max_leaves=6)
+    seen = []
+
+    def check(r):
+        seen.append(r.status_code)
+        assert r.status_code < 500, r.text[:500]
+        if r.status_code >= 400:
+            assert len(r.content) < 8000
+
+    fuzz = settings(max_examples=25, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=list(HealthCheck))
+    for path, base in ROUTES:
+        props = body_schema(path)["properties"]
+        assert "vllm-steer" in props["steer"]["description"]
+        steer = from_schema(props["steer"]) | hostile
+        xargs = from_schema(props["vllm_xargs"]["anyOf"][0]["additionalProperties"]) | hostile
+
+        @fuzz
+        @given(steer=steer, xarg=st.none() | xargs, stream=st.booleans())
+        def one(steer, xarg, stream):
+            body = {**base, "max_tokens": 1, "stream": stream, "steer": steer}
+            if xarg is not None:
+                body["vllm_xargs"] = {"steer": xarg}
+            check(requests.post(server + path, data=json.dumps(body, allow_nan=True),
+                                headers={"Content-Type": "application/json"}, timeout=120))
+
+        one()
+
+    highlight = body_schema("/v1/steer/highlight")
+    hl_props = highlight["properties"]
+
+    @fuzz
+    @given(body=from_schema(highlight), steer=hostile, against=hostile, which=st.integers(0, 2))
+    def one_highlight(body, steer, against, which):
+        body["text"] = body["text"][:200]
+        if which == 1:
+            body["steer"] = steer
+        elif which == 2:
+            body["against"] = against
+        check(requests.post(server + "/v1/steer/highlight", timeout=120,
+                            data=json.dumps(body, allow_nan=True),
+                            headers={"Content-Type": "application/json"}))
+
+    assert {"text", "steer", "k", "max_len"} <= set(hl_props)
+    one_highlight()
+    assert 200 in seen and 400 in seen
+    assert requests.get(server + "/health", timeout=30).status_code == 200
+    assert complete(client, steer={"detox": 5}) == complete(client, steer={"detox": 5.0})
+
+
+def test_steer_updates_are_off_by_default_and_the_list_is_on(server):
+    listing = requests.get(server + "/v1/steers").json()
+    assert sorted(s["name"] for s in listing["data"]) == ["detox", "sentiment"]
+    assert listing["updates_enabled"] is False
+    path = str(SERVER_DIR[0] / "detox.safetensors")
+    for r in (requests.post(server + "/v1/steers", json={"name": "x", "path": path}),
+              requests.delete(server + "/v1/steers/detox")):
+        assert r.status_code == 403 and "--enable-steer-updates" in r.json()["error"]["message"]
+    assert sorted(s["name"] for s in requests.get(server + "/v1/steers").json()["data"]) == \
+        ["detox", "sentiment"]

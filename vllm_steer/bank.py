@@ -7,7 +7,7 @@ Semantics: see :mod:`vllm_steer.reference`.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -85,6 +85,114 @@ class SteerBank:
             key = (plan_key, backend)
             if key != self._plan_key:
                 self._plan_key, self._plan = None, None  # never keep a stale plan on error
+                self._plan = prepare_steers(self.p1, self.p2, self.rank_offsets, coefs, backend)
+                self._plan_key = key
+            prepared = self._plan
+        return apply_steers(hidden, self.p1, self.p2, self.rank_offsets, coefs, backend=backend,
+                            prepared=prepared)
+
+
+class SlotBank:
+    """A bank of ``capacity`` steer *slots* whose steers come and go at run time.
+
+    The coefficient layout is fixed up front: column ``j`` is slot ``j``'s steer and column
+    ``capacity + j`` its domain component (zero width when absent), so the per-request
+    coefficient table of the serving runtime (``[max_num_seqs, 2 * capacity]``) is allocated
+    once and a request's row never moves when other steers are loaded or unloaded.
+    :meth:`put` / :meth:`drop` change one slot; the concatenated factors are rebuilt (a new
+    tensor: a plan made before keeps the factors it was made with) and :attr:`version` bumps,
+    which invalidates the cached plan.
+    """
+
+    def __init__(self, capacity: int, hidden_size: int, device=None, dtype=None,
+                 max_rank: int | None = None):
+        self.capacity = capacity
+        self.hidden_size = hidden_size
+        self.device, self.dtype = device, dtype
+        self.max_rank = max_rank
+        self.steers: list[Steer | None] = [None] * capacity
+        self.generations: list[int] = [0] * capacity
+        self.names: list[str | None] = [None] * capacity
+        self.version = 0
+        self._plan_key: object = None
+        self._plan = None
+        self._rebuild()
+
+    @property
+    def num_columns(self) -> int:
+        return 2 * self.capacity
+
+    def put(self, slot: int, generation: int, name: str, steer: Steer) -> None:
+        """Load ``steer`` into ``slot`` (which no running request may use)."""
+        if steer.hidden_size != self.hidden_size:
+            raise ValueError(f"steer {name!r} has hidden size {steer.hidden_size}; the model "
+                             f"has {self.hidden_size}")
+        if self.max_rank is not None and steer.p1.shape[1] > self.max_rank:
+            raise ValueError(f"steer {name!r} has rank {steer.p1.shape[1]} over "
+                             f"--max-steer-rank={self.max_rank}")
+        self.steers[slot] = steer.to(device=self.device, dtype=self.dtype)
+        self.generations[slot] = generation
+        self.names[slot] = name
+        self._rebuild()
+
+    def drop(self, slot: int) -> None:
+        self.steers[slot] = None
+        self.generations[slot] = 0
+        self.names[slot] = None
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        d = self.hidden_size
+        parts1, parts2, offs = [], [], [0]
+        segs = [(s.p1, s.p2) if s is not None else (None, None) for s in self.steers]
+        segs += [(s.domain_p1, s.domain_p2)
+                 if s is not None and s.metadata.domain == "with_steer"
+                 and s.domain_p1 is not None else (None, None) for s in self.steers]
+        for a, b in segs:
+            if a is not None:
+                parts1.append(a), parts2.append(b)
+            offs.append(offs[-1] + (0 if a is None else a.shape[1]))
+        if parts1:
+            self.p1 = torch.cat(parts1, dim=1).contiguous()
+            self.p2 = torch.cat(parts2, dim=1).contiguous()
+        else:
+            self.p1 = self.p2 = torch.zeros(d, 0, device=self.device, dtype=self.dtype)
+        self.rank_offsets = offs
+        self.version += 1
+        self._plan_key, self._plan = None, None
+
+    def coef_row(self, bound: Mapping[str, Sequence[int]], strengths: Mapping[str, float]
+                 ) -> tuple[list[float], list[str]]:
+        """Coefficients for a request bound to ``{name: (slot, generation)}``.
+
+        Returns the row and the problems (a slot that no longer holds that generation: the
+        steer is left out, never replaced by another file's).
+        """
+        row = [0.0] * self.num_columns
+        problems = []
+        for name, s in strengths.items():
+            if not s:
+                continue
+            slot, gen = bound.get(name, (None, None))
+            if slot is None or not 0 <= slot < self.capacity or self.generations[slot] != gen \
+                    or self.steers[slot] is None:
+                problems.append(f"steer {name!r} generation {gen} is not in slot {slot} "
+                                f"(holds generation {self.generations[slot] if slot is not None and 0 <= slot < self.capacity else None})")
+                continue
+            meta = self.steers[slot].metadata
+            row[slot] = float(s) * meta.epsilon
+            if meta.domain == "with_steer" and self.steers[slot].domain_p1 is not None:
+                row[self.capacity + slot] = meta.domain_strength * meta.epsilon
+        return row, problems
+
+    def apply(self, hidden: torch.Tensor, coefs: torch.Tensor, backend: str | None = None,
+              plan_key: object = None) -> torch.Tensor:
+        """Like :meth:`SteerBank.apply`; the plan is also keyed by the bank's version."""
+        prepared = None
+        if plan_key is not None:
+            key = (plan_key, backend, self.version)
+            if key != self._plan_key:
+                self._plan_key, self._plan = None, None
                 self._plan = prepare_steers(self.p1, self.p2, self.rank_offsets, coefs, backend)
                 self._plan_key = key
             prepared = self._plan

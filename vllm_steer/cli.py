@@ -4,8 +4,10 @@
     vllm-steer train ...                      train a steer (vllm_steer.train.cli)
     vllm-steer convert ...                    import a checkpoint of the paper's code
     vllm-steer eval toxicity|sentiment ...    evaluate like the paper (vllm_steer.eval.cli)
+    vllm-steer tune STEER --task T --prompts F   choose the recommended strength by generation
     vllm-steer transfer|highlight|explain|score ...   the lens (vllm_steer.lens.cli)
     vllm-steer info FILE                      show a steer file's metadata
+    vllm-steer steers list|load|unload --url URL   manage a server's steers (HTTP)
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import sys
 
 #: Modules that contribute sub-commands: each has ``add_commands(subparsers)``; a parser's
 #: ``func`` default receives the parsed args. Imported lazily so ``--help`` stays fast.
-COMMAND_MODULES = ("vllm_steer.train.cli", "vllm_steer.eval.cli", "vllm_steer.lens.cli")
+COMMAND_MODULES = ("vllm_steer.train.cli", "vllm_steer.eval.cli", "vllm_steer.lens.cli",
+                   "vllm_steer.server.client")
 
 
 def _cmd_model(args) -> int:

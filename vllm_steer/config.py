@@ -28,6 +28,20 @@ class SteerServerConfig:
     """Largest ``|strength|`` a request may ask for (units of the steer's epsilon)."""
     backend: Literal["auto", "reference", "torch", "triton"] = "auto"
     """Implementation of the batched steer operation (see ``vllm_steer.ops``)."""
+    max_steers: int | None = None
+    """Steer slots (``--max-steers``): how many steers may be loaded at once; the per-request
+    coefficient table and the bank are sized for it up front. Default: the number of
+    ``--steer`` options, at least 8."""
+    max_steer_rank: int | None = None
+    """Largest rank a loaded steer may have (``--max-steer-rank``); None: any."""
+    steer_dir: str | None = None
+    """``--steer-dir``: a request naming a steer that is not loaded loads
+    ``DIR/NAME.safetensors`` on first use."""
+    enable_updates: bool = False
+    """``--enable-steer-updates``: allow ``POST /v1/steers`` and ``DELETE /v1/steers/NAME``."""
+    updates_any_path: bool = False
+    """``--steer-updates-any-path``: ``POST /v1/steers`` may name a file outside
+    ``--steer-dir`` (default: only files inside it)."""
 
     def __post_init__(self):
         if not (isinstance(self.max_strength, (int, float)) and math.isfinite(self.max_strength)
@@ -35,12 +49,45 @@ class SteerServerConfig:
             raise ValueError(f"--steer-max-strength={self.max_strength!r}: must be a positive "
                              f"finite number (default {DEFAULT_MAX_STRENGTH})")
         self.max_strength = float(self.max_strength)
+        if not isinstance(self.steers, dict):
+            raise ValueError(f"steers must map steer names to file paths, got "
+                             f"{type(self.steers).__name__}")
+        for name, path in self.steers.items():
+            problem = steer_name_problem(name)
+            if problem:
+                raise ValueError(f"steers: {problem}")
+            if not isinstance(path, (str, os.PathLike)):
+                raise ValueError(f"steers[{name!r}]: expected a file path, got "
+                                 f"{type(path).__name__}")
+        for flag, v in (("--max-steers", self.max_steers),
+                        ("--max-steer-rank", self.max_steer_rank)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{flag}={v!r}: must be a positive integer")
+        if self.max_steers is not None and self.max_steers < len(self.steers):
+            raise ValueError(f"--max-steers={self.max_steers} is less than the "
+                             f"{len(self.steers)} steers given with --steer; raise it")
         if self.backend not in ("auto", "reference", "torch", "triton"):
             raise ValueError(f"steer backend {self.backend!r}: choose auto, reference, torch "
                              "or triton")
 
+    @property
+    def capacity(self) -> int:
+        """Steer slots: ``max_steers``, default the number of ``--steer``, at least 8."""
+        return self.max_steers if self.max_steers is not None else max(len(self.steers), 8)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether steering is on: steers given, a steer directory, run-time updates, or a
+        capacity (offline: ``{"max_steers": 8}`` with no steers, to load them later)."""
+        return bool(self.steers or self.steer_dir or self.enable_updates
+                    or self.max_steers is not None)
+
     def to_additional_config(self) -> dict[str, Any]:
-        return {ADDITIONAL_CONFIG_KEY: asdict(self)}
+        d = asdict(self)
+        for k in _RUNTIME_KEYS:  # run-time management keys only when set
+            if d.get(k) in (None, False):
+                d.pop(k, None)
+        return {ADDITIONAL_CONFIG_KEY: d}
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None
@@ -48,7 +95,7 @@ class SteerServerConfig:
         if not additional_config or ADDITIONAL_CONFIG_KEY not in additional_config:
             return None
         d = dict(additional_config[ADDITIONAL_CONFIG_KEY])
-        unknown = set(d) - {"steers", "max_strength", "backend"}
+        unknown = set(d) - {"steers", "max_strength", "backend"} - _RUNTIME_KEYS
         if unknown:
             raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] has unknown keys "
                              f"{sorted(unknown)}; known: steers, max_strength, backend")
@@ -56,7 +103,13 @@ class SteerServerConfig:
         if isinstance(steers, (list, tuple)):
             steers = dict(parse_steer_arg(s) for s in steers)
         return cls(steers=dict(steers), max_strength=d.get("max_strength", DEFAULT_MAX_STRENGTH),
-                   backend=d.get("backend", "auto"))
+                   backend=d.get("backend", "auto"),
+                   **{k: d[k] for k in _RUNTIME_KEYS if k in d})
+
+
+#: Keys of the run-time steer management (issue 15) in ``additional_config["vllm_steer"]``.
+_RUNTIME_KEYS = frozenset({"max_steers", "max_steer_rank", "steer_dir", "enable_updates",
+                           "updates_any_path"})
 
 
 def parse_steer_arg(arg: str) -> tuple[str, str]:

@@ -54,3 +54,10 @@ def check_steer_name(name: object) -> str:
     if problem is not None:
         raise ValueError(problem)
     return name  # type: ignore[return-value]
+
+
+def safe_steer_name(text: str, fallback: str = "steer") -> str:
+    """A valid steer name made from ``text`` (e.g. a file name): runs of other characters
+    become ``-``, cut to the longest length; ``fallback`` when nothing is left."""
+    name = re.sub(r"[^A-Za-z0-9_.\-]+", "-", text).strip("-.")[:MAX_NAME_LENGTH].strip("-.")
+    return name if is_steer_name(name) else fallback

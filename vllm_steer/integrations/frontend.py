@@ -24,6 +24,74 @@ def get_config() -> SteerServerConfig | None:
     return _CONFIG
 
 
+# Names of the steers the engine serves, as this process last heard (run-time loading: the
+# steers route refreshes it from the engine core; None: the configured --steer names).
+_LOADED: set[str] | None = None
+
+
+def set_loaded(names) -> None:
+    global _LOADED
+    _LOADED = None if names is None else set(names)
+
+
+def loaded_names() -> set[str]:
+    if _LOADED is not None:
+        return set(_LOADED)
+    return set(_CONFIG.steers) if _CONFIG is not None else set()
+
+
+def _check_unloaded(value: Any, cfg: SteerServerConfig, where: str = REQUEST_FIELD) -> dict:
+    """Names the request uses that are not loaded: fine if ``--steer-dir`` has them (loaded on
+    first use by the engine core), else a SteerRequestError naming the directory."""
+    from vllm_steer.integrations.registry import SteerNameError, dir_path, name_problem
+
+    from vllm_steer.config import _names_list
+
+    loaded = loaded_names()
+    strengths = parse_request_steer(value, None, cfg.max_strength, where)
+    known = {n: True for n in loaded}
+    for name in strengths:
+        if name in loaded:
+            continue
+        if not cfg.steer_dir:
+            raise SteerRequestError(f"{where}: unknown steer {name!r}; loaded steers: "
+                                    f"{_names_list(loaded)}")
+        problem = name_problem(name)
+        try:
+            path = None if problem else dir_path(cfg.steer_dir, name)
+        except SteerNameError as e:
+            problem = str(e)
+        if problem:
+            raise SteerRequestError(f"{where}: {problem}")
+        import os
+
+        if not os.path.isfile(path):
+            raise SteerRequestError(f"{where}: unknown steer {name!r}: not loaded "
+                                    f"(loaded: {_names_list(loaded)}) and no file "
+                                    f"{name}.safetensors in "
+                                    f"--steer-dir {cfg.steer_dir}")
+        from vllm_steer.format import SteerFileError, read_metadata
+
+        try:  # the header only (no torch): what can be refused before the engine loads it
+            meta = read_metadata(path)
+        except SteerFileError as e:
+            raise SteerRequestError(f"{where}: steer {name!r} in --steer-dir: "
+                                    + " ".join(str(e).split())[:1000]) from None
+        if _HIDDEN and meta.hidden_size != _HIDDEN:
+            raise SteerRequestError(f"{where}: steer {name!r} ({path}) has hidden size "
+                                    f"{meta.hidden_size} but the model has {_HIDDEN}")
+        known[name] = True
+    return known
+
+
+_HIDDEN = 0  # the served model's hidden size (checked for --steer-dir files at admission)
+
+
+def set_model_hidden_size(hidden: int) -> None:
+    global _HIDDEN
+    _HIDDEN = int(hidden or 0)
+
+
 def check_value(value: Any, where: str = REQUEST_FIELD) -> dict[str, float]:
     """Parse a request's steer value against this server's steers and limits.
 
@@ -31,6 +99,10 @@ def check_value(value: Any, where: str = REQUEST_FIELD) -> dict[str, float]:
     without steers accepts only values whose strengths are all 0.
     """
     cfg = _CONFIG
+    if cfg is not None and cfg.enabled and (cfg.steer_dir or cfg.enable_updates
+                                            or _LOADED is not None):  # steers come and go
+        return parse_request_steer(value, _check_unloaded(value, cfg, where), cfg.max_strength,
+                                   where)
     if cfg is None or not cfg.steers:
         try:
             if not parse_request_steer(value, None, float("inf"), where):

@@ -36,7 +36,9 @@ class SteeredLogitsProcessor(LogitsProcessor):
                 from vllm.platforms import current_platform
 
                 device = torch.device(current_platform.device_type)
-            self.steer_runtime.load(mc.get_hidden_size(), device, dtype, model_id=mc.model)
+            from vllm_steer.integrations.families import head_input_size  # OPT: != hidden
+
+            self.steer_runtime.load(head_input_size(mc), device, dtype, model_id=mc.model)
 
     def forward(self, lm_head, hidden_states: torch.Tensor, embedding_bias=None,
                 skip_gather: bool = False):

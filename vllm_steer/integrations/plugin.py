@@ -91,12 +91,16 @@ def resolve(target: str) -> Any:
 
 def install_hooks(hooks) -> list[str]:
     """Install every hook; record (and warn about) each one vLLM does not have."""
+    import importlib
+
     missing = []
     for hook in hooks:
         try:
             resolve(hook.target)
             if hook.install is not None:
-                hook.install(resolve(hook.target.rpartition(".")[0]))
+                module, _, qualname = hook.target.partition(":")
+                hook.install(resolve(module + ":" + qualname.rpartition(".")[0])
+                             if "." in qualname else importlib.import_module(module))
         except (ImportError, AttributeError) as e:
             missing.append(f"{hook.target} ({hook.purpose}): {type(e).__name__}: {e}")
     if missing:
@@ -144,11 +148,26 @@ def add_steer_args(parser) -> None:
     group.add_argument("--steer-backend", default="auto",
                        choices=["auto", "reference", "torch", "triton"],
                        help="Implementation of the batched steer op.")
+    group.add_argument("--max-steers", type=int, default=None, metavar="N",
+                       help="Steers that may be loaded at once (slots sized up front). "
+                            "Default: the number of --steer, at least 8.")
+    group.add_argument("--max-steer-rank", type=int, default=None, metavar="R",
+                       help="Refuse steers of a larger rank.")
+    group.add_argument("--steer-dir", default=None, metavar="DIR",
+                       help="A request naming a steer that is not loaded loads "
+                            "DIR/NAME.safetensors on first use.")
+    group.add_argument("--enable-steer-updates", action="store_true", default=False,
+                       help="Allow POST /v1/steers and DELETE /v1/steers/NAME (load and "
+                            "unload steers at run time).")
+    group.add_argument("--steer-updates-any-path", action="store_true", default=False,
+                       help="With --enable-steer-updates: POST /v1/steers may load files "
+                            "outside --steer-dir.")
 
 
 def config_from_args(args: argparse.Namespace) -> SteerServerConfig | None:
-    steers = getattr(args, "steer", None)
-    if not steers:
+    steers = getattr(args, "steer", None) or []
+    if not (steers or getattr(args, "steer_dir", None)
+            or getattr(args, "enable_steer_updates", False)):
         return None
     pairs = [parse_steer_arg(s) for s in steers]
     names = [n for n, _ in pairs]
@@ -159,7 +178,27 @@ def config_from_args(args: argparse.Namespace) -> SteerServerConfig | None:
     return SteerServerConfig(steers=dict(pairs),
                              max_strength=getattr(args, "steer_max_strength",
                                                   DEFAULT_MAX_STRENGTH),
-                             backend=getattr(args, "steer_backend", "auto"))
+                             backend=getattr(args, "steer_backend", "auto"),
+                             **_runtime_args(args))
+
+
+def _runtime_args(args: argparse.Namespace) -> dict:
+    """Run-time steer management flags (issue 15) as SteerServerConfig fields."""
+    steer_dir = getattr(args, "steer_dir", None)
+    if steer_dir is not None:
+        import os
+
+        if not os.path.isdir(steer_dir):
+            raise ValueError(f"--steer-dir {steer_dir!r}: not a directory")
+        steer_dir = os.path.abspath(steer_dir)
+    if getattr(args, "enable_steer_updates", False):
+        logger.warning("vllm-steer: --enable-steer-updates is on: POST /v1/steers and "
+                       "DELETE /v1/steers/NAME can load and unload steers at run time. Do not "
+                       "expose this server to untrusted clients.")
+    return dict(max_steers=getattr(args, "max_steers", None),
+                max_steer_rank=getattr(args, "max_steer_rank", None), steer_dir=steer_dir,
+                enable_updates=bool(getattr(args, "enable_steer_updates", False)),
+                updates_any_path=bool(getattr(args, "steer_updates_any_path", False)))
 
 
 def _hook_add_cli_args(engine_args_cls) -> None:
@@ -220,6 +259,9 @@ def _hook_input_processor(input_processor_cls) -> None:
     def __init__(self, vllm_config, *a, **kw):
         frontend.set_config(SteerServerConfig.from_additional_config(
             vllm_config.additional_config))
+        from vllm_steer.integrations.control import _head_input_size
+
+        frontend.set_model_hidden_size(_head_input_size(vllm_config.model_config))
         orig(self, vllm_config, *a, **kw)
         procs = [str(p) for p in (vllm_config.model_config.logits_processors or [])]
         if _processor_fqcn(vllm_config) not in procs:
@@ -240,11 +282,12 @@ def configure_engine(vllm_config) -> None:
 
     cfg = SteerServerConfig.from_additional_config(vllm_config.additional_config)
     frontend.set_config(cfg)
-    if cfg is None or not cfg.steers:
+    if cfg is None or not cfg.enabled:
         return
     check_hooks()
-    check_steers_fit(cfg, vllm_config.model_config.get_hidden_size(),
-                     vllm_config.model_config.model)
+    from vllm_steer.integrations.families import check_model  # refuses what we cannot steer
+
+    check_steers_fit(cfg, check_model(vllm_config.model_config), vllm_config.model_config.model)
     if vllm_config.speculative_config is not None:
         raise ValueError("vllm-steer: speculative decoding is not supported with --steer (draft "
                          "tokens would be proposed unsteered and verified with several rows per "
@@ -328,7 +371,7 @@ def _checked_load_model(orig):
     def load_model(self, vllm_config, *a, **kw):
         model = orig(self, vllm_config, *a, **kw)
         cfg = SteerServerConfig.from_additional_config(vllm_config.additional_config)
-        if cfg is not None and cfg.steers and \
+        if cfg is not None and cfg.enabled and \
                 getattr(vllm_config.model_config, "runner_type", "generate") != "pooling":
             from vllm_steer.integrations.head import check_head_installed
 
@@ -450,6 +493,121 @@ def add_request_field(cls) -> None:
 _VALIDATOR_NAME = "_vllm_steer_check"
 
 
+# ---- 5. run-time steer management (vllm_steer.integrations.control) ----------------------
+def _hook_engine_core(engine_core_cls) -> None:
+    """``EngineCore.collective_rpc`` answers :data:`registry.CONTROL_METHOD` in the engine core
+    (load / unload / list, forwarded to every worker by the executor's own collective_rpc);
+    ``EngineCore.add_request`` binds each request's steers to (slot, generation)."""
+    EngineCore = engine_core_cls
+    from vllm_steer.integrations import control
+    from vllm_steer.integrations.registry import CONTROL_METHOD
+
+    orig_rpc, orig_add = EngineCore.collective_rpc, EngineCore.add_request
+    if getattr(orig_add, "_vllm_steer", False):
+        return
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        if method == CONTROL_METHOD:
+            return [control.handle(self, *args)]
+        return orig_rpc(self, method, timeout, args, kwargs)
+
+    def add_request(self, request, request_wave: int = 0):
+        try:
+            control.bind_request(self, request)
+        except control.SteerAdmissionError as e:
+            send = getattr(self, "_send_error_outputs_to_client", None)
+            if send is None:  # engine core in this process (offline): the caller sees it
+                raise
+            logger.warning("vllm-steer: request %s refused: %s", request.request_id, e)
+            send([request.request_id], request.client_index)
+            return
+        return orig_add(self, request, request_wave)
+
+    add_request._vllm_steer = True
+    EngineCore.collective_rpc = collective_rpc
+    EngineCore.add_request = add_request
+
+
+def _hook_endpoint_plugins(plugins) -> None:
+    """Serve ``/v1/steers`` (vllm_steer.server.steers_route) on every API server that steers:
+    vLLM's endpoint-plugin loader also returns our plugin, whatever ``VLLM_PLUGINS`` says (the
+    write routes stay off without ``--enable-steer-updates``)."""
+    orig = plugins.load_endpoint_plugins
+    if getattr(orig, "_vllm_steer", False):
+        return
+
+    def load_endpoint_plugins(supported_tasks=None):
+        found = list(orig(supported_tasks))
+        from vllm_steer.integrations import frontend
+
+        cfg = frontend.get_config()
+        if cfg is not None and cfg.enabled and not any(
+                getattr(p, "name", None) == "vllm_steer_steers" for p in found):
+            from vllm_steer.server.steers_route import SteerManagementEndpoint
+
+            found.append(SteerManagementEndpoint())
+        return found
+
+    load_endpoint_plugins._vllm_steer = True
+    plugins.load_endpoint_plugins = load_endpoint_plugins
+
+
+def _hook_async_llm(async_llm_cls) -> None:
+    """``AsyncLLM.add_request`` (the API server) loads a ``--steer-dir`` steer a request names
+    before admitting it, so a refusal (bad file, capacity full) is an HTTP 400 with the reason.
+    (The engine core binds, and loads on first use, anyway: this only surfaces the errors.)"""
+    AsyncLLM = async_llm_cls
+    orig = AsyncLLM.add_request
+    if getattr(orig, "_vllm_steer", False):
+        return
+
+    async def add_request(self, request_id, prompt, params, *args, **kwargs):
+        from vllm_steer.integrations import frontend
+
+        cfg = frontend.get_config()
+        if cfg is not None and cfg.steer_dir:
+            await _preload_dir_steers(self, cfg, params)
+        return await orig(self, request_id, prompt, params, *args, **kwargs)
+
+    add_request._vllm_steer = True
+    AsyncLLM.add_request = add_request
+
+
+async def _preload_dir_steers(engine, cfg, params) -> None:
+    import os
+
+    from vllm_steer.config import SteerRequestError, parse_request_steer
+    from vllm_steer.integrations import frontend
+    from vllm_steer.integrations.registry import dir_path, name_problem
+
+    value = (getattr(params, "extra_args", None) or {}).get(REQUEST_FIELD)
+    if value is None:
+        return
+    try:
+        names = [n for n, s in parse_request_steer(value, None, cfg.max_strength).items() if s]
+    except SteerRequestError:
+        return  # validation refuses it with the reason
+    loaded = frontend.loaded_names()
+    for name in names:
+        if name in loaded or name_problem(name):
+            continue
+        try:
+            frontend._check_unloaded({name: 1}, cfg)  # name, file, header, hidden size
+            path = dir_path(cfg.steer_dir, name)
+        except (SteerRequestError, ValueError):
+            return  # validation refuses it with the reason
+        if not os.path.isfile(path):
+            return
+        from vllm_steer.server.steers_route import control
+
+        res = await control(engine, "load", name=name, path=path, source="steer-dir")
+        if not res["ok"] and name not in frontend.loaded_names():
+            from vllm.exceptions import VLLMValidationError
+
+            raise VLLMValidationError(f"{REQUEST_FIELD}: {res['error']}",
+                                      parameter=REQUEST_FIELD)
+
+
 # ---- the hook list (section 0) -----------------------------------------------------------
 # Patched lazily in the worker (v1.py, v2.py) but checked here, in every process.
 _WORKER_HOOKS = (
@@ -459,6 +617,12 @@ _WORKER_HOOKS = (
      "steered prompt logprobs (V1)"),
     ("vllm.v1.worker.gpu_input_batch:InputBatch.__init__",
      "no output-token tracking for our processor (V1)"),
+    ("vllm.v1.worker.gpu.sample.logits_processor:LogitsProcessor",
+     "V2 per-request steer state"),
+    ("vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample",
+     "the step's row -> request mapping (V2)"),
+    ("vllm.v1.worker.gpu.sample.batch_shard:BatchSharder.shard_sampler_inputs",
+     "rows of batch-sharded sampling (V2, --enable-batch-sharded-sampling)"),
 )
 
 HOOKS: tuple[Hook, ...] = (
@@ -483,4 +647,14 @@ HOOKS: tuple[Hook, ...] = (
            _hook_refuse_beam_search)
       for module, name in REQUEST_CLASSES if name != "ResponsesRequest"),
     *(Hook(target, purpose) for target, purpose in _WORKER_HOOKS),
+    # steers at run time (section 5)
+    Hook("vllm.v1.engine.core:EngineCore.collective_rpc",
+         "loading/unloading steers in the engine core (collective_rpc)", _hook_engine_core),
+    Hook("vllm.v1.engine.core:EngineCore.add_request",
+         "binding a request's steers to (slot, generation) at admission"),
+    Hook("vllm.plugins:load_endpoint_plugins", "the /v1/steers routes",
+         _hook_endpoint_plugins),
+    Hook("vllm.v1.engine.async_llm:AsyncLLM.add_request",
+         "--steer-dir steers loaded before admission (HTTP 400 with the reason)",
+         _hook_async_llm),
 )

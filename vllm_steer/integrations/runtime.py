@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from vllm_steer import REQUEST_FIELD
-from vllm_steer.bank import SteerBank
+from vllm_steer.bank import SlotBank
 from vllm_steer.config import SteerRequestError, SteerServerConfig, parse_request_steer
 from vllm_steer.format import SteerFileError, load_steer, read_metadata
 
@@ -75,7 +76,7 @@ class SteerRuntime:
         if problems:
             raise SteerFileError(", ".join(config.steers.values()),
                                  [p.replace("\n", " ") for p in problems])
-        self.bank: SteerBank | None = None
+        self.bank: SlotBank | None = None
         self.backend: str | None = None  # resolved at load
         self.slot_coefs: torch.Tensor | None = None  # [max_slots, K] on device
         self._host: np.ndarray | None = None  # [max_slots, K] host mirror
@@ -86,12 +87,12 @@ class SteerRuntime:
         self.version = 0  # bumped whenever slot_coefs may change (keys the bank's plan)
         self.batch_size = 0
         self.row_source = RowSource("batch")
-        # the K columns of a coefficient row; a steer served with its domain takes two
-        self.columns: list[tuple[str, str]] = []
-        for n in self.names:
-            self.columns.append((n, "steer"))
-            if self.metadata[n].domain == "with_steer":
-                self.columns.append((n, "domain"))
+        # steers come and go at run time (vllm_steer.integrations.control): a fixed number of
+        # steer slots, two coefficient columns each (steer, domain; see SlotBank)
+        self.capacity = config.capacity
+        self.num_columns = 2 * self.capacity
+        self.op_seconds = 0.0  # host time in steer_rows (metrics)
+        self.op_calls = 0
 
     # ---- loading (head side) -------------------------------------------------------------
     def load(self, hidden_size: int, device: torch.device, dtype: torch.dtype,
@@ -118,8 +119,10 @@ class SteerRuntime:
                 reasons.append(str(e).replace("\n", " "))
         if reasons:
             raise SteerFileError(", ".join(self.config.steers.values()), reasons)
-        self.bank = SteerBank(steers, device=device, dtype=dtype)
-        assert self.bank.num_columns == len(self.columns)
+        self.bank = SlotBank(self.capacity, hidden_size, device=device, dtype=dtype,
+                             max_rank=self.config.max_steer_rank)
+        for slot, name in enumerate(self.names):  # the registry numbers them the same way
+            self.bank.put(slot, slot + 1, name, steers[name])
         # Resolve the backend now (it imports the kernels, and Triton where present: about
         # half a second), not in the first steered request's step.
         from vllm_steer.ops import resolve_backend
@@ -131,9 +134,9 @@ class SteerRuntime:
     # ---- request state (logits-processor side) -------------------------------------------
     def ensure_slots(self, max_slots: int, device: torch.device) -> None:
         if self._host is None or self._host.shape[0] < max_slots:
-            self._host = np.zeros((max_slots, len(self.columns)), dtype=np.float32)
+            self._host = np.zeros((max_slots, self.num_columns), dtype=np.float32)
             self._steered = np.zeros(max_slots, dtype=bool)
-            self.slot_coefs = torch.zeros((max_slots, len(self.columns)), dtype=torch.float32,
+            self.slot_coefs = torch.zeros((max_slots, self.num_columns), dtype=torch.float32,
                                           device=device)
             self._dirty = False
             self.num_active_slots = 0
@@ -142,24 +145,46 @@ class SteerRuntime:
     def coef_row(self, params: Any) -> np.ndarray:
         """Coefficients of a request (zeros when it asks for no steer).
 
-        Never raises on request data: bad steers are refused at admission (HTTP 400); one
-        that slips through (a frontend that did not validate) is served unsteered, with a
-        warning, instead of killing the engine."""
+        The engine core bound each named steer to ``(slot, generation)`` at admission
+        (``registry.BOUND_KEY``); a slot that no longer holds that generation is never used
+        (the engine core keeps a slot while a request bound to it runs, so this is a bug
+        guard, logged). Never raises on request data: bad steers are refused at admission
+        (HTTP 400); one that slips through is served unsteered, with a warning."""
+        from vllm_steer.integrations.registry import BOUND_KEY
+
+        extra = getattr(params, "extra_args", None) or {}
+        value = extra.get(REQUEST_FIELD)
+        if value is None or self.bank is None:
+            return np.zeros(self.num_columns, dtype=np.float32)
         try:
-            strengths = request_strengths(params, self)
+            strengths = parse_request_steer(value, None, self.config.max_strength)
         except Exception as e:  # noqa: BLE001 - request data must not crash a worker
             logger.warning("vllm-steer: request steer %r refused in the worker (%s); the request "
                            "is served unsteered. Its frontend did not validate it: see "
-                           "docs/serving.md", (getattr(params, "extra_args", None) or {})
-                           .get(REQUEST_FIELD), e)
-            strengths = {}
-        row = np.zeros(len(self.columns), dtype=np.float32)
-        for k, (n, kind) in enumerate(self.columns):
-            s = strengths.get(n, 0.0)
-            if s:
-                meta = self.metadata[n]
-                row[k] = s * meta.epsilon if kind == "steer" else meta.domain_strength * meta.epsilon
-        return row
+                           "docs/serving.md", value, e)
+            return np.zeros(self.num_columns, dtype=np.float32)
+        bound = extra.get(BOUND_KEY)
+        if bound is None:  # not bound by the engine core (no control hook): current slots
+            bound = {n: (s, self.bank.generations[s])
+                     for s, n in enumerate(self.bank.names) if n is not None}
+        row, problems = self.bank.coef_row(bound, strengths)
+        for p in problems:
+            logger.error("vllm-steer: request steer left out: %s", p)
+        return np.asarray(row, dtype=np.float32)
+
+    # ---- run-time loading (vllm_steer.integrations.control) ------------------------------
+    def put_steer(self, slot: int, generation: int, name: str, steer) -> None:
+        """Load a steer into a slot no request uses (the engine core picked it)."""
+        assert self.bank is not None, "steers are loaded with the model"
+        self.bank.put(slot, generation, name, steer)
+        self.version += 1
+
+    def drop_slots(self, slots) -> None:
+        if self.bank is None:
+            return
+        for slot in slots:
+            self.bank.drop(slot)
+        self.version += 1
 
     def set_slot(self, slot: int, row: np.ndarray | None) -> None:
         """(Re)initialise a slot fully: a reused slot keeps nothing of its previous request."""
@@ -228,7 +253,11 @@ class SteerRuntime:
         key = (self.version, hidden.shape[0]) if self.row_source.kind == "batch" else None
         self.stats.calls += 1
         self.stats.rows += hidden.shape[0]
-        return self.bank.apply(hidden, coefs, backend=self.backend, plan_key=key)
+        t0 = time.perf_counter()
+        out = self.bank.apply(hidden, coefs, backend=self.backend, plan_key=key)
+        self.op_seconds += time.perf_counter() - t0
+        self.op_calls += 1
+        return out
 
     def _coefs_for(self, hidden: torch.Tensor) -> torch.Tensor | None:
         src = self.row_source
@@ -308,7 +337,7 @@ def steer_stats(worker: Any = None) -> dict[str, int]:
 def get_runtime(additional_config: dict | None) -> SteerRuntime | None:
     """The process's runtime for this engine's configuration (None: no steers configured)."""
     cfg = SteerServerConfig.from_additional_config(additional_config)
-    if cfg is None or not cfg.steers:
+    if cfg is None or not cfg.enabled:
         return None
     import json
 

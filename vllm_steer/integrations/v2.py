@@ -4,6 +4,10 @@ Semantics: see :mod:`vllm_steer.reference`. Thin by design: V2 keeps request sta
 (``add_request(slot, params)``) and tells, per step, which slot each logits row belongs to
 (``expanded_idx_mapping``). That mapping is needed *before* ``compute_logits``, so the runner's
 ``sample()`` is wrapped to scope it (:meth:`SteerRuntime.rows`) around the LM-head call.
+V2 never says that a request finished, so the head works only in steps whose batch
+(``idx_mapping``) holds a steered slot. Under batch-sharded sampling (TP > 1) rows come
+owner-sorted; they are mapped through the sharder's own sort. Tested live in
+tests/test_vllm_v2.py (through the test shim tests/v2shim) and piecewise in tests/test_v2.py.
 Prompt logprobs under V2 are computed unsteered (the V2 prompt-logprob worker batches rows of
 several requests through ``compute_logits`` without a row mapping).
 """

@@ -50,7 +50,8 @@ class HighlightRequest(BaseModel):
 
 
 def _error(status: int, message: str, param: str | None = "steer") -> JSONResponse:
-    kind = {429: "TooManyRequests", 503: "ServiceUnavailable"}.get(status, "BadRequestError")
+    kind = {429: "TooManyRequests", 501: "NotImplementedError",
+            503: "ServiceUnavailable"}.get(status, "BadRequestError")
     return JSONResponse({"error": {"message": message, "type": kind,
                                    "param": param, "code": status}}, status_code=status)
 

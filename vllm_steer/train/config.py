@@ -134,6 +134,12 @@ class TrainConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0):
                 problems.append(f"{name}={v!r}: must be a positive number")
+        from vllm_steer.format import MAX_EPSILON, MIN_EPSILON
+
+        if isinstance(self.epsilon, (int, float)) and self.epsilon > 0 and not (
+                MIN_EPSILON <= self.epsilon <= MAX_EPSILON):
+            problems.append(f"epsilon={self.epsilon!r}: must be from {MIN_EPSILON:g} to "
+                            f"{MAX_EPSILON:g}, the range a steer file may hold")
         if not 0 <= self.domain_dropout < 1:
             problems.append(f"domain_dropout={self.domain_dropout}: must be in [0, 1)")
         if self.fluency_budget < 0:

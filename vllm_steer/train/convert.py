@@ -60,25 +60,23 @@ def _reason(e: BaseException) -> str:
 
 def _default_name(path: str) -> str:
     """A valid steer name from the file name (see :mod:`vllm_steer.names`)."""
-    import re
+    from vllm_steer.names import safe_steer_name
 
-    from vllm_steer.names import MAX_NAME_LENGTH, is_steer_name
-
-    stem = os.path.basename(path).split(".")[0]
-    name = re.sub(r"[^A-Za-z0-9_.\-]+", "-", stem).strip("-.")[:MAX_NAME_LENGTH]
-    return name if is_steer_name(name) else "converted"
+    return safe_steer_name(os.path.basename(path).split(".")[0], "converted")
 
 
-def _json_safe(v: Any) -> Any:
+def _json_safe(v: Any, depth: int = 0) -> Any:
     if isinstance(v, (str, int, bool)) or v is None:
         return v
     if isinstance(v, float):
         return v if math.isfinite(v) else str(v)
+    if depth > 16:  # a crafted checkpoint may nest (or loop) without end
+        return repr(type(v).__name__)
     if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
+        return [_json_safe(x, depth + 1) for x in v]
     if isinstance(v, dict):
-        return {str(k): _json_safe(x) for k, x in v.items()}
-    return repr(v)
+        return {str(k)[:200]: _json_safe(x, depth + 1) for k, x in v.items()}
+    return repr(v)[:200]
 
 
 def load_paper_checkpoint(path: str, allow_pickle: bool = False, full_unpickle: bool = False

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from vllm_steer.format import Steer, save_steer
+from vllm_steer.names import check_steer_name, safe_steer_name
 from vllm_steer.train.config import DataConfig, TrainConfig
 from vllm_steer.train.data import PRESETS, Dataset, load_dataset
 from vllm_steer.train.hidden import (HiddenStates, cache_key, compute_hidden, final_hidden,
@@ -334,7 +335,8 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
     ds = prep.dataset
     preset = PRESETS.get(data_cfg.preset) if data_cfg and data_cfg.preset else None
     name = name or (preset.name if preset else
-                    (os.path.basename(out).split(".")[0] if out else "steer"))
+                    safe_steer_name(os.path.basename(out).split(".")[0]) if out else "steer")
+    check_steer_name(name)  # before training, not when saving its result
     labels = labels or (dict(preset.labels) if preset else {})
     recipe = cfg.to_dict()
     data_desc = ds.describe(data_cfg) if data_cfg else {"sha256": ds.sha256,

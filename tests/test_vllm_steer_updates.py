@@ -1,0 +1,377 @@
+"""Steers loaded and unloaded at run time (issue 15), on real engines on CPU.
+
+One TP=2 offline engine (first test, torn down after it) and one server for the rest of the
+module: ``--api-server-count 2 --steer-dir DIR --enable-steer-updates --max-steers 4``.
+Correctness is checked against transformers on the same weights; in-flight guarantees with a
+streamed request that is still producing tokens when the steer changes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import re
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from conftest import make_tiny_llama, random_steer
+from vllm_steer.format import load_steer, save_steer
+
+pytestmark = pytest.mark.vllm
+CAPACITY = 4
+PROMPT = [1, 504, 3458, 314, 253, 655]  # token ids
+STATE: dict = {}
+
+
+# ---- transformers reference ----------------------------------------------------------------
+def reference_logprobs(model_dir, prompt, tokens, steer_path, strength):
+    """log p(token) at each generated position of the steered model, computed in transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_steer.hf import steering
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad(), steering(model, {"s": load_steer(steer_path)}, {"s": strength}):
+        logits = model(torch.tensor([list(prompt) + list(tokens)])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    n = len(prompt)
+    return [lp[n - 1 + i] for i in range(len(tokens))]
+
+
+def assert_matches_reference(tokens, logprobs, ref):
+    for i, (tok, got) in enumerate(zip(tokens, logprobs)):
+        assert tok == int(ref[i].argmax()), i  # greedy: the steered argmax
+        assert got == pytest.approx(ref[i][tok].item(), abs=2e-3), i
+
+
+# ---- TP=2: both workers steer with a steer loaded at run time --------------------------------
+def test_tp2_workers_both_steer_with_a_newly_loaded_steer(tmp_path, monkeypatch):
+    from vllm import LLM, SamplingParams
+
+    from vllm_steer import offline
+
+    model_dir = make_tiny_llama(tmp_path / "tiny128", hidden=128)  # 2 heads: TP=2 splits them
+    save_steer(tmp_path / "t.safetensors", random_steer(128, 8, "t", seed=5, scale=3.0))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    llm = LLM(str(model_dir), tensor_parallel_size=2, distributed_executor_backend="mp",
+              additional_config={"vllm_steer": {"steers": {}, "max_steers": 2}},
+              dtype="float32", kv_cache_memory_bytes=1 << 27, max_model_len=256, max_num_seqs=4,
+              enforce_eager=True, seed=0)
+    try:
+        sp = lambda steer=None: SamplingParams(  # noqa: E731
+            max_tokens=6, temperature=0, logprobs=0,
+            extra_args={"steer": steer} if steer else None)
+        plain = llm.generate([{"prompt_token_ids": PROMPT}], sp(), use_tqdm=False)[0].outputs[0]
+        entry = offline.load_steer(llm, "t", tmp_path / "t.safetensors")
+        assert (entry["name"], entry["slot"], entry["source"]) == ("t", 0, "offline")
+        out = llm.generate([{"prompt_token_ids": PROMPT}], sp({"t": 5}),
+                           use_tqdm=False)[0].outputs[0]
+        assert list(out.token_ids) != list(plain.token_ids)
+        # each TP rank computes half of the vocabulary's logits from its own copy of the
+        # hidden state: logprobs match the reference only if both ranks steered
+        ref = reference_logprobs(model_dir, PROMPT, out.token_ids, tmp_path / "t.safetensors", 5)
+        assert_matches_reference(out.token_ids, [lp[t].logprob for t, lp in
+                                                 zip(out.token_ids, out.logprobs)], ref)
+        assert [s["name"] for s in offline.list_steers(llm)] == ["t"]
+        offline.unload_steer(llm, "t")
+        from vllm.exceptions import VLLMValidationError
+
+        with pytest.raises(VLLMValidationError, match="unknown steer 't'"):
+            llm.generate([{"prompt_token_ids": PROMPT}], sp({"t": 5}), use_tqdm=False)
+        with pytest.raises(offline.SteerLoadError, match="hidden size 64"):
+            save_steer(tmp_path / "small.safetensors", random_steer(64, 4, "small"))
+            offline.load_steer(llm, "small", tmp_path / "small.safetensors")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+
+
+# ---- one server for the rest ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    from vllm_steer.server.launch import serve
+
+    root = tmp_path_factory.mktemp("updates")
+    d = root / "steers"
+    d.mkdir()
+    for name, seed in (("a", 11), ("b", 12), ("c", 13)):
+        save_steer(d / f"{name}.safetensors", random_steer(64, 8, name, seed=seed, scale=3.0))
+    save_steer(root / "detox.safetensors", random_steer(64, 8, "detox", seed=1, scale=3.0))
+    save_steer(d / "small.safetensors", random_steer(32, 4, "small"))  # wrong hidden size
+    (d / "corrupt.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    outside = root / "outside.safetensors"
+    save_steer(outside, random_steer(64, 8, "outside", seed=3))
+    (d / "link.safetensors").symlink_to(outside)
+    args = [tiny_model_dir, "--served-model-name", "tiny",
+            "--steer", f"detox={root / 'detox.safetensors'}", "--steer-dir", d,
+            "--enable-steer-updates", "--max-steers", CAPACITY, "--api-server-count", 2,
+            "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "16",
+            "--kv-cache-memory-bytes", 1 << 28, "--enforce-eager"]
+    STATE.update(dir=d, root=root)
+    with serve(args, root / "server.log") as url:
+        yield url
+
+
+def complete(url, steer=None, max_tokens=8, logprobs=False, stream=False, **kw):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, **kw}
+    if steer:
+        body["steer"] = steer
+    if logprobs:
+        body.update(logprobs=0, return_tokens_as_token_ids=True)
+    if stream:
+        body["stream"] = True
+    return requests.post(url + "/v1/completions", json=body, stream=stream, timeout=120)
+
+
+def text(url, steer=None, max_tokens=8):
+    r = complete(url, steer, max_tokens)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def steers(url) -> dict:
+    r = requests.get(url + "/v1/steers")
+    assert r.status_code == 200, r.text
+    return {s["name"]: s for s in r.json()["data"]}
+
+
+def load(url, name, path=None):
+    return requests.post(url + "/v1/steers", json={"name": name, **({"path": str(path)}
+                                                                     if path else {})})
+
+
+class Stream:
+    """A streamed completion read in a thread; ``after(op)`` runs op once tokens flow and
+    records how many chunks came after it returned (> 0: the request was in flight)."""
+
+    def __init__(self, url, steer, max_tokens=200):
+        self.chunks, self.after_op, self.op_done = [], 0, False
+        self.started = threading.Event()
+        self.r = complete(url, steer, max_tokens, stream=True)
+        assert self.r.status_code == 200, self.r.text
+        self.t = threading.Thread(target=self._read)
+        self.t.start()
+
+    def _read(self):
+        for line in self.r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            choices = json.loads(line[6:])["choices"]
+            if not choices:
+                continue
+            self.chunks.append(choices[0]["text"])
+            self.after_op += self.op_done
+            self.started.set()
+
+    def after(self, op):
+        assert self.started.wait(60)
+        res = op()
+        self.op_done = True
+        return res
+
+    def text(self):
+        self.t.join(120)
+        assert self.after_op > 0, "the request finished before the steer changed"
+        return "".join(self.chunks)
+
+
+def metric(url, name, labels="") -> float:
+    body = requests.get(url + "/metrics").text
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)}\s+([0-9.e+-]+)$", body, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_get_steers_lists_each_loaded_steer(server):
+    detox = steers(server)["detox"]
+    assert detox["file"] == str(STATE["root"] / "detox.safetensors")
+    assert (detox["hidden_size"], detox["rank"], detox["eps0"]) == (64, 8, 1e-3)
+    assert detox["labels"] == {"positive": "detox"} and detox["source"] == "--steer"
+    assert detox["recommended_strength"] is None and detox["base_model"] is None
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", detox["loaded_at"])
+    served = detox["requests_served"]
+    text(server, {"detox": 5})
+    assert steers(server)["detox"]["requests_served"] == served + 1
+    listing = requests.get(server + "/v1/steers").json()
+    assert listing["max_steers"] == CAPACITY and listing["updates_enabled"] is True
+
+
+def test_steer_dir_loads_on_first_use_and_steers_like_transformers(server):
+    assert "c" not in steers(server)
+    r = complete(server, {"c": 5}, logprobs=True)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    tokens = [int(t.split(":")[1]) for t in lp["tokens"]]
+    ref = reference_logprobs(STATE["tiny"], PROMPT, tokens, STATE["dir"] / "c.safetensors", 5)
+    assert_matches_reference(tokens, lp["token_logprobs"], ref)
+    c = steers(server)["c"]
+    assert c["source"] == "steer-dir" and c["file"] == str(STATE["dir"] / "c.safetensors")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _model_dir(tiny_model_dir):
+    STATE["tiny"] = tiny_model_dir
+
+
+@pytest.mark.parametrize("steer, fragment", [
+    ({"nothere": 1}, "no file nothere.safetensors in --steer-dir"),
+    ({"../detox": 1}, "may use only"),
+    ({"a/b": 1}, "may use only"),
+    ({"..": 1}, "steer name"),
+    ({"link": 1}, "outside --steer-dir"),
+    ({"small": 1}, "hidden size 32"),
+    ({"corrupt": 1}, "corrupt"),
+])
+def test_unknown_unsafe_or_bad_dir_steers_are_400_naming_the_problem(server, steer, fragment):
+    r = complete(server, steer)
+    assert r.status_code == 400, r.text
+    assert fragment in r.json()["error"]["message"]
+
+
+def test_post_refuses_traversal_outside_paths_and_bad_files_changing_nothing(server):
+    before = steers(server)
+    for body, status, fragment in [
+        ({"name": "../x", "path": str(STATE["dir"] / "a.safetensors")}, 400, "may use only"),
+        ({"name": "x", "path": str(STATE["root"] / "outside.safetensors")}, 403,
+         "inside --steer-dir"),
+        ({"name": "x", "path": str(STATE["dir"] / ".." / "outside.safetensors")}, 403,
+         "inside --steer-dir"),
+        ({"name": "detox", "path": str(STATE["dir"] / "corrupt.safetensors")}, 400,
+         "corrupt.safetensors"),
+        ({"name": "detox", "path": str(STATE["dir"] / "small.safetensors")}, 400,
+         "hidden size 32 but the model"),
+        ({"name": "x", "path": str(STATE["dir"] / "missing.safetensors")}, 400, "missing"),
+    ]:
+        r = requests.post(server + "/v1/steers", json=body)
+        assert r.status_code == status, (body, r.text)
+        assert fragment in r.json()["error"]["message"], (body, r.text)
+    after = steers(server)
+    assert {n: s["generation"] for n, s in after.items()} == \
+        {n: s["generation"] for n, s in before.items()}
+    assert text(server, {"detox": 5}) != text(server)  # detox unchanged, still serving
+
+
+def test_load_under_traffic_loses_and_changes_no_request(server):
+    jobs = [None, {"detox": 5}, {"detox": -3}] * 4
+    solo = {json.dumps(s): text(server, s, 16) for s in jobs[:3]}
+    with cf.ThreadPoolExecutor(6) as ex:
+        futs = [ex.submit(text, server, s, 16) for s in jobs]
+        r = load(server, "u", STATE["dir"] / "a.safetensors")
+        got = [f.result() for f in futs]
+    assert r.status_code == 200, r.text
+    assert r.json()["name"] == "u" and r.json()["source"] == "api"
+    assert got == [solo[json.dumps(s)] for s in jobs]
+    assert text(server, {"u": 5}) == text(server, {"a": 5}) != text(server)
+
+
+def test_reload_under_the_same_name_old_requests_keep_the_old_file(server):
+    old_gen = steers(server)["u"]["generation"]
+    want_old = text(server, {"a": 5}, 200)  # u is a.safetensors now
+    s = Stream(server, {"u": 5})
+    r = s.after(lambda: load(server, "u", STATE["dir"] / "b.safetensors"))
+    assert r.status_code == 200, r.text
+    assert r.json()["generation"] > old_gen
+    new = text(server, {"u": 5})  # admitted after the reload: the new file
+    assert s.text() == want_old
+    assert new == text(server, {"b": 5}) != text(server, {"a": 5})
+    assert steers(server)["u"]["file"] == str(STATE["dir"] / "b.safetensors")
+
+
+def test_unload_under_traffic_in_flight_requests_finish_with_the_steer(server):
+    want = text(server, {"u": 5}, 200)
+    s = Stream(server, {"u": 5})
+    r = s.after(lambda: requests.delete(server + "/v1/steers/u"))
+    assert r.status_code == 200 and r.json()["deleted"] is True, r.text
+    assert s.text() == want
+    after = complete(server, {"u": 5})
+    assert after.status_code == 400
+    assert "unknown steer 'u'" in after.json()["error"]["message"]
+    assert "u" not in steers(server)
+    assert requests.delete(server + "/v1/steers/u").status_code == 404
+
+
+def test_eviction_at_capacity_takes_the_least_recently_used_unused_dir_steer(server):
+    for name in list(steers(server)):
+        if name != "detox":
+            assert requests.delete(server + f"/v1/steers/{name}").status_code == 200
+    assert load(server, "p1", STATE["dir"] / "a.safetensors").status_code == 200
+    text(server, {"a": 1})  # 4 of 4 slots: detox, p1 (pinned), a, b (steer-dir)
+    text(server, {"b": 1})
+    text(server, {"a": 1})  # b is now the least recently used
+    evictions = metric(server, "vllm_steer:steer_evictions_total")
+    assert text(server, {"c": 1})
+    assert set(steers(server)) == {"detox", "p1", "a", "c"}
+    # every steer-dir steer in use by a running request, the others pinned: refused clearly
+    s1, s2 = Stream(server, {"a": 1}), Stream(server, {"c": 1})
+    r = s1.after(lambda: s2.after(lambda: complete(server, {"b": 1})))
+    assert r.status_code == 400, r.text
+    assert "all 4 steer slots are in use" in r.json()["error"]["message"]
+    assert "--max-steers=4" in r.json()["error"]["message"]
+    r2 = load(server, "p2", STATE["dir"] / "b.safetensors")
+    assert r2.status_code == 507 and "--max-steers=4" in r2.json()["error"]["message"]
+    s1.text(), s2.text()
+    deadline = time.time() + 10
+    while metric(server, "vllm_steer:steer_evictions_total") <= evictions:
+        assert time.time() < deadline, "evictions counter did not move"
+        time.sleep(0.5)
+
+
+def test_every_api_server_process_sees_a_load(server):
+    requests.delete(server + "/v1/steers/p1")
+    r = load(server, "q", STATE["dir"] / "c.safetensors")
+    assert r.status_code == 200, r.text
+    time.sleep(2.5)  # each API server refreshes its admission view once a second
+    seen = {}
+    for _ in range(24):  # new connections: spread over the two API-server processes
+        listing = requests.get(server + "/v1/steers").json()
+        assert "q" in {s["name"] for s in listing["data"]}
+        seen[listing["api_server"]["pid"]] = listing["api_server"]["admits"]
+        assert complete(server, {"q": 2}).status_code == 200
+    assert len(seen) == 2, "requests reached one API-server process only"
+    assert all("q" in admits for admits in seen.values()), seen
+
+
+def test_metrics_move(server):
+    served = metric(server, "vllm_steer:requests_steered_total", '{steer="detox"}')
+    loads = metric(server, "vllm_steer:steer_loads_total")
+    unloads = metric(server, "vllm_steer:steer_unloads_total")
+    failures = metric(server, "vllm_steer:steer_load_failures_total")
+    calls = metric(server, "vllm_steer:steer_op_calls_total")
+    text(server, {"detox": 5})
+    requests.delete(server + "/v1/steers/q")
+    assert load(server, "m", STATE["dir"] / "a.safetensors").status_code == 200
+    assert load(server, "m2", STATE["dir"] / "corrupt.safetensors").status_code == 400
+    deadline = time.time() + 10
+    while True:
+        now = (metric(server, "vllm_steer:requests_steered_total", '{steer="detox"}'),
+               metric(server, "vllm_steer:steer_loads_total"),
+               metric(server, "vllm_steer:steer_unloads_total"),
+               metric(server, "vllm_steer:steer_load_failures_total"),
+               metric(server, "vllm_steer:steer_op_calls_total"))
+        if now[0] > served and now[1] > loads and now[2] > unloads and now[3] > failures \
+                and now[4] > calls:
+            break
+        assert time.time() < deadline, (now, (served, loads, unloads, failures, calls))
+        time.sleep(0.5)
+    assert metric(server, "vllm_steer:loaded_steers") == len(steers(server))
+    assert metric(server, "vllm_steer:steer_op_seconds_total") > 0
+
+
+def test_cli_steers_list_load_unload(server, capsys):
+    from vllm_steer.cli import main
+
+    path = STATE["dir"] / "b.safetensors"
+    assert main(["steers", "load", "cli-b", str(path), "--url", server]) == 0
+    assert "loaded cli-b (rank 8" in capsys.readouterr().out
+    assert main(["steers", "list", "--url", server]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^cli-b\s+8\s+64\s+api\s", out, re.M) and f"of {CAPACITY} steer slots" in out
+    assert main(["steers", "unload", "cli-b", "--url", server]) == 0
+    assert "unloaded cli-b" in capsys.readouterr().out
+    assert main(["steers", "unload", "cli-b", "--url", server]) == 1
+    assert "HTTP 404: steer 'cli-b' is not loaded" in capsys.readouterr().err

@@ -1,0 +1,226 @@
+"""Steers loaded and unloaded at run time: the engine-core side and the worker side.
+
+The engine core holds the :class:`~vllm_steer.integrations.registry.SteerRegistry` (it sees
+every request, waiting or running). Management reaches it through vLLM's own
+``collective_rpc`` on the engine client (``AsyncLLM`` in the API server, ``LLM`` offline),
+with the method name :data:`~vllm_steer.integrations.registry.CONTROL_METHOD`: the plugin's
+hook on ``EngineCore.collective_rpc`` answers that name in the engine core (see
+:func:`handle`), which updates the registry and forwards the factors to every worker (all TP
+ranks) with the executor's own ``collective_rpc`` (:func:`worker_op`).
+
+Admission: the plugin's hook on ``EngineCore.add_request`` calls :func:`bind_request`, which
+resolves every steer a request names to ``(slot, generation)`` (loading it from
+``--steer-dir`` on first use) and writes that into the request's sampling params; the
+workers steer with exactly that slot and generation. Operations and admissions run on the
+engine core's one thread, so they are ordered.
+
+Ops (``collective_rpc(CONTROL_METHOD, args=(op, kwargs))``, one dict back):
+
+- ``("list", {})``: ``{"steers": [...], "stats": {...}, "workers": [...]}``;
+- ``("load", {"name", "path", "source"})``: ``{"ok": True, "steer": {...}, "evicted": name}``
+  or ``{"ok": False, "status": 400|404|409|507, "error": message}``;
+- ``("unload", {"name"})``: ``{"ok": True, "steer": {...}}`` or an error as above.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+from vllm_steer import REQUEST_FIELD
+from vllm_steer.integrations.registry import (BOUND_KEY, SteerCapacityError, SteerEntry,
+                                              SteerNameError, SteerRegistry, bound_in,
+                                              check_name, dir_path)
+
+logger = logging.getLogger("vllm_steer")
+
+
+class SteerAdmissionError(ValueError):
+    """A request names a steer the engine cannot serve (unloaded, or its file was refused)."""
+
+
+# ---- engine core -------------------------------------------------------------------------
+def _state(core):
+    """``(registry, config, hidden_size)`` of this engine core, created on first use."""
+    st = getattr(core, "_vllm_steer_state", None)
+    if st is not None:
+        return st
+    from vllm_steer.config import SteerServerConfig
+    from vllm_steer.format import read_metadata
+
+    cfg = SteerServerConfig.from_additional_config(core.vllm_config.additional_config)
+    if cfg is None or not cfg.enabled:
+        st = (None, cfg, 0)
+    else:
+        reg = SteerRegistry(cfg.capacity)
+        for slot, (name, path) in enumerate(cfg.steers.items()):  # as the workers number them
+            reg.commit(SteerEntry.from_metadata(name, path, read_metadata(path),
+                                                reg.new_generation(), slot, "--steer"))
+        reg.counters["loads"] = 0  # start-up steers are not run-time loads
+        st = (reg, cfg, _head_input_size(core.vllm_config.model_config))
+    core._vllm_steer_state = st
+    return st
+
+
+def _head_input_size(mc) -> int:
+    """What the steers act on: the LM head's input size (the hidden size for most models)."""
+    try:
+        from vllm_steer.integrations.families import head_input_size
+    except ImportError:
+        return mc.get_hidden_size()
+    return head_input_size(mc)
+
+
+def _in_use(core) -> set[tuple[int, int]]:
+    return bound_in(core.scheduler.requests.values())
+
+
+def _workers(core, *args) -> list:
+    return core.model_executor.collective_rpc(worker_op, args=args)
+
+
+def _error(status: int, message: str) -> dict:
+    return {"ok": False, "status": status, "error": message}
+
+
+def handle(core, op: str, kwargs: dict | None = None) -> dict:
+    """One management op in the engine core (see the module doc)."""
+    reg, cfg, hidden = _state(core)
+    kwargs = dict(kwargs or {})
+    if reg is None:
+        if op == "list":
+            return {"enabled": False, "steers": [], "stats": {}, "workers": []}
+        return _error(404, "steering is not enabled on this server (start it with --steer, "
+                      "--steer-dir or --enable-steer-updates)")
+    freed = reg.reap(_in_use(core))
+    if freed:
+        _workers(core, "drop", freed)
+    if op == "list":
+        return {"enabled": True, "steers": reg.listing(), "stats": reg.stats(),
+                "workers": _workers(core, "stats"), "steer_dir": cfg.steer_dir,
+                "enable_updates": cfg.enable_updates, "updates_any_path": cfg.updates_any_path}
+    if op == "load":
+        existing = reg.get(kwargs["name"])
+        if kwargs.get("source") == "steer-dir" and existing is not None:  # first use raced
+            return {"ok": True, "steer": existing.to_json(), "evicted": None, "load_ms": 0.0}
+        return load(core, kwargs["name"], kwargs["path"], kwargs.get("source", "api"))
+    if op == "unload":
+        name = kwargs["name"]
+        try:
+            entry, freed = reg.unload(name, _in_use(core))
+        except KeyError:
+            return _error(404, f"steer {name!r} is not loaded; loaded steers: "
+                          f"{', '.join(reg.names()) or 'none'}")
+        if freed:
+            _workers(core, "drop", freed)
+        logger.info("vllm-steer: unloaded steer %r (generation %d)%s", name, entry.generation,
+                    "" if freed else "; its slot is freed when the requests using it finish")
+        return {"ok": True, "steer": entry.to_json()}
+    return _error(400, f"unknown steer control op {op!r}")
+
+
+def load(core, name: str, path: str, source: str) -> dict:
+    """Check ``path`` like at start-up, pick a slot, put the factors on every worker, bind."""
+    from vllm_steer.format import SteerFileError, load_steer
+
+    reg, cfg, hidden = _state(core)
+    t0 = time.perf_counter()
+    try:
+        check_name(name)
+    except SteerNameError as e:
+        reg.counters["failures"] += 1
+        return _error(400, str(e))
+    try:
+        steer = load_steer(path)
+        reasons = []
+        if steer.hidden_size != hidden:
+            reasons.append(f"steer {name!r} has hidden size {steer.hidden_size} but the model "
+                           f"{core.vllm_config.model_config.model} has {hidden}; train or "
+                           "transfer the steer for this model (vllm-steer train / transfer)")
+        if cfg.max_steer_rank is not None and steer.p1.shape[1] > cfg.max_steer_rank:
+            reasons.append(f"steer {name!r} has rank {steer.p1.shape[1]}, over "
+                           f"--max-steer-rank={cfg.max_steer_rank}")
+        if reasons:
+            raise SteerFileError(path, reasons)
+    except SteerFileError as e:
+        reg.counters["failures"] += 1
+        return _error(400, str(e))
+    try:
+        slot, evicted = reg.free_slot(_in_use(core), evictable=True, replacing=name)
+    except SteerCapacityError as e:
+        reg.counters["failures"] += 1
+        return _error(507, f"cannot load steer {name!r}: {e}")
+    gen = reg.new_generation()
+    _workers(core, "put", slot, gen, name, steer)
+    entry = reg.commit(SteerEntry.from_metadata(name, path, steer.metadata, gen, slot, source),
+                       evicted)
+    ms = (time.perf_counter() - t0) * 1e3
+    logger.info("vllm-steer: loaded steer %r from %s (rank %d, slot %d, generation %d) in "
+                "%.1f ms%s", name, path, entry.rank, slot, gen, ms,
+                f"; evicted {evicted.name!r} (least recently used)" if evicted else "")
+    return {"ok": True, "steer": entry.to_json(), "evicted": evicted.name if evicted else None,
+            "load_ms": ms}
+
+
+def bind_request(core, request) -> None:
+    """Admission in the engine core: bind the request's steers to ``(slot, generation)``.
+
+    Raises :class:`SteerAdmissionError` when a named steer is not loaded (and not in
+    ``--steer-dir``) or its file there is refused.
+    """
+    sp = getattr(request, "sampling_params", None)
+    extra = getattr(sp, "extra_args", None)
+    if not extra:
+        return
+    if BOUND_KEY in extra:  # only the engine core writes it
+        extra = {k: v for k, v in extra.items() if k != BOUND_KEY}
+        sp.extra_args = extra
+    value = extra.get(REQUEST_FIELD)
+    if value is None:
+        return
+    reg, cfg, _ = _state(core)
+    if reg is None:
+        return
+    from vllm_steer.config import parse_request_steer
+
+    names = [n for n, s in parse_request_steer(value, None, math.inf).items() if s]
+    for n in names:
+        if n in reg.bound:
+            continue
+        if not cfg.steer_dir:
+            raise SteerAdmissionError(f"steer: unknown steer {n!r}; loaded steers: "
+                                      f"{', '.join(reg.names()) or 'none'}")
+        try:
+            path = dir_path(cfg.steer_dir, n)
+        except SteerNameError as e:
+            raise SteerAdmissionError(f"steer: {e}") from None
+        res = load(core, n, path, "steer-dir")
+        if not res["ok"]:
+            raise SteerAdmissionError(f"steer: {res['error']}")
+    sp.extra_args = {**extra, BOUND_KEY: reg.bind(names)}
+
+
+# ---- workers -----------------------------------------------------------------------------
+def worker_op(worker, op: str, *args) -> Any:
+    """Runs in every worker (``collective_rpc`` with a callable): change or report slots."""
+    from vllm_steer.integrations.runtime import get_runtime
+
+    rt = get_runtime(worker.vllm_config.additional_config)
+    if rt is None:
+        return None
+    if op == "put":
+        slot, gen, name, steer = args
+        rt.put_steer(slot, gen, name, steer)
+        return True
+    if op == "drop":
+        rt.drop_slots(args[0])
+        return True
+    if op == "stats":
+        bank = rt.bank
+        return {"op_seconds": rt.op_seconds, "op_calls": rt.op_calls,
+                "slots": [] if bank is None else
+                [[i, g, n] for i, (g, n) in enumerate(zip(bank.generations, bank.names))
+                 if n is not None]}
+    raise ValueError(f"unknown steer worker op {op!r}")

@@ -1,0 +1,114 @@
+"""What each model family does around the LM head, and which ones we refuse.
+
+Semantics: see :mod:`vllm_steer.reference`. The steer acts on the input ``c`` of the one
+LM-head matmul (``model.get_output_embeddings()`` in transformers; the ``hidden_states``
+vLLM's ``LogitsProcessor`` layer receives), so the served logits are
+
+    logits = post((c + sum_i eps_i W_i c)^T E + b)
+
+where ``b`` is the head bias (GPT-J; none elsewhere) and ``post`` is what the family applies
+to the logits after the head, unchanged by the steer: Gemma 2/3's final soft-capping
+``cap * tanh(l / cap)``, Granite's ``l / logits_scaling``, Cohere's ``l * logit_scale``.
+Tied heads (GPT-2, OPT, Qwen2 small, Gemma, Cohere) steer the same way: ``E`` is the
+(tied) output embedding. OPT's ``project_out`` (``hidden_size`` -> ``word_embed_proj_dim``,
+e.g. opt-350m) runs before the head, so its steers have the head's input size
+``word_embed_proj_dim``, not ``hidden_size``: :func:`head_input_size`.
+
+``check_model`` is called once at engine configuration (frontend, before the engine starts)
+and refuses an architecture whose sampled logits do not go through the layer we replace (the
+steer would be silently ignored). Light: no torch, no vLLM at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger("vllm_steer")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family as vLLM serves it."""
+
+    name: str
+    """Human name, as in the docs' table."""
+    after_head: str = ""
+    """What the family does to the logits after the head (the steer sits before it)."""
+    head_input: str = "hidden_size"
+    """Config attribute giving the head's input size (the steer's hidden size)."""
+
+
+#: vLLM architecture -> family; the ones proven by tests/test_vllm_families.py.
+FAMILIES: dict[str, Family] = {
+    "GPT2LMHeadModel": Family("GPT-2", "none (head tied to the input embeddings)"),
+    "GPTNeoXForCausalLM": Family("GPT-NeoX (Pythia)", "none (served by vLLM's Transformers "
+                                                       "backend)"),
+    "GPTJForCausalLM": Family("GPT-J", "head bias b added after the steered matmul"),
+    "OPTForCausalLM": Family("OPT", "none; project_out runs before the head, so the steer has "
+                                    "the head's input size word_embed_proj_dim",
+                             head_input="word_embed_proj_dim"),
+    "LlamaForCausalLM": Family("Llama"),
+    "MistralForCausalLM": Family("Mistral"),
+    "Qwen2ForCausalLM": Family("Qwen2"),
+    "Qwen3ForCausalLM": Family("Qwen3"),
+    "Gemma2ForCausalLM": Family("Gemma 2", "final soft-capping cap*tanh(l/cap)"),
+    "Gemma3ForCausalLM": Family("Gemma 3 (text)", "final soft-capping cap*tanh(l/cap) when "
+                                                  "configured"),
+    "Phi3ForCausalLM": Family("Phi-3"),
+    "GraniteForCausalLM": Family("Granite", "logits divided by logits_scaling"),
+    "CohereForCausalLM": Family("Cohere (Command-R)", "logits multiplied by logit_scale"),
+}
+
+_SUBCLASSED_HEAD = ("its logits layer is vLLM's InklingLogitsProcessor, a subclass of "
+                    "LogitsProcessor that vLLM instantiates by its own name, so the plugin's "
+                    "replacement of LogitsProcessor never runs and steered requests would be "
+                    "served unsteered")
+
+#: vLLM architecture -> why it cannot be steered correctly (refused at start-up).
+REFUSED: dict[str, str] = {
+    "InklingForCausalLM": _SUBCLASSED_HEAD,
+    "InklingForConditionalGeneration": _SUBCLASSED_HEAD,
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture cannot be steered correctly."""
+
+
+def _architectures(model_config) -> list[str]:
+    archs = list(getattr(model_config, "architectures", None) or [])
+    hf = getattr(model_config, "hf_config", None)
+    archs += [a for a in (getattr(hf, "architectures", None) or []) if a not in archs]
+    return archs
+
+
+def head_input_size(model_config) -> int:
+    """Input size of the model's LM head (the hidden size a steer must have)."""
+    cfg = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config",
+                                                                   None)
+    for arch in _architectures(model_config):
+        fam = FAMILIES.get(arch)
+        if fam is not None and fam.head_input != "hidden_size":
+            size = getattr(cfg, fam.head_input, None)
+            if isinstance(size, int) and size > 0:
+                return size
+    return model_config.get_hidden_size()
+
+
+def check_model(model_config) -> int:
+    """Refuse an architecture we cannot steer correctly (naming it and the reason); else
+    return the head's input size. Architectures not in :data:`FAMILIES` are served (the steer
+    acts on the input of vLLM's logits layer like for the tested ones) with a log line."""
+    archs = _architectures(model_config)
+    for arch in archs:
+        if arch in REFUSED:
+            raise UnsupportedModelError(
+                f"vllm-steer: the architecture {arch} ({getattr(model_config, 'model', '?')}) "
+                f"cannot be steered: {REFUSED[arch]}. Serve it without --steer, or use a model "
+                "of a supported family (docs/serving.md, 'Model families')")
+    if not any(a in FAMILIES for a in archs):
+        logger.info("vllm-steer: architecture %s is not among the families proven by our tests "
+                    "(%s); the steer acts on the input of vLLM's LM-head layer as for them",
+                    archs, ", ".join(sorted({f.name for f in FAMILIES.values()})))
+    return head_input_size(model_config)

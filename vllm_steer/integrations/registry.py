@@ -1,0 +1,257 @@
+"""The set of steers an engine serves, managed at run time: slots, generations, capacity.
+
+One :class:`SteerRegistry` lives in the engine-core process (the one place that sees every
+request, waiting or running) and is the authority on which steers are loaded:
+
+- **Slots.** ``--max-steers N`` fixes N steer slots up front. A steer occupies one slot; the
+  per-request coefficient table of every worker has fixed columns per slot, so loading or
+  unloading a steer never moves what a request in flight uses.
+- **Generations.** Every load gets a new generation id (unique across names). A request is
+  *bound* when it reaches the engine core: each steer it names is resolved to
+  ``(slot, generation)`` and written into its sampling params (:data:`BOUND_KEY`). Workers
+  steer with exactly that slot and check that it still holds that generation. Re-loading a
+  name from another file makes a new generation in another slot; requests bound before keep
+  the old one.
+- **Unloading.** The name is unbound at once (later requests are refused); the slot stays
+  *draining* until no request bound to it remains, then is freed (:meth:`reap`). A request in
+  flight when its steer is unloaded therefore finishes with it.
+- **Eviction.** A steer loaded on first use from ``--steer-dir`` may be evicted, least
+  recently used first, when a load needs a slot and it is used by no request. Steers given
+  with ``--steer`` or loaded over HTTP / offline are never evicted.
+
+Light: standard library only (the frontend and the tests import it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+#: ``SamplingParams.extra_args`` key the engine core writes: ``{name: [slot, generation]}``.
+BOUND_KEY = "vllm_steer_bound"
+#: ``collective_rpc`` method name the plugin's engine-core hook answers (see ``control``).
+CONTROL_METHOD = "vllm_steer_control"
+DEFAULT_MAX_STEERS = 8
+MAX_NAME_LENGTH = 64
+SOURCES = ("--steer", "steer-dir", "api", "offline")
+
+
+class SteerCapacityError(RuntimeError):
+    """No slot is free for a new steer."""
+
+
+class SteerNameError(ValueError):
+    """A steer name is not allowed (charset, length, path separators)."""
+
+
+def name_problem(name: Any) -> str | None:
+    """Why ``name`` cannot name a steer (or be a file name in ``--steer-dir``), else None."""
+    try:  # the project's one steer-name rule, where present
+        from vllm_steer.names import steer_name_problem  # type: ignore
+    except ImportError:
+        steer_name_problem = None
+    if steer_name_problem is not None:
+        problem = steer_name_problem(name)
+        if problem is not None:
+            return problem
+    if not isinstance(name, str) or not name:
+        return f"steer name {name!r} must be a non-empty string"
+    if len(name) > MAX_NAME_LENGTH:
+        return f"steer name {name[:40]!r}... is {len(name)} characters; at most {MAX_NAME_LENGTH}"
+    if not all(ch.isascii() and (ch.isalnum() or ch in "_-.") for ch in name):
+        return (f"steer name {name[:40]!r} may use only ASCII letters, digits, '_', '-' and '.' "
+                f"(at most {MAX_NAME_LENGTH} characters)")
+    if name.startswith(".") or ".." in name:
+        return f"steer name {name!r} may not start with '.' or contain '..'"
+    return None
+
+
+def check_name(name: Any) -> str:
+    problem = name_problem(name)
+    if problem:
+        raise SteerNameError(problem)
+    return name
+
+
+def dir_path(steer_dir: str, name: str) -> str:
+    """``DIR/NAME.safetensors`` for a valid ``name``; never a path outside ``steer_dir``."""
+    check_name(name)
+    root = os.path.realpath(steer_dir)
+    path = os.path.realpath(os.path.join(root, name + ".safetensors"))
+    if os.path.dirname(path) != root:  # a symlink pointing out of the directory
+        raise SteerNameError(f"steer {name!r}: {path} is outside --steer-dir {steer_dir}")
+    return path
+
+
+def path_inside(path: str, steer_dir: str | None) -> bool:
+    if not steer_dir:
+        return False
+    root = os.path.realpath(steer_dir)
+    return os.path.commonpath([root, os.path.realpath(path)]) == root
+
+
+@dataclass
+class SteerEntry:
+    """One loaded steer (a row of ``GET /v1/steers``)."""
+
+    name: str
+    file: str
+    generation: int
+    slot: int
+    hidden_size: int
+    rank: int
+    eps0: float
+    labels: dict = field(default_factory=dict)
+    recommended_strength: float | None = None
+    base_model: str | None = None
+    source: str = "--steer"
+    loaded_at: float = 0.0
+    requests_served: int = 0
+    last_used: float = 0.0
+    state: str = "loaded"  # "loaded" (bound to its name) or "draining" (unloaded, still used)
+
+    @classmethod
+    def from_metadata(cls, name, path, meta, generation, slot, source) -> "SteerEntry":
+        now = time.time()
+        return cls(name=name, file=os.path.abspath(path), generation=generation, slot=slot,
+                   hidden_size=int(meta.hidden_size), rank=int(meta.rank),
+                   eps0=float(meta.epsilon), labels=dict(meta.labels or {}),
+                   recommended_strength=meta.recommended_strength, base_model=meta.base_model,
+                   source=source, loaded_at=now, last_used=now)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("last_used")
+        d["loaded_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.loaded_at))
+        return d
+
+
+class SteerRegistry:
+    """Slots, names and generations of the steers one engine serves (see the module doc)."""
+
+    def __init__(self, capacity: int = DEFAULT_MAX_STEERS):
+        if capacity < 1:
+            raise ValueError(f"--max-steers={capacity}: must be at least 1")
+        self.capacity = capacity
+        self.slots: list[SteerEntry | None] = [None] * capacity
+        self.bound: dict[str, int] = {}  # name -> slot
+        self.next_generation = 1
+        self.counters = {"loads": 0, "unloads": 0, "evictions": 0, "failures": 0}
+        self.served: dict[str, int] = {}  # requests steered per name (kept over unloads)
+
+    # ---- queries ---------------------------------------------------------------------------
+    def get(self, name: str) -> SteerEntry | None:
+        slot = self.bound.get(name)
+        return None if slot is None else self.slots[slot]
+
+    def names(self) -> list[str]:
+        return sorted(self.bound)
+
+    def listing(self) -> list[dict]:
+        return [e.to_json() for e in sorted(filter(None, self.slots), key=lambda e: e.slot)]
+
+    # ---- planning a load -------------------------------------------------------------------
+    def free_slot(self, in_use: set[tuple[int, int]], evictable: bool = True,
+                  replacing: str | None = None) -> tuple[int, SteerEntry | None]:
+        """A slot for a new steer: an empty one, else a draining one no request uses, else
+        (``evictable``) the least recently used steer-dir steer no request uses, whose entry is
+        returned to be evicted. ``replacing``: the name being re-loaded (its old slot is free
+        when no request uses it). Raises :class:`SteerCapacityError` naming the limit."""
+        self.reap(in_use)
+        for i, e in enumerate(self.slots):
+            if e is None:
+                return i, None
+        if replacing is not None:
+            old = self.get(replacing)
+            if old is not None and (old.slot, old.generation) not in in_use:
+                return old.slot, None
+        if evictable:
+            cands = [e for e in self.slots if e is not None and e.state == "loaded"
+                     and e.source == "steer-dir" and (e.slot, e.generation) not in in_use]
+            if cands:
+                victim = min(cands, key=lambda e: e.last_used)
+                return victim.slot, victim
+        used = sum(1 for e in self.slots if e is not None)
+        draining = sum(1 for e in self.slots if e is not None and e.state == "draining")
+        raise SteerCapacityError(
+            f"all {self.capacity} steer slots are in use ({used - draining} loaded"
+            + (f", {draining} unloaded but still used by running requests" if draining else "")
+            + f"; --max-steers={self.capacity}); unload a steer (DELETE /v1/steers/NAME) or "
+            "restart with a larger --max-steers")
+
+    def commit(self, entry: SteerEntry, evicted: SteerEntry | None = None) -> SteerEntry:
+        """Put ``entry`` (slot chosen by :meth:`free_slot`) in place and bind its name."""
+        if evicted is not None:
+            self.counters["evictions"] += 1
+            self.bound.pop(evicted.name, None)
+        old = self.get(entry.name)
+        if old is not None and old.slot != entry.slot:
+            old.state = "draining"
+        self.slots[entry.slot] = entry
+        self.bound[entry.name] = entry.slot
+        self.counters["loads"] += 1
+        return entry
+
+    def new_generation(self) -> int:
+        g = self.next_generation
+        self.next_generation += 1
+        return g
+
+    # ---- unloading -------------------------------------------------------------------------
+    def unload(self, name: str, in_use: set[tuple[int, int]]) -> tuple[SteerEntry, list[int]]:
+        """Unbind ``name``; its slot is freed now if no request uses it, else when none does.
+        Returns the entry and the slots freed now."""
+        slot = self.bound.pop(name, None)
+        if slot is None:
+            raise KeyError(name)
+        entry = self.slots[slot]
+        entry.state = "draining"
+        self.counters["unloads"] += 1
+        return entry, self.reap(in_use)
+
+    def reap(self, in_use: set[tuple[int, int]]) -> list[int]:
+        """Free draining slots no request uses; returns the freed slots."""
+        freed = []
+        for i, e in enumerate(self.slots):
+            if e is not None and e.state == "draining" and (e.slot, e.generation) not in in_use:
+                self.slots[i] = None
+                freed.append(i)
+        return freed
+
+    # ---- admission -------------------------------------------------------------------------
+    def bind(self, names: Iterable[str]) -> dict[str, list[int]]:
+        """``{name: [slot, generation]}`` of the loaded steers ``names`` (KeyError if one is not)."""
+        out = {}
+        now = time.time()
+        for n in names:
+            e = self.slots[self.bound[n]]
+            out[n] = [e.slot, e.generation]
+        for n in names:
+            e = self.slots[self.bound[n]]
+            e.requests_served += 1
+            e.last_used = now
+            self.served[n] = self.served.get(n, 0) + 1
+        return out
+
+    def stats(self) -> dict:
+        return {"counters": dict(self.counters), "served": dict(self.served),
+                "loaded": len(self.bound), "capacity": self.capacity,
+                "draining": sum(1 for e in self.slots if e is not None and e.state == "draining")}
+
+
+def bound_in(requests: Iterable[Any]) -> set[tuple[int, int]]:
+    """``(slot, generation)`` pairs bound by ``requests`` (objects with ``sampling_params``)."""
+    used = set()
+    for r in requests:
+        sp = getattr(r, "sampling_params", None)
+        extra = getattr(sp, "extra_args", None) or {}
+        for slot, gen in (extra.get(BOUND_KEY) or {}).values():
+            used.add((int(slot), int(gen)))
+    return used
+
+
+__all__ = ["SteerRegistry", "SteerEntry", "SteerCapacityError", "SteerNameError", "BOUND_KEY",
+           "CONTROL_METHOD", "name_problem", "check_name", "dir_path", "path_inside",
+           "bound_in"]

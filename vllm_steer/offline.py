@@ -1,0 +1,62 @@
+"""Load and unload steers between ``generate`` calls of a ``vllm.LLM`` (offline).
+
+    from vllm import LLM, SamplingParams
+    from vllm_steer import offline
+
+    llm = LLM(MODEL, additional_config={"vllm_steer": {"steers": {}, "max_steers": 16}})
+    offline.load_steer(llm, "detox", "steers/smollm2-detox.safetensors")
+    llm.generate(prompts, SamplingParams(extra_args={"steer": {"detox": 5}}))
+    offline.unload_steer(llm, "detox")
+    offline.list_steers(llm)   # [{"name": ..., "file": ..., "generation": ..., ...}]
+
+The same engine-core operations as ``POST`` / ``DELETE /v1/steers`` (through
+``LLM.collective_rpc``, reaching every worker); the same guarantees (see
+``docs/serving.md``). Steering must be enabled on the engine: give steers, or a capacity
+(``"max_steers"``) to start with none.
+"""
+
+from __future__ import annotations
+
+from vllm_steer.integrations.registry import CONTROL_METHOD
+
+
+class SteerLoadError(ValueError):
+    """The engine refused a load or unload; ``status`` is the HTTP status the server uses."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def _control(llm, op: str, **kwargs) -> dict:
+    from vllm_steer.integrations import frontend
+
+    res = llm.collective_rpc(CONTROL_METHOD, args=(op, kwargs))[0]
+    if res.get("ok") is False:
+        raise SteerLoadError(res["error"], res["status"])
+    if op != "list":
+        listing = llm.collective_rpc(CONTROL_METHOD, args=("list", {}))[0]
+    else:
+        listing = res
+    if listing.get("enabled"):
+        frontend.set_loaded(s["name"] for s in listing["steers"] if s["state"] == "loaded")
+    return res
+
+
+def load_steer(llm, name: str, path: str) -> dict:
+    """Load ``path`` as steer ``name`` (a new generation if the name is loaded: requests
+    already admitted keep the old file). Returns the steer's entry (as ``GET /v1/steers``).
+    Raises :class:`SteerLoadError` with every reason when the file or capacity refuses."""
+    import os
+
+    return _control(llm, "load", name=name, path=os.path.abspath(path), source="offline")["steer"]
+
+
+def unload_steer(llm, name: str) -> dict:
+    """Unload steer ``name`` (requests already admitted with it finish with it)."""
+    return _control(llm, "unload", name=name)["steer"]
+
+
+def list_steers(llm) -> list[dict]:
+    """The loaded steers (as ``GET /v1/steers`` ``data``)."""
+    return [s for s in _control(llm, "list")["steers"] if s["state"] == "loaded"]

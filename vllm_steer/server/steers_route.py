@@ -1,0 +1,173 @@
+"""``/v1/steers`` on the vLLM server: list, load and unload steers at run time.
+
+- ``GET /v1/steers``: always on (when the server steers). Every loaded steer with its file,
+  hidden size, rank, eps0, labels, recommended strength, base model, source, load time and
+  requests served.
+- ``POST /v1/steers`` ``{"name": "detox", "path": "/steers/detox.safetensors"}`` and
+  ``DELETE /v1/steers/{name}``: only with ``--enable-steer-updates`` (else HTTP 403 naming the
+  flag). ``path`` must lie inside ``--steer-dir`` unless ``--steer-updates-any-path``; without
+  ``path`` the file is ``DIR/NAME.safetensors``.
+
+Every call reaches the engine core through vLLM's ``collective_rpc`` on the engine client
+(see :mod:`vllm_steer.integrations.control`), so every API-server process
+(``--api-server-count``) and every worker sees the same set. Each API server also polls the
+engine's list once a second: it keeps the process's admission check
+(:func:`vllm_steer.integrations.frontend.loaded_names`) and the metrics
+(:mod:`vllm_steer.metrics`) current. The plugin adds this endpoint to vLLM's endpoint-plugin
+list itself (:func:`vllm_steer.integrations.plugin._patch_endpoint_plugins`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from vllm_steer.integrations.registry import CONTROL_METHOD
+
+logger = logging.getLogger("vllm_steer")
+router = APIRouter()
+POLL_SECONDS = 1.0
+
+
+class LoadSteerRequest(BaseModel):
+    """Body of ``POST /v1/steers``."""
+
+    name: str = Field(..., description="Name requests will use (letters, digits, _ - .).")
+    path: str | None = Field(None, description="The steer file (default: "
+                             "--steer-dir/NAME.safetensors).")
+
+
+def _error(status: int, message: str, type_: str = "BadRequestError") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": None,
+                                   "code": status}}, status_code=status)
+
+
+async def control(engine, op: str, **kwargs) -> dict:
+    """One control op in the engine core; refreshes this process's view of the names."""
+    from vllm_steer.integrations import frontend
+
+    res = (await engine.collective_rpc(CONTROL_METHOD, args=(op, kwargs)))[0]
+    if op == "list":
+        if res.get("enabled"):
+            frontend.set_loaded(s["name"] for s in res["steers"] if s["state"] == "loaded")
+            try:
+                from vllm_steer.metrics import get_metrics
+
+                get_metrics().update(res)
+            except Exception:  # metrics never break serving
+                logger.exception("vllm-steer: metrics update failed")
+    elif res.get("ok"):
+        await control(engine, "list")
+    return res
+
+
+def _engine(raw: Request):
+    return getattr(raw.app.state, "vllm_steer_engine_client", None)
+
+
+@router.get("/v1/steers")
+async def list_steers(raw: Request):
+    engine = _engine(raw)
+    if engine is None:
+        return _error(503, "no engine behind this server")
+    from vllm_steer.integrations import frontend
+
+    admitted = sorted(frontend.loaded_names())  # this process's admission view, before refresh
+    res = await control(engine, "list")
+    if not res.get("enabled"):
+        return _error(404, "steering is not enabled on this server", "NotFoundError")
+    data = [s for s in res["steers"] if s["state"] == "loaded"]
+    return JSONResponse({"object": "list", "data": data,
+                         "draining": [s for s in res["steers"] if s["state"] != "loaded"],
+                         "max_steers": res["stats"]["capacity"],
+                         "steer_dir": res.get("steer_dir"),
+                         "updates_enabled": bool(res.get("enable_updates")),
+                         # which API-server process answered, and the names it admitted then
+                         "api_server": {"pid": os.getpid(), "admits": admitted}})
+
+
+def _updates_refused() -> JSONResponse | None:
+    from vllm_steer.integrations import frontend
+
+    cfg = frontend.get_config()
+    if cfg is None or not cfg.enable_updates:
+        return _error(403, "steer updates are disabled on this server; start it with "
+                      "--enable-steer-updates to load and unload steers over HTTP",
+                      "PermissionError")
+    return None
+
+
+@router.post("/v1/steers")
+async def load_steer(body: LoadSteerRequest, raw: Request):
+    from vllm_steer.integrations import frontend
+    from vllm_steer.integrations.registry import (SteerNameError, check_name, dir_path,
+                                                  path_inside)
+
+    refused = _updates_refused()
+    if refused is not None:
+        return refused
+    cfg = frontend.get_config()
+    try:
+        check_name(body.name)
+        path = body.path
+        if path is None:
+            if not cfg.steer_dir:
+                return _error(400, "give \"path\" (this server has no --steer-dir)")
+            path = dir_path(cfg.steer_dir, body.name)
+    except SteerNameError as e:
+        return _error(400, str(e))
+    if not cfg.updates_any_path and not path_inside(path, cfg.steer_dir):
+        where = (f"inside --steer-dir {cfg.steer_dir}" if cfg.steer_dir
+                 else "in --steer-dir (this server has none)")
+        return _error(403, f"path {body.path!r}: steer files must be {where}; start the server "
+                      "with --steer-updates-any-path to allow any path", "PermissionError")
+    if not os.path.isabs(path) and cfg.steer_dir:
+        path = os.path.join(cfg.steer_dir, path)
+    res = await control(_engine(raw), "load", name=body.name, path=os.path.abspath(path),
+                        source="api")
+    if not res["ok"]:
+        return _error(res["status"], res["error"])
+    return JSONResponse({"object": "steer", **res["steer"], "evicted": res.get("evicted")})
+
+
+@router.delete("/v1/steers/{name}")
+async def unload_steer(name: str, raw: Request):
+    refused = _updates_refused()
+    if refused is not None:
+        return refused
+    res = await control(_engine(raw), "unload", name=name)
+    if not res["ok"]:
+        return _error(res["status"], res["error"],
+                      "NotFoundError" if res["status"] == 404 else "BadRequestError")
+    return JSONResponse({"object": "steer", "deleted": True, **res["steer"]})
+
+
+async def _poll(engine) -> None:
+    while True:
+        try:
+            await control(engine, "list")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the engine is shutting down, or busy: try again
+            logger.debug("vllm-steer: steer list poll failed: %s", e)
+        await asyncio.sleep(POLL_SECONDS)
+
+
+class SteerManagementEndpoint:
+    """vLLM endpoint plugin serving ``/v1/steers`` (added by the general plugin)."""
+
+    name = "vllm_steer_steers"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app) -> None:
+        app.include_router(router)
+
+    async def init_state(self, engine_client, state, args) -> None:
+        state.vllm_steer_engine_client = engine_client
+        if engine_client is not None:
+            state.vllm_steer_poll = asyncio.get_running_loop().create_task(_poll(engine_client))
