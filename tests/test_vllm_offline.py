@@ -210,8 +210,8 @@ def test_a_bad_steer_that_slips_past_admission_is_served_unsteered_not_a_crash(
             out = tokens(llm.generate(PROMPTS[i:i + 1], sp(bad)))[0]
         except Exception as e:  # noqa: BLE001 - refused by the engine core's admission
             assert "steer" in str(e)
-        else:
-            assert out == vanilla_tokens[i]
+        else:  # refused: an error output with no tokens; or served unsteered
+            assert out in ([], vanilla_tokens[i])
     monkeypatch.undo()
     assert tokens(llm.generate(PROMPTS, sp())) == vanilla_tokens  # the engine is alive
     assert tokens(llm.generate(PROMPTS[2:3], sp({"a": 5})))[0] != vanilla_tokens[2]
