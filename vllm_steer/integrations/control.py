@@ -185,7 +185,10 @@ def bind_request(core, request) -> None:
         return
     from vllm_steer.config import parse_request_steer
 
-    names = [n for n, s in parse_request_steer(value, None, math.inf).items() if s]
+    try:  # request data never raises out of the engine core: refuse this request only
+        names = [n for n, s in parse_request_steer(value, None, math.inf).items() if s]
+    except ValueError as e:
+        raise SteerAdmissionError(str(e)) from None
     for n in names:
         if n in reg.bound:
             continue
