@@ -45,8 +45,13 @@ def test_domain_component_round_trip(tmp_path):
     save_steer(tmp_path / "s.safetensors", s)
     back = load_steer(tmp_path / "s.safetensors")
     assert back.domain_p1.shape == (32, 2) and back.metadata.domain == "with_steer"
-    # the domain part is served with the steer, at domain_strength, only when strength != 0
-    assert len(back.effective_factors(5.0)) == 2 and len(back.effective_factors(0.0)) == 1
+    # the domain part is served with the steer, at domain_strength * eps, only when strength != 0
+    from vllm_steer.bank import SteerBank
+
+    bank = SteerBank({"s": back})
+    eps, dom = back.metadata.epsilon, back.metadata.domain_strength
+    assert bank.coef_row({"s": 5.0}) == [5.0 * eps, dom * eps]
+    assert bank.coef_row({"s": 0.0}) == [0.0, 0.0]
 
 
 def _refusal(path) -> str:

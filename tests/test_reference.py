@@ -60,3 +60,15 @@ def test_steered_logits_shift_towards_the_steer():
     torch.testing.assert_close(plain, h @ E.T)
     steered = steered_logits_reference(h, E, p1, p2, offs, torch.full((2, 1), 5e-3))
     assert (steered - plain).abs().max() > 1e-3
+
+
+def test_steer_coefficients_follow_the_paper_and_the_domain_rule():
+    from vllm_steer.reference import steer_coefficients
+
+    # strength s of a steer with epsilon eps is s * eps (the paper's 5 eps0 is strength 5)
+    assert steer_coefficients(5, 1e-3) == (5 * 1e-3, 0.0)
+    assert steer_coefficients(-2.5, 2e-3) == (-2.5 * 2e-3, 0.0)
+    # a served domain component comes with the steer at domain_strength * eps, sign-free
+    assert steer_coefficients(-3, 1e-3, 1.0) == (-3 * 1e-3, 1e-3)
+    # an unsteered request pays nothing, not even the domain component
+    assert steer_coefficients(0, 1e-3, 1.0) == (0.0, 0.0)

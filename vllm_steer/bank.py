@@ -11,8 +11,9 @@ from typing import Mapping, Sequence
 
 import torch
 
-from vllm_steer.format import Steer, load_steer
+from vllm_steer.format import Steer
 from vllm_steer.ops import apply_steers, prepare_steers
+from vllm_steer.reference import steer_coefficients
 
 
 class SteerBank:
@@ -47,10 +48,6 @@ class SteerBank:
         self._plan_key: object = None
         self._plan = None
 
-    @classmethod
-    def from_files(cls, paths: Mapping[str, str], device=None, dtype=None) -> "SteerBank":
-        return cls({n: load_steer(p) for n, p in paths.items()}, device=device, dtype=dtype)
-
     @property
     def num_columns(self) -> int:
         return len(self._columns)
@@ -59,11 +56,10 @@ class SteerBank:
         """Coefficients (strength * epsilon, domain included) for one request."""
         row = [0.0] * self.num_columns
         for k, (n, kind) in enumerate(self._columns):
-            s = float(strengths.get(n, 0.0))
-            if s == 0.0:
-                continue
             meta = self.steers[n].metadata
-            row[k] = s * meta.epsilon if kind == "steer" else meta.domain_strength * meta.epsilon
+            steer, domain = steer_coefficients(float(strengths.get(n, 0.0)), meta.epsilon,
+                                               meta.domain_strength)
+            row[k] = steer if kind == "steer" else domain
         return row
 
     def coefs(self, strengths: Mapping[str, float], num_rows: int, device=None) -> torch.Tensor:
@@ -180,9 +176,9 @@ class SlotBank:
                                 f"(holds generation {self.generations[slot] if slot is not None and 0 <= slot < self.capacity else None})")
                 continue
             meta = self.steers[slot].metadata
-            row[slot] = float(s) * meta.epsilon
-            if meta.domain == "with_steer" and self.steers[slot].domain_p1 is not None:
-                row[self.capacity + slot] = meta.domain_strength * meta.epsilon
+            served = meta.domain == "with_steer" and self.steers[slot].domain_p1 is not None
+            row[slot], row[self.capacity + slot] = steer_coefficients(
+                float(s), meta.epsilon, meta.domain_strength if served else None)
         return row, problems
 
     def apply(self, hidden: torch.Tensor, coefs: torch.Tensor, backend: str | None = None,

@@ -429,14 +429,6 @@ class Steer:
         """The same steer with ``W`` multiplied by ``factor``."""
         return dataclasses.replace(self, p2=self.p2 * factor)
 
-    def effective_factors(self, strength: float = 1.0):
-        """``[(p1, p2, coef)]`` the server applies at this strength (domain included if so set)."""
-        eps = self.metadata.epsilon
-        out = [(self.p1, self.p2, strength * eps)]
-        if self.metadata.domain == "with_steer" and strength != 0 and self.domain_p1 is not None:
-            out.append((self.domain_p1, self.domain_p2, self.metadata.domain_strength * eps))
-        return out
-
 
 def check_steer(steer: Steer, path: str = "<memory>") -> None:
     """The checks :func:`load_steer` makes, on a steer in memory (used before saving):

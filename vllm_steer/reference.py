@@ -17,6 +17,10 @@ coefficients are all zero is returned bit-identical to its input.
 
 In the paper's notation (column vectors) this is ``c' = c + sum_i eps_i W_i c`` with
 ``W_i = P2_i P1_i^T``; the logits are then ``c'^T E`` from the unchanged LM head.
+
+A request's coefficients come from its strengths by :func:`steer_coefficients`: strength
+``s`` of a steer with epsilon ``eps`` is ``s * eps``; a steer served with its domain ("dummy")
+component adds that component at ``domain_strength * eps`` whenever the steer is applied.
 """
 
 from __future__ import annotations
@@ -24,6 +28,19 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+
+def steer_coefficients(strength: float, epsilon: float,
+                       domain_strength: float | None = None) -> tuple[float, float]:
+    """``(steer coefficient, domain coefficient)`` of one steer at ``strength``.
+
+    ``domain_strength`` None: the steer is served without its domain component (0.0). A zero
+    strength applies nothing, the domain component included.
+    """
+    if strength == 0:
+        return 0.0, 0.0
+    steer = float(strength) * epsilon
+    return steer, (0.0 if domain_strength is None else domain_strength * epsilon)
 
 
 def steer_reference(

@@ -45,6 +45,7 @@ class SteerStats:
 
     calls: int = 0  # steer-op calls (one per ``compute_logits`` with steered rows)
     rows: int = 0  # hidden-state rows passed through the steer op
+    seconds: float = 0.0  # host time spent in the steer op (the metrics' per-step time)
 
     def as_dict(self) -> dict[str, int]:
         return {"calls": self.calls, "rows": self.rows}
@@ -91,8 +92,6 @@ class SteerRuntime:
         # steer slots, two coefficient columns each (steer, domain; see SlotBank)
         self.capacity = config.capacity
         self.num_columns = 2 * self.capacity
-        self.op_seconds = 0.0  # host time in steer_rows (metrics)
-        self.op_calls = 0
 
     # ---- loading (head side) -------------------------------------------------------------
     def load(self, hidden_size: int, device: torch.device, dtype: torch.dtype,
@@ -255,8 +254,7 @@ class SteerRuntime:
         self.stats.rows += hidden.shape[0]
         t0 = time.perf_counter()
         out = self.bank.apply(hidden, coefs, backend=self.backend, plan_key=key)
-        self.op_seconds += time.perf_counter() - t0
-        self.op_calls += 1
+        self.stats.seconds += time.perf_counter() - t0
         return out
 
     def _coefs_for(self, hidden: torch.Tensor) -> torch.Tensor | None:
