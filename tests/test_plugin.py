@@ -204,3 +204,21 @@ def test_pooling_model_is_refused_with_steers(plugin, tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="--steer needs a generative model; .* runs as a "
                                          "pooling model"):
         _engine_config(tiny_model_dir, {"a": str(p)}, runner="pooling")
+
+
+@pytest.mark.parametrize("extra, flag", [({"steer_dir": "/tmp"}, "--steer-dir"),
+                                         ({"enable_updates": True}, "--enable-steer-updates")])
+def test_run_time_steers_with_data_parallelism_are_refused_at_startup(extra, flag):
+    from types import SimpleNamespace
+
+    from vllm_steer.config import SteerServerConfig
+    from vllm_steer.integrations.plugin import check_runtime_steers_fit_parallelism
+
+    cfg = SteerServerConfig(**extra)
+    dp2 = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=2))
+    with pytest.raises(ValueError, match=f"{flag} cannot be used with --data-parallel-size 2"):
+        check_runtime_steers_fit_parallelism(cfg, dp2)
+    # one engine core, or start-up steers only: fine
+    check_runtime_steers_fit_parallelism(
+        cfg, SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1)))
+    check_runtime_steers_fit_parallelism(SteerServerConfig(steers={"a": "a.safetensors"}), dp2)

@@ -292,6 +292,7 @@ def configure_engine(vllm_config) -> None:
         raise ValueError("vllm-steer: speculative decoding is not supported with --steer (draft "
                          "tokens would be proposed unsteered and verified with several rows per "
                          "request); remove --speculative-config or the --steer options")
+    check_runtime_steers_fit_parallelism(cfg, vllm_config)
     mc = vllm_config.model_config
     if getattr(mc, "runner_type", "generate") == "pooling":
         raise ValueError("vllm-steer: --steer needs a generative model; "
@@ -303,6 +304,21 @@ def configure_engine(vllm_config) -> None:
     mc.logits_processors = procs
     logger.info("vllm-steer: %d steer(s) %s, max |strength| %g, logits processor %s",
                 len(cfg.steers), list(cfg.steers), cfg.max_strength, fqcn)
+
+
+def check_runtime_steers_fit_parallelism(cfg: SteerServerConfig, vllm_config) -> None:
+    """Run-time steers (``--steer-dir``, ``--enable-steer-updates``) are kept by one engine
+    core; with several (data parallelism) a load would reach one of them, and requests routed
+    to another would be refused or unsteered. Refused at start-up until that is covered."""
+    dp = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_size", 1) or 1
+    if dp > 1 and (cfg.steer_dir or cfg.enable_updates):
+        flags = [f for f, on in (("--steer-dir", cfg.steer_dir),
+                                 ("--enable-steer-updates", cfg.enable_updates)) if on]
+        raise ValueError(f"vllm-steer: {' and '.join(flags)} cannot be used with "
+                         f"--data-parallel-size {dp}: run-time steers are loaded into one engine "
+                         "core, and requests routed to the others would not see them. Serve "
+                         "with --data-parallel-size 1, or load every steer at start-up with "
+                         "--steer NAME=PATH (data parallelism works with those)")
 
 
 def check_steers_fit(cfg: SteerServerConfig, hidden_size: int, model: str) -> None:
