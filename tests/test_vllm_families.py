@@ -313,9 +313,12 @@ def test_serve_unsteered_requests_equal_stock_vllm(fam, engines):
     a, b = stock["requests"][0], plugin[0]
     assert a["tokens"] == b["tokens"]
     assert len(a["logprobs"]) == len(b["logprobs"]) == len(PROMPT) - 1 + MAX_TOKENS
+    # Same tokens and top-k; logprobs equal to fp32 rounding (the two engines run in one
+    # process one after the other, and the CPU GEMMs may block the vocabulary differently:
+    # a few units in the last place at |logprob| ~ 20, relative 2e-7, were seen).
     for x, y in zip(a["logprobs"], b["logprobs"]):
         assert x.keys() == y.keys()
-        assert [x[k] for k in x] == pytest.approx([y[k] for k in x], abs=1e-6)
+        assert [x[k] for k in x] == pytest.approx([y[k] for k in x], rel=1e-6, abs=1e-6)
 
 
 # ---- train ---------------------------------------------------------------------------------
