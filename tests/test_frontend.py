@@ -100,3 +100,13 @@ def test_server_without_steers(app):
             assert post(c, {"steer": {"detox": 0}}).status_code == 200
     finally:
         frontend.set_config(old)
+
+
+def test_a_new_engine_configuration_forgets_run_time_loads_of_the_last_one():
+    # Offline, several engines can live in one process one after the other: steers loaded at
+    # run time into an earlier one must not stand in for the next engine's --steer names.
+    frontend.set_config(SteerServerConfig(steers={"a": "a.safetensors"}))
+    frontend.set_loaded(["x"])  # e.g. vllm_steer.offline.load_steer on the first engine
+    frontend.set_config(SteerServerConfig(steers={"a": "a.safetensors"}))
+    assert frontend.check_value({"a": 2}) == {"a": 2.0}
+    frontend.set_config(None)

@@ -258,9 +258,15 @@ def test_slider_and_generate_give_three_columns_as_the_api_returns_them(page, se
     assert [c["title"] for c in cols] == ["detox \u22125", "plain", "detox +5"]
     texts = [c["text"] for c in cols]
     assert all(texts) and len(set(texts)) == 3, texts
-    assert texts[1] == api_completion(server)
-    assert texts[0] == api_completion(server, {"detox": -5})
-    assert texts[2] == api_completion(server, {"detox": 5})
+    # The page sends its three requests at once, so the engine runs them as one batch; the
+    # API is asked the same way. (A random tiny model has near-ties that a batch of another
+    # size can flip through float rounding: solo requests are not the same computation.)
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(3) as pool:
+        api = list(pool.map(lambda st: api_completion(server, st),
+                            [{"detox": -5}, None, {"detox": 5}]))
+    assert texts == api
     for c in cols:  # what the page says it sent: the same prompt, seed, no steer when plain
         assert c["request"] == {"model": "tiny", "prompt": "Once upon a time",
                                 "max_tokens": MAX_TOKENS, "temperature": 0, "seed": 0,

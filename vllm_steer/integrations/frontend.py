@@ -16,8 +16,11 @@ _CONFIG: SteerServerConfig | None = None
 
 
 def set_config(config: SteerServerConfig | None) -> None:
-    global _CONFIG
+    """A new engine configuration for this process: it starts from its own ``--steer``
+    names (run-time loads of an earlier engine in the same process are forgotten)."""
+    global _CONFIG, _LOADED
     _CONFIG = config
+    _LOADED = None
 
 
 def get_config() -> SteerServerConfig | None:
