@@ -61,6 +61,17 @@ def data_dir() -> Path:
     return DATA_DIR
 
 
+def save_steers(directory: Path, steers: dict) -> dict[str, str]:
+    """Save ``{name: Steer}`` as ``directory/NAME.safetensors``; returns ``{name: path}``."""
+    from vllm_steer.format import save_steer
+
+    paths = {}
+    for name, steer in steers.items():
+        paths[name] = str(Path(directory) / f"{name}.safetensors")
+        save_steer(paths[name], steer)
+    return paths
+
+
 def random_steer(hidden: int, rank: int, name: str, seed: int = 0, scale: float = 1.0,
                  base_model: str | None = None):
     """A random steer whose effect at strength ~5 is visible on the tiny models."""

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import HFReference, make_tiny_llama, random_steer
-from vllm_steer.format import save_steer
+from conftest import HFReference, make_tiny_llama, random_steer, save_steers
 from vllm_steer.integrations.runtime import steer_stats
 
 pytestmark = pytest.mark.vllm
@@ -37,11 +36,7 @@ def steers(tmp_path_factory):
     d = tmp_path_factory.mktemp("steers-tp")
     objs = {"a": random_steer(HIDDEN, 8, "a", seed=1, scale=2.0),
             "b": random_steer(HIDDEN, 8, "b", seed=2, scale=2.0)}
-    paths = {}
-    for name, s in objs.items():
-        paths[name] = str(d / f"{name}.safetensors")
-        save_steer(paths[name], s)
-    return objs, paths
+    return objs, save_steers(d, objs)
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import HFReference, random_steer
-from vllm_steer.format import make_steer, save_steer
+from conftest import HFReference, random_steer, save_steers
+from vllm_steer.format import make_steer
 from vllm_steer.integrations.runtime import steer_stats
 
 pytestmark = pytest.mark.vllm
@@ -39,11 +39,7 @@ def steers(tmp_path_factory):
     b = random_steer(64, 8, "b", seed=2, scale=3.0)
     comp = make_steer(torch.cat([a.p1, b.p1], 1), torch.cat([2 * a.p2, 3 * b.p2], 1), "comp")
     objs = {"a": a, "b": b, "comp": comp}
-    paths = {}
-    for name, s in objs.items():
-        paths[name] = str(d / f"{name}.safetensors")
-        save_steer(paths[name], s)
-    return objs, paths
+    return objs, save_steers(d, objs)
 
 
 @pytest.fixture(scope="module")
