@@ -389,3 +389,14 @@ def test_cli_steers_list_load_unload(server, capsys):
     assert "unloaded cli-b" in capsys.readouterr().out
     assert main(["steers", "unload", "cli-b", "--url", server]) == 1
     assert "HTTP 404: steer 'cli-b' is not loaded" in capsys.readouterr().err
+
+
+def test_loads_and_unloads_are_logged_through_vllms_logger(server):
+    """An operator reads what the engine did in vLLM's own log, in vLLM's format."""
+    assert load(server, "logged", STATE["dir"] / "b.safetensors").status_code == 200
+    assert requests.delete(server + "/v1/steers/logged").status_code == 200
+    log = (STATE["root"] / "server.log").read_text()
+    assert re.search(r"^\(EngineCore[^)]*\) INFO \S+ \S+ \[control\.py:\d+\] vllm-steer: loaded "
+                     r"steer 'logged' from \S+b\.safetensors \(rank 8, slot \d+, generation \d+\)"
+                     r" in [0-9.]+ ms", log, re.M), log[-3000:]
+    assert re.search(r"^\(EngineCore[^)]*\) INFO .*vllm-steer: unloaded steer 'logged'", log, re.M)

@@ -13,12 +13,13 @@ unsteered and baseline requests share batches, which the plugin supports).
 from __future__ import annotations
 
 import gc
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-logger = logging.getLogger("vllm_steer")
+from vllm_steer.logs import get_logger
+
+logger = get_logger()
 
 METHOD_NONE, METHOD_STEER, METHOD_BLACKLIST = "unsteered", "lm-steer", "soft-blacklist"
 

@@ -14,17 +14,17 @@ nothing while no request in the batch uses a blacklist. It composes with the ste
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+from vllm_steer.logs import get_logger
 
 FQCN = "vllm_steer.eval.logits_processor:SoftBlacklistLogitsProcessor"
 CONFIG_KEY = "vllm_steer_soft_blacklist"
 REQUEST_KEY = "soft_blacklist"
 
-logger = logging.getLogger("vllm_steer")
+logger = get_logger()
 
 
 def engine_config(blacklists: dict[str, str]) -> dict:

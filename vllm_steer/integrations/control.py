@@ -24,7 +24,6 @@ Ops (``collective_rpc(CONTROL_METHOD, args=(op, kwargs))``, one dict back):
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from typing import Any
@@ -33,8 +32,9 @@ from vllm_steer import REQUEST_FIELD
 from vllm_steer.integrations.registry import (BOUND_KEY, SteerCapacityError, SteerEntry,
                                               SteerNameError, SteerRegistry, bound_in,
                                               check_name, dir_path)
+from vllm_steer.logs import get_logger
 
-logger = logging.getLogger("vllm_steer")
+logger = get_logger()
 
 
 class SteerAdmissionError(ValueError):

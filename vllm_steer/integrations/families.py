@@ -21,10 +21,10 @@ steer would be silently ignored). Light: no torch, no vLLM at import time.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
+from vllm_steer.logs import get_logger
 
-logger = logging.getLogger("vllm_steer")
+logger = get_logger()
 
 
 @dataclass(frozen=True)

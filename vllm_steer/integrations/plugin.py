@@ -29,14 +29,14 @@ This module imports no torch at import time.
 from __future__ import annotations
 
 import argparse
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from vllm_steer import ADDITIONAL_CONFIG_KEY, REQUEST_FIELD
 from vllm_steer.config import DEFAULT_MAX_STRENGTH, SteerServerConfig, parse_steer_arg
+from vllm_steer.logs import get_logger
 
-logger = logging.getLogger("vllm_steer")
+logger = get_logger()
 _REGISTERED = False
 
 STEER_HELP = (

@@ -23,7 +23,6 @@ slots of the step's batch (``idx_mapping``) and a finished request's stale slot 
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +34,9 @@ from vllm_steer import REQUEST_FIELD
 from vllm_steer.bank import SlotBank
 from vllm_steer.config import SteerRequestError, SteerServerConfig, parse_request_steer
 from vllm_steer.format import SteerFileError, load_steer, read_metadata
+from vllm_steer.logs import get_logger
 
-logger = logging.getLogger("vllm_steer")
+logger = get_logger()
 
 
 @dataclass

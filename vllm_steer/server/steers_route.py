@@ -20,7 +20,6 @@ list itself (:func:`vllm_steer.integrations.plugin._patch_endpoint_plugins`).
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 
 from fastapi import APIRouter, Request
@@ -28,8 +27,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from vllm_steer.integrations.registry import CONTROL_METHOD
+from vllm_steer.logs import get_logger
 
-logger = logging.getLogger("vllm_steer")
+logger = get_logger()
 router = APIRouter()
 POLL_SECONDS = 1.0
 
