@@ -411,3 +411,35 @@ def test_dev_check_losses_equal_plain_cross_entropy_at_every_strength(prep):
             want = float(F.cross_entropy(lg, t))
             assert chk[side_name][key] == pytest.approx(want, rel=1e-5), (side_name, key)
     assert chk["positive"]["+5"] != pytest.approx(chk["positive"]["0"], rel=1e-4)
+
+
+def test_train_strengths_are_drawn_per_text_and_scale_the_steer_like_epsilon(prep):
+    """`train_strengths` (m,) trains W at +-m*eps0: without a domain steer that is the same
+    loss as a run with epsilon m*eps0, so the same factors; a mixture draws one magnitude per
+    text (repeatable per step)."""
+    from vllm_steer.train.trainer import strength_scale
+
+    kw = dict(progress=False, log=lambda m: None, prepared=prep)
+    base = dict(steps=3, eval_every=0, domain_rank=0)
+    doubled = train_steer(_cfg(prep.cfg.model, train_strengths=(2.0,), **base), prep.dataset,
+                          None, **kw)
+    eps2 = train_steer(_cfg(prep.cfg.model, epsilon=2 * prep.cfg.epsilon, **base),
+                       prep.dataset, None, **kw)
+    torch.testing.assert_close(doubled.steer.p1, eps2.steer.p1, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(doubled.steer.p2, eps2.steer.p2, rtol=1e-4, atol=1e-6)
+    paper = train_steer(_cfg(prep.cfg.model, **base), prep.dataset, None, **kw)
+    assert not torch.allclose(doubled.steer.p1, paper.steer.p1)
+
+    hs = compute_hidden(prep.model, prep.tokenizer, prep.train_ids[:40], prep.train_sides[:40],
+                        progress=False)
+    idx = torch.arange(40)
+    cfg = _cfg(prep.cfg.model, train_strengths=(1.0, 4.0))
+    m = strength_scale(hs, idx, cfg, step=2, device="cpu")
+    assert torch.equal(m, strength_scale(hs, idx, cfg, step=2, device="cpu"))
+    per_text = torch.split(m, (hs.lengths() - 1).tolist())
+    firsts = [float(x[0]) for x in per_text]
+    assert all(len(set(x.tolist())) == 1 for x in per_text) and set(firsts) == {1.0, 4.0}
+    assert strength_scale(hs, idx, _cfg(prep.cfg.model), step=2, device="cpu") is None
+    for bad in ((), (0.0,), (float("nan"),), (-1.0, 2.0)):
+        with pytest.raises(ValueError, match="train_strengths=.*give 1 to 64 magnitudes"):
+            _cfg(prep.cfg.model, train_strengths=bad).validate()

@@ -88,6 +88,9 @@ def add_commands(subparsers) -> None:
                      help="sample N target tokens of each batch (default: all); the head "
                           "matmul over the vocabulary dominates a step, so N below the "
                           "batch's tokens makes steps proportionally cheaper")
+    rec.add_argument("--train-strengths", type=float, nargs="+", default=list(d.train_strengths),
+                     metavar="M", help="strength magnitudes each training text is drawn at "
+                     "(units of --epsilon; default 1, the paper's); e.g. 1 2 4")
     rec.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens)
     rec.add_argument("--eval-every", type=int, default=d.eval_every)
     rec.add_argument("--check-strengths", type=float, nargs="+", default=list(d.check_strengths),
@@ -176,6 +179,7 @@ def cmd_train(args) -> int:
                       model_dtype=args.model_dtype, cache_dtype=args.cache_dtype,
                       head_dtype=args.head_dtype, chunk_tokens=args.chunk_tokens,
                       step_tokens=args.step_tokens,
+                      train_strengths=tuple(args.train_strengths),
                       eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
                       check_strengths=tuple(args.check_strengths),
                       fluency_budget=args.fluency_budget)

@@ -9,6 +9,7 @@ the full hidden size (the paper's 1000 capped at ``hidden_size``).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -81,6 +82,13 @@ class TrainConfig:
     estimate of the batch's token-mean loss at a fraction of the head cost (the head matmul
     over the vocabulary dominates a step); more steps buy back the variance. ``None`` =
     every token (the paper's)."""
+    train_strengths: tuple[float, ...] = (1.0,)
+    """Strength magnitudes a training text is seen at, in units of ``epsilon``: each text of
+    a step draws one of them uniformly (a function of seed and step), and is trained at
+    ``+m`` (positive side) or ``-m`` (negative side). ``(1.0,)`` = the paper's recipe. Steers
+    are served at several times the training strength (the paper generates at 5); a spread
+    such as ``(1, 2, 4)`` also fits the file to the stronger settings, where the paper's
+    recipe only extrapolates."""
     chunk_tokens: int = 1024
     """Tokens per head chunk inside a step (bounds the memory of the [tokens, vocab] logits;
     the gradient is the same for any value)."""
@@ -103,13 +111,15 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["check_strengths"] = list(self.check_strengths)
+        d["train_strengths"] = [float(m) for m in self.train_strengths]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
         d = dict(d)
-        if "check_strengths" in d:
-            d["check_strengths"] = tuple(d["check_strengths"])
+        for k in ("check_strengths", "train_strengths"):
+            if k in d:
+                d[k] = tuple(d[k])
         return cls(**d)
 
     def validate(self) -> None:
@@ -122,6 +132,11 @@ class TrainConfig:
                                              or self.step_tokens < 1):
             problems.append(f"step_tokens={self.step_tokens!r}: must be a positive integer "
                             "or None (every token)")
+        if (not self.train_strengths or len(self.train_strengths) > 64
+                or not all(isinstance(m, (int, float)) and math.isfinite(m) and 0 < m <= 100
+                           for m in self.train_strengths)):
+            problems.append(f"train_strengths={self.train_strengths!r}: give 1 to 64 "
+                            "magnitudes in (0, 100], e.g. (1, 2, 4)")
         for name in ("eval_every", "checkpoint_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:

@@ -213,6 +213,19 @@ def domain_mask(hs: HiddenStates, idx: torch.Tensor, cfg: TrainConfig, step: int
     return torch.repeat_interleave(keep, hs.lengths()[idx] - 1).to(device)
 
 
+def strength_scale(hs: HiddenStates, idx: torch.Tensor, cfg: TrainConfig, step: int, device
+                   ) -> "torch.Tensor | None":
+    """Per-row strength magnitude of a step under ``cfg.train_strengths``: one draw per text
+    (uniform over the list; a function of seed and step, so resuming repeats it), or
+    ``None`` for the paper's single magnitude 1."""
+    if tuple(cfg.train_strengths) == (1.0,):
+        return None
+    mags = torch.tensor([float(m) for m in cfg.train_strengths])
+    g = torch.Generator().manual_seed(cfg.seed * 15_485_863 + step + 3)
+    per_text = mags[torch.randint(len(mags), (len(idx),), generator=g)]
+    return torch.repeat_interleave(per_text, hs.lengths()[idx] - 1).to(device)
+
+
 def token_sample(n: int, cfg: TrainConfig, step: int) -> torch.Tensor | None:
     """Rows of a step's batch kept under ``cfg.step_tokens`` (sorted; a function of seed and
     step, so resuming repeats it), or ``None`` for all ``n``."""
@@ -294,6 +307,7 @@ def _load_checkpoint(path: str, recipe: dict, data_desc: dict) -> dict:
     if state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path}: not a vllm-steer training checkpoint")
     old = json.loads(state["recipe"])
+    old.setdefault("train_strengths", [1.0])  # checkpoints from before the option
     diffs = [f"{k}: checkpoint {old.get(k)!r}, now {recipe.get(k)!r}" for k in sorted(recipe)
              if k not in RESUMABLE_CHANGES and old.get(k) != recipe.get(k)]
     old_data = json.loads(state["data"])
@@ -388,6 +402,9 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
         idx = pos[sched.indices(step)]
         c, t, s = train_hs.batch(idx, prep.device)
         dom = domain_mask(train_hs, idx, cfg, step, prep.device)
+        mag = strength_scale(train_hs, idx, cfg, step, prep.device)
+        if mag is not None:
+            s = s * mag
         sel = token_sample(len(t), cfg, step)
         if sel is not None:
             sel = sel.to(c.device)
