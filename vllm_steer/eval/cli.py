@@ -392,7 +392,8 @@ def cmd_merge(args) -> int:
 
 def cmd_train_baseline(args) -> int:
     from vllm_steer.eval.harness import EvalConfig, baseline_plan, data_dir_of
-    from vllm_steer.eval.soft_blacklist import train_soft_blacklist
+    from vllm_steer.eval.soft_blacklist import hidden_cache_dir, train_soft_blacklist
+    from vllm_steer.models import resolve_model
     from vllm_steer.train.data import preset_data_config
 
     if (args.like is None) == (args.preset is None):
@@ -419,5 +420,6 @@ def cmd_train_baseline(args) -> int:
         if getattr(args, k) is not None:
             setattr(recipe, k, getattr(args, k))
     train_soft_blacklist(recipe, data_cfg, out=args.out, name="blacklist", labels=labels,
+                         cache_dir=hidden_cache_dir(recipe, data_cfg, resolve_model(recipe.model)),
                          progress=not args.quiet)
     return 0

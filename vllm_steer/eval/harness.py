@@ -216,7 +216,8 @@ def resolve_baseline(cfg: EvalConfig, steer_name: str | None, steer_meta: dict |
                      data_dir: str, model_path: str) -> str | None:
     """Path of the soft-blacklist file to compare with (trained now if ``auto`` and not
     cached), or ``None``."""
-    from vllm_steer.eval.soft_blacklist import recipe_key, train_soft_blacklist
+    from vllm_steer.eval.soft_blacklist import (hidden_cache_dir, recipe_key,
+                                                train_soft_blacklist)
     from vllm_steer.models import cache_dir
 
     if cfg.baseline == "none" or cfg.task == "grid":
@@ -238,7 +239,8 @@ def resolve_baseline(cfg: EvalConfig, steer_name: str | None, steer_meta: dict |
          f"cached in {path}")
     labels = ((steer_meta or {}).get("labels") or {})
     train_soft_blacklist(recipe, data_cfg, out=str(path), name="blacklist", labels=labels,
-                         cache_dir=str(folder / f"hidden-{key}"), progress=cfg.progress)
+                         cache_dir=hidden_cache_dir(recipe, data_cfg, model_path),
+                         progress=cfg.progress)
     return str(path)
 
 

@@ -313,6 +313,20 @@ def recipe_key(cfg: SoftBlacklistConfig, data_cfg, model_path: str) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def hidden_cache_dir(cfg: SoftBlacklistConfig, data_cfg, model_path: str) -> str:
+    """Where a baseline's hidden states are cached: keyed by what they depend on (model, data,
+    max length, dtypes), not by the steps or learning rate, so baselines of the same data
+    trained for different steps share one hidden-state pass."""
+    import dataclasses
+
+    from vllm_steer.models import cache_dir
+
+    only = dataclasses.replace(SoftBlacklistConfig(), model=cfg.model, max_length=cfg.max_length,
+                               model_dtype=cfg.model_dtype, cache_dtype=cfg.cache_dtype)
+    return str(cache_dir() / "eval" / "baselines" /
+               f"hidden-{recipe_key(only, data_cfg, model_path)}")
+
+
 def describe(sb: SoftBlacklist, k: int = 12, tokenizer=None) -> dict[str, Any]:
     """The tokens the blacklist raises and lowers most (for reports)."""
     top = torch.topk(sb.bias, k).indices.tolist()
