@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import random_steer
+from conftest import make_tiny_llama, random_steer
 from vllm_steer.format import save_steer
 from vllm_steer.server.launch import serve
 
@@ -42,9 +42,26 @@ MISSING = _browser_missing()
 browser = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
 
+def model_without_eos(out):
+    """The tiny random model with its end-of-sequence row of the LM head zeroed: the EOS logit
+    is 0 whatever the hidden state, far below the largest of 49,151 random logits, so every
+    completion runs to max_tokens. Greedy texts from a random model can still differ
+    between batches of different composition where two logits nearly tie; an EOS on one side
+    of such a tie ended a column early (seen once in `make test`)."""
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_llama(out)
+    f = out / "model.safetensors"
+    w = load_file(f)
+    w["lm_head.weight"][2] = 0.0  # eos_token_id = 2
+    save_file(w, f, metadata={"format": "pt"})
+    return out
+
+
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
+def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("playground")
+    tiny_model_dir = model_without_eos(d / "model")
     for name, seed, rec in (("detox", 1, 5.0), ("sentiment", 2, None)):
         steer = random_steer(64, 8, name, seed=seed, scale=3.0)
         steer.metadata.recommended_strength = rec
