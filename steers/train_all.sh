@@ -13,7 +13,7 @@ COMMON=(--model smollm2 --data "$DATA" --batch-size 32 --max-length 64
 
 # Detoxification: all of Jigsaw (5,990 non-toxic (positive) + 5,990 toxic (negative)
 # training comments), the paper's 1,000 steps, rank 16 (the recipe study in steers/README.md:
-# rank 16 detoxifies more per unit of perplexity than rank 64). ~8 min on a 2-core CPU.
+# rank 16 detoxifies more per unit of perplexity than rank 64). ~12 min on a 2-core CPU.
 $PY -m vllm_steer.cli train --preset detox --rank 16 --steps 1000 --step-tokens 256 \
     --eval-every 250 --checkpoint-every 250 "${COMMON[@]}" \
     --out steers/smollm2-detox.safetensors "$@"
