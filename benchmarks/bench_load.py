@@ -11,19 +11,12 @@ every worker. Under traffic, over HTTP: ``bench_serve.py --churn``.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-
-def pct(values, q):
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def main(argv=None) -> int:
@@ -34,23 +27,17 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=40)
     args = ap.parse_args(argv)
 
-    import torch
     from transformers import AutoConfig
     from vllm import LLM
 
+    from bench_serve import pct
+    from bench_throughput import random_steer_files
     from vllm_steer import offline
-    from vllm_steer.format import make_steer, save_steer
     from vllm_steer.models import resolve_model
 
     model = resolve_model(args.model)
     d = AutoConfig.from_pretrained(model).hidden_size
-    folder = tempfile.mkdtemp(prefix="bench-load-")
-    paths = []
-    for i in range(4):
-        g = torch.Generator().manual_seed(i)
-        paths.append(os.path.join(folder, f"r{i}.safetensors"))
-        save_steer(paths[-1], make_steer(torch.randn(d, args.rank, generator=g) * 0.05,
-                                         torch.randn(d, args.rank, generator=g) * 0.05, f"r{i}"))
+    paths = list(random_steer_files(d, args.rank, 4, "bench-load-").values())
     llm = LLM(model, additional_config={"vllm_steer": {"steers": {}, "max_steers": 8}},
               max_model_len=256, max_num_seqs=8, enforce_eager=True,
               kv_cache_memory_bytes=1 << 28)
@@ -63,8 +50,8 @@ def main(argv=None) -> int:
         offline.unload_steer(llm, f"x{k % 4}")
         unloads.append(1e3 * (time.perf_counter() - t))
     print(f"{args.model} (hidden {d}), rank {args.rank}, {args.repeats} loads and unloads: "
-          f"load p50 {pct(loads, .5):.1f} ms, p99 {pct(loads, .99):.1f} ms; unload p50 "
-          f"{pct(unloads, .5):.1f} ms, p99 {pct(unloads, .99):.1f} ms")
+          f"load p50 {pct(loads, 50):.1f} ms, p99 {pct(loads, 99):.1f} ms; unload p50 "
+          f"{pct(unloads, 50):.1f} ms, p99 {pct(unloads, 99):.1f} ms")
     return 0
 
 
