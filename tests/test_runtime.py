@@ -82,3 +82,22 @@ def test_no_steer_work_once_the_last_steered_request_left(tmp_path):
     rt.flush()
     assert rt.num_active_slots == 1 and rt.any_steered(np.array([0]))
     assert not rt.any_steered(np.array([1, 2, 3]))
+
+
+def test_rows_given_by_host_slots_get_their_slots_coefficients(tmp_path):
+    """A ``slots`` row source (host-side row -> slot, as spec decoding and V2 prompt logprobs
+    give it): each row is steered with its own slot's coefficients, in any order, repeated."""
+    from vllm_steer.integrations.runtime import RowSource
+
+    rt = _runtime(tmp_path)
+    pad = [0.0] * (rt.num_columns - 2)
+    a, b, none = (np.array(r + pad, dtype=np.float32) for r in ([5e-3, 0], [0, -3e-3], [0, 0]))
+    for slot, row in ((3, a), (5, b), (0, none)):
+        rt.set_slot(slot, row)
+    rt.flush()
+    slots = np.array([5, 5, 3, 0, 3, 3])
+    h = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
+    with rt.rows(RowSource("slots", slots=slots)):
+        out = rt.steer_rows(h)
+    torch.testing.assert_close(out, _want(rt, h, [b, b, a, none, a, a]))
+    assert torch.equal(out[3], h[3])

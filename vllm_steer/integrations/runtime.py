@@ -55,8 +55,13 @@ class SteerStats:
 class RowSource:
     """Where the rows of the next ``compute_logits`` call come from."""
 
-    kind: str  # "batch" (row i = slot i), "mapping" (row -> slot), "prompt", "none"
-    mapping: torch.Tensor | None = None  # [num_rows] slots ("mapping")
+    kind: str  # "batch" (row i = slot i), "mapping" (row -> slot), "slots", "prompt", "none"
+    mapping: torch.Tensor | None = None  # [num_rows] slots on the device ("mapping")
+    # "slots": the slot of each row on the host ([num_rows] int, numpy), and optionally the
+    # index of the generated token each row samples ([num_rows] int, numpy; -1: a prompt row).
+    # The host copy is what plans are made from (no device read).
+    slots: np.ndarray | None = None
+    positions: np.ndarray | None = None
     base: torch.Tensor | None = None  # the step's full hidden states ("prompt")
     query_start_loc: np.ndarray | None = None  # [num_reqs + 1] token offsets ("prompt")
 
@@ -268,6 +273,13 @@ class SteerRuntime:
                            "they are computed unsteered")
                 return None
             return self.slot_coefs.index_select(0, src.mapping[:n].long())
+        if src.kind == "slots":
+            if src.slots is None or len(src.slots) < n:
+                _warn_once("vllm-steer: logits rows outnumber their known slots; they are "
+                           "computed unsteered")
+                return None
+            idx = torch.from_numpy(np.ascontiguousarray(src.slots[:n], dtype=np.int64))
+            return self.slot_coefs.index_select(0, idx.to(self.slot_coefs.device))
         if src.kind == "prompt":
             base = src.base
             assert base is not None and src.query_start_loc is not None
