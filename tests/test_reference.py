@@ -72,3 +72,27 @@ def test_steer_coefficients_follow_the_paper_and_the_domain_rule():
     assert steer_coefficients(-3, 1e-3, 1.0) == (-3 * 1e-3, 1e-3)
     # an unsteered request pays nothing, not even the domain component
     assert steer_coefficients(0, 1e-3, 1.0) == (0.0, 0.0)
+
+
+def test_window_strengths_vectorised_equal_the_window_rule_token_by_token():
+    """The vectorised schedule (runtime side) against the scalar rule written out here."""
+    import numpy as np
+
+    from vllm_steer.config import Window
+    from vllm_steer.reference import window_strengths
+
+    def by_hand(w, t):
+        if t < 0 or t < w.start or (w.end is not None and t >= w.end):
+            return w.base
+        frac = 1.0 if w.ramp == 0 else min(1.0, (t - w.start + 1) / w.ramp)
+        return w.base + frac * (w.strength - w.base)
+
+    windows = [Window(5), Window(5, start=3, end=7), Window(-4, ramp=4), Window(6, 2, 10, 3, 2),
+               Window(2, end=0)]
+    ts = np.arange(-1, 12)
+    for w in windows:
+        got = window_strengths(w.strength, w.base, w.start, -1 if w.end is None else w.end,
+                               w.ramp, ts)
+        assert got.tolist() == [by_hand(w, int(t)) for t in ts], w
+        assert [w.at(int(t)) for t in ts if t >= 0] == [by_hand(w, int(t)) for t in ts if t >= 0]
+    assert window_strengths(5, 0, 0, -1, 4, [0, 1, 2, 3, 9]).tolist() == [1.25, 2.5, 3.75, 5, 5]

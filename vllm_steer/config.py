@@ -18,6 +18,37 @@ class SteerRequestError(ValueError):
     """A request's ``steer`` field is invalid. The message names the field and the problem."""
 
 
+@dataclass(frozen=True)
+class Window:
+    """A steer's strength over the generated tokens of one request (a generation window).
+
+    ``t`` counts the request's generated tokens (0: the first one). The strength is ``base``
+    outside ``[start, end)``; inside, it rises linearly from ``base`` to ``strength`` over the
+    first ``ramp`` tokens of the window (reaching ``strength`` at ``t = start + ramp - 1``;
+    ``ramp`` 0: at once) and stays there. Rows that are not generated tokens (prompt
+    logprobs) have no ``t`` and get ``base``. The arithmetic, vectorised over rows:
+    :func:`vllm_steer.reference.window_strengths`.
+    """
+
+    strength: float
+    """The steer's strength inside the window (units of its epsilon)."""
+    start: int = 0
+    """First generated token (0-based) the window covers."""
+    end: int | None = None
+    """First generated token after the window (exclusive); None: to the last token."""
+    ramp: int = 0
+    """Tokens over which the strength rises from ``base`` to ``strength``; 0: at once."""
+    base: float = 0.0
+    """The strength outside the window (0; an operator floor raises it)."""
+
+    def at(self, t: int) -> float:
+        """The strength at generated token ``t`` (scalar form of ``window_strengths``)."""
+        if t < self.start or (self.end is not None and t >= self.end):
+            return self.base
+        w = 1.0 if self.ramp <= 0 else min(1.0, (t - self.start + 1) / self.ramp)
+        return self.base + w * (self.strength - self.base)
+
+
 @dataclass
 class SteerServerConfig:
     """What the server loads and allows; carried to workers in ``additional_config``."""

@@ -43,6 +43,19 @@ def steer_coefficients(strength: float, epsilon: float,
     return steer, (0.0 if domain_strength is None else domain_strength * epsilon)
 
 
+def window_strengths(strength, base, start, end, ramp, t):
+    """Strengths at generated-token indices ``t`` (numpy arrays that broadcast together):
+    the vectorised :class:`vllm_steer.config.Window` rule. ``end < 0``: an open window;
+    ``t < 0``: not a generated token (``base``)."""
+    import numpy as np
+
+    strength, base, start, end, ramp, t = (np.asarray(x) for x in (strength, base, start, end,
+                                                                     ramp, t))
+    inside = (t >= 0) & (t >= start) & ((end < 0) | (t < end))
+    w = np.where(ramp > 0, np.clip((t - start + 1) / np.maximum(ramp, 1), 0.0, 1.0), 1.0)
+    return np.where(inside, base + w * (strength - base), base).astype(np.float64)
+
+
 def steer_reference(
     hidden: torch.Tensor,  # [num_rows, hidden]
     p1: torch.Tensor,  # [hidden, total_rank]
