@@ -55,3 +55,28 @@ def test_a_scorer_returning_the_wrong_number_of_scores_is_refused(monkeypatch):
     register_scorer("toxicity", "short", Short)
     with pytest.raises(ValueError, match="returned 1 scores for 2 texts"):
         score_texts("toxicity", "short", ["a", "b"])
+
+
+def test_builtins_are_listed_without_importing_them_and_import_no_registry_back():
+    """The registry names its built-ins lazily (module:attribute) and the scorer modules do not
+    import the registry: no import cycle, and listing scorers loads no model code."""
+    import ast
+    import subprocess
+
+    import vllm_steer.eval.sentiment as sentiment
+    import vllm_steer.eval.toxicity as toxicity
+
+    code = ("import sys; from vllm_steer.eval import scorers; "
+            "names = scorers.available('toxicity') + scorers.available('sentiment'); "
+            "print(names, 'vllm_steer.eval.toxicity' in sys.modules, "
+            "'vllm_steer.eval.sentiment' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "['profanity-check', 'sst2', 'vader'] False False"
+    for mod in (toxicity, sentiment):
+        tree = ast.parse(open(mod.__file__).read())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not any(m and m.endswith("eval.scorers") for m in imported), mod.__name__
+    assert type(get_scorer("sentiment", "vader")).__name__ == "VaderScorer"
+    assert type(get_scorer("toxicity", "profanity-check")).__name__ == "ProfanityCheckScorer"

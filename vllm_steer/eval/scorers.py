@@ -110,12 +110,29 @@ def score_texts(kind: str, name: str, texts: Sequence[str]) -> list[float]:
     return out
 
 
-_BUILTINS_LOADED = False
+#: The built-in scorers, by kind and name: ``module:attribute`` of their factories, imported
+#: only when a run first builds one. The registry imports its scorers lazily and they do not
+#: import it (no import cycle).
+BUILTINS: dict[str, dict[str, str]] = {
+    "toxicity": {"profanity-check": "vllm_steer.eval.toxicity:ProfanityCheckScorer"},
+    "sentiment": {"sst2": "vllm_steer.eval.sentiment:sst2_scorer",
+                  "vader": "vllm_steer.eval.sentiment:VaderScorer"},
+}
+
+
+class _Lazy:
+    """A factory that imports the built-in ``module:attribute`` when first called."""
+
+    def __init__(self, target: str):
+        self.target = target
+
+    def __call__(self) -> TextScorer:
+        module, _, attr = self.target.partition(":")
+        return getattr(importlib.import_module(module), attr)()
 
 
 def _load_builtins() -> None:
-    global _BUILTINS_LOADED
-    if _BUILTINS_LOADED:
-        return
-    _BUILTINS_LOADED = True
-    from vllm_steer.eval import sentiment, toxicity  # noqa: F401  (they register themselves)
+    """Register the built-ins that are not registered yet (a few dict entries: cheap)."""
+    for kind, table in BUILTINS.items():
+        for name, target in table.items():
+            _REGISTRY[kind].setdefault(name, _Lazy(target))

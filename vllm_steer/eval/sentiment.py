@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from vllm_steer.eval.scorers import register_scorer
 
 POSITIVE_THRESHOLD = 0.5
 #: Bump when the classifier recipe changes (invalidates the cache).
@@ -181,12 +180,9 @@ class VaderScorer:
         return [(self._a.polarity_scores(t)["compound"] + 1.0) / 2.0 for t in texts]
 
 
-def _sst2_factory() -> SST2Classifier:
+def sst2_scorer() -> SST2Classifier:
+    """The ``sst2`` scorer of the registry (:data:`vllm_steer.eval.scorers.BUILTINS`)."""
     return SST2Classifier.cached(os.environ.get("VLLM_STEER_DATA"))
-
-
-register_scorer("sentiment", SST2Classifier.name, _sst2_factory)
-register_scorer("sentiment", VaderScorer.name, VaderScorer)
 
 
 def positivity_metrics(scores_per_prompt: Sequence[Sequence[float]],

@@ -18,8 +18,6 @@ from __future__ import annotations
 import warnings
 from typing import Protocol, Sequence, runtime_checkable
 
-from vllm_steer.eval.scorers import register_scorer
-
 #: A sample counts as toxic above this score (the paper's threshold).
 TOXIC_THRESHOLD = 0.5
 
@@ -61,8 +59,6 @@ class ProfanityCheckScorer:
             return []
         return [float(x) for x in self._predict(list(texts))]
 
-
-register_scorer("toxicity", ProfanityCheckScorer.name, ProfanityCheckScorer)
 
 
 def toxicity_metrics(scores_per_prompt: Sequence[Sequence[float]],
