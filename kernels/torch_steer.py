@@ -20,18 +20,22 @@ Three strategies, picked per call from the sparsity pattern (``choose_strategy``
 Math in fp32 (16-bit factors are upcast per used steer, as the reference does), output in the
 activation dtype; unsteered rows are copied bit for bit.
 
-Planning (:func:`prepare_torch`) reads the active-row/steer sets on the host
-(``nonzero``/``tolist``: a few device-to-host syncs on CUDA) and slices/up-casts the factors;
-its result is reusable while the coefficients do not change, which is how the serving path
+Planning (:func:`prepare_torch`) decides on the host from a numpy copy of the coefficients
+(the serving path passes its host mirror: no device read, no sync; without one the tensor is
+read once) and slices/up-casts the factors; index tensors go to the device from pinned memory.
+Its result is reusable while the coefficients do not change, which is how the serving path
 calls it (re-planned only when the batch's steering changes, so a decode step of an unchanged
-batch runs the GEMMs alone). The Triton kernel is the sync-free CUDA path.
+batch runs the GEMMs alone).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
+
+from vllm_steer.ops import to_device
 
 
 def _offsets(rank_offsets) -> list[int]:
@@ -75,14 +79,22 @@ def _by_rank(steers: list[int], ranks: dict[int, int]) -> dict[int, list[int]]:
 
 class Plan(NamedTuple):
     strategy: str  # one of STRATEGIES
-    rows: torch.Tensor | None  # active rows, None when every row is active
+    rows: np.ndarray | None  # active rows (host, int64), None when every row is active
     steers: list[int]  # steers with a non-zero coefficient and a non-zero rank
     counts: list[int]  # rows per steer (all K)
 
 
-def choose_strategy(nz: torch.Tensor, offs: list[int], hidden_size: int,
+def _host_bool(nz) -> np.ndarray:
+    """A non-zero pattern as a host numpy array (a torch tensor is read: on CUDA, a sync)."""
+    if isinstance(nz, np.ndarray):
+        return nz.astype(bool, copy=False)
+    return nz.detach().cpu().numpy().astype(bool, copy=False)
+
+
+def choose_strategy(nz, offs: list[int], hidden_size: int,
                     reuse: bool = True) -> Plan:
-    """Pick one of :data:`STRATEGIES` from the non-zero pattern ``nz`` ([rows, K] bool).
+    """Pick one of :data:`STRATEGIES` from the non-zero pattern ``nz`` ([rows, K] bool; a
+    numpy array, as the serving path gives it from its host mirror, or a tensor, read once).
 
     ``bmm`` only for a plan that will be reused: stacking the factors copies them, which one
     call does not pay back (measured up to 9x slower than ``gather`` when planned per call).
@@ -91,18 +103,19 @@ def choose_strategy(nz: torch.Tensor, offs: list[int], hidden_size: int,
     ``bmm``), a fixed cost per torch op, the bytes of gathered rows (``gather``, ``bmm``) and of
     concatenated factor columns (``concat`` over a subset of the steers).
     """
+    nz = _host_bool(nz)
     num_rows, K = nz.shape
     d = hidden_size
-    counts = nz.sum(dim=0).tolist()
+    counts = nz.sum(axis=0).tolist()
     steers = [k for k, c in enumerate(counts) if c and offs[k + 1] > offs[k]]
     rows = None
     if not steers or max(counts) < num_rows:  # some row may be unsteered
-        rows = nz.any(dim=1).nonzero().flatten()
-        if rows.numel() == num_rows:
+        rows = np.flatnonzero(nz.any(axis=1))
+        if rows.size == num_rows:
             rows = None
     if len(steers) <= 1:
         return Plan("concat", rows, steers, counts)
-    n_active = num_rows if rows is None else rows.numel()
+    n_active = num_rows if rows is None else rows.size
     ranks = {k: offs[k + 1] - offs[k] for k in steers}
     total = sum(ranks.values())
     subset = len(steers) < K
@@ -161,6 +174,7 @@ def prepare_torch(
     coefs: torch.Tensor,  # [num_rows, K] fp32
     strategy: str | None = None,  # one of STRATEGIES to force it (benchmarks, tests)
     reuse: bool = True,  # the plan will run many times (the serving path)
+    host: np.ndarray | None = None,  # [num_rows, K]: ``coefs`` on the host (no device read)
 ) -> Prepared:
     """Plan one batch's steering for :func:`steer_torch` (see :class:`Prepared`).
 
@@ -170,12 +184,18 @@ def prepare_torch(
     factor at a time (several fresh multi-MB fp32 copies alive at once make the CPU allocator
     fault in new pages on every call, which costs more than the GEMMs), and ``bmm`` is only
     used when forced.
+
+    Every decision (active rows, steers, counts, strategy, gathered pairs) is made on the host
+    from ``host`` (a numpy copy of ``coefs``; without it ``coefs`` is read once, which on CUDA
+    is a sync); index tensors are built on the host and copied to the device from pinned
+    memory (:func:`vllm_steer.ops.to_device`). The device ops of a plan only gather and scale.
     """
     f32 = _f32 if reuse else (lambda t: t)
     offs = _offsets(rank_offsets)
     K = len(offs) - 1
     num_rows = coefs.shape[0]
     d = p1.shape[0]
+    dev = coefs.device
     assert p1.shape == p2.shape == (d, offs[-1]), \
         f"p1 {tuple(p1.shape)} and p2 {tuple(p2.shape)} must be [hidden, total_rank={offs[-1]}]"
     assert coefs.dtype == torch.float32 and coefs.dim() == 2 and coefs.shape[1] == K, \
@@ -183,30 +203,34 @@ def prepare_torch(
     none = Prepared(num_rows, None, True, None, None, None, [], None, [])
     if num_rows == 0 or K == 0:
         return none
-    nz = coefs != 0
-    auto, rows, steers, counts = choose_strategy(nz, offs, d, reuse)
+    nz = _host_bool(host != 0 if host is not None else coefs != 0)
+    assert nz.shape == (num_rows, K), f"host coefficients {nz.shape} for coefs {tuple(coefs.shape)}"
+    auto, rows_h, steers, counts = choose_strategy(nz, offs, d, reuse)
     strategy = strategy or auto
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
     if not steers:
         return none
-    co, local = (coefs, nz) if rows is None else (coefs.index_select(0, rows),
-                                                  nz.index_select(0, rows))
+    if rows_h is None:
+        rows, co, local = None, coefs, nz
+    else:
+        rows = to_device(rows_h, dev)
+        co, local = coefs.index_select(0, rows), nz[rows_h]
     if strategy == "concat" or len(steers) == 1:
         if len(steers) == 1:
             a, b = offs[steers[0]], offs[steers[0] + 1]
             down, up = p1[:, a:b], p2[:, a:b]
             scale = co[:, steers[0]:steers[0] + 1].contiguous()
         else:
+            ranks = [offs[k + 1] - offs[k] for k in steers]
             if len(steers) == K:
-                down, up, scale = p1, p2, co
+                down, up = p1, p2
             else:
                 down = torch.cat([p1[:, offs[k]:offs[k + 1]] for k in steers], 1)
                 up = torch.cat([p2[:, offs[k]:offs[k + 1]] for k in steers], 1)
-                scale = co.index_select(1, torch.tensor(steers, device=co.device))
-            ranks = [offs[k + 1] - offs[k] for k in steers]
-            scale = torch.repeat_interleave(scale, torch.tensor(ranks, device=co.device), dim=1,
-                                            output_size=sum(ranks))
+            # coefficients expanded along rank: one gather through a host-built column index
+            cols = np.repeat(np.asarray(steers, dtype=np.int64), ranks)
+            scale = co.index_select(1, to_device(cols, dev))
         return Prepared(num_rows, rows, False, f32(down), f32(up), scale.contiguous(), [], None,
                         [])
     n_active = co.shape[0]
@@ -218,10 +242,10 @@ def prepare_torch(
             full.append((f32(p1[:, a:b]), f32(p2[:, a:b]), co[:, k:k + 1].contiguous()))
     pair_rows, stacks = None, []
     if partial:
-        sel = torch.tensor(partial, device=co.device)
-        pairs = local.index_select(1, sel).T.nonzero()  # [P, 2] (i, row), sorted by i
-        all_rows = pairs[:, 1]
-        all_coef = co.index_select(1, sel).T[pairs[:, 0], all_rows]  # [P]
+        sel = np.asarray(partial, dtype=np.int64)
+        pi, pr = np.nonzero(local[:, sel].T)  # pairs (i, row), sorted by i, rows in order
+        # the pairs' coefficients: one gather from the flattened active rows
+        all_coef = co.reshape(-1).index_select(0, to_device(pr * K + sel[pi], dev))  # [P]
         seg, start = {}, 0
         for k in partial:
             seg[k] = slice(start, start + counts[k])
@@ -234,15 +258,19 @@ def prepare_torch(
                     looped += ks
                     continue
                 n_max = max(counts[k] for k in ks)
-                idx = torch.full((len(ks), n_max), n_active, dtype=torch.long, device=co.device)
-                coef = torch.zeros(len(ks), n_max, 1, device=co.device)
+                # padding: the row index n_active (a zero row) and the pair index P (a zero)
+                idx = np.full((len(ks), n_max), n_active, dtype=np.int64)
+                pick = np.full((len(ks), n_max), pr.size, dtype=np.int64)
                 for g, k in enumerate(ks):
-                    idx[g, :counts[k]] = all_rows[seg[k]]
-                    coef[g, :counts[k], 0] = all_coef[seg[k]]
+                    idx[g, :counts[k]] = pr[seg[k]]
+                    pick[g, :counts[k]] = np.arange(seg[k].start, seg[k].stop)
+                padded = torch.cat([all_coef, all_coef.new_zeros(1)])
+                coef = padded.index_select(0, to_device(pick.ravel(), dev)).view(
+                    len(ks), n_max, 1)
                 down, up_t = _stacked_factors(p1, p2, offs, ks, f32)  # [G, d, r], [G, r, d]
-                stacks.append((idx.flatten(), down, up_t, coef))
+                stacks.append((to_device(idx.ravel(), dev), down, up_t, coef))
         if looped:
-            pair_rows = torch.cat([all_rows[seg[k]] for k in looped])
+            pair_rows = to_device(np.concatenate([pr[seg[k]] for k in looped]), dev)
             start = 0
             for k in looped:
                 a, b, n = offs[k], offs[k + 1], counts[k]
@@ -287,7 +315,7 @@ def _stacked_factors(p1, p2, offs: list[int], ks: list[int], f32) -> tuple:
     pos, down_all, up_all = per_rank[r]
     if len(ks) == len(pos):
         return down_all, up_all
-    sel = torch.tensor([pos[k] for k in ks], device=down_all.device)
+    sel = to_device(np.asarray([pos[k] for k in ks], dtype=np.int64), down_all.device)
     return down_all.index_select(0, sel), up_all.index_select(0, sel)
 
 
@@ -317,7 +345,7 @@ def steer_torch(
     if prepared.empty:
         return hidden.clone() if out is None else out.copy_(hidden)
     rows = prepared.rows
-    n_active = num_rows if rows is None else rows.numel()
+    n_active = num_rows if rows is None else rows.numel()  # a device tensor's size: no sync
     # bmm pads its groups with the index n_active: a zero row after the active ones
     c_pad = hidden.new_empty(n_active + bool(prepared.stacks), d, dtype=torch.float32)
     c = c_pad[:n_active]  # [rows_a, d]

@@ -23,11 +23,14 @@ Design (details in ``docs/kernels.md``). Three launches, segments, shrink, expan
    atomics, so the summation order, and the last bits of the result, may vary from run to run.
    With ``split_d == 1`` the kernel is deterministic.
 
-Planning (:func:`prepare_triton`): the segments launch, the tile choice, the bank tables, the
-kernel parameters and the ``buf`` allocation depend only on the coefficients and the shapes,
-so the serving path computes them once per change of the batch's steering and each decode step
-pays for the two GEMM launches alone (host time per call on an H100: about 160-360 us planned
-per call, the launches' own cost once planned; benchmarks/RESULTS.md).
+Planning (:func:`prepare_triton`): the segments, the tile choice, the bank tables, the
+kernel parameters and the ``buf`` allocation depend only on the coefficients' non-zero pattern
+and the shapes, so the serving path computes them once per change of the batch's steering and
+each decode step pays for the two GEMM launches alone (host time per call on an H100: about
+160-360 us planned per call, the launches' own cost once planned; benchmarks/RESULTS.md). The
+serving path passes a host copy of the coefficients (``host=``): the segments are then
+computed in numpy (:func:`segments_host`) and copied in one pinned non-blocking copy instead
+of the segments launch.
 
 Precision: products are exact and sums fp32. Operands in the same 16-bit dtype go to the tensor
 cores as they are; a fp32 operand against bf16 factors is split into ``hi + lo`` bf16 halves
@@ -296,7 +299,12 @@ def _bank_tables(offs: list[int], block_r: int, device: torch.device):
     for k in range(len(offs) - 1):
         for c0 in range(offs[k], offs[k + 1], block_r):
             steer.append(k), col.append(c0), end.append(offs[k + 1])
-    as_t = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    import numpy as np
+
+    from vllm_steer.ops import to_device
+
+    # host-built and copied from pinned memory (no sync, even the first time a layout is seen)
+    as_t = lambda v: to_device(np.asarray(v, dtype=np.int32), device)  # noqa: E731
     tables = (as_t(steer), as_t(col), as_t(end), as_t(offs))
     _TABLES[key] = tables
     if len(_TABLES) > _TABLES_MAX:
@@ -448,6 +456,29 @@ def segments(coefs: torch.Tensor):
     return seg_rows, seg_counts, perm
 
 
+def segments_host(nz, device: torch.device):
+    """:func:`segments` computed on the host from a numpy non-zero pattern ([rows, K] bool)
+    and copied to ``device`` in one pinned, non-blocking copy: the same tables, no launch and
+    no device read (the serving path plans from its host mirror of the coefficients)."""
+    import numpy as np
+
+    from vllm_steer.ops import to_device
+
+    num_rows, K = nz.shape
+    table = np.zeros(K * num_rows + K + num_rows, dtype=np.int32)
+    seg_rows = table[:K * num_rows].reshape(K, num_rows)
+    ks, rows = np.nonzero(nz.T)  # sorted by steer, rows in order
+    counts = np.bincount(ks, minlength=K)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]) if K else counts
+    seg_rows[ks, np.arange(ks.size) - starts[ks]] = rows
+    table[K * num_rows:K * num_rows + K] = counts
+    first = np.where(nz.any(axis=1), nz.argmax(axis=1), K)
+    table[K * num_rows + K:] = np.argsort(first, kind="stable")
+    dev = to_device(table, device)
+    return (dev[:K * num_rows].view(K, num_rows), dev[K * num_rows:K * num_rows + K],
+            dev[K * num_rows + K:])
+
+
 class TritonPlan(NamedTuple):
     """One batch's steering planned for :func:`steer_triton` (made by :func:`prepare_triton`).
 
@@ -485,9 +516,13 @@ def prepare_triton(
     rank_offsets: Sequence[int] | torch.Tensor,  # K + 1 ints
     coefs: torch.Tensor,  # [num_rows, K] fp32 contiguous, on the factors' device
     tiles: "Tiles | None" = None,  # tile sizes (default: choose_tiles)
+    host=None,  # numpy [num_rows, K]: ``coefs`` on the host (segments made there, no launch)
 ) -> TritonPlan:
     """Plan one batch's steering once (segments, tiles, tables, scratch) for reuse by
-    :func:`steer_triton` (``prepared=``) on every step while ``coefs`` stays the same."""
+    :func:`steer_triton` (``prepared=``) on every step while ``coefs`` stays the same.
+
+    The plan depends on the coefficients' non-zero pattern only (the kernels read the values
+    from ``coefs`` at run time): it stays valid while the values change and the pattern not."""
     offs = _offsets(rank_offsets)
     K, total_rank = len(offs) - 1, offs[-1]
     num_rows, d = coefs.shape[0], p1.shape[0]
@@ -505,7 +540,8 @@ def prepare_triton(
                          f"over CUDA's grid limit 65535 (total rank {total_rank}); use fewer or "
                          f"lower-rank steers per bank, or Tiles(shrink_r=128)")
     buf = torch.empty((num_rows, total_rank), dtype=torch.float32, device=dev)
-    return TritonPlan(num_rows, t, tables, segments(coefs), buf, {})
+    segs = segments(coefs) if host is None else segments_host(host != 0, dev)
+    return TritonPlan(num_rows, t, tables, segs, buf, {})
 
 
 def steer_triton(

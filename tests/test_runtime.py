@@ -41,14 +41,14 @@ def test_decode_steps_reuse_the_plan_and_a_changed_slot_replans(tmp_path):
     for _step in range(3):  # decode steps of an unchanged batch: one plan
         h = torch.randn(3, 64, generator=gen)
         torch.testing.assert_close(rt.steer_rows(h), _want(rt, h, [a, b, none]))
-    plan = rt.bank._plan
+    plan = rt._plan
     assert plan is not None
     # a request finishes and another takes its slot (update_state): the next step re-plans
     rt.set_slot(1, a)
     rt.flush()
     h = torch.randn(3, 64, generator=gen)
     out = rt.steer_rows(h)
-    assert rt.bank._plan is not plan
+    assert rt._plan is not plan
     torch.testing.assert_close(out, _want(rt, h, [a, a, none]))
     # a slot moved without a coefficient change still counts as a change
     rt.move_slot(0, 2, swap=True)

@@ -102,9 +102,36 @@ def prepare_steers(
     rank_offsets: Sequence[int],  # K + 1
     coefs: torch.Tensor,  # [num_rows, K] float32
     backend: str | None = None,
+    host=None,  # numpy [num_rows, K]: the same coefficients on the host (plan with no sync)
 ) -> Prepared:
     """Plan the steering of a batch once, for :func:`apply_steers` (``prepared=``) to reuse
-    on every call while ``coefs`` stays the same (e.g. the decode steps of a batch)."""
+    on every call while ``coefs`` stays the same (e.g. the decode steps of a batch).
+
+    ``host``: a host (numpy) copy of ``coefs``; the plan is then made from it and never reads
+    the device tensor (no device-to-host sync; the serving path passes it)."""
     name = resolve_backend(backend, coefs.device)
     prep = _PREPARE.get(name)
-    return Prepared(name, prep(p1, p2, rank_offsets, coefs) if prep else None)
+    if prep is None:
+        return Prepared(name, None)
+    return Prepared(name, prep(p1, p2, rank_offsets, coefs) if host is None
+                    else prep(p1, p2, rank_offsets, coefs, host=host))
+
+
+def backend_fn(name: str) -> SteerFn:
+    """The registered function of a resolved backend (the serving path calls it directly)."""
+    return _REGISTRY[name]
+
+
+def to_device(array, device: torch.device) -> torch.Tensor:
+    """A host (numpy) array as a tensor on ``device``, with no device sync.
+
+    CUDA: staged in pinned memory and copied ``non_blocking`` (a copy from pageable memory
+    synchronises the stream). PyTorch's caching host allocator keeps the pinned block until
+    the copy has run, so the staging is never rewritten early. Other devices: the array's own
+    memory (the caller hands over a fresh array)."""
+    import numpy as np
+
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return t if device.type == "cpu" else t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -631,6 +631,8 @@ _WORKER_HOOKS = (
     ("vllm.v1.sample.logits_processor:BatchUpdate", "V1 per-request steer state"),
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._get_prompt_logprobs_dict",
      "steered prompt logprobs (V1)"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
+     "generated-token positions of the batch rows for generation windows (V1)"),
     ("vllm.v1.worker.gpu_input_batch:InputBatch.__init__",
      "no output-token tracking for our processor (V1)"),
     ("vllm.v1.worker.gpu.sample.logits_processor:LogitsProcessor",

@@ -36,6 +36,7 @@ class SteerLogitsProcessorV1(LogitsProcessor):
             from vllm.v1.worker.gpu_input_batch import InputBatch
 
             wrap_prompt_logprobs(GPUModelRunner)
+            wrap_prepare_inputs(GPUModelRunner)
             relax_output_token_ids(InputBatch)  # before the runner builds its InputBatch
 
     def is_argmax_invariant(self) -> bool:
@@ -51,11 +52,41 @@ class SteerLogitsProcessorV1(LogitsProcessor):
         for slot in batch_update.removed:
             rt.set_slot(slot, None)
         for slot, params, _prompt, _out in batch_update.added:
-            rt.set_slot(slot, rt.coef_row(params))
+            rt.set_slot(slot, rt.coef_row(params), rt.coef_windows(params))
         for a, b, direction in batch_update.moved:
             rt.move_slot(a, b, swap=direction == MoveDirectionality.SWAP)
         rt.batch_size = batch_update.batch_size
         rt.flush()
+
+
+def wrap_prepare_inputs(runner_cls) -> None:
+    """Give the runtime the index of the generated token each batch row samples, while some
+    slot has a generation window (host arrays only, one vectorised expression per step).
+
+    Row i (request i of the persistent batch) samples the token after its scheduled ones:
+    generated index ``num_computed_tokens + num_scheduled_tokens - num_prompt_tokens`` (0: the
+    first generated token; a preempted request resumes with its outputs counted as computed;
+    the sample of a non-final prefill chunk is discarded by vLLM, whatever its index).
+    """
+    orig = runner_cls._prepare_inputs
+    if getattr(orig, "_vllm_steer", False):
+        return
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+        out = orig(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+        rt = get_runtime(self.vllm_config.additional_config)
+        if rt is not None:
+            if rt.num_window_slots:
+                b = self.input_batch
+                n = b.num_reqs
+                rt.batch_positions = (b.num_computed_tokens_cpu[:n] + num_scheduled_tokens[:n]
+                                      - b.num_prompt_tokens[:n]).astype("int64")
+            else:
+                rt.batch_positions = None
+        return out
+
+    _prepare_inputs._vllm_steer = True
+    runner_cls._prepare_inputs = _prepare_inputs
 
 
 def relax_output_token_ids(batch_cls) -> None:

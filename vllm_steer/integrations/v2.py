@@ -47,7 +47,7 @@ class SteerLogitsProcessorV2(LogitsProcessor):
         if rt is None:
             return False
         row = rt.coef_row(sampling_params)
-        rt.set_slot(req_idx, row)  # full reset of a reused slot
+        rt.set_slot(req_idx, row, rt.coef_windows(sampling_params))  # full reset of the slot
         return False  # logits are steered in the head; apply() has nothing to do
 
     def apply_staged_writes(self) -> None:
@@ -80,7 +80,9 @@ def wrap_sample(runner_cls) -> None:
             return orig(self, hidden_states, input_batch, grammar_output)
         sharder = getattr(self, "batch_sharder", None)
         if sharder is None:
-            with rt.rows(RowSource("mapping", mapping=input_batch.expanded_idx_mapping)):
+            slots, positions = _host_rows(rt, self, input_batch)
+            with rt.rows(RowSource("mapping", mapping=input_batch.expanded_idx_mapping,
+                                   slots=slots, positions=positions)):
                 return orig(self, hidden_states, input_batch, grammar_output)
         source = RowSource("mapping", mapping=None)
         with rt.rows(source), _sorted_rows(sharder, input_batch, source):
@@ -88,6 +90,32 @@ def wrap_sample(runner_cls) -> None:
 
     sample._vllm_steer = True
     runner_cls.sample = sample
+
+
+def _host_rows(rt, runner, input_batch):
+    """The step's row -> slot (``expanded_idx_mapping``) and, while some slot has generation
+    windows, the generated-token index each row samples, from the input batch's host arrays
+    (no device read): request i has ``cu_num_logits[i + 1] - cu_num_logits[i]`` rows, its last
+    one sampling token ``num_computed + num_scheduled - prompt_len``."""
+    import numpy as np
+
+    idx = input_batch.idx_mapping_np  # [num_reqs]
+    nr = len(idx)
+    cu = input_batch.cu_num_logits_np[: nr + 1]
+    one_each = len(cu) <= nr or cu[nr] - cu[0] == nr
+    counts = None if one_each else np.diff(cu)
+    slots = idx if one_each else np.repeat(idx, counts)
+    if not rt.num_window_slots:
+        return slots, None
+    req_states = getattr(runner, "req_states", None)
+    if req_states is None:
+        return slots, None
+    last = (input_batch.num_computed_tokens_np[:nr] + input_batch.num_scheduled_tokens[:nr]
+            - req_states.prompt_len.np[idx]).astype(np.int64)
+    if one_each:
+        return slots, last
+    local = np.arange(cu[nr] - cu[0]) - np.repeat(cu[:-1] - cu[0], counts)
+    return slots, np.repeat(last - counts + 1, counts) + local
 
 
 @contextlib.contextmanager
