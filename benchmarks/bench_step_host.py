@@ -88,6 +88,9 @@ def main() -> None:
     ap.add_argument("--trees", default="/work/main,.", help="comma-separated source trees")
     ap.add_argument("--batch", default="1,32,256")
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="trees run alternately this many times; each cell keeps its lowest "
+                         "median (a shared machine's noise only ever adds time)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
@@ -95,16 +98,20 @@ def main() -> None:
         print(json.dumps(child(batches, args.calls)))
         return
     here = Path(__file__).resolve().parents[1]
-    results = {}
-    for tree in args.trees.split(","):
-        root = Path(tree).resolve()
-        env = dict(os.environ, PYTHONPATH=str(root))
-        res = subprocess.run([sys.executable, str(here / "benchmarks" / "bench_step_host.py"),
-                              "--child", "--batch", args.batch, "--calls", str(args.calls)],
-                             cwd=root, env=env, capture_output=True, text=True, check=True)
-        results[tree] = json.loads(res.stdout.strip().splitlines()[-1])
+    results: dict[str, dict] = {}
+    for _ in range(args.rounds):
+        for tree in args.trees.split(","):
+            root = Path(tree).resolve()
+            env = dict(os.environ, PYTHONPATH=str(root))
+            res = subprocess.run([sys.executable, str(here / "benchmarks" / "bench_step_host.py"),
+                                  "--child", "--batch", args.batch, "--calls", str(args.calls)],
+                                 cwd=root, env=env, capture_output=True, text=True, check=True)
+            got = json.loads(res.stdout.strip().splitlines()[-1])
+            prev = results.setdefault(tree, got)
+            for k, v in got.items():
+                prev[k] = min(prev[k], v)
     trees = list(results)
-    print(f"host us per steered step (median of {args.calls}; hidden {HIDDEN}, {K} steers of "
+    print(f"host us per steered step (lowest of {args.rounds} medians of {args.calls}; hidden {HIDDEN}, {K} steers of "
           f"rank {RANK}, 3 of 4 rows steered; torch backend, 1 thread)")
     head = "| rows | source | " + " | ".join(trees) + " | op alone | "
     head += " | ".join(f"ratio {t}/{trees[0]}" for t in trees[1:])

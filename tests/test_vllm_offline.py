@@ -215,3 +215,40 @@ def test_a_bad_steer_that_slips_past_admission_is_served_unsteered_not_a_crash(
     monkeypatch.undo()
     assert tokens(llm.generate(PROMPTS, sp())) == vanilla_tokens  # the engine is alive
     assert tokens(llm.generate(PROMPTS[2:3], sp({"a": 5})))[0] != vanilla_tokens[2]
+
+
+def test_generation_windows_follow_each_requests_own_generated_tokens(llm, tiny_model_dir,
+                                                                       steer_files):
+    """Two requests with different windows and prompt lengths, beside an unsteered one, in one
+    batch: every generated token (greedy) and its logprob equal a hand-written decode loop in
+    transformers on the same weights that applies the window's strength at that token
+    (``Window.at``), independently of the batch's other requests and positions."""
+    import vllm_steer.config as cfgmod
+
+    if not hasattr(cfgmod, "request_windows"):
+        pytest.skip("request windows are parsed by the request side (vllm_steer.config)")
+    from conftest import HFReference
+    from vllm_steer.config import Window
+    from vllm_steer.format import load_steer
+
+    reqs = [(PROMPTS[2], {"a": {"strength": 6, "start": 2, "end": 5}}),
+            (PROMPTS[1], {"b": {"strength": -6, "start": 1, "ramp": 4}, "a": 2}),
+            (PROMPTS[0], None)]
+    outs = llm.generate([p for p, _ in reqs], [sp(s, logprobs=0) for _, s in reqs])
+    ref = HFReference(tiny_model_dir, {n: load_steer(steer_files[n]) for n in ("a", "b")})
+    constant = []
+    for o, (_prompt, steer) in zip(outs, reqs):
+        windows = {n: Window(**v) if isinstance(v, dict) else Window(v, base=v)
+                   for n, v in (steer or {}).items()}
+        ids = list(o.prompt_token_ids)
+        for t, (tok, entry) in enumerate(zip(o.outputs[0].token_ids, o.outputs[0].logprobs)):
+            lp = ref.logprobs(ids, {n: w.at(t) for n, w in windows.items()})[-1]
+            assert tok == int(lp.argmax()), (steer, t)
+            assert entry[tok].logprob == pytest.approx(lp[tok].item(), abs=2e-3), (steer, t)
+            ids.append(tok)
+        assert len(ids) == len(o.prompt_token_ids) + MAX_TOKENS
+        if steer:  # the window matters: the same steer at constant strength decodes otherwise
+            full = {n: (v["strength"] if isinstance(v, dict) else v) for n, v in steer.items()}
+            constant.append(ref.greedy(o.prompt_token_ids, MAX_TOKENS, full)
+                            != list(o.outputs[0].token_ids))
+    assert any(constant)
