@@ -438,3 +438,43 @@ def test_cuda_steps_do_not_sync(tmp_path, backend, source):
         want = steer_reference(h, rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
                                torch.tensor(np.stack(rows), dtype=torch.float32))
         torch.testing.assert_close(out.cpu(), want, atol=2e-3, rtol=2e-3)
+
+
+def test_v2_rows_and_positions_come_from_the_input_batchs_host_arrays(tmp_path):
+    """V2: the step's row -> slot (``expanded_idx_mapping``) and each row's generated-token
+    index, from the input batch's host arrays, one row per request and several (spec
+    decoding's layout); the windowed rows are steered at their own tokens."""
+    from types import SimpleNamespace
+
+    from vllm_steer.integrations.v2 import _host_rows
+
+    rt = _runtime(tmp_path)
+    j = rt.names.index("a")
+    win = Window(4.0, start=5, ramp=3)  # 0, 4/3, 8/3 at tokens 4, 5, 6
+    rt.set_slot(5, _row(rt, a=4), {j: win})
+    rt.set_slot(2, _row(rt, b=2))
+    rt.flush()
+    prompt_len = np.zeros(8, dtype=np.int32)
+    prompt_len[[5, 2, 0]] = [7, 3, 4]
+    runner = SimpleNamespace(req_states=SimpleNamespace(prompt_len=SimpleNamespace(np=prompt_len)))
+    batch = SimpleNamespace(idx_mapping_np=np.array([5, 2, 0]),
+                            cu_num_logits_np=np.array([0, 1, 2, 3]),
+                            num_computed_tokens_np=np.array([10, 3, 4]),
+                            num_scheduled_tokens=np.array([1, 1, 1]))
+    slots, pos = _host_rows(rt, runner, batch)
+    assert slots.tolist() == [5, 2, 0] and pos.tolist() == [4, 1, 1]  # 10 + 1 - 7, ...
+    # spec decoding's layout: request 0 verifies 2 drafts (3 rows), request 2 one (2 rows)
+    batch.cu_num_logits_np = np.array([0, 3, 4, 6])
+    batch.num_scheduled_tokens = np.array([3, 1, 2])
+    slots, pos = _host_rows(rt, runner, batch)
+    assert slots.tolist() == [5, 5, 5, 2, 0, 0]
+    assert pos.tolist() == [4, 5, 6, 1, 1, 2]  # the last row of each samples 10 + 3 - 7 = 6
+    h = torch.randn(6, HIDDEN)
+    with rt.rows(RowSource("mapping", mapping=torch.from_numpy(slots), slots=slots,
+                           positions=pos)):
+        out = rt.steer_rows(h)
+    want = [_row(rt, a=win.at(4)), _row(rt, a=win.at(5)), _row(rt, a=win.at(6)),
+            _row(rt, b=2), _row(rt), _row(rt)]
+    torch.testing.assert_close(out, _want(rt, h, want))
+    rt.set_slot(5, None)  # no window left: no positions asked for
+    assert rt.num_window_slots == 0 and _host_rows(rt, runner, batch)[1] is None
