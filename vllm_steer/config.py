@@ -248,9 +248,9 @@ def _window(name: str, value: Mapping, where: str, max_strength: float) -> Windo
             f"{', '.join(echo(k) for k in unknown[:4])}{' ...' if len(unknown) > 4 else ''}; "
             f"allowed: {', '.join(WINDOW_KEYS)}")
     if "strength" not in value:
-        raise SteerRequestError(f"{where}: window of steer {echo(name)} has no 'strength' "
-                                f"(e.g. {{\"{name if len(name) <= 20 else 'detox'}\": "
-                                "{\"strength\": 5, \"start\": 0, \"end\": 32}})")
+        raise SteerRequestError(f"{where}: window of steer {echo(name)} has no 'strength' (the "
+                                "strength inside the window; 'start', 'end', 'ramp' and 'base' "
+                                "are optional)")
     strength = _strength(name, value["strength"], where, max_strength)
     base = 0.0
     if value.get("base") is not None:
@@ -305,22 +305,16 @@ def _parse_steer(value: Any, known: Mapping[str, Any] | None, max_strength: floa
                     raise SteerRequestError(
                         f"{where}: {echo(part)}: the 'name:strength' string form (vllm_xargs) "
                         "has no generation windows; send the steer as a JSON object in the "
-                        "top-level 'steer' field, e.g. {\"steer\": {\"detox\": {\"strength\": 5, "
-                        "\"start\": 0, \"end\": 32}}}")
+                        "top-level 'steer' field, e.g. extra_body={'steer': {'detox': "
+                        "{'strength': 5, 'start': 0, 'end': 32}}}")
                 items[name] = s
     elif isinstance(value, Mapping):
-        n = _serialised_length(value)
-        if n is not None and n > MAX_STEER_CHARS:
-            raise SteerRequestError(f"{where}: the steer value is {n} characters as JSON; at most "
-                                    f"{MAX_STEER_CHARS} are allowed")
         items = dict(value)
     else:
         raise SteerRequestError(f"{where}: expected an object mapping steer names to strengths "
                                 f"(e.g. {{\"detox\": 5}}) or a 'name:strength,...' string, got "
                                 f"{type(value).__name__}")
-    out: dict[str, float] = {}
-    windows: dict[str, Window] = {}
-    for name, raw in items.items():
+    for name in items:  # names first: an unknown name is told as such, however long
         if not isinstance(name, str):
             raise SteerRequestError(f"{where}: steer names must be strings, got {echo(name)}")
         if known is not None and name not in known:
@@ -328,6 +322,14 @@ def _parse_steer(value: Any, known: Mapping[str, Any] | None, max_strength: floa
                                     f"{_names_list(known)}")
         if known is None and steer_name_problem(name):
             raise SteerRequestError(f"{where}: {steer_name_problem(name)}")
+    if not isinstance(value, str):
+        n = _serialised_length(value)
+        if n is not None and n > MAX_STEER_CHARS:
+            raise SteerRequestError(f"{where}: the steer value is {n} characters as JSON; at most "
+                                    f"{MAX_STEER_CHARS} are allowed")
+    out: dict[str, float] = {}
+    windows: dict[str, Window] = {}
+    for name, raw in items.items():
         if isinstance(raw, Mapping):
             w = _window(name, raw, where, max_strength)
             if w.strength != 0.0 or w.base != 0.0:
