@@ -131,6 +131,8 @@ def test_server_config_checks_steer_names():
 
 
 # ---- generation windows (issue 24) -------------------------------------------------------
+import json  # noqa: E402
+
 from vllm_steer.config import MAX_WINDOW_TOKEN, Window, request_windows  # noqa: E402
 
 
@@ -190,9 +192,14 @@ def test_steer_value_over_4096_characters_is_refused():
     window = {"strength": 5, "start": 0, "end": 32}
     ok = {"detox": window, "sentiment": {"strength": 1, "base": 0.5}}
     assert parse_request_steer(ok, KNOWN, 50) == {"detox": 5.0, "sentiment": 1.0}
-    big = {"detox": dict(window, note="x" * 4100)}
-    with pytest.raises(SteerRequestError, match=r"steer value is 41\d\d characters as JSON; "
+    many = {f"s{i}": window for i in range(100)}  # every entry valid, too long in all
+    assert len(json.dumps(many)) > 4096 and len(json.dumps(dict(list(many.items())[:80]))) < 4096
+    assert len(parse_request_steer(dict(list(many.items())[:80]), None, 50)) == 80
+    with pytest.raises(SteerRequestError, match=r"steer value is \d+ characters as JSON; "
                                                 r"at most 4096 are allowed"):
+        parse_request_steer(many, None, 50)
+    big = {"detox": dict(window, note="x" * 4100)}  # checked before its keys
+    with pytest.raises(SteerRequestError, match=r"steer value is 41\d\d characters as JSON"):
         parse_request_steer(big, KNOWN, 50)
 
 
