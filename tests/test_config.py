@@ -128,3 +128,83 @@ def test_server_config_checks_steer_names():
         SteerServerConfig(steers={"ok": 5})
     with pytest.raises(ValueError, match="may use only ASCII"):
         SteerServerConfig.from_additional_config({"vllm_steer": {"steers": {"a b": "x"}}})
+
+
+# ---- generation windows (issue 24) -------------------------------------------------------
+import json  # noqa: E402
+
+from vllm_steer.config import MAX_WINDOW_TOKEN, Window, request_windows  # noqa: E402
+
+
+def test_window_objects_parse_to_their_strength_and_window():
+    value = {"detox": {"strength": 5, "start": 2, "end": 32, "ramp": 4},
+             "sentiment": -3, "x": {"strength": "2.5"}}
+    known = dict(KNOWN, x="x.safetensors")
+    assert parse_request_steer(value, known, 50) == {"detox": 5.0, "sentiment": -3.0, "x": 2.5}
+    assert request_windows(value, known, 50) == {
+        "detox": Window(5.0, start=2, end=32, ramp=4, base=0.0), "x": Window(2.5)}
+    # integral floats are token indices; null is the default
+    assert request_windows({"detox": {"strength": 1, "start": 3.0, "end": None}}) == {
+        "detox": Window(1.0, start=3)}
+    assert request_windows({"detox": 5}) == {} and request_windows(None) == {}
+
+
+def test_window_strength_and_base_zero_is_no_steer_but_a_base_alone_is_one():
+    assert parse_request_steer({"detox": {"strength": 0, "end": 4}}, KNOWN, 50) == {}
+    assert request_windows({"detox": {"strength": 0, "base": 0.0}}) == {}
+    # on only outside its window: listed (under its base) so it is bound and applied
+    assert parse_request_steer({"detox": {"strength": 0, "base": 2, "end": 4}}, KNOWN, 50) \
+        == {"detox": 2.0}
+    assert request_windows({"detox": {"strength": 0, "base": 2, "end": 4}}) == {
+        "detox": Window(0.0, end=4, base=2.0)}
+
+
+@pytest.mark.parametrize("window, fragment", [
+    ({"start": 0}, "has no 'strength'"),
+    ({"strength": 5, "stop": 3, "foo": 1}, "unknown key(s) 'stop', 'foo'; allowed: strength, "
+                                           "start, end, ramp, base"),
+    ({"strength": 5, "start": -1}, "'start' is -1; it must be at least 0"),
+    ({"strength": 5, "ramp": -2}, "'ramp' is -2; it must be at least 0"),
+    ({"strength": 5, "start": 8, "end": 8}, "'end' 8 must be greater than 'start' 8"),
+    ({"strength": 5, "start": 8, "end": 3}, "'end' 3 must be greater than 'start' 8"),
+    ({"strength": 5, "end": 0}, "'end' is 0; it must be at least 1"),
+    ({"strength": 5, "start": 1.5}, "'start' must be an integer token index, got 1.5"),
+    ({"strength": 5, "end": "32"}, "'end' must be an integer token index, got str '32'"),
+    ({"strength": 5, "ramp": True}, "'ramp' must be an integer token index"),
+    ({"strength": 5, "start": float("inf")}, "'start' must be an integer token index"),
+    ({"strength": 5, "end": MAX_WINDOW_TOKEN + 1}, "at most 1048576 (1<<20) is allowed"),
+    ({"strength": 5, "start": 10**400}, "integer of 1329 bits; at most 1048576"),
+    ({"strength": 51}, "strength 51 of steer 'detox' exceeds the server's maximum"),
+    ({"strength": float("nan")}, "must be finite"),
+    ({"strength": [5]}, "strength of steer 'detox' must be a number"),
+    ({"strength": 5, "base": -60}, "window base -60 of steer 'detox' exceeds"),
+    ({"strength": 5, "base": "x"}, "window base of steer 'detox' must be a number"),
+])
+def test_bad_windows_name_the_key_the_value_and_the_limit(window, fragment):
+    with pytest.raises(SteerRequestError) as e:
+        parse_request_steer({"detox": window}, KNOWN, 50)
+    assert str(e.value).startswith("steer: ") and fragment in str(e.value), str(e.value)
+    with pytest.raises(SteerRequestError):
+        request_windows({"detox": window}, KNOWN, 50)
+
+
+def test_steer_value_over_4096_characters_is_refused():
+    window = {"strength": 5, "start": 0, "end": 32}
+    ok = {"detox": window, "sentiment": {"strength": 1, "base": 0.5}}
+    assert parse_request_steer(ok, KNOWN, 50) == {"detox": 5.0, "sentiment": 1.0}
+    many = {f"s{i}": window for i in range(100)}  # every entry valid, too long in all
+    assert len(json.dumps(many)) > 4096 and len(json.dumps(dict(list(many.items())[:80]))) < 4096
+    assert len(parse_request_steer(dict(list(many.items())[:80]), None, 50)) == 80
+    with pytest.raises(SteerRequestError, match=r"steer value is \d+ characters as JSON; "
+                                                r"at most 4096 are allowed"):
+        parse_request_steer(many, None, 50)
+    big = {"detox": dict(window, note="x" * 4100)}  # checked before its keys
+    with pytest.raises(SteerRequestError, match=r"steer value is 41\d\d characters as JSON"):
+        parse_request_steer(big, KNOWN, 50)
+
+
+@pytest.mark.parametrize("text", ["detox:5@0-32", "detox:5~16", "detox:{5}"])
+def test_windows_have_no_xargs_string_form(text):
+    with pytest.raises(SteerRequestError, match="has no generation windows; send the steer as "
+                                                "a JSON object in the top-level 'steer' field"):
+        parse_request_steer(text, KNOWN, 50)

@@ -39,6 +39,8 @@ def _browser_missing() -> str | None:
 
 
 MISSING = _browser_missing()
+# presets served as model names (--steer-preset; issue 24, the presets branch)
+HAS_PRESETS = "presets" in __import__("vllm_steer.config").config.SteerServerConfig.__dataclass_fields__
 browser = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
 
@@ -73,6 +75,8 @@ def server(tmp_path_factory):
             "--steer-max-strength", "20",
             "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8",
             "--kv-cache-memory-bytes", 1 << 28, "--enforce-eager"]
+    if HAS_PRESETS:
+        args += ["--steer-preset", "polite=detox:4,sentiment:-2"]
     with serve(args, d / "server.log", env={"VLLM_PLUGINS": "vllm_steer,vllm_steer_lens"}) as url:
         yield url
 
@@ -162,7 +166,8 @@ def test_info_lists_each_steer_with_its_metadata(tmp_path):
             detox["hidden_size"]) == (4.0, {"positive": "polite", "negative": "rude"}, 8, 64)
     assert detox["metrics"] == {"dev_loss": 1.5} and "data" not in detox
     assert gone["name"] == "gone" and "gone.safetensors" in gone["error"]
-    assert info_dict(None, "tiny") == {"model": "tiny", "max_strength": 50.0, "steers": []}
+    assert info_dict(None, "tiny") == {"model": "tiny", "max_strength": 50.0, "steers": [],
+                                       "presets": []}
 
 
 # ------------------------------------------------------------ in chromium, against vllm serve
@@ -173,8 +178,9 @@ def wait(driver, cond, timeout=WAIT):
     return WebDriverWait(driver, timeout).until(cond)
 
 
-def api_completion(server, steer=None, prompt="Once upon a time", seed=0, temperature=0.0):
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "seed": seed,
+def api_completion(server, steer=None, prompt="Once upon a time", seed=0, temperature=0.0,
+                   model="tiny"):
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "seed": seed,
             "temperature": temperature}
     if steer:
         body["steer"] = steer
@@ -235,10 +241,12 @@ def test_server_serves_the_page_with_a_same_origin_policy_and_the_info(server):
 def test_page_lists_the_steers_with_sliders_and_metadata(page, server):
     from selenium.webdriver.common.by import By
 
-    for name in ("detox", "sentiment"):
+    # the first steer with a recommended strength starts there (its file's metadata: 5)
+    for name, start in (("detox", "5"), ("sentiment", "0")):
         s = page.find_element(By.ID, f"sl-{name}")
         assert (s.get_attribute("min"), s.get_attribute("max"), s.get_attribute("step"),
-                s.get_attribute("value")) == ("-20", "20", "0.5", "0")
+                s.get_property("value")) == ("-20", "20", "0.5", start)
+        assert page.find_element(By.ID, f"num-{name}").get_property("value") == start
         label = page.find_element(By.CSS_SELECTOR, f"label[for=sl-{name}]")
         assert label.text == name
     marks = page.find_elements(By.CSS_SELECTOR, ".mark.rec")
@@ -258,7 +266,8 @@ def test_page_lists_the_steers_with_sliders_and_metadata(page, server):
 
 @pytest.mark.vllm
 @browser
-def test_slider_and_generate_give_three_columns_as_the_api_returns_them(page, server):
+def test_first_generate_gives_three_steered_columns_as_the_api_returns_them(page, server):
+    """No slider touched: the first press of Generate already shows the recommended steer."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
@@ -266,9 +275,7 @@ def test_slider_and_generate_give_three_columns_as_the_api_returns_them(page, se
     set_field(page, "max-tokens", MAX_TOKENS)
     # greedy: a sampled token of a random model can flip with the batch's float rounding
     set_field(page, "temperature", 0)
-    slider = page.find_element(By.ID, "sl-detox")
-    slider.send_keys(*[Keys.ARROW_RIGHT] * 10)  # keyboard: 10 steps of 0.5
-    assert page.find_element(By.ID, "num-detox").get_attribute("value") == "5"
+    assert page.find_element(By.ID, "num-detox").get_property("value") == "5"
     page.find_element(By.ID, "generate").click()
     cols = wait(page, settled)
     assert [c["steer"] for c in cols] == [{"detox": -5}, None, {"detox": 5}]
@@ -288,6 +295,44 @@ def test_slider_and_generate_give_three_columns_as_the_api_returns_them(page, se
         assert c["request"] == {"model": "tiny", "prompt": "Once upon a time",
                                 "max_tokens": MAX_TOKENS, "temperature": 0, "seed": 0,
                                 **({"steer": c["steer"]} if c["steer"] else {})}
+    slider = page.find_element(By.ID, "sl-detox")
+    slider.send_keys(*[Keys.ARROW_LEFT] * 2)  # keyboard: 2 steps of 0.5
+    assert page.find_element(By.ID, "num-detox").get_property("value") == "4"
+
+
+@pytest.mark.vllm
+@browser
+@pytest.mark.skipif(not HAS_PRESETS, reason="presets (--steer-preset) are not in this tree")
+def test_preset_is_listed_and_picked_as_a_column(page, server):
+    """The page lists the server's presets; a preset column asks for the preset's model name
+    (no steer field) and shows what the API returns for that model."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    info = requests.get(server + "/v1/steer/info").json()
+    assert info["presets"] == [{"name": "polite", "steer": {"detox": 4.0, "sentiment": -2.0}}]
+    set_field(page, "prompt", "Once upon a time")
+    set_field(page, "max-tokens", MAX_TOKENS)
+    set_field(page, "temperature", 0)
+    Select(page.find_element(By.ID, "layout")).select_by_value("single")
+    sel = Select(page.find_element(By.ID, "preset-select"))
+    assert [o.text for o in sel.options][1:] == ["polite (detox +4 \u00b7 sentiment \u22122)"]
+    sel.select_by_value("polite")
+    page.find_element(By.ID, "add-preset").click()
+    page.find_element(By.ID, "generate").click()
+    cols = wait(page, settled)
+    assert [c["title"] for c in cols] == ["plain", "detox +5",
+                                          "preset polite (detox +4 \u00b7 sentiment \u22122)"]
+    preset = cols[2]
+    assert preset["request"] == {"model": "polite", "prompt": "Once upon a time",
+                                 "max_tokens": MAX_TOKENS, "temperature": 0, "seed": 0}
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(3) as pool:  # the same batch as the page's three requests
+        api = list(pool.map(lambda a: api_completion(server, a[0], model=a[1]),
+                            [(None, "tiny"), ({"detox": 5}, "tiny"), (None, "polite")]))
+    assert [c["text"] for c in cols] == api
+    assert preset["text"] and preset["text"] != cols[0]["text"]  # the preset steers
 
 
 @pytest.mark.vllm
@@ -330,6 +375,7 @@ def test_strength_over_the_limit_shows_the_servers_error(page, server):
     set_field(page, "max-tokens", MAX_TOKENS)
     # greedy: a sampled token of a random model can flip with the batch's float rounding
     set_field(page, "temperature", 0)
+    set_field(page, "num-detox", 0)
     set_field(page, "num-sentiment", 25)
     page.find_element(By.ID, "generate").click()
     cols = wait(page, settled)

@@ -294,6 +294,20 @@ ROUTES = [("/v1/completions", COMPLETION_BASE), ("/v1/chat/completions", CHAT_BA
     ({"steer": {"detox": "1_0"}}, "must be a number"),
     ({"vllm_xargs": {"steer": "detox:5,,"}}, "empty entry"),
     ({"steer": {"detox": 1}, "vllm_xargs": {"steer": "detox:1"}}, "given both"),
+    # generation windows (issue 24)
+    ({"steer": {"detox": {"strength": 5, "stop": 3}}},
+     "window of steer 'detox' has unknown key(s) 'stop'; allowed: strength, start, end, ramp"),
+    ({"steer": {"detox": {"strength": 5, "start": 8, "end": 4}}},
+     "'end' 4 must be greater than 'start' 8"),
+    ({"steer": {"detox": {"strength": 5, "start": -1}}}, "'start' is -1; it must be at least 0"),
+    ({"steer": {"detox": {"strength": 5, "ramp": 2.5}}},
+     "'ramp' must be an integer token index, got 2.5"),
+    ({"steer": {"detox": {"strength": 5, "end": 1 << 21}}}, "at most 1048576 (1<<20)"),
+    ({"steer": {"detox": {"start": 0}}}, "window of steer 'detox' has no 'strength'"),
+    ({"steer": {"detox": {"strength": 5, "x": "y" * 5000}}},
+     "characters as JSON; at most 4096 are allowed"),
+    ({"vllm_xargs": {"steer": "detox:5@0-32"}}, "has no generation windows; send the steer as "
+                                                "a JSON object in the top-level 'steer' field"),
 ])
 def test_bad_steer_is_400_before_anything_is_sent(server, route, base, stream, body, fragment):
     """Streaming too: the field is checked when the body is parsed, not after the stream
@@ -302,6 +316,21 @@ def test_bad_steer_is_400_before_anything_is_sent(server, route, base, stream, b
     assert r.status_code == 400, r.text[:300]
     err = r.json()["error"]
     assert err["param"] == "steer" and fragment in err["message"]
+
+
+def test_windows_are_accepted_and_a_whole_window_is_the_plain_strength(server, client):
+    """A window covering every token at once (start 0, no end, no ramp) is its strength; one
+    whose strength and base are 0 is no steer (the exact schedule is pinned against a
+    hand-written decode loop elsewhere)."""
+    plain, steered = complete(client), complete(client, steer={"detox": 5})
+    assert steered != plain
+    assert complete(client, steer={"detox": {"strength": 5}}) == steered
+    assert complete(client, steer={"detox": {"strength": "5", "start": 0.0, "end": None,
+                                             "ramp": 0}}) == steered
+    assert complete(client, steer={"detox": {"strength": 0, "end": 3}}) == plain
+    r = requests.post(server + "/v1/chat/completions", timeout=60, json={
+        **CHAT_BASE, "stream": True, "steer": {"detox": {"strength": 5, "end": 4, "ramp": 2}}})
+    assert r.status_code == 200 and "data: [DONE]" in r.text
 
 
 def test_error_bodies_are_bounded(server):

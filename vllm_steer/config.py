@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -208,18 +209,81 @@ def _names_list(known: Mapping[str, Any]) -> str:
     return ", ".join(names[:LIST_NAMES]) + (f" and {more} more" if more > 0 else "")
 
 
-def parse_request_steer(value: Any, known: Mapping[str, Any] | None, max_strength: float,
-                        where: str = REQUEST_FIELD) -> dict[str, float]:
-    """Parse and check a request's steer field. Returns name -> strength (zeros dropped).
+#: Largest generated-token index (``start``, ``end``, ``ramp``) a window may name.
+MAX_WINDOW_TOKEN = 1 << 20
+#: Longest steer value (a mapping: its JSON serialisation) accepted.
+MAX_STEER_CHARS = 4096
+#: The keys a window object may have.
+WINDOW_KEYS = ("strength", "start", "end", "ramp", "base")
 
-    Accepts a mapping ``{"detox": 5, "sentiment": -3}`` or the ``vllm_xargs`` string form
-    ``"detox:5,sentiment:-3"`` (an empty string is no steer). Strengths are numbers or
-    strings holding a JSON number. ``known=None`` checks names against the name rule only.
-    Raises :class:`SteerRequestError` naming the field and the problem; the message repeats
-    at most a short prefix of any value.
-    """
+
+def _show(value: int) -> str:
+    return echo(value) if abs(value) < 10**18 else f"an integer of {value.bit_length()} bits"
+
+
+def _token_index(name: str, key: str, value: Any, where: str, low: int) -> int:
+    """A window's token index: a JSON integer (``3.0`` accepted as 3), ``low..MAX_WINDOW_TOKEN``."""
+    def bad(what: str) -> SteerRequestError:
+        return SteerRequestError(f"{where}: window of steer {echo(name)}: {key!r} {what}")
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(f"must be an integer token index, got {type(value).__name__} {echo(value)}")
+    if isinstance(value, float):
+        if not (math.isfinite(value) and value.is_integer()):
+            raise bad(f"must be an integer token index, got {echo(value)}")
+        value = int(value)
+    if value < low:
+        raise bad(f"is {_show(value)}; it must be at least {low}"
+                  + (" (tokens are counted from 0)" if low == 0 else ""))
+    if value > MAX_WINDOW_TOKEN:
+        raise bad(f"is {_show(value)}; at most {MAX_WINDOW_TOKEN} (1<<20) is allowed")
+    return value
+
+
+def _window(name: str, value: Mapping, where: str, max_strength: float) -> Window:
+    unknown = [k for k in value if k not in WINDOW_KEYS]
+    if unknown:
+        raise SteerRequestError(
+            f"{where}: window of steer {echo(name)} has unknown key(s) "
+            f"{', '.join(echo(k) for k in unknown[:4])}{' ...' if len(unknown) > 4 else ''}; "
+            f"allowed: {', '.join(WINDOW_KEYS)}")
+    if "strength" not in value:
+        raise SteerRequestError(f"{where}: window of steer {echo(name)} has no 'strength' (the "
+                                "strength inside the window; 'start', 'end', 'ramp' and 'base' "
+                                "are optional)")
+    strength = _strength(name, value["strength"], where, max_strength)
+    base = 0.0
+    if value.get("base") is not None:
+        try:
+            base = _strength(name, value["base"], where, max_strength)
+        except SteerRequestError as e:  # the same checks, told as the window's base
+            raise SteerRequestError(str(e).replace(f"{where}: strength",
+                                                   f"{where}: window base", 1)) from None
+    start = _token_index(name, "start", value.get("start", 0), where, 0) \
+        if value.get("start") is not None else 0
+    ramp = _token_index(name, "ramp", value.get("ramp", 0), where, 0) \
+        if value.get("ramp") is not None else 0
+    end = None
+    if value.get("end") is not None:
+        end = _token_index(name, "end", value["end"], where, 1)
+        if end <= start:
+            raise SteerRequestError(f"{where}: window of steer {echo(name)}: 'end' {end} must be "
+                                    f"greater than 'start' {start} (the window is [start, end) "
+                                    "over generated tokens; leave 'end' out for no end)")
+    return Window(strength=strength, start=start, end=end, ramp=ramp, base=base)
+
+
+def _serialised_length(value: Any) -> int | None:
+    try:
+        return len(json.dumps(value, default=repr))
+    except (TypeError, ValueError, RecursionError):  # checked item by item below
+        return None
+
+
+def _parse_steer(value: Any, known: Mapping[str, Any] | None, max_strength: float,
+                 where: str) -> tuple[dict[str, float], dict[str, Window]]:
     if value is None:
-        return {}
+        return {}, {}
     if isinstance(value, str):
         if len(value) > MAX_XARGS_CHARS:
             raise SteerRequestError(f"{where}: the 'name:strength,...' string is {len(value)} "
@@ -237,6 +301,12 @@ def parse_request_steer(value: Any, known: Mapping[str, Any] | None, max_strengt
                 if name in items:
                     raise SteerRequestError(f"{where}: steer {echo(name)} given twice in "
                                             f"{echo(value)}")
+                if any(c in s for c in "@~{}"):
+                    raise SteerRequestError(
+                        f"{where}: {echo(part)}: the 'name:strength' string form (vllm_xargs) "
+                        "has no generation windows; send the steer as a JSON object in the "
+                        "top-level 'steer' field, e.g. extra_body={'steer': {'detox': "
+                        "{'strength': 5, 'start': 0, 'end': 32}}}")
                 items[name] = s
     elif isinstance(value, Mapping):
         items = dict(value)
@@ -244,8 +314,7 @@ def parse_request_steer(value: Any, known: Mapping[str, Any] | None, max_strengt
         raise SteerRequestError(f"{where}: expected an object mapping steer names to strengths "
                                 f"(e.g. {{\"detox\": 5}}) or a 'name:strength,...' string, got "
                                 f"{type(value).__name__}")
-    out: dict[str, float] = {}
-    for name, raw in items.items():
+    for name in items:  # names first: an unknown name is told as such, however long
         if not isinstance(name, str):
             raise SteerRequestError(f"{where}: steer names must be strings, got {echo(name)}")
         if known is not None and name not in known:
@@ -253,7 +322,49 @@ def parse_request_steer(value: Any, known: Mapping[str, Any] | None, max_strengt
                                     f"{_names_list(known)}")
         if known is None and steer_name_problem(name):
             raise SteerRequestError(f"{where}: {steer_name_problem(name)}")
+    if not isinstance(value, str):
+        n = _serialised_length(value)
+        if n is not None and n > MAX_STEER_CHARS:
+            raise SteerRequestError(f"{where}: the steer value is {n} characters as JSON; at most "
+                                    f"{MAX_STEER_CHARS} are allowed")
+    out: dict[str, float] = {}
+    windows: dict[str, Window] = {}
+    for name, raw in items.items():
+        if isinstance(raw, Mapping):
+            w = _window(name, raw, where, max_strength)
+            if w.strength != 0.0 or w.base != 0.0:
+                out[name] = w.strength if w.strength != 0.0 else w.base
+                windows[name] = w
+            continue
         s = _strength(name, raw, where, max_strength)
         if s != 0.0:
             out[name] = s
-    return out
+    return out, windows
+
+
+def parse_request_steer(value: Any, known: Mapping[str, Any] | None, max_strength: float,
+                        where: str = REQUEST_FIELD) -> dict[str, float]:
+    """Parse and check a request's steer field. Returns name -> strength (zeros dropped).
+
+    Accepts a mapping ``{"detox": 5, "sentiment": -3}`` or the ``vllm_xargs`` string form
+    ``"detox:5,sentiment:-3"`` (an empty string is no steer). Strengths are numbers or
+    strings holding a JSON number. In the mapping, a strength may be a generation window
+    ``{"strength": 5, "start": 0, "end": 32, "ramp": 16, "base": 0}`` (see :class:`Window`;
+    the string form has none): it maps to its window's ``strength`` (its ``base`` when the
+    strength is 0, so a steer that acts only outside its window is still listed); a window
+    whose strength and base are both 0 is no steer. The windows themselves:
+    :func:`request_windows`. ``known=None`` checks names against the name rule only.
+    Raises :class:`SteerRequestError` naming the field and the problem; the message repeats
+    at most a short prefix of any value.
+    """
+    return _parse_steer(value, known, max_strength, where)[0]
+
+
+def request_windows(value: Any, known: Mapping[str, Any] | None = None,
+                    max_strength: float = math.inf, where: str = REQUEST_FIELD
+                    ) -> dict[str, Window]:
+    """The steers of a request's steer field that are given as window objects: name ->
+    :class:`Window` (steers given as plain numbers are not listed; nor are windows whose
+    strength and base are both 0). Checks the whole value as :func:`parse_request_steer`
+    does and raises :class:`SteerRequestError` likewise."""
+    return _parse_steer(value, known, max_strength, where)[1]

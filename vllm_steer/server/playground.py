@@ -1,5 +1,5 @@
 """The steering playground: a browser page at ``/steer/`` on the vLLM server, and
-``GET /v1/steer/info`` (what the server knows of its steers) that the page reads.
+``GET /v1/steer/info`` (what the server knows of its steers and presets) that the page reads.
 
 Served by the lens's endpoint plugin (``vllm_steer_lens``, see
 :mod:`vllm_steer.server.lens_route`), so it is opt-in the same way::
@@ -95,13 +95,17 @@ def served_model_name(engine) -> str | None:
 
 
 def info_dict(cfg, model: str | None) -> dict[str, Any]:
-    """JSON of ``GET /v1/steer/info``: ``model``, ``max_strength``, ``steers`` (a list)."""
+    """JSON of ``GET /v1/steer/info``: ``model``, ``max_strength``, ``steers`` (a list) and
+    ``presets`` (``[{"name", "steer"}]``: the ``--steer-preset`` mixes, served as model names)."""
     from vllm_steer.config import DEFAULT_MAX_STRENGTH
 
     if cfg is None:
-        return {"model": model, "max_strength": DEFAULT_MAX_STRENGTH, "steers": []}
+        return {"model": model, "max_strength": DEFAULT_MAX_STRENGTH, "steers": [],
+                "presets": []}
+    presets = getattr(cfg, "presets", None) or {}
     return {"model": model, "max_strength": cfg.max_strength,
-            "steers": [steer_entry(name, path) for name, path in cfg.steers.items()]}
+            "steers": [steer_entry(name, path) for name, path in cfg.steers.items()],
+            "presets": [{"name": n, "steer": dict(m)} for n, m in presets.items()]}
 
 
 def steer_entry(name: str, path: str) -> dict[str, Any]:

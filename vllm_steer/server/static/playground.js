@@ -8,7 +8,8 @@ const $ = (id) => document.getElementById(id);
 const state = {
   info: { model: null, max_strength: 50, steers: [] },
   strengths: {},        // steer name -> strength shown on its slider / number box
-  pinned: [],           // [{steer: {...}}] extra columns kept by "Pin current mix"
+  pinned: [],           // [{steer: {...}, preset?}] extra columns: "Pin current mix", presets
+  presets: [],          // [{name, steer}] presets served as model names
   controllers: [],      // AbortControllers of the running generations
 };
 
@@ -100,15 +101,50 @@ async function loadInfo() {
     }
   } catch (_) { /* older server: keep the info route's list */ }
   state.info = info;
+  state.presets = await loadPresets(info);
   for (const s of info.steers) state.strengths[s.name] = 0;
+  // A first press of Generate shows steering: the first steer with a recommended strength
+  // (from its file's metadata) starts there; the others at 0.
+  const first = info.steers.find((s) => typeof s.recommended_strength === "number" && s.recommended_strength !== 0);
+  if (first) state.strengths[first.name] = first.recommended_strength;
   $("steers-source").textContent = `${info.steers.length} steer(s) on this server, from ${source}. ` +
     `Requests may use |strength| up to ${info.max_strength}.`;
   $("steer-count").textContent = `(${info.steers.length})`;
   setServer(true, `${info.model || "model"} · ${info.steers.length} steer(s) · max |strength| ${info.max_strength}`);
   renderSliders();
+  renderPresets();
   renderSteerList();
   renderHighlightSteers();
   updateMix();
+}
+
+// Presets (served as model names): GET /v1/steer/info's "presets", else the /v1/models cards
+// that carry a steer mix -> [{name, steer}]
+async function loadPresets(info) {
+  if (Array.isArray(info.presets)) return info.presets;
+  try {
+    const r = await fetch("/v1/models");
+    if (!r.ok) return [];
+    const j = await r.json();
+    return (j.data || []).filter((m) => m && m.steer && typeof m.steer === "object")
+      .map((m) => ({ name: m.id, steer: m.steer }));
+  } catch (_) { return []; }
+}
+
+function renderPresets() {
+  const presets = state.presets || [];
+  $("presets-row").hidden = presets.length === 0;
+  $("preset-select").replaceChildren(el("option", { value: "", text: "choose a preset…" }),
+    ...presets.map((p) => el("option", { value: p.name, text: `${p.name} (${mixLabel(p.steer)})` })));
+}
+
+function addPresetColumn() {
+  const name = $("preset-select").value;
+  const p = (state.presets || []).find((x) => x.name === name);
+  if (!p || state.pinned.some((c) => c.preset === name)) return;
+  state.pinned.push({ preset: name, steer: p.steer });
+  $("preset-select").value = "";
+  renderPinned();
 }
 
 function renderSliders() {
@@ -124,7 +160,8 @@ function renderSliders() {
     const labels = s.labels || {};
     const range = el("input", { type: "range", id, min: -max, max, step: 0.5, value: 0,
       "aria-describedby": "desc-" + s.name, "data-steer": s.name });
-    const num = el("input", { type: "number", id: "num-" + s.name, step: 0.5, value: 0,
+    range.value = String(state.strengths[s.name] || 0);  // after min/max, so it is not clamped
+    const num = el("input", { type: "number", id: "num-" + s.name, step: 0.5, value: state.strengths[s.name] || 0,
       class: "num", "aria-label": `${s.name} strength (exact value)`, "data-steer": s.name });
     range.addEventListener("input", () => setStrength(s.name, parseFloat(range.value), "range"));
     num.addEventListener("input", () => setStrength(s.name, num.value === "" ? 0 : parseFloat(num.value), "num"));
@@ -228,19 +265,19 @@ function columnsToRun() {
     cols.push({ steer: null });
     if (has) cols.push({ steer: mix });
   }
-  return cols.concat(state.pinned.map((p) => ({ steer: p.steer, pinned: true })));
+  return cols.concat(state.pinned.map((p) => ({ steer: p.steer, pinned: true, preset: p.preset })));
 }
 
-function requestBody(steer) {
+function requestBody(steer, preset) {
   const prompt = $("prompt").value;
-  const body = { model: state.info.model };
+  const body = { model: preset || state.info.model };
   if ($("endpoint").value === "chat") body.messages = [{ role: "user", content: prompt }];
   else body.prompt = prompt;
   body.max_tokens = parseInt($("max-tokens").value, 10) || 16;
   body.temperature = parseFloat($("temperature").value) || 0;
   const seed = parseInt($("seed").value, 10);
   if (Number.isFinite(seed)) body.seed = seed;
-  if (steer) body.steer = steer;
+  if (steer && !preset) body.steer = steer;  // a preset: its model name carries the mix
   body.stream = true;
   return body;
 }
@@ -260,14 +297,15 @@ async function generate(ev) {
   const box = $("columns");
   box.replaceChildren();
   const runs = cols.map((c, i) => {
-    const body = requestBody(c.steer);
+    const body = requestBody(c.steer, c.preset);
     const out = el("span", { class: "out", "data-role": "output" });
     const status = el("p", { class: "status", "data-role": "status", text: "waiting…" });
     const err = el("div", { class: "error", role: "alert", "data-role": "error", hidden: true });
     const kind = !c.steer ? "plain" : (Object.values(c.steer).some((v) => v < 0) && !Object.values(c.steer).some((v) => v > 0) ? "neg" : "pos");
+    const title = c.preset ? `preset ${c.preset} (${mixLabel(c.steer)})` : mixLabel(c.steer) + (c.pinned ? " (pinned)" : "");
     const col = el("article", { class: `column ${kind}`, "data-steer": c.steer ? JSON.stringify(c.steer) : "",
-      "aria-label": `Output ${mixLabel(c.steer)}` },
-      el("h2", { text: mixLabel(c.steer) + (c.pinned ? " (pinned)" : "") }),
+      "data-preset": c.preset || "", "aria-label": `Output ${title}` },
+      el("h2", { text: title }),
       el("div", { class: "text" }, $("endpoint").value === "chat" ? null : el("span", { class: "prompt-echo", text: body.prompt }), out),
       err, status,
       el("details", { class: "req" }, el("summary", { text: "request" }), el("pre", { text: curlFor(path, body) })));
@@ -279,7 +317,7 @@ async function generate(ev) {
   await Promise.all(runs.map((r) => stream(path, r)));
   $("generate").disabled = false;
   $("stop").disabled = true;
-  const plain = runs.find((r) => !r.body.steer);
+  const plain = runs.find((r) => !r.body.steer && r.body.model === state.info.model);
   for (const r of runs) if (r !== plain && plain && r.done && plain.done && r.text === plain.text)
     r.status.textContent += " · same text as plain (try a larger strength)";
 }
@@ -374,8 +412,8 @@ function renderPinned() {
   const bar = $("pinned-bar");
   bar.hidden = state.pinned.length === 0;
   $("pinned-list").replaceChildren(...state.pinned.map((p, i) => el("button", {
-    type: "button", class: "chip", text: mixLabel(p.steer) + " \u00D7",
-    "aria-label": `Remove pinned column ${mixLabel(p.steer)}`,
+    type: "button", class: "chip", text: (p.preset ? `preset ${p.preset}` : mixLabel(p.steer)) + " \u00D7",
+    "aria-label": `Remove pinned column ${p.preset ? "preset " + p.preset : mixLabel(p.steer)}`,
     onclick: () => { state.pinned.splice(i, 1); renderPinned(); } })));
 }
 
@@ -501,6 +539,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("highlight-form").addEventListener("submit", highlight);
   $("stop").addEventListener("click", stopAll);
   $("pin").addEventListener("click", pinMix);
+  $("add-preset").addEventListener("click", addPresetColumn);
   $("reset-sliders").addEventListener("click", () => {
     for (const n of Object.keys(state.strengths)) setStrength(n, 0, null);
   });
