@@ -7,7 +7,8 @@ and in ``vllm serve`` before the CLI parser is built. It
    arguments (so they show in ``vllm serve --help``) and carries them to the workers in
    ``additional_config["vllm_steer"]`` (the field vLLM reserves for plugins);
 2. on engine config creation, checks the steer files (metadata only, no torch), refuses
-   speculative decoding, and appends our per-request logits processor for the active model
+   speculative decoding methods it cannot steer (``spec_decode.py`` maps the rows of the
+   others), and appends our per-request logits processor for the active model
    runner (V1 or Model Runner V2) to ``model_config.logits_processors``;
 3. swaps vLLM's ``LogitsProcessor`` layer for :class:`~vllm_steer.integrations.head.
    SteeredLogitsProcessor` (``register_oot``);
