@@ -123,6 +123,21 @@ def test_speculative_decoding_methods_without_steered_rows_are_refused_naming_th
         assert "ngram, draft_model" in msg and "--speculative-config" in msg, msg
 
 
+def test_speculative_decoding_under_model_runner_v2_is_refused_naming_the_method():
+    from types import SimpleNamespace
+
+    from vllm_steer.integrations.plugin import check_speculative_config
+
+    for method in ("ngram", "draft_model"):
+        cfg = SimpleNamespace(speculative_config=SimpleNamespace(method=method),
+                              use_v2_model_runner=True)
+        with pytest.raises(ValueError) as e:
+            check_speculative_config(cfg)
+        msg = str(e.value)
+        assert f"method {method!r}" in msg and "Model Runner V2" in msg, msg
+        assert "VLLM_USE_V2_MODEL_RUNNER=0" in msg, msg
+
+
 def test_speculative_decoding_ngram_and_draft_model_are_accepted(plugin, tiny_model_dir,
                                                                   tmp_path):
     p = tmp_path / "a.safetensors"
