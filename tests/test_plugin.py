@@ -109,13 +109,47 @@ def test_all_refused_files_are_listed_in_one_error(plugin, tiny_model_dir, tmp_p
         assert path in str(e.value) and reason in str(e.value)
 
 
-def test_speculative_decoding_is_refused_with_a_clear_error(plugin, tiny_model_dir, tmp_path):
+def test_speculative_decoding_methods_without_steered_rows_are_refused_naming_the_method(
+        plugin, tiny_model_dir, tmp_path):
     p = tmp_path / "a.safetensors"
     save_steer(p, random_steer(64, 4, "a"))
-    with pytest.raises(ValueError, match="speculative decoding is not supported with --steer"):
-        _engine_config(tiny_model_dir, {"a": str(p)},
-                       speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                           "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    for spec in ({"method": "ngram_gpu", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                  "prompt_lookup_min": 1},
+                 {"method": "eagle", "model": str(tiny_model_dir), "num_speculative_tokens": 2}):
+        with pytest.raises(ValueError) as e:
+            _engine_config(tiny_model_dir, {"a": str(p)}, speculative_config=spec)
+        msg = str(e.value)
+        assert f"speculative decoding method {spec['method']!r} is not supported" in msg, msg
+        assert "ngram, draft_model" in msg and "--speculative-config" in msg, msg
+
+
+def test_speculative_decoding_under_model_runner_v2_is_refused_naming_the_method():
+    from types import SimpleNamespace
+
+    from vllm_steer.integrations.plugin import check_speculative_config
+
+    for method in ("ngram", "draft_model"):
+        cfg = SimpleNamespace(speculative_config=SimpleNamespace(method=method),
+                              use_v2_model_runner=True)
+        with pytest.raises(ValueError) as e:
+            check_speculative_config(cfg)
+        msg = str(e.value)
+        assert f"method {method!r}" in msg and "Model Runner V2" in msg, msg
+        assert "VLLM_USE_V2_MODEL_RUNNER=0" in msg, msg
+
+
+def test_speculative_decoding_ngram_and_draft_model_are_accepted(plugin, tiny_model_dir,
+                                                                  tmp_path):
+    p = tmp_path / "a.safetensors"
+    save_steer(p, random_steer(64, 4, "a"))
+    for spec in ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                  "prompt_lookup_min": 1},
+                 {"method": "draft_model", "model": str(tiny_model_dir),
+                  "num_speculative_tokens": 2}):
+        cfg = _engine_config(tiny_model_dir, {"a": str(p)}, speculative_config=spec)
+        assert cfg.speculative_config.method == spec["method"]
+        assert cfg.model_config.logits_processors == [
+            "vllm_steer.integrations.v1:SteerLogitsProcessorV1"]
 
 
 def _vllm(*args, timeout=240):

@@ -74,6 +74,10 @@ class SteerServerConfig:
     updates_any_path: bool = False
     """``--steer-updates-any-path``: ``POST /v1/steers`` may name a file outside
     ``--steer-dir`` (default: only files inside it)."""
+    steer_drafter: bool = True
+    """Speculative decoding: steer the drafter's rows too (a draft model of the steers' hidden
+    size) to keep the acceptance rate up; ``--no-steer-drafter``: propose unsteered. Either
+    way the output follows the steered target (rejection sampling)."""
 
     def __post_init__(self):
         if not (isinstance(self.max_strength, (int, float)) and math.isfinite(self.max_strength)
@@ -119,6 +123,8 @@ class SteerServerConfig:
         for k in _RUNTIME_KEYS:  # run-time management keys only when set
             if d.get(k) in (None, False):
                 d.pop(k, None)
+        if d.get("steer_drafter", True) is True:  # the default is not written
+            d.pop("steer_drafter", None)
         return {ADDITIONAL_CONFIG_KEY: d}
 
     @classmethod
@@ -127,7 +133,8 @@ class SteerServerConfig:
         if not additional_config or ADDITIONAL_CONFIG_KEY not in additional_config:
             return None
         d = dict(additional_config[ADDITIONAL_CONFIG_KEY])
-        unknown = set(d) - {"steers", "max_strength", "backend"} - _RUNTIME_KEYS
+        unknown = (set(d) - {"steers", "max_strength", "backend", "steer_drafter"}
+                   - _RUNTIME_KEYS)
         if unknown:
             raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] has unknown keys "
                              f"{sorted(unknown)}; known: steers, max_strength, backend")
@@ -136,6 +143,7 @@ class SteerServerConfig:
             steers = dict(parse_steer_arg(s) for s in steers)
         return cls(steers=dict(steers), max_strength=d.get("max_strength", DEFAULT_MAX_STRENGTH),
                    backend=d.get("backend", "auto"),
+                   steer_drafter=bool(d.get("steer_drafter", True)),
                    **{k: d[k] for k in _RUNTIME_KEYS if k in d})
 
 

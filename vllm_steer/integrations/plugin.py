@@ -7,7 +7,8 @@ and in ``vllm serve`` before the CLI parser is built. It
    arguments (so they show in ``vllm serve --help``) and carries them to the workers in
    ``additional_config["vllm_steer"]`` (the field vLLM reserves for plugins);
 2. on engine config creation, checks the steer files (metadata only, no torch), refuses
-   speculative decoding, and appends our per-request logits processor for the active model
+   speculative decoding methods it cannot steer (``spec_decode.py`` maps the rows of the
+   others), and appends our per-request logits processor for the active model
    runner (V1 or Model Runner V2) to ``model_config.logits_processors``;
 3. swaps vLLM's ``LogitsProcessor`` layer for :class:`~vllm_steer.integrations.head.
    SteeredLogitsProcessor` (``register_oot``);
@@ -159,6 +160,11 @@ def add_steer_args(parser) -> None:
     group.add_argument("--enable-steer-updates", action="store_true", default=False,
                        help="Allow POST /v1/steers and DELETE /v1/steers/NAME (load and "
                             "unload steers at run time).")
+    group.add_argument("--no-steer-drafter", dest="steer_drafter", action="store_false",
+                       default=True,
+                       help="Speculative decoding: do not steer the draft model's proposals "
+                            "(the output follows the steered target either way; steering the "
+                            "drafter keeps acceptance up).")
     group.add_argument("--steer-updates-any-path", action="store_true", default=False,
                        help="With --enable-steer-updates: POST /v1/steers may load files "
                             "outside --steer-dir.")
@@ -179,6 +185,7 @@ def config_from_args(args: argparse.Namespace) -> SteerServerConfig | None:
                              max_strength=getattr(args, "steer_max_strength",
                                                   DEFAULT_MAX_STRENGTH),
                              backend=getattr(args, "steer_backend", "auto"),
+                             steer_drafter=bool(getattr(args, "steer_drafter", True)),
                              **_runtime_args(args))
 
 
@@ -288,10 +295,7 @@ def configure_engine(vllm_config) -> None:
     from vllm_steer.integrations.families import check_model  # refuses what we cannot steer
 
     check_steers_fit(cfg, check_model(vllm_config.model_config), vllm_config.model_config.model)
-    if vllm_config.speculative_config is not None:
-        raise ValueError("vllm-steer: speculative decoding is not supported with --steer (draft "
-                         "tokens would be proposed unsteered and verified with several rows per "
-                         "request); remove --speculative-config or the --steer options")
+    check_speculative_config(vllm_config)
     check_runtime_steers_fit_parallelism(cfg, vllm_config)
     mc = vllm_config.model_config
     if getattr(mc, "runner_type", "generate") == "pooling":
@@ -304,6 +308,29 @@ def configure_engine(vllm_config) -> None:
     mc.logits_processors = procs
     logger.info("vllm-steer: %d steer(s) %s, max |strength| %g, logits processor %s",
                 len(cfg.steers), list(cfg.steers), cfg.max_strength, fqcn)
+
+
+def check_speculative_config(vllm_config) -> None:
+    """Speculative decoding: the V1 runner's verification rows (and a draft model's rows) are
+    mapped to their requests by :mod:`vllm_steer.integrations.spec_decode`, for the methods in
+    its ``SUPPORTED_METHODS``; any other method, or Model Runner V2, is refused here."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return
+    from vllm_steer.integrations.spec_decode import SUPPORTED_METHODS
+
+    method = getattr(spec, "method", None)
+    fix = ("serve without --speculative-config, or with "
+           + " or ".join(f'{{"method": "{m}"}}' for m in SUPPORTED_METHODS)
+           + ", or without the --steer options")
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        raise ValueError(f"vllm-steer: speculative decoding (method {method!r}) is not "
+                         "supported with steers under Model Runner V2 (not tested there); set "
+                         f"VLLM_USE_V2_MODEL_RUNNER=0, or {fix}")
+    if method not in SUPPORTED_METHODS:
+        raise ValueError(f"vllm-steer: speculative decoding method {method!r} is not supported "
+                         f"with steers (supported: {', '.join(SUPPORTED_METHODS)}); its drafter "
+                         "rows are not mapped to their requests (untested); " + fix)
 
 
 def check_runtime_steers_fit_parallelism(cfg: SteerServerConfig, vllm_config) -> None:
@@ -624,6 +651,21 @@ async def _preload_dir_steers(engine, cfg, params) -> None:
                                       parameter=REQUEST_FIELD)
 
 
+# ---- 6. speculative decoding (vllm_steer.integrations.spec_decode) ------------------------
+def _hook_spec_decode(runner_cls) -> None:
+    """V1 runner: map the verification rows (and a draft model's rows) to their requests."""
+    from vllm_steer.integrations.spec_decode import wrap_runner
+
+    wrap_runner(runner_cls)
+
+
+def _hook_spec_decode_logitsprocs(runner_module) -> None:
+    """V1 runner: build our (logits-neutral) processor under speculative decoding too."""
+    from vllm_steer.integrations.spec_decode import allow_steer_processor
+
+    allow_steer_processor(runner_module)
+
+
 # ---- the hook list (section 0) -----------------------------------------------------------
 # Patched lazily in the worker (v1.py, v2.py) but checked here, in every process.
 _WORKER_HOOKS = (
@@ -672,6 +714,17 @@ HOOKS: tuple[Hook, ...] = (
          "binding a request's steers to (slot, generation) at admission"),
     Hook("vllm.plugins:load_endpoint_plugins", "the /v1/steers routes",
          _hook_endpoint_plugins),
+    # speculative decoding (section 6)
+    Hook("vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model",
+         "speculative decoding: the step's verification rows -> requests (V1)",
+         _hook_spec_decode),
+    Hook("vllm.v1.worker.gpu_model_runner:build_logitsprocs",
+         "speculative decoding: our per-request steer state (V1 refuses custom processors)",
+         _hook_spec_decode_logitsprocs),
+    Hook("vllm.v1.worker.gpu_model_runner:GPUModelRunner._calc_spec_decode_metadata",
+         "speculative decoding: draft-token counts per request (V1)"),
+    Hook("vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
+         "speculative decoding: the drafter's rows -> requests (V1)"),
     Hook("vllm.v1.engine.async_llm:AsyncLLM.add_request",
          "--steer-dir steers loaded before admission (HTTP 400 with the reason)",
          _hook_async_llm),
