@@ -129,17 +129,3 @@ def test_concurrent_highlights_are_bounded(tokenizer):
     assert extra.status_code == 429 and "at most" in extra.json()["error"]["message"]
     assert [r.status_code for r in done] == [200] * lens_route.MAX_CONCURRENT_HIGHLIGHTS
     assert after.status_code == 200
-
-
-def test_highlight_route_refuses_model_runner_v2():
-    from fastapi.testclient import TestClient
-
-    from vllm_steer.server.lens_route import SteerLensEndpoint
-
-    app = FastAPI()
-    SteerLensEndpoint().attach_router(app)
-    app.state.vllm_steer_engine = SimpleNamespace(
-        vllm_config=SimpleNamespace(use_v2_model_runner=True))
-    r = TestClient(app).post("/v1/steer/highlight", json={"text": "hi", "steer": {"detox": 5}})
-    assert r.status_code == 501
-    assert "Model Runner V2" in r.json()["error"]["message"]

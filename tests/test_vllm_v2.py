@@ -141,3 +141,16 @@ def test_a_finished_steered_request_costs_no_steer_work(llm, ref, prompt_ids):
     llm.generate(PROMPTS[2:3], sp())  # the steered slot is stale, this request is plain
     (after,) = llm.collective_rpc(steer_stats)
     assert after == mid
+
+
+def test_prompt_logprobs_are_steered_per_request_in_a_mixed_batch(llm, ref, prompt_ids):
+    """Prompt logprobs (the lens's input) under V2: V2 runs the prompt rows of several requests
+    through the LM head in one call; each row must get its own request's steer."""
+    cases = [{"a": 4, "b": -2}, None, {"a": -5}, None]
+    outs = llm.generate(PROMPTS, [sp(s, max_tokens=1, prompt_logprobs=0) for s in cases])
+    for o, ids, s in zip(outs, prompt_ids, cases):
+        assert list(o.prompt_token_ids) == ids
+        lp = ref.logprobs(ids, s)
+        for i in range(1, len(ids)):
+            got = o.prompt_logprobs[i][ids[i]].logprob
+            assert got == pytest.approx(lp[i - 1, ids[i]].item(), abs=2e-3), (s, i)

@@ -681,6 +681,10 @@ _WORKER_HOOKS = (
      "V2 per-request steer state"),
     ("vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample",
      "the step's row -> request mapping (V2)"),
+    ("vllm.v1.worker.gpu.sample.prompt_logprob:PromptLogprobsWorker.compute_prompt_logprobs",
+     "steered prompt logprobs (V2)"),
+    ("vllm.v1.worker.gpu.sample.prompt_logprob:PromptLogprobsWorker."
+     "compute_prompt_token_id_logprobs", "steered prompt logprobs (V2, prompt_logprob_token_ids)"),
     ("vllm.v1.worker.gpu.sample.batch_shard:BatchSharder.shard_sampler_inputs",
      "rows of batch-sharded sampling (V2, --enable-batch-sharded-sampling)"),
 )

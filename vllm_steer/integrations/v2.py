@@ -8,13 +8,16 @@ V2 never says that a request finished, so the head works only in steps whose bat
 (``idx_mapping``) holds a steered slot. Under batch-sharded sampling (TP > 1) rows come
 owner-sorted; they are mapped through the sharder's own sort. Tested live in
 tests/test_vllm_v2.py (through the test shim tests/v2shim) and piecewise in tests/test_v2.py.
-Prompt logprobs under V2 are computed unsteered (the V2 prompt-logprob worker batches rows of
-several requests through ``compute_logits`` without a row mapping).
+Prompt logprobs are steered too: the prompt-logprob worker's ``compute_logits`` calls (chunks
+that may hold rows of several requests) get each row's request slot from host-side data
+(:func:`wrap_prompt_logprobs`).
 """
 
 from __future__ import annotations
 
 import contextlib
+
+import numpy as np
 
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
 
@@ -41,6 +44,9 @@ class SteerLogitsProcessorV2(LogitsProcessor):
             from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
             wrap_sample(GPUModelRunner)
+            from vllm.v1.worker.gpu.sample.prompt_logprob import PromptLogprobsWorker
+
+            wrap_prompt_logprobs(PromptLogprobsWorker, self.runtime)
 
     def add_request(self, req_idx: int, sampling_params) -> bool:
         rt = self.runtime
@@ -145,3 +151,61 @@ def _sorted_rows(sharder, input_batch, source: RowSource):
         yield
     finally:
         del sharder.shard_sampler_inputs
+
+
+def _prompt_row_slots(input_batch) -> np.ndarray:
+    """The request slot of every scheduled token row of the step (host-side data only)."""
+    n = input_batch.num_reqs
+    qsl = np.asarray(input_batch.query_start_loc_np[: n + 1])
+    return np.repeat(np.asarray(input_batch.idx_mapping_np[:n], dtype=np.int64), np.diff(qsl))
+
+
+def _steered_logits_fn(rt, logits_fn, hidden_states, slots: np.ndarray):
+    """``logits_fn`` with each call's rows mapped to their slots by their offset in the step.
+
+    V2 passes views of the step's hidden states (``hidden_states[a:b]``); the offset is read
+    from the view's address on the host (no device read).
+    """
+    row_bytes = hidden_states.stride(0) * hidden_states.element_size()
+    base_ptr = hidden_states.data_ptr()
+
+    def fn(h):
+        offset = (h.data_ptr() - base_ptr) // row_bytes
+        if h.untyped_storage().data_ptr() != hidden_states.untyped_storage().data_ptr() \
+                or not 0 <= offset <= len(slots):
+            source = RowSource("none")  # not a view of the step: leave it unsteered
+        else:
+            source = RowSource("slots", slots=slots[offset:offset + h.shape[0]], positions=None)
+        with rt.rows(source):
+            return logits_fn(h)
+
+    return fn
+
+
+_PROMPT_RUNTIME: list = [None]  # the worker's runtime (the prompt-logprob worker has no config)
+
+
+def wrap_prompt_logprobs(worker_cls, runtime) -> None:
+    """Steer V2's prompt logprobs like its sampled tokens.
+
+    ``PromptLogprobsWorker.compute_prompt_logprobs`` runs the step's token rows through
+    ``compute_logits`` in fixed-size chunks that may hold rows of several requests;
+    ``compute_prompt_token_id_logprobs`` slices one request at a time. Either way each row gets
+    its own request's slot (``idx_mapping_np`` repeated over ``query_start_loc_np``).
+    """
+    _PROMPT_RUNTIME[0] = runtime
+    for name in ("compute_prompt_logprobs", "compute_prompt_token_id_logprobs"):
+        orig = getattr(worker_cls, name)
+        if getattr(orig, "_vllm_steer", False):
+            continue
+
+        def wrapped(self, logits_fn, hidden_states, input_batch, *args, _orig=orig, **kwargs):
+            rt = _PROMPT_RUNTIME[0]
+            if rt is None or not rt.any_steered(input_batch.idx_mapping_np):
+                return _orig(self, logits_fn, hidden_states, input_batch, *args, **kwargs)
+            fn = _steered_logits_fn(rt, logits_fn, hidden_states, _prompt_row_slots(input_batch))
+            return _orig(self, fn, hidden_states, input_batch, *args, **kwargs)
+
+        wrapped._vllm_steer = True
+        wrapped.__name__ = name
+        setattr(worker_cls, name, wrapped)

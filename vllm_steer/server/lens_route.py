@@ -30,9 +30,6 @@ MAX_CONCURRENT_HIGHLIGHTS = 4
 #: Characters of text per token of the model's context accepted before tokenising.
 MAX_CHARS_PER_TOKEN = 32
 _in_flight = 0
-V2_REFUSAL = ("/v1/steer/highlight needs steered prompt logprobs, which Model Runner V2 computes "
-              "unsteered (its scores would all be zero); serve with the V1 model runner "
-              "(VLLM_USE_V2_MODEL_RUNNER=0) to use the highlight route")
 
 
 class HighlightRequest(BaseModel):
@@ -92,8 +89,6 @@ async def highlight(body: HighlightRequest, raw: Request):
     engine = getattr(raw.app.state, "vllm_steer_engine", None)
     if engine is None:
         return _error(503, "no engine behind this server", None)
-    if getattr(getattr(engine, "vllm_config", None), "use_v2_model_runner", False):
-        return _error(501, V2_REFUSAL, None)
     bad = _check_strengths(body)
     if bad is not None:
         return bad
