@@ -25,6 +25,7 @@ Ops (``collective_rpc(CONTROL_METHOD, args=(op, kwargs))``, one dict back):
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -189,16 +190,23 @@ def bind_request(core, request) -> None:
         names = [n for n, s in parse_request_steer(value, None, math.inf).items() if s]
     except ValueError as e:
         raise SteerAdmissionError(str(e)) from None
+    from vllm_steer.config import _names_list
+
     for n in names:
         if n in reg.bound:
             continue
+        # the same messages as the API server's own check (frontend._check_unloaded)
         if not cfg.steer_dir:
             raise SteerAdmissionError(f"steer: unknown steer {n!r}; loaded steers: "
-                                      f"{', '.join(reg.names()) or 'none'}")
+                                      f"{_names_list(reg.names())}")
         try:
             path = dir_path(cfg.steer_dir, n)
         except SteerNameError as e:
             raise SteerAdmissionError(f"steer: {e}") from None
+        if not os.path.isfile(path):
+            raise SteerAdmissionError(f"steer: unknown steer {n!r}: not loaded (loaded: "
+                                      f"{_names_list(reg.names())}) and no file "
+                                      f"{n}.safetensors in --steer-dir {cfg.steer_dir}")
         res = load(core, n, path, "steer-dir")
         if not res["ok"]:
             raise SteerAdmissionError(f"steer: {res['error']}")

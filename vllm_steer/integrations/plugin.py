@@ -531,17 +531,63 @@ def _hook_engine_core(engine_core_cls) -> None:
         try:
             control.bind_request(self, request)
         except control.SteerAdmissionError as e:
-            send = getattr(self, "_send_error_outputs_to_client", None)
-            if send is None:  # engine core in this process (offline): the caller sees it
-                raise
+            if getattr(self, "output_queue", None) is None:  # engine core in this process
+                raise  # (offline): the caller sees it
             logger.warning("vllm-steer: request %s refused: %s", request.request_id, e)
-            send([request.request_id], request.client_index)
+            send_refusal(self, request, str(e))
             return
         return orig_add(self, request, request_wave)
 
     add_request._vllm_steer = True
     EngineCore.collective_rpc = collective_rpc
     EngineCore.add_request = add_request
+
+
+def send_refusal(core, request, message: str) -> None:
+    """Finish ``request`` at once with vLLM's error output (as
+    ``EngineCore._send_error_outputs_to_client`` does), its ``stop_reason`` carrying
+    :data:`registry.REFUSED_PREFIX` and ``message``: the API server's ``AsyncLLM.generate``
+    hook turns it into the client's HTTP 400 instead of vLLM's generic 500."""
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+    from vllm_steer.integrations.registry import REFUSED_PREFIX
+
+    out = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
+                           stop_reason=REFUSED_PREFIX + message)
+    core.output_queue.put_nowait(
+        (request.client_index, EngineCoreOutputs(finished_requests={request.request_id},
+                                                 outputs=[out])))
+
+
+def _hook_async_llm_generate(async_llm_cls) -> None:
+    """``AsyncLLM.generate`` (the API server) raises ``VLLMValidationError`` (HTTP 400,
+    ``param: "steer"``; the error event of a stream) when the engine core refused the
+    request's steer at admission (see :func:`send_refusal`): a steer unloaded, or not yet
+    loaded, in the engine while this API server's view of the names was a moment old."""
+    AsyncLLM = async_llm_cls
+    orig = AsyncLLM.generate
+    if getattr(orig, "_vllm_steer", False):
+        return
+
+    async def generate(self, *args, **kwargs):
+        from vllm_steer.integrations.registry import REFUSED_PREFIX
+
+        agen = orig(self, *args, **kwargs)
+        try:
+            async for out in agen:
+                for o in getattr(out, "outputs", None) or ():
+                    reason = getattr(o, "stop_reason", None)
+                    if isinstance(reason, str) and reason.startswith(REFUSED_PREFIX):
+                        from vllm.exceptions import VLLMValidationError
+
+                        raise VLLMValidationError(reason[len(REFUSED_PREFIX):],
+                                                  parameter=REQUEST_FIELD)
+                yield out
+        finally:
+            await agen.aclose()
+
+    generate._vllm_steer = True
+    AsyncLLM.generate = generate
 
 
 def _hook_endpoint_plugins(plugins) -> None:
@@ -673,4 +719,8 @@ HOOKS: tuple[Hook, ...] = (
     Hook("vllm.v1.engine.async_llm:AsyncLLM.add_request",
          "--steer-dir steers loaded before admission (HTTP 400 with the reason)",
          _hook_async_llm),
+    Hook("vllm.v1.engine.async_llm:AsyncLLM.generate",
+         "an engine-side steer refusal answered as HTTP 400, not 500", _hook_async_llm_generate),
+    Hook("vllm.v1.engine:EngineCoreOutput.stop_reason",
+         "the engine-side steer refusal's message (error output's stop_reason)"),
 )

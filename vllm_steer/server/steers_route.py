@@ -31,7 +31,9 @@ from vllm_steer.logs import get_logger
 
 logger = get_logger()
 router = APIRouter()
-POLL_SECONDS = 1.0
+#: Seconds between two refreshes of this API server's view (names admitted, metrics);
+#: ``VLLM_STEER_POLL_SECONDS`` overrides it (tests make it long to keep a view stale).
+POLL_SECONDS = float(os.environ.get("VLLM_STEER_POLL_SECONDS", "1.0"))
 
 
 class LoadSteerRequest(BaseModel):
@@ -61,7 +63,7 @@ async def control(engine, op: str, **kwargs) -> dict:
                 get_metrics().update(res)
             except Exception:  # metrics never break serving
                 logger.exception("vllm-steer: metrics update failed")
-    elif res.get("ok"):
+    elif op in ("load", "unload"):  # refused ones too: the failure counters moved
         await control(engine, "list")
     return res
 
