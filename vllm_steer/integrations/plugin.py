@@ -307,18 +307,38 @@ def configure_engine(vllm_config) -> None:
 
 
 def check_runtime_steers_fit_parallelism(cfg: SteerServerConfig, vllm_config) -> None:
-    """Run-time steers (``--steer-dir``, ``--enable-steer-updates``) are kept by one engine
-    core; with several (data parallelism) a load would reach one of them, and requests routed
-    to another would be refused or unsteered. Refused at start-up until that is covered."""
-    dp = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_size", 1) or 1
-    if dp > 1 and (cfg.steer_dir or cfg.enable_updates):
-        flags = [f for f, on in (("--steer-dir", cfg.steer_dir),
-                                 ("--enable-steer-updates", cfg.enable_updates)) if on]
-        raise ValueError(f"vllm-steer: {' and '.join(flags)} cannot be used with "
-                         f"--data-parallel-size {dp}: run-time steers are loaded into one engine "
-                         "core, and requests routed to the others would not see them. Serve "
-                         "with --data-parallel-size 1, or load every steer at start-up with "
-                         "--steer NAME=PATH (data parallelism works with those)")
+    """Run-time steers (``--steer-dir``, ``--enable-steer-updates``) under data parallelism:
+    each engine core keeps its own registry, and a management call must reach every one.
+    vLLM's internal load balancing (the default of ``--data-parallel-size N``, also with
+    ``--headless`` engine nodes) sends each utility call to every engine core
+    (``DPLBAsyncMPClient.call_utility_async``; how ``add_lora`` reaches them all), and the
+    steers route collects every answer. Refused at start-up, naming the mode: external and
+    hybrid load balancing (each API server talks to its own rank's / node's engine cores only,
+    so a load through one would not reach the others) and elastic expert parallelism (an
+    engine core added later would not have the run-time steers)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    dp = getattr(pc, "data_parallel_size", 1) or 1
+    if dp <= 1 or not (cfg.steer_dir or cfg.enable_updates):
+        return
+    flags = " and ".join(f for f, on in (("--steer-dir", cfg.steer_dir),
+                                         ("--enable-steer-updates", cfg.enable_updates)) if on)
+    for attr, mode, why in (
+            ("data_parallel_external_lb", "external load balancing "
+             "(--data-parallel-external-lb / --data-parallel-rank)",
+             "each API server manages its own rank's engine core only"),
+            ("data_parallel_hybrid_lb", "hybrid load balancing (--data-parallel-hybrid-lb / "
+             "--data-parallel-start-rank)", "each node's API servers manage that node's "
+             "engine cores only"),
+            ("enable_elastic_ep", "elastic expert parallelism (--enable-elastic-ep)",
+             "an engine core added when scaling up would not have the run-time steers")):
+        if getattr(pc, attr, False):
+            raise ValueError(
+                f"vllm-steer: {flags} cannot be used with --data-parallel-size {dp} in {mode}: "
+                f"run-time steers are loaded into each engine core by a call from the API "
+                f"server, and {why}, so a steer loaded through one API server would be "
+                "unknown to the others' engines. Use vLLM's internal load balancing (the "
+                "default of --data-parallel-size), or load every steer at start-up with "
+                "--steer NAME=PATH (which works in every data-parallel mode)")
 
 
 def check_steers_fit(cfg: SteerServerConfig, hidden_size: int, model: str) -> None:
