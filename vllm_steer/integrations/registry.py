@@ -256,5 +256,5 @@ def bound_in(requests: Iterable[Any]) -> set[tuple[int, int]]:
 
 
 __all__ = ["SteerRegistry", "SteerEntry", "SteerCapacityError", "SteerNameError", "BOUND_KEY",
-           "CONTROL_METHOD", "REFUSED_PREFIX", "name_problem", "check_name", "dir_path", "path_inside",
-           "bound_in"]
+           "CONTROL_METHOD", "REFUSED_PREFIX", "name_problem", "check_name", "dir_path",
+           "path_inside", "bound_in"]
