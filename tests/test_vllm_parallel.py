@@ -3,8 +3,9 @@
 
 Each API server is a spawned process that builds its engine arguments from the parsed command
 line *before* vLLM loads plugins there; the steer configuration must reach it anyway, or it
-validates nothing and one bad request kills an engine. One server for the module (slow to
-start: four processes import vLLM on this CPU).
+validates nothing and one bad request kills an engine. Run-time steers (``--steer-dir``,
+``--enable-steer-updates``) must reach both engine cores (issue 23). One server for the
+module (slow to start: four processes import vLLM on this CPU).
 """
 
 from __future__ import annotations
