@@ -129,24 +129,26 @@ def _served_per_engine(url, name) -> dict:
 def test_run_time_load_steers_on_both_engines_and_unload_reaches_both(dp_server,
                                                                       tiny_model_dir):
     url, d = dp_server
-    r = requests.post(url + "/v1/steers", json={"name": "posted"})  # --steer-dir/posted
+    # a name with no file of its own in --steer-dir: once unloaded, nothing loads it again
+    r = requests.post(url + "/v1/steers",
+                      json={"name": "run", "path": str(d / "dir" / "posted.safetensors")})
     assert r.status_code == 200, r.text
     assert sorted(p["engine"] for p in r.json()["per_engine"]) == [0, 1]
-    rs = _spread(url, steer={"posted": 5})
+    rs = _spread(url, steer={"run": 5})
     _steered_tokens_match_reference(rs, tiny_model_dir, d / "dir" / "posted.safetensors", 5)
-    served = _served_per_engine(url, "posted")
+    served = _served_per_engine(url, "run")
     assert sorted(served) == [0, 1] and all(n > 0 for n in served.values()), served
     for pid, listing in _listings(url).items():  # the same answer from every API server
-        posted = {s["name"]: s for s in listing["data"]}["posted"]
-        assert posted["state"] == "loaded" and len(posted["per_engine"]) == 2, listing
-        assert {s["name"] for s in listing["data"]} >= {"detox", "posted"}
-    assert requests.delete(url + "/v1/steers/posted").status_code == 200
-    for r in _spread(url, steer={"posted": 5}):  # unknown on every API server and engine
+        run = {s["name"]: s for s in listing["data"]}["run"]
+        assert run["state"] == "loaded" and len(run["per_engine"]) == 2, listing
+        assert {s["name"] for s in listing["data"]} >= {"detox", "run"}
+    assert requests.delete(url + "/v1/steers/run").status_code == 200
+    for r in _spread(url, steer={"run": 5}):  # unknown on every API server and engine
         assert r.status_code == 400, r.text
-        assert "unknown steer 'posted'" in r.json()["error"]["message"]
+        assert "unknown steer 'run'" in r.json()["error"]["message"]
     for listing in _listings(url).values():
-        assert "posted" not in {s["name"] for s in listing["data"]}, listing
-    assert requests.delete(url + "/v1/steers/posted").status_code == 404
+        assert "run" not in {s["name"] for s in listing["data"]}, listing
+    assert requests.delete(url + "/v1/steers/run").status_code == 404
 
 
 def test_steer_dir_first_use_loads_on_both_engines(dp_server, tiny_model_dir):
