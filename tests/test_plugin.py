@@ -242,17 +242,36 @@ def test_pooling_model_is_refused_with_steers(plugin, tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("extra, flag", [({"steer_dir": "/tmp"}, "--steer-dir"),
                                          ({"enable_updates": True}, "--enable-steer-updates")])
-def test_run_time_steers_with_data_parallelism_are_refused_at_startup(extra, flag):
+@pytest.mark.parametrize("mode, fragment", [
+    ("data_parallel_external_lb", "external load balancing"),
+    ("data_parallel_hybrid_lb", "hybrid load balancing"),
+    ("enable_elastic_ep", "elastic expert parallelism"),
+])
+def test_run_time_steers_are_refused_only_in_dp_modes_where_a_call_reaches_one_engine(
+        extra, flag, mode, fragment):
     from types import SimpleNamespace
+
+    import dataclasses
+
+    from vllm.config import ParallelConfig
 
     from vllm_steer.config import SteerServerConfig
     from vllm_steer.integrations.plugin import check_runtime_steers_fit_parallelism
 
+    assert mode in {f.name for f in dataclasses.fields(ParallelConfig)}  # vLLM's own name
+
+    def dp(size, **flags):
+        return SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=size,
+                                                               **flags))
+
     cfg = SteerServerConfig(**extra)
-    dp2 = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=2))
-    with pytest.raises(ValueError, match=f"{flag} cannot be used with --data-parallel-size 2"):
-        check_runtime_steers_fit_parallelism(cfg, dp2)
-    # one engine core, or start-up steers only: fine
-    check_runtime_steers_fit_parallelism(
-        cfg, SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1)))
-    check_runtime_steers_fit_parallelism(SteerServerConfig(steers={"a": "a.safetensors"}), dp2)
+    with pytest.raises(ValueError, match=f"{flag} cannot be used with --data-parallel-size 2 "
+                                         f"in {fragment}") as e:
+        check_runtime_steers_fit_parallelism(cfg, dp(2, **{mode: True}))
+    assert "internal load balancing" in str(e.value)
+    # internal load balancing (the default of DP): every engine core gets every call
+    check_runtime_steers_fit_parallelism(cfg, dp(2))
+    check_runtime_steers_fit_parallelism(cfg, dp(1, **{mode: True}))
+    # start-up steers only: fine in every mode
+    check_runtime_steers_fit_parallelism(SteerServerConfig(steers={"a": "a.safetensors"}),
+                                         dp(2, **{mode: True}))

@@ -111,3 +111,67 @@ def test_dir_path_stays_inside_the_directory(tmp_path):
     assert path_inside(str(tmp_path / "a.safetensors"), str(tmp_path))
     assert not path_inside(str(tmp_path / ".." / "a.safetensors"), str(tmp_path))
     assert not path_inside("/etc/passwd", None)
+
+
+# ---- data parallelism: one answer from every engine core's (control.merge) -----------------
+def _core(index, capacity, steer_dir=None):
+    """An engine core as control.handle sees it: its own registry, no requests, workers that
+    accept every op."""
+    from types import SimpleNamespace
+
+    from vllm_steer.config import SteerServerConfig
+
+    cfg = SteerServerConfig(steers={}, max_steers=capacity, steer_dir=steer_dir,
+                            enable_updates=True)
+    return SimpleNamespace(
+        engine_index=index, _vllm_steer_state=(SteerRegistry(capacity), cfg, 64),
+        scheduler=SimpleNamespace(requests={}),
+        model_executor=SimpleNamespace(collective_rpc=lambda fn, args=(): [True]),
+        vllm_config=SimpleNamespace(model_config=SimpleNamespace(model="tiny")))
+
+
+def _all(cores, op, **kw):
+    from vllm_steer.integrations import control
+
+    return [control.handle(c, op, kw) for c in cores]
+
+
+def test_dp_load_list_unload_merge_and_a_partial_failure_is_rolled_back(tmp_path):
+    from conftest import random_steer
+
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.control import merge, rollback_kwargs
+
+    for n in ("a", "b", "c"):
+        save_steer(tmp_path / f"{n}.safetensors", random_steer(64, 4, n))
+    cores = [_core(0, 2), _core(1, 2)]
+    path = lambda n: str(tmp_path / f"{n}.safetensors")  # noqa: E731
+    # engine 1 already used a slot for 'b' (loaded there only, say by its own first use)
+    assert _all(cores[1:], "load", name="b", path=path("b"), source="api")[0]["ok"]
+    answers = _all(cores, "load", name="a", path=path("a"), source="api")
+    res = merge("load", answers)
+    assert res["ok"] and [(p["engine"], p["slot"]) for p in res["steer"]["per_engine"]] == \
+        [(0, 0), (1, 1)]  # each engine core its own slot
+    listing = merge("list", _all(cores, "list"))
+    states = {s["name"]: s["state"] for s in listing["steers"]}
+    assert states == {"a": "loaded", "b": "partial"}
+    a = next(s for s in listing["steers"] if s["name"] == "a")
+    assert sorted(p["engine"] for p in a["per_engine"]) == [0, 1]
+    assert listing["stats"]["counters"]["loads"] == 3 and listing["stats"]["engines"] == 2
+    # 'c': room on engine 0, none on engine 1 (two pinned API steers): refused, and engine
+    # 0's copy is unloaded again, so no engine core serves a steer the others refuse
+    answers = _all(cores, "load", name="c", path=path("c"), source="api")
+    assert [x["ok"] for x in answers] == [True, False]
+    res = merge("load", answers)
+    assert not res["ok"] and res["status"] == 507 and "--max-steers=2" in res["error"]
+    undo = rollback_kwargs("c", answers)
+    assert undo == {"name": "c", "generations": {"0": answers[0]["steer"]["generation"]}}
+    _all(cores, "rollback", **undo)
+    names = [{s["name"] for s in x["steers"] if s["state"] == "loaded"}
+             for x in _all(cores, "list")]
+    assert names == [{"a"}, {"a", "b"}]
+    # unload: ok when any engine core had it; 404 only when none did
+    assert merge("unload", _all(cores, "unload", name="b"))["ok"]
+    res = merge("unload", _all(cores, "unload", name="b"))
+    assert not res["ok"] and res["status"] == 404
+    assert rollback_kwargs("a", _all(cores, "list")) is None

@@ -113,7 +113,10 @@ def server(tiny_model_dir, tmp_path_factory):
             "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "16",
             "--kv-cache-memory-bytes", 1 << 28, "--enforce-eager"]
     STATE.update(dir=d, root=root)
-    with serve(args, root / "server.log") as url:
+    # each API server refreshes its view of the names at start and when it runs a steer op
+    # itself, never on a timer: the other API server's view is stale (issue 23) and the
+    # answers must not depend on it
+    with serve(args, root / "server.log", env={"VLLM_STEER_POLL_SECONDS": "3600"}) as url:
         yield url
 
 
@@ -296,7 +299,10 @@ def test_reload_under_the_same_name_old_requests_keep_the_old_file(server):
     assert steers(server)["u"]["file"] == str(STATE["dir"] / "b.safetensors")
 
 
-def test_unload_under_traffic_in_flight_requests_finish_with_the_steer(server):
+@pytest.mark.parametrize("repeat", range(int(os.environ.get("STEER_TEST_UNLOAD_REPEATS", "1"))))
+def test_unload_under_traffic_in_flight_requests_finish_with_the_steer(server, repeat):
+    if "u" not in steers(server):  # a repeat: the previous one unloaded it
+        assert load(server, "u", STATE["dir"] / "b.safetensors").status_code == 200
     want = text(server, {"u": 5}, 200)
     s = Stream(server, {"u": 5})
     r = s.after(lambda: requests.delete(server + "/v1/steers/u"))
@@ -307,6 +313,48 @@ def test_unload_under_traffic_in_flight_requests_finish_with_the_steer(server):
     assert "unknown steer 'u'" in after.json()["error"]["message"]
     assert "u" not in steers(server)
     assert requests.delete(server + "/v1/steers/u").status_code == 404
+
+
+def api_server_views(url, tries=24) -> dict:
+    """pid -> the names that API-server process admitted when a GET reached it (first time)."""
+    seen = {}
+    for _ in range(tries):  # new connections: spread over the two API-server processes
+        api = requests.get(url + "/v1/steers").json()["api_server"]
+        seen.setdefault(api["pid"], api["admits"])
+    assert len(seen) == 2, "requests reached one API-server process only"
+    return seen
+
+
+def test_no_api_server_admits_a_deleted_steer_or_refuses_a_loaded_one(server):
+    """Issue 23: the API server that did not run the DELETE / POST still has the old view of
+    the names (no timer refresh here); from the moment DELETE returns every request naming
+    the steer is the usual 400 (never a 500), from the moment POST returns every request
+    naming it is served with it, whichever API server it reaches, streamed or not."""
+    assert load(server, "z", STATE["dir"] / "a.safetensors").status_code == 200
+    api_server_views(server)  # both API servers admit z now (each refreshed on its GET)
+    assert all("z" in admits for admits in api_server_views(server).values())
+    assert requests.delete(server + "/v1/steers/z").status_code == 200
+    for _ in range(8):
+        r = complete(server, {"z": 5})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "unknown steer 'z'" in err["message"] and err["param"] == "steer", err
+        r = complete(server, {"z": 5}, stream=True)  # 400, or the stream's error event
+        body = r.text
+        assert r.status_code in (200, 400) and "Internal" not in body, body
+        err = (r.json() if r.status_code == 400 else
+               json.loads(body.split("data: ", 2)[1].strip()))["error"]
+        assert "unknown steer 'z'" in err["message"] and err["code"] == 400, err
+    views = api_server_views(server)  # a GET refreshes: the first answer shows the old view
+    assert any("z" in admits for admits in views.values()), \
+        f"no API server had a stale view, the test proved nothing: {views}"
+    # a load through one API server: the other one does not know the name yet
+    want = text(server, {"b": 5})
+    assert load(server, "z", STATE["dir"] / "b.safetensors").status_code == 200
+    assert [text(server, {"z": 5}) for _ in range(8)] == [want] * 8
+    views = api_server_views(server)
+    assert any("z" not in admits for admits in views.values()), views
+    assert requests.delete(server + "/v1/steers/z").status_code == 200
 
 
 def test_eviction_at_capacity_takes_the_least_recently_used_unused_dir_steer(server):

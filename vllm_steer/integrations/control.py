@@ -19,12 +19,20 @@ Ops (``collective_rpc(CONTROL_METHOD, args=(op, kwargs))``, one dict back):
 - ``("list", {})``: ``{"steers": [...], "stats": {...}, "workers": [...]}``;
 - ``("load", {"name", "path", "source"})``: ``{"ok": True, "steer": {...}, "evicted": name}``
   or ``{"ok": False, "status": 400|404|409|507, "error": message}``;
-- ``("unload", {"name"})``: ``{"ok": True, "steer": {...}}`` or an error as above.
+- ``("unload", {"name"})``: ``{"ok": True, "steer": {...}}`` or an error as above;
+- ``("rollback", {"name", "generations": {engine: generation}})``: unload ``name`` from this
+  engine core if it is bound to the generation given for this engine (a load that failed on
+  another engine core, see :func:`merge`).
+
+Every answer names its engine core (``"engine"``, the data-parallel rank). With data
+parallelism each engine core holds its own registry and vLLM's load-balancing client sends a
+utility call to every one of them: :func:`merge` makes one answer of theirs.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -87,6 +95,10 @@ def _error(status: int, message: str) -> dict:
 
 def handle(core, op: str, kwargs: dict | None = None) -> dict:
     """One management op in the engine core (see the module doc)."""
+    return {**_handle(core, op, kwargs), "engine": int(getattr(core, "engine_index", 0) or 0)}
+
+
+def _handle(core, op: str, kwargs: dict | None = None) -> dict:
     reg, cfg, hidden = _state(core)
     kwargs = dict(kwargs or {})
     if reg is None:
@@ -118,7 +130,89 @@ def handle(core, op: str, kwargs: dict | None = None) -> dict:
         logger.info("vllm-steer: unloaded steer %r (generation %d)%s", name, entry.generation,
                     "" if freed else "; its slot is freed when the requests using it finish")
         return {"ok": True, "steer": entry.to_json()}
+    if op == "rollback":
+        entry = reg.get(kwargs["name"])
+        gen = (kwargs.get("generations") or {}).get(str(getattr(core, "engine_index", 0) or 0))
+        if entry is None or entry.generation != gen:
+            return {"ok": True, "steer": None}
+        _, freed = reg.unload(kwargs["name"], _in_use(core))
+        reg.counters["unloads"] -= 1  # not an unload anyone asked for
+        if freed:
+            _workers(core, "drop", freed)
+        logger.info("vllm-steer: load of steer %r (generation %d) rolled back: it failed on "
+                    "another data-parallel engine", kwargs["name"], gen)
+        return {"ok": True, "steer": entry.to_json()}
     return _error(400, f"unknown steer control op {op!r}")
+
+
+def merge(op: str, answers: list[dict]) -> dict:
+    """One answer from the answers of every engine core (data parallelism) to ``op``.
+
+    - ``list``: a steer is ``loaded`` when every engine core has it bound, ``partial`` when
+      some do (a ``--steer-dir`` steer loaded on first use, or evicted, in one engine core:
+      the others load it again on their first use), else ``draining``; ``per_engine`` gives
+      each engine core's slot, generation and state (they may differ: each binds its own
+      requests); ``requests_served`` and the counters are summed over the engine cores.
+    - ``load``: ok only if every engine core loaded it (the caller rolls back the others,
+      see :func:`rollback_kwargs`); the first refusal is the answer.
+    - ``unload``: ok if any engine core had it bound (it is bound in none afterwards).
+    """
+    if len(answers) == 1:
+        return answers[0]
+    if op == "list":
+        if not all(a.get("enabled") for a in answers):
+            return answers[0]
+        n = len(answers)
+        merged: dict[tuple, dict] = {}
+        for a in answers:
+            for s in a["steers"]:
+                key = (s["name"], s["state"] == "loaded")
+                m = merged.get(key)
+                if m is None:
+                    m = merged[key] = {**s, "requests_served": 0, "per_engine": []}
+                m["requests_served"] += s.get("requests_served", 0)
+                m["per_engine"].append({"engine": a.get("engine"), "slot": s["slot"],
+                                        "generation": s["generation"], "state": s["state"],
+                                        "requests_served": s.get("requests_served", 0)})
+        steers = []
+        for (name, loaded), m in merged.items():
+            if loaded:
+                m["state"] = "loaded" if len(m["per_engine"]) == n else "partial"
+            steers.append(m)
+        stats = dict(answers[0]["stats"])
+        stats["counters"] = {k: sum(a["stats"]["counters"].get(k, 0) for a in answers)
+                             for k in answers[0]["stats"]["counters"]}
+        served: dict[str, int] = {}
+        for a in answers:
+            for k, v in a["stats"].get("served", {}).items():
+                served[k] = served.get(k, 0) + v
+        stats["served"] = served
+        stats["loaded"] = sum(1 for s in steers if s["state"] != "draining")
+        stats["draining"] = sum(1 for s in steers if s["state"] == "draining")
+        stats["engines"] = n
+        return {**answers[0], "steers": steers, "stats": stats,
+                "workers": [w for a in answers for w in (a.get("workers") or [])]}
+    oks = [a for a in answers if a.get("ok")]
+    if op == "load":
+        if len(oks) < len(answers):
+            return next(a for a in answers if not a.get("ok"))
+        evicted = sorted({a["evicted"] for a in answers if a.get("evicted")})
+        return {**answers[0], "evicted": ", ".join(evicted) or None,
+                "steer": {**answers[0]["steer"], "per_engine": [
+                    {"engine": a.get("engine"), "slot": a["steer"]["slot"],
+                     "generation": a["steer"]["generation"]} for a in answers]}}
+    if op == "unload":
+        return oks[0] if oks else answers[0]
+    return answers[0]
+
+
+def rollback_kwargs(name: str, answers: list[dict]) -> dict | None:
+    """``rollback`` arguments undoing a load that failed on some engine cores (None: it
+    failed nowhere, or everywhere)."""
+    done = {str(a.get("engine")): a["steer"]["generation"] for a in answers if a.get("ok")}
+    if not done or len(done) == len(answers):
+        return None
+    return {"name": name, "generations": done}
 
 
 def load(core, name: str, path: str, source: str) -> dict:
@@ -189,16 +283,23 @@ def bind_request(core, request) -> None:
         names = [n for n, s in parse_request_steer(value, None, math.inf).items() if s]
     except ValueError as e:
         raise SteerAdmissionError(str(e)) from None
+    from vllm_steer.config import _names_list
+
     for n in names:
         if n in reg.bound:
             continue
+        # the same messages as the API server's own check (frontend._check_unloaded)
         if not cfg.steer_dir:
             raise SteerAdmissionError(f"steer: unknown steer {n!r}; loaded steers: "
-                                      f"{', '.join(reg.names()) or 'none'}")
+                                      f"{_names_list(reg.names())}")
         try:
             path = dir_path(cfg.steer_dir, n)
         except SteerNameError as e:
             raise SteerAdmissionError(f"steer: {e}") from None
+        if not os.path.isfile(path):
+            raise SteerAdmissionError(f"steer: unknown steer {n!r}: not loaded (loaded: "
+                                      f"{_names_list(reg.names())}) and no file "
+                                      f"{n}.safetensors in --steer-dir {cfg.steer_dir}")
         res = load(core, n, path, "steer-dir")
         if not res["ok"]:
             raise SteerAdmissionError(f"steer: {res['error']}")

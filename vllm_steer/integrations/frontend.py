@@ -7,6 +7,7 @@ sent) and again at admission (:func:`validate`, ``validate_params`` of our proce
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from vllm_steer import REQUEST_FIELD
@@ -56,6 +57,15 @@ def _check_unloaded(value: Any, cfg: SteerServerConfig, where: str = REQUEST_FIE
     for name in strengths:
         if name in loaded:
             continue
+        if cfg.enable_updates and not name_problem(name) and not (
+                cfg.steer_dir and os.path.lexists(os.path.join(cfg.steer_dir,
+                                                               name + ".safetensors"))):
+            # POST / DELETE (through any API server) change the names at any moment, and this
+            # process's view may be a poll old: the engine core, which holds the one registry,
+            # decides; it refuses an unknown name with this same message (HTTP 400 through
+            # plugin._hook_async_llm_generate), so no API server refuses a just-loaded steer
+            known[name] = True
+            continue
         if not cfg.steer_dir:
             raise SteerRequestError(f"{where}: unknown steer {name!r}; loaded steers: "
                                     f"{_names_list(loaded)}")
@@ -66,8 +76,6 @@ def _check_unloaded(value: Any, cfg: SteerServerConfig, where: str = REQUEST_FIE
             problem = str(e)
         if problem:
             raise SteerRequestError(f"{where}: {problem}")
-        import os
-
         if not os.path.isfile(path):
             raise SteerRequestError(f"{where}: unknown steer {name!r}: not loaded "
                                     f"(loaded: {_names_list(loaded)}) and no file "

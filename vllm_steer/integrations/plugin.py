@@ -334,18 +334,38 @@ def check_speculative_config(vllm_config) -> None:
 
 
 def check_runtime_steers_fit_parallelism(cfg: SteerServerConfig, vllm_config) -> None:
-    """Run-time steers (``--steer-dir``, ``--enable-steer-updates``) are kept by one engine
-    core; with several (data parallelism) a load would reach one of them, and requests routed
-    to another would be refused or unsteered. Refused at start-up until that is covered."""
-    dp = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_size", 1) or 1
-    if dp > 1 and (cfg.steer_dir or cfg.enable_updates):
-        flags = [f for f, on in (("--steer-dir", cfg.steer_dir),
-                                 ("--enable-steer-updates", cfg.enable_updates)) if on]
-        raise ValueError(f"vllm-steer: {' and '.join(flags)} cannot be used with "
-                         f"--data-parallel-size {dp}: run-time steers are loaded into one engine "
-                         "core, and requests routed to the others would not see them. Serve "
-                         "with --data-parallel-size 1, or load every steer at start-up with "
-                         "--steer NAME=PATH (data parallelism works with those)")
+    """Run-time steers (``--steer-dir``, ``--enable-steer-updates``) under data parallelism:
+    each engine core keeps its own registry, and a management call must reach every one.
+    vLLM's internal load balancing (the default of ``--data-parallel-size N``, also with
+    ``--headless`` engine nodes) sends each utility call to every engine core
+    (``DPLBAsyncMPClient.call_utility_async``; how ``add_lora`` reaches them all), and the
+    steers route collects every answer. Refused at start-up, naming the mode: external and
+    hybrid load balancing (each API server talks to its own rank's / node's engine cores only,
+    so a load through one would not reach the others) and elastic expert parallelism (an
+    engine core added later would not have the run-time steers)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    dp = getattr(pc, "data_parallel_size", 1) or 1
+    if dp <= 1 or not (cfg.steer_dir or cfg.enable_updates):
+        return
+    flags = " and ".join(f for f, on in (("--steer-dir", cfg.steer_dir),
+                                         ("--enable-steer-updates", cfg.enable_updates)) if on)
+    for attr, mode, why in (
+            ("data_parallel_external_lb", "external load balancing "
+             "(--data-parallel-external-lb / --data-parallel-rank)",
+             "each API server manages its own rank's engine core only"),
+            ("data_parallel_hybrid_lb", "hybrid load balancing (--data-parallel-hybrid-lb / "
+             "--data-parallel-start-rank)", "each node's API servers manage that node's "
+             "engine cores only"),
+            ("enable_elastic_ep", "elastic expert parallelism (--enable-elastic-ep)",
+             "an engine core added when scaling up would not have the run-time steers")):
+        if getattr(pc, attr, False):
+            raise ValueError(
+                f"vllm-steer: {flags} cannot be used with --data-parallel-size {dp} in {mode}: "
+                f"run-time steers are loaded into each engine core by a call from the API "
+                f"server, and {why}, so a steer loaded through one API server would be "
+                "unknown to the others' engines. Use vLLM's internal load balancing (the "
+                "default of --data-parallel-size), or load every steer at start-up with "
+                "--steer NAME=PATH (which works in every data-parallel mode)")
 
 
 def check_steers_fit(cfg: SteerServerConfig, hidden_size: int, model: str) -> None:
@@ -558,17 +578,63 @@ def _hook_engine_core(engine_core_cls) -> None:
         try:
             control.bind_request(self, request)
         except control.SteerAdmissionError as e:
-            send = getattr(self, "_send_error_outputs_to_client", None)
-            if send is None:  # engine core in this process (offline): the caller sees it
-                raise
+            if getattr(self, "output_queue", None) is None:  # engine core in this process
+                raise  # (offline): the caller sees it
             logger.warning("vllm-steer: request %s refused: %s", request.request_id, e)
-            send([request.request_id], request.client_index)
+            send_refusal(self, request, str(e))
             return
         return orig_add(self, request, request_wave)
 
     add_request._vllm_steer = True
     EngineCore.collective_rpc = collective_rpc
     EngineCore.add_request = add_request
+
+
+def send_refusal(core, request, message: str) -> None:
+    """Finish ``request`` at once with vLLM's error output (as
+    ``EngineCore._send_error_outputs_to_client`` does), its ``stop_reason`` carrying
+    :data:`registry.REFUSED_PREFIX` and ``message``: the API server's ``AsyncLLM.generate``
+    hook turns it into the client's HTTP 400 instead of vLLM's generic 500."""
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+    from vllm_steer.integrations.registry import REFUSED_PREFIX
+
+    out = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
+                           stop_reason=REFUSED_PREFIX + message)
+    core.output_queue.put_nowait(
+        (request.client_index, EngineCoreOutputs(finished_requests={request.request_id},
+                                                 outputs=[out])))
+
+
+def _hook_async_llm_generate(async_llm_cls) -> None:
+    """``AsyncLLM.generate`` (the API server) raises ``VLLMValidationError`` (HTTP 400,
+    ``param: "steer"``; the error event of a stream) when the engine core refused the
+    request's steer at admission (see :func:`send_refusal`): a steer unloaded, or not yet
+    loaded, in the engine while this API server's view of the names was a moment old."""
+    AsyncLLM = async_llm_cls
+    orig = AsyncLLM.generate
+    if getattr(orig, "_vllm_steer", False):
+        return
+
+    async def generate(self, *args, **kwargs):
+        from vllm_steer.integrations.registry import REFUSED_PREFIX
+
+        agen = orig(self, *args, **kwargs)
+        try:
+            async for out in agen:
+                for o in getattr(out, "outputs", None) or ():
+                    reason = getattr(o, "stop_reason", None)
+                    if isinstance(reason, str) and reason.startswith(REFUSED_PREFIX):
+                        from vllm.exceptions import VLLMValidationError
+
+                        raise VLLMValidationError(reason[len(REFUSED_PREFIX):],
+                                                  parameter=REQUEST_FIELD)
+                yield out
+        finally:
+            await agen.aclose()
+
+    generate._vllm_steer = True
+    AsyncLLM.generate = generate
 
 
 def _hook_endpoint_plugins(plugins) -> None:
@@ -732,4 +798,8 @@ HOOKS: tuple[Hook, ...] = (
     Hook("vllm.v1.engine.async_llm:AsyncLLM.add_request",
          "--steer-dir steers loaded before admission (HTTP 400 with the reason)",
          _hook_async_llm),
+    Hook("vllm.v1.engine.async_llm:AsyncLLM.generate",
+         "an engine-side steer refusal answered as HTTP 400, not 500", _hook_async_llm_generate),
+    Hook("vllm.v1.engine:EngineCoreOutput.stop_reason",
+         "the engine-side steer refusal's message (error output's stop_reason)"),
 )

@@ -33,6 +33,9 @@ from typing import Any, Iterable
 BOUND_KEY = "vllm_steer_bound"
 #: ``collective_rpc`` method name the plugin's engine-core hook answers (see ``control``).
 CONTROL_METHOD = "vllm_steer_control"
+#: ``stop_reason`` prefix of the error output the engine core sends for a request whose steer
+#: it refuses at admission; the API server turns it back into HTTP 400 (``param: "steer"``).
+REFUSED_PREFIX = "vllm-steer refused: "
 DEFAULT_MAX_STEERS = 8
 MAX_NAME_LENGTH = 64
 SOURCES = ("--steer", "steer-dir", "api", "offline")
@@ -253,5 +256,5 @@ def bound_in(requests: Iterable[Any]) -> set[tuple[int, int]]:
 
 
 __all__ = ["SteerRegistry", "SteerEntry", "SteerCapacityError", "SteerNameError", "BOUND_KEY",
-           "CONTROL_METHOD", "name_problem", "check_name", "dir_path", "path_inside",
-           "bound_in"]
+           "CONTROL_METHOD", "REFUSED_PREFIX", "name_problem", "check_name", "dir_path",
+           "path_inside", "bound_in"]

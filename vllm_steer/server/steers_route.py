@@ -8,13 +8,18 @@
   flag). ``path`` must lie inside ``--steer-dir`` unless ``--steer-updates-any-path``; without
   ``path`` the file is ``DIR/NAME.safetensors``.
 
-Every call reaches the engine core through vLLM's ``collective_rpc`` on the engine client
-(see :mod:`vllm_steer.integrations.control`), so every API-server process
-(``--api-server-count``) and every worker sees the same set. Each API server also polls the
-engine's list once a second: it keeps the process's admission check
+Every call reaches the engine core through vLLM's ``collective_rpc`` utility call on the
+engine client (see :mod:`vllm_steer.integrations.control`), so every API-server process
+(``--api-server-count``) and every worker sees the same set; with data parallelism every
+engine core gets the call and their answers are merged (:func:`_every_engine`,
+``control.merge``). Each API server also polls the engine's list (once a second,
+``VLLM_STEER_POLL_SECONDS``): it keeps the process's view of the names
 (:func:`vllm_steer.integrations.frontend.loaded_names`) and the metrics
-(:mod:`vllm_steer.metrics`) current. The plugin adds this endpoint to vLLM's endpoint-plugin
-list itself (:func:`vllm_steer.integrations.plugin._patch_endpoint_plugins`).
+(:mod:`vllm_steer.metrics`) current. The view may be a poll old, so with
+``--enable-steer-updates`` a name it lacks is left to the engine core, whose refusal the
+client gets as HTTP 400 (``plugin._hook_async_llm_generate``). The plugin adds this endpoint
+to vLLM's endpoint-plugin list itself
+(:func:`vllm_steer.integrations.plugin._patch_endpoint_plugins`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from vllm_steer.logs import get_logger
 
 logger = get_logger()
 router = APIRouter()
-POLL_SECONDS = 1.0
+#: Seconds between two refreshes of this API server's view (names admitted, metrics);
+#: ``VLLM_STEER_POLL_SECONDS`` overrides it (tests make it long to keep a view stale).
+POLL_SECONDS = float(os.environ.get("VLLM_STEER_POLL_SECONDS", "1.0"))
 
 
 class LoadSteerRequest(BaseModel):
@@ -51,19 +58,44 @@ async def control(engine, op: str, **kwargs) -> dict:
     """One control op in the engine core; refreshes this process's view of the names."""
     from vllm_steer.integrations import frontend
 
-    res = (await engine.collective_rpc(CONTROL_METHOD, args=(op, kwargs)))[0]
+    from vllm_steer.integrations.control import merge, rollback_kwargs
+
+    answers = await _every_engine(engine, op, kwargs)
+    res = merge(op, answers)
+    if op == "load" and not res.get("ok"):
+        undo = rollback_kwargs(kwargs["name"], answers)
+        if undo is not None:  # loaded by some engine cores only: unload it from those
+            await _every_engine(engine, "rollback", undo)
+            res = {**res, "error": f"{res['error']} (data parallelism: refused by engine "
+                   f"core {res.get('engine')}; unloaded again from the "
+                   f"{len(undo['generations'])} engine core(s) that had loaded it)"}
     if op == "list":
         if res.get("enabled"):
-            frontend.set_loaded(s["name"] for s in res["steers"] if s["state"] == "loaded")
+            frontend.set_loaded(s["name"] for s in res["steers"] if s["state"] != "draining")
             try:
                 from vllm_steer.metrics import get_metrics
 
                 get_metrics().update(res)
             except Exception:  # metrics never break serving
                 logger.exception("vllm-steer: metrics update failed")
-    elif res.get("ok"):
+    elif op in ("load", "unload"):  # refused ones too: the failure counters moved
         await control(engine, "list")
     return res
+
+
+async def _every_engine(engine, op: str, kwargs: dict) -> list[dict]:
+    """The op in every engine core this API server's client manages, one answer each.
+
+    vLLM's load-balancing data-parallel client sends each utility call to every engine core
+    but returns the first answer (``DPLBAsyncMPClient.call_utility_async``); its
+    ``call_utility_all_async`` (one answer per engine core, what ``collective_rpc`` runs on
+    each) gives them all. A single engine core: the same, one answer."""
+    client = getattr(engine, "engine_core", None)
+    call_all = getattr(client, "call_utility_all_async", None)
+    if call_all is None or len(getattr(client, "core_engines", ()) or ()) < 2:
+        return list(await engine.collective_rpc(CONTROL_METHOD, args=(op, kwargs)))[:1]
+    return [r[0] for r in await call_all("collective_rpc", CONTROL_METHOD, None, (op, kwargs),
+                                         None)]
 
 
 def _engine(raw: Request):
@@ -81,9 +113,9 @@ async def list_steers(raw: Request):
     res = await control(engine, "list")
     if not res.get("enabled"):
         return _error(404, "steering is not enabled on this server", "NotFoundError")
-    data = [s for s in res["steers"] if s["state"] == "loaded"]
+    data = [s for s in res["steers"] if s["state"] != "draining"]
     return JSONResponse({"object": "list", "data": data,
-                         "draining": [s for s in res["steers"] if s["state"] != "loaded"],
+                         "draining": [s for s in res["steers"] if s["state"] == "draining"],
                          "max_steers": res["stats"]["capacity"],
                          "steer_dir": res.get("steer_dir"),
                          "updates_enabled": bool(res.get("enable_updates")),
