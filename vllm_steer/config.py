@@ -78,6 +78,17 @@ class SteerServerConfig:
     """Speculative decoding: steer the drafter's rows too (a draft model of the steers' hidden
     size) to keep the acceptance rate up; ``--no-steer-drafter``: propose unsteered. Either
     way the output follows the steered target (rejection sampling)."""
+    presets: dict[str, dict[str, float]] = field(default_factory=dict)
+    """``--steer-preset NAME=detox:4,sentiment:2``: preset name -> steer mix. Each preset is
+    served as a model name (listed in ``/v1/models``); a request with ``"model": NAME`` gets
+    the mix (precedence: :mod:`vllm_steer.policy`)."""
+    defaults: dict[str, float] = field(default_factory=dict)
+    """``--steer-default detox=2``: steer -> strength applied to every request that names
+    neither the steer nor a preset naming it (a request may override it, also with 0)."""
+    floors: dict[str, float] = field(default_factory=dict)
+    """``--steer-floor detox=2``: steer -> the least signed strength a request is served with;
+    a request asking for less is raised to it (the response says so in
+    ``x-vllm-steer-floored``)."""
 
     def __post_init__(self):
         if not (isinstance(self.max_strength, (int, float)) and math.isfinite(self.max_strength)
@@ -125,6 +136,9 @@ class SteerServerConfig:
                 d.pop(k, None)
         if d.get("steer_drafter", True) is True:  # the default is not written
             d.pop("steer_drafter", None)
+        for k in _POLICY_KEYS:  # presets, defaults, floors only when set
+            if not d.get(k):
+                d.pop(k, None)
         return {ADDITIONAL_CONFIG_KEY: d}
 
     @classmethod
@@ -134,22 +148,52 @@ class SteerServerConfig:
             return None
         d = dict(additional_config[ADDITIONAL_CONFIG_KEY])
         unknown = (set(d) - {"steers", "max_strength", "backend", "steer_drafter"}
-                   - _RUNTIME_KEYS)
+                   - _RUNTIME_KEYS - _POLICY_KEYS)
         if unknown:
             raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] has unknown keys "
-                             f"{sorted(unknown)}; known: steers, max_strength, backend")
+                             f"{sorted(unknown)}; known: steers, max_strength, backend, "
+                             "steer_drafter, "
+                             f"{', '.join(sorted(_RUNTIME_KEYS | _POLICY_KEYS))}")
         steers = d.get("steers") or {}
         if isinstance(steers, (list, tuple)):
             steers = dict(parse_steer_arg(s) for s in steers)
         return cls(steers=dict(steers), max_strength=d.get("max_strength", DEFAULT_MAX_STRENGTH),
                    backend=d.get("backend", "auto"),
                    steer_drafter=bool(d.get("steer_drafter", True)),
-                   **{k: d[k] for k in _RUNTIME_KEYS if k in d})
+                   **{k: d[k] for k in _RUNTIME_KEYS if k in d},
+                   **_policy_fields(d))
 
 
 #: Keys of the run-time steer management (issue 15) in ``additional_config["vllm_steer"]``.
 _RUNTIME_KEYS = frozenset({"max_steers", "max_steer_rank", "steer_dir", "enable_updates",
                            "updates_any_path"})
+
+
+#: Keys of the operator policy (issue 24: presets, defaults, floors; see vllm_steer.policy).
+_POLICY_KEYS = frozenset({"presets", "defaults", "floors"})
+
+
+def _policy_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    """Presets, defaults and floors from ``additional_config`` (offline: the mix may also be
+    the flag's string form, ``{"presets": {"polite": "detox:4"}}``)."""
+    from vllm_steer.policy import parse_mix
+
+    out: dict[str, Any] = {}
+    presets = d.get("presets") or {}
+    if presets:
+        if not isinstance(presets, Mapping):
+            raise ValueError("additional_config presets: expected a mapping preset name -> "
+                             "{steer: strength} (or 'steer:strength,...')")
+        out["presets"] = {n: (parse_mix(m, "presets", f"{n}={m}") if isinstance(m, str)
+                              else {k: float(v) for k, v in dict(m).items()})
+                          for n, m in presets.items()}
+    for k in ("defaults", "floors"):
+        v = d.get(k) or {}
+        if v:
+            if not isinstance(v, Mapping):
+                raise ValueError(f"additional_config {k}: expected a mapping steer -> strength")
+            out[k] = {n: float(s) for n, s in v.items()}
+    return out
 
 
 def parse_steer_arg(arg: str) -> tuple[str, str]:

@@ -306,6 +306,26 @@ def bind_request(core, request) -> None:
     sp.extra_args = {**extra, BOUND_KEY: reg.bind(names)}
 
 
+def apply_policy(core, request) -> None:
+    """Admission in the engine core, before :func:`bind_request`: apply the operator's
+    ``--steer-default`` and ``--steer-floor`` to the request's steers (the one place every
+    entry point passes: HTTP, ``--api-server-count``, data parallelism, offline ``LLM``).
+    Semantics: :func:`vllm_steer.policy.resolve` (idempotent: the value it writes keeps the
+    request's zeros, so resolving it again changes nothing). Host-side, once per request."""
+    _, cfg, _ = _state(core)
+    if cfg is None or not (cfg.defaults or cfg.floors):
+        return
+    from vllm_steer.policy import resolve
+
+    sp = getattr(request, "sampling_params", None)
+    if sp is None:
+        return
+    extra = dict(getattr(sp, "extra_args", None) or {})
+    values, _ = resolve(extra.get(REQUEST_FIELD), None, cfg.defaults, cfg.floors)
+    extra[REQUEST_FIELD] = values
+    sp.extra_args = extra
+
+
 # ---- workers -----------------------------------------------------------------------------
 def worker_op(worker, op: str, *args) -> Any:
     """Runs in every worker (``collective_rpc`` with a callable): change or report slots."""

@@ -168,12 +168,32 @@ def add_steer_args(parser) -> None:
     group.add_argument("--steer-updates-any-path", action="store_true", default=False,
                        help="With --enable-steer-updates: POST /v1/steers may load files "
                             "outside --steer-dir.")
+    group.add_argument("--steer-preset", action="append", default=None,
+                       metavar="NAME=STEER:X[,STEER:X...]",
+                       help="Serve a steer mix as a model name: listed in /v1/models, and a "
+                            'request with "model": NAME gets the mix (a steer field on the '
+                            "request replaces the preset's value of each steer it names). "
+                            "Repeatable.")
+    group.add_argument("--steer-default", action="append", default=None,
+                       metavar="STEER=X",
+                       help="Strength applied to every request that names neither the steer "
+                            "nor a preset naming it (a request may override it, also with 0). "
+                            "Repeatable.")
+    group.add_argument("--steer-floor", action="append", default=None, metavar="STEER=X",
+                       help="Least (signed) strength a request is served with; a request "
+                            "asking for less is served at X and the response header "
+                            "x-vllm-steer-floored names the steer. Repeatable.")
 
 
 def config_from_args(args: argparse.Namespace) -> SteerServerConfig | None:
     steers = getattr(args, "steer", None) or []
+    policy = _policy_args(args)
     if not (steers or getattr(args, "steer_dir", None)
             or getattr(args, "enable_steer_updates", False)):
+        if policy:
+            raise ValueError(f"vllm-steer: --steer-{'/'.join(k.rstrip('s') for k in policy)} "
+                             "given without any steer; load the steers they name with "
+                             "--steer NAME=PATH (or --steer-dir DIR)")
         return None
     pairs = [parse_steer_arg(s) for s in steers]
     names = [n for n, _ in pairs]
@@ -181,12 +201,15 @@ def config_from_args(args: argparse.Namespace) -> SteerServerConfig | None:
     if dup:
         raise ValueError(f"--steer: the name(s) {dup} are given more than once; use NAME=PATH "
                          "to give each steer its own name")
-    return SteerServerConfig(steers=dict(pairs),
+    cfg = SteerServerConfig(steers=dict(pairs),
                              max_strength=getattr(args, "steer_max_strength",
                                                   DEFAULT_MAX_STRENGTH),
                              backend=getattr(args, "steer_backend", "auto"),
                              steer_drafter=bool(getattr(args, "steer_drafter", True)),
-                             **_runtime_args(args))
+                             **_runtime_args(args), **policy)
+    if policy:
+        check_policy_config(cfg, _reserved_model_names(args))
+    return cfg
 
 
 def _runtime_args(args: argparse.Namespace) -> dict:
@@ -206,6 +229,61 @@ def _runtime_args(args: argparse.Namespace) -> dict:
                 max_steer_rank=getattr(args, "max_steer_rank", None), steer_dir=steer_dir,
                 enable_updates=bool(getattr(args, "enable_steer_updates", False)),
                 updates_any_path=bool(getattr(args, "steer_updates_any_path", False)))
+
+
+def _policy_args(args: argparse.Namespace) -> dict:
+    """``--steer-preset`` / ``--steer-default`` / ``--steer-floor`` as SteerServerConfig
+    fields (only those given)."""
+    from vllm_steer.policy import PolicyError, parse_preset_arg, parse_value_arg
+
+    out: dict = {}
+    presets: dict = {}
+    for arg in getattr(args, "steer_preset", None) or []:
+        name, mix = parse_preset_arg(arg)
+        if name in presets:
+            raise PolicyError(f"--steer-preset {name}: given twice; give each preset once")
+        presets[name] = mix
+    if presets:
+        out["presets"] = presets
+    for flag, key in (("--steer-default", "defaults"), ("--steer-floor", "floors")):
+        values: dict = {}
+        for arg in getattr(args, flag[2:].replace("-", "_"), None) or []:
+            for name, v in parse_value_arg(arg, flag).items():
+                if name in values:
+                    raise PolicyError(f"{flag} {name}: given twice; give each steer once")
+                values[name] = v
+        if values:
+            out[key] = values
+    return out
+
+
+def _reserved_model_names(args: argparse.Namespace) -> dict[str, str]:
+    """Model names a preset may not take: the served model name(s) and the LoRA modules."""
+    out: dict[str, str] = {}
+    served = getattr(args, "served_model_name", None) or [getattr(args, "model", None)]
+    for n in ([served] if isinstance(served, str) else served):
+        if n:
+            out[str(n)] = "the served model name"
+    for m in getattr(args, "lora_modules", None) or []:
+        name = getattr(m, "name", None) or (str(m).split("=", 1)[0] if m else None)
+        if name:
+            out[name] = "a LoRA module (--lora-modules)"
+    return out
+
+
+def check_policy_config(cfg: SteerServerConfig, reserved: dict[str, str] | None = None) -> None:
+    """Start-up check of presets, defaults and floors (:func:`vllm_steer.policy.
+    check_policy`): the steers they name are loaded (or files of ``--steer-dir``), the
+    strengths within ``--steer-max-strength``, preset names clash with no model name."""
+    import os
+
+    from vllm_steer.policy import check_policy
+
+    names = set(cfg.steers)
+    if cfg.steer_dir and os.path.isdir(cfg.steer_dir):
+        names |= {f[:-len(".safetensors")] for f in os.listdir(cfg.steer_dir)
+                  if f.endswith(".safetensors")}
+    check_policy(cfg.presets, cfg.defaults, cfg.floors, names, cfg.max_strength, reserved)
 
 
 def _hook_add_cli_args(engine_args_cls) -> None:
@@ -295,6 +373,9 @@ def configure_engine(vllm_config) -> None:
     from vllm_steer.integrations.families import check_model  # refuses what we cannot steer
 
     check_steers_fit(cfg, check_model(vllm_config.model_config), vllm_config.model_config.model)
+    served = vllm_config.model_config.served_model_name
+    check_policy_config(cfg, {str(n): "the served model name" for n in
+                              ([served] if isinstance(served, str) else served or [])})
     check_speculative_config(vllm_config)
     check_runtime_steers_fit_parallelism(cfg, vllm_config)
     mc = vllm_config.model_config
@@ -576,6 +657,7 @@ def _hook_engine_core(engine_core_cls) -> None:
 
     def add_request(self, request, request_wave: int = 0):
         try:
+            control.apply_policy(self, request)
             control.bind_request(self, request)
         except control.SteerAdmissionError as e:
             if getattr(self, "output_queue", None) is None:  # engine core in this process
@@ -732,6 +814,107 @@ def _hook_spec_decode_logitsprocs(runner_module) -> None:
     allow_steer_processor(runner_module)
 
 
+# ---- 7. presets as model names, defaults and floors (vllm_steer.policy) --------------------
+def presets() -> dict[str, dict[str, float]]:
+    """The presets this process serves as model names (from its steer configuration)."""
+    from vllm_steer.integrations import frontend
+
+    cfg = frontend.get_config()
+    return dict(cfg.presets) if cfg is not None and cfg.enabled else {}
+
+
+def _hook_model_registry(registry_cls) -> None:
+    """``OpenAIModelRegistry`` (behind ``OpenAIServingModels``): a preset name is a served
+    model name (``is_base_model``, so every route's model check admits it) and is listed in
+    ``/v1/models`` as its own card (parent: the base model; its mix in a ``steer`` field),
+    like vLLM lists ``--lora-modules``."""
+    orig_is_base, orig_show = registry_cls.is_base_model, registry_cls.show_available_models
+    if getattr(orig_is_base, "_vllm_steer", False):
+        return
+
+    def is_base_model(self, model_name):
+        return orig_is_base(self, model_name) or (
+            isinstance(model_name, str) and model_name in presets())
+
+    async def show_available_models(self):
+        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelPermission
+
+        models = await orig_show(self)
+        base = self.base_model_paths[0]
+        models.data.extend(ModelCard(id=name, root=base.model_path, parent=base.name,
+                                     max_model_len=self.model_config.max_model_len,
+                                     permission=[ModelPermission()], steer=dict(mix))
+                           for name, mix in presets().items())
+        return models
+
+    is_base_model._vllm_steer = True
+    registry_cls.is_base_model = is_base_model
+    registry_cls.show_available_models = show_available_models
+
+
+def _hook_preset_request(cls) -> None:
+    """``to_sampling_params`` of an OpenAI request model: a request whose ``model`` is a preset
+    gets the preset's mix under its own ``steer`` (precedence: :mod:`vllm_steer.policy`), and
+    the response headers (:mod:`vllm_steer.server.presets_route`) learn what is applied after
+    defaults and floors. (The engine core applies defaults and floors itself:
+    :func:`vllm_steer.integrations.control.apply_policy`.)"""
+    orig = cls.to_sampling_params
+    if getattr(orig, "_vllm_steer_preset", False):
+        return
+
+    def to_sampling_params(self, *a, **kw):
+        params = orig(self, *a, **kw)
+        apply_preset(params, getattr(self, "model", None))
+        return params
+
+    to_sampling_params._vllm_steer_preset = True
+    cls.to_sampling_params = to_sampling_params
+
+
+def apply_preset(params, model: str | None) -> None:
+    """Write ``model``'s preset (if it is one) under the request's steer, and record the
+    applied steers for the response headers."""
+    from vllm_steer import policy
+    from vllm_steer.integrations import frontend
+
+    cfg = frontend.get_config()
+    if cfg is None or not cfg.enabled:
+        return
+    extra = dict(params.extra_args or {})
+    value = extra.get(REQUEST_FIELD)
+    preset = presets().get(model) if isinstance(model, str) else None
+    if preset:
+        value = policy.with_preset(value, preset)
+        extra[REQUEST_FIELD] = value
+        params.extra_args = extra
+    from vllm_steer.server.presets_route import record_applied
+
+    record_applied(*policy.resolve(value, None, cfg.defaults, cfg.floors))
+
+
+def _hook_endpoint_presets(plugins) -> None:
+    """The response headers (a middleware) and ``GET /v1/steer-presets``
+    (vllm_steer.server.presets_route) on every API server that steers."""
+    orig = plugins.load_endpoint_plugins
+    if getattr(orig, "_vllm_steer_presets", False):
+        return
+
+    def load_endpoint_plugins(supported_tasks=None):
+        found = list(orig(supported_tasks))
+        from vllm_steer.integrations import frontend
+
+        cfg = frontend.get_config()
+        if cfg is not None and cfg.enabled and not any(
+                getattr(p, "name", None) == "vllm_steer_presets" for p in found):
+            from vllm_steer.server.presets_route import PresetsEndpoint
+
+            found.append(PresetsEndpoint())
+        return found
+
+    load_endpoint_plugins._vllm_steer_presets = True
+    plugins.load_endpoint_plugins = load_endpoint_plugins
+
+
 # ---- the hook list (section 0) -----------------------------------------------------------
 # Patched lazily in the worker (v1.py, v2.py) but checked here, in every process.
 _WORKER_HOOKS = (
@@ -802,4 +985,14 @@ HOOKS: tuple[Hook, ...] = (
          "an engine-side steer refusal answered as HTTP 400, not 500", _hook_async_llm_generate),
     Hook("vllm.v1.engine:EngineCoreOutput.stop_reason",
          "the engine-side steer refusal's message (error output's stop_reason)"),
+    # presets, defaults and floors (section 7)
+    Hook("vllm.entrypoints.openai.models.serving:OpenAIModelRegistry.is_base_model",
+         "presets served as model names", _hook_model_registry),
+    Hook("vllm.entrypoints.openai.models.serving:OpenAIModelRegistry.show_available_models",
+         "presets listed in /v1/models"),
+    *(Hook(f"{module}:{name}.to_sampling_params", "a preset's mix for its model name",
+           _hook_preset_request)
+      for module, name in REQUEST_CLASSES),
+    Hook("vllm.plugins:load_endpoint_plugins", "the x-vllm-steer-applied response headers",
+         _hook_endpoint_presets),
 )

@@ -1,0 +1,250 @@
+"""Operator steer policy: presets (served as model names), defaults and floors. Pure and
+torch-free (the API server and the engine core both use it).
+
+The strength a request is served with, per steer (the one rule; docs/serving.md has it as a
+table, "Presets, defaults and floors"):
+
+1. the request's ``steer`` names the steer (also with strength 0): the request's value;
+2. else the preset named by the request's ``model`` names it: the preset's strength;
+3. else ``--steer-default NAME=X`` names it: ``X``;
+4. else 0 (unsteered).
+
+Then ``--steer-floor NAME=F`` raises it: a number below ``F`` is served as ``F``; a generation
+window (:class:`vllm_steer.config.Window`, or its request form ``{"strength": ...}``) gets
+``strength`` and ``base`` each raised to ``F``, so its strength at no token is below ``F``.
+A floor is a minimum of the *signed* strength (``value >= F``): ``detox=2`` means at least 2
+towards the steer's positive label; a negative floor ``detox=-2`` lets a request steer
+towards the negative label by at most 2 and leaves every other request alone.
+
+Everything here works on host-side Python values; the math of steering is in
+:mod:`vllm_steer.reference` (Semantics: see reference).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any, Mapping
+
+from vllm_steer.names import echo, steer_name_problem
+
+#: Response headers the API server sets on a steered request (see :func:`header_values`).
+APPLIED_HEADER = "x-vllm-steer-applied"
+FLOORED_HEADER = "x-vllm-steer-floored"
+
+
+class PolicyError(ValueError):
+    """A bad ``--steer-preset`` / ``--steer-default`` / ``--steer-floor`` value; the message
+    names the flag, the value, the problem and the fix."""
+
+
+def _number(flag: str, arg: str, name: str, text: str) -> float:
+    try:
+        v = float(text.strip())
+    except ValueError:
+        raise PolicyError(f"{flag} {echo(arg, 80)}: strength {echo(text)} of steer {echo(name)} "
+                          "is not a number (e.g. detox:4)") from None
+    if not math.isfinite(v):
+        raise PolicyError(f"{flag} {echo(arg, 80)}: strength of steer {echo(name)} must be "
+                          "finite")
+    return v
+
+
+def parse_mix(text: str, flag: str = "--steer-preset", arg: str | None = None
+              ) -> dict[str, float]:
+    """``"detox:4,sentiment:2"`` -> ``{"detox": 4.0, "sentiment": 2.0}`` (zeros kept)."""
+    arg = text if arg is None else arg
+    out: dict[str, float] = {}
+    for part in (p.strip() for p in text.split(",")):
+        name, sep, s = part.partition(":")
+        name = name.strip()
+        if not sep or not name or not s.strip():
+            raise PolicyError(f"{flag} {echo(arg, 80)}: malformed entry {echo(part)}; expected "
+                              "NAME=steer:strength[,steer:strength...], e.g. "
+                              "polite=detox:4,sentiment:2")
+        problem = steer_name_problem(name)
+        if problem:
+            raise PolicyError(f"{flag} {echo(arg, 80)}: {problem}")
+        if name in out:
+            raise PolicyError(f"{flag} {echo(arg, 80)}: steer {echo(name)} given twice")
+        out[name] = _number(flag, arg, name, s)
+    return out
+
+
+def parse_preset_arg(arg: str) -> tuple[str, dict[str, float]]:
+    """``--steer-preset NAME=detox:4,sentiment:2`` -> ``(NAME, {"detox": 4, ...})``."""
+    name, sep, mix = arg.partition("=")
+    name = name.strip()
+    if not sep or not mix.strip():
+        raise PolicyError(f"--steer-preset {echo(arg, 80)}: expected NAME=steer:strength"
+                          "[,steer:strength...], e.g. polite=detox:4,sentiment:2")
+    problem = preset_name_problem(name)
+    if problem:
+        raise PolicyError(f"--steer-preset {echo(arg, 80)}: {problem}")
+    return name, parse_mix(mix, "--steer-preset", arg)
+
+
+def parse_value_arg(arg: str, flag: str) -> dict[str, float]:
+    """``--steer-default detox=2`` / ``--steer-floor detox=2,sentiment=-1`` -> a mapping."""
+    out: dict[str, float] = {}
+    for part in (p.strip() for p in arg.split(",")):
+        name, sep, s = part.partition("=")
+        name = name.strip()
+        if not sep or not name or not s.strip():
+            raise PolicyError(f"{flag} {echo(arg, 80)}: expected STEER=STRENGTH (e.g. "
+                              f"{flag} detox=2)")
+        problem = steer_name_problem(name)
+        if problem:
+            raise PolicyError(f"{flag} {echo(arg, 80)}: {problem}")
+        if name in out:
+            raise PolicyError(f"{flag} {echo(arg, 80)}: steer {echo(name)} given twice")
+        out[name] = _number(flag, arg, name, s)
+    return out
+
+
+def preset_name_problem(name: Any) -> str | None:
+    """Why ``name`` cannot be a preset (model) name, or None. Same rule as steer names."""
+    problem = steer_name_problem(name)
+    return problem.replace("steer name", "preset name") if problem else None
+
+
+def check_policy(presets: Mapping[str, Mapping[str, float]], defaults: Mapping[str, float],
+                 floors: Mapping[str, float], steers, max_strength: float,
+                 reserved: Mapping[str, str] | None = None) -> None:
+    """Start-up check of the operator's policy. ``steers``: the names a request may use (the
+    loaded steers and the files of ``--steer-dir``); ``reserved``: model names already taken
+    (name -> what takes it, e.g. the served model name or a LoRA module). Raises
+    :class:`PolicyError` naming the flag, the value, the problem and the fix."""
+    steers = set(steers)
+    known = ", ".join(sorted(steers)) or "none"
+
+    def check(flag: str, owner: str, name: str, value: float) -> None:
+        if name not in steers:
+            raise PolicyError(f"{flag} {owner}: unknown steer {echo(name)}; loaded steers "
+                              f"(and --steer-dir files): {known}. Load it with --steer "
+                              "NAME=PATH or fix the name")
+        if abs(value) > max_strength:
+            raise PolicyError(f"{flag} {owner}: strength {value:g} of steer {echo(name)} "
+                              f"exceeds the server's maximum |strength| {max_strength:g}; "
+                              "lower it or raise --steer-max-strength")
+
+    for preset, mix in presets.items():
+        if reserved and preset in reserved:
+            raise PolicyError(f"--steer-preset {preset}: the name {preset!r} is already "
+                              f"{reserved[preset]}; give the preset another name")
+        if not mix:
+            raise PolicyError(f"--steer-preset {preset}: names no steer")
+        for name, value in mix.items():
+            check("--steer-preset", preset, name, value)
+    for flag, values in (("--steer-default", defaults), ("--steer-floor", floors)):
+        for name, value in values.items():
+            check(flag, f"{name}={value:g}", name, value)
+
+
+def named(value: Any) -> dict[str, Any]:
+    """The steers a request's ``steer`` value names, with their raw values (zeros kept).
+
+    ``value`` is the mapping form or the ``vllm_xargs`` string form (``"detox:5,x:0"``),
+    already checked by the request validation; None: nothing named.
+    """
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, str):
+        out: dict[str, Any] = {}
+        for part in value.split(","):
+            name, _, s = part.partition(":")
+            if name.strip():
+                out[name.strip()] = s.strip()
+        return out
+    return {}
+
+
+def with_preset(value: Any, preset: Mapping[str, float] | None) -> Any:
+    """The request's steer value on top of a preset: steers the request names keep the
+    request's value (it replaces the preset's), the preset's other steers are added."""
+    if not preset:
+        return value
+    return {**preset, **named(value)}
+
+
+def _floor(value: Any, floor: float) -> tuple[Any, bool]:
+    """``value`` raised to ``floor``; and whether that changed it."""
+    from vllm_steer.config import Window
+
+    if isinstance(value, Window):
+        if value.strength >= floor and value.base >= floor:
+            return value, False
+        return replace(value, strength=max(value.strength, floor),
+                       base=max(value.base, floor)), True
+    if isinstance(value, Mapping):  # the request form of a window
+        out = dict(value)
+        changed = False
+        for key, dflt in (("strength", 0.0), ("base", 0.0)):
+            v = out.get(key, dflt)
+            try:
+                low = float(v) < floor
+            except (TypeError, ValueError):
+                low = False  # malformed: the request validation refuses it
+            if low or (key not in out and dflt < floor):
+                out[key] = floor
+                changed = True
+        return out, changed
+    try:
+        s = float(value)
+    except (TypeError, ValueError):
+        return value, False  # malformed: the request validation refuses it
+    return (floor, True) if s < floor else (value, False)
+
+
+def resolve(value: Any, preset: Mapping[str, float] | None = None,
+            defaults: Mapping[str, float] | None = None,
+            floors: Mapping[str, float] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """The steers a request is served with (see the module doc for the rule).
+
+    Returns ``(values, floored)``: name -> value (numbers or windows as given; zeros kept, so
+    resolving again gives the same answer) and the names a floor raised, sorted.
+    """
+    out = named(with_preset(value, preset))
+    for name, v in (defaults or {}).items():
+        out.setdefault(name, v)
+    floored = []
+    for name, f in (floors or {}).items():
+        out[name], changed = _floor(out.get(name, 0.0), f)
+        if changed:
+            floored.append(name)
+    return out, sorted(floored)
+
+
+def header_values(values: Mapping[str, Any], floored: list[str]) -> dict[str, str]:
+    """The response headers for a resolved request: ``x-vllm-steer-applied:
+    detox=2,sentiment=-3`` (the non-zero steers, a window as its JSON) and, when a floor
+    raised something, ``x-vllm-steer-floored: detox``."""
+    import json
+
+    def fmt(v: Any) -> str:
+        from vllm_steer.config import Window
+
+        if isinstance(v, Window):
+            from dataclasses import asdict
+
+            v = asdict(v)
+        if isinstance(v, Mapping):
+            return json.dumps(v, separators=(",", ":"), sort_keys=True)
+        try:
+            return f"{float(v):g}"
+        except (TypeError, ValueError):
+            return str(v)
+
+    def nonzero(v: Any) -> bool:
+        try:
+            return float(v) != 0.0
+        except (TypeError, ValueError):
+            return True
+
+    applied = ",".join(f"{n}={fmt(v)}" for n, v in sorted(values.items()) if nonzero(v))
+    out = {APPLIED_HEADER: applied}
+    if floored:
+        out[FLOORED_HEADER] = ",".join(floored)
+    return out
