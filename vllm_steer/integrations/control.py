@@ -336,6 +336,8 @@ def worker_op(worker, op: str, *args) -> Any:
         return None
     if op == "put":
         slot, gen, name, steer = args
+        if rt.bank is None:  # no LM head in this worker (an earlier pipeline stage): no steers
+            return False
         rt.put_steer(slot, gen, name, steer)
         return True
     if op == "drop":

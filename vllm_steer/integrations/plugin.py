@@ -511,11 +511,22 @@ def _hook_model_loaders(base_loader_cls) -> None:
         cls.load_model = _checked_load_model(orig)
 
 
+def _has_lm_head() -> bool:
+    """Whether this worker's model has the LM head: with pipeline parallelism only the last
+    stage does (the others have vLLM's ``PPMissingLayer`` and no logits layer to steer)."""
+    try:
+        from vllm.distributed import get_pp_group
+
+        return get_pp_group().is_last_rank
+    except (ImportError, AssertionError):  # no pipeline group (a model built outside vLLM)
+        return True
+
+
 def _checked_load_model(orig):
     def load_model(self, vllm_config, *a, **kw):
         model = orig(self, vllm_config, *a, **kw)
         cfg = SteerServerConfig.from_additional_config(vllm_config.additional_config)
-        if cfg is not None and cfg.enabled and \
+        if cfg is not None and cfg.enabled and _has_lm_head() and \
                 getattr(vllm_config.model_config, "runner_type", "generate") != "pooling":
             from vllm_steer.integrations.head import check_head_installed
 
