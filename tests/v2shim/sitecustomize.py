@@ -81,5 +81,104 @@ def _install() -> None:
     backends["cpu"] = Backend(InterpretOnlyBackend, CPUDriver)
 
 
+def keep_async_scheduling(platform_cls) -> None:
+    """Wrap ``platform_cls.check_and_update_config`` so that it keeps the
+    ``scheduler_config.async_scheduling`` value it was given (vLLM's CPU platform sets it to
+    False). Idempotent."""
+    orig = platform_cls.__dict__["check_and_update_config"].__func__
+    if getattr(orig, "_steer_keeps_async", False):
+        return
+
+    def check_and_update_config(cls, vllm_config):
+        sc = vllm_config.scheduler_config
+        before = sc.async_scheduling
+        orig(cls, vllm_config)
+        sc.async_scheduling = before
+
+    check_and_update_config._steer_keeps_async = True
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+
+
+def cpu_streams_and_events() -> None:
+    """CPU stand-ins for the CUDA streams and events that vLLM's async-scheduling output path
+    (``AsyncGPUModelRunnerOutput``: ``torch.cuda.Event``, ``current_stream``, ``stream``) uses
+    at run time. On the CPU every op has finished when it returns, so a no-op event and stream
+    keep the semantics. Only where torch has no CUDA."""
+    import contextlib
+
+    import torch
+
+    if torch.cuda.is_available() or getattr(torch.cuda, "_steer_cpu_shim", False):
+        return
+
+    class Event:
+        def __init__(self, *a, **k):
+            pass
+
+        def record(self, *a, **k):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def wait(self, *a, **k):
+            pass
+
+        def query(self):
+            return True
+
+    class Stream:
+        def __init__(self, *a, **k):
+            self.device = torch.device("cpu")
+
+        def wait_stream(self, *a, **k):
+            pass
+
+        def wait_event(self, *a, **k):
+            pass
+
+        def synchronize(self):
+            pass
+
+    torch.cuda.Event = Event
+    torch.cuda.Stream = Stream
+    torch.cuda.current_stream = lambda *a, **k: Stream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda._steer_cpu_shim = True
+
+
+def _on_import(target: str, fn) -> None:
+    """Call ``fn(module)`` right after ``target`` is imported (without importing it here)."""
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target_module=None):
+            if name != target:
+                return None
+            sys.meta_path.remove(self)  # once
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.loader is None:
+                return spec
+            orig_exec = spec.loader.exec_module
+
+            def exec_module(module):
+                orig_exec(module)
+                fn(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _Finder())
+
+
+def _install_async() -> None:
+    _on_import("vllm.platforms.cpu", lambda m: keep_async_scheduling(m.CpuPlatform))
+    _on_import("vllm.v1.worker.cpu_model_runner", lambda m: cpu_streams_and_events())
+
+
 if os.environ.get("STEER_TEST_V2_SHIM") == "1":
     _install()
+if os.environ.get("STEER_TEST_ASYNC_SHIM") == "1":
+    _install_async()
