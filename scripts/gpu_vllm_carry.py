@@ -10,6 +10,8 @@ consecutive calls and are put together there:
   here:     download   pip download vllm==VERSION (cp312 manylinux x86_64, --no-deps) and every
                        Requires-Dist the machine lacks, transitively (minus KINDS.md's package
                        list; never torch), into .whl/
+  here:     abi        list the torch symbols vLLM's compiled extensions need that a given torch
+                       wheel lacks (nm -D): can vLLM's wheel load on the machine's torch?
   here:     split      cut .whl/* (as one byte stream) into chunks under 60 MiB, one folder per
                        chunk (.carry/cNNN/), each with the JSON manifest: every file's name, size
                        and sha256, every chunk's size and sha256
@@ -196,6 +198,42 @@ def cmd_download(a) -> int:
               "machine has torch 2.11: vLLM's compiled extension is built against the torch it "
               "pins (docs/serving.md, 'On GPU').")
     return 0
+
+
+# -------------------------------------------------------------------------------- abi (here)
+
+TORCH_SYMBOL = re.compile(r"^(aoti_torch|torch_|_ZN3c10|_ZNK3c10|_ZN2at|_ZNK2at|_ZN5torch)")
+
+
+def _dynsyms(path: Path, defined: bool) -> set[str]:
+    flag = "--defined-only" if defined else "--undefined-only"
+    out = subprocess.run(["nm", "-D", flag, str(path)], capture_output=True, text=True).stdout
+    return {line.split()[-1] for line in out.splitlines() if line.strip()}
+
+
+def cmd_abi(a) -> int:
+    """Which torch symbols vLLM's compiled extensions need that a given torch lacks."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t, v = Path(tmp) / "torch", Path(tmp) / "vllm"
+        with zipfile.ZipFile(a.torch_wheel) as z:
+            z.extractall(t, [n for n in z.namelist() if re.match(r"torch/lib/libtorch\w*\.so", n)
+                             or re.match(r"torch/lib/libc10\w*\.so", n)])
+        with zipfile.ZipFile(a.vllm_wheel) as z:
+            z.extractall(v, [n for n in z.namelist() if n.endswith(".so")])
+        have: set[str] = set()
+        for so in t.rglob("*.so"):
+            have |= _dynsyms(so, True)
+        missing_any = 0
+        for so in sorted(v.rglob("*.so")):
+            need = {s for s in _dynsyms(so, False) if TORCH_SYMBOL.match(s)}
+            cpp = sum(not s.startswith(("aoti_torch", "torch_")) for s in need)
+            miss = sorted(need - have)
+            missing_any += bool(miss)
+            print(f"{so.relative_to(v)}: {len(need)} torch symbols ({cpp} C++ c10/at/torch, "
+                  f"the rest the stable C ABI), missing: {len(miss)} {' '.join(miss[:6])}")
+    return 1 if missing_any else 0
 
 
 # ------------------------------------------------------------------------------ split (here)
@@ -414,6 +452,9 @@ def main(argv=None) -> int:
                    help="a KINDS.md whose 'Packages:' list replaces the built-in one")
     p.add_argument("--skip", nargs="*", default=[], help="requirement names not to carry")
     p.add_argument("--dry-run", action="store_true", help="print the pip commands only")
+    p = sub.add_parser("abi", help="torch symbols vLLM's extensions need that a torch lacks")
+    p.add_argument("--vllm-wheel", required=True)
+    p.add_argument("--torch-wheel", required=True, help="e.g. the machine's torch 2.11 wheel")
     p = sub.add_parser("split", help="cut the wheels into chunks under 60 MiB with a manifest")
     p.add_argument("--src", default=str(ROOT / ".whl"))
     p.add_argument("--out", default=str(ROOT / ".carry"), help="chunk folders (git-ignored)")
@@ -431,7 +472,7 @@ def main(argv=None) -> int:
     p.add_argument("--install", default=None, metavar="TARGET",
                    help="then pip install --no-index --no-deps --target TARGET the wheels")
     a = ap.parse_args(argv)
-    fn = {"download": cmd_download, "split": cmd_split, "plan": cmd_plan,
+    fn = {"download": cmd_download, "abi": cmd_abi, "split": cmd_split, "plan": cmd_plan,
           "receive": cmd_receive, "assemble": cmd_assemble}[a.cmd]
     try:
         return fn(a)
