@@ -50,6 +50,12 @@ if [ "$MODE" = vllm-check ] || [ "$MODE" = vllm-bench ]; then
   "$PY" -c "import vllm; print('vllm', vllm.__version__, vllm.__file__)" \
     || { echo "gpu_check: FAIL: vLLM is not importable (carry it: python3 scripts/gpu_vllm_carry.py plan)"; exit 2; }
   if [ ! -e vllm_steer/kernels ]; then ln -s ../kernels vllm_steer/kernels; fi
+  # vLLM finds the plugin through its entry point: install the package's metadata once.
+  if ! "$PY" -c "import sys, importlib.metadata as m; sys.exit(not any(e.name == 'vllm_steer' for e in m.entry_points(group='vllm.general_plugins')))"; then
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/steer_site "$ROOT" \
+      || { echo "gpu_check: FAIL: could not install vllm_steer's entry points"; exit 2; }
+    export PYTHONPATH="/tmp/steer_site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
 if [ "$MODE" = vllm-check ]; then
