@@ -2,15 +2,12 @@
 
 vLLM's CPU platform turns async scheduling off (``vllm/platforms/cpu.py``,
 ``check_and_update_config``: ``scheduler_config.async_scheduling = False``). The CPU model
-runner is a subclass of the GPU runner and runs the async path once two things are bypassed,
-by the test-only shim ``tests/v2shim/sitecustomize.py`` with ``STEER_TEST_ASYNC_SHIM=1``:
-
-  * ``CpuPlatform.check_and_update_config`` keeps the ``async_scheduling`` it was given (in
-    this process, which builds the config, and in the spawned engine processes);
-  * the async output path (``AsyncGPUModelRunnerOutput``) calls ``torch.cuda.Event``,
-    ``torch.cuda.current_stream`` and ``torch.cuda.stream`` at run time (the CPU runner only
-    stubs them while it is constructed); on a CPU every op has finished when it returns, so
-    no-op stand-ins keep the semantics.
+runner is a subclass of the GPU runner and runs its async path once that is bypassed, by the
+test-only shim ``tests/v2shim/sitecustomize.py`` with ``STEER_TEST_ASYNC_SHIM=1``:
+``CpuPlatform.check_and_update_config`` keeps the ``async_scheduling`` it was given (in this
+process, which builds the config, and in the spawned engine processes). Nothing else breaks:
+the CUDA events and streams of the async output paths (V1 ``AsyncGPUModelRunnerOutput``, V2
+``AsyncOutput``) are already no-op placeholders on CPU (``vllm/v1/worker/cpu/shm.py``).
 
 Then the engine core schedules step N+1 before step N's output is back, and the runner takes
 the previous step's sampled tokens from the device (``prev_sampled_token_ids``). Requests of

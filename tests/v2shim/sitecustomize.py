@@ -19,6 +19,12 @@ Python imports ``sitecustomize`` at start-up from ``sys.path``, so every process
 happens without ``STEER_TEST_V2_SHIM=1`` (no ``VLLM_`` prefix: vLLM warns about unknown
 ``VLLM_*`` variables). This is a test harness, not product code: on GPUs the V2 runner runs
 on real Triton.
+
+Async scheduling (tests/test_vllm_async.py), independently, with ``STEER_TEST_ASYNC_SHIM=1``:
+vLLM's CPU platform sets ``scheduler_config.async_scheduling = False`` in
+``CpuPlatform.check_and_update_config``; the shim wraps that method, when
+``vllm.platforms.cpu`` is imported, so that it keeps the value it was given. Nothing else is
+needed: the V1 CPU runner is the GPU runner's subclass and runs its async path as is.
 """
 
 import os
@@ -99,54 +105,6 @@ def keep_async_scheduling(platform_cls) -> None:
     platform_cls.check_and_update_config = classmethod(check_and_update_config)
 
 
-def cpu_streams_and_events() -> None:
-    """CPU stand-ins for the CUDA streams and events that vLLM's async-scheduling output path
-    (``AsyncGPUModelRunnerOutput``: ``torch.cuda.Event``, ``current_stream``, ``stream``) uses
-    at run time. On the CPU every op has finished when it returns, so a no-op event and stream
-    keep the semantics. Only where torch has no CUDA."""
-    import contextlib
-
-    import torch
-
-    if torch.cuda.is_available() or getattr(torch.cuda, "_steer_cpu_shim", False):
-        return
-
-    class Event:
-        def __init__(self, *a, **k):
-            pass
-
-        def record(self, *a, **k):
-            pass
-
-        def synchronize(self):
-            pass
-
-        def wait(self, *a, **k):
-            pass
-
-        def query(self):
-            return True
-
-    class Stream:
-        def __init__(self, *a, **k):
-            self.device = torch.device("cpu")
-
-        def wait_stream(self, *a, **k):
-            pass
-
-        def wait_event(self, *a, **k):
-            pass
-
-        def synchronize(self):
-            pass
-
-    torch.cuda.Event = Event
-    torch.cuda.Stream = Stream
-    torch.cuda.current_stream = lambda *a, **k: Stream()
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    torch.cuda._steer_cpu_shim = True
-
-
 def _on_import(target: str, fn) -> None:
     """Call ``fn(module)`` right after ``target`` is imported (without importing it here)."""
     import importlib.abc
@@ -174,8 +132,10 @@ def _on_import(target: str, fn) -> None:
 
 
 def _install_async() -> None:
+    # The async output paths' CUDA events and streams (V1 AsyncGPUModelRunnerOutput, V2
+    # AsyncOutput) need nothing here: vLLM's vllm/v1/worker/cpu/shm.py, imported by the CPU
+    # worker, already replaces them by no-op placeholders.
     _on_import("vllm.platforms.cpu", lambda m: keep_async_scheduling(m.CpuPlatform))
-    _on_import("vllm.v1.worker.cpu_model_runner", lambda m: cpu_streams_and_events())
 
 
 if os.environ.get("STEER_TEST_V2_SHIM") == "1":
