@@ -4,7 +4,7 @@ PY := .venv/bin/python
 DATA ?= $(abspath ../shared/data)
 export VLLM_STEER_DATA ?= $(DATA)
 
-.PHONY: install model demo test test-fast test-vllm steers bench-kernels gpu-check clean
+.PHONY: install model demo test test-fast test-vllm steers bench-kernels gpu-check gpu-vllm-check gpu-vllm-bench clean
 
 install:
 	@bash scripts/install.sh
@@ -33,6 +33,14 @@ bench-kernels: install
 # One call on a GPU machine: kernel correctness and timing.
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# On a GPU machine with vLLM carried in (scripts/gpu_vllm_carry.py; docs/serving.md "On GPU"):
+# the plugin in real GPU engines, then its throughput (BENCH_MODEL=smollm2 or 8b).
+gpu-vllm-check:
+	bash scripts/gpu_check.sh vllm-check
+
+gpu-vllm-bench:
+	bash scripts/gpu_check.sh vllm-bench $(or $(BENCH_MODEL),smollm2)
 
 clean:
 	rm -rf .venv build *.egg-info

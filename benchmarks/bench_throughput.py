@@ -58,6 +58,8 @@ def engine_kwargs(args) -> dict:
         kw["kv_cache_memory_bytes"] = args.kv_cache_bytes
     if args.load_format:
         kw["load_format"] = args.load_format
+    if args.gpu_memory_utilization:
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     return kw
 
 
@@ -271,7 +273,10 @@ def main(argv=None) -> int:
     ap.add_argument("--full-rank", type=int, default=0,
                     help="how many of the loaded steers are full rank (rank = hidden size)")
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
-    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                    help="--no-enforce-eager: CUDA graphs (and torch.compile) as on a GPU")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="per engine, on a GPU: the engines share it (e.g. 0.25 for three)")
     ap.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
                     help="a second plugin-free engine, (a'): the difference between two "
                          "identical engines on this machine")

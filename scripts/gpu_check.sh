@@ -11,7 +11,17 @@
 # Output goes to the terminal and, when $OUT is set, to $OUT/gpu_check.log (all of it) and
 # $OUT/kernel_bench_quick.txt, $OUT/kernel_bench_full.txt (the tables).
 # Exit status: 0 when the tests pass (the benchmark reports, it does not fail the check).
+#
+# With vLLM installed on the machine (scripts/gpu_vllm_carry.py; PYTHONPATH=/tmp/site), the
+# plugin in real GPU engines (each part fits one 10-minute device call):
+#   bash scripts/gpu_check.sh vllm-check   scripts/gpu_vllm_check.py --device cuda: bf16 and fp32,
+#                                           V2 and V1, CUDA graphs and async scheduling on
+#   bash scripts/gpu_check.sh vllm-bench [smollm2|8b]
+#                                           benchmarks/bench_throughput.py at batch 1, 32, 256
+#                                           (K = 16/64/256 where batch >= K), CUDA graphs on,
+#                                           then (smollm2) benchmarks/profile_plugin.py: the plugin's host time
 set -uo pipefail
+MODE=${1:-kernels}
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PY=${PYTHON:-python3}
@@ -35,6 +45,45 @@ p = torch.cuda.get_device_properties(0)
 print(f"device: {p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB")
 import pytest  # noqa: F401
 EOF
+
+if [ "$MODE" = vllm-check ] || [ "$MODE" = vllm-bench ]; then
+  "$PY" -c "import vllm; print('vllm', vllm.__version__, vllm.__file__)" \
+    || { echo "gpu_check: FAIL: vLLM is not importable (carry it: python3 scripts/gpu_vllm_carry.py plan)"; exit 2; }
+  if [ ! -e vllm_steer/kernels ]; then ln -s ../kernels vllm_steer/kernels; fi
+  # vLLM finds the plugin through its entry point: install the package's metadata once.
+  if ! "$PY" -c "import sys, importlib.metadata as m; sys.exit(not any(e.name == 'vllm_steer' for e in m.entry_points(group='vllm.general_plugins')))"; then
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/steer_site "$ROOT" \
+      || { echo "gpu_check: FAIL: could not install vllm_steer's entry points"; exit 2; }
+    export PYTHONPATH="/tmp/steer_site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if [ "$MODE" = vllm-check ]; then
+  echo "== vLLM correctness on the GPU"
+  "$PY" scripts/gpu_vllm_check.py --device cuda --out "${OUT:-/tmp}"
+  exit $?
+fi
+if [ "$MODE" = vllm-bench ]; then
+  WHICH=${2:-smollm2}
+  if [ "$WHICH" = 8b ]; then
+    MODEL=(--model benchmarks/configs/llama-3.1-8b.json --load-format dummy --dtype bfloat16)
+  else
+    MODEL=(--model smollm2)
+  fi
+  for B in ${BENCH_BATCHES:-1 32 256}; do
+    KS=$(for k in 16 64 256; do [ "$k" -le "$B" ] && printf '%s,' "$k"; done)
+    KS=${KS%,}; KS=${KS:-1}
+    echo "== bench_throughput $WHICH batch $B K $KS"
+    "$PY" benchmarks/bench_throughput.py "${MODEL[@]}" --batch "$B" --k-list "$KS" \
+      --no-enforce-eager --gpu-memory-utilization 0.25 --repeats "${BENCH_REPEATS:-3}" \
+      --out "${OUT:-/tmp}/bench_${WHICH}_b$B"
+  done
+  if [ "$WHICH" = smollm2 ]; then
+    echo "== profile_plugin smollm2 (host time of the plugin's entry points per generate)"
+    "$PY" benchmarks/profile_plugin.py --batch 32 --patterns 0,1,16
+  fi
+  exit 0
+fi
 
 # Make `import vllm_steer.kernels` work without installing anything.
 WORK=$ROOT

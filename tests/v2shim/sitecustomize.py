@@ -19,6 +19,12 @@ Python imports ``sitecustomize`` at start-up from ``sys.path``, so every process
 happens without ``STEER_TEST_V2_SHIM=1`` (no ``VLLM_`` prefix: vLLM warns about unknown
 ``VLLM_*`` variables). This is a test harness, not product code: on GPUs the V2 runner runs
 on real Triton.
+
+Async scheduling (tests/test_vllm_async.py), independently, with ``STEER_TEST_ASYNC_SHIM=1``:
+vLLM's CPU platform sets ``scheduler_config.async_scheduling = False`` in
+``CpuPlatform.check_and_update_config``; the shim wraps that method, when
+``vllm.platforms.cpu`` is imported, so that it keeps the value it was given. Nothing else is
+needed: the V1 CPU runner is the GPU runner's subclass and runs its async path as is.
 """
 
 import os
@@ -81,5 +87,58 @@ def _install() -> None:
     backends["cpu"] = Backend(InterpretOnlyBackend, CPUDriver)
 
 
+def keep_async_scheduling(platform_cls) -> None:
+    """Wrap ``platform_cls.check_and_update_config`` so that it keeps the
+    ``scheduler_config.async_scheduling`` value it was given (vLLM's CPU platform sets it to
+    False). Idempotent."""
+    orig = platform_cls.__dict__["check_and_update_config"].__func__
+    if getattr(orig, "_steer_keeps_async", False):
+        return
+
+    def check_and_update_config(cls, vllm_config):
+        sc = vllm_config.scheduler_config
+        before = sc.async_scheduling
+        orig(cls, vllm_config)
+        sc.async_scheduling = before
+
+    check_and_update_config._steer_keeps_async = True
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+
+
+def _on_import(target: str, fn) -> None:
+    """Call ``fn(module)`` right after ``target`` is imported (without importing it here)."""
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target_module=None):
+            if name != target:
+                return None
+            sys.meta_path.remove(self)  # once
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.loader is None:
+                return spec
+            orig_exec = spec.loader.exec_module
+
+            def exec_module(module):
+                orig_exec(module)
+                fn(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _Finder())
+
+
+def _install_async() -> None:
+    # The async output paths' CUDA events and streams (V1 AsyncGPUModelRunnerOutput, V2
+    # AsyncOutput) need nothing here: vLLM's vllm/v1/worker/cpu/shm.py, imported by the CPU
+    # worker, already replaces them by no-op placeholders.
+    _on_import("vllm.platforms.cpu", lambda m: keep_async_scheduling(m.CpuPlatform))
+
+
 if os.environ.get("STEER_TEST_V2_SHIM") == "1":
     _install()
+if os.environ.get("STEER_TEST_ASYNC_SHIM") == "1":
+    _install_async()

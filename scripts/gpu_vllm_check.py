@@ -1,0 +1,242 @@
+#!/usr/bin/env python3
+"""The plugin inside a real vLLM engine, checked against plain torch: the GPU correctness check.
+
+For every dtype x model runner asked for, two engines on a tiny random Llama made on the fly
+(saved under --workdir, default a temporary folder), with random steers at its hidden size:
+
+  * the plugin loaded: one mixed batch (steered, unsteered and composed requests of different
+    prompt lengths and max_tokens, so rows join and leave at different steps), then each of
+    those requests alone;
+  * stock vLLM (``VLLM_PLUGINS=none``): the same prompts, unsteered, in one batch.
+
+Checked, per request (greedy, logprobs of the sampled tokens):
+
+  1. steered and unsteered rows: each sampled token's logprob equals the paper's formula applied
+     by hand in plain torch on the model's own weights (tests/conftest.py ``HFReference``, fp32)
+     to within --tol for that dtype, and the token is the reference's argmax wherever the
+     reference's top-2 margin exceeds twice the tolerance;
+  2. unsteered rows of the mixed batch get exactly stock vLLM's tokens (logprobs within tol);
+  3. every request gets exactly the same tokens in the mixed batch as alone (logprobs within
+     tol).
+
+On ``--device cuda`` the engines run as users run them: CUDA graphs (enforce_eager False) and
+async scheduling on, Model Runner V2 (``v2``) or V1 (``v1``, ``VLLM_USE_V2_MODEL_RUNNER=0``).
+On ``--device cpu`` (the reduced form run by tests/test_gpu_vllm_check.py) the engines are
+eager, V2 runs through the test shim tests/v2shim, and ``--cpu-async`` keeps async scheduling
+on through the same shim (``STEER_TEST_ASYNC_SHIM=1``; vLLM's CPU platform turns it off).
+
+Writes ``OUT/gpu_vllm_check.json`` (every comparison) and prints one line per check; exit
+status 0 when all pass. Semantics of the steer: see vllm_steer/reference.py.
+
+    python scripts/gpu_vllm_check.py --device cuda                      # bf16+fp32, V2+V1
+    python scripts/gpu_vllm_check.py --device cpu --dtypes float32 --runners v1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIM = ROOT / "tests" / "v2shim"
+PROMPTS = ["Hello there, my name is", "The weather today", "Once upon a time in a land far",
+           "Q: What is two plus two?\nA:", "In the beginning"]
+# (steer strengths or None, max_tokens): rows of different lengths join and leave apart
+REQUESTS = [({"a": 5}, 6), (None, 9), ({"b": -6}, 4), ({"a": 2, "b": 3}, 7), (None, 3)]
+TOL = {"float32": 2e-3, "bfloat16": 0.15, "float16": 0.05}
+
+
+def engine_env(a, runner: str, plugin: bool) -> dict:
+    env = dict(os.environ)
+    env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+    if not plugin:
+        env["VLLM_PLUGINS"] = "none"
+    path = [str(ROOT)]
+    if a.device == "cpu":
+        if runner == "v2":
+            env["STEER_TEST_V2_SHIM"] = "1"
+            env["TRITON_INTERPRET"] = "1"
+        if a.cpu_async:
+            env["STEER_TEST_ASYNC_SHIM"] = "1"
+        if runner == "v2" or a.cpu_async:
+            path.insert(0, str(SHIM))
+    env["PYTHONPATH"] = os.pathsep.join(path + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+# ---------------------------------------------------------------------- engine (subprocess)
+
+def run_engine(a) -> int:
+    from vllm import LLM, SamplingParams
+
+    spec = json.loads(a.spec)
+    kw = dict(dtype=spec["dtype"], max_model_len=256, max_num_seqs=8, seed=0,
+              enforce_eager=spec["device"] == "cpu", async_scheduling=spec["async"])
+    if spec["device"] == "cpu":
+        kw["kv_cache_memory_bytes"] = 1 << 28
+    else:
+        kw["gpu_memory_utilization"] = 0.3
+    if spec["plugin"]:
+        kw["additional_config"] = {"vllm_steer": {"steers": spec["steers"]}}
+    llm = LLM(spec["model"], **kw)
+    cfg = llm.llm_engine.vllm_config
+    info = {"async_scheduling": bool(cfg.scheduler_config.async_scheduling),
+            "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
+            "v2_runner": bool(getattr(cfg, "use_v2_model_runner", False))}
+
+    def sp(steer, n):
+        return SamplingParams(temperature=0, max_tokens=n, logprobs=0, ignore_eos=True,
+                              extra_args=None if steer is None else {"steer": steer})
+
+    def outs(prompts, params):
+        res = []
+        for o in llm.generate(prompts, params, use_tqdm=False):
+            c = o.outputs[0]
+            res.append({"prompt_ids": list(o.prompt_token_ids), "tokens": list(c.token_ids),
+                        "logprobs": [e[t].logprob for e, t in zip(c.logprobs, c.token_ids)]})
+        return res
+
+    reqs = [(p, s, n) for p, (s, n) in zip(PROMPTS, REQUESTS)]
+    result = {"info": info}
+    if spec["plugin"]:
+        result["mixed"] = outs([p for p, _, _ in reqs], [sp(s, n) for _, s, n in reqs])
+        result["alone"] = [outs([p], [sp(s, n)])[0] for p, s, n in reqs]
+    else:
+        result["stock"] = outs([p for p, _, _ in reqs], [sp(None, n) for _, _, n in reqs])
+    Path(a.result).write_text(json.dumps(result))
+    return 0
+
+
+# ------------------------------------------------------------------------------ main (parent)
+
+def spawn(a, spec: dict, tag: str) -> dict:
+    out = Path(a.workdir) / f"{tag}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_engine", "--spec", json.dumps(spec),
+           "--result", str(out)]
+    env = engine_env(a, spec["runner"], spec["plugin"])
+    t0 = time.time()
+    with open(Path(a.workdir) / f"{tag}.log", "w") as log:
+        rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            timeout=a.engine_timeout).returncode
+    print(f"  engine {tag}: exit {rc} in {time.time() - t0:.0f}s (log {a.workdir}/{tag}.log)",
+          flush=True)
+    if rc != 0:
+        tail = (Path(a.workdir) / f"{tag}.log").read_text()[-3000:]
+        raise RuntimeError(f"engine {tag} failed (exit {rc}):\n{tail}")
+    return json.loads(out.read_text())
+
+
+def compare(a, dtype: str, runner: str, ref, on: dict, off: dict) -> list[dict]:
+    tol = a.tol if a.tol is not None else TOL[dtype]
+    checks = []
+
+    def check(name, ok, **detail):
+        checks.append({"dtype": dtype, "runner": runner, "check": name, "ok": bool(ok), **detail})
+
+    for i, (steer, _n) in enumerate(REQUESTS):
+        row, alone, stock = on["mixed"][i], on["alone"][i], off["stock"][i]
+        ids = row["prompt_ids"] + row["tokens"]
+        lp = ref.logprobs(ids, steer)
+        n0 = len(row["prompt_ids"])
+        errs, bad_tokens = [], []
+        for j, (t, got) in enumerate(zip(row["tokens"], row["logprobs"])):
+            r = lp[n0 - 1 + j]
+            errs.append(abs(got - float(r[t])))
+            top2 = r.topk(2).values
+            if float(top2[0] - top2[1]) > 2 * tol and t != int(r.argmax()):
+                bad_tokens.append(j)
+        kind = "steered" if steer else "unsteered"
+        check(f"{kind} row {i} {steer or {}}: logprobs = plain-torch formula",
+              max(errs) <= tol and not bad_tokens, max_abs_err=max(errs), tol=tol,
+              tokens_off_reference=bad_tokens)
+        if steer is None:
+            d = max(abs(x - y) for x, y in zip(row["logprobs"], stock["logprobs"]))
+            check(f"unsteered row {i}: tokens = stock vLLM (no plugin)",
+                  row["tokens"] == stock["tokens"] and d <= tol, max_abs_err=d,
+                  tokens=row["tokens"], stock=stock["tokens"])
+        d = max(abs(x - y) for x, y in zip(row["logprobs"], alone["logprobs"]))
+        check(f"{kind} row {i}: mixed batch = alone", row["tokens"] == alone["tokens"]
+              and d <= tol, max_abs_err=d, mixed=row["tokens"], alone=alone["tokens"])
+    # the steers must move the logprobs by more than the tolerance, or 1. proves nothing
+    row = on["mixed"][0]
+    ids = row["prompt_ids"] + row["tokens"]
+    n0 = len(row["prompt_ids"])
+    moved = float((ref.logprobs(ids, REQUESTS[0][0]) - ref.logprobs(ids))[n0 - 1:].abs().max())
+    check("the steer moves logprobs by more than the tolerance", moved > 10 * tol,
+          moved=moved, tol=tol)
+    return checks
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
+                    choices=sorted(TOL))
+    ap.add_argument("--runners", nargs="+", default=["v2", "v1"], choices=["v2", "v1"])
+    ap.add_argument("--cpu-async", action="store_true",
+                    help="on --device cpu: async scheduling on through tests/v2shim")
+    ap.add_argument("--tol", type=float, default=None,
+                    help=f"logprob tolerance (default per dtype: {TOL})")
+    ap.add_argument("--workdir", default=None, help="model, steers, engine logs (default: tmp)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where the JSON goes")
+    ap.add_argument("--engine-timeout", type=int, default=900)
+    sub = ap.add_subparsers(dest="cmd")
+    e = sub.add_parser("_engine", help="(internal) one engine in this process")
+    e.add_argument("--spec", required=True)
+    e.add_argument("--result", required=True)
+    a = ap.parse_args(argv)
+    if a.cmd == "_engine":
+        return run_engine(a)
+
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import HFReference, make_tiny_llama, random_steer, save_steers
+
+    a.workdir = a.workdir or tempfile.mkdtemp(prefix="gpu_vllm_check-")
+    work = Path(a.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    model = work / "tiny-llama"
+    if not (model / "config.json").exists():
+        make_tiny_llama(model)
+    steers = {"a": random_steer(64, 8, "a", seed=1, scale=3.0),
+              "b": random_steer(64, 8, "b", seed=2, scale=3.0)}
+    paths = save_steers(work, steers)
+    ref = HFReference(model, steers)
+    use_async = a.device == "cuda" or a.cpu_async
+    print(f"gpu_vllm_check: device {a.device}, dtypes {a.dtypes}, runners {a.runners}, "
+          f"async scheduling {'on' if use_async else 'off'}, work in {work}", flush=True)
+    checks, infos = [], {}
+    for dtype in a.dtypes:
+        for runner in a.runners:
+            spec = {"model": str(model), "dtype": dtype, "runner": runner, "device": a.device,
+                    "async": use_async, "steers": paths}
+            on = spawn(a, {**spec, "plugin": True}, f"{dtype}-{runner}-plugin")
+            off = spawn(a, {**spec, "plugin": False}, f"{dtype}-{runner}-stock")
+            infos[f"{dtype}-{runner}"] = on["info"]
+            checks.append({"dtype": dtype, "runner": runner, "check": "engine settings as asked",
+                           "ok": on["info"]["async_scheduling"] == use_async
+                           and on["info"]["v2_runner"] == (runner == "v2"), **on["info"]})
+            checks += compare(a, dtype, runner, ref, on, off)
+    for c in checks:
+        detail = {k: v for k, v in c.items() if k not in ("dtype", "runner", "check", "ok")}
+        print(f"{'PASS' if c['ok'] else 'FAIL'} [{c['dtype']} {c['runner']}] {c['check']}  "
+              f"{json.dumps(detail)}")
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "gpu_vllm_check.json").write_text(json.dumps(
+        {"device": a.device, "engines": infos, "checks": checks}, indent=1))
+    bad = sum(not c["ok"] for c in checks)
+    print(f"gpu_vllm_check: {len(checks) - bad} passed, {bad} failed")
+    return 0 if bad == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
