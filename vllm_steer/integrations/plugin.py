@@ -373,7 +373,7 @@ def configure_engine(vllm_config) -> None:
     from vllm_steer.integrations.families import check_model  # refuses what we cannot steer
 
     check_steers_fit(cfg, check_model(vllm_config.model_config), vllm_config.model_config.model)
-    served = vllm_config.model_config.served_model_name
+    served = getattr(vllm_config.model_config, "served_model_name", None)
     check_policy_config(cfg, {str(n): "the served model name" for n in
                               ([served] if isinstance(served, str) else served or [])})
     check_speculative_config(vllm_config)
