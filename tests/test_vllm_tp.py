@@ -5,7 +5,8 @@ vocabulary-parallel LM head and steer their replicated copy of the hidden states
 logprobs must be those of the unsharded model (plain torch on the same weights, the steer
 applied by hand: what TP=1 is pinned to in tests/test_vllm_offline.py). The V1 side of the
 slot-hygiene check lives here too: after the last steered request finishes, no worker does
-steer work.
+steer work. A steer loaded at run time (``vllm_steer.offline.load_steer``) reaches both
+workers (the last test: it loads into the engine's third slot and unloads again).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def llm(model_dir, steers):
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
         # collective_rpc(steer_stats): read each worker's steer-op counters from the test
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        engine = LLM(str(model_dir), additional_config={"vllm_steer": {"steers": steers[1]}},
+        engine = LLM(str(model_dir), additional_config={"vllm_steer": {"steers": steers[1], "max_steers": 3}},
                      **ENGINE_KW)
         yield engine
         del engine
@@ -95,3 +96,39 @@ def test_v1_a_finished_steered_request_costs_no_steer_work_on_any_rank(llm, ref)
     assert list(outs[1].outputs[0].token_ids) == ref.greedy(list(outs[1].prompt_token_ids), 6)
     llm.generate(PROMPTS[2:3], sp())
     assert llm.collective_rpc(steer_stats) == mid
+
+
+def test_tp2_workers_both_steer_with_a_steer_loaded_at_run_time(llm, ref, tmp_path):
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_steer import offline
+    from vllm_steer.format import save_steer
+
+    steer = random_steer(HIDDEN, 8, "t", seed=5, scale=3.0)
+    save_steer(tmp_path / "t.safetensors", steer)
+    entry = offline.load_steer(llm, "t", tmp_path / "t.safetensors")
+    assert (entry["name"], entry["slot"], entry["source"]) == ("t", 2, "offline")
+    # each TP rank computes half of the vocabulary's logits from its own copy of the hidden
+    # state: tokens and logprobs match the unsharded reference only if both ranks steered
+    ref.steers["t"] = steer
+    try:
+        mixes = [{"t": 5}, {"t": 5, "a": 2}]
+        out = llm.generate(PROMPTS[:2], [sp(m, logprobs=0) for m in mixes])
+        for o, m in zip(out, mixes):
+            ids, got = list(o.prompt_token_ids), list(o.outputs[0].token_ids)
+            assert got == ref.greedy(ids, MAX_TOKENS, m), m
+            assert got != ref.greedy(ids, MAX_TOKENS), m  # the new steer does change them
+            lp = ref.logprobs(ids + got, m)
+            for i, (tok, e) in enumerate(zip(got, o.outputs[0].logprobs)):
+                assert e[tok].logprob == pytest.approx(lp[len(ids) - 1 + i, tok].item(),
+                                                       abs=2e-3), (m, i)
+    finally:
+        del ref.steers["t"]
+    assert [s["name"] for s in offline.list_steers(llm)] == ["a", "b", "t"]
+    offline.unload_steer(llm, "t")
+    with pytest.raises(VLLMValidationError, match="unknown steer 't'"):
+        llm.generate(PROMPTS[:1], sp({"t": 5}))
+    save_steer(tmp_path / "small.safetensors", random_steer(64, 4, "small"))
+    with pytest.raises(offline.SteerLoadError, match="hidden size 64"):
+        offline.load_steer(llm, "small", tmp_path / "small.safetensors")
+    assert [s["name"] for s in offline.list_steers(llm)] == ["a", "b"]
