@@ -124,6 +124,30 @@ class HFReference:
             ids.append(int(self.logprobs(ids, strengths)[-1].argmax()))
         return ids[len(prompt_ids):]
 
+    def check_generate(self, llm, prompts: list, strengths: list, max_tokens: int,
+                       changed=(), tol: float = 2e-3):
+        """Greedy ``llm.generate`` of ``prompts`` (one steer mix per prompt, None: unsteered)
+        with logprobs: every token equals :meth:`greedy` and every logprob :meth:`logprobs`
+        within ``tol``; the requests at the indices in ``changed`` must differ from the
+        unsteered reference (the steer has a visible effect). Returns the outputs."""
+        import pytest
+        from vllm import SamplingParams
+
+        params = [SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0,
+                                 extra_args=None if s is None else {"steer": s})
+                  for s in strengths]
+        outs = llm.generate(prompts[:len(strengths)], params, use_tqdm=False)
+        for k, (o, s) in enumerate(zip(outs, strengths)):
+            ids, got = list(o.prompt_token_ids), list(o.outputs[0].token_ids)
+            assert got == self.greedy(ids, max_tokens, s), (k, s)
+            lp = self.logprobs(ids + got, s)
+            for i, (tok, entry) in enumerate(zip(got, o.outputs[0].logprobs)):
+                assert entry[tok].logprob == pytest.approx(lp[len(ids) - 1 + i, tok].item(),
+                                                           abs=tol), (k, s, i)
+            if k in changed:
+                assert got != self.greedy(ids, max_tokens), (k, s, "the steer has no effect")
+        return outs
+
 
 V2_SHIM_DIR = ROOT / "tests" / "v2shim"
 

@@ -10,7 +10,7 @@ import torch
 
 from conftest import random_steer
 from vllm_steer.cli import build_parser, main
-from vllm_steer.eval.cli import command_for, config_from_args, parse_strengths
+from vllm_steer.eval.cli import config_from_args, parse_strengths
 
 
 def test_strength_lists_parse_including_leading_negatives():

@@ -453,7 +453,7 @@ def test_bmm_stacked_factors_follow_bank_changes_and_subsets():
     from vllm_steer.reference import steer_reference
 
     g = torch.Generator().manual_seed(0)
-    d, r = 32, 4
+    d = 32
     offs = [0, 4, 4, 8, 12, 20, 24]  # an empty slot, a rank-8 steer among rank-4 ones
     coefs = torch.zeros(6, 6)
     coefs[[0, 1, 2, 3, 4, 5], [0, 2, 3, 0, 2, 5]] = 5e-3  # a subset of the rank-4 steers

@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from vllm_steer.integrations.spec_decode import verification_rows
@@ -51,3 +52,48 @@ def test_positions_count_the_generated_tokens_each_row_samples():
     slots, pos = verification_rows(num_draft, np.cumsum(scheduled), computed, prompt)
     assert slots.tolist() == [0, 0, 0, 0, 1, 2, 3]
     assert pos.tolist() == [3, 4, 5, 6, -1, 0, 7]
+
+
+def _runner_with_drafter(draft_hidden, steer_hidden, steer_drafter=True, method="draft_model"):
+    """A stand-in runner whose drafter model has two of our heads, each bound to a runtime
+    whose steers have ``steer_hidden`` (what ``prepare_drafter`` reads, nothing more)."""
+    from vllm_steer.integrations.head import SteeredLogitsProcessor
+
+    rt = SimpleNamespace(bank=SimpleNamespace(hidden_size=steer_hidden),
+                         config=SimpleNamespace(steer_drafter=steer_drafter))
+    model = torch.nn.Module()
+    for name in ("head", "mtp_head"):
+        head = SteeredLogitsProcessor.__new__(SteeredLogitsProcessor)
+        torch.nn.Module.__init__(head)
+        head.steer_runtime = rt
+        model.add_module(name, head)
+    draft_mc = SimpleNamespace(architectures=["LlamaForCausalLM"],
+                               hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
+                               get_hidden_size=lambda: draft_hidden)
+    spec = SimpleNamespace(method=method, draft_model_config=draft_mc)
+    runner = SimpleNamespace(drafter=SimpleNamespace(model=model), speculative_config=spec)
+    return runner, rt, [model.head, model.mtp_head]
+
+
+@pytest.mark.parametrize("draft_hidden,steer_drafter,steered", [
+    (64, True, True),     # the steers' hidden size: the drafter proposes steered tokens
+    (128, True, False),   # another hidden size: its heads are detached (never a shape error)
+    (64, False, False),   # --no-steer-drafter
+])
+def test_a_drafter_is_steered_only_when_its_hidden_size_fits(draft_hidden, steer_drafter,
+                                                              steered):
+    from vllm_steer.integrations.spec_decode import prepare_drafter
+
+    runner, rt, heads = _runner_with_drafter(draft_hidden, 64, steer_drafter)
+    prepare_drafter(runner, rt)
+    assert [h.steer_runtime is rt for h in heads] == [steered, steered]
+
+
+
+def test_an_ngram_runner_has_no_drafter_heads():
+    from vllm_steer.integrations.spec_decode import drafter_heads, prepare_drafter
+
+    runner = SimpleNamespace(drafter=SimpleNamespace(), speculative_config=SimpleNamespace(
+        method="ngram"))
+    assert drafter_heads(runner) == []
+    prepare_drafter(runner, SimpleNamespace(bank=None, config=None))  # nothing to detach

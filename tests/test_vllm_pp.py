@@ -61,35 +61,11 @@ def ref(model_dir, steers):
     return HFReference(model_dir, steers[0])
 
 
-def sp(steer=None, **kw):
-    from vllm import SamplingParams
-
-    kw.setdefault("max_tokens", MAX_TOKENS)
-    return SamplingParams(temperature=0, extra_args=None if steer is None else {"steer": steer},
-                          **kw)
-
-
-def _check(llm, ref, strengths):
-    outs = llm.generate(PROMPTS[:len(strengths)], [sp(s, logprobs=0) for s in strengths])
-    for o, s in zip(outs, strengths):
-        ids = list(o.prompt_token_ids)
-        got = list(o.outputs[0].token_ids)
-        assert got == ref.greedy(ids, MAX_TOKENS, s), s
-        lp = ref.logprobs(ids + got, s)
-        for i, (tok, entry) in enumerate(zip(got, o.outputs[0].logprobs)):
-            assert entry[tok].logprob == pytest.approx(lp[len(ids) - 1 + i, tok].item(),
-                                                       abs=2e-3), (s, i)
-    return outs
-
-
 def test_pp2_steered_and_unsteered_equal_the_unsharded_model(llm, ref):
     assert llm.llm_engine.vllm_config.parallel_config.pipeline_parallel_size == 2
     strengths = [None, {"a": 5}, {"a": 0}, {"a": 2, "b": -4}]
-    outs = _check(llm, ref, strengths)
-    # the steers do change these requests (the check above is not vacuous)
-    for i in (1, 3):
-        ids = list(outs[i].prompt_token_ids)
-        assert list(outs[i].outputs[0].token_ids) != ref.greedy(ids, MAX_TOKENS), strengths[i]
+    # 1 and 3: the steers do change these requests (the check is not vacuous)
+    ref.check_generate(llm, PROMPTS, strengths, MAX_TOKENS, changed=(1, 3))
 
 
 def test_pp2_a_steer_loaded_at_run_time_reaches_the_last_rank_and_steers(llm, ref, steers):
@@ -102,7 +78,7 @@ def test_pp2_a_steer_loaded_at_run_time_reaches_the_last_rank_and_steers(llm, re
     # the last stage (the LM head) holds it; the first one has no head and holds no steers
     assert [entry["slot"], entry["generation"], "late"] in workers[1]["slots"], workers
     assert workers[0]["slots"] == [], workers
-    _check(llm, ref, [{"late": 6}, {"late": -3, "a": 2}])
+    ref.check_generate(llm, PROMPTS, [{"late": 6}, {"late": -3, "a": 2}], MAX_TOKENS)
     offline.unload_steer(llm, "late")
     workers = llm.collective_rpc(CONTROL_METHOD, args=("list", {}))[0]["workers"]
     assert all("late" not in [n for _, _, n in w["slots"]] for w in workers), workers

@@ -148,27 +148,6 @@ def ref(model_dir, steers):
     return HFReference(model_dir, steers[0])
 
 
-def sp(steer=None, **kw):
-    from vllm import SamplingParams
-
-    kw.setdefault("max_tokens", MAX_TOKENS)
-    return SamplingParams(temperature=0, extra_args=None if steer is None else {"steer": steer},
-                          **kw)
-
-
-def _check(llm, ref, strengths):
-    outs = llm.generate(PROMPTS[:len(strengths)], [sp(s, logprobs=0) for s in strengths])
-    for o, s in zip(outs, strengths):
-        ids = list(o.prompt_token_ids)
-        got = list(o.outputs[0].token_ids)
-        assert got == ref.greedy(ids, MAX_TOKENS, s), s
-        lp = ref.logprobs(ids + got, s)
-        for i, (tok, entry) in enumerate(zip(got, o.outputs[0].logprobs)):
-            assert entry[tok].logprob == pytest.approx(lp[len(ids) - 1 + i, tok].item(),
-                                                       abs=2e-3), (s, i)
-    return outs
-
-
 def test_ray_tp2_workers_on_two_nodes_steer_like_the_unsharded_model(llm, ref, ray_cluster):
     pc = llm.llm_engine.vllm_config.parallel_config
     assert (pc.tensor_parallel_size, pc.distributed_executor_backend) == (2, "ray")
@@ -176,10 +155,8 @@ def test_ray_tp2_workers_on_two_nodes_steer_like_the_unsharded_model(llm, ref, r
         lambda w: (__import__("ray").get_runtime_context().get_node_id(), __import__("os").getpid()))
     assert {n for n, _ in where} == ray_cluster["node_ids"], where  # one worker per node
     strengths = [None, {"a": 5}, {"a": 0}, {"a": 2, "b": -4}]
-    outs = _check(llm, ref, strengths)
-    for i in (1, 3):  # the steers do change these requests (the check is not vacuous)
-        ids = list(outs[i].prompt_token_ids)
-        assert list(outs[i].outputs[0].token_ids) != ref.greedy(ids, MAX_TOKENS), strengths[i]
+    # 1 and 3: the steers do change these requests (the check is not vacuous)
+    ref.check_generate(llm, PROMPTS, strengths, MAX_TOKENS, changed=(1, 3))
 
 
 def test_ray_a_steer_loaded_at_run_time_reaches_both_workers_and_steers(llm, ref, steers):
@@ -191,7 +168,7 @@ def test_ray_a_steer_loaded_at_run_time_reaches_both_workers_and_steers(llm, ref
     assert len(workers) == 2, workers
     for w in workers:
         assert [entry["slot"], entry["generation"], "late"] in w["slots"], workers
-    _check(llm, ref, [{"late": 6}, {"late": -3, "a": 2}])
+    ref.check_generate(llm, PROMPTS, [{"late": 6}, {"late": -3, "a": 2}], MAX_TOKENS)
     offline.unload_steer(llm, "late")
     workers = llm.collective_rpc(CONTROL_METHOD, args=("list", {}))[0]["workers"]
     assert all("late" not in [n for _, _, n in w["slots"]] for w in workers), workers

@@ -1,7 +1,8 @@
 """Steers loaded and unloaded at run time (issue 15), on real engines on CPU.
 
-One TP=2 offline engine (first test, torn down after it) and one server for the rest of the
-module: ``--api-server-count 2 --steer-dir DIR --enable-steer-updates --max-steers 4``.
+One server for the module: ``--api-server-count 2 --steer-dir DIR --enable-steer-updates
+--max-steers 4``. (A run-time load reaching both workers of TP=2 is tested on the module engine
+of test_vllm_tp.py.)
 Correctness is checked against transformers on the same weights; in-flight guarantees with a
 streamed request that is still producing tokens when the steer changes.
 """
@@ -19,7 +20,7 @@ import pytest
 import requests
 import torch
 
-from conftest import make_tiny_llama, random_steer
+from conftest import random_steer
 from vllm_steer.format import load_steer, save_steer
 
 pytestmark = pytest.mark.vllm
@@ -47,48 +48,6 @@ def assert_matches_reference(tokens, logprobs, ref):
     for i, (tok, got) in enumerate(zip(tokens, logprobs)):
         assert tok == int(ref[i].argmax()), i  # greedy: the steered argmax
         assert got == pytest.approx(ref[i][tok].item(), abs=2e-3), i
-
-
-# ---- TP=2: both workers steer with a steer loaded at run time --------------------------------
-def test_tp2_workers_both_steer_with_a_newly_loaded_steer(tmp_path, monkeypatch):
-    from vllm import LLM, SamplingParams
-
-    from vllm_steer import offline
-
-    model_dir = make_tiny_llama(tmp_path / "tiny128", hidden=128)  # 2 heads: TP=2 splits them
-    save_steer(tmp_path / "t.safetensors", random_steer(128, 8, "t", seed=5, scale=3.0))
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    llm = LLM(str(model_dir), tensor_parallel_size=2, distributed_executor_backend="mp",
-              additional_config={"vllm_steer": {"steers": {}, "max_steers": 2}},
-              dtype="float32", kv_cache_memory_bytes=1 << 27, max_model_len=256, max_num_seqs=4,
-              enforce_eager=True, seed=0)
-    try:
-        sp = lambda steer=None: SamplingParams(  # noqa: E731
-            max_tokens=6, temperature=0, logprobs=0,
-            extra_args={"steer": steer} if steer else None)
-        plain = llm.generate([{"prompt_token_ids": PROMPT}], sp(), use_tqdm=False)[0].outputs[0]
-        entry = offline.load_steer(llm, "t", tmp_path / "t.safetensors")
-        assert (entry["name"], entry["slot"], entry["source"]) == ("t", 0, "offline")
-        out = llm.generate([{"prompt_token_ids": PROMPT}], sp({"t": 5}),
-                           use_tqdm=False)[0].outputs[0]
-        assert list(out.token_ids) != list(plain.token_ids)
-        # each TP rank computes half of the vocabulary's logits from its own copy of the
-        # hidden state: logprobs match the reference only if both ranks steered
-        ref = reference_logprobs(model_dir, PROMPT, out.token_ids, tmp_path / "t.safetensors", 5)
-        assert_matches_reference(out.token_ids, [lp[t].logprob for t, lp in
-                                                 zip(out.token_ids, out.logprobs)], ref)
-        assert [s["name"] for s in offline.list_steers(llm)] == ["t"]
-        offline.unload_steer(llm, "t")
-        from vllm.exceptions import VLLMValidationError
-
-        with pytest.raises(VLLMValidationError, match="unknown steer 't'"):
-            llm.generate([{"prompt_token_ids": PROMPT}], sp({"t": 5}), use_tqdm=False)
-        with pytest.raises(offline.SteerLoadError, match="hidden size 64"):
-            save_steer(tmp_path / "small.safetensors", random_steer(64, 4, "small"))
-            offline.load_steer(llm, "small", tmp_path / "small.safetensors")
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
 
 
 # ---- one server for the rest ---------------------------------------------------------------

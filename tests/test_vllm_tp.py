@@ -5,7 +5,8 @@ vocabulary-parallel LM head and steer their replicated copy of the hidden states
 logprobs must be those of the unsharded model (plain torch on the same weights, the steer
 applied by hand: what TP=1 is pinned to in tests/test_vllm_offline.py). The V1 side of the
 slot-hygiene check lives here too: after the last steered request finishes, no worker does
-steer work.
+steer work. A steer loaded at run time (``vllm_steer.offline.load_steer``) reaches both
+workers (the last test: it loads into the engine's third slot and unloads again).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def llm(model_dir, steers):
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
         # collective_rpc(steer_stats): read each worker's steer-op counters from the test
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        engine = LLM(str(model_dir), additional_config={"vllm_steer": {"steers": steers[1]}},
+        engine = LLM(str(model_dir), additional_config={"vllm_steer": {"steers": steers[1], "max_steers": 3}},
                      **ENGINE_KW)
         yield engine
         del engine
@@ -69,20 +70,8 @@ def sp(steer=None, **kw):
 def test_tp2_steered_and_unsteered_equal_the_unsharded_model(llm, ref):
     assert llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
     strengths = [None, {"a": 5}, {"a": 0}, {"a": 2, "b": -4}]
-    outs = llm.generate(PROMPTS, [sp(s, logprobs=0) for s in strengths])
-    plain = []
-    for o, s in zip(outs, strengths):
-        ids = list(o.prompt_token_ids)
-        got = list(o.outputs[0].token_ids)
-        assert got == ref.greedy(ids, MAX_TOKENS, s), s
-        plain.append(ref.greedy(ids, MAX_TOKENS))
-        lp = ref.logprobs(ids + got, s)
-        for i, (tok, entry) in enumerate(zip(got, o.outputs[0].logprobs)):
-            assert entry[tok].logprob == pytest.approx(lp[len(ids) - 1 + i, tok].item(),
-                                                       abs=2e-3), (s, i)
-    # the steers do change these requests (the check above is not vacuous)
-    assert list(outs[1].outputs[0].token_ids) != plain[1]
-    assert list(outs[3].outputs[0].token_ids) != plain[3]
+    # 1 and 3: the steers do change these requests (the check is not vacuous)
+    ref.check_generate(llm, PROMPTS, strengths, MAX_TOKENS, changed=(1, 3))
 
 
 def test_v1_a_finished_steered_request_costs_no_steer_work_on_any_rank(llm, ref):
@@ -95,3 +84,31 @@ def test_v1_a_finished_steered_request_costs_no_steer_work_on_any_rank(llm, ref)
     assert list(outs[1].outputs[0].token_ids) == ref.greedy(list(outs[1].prompt_token_ids), 6)
     llm.generate(PROMPTS[2:3], sp())
     assert llm.collective_rpc(steer_stats) == mid
+
+
+def test_tp2_workers_both_steer_with_a_steer_loaded_at_run_time(llm, ref, tmp_path):
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_steer import offline
+    from vllm_steer.format import save_steer
+
+    steer = random_steer(HIDDEN, 8, "t", seed=5, scale=3.0)
+    save_steer(tmp_path / "t.safetensors", steer)
+    entry = offline.load_steer(llm, "t", tmp_path / "t.safetensors")
+    assert (entry["name"], entry["slot"], entry["source"]) == ("t", 2, "offline")
+    # each TP rank computes half of the vocabulary's logits from its own copy of the hidden
+    # state: tokens and logprobs match the unsharded reference only if both ranks steered
+    ref.steers["t"] = steer
+    try:
+        ref.check_generate(llm, PROMPTS, [{"t": 5}, {"t": 5, "a": 2}], MAX_TOKENS,
+                           changed=(0, 1))
+    finally:
+        del ref.steers["t"]
+    assert [s["name"] for s in offline.list_steers(llm)] == ["a", "b", "t"]
+    offline.unload_steer(llm, "t")
+    with pytest.raises(VLLMValidationError, match="unknown steer 't'"):
+        llm.generate(PROMPTS[:1], sp({"t": 5}))
+    save_steer(tmp_path / "small.safetensors", random_steer(64, 4, "small"))
+    with pytest.raises(offline.SteerLoadError, match="hidden size 64"):
+        offline.load_steer(llm, "small", tmp_path / "small.safetensors")
+    assert [s["name"] for s in offline.list_steers(llm)] == ["a", "b"]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import html as _html
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass

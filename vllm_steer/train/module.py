@@ -274,7 +274,6 @@ class LMSteer(nn.Module):
                                                 domain, backward)
         hd = head_dtype
         route = self.route(hd)
-        d = self.hidden_size
         w = self.head.w(hd)
         bias = None if self.head.bias is None else self.head.bias.to(hd)
         total = 0.0
