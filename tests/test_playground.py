@@ -325,6 +325,9 @@ def test_preset_is_listed_and_picked_as_a_column(page, server):
 
     info = requests.get(server + "/v1/steer/info").json()
     assert info["presets"] == [{"name": "polite", "steer": {"detox": 4.0, "sentiment": -2.0}}]
+    # the page lists the preset cards of /v1/models (the live list), else the info's presets
+    cards = [m for m in requests.get(server + "/v1/models").json()["data"] if m.get("steer")]
+    assert [(m["id"], m["steer"]) for m in cards] == [("polite", info["presets"][0]["steer"])]
     set_field(page, "prompt", "Once upon a time")
     set_field(page, "max-tokens", MAX_TOKENS)
     set_field(page, "temperature", 0)
