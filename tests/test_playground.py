@@ -49,7 +49,8 @@ def model_without_eos(out):
     is 0 whatever the hidden state, far below the largest of 49,151 random logits, so every
     completion runs to max_tokens. Greedy texts from a random model can still differ
     between batches of different composition where two logits nearly tie; an EOS on one side
-    of such a tie ended a column early (seen once in `make test`)."""
+    of such a tie ended a column early (seen once in `make test`; a column one token short is
+    also what the test's old, non-atomic read of a streaming column gave: see `columns`)."""
     from safetensors.torch import load_file, save_file
 
     make_tiny_llama(out)
