@@ -11,7 +11,10 @@ The same semantics as the V1 tests (tests/test_vllm_offline.py), checked against
 on the model's own weights (the steer applied by hand in front of the LM head):
 unsteered requests are untouched by steered neighbours, a steered request gets the same tokens
 alone and in any batch, logprobs equal the reference, steers compose, reused slots keep
-nothing of their previous request, and a finished request's slot costs no steer work.
+nothing of their previous request, a finished request's slot costs no steer work, prompt
+logprobs and ``prompt_logprob_token_ids`` scores are steered per request, generation windows
+follow each request's generated tokens, and ``POST /v1/steer/highlight`` (the lens endpoint's
+route, on an app whose engine client is this module's engine) equals the transformers lens.
 """
 
 from __future__ import annotations
