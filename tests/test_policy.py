@@ -159,3 +159,101 @@ def test_cli_flags_reach_the_config_and_additional_config(tmp_path):
                                lora_modules=[argparse.Namespace(name="ad", path="/x")]))
     with pytest.raises(ValueError, match="without any steer"):
         config_from_args(_args(steer_preset=["polite=detox:4"]))
+
+
+# ---- presets at run time (POST /v1/steer-presets) ------------------------------------------
+RESERVED = {"tiny": "the served model name", "ad": "a LoRA adapter",
+            "polite": "a preset set by --steer-preset"}
+
+
+def test_a_preset_body_is_checked_like_the_flag():
+    from vllm_steer.policy import preset_from_body
+
+    steers = {"detox", "sentiment"}
+    assert preset_from_body({"name": "kind", "steer": {"detox": 4, "sentiment": -2.5}},
+                            steers, 10.0, RESERVED) == ("kind", {"detox": 4.0,
+                                                                 "sentiment": -2.5})
+    # the flag's string form of the mix, and a strength of exactly the maximum
+    assert preset_from_body({"name": "kind", "steer": "detox:10,sentiment:0"}, steers, 10.0) \
+        == ("kind", {"detox": 10.0, "sentiment": 0.0})
+
+
+@pytest.mark.parametrize("body, fragment", [
+    (["kind"], "expected a JSON object"),
+    ({"name": "kind", "steers": {"detox": 1}}, "unknown field(s) 'steers'"),
+    ({"steer": {"detox": 1}}, '"name" is missing'),
+    ({"name": 7, "steer": {"detox": 1}}, "preset name 7 must be a string"),
+    ({"name": "a b", "steer": {"detox": 1}}, "preset name 'a b' may use only"),
+    ({"name": "tiny", "steer": {"detox": 1}}, "'tiny' is already the served model name"),
+    ({"name": "ad", "steer": {"detox": 1}}, "'ad' is already a LoRA adapter"),
+    ({"name": "polite", "steer": {"detox": 1}}, "already a preset set by --steer-preset"),
+    ({"name": "kind"}, '"steer" must map steer names to strengths, got None'),
+    ({"name": "kind", "steer": [1]}, '"steer" must map steer names to strengths'),
+    ({"name": "kind", "steer": {}}, '"steer" names no steer'),
+    ({"name": "kind", "steer": "detox=4"}, "malformed entry 'detox=4'"),
+    ({"name": "kind", "steer": {"a,b": 1}}, "steer name 'a,b' may use only"),
+    ({"name": "kind", "steer": {"detox": "4"}}, "strength '4' of steer 'detox' is not a "
+                                                "number"),
+    ({"name": "kind", "steer": {"detox": True}}, "strength True of steer 'detox' is not a"),
+    ({"name": "kind", "steer": {"detox": float("nan")}}, "must be finite"),
+    ({"name": "kind", "steer": {"toxic": 1}}, "unknown steer 'toxic'; loaded steers (and "
+                                              "--steer-dir files): detox, sentiment. Load it"),
+    ({"name": "kind", "steer": {"detox": -10.5}}, "strength -10.5 of steer 'detox' exceeds "
+                                                  "the server's maximum |strength| 10"),
+])
+def test_a_bad_preset_body_names_the_value_and_the_fix(body, fragment):
+    from vllm_steer.policy import preset_from_body
+
+    with pytest.raises(PolicyError) as e:
+        preset_from_body(body, {"detox", "sentiment"}, 10.0, RESERVED)
+    assert fragment in str(e.value)
+
+
+def test_the_engine_cores_preset_table():
+    from vllm_steer.integrations.presets import PresetTable
+
+    t = PresetTable()
+    assert t.snapshot() == {"version": 0, "presets": {}}
+    got = t.add("kind", {"detox": 4}, "t1", {"tiny": "the served model name"})
+    assert got["ok"] and got["presets"] == {"kind": {"detox": 4.0}} and got["version"] == 1
+    # taken names: refused, the table unchanged
+    for name, fragment in (("kind", "already a preset added at run time"),
+                           ("tiny", "already the served model name")):
+        got = t.add(name, {"detox": 1}, "t2", {"tiny": "the served model name"})
+        assert (got["ok"], got["status"], got["version"]) == (False, 400, 1)
+        assert fragment in got["error"] and got["presets"] == {"kind": {"detox": 4.0}}
+    # delete: unknown is 404, a --steer-preset one 400
+    got = t.delete("nope", {"polite": {}})
+    assert (got["ok"], got["status"]) == (False, 404) and "presets added at run time: kind" \
+        in got["error"]
+    got = t.delete("polite", {"polite": {}})
+    assert (got["ok"], got["status"]) == (False, 400) and "--steer-preset" in got["error"]
+    got = t.delete("kind")
+    assert got["ok"] and got["preset"] == {"name": "kind", "steer": {"detox": 4.0}}
+    assert (got["version"], got["presets"]) == (2, {})
+    # a rollback removes only the add of its own token
+    t.add("kind", {"detox": 2}, "t3")
+    assert t.rollback("kind", "other")["presets"] == {"kind": {"detox": 2.0}}
+    assert t.rollback("kind", "t3")["presets"] == {} and t.version == 4
+
+
+def test_data_parallel_answers_and_the_api_servers_view():
+    from vllm_steer.integrations import presets
+
+    ok = {"ok": True, "version": 3, "presets": {"kind": {"detox": 4.0}}}
+    no = {"ok": False, "status": 400, "error": "taken", "version": 3, "presets": {}}
+    assert presets.merge("preset_add", [ok, no]) is no  # added only if every engine did
+    assert presets.merge("preset_add", [ok, dict(ok)]) is ok
+    assert presets.merge("preset_delete", [no, ok]) is ok  # deleted if any engine had it
+    presets.reset()
+    try:
+        presets.update(ok)
+        assert presets.view() == {"kind": {"detox": 4.0}}
+        presets.update({"version": 2, "presets": {}})  # an older read (a slow poll): ignored
+        assert presets.view() == {"kind": {"detox": 4.0}}
+        presets.update({"version": 4, "presets": {}})
+        assert presets.view() == {}
+        presets.update({"ok": False, "status": 404})  # no table in it: ignored
+        assert presets.view() == {}
+    finally:
+        presets.reset()

@@ -160,3 +160,26 @@ def test_steer_dir_first_use_loads_on_both_engines(dp_server, tiny_model_dir):
     for listing in _listings(url).values():
         first = {s["name"]: s for s in listing["data"]}["first"]
         assert (first["source"], first["state"]) == ("steer-dir", "loaded"), first
+
+
+def test_a_run_time_preset_is_served_by_every_api_server_and_engine(dp_server):
+    """Presets at run time (issue 24) with data parallelism: the table is in every engine
+    core (engine core 0's is read); each request naming the preset gets the mix."""
+    url, _ = dp_server
+    mix = {"detox": 5.0}
+    r = requests.post(url + "/v1/steer-presets", json={"name": "dp-kind", "steer": mix})
+    assert r.status_code == 200, r.text
+    try:
+        with cf.ThreadPoolExecutor(8) as ex:
+            by_name = list(ex.map(lambda _: _complete(url, model="dp-kind"), range(12)))
+        want = _complete(url, steer=mix).json()["choices"][0]["token_ids"]
+        assert want != _complete(url).json()["choices"][0]["token_ids"]
+        assert [r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.text
+                for r in by_name] == [want] * 12
+        assert {m["id"] for m in requests.get(url + "/v1/models").json()["data"]} == \
+            {"tiny", "dp-kind"}
+    finally:
+        assert requests.delete(url + "/v1/steer-presets/dp-kind").status_code == 200
+    for _ in range(8):
+        r = _complete(url, model="dp-kind")
+        assert r.status_code == 404 and "The model `dp-kind` does not exist" in r.text, r.text

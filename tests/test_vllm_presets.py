@@ -156,5 +156,20 @@ def test_a_floor_raises_a_request_below_it_and_the_header_says_so(server, ref):
 
 def test_steer_presets_route_lists_presets_defaults_and_floors(server):
     got = requests.get(server + "/v1/steer-presets").json()
-    assert got["data"] == [{"name": "polite", "steer": POLITE}]
+    assert got["data"] == [{"name": "polite", "steer": POLITE, "source": "--steer-preset"}]
     assert got["defaults"] == DEFAULT and got["floors"] == {"sentiment": -1.0}
+    assert got["updates_enabled"] is False
+
+
+def test_presets_cannot_be_added_or_deleted_without_enable_steer_updates(server, client):
+    """(Presets at run time are tested on the --enable-steer-updates server of
+    test_vllm_steer_updates.py.)"""
+    for r in (requests.post(server + "/v1/steer-presets",
+                            json={"name": "kind", "steer": {"detox": 1}}),
+              requests.delete(server + "/v1/steer-presets/polite")):
+        assert r.status_code == 403, r.text
+        assert "--enable-steer-updates" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "PermissionError"
+    assert {m.id for m in client.models.list().data} == {"tiny", "polite"}
+    assert [p["name"] for p in requests.get(server + "/v1/steer-presets").json()["data"]] == \
+        ["polite"]

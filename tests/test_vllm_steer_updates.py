@@ -407,3 +407,140 @@ def test_loads_and_unloads_are_logged_through_vllms_logger(server):
                      r"steer 'logged' from \S+b\.safetensors \(rank 8, slot \d+, generation \d+\)"
                      r" in [0-9.]+ ms", log, re.M), log[-3000:]
     assert re.search(r"^\(EngineCore[^)]*\) INFO .*vllm-steer: unloaded steer 'logged'", log, re.M)
+
+
+# ---- presets at run time (issue 24): POST / DELETE /v1/steer-presets -------------------------
+KIND = {"detox": 4.0, "a": -2.0}  # a --steer steer and a --steer-dir one
+
+
+def openai_client(url):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def plain_client_text(client, model, **kw):
+    """A completion with the official client and no extra_body unless given."""
+    return client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                     **kw).choices[0].text
+
+
+def model_cards(url, tries=8) -> list[dict]:
+    """/v1/models, once per new connection (spread over the two API-server processes)."""
+    return [{m.id: m.model_dump() for m in openai_client(url).models.list().data}
+            for _ in range(tries)]
+
+
+def test_a_preset_added_at_run_time_is_a_model_name_on_every_api_server(server):
+    from conftest import HFReference
+
+    client = openai_client(server)
+    want = plain_client_text(client, "tiny", extra_body={"steer": KIND})
+    assert want != plain_client_text(client, "tiny")
+    r = requests.post(server + "/v1/steer-presets", json={"name": "kind", "steer": KIND})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"object": "steer_preset", "name": "kind", "steer": KIND,
+                        "source": "api"}
+    # from the moment POST returns, whichever API server a request reaches: the plain client
+    # (no extra_body) with "model": "kind" gets the mix
+    assert [plain_client_text(openai_client(server), "kind") for _ in range(8)] == [want] * 8
+    msgs = [{"role": "user", "content": "Tell me about your day"}]
+    chat = [client.chat.completions.create(model=m, messages=msgs, max_tokens=8, temperature=0,
+                                           **kw).choices[0].message.content
+            for m, kw in (("kind", {}), ("tiny", {"extra_body": {"steer": KIND}}))]
+    assert chat[0] == chat[1]
+    # the tokens are the formula's, computed by hand on the model's weights
+    out = complete(server, model="kind", logprobs=True)
+    assert out.status_code == 200, out.text
+    assert out.headers["x-vllm-steer-applied"] == "a=-2,detox=4"
+    tokens = [int(t.split(":")[1]) for t in out.json()["choices"][0]["logprobs"]["tokens"]]
+    ref = HFReference(STATE["tiny"], {"detox": load_steer(STATE["root"] / "detox.safetensors"),
+                                      "a": load_steer(STATE["dir"] / "a.safetensors")})
+    assert tokens == ref.greedy(PROMPT, 8, KIND)
+    # listed in /v1/models like a --steer-preset preset, by every API server
+    for cards in model_cards(server):
+        assert set(cards) == {"tiny", "kind"}
+        assert cards["kind"]["parent"] == "tiny" and cards["kind"]["steer"] == KIND
+        assert cards["kind"]["root"] == cards["tiny"]["root"]
+    got = requests.get(server + "/v1/steer-presets").json()
+    assert got["data"] == [{"name": "kind", "steer": KIND, "source": "api"}]
+    assert got["updates_enabled"] is True
+
+
+def test_a_preset_replaced_at_run_time_serves_the_new_mix_on_every_api_server(server):
+    """Every API server has heard of kind's old mix; after DELETE + POST through one of them,
+    every request gets the new mix (an API server serving the mix it last heard of would
+    answer 200 with the old tokens)."""
+    for _ in range(6):  # both API servers read the table (the old mix)
+        assert requests.get(server + "/v1/steer-presets").json()["data"][0]["steer"] == KIND
+    new = {"detox": -4.0}
+    assert requests.delete(server + "/v1/steer-presets/kind").status_code == 200
+    r = requests.post(server + "/v1/steer-presets", json={"name": "kind", "steer": new})
+    assert r.status_code == 200, r.text
+    client = openai_client(server)
+    want = plain_client_text(client, "tiny", extra_body={"steer": new})
+    assert want != plain_client_text(client, "tiny", extra_body={"steer": KIND})
+    assert [plain_client_text(openai_client(server), "kind") for _ in range(8)] == [want] * 8
+
+
+def test_a_deleted_preset_is_vllms_404_model_error_on_every_api_server(server):
+    import openai
+
+    for _ in range(6):  # both API servers have heard of kind
+        assert requests.get(server + "/v1/steer-presets").json()["data"]
+    r = requests.delete(server + "/v1/steer-presets/kind")
+    assert r.status_code == 200, r.text
+    assert r.json() == {"object": "steer_preset", "deleted": True, "name": "kind",
+                        "steer": {"detox": -4.0}, "source": "api"}
+    for _ in range(8):
+        with pytest.raises(openai.NotFoundError) as e:
+            plain_client_text(openai_client(server), "kind")
+        assert e.value.status_code == 404
+        assert "The model `kind` does not exist" in str(e.value)
+        s = complete(server, model="kind", stream=True)
+        assert s.status_code == 404 and "The model `kind` does not exist" in s.text, s.text
+    assert all(set(cards) == {"tiny"} for cards in model_cards(server))
+    assert requests.get(server + "/v1/steer-presets").json()["data"] == []
+    again = requests.delete(server + "/v1/steer-presets/kind")
+    assert again.status_code == 404, again.text
+    assert again.json()["error"]["message"] == ("preset 'kind' does not exist; presets added "
+                                                "at run time: none")
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"name": "tiny", "steer": {"detox": 1}},
+     "preset name 'tiny' is already the served model name; give the preset another name"),
+    ({"name": "x y", "steer": {"detox": 1}}, "preset name 'x y' may use only"),
+    ({"name": "p", "steer": {"toxic": 1}},
+     "preset 'p': unknown steer 'toxic'; loaded steers (and --steer-dir files): "),
+    ({"name": "p", "steer": {"detox": 51}},
+     "preset 'p': strength 51 of steer 'detox' exceeds the server's maximum |strength| 50"),
+    ({"name": "p", "steer": {"detox": "strong"}},
+     "preset 'p': strength 'strong' of steer 'detox' is not a number"),
+    ({"name": "p", "steer": {}}, "preset 'p': \"steer\" names no steer"),
+    ({"name": "p"}, "preset 'p': \"steer\" must map steer names to strengths, got None"),
+    ({"name": "p", "strength": 3}, "unknown field(s) 'strength'"),
+    ("not json", "the body is not JSON"),
+])
+def test_bad_presets_are_400_naming_the_problem_and_change_nothing(server, body, fragment):
+    r = (requests.post(server + "/v1/steer-presets", json=body) if isinstance(body, dict)
+         else requests.post(server + "/v1/steer-presets", data=body))
+    assert r.status_code == 400, r.text
+    assert fragment in r.json()["error"]["message"], r.text
+    assert requests.get(server + "/v1/steer-presets").json()["data"] == []
+
+
+def test_a_preset_name_cannot_be_taken_twice(server):
+    assert requests.post(server + "/v1/steer-presets",
+                         json={"name": "once", "steer": {"detox": 2}}).status_code == 200
+    try:
+        for _ in range(4):  # through either API server
+            r = requests.post(server + "/v1/steer-presets",
+                              json={"name": "once", "steer": {"detox": 3}})
+            assert r.status_code == 400, r.text
+            assert "preset name 'once' is already a preset added at run time" in \
+                r.json()["error"]["message"]
+        assert requests.get(server + "/v1/steer-presets").json()["data"] == [
+            {"name": "once", "steer": {"detox": 2.0}, "source": "api"}]
+    finally:
+        assert requests.delete(server + "/v1/steer-presets/once").status_code == 200

@@ -141,6 +141,63 @@ def check_policy(presets: Mapping[str, Mapping[str, float]], defaults: Mapping[s
             check(flag, f"{name}={value:g}", name, value)
 
 
+PRESET_BODY_EXAMPLE = '{"name": "polite", "steer": {"detox": 4, "sentiment": -2}}'
+
+
+def preset_from_body(body: Any, steers, max_strength: float,
+                     reserved: Mapping[str, str] | None = None) -> tuple[str, dict[str, float]]:
+    """The preset of a ``POST /v1/steer-presets`` body, checked like ``--steer-preset`` (the
+    name is a valid model name taken by nothing in ``reserved``: name -> what takes it; every
+    steer is in ``steers``; every strength a finite number within ``max_strength``). The
+    mix may also be the flag's string form ``"detox:4,sentiment:-2"``. Raises
+    :class:`PolicyError` with the message for the HTTP 400."""
+    if not isinstance(body, Mapping):
+        raise PolicyError(f"expected a JSON object, e.g. {PRESET_BODY_EXAMPLE}")
+    unknown = sorted(set(body) - {"name", "steer"})
+    if unknown:
+        raise PolicyError(f"unknown field(s) {', '.join(map(repr, unknown))}; a preset has "
+                          f"\"name\" and \"steer\", e.g. {PRESET_BODY_EXAMPLE}")
+    name = body.get("name")
+    if name is None:
+        raise PolicyError(f"\"name\" is missing: the preset's model name, e.g. "
+                          f"{PRESET_BODY_EXAMPLE}")
+    problem = preset_name_problem(name)
+    if problem:
+        raise PolicyError(f"\"name\": {problem}")
+    if reserved and name in reserved:
+        raise PolicyError(f"preset name {name!r} is already {reserved[name]}; give the preset "
+                          "another name")
+    mix = body.get("steer")
+    if isinstance(mix, str):
+        mix = parse_mix(mix, f"preset {name!r}: \"steer\"", mix)
+    if not isinstance(mix, Mapping):
+        raise PolicyError(f"preset {name!r}: \"steer\" must map steer names to strengths, "
+                          f"got {echo(mix)}; e.g. {PRESET_BODY_EXAMPLE}")
+    if not mix:
+        raise PolicyError(f"preset {name!r}: \"steer\" names no steer")
+    steers = set(steers)
+    out: dict[str, float] = {}
+    for steer, value in mix.items():
+        problem = steer_name_problem(steer)
+        if problem:
+            raise PolicyError(f"preset {name!r}: {problem}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PolicyError(f"preset {name!r}: strength {echo(value)} of steer {steer!r} "
+                              "is not a number (e.g. {\"detox\": 4})")
+        if not math.isfinite(value):
+            raise PolicyError(f"preset {name!r}: strength of steer {steer!r} must be finite")
+        if steer not in steers:
+            raise PolicyError(f"preset {name!r}: unknown steer {steer!r}; loaded steers (and "
+                              f"--steer-dir files): {', '.join(sorted(steers)) or 'none'}. "
+                              "Load it first (POST /v1/steers) or fix the name")
+        if abs(value) > max_strength:
+            raise PolicyError(f"preset {name!r}: strength {value:g} of steer {steer!r} exceeds "
+                              f"the server's maximum |strength| {max_strength:g} "
+                              "(--steer-max-strength); lower it")
+        out[steer] = float(value)
+    return name, out
+
+
 def named(value: Any) -> dict[str, Any]:
     """The steers a request's ``steer`` value names, with their raw values (zeros kept).
 

@@ -16,13 +16,18 @@ engine core's one thread, so they are ordered.
 
 Ops (``collective_rpc(CONTROL_METHOD, args=(op, kwargs))``, one dict back):
 
-- ``("list", {})``: ``{"steers": [...], "stats": {...}, "workers": [...]}``;
+- ``("list", {})``: ``{"steers": [...], "stats": {...}, "workers": [...], "version",
+  "presets"}``;
 - ``("load", {"name", "path", "source"})``: ``{"ok": True, "steer": {...}, "evicted": name}``
   or ``{"ok": False, "status": 400|404|409|507, "error": message}``;
 - ``("unload", {"name"})``: ``{"ok": True, "steer": {...}}`` or an error as above;
 - ``("rollback", {"name", "generations": {engine: generation}})``: unload ``name`` from this
   engine core if it is bound to the generation given for this engine (a load that failed on
-  another engine core, see :func:`merge`).
+  another engine core, see :func:`merge`);
+- ``("presets", {})``, ``("preset_add", {"name", "steer", "token"})``, ``("preset_delete",
+  {"name"})``, ``("preset_rollback", {"name", "token"})``: the run-time preset table
+  (:mod:`vllm_steer.integrations.presets`); every answer (and ``list``'s) carries the table
+  as ``{"version", "presets"}``.
 
 Every answer names its engine core (``"engine"``, the data-parallel rank). With data
 parallelism each engine core holds its own registry and vLLM's load-balancing client sends a
@@ -106,13 +111,16 @@ def _handle(core, op: str, kwargs: dict | None = None) -> dict:
             return {"enabled": False, "steers": [], "stats": {}, "workers": []}
         return _error(404, "steering is not enabled on this server (start it with --steer, "
                       "--steer-dir or --enable-steer-updates)")
+    if op.startswith("preset"):  # run-time presets: no worker involved
+        return _preset_op(core, cfg, op, kwargs)
     freed = reg.reap(_in_use(core))
     if freed:
         _workers(core, "drop", freed)
     if op == "list":
         return {"enabled": True, "steers": reg.listing(), "stats": reg.stats(),
                 "workers": _workers(core, "stats"), "steer_dir": cfg.steer_dir,
-                "enable_updates": cfg.enable_updates, "updates_any_path": cfg.updates_any_path}
+                "enable_updates": cfg.enable_updates, "updates_any_path": cfg.updates_any_path,
+                **_presets(core).snapshot()}
     if op == "load":
         existing = reg.get(kwargs["name"])
         if kwargs.get("source") == "steer-dir" and existing is not None:  # first use raced
@@ -145,6 +153,43 @@ def _handle(core, op: str, kwargs: dict | None = None) -> dict:
     return _error(400, f"unknown steer control op {op!r}")
 
 
+def _presets(core):
+    """This engine core's run-time preset table (:mod:`vllm_steer.integrations.presets`)."""
+    table = getattr(core, "_vllm_steer_presets", None)
+    if table is None:
+        from vllm_steer.integrations.presets import PresetTable
+
+        table = core._vllm_steer_presets = PresetTable()
+    return table
+
+
+def _preset_op(core, cfg, op: str, kwargs: dict) -> dict:
+    """``presets`` (read the table), ``preset_add`` ``{"name", "steer", "token"}`` (checked
+    by the API server; here only the name, atomically), ``preset_delete`` ``{"name"}``,
+    ``preset_rollback`` ``{"name", "token"}``."""
+    table = _presets(core)
+    if op == "presets":
+        return {"ok": True, **table.snapshot()}
+    if op == "preset_add":
+        served = getattr(core.vllm_config.model_config, "served_model_name", None)
+        reserved = {str(n): "the served model name"
+                    for n in ([served] if isinstance(served, str) else served or [])}
+        reserved.update({n: "a preset set by --steer-preset" for n in cfg.presets})
+        res = table.add(kwargs["name"], kwargs["steer"], kwargs.get("token", ""), reserved)
+        if res["ok"]:
+            logger.info("vllm-steer: added preset %r = %s (run time)", kwargs["name"],
+                        res["preset"]["steer"])
+        return res
+    if op == "preset_delete":
+        res = table.delete(kwargs["name"], cfg.presets)
+        if res["ok"]:
+            logger.info("vllm-steer: deleted preset %r (run time)", kwargs["name"])
+        return res
+    if op == "preset_rollback":
+        return table.rollback(kwargs["name"], kwargs.get("token", ""))
+    return _error(400, f"unknown steer control op {op!r}")
+
+
 def merge(op: str, answers: list[dict]) -> dict:
     """One answer from the answers of every engine core (data parallelism) to ``op``.
 
@@ -159,6 +204,10 @@ def merge(op: str, answers: list[dict]) -> dict:
     """
     if len(answers) == 1:
         return answers[0]
+    if op.startswith("preset"):
+        from vllm_steer.integrations.presets import merge as merge_presets
+
+        return merge_presets(op, answers)
     if op == "list":
         if not all(a.get("enabled") for a in answers):
             return answers[0]

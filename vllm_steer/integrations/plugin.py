@@ -51,11 +51,51 @@ def register() -> None:
 
 # ---- 7. presets as model names, defaults and floors (vllm_steer.policy) --------------------
 def presets() -> dict[str, dict[str, float]]:
-    """The presets this process serves as model names (from its steer configuration)."""
+    """The presets this process serves as model names: its ``--steer-preset`` ones and the
+    run-time ones as it last read them (:mod:`vllm_steer.integrations.presets`)."""
+    from vllm_steer.integrations import frontend
+    from vllm_steer.integrations import presets as runtime
+
+    cfg = frontend.get_config()
+    if cfg is None or not cfg.enabled:
+        return {}
+    return {**cfg.presets, **runtime.view()} if cfg.enable_updates else dict(cfg.presets)
+
+
+def _runtime_presets_on() -> bool:
     from vllm_steer.integrations import frontend
 
     cfg = frontend.get_config()
-    return dict(cfg.presets) if cfg is not None and cfg.enabled else {}
+    return cfg is not None and cfg.enabled and cfg.enable_updates
+
+
+def _hook_check_model(serving_cls) -> None:
+    """``BaseServing._check_model`` (every OpenAI route's model check): with
+    ``--enable-steer-updates``, a ``model`` that is not the served model, a ``--steer-preset``
+    preset or a LoRA adapter may be a preset added (or deleted) at run time through any API
+    server: read the engine core's table first (one utility call), and pin the mix read for
+    this request's ``to_sampling_params``."""
+    orig = serving_cls._check_model
+    if getattr(orig, "_vllm_steer", False):
+        return
+
+    async def _check_model(self, request, *a, **kw):
+        name = getattr(request, "model", None)
+        if isinstance(name, str) and name and _runtime_presets_on():
+            from vllm_steer.integrations import frontend
+            from vllm_steer.integrations import presets as runtime
+            from vllm_steer.server.presets_route import pin_preset
+
+            models = self.models
+            static = (name in frontend.get_config().presets
+                      or any(b.name == name for b in models.base_model_paths)
+                      or name in (getattr(models, "lora_requests", None) or {}))
+            if not static:
+                pin_preset(name, (await runtime.refresh()).get(name))
+        return await orig(self, request, *a, **kw)
+
+    _check_model._vllm_steer = True
+    serving_cls._check_model = _check_model
 
 
 def _hook_model_registry(registry_cls) -> None:
@@ -68,12 +108,22 @@ def _hook_model_registry(registry_cls) -> None:
         return
 
     def is_base_model(self, model_name):
-        return orig_is_base(self, model_name) or (
-            isinstance(model_name, str) and model_name in presets())
+        if orig_is_base(self, model_name):
+            return True
+        if not isinstance(model_name, str):
+            return False
+        from vllm_steer.server.presets_route import pinned_preset
+
+        pinned, mix = pinned_preset(model_name)  # what this request's model check read
+        return bool(mix) if pinned else model_name in presets()
 
     async def show_available_models(self):
         from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelPermission
 
+        if _runtime_presets_on():  # run-time presets: the engine core's table as of now
+            from vllm_steer.integrations import presets as runtime
+
+            await runtime.refresh()
         models = await orig_show(self)
         base = self.base_model_paths[0]
         models.data.extend(ModelCard(id=name, root=base.model_path, parent=base.name,
@@ -117,7 +167,13 @@ def apply_preset(params, model: str | None) -> None:
         return
     extra = dict(params.extra_args or {})
     value = extra.get(REQUEST_FIELD)
-    preset = presets().get(model) if isinstance(model, str) else None
+    preset = None
+    if isinstance(model, str):
+        from vllm_steer.server.presets_route import pinned_preset
+
+        pinned, preset = pinned_preset(model)  # what this request's model check read
+        if not pinned:
+            preset = presets().get(model)
     if preset:
         value = policy.with_preset(value, preset)
         extra[REQUEST_FIELD] = value
@@ -235,4 +291,6 @@ HOOKS: tuple[Hook, ...] = (
       for module, name in REQUEST_CLASSES),
     Hook("vllm.plugins:load_endpoint_plugins", "the x-vllm-steer-applied response headers",
          _hook_endpoint_presets),
+    Hook("vllm.entrypoints.serve.engine.serving:BaseServing._check_model",
+         "presets added or deleted at run time, seen by every API server", _hook_check_model),
 )

@@ -6,6 +6,11 @@
   middleware from what the request's ``to_sampling_params`` recorded
   (:func:`record_applied`, called by the plugin), so streaming responses carry them too.
 - ``GET /v1/steer-presets``: the presets (served as model names), defaults and floors.
+- ``POST /v1/steer-presets`` ``{"name": "polite", "steer": {"detox": 4, "sentiment": -2}}``
+  and ``DELETE /v1/steer-presets/{name}``: presets at run time, only with
+  ``--enable-steer-updates`` (else HTTP 403 naming the flag). The table lives in the engine
+  core, so every API server sees a change from the moment the call returns (design:
+  :mod:`vllm_steer.integrations.presets`).
 
 The plugin adds this endpoint to vLLM's endpoint-plugin list itself
 (:func:`vllm_steer.integrations.plugin._hook_endpoint_presets`).
@@ -13,6 +18,7 @@ The plugin adds this endpoint to vLLM's endpoint-plugin list itself
 
 from __future__ import annotations
 
+import os
 from contextvars import ContextVar
 from typing import Any
 
@@ -36,6 +42,25 @@ def record_applied(values: dict[str, Any], floored: list[str]) -> None:
     headers = header_values(values, floored)
     if headers.get(APPLIED_HEADER) or len(headers) > 1:
         box["headers"] = headers
+
+
+def pin_preset(name: str, mix: dict | None) -> None:
+    """Remember the preset mix this HTTP request's model check read (no-op outside a
+    request): :func:`pinned_preset` gives it to ``to_sampling_params`` even if the view
+    changes in between."""
+    box = _BOX.get()
+    if box is not None:
+        box["preset"] = (name, mix)
+
+
+def pinned_preset(name: str) -> tuple[bool, dict | None]:
+    """``(True, mix)`` if this HTTP request's model check read ``name``'s preset (mix None:
+    none of that name), else ``(False, None)``."""
+    box = _BOX.get()
+    got = box.get("preset") if box is not None else None
+    if got is not None and got[0] == name:
+        return True, got[1]
+    return False, None
 
 
 class SteerHeadersMiddleware:
@@ -64,22 +89,128 @@ class SteerHeadersMiddleware:
             _BOX.reset(token)
 
 
-@router.get("/v1/steer-presets")
-async def list_presets(raw: Request):
+def _error(status: int, message: str, type_: str = "BadRequestError") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": None,
+                                   "code": status}}, status_code=status)
+
+
+def _config():
     from vllm_steer.integrations import frontend
 
     cfg = frontend.get_config()
-    if cfg is None or not cfg.enabled:
-        return JSONResponse({"error": {"message": "steering is not enabled on this server",
-                                       "type": "NotFoundError", "param": None, "code": 404}},
-                            status_code=404)
+    return cfg if cfg is not None and cfg.enabled else None
+
+
+_DISABLED = "steering is not enabled on this server"
+
+
+@router.get("/v1/steer-presets")
+async def list_presets(raw: Request):
+    from vllm_steer.integrations import presets
+
+    cfg = _config()
+    if cfg is None:
+        return _error(404, _DISABLED, "NotFoundError")
+    knew = sorted(presets.view())  # this process's view, before reading the table
+    runtime = await presets.refresh() if cfg.enable_updates else {}
     return JSONResponse({"object": "list",
-                         "data": [{"name": n, "steer": dict(m)} for n, m in cfg.presets.items()],
-                         "defaults": dict(cfg.defaults), "floors": dict(cfg.floors)})
+                         "data": [{"name": n, "steer": dict(m), "source": "--steer-preset"}
+                                  for n, m in cfg.presets.items()]
+                         + [{"name": n, "steer": dict(m), "source": "api"}
+                            for n, m in runtime.items()],
+                         "defaults": dict(cfg.defaults), "floors": dict(cfg.floors),
+                         "updates_enabled": cfg.enable_updates,
+                         # which API-server process answered, and the run-time presets it
+                         # knew before reading the engine core's table
+                         "api_server": {"pid": os.getpid(), "knew": knew}})
+
+
+def _updates_refused(cfg) -> JSONResponse | None:
+    if cfg is None:
+        return _error(404, _DISABLED, "NotFoundError")
+    if not cfg.enable_updates:
+        return _error(403, "preset updates are disabled on this server; start it with "
+                      "--enable-steer-updates to add and delete presets over HTTP "
+                      "(or set them at start-up with --steer-preset NAME=STEER:X,...)",
+                      "PermissionError")
+    return None
+
+
+def _reserved(raw: Request, cfg) -> dict[str, str]:
+    """Model names a new preset may not take, as this API server knows them."""
+    from vllm_steer.integrations import presets
+
+    out: dict[str, str] = {}
+    models = getattr(raw.app.state, "openai_serving_models", None)
+    for b in getattr(models, "base_model_paths", None) or ():
+        out[b.name] = "the served model name"
+    for n in getattr(models, "lora_requests", None) or {}:
+        out[n] = "a LoRA adapter"
+    out.update({n: "a preset set by --steer-preset" for n in cfg.presets})
+    out.update({n: "a preset added at run time (DELETE /v1/steer-presets/"
+                f"{n} first to replace it)" for n in presets.view()})
+    return out
+
+
+@router.post("/v1/steer-presets")
+async def add_preset(raw: Request):
+    import json
+    import uuid
+
+    from vllm_steer.integrations import presets
+    from vllm_steer.policy import PolicyError, preset_from_body
+    from vllm_steer.server.steers_route import control
+
+    cfg = _config()
+    refused = _updates_refused(cfg)
+    if refused is not None:
+        return refused
+    try:
+        body = await raw.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return _error(400, f"the body is not JSON ({e}); send e.g. "
+                      '{"name": "polite", "steer": {"detox": 4, "sentiment": -2}}')
+    engine = presets._ENGINE
+    if engine is None:
+        return _error(503, "no engine behind this server")
+    listing = await control(engine, "list")  # the steers loaded now, and the current table
+    steers = {s["name"] for s in listing.get("steers", []) if s["state"] != "draining"}
+    if cfg.steer_dir and os.path.isdir(cfg.steer_dir):
+        steers |= {f[:-len(".safetensors")] for f in os.listdir(cfg.steer_dir)
+                   if f.endswith(".safetensors")}
+    try:
+        name, mix = preset_from_body(body, steers, cfg.max_strength, _reserved(raw, cfg))
+    except PolicyError as e:
+        return _error(400, str(e))
+    res = await control(engine, "preset_add", name=name, steer=mix, token=uuid.uuid4().hex)
+    if not res.get("ok"):
+        return _error(res.get("status", 400), res.get("error", "refused"))
+    return JSONResponse({"object": "steer_preset", "name": name, "steer": mix,
+                         "source": "api"})
+
+
+@router.delete("/v1/steer-presets/{name}")
+async def delete_preset(name: str, raw: Request):
+    from vllm_steer.integrations import presets
+    from vllm_steer.server.steers_route import control
+
+    cfg = _config()
+    refused = _updates_refused(cfg)
+    if refused is not None:
+        return refused
+    if presets._ENGINE is None:
+        return _error(503, "no engine behind this server")
+    res = await control(presets._ENGINE, "preset_delete", name=name)
+    if not res.get("ok"):
+        return _error(res.get("status", 400), res.get("error", "refused"),
+                      "NotFoundError" if res.get("status") == 404 else "BadRequestError")
+    return JSONResponse({"object": "steer_preset", "deleted": True, **res["preset"],
+                         "source": "api"})
 
 
 class PresetsEndpoint:
-    """vLLM endpoint plugin: the response headers and ``/v1/steer-presets``."""
+    """vLLM endpoint plugin: the response headers and ``/v1/steer-presets`` (list; add and
+    delete with ``--enable-steer-updates``)."""
 
     name = "vllm_steer_presets"
     required_tasks = ("generate",)
@@ -89,4 +220,7 @@ class PresetsEndpoint:
         app.add_middleware(SteerHeadersMiddleware)
 
     async def init_state(self, engine_client, state, args) -> None:
-        return None
+        from vllm_steer.integrations import presets
+
+        if engine_client is not None:
+            presets.set_engine(engine_client)

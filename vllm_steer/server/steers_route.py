@@ -69,6 +69,15 @@ async def control(engine, op: str, **kwargs) -> dict:
             res = {**res, "error": f"{res['error']} (data parallelism: refused by engine "
                    f"core {res.get('engine')}; unloaded again from the "
                    f"{len(undo['generations'])} engine core(s) that had loaded it)"}
+    if op == "preset_add" and not res.get("ok") and any(a.get("ok") for a in answers):
+        # data parallelism: added by some engine cores only: take it out of those again
+        await _every_engine(engine, "preset_rollback", {"name": kwargs["name"],
+                                                        "token": kwargs.get("token", "")})
+        res = await control(engine, "presets") | {k: res[k] for k in ("ok", "status", "error")}
+    if op.startswith("preset") or op == "list":  # the run-time presets (every answer has them)
+        from vllm_steer.integrations import presets
+
+        presets.update(res)
     if op == "list":
         if res.get("enabled"):
             frontend.set_loaded(s["name"] for s in res["steers"] if s["state"] != "draining")

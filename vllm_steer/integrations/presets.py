@@ -1,0 +1,145 @@
+"""Presets added and deleted at run time (``POST`` / ``DELETE /v1/steer-presets``, with
+``--enable-steer-updates``): where the table lives and how every API server sees it.
+
+Design (docs/serving.md, "Presets at run time"):
+
+- **One table, in the engine core.** :class:`PresetTable` lives next to the steer registry
+  in each engine core (``control.py`` ops ``presets``, ``preset_add``, ``preset_delete``,
+  ``preset_rollback``; with data parallelism every engine core holds a copy, changed by the
+  same calls, and engine core 0's answer is the one read). ``--steer-preset`` presets stay in
+  the configuration (every process has them, they never change).
+- **Each API server keeps a view** (:func:`view`), replaced only by a newer table
+  ``version``: from its own POST / DELETE answers and from the steers poll (the ``list`` op
+  carries the table).
+- **A name that is not static is read at the request.** When a request's ``model`` is not
+  the served model, a ``--steer-preset`` preset or a LoRA adapter, the API server reads the
+  table from the engine core before vLLM's model check (:func:`refresh`, one utility call;
+  ``plugin._hook_check_model``), and the mix it read is the one the request gets (pinned
+  for ``to_sampling_params``). So from the moment POST / DELETE returns on any API server, a
+  request to any API server sees the change; requests naming the base model or a
+  ``--steer-preset`` preset never make that call. ``/v1/models`` and ``GET
+  /v1/steer-presets`` read the table too.
+
+Light: no torch, no vLLM imports at import time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from vllm_steer.logs import get_logger
+
+logger = get_logger()
+
+
+# ---- engine core ---------------------------------------------------------------------------
+class PresetTable:
+    """The run-time presets of one engine core. Every change bumps ``version``."""
+
+    def __init__(self):
+        self.presets: dict[str, dict[str, float]] = {}
+        self.tokens: dict[str, str] = {}  # name -> the token of the POST that added it
+        self.version = 0
+
+    def snapshot(self) -> dict:
+        return {"version": self.version,
+                "presets": {n: dict(m) for n, m in self.presets.items()}}
+
+    def add(self, name: str, mix: Mapping[str, float], token: str = "",
+            reserved: Mapping[str, str] | None = None) -> dict:
+        """Add a preset; refused (``ok: False``, status 400) if the name is taken."""
+        taken = (reserved or {}).get(name)
+        if taken is None and name in self.presets:
+            taken = ("a preset added at run time (DELETE /v1/steer-presets/"
+                     f"{name} first to replace it)")
+        if taken is not None:
+            return {"ok": False, "status": 400,
+                    "error": f"preset name {name!r} is already {taken}; give the preset "
+                             "another name", **self.snapshot()}
+        self.presets[name] = {k: float(v) for k, v in mix.items()}
+        self.tokens[name] = token
+        self.version += 1
+        return {"ok": True, "preset": {"name": name, "steer": dict(self.presets[name])},
+                **self.snapshot()}
+
+    def delete(self, name: str, static: Mapping[str, Any] | None = None) -> dict:
+        """Delete a run-time preset: 404 if there is none of that name; 400 for a
+        ``--steer-preset`` one (``static``)."""
+        if name not in self.presets:
+            if static and name in static:
+                return {"ok": False, "status": 400,
+                        "error": f"preset {name!r} is set by --steer-preset at start-up and "
+                                 "cannot be deleted at run time; restart the server without "
+                                 "it", **self.snapshot()}
+            known = sorted(self.presets)
+            return {"ok": False, "status": 404,
+                    "error": f"preset {name!r} does not exist; presets added at run time: "
+                             f"{', '.join(known) or 'none'}", **self.snapshot()}
+        mix = self.presets.pop(name)
+        self.tokens.pop(name, None)
+        self.version += 1
+        return {"ok": True, "preset": {"name": name, "steer": mix}, **self.snapshot()}
+
+    def rollback(self, name: str, token: str) -> dict:
+        """Undo the add of ``token`` (it failed on another data-parallel engine core)."""
+        if self.tokens.get(name) == token and token:
+            self.delete(name)
+        return {"ok": True, **self.snapshot()}
+
+
+def merge(op: str, answers: list[dict]) -> dict:
+    """One answer of the engine cores' answers (data parallelism) to a preset op: an add is
+    ok if every engine core added it (else the first refusal: the caller rolls back the
+    others), a delete if any had it; the table read is engine core 0's."""
+    if len(answers) == 1:
+        return answers[0]
+    if op == "preset_add":
+        return next((a for a in answers if not a.get("ok")), answers[0])
+    if op == "preset_delete":
+        return next((a for a in answers if a.get("ok")), answers[0])
+    return answers[0]
+
+
+# ---- API server ----------------------------------------------------------------------------
+_VIEW: dict = {"version": -1, "presets": {}}
+_ENGINE: Any = None  # this API server's engine client (set by the presets endpoint plugin)
+
+
+def set_engine(engine) -> None:
+    """This API server's engine client (a new engine: a new table, the view starts over)."""
+    global _ENGINE
+    _ENGINE = engine
+    reset()
+
+
+def view() -> dict[str, dict[str, float]]:
+    """The run-time presets as this process last read them."""
+    return dict(_VIEW["presets"])
+
+
+def update(answer: Mapping[str, Any] | None) -> None:
+    """Take the table from an engine-core answer if it is newer than the view."""
+    if not answer or "version" not in answer or not isinstance(answer.get("presets"), Mapping):
+        return
+    if answer["version"] >= _VIEW["version"]:
+        _VIEW["version"] = answer["version"]
+        _VIEW["presets"] = {n: dict(m) for n, m in answer["presets"].items()}
+
+
+def reset() -> None:
+    """Forget the view (a new engine in this process)."""
+    _VIEW.update(version=-1, presets={})
+
+
+async def refresh(engine=None) -> dict[str, dict[str, float]]:
+    """Read the table from the engine core (one utility call) into the view; returns the
+    view. Without an engine client (offline), or if the call fails, the view as it is."""
+    engine = engine if engine is not None else _ENGINE
+    if engine is not None:
+        from vllm_steer.server.steers_route import control
+
+        try:
+            await control(engine, "presets")
+        except Exception as e:  # the engine is shutting down: the request fails anyway
+            logger.debug("vllm-steer: reading the run-time presets failed: %s", e)
+    return view()
