@@ -20,6 +20,7 @@ def registered():
 def test_modules_the_frontend_imports_do_not_import_torch():
     modules = ["vllm_steer.integrations." + m for m in (
         "plugin", "hooks", "cli_args", "startup_checks", "request_field", "engine_core",
+        "preset_models", "endpoints", "presets",
         "frontend")] + ["vllm_steer.config", "vllm_steer.format"]
     code = f"import sys; import {', '.join(modules)}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -101,30 +101,6 @@ def _hook_async_llm_generate(async_llm_cls) -> None:
     AsyncLLM.generate = generate
 
 
-def _hook_endpoint_plugins(plugins) -> None:
-    """Serve ``/v1/steers`` (vllm_steer.server.steers_route) on every API server that steers:
-    vLLM's endpoint-plugin loader also returns our plugin, whatever ``VLLM_PLUGINS`` says (the
-    write routes stay off without ``--enable-steer-updates``)."""
-    orig = plugins.load_endpoint_plugins
-    if getattr(orig, "_vllm_steer", False):
-        return
-
-    def load_endpoint_plugins(supported_tasks=None):
-        found = list(orig(supported_tasks))
-        from vllm_steer.integrations import frontend
-
-        cfg = frontend.get_config()
-        if cfg is not None and cfg.enabled and not any(
-                getattr(p, "name", None) == "vllm_steer_steers" for p in found):
-            from vllm_steer.server.steers_route import SteerManagementEndpoint
-
-            found.append(SteerManagementEndpoint())
-        return found
-
-    load_endpoint_plugins._vllm_steer = True
-    plugins.load_endpoint_plugins = load_endpoint_plugins
-
-
 def _hook_async_llm(async_llm_cls) -> None:
     """``AsyncLLM.add_request`` (the API server) loads a ``--steer-dir`` steer a request names
     before admitting it, so a refusal (bad file, capacity full) is an HTTP 400 with the reason.

@@ -17,7 +17,10 @@ hooks themselves live in modules named after what they do:
   request models (completions, chat, responses), checked at admission;
 - :mod:`~vllm_steer.integrations.engine_core`: run-time steer management and admission in the
   engine core, and their API-server halves;
-- presets as model names, defaults and floors: below (section 7).
+- :mod:`~vllm_steer.integrations.preset_models`: presets served as model names (defaults
+  and floors are applied in the engine core's admission);
+- :mod:`~vllm_steer.integrations.endpoints`: ``/v1/steers``, ``/v1/steer-presets`` and the
+  response headers on every API server that steers.
 
 Offline, pass the same configuration yourself::
 
@@ -32,8 +35,8 @@ This module imports no torch at import time (nor do the modules it imports).
 
 from __future__ import annotations
 
-from vllm_steer import REQUEST_FIELD
-from vllm_steer.integrations import cli_args, engine_core, request_field, startup_checks
+from vllm_steer.integrations import (cli_args, endpoints, engine_core, preset_models,
+                                     request_field, startup_checks)
 from vllm_steer.integrations.hooks import Hook, install_hooks
 from vllm_steer.integrations.request_field import REQUEST_CLASSES
 
@@ -49,164 +52,7 @@ def register() -> None:
     install_hooks(HOOKS)
 
 
-# ---- 7. presets as model names, defaults and floors (vllm_steer.policy) --------------------
-def presets() -> dict[str, dict[str, float]]:
-    """The presets this process serves as model names: its ``--steer-preset`` ones and the
-    run-time ones as it last read them (:mod:`vllm_steer.integrations.presets`)."""
-    from vllm_steer.integrations import frontend
-    from vllm_steer.integrations import presets as runtime
-
-    cfg = frontend.get_config()
-    if cfg is None or not cfg.enabled:
-        return {}
-    return {**cfg.presets, **runtime.view()} if cfg.enable_updates else dict(cfg.presets)
-
-
-def _runtime_presets_on() -> bool:
-    from vllm_steer.integrations import frontend
-
-    cfg = frontend.get_config()
-    return cfg is not None and cfg.enabled and cfg.enable_updates
-
-
-def _hook_check_model(serving_cls) -> None:
-    """``BaseServing._check_model`` (every OpenAI route's model check): with
-    ``--enable-steer-updates``, a ``model`` that is not the served model, a ``--steer-preset``
-    preset or a LoRA adapter may be a preset added (or deleted) at run time through any API
-    server: read the engine core's table first (one utility call), and pin the mix read for
-    this request's ``to_sampling_params``."""
-    orig = serving_cls._check_model
-    if getattr(orig, "_vllm_steer", False):
-        return
-
-    async def _check_model(self, request, *a, **kw):
-        name = getattr(request, "model", None)
-        if isinstance(name, str) and name and _runtime_presets_on():
-            from vllm_steer.integrations import frontend
-            from vllm_steer.integrations import presets as runtime
-            from vllm_steer.server.presets_route import pin_preset
-
-            models = self.models
-            static = (name in frontend.get_config().presets
-                      or any(b.name == name for b in models.base_model_paths)
-                      or name in (getattr(models, "lora_requests", None) or {}))
-            if not static:
-                pin_preset(name, (await runtime.refresh()).get(name))
-        return await orig(self, request, *a, **kw)
-
-    _check_model._vllm_steer = True
-    serving_cls._check_model = _check_model
-
-
-def _hook_model_registry(registry_cls) -> None:
-    """``OpenAIModelRegistry`` (behind ``OpenAIServingModels``): a preset name is a served
-    model name (``is_base_model``, so every route's model check admits it) and is listed in
-    ``/v1/models`` as its own card (parent: the base model; its mix in a ``steer`` field),
-    like vLLM lists ``--lora-modules``."""
-    orig_is_base, orig_show = registry_cls.is_base_model, registry_cls.show_available_models
-    if getattr(orig_is_base, "_vllm_steer", False):
-        return
-
-    def is_base_model(self, model_name):
-        if orig_is_base(self, model_name):
-            return True
-        if not isinstance(model_name, str):
-            return False
-        from vllm_steer.server.presets_route import pinned_preset
-
-        pinned, mix = pinned_preset(model_name)  # what this request's model check read
-        return bool(mix) if pinned else model_name in presets()
-
-    async def show_available_models(self):
-        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelPermission
-
-        if _runtime_presets_on():  # run-time presets: the engine core's table as of now
-            from vllm_steer.integrations import presets as runtime
-
-            await runtime.refresh()
-        models = await orig_show(self)
-        base = self.base_model_paths[0]
-        models.data.extend(ModelCard(id=name, root=base.model_path, parent=base.name,
-                                     max_model_len=self.model_config.max_model_len,
-                                     permission=[ModelPermission()], steer=dict(mix))
-                           for name, mix in presets().items())
-        return models
-
-    is_base_model._vllm_steer = True
-    registry_cls.is_base_model = is_base_model
-    registry_cls.show_available_models = show_available_models
-
-
-def _hook_preset_request(cls) -> None:
-    """``to_sampling_params`` of an OpenAI request model: a request whose ``model`` is a preset
-    gets the preset's mix under its own ``steer`` (precedence: :mod:`vllm_steer.policy`), and
-    the response headers (:mod:`vllm_steer.server.presets_route`) learn what is applied after
-    defaults and floors. (The engine core applies defaults and floors itself:
-    :func:`vllm_steer.integrations.control.apply_policy`.)"""
-    orig = cls.to_sampling_params
-    if getattr(orig, "_vllm_steer_preset", False):
-        return
-
-    def to_sampling_params(self, *a, **kw):
-        params = orig(self, *a, **kw)
-        apply_preset(params, getattr(self, "model", None))
-        return params
-
-    to_sampling_params._vllm_steer_preset = True
-    cls.to_sampling_params = to_sampling_params
-
-
-def apply_preset(params, model: str | None) -> None:
-    """Write ``model``'s preset (if it is one) under the request's steer, and record the
-    applied steers for the response headers."""
-    from vllm_steer import policy
-    from vllm_steer.integrations import frontend
-
-    cfg = frontend.get_config()
-    if cfg is None or not cfg.enabled:
-        return
-    extra = dict(params.extra_args or {})
-    value = extra.get(REQUEST_FIELD)
-    preset = None
-    if isinstance(model, str):
-        from vllm_steer.server.presets_route import pinned_preset
-
-        pinned, preset = pinned_preset(model)  # what this request's model check read
-        if not pinned:
-            preset = presets().get(model)
-    if preset:
-        value = policy.with_preset(value, preset)
-        extra[REQUEST_FIELD] = value
-        params.extra_args = extra
-    from vllm_steer.server.presets_route import record_applied
-
-    record_applied(*policy.resolve(value, None, cfg.defaults, cfg.floors))
-
-
-def _hook_endpoint_presets(plugins) -> None:
-    """The response headers (a middleware) and ``GET /v1/steer-presets``
-    (vllm_steer.server.presets_route) on every API server that steers."""
-    orig = plugins.load_endpoint_plugins
-    if getattr(orig, "_vllm_steer_presets", False):
-        return
-
-    def load_endpoint_plugins(supported_tasks=None):
-        found = list(orig(supported_tasks))
-        from vllm_steer.integrations import frontend
-
-        cfg = frontend.get_config()
-        if cfg is not None and cfg.enabled and not any(
-                getattr(p, "name", None) == "vllm_steer_presets" for p in found):
-            from vllm_steer.server.presets_route import PresetsEndpoint
-
-            found.append(PresetsEndpoint())
-        return found
-
-    load_endpoint_plugins._vllm_steer_presets = True
-    plugins.load_endpoint_plugins = load_endpoint_plugins
-
-
-# ---- the hook list (section 0) -----------------------------------------------------------
+# ---- the hook list -----------------------------------------------------------
 # Patched lazily in the worker (v1.py, v2.py) but checked here, in every process.
 _WORKER_HOOKS = (
     ("vllm.v1.sample.logits_processor:LogitsProcessor", "V1 per-request steer state"),
@@ -260,8 +106,9 @@ HOOKS: tuple[Hook, ...] = (
          engine_core._hook_engine_core),
     Hook("vllm.v1.engine.core:EngineCore.add_request",
          "binding a request's steers to (slot, generation) at admission"),
-    Hook("vllm.plugins:load_endpoint_plugins", "the /v1/steers routes",
-         engine_core._hook_endpoint_plugins),
+    Hook("vllm.plugins:load_endpoint_plugins",
+         "the /v1/steers and /v1/steer-presets routes, the x-vllm-steer-* headers",
+         endpoints._hook_endpoint_plugins),
     # speculative decoding (startup_checks.py, spec_decode.py)
     Hook("vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model",
          "speculative decoding: the step's verification rows -> requests (V1)",
@@ -281,16 +128,15 @@ HOOKS: tuple[Hook, ...] = (
          engine_core._hook_async_llm_generate),
     Hook("vllm.v1.engine:EngineCoreOutput.stop_reason",
          "the engine-side steer refusal's message (error output's stop_reason)"),
-    # presets, defaults and floors (section 7)
+    # presets served as model names (preset_models.py)
     Hook("vllm.entrypoints.openai.models.serving:OpenAIModelRegistry.is_base_model",
-         "presets served as model names", _hook_model_registry),
+         "presets served as model names", preset_models._hook_model_registry),
     Hook("vllm.entrypoints.openai.models.serving:OpenAIModelRegistry.show_available_models",
          "presets listed in /v1/models"),
     *(Hook(f"{module}:{name}.to_sampling_params", "a preset's mix for its model name",
-           _hook_preset_request)
+           preset_models._hook_preset_request)
       for module, name in REQUEST_CLASSES),
-    Hook("vllm.plugins:load_endpoint_plugins", "the x-vllm-steer-applied response headers",
-         _hook_endpoint_presets),
     Hook("vllm.entrypoints.serve.engine.serving:BaseServing._check_model",
-         "presets added or deleted at run time, seen by every API server", _hook_check_model),
+         "presets added or deleted at run time, seen by every API server",
+         preset_models._hook_check_model),
 )

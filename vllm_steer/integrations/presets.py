@@ -14,7 +14,7 @@ Design (docs/serving.md, "Presets at run time"):
 - **A name that is not static is read at the request.** When a request's ``model`` is not
   the served model, a ``--steer-preset`` preset or a LoRA adapter, the API server reads the
   table from the engine core before vLLM's model check (:func:`refresh`, one utility call;
-  ``plugin._hook_check_model``), and the mix it read is the one the request gets (pinned
+  ``preset_models._hook_check_model``), and the mix it read is the one the request gets (pinned
   for ``to_sampling_params``). So from the moment POST / DELETE returns on any API server, a
   request to any API server sees the change; requests naming the base model or a
   ``--steer-preset`` preset never make that call. ``/v1/models`` and ``GET

@@ -13,7 +13,7 @@
   :mod:`vllm_steer.integrations.presets`).
 
 The plugin adds this endpoint to vLLM's endpoint-plugin list itself
-(:func:`vllm_steer.integrations.plugin._hook_endpoint_presets`).
+(:func:`vllm_steer.integrations.endpoints._hook_endpoint_plugins`).
 """
 
 from __future__ import annotations
