@@ -11,7 +11,7 @@ import pytest
 from conftest import random_steer
 from vllm_steer.format import save_steer
 from vllm_steer.integrations import families
-from vllm_steer.integrations.plugin import configure_engine
+from vllm_steer.integrations.startup_checks import configure_engine
 
 
 def _model_config(arch: str, hidden: int = 128, **hf):

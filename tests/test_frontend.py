@@ -12,7 +12,7 @@ from fastapi import FastAPI  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
 from vllm_steer.config import SteerServerConfig  # noqa: E402
-from vllm_steer.integrations import frontend, plugin  # noqa: E402
+from vllm_steer.integrations import frontend, hooks, plugin, request_field  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def app():
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
 
-    plugin.install_hooks([h for h in plugin.HOOKS if h.install is plugin.add_request_field])
+    hooks.install_hooks([h for h in plugin.HOOKS if h.install is request_field.add_request_field])
     app = FastAPI()
     app.state.args = argparse.Namespace(log_error_stack=False)
     init_exception_handler(app)

@@ -202,9 +202,9 @@ def test_request_model_validation(steer, xargs):
     import pydantic
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    from vllm_steer.integrations import frontend, plugin
+    from vllm_steer.integrations import frontend, hooks, plugin, request_field
 
-    plugin.install_hooks([h for h in plugin.HOOKS if h.install is plugin.add_request_field])
+    hooks.install_hooks([h for h in plugin.HOOKS if h.install is request_field.add_request_field])
     old = frontend.get_config()
     frontend.set_config(SteerServerConfig(steers=dict(KNOWN), max_strength=MAX))
     try:

@@ -49,7 +49,8 @@ def model_without_eos(out):
     is 0 whatever the hidden state, far below the largest of 49,151 random logits, so every
     completion runs to max_tokens. Greedy texts from a random model can still differ
     between batches of different composition where two logits nearly tie; an EOS on one side
-    of such a tie ended a column early (seen once in `make test`)."""
+    of such a tie ended a column early (seen once in `make test`; a column one token short is
+    also what the test's old, non-atomic read of a streaming column gave: see `columns`)."""
     from safetensors.torch import load_file, save_file
 
     make_tiny_llama(out)
@@ -197,27 +198,41 @@ def set_field(driver, id_, value):
     e.send_keys(str(value))
 
 
-def columns(driver):
-    from selenium.webdriver.common.by import By
+# One snapshot of every column, taken by one script in the page: the page's JavaScript runs
+# to completion between two events, so no streamed delta can land between reading a column's
+# text and its classes. (Reading them with one WebDriver call each, as this test once did,
+# let a column's last delta and its "finished" class both arrive between the two reads: the
+# text was one token short yet the column counted as finished.)
+COLUMNS_JS = """
+return Array.from(document.querySelectorAll('#columns .column'), (col) => ({
+  title: col.querySelector('h2').textContent,
+  steer: col.getAttribute('data-steer'),
+  text: col.querySelector('[data-role=output]').textContent,
+  error: col.querySelector('[data-role=error]').textContent,
+  classes: col.className,
+  request: col.querySelector('details.req pre').textContent,
+}));
+"""
 
+
+def columns(driver):
     out = []
-    for col in driver.find_elements(By.CSS_SELECTOR, "#columns .column"):
+    for col in driver.execute_script(COLUMNS_JS):
         out.append({
-            "title": col.find_element(By.TAG_NAME, "h2").text,
-            "steer": json.loads(col.get_attribute("data-steer") or "null"),
-            "text": col.find_element(By.CSS_SELECTOR, "[data-role=output]").get_attribute(
-                "textContent"),
-            "error": col.find_element(By.CSS_SELECTOR, "[data-role=error]").get_attribute(
-                "textContent"),
-            "classes": col.get_attribute("class").split(),
+            "title": col["title"].strip(),
+            "steer": json.loads(col["steer"] or "null"),
+            "text": col["text"],
+            "error": col["error"],
+            "classes": col["classes"].split(),
             # the request the column shows as a curl command (details > pre)
-            "request": json.loads(re.search(r"-d '(.*)'$", col.find_element(
-                By.CSS_SELECTOR, "details.req pre").get_attribute("textContent"), re.S)[1]),
+            "request": json.loads(re.search(r"-d '(.*)'$", col["request"], re.S)[1]),
         })
     return out
 
 
 def settled(driver):
+    """The columns once every one has finished or failed (else False): its text is then final,
+    as the page marks a column finished only after its stream's end."""
     cols = columns(driver)
     return cols if cols and all({"finished", "failed"} & set(c["classes"]) for c in cols) \
         else False
@@ -303,10 +318,6 @@ def test_first_generate_gives_three_steered_columns_as_the_api_returns_them(page
 @pytest.mark.vllm
 @browser
 @pytest.mark.skipif(not HAS_PRESETS, reason="presets (--steer-preset) are not in this tree")
-@pytest.mark.xfail(strict=False, reason="seen once on the merged tree (lead, end of session): the "
-                   "page's plain column was one token shorter than the same request over the API "
-                   "in a three-column batch with a preset; not diagnosed (streamed delta lost or "
-                   "a batch-composition near-tie); see the session note")
 def test_preset_is_listed_and_picked_as_a_column(page, server):
     """The page lists the server's presets; a preset column asks for the preset's model name
     (no steer field) and shows what the API returns for that model."""
@@ -315,6 +326,9 @@ def test_preset_is_listed_and_picked_as_a_column(page, server):
 
     info = requests.get(server + "/v1/steer/info").json()
     assert info["presets"] == [{"name": "polite", "steer": {"detox": 4.0, "sentiment": -2.0}}]
+    # the page lists the preset cards of /v1/models (the live list), else the info's presets
+    cards = [m for m in requests.get(server + "/v1/models").json()["data"] if m.get("steer")]
+    assert [(m["id"], m["steer"]) for m in cards] == [("polite", info["presets"][0]["steer"])]
     set_field(page, "prompt", "Once upon a time")
     set_field(page, "max-tokens", MAX_TOKENS)
     set_field(page, "temperature", 0)

@@ -1,277 +1,34 @@
-"""The general plugin without starting an engine: CLI flags, config carried to the workers,
-start-up checks of the steer files, and what `vllm serve` prints."""
+"""The plugin's entry point and its one list of hooks (vllm_steer.integrations.plugin):
+every hook is found on this vLLM, and what the frontend imports stays light."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
-import torch
-
-from conftest import random_steer
-from vllm_steer.format import TENSOR_P1, TENSOR_P2, METADATA_KEY, save_steer
 
 
 @pytest.fixture(scope="module")
-def plugin():
+def registered():
+    """The plugin registered in this process (its hooks installed into vLLM)."""
     from vllm_steer.integrations import plugin
 
     plugin.register()
-    return plugin
-
-
-def _serve_parser():
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
-
-
-def test_serve_parser_takes_steer_flags_and_carries_them_in_additional_config(plugin, tmp_path):
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    p = tmp_path / "sent.safetensors"
-    save_steer(p, random_steer(64, 4, "sentiment"))
-    args = _serve_parser().parse_args(["m", "--steer", "detox=/x/detox.safetensors",
-                                       "--steer", str(p), "--steer-max-strength", "20"])
-    engine_args = AsyncEngineArgs.from_cli_args(args)
-    assert engine_args.additional_config["vllm_steer"] == {
-        "steers": {"detox": "/x/detox.safetensors", "sentiment": str(p)},
-        "max_strength": 20.0, "backend": "auto"}
-
-
-def test_duplicate_steer_names_are_refused(plugin):
-    args = _serve_parser().parse_args(["m", "--steer", "a=/x", "--steer", "a=/y"])
-    with pytest.raises(ValueError, match=r"the name\(s\) \['a'\] are given more than once"):
-        plugin.config_from_args(args)
-
-
-def _engine_config(model, steers, **kw):
-    from vllm.engine.arg_utils import EngineArgs
-
-    return EngineArgs(model=str(model), max_model_len=256,
-                      additional_config={"vllm_steer": {"steers": steers}},
-                      **kw).create_engine_config()
-
-
-def test_engine_config_installs_the_v1_logits_processor(plugin, tiny_model_dir, tmp_path):
-    p = tmp_path / "a.safetensors"
-    save_steer(p, random_steer(64, 4, "a"))
-    cfg = _engine_config(tiny_model_dir, {"a": str(p)})
-    assert cfg.model_config.logits_processors == [
-        "vllm_steer.integrations.v1:SteerLogitsProcessorV1"]
-
-
-def _bad_files(tmp_path):
-    from safetensors.torch import save_file
-
-    good = random_steer(64, 4, "g")
-    files = {}
-    files["missing"] = (str(tmp_path / "missing.safetensors"), "no such file")
-    t = tmp_path / "truncated.safetensors"
-    save_steer(t, good)
-    t.write_bytes(t.read_bytes()[:-64])
-    files["truncated"] = (str(t), "truncated")
-    n = tmp_path / "nan.safetensors"
-    p1 = good.p1.clone()
-    p1[0, 0] = float("inf")
-    save_file({TENSOR_P1: p1, TENSOR_P2: good.p2}, n,
-              metadata={METADATA_KEY: good.metadata.to_json()})
-    files["nan"] = (str(n), "NaN or inf")
-    w = tmp_path / "wide.safetensors"
-    save_steer(w, random_steer(32, 4, "w"))
-    files["shape"] = (str(w), "hidden size 32 but the model")
-    k = tmp_path / "ref.pt"
-    torch.save([{}, {"projector1": torch.zeros(1, 64, 2)}, 0], k)
-    files["pickle"] = (str(k), "pickle")
-    return files
-
-
-def test_each_bad_steer_file_is_refused_at_startup_naming_file_and_reason(plugin, tiny_model_dir,
-                                                                         tmp_path):
-    from vllm_steer.format import SteerFileError
-
-    for kind, (path, reason) in _bad_files(tmp_path).items():
-        with pytest.raises(SteerFileError) as e:
-            _engine_config(tiny_model_dir, {"s": path})
-        assert path in str(e.value) and reason in str(e.value), kind
-
-
-def test_all_refused_files_are_listed_in_one_error(plugin, tiny_model_dir, tmp_path):
-    from vllm_steer.format import SteerFileError
-
-    bad = _bad_files(tmp_path)
-    with pytest.raises(SteerFileError) as e:
-        _engine_config(tiny_model_dir, {k: p for k, (p, _) in bad.items()})
-    for path, reason in bad.values():
-        assert path in str(e.value) and reason in str(e.value)
-
-
-def test_speculative_decoding_methods_without_steered_rows_are_refused_naming_the_method(
-        plugin, tiny_model_dir, tmp_path):
-    p = tmp_path / "a.safetensors"
-    save_steer(p, random_steer(64, 4, "a"))
-    for spec in ({"method": "ngram_gpu", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
-                  "prompt_lookup_min": 1},
-                 {"method": "eagle", "model": str(tiny_model_dir), "num_speculative_tokens": 2}):
-        with pytest.raises(ValueError) as e:
-            _engine_config(tiny_model_dir, {"a": str(p)}, speculative_config=spec)
-        msg = str(e.value)
-        assert f"speculative decoding method {spec['method']!r} is not supported" in msg, msg
-        assert "ngram, draft_model" in msg and "--speculative-config" in msg, msg
-
-
-def test_speculative_decoding_under_model_runner_v2_is_refused_naming_the_method():
-    from types import SimpleNamespace
-
-    from vllm_steer.integrations.plugin import check_speculative_config
-
-    for method in ("ngram", "draft_model"):
-        cfg = SimpleNamespace(speculative_config=SimpleNamespace(method=method),
-                              use_v2_model_runner=True)
-        with pytest.raises(ValueError) as e:
-            check_speculative_config(cfg)
-        msg = str(e.value)
-        assert f"method {method!r}" in msg and "Model Runner V2" in msg, msg
-        assert "VLLM_USE_V2_MODEL_RUNNER=0" in msg, msg
-
-
-def test_speculative_decoding_ngram_and_draft_model_are_accepted(plugin, tiny_model_dir,
-                                                                  tmp_path):
-    p = tmp_path / "a.safetensors"
-    save_steer(p, random_steer(64, 4, "a"))
-    for spec in ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
-                  "prompt_lookup_min": 1},
-                 {"method": "draft_model", "model": str(tiny_model_dir),
-                  "num_speculative_tokens": 2}):
-        cfg = _engine_config(tiny_model_dir, {"a": str(p)}, speculative_config=spec)
-        assert cfg.speculative_config.method == spec["method"]
-        assert cfg.model_config.logits_processors == [
-            "vllm_steer.integrations.v1:SteerLogitsProcessorV1"]
-
-
-def _vllm(*args, timeout=240):
-    exe = os.path.join(os.path.dirname(sys.executable), "vllm")
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout)
-
-
-def test_vllm_serve_help_shows_the_steer_flags():
-    out = _vllm("serve", "--help=vllm-steer")
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "--steer NAME=PATH" in out.stdout and "--steer-max-strength" in out.stdout
-
-
-def test_vllm_serve_exits_naming_a_bad_steer_file(tiny_model_dir, tmp_path):
-    bad = tmp_path / "broken.safetensors"
-    bad.write_bytes(b"not a steer")
-    out = _vllm("serve", str(tiny_model_dir), "--steer", f"detox={bad}", "--port", "8099")
-    assert out.returncode != 0
-    assert str(bad) in out.stderr and "refused" in out.stderr
 
 
 def test_modules_the_frontend_imports_do_not_import_torch():
-    code = ("import sys; import vllm_steer.integrations.plugin, vllm_steer.integrations.frontend, "
-            "vllm_steer.config, vllm_steer.format; print('torch' in sys.modules)")
+    modules = ["vllm_steer.integrations." + m for m in (
+        "plugin", "hooks", "cli_args", "startup_checks", "request_field", "engine_core",
+        "frontend")] + ["vllm_steer.config", "vllm_steer.format"]
+    code = f"import sys; import {', '.join(modules)}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
-MISSING_HOOK = r"""
-import sys
-from vllm.engine.arg_utils import EngineArgs
-from vllm.v1.engine.input_processor import InputProcessor
+def test_every_hook_is_found_on_this_vllm(registered):
+    from vllm_steer.integrations import hooks, plugin
 
-del InputProcessor._build_logits_processors_params_validator  # "a vLLM that moved it"
-from vllm_steer.integrations import plugin
-
-plugin.register()
-model, steer = sys.argv[1], sys.argv[2]
-EngineArgs(model=model, max_model_len=128).create_engine_config()  # no steers: only warns
-print("NO-STEERS-OK", flush=True)
-for how in ("additional_config", "cli"):
-    try:
-        if how == "cli":
-            from vllm.entrypoints.launchers.cli_args import make_arg_parser
-            from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-            args = make_arg_parser(FlexibleArgumentParser()).parse_args(
-                [model, "--steer", "a=" + steer])
-            EngineArgs.from_cli_args(args)
-        else:
-            EngineArgs(model=model, max_model_len=128, additional_config={
-                "vllm_steer": {"steers": {"a": steer}}}).create_engine_config()
-    except plugin.MissingHookError as e:
-        print("REFUSED " + how + " " + str(e), flush=True)
-"""
-
-
-def test_a_missing_patch_point_warns_and_refuses_steers_naming_version_and_hook(tiny_model_dir,
-                                                                               tmp_path):
-    from vllm import __version__
-
-    save_steer(tmp_path / "a.safetensors", random_steer(64, 4, "a"))
-    out = subprocess.run([sys.executable, "-c", MISSING_HOOK, str(tiny_model_dir),
-                          str(tmp_path / "a.safetensors")], capture_output=True, text=True,
-                         timeout=300)
-    hook = "vllm.v1.engine.input_processor:InputProcessor._build_logits_processors_params_" \
-           "validator"
-    assert "NO-STEERS-OK" in out.stdout, out.stderr[-3000:]
-    assert f"vLLM {__version__} lacks 1 patch point" in out.stderr and hook in out.stderr
-    refused = [ln for ln in out.stdout.splitlines() if ln.startswith("REFUSED")]
-    assert [ln.split()[1] for ln in refused] == ["additional_config", "cli"], out.stderr[-3000:]
-    for ln in refused:
-        assert f"cannot steer on vLLM {__version__}" in ln and hook in ln
-        assert "supports vllm>=0.32,<0.34" in ln
-
-
-def test_every_hook_is_found_on_this_vllm(plugin):
-    assert plugin._MISSING == []
+    assert hooks._MISSING == []
     for hook in plugin.HOOKS:
-        plugin.resolve(hook.target)
-
-
-def test_pooling_model_is_refused_with_steers(plugin, tiny_model_dir, tmp_path):
-    p = tmp_path / "a.safetensors"
-    save_steer(p, random_steer(64, 4, "a"))
-    with pytest.raises(ValueError, match="--steer needs a generative model; .* runs as a "
-                                         "pooling model"):
-        _engine_config(tiny_model_dir, {"a": str(p)}, runner="pooling")
-
-
-@pytest.mark.parametrize("extra, flag", [({"steer_dir": "/tmp"}, "--steer-dir"),
-                                         ({"enable_updates": True}, "--enable-steer-updates")])
-@pytest.mark.parametrize("mode, fragment", [
-    ("data_parallel_external_lb", "external load balancing"),
-    ("data_parallel_hybrid_lb", "hybrid load balancing"),
-    ("enable_elastic_ep", "elastic expert parallelism"),
-])
-def test_run_time_steers_are_refused_only_in_dp_modes_where_a_call_reaches_one_engine(
-        extra, flag, mode, fragment):
-    from types import SimpleNamespace
-
-    import dataclasses
-
-    from vllm.config import ParallelConfig
-
-    from vllm_steer.config import SteerServerConfig
-    from vllm_steer.integrations.plugin import check_runtime_steers_fit_parallelism
-
-    assert mode in {f.name for f in dataclasses.fields(ParallelConfig)}  # vLLM's own name
-
-    def dp(size, **flags):
-        return SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=size,
-                                                               **flags))
-
-    cfg = SteerServerConfig(**extra)
-    with pytest.raises(ValueError, match=f"{flag} cannot be used with --data-parallel-size 2 "
-                                         f"in {fragment}") as e:
-        check_runtime_steers_fit_parallelism(cfg, dp(2, **{mode: True}))
-    assert "internal load balancing" in str(e.value)
-    # internal load balancing (the default of DP): every engine core gets every call
-    check_runtime_steers_fit_parallelism(cfg, dp(2))
-    check_runtime_steers_fit_parallelism(cfg, dp(1, **{mode: True}))
-    # start-up steers only: fine in every mode
-    check_runtime_steers_fit_parallelism(SteerServerConfig(steers={"a": "a.safetensors"}),
-                                         dp(2, **{mode: True}))
+        hooks.resolve(hook.target)

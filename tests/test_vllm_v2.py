@@ -11,7 +11,10 @@ The same semantics as the V1 tests (tests/test_vllm_offline.py), checked against
 on the model's own weights (the steer applied by hand in front of the LM head):
 unsteered requests are untouched by steered neighbours, a steered request gets the same tokens
 alone and in any batch, logprobs equal the reference, steers compose, reused slots keep
-nothing of their previous request, and a finished request's slot costs no steer work.
+nothing of their previous request, a finished request's slot costs no steer work, prompt
+logprobs and ``prompt_logprob_token_ids`` scores are steered per request, generation windows
+follow each request's generated tokens, and ``POST /v1/steer/highlight`` (the lens endpoint's
+route, on an app whose engine client is this module's engine) equals the transformers lens.
 """
 
 from __future__ import annotations
@@ -154,3 +157,164 @@ def test_prompt_logprobs_are_steered_per_request_in_a_mixed_batch(llm, ref, prom
         for i in range(1, len(ids)):
             got = o.prompt_logprobs[i][ids[i]].logprob
             assert got == pytest.approx(lp[i - 1, ids[i]].item(), abs=2e-3), (s, i)
+
+
+def test_prompt_token_id_logprobs_are_steered_per_request_in_a_mixed_batch(llm, ref, prompt_ids):
+    """V2's second prompt-scoring entry point (``prompt_logprob_token_ids``: chosen token ids
+    scored at each prompt row, V2 only; ``PromptLogprobsWorker.compute_prompt_token_id_logprobs``
+    slices one request at a time) gets each request's own steer, next to plain requests and
+    to a request asking for ordinary prompt logprobs in the same step."""
+    import numpy as np
+
+    cases = [{"a": 4, "b": -2}, None, {"b": -6}, {"a": 5}]
+    extra = [17, 400, 4242]  # scored at every row besides the prompt's own next token
+    params = []
+    for i, (ids, s) in enumerate(zip(prompt_ids, cases)):
+        if i == 3:  # ordinary prompt logprobs in the same batch (the other entry point)
+            params.append(sp(s, max_tokens=1, prompt_logprobs=0))
+            continue
+        rows = np.array([[ids[j + 1], *extra] for j in range(len(ids) - 1)], dtype=np.int64)
+        params.append(sp(s, max_tokens=1, prompt_logprob_token_ids=rows))
+    outs = llm.generate(PROMPTS, params)
+    for i, (o, ids, s) in enumerate(zip(outs, prompt_ids, cases)):
+        lp = ref.logprobs(ids, s)
+        if i == 3:
+            got = [o.prompt_logprobs[j][ids[j]].logprob for j in range(1, len(ids))]
+            assert got == pytest.approx([lp[j - 1, ids[j]].item()
+                                         for j in range(1, len(ids))], abs=2e-3)
+            continue
+        scores = torch.as_tensor(o.prompt_token_id_logprobs).float()
+        assert scores.shape == (len(ids) - 1, 1 + len(extra))
+        want = torch.stack([lp[j, [ids[j + 1], *extra]] for j in range(len(ids) - 1)])
+        assert scores.flatten().tolist() == pytest.approx(want.flatten().tolist(), abs=2e-3), s
+    # the steer is visible in what is compared: the steered rows differ from the plain model
+    plain = ref.logprobs(prompt_ids[2])
+    assert torch.as_tensor(outs[2].prompt_token_id_logprobs)[:, 0].tolist() != pytest.approx(
+        [plain[j, prompt_ids[2][j + 1]].item() for j in range(len(prompt_ids[2]) - 1)], abs=2e-3)
+
+
+def test_generation_windows_follow_each_requests_own_generated_tokens(llm, ref):
+    """Generation windows (issue 24) under V2: two windowed requests (a window with an end,
+    one with a ramp beside a constant steer) and a plain one in one batch, each prompt once
+    more with another window to share its cached prefix. Every greedy token and its logprob
+    equal a hand-written decode loop in transformers on the same weights that applies the
+    window's strength (``Window.at``) at that generated token."""
+    from vllm_steer.config import Window
+
+    reqs = [(PROMPTS[2], {"a": {"strength": 6, "start": 2, "end": 5}}),
+            (PROMPTS[1], {"b": {"strength": -6, "start": 1, "ramp": 4}, "a": 2}),
+            (PROMPTS[0], None),
+            (PROMPTS[2], {"a": {"strength": 6, "ramp": 3}}),
+            (PROMPTS[3], {"b": {"strength": 5, "start": 0, "end": 32}})]
+    outs = llm.generate([p for p, _ in reqs], [sp(s, logprobs=0) for _, s in reqs])
+    constant = []
+    for o, (_prompt, steer) in zip(outs, reqs):
+        windows = {n: Window(**v) if isinstance(v, dict) else Window(v, base=v)
+                   for n, v in (steer or {}).items()}
+        ids = list(o.prompt_token_ids)
+        for t, (tok, entry) in enumerate(zip(o.outputs[0].token_ids, o.outputs[0].logprobs)):
+            lp = ref.logprobs(ids, {n: w.at(t) for n, w in windows.items()})[-1]
+            assert tok == int(lp.argmax()), (steer, t)
+            assert entry[tok].logprob == pytest.approx(lp[tok].item(), abs=2e-3), (steer, t)
+            ids.append(tok)
+        assert len(ids) == len(o.prompt_token_ids) + MAX_TOKENS
+        if steer:  # the window matters: the same steer at constant strength decodes otherwise
+            full = {n: (v["strength"] if isinstance(v, dict) else v) for n, v in steer.items()}
+            constant.append(ref.greedy(o.prompt_token_ids, MAX_TOKENS, full)
+                            != list(o.outputs[0].token_ids))
+    assert constant[:3] == [True, True, True], constant
+
+
+class _OfflineEngineClient:
+    """The module's V2 engine behind the highlight route: what the route reads of vLLM's
+    ``EngineClient`` (``generate``, ``get_tokenizer``, ``model_config``, ``vllm_config``),
+    each request run by the offline ``LLM`` (off the event loop)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.vllm_config = llm.llm_engine.vllm_config
+        self.model_config = llm.llm_engine.model_config
+        self.requests = []
+
+    async def get_tokenizer(self):
+        return self.llm.get_tokenizer()
+
+    async def generate(self, prompt, params, request_id):
+        import asyncio
+
+        self.requests.append(params)
+        (out,) = await asyncio.to_thread(self.llm.generate, [prompt], params, use_tqdm=False)
+        yield out
+
+
+@pytest.fixture(scope="module")
+def highlight_app(llm):
+    """The lens endpoint plugin's routes (``vllm_steer_lens``, as ``vllm serve`` attaches
+    them) on an app whose engine is the module's V2 engine."""
+    import asyncio
+
+    from fastapi import FastAPI
+
+    from vllm_steer.server.lens_route import SteerLensEndpoint
+
+    app, plugin = FastAPI(), SteerLensEndpoint()
+    plugin.attach_router(app)
+    engine = _OfflineEngineClient(llm)
+    asyncio.run(plugin.init_state(engine, app.state, None))
+    return app, engine
+
+
+def _post(app, path, body):
+    import asyncio
+
+    import httpx
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://v2") as c:
+            return await c.post(path, json=body, timeout=600)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("steer, against", [(("a", 5.0), None), (("b", 4.0), ("b", -4.0))])
+def test_highlight_route_matches_the_transformers_lens(highlight_app, tiny_model_dir, steers,
+                                                       steer, against):
+    """``POST /v1/steer/highlight`` on a V2 engine (it answered 501 before V2's prompt logprobs
+    were steered): per-token scores and best spans equal the transformers lens
+    (``token_scores``: steered minus plain log-likelihoods from the model's own weights)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_steer.lens.highlight import best_spans, token_scores
+
+    app, engine = highlight_app
+    text = "You are a wonderful person and I like the way you talk"
+    body = {"text": text, "steer": {steer[0]: steer[1]}, "k": 2, "max_len": 4}
+    if against:
+        body["against"] = {against[0]: against[1]}
+    n = len(engine.requests)
+    r = _post(app, "/v1/steer/highlight", body)
+    assert r.status_code == 200, r.text
+    assert len(engine.requests) == n + 2  # the route asked the V2 engine, twice
+    got = r.json()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    pieces, want = token_scores(model, tok, text, steers[0][steer[0]], steer[1],
+                                against=against[1] if against else 0.0)
+    assert got["tokens"] == pieces and "".join(got["tokens"]) == text
+    assert got["scores"] == pytest.approx(want, abs=2e-3)
+    assert max(abs(s) for s in want if s is not None) > 0.1  # the steer shows in the scores
+    spans = best_spans(want, k=2, max_len=4)
+    assert [(s["start"], s["end"]) for s in got["spans"]] == [(s.start, s.end) for s in spans]
+
+
+def test_highlight_route_html_and_errors_on_a_v2_engine(highlight_app):
+    app, _engine = highlight_app
+    text = "You are a wonderful person"
+    html = _post(app, "/v1/steer/highlight", {"text": text, "steer": {"a": 5}, "format": "html"})
+    assert html.status_code == 200 and html.text.lstrip().lower().startswith("<!doctype html")
+    bad = _post(app, "/v1/steer/highlight", {"text": text, "steer": {"x": 1}})
+    assert bad.status_code == 400 and "unknown steer 'x'" in bad.json()["error"]["message"]
+    long = _post(app, "/v1/steer/highlight", {"text": "word " * 400, "steer": {"a": 5}})
+    assert long.status_code == 400 and long.json()["error"]["param"] == "text"
+    assert "256 tokens (max_model_len)" in long.json()["error"]["message"]

@@ -63,7 +63,7 @@ def _check_unloaded(value: Any, cfg: SteerServerConfig, where: str = REQUEST_FIE
             # POST / DELETE (through any API server) change the names at any moment, and this
             # process's view may be a poll old: the engine core, which holds the one registry,
             # decides; it refuses an unknown name with this same message (HTTP 400 through
-            # plugin._hook_async_llm_generate), so no API server refuses a just-loaded steer
+            # engine_core._hook_async_llm_generate), so no API server refuses a just-loaded steer
             known[name] = True
             continue
         if not cfg.steer_dir:

@@ -22,7 +22,7 @@ only keeps the acceptance rate up.
 
 Everything is planned from host data (numpy arrays the runner already has): no device read.
 Which methods are accepted is decided at start-up (:data:`SUPPORTED_METHODS`,
-``plugin.check_speculative_config``).
+``startup_checks.check_speculative_config``).
 """
 
 from __future__ import annotations

@@ -118,17 +118,20 @@ async function loadInfo() {
   updateMix();
 }
 
-// Presets (served as model names): GET /v1/steer/info's "presets", else the /v1/models cards
-// that carry a steer mix -> [{name, steer}]
+// Presets (served as model names) -> [{name, steer}]: the /v1/models cards that carry a steer
+// mix (the server's live list, so a preset added or removed at run time shows on reload), else
+// GET /v1/steer/info's "presets" (the --steer-preset ones).
 async function loadPresets(info) {
-  if (Array.isArray(info.presets)) return info.presets;
   try {
     const r = await fetch("/v1/models");
-    if (!r.ok) return [];
-    const j = await r.json();
-    return (j.data || []).filter((m) => m && m.steer && typeof m.steer === "object")
-      .map((m) => ({ name: m.id, steer: m.steer }));
-  } catch (_) { return []; }
+    if (r.ok) {
+      const j = await r.json();
+      if (Array.isArray(j.data))
+        return j.data.filter((m) => m && m.steer && typeof m.steer === "object")
+          .map((m) => ({ name: m.id, steer: m.steer }));
+    }
+  } catch (_) { /* fall back to the info route's list */ }
+  return Array.isArray(info.presets) ? info.presets : [];
 }
 
 function renderPresets() {

@@ -1,0 +1,217 @@
+"""``--steer`` and its sibling flags of ``vllm serve``, and the steer configuration built
+from them.
+
+:func:`add_steer_args` adds the flags to vLLM's engine arguments (so they show in ``vllm serve
+--help``); :func:`config_from_args` turns them into a :class:`~vllm_steer.config.
+SteerServerConfig`, which the ``from_cli_args`` hook carries to every process in
+``additional_config["vllm_steer"]`` (the field vLLM reserves for plugins). Offline, pass the
+same configuration yourself::
+
+    LLM(model, additional_config={"vllm_steer": {"steers": {"detox": "detox.safetensors"}}})
+
+This module imports no torch (the frontend imports it).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from vllm_steer.config import DEFAULT_MAX_STRENGTH, SteerServerConfig, parse_steer_arg
+from vllm_steer.integrations.hooks import check_hooks
+from vllm_steer.logs import get_logger
+
+logger = get_logger()
+
+STEER_HELP = (
+    "Load a steer (LM-Steer, safetensors) that requests can apply with "
+    '`"steer": {"NAME": strength}`. Repeatable. `--steer PATH` takes the name from the file. '
+    "Strengths are in units of the steer's epsilon (the paper's 5*eps0 is 5)."
+)
+
+
+def add_steer_args(parser) -> None:
+    """Add our arguments to a vLLM (engine args) parser."""
+    if any("--steer" in a.option_strings for a in parser._actions):
+        return
+    group = parser.add_argument_group(
+        title="vllm-steer",
+        description="Per-request LM-Steer steering (vllm-steer plugin). Requests send "
+                    '`"steer": {"detox": 5}` (OpenAI extra_body), or '
+                    '`vllm_xargs={"steer": "detox:5,sentiment:-3"}`.')
+    group.add_argument("--steer", action="append", default=None, metavar="NAME=PATH",
+                       help=STEER_HELP)
+    group.add_argument("--steer-max-strength", type=float, default=DEFAULT_MAX_STRENGTH,
+                       help="Largest |strength| a request may use.")
+    group.add_argument("--steer-backend", default="auto",
+                       choices=["auto", "reference", "torch", "triton"],
+                       help="Implementation of the batched steer op.")
+    group.add_argument("--max-steers", type=int, default=None, metavar="N",
+                       help="Steers that may be loaded at once (slots sized up front). "
+                            "Default: the number of --steer, at least 8.")
+    group.add_argument("--max-steer-rank", type=int, default=None, metavar="R",
+                       help="Refuse steers of a larger rank.")
+    group.add_argument("--steer-dir", default=None, metavar="DIR",
+                       help="A request naming a steer that is not loaded loads "
+                            "DIR/NAME.safetensors on first use.")
+    group.add_argument("--enable-steer-updates", action="store_true", default=False,
+                       help="Allow POST /v1/steers and DELETE /v1/steers/NAME (load and "
+                            "unload steers at run time).")
+    group.add_argument("--no-steer-drafter", dest="steer_drafter", action="store_false",
+                       default=True,
+                       help="Speculative decoding: do not steer the draft model's proposals "
+                            "(the output follows the steered target either way; steering the "
+                            "drafter keeps acceptance up).")
+    group.add_argument("--steer-updates-any-path", action="store_true", default=False,
+                       help="With --enable-steer-updates: POST /v1/steers may load files "
+                            "outside --steer-dir.")
+    group.add_argument("--steer-preset", action="append", default=None,
+                       metavar="NAME=STEER:X[,STEER:X...]",
+                       help="Serve a steer mix as a model name: listed in /v1/models, and a "
+                            'request with "model": NAME gets the mix (a steer field on the '
+                            "request replaces the preset's value of each steer it names). "
+                            "Repeatable.")
+    group.add_argument("--steer-default", action="append", default=None,
+                       metavar="STEER=X",
+                       help="Strength applied to every request that names neither the steer "
+                            "nor a preset naming it (a request may override it, also with 0). "
+                            "Repeatable.")
+    group.add_argument("--steer-floor", action="append", default=None, metavar="STEER=X",
+                       help="Least (signed) strength a request is served with; a request "
+                            "asking for less is served at X and the response header "
+                            "x-vllm-steer-floored names the steer. Repeatable.")
+
+
+def config_from_args(args: argparse.Namespace) -> SteerServerConfig | None:
+    steers = getattr(args, "steer", None) or []
+    policy = _policy_args(args)
+    if not (steers or getattr(args, "steer_dir", None)
+            or getattr(args, "enable_steer_updates", False)):
+        if policy:
+            raise ValueError(f"vllm-steer: --steer-{'/'.join(k.rstrip('s') for k in policy)} "
+                             "given without any steer; load the steers they name with "
+                             "--steer NAME=PATH (or --steer-dir DIR)")
+        return None
+    pairs = [parse_steer_arg(s) for s in steers]
+    names = [n for n, _ in pairs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"--steer: the name(s) {dup} are given more than once; use NAME=PATH "
+                         "to give each steer its own name")
+    cfg = SteerServerConfig(steers=dict(pairs),
+                             max_strength=getattr(args, "steer_max_strength",
+                                                  DEFAULT_MAX_STRENGTH),
+                             backend=getattr(args, "steer_backend", "auto"),
+                             steer_drafter=bool(getattr(args, "steer_drafter", True)),
+                             **_runtime_args(args), **policy)
+    if policy:
+        check_policy_config(cfg, _reserved_model_names(args))
+    return cfg
+
+
+def _runtime_args(args: argparse.Namespace) -> dict:
+    """Run-time steer management flags (issue 15) as SteerServerConfig fields."""
+    steer_dir = getattr(args, "steer_dir", None)
+    if steer_dir is not None:
+        import os
+
+        if not os.path.isdir(steer_dir):
+            raise ValueError(f"--steer-dir {steer_dir!r}: not a directory")
+        steer_dir = os.path.abspath(steer_dir)
+    if getattr(args, "enable_steer_updates", False):
+        logger.warning("vllm-steer: --enable-steer-updates is on: POST /v1/steers and "
+                       "DELETE /v1/steers/NAME can load and unload steers at run time. Do not "
+                       "expose this server to untrusted clients.")
+    return dict(max_steers=getattr(args, "max_steers", None),
+                max_steer_rank=getattr(args, "max_steer_rank", None), steer_dir=steer_dir,
+                enable_updates=bool(getattr(args, "enable_steer_updates", False)),
+                updates_any_path=bool(getattr(args, "steer_updates_any_path", False)))
+
+
+def _policy_args(args: argparse.Namespace) -> dict:
+    """``--steer-preset`` / ``--steer-default`` / ``--steer-floor`` as SteerServerConfig
+    fields (only those given)."""
+    from vllm_steer.policy import PolicyError, parse_preset_arg, parse_value_arg
+
+    out: dict = {}
+    presets: dict = {}
+    for arg in getattr(args, "steer_preset", None) or []:
+        name, mix = parse_preset_arg(arg)
+        if name in presets:
+            raise PolicyError(f"--steer-preset {name}: given twice; give each preset once")
+        presets[name] = mix
+    if presets:
+        out["presets"] = presets
+    for flag, key in (("--steer-default", "defaults"), ("--steer-floor", "floors")):
+        values: dict = {}
+        for arg in getattr(args, flag[2:].replace("-", "_"), None) or []:
+            for name, v in parse_value_arg(arg, flag).items():
+                if name in values:
+                    raise PolicyError(f"{flag} {name}: given twice; give each steer once")
+                values[name] = v
+        if values:
+            out[key] = values
+    return out
+
+
+def _reserved_model_names(args: argparse.Namespace) -> dict[str, str]:
+    """Model names a preset may not take: the served model name(s) and the LoRA modules."""
+    out: dict[str, str] = {}
+    served = getattr(args, "served_model_name", None) or [getattr(args, "model", None)]
+    for n in ([served] if isinstance(served, str) else served):
+        if n:
+            out[str(n)] = "the served model name"
+    for m in getattr(args, "lora_modules", None) or []:
+        name = getattr(m, "name", None) or (str(m).split("=", 1)[0] if m else None)
+        if name:
+            out[name] = "a LoRA module (--lora-modules)"
+    return out
+
+
+def check_policy_config(cfg: SteerServerConfig, reserved: dict[str, str] | None = None) -> None:
+    """Start-up check of presets, defaults and floors (:func:`vllm_steer.policy.
+    check_policy`): the steers they name are loaded (or files of ``--steer-dir``), the
+    strengths within ``--steer-max-strength``, preset names clash with no model name."""
+    import os
+
+    from vllm_steer.policy import check_policy
+
+    names = set(cfg.steers)
+    if cfg.steer_dir and os.path.isdir(cfg.steer_dir):
+        names |= {f[:-len(".safetensors")] for f in os.listdir(cfg.steer_dir)
+                  if f.endswith(".safetensors")}
+    check_policy(cfg.presets, cfg.defaults, cfg.floors, names, cfg.max_strength, reserved)
+
+
+def _hook_add_cli_args(engine_args_cls) -> None:
+    orig_add = engine_args_cls.add_cli_args
+
+    def add_cli_args(parser, *a, **kw):
+        parser = orig_add(parser, *a, **kw)
+        add_steer_args(parser)
+        return parser
+
+    engine_args_cls.add_cli_args = staticmethod(add_cli_args)
+
+
+def _hook_from_cli_args(engine_args_cls) -> None:
+    orig_from = engine_args_cls.from_cli_args.__func__
+
+    def from_cli_args(cls, args: argparse.Namespace):
+        cfg = config_from_args(args)
+        if cfg is not None:
+            check_hooks()
+            # Written back into the namespace: the API servers of --api-server-count N /
+            # --data-parallel-size N are spawned with this namespace and build their engine
+            # args from it *before* vLLM loads plugins there (so before this hook exists in
+            # that process); vLLM's own from_cli_args then copies additional_config.
+            extra = dict(getattr(args, "additional_config", None) or {})
+            extra.update(cfg.to_additional_config())
+            args.additional_config = extra
+        engine_args = orig_from(cls, args)
+        if cfg is not None:
+            extra = dict(engine_args.additional_config or {})
+            extra.update(cfg.to_additional_config())
+            engine_args.additional_config = extra
+        return engine_args
+
+    engine_args_cls.from_cli_args = classmethod(from_cli_args)
