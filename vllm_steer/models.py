@@ -58,7 +58,9 @@ def prepare_embedded(name: str = "smollm2", quiet: bool = False) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = out.with_name(out.name + ".tmp")
+    # a folder of this process's own: two processes converting at once (pytest workers, two
+    # servers started together) never write into each other's files
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name,
@@ -80,6 +82,9 @@ def prepare_embedded(name: str = "smollm2", quiet: bool = False) -> Path:
     cfg_path.write_text(json.dumps(cfg, indent=2))
     if (tmp / "model.safetensors").exists() is False:
         raise RuntimeError(f"conversion of {gguf_name} wrote no model.safetensors in {tmp}")
-    shutil.rmtree(out, ignore_errors=True)
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished first: keep its folder
+        return out
+    shutil.rmtree(out, ignore_errors=True)  # a partial folder from an interrupted conversion
     os.replace(tmp, out)
     return out
