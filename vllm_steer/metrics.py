@@ -14,8 +14,10 @@ exported as gauges in ``mostrecent`` multiprocess mode, so with ``--api-server-c
 ``vllm_steer:steer_unloads_total``      unloads
 ``vllm_steer:steer_evictions_total``    least-recently-used evictions at capacity
 ``vllm_steer:steer_load_failures_total``  refused loads (bad file, full, bad name)
-``vllm_steer:steer_op_seconds_total``   host time in the steer op (worker 0), seconds
-``vllm_steer:steer_op_calls_total``     steered LM-head calls (worker 0)
+``vllm_steer:steer_op_seconds_total``   host time in the steer op, seconds, summed over the
+                                        engine cores (data parallelism); per engine core,
+                                        one worker holding the LM head
+``vllm_steer:steer_op_calls_total``     steered LM-head calls (counted the same way)
 ``vllm_steer:steer_op_seconds_per_step``  mean steer-op time per steered call since the last
                                         poll (seconds)
 ======================================  =====================================================
@@ -46,8 +48,8 @@ class SteerMetrics:
                         "Requests admitted with a steer, per steer name.", ("steer",))
         self.counters = {k: g(name, f"Steer {k} since start.") for k, name in COUNTERS.items()}
         self.op_seconds = g("vllm_steer:steer_op_seconds_total",
-                            "Host time in the steer op (worker 0), seconds.")
-        self.op_calls = g("vllm_steer:steer_op_calls_total", "Steered LM-head calls (worker 0).")
+                            "Host time in the steer op, seconds (summed over engine cores).")
+        self.op_calls = g("vllm_steer:steer_op_calls_total", "Steered LM-head calls (summed over engine cores).")
         self.op_per_step = g("vllm_steer:steer_op_seconds_per_step",
                              "Mean steer-op time per steered call since the last poll, seconds.")
         self._last = (0.0, 0)
@@ -61,9 +63,9 @@ class SteerMetrics:
             self.served.labels(steer=name).set(n)
         for k, gauge in self.counters.items():
             gauge.set((stats.get("counters") or {}).get(k, 0))
-        workers = [w for w in listing.get("workers") or [] if w]
-        if workers:
-            sec, calls = float(workers[0]["op_seconds"]), int(workers[0]["op_calls"])
+        op = stats.get("op")  # control.op_totals, summed over the engine cores
+        if op is not None:
+            sec, calls = float(op["seconds"]), int(op["calls"])
             self.op_seconds.set(sec)
             self.op_calls.set(calls)
             ls, lc = self._last

@@ -117,8 +117,10 @@ def _handle(core, op: str, kwargs: dict | None = None) -> dict:
     if freed:
         _workers(core, "drop", freed)
     if op == "list":
-        return {"enabled": True, "steers": reg.listing(), "stats": reg.stats(),
-                "workers": _workers(core, "stats"), "steer_dir": cfg.steer_dir,
+        workers = _workers(core, "stats")
+        return {"enabled": True, "steers": reg.listing(),
+                "stats": {**reg.stats(), "op": op_totals(workers)},
+                "workers": workers, "steer_dir": cfg.steer_dir,
                 "enable_updates": cfg.enable_updates, "updates_any_path": cfg.updates_any_path,
                 **_presets(core).snapshot()}
     if op == "load":
@@ -190,6 +192,19 @@ def _preset_op(core, cfg, op: str, kwargs: dict) -> dict:
     return _error(400, f"unknown steer control op {op!r}")
 
 
+def op_totals(workers: list) -> dict:
+    """The steer-op time of one engine core: that of its worker with the most steered calls.
+
+    Every worker holding the LM head steers the same rows (tensor parallelism: each rank its
+    copy of the hidden states), so one of them stands for the engine core; with pipeline
+    parallelism only the last stage has the head (the others count nothing)."""
+    found = [w for w in workers or [] if isinstance(w, dict)]
+    if not found:
+        return {"seconds": 0.0, "calls": 0}
+    w = max(found, key=lambda w: int(w.get("op_calls", 0)))
+    return {"seconds": float(w.get("op_seconds", 0.0)), "calls": int(w.get("op_calls", 0))}
+
+
 def merge(op: str, answers: list[dict]) -> dict:
     """One answer from the answers of every engine core (data parallelism) to ``op``.
 
@@ -197,7 +212,8 @@ def merge(op: str, answers: list[dict]) -> dict:
       some do (a ``--steer-dir`` steer loaded on first use, or evicted, in one engine core:
       the others load it again on their first use), else ``draining``; ``per_engine`` gives
       each engine core's slot, generation and state (they may differ: each binds its own
-      requests); ``requests_served`` and the counters are summed over the engine cores.
+      requests); ``requests_served``, the counters and the steer-op time (``stats["op"]``)
+      are summed over the engine cores.
     - ``load``: ok only if every engine core loaded it (the caller rolls back the others,
       see :func:`rollback_kwargs`); the first refusal is the answer.
     - ``unload``: ok if any engine core had it bound (it is bound in none afterwards).
@@ -236,6 +252,9 @@ def merge(op: str, answers: list[dict]) -> dict:
             for k, v in a["stats"].get("served", {}).items():
                 served[k] = served.get(k, 0) + v
         stats["served"] = served
+        ops = [a["stats"].get("op") or op_totals(a.get("workers")) for a in answers]
+        stats["op"] = {"seconds": sum(o["seconds"] for o in ops),
+                       "calls": sum(o["calls"] for o in ops)}
         stats["loaded"] = sum(1 for s in steers if s["state"] != "draining")
         stats["draining"] = sum(1 for s in steers if s["state"] == "draining")
         stats["engines"] = n
