@@ -445,8 +445,10 @@ def test_recommended_strength_over_the_servers_maximum_starts_capped(page, serve
     from selenium.webdriver.common.by import By
 
     page.execute_script(FAKE_RECOMMENDED_JS, 30)
-    page.execute_script("loadInfo();")  # the page's own loader, now reading the wrapped answers
-    wait(page, lambda d: d.find_elements(By.ID, "cap-detox"))
+    # the page's own loader, now reading the wrapped answers (WebDriver awaits its promise)
+    page.execute_script("return loadInfo();")
+    wait(page, lambda d: any(m.get_attribute("title").startswith("recommended +30")
+                             for m in d.find_elements(By.CSS_SELECTOR, ".mark.rec")))
     info = requests.get(server + "/v1/steer/info").json()
     assert info["max_strength"] == 20  # the real server's limit; the file says 30
     assert page.find_element(By.ID, "sl-detox").get_property("value") == "20"
