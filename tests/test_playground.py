@@ -410,3 +410,94 @@ def test_strength_over_the_limit_shows_the_servers_error(page, server):
         assert "failed" in col["classes"] and not col["text"]
     plain = by_steer["null"]
     assert not plain["error"] and plain["text"] == api_completion(server)
+
+
+# The page's fetch, wrapped: GET /v1/steer/info and GET /v1/steers answer as the server does but
+# with detox's recommended strength set to arguments[0] (a steer file may recommend more than
+# this server's --steer-max-strength allows), and every POST body the page sends is recorded.
+FAKE_RECOMMENDED_JS = """
+const rec = arguments[0], orig = window.fetch;
+window.sentBodies = [];
+window.fetch = async (url, opts) => {
+  const u = String(url);
+  if (opts && opts.method === 'POST') window.sentBodies.push({url: u, body: JSON.parse(opts.body)});
+  const r = await orig(url, opts);
+  if (!r.ok || (u !== '/v1/steer/info' && u !== '/v1/steers')) return r;
+  const j = await r.json();
+  const walk = (o, detox) => {
+    if (!o || typeof o !== 'object') return;
+    detox = detox || o.name === 'detox';
+    if (detox && 'recommended_strength' in o) o.recommended_strength = rec;
+    for (const v of Object.values(o)) walk(v, detox);
+  };
+  walk(j, false);
+  return new Response(JSON.stringify(j), {status: r.status, headers: r.headers});
+};
+"""
+
+
+@pytest.mark.vllm
+@browser
+def test_recommended_strength_over_the_servers_maximum_starts_capped(page, server):
+    """A steer file recommending 30 on a server capped at 20: the page starts the compare
+    sliders and the highlight box at ±20 (keeping the sign), says so where the recommended
+    strength is shown, and the first Generate and Highlight go through (at 30: HTTP 400)."""
+    from selenium.webdriver.common.by import By
+
+    page.execute_script(FAKE_RECOMMENDED_JS, 30)
+    # the page's own loader, now reading the wrapped answers (WebDriver awaits its promise)
+    page.execute_script("return loadInfo();")
+    wait(page, lambda d: any(m.get_attribute("title").startswith("recommended +30")
+                             for m in d.find_elements(By.CSS_SELECTOR, ".mark.rec")))
+    info = requests.get(server + "/v1/steer/info").json()
+    assert info["max_strength"] == 20  # the real server's limit; the file says 30
+    assert page.find_element(By.ID, "sl-detox").get_property("value") == "20"
+    assert page.find_element(By.ID, "num-detox").get_property("value") == "20"
+    assert page.find_element(By.ID, "num-sentiment").get_property("value") == "0"
+    # the recommended mark keeps the file's value; the row says the server caps it
+    marks = page.find_elements(By.CSS_SELECTOR, ".mark.rec")
+    assert sorted(m.get_attribute("title") for m in marks) == [
+        "recommended +30 (over the server's maximum |strength| 20)",
+        "recommended \u221230 (over the server's maximum |strength| 20)"]
+    head = page.find_element(By.ID, "desc-detox").text
+    assert "recommended \u00b130" in head and "capped at \u00b120" in head \
+        and "--steer-max-strength" in head, head
+    buttons = page.find_elements(By.CSS_SELECTOR, ".steer-row button.small")
+    assert [b.text for b in buttons] == ["\u221220", "+20"]
+    assert "recommended +30, capped" in buttons[1].get_attribute("aria-label")
+
+    set_field(page, "prompt", "Once upon a time")
+    set_field(page, "max-tokens", MAX_TOKENS)
+    set_field(page, "temperature", 0)
+    page.find_element(By.ID, "generate").click()
+    cols = wait(page, settled)
+    assert [c["steer"] for c in cols] == [{"detox": -20}, None, {"detox": 20}]
+    assert [c["error"] for c in cols] == ["", "", ""]
+    assert all("finished" in c["classes"] and c["text"] for c in cols), cols
+    sent = page.execute_script("return window.sentBodies")
+    assert [b["body"].get("steer") for b in sent] == [{"detox": -20}, None, {"detox": 20}]
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(3) as pool:  # the same batch as the page's three requests
+        api = list(pool.map(lambda st: api_completion(server, st),
+                            [{"detox": -20}, None, {"detox": 20}]))
+    assert [c["text"] for c in cols] == api
+    # what the file's value would have given: the server's refusal the clamp avoids
+    r = requests.post(server + "/v1/completions", json={**cols[2]["request"],
+                                                         "steer": {"detox": 30}})
+    assert r.status_code == 400 and "|strength| 20" in r.json()["error"]["message"]
+
+    # the highlight tab starts at the capped strength too, with a note under the box
+    page.find_element(By.ID, "tab-highlight").click()
+    assert page.find_element(By.ID, "hl-strength").get_property("value") == "20"
+    note = page.find_element(By.ID, "hl-cap")
+    assert note.is_displayed() and "recommended +30, capped at \u00b120" in note.text
+    page.execute_script("window.sentBodies = [];")
+    page.find_element(By.ID, "hl-run").click()
+    wait(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#hl-out mark.span, #hl-out .no-spans")
+         or d.find_element(By.ID, "hl-error").is_displayed())
+    assert not page.find_element(By.ID, "hl-error").is_displayed(), \
+        page.find_element(By.ID, "hl-error").text
+    sent = page.execute_script("return window.sentBodies")
+    assert [(b["url"], b["body"]["steer"]) for b in sent] == \
+        [("/v1/steer/highlight", {"detox": 20})]

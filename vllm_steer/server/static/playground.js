@@ -32,6 +32,22 @@ function fmt(x) {  // 2 -> "+2", -2.5 -> "−2.5"
   return (x < 0 ? "\u2212" : "+") + s;
 }
 
+// A strength this server accepts: |v| capped at its maximum (--steer-max-strength), same sign.
+function capped(v) {
+  const max = state.info.max_strength;
+  return typeof max === "number" && Math.abs(v) > max ? Math.sign(v) * max : v;
+}
+
+// A steer's recommended strength (from its file), or null when it has none.
+function recommended(s) {
+  return s && typeof s.recommended_strength === "number" ? s.recommended_strength : null;
+}
+
+// The note shown where a recommended strength over the server's maximum is shown.
+function capNote(rec) {
+  return `capped at \u00B1${Math.abs(capped(rec))}: this server's --steer-max-strength`;
+}
+
 function mixLabel(steer) {
   const parts = Object.entries(steer || {}).map(([n, s]) => `${n} ${fmt(s)}`);
   return parts.length ? parts.join(" · ") : "plain";
@@ -104,9 +120,10 @@ async function loadInfo() {
   state.presets = await loadPresets(info);
   for (const s of info.steers) state.strengths[s.name] = 0;
   // A first press of Generate shows steering: the first steer with a recommended strength
-  // (from its file's metadata) starts there; the others at 0.
-  const first = info.steers.find((s) => typeof s.recommended_strength === "number" && s.recommended_strength !== 0);
-  if (first) state.strengths[first.name] = first.recommended_strength;
+  // (from its file's metadata) starts there, capped at the server's maximum (a file may
+  // recommend more than this server allows); the others at 0.
+  const first = info.steers.find((s) => recommended(s) !== null && s.recommended_strength !== 0);
+  if (first) state.strengths[first.name] = capped(first.recommended_strength);
   $("steers-source").textContent = `${info.steers.length} steer(s) on this server, from ${source}. ` +
     `Requests may use |strength| up to ${info.max_strength}.`;
   $("steer-count").textContent = `(${info.steers.length})`;
@@ -159,7 +176,8 @@ function renderSliders() {
   }
   box.replaceChildren(...state.info.steers.map((s) => {
     const id = "sl-" + s.name;
-    const rec = typeof s.recommended_strength === "number" ? s.recommended_strength : null;
+    const rec = recommended(s);
+    const over = rec !== null && capped(rec) !== rec;  // the file recommends more than the server allows
     const labels = s.labels || {};
     const range = el("input", { type: "range", id, min: -max, max, step: 0.5, value: 0,
       "aria-describedby": "desc-" + s.name, "data-steer": s.name });
@@ -172,23 +190,28 @@ function renderSliders() {
     const zero = el("span", { class: "mark zero" });
     zero.style.left = pos(0, max);
     marks.append(zero);
+    // ▲ at the file's recommended strength; one over the maximum sits at the slider's end
     if (rec !== null) for (const v of [-rec, rec]) {
-      const m = el("span", { class: "mark rec", title: `recommended ${fmt(v)}`, text: "\u25B2" });
-      m.style.left = pos(v, max);
+      const m = el("span", { class: "mark rec" + (over ? " capped" : ""),
+        title: `recommended ${fmt(v)}` + (over ? ` (over the server's maximum |strength| ${max})` : ""),
+        text: "\u25B2" });
+      m.style.left = pos(capped(v), max);
       marks.append(m);
     }
     const recButtons = rec === null ? [] : [-rec, rec].map((v) => el("button", {
-      type: "button", class: "small", text: fmt(v),
-      "aria-label": `Set ${s.name} to ${fmt(v)} (recommended strength)`,
-      onclick: () => setStrength(s.name, v, null) }));
+      type: "button", class: "small", text: fmt(capped(v)),
+      "aria-label": over ? `Set ${s.name} to ${fmt(capped(v))} (recommended ${fmt(v)}, capped at the server's maximum)`
+        : `Set ${s.name} to ${fmt(v)} (recommended strength)`,
+      onclick: () => setStrength(s.name, capped(v), null) }));
     const poles = [labels.negative ? `negative strengths → ${labels.negative}` : null,
       labels.positive ? `positive strengths → ${labels.positive}` : null].filter(Boolean).join("; ");
-    const recText = rec !== null ? `recommended ±${rec}` : "no recommended strength in the file";
+    const recText = rec !== null ? `recommended ±${Math.abs(rec)}` : "no recommended strength in the file";
     return el("div", { class: "steer-row" },
       el("div", { class: "steer-head" },
         el("label", { for: id, text: s.name }),
         el("span", { class: "poles", id: "desc-" + s.name },
-          el("span", { class: "sr-only", text: poles ? poles + "; " : "" }), recText)),
+          el("span", { class: "sr-only", text: poles ? poles + "; " : "" }), recText,
+          over ? el("span", { class: "cap", id: "cap-" + s.name, text: ` (${capNote(rec)})` }) : null)),
       el("div", { class: "slider-line" },
         el("div", { class: "slider-wrap" }, range, marks,
           el("div", { class: "ends", "aria-hidden": "true" },
@@ -239,7 +262,8 @@ function renderSteerList() {
     const rows = [
       ["file", s.file], ["error", s.error],
       ["positive strength →", labels.positive], ["negative strength →", labels.negative],
-      ["recommended strength", s.recommended_strength], ["rank", s.rank],
+      ["recommended strength", recommended(s) !== null && capped(s.recommended_strength) !== s.recommended_strength
+        ? `${s.recommended_strength} (${capNote(s.recommended_strength)})` : s.recommended_strength], ["rank", s.rank],
       ["hidden size", s.hidden_size], ["epsilon (unit of strength)", s.epsilon],
       ["trained on", s.base_model], ["domain component", s.domain && s.domain !== "none" ? `${s.domain} at ${s.domain_strength}` : s.domain],
       ["dev loss (initial → final)", metrics.dev_loss !== undefined ? `${num3(metrics.dev_loss_initial)} → ${num3(metrics.dev_loss)}` : null],
@@ -424,12 +448,16 @@ function renderPinned() {
 function renderHighlightSteers() {
   const sel = $("hl-steer");
   sel.replaceChildren(...state.info.steers.map((s) => el("option", { value: s.name, text: s.name })));
-  const first = state.info.steers[0];
-  if (first && typeof first.recommended_strength === "number") $("hl-strength").value = first.recommended_strength;
-  sel.addEventListener("change", () => {
-    const s = state.info.steers.find((x) => x.name === sel.value);
-    if (s && typeof s.recommended_strength === "number") $("hl-strength").value = s.recommended_strength;
-  });
+  // the strength box starts at the chosen steer's recommended strength, capped at the
+  // server's maximum (the note under it says so)
+  const start = (s) => {
+    const rec = recommended(s), note = $("hl-cap");
+    if (rec !== null) $("hl-strength").value = capped(rec);
+    note.textContent = rec !== null && capped(rec) !== rec ? `${s.name}: recommended ${fmt(rec)}, ${capNote(rec)}.` : "";
+    note.hidden = !note.textContent;
+  };
+  start(state.info.steers[0]);
+  sel.onchange = () => start(state.info.steers.find((x) => x.name === sel.value));  // once, also on a reload
 }
 
 async function highlight(ev) {
