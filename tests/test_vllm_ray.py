@@ -198,12 +198,15 @@ def check_completions(url, ref, prompt_ids, strengths, changed=(), tol=2e-3):
 
 def test_ray_tp2_server_workers_on_two_nodes_steer_like_the_unsharded_model(
         server, ref, prompt_ids, ray_cluster):
-    # Ray's own actor table: vLLM's two workers, alive, one on each node
-    workers, r = _ray_query(ray_cluster["address"], (
-        "[a['Address']['NodeID'] for a in ray._private.state.actors().values() "
-        "if 'RayWorkerWrapper' in a['ActorClassName'] and a['State'] == 'ALIVE']"))
-    assert workers is not None, r.stderr[-2000:]
-    assert sorted(workers) == sorted(ray_cluster["node_ids"]), workers
+    # Ray's own actor table: vLLM's two workers (RayWorkerProc: RayExecutorV2, vLLM 0.32's
+    # default; RayWorkerWrapper: the older executor), alive, one on each node
+    actors, r = _ray_query(ray_cluster["address"], (
+        "[(a['ActorClassName'], a['State'], a['Address']['NodeID']) "
+        "for a in ray._private.state.actors().values()]"))
+    assert actors is not None, r.stderr[-2000:]
+    workers = sorted(n for c, s, n in actors
+                     if c in ("RayWorkerProc", "RayWorkerWrapper") and s == "ALIVE")
+    assert workers == sorted(ray_cluster["node_ids"]), actors
     # 1 and 3: the steers do change these requests (the check is not vacuous)
     check_completions(server, ref, prompt_ids, [None, {"a": 5}, {"a": 0}, {"a": 2, "b": -4}],
                       changed=(1, 3))
