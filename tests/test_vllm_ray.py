@@ -217,6 +217,8 @@ def test_ray_server_a_steer_loaded_over_http_steers_both_workers_and_unloads(
     r = requests.post(server + "/v1/steers", json={"name": "late", "path": steers[1]["late"]})
     assert r.status_code == 200, r.text
     assert (r.json()["name"], r.json()["file"]) == ("late", steers[1]["late"])
+    listed = {s["name"]: s for s in requests.get(server + "/v1/steers").json()["data"]}
+    assert listed["late"]["source"] == "api" and listed["late"]["rank"] == 4, listed
     # logprobs equal to the reference: both ranks' halves of the vocabulary are steered
     check_completions(server, ref, prompt_ids[:2], [{"late": 6}, {"late": -3, "a": 2}],
                       changed=(0, 1))
