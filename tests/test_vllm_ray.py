@@ -217,8 +217,12 @@ def test_ray_server_a_steer_loaded_over_http_steers_both_workers_and_unloads(
     r = requests.post(server + "/v1/steers", json={"name": "late", "path": steers[1]["late"]})
     assert r.status_code == 200, r.text
     assert (r.json()["name"], r.json()["file"]) == ("late", steers[1]["late"])
-    listed = {s["name"]: s for s in requests.get(server + "/v1/steers").json()["data"]}
+    listing = requests.get(server + "/v1/steers").json()
+    listed = {s["name"]: s for s in listing["data"]}
     assert listed["late"]["source"] == "api" and listed["late"]["rank"] == 4, listed
+    # both Ray workers (one per node) hold it, in the slot and generation the engine bound
+    held = [listed["late"]["slot"], listed["late"]["generation"]]
+    assert [[*held, "late"] in w["slots"] for w in listing["workers"]] == [True, True], listing
     # logprobs equal to the reference: both ranks' halves of the vocabulary are steered
     check_completions(server, ref, prompt_ids[:2], [{"late": 6}, {"late": -3, "a": 2}],
                       changed=(0, 1))
@@ -227,5 +231,7 @@ def test_ray_server_a_steer_loaded_over_http_steers_both_workers_and_unloads(
     r = complete(server, prompt_ids[0], {"late": 6})
     assert r.status_code == 400, r.text
     assert "unknown steer 'late'" in r.json()["error"]["message"], r.text
-    assert "late" not in [s["name"] for s in requests.get(server + "/v1/steers").json()["data"]]
+    listing = requests.get(server + "/v1/steers").json()
+    assert "late" not in [s["name"] for s in listing["data"]]
+    assert all("late" not in [n for _, _, n in w["slots"]] for w in listing["workers"]), listing
     check_completions(server, ref, prompt_ids[:1], [{"a": 5}])  # the engine still serves
