@@ -124,6 +124,34 @@ class HFReference:
             ids.append(int(self.logprobs(ids, strengths)[-1].argmax()))
         return ids[len(prompt_ids):]
 
+    def check_windowed(self, outs, steers: list, max_tokens: int) -> list[bool]:
+        """Engine outputs of requests with generation windows (``steers``: one request's
+        ``steer`` each, None: unsteered), checked with a hand-written greedy decode loop that
+        applies each window's strength at that generated token (``Window.at``): every token
+        and its logprob (within 2e-3). Returns, per steered request, whether the same steers
+        at constant strength decode otherwise (the window matters)."""
+        import pytest
+
+        from vllm_steer.config import Window
+
+        constant = []
+        for o, steer in zip(outs, steers):
+            windows = {n: Window(**v) if isinstance(v, dict) else Window(v, base=v)
+                       for n, v in (steer or {}).items()}
+            ids = list(o.prompt_token_ids)
+            for t, (tok, entry) in enumerate(zip(o.outputs[0].token_ids,
+                                                 o.outputs[0].logprobs)):
+                lp = self.logprobs(ids, {n: w.at(t) for n, w in windows.items()})[-1]
+                assert tok == int(lp.argmax()), (steer, t)
+                assert entry[tok].logprob == pytest.approx(lp[tok].item(), abs=2e-3), (steer, t)
+                ids.append(tok)
+            assert len(ids) == len(o.prompt_token_ids) + max_tokens
+            if steer:
+                full = {n: (v["strength"] if isinstance(v, dict) else v) for n, v in steer.items()}
+                constant.append(self.greedy(o.prompt_token_ids, max_tokens, full)
+                                != list(o.outputs[0].token_ids))
+        return constant
+
     def check_generate(self, llm, prompts: list, strengths: list, max_tokens: int,
                        changed=(), tol: float = 2e-3):
         """Greedy ``llm.generate`` of ``prompts`` (one steer mix per prompt, None: unsteered)

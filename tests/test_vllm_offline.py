@@ -228,7 +228,6 @@ def test_generation_windows_follow_each_requests_own_generated_tokens(llm, tiny_
     if not hasattr(cfgmod, "request_windows"):
         pytest.skip("request windows are parsed by the request side (vllm_steer.config)")
     from conftest import HFReference
-    from vllm_steer.config import Window
     from vllm_steer.format import load_steer
 
     reqs = [(PROMPTS[2], {"a": {"strength": 6, "start": 2, "end": 5}}),
@@ -236,19 +235,5 @@ def test_generation_windows_follow_each_requests_own_generated_tokens(llm, tiny_
             (PROMPTS[0], None)]
     outs = llm.generate([p for p, _ in reqs], [sp(s, logprobs=0) for _, s in reqs])
     ref = HFReference(tiny_model_dir, {n: load_steer(steer_files[n]) for n in ("a", "b")})
-    constant = []
-    for o, (_prompt, steer) in zip(outs, reqs):
-        windows = {n: Window(**v) if isinstance(v, dict) else Window(v, base=v)
-                   for n, v in (steer or {}).items()}
-        ids = list(o.prompt_token_ids)
-        for t, (tok, entry) in enumerate(zip(o.outputs[0].token_ids, o.outputs[0].logprobs)):
-            lp = ref.logprobs(ids, {n: w.at(t) for n, w in windows.items()})[-1]
-            assert tok == int(lp.argmax()), (steer, t)
-            assert entry[tok].logprob == pytest.approx(lp[tok].item(), abs=2e-3), (steer, t)
-            ids.append(tok)
-        assert len(ids) == len(o.prompt_token_ids) + MAX_TOKENS
-        if steer:  # the window matters: the same steer at constant strength decodes otherwise
-            full = {n: (v["strength"] if isinstance(v, dict) else v) for n, v in steer.items()}
-            constant.append(ref.greedy(o.prompt_token_ids, MAX_TOKENS, full)
-                            != list(o.outputs[0].token_ids))
+    constant = ref.check_windowed(outs, [s for _, s in reqs], MAX_TOKENS)
     assert any(constant)

@@ -199,29 +199,13 @@ def test_generation_windows_follow_each_requests_own_generated_tokens(llm, ref):
     more with another window to share its cached prefix. Every greedy token and its logprob
     equal a hand-written decode loop in transformers on the same weights that applies the
     window's strength (``Window.at``) at that generated token."""
-    from vllm_steer.config import Window
-
     reqs = [(PROMPTS[2], {"a": {"strength": 6, "start": 2, "end": 5}}),
             (PROMPTS[1], {"b": {"strength": -6, "start": 1, "ramp": 4}, "a": 2}),
             (PROMPTS[0], None),
             (PROMPTS[2], {"a": {"strength": 6, "ramp": 3}}),
             (PROMPTS[3], {"b": {"strength": 5, "start": 0, "end": 32}})]
     outs = llm.generate([p for p, _ in reqs], [sp(s, logprobs=0) for _, s in reqs])
-    constant = []
-    for o, (_prompt, steer) in zip(outs, reqs):
-        windows = {n: Window(**v) if isinstance(v, dict) else Window(v, base=v)
-                   for n, v in (steer or {}).items()}
-        ids = list(o.prompt_token_ids)
-        for t, (tok, entry) in enumerate(zip(o.outputs[0].token_ids, o.outputs[0].logprobs)):
-            lp = ref.logprobs(ids, {n: w.at(t) for n, w in windows.items()})[-1]
-            assert tok == int(lp.argmax()), (steer, t)
-            assert entry[tok].logprob == pytest.approx(lp[tok].item(), abs=2e-3), (steer, t)
-            ids.append(tok)
-        assert len(ids) == len(o.prompt_token_ids) + MAX_TOKENS
-        if steer:  # the window matters: the same steer at constant strength decodes otherwise
-            full = {n: (v["strength"] if isinstance(v, dict) else v) for n, v in steer.items()}
-            constant.append(ref.greedy(o.prompt_token_ids, MAX_TOKENS, full)
-                            != list(o.outputs[0].token_ids))
+    constant = ref.check_windowed(outs, [s for _, s in reqs], MAX_TOKENS)
     assert constant[:3] == [True, True, True], constant
 
 
