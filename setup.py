@@ -1,6 +1,6 @@
 """vllm-steer: LM-Steer steering served per request from stock vLLM."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="vllm-steer",
@@ -10,17 +10,7 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=[
-        "vllm_steer",
-        "vllm_steer.integrations",
-        "vllm_steer.server",
-        "vllm_steer.train",
-        "vllm_steer.lens",
-        "vllm_steer.eval",
-        "vllm_steer.kernels",
-    ],
-    # The design card's top-level kernels/ folder is installed as vllm_steer.kernels.
-    package_dir={"vllm_steer.kernels": "kernels"},
+    packages=find_packages(include=["vllm_steer", "vllm_steer.*"]),
     package_data={"vllm_steer": ["py.typed"], "vllm_steer.server": ["static/*"]},
     install_requires=["safetensors>=0.4", "numpy", "tqdm"],
     extras_require={

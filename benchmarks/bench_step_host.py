@@ -36,7 +36,7 @@ def child(batches: list[int], calls: int) -> dict:
     from conftest import random_steer
     from vllm_steer.config import SteerServerConfig
     from vllm_steer.format import save_steer
-    from vllm_steer.integrations.runtime import RowSource, SteerRuntime
+    from vllm_steer.integrations.worker.runtime import RowSource, SteerRuntime
     from vllm_steer.kernels.torch_steer import prepare_torch, steer_torch
 
     out = {}

@@ -69,7 +69,8 @@ def main(argv=None) -> int:
 
     from bench_throughput import make_prompts, random_steer_files
     from vllm_steer import kernels, ops
-    from vllm_steer.integrations import runtime, v1
+    from vllm_steer.integrations.worker import runtime
+    from vllm_steer.integrations.worker import v1
     from vllm_steer.models import resolve_model
 
     class Hooks:  # the torch backend's two entry points, as registered with the dispatch

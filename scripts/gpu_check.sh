@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # The whole GPU check of the batched steer kernel in one call (make gpu-check):
-#   1. the kernel and dispatch tests on CUDA (tests/test_kernels.py, tests/test_ops.py with
+#   1. the kernel and dispatch tests on CUDA (tests/core/test_kernels.py, tests/core/test_ops.py with
 #      VLLM_STEER_TEST_DEVICE=cuda: the Triton kernel compiled for the GPU, not interpreted);
 #   2. the benchmark's goal shapes (--quick: d 576/4096, rows 1/256, K 1/8/64, rank 64/full);
 #   3. the full sweep (d 576..8192, rows 1..512, K 1/8/64, rank 64/1024/full), pattern
 #      "distinct", stopped after $BENCH_BUDGET_S seconds (default 240; 0 skips it).
 # Needs python3 with torch (CUDA), triton and pytest. No vLLM, no package registry, no install:
-# when vllm_steer.kernels is not importable (the package is not pip-installed), the sources are
-# staged into a temporary folder with kernels/ at vllm_steer/kernels, as setup.py installs it.
+# the checkout itself is on the path (vllm_steer.kernels is a plain subpackage).
 # Output goes to the terminal and, when $OUT is set, to $OUT/gpu_check.log (all of it) and
 # $OUT/kernel_bench_quick.txt, $OUT/kernel_bench_full.txt (the tables).
 # Exit status: 0 when the tests pass (the benchmark reports, it does not fail the check).
@@ -49,7 +48,6 @@ EOF
 if [ "$MODE" = vllm-check ] || [ "$MODE" = vllm-bench ]; then
   "$PY" -c "import vllm; print('vllm', vllm.__version__, vllm.__file__)" \
     || { echo "gpu_check: FAIL: vLLM is not importable (carry it: python3 scripts/gpu_vllm_carry.py plan)"; exit 2; }
-  if [ ! -e vllm_steer/kernels ]; then ln -s ../kernels vllm_steer/kernels; fi
   # vLLM finds the plugin through its entry point: install the package's metadata once.
   if ! "$PY" -c "import sys, importlib.metadata as m; sys.exit(not any(e.name == 'vllm_steer' for e in m.entry_points(group='vllm.general_plugins')))"; then
     "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/steer_site "$ROOT" \
@@ -85,23 +83,12 @@ if [ "$MODE" = vllm-bench ]; then
   exit 0
 fi
 
-# Make `import vllm_steer.kernels` work without installing anything.
-WORK=$ROOT
-if ! (cd "$ROOT" && "$PY" -c "import vllm_steer.kernels" 2>/dev/null); then
-  STAGE=$(mktemp -d)/vllm-steer
-  mkdir -p "$STAGE"
-  cp -r vllm_steer tests benchmarks pytest.ini "$STAGE"/
-  cp -r kernels "$STAGE/vllm_steer/kernels"
-  find "$STAGE" -name __pycache__ -prune -exec rm -rf {} +
-  WORK=$STAGE
-  echo "== vllm_steer is not installed: staged the sources in $STAGE"
-fi
-cd "$WORK"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import vllm_steer.kernels as k; print('kernels:', k.__file__, '| triton backend:', k.HAS_TRITON)"
 
 echo
 echo "== 1. kernel tests on CUDA"
-VLLM_STEER_TEST_DEVICE=cuda "$PY" -m pytest tests/test_kernels.py tests/test_ops.py \
+VLLM_STEER_TEST_DEVICE=cuda "$PY" -m pytest tests/core/test_kernels.py tests/core/test_ops.py \
   -q -ra -p no:cacheprovider
 TESTS=$?
 

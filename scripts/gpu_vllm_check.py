@@ -21,7 +21,7 @@ Checked, per request (greedy, logprobs of the sampled tokens):
 
 On ``--device cuda`` the engines run as users run them: CUDA graphs (enforce_eager False) and
 async scheduling on, Model Runner V2 (``v2``) or V1 (``v1``, ``VLLM_USE_V2_MODEL_RUNNER=0``).
-On ``--device cpu`` (the reduced form run by tests/test_gpu_vllm_check.py) the engines are
+On ``--device cpu`` (the reduced form run by tests/scripts/test_gpu_vllm_check.py) the engines are
 eager, V2 runs through the test shim tests/v2shim, and ``--cpu-async`` keeps async scheduling
 on through the same shim (``STEER_TEST_ASYNC_SHIM=1``; vLLM's CPU platform turns it off).
 

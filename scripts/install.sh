@@ -10,7 +10,7 @@ PIP="$PY -m pip --disable-pip-version-check -q"
 STAMP="$VENV/.vllm-steer-install"
 want=$(cat scripts/install.sh setup.py 2>/dev/null | sha256sum | cut -c1-16)
 
-# 0. Debian's chromium and chromedriver for the playground's browser test (tests/test_playground.py
+# 0. Debian's chromium and chromedriver for the playground's browser test (tests/server/test_playground.py
 #    skips without them). apt-get only when missing; needs root (CI) or password-less sudo.
 if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && sudo -n true 2>/dev/null && SUDO="sudo -n"

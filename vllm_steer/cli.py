@@ -20,7 +20,7 @@ import sys
 #: Modules that contribute sub-commands: each has ``add_commands(subparsers)``; a parser's
 #: ``func`` default receives the parsed args. Imported lazily so ``--help`` stays fast.
 COMMAND_MODULES = ("vllm_steer.train.cli", "vllm_steer.eval.cli", "vllm_steer.lens.cli",
-                   "vllm_steer.server.client")
+                   "vllm_steer.manage")
 
 
 def _cmd_model(args) -> int:

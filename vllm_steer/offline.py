@@ -17,7 +17,7 @@ The same engine-core operations as ``POST`` / ``DELETE /v1/steers`` (through
 
 from __future__ import annotations
 
-from vllm_steer.integrations.registry import CONTROL_METHOD
+from vllm_steer.integrations.engine.registry import CONTROL_METHOD
 
 
 class SteerLoadError(ValueError):
@@ -29,7 +29,7 @@ class SteerLoadError(ValueError):
 
 
 def _control(llm, op: str, **kwargs) -> dict:
-    from vllm_steer.integrations import frontend
+    from vllm_steer.integrations.frontend import admission as frontend
 
     res = llm.collective_rpc(CONTROL_METHOD, args=(op, kwargs))[0]
     if res.get("ok") is False:

@@ -9,7 +9,7 @@ its compiler refuses to compile (every stage raises: with the interpreter nothin
 and its driver reports itself active with the CPU as its device. vLLM's CPU ``shm.py``
 already stubs CUDA streams and events.
 
-Use (tests/test_vllm_v2.py does this for its engine)::
+Use (tests/engines/test_vllm_v2.py does this for its engine)::
 
     PYTHONPATH=tests/v2shim:$PYTHONPATH STEER_TEST_V2_SHIM=1 \
     VLLM_USE_V2_MODEL_RUNNER=1 TRITON_INTERPRET=1 python ...
@@ -20,7 +20,7 @@ happens without ``STEER_TEST_V2_SHIM=1`` (no ``VLLM_`` prefix: vLLM warns about 
 ``VLLM_*`` variables). This is a test harness, not product code: on GPUs the V2 runner runs
 on real Triton.
 
-Async scheduling (tests/test_vllm_async.py), independently, with ``STEER_TEST_ASYNC_SHIM=1``:
+Async scheduling (tests/engines/test_vllm_async.py), independently, with ``STEER_TEST_ASYNC_SHIM=1``:
 vLLM's CPU platform sets ``scheduler_config.async_scheduling = False`` in
 ``CpuPlatform.check_and_update_config``; the shim wraps that method, when
 ``vllm.platforms.cpu`` is imported, so that it keeps the value it was given. Nothing else is

@@ -7,19 +7,19 @@ hooks themselves live in modules named after what they do:
 
 - :mod:`~vllm_steer.integrations.hooks`: the machinery (:class:`~vllm_steer.integrations.
   hooks.Hook`, installing, reporting a hook vLLM moved or removed);
-- :mod:`~vllm_steer.integrations.cli_args`: ``--steer NAME=PATH`` and its sibling flags in
+- :mod:`~vllm_steer.integrations.frontend.cli_args`: ``--steer NAME=PATH`` and its sibling flags in
   ``vllm serve``, carried to the workers in ``additional_config["vllm_steer"]``;
-- :mod:`~vllm_steer.integrations.startup_checks`: on engine config creation, the steer files,
+- :mod:`~vllm_steer.integrations.frontend.startup_checks`: on engine config creation, the steer files,
   model, speculative decoding and parallelism are checked and our per-request logits
-  processor is installed; the LM head is swapped for :class:`~vllm_steer.integrations.head.
+  processor is installed; the LM head is swapped for :class:`~vllm_steer.integrations.worker.head.
   SteeredLogitsProcessor` and checked once the model is loaded;
-- :mod:`~vllm_steer.integrations.request_field`: the top-level ``steer`` field of the OpenAI
+- :mod:`~vllm_steer.integrations.frontend.request_field`: the top-level ``steer`` field of the OpenAI
   request models (completions, chat, responses), checked at admission;
-- :mod:`~vllm_steer.integrations.engine_core`: run-time steer management and admission in the
+- :mod:`~vllm_steer.integrations.engine.core`: run-time steer management and admission in the
   engine core, and their API-server halves;
-- :mod:`~vllm_steer.integrations.preset_models`: presets served as model names (defaults
+- :mod:`~vllm_steer.integrations.frontend.preset_models`: presets served as model names (defaults
   and floors are applied in the engine core's admission);
-- :mod:`~vllm_steer.integrations.endpoints`: ``/v1/steers``, ``/v1/steer-presets`` and the
+- :mod:`~vllm_steer.integrations.frontend.endpoints`: ``/v1/steers``, ``/v1/steer-presets`` and the
   response headers on every API server that steers.
 
 Offline, pass the same configuration yourself::
@@ -35,10 +35,14 @@ This module imports no torch at import time (nor do the modules it imports).
 
 from __future__ import annotations
 
-from vllm_steer.integrations import (cli_args, endpoints, engine_core, preset_models,
-                                     request_field, startup_checks)
+from vllm_steer.integrations.frontend import cli_args
+from vllm_steer.integrations.frontend import endpoints
+from vllm_steer.integrations.engine import core as engine_core
+from vllm_steer.integrations.frontend import preset_models
+from vllm_steer.integrations.frontend import request_field
+from vllm_steer.integrations.frontend import startup_checks
 from vllm_steer.integrations.hooks import Hook, install_hooks
-from vllm_steer.integrations.request_field import REQUEST_CLASSES
+from vllm_steer.integrations.frontend.request_field import REQUEST_CLASSES
 
 _REGISTERED = False
 

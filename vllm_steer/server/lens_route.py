@@ -56,7 +56,7 @@ def _error(status: int, message: str, param: str | None = "steer") -> JSONRespon
 def _check_strengths(body: HighlightRequest) -> JSONResponse | None:
     """The request-field check of the completions routes, on ``steer`` and ``against``."""
     from vllm_steer.config import SteerRequestError
-    from vllm_steer.integrations.frontend import check_value
+    from vllm_steer.integrations.frontend.admission import check_value
 
     for where in ("steer", "against"):
         try:

@@ -74,7 +74,7 @@ async def steer_info(raw: Request):
 def server_config(engine):
     """The steers and limits the server validates requests against (the frontend's view)."""
     from vllm_steer.config import SteerServerConfig
-    from vllm_steer.integrations import frontend
+    from vllm_steer.integrations.frontend import admission as frontend
 
     cfg = frontend.get_config()
     if cfg is None and engine is not None:

@@ -10,10 +10,10 @@
   and ``DELETE /v1/steer-presets/{name}``: presets at run time, only with
   ``--enable-steer-updates`` (else HTTP 403 naming the flag). The table lives in the engine
   core, so every API server sees a change from the moment the call returns (design:
-  :mod:`vllm_steer.integrations.presets`).
+  :mod:`vllm_steer.integrations.engine.presets`).
 
 The plugin adds this endpoint to vLLM's endpoint-plugin list itself
-(:func:`vllm_steer.integrations.endpoints._hook_endpoint_plugins`).
+(:func:`vllm_steer.integrations.frontend.endpoints._hook_endpoint_plugins`).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _error(status: int, message: str, type_: str = "BadRequestError") -> JSONRes
 
 
 def _config():
-    from vllm_steer.integrations import frontend
+    from vllm_steer.integrations.frontend import admission as frontend
 
     cfg = frontend.get_config()
     return cfg if cfg is not None and cfg.enabled else None
@@ -106,7 +106,7 @@ _DISABLED = "steering is not enabled on this server"
 
 @router.get("/v1/steer-presets")
 async def list_presets(raw: Request):
-    from vllm_steer.integrations import presets
+    from vllm_steer.integrations.engine import presets
 
     cfg = _config()
     if cfg is None:
@@ -138,7 +138,7 @@ def _updates_refused(cfg) -> JSONResponse | None:
 
 def _reserved(raw: Request, cfg) -> dict[str, str]:
     """Model names a new preset may not take, as this API server knows them."""
-    from vllm_steer.integrations import presets
+    from vllm_steer.integrations.engine import presets
 
     out: dict[str, str] = {}
     models = getattr(raw.app.state, "openai_serving_models", None)
@@ -157,7 +157,7 @@ async def add_preset(raw: Request):
     import json
     import uuid
 
-    from vllm_steer.integrations import presets
+    from vllm_steer.integrations.engine import presets
     from vllm_steer.policy import PolicyError, preset_from_body
     from vllm_steer.server.steers_route import control
 
@@ -191,7 +191,7 @@ async def add_preset(raw: Request):
 
 @router.delete("/v1/steer-presets/{name}")
 async def delete_preset(name: str, raw: Request):
-    from vllm_steer.integrations import presets
+    from vllm_steer.integrations.engine import presets
     from vllm_steer.server.steers_route import control
 
     cfg = _config()
@@ -220,7 +220,7 @@ class PresetsEndpoint:
         app.add_middleware(SteerHeadersMiddleware)
 
     async def init_state(self, engine_client, state, args) -> None:
-        from vllm_steer.integrations import presets
+        from vllm_steer.integrations.engine import presets
 
         if engine_client is not None:
             presets.set_engine(engine_client)

@@ -9,17 +9,17 @@
   ``path`` the file is ``DIR/NAME.safetensors``.
 
 Every call reaches the engine core through vLLM's ``collective_rpc`` utility call on the
-engine client (see :mod:`vllm_steer.integrations.control`), so every API-server process
+engine client (see :mod:`vllm_steer.integrations.engine.control`), so every API-server process
 (``--api-server-count``) and every worker sees the same set; with data parallelism every
 engine core gets the call and their answers are merged (:func:`_every_engine`,
 ``control.merge``). Each API server also polls the engine's list (once a second,
 ``VLLM_STEER_POLL_SECONDS``): it keeps the process's view of the names
-(:func:`vllm_steer.integrations.frontend.loaded_names`) and the metrics
+(:func:`vllm_steer.integrations.frontend.admission.loaded_names`) and the metrics
 (:mod:`vllm_steer.metrics`) current. The view may be a poll old, so with
 ``--enable-steer-updates`` a name it lacks is left to the engine core, whose refusal the
 client gets as HTTP 400 (``engine_core._hook_async_llm_generate``). The plugin adds this endpoint
 to vLLM's endpoint-plugin list itself
-(:func:`vllm_steer.integrations.endpoints._hook_endpoint_plugins`).
+(:func:`vllm_steer.integrations.frontend.endpoints._hook_endpoint_plugins`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from vllm_steer.integrations.registry import CONTROL_METHOD
+from vllm_steer.integrations.engine.registry import CONTROL_METHOD
 from vllm_steer.logs import get_logger
 
 logger = get_logger()
@@ -56,9 +56,9 @@ def _error(status: int, message: str, type_: str = "BadRequestError") -> JSONRes
 
 async def control(engine, op: str, **kwargs) -> dict:
     """One control op in the engine core; refreshes this process's view of the names."""
-    from vllm_steer.integrations import frontend
+    from vllm_steer.integrations.frontend import admission as frontend
 
-    from vllm_steer.integrations.control import merge, rollback_kwargs
+    from vllm_steer.integrations.engine.control import merge, rollback_kwargs
 
     answers = await _every_engine(engine, op, kwargs)
     res = merge(op, answers)
@@ -75,7 +75,7 @@ async def control(engine, op: str, **kwargs) -> dict:
                                                         "token": kwargs.get("token", "")})
         res = await control(engine, "presets") | {k: res[k] for k in ("ok", "status", "error")}
     if op.startswith("preset") or op == "list":  # the run-time presets (every answer has them)
-        from vllm_steer.integrations import presets
+        from vllm_steer.integrations.engine import presets
 
         presets.update(res)
     if op == "list":
@@ -116,7 +116,7 @@ async def list_steers(raw: Request):
     engine = _engine(raw)
     if engine is None:
         return _error(503, "no engine behind this server")
-    from vllm_steer.integrations import frontend
+    from vllm_steer.integrations.frontend import admission as frontend
 
     admitted = sorted(frontend.loaded_names())  # this process's admission view, before refresh
     res = await control(engine, "list")
@@ -136,7 +136,7 @@ async def list_steers(raw: Request):
 
 
 def _updates_refused() -> JSONResponse | None:
-    from vllm_steer.integrations import frontend
+    from vllm_steer.integrations.frontend import admission as frontend
 
     cfg = frontend.get_config()
     if cfg is None or not cfg.enable_updates:
@@ -148,8 +148,8 @@ def _updates_refused() -> JSONResponse | None:
 
 @router.post("/v1/steers")
 async def load_steer(body: LoadSteerRequest, raw: Request):
-    from vllm_steer.integrations import frontend
-    from vllm_steer.integrations.registry import (SteerNameError, check_name, dir_path,
+    from vllm_steer.integrations.frontend import admission as frontend
+    from vllm_steer.integrations.engine.registry import (SteerNameError, check_name, dir_path,
                                                   path_inside)
 
     refused = _updates_refused()

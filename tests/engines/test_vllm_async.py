@@ -1,0 +1,134 @@
+"""The plugin under vLLM's async scheduling (the GPU default), in a real engine on this CPU.
+
+vLLM's CPU platform turns async scheduling off (``vllm/platforms/cpu.py``,
+``check_and_update_config``: ``scheduler_config.async_scheduling = False``). The CPU model
+runner is a subclass of the GPU runner and runs its async path once that is bypassed, by the
+test-only shim ``tests/v2shim/sitecustomize.py`` with ``STEER_TEST_ASYNC_SHIM=1``:
+``CpuPlatform.check_and_update_config`` keeps the ``async_scheduling`` it was given (in this
+process, which builds the config, and in the spawned engine processes). Nothing else breaks:
+the CUDA events and streams of the async output paths (V1 ``AsyncGPUModelRunnerOutput``, V2
+``AsyncOutput``) are already no-op placeholders on CPU (``vllm/v1/worker/cpu/shm.py``).
+
+Then the engine core schedules step N+1 before step N's output is back, and the runner takes
+the previous step's sampled tokens from the device (``prev_sampled_token_ids``). Requests of
+different prompt lengths and max_tokens, more than ``max_num_seqs``, so rows join and leave at
+different steps, steered and unsteered side by side: every request gets the greedy tokens (and
+logprobs) of the paper's formula applied by hand on the model's own weights
+(``conftest.HFReference``), which is what it gets without async scheduling
+(tests/engines/test_vllm_offline.py, tests/engines/test_vllm_v2.py pin the same reference).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from conftest import V2_SHIM_DIR, HFReference, random_steer, save_steers, v2_runner_env
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["Hello there, my name is", "The weather today", "Once upon a time in a land far",
+           "Q: What is two plus two?\nA:", "In the beginning", "A B C D E F G H I J K"]
+# (steer, max_tokens): six requests through three seats, leaving at different steps
+REQUESTS = [({"a": 5}, 7), (None, 3), ({"b": -6}, 5), ({"a": 2, "b": 3}, 2), (None, 6),
+            ({"a": -4}, 4)]
+ENGINE_KW = dict(dtype="float32", kv_cache_memory_bytes=1 << 28, max_model_len=256,
+                 max_num_seqs=3, enforce_eager=True, seed=0, async_scheduling=True)
+
+
+def _shim():
+    spec = importlib.util.spec_from_file_location("steer_test_v2shim",
+                                                  V2_SHIM_DIR / "sitecustomize.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # no env flag here: defines the patches, installs nothing
+    return mod
+
+
+@pytest.fixture(scope="module")
+def async_env():
+    from vllm.platforms.cpu import CpuPlatform
+
+    with pytest.MonkeyPatch.context() as mp:
+        path = v2_runner_env()["PYTHONPATH"]  # tests/v2shim first, for the spawned processes
+        mp.setenv("PYTHONPATH", path)
+        mp.setenv("STEER_TEST_ASYNC_SHIM", "1")
+        # this process builds the VllmConfig: its CpuPlatform keeps async scheduling too
+        mp.setattr(CpuPlatform, "check_and_update_config",
+                   CpuPlatform.__dict__["check_and_update_config"])
+        _shim().keep_async_scheduling(CpuPlatform)
+        # collective_rpc with a lambda: read the worker's runner settings from the test
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def steers(tmp_path_factory):
+    d = tmp_path_factory.mktemp("steers-async")
+    objs = {"a": random_steer(64, 8, "a", seed=1, scale=3.0),
+            "b": random_steer(64, 8, "b", seed=2, scale=3.0)}
+    return objs, save_steers(d, objs)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir, steers):
+    return HFReference(tiny_model_dir, steers[0])
+
+
+@pytest.fixture(scope="module", params=["v1", "v2"])
+def llm(request, async_env, tiny_model_dir, steers):
+    """One engine per model runner: V1 (the CPU default) and Model Runner V2 (through the V2
+    shim, kernels in the Triton interpreter; see tests/engines/test_vllm_v2.py)."""
+    from vllm import LLM
+
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "v2":
+            for k, v in v2_runner_env().items():
+                mp.setenv(k, v)
+            mp.setattr("vllm.config.vllm.HAS_TRITON", True)
+        engine = LLM(str(tiny_model_dir),
+                     additional_config={"vllm_steer": {"steers": steers[1]}}, **ENGINE_KW)
+        engine.runner_kind = request.param
+        yield engine
+        del engine
+
+
+def sp(steer, n):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, logprobs=0, ignore_eos=True,
+                          extra_args=None if steer is None else {"steer": steer})
+
+
+def test_engine_runs_async_scheduling(llm):
+    cfg = llm.llm_engine.vllm_config
+    assert cfg.scheduler_config.async_scheduling is True
+    assert cfg.max_concurrent_batches == 2  # the engine core runs a step ahead
+    runner = llm.collective_rpc(lambda w: type(w.model_runner).__module__)
+    if llm.runner_kind == "v1":
+        assert runner == ["vllm.v1.worker.cpu_model_runner"]
+        assert llm.collective_rpc(lambda w: w.model_runner.use_async_scheduling) == [True]
+    else:
+        assert runner == ["vllm.v1.worker.cpu.model_runner"]
+
+
+def test_requests_joining_and_leaving_get_their_own_tokens(llm, ref):
+    outs = llm.generate(PROMPTS, [sp(s, n) for s, n in REQUESTS], use_tqdm=False)
+    plain_differs = 0
+    for o, (steer, n) in zip(outs, REQUESTS):
+        ids = list(o.prompt_token_ids)
+        got = list(o.outputs[0].token_ids)
+        want = ref.greedy(ids, n, steer)
+        assert got == want, (o.prompt, steer, got, want)
+        plain_differs += steer is not None and want != ref.greedy(ids, n)
+        lp = ref.logprobs(ids + got, steer)
+        for i, (t, e) in enumerate(zip(got, o.outputs[0].logprobs)):
+            assert e[t].logprob == pytest.approx(lp[len(ids) - 1 + i, t].item(), abs=2e-3)
+    assert plain_differs >= 2  # the steers change tokens: the test can tell rows apart
+
+
+def test_a_steered_request_same_alone_as_in_the_async_batch(llm):
+    batch = llm.generate(PROMPTS, [sp(s, n) for s, n in REQUESTS], use_tqdm=False)
+    for i in (0, 2, 4):
+        alone = llm.generate([PROMPTS[i]], [sp(*REQUESTS[i])], use_tqdm=False)[0]
+        assert list(alone.outputs[0].token_ids) == list(batch[i].outputs[0].token_ids)

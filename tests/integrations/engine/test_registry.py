@@ -1,0 +1,202 @@
+"""The engine's set of steers: slots, generations, draining, eviction, names, paths."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from vllm_steer.format import SteerMetadata
+from vllm_steer.integrations.engine.registry import (SteerCapacityError, SteerEntry, SteerNameError,
+                                              SteerRegistry, bound_in, dir_path, name_problem,
+                                              path_inside)
+
+
+def _load(reg, name, in_use=frozenset(), source="api", file=None):
+    slot, evicted = reg.free_slot(set(in_use), evictable=True, replacing=name)
+    meta = SteerMetadata(name=name, hidden_size=64, rank=4)
+    return reg.commit(SteerEntry.from_metadata(name, file or f"/s/{name}.safetensors", meta,
+                                               reg.new_generation(), slot, source), evicted)
+
+
+def test_reload_under_a_name_makes_a_new_generation_in_another_slot_while_the_old_is_used():
+    reg = SteerRegistry(3)
+    old = _load(reg, "detox", file="/s/v1.safetensors")
+    bound_old = reg.bind(["detox"])
+    assert bound_old == {"detox": [old.slot, old.generation]}
+    new = _load(reg, "detox", in_use={(old.slot, old.generation)}, file="/s/v2.safetensors")
+    assert new.slot != old.slot and new.generation > old.generation
+    assert reg.bind(["detox"]) == {"detox": [new.slot, new.generation]}
+    assert reg.slots[old.slot].state == "draining"  # kept for the request bound before
+    assert [s["file"] for s in reg.listing() if s["state"] == "loaded"] == ["/s/v2.safetensors"]
+    assert reg.reap({(old.slot, old.generation)}) == []
+    assert reg.reap(set()) == [old.slot] and reg.slots[old.slot] is None
+
+
+def test_reload_of_an_unused_name_reuses_its_slot_with_a_new_generation():
+    reg = SteerRegistry(1)
+    old = _load(reg, "detox")
+    new = _load(reg, "detox")
+    assert new.slot == old.slot and new.generation == old.generation + 1
+
+
+def test_unload_drains_while_used_and_frees_when_not():
+    reg = SteerRegistry(2)
+    a = _load(reg, "a")
+    entry, freed = reg.unload("a", {(a.slot, a.generation)})
+    assert entry.state == "draining" and freed == [] and "a" not in reg.bound
+    with pytest.raises(KeyError):
+        reg.bind(["a"])
+    assert reg.reap(set()) == [a.slot]
+    with pytest.raises(KeyError):
+        reg.unload("a", set())
+    assert reg.counters["unloads"] == 1
+
+
+def test_capacity_evicts_the_least_recently_used_unused_steer_dir_steer_only():
+    reg = SteerRegistry(3)
+    pinned = _load(reg, "pinned", source="api")
+    x = _load(reg, "x", source="steer-dir")
+    y = _load(reg, "y", source="steer-dir")
+    reg.bind(["x"])  # x used more recently than y
+    reg.slots[y.slot].last_used = reg.slots[x.slot].last_used - 10
+    z = _load(reg, "z", source="steer-dir")
+    assert z.slot == y.slot and "y" not in reg.bound and reg.counters["evictions"] == 1
+    # every steer-dir steer in use, the rest pinned: refused naming the limit and the flag
+    with pytest.raises(SteerCapacityError, match=r"all 3 steer slots.*--max-steers=3"):
+        _load(reg, "w", in_use={(x.slot, x.generation), (z.slot, z.generation)})
+    assert set(reg.bound) == {"pinned", "x", "z"} and pinned.slot == 0
+
+
+def test_full_with_draining_slots_says_so():
+    reg = SteerRegistry(1)
+    a = _load(reg, "a")
+    reg.unload("a", {(a.slot, a.generation)})
+    with pytest.raises(SteerCapacityError, match="still used by running requests"):
+        _load(reg, "b", in_use={(a.slot, a.generation)})
+
+
+def test_served_counts_per_name_and_bound_in_reads_requests():
+    reg = SteerRegistry(2)
+    _load(reg, "a"), _load(reg, "b")
+    reg.bind(["a"]), reg.bind(["a", "b"])
+    assert reg.served == {"a": 2, "b": 1}
+    assert reg.get("a").requests_served == 2
+
+    class SP:
+        extra_args = {"vllm_steer_bound": {"a": [0, 1], "b": [1, 2]}}
+
+    class R:
+        sampling_params = SP()
+
+    assert bound_in([R(), object()]) == {(0, 1), (1, 2)}
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "a/b", "..", ".hidden", "a b", "x" * 65, "",
+                                  "a\\b", "détox", "a..b"])
+def test_unsafe_names_are_refused(name, tmp_path):
+    assert name_problem(name) is not None
+    with pytest.raises(SteerNameError):
+        dir_path(str(tmp_path), name)
+
+
+def test_dir_path_stays_inside_the_directory(tmp_path):
+    assert dir_path(str(tmp_path), "detox") == os.path.join(os.path.realpath(tmp_path),
+                                                            "detox.safetensors")
+    outside = tmp_path.parent / "outside.safetensors"
+    outside.write_bytes(b"x")
+    (tmp_path / "link.safetensors").symlink_to(outside)
+    with pytest.raises(SteerNameError, match="outside --steer-dir"):
+        dir_path(str(tmp_path), "link")
+    assert path_inside(str(tmp_path / "a.safetensors"), str(tmp_path))
+    assert not path_inside(str(tmp_path / ".." / "a.safetensors"), str(tmp_path))
+    assert not path_inside("/etc/passwd", None)
+
+
+# ---- data parallelism: one answer from every engine core's (control.merge) -----------------
+def _core(index, capacity, steer_dir=None):
+    """An engine core as control.handle sees it: its own registry, no requests, workers that
+    accept every op."""
+    from types import SimpleNamespace
+
+    from vllm_steer.config import SteerServerConfig
+
+    cfg = SteerServerConfig(steers={}, max_steers=capacity, steer_dir=steer_dir,
+                            enable_updates=True)
+    return SimpleNamespace(
+        engine_index=index, _vllm_steer_state=(SteerRegistry(capacity), cfg, 64),
+        scheduler=SimpleNamespace(requests={}),
+        model_executor=SimpleNamespace(collective_rpc=lambda fn, args=(): [True]),
+        vllm_config=SimpleNamespace(model_config=SimpleNamespace(model="tiny")))
+
+
+def _all(cores, op, **kw):
+    from vllm_steer.integrations.engine import control
+
+    return [control.handle(c, op, kw) for c in cores]
+
+
+def test_dp_load_list_unload_merge_and_a_partial_failure_is_rolled_back(tmp_path):
+    from conftest import random_steer
+
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.engine.control import merge, rollback_kwargs
+
+    for n in ("a", "b", "c"):
+        save_steer(tmp_path / f"{n}.safetensors", random_steer(64, 4, n))
+    cores = [_core(0, 2), _core(1, 2)]
+    path = lambda n: str(tmp_path / f"{n}.safetensors")  # noqa: E731
+    # engine 1 already used a slot for 'b' (loaded there only, say by its own first use)
+    assert _all(cores[1:], "load", name="b", path=path("b"), source="api")[0]["ok"]
+    answers = _all(cores, "load", name="a", path=path("a"), source="api")
+    res = merge("load", answers)
+    assert res["ok"] and [(p["engine"], p["slot"]) for p in res["steer"]["per_engine"]] == \
+        [(0, 0), (1, 1)]  # each engine core its own slot
+    listing = merge("list", _all(cores, "list"))
+    states = {s["name"]: s["state"] for s in listing["steers"]}
+    assert states == {"a": "loaded", "b": "partial"}
+    a = next(s for s in listing["steers"] if s["name"] == "a")
+    assert sorted(p["engine"] for p in a["per_engine"]) == [0, 1]
+    assert listing["stats"]["counters"]["loads"] == 3 and listing["stats"]["engines"] == 2
+    # 'c': room on engine 0, none on engine 1 (two pinned API steers): refused, and engine
+    # 0's copy is unloaded again, so no engine core serves a steer the others refuse
+    answers = _all(cores, "load", name="c", path=path("c"), source="api")
+    assert [x["ok"] for x in answers] == [True, False]
+    res = merge("load", answers)
+    assert not res["ok"] and res["status"] == 507 and "--max-steers=2" in res["error"]
+    undo = rollback_kwargs("c", answers)
+    assert undo == {"name": "c", "generations": {"0": answers[0]["steer"]["generation"]}}
+    _all(cores, "rollback", **undo)
+    names = [{s["name"] for s in x["steers"] if s["state"] == "loaded"}
+             for x in _all(cores, "list")]
+    assert names == [{"a"}, {"a", "b"}]
+    # unload: ok when any engine core had it; 404 only when none did
+    assert merge("unload", _all(cores, "unload", name="b"))["ok"]
+    res = merge("unload", _all(cores, "unload", name="b"))
+    assert not res["ok"] and res["status"] == 404
+    assert rollback_kwargs("a", _all(cores, "list")) is None
+
+
+def test_dp_steer_op_time_is_summed_over_engine_cores_one_head_worker_each():
+    """metrics: each engine core counts the worker that steers (TP ranks all steer the same
+    rows, a PP stage without the head none); data parallelism sums the engine cores."""
+    from types import SimpleNamespace
+
+    from vllm_steer.integrations.engine import control
+
+    tp = [{"op_seconds": 0.5, "op_calls": 10, "slots": []},
+          {"op_seconds": 0.7, "op_calls": 10, "slots": []}]     # TP=2: the same 10 calls
+    pp = [{"op_seconds": 0.0, "op_calls": 0, "slots": []},
+          {"op_seconds": 0.25, "op_calls": 4, "slots": []}]     # PP=2: the last stage steers
+    assert control.op_totals(tp) == {"seconds": 0.5, "calls": 10}
+    assert control.op_totals(pp) == {"seconds": 0.25, "calls": 4}
+    assert control.op_totals([True, None]) == {"seconds": 0.0, "calls": 0}
+    cores = [_core(0, 2), _core(1, 2)]
+    for core, workers in zip(cores, (tp, pp)):
+        core.model_executor = SimpleNamespace(
+            collective_rpc=lambda fn, args=(), w=workers: list(w) if args[0] == "stats"
+            else [True] * len(w))
+    answers = _all(cores, "list")
+    assert [a["stats"]["op"]["calls"] for a in answers] == [10, 4]
+    merged = control.merge("list", answers)
+    assert merged["stats"]["op"] == {"seconds": 0.75, "calls": 14}

@@ -1,0 +1,60 @@
+"""``--steer`` and its sibling flags (vllm_steer.integrations.frontend.cli_args) without starting an
+engine: what `vllm serve` parses and shows, and the configuration carried to the workers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import random_steer
+from vllm_steer.format import save_steer
+from vllm_steer.integrations.frontend import cli_args
+
+
+@pytest.fixture(scope="module")
+def registered():
+    """The plugin registered in this process (its hooks installed into vLLM)."""
+    from vllm_steer.integrations import plugin
+
+    plugin.register()
+
+
+def _serve_parser():
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+
+
+def test_serve_parser_takes_steer_flags_and_carries_them_in_additional_config(registered,
+                                                                             tmp_path):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    p = tmp_path / "sent.safetensors"
+    save_steer(p, random_steer(64, 4, "sentiment"))
+    args = _serve_parser().parse_args(["m", "--steer", "detox=/x/detox.safetensors",
+                                       "--steer", str(p), "--steer-max-strength", "20"])
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    assert engine_args.additional_config["vllm_steer"] == {
+        "steers": {"detox": "/x/detox.safetensors", "sentiment": str(p)},
+        "max_strength": 20.0, "backend": "auto"}
+
+
+def test_duplicate_steer_names_are_refused(registered):
+    args = _serve_parser().parse_args(["m", "--steer", "a=/x", "--steer", "a=/y"])
+    with pytest.raises(ValueError, match=r"the name\(s\) \['a'\] are given more than once"):
+        cli_args.config_from_args(args)
+
+
+def _vllm(*args, timeout=240):
+    exe = os.path.join(os.path.dirname(sys.executable), "vllm")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_vllm_serve_help_shows_the_steer_flags():
+    out = _vllm("serve", "--help=vllm-steer")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--steer NAME=PATH" in out.stdout and "--steer-max-strength" in out.stdout

@@ -1,0 +1,185 @@
+"""Start-up checks (vllm_steer.integrations.frontend.startup_checks) without starting an engine: the
+steer files, speculative decoding, pooling models and data-parallel modes are refused at
+engine config creation, naming what and why; what is accepted gets our logits processor."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import random_steer
+from vllm_steer.format import TENSOR_P1, TENSOR_P2, METADATA_KEY, save_steer
+
+
+@pytest.fixture(scope="module")
+def registered():
+    """The plugin registered in this process (its hooks installed into vLLM)."""
+    from vllm_steer.integrations import plugin
+
+    plugin.register()
+
+
+def _engine_config(model, steers, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(model), max_model_len=256,
+                      additional_config={"vllm_steer": {"steers": steers}},
+                      **kw).create_engine_config()
+
+
+def test_engine_config_installs_the_v1_logits_processor(registered, tiny_model_dir, tmp_path):
+    p = tmp_path / "a.safetensors"
+    save_steer(p, random_steer(64, 4, "a"))
+    cfg = _engine_config(tiny_model_dir, {"a": str(p)})
+    assert cfg.model_config.logits_processors == [
+        "vllm_steer.integrations.worker.v1:SteerLogitsProcessorV1"]
+
+
+def _bad_files(tmp_path):
+    from safetensors.torch import save_file
+
+    good = random_steer(64, 4, "g")
+    files = {}
+    files["missing"] = (str(tmp_path / "missing.safetensors"), "no such file")
+    t = tmp_path / "truncated.safetensors"
+    save_steer(t, good)
+    t.write_bytes(t.read_bytes()[:-64])
+    files["truncated"] = (str(t), "truncated")
+    n = tmp_path / "nan.safetensors"
+    p1 = good.p1.clone()
+    p1[0, 0] = float("inf")
+    save_file({TENSOR_P1: p1, TENSOR_P2: good.p2}, n,
+              metadata={METADATA_KEY: good.metadata.to_json()})
+    files["nan"] = (str(n), "NaN or inf")
+    w = tmp_path / "wide.safetensors"
+    save_steer(w, random_steer(32, 4, "w"))
+    files["shape"] = (str(w), "hidden size 32 but the model")
+    k = tmp_path / "ref.pt"
+    torch.save([{}, {"projector1": torch.zeros(1, 64, 2)}, 0], k)
+    files["pickle"] = (str(k), "pickle")
+    return files
+
+
+def test_each_bad_steer_file_is_refused_at_startup_naming_file_and_reason(
+        registered, tiny_model_dir, tmp_path):
+    from vllm_steer.format import SteerFileError
+
+    for kind, (path, reason) in _bad_files(tmp_path).items():
+        with pytest.raises(SteerFileError) as e:
+            _engine_config(tiny_model_dir, {"s": path})
+        assert path in str(e.value) and reason in str(e.value), kind
+
+
+def test_all_refused_files_are_listed_in_one_error(registered, tiny_model_dir, tmp_path):
+    from vllm_steer.format import SteerFileError
+
+    bad = _bad_files(tmp_path)
+    with pytest.raises(SteerFileError) as e:
+        _engine_config(tiny_model_dir, {k: p for k, (p, _) in bad.items()})
+    for path, reason in bad.values():
+        assert path in str(e.value) and reason in str(e.value)
+
+
+def test_speculative_decoding_methods_without_steered_rows_are_refused_naming_the_method(
+        registered, tiny_model_dir, tmp_path):
+    p = tmp_path / "a.safetensors"
+    save_steer(p, random_steer(64, 4, "a"))
+    for spec in ({"method": "ngram_gpu", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                  "prompt_lookup_min": 1},
+                 {"method": "eagle", "model": str(tiny_model_dir), "num_speculative_tokens": 2}):
+        with pytest.raises(ValueError) as e:
+            _engine_config(tiny_model_dir, {"a": str(p)}, speculative_config=spec)
+        msg = str(e.value)
+        assert f"speculative decoding method {spec['method']!r} is not supported" in msg, msg
+        assert "ngram, draft_model" in msg and "--speculative-config" in msg, msg
+
+
+def test_speculative_decoding_under_model_runner_v2_is_refused_naming_the_method():
+    from types import SimpleNamespace
+
+    from vllm_steer.integrations.frontend.startup_checks import check_speculative_config
+
+    for method in ("ngram", "draft_model"):
+        cfg = SimpleNamespace(speculative_config=SimpleNamespace(method=method),
+                              use_v2_model_runner=True)
+        with pytest.raises(ValueError) as e:
+            check_speculative_config(cfg)
+        msg = str(e.value)
+        assert f"method {method!r}" in msg and "Model Runner V2" in msg, msg
+        assert "VLLM_USE_V2_MODEL_RUNNER=0" in msg, msg
+
+
+def test_speculative_decoding_ngram_and_draft_model_are_accepted(registered, tiny_model_dir,
+                                                                  tmp_path):
+    p = tmp_path / "a.safetensors"
+    save_steer(p, random_steer(64, 4, "a"))
+    for spec in ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                  "prompt_lookup_min": 1},
+                 {"method": "draft_model", "model": str(tiny_model_dir),
+                  "num_speculative_tokens": 2}):
+        cfg = _engine_config(tiny_model_dir, {"a": str(p)}, speculative_config=spec)
+        assert cfg.speculative_config.method == spec["method"]
+        assert cfg.model_config.logits_processors == [
+            "vllm_steer.integrations.worker.v1:SteerLogitsProcessorV1"]
+
+
+def _vllm(*args, timeout=240):
+    exe = os.path.join(os.path.dirname(sys.executable), "vllm")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_vllm_serve_exits_naming_a_bad_steer_file(tiny_model_dir, tmp_path):
+    bad = tmp_path / "broken.safetensors"
+    bad.write_bytes(b"not a steer")
+    out = _vllm("serve", str(tiny_model_dir), "--steer", f"detox={bad}", "--port", "8099")
+    assert out.returncode != 0
+    assert str(bad) in out.stderr and "refused" in out.stderr
+
+
+def test_pooling_model_is_refused_with_steers(registered, tiny_model_dir, tmp_path):
+    p = tmp_path / "a.safetensors"
+    save_steer(p, random_steer(64, 4, "a"))
+    with pytest.raises(ValueError, match="--steer needs a generative model; .* runs as a "
+                                         "pooling model"):
+        _engine_config(tiny_model_dir, {"a": str(p)}, runner="pooling")
+
+
+@pytest.mark.parametrize("extra, flag", [({"steer_dir": "/tmp"}, "--steer-dir"),
+                                         ({"enable_updates": True}, "--enable-steer-updates")])
+@pytest.mark.parametrize("mode, fragment", [
+    ("data_parallel_external_lb", "external load balancing"),
+    ("data_parallel_hybrid_lb", "hybrid load balancing"),
+    ("enable_elastic_ep", "elastic expert parallelism"),
+])
+def test_run_time_steers_are_refused_only_in_dp_modes_where_a_call_reaches_one_engine(
+        extra, flag, mode, fragment):
+    from types import SimpleNamespace
+
+    import dataclasses
+
+    from vllm.config import ParallelConfig
+
+    from vllm_steer.config import SteerServerConfig
+    from vllm_steer.integrations.frontend.startup_checks import check_runtime_steers_fit_parallelism
+
+    assert mode in {f.name for f in dataclasses.fields(ParallelConfig)}  # vLLM's own name
+
+    def dp(size, **flags):
+        return SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=size,
+                                                               **flags))
+
+    cfg = SteerServerConfig(**extra)
+    with pytest.raises(ValueError, match=f"{flag} cannot be used with --data-parallel-size 2 "
+                                         f"in {fragment}") as e:
+        check_runtime_steers_fit_parallelism(cfg, dp(2, **{mode: True}))
+    assert "internal load balancing" in str(e.value)
+    # internal load balancing (the default of DP): every engine core gets every call
+    check_runtime_steers_fit_parallelism(cfg, dp(2))
+    check_runtime_steers_fit_parallelism(cfg, dp(1, **{mode: True}))
+    # start-up steers only: fine in every mode
+    check_runtime_steers_fit_parallelism(SteerServerConfig(steers={"a": "a.safetensors"}),
+                                         dp(2, **{mode: True}))

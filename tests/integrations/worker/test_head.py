@@ -1,0 +1,154 @@
+"""The LM-head hook (vllm_steer/integrations/worker/head.py): base-class calls that work with vLLM's
+LoRA wrapper as ``self``, and the start-up check that our head replaced the model's logits
+layer (a model-specific subclass of vLLM's LogitsProcessor is not replaced)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def head_cls():
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_steer.integrations import plugin
+
+    plugin.register()
+    from vllm_steer.integrations.worker.head import SteeredLogitsProcessor
+
+    with set_current_vllm_config(VllmConfig()):  # what the layers read when built
+        yield SteeredLogitsProcessor
+
+
+class _Head(torch.nn.Module):
+    """A stand-in for vLLM's ParallelLMHead (unquantized, one device)."""
+
+    class _Linear:
+        def apply(self, layer, x, bias=None):
+            return x @ layer.weight.T
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.quant_method = self._Linear()
+        self.tp_size = 1
+        self.shard_indices = SimpleNamespace(num_org_vocab_padding=0,
+                                             org_vocab_start_index=0)
+
+
+class _Wrapper(torch.nn.Module):
+    """Like vLLM's LogitsProcessorWithLoRA: forwards public attribute misses to base_layer and
+    calls ``type(base_layer).forward(self, ...)``."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base_layer = base
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_modules"]["base_layer"], name)
+
+    def forward(self, *args, **kwargs):
+        return type(self.base_layer).forward(self, *args, **kwargs)
+
+
+def test_head_works_with_a_lora_style_wrapper_as_self(head_cls):
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(50, 16, generator=g)
+    hidden = torch.randn(3, 16, generator=g)
+    head = head_cls(50)
+    assert type(head) is head_cls
+    wrapped = _Wrapper(head)
+    got = wrapped(_Head(weight), hidden)
+    assert torch.allclose(got, hidden @ weight.T, atol=1e-5)
+    top = head_cls.get_top_tokens(wrapped, _Head(weight), hidden)
+    assert top.tolist() == (hidden @ weight.T).argmax(-1).tolist()
+
+
+def test_check_head_names_a_model_specific_logits_subclass(head_cls):
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from vllm_steer.integrations.worker.head import HeadNotInstalledError, check_head_installed
+
+    class SpecialLogitsProcessor(LogitsProcessor):
+        pass
+
+    class FancyForCausalLM(torch.nn.Module):
+        def __init__(self, proc):
+            super().__init__()
+            self.logits_processor = proc
+
+    check_head_installed(FancyForCausalLM(LogitsProcessor(50)))  # replaced by ours: fine
+    with pytest.raises(HeadNotInstalledError) as e:
+        check_head_installed(FancyForCausalLM(SpecialLogitsProcessor(50)))
+    msg = str(e.value)
+    assert "FancyForCausalLM" in msg and "SpecialLogitsProcessor" in msg
+    assert "silently ignored" in msg
+    with pytest.raises(HeadNotInstalledError, match="FancyForCausalLM has no vLLM "
+                                                    "LogitsProcessor layer"):
+        check_head_installed(FancyForCausalLM(torch.nn.Identity()))
+
+
+SPECIAL_MODEL = r"""
+import json, sys
+from vllm import LLM, ModelRegistry
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.models.llama import LlamaForCausalLM
+
+
+class SpecialLogitsProcessor(LogitsProcessor):
+    pass
+
+
+class TinySpecialHeadForCausalLM(LlamaForCausalLM):
+    def __init__(self, *, vllm_config, prefix=""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.logits_processor = SpecialLogitsProcessor(self.config.vocab_size)
+
+
+if __name__ == "__main__":
+    ModelRegistry.register_model("TinySpecialHeadForCausalLM", TinySpecialHeadForCausalLM)
+    kw = json.loads(sys.argv[2])
+    try:
+        LLM(sys.argv[1], distributed_executor_backend="uni", **kw)
+    except Exception as e:
+        print("STARTUP-FAILED " + " ".join(str(e).split()))
+        sys.exit(3)
+    print("STARTED")
+"""
+
+
+@pytest.mark.vllm
+def test_engine_with_a_model_specific_logits_layer_fails_at_startup(tiny_model_dir, tmp_path):
+    from conftest import random_steer
+    from vllm_steer.format import save_steer
+
+    model = tmp_path / "special"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["architectures"] = ["TinySpecialHeadForCausalLM"]
+    (model / "config.json").write_text(json.dumps(cfg))
+    save_steer(tmp_path / "a.safetensors", random_steer(64, 4, "a"))
+    script = tmp_path / "special.py"
+    script.write_text(textwrap.dedent(SPECIAL_MODEL))
+    kw = dict(dtype="float32", kv_cache_memory_bytes=1 << 26, max_model_len=128,
+              enforce_eager=True, additional_config={"vllm_steer": {"steers": {
+                  "a": str(tmp_path / "a.safetensors")}}})
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    out = subprocess.run([sys.executable, str(script), str(model), json.dumps(kw)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 3, (out.stdout[-2000:], out.stderr[-3000:])
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("STARTUP-FAILED")][0]
+    assert "TinySpecialHeadForCausalLM" in line and "SpecialLogitsProcessor" in line
+    assert "not supported with --steer" in line

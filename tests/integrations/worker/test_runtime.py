@@ -1,0 +1,103 @@
+"""The worker-side runtime: slot coefficients, the per-batch plan, the head's rows (V1 flow)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from conftest import random_steer
+from vllm_steer.config import SteerServerConfig
+from vllm_steer.format import save_steer
+from vllm_steer.integrations.worker.runtime import SteerRuntime
+from vllm_steer.reference import steer_reference
+
+
+def _runtime(tmp_path):
+    steers = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        steers[name] = str(tmp_path / f"{name}.safetensors")
+        save_steer(steers[name], random_steer(64, 4, name, seed=seed, scale=3.0))
+    rt = SteerRuntime(SteerServerConfig(steers=steers))
+    rt.load(64, torch.device("cpu"), torch.float32)
+    rt.ensure_slots(8, torch.device("cpu"))
+    return rt
+
+
+def _want(rt, h, rows):
+    coefs = torch.tensor(np.stack(rows), dtype=torch.float32)
+    return steer_reference(h, rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets, coefs)
+
+
+def test_decode_steps_reuse_the_plan_and_a_changed_slot_replans(tmp_path):
+    rt = _runtime(tmp_path)
+    assert rt.backend == "torch"
+    pad = [0.0] * (rt.num_columns - 2)  # columns: one per steer slot (and domain) of the bank
+    a, b, none = (np.array(r + pad, dtype=np.float32) for r in ([5e-3, 0], [0, -3e-3], [0, 0]))
+    for slot, row in enumerate((a, b, none)):
+        rt.set_slot(slot, row)
+    rt.batch_size = 3
+    rt.flush()
+    gen = torch.Generator().manual_seed(0)
+    for _step in range(3):  # decode steps of an unchanged batch: one plan
+        h = torch.randn(3, 64, generator=gen)
+        torch.testing.assert_close(rt.steer_rows(h), _want(rt, h, [a, b, none]))
+    plan = rt._plan
+    assert plan is not None
+    # a request finishes and another takes its slot (update_state): the next step re-plans
+    rt.set_slot(1, a)
+    rt.flush()
+    h = torch.randn(3, 64, generator=gen)
+    out = rt.steer_rows(h)
+    assert rt._plan is not plan
+    torch.testing.assert_close(out, _want(rt, h, [a, a, none]))
+    # a slot moved without a coefficient change still counts as a change
+    rt.move_slot(0, 2, swap=True)
+    rt.flush()
+    h = torch.randn(3, 64, generator=gen)
+    torch.testing.assert_close(rt.steer_rows(h), _want(rt, h, [none, a, a]))
+    assert torch.equal(rt.steer_rows(h)[0], h[0])  # unsteered row untouched
+
+
+def test_no_steer_work_once_the_last_steered_request_left(tmp_path):
+    rt = _runtime(tmp_path)
+    a, none = (np.zeros(rt.num_columns, dtype=np.float32) for _ in range(2))
+    a[0] = 5e-3  # the first loaded steer's column
+    rt.set_slot(0, none)
+    rt.set_slot(1, a)
+    rt.batch_size = 2
+    rt.flush()
+    h = torch.randn(2, 64)
+    assert rt.active and not torch.equal(rt.steer_rows(h)[1], h[1])
+    assert rt.stats.as_dict() == {"calls": 1, "rows": 2}
+    # V1: the steered request finishes (BatchUpdate.removed), the other one goes on
+    rt.set_slot(1, None)
+    rt.batch_size = 1
+    rt.flush()
+    assert not rt.active and rt.num_active_slots == 0
+    assert torch.equal(rt.steer_rows(h[:1]), h[:1])
+    assert rt.stats.calls == 1
+    # a moved steered slot stays steered; the slot it left does not
+    rt.set_slot(3, a)
+    rt.move_slot(3, 0, swap=False)
+    rt.flush()
+    assert rt.num_active_slots == 1 and rt.any_steered(np.array([0]))
+    assert not rt.any_steered(np.array([1, 2, 3]))
+
+
+def test_rows_given_by_host_slots_get_their_slots_coefficients(tmp_path):
+    """A ``slots`` row source (host-side row -> slot, as spec decoding and V2 prompt logprobs
+    give it): each row is steered with its own slot's coefficients, in any order, repeated."""
+    from vllm_steer.integrations.worker.runtime import RowSource
+
+    rt = _runtime(tmp_path)
+    pad = [0.0] * (rt.num_columns - 2)
+    a, b, none = (np.array(r + pad, dtype=np.float32) for r in ([5e-3, 0], [0, -3e-3], [0, 0]))
+    for slot, row in ((3, a), (5, b), (0, none)):
+        rt.set_slot(slot, row)
+    rt.flush()
+    slots = np.array([5, 5, 3, 0, 3, 3])
+    h = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
+    with rt.rows(RowSource("slots", slots=slots)):
+        out = rt.steer_rows(h)
+    torch.testing.assert_close(out, _want(rt, h, [b, b, a, none, a, a]))
+    assert torch.equal(out[3], h[3])

@@ -1,0 +1,99 @@
+"""The host-side row mapping of speculative decoding (no engine; the engine tests are in
+test_vllm_specdec.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_steer.integrations.worker.spec_decode import verification_rows
+
+
+def _vllm_logits_indices(num_draft, cu_scheduled):
+    """vLLM's own ``_calc_spec_decode_metadata`` on a stand-in runner: the token index of each
+    verification row."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    fake = SimpleNamespace(arange_np=np.arange(4096, dtype=np.int64),
+                           _arange_scratch=np.zeros(4096, dtype=np.int64),
+                           device=torch.device("cpu"),
+                           input_ids=SimpleNamespace(gpu=torch.zeros(4096, dtype=torch.int32)))
+    fake._get_cumsum_and_arange = GPUModelRunner._get_cumsum_and_arange.__get__(fake)
+    meta = GPUModelRunner._calc_spec_decode_metadata(fake, num_draft, cu_scheduled)
+    return meta.logits_indices.numpy()
+
+
+def test_each_verification_row_maps_to_the_request_whose_tokens_it_reads():
+    # vLLM's documented example: 5 requests, 3/0/2/0/1 draft tokens
+    num_draft = np.array([3, 0, 2, 0, 1], dtype=np.int32)
+    cu = np.array([4, 104, 107, 207, 209], dtype=np.int32)
+    rows = _vllm_logits_indices(num_draft, cu)
+    # request of each row, from vLLM's token indices: the request whose scheduled tokens
+    # [cu[i-1], cu[i]) contain the row's token
+    expected = np.searchsorted(cu, rows, side="right")
+    slots, _ = verification_rows(num_draft, cu, np.zeros(5, np.int32), np.zeros(5, np.int32))
+    assert slots.tolist() == expected.tolist()
+    assert len(slots) == int((num_draft + 1).sum())
+
+
+def test_positions_count_the_generated_tokens_each_row_samples():
+    # r0: decoding, prompt 10, 2 tokens generated and computed, the 3rd (sampled last step)
+    #     is the step's first input, plus 3 drafts -> rows sample generated tokens 3, 4, 5, 6
+    # r1: the first prompt chunk of a 300-token prompt (100 of 300): its sample is dropped
+    # r2: the last prompt chunk (200 computed + 100 = 300): samples generated token 0
+    # r3: decoding with no draft, 7 generated -> samples token 7
+    num_draft = np.array([3, 0, 0, 0])
+    scheduled = np.array([4, 100, 100, 1])
+    computed = np.array([12, 0, 200, 16])
+    prompt = np.array([10, 300, 300, 10])
+    slots, pos = verification_rows(num_draft, np.cumsum(scheduled), computed, prompt)
+    assert slots.tolist() == [0, 0, 0, 0, 1, 2, 3]
+    assert pos.tolist() == [3, 4, 5, 6, -1, 0, 7]
+
+
+def _runner_with_drafter(draft_hidden, steer_hidden, steer_drafter=True, method="draft_model"):
+    """A stand-in runner whose drafter model has two of our heads, each bound to a runtime
+    whose steers have ``steer_hidden`` (what ``prepare_drafter`` reads, nothing more)."""
+    from vllm_steer.integrations.worker.head import SteeredLogitsProcessor
+
+    rt = SimpleNamespace(bank=SimpleNamespace(hidden_size=steer_hidden),
+                         config=SimpleNamespace(steer_drafter=steer_drafter))
+    model = torch.nn.Module()
+    for name in ("head", "mtp_head"):
+        head = SteeredLogitsProcessor.__new__(SteeredLogitsProcessor)
+        torch.nn.Module.__init__(head)
+        head.steer_runtime = rt
+        model.add_module(name, head)
+    draft_mc = SimpleNamespace(architectures=["LlamaForCausalLM"],
+                               hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
+                               get_hidden_size=lambda: draft_hidden)
+    spec = SimpleNamespace(method=method, draft_model_config=draft_mc)
+    runner = SimpleNamespace(drafter=SimpleNamespace(model=model), speculative_config=spec)
+    return runner, rt, [model.head, model.mtp_head]
+
+
+@pytest.mark.parametrize("draft_hidden,steer_drafter,steered", [
+    (64, True, True),     # the steers' hidden size: the drafter proposes steered tokens
+    (128, True, False),   # another hidden size: its heads are detached (never a shape error)
+    (64, False, False),   # --no-steer-drafter
+])
+def test_a_drafter_is_steered_only_when_its_hidden_size_fits(draft_hidden, steer_drafter,
+                                                              steered):
+    from vllm_steer.integrations.worker.spec_decode import prepare_drafter
+
+    runner, rt, heads = _runner_with_drafter(draft_hidden, 64, steer_drafter)
+    prepare_drafter(runner, rt)
+    assert [h.steer_runtime is rt for h in heads] == [steered, steered]
+
+
+
+def test_an_ngram_runner_has_no_drafter_heads():
+    from vllm_steer.integrations.worker.spec_decode import drafter_heads, prepare_drafter
+
+    runner = SimpleNamespace(drafter=SimpleNamespace(), speculative_config=SimpleNamespace(
+        method="ngram"))
+    assert drafter_heads(runner) == []
+    prepare_drafter(runner, SimpleNamespace(bank=None, config=None))  # nothing to detach

@@ -1,0 +1,258 @@
+"""Model Runner V2 integration, driven through vLLM's own V2 interfaces with real objects.
+
+The live V2 engine is tested in tests/engines/test_vllm_v2.py (through the tests/v2shim harness);
+this drives the pieces vLLM itself calls, one at a time: the V2 loader and params validator,
+``add_request(slot, params)`` with slot reuse, ``apply_staged_writes()``, a step's real
+``InputBatch`` whose ``expanded_idx_mapping`` the wrapped ``sample()`` scopes around the
+LM-head call, stale slots of finished requests, and batch-sharded sampling (TP > 1) through
+vLLM's real ``GPUModelRunner.sample`` and shard plan.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import random_steer, v2_runner_env
+from vllm_steer.format import save_steer
+from vllm_steer.reference import steer_reference
+
+V2_FQCN = "vllm_steer.integrations.worker.v2:SteerLogitsProcessorV2"
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tiny_model_dir, tmp_path_factory):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_steer.integrations import plugin
+
+    plugin.register()
+    d = tmp_path_factory.mktemp("v2")
+    steers = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        steers[name] = str(d / f"{name}.safetensors")
+        save_steer(steers[name], random_steer(64, 4, name, seed=seed))
+    return EngineArgs(model=str(tiny_model_dir), max_model_len=128,
+                      additional_config={"vllm_steer": {"steers": steers,
+                                                        "max_strength": 10}}
+                      ).create_engine_config()
+
+
+def _req_states(max_num_reqs=8):
+    # what LogitsProcRequestState.from_request_state reads of the runner's RequestState
+    z = torch.zeros(max_num_reqs, dtype=torch.int32)
+    return types.SimpleNamespace(device=torch.device("cpu"), max_num_reqs=max_num_reqs,
+                                 vocab_size=49152, all_token_ids=None, prompt_len=z,
+                                 prefill_len=z, total_len=None)
+
+
+@pytest.fixture()
+def processor(vllm_config):
+    from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors
+
+    procs = build_custom_logits_processors(vllm_config, _req_states(), False, [V2_FQCN])
+    (proc,) = procs
+    proc.runtime.load(64, torch.device("cpu"), torch.float32)
+    return proc
+
+
+def _params(steer=None):
+    from vllm import SamplingParams
+
+    return SamplingParams(extra_args=None if steer is None else {"steer": steer})
+
+
+def test_v2_loader_accepts_the_processor_and_validator_rejects_bad_requests(vllm_config):
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.worker.gpu.sample.logits_processor import (
+        LogitsProcessor, build_custom_logits_processors_params_validator,
+    )
+
+    from vllm_steer.integrations.worker.v2 import SteerLogitsProcessorV2
+
+    assert issubclass(SteerLogitsProcessorV2, LogitsProcessor)
+    validate = build_custom_logits_processors_params_validator([V2_FQCN])
+    validate(_params({"a": 5, "b": -10}))
+    validate(_params())
+    with pytest.raises(VLLMValidationError, match="unknown steer 'c'"):
+        validate(_params({"c": 1}))
+    with pytest.raises(VLLMValidationError, match="exceeds the server's maximum"):
+        validate(_params({"a": 11}))
+
+
+def test_slots_are_fully_reset_when_reused(processor):
+    rt = processor.runtime
+    assert processor.add_request(3, _params({"a": 5, "b": 2})) is False  # apply() not needed
+    processor.apply_staged_writes()
+    assert rt.slot_coefs[3, :2].tolist() == pytest.approx([5e-3, 2e-3])  # slots of a, b
+    assert not rt.slot_coefs[3, 2:].any()
+    assert rt.has_steered_slots
+    processor.add_request(3, _params())  # a new request in the same slot, unsteered
+    processor.apply_staged_writes()
+    assert not rt.slot_coefs[3].any() and not rt.has_steered_slots
+
+
+def test_wrapped_sample_maps_rows_to_slots_through_expanded_idx_mapping(processor, vllm_config):
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    from vllm_steer.integrations.worker.v2 import wrap_sample
+
+    rt = processor.runtime
+    assert rt.backend == "torch"  # resolved (kernels imported) at load, not in a request's step
+    processor.add_request(0, _params({"a": 4}))
+    processor.add_request(5, _params({"b": -3}))
+    processor.add_request(2, _params())
+    processor.apply_staged_writes()
+
+    batch = InputBatch.make_dummy(3, 3, InputBuffers(8, 64, torch.device("cpu")))
+    batch.idx_mapping_np = np.array([5, 2, 0])  # the step's requests -> slots
+    batch.expanded_idx_mapping = torch.tensor([5, 2, 0], dtype=torch.int32)  # rows -> slots
+
+    class Runner:  # stands in for V2's GPUModelRunner: sample() calls the LM head
+        def sample(self, hidden_states, input_batch, grammar_output):
+            return rt.steer_rows(hidden_states)
+
+    Runner.vllm_config = vllm_config
+    wrap_sample(Runner)
+    h = torch.randn(3, 64)
+    out = Runner().sample(h, batch, None)
+    coefs = torch.zeros(3, rt.num_columns)  # one column per steer slot: a, b first
+    coefs[:, :2] = torch.tensor([[0.0, -3e-3], [0.0, 0.0], [4e-3, 0.0]])
+    want = steer_reference(h, rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets, coefs)
+    torch.testing.assert_close(out, want)
+    assert torch.equal(out[1], h[1])
+    # outside sample() (e.g. V2 prompt logprobs) rows have no slot: left unsteered
+    assert torch.equal(rt.steer_rows(h), h)
+
+
+
+def test_a_finished_requests_stale_slot_costs_no_steer_work(processor, vllm_config):
+    """V2 never tells a request left: its slot keeps its steer until reused. A step whose batch
+    does not contain that slot must not run the steer op."""
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    from vllm_steer.integrations.worker.v2 import wrap_sample
+
+    rt = processor.runtime
+    processor.add_request(6, _params({"a": 4}))  # finished; slot 6 not reused yet
+    processor.add_request(1, _params())
+    processor.apply_staged_writes()
+    batch = InputBatch.make_dummy(1, 1, InputBuffers(8, 64, torch.device("cpu")))
+    batch.idx_mapping_np = np.array([1])
+    batch.expanded_idx_mapping = torch.tensor([1])
+
+    class Runner:
+        def sample(self, hidden_states, input_batch, grammar_output):
+            assert not rt.active  # the head's check: nothing to do for these rows
+            return rt.steer_rows(hidden_states)
+
+    Runner.vllm_config = vllm_config
+    wrap_sample(Runner)
+    calls = rt.stats.calls
+    h = torch.randn(1, 64)
+    assert torch.equal(Runner().sample(h, batch, None), h)
+    assert rt.stats.calls == calls
+    batch.idx_mapping_np = np.array([1, 6])  # the steered slot is in the step again: steered
+    batch.expanded_idx_mapping = torch.tensor([1, 6])
+    Runner.sample = lambda self, hs, ib, go: rt.steer_rows(hs)
+    wrap_sample(Runner)
+    h = torch.randn(2, 64)
+    out = Runner().sample(h, batch, None)
+    assert rt.stats.calls == calls + 1 and torch.equal(out[0], h[0]) and not torch.equal(out[1], h[1])
+
+# Batch-sharded sampling (--enable-batch-sharded-sampling, TP > 1) runs vLLM's Triton shard-plan
+# kernel, so it is driven in a process with the test shim (tests/v2shim, Triton interpreter).
+SHARDED = r"""
+import sys, types
+import numpy as np, torch
+from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+from vllm.v1.worker.gpu.sample.batch_shard import BatchSharder
+from vllm_steer.integrations.worker.runtime import RowSource, get_runtime
+from vllm_steer.integrations.worker.v2 import wrap_sample
+
+steers, out_path = sys.argv[1].split(","), sys.argv[2]
+cfg = types.SimpleNamespace(additional_config={"vllm_steer": {"steers": {
+    "a": steers[0], "b": steers[1]}}})
+rt = get_runtime(cfg.additional_config)
+rt.load(64, torch.device("cpu"), torch.float32)
+rt.ensure_slots(8, torch.device("cpu"))
+rt.row_source = RowSource("none")  # as the V2 processor sets it
+coefs = {1: [4e-3, 0], 2: [0, -3e-3], 3: [0, 5e-3], 4: [-2e-3, 1e-3]}  # slots 0, 5: unsteered
+for slot, row in coefs.items():
+    full = np.zeros(rt.num_columns, dtype=np.float32)  # the first two steers' columns
+    full[:2] = row
+    rt.set_slot(slot, full)
+rt.flush()
+
+# rank 0 of TP=2, built without a process group (the only thing __init__ asks it for)
+sharder = object.__new__(BatchSharder)
+sharder.tp_rank, sharder.tp_size, sharder.device = 0, 2, torch.device("cpu")
+sharder._padded_num_reqs, sharder._padded_num_logits_per_req, sharder._num_warps = 8, 1, 1
+
+# 5 requests, 2 tokens each, in batch order -> slots 3, 0, 4, 1, 5 (owner = slot % 2)
+batch = InputBatch.make_dummy(5, 10, InputBuffers(8, 64, torch.device("cpu")))
+slots = np.array([3, 0, 4, 1, 5])
+batch.idx_mapping_np = slots
+batch.idx_mapping = torch.from_numpy(slots).to(torch.int64)
+batch.expanded_idx_mapping = batch.idx_mapping.clone()
+
+class Stop(Exception):
+    pass
+
+class Model:
+    def compute_logits_local(self, hidden):
+        torch.save({"rows": hidden.clone(), "steered": rt.steer_rows(hidden)}, out_path)
+        raise Stop
+
+runner = object.__new__(GPUModelRunner)
+runner.vllm_config, runner.batch_sharder, runner.model = cfg, sharder, Model()
+wrap_sample(GPUModelRunner)
+hidden = torch.randn(10, 64, generator=torch.Generator().manual_seed(0))
+try:
+    GPUModelRunner.sample(runner, hidden, batch, None)
+except Stop:
+    pass
+saved = torch.load(out_path)
+saved["hidden"] = hidden
+saved["stats"] = rt.stats.as_dict()
+torch.save(saved, out_path)
+print("DONE")
+"""
+
+
+def test_batch_sharded_sampling_rows_get_their_own_requests_steer(tmp_path, vllm_config):
+    """Under batch-sharded sampling the head sees ``hidden_states[sorted_logits_indices]``
+    (rows sorted by owner rank), not batch order: each row must get its own request's steer."""
+    import os
+    import subprocess
+    import sys
+
+    steers = vllm_config.additional_config["vllm_steer"]["steers"]
+    script, out = tmp_path / "sharded.py", tmp_path / "out.pt"
+    script.write_text(SHARDED)
+    env = dict(os.environ, **v2_runner_env())
+    res = subprocess.run([sys.executable, str(script), f"{steers['a']},{steers['b']}", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert "DONE" in res.stdout, res.stderr[-3000:]
+    saved = torch.load(out)
+    hidden, rows, steered = saved["hidden"], saved["rows"], saved["steered"]
+    # batch order: slots 3, 0, 4, 1, 5; one logit row per request (its last token);
+    # owner-sorted (slot % 2): rank 0's requests 0, 4 (batch 1, 2), then rank 1's 3, 1, 5
+    last = [1, 3, 5, 7, 9]
+    order = [1, 2, 0, 3, 4]
+    assert torch.equal(rows, hidden[[last[i] for i in order]])
+    slot_coefs = {0: [0, 0], 1: [4e-3, 0], 2: [0, -3e-3], 3: [0, 5e-3], 4: [-2e-3, 1e-3],
+                  5: [0, 0]}
+    slots = [3, 0, 4, 1, 5]
+    coefs = torch.tensor([slot_coefs[slots[i]] for i in order], dtype=torch.float32)
+    from vllm_steer.format import load_steer
+
+    a, b = load_steer(steers["a"]), load_steer(steers["b"])
+    want = steer_reference(rows, torch.cat([a.p1, b.p1], 1), torch.cat([a.p2, b.p2], 1),
+                           [0, a.p1.shape[1], a.p1.shape[1] + b.p1.shape[1]], coefs)
+    torch.testing.assert_close(steered, want)
+    assert saved["stats"] == {"calls": 1, "rows": 5}

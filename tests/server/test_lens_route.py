@@ -1,0 +1,131 @@
+"""``POST /v1/steer/highlight`` without an engine: a stand-in engine whose prompt logprobs
+are known, behind the real route. Limits (context length, concurrency), the request-field
+check of ``steer``/``against`` and the labels of errors (issue 14). The route on a real
+server: tests/engines/test_vllm_server.py."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+import httpx  # noqa: E402
+from fastapi import FastAPI  # noqa: E402
+
+from vllm_steer.config import SteerServerConfig  # noqa: E402
+from vllm_steer.integrations.frontend import admission as frontend  # noqa: E402
+from vllm_steer.server import lens_route  # noqa: E402
+
+CONTEXT = 64
+
+
+class StandInEngine:
+    """Prompt logprob of token t: -1 plain, -1 + strength/10 * (t % 2 ? 1 : -1) steered."""
+
+    def __init__(self, tokenizer, gate: asyncio.Event | None = None):
+        self.tokenizer, self.gate = tokenizer, gate
+        self.model_config = SimpleNamespace(max_model_len=CONTEXT)
+        self.started = 0
+
+    async def get_tokenizer(self):
+        return self.tokenizer
+
+    async def generate(self, prompt, params, request_id):
+        self.started += 1
+        if self.gate is not None:
+            await self.gate.wait()
+        ids = prompt["prompt_token_ids"]
+        steer = (params.extra_args or {}).get("steer") or {}
+        s = sum(float(v) for v in steer.values())
+        lps = [None] + [{t: SimpleNamespace(logprob=-1.0 + s / 10 * (1 if t % 2 else -1))}
+                        for t in ids[1:]]
+        yield SimpleNamespace(prompt_logprobs=lps)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(autouse=True)
+def steers():
+    old = frontend.get_config()
+    frontend.set_config(SteerServerConfig(steers={"detox": "d"}, max_strength=20))
+    yield
+    frontend.set_config(old)
+
+
+def _app(engine):
+    app = FastAPI()
+    lens_route.SteerLensEndpoint().attach_router(app)
+    app.state.vllm_steer_engine = engine
+    return app
+
+
+async def _post(app, bodies):
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        return await asyncio.gather(*(c.post("/v1/steer/highlight", json=b) for b in bodies))
+
+
+def post(app, body):
+    return asyncio.run(_post(app, [body]))[0]
+
+
+def test_scores_are_the_logprob_difference(tokenizer):
+    text = "one two three four"
+    r = post(_app(StandInEngine(tokenizer)), {"text": text, "steer": {"detox": 5}, "k": 1})
+    assert r.status_code == 200, r.text
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert r.json()["scores"] == pytest.approx([0.5 if t % 2 else -0.5 for t in ids])
+
+
+def test_text_longer_than_the_context_is_400_on_text(tokenizer):
+    engine = StandInEngine(tokenizer)
+    r = post(_app(engine), {"text": "word " * 200, "steer": {"detox": 5}})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "text" and f"context is {CONTEXT} tokens" in err["message"]
+    assert "at most" in err["message"] and engine.started == 0
+    r = post(_app(engine), {"text": "x" * (40 * CONTEXT), "steer": {"detox": 5}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text"
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    ({"steer": {"toxic": 1}}, "steer", "unknown steer 'toxic'"),
+    ({"steer": {"detox": int("9" * 400)}}, "steer", "exceeds"),
+    ({"steer": {"detox": 1}, "against": {"detox": "1_0"}}, "against", "must be a number"),
+])
+def test_bad_strengths_are_400_before_the_engine(tokenizer, body, param, fragment):
+    engine = StandInEngine(tokenizer)
+    r = post(_app(engine), {"text": "hello there", **body})
+    assert r.status_code == 400 and engine.started == 0
+    err = r.json()["error"]
+    assert err["param"] == param and fragment in err["message"] and len(r.content) < 2000
+
+
+def test_concurrent_highlights_are_bounded(tokenizer):
+    async def run():
+        gate = asyncio.Event()
+        engine = StandInEngine(tokenizer, gate)
+        app = _app(engine)
+        body = {"text": "hello there", "steer": {"detox": 5}}
+        n = lens_route.MAX_CONCURRENT_HIGHLIGHTS
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            held = [asyncio.create_task(c.post("/v1/steer/highlight", json=body))
+                    for _ in range(n)]
+            while engine.started < n:
+                await asyncio.sleep(0.01)
+            extra = await c.post("/v1/steer/highlight", json=body)
+            gate.set()
+            done = await asyncio.gather(*held)
+            after = await c.post("/v1/steer/highlight", json=body)
+        return extra, done, after
+
+    extra, done, after = asyncio.run(run())
+    assert extra.status_code == 429 and "at most" in extra.json()["error"]["message"]
+    assert [r.status_code for r in done] == [200] * lens_route.MAX_CONCURRENT_HIGHLIGHTS
+    assert after.status_code == 200

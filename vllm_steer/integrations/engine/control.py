@@ -1,0 +1,420 @@
+"""Steers loaded and unloaded at run time: the engine-core side and the worker side.
+
+The engine core holds the :class:`~vllm_steer.integrations.engine.registry.SteerRegistry` (it sees
+every request, waiting or running). Management reaches it through vLLM's own
+``collective_rpc`` on the engine client (``AsyncLLM`` in the API server, ``LLM`` offline),
+with the method name :data:`~vllm_steer.integrations.engine.registry.CONTROL_METHOD`: the plugin's
+hook on ``EngineCore.collective_rpc`` answers that name in the engine core (see
+:func:`handle`), which updates the registry and forwards the factors to every worker (all TP
+ranks) with the executor's own ``collective_rpc`` (:func:`worker_op`).
+
+Admission: the plugin's hook on ``EngineCore.add_request`` calls :func:`bind_request`, which
+resolves every steer a request names to ``(slot, generation)`` (loading it from
+``--steer-dir`` on first use) and writes that into the request's sampling params; the
+workers steer with exactly that slot and generation. Operations and admissions run on the
+engine core's one thread, so they are ordered.
+
+Ops (``collective_rpc(CONTROL_METHOD, args=(op, kwargs))``, one dict back):
+
+- ``("list", {})``: ``{"steers": [...], "stats": {...}, "workers": [...], "version",
+  "presets"}``;
+- ``("load", {"name", "path", "source"})``: ``{"ok": True, "steer": {...}, "evicted": name}``
+  or ``{"ok": False, "status": 400|404|409|507, "error": message}``;
+- ``("unload", {"name"})``: ``{"ok": True, "steer": {...}}`` or an error as above;
+- ``("rollback", {"name", "generations": {engine: generation}})``: unload ``name`` from this
+  engine core if it is bound to the generation given for this engine (a load that failed on
+  another engine core, see :func:`merge`);
+- ``("presets", {})``, ``("preset_add", {"name", "steer", "token"})``, ``("preset_delete",
+  {"name"})``, ``("preset_rollback", {"name", "token"})``: the run-time preset table
+  (:mod:`vllm_steer.integrations.engine.presets`); every answer (and ``list``'s) carries the table
+  as ``{"version", "presets"}``.
+
+Every answer names its engine core (``"engine"``, the data-parallel rank). With data
+parallelism each engine core holds its own registry and vLLM's load-balancing client sends a
+utility call to every one of them: :func:`merge` makes one answer of theirs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+from vllm_steer import REQUEST_FIELD
+from vllm_steer.integrations.engine.registry import (BOUND_KEY, SteerCapacityError, SteerEntry,
+                                              SteerNameError, SteerRegistry, bound_in,
+                                              check_name, dir_path)
+from vllm_steer.logs import get_logger
+
+logger = get_logger()
+
+
+class SteerAdmissionError(ValueError):
+    """A request names a steer the engine cannot serve (unloaded, or its file was refused)."""
+
+
+# ---- engine core -------------------------------------------------------------------------
+def _state(core):
+    """``(registry, config, hidden_size)`` of this engine core, created on first use."""
+    st = getattr(core, "_vllm_steer_state", None)
+    if st is not None:
+        return st
+    from vllm_steer.config import SteerServerConfig
+    from vllm_steer.format import read_metadata
+
+    cfg = SteerServerConfig.from_additional_config(core.vllm_config.additional_config)
+    if cfg is None or not cfg.enabled:
+        st = (None, cfg, 0)
+    else:
+        reg = SteerRegistry(cfg.capacity)
+        for slot, (name, path) in enumerate(cfg.steers.items()):  # as the workers number them
+            reg.commit(SteerEntry.from_metadata(name, path, read_metadata(path),
+                                                reg.new_generation(), slot, "--steer"))
+        reg.counters["loads"] = 0  # start-up steers are not run-time loads
+        st = (reg, cfg, _head_input_size(core.vllm_config.model_config))
+    core._vllm_steer_state = st
+    return st
+
+
+def _head_input_size(mc) -> int:
+    """What the steers act on: the LM head's input size (the hidden size for most models)."""
+    try:
+        from vllm_steer.integrations.families import head_input_size
+    except ImportError:
+        return mc.get_hidden_size()
+    return head_input_size(mc)
+
+
+def _in_use(core) -> set[tuple[int, int]]:
+    return bound_in(core.scheduler.requests.values())
+
+
+def _workers(core, *args) -> list:
+    return core.model_executor.collective_rpc(worker_op, args=args)
+
+
+def _error(status: int, message: str) -> dict:
+    return {"ok": False, "status": status, "error": message}
+
+
+def handle(core, op: str, kwargs: dict | None = None) -> dict:
+    """One management op in the engine core (see the module doc)."""
+    return {**_handle(core, op, kwargs), "engine": int(getattr(core, "engine_index", 0) or 0)}
+
+
+def _handle(core, op: str, kwargs: dict | None = None) -> dict:
+    reg, cfg, hidden = _state(core)
+    kwargs = dict(kwargs or {})
+    if reg is None:
+        if op == "list":
+            return {"enabled": False, "steers": [], "stats": {}, "workers": []}
+        return _error(404, "steering is not enabled on this server (start it with --steer, "
+                      "--steer-dir or --enable-steer-updates)")
+    if op.startswith("preset"):  # run-time presets: no worker involved
+        return _preset_op(core, cfg, op, kwargs)
+    freed = reg.reap(_in_use(core))
+    if freed:
+        _workers(core, "drop", freed)
+    if op == "list":
+        workers = _workers(core, "stats")
+        return {"enabled": True, "steers": reg.listing(),
+                "stats": {**reg.stats(), "op": op_totals(workers)},
+                "workers": workers, "steer_dir": cfg.steer_dir,
+                "enable_updates": cfg.enable_updates, "updates_any_path": cfg.updates_any_path,
+                **_presets(core).snapshot()}
+    if op == "load":
+        existing = reg.get(kwargs["name"])
+        if kwargs.get("source") == "steer-dir" and existing is not None:  # first use raced
+            return {"ok": True, "steer": existing.to_json(), "evicted": None, "load_ms": 0.0}
+        return load(core, kwargs["name"], kwargs["path"], kwargs.get("source", "api"))
+    if op == "unload":
+        name = kwargs["name"]
+        try:
+            entry, freed = reg.unload(name, _in_use(core))
+        except KeyError:
+            return _error(404, f"steer {name!r} is not loaded; loaded steers: "
+                          f"{', '.join(reg.names()) or 'none'}")
+        if freed:
+            _workers(core, "drop", freed)
+        logger.info("vllm-steer: unloaded steer %r (generation %d)%s", name, entry.generation,
+                    "" if freed else "; its slot is freed when the requests using it finish")
+        return {"ok": True, "steer": entry.to_json()}
+    if op == "rollback":
+        entry = reg.get(kwargs["name"])
+        gen = (kwargs.get("generations") or {}).get(str(getattr(core, "engine_index", 0) or 0))
+        if entry is None or entry.generation != gen:
+            return {"ok": True, "steer": None}
+        _, freed = reg.unload(kwargs["name"], _in_use(core))
+        reg.counters["unloads"] -= 1  # not an unload anyone asked for
+        if freed:
+            _workers(core, "drop", freed)
+        logger.info("vllm-steer: load of steer %r (generation %d) rolled back: it failed on "
+                    "another data-parallel engine", kwargs["name"], gen)
+        return {"ok": True, "steer": entry.to_json()}
+    return _error(400, f"unknown steer control op {op!r}")
+
+
+def _presets(core):
+    """This engine core's run-time preset table (:mod:`vllm_steer.integrations.engine.presets`)."""
+    table = getattr(core, "_vllm_steer_presets", None)
+    if table is None:
+        from vllm_steer.integrations.engine.presets import PresetTable
+
+        table = core._vllm_steer_presets = PresetTable()
+    return table
+
+
+def _preset_op(core, cfg, op: str, kwargs: dict) -> dict:
+    """``presets`` (read the table), ``preset_add`` ``{"name", "steer", "token"}`` (checked
+    by the API server; here only the name, atomically), ``preset_delete`` ``{"name"}``,
+    ``preset_rollback`` ``{"name", "token"}``."""
+    table = _presets(core)
+    if op == "presets":
+        return {"ok": True, **table.snapshot()}
+    if op == "preset_add":
+        served = getattr(core.vllm_config.model_config, "served_model_name", None)
+        reserved = {str(n): "the served model name"
+                    for n in ([served] if isinstance(served, str) else served or [])}
+        reserved.update({n: "a preset set by --steer-preset" for n in cfg.presets})
+        res = table.add(kwargs["name"], kwargs["steer"], kwargs.get("token", ""), reserved)
+        if res["ok"]:
+            logger.info("vllm-steer: added preset %r = %s (run time)", kwargs["name"],
+                        res["preset"]["steer"])
+        return res
+    if op == "preset_delete":
+        res = table.delete(kwargs["name"], cfg.presets)
+        if res["ok"]:
+            logger.info("vllm-steer: deleted preset %r (run time)", kwargs["name"])
+        return res
+    if op == "preset_rollback":
+        return table.rollback(kwargs["name"], kwargs.get("token", ""))
+    return _error(400, f"unknown steer control op {op!r}")
+
+
+def op_totals(workers: list) -> dict:
+    """The steer-op time of one engine core: that of its worker with the most steered calls.
+
+    Every worker holding the LM head steers the same rows (tensor parallelism: each rank its
+    copy of the hidden states), so one of them stands for the engine core; with pipeline
+    parallelism only the last stage has the head (the others count nothing)."""
+    found = [w for w in workers or [] if isinstance(w, dict)]
+    if not found:
+        return {"seconds": 0.0, "calls": 0}
+    w = max(found, key=lambda w: int(w.get("op_calls", 0)))
+    return {"seconds": float(w.get("op_seconds", 0.0)), "calls": int(w.get("op_calls", 0))}
+
+
+def merge(op: str, answers: list[dict]) -> dict:
+    """One answer from the answers of every engine core (data parallelism) to ``op``.
+
+    - ``list``: a steer is ``loaded`` when every engine core has it bound, ``partial`` when
+      some do (a ``--steer-dir`` steer loaded on first use, or evicted, in one engine core:
+      the others load it again on their first use), else ``draining``; ``per_engine`` gives
+      each engine core's slot, generation and state (they may differ: each binds its own
+      requests); ``requests_served``, the counters and the steer-op time (``stats["op"]``)
+      are summed over the engine cores.
+    - ``load``: ok only if every engine core loaded it (the caller rolls back the others,
+      see :func:`rollback_kwargs`); the first refusal is the answer.
+    - ``unload``: ok if any engine core had it bound (it is bound in none afterwards).
+    """
+    if len(answers) == 1:
+        return answers[0]
+    if op.startswith("preset"):
+        from vllm_steer.integrations.engine.presets import merge as merge_presets
+
+        return merge_presets(op, answers)
+    if op == "list":
+        if not all(a.get("enabled") for a in answers):
+            return answers[0]
+        n = len(answers)
+        merged: dict[tuple, dict] = {}
+        for a in answers:
+            for s in a["steers"]:
+                key = (s["name"], s["state"] == "loaded")
+                m = merged.get(key)
+                if m is None:
+                    m = merged[key] = {**s, "requests_served": 0, "per_engine": []}
+                m["requests_served"] += s.get("requests_served", 0)
+                m["per_engine"].append({"engine": a.get("engine"), "slot": s["slot"],
+                                        "generation": s["generation"], "state": s["state"],
+                                        "requests_served": s.get("requests_served", 0)})
+        steers = []
+        for (name, loaded), m in merged.items():
+            if loaded:
+                m["state"] = "loaded" if len(m["per_engine"]) == n else "partial"
+            steers.append(m)
+        stats = dict(answers[0]["stats"])
+        stats["counters"] = {k: sum(a["stats"]["counters"].get(k, 0) for a in answers)
+                             for k in answers[0]["stats"]["counters"]}
+        served: dict[str, int] = {}
+        for a in answers:
+            for k, v in a["stats"].get("served", {}).items():
+                served[k] = served.get(k, 0) + v
+        stats["served"] = served
+        ops = [a["stats"].get("op") or op_totals(a.get("workers")) for a in answers]
+        stats["op"] = {"seconds": sum(o["seconds"] for o in ops),
+                       "calls": sum(o["calls"] for o in ops)}
+        stats["loaded"] = sum(1 for s in steers if s["state"] != "draining")
+        stats["draining"] = sum(1 for s in steers if s["state"] == "draining")
+        stats["engines"] = n
+        return {**answers[0], "steers": steers, "stats": stats,
+                "workers": [w for a in answers for w in (a.get("workers") or [])]}
+    oks = [a for a in answers if a.get("ok")]
+    if op == "load":
+        if len(oks) < len(answers):
+            return next(a for a in answers if not a.get("ok"))
+        evicted = sorted({a["evicted"] for a in answers if a.get("evicted")})
+        return {**answers[0], "evicted": ", ".join(evicted) or None,
+                "steer": {**answers[0]["steer"], "per_engine": [
+                    {"engine": a.get("engine"), "slot": a["steer"]["slot"],
+                     "generation": a["steer"]["generation"]} for a in answers]}}
+    if op == "unload":
+        return oks[0] if oks else answers[0]
+    return answers[0]
+
+
+def rollback_kwargs(name: str, answers: list[dict]) -> dict | None:
+    """``rollback`` arguments undoing a load that failed on some engine cores (None: it
+    failed nowhere, or everywhere)."""
+    done = {str(a.get("engine")): a["steer"]["generation"] for a in answers if a.get("ok")}
+    if not done or len(done) == len(answers):
+        return None
+    return {"name": name, "generations": done}
+
+
+def load(core, name: str, path: str, source: str) -> dict:
+    """Check ``path`` like at start-up, pick a slot, put the factors on every worker, bind."""
+    from vllm_steer.format import SteerFileError, load_steer
+
+    reg, cfg, hidden = _state(core)
+    t0 = time.perf_counter()
+    try:
+        check_name(name)
+    except SteerNameError as e:
+        reg.counters["failures"] += 1
+        return _error(400, str(e))
+    try:
+        steer = load_steer(path)
+        reasons = []
+        if steer.hidden_size != hidden:
+            reasons.append(f"steer {name!r} has hidden size {steer.hidden_size} but the model "
+                           f"{core.vllm_config.model_config.model} has {hidden}; train or "
+                           "transfer the steer for this model (vllm-steer train / transfer)")
+        if cfg.max_steer_rank is not None and steer.p1.shape[1] > cfg.max_steer_rank:
+            reasons.append(f"steer {name!r} has rank {steer.p1.shape[1]}, over "
+                           f"--max-steer-rank={cfg.max_steer_rank}")
+        if reasons:
+            raise SteerFileError(path, reasons)
+    except SteerFileError as e:
+        reg.counters["failures"] += 1
+        return _error(400, str(e))
+    try:
+        slot, evicted = reg.free_slot(_in_use(core), evictable=True, replacing=name)
+    except SteerCapacityError as e:
+        reg.counters["failures"] += 1
+        return _error(507, f"cannot load steer {name!r}: {e}")
+    gen = reg.new_generation()
+    _workers(core, "put", slot, gen, name, steer)
+    entry = reg.commit(SteerEntry.from_metadata(name, path, steer.metadata, gen, slot, source),
+                       evicted)
+    ms = (time.perf_counter() - t0) * 1e3
+    logger.info("vllm-steer: loaded steer %r from %s (rank %d, slot %d, generation %d) in "
+                "%.1f ms%s", name, path, entry.rank, slot, gen, ms,
+                f"; evicted {evicted.name!r} (least recently used)" if evicted else "")
+    return {"ok": True, "steer": entry.to_json(), "evicted": evicted.name if evicted else None,
+            "load_ms": ms}
+
+
+def bind_request(core, request) -> None:
+    """Admission in the engine core: bind the request's steers to ``(slot, generation)``.
+
+    Raises :class:`SteerAdmissionError` when a named steer is not loaded (and not in
+    ``--steer-dir``) or its file there is refused.
+    """
+    sp = getattr(request, "sampling_params", None)
+    extra = getattr(sp, "extra_args", None)
+    if not extra:
+        return
+    if BOUND_KEY in extra:  # only the engine core writes it
+        extra = {k: v for k, v in extra.items() if k != BOUND_KEY}
+        sp.extra_args = extra
+    value = extra.get(REQUEST_FIELD)
+    if value is None:
+        return
+    reg, cfg, _ = _state(core)
+    if reg is None:
+        return
+    from vllm_steer.config import parse_request_steer
+
+    try:  # request data never raises out of the engine core: refuse this request only
+        names = [n for n, s in parse_request_steer(value, None, math.inf).items() if s]
+    except ValueError as e:
+        raise SteerAdmissionError(str(e)) from None
+    from vllm_steer.config import _names_list
+
+    for n in names:
+        if n in reg.bound:
+            continue
+        # the same messages as the API server's own check (frontend._check_unloaded)
+        if not cfg.steer_dir:
+            raise SteerAdmissionError(f"steer: unknown steer {n!r}; loaded steers: "
+                                      f"{_names_list(reg.names())}")
+        try:
+            path = dir_path(cfg.steer_dir, n)
+        except SteerNameError as e:
+            raise SteerAdmissionError(f"steer: {e}") from None
+        if not os.path.isfile(path):
+            raise SteerAdmissionError(f"steer: unknown steer {n!r}: not loaded (loaded: "
+                                      f"{_names_list(reg.names())}) and no file "
+                                      f"{n}.safetensors in --steer-dir {cfg.steer_dir}")
+        res = load(core, n, path, "steer-dir")
+        if not res["ok"]:
+            raise SteerAdmissionError(f"steer: {res['error']}")
+    sp.extra_args = {**extra, BOUND_KEY: reg.bind(names)}
+
+
+def apply_policy(core, request) -> None:
+    """Admission in the engine core, before :func:`bind_request`: apply the operator's
+    ``--steer-default`` and ``--steer-floor`` to the request's steers (the one place every
+    entry point passes: HTTP, ``--api-server-count``, data parallelism, offline ``LLM``).
+    Semantics: :func:`vllm_steer.policy.resolve` (idempotent: the value it writes keeps the
+    request's zeros, so resolving it again changes nothing). Host-side, once per request."""
+    _, cfg, _ = _state(core)
+    if cfg is None or not (cfg.defaults or cfg.floors):
+        return
+    from vllm_steer.policy import resolve
+
+    sp = getattr(request, "sampling_params", None)
+    if sp is None:
+        return
+    extra = dict(getattr(sp, "extra_args", None) or {})
+    values, _ = resolve(extra.get(REQUEST_FIELD), None, cfg.defaults, cfg.floors)
+    extra[REQUEST_FIELD] = values
+    sp.extra_args = extra
+
+
+# ---- workers -----------------------------------------------------------------------------
+def worker_op(worker, op: str, *args) -> Any:
+    """Runs in every worker (``collective_rpc`` with a callable): change or report slots."""
+    from vllm_steer.integrations.worker.runtime import get_runtime
+
+    rt = get_runtime(worker.vllm_config.additional_config)
+    if rt is None:
+        return None
+    if op == "put":
+        slot, gen, name, steer = args
+        if rt.bank is None:  # no LM head in this worker (an earlier pipeline stage): no steers
+            return False
+        rt.put_steer(slot, gen, name, steer)
+        return True
+    if op == "drop":
+        rt.drop_slots(args[0])
+        return True
+    if op == "stats":
+        bank = rt.bank
+        return {"op_seconds": rt.stats.seconds, "op_calls": rt.stats.calls,
+                "slots": [] if bank is None else
+                [[i, g, n] for i, (g, n) in enumerate(zip(bank.generations, bank.names))
+                 if n is not None]}
+    raise ValueError(f"unknown steer worker op {op!r}")

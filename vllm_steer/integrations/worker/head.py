@@ -1,0 +1,86 @@
+"""The LM-head hook: vLLM's ``LogitsProcessor`` layer, replaced out of tree by ours.
+
+Semantics: see :mod:`vllm_steer.reference`. ``forward(lm_head, hidden_states)`` receives the
+post-norm hidden states of exactly the rows being sampled; ``c' = c + sum_i eps_i W_i c`` is
+applied to them before the one LM-head matmul of the original layer, with no extra
+vocabulary-sized work. Registered by the plugin (:mod:`vllm_steer.integrations.frontend.startup_checks`)
+through ``LogitsProcessor.register_oot`` (vLLM's PluggableLayer mechanism).
+
+The base class is called explicitly (``LogitsProcessor.forward(self, ...)``, never a
+zero-argument ``super()``): vLLM's LoRA wrapper (``LogitsProcessorWithLoRA``) calls
+``type(base_layer).forward(wrapper, ...)`` with itself as ``self``, and reads our public
+attributes through its ``base_layer``.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+from vllm_steer.integrations.worker.runtime import SteerRuntime, get_runtime
+
+
+class SteeredLogitsProcessor(LogitsProcessor):
+    """vLLM's logits layer plus per-row steering of the hidden states it receives."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        LogitsProcessor.__init__(self, *args, **kwargs)
+        vllm_config = get_current_vllm_config()
+        self.steer_runtime: SteerRuntime | None = get_runtime(vllm_config.additional_config)
+        if self.steer_runtime is not None and not self.logits_as_input:
+            mc = vllm_config.model_config
+            dtype = self.head_dtype or mc.dtype
+            device = torch.get_default_device()
+            if device.type == "meta":  # loading on meta first: load steers where vLLM runs
+                from vllm.platforms import current_platform
+
+                device = torch.device(current_platform.device_type)
+            from vllm_steer.integrations.families import head_input_size  # OPT: != hidden
+
+            self.steer_runtime.load(head_input_size(mc), device, dtype, model_id=mc.model)
+
+    def forward(self, lm_head, hidden_states: torch.Tensor, embedding_bias=None,
+                skip_gather: bool = False):
+        # `self` may be vLLM's LoRA wrapper (see the module docstring)
+        rt = self.steer_runtime
+        if rt is not None and rt.active and not self.logits_as_input:
+            hidden_states = rt.steer_rows(hidden_states)
+        return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
+
+    def get_top_tokens(self, lm_head, hidden_states, embedding_bias=None):
+        rt = self.steer_runtime
+        if rt is not None and rt.active:
+            hidden_states = rt.steer_rows(hidden_states)
+        return LogitsProcessor.get_top_tokens(self, lm_head, hidden_states, embedding_bias)
+
+
+class HeadNotInstalledError(RuntimeError):
+    """Steers are configured but the model's logits layer is not our head."""
+
+
+def check_head_installed(model: torch.nn.Module) -> None:
+    """Raise :class:`HeadNotInstalledError` unless every vLLM logits layer of ``model`` is a
+    :class:`SteeredLogitsProcessor` (called in each worker once the model is built, when
+    steers are configured). A model-specific subclass of ``LogitsProcessor`` is not replaced
+    by ``register_oot`` (vLLM looks the class up by name), so its requests would be served
+    unsteered: refuse instead."""
+    name = type(model).__name__
+    found, foreign = 0, []
+    for path, module in model.named_modules():
+        if isinstance(module, SteeredLogitsProcessor):
+            found += 1
+        elif isinstance(module, LogitsProcessor):
+            foreign.append(f"{path or '<model>'} ({type(module).__module__}."
+                           f"{type(module).__qualname__})")
+    if foreign:
+        raise HeadNotInstalledError(
+            f"vllm-steer: the model class {name} uses its own logits layer "
+            f"{', '.join(foreign)}, a subclass of vLLM's LogitsProcessor that the plugin does not "
+            "replace, so steers would be silently ignored; this model is not supported with "
+            "--steer (serve it without --steer)")
+    if not found:
+        raise HeadNotInstalledError(
+            f"vllm-steer: the model class {name} has no vLLM LogitsProcessor layer for the "
+            "plugin to steer (an unknown model layout), so steers would be silently ignored; "
+            "this model is not supported with --steer (serve it without --steer)")

@@ -1,0 +1,211 @@
+"""Per-request steer state for vLLM's Model Runner V2 (the GPU default).
+
+Semantics: see :mod:`vllm_steer.reference`. Thin by design: V2 keeps request state in slots
+(``add_request(slot, params)``) and tells, per step, which slot each logits row belongs to
+(``expanded_idx_mapping``). That mapping is needed *before* ``compute_logits``, so the runner's
+``sample()`` is wrapped to scope it (:meth:`SteerRuntime.rows`) around the LM-head call.
+V2 never says that a request finished, so the head works only in steps whose batch
+(``idx_mapping``) holds a steered slot. Under batch-sharded sampling (TP > 1) rows come
+owner-sorted; they are mapped through the sharder's own sort. Tested live in
+tests/engines/test_vllm_v2.py (through the test shim tests/v2shim) and piecewise in tests/integrations/worker/test_v2.py.
+Prompt logprobs are steered too: the prompt-logprob worker's ``compute_logits`` calls (chunks
+that may hold rows of several requests) get each row's request slot from host-side data
+(:func:`wrap_prompt_logprobs`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
+
+from vllm_steer.integrations.frontend import admission as frontend
+from vllm_steer.integrations.worker.runtime import RowSource, get_runtime
+
+FQCN = "vllm_steer.integrations.worker.v2:SteerLogitsProcessorV2"
+
+
+class SteerLogitsProcessorV2(LogitsProcessor):
+    """V2 logits processor: per-slot steer coefficients for the LM-head hook."""
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        frontend.validate(sampling_params)
+
+    def __init__(self, vllm_config, req_states) -> None:
+        super().__init__(vllm_config, req_states)
+        self.runtime = get_runtime(vllm_config.additional_config)
+        if self.runtime is not None:
+            self.runtime.ensure_slots(req_states.max_num_reqs, req_states.device)
+            # outside sample() (prompt logprobs, warm-up) rows have no known slot: unsteered
+            self.runtime.row_source = RowSource("none")
+            from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+            wrap_sample(GPUModelRunner)
+            from vllm.v1.worker.gpu.sample.prompt_logprob import PromptLogprobsWorker
+
+            wrap_prompt_logprobs(PromptLogprobsWorker, self.runtime)
+
+    def add_request(self, req_idx: int, sampling_params) -> bool:
+        rt = self.runtime
+        if rt is None:
+            return False
+        row = rt.coef_row(sampling_params)
+        rt.set_slot(req_idx, row, rt.coef_windows(sampling_params))  # full reset of the slot
+        return False  # logits are steered in the head; apply() has nothing to do
+
+    def apply_staged_writes(self) -> None:
+        if self.runtime is not None:
+            self.runtime.flush()
+
+    def apply(self, logits, ctx):
+        return logits
+
+
+def wrap_sample(runner_cls) -> None:
+    """Scope the step's row -> slot mapping around V2's ``sample()`` (which calls the head).
+
+    The head works only when a slot of this step's batch (``idx_mapping``) is steered: V2 has
+    no removal callback, and a finished request's slot must cost nothing.
+
+    Rows are the sampled rows of the step in batch order (``expanded_idx_mapping``), except
+    under batch-sharded sampling (``--enable-batch-sharded-sampling``, TP > 1), where
+    ``sample()`` computes the logits of ``hidden_states[sorted_logits_indices]`` (rows sorted
+    by owner rank): there each row's slot is that of the token it was gathered from, read
+    through the very indices the runner's ``BatchSharder`` returns.
+    """
+    orig = runner_cls.sample
+    if getattr(orig, "_vllm_steer", False):
+        return
+
+    def sample(self, hidden_states, input_batch, grammar_output):
+        rt = get_runtime(self.vllm_config.additional_config)
+        if rt is None or not rt.any_steered(input_batch.idx_mapping_np):
+            return orig(self, hidden_states, input_batch, grammar_output)
+        sharder = getattr(self, "batch_sharder", None)
+        if sharder is None:
+            slots, positions = _host_rows(rt, self, input_batch)
+            with rt.rows(RowSource("mapping", mapping=input_batch.expanded_idx_mapping,
+                                   slots=slots, positions=positions)):
+                return orig(self, hidden_states, input_batch, grammar_output)
+        source = RowSource("mapping", mapping=None)
+        with rt.rows(source), _sorted_rows(sharder, input_batch, source):
+            return orig(self, hidden_states, input_batch, grammar_output)
+
+    sample._vllm_steer = True
+    runner_cls.sample = sample
+
+
+def _host_rows(rt, runner, input_batch):
+    """The step's row -> slot (``expanded_idx_mapping``) and, while some slot has generation
+    windows, the generated-token index each row samples, from the input batch's host arrays
+    (no device read): request i has ``cu_num_logits[i + 1] - cu_num_logits[i]`` rows, its last
+    one sampling token ``num_computed + num_scheduled - prompt_len``."""
+    import numpy as np
+
+    idx = input_batch.idx_mapping_np  # [num_reqs]
+    nr = len(idx)
+    cu = input_batch.cu_num_logits_np[: nr + 1]
+    one_each = len(cu) <= nr or cu[nr] - cu[0] == nr
+    counts = None if one_each else np.diff(cu)
+    slots = idx if one_each else np.repeat(idx, counts)
+    if not rt.num_window_slots:
+        return slots, None
+    req_states = getattr(runner, "req_states", None)
+    if req_states is None:
+        return slots, None
+    last = (input_batch.num_computed_tokens_np[:nr] + input_batch.num_scheduled_tokens[:nr]
+            - req_states.prompt_len.np[idx]).astype(np.int64)
+    if one_each:
+        return slots, last
+    local = np.arange(cu[nr] - cu[0]) - np.repeat(cu[:-1] - cu[0], counts)
+    return slots, np.repeat(last - counts + 1, counts) + local
+
+
+@contextlib.contextmanager
+def _sorted_rows(sharder, input_batch, source: RowSource):
+    """Set ``source.mapping`` from the owner-sorted logits indices the sharder returns."""
+    import numpy as np
+    import torch
+
+    qsl = input_batch.query_start_loc_np
+    token_slots = np.repeat(input_batch.idx_mapping_np, np.diff(qsl[: input_batch.num_reqs + 1]))
+    orig = sharder.shard_sampler_inputs
+
+    def shard_sampler_inputs(batch, grammar_output):
+        out = orig(batch, grammar_output)
+        sorted_idx = out[1] if isinstance(out, tuple) and len(out) == 4 else None
+        if not isinstance(sorted_idx, torch.Tensor) or sorted_idx.dtype.is_floating_point:
+            raise RuntimeError(
+                "vllm-steer: BatchSharder.shard_sampler_inputs no longer returns (batch, "
+                "sorted_logits_indices, grammar_output, metadata) in this vLLM; steered rows "
+                "cannot be matched to requests. Run without --enable-batch-sharded-sampling")
+        slots = torch.from_numpy(token_slots).to(sorted_idx.device, non_blocking=True)
+        source.mapping = slots[sorted_idx.long()]
+        return out
+
+    sharder.shard_sampler_inputs = shard_sampler_inputs  # this step only
+    try:
+        yield
+    finally:
+        del sharder.shard_sampler_inputs
+
+
+def _prompt_row_slots(input_batch) -> np.ndarray:
+    """The request slot of every scheduled token row of the step (host-side data only)."""
+    n = input_batch.num_reqs
+    qsl = np.asarray(input_batch.query_start_loc_np[: n + 1])
+    return np.repeat(np.asarray(input_batch.idx_mapping_np[:n], dtype=np.int64), np.diff(qsl))
+
+
+def _steered_logits_fn(rt, logits_fn, hidden_states, slots: np.ndarray):
+    """``logits_fn`` with each call's rows mapped to their slots by their offset in the step.
+
+    V2 passes views of the step's hidden states (``hidden_states[a:b]``); the offset is read
+    from the view's address on the host (no device read).
+    """
+    row_bytes = hidden_states.stride(0) * hidden_states.element_size()
+    base_ptr = hidden_states.data_ptr()
+
+    def fn(h):
+        offset = (h.data_ptr() - base_ptr) // row_bytes
+        if h.untyped_storage().data_ptr() != hidden_states.untyped_storage().data_ptr() \
+                or not 0 <= offset <= len(slots):
+            source = RowSource("none")  # not a view of the step: leave it unsteered
+        else:
+            source = RowSource("slots", slots=slots[offset:offset + h.shape[0]], positions=None)
+        with rt.rows(source):
+            return logits_fn(h)
+
+    return fn
+
+
+_PROMPT_RUNTIME: list = [None]  # the worker's runtime (the prompt-logprob worker has no config)
+
+
+def wrap_prompt_logprobs(worker_cls, runtime) -> None:
+    """Steer V2's prompt logprobs like its sampled tokens.
+
+    ``PromptLogprobsWorker.compute_prompt_logprobs`` runs the step's token rows through
+    ``compute_logits`` in fixed-size chunks that may hold rows of several requests;
+    ``compute_prompt_token_id_logprobs`` slices one request at a time. Either way each row gets
+    its own request's slot (``idx_mapping_np`` repeated over ``query_start_loc_np``).
+    """
+    _PROMPT_RUNTIME[0] = runtime
+    for name in ("compute_prompt_logprobs", "compute_prompt_token_id_logprobs"):
+        orig = getattr(worker_cls, name)
+        if getattr(orig, "_vllm_steer", False):
+            continue
+
+        def wrapped(self, logits_fn, hidden_states, input_batch, *args, _orig=orig, **kwargs):
+            rt = _PROMPT_RUNTIME[0]
+            if rt is None or not rt.any_steered(input_batch.idx_mapping_np):
+                return _orig(self, logits_fn, hidden_states, input_batch, *args, **kwargs)
+            fn = _steered_logits_fn(rt, logits_fn, hidden_states, _prompt_row_slots(input_batch))
+            return _orig(self, fn, hidden_states, input_batch, *args, **kwargs)
+
+        wrapped._vllm_steer = True
+        wrapped.__name__ = name
+        setattr(worker_cls, name, wrapped)
