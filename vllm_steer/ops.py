@@ -18,6 +18,7 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import torch
 
+from vllm_steer.kernels.staging import to_device  # noqa: F401  (re-exported)
 from vllm_steer.reference import steer_reference
 
 Backend = Literal["auto", "reference", "torch", "triton"]
@@ -33,11 +34,13 @@ _PREPARE: dict[str, Callable] = {}
 
 
 def register_backend(name: str, fn: SteerFn, prepare: Callable | None = None) -> None:
-    """Register (or replace) a backend under ``name``: the kernels plug in here.
+    """Register (or replace) a backend under ``name`` (benchmarks and tests plug in here; the
+    kernels' own backends are registered by :func:`_load_kernels`).
 
     ``prepare`` (optional) plans a batch once from the factors and coefficients; the backend
     then accepts the plan as ``prepared=`` and skips the planning (see :func:`prepare_steers`).
     """
+    _load_kernels()  # the kernels' defaults first, so that they do not replace this one
     _REGISTRY[name] = fn
     if prepare is None:
         _PREPARE.pop(name, None)
@@ -46,10 +49,16 @@ def register_backend(name: str, fn: SteerFn, prepare: Callable | None = None) ->
 
 
 def _load_kernels() -> None:
-    try:
-        from vllm_steer import kernels  # noqa: F401  (registers "torch" and "triton")
-    except ImportError:  # kernels not installed: the reference still works
-        pass
+    """Register the kernels' backends (``torch``; ``triton`` where Triton imports). Lazy:
+    importing Triton takes about half a second, paid by the first call that needs a kernel."""
+    if "torch" in _REGISTRY:
+        return
+    from vllm_steer import kernels
+
+    for name, (fn, prepare) in kernels.backends().items():
+        _REGISTRY.setdefault(name, fn)
+        if prepare is not None and name not in _PREPARE:
+            _PREPARE[name] = prepare
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
@@ -120,18 +129,3 @@ def prepare_steers(
 def backend_fn(name: str) -> SteerFn:
     """The registered function of a resolved backend (the serving path calls it directly)."""
     return _REGISTRY[name]
-
-
-def to_device(array, device: torch.device) -> torch.Tensor:
-    """A host (numpy) array as a tensor on ``device``, with no device sync.
-
-    CUDA: staged in pinned memory and copied ``non_blocking`` (a copy from pageable memory
-    synchronises the stream). PyTorch's caching host allocator keeps the pinned block until
-    the copy has run, so the staging is never rewritten early. Other devices: the array's own
-    memory (the caller hands over a fresh array)."""
-    import numpy as np
-
-    t = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type != "cuda":
-        return t if device.type == "cpu" else t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)

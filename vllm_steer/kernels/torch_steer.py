@@ -35,7 +35,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
-from vllm_steer.ops import to_device
+from vllm_steer.kernels.staging import to_device
 
 
 def _offsets(rank_offsets) -> list[int]:
@@ -188,7 +188,7 @@ def prepare_torch(
     Every decision (active rows, steers, counts, strategy, gathered pairs) is made on the host
     from ``host`` (a numpy copy of ``coefs``; without it ``coefs`` is read once, which on CUDA
     is a sync); index tensors are built on the host and copied to the device from pinned
-    memory (:func:`vllm_steer.ops.to_device`). The device ops of a plan only gather and scale.
+    memory (:func:`vllm_steer.kernels.staging.to_device`). The device ops of a plan only gather and scale.
     """
     f32 = _f32 if reuse else (lambda t: t)
     offs = _offsets(rank_offsets)

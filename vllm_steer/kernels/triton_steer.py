@@ -301,7 +301,7 @@ def _bank_tables(offs: list[int], block_r: int, device: torch.device):
             steer.append(k), col.append(c0), end.append(offs[k + 1])
     import numpy as np
 
-    from vllm_steer.ops import to_device
+    from vllm_steer.kernels.staging import to_device
 
     # host-built and copied from pinned memory (no sync, even the first time a layout is seen)
     as_t = lambda v: to_device(np.asarray(v, dtype=np.int32), device)  # noqa: E731
@@ -462,7 +462,7 @@ def segments_host(nz, device: torch.device):
     no device read (the serving path plans from its host mirror of the coefficients)."""
     import numpy as np
 
-    from vllm_steer.ops import to_device
+    from vllm_steer.kernels.staging import to_device
 
     num_rows, K = nz.shape
     table = np.zeros(K * num_rows + K + num_rows, dtype=np.int32)
