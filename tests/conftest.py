@@ -132,7 +132,7 @@ class HFReference:
         at constant strength decode otherwise (the window matters)."""
         import pytest
 
-        from vllm_steer.config import Window
+        from vllm_steer.request import Window
 
         constant = []
         for o, steer in zip(outs, steers):
@@ -200,3 +200,18 @@ def v2_runner():
         # the test process imported vLLM without the shim; its config check wants Triton too
         mp.setattr("vllm.config.vllm.HAS_TRITON", True)
         yield
+
+
+def bound_extra(names, steer) -> dict:
+    """``extra_args`` of a request whose steers the engine core bound (as
+    ``vllm_steer.integrations.engine.control.admit`` does) to a runtime loaded from
+    ``--steer`` files ``names`` (slot i, generation i + 1, as at start-up); the raw value too."""
+    from vllm_steer.request import BOUND_KEY, BoundSteer, SteerRequest
+
+    if steer is None:
+        return {}
+    request = SteerRequest.parse(steer)
+    names = list(names)
+    bound = [BoundSteer(n, names.index(n), names.index(n) + 1, request.named[n])
+             for n in request.strengths if n in names]
+    return {"steer": steer, BOUND_KEY: BoundSteer.to_wire(bound)}

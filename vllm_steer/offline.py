@@ -17,7 +17,7 @@ The same engine-core operations as ``POST`` / ``DELETE /v1/steers`` (through
 
 from __future__ import annotations
 
-from vllm_steer.integrations.engine.registry import CONTROL_METHOD
+from vllm_steer.integrations.frontend.engine_client import control_sync
 
 
 class SteerLoadError(ValueError):
@@ -29,17 +29,9 @@ class SteerLoadError(ValueError):
 
 
 def _control(llm, op: str, **kwargs) -> dict:
-    from vllm_steer.integrations.frontend import admission as frontend
-
-    res = llm.collective_rpc(CONTROL_METHOD, args=(op, kwargs))[0]
+    res = control_sync(llm, op, **kwargs)
     if res.get("ok") is False:
         raise SteerLoadError(res["error"], res["status"])
-    if op != "list":
-        listing = llm.collective_rpc(CONTROL_METHOD, args=("list", {}))[0]
-    else:
-        listing = res
-    if listing.get("enabled"):
-        frontend.set_loaded(s["name"] for s in listing["steers"] if s["state"] == "loaded")
     return res
 
 

@@ -10,13 +10,13 @@ table, "Presets, defaults and floors"):
 4. else 0 (unsteered).
 
 Then ``--steer-floor NAME=F`` raises it: a number below ``F`` is served as ``F``; a generation
-window (:class:`vllm_steer.config.Window`, or its request form ``{"strength": ...}``) gets
+window (:class:`vllm_steer.request.Window`, or its request form ``{"strength": ...}``) gets
 ``strength`` and ``base`` each raised to ``F``, so its strength at no token is below ``F``.
 A floor is a minimum of the *signed* strength (``value >= F``): ``detox=2`` means at least 2
 towards the steer's positive label; a negative floor ``detox=-2`` lets a request steer
 towards the negative label by at most 2 and leaves every other request alone.
 
-Everything here works on host-side Python values; the math of steering is in
+Everything here works on the typed request (:class:`vllm_steer.request.SteerRequest`); the math of steering is in
 :mod:`vllm_steer.reference` (Semantics: see reference).
 """
 
@@ -27,10 +27,15 @@ from dataclasses import replace
 from typing import Any, Mapping
 
 from vllm_steer.names import echo, steer_name_problem
+from vllm_steer.request import SteerRequest, Window, unknown_steer
 
 #: Response headers the API server sets on a steered request (see :func:`header_values`).
 APPLIED_HEADER = "x-vllm-steer-applied"
 FLOORED_HEADER = "x-vllm-steer-floored"
+
+
+#: How policy errors introduce the names a preset, default or floor may use.
+_KNOWN_LABEL = "loaded steers (and --steer-dir files)"
 
 
 class PolicyError(ValueError):
@@ -120,9 +125,9 @@ def check_policy(presets: Mapping[str, Mapping[str, float]], defaults: Mapping[s
 
     def check(flag: str, owner: str, name: str, value: float) -> None:
         if name not in steers:
-            raise PolicyError(f"{flag} {owner}: unknown steer {echo(name)}; loaded steers "
-                              f"(and --steer-dir files): {known}. Load it with --steer "
-                              "NAME=PATH or fix the name")
+            raise PolicyError(unknown_steer(f"{flag} {owner}", name, steers, label=_KNOWN_LABEL,
+                                            listing=known)
+                              + ". Load it with --steer NAME=PATH or fix the name")
         if abs(value) > max_strength:
             raise PolicyError(f"{flag} {owner}: strength {value:g} of steer {echo(name)} "
                               f"exceeds the server's maximum |strength| {max_strength:g}; "
@@ -187,9 +192,10 @@ def preset_from_body(body: Any, steers, max_strength: float,
         if not math.isfinite(value):
             raise PolicyError(f"preset {name!r}: strength of steer {steer!r} must be finite")
         if steer not in steers:
-            raise PolicyError(f"preset {name!r}: unknown steer {steer!r}; loaded steers (and "
-                              f"--steer-dir files): {', '.join(sorted(steers)) or 'none'}. "
-                              "Load it first (POST /v1/steers) or fix the name")
+            raise PolicyError(unknown_steer(f"preset {name!r}", steer, steers,
+                                            label=_KNOWN_LABEL,
+                                            listing=", ".join(sorted(steers)) or "none")
+                              + ". Load it first (POST /v1/steers) or fix the name")
         if abs(value) > max_strength:
             raise PolicyError(f"preset {name!r}: strength {value:g} of steer {steer!r} exceeds "
                               f"the server's maximum |strength| {max_strength:g} "
@@ -198,107 +204,62 @@ def preset_from_body(body: Any, steers, max_strength: float,
     return name, out
 
 
-def named(value: Any) -> dict[str, Any]:
-    """The steers a request's ``steer`` value names, with their raw values (zeros kept).
-
-    ``value`` is the mapping form or the ``vllm_xargs`` string form (``"detox:5,x:0"``),
-    already checked by the request validation; None: nothing named.
-    """
-    if value is None:
-        return {}
-    if isinstance(value, Mapping):
-        return dict(value)
-    if isinstance(value, str):
-        out: dict[str, Any] = {}
-        for part in value.split(","):
-            name, _, s = part.partition(":")
-            if name.strip():
-                out[name.strip()] = s.strip()
-        return out
-    return {}
-
-
-def with_preset(value: Any, preset: Mapping[str, float] | None) -> Any:
-    """The request's steer value on top of a preset: steers the request names keep the
-    request's value (it replaces the preset's), the preset's other steers are added."""
+def with_preset(request: SteerRequest, preset: Mapping[str, float] | None) -> SteerRequest:
+    """The request's steers on top of a preset: steers the request names keep the request's
+    value (it replaces the preset's), the preset's other steers are added."""
     if not preset:
-        return value
-    return {**preset, **named(value)}
+        return request
+    return SteerRequest(tuple({**{n: float(v) for n, v in preset.items()},
+                               **request.named}.items()))
 
 
-def _floor(value: Any, floor: float) -> tuple[Any, bool]:
+def _floor(value: float | Window, floor: float) -> tuple[float | Window, bool]:
     """``value`` raised to ``floor``; and whether that changed it."""
-    from vllm_steer.config import Window
-
     if isinstance(value, Window):
         if value.strength >= floor and value.base >= floor:
             return value, False
         return replace(value, strength=max(value.strength, floor),
                        base=max(value.base, floor)), True
-    if isinstance(value, Mapping):  # the request form of a window
-        out = dict(value)
-        changed = False
-        for key, dflt in (("strength", 0.0), ("base", 0.0)):
-            v = out.get(key, dflt)
-            try:
-                low = float(v) < floor
-            except (TypeError, ValueError):
-                low = False  # malformed: the request validation refuses it
-            if low or (key not in out and dflt < floor):
-                out[key] = floor
-                changed = True
-        return out, changed
-    try:
-        s = float(value)
-    except (TypeError, ValueError):
-        return value, False  # malformed: the request validation refuses it
-    return (floor, True) if s < floor else (value, False)
+    return (floor, True) if value < floor else (value, False)
 
 
-def resolve(value: Any, preset: Mapping[str, float] | None = None,
+def resolve(request: SteerRequest, preset: Mapping[str, float] | None = None,
             defaults: Mapping[str, float] | None = None,
-            floors: Mapping[str, float] | None = None) -> tuple[dict[str, Any], list[str]]:
+            floors: Mapping[str, float] | None = None) -> tuple[SteerRequest, list[str]]:
     """The steers a request is served with (see the module doc for the rule).
 
-    Returns ``(values, floored)``: name -> value (numbers or windows as given; zeros kept, so
+    Returns ``(request, floored)``: the resolved request (numbers or windows; zeros kept, so
     resolving again gives the same answer) and the names a floor raised, sorted.
     """
-    out = named(with_preset(value, preset))
+    out = with_preset(request, preset).named
     for name, v in (defaults or {}).items():
-        out.setdefault(name, v)
+        out.setdefault(name, float(v))
     floored = []
     for name, f in (floors or {}).items():
-        out[name], changed = _floor(out.get(name, 0.0), f)
+        out[name], changed = _floor(out.get(name, 0.0), float(f))
         if changed:
             floored.append(name)
-    return out, sorted(floored)
+    return SteerRequest(tuple(out.items())), sorted(floored)
 
 
-def header_values(values: Mapping[str, Any], floored: list[str]) -> dict[str, str]:
-    """The response headers for a resolved request: ``x-vllm-steer-applied:
-    detox=2,sentiment=-3`` (the non-zero steers, a window as its JSON) and, when a floor
-    raised something, ``x-vllm-steer-floored: detox``."""
+def header_values(values: Mapping[str, float | Window], floored: list[str]) -> dict[str, str]:
+    """The response headers for a resolved request (``values``: its :attr:`SteerRequest.named`):
+    ``x-vllm-steer-applied: detox=2,sentiment=-3`` (the non-zero steers; a window as its JSON,
+    the keys that differ from a window's defaults) and, when a floor raised something,
+    ``x-vllm-steer-floored: detox``."""
     import json
 
-    def fmt(v: Any) -> str:
-        from vllm_steer.config import Window
-
+    def fmt(v: float | Window) -> str:
         if isinstance(v, Window):
-            from dataclasses import asdict
+            d = {"strength": v.strength, "start": v.start, "end": v.end, "ramp": v.ramp,
+                 "base": v.base}
+            d = {k: (int(x) if isinstance(x, float) and x.is_integer() else x)
+                 for k, x in d.items() if k in ("strength", "start") or x not in (None, 0, 0.0)}
+            return json.dumps(d, separators=(",", ":"), sort_keys=True)
+        return f"{float(v):g}"
 
-            v = asdict(v)
-        if isinstance(v, Mapping):
-            return json.dumps(v, separators=(",", ":"), sort_keys=True)
-        try:
-            return f"{float(v):g}"
-        except (TypeError, ValueError):
-            return str(v)
-
-    def nonzero(v: Any) -> bool:
-        try:
-            return float(v) != 0.0
-        except (TypeError, ValueError):
-            return True
+    def nonzero(v: float | Window) -> bool:
+        return (v.strength != 0.0 or v.base != 0.0) if isinstance(v, Window) else v != 0.0
 
     applied = ",".join(f"{n}={fmt(v)}" for n, v in sorted(values.items()) if nonzero(v))
     out = {APPLIED_HEADER: applied}

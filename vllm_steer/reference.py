@@ -45,7 +45,7 @@ def steer_coefficients(strength: float, epsilon: float,
 
 def window_strengths(strength, base, start, end, ramp, t):
     """Strengths at generated-token indices ``t`` (numpy arrays that broadcast together):
-    the vectorised :class:`vllm_steer.config.Window` rule. ``end < 0``: an open window;
+    the vectorised :class:`vllm_steer.request.Window` rule. ``end < 0``: an open window;
     ``t < 0``: not a generated token (``base``)."""
     import numpy as np
 

@@ -2,9 +2,8 @@
 
 import pytest
 
-from vllm_steer.config import (
-    SteerRequestError, SteerServerConfig, parse_request_steer, parse_steer_arg,
-)
+from vllm_steer.config import SteerServerConfig, parse_steer_arg
+from vllm_steer.request import SteerRequestError, parse_request_steer
 
 KNOWN = {"detox": "d.safetensors", "sentiment": "s.safetensors"}
 
@@ -133,7 +132,7 @@ def test_server_config_checks_steer_names():
 # ---- generation windows (issue 24) -------------------------------------------------------
 import json  # noqa: E402
 
-from vllm_steer.config import MAX_WINDOW_TOKEN, Window, request_windows  # noqa: E402
+from vllm_steer.request import MAX_WINDOW_TOKEN, Window, request_windows  # noqa: E402
 
 
 def test_window_objects_parse_to_their_strength_and_window():

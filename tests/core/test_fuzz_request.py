@@ -15,9 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_steer.config import (
-    SteerRequestError, SteerServerConfig, Window, parse_request_steer, request_windows,
-)
+from vllm_steer.config import SteerServerConfig
+from vllm_steer.request import SteerRequestError, Window, parse_request_steer, request_windows
 
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -177,19 +176,20 @@ def test_any_xargs_string(text):
 @given(JSON)
 def test_server_without_steers(value):
     from vllm_steer.integrations.frontend import admission as frontend
+    from vllm_steer.integrations.frontend.state import frontend_state
 
-    old = frontend.get_config()
+    old = frontend_state().config
     try:
         for cfg in (None, SteerServerConfig()):
-            frontend.set_config(cfg)
+            frontend_state().reset(cfg)
             try:
                 got = frontend.check_value(value)
             except SteerRequestError as e:
                 assert str(e).startswith("steer:") and len(str(e)) < 500
             else:
-                assert got == {}
+                assert got.strengths == {}
     finally:
-        frontend.set_config(old)
+        frontend_state().reset(old)
 
 
 @FUZZ
@@ -203,13 +203,14 @@ def test_request_model_validation(steer, xargs):
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
     from vllm_steer.integrations.frontend import admission as frontend
+    from vllm_steer.integrations.frontend.state import frontend_state
     from vllm_steer.integrations import hooks
     from vllm_steer.integrations import plugin
     from vllm_steer.integrations.frontend import request_field
 
     hooks.install_hooks([h for h in plugin.HOOKS if h.install is request_field.add_request_field])
-    old = frontend.get_config()
-    frontend.set_config(SteerServerConfig(steers=dict(KNOWN), max_strength=MAX))
+    old = frontend_state().config
+    frontend_state().reset(SteerServerConfig(steers=dict(KNOWN), max_strength=MAX))
     try:
         body = {"model": "m", "prompt": "hi", "steer": steer, "vllm_xargs": xargs}
         try:
@@ -218,7 +219,7 @@ def test_request_model_validation(steer, xargs):
             for err in e.errors():
                 assert len(str(err.get("msg", ""))) < 600
     finally:
-        frontend.set_config(old)
+        frontend_state().reset(old)
 
 
 # ---- generation windows (issue 24) -------------------------------------------------------

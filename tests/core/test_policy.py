@@ -7,7 +7,8 @@ import argparse
 
 import pytest
 
-from vllm_steer.config import SteerServerConfig, Window
+from vllm_steer.config import SteerServerConfig
+from vllm_steer.request import SteerRequest, Window
 from vllm_steer.policy import (FLOORED_HEADER, APPLIED_HEADER, PolicyError, check_policy,
                                header_values, parse_mix, parse_preset_arg, parse_value_arg,
                                resolve)
@@ -53,27 +54,28 @@ PRESET = {"detox": 4.0, "sentiment": 2.0}
     (None, None, {}, {"detox": -2}, {"detox": 0.0}, []),
 ])
 def test_precedence_table(request_value, preset, defaults, floors, want, floored):
-    got, got_floored = resolve(request_value, preset, defaults, floors)
-    assert {k: float(v) for k, v in got.items()} == {k: float(v) for k, v in want.items()}
+    got, got_floored = resolve(SteerRequest.parse(request_value), preset, defaults, floors)
+    assert {k: float(v) for k, v in got.named.items()} == \
+        {k: float(v) for k, v in want.items()}
     assert got_floored == floored
-    # idempotent: the engine core resolves again what the API server wrote
-    again, _ = resolve(got, None, defaults, floors)
-    assert {k: float(v) for k, v in again.items()} == {k: float(v) for k, v in got.items()}
+    # idempotent: the engine core resolves again what the API server wrote (its wire form)
+    again, _ = resolve(SteerRequest.parse(got.to_wire()), None, defaults, floors)
+    assert again == got
 
 
 def test_a_floor_raises_a_windows_strength_and_base():
     w = Window(strength=1.0, start=4, end=8, ramp=2)
-    got, floored = resolve({"detox": w}, None, {}, {"detox": 2.0})
+    got, floored = resolve(SteerRequest((("detox", w),)), None, {}, {"detox": 2.0})
     assert floored == ["detox"]
-    assert all(got["detox"].at(t) >= 2.0 for t in range(16))
-    assert got["detox"].at(5) == 2.0 and got["detox"].at(0) == 2.0
+    assert all(got.named["detox"].at(t) >= 2.0 for t in range(16))
+    assert got.named["detox"].at(5) == 2.0 and got.named["detox"].at(0) == 2.0
     strong = Window(strength=6.0, start=4, end=8)
-    got, _ = resolve({"detox": strong}, None, {}, {"detox": 2.0})
-    assert [got["detox"].at(t) for t in range(10)] == [2.0] * 4 + [6.0] * 4 + [2.0] * 2
-    # the request form of a window (an object) too
-    got, floored = resolve({"detox": {"strength": 5, "start": 0, "end": 32}}, None, {},
-                           {"detox": 2.0})
-    assert got["detox"] == {"strength": 5, "start": 0, "end": 32, "base": 2.0}
+    got, _ = resolve(SteerRequest((("detox", strong),)), None, {}, {"detox": 2.0})
+    assert [got.named["detox"].at(t) for t in range(10)] == [2.0] * 4 + [6.0] * 4 + [2.0] * 2
+    # the request form of a window (an object), parsed
+    got, floored = resolve(SteerRequest.parse({"detox": {"strength": 5, "start": 0, "end": 32}}),
+                           None, {}, {"detox": 2.0})
+    assert got.named["detox"] == Window(strength=5.0, start=0, end=32, base=2.0)
     assert floored == ["detox"]
 
 
@@ -245,15 +247,14 @@ def test_data_parallel_answers_and_the_api_servers_view():
     assert presets.merge("preset_add", [ok, no]) is no  # added only if every engine did
     assert presets.merge("preset_add", [ok, dict(ok)]) is ok
     assert presets.merge("preset_delete", [no, ok]) is ok  # deleted if any engine had it
-    presets.reset()
-    try:
-        presets.update(ok)
-        assert presets.view() == {"kind": {"detox": 4.0}}
-        presets.update({"version": 2, "presets": {}})  # an older read (a slow poll): ignored
-        assert presets.view() == {"kind": {"detox": 4.0}}
-        presets.update({"version": 4, "presets": {}})
-        assert presets.view() == {}
-        presets.update({"ok": False, "status": 404})  # no table in it: ignored
-        assert presets.view() == {}
-    finally:
-        presets.reset()
+    from vllm_steer.integrations.frontend.state import FrontendState
+
+    st = FrontendState()  # an API server's view of the table
+    st.update_presets(ok)
+    assert st.presets_view() == {"kind": {"detox": 4.0}}
+    st.update_presets({"version": 2, "presets": {}})  # an older read (a slow poll): ignored
+    assert st.presets_view() == {"kind": {"detox": 4.0}}
+    st.update_presets({"version": 4, "presets": {}})
+    assert st.presets_view() == {}
+    st.update_presets({"ok": False, "status": 404})  # no table in it: ignored
+    assert st.presets_view() == {}

@@ -78,7 +78,7 @@ def test_window_strengths_vectorised_equal_the_window_rule_token_by_token():
     """The vectorised schedule (runtime side) against the scalar rule written out here."""
     import numpy as np
 
-    from vllm_steer.config import Window
+    from vllm_steer.request import Window
     from vllm_steer.reference import window_strengths
 
     def by_hand(w, t):

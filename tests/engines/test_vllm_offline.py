@@ -223,10 +223,6 @@ def test_generation_windows_follow_each_requests_own_generated_tokens(llm, tiny_
     batch: every generated token (greedy) and its logprob equal a hand-written decode loop in
     transformers on the same weights that applies the window's strength at that token
     (``Window.at``), independently of the batch's other requests and positions."""
-    import vllm_steer.config as cfgmod
-
-    if not hasattr(cfgmod, "request_windows"):
-        pytest.skip("request windows are parsed by the request side (vllm_steer.config)")
     from conftest import HFReference
     from vllm_steer.format import load_steer
 

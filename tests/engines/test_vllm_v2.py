@@ -84,7 +84,7 @@ def tokens(outs):
 def test_engine_runs_model_runner_v2_with_the_v2_processor(llm):
     runner = llm.collective_rpc(lambda w: type(w.model_runner).__module__)
     assert runner == ["vllm.v1.worker.cpu.model_runner"]  # V1's CPU runner: cpu_model_runner
-    assert "vllm_steer.integrations.worker.v2:SteerLogitsProcessorV2" in \
+    assert "vllm_steer.integrations.processors:SteerLogitsProcessorV2" in \
         llm.llm_engine.vllm_config.model_config.logits_processors
 
 

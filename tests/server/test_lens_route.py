@@ -13,7 +13,8 @@ import httpx  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
 
 from vllm_steer.config import SteerServerConfig  # noqa: E402
-from vllm_steer.integrations.frontend import admission as frontend  # noqa: E402
+from vllm_steer.integrations.frontend import admission as frontend
+from vllm_steer.integrations.frontend.state import frontend_state  # noqa: E402
 from vllm_steer.server import lens_route  # noqa: E402
 
 CONTEXT = 64
@@ -51,10 +52,10 @@ def tokenizer(tiny_model_dir):
 
 @pytest.fixture(autouse=True)
 def steers():
-    old = frontend.get_config()
-    frontend.set_config(SteerServerConfig(steers={"detox": "d"}, max_strength=20))
+    old = frontend_state().config
+    frontend_state().reset(SteerServerConfig(steers={"detox": "d"}, max_strength=20))
     yield
-    frontend.set_config(old)
+    frontend_state().reset(old)
 
 
 def _app(engine):

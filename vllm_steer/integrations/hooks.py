@@ -11,6 +11,8 @@ This module imports no torch (the frontend imports it).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -27,9 +29,48 @@ class Hook:
     """What is patched, ``module:Class.attribute`` (the module is imported to find it)."""
     purpose: str
     """Why the plugin needs it (shown when vLLM moved it)."""
+    wrapper: Callable | None = None
+    """``wrapper(orig, *args, **kwargs)`` replaces the attribute (:func:`wrap_method`)."""
     install: Callable[[Any], None] | None = None
-    """Called with the owner of the attribute (``Class``) once the target is found; None:
-    only checked here (patched lazily in the worker)."""
+    """Instead of a wrapper: called with the owner of the attribute (``Class``, or the module)
+    to install something else (a field, a registration)."""
+    process: str = "frontend"
+    """Which process needs it: ``frontend`` (API server / ``LLM``), ``engine`` (engine core) or
+    ``worker``. Every hook is installed in every process vLLM starts (the plugin does not know
+    which one it is in); hooks of other processes are never called there."""
+
+
+#: Attribute set on every function :func:`wrap_method` installs: the wrapper it calls.
+WRAPPER_ATTR = "_vllm_steer"
+
+
+def wrap_method(owner: Any, name: str, wrapper: Callable) -> None:
+    """Replace ``owner.name`` (a method, static or class method of a class, or a module's
+    function) by one that calls ``wrapper(orig, *args, **kwargs)``: the one way this plugin
+    patches vLLM. Idempotent (a second call with the same wrapper changes nothing); a
+    coroutine (async generator) wrapper makes a coroutine (async generator) method."""
+    raw = inspect.getattr_static(owner, name)
+    kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+    orig = raw.__func__ if kind else raw
+    if getattr(orig, WRAPPER_ATTR, None) is wrapper:
+        return
+    if inspect.isasyncgenfunction(wrapper):
+        async def patched(*args, **kwargs):
+            agen = wrapper(orig, *args, **kwargs)
+            try:
+                async for item in agen:
+                    yield item
+            finally:
+                await agen.aclose()
+    elif inspect.iscoroutinefunction(wrapper):
+        async def patched(*args, **kwargs):
+            return await wrapper(orig, *args, **kwargs)
+    else:
+        def patched(*args, **kwargs):
+            return wrapper(orig, *args, **kwargs)
+    functools.update_wrapper(patched, orig)
+    setattr(patched, WRAPPER_ATTR, wrapper)
+    setattr(owner, name, kind(patched) if kind else patched)
 
 
 class MissingHookError(RuntimeError):
@@ -59,10 +100,13 @@ def install_hooks(hooks) -> list[str]:
     for hook in hooks:
         try:
             resolve(hook.target)
+            module, _, qualname = hook.target.partition(":")
+            owner = (resolve(module + ":" + qualname.rpartition(".")[0]) if "." in qualname
+                     else importlib.import_module(module))
+            if hook.wrapper is not None:
+                wrap_method(owner, qualname.rpartition(".")[2], hook.wrapper)
             if hook.install is not None:
-                module, _, qualname = hook.target.partition(":")
-                hook.install(resolve(module + ":" + qualname.rpartition(".")[0])
-                             if "." in qualname else importlib.import_module(module))
+                hook.install(owner)
         except (ImportError, AttributeError) as e:
             missing.append(f"{hook.target} ({hook.purpose}): {type(e).__name__}: {e}")
     if missing:

@@ -2,25 +2,19 @@
 
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers),
 and in ``vllm serve`` before the CLI parser is built. It installs every hook in :data:`HOOKS`,
-the one list of the plugin's patch points into vLLM, each named after what it patches. The
-hooks themselves live in modules named after what they do:
+the one list of the plugin's patch points into vLLM, each named after what it patches,
+grouped by the process that needs it (docs/architecture.md shows the request's path through
+them). Each wraps the vLLM attribute with a function named after it
+(:func:`~vllm_steer.integrations.hooks.wrap_method`), or installs something there:
 
-- :mod:`~vllm_steer.integrations.hooks`: the machinery (:class:`~vllm_steer.integrations.
-  hooks.Hook`, installing, reporting a hook vLLM moved or removed);
-- :mod:`~vllm_steer.integrations.frontend.cli_args`: ``--steer NAME=PATH`` and its sibling flags in
-  ``vllm serve``, carried to the workers in ``additional_config["vllm_steer"]``;
-- :mod:`~vllm_steer.integrations.frontend.startup_checks`: on engine config creation, the steer files,
-  model, speculative decoding and parallelism are checked and our per-request logits
-  processor is installed; the LM head is swapped for :class:`~vllm_steer.integrations.worker.head.
-  SteeredLogitsProcessor` and checked once the model is loaded;
-- :mod:`~vllm_steer.integrations.frontend.request_field`: the top-level ``steer`` field of the OpenAI
-  request models (completions, chat, responses), checked at admission;
-- :mod:`~vllm_steer.integrations.engine.core`: run-time steer management and admission in the
-  engine core, and their API-server halves;
-- :mod:`~vllm_steer.integrations.frontend.preset_models`: presets served as model names (defaults
-  and floors are applied in the engine core's admission);
-- :mod:`~vllm_steer.integrations.frontend.endpoints`: ``/v1/steers``, ``/v1/steer-presets`` and the
-  response headers on every API server that steers.
+- frontend (API server and ``LLM`` process, :mod:`vllm_steer.integrations.frontend`): the
+  ``--steer`` flags, start-up checks, the ``steer`` request field (parsed once, into a
+  :class:`~vllm_steer.request.SteerRequest`), presets as model names, the management routes,
+  the engine-side refusal as HTTP 400;
+- engine core (:mod:`vllm_steer.integrations.engine`): run-time management and admission
+  (defaults, floors, binding each steer to its slot);
+- worker (:mod:`vllm_steer.integrations.worker`): the steered LM head, the rows of each step
+  (V1, Model Runner V2, prompt logprobs, speculative decoding).
 
 Offline, pass the same configuration yourself::
 
@@ -35,112 +29,134 @@ This module imports no torch at import time (nor do the modules it imports).
 
 from __future__ import annotations
 
-from vllm_steer.integrations.frontend import cli_args
-from vllm_steer.integrations.frontend import endpoints
-from vllm_steer.integrations.engine import core as engine_core
-from vllm_steer.integrations.frontend import preset_models
-from vllm_steer.integrations.frontend import request_field
-from vllm_steer.integrations.frontend import startup_checks
+import functools
+
+from vllm_steer.integrations.engine import core
+from vllm_steer.integrations.frontend import (async_llm, cli_args, endpoints, preset_models,
+                                              request_field, startup_checks)
 from vllm_steer.integrations.hooks import Hook, install_hooks
-from vllm_steer.integrations.frontend.request_field import REQUEST_CLASSES
-
-_REGISTERED = False
 
 
+@functools.cache
 def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group. Idempotent."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    _REGISTERED = True
     install_hooks(HOOKS)
 
 
-# ---- the hook list -----------------------------------------------------------
-# Patched lazily in the worker (v1.py, v2.py) but checked here, in every process.
-_WORKER_HOOKS = (
-    ("vllm.v1.sample.logits_processor:LogitsProcessor", "V1 per-request steer state"),
-    ("vllm.v1.sample.logits_processor:BatchUpdate", "V1 per-request steer state"),
-    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._get_prompt_logprobs_dict",
-     "steered prompt logprobs (V1)"),
-    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
-     "generated-token positions of the batch rows for generation windows (V1)"),
-    ("vllm.v1.worker.gpu_input_batch:InputBatch.__init__",
-     "no output-token tracking for our processor (V1)"),
-    ("vllm.v1.worker.gpu.sample.logits_processor:LogitsProcessor",
-     "V2 per-request steer state"),
-    ("vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample",
-     "the step's row -> request mapping (V2)"),
-    ("vllm.v1.worker.gpu.sample.prompt_logprob:PromptLogprobsWorker.compute_prompt_logprobs",
-     "steered prompt logprobs (V2)"),
-    ("vllm.v1.worker.gpu.sample.prompt_logprob:PromptLogprobsWorker."
-     "compute_prompt_token_id_logprobs", "steered prompt logprobs (V2, prompt_logprob_token_ids)"),
-    ("vllm.v1.worker.gpu.sample.batch_shard:BatchSharder.shard_sampler_inputs",
-     "rows of batch-sharded sampling (V2, --enable-batch-sharded-sampling)"),
-)
+def _worker(name: str, attr: str):
+    """A worker-side wrapper, imported when the hook is installed (the worker modules import
+    torch: never at this module's import)."""
+    def call(orig, *args, **kwargs):
+        import importlib
+
+        return getattr(importlib.import_module(f"vllm_steer.integrations.worker.{name}"),
+                       attr)(orig, *args, **kwargs)
+
+    call.__name__ = call.__qualname__ = f"{name}.{attr}"
+    return call
+
+
+def _install_head(owner) -> None:
+    from vllm_steer.integrations.worker.head import register_head
+
+    register_head(owner)
+
+
+def _install_loader_checks(owner) -> None:
+    from vllm_steer.integrations.worker.head import install_loader_checks
+
+    install_loader_checks(owner)
+
+
+_REQUESTS = request_field.REQUEST_CLASSES
+_V1 = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_V2 = "vllm.v1.worker.gpu"
 
 HOOKS: tuple[Hook, ...] = (
+    # ---- frontend: API server and LLM process (vllm_steer.integrations.frontend) ---------
     Hook("vllm.engine.arg_utils:EngineArgs.add_cli_args", "--steer flags in vllm serve",
-         cli_args._hook_add_cli_args),
+         cli_args.add_cli_args),
     Hook("vllm.engine.arg_utils:EngineArgs.from_cli_args",
-         "--steer carried in additional_config", cli_args._hook_from_cli_args),
+         "--steer carried in additional_config", cli_args.from_cli_args),
     Hook("vllm.engine.arg_utils:EngineArgs.create_engine_config",
-         "start-up checks and our logits processor",
-         startup_checks._hook_create_engine_config),
+         "start-up checks and our logits processor", startup_checks.create_engine_config),
     Hook("vllm.v1.engine.input_processor:InputProcessor.__init__",
-         "refusing bad steers at admission (HTTP 400)",
-         request_field._hook_input_processor),
+         "refusing bad steers at admission (HTTP 400)", request_field.input_processor_init),
     Hook("vllm.v1.engine.input_processor:InputProcessor._build_logits_processors_params_"
          "validator", "refusing bad steers at admission (HTTP 400)"),
-    Hook("vllm.model_executor.layers.logits_processor:LogitsProcessor.register_oot",
-         "the steered LM head", startup_checks._hook_register_head),
-    Hook("vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",
-         "checking the model's logits layer is the steered head",
-         startup_checks._hook_model_loaders),
-    *(Hook(f"{module}:{name}.to_sampling_params", "the `steer` request field",
-           request_field.add_request_field)
-      for module, name in REQUEST_CLASSES),
+    *(Hook(f"{module}:{name}.model_fields", "the `steer` request field (parsed once)",
+           install=request_field.add_request_field) for module, name in _REQUESTS),
+    *(Hook(f"{module}:{name}.to_sampling_params",
+           "the `steer` request field, then a preset's mix for its model name",
+           request_field.to_sampling_params) for module, name in _REQUESTS),
     *(Hook(f"{module}:{name}.to_beam_search_params", "refusing steered beam search",
-           request_field._hook_refuse_beam_search)
-      for module, name in REQUEST_CLASSES if name != "ResponsesRequest"),
-    *(Hook(target, purpose) for target, purpose in _WORKER_HOOKS),
-    # steers at run time, admission in the engine core (engine_core.py)
-    Hook("vllm.v1.engine.core:EngineCore.collective_rpc",
-         "loading/unloading steers in the engine core (collective_rpc)",
-         engine_core._hook_engine_core),
-    Hook("vllm.v1.engine.core:EngineCore.add_request",
-         "binding a request's steers to (slot, generation) at admission"),
-    Hook("vllm.plugins:load_endpoint_plugins",
-         "the /v1/steers and /v1/steer-presets routes, the x-vllm-steer-* headers",
-         endpoints._hook_endpoint_plugins),
-    # speculative decoding (startup_checks.py, spec_decode.py)
-    Hook("vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model",
-         "speculative decoding: the step's verification rows -> requests (V1)",
-         startup_checks._hook_spec_decode),
-    Hook("vllm.v1.worker.gpu_model_runner:build_logitsprocs",
-         "speculative decoding: our per-request steer state (V1 refuses custom processors)",
-         startup_checks._hook_spec_decode_logitsprocs),
-    Hook("vllm.v1.worker.gpu_model_runner:GPUModelRunner._calc_spec_decode_metadata",
-         "speculative decoding: draft-token counts per request (V1)"),
-    Hook("vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
-         "speculative decoding: the drafter's rows -> requests (V1)"),
-    Hook("vllm.v1.engine.async_llm:AsyncLLM.add_request",
-         "--steer-dir steers loaded before admission (HTTP 400 with the reason)",
-         engine_core._hook_async_llm),
-    Hook("vllm.v1.engine.async_llm:AsyncLLM.generate",
-         "an engine-side steer refusal answered as HTTP 400, not 500",
-         engine_core._hook_async_llm_generate),
-    Hook("vllm.v1.engine:EngineCoreOutput.stop_reason",
-         "the engine-side steer refusal's message (error output's stop_reason)"),
-    # presets served as model names (preset_models.py)
+           request_field.to_beam_search_params)
+      for module, name in _REQUESTS if name != "ResponsesRequest"),
     Hook("vllm.entrypoints.openai.models.serving:OpenAIModelRegistry.is_base_model",
-         "presets served as model names", preset_models._hook_model_registry),
+         "presets served as model names", preset_models.is_base_model),
     Hook("vllm.entrypoints.openai.models.serving:OpenAIModelRegistry.show_available_models",
-         "presets listed in /v1/models"),
-    *(Hook(f"{module}:{name}.to_sampling_params", "a preset's mix for its model name",
-           preset_models._hook_preset_request)
-      for module, name in REQUEST_CLASSES),
+         "presets listed in /v1/models", preset_models.show_available_models),
     Hook("vllm.entrypoints.serve.engine.serving:BaseServing._check_model",
          "presets added or deleted at run time, seen by every API server",
-         preset_models._hook_check_model),
+         preset_models.check_model),
+    Hook("vllm.plugins:load_endpoint_plugins",
+         "the /v1/steers and /v1/steer-presets routes, the x-vllm-steer-* headers",
+         endpoints.load_endpoint_plugins),
+    Hook("vllm.v1.engine.async_llm:AsyncLLM.add_request",
+         "--steer-dir steers loaded before admission (HTTP 400 with the reason)",
+         async_llm.add_request),
+    Hook("vllm.v1.engine.async_llm:AsyncLLM.generate",
+         "an engine-side steer refusal answered as HTTP 400, not 500", async_llm.generate),
+    # ---- engine core (vllm_steer.integrations.engine) ------------------------------------
+    Hook("vllm.v1.engine.core:EngineCore.collective_rpc",
+         "loading/unloading steers in the engine core (collective_rpc)", core.collective_rpc,
+         process="engine"),
+    Hook("vllm.v1.engine.core:EngineCore.add_request",
+         "defaults, floors and binding a request's steers to (slot, generation) at admission",
+         core.add_request, process="engine"),
+    Hook("vllm.v1.engine:EngineCoreOutput.stop_reason",
+         "the engine-side steer refusal's message (error output's stop_reason)",
+         process="engine"),
+    # ---- worker (vllm_steer.integrations.worker) -----------------------------------------
+    Hook("vllm.model_executor.layers.logits_processor:LogitsProcessor.register_oot",
+         "the steered LM head", install=_install_head, process="worker"),
+    Hook("vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",
+         "checking the model's logits layer is the steered head",
+         install=_install_loader_checks, process="worker"),
+    Hook("vllm.v1.sample.logits_processor:LogitsProcessor", "V1 per-request steer state",
+         process="worker"),
+    Hook("vllm.v1.sample.logits_processor:BatchUpdate", "V1 per-request steer state",
+         process="worker"),
+    Hook("vllm.v1.worker.gpu_input_batch:InputBatch.__init__",
+         "no output-token tracking for our processor (V1)", _worker("v1", "input_batch_init"),
+         process="worker"),
+    Hook(f"{_V1}._prepare_inputs",
+         "generated-token positions of the batch rows for generation windows (V1)",
+         _worker("v1", "prepare_inputs"), process="worker"),
+    Hook(f"{_V1}._get_prompt_logprobs_dict", "steered prompt logprobs (V1)",
+         _worker("v1", "get_prompt_logprobs_dict"), process="worker"),
+    Hook(f"{_V1}.execute_model",
+         "speculative decoding: the step's verification rows -> requests (V1)",
+         _worker("spec_decode", "execute_model"), process="worker"),
+    Hook(f"{_V1}._calc_spec_decode_metadata",
+         "speculative decoding: draft-token counts per request (V1)",
+         _worker("spec_decode", "calc_spec_decode_metadata"), process="worker"),
+    Hook(f"{_V1}.propose_draft_token_ids",
+         "speculative decoding: the drafter's rows -> requests (V1)",
+         _worker("spec_decode", "propose_draft_token_ids"), process="worker"),
+    Hook("vllm.v1.worker.gpu_model_runner:build_logitsprocs",
+         "speculative decoding: our per-request steer state (V1 refuses custom processors)",
+         _worker("spec_decode", "build_logitsprocs"), process="worker"),
+    Hook(f"{_V2}.sample.logits_processor:LogitsProcessor", "V2 per-request steer state",
+         process="worker"),
+    Hook(f"{_V2}.model_runner:GPUModelRunner.sample", "the step's row -> request mapping (V2)",
+         _worker("v2", "sample"), process="worker"),
+    Hook(f"{_V2}.sample.prompt_logprob:PromptLogprobsWorker.compute_prompt_logprobs",
+         "steered prompt logprobs (V2)", _worker("v2", "prompt_logprobs"), process="worker"),
+    Hook(f"{_V2}.sample.prompt_logprob:PromptLogprobsWorker.compute_prompt_token_id_logprobs",
+         "steered prompt logprobs (V2, prompt_logprob_token_ids)",
+         _worker("v2", "prompt_logprobs"), process="worker"),
+    Hook(f"{_V2}.sample.batch_shard:BatchSharder.shard_sampler_inputs",
+         "rows of batch-sharded sampling (V2, --enable-batch-sharded-sampling)",
+         process="worker"),
 )

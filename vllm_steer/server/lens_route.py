@@ -23,6 +23,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, Field
 
+from vllm_steer.server.errors import error_response
+
 router = APIRouter()
 
 #: Highlight requests served at once per API-server process; more get HTTP 429.
@@ -49,14 +51,13 @@ class HighlightRequest(BaseModel):
 def _error(status: int, message: str, param: str | None = "steer") -> JSONResponse:
     kind = {429: "TooManyRequests", 501: "NotImplementedError",
             503: "ServiceUnavailable"}.get(status, "BadRequestError")
-    return JSONResponse({"error": {"message": message, "type": kind,
-                                   "param": param, "code": status}}, status_code=status)
+    return error_response(status, message, kind, param)
 
 
 def _check_strengths(body: HighlightRequest) -> JSONResponse | None:
     """The request-field check of the completions routes, on ``steer`` and ``against``."""
-    from vllm_steer.config import SteerRequestError
     from vllm_steer.integrations.frontend.admission import check_value
+    from vllm_steer.request import SteerRequestError
 
     for where in ("steer", "against"):
         try:

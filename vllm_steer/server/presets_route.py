@@ -4,7 +4,7 @@
   detox=2,sentiment=-3`` (what the request is served with, after preset, defaults and
   floors) and ``x-vllm-steer-floored: detox`` when a floor raised a steer. Set by an ASGI
   middleware from what the request's ``to_sampling_params`` recorded
-  (:func:`record_applied`, called by the plugin), so streaming responses carry them too.
+  (:func:`vllm_steer.integrations.frontend.request_scope.record_applied`, called by the plugin), so streaming responses carry them too.
 - ``GET /v1/steer-presets``: the presets (served as model names), defaults and floors.
 - ``POST /v1/steer-presets`` ``{"name": "polite", "steer": {"detox": 4, "sentiment": -2}}``
   and ``DELETE /v1/steer-presets/{name}``: presets at run time, only with
@@ -19,49 +19,15 @@ The plugin adds this endpoint to vLLM's endpoint-plugin list itself
 from __future__ import annotations
 
 import os
-from contextvars import ContextVar
-from typing import Any
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from vllm_steer.integrations.frontend.engine_client import control, refresh_presets
+from vllm_steer.integrations.frontend.request_scope import close_scope, open_scope
+from vllm_steer.integrations.frontend.state import frontend_state
+from vllm_steer.server.errors import error_response as _error
+
 router = APIRouter()
-
-# One mutable box per HTTP request, set by the middleware; mutated (never re-set) by
-# record_applied, so it is seen across the context copies of tasks and threads.
-_BOX: ContextVar[dict | None] = ContextVar("vllm_steer_applied", default=None)
-
-
-def record_applied(values: dict[str, Any], floored: list[str]) -> None:
-    """Remember the steers this HTTP request is served with (no-op outside a request)."""
-    box = _BOX.get()
-    if box is None:
-        return
-    from vllm_steer.policy import APPLIED_HEADER, header_values
-
-    headers = header_values(values, floored)
-    if headers.get(APPLIED_HEADER) or len(headers) > 1:
-        box["headers"] = headers
-
-
-def pin_preset(name: str, mix: dict | None) -> None:
-    """Remember the preset mix this HTTP request's model check read (no-op outside a
-    request): :func:`pinned_preset` gives it to ``to_sampling_params`` even if the view
-    changes in between."""
-    box = _BOX.get()
-    if box is not None:
-        box["preset"] = (name, mix)
-
-
-def pinned_preset(name: str) -> tuple[bool, dict | None]:
-    """``(True, mix)`` if this HTTP request's model check read ``name``'s preset (mix None:
-    none of that name), else ``(False, None)``."""
-    box = _BOX.get()
-    got = box.get("preset") if box is not None else None
-    if got is not None and got[0] == name:
-        return True, got[1]
-    return False, None
-
 
 class SteerHeadersMiddleware:
     """Pure ASGI middleware adding the ``x-vllm-steer-*`` headers to the response."""
@@ -72,8 +38,7 @@ class SteerHeadersMiddleware:
     async def __call__(self, scope, receive, send):
         if scope.get("type") != "http":
             return await self.app(scope, receive, send)
-        box: dict = {}
-        token = _BOX.set(box)
+        box, token = open_scope()
 
         async def send_with_headers(message):
             if message.get("type") == "http.response.start" and box.get("headers"):
@@ -86,19 +51,12 @@ class SteerHeadersMiddleware:
         try:
             await self.app(scope, receive, send_with_headers)
         finally:
-            _BOX.reset(token)
-
-
-def _error(status: int, message: str, type_: str = "BadRequestError") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": None,
-                                   "code": status}}, status_code=status)
+            close_scope(token)
 
 
 def _config():
-    from vllm_steer.integrations.frontend import admission as frontend
-
-    cfg = frontend.get_config()
-    return cfg if cfg is not None and cfg.enabled else None
+    st = frontend_state()
+    return st.config if st.enabled else None
 
 
 _DISABLED = "steering is not enabled on this server"
@@ -106,13 +64,11 @@ _DISABLED = "steering is not enabled on this server"
 
 @router.get("/v1/steer-presets")
 async def list_presets(raw: Request):
-    from vllm_steer.integrations.engine import presets
-
     cfg = _config()
     if cfg is None:
         return _error(404, _DISABLED, "NotFoundError")
-    knew = sorted(presets.view())  # this process's view, before reading the table
-    runtime = await presets.refresh() if cfg.enable_updates else {}
+    knew = sorted(frontend_state().presets_view())  # this process's view, before reading
+    runtime = await refresh_presets() if cfg.enable_updates else {}
     return JSONResponse({"object": "list",
                          "data": [{"name": n, "steer": dict(m), "source": "--steer-preset"}
                                   for n, m in cfg.presets.items()]
@@ -138,8 +94,6 @@ def _updates_refused(cfg) -> JSONResponse | None:
 
 def _reserved(raw: Request, cfg) -> dict[str, str]:
     """Model names a new preset may not take, as this API server knows them."""
-    from vllm_steer.integrations.engine import presets
-
     out: dict[str, str] = {}
     models = getattr(raw.app.state, "openai_serving_models", None)
     for b in getattr(models, "base_model_paths", None) or ():
@@ -148,7 +102,7 @@ def _reserved(raw: Request, cfg) -> dict[str, str]:
         out[n] = "a LoRA adapter"
     out.update({n: "a preset set by --steer-preset" for n in cfg.presets})
     out.update({n: "a preset added at run time (DELETE /v1/steer-presets/"
-                f"{n} first to replace it)" for n in presets.view()})
+                f"{n} first to replace it)" for n in frontend_state().presets_view()})
     return out
 
 
@@ -157,9 +111,7 @@ async def add_preset(raw: Request):
     import json
     import uuid
 
-    from vllm_steer.integrations.engine import presets
     from vllm_steer.policy import PolicyError, preset_from_body
-    from vllm_steer.server.steers_route import control
 
     cfg = _config()
     refused = _updates_refused(cfg)
@@ -170,7 +122,7 @@ async def add_preset(raw: Request):
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return _error(400, f"the body is not JSON ({e}); send e.g. "
                       '{"name": "polite", "steer": {"detox": 4, "sentiment": -2}}')
-    engine = presets._ENGINE
+    engine = frontend_state().engine
     if engine is None:
         return _error(503, "no engine behind this server")
     listing = await control(engine, "list")  # the steers loaded now, and the current table
@@ -191,16 +143,14 @@ async def add_preset(raw: Request):
 
 @router.delete("/v1/steer-presets/{name}")
 async def delete_preset(name: str, raw: Request):
-    from vllm_steer.integrations.engine import presets
-    from vllm_steer.server.steers_route import control
-
     cfg = _config()
     refused = _updates_refused(cfg)
     if refused is not None:
         return refused
-    if presets._ENGINE is None:
+    engine = frontend_state().engine
+    if engine is None:
         return _error(503, "no engine behind this server")
-    res = await control(presets._ENGINE, "preset_delete", name=name)
+    res = await control(engine, "preset_delete", name=name)
     if not res.get("ok"):
         return _error(res.get("status", 400), res.get("error", "refused"),
                       "NotFoundError" if res.get("status") == 404 else "BadRequestError")
@@ -220,7 +170,5 @@ class PresetsEndpoint:
         app.add_middleware(SteerHeadersMiddleware)
 
     async def init_state(self, engine_client, state, args) -> None:
-        from vllm_steer.integrations.engine import presets
-
         if engine_client is not None:
-            presets.set_engine(engine_client)
+            frontend_state().set_engine(engine_client)

@@ -11,10 +11,10 @@
 Every call reaches the engine core through vLLM's ``collective_rpc`` utility call on the
 engine client (see :mod:`vllm_steer.integrations.engine.control`), so every API-server process
 (``--api-server-count``) and every worker sees the same set; with data parallelism every
-engine core gets the call and their answers are merged (:func:`_every_engine`,
-``control.merge``). Each API server also polls the engine's list (once a second,
+engine core gets the call and their answers are merged
+(:mod:`vllm_steer.integrations.frontend.engine_client`). Each API server also polls the engine's list (once a second,
 ``VLLM_STEER_POLL_SECONDS``): it keeps the process's view of the names
-(:func:`vllm_steer.integrations.frontend.admission.loaded_names`) and the metrics
+(:class:`vllm_steer.integrations.frontend.state.FrontendState`) and the metrics
 (:mod:`vllm_steer.metrics`) current. The view may be a poll old, so with
 ``--enable-steer-updates`` a name it lacks is left to the engine core, whose refusal the
 client gets as HTTP 400 (``engine_core._hook_async_llm_generate``). The plugin adds this endpoint
@@ -31,7 +31,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from vllm_steer.integrations.engine.registry import CONTROL_METHOD
+from vllm_steer.integrations.frontend.engine_client import control
+from vllm_steer.integrations.frontend.state import frontend_state
+from vllm_steer.server.errors import error_response as _error
 from vllm_steer.logs import get_logger
 
 logger = get_logger()
@@ -49,64 +51,6 @@ class LoadSteerRequest(BaseModel):
                              "--steer-dir/NAME.safetensors).")
 
 
-def _error(status: int, message: str, type_: str = "BadRequestError") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": None,
-                                   "code": status}}, status_code=status)
-
-
-async def control(engine, op: str, **kwargs) -> dict:
-    """One control op in the engine core; refreshes this process's view of the names."""
-    from vllm_steer.integrations.frontend import admission as frontend
-
-    from vllm_steer.integrations.engine.control import merge, rollback_kwargs
-
-    answers = await _every_engine(engine, op, kwargs)
-    res = merge(op, answers)
-    if op == "load" and not res.get("ok"):
-        undo = rollback_kwargs(kwargs["name"], answers)
-        if undo is not None:  # loaded by some engine cores only: unload it from those
-            await _every_engine(engine, "rollback", undo)
-            res = {**res, "error": f"{res['error']} (data parallelism: refused by engine "
-                   f"core {res.get('engine')}; unloaded again from the "
-                   f"{len(undo['generations'])} engine core(s) that had loaded it)"}
-    if op == "preset_add" and not res.get("ok") and any(a.get("ok") for a in answers):
-        # data parallelism: added by some engine cores only: take it out of those again
-        await _every_engine(engine, "preset_rollback", {"name": kwargs["name"],
-                                                        "token": kwargs.get("token", "")})
-        res = await control(engine, "presets") | {k: res[k] for k in ("ok", "status", "error")}
-    if op.startswith("preset") or op == "list":  # the run-time presets (every answer has them)
-        from vllm_steer.integrations.engine import presets
-
-        presets.update(res)
-    if op == "list":
-        if res.get("enabled"):
-            frontend.set_loaded(s["name"] for s in res["steers"] if s["state"] != "draining")
-            try:
-                from vllm_steer.metrics import get_metrics
-
-                get_metrics().update(res)
-            except Exception:  # metrics never break serving
-                logger.exception("vllm-steer: metrics update failed")
-    elif op in ("load", "unload"):  # refused ones too: the failure counters moved
-        await control(engine, "list")
-    return res
-
-
-async def _every_engine(engine, op: str, kwargs: dict) -> list[dict]:
-    """The op in every engine core this API server's client manages, one answer each.
-
-    vLLM's load-balancing data-parallel client sends each utility call to every engine core
-    but returns the first answer (``DPLBAsyncMPClient.call_utility_async``); its
-    ``call_utility_all_async`` (one answer per engine core, what ``collective_rpc`` runs on
-    each) gives them all. A single engine core: the same, one answer."""
-    client = getattr(engine, "engine_core", None)
-    call_all = getattr(client, "call_utility_all_async", None)
-    if call_all is None or len(getattr(client, "core_engines", ()) or ()) < 2:
-        return list(await engine.collective_rpc(CONTROL_METHOD, args=(op, kwargs)))[:1]
-    return [r[0] for r in await call_all("collective_rpc", CONTROL_METHOD, None, (op, kwargs),
-                                         None)]
-
-
 def _engine(raw: Request):
     return getattr(raw.app.state, "vllm_steer_engine_client", None)
 
@@ -116,9 +60,7 @@ async def list_steers(raw: Request):
     engine = _engine(raw)
     if engine is None:
         return _error(503, "no engine behind this server")
-    from vllm_steer.integrations.frontend import admission as frontend
-
-    admitted = sorted(frontend.loaded_names())  # this process's admission view, before refresh
+    admitted = sorted(frontend_state().loaded_names())  # this process's admission view, before refresh
     res = await control(engine, "list")
     if not res.get("enabled"):
         return _error(404, "steering is not enabled on this server", "NotFoundError")
@@ -136,9 +78,7 @@ async def list_steers(raw: Request):
 
 
 def _updates_refused() -> JSONResponse | None:
-    from vllm_steer.integrations.frontend import admission as frontend
-
-    cfg = frontend.get_config()
+    cfg = frontend_state().config
     if cfg is None or not cfg.enable_updates:
         return _error(403, "steer updates are disabled on this server; start it with "
                       "--enable-steer-updates to load and unload steers over HTTP",
@@ -148,14 +88,13 @@ def _updates_refused() -> JSONResponse | None:
 
 @router.post("/v1/steers")
 async def load_steer(body: LoadSteerRequest, raw: Request):
-    from vllm_steer.integrations.frontend import admission as frontend
     from vllm_steer.integrations.engine.registry import (SteerNameError, check_name, dir_path,
-                                                  path_inside)
+                                                         path_inside)
 
     refused = _updates_refused()
     if refused is not None:
         return refused
-    cfg = frontend.get_config()
+    cfg = frontend_state().config
     try:
         check_name(body.name)
         path = body.path

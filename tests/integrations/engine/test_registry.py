@@ -84,7 +84,7 @@ def test_served_counts_per_name_and_bound_in_reads_requests():
     assert reg.get("a").requests_served == 2
 
     class SP:
-        extra_args = {"vllm_steer_bound": {"a": [0, 1], "b": [1, 2]}}
+        extra_args = {"vllm_steer_bound": [["a", 0, 1, 5.0], ["b", 1, 2, -3.0]]}
 
     class R:
         sampling_params = SP()
@@ -120,11 +120,12 @@ def _core(index, capacity, steer_dir=None):
     from types import SimpleNamespace
 
     from vllm_steer.config import SteerServerConfig
+    from vllm_steer.integrations.engine.control import EngineSteerState
 
     cfg = SteerServerConfig(steers={}, max_steers=capacity, steer_dir=steer_dir,
                             enable_updates=True)
     return SimpleNamespace(
-        engine_index=index, _vllm_steer_state=(SteerRegistry(capacity), cfg, 64),
+        engine_index=index, vllm_steer_state=EngineSteerState(cfg, SteerRegistry(capacity), 64),
         scheduler=SimpleNamespace(requests={}),
         model_executor=SimpleNamespace(collective_rpc=lambda fn, args=(): [True]),
         vllm_config=SimpleNamespace(model_config=SimpleNamespace(model="tiny")))

@@ -8,7 +8,9 @@ import pytest
 
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.integrations.frontend import endpoints
+from vllm_steer.integrations.hooks import wrap_method
 from vllm_steer.integrations.frontend import admission as frontend
+from vllm_steer.integrations.frontend.state import frontend_state
 
 
 class _Lens:  # an endpoint the entry points found (stands for the lens plugin)
@@ -24,10 +26,10 @@ def loader():
         return [_Lens()]
 
     plugins = SimpleNamespace(load_endpoint_plugins=load_endpoint_plugins)
-    endpoints._hook_endpoint_plugins(plugins)
-    old = frontend.get_config()
+    wrap_method(plugins, "load_endpoint_plugins", endpoints.load_endpoint_plugins)
+    old = frontend_state().config
     yield plugins, calls
-    frontend.set_config(old)
+    frontend_state().reset(old)
 
 
 def _names(found):
@@ -36,18 +38,18 @@ def _names(found):
 
 def test_a_steering_server_gets_the_steers_and_presets_routes_once(loader):
     plugins, calls = loader
-    frontend.set_config(SteerServerConfig(steers={"detox": "d"}))
+    frontend_state().reset(SteerServerConfig(steers={"detox": "d"}))
     assert _names(plugins.load_endpoint_plugins(("generate",))) == [
         "vllm_steer_lens", "vllm_steer_steers", "vllm_steer_presets"]
     assert calls == [("generate",)]  # vLLM's own loader ran, with the tasks
-    endpoints._hook_endpoint_plugins(plugins)  # installing twice wraps once
+    wrap_method(plugins, "load_endpoint_plugins", endpoints.load_endpoint_plugins)  # installing twice wraps once
     assert len(plugins.load_endpoint_plugins()) == 3
 
 
 def test_a_server_without_steers_gets_only_what_vllm_found(loader):
     plugins, _ = loader
     for cfg in (None, SteerServerConfig()):
-        frontend.set_config(cfg)
+        frontend_state().reset(cfg)
         assert _names(plugins.load_endpoint_plugins()) == ["vllm_steer_lens"]
 
 
@@ -56,6 +58,6 @@ def test_an_endpoint_the_entry_points_already_brought_is_not_added_again(loader)
 
     plugins2 = SimpleNamespace(load_endpoint_plugins=lambda supported_tasks=None: [
         PresetsEndpoint()])
-    endpoints._hook_endpoint_plugins(plugins2)
-    frontend.set_config(SteerServerConfig(steers={"detox": "d"}))
+    wrap_method(plugins2, "load_endpoint_plugins", endpoints.load_endpoint_plugins)
+    frontend_state().reset(SteerServerConfig(steers={"detox": "d"}))
     assert _names(plugins2.load_endpoint_plugins()) == ["vllm_steer_presets", "vllm_steer_steers"]

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from vllm_steer.config import SteerServerConfig  # noqa: E402
 from vllm_steer.integrations.frontend import admission as frontend
+from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.integrations import hooks
 from vllm_steer.integrations import plugin
 from vllm_steer.integrations.frontend import request_field  # noqa: E402
@@ -43,11 +44,11 @@ def app():
 
 @pytest.fixture
 def client(app):
-    old = frontend.get_config()
-    frontend.set_config(SteerServerConfig(steers={"detox": "d", "sentiment": "s"},
+    old = frontend_state().config
+    frontend_state().reset(SteerServerConfig(steers={"detox": "d", "sentiment": "s"},
                                           max_strength=20))
     yield TestClient(app)
-    frontend.set_config(old)
+    frontend_state().reset(old)
 
 
 def post(client, body, route="/v1/completions"):
@@ -57,11 +58,20 @@ def post(client, body, route="/v1/completions"):
 
 
 def test_good_steer_reaches_the_sampling_params(client):
+    """The steers reach ``extra_args["steer"]`` parsed, in their versioned serialised form (the
+    engine decodes it; nothing downstream parses the grammar again), from either field."""
+    from vllm_steer.request import WIRE_KEY, WIRE_VERSION, SteerRequest
+
     r = post(client, {"steer": {"detox": 5}})
     assert r.status_code == 200, r.text
-    assert r.json()["extra_args"] == {"steer": {"detox": 5}}
+    wire = r.json()["extra_args"]["steer"]
+    assert wire[WIRE_KEY] == WIRE_VERSION
+    assert SteerRequest.from_value(wire).named == {"detox": 5.0}
     r = post(client, {"vllm_xargs": {"steer": "detox:5,sentiment:-3"}})
-    assert r.status_code == 200 and r.json()["extra_args"] == {"steer": "detox:5,sentiment:-3"}
+    assert r.status_code == 200, r.text
+    assert list(r.json()["extra_args"]) == ["steer"]
+    assert SteerRequest.from_value(r.json()["extra_args"]["steer"]).named == \
+        {"detox": 5.0, "sentiment": -3.0}
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
@@ -91,10 +101,10 @@ def test_unknown_name_is_echoed_only_as_a_prefix(client):
 
 
 def test_server_without_steers(app):
-    old = frontend.get_config()
+    old = frontend_state().config
     try:
         for cfg in (None, SteerServerConfig()):
-            frontend.set_config(cfg)
+            frontend_state().reset(cfg)
             c = TestClient(app)
             for value in ({"detox": 5}, {"detox": int("9" * 400)}, {"detox": "x"}):
                 r = post(c, {"steer": value})
@@ -102,14 +112,14 @@ def test_server_without_steers(app):
                 assert "this server has no steers loaded" in r.json()["error"]["message"]
             assert post(c, {"steer": {"detox": 0}}).status_code == 200
     finally:
-        frontend.set_config(old)
+        frontend_state().reset(old)
 
 
 def test_a_new_engine_configuration_forgets_run_time_loads_of_the_last_one():
     # Offline, several engines can live in one process one after the other: steers loaded at
     # run time into an earlier one must not stand in for the next engine's --steer names.
-    frontend.set_config(SteerServerConfig(steers={"a": "a.safetensors"}))
-    frontend.set_loaded(["x"])  # e.g. vllm_steer.offline.load_steer on the first engine
-    frontend.set_config(SteerServerConfig(steers={"a": "a.safetensors"}))
-    assert frontend.check_value({"a": 2}) == {"a": 2.0}
-    frontend.set_config(None)
+    frontend_state().reset(SteerServerConfig(steers={"a": "a.safetensors"}))
+    frontend_state().set_loaded(["x"])  # e.g. vllm_steer.offline.load_steer on the first engine
+    frontend_state().reset(SteerServerConfig(steers={"a": "a.safetensors"}))
+    assert frontend.check_value({"a": 2}).strengths == {"a": 2.0}
+    frontend_state().reset(None)

@@ -36,7 +36,7 @@ def test_engine_config_installs_the_v1_logits_processor(registered, tiny_model_d
     save_steer(p, random_steer(64, 4, "a"))
     cfg = _engine_config(tiny_model_dir, {"a": str(p)})
     assert cfg.model_config.logits_processors == [
-        "vllm_steer.integrations.worker.v1:SteerLogitsProcessorV1"]
+        "vllm_steer.integrations.processors:SteerLogitsProcessorV1"]
 
 
 def _bad_files(tmp_path):
@@ -124,7 +124,7 @@ def test_speculative_decoding_ngram_and_draft_model_are_accepted(registered, tin
         cfg = _engine_config(tiny_model_dir, {"a": str(p)}, speculative_config=spec)
         assert cfg.speculative_config.method == spec["method"]
         assert cfg.model_config.logits_processors == [
-            "vllm_steer.integrations.worker.v1:SteerLogitsProcessorV1"]
+            "vllm_steer.integrations.processors:SteerLogitsProcessorV1"]
 
 
 def _vllm(*args, timeout=240):

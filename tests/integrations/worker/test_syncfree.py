@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from conftest import random_steer
-from vllm_steer.config import SteerServerConfig, Window
+from vllm_steer.config import SteerServerConfig
+from vllm_steer.request import Window
 from vllm_steer.format import make_steer, save_steer
 from vllm_steer.integrations.worker.runtime import RowSource, SteerRuntime
 from vllm_steer.reference import steer_coefficients, steer_reference
@@ -368,26 +369,21 @@ def test_windows_cost_nothing_without_them_and_replan_only_on_change(tmp_path, m
     assert len(plans) == 2  # t = 0 (half strength) and t = 1 (full); then unchanged
 
 
-def test_request_windows_reach_the_slot(tmp_path, monkeypatch):
-    """``coef_windows`` turns a request's windows (``config.request_windows``) into per-slot
-    windows; steers given as numbers beside them stay constant."""
-    import vllm_steer.config as cfgmod
+def test_request_windows_reach_the_slot(tmp_path):
+    """``coef_windows`` turns a request's bound windows into per-slot windows; steers given as
+    numbers beside them stay constant."""
+    from conftest import bound_extra
 
-    if not hasattr(cfgmod, "request_windows"):  # the parser lands with the request side
-        def request_windows(value):
-            return {n: Window(**v) for n, v in value.items() if isinstance(v, dict)}
-
-        monkeypatch.setattr(cfgmod, "request_windows", request_windows, raising=False)
-        monkeypatch.setattr("vllm_steer.integrations.worker.runtime.parse_request_steer",
-                            lambda v, known, m: {n: (x["strength"] if isinstance(x, dict)
-                                                     else x) for n, x in v.items()})
     rt = _runtime(tmp_path)
-    params = _Params({"a": {"strength": 4, "start": 1, "end": 3}, "b": 2})
+    params = _Params(None)
+    params.extra_args = bound_extra(rt.names, {"a": {"strength": 4, "start": 1, "end": 3},
+                                               "b": 2})
     wins = rt.coef_windows(params)
     ja, jb = rt.names.index("a"), rt.names.index("b")
     assert wins[ja].start == 1 and wins[ja].end == 3 and wins[ja].strength == 4
     assert wins[jb].at(0) == wins[jb].at(100) == wins[jb].base == 2
-    assert rt.coef_windows(_Params({"a": 3})) is None
+    params.extra_args = bound_extra(rt.names, {"a": 3})
+    assert rt.coef_windows(params) is None
 
 
 # ---- CUDA: the same steps under sync debug mode ---------------------------------------------
@@ -435,7 +431,7 @@ def test_cuda_steps_do_not_sync(tmp_path, backend, source):
         results.append((out, h, rows))
     assert len(results) == 6
     for out, h, rows in results:
-        want = steer_reference(h, rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+        want = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
                                torch.tensor(np.stack(rows), dtype=torch.float32))
         torch.testing.assert_close(out.cpu(), want, atol=2e-3, rtol=2e-3)
 

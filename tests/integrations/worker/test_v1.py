@@ -10,7 +10,9 @@ pytest.importorskip("vllm")
 from vllm.v1.sample.logits_processor import LogitsProcessor, LogitsProcessors  # noqa: E402
 from vllm.v1.worker.gpu_input_batch import InputBatch  # noqa: E402
 
-from vllm_steer.integrations.worker.v1 import SteerLogitsProcessorV1, relax_output_token_ids  # noqa
+from vllm_steer.integrations.hooks import wrap_method  # noqa: E402
+from vllm_steer.integrations.processors import SteerLogitsProcessorV1  # noqa: E402
+from vllm_steer.integrations.worker.v1 import input_batch_init  # noqa: E402
 
 
 class _Proc(LogitsProcessor):
@@ -40,8 +42,8 @@ def _batch(procs):
 
 def test_output_token_ids_not_tracked_for_processors_that_do_not_read_them():
     assert SteerLogitsProcessorV1.needs_output_token_ids is False
-    relax_output_token_ids(InputBatch)
-    relax_output_token_ids(InputBatch)  # idempotent: wrapped once
+    wrap_method(InputBatch, "__init__", input_batch_init)
+    wrap_method(InputBatch, "__init__", input_batch_init)  # idempotent: wrapped once
     assert getattr(InputBatch.__init__, "_vllm_steer", False)
     # only processors declaring they never read output ids: tracking off
     assert _batch([_Quiet()]).logitsprocs_need_output_token_ids is False

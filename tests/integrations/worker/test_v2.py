@@ -20,7 +20,7 @@ from conftest import random_steer, v2_runner_env
 from vllm_steer.format import save_steer
 from vllm_steer.reference import steer_reference
 
-V2_FQCN = "vllm_steer.integrations.worker.v2:SteerLogitsProcessorV2"
+V2_FQCN = "vllm_steer.integrations.processors:SteerLogitsProcessorV2"
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +60,13 @@ def processor(vllm_config):
 
 
 def _params(steer=None):
+    """A request's params as they reach the worker: the steers bound by the engine core to the
+    fixture's runtime (steers a, b in slots 0, 1)."""
     from vllm import SamplingParams
 
-    return SamplingParams(extra_args=None if steer is None else {"steer": steer})
+    from conftest import bound_extra
+
+    return SamplingParams(extra_args=bound_extra(["a", "b"], steer) or None)
 
 
 def test_v2_loader_accepts_the_processor_and_validator_rejects_bad_requests(vllm_config):
@@ -71,7 +75,7 @@ def test_v2_loader_accepts_the_processor_and_validator_rejects_bad_requests(vllm
         LogitsProcessor, build_custom_logits_processors_params_validator,
     )
 
-    from vllm_steer.integrations.worker.v2 import SteerLogitsProcessorV2
+    from vllm_steer.integrations.processors import SteerLogitsProcessorV2
 
     assert issubclass(SteerLogitsProcessorV2, LogitsProcessor)
     validate = build_custom_logits_processors_params_validator([V2_FQCN])
@@ -98,7 +102,8 @@ def test_slots_are_fully_reset_when_reused(processor):
 def test_wrapped_sample_maps_rows_to_slots_through_expanded_idx_mapping(processor, vllm_config):
     from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 
-    from vllm_steer.integrations.worker.v2 import wrap_sample
+    from vllm_steer.integrations.hooks import wrap_method
+    from vllm_steer.integrations.worker import v2
 
     rt = processor.runtime
     assert rt.backend == "torch"  # resolved (kernels imported) at load, not in a request's step
@@ -116,7 +121,7 @@ def test_wrapped_sample_maps_rows_to_slots_through_expanded_idx_mapping(processo
             return rt.steer_rows(hidden_states)
 
     Runner.vllm_config = vllm_config
-    wrap_sample(Runner)
+    wrap_method(Runner, "sample", v2.sample)
     h = torch.randn(3, 64)
     out = Runner().sample(h, batch, None)
     coefs = torch.zeros(3, rt.num_columns)  # one column per steer slot: a, b first
@@ -134,7 +139,8 @@ def test_a_finished_requests_stale_slot_costs_no_steer_work(processor, vllm_conf
     does not contain that slot must not run the steer op."""
     from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 
-    from vllm_steer.integrations.worker.v2 import wrap_sample
+    from vllm_steer.integrations.hooks import wrap_method
+    from vllm_steer.integrations.worker import v2
 
     rt = processor.runtime
     processor.add_request(6, _params({"a": 4}))  # finished; slot 6 not reused yet
@@ -150,7 +156,7 @@ def test_a_finished_requests_stale_slot_costs_no_steer_work(processor, vllm_conf
             return rt.steer_rows(hidden_states)
 
     Runner.vllm_config = vllm_config
-    wrap_sample(Runner)
+    wrap_method(Runner, "sample", v2.sample)
     calls = rt.stats.calls
     h = torch.randn(1, 64)
     assert torch.equal(Runner().sample(h, batch, None), h)
@@ -158,7 +164,7 @@ def test_a_finished_requests_stale_slot_costs_no_steer_work(processor, vllm_conf
     batch.idx_mapping_np = np.array([1, 6])  # the steered slot is in the step again: steered
     batch.expanded_idx_mapping = torch.tensor([1, 6])
     Runner.sample = lambda self, hs, ib, go: rt.steer_rows(hs)
-    wrap_sample(Runner)
+    wrap_method(Runner, "sample", v2.sample)
     h = torch.randn(2, 64)
     out = Runner().sample(h, batch, None)
     assert rt.stats.calls == calls + 1 and torch.equal(out[0], h[0]) and not torch.equal(out[1], h[1])
@@ -172,7 +178,8 @@ from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu.sample.batch_shard import BatchSharder
 from vllm_steer.integrations.worker.runtime import RowSource, get_runtime
-from vllm_steer.integrations.worker.v2 import wrap_sample
+from vllm_steer.integrations.hooks import wrap_method  # noqa: E402
+from vllm_steer.integrations.worker import v2  # noqa: E402
 
 steers, out_path = sys.argv[1].split(","), sys.argv[2]
 cfg = types.SimpleNamespace(additional_config={"vllm_steer": {"steers": {
@@ -210,7 +217,7 @@ class Model:
 
 runner = object.__new__(GPUModelRunner)
 runner.vllm_config, runner.batch_sharder, runner.model = cfg, sharder, Model()
-wrap_sample(GPUModelRunner)
+wrap_method(GPUModelRunner, "sample", v2.sample)
 hidden = torch.randn(10, 64, generator=torch.Generator().manual_seed(0))
 try:
     GPUModelRunner.sample(runner, hidden, batch, None)

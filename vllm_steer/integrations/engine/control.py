@@ -36,12 +36,13 @@ utility call to every one of them: :func:`merge` makes one answer of theirs.
 
 from __future__ import annotations
 
-import math
 import os
 import time
-from typing import Any
+from dataclasses import dataclass, field
 
 from vllm_steer import REQUEST_FIELD
+from vllm_steer.config import SteerServerConfig
+from vllm_steer.integrations.engine.presets import PresetTable
 from vllm_steer.integrations.engine.registry import (BOUND_KEY, SteerCapacityError, SteerEntry,
                                               SteerNameError, SteerRegistry, bound_in,
                                               check_name, dir_path)
@@ -55,35 +56,40 @@ class SteerAdmissionError(ValueError):
 
 
 # ---- engine core -------------------------------------------------------------------------
-def _state(core):
-    """``(registry, config, hidden_size)`` of this engine core, created on first use."""
-    st = getattr(core, "_vllm_steer_state", None)
+@dataclass
+class EngineSteerState:
+    """The engine core's steer state, one per ``EngineCore`` (:func:`engine_state`)."""
+
+    config: SteerServerConfig | None
+    """This engine's steer configuration (None: it does not steer)."""
+    registry: SteerRegistry | None
+    """Which steers are loaded, in which slot and generation (None: steering is off)."""
+    hidden_size: int
+    """The LM head's input size: what a steer must fit."""
+    presets: PresetTable = field(default_factory=PresetTable)
+    """The run-time preset table (``POST /v1/steer-presets``)."""
+
+
+def engine_state(core) -> EngineSteerState:
+    """This engine core's :class:`EngineSteerState`, created on first use (the one accessor)."""
+    st = getattr(core, "vllm_steer_state", None)
     if st is not None:
         return st
-    from vllm_steer.config import SteerServerConfig
     from vllm_steer.format import read_metadata
+    from vllm_steer.integrations.families import head_input_size
 
     cfg = SteerServerConfig.from_additional_config(core.vllm_config.additional_config)
     if cfg is None or not cfg.enabled:
-        st = (None, cfg, 0)
+        st = EngineSteerState(cfg, None, 0)
     else:
         reg = SteerRegistry(cfg.capacity)
         for slot, (name, path) in enumerate(cfg.steers.items()):  # as the workers number them
             reg.commit(SteerEntry.from_metadata(name, path, read_metadata(path),
                                                 reg.new_generation(), slot, "--steer"))
         reg.counters["loads"] = 0  # start-up steers are not run-time loads
-        st = (reg, cfg, _head_input_size(core.vllm_config.model_config))
-    core._vllm_steer_state = st
+        st = EngineSteerState(cfg, reg, head_input_size(core.vllm_config.model_config))
+    core.vllm_steer_state = st
     return st
-
-
-def _head_input_size(mc) -> int:
-    """What the steers act on: the LM head's input size (the hidden size for most models)."""
-    try:
-        from vllm_steer.integrations.families import head_input_size
-    except ImportError:
-        return mc.get_hidden_size()
-    return head_input_size(mc)
 
 
 def _in_use(core) -> set[tuple[int, int]]:
@@ -91,6 +97,8 @@ def _in_use(core) -> set[tuple[int, int]]:
 
 
 def _workers(core, *args) -> list:
+    from vllm_steer.integrations.worker.management import worker_op
+
     return core.model_executor.collective_rpc(worker_op, args=args)
 
 
@@ -104,7 +112,8 @@ def handle(core, op: str, kwargs: dict | None = None) -> dict:
 
 
 def _handle(core, op: str, kwargs: dict | None = None) -> dict:
-    reg, cfg, hidden = _state(core)
+    st = engine_state(core)
+    reg, cfg = st.registry, st.config
     kwargs = dict(kwargs or {})
     if reg is None:
         if op == "list":
@@ -122,7 +131,7 @@ def _handle(core, op: str, kwargs: dict | None = None) -> dict:
                 "stats": {**reg.stats(), "op": op_totals(workers)},
                 "workers": workers, "steer_dir": cfg.steer_dir,
                 "enable_updates": cfg.enable_updates, "updates_any_path": cfg.updates_any_path,
-                **_presets(core).snapshot()}
+                **st.presets.snapshot()}
     if op == "load":
         existing = reg.get(kwargs["name"])
         if kwargs.get("source") == "steer-dir" and existing is not None:  # first use raced
@@ -155,21 +164,11 @@ def _handle(core, op: str, kwargs: dict | None = None) -> dict:
     return _error(400, f"unknown steer control op {op!r}")
 
 
-def _presets(core):
-    """This engine core's run-time preset table (:mod:`vllm_steer.integrations.engine.presets`)."""
-    table = getattr(core, "_vllm_steer_presets", None)
-    if table is None:
-        from vllm_steer.integrations.engine.presets import PresetTable
-
-        table = core._vllm_steer_presets = PresetTable()
-    return table
-
-
 def _preset_op(core, cfg, op: str, kwargs: dict) -> dict:
     """``presets`` (read the table), ``preset_add`` ``{"name", "steer", "token"}`` (checked
     by the API server; here only the name, atomically), ``preset_delete`` ``{"name"}``,
     ``preset_rollback`` ``{"name", "token"}``."""
-    table = _presets(core)
+    table = engine_state(core).presets
     if op == "presets":
         return {"ok": True, **table.snapshot()}
     if op == "preset_add":
@@ -287,7 +286,8 @@ def load(core, name: str, path: str, source: str) -> dict:
     """Check ``path`` like at start-up, pick a slot, put the factors on every worker, bind."""
     from vllm_steer.format import SteerFileError, load_steer
 
-    reg, cfg, hidden = _state(core)
+    st = engine_state(core)
+    reg, cfg, hidden = st.registry, st.config, st.hidden_size
     t0 = time.perf_counter()
     try:
         check_name(name)
@@ -326,12 +326,20 @@ def load(core, name: str, path: str, source: str) -> dict:
             "load_ms": ms}
 
 
-def bind_request(core, request) -> None:
-    """Admission in the engine core: bind the request's steers to ``(slot, generation)``.
+def admit(core, request) -> None:
+    """Admission in the engine core (the one place every entry point passes: HTTP,
+    ``--api-server-count``, data parallelism, offline ``LLM``): the request's steers, decoded
+    once from their serialised form, get the operator's ``--steer-default`` and
+    ``--steer-floor`` (:func:`vllm_steer.policy.resolve`), then each is bound to the
+    ``(slot, generation)`` that holds it (:class:`~vllm_steer.request.BoundSteer`, the form the
+    workers read), loading it from ``--steer-dir`` on first use.
 
     Raises :class:`SteerAdmissionError` when a named steer is not loaded (and not in
     ``--steer-dir``) or its file there is refused.
     """
+    from vllm_steer.policy import resolve
+    from vllm_steer.request import BoundSteer, SteerRequest, unknown_steer
+
     sp = getattr(request, "sampling_params", None)
     extra = getattr(sp, "extra_args", None)
     if not extra:
@@ -339,82 +347,35 @@ def bind_request(core, request) -> None:
     if BOUND_KEY in extra:  # only the engine core writes it
         extra = {k: v for k, v in extra.items() if k != BOUND_KEY}
         sp.extra_args = extra
+    st = engine_state(core)
+    reg, cfg = st.registry, st.config
     value = extra.get(REQUEST_FIELD)
-    if value is None:
+    if reg is None or (value is None and not (cfg.defaults or cfg.floors)):
         return
-    reg, cfg, _ = _state(core)
-    if reg is None:
-        return
-    from vllm_steer.config import parse_request_steer
-
     try:  # request data never raises out of the engine core: refuse this request only
-        names = [n for n, s in parse_request_steer(value, None, math.inf).items() if s]
+        steers = SteerRequest.from_value(value)
     except ValueError as e:
         raise SteerAdmissionError(str(e)) from None
-    from vllm_steer.config import _names_list
-
+    if cfg.defaults or cfg.floors:
+        steers, _ = resolve(steers, None, cfg.defaults, cfg.floors)
+    names = list(steers.strengths)
     for n in names:
         if n in reg.bound:
             continue
-        # the same messages as the API server's own check (frontend._check_unloaded)
+        # the same messages as the API server's own check (frontend.admission)
         if not cfg.steer_dir:
-            raise SteerAdmissionError(f"steer: unknown steer {n!r}; loaded steers: "
-                                      f"{_names_list(reg.names())}")
+            raise SteerAdmissionError(unknown_steer(REQUEST_FIELD, n, reg.names()))
         try:
             path = dir_path(cfg.steer_dir, n)
         except SteerNameError as e:
-            raise SteerAdmissionError(f"steer: {e}") from None
+            raise SteerAdmissionError(f"{REQUEST_FIELD}: {e}") from None
         if not os.path.isfile(path):
-            raise SteerAdmissionError(f"steer: unknown steer {n!r}: not loaded (loaded: "
-                                      f"{_names_list(reg.names())}) and no file "
-                                      f"{n}.safetensors in --steer-dir {cfg.steer_dir}")
+            raise SteerAdmissionError(unknown_steer(REQUEST_FIELD, n, reg.names(),
+                                                    cfg.steer_dir))
         res = load(core, n, path, "steer-dir")
         if not res["ok"]:
-            raise SteerAdmissionError(f"steer: {res['error']}")
-    sp.extra_args = {**extra, BOUND_KEY: reg.bind(names)}
-
-
-def apply_policy(core, request) -> None:
-    """Admission in the engine core, before :func:`bind_request`: apply the operator's
-    ``--steer-default`` and ``--steer-floor`` to the request's steers (the one place every
-    entry point passes: HTTP, ``--api-server-count``, data parallelism, offline ``LLM``).
-    Semantics: :func:`vllm_steer.policy.resolve` (idempotent: the value it writes keeps the
-    request's zeros, so resolving it again changes nothing). Host-side, once per request."""
-    _, cfg, _ = _state(core)
-    if cfg is None or not (cfg.defaults or cfg.floors):
-        return
-    from vllm_steer.policy import resolve
-
-    sp = getattr(request, "sampling_params", None)
-    if sp is None:
-        return
-    extra = dict(getattr(sp, "extra_args", None) or {})
-    values, _ = resolve(extra.get(REQUEST_FIELD), None, cfg.defaults, cfg.floors)
-    extra[REQUEST_FIELD] = values
-    sp.extra_args = extra
-
-
-# ---- workers -----------------------------------------------------------------------------
-def worker_op(worker, op: str, *args) -> Any:
-    """Runs in every worker (``collective_rpc`` with a callable): change or report slots."""
-    from vllm_steer.integrations.worker.runtime import get_runtime
-
-    rt = get_runtime(worker.vllm_config.additional_config)
-    if rt is None:
-        return None
-    if op == "put":
-        slot, gen, name, steer = args
-        if rt.bank is None:  # no LM head in this worker (an earlier pipeline stage): no steers
-            return False
-        rt.put_steer(slot, gen, name, steer)
-        return True
-    if op == "drop":
-        rt.drop_slots(args[0])
-        return True
-    if op == "stats":
-        bank = rt.bank
-        return {"op_seconds": rt.stats.seconds, "op_calls": rt.stats.calls,
-                "slots": [] if bank is None else
-                [[i, g, n] for i, (g, n) in enumerate(zip(bank.generations, bank.names))
-                 if n is not None]}
-    raise ValueError(f"unknown steer worker op {op!r}")
+            raise SteerAdmissionError(f"{REQUEST_FIELD}: {res['error']}")
+    slots = reg.bind(names)
+    values = steers.named
+    bound = [BoundSteer(n, *slots[n], values[n]) for n in names]
+    sp.extra_args = {**extra, REQUEST_FIELD: steers.to_wire(), BOUND_KEY: BoundSteer.to_wire(bound)}

@@ -8,28 +8,28 @@ Design (docs/serving.md, "Presets at run time"):
   ``preset_rollback``; with data parallelism every engine core holds a copy, changed by the
   same calls, and engine core 0's answer is the one read). ``--steer-preset`` presets stay in
   the configuration (every process has them, they never change).
-- **Each API server keeps a view** (:func:`view`), replaced only by a newer table
-  ``version``: from its own POST / DELETE answers and from the steers poll (the ``list`` op
-  carries the table).
+- **Each API server keeps a view**
+  (:meth:`vllm_steer.integrations.frontend.state.FrontendState.presets_view`), replaced only by
+  a newer table ``version``: from its own POST / DELETE answers and from the steers poll (the
+  ``list`` op carries the table).
 - **A name that is not static is read at the request.** When a request's ``model`` is not
   the served model, a ``--steer-preset`` preset or a LoRA adapter, the API server reads the
-  table from the engine core before vLLM's model check (:func:`refresh`, one utility call;
-  ``preset_models._hook_check_model``), and the mix it read is the one the request gets (pinned
+  table from the engine core before vLLM's model check (one utility call,
+  :func:`vllm_steer.integrations.frontend.engine_client.refresh_presets`;
+  :func:`vllm_steer.integrations.frontend.preset_models.check_model`), and the mix it read is the one the request gets (pinned
   for ``to_sampling_params``). So from the moment POST / DELETE returns on any API server, a
   request to any API server sees the change; requests naming the base model or a
   ``--steer-preset`` preset never make that call. ``/v1/models`` and ``GET
   /v1/steer-presets`` read the table too.
 
-Light: no torch, no vLLM imports at import time.
+The API server's half: :mod:`vllm_steer.integrations.frontend.preset_models`. Light: no
+torch, no vLLM imports at import time.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from vllm_steer.logs import get_logger
-
-logger = get_logger()
 
 
 # ---- engine core ---------------------------------------------------------------------------
@@ -98,48 +98,3 @@ def merge(op: str, answers: list[dict]) -> dict:
     if op == "preset_delete":
         return next((a for a in answers if a.get("ok")), answers[0])
     return answers[0]
-
-
-# ---- API server ----------------------------------------------------------------------------
-_VIEW: dict = {"version": -1, "presets": {}}
-_ENGINE: Any = None  # this API server's engine client (set by the presets endpoint plugin)
-
-
-def set_engine(engine) -> None:
-    """This API server's engine client (a new engine: a new table, the view starts over)."""
-    global _ENGINE
-    _ENGINE = engine
-    reset()
-
-
-def view() -> dict[str, dict[str, float]]:
-    """The run-time presets as this process last read them."""
-    return dict(_VIEW["presets"])
-
-
-def update(answer: Mapping[str, Any] | None) -> None:
-    """Take the table from an engine-core answer if it is newer than the view."""
-    if not answer or "version" not in answer or not isinstance(answer.get("presets"), Mapping):
-        return
-    if answer["version"] >= _VIEW["version"]:
-        _VIEW["version"] = answer["version"]
-        _VIEW["presets"] = {n: dict(m) for n, m in answer["presets"].items()}
-
-
-def reset() -> None:
-    """Forget the view (a new engine in this process)."""
-    _VIEW.update(version=-1, presets={})
-
-
-async def refresh(engine=None) -> dict[str, dict[str, float]]:
-    """Read the table from the engine core (one utility call) into the view; returns the
-    view. Without an engine client (offline), or if the call fails, the view as it is."""
-    engine = engine if engine is not None else _ENGINE
-    if engine is not None:
-        from vllm_steer.server.steers_route import control
-
-        try:
-            await control(engine, "presets")
-        except Exception as e:  # the engine is shutting down: the request fails anyway
-            logger.debug("vllm-steer: reading the run-time presets failed: %s", e)
-    return view()

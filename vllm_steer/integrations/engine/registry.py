@@ -29,8 +29,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-#: ``SamplingParams.extra_args`` key the engine core writes: ``{name: [slot, generation]}``.
-BOUND_KEY = "vllm_steer_bound"
+from vllm_steer.request import BOUND_KEY
+
 #: ``collective_rpc`` method name the plugin's engine-core hook answers (see ``control``).
 CONTROL_METHOD = "vllm_steer_control"
 #: ``stop_reason`` prefix of the error output the engine core sends for a request whose steer
@@ -250,7 +250,7 @@ def bound_in(requests: Iterable[Any]) -> set[tuple[int, int]]:
     for r in requests:
         sp = getattr(r, "sampling_params", None)
         extra = getattr(sp, "extra_args", None) or {}
-        for slot, gen in (extra.get(BOUND_KEY) or {}).values():
+        for _name, slot, gen, _value in extra.get(BOUND_KEY) or ():
             used.add((int(slot), int(gen)))
     return used
 

@@ -1,60 +1,44 @@
-"""What the frontend (API server / ``LLM``) process knows of the steers: names and limits,
-read from the steer files' metadata only (no torch). Used to reject bad requests: when an
-OpenAI request body is parsed (:func:`check_request_fields`, a pydantic validator on the
-request models, so streaming and non-streaming requests get HTTP 400 before anything is
-sent) and again at admission (:func:`validate`, ``validate_params`` of our processor).
+"""Admission in the frontend (API server / ``LLM`` process): where a request's ``steer`` value
+enters the process and is parsed, once, into a :class:`~vllm_steer.request.SteerRequest`.
+
+Two entries, one parse each (whichever a request meets first; the other then decodes the
+serialised form the first wrote back into the value, :meth:`SteerRequest.to_wire`):
+
+- the OpenAI request body's validator (:func:`check_request_fields`, a pydantic validator on
+  the request models, so streaming and non-streaming requests get HTTP 400 before anything
+  is sent);
+- admission in vLLM's ``InputProcessor`` (:func:`validate`, ``validate_params`` of our logits
+  processor): offline ``SamplingParams(extra_args={"steer": ...})`` and ``vllm_xargs`` enter
+  here.
+
+The names a request may use, the limits and the ``--steer-dir`` files are checked against
+what this process knows (:func:`~vllm_steer.integrations.frontend.state.frontend_state`);
+only the header of a steer file is read (no torch).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
 from vllm_steer import REQUEST_FIELD
-from vllm_steer.config import SteerRequestError, SteerServerConfig, parse_request_steer
-
-_CONFIG: SteerServerConfig | None = None
-
-
-def set_config(config: SteerServerConfig | None) -> None:
-    """A new engine configuration for this process: it starts from its own ``--steer``
-    names (run-time loads of an earlier engine in the same process are forgotten)."""
-    global _CONFIG, _LOADED
-    _CONFIG = config
-    _LOADED = None
+from vllm_steer.integrations.engine.registry import SteerNameError, dir_path, name_problem
+from vllm_steer.integrations.frontend.state import frontend_state
+from vllm_steer.request import SteerRequest, SteerRequestError, is_wire, unknown_steer
 
 
-def get_config() -> SteerServerConfig | None:
-    return _CONFIG
-
-
-# Names of the steers the engine serves, as this process last heard (run-time loading: the
-# steers route refreshes it from the engine core; None: the configured --steer names).
-_LOADED: set[str] | None = None
-
-
-def set_loaded(names) -> None:
-    global _LOADED
-    _LOADED = None if names is None else set(names)
-
-
-def loaded_names() -> set[str]:
-    if _LOADED is not None:
-        return set(_LOADED)
-    return set(_CONFIG.steers) if _CONFIG is not None else set()
-
-
-def _check_unloaded(value: Any, cfg: SteerServerConfig, where: str = REQUEST_FIELD) -> dict:
+def _check_unloaded(request: SteerRequest, where: str = REQUEST_FIELD) -> dict:
     """Names the request uses that are not loaded: fine if ``--steer-dir`` has them (loaded on
-    first use by the engine core), else a SteerRequestError naming the directory."""
-    from vllm_steer.integrations.engine.registry import SteerNameError, dir_path, name_problem
+    first use by the engine core), else a SteerRequestError naming the directory. Returns the
+    names the request may use."""
+    from vllm_steer.format import SteerFileError, read_metadata
 
-    from vllm_steer.config import _names_list
-
-    loaded = loaded_names()
-    strengths = parse_request_steer(value, None, cfg.max_strength, where)
+    st = frontend_state()
+    cfg = st.config
+    loaded = st.loaded_names()
     known = {n: True for n in loaded}
-    for name in strengths:
+    for name in request.strengths:
         if name in loaded:
             continue
         if cfg.enable_updates and not name_problem(name) and not (
@@ -63,12 +47,11 @@ def _check_unloaded(value: Any, cfg: SteerServerConfig, where: str = REQUEST_FIE
             # POST / DELETE (through any API server) change the names at any moment, and this
             # process's view may be a poll old: the engine core, which holds the one registry,
             # decides; it refuses an unknown name with this same message (HTTP 400 through
-            # engine_core._hook_async_llm_generate), so no API server refuses a just-loaded steer
+            # frontend.async_llm), so no API server refuses a just-loaded steer
             known[name] = True
             continue
         if not cfg.steer_dir:
-            raise SteerRequestError(f"{where}: unknown steer {name!r}; loaded steers: "
-                                    f"{_names_list(loaded)}")
+            raise SteerRequestError(unknown_steer(where, name, loaded))
         problem = name_problem(name)
         try:
             path = None if problem else dir_path(cfg.steer_dir, name)
@@ -77,114 +60,101 @@ def _check_unloaded(value: Any, cfg: SteerServerConfig, where: str = REQUEST_FIE
         if problem:
             raise SteerRequestError(f"{where}: {problem}")
         if not os.path.isfile(path):
-            raise SteerRequestError(f"{where}: unknown steer {name!r}: not loaded "
-                                    f"(loaded: {_names_list(loaded)}) and no file "
-                                    f"{name}.safetensors in "
-                                    f"--steer-dir {cfg.steer_dir}")
-        from vllm_steer.format import SteerFileError, read_metadata
-
+            raise SteerRequestError(unknown_steer(where, name, loaded, cfg.steer_dir))
         try:  # the header only (no torch): what can be refused before the engine loads it
             meta = read_metadata(path)
         except SteerFileError as e:
             raise SteerRequestError(f"{where}: steer {name!r} in --steer-dir: "
                                     + " ".join(str(e).split())[:1000]) from None
-        if _HIDDEN and meta.hidden_size != _HIDDEN:
+        if st.hidden_size and meta.hidden_size != st.hidden_size:
             raise SteerRequestError(f"{where}: steer {name!r} ({path}) has hidden size "
-                                    f"{meta.hidden_size} but the model has {_HIDDEN}")
+                                    f"{meta.hidden_size} but the model has {st.hidden_size}")
         known[name] = True
     return known
 
 
-_HIDDEN = 0  # the served model's hidden size (checked for --steer-dir files at admission)
+def check_value(value: Any, where: str = REQUEST_FIELD) -> SteerRequest:
+    """Parse a request's steer value against this server's steers and limits: the one parse
+    of the frontend (a serialised form, already parsed in this process, is decoded).
 
-
-def set_model_hidden_size(hidden: int) -> None:
-    global _HIDDEN
-    _HIDDEN = int(hidden or 0)
-
-
-def check_value(value: Any, where: str = REQUEST_FIELD) -> dict[str, float]:
-    """Parse a request's steer value against this server's steers and limits.
-
-    Returns name -> strength (zeros dropped); raises :class:`SteerRequestError`. A server
-    without steers accepts only values whose strengths are all 0.
+    Raises :class:`SteerRequestError`. A server without steers accepts only values whose
+    strengths are all 0.
     """
-    cfg = _CONFIG
+    if is_wire(value):
+        return SteerRequest.from_wire(value, where)
+    st = frontend_state()
+    cfg = st.config
     if cfg is not None and cfg.enabled and (cfg.steer_dir or cfg.enable_updates
-                                            or _LOADED is not None):  # steers come and go
-        return parse_request_steer(value, _check_unloaded(value, cfg, where), cfg.max_strength,
-                                   where)
+                                            or st.loaded is not None):  # steers come and go
+        request = SteerRequest.parse(value, None, cfg.max_strength, where)  # names, limits
+        _check_unloaded(request, where)
+        return request
     if cfg is None or not cfg.steers:
         try:
-            if not parse_request_steer(value, None, float("inf"), where):
-                return {}  # well-formed and only zero strengths: nothing to steer
+            request = SteerRequest.parse(value, None, float("inf"), where)
+            if not request:
+                return request  # well-formed and only zero strengths: nothing to steer
         except SteerRequestError:
             pass  # whatever is wrong with it, no steer can be applied here
         raise SteerRequestError(f"{where}: this server has no steers loaded (start it "
                                 "with `vllm serve MODEL --steer NAME=PATH`)")
-    return parse_request_steer(value, cfg.steers, cfg.max_strength, where)
+    return SteerRequest.parse(value, cfg.steers, cfg.max_strength, where)
 
 
+@functools.cache
 def _field_error_class():
     """``SteerRequestError`` that vLLM also reads as a ``VLLMValidationError`` with
     ``param: "steer"`` (pydantic turns only ``ValueError`` into a validation error)."""
-    global _FIELD_ERROR
-    if _FIELD_ERROR is None:
-        try:
-            from vllm.exceptions import VLLMValidationError
-        except ImportError:  # older vLLM: a ValueError is a 400 too
-            _FIELD_ERROR = SteerRequestError
-        else:
-            class SteerFieldError(SteerRequestError, VLLMValidationError):
-                def __init__(self, message: str):
-                    VLLMValidationError.__init__(self, message, parameter=REQUEST_FIELD)
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:  # older vLLM: a ValueError is a 400 too
+        return SteerRequestError
 
-                def __str__(self) -> str:
-                    return str(self.args[0]) if self.args else ""
+    class SteerFieldError(SteerRequestError, VLLMValidationError):
+        def __init__(self, message: str):
+            VLLMValidationError.__init__(self, message, parameter=REQUEST_FIELD)
 
-            _FIELD_ERROR = SteerFieldError
-    return _FIELD_ERROR
+        def __str__(self) -> str:
+            return str(self.args[0]) if self.args else ""
 
-
-_FIELD_ERROR: Any = None
+    return SteerFieldError
 
 
 def field_error(message: str) -> SteerRequestError:
     return _field_error_class()(message)
 
 
-def check_request_fields(steer: Any, xargs: Any) -> None:
+BOTH_GIVEN = (f"{REQUEST_FIELD}: given both as a top-level field and in vllm_xargs; use one")
+
+
+def check_request_fields(steer: Any, xargs: Any) -> SteerRequest | None:
     """The parse-time check of an OpenAI request's ``steer`` field and
-    ``vllm_xargs["steer"]``: raises a ``ValueError`` that vLLM answers with HTTP 400 and
-    ``param: "steer"``."""
+    ``vllm_xargs["steer"]``: the request's steers (None: neither is given); a bad value raises
+    a ``ValueError`` that vLLM answers with HTTP 400 and ``param: "steer"``."""
     try:
         xs = xargs.get(REQUEST_FIELD) if isinstance(xargs, dict) else None
         if steer is not None and xs is not None:
-            raise SteerRequestError(f"{REQUEST_FIELD}: given both as a top-level field and in "
-                                    "vllm_xargs; use one")
-        if steer is not None:
-            check_value(steer)
-        elif xs is not None:
-            check_value(xs)
+            raise SteerRequestError(BOTH_GIVEN)
+        value = steer if steer is not None else xs
+        return None if value is None else check_value(value)
     except SteerRequestError as e:
         raise field_error(str(e)) from None
 
 
 def validate(params: Any) -> None:
-    """Raise ``VLLMValidationError`` (HTTP 400, ``param: "steer"``) if the steer field is bad."""
+    """Admission (``validate_params``): parse the request's steer value if no frontend entry
+    parsed it yet, and write its serialised form back into ``extra_args`` for the engine.
+    Raises ``VLLMValidationError`` (HTTP 400, ``param: "steer"``) if it is bad."""
+    extra = getattr(params, "extra_args", None) or {}
+    value = extra.get(REQUEST_FIELD)
+    if value is None or is_wire(value):
+        return
     try:
-        _validate(params)
+        request = check_value(value)
     except SteerRequestError as e:
         try:
             from vllm.exceptions import VLLMValidationError
         except ImportError:  # older vLLM: a ValueError is a 400 too
-            raise
+            raise e from None
         raise VLLMValidationError(str(e), parameter=REQUEST_FIELD) from None
-
-
-def _validate(params: Any) -> None:
-    extra = getattr(params, "extra_args", None) or {}
-    value = extra.get(REQUEST_FIELD)
-    if value is None:
-        return
-    check_value(value)
+    params.extra_args = {**extra, REQUEST_FIELD: request.to_wire()}

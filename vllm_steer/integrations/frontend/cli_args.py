@@ -182,36 +182,28 @@ def check_policy_config(cfg: SteerServerConfig, reserved: dict[str, str] | None 
     check_policy(cfg.presets, cfg.defaults, cfg.floors, names, cfg.max_strength, reserved)
 
 
-def _hook_add_cli_args(engine_args_cls) -> None:
-    orig_add = engine_args_cls.add_cli_args
-
-    def add_cli_args(parser, *a, **kw):
-        parser = orig_add(parser, *a, **kw)
-        add_steer_args(parser)
-        return parser
-
-    engine_args_cls.add_cli_args = staticmethod(add_cli_args)
+def add_cli_args(orig, parser, *a, **kw):
+    """``EngineArgs.add_cli_args``: vLLM's flags, then ours (:func:`add_steer_args`)."""
+    parser = orig(parser, *a, **kw)
+    add_steer_args(parser)
+    return parser
 
 
-def _hook_from_cli_args(engine_args_cls) -> None:
-    orig_from = engine_args_cls.from_cli_args.__func__
-
-    def from_cli_args(cls, args: argparse.Namespace):
-        cfg = config_from_args(args)
-        if cfg is not None:
-            check_hooks()
-            # Written back into the namespace: the API servers of --api-server-count N /
-            # --data-parallel-size N are spawned with this namespace and build their engine
-            # args from it *before* vLLM loads plugins there (so before this hook exists in
-            # that process); vLLM's own from_cli_args then copies additional_config.
-            extra = dict(getattr(args, "additional_config", None) or {})
-            extra.update(cfg.to_additional_config())
-            args.additional_config = extra
-        engine_args = orig_from(cls, args)
-        if cfg is not None:
-            extra = dict(engine_args.additional_config or {})
-            extra.update(cfg.to_additional_config())
-            engine_args.additional_config = extra
-        return engine_args
-
-    engine_args_cls.from_cli_args = classmethod(from_cli_args)
+def from_cli_args(orig, cls, args: argparse.Namespace):
+    """``EngineArgs.from_cli_args``: the ``--steer`` flags carried in ``additional_config``."""
+    cfg = config_from_args(args)
+    if cfg is not None:
+        check_hooks()
+        # Written back into the namespace: the API servers of --api-server-count N /
+        # --data-parallel-size N are spawned with this namespace and build their engine
+        # args from it *before* vLLM loads plugins there (so before this hook exists in
+        # that process); vLLM's own from_cli_args then copies additional_config.
+        extra = dict(getattr(args, "additional_config", None) or {})
+        extra.update(cfg.to_additional_config())
+        args.additional_config = extra
+    engine_args = orig(cls, args)
+    if cfg is not None:
+        extra = dict(engine_args.additional_config or {})
+        extra.update(cfg.to_additional_config())
+        engine_args.additional_config = extra
+    return engine_args

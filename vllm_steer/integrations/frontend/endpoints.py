@@ -1,7 +1,7 @@
 """Our HTTP endpoints on every API server that steers, whatever ``VLLM_PLUGINS`` says.
 
 vLLM's endpoint-plugin loader (``vllm.plugins.load_endpoint_plugins``) is wrapped once
-(:func:`_hook_endpoint_plugins`, in :data:`vllm_steer.integrations.plugin.HOOKS`) to add,
+(:func:`load_endpoint_plugins`, in :data:`vllm_steer.integrations.plugin.HOOKS`) to add,
 unless the entry points already brought them:
 
 - ``/v1/steers`` (:class:`vllm_steer.server.steers_route.SteerManagementEndpoint`; its write
@@ -15,6 +15,8 @@ No torch, no FastAPI at import time.
 
 from __future__ import annotations
 
+from vllm_steer.integrations.frontend.state import frontend_state
+
 
 def _ours() -> list:
     """(name, endpoint class) of the endpoints every steering API server serves."""
@@ -24,21 +26,10 @@ def _ours() -> list:
     return [SteerManagementEndpoint, PresetsEndpoint]
 
 
-def _hook_endpoint_plugins(plugins) -> None:
-    """``load_endpoint_plugins``: what vLLM found, plus our endpoints it did not."""
-    orig = plugins.load_endpoint_plugins
-    if getattr(orig, "_vllm_steer", False):
-        return
-
-    def load_endpoint_plugins(supported_tasks=None):
-        found = list(orig(supported_tasks))
-        from vllm_steer.integrations.frontend import admission as frontend
-
-        cfg = frontend.get_config()
-        if cfg is not None and cfg.enabled:
-            names = {getattr(p, "name", None) for p in found}
-            found += [cls() for cls in _ours() if cls.name not in names]
-        return found
-
-    load_endpoint_plugins._vllm_steer = True
-    plugins.load_endpoint_plugins = load_endpoint_plugins
+def load_endpoint_plugins(orig, supported_tasks=None):
+    """``vllm.plugins.load_endpoint_plugins``: what vLLM found, plus our endpoints it did not."""
+    found = list(orig(supported_tasks))
+    if frontend_state().enabled:
+        names = {getattr(p, "name", None) for p in found}
+        found += [cls() for cls in _ours() if cls.name not in names]
+    return found

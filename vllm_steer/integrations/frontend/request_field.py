@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from vllm_steer import REQUEST_FIELD
 from vllm_steer.config import SteerServerConfig
-from vllm_steer.integrations.frontend.startup_checks import _processor_fqcn
+from vllm_steer.integrations.frontend import admission
+from vllm_steer.integrations.frontend.state import frontend_state
+from vllm_steer.integrations.frontend.startup_checks import processor_fqcn
 
 REQUEST_CLASSES = (
     ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
@@ -32,19 +34,19 @@ FIELD_DESCRIPTION = (
 
 
 def add_request_field(cls) -> None:
-    """Add the ``steer`` field to a pydantic request model, check it (and
-    ``vllm_xargs["steer"]``) when the request body is parsed, and carry it to SamplingParams.
+    """Add the ``steer`` field to a pydantic request model and check it (and
+    ``vllm_xargs["steer"]``) when the request body is parsed: the API server's one parse.
 
     The check is a pydantic model validator, so a bad value is a validation error (HTTP 400,
-    ``param: "steer"``) before any endpoint runs, streaming or not.
+    ``param: "steer"``) before any endpoint runs, streaming or not. It leaves the parsed
+    request's serialised form in the ``steer`` field (a ``vllm_xargs`` steer moves there), which
+    :func:`to_sampling_params` carries to ``SamplingParams.extra_args``.
     """
     from typing import Any, Optional, Union
 
     from pydantic import Field
     from pydantic._internal._decorators import Decorator, ModelValidatorDecoratorInfo
     from pydantic.fields import FieldInfo
-
-    from vllm_steer.integrations.frontend import admission as frontend
 
     if REQUEST_FIELD in cls.model_fields:
         return
@@ -57,8 +59,12 @@ def add_request_field(cls) -> None:
         cls.field_names = None
 
     def _vllm_steer_check(self):
-        frontend.check_request_fields(getattr(self, REQUEST_FIELD, None),
-                                      getattr(self, "vllm_xargs", None))
+        xargs = getattr(self, "vllm_xargs", None)
+        request = admission.check_request_fields(getattr(self, REQUEST_FIELD, None), xargs)
+        if request is not None:
+            if isinstance(xargs, dict) and REQUEST_FIELD in xargs:
+                self.vllm_xargs = {k: v for k, v in xargs.items() if k != REQUEST_FIELD}
+            setattr(self, REQUEST_FIELD, request.to_wire())
         return self
 
     setattr(cls, _VALIDATOR_NAME, _vllm_steer_check)
@@ -67,55 +73,49 @@ def add_request_field(cls) -> None:
         info=ModelValidatorDecoratorInfo(mode="after"))
     cls.model_rebuild(force=True)
 
-    orig = cls.to_sampling_params
 
-    def to_sampling_params(self, *a, **kw):
-        params = orig(self, *a, **kw)
-        value = getattr(self, REQUEST_FIELD, None)
-        if value is not None:
-            extra = dict(params.extra_args or {})
-            if REQUEST_FIELD in extra:  # also refused when the request was parsed
-                raise frontend.field_error(f"{REQUEST_FIELD}: given both as a top-level field "
-                                           "and in vllm_xargs; use one")
-            extra[REQUEST_FIELD] = value
-            params.extra_args = extra
-        return params
+def to_sampling_params(orig, self, *a, **kw):
+    """``to_sampling_params`` of an OpenAI request model, in this order: vLLM's own; the
+    request's steers into ``extra_args["steer"]`` (their serialised form, parsed by the body's
+    validator); then the preset its ``model`` names, under the request's own steers, and the
+    response headers (:func:`vllm_steer.integrations.frontend.preset_models.apply_preset`)."""
+    from vllm_steer.integrations.frontend.preset_models import apply_preset
 
-    cls.to_sampling_params = to_sampling_params
+    params = orig(self, *a, **kw)
+    value = getattr(self, REQUEST_FIELD, None)
+    if value is not None:
+        extra = dict(params.extra_args or {})
+        if REQUEST_FIELD in extra:  # also refused when the request was parsed
+            raise admission.field_error(admission.BOTH_GIVEN)
+        extra[REQUEST_FIELD] = value
+        params.extra_args = extra
+    apply_preset(params, getattr(self, "model", None))
+    return params
 
 
 _VALIDATOR_NAME = "_vllm_steer_check"
 
 
-def _hook_refuse_beam_search(request_cls) -> None:
+def to_beam_search_params(orig, self, *a, **kw):
     """vLLM's beam search builds its own per-step ``SamplingParams`` with no ``extra_args``:
     a steer would be dropped silently. Refuse a steered beam-search request (HTTP 400)."""
-    orig = request_cls.to_beam_search_params
-    if getattr(orig, "_vllm_steer", False):
-        return
-
-    def to_beam_search_params(self, *a, **kw):
-        refuse_steered_beam_search(self)
-        return orig(self, *a, **kw)
-
-    to_beam_search_params._vllm_steer = True
-    request_cls.to_beam_search_params = to_beam_search_params
+    refuse_steered_beam_search(self)
+    return orig(self, *a, **kw)
 
 
 def refuse_steered_beam_search(request) -> None:
-    """Raise (HTTP 400) if a beam-search request carries a bad or non-zero steer."""
-    from types import SimpleNamespace
-
-    from vllm_steer.config import parse_request_steer
-    from vllm_steer.integrations.frontend import admission as frontend
-
+    """Raise (HTTP 400) if a beam-search request carries a non-zero steer (a bad one was
+    refused when the body was parsed)."""
     values = [getattr(request, REQUEST_FIELD, None),
               (getattr(request, "vllm_xargs", None) or {}).get(REQUEST_FIELD)]
     for value in values:
         if value is None:
             continue
-        frontend.validate(SimpleNamespace(extra_args={REQUEST_FIELD: value}))  # bad: 400
-        if parse_request_steer(value, None, float("inf")):
+        try:
+            steered = bool(admission.check_value(value))
+        except Exception as e:  # noqa: BLE001 - a request built without the body's validator
+            raise admission.field_error(str(e)) from None
+        if steered:
             msg = (f"{REQUEST_FIELD}: beam search (use_beam_search) cannot be steered: vLLM's "
                    "beam search runs its own per-step sampling without the request's steer, "
                    "so it would be silently dropped; send the request without use_beam_search "
@@ -127,30 +127,23 @@ def refuse_steered_beam_search(request) -> None:
             raise VLLMValidationError(msg, parameter="use_beam_search")
 
 
-def _hook_input_processor(input_processor_cls) -> None:
-    """Every frontend process (also each of `--api-server-count N`) learns the steer names
-    and limits from its own config, for ``validate_params`` at admission. Without our logits
-    processor (no steers loaded), the steer field is still checked there: a request asking
-    for a non-zero steer is refused, never served unsteered."""
-    from vllm_steer.integrations.frontend import admission as frontend
+def input_processor_init(orig, self, vllm_config, *a, **kw):
+    """``InputProcessor.__init__``: every frontend process (also each of `--api-server-count N`)
+    learns the steer names and limits from its own config, for admission. Without our logits
+    processor (no steers loaded), the steer field is still checked there: a request asking for
+    a non-zero steer is refused, never served unsteered."""
+    from vllm_steer.integrations.families import head_input_size
 
-    orig = input_processor_cls.__init__
+    st = frontend_state()
+    st.reset(SteerServerConfig.from_additional_config(vllm_config.additional_config))
+    st.hidden_size = int(head_input_size(vllm_config.model_config) or 0)
+    orig(self, vllm_config, *a, **kw)
+    procs = [str(p) for p in (vllm_config.model_config.logits_processors or [])]
+    if processor_fqcn(vllm_config) not in procs:
+        inner = self.validate_logits_processors_params
 
-    def __init__(self, vllm_config, *a, **kw):
-        frontend.set_config(SteerServerConfig.from_additional_config(
-            vllm_config.additional_config))
-        from vllm_steer.integrations.engine.control import _head_input_size
+        def validate(params):
+            admission.validate(params)
+            inner(params)
 
-        frontend.set_model_hidden_size(_head_input_size(vllm_config.model_config))
-        orig(self, vllm_config, *a, **kw)
-        procs = [str(p) for p in (vllm_config.model_config.logits_processors or [])]
-        if _processor_fqcn(vllm_config) not in procs:
-            inner = self.validate_logits_processors_params
-
-            def validate(params):
-                frontend.validate(params)
-                inner(params)
-
-            self.validate_logits_processors_params = validate
-
-    input_processor_cls.__init__ = __init__
+        self.validate_logits_processors_params = validate

@@ -7,9 +7,8 @@ presets/defaults/floors, speculative decoding and data-parallel modes, then appe
 per-request logits processor for the active model runner (V1 or Model Runner V2) to
 ``model_config.logits_processors``. In each worker, vLLM's ``LogitsProcessor`` layer is
 swapped for :class:`~vllm_steer.integrations.worker.head.SteeredLogitsProcessor` (``register_oot``),
-and once the model is loaded its logits layer is checked to be that head. Speculative
-decoding's runner hooks (:mod:`vllm_steer.integrations.worker.spec_decode`) are here too, next to the
-check of the methods they support.
+and once the model is loaded its logits layer is checked to be that head
+(:mod:`vllm_steer.integrations.worker.head`).
 
 This module imports no torch at import time (the frontend imports it).
 """
@@ -18,29 +17,29 @@ from __future__ import annotations
 
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.integrations.frontend.cli_args import check_policy_config
+from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.integrations.hooks import check_hooks
 from vllm_steer.logs import get_logger
 
 logger = get_logger()
 
+#: ``speculative_config.method`` values whose rows are mapped to their requests
+#: (:mod:`vllm_steer.integrations.worker.spec_decode`, V1 runner).
+SUPPORTED_SPEC_METHODS = ("ngram", "draft_model")
 
-def _hook_create_engine_config(engine_args_cls) -> None:
-    orig_create = engine_args_cls.create_engine_config
 
-    def create_engine_config(self, *a, **kw):
-        vllm_config = orig_create(self, *a, **kw)
-        configure_engine(vllm_config)
-        return vllm_config
-
-    engine_args_cls.create_engine_config = create_engine_config
+def create_engine_config(orig, self, *a, **kw):
+    """``EngineArgs.create_engine_config``: the checks and our logits processor
+    (:func:`configure_engine`) on every engine config vLLM creates."""
+    vllm_config = orig(self, *a, **kw)
+    configure_engine(vllm_config)
+    return vllm_config
 
 
 def configure_engine(vllm_config) -> None:
     """Check the steers, refuse what we cannot steer, and install our logits processor."""
-    from vllm_steer.integrations.frontend import admission as frontend
-
     cfg = SteerServerConfig.from_additional_config(vllm_config.additional_config)
-    frontend.set_config(cfg)
+    frontend_state().reset(cfg)
     if cfg is None or not cfg.enabled:
         return
     check_hooks()
@@ -56,7 +55,7 @@ def configure_engine(vllm_config) -> None:
     if getattr(mc, "runner_type", "generate") == "pooling":
         raise ValueError("vllm-steer: --steer needs a generative model; "
                          f"{mc.model} runs as a pooling model")
-    fqcn = _processor_fqcn(vllm_config)
+    fqcn = processor_fqcn(vllm_config)
     procs = list(mc.logits_processors or [])
     if fqcn not in procs:
         procs.append(fqcn)
@@ -68,23 +67,22 @@ def configure_engine(vllm_config) -> None:
 def check_speculative_config(vllm_config) -> None:
     """Speculative decoding: the V1 runner's verification rows (and a draft model's rows) are
     mapped to their requests by :mod:`vllm_steer.integrations.worker.spec_decode`, for the methods in
-    its ``SUPPORTED_METHODS``; any other method, or Model Runner V2, is refused here."""
+    its ``SUPPORTED_SPEC_METHODS``; any other method, or Model Runner V2, is refused here."""
     spec = vllm_config.speculative_config
     if spec is None:
         return
-    from vllm_steer.integrations.worker.spec_decode import SUPPORTED_METHODS
 
     method = getattr(spec, "method", None)
     fix = ("serve without --speculative-config, or with "
-           + " or ".join(f'{{"method": "{m}"}}' for m in SUPPORTED_METHODS)
+           + " or ".join(f'{{"method": "{m}"}}' for m in SUPPORTED_SPEC_METHODS)
            + ", or without the --steer options")
     if getattr(vllm_config, "use_v2_model_runner", False):
         raise ValueError(f"vllm-steer: speculative decoding (method {method!r}) is not "
                          "supported with steers under Model Runner V2 (not tested there); set "
                          f"VLLM_USE_V2_MODEL_RUNNER=0, or {fix}")
-    if method not in SUPPORTED_METHODS:
+    if method not in SUPPORTED_SPEC_METHODS:
         raise ValueError(f"vllm-steer: speculative decoding method {method!r} is not supported "
-                         f"with steers (supported: {', '.join(SUPPORTED_METHODS)}); its drafter "
+                         f"with steers (supported: {', '.join(SUPPORTED_SPEC_METHODS)}); its drafter "
                          "rows are not mapped to their requests (untested); " + fix)
 
 
@@ -150,78 +148,8 @@ def check_steers_fit(cfg: SteerServerConfig, hidden_size: int, model: str) -> No
                              [f"{e.path}: {r}" for e in errors for r in e.reasons])
 
 
-def _processor_fqcn(vllm_config) -> str:
+def processor_fqcn(vllm_config) -> str:
+    """The logits processor of the active model runner (named, not imported: no torch)."""
     if getattr(vllm_config, "use_v2_model_runner", False):
-        return "vllm_steer.integrations.worker.v2:SteerLogitsProcessorV2"
-    return "vllm_steer.integrations.worker.v1:SteerLogitsProcessorV1"
-
-
-# ---- the LM head --------------------------------------------------------------------------
-def _hook_register_head(logits_processor_cls) -> None:
-    from vllm.model_executor.custom_op import op_registry_oot
-
-    from vllm_steer.integrations.worker.head import SteeredLogitsProcessor
-
-    if "LogitsProcessor" not in op_registry_oot:
-        logits_processor_cls.register_oot(SteeredLogitsProcessor)
-
-
-def _hook_model_loaders(base_loader_cls) -> None:
-    """Once a worker has built the model, check that our head replaced its logits layer
-    (when steers are configured): a model-specific subclass is not replaced, and would serve
-    every request unsteered. Wraps ``load_model`` of vLLM's loader base class and of each
-    loader that overrides it."""
-    import vllm.model_executor.model_loader  # noqa: F401  (imports every built-in loader)
-
-    def subclasses(c):
-        for sub in c.__subclasses__():
-            yield sub
-            yield from subclasses(sub)
-
-    for cls in (base_loader_cls, *subclasses(base_loader_cls)):
-        orig = cls.__dict__.get("load_model")
-        if orig is None or getattr(orig, "_vllm_steer", False):
-            continue
-        cls.load_model = _checked_load_model(orig)
-
-
-def _has_lm_head() -> bool:
-    """Whether this worker's model has the LM head: with pipeline parallelism only the last
-    stage does (the others have vLLM's ``PPMissingLayer`` and no logits layer to steer)."""
-    try:
-        from vllm.distributed import get_pp_group
-
-        return get_pp_group().is_last_rank
-    except (ImportError, AssertionError):  # no pipeline group (a model built outside vLLM)
-        return True
-
-
-def _checked_load_model(orig):
-    def load_model(self, vllm_config, *a, **kw):
-        model = orig(self, vllm_config, *a, **kw)
-        cfg = SteerServerConfig.from_additional_config(vllm_config.additional_config)
-        if cfg is not None and cfg.enabled and _has_lm_head() and \
-                getattr(vllm_config.model_config, "runner_type", "generate") != "pooling":
-            from vllm_steer.integrations.worker.head import check_head_installed
-
-            check_hooks()
-            check_head_installed(model)
-        return model
-
-    load_model._vllm_steer = True
-    return load_model
-
-
-# ---- speculative decoding (vllm_steer.integrations.worker.spec_decode) ---------------------------
-def _hook_spec_decode(runner_cls) -> None:
-    """V1 runner: map the verification rows (and a draft model's rows) to their requests."""
-    from vllm_steer.integrations.worker.spec_decode import wrap_runner
-
-    wrap_runner(runner_cls)
-
-
-def _hook_spec_decode_logitsprocs(runner_module) -> None:
-    """V1 runner: build our (logits-neutral) processor under speculative decoding too."""
-    from vllm_steer.integrations.worker.spec_decode import allow_steer_processor
-
-    allow_steer_processor(runner_module)
+        return "vllm_steer.integrations.processors:SteerLogitsProcessorV2"
+    return "vllm_steer.integrations.processors:SteerLogitsProcessorV1"

@@ -84,3 +84,58 @@ def check_head_installed(model: torch.nn.Module) -> None:
             f"vllm-steer: the model class {name} has no vLLM LogitsProcessor layer for the "
             "plugin to steer (an unknown model layout), so steers would be silently ignored; "
             "this model is not supported with --steer (serve it without --steer)")
+
+
+# ---- installing the head (from vllm_steer.integrations.plugin.HOOKS) ---------------------
+def register_head(logits_processor_cls) -> None:
+    """``LogitsProcessor.register_oot``: vLLM builds :class:`SteeredLogitsProcessor` wherever
+    a model asks for its logits layer."""
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    if "LogitsProcessor" not in op_registry_oot:
+        logits_processor_cls.register_oot(SteeredLogitsProcessor)
+
+
+def install_loader_checks(base_loader_cls) -> None:
+    """Once a worker has built the model, check that our head replaced its logits layer
+    (when steers are configured): a model-specific subclass is not replaced, and would serve
+    every request unsteered. Wraps ``load_model`` (:func:`load_model`) of vLLM's loader base
+    class and of each loader that overrides it."""
+    import vllm.model_executor.model_loader  # noqa: F401  (imports every built-in loader)
+
+    from vllm_steer.integrations.hooks import wrap_method
+
+    def subclasses(c):
+        for sub in c.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    for cls in (base_loader_cls, *subclasses(base_loader_cls)):
+        if "load_model" in cls.__dict__:
+            wrap_method(cls, "load_model", load_model)
+
+
+def _has_lm_head() -> bool:
+    """Whether this worker's model has the LM head: with pipeline parallelism only the last
+    stage does (the others have vLLM's ``PPMissingLayer`` and no logits layer to steer)."""
+    try:
+        from vllm.distributed import get_pp_group
+
+        return get_pp_group().is_last_rank
+    except (ImportError, AssertionError):  # no pipeline group (a model built outside vLLM)
+        return True
+
+
+def load_model(orig, self, vllm_config, *a, **kw):
+    """``BaseModelLoader.load_model`` (and overrides): the built model's logits layer is
+    checked to be the steered head (:func:`check_head_installed`)."""
+    from vllm_steer.config import SteerServerConfig
+    from vllm_steer.integrations.hooks import check_hooks
+
+    model = orig(self, vllm_config, *a, **kw)
+    cfg = SteerServerConfig.from_additional_config(vllm_config.additional_config)
+    if cfg is not None and cfg.enabled and _has_lm_head() and \
+            getattr(vllm_config.model_config, "runner_type", "generate") != "pooling":
+        check_hooks()
+        check_head_installed(model)
+    return model

@@ -29,7 +29,7 @@ table (:meth:`SteerRuntime.flush`) use pinned staging too. Only batch-sharded sa
 TP > 1), whose row order exists on the device alone, gathers and plans on the device.
 
 Generation windows (a request's strength as a schedule over its generated tokens,
-:class:`vllm_steer.config.Window`): per-slot window arrays on the host, set with the slot; each
+:class:`vllm_steer.request.Window`): per-slot window arrays on the host, set with the slot; each
 step computes the windowed rows' coefficients from the index of the token each row samples
 (V1: the runner's ``_prepare_inputs`` hook; V2: the input batch's host arrays; ``slots``: its
 ``positions``), vectorised; requests without windows pay nothing for them.
@@ -45,9 +45,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_steer import REQUEST_FIELD
 from vllm_steer.bank import SlotBank
-from vllm_steer.config import SteerRequestError, SteerServerConfig, parse_request_steer
+from vllm_steer.config import SteerServerConfig
+from vllm_steer.request import BOUND_KEY, BoundSteer, Window
 from vllm_steer.format import SteerFileError, load_steer, read_metadata
 from vllm_steer.logs import get_logger
 
@@ -189,32 +189,28 @@ class SteerRuntime:
             self.num_active_slots = 0
             self.version += 1
 
+    def _bound(self, params: Any) -> list[BoundSteer]:
+        """The request's steers as the engine core bound them (the only form read here)."""
+        extra = getattr(params, "extra_args", None) or {}
+        try:
+            return BoundSteer.from_wire(extra.get(BOUND_KEY))
+        except Exception as e:  # noqa: BLE001 - request data must not crash a worker
+            logger.warning("vllm-steer: a request's bound steers %r are malformed (%s); the "
+                           "request is served unsteered", extra.get(BOUND_KEY), e)
+            return []
+
     def coef_row(self, params: Any) -> np.ndarray:
         """Coefficients of a request (zeros when it asks for no steer).
 
-        The engine core bound each named steer to ``(slot, generation)`` at admission
-        (``registry.BOUND_KEY``); a slot that no longer holds that generation is never used
-        (the engine core keeps a slot while a request bound to it runs, so this is a bug
-        guard, logged). Never raises on request data: bad steers are refused at admission
-        (HTTP 400); one that slips through is served unsteered, with a warning."""
-        from vllm_steer.integrations.engine.registry import BOUND_KEY
-
-        extra = getattr(params, "extra_args", None) or {}
-        value = extra.get(REQUEST_FIELD)
-        if value is None or self.bank is None:
+        The engine core bound each steer to ``(slot, generation)`` at admission
+        (:class:`~vllm_steer.request.BoundSteer`); a slot that no longer holds that generation
+        is never used (the engine core keeps a slot while a request bound to it runs, so this
+        is a bug guard, logged). Never raises on request data."""
+        bound = self._bound(params) if self.bank is not None else []
+        if not bound:
             return np.zeros(self.num_columns, dtype=np.float32)
-        try:
-            strengths = parse_request_steer(value, None, self.config.max_strength)
-        except Exception as e:  # noqa: BLE001 - request data must not crash a worker
-            logger.warning("vllm-steer: request steer %r refused in the worker (%s); the request "
-                           "is served unsteered. Its frontend did not validate it: see "
-                           "docs/serving.md", value, e)
-            return np.zeros(self.num_columns, dtype=np.float32)
-        bound = extra.get(BOUND_KEY)
-        if bound is None:  # not bound by the engine core (no control hook): current slots
-            bound = {n: (s, self.bank.generations[s])
-                     for s, n in enumerate(self.bank.names) if n is not None}
-        row, problems = self.bank.coef_row(bound, strengths)
+        row, problems = self.bank.coef_row({b.name: (b.slot, b.generation) for b in bound},
+                                           {b.name: b.strength for b in bound})
         for p in problems:
             logger.error("vllm-steer: request steer left out: %s", p)
         return np.asarray(row, dtype=np.float32)
@@ -237,36 +233,16 @@ class SteerRuntime:
         """The generation windows of a request, per bank slot: ``{slot: Window}`` covering every
         steer it names (a steer given as a number: a constant ``Window(s, base=s)``), or None
         when it has no window (the common case: constant coefficients, no per-step work).
-
-        Parsing is ``vllm_steer.config.request_windows`` (absent: no windows). Never raises on
-        request data (as :meth:`coef_row`)."""
-        from vllm_steer import config as cfgmod
-        from vllm_steer.config import Window
-        from vllm_steer.integrations.engine.registry import BOUND_KEY
-
-        parse = getattr(cfgmod, "request_windows", None)
-        extra = getattr(params, "extra_args", None) or {}
-        value = extra.get(REQUEST_FIELD)
-        if parse is None or value is None or self.bank is None:
+        Never raises on request data (as :meth:`coef_row`)."""
+        bound = self._bound(params) if self.bank is not None else []
+        if not any(isinstance(b.value, Window) for b in bound):
             return None
-        try:
-            windows = parse(value)
-            if not windows:
-                return None
-            strengths = parse_request_steer(value, None, self.config.max_strength)
-        except Exception:  # noqa: BLE001 - refused (and logged) by coef_row
-            return None
-        bound = extra.get(BOUND_KEY)
-        if bound is None:
-            bound = {n: (s, self.bank.generations[s])
-                     for s, n in enumerate(self.bank.names) if n is not None}
         out = {}
-        for name, s in strengths.items():
-            slot, gen = bound.get(name, (None, None))
-            if slot is None or not 0 <= slot < self.capacity \
-                    or self.bank.generations[slot] != gen or self.bank.steers[slot] is None:
+        for b in bound:
+            if not 0 <= b.slot < self.capacity or self.bank.generations[b.slot] != b.generation \
+                    or self.bank.steers[b.slot] is None or not b.strength:
                 continue  # left out by coef_row too (logged there)
-            out[slot] = windows.get(name) or Window(float(s), base=float(s))
+            out[b.slot] = b.value if isinstance(b.value, Window) else Window(b.value, base=b.value)
         return out or None
 
     def set_slot(self, slot: int, row: np.ndarray | None, windows: dict | None = None) -> None:
@@ -572,21 +548,9 @@ def _same_model(a: str, b: str) -> bool:
     return norm(a) == norm(b) or a in b or b in a
 
 
-def request_strengths(params: Any, runtime: "SteerRuntime | None" = None,
-                      config: SteerServerConfig | None = None) -> dict[str, float]:
-    """The ``{name: strength}`` a request asks for (``SamplingParams.extra_args["steer"]``)."""
-    extra = getattr(params, "extra_args", None) or {}
-    value = extra.get(REQUEST_FIELD)
-    if value is None:
-        return {}
-    cfg = config or (runtime.config if runtime else None)
-    known = cfg.steers if cfg else None
-    max_s = cfg.max_strength if cfg else float("inf")
-    return parse_request_steer(value, known, max_s)
-
-
-# One runtime per process and configuration (tests may run several engines in one process).
-_RUNTIMES: dict[str, SteerRuntime] = {}
+# One runtime per process and configuration (tests may run several engines in one process);
+# under the key None, the one used last (current_runtime).
+_RUNTIMES: dict[str | None, SteerRuntime] = {}
 
 
 def steer_stats(worker: Any = None) -> dict[str, int]:
@@ -596,7 +560,9 @@ def steer_stats(worker: Any = None) -> dict[str, int]:
     ``LLM.collective_rpc(steer_stats)``.
     """
     total = SteerStats()
-    for rt in _RUNTIMES.values():
+    for key, rt in _RUNTIMES.items():
+        if key is None:
+            continue
         total.calls += rt.stats.calls
         total.rows += rt.stats.rows
     return total.as_dict()
@@ -613,8 +579,14 @@ def get_runtime(additional_config: dict | None) -> SteerRuntime | None:
     rt = _RUNTIMES.get(key)
     if rt is None:
         rt = _RUNTIMES[key] = SteerRuntime(cfg)
+    _RUNTIMES[None] = rt
     return rt
 
 
-__all__ = ["SteerRuntime", "RowSource", "SteerStats", "get_runtime", "request_strengths",
-           "steer_stats", "SteerRequestError"]
+def current_runtime() -> SteerRuntime | None:
+    """The runtime this worker process used last (a worker serves one engine): for vLLM
+    objects that carry no config (V2's prompt-logprob worker)."""
+    return _RUNTIMES.get(None)
+
+
+__all__ = ["SteerRuntime", "RowSource", "SteerStats", "get_runtime", "steer_stats"]

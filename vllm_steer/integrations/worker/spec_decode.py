@@ -21,7 +21,8 @@ only keeps the acceptance rate up.
 - n-gram has no drafter logits.
 
 Everything is planned from host data (numpy arrays the runner already has): no device read.
-Which methods are accepted is decided at start-up (:data:`SUPPORTED_METHODS`,
+Which methods are accepted is decided at start-up
+(:data:`vllm_steer.integrations.frontend.startup_checks.SUPPORTED_SPEC_METHODS`,
 ``startup_checks.check_speculative_config``).
 """
 
@@ -29,8 +30,9 @@ from __future__ import annotations
 
 import numpy as np
 
-#: ``speculative_config.method`` values steered correctly by this module (V1 runner).
-SUPPORTED_METHODS = ("ngram", "draft_model")
+#: Our V1 logits processor (:mod:`vllm_steer.integrations.processors`), loaded by name as vLLM
+#: loads custom processors.
+V1_PROCESSOR = "vllm_steer.integrations.processors:SteerLogitsProcessorV1"
 
 
 def _runtime(runner):
@@ -62,57 +64,52 @@ def verification_rows(num_draft_tokens: np.ndarray, cu_num_scheduled: np.ndarray
     return slots, positions
 
 
-def wrap_runner(runner_cls) -> None:
-    """Wrap ``execute_model``, ``_calc_spec_decode_metadata`` and
-    ``propose_draft_token_ids`` of V1's ``GPUModelRunner`` (also the CPU runner's base)."""
-    if getattr(runner_cls.execute_model, "_vllm_steer", False):
-        return
-    orig_exec = runner_cls.execute_model
-    orig_calc = runner_cls._calc_spec_decode_metadata
-    orig_propose = runner_cls.propose_draft_token_ids
+def execute_model(orig, self, *args, **kwargs):
+    """``GPUModelRunner.execute_model`` (V1): the verification rows of a speculative step are
+    mapped to their requests (by :func:`calc_spec_decode_metadata`) for this step only."""
+    rt = _runtime(self) if self.speculative_config is not None else None
+    if rt is None:
+        return orig(self, *args, **kwargs)
+    prev = rt.row_source
+    self._vllm_steer_spec = rt  # the verification rows of this step are mapped
+    try:
+        return orig(self, *args, **kwargs)
+    finally:
+        self._vllm_steer_spec = None
+        rt.row_source = prev
 
-    def execute_model(self, *args, **kwargs):
-        rt = _runtime(self) if self.speculative_config is not None else None
-        if rt is None:
-            return orig_exec(self, *args, **kwargs)
-        prev = rt.row_source
-        self._vllm_steer_spec = rt  # the verification rows of this step are mapped
-        try:
-            return orig_exec(self, *args, **kwargs)
-        finally:
-            self._vllm_steer_spec = None
-            rt.row_source = prev
 
-    def _calc_spec_decode_metadata(self, num_draft_tokens, cu_num_scheduled_tokens):
-        out = orig_calc(self, num_draft_tokens, cu_num_scheduled_tokens)
-        rt = getattr(self, "_vllm_steer_spec", None)
-        if rt is not None:
-            from vllm_steer.integrations.worker.runtime import RowSource
-
-            ib = self.input_batch
-            slots, positions = verification_rows(num_draft_tokens, cu_num_scheduled_tokens,
-                                                 ib.num_computed_tokens_cpu,
-                                                 ib.num_prompt_tokens)
-            rt.row_source = RowSource("slots", slots=slots, positions=positions)
-        return out
-
-    def propose_draft_token_ids(self, *args, **kwargs):
-        rt = _runtime(self)
-        if rt is None:
-            return orig_propose(self, *args, **kwargs)
-        if not getattr(self, "_vllm_steer_drafter_checked", False):
-            prepare_drafter(self, rt)
-            self._vllm_steer_drafter_checked = True
+def calc_spec_decode_metadata(orig, self, num_draft_tokens, cu_num_scheduled_tokens):
+    """``GPUModelRunner._calc_spec_decode_metadata`` (V1): each verification row's slot and
+    generated-token index (:func:`verification_rows`)."""
+    out = orig(self, num_draft_tokens, cu_num_scheduled_tokens)
+    rt = getattr(self, "_vllm_steer_spec", None)
+    if rt is not None:
         from vllm_steer.integrations.worker.runtime import RowSource
 
-        slots = np.arange(self.input_batch.num_reqs, dtype=np.int64)
-        with rt.rows(RowSource("slots", slots=slots, positions=None)):
-            return orig_propose(self, *args, **kwargs)
+        ib = self.input_batch
+        slots, positions = verification_rows(num_draft_tokens, cu_num_scheduled_tokens,
+                                             ib.num_computed_tokens_cpu,
+                                             ib.num_prompt_tokens)
+        rt.row_source = RowSource("slots", slots=slots, positions=positions)
+    return out
 
-    execute_model._vllm_steer = True
-    runner_cls.execute_model = execute_model
-    runner_cls._calc_spec_decode_metadata = _calc_spec_decode_metadata
-    runner_cls.propose_draft_token_ids = propose_draft_token_ids
+
+def propose_draft_token_ids(orig, self, *args, **kwargs):
+    """``GPUModelRunner.propose_draft_token_ids`` (V1): the drafter's rows (one per request,
+    batch order) mapped to their requests; the drafter's heads checked once
+    (:func:`prepare_drafter`)."""
+    rt = _runtime(self)
+    if rt is None:
+        return orig(self, *args, **kwargs)
+    if not getattr(self, "_vllm_steer_drafter_checked", False):
+        prepare_drafter(self, rt)
+        self._vllm_steer_drafter_checked = True
+    from vllm_steer.integrations.worker.runtime import RowSource
+
+    slots = np.arange(self.input_batch.num_reqs, dtype=np.int64)
+    with rt.rows(RowSource("slots", slots=slots, positions=None)):
+        return orig(self, *args, **kwargs)
 
 
 def drafter_heads(runner) -> list:
@@ -154,32 +151,23 @@ def prepare_drafter(runner, rt) -> None:
         "%s)", spec.method, "steered" if steer else "unsteered", hidden, steer_hidden)
 
 
-def allow_steer_processor(runner_module) -> None:
-    """V1 refuses every custom logits processor under speculative decoding (they would see
+def build_logitsprocs(orig, vllm_config, device, is_pin_memory, is_pooling_model,
+                      custom_logitsprocs=()):
+    """``gpu_model_runner.build_logitsprocs`` (V1): V1 refuses every custom logits processor under speculative decoding (they would see
     one row per request). Ours never touches logits (``apply`` is the identity; the head
     steers, with the rows mapped here): build vLLM's own processors as without it, then add
     ours for its per-slot bookkeeping. Any other custom processor is still refused by vLLM."""
-    orig = runner_module.build_logitsprocs
-    if getattr(orig, "_vllm_steer", False):
-        return
+    import importlib
 
-    def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model,
-                          custom_logitsprocs=()):
-        from vllm_steer.integrations.worker.v1 import FQCN
-
-        custom = list(custom_logitsprocs or ())
-        ours = [p for p in custom if p == FQCN or getattr(p, "__qualname__", None)
-                == "SteerLogitsProcessorV1"]
-        if vllm_config.speculative_config is None or is_pooling_model or not ours \
-                or len(ours) != len(custom):
-            return orig(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
-        procs = orig(vllm_config, device, is_pin_memory, is_pooling_model, ())
-        from vllm_steer.integrations.worker.v1 import SteerLogitsProcessorV1
-
-        proc = SteerLogitsProcessorV1(vllm_config, device, is_pin_memory)
-        (procs.argmax_invariant if proc.is_argmax_invariant()
-         else procs.non_argmax_invariant).append(proc)
-        return procs
-
-    build_logitsprocs._vllm_steer = True
-    runner_module.build_logitsprocs = build_logitsprocs
+    custom = list(custom_logitsprocs or ())
+    ours = [p for p in custom if p == V1_PROCESSOR or getattr(p, "__qualname__", None)
+            == "SteerLogitsProcessorV1"]
+    if vllm_config.speculative_config is None or is_pooling_model or not ours \
+            or len(ours) != len(custom):
+        return orig(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
+    procs = orig(vllm_config, device, is_pin_memory, is_pooling_model, ())
+    module, _, name = V1_PROCESSOR.partition(":")
+    proc = getattr(importlib.import_module(module), name)(vllm_config, device, is_pin_memory)
+    (procs.argmax_invariant if proc.is_argmax_invariant()
+     else procs.non_argmax_invariant).append(proc)
+    return procs

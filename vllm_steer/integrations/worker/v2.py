@@ -10,7 +10,7 @@ owner-sorted; they are mapped through the sharder's own sort. Tested live in
 tests/engines/test_vllm_v2.py (through the test shim tests/v2shim) and piecewise in tests/integrations/worker/test_v2.py.
 Prompt logprobs are steered too: the prompt-logprob worker's ``compute_logits`` calls (chunks
 that may hold rows of several requests) get each row's request slot from host-side data
-(:func:`wrap_prompt_logprobs`).
+(:func:`prompt_logprobs`).
 """
 
 from __future__ import annotations
@@ -19,53 +19,11 @@ import contextlib
 
 import numpy as np
 
-from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
-
-from vllm_steer.integrations.frontend import admission as frontend
-from vllm_steer.integrations.worker.runtime import RowSource, get_runtime
-
-FQCN = "vllm_steer.integrations.worker.v2:SteerLogitsProcessorV2"
+from vllm_steer.integrations.worker.runtime import RowSource, current_runtime, get_runtime
 
 
-class SteerLogitsProcessorV2(LogitsProcessor):
-    """V2 logits processor: per-slot steer coefficients for the LM-head hook."""
-
-    @classmethod
-    def validate_params(cls, sampling_params) -> None:
-        frontend.validate(sampling_params)
-
-    def __init__(self, vllm_config, req_states) -> None:
-        super().__init__(vllm_config, req_states)
-        self.runtime = get_runtime(vllm_config.additional_config)
-        if self.runtime is not None:
-            self.runtime.ensure_slots(req_states.max_num_reqs, req_states.device)
-            # outside sample() (prompt logprobs, warm-up) rows have no known slot: unsteered
-            self.runtime.row_source = RowSource("none")
-            from vllm.v1.worker.gpu.model_runner import GPUModelRunner
-
-            wrap_sample(GPUModelRunner)
-            from vllm.v1.worker.gpu.sample.prompt_logprob import PromptLogprobsWorker
-
-            wrap_prompt_logprobs(PromptLogprobsWorker, self.runtime)
-
-    def add_request(self, req_idx: int, sampling_params) -> bool:
-        rt = self.runtime
-        if rt is None:
-            return False
-        row = rt.coef_row(sampling_params)
-        rt.set_slot(req_idx, row, rt.coef_windows(sampling_params))  # full reset of the slot
-        return False  # logits are steered in the head; apply() has nothing to do
-
-    def apply_staged_writes(self) -> None:
-        if self.runtime is not None:
-            self.runtime.flush()
-
-    def apply(self, logits, ctx):
-        return logits
-
-
-def wrap_sample(runner_cls) -> None:
-    """Scope the step's row -> slot mapping around V2's ``sample()`` (which calls the head).
+def sample(orig, self, hidden_states, input_batch, grammar_output):
+    """``GPUModelRunner.sample`` (V2): scope the step's row -> slot mapping around V2's ``sample()`` (which calls the head).
 
     The head works only when a slot of this step's batch (``idx_mapping``) is steered: V2 has
     no removal callback, and a finished request's slot must cost nothing.
@@ -76,26 +34,18 @@ def wrap_sample(runner_cls) -> None:
     by owner rank): there each row's slot is that of the token it was gathered from, read
     through the very indices the runner's ``BatchSharder`` returns.
     """
-    orig = runner_cls.sample
-    if getattr(orig, "_vllm_steer", False):
-        return
-
-    def sample(self, hidden_states, input_batch, grammar_output):
-        rt = get_runtime(self.vllm_config.additional_config)
-        if rt is None or not rt.any_steered(input_batch.idx_mapping_np):
+    rt = get_runtime(self.vllm_config.additional_config)
+    if rt is None or not rt.any_steered(input_batch.idx_mapping_np):
+        return orig(self, hidden_states, input_batch, grammar_output)
+    sharder = getattr(self, "batch_sharder", None)
+    if sharder is None:
+        slots, positions = _host_rows(rt, self, input_batch)
+        with rt.rows(RowSource("mapping", mapping=input_batch.expanded_idx_mapping,
+                               slots=slots, positions=positions)):
             return orig(self, hidden_states, input_batch, grammar_output)
-        sharder = getattr(self, "batch_sharder", None)
-        if sharder is None:
-            slots, positions = _host_rows(rt, self, input_batch)
-            with rt.rows(RowSource("mapping", mapping=input_batch.expanded_idx_mapping,
-                                   slots=slots, positions=positions)):
-                return orig(self, hidden_states, input_batch, grammar_output)
-        source = RowSource("mapping", mapping=None)
-        with rt.rows(source), _sorted_rows(sharder, input_batch, source):
-            return orig(self, hidden_states, input_batch, grammar_output)
-
-    sample._vllm_steer = True
-    runner_cls.sample = sample
+    source = RowSource("mapping", mapping=None)
+    with rt.rows(source), _sorted_rows(sharder, input_batch, source):
+        return orig(self, hidden_states, input_batch, grammar_output)
 
 
 def _host_rows(rt, runner, input_batch):
@@ -182,30 +132,17 @@ def _steered_logits_fn(rt, logits_fn, hidden_states, slots: np.ndarray):
     return fn
 
 
-_PROMPT_RUNTIME: list = [None]  # the worker's runtime (the prompt-logprob worker has no config)
-
-
-def wrap_prompt_logprobs(worker_cls, runtime) -> None:
-    """Steer V2's prompt logprobs like its sampled tokens.
+def prompt_logprobs(orig, self, logits_fn, hidden_states, input_batch, *args, **kwargs):
+    """``PromptLogprobsWorker.compute_prompt_logprobs`` and
+    ``compute_prompt_token_id_logprobs`` (V2): steer's prompt logprobs like its sampled tokens.
 
     ``PromptLogprobsWorker.compute_prompt_logprobs`` runs the step's token rows through
     ``compute_logits`` in fixed-size chunks that may hold rows of several requests;
     ``compute_prompt_token_id_logprobs`` slices one request at a time. Either way each row gets
     its own request's slot (``idx_mapping_np`` repeated over ``query_start_loc_np``).
     """
-    _PROMPT_RUNTIME[0] = runtime
-    for name in ("compute_prompt_logprobs", "compute_prompt_token_id_logprobs"):
-        orig = getattr(worker_cls, name)
-        if getattr(orig, "_vllm_steer", False):
-            continue
-
-        def wrapped(self, logits_fn, hidden_states, input_batch, *args, _orig=orig, **kwargs):
-            rt = _PROMPT_RUNTIME[0]
-            if rt is None or not rt.any_steered(input_batch.idx_mapping_np):
-                return _orig(self, logits_fn, hidden_states, input_batch, *args, **kwargs)
-            fn = _steered_logits_fn(rt, logits_fn, hidden_states, _prompt_row_slots(input_batch))
-            return _orig(self, fn, hidden_states, input_batch, *args, **kwargs)
-
-        wrapped._vllm_steer = True
-        wrapped.__name__ = name
-        setattr(worker_cls, name, wrapped)
+    rt = current_runtime()  # the prompt-logprob worker has no config: the worker's runtime
+    if rt is None or not rt.any_steered(input_batch.idx_mapping_np):
+        return orig(self, logits_fn, hidden_states, input_batch, *args, **kwargs)
+    fn = _steered_logits_fn(rt, logits_fn, hidden_states, _prompt_row_slots(input_batch))
+    return orig(self, fn, hidden_states, input_batch, *args, **kwargs)

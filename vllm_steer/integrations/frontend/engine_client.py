@@ -1,0 +1,111 @@
+"""The engine-control client: one management op (list / load / unload / presets) sent to
+every engine core, the answers merged, a partial change rolled back, and this process's views
+refreshed. The HTTP routes (:mod:`vllm_steer.server`) use :func:`control` on the API server's
+``AsyncLLM``; offline, :mod:`vllm_steer.offline` uses :func:`control_sync` on an ``LLM``.
+
+The op itself runs in the engine core (:mod:`vllm_steer.integrations.engine.control`), reached
+through vLLM's ``collective_rpc`` utility call with the method name
+:data:`~vllm_steer.integrations.engine.registry.CONTROL_METHOD`. With data parallelism each
+engine core holds its own registry and vLLM's load-balancing client sends a utility call to
+every one of them: their answers are merged (:func:`~vllm_steer.integrations.engine.control.
+merge`). Light: no torch at import time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_steer.integrations.engine.control import merge, rollback_kwargs
+from vllm_steer.integrations.engine.registry import CONTROL_METHOD
+from vllm_steer.integrations.frontend.state import frontend_state
+from vllm_steer.logs import get_logger
+
+logger = get_logger()
+
+
+def _rolled_back(res: dict, undo: dict) -> dict:
+    return {**res, "error": f"{res['error']} (data parallelism: refused by engine core "
+                            f"{res.get('engine')}; unloaded again from the "
+                            f"{len(undo['generations'])} engine core(s) that had loaded it)"}
+
+
+def _take_views(op: str, res: dict, metrics: bool = True) -> None:
+    """This process's views from an answer: the run-time presets (every answer has them), and
+    from a ``list`` the names it admits and the metrics."""
+    st = frontend_state()
+    if op.startswith("preset") or op == "list":
+        st.update_presets(res)
+    if op == "list" and res.get("enabled"):
+        st.set_loaded(s["name"] for s in res["steers"] if s["state"] != "draining")
+        if not metrics:
+            return
+        try:
+            from vllm_steer.metrics import get_metrics
+
+            get_metrics().update(res)
+        except Exception:  # metrics never break serving
+            logger.exception("vllm-steer: metrics update failed")
+
+
+async def control(engine, op: str, **kwargs) -> dict:
+    """One control op in every engine core: their answers merged, a load or preset add that
+    only some of them took rolled back, this process's views (names, presets, metrics)
+    refreshed."""
+    answers = await _every_engine(engine, op, kwargs)
+    res = merge(op, answers)
+    if op == "load" and not res.get("ok"):
+        undo = rollback_kwargs(kwargs["name"], answers)
+        if undo is not None:  # loaded by some engine cores only: unload it from those
+            await _every_engine(engine, "rollback", undo)
+            res = _rolled_back(res, undo)
+    if op == "preset_add" and not res.get("ok") and any(a.get("ok") for a in answers):
+        # data parallelism: added by some engine cores only: take it out of those again
+        await _every_engine(engine, "preset_rollback", {"name": kwargs["name"],
+                                                        "token": kwargs.get("token", "")})
+        res = await control(engine, "presets") | {k: res[k] for k in ("ok", "status", "error")}
+    _take_views(op, res)
+    if op in ("load", "unload"):  # refused ones too: the failure counters moved
+        await control(engine, "list")
+    return res
+
+
+async def _every_engine(engine, op: str, kwargs: dict) -> list[dict]:
+    """The op in every engine core this API server's client manages, one answer each.
+
+    vLLM's load-balancing data-parallel client sends each utility call to every engine core
+    but returns the first answer (``DPLBAsyncMPClient.call_utility_async``); its
+    ``call_utility_all_async`` (one answer per engine core, what ``collective_rpc`` runs on
+    each) gives them all. A single engine core: the same, one answer."""
+    client = getattr(engine, "engine_core", None)
+    call_all = getattr(client, "call_utility_all_async", None)
+    if call_all is None or len(getattr(client, "core_engines", ()) or ()) < 2:
+        return list(await engine.collective_rpc(CONTROL_METHOD, args=(op, kwargs)))[:1]
+    return [r[0] for r in await call_all("collective_rpc", CONTROL_METHOD, None, (op, kwargs),
+                                         None)]
+
+
+
+
+async def refresh_presets(engine: Any = None) -> dict[str, dict[str, float]]:
+    """Read the run-time preset table from the engine core (one utility call) into this
+    process's view; returns the view. Without an engine client (offline), or if the call
+    fails, the view as it is."""
+    st = frontend_state()
+    engine = engine if engine is not None else st.engine
+    if engine is not None:
+        try:
+            await control(engine, "presets")
+        except Exception as e:  # the engine is shutting down: the request fails anyway
+            logger.debug("vllm-steer: reading the run-time presets failed: %s", e)
+    return st.presets_view()
+
+
+def control_sync(llm: Any, op: str, **kwargs) -> dict:
+    """:func:`control` for an offline ``vllm.LLM`` (one engine core, in order with its
+    ``generate`` calls): the op, then the list that refreshes this process's views."""
+    res = llm.collective_rpc(CONTROL_METHOD, args=(op, kwargs))[0]
+    _take_views(op, res, metrics=False)
+    if op != "list":
+        _take_views("list", llm.collective_rpc(CONTROL_METHOD, args=("list", {}))[0],
+                    metrics=False)
+    return res

@@ -1,0 +1,60 @@
+"""What one HTTP request of the API server carries between vLLM's hooks and our response
+headers: the steers it is served with (for ``x-vllm-steer-*``) and the run-time preset its
+model check read. One mutable box per HTTP request, opened by the headers middleware
+(:class:`vllm_steer.server.presets_route.SteerHeadersMiddleware`, :func:`open_scope`); outside
+an HTTP request (offline) every function here is a no-op.
+
+Light: standard library only.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import Any
+
+# One mutable box per HTTP request, set by the middleware; mutated (never re-set) by
+# record_applied, so it is seen across the context copies of tasks and threads.
+_BOX: ContextVar[dict | None] = ContextVar("vllm_steer_applied", default=None)
+
+
+def open_scope() -> tuple[dict, Any]:
+    """A new box for this HTTP request: ``(box, token)``; :func:`close_scope` with the token."""
+    box: dict = {}
+    return box, _BOX.set(box)
+
+
+def close_scope(token) -> None:
+    _BOX.reset(token)
+
+
+def record_applied(values: dict[str, Any], floored: list[str]) -> None:
+    """Remember the steers this HTTP request is served with (no-op outside a request)."""
+    box = _BOX.get()
+    if box is None:
+        return
+    from vllm_steer.policy import APPLIED_HEADER, header_values
+
+    headers = header_values(values, floored)
+    if headers.get(APPLIED_HEADER) or len(headers) > 1:
+        box["headers"] = headers
+
+
+def pin_preset(name: str, mix: dict | None) -> None:
+    """Remember the preset mix this HTTP request's model check read (no-op outside a
+    request): :func:`pinned_preset` gives it to ``to_sampling_params`` even if the view
+    changes in between."""
+    box = _BOX.get()
+    if box is not None:
+        box["preset"] = (name, mix)
+
+
+def pinned_preset(name: str) -> tuple[bool, dict | None]:
+    """``(True, mix)`` if this HTTP request's model check read ``name``'s preset (mix None:
+    none of that name), else ``(False, None)``."""
+    box = _BOX.get()
+    got = box.get("preset") if box is not None else None
+    if got is not None and got[0] == name:
+        return True, got[1]
+    return False, None
+
+

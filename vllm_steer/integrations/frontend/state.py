@@ -1,0 +1,90 @@
+"""The frontend process's one state object (API server, or the process of an offline ``LLM``):
+what it knows of the steers, held in :class:`FrontendState` and reached through
+:func:`frontend_state` alone.
+
+- ``config``: this engine's :class:`~vllm_steer.config.SteerServerConfig` (set when vLLM
+  creates the engine config, and again by each ``InputProcessor``);
+- ``loaded``: the names the engine core serves, as this process last heard (the steers poll
+  and every management call refresh it; None: the configured ``--steer`` names);
+- ``hidden_size``: the served model's steer size (``--steer-dir`` files are checked against it);
+- ``engine``: this API server's engine client (the management routes, presets);
+- the run-time preset table as this process last read it (:meth:`FrontendState.presets_view`,
+  replaced only by a newer ``version``).
+
+Light: no torch, no vLLM at import time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from vllm_steer.config import SteerServerConfig
+
+
+@dataclass
+class FrontendState:
+    """What this frontend process knows of the steers (see the module doc)."""
+
+    config: SteerServerConfig | None = None
+    """This engine's steer configuration (None: the engine does not steer)."""
+    loaded: set[str] | None = None
+    """Names the engine core serves, as last heard; None: the configured ``--steer`` names."""
+    hidden_size: int = 0
+    """The served model's steer size (0: unknown)."""
+    engine: Any = None
+    """This API server's engine client (set by the steer endpoints)."""
+    presets_version: int = -1
+    """Version of the run-time preset table last read (-1: none read)."""
+    presets: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The run-time preset table last read."""
+
+    def reset(self, config: SteerServerConfig | None) -> None:
+        """A new engine configuration for this process: it starts from its own ``--steer``
+        names (run-time loads and presets of an earlier engine in the same process are
+        forgotten)."""
+        self.config = config
+        self.loaded = None
+        self.forget_presets()
+
+    @property
+    def enabled(self) -> bool:
+        return self.config is not None and self.config.enabled
+
+    def loaded_names(self) -> set[str]:
+        if self.loaded is not None:
+            return set(self.loaded)
+        return set(self.config.steers) if self.config is not None else set()
+
+    def set_loaded(self, names) -> None:
+        self.loaded = None if names is None else set(names)
+
+    # ---- the run-time preset table (vllm_steer.integrations.engine.presets) -----------------
+    def presets_view(self) -> dict[str, dict[str, float]]:
+        """The run-time presets as this process last read them."""
+        return dict(self.presets)
+
+    def update_presets(self, answer: Mapping[str, Any] | None) -> None:
+        """Take the table from an engine-core answer if it is newer than the view."""
+        if not answer or "version" not in answer or not isinstance(answer.get("presets"),
+                                                                   Mapping):
+            return
+        if answer["version"] >= self.presets_version:
+            self.presets_version = answer["version"]
+            self.presets = {n: dict(m) for n, m in answer["presets"].items()}
+
+    def forget_presets(self) -> None:
+        self.presets_version, self.presets = -1, {}
+
+    def set_engine(self, engine) -> None:
+        """This API server's engine client (a new engine: a new preset table)."""
+        self.engine = engine
+        self.forget_presets()
+
+
+_STATE = FrontendState()
+
+
+def frontend_state() -> FrontendState:
+    """This process's :class:`FrontendState` (the one accessor)."""
+    return _STATE

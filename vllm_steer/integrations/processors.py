@@ -1,0 +1,93 @@
+"""Our per-request logits processors, one per vLLM model runner: where the request's steers
+reach the worker. They straddle two processes, as vLLM's custom logits processors do:
+``validate_params`` runs in the frontend at admission
+(:func:`vllm_steer.integrations.frontend.admission.validate`); an instance lives in each worker
+and keeps the coefficients of the request in each batch slot in the worker's
+:class:`~vllm_steer.integrations.worker.runtime.SteerRuntime`, where the LM-head hook reads them.
+Neither touches logits (``apply`` is the identity). Semantics: see :mod:`vllm_steer.reference`.
+
+- V1 (the CPU runner and the V1 GPU runner): persistent-batch slots (``BatchUpdate``); V1
+  samples one row per request in batch order, so row i is slot i.
+- Model Runner V2 (the GPU default): request-state slots (``add_request(slot, params)``);
+  the row -> slot mapping of each step comes from the runner's ``sample()``
+  (:func:`vllm_steer.integrations.worker.v2.sample`).
+
+Named in ``model_config.logits_processors`` by
+:func:`vllm_steer.integrations.frontend.startup_checks.processor_fqcn`.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
+from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
+
+from vllm_steer.integrations.frontend import admission
+from vllm_steer.integrations.worker.runtime import RowSource, get_runtime
+
+
+class SteerLogitsProcessorV1(V1LogitsProcessor):
+    """V1 logits processor carrying per-request steers to the LM head."""
+
+    # Read by relax_output_token_ids: this processor never reads output token ids.
+    needs_output_token_ids = False
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        admission.validate(sampling_params)
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        self.runtime = get_runtime(vllm_config.additional_config)
+        if self.runtime is not None:
+            self.runtime.ensure_slots(vllm_config.scheduler_config.max_num_seqs, device)
+
+    def is_argmax_invariant(self) -> bool:
+        return True  # logits are steered in the head, not here
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        rt = self.runtime
+        if rt is None or batch_update is None:
+            return
+        for slot in batch_update.removed:
+            rt.set_slot(slot, None)
+        for slot, params, _prompt, _out in batch_update.added:
+            rt.set_slot(slot, rt.coef_row(params), rt.coef_windows(params))
+        for a, b, direction in batch_update.moved:
+            rt.move_slot(a, b, swap=direction == MoveDirectionality.SWAP)
+        rt.batch_size = batch_update.batch_size
+        rt.flush()
+
+
+class SteerLogitsProcessorV2(V2LogitsProcessor):
+    """V2 logits processor: per-slot steer coefficients for the LM-head hook."""
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        admission.validate(sampling_params)
+
+    def __init__(self, vllm_config, req_states) -> None:
+        super().__init__(vllm_config, req_states)
+        self.runtime = get_runtime(vllm_config.additional_config)
+        if self.runtime is not None:
+            self.runtime.ensure_slots(req_states.max_num_reqs, req_states.device)
+            # outside sample() (prompt logprobs, warm-up) rows have no known slot: unsteered
+            self.runtime.row_source = RowSource("none")
+
+    def add_request(self, req_idx: int, sampling_params) -> bool:
+        rt = self.runtime
+        if rt is None:
+            return False
+        row = rt.coef_row(sampling_params)
+        rt.set_slot(req_idx, row, rt.coef_windows(sampling_params))  # full reset of the slot
+        return False  # logits are steered in the head; apply() has nothing to do
+
+    def apply_staged_writes(self) -> None:
+        if self.runtime is not None:
+            self.runtime.flush()
+
+    def apply(self, logits, ctx):
+        return logits

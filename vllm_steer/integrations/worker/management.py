@@ -1,0 +1,31 @@
+"""The worker's half of run-time steer management: the engine core sends each op to every
+worker (all TP ranks) with the executor's ``collective_rpc`` (:func:`worker_op`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_steer.integrations.worker.runtime import get_runtime
+
+
+def worker_op(worker, op: str, *args) -> Any:
+    """Runs in every worker (``collective_rpc`` with a callable): change or report slots."""
+    rt = get_runtime(worker.vllm_config.additional_config)
+    if rt is None:
+        return None
+    if op == "put":
+        slot, gen, name, steer = args
+        if rt.bank is None:  # no LM head in this worker (an earlier pipeline stage): no steers
+            return False
+        rt.put_steer(slot, gen, name, steer)
+        return True
+    if op == "drop":
+        rt.drop_slots(args[0])
+        return True
+    if op == "stats":
+        bank = rt.bank
+        return {"op_seconds": rt.stats.seconds, "op_calls": rt.stats.calls,
+                "slots": [] if bank is None else
+                [[i, g, n] for i, (g, n) in enumerate(zip(bank.generations, bank.names))
+                 if n is not None]}
+    raise ValueError(f"unknown steer worker op {op!r}")

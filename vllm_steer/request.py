@@ -1,0 +1,421 @@
+"""A request's steers: the typed :class:`SteerRequest`, parsed once, and every message about
+them.
+
+The ``steer`` value of a request (the OpenAI body's top-level field, ``vllm_xargs={"steer":
+"name:strength,..."}`` or offline ``SamplingParams(extra_args={"steer": ...})``) is parsed once
+per process boundary into a frozen :class:`SteerRequest` (names, signed strengths, generation
+windows; vLLM's ``LoRARequest`` is the model):
+
+- the frontend (API server or ``LLM`` process) parses it where it enters (the request body's
+  validator; offline, the admission check) and writes its serialised form, which has a version
+  (:meth:`SteerRequest.to_wire`), back into ``extra_args["steer"]``: everything downstream
+  decodes that (:meth:`SteerRequest.from_value`) and never parses the grammar again;
+- the engine core applies the operator's policy (:mod:`vllm_steer.policy`) to the typed object
+  and binds each steer to a ``(slot, generation)`` (:class:`BoundSteer`);
+- the worker reads only the bound form.
+
+Limits (:data:`MAX_STEER_CHARS`, :data:`MAX_WINDOW_TOKEN`, ...) and every message about a
+request's steers live here; "unknown steer" is built by :func:`unknown_steer` alone. Light:
+standard library only (the frontend imports it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from vllm_steer import REQUEST_FIELD
+from vllm_steer.names import echo, steer_name_problem
+
+class SteerRequestError(ValueError):
+    """A request's ``steer`` field is invalid. The message names the field and the problem."""
+
+
+@dataclass(frozen=True)
+class Window:
+    """A steer's strength over the generated tokens of one request (a generation window).
+
+    ``t`` counts the request's generated tokens (0: the first one). The strength is ``base``
+    outside ``[start, end)``; inside, it rises linearly from ``base`` to ``strength`` over the
+    first ``ramp`` tokens of the window (reaching ``strength`` at ``t = start + ramp - 1``;
+    ``ramp`` 0: at once) and stays there. Rows that are not generated tokens (prompt
+    logprobs) have no ``t`` and get ``base``. The arithmetic, vectorised over rows:
+    :func:`vllm_steer.reference.window_strengths`.
+    """
+
+    strength: float
+    """The steer's strength inside the window (units of its epsilon)."""
+    start: int = 0
+    """First generated token (0-based) the window covers."""
+    end: int | None = None
+    """First generated token after the window (exclusive); None: to the last token."""
+    ramp: int = 0
+    """Tokens over which the strength rises from ``base`` to ``strength``; 0: at once."""
+    base: float = 0.0
+    """The strength outside the window (0; an operator floor raises it)."""
+
+    def at(self, t: int) -> float:
+        """The strength at generated token ``t`` (scalar form of ``window_strengths``)."""
+        if t < self.start or (self.end is not None and t >= self.end):
+            return self.base
+        w = 1.0 if self.ramp <= 0 else min(1.0, (t - self.start + 1) / self.ramp)
+        return self.base + w * (self.strength - self.base)
+
+
+
+
+#: What a strength string may look like: a JSON number, optionally with a leading '+'
+#: (ASCII digits only; no '_' separators, no 'inf'/'nan', no full-width digits).
+_STRENGTH_RE = re.compile(r"[+-]?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+#: Longest strength string accepted.
+MAX_STRENGTH_CHARS = 32
+#: Longest ``vllm_xargs`` steer string accepted.
+MAX_XARGS_CHARS = 4096
+#: How many loaded steer names an "unknown steer" error lists.
+LIST_NAMES = 8
+
+
+def _strength(name: str, value: Any, where: str, max_strength: float) -> float:
+    def bad(what: str) -> SteerRequestError:
+        return SteerRequestError(f"{where}: strength of steer {echo(name)} {what}")
+
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise bad(f"must be a number, got {type(value).__name__} {echo(value)}")
+    if isinstance(value, int):  # exact: a 400-digit integer is over any maximum, not a crash
+        if abs(value) > max_strength:
+            raise SteerRequestError(f"{where}: strength {echo(value)} of steer {echo(name)} "
+                                    f"exceeds the server's maximum |strength| {max_strength:g} "
+                                    "(--steer-max-strength)")
+        try:
+            return float(value)
+        except OverflowError:
+            raise bad(f"must be finite, got {echo(value)}") from None
+    if isinstance(value, str):
+        text = value.strip(" \t")
+        if len(text) > MAX_STRENGTH_CHARS or not _STRENGTH_RE.fullmatch(text):
+            raise bad(f"must be a number, got {echo(value)} (a JSON number such as 5, -2.5 "
+                      "or 1e1)")
+        s = float(text)
+    else:
+        s = value
+    if not math.isfinite(s):
+        raise bad(f"must be finite, got {echo(value)}")
+    if abs(s) > max_strength:
+        raise SteerRequestError(f"{where}: strength {s:g} of steer {echo(name)} exceeds the "
+                                f"server's maximum |strength| {max_strength:g} "
+                                "(--steer-max-strength)")
+    return s
+
+
+def names_list(known: Mapping[str, Any]) -> str:
+    names = sorted(known)
+    if not names:
+        return "none (start the server with --steer NAME=PATH)"
+    more = len(names) - LIST_NAMES
+    return ", ".join(names[:LIST_NAMES]) + (f" and {more} more" if more > 0 else "")
+
+
+#: Largest generated-token index (``start``, ``end``, ``ramp``) a window may name.
+MAX_WINDOW_TOKEN = 1 << 20
+#: Longest steer value (a mapping: its JSON serialisation) accepted.
+MAX_STEER_CHARS = 4096
+#: The keys a window object may have.
+WINDOW_KEYS = ("strength", "start", "end", "ramp", "base")
+
+
+def _show(value: int) -> str:
+    return echo(value) if abs(value) < 10**18 else f"an integer of {value.bit_length()} bits"
+
+
+def _token_index(name: str, key: str, value: Any, where: str, low: int) -> int:
+    """A window's token index: a JSON integer (``3.0`` accepted as 3), ``low..MAX_WINDOW_TOKEN``."""
+    def bad(what: str) -> SteerRequestError:
+        return SteerRequestError(f"{where}: window of steer {echo(name)}: {key!r} {what}")
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(f"must be an integer token index, got {type(value).__name__} {echo(value)}")
+    if isinstance(value, float):
+        if not (math.isfinite(value) and value.is_integer()):
+            raise bad(f"must be an integer token index, got {echo(value)}")
+        value = int(value)
+    if value < low:
+        raise bad(f"is {_show(value)}; it must be at least {low}"
+                  + (" (tokens are counted from 0)" if low == 0 else ""))
+    if value > MAX_WINDOW_TOKEN:
+        raise bad(f"is {_show(value)}; at most {MAX_WINDOW_TOKEN} (1<<20) is allowed")
+    return value
+
+
+def _window(name: str, value: Mapping, where: str, max_strength: float) -> Window:
+    unknown = [k for k in value if k not in WINDOW_KEYS]
+    if unknown:
+        raise SteerRequestError(
+            f"{where}: window of steer {echo(name)} has unknown key(s) "
+            f"{', '.join(echo(k) for k in unknown[:4])}{' ...' if len(unknown) > 4 else ''}; "
+            f"allowed: {', '.join(WINDOW_KEYS)}")
+    if "strength" not in value:
+        raise SteerRequestError(f"{where}: window of steer {echo(name)} has no 'strength' (the "
+                                "strength inside the window; 'start', 'end', 'ramp' and 'base' "
+                                "are optional)")
+    strength = _strength(name, value["strength"], where, max_strength)
+    base = 0.0
+    if value.get("base") is not None:
+        try:
+            base = _strength(name, value["base"], where, max_strength)
+        except SteerRequestError as e:  # the same checks, told as the window's base
+            raise SteerRequestError(str(e).replace(f"{where}: strength",
+                                                   f"{where}: window base", 1)) from None
+    start = _token_index(name, "start", value.get("start", 0), where, 0) \
+        if value.get("start") is not None else 0
+    ramp = _token_index(name, "ramp", value.get("ramp", 0), where, 0) \
+        if value.get("ramp") is not None else 0
+    end = None
+    if value.get("end") is not None:
+        end = _token_index(name, "end", value["end"], where, 1)
+        if end <= start:
+            raise SteerRequestError(f"{where}: window of steer {echo(name)}: 'end' {end} must be "
+                                    f"greater than 'start' {start} (the window is [start, end) "
+                                    "over generated tokens; leave 'end' out for no end)")
+    return Window(strength=strength, start=start, end=end, ramp=ramp, base=base)
+
+
+def _serialised_length(value: Any) -> int | None:
+    try:
+        return len(json.dumps(value, default=repr))
+    except (TypeError, ValueError, RecursionError):  # checked item by item below
+        return None
+
+
+def _parse_steer(value: Any, known: Mapping[str, Any] | None, max_strength: float,
+                 where: str) -> tuple[tuple[str, float | Window], ...]:
+    """The grammar: a raw ``steer`` value -> its entries ``(name, strength or Window)`` in the
+    order given, zeros kept."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        if len(value) > MAX_XARGS_CHARS:
+            raise SteerRequestError(f"{where}: the 'name:strength,...' string is {len(value)} "
+                                    f"characters; at most {MAX_XARGS_CHARS} are allowed")
+        items: dict[str, Any] = {}
+        if value.strip():
+            for part in (p.strip() for p in value.split(",")):
+                name, sep, s = part.partition(":")
+                name, s = name.strip(), s.strip()
+                if not sep or not name or not s or ":" in s:
+                    raise SteerRequestError(
+                        f"{where}: malformed entry {echo(part)} in {echo(value)}; expected "
+                        "'name:strength[,name:strength...]'"
+                        + (" (empty entry: a stray ',')" if not part else ""))
+                if name in items:
+                    raise SteerRequestError(f"{where}: steer {echo(name)} given twice in "
+                                            f"{echo(value)}")
+                if any(c in s for c in "@~{}"):
+                    raise SteerRequestError(
+                        f"{where}: {echo(part)}: the 'name:strength' string form (vllm_xargs) "
+                        "has no generation windows; send the steer as a JSON object in the "
+                        "top-level 'steer' field, e.g. extra_body={'steer': {'detox': "
+                        "{'strength': 5, 'start': 0, 'end': 32}}}")
+                items[name] = s
+    elif isinstance(value, Mapping):
+        items = dict(value)
+    else:
+        raise SteerRequestError(f"{where}: expected an object mapping steer names to strengths "
+                                f"(e.g. {{\"detox\": 5}}) or a 'name:strength,...' string, got "
+                                f"{type(value).__name__}")
+    for name in items:  # names first: an unknown name is told as such, however long
+        if not isinstance(name, str):
+            raise SteerRequestError(f"{where}: steer names must be strings, got {echo(name)}")
+        if known is not None and name not in known:
+            raise SteerRequestError(unknown_steer(where, name, known))
+        if known is None and steer_name_problem(name):
+            raise SteerRequestError(f"{where}: {steer_name_problem(name)}")
+    if not isinstance(value, str):
+        n = _serialised_length(value)
+        if n is not None and n > MAX_STEER_CHARS:
+            raise SteerRequestError(f"{where}: the steer value is {n} characters as JSON; at most "
+                                    f"{MAX_STEER_CHARS} are allowed")
+    entries: list[tuple[str, float | Window]] = []
+    for name, raw in items.items():
+        if isinstance(raw, Mapping):
+            entries.append((name, _window(name, raw, where, max_strength)))
+        else:
+            entries.append((name, _strength(name, raw, where, max_strength)))
+    return tuple(entries)
+
+
+def parse_request_steer(value: Any, known: Mapping[str, Any] | None, max_strength: float,
+                        where: str = REQUEST_FIELD) -> dict[str, float]:
+    """The non-zero strengths of a steer value: ``SteerRequest.parse(...).strengths`` (see
+    :meth:`SteerRequest.parse` for the grammar)."""
+    return SteerRequest.parse(value, known, max_strength, where).strengths
+
+
+def request_windows(value: Any, known: Mapping[str, Any] | None = None,
+                    max_strength: float = math.inf, where: str = REQUEST_FIELD
+                    ) -> dict[str, Window]:
+    """The steers of a steer value given as window objects: ``SteerRequest.parse(...).windows``."""
+    return SteerRequest.parse(value, known, max_strength, where).windows
+
+
+def unknown_steer(where: str, name: Any, loaded, steer_dir: str | None = None,
+                  label: str = "loaded steers", listing: str | None = None) -> str:
+    """The one "unknown steer" message: ``name`` is not among ``loaded`` (names) and, with a
+    ``steer_dir``, has no file there either. ``label``/``listing``: how the known names are
+    introduced and listed (default: the first :data:`LIST_NAMES` loaded steers)."""
+    listing = names_list(loaded) if listing is None else listing
+    if steer_dir:
+        return (f"{where}: unknown steer {echo(name)}: not loaded (loaded: {listing}) and no "
+                f"file {name}.safetensors in --steer-dir {steer_dir}")
+    return f"{where}: unknown steer {echo(name)}; {label}: {listing}"
+
+
+#: Version of the serialised form (:meth:`SteerRequest.to_wire`). The key cannot be a steer
+#: name (``@`` is outside the name rule), so the form is never taken for a user's mapping.
+WIRE_VERSION = 1
+WIRE_KEY = "@vllm_steer"
+
+
+def _window_wire(w: Window) -> dict[str, Any]:
+    return {"strength": w.strength, "start": w.start, "end": w.end, "ramp": w.ramp,
+            "base": w.base}
+
+
+@dataclass(frozen=True)
+class SteerRequest:
+    """A request's steers, parsed and checked: ``(name, strength or Window)`` in the order
+    given, zeros kept (a steer named with strength 0 overrides a preset or default)."""
+
+    entries: tuple[tuple[str, float | Window], ...] = ()
+    """Each steer the request names, with its signed strength or its generation window."""
+
+    # ---- parsing ----------------------------------------------------------------------------
+    @classmethod
+    def parse(cls, value: Any, known: Mapping[str, Any] | None = None,
+              max_strength: float = math.inf, where: str = REQUEST_FIELD) -> "SteerRequest":
+        """Parse and check a request's steer value (or decode its serialised form).
+
+        Accepts a mapping ``{"detox": 5, "sentiment": -3}`` or the ``vllm_xargs`` string form
+        ``"detox:5,sentiment:-3"`` (an empty string is no steer). Strengths are numbers or
+        strings holding a JSON number. In the mapping, a strength may be a generation window
+        ``{"strength": 5, "start": 0, "end": 32, "ramp": 16, "base": 0}`` (see :class:`Window`;
+        the string form has none). ``known=None`` checks names against the name rule only.
+        Raises :class:`SteerRequestError` naming the field and the problem; the message
+        repeats at most a short prefix of any value.
+        """
+        if is_wire(value):
+            request = cls.from_wire(value, where)
+            if known is not None:
+                for name in request.names:
+                    if name not in known:
+                        raise SteerRequestError(unknown_steer(where, name, known))
+            for name, v in request.entries:
+                s = max(abs(v.strength), abs(v.base)) if isinstance(v, Window) else abs(v)
+                if s > max_strength:
+                    _strength(name, s, where, max_strength)  # raises with the usual message
+            return request
+        return cls(_parse_steer(value, known, max_strength, where))
+
+    @classmethod
+    def from_value(cls, value: Any, where: str = REQUEST_FIELD) -> "SteerRequest":
+        """The request in ``extra_args["steer"]``: its serialised form decoded, or a raw value
+        parsed against the name rule (a request that did not pass a frontend's parse)."""
+        if value is None:
+            return cls()
+        return cls.parse(value, None, math.inf, where)
+
+    # ---- views ------------------------------------------------------------------------------
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.entries)
+
+    @property
+    def named(self) -> dict[str, float | Window]:
+        """Every steer the request names -> its strength or window (zeros kept)."""
+        return dict(self.entries)
+
+    @property
+    def strengths(self) -> dict[str, float]:
+        """The steers it is served with -> strength (zeros dropped; a window counts with its
+        ``strength``, or its ``base`` when the strength is 0, so a steer that acts only
+        outside its window is still listed; a window whose strength and base are 0 is none)."""
+        out = {}
+        for name, v in self.entries:
+            if isinstance(v, Window):
+                if v.strength != 0.0 or v.base != 0.0:
+                    out[name] = v.strength if v.strength != 0.0 else v.base
+            elif v != 0.0:
+                out[name] = v
+        return out
+
+    @property
+    def windows(self) -> dict[str, Window]:
+        """The steers given as windows (not those whose strength and base are both 0)."""
+        return {n: v for n, v in self.entries
+                if isinstance(v, Window) and (v.strength != 0.0 or v.base != 0.0)}
+
+    def __bool__(self) -> bool:
+        return bool(self.strengths)
+
+    # ---- the serialised form -----------------------------------------------------------------
+    def to_wire(self) -> dict[str, Any]:
+        """The form carried in ``extra_args["steer"]`` (JSON-safe, versioned)."""
+        return {WIRE_KEY: WIRE_VERSION,
+                "steers": [[n, _window_wire(v) if isinstance(v, Window) else v]
+                           for n, v in self.entries]}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any], where: str = REQUEST_FIELD) -> "SteerRequest":
+        version = value.get(WIRE_KEY)
+        if version != WIRE_VERSION:
+            raise SteerRequestError(f"{where}: serialised steer request of version "
+                                    f"{echo(version)}; this vllm-steer reads version "
+                                    f"{WIRE_VERSION} (frontend and engine run different "
+                                    "vllm-steer versions: install the same one everywhere)")
+        entries = []
+        for name, v in value.get("steers") or ():
+            entries.append((name, Window(**v) if isinstance(v, Mapping) else float(v)))
+        return cls(tuple(entries))
+
+
+def is_wire(value: Any) -> bool:
+    """Whether ``value`` is a :meth:`SteerRequest.to_wire` form (not a user's value)."""
+    return isinstance(value, Mapping) and WIRE_KEY in value
+
+
+#: ``SamplingParams.extra_args`` key the engine core writes: the request's steers bound to their
+#: slots, ``[[name, slot, generation, strength or window], ...]`` (:class:`BoundSteer`).
+BOUND_KEY = "vllm_steer_bound"
+
+
+@dataclass(frozen=True)
+class BoundSteer:
+    """One steer of a request, bound by the engine core to the slot and generation that hold
+    it (:class:`vllm_steer.integrations.engine.registry.SteerRegistry`): the only form the
+    workers read."""
+
+    name: str
+    slot: int
+    generation: int
+    value: float | Window
+    """The strength, or the generation window."""
+
+    @property
+    def strength(self) -> float:
+        v = self.value
+        if isinstance(v, Window):
+            return v.strength if v.strength != 0.0 else v.base
+        return v
+
+    @staticmethod
+    def to_wire(bound: Sequence["BoundSteer"]) -> list:
+        return [[b.name, b.slot, b.generation,
+                 _window_wire(b.value) if isinstance(b.value, Window) else b.value]
+                for b in bound]
+
+    @staticmethod
+    def from_wire(value: Any) -> list["BoundSteer"]:
+        return [BoundSteer(n, int(s), int(g), Window(**v) if isinstance(v, Mapping) else float(v))
+                for n, s, g, v in value or ()]
