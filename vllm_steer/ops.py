@@ -126,6 +126,27 @@ def prepare_steers(
                     else prep(p1, p2, rank_offsets, coefs, host=host))
 
 
+def warm_up(
+    backend: str | None,  # as for apply_steers (None: $VLLM_STEER_BACKEND or auto)
+    p1: torch.Tensor,  # [hidden, total_rank]: the bank's factors, on the serving device
+    p2: torch.Tensor,  # [hidden, total_rank]
+    rank_offsets: Sequence[int],  # K + 1: the bank's layout
+    max_rows: int,  # the most rows one call steers (vLLM's max_num_seqs)
+    act_dtype: torch.dtype,  # the activations' dtype (the model's)
+) -> int:
+    """Compile at start-up every kernel the backend can launch for 1..max_rows rows of this
+    bank, so that no serving step stalls on a compile. Returns the number of kernel
+    specialisations warmed: ``triton`` launches each of
+    :func:`vllm_steer.kernels.triton_steer.specializations` once; ``torch`` and ``reference``
+    compile nothing (0). Call it again after the bank's layout changes."""
+    name = resolve_backend(backend, p1.device)
+    if name != "triton":
+        return 0
+    from vllm_steer.kernels.triton_steer import warm_up as triton_warm_up
+
+    return triton_warm_up(p1, p2, rank_offsets, max_rows, act_dtype)
+
+
 def backend_fn(name: str) -> SteerFn:
     """The registered function of a resolved backend (the serving path calls it directly)."""
     return _REGISTRY[name]

@@ -37,6 +37,13 @@ cores as they are; a fp32 operand against bf16 factors is split into ``hi + lo``
 (two exact-product dots, ~2^-17 relative error); other mixes run in fp32 with
 ``input_precision=FP32_PRECISION`` ("tf32x3" on CUDA: about fp32 accuracy on tensor cores).
 
+Compiles: Triton compiles one binary per set of compile-time parameters (the ``constexpr``
+tile sizes and flags, and the "== 1" / "multiple of 16" facts of integer arguments). The row
+count changes every step, so it is never one of them: ``num_rows`` is ``do_not_specialize``
+and :func:`choose_tiles` picks the tiles of the row count's power-of-two bucket
+(:func:`row_bucket`). The binaries reachable for 1..max_rows rows are the few of
+:func:`specializations`, and :func:`warm_up` compiles them all at start-up.
+
 Host syncs: none in the steady state when ``rank_offsets`` is a list or a CPU tensor (the
 per-bank device tables are built once and cached; building them copies a few ints host to
 device the first time a bank shape is seen). A CUDA ``rank_offsets`` tensor costs one
@@ -113,7 +120,7 @@ def _load_tile(ptrs, mask_rows, mask_cols, MASK_ROWS: tl.constexpr, MASK_COLS: t
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _steer_segments_kernel(
     coefs_ptr,  # [num_rows, K] fp32 contiguous
     seg_rows_ptr,  # [K, num_rows] int32 out: rows with coefs[:, k] != 0, in order
@@ -160,7 +167,7 @@ def _steer_segments_kernel(
         tl.store(seg_counts_ptr + k, n_seg)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _steer_shrink_kernel(
     hidden_ptr,  # [num_rows, hidden], row stride stride_h
     p1_ptr,  # [hidden, total_rank] contiguous
@@ -221,7 +228,7 @@ def _steer_shrink_kernel(
             tl.atomic_add(ptrs, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _steer_expand_kernel(
     hidden_ptr,  # [num_rows, hidden], row stride stride_h
     p2_ptr,  # [hidden, total_rank] contiguous
@@ -353,8 +360,25 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def row_bucket(num_rows: int) -> int:
+    """The row count whose tiles serve ``num_rows`` rows: the next power of two (1, 2, 4, ...).
+
+    Tiles, hence compiled kernels, change only between buckets: 9 buckets cover 1..256 rows."""
+    return _pow2_at_least(max(int(num_rows), 1))
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every :func:`row_bucket` of 1..max_rows rows (``[1, 2, 4, ..., row_bucket(max_rows)]``)."""
+    if max_rows < 1:
+        return []
+    return [1 << i for i in range(row_bucket(max_rows).bit_length())]
+
+
 def choose_tiles(num_rows: int, hidden: int, offs: list[int], num_sms: int) -> Tiles:
     """Tiles from shapes only (no data, so no sync and a CUDA-graph-stable launch).
+
+    The row count enters through its bucket (:func:`row_bucket`) only, so that the compiled
+    kernels reachable from 1..max_rows rows are a handful (:func:`specializations`).
 
     The largest tiles (fewest re-reads of the activations and of ``buf``) whose grid still
     gives every SM a program, preferring tiles that divide the rank offsets and hidden (no
@@ -364,6 +388,7 @@ def choose_tiles(num_rows: int, hidden: int, offs: list[int], num_sms: int) -> T
     """
     K = len(offs) - 1
     ranks = [offs[k + 1] - offs[k] for k in range(K)]
+    num_rows = row_bucket(num_rows)
 
     def even(block, fallback):  # the largest power of two <= block dividing all offsets
         b = block
@@ -449,11 +474,15 @@ def segments(coefs: torch.Tensor):
     seg_rows = torch.empty((K, num_rows), dtype=torch.int32, device=coefs.device)
     seg_counts = torch.empty((K,), dtype=torch.int32, device=coefs.device)
     perm = torch.empty((num_rows,), dtype=torch.int32, device=coefs.device)
-    k_pad = max(16, _pow2_at_least(K))
-    chunk = max(16, min(1024, _pow2_at_least(num_rows), 8192 // k_pad))
     _steer_segments_kernel[(K + 1,)](coefs, seg_rows, seg_counts, perm, num_rows, K,
-                                     CHUNK=chunk, K_PAD=k_pad)
+                                     **segments_params(num_rows, K))
     return seg_rows, seg_counts, perm
+
+
+def segments_params(num_rows: int, K: int) -> dict:
+    """Compile-time parameters of the segments kernel (one set per row bucket)."""
+    k_pad = max(16, _pow2_at_least(K))
+    return dict(CHUNK=max(16, min(1024, row_bucket(num_rows), 8192 // k_pad)), K_PAD=k_pad)
 
 
 def segments_host(nz, device: torch.device):
@@ -606,3 +635,89 @@ def steer_triton(
         hidden, p2, coefs, perm, offs_t, buf, out,
         hidden.stride(0), out.stride(0), num_rows, d, total_rank, K, **expand_kw)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Start-up: every compiled kernel a serving run can need, compiled before the first request
+
+
+class Specialization(NamedTuple):
+    """One compiled kernel: which kernel, and its compile-time parameters (``constexpr``
+    values and launch options, as ``(name, value)`` pairs sorted by name)."""
+
+    kernel: str  # "segments", "shrink" or "expand"
+    params: tuple
+
+
+def _launch_specs(num_rows: int, hidden: int, offs: list[int], act_dtype: torch.dtype,
+                  fac_dtype: torch.dtype, num_sms: int, interpret: bool) -> list[Specialization]:
+    """The kernels :func:`steer_triton` compiles for a call on ``num_rows`` rows (its
+    segments launch included: a call without a plan or host coefficients makes one)."""
+    K = len(offs) - 1
+    if num_rows == 0 or K == 0 or offs[-1] == 0:
+        return []  # nothing is launched
+    t = _with_overrides(choose_tiles(num_rows, hidden, offs, num_sms))
+    shrink, expand = kernel_params(t, hidden, offs, act_dtype, fac_dtype, interpret)
+    return [Specialization("segments", tuple(sorted(segments_params(num_rows, K).items()))),
+            Specialization("shrink", tuple(sorted(shrink.items()))),
+            Specialization("expand", tuple(sorted(expand.items())))]
+
+
+def specializations(
+    max_rows: int,  # the most rows one call steers (vLLM's max_num_seqs)
+    hidden: int,  # the model's hidden size
+    rank_offsets: Sequence[int] | torch.Tensor,  # K + 1 ints: the bank's layout
+    act_dtype: torch.dtype,  # the activations' dtype (the model's)
+    fac_dtype: torch.dtype,  # the factors' dtype (the bank's)
+    device: torch.device | str | None = None,  # its SM count shapes the tiles (default: cuda:0)
+) -> list[Specialization]:
+    """Every compiled kernel that :func:`steer_triton` can launch for 1..max_rows rows of this
+    bank and these dtypes: at most one per kernel and row bucket (3 kernels x 9 buckets for
+    256 rows), usually fewer (buckets often share tiles).
+
+    Assumes what the serving path passes: activations and output of ``hidden`` contiguous
+    columns (a row stride of another "multiple of 16" class compiles anew) and fresh (16-byte
+    aligned) tensors. A new bank layout (a steer of another rank loaded) has its own set."""
+    offs = _offsets(rank_offsets)
+    if device is None:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    num_sms = _num_sms(torch.device(device))
+    found: dict[Specialization, None] = {}
+    for rows in row_buckets(max_rows):
+        for spec in _launch_specs(min(rows, max_rows), hidden, offs, act_dtype, fac_dtype,
+                                  num_sms, _interpreting()):
+            found.setdefault(spec)
+    return list(found)
+
+
+def warm_up(
+    p1: torch.Tensor,  # [hidden, total_rank] contiguous: the bank's factors
+    p2: torch.Tensor,  # [hidden, total_rank] contiguous, same dtype as p1
+    rank_offsets: Sequence[int] | torch.Tensor,  # K + 1 ints
+    max_rows: int,  # the most rows one call steers (vLLM's max_num_seqs)
+    act_dtype: torch.dtype,  # the activations' dtype
+) -> int:
+    """Compile every kernel of :func:`specializations` by launching it once (on zero
+    activations, one steer per row), so that no later call for 1..max_rows rows of this bank
+    compiles: a compile stalls its step for 0.2-2.8 s (measured on an H200). Also builds the
+    bank's cached device tables. Returns the number of specialisations warmed.
+
+    Call it at start-up and again after the bank's layout changes."""
+    offs = _offsets(rank_offsets)
+    K, d = len(offs) - 1, p1.shape[0]
+    dev = p1.device
+    specs = specializations(max_rows, d, offs, act_dtype, p1.dtype, dev)
+    num_sms, interpret = _num_sms(dev), _interpreting()
+    warmed: set[Specialization] = set()
+    for rows in row_buckets(max_rows) if specs else []:
+        rows = min(rows, max_rows)
+        need = set(_launch_specs(rows, d, offs, act_dtype, p1.dtype, num_sms, interpret))
+        if need <= warmed:
+            continue
+        coefs = torch.zeros((rows, K), dtype=torch.float32, device=dev)
+        coefs[torch.arange(rows, device=dev), torch.arange(rows, device=dev) % K] = 1.0
+        hidden = torch.zeros((rows, d), dtype=act_dtype, device=dev)
+        steer_triton(hidden, p1, p2, offs, coefs)  # no plan: the segments kernel runs too
+        warmed |= need
+    assert warmed == set(specs), "warm_up missed a specialisation of specializations()"
+    return len(specs)

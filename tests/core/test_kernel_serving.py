@@ -1,0 +1,147 @@
+"""What a serving run needs of the Triton steer kernel besides its values: no compile after
+start-up (``warm_up``).
+
+Needs only torch and triton (no vLLM, no GPU). The compile checks replace the kernels by
+recorders that log what Triton would compile for each launch and launch nothing, so they run
+with or without ``TRITON_INTERPRET``; on a GPU ``scripts/gpu_window.sh`` counts the real
+Triton cache entries.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+
+import pytest
+import torch
+
+from vllm_steer import ops
+from vllm_steer.kernels import HAS_TRITON
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+
+class Recorder:
+    """Stands in for a Triton kernel: logs the key Triton compiles a binary for (the constexpr
+    values and launch options, and for each integer argument it specialises, whether it is 1
+    and whether it is a multiple of 16) and launches nothing."""
+
+    def __init__(self, name: str, kernel, log: list):
+        self.name, self.log = name, log
+        self.arg_names = list(inspect.signature(kernel.fn).parameters)
+        if hasattr(kernel, "params"):  # a JITFunction
+            dns = [p.name for p in kernel.params if p.do_not_specialize]
+        else:  # the interpreter's InterpretedFunction keeps the jit arguments
+            dns = kernel.kwargs.get("do_not_specialize") or []
+        self.unspecialized = {self.arg_names[i] if isinstance(i, int) else i for i in dns}
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            ints = tuple((n, a == 1, a % 16 == 0) for n, a in zip(self.arg_names, args)
+                         if isinstance(a, int) and n not in self.unspecialized)
+            self.log.append((self.name, ints, tuple(sorted(kwargs.items()))))
+        return launch
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """The kernels replaced by recorders; the tiles chosen for a 132-SM GPU (H100, H200), where
+    they vary with the row count (the interpreter's one 'SM' would hide that)."""
+    from vllm_steer.kernels import triton_steer as ts
+
+    log: list = []
+    monkeypatch.setattr(ts, "_interpreting", lambda: True)  # CPU tensors accepted; nothing runs
+    monkeypatch.setattr(ts, "_num_sms", lambda device: 132)
+    for name in ("segments", "shrink", "expand"):
+        attr = f"_steer_{name}_kernel"
+        monkeypatch.setattr(ts, attr, Recorder(name, getattr(ts, attr), log))
+    return log
+
+
+def bank(d: int, ranks: list[int], dtype=torch.bfloat16):
+    offs = [0]
+    for r in ranks:
+        offs.append(offs[-1] + r)
+    gen = torch.Generator().manual_seed(d)
+    p1 = torch.randn(d, offs[-1], generator=gen).to(dtype)
+    p2 = torch.randn(d, offs[-1], generator=gen).to(dtype)
+    return p1, p2, offs
+
+
+def coefs_for(rows: int, K: int) -> torch.Tensor:
+    co = torch.zeros(rows, K)
+    co[torch.arange(rows), torch.arange(rows) % K] = 0.5  # row r on steer r % K
+    co[::3] = 0.0  # and some unsteered rows
+    return co
+
+
+# The shapes of the H200 probe (7 and 13 first-call compiles over rows 1..256, in the middle of
+# serving). Expected now: the distinct compiled kernels over rows 1..256, every one warmed at
+# start-up: 3 + 3 and 3 + 4 (shrink + expand), plus 5 of the segments kernel (CHUNK 16..256;
+# it runs only for calls planned without host coefficients).
+PROBE_SHAPES = {"d576-r16": (576, [16], 11), "d4096-r16-16-64": (4096, [16, 16, 64], 12)}
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", list(PROBE_SHAPES))
+def test_warm_up_leaves_nothing_to_compile_for_1_to_256_rows(recorded, shape):
+    from vllm_steer.kernels.triton_steer import specializations, steer_triton
+
+    d, ranks, expected = PROBE_SHAPES[shape]
+    p1, p2, offs = bank(d, ranks)
+    warmed_count = ops.warm_up("triton", p1, p2, offs, 256, torch.bfloat16)
+    warmed = set(recorded)
+    recorded.clear()
+    for rows in range(1, 257):
+        steer_triton(torch.zeros(rows, d, dtype=torch.bfloat16), p1, p2, offs,
+                     coefs_for(rows, len(ranks)))
+    launched = set(recorded)
+    assert launched <= warmed, f"compiled after warm_up: {sorted(launched - warmed)}"
+    # the bound: at most one compiled kernel per kernel and power-of-two bucket of rows
+    # (1, 2, 4, ..., 256: 9); these shapes need fewer, as the buckets share tiles
+    per_kernel = Counter(name for name, _, _ in launched)
+    assert max(per_kernel.values()) <= 9, per_kernel
+    assert len(launched) == expected, sorted(launched)
+    # specializations() names them exactly, and warm_up reports that many
+    listed = specializations(256, d, offs, torch.bfloat16, torch.bfloat16, "cpu")
+    assert {(s.kernel, s.params) for s in listed} == {(n, kw) for n, _, kw in launched}
+    assert warmed_count == len(listed) == len(warmed)
+
+
+@needs_triton
+def test_the_row_count_is_never_a_compile_time_fact(recorded):
+    """Rows of one bucket (here 33..64) launch the same kernels: the row count is neither a
+    tile input (only its bucket is) nor specialised by Triton (1, multiple of 16)."""
+    from vllm_steer.kernels.triton_steer import steer_triton
+
+    p1, p2, offs = bank(4096, [16, 16, 64])
+    keys = set()
+    for rows in range(33, 65):
+        recorded.clear()
+        steer_triton(torch.zeros(rows, 4096, dtype=torch.bfloat16), p1, p2, offs,
+                     coefs_for(rows, 3))
+        keys.add(tuple(recorded))
+    assert len(keys) == 1, f"{len(keys)} different kernel sets for rows 33..64"
+
+
+@needs_triton
+def test_warm_up_runs_the_kernels_and_torch_warms_nothing():
+    """The real launches (under the interpreter on CPU): warm_up returns the number it
+    compiled, and leaves the kernels' results unchanged."""
+    from vllm_steer.kernels.triton_steer import _interpreting, specializations
+
+    if not _interpreting() and not torch.cuda.is_available():
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 set before import")
+    dev = torch.device("cuda" if not _interpreting() else "cpu")
+    p1, p2, offs = bank(64, [16, 0, 32], torch.float32)
+    p1, p2 = p1.to(dev), p2.to(dev)
+    n = ops.warm_up("triton", p1, p2, offs, 5, torch.float32)
+    assert n == len(specializations(5, 64, offs, torch.float32, torch.float32, dev)) >= 3
+    assert ops.warm_up("torch", p1, p2, offs, 5, torch.float32) == 0
+    hidden = torch.randn(5, 64, device=dev)
+    coefs = coefs_for(5, 3).to(dev)
+    from vllm_steer.reference import steer_reference
+
+    torch.testing.assert_close(ops.apply_steers(hidden, p1, p2, offs, coefs, backend="triton"),
+                               steer_reference(hidden, p1, p2, offs, coefs),
+                               rtol=1e-5, atol=1e-4)
