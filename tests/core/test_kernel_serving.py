@@ -1,15 +1,18 @@
 """What a serving run needs of the Triton steer kernel besides its values: no compile after
-start-up (``warm_up``).
+start-up (``warm_up``), and rows whose results do not depend on their batch in vLLM's
+batch-invariant mode.
 
 Needs only torch and triton (no vLLM, no GPU). The compile checks replace the kernels by
 recorders that log what Triton would compile for each launch and launch nothing, so they run
 with or without ``TRITON_INTERPRET``; on a GPU ``scripts/gpu_window.sh`` counts the real
-Triton cache entries.
+Triton cache entries. The other checks launch the kernels on ``VLLM_STEER_TEST_DEVICE``
+(default cpu: Triton's interpreter, ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from collections import Counter
 
 import pytest
@@ -19,6 +22,20 @@ from vllm_steer import ops
 from vllm_steer.kernels import HAS_TRITON
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+DEVICE = torch.device(os.environ.get("VLLM_STEER_TEST_DEVICE", "cpu"))
+
+
+def triton_device() -> torch.device:
+    """DEVICE, where the Triton kernels can run there (else the test is skipped)."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    from vllm_steer.kernels.triton_steer import _interpreting
+
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("VLLM_STEER_TEST_DEVICE=cuda but CUDA is not available")
+    if DEVICE.type == "cpu" and not _interpreting():
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 set before import")
+    return DEVICE
 
 
 class Recorder:
@@ -124,15 +141,13 @@ def test_the_row_count_is_never_a_compile_time_fact(recorded):
     assert len(keys) == 1, f"{len(keys)} different kernel sets for rows 33..64"
 
 
-@needs_triton
 def test_warm_up_runs_the_kernels_and_torch_warms_nothing():
     """The real launches (under the interpreter on CPU): warm_up returns the number it
     compiled, and leaves the kernels' results unchanged."""
-    from vllm_steer.kernels.triton_steer import _interpreting, specializations
+    from vllm_steer.kernels.triton_steer import specializations
+    from vllm_steer.reference import steer_reference
 
-    if not _interpreting() and not torch.cuda.is_available():
-        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 set before import")
-    dev = torch.device("cuda" if not _interpreting() else "cpu")
+    dev = triton_device()
     p1, p2, offs = bank(64, [16, 0, 32], torch.float32)
     p1, p2 = p1.to(dev), p2.to(dev)
     n = ops.warm_up("triton", p1, p2, offs, 5, torch.float32)
@@ -140,8 +155,66 @@ def test_warm_up_runs_the_kernels_and_torch_warms_nothing():
     assert ops.warm_up("torch", p1, p2, offs, 5, torch.float32) == 0
     hidden = torch.randn(5, 64, device=dev)
     coefs = coefs_for(5, 3).to(dev)
-    from vllm_steer.reference import steer_reference
-
     torch.testing.assert_close(ops.apply_steers(hidden, p1, p2, offs, coefs, backend="triton"),
                                steer_reference(hidden, p1, p2, offs, coefs),
                                rtol=1e-5, atol=1e-4)
+
+
+# ---- batch-invariant mode (VLLM_BATCH_INVARIANT=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_mode_rows_do_not_depend_on_the_batch(monkeypatch, dtype):
+    """A row's output is bit for bit the same at 1, 7, 64 and 256 rows. The shape is one where,
+    on a 16-SM GPU, the tiles otherwise change with the batch (the shrink split along hidden,
+    with atomics, up to 64 rows; not at 256), which changes last bits in fp32 and bf16."""
+    from vllm_steer.kernels import triton_steer as ts
+    from vllm_steer.reference import steer_reference
+
+    dev = triton_device()
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    monkeypatch.setattr(ts, "_num_sms", lambda device: 16)
+    d, rank = 512, 64
+    gen = torch.Generator().manual_seed(11)
+    p1 = (torch.randn(d, rank, generator=gen) / d ** 0.5).to(dev, dtype)
+    p2 = (torch.randn(d, rank, generator=gen) / rank ** 0.5).to(dev, dtype)
+    hidden = torch.randn(256, d, generator=gen).to(dev, dtype)
+    coefs = torch.randn(256, 1, generator=gen).to(dev)
+    outs = {n: ts.steer_triton(hidden[:n], p1, p2, [0, rank], coefs[:n].contiguous())
+            for n in (1, 7, 64, 256)}
+    for small, big in [(1, 7), (7, 64), (64, 256)]:
+        diff = (outs[small].float() - outs[big][:small].float()).abs().max().item()
+        assert torch.equal(outs[small], outs[big][:small]), \
+            f"the first {small} rows differ between batches of {small} and {big} rows ({diff:.3g})"
+    ref = steer_reference(hidden, p1, p2, [0, rank], coefs)
+    tol = 1e-4 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(outs[256].float(), ref.float(), rtol=tol, atol=tol * 4)
+
+
+def test_batch_invariant_tiles_ignore_the_row_count(monkeypatch):
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    from vllm_steer.kernels.triton_steer import choose_tiles
+
+    offs = [0, 16, 16, 80]
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    tiles = {choose_tiles(rows, 4096, offs, num_sms=132) for rows in range(1, 513)}
+    assert len(tiles) == 1 and tiles.pop().split_d == 1  # no atomics
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert len({choose_tiles(rows, 4096, offs, num_sms=132) for rows in range(1, 513)}) > 1
+
+
+def test_batch_invariant_mode_refuses_atomics_and_bad_values(monkeypatch):
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    from vllm_steer.kernels import batch_invariant
+    from vllm_steer.kernels.triton_steer import ENV_TILES, prepare_triton
+
+    p1, p2, offs = bank(64, [16], torch.float32)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    monkeypatch.setenv(ENV_TILES, "split_d=2")
+    with pytest.raises(ValueError, match=r"split_d=2 adds partial sums with atomics.*use split_d=1"):
+        prepare_triton(p1, p2, offs, torch.ones(3, 1))
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "yes")
+    with pytest.raises(ValueError, match=r"VLLM_BATCH_INVARIANT='yes' is not an integer.*1 \(on\)"):
+        batch_invariant()

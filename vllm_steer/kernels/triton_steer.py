@@ -23,6 +23,13 @@ Design (details in ``docs/kernels.md``). Three launches, segments, shrink, expan
    atomics, so the summation order, and the last bits of the result, may vary from run to run.
    With ``split_d == 1`` the kernel is deterministic.
 
+Batch invariance: in vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``, read by
+:func:`vllm_steer.kernels.batch_invariant`) :func:`choose_tiles` ignores the row count (the
+tiles of :data:`INVARIANT_ROWS` rows, ``split_d == 1``: no atomics), so every row goes through
+the same reductions in the same order whatever the batch: its output is bit for bit the same at
+any batch size and next to any other rows. Outside that mode the tiles follow the row count's
+bucket and a row's last bits may depend on the batch (fp32: 1 ulp measured on an H200).
+
 Planning (:func:`prepare_triton`): the segments, the tile choice, the bank tables, the
 kernel parameters and the ``buf`` allocation depend only on the coefficients' non-zero pattern
 and the shapes, so the serving path computes them once per change of the batch's steering and
@@ -61,6 +68,8 @@ from typing import NamedTuple, Sequence
 import torch
 import triton
 import triton.language as tl
+
+from vllm_steer.kernels import batch_invariant
 
 #: fp32 x fp32 dot precision on CUDA ("tf32x3" ~ fp32 accuracy on tensor cores, or "ieee").
 FP32_PRECISION = os.environ.get("VLLM_STEER_FP32_PRECISION", "tf32x3")
@@ -374,11 +383,21 @@ def row_buckets(max_rows: int) -> list[int]:
     return [1 << i for i in range(row_bucket(max_rows).bit_length())]
 
 
-def choose_tiles(num_rows: int, hidden: int, offs: list[int], num_sms: int) -> Tiles:
+#: The row count the tiles are chosen for in batch-invariant mode, whatever the batch (a
+#: typical decode batch: the tiles of 1 row would starve large batches, those of 256 rows
+#: waste work on small ones).
+INVARIANT_ROWS = 64
+
+
+def choose_tiles(num_rows: int, hidden: int, offs: list[int], num_sms: int,
+                 invariant: bool | None = None) -> Tiles:
     """Tiles from shapes only (no data, so no sync and a CUDA-graph-stable launch).
 
     The row count enters through its bucket (:func:`row_bucket`) only, so that the compiled
     kernels reachable from 1..max_rows rows are a handful (:func:`specializations`).
+    ``invariant`` (default: :func:`vllm_steer.kernels.batch_invariant`): the row count does
+    not enter at all (tiles of :data:`INVARIANT_ROWS` rows) and the hidden split is off, so a
+    row's result does not depend on its batch.
 
     The largest tiles (fewest re-reads of the activations and of ``buf``) whose grid still
     gives every SM a program, preferring tiles that divide the rank offsets and hidden (no
@@ -388,7 +407,9 @@ def choose_tiles(num_rows: int, hidden: int, offs: list[int], num_sms: int) -> T
     """
     K = len(offs) - 1
     ranks = [offs[k + 1] - offs[k] for k in range(K)]
-    num_rows = row_bucket(num_rows)
+    if invariant is None:
+        invariant = batch_invariant()
+    num_rows = INVARIANT_ROWS if invariant else row_bucket(num_rows)
 
     def even(block, fallback):  # the largest power of two <= block dividing all offsets
         b = block
@@ -411,7 +432,7 @@ def choose_tiles(num_rows: int, hidden: int, offs: list[int], num_sms: int) -> T
     shrink_d = next((b for b in (64, 32, 16) if hidden % b == 0), 64)
     programs = sum(-(-rk // shrink_r) for rk in ranks) * seg_blocks
     split_d = 1
-    while (programs * split_d < num_sms and hidden // (split_d * 2) >= 256
+    while (not invariant and programs * split_d < num_sms and hidden // (split_d * 2) >= 256
            and hidden % (shrink_d * split_d * 2) == 0):
         split_d *= 2
     expand_m = min(64, max(16, _pow2_at_least(num_rows)))
@@ -561,6 +582,11 @@ def prepare_triton(
     for name in ("shrink_m", "shrink_r", "shrink_d", "expand_m", "expand_d", "expand_r"):
         v = getattr(t, name)
         assert v >= 16 and v & (v - 1) == 0, f"Tiles.{name} must be a power of two >= 16, got {v}"
+    if t.split_d > 1 and batch_invariant():
+        raise ValueError(f"Tiles.split_d={t.split_d} adds partial sums with atomics, in an order "
+                         f"that varies from run to run, but VLLM_BATCH_INVARIANT=1 asks for "
+                         f"results that do not depend on the batch: use split_d=1 (check "
+                         f"${ENV_TILES} and the tiles= argument)")
     if num_rows == 0 or K == 0 or total_rank == 0:
         return TritonPlan(num_rows, t, (), None, None, {})
     tables = _bank_tables(offs, t.shrink_r, dev)
