@@ -9,6 +9,9 @@ Semantics: see :mod:`vllm_steer.reference`. Backends:
 
 ``auto`` (the default) picks ``triton`` for CUDA tensors when Triton imports, else ``torch``.
 ``VLLM_STEER_BACKEND`` overrides the choice for the whole process.
+
+Steering runs outside CUDA graphs: :func:`check_not_capturing` (one function, also called by
+every public kernel wrapper) refuses a call made while a graph is being captured.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import torch
 
-from vllm_steer.kernels.staging import to_device  # noqa: F401  (re-exported)
+from vllm_steer.kernels import staging
+from vllm_steer.kernels.staging import check_not_capturing, to_device  # noqa: F401  (re-exported)
 from vllm_steer.reference import steer_reference
 
 Backend = Literal["auto", "reference", "torch", "triton"]
@@ -89,7 +93,10 @@ def apply_steers(
     backend: str | None = None,
     prepared: Prepared | None = None,  # from prepare_steers(..., same coefs, same backend)
 ) -> torch.Tensor:
-    """Batched steer operation. Semantics: see :func:`vllm_steer.reference.steer_reference`."""
+    """Batched steer operation. Semantics: see :func:`vllm_steer.reference.steer_reference`.
+
+    Refuses to run while a CUDA graph is being captured (:func:`check_not_capturing`)."""
+    staging.check_not_capturing(hidden.device)
     name = resolve_backend(backend, hidden.device)
     fn = _REGISTRY[name]
     if prepared is not None and prepared.plan is not None:
@@ -118,6 +125,7 @@ def prepare_steers(
 
     ``host``: a host (numpy) copy of ``coefs``; the plan is then made from it and never reads
     the device tensor (no device-to-host sync; the serving path passes it)."""
+    staging.check_not_capturing(coefs.device)
     name = resolve_backend(backend, coefs.device)
     prep = _PREPARE.get(name)
     if prep is None:

@@ -1,6 +1,6 @@
 """What a serving run needs of the Triton steer kernel besides its values: no compile after
-start-up (``warm_up``), and rows whose results do not depend on their batch in vLLM's
-batch-invariant mode.
+start-up (``warm_up``), rows whose results do not depend on their batch in vLLM's
+batch-invariant mode, and a clear refusal to run inside a CUDA graph capture.
 
 Needs only torch and triton (no vLLM, no GPU). The compile checks replace the kernels by
 recorders that log what Triton would compile for each launch and launch nothing, so they run
@@ -218,3 +218,54 @@ def test_batch_invariant_mode_refuses_atomics_and_bad_values(monkeypatch):
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "yes")
     with pytest.raises(ValueError, match=r"VLLM_BATCH_INVARIANT='yes' is not an integer.*1 \(on\)"):
         batch_invariant()
+
+
+# ---- CUDA graph capture
+
+
+def test_capture_guard_says_steering_runs_outside_cuda_graphs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"while a CUDA graph is being captured on cuda:0; "
+                       r"steering runs outside CUDA graphs.*--compilation-config "
+                       r"'\{\"cudagraph_mode\": \"PIECEWISE\"\}'.*--enforce-eager"):
+        ops.check_not_capturing(torch.device("cuda", 0))
+
+    def no_cuda_query():
+        raise AssertionError("the guard queried CUDA for a CPU tensor")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", no_cuda_query)
+    ops.check_not_capturing(torch.device("cpu"))  # one comparison, no CUDA call
+
+
+def test_every_steer_entry_point_runs_the_capture_guard(monkeypatch):
+    """apply_steers, prepare_steers and every public kernel wrapper refuse to run while a graph
+    is captured: the serving path calls the wrappers directly, not apply_steers."""
+    from vllm_steer.kernels import staging, torch_steer
+
+    seen = []
+
+    def capturing(device):
+        seen.append(device)
+        raise RuntimeError(f"capturing on {device}")
+
+    monkeypatch.setattr(staging, "check_not_capturing", capturing)
+    p1, p2, offs = bank(32, [8, 8], torch.float32)
+    hidden, coefs = torch.randn(3, 32), coefs_for(3, 2)
+    calls = {
+        "apply_steers(reference)": lambda: ops.apply_steers(hidden, p1, p2, offs, coefs,
+                                                            backend="reference"),
+        "apply_steers(torch)": lambda: ops.apply_steers(hidden, p1, p2, offs, coefs,
+                                                        backend="torch"),
+        "prepare_steers": lambda: ops.prepare_steers(p1, p2, offs, coefs, backend="torch"),
+        "steer_torch": lambda: torch_steer.steer_torch(hidden, p1, p2, offs, coefs),
+        "prepare_torch": lambda: torch_steer.prepare_torch(p1, p2, offs, coefs),
+    }
+    if HAS_TRITON:
+        from vllm_steer.kernels import triton_steer
+
+        calls["steer_triton"] = lambda: triton_steer.steer_triton(hidden, p1, p2, offs, coefs)
+        calls["prepare_triton"] = lambda: triton_steer.prepare_triton(p1, p2, offs, coefs)
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match="capturing on cpu"):
+            call()
+    assert len(seen) == len(calls)

@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_steer.kernels import batch_invariant
+from vllm_steer.kernels import batch_invariant, staging
 
 #: fp32 x fp32 dot precision on CUDA ("tf32x3" ~ fp32 accuracy on tensor cores, or "ieee").
 FP32_PRECISION = os.environ.get("VLLM_STEER_FP32_PRECISION", "tf32x3")
@@ -573,11 +573,12 @@ def prepare_triton(
 
     The plan depends on the coefficients' non-zero pattern only (the kernels read the values
     from ``coefs`` at run time): it stays valid while the values change and the pattern not."""
+    dev = p1.device
+    staging.check_not_capturing(dev)
     offs = _offsets(rank_offsets)
     K, total_rank = len(offs) - 1, offs[-1]
     num_rows, d = coefs.shape[0], p1.shape[0]
     _check_factors(d, p1, p2, offs, coefs, num_rows)
-    dev = p1.device
     t = tiles or _with_overrides(choose_tiles(num_rows, d, offs, _num_sms(dev)))
     for name in ("shrink_m", "shrink_r", "shrink_d", "expand_m", "expand_d", "expand_r"):
         v = getattr(t, name)
@@ -615,7 +616,9 @@ def steer_triton(
     bit. Host syncs: none when ``rank_offsets`` is a list / CPU tensor and the bank layout was
     seen before (see the module docstring). With ``prepared`` (made from these same factors and
     coefficients) the call skips the planning and launches the two GEMM kernels only.
+    Refuses to run while a CUDA graph is being captured (steering runs outside CUDA graphs).
     """
+    staging.check_not_capturing(hidden.device)
     offs = _offsets(rank_offsets)
     K = len(offs) - 1
     num_rows, d = hidden.shape
