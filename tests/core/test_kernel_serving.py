@@ -40,8 +40,9 @@ def triton_device() -> torch.device:
 
 class Recorder:
     """Stands in for a Triton kernel: logs the key Triton compiles a binary for (the constexpr
-    values and launch options, and for each integer argument it specialises, whether it is 1
-    and whether it is a multiple of 16) and launches nothing."""
+    values and launch options; for each integer argument it specialises, whether it is 1 and
+    whether it is a multiple of 16; for each tensor, whether its address is 16-byte aligned)
+    and launches nothing."""
 
     def __init__(self, name: str, kernel, log: list):
         self.name, self.log = name, log
@@ -56,7 +57,9 @@ class Recorder:
         def launch(*args, **kwargs):
             ints = tuple((n, a == 1, a % 16 == 0) for n, a in zip(self.arg_names, args)
                          if isinstance(a, int) and n not in self.unspecialized)
-            self.log.append((self.name, ints, tuple(sorted(kwargs.items()))))
+            ptrs = tuple((n, a.data_ptr() % 16 == 0) for n, a in zip(self.arg_names, args)
+                         if isinstance(a, torch.Tensor))
+            self.log.append((self.name, ints + ptrs, tuple(sorted(kwargs.items()))))
         return launch
 
 
@@ -102,7 +105,7 @@ PROBE_SHAPES = {"d576-r16": (576, [16], 11), "d4096-r16-16-64": (4096, [16, 16, 
 @needs_triton
 @pytest.mark.parametrize("shape", list(PROBE_SHAPES))
 def test_warm_up_leaves_nothing_to_compile_for_1_to_256_rows(recorded, shape):
-    from vllm_steer.kernels.triton_steer import specializations, steer_triton
+    from vllm_steer.kernels.triton_steer import prepare_triton, specializations, steer_triton
 
     d, ranks, expected = PROBE_SHAPES[shape]
     p1, p2, offs = bank(d, ranks)
@@ -110,8 +113,10 @@ def test_warm_up_leaves_nothing_to_compile_for_1_to_256_rows(recorded, shape):
     warmed = set(recorded)
     recorded.clear()
     for rows in range(1, 257):
-        steer_triton(torch.zeros(rows, d, dtype=torch.bfloat16), p1, p2, offs,
-                     coefs_for(rows, len(ranks)))
+        hidden, coefs = torch.zeros(rows, d, dtype=torch.bfloat16), coefs_for(rows, len(ranks))
+        steer_triton(hidden, p1, p2, offs, coefs)  # planned per call: the segments kernel too
+        plan = prepare_triton(p1, p2, offs, coefs, host=coefs.numpy())  # the serving path
+        steer_triton(hidden, p1, p2, offs, coefs, prepared=plan)
     launched = set(recorded)
     assert launched <= warmed, f"compiled after warm_up: {sorted(launched - warmed)}"
     # the bound: at most one compiled kernel per kernel and power-of-two bucket of rows

@@ -509,24 +509,33 @@ def segments_params(num_rows: int, K: int) -> dict:
 def segments_host(nz, device: torch.device):
     """:func:`segments` computed on the host from a numpy non-zero pattern ([rows, K] bool)
     and copied to ``device`` in one pinned, non-blocking copy: the same tables, no launch and
-    no device read (the serving path plans from its host mirror of the coefficients)."""
+    no device read (the serving path plans from its host mirror of the coefficients).
+
+    The three tables share one buffer, each starting 64-byte aligned: Triton compiles anew
+    for a pointer that is not 16-byte aligned, which would defeat :func:`warm_up`."""
     import numpy as np
 
     from vllm_steer.kernels.staging import to_device
 
     num_rows, K = nz.shape
-    table = np.zeros(K * num_rows + K + num_rows, dtype=np.int32)
+    at_counts = _aligned(K * num_rows)
+    at_perm = at_counts + _aligned(K)
+    table = np.zeros(at_perm + num_rows, dtype=np.int32)
     seg_rows = table[:K * num_rows].reshape(K, num_rows)
     ks, rows = np.nonzero(nz.T)  # sorted by steer, rows in order
     counts = np.bincount(ks, minlength=K)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]) if K else counts
     seg_rows[ks, np.arange(ks.size) - starts[ks]] = rows
-    table[K * num_rows:K * num_rows + K] = counts
+    table[at_counts:at_counts + K] = counts
     first = np.where(nz.any(axis=1), nz.argmax(axis=1), K)
-    table[K * num_rows + K:] = np.argsort(first, kind="stable")
+    table[at_perm:] = np.argsort(first, kind="stable")
     dev = to_device(table, device)
-    return (dev[:K * num_rows].view(K, num_rows), dev[K * num_rows:K * num_rows + K],
-            dev[K * num_rows + K:])
+    return (dev[:K * num_rows].view(K, num_rows), dev[at_counts:at_counts + K], dev[at_perm:])
+
+
+def _aligned(n: int, elements: int = 16) -> int:
+    """``n`` rounded up to a multiple of ``elements`` int32 (64 bytes)."""
+    return -(-n // elements) * elements
 
 
 class TritonPlan(NamedTuple):
