@@ -71,9 +71,9 @@ def _load_kernels() -> None:
 #: that matches wins, ``triton`` when none does. Source: benchmarks/RESULTS.md "Kernels".
 #: H100, bf16, 256 rows, 8 steers, d 4096: full rank, torch 539 us vs Triton 881 us of GPU time
 #: (cuBLAS beats the fused kernel on big GEMMs); rank 64, Triton 34.5 us vs torch 155 us. H200,
-#: one steer of rank 1024 or full, d 2048 and 4096: Triton 0.81-1.31x the per-steer loop (the
-#: same cuBLAS GEMMs plus a per-call fp32 up-cast), slower in 16 of 24 shapes; at d 576 it is
-#: 1.04-1.32x faster (both launch-bound). Rows are not a key: with them the winner moved in no
+#: one steer of rank 1024 or full, d 2048 and 4096: Triton at 0.81-1.31x the speed of the
+#: per-steer loop (the same cuBLAS GEMMs plus a per-call fp32 up-cast), slower in 16 of 24
+#: shapes; at d 576 it is 1.04-1.32x faster (both launch-bound). Rows are not a key: with them the winner moved in no
 #: consistent direction (H200, d 4096 full rank: Triton ahead at 16 and 512 rows, behind at 1,
 #: 64 and 256).
 AUTO_CUDA: tuple[tuple[int, int, str], ...] = (
