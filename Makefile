@@ -48,3 +48,10 @@ gpu-vllm-bench:
 
 clean:
 	rm -rf .venv build *.egg-info
+
+# One call on a GPU machine (about 3 minutes; torch, triton and pytest, no vLLM): is the steer
+# kernel ready to serve? Tests on CUDA, no compile after warm-up, batch invariance, the CUDA
+# graph capture guard, the timings behind `auto`. Without CUDA: a dry run.
+.PHONY: gpu-window
+gpu-window:
+	bash scripts/gpu_window.sh

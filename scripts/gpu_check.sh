@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check of the batched steer kernel in one call (make gpu-check):
-#   1. the kernel and dispatch tests on CUDA (tests/core/test_kernels.py, tests/core/test_ops.py with
-#      VLLM_STEER_TEST_DEVICE=cuda: the Triton kernel compiled for the GPU, not interpreted);
+#   1. the kernel, dispatch and serving tests on CUDA (tests/core/test_kernels.py, test_ops.py,
+#      test_kernel_serving.py with VLLM_STEER_TEST_DEVICE=cuda: the Triton kernel compiled for
+#      the GPU, not interpreted);
 #   2. the benchmark's goal shapes (--quick: d 576/4096, rows 1/256, K 1/8/64, rank 64/full);
 #   3. the full sweep (d 576..8192, rows 1..512, K 1/8/64, rank 64/1024/full), pattern
 #      "distinct", stopped after $BENCH_BUDGET_S seconds (default 240; 0 skips it).
@@ -30,7 +31,7 @@ if [ -n "${OUT:-}" ]; then
   exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 fi
 export PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET VLLM_STEER_BACKEND
+unset TRITON_INTERPRET VLLM_STEER_BACKEND VLLM_BATCH_INVARIANT
 
 echo "== gpu_check: $(date -u +%FT%TZ) in $ROOT"
 command -v nvidia-smi >/dev/null && nvidia-smi -L
@@ -89,7 +90,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 echo
 echo "== 1. kernel tests on CUDA"
 VLLM_STEER_TEST_DEVICE=cuda "$PY" -m pytest tests/core/test_kernels.py tests/core/test_ops.py \
-  -q -ra -p no:cacheprovider
+  tests/core/test_kernel_serving.py -q -ra -p no:cacheprovider
 TESTS=$?
 
 echo

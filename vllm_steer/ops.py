@@ -7,8 +7,13 @@ Semantics: see :mod:`vllm_steer.reference`. Backends:
   steer, zero coefficients skipped).
 - ``triton``: the fused Triton kernel (CUDA, or the interpreter with ``TRITON_INTERPRET=1``).
 
-``auto`` (the default) picks ``triton`` for CUDA tensors when Triton imports, else ``torch``.
+``auto`` (the default): on CUDA, when Triton imports, the backend of :data:`AUTO_CUDA` for the
+bank's hidden size and largest steer rank (``torch`` for high-rank banks, ``triton`` else, and
+always ``triton`` in vLLM's batch-invariant mode); ``torch`` on any other device.
 ``VLLM_STEER_BACKEND`` overrides the choice for the whole process.
+
+Steering runs outside CUDA graphs: :func:`check_not_capturing` (one function, also called by
+every public kernel wrapper) refuses a call made while a graph is being captured.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import torch
 
-from vllm_steer.kernels.staging import to_device  # noqa: F401  (re-exported)
+from vllm_steer.kernels import batch_invariant, staging
+from vllm_steer.kernels.staging import check_not_capturing, to_device  # noqa: F401  (re-exported)
 from vllm_steer.reference import steer_reference
 
 Backend = Literal["auto", "reference", "torch", "triton"]
@@ -61,8 +67,44 @@ def _load_kernels() -> None:
             _PREPARE[name] = prepare
 
 
-def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """Name of the backend that will run for tensors on ``device``."""
+#: ``auto`` on CUDA: ``(hidden at least, largest steer rank at least, backend)``, the first row
+#: that matches wins, ``triton`` when none does. Source: benchmarks/RESULTS.md "Kernels".
+#: H100, bf16, 256 rows, 8 steers, d 4096: full rank, torch 539 us vs Triton 881 us of GPU time
+#: (cuBLAS beats the fused kernel on big GEMMs); rank 64, Triton 34.5 us vs torch 155 us. H200,
+#: one steer of rank 1024 or full, d 2048 and 4096: Triton at 0.81-1.31x the speed of the
+#: per-steer loop (the same cuBLAS GEMMs plus a per-call fp32 up-cast), slower in 16 of 24
+#: shapes; at d 576 it is 1.04-1.32x faster (both launch-bound). Rows are not a key: with them the winner moved in no
+#: consistent direction (H200, d 4096 full rank: Triton ahead at 16 and 512 rows, behind at 1,
+#: 64 and 256).
+AUTO_CUDA: tuple[tuple[int, int, str], ...] = (
+    (2048, 1024, "torch"),
+)
+
+
+def _auto_cuda(hidden: int | None, max_rank: int | None) -> str:
+    """``auto``'s pick for CUDA tensors when Triton is available (see :data:`AUTO_CUDA`)."""
+    if batch_invariant():  # Triton's rows do not depend on the batch by construction
+        return "triton"
+    if hidden is not None and max_rank is not None:
+        for min_hidden, min_rank, name in AUTO_CUDA:
+            if hidden >= min_hidden and max_rank >= min_rank and name in _REGISTRY:
+                return name
+    return "triton"
+
+
+def max_rank_of(rank_offsets: Sequence[int] | torch.Tensor) -> int:
+    """The largest steer rank of a bank layout (0 for no steers)."""
+    offs = rank_offsets.tolist() if isinstance(rank_offsets, torch.Tensor) else rank_offsets
+    return max((int(b) - int(a) for a, b in zip(offs, offs[1:])), default=0)
+
+
+def resolve_backend(backend: str | None, device: torch.device, hidden: int | None = None,
+                    max_rank: int | None = None) -> str:
+    """Name of the backend that will run for tensors on ``device``.
+
+    ``hidden`` (the model's hidden size) and ``max_rank`` (the largest rank the bank holds or
+    will hold, e.g. ``--max-steer-rank``) let ``auto`` pick by :data:`AUTO_CUDA` on CUDA;
+    without them ``auto`` picks ``triton`` there, as it always did."""
     backend = backend or os.environ.get(ENV_BACKEND) or "auto"
     if backend not in BACKENDS:
         raise ValueError(f"unknown steer backend {backend!r}; choose one of {BACKENDS} "
@@ -72,7 +114,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     if backend == "auto":
         _load_kernels()
         if device.type == "cuda" and "triton" in _REGISTRY:
-            return "triton"
+            return _auto_cuda(hidden, max_rank)
         return "torch" if "torch" in _REGISTRY else "reference"
     if backend not in _REGISTRY:
         raise ValueError(f"steer backend {backend!r} is not available here "
@@ -89,8 +131,11 @@ def apply_steers(
     backend: str | None = None,
     prepared: Prepared | None = None,  # from prepare_steers(..., same coefs, same backend)
 ) -> torch.Tensor:
-    """Batched steer operation. Semantics: see :func:`vllm_steer.reference.steer_reference`."""
-    name = resolve_backend(backend, hidden.device)
+    """Batched steer operation. Semantics: see :func:`vllm_steer.reference.steer_reference`.
+
+    Refuses to run while a CUDA graph is being captured (:func:`check_not_capturing`)."""
+    staging.check_not_capturing(hidden.device)
+    name = resolve_backend(backend, hidden.device, p1.shape[0], max_rank_of(rank_offsets))
     fn = _REGISTRY[name]
     if prepared is not None and prepared.plan is not None:
         assert prepared.backend == name, f"plan made for backend {prepared.backend!r}"
@@ -118,12 +163,34 @@ def prepare_steers(
 
     ``host``: a host (numpy) copy of ``coefs``; the plan is then made from it and never reads
     the device tensor (no device-to-host sync; the serving path passes it)."""
-    name = resolve_backend(backend, coefs.device)
+    staging.check_not_capturing(coefs.device)
+    name = resolve_backend(backend, coefs.device, p1.shape[0], max_rank_of(rank_offsets))
     prep = _PREPARE.get(name)
     if prep is None:
         return Prepared(name, None)
     return Prepared(name, prep(p1, p2, rank_offsets, coefs) if host is None
                     else prep(p1, p2, rank_offsets, coefs, host=host))
+
+
+def warm_up(
+    backend: str | None,  # as for apply_steers (None: $VLLM_STEER_BACKEND or auto)
+    p1: torch.Tensor,  # [hidden, total_rank]: the bank's factors, on the serving device
+    p2: torch.Tensor,  # [hidden, total_rank]
+    rank_offsets: Sequence[int],  # K + 1: the bank's layout
+    max_rows: int,  # the most rows one call steers (vLLM's max_num_seqs)
+    act_dtype: torch.dtype,  # the activations' dtype (the model's)
+) -> int:
+    """Compile at start-up every kernel the backend can launch for 1..max_rows rows of this
+    bank, so that no serving step stalls on a compile. Returns the number of kernel
+    specialisations warmed: ``triton`` launches each of
+    :func:`vllm_steer.kernels.triton_steer.specializations` once; ``torch`` and ``reference``
+    compile nothing (0). Call it again after the bank's layout changes."""
+    name = resolve_backend(backend, p1.device, p1.shape[0], max_rank_of(rank_offsets))
+    if name != "triton":
+        return 0
+    from vllm_steer.kernels.triton_steer import warm_up as triton_warm_up
+
+    return triton_warm_up(p1, p2, rank_offsets, max_rows, act_dtype)
 
 
 def backend_fn(name: str) -> SteerFn:

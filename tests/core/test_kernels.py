@@ -302,6 +302,26 @@ def test_triton_segments_match_torch_sorting(rows, K):
     assert perm.tolist() == torch.argsort(first, stable=True).tolist()
 
 
+@pytest.mark.parametrize("rows,K", [(1, 1), (5, 3), (37, 40)])
+def test_triton_host_segments_match_the_device_kernel(rows, K):
+    """The serving path plans from host coefficients (segments_host): the same tables as the
+    segments kernel, each 16-byte aligned (else Triton compiles the kernels anew for them)."""
+    if TRITON_SKIP:
+        pytest.skip(TRITON_SKIP)
+    from vllm_steer.kernels.triton_steer import segments, segments_host
+
+    gen = torch.Generator().manual_seed(rows * K)
+    coefs = torch.randn(rows, K, generator=gen) * (torch.rand(rows, K, generator=gen) < 0.3)
+    dev_rows, dev_counts, dev_perm = segments(coefs.to(DEVICE))
+    host_rows, host_counts, host_perm = segments_host(coefs.numpy() != 0, DEVICE)
+    assert host_counts.tolist() == dev_counts.tolist()
+    for k, n in enumerate(dev_counts.tolist()):
+        assert host_rows[k, :n].tolist() == dev_rows[k, :n].tolist()
+    assert host_perm.tolist() == dev_perm.tolist()
+    for t in (host_rows, host_counts, host_perm):
+        assert t.data_ptr() % 16 == 0
+
+
 def test_triton_rejects_bad_input_clearly():
     hidden, p1, p2, offs, coefs = make_inputs(4, 64, [16], "mixed", torch.float32, torch.float32)
     with pytest.raises(AssertionError, match="coefs must be float32"):

@@ -41,6 +41,52 @@ def test_auto_picks_torch_on_cpu_and_triton_on_cuda():
     assert resolve_backend(None, torch.device("cuda")) == ("triton" if HAS_TRITON else "torch")
 
 
+def test_auto_on_cuda_picks_by_hidden_size_and_rank(monkeypatch):
+    """The rule of ops.AUTO_CUDA (measured on H100/H200, benchmarks/RESULTS.md "Kernels"); only
+    the device type and the two facts matter, so no GPU is needed to check it."""
+    from vllm_steer.kernels import HAS_TRITON
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed: auto is torch everywhere")
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    cuda = torch.device("cuda")
+    # high rank at d >= 2048: cuBLAS (H100, d 4096 full rank: torch 539 us vs Triton 881 us)
+    assert resolve_backend("auto", cuda, hidden=4096, max_rank=4096) == "torch"
+    assert resolve_backend(None, cuda, hidden=2048, max_rank=1024) == "torch"
+    assert resolve_backend(None, cuda, hidden=8192, max_rank=8192) == "torch"
+    # low rank, or a small model: the fused kernel (H100 rank 64: 34.5 us vs 155 us)
+    assert resolve_backend(None, cuda, hidden=4096, max_rank=512) == "triton"
+    assert resolve_backend(None, cuda, hidden=576, max_rank=576) == "triton"
+    assert resolve_backend(None, cuda, hidden=1024, max_rank=1024) == "triton"
+    # calls without the facts keep their old answer; explicit choices win
+    assert resolve_backend(None, cuda) == "triton"
+    assert resolve_backend("triton", cuda, hidden=4096, max_rank=4096) == "triton"
+    monkeypatch.setenv(ENV_BACKEND, "triton")
+    assert resolve_backend(None, cuda, hidden=4096, max_rank=4096) == "triton"
+    monkeypatch.delenv(ENV_BACKEND)
+    # batch-invariant mode: only the Triton kernel is invariant by construction
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert resolve_backend(None, cuda, hidden=4096, max_rank=4096) == "triton"
+    # other devices: torch, whatever the bank
+    assert resolve_backend(None, CPU, hidden=576, max_rank=16) == "torch"
+
+
+def test_apply_and_prepare_give_auto_the_bank_facts(monkeypatch):
+    seen = []
+    real = ops.resolve_backend
+
+    def spy(backend, device, hidden=None, max_rank=None):
+        seen.append((hidden, max_rank))
+        return real(backend, device, hidden, max_rank)
+
+    monkeypatch.setattr(ops, "resolve_backend", spy)
+    hidden, p1, p2, offs, coefs = inputs(d=32, ranks=(8, 24))
+    ops.prepare_steers(p1, p2, offs, coefs)
+    apply_steers(hidden, p1, p2, offs, coefs)
+    ops.warm_up(None, p1, p2, offs, 4, torch.float32)
+    assert seen == [(32, 24)] * 3
+
+
 def test_kernels_register_both_backends():
     from vllm_steer import kernels
 

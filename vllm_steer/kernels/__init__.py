@@ -9,15 +9,22 @@ this package never imports it):
 
 Importing the package is light: the kernel modules (torch, Triton) load on first use of a
 name below (``__getattr__``, as peft loads its optional backends).
+
+:func:`batch_invariant` reads vLLM's batch-invariant switch (``VLLM_BATCH_INVARIANT``) without
+importing vLLM; the Triton kernel then chooses its tiles without looking at the row count.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any, Callable
 
 __all__ = ["steer_torch", "prepare_torch", "steer_triton", "prepare_triton", "HAS_TRITON",
-           "backends"]
+           "backends", "batch_invariant", "ENV_BATCH_INVARIANT"]
+
+#: vLLM's switch for batch-invariant results (an integer; non-zero is on), read as vLLM reads it.
+ENV_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"
 
 _FROM = {"steer_torch": ".torch_steer", "prepare_torch": ".torch_steer",
          "steer_triton": ".triton_steer", "prepare_triton": ".triton_steer"}
@@ -43,6 +50,21 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value
     return value
+
+
+def batch_invariant() -> bool:
+    """True when vLLM's batch-invariant mode is on (``VLLM_BATCH_INVARIANT=1``).
+
+    Read from the environment at each call (no vLLM import): a row's steered output must then
+    not depend on the other rows of its batch, so the Triton kernel uses fixed tiles."""
+    value = os.environ.get(ENV_BATCH_INVARIANT, "").strip()
+    if not value:
+        return False
+    try:
+        return int(value) != 0
+    except ValueError:
+        raise ValueError(f"${ENV_BATCH_INVARIANT}={value!r} is not an integer; vLLM reads it "
+                         f"as one: set it to 1 (on) or 0 (off)") from None
 
 
 def backends() -> dict[str, tuple[Callable, Callable | None]]:

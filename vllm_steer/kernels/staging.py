@@ -1,4 +1,5 @@
-"""Host-to-device copies the kernels' planning makes, with no device sync."""
+"""What the kernels do on the host around CUDA: host-to-device copies with no device sync, and
+the guard that keeps the steer op out of CUDA graph capture."""
 
 from __future__ import annotations
 
@@ -18,3 +19,20 @@ def to_device(array, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t if device.type == "cpu" else t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+#: What a captured steer op would do wrong, and the vLLM options that keep it out of graphs.
+CAPTURE_ERROR = (
+    "the steer op was called while a CUDA graph is being captured on {device}; steering runs "
+    "outside CUDA graphs (each batch's plan and coefficients change between steps, and a "
+    "replayed graph would keep the ones of its capture). Run vLLM with piecewise CUDA graphs, "
+    "--compilation-config '{{\"cudagraph_mode\": \"PIECEWISE\"}}', or without CUDA graphs, "
+    "--enforce-eager")
+
+
+def check_not_capturing(device: torch.device) -> None:
+    """Raise if a CUDA graph is being captured on the current stream (tensors on CUDA only:
+    for any other device this is one comparison). Called by :func:`vllm_steer.ops.apply_steers`
+    and by every public kernel wrapper (steer and prepare functions)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(CAPTURE_ERROR.format(device=device))

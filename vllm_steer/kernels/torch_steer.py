@@ -35,6 +35,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from vllm_steer.kernels import staging
 from vllm_steer.kernels.staging import to_device
 
 
@@ -190,6 +191,7 @@ def prepare_torch(
     is a sync); index tensors are built on the host and copied to the device from pinned
     memory (:func:`vllm_steer.kernels.staging.to_device`). The device ops of a plan only gather and scale.
     """
+    staging.check_not_capturing(coefs.device)
     f32 = _f32 if reuse else (lambda t: t)
     offs = _offsets(rank_offsets)
     K = len(offs) - 1
@@ -332,8 +334,10 @@ def steer_torch(
     """Batched steer in torch. Semantics: see vllm_steer.reference (``steer_reference``).
 
     ``prepared`` (from :func:`prepare_torch` with the same factors and coefficients) skips
-    the planning: the caller promises the coefficients did not change since.
+    the planning: the caller promises the coefficients did not change since. Refuses to run
+    while a CUDA graph is being captured (steering runs outside CUDA graphs).
     """
+    staging.check_not_capturing(hidden.device)
     num_rows, d = hidden.shape
     assert hidden.dtype in (torch.float32, torch.float16, torch.bfloat16), hidden.dtype
     if prepared is None:

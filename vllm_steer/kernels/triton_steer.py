@@ -23,6 +23,13 @@ Design (details in ``docs/kernels.md``). Three launches, segments, shrink, expan
    atomics, so the summation order, and the last bits of the result, may vary from run to run.
    With ``split_d == 1`` the kernel is deterministic.
 
+Batch invariance: in vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``, read by
+:func:`vllm_steer.kernels.batch_invariant`) :func:`choose_tiles` ignores the row count (the
+tiles of :data:`INVARIANT_ROWS` rows, ``split_d == 1``: no atomics), so every row goes through
+the same reductions in the same order whatever the batch: its output is bit for bit the same at
+any batch size and next to any other rows. Outside that mode the tiles follow the row count's
+bucket and a row's last bits may depend on the batch (fp32: 1 ulp measured on an H200).
+
 Planning (:func:`prepare_triton`): the segments, the tile choice, the bank tables, the
 kernel parameters and the ``buf`` allocation depend only on the coefficients' non-zero pattern
 and the shapes, so the serving path computes them once per change of the batch's steering and
@@ -36,6 +43,13 @@ Precision: products are exact and sums fp32. Operands in the same 16-bit dtype g
 cores as they are; a fp32 operand against bf16 factors is split into ``hi + lo`` bf16 halves
 (two exact-product dots, ~2^-17 relative error); other mixes run in fp32 with
 ``input_precision=FP32_PRECISION`` ("tf32x3" on CUDA: about fp32 accuracy on tensor cores).
+
+Compiles: Triton compiles one binary per set of compile-time parameters (the ``constexpr``
+tile sizes and flags, and the "== 1" / "multiple of 16" facts of integer arguments). The row
+count changes every step, so it is never one of them: ``num_rows`` is ``do_not_specialize``
+and :func:`choose_tiles` picks the tiles of the row count's power-of-two bucket
+(:func:`row_bucket`). The binaries reachable for 1..max_rows rows are the few of
+:func:`specializations`, and :func:`warm_up` compiles them all at start-up.
 
 Host syncs: none in the steady state when ``rank_offsets`` is a list or a CPU tensor (the
 per-bank device tables are built once and cached; building them copies a few ints host to
@@ -54,6 +68,8 @@ from typing import NamedTuple, Sequence
 import torch
 import triton
 import triton.language as tl
+
+from vllm_steer.kernels import batch_invariant, staging
 
 #: fp32 x fp32 dot precision on CUDA ("tf32x3" ~ fp32 accuracy on tensor cores, or "ieee").
 FP32_PRECISION = os.environ.get("VLLM_STEER_FP32_PRECISION", "tf32x3")
@@ -113,7 +129,7 @@ def _load_tile(ptrs, mask_rows, mask_cols, MASK_ROWS: tl.constexpr, MASK_COLS: t
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _steer_segments_kernel(
     coefs_ptr,  # [num_rows, K] fp32 contiguous
     seg_rows_ptr,  # [K, num_rows] int32 out: rows with coefs[:, k] != 0, in order
@@ -160,7 +176,7 @@ def _steer_segments_kernel(
         tl.store(seg_counts_ptr + k, n_seg)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _steer_shrink_kernel(
     hidden_ptr,  # [num_rows, hidden], row stride stride_h
     p1_ptr,  # [hidden, total_rank] contiguous
@@ -221,7 +237,7 @@ def _steer_shrink_kernel(
             tl.atomic_add(ptrs, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _steer_expand_kernel(
     hidden_ptr,  # [num_rows, hidden], row stride stride_h
     p2_ptr,  # [hidden, total_rank] contiguous
@@ -353,8 +369,35 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def choose_tiles(num_rows: int, hidden: int, offs: list[int], num_sms: int) -> Tiles:
+def row_bucket(num_rows: int) -> int:
+    """The row count whose tiles serve ``num_rows`` rows: the next power of two (1, 2, 4, ...).
+
+    Tiles, hence compiled kernels, change only between buckets: 9 buckets cover 1..256 rows."""
+    return _pow2_at_least(max(int(num_rows), 1))
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every :func:`row_bucket` of 1..max_rows rows (``[1, 2, 4, ..., row_bucket(max_rows)]``)."""
+    if max_rows < 1:
+        return []
+    return [1 << i for i in range(row_bucket(max_rows).bit_length())]
+
+
+#: The row count the tiles are chosen for in batch-invariant mode, whatever the batch (a
+#: typical decode batch: the tiles of 1 row would starve large batches, those of 256 rows
+#: waste work on small ones).
+INVARIANT_ROWS = 64
+
+
+def choose_tiles(num_rows: int, hidden: int, offs: list[int], num_sms: int,
+                 invariant: bool | None = None) -> Tiles:
     """Tiles from shapes only (no data, so no sync and a CUDA-graph-stable launch).
+
+    The row count enters through its bucket (:func:`row_bucket`) only, so that the compiled
+    kernels reachable from 1..max_rows rows are a handful (:func:`specializations`).
+    ``invariant`` (default: :func:`vllm_steer.kernels.batch_invariant`): the row count does
+    not enter at all (tiles of :data:`INVARIANT_ROWS` rows) and the hidden split is off, so a
+    row's result does not depend on its batch.
 
     The largest tiles (fewest re-reads of the activations and of ``buf``) whose grid still
     gives every SM a program, preferring tiles that divide the rank offsets and hidden (no
@@ -364,6 +407,9 @@ def choose_tiles(num_rows: int, hidden: int, offs: list[int], num_sms: int) -> T
     """
     K = len(offs) - 1
     ranks = [offs[k + 1] - offs[k] for k in range(K)]
+    if invariant is None:
+        invariant = batch_invariant()
+    num_rows = INVARIANT_ROWS if invariant else row_bucket(num_rows)
 
     def even(block, fallback):  # the largest power of two <= block dividing all offsets
         b = block
@@ -386,7 +432,7 @@ def choose_tiles(num_rows: int, hidden: int, offs: list[int], num_sms: int) -> T
     shrink_d = next((b for b in (64, 32, 16) if hidden % b == 0), 64)
     programs = sum(-(-rk // shrink_r) for rk in ranks) * seg_blocks
     split_d = 1
-    while (programs * split_d < num_sms and hidden // (split_d * 2) >= 256
+    while (not invariant and programs * split_d < num_sms and hidden // (split_d * 2) >= 256
            and hidden % (shrink_d * split_d * 2) == 0):
         split_d *= 2
     expand_m = min(64, max(16, _pow2_at_least(num_rows)))
@@ -449,34 +495,47 @@ def segments(coefs: torch.Tensor):
     seg_rows = torch.empty((K, num_rows), dtype=torch.int32, device=coefs.device)
     seg_counts = torch.empty((K,), dtype=torch.int32, device=coefs.device)
     perm = torch.empty((num_rows,), dtype=torch.int32, device=coefs.device)
-    k_pad = max(16, _pow2_at_least(K))
-    chunk = max(16, min(1024, _pow2_at_least(num_rows), 8192 // k_pad))
     _steer_segments_kernel[(K + 1,)](coefs, seg_rows, seg_counts, perm, num_rows, K,
-                                     CHUNK=chunk, K_PAD=k_pad)
+                                     **segments_params(num_rows, K))
     return seg_rows, seg_counts, perm
+
+
+def segments_params(num_rows: int, K: int) -> dict:
+    """Compile-time parameters of the segments kernel (one set per row bucket)."""
+    k_pad = max(16, _pow2_at_least(K))
+    return dict(CHUNK=max(16, min(1024, row_bucket(num_rows), 8192 // k_pad)), K_PAD=k_pad)
 
 
 def segments_host(nz, device: torch.device):
     """:func:`segments` computed on the host from a numpy non-zero pattern ([rows, K] bool)
     and copied to ``device`` in one pinned, non-blocking copy: the same tables, no launch and
-    no device read (the serving path plans from its host mirror of the coefficients)."""
+    no device read (the serving path plans from its host mirror of the coefficients).
+
+    The three tables share one buffer, each starting 64-byte aligned: Triton compiles anew
+    for a pointer that is not 16-byte aligned, which would defeat :func:`warm_up`."""
     import numpy as np
 
     from vllm_steer.kernels.staging import to_device
 
     num_rows, K = nz.shape
-    table = np.zeros(K * num_rows + K + num_rows, dtype=np.int32)
+    at_counts = _aligned(K * num_rows)
+    at_perm = at_counts + _aligned(K)
+    table = np.zeros(at_perm + num_rows, dtype=np.int32)
     seg_rows = table[:K * num_rows].reshape(K, num_rows)
     ks, rows = np.nonzero(nz.T)  # sorted by steer, rows in order
     counts = np.bincount(ks, minlength=K)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]) if K else counts
     seg_rows[ks, np.arange(ks.size) - starts[ks]] = rows
-    table[K * num_rows:K * num_rows + K] = counts
+    table[at_counts:at_counts + K] = counts
     first = np.where(nz.any(axis=1), nz.argmax(axis=1), K)
-    table[K * num_rows + K:] = np.argsort(first, kind="stable")
+    table[at_perm:] = np.argsort(first, kind="stable")
     dev = to_device(table, device)
-    return (dev[:K * num_rows].view(K, num_rows), dev[K * num_rows:K * num_rows + K],
-            dev[K * num_rows + K:])
+    return (dev[:K * num_rows].view(K, num_rows), dev[at_counts:at_counts + K], dev[at_perm:])
+
+
+def _aligned(n: int, elements: int = 16) -> int:
+    """``n`` rounded up to a multiple of ``elements`` int32 (64 bytes)."""
+    return -(-n // elements) * elements
 
 
 class TritonPlan(NamedTuple):
@@ -523,15 +582,21 @@ def prepare_triton(
 
     The plan depends on the coefficients' non-zero pattern only (the kernels read the values
     from ``coefs`` at run time): it stays valid while the values change and the pattern not."""
+    dev = p1.device
+    staging.check_not_capturing(dev)
     offs = _offsets(rank_offsets)
     K, total_rank = len(offs) - 1, offs[-1]
     num_rows, d = coefs.shape[0], p1.shape[0]
     _check_factors(d, p1, p2, offs, coefs, num_rows)
-    dev = p1.device
     t = tiles or _with_overrides(choose_tiles(num_rows, d, offs, _num_sms(dev)))
     for name in ("shrink_m", "shrink_r", "shrink_d", "expand_m", "expand_d", "expand_r"):
         v = getattr(t, name)
         assert v >= 16 and v & (v - 1) == 0, f"Tiles.{name} must be a power of two >= 16, got {v}"
+    if t.split_d > 1 and batch_invariant():
+        raise ValueError(f"Tiles.split_d={t.split_d} adds partial sums with atomics, in an order "
+                         f"that varies from run to run, but VLLM_BATCH_INVARIANT=1 asks for "
+                         f"results that do not depend on the batch: use split_d=1 (check "
+                         f"${ENV_TILES} and the tiles= argument)")
     if num_rows == 0 or K == 0 or total_rank == 0:
         return TritonPlan(num_rows, t, (), None, None, {})
     tables = _bank_tables(offs, t.shrink_r, dev)
@@ -560,7 +625,9 @@ def steer_triton(
     bit. Host syncs: none when ``rank_offsets`` is a list / CPU tensor and the bank layout was
     seen before (see the module docstring). With ``prepared`` (made from these same factors and
     coefficients) the call skips the planning and launches the two GEMM kernels only.
+    Refuses to run while a CUDA graph is being captured (steering runs outside CUDA graphs).
     """
+    staging.check_not_capturing(hidden.device)
     offs = _offsets(rank_offsets)
     K = len(offs) - 1
     num_rows, d = hidden.shape
@@ -606,3 +673,89 @@ def steer_triton(
         hidden, p2, coefs, perm, offs_t, buf, out,
         hidden.stride(0), out.stride(0), num_rows, d, total_rank, K, **expand_kw)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Start-up: every compiled kernel a serving run can need, compiled before the first request
+
+
+class Specialization(NamedTuple):
+    """One compiled kernel: which kernel, and its compile-time parameters (``constexpr``
+    values and launch options, as ``(name, value)`` pairs sorted by name)."""
+
+    kernel: str  # "segments", "shrink" or "expand"
+    params: tuple
+
+
+def _launch_specs(num_rows: int, hidden: int, offs: list[int], act_dtype: torch.dtype,
+                  fac_dtype: torch.dtype, num_sms: int, interpret: bool) -> list[Specialization]:
+    """The kernels :func:`steer_triton` compiles for a call on ``num_rows`` rows (its
+    segments launch included: a call without a plan or host coefficients makes one)."""
+    K = len(offs) - 1
+    if num_rows == 0 or K == 0 or offs[-1] == 0:
+        return []  # nothing is launched
+    t = _with_overrides(choose_tiles(num_rows, hidden, offs, num_sms))
+    shrink, expand = kernel_params(t, hidden, offs, act_dtype, fac_dtype, interpret)
+    return [Specialization("segments", tuple(sorted(segments_params(num_rows, K).items()))),
+            Specialization("shrink", tuple(sorted(shrink.items()))),
+            Specialization("expand", tuple(sorted(expand.items())))]
+
+
+def specializations(
+    max_rows: int,  # the most rows one call steers (vLLM's max_num_seqs)
+    hidden: int,  # the model's hidden size
+    rank_offsets: Sequence[int] | torch.Tensor,  # K + 1 ints: the bank's layout
+    act_dtype: torch.dtype,  # the activations' dtype (the model's)
+    fac_dtype: torch.dtype,  # the factors' dtype (the bank's)
+    device: torch.device | str | None = None,  # its SM count shapes the tiles (default: cuda:0)
+) -> list[Specialization]:
+    """Every compiled kernel that :func:`steer_triton` can launch for 1..max_rows rows of this
+    bank and these dtypes: at most one per kernel and row bucket (3 kernels x 9 buckets for
+    256 rows), usually fewer (buckets often share tiles).
+
+    Assumes what the serving path passes: activations and output of ``hidden`` contiguous
+    columns (a row stride of another "multiple of 16" class compiles anew) and fresh (16-byte
+    aligned) tensors. A new bank layout (a steer of another rank loaded) has its own set."""
+    offs = _offsets(rank_offsets)
+    if device is None:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    num_sms = _num_sms(torch.device(device))
+    found: dict[Specialization, None] = {}
+    for rows in row_buckets(max_rows):
+        for spec in _launch_specs(min(rows, max_rows), hidden, offs, act_dtype, fac_dtype,
+                                  num_sms, _interpreting()):
+            found.setdefault(spec)
+    return list(found)
+
+
+def warm_up(
+    p1: torch.Tensor,  # [hidden, total_rank] contiguous: the bank's factors
+    p2: torch.Tensor,  # [hidden, total_rank] contiguous, same dtype as p1
+    rank_offsets: Sequence[int] | torch.Tensor,  # K + 1 ints
+    max_rows: int,  # the most rows one call steers (vLLM's max_num_seqs)
+    act_dtype: torch.dtype,  # the activations' dtype
+) -> int:
+    """Compile every kernel of :func:`specializations` by launching it once (on zero
+    activations, one steer per row), so that no later call for 1..max_rows rows of this bank
+    compiles: a compile stalls its step for 0.2-2.8 s (measured on an H200). Also builds the
+    bank's cached device tables. Returns the number of specialisations warmed.
+
+    Call it at start-up and again after the bank's layout changes."""
+    offs = _offsets(rank_offsets)
+    K, d = len(offs) - 1, p1.shape[0]
+    dev = p1.device
+    specs = specializations(max_rows, d, offs, act_dtype, p1.dtype, dev)
+    num_sms, interpret = _num_sms(dev), _interpreting()
+    warmed: set[Specialization] = set()
+    for rows in row_buckets(max_rows) if specs else []:
+        rows = min(rows, max_rows)
+        need = set(_launch_specs(rows, d, offs, act_dtype, p1.dtype, num_sms, interpret))
+        if need <= warmed:
+            continue
+        coefs = torch.zeros((rows, K), dtype=torch.float32, device=dev)
+        coefs[torch.arange(rows, device=dev), torch.arange(rows, device=dev) % K] = 1.0
+        hidden = torch.zeros((rows, d), dtype=act_dtype, device=dev)
+        steer_triton(hidden, p1, p2, offs, coefs)  # no plan: the segments kernel runs too
+        warmed |= need
+    assert warmed == set(specs), "warm_up missed a specialisation of specializations()"
+    return len(specs)

@@ -1,0 +1,317 @@
+"""The serving-readiness checks of the steer kernels on a GPU (run by scripts/gpu_window.sh).
+
+Needs python3 with torch and triton only (no vLLM, no pytest); run from the repository root
+with PYTHONPATH=$PWD. Each check prints its lines and one verdict line (PASS / FAIL / SKIP /
+INFO); the exit status is 1 when any check fails.
+
+- compiles: ``ops.warm_up`` for 256 rows, then calls for every row count 1..256 (planned from
+  host coefficients, as the serving path does, and unplanned, which runs the segments kernel)
+  add no entry to the kernels' Triton caches;
+- invariance: with VLLM_BATCH_INVARIANT=1 the first rows of a batch are bit for bit the same
+  at 1, 7, 64 and 256 rows (Triton, fp32 and bf16); without it, and the torch path, reported;
+- capture: the steer op refuses to run inside ``torch.cuda.graph`` capture, with the error
+  that names the vLLM options, and the GPU works normally after it;
+- auto: times the planned Triton and torch paths at a few shapes and reports whether
+  ``ops.AUTO_CUDA`` picks the faster one (reported, never a failure).
+
+``--dry-run`` (no CUDA): the invariance check on CPU under Triton's interpreter
+(TRITON_INTERPRET=1), the others skipped with a line saying why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+RESULTS: list[str] = []
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+    RESULTS.append(line)
+
+
+def offsets(ranks):
+    offs = [0]
+    for r in ranks:
+        offs.append(offs[-1] + r)
+    return offs
+
+
+def make_bank(d, ranks, dtype, dev, seed=0):
+    offs = offsets(ranks)
+    gen = torch.Generator().manual_seed(seed)
+    p1 = (torch.randn(d, offs[-1], generator=gen) / d ** 0.5).to(dev, dtype)
+    p2 = (torch.randn(d, offs[-1], generator=gen) / max(max(ranks), 1) ** 0.5).to(dev, dtype)
+    return p1, p2, offs
+
+
+def distinct_coefs(rows, ranks, seed=0, unsteered=True):
+    """Row r on the r-th steer of non-zero rank (cyclically); every third row unsteered."""
+    gen = torch.Generator().manual_seed(seed)
+    used = [k for k, r in enumerate(ranks) if r] or [0]
+    co = torch.zeros(rows, len(ranks))
+    ks = torch.tensor([used[r % len(used)] for r in range(rows)])
+    co[torch.arange(rows), ks] = 0.5 + torch.rand(rows, generator=gen)
+    if unsteered:
+        co[::3] = 0.0
+    return co
+
+
+def cache_entries(kernel) -> int:
+    """Compiled binaries in a Triton kernel's in-memory cache (all devices)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:  # Triton 3.x: device -> (kernel_cache, ...)
+        return sum(len(v[0]) for v in caches.values())
+    return sum(len(v) for v in getattr(kernel, "cache", {}).values())  # older Triton
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+# the H200 probe's shapes (7 and 13 mid-serving compiles before warm_up), and a slot bank of 8
+# slots with 2 steers loaded (zero-width slots and domain columns: K = 16)
+COMPILE_SHAPES = [("d576 r16", 576, [16]), ("d4096 r16/16/64", 4096, [16, 16, 64]),
+                  ("d2048 slots", 2048, [64, 64] + [0] * 14)]
+
+
+def check_compiles(dev, shapes=COMPILE_SHAPES, max_rows: int = 256) -> bool:
+    from vllm_steer import ops
+    from vllm_steer.kernels import triton_steer as ts
+
+    kernels = {"segments": ts._steer_segments_kernel, "shrink": ts._steer_shrink_kernel,
+               "expand": ts._steer_expand_kernel}
+
+    def entries():
+        return sum(cache_entries(k) for k in kernels.values())
+
+    ok = True
+    for name, d, ranks in shapes:
+        p1, p2, offs = make_bank(d, ranks, torch.bfloat16, dev)
+        before = entries()
+        t0 = time.perf_counter()
+        n = ops.warm_up("triton", p1, p2, offs, max_rows, torch.bfloat16)
+        torch.cuda.synchronize()
+        warm_s = time.perf_counter() - t0
+        after_warm = entries()
+        worst = (0.0, 0)
+        for rows in range(1, max_rows + 1):
+            co = distinct_coefs(rows, ranks, seed=rows)
+            hidden = torch.randn(rows, d, device=dev, dtype=torch.bfloat16)
+            coefs = co.to(dev)
+            t = time.perf_counter()
+            plan = ts.prepare_triton(p1, p2, offs, coefs, host=co.numpy())  # the serving path
+            ts.steer_triton(hidden, p1, p2, offs, coefs, prepared=plan)
+            ts.steer_triton(hidden, p1, p2, offs, coefs)  # unplanned: the segments kernel too
+            torch.cuda.synchronize()
+            worst = max(worst, (time.perf_counter() - t, rows))
+        new = entries() - after_warm
+        good = new == 0 and after_warm - before <= n
+        ok &= good
+        say(f"compiles {name}: warm_up {n} specialisations in {warm_s:.1f} s "
+            f"({after_warm - before} new cache entries); rows 1..{max_rows} afterwards: {new} new "
+            f"entries, slowest first call {worst[0] * 1e3:.1f} ms at {worst[1]} rows: "
+            f"{'PASS' if good else 'FAIL'}")
+    return ok
+
+
+def _first_rows_equal(outs: dict) -> tuple[bool, float]:
+    same, worst = True, 0.0
+    for small, big in [(1, 7), (7, 64), (64, 256)]:
+        a, b = outs[small], outs[big][:small]
+        same &= torch.equal(a, b)
+        worst = max(worst, (a.float() - b.float()).abs().max().item())
+    return same, worst
+
+
+def check_invariance(dev, shapes) -> bool:
+    from vllm_steer.kernels.torch_steer import steer_torch
+    from vllm_steer.kernels.triton_steer import steer_triton
+
+    ok = True
+    for d, rank in shapes:
+        for dtype in (torch.float32, torch.bfloat16):
+            gen = torch.Generator().manual_seed(d + rank)
+            p1 = (torch.randn(d, rank, generator=gen) / d ** 0.5).to(dev, dtype)
+            p2 = (torch.randn(d, rank, generator=gen) / rank ** 0.5).to(dev, dtype)
+            hidden = torch.randn(256, d, generator=gen).to(dev, dtype)
+            coefs = torch.randn(256, 1, generator=gen).to(dev)
+            line = []
+            for mode in ("1", "0"):
+                os.environ["VLLM_BATCH_INVARIANT"] = mode
+                outs = {n: steer_triton(hidden[:n], p1, p2, [0, rank], coefs[:n].contiguous())
+                        for n in (1, 7, 64, 256)}
+                same, diff = _first_rows_equal(outs)
+                line.append(f"triton mode {mode}: {'identical' if same else f'max diff {diff:.3g}'}")
+                if mode == "1":
+                    ok &= same
+                    verdict = "PASS" if same else "FAIL"
+            os.environ.pop("VLLM_BATCH_INVARIANT", None)
+            outs = {n: steer_torch(hidden[:n], p1, p2, [0, rank], coefs[:n].contiguous())
+                    for n in (1, 7, 64, 256)}
+            same, diff = _first_rows_equal(outs)
+            line.append(f"torch: {'identical' if same else f'max diff {diff:.3g}'}")
+            say(f"invariance d{d} r{rank} {str(dtype)[6:]} rows 1/7/64/256: "
+                f"{'; '.join(line)}: {verdict}")
+    return ok
+
+
+def check_capture(dev) -> bool:
+    from vllm_steer import ops
+    from vllm_steer.kernels.torch_steer import prepare_torch, steer_torch
+    from vllm_steer.kernels.triton_steer import prepare_triton, steer_triton
+
+    p1, p2, offs = make_bank(576, [16, 64], torch.bfloat16, dev)
+    co = distinct_coefs(8, [16, 64])
+    coefs, hidden = co.to(dev), torch.randn(8, 576, device=dev, dtype=torch.bfloat16)
+    tplan = prepare_triton(p1, p2, offs, coefs, host=co.numpy())
+    pplan = prepare_torch(p1, p2, offs, coefs, host=co.numpy())
+    steer_triton(hidden, p1, p2, offs, coefs, prepared=tplan)  # compiled, tables cached
+    torch.cuda.synchronize()
+    calls = {
+        "steer_triton (planned)": lambda: steer_triton(hidden, p1, p2, offs, coefs,
+                                                       prepared=tplan),
+        "steer_torch (planned)": lambda: steer_torch(hidden, p1, p2, offs, coefs,
+                                                     prepared=pplan),
+        "apply_steers (auto)": lambda: ops.apply_steers(hidden, p1, p2, offs, coefs),
+    }
+    ok = True
+    for name, call in calls.items():
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        err = None
+        try:
+            with torch.cuda.graph(graph, stream=stream):
+                call()
+        except Exception as e:  # noqa: BLE001 - the verdict reports what came out
+            err = e
+        chain = []  # ending an (empty) capture may raise too: look for the guard's error
+        while err is not None and len(chain) < 5:
+            chain.append(err)
+            err = err.__context__
+        refused = any(isinstance(e, RuntimeError) and "outside CUDA graphs" in str(e)
+                      and "PIECEWISE" in str(e) and "--enforce-eager" in str(e) for e in chain)
+        err = chain[0] if chain else None
+        ok &= refused
+        say(f"capture {name}: {'refused with the guard error' if refused else repr(err)}: "
+            f"{'PASS' if refused else 'FAIL'}")
+    out = steer_triton(hidden, p1, p2, offs, coefs, prepared=tplan)  # the GPU still works
+    torch.cuda.synchronize()
+    from vllm_steer.reference import steer_reference
+
+    ref = steer_reference(hidden, p1, p2, offs, coefs)
+    fine = torch.allclose(out.float(), ref.float(), rtol=2 ** -7, atol=2 ** -7)
+    ok &= fine
+    say(f"capture afterwards: a normal call {'matches' if fine else 'DOES NOT match'} the "
+        f"reference: {'PASS' if fine else 'FAIL'}")
+    return ok
+
+
+def _time_us(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return float(np.median(times))
+
+
+def check_auto(dev) -> bool:
+    from vllm_steer import ops
+    from vllm_steer.kernels.torch_steer import prepare_torch, steer_torch
+    from vllm_steer.kernels.triton_steer import prepare_triton, steer_triton
+
+    # (d, rank, K, rows): both sides of the AUTO_CUDA rule, and d 8192 where it is extrapolated
+    shapes = [(576, 576, 1, 256), (2048, 64, 8, 256), (2048, 1024, 1, 64), (4096, 64, 8, 256),
+              (4096, 4096, 8, 256), (8192, 1024, 1, 256), (8192, 8192, 1, 64)]
+    agree = 0
+    for d, rank, K, rows in shapes:
+        p1, p2, offs = make_bank(d, [rank] * K, torch.bfloat16, dev)
+        co = distinct_coefs(rows, [rank] * K, unsteered=False)
+        coefs, hidden = co.to(dev), torch.randn(rows, d, device=dev, dtype=torch.bfloat16)
+        tplan = prepare_triton(p1, p2, offs, coefs, host=co.numpy())
+        pplan = prepare_torch(p1, p2, offs, coefs, host=co.numpy())
+        t_tri = _time_us(lambda: steer_triton(hidden, p1, p2, offs, coefs, prepared=tplan))
+        t_tor = _time_us(lambda: steer_torch(hidden, p1, p2, offs, coefs, prepared=pplan))
+        pick = ops.resolve_backend("auto", dev, hidden=d, max_rank=rank)
+        faster = "triton" if t_tri <= t_tor else "torch"
+        agree += pick == faster
+        say(f"auto d{d} rank {rank} K {K} rows {rows}: triton {t_tri:.1f} us, torch {t_tor:.1f} "
+            f"us (planned, per call): auto picks {pick}, faster is {faster}: INFO")
+        del p1, p2, tplan, pplan
+        torch.cuda.empty_cache()
+    say(f"auto: the rule picked the faster path at {agree} of {len(shapes)} shapes: INFO")
+    return True
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry-run", action="store_true",
+                    help="no CUDA: the invariance check under Triton's interpreter only")
+    ap.add_argument("--out", default=os.environ.get("OUT"),
+                    help="folder for gpu_window_results.txt (default: $OUT, if set)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["compiles", "invariance",
+                                                               "capture", "auto"])
+    args = ap.parse_args(argv)
+    os.environ.pop("VLLM_BATCH_INVARIANT", None)
+    os.environ.pop("VLLM_STEER_BACKEND", None)
+    import triton
+
+    where = ("dry run on CPU" if args.dry_run else torch.cuda.get_device_name(0)
+             if torch.cuda.is_available() else "no CUDA")
+    say(f"gpu_window: torch {torch.__version__}, triton {triton.__version__}, {where}")
+    ok = True
+    if args.dry_run:
+        from vllm_steer.kernels.triton_steer import _interpreting
+
+        if not _interpreting():
+            say("invariance: FAIL: a dry run needs TRITON_INTERPRET=1 (set before Python starts)")
+            return 1
+        for name in ("compiles", "capture", "auto"):
+            say(f"{name}: SKIP: needs CUDA (the interpreter compiles nothing and has no graphs)")
+        if "invariance" not in args.skip:
+            ok &= check_invariance(torch.device("cpu"), [(256, 16)])
+    else:
+        if not torch.cuda.is_available():
+            say("gpu_window: FAIL: CUDA is not available to torch (use --dry-run on CPU)")
+            return 1
+        dev = torch.device("cuda", 0)
+        checks = {"compiles": lambda: check_compiles(dev),
+                  "invariance": lambda: check_invariance(dev, [(576, 16), (4096, 64)]),
+                  "capture": lambda: check_capture(dev), "auto": lambda: check_auto(dev)}
+        for name, check in checks.items():
+            if name in args.skip:
+                say(f"{name}: SKIP: --skip")
+                continue
+            t0 = time.perf_counter()
+            try:
+                good = check()
+            except Exception as e:  # noqa: BLE001 - one broken check must not hide the others
+                import traceback
+
+                traceback.print_exc()
+                say(f"{name}: FAIL: {type(e).__name__}: {e}")
+                good = False
+            ok &= good
+            print(f"   ({name}: {time.perf_counter() - t0:.1f} s)", flush=True)
+    say(f"gpu_window checks: {'PASS' if ok else 'FAIL'}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_window_results.txt"), "a") as f:
+            f.write("\n".join(RESULTS) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
