@@ -132,6 +132,7 @@ class SteerRuntime:
         # steer slots, two coefficient columns each (steer, domain; see SlotBank)
         self.capacity = config.capacity
         self.num_columns = 2 * self.capacity
+        self.max_rows = 0  # the most rows one step steers (vLLM's max_num_seqs), once known
 
     # ---- loading (head side) -------------------------------------------------------------
     def load(self, hidden_size: int, device: torch.device, dtype: torch.dtype,
@@ -164,13 +165,15 @@ class SteerRuntime:
             self.bank.put(slot, slot + 1, name, steers[name])
         # Resolve the backend now (it imports the kernels, and Triton where present: about
         # half a second), not in the first steered request's step.
-        from vllm_steer.ops import resolve_backend
-
-        self.backend = resolve_backend(self.config.backend, torch.device(device or "cpu"))
         from vllm_steer import ops
 
+        max_rank = self.config.max_steer_rank or max(
+            (steers[n].p1.shape[1] for n in steers), default=None)
+        self.backend = ops.resolve_backend(self.config.backend, torch.device(device or "cpu"),
+                                           hidden_size, max_rank)
         self._fn = ops.backend_fn(self.backend)  # resolved once, not per step
         self._prepare = ops._PREPARE.get(self.backend)
+        self.warm_up()
         logger.info("vllm-steer: loaded %d steer(s) %s on %s/%s", len(steers), self.names,
                     device, dtype)
 
@@ -219,8 +222,11 @@ class SteerRuntime:
     def put_steer(self, slot: int, generation: int, name: str, steer) -> None:
         """Load a steer into a slot no request uses (the engine core picked it)."""
         assert self.bank is not None, "steers are loaded with the model"
+        layout = list(self.bank.rank_offsets)
         self.bank.put(slot, generation, name, steer)
         self.version += 1
+        if list(self.bank.rank_offsets) != layout:
+            self.warm_up()
 
     def drop_slots(self, slots) -> None:
         if self.bank is None:
