@@ -191,6 +191,24 @@ class SteerRuntime:
             self._dirty = False
             self.num_active_slots = 0
             self.version += 1
+            self.max_rows = max_slots
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Compile, now, every kernel specialisation the backend can launch for this bank's
+        layout and up to ``max_rows`` rows (at start-up and after a load that changes the
+        layout), so that no serving step stalls on a JIT compile. CUDA only (the CPU paths
+        compile nothing)."""
+        if self.bank is None or not self.max_rows or self.bank.p1.device.type != "cuda":
+            return
+        from vllm_steer import ops
+
+        t0 = time.perf_counter()
+        n = ops.warm_up(self.backend, self.bank.p1, self.bank.p2, self.bank.rank_offsets,
+                        self.max_rows, self.bank.p1.dtype)
+        if n:
+            logger.info("vllm-steer: compiled %d steer-kernel specialisation(s) for up to %d "
+                        "rows in %.1f s", n, self.max_rows, time.perf_counter() - t0)
 
     def _bound(self, params: Any) -> list[BoundSteer]:
         """The request's steers as the engine core bound them (the only form read here)."""
