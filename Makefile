@@ -21,6 +21,7 @@ demo: install
 TEST_WORKERS ?= 2
 test: install
 	@$(PY) -m vllm_steer.cli model smollm2 >/dev/null
+	.venv/bin/lint-imports --config .importlinter
 	TRITON_INTERPRET=1 $(PY) -m pytest tests -ra -q -p no:cacheprovider \
 		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 

@@ -21,7 +21,7 @@ setup(
         "cuda": ["vllm>=0.32,<0.34"],
         "train": ["transformers>=4.45", "accelerate", "gguf"],
         "eval": ["matplotlib", "alt-profanity-check", "vaderSentiment", "scikit-learn"],
-        "test": ["pytest", "pytest-xdist", "openai", "requests", "hypothesis>=6.100", "selenium>=4.20"],
+        "test": ["pytest", "pytest-xdist", "import-linter>=2.1", "openai", "requests", "hypothesis>=6.100", "selenium>=4.20"],
     },
     entry_points={
         "vllm.general_plugins": ["vllm_steer = vllm_steer.integrations.plugin:register"],

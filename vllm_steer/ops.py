@@ -75,9 +75,12 @@ def _load_kernels() -> None:
 #: per-steer loop (the same cuBLAS GEMMs plus a per-call fp32 up-cast), slower in 16 of 24
 #: shapes; at d 576 it is 1.04-1.32x faster (both launch-bound). Rows are not a key: with them the winner moved in no
 #: consistent direction (H200, d 4096 full rank: Triton ahead at 16 and 512 rows, behind at 1,
-#: 64 and 256).
+#: 64 and 256). Planned per-call times on an H200 (scripts/gpu_window.py, bf16): rank 1024 at
+#: d 2048 (64 rows) Triton 83.8 us vs torch 119 us, at d 8192 (256 rows) 191 vs 224 us; full
+#: rank at d 4096 (256 rows, 8 steers) 898 vs 554 us, at d 8192 (64 rows) 560 vs 416 us: the
+#: fused kernel wins up to rank 1024, cuBLAS from full rank; 2048 is the boundary in between.
 AUTO_CUDA: tuple[tuple[int, int, str], ...] = (
-    (2048, 1024, "torch"),
+    (2048, 2048, "torch"),
 )
 
 

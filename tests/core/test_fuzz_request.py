@@ -208,7 +208,8 @@ def test_request_model_validation(steer, xargs):
     from vllm_steer.integrations import plugin
     from vllm_steer.integrations.frontend import request_field
 
-    hooks.install_hooks([h for h in plugin.HOOKS if h.install is request_field.add_request_field])
+    hooks.install_hooks([h for h in plugin.HOOKS if h.install is request_field.add_request_field
+                        or h.wrapper is request_field.to_sampling_params])
     old = frontend_state().config
     frontend_state().reset(SteerServerConfig(steers=dict(KNOWN), max_strength=MAX))
     try:

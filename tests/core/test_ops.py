@@ -52,10 +52,13 @@ def test_auto_on_cuda_picks_by_hidden_size_and_rank(monkeypatch):
     cuda = torch.device("cuda")
     # high rank at d >= 2048: cuBLAS (H100, d 4096 full rank: torch 539 us vs Triton 881 us)
     assert resolve_backend("auto", cuda, hidden=4096, max_rank=4096) == "torch"
-    assert resolve_backend(None, cuda, hidden=2048, max_rank=1024) == "torch"
+    assert resolve_backend(None, cuda, hidden=2048, max_rank=2048) == "torch"
     assert resolve_backend(None, cuda, hidden=8192, max_rank=8192) == "torch"
     # low rank, or a small model: the fused kernel (H100 rank 64: 34.5 us vs 155 us)
     assert resolve_backend(None, cuda, hidden=4096, max_rank=512) == "triton"
+    # rank 1024: the fused kernel (H200, planned: d 2048 83.8 us vs 119 us; d 8192 191 vs 224)
+    assert resolve_backend(None, cuda, hidden=2048, max_rank=1024) == "triton"
+    assert resolve_backend(None, cuda, hidden=8192, max_rank=1024) == "triton"
     assert resolve_backend(None, cuda, hidden=576, max_rank=576) == "triton"
     assert resolve_backend(None, cuda, hidden=1024, max_rank=1024) == "triton"
     # calls without the facts keep their old answer; explicit choices win

@@ -160,3 +160,24 @@ HOOKS: tuple[Hook, ...] = (
          "rows of batch-sharded sampling (V2, --enable-batch-sharded-sampling)",
          process="worker"),
 )
+
+
+def hooks_table() -> str:
+    """:data:`HOOKS` as the Markdown table of docs/architecture.md (a test keeps them equal;
+    regenerate with ``python -c "from vllm_steer.integrations.plugin import hooks_table;
+    print(hooks_table())"``)."""
+    rows = ["| process | vLLM attribute | our function | why |", "|---|---|---|---|"]
+    for h in HOOKS:
+        if h.wrapper is not None:
+            fn = getattr(h.wrapper, "__module__", "") + "." + h.wrapper.__qualname__
+            fn = fn.replace("vllm_steer.integrations.plugin._worker.<locals>.call",
+                            "worker." + h.wrapper.__name__)
+            if "<locals>" not in fn and not fn.startswith("worker."):
+                fn = fn.replace("vllm_steer.integrations.", "")
+        elif h.install is not None:
+            fn = "install: " + h.install.__module__.replace("vllm_steer.integrations.", "") + \
+                "." + h.install.__qualname__
+        else:
+            fn = "(checked only)"
+        rows.append(f"| {h.process} | `{h.target}` | `{fn}` | {h.purpose} |")
+    return "\n".join(rows)

@@ -141,7 +141,7 @@ def test_dp_load_list_unload_merge_and_a_partial_failure_is_rolled_back(tmp_path
     from conftest import random_steer
 
     from vllm_steer.format import save_steer
-    from vllm_steer.integrations.engine.control import merge, rollback_kwargs
+    from vllm_steer.integrations.engine.answers import merge, rollback_kwargs
 
     for n in ("a", "b", "c"):
         save_steer(tmp_path / f"{n}.safetensors", random_steer(64, 4, n))
@@ -183,15 +183,15 @@ def test_dp_steer_op_time_is_summed_over_engine_cores_one_head_worker_each():
     rows, a PP stage without the head none); data parallelism sums the engine cores."""
     from types import SimpleNamespace
 
-    from vllm_steer.integrations.engine import control
+    from vllm_steer.integrations.engine import answers as dp
 
     tp = [{"op_seconds": 0.5, "op_calls": 10, "slots": []},
           {"op_seconds": 0.7, "op_calls": 10, "slots": []}]     # TP=2: the same 10 calls
     pp = [{"op_seconds": 0.0, "op_calls": 0, "slots": []},
           {"op_seconds": 0.25, "op_calls": 4, "slots": []}]     # PP=2: the last stage steers
-    assert control.op_totals(tp) == {"seconds": 0.5, "calls": 10}
-    assert control.op_totals(pp) == {"seconds": 0.25, "calls": 4}
-    assert control.op_totals([True, None]) == {"seconds": 0.0, "calls": 0}
+    assert dp.op_totals(tp) == {"seconds": 0.5, "calls": 10}
+    assert dp.op_totals(pp) == {"seconds": 0.25, "calls": 4}
+    assert dp.op_totals([True, None]) == {"seconds": 0.0, "calls": 0}
     cores = [_core(0, 2), _core(1, 2)]
     for core, workers in zip(cores, (tp, pp)):
         core.model_executor = SimpleNamespace(
@@ -199,5 +199,5 @@ def test_dp_steer_op_time_is_summed_over_engine_cores_one_head_worker_each():
             else [True] * len(w))
     answers = _all(cores, "list")
     assert [a["stats"]["op"]["calls"] for a in answers] == [10, 4]
-    merged = control.merge("list", answers)
+    merged = dp.merge("list", answers)
     assert merged["stats"]["op"] == {"seconds": 0.75, "calls": 14}

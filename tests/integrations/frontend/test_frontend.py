@@ -25,7 +25,8 @@ def app():
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
 
-    hooks.install_hooks([h for h in plugin.HOOKS if h.install is request_field.add_request_field])
+    hooks.install_hooks([h for h in plugin.HOOKS if h.install is request_field.add_request_field
+                        or h.wrapper is request_field.to_sampling_params])
     app = FastAPI()
     app.state.args = argparse.Namespace(log_error_stack=False)
     init_exception_handler(app)

@@ -18,12 +18,21 @@ from __future__ import annotations
 from vllm_steer.integrations.frontend.state import frontend_state
 
 
-def _ours() -> list:
-    """(name, endpoint class) of the endpoints every steering API server serves."""
-    from vllm_steer.server.presets_route import PresetsEndpoint
-    from vllm_steer.server.steers_route import SteerManagementEndpoint
+#: Our endpoint plugins, named as entry points are (``vllm.endpoint_plugins``) and loaded as
+#: vLLM loads those: the HTTP layer (:mod:`vllm_steer.server`) sits above this package, which
+#: never imports it.
+ENDPOINTS = {
+    "vllm_steer_steers": "vllm_steer.server.steers_route:SteerManagementEndpoint",
+    "vllm_steer_presets": "vllm_steer.server.presets_route:PresetsEndpoint",
+}
 
-    return [SteerManagementEndpoint, PresetsEndpoint]
+
+def _ours() -> list:
+    """The endpoint classes every steering API server serves."""
+    from importlib.metadata import EntryPoint
+
+    return [EntryPoint(name, value, "vllm.endpoint_plugins").load()
+            for name, value in ENDPOINTS.items()]
 
 
 def load_endpoint_plugins(orig, supported_tasks=None):

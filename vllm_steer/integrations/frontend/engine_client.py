@@ -8,14 +8,14 @@ through vLLM's ``collective_rpc`` utility call with the method name
 :data:`~vllm_steer.integrations.engine.registry.CONTROL_METHOD`. With data parallelism each
 engine core holds its own registry and vLLM's load-balancing client sends a utility call to
 every one of them: their answers are merged (:func:`~vllm_steer.integrations.engine.control.
-merge`). Light: no torch at import time.
+merge`, :mod:`vllm_steer.integrations.engine.answers`). Light: no torch at import time.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm_steer.integrations.engine.control import merge, rollback_kwargs
+from vllm_steer.integrations.engine.answers import merge, rollback_kwargs
 from vllm_steer.integrations.engine.registry import CONTROL_METHOD
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.logs import get_logger
