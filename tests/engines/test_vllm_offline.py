@@ -204,7 +204,7 @@ def test_a_bad_steer_that_slips_past_admission_is_served_unsteered_not_a_crash(
 
     # a frontend that validates nothing (e.g. an API server that never learnt the steers):
     # each bad request is refused on its own or served unsteered; the engine never dies
-    monkeypatch.setattr(frontend, "_validate", lambda params: None)
+    monkeypatch.setattr(frontend, "validate", lambda params: None)
     for i, bad in enumerate([{"nope": 1}, {"a": "x"}, {"a": 1e9}]):
         try:
             out = tokens(llm.generate(PROMPTS[i:i + 1], sp(bad)))[0]

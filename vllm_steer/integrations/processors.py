@@ -30,7 +30,7 @@ from vllm_steer.integrations.worker.runtime import RowSource, get_runtime
 class SteerLogitsProcessorV1(V1LogitsProcessor):
     """V1 logits processor carrying per-request steers to the LM head."""
 
-    # Read by relax_output_token_ids: this processor never reads output token ids.
+    # Read by worker.v1.input_batch_init: this processor never reads output token ids.
     needs_output_token_ids = False
 
     @classmethod

@@ -74,9 +74,9 @@ async def steer_info(raw: Request):
 def server_config(engine):
     """The steers and limits the server validates requests against (the frontend's view)."""
     from vllm_steer.config import SteerServerConfig
-    from vllm_steer.integrations.frontend import admission as frontend
+    from vllm_steer.integrations.frontend.state import frontend_state
 
-    cfg = frontend.get_config()
+    cfg = frontend_state().config
     if cfg is None and engine is not None:
         vllm_config = getattr(engine, "vllm_config", None)
         cfg = SteerServerConfig.from_additional_config(

@@ -13,7 +13,7 @@
   :mod:`vllm_steer.integrations.engine.presets`).
 
 The plugin adds this endpoint to vLLM's endpoint-plugin list itself
-(:func:`vllm_steer.integrations.frontend.endpoints._hook_endpoint_plugins`).
+(:func:`vllm_steer.integrations.frontend.endpoints.load_endpoint_plugins`).
 """
 
 from __future__ import annotations

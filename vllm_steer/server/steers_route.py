@@ -17,9 +17,9 @@ engine core gets the call and their answers are merged
 (:class:`vllm_steer.integrations.frontend.state.FrontendState`) and the metrics
 (:mod:`vllm_steer.metrics`) current. The view may be a poll old, so with
 ``--enable-steer-updates`` a name it lacks is left to the engine core, whose refusal the
-client gets as HTTP 400 (``engine_core._hook_async_llm_generate``). The plugin adds this endpoint
+client gets as HTTP 400 (:func:`vllm_steer.integrations.frontend.async_llm.generate`). The plugin adds this endpoint
 to vLLM's endpoint-plugin list itself
-(:func:`vllm_steer.integrations.frontend.endpoints._hook_endpoint_plugins`).
+(:func:`vllm_steer.integrations.frontend.endpoints.load_endpoint_plugins`).
 """
 
 from __future__ import annotations

@@ -251,9 +251,9 @@ def admit(core, request) -> None:
     from vllm_steer.request import BoundSteer, SteerRequest, unknown_steer
 
     sp = getattr(request, "sampling_params", None)
-    extra = getattr(sp, "extra_args", None)
-    if not extra:
+    if sp is None:
         return
+    extra = getattr(sp, "extra_args", None) or {}
     if BOUND_KEY in extra:  # only the engine core writes it
         extra = {k: v for k, v in extra.items() if k != BOUND_KEY}
         sp.extra_args = extra
@@ -263,7 +263,7 @@ def admit(core, request) -> None:
     if reg is None or (value is None and not (cfg.defaults or cfg.floors)):
         return
     try:  # request data never raises out of the engine core: refuse this request only
-        steers = SteerRequest.from_value(value)
+        steers = SteerRequest.parse(value, None, cfg.max_strength)  # decoded; limits kept
     except ValueError as e:
         raise SteerAdmissionError(str(e)) from None
     if cfg.defaults or cfg.floors:
