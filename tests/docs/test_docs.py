@@ -107,9 +107,11 @@ def units(text: str) -> list[Unit]:
 
 def without_sections(text: str, titles: list[str]) -> str:
     """``text`` with the named ``##`` sections blanked (line numbers kept)."""
-    lines, skip = text.split("\n"), False
+    lines, skip, fence = text.split("\n"), False, False
     for k, ln in enumerate(lines):
-        m = re.match(r"(#+) (.*)", ln)
+        if ln.lstrip().startswith("```"):
+            fence = not fence
+        m = None if fence else re.match(r"(#+) (.*)", ln)
         if m and len(m.group(1)) <= 2:
             skip = m.group(2).strip() in titles
         if skip:
@@ -499,7 +501,11 @@ def _mentions(text: str, stems) -> list[tuple[int, str]]:
         for stem in stems:
             short = stem.split("-", 1)[-1]
             out += [(m.start(), stem) for m in re.finditer(rf"(?<![\w-]){short}\b", text)]
-    return sorted(set(out))
+        # and another steer's JSON object ends the segment
+        taken = {p for p, _ in out}
+        out += [(m.start(), None) for m in re.finditer(r"[\"']name[\"']:\s*[\"'][^\"']*[\"']", text)
+                if m.start() not in taken]
+    return sorted(set(out), key=lambda x: x[0])
 
 
 NUM = r"(\d+(?:,\d{3})*(?:\.\d+)?)"
@@ -537,11 +543,11 @@ def check_steer_facts(text: str, where: str, facts: dict[str, dict] | None = Non
         if EARLIER.search(unit.text):
             continue
         spots = _mentions(unit.text, facts)
-        if not spots:
+        if not any(stem for _, stem in spots):
             continue
         if unit.kind == "row" and unit.header:
             cells = [c.strip() for c in unit.text.strip().strip("|").split("|")]
-            stem = spots[0][1]
+            stem = next(s for _, s in spots if s)
             for col, cell in zip(unit.header, cells):
                 key = COLUMN.get(re.sub(r"[*`]", "", col).split("(")[0].strip())
                 m = re.match(r"\**\+?" + NUM, re.sub(r"[*`]", "", cell))
@@ -551,6 +557,8 @@ def check_steer_facts(text: str, where: str, facts: dict[str, dict] | None = Non
             continue
         bounds = [p for p, _ in spots] + [len(unit.text)]
         for (start, stem), end in zip(spots, bounds[1:]):
+            if stem is None:
+                continue
             seg = unit.text[start:end]
             for key, pats in CLAIMS.items():
                 for pat in pats:

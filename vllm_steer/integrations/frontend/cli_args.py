@@ -55,7 +55,9 @@ def add_steer_args(parser) -> None:
                             "DIR/NAME.safetensors on first use.")
     group.add_argument("--enable-steer-updates", action="store_true", default=False,
                        help="Allow POST /v1/steers and DELETE /v1/steers/NAME (load and "
-                            "unload steers at run time).")
+                            "unload steers at run time) and POST /v1/steer-presets and "
+                            "DELETE /v1/steer-presets/NAME (add and delete presets). Off "
+                            "by default: only for servers whose clients you trust.")
     group.add_argument("--no-steer-drafter", dest="steer_drafter", action="store_false",
                        default=True,
                        help="Speculative decoding: do not steer the draft model's proposals "
