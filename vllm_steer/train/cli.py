@@ -62,9 +62,11 @@ def add_commands(subparsers) -> None:
     src.add_argument("--preset", choices=["detox", "sentiment"],
                      help="known data set: detox = Jigsaw (label 0 positive, 1 negative), "
                           "sentiment = SST-5 (3-4 positive, 0-1 negative)")
-    src.add_argument("--data", nargs="+", metavar="PATH",
+    src.add_argument("--data", nargs="+", metavar="SOURCE",
                      help="with --preset: the data folder (default $VLLM_STEER_DATA or "
-                          "../shared/data); without: labelled CSV/TSV/JSONL file(s)")
+                          "../shared/data); without: labelled data, each a JSONL/CSV/TSV/"
+                          "Parquet file or a Hugging Face dataset (a save_to_disk folder, or "
+                          "a name in the local cache, e.g. civil_comments; read offline)")
     src.add_argument("--positive", nargs="+", default=[], metavar="FILE",
                      help="files of positive texts (JSONL, CSV/TSV, or plain text one per line)")
     src.add_argument("--negative", nargs="+", default=[], metavar="FILE",
@@ -74,10 +76,16 @@ def add_commands(subparsers) -> None:
                           "of the training texts)")
     src.add_argument("--dev-negative", nargs="+", default=[], metavar="FILE",
                      help="held-out negative texts")
-    src.add_argument("--dev-data", nargs="+", default=[], metavar="FILE",
-                     help="labelled dev file(s) (same label rule as --data)")
-    src.add_argument("--format", default="auto", choices=["auto", "jsonl", "csv", "tsv", "txt"],
-                     help="file format; auto goes by the extension")
+    src.add_argument("--dev-data", nargs="+", default=[], metavar="SOURCE",
+                     help="labelled dev data (same forms and label rule as --data)")
+    src.add_argument("--format", default="auto",
+                     choices=["auto", "jsonl", "csv", "tsv", "parquet", "hf", "txt"],
+                     help="source format; auto goes by the extension (a folder or a name "
+                          "that is no file: a Hugging Face dataset)")
+    src.add_argument("--split", default=DataConfig.split,
+                     help="split of a Hugging Face dataset to train on")
+    src.add_argument("--dev-split", default=DataConfig.dev_split,
+                     help="split of the --dev-data Hugging Face dataset")
     src.add_argument("--text-field", help="JSONL key or CSV/TSV column (name or 0-based index) "
                                           "of the text (default: text, or column 0)")
     src.add_argument("--label-field", help="JSONL key or CSV/TSV column of the label "
@@ -85,11 +93,13 @@ def add_commands(subparsers) -> None:
     src.add_argument("--no-header", action="store_true", help="CSV/TSV files have no header row")
     src.add_argument("--positive-labels", nargs="+", default=[], metavar="LABEL",
                      help="label values whose texts are positive (+strength), e.g. 0 for "
-                          "clean comments or 4 5 for good reviews")
+                          "clean comments or 4 5 for good reviews; a numeric label may be "
+                          "compared: '<0.1'")
     src.add_argument("--negative-labels", nargs="+", default=[], metavar="LABEL",
                      help="label values whose texts are negative (-strength)")
     src.add_argument("--ignore-labels", nargs="+", default=[], metavar="LABEL",
-                     help="labels skipped on purpose (others not listed are an error)")
+                     help="labels skipped on purpose (others not listed are an error); '*' "
+                          "skips every row that is neither positive nor negative")
     src.add_argument("--max-examples", type=int, metavar="N",
                      help="training texts per side (seeded random subset; default all)")
     src.add_argument("--dev-fraction", type=float, default=DataConfig.dev_fraction,
@@ -212,7 +222,8 @@ def _data_config(args) -> DataConfig:
                       dev_positive=args.dev_positive, dev_negative=args.dev_negative,
                       dev_labelled=args.dev_data, format=args.format,
                       text_field=args.text_field, label_field=args.label_field,
-                      header=not args.no_header, positive_labels=args.positive_labels,
+                      header=not args.no_header, split=args.split, dev_split=args.dev_split,
+                      positive_labels=args.positive_labels,
                       negative_labels=args.negative_labels, ignore_labels=args.ignore_labels,
                       **common)
 

@@ -178,21 +178,24 @@ class DataConfig:
     each belongs to. Recorded in the steer file's ``data`` with each file's sha256."""
 
     positive: list[str] = field(default_factory=list)
-    """Files whose every text is positive (JSONL, CSV/TSV or plain text)."""
+    """Sources whose every text is positive (JSONL, CSV/TSV, Parquet, a Hugging Face dataset,
+    or plain text)."""
     negative: list[str] = field(default_factory=list)
     """Files whose every text is negative."""
     labelled: list[str] = field(default_factory=list)
-    """Files with a text and a label per example (CSV/TSV/JSONL); labels map to sides by
-    ``positive_labels`` / ``negative_labels`` / ``ignore_labels``."""
+    """Sources with a text and a label per example: CSV/TSV/JSONL/Parquet files, or a Hugging
+    Face dataset (a ``save_to_disk`` folder, or a name in the local cache; read offline).
+    Labels map to sides by ``positive_labels`` / ``negative_labels`` / ``ignore_labels``."""
     dev_positive: list[str] = field(default_factory=list)
     """Held-out positive files (else the dev split is taken from the training texts)."""
     dev_negative: list[str] = field(default_factory=list)
     """Held-out negative files."""
     dev_labelled: list[str] = field(default_factory=list)
     """Held-out labelled files (same label rule)."""
-    format: Literal["auto", "jsonl", "csv", "tsv", "txt"] = "auto"
-    """File format; ``auto`` goes by extension (.jsonl/.json, .csv, .tsv, anything else =
-    plain text, one example per line)."""
+    format: Literal["auto", "jsonl", "csv", "tsv", "parquet", "hf", "txt"] = "auto"
+    """Source format; ``auto`` goes by extension (.jsonl/.json, .csv, .tsv, .parquet; a folder
+    or a name that is no file = a Hugging Face dataset; any other file = plain text, one
+    example per line)."""
     text_field: str | None = None
     """JSONL key or CSV/TSV column (name, or 0-based index) of the text. ``None``: ``text``
     (JSONL, CSV/TSV with header) or column 0 (no header)."""
@@ -201,8 +204,13 @@ class DataConfig:
     column 1 (no header)."""
     header: bool = True
     """CSV/TSV files start with a header row."""
+    split: str = "train"
+    """Split of a Hugging Face dataset with several (a ``DatasetDict``) read for training."""
+    dev_split: str = "validation"
+    """Split of the dev sources (``dev_labelled`` etc.) when they are such datasets."""
     positive_labels: list[str] = field(default_factory=list)
-    """Label values (as strings) that make an example positive."""
+    """Label values (as strings) that make an example positive; also comparisons of numeric
+    labels (``<0.1``, ``>=0.5``) and ``*`` (any)."""
     negative_labels: list[str] = field(default_factory=list)
     """Label values that make an example negative."""
     ignore_labels: list[str] = field(default_factory=list)
