@@ -55,9 +55,19 @@ def _cmd_info(args) -> int:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written; every option's help ends with its default, once: appended
-    unless the help already says it (or there is no default worth saying: None, False,
-    an empty list)."""
+    """Descriptions of several lines as written (one-line ones wrapped); every option's help
+    ends with its default, once: appended unless the help already says it (or there is no
+    default worth saying: None, False, an empty list)."""
+
+    def _format_args(self, action, default_metavar):
+        if getattr(action, "comma_list", False):  # shown in its one documented form
+            return self._metavar_formatter(action, default_metavar)(1)[0]
+        return super()._format_args(action, default_metavar)
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text.strip():
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
 
     def _get_help_string(self, action):
         text = action.help or ""

@@ -21,6 +21,8 @@ class StrengthList(argparse.Action):
     """A list of strengths written as vllm-steer writes them everywhere, comma-separated
     (``--train-strengths 1,2,4``); the space-separated form (``1 2 4``) is read too."""
 
+    comma_list = True  # vllm_steer.cli.HelpFormatter shows it as "--flag M,M,..."
+
     def __call__(self, parser, namespace, values, option_string=None):
         from vllm_steer.eval.cli import parse_strengths
 
