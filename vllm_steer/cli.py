@@ -1,13 +1,27 @@
-"""``vllm-steer``: the command line. Each concept's module adds its own sub-commands.
+"""vllm-steer: make, check and manage LM-Steer steers for vLLM.
 
-    vllm-steer model smollm2                  prepare the embedded model, print its path
-    vllm-steer train ...                      train a steer (vllm_steer.train.cli)
-    vllm-steer convert ...                    import a checkpoint of the paper's code
-    vllm-steer eval toxicity|sentiment ...    evaluate like the paper (vllm_steer.eval.cli)
-    vllm-steer tune STEER --task T --prompts F   choose the recommended strength by generation
-    vllm-steer transfer|highlight|explain|score ...   the lens (vllm_steer.lens.cli)
-    vllm-steer info FILE                      show a steer file's metadata
-    vllm-steer steers list|load|unload --url URL   manage a server's steers (HTTP)
+A steer is a small learned matrix on a model's final hidden state; requests choose which
+steers to apply and how strongly. Serving is vLLM's own command, with the flags this
+package adds to it:
+
+    vllm serve MODEL --steer NAME=PATH [NAME=PATH ...]
+
+then send "steer": {"NAME": strength} in the request body (the openai client's extra_body).
+`vllm serve --help=vllm-steer` lists the serving flags; README.md and docs/ explain the rest.
+
+This command makes and inspects steers and manages a running server's:
+
+    vllm-steer model smollm2                      prepare the embedded model, print its folder
+    vllm-steer train --model M --data F ...       train a steer on labelled texts
+    vllm-steer tune STEER --task T --prompts F    choose its served strength by generation
+    vllm-steer info STEER                         print a steer file's metadata
+    vllm-steer eval toxicity|sentiment|grid ...   evaluate like the paper
+    vllm-steer transfer|highlight|explain|score   the lens: move, read and explain steers
+    vllm-steer convert CHECKPOINT ...             import a steer trained with the paper's code
+    vllm-steer steers list|load|unload --url URL  a running server's steers (HTTP)
+    vllm-steer presets list|add|delete --url URL  a running server's presets (HTTP)
+
+`vllm-steer COMMAND --help` documents each command and every flag, with its default.
 """
 
 from __future__ import annotations
@@ -15,6 +29,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
+import shlex
 import sys
 
 #: Modules that contribute sub-commands: each has ``add_commands(subparsers)``; a parser's
@@ -38,15 +54,60 @@ def _cmd_info(args) -> int:
     return 0
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions of several lines as written (one-line ones wrapped); every option's help
+    ends with its default, once: appended unless the help already says it (or there is no
+    default worth saying: None, False, an empty list)."""
+
+    def _format_args(self, action, default_metavar):
+        if getattr(action, "comma_list", False):  # shown in its one documented form
+            return self._metavar_formatter(action, default_metavar)(1)[0]
+        return super()._format_args(action, default_metavar)
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text.strip():
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if ("%(default)" in text or re.search(r"\bdefault\b", text, re.I)
+                or default in (None, False, argparse.SUPPRESS) or default == []
+                or not action.option_strings):
+            return text
+        shown = (",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in default)
+                 if isinstance(default, (list, tuple)) else
+                 f"{default:g}" if isinstance(default, float) else str(default))
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+def walk_parsers(parser: argparse.ArgumentParser):
+    """``parser`` and every sub-command parser below it."""
+    yield parser
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in dict.fromkeys(a.choices.values()):
+                yield from walk_parsers(sub)
+
+
+SERVE_HINT = """serving is vLLM's own command, with the flags this package adds to it:
+
+    vllm serve MODEL --steer NAME=PATH [NAME=PATH ...]
+
+`vllm serve --help=vllm-steer` lists them (README.md, docs/serving.md)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-steer", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     m = sub.add_parser("model", help="prepare an embedded model and print its folder")
-    m.add_argument("name", choices=["smollm2"], help="embedded model")
+    m.add_argument("name", choices=["smollm2"],
+                   help="embedded model (smollm2: SmolLM2-135M-Instruct)")
     m.set_defaults(func=_cmd_model)
     i = sub.add_parser("info", help="print a steer file's metadata")
-    i.add_argument("file")
+    i.add_argument("file", help="steer file (.safetensors)")
     i.set_defaults(func=_cmd_info)
     for mod in COMMAND_MODULES:
         try:
@@ -56,10 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # sub-package without commands yet
             raise
         module.add_commands(sub)
+    for q in walk_parsers(p):
+        q.formatter_class = HelpFormatter
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        rest = " ".join(shlex.quote(a) for a in argv[1:]) or "MODEL --steer NAME=PATH"
+        print(f"vllm-steer serve: {SERVE_HINT}\n\nWith your arguments:\n\n    vllm serve {rest}",
+              file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -1,11 +1,16 @@
-"""``vllm-steer steers list|load|unload --url URL``: manage a server's steers over HTTP.
+"""``vllm-steer steers|presets ... --url URL``: manage a running server's steers and presets
+over HTTP.
 
     vllm-steer steers list   --url http://localhost:8000
     vllm-steer steers load   detox steers/smollm2-detox.safetensors --url http://localhost:8000
     vllm-steer steers unload detox --url http://localhost:8000
+    vllm-steer presets list   --url http://localhost:8000
+    vllm-steer presets add    polite detox:4,sentiment:2 --url http://localhost:8000
+    vllm-steer presets delete polite --url http://localhost:8000
 
-Clients of ``GET`` / ``POST /v1/steers`` and ``DELETE /v1/steers/NAME`` (see
-``docs/serving.md``). ``load`` and ``unload`` need a server started with
+Clients of ``GET`` / ``POST /v1/steers``, ``DELETE /v1/steers/NAME``, ``GET`` / ``POST
+/v1/steer-presets`` and ``DELETE /v1/steer-presets/NAME`` (see ``docs/serving.md``).
+``load``, ``unload``, ``add`` and ``delete`` need a server started with
 ``--enable-steer-updates``. Light: ``requests`` only.
 """
 
@@ -70,6 +75,53 @@ def _cmd_unload(args) -> int:
     return 0
 
 
+def _mix(steer: dict) -> str:
+    return ",".join(f"{k}:{v:g}" if isinstance(v, (int, float)) else f"{k}:{v}"
+                    for k, v in (steer or {}).items())
+
+
+def _cmd_presets_list(args) -> int:
+    data = _call("GET", args.url, "/v1/steer-presets", api_key=args.api_key)
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    rows = [[str(p.get("name")), _mix(p.get("steer")), str(p.get("source"))]
+            for p in data.get("data", [])]
+    cols = ("name", "steer", "source")
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+    extra = [f"{k} {_mix(data[k])}" for k in ("defaults", "floors") if data.get(k)]
+    print(f"{len(rows)} preset(s)" + (f"; {'; '.join(extra)}" if extra else "")
+          + ("" if data.get("updates_enabled") else
+             "; run-time changes are off (--enable-steer-updates)"))
+    return 0
+
+
+def _cmd_presets_add(args) -> int:
+    data = _call("POST", args.url, "/v1/steer-presets", {"name": args.name, "steer": args.mix},
+                 api_key=args.api_key)
+    print(json.dumps(data, indent=2) if args.json else
+          f"added preset {data['name']} ({_mix(data.get('steer'))}): requests with "
+          f"\"model\": \"{data['name']}\" get this mix")
+    return 0
+
+
+def _cmd_presets_delete(args) -> int:
+    data = _call("DELETE", args.url, f"/v1/steer-presets/{args.name}", api_key=args.api_key)
+    print(json.dumps(data, indent=2) if args.json else f"deleted preset {data['name']}")
+    return 0
+
+
+def _client_flags(q) -> None:
+    q.add_argument("--url", default=os.environ.get("VLLM_STEER_URL", DEFAULT_URL),
+                   help=f"server (default $VLLM_STEER_URL or {DEFAULT_URL})")
+    q.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer token if the server uses --api-key (default $OPENAI_API_KEY)")
+    q.add_argument("--json", action="store_true", help="print the server's JSON")
+
+
 def add_commands(sub) -> None:
     p = sub.add_parser("steers", help="list, load or unload a server's steers (HTTP client)")
     ssub = p.add_subparsers(dest="steers_command", metavar="ACTION", required=True)
@@ -82,11 +134,26 @@ def add_commands(sub) -> None:
         if name == "load":
             q.add_argument("path", nargs="?", default=None,
                            help="steer file on the server (default: --steer-dir/NAME.safetensors)")
-        q.add_argument("--url", default=os.environ.get("VLLM_STEER_URL", DEFAULT_URL),
-                       help=f"server (default $VLLM_STEER_URL or {DEFAULT_URL})")
-        q.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                       help="bearer token if the server uses --api-key")
-        q.add_argument("--json", action="store_true", help="print the server's JSON")
+        _client_flags(q)
+        q.set_defaults(func=func)
+
+    p = sub.add_parser("presets", help="list, add or delete a server's presets (HTTP client)",
+                       description="A preset is a steer mix served as a model name: a request "
+                                   'with "model": NAME gets the mix. Presets given with '
+                                   "--steer-preset are fixed; add and delete need a server "
+                                   "started with --enable-steer-updates.")
+    psub = p.add_subparsers(dest="presets_command", metavar="ACTION", required=True)
+    for name, func, hlp in (("list", _cmd_presets_list, "the presets, defaults and floors"),
+                            ("add", _cmd_presets_add, "add a preset (a model name for a mix)"),
+                            ("delete", _cmd_presets_delete, "delete a preset added at run "
+                                                            "time")):
+        q = psub.add_parser(name, help=hlp)
+        if name in ("add", "delete"):
+            q.add_argument("name", help="preset name (the model name requests use)")
+        if name == "add":
+            q.add_argument("mix", metavar="STEER:X[,STEER:X...]",
+                           help="the mix, as for --steer-preset, e.g. detox:4,sentiment:-2")
+        _client_flags(q)
         q.set_defaults(func=func)
 
 

@@ -149,7 +149,7 @@ def test_score_cli_text_and_dataset(tiny_model_dir, tmp_path, capsys):
     assert len(ev["per_text"]) == 6 and len(ev["per_text"][0]["loglik"]) == 3
     assert sorted(p["label"] for p in ev["per_text"]) == ["0", "0", "0", "1", "1", "1"]
     assert main(["score", "--steer", str(path), "--model", str(tiny_model_dir), "--dataset",
-                 "sst2", "--data-dir", str(data), "--positive-label", "7"]) == 1
+                 "sst2", "--data", str(data), "--positive-label", "7"]) == 1
 
 
 def test_training_texts_are_rebuilt_from_the_metadata(tmp_path):

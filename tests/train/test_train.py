@@ -443,3 +443,32 @@ def test_train_strengths_are_drawn_per_text_and_scale_the_steer_like_epsilon(pre
     for bad in ((), (0.0,), (float("nan"),), (-1.0, 2.0)):
         with pytest.raises(ValueError, match="train_strengths=.*give 1 to 64 magnitudes"):
             _cfg(prep.cfg.model, train_strengths=bad).validate()
+
+
+def test_cli_train_prints_its_estimate_first_and_the_cache_size_is_right(tiny_model_dir, synth,
+                                                                        tmp_path, capsys):
+    """The estimate line comes before the hidden-state pass, and its cache size is what the
+    cache files take on disk (within 20%)."""
+    import re
+
+    from vllm_steer.cli import main
+
+    out = tmp_path / "est.safetensors"
+    assert main(["train", "--model", str(tiny_model_dir), "--positive", str(synth["pos"]),
+                 "--negative", str(synth["neg"]), "--out", str(out), "--steps", "3",
+                 "--batch-size", "4", "--quiet", "--keep-checkpoint",
+                 "--cache-dtype", "float32", "--train-strengths", "1", "2,4"]) == 0
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.split("\n") if ln.startswith("[train]")]
+    m = re.match(r"\[train\] estimate: hidden states of ([\d,]+) tokens \(cache ([\d.]+) "
+                 r"(KiB|MiB|GiB), ~[\d.]+ (?:s|min) at [\d,]+ tokens/s unless already "
+                 r"cached\), 3 steps \(~[\d.]+ "
+                 r"(?:s|min)\); peak memory about [\d.]+ (?:KiB|MiB|GiB)", lines[0])
+    assert m, lines[:2]
+    est = float(m.group(2)) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[m.group(3)]
+    ckpt = tmp_path / "est.safetensors.ckpt"
+    real = sum(f.stat().st_size for f in ckpt.glob("hidden-*.safetensors"))
+    assert real > 0 and abs(est - real) <= 0.2 * real, (est, real)
+    meta = read_metadata(out)
+    assert json.loads(meta.to_json())["recipe"]["train_strengths"] == [1.0, 2.0, 4.0]
+    assert meta.rank == 16  # the default

@@ -179,3 +179,96 @@ def test_preset_errors(tmp_path):
         preset_data_config("detox", str(tmp_path / "missing"))
     with pytest.raises(DataError, match="jigsaw/jigsaw_balanced.csv"):
         preset_data_config("detox", str(tmp_path))
+
+
+# Parquet files and Hugging Face datasets (made here; read offline), and label rules that
+# compare numeric labels (civil_comments' toxicity scores).
+
+ROWS = [{"text": f"kind words {i}", "label": 0, "score": 0.02 * i} for i in range(4)] + \
+    [{"text": f"rude words {i}", "label": 1, "score": 0.6 + 0.1 * i} for i in range(3)] + \
+    [{"text": "borderline", "label": 2, "score": 0.3}]
+
+
+def _cfg(source, **kw):
+    base = dict(labelled=[str(source)], positive_labels=["0"], negative_labels=["1"],
+                ignore_labels=["2"], dev_fraction=0)
+    base.update(kw)
+    return DataConfig(**base)
+
+
+def _sides(ds):
+    return (sorted(e.text for e in ds.train if e.side > 0),
+            sorted(e.text for e in ds.train if e.side < 0))
+
+
+EXPECTED = ([f"kind words {i}" for i in range(4)], [f"rude words {i}" for i in range(3)])
+
+
+def test_parquet_csv_and_jsonl_give_the_same_examples(tmp_path):
+    import csv
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "c.parquet")
+    _jsonl(tmp_path / "c.jsonl", ROWS)
+    with open(tmp_path / "c.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["text", "label", "score"])
+        w.writeheader()
+        w.writerows(ROWS)
+    for name in ("c.parquet", "c.jsonl", "c.csv"):
+        ds = load_dataset(_cfg(tmp_path / name))
+        assert _sides(ds) == EXPECTED, name
+        assert ds.report.files[str(tmp_path / name)]["ignored_label_rows"] == 1
+    with pytest.raises(DataError, match=r"c\.parquet: no label column 'stars' \(columns: "
+                                        r"\['text', 'label', 'score'\]\); name it with "
+                                        r"--label-field"):
+        load_dataset(_cfg(tmp_path / "c.parquet", label_field="stars"))
+
+
+def test_a_saved_hugging_face_dataset_and_its_splits(tmp_path):
+    import datasets
+
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS),
+                               "validation": datasets.Dataset.from_list(ROWS[:1] + ROWS[4:5])})
+    dd.save_to_disk(tmp_path / "dd")
+    datasets.Dataset.from_list(ROWS).save_to_disk(tmp_path / "one")
+    ds = load_dataset(_cfg(tmp_path / "dd", dev_labelled=[str(tmp_path / "dd")]))
+    assert _sides(ds) == EXPECTED
+    assert sorted(e.text for e in ds.dev) == ["kind words 0", "rude words 0"]
+    assert set(ds.sha256) == {str(tmp_path / "dd")} and len(ds.sha256[str(tmp_path / "dd")]) == 64
+    assert _sides(load_dataset(_cfg(tmp_path / "one"))) == EXPECTED
+    with pytest.raises(DataError, match=r"dd: no split 'test'; splits: \['train', "
+                                        r"'validation'\] \(choose one with --split"):
+        load_dataset(_cfg(tmp_path / "dd", split="test"))
+
+
+def test_a_dataset_name_not_in_the_local_cache_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
+    with pytest.raises(DataError) as e:
+        load_dataset(_cfg("no_such_org/no_such_dataset"))
+    msg = str(e.value)
+    assert msg.startswith("no_such_org/no_such_dataset: ")
+    assert "offline" in msg and "save_to_disk" in msg
+    with pytest.raises(DataError, match=r"missing\.parquet: no such file"):
+        load_dataset(_cfg(tmp_path / "missing.parquet"))
+
+
+def test_numeric_label_rules_for_scores(tmp_path):
+    """civil_comments-style toxicity scores: clean below 0.1, toxic from 0.5, the rest
+    skipped; overlapping rules are refused naming the label."""
+    src = _jsonl(tmp_path / "s.jsonl", ROWS)
+    ds = load_dataset(_cfg(src, label_field="score", positive_labels=["<0.1"],
+                           negative_labels=[">=0.5"], ignore_labels=["*"]))
+    assert _sides(ds) == (EXPECTED[0][:4], EXPECTED[1])
+    assert ds.report.files[src]["ignored_label_rows"] == 1
+    with pytest.raises(DataError, match=r"unknown label '0\.3'"):
+        load_dataset(_cfg(src, label_field="score", positive_labels=["<0.1"],
+                          negative_labels=[">=0.5"], ignore_labels=[]))
+    with pytest.raises(DataError, match=r"label '0\.6' matches both --positive-labels and "
+                                        r"--negative-labels"):
+        load_dataset(_cfg(src, label_field="score", positive_labels=["<0.7"],
+                          negative_labels=[">=0.5"], ignore_labels=["*"]))
+    with pytest.raises(DataError, match=r"label rule '>=high': >= must be followed by a number"):
+        load_dataset(_cfg(src, label_field="score", negative_labels=[">=high"]))

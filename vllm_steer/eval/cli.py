@@ -95,9 +95,11 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
                    help="first N prompts (default: all)")
     r.add_argument("--samples", type=int, default=s.samples, help="samples per prompt")
     r.add_argument("--max-tokens", type=int, default=s.max_tokens, help="tokens per sample")
-    r.add_argument("--top-p", type=float, default=s.top_p)
-    r.add_argument("--temperature", type=float, default=s.temperature)
-    r.add_argument("--seed", type=int, default=s.seed)
+    r.add_argument("--top-p", type=float, default=s.top_p, help="nucleus sampling mass")
+    r.add_argument("--temperature", type=float, default=s.temperature,
+                   help="sampling temperature")
+    r.add_argument("--seed", type=int, default=s.seed,
+                   help="seed of the samples (the same draws in every condition)")
     o = p.add_argument_group("scoring and output")
     o.add_argument("--data", default=None,
                    help="data folder (default $VLLM_STEER_DATA or ../shared/data)")
@@ -119,9 +121,12 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
     o.add_argument("--quiet", action="store_true", help="no progress bars")
     v = p.add_argument_group("vLLM engine")
     v.add_argument("--dtype", default=e.dtype, help="model dtype in vLLM")
-    v.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs)
-    v.add_argument("--max-model-len", type=int, default=e.max_model_len)
-    v.add_argument("--kv-cache-gib", type=float, default=e.kv_cache_gib)
+    v.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs,
+                   help="sequences vLLM decodes together")
+    v.add_argument("--max-model-len", type=int, default=e.max_model_len,
+                   help="context window vLLM allocates for (prompt + continuation)")
+    v.add_argument("--kv-cache-gib", type=float, default=e.kv_cache_gib,
+                   help="KV-cache memory vLLM reserves, GiB")
     p.set_defaults(func=cmd_eval, eval_task=task)
 
 
@@ -170,14 +175,20 @@ def add_commands(subparsers) -> None:
     t.add_argument("--preset", choices=["detox", "sentiment"],
                    help="else: a training preset (detox = Jigsaw, sentiment = SST-5)")
     t.add_argument("--max-examples", type=int, default=1000, help="texts per side (--preset)")
-    t.add_argument("--model", default="smollm2")
-    t.add_argument("--data", default=None, help="data folder")
-    t.add_argument("--steps", type=int, default=None)
-    t.add_argument("--batch-size", type=int, default=None)
-    t.add_argument("--max-length", type=int, default=None)
-    t.add_argument("--lr", type=float, default=None)
-    t.add_argument("--seed", type=int, default=None)
-    t.add_argument("--quiet", action="store_true")
+    t.add_argument("--model", default="smollm2",
+                   help="model (HF folder or id, or smollm2; with --like: the steer's)")
+    t.add_argument("--data", default=None,
+                   help="data folder (default $VLLM_STEER_DATA or ../shared/data)")
+    t.add_argument("--steps", type=int, default=None,
+                   help="optimiser steps (default: the steer's with --like, else 200)")
+    t.add_argument("--batch-size", type=int, default=None,
+                   help="texts per step (default: the steer's with --like, else 32)")
+    t.add_argument("--max-length", type=int, default=None,
+                   help="tokens per text (default: the steer's with --like, else 64)")
+    t.add_argument("--lr", type=float, default=None,
+                   help="Adam learning rate of the logit offset (default 3e-2)")
+    t.add_argument("--seed", type=int, default=None, help="seed (default: the steer's with --like, else 0)")
+    t.add_argument("--quiet", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_train_baseline)
     ev.set_defaults(func=lambda args: (ev.print_help(), 2)[1])
     _tune_command(subparsers)
@@ -207,20 +218,29 @@ def _tune_command(subparsers) -> None:
                    help="largest relative perplexity increase over unsteered (0.15 = +15%%)")
     t.add_argument("--num-prompts", type=int, default=100, help="first N prompts")
     t.add_argument("--samples", type=int, default=4, help="samples per prompt")
-    t.add_argument("--max-tokens", type=int, default=s.max_tokens)
-    t.add_argument("--top-p", type=float, default=s.top_p)
-    t.add_argument("--temperature", type=float, default=s.temperature)
-    t.add_argument("--seed", type=int, default=s.seed)
-    t.add_argument("--model", default="smollm2")
+    t.add_argument("--max-tokens", type=int, default=s.max_tokens,
+                   help="tokens per continuation")
+    t.add_argument("--top-p", type=float, default=s.top_p, help="nucleus sampling mass")
+    t.add_argument("--temperature", type=float, default=s.temperature,
+                   help="sampling temperature")
+    t.add_argument("--seed", type=int, default=s.seed,
+                   help="seed of the samples (the same draws at every strength)")
+    t.add_argument("--model", default="smollm2",
+                   help="model to generate with: HF folder or id, or smollm2 (embedded)")
     t.add_argument("--data", default=None, help="data folder (the sst2 scorer trains from it)")
     t.add_argument("--out", default=None, help="evaluation folder (default "
                                                "eval_out/tune-TASK-NAME)")
-    t.add_argument("--toxicity-scorer", default="profanity-check")
-    t.add_argument("--sentiment-scorer", action="append", default=None, metavar="NAME")
+    t.add_argument("--toxicity-scorer", default="profanity-check",
+                   help="registered toxicity scorer, or module:Class")
+    t.add_argument("--sentiment-scorer", action="append", default=None, metavar="NAME",
+                   help="sentiment scorer(s), repeatable; the first is the headline "
+                        "(default: sst2 and vader)")
     t.add_argument("--dry-run", action="store_true",
                    help="measure and print, do not write the steer file")
-    t.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs)
-    t.add_argument("--kv-cache-gib", type=float, default=e.kv_cache_gib)
+    t.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs,
+                   help="sequences vLLM decodes together")
+    t.add_argument("--kv-cache-gib", type=float, default=e.kv_cache_gib,
+                   help="KV-cache memory vLLM reserves, GiB")
     t.add_argument("--quiet", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_tune)
 

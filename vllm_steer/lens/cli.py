@@ -330,7 +330,8 @@ def add_commands(subparsers) -> None:
                    "(default -5,0,5; +/-strength are always added)")
     s.add_argument("--dataset", choices=["sst2", "jigsaw"], help="evaluate on this data set")
     s.add_argument("--split", default="test", help="sst2 split: test or dev (default test)")
-    s.add_argument("--data-dir", help="data folder (default $VLLM_STEER_DATA or ../shared/data)")
+    s.add_argument("--data", "--data-dir", dest="data_dir", metavar="DIR",
+                   help="data folder (default $VLLM_STEER_DATA or ../shared/data)")
     s.add_argument("--limit", type=int, default=300,
                    help="balanced sample of this many rows (default 300; 0 = all)")
     s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
@@ -339,7 +340,7 @@ def add_commands(subparsers) -> None:
     s.add_argument("--keep-training-texts", action="store_true",
                    help="do not leave out the texts the steer was trained on (by default "
                    "they are rebuilt from its metadata and left out of --dataset samples)")
-    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--batch-size", type=int, default=8, help="texts per forward pass")
     s.add_argument("--json", help="write results as JSON here")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_score, max_tokens=128)

@@ -52,7 +52,7 @@ def read_dataset(name: str, data_dir: str | os.PathLike | None = None, split: st
     data_dir = Path(data_dir) if data_dir else default_data_dir()
     path = data_dir / DATASETS[name][0].format(split=split)
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: pass --data-dir or set VLLM_STEER_DATA "
+        raise FileNotFoundError(f"{path} not found: pass --data DIR or set VLLM_STEER_DATA "
                                 "to the folder holding sst2/ and jigsaw/")
     rows: list[tuple[str, str]] = []
     with open(path, newline="", encoding="utf-8") as f:

@@ -17,6 +17,36 @@ import sys
 from vllm_steer.train.config import DataConfig, TrainConfig
 
 
+class StrengthList(argparse.Action):
+    """A list of strengths written as vllm-steer writes them everywhere, comma-separated
+    (``--train-strengths 1,2,4``); the space-separated form (``1 2 4``) is read too."""
+
+    comma_list = True  # vllm_steer.cli.HelpFormatter shows it as "--flag M,M,..."
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from vllm_steer.eval.cli import parse_strengths
+
+        try:
+            out = parse_strengths(",".join(values if isinstance(values, list) else [values]))
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+        setattr(namespace, self.dest, out)
+
+
+def _rank_arg(text: str) -> int | None:
+    """``--rank``: a positive integer, or ``full`` (the hidden size)."""
+    if text.strip().lower() == "full":
+        return None
+    try:
+        r = int(text)
+    except ValueError:
+        r = 0
+    if r < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive integer (e.g. 16) or "
+                                         "'full' (the model's hidden size)")
+    return r
+
+
 def _dtype_arg(p, flag, default, help_):
     p.add_argument(flag, default=default, choices=["auto", "float32", "bfloat16", "float16"],
                    help=help_ + f" (default {default})")
@@ -34,53 +64,78 @@ def add_commands(subparsers) -> None:
     src.add_argument("--preset", choices=["detox", "sentiment"],
                      help="known data set: detox = Jigsaw (label 0 positive, 1 negative), "
                           "sentiment = SST-5 (3-4 positive, 0-1 negative)")
-    src.add_argument("--data", nargs="+", metavar="PATH",
+    src.add_argument("--data", nargs="+", metavar="SOURCE",
                      help="with --preset: the data folder (default $VLLM_STEER_DATA or "
-                          "../shared/data); without: labelled CSV/TSV/JSONL file(s)")
+                          "../shared/data); without: labelled data, each a JSONL/CSV/TSV/"
+                          "Parquet file or a Hugging Face dataset (a save_to_disk folder, or "
+                          "a name in the local cache, e.g. civil_comments; read offline)")
     src.add_argument("--positive", nargs="+", default=[], metavar="FILE",
                      help="files of positive texts (JSONL, CSV/TSV, or plain text one per line)")
     src.add_argument("--negative", nargs="+", default=[], metavar="FILE",
                      help="files of negative texts")
-    src.add_argument("--dev-positive", nargs="+", default=[], metavar="FILE")
-    src.add_argument("--dev-negative", nargs="+", default=[], metavar="FILE")
-    src.add_argument("--dev-data", nargs="+", default=[], metavar="FILE",
-                     help="labelled dev file(s) (same label rule as --data)")
-    src.add_argument("--format", default="auto", choices=["auto", "jsonl", "csv", "tsv", "txt"])
+    src.add_argument("--dev-positive", nargs="+", default=[], metavar="FILE",
+                     help="held-out positive texts for the dev loss (default: --dev-fraction "
+                          "of the training texts)")
+    src.add_argument("--dev-negative", nargs="+", default=[], metavar="FILE",
+                     help="held-out negative texts")
+    src.add_argument("--dev-data", nargs="+", default=[], metavar="SOURCE",
+                     help="labelled dev data (same forms and label rule as --data)")
+    src.add_argument("--format", default="auto",
+                     choices=["auto", "jsonl", "csv", "tsv", "parquet", "hf", "txt"],
+                     help="source format; auto goes by the extension (a folder or a name "
+                          "that is no file: a Hugging Face dataset)")
+    src.add_argument("--split", default=DataConfig.split,
+                     help="split of a Hugging Face dataset to train on")
+    src.add_argument("--dev-split", default=DataConfig.dev_split,
+                     help="split of the --dev-data Hugging Face dataset")
     src.add_argument("--text-field", help="JSONL key or CSV/TSV column (name or 0-based index) "
                                           "of the text (default: text, or column 0)")
     src.add_argument("--label-field", help="JSONL key or CSV/TSV column of the label "
                                            "(default: label, or column 1)")
     src.add_argument("--no-header", action="store_true", help="CSV/TSV files have no header row")
-    src.add_argument("--positive-labels", nargs="+", default=[], metavar="LABEL")
-    src.add_argument("--negative-labels", nargs="+", default=[], metavar="LABEL")
+    src.add_argument("--positive-labels", nargs="+", default=[], metavar="LABEL",
+                     help="label values whose texts are positive (+strength), e.g. 0 for "
+                          "clean comments or 4 5 for good reviews; a numeric label may be "
+                          "compared: '<0.1'")
+    src.add_argument("--negative-labels", nargs="+", default=[], metavar="LABEL",
+                     help="label values whose texts are negative (-strength)")
     src.add_argument("--ignore-labels", nargs="+", default=[], metavar="LABEL",
-                     help="labels skipped on purpose (others not listed are an error)")
+                     help="labels skipped on purpose (others not listed are an error); '*' "
+                          "skips every row that is neither positive nor negative")
     src.add_argument("--max-examples", type=int, metavar="N",
                      help="training texts per side (seeded random subset; default all)")
-    src.add_argument("--dev-fraction", type=float, default=DataConfig.dev_fraction)
+    src.add_argument("--dev-fraction", type=float, default=DataConfig.dev_fraction,
+                     help="share of each side held out for the dev loss when no dev files "
+                          "are given")
     src.add_argument("--dev-max", type=int, default=DataConfig.dev_max_per_side,
                      help="dev texts per side at most")
 
     rec = t.add_argument_group("recipe")
     rec.add_argument("--model", default=d.model,
                      help="HF folder or id, or smollm2 (the embedded model)")
-    rec.add_argument("--steps", type=int, default=d.steps)
-    rec.add_argument("--batch-size", type=int, default=d.batch_size)
-    rec.add_argument("--rank", type=int, default=None,
-                     help="rank of the steer (default: full = hidden size)")
+    rec.add_argument("--steps", type=int, default=d.steps,
+                     help="optimiser steps (one batch each; the paper's 1000)")
+    rec.add_argument("--batch-size", type=int, default=d.batch_size, help="texts per step")
+    rec.add_argument("--rank", type=_rank_arg, default=d.rank, metavar="R",
+                     help="rank of the steer; 'full' = the model's hidden size (the paper's)")
     rec.add_argument("--domain-rank", type=int, default=None,
                      help="rank of the domain steer (default = --rank; 0 = none)")
-    rec.add_argument("--lr", type=float, default=d.lr)
-    rec.add_argument("--epsilon", type=float, default=d.epsilon)
-    rec.add_argument("--init-std", type=float, default=d.init_std)
+    rec.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate")
+    rec.add_argument("--epsilon", type=float, default=d.epsilon,
+                     help="unit of strength eps0 (strength s applies s * eps0 * W)")
+    rec.add_argument("--init-std", type=float, default=d.init_std,
+                     help="standard deviation of the initial factors")
     rec.add_argument("--domain-dropout", type=float, default=d.domain_dropout,
                      help="probability that a text is trained without the domain steer, so "
                           "that the steer also works alone as served (0 = the paper's recipe)")
-    rec.add_argument("--regularization", type=float, default=d.regularization)
+    rec.add_argument("--regularization", type=float, default=d.regularization,
+                     help="L2 penalty on the factors (0 = off, the paper's default)")
     rec.add_argument("--max-length", type=int, default=d.max_length,
                      help="tokens per text; longer texts are truncated (counted, reported)")
-    rec.add_argument("--seed", type=int, default=d.seed)
-    rec.add_argument("--device", default=d.device)
+    rec.add_argument("--seed", type=int, default=d.seed,
+                     help="seed of the initial factors, the dev split and the batch order")
+    rec.add_argument("--device", default=d.device,
+                     help="auto (CUDA if available, else CPU), cpu, cuda, cuda:1, ...")
     _dtype_arg(rec, "--model-dtype", d.model_dtype, "dtype of the frozen model's one pass")
     _dtype_arg(rec, "--cache-dtype", d.cache_dtype, "dtype of the stored hidden states")
     _dtype_arg(rec, "--head-dtype", d.head_dtype, "dtype of the head matmuls in each step")
@@ -88,13 +143,17 @@ def add_commands(subparsers) -> None:
                      help="sample N target tokens of each batch (default: all); the head "
                           "matmul over the vocabulary dominates a step, so N below the "
                           "batch's tokens makes steps proportionally cheaper")
-    rec.add_argument("--train-strengths", type=float, nargs="+", default=list(d.train_strengths),
-                     metavar="M", help="strength magnitudes each training text is drawn at "
-                     "(units of --epsilon; default 1, the paper's); e.g. 1 2 4")
-    rec.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens)
-    rec.add_argument("--eval-every", type=int, default=d.eval_every)
-    rec.add_argument("--check-strengths", type=float, nargs="+", default=list(d.check_strengths),
-                     help="strengths of the final dev check (+-s versus 0)")
+    rec.add_argument("--train-strengths", nargs="+", action=StrengthList,
+                     default=list(d.train_strengths), metavar="M,M,...",
+                     help="strength magnitudes each training text is drawn at (units of "
+                          "--epsilon; default 1, the paper's), comma-separated, e.g. 1,2,4")
+    rec.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens,
+                     help="tokens per output-head chunk (bounds memory; same gradient)")
+    rec.add_argument("--eval-every", type=int, default=d.eval_every,
+                     help="steps between dev-loss evaluations (0 = only at the end)")
+    rec.add_argument("--check-strengths", nargs="+", action=StrengthList,
+                     default=list(d.check_strengths), metavar="S,S,...",
+                     help="strengths of the final dev check (+-s versus 0), comma-separated")
     rec.add_argument("--fluency-budget", type=float, default=d.fluency_budget,
                      help="nats/token the steered-towards dev texts may lose at the "
                           "recommended strength (the largest check strength within it)")
@@ -109,7 +168,8 @@ def add_commands(subparsers) -> None:
                      help="recorded in the metadata (default: measured, see "
                           "--fluency-budget; 5, the paper's, when there is no dev set)")
     out.add_argument("--checkpoint-dir", help="default: OUT.ckpt")
-    out.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    out.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                     help="steps between checkpoints (0 = none)")
     out.add_argument("--resume", action="store_true",
                      help="continue from the checkpoint (same data and recipe; --steps may grow)")
     out.add_argument("--keep-checkpoint", action="store_true",
@@ -122,8 +182,8 @@ def add_commands(subparsers) -> None:
         description="Convert a checkpoint of github.com/Glaciohound/LM-Steer "
                     "(torch.save([args, {projector1, projector2}, step])) to a steer file.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    c.add_argument("checkpoint")
-    c.add_argument("--out", required=True)
+    c.add_argument("checkpoint", help="checkpoint of the paper's train.py (.pt)")
+    c.add_argument("--out", required=True, help="steer file to write (.safetensors)")
     c.add_argument("--unsafe-allow-pickle", action="store_true",
                    help="allow reading the pickle with torch's restricted loader "
                         "(weights_only=True; enough for the paper's checkpoints)")
@@ -139,7 +199,8 @@ def add_commands(subparsers) -> None:
     c.add_argument("--domain", choices=["with_steer", "none"], default="with_steer",
                    help="serve the dummy steer at strength 1 along with the steer (the paper's "
                         "--steer_values S 1), or keep it for reference only")
-    c.add_argument("--name")
+    c.add_argument("--name", help="steer name (default: the file name, made to follow the "
+                                  "steer-name rule)")
     c.add_argument("--base-model", help="default: args.model_name")
     c.add_argument("--epsilon", type=float, help="default: args.epsilon, else 1e-3")
     c.set_defaults(func=cmd_convert)
@@ -163,7 +224,8 @@ def _data_config(args) -> DataConfig:
                       dev_positive=args.dev_positive, dev_negative=args.dev_negative,
                       dev_labelled=args.dev_data, format=args.format,
                       text_field=args.text_field, label_field=args.label_field,
-                      header=not args.no_header, positive_labels=args.positive_labels,
+                      header=not args.no_header, split=args.split, dev_split=args.dev_split,
+                      positive_labels=args.positive_labels,
                       negative_labels=args.negative_labels, ignore_labels=args.ignore_labels,
                       **common)
 

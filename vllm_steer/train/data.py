@@ -1,5 +1,7 @@
-"""Training texts: reading JSONL / CSV / TSV / plain-text files, mapping labels to sides,
-the presets (``detox``, ``sentiment``), the dev split and the files' sha256. Light: no torch.
+"""Training texts: reading JSONL / CSV / TSV / Parquet / plain-text files and Hugging Face
+``datasets`` (a name in the local cache or a ``save_to_disk`` folder, read offline), mapping
+labels to sides, the presets (``detox``, ``sentiment``), the dev split and the sources'
+sha256. Light: no torch.
 
 A *side* is +1 (positive: what a positive strength moves towards) or -1 (negative).
 Every problem is a :class:`DataError` naming the file (and line) and what to do.
@@ -100,14 +102,102 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
+FILE_EXTENSIONS = ((".jsonl", "jsonl"), (".json", "jsonl"), (".csv", "csv"), (".tsv", "tsv"),
+                   (".parquet", "parquet"), (".txt", "txt"))
+
+
 def detect_format(path: str, fmt: str = "auto") -> str:
+    """The format of a source: by extension; a folder or a name that is no file is a
+    Hugging Face dataset (``hf``); anything else plain text."""
     if fmt != "auto":
         return fmt
     low = path.lower()
-    for ext, name in ((".jsonl", "jsonl"), (".json", "jsonl"), (".csv", "csv"), (".tsv", "tsv")):
+    for ext, name in FILE_EXTENSIONS:
         if low.endswith(ext):
             return name
+    if os.path.isdir(path) or not os.path.exists(path):
+        return "hf"
     return "txt"
+
+
+def source_sha256(path: str) -> str:
+    """sha256 of a file; of a folder, over its files' names and contents; of a dataset in the
+    Hugging Face cache, ``fingerprint:`` and the cache's fingerprint of the split read."""
+    if os.path.isfile(path):
+        return file_sha256(path)
+    if os.path.isdir(path):
+        h = hashlib.sha256()
+        for root, dirs, files in sorted(os.walk(path)):
+            dirs.sort()
+            for f in sorted(files):
+                full = os.path.join(root, f)
+                h.update(os.path.relpath(full, path).encode() + b"\0")
+                h.update(file_sha256(full).encode())
+        return h.hexdigest()
+    return "fingerprint:" + str(_HF_FINGERPRINTS.get(path, "unknown"))
+
+
+_HF_FINGERPRINTS: dict[str, str] = {}
+
+
+def load_hf(source: str, split: str | None):
+    """A Hugging Face dataset, offline: a ``save_to_disk`` folder, or a name (or a local
+    dataset folder) already in the Hugging Face cache. A ``DatasetDict`` gives ``split``."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{source}: reading a Hugging Face dataset needs the `datasets` "
+                        "package (pip install datasets, or vllm-steer[train]); or give a "
+                        "JSONL/CSV/Parquet file") from None
+    datasets.config.HF_DATASETS_OFFLINE = True
+    saved = os.path.isdir(source) and any(
+        os.path.exists(os.path.join(source, f))
+        for f in ("dataset_dict.json", "state.json", "dataset_info.json"))
+    try:
+        ds = datasets.load_from_disk(source) if saved else datasets.load_dataset(source)
+    except FileNotFoundError as e:
+        raise DataError(f"{source}: no such file, and no Hugging Face dataset of that name in "
+                        "the local cache (datasets are read offline). On a machine with "
+                        "network access save it once, e.g. python -c \"import datasets; "
+                        f"datasets.load_dataset('{source}').save_to_disk('{os.path.basename(source)}')\""
+                        ", and pass that folder to --data") from None
+    except Exception as e:  # datasets raises many kinds for a missing or offline dataset
+        raise DataError(f"{source}: cannot read it as a Hugging Face dataset offline "
+                        f"({type(e).__name__}: {str(e)[:300]}). Give a JSONL/CSV/Parquet file "
+                        "or a folder written by Dataset.save_to_disk") from None
+    if isinstance(ds, (datasets.DatasetDict, dict)):
+        if split not in ds:
+            raise DataError(f"{source}: no split {split!r}; splits: {sorted(ds)} (choose one "
+                            "with --split / --dev-split)")
+        ds = ds[split]
+    _HF_FINGERPRINTS[source] = getattr(ds, "_fingerprint", "unknown")
+    return ds
+
+
+def _columns_named(path: str, columns: list[str], text_field: str | None,
+                   label_field: str | None, need_label: bool) -> tuple[str, str | None]:
+    """The text and label column of a table with named columns (Parquet, datasets)."""
+    def pick(spec, default, what):
+        name = spec if spec is not None else default
+        if name in columns:
+            return name
+        if spec is not None and str(spec).isdigit() and int(spec) < len(columns):
+            return columns[int(spec)]
+        raise DataError(f"{path}: no {what} column {name!r} (columns: {columns}); name it "
+                        f"with --{what}-field")
+    tcol = pick(text_field, "text", "text")
+    lcol = pick(label_field, "label", "label") if need_label else None
+    return tcol, lcol
+
+
+def _iter_table(path: str, texts, labels) -> Iterator[tuple[int, str, str | None]]:
+    for n, text in enumerate(texts, 1):
+        if text is not None and not isinstance(text, str):
+            raise DataError(f"{path}: row {n}: the text is {type(text).__name__}, expected a "
+                            "string; name the text column with --text-field")
+        yield n, text or "", (None if labels is None else _label_str(labels[n - 1]))
 
 
 def _label_str(v: Any) -> str:
@@ -128,10 +218,33 @@ def _check_file(path: str) -> None:
 
 
 def iter_records(path: str, fmt: str, text_field: str | None, label_field: str | None,
-                 header: bool, need_label: bool) -> Iterator[tuple[int, str, str | None]]:
-    """Yield ``(line_or_row_number, text, label_or_None)`` from one file."""
-    _check_file(path)
+                 header: bool, need_label: bool, split: str | None = None
+                 ) -> Iterator[tuple[int, str, str | None]]:
+    """Yield ``(line_or_row_number, text, label_or_None)`` from one source."""
     fmt = detect_format(path, fmt)
+    if fmt in ("parquet", "hf"):
+        if fmt == "parquet":
+            _check_file(path)
+            try:
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise DataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow, "
+                                "or vllm-steer[train])") from None
+            table = pq.read_table(path)
+            tcol, lcol = _columns_named(path, table.column_names, text_field, label_field,
+                                        need_label)
+            texts = table.column(tcol).to_pylist()
+            labels = table.column(lcol).to_pylist() if lcol else None
+        else:
+            ds = load_hf(path, split)
+            tcol, lcol = _columns_named(path, list(ds.column_names), text_field, label_field,
+                                        need_label)
+            texts, labels = ds[tcol], (ds[lcol] if lcol else None)
+        if not texts:
+            raise DataError(f"{path}: no rows")
+        yield from _iter_table(path, texts, labels)
+        return
+    _check_file(path)
     if fmt == "txt":
         if need_label:
             raise DataError(f"{path}: a plain-text file has no labels; give it with --positive "
@@ -170,7 +283,8 @@ def iter_records(path: str, fmt: str, text_field: str | None, label_field: str |
                 yield i, text, label
         return
     if fmt not in ("csv", "tsv"):
-        raise DataError(f"{path}: unknown format {fmt!r}; choose jsonl, csv, tsv or txt")
+        raise DataError(f"{path}: unknown format {fmt!r}; choose jsonl, csv, tsv, parquet, "
+                        "hf (a Hugging Face dataset) or txt")
     delim = "," if fmt == "csv" else "\t"
     quoting = csv.QUOTE_MINIMAL if fmt == "csv" else csv.QUOTE_NONE
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
@@ -230,12 +344,13 @@ def read_examples(cfg: DataConfig, dev: bool = False, report: LoadReport | None 
     report = report if report is not None else LoadReport()
     pos, neg, lab = ((cfg.dev_positive, cfg.dev_negative, cfg.dev_labelled) if dev
                      else (cfg.positive, cfg.negative, cfg.labelled))
+    split = cfg.dev_split if dev else cfg.split
     out: list[Example] = []
     for files, side in ((pos, POSITIVE), (neg, NEGATIVE)):
         for path in files:
             n0 = len(out)
             for i, text, _ in iter_records(path, cfg.format, cfg.text_field, None, cfg.header,
-                                           need_label=False):
+                                           need_label=False, split=split):
                 if not text.strip():
                     report.add(path, "empty_texts_skipped")
                     continue
@@ -250,18 +365,17 @@ def read_examples(cfg: DataConfig, dev: bool = False, report: LoadReport | None 
         overlap = set(cfg.positive_labels) & set(cfg.negative_labels)
         if overlap:
             raise DataError(f"labels {sorted(overlap)} are both positive and negative")
-        rule = {**{x: None for x in cfg.ignore_labels},
-                **{x: POSITIVE for x in cfg.positive_labels},
-                **{x: NEGATIVE for x in cfg.negative_labels}}
+        rule = LabelRule(cfg.positive_labels, cfg.negative_labels, cfg.ignore_labels)
         for path in lab:
             for i, text, label in iter_records(path, cfg.format, cfg.text_field,
-                                               cfg.label_field, cfg.header, need_label=True):
-                if label not in rule:
+                                               cfg.label_field, cfg.header, need_label=True,
+                                               split=split):
+                side = rule.side(label, f"{path}:{i}")
+                if side is _UNKNOWN:
                     raise DataError(
                         f"{path}:{i}: unknown label {label!r}; known: positive "
                         f"{cfg.positive_labels}, negative {cfg.negative_labels}, ignored "
                         f"{cfg.ignore_labels} (add it to --ignore-labels to skip such rows)")
-                side = rule[label]
                 if side is None:
                     report.add(path, "ignored_label_rows")
                     continue
@@ -271,6 +385,56 @@ def read_examples(cfg: DataConfig, dev: bool = False, report: LoadReport | None 
                 out.append(Example(text, side, f"{path}:{i}"))
                 report.add(path, SIDE_NAMES[side])
     return out
+
+
+_UNKNOWN = object()
+_COMPARE = {"<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b,
+            "<": lambda a, b: a < b, ">": lambda a, b: a > b}
+
+
+class LabelRule:
+    """Which side a label is on. A label spec is a value (``1``, ``toxic``), a comparison
+    of a numeric label (``<0.1``, ``>=0.5``: scores such as civil_comments' ``toxicity``) or
+    ``*`` (any label; for --ignore-labels: skip every row not positive or negative)."""
+
+    def __init__(self, positive, negative, ignore):
+        self.rules = []
+        for specs, side in ((positive, POSITIVE), (negative, NEGATIVE), (ignore, None)):
+            for spec in specs:
+                self.rules.append((self._parse(str(spec).strip()), side, spec))
+
+    @staticmethod
+    def _parse(spec: str):
+        if spec == "*":
+            return lambda v: True
+        for op in ("<=", ">=", "<", ">"):
+            if spec.startswith(op):
+                try:
+                    bound = float(spec[len(op):])
+                except ValueError:
+                    raise DataError(f"label rule {spec!r}: {op} must be followed by a number "
+                                    f"(e.g. {op}0.5)") from None
+                cmp = _COMPARE[op]
+
+                def match(v, cmp=cmp, bound=bound):
+                    try:
+                        return cmp(float(v), bound)
+                    except (TypeError, ValueError):
+                        return False
+                return match
+        return lambda v, spec=spec: v == spec
+
+    def side(self, label, where: str):
+        """POSITIVE, NEGATIVE, None (ignored) or _UNKNOWN."""
+        hits = {side for match, side, _ in self.rules if side is not None and match(label)}
+        if len(hits) > 1:
+            raise DataError(f"{where}: label {label!r} matches both --positive-labels and "
+                            "--negative-labels; make the rules disjoint")
+        if hits:
+            return hits.pop()
+        if any(match(label) for match, side, _ in self.rules if side is None):
+            return None
+        return _UNKNOWN
 
 
 @dataclass
@@ -337,4 +501,4 @@ def load_dataset(cfg: DataConfig, seed: int = 0) -> Dataset:
         dev += d
     files = list(dict.fromkeys(cfg.positive + cfg.negative + cfg.labelled + cfg.dev_positive
                                + cfg.dev_negative + cfg.dev_labelled))
-    return Dataset(train, dev, {p: file_sha256(p) for p in files}, report)
+    return Dataset(train, dev, {p: source_sha256(p) for p in files}, report)

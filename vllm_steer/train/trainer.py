@@ -322,6 +322,77 @@ def _load_checkpoint(path: str, recipe: dict, data_desc: dict) -> dict:
     return state
 
 
+def _gib(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n / 1024:.3g} KiB"
+
+
+def _minutes(sec: float) -> str:
+    return f"{sec:.0f} s" if sec < 90 else f"{sec / 60:.1f} min"
+
+
+def estimate_run(prep: Prepared, lm: LMSteer, used, start: int = 0) -> dict[str, float]:
+    """What a run will cost, before it starts: the hidden-state cache (tokens x hidden size
+    in the cache dtype, train texts the steps draw plus the dev texts), peak memory (model,
+    cache, one head chunk's logits and their gradient) and time, from a probe of this device's
+    matmul rate at the head's shape (a rough guide: the first real steps may differ by 2x)."""
+    d, vocab = lm.hidden_size, lm.head.vocab_size
+    cfg = prep.cfg
+    n_train = sum(len(prep.train_ids[i]) for i in used)
+    n_dev = sum(len(x) for x in prep.dev_ids)
+    tokens = n_train + n_dev
+    elem = torch.tensor([], dtype=prep.cache_dtype).element_size()
+    cache = tokens * (d * elem + 8)  # states + (target, side) per token
+    params = sum(p.numel() for p in prep.model.parameters())
+    model_bytes = params * torch.tensor([], dtype=prep.model_dtype).element_size()
+    per_text = n_train / max(1, len(used))
+    step_tokens = min(cfg.step_tokens or 1 << 30, max(1, int(per_text * cfg.batch_size)))
+    chunk = min(cfg.chunk_tokens, step_tokens)
+    peak = model_bytes + cache + 3 * chunk * vocab * 4 + 8 * d * (lm.rank + lm.domain_rank) * 4
+    sync = (lambda: torch.cuda.synchronize(prep.device)) if prep.device.type == "cuda" \
+        else (lambda: None)
+    # the hidden-state pass: the model on a few of the run's own texts (second call timed)
+    from vllm_steer.train.hidden import final_hidden
+
+    sample = [prep.train_ids[i] for i in list(used)[:32]] or [[0, 1]]
+    width = max(len(x) for x in sample)
+    ids = torch.zeros(len(sample), width, dtype=torch.long, device=prep.device)
+    att = torch.zeros_like(ids)
+    for k, x in enumerate(sample):
+        ids[k, :len(x)] = torch.tensor(x)
+        att[k, :len(x)] = 1
+    for _ in range(2):
+        sync()
+        t = time.perf_counter()
+        final_hidden(prep.model, ids, att)
+        sync()
+    tok_per_s = int(att.sum()) / max(time.perf_counter() - t, 1e-9)
+    # a step: the head GEMM at the step's tokens, forward and backward (~2 of them)
+    x = torch.randn(step_tokens, d, device=prep.device).to(prep.head_dtype)
+    w = lm.head.w(prep.head_dtype)
+    torch.nn.functional.linear(x, w)  # warm-up
+    reps, t = 0, time.perf_counter()
+    while reps < 2 or (time.perf_counter() - t < 0.2 and reps < 20):
+        torch.nn.functional.linear(x, w)
+        reps += 1
+    sync()
+    gemm_s = (time.perf_counter() - t) / reps
+    evals = (cfg.steps // cfg.eval_every + 1) if cfg.eval_every else 1
+    eval_s = evals * 2 * gemm_s * n_dev / step_tokens
+    return {"tokens": tokens, "cache_bytes": cache, "peak_bytes": peak,
+            "hidden_s": tokens / tok_per_s, "tokens_per_s": tok_per_s,
+            "steps": cfg.steps - start, "train_s": (cfg.steps - start) * 2 * gemm_s + eval_s}
+
+
+def describe_estimate(e: dict[str, float]) -> str:
+    return (f"hidden states of {e['tokens']:,} tokens (cache {_gib(e['cache_bytes'])}, "
+            f"~{_minutes(e['hidden_s'])} at {e['tokens_per_s']:,.0f} tokens/s unless already "
+            f"cached), {e['steps']} steps (~{_minutes(e['train_s'])}); peak memory about "
+            f"{_gib(e['peak_bytes'])} (rough: timed on a few texts and one head product)")
+
+
 @dataclass
 class TrainResult:
     steer: Steer
@@ -379,6 +450,7 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
 
     sched = BatchSchedule(len(prep.train_ids), cfg.batch_size, cfg.seed)
     used = used_texts(sched, cfg.steps)
+    log("[train] estimate: " + describe_estimate(estimate_run(prep, lm, used, start)))
     t_h = time.perf_counter()
     train_hs = hidden_states(prep, "train", checkpoint_dir, progress, log, needed=used)
     pos = local_index(train_hs, len(prep.train_ids))

@@ -57,4 +57,34 @@ def _vllm(*args, timeout=240):
 def test_vllm_serve_help_shows_the_steer_flags():
     out = _vllm("serve", "--help=vllm-steer")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "--steer NAME=PATH" in out.stdout and "--steer-max-strength" in out.stdout
+    assert "--steer NAME=PATH [NAME=PATH ...]" in out.stdout
+    assert "--steer-preset NAME=STEER:X[,STEER:X...] [NAME=STEER:X[,STEER:X...] ...]" in out.stdout
+    assert "--steer-max-strength" in out.stdout
+
+
+def test_several_steers_and_presets_after_one_flag_equal_the_repeated_form(registered,
+                                                                           tmp_path):
+    """`--steer a=A b=B` (like vLLM's --lora-modules) and `--steer a=A --steer b=B` build the
+    same configuration, presets too; a later repeated flag adds to a one-flag list."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    paths = {}
+    for name in ("detox", "sentiment", "formal"):
+        paths[name] = tmp_path / f"{name}.safetensors"
+        save_steer(paths[name], random_steer(64, 4, name))
+    steers = [f"{n}={p}" for n, p in paths.items()]
+    presets = ["polite=detox:4", "kind=detox:4,sentiment:2"]
+    one = ["m", "--steer", *steers, "--steer-preset", *presets]
+    repeated = ["m"] + [x for s in steers for x in ("--steer", s)] + \
+        [x for p in presets for x in ("--steer-preset", p)]
+    mixed = ["m", "--steer", *steers[:2], "--steer", steers[2], "--steer-preset", presets[0],
+             "--steer-preset", presets[1]]
+    configs = []
+    for argv in (one, repeated, mixed):
+        args = _serve_parser().parse_args(argv)
+        assert args.model_tag == "m"  # the model is not taken as a steer
+        configs.append(AsyncEngineArgs.from_cli_args(args).additional_config["vllm_steer"])
+    assert configs[0] == configs[1] == configs[2]
+    assert configs[0]["steers"] == {n: str(p) for n, p in paths.items()}
+    assert configs[0]["presets"] == {"polite": {"detox": 4.0},
+                                     "kind": {"detox": 4.0, "sentiment": 2.0}}

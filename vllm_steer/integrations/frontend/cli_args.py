@@ -23,9 +23,11 @@ from vllm_steer.logs import get_logger
 logger = get_logger()
 
 STEER_HELP = (
-    "Load a steer (LM-Steer, safetensors) that requests can apply with "
-    '`"steer": {"NAME": strength}`. Repeatable. `--steer PATH` takes the name from the file. '
-    "Strengths are in units of the steer's epsilon (the paper's 5*eps0 is 5)."
+    "Load steers (LM-Steer, safetensors) that requests can apply with "
+    '`"steer": {"NAME": strength}`. Several may follow one flag: `--steer '
+    'detox=detox.safetensors sentiment=sent.safetensors` (repeating the flag works too; put '
+    "MODEL before it). `PATH` alone takes the name from the file. Strengths are in units of "
+    "the steer's epsilon (the paper's 5*eps0 is 5)."
 )
 
 
@@ -38,8 +40,8 @@ def add_steer_args(parser) -> None:
         description="Per-request LM-Steer steering (vllm-steer plugin). Requests send "
                     '`"steer": {"detox": 5}` (OpenAI extra_body), or '
                     '`vllm_xargs={"steer": "detox:5,sentiment:-3"}`.')
-    group.add_argument("--steer", action="append", default=None, metavar="NAME=PATH",
-                       help=STEER_HELP)
+    group.add_argument("--steer", nargs="+", action="extend", default=None,
+                       metavar="NAME=PATH", help=STEER_HELP)
     group.add_argument("--steer-max-strength", type=float, default=DEFAULT_MAX_STRENGTH,
                        help="Largest |strength| a request may use.")
     group.add_argument("--steer-backend", default="auto",
@@ -55,7 +57,9 @@ def add_steer_args(parser) -> None:
                             "DIR/NAME.safetensors on first use.")
     group.add_argument("--enable-steer-updates", action="store_true", default=False,
                        help="Allow POST /v1/steers and DELETE /v1/steers/NAME (load and "
-                            "unload steers at run time).")
+                            "unload steers at run time) and POST /v1/steer-presets and "
+                            "DELETE /v1/steer-presets/NAME (add and delete presets). Off "
+                            "by default: only for servers whose clients you trust.")
     group.add_argument("--no-steer-drafter", dest="steer_drafter", action="store_false",
                        default=True,
                        help="Speculative decoding: do not steer the draft model's proposals "
@@ -64,12 +68,13 @@ def add_steer_args(parser) -> None:
     group.add_argument("--steer-updates-any-path", action="store_true", default=False,
                        help="With --enable-steer-updates: POST /v1/steers may load files "
                             "outside --steer-dir.")
-    group.add_argument("--steer-preset", action="append", default=None,
+    group.add_argument("--steer-preset", nargs="+", action="extend", default=None,
                        metavar="NAME=STEER:X[,STEER:X...]",
                        help="Serve a steer mix as a model name: listed in /v1/models, and a "
                             'request with "model": NAME gets the mix (a steer field on the '
                             "request replaces the preset's value of each steer it names). "
-                            "Repeatable.")
+                            "Several may follow one flag: `--steer-preset polite=detox:4 "
+                            "kind=detox:4,sentiment:2` (repeating the flag works too).")
     group.add_argument("--steer-default", action="append", default=None,
                        metavar="STEER=X",
                        help="Strength applied to every request that names neither the steer "

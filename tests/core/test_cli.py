@@ -1,0 +1,72 @@
+"""``vllm-steer``'s command line as a user meets it: the top-level help, the ``serve`` hint,
+and every flag of every sub-command documented with its default once."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from vllm_steer.cli import HelpFormatter, build_parser, main, walk_parsers
+
+
+def _help_problems(parser: argparse.ArgumentParser) -> list[str]:
+    problems = []
+    for q in walk_parsers(parser):
+        fmt = q._get_formatter()
+        for a in q._actions:
+            if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            name = "/".join(a.option_strings) or a.dest
+            if not a.help or a.help == argparse.SUPPRESS:
+                problems.append(f"{q.prog} {name}: no help text")
+                continue
+            text = fmt._expand_help(a)
+            n = len(re.findall(r"\bdefault\b", text, re.I))
+            meaningful = a.option_strings and a.default not in (None, False, [],
+                                                                argparse.SUPPRESS)
+            if n > 1 or (meaningful and n == 0):
+                problems.append(f"{q.prog} {name}: the default is shown {n} times: {text!r}")
+    return problems
+
+
+def test_every_flag_of_every_command_has_help_with_its_default_once():
+    problems = _help_problems(build_parser())
+    assert not problems, "\n".join(problems)
+
+
+def test_help_check_catches_missing_help_and_a_default_shown_twice():
+    p = argparse.ArgumentParser(prog="x", formatter_class=HelpFormatter)
+    p.add_argument("--steps", type=int, default=3, help="optimiser steps")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    assert _help_problems(p) == []
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--rank", type=int, default=16, help="rank (default 16)")
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    got = _help_problems(p)
+    assert got[0] == "x --lr: no help text" and got[1].startswith(
+        "x --rank: the default is shown 2 times"), got
+
+
+def test_the_help_shows_each_default_and_points_to_vllm_serve(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "vllm serve MODEL --steer NAME=PATH" in out
+    for cmd in ("train", "tune", "info", "steers", "presets"):
+        assert re.search(rf"^\s+{cmd}\s", out, re.M), cmd
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert re.search(r"--rank R\s+rank of the steer.*\(default: 16\)", out, re.S)
+    assert re.search(r"--steps STEPS\s+.*\(default: 1000\)", out, re.S)
+
+
+def test_serve_is_answered_with_the_vllm_serve_command(capsys):
+    assert main(["serve", "my-model", "--steer", "detox=d.safetensors"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice" not in err
+    assert "vllm serve MODEL --steer NAME=PATH" in err
+    assert "vllm serve my-model --steer detox=d.safetensors" in err
