@@ -20,28 +20,9 @@ import json
 import re
 import shlex
 
+from vllm_steer.strengths import parse_strengths  # noqa: F401  (re-exported)
+
 _NEG_LIST = re.compile(r"^-[\d.]+(\s*,\s*-?[\d.]+)*$")
-
-
-def parse_strengths(text: str) -> list[float]:
-    """``"-10,-5,0,5,10"`` -> ``[-10.0, -5.0, 0.0, 5.0, 10.0]`` (duplicates dropped)."""
-    out: list[float] = []
-    for part in (p.strip() for p in str(text).split(",")):
-        if not part:
-            continue
-        try:
-            v = float(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"strength {part!r} in {text!r} is not a number; write e.g. -10,-5,0,5,10"
-            ) from None
-        if v != v or v in (float("inf"), float("-inf")):
-            raise argparse.ArgumentTypeError(f"strength {part!r} must be finite")
-        if v not in out:
-            out.append(v)
-    if not out:
-        raise argparse.ArgumentTypeError(f"no strengths in {text!r}")
-    return out
 
 
 def _parser(sub, name: str, **kw) -> argparse.ArgumentParser:

@@ -24,7 +24,7 @@ class StrengthList(argparse.Action):
     comma_list = True  # vllm_steer.cli.HelpFormatter shows it as "--flag M,M,..."
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from vllm_steer.eval.cli import parse_strengths
+        from vllm_steer.strengths import parse_strengths
 
         try:
             out = parse_strengths(",".join(values if isinstance(values, list) else [values]))
