@@ -215,3 +215,37 @@ def bound_extra(names, steer) -> dict:
     bound = [BoundSteer(n, names.index(n), names.index(n) + 1, request.named[n])
              for n in request.strengths if n in names]
     return {"steer": steer, BOUND_KEY: BoundSteer.to_wire(bound)}
+
+
+_STOCK_VLLM = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    model, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    llm = LLM(model, **json.loads(sys.argv[4]))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, logprobs=0))
+    print("RESULT" + json.dumps([[list(o.outputs[0].token_ids),
+                                  [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                  o.outputs[0].token_ids)]]
+                                 for o in outs]))
+"""
+
+
+def stock_vllm(model_dir, prompts: list, max_tokens: int, engine_kw: dict, workdir: Path
+               ) -> list:
+    """Greedy ``[tokens, logprobs]`` per prompt from stock vLLM with no plugin loaded
+    (``VLLM_PLUGINS=none``, a subprocess), the same engine settings: what unsteered requests
+    must reproduce."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(workdir) / "stock_vllm.py"
+    script.write_text(_STOCK_VLLM)
+    env = dict(os.environ, VLLM_PLUGINS="none")
+    out = subprocess.run([sys.executable, str(script), str(model_dir), json.dumps(prompts),
+                          str(max_tokens), json.dumps(engine_kw)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, out.stderr[-3000:]
+    return json.loads(line[0][len("RESULT"):])

@@ -202,7 +202,6 @@ def test_request_model_validation(steer, xargs):
     import pydantic
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    from vllm_steer.integrations.frontend import admission as frontend
     from vllm_steer.integrations.frontend.state import frontend_state
     from vllm_steer.integrations import hooks
     from vllm_steer.integrations import plugin

@@ -7,10 +7,6 @@ exactness checks.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -53,29 +49,13 @@ def llm(tiny_model_dir, steer_files):
     del engine
 
 
-VANILLA = r"""
-import json, sys
-from vllm import LLM, SamplingParams
-if __name__ == "__main__":
-    model, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-    llm = LLM(model, **json.loads(sys.argv[4]))
-    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0))
-    print("RESULT" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
-"""
-
-
 @pytest.fixture(scope="module")
 def vanilla_tokens(tiny_model_dir, tmp_path_factory):
     """Greedy tokens of stock vLLM with no plugin loaded, same engine settings."""
-    script = tmp_path_factory.mktemp("vanilla") / "vanilla.py"
-    script.write_text(VANILLA)
-    env = dict(os.environ, VLLM_PLUGINS="none")
-    out = subprocess.run([sys.executable, str(script), str(tiny_model_dir), json.dumps(PROMPTS),
-                          str(MAX_TOKENS), json.dumps(ENGINE_KW)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
-    assert line, out.stderr[-3000:]
-    return json.loads(line[0][len("RESULT"):])
+    from conftest import stock_vllm
+
+    return [t for t, _ in stock_vllm(tiny_model_dir, PROMPTS, MAX_TOKENS, ENGINE_KW,
+                                     tmp_path_factory.mktemp("vanilla"))]
 
 
 def sp(steer=None, **kw):

@@ -15,10 +15,6 @@ unsteered tokens and logprobs with stock vLLM (no plugin, no speculative decodin
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -71,32 +67,13 @@ def engine(request, tiny_model_dir, steer_files):
     del llm
 
 
-VANILLA = r"""
-import json, sys
-from vllm import LLM, SamplingParams
-if __name__ == "__main__":
-    model, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-    llm = LLM(model, **json.loads(sys.argv[4]))
-    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, logprobs=0))
-    print("RESULT" + json.dumps([[list(o.outputs[0].token_ids),
-                                  [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
-                                                                  o.outputs[0].token_ids)]]
-                                 for o in outs]))
-"""
-
-
 @pytest.fixture(scope="module")
 def vanilla(tiny_model_dir, tmp_path_factory):
     """Greedy tokens and their logprobs from stock vLLM: no plugin, no speculative decoding."""
-    script = tmp_path_factory.mktemp("vanilla") / "vanilla.py"
-    script.write_text(VANILLA)
-    env = dict(os.environ, VLLM_PLUGINS="none")
-    out = subprocess.run([sys.executable, str(script), str(tiny_model_dir), json.dumps(PROMPTS),
-                          str(MAX_TOKENS), json.dumps(ENGINE_KW)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
-    assert line, out.stderr[-3000:]
-    return json.loads(line[0][len("RESULT"):])
+    from conftest import stock_vllm
+
+    return stock_vllm(tiny_model_dir, PROMPTS, MAX_TOKENS, ENGINE_KW,
+                      tmp_path_factory.mktemp("vanilla"))
 
 
 def sp(steer=None, **kw):

@@ -13,7 +13,6 @@ import httpx  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
 
 from vllm_steer.config import SteerServerConfig  # noqa: E402
-from vllm_steer.integrations.frontend import admission as frontend
 from vllm_steer.integrations.frontend.state import frontend_state  # noqa: E402
 from vllm_steer.server import lens_route  # noqa: E402
 

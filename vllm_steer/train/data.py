@@ -157,7 +157,7 @@ def load_hf(source: str, split: str | None):
         for f in ("dataset_dict.json", "state.json", "dataset_info.json"))
     try:
         ds = datasets.load_from_disk(source) if saved else datasets.load_dataset(source)
-    except FileNotFoundError as e:
+    except FileNotFoundError:
         raise DataError(f"{source}: no such file, and no Hugging Face dataset of that name in "
                         "the local cache (datasets are read offline). On a machine with "
                         "network access save it once, e.g. python -c \"import datasets; "

@@ -9,7 +9,6 @@ import pytest
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.integrations.frontend import endpoints
 from vllm_steer.integrations.hooks import wrap_method
-from vllm_steer.integrations.frontend import admission as frontend
 from vllm_steer.integrations.frontend.state import frontend_state
 
 
