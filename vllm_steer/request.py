@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
 from vllm_steer import REQUEST_FIELD
@@ -278,9 +278,16 @@ WIRE_VERSION = 1
 WIRE_KEY = "@vllm_steer"
 
 
-def _window_wire(w: Window) -> dict[str, Any]:
-    return {"strength": w.strength, "start": w.start, "end": w.end, "ramp": w.ramp,
-            "base": w.base}
+def _served(v: float | Window) -> float:
+    """The strength a steer counts with: a number as it is; a window its ``strength``, or its
+    ``base`` when the strength is 0 (a steer acting only outside its window is still on)."""
+    if isinstance(v, Window):
+        return v.strength if v.strength != 0.0 else v.base
+    return v
+
+
+def _wire_value(v: float | Window) -> float | dict[str, Any]:
+    return asdict(v) if isinstance(v, Window) else v
 
 
 @dataclass(frozen=True)
@@ -322,8 +329,6 @@ class SteerRequest:
     def from_value(cls, value: Any, where: str = REQUEST_FIELD) -> "SteerRequest":
         """The request in ``extra_args["steer"]``: its serialised form decoded, or a raw value
         parsed against the name rule (a request that did not pass a frontend's parse)."""
-        if value is None:
-            return cls()
         return cls.parse(value, None, math.inf, where)
 
     # ---- views ------------------------------------------------------------------------------
@@ -341,14 +346,7 @@ class SteerRequest:
         """The steers it is served with -> strength (zeros dropped; a window counts with its
         ``strength``, or its ``base`` when the strength is 0, so a steer that acts only
         outside its window is still listed; a window whose strength and base are 0 is none)."""
-        out = {}
-        for name, v in self.entries:
-            if isinstance(v, Window):
-                if v.strength != 0.0 or v.base != 0.0:
-                    out[name] = v.strength if v.strength != 0.0 else v.base
-            elif v != 0.0:
-                out[name] = v
-        return out
+        return {name: _served(v) for name, v in self.entries if _served(v) != 0.0}
 
     @property
     def windows(self) -> dict[str, Window]:
@@ -363,8 +361,7 @@ class SteerRequest:
     def to_wire(self) -> dict[str, Any]:
         """The form carried in ``extra_args["steer"]`` (JSON-safe, versioned)."""
         return {WIRE_KEY: WIRE_VERSION,
-                "steers": [[n, _window_wire(v) if isinstance(v, Window) else v]
-                           for n, v in self.entries]}
+                "steers": [[n, _wire_value(v)] for n, v in self.entries]}
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any], where: str = REQUEST_FIELD) -> "SteerRequest":
@@ -404,16 +401,11 @@ class BoundSteer:
 
     @property
     def strength(self) -> float:
-        v = self.value
-        if isinstance(v, Window):
-            return v.strength if v.strength != 0.0 else v.base
-        return v
+        return _served(self.value)
 
     @staticmethod
     def to_wire(bound: Sequence["BoundSteer"]) -> list:
-        return [[b.name, b.slot, b.generation,
-                 _window_wire(b.value) if isinstance(b.value, Window) else b.value]
-                for b in bound]
+        return [[b.name, b.slot, b.generation, _wire_value(b.value)] for b in bound]
 
     @staticmethod
     def from_wire(value: Any) -> list["BoundSteer"]:

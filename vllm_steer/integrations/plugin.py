@@ -44,13 +44,17 @@ def register() -> None:
 
 
 def _worker(name: str, attr: str):
-    """A worker-side wrapper, imported when the hook is installed (the worker modules import
-    torch: never at this module's import)."""
-    def call(orig, *args, **kwargs):
+    """A worker-side wrapper, imported on its first call (the worker modules import torch:
+    never at this module's import, nor in a process that never runs the runner), then called
+    directly on every later step."""
+    @functools.cache
+    def target():
         import importlib
 
-        return getattr(importlib.import_module(f"vllm_steer.integrations.worker.{name}"),
-                       attr)(orig, *args, **kwargs)
+        return getattr(importlib.import_module(f"vllm_steer.integrations.worker.{name}"), attr)
+
+    def call(orig, *args, **kwargs):
+        return target()(orig, *args, **kwargs)
 
     call.__name__ = call.__qualname__ = f"{name}.{attr}"
     return call
