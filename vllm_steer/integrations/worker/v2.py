@@ -80,6 +80,8 @@ def _sorted_rows(sharder, input_batch, source: RowSource):
     import numpy as np
     import torch
 
+    from vllm_steer.ops import to_device
+
     qsl = input_batch.query_start_loc_np
     token_slots = np.repeat(input_batch.idx_mapping_np, np.diff(qsl[: input_batch.num_reqs + 1]))
     orig = sharder.shard_sampler_inputs
@@ -92,7 +94,7 @@ def _sorted_rows(sharder, input_batch, source: RowSource):
                 "vllm-steer: BatchSharder.shard_sampler_inputs no longer returns (batch, "
                 "sorted_logits_indices, grammar_output, metadata) in this vLLM; steered rows "
                 "cannot be matched to requests. Run without --enable-batch-sharded-sampling")
-        slots = torch.from_numpy(token_slots).to(sorted_idx.device, non_blocking=True)
+        slots = to_device(token_slots, sorted_idx.device)  # pinned: a pageable copy syncs
         source.mapping = slots[sorted_idx.long()]
         return out
 
