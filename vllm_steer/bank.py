@@ -12,8 +12,11 @@ from typing import Mapping, Sequence
 import torch
 
 from vllm_steer.format import Steer
+from vllm_steer.logs import get_logger
 from vllm_steer.ops import apply_steers, prepare_steers
 from vllm_steer.reference import steer_coefficients
+
+logger = get_logger()
 
 
 class SteerBank:
@@ -88,6 +91,15 @@ class SteerBank:
                             prepared=prepared)
 
 
+def slot_bank_bytes(capacity: int, max_rank: int, hidden_size: int, dtype) -> int:
+    """Device bytes of a :class:`SlotBank` reserved for ``capacity`` steers of rank up to
+    ``max_rank``: two factors (``p1``, ``p2``), each ``[hidden, total rank]``, whose total
+    rank is at most ``2 * capacity * max_rank`` (every slot's steer and its domain
+    component)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return 2 * (2 * capacity * max_rank) * hidden_size * itemsize
+
+
 class SlotBank:
     """A bank of ``capacity`` steer *slots* whose steers come and go at run time.
 
@@ -95,13 +107,20 @@ class SlotBank:
     ``capacity + j`` its domain component (zero width when absent), so the per-request
     coefficient table of the serving runtime (``[max_num_seqs, 2 * capacity]``) is allocated
     once and a request's row never moves when other steers are loaded or unloaded.
-    :meth:`put` / :meth:`drop` change one slot; the concatenated factors are rebuilt (a new
-    tensor: a plan made before keeps the factors it was made with) and :attr:`version` bumps,
-    which invalidates the cached plan.
+    :meth:`put` / :meth:`drop` change one slot; the concatenated factors are repacked and
+    :attr:`version` bumps, which invalidates the cached plan.
+
+    Memory: with ``reserve_rank`` the factors' device storage is allocated once, at
+    construction, for ``capacity`` steers (and domain components) of rank up to
+    ``reserve_rank`` (:func:`slot_bank_bytes`), and every later put or drop rewrites it in
+    place: a run-time load allocates no device memory, so what vLLM measured at start-up
+    (before it sized the KV cache) stays true. A steer larger than the reservation is refused
+    when ``max_rank`` is ``reserve_rank`` (``--max-steer-rank``), otherwise the storage grows
+    (a device allocation, logged). The steers themselves are kept on the host.
     """
 
     def __init__(self, capacity: int, hidden_size: int, device=None, dtype=None,
-                 max_rank: int | None = None):
+                 max_rank: int | None = None, reserve_rank: int | None = None):
         self.capacity = capacity
         self.hidden_size = hidden_size
         self.device, self.dtype = device, dtype
@@ -112,21 +131,37 @@ class SlotBank:
         self.version = 0
         self._plan_key: object = None
         self._plan = None
+        self._store1 = self._store2 = None  # flat device storage of p1 and p2
+        self.reserved_rank = reserve_rank or 0  # total rank the storage holds: 2 * capacity * r
+        if reserve_rank:
+            self._allocate(2 * capacity * reserve_rank)
         self._rebuild()
 
     @property
     def num_columns(self) -> int:
         return 2 * self.capacity
 
+    @property
+    def reserved_bytes(self) -> int:
+        """Device bytes of the factors' storage (both factors)."""
+        return 0 if self._store1 is None else 2 * self._store1.numel() * self._store1.element_size()
+
+    def _allocate(self, total_rank: int) -> None:
+        n = self.hidden_size * total_rank
+        self._store1 = torch.zeros(n, device=self.device, dtype=self.dtype)
+        self._store2 = torch.zeros(n, device=self.device, dtype=self.dtype)
+
     def put(self, slot: int, generation: int, name: str, steer: Steer) -> None:
         """Load ``steer`` into ``slot`` (which no running request may use)."""
         if steer.hidden_size != self.hidden_size:
             raise ValueError(f"steer {name!r} has hidden size {steer.hidden_size}; the model "
                              f"has {self.hidden_size}")
-        if self.max_rank is not None and steer.p1.shape[1] > self.max_rank:
-            raise ValueError(f"steer {name!r} has rank {steer.p1.shape[1]} over "
-                             f"--max-steer-rank={self.max_rank}")
-        self.steers[slot] = steer.to(device=self.device, dtype=self.dtype)
+        for what, p in (("rank", steer.p1), ("domain rank", steer.domain_p1)):
+            if p is not None and self.max_rank is not None and p.shape[1] > self.max_rank:
+                raise ValueError(f"steer {name!r} has {what} {p.shape[1]} over "
+                                 f"--max-steer-rank={self.max_rank}; raise --max-steer-rank "
+                                 f"(the bank is reserved for it at start-up)")
+        self.steers[slot] = steer.to(device="cpu", dtype=self.dtype)  # packed in _rebuild
         self.generations[slot] = generation
         self.names[slot] = name
         self._rebuild()
@@ -138,6 +173,8 @@ class SlotBank:
         self._rebuild()
 
     def _rebuild(self) -> None:
+        """Pack the slots' factors on the host, then one contiguous copy per factor into the
+        device storage (grown only when no reservation holds them)."""
         d = self.hidden_size
         parts1, parts2, offs = [], [], [0]
         segs = [(s.p1, s.p2) if s is not None else (None, None) for s in self.steers]
@@ -148,11 +185,20 @@ class SlotBank:
             if a is not None:
                 parts1.append(a), parts2.append(b)
             offs.append(offs[-1] + (0 if a is None else a.shape[1]))
+        total = offs[-1]
+        if self._store1 is None or self._store1.numel() < d * total:
+            if self._store1 is not None:
+                logger.warning(
+                    "vllm-steer: the steer bank grows from total rank %d to %d on %s: a device "
+                    "allocation outside the memory vLLM measured at start-up; set "
+                    "--max-steer-rank to reserve the worst case at start-up",
+                    self._store1.numel() // max(d, 1), total, self.device)
+            self._allocate(total)
+        self.p1 = self._store1[:d * total].view(d, total)
+        self.p2 = self._store2[:d * total].view(d, total)
         if parts1:
-            self.p1 = torch.cat(parts1, dim=1).contiguous()
-            self.p2 = torch.cat(parts2, dim=1).contiguous()
-        else:
-            self.p1 = self.p2 = torch.zeros(d, 0, device=self.device, dtype=self.dtype)
+            self.p1.copy_(torch.cat(parts1, dim=1))
+            self.p2.copy_(torch.cat(parts2, dim=1))
         self.rank_offsets = offs
         self.version += 1
         self._plan_key, self._plan = None, None

@@ -211,9 +211,13 @@ def load(core, name: str, path: str, source: str) -> dict:
             reasons.append(f"steer {name!r} has hidden size {steer.hidden_size} but the model "
                            f"{core.vllm_config.model_config.model} has {hidden}; train or "
                            "transfer the steer for this model (vllm-steer train / transfer)")
-        if cfg.max_steer_rank is not None and steer.p1.shape[1] > cfg.max_steer_rank:
-            reasons.append(f"steer {name!r} has rank {steer.p1.shape[1]}, over "
-                           f"--max-steer-rank={cfg.max_steer_rank}")
+        for what, p in (("rank", steer.p1), ("domain rank", steer.domain_p1)):
+            if cfg.max_steer_rank is not None and p is not None \
+                    and p.shape[1] > cfg.max_steer_rank:
+                reasons.append(f"steer {name!r} has {what} {p.shape[1]}, over "
+                               f"--max-steer-rank={cfg.max_steer_rank} (the steer bank is "
+                               "reserved for it at start-up); restart the server with a larger "
+                               "--max-steer-rank or load a steer of a lower rank")
         if reasons:
             raise SteerFileError(path, reasons)
     except SteerFileError as e:

@@ -160,8 +160,7 @@ class SteerRuntime:
                 reasons.append(str(e).replace("\n", " "))
         if reasons:
             raise SteerFileError(", ".join(self.config.steers.values()), reasons)
-        self.bank = SlotBank(self.capacity, hidden_size, device=device, dtype=dtype,
-                             max_rank=self.config.max_steer_rank)
+        self.bank = self._reserve_bank(hidden_size, device, dtype, steers)
         for slot, name in enumerate(self.names):  # the registry numbers them the same way
             self.bank.put(slot, slot + 1, name, steers[name])
         # Resolve the backend now (it imports the kernels, and Triton where present: about
@@ -177,6 +176,35 @@ class SteerRuntime:
         self.warm_up()
         logger.info("vllm-steer: loaded %d steer(s) %s on %s/%s", len(steers), self.names,
                     device, dtype)
+
+    def _reserve_bank(self, hidden_size: int, device, dtype, steers: dict) -> SlotBank:
+        """The bank, its device storage allocated now for its worst case: ``capacity`` steers
+        of rank ``--max-steer-rank`` (or, without it, the largest start-up steer's), each with
+        a domain component (:func:`~vllm_steer.bank.slot_bank_bytes`). Called while vLLM loads
+        the model, so vLLM counts it with the weights before it sizes the KV cache, and a
+        run-time load then allocates nothing. Refused with the figure when it does not fit."""
+        from vllm_steer.bank import slot_bank_bytes
+
+        cap, max_rank = self.capacity, self.config.max_steer_rank
+        rank = max_rank or max((p.shape[1] for s in steers.values()
+                                for p in (s.p1, s.domain_p1) if p is not None), default=0)
+        dtype_name = str(dtype).replace("torch.", "")
+        mib = slot_bank_bytes(cap, rank, hidden_size, dtype) / 2**20
+        figure = (f"{cap} max steers x rank {rank} x hidden {hidden_size} x {dtype_name}, "
+                  "x2 factors, x2 for domain components")
+        try:
+            bank = SlotBank(cap, hidden_size, device=device, dtype=dtype, max_rank=max_rank,
+                            reserve_rank=rank)
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError(
+                f"vllm-steer: the steer bank needs {mib:.1f} MiB on {device} ({figure}) and the "
+                f"device cannot hold it ({str(e).splitlines()[0]}); lower --max-steers "
+                f"(now {cap}) or --max-steer-rank (now {rank}), or "
+                "--gpu-memory-utilization") from None
+        logger.info("vllm-steer: steer bank reserves %.1f MiB (%s)%s", mib, figure,
+                    "" if max_rank else "; without --max-steer-rank a run-time load of a larger "
+                    "rank allocates device memory outside vLLM's budget")
+        return bank
 
     # ---- request state (logits-processor side) -------------------------------------------
     def ensure_slots(self, max_slots: int, device: torch.device) -> None:

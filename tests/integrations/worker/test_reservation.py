@@ -1,0 +1,161 @@
+"""The steer bank's device memory is taken at start-up, while vLLM loads the model (so vLLM
+counts it before it sizes the KV cache), for its worst case: ``--max-steers`` steers of rank
+``--max-steer-rank``, each with a domain component. A run-time load then allocates no device
+memory; a steer over the reservation is refused with HTTP 400; a reservation the device cannot
+hold is refused at start-up."""
+
+from __future__ import annotations
+
+import logging
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import random_steer
+from vllm_steer.config import SteerServerConfig
+from vllm_steer.format import load_steer, make_steer, save_steer
+from vllm_steer.integrations.worker.runtime import RowSource, SteerRuntime
+from vllm_steer.reference import steer_coefficients, steer_reference
+
+HIDDEN = 48
+
+
+def _steer(tmp_path, name, rank, seed, domain_rank=None):
+    s = random_steer(HIDDEN, rank, name, seed=seed, scale=3.0)
+    if domain_rank:
+        g = torch.Generator().manual_seed(seed + 100)
+        s = make_steer(s.p1, s.p2, name, labels={"positive": name}, domain="with_steer",
+                       domain_p1=torch.randn(HIDDEN, domain_rank, generator=g),
+                       domain_p2=torch.randn(HIDDEN, domain_rank, generator=g))
+    path = str(tmp_path / f"{name}.safetensors")
+    save_steer(path, s)
+    return path
+
+
+def _storage(rt):
+    return (rt.bank.p1.untyped_storage().data_ptr(), rt.bank.p2.untyped_storage().data_ptr())
+
+
+class Lines(logging.Handler):
+    """What the plugin logs (its logger is vLLM's child, which may not propagate)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_the_bank_is_reserved_at_start_up_and_run_time_loads_allocate_nothing(tmp_path):
+    a = _steer(tmp_path, "a", 4, 1)
+    rt = SteerRuntime(SteerServerConfig(steers={"a": a}, backend="torch", max_steers=4,
+                                        max_steer_rank=8))
+    from vllm_steer.logs import get_logger
+
+    logger, lines = get_logger(), Lines()
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        rt.load(HIDDEN, torch.device("cpu"), torch.bfloat16)
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    text = "\n".join(lines.lines)
+    rt.ensure_slots(4, torch.device("cpu"))
+    # 2 factors x [hidden, 4 steers x rank 8 x (steer + domain)] in bfloat16 (2 bytes)
+    want_mib = 2 * HIDDEN * (4 * 8 * 2) * 2 / 2**20
+    m = re.search(r"steer bank reserves ([0-9.]+) MiB \((.*)\)", text)
+    assert m, text
+    assert float(m.group(1)) == pytest.approx(want_mib, abs=0.05)
+    assert "4 max steers x rank 8 x hidden 48 x bfloat16" in m.group(2)
+    start = _storage(rt)
+
+    files = {"b": _steer(tmp_path, "b", 8, 2, domain_rank=8), "c": _steer(tmp_path, "c", 2, 3),
+             "d": _steer(tmp_path, "d", 8, 4, domain_rank=3)}
+    loaded = {0: "a"}
+    for op, slot, name in (("put", 1, "b"), ("put", 2, "c"), ("drop", 0, None),
+                           ("put", 3, "d"), ("put", 0, "c")):
+        if op == "put":
+            rt.put_steer(slot, slot + 10, name, load_steer(files[name]))
+            loaded[slot] = name
+        else:
+            rt.drop_slots([slot])
+            loaded.pop(slot)
+        assert _storage(rt) == start, f"{op} {name or slot} allocated new bank storage"
+    assert rt.bank.reserved_bytes == 2 * HIDDEN * 64 * 2
+
+    # and the repacked bank steers as the files say (each slot's steer, domain included)
+    h = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(0))
+    rows = {0: ("c", 2.0), 1: ("b", -3.0), 3: ("d", 4.0)}
+    cols = np.zeros((3, rt.num_columns), dtype=np.float32)
+    for i, (slot, (name, s)) in enumerate(rows.items()):
+        meta = load_steer(files[name]).metadata
+        served = meta.domain == "with_steer"
+        cols[i, slot], cols[i, rt.capacity + slot] = steer_coefficients(
+            s, meta.epsilon, meta.domain_strength if served else None)
+        rt.set_slot(slot, cols[i])
+    rt.flush()
+    p1, p2, offs = [], [], [0]
+    for part in ("steer", "domain"):  # the reference packing: slots in order, then domains
+        for slot in range(4):
+            st = load_steer(files[loaded[slot]]) if slot in loaded else None
+            f = None if st is None else ((st.p1, st.p2) if part == "steer" else
+                                         (st.domain_p1, st.domain_p2))
+            if f is not None and f[0] is not None:
+                p1.append(f[0]), p2.append(f[1])
+            offs.append(offs[-1] + (0 if f is None or f[0] is None else f[0].shape[1]))
+    want = steer_reference(h.float(), torch.cat(p1, 1).to(torch.bfloat16).float(),
+                           torch.cat(p2, 1).to(torch.bfloat16).float(), offs,
+                           torch.from_numpy(cols))
+    with rt.rows(RowSource("slots", slots=np.array(list(rows)))):
+        got = rt.steer_rows(h.to(torch.bfloat16))
+    torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.02)
+
+
+def test_a_steer_over_the_reservation_is_refused_by_the_bank(tmp_path):
+    rt = SteerRuntime(SteerServerConfig(steers={"a": _steer(tmp_path, "a", 4, 1)},
+                                        backend="torch", max_steers=2, max_steer_rank=4))
+    rt.load(HIDDEN, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match=r"domain rank 5 over --max-steer-rank=4"):
+        rt.put_steer(1, 5, "x", load_steer(_steer(tmp_path, "x", 4, 2, domain_rank=5)))
+
+
+@pytest.mark.parametrize("rank,domain_rank,what", [(6, None, "rank 6"),
+                                                   (4, 6, "domain rank 6")])
+def test_a_run_time_load_over_the_reservation_is_http_400(tmp_path, rank, domain_rank, what):
+    """``POST /v1/steers`` (the engine core's load op) answers 400 naming the rank, the limit
+    and the fix, before any worker is asked."""
+    from vllm_steer.integrations.engine import control
+    from vllm_steer.integrations.engine.registry import SteerRegistry
+
+    cfg = SteerServerConfig(steers={}, max_steers=2, max_steer_rank=4, enable_updates=True)
+    core = SimpleNamespace(
+        vllm_steer_state=control.EngineSteerState(cfg, SteerRegistry(cfg.capacity), HIDDEN),
+        vllm_config=SimpleNamespace(model_config=SimpleNamespace(model="m")))
+    path = _steer(tmp_path, "big", rank, 7, domain_rank=domain_rank)
+    out = control.load(core, "big", path, "api")
+    assert out["ok"] is False and out["status"] == 400, out
+    assert f"{what}, over --max-steer-rank=4" in out["error"]
+    assert "larger --max-steer-rank" in out["error"]
+
+
+def test_a_reservation_the_device_cannot_hold_is_refused_at_start_up(tmp_path, monkeypatch):
+    from vllm_steer import bank
+
+    def out_of_memory(self, total_rank):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+
+    monkeypatch.setattr(bank.SlotBank, "_allocate", out_of_memory)
+    rt = SteerRuntime(SteerServerConfig(steers={"a": _steer(tmp_path, "a", 4, 1)},
+                                        max_steers=64, max_steer_rank=1024))
+    with pytest.raises(RuntimeError) as e:
+        rt.load(HIDDEN, torch.device("cpu"), torch.float16)
+    want_mib = 2 * HIDDEN * (64 * 1024 * 2) * 2 / 2**20
+    msg = str(e.value)
+    assert f"needs {want_mib:.1f} MiB" in msg and "CUDA out of memory" in msg
+    assert "--max-steers (now 64)" in msg and "--max-steer-rank (now 1024)" in msg
