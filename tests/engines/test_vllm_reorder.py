@@ -1,0 +1,110 @@
+"""Rows that vLLM's V1 runner reorders (SWAP moves) keep their own request's steer, in a real
+engine on this CPU.
+
+Attention backends that split decodes from prefills (FlashInfer, MLA, FlashAttention 3 on
+GPUs: their metadata builder's ``reorder_batch_threshold``) make the V1 runner reorder its
+persistent batch before each step (``reorder_batch_to_split_decodes_and_prefills``): decodes
+first, prefills last, by swapping requests, which our logits processor receives as
+``BatchUpdate.moved`` entries with ``MoveDirectionality.SWAP`` (``SteerRuntime.move_slot``).
+The CPU attention backend does not ask for it, so the test sets the runner's
+``reorder_batch_threshold`` to 1 in the engine process (what a decode-splitting backend
+reports), runs steered and unsteered prompts of different lengths and ``max_tokens`` through
+three seats (new prefills land in freed seats in front of running decodes and are swapped
+behind them), counts the swaps the runtime received (so the test cannot pass without them) and
+checks each request's greedy tokens and logprobs against the formula applied by hand on the
+model's weights (``conftest.HFReference``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import HFReference, random_steer, save_steers
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["Hello there, my name is", "The weather", "Once upon a time in a land far away, there",
+           "Q: What is two plus two?\nA:", "In", "A B C D E F G H I J K L M N",
+           "The quick brown fox jumps over"]
+# (steer, max_tokens): seven requests through three seats, leaving at different steps
+REQUESTS = [({"a": 5}, 2), (None, 6), ({"b": -6}, 3), ({"a": 2, "b": 3}, 7), (None, 2),
+            ({"a": -4}, 5), ({"b": 4}, 4)]
+ENGINE_KW = dict(dtype="float32", kv_cache_memory_bytes=1 << 28, max_model_len=256,
+                 max_num_seqs=3, enforce_eager=True, seed=0)
+
+
+@pytest.fixture(scope="module")
+def steers(tmp_path_factory):
+    d = tmp_path_factory.mktemp("steers-reorder")
+    objs = {"a": random_steer(64, 8, "a", seed=1, scale=3.0),
+            "b": random_steer(64, 8, "b", seed=2, scale=3.0)}
+    return objs, save_steers(d, objs)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir, steers):
+    return HFReference(tiny_model_dir, steers[0])
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir, steers):
+    from vllm import LLM
+
+    with pytest.MonkeyPatch.context() as mp:
+        # collective_rpc with local functions: set and read the worker's runner state
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        engine = LLM(str(tiny_model_dir),
+                     additional_config={"vllm_steer": {"steers": steers[1]}}, **ENGINE_KW)
+        yield engine
+        del engine
+
+
+def sp(steer, n):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, logprobs=0, ignore_eos=True,
+                          extra_args=None if steer is None else {"steer": steer})
+
+
+def test_swapped_rows_keep_their_own_steer(llm, ref):
+    def force_reorder_and_count(worker):
+        """In the engine process: a decode-splitting backend's threshold, and a count of the
+        moves the steer runtime receives."""
+        from vllm_steer.integrations.worker import runtime
+
+        worker.model_runner.reorder_batch_threshold = 1
+        cls = runtime.SteerRuntime
+        if "_test_moves" not in cls.__dict__:
+            orig = cls.move_slot
+            cls._test_moves = {"swap": 0, "move": 0}
+
+            def move_slot(self, src, dst, swap):
+                cls._test_moves["swap" if swap else "move"] += 1
+                return orig(self, src, dst, swap)
+
+            cls.move_slot = move_slot
+        return dict(cls._test_moves)
+
+    def moves(worker):
+        from vllm_steer.integrations.worker import runtime
+
+        return dict(runtime.SteerRuntime._test_moves)
+
+    assert llm.collective_rpc(lambda w: type(w.model_runner).__module__) == [
+        "vllm.v1.worker.cpu_model_runner"]
+    (before,) = llm.collective_rpc(force_reorder_and_count)
+    outs = llm.generate(PROMPTS, [sp(s, n) for s, n in REQUESTS], use_tqdm=False)
+    (after,) = llm.collective_rpc(moves)
+    swaps = after["swap"] - before["swap"]
+    assert swaps > 0, f"the batch was never reordered (moves {after}): the test shows nothing"
+
+    plain_differs = 0
+    for o, (steer, n) in zip(outs, REQUESTS):
+        ids, got = list(o.prompt_token_ids), list(o.outputs[0].token_ids)
+        want = ref.greedy(ids, n, steer)
+        assert got == want, (o.prompt, steer, got, want, f"{swaps} swaps")
+        plain_differs += steer is not None and want != ref.greedy(ids, n)
+        lp = ref.logprobs(ids + got, steer)
+        for i, (t, e) in enumerate(zip(got, o.outputs[0].logprobs)):
+            assert e[t].logprob == pytest.approx(lp[len(ids) - 1 + i, t].item(), abs=2e-3)
+    assert plain_differs >= 2  # the steers change tokens: the test can tell rows apart
