@@ -56,3 +56,9 @@ clean:
 .PHONY: gpu-window
 gpu-window:
 	bash scripts/gpu_window.sh
+
+# The GPU window's plan, rehearsed here (no GPU): each device call with what it carries (at most
+# 64 MiB) and its estimated device time; fails when the plan does not fit 12 minutes.
+.PHONY: gpu-plan
+gpu-plan:
+	python3 scripts/gpu_plan.py

@@ -83,6 +83,8 @@ def run_engine(a) -> int:
         kw["kv_cache_memory_bytes"] = 1 << 28
     else:
         kw["gpu_memory_utilization"] = 0.3
+    if spec.get("compilation_config"):
+        kw["compilation_config"] = spec["compilation_config"]
     if spec["plugin"]:
         kw["additional_config"] = {"vllm_steer": {"steers": spec["steers"]}}
     llm = LLM(spec["model"], **kw)
@@ -189,6 +191,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=None, help="model, steers, engine logs (default: tmp)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where the JSON goes")
     ap.add_argument("--engine-timeout", type=int, default=900)
+    ap.add_argument("--compilation-config", type=json.loads, default=None, metavar="JSON",
+                    help='vLLM compilation_config of every engine, e.g. \'{"mode": 0, '
+                         '"cudagraph_mode": "FULL_DECODE_ONLY"}\' (default: vLLM\'s)')
     sub = ap.add_subparsers(dest="cmd")
     e = sub.add_parser("_engine", help="(internal) one engine in this process")
     e.add_argument("--spec", required=True)
@@ -218,7 +223,8 @@ def main(argv=None) -> int:
     for dtype in a.dtypes:
         for runner in a.runners:
             spec = {"model": str(model), "dtype": dtype, "runner": runner, "device": a.device,
-                    "async": use_async, "steers": paths}
+                    "async": use_async, "steers": paths,
+                    "compilation_config": a.compilation_config}
             on = spawn(a, {**spec, "plugin": True}, f"{dtype}-{runner}-plugin")
             off = spawn(a, {**spec, "plugin": False}, f"{dtype}-{runner}-stock")
             infos[f"{dtype}-{runner}"] = on["info"]

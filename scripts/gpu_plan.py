@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Rehearse the GPU window on this CPU (make gpu-plan): every device call of the plan, in
+order, through a stand-in for the GPU host's remote runner, with what each carries and its
+estimated device time.
+
+The stand-in (:class:`Runner`) enforces the host's limits on each call (at most 64 MiB carried,
+working tree included; a command timeout of at most 600 s) and counts calls, bytes and device
+seconds. It executes nothing on a GPU: the plan's commands are the ones to send. The calls:
+
+  1. no vLLM: ``scripts/gpu_window.sh`` (kernel tests on CUDA, compile count after warm-up,
+     batch invariance, capture guard, ``auto``) and the worker's CUDA tests (the sync test in
+     bf16 and fp32 steps, the event-wait / pinned-copy step of tests/integrations/worker/
+     test_staging.py);
+  2. the vLLM carry, one chunk per call (``scripts/gpu_vllm_carry.py``: chunks of 56 MiB, the
+     last call assembles and installs);
+  3. the engine call: ``scripts/gpu_vllm_check.py`` on Model Runner V2, bf16, with
+     ``compilation_config`` mode 0 (no torch.compile) and ``FULL_DECODE_ONLY`` CUDA graphs.
+
+Sizes: the working tree is measured (``git ls-files``); the wheels are measured from ``--wheels
+DIR`` (after ``gpu_vllm_carry.py download``) or, without it, the total recorded in
+docs/serving.md (93 wheels, 859.1 MiB, the carry measured here). Times: the constants below,
+each with its source (benchmarks/RESULTS.md where measured, an estimate where not). Exit
+status 0 when every call fits the limits and the total fits ``--budget-min`` (default 12).
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from gpu_vllm_carry import DEFAULT_CHUNK, MiB, RUN_LIMIT, tree_bytes  # noqa: E402
+
+CALL_LIMIT_S = 600  # the host's limit on one command
+RECORDED_WHEELS_MIB = 859.1  # docs/serving.md: `download` measured 93 wheels, 859.1 MiB
+LEAN_CHUNKS = 8  # the target for the vLLM carry
+
+# Device seconds, each with its source.
+START_S = 90  # a fresh machine's start ("a minute or more": the device README); estimate
+GAP_S = 5  # between consecutive calls (the machine stays warm 30 s; idle time counts)
+UPLOAD_S_PER_MIB = 0.15  # carrying the working tree and a chunk; estimate (unmeasured)
+GPU_WINDOW_S = 85  # `make gpu-window` on the H200: one call, 85 s (benchmarks/RESULTS.md)
+WORKER_CUDA_TESTS_S = 30  # test_syncfree's CUDA tests (bf16, fp32) + test_staging; estimate
+RECEIVE_S = 3  # sha256 and copy of one 56 MiB chunk; estimate
+INSTALL_S_PER_MIB = 0.08  # assemble + pip install --no-deps of the wheels; estimate
+IMPORT_VLLM_S = 20  # `import vllm` on the host; estimate
+ENGINE_S = 60  # one tiny-model engine with mode 0 (no compile) and decode graphs: start-up
+#                of an engine here is 36-47 s (benchmarks/RESULTS.md: 108 s and 142 s for three)
+#                plus CUDA-graph capture; estimate
+ENGINES = 2  # gpu_vllm_check per (dtype, runner): the plugin's engine and stock vLLM
+
+
+class PlanError(Exception):
+    """A call the GPU host would refuse."""
+
+
+@dataclass
+class Call:
+    name: str
+    command: str
+    carry: list[str]
+    bytes: int
+    timeout_s: int
+    est_s: float
+
+
+@dataclass
+class Runner:
+    """Stand-in for the GPU host's runner: the limits of one call, the totals of the plan."""
+
+    calls: list[Call] = field(default_factory=list)
+    device_s: float = 0.0
+
+    def run(self, name: str, command: str, carry: list[str], nbytes: int, timeout_s: int,
+            work_s: float) -> Call:
+        if nbytes > RUN_LIMIT:
+            raise PlanError(f"call {len(self.calls) + 1} ({name}) carries {nbytes / MiB:.1f} MiB, "
+                            f"over the host's {RUN_LIMIT // MiB} MiB per call; split it")
+        if timeout_s > CALL_LIMIT_S:
+            raise PlanError(f"call {len(self.calls) + 1} ({name}) asks a {timeout_s} s timeout, "
+                            f"over the host's {CALL_LIMIT_S} s per call; split it")
+        est = (START_S if not self.calls else GAP_S) + nbytes / MiB * UPLOAD_S_PER_MIB + work_s
+        call = Call(name, command, carry, nbytes, timeout_s, est)
+        self.calls.append(call)
+        self.device_s += est
+        return call
+
+
+def wheel_bytes(wheels: str | None) -> tuple[int, str]:
+    if wheels:
+        files = sorted(Path(wheels).glob("*.whl"))
+        return sum(f.stat().st_size for f in files), f"{len(files)} wheels in {wheels} (measured)"
+    return int(RECORDED_WHEELS_MIB * MiB), f"{RECORDED_WHEELS_MIB} MiB (recorded, docs/serving.md)"
+
+
+def plan(wheels: str | None = None, chunk: int = DEFAULT_CHUNK) -> tuple[Runner, dict]:
+    tree = tree_bytes()
+    r = Runner()
+    r.run("kernels, no vLLM",
+          "bash scripts/gpu_window.sh && python3 -m pytest -q -p no:cacheprovider "
+          "tests/integrations/worker/test_syncfree.py -k cuda "
+          "tests/integrations/worker/test_staging.py",
+          [], tree, 300, GPU_WINDOW_S + WORKER_CUDA_TESTS_S)
+    total, source = wheel_bytes(wheels)
+    n = max(1, math.ceil(total / chunk))
+    me = "python3 scripts/gpu_vllm_carry.py"
+    for i in range(n):
+        size = min(chunk, total - i * chunk)
+        cmd = f"{me} receive .carry/c{i:03d} --area /tmp/vllm_carry"
+        work = RECEIVE_S
+        if i == n - 1:
+            cmd += (f" && {me} assemble --area /tmp/vllm_carry --dest /tmp/vllm_whl "
+                    "--install /tmp/site")
+            work += total / MiB * INSTALL_S_PER_MIB
+        r.run(f"carry {i + 1}/{n}", cmd, [f".carry/c{i:03d}"], tree + size, 120, work)
+    engine_timeout = 240
+    r.run("engine: V2 bf16, mode 0, FULL_DECODE_ONLY",
+          "PYTHONPATH=/tmp/site python3 scripts/gpu_vllm_check.py --device cuda "
+          "--dtypes bfloat16 --runners v2 --engine-timeout 240 --compilation-config "
+          "'{\"mode\": 0, \"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'",
+          [], tree, ENGINES * engine_timeout + 60, IMPORT_VLLM_S + ENGINES * ENGINE_S)
+    return r, {"tree_bytes": tree, "wheel_bytes": total, "wheels": source, "chunks": n}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--wheels", default=None, help="the carried wheels' folder (sizes measured)")
+    ap.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK / MiB)
+    ap.add_argument("--budget-min", type=float, default=12.0)
+    ap.add_argument("--json", default=None, help="also write the plan as JSON here")
+    a = ap.parse_args(argv)
+    try:
+        r, info = plan(a.wheels, int(a.chunk_mib * MiB))
+    except PlanError as e:
+        print(f"gpu_plan: REFUSED: {e}")
+        return 1
+    print(f"# gpu_plan: working tree {info['tree_bytes'] / MiB:.1f} MiB; wheels {info['wheels']} "
+          f"-> {info['chunks']} chunks of {a.chunk_mib:g} MiB")
+    for i, c in enumerate(r.calls, 1):
+        print(json.dumps({"call": i, "name": c.name, "carry": c.carry,
+                          "mib": round(c.bytes / MiB, 1), "timeout_s": c.timeout_s,
+                          "est_s": round(c.est_s), "command": c.command}))
+    fits = r.device_s <= a.budget_min * 60
+    lean = info["chunks"] <= LEAN_CHUNKS
+    print(f"# calls {len(r.calls)}, carried {sum(c.bytes for c in r.calls) / MiB:.1f} MiB, "
+          f"largest call {max(c.bytes for c in r.calls) / MiB:.1f} MiB (limit {RUN_LIMIT // MiB}), "
+          f"longest timeout {max(c.timeout_s for c in r.calls)} s (limit {CALL_LIMIT_S})")
+    print(f"# estimated device time {r.device_s / 60:.1f} min of {a.budget_min:g}: "
+          f"{'FITS' if fits else 'OVER'}")
+    print(f"# vLLM carry {info['chunks']} chunks (lean target {LEAN_CHUNKS}): "
+          f"{'MET' if lean else 'NOT MET: measure the wheels (download, then --wheels .whl) and carry fewer'}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({**info, "device_s": r.device_s, "calls": [
+            c.__dict__ for c in r.calls]}, indent=1))
+    return 0 if fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""scripts/gpu_plan.py (make gpu-plan): the GPU window's plan, rehearsed through a stand-in for
+the GPU host's runner, fits the host's limits (64 MiB carried per call, 600 s per command) and
+12 minutes of device time; a call over a limit is refused, naming it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_plan.py"
+MiB = 1 << 20
+
+
+def run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+
+
+def calls_of(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def test_the_plan_fits_the_hosts_limits_and_twelve_minutes(tmp_path):
+    res = run("--json", tmp_path / "plan.json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    calls = calls_of(res.stdout)
+    assert calls[0]["name"].startswith("kernels") and "gpu_window.sh" in calls[0]["command"]
+    assert "test_staging.py" in calls[0]["command"] and "vllm" not in calls[0]["command"]
+    assert "FULL_DECODE_ONLY" in calls[-1]["command"] and "--runners v2" in calls[-1]["command"]
+    assert "assemble" in calls[-2]["command"]
+    assert all(c["mib"] <= 64 for c in calls), [c["mib"] for c in calls]
+    assert all(c["timeout_s"] <= 600 for c in calls)
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["device_s"] <= 12 * 60 and saved["device_s"] == sum(
+        c["est_s"] for c in saved["calls"])
+    assert len(calls) == 2 + saved["chunks"]
+    assert "FITS" in res.stdout
+
+
+def test_a_call_over_64_mib_is_refused_naming_it():
+    res = run("--chunk-mib", 63)  # 63 MiB of wheels + the working tree
+    assert res.returncode == 1
+    assert "REFUSED" in res.stdout and "over the host's 64 MiB per call" in res.stdout
+    assert "carry 1/" in res.stdout
+
+
+def test_measured_wheels_set_the_chunks(tmp_path):
+    for i, n in enumerate((30 * MiB, 50 * MiB, 40 * MiB)):
+        with open(tmp_path / f"w{i}-1.0-py3-none-any.whl", "wb") as f:
+            f.truncate(n)
+    res = run("--wheels", tmp_path)
+    assert res.returncode == 0, res.stdout
+    assert "3 wheels in" in res.stdout and "-> 3 chunks" in res.stdout  # 120 MiB / 56
+    assert "lean target 8): MET" in res.stdout
