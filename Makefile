@@ -39,7 +39,7 @@ bench-kernels: install
 gpu-check:
 	bash scripts/gpu_check.sh
 
-# On a GPU machine with vLLM carried in (scripts/gpu_vllm_carry.py; docs/serving.md "On GPU"):
+# On a GPU machine with vLLM carried in (scripts/gpu_vllm_carry.py; docs/internals.md "Carrying vLLM"):
 # the plugin in real GPU engines, then its throughput (BENCH_MODEL=smollm2 or 8b).
 gpu-vllm-check:
 	bash scripts/gpu_check.sh vllm-check

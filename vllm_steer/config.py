@@ -36,7 +36,9 @@ class SteerServerConfig:
     """``--steer-dir``: a request naming a steer that is not loaded loads
     ``DIR/NAME.safetensors`` on first use."""
     enable_updates: bool = False
-    """``--enable-steer-updates``: allow ``POST /v1/steers`` and ``DELETE /v1/steers/NAME``."""
+    """``--enable-steer-updates``: allow ``POST /v1/steers`` and ``DELETE /v1/steers/NAME``
+    (load and unload steers), and ``POST /v1/steer-presets`` and ``DELETE
+    /v1/steer-presets/NAME`` (add and delete presets)."""
     updates_any_path: bool = False
     """``--steer-updates-any-path``: ``POST /v1/steers`` may name a file outside
     ``--steer-dir`` (default: only files inside it)."""

@@ -196,3 +196,26 @@ def test_cli_tune_and_eval_with_any_prompts_file(tiny_model_dir, prompts_file, t
     assert main(["tune", steer, "--task", "toxicity", "--prompts",
                  str(tmp_path / "missing.jsonl")]) == 1
     assert "--prompts" in capsys.readouterr().err
+
+
+def test_tune_generates_with_the_steers_own_model_unless_told(tmp_path):
+    from vllm_steer.cli import build_parser
+    from vllm_steer.eval.cli import tune_model
+    from vllm_steer.format import load_steer
+
+    trained = _steer(tmp_path, {"positive": "non-toxic", "negative": "toxic"})
+    st = load_steer(trained)
+    st.metadata.base_model = str(tmp_path / "my-model")
+    save_steer(trained, st)
+    bare = _steer(tmp_path, {"positive": "a", "negative": "b"}, name="bare")
+    st = load_steer(bare)
+    st.metadata.base_model = None
+    save_steer(bare, st)
+    assert tune_model(trained, None) == str(tmp_path / "my-model")
+    assert tune_model(bare, None) == "smollm2"
+    assert tune_model(trained, "other") == "other"
+    tune = next(a for a in build_parser()._actions if getattr(a, "choices", None)
+                and "tune" in a.choices).choices["tune"]
+    model_help = next(a.help for a in tune._actions if "--model" in a.option_strings)
+    assert tune.format_help().count("smollm2 for a file that names") == 1
+    assert model_help.count("default") == 1

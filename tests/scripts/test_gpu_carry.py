@@ -1,7 +1,7 @@
 """scripts/gpu_vllm_carry.py, the parts that run without network or GPU: ``split`` cuts files
 into chunk folders with a manifest, ``receive`` / ``assemble`` (what runs on the GPU machine)
 put them back together byte for byte and refuse a corrupt, missing or reordered chunk, naming
-it; ``plan`` prints one device call per chunk."""
+it; ``plan`` prints one remote call per chunk."""
 
 from __future__ import annotations
 

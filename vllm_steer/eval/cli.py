@@ -206,8 +206,10 @@ def _tune_command(subparsers) -> None:
                    help="sampling temperature")
     t.add_argument("--seed", type=int, default=s.seed,
                    help="seed of the samples (the same draws at every strength)")
-    t.add_argument("--model", default="smollm2",
-                   help="model to generate with: HF folder or id, or smollm2 (embedded)")
+    t.add_argument("--model", default=None,
+                   help="model to generate with: HF folder or id, or smollm2 (embedded) "
+                        "(default: the model the steer was trained on, its base_model; "
+                        "smollm2 for a file that names none)")
     t.add_argument("--data", default=None, help="data folder (the sst2 scorer trains from it)")
     t.add_argument("--out", default=None, help="evaluation folder (default "
                                                "eval_out/tune-TASK-NAME)")
@@ -246,6 +248,7 @@ def cmd_tune(args) -> int:
 
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError(f"--num-prompts {args.num_prompts}: must be at least 1")
+    args.model = tune_model(args.steer, args.model)
     cfg = TuneConfig(steer=args.steer, task=args.task, prompts=args.prompts,
                      strengths=[abs(x) for x in args.strengths], ppl_budget=args.ppl_budget,
                      num_prompts=args.num_prompts,
@@ -263,6 +266,16 @@ def cmd_tune(args) -> int:
     print(json.dumps({"recommended_strength": rec["recommended_strength"],
                       "rule": rec["rule"]}))
     return 0 if rec["recommended_strength"] is not None else 1
+
+
+def tune_model(steer: str, model: str | None) -> str:
+    """The model ``tune`` generates with: ``--model``, else the one the steer file names as
+    its ``base_model`` (what ``vllm-steer train`` trained it on), else the embedded smollm2."""
+    if model:
+        return model
+    from vllm_steer.format import read_metadata
+
+    return read_metadata(steer).base_model or "smollm2"
 
 
 def _nums(xs) -> str:

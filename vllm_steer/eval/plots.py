@@ -2,8 +2,8 @@
 
 - ``ablation.png``: each headline metric vs strength, LM-Steer and the soft blacklist, with
   perplexity on a second axis (the paper's strength ablation);
-- ``tradeoff.png``: headline metric vs perplexity for both methods (compare at equal
-  fluency; points labelled with their strength);
+- ``tradeoff.png``: headline metric vs perplexity (log axis) for both methods (compare at
+  equal fluency; points labelled with their strength);
 - ``sentiment_distribution.png``: per-sample P(positive) for each steer strength in
   [-5, 5] (continuous control), sentiment runs only;
 - ``grid.png``: heatmaps over the two steers' strengths (composition), grid runs only.
@@ -58,7 +58,30 @@ def ablation(results: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _log_perplexity_axis(ax) -> None:
+    """Perplexity on a log axis, labelled in plain numbers (20, 50, 100, not 2x10^1): the
+    strongest strengths' perplexity can be ten times the plain model's, and on a linear axis
+    the moderate strengths, the ones worth comparing, crowd into its left edge."""
+    import math
+
+    from matplotlib.ticker import MaxNLocator, NullFormatter
+
+    ax.set_xscale("log")  # after the data is drawn: the limits below are the data's
+    lo, hi = ax.get_xlim()
+    for subs in ((1, 1.5, 2, 3, 4, 5, 7), (1, 2, 5), (1, 3), (1,)):
+        ticks = [s * 10 ** e for e in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+                 for s in subs if lo <= s * 10 ** e <= hi]
+        if len(ticks) <= 7:
+            break
+    if len(ticks) < 2:  # a narrow range (less than the step from 1 to 1.5): evenly spaced
+        ticks = [x for x in MaxNLocator(4).tick_values(lo, hi) if lo <= x <= hi]
+    ax.set_xticks(ticks, [f"{x:g}" for x in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("perplexity (log scale)")
+
+
 def tradeoff(results: dict, path: str) -> None:
+    """Headline metric against perplexity, perplexity on a log axis."""
     plt = _plt()
     keys = headline(results)
     fig, axes = plt.subplots(1, len(keys), figsize=(5.2 * len(keys), 3.8), squeeze=False)
@@ -76,9 +99,9 @@ def tradeoff(results: dict, path: str) -> None:
             for c in cs:
                 ax.annotate(f"{c['strength']:+g}", (c["metrics"]["ppl"], c["metrics"][key]),
                             fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set_xlabel("perplexity")
+        _log_perplexity_axis(ax)
         ax.set_ylabel(LABELS.get(key, key))
-        ax.grid(alpha=0.3)
+        ax.grid(alpha=0.3, which="both")
         ax.set_title(f"{LABELS.get(key, key)} vs perplexity (solid: + strengths)", fontsize=10)
         ax.legend(loc="best", fontsize=8)
     fig.tight_layout()

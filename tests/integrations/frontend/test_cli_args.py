@@ -88,3 +88,19 @@ def test_several_steers_and_presets_after_one_flag_equal_the_repeated_form(regis
     assert configs[0]["steers"] == {n: str(p) for n, p in paths.items()}
     assert configs[0]["presets"] == {"polite": {"detox": 4.0},
                                      "kind": {"detox": 4.0, "sentiment": 2.0}}
+
+
+def test_enable_steer_updates_names_both_route_families_in_its_help_and_warning(monkeypatch):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    cli_args.add_steer_args(parser)
+    flag = next(a for a in parser._actions if "--enable-steer-updates" in a.option_strings)
+    warned = []
+    monkeypatch.setattr(cli_args.logger, "warning", lambda msg, *a: warned.append(msg % a))
+    cli_args._runtime_args(argparse.Namespace(enable_steer_updates=True))
+    assert len(warned) == 1
+    for text in (flag.help, warned[0]):
+        for route in ("POST /v1/steers", "DELETE /v1/steers/NAME", "POST /v1/steer-presets",
+                      "DELETE /v1/steer-presets/NAME"):
+            assert route in text, (route, text)

@@ -1,7 +1,7 @@
 """Presets added and deleted at run time (``POST`` / ``DELETE /v1/steer-presets``, with
 ``--enable-steer-updates``): where the table lives and how every API server sees it.
 
-Design (docs/serving.md, "Presets at run time"):
+Design (docs/internals.md, "Run-time steers and presets: the engine core decides"):
 
 - **One table, in the engine core.** :class:`PresetTable` lives next to the steer registry
   in each engine core (``control.py`` ops ``presets``, ``preset_add``, ``preset_delete``,

@@ -124,8 +124,10 @@ def _runtime_args(args: argparse.Namespace) -> dict:
         steer_dir = os.path.abspath(steer_dir)
     if getattr(args, "enable_steer_updates", False):
         logger.warning("vllm-steer: --enable-steer-updates is on: POST /v1/steers and "
-                       "DELETE /v1/steers/NAME can load and unload steers at run time. Do not "
-                       "expose this server to untrusted clients.")
+                       "DELETE /v1/steers/NAME can load and unload steers, and POST "
+                       "/v1/steer-presets and DELETE /v1/steer-presets/NAME can add and "
+                       "delete presets, at run time. Do not expose this server to untrusted "
+                       "clients.")
     return dict(max_steers=getattr(args, "max_steers", None),
                 max_steer_rank=getattr(args, "max_steer_rank", None), steer_dir=steer_dir,
                 enable_updates=bool(getattr(args, "enable_steer_updates", False)),
