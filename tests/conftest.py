@@ -42,6 +42,70 @@ def make_tiny_llama(out: Path, hidden: int = 64, layers: int = 2, tie: bool = Fa
     return out
 
 
+def make_tiny_eagle(out: Path, method: str = "eagle", hidden: int = 64, seed: int = 0,
+                    draft_vocab: int | None = None, weights: dict | None = None) -> Path:
+    """A random EAGLE (``method="eagle"``) or EAGLE-3 (``"eagle3"``) head for a tiny Llama of
+    hidden size ``hidden``, one decoder layer, saved in the layout of the public checkpoints
+    that vLLM's ``EagleLlamaForCausalLM`` / ``Eagle3LlamaForCausalLM`` load:
+
+    - EAGLE: ``fc`` ([hidden, 2 hidden]: token embedding and target hidden state) and
+      ``layers.0.*``; the embedding and LM head are the target's (not in the file).
+    - EAGLE-3: ``fc`` ([hidden, 3 hidden]: three target layers' hidden states), ``midlayer.*``
+      (attention over [embedding, hidden]), ``norm``, its own ``lm_head`` over ``draft_vocab``
+      tokens with the ``d2t`` offsets to the target's vocabulary (the first ``draft_vocab``
+      token ids here).
+
+    ``weights`` (name -> tensor) replaces random tensors (a trained head)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    heads, hd, inter, vocab = max(1, hidden // 64), 64, 2 * hidden, 49152
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, std=0.1):
+        return torch.randn(*shape, generator=g) * std
+
+    layer = "layers.0." if method == "eagle" else "midlayer."
+    attn_in = hidden if method == "eagle" else 2 * hidden
+    w = {layer + "self_attn.q_proj.weight": rnd(heads * hd, attn_in),
+         layer + "self_attn.k_proj.weight": rnd(hd, attn_in),
+         layer + "self_attn.v_proj.weight": rnd(hd, attn_in),
+         layer + "self_attn.o_proj.weight": rnd(hidden, heads * hd),
+         layer + "mlp.gate_proj.weight": rnd(inter, hidden),
+         layer + "mlp.up_proj.weight": rnd(inter, hidden),
+         layer + "mlp.down_proj.weight": rnd(hidden, inter),
+         layer + "post_attention_layernorm.weight": torch.ones(hidden)}
+    cfg = dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1,
+               num_attention_heads=heads, num_key_value_heads=1, head_dim=hd, vocab_size=vocab,
+               max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+               tie_word_embeddings=False, model_type="llama", torch_dtype="float32")
+    if method == "eagle":
+        w["fc.weight"] = rnd(hidden, 2 * hidden)
+        cfg["architectures"] = ["LlamaForCausalLM"]
+    elif method == "eagle3":
+        draft_vocab = draft_vocab or vocab
+        w.update({layer + "input_layernorm.weight": torch.ones(hidden),
+                  layer + "hidden_norm.weight": torch.ones(hidden),
+                  "fc.weight": rnd(hidden, 3 * hidden), "norm.weight": torch.ones(hidden),
+                  "lm_head.weight": rnd(draft_vocab, hidden, std=0.5)})
+        if draft_vocab != vocab:
+            w["d2t"] = torch.zeros(draft_vocab, dtype=torch.int64)  # draft id i -> target id i
+        # the target's hidden states before its first layer, between and after its two layers
+        cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab,
+                   eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
+    else:
+        raise ValueError(f"unknown EAGLE method {method!r}")
+    for k, v in (weights or {}).items():
+        w[k] = v
+    save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """Tiny random Llama (hidden 64, 2 layers, untied head), HF folder."""
