@@ -1,24 +1,37 @@
 """Speculative decoding with steers, in a real vLLM engine (CPU, V1 runner), offline ``LLM``.
 
-One engine per speculative configuration, shared by the module's tests:
+One engine per speculative method, shared by the module's tests (tiny random models):
 
 - ``ngram``: prompt lookup, no drafter logits (only the target's verification rows);
 - ``draft_model``: the target model itself as the draft model (same hidden size: the
   drafter is steered, so a greedy steered request accepts every draft token);
+- ``eagle``: an EAGLE head (``EagleLlamaForCausalLM``) on a *bigram* target (its layers add
+  nothing to the residual stream, so the head's input is the normalised embedding of the
+  current token). The head is built to predict that target exactly: ``fc`` passes the next
+  token's embedding through, its decoder layer adds nothing, and the target's LM head is
+  shared; its output is the target's head input up to a positive scale, so the steered
+  drafter proposes exactly the steered target's greedy tokens and every draft is accepted,
+  only if each drafter row gets its own request's steer;
+- ``eagle3``: a random EAGLE-3 head (``Eagle3LlamaForCausalLM``, three target layers' hidden
+  states, its own LM head over a 1,024-token draft vocabulary mapped by ``d2t``);
+- ``mtp``: a MiMo-style target with one multi-token-prediction layer (``{"method": "mtp"}``).
 
 A drafter of another hidden size than the steers' is left unsteered: that decision is tested
 without an engine in test_spec_decode.py (``prepare_drafter``).
 
-Greedy tokens are compared with transformers on the model's own weights (``HFReference``),
-unsteered tokens and logprobs with stock vLLM (no plugin, no speculative decoding).
+Greedy tokens are compared with transformers on the target's own weights (``HFReference``),
+unsteered tokens and logprobs with stock vLLM (no plugin, no speculative decoding: under
+greedy verification both give the target's own tokens).
 """
 
 from __future__ import annotations
 
+import functools
 
 import pytest
 
-from conftest import HFReference, random_steer, save_steers
+from conftest import (HFReference, make_tiny_eagle, make_tiny_llama, make_tiny_mimo,
+                      random_steer, save_steers)
 
 pytestmark = pytest.mark.vllm
 
@@ -32,10 +45,31 @@ SPEC = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
               "prompt_lookup_min": 1},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
+    "eagle": {"method": "eagle", "num_speculative_tokens": 3},
+    "eagle3": {"method": "eagle3", "num_speculative_tokens": 3},
+    "mtp": {"method": "mtp", "num_speculative_tokens": 1},  # MiMo's MTP predicts one token
 }
+#: the target model each method runs on
+TARGET = {"ngram": "tiny", "draft_model": "tiny", "eagle": "bigram", "eagle3": "tiny",
+          "mtp": "mimo"}
+#: methods whose drafter is built to propose exactly the target's greedy tokens
+EXACT_DRAFTER = ("draft_model", "eagle")
 STEERS = {"a": 5, "b": -4}
 # a mixed batch: steered and unsteered requests
 MIXED = [{"a": 5}, None, {"b": -4}, {"a": 3, "b": 2}]
+
+
+def oracle_eagle_head(out, hidden: int = 64):
+    """An EAGLE head that predicts a bigram target's next token exactly (see the module
+    docstring): ``fc = [I | 0]`` keeps the next token's embedding, and the decoder layer's
+    output projections are zero, so the head returns that embedding."""
+    import torch
+
+    fc = torch.zeros(hidden, 2 * hidden)
+    fc[:, :hidden] = torch.eye(hidden)
+    return make_tiny_eagle(out, "eagle", hidden, weights={
+        "fc.weight": fc, "layers.0.self_attn.o_proj.weight": torch.zeros(hidden, 64),
+        "layers.0.mlp.down_proj.weight": torch.zeros(hidden, 2 * hidden)})
 
 
 @pytest.fixture(scope="module")
@@ -50,30 +84,57 @@ def steer_files(tmp_path_factory, steers):
 
 
 @pytest.fixture(scope="module")
-def ref(tiny_model_dir, steers):
-    return HFReference(tiny_model_dir, steers)
-
-
-@pytest.fixture(scope="module", params=list(SPEC))
-def engine(request, tiny_model_dir, steer_files):
-    from vllm import LLM
-
-    spec = dict(SPEC[request.param])
-    if request.param == "draft_model":
-        spec["model"] = str(tiny_model_dir)
-    llm = LLM(str(tiny_model_dir), additional_config={"vllm_steer": {"steers": steer_files}},
-              speculative_config=spec, disable_log_stats=False, **ENGINE_KW)
-    yield request.param, llm
-    del llm
+def targets(tiny_model_dir, tmp_path_factory):
+    """Target model folders by name, made on first use."""
+    makers = {"tiny": lambda: tiny_model_dir,
+              "bigram": lambda: make_tiny_llama(tmp_path_factory.mktemp("bigram"), bigram=True),
+              "mimo": lambda: make_tiny_mimo(tmp_path_factory.mktemp("mimo"))}
+    return functools.cache(lambda name: makers[name]())
 
 
 @pytest.fixture(scope="module")
-def vanilla(tiny_model_dir, tmp_path_factory):
-    """Greedy tokens and their logprobs from stock vLLM: no plugin, no speculative decoding."""
+def refs(targets, steers):
+    return functools.cache(lambda name: HFReference(targets(name), steers))
+
+
+@pytest.fixture(scope="module")
+def stock(targets, tmp_path_factory):
+    """Greedy tokens and their logprobs from stock vLLM (no plugin, no speculative decoding),
+    per target."""
     from conftest import stock_vllm
 
-    return stock_vllm(tiny_model_dir, PROMPTS, MAX_TOKENS, ENGINE_KW,
-                      tmp_path_factory.mktemp("vanilla"))
+    return functools.cache(lambda name: stock_vllm(targets(name), PROMPTS, MAX_TOKENS,
+                                                   ENGINE_KW, tmp_path_factory.mktemp(name)))
+
+
+@pytest.fixture(scope="module", params=list(SPEC))
+def engine(request, targets, steer_files, tmp_path_factory):
+    from vllm import LLM
+
+    name = request.param
+    spec = dict(SPEC[name])
+    target = targets(TARGET[name])
+    if name == "draft_model":
+        spec["model"] = str(target)
+    elif name == "eagle":
+        spec["model"] = str(oracle_eagle_head(tmp_path_factory.mktemp("eagle")))
+    elif name == "eagle3":
+        spec["model"] = str(make_tiny_eagle(tmp_path_factory.mktemp("eagle3"), "eagle3",
+                                            draft_vocab=1024))
+    llm = LLM(str(target), additional_config={"vllm_steer": {"steers": steer_files}},
+              speculative_config=spec, disable_log_stats=False, **ENGINE_KW)
+    yield name, llm
+    del llm
+
+
+@pytest.fixture
+def ref(engine, refs):
+    return refs(TARGET[engine[0]])
+
+
+@pytest.fixture
+def vanilla(engine, stock):
+    return stock(TARGET[engine[0]])
 
 
 def sp(steer=None, **kw):
@@ -138,10 +199,11 @@ def test_logprobs_follow_the_steered_target(engine, ref):
 
 
 def test_a_steered_drafter_proposes_the_steered_tokens(engine):
-    """The target itself as the draft model: with its rows steered by each request's own
-    steer, every greedy draft token of a steered batch is accepted."""
+    """A drafter that predicts the target exactly (the target itself as the draft model; the
+    oracle EAGLE head on the bigram target): with its rows steered by each request's own
+    steer, every greedy draft token of a mixed batch is accepted."""
     name, llm = engine
-    if name != "draft_model":
-        pytest.skip("only the draft model shares the steers' hidden size")
+    if name not in EXACT_DRAFTER:
+        pytest.skip("only these drafters predict the target exactly")
     _, (drafted, accepted) = generate(llm, MIXED)
     assert drafted > 0 and accepted == drafted, (drafted, accepted)

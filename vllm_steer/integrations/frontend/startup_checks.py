@@ -25,7 +25,7 @@ logger = get_logger()
 
 #: ``speculative_config.method`` values whose rows are mapped to their requests
 #: (:mod:`vllm_steer.integrations.worker.spec_decode`, V1 runner).
-SUPPORTED_SPEC_METHODS = ("ngram", "draft_model")
+SUPPORTED_SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 
 
 def create_engine_config(orig, self, *a, **kw):
