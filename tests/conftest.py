@@ -103,7 +103,8 @@ def make_tiny_eagle(out: Path, method: str = "eagle", hidden: int = 64, seed: in
             w["d2t"] = torch.zeros(draft_vocab, dtype=torch.int64)  # draft id i -> target id i
         # the target's hidden states before its first layer, between and after its two layers
         cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab,
-                   eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
+                   eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]},
+                   eagle_aux_hidden_state_layer_ids=[0, 1, 2])  # where V2 reads them
     else:
         raise ValueError(f"unknown EAGLE method {method!r}")
     for k, v in (weights or {}).items():

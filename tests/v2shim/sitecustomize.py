@@ -7,7 +7,8 @@ named ``"cpu"`` (triton-cpu). Stock Triton (3.9, in the venv) runs kernels on CP
 with ``TRITON_INTERPRET=1`` and compiles nothing, so a stand-in ``"cpu"`` backend is enough:
 its compiler refuses to compile (every stage raises: with the interpreter nothing is compiled)
 and its driver reports itself active with the CPU as its device. vLLM's CPU ``shm.py``
-already stubs CUDA streams and events.
+already stubs CUDA streams and events. The interpreter's masked loads and stores are given
+``bool`` masks (``_bool_masks``), as compiled Triton reads any integer mask.
 
 Use (tests/engines/test_vllm_v2.py does this for its engine)::
 
@@ -138,7 +139,30 @@ def _install_async() -> None:
     _on_import("vllm.platforms.cpu", lambda m: keep_async_scheduling(m.CpuPlatform))
 
 
+def _bool_masks() -> None:
+    """The Triton interpreter's masked load/store accept only a numpy ``bool`` mask; a mask
+    made by ``&`` of comparisons can reach them as another integer type (vLLM's V2 n-gram
+    speculator, ``_ngram_finalize_kernel``). Compiled Triton treats any integer mask as
+    "non-zero"; so does this cast."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def as_bool(mask):
+        if mask.data.dtype != np.bool_:
+            mask = interpreter.TensorHandle(mask.data.astype(np.bool_), mask.dtype)
+        return mask
+
+    builder.create_masked_load = lambda self, ptrs, mask, *a: load(self, ptrs, as_bool(mask),
+                                                                   *a)
+    builder.create_masked_store = lambda self, ptrs, value, mask, *a: store(
+        self, ptrs, value, as_bool(mask), *a)
+
+
 if os.environ.get("STEER_TEST_V2_SHIM") == "1":
     _install()
+    _bool_masks()
 if os.environ.get("STEER_TEST_ASYNC_SHIM") == "1":
     _install_async()

@@ -88,38 +88,49 @@ def test_speculative_decoding_methods_without_steered_rows_are_refused_naming_th
         registered, tiny_model_dir, tmp_path):
     p = tmp_path / "a.safetensors"
     save_steer(p, random_steer(64, 4, "a"))
-    for spec in ({"method": "ngram_gpu", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
-                  "prompt_lookup_min": 1},
-                 {"method": "eagle", "model": str(tiny_model_dir), "num_speculative_tokens": 2}):
-        with pytest.raises(ValueError) as e:
-            _engine_config(tiny_model_dir, {"a": str(p)}, speculative_config=spec)
-        msg = str(e.value)
-        assert f"speculative decoding method {spec['method']!r} is not supported" in msg, msg
-        assert "ngram, draft_model" in msg and "--speculative-config" in msg, msg
-
-
-def test_speculative_decoding_under_model_runner_v2_is_refused_naming_the_method():
     from types import SimpleNamespace
 
     from vllm_steer.integrations.frontend.startup_checks import check_speculative_config
 
-    for method in ("ngram", "draft_model"):
-        cfg = SimpleNamespace(speculative_config=SimpleNamespace(method=method),
-                              use_v2_model_runner=True)
+    for spec in ({"method": "ngram_gpu", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                  "prompt_lookup_min": 1}, {"method": "medusa"}, {"method": "dflash"}):
         with pytest.raises(ValueError) as e:
-            check_speculative_config(cfg)
+            if spec["method"] == "ngram_gpu":  # through vLLM's own engine config
+                _engine_config(tiny_model_dir, {"a": str(p)}, speculative_config=spec)
+            else:  # (needs a checkpoint of that kind to build vLLM's config)
+                check_speculative_config(SimpleNamespace(
+                    speculative_config=SimpleNamespace(**spec), use_v2_model_runner=False))
         msg = str(e.value)
-        assert f"method {method!r}" in msg and "Model Runner V2" in msg, msg
-        assert "VLLM_USE_V2_MODEL_RUNNER=0" in msg, msg
+        assert f"speculative decoding method {spec['method']!r} is not supported" in msg, msg
+        assert "ngram, draft_model, eagle, eagle3, mtp" in msg, msg
+        assert "--speculative-config" in msg, msg
 
 
-def test_speculative_decoding_ngram_and_draft_model_are_accepted(registered, tiny_model_dir,
-                                                                  tmp_path):
+@pytest.mark.parametrize("v2", [False, True])
+def test_speculative_decoding_methods_with_mapped_rows_are_accepted_on_both_runners(v2):
+    from types import SimpleNamespace
+
+    from vllm_steer.integrations.frontend.startup_checks import (SUPPORTED_SPEC_METHODS,
+                                                                 check_speculative_config)
+
+    assert SUPPORTED_SPEC_METHODS == ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+    for method in SUPPORTED_SPEC_METHODS:
+        check_speculative_config(SimpleNamespace(
+            speculative_config=SimpleNamespace(method=method), use_v2_model_runner=v2))
+
+
+def test_speculative_decoding_ngram_draft_model_and_eagle_are_accepted(registered,
+                                                                      tiny_model_dir,
+                                                                      tmp_path):
+    from conftest import make_tiny_eagle
+
     p = tmp_path / "a.safetensors"
     save_steer(p, random_steer(64, 4, "a"))
     for spec in ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
                   "prompt_lookup_min": 1},
                  {"method": "draft_model", "model": str(tiny_model_dir),
+                  "num_speculative_tokens": 2},
+                 {"method": "eagle", "model": str(make_tiny_eagle(tmp_path / "eagle")),
                   "num_speculative_tokens": 2}):
         cfg = _engine_config(tiny_model_dir, {"a": str(p)}, speculative_config=spec)
         assert cfg.speculative_config.method == spec["method"]

@@ -54,7 +54,8 @@ def test_positions_count_the_generated_tokens_each_row_samples():
     assert pos.tolist() == [3, 4, 5, 6, -1, 0, 7]
 
 
-def _runner_with_drafter(draft_hidden, steer_hidden, steer_drafter=True, method="draft_model"):
+def _runner_with_drafter(draft_hidden, steer_hidden, steer_drafter=True, method="draft_model",
+                         v2=False):
     """A stand-in runner whose drafter model has two of our heads, each bound to a runtime
     whose steers have ``steer_hidden`` (what ``prepare_drafter`` reads, nothing more)."""
     from vllm_steer.integrations.worker.head import SteeredLogitsProcessor
@@ -71,7 +72,8 @@ def _runner_with_drafter(draft_hidden, steer_hidden, steer_drafter=True, method=
                                hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
                                get_hidden_size=lambda: draft_hidden)
     spec = SimpleNamespace(method=method, draft_model_config=draft_mc)
-    runner = SimpleNamespace(drafter=SimpleNamespace(model=model), speculative_config=spec)
+    owner = "speculator" if v2 else "drafter"  # where each runner keeps its drafter
+    runner = SimpleNamespace(**{owner: SimpleNamespace(model=model)}, speculative_config=spec)
     return runner, rt, [model.head, model.mtp_head]
 
 
@@ -88,6 +90,39 @@ def test_a_drafter_is_steered_only_when_its_hidden_size_fits(draft_hidden, steer
     prepare_drafter(runner, rt)
     assert [h.steer_runtime is rt for h in heads] == [steered, steered]
 
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3", "mtp"])
+def test_a_model_runner_v2_drafter_proposes_unsteered_and_says_why(method):
+    """V2 captures its drafters' LM heads in CUDA graphs with their sampling: their heads are
+    detached, whatever the hidden size, and the log says why."""
+    import logging
+
+    from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
+    from vllm_steer.logs import get_logger
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    runner, rt, heads = _runner_with_drafter(64, 64, method=method, v2=True)
+    logger, handler = get_logger(), Lines()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        prepare_drafter_once(runner, rt)
+        prepare_drafter_once(runner, rt)  # once per runner
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert [h.steer_runtime for h in heads] == [None, None]
+    lines = [m for m in handler.lines if "drafter" in m]
+    assert len(lines) == 1 and f"({method}): drafter unsteered" in lines[0], lines
+    assert "Model Runner V2" in lines[0] and "CUDA-graph" in lines[0], lines
 
 
 def test_an_ngram_runner_has_no_drafter_heads():

@@ -29,7 +29,7 @@ class FakeDevice:
     """What the device has finished: events recorded during a step complete at its end."""
 
     def __init__(self):
-        self.pending: list[FakeEvent] = []
+        self.pending: list = []
         self.waits_on_running = 0  # host waits on an event the device has not reached
         self.pinned: set[int] = set()  # storage addresses of pinned host memory
         self.copies: list[tuple[str, bool]] = []  # (what, source pinned) of each H2D copy

@@ -23,8 +23,8 @@ from vllm_steer.logs import get_logger
 
 logger = get_logger()
 
-#: ``speculative_config.method`` values whose rows are mapped to their requests
-#: (:mod:`vllm_steer.integrations.worker.spec_decode`, V1 runner).
+#: ``speculative_config.method`` values whose rows are mapped to their requests, on the V1
+#: runner and on Model Runner V2 (:mod:`vllm_steer.integrations.worker.spec_decode`).
 SUPPORTED_SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 
 
@@ -65,22 +65,18 @@ def configure_engine(vllm_config) -> None:
 
 
 def check_speculative_config(vllm_config) -> None:
-    """Speculative decoding: the V1 runner's verification rows (and a draft model's rows) are
-    mapped to their requests by :mod:`vllm_steer.integrations.worker.spec_decode`, for the methods in
-    its ``SUPPORTED_SPEC_METHODS``; any other method, or Model Runner V2, is refused here."""
+    """Speculative decoding: the target's verification rows, and the drafter's rows where it
+    is steered, are mapped to their requests by
+    :mod:`vllm_steer.integrations.worker.spec_decode` for the methods in
+    ``SUPPORTED_SPEC_METHODS``, on both runners; any other method is refused here."""
     spec = vllm_config.speculative_config
     if spec is None:
         return
-
     method = getattr(spec, "method", None)
-    fix = ("serve without --speculative-config, or with "
-           + " or ".join(f'{{"method": "{m}"}}' for m in SUPPORTED_SPEC_METHODS)
-           + ", or without the --steer options")
-    if getattr(vllm_config, "use_v2_model_runner", False):
-        raise ValueError(f"vllm-steer: speculative decoding (method {method!r}) is not "
-                         "supported with steers under Model Runner V2 (not tested there); set "
-                         f"VLLM_USE_V2_MODEL_RUNNER=0, or {fix}")
     if method not in SUPPORTED_SPEC_METHODS:
+        fix = ("serve without --speculative-config, or with "
+               + " or ".join(f'{{"method": "{m}"}}' for m in SUPPORTED_SPEC_METHODS)
+               + ", or without the --steer options")
         raise ValueError(f"vllm-steer: speculative decoding method {method!r} is not supported "
                          f"with steers (supported: {', '.join(SUPPORTED_SPEC_METHODS)}); its drafter "
                          "rows are not mapped to their requests (untested); " + fix)

@@ -1,23 +1,31 @@
-"""Speculative decoding with steers (V1 runner: the CPU runner and V1 GPU runner).
+"""Speculative decoding with steers: the V1 runner (the CPU runner and V1 GPU runner) and
+Model Runner V2.
 
 Semantics: see :mod:`vllm_steer.reference`. With rejection sampling the output follows the
 target model's distribution whatever the drafter proposes, so steering the target's
 *verification* rows gives exactly the steered distribution; steering the drafter as well
 only keeps the acceptance rate up.
 
-- **Target rows.** With a ``speculative_config`` every V1 step computes the logits of
+- **Target rows (V1).** With a ``speculative_config`` every V1 step computes the logits of
   ``hidden_states[logits_indices]``: per request, in batch order, ``num_draft_tokens[i] + 1``
   rows (``_calc_spec_decode_metadata``, host-side ``num_draft_tokens``). The wrapper of that
   method scopes a host-side row -> slot mapping (:class:`RowSource` ``"slots"``, with the
   index of the generated token each row samples) to the rest of ``execute_model``, whose only
   ``compute_logits`` call is the verification one.
-- **Drafter rows.** A draft model (``method: "draft_model"``) has its own logits layer (our
-  head too). Its ``compute_logits`` calls, in ``propose_draft_token_ids``, have one row per
-  request of the batch, in batch order, per draft step: mapped to slots ``0..num_reqs-1``.
-  It is steered only when its hidden size equals the steers' (and ``steer_drafter`` is on);
-  otherwise its heads are detached from the runtime (computed unsteered, never a crash and
-  never another request's steer). Rows the mapping does not cover (parallel drafting) are
-  computed unsteered by the runtime.
+- **Drafter rows (V1).** Every drafter with logits (``draft_model``, ``eagle``, ``eagle3``,
+  ``mtp``: vLLM's ``SpecDecodeBaseProposer`` family) computes, in
+  ``propose_draft_token_ids``, one row per request of the batch, in batch order, per draft
+  step (EAGLE: from the target's hidden state, then from its own): mapped to slots
+  ``0..num_reqs-1``. It is steered only when its head's input size equals the steers' (and
+  ``steer_drafter`` is on); otherwise its heads are detached from the runtime (computed
+  unsteered, never a crash and never another request's steer). Rows the mapping does not
+  cover (parallel drafting) are computed unsteered by the runtime.
+- **Model Runner V2.** Its ``sample()`` maps every verification row through
+  ``expanded_idx_mapping`` (:mod:`vllm_steer.integrations.worker.v2`). Its speculators run
+  the drafter's LM head inside the draft steps that V2 captures in CUDA graphs (forward,
+  logits and sampling together, ``target_dependent_ar``), where a steer's per-step inputs
+  would be frozen at capture: the drafter's heads are detached (:func:`prepare_drafter`), so
+  V2 drafters propose unsteered. Outputs are still exactly the steered target's.
 - n-gram has no drafter logits.
 
 Everything is planned from host data (numpy arrays the runner already has): no device read.
@@ -102,9 +110,7 @@ def propose_draft_token_ids(orig, self, *args, **kwargs):
     rt = _runtime(self)
     if rt is None:
         return orig(self, *args, **kwargs)
-    if not getattr(self, "_vllm_steer_drafter_checked", False):
-        prepare_drafter(self, rt)
-        self._vllm_steer_drafter_checked = True
+    prepare_drafter_once(self, rt)
     from vllm_steer.integrations.worker.runtime import RowSource
 
     slots = np.arange(self.input_batch.num_reqs, dtype=np.int64)
@@ -112,19 +118,34 @@ def propose_draft_token_ids(orig, self, *args, **kwargs):
         return orig(self, *args, **kwargs)
 
 
+def drafter_model(runner):
+    """The runner's drafter model: V1 ``runner.drafter.model``, V2 ``runner.speculator.model``
+    (None for n-gram)."""
+    for owner in ("drafter", "speculator"):
+        model = getattr(getattr(runner, owner, None), "model", None)
+        if model is not None and hasattr(model, "named_modules"):
+            return model
+    return None
+
+
 def drafter_heads(runner) -> list:
     """The steered logits layers of the runner's drafter model (none for n-gram)."""
     from vllm_steer.integrations.worker.head import SteeredLogitsProcessor
 
-    model = getattr(getattr(runner, "drafter", None), "model", None)
-    if model is None or not hasattr(model, "named_modules"):
+    model = drafter_model(runner)
+    if model is None:
         return []
     return [m for _, m in model.named_modules() if isinstance(m, SteeredLogitsProcessor)]
 
 
+#: why a drafter proposes unsteered under Model Runner V2 (logged once per worker)
+V2_DRAFTER_REASON = ("Model Runner V2 runs the drafter's LM head inside CUDA-graph-captured "
+                     "draft steps, where a steer's per-step inputs would be frozen")
+
+
 def prepare_drafter(runner, rt) -> None:
-    """Detach the drafter's heads from the steers unless they can be steered: same hidden
-    size as the steers, and ``steer_drafter`` on."""
+    """Detach the drafter's heads from the steers unless they can be steered: the V1 runner,
+    the same hidden size as the steers, and ``steer_drafter`` on."""
     from vllm_steer.logs import get_logger
 
     heads = drafter_heads(runner)
@@ -141,14 +162,23 @@ def prepare_drafter(runner, rt) -> None:
         except Exception:  # noqa: BLE001 - an unknown layout: leave the drafter unsteered
             hidden = None
     steer_hidden = rt.bank.hidden_size if rt.bank is not None else None
-    steer = bool(getattr(rt.config, "steer_drafter", True)) and hidden is not None \
-        and hidden == steer_hidden
+    v2 = hasattr(runner, "speculator")
+    steer = not v2 and bool(getattr(rt.config, "steer_drafter", True)) \
+        and hidden is not None and hidden == steer_hidden
     if not steer:
         for head in heads:
             head.steer_runtime = None
     get_logger().info(
         "vllm-steer: speculative decoding (%s): drafter %s (drafter hidden size %s, steers' "
-        "%s)", spec.method, "steered" if steer else "unsteered", hidden, steer_hidden)
+        "%s%s)", spec.method, "steered" if steer else "unsteered", hidden, steer_hidden,
+        f"; {V2_DRAFTER_REASON}" if v2 else "")
+
+
+def prepare_drafter_once(runner, rt) -> None:
+    """:func:`prepare_drafter` at a runner's first step (its drafter is loaded by then)."""
+    if not getattr(runner, "_vllm_steer_drafter_checked", False):
+        prepare_drafter(runner, rt)
+        runner._vllm_steer_drafter_checked = True
 
 
 def build_logitsprocs(orig, vllm_config, device, is_pin_memory, is_pooling_model,

@@ -11,6 +11,9 @@ tests/engines/test_vllm_v2.py (through the test shim tests/v2shim) and piecewise
 Prompt logprobs are steered too: the prompt-logprob worker's ``compute_logits`` calls (chunks
 that may hold rows of several requests) get each row's request slot from host-side data
 (:func:`prompt_logprobs`).
+Speculative decoding: the verification rows (``num_draft_tokens + 1`` per request) come
+through the same ``expanded_idx_mapping``; the drafter proposes unsteered
+(:mod:`vllm_steer.integrations.worker.spec_decode`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ def sample(orig, self, hidden_states, input_batch, grammar_output):
     through the very indices the runner's ``BatchSharder`` returns.
     """
     rt = get_runtime(self.vllm_config.additional_config)
+    if rt is not None and getattr(self, "speculator", None) is not None:
+        from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
+
+        prepare_drafter_once(self, rt)  # V2 drafters propose unsteered (spec_decode.py)
     if rt is None or not rt.any_steered(input_batch.idx_mapping_np):
         return orig(self, hidden_states, input_batch, grammar_output)
     sharder = getattr(self, "batch_sharder", None)

@@ -1,0 +1,117 @@
+"""Speculative decoding with steers under Model Runner V2, live on this CPU through the test
+shim (tests/v2shim: V2's Triton kernels in the Triton interpreter), offline ``LLM``.
+
+V2 maps every verification row (``num_draft_tokens + 1`` per request) through the
+``expanded_idx_mapping`` that its ``sample()`` gets; its drafters propose unsteered (V2 runs
+their LM heads inside CUDA-graph-captured draft steps: see
+``vllm_steer.integrations.worker.spec_decode``). Outputs must therefore be exactly the
+steered target's, and the oracle EAGLE head of test_vllm_specdec.py (which proposes exactly
+the target's greedy tokens when steered like the target) shows that the drafter was not
+steered: every draft of an unsteered request is accepted, and not every draft of a steered
+one.
+
+One engine per method (n-gram, the target as its own draft model, EAGLE), one mixed batch
+each: steered requests against transformers on the target's own weights (``HFReference``,
+tokens and logprobs), unsteered ones against stock vLLM (no plugin, no speculative decoding).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import HFReference, make_tiny_llama, random_steer, save_steers
+from engines.test_vllm_specdec import (ENGINE_KW, MAX_TOKENS, MIXED, PROMPTS, SPEC,
+                                       oracle_eagle_head, spec_counts)
+
+pytestmark = pytest.mark.vllm
+
+METHODS = ("ngram", "draft_model", "eagle")
+TARGET = {"ngram": "tiny", "draft_model": "tiny", "eagle": "bigram"}
+
+
+@pytest.fixture(scope="module")
+def steers():
+    return {"a": random_steer(64, 8, "a", seed=1, scale=3.0),
+            "b": random_steer(64, 8, "b", seed=2, scale=3.0)}
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_model_dir, tmp_path_factory):
+    return {"tiny": tiny_model_dir,
+            "bigram": make_tiny_llama(tmp_path_factory.mktemp("bigram-v2"), bigram=True)}
+
+
+@pytest.fixture(scope="module")
+def stock(targets, tmp_path_factory):
+    """Stock vLLM's greedy tokens and logprobs per target (V2, no plugin, no speculation)."""
+    import functools
+
+    from conftest import stock_vllm
+
+    return functools.cache(lambda name: stock_vllm(targets[name], PROMPTS, MAX_TOKENS,
+                                                   ENGINE_KW, tmp_path_factory.mktemp(name)))
+
+
+@pytest.fixture(scope="module", params=METHODS)
+def engine(request, v2_runner, targets, steers, tmp_path_factory):
+    from vllm import LLM
+
+    name = request.param
+    spec = dict(SPEC[name])
+    target = targets[TARGET[name]]
+    if name == "draft_model":
+        spec["model"] = str(target)
+    elif name == "eagle":
+        spec["model"] = str(oracle_eagle_head(tmp_path_factory.mktemp("eagle-v2")))
+    files = save_steers(tmp_path_factory.mktemp("steers-v2spec"), steers)
+    llm = LLM(str(target), additional_config={"vllm_steer": {"steers": files}},
+              speculative_config=spec, disable_log_stats=False, **ENGINE_KW)
+    yield name, target, llm
+    del llm
+
+
+def test_v2_speculative_decoding_serves_the_steered_target_in_a_mixed_batch(
+        engine, steers, stock):
+    from vllm import SamplingParams
+
+    name, target, llm = engine
+    ref = HFReference(target, steers)
+    d0, _ = spec_counts(llm)
+    outs = llm.generate(PROMPTS, [SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, logprobs=0,
+        extra_args=None if s is None else {"steer": s}) for s in MIXED], use_tqdm=False)
+    drafted, _ = spec_counts(llm)
+    assert drafted - d0 > 0, f"{name}: no draft tokens were verified; nothing was tested"
+    for o, steer, (plain, plain_lp) in zip(outs, MIXED, stock(TARGET[name])):
+        got = list(o.outputs[0].token_ids)
+        lps = [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, got)]
+        if steer is None:
+            assert got == plain, (name, o.prompt)
+            assert lps == pytest.approx(plain_lp, abs=1e-4), (name, o.prompt)
+            continue
+        ids = list(o.prompt_token_ids)
+        assert got == ref.greedy(ids, MAX_TOKENS, steer), (name, o.prompt, steer)
+        assert got != plain, (name, o.prompt, "the steer has no visible effect")
+        lp = ref.logprobs(ids + got, steer)
+        assert lps == pytest.approx([float(lp[len(ids) - 1 + i, t]) for i, t in
+                                     enumerate(got)], abs=2e-3), (name, o.prompt, steer)
+
+
+def test_v2_drafter_proposes_unsteered(engine):
+    """The oracle EAGLE head proposes the plain target's greedy tokens under V2: all of an
+    unsteered batch's drafts are accepted, and a steered batch's are not."""
+    from vllm import SamplingParams
+
+    name, _, llm = engine
+    if name != "eagle":
+        pytest.skip("only the oracle EAGLE head predicts the target exactly")
+    rates = []
+    for steer in (None, {"a": 5}):
+        d0, a0 = spec_counts(llm)
+        llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                             extra_args=None if steer is None
+                                             else {"steer": steer}), use_tqdm=False)
+        d1, a1 = spec_counts(llm)
+        assert d1 > d0
+        rates.append((a1 - a0) / (d1 - d0))
+    assert rates[0] == 1.0 and rates[1] < 1.0, rates
