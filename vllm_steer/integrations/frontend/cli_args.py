@@ -62,9 +62,9 @@ def add_steer_args(parser) -> None:
                             "by default: only for servers whose clients you trust.")
     group.add_argument("--no-steer-drafter", dest="steer_drafter", action="store_false",
                        default=True,
-                       help="Speculative decoding: do not steer the draft model's proposals "
-                            "(the output follows the steered target either way; steering the "
-                            "drafter keeps acceptance up).")
+                       help="Speculative decoding: do not steer the drafter's proposals "
+                            "(draft model, EAGLE, EAGLE-3, MTP; the output follows the steered "
+                            "target either way; steering the drafter keeps acceptance up).")
     group.add_argument("--steer-updates-any-path", action="store_true", default=False,
                        help="With --enable-steer-updates: POST /v1/steers may load files "
                             "outside --steer-dir.")
