@@ -241,8 +241,9 @@ class HFReference:
         """Engine outputs of requests with generation windows (``steers``: one request's
         ``steer`` each, None: unsteered), checked with a hand-written greedy decode loop that
         applies each window's strength at that generated token (``Window.at``): every token
-        and its logprob (within 2e-3). Returns, per steered request, whether the same steers
-        at constant strength decode otherwise (the window matters)."""
+        and its logprob (within 2e-3); ``max_tokens`` None: each request's own length. Returns,
+        per steered request, whether the same steers at constant strength decode otherwise (the
+        window matters)."""
         import pytest
 
         from vllm_steer.request import Window
@@ -258,10 +259,11 @@ class HFReference:
                 assert tok == int(lp.argmax()), (steer, t)
                 assert entry[tok].logprob == pytest.approx(lp[tok].item(), abs=2e-3), (steer, t)
                 ids.append(tok)
-            assert len(ids) == len(o.prompt_token_ids) + max_tokens
+            n_out = len(o.outputs[0].token_ids) if max_tokens is None else max_tokens
+            assert len(ids) == len(o.prompt_token_ids) + n_out
             if steer:
                 full = {n: (v["strength"] if isinstance(v, dict) else v) for n, v in steer.items()}
-                constant.append(self.greedy(o.prompt_token_ids, max_tokens, full)
+                constant.append(self.greedy(o.prompt_token_ids, n_out, full)
                                 != list(o.outputs[0].token_ids))
         return constant
 

@@ -132,3 +132,45 @@ def test_a_steered_request_same_alone_as_in_the_async_batch(llm):
     for i in (0, 2, 4):
         alone = llm.generate([PROMPTS[i]], [sp(*REQUESTS[i])], use_tqdm=False)[0]
         assert list(alone.outputs[0].token_ids) == list(batch[i].outputs[0].token_ids)
+
+
+# Generation windows with speculative decoding under async scheduling: the engine core
+# schedules a step before the previous step's accepted draft count is back, so the runner's
+# token counts are optimistic (every draft accepted) until vLLM corrects them after the
+# forward. The windows must follow each request's real generated tokens.
+WINDOWED = [({"a": {"strength": 6, "start": 3, "end": 9}}, 14), (None, 10),
+            ({"b": {"strength": -5, "start": 0, "end": 5, "base": 2}}, 12),
+            ({"a": {"strength": 4, "start": 5, "ramp": 3}}, 13)]
+
+
+@pytest.fixture(scope="module")
+def spec_llm(async_env, tiny_model_dir, steers):
+    """V1, async scheduling, the target as its own draft model proposing unsteered
+    (``steer_drafter: false``): steered requests reject drafts, so the optimistic counts of
+    async scheduling are wrong at the next step."""
+    from vllm import LLM
+
+    kw = dict(ENGINE_KW, max_num_seqs=4, enable_prefix_caching=False)
+    engine = LLM(str(tiny_model_dir), additional_config={"vllm_steer": {
+        "steers": steers[1], "steer_drafter": False}},
+                 speculative_config={"method": "draft_model", "model": str(tiny_model_dir),
+                                     "num_speculative_tokens": 3}, disable_log_stats=False,
+                 **kw)
+    yield engine
+    del engine
+
+
+def test_windows_with_a_draft_model_follow_the_real_generated_tokens(spec_llm, ref):
+    assert spec_llm.llm_engine.vllm_config.scheduler_config.async_scheduling is True
+    vals = lambda: {m.name: m.value for m in spec_llm.get_metrics() if hasattr(m, "value")}  # noqa: E731
+    before = vals()
+    outs = spec_llm.generate(PROMPTS[:len(WINDOWED)], [sp(s, n) for s, n in WINDOWED],
+                             use_tqdm=False)
+    after = vals()
+    drafted = after["vllm:spec_decode_num_draft_tokens"] - before.get(
+        "vllm:spec_decode_num_draft_tokens", 0)
+    accepted = after["vllm:spec_decode_num_accepted_tokens"] - before.get(
+        "vllm:spec_decode_num_accepted_tokens", 0)
+    assert 0 < accepted < drafted, (accepted, drafted)  # some drafts rejected: counts move
+    matters = ref.check_windowed(outs, [s for s, _ in WINDOWED], None)
+    assert any(matters), "the windows change nothing: the test could not see a shift"

@@ -132,3 +132,26 @@ def test_an_ngram_runner_has_no_drafter_heads():
         method="ngram"))
     assert drafter_heads(runner) == []
     prepare_drafter(runner, SimpleNamespace(bank=None, config=None))  # nothing to detach
+
+
+def test_async_counts_are_corrected_for_the_drafts_the_previous_step_rejected():
+    """Async scheduling: the runner's counts assume every previous draft accepted; the real
+    count subtracts ``optimistic - (valid - 1)`` per request, found through its previous batch
+    index (vLLM's own ``correct_spec_decode_token_counts`` rule)."""
+    from vllm_steer.integrations.worker.spec_decode import real_computed_tokens
+
+    calls = []
+    ib = SimpleNamespace(num_computed_tokens_cpu=np.array([20, 31, 12, 7]),
+                         req_ids=["a", "b", "c", "new"],
+                         prev_req_id_to_index={"a": 2, "b": 0, "c": 1})
+    runner = SimpleNamespace(
+        use_async_spec_decode=True, input_batch=ib,
+        prev_num_draft_tokens=SimpleNamespace(np=np.array([3, 0, 3, 0])),
+        _get_valid_sampled_token_count=lambda: calls.append(1) or [2, 4, 4])
+    # a: prev index 2, 3 optimistic, 4 valid (3 accepted): no change; b: prev 0, 3 optimistic,
+    # 2 valid (1 accepted): -2; c: no optimistic count; new: not in the previous batch
+    assert real_computed_tokens(runner, 4).tolist() == [20, 29, 12, 7]
+    assert ib.num_computed_tokens_cpu.tolist() == [20, 31, 12, 7]  # vLLM's own counts kept
+    runner.use_async_spec_decode = False
+    assert real_computed_tokens(runner, 4).tolist() == [20, 31, 12, 7]
+    assert len(calls) == 1  # the wait only where a count is optimistic

@@ -377,6 +377,10 @@ class SteerRuntime:
         """Whether any of these slots (a step's ``idx_mapping``) holds a steered request."""
         return self.has_steered_slots and bool(self._steered[slots].any())
 
+    def any_windowed(self, slots: np.ndarray) -> bool:
+        """Whether any of these slots holds a request with a generation window."""
+        return bool(self.num_window_slots) and bool(self._windowed[slots].any())
+
     @property
     def active(self) -> bool:
         """Whether the head has steer work for the rows of the next ``compute_logits``."""

@@ -96,11 +96,45 @@ def calc_spec_decode_metadata(orig, self, num_draft_tokens, cu_num_scheduled_tok
         from vllm_steer.integrations.worker.runtime import RowSource
 
         ib = self.input_batch
+        computed = ib.num_computed_tokens_cpu
+        if rt.num_window_slots and rt.any_windowed(np.arange(len(num_draft_tokens))):
+            computed = real_computed_tokens(self, len(num_draft_tokens))
         slots, positions = verification_rows(num_draft_tokens, cu_num_scheduled_tokens,
-                                             ib.num_computed_tokens_cpu,
-                                             ib.num_prompt_tokens)
+                                             computed, ib.num_prompt_tokens)
         rt.row_source = RowSource("slots", slots=slots, positions=positions)
     return out
+
+
+def real_computed_tokens(runner, n: int) -> np.ndarray:
+    """The computed-token counts of the batch's first ``n`` requests, corrected for the drafts
+    the previous step rejected.
+
+    Under async scheduling with speculative decoding, the engine core schedules a step before
+    the previous one's accepted-draft count is back, and the V1 runner counts every draft of
+    the previous step as accepted (``prev_num_draft_tokens``: the optimistic count per
+    previous batch index) until it corrects ``num_computed_tokens_cpu`` after this step's
+    forward is launched (``correct_spec_decode_token_counts``). A generation window needs the
+    real count now: read the previous step's valid-token counts
+    (``_get_valid_sampled_token_count``, the runner's own read, which waits for the previous
+    step's sampling) and apply vLLM's correction, ``optimistic - (valid - 1)``, to a copy.
+    Only steps with a windowed request pay that wait; without async scheduling, or when no
+    request carries an optimistic count, the counts are returned as they are."""
+    computed = np.asarray(runner.input_batch.num_computed_tokens_cpu[:n], dtype=np.int64)
+    if not getattr(runner, "use_async_spec_decode", False):
+        return computed
+    ib = runner.input_batch
+    prev_index = getattr(ib, "prev_req_id_to_index", None) or {}
+    optimistic = runner.prev_num_draft_tokens.np
+    pairs = [(i, prev_index.get(req_id)) for i, req_id in enumerate(ib.req_ids[:n])]
+    pairs = [(i, j) for i, j in pairs if j is not None and optimistic[j] > 0]
+    if not pairs:
+        return computed
+    valid = runner._get_valid_sampled_token_count()
+    computed = computed.copy()
+    for i, j in pairs:
+        if j < len(valid):
+            computed[i] -= int(optimistic[j]) - (int(valid[j]) - 1)
+    return computed
 
 
 def propose_draft_token_ids(orig, self, *args, **kwargs):
