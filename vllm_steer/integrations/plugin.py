@@ -153,7 +153,8 @@ HOOKS: tuple[Hook, ...] = (
          _worker("spec_decode", "build_logitsprocs"), process="worker"),
     Hook(f"{_V2}.sample.logits_processor:LogitsProcessor", "V2 per-request steer state",
          process="worker"),
-    Hook(f"{_V2}.model_runner:GPUModelRunner.sample", "the step's row -> request mapping (V2)",
+    Hook(f"{_V2}.model_runner:GPUModelRunner.sample",
+         "the step's row -> request mapping (V2; verification rows too)",
          _worker("v2", "sample"), process="worker"),
     Hook(f"{_V2}.sample.prompt_logprob:PromptLogprobsWorker.compute_prompt_logprobs",
          "steered prompt logprobs (V2)", _worker("v2", "prompt_logprobs"), process="worker"),
@@ -163,6 +164,9 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{_V2}.sample.batch_shard:BatchSharder.shard_sampler_inputs",
          "rows of batch-sharded sampling (V2, --enable-batch-sharded-sampling)",
          process="worker"),
+    Hook(f"{_V2}.spec_decode.standalone_ar.speculator:StandaloneARSpeculator.propose",
+         "speculative decoding: the draft model's rows -> requests (V2)",
+         _worker("spec_decode", "propose_standalone_v2"), process="worker"),
 )
 
 

@@ -3,7 +3,9 @@ test_vllm_specdec.py)."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -72,8 +74,12 @@ def _runner_with_drafter(draft_hidden, steer_hidden, steer_drafter=True, method=
                                hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
                                get_hidden_size=lambda: draft_hidden)
     spec = SimpleNamespace(method=method, draft_model_config=draft_mc)
-    owner = "speculator" if v2 else "drafter"  # where each runner keeps its drafter
-    runner = SimpleNamespace(**{owner: SimpleNamespace(model=model)}, speculative_config=spec)
+    if v2:  # V2 keeps it in its speculator, of a class per method
+        cls = "StandaloneARSpeculator" if method == "draft_model" else "EagleSpeculator"
+        runner = SimpleNamespace(speculator=type(cls, (), {"model": model})(),
+                                 speculative_config=spec)
+    else:
+        runner = SimpleNamespace(drafter=SimpleNamespace(model=model), speculative_config=spec)
     return runner, rt, [model.head, model.mtp_head]
 
 
@@ -91,10 +97,11 @@ def test_a_drafter_is_steered_only_when_its_hidden_size_fits(draft_hidden, steer
     assert [h.steer_runtime is rt for h in heads] == [steered, steered]
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
 def test_a_model_runner_v2_drafter_proposes_unsteered_and_says_why(method):
-    """V2 captures its drafters' LM heads in CUDA graphs with their sampling: their heads are
-    detached, whatever the hidden size, and the log says why."""
+    """V2 captures its EAGLE / EAGLE-3 / MTP drafters' LM heads in CUDA graphs with their
+    sampling: their heads are detached, whatever the hidden size, and the log says why. Its
+    draft model runs eagerly and is steered as on V1."""
     import logging
 
     from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
@@ -123,6 +130,41 @@ def test_a_model_runner_v2_drafter_proposes_unsteered_and_says_why(method):
     lines = [m for m in handler.lines if "drafter" in m]
     assert len(lines) == 1 and f"({method}): drafter unsteered" in lines[0], lines
     assert "Model Runner V2" in lines[0] and "CUDA-graph" in lines[0], lines
+
+    runner, rt, heads = _runner_with_drafter(64, 64, method="draft_model", v2=True)
+    prepare_drafter_once(runner, rt)
+    assert [h.steer_runtime is rt for h in heads] == [True, True]
+
+
+def test_a_v2_draft_model_step_maps_its_rows_to_the_batch_slots():
+    """V2's draft model computes one row per request of the input batch: the rows get the
+    slots of ``idx_mapping_np`` only while a slot of the batch is steered."""
+    from vllm_steer.integrations.worker.spec_decode import propose_standalone_v2
+
+    seen = []
+
+    class Runtime:
+        row_source = None
+
+        def any_steered(self, slots):
+            return bool((slots == 5).any())
+
+        @contextlib.contextmanager
+        def rows(self, source):
+            seen.append(source)
+            yield
+
+    rt = Runtime()
+    spec = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={}))
+    batch = SimpleNamespace(num_reqs=3, idx_mapping_np=np.array([5, 0, 2, 7]))
+    orig = lambda self, ib, *a, **kw: "proposed"  # noqa: E731
+    with mock.patch("vllm_steer.integrations.worker.runtime.get_runtime", lambda cfg: rt):
+        assert propose_standalone_v2(orig, spec, batch, 1, x=2) == "proposed"
+        assert [s.slots.tolist() for s in seen] == [[5, 0, 2]]
+        assert seen[0].kind == "slots" and seen[0].positions is None
+        batch.idx_mapping_np = np.array([1, 0, 2, 5])  # slot 5 not among the batch's three
+        propose_standalone_v2(orig, spec, batch)
+        assert len(seen) == 1
 
 
 def test_an_ngram_runner_has_no_drafter_heads():

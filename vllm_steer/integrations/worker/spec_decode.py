@@ -21,11 +21,15 @@ only keeps the acceptance rate up.
   unsteered, never a crash and never another request's steer). Rows the mapping does not
   cover (parallel drafting) are computed unsteered by the runtime.
 - **Model Runner V2.** Its ``sample()`` maps every verification row through
-  ``expanded_idx_mapping`` (:mod:`vllm_steer.integrations.worker.v2`). Its speculators run
-  the drafter's LM head inside the draft steps that V2 captures in CUDA graphs (forward,
-  logits and sampling together, ``target_dependent_ar``), where a steer's per-step inputs
-  would be frozen at capture: the drafter's heads are detached (:func:`prepare_drafter`), so
-  V2 drafters propose unsteered. Outputs are still exactly the steered target's.
+  ``expanded_idx_mapping`` (:mod:`vllm_steer.integrations.worker.v2`). A draft model
+  (``StandaloneARSpeculator``, which V2 runs eagerly: no CUDA graph) computes one row per
+  request of the input batch per draft step: mapped to the batch's slots
+  (``idx_mapping_np``, host) by :func:`propose_standalone_v2`, and steered as on V1. EAGLE,
+  EAGLE-3 and MTP speculators run the drafter's LM head inside the draft steps that V2
+  captures in CUDA graphs (forward, logits and sampling together, ``target_dependent_ar``),
+  where a steer's per-step inputs would be frozen at capture: their heads are detached
+  (:func:`prepare_drafter`), so they propose unsteered. Outputs are exactly the steered
+  target's either way.
 - n-gram has no drafter logits.
 
 Everything is planned from host data (numpy arrays the runner already has): no device read.
@@ -152,6 +156,24 @@ def propose_draft_token_ids(orig, self, *args, **kwargs):
         return orig(self, *args, **kwargs)
 
 
+def propose_standalone_v2(orig, self, input_batch, *args, **kwargs):
+    """``StandaloneARSpeculator.propose`` (V2 draft model, run eagerly): each of its
+    ``compute_logits`` calls has one row per request of the input batch, in batch order
+    (``idx_mapping[:num_reqs]``): mapped to those slots from the host copy
+    (``idx_mapping_np``)."""
+    from vllm_steer.integrations.worker.runtime import RowSource, get_runtime
+
+    rt = get_runtime(self.vllm_config.additional_config)
+    num_reqs = getattr(input_batch, "num_reqs", 0)
+    slots = getattr(input_batch, "idx_mapping_np", None)
+    if rt is None or not num_reqs or slots is None or not rt.any_steered(slots[:num_reqs]):
+        return orig(self, input_batch, *args, **kwargs)
+    rows = RowSource("slots", slots=np.asarray(slots[:num_reqs], dtype=np.int64),
+                     positions=None)
+    with rt.rows(rows):
+        return orig(self, input_batch, *args, **kwargs)
+
+
 def drafter_model(runner):
     """The runner's drafter model: V1 ``runner.drafter.model``, V2 ``runner.speculator.model``
     (None for n-gram)."""
@@ -172,14 +194,24 @@ def drafter_heads(runner) -> list:
     return [m for _, m in model.named_modules() if isinstance(m, SteeredLogitsProcessor)]
 
 
-#: why a drafter proposes unsteered under Model Runner V2 (logged once per worker)
+#: why an EAGLE / EAGLE-3 / MTP drafter proposes unsteered under Model Runner V2 (logged once
+#: per worker)
 V2_DRAFTER_REASON = ("Model Runner V2 runs the drafter's LM head inside CUDA-graph-captured "
                      "draft steps, where a steer's per-step inputs would be frozen")
+#: the V2 speculator that runs its drafter eagerly (its rows mapped by propose_standalone_v2)
+V2_EAGER_SPECULATOR = "StandaloneARSpeculator"
+
+
+def _v2_captured(runner) -> bool:
+    """A V2 runner whose speculator may capture its drafter's head in CUDA graphs."""
+    speculator = getattr(runner, "speculator", None)
+    return speculator is not None and type(speculator).__name__ != V2_EAGER_SPECULATOR
 
 
 def prepare_drafter(runner, rt) -> None:
-    """Detach the drafter's heads from the steers unless they can be steered: the V1 runner,
-    the same hidden size as the steers, and ``steer_drafter`` on."""
+    """Detach the drafter's heads from the steers unless they can be steered: the V1 runner
+    or V2's eager draft-model speculator, the same hidden size as the steers, and
+    ``steer_drafter`` on."""
     from vllm_steer.logs import get_logger
 
     heads = drafter_heads(runner)
@@ -196,7 +228,7 @@ def prepare_drafter(runner, rt) -> None:
         except Exception:  # noqa: BLE001 - an unknown layout: leave the drafter unsteered
             hidden = None
     steer_hidden = rt.bank.hidden_size if rt.bank is not None else None
-    v2 = hasattr(runner, "speculator")
+    v2 = _v2_captured(runner)
     steer = not v2 and bool(getattr(rt.config, "steer_drafter", True)) \
         and hidden is not None and hidden == steer_hidden
     if not steer:
