@@ -12,8 +12,9 @@ the target, has every draft of an unsteered batch accepted and not every draft o
 one. Outputs are exactly the steered target's either way.
 
 One engine per method (n-gram, the target as its own draft model, EAGLE), one mixed batch
-each: steered requests against transformers on the target's own weights (``HFReference``,
-tokens and logprobs), unsteered ones against stock vLLM (no plugin, no speculative decoding).
+each: every request's greedy tokens and logprobs against transformers on the target's own
+weights with the request's steer, or none (``HFReference``; test_vllm_specdec.py compares
+unsteered requests with stock vLLM on the V1 runner).
 """
 
 from __future__ import annotations
@@ -42,17 +43,6 @@ def targets(tiny_model_dir, tmp_path_factory):
             "bigram": make_tiny_llama(tmp_path_factory.mktemp("bigram-v2"), bigram=True)}
 
 
-@pytest.fixture(scope="module")
-def stock(targets, tmp_path_factory):
-    """Stock vLLM's greedy tokens and logprobs per target (V2, no plugin, no speculation)."""
-    import functools
-
-    from conftest import stock_vllm
-
-    return functools.cache(lambda name: stock_vllm(targets[name], PROMPTS, MAX_TOKENS,
-                                                   ENGINE_KW, tmp_path_factory.mktemp(name)))
-
-
 @pytest.fixture(scope="module", params=METHODS)
 def engine(request, v2_runner, targets, steers, tmp_path_factory):
     from vllm import LLM
@@ -71,8 +61,7 @@ def engine(request, v2_runner, targets, steers, tmp_path_factory):
     del llm
 
 
-def test_v2_speculative_decoding_serves_the_steered_target_in_a_mixed_batch(
-        engine, steers, stock):
+def test_v2_speculative_decoding_serves_the_steered_target_in_a_mixed_batch(engine, steers):
     from vllm import SamplingParams
 
     name, target, llm = engine
@@ -83,19 +72,16 @@ def test_v2_speculative_decoding_serves_the_steered_target_in_a_mixed_batch(
         extra_args=None if s is None else {"steer": s}) for s in MIXED], use_tqdm=False)
     drafted, _ = spec_counts(llm)
     assert drafted - d0 > 0, f"{name}: no draft tokens were verified; nothing was tested"
-    for o, steer, (plain, plain_lp) in zip(outs, MIXED, stock(TARGET[name])):
-        got = list(o.outputs[0].token_ids)
-        lps = [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, got)]
-        if steer is None:
-            assert got == plain, (name, o.prompt)
-            assert lps == pytest.approx(plain_lp, abs=1e-4), (name, o.prompt)
-            continue
-        ids = list(o.prompt_token_ids)
+    changed = 0
+    for o, steer in zip(outs, MIXED):
+        ids, got = list(o.prompt_token_ids), list(o.outputs[0].token_ids)
         assert got == ref.greedy(ids, MAX_TOKENS, steer), (name, o.prompt, steer)
-        assert got != plain, (name, o.prompt, "the steer has no visible effect")
+        changed += steer is not None and got != ref.greedy(ids, MAX_TOKENS)
         lp = ref.logprobs(ids + got, steer)
+        lps = [lp_[t].logprob for lp_, t in zip(o.outputs[0].logprobs, got)]
         assert lps == pytest.approx([float(lp[len(ids) - 1 + i, t]) for i, t in
                                      enumerate(got)], abs=2e-3), (name, o.prompt, steer)
+    assert changed == sum(s is not None for s in MIXED), "a steer had no visible effect"
 
 
 def _acceptance(llm, steer) -> float:
