@@ -312,6 +312,27 @@ def evaluate(head, W, data, seq_len: int, steps: int) -> dict:
     return {f"acc{s + 1}": hits[s] / max(1, n[s]) for s in range(steps)}
 
 
+@torch.no_grad()
+def simulate_acceptance(head, W, data, k: int = 3, skip: int = 0) -> float:
+    """Greedy speculative decoding replayed on the sequences (from token ``skip`` on): at each
+    verify step the chain of k drafts is accepted up to its first miss, then decoding moves on
+    by accepted + 1. Returns accepted / drafted, what vLLM's acceptance rate counts."""
+    head.eval()
+    E = W[0] if W[1] is None else W[1]
+    acc = tot = 0
+    for t, h, y in data:
+        outs = head.unroll(F.embedding(t[None, 1:], W[0]), h[None, :-1].float(), k)
+        hit = [(o[0] @ E.T).argmax(-1) == y[1:] for o in outs]  # hit[s][q]: step s+1 at q
+        p = min(skip, len(t))
+        while p + k < len(t) - 1:
+            n = 0
+            while n < k and hit[n][p + n]:
+                n += 1
+            acc, tot, p = acc + n, tot + k, p + n + 1
+    head.train()
+    return acc / max(1, tot)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2", help="embedded name or HF folder")
@@ -320,6 +341,8 @@ def main(argv=None) -> int:
                     help="where the generated data are kept (default: <vllm-steer cache>/eagle-data)")
     ap.add_argument("--first-prompt", type=int, default=1000)
     ap.add_argument("--prompts", type=int, default=384)
+    ap.add_argument("--chunk", type=int, default=384,
+                    help="prompts generated (and cached) per engine run")
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--heldout", type=int, default=16, help="sequences kept out of training")
     ap.add_argument("--seconds", type=float, default=360, help="training time budget")
@@ -345,17 +368,21 @@ def main(argv=None) -> int:
     model = resolve_model(args.model)
     target_cfg = json.loads((Path(model) / "config.json").read_text())
     cache = Path(args.cache or cache_dir() / "eagle-data")
-    key = f"{Path(model).name}-p{args.first_prompt}-{args.prompts}-g{args.gen_tokens}.pt"
-    if (cache / key).exists():
-        data, W = torch.load(cache / key)
-        print(f"data: {cache / key} (cached)")
-    else:
-        t0 = time.perf_counter()
-        seqs = generate_own(model, neutral_prompts(args.first_prompt, args.prompts), args.gen_tokens)
-        print(f"generated {sum(map(len, seqs))} tokens in {time.perf_counter() - t0:.0f} s")
-        data, W = target_states(model, seqs)
-        cache.mkdir(parents=True, exist_ok=True)
-        torch.save((data, W), cache / key)
+    data = []
+    for first in range(args.first_prompt, args.first_prompt + args.prompts, args.chunk):
+        n = min(args.chunk, args.first_prompt + args.prompts - first)
+        key = f"{Path(model).name}-p{first}-{n}-g{args.gen_tokens}.pt"
+        if (cache / key).exists():
+            part, W = torch.load(cache / key)
+            print(f"data: {cache / key} (cached)")
+        else:
+            t0 = time.perf_counter()
+            seqs = generate_own(model, neutral_prompts(first, n), args.gen_tokens)
+            print(f"generated {sum(map(len, seqs))} tokens in {time.perf_counter() - t0:.0f} s")
+            part, W = target_states(model, seqs)
+            cache.mkdir(parents=True, exist_ok=True)
+            torch.save((part, W), cache / key)
+        data += part
     heldout, train = data[: args.heldout], data[args.heldout:]
     print(f"{len(train)} training sequences, {sum(len(t) for t, _, _ in train)} tokens; "
           f"{len(heldout)} held out")
@@ -391,11 +418,15 @@ def main(argv=None) -> int:
     ev = evaluate(head, W, heldout, 256, 3)
     print("held-out top-1 agreement with the target (teacher-forced chain):",
           {k: round(v, 3) for k, v in ev.items()})
+    sim = simulate_acceptance(head, W, heldout)
+    print(f"held-out replay of greedy speculative decoding, k=3: acceptance {sim:.3f}")
+    ev["replay_acceptance_k3"] = sim
     dtype = getattr(torch, args.dtype)
     if dtype != torch.float32:
         q = EagleHead(head_config(target_cfg))
         q.load_vllm_state(head.vllm_state(dtype))
         evq = evaluate(q, W, heldout, 256, 3)
+        evq["replay_acceptance_k3"] = simulate_acceptance(q, W, heldout)
         print(f"after rounding to {args.dtype}:", {k: round(v, 3) for k, v in evq.items()})
     out = save_head(head, Path(args.out), target_cfg, dtype,
                     meta={"steps": step, **{f"heldout_{k}": round(v, 4) for k, v in ev.items()},

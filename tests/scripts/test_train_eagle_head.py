@@ -128,3 +128,5 @@ def test_one_training_step_on_a_tiny_llama_lowers_the_loss(tiny_model_dir):
         after, stats = te.step_loss(head, W, *batch, steps=2, ce_weight=0.1, vocab=vocab)
         assert after.item() < before.item()
         assert {"acc1", "acc2", "reg", "ce"} <= set(stats)
+    rate = te.simulate_acceptance(head, W, data, k=3)
+    assert 0.0 <= rate <= 1.0
