@@ -24,7 +24,13 @@ head on ``out`` against the target's greedy next token) and, with ``--ttt-steps 
 ``q-1`` as its hidden state and attends to the teacher-forced keys up to ``q-s+1`` and to the
 earlier steps' keys of its own chain, exactly as vLLM's KV cache holds them when drafting.
 
-    .venv/bin/python benchmarks/train_eagle_head.py --out benchmarks/heads/smollm2-eagle
+    VLLM_STEER_DATA=../shared/data .venv/bin/python benchmarks/train_eagle_head.py \
+        --prompts 1536 --seconds 720 --out benchmarks/heads/smollm2-eagle
+
+(the head benchmarks/RESULTS.md measures; the data, ~8 min of generation per 384 prompts on
+2 CPU cores, are cached in ``<vllm-steer cache>/eagle-data``). Then:
+
+    .venv/bin/python benchmarks/bench_specdec.py --method eagle --draft benchmarks/heads/smollm2-eagle
 """
 
 from __future__ import annotations
@@ -345,8 +351,10 @@ def main(argv=None) -> int:
                     help="prompts generated (and cached) per engine run")
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--heldout", type=int, default=16, help="sequences kept out of training")
-    ap.add_argument("--seconds", type=float, default=360, help="training time budget")
-    ap.add_argument("--max-steps", type=int, default=100000)
+    ap.add_argument("--seconds", type=float, default=360,
+                    help="training time budget (the learning rate decays over it)")
+    ap.add_argument("--max-steps", type=int, default=100000,
+                    help="step budget; with --seconds 1e9 a run repeats a step count exactly")
     ap.add_argument("--seq-len", type=int, default=96)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -400,8 +408,8 @@ def main(argv=None) -> int:
     bar = tqdm(total=int(args.seconds), desc="train (s)", unit="s")
     step, ema = 0, {}
     while step < args.max_steps and (el := time.perf_counter() - t0) < args.seconds:
-        frac = el / args.seconds
-        for g in opt.param_groups:  # warmup then cosine, over the time budget
+        frac = max(el / args.seconds, step / args.max_steps)
+        for g in opt.param_groups:  # warmup then cosine, over the time (or step) budget
             g["lr"] = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * frac))
         loss, st = step_loss(head, W, *next(it), steps=args.ttt_steps, ce_weight=args.ce_weight,
                              noise=args.noise, vocab=vocab)
