@@ -104,7 +104,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--method", default="draft_model", choices=["draft_model", "eagle"])
     ap.add_argument("--draft", default=None,
-                    help="--method eagle: the EAGLE head folder (fc + layers.0, config.json)")
+                    help="--method eagle: the EAGLE head folder (fc + layers.0, config.json); "
+                    "default: benchmarks/heads/smollm2-eagle, made by train_eagle_head.py")
     ap.add_argument("--draft-layers", type=int, default=10)
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--prompts", type=int, default=16)
@@ -118,7 +119,7 @@ def main() -> None:
     model = str(Path.home() / ".cache" / "vllm-steer" / "smollm2-135m-instruct")
     texts = prompts(args.prompts)
     if args.method == "eagle" and not args.draft:
-        ap.error("--method eagle needs --draft PATH (benchmarks/train_eagle_head.py makes one)")
+        args.draft = str(ROOT / "benchmarks" / "heads" / "smollm2-eagle")
     with tempfile.TemporaryDirectory() as tmp:
         if args.method == "eagle":
             draft = Path(args.draft).resolve()

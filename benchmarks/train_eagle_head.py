@@ -30,7 +30,8 @@ earlier steps' keys of its own chain, exactly as vLLM's KV cache holds them when
 (the head benchmarks/RESULTS.md measures; the data, ~8 min of generation per 384 prompts on
 2 CPU cores, are cached in ``<vllm-steer cache>/eagle-data``). Then:
 
-    .venv/bin/python benchmarks/bench_specdec.py --method eagle --draft benchmarks/heads/smollm2-eagle
+    .venv/bin/python benchmarks/bench_specdec.py --method eagle \
+        --draft benchmarks/heads/smollm2-eagle
 """
 
 from __future__ import annotations
@@ -109,8 +110,10 @@ class EagleHead(nn.Module):
             self.o_proj.weight.mul_(0.1)
             self.down_proj.weight.mul_(0.1)
 
-    KEYS = {"fc": "fc.weight", "post_attention_layernorm": "layers.0.post_attention_layernorm.weight",
-            **{p: f"layers.0.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    KEYS = {"fc": "fc.weight",
+            "post_attention_layernorm": "layers.0.post_attention_layernorm.weight",
+            **{p: f"layers.0.self_attn.{p}.weight"
+               for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
             **{p: f"layers.0.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}}
 
     def vllm_state(self, dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -129,7 +132,8 @@ class EagleHead(nn.Module):
                 (t.weight if isinstance(t, nn.Linear) else t).copy_(state[key].float())
 
     def rmsnorm(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.post_attention_layernorm
+        rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x * rms * self.post_attention_layernorm
 
     def qkv(self, x, pos):
         B, T, _ = x.shape
@@ -344,7 +348,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2", help="embedded name or HF folder")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "heads" / "smollm2-eagle"))
     ap.add_argument("--cache", default=None,
-                    help="where the generated data are kept (default: <vllm-steer cache>/eagle-data)")
+                    help="where the generated data are kept "
+                    "(default: <vllm-steer cache>/eagle-data)")
     ap.add_argument("--first-prompt", type=int, default=1000)
     ap.add_argument("--prompts", type=int, default=384)
     ap.add_argument("--chunk", type=int, default=384,
@@ -360,7 +365,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--ce-weight", type=float, default=0.1)
     ap.add_argument("--ce-vocab", type=int, default=8192,
-                    help="cross-entropy over the N most frequent target tokens of the data (0: all)")
+                    help="cross-entropy over the N most frequent target tokens of the data "
+                    "(0: all)")
     ap.add_argument("--ttt-steps", type=int, default=2)
     ap.add_argument("--noise", type=float, default=0.0)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

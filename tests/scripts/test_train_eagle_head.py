@@ -1,4 +1,4 @@
-"""benchmarks/train_eagle_head.py: the head's layout, maths and one training step (CPU, no engine)."""
+"""benchmarks/train_eagle_head.py: the head's layout, maths and a training step (CPU, no engine)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,9 @@ def test_saved_head_has_the_layout_vllm_loads(tmp_path):
 
     out = te.save_head(_random_head(TINY), tmp_path / "head", TINY, torch.bfloat16)
     ref = make_tiny_eagle(tmp_path / "ref", "eagle", hidden=64)
-    got, want = load_file(str(out / "model.safetensors")), load_file(str(ref / "model.safetensors"))
-    assert {k: tuple(v.shape) for k, v in got.items()} == {k: tuple(v.shape) for k, v in want.items()}
+    got = load_file(str(out / "model.safetensors"))
+    want = load_file(str(ref / "model.safetensors"))
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
     assert all(v.dtype == torch.bfloat16 for v in got.values())
     assert not any("embed" in k or "lm_head" in k for k in got)  # vLLM shares the target's
     cfg = json.loads((out / "config.json").read_text())
