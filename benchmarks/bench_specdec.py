@@ -10,6 +10,11 @@ vLLM's ``spec_decode_num_accepted_tokens / spec_decode_num_draft_tokens`` over t
 equal: the drafter never changes what is generated).
 
     .venv/bin/python benchmarks/bench_specdec.py --out benchmarks/results/specdec.json
+
+``--method eagle --draft PATH``: an EAGLE-1 head instead (e.g. the one
+``benchmarks/train_eagle_head.py`` trains; its LM head is the target's, steered with the
+request's steer unless ``steer_drafter`` is off). ``--extra-steer NAME=PATH@STRENGTH`` adds a
+workload steered with that steer (label ``steered_NAME``).
 """
 
 from __future__ import annotations
@@ -54,19 +59,32 @@ def counts(llm) -> tuple[int, int]:
             int(vals.get("vllm:spec_decode_num_accepted_tokens", 0)))
 
 
+def extra_steers(specs: list[str]) -> list[tuple[str, str, float]]:
+    """``NAME=PATH@STRENGTH`` -> (name, path, strength)."""
+    out = []
+    for spec in specs:
+        name, rest = spec.split("=", 1)
+        path, _, strength = rest.rpartition("@")
+        out.append((name, path, float(strength)))
+    return out
+
+
 def run(model, draft, steer_path, steer_drafter, args, texts):
     from vllm import LLM, SamplingParams
 
-    cfg = {"steers": {"sentiment": steer_path}}
+    extra = extra_steers(args.extra_steer)
+    cfg = {"steers": {"sentiment": steer_path, **{n: p for n, p, _ in extra}}}
     if not steer_drafter:
         cfg["steer_drafter"] = False
     llm = LLM(model, additional_config={"vllm_steer": cfg}, dtype="float32",
-              speculative_config={"method": "draft_model", "model": str(draft),
+              speculative_config={"method": args.method, "model": str(draft),
                                   "num_speculative_tokens": args.k},
               disable_log_stats=False, enforce_eager=True, max_model_len=512, seed=0,
               kv_cache_memory_bytes=1 << 29, max_num_seqs=len(texts))
     out = {}
-    for label, steer in (("unsteered", None), ("steered", {"sentiment": args.strength})):
+    workloads = [("unsteered", None), ("steered", {"sentiment": args.strength})]
+    workloads += [(f"steered_{n}", {n: st}) for n, _, st in extra]
+    for label, steer in workloads:
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
                                 extra_args=None if steer is None else {"steer": steer})
         d0, a0 = counts(llm)
@@ -84,23 +102,36 @@ def run(model, draft, steer_path, steer_drafter, args, texts):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--method", default="draft_model", choices=["draft_model", "eagle"])
+    ap.add_argument("--draft", default=None,
+                    help="--method eagle: the EAGLE head folder (fc + layers.0, config.json); "
+                    "default: benchmarks/heads/smollm2-eagle, made by train_eagle_head.py")
     ap.add_argument("--draft-layers", type=int, default=10)
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--strength", type=float, default=5.0)
     ap.add_argument("--steer", default=str(ROOT / "steers" / "smollm2-sentiment.safetensors"))
+    ap.add_argument("--extra-steer", action="append", default=[],
+                    metavar="NAME=PATH@STRENGTH", help="another steered workload (repeatable)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model = str(Path.home() / ".cache" / "vllm-steer" / "smollm2-135m-instruct")
     texts = prompts(args.prompts)
+    if args.method == "eagle" and not args.draft:
+        args.draft = str(ROOT / "benchmarks" / "heads" / "smollm2-eagle")
     with tempfile.TemporaryDirectory() as tmp:
-        draft = layer_cut(model, args.draft_layers, Path(tmp) / "draft")
+        if args.method == "eagle":
+            draft = Path(args.draft).resolve()
+        else:
+            draft = layer_cut(model, args.draft_layers, Path(tmp) / "draft")
         results = {"steered_drafter": run(model, draft, args.steer, True, args, texts),
                    "unsteered_drafter": run(model, draft, args.steer, False, args, texts)}
     same = all(results["steered_drafter"][k]["tokens"] == results["unsteered_drafter"][k]["tokens"]
-               for k in ("unsteered", "steered"))
-    print(f"draft: first {args.draft_layers} of 30 layers, k={args.k}, {len(texts)} prompts, "
+               for k in results["steered_drafter"])
+    what = (f"EAGLE head {args.draft}" if args.method == "eagle"
+            else f"first {args.draft_layers} of 30 layers")
+    print(f"draft: {what}, k={args.k}, {len(texts)} prompts, "
           f"{args.max_tokens} tokens, steer strength {args.strength}")
     print("| drafter | requests | draft tokens | accepted | acceptance rate | seconds |")
     print("|---|---|---|---|---|---|")
