@@ -143,25 +143,36 @@ WINDOWED = [({"a": {"strength": 6, "start": 3, "end": 9}}, 14), (None, 10),
             ({"a": {"strength": 4, "start": 5, "ramp": 3}}, 13)]
 
 
-@pytest.fixture(scope="module")
-def spec_llm(async_env, tiny_model_dir, steers):
-    """V1, async scheduling, the target as its own draft model proposing unsteered
+@pytest.fixture(scope="module", params=["v1", "v2"])
+def spec_llm(request, async_env, tiny_model_dir, steers):
+    """Async scheduling, the target as its own draft model proposing unsteered
     (``steer_drafter: false``): steered requests reject drafts, so the optimistic counts of
-    async scheduling are wrong at the next step."""
+    async scheduling are wrong at the next step. One engine per model runner."""
     from vllm import LLM
 
     kw = dict(ENGINE_KW, max_num_seqs=4, enable_prefix_caching=False)
-    engine = LLM(str(tiny_model_dir), additional_config={"vllm_steer": {
-        "steers": steers[1], "steer_drafter": False}},
-                 speculative_config={"method": "draft_model", "model": str(tiny_model_dir),
-                                     "num_speculative_tokens": 3}, disable_log_stats=False,
-                 **kw)
-    yield engine
-    del engine
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "v2":
+            for k, v in v2_runner_env().items():
+                mp.setenv(k, v)
+            mp.setattr("vllm.config.vllm.HAS_TRITON", True)
+        else:
+            mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+        engine = LLM(str(tiny_model_dir), additional_config={"vllm_steer": {
+            "steers": steers[1], "steer_drafter": False}},
+                     speculative_config={"method": "draft_model", "model": str(tiny_model_dir),
+                                         "num_speculative_tokens": 3},
+                     disable_log_stats=False, **kw)
+        engine.runner_kind = request.param
+        yield engine
+        del engine
 
 
 def test_windows_with_a_draft_model_follow_the_real_generated_tokens(spec_llm, ref):
     assert spec_llm.llm_engine.vllm_config.scheduler_config.async_scheduling is True
+    runner = {"v1": "vllm.v1.worker.cpu_model_runner", "v2": "vllm.v1.worker.cpu.model_runner"}
+    assert spec_llm.collective_rpc(lambda w: type(w.model_runner).__module__) == [
+        runner[spec_llm.runner_kind]]
     vals = lambda: {m.name: m.value for m in spec_llm.get_metrics() if hasattr(m, "value")}  # noqa: E731
     before = vals()
     outs = spec_llm.generate(PROMPTS[:len(WINDOWED)], [sp(s, n) for s, n in WINDOWED],

@@ -73,12 +73,31 @@ def _host_rows(rt, runner, input_batch):
     req_states = getattr(runner, "req_states", None)
     if req_states is None:
         return slots, None
-    last = (input_batch.num_computed_tokens_np[:nr] + input_batch.num_scheduled_tokens[:nr]
+    computed = input_batch.num_computed_tokens_np[:nr]
+    if getattr(runner, "speculator", None) is not None and rt.any_windowed(idx):
+        computed = exact_computed_tokens(req_states, idx)
+    last = (computed + input_batch.num_scheduled_tokens[:nr]
             - req_states.prompt_len.np[idx]).astype(np.int64)
     if one_each:
         return slots, last
     local = np.arange(cu[nr] - cu[0]) - np.repeat(cu[:-1] - cu[0], counts)
     return slots, np.repeat(last - counts + 1, counts) + local
+
+
+def exact_computed_tokens(req_states, idx: np.ndarray) -> np.ndarray:
+    """The computed-token counts of slots ``idx`` from V2's device state.
+
+    With speculative decoding V2's host mirror (``num_computed_tokens_np``) is an upper bound:
+    the scheduler counts every draft of the previous step as accepted, and V2 corrects only
+    its device copy (``post_update``, after ``sample()``). A generation window needs the real
+    count: read the device copy, which at ``sample()`` holds this step's starting count. This
+    read waits for the step's forward (a device-to-host copy): only steps that hold a
+    windowed request under speculative decoding pay it."""
+    import torch
+
+    index = torch.as_tensor(np.asarray(idx, dtype=np.int64))
+    gpu = req_states.num_computed_tokens.gpu
+    return gpu.index_select(0, index.to(gpu.device)).cpu().numpy().astype(np.int64)
 
 
 @contextlib.contextmanager
