@@ -105,7 +105,8 @@ def main() -> None:
     ap.add_argument("--method", default="draft_model", choices=["draft_model", "eagle"])
     ap.add_argument("--draft", default=None,
                     help="--method eagle: the EAGLE head folder (fc + layers.0, config.json); "
-                    "default: benchmarks/heads/smollm2-eagle, made by train_eagle_head.py")
+                    "default: ~/.cache/vllm-steer/smollm2-eagle, made by "
+                    "benchmarks/train_eagle_head.py")
     ap.add_argument("--draft-layers", type=int, default=10)
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--prompts", type=int, default=16)
@@ -119,7 +120,13 @@ def main() -> None:
     model = str(Path.home() / ".cache" / "vllm-steer" / "smollm2-135m-instruct")
     texts = prompts(args.prompts)
     if args.method == "eagle" and not args.draft:
-        args.draft = str(ROOT / "benchmarks" / "heads" / "smollm2-eagle")
+        args.draft = str(Path(os.environ.get("VLLM_STEER_CACHE", Path.home() / ".cache" /
+                                             "vllm-steer")) / "smollm2-eagle")
+    if args.method == "eagle" and not (Path(args.draft) / "config.json").is_file():
+        raise SystemExit(f"bench_specdec: no EAGLE head in {args.draft}: train one with "
+                         f"'python benchmarks/train_eagle_head.py --prompts 1536 --seconds 720 "
+                         f"--out {args.draft}' (data generation included, about 45 minutes on "
+                         "a 2-core CPU), or pass --draft")
     with tempfile.TemporaryDirectory() as tmp:
         if args.method == "eagle":
             draft = Path(args.draft).resolve()

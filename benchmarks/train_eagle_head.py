@@ -25,13 +25,13 @@ head on ``out`` against the target's greedy next token) and, with ``--ttt-steps 
 earlier steps' keys of its own chain, exactly as vLLM's KV cache holds them when drafting.
 
     VLLM_STEER_DATA=../shared/data .venv/bin/python benchmarks/train_eagle_head.py \
-        --prompts 1536 --seconds 720 --out benchmarks/heads/smollm2-eagle
+        --prompts 1536 --seconds 720 --out ~/.cache/vllm-steer/smollm2-eagle
 
 (the head benchmarks/RESULTS.md measures; the data, ~8 min of generation per 384 prompts on
 2 CPU cores, are cached in ``<vllm-steer cache>/eagle-data``). Then:
 
     .venv/bin/python benchmarks/bench_specdec.py --method eagle \
-        --draft benchmarks/heads/smollm2-eagle
+        --draft ~/.cache/vllm-steer/smollm2-eagle
 """
 
 from __future__ import annotations
