@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -16,6 +17,13 @@ def _tokenizer_src() -> Path:
     from vllm_steer.models import prepare_embedded
 
     return prepare_embedded("smollm2", quiet=True)
+
+
+def _copy_tokenizer(src: Path, out: Path) -> None:
+    """The embedded model's tokenizer files, into a tiny model's folder."""
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / f).exists():
+            shutil.copy(src / f, out / f)
 
 
 def make_tiny_llama(out: Path, hidden: int = 64, layers: int = 2, tie: bool = False,
@@ -43,9 +51,7 @@ def make_tiny_llama(out: Path, hidden: int = 64, layers: int = 2, tie: bool = Fa
                 layer.self_attn.o_proj.weight.zero_()
                 layer.mlp.down_proj.weight.zero_()
     model.save_pretrained(out, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (src / f).exists():
-            shutil.copy(src / f, out / f)
+    _copy_tokenizer(src, out)
     return out
 
 
@@ -149,9 +155,7 @@ def make_tiny_mimo(out: Path, hidden: int = 64, layers: int = 2, seed: int = 0) 
     config = json.loads((Path(out) / "config.json").read_text())
     config.update(architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
     (Path(out) / "config.json").write_text(json.dumps(config, indent=1))
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (src / f).exists():
-            shutil.copy(src / f, Path(out) / f)
+    _copy_tokenizer(src, Path(out))
     return Path(out)
 
 
@@ -196,6 +200,35 @@ def random_steer(hidden: int, rank: int, name: str, seed: int = 0, scale: float 
     p1 = torch.randn(hidden, rank, generator=g) * scale
     p2 = torch.randn(hidden, rank, generator=g) * scale
     return make_steer(p1, p2, name, base_model=base_model, labels={"positive": name})
+
+
+@pytest.fixture(scope="session")
+def pair_steers(tmp_path_factory):
+    """The engine tests' two random steers ``a`` and ``b`` (hidden 64, rank 8, seeds 1 and 2,
+    scale 3: strengths of ~5 change the tiny models' greedy tokens): ``(objects, files)``."""
+    objs = {"a": random_steer(64, 8, "a", seed=1, scale=3.0),
+            "b": random_steer(64, 8, "b", seed=2, scale=3.0)}
+    return objs, save_steers(tmp_path_factory.mktemp("pair-steers"), objs)
+
+
+@pytest.fixture(scope="session")
+def pair_ref(tiny_model_dir, pair_steers):
+    """:class:`HFReference` of the tiny model with :func:`pair_steers`."""
+    return HFReference(tiny_model_dir, pair_steers[0])
+
+
+@contextlib.contextmanager
+def steered_llm(model_dir, steer_files: dict, **engine_kw):
+    """An offline ``LLM`` serving ``steer_files`` (``--steer``), whose ``collective_rpc`` may
+    carry the test's local functions (to read or set the worker's state)."""
+    from vllm import LLM
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        engine = LLM(str(model_dir), additional_config={"vllm_steer": {"steers": steer_files}},
+                     **engine_kw)
+        yield engine
+        del engine
 
 
 class HFReference:

@@ -24,7 +24,7 @@ import importlib.util
 
 import pytest
 
-from conftest import V2_SHIM_DIR, HFReference, random_steer, save_steers, v2_runner_env
+from conftest import V2_SHIM_DIR, v2_runner_env
 
 pytestmark = pytest.mark.vllm
 
@@ -62,21 +62,8 @@ def async_env():
         yield
 
 
-@pytest.fixture(scope="module")
-def steers(tmp_path_factory):
-    d = tmp_path_factory.mktemp("steers-async")
-    objs = {"a": random_steer(64, 8, "a", seed=1, scale=3.0),
-            "b": random_steer(64, 8, "b", seed=2, scale=3.0)}
-    return objs, save_steers(d, objs)
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_model_dir, steers):
-    return HFReference(tiny_model_dir, steers[0])
-
-
 @pytest.fixture(scope="module", params=["v1", "v2"])
-def llm(request, async_env, tiny_model_dir, steers):
+def llm(request, async_env, tiny_model_dir, pair_steers):
     """One engine per model runner: V1 (the CPU default) and Model Runner V2 (through the V2
     shim, kernels in the Triton interpreter; see tests/engines/test_vllm_v2.py)."""
     from vllm import LLM
@@ -87,7 +74,7 @@ def llm(request, async_env, tiny_model_dir, steers):
                 mp.setenv(k, v)
             mp.setattr("vllm.config.vllm.HAS_TRITON", True)
         engine = LLM(str(tiny_model_dir),
-                     additional_config={"vllm_steer": {"steers": steers[1]}}, **ENGINE_KW)
+                     additional_config={"vllm_steer": {"steers": pair_steers[1]}}, **ENGINE_KW)
         engine.runner_kind = request.param
         yield engine
         del engine
@@ -112,16 +99,16 @@ def test_engine_runs_async_scheduling(llm):
         assert runner == ["vllm.v1.worker.cpu.model_runner"]
 
 
-def test_requests_joining_and_leaving_get_their_own_tokens(llm, ref):
+def test_requests_joining_and_leaving_get_their_own_tokens(llm, pair_ref):
     outs = llm.generate(PROMPTS, [sp(s, n) for s, n in REQUESTS], use_tqdm=False)
     plain_differs = 0
     for o, (steer, n) in zip(outs, REQUESTS):
         ids = list(o.prompt_token_ids)
         got = list(o.outputs[0].token_ids)
-        want = ref.greedy(ids, n, steer)
+        want = pair_ref.greedy(ids, n, steer)
         assert got == want, (o.prompt, steer, got, want)
-        plain_differs += steer is not None and want != ref.greedy(ids, n)
-        lp = ref.logprobs(ids + got, steer)
+        plain_differs += steer is not None and want != pair_ref.greedy(ids, n)
+        lp = pair_ref.logprobs(ids + got, steer)
         for i, (t, e) in enumerate(zip(got, o.outputs[0].logprobs)):
             assert e[t].logprob == pytest.approx(lp[len(ids) - 1 + i, t].item(), abs=2e-3)
     assert plain_differs >= 2  # the steers change tokens: the test can tell rows apart
@@ -144,7 +131,7 @@ WINDOWED = [({"a": {"strength": 6, "start": 3, "end": 9}}, 14), (None, 10),
 
 
 @pytest.fixture(scope="module", params=["v1", "v2"])
-def spec_llm(request, async_env, tiny_model_dir, steers):
+def spec_llm(request, async_env, tiny_model_dir, pair_steers):
     """Async scheduling, the target as its own draft model proposing unsteered
     (``steer_drafter: false``): steered requests reject drafts, so the optimistic counts of
     async scheduling are wrong at the next step. One engine per model runner."""
@@ -159,7 +146,7 @@ def spec_llm(request, async_env, tiny_model_dir, steers):
         else:
             mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
         engine = LLM(str(tiny_model_dir), additional_config={"vllm_steer": {
-            "steers": steers[1], "steer_drafter": False}},
+            "steers": pair_steers[1], "steer_drafter": False}},
                      speculative_config={"method": "draft_model", "model": str(tiny_model_dir),
                                          "num_speculative_tokens": 3},
                      disable_log_stats=False, **kw)
@@ -168,7 +155,7 @@ def spec_llm(request, async_env, tiny_model_dir, steers):
         del engine
 
 
-def test_windows_with_a_draft_model_follow_the_real_generated_tokens(spec_llm, ref):
+def test_windows_with_a_draft_model_follow_the_real_generated_tokens(spec_llm, pair_ref):
     assert spec_llm.llm_engine.vllm_config.scheduler_config.async_scheduling is True
     runner = {"v1": "vllm.v1.worker.cpu_model_runner", "v2": "vllm.v1.worker.cpu.model_runner"}
     assert spec_llm.collective_rpc(lambda w: type(w.model_runner).__module__) == [
@@ -183,5 +170,5 @@ def test_windows_with_a_draft_model_follow_the_real_generated_tokens(spec_llm, r
     accepted = after["vllm:spec_decode_num_accepted_tokens"] - before.get(
         "vllm:spec_decode_num_accepted_tokens", 0)
     assert 0 < accepted < drafted, (accepted, drafted)  # some drafts rejected: counts move
-    matters = ref.check_windowed(outs, [s for s, _ in WINDOWED], None)
+    matters = pair_ref.check_windowed(outs, [s for s, _ in WINDOWED], None)
     assert any(matters), "the windows change nothing: the test could not see a shift"

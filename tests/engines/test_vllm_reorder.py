@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import HFReference, random_steer, save_steers
+from conftest import steered_llm
 
 pytestmark = pytest.mark.vllm
 
@@ -34,29 +34,9 @@ ENGINE_KW = dict(dtype="float32", kv_cache_memory_bytes=1 << 28, max_model_len=2
 
 
 @pytest.fixture(scope="module")
-def steers(tmp_path_factory):
-    d = tmp_path_factory.mktemp("steers-reorder")
-    objs = {"a": random_steer(64, 8, "a", seed=1, scale=3.0),
-            "b": random_steer(64, 8, "b", seed=2, scale=3.0)}
-    return objs, save_steers(d, objs)
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_model_dir, steers):
-    return HFReference(tiny_model_dir, steers[0])
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir, steers):
-    from vllm import LLM
-
-    with pytest.MonkeyPatch.context() as mp:
-        # collective_rpc with local functions: set and read the worker's runner state
-        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        engine = LLM(str(tiny_model_dir),
-                     additional_config={"vllm_steer": {"steers": steers[1]}}, **ENGINE_KW)
+def llm(tiny_model_dir, pair_steers):
+    with steered_llm(tiny_model_dir, pair_steers[1], **ENGINE_KW) as engine:
         yield engine
-        del engine
 
 
 def sp(steer, n):
@@ -66,7 +46,7 @@ def sp(steer, n):
                           extra_args=None if steer is None else {"steer": steer})
 
 
-def test_swapped_rows_keep_their_own_steer(llm, ref):
+def test_swapped_rows_keep_their_own_steer(llm, pair_ref):
     def force_reorder_and_count(worker):
         """In the engine process: a decode-splitting backend's threshold, and a count of the
         moves the steer runtime receives."""
@@ -101,10 +81,10 @@ def test_swapped_rows_keep_their_own_steer(llm, ref):
     plain_differs = 0
     for o, (steer, n) in zip(outs, REQUESTS):
         ids, got = list(o.prompt_token_ids), list(o.outputs[0].token_ids)
-        want = ref.greedy(ids, n, steer)
+        want = pair_ref.greedy(ids, n, steer)
         assert got == want, (o.prompt, steer, got, want, f"{swaps} swaps")
-        plain_differs += steer is not None and want != ref.greedy(ids, n)
-        lp = ref.logprobs(ids + got, steer)
+        plain_differs += steer is not None and want != pair_ref.greedy(ids, n)
+        lp = pair_ref.logprobs(ids + got, steer)
         for i, (t, e) in enumerate(zip(got, o.outputs[0].logprobs)):
             assert e[t].logprob == pytest.approx(lp[len(ids) - 1 + i, t].item(), abs=2e-3)
     assert plain_differs >= 2  # the steers change tokens: the test can tell rows apart

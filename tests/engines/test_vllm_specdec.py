@@ -30,8 +30,7 @@ import functools
 
 import pytest
 
-from conftest import (HFReference, make_tiny_eagle, make_tiny_llama, make_tiny_mimo,
-                      random_steer, save_steers)
+from conftest import HFReference, make_tiny_eagle, make_tiny_llama, make_tiny_mimo
 
 pytestmark = pytest.mark.vllm
 
@@ -54,7 +53,6 @@ TARGET = {"ngram": "tiny", "draft_model": "tiny", "eagle": "bigram", "eagle3": "
           "mtp": "mimo"}
 #: methods whose drafter is built to propose exactly the target's greedy tokens
 EXACT_DRAFTER = ("draft_model", "eagle")
-STEERS = {"a": 5, "b": -4}
 # a mixed batch: steered and unsteered requests
 MIXED = [{"a": 5}, None, {"b": -4}, {"a": 3, "b": 2}]
 
@@ -73,17 +71,6 @@ def oracle_eagle_head(out, hidden: int = 64):
 
 
 @pytest.fixture(scope="module")
-def steers():
-    return {"a": random_steer(64, 8, "a", seed=1, scale=3.0),
-            "b": random_steer(64, 8, "b", seed=2, scale=3.0)}
-
-
-@pytest.fixture(scope="module")
-def steer_files(tmp_path_factory, steers):
-    return save_steers(tmp_path_factory.mktemp("steers"), steers)
-
-
-@pytest.fixture(scope="module")
 def targets(tiny_model_dir, tmp_path_factory):
     """Target model folders by name, made on first use."""
     makers = {"tiny": lambda: tiny_model_dir,
@@ -93,8 +80,8 @@ def targets(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def refs(targets, steers):
-    return functools.cache(lambda name: HFReference(targets(name), steers))
+def refs(targets, pair_steers):
+    return functools.cache(lambda name: HFReference(targets(name), pair_steers[0]))
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +95,7 @@ def stock(targets, tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=list(SPEC))
-def engine(request, targets, steer_files, tmp_path_factory):
+def engine(request, targets, pair_steers, tmp_path_factory):
     from vllm import LLM
 
     name = request.param
@@ -121,7 +108,7 @@ def engine(request, targets, steer_files, tmp_path_factory):
     elif name == "eagle3":
         spec["model"] = str(make_tiny_eagle(tmp_path_factory.mktemp("eagle3"), "eagle3",
                                             draft_vocab=1024))
-    llm = LLM(str(target), additional_config={"vllm_steer": {"steers": steer_files}},
+    llm = LLM(str(target), additional_config={"vllm_steer": {"steers": pair_steers[1]}},
               speculative_config=spec, disable_log_stats=False, **ENGINE_KW)
     yield name, llm
     del llm

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import HFReference, random_steer, save_steers
+from conftest import HFReference, random_steer, save_steers, steered_llm
 from vllm_steer.format import make_steer
 from vllm_steer.integrations.worker.runtime import steer_stats
 
@@ -47,15 +47,9 @@ def steers(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(v2_runner, tiny_model_dir, steers):
-    from vllm import LLM
-
-    with pytest.MonkeyPatch.context() as mp:
-        # collective_rpc(steer_stats): read the worker's steer-op counters from the test
-        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        engine = LLM(str(tiny_model_dir),
-                     additional_config={"vllm_steer": {"steers": steers[1]}}, **ENGINE_KW)
+    # collective_rpc(steer_stats): read the worker's steer-op counters from the test
+    with steered_llm(tiny_model_dir, steers[1], **ENGINE_KW) as engine:
         yield engine
-        del engine
 
 
 @pytest.fixture(scope="module")

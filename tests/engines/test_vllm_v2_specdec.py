@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import HFReference, make_tiny_llama, random_steer, save_steers
+from conftest import HFReference, make_tiny_llama
 from engines.test_vllm_specdec import (ENGINE_KW, MAX_TOKENS, MIXED, PROMPTS, SPEC,
                                        oracle_eagle_head, spec_counts)
 
@@ -32,19 +32,13 @@ TARGET = {"ngram": "tiny", "draft_model": "tiny", "eagle": "bigram"}
 
 
 @pytest.fixture(scope="module")
-def steers():
-    return {"a": random_steer(64, 8, "a", seed=1, scale=3.0),
-            "b": random_steer(64, 8, "b", seed=2, scale=3.0)}
-
-
-@pytest.fixture(scope="module")
 def targets(tiny_model_dir, tmp_path_factory):
     return {"tiny": tiny_model_dir,
             "bigram": make_tiny_llama(tmp_path_factory.mktemp("bigram-v2"), bigram=True)}
 
 
 @pytest.fixture(scope="module", params=METHODS)
-def engine(request, v2_runner, targets, steers, tmp_path_factory):
+def engine(request, v2_runner, targets, pair_steers, tmp_path_factory):
     from vllm import LLM
 
     name = request.param
@@ -54,18 +48,18 @@ def engine(request, v2_runner, targets, steers, tmp_path_factory):
         spec["model"] = str(target)
     elif name == "eagle":
         spec["model"] = str(oracle_eagle_head(tmp_path_factory.mktemp("eagle-v2")))
-    files = save_steers(tmp_path_factory.mktemp("steers-v2spec"), steers)
-    llm = LLM(str(target), additional_config={"vllm_steer": {"steers": files}},
+    llm = LLM(str(target), additional_config={"vllm_steer": {"steers": pair_steers[1]}},
               speculative_config=spec, disable_log_stats=False, **ENGINE_KW)
     yield name, target, llm
     del llm
 
 
-def test_v2_speculative_decoding_serves_the_steered_target_in_a_mixed_batch(engine, steers):
+def test_v2_speculative_decoding_serves_the_steered_target_in_a_mixed_batch(engine,
+                                                                          pair_steers):
     from vllm import SamplingParams
 
     name, target, llm = engine
-    ref = HFReference(target, steers)
+    ref = HFReference(target, pair_steers[0])
     d0, _ = spec_counts(llm)
     outs = llm.generate(PROMPTS, [SamplingParams(
         temperature=0, max_tokens=MAX_TOKENS, logprobs=0,
