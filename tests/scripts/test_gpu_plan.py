@@ -23,20 +23,28 @@ def calls_of(stdout: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
+def saved_chunks(tmp_path) -> int:
+    return json.loads((tmp_path / "plan.json").read_text())["chunks"]
+
+
 def test_the_plan_fits_the_hosts_limits_and_twelve_minutes(tmp_path):
     res = run("--json", tmp_path / "plan.json")
     assert res.returncode == 0, res.stdout + res.stderr
     calls = calls_of(res.stdout)
     assert calls[0]["name"].startswith("kernels") and "gpu_window.sh" in calls[0]["command"]
     assert "test_staging.py" in calls[0]["command"] and "vllm" not in calls[0]["command"]
-    assert "FULL_DECODE_ONLY" in calls[-1]["command"] and "--runners v2" in calls[-1]["command"]
-    assert "assemble" in calls[-2]["command"]
+    engines = [c for c in calls if c["name"].startswith("engine")]
+    assert [c["name"].split()[1] for c in engines] == ["V2", "V1"]  # V1 fits the budget too
+    assert all("FULL_DECODE_ONLY" in c["command"] for c in engines)
+    assert "--runners v2" in engines[0]["command"] and "--runners v1" in engines[1]["command"]
+    assert "assemble" in calls[-3]["command"] and "gpu_vllm_lean.py host" in calls[-3]["command"]
+    assert saved_chunks(tmp_path) <= 8  # the lean carry
     assert all(c["mib"] <= 64 for c in calls), [c["mib"] for c in calls]
     assert all(c["timeout_s"] <= 600 for c in calls)
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert saved["device_s"] <= 12 * 60 and saved["device_s"] == sum(
         c["est_s"] for c in saved["calls"])
-    assert len(calls) == 2 + saved["chunks"]
+    assert len(calls) == 3 + saved["chunks"]
     assert "FITS" in res.stdout
 
 
@@ -55,3 +63,10 @@ def test_measured_wheels_set_the_chunks(tmp_path):
     assert res.returncode == 0, res.stdout
     assert "3 wheels in" in res.stdout and "-> 3 chunks" in res.stdout  # 120 MiB / 56
     assert "lean target 8): MET" in res.stdout
+
+
+def test_a_tight_budget_drops_the_v1_engine_call_first():
+    res = run("--budget-min", 8)
+    calls = calls_of(res.stdout)
+    assert [c["name"] for c in calls if c["name"].startswith("engine")] == [
+        "engine: V2 bf16, mode 0, FULL_DECODE_ONLY"]

@@ -169,6 +169,40 @@ def test_a_finished_requests_stale_slot_costs_no_steer_work(processor, vllm_conf
     out = Runner().sample(h, batch, None)
     assert rt.stats.calls == calls + 1 and torch.equal(out[0], h[0]) and not torch.equal(out[1], h[1])
 
+def test_a_step_sampled_without_the_head_is_refused_not_served_unsteered(processor, vllm_config):
+    """A sampling path that computes logits straight from the LM-head weight (a greedy fast
+    path of a newer vLLM) would skip the steer: a steered step through it raises, naming the
+    cause; an unsteered step through it is left alone."""
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    from vllm_steer.integrations.hooks import wrap_method
+    from vllm_steer.integrations.worker import v2
+
+    rt = processor.runtime
+    processor.add_request(0, _params({"a": 4}))
+    processor.add_request(1, _params())
+    processor.apply_staged_writes()
+    weight = torch.randn(100, 64)
+
+    class Runner:  # a sample() that never calls the model's logits layer
+        def sample(self, hidden_states, input_batch, grammar_output):
+            return (hidden_states @ weight.T).argmax(-1)
+
+    Runner.vllm_config = vllm_config
+    wrap_method(Runner, "sample", v2.sample)
+    batch = InputBatch.make_dummy(1, 1, InputBuffers(8, 64, torch.device("cpu")))
+    batch.idx_mapping_np = np.array([1])
+    batch.expanded_idx_mapping = torch.tensor([1])
+    h = torch.randn(1, 64)
+    assert torch.equal(Runner().sample(h, batch, None), (h @ weight.T).argmax(-1))
+    batch.idx_mapping_np = np.array([0])
+    batch.expanded_idx_mapping = torch.tensor([0])
+    with pytest.raises(v2.HeadBypassedError) as e:
+        Runner().sample(h, batch, None)
+    assert str(e.value) == v2.HEAD_BYPASSED
+    assert "without calling the model's logits layer" in str(e.value) and "--steer" in str(e.value)
+
+
 # Batch-sharded sampling (--enable-batch-sharded-sampling, TP > 1) runs vLLM's Triton shard-plan
 # kernel, so it is driven in a process with the test shim (tests/v2shim, Triton interpreter).
 SHARDED = r"""

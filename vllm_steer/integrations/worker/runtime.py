@@ -106,6 +106,7 @@ class SteerRuntime:
         self._host: np.ndarray | None = None  # [max_slots, K] host mirror
         self._steered: np.ndarray | None = None  # [max_slots] bool: slot has a non-zero row
         self.stats = SteerStats()
+        self.head_calls = 0  # calls into the head (steer_rows), steered rows or not
         self._dirty = False
         self.num_active_slots = 0
         self.version = 0  # bumped whenever slot_coefs may change (keys the bank's plan)
@@ -405,6 +406,7 @@ class SteerRuntime:
         the host copy and cached under a host key (coefficient version, the step's row -> slot
         array, window positions). An unchanged step costs a key comparison and the kernels.
         """
+        self.head_calls += 1
         if not self.active or hidden.shape[0] == 0:
             return hidden
         n = hidden.shape[0]

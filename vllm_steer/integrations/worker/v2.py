@@ -36,6 +36,10 @@ def sample(orig, self, hidden_states, input_batch, grammar_output):
     ``sample()`` computes the logits of ``hidden_states[sorted_logits_indices]`` (rows sorted
     by owner rank): there each row's slot is that of the token it was gathered from, read
     through the very indices the runner's ``BatchSharder`` returns.
+
+    A step with steered rows whose ``sample()`` never reached the head (a path that computes
+    logits without the model's logits layer) raises :class:`HeadBypassedError` instead of
+    serving those rows unsteered: one integer comparison per steered step.
     """
     rt = get_runtime(self.vllm_config.additional_config)
     if rt is not None and getattr(self, "speculator", None) is not None:
@@ -44,15 +48,31 @@ def sample(orig, self, hidden_states, input_batch, grammar_output):
         prepare_drafter_once(self, rt)  # V2 drafters propose unsteered (spec_decode.py)
     if rt is None or not rt.any_steered(input_batch.idx_mapping_np):
         return orig(self, hidden_states, input_batch, grammar_output)
+    calls = rt.head_calls
     sharder = getattr(self, "batch_sharder", None)
     if sharder is None:
         slots, positions = _host_rows(rt, self, input_batch)
         with rt.rows(RowSource("mapping", mapping=input_batch.expanded_idx_mapping,
                                slots=slots, positions=positions)):
-            return orig(self, hidden_states, input_batch, grammar_output)
-    source = RowSource("mapping", mapping=None)
-    with rt.rows(source), _sorted_rows(sharder, input_batch, source):
-        return orig(self, hidden_states, input_batch, grammar_output)
+            out = orig(self, hidden_states, input_batch, grammar_output)
+    else:
+        source = RowSource("mapping", mapping=None)
+        with rt.rows(source), _sorted_rows(sharder, input_batch, source):
+            out = orig(self, hidden_states, input_batch, grammar_output)
+    if rt.head_calls == calls:
+        raise HeadBypassedError(HEAD_BYPASSED)
+    return out
+
+
+class HeadBypassedError(RuntimeError):
+    """A step with steered requests was sampled without calling the model's logits layer."""
+
+
+HEAD_BYPASSED = (
+    "vllm-steer: this step's batch holds steered requests, but vLLM sampled it without calling "
+    "the model's logits layer (compute_logits), where steers are applied: a sampling path that "
+    "computes logits straight from lm_head.weight (such as a greedy fast path of a newer vLLM) "
+    "would serve them unsteered. Turn that path off, or serve this vLLM without --steer")
 
 
 def _host_rows(rt, runner, input_batch):
