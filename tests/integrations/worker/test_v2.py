@@ -178,7 +178,6 @@ def test_a_step_sampled_without_the_head_is_refused_not_served_unsteered(process
     from vllm_steer.integrations.hooks import wrap_method
     from vllm_steer.integrations.worker import v2
 
-    rt = processor.runtime
     processor.add_request(0, _params({"a": 4}))
     processor.add_request(1, _params())
     processor.apply_staged_writes()
