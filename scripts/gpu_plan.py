@@ -12,7 +12,7 @@ seconds. It executes nothing on a GPU: the plan's commands are the ones to send.
      bf16 and fp32 steps, the event-wait / pinned-copy step of tests/integrations/worker/
      test_staging.py);
   2. the lean vLLM carry, one chunk per call (``scripts/gpu_vllm_carry.py download --lean``:
-     chunks of 56 MiB; the last call assembles, installs and says which attention extensions
+     chunks of 56 MiB, less when the working tree is over 7 MiB; the last call assembles, installs and says which attention extensions
      load, ``scripts/gpu_vllm_lean.py host``);
   3. the engine calls: ``scripts/gpu_vllm_check.py`` on Model Runner V2, bf16, with
      ``compilation_config`` mode 0 (no torch.compile) and ``FULL_DECODE_ONLY`` CUDA graphs;
@@ -38,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from gpu_vllm_carry import DEFAULT_CHUNK, MiB, RUN_LIMIT, tree_bytes  # noqa: E402
+from gpu_vllm_carry import CarryError, MiB, RUN_LIMIT, default_chunk, tree_bytes  # noqa: E402
 
 CALL_LIMIT_S = 600  # the host's limit on one command
 RECORDED_WHEELS_MIB = 235.2  # docs/internals.md: `download --lean` measured 69 wheels, 235.2 MiB
@@ -103,9 +103,10 @@ def wheel_bytes(wheels: str | None) -> tuple[int, str]:
     return int(RECORDED_WHEELS_MIB * MiB), f"{RECORDED_WHEELS_MIB} MiB (recorded, docs/internals.md)"
 
 
-def plan(wheels: str | None = None, chunk: int = DEFAULT_CHUNK,
+def plan(wheels: str | None = None, chunk: int | None = None,
          budget_s: float = 12 * 60) -> tuple[Runner, dict]:
     tree = tree_bytes()
+    chunk = default_chunk(tree) if chunk is None else chunk
     r = Runner()
     r.run("kernels, no vLLM",
           "bash scripts/gpu_window.sh && python3 -m pytest -q -p no:cacheprovider "
@@ -135,7 +136,8 @@ def plan(wheels: str | None = None, chunk: int = DEFAULT_CHUNK,
               f"--dtypes bfloat16 --runners {runner} --engine-timeout 240 --compilation-config "
               "'{\"mode\": 0, \"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'",
               [], tree, ENGINES * engine_timeout + 60, work)
-    return r, {"tree_bytes": tree, "wheel_bytes": total, "wheels": source, "chunks": n}
+    return r, {"tree_bytes": tree, "wheel_bytes": total, "wheels": source, "chunks": n,
+               "chunk_bytes": chunk}
 
 
 def main(argv=None) -> int:
@@ -143,17 +145,19 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--wheels", default=None, help="the carried wheels' folder (sizes measured)")
-    ap.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK / MiB)
+    ap.add_argument("--chunk-mib", type=float, default=None,
+                    help="chunk size (default: what `gpu_vllm_carry.py split` picks for this tree)")
     ap.add_argument("--budget-min", type=float, default=12.0)
     ap.add_argument("--json", default=None, help="also write the plan as JSON here")
     a = ap.parse_args(argv)
     try:
-        r, info = plan(a.wheels, int(a.chunk_mib * MiB), a.budget_min * 60)
-    except PlanError as e:
+        r, info = plan(a.wheels, None if a.chunk_mib is None else int(a.chunk_mib * MiB),
+                       a.budget_min * 60)
+    except (PlanError, CarryError) as e:
         print(f"gpu_plan: REFUSED: {e}")
         return 1
     print(f"# gpu_plan: working tree {info['tree_bytes'] / MiB:.1f} MiB; wheels {info['wheels']} "
-          f"-> {info['chunks']} chunks of {a.chunk_mib:g} MiB")
+          f"-> {info['chunks']} chunks of {info['chunk_bytes'] / MiB:g} MiB")
     for i, c in enumerate(r.calls, 1):
         print(json.dumps({"call": i, "name": c.name, "carry": c.carry,
                           "mib": round(c.bytes / MiB, 1), "timeout_s": c.timeout_s,
@@ -169,7 +173,7 @@ def main(argv=None) -> int:
           f"{'MET' if lean else 'NOT MET: download --lean, then --wheels .whl'}")
     print(f"# if the engine call stops on a ModuleNotFoundError of a package left behind: carry "
           f"everything (download without --lean: {FULL_WHEELS_MIB} MiB, "
-          f"{math.ceil(FULL_WHEELS_MIB * MiB / a.chunk_mib / MiB)} chunks)")
+          f"{math.ceil(FULL_WHEELS_MIB * MiB / info['chunk_bytes'])} chunks)")
     if a.json:
         Path(a.json).write_text(json.dumps({**info, "device_s": r.device_s, "calls": [
             c.__dict__ for c in r.calls]}, indent=1))

@@ -43,7 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 CHUNK_LIMIT = 60 * MiB          # the bound on one chunk
-DEFAULT_CHUNK = 56 * MiB        # + the working tree (~5 MiB) stays under a run's 64 MiB
+DEFAULT_CHUNK = 56 * MiB        # the largest default chunk (see default_chunk)
+MARGIN = 1 * MiB                # between a call's bytes and the 64 MiB limit
 RUN_LIMIT = 64 * MiB
 MANIFEST = "manifest.json"
 AREA = "/tmp/vllm_carry"
@@ -293,7 +294,7 @@ def cmd_abi(a) -> int:
 
 def cmd_split(a) -> int:
     src, out = Path(a.src), Path(a.out)
-    size = int(a.chunk_mib * MiB)
+    size = default_chunk() if a.chunk_mib is None else int(a.chunk_mib * MiB)
     if not 0 < size < CHUNK_LIMIT:
         raise CarryError(f"--chunk-mib {a.chunk_mib}: a chunk must be under 60 MiB "
                          f"({CHUNK_LIMIT // MiB}); pass a smaller value")
@@ -349,6 +350,18 @@ def cmd_split(a) -> int:
 
 
 # ------------------------------------------------------------------------------- plan (here)
+
+def default_chunk(tree: int | None = None) -> int:
+    """The chunk size (whole MiB) that keeps one call (the working tree + a chunk) under the
+    host's 64 MiB with a margin: 56 MiB, or less when the working tree has grown past 7 MiB."""
+    tree = tree_bytes() if tree is None else tree
+    size = min(DEFAULT_CHUNK, (RUN_LIMIT - MARGIN - tree) // MiB * MiB)
+    if size < 8 * MiB:
+        raise CarryError(f"the working tree is {tree / MiB:.1f} MiB: with it, a call has room for "
+                         f"{max(size, 0) / MiB:.0f} MiB of wheels (64 MiB per call); keep large "
+                         "files out of git (git-ignored paths travel only when carried)")
+    return size
+
 
 def tree_bytes() -> int:
     try:
@@ -522,7 +535,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("split", help="cut the wheels into chunks under 60 MiB with a manifest")
     p.add_argument("--src", default=str(ROOT / ".whl"))
     p.add_argument("--out", default=str(ROOT / ".carry"), help="chunk folders (git-ignored)")
-    p.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK / MiB)
+    p.add_argument("--chunk-mib", type=float, default=None,
+                   help="chunk size (default: 56 MiB, less when the working tree is over 7 MiB, "
+                        "so that a call stays under 64 MiB)")
     p = sub.add_parser("plan", help="print the remote calls that carry and install")
     p.add_argument("--out", default=".carry", help="the split's folder, relative to the repo")
     p.add_argument("--area", default=AREA, help="reassembly area on the machine")

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_plan.py"
 MiB = 1 << 20
@@ -70,3 +72,17 @@ def test_a_tight_budget_drops_the_v1_engine_call_first():
     calls = calls_of(res.stdout)
     assert [c["name"] for c in calls if c["name"].startswith("engine")] == [
         "engine: V2 bf16, mode 0, FULL_DECODE_ONLY"]
+
+
+def test_a_larger_working_tree_gets_smaller_chunks_and_a_huge_one_is_refused(monkeypatch):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_plan
+    import gpu_vllm_carry
+
+    monkeypatch.setattr(gpu_plan, "tree_bytes", lambda: 20 * MiB)
+    r, info = gpu_plan.plan()
+    assert info["chunk_bytes"] == 43 * MiB and info["chunks"] == -(-info["wheel_bytes"] // (43 * MiB))
+    assert max(c.bytes for c in r.calls) <= 63 * MiB
+    monkeypatch.setattr(gpu_plan, "tree_bytes", lambda: 60 * MiB)
+    with pytest.raises(gpu_vllm_carry.CarryError, match="the working tree is 60.0 MiB"):
+        gpu_plan.plan()

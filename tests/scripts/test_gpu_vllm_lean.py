@@ -166,3 +166,15 @@ def test_download_lean_skips_the_extras_strips_the_wheel_and_sets_stale_wheels_a
                        timeout=120)
     assert r.returncode == 2
     assert "was stripped by `download --lean`; delete it" in r.stderr
+
+
+def test_host_report_names_each_extension_and_why_it_does_not_load():
+    """``host`` runs after the install on the GPU host; here (vLLM's CPU build, no CUDA
+    extensions) every extension is reported with its reason, and nothing raises."""
+    pytest.importorskip("vllm")
+    out = lean.host_report()
+    assert set(out) == {"vllm._C_stable_libtorch", "vllm.vllm_flash_attn._vllm_fa3_C",
+                        "vllm.vllm_flash_attn._vllm_fa2_C", "vllm._moe_C_stable_libtorch",
+                        "flash_attn_version"}
+    assert out["vllm.vllm_flash_attn._vllm_fa3_C"].startswith(("ModuleNotFoundError",
+                                                               "ImportError"))
