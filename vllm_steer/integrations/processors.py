@@ -62,6 +62,25 @@ class SteerLogitsProcessorV1(V1LogitsProcessor):
         rt.flush()
 
 
+# A sampling path of newer vLLM that computes greedy logits straight from ``lm_head.weight``
+# for batches where no request needs logits processing (not in vLLM 0.32 or 0.33). Where it
+# exists, steered requests declare that they need processing, so their batches keep going
+# through ``compute_logits``; where it does not, declaring would only cost an fp32 copy of the
+# logits at every steered step. Any path that still skips the head is refused at the step
+# (:class:`vllm_steer.integrations.worker.v2.HeadBypassedError`).
+GREEDY_FAST_PATH_MODULE = "vllm.v1.worker.gpu.sample.screened_head"
+
+
+def has_greedy_fast_path() -> bool:
+    """Whether this vLLM has the greedy fast path (``GREEDY_FAST_PATH_MODULE``)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(GREEDY_FAST_PATH_MODULE) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 class SteerLogitsProcessorV2(V2LogitsProcessor):
     """V2 logits processor: per-slot steer coefficients for the LM-head hook."""
 
@@ -72,6 +91,7 @@ class SteerLogitsProcessorV2(V2LogitsProcessor):
     def __init__(self, vllm_config, req_states) -> None:
         super().__init__(vllm_config, req_states)
         self.runtime = get_runtime(vllm_config.additional_config)
+        self.declare_steered = has_greedy_fast_path()  # see GREEDY_FAST_PATH_MODULE
         if self.runtime is not None:
             self.runtime.ensure_slots(req_states.max_num_reqs, req_states.device)
             # outside sample() (prompt logprobs, warm-up) rows have no known slot: unsteered
@@ -82,8 +102,11 @@ class SteerLogitsProcessorV2(V2LogitsProcessor):
         if rt is None:
             return False
         row = rt.coef_row(sampling_params)
-        rt.set_slot(req_idx, row, rt.coef_windows(sampling_params))  # full reset of the slot
-        return False  # logits are steered in the head; apply() has nothing to do
+        windows = rt.coef_windows(sampling_params)
+        rt.set_slot(req_idx, row, windows)  # full reset of the slot
+        # logits are steered in the head and apply() has nothing to do: "needs processing" is
+        # declared only where a greedy fast path would otherwise skip the head
+        return self.declare_steered and (windows is not None or bool(row.any()))
 
     def apply_staged_writes(self) -> None:
         if self.runtime is not None:

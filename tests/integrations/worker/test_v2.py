@@ -87,6 +87,25 @@ def test_v2_loader_accepts_the_processor_and_validator_rejects_bad_requests(vllm
         validate(_params({"a": 11}))
 
 
+def test_steered_requests_declare_logits_processing_only_where_a_greedy_fast_path_exists(
+        vllm_config, monkeypatch):
+    """vLLM 0.32 has no greedy fast path: declaring would cost an fp32 logits copy per step, so
+    nothing is declared. A vLLM with one (the module exists) gets steered requests declared,
+    unsteered ones not."""
+    from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors
+
+    from vllm_steer.integrations import processors
+
+    assert not processors.has_greedy_fast_path()
+    monkeypatch.setattr(processors, "GREEDY_FAST_PATH_MODULE", "vllm.v1.worker.gpu.sample.sampler")
+    assert processors.has_greedy_fast_path()
+    (proc,) = build_custom_logits_processors(vllm_config, _req_states(), False, [V2_FQCN])
+    proc.runtime.load(64, torch.device("cpu"), torch.float32)
+    assert proc.add_request(1, _params({"a": 5})) is True
+    assert proc.add_request(2, _params()) is False
+    assert proc.add_request(1, _params()) is False  # the slot reused by an unsteered request
+
+
 def test_slots_are_fully_reset_when_reused(processor):
     rt = processor.runtime
     assert processor.add_request(3, _params({"a": 5, "b": 2})) is False  # apply() not needed
