@@ -242,8 +242,10 @@ def check_auto(dev) -> bool:
         coefs, hidden = co.to(dev), torch.randn(rows, d, device=dev, dtype=torch.bfloat16)
         tplan = prepare_triton(p1, p2, offs, coefs, host=co.numpy())
         pplan = prepare_torch(p1, p2, offs, coefs, host=co.numpy())
-        t_tri = _time_us(lambda: steer_triton(hidden, p1, p2, offs, coefs, prepared=tplan))
-        t_tor = _time_us(lambda: steer_torch(hidden, p1, p2, offs, coefs, prepared=pplan))
+        t_tri = _time_us(lambda p1=p1, p2=p2, plan=tplan: steer_triton(
+            hidden, p1, p2, offs, coefs, prepared=plan))
+        t_tor = _time_us(lambda p1=p1, p2=p2, plan=pplan: steer_torch(
+            hidden, p1, p2, offs, coefs, prepared=plan))
         pick = ops.resolve_backend("auto", dev, hidden=d, max_rank=rank)
         faster = "triton" if t_tri <= t_tor else "torch"
         agree += pick == faster

@@ -11,7 +11,8 @@ test_vllm_specdec.py, which proposes exactly the target's greedy tokens when ste
 the target, has every draft of an unsteered batch accepted and not every draft of a steered
 one. Outputs are exactly the steered target's either way.
 
-One engine per method (n-gram, the target as its own draft model, EAGLE), one mixed batch
+One engine per method (n-gram, the target as its own draft model, EAGLE, EAGLE-3 with a
+random head and a 1,024-token draft vocabulary, MTP on a MiMo-style target), one mixed batch
 each: every request's greedy tokens and logprobs against transformers on the target's own
 weights with the request's steer, or none (``HFReference``; test_vllm_specdec.py compares
 unsteered requests with stock vLLM on the V1 runner).
@@ -21,20 +22,22 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import HFReference, make_tiny_llama
+from conftest import HFReference, make_tiny_eagle, make_tiny_llama, make_tiny_mimo
 from engines.test_vllm_specdec import (ENGINE_KW, MAX_TOKENS, MIXED, PROMPTS, SPEC,
                                        oracle_eagle_head, spec_counts)
 
 pytestmark = pytest.mark.vllm
 
-METHODS = ("ngram", "draft_model", "eagle")
-TARGET = {"ngram": "tiny", "draft_model": "tiny", "eagle": "bigram"}
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+TARGET = {"ngram": "tiny", "draft_model": "tiny", "eagle": "bigram", "eagle3": "tiny",
+          "mtp": "mimo"}
 
 
 @pytest.fixture(scope="module")
 def targets(tiny_model_dir, tmp_path_factory):
     return {"tiny": tiny_model_dir,
-            "bigram": make_tiny_llama(tmp_path_factory.mktemp("bigram-v2"), bigram=True)}
+            "bigram": make_tiny_llama(tmp_path_factory.mktemp("bigram-v2"), bigram=True),
+            "mimo": make_tiny_mimo(tmp_path_factory.mktemp("mimo-v2"))}
 
 
 @pytest.fixture(scope="module", params=METHODS)
@@ -48,6 +51,9 @@ def engine(request, v2_runner, targets, pair_steers, tmp_path_factory):
         spec["model"] = str(target)
     elif name == "eagle":
         spec["model"] = str(oracle_eagle_head(tmp_path_factory.mktemp("eagle-v2")))
+    elif name == "eagle3":
+        spec["model"] = str(make_tiny_eagle(tmp_path_factory.mktemp("eagle3-v2"), "eagle3",
+                                            draft_vocab=1024))
     llm = LLM(str(target), additional_config={"vllm_steer": {"steers": pair_steers[1]}},
               speculative_config=spec, disable_log_stats=False, **ENGINE_KW)
     yield name, target, llm
@@ -94,8 +100,9 @@ def test_v2_draft_model_is_steered_and_eagle_drafter_is_not(engine):
     """Draft model (eager): steered, so a steered batch accepts every draft. EAGLE (captured
     on a GPU): unsteered, so only the unsteered batch does."""
     name, _, llm = engine
-    if name == "ngram":
-        pytest.skip("n-gram has no drafter logits")
+    if name not in ("draft_model", "eagle"):
+        pytest.skip("n-gram has no drafter logits; the random EAGLE-3 / MTP heads' acceptance "
+                    "says nothing about their steer")
     plain, steered = _acceptance(llm, None), _acceptance(llm, {"a": 5})
     if name == "draft_model":
         assert plain == 1.0 and steered == 1.0, (plain, steered)
