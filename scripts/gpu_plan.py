@@ -8,9 +8,9 @@ working tree included; a command timeout of at most 600 s) and counts calls, byt
 seconds. It executes nothing on a GPU: the plan's commands are the ones to send. The calls:
 
   1. no vLLM: ``scripts/gpu_window.sh`` (kernel tests on CUDA, compile count after warm-up,
-     batch invariance, capture guard, ``auto``) and the worker's CUDA tests (the sync test in
-     bf16 and fp32 steps, the event-wait / pinned-copy step of tests/integrations/worker/
-     test_staging.py);
+     batch invariance, capture guard, one-step-ahead steps after a CUDA-graph forward,
+     ``auto``) and the worker's CUDA tests (the sync test in bf16 and fp32 steps, the
+     event-wait / pinned-copy step of tests/integrations/worker/test_staging.py);
   2. the lean vLLM carry, one chunk per call (``scripts/gpu_vllm_carry.py download --lean``:
      chunks of 56 MiB, less when the working tree is over 7 MiB; the last call assembles, installs and says which attention extensions
      load, ``scripts/gpu_vllm_lean.py host``);
@@ -49,7 +49,8 @@ LEAN_CHUNKS = 8  # the target for the vLLM carry
 START_S = 90  # a fresh machine's start ("a minute or more": the device README); estimate
 GAP_S = 5  # between consecutive calls (the machine stays warm 30 s; idle time counts)
 UPLOAD_S_PER_MIB = 0.15  # carrying the working tree and a chunk; estimate (unmeasured)
-GPU_WINDOW_S = 85  # `make gpu-window` on the H200: one call, 85 s (benchmarks/RESULTS.md)
+GPU_WINDOW_S = 100  # `make gpu-window` on the H200: one call, 85 s (benchmarks/RESULTS.md),
+#                   before the async check was added to it (estimate: 15 s more)
 WORKER_CUDA_TESTS_S = 30  # test_syncfree's CUDA tests (bf16, fp32) + test_staging; estimate
 RECEIVE_S = 3  # sha256 and copy of one 56 MiB chunk; estimate
 INSTALL_S_PER_MIB = 0.08  # assemble + pip install --no-deps of the wheels; estimate

@@ -11,11 +11,14 @@ INFO); the exit status is 1 when any check fails.
   at 1, 7, 64 and 256 rows (Triton, fp32 and bf16); without it, and the torch path, reported;
 - capture: the steer op refuses to run inside ``torch.cuda.graph`` capture, with the error
   that names the vLLM options, and the GPU works normally after it;
+- async: steered steps run one step ahead with the forward in a CUDA graph and the steer op
+  after it, against the plain-torch formula (``scripts/gpu_async_steps.py``);
 - auto: times the planned Triton and torch paths at a few shapes and reports whether
   ``ops.AUTO_CUDA`` picks the faster one (reported, never a failure).
 
 ``--dry-run`` (no CUDA): the invariance check on CPU under Triton's interpreter
-(TRITON_INTERPRET=1), the others skipped with a line saying why.
+(TRITON_INTERPRET=1) and the async check on CPU (small, eager, no overlap), the others
+skipped with a line saying why.
 """
 
 from __future__ import annotations
@@ -257,6 +260,19 @@ def check_auto(dev) -> bool:
     return True
 
 
+def check_async(dev, **sizes) -> bool:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu_async_steps
+
+    ok = True
+    for dtype in (torch.float32, torch.bfloat16):
+        r = gpu_async_steps.run(dev, dtype, **sizes)
+        for line in r["lines"]:
+            say(line)
+        ok &= r["ok"]
+    return ok
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true",
@@ -264,7 +280,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT"),
                     help="folder for gpu_window_results.txt (default: $OUT, if set)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["compiles", "invariance",
-                                                               "capture", "auto"])
+                                                               "capture", "async", "auto"])
     args = ap.parse_args(argv)
     os.environ.pop("VLLM_BATCH_INVARIANT", None)
     os.environ.pop("VLLM_STEER_BACKEND", None)
@@ -284,6 +300,8 @@ def main(argv=None) -> int:
             say(f"{name}: SKIP: needs CUDA (the interpreter compiles nothing and has no graphs)")
         if "invariance" not in args.skip:
             ok &= check_invariance(torch.device("cpu"), [(256, 16)])
+        if "async" not in args.skip:
+            ok &= check_async(torch.device("cpu"), steps=8, batch=16, hidden=128, layers=2)
     else:
         if not torch.cuda.is_available():
             say("gpu_window: FAIL: CUDA is not available to torch (use --dry-run on CPU)")
@@ -291,7 +309,9 @@ def main(argv=None) -> int:
         dev = torch.device("cuda", 0)
         checks = {"compiles": lambda: check_compiles(dev),
                   "invariance": lambda: check_invariance(dev, [(576, 16), (4096, 64)]),
-                  "capture": lambda: check_capture(dev), "auto": lambda: check_auto(dev)}
+                  "capture": lambda: check_capture(dev),
+                  "async": lambda: check_async(dev, steps=48, batch=256, hidden=4096),
+                  "auto": lambda: check_auto(dev)}
         for name, check in checks.items():
             if name in args.skip:
                 say(f"{name}: SKIP: --skip")

@@ -5,8 +5,10 @@
 #      GPU, not interpreted);
 #   2. scripts/gpu_window.py: no Triton compile after ops.warm_up for rows 1..256 (counted in
 #      the kernels' Triton caches), batch invariance at 1/7/64/256 rows with
-#      VLLM_BATCH_INVARIANT=1, the steer op refused inside CUDA graph capture, and the timings
-#      behind the `auto` backend rule (reported, never a failure).
+#      VLLM_BATCH_INVARIANT=1, the steer op refused inside CUDA graph capture, steered steps
+#      run one step ahead after a CUDA-graph forward against the formula (scripts/
+#      gpu_async_steps.py), and the timings behind the `auto` backend rule (reported, never
+#      a failure).
 # Needs python3 with torch (CUDA), triton and pytest; no vLLM, no network, no install. Run from
 # the repository root (the script cds there and puts it on PYTHONPATH).
 # Output: the terminal and, when $OUT is set, $OUT/gpu_window.log (all of it) and

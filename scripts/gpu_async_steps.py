@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""Steered steps run one step ahead, as vLLM's Model Runner V2 runs them on a GPU, against the
+plain-torch formula; no vLLM needed (run by scripts/gpu_window.py, check ``async``).
+
+What vLLM does, reproduced with the plugin's own worker code and a stand-in model:
+
+- the forward of each step is a CUDA graph replay (a stand-in model captured once, as vLLM
+  captures its decode graphs), and the LM head runs eagerly after it, where the steer op runs
+  (:func:`vllm_steer.integrations.worker.v2.sample` scopes the step's rows, the runtime steers
+  them);
+- the host never waits for a step: it prepares the next one (requests join and leave, slots
+  are reused by requests with other steers or none, so every step's coefficients differ and
+  are copied again) while the device still runs the previous ones, as async scheduling does;
+- each step also computes prompt logprobs of three requests in chunks of 4 rows (one
+  coefficient copy per chunk: :func:`vllm_steer.integrations.worker.v2.prompt_logprobs`).
+
+Each step keeps its hidden states and the LM head's steered input on the device; at the end
+(one synchronize) every row is compared with ``steer_reference`` on the same hidden states
+with the coefficients its request had at that step (plain rows: bit for bit). A staging buffer overwritten before its
+copy ran, or a row given another step's or another request's coefficients, shows as a
+mismatch. Host waits on unfinished CUDA events are counted (0 expected). On the CPU
+(``device="cpu"``) the same steps run without graphs or overlap: a rehearsal of the check
+itself.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}  # max |error|
+PROMPT_LENS = (5, 3, 6)  # three prompt-logprob requests, in chunks of 4 rows
+CHUNK = 4
+
+
+def _runtime(device, dtype, hidden: int, num_steers: int, rank: int, slots: int, folder: Path):
+    from vllm_steer.format import make_steer, save_steer
+    from vllm_steer.integrations.worker.runtime import get_runtime
+
+    g = torch.Generator().manual_seed(11)
+    files = {}
+    for k in range(num_steers):
+        name = f"s{k}"
+        p1 = torch.randn(hidden, rank, generator=g) * (6.0 / hidden ** 0.25)
+        p2 = torch.randn(hidden, rank, generator=g) * (6.0 / hidden ** 0.25)
+        files[name] = str(folder / f"{name}.safetensors")
+        save_steer(files[name], make_steer(p1, p2, name))
+    config = {"vllm_steer": {"steers": files, "max_strength": 10}}
+    rt = get_runtime(config)
+    rt.load(hidden, device, dtype)
+    rt.ensure_slots(slots, device)
+    rt.warm_up()  # as at start-up: no kernel compiles inside the timed steps
+    return rt, config
+
+
+def _coef_row(rt, rng) -> np.ndarray:
+    """A request's coefficients: no steer (a third of them), or one or two steers."""
+    from vllm_steer.reference import steer_coefficients
+
+    row = np.zeros(rt.num_columns, dtype=np.float32)
+    if rng.random() < 1 / 3:
+        return row
+    for j in rng.choice(len(rt.names), size=rng.integers(1, 3), replace=False):
+        eps = rt.bank.steers[j].metadata.epsilon
+        row[j], row[rt.capacity + j] = steer_coefficients(float(rng.uniform(-8, 8)), eps, None)
+    return row
+
+
+def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
+        hidden: int = 1024, layers: int = 8, graph: bool | None = None,
+        seed: int = 0, runtime_hook=None) -> dict:
+    """The check; returns ``{"ok", "lines", ...}``. ``runtime_hook(rt)`` may alter the runtime
+    (tests use it to show that a wrong row is caught)."""
+    from vllm_steer.integrations.worker import v2
+    from vllm_steer.integrations.worker.runtime import RowSource
+    from vllm_steer.reference import steer_reference
+
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    graph = cuda if graph is None else graph
+    rng = np.random.default_rng(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
+    lines: list[str] = []
+    tmp = tempfile.TemporaryDirectory()
+    rt, config = _runtime(device, dtype, hidden, 4, 16, 2 * batch, Path(tmp.name))
+    rt.row_source = RowSource("none")  # as the V2 processor sets it: rows outside sample()
+    if runtime_hook is not None:
+        runtime_hook(rt)
+
+    # the stand-in model: `layers` of tanh(x W), its forward captured in a CUDA graph
+    w = (torch.randn(hidden, hidden, generator=g, device=device) / hidden ** 0.5).to(dtype)
+    x = torch.zeros(batch, hidden, device=device, dtype=dtype)
+    h = torch.zeros_like(x)
+
+    def forward():
+        y = x
+        for _ in range(layers):
+            y = torch.tanh(y @ w) * 2
+        h.copy_(y)
+
+    replay = forward
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                forward()
+        torch.cuda.current_stream().wait_stream(side)
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            forward()
+        replay = cg.replay
+
+    class Runner:  # V2's GPUModelRunner.sample(): the LM head's input, steered
+        vllm_config = SimpleNamespace(additional_config=config)
+
+        def sample(self, hidden_states, input_batch, grammar_output):
+            return rt.steer_rows(hidden_states)
+
+    def sample(hs, batch_ns):
+        return v2.sample(Runner.sample, Runner(), hs, batch_ns, None)
+
+    def prompt_fn(self, logits_fn, hidden_states, input_batch):  # vLLM's chunked prompt rows
+        n = hidden_states.shape[0]
+        return torch.cat([logits_fn(hidden_states[a:a + CHUNK]) for a in range(0, n, CHUNK)])
+
+    waits = _count_event_waits() if cuda else None
+    slot_rows = np.zeros((2 * batch, rt.num_columns), dtype=np.float32)
+    live = rng.choice(2 * batch, size=batch, replace=False)
+    kept = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        # requests leave and join: a quarter of the batch, each new one in a free slot
+        leave = rng.choice(batch, size=batch // 4, replace=False)
+        free = np.setdiff1d(np.arange(2 * batch), live)
+        live[leave] = rng.choice(free, size=leave.size, replace=False)
+        for slot in live[leave] if step else live:
+            slot_rows[slot] = _coef_row(rt, rng)
+            rt.set_slot(int(slot), slot_rows[slot])
+        rt.flush()
+        order = rng.permutation(live)  # this step's batch order (idx_mapping)
+        x.copy_(torch.randn(batch, hidden, generator=g, device=device).to(dtype))
+        replay()
+        mapping = torch.as_tensor(order)  # V2 copies it from pinned host memory
+        mapping = (mapping.pin_memory() if cuda else mapping).to(device, non_blocking=True)
+        ib = SimpleNamespace(idx_mapping_np=order, cu_num_logits_np=np.arange(batch + 1),
+                             expanded_idx_mapping=mapping, num_computed_tokens_np=None,
+                             num_scheduled_tokens=None)
+        logits = sample(h, ib)
+        qsl = np.concatenate([[0], np.cumsum(PROMPT_LENS)])
+        pb = SimpleNamespace(num_reqs=len(PROMPT_LENS), idx_mapping_np=order[:len(PROMPT_LENS)],
+                             query_start_loc_np=qsl)
+        ph = torch.randn(int(qsl[-1]), hidden, generator=g, device=device).to(dtype)
+        plogits = v2.prompt_logprobs(prompt_fn, None, rt.steer_rows, ph, pb)
+        kept.append((h.clone(), logits, ph, plogits, slot_rows[order].copy(),
+                     np.repeat(slot_rows[order[:len(PROMPT_LENS)]], PROMPT_LENS, axis=0)))
+    host_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.synchronize()
+    device_s = time.perf_counter() - t0
+
+    tol = TOLERANCE[dtype]
+    worst, plain_diff, effect, bad = 0.0, 0, 0.0, []
+    p1, p2, offs = rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets
+    for step, (hs, lg, ph, plg, coefs, pcoefs) in enumerate(kept):
+        for what, inp, got, co in (("sampled", hs, lg, coefs), ("prompt", ph, plg, pcoefs)):
+            ct = torch.as_tensor(co, device=device)
+            want = steer_reference(inp, p1, p2, offs, ct)
+            err = (got.float() - want.float()).abs().amax(dim=1)
+            worst = max(worst, float(err.max()))
+            plain = ~torch.as_tensor(co.any(axis=1), device=device)
+            plain_diff += int((got[plain] != inp[plain]).any(dim=1).sum())
+            if (~plain).any():
+                effect = max(effect, float((want[~plain].float() - inp[~plain].float())
+                                           .abs().amax()))
+            if float(err.max()) > tol:
+                bad.append(f"step {step} {what}: max |error| {float(err.max()):.3g} > {tol}")
+    ok = not bad and plain_diff == 0 and effect > 5 * tol and (waits is None or waits[0] == 0)
+    tag = str(dtype).replace("torch.", "")
+    lines.append(f"async {tag}: {steps} steps x {batch} rows + {sum(PROMPT_LENS)} prompt rows "
+                 f"in chunks of {CHUNK}, forward {'in a CUDA graph' if graph else 'eager'}: "
+                 f"max |steered - reference| {worst:.3g} (tolerance {tol}), plain rows differing "
+                 f"{plain_diff}, largest steer effect {effect:.3g}, host waits on unfinished "
+                 f"events {'n/a' if waits is None else waits[0]}, host {host_s * 1e3:.0f} ms "
+                 f"of {device_s * 1e3:.0f} ms: {'PASS' if ok else 'FAIL'}")
+    lines += bad[:5]
+    if waits is not None:
+        waits[1]()
+    tmp.cleanup()
+    return {"ok": ok, "lines": lines, "worst": worst, "plain_diff": plain_diff,
+            "effect": effect, "waits": None if waits is None else waits[0]}
+
+
+def _count_event_waits():
+    """Count ``torch.cuda.Event.synchronize`` calls on events the device has not reached."""
+    counter = [0, None]
+    real = torch.cuda.Event.synchronize
+
+    def synchronize(self):
+        if not self.query():
+            counter[0] += 1
+        return real(self)
+
+    torch.cuda.Event.synchronize = synchronize
+
+    def restore():
+        torch.cuda.Event.synchronize = real
+
+    counter[1] = restore
+    return counter
+
+
+if __name__ == "__main__":
+    import sys
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    results = [run(dev, dt) for dt in (torch.float32, torch.bfloat16)]
+    for r in results:
+        print("\n".join(r["lines"]))
+    sys.exit(0 if all(r["ok"] for r in results) else 1)

@@ -1,0 +1,50 @@
+"""scripts/gpu_async_steps.py, the GPU window's one-step-ahead check, rehearsed on the CPU:
+the plugin's worker code passes it (every row steered with its own request's coefficients of
+that step, plain rows bit for bit), and the check catches a row given another request's
+coefficients or the previous step's."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_async_steps  # noqa: E402
+
+SMALL = dict(device="cpu", steps=8, batch=16, hidden=128, layers=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_worker_code_passes_the_one_step_ahead_check(dtype):
+    r = gpu_async_steps.run(dtype=dtype, **SMALL)
+    assert r["ok"], r["lines"]
+    assert r["plain_diff"] == 0 and r["effect"] > 5 * gpu_async_steps.TOLERANCE[dtype]
+    assert "PASS" in r["lines"][0] and "forward eager" in r["lines"][0]
+
+
+def _hook(shift):
+    def hook(rt):
+        real, last = rt._row_coefs, []
+
+        def row_coefs(n, slots, positions):
+            coefs = real(n, slots, positions)
+            if shift == "neighbour":  # each row gets the next row's request's coefficients
+                return np.roll(coefs, 1, axis=0)
+            prev = last[-1] if last and last[-1].shape == coefs.shape else coefs
+            last.append(coefs)
+            return prev  # the previous call's coefficients (a staging buffer reused too early)
+
+        rt._row_coefs = row_coefs
+    return hook
+
+
+@pytest.mark.parametrize("shift", ["neighbour", "previous step"])
+def test_the_check_catches_rows_with_the_wrong_coefficients(shift):
+    r = gpu_async_steps.run(dtype=torch.float32, runtime_hook=_hook(shift), **SMALL)
+    assert not r["ok"]
+    assert "FAIL" in r["lines"][0] and any("max |error|" in line for line in r["lines"][1:])
