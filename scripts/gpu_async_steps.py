@@ -196,6 +196,94 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
             "effect": effect, "waits": None if waits is None else waits[0]}
 
 
+def run_drafter(device="cuda", dtype=torch.bfloat16, steps: int = 16, batch: int = 64,
+                hidden: int = 1024, graph: bool | None = None, seed: int = 1) -> dict:
+    """The drafter's steer inside a CUDA graph (Model Runner V2's EAGLE / EAGLE-3 / MTP draft
+    steps): a stand-in draft step (one layer, then ``SteerRuntime.steer_fixed`` on its rows
+    with the speculator-style ``idx_mapping`` buffer, -1 for padding) captured once; then
+    replays with requests joining and leaving (the slot table rewritten in place), the mapping
+    buffer rewritten, and a steer loaded into a free slot halfway: every replay's rows against
+    the formula with that step's coefficients."""
+    from vllm_steer.format import make_steer
+    from vllm_steer.reference import steer_reference
+
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    graph = cuda if graph is None else graph
+    rng = np.random.default_rng(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
+    tmp = tempfile.TemporaryDirectory()
+    rt, _ = _runtime(device, dtype, hidden, 3, 16, 2 * batch, Path(tmp.name))
+    rt.enable_fixed_drafter()
+    w = (torch.randn(hidden, hidden, generator=g, device=device) / hidden ** 0.5).to(dtype)
+    x = torch.zeros(batch, hidden, device=device, dtype=dtype)
+    h = torch.zeros_like(x)
+    out = torch.zeros_like(x)
+    mapping = torch.full((batch,), -1, dtype=torch.int32, device=device)
+
+    def draft_step():
+        h.copy_(torch.tanh(x @ w) * 2)
+        out.copy_(rt.steer_fixed(h, mapping))
+
+    replay = draft_step
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            draft_step()
+        torch.cuda.current_stream().wait_stream(side)
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            draft_step()
+        replay = cg.replay
+    slot_rows = np.zeros((2 * batch, rt.num_columns), dtype=np.float32)
+    kept, loaded = [], False
+    for step in range(steps):
+        if step == steps // 2:  # a run-time load into the free fourth slot
+            gg = torch.Generator().manual_seed(99)
+            rt.put_steer(3, 7, "late", make_steer(torch.randn(hidden, 8, generator=gg) * 0.5,
+                                                  torch.randn(hidden, 8, generator=gg) * 0.5,
+                                                  "late"))
+            loaded = True
+        live = rng.choice(2 * batch, size=batch - 3, replace=False)
+        for slot in live[: batch // 3]:
+            row = _coef_row(rt, rng)
+            if loaded and rng.random() < 0.5:
+                from vllm_steer.reference import steer_coefficients
+
+                row[3], row[rt.capacity + 3] = steer_coefficients(float(rng.uniform(-8, 8)),
+                                                                  1e-3, None)
+            slot_rows[slot] = row
+            rt.set_slot(int(slot), row)
+        rt.flush()
+        m = np.concatenate([live, [-1, -1, -1]]).astype(np.int32)  # padded like V2's buffer
+        mapping.copy_(torch.from_numpy(m))
+        x.copy_(torch.randn(batch, hidden, generator=g, device=device).to(dtype))
+        replay()
+        kept.append((h.clone(), out.clone(), np.where((m >= 0)[:, None], slot_rows[m], 0.0)))
+    if cuda:
+        torch.cuda.synchronize()
+    tol = TOLERANCE[dtype]
+    worst, plain_diff, effect = 0.0, 0, 0.0
+    for hs, got, co in kept:
+        want = steer_reference(hs, rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets,
+                               torch.as_tensor(co, dtype=torch.float32, device=device))
+        worst = max(worst, float((got.float() - want.float()).abs().amax()))
+        plain = ~torch.as_tensor(co.any(axis=1), device=device)
+        plain_diff += int((got[plain] != hs[plain]).any(dim=1).sum())
+        if (~plain).any():
+            effect = max(effect, float((want[~plain].float() - hs[~plain].float()).abs().amax()))
+    ok = worst <= 2 * tol and plain_diff == 0 and effect > 5 * tol
+    tag = str(dtype).replace("torch.", "")
+    line = (f"drafter {tag}: {steps} draft steps x {batch} rows (3 padding), "
+            f"{'replayed from one CUDA graph' if graph else 'eager'}, a steer loaded halfway: "
+            f"max |steered - reference| {worst:.3g} (tolerance {2 * tol}), plain rows differing "
+            f"{plain_diff}, largest steer effect {effect:.3g}: {'PASS' if ok else 'FAIL'}")
+    tmp.cleanup()
+    return {"ok": ok, "lines": [line], "worst": worst, "plain_diff": plain_diff,
+            "effect": effect}
+
+
 def _count_event_waits():
     """Count ``torch.cuda.Event.synchronize`` calls on events the device has not reached."""
     counter = [0, None]
@@ -219,7 +307,7 @@ if __name__ == "__main__":
     import sys
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    results = [run(dev, dt) for dt in (torch.float32, torch.bfloat16)]
+    results = [f(dev, dt) for f in (run, run_drafter) for dt in (torch.float32, torch.bfloat16)]
     for r in results:
         print("\n".join(r["lines"]))
     sys.exit(0 if all(r["ok"] for r in results) else 1)

@@ -12,7 +12,8 @@ INFO); the exit status is 1 when any check fails.
 - capture: the steer op refuses to run inside ``torch.cuda.graph`` capture, with the error
   that names the vLLM options, and the GPU works normally after it;
 - async: steered steps run one step ahead with the forward in a CUDA graph and the steer op
-  after it, against the plain-torch formula (``scripts/gpu_async_steps.py``);
+  after it, and a drafter's steer captured inside a CUDA graph replayed while requests and
+  steers change, against the plain-torch formula (``scripts/gpu_async_steps.py``);
 - auto: times the planned Triton and torch paths at a few shapes and reports whether
   ``ops.AUTO_CUDA`` picks the faster one (reported, never a failure).
 
@@ -266,10 +267,13 @@ def check_async(dev, **sizes) -> bool:
 
     ok = True
     for dtype in (torch.float32, torch.bfloat16):
-        r = gpu_async_steps.run(dev, dtype, **sizes)
-        for line in r["lines"]:
-            say(line)
-        ok &= r["ok"]
+        for r in (gpu_async_steps.run(dev, dtype, **sizes),
+                  gpu_async_steps.run_drafter(dev, dtype, steps=sizes.get("steps", 16),
+                                              batch=sizes.get("batch", 64),
+                                              hidden=sizes.get("hidden", 1024))):
+            for line in r["lines"]:
+                say(line)
+            ok &= r["ok"]
     return ok
 
 

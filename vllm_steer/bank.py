@@ -132,7 +132,14 @@ class SlotBank:
         self._plan_key: object = None
         self._plan = None
         self._store1 = self._store2 = None  # flat device storage of p1 and p2
-        self.reserved_rank = reserve_rank or 0  # total rank the storage holds: 2 * capacity * r
+        # the fixed-layout copy for CUDA-graph-captured drafter heads (enable_fixed): segment
+        # k (column k's steer or domain component) at columns [k * fixed_rank, ...), zeros
+        # elsewhere, rewritten in place at every put / drop
+        self.fixed_rank = 0
+        self.fixed_p1: torch.Tensor | None = None  # [hidden, 2 * capacity * fixed_rank]
+        self.fixed_p2: torch.Tensor | None = None
+        self.fixed_left_out: list[str] = []  # steers wider than fixed_rank (not in the copy)
+        self.reserved_rank = reserve_rank or 0  # rank per steer reserved (2 * capacity of them)
         if reserve_rank:
             self._allocate(2 * capacity * reserve_rank)
         self._rebuild()
@@ -202,6 +209,41 @@ class SlotBank:
         self.rank_offsets = offs
         self.version += 1
         self._plan_key, self._plan = None, None
+        if self.fixed_p1 is not None:
+            self._fill_fixed(segs)
+
+    def enable_fixed(self, rank: int) -> int:
+        """Keep, from now on, a copy of the factors whose layout never changes: segment ``k``
+        (the factors that coefficient column ``k`` multiplies) at columns ``[k * rank, k *
+        rank + width)`` of ``fixed_p1`` / ``fixed_p2`` (``[hidden, 2 * capacity * rank]``),
+        zeros elsewhere. Its storage, shape and the column of every segment stay the same
+        across puts and drops (rewritten in place), so a CUDA graph that captured a steer op
+        reading it reads the current steers at every replay (``SteerRuntime.steer_fixed``). A
+        steer wider than ``rank`` is left out of the copy (``fixed_left_out``). Returns the
+        bytes allocated."""
+        rank = max(int(rank), 1)
+        cols = 2 * self.capacity * rank
+        self.fixed_rank = rank
+        self.fixed_p1 = torch.zeros(self.hidden_size, cols, device=self.device, dtype=self.dtype)
+        self.fixed_p2 = torch.zeros_like(self.fixed_p1)
+        self._rebuild()
+        return 2 * self.fixed_p1.numel() * self.fixed_p1.element_size()
+
+    def _fill_fixed(self, segs) -> None:
+        r, left = self.fixed_rank, []
+        host1 = torch.zeros(self.fixed_p1.shape, dtype=self.dtype)
+        host2 = torch.zeros(self.fixed_p2.shape, dtype=self.dtype)
+        for k, (a, b) in enumerate(segs):
+            if a is None:
+                continue
+            if a.shape[1] > r:
+                left.append(self.names[k % self.capacity] or f"slot {k % self.capacity}")
+                continue
+            host1[:, k * r:k * r + a.shape[1]] = a
+            host2[:, k * r:k * r + b.shape[1]] = b
+        self.fixed_p1.copy_(host1)
+        self.fixed_p2.copy_(host2)
+        self.fixed_left_out = sorted(set(left))
 
     def coef_row(self, bound: Mapping[str, Sequence[int]], strengths: Mapping[str, float]
                  ) -> tuple[list[float], list[str]]:

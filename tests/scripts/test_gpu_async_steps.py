@@ -1,7 +1,9 @@
 """scripts/gpu_async_steps.py, the GPU window's one-step-ahead check, rehearsed on the CPU:
 the plugin's worker code passes it (every row steered with its own request's coefficients of
 that step, plain rows bit for bit), and the check catches a row given another request's
-coefficients or the previous step's."""
+coefficients or the previous step's; the drafter's captured steer (run eagerly here) passes
+its replays with requests, the mapping buffer and a steer changing, and the check catches
+rows mapped to the wrong slots."""
 
 from __future__ import annotations
 
@@ -48,3 +50,21 @@ def test_the_check_catches_rows_with_the_wrong_coefficients(shift):
     r = gpu_async_steps.run(dtype=torch.float32, runtime_hook=_hook(shift), **SMALL)
     assert not r["ok"]
     assert "FAIL" in r["lines"][0] and any("max |error|" in line for line in r["lines"][1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_drafter_steer_passes_its_replay_check(dtype):
+    r = gpu_async_steps.run_drafter(device="cpu", dtype=dtype, steps=6, batch=16, hidden=128)
+    assert r["ok"], r["lines"]
+    assert "eager" in r["lines"][0] and "PASS" in r["lines"][0]
+
+
+def test_the_drafter_check_catches_rows_mapped_to_the_wrong_slots(monkeypatch):
+    from vllm_steer.integrations.worker.runtime import SteerRuntime
+
+    real = SteerRuntime.steer_fixed
+    monkeypatch.setattr(SteerRuntime, "steer_fixed",
+                        lambda self, h, m: real(self, h, m.flip(0)))  # rows get others' slots
+    r = gpu_async_steps.run_drafter(device="cpu", dtype=torch.float32, steps=4, batch=16,
+                                    hidden=128)
+    assert not r["ok"] and "FAIL" in r["lines"][0]

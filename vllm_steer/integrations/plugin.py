@@ -167,6 +167,12 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{_V2}.spec_decode.standalone_ar.speculator:StandaloneARSpeculator.propose",
          "speculative decoding: the draft model's rows -> requests (V2)",
          _worker("spec_decode", "propose_standalone_v2"), process="worker"),
+    Hook(f"{_V2}.spec_decode.speculator:DraftModelSpeculator.load_model",
+         "speculative decoding: EAGLE / EAGLE-3 / MTP drafter heads prepared for CUDA graphs "
+         "(V2)", _worker("spec_decode", "speculator_load_model"), process="worker"),
+    Hook(f"{_V2}.spec_decode.speculator:DraftModelSpeculator.sample_draft",
+         "speculative decoding: the captured draft steps' rows -> requests, on the device (V2)",
+         _worker("spec_decode", "sample_draft_v2"), process="worker"),
 )
 
 

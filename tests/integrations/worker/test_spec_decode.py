@@ -97,14 +97,10 @@ def test_a_drafter_is_steered_only_when_its_hidden_size_fits(draft_hidden, steer
     assert [h.steer_runtime is rt for h in heads] == [steered, steered]
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
-def test_a_model_runner_v2_drafter_proposes_unsteered_and_says_why(method):
-    """V2 captures its EAGLE / EAGLE-3 / MTP drafters' LM heads in CUDA graphs with their
-    sampling: their heads are detached, whatever the hidden size, and the log says why. Its
-    draft model runs eagerly and is steered as on V1."""
+def _drafter_log(fn) -> list[str]:
+    """The plugin's log lines about the drafter while ``fn()`` runs."""
     import logging
 
-    from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
     from vllm_steer.logs import get_logger
 
     class Lines(logging.Handler):
@@ -115,23 +111,61 @@ def test_a_model_runner_v2_drafter_proposes_unsteered_and_says_why(method):
         def emit(self, record):
             self.lines.append(record.getMessage())
 
-    runner, rt, heads = _runner_with_drafter(64, 64, method=method, v2=True)
     logger, handler = get_logger(), Lines()
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        prepare_drafter_once(runner, rt)
-        prepare_drafter_once(runner, rt)  # once per runner
+        fn()
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+    return [m for m in handler.lines if "drafter" in m]
+
+
+def _load_v2_drafter(runner, rt):
+    """``DraftModelSpeculator.load_model`` of the stand-in V2 runner's speculator (the drafter
+    already there), through the plugin's wrapper; returns the fixed-copy allocations made."""
+    from vllm_steer.integrations.worker.spec_decode import speculator_load_model
+
+    fixed = []
+    rt.enable_fixed_drafter = lambda: fixed.append(True)
+    runner.speculator.vllm_config = SimpleNamespace(
+        additional_config=None, speculative_config=runner.speculative_config)
+    with mock.patch("vllm_steer.integrations.worker.runtime.get_runtime", return_value=rt):
+        speculator_load_model(lambda self, target: None, runner.speculator, None)
+    return fixed
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+def test_a_model_runner_v2_drafter_is_prepared_for_cuda_graphs_when_it_loads(method):
+    """V2 captures its EAGLE / EAGLE-3 / MTP drafters' LM heads in CUDA graphs with their
+    sampling. When vLLM loads such a drafter (before it sizes the KV cache) the bank's
+    fixed-layout copy is allocated and the heads stay steered, and the log says how; a
+    drafter whose speculator was not prepared at load is detached and the log says why;
+    another hidden size is detached at load. Its draft model runs eagerly and is steered as
+    on V1."""
+    from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
+
+    runner, rt, heads = _runner_with_drafter(64, 64, method=method, v2=True)
+    assert _load_v2_drafter(runner, rt) == [True]
+    lines = _drafter_log(lambda: (prepare_drafter_once(runner, rt),
+                                  prepare_drafter_once(runner, rt)))  # once per runner
+    assert [h.steer_runtime is rt for h in heads] == [True, True]
+    assert len(lines) == 1 and f"({method}): drafter steered" in lines[0], lines
+    assert "CUDA-graph-captured draft steps" in lines[0], lines
+
+    runner, rt, heads = _runner_with_drafter(64, 64, method=method, v2=True)  # not prepared
+    lines = _drafter_log(lambda: prepare_drafter_once(runner, rt))
     assert [h.steer_runtime for h in heads] == [None, None]
-    lines = [m for m in handler.lines if "drafter" in m]
-    assert len(lines) == 1 and f"({method}): drafter unsteered" in lines[0], lines
-    assert "Model Runner V2" in lines[0] and "CUDA-graph" in lines[0], lines
+    assert f"({method}): drafter unsteered" in lines[0] and "not prepared" in lines[0], lines
+
+    runner, rt, heads = _runner_with_drafter(128, 64, method=method, v2=True)
+    assert _load_v2_drafter(runner, rt) == []
+    assert [h.steer_runtime for h in heads] == [None, None]
 
     runner, rt, heads = _runner_with_drafter(64, 64, method="draft_model", v2=True)
+    assert _load_v2_drafter(runner, rt) == []  # runs eagerly: the host-mapped path
     prepare_drafter_once(runner, rt)
     assert [h.steer_runtime is rt for h in heads] == [True, True]
 

@@ -71,7 +71,8 @@ class SteerStats:
 class RowSource:
     """Where the rows of the next ``compute_logits`` call come from."""
 
-    kind: str  # "batch" (row i = slot i), "mapping" (row -> slot), "slots", "prompt", "none"
+    kind: str  # "batch" (row i = slot i), "mapping" (row -> slot), "slots", "prompt", "none",
+    #            "captured" (row -> slot on the device only, read by a capture-safe op: steer_fixed)
     # "mapping" (V2): the step's row -> slot on the device; plans come from ``slots`` (its host
     # copy) when given; a device mapping alone (batch-sharded sampling) is gathered on the device
     mapping: torch.Tensor | None = None
@@ -385,6 +386,8 @@ class SteerRuntime:
     @property
     def active(self) -> bool:
         """Whether the head has steer work for the rows of the next ``compute_logits``."""
+        if self.row_source.kind == "captured":  # recorded whether or not a slot is steered
+            return self.bank is not None and self.bank.fixed_p1 is not None
         return self.has_steered_slots and self.row_source.kind != "none"
 
     @contextlib.contextmanager
@@ -407,6 +410,8 @@ class SteerRuntime:
         array, window positions). An unchanged step costs a key comparison and the kernels.
         """
         self.head_calls += 1
+        if self.row_source.kind == "captured":
+            return self.steer_fixed(hidden, self.row_source.mapping)
         if not self.active or hidden.shape[0] == 0:
             return hidden
         n = hidden.shape[0]
@@ -540,6 +545,57 @@ class SteerRuntime:
                                        self._coefs_dev[:n], host=coefs)
             self._plan_key = plan_key
 
+    # ---- drafter heads inside CUDA graphs (Model Runner V2's EAGLE / EAGLE-3 / MTP) -----------
+    def enable_fixed_drafter(self) -> float:
+        """Keep the bank's fixed-layout copy (:meth:`SlotBank.enable_fixed`) for drafter heads
+        that run inside captured CUDA graphs, at the bank's reserved rank; called while vLLM
+        loads the drafter (before it sizes the KV cache). Returns the MiB allocated (0: no bank
+        or already kept)."""
+        bank = self.bank
+        if bank is None:
+            return 0.0
+        if bank.fixed_p1 is not None:
+            return 0.0
+        rank = bank.reserved_rank  # the rank per steer the bank reserved at start-up
+        mib = bank.enable_fixed(rank) / 2**20
+        logger.info("vllm-steer: the drafter's steers, inside CUDA graphs, use a fixed-layout "
+                    "copy of the bank: %.1f MiB (rank %d per steer)%s", mib, bank.fixed_rank,
+                    f"; left out (wider): {bank.fixed_left_out}" if bank.fixed_left_out else "")
+        return mib
+
+    def steer_fixed(self, hidden: torch.Tensor, mapping: torch.Tensor | None) -> torch.Tensor:
+        """Steer rows whose slots are known only on the device (``mapping[i]``: row i's slot;
+        -1: a padding row, left as it is) from the fixed-layout copy of the bank. Semantics:
+        see reference.
+
+        Capture-safe by construction: every tensor it reads keeps its storage and shape
+        between steps (the slot table, the fixed copy, the caller's mapping buffer), its shapes
+        depend only on the number of rows, and no value goes back to the host; so a CUDA
+        graph that captured it computes each replay's rows with that replay's coefficients.
+        Outside a capture, a worker with no steered slot skips it."""
+        bank = self.bank
+        n = hidden.shape[0]
+        if bank is None or bank.fixed_p1 is None or mapping is None or n == 0:
+            return hidden
+        if mapping.shape[0] < n or self.slot_coefs is None:
+            _warn_once("vllm-steer: drafter rows outnumber their known slots; they are "
+                       "computed unsteered")
+            return hidden
+        if not self.has_steered_slots and not _capturing(hidden):
+            return hidden
+        self.stats.calls += 1
+        self.stats.rows += n
+        m = mapping[:n].long()
+        coefs = self.slot_coefs.index_select(0, m.clamp(min=0)) * (m >= 0).unsqueeze(1)
+        cols = coefs.repeat_interleave(bank.fixed_rank, dim=1)  # [n, 2 * capacity * rank]
+        # the GEMMs in the bank's dtype (fp32 accumulation inside), the sum in fp32: a bf16
+        # drafter's rows differ from the reference by rounding only, and only its proposals
+        # (never the outputs) depend on them
+        down = (hidden.to(bank.fixed_p1.dtype) @ bank.fixed_p1).float() * cols
+        delta = (down.to(bank.fixed_p2.dtype) @ bank.fixed_p2.T).float()
+        out = (hidden.float() + delta).to(hidden.dtype)
+        return torch.where((coefs == 0).all(dim=1, keepdim=True), hidden, out)
+
     def _steer_device_mapping(self, hidden: torch.Tensor) -> torch.Tensor:
         """Rows known only through a device mapping (batch-sharded sampling): the slot table
         is gathered on the device and planned per call (the backend's own planning; the
@@ -555,6 +611,11 @@ class SteerRuntime:
 
 
 _DEVICE_MAPPING = object()
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (on ``t``'s device)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class StagedCopy:

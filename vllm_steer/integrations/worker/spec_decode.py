@@ -27,9 +27,12 @@ only keeps the acceptance rate up.
   (``idx_mapping_np``, host) by :func:`propose_standalone_v2`, and steered as on V1. EAGLE,
   EAGLE-3 and MTP speculators run the drafter's LM head inside the draft steps that V2
   captures in CUDA graphs (forward, logits and sampling together, ``target_dependent_ar``),
-  where a steer's per-step inputs would be frozen at capture: their heads are detached
-  (:func:`prepare_drafter`), so they propose unsteered. Outputs are exactly the steered
-  target's either way.
+  where host-planned per-step inputs would be frozen at capture: their rows are steered by
+  the capture-safe op (:meth:`SteerRuntime.steer_fixed`: the slots gathered on the device
+  from the speculator's own ``idx_mapping`` buffer, the bank's fixed-layout copy), scoped by
+  :func:`sample_draft_v2` and prepared when vLLM loads the drafter
+  (:func:`speculator_load_model`, before it sizes the KV cache). Outputs are exactly the
+  steered target's either way.
 - n-gram has no drafter logits.
 
 Everything is planned from host data (numpy arrays the runner already has): no device read.
@@ -39,6 +42,8 @@ Which methods are accepted is decided at start-up
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -194,10 +199,13 @@ def drafter_heads(runner) -> list:
     return [m for _, m in model.named_modules() if isinstance(m, SteeredLogitsProcessor)]
 
 
-#: why an EAGLE / EAGLE-3 / MTP drafter proposes unsteered under Model Runner V2 (logged once
-#: per worker)
+#: why a V2 EAGLE / EAGLE-3 / MTP drafter whose speculator was not prepared when vLLM loaded
+#: it proposes unsteered (logged once per worker)
 V2_DRAFTER_REASON = ("Model Runner V2 runs the drafter's LM head inside CUDA-graph-captured "
-                     "draft steps, where a steer's per-step inputs would be frozen")
+                     "draft steps, and this drafter was not prepared for them when it loaded")
+#: how a prepared V2 EAGLE / EAGLE-3 / MTP drafter is steered (logged with the decision)
+V2_DRAFTER_CAPTURED = ("inside CUDA-graph-captured draft steps: slots gathered on the device, "
+                       "the bank's fixed-layout copy")
 #: the V2 speculator that runs its drafter eagerly (its rows mapped by propose_standalone_v2)
 V2_EAGER_SPECULATOR = "StandaloneARSpeculator"
 
@@ -208,16 +216,9 @@ def _v2_captured(runner) -> bool:
     return speculator is not None and type(speculator).__name__ != V2_EAGER_SPECULATOR
 
 
-def prepare_drafter(runner, rt) -> None:
-    """Detach the drafter's heads from the steers unless they can be steered: the V1 runner
-    or V2's eager draft-model speculator, the same hidden size as the steers, and
-    ``steer_drafter`` on."""
-    from vllm_steer.logs import get_logger
-
-    heads = drafter_heads(runner)
-    if not heads:
-        return
-    spec = runner.speculative_config
+def _drafter_fits(spec, rt) -> tuple[bool, int | None, int | None]:
+    """Whether a drafter can be steered: ``steer_drafter`` on and its head's input size equal
+    to the steers'; with both sizes."""
     draft_mc = getattr(spec, "draft_model_config", None)
     hidden = None
     if draft_mc is not None:
@@ -228,16 +229,82 @@ def prepare_drafter(runner, rt) -> None:
         except Exception:  # noqa: BLE001 - an unknown layout: leave the drafter unsteered
             hidden = None
     steer_hidden = rt.bank.hidden_size if rt.bank is not None else None
-    v2 = _v2_captured(runner)
-    steer = not v2 and bool(getattr(rt.config, "steer_drafter", True)) \
-        and hidden is not None and hidden == steer_hidden
-    if not steer:
-        for head in heads:
-            head.steer_runtime = None
+    fits = bool(getattr(rt.config, "steer_drafter", True)) and hidden is not None \
+        and hidden == steer_hidden
+    return fits, hidden, steer_hidden
+
+
+def _log_drafter(spec, steer: bool, hidden, steer_hidden, how: str) -> None:
+    from vllm_steer.logs import get_logger
+
     get_logger().info(
         "vllm-steer: speculative decoding (%s): drafter %s (drafter hidden size %s, steers' "
         "%s%s)", spec.method, "steered" if steer else "unsteered", hidden, steer_hidden,
-        f"; {V2_DRAFTER_REASON}" if v2 else "")
+        f"; {how}" if how else "")
+
+
+def prepare_drafter(runner, rt) -> None:
+    """Detach the drafter's heads from the steers unless they can be steered: the same hidden
+    size as the steers and ``steer_drafter`` on; under V2, an EAGLE / EAGLE-3 / MTP drafter
+    only when its speculator was prepared for CUDA graphs at load
+    (:func:`speculator_load_model`)."""
+    heads = drafter_heads(runner)
+    if not heads:
+        return
+    spec = runner.speculative_config
+    fits, hidden, steer_hidden = _drafter_fits(spec, rt)
+    how = ""
+    if _v2_captured(runner):
+        prepared = bool(getattr(runner.speculator, "_vllm_steer_captured", False))
+        steer = fits and prepared
+        how = V2_DRAFTER_CAPTURED if steer else (V2_DRAFTER_REASON if fits else "")
+    else:
+        steer = fits
+    if not steer:
+        for head in heads:
+            head.steer_runtime = None
+    _log_drafter(spec, steer, hidden, steer_hidden, how)
+
+
+def speculator_load_model(orig, self, *args, **kwargs):
+    """``DraftModelSpeculator.load_model`` (V2): once an EAGLE / EAGLE-3 / MTP drafter is
+    loaded (before vLLM profiles memory and sizes the KV cache), prepare its steered heads for
+    CUDA-graph-captured draft steps: the bank's fixed-layout copy is allocated now
+    (:meth:`SteerRuntime.enable_fixed_drafter`) and :func:`sample_draft_v2` scopes the
+    speculator's ``idx_mapping`` around each draft step's head. A drafter that cannot be
+    steered (another hidden size, ``--no-steer-drafter``) has its heads detached."""
+    out = orig(self, *args, **kwargs)
+    from vllm_steer.integrations.worker.runtime import get_runtime
+
+    rt = get_runtime(self.vllm_config.additional_config)
+    if rt is None or rt.bank is None or type(self).__name__ == V2_EAGER_SPECULATOR:
+        return out
+    holder = SimpleNamespace(speculator=self)
+    heads = drafter_heads(holder)
+    if not heads:
+        return out
+    fits, _, _ = _drafter_fits(self.vllm_config.speculative_config, rt)
+    if fits:
+        rt.enable_fixed_drafter()
+        self._vllm_steer_captured = True
+    else:
+        for head in heads:
+            head.steer_runtime = None
+    return out
+
+
+def sample_draft_v2(orig, self, *args, **kwargs):
+    """``DraftModelSpeculator.sample_draft`` (V2): a prepared speculator's draft-step rows
+    (one per request, ``idx_mapping[i]`` its slot, -1 for padding) are steered by the
+    capture-safe op, which reads the speculator's own ``idx_mapping`` buffer on the device."""
+    if not getattr(self, "_vllm_steer_captured", False):
+        return orig(self, *args, **kwargs)
+    from vllm_steer.integrations.worker.runtime import RowSource, get_runtime
+
+    rt = get_runtime(self.vllm_config.additional_config)
+    mapping = kwargs["idx_mapping"] if "idx_mapping" in kwargs else args[2]
+    with rt.rows(RowSource("captured", mapping=mapping)):
+        return orig(self, *args, **kwargs)
 
 
 def prepare_drafter_once(runner, rt) -> None:
