@@ -20,8 +20,8 @@ seconds. It executes nothing on a GPU: the plan's commands are the ones to send.
 
 Sizes: the working tree is measured (``git ls-files``); the wheels are measured from ``--wheels
 DIR`` (after ``gpu_vllm_carry.py download --lean``) or, without it, the total recorded in
-docs/internals.md (the lean carry: 69 wheels, 235.2 MiB, measured here; the whole carry is 92
-wheels, 859.0 MiB). Times: the constants below,
+docs/internals.md (the lean carry: 87 wheels, 251.3 MiB, measured here; the whole carry is 115
+wheels, 1083.4 MiB). Times: the constants below,
 each with its source (benchmarks/RESULTS.md where measured, an estimate where not). Exit
 status 0 when every call fits the limits and the total fits ``--budget-min`` (default 12).
 Standard library only.
@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from gpu_vllm_carry import CarryError, MiB, RUN_LIMIT, default_chunk, tree_bytes  # noqa: E402
 
 CALL_LIMIT_S = 600  # the host's limit on one command
-RECORDED_WHEELS_MIB = 235.2  # docs/internals.md: `download --lean` measured 69 wheels, 235.2 MiB
-FULL_WHEELS_MIB = 859.0  # `download` without --lean: 92 wheels, 859.0 MiB (the fallback)
+RECORDED_WHEELS_MIB = 251.3  # docs/internals.md: `download --lean` measured 87 wheels, 251.3 MiB
+FULL_WHEELS_MIB = 1083.4  # `download` without --lean: 115 wheels, 1083.4 MiB (the fallback)
 LEAN_CHUNKS = 8  # the target for the vLLM carry
 
 # Device seconds, each with its source.

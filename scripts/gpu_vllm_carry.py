@@ -126,8 +126,9 @@ def machine_packages(packages_file: str | None) -> set[str]:
     return {norm(n) for n in m.group(1).split(",") if n.strip()}
 
 
-def wheel_requirements(whl: Path) -> list[str]:
-    """The Requires-Dist names of a wheel that apply on the machine (no extras asked for)."""
+def wheel_requirements(whl: Path, extras=()) -> list[str]:
+    """The Requires-Dist names of a wheel that apply on the machine, with ``extras`` asked for
+    (``pkg[cu13]``: also the requirements marked ``extra == "cu13"``)."""
     _, Requirement = _packaging()
     with zipfile.ZipFile(whl) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
@@ -137,7 +138,8 @@ def wheel_requirements(whl: Path) -> list[str]:
         if not line.startswith("Requires-Dist:"):
             continue
         req = Requirement(line.split(":", 1)[1].strip())
-        if req.marker is not None and not req.marker.evaluate(MACHINE_ENV):
+        if req.marker is not None and not any(
+                req.marker.evaluate({**MACHINE_ENV, "extra": e}) for e in ("", *extras)):
             continue
         out.append(str(req))
     return out
@@ -172,12 +174,19 @@ def cmd_download(a) -> int:
     leaves = {norm(Requirement(e).name) for e in a.extra}  # their own needs are not followed
     seen: set[str] = set()
     carried: set[str] = set()
+    extras_of: dict[str, set[str]] = {}  # the extras followed so far, per carried package
     pins: dict[str, str] = {}
     while queue:
         spec = queue.pop(0)
         req = Requirement(spec)
         name = norm(req.name)
         if name in seen:
+            new = set(req.extras) - extras_of.get(name, set())
+            if name in carried and new and name not in leaves:  # asked again with more extras
+                extras_of[name] |= new
+                for w in [w for w in dest.glob("*.whl") if wheel_name(w) == name]:
+                    queue += [r for r in wheel_requirements(w, new)
+                              if r not in wheel_requirements(w)]
             continue
         seen.add(name)
         if name in NEVER or name in have:
@@ -194,9 +203,10 @@ def cmd_download(a) -> int:
             raise CarryError(f"{dest}: {len(found)} wheels of {name} ({[w.name for w in found]}); "
                              "keep one version of each (two stop the whole install)")
         carried.add(name)
+        extras_of[name] = set(req.extras)
         for w in found:
             if name not in leaves:
-                queue += wheel_requirements(w)
+                queue += wheel_requirements(w, req.extras)
     unused = [] if a.dry_run else [w for w in dest.glob("*.whl") if wheel_name(w) not in carried]
     for w in unused:  # left from another download (e.g. without --lean): never carried
         (dest / "unused").mkdir(exist_ok=True)

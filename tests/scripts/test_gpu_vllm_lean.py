@@ -178,3 +178,20 @@ def test_host_report_names_each_extension_and_why_it_does_not_load():
                         "flash_attn_version"}
     assert out["vllm.vllm_flash_attn._vllm_fa3_C"].startswith(("ModuleNotFoundError",
                                                                "ImportError"))
+
+
+def test_requirements_follow_the_extras_a_dependency_is_asked_with(tmp_path):
+    """``nvidia-cutlass-dsl[cu13]``: its cu13 libraries are carried (marked ``extra == "cu13"``),
+    not only its unconditional ones."""
+    import gpu_vllm_carry as carry
+
+    w = tmp_path / "dsl-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(w, "w") as z:
+        z.writestr("dsl-1.0.dist-info/METADATA",
+                   "Metadata-Version: 2.1\nName: dsl\nVersion: 1.0\n"
+                   "Requires-Dist: dsl-libs-base==1.0\nProvides-Extra: cu13\n"
+                   'Requires-Dist: dsl-libs-cu13==1.0; extra == "cu13"\n'
+                   'Requires-Dist: winonly; sys_platform == "win32"\n')
+    assert carry.wheel_requirements(w) == ["dsl-libs-base==1.0"]
+    assert carry.wheel_requirements(w, {"cu13"}) == ["dsl-libs-base==1.0",
+                                                      'dsl-libs-cu13==1.0; extra == "cu13"']
