@@ -71,6 +71,39 @@ def _coef_row(rt, rng) -> np.ndarray:
     return row
 
 
+def _replay(fn, graph: bool):
+    """``fn`` as vLLM runs a captured step: warmed up on a side stream, captured once in a CUDA
+    graph, then replayed (without ``graph``: ``fn`` itself, run eagerly each time)."""
+    if not graph:
+        return fn
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    cg = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cg):
+        fn()
+    return cg.replay
+
+
+def _compare(rt, inp: torch.Tensor, got: torch.Tensor, coefs: np.ndarray):
+    """A step's steered rows against ``steer_reference`` on the same input with the rows'
+    coefficients: (max |error|, plain rows not bit-identical, largest steer effect)."""
+    from vllm_steer.reference import steer_reference
+
+    bank = rt.bank
+    want = steer_reference(inp, bank.p1, bank.p2, bank.rank_offsets,
+                           torch.as_tensor(coefs, dtype=torch.float32, device=inp.device))
+    err = float((got.float() - want.float()).abs().amax())
+    plain = ~torch.as_tensor(coefs.any(axis=1), device=inp.device)
+    plain_diff = int((got[plain] != inp[plain]).any(dim=1).sum())
+    effect = float((want[~plain].float() - inp[~plain].float()).abs().amax()) \
+        if (~plain).any() else 0.0
+    return err, plain_diff, effect
+
+
 def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
         hidden: int = 1024, layers: int = 8, graph: bool | None = None,
         seed: int = 0, runtime_hook=None) -> dict:
@@ -78,7 +111,6 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
     (tests use it to show that a wrong row is caught)."""
     from vllm_steer.integrations.worker import v2
     from vllm_steer.integrations.worker.runtime import RowSource
-    from vllm_steer.reference import steer_reference
 
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -103,18 +135,7 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
             y = torch.tanh(y @ w) * 2
         h.copy_(y)
 
-    replay = forward
-    if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                forward()
-        torch.cuda.current_stream().wait_stream(side)
-        cg = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cg):
-            forward()
-        replay = cg.replay
+    replay = _replay(forward, graph)
 
     class Runner:  # V2's GPUModelRunner.sample(): the LM head's input, steered
         vllm_config = SimpleNamespace(additional_config=config)
@@ -166,20 +187,12 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
 
     tol = TOLERANCE[dtype]
     worst, plain_diff, effect, bad = 0.0, 0, 0.0, []
-    p1, p2, offs = rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets
     for step, (hs, lg, ph, plg, coefs, pcoefs) in enumerate(kept):
         for what, inp, got, co in (("sampled", hs, lg, coefs), ("prompt", ph, plg, pcoefs)):
-            ct = torch.as_tensor(co, device=device)
-            want = steer_reference(inp, p1, p2, offs, ct)
-            err = (got.float() - want.float()).abs().amax(dim=1)
-            worst = max(worst, float(err.max()))
-            plain = ~torch.as_tensor(co.any(axis=1), device=device)
-            plain_diff += int((got[plain] != inp[plain]).any(dim=1).sum())
-            if (~plain).any():
-                effect = max(effect, float((want[~plain].float() - inp[~plain].float())
-                                           .abs().amax()))
-            if float(err.max()) > tol:
-                bad.append(f"step {step} {what}: max |error| {float(err.max()):.3g} > {tol}")
+            err, diff, eff = _compare(rt, inp, got, co)
+            worst, plain_diff, effect = max(worst, err), plain_diff + diff, max(effect, eff)
+            if err > tol:
+                bad.append(f"step {step} {what}: max |error| {err:.3g} > {tol}")
     ok = not bad and plain_diff == 0 and effect > 5 * tol and (waits is None or waits[0] == 0)
     tag = str(dtype).replace("torch.", "")
     lines.append(f"async {tag}: {steps} steps x {batch} rows + {sum(PROMPT_LENS)} prompt rows "
@@ -205,7 +218,7 @@ def run_drafter(device="cuda", dtype=torch.bfloat16, steps: int = 16, batch: int
     buffer rewritten, and a steer loaded into a free slot halfway: every replay's rows against
     the formula with that step's coefficients."""
     from vllm_steer.format import make_steer
-    from vllm_steer.reference import steer_reference
+    from vllm_steer.reference import steer_coefficients
 
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -225,17 +238,7 @@ def run_drafter(device="cuda", dtype=torch.bfloat16, steps: int = 16, batch: int
         h.copy_(torch.tanh(x @ w) * 2)
         out.copy_(rt.steer_fixed(h, mapping))
 
-    replay = draft_step
-    if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            draft_step()
-        torch.cuda.current_stream().wait_stream(side)
-        cg = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cg):
-            draft_step()
-        replay = cg.replay
+    replay = _replay(draft_step, graph)
     slot_rows = np.zeros((2 * batch, rt.num_columns), dtype=np.float32)
     kept, loaded = [], False
     for step in range(steps):
@@ -249,8 +252,6 @@ def run_drafter(device="cuda", dtype=torch.bfloat16, steps: int = 16, batch: int
         for slot in live[: batch // 3]:
             row = _coef_row(rt, rng)
             if loaded and rng.random() < 0.5:
-                from vllm_steer.reference import steer_coefficients
-
                 row[3], row[rt.capacity + 3] = steer_coefficients(float(rng.uniform(-8, 8)),
                                                                   1e-3, None)
             slot_rows[slot] = row
@@ -266,13 +267,8 @@ def run_drafter(device="cuda", dtype=torch.bfloat16, steps: int = 16, batch: int
     tol = TOLERANCE[dtype]
     worst, plain_diff, effect = 0.0, 0, 0.0
     for hs, got, co in kept:
-        want = steer_reference(hs, rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets,
-                               torch.as_tensor(co, dtype=torch.float32, device=device))
-        worst = max(worst, float((got.float() - want.float()).abs().amax()))
-        plain = ~torch.as_tensor(co.any(axis=1), device=device)
-        plain_diff += int((got[plain] != hs[plain]).any(dim=1).sum())
-        if (~plain).any():
-            effect = max(effect, float((want[~plain].float() - hs[~plain].float()).abs().amax()))
+        err, diff, eff = _compare(rt, hs, got, co)
+        worst, plain_diff, effect = max(worst, err), plain_diff + diff, max(effect, eff)
     ok = worst <= 2 * tol and plain_diff == 0 and effect > 5 * tol
     tag = str(dtype).replace("torch.", "")
     line = (f"drafter {tag}: {steps} draft steps x {batch} rows (3 padding), "
