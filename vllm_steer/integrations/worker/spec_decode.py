@@ -43,8 +43,6 @@ Which methods are accepted is decided at start-up
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 
 #: Our V1 logits processor (:mod:`vllm_steer.integrations.processors`), loaded by name as vLLM
@@ -191,9 +189,12 @@ def drafter_model(runner):
 
 def drafter_heads(runner) -> list:
     """The steered logits layers of the runner's drafter model (none for n-gram)."""
+    return _steered_heads(drafter_model(runner))
+
+
+def _steered_heads(model) -> list:
     from vllm_steer.integrations.worker.head import SteeredLogitsProcessor
 
-    model = drafter_model(runner)
     if model is None:
         return []
     return [m for _, m in model.named_modules() if isinstance(m, SteeredLogitsProcessor)]
@@ -279,8 +280,7 @@ def speculator_load_model(orig, self, *args, **kwargs):
     rt = get_runtime(self.vllm_config.additional_config)
     if rt is None or rt.bank is None or type(self).__name__ == V2_EAGER_SPECULATOR:
         return out
-    holder = SimpleNamespace(speculator=self)
-    heads = drafter_heads(holder)
+    heads = _steered_heads(getattr(self, "model", None))
     if not heads:
         return out
     fits, _, _ = _drafter_fits(self.vllm_config.speculative_config, rt)

@@ -45,7 +45,7 @@ def sample(orig, self, hidden_states, input_batch, grammar_output):
     if rt is not None and getattr(self, "speculator", None) is not None:
         from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
 
-        prepare_drafter_once(self, rt)  # V2 drafters propose unsteered (spec_decode.py)
+        prepare_drafter_once(self, rt)  # which drafter heads stay steered (spec_decode.py)
     if rt is None or not rt.any_steered(input_batch.idx_mapping_np):
         return orig(self, hidden_states, input_batch, grammar_output)
     calls = rt.head_calls
