@@ -131,10 +131,23 @@ def test_buffers_keep_their_storage_while_steers_and_requests_change(tmp_path):
 
 
 def test_a_steer_wider_than_the_reserved_rank_is_left_out_of_the_drafter_only(tmp_path):
+    import logging
+
+    from vllm_steer.logs import get_logger
+
     rt = _runtime(tmp_path)
     rt.bank.max_rank = None  # a run-time load above the reservation (no --max-steer-rank)
-    rt.put_steer(2, 7, "wide", random_steer(HIDDEN, 12, "wide", seed=4, scale=2.0))
+    lines = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    get_logger().addHandler(handler)
+    try:
+        rt.put_steer(2, 7, "wide", random_steer(HIDDEN, 12, "wide", seed=4, scale=2.0))
+    finally:
+        get_logger().removeHandler(handler)
     assert rt.bank.fixed_left_out == ["wide"]
+    assert any("steer 'wide' (rank 12) is wider than the drafter's copy of the bank (rank 8)"
+               in line for line in lines), lines
     _set(rt, {0: _row(rt, wide=4)})
     h = torch.randn(1, HIDDEN)
     assert torch.equal(rt.steer_fixed(h, torch.tensor([0])), h)  # the drafter: unsteered

@@ -276,6 +276,11 @@ class SteerRuntime:
         self.version += 1
         if list(self.bank.rank_offsets) != layout:
             self.warm_up()
+        if name in self.bank.fixed_left_out:
+            logger.warning("vllm-steer: steer %r (rank %d) is wider than the drafter's copy of "
+                           "the bank (rank %d): drafters inside CUDA graphs propose without it; "
+                           "the target applies it", name, steer.p1.shape[1],
+                           self.bank.fixed_rank)
 
     def drop_slots(self, slots) -> None:
         if self.bank is None:
