@@ -12,8 +12,8 @@ seconds. It executes nothing on a GPU: the plan's commands are the ones to send.
      ``auto``) and the worker's CUDA tests (the sync test in bf16 and fp32 steps, the
      event-wait / pinned-copy step of tests/integrations/worker/test_staging.py);
   2. the lean vLLM carry, one chunk per call (``scripts/gpu_vllm_carry.py download --lean``:
-     chunks of 56 MiB, less when the working tree is over 7 MiB; the last call assembles, installs and says which attention extensions
-     load, ``scripts/gpu_vllm_lean.py host``);
+     chunks of 56 MiB, less when the working tree is over 7 MiB; the last call assembles,
+     installs and says which attention extensions load, ``scripts/gpu_vllm_lean.py host``);
   3. the engine calls: ``scripts/gpu_vllm_check.py`` on Model Runner V2, bf16, with
      ``compilation_config`` mode 0 (no torch.compile) and ``FULL_DECODE_ONLY`` CUDA graphs;
      then the same on V1 when the estimate leaves room for it in the budget.

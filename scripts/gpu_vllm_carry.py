@@ -166,9 +166,7 @@ def cmd_download(a) -> int:
     have = machine_packages(a.packages_file) | NEVER
     skip = {norm(s) for s in a.skip}
     if a.lean:
-        from gpu_vllm_lean import LEAN_DROP
-
-        skip |= {norm(s) for s in LEAN_DROP}
+        skip |= {norm(s) for s in _lean().LEAN_DROP}
     _, Requirement = _packaging()
     queue = [f"vllm=={a.vllm}", *a.extra]
     leaves = {norm(Requirement(e).name) for e in a.extra}  # their own needs are not followed
@@ -185,8 +183,8 @@ def cmd_download(a) -> int:
             if name in carried and new and name not in leaves:  # asked again with more extras
                 extras_of[name] |= new
                 for w in [w for w in dest.glob("*.whl") if wheel_name(w) == name]:
-                    queue += [r for r in wheel_requirements(w, new)
-                              if r not in wheel_requirements(w)]
+                    base = set(wheel_requirements(w))
+                    queue += [r for r in wheel_requirements(w, new) if r not in base]
             continue
         seen.add(name)
         if name in NEVER or name in have:
@@ -226,15 +224,21 @@ def cmd_download(a) -> int:
     return 0
 
 
+def _lean():
+    """scripts/gpu_vllm_lean.py, wherever this module was imported from."""
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_vllm_lean
+
+    return gpu_vllm_lean
+
+
 def lean_vllm(dest: Path, version: str, strip: bool = True) -> None:
     """``download --lean``: the import trace of the vLLM wheel in ``dest``, then the wheel
     rewritten without ``LEAN_STRIP`` (``scripts/gpu_vllm_lean.py``). A wheel already stripped
     is left as it is; without ``strip``, a stripped wheel is refused (it would be carried
     as if it were whole)."""
-    if str(ROOT / "scripts") not in sys.path:
-        sys.path.insert(0, str(ROOT / "scripts"))
-    import gpu_vllm_lean as lean
-
+    lean = _lean()
     found = [w for w in dest.glob("*.whl") if wheel_name(w) == "vllm"]
     if not found:
         return
