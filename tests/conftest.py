@@ -32,7 +32,7 @@ def make_tiny_llama(out: Path, hidden: int = 64, layers: int = 2, tie: bool = Fa
     HF folder that both transformers and vLLM load. ``bigram``: every layer adds nothing to
     the residual stream (zero attention and MLP output projections), so the head's input is
     the normalised embedding of the current token: a bigram model whose next token an
-    EAGLE head can predict exactly (see tests/engines/test_vllm_specdec.py)."""
+    EAGLE head can predict exactly (see tests/e2e/test_vllm_specdec.py)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -1,5 +1,5 @@
 """``vllm-steer steers ...`` and ``vllm-steer presets ...`` against a stand-in HTTP server
-that answers like vllm-steer's routes (the real routes: tests/engines/test_vllm_steer_updates.py)
+that answers like vllm-steer's routes (the real routes: tests/e2e/test_vllm_steer_updates.py)
 and records what the client sent."""
 
 from __future__ import annotations

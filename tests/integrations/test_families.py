@@ -1,6 +1,6 @@
 """vllm_steer.integrations.families: the head's input size per family (OPT's project_out),
 the refusal of architectures we cannot steer, and its call at engine configuration.
-The families served for real: tests/engines/test_vllm_families.py."""
+The families served for real: tests/e2e/test_vllm_families.py."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ its Ray nodes with ``--num-gpus 1`` each: a Ray "GPU" is then a slot for one CPU
 sets ``CUDA_VISIBLE_DEVICES`` in the worker, which the CPU backend ignores. Everything else
 (placement groups across nodes, the ``RayWorkerProc`` actors of vLLM 0.32's default
 ``RayExecutorV2``, ``load_general_plugins`` in each Ray worker, ``collective_rpc``, the step
-over vLLM's message queue) is vLLM's own Ray code path, as on GPUs. ``tests/engines/test_vllm_ray.py``
+over vLLM's message queue) is vLLM's own Ray code path, as on GPUs. ``tests/e2e/test_vllm_ray.py``
 puts it in ``vllm serve`` (API server and engine core) and in both Ray nodes.
 
 Nothing happens without ``STEER_TEST_RAY_SHIM=1`` (no ``VLLM_`` prefix: vLLM warns about

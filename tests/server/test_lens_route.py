@@ -1,7 +1,7 @@
 """``POST /v1/steer/highlight`` without an engine: a stand-in engine whose prompt logprobs
 are known, behind the real route. Limits (context length, concurrency), the request-field
 check of ``steer``/``against`` and the labels of errors (issue 14). The route on a real
-server: tests/engines/test_vllm_server.py."""
+server: tests/e2e/test_vllm_server.py."""
 
 import asyncio
 from types import SimpleNamespace

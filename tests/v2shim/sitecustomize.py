@@ -10,7 +10,7 @@ and its driver reports itself active with the CPU as its device. vLLM's CPU ``sh
 already stubs CUDA streams and events. The interpreter's masked loads and stores are given
 ``bool`` masks (``_bool_masks``), as compiled Triton reads any integer mask.
 
-Use (tests/engines/test_vllm_v2.py does this for its engine)::
+Use (tests/e2e/test_vllm_v2.py does this for its engine)::
 
     PYTHONPATH=tests/v2shim:$PYTHONPATH STEER_TEST_V2_SHIM=1 \
     VLLM_USE_V2_MODEL_RUNNER=1 TRITON_INTERPRET=1 python ...
@@ -21,7 +21,7 @@ happens without ``STEER_TEST_V2_SHIM=1`` (no ``VLLM_`` prefix: vLLM warns about 
 ``VLLM_*`` variables). This is a test harness, not product code: on GPUs the V2 runner runs
 on real Triton.
 
-Async scheduling (tests/engines/test_vllm_async.py), independently, with ``STEER_TEST_ASYNC_SHIM=1``:
+Async scheduling (tests/e2e/test_vllm_async.py), independently, with ``STEER_TEST_ASYNC_SHIM=1``:
 vLLM's CPU platform sets ``scheduler_config.async_scheduling = False`` in
 ``CpuPlatform.check_and_update_config``; the shim wraps that method, when
 ``vllm.platforms.cpu`` is imported, so that it keeps the value it was given. Nothing else is

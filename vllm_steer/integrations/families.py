@@ -39,7 +39,7 @@ class Family:
     """Config attribute giving the head's input size (the steer's hidden size)."""
 
 
-#: vLLM architecture -> family; the ones proven by tests/engines/test_vllm_families.py.
+#: vLLM architecture -> family; the ones proven by tests/e2e/test_vllm_families.py.
 FAMILIES: dict[str, Family] = {
     "GPT2LMHeadModel": Family("GPT-2", "none (head tied to the input embeddings)"),
     "GPTNeoXForCausalLM": Family("GPT-NeoX (Pythia)", "none (served by vLLM's Transformers "

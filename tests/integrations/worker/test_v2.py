@@ -1,6 +1,6 @@
 """Model Runner V2 integration, driven through vLLM's own V2 interfaces with real objects.
 
-The live V2 engine is tested in tests/engines/test_vllm_v2.py (through the tests/v2shim harness);
+The live V2 engine is tested in tests/e2e/test_vllm_v2.py (through the tests/v2shim harness);
 this drives the pieces vLLM itself calls, one at a time: the V2 loader and params validator,
 ``add_request(slot, params)`` with slot reuse, ``apply_staged_writes()``, a step's real
 ``InputBatch`` whose ``expanded_idx_mapping`` the wrapped ``sample()`` scopes around the

@@ -7,7 +7,7 @@ the ``PYTHONPATH`` of the spawned engine processes together with ``VLLM_USE_V2_M
 (fixture ``v2_runner`` in conftest).
 The interpreter is slow: a tiny model, four prompts, few tokens.
 
-The same semantics as the V1 tests (tests/engines/test_vllm_offline.py), checked against plain torch
+The same semantics as the V1 tests (tests/e2e/test_vllm_offline.py), checked against plain torch
 on the model's own weights (the steer applied by hand in front of the LM head):
 unsteered requests are untouched by steered neighbours, a steered request gets the same tokens
 alone and in any batch, logprobs equal the reference, steers compose, reused slots keep

@@ -15,7 +15,7 @@ different prompt lengths and max_tokens, more than ``max_num_seqs``, so rows joi
 different steps, steered and unsteered side by side: every request gets the greedy tokens (and
 logprobs) of the paper's formula applied by hand on the model's own weights
 (``conftest.HFReference``), which is what it gets without async scheduling
-(tests/engines/test_vllm_offline.py, tests/engines/test_vllm_v2.py pin the same reference).
+(tests/e2e/test_vllm_offline.py, tests/e2e/test_vllm_v2.py pin the same reference).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def async_env():
 @pytest.fixture(scope="module", params=["v1", "v2"])
 def llm(request, async_env, tiny_model_dir, pair_steers):
     """One engine per model runner: V1 (the CPU default) and Model Runner V2 (through the V2
-    shim, kernels in the Triton interpreter; see tests/engines/test_vllm_v2.py)."""
+    shim, kernels in the Triton interpreter; see tests/e2e/test_vllm_v2.py)."""
     from vllm import LLM
 
     with pytest.MonkeyPatch.context() as mp:

@@ -3,7 +3,7 @@
 Two workers (``distributed_executor_backend="mp"``, one core each) each hold half of the
 vocabulary-parallel LM head and steer their replicated copy of the hidden states. Tokens and
 logprobs must be those of the unsharded model (plain torch on the same weights, the steer
-applied by hand: what TP=1 is pinned to in tests/engines/test_vllm_offline.py). The V1 side of the
+applied by hand: what TP=1 is pinned to in tests/e2e/test_vllm_offline.py). The V1 side of the
 slot-hygiene check lives here too: after the last steered request finishes, no worker does
 steer work. A steer loaded at run time (``vllm_steer.offline.load_steer``) reaches both
 workers (the last test: it loads into the engine's third slot and unloads again).
