@@ -23,7 +23,7 @@ wheels travel in chunks over consecutive calls and are put together there:
                        files, check each file's sha256, optionally pip install them
 
 Standard library only (``download`` also uses pip and its vendored ``packaging``).
-Semantics of what is carried: vllm 0.33.0 pins ``torch==2.14.0``; see docs/internals.md,
+Semantics of what is carried: vllm 0.33.0 pins ``torch==2.14.0``; see docs/dev/gpu-host.md,
 "Carrying vLLM onto a GPU host without network access", for what that means against the machine's torch 2.11.
 """
 
@@ -50,7 +50,7 @@ MANIFEST = "manifest.json"
 AREA = "/tmp/vllm_carry"
 
 # Never carried: the machine's own torch stack (vLLM's compiled extension and every CUDA
-# package must match the torch that is there; see docs/internals.md, "Carrying vLLM").
+# package must match the torch that is there; see docs/dev/gpu-host.md, "Carrying vLLM").
 NEVER = {"torch", "torchaudio", "torchvision", "triton"}
 
 # The Python packages already installed on the GPU host's image (its package list as of
@@ -220,7 +220,7 @@ def cmd_download(a) -> int:
     if "torch" in pins and pins["torch"] not in ("any", "==2.11.0"):
         print(f"WARNING: vllm=={a.vllm} (or a dependency) asks for torch {pins['torch']}; the "
               "machine has torch 2.11: vLLM's compiled extension is built against the torch it "
-              "pins (docs/internals.md, 'Carrying vLLM').")
+              "pins (docs/dev/gpu-host.md, 'Carrying vLLM').")
     return 0
 
 

@@ -10,7 +10,8 @@ Checked on README.md and docs/*.md (words also on benchmarks/RESULTS.md and stee
     name and Markdown link (with its ``#anchor``) exists;
 (d) every figure describing a shipped steer (rank, steps, recommended strength, base model,
     dev loss) matches the steer file's metadata;
-(e) no word of the workplace's jargon (session, lent, helper, branch, round, "issue NN").
+(e) no word of the workplace's jargon (session, lent, helper, branch, round, "issue NN");
+(f) every prose line is at most ``MAX_LINE`` characters (code blocks and table rows aside).
 
 Each check is a function returning the problems it finds, so that the tests at the end can
 plant an error in a small document and see that it is caught.
@@ -28,7 +29,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "docs" / "dev").glob("*.md"))]
 STEER_DOCS = [ROOT / "steers" / "README.md", ROOT / "steers" / "EVAL.md"]
 WORD_DOCS = DOCS + [ROOT / "benchmarks" / "RESULTS.md"] + STEER_DOCS
 SHIPPED = {p.stem: p for p in sorted((ROOT / "steers").glob("*.safetensors"))}
@@ -587,6 +589,25 @@ def check_words(text: str, where: str) -> list[str]:
     return problems
 
 
+# --------------------------------------------------------------------------- (f) line length
+
+MAX_LINE = 100
+
+
+def check_line_length(text: str, where: str) -> list[str]:
+    """Prose lines longer than :data:`MAX_LINE` (code blocks, which hold commands and program
+    output as they are, and table rows, which Markdown cannot wrap, are left alone)."""
+    out = []
+    for unit in units(text):
+        if unit.kind != "text":
+            continue
+        for k, ln in enumerate(unit.text.split("\n")):
+            if len(ln) > MAX_LINE and not ln.startswith("!["):
+                out.append(f"{where}:{unit.line + k}: {len(ln)} characters; at most {MAX_LINE} "
+                           "(wrap the line)")
+    return out
+
+
 # --------------------------------------------------------------------------- the tests
 
 def _report(problems: list[str]) -> str:
@@ -625,7 +646,20 @@ def test_no_workplace_jargon(doc):
     assert not problems, _report(problems)
 
 
+@pytest.mark.parametrize("doc", DOCS, ids=doc_rel)
+def test_every_prose_line_is_of_readable_width(doc):
+    problems = check_line_length(doc.read_text(), doc_rel(doc))
+    assert not problems, _report(problems)
+
+
 # The checkers catch a planted error (and pass the same document without it).
+
+def test_line_length_check_catches_a_long_line_and_spares_tables_and_code():
+    assert check_line_length("short\n\n| " + "x" * 200 + " |\n\n    " + "z" * 200 + "\n",
+                             "t") == []
+    assert check_line_length("ok\n" + "y" * 101 + "\n", "t") == [
+        "t:2: 101 characters; at most 100 (wrap the line)"]
+
 
 def test_flag_check_catches_a_flag_of_no_parser():
     good = "Serve it:\n\n    vllm serve MODEL --steer detox=d.safetensors --max-model-len 512\n"

@@ -1,4 +1,4 @@
-"""Every model family, served, trained, transferred and converted (docs/serving.md, "Model
+"""Every model family, served, trained, transferred and converted (docs/compatibility.md, "Model
 families").
 
 For each family of tests/families.py a tiny random model is made on the fly and four steers

@@ -106,7 +106,7 @@ def check_model(model_config) -> int:
             raise UnsupportedModelError(
                 f"vllm-steer: the architecture {arch} ({getattr(model_config, 'model', '?')}) "
                 f"cannot be steered: {REFUSED[arch]}. Serve it without --steer, or use a model "
-                "of a supported family (docs/serving.md, 'Model families')")
+                "of a supported family (docs/compatibility.md, 'Model families')")
     if not any(a in FAMILIES for a in archs):
         logger.info("vllm-steer: architecture %s is not among the families proven by our tests "
                     "(%s); the steer acts on the input of vLLM's LM-head layer as for them",
