@@ -33,7 +33,7 @@ def child(batches: list[int], calls: int) -> dict:
 
     torch.set_num_threads(1)
     sys.path.insert(0, str(Path.cwd() / "tests"))
-    from conftest import random_steer
+    from helpers.steers import random_steer
     from vllm_steer.config import SteerServerConfig
     from vllm_steer.format import save_steer
     from vllm_steer.integrations.worker.runtime import RowSource, SteerRuntime

@@ -12,7 +12,8 @@ For every dtype x model runner asked for, two engines on a tiny random Llama mad
 Checked, per request (greedy, logprobs of the sampled tokens):
 
   1. steered and unsteered rows: each sampled token's logprob equals the paper's formula applied
-     by hand in plain torch on the model's own weights (tests/conftest.py ``HFReference``, fp32)
+     by hand in plain torch on the model's own weights (``HFReference`` of
+     tests/helpers/reference.py, fp32)
      to within --tol for that dtype, and the token is the reference's argmax wherever the
      reference's top-2 margin exceeds twice the tolerance;
   2. unsteered rows of the mixed batch get exactly stock vLLM's tokens (logprobs within tol);
@@ -204,7 +205,9 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import HFReference, make_tiny_llama, random_steer, save_steers
+    from helpers.models import make_tiny_llama
+    from helpers.reference import HFReference
+    from helpers.steers import random_steer, save_steers
 
     a.workdir = a.workdir or tempfile.mkdtemp(prefix="gpu_vllm_check-")
     work = Path(a.workdir)

@@ -2,7 +2,7 @@
 
 import torch
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.bank import SteerBank
 from vllm_steer.format import make_steer
 from vllm_steer.reference import steer_dense_reference

@@ -41,7 +41,7 @@ def test_bad_requests_name_the_field_and_problem(value, fragment):
 
 def test_steer_arg_forms(tmp_path):
     assert parse_steer_arg("detox=/x/d.safetensors") == ("detox", "/x/d.safetensors")
-    from conftest import random_steer
+    from helpers.steers import random_steer
     from vllm_steer.format import save_steer
 
     p = tmp_path / "file.safetensors"

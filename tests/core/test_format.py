@@ -7,7 +7,7 @@ import struct
 import pytest
 import torch
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.format import (
     METADATA_KEY, TENSOR_P1, TENSOR_P2, SteerFileError, load_steer, make_steer, read_metadata,
     save_steer,

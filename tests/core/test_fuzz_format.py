@@ -21,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:steer file .* unknown:UserWarnin
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.format import (
     MAX_EPSILON, MIN_EPSILON, SteerFileError, load_steer, read_metadata, save_steer,
 )

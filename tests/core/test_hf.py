@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.hf import generate, output_head, steering, token_logprobs
 from vllm_steer.reference import steered_logits_reference
 

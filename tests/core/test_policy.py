@@ -138,7 +138,7 @@ def _args(**kw):
 
 
 def test_cli_flags_reach_the_config_and_additional_config(tmp_path):
-    from conftest import random_steer, save_steers
+    from helpers.steers import random_steer, save_steers
     from vllm_steer.integrations.frontend.cli_args import config_from_args
 
     paths = save_steers(tmp_path, {"detox": random_steer(8, 2, "detox")})

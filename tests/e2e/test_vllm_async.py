@@ -14,7 +14,7 @@ the previous step's sampled tokens from the device (``prev_sampled_token_ids``).
 different prompt lengths and max_tokens, more than ``max_num_seqs``, so rows join and leave at
 different steps, steered and unsteered side by side: every request gets the greedy tokens (and
 logprobs) of the paper's formula applied by hand on the model's own weights
-(``conftest.HFReference``), which is what it gets without async scheduling
+(``helpers.reference.HFReference``), which is what it gets without async scheduling
 (tests/e2e/test_vllm_offline.py, tests/e2e/test_vllm_v2.py pin the same reference).
 """
 
@@ -24,7 +24,7 @@ import importlib.util
 
 import pytest
 
-from conftest import V2_SHIM_DIR, v2_runner_env
+from helpers.engines import V2_SHIM_DIR, v2_runner_env
 
 pytestmark = pytest.mark.vllm
 

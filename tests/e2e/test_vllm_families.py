@@ -35,8 +35,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_llama, random_steer
-from families import ARCHITECTURES, FAMILIES, make_family_model
+from helpers.models import make_tiny_llama
+
+from helpers.steers import random_steer
+from helpers.families import ARCHITECTURES, FAMILIES, make_family_model
 
 pytestmark = pytest.mark.vllm
 

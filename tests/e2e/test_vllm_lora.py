@@ -21,7 +21,7 @@ import pytest
 import requests
 import torch
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.format import load_steer, save_steer
 from vllm_steer.server.launch import serve
 

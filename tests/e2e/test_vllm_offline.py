@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.format import make_steer, save_steer
 
 pytestmark = pytest.mark.vllm
@@ -52,7 +52,7 @@ def llm(tiny_model_dir, steer_files):
 @pytest.fixture(scope="module")
 def vanilla_tokens(tiny_model_dir, tmp_path_factory):
     """Greedy tokens of stock vLLM with no plugin loaded, same engine settings."""
-    from conftest import stock_vllm
+    from helpers.engines import stock_vllm
 
     return [t for t, _ in stock_vllm(tiny_model_dir, PROMPTS, MAX_TOKENS, ENGINE_KW,
                                      tmp_path_factory.mktemp("vanilla"))]
@@ -203,7 +203,7 @@ def test_generation_windows_follow_each_requests_own_generated_tokens(llm, tiny_
     batch: every generated token (greedy) and its logprob equal a hand-written decode loop in
     transformers on the same weights that applies the window's strength at that token
     (``Window.at``), independently of the batch's other requests and positions."""
-    from conftest import HFReference
+    from helpers.reference import HFReference
     from vllm_steer.format import load_steer
 
     reqs = [(PROMPTS[2], {"a": {"strength": 6, "start": 2, "end": 5}}),

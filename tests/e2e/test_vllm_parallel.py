@@ -16,7 +16,7 @@ import pytest
 import requests
 import torch
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.format import load_steer, save_steer
 from vllm_steer.server.launch import serve
 
@@ -111,7 +111,7 @@ def _listings(url, tries=24) -> dict:
 
 
 def _steered_tokens_match_reference(rs, model_dir, steer_path, strength):
-    from conftest import HFReference
+    from helpers.reference import HFReference
 
     assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
     ref = HFReference(model_dir, {"s": load_steer(steer_path)})

@@ -3,7 +3,7 @@
 Two workers (``distributed_executor_backend="mp"``, one core each) each hold one of the two
 decoder layers; only the last pipeline rank has the LM head (the first one has vLLM's
 ``PPMissingLayer`` and no logits layer at all), so only it steers. Tokens and logprobs must be
-those of the unsharded model with the steer applied by hand (``conftest.HFReference``), and a
+those of the unsharded model with the steer applied by hand (``helpers.reference.HFReference``), and a
 steer loaded at run time must reach the last rank.
 """
 
@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import HFReference, make_tiny_llama, random_steer, save_steers
+from helpers.models import make_tiny_llama
+
+from helpers.reference import HFReference
+
+from helpers.steers import random_steer, save_steers
 
 pytestmark = pytest.mark.vllm
 

@@ -3,7 +3,7 @@ driven with the official `openai` client (issue 24). One server for the module.
 
 The server: steers detox, sentiment, formal; `--steer-preset polite=detox:4,sentiment:2`,
 `--steer-default formal=2`, `--steer-floor sentiment=-1` (precedence: docs/serving.md,
-"Presets, defaults and floors"). Correctness against `conftest.HFReference` (the formula by
+"Presets, defaults and floors"). Correctness against `helpers.reference.HFReference` (the formula by
 hand on the model's own weights in transformers)."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import requests
 
-from conftest import HFReference, random_steer, save_steers
+from helpers.reference import HFReference
+
+from helpers.steers import random_steer, save_steers
 
 pytestmark = pytest.mark.vllm
 N = 8

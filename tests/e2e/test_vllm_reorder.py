@@ -12,14 +12,14 @@ reports), runs steered and unsteered prompts of different lengths and ``max_toke
 three seats (new prefills land in freed seats in front of running decodes and are swapped
 behind them), counts the swaps the runtime received (so the test cannot pass without them) and
 checks each request's greedy tokens and logprobs against the formula applied by hand on the
-model's weights (``conftest.HFReference``).
+model's weights (``helpers.reference.HFReference``).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from conftest import steered_llm
+from helpers.engines import steered_llm
 
 pytestmark = pytest.mark.vllm
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import requests
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.format import save_steer
 from vllm_steer.server.launch import serve
 

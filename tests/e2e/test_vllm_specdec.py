@@ -30,7 +30,9 @@ import functools
 
 import pytest
 
-from conftest import HFReference, make_tiny_eagle, make_tiny_llama, make_tiny_mimo
+from helpers.models import make_tiny_eagle, make_tiny_llama, make_tiny_mimo
+
+from helpers.reference import HFReference
 
 pytestmark = pytest.mark.vllm
 
@@ -88,7 +90,7 @@ def refs(targets, pair_steers):
 def stock(targets, tmp_path_factory):
     """Greedy tokens and their logprobs from stock vLLM (no plugin, no speculative decoding),
     per target."""
-    from conftest import stock_vllm
+    from helpers.engines import stock_vllm
 
     return functools.cache(lambda name: stock_vllm(targets(name), PROMPTS, MAX_TOKENS,
                                                    ENGINE_KW, tmp_path_factory.mktemp(name)))

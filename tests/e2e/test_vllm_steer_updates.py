@@ -20,7 +20,7 @@ import pytest
 import requests
 import torch
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.format import load_steer, save_steer
 
 pytestmark = pytest.mark.vllm
@@ -448,7 +448,7 @@ def model_cards(url, tries=8) -> list[dict]:
 
 
 def test_a_preset_added_at_run_time_is_a_model_name_on_every_api_server(server):
-    from conftest import HFReference
+    from helpers.reference import HFReference
 
     client = openai_client(server)
     want = plain_client_text(client, "tiny", extra_body={"steer": KIND})

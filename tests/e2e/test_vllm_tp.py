@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import HFReference, make_tiny_llama, random_steer, save_steers
+from helpers.models import make_tiny_llama
+
+from helpers.reference import HFReference
+
+from helpers.steers import random_steer, save_steers
 from vllm_steer.integrations.worker.runtime import steer_stats
 
 pytestmark = pytest.mark.vllm

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import HFReference, make_tiny_eagle, make_tiny_llama, make_tiny_mimo
-from engines.test_vllm_specdec import (ENGINE_KW, MAX_TOKENS, MIXED, PROMPTS, SPEC,
+from helpers.models import make_tiny_eagle, make_tiny_llama, make_tiny_mimo
+
+from helpers.reference import HFReference
+from e2e.test_vllm_specdec import (ENGINE_KW, MAX_TOKENS, MIXED, PROMPTS, SPEC,
                                        oracle_eagle_head, spec_counts)
 
 pytestmark = pytest.mark.vllm

@@ -8,7 +8,7 @@ import shlex
 import pytest
 import torch
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.cli import build_parser, main
 from vllm_steer.eval.cli import config_from_args, parse_strengths
 

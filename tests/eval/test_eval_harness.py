@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.eval.generation import SamplingConfig
 from vllm_steer.eval.harness import EvalConfig, build_conditions, evaluate
 from vllm_steer.eval.soft_blacklist import SoftBlacklist, save_soft_blacklist

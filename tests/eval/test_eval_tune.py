@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.eval import register_scorer
 from vllm_steer.eval.fluency import SampleNLL
 from vllm_steer.eval.generation import SamplingConfig

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.format import save_steer
 from vllm_steer.integrations import families
 from vllm_steer.integrations.frontend.startup_checks import configure_engine

@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.format import save_steer
 
 MISSING_HOOK = r"""

@@ -164,7 +164,7 @@ def tiny(tiny_model_dir):
 def test_token_scores_match_logprob_difference(tiny):
     import torch
 
-    from tests.conftest import random_steer
+    from helpers.steers import random_steer
     from vllm_steer.hf import steering
     from vllm_steer.lens.highlight import text_pieces, token_scores
 
@@ -188,7 +188,7 @@ def test_token_scores_match_logprob_difference(tiny):
 
 
 def test_highlight_cli(tiny_model_dir, tmp_path):
-    from tests.conftest import random_steer
+    from helpers.steers import random_steer
     from vllm_steer.cli import main
     from vllm_steer.format import save_steer
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.format import make_steer, save_steer
 from vllm_steer.lens.score import (TextScores, auc, balanced_sample, evaluate, read_dataset,
                                    score_texts)

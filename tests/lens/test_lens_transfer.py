@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
-from tests.conftest import make_tiny_llama, random_steer
+from helpers.models import make_tiny_llama
+
+from helpers.steers import random_steer
 from vllm_steer.format import load_steer, make_steer, save_steer
 from vllm_steer.lens.transfer import (fit_map, fit_quality, logit_shift_rms, shared_anchors,
                                       transfer, transfer_factors, transfer_steer)

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HFReference, random_steer
+from helpers.reference import HFReference
+
+from helpers.steers import random_steer
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_vllm_check.py"

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import train_eagle_head as te  # noqa: E402
-from conftest import make_tiny_eagle  # noqa: E402
+from helpers.models import make_tiny_eagle  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=1, num_key_value_heads=1,
             head_dim=64, vocab_size=49152, rms_norm_eps=1e-5, max_position_embeddings=512,

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import make_tiny_llama, random_steer
+from helpers.models import make_tiny_llama
+
+from helpers.steers import random_steer
 from vllm_steer.format import save_steer
 from vllm_steer.server.launch import serve
 

@@ -138,7 +138,7 @@ def _all(cores, op, **kw):
 
 
 def test_dp_load_list_unload_merge_and_a_partial_failure_is_rolled_back(tmp_path):
-    from conftest import random_steer
+    from helpers.steers import random_steer
 
     from vllm_steer.format import save_steer
     from vllm_steer.integrations.engine.answers import merge, rollback_kwargs

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.format import save_steer
 from vllm_steer.integrations.frontend import cli_args
 

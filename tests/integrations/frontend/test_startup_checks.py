@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.format import TENSOR_P1, TENSOR_P2, METADATA_KEY, save_steer
 
 
@@ -122,7 +122,7 @@ def test_speculative_decoding_methods_with_mapped_rows_are_accepted_on_both_runn
 def test_speculative_decoding_ngram_draft_model_and_eagle_are_accepted(registered,
                                                                       tiny_model_dir,
                                                                       tmp_path):
-    from conftest import make_tiny_eagle
+    from helpers.models import make_tiny_eagle
 
     p = tmp_path / "a.safetensors"
     save_steer(p, random_steer(64, 4, "a"))

@@ -131,7 +131,7 @@ if __name__ == "__main__":
 
 @pytest.mark.vllm
 def test_engine_with_a_model_specific_logits_layer_fails_at_startup(tiny_model_dir, tmp_path):
-    from conftest import random_steer
+    from helpers.steers import random_steer
     from vllm_steer.format import save_steer
 
     model = tmp_path / "special"

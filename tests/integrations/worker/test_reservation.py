@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.format import load_steer, make_steer, save_steer
 from vllm_steer.integrations.worker.runtime import RowSource, SteerRuntime

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.format import save_steer
 from vllm_steer.integrations.worker.runtime import SteerRuntime

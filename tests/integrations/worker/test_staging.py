@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.format import save_steer
 from vllm_steer.integrations.worker import runtime as runtime_mod
 from vllm_steer.integrations.worker import v2

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.format import save_steer
 from vllm_steer.integrations.worker.runtime import get_runtime
 from vllm_steer.reference import steer_coefficients, steer_reference

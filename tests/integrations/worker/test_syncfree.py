@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.request import Window
 from vllm_steer.format import make_steer, save_steer
@@ -372,7 +372,7 @@ def test_windows_cost_nothing_without_them_and_replan_only_on_change(tmp_path, m
 def test_request_windows_reach_the_slot(tmp_path):
     """``coef_windows`` turns a request's bound windows into per-slot windows; steers given as
     numbers beside them stay constant."""
-    from conftest import bound_extra
+    from helpers.engines import bound_extra
 
     rt = _runtime(tmp_path)
     params = _Params(None)

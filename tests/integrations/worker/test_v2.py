@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import random_steer, v2_runner_env
+from helpers.engines import v2_runner_env
+
+from helpers.steers import random_steer
 from vllm_steer.format import save_steer
 from vllm_steer.reference import steer_reference
 
@@ -64,7 +66,7 @@ def _params(steer=None):
     fixture's runtime (steers a, b in slots 0, 1)."""
     from vllm import SamplingParams
 
-    from conftest import bound_extra
+    from helpers.engines import bound_extra
 
     return SamplingParams(extra_args=bound_extra(["a", "b"], steer) or None)
 

@@ -10,8 +10,9 @@ matter (a bias of std 1, a cap of 5 on logits of std ~5).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
+
+from helpers.models import copy_tokenizer
 
 HIDDEN = 128
 VOCAB = 49152
@@ -78,12 +79,6 @@ ARCHITECTURES = {
 FAMILIES = list(ARCHITECTURES)
 
 
-def tokenizer_src() -> Path:
-    from vllm_steer.models import prepare_embedded
-
-    return prepare_embedded("smollm2", quiet=True)
-
-
 def make_family_model(name: str, out: Path, seed: int = 0) -> Path:
     """Save a tiny random model of family ``name`` (see :data:`FAMILIES`) to ``out``."""
     import torch
@@ -99,10 +94,7 @@ def make_family_model(name: str, out: Path, seed: int = 0) -> Path:
         if getattr(head, "bias", None) is not None:
             head.bias.normal_(0, 1.0)
     model.save_pretrained(out, safe_serialization=True)
-    src = tokenizer_src()
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (src / f).exists():
-            shutil.copy(src / f, out / f)
+    copy_tokenizer(out)
     return out
 
 

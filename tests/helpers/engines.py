@@ -1,0 +1,89 @@
+"""Starting engines for tests: a steered offline ``LLM``, Model Runner V2 on this CPU (the
+test shim), stock vLLM with no plugin, and a request's bound steers as the engine core
+writes them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def steered_llm(model_dir, steer_files: dict, **engine_kw):
+    """An offline ``LLM`` serving ``steer_files`` (``--steer``), whose ``collective_rpc`` may
+    carry the test's local functions (to read or set the worker's state)."""
+    from vllm import LLM
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        engine = LLM(str(model_dir), additional_config={"vllm_steer": {"steers": steer_files}},
+                     **engine_kw)
+        yield engine
+        del engine
+
+
+V2_SHIM_DIR = ROOT / "tests" / "v2shim"
+
+
+def v2_runner_env() -> dict[str, str]:
+    """Environment that puts the vLLM engine processes started from it on Model Runner V2 on
+    this CPU, through the test shim tests/v2shim/sitecustomize.py (a stand-in Triton "cpu"
+    backend, kernels in the Triton interpreter). Also for subprocesses (``vllm serve``)."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(V2_SHIM_DIR), path) if p),
+            "STEER_TEST_V2_SHIM": "1", "VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1",
+            "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}  # sitecustomize runs at process start
+
+
+def bound_extra(names, steer) -> dict:
+    """``extra_args`` of a request whose steers the engine core bound (as
+    ``vllm_steer.integrations.engine.control.admit`` does) to a runtime loaded from
+    ``--steer`` files ``names`` (slot i, generation i + 1, as at start-up); the raw value too."""
+    from vllm_steer.request import BOUND_KEY, BoundSteer, SteerRequest
+
+    if steer is None:
+        return {}
+    request = SteerRequest.parse(steer)
+    names = list(names)
+    bound = [BoundSteer(n, names.index(n), names.index(n) + 1, request.named[n])
+             for n in request.strengths if n in names]
+    return {"steer": steer, BOUND_KEY: BoundSteer.to_wire(bound)}
+
+
+_STOCK_VLLM = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    model, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    llm = LLM(model, **json.loads(sys.argv[4]))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, logprobs=0))
+    print("RESULT" + json.dumps([[list(o.outputs[0].token_ids),
+                                  [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                  o.outputs[0].token_ids)]]
+                                 for o in outs]))
+"""
+
+
+def stock_vllm(model_dir, prompts: list, max_tokens: int, engine_kw: dict, workdir: Path
+               ) -> list:
+    """Greedy ``[tokens, logprobs]`` per prompt from stock vLLM with no plugin loaded
+    (``VLLM_PLUGINS=none``, a subprocess), the same engine settings: what unsteered requests
+    must reproduce."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(workdir) / "stock_vllm.py"
+    script.write_text(_STOCK_VLLM)
+    env = dict(os.environ, VLLM_PLUGINS="none")
+    out = subprocess.run([sys.executable, str(script), str(model_dir), json.dumps(prompts),
+                          str(max_tokens), json.dumps(engine_kw)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, out.stderr[-3000:]
+    return json.loads(line[0][len("RESULT"):])
