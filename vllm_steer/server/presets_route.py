@@ -252,7 +252,10 @@ class PresetsFileWatcher:
                                           '{"presets": {}} for none)')
             text, stamp = await asyncio.to_thread(pf.read_file, self.path)
             digest = stamp[1]
-            if digest in (self.loaded, self.refused):  # touched, not changed
+            if digest == self.loaded:  # touched, not changed (or a refused one undone)
+                self.refused = None
+                return None
+            if digest == self.refused:  # refused and logged already
                 return None
             raw = pf.parse(text, self.path)
             presets = pf.check(raw, self.path, await _known_steers(engine, cfg),

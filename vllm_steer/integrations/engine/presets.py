@@ -170,7 +170,7 @@ def file_op(table: PresetTable, kwargs: Mapping[str, Any],
 
         parts = [f"{label} {', '.join(res[k])}" for k, label in (
             ("added", "added"), ("updated", "changed"), ("removed", "removed"),
-            ("took_over", "now the file's, no longer run-time presets:")) if res.get(k)]
+            ("took_over", "taken over from the run-time presets")) if res.get(k)]
         get_logger().info("vllm-steer: presets file %s loaded: %d preset(s)%s",
                           kwargs.get("path", ""), len(table.file),
                           f" ({'; '.join(parts)})" if parts else "")
