@@ -37,8 +37,8 @@ class SteerServerConfig:
     ``DIR/NAME.safetensors`` on first use."""
     enable_updates: bool = False
     """``--enable-steer-updates``: allow ``POST /v1/steers`` and ``DELETE /v1/steers/NAME``
-    (load and unload steers), and ``POST /v1/steer-presets`` and ``DELETE
-    /v1/steer-presets/NAME`` (add and delete presets)."""
+    (load and unload steers), and ``POST /v1/steer-presets``, ``PUT`` and ``DELETE
+    /v1/steer-presets/NAME`` (add, replace and delete presets)."""
     updates_any_path: bool = False
     """``--steer-updates-any-path``: ``POST /v1/steers`` may name a file outside
     ``--steer-dir`` (default: only files inside it)."""

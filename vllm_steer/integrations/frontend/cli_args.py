@@ -57,9 +57,9 @@ def add_steer_args(parser) -> None:
                             "DIR/NAME.safetensors on first use.")
     group.add_argument("--enable-steer-updates", action="store_true", default=False,
                        help="Allow POST /v1/steers and DELETE /v1/steers/NAME (load and "
-                            "unload steers at run time) and POST /v1/steer-presets and "
-                            "DELETE /v1/steer-presets/NAME (add and delete presets). Off "
-                            "by default: only for servers whose clients you trust.")
+                            "unload steers at run time) and POST /v1/steer-presets, PUT and "
+                            "DELETE /v1/steer-presets/NAME (add, replace and delete presets). "
+                            "Off by default: only for servers whose clients you trust.")
     group.add_argument("--no-steer-drafter", dest="steer_drafter", action="store_false",
                        default=True,
                        help="Speculative decoding: do not steer the drafter's proposals "
@@ -136,8 +136,8 @@ def _runtime_args(args: argparse.Namespace) -> dict:
     if getattr(args, "enable_steer_updates", False):
         logger.warning("vllm-steer: --enable-steer-updates is on: POST /v1/steers and "
                        "DELETE /v1/steers/NAME can load and unload steers, and POST "
-                       "/v1/steer-presets and DELETE /v1/steer-presets/NAME can add and "
-                       "delete presets, at run time. Do not expose this server to untrusted "
+                       "/v1/steer-presets, PUT and DELETE /v1/steer-presets/NAME can add, "
+                       "replace and delete presets, at run time. Do not expose this server to untrusted "
                        "clients.")
     presets_file = getattr(args, "steer_presets_file", None)
     return dict(presets_file=os.path.abspath(presets_file) if presets_file else None,
