@@ -220,3 +220,37 @@ def test_the_reader_loads_each_new_version_once_and_keeps_the_last_good_one(tmp_
     write(tmp_path / "p.json", {"presets": {"tiny": {"detox": 1}}})  # refused by the engine
     assert check()["ok"] is False and "'tiny' is already the served model name" in errors[-1]
     assert set(fake.table.file) == {"house", "calm"}
+
+
+def test_a_presets_file_without_run_time_updates_serves_its_presets(monkeypatch):
+    """``--steer-presets-file`` alone (no ``--enable-steer-updates``): the file's presets are
+    model names (read from the engine core's table), the HTTP write routes stay 403."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from vllm_steer.config import SteerServerConfig
+    from vllm_steer.integrations.frontend import preset_models
+    from vllm_steer.integrations.frontend.state import FrontendState
+    from vllm_steer.server import presets_route
+
+    st = FrontendState()
+    monkeypatch.setattr(preset_models, "frontend_state", lambda: st)
+    monkeypatch.setattr(presets_route, "frontend_state", lambda: st)
+    st.reset(SteerServerConfig(steers={"detox": "x"}, presets={"polite": {"detox": 4.0}},
+                               presets_file="/etc/p.json"))
+    t = PresetTable()
+    st.update_presets(t.set_file({"house": {"detox": 2}}, (1, "d"), {}))
+    assert preset_models.presets() == {"polite": {"detox": 4.0}, "house": {"detox": 2.0}}
+    st.reset(SteerServerConfig(steers={"detox": "x"}, presets={"polite": {"detox": 4.0}}))
+    st.update_presets(t.snapshot())
+    assert preset_models.presets() == {"polite": {"detox": 4.0}}  # neither flag: static only
+    st.reset(SteerServerConfig(steers={"detox": "x"}, presets_file="/etc/p.json"))
+    app = FastAPI()
+    app.include_router(presets_route.router)
+    c = TestClient(app)
+    for method, path in (("POST", "/v1/steer-presets"), ("PUT", "/v1/steer-presets/house"),
+                         ("DELETE", "/v1/steer-presets/house")):
+        r = c.request(method, path, json={"name": "house", "steer": {"detox": 1}})
+        assert r.status_code == 403, r.text
+        assert "--enable-steer-updates" in r.json()["error"]["message"]
+        assert "--steer-presets-file" in r.json()["error"]["message"]
