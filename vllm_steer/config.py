@@ -37,8 +37,8 @@ class SteerServerConfig:
     ``DIR/NAME.safetensors`` on first use."""
     enable_updates: bool = False
     """``--enable-steer-updates``: allow ``POST /v1/steers`` and ``DELETE /v1/steers/NAME``
-    (load and unload steers), and ``POST /v1/steer-presets`` and ``DELETE
-    /v1/steer-presets/NAME`` (add and delete presets)."""
+    (load and unload steers), and ``POST /v1/steer-presets``, ``PUT`` and ``DELETE
+    /v1/steer-presets/NAME`` (add, replace and delete presets)."""
     updates_any_path: bool = False
     """``--steer-updates-any-path``: ``POST /v1/steers`` may name a file outside
     ``--steer-dir`` (default: only files inside it)."""
@@ -58,6 +58,10 @@ class SteerServerConfig:
     """``--steer-floor detox=2``: steer -> the least signed strength a request is served with;
     a request asking for less is raised to it (the response says so in
     ``x-vllm-steer-floored``)."""
+    presets_file: str | None = None
+    """``--steer-presets-file PATH``: a JSON or YAML file of presets (``{"presets": {"polite":
+    {"detox": 4}}}``), served like ``--steer-preset`` ones and re-read by every API server when
+    it changes (:mod:`vllm_steer.server.presets_file`). None: no file."""
 
     def __post_init__(self):
         if not (isinstance(self.max_strength, (int, float)) and math.isfinite(self.max_strength)
@@ -98,6 +102,13 @@ class SteerServerConfig:
         return bool(self.steers or self.steer_dir or self.enable_updates
                     or self.max_steers is not None)
 
+    @property
+    def presets_change(self) -> bool:
+        """Whether presets may change while the server runs (``--enable-steer-updates`` or
+        ``--steer-presets-file``): a model name that is not static is then read from the
+        engine core's preset table."""
+        return bool(self.enable_updates or self.presets_file)
+
     def to_additional_config(self) -> dict[str, Any]:
         d = asdict(self)
         for k in _RUNTIME_KEYS:  # run-time management keys only when set
@@ -135,7 +146,7 @@ class SteerServerConfig:
 
 #: Keys of the run-time steer management (issue 15) in ``additional_config["vllm_steer"]``.
 _RUNTIME_KEYS = frozenset({"max_steers", "max_steer_rank", "steer_dir", "enable_updates",
-                           "updates_any_path"})
+                           "updates_any_path", "presets_file"})
 
 
 #: Keys of the operator policy (issue 24: presets, defaults, floors; see vllm_steer.policy).

@@ -283,6 +283,26 @@ def test_page_lists_the_steers_with_sliders_and_metadata(page, server):
 
 @pytest.mark.vllm
 @browser
+def test_no_key_is_asked_on_a_server_without_api_key(page, server):
+    """The API-key box shows only on a 401 (a server started with --api-key: tested on the
+    keyed server of tests/e2e/test_vllm_auth_presets.py); here every call is answered."""
+    from selenium.webdriver.common.by import By
+
+    assert requests.get(server + "/v1/steer/info").status_code == 200  # no key needed
+    assert not page.find_element(By.ID, "key-form").is_displayed()
+    assert not page.find_element(By.ID, "global-error").is_displayed()
+    set_field(page, "max-tokens", 2)
+    page.find_element(By.ID, "generate").click()
+    cols = wait(page, settled)
+    assert all("finished" in c["classes"] for c in cols)
+    shown = page.execute_script("return Array.from(document.querySelectorAll("
+                                "'#columns details.req pre'), p => p.textContent)")
+    assert shown and not any("Authorization" in t for t in shown), shown
+    assert not page.find_element(By.ID, "key-form").is_displayed()
+
+
+@pytest.mark.vllm
+@browser
 def test_first_generate_gives_three_steered_columns_as_the_api_returns_them(page, server):
     """No slider touched: the first press of Generate already shows the recommended steer."""
     from selenium.webdriver.common.by import By

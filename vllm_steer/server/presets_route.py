@@ -5,12 +5,18 @@
   floors) and ``x-vllm-steer-floored: detox`` when a floor raised a steer. Set by an ASGI
   middleware from what the request's ``to_sampling_params`` recorded
   (:func:`vllm_steer.integrations.frontend.request_scope.record_applied`, called by the plugin), so streaming responses carry them too.
-- ``GET /v1/steer-presets``: the presets (served as model names), defaults and floors.
+- ``GET /v1/steer-presets``: the presets (served as model names, each with its source:
+  ``--steer-preset``, ``file`` or ``api``), defaults and floors.
 - ``POST /v1/steer-presets`` ``{"name": "polite", "steer": {"detox": 4, "sentiment": -2}}``
-  and ``DELETE /v1/steer-presets/{name}``: presets at run time, only with
-  ``--enable-steer-updates`` (else HTTP 403 naming the flag). The table lives in the engine
-  core, so every API server sees a change from the moment the call returns (design:
+  (add; a taken name is refused), ``PUT /v1/steer-presets/{name}`` ``{"steer": {...}}`` (add,
+  or replace a run-time preset in one step: no request sees it missing) and ``DELETE
+  /v1/steer-presets/{name}``: presets at run time, only with ``--enable-steer-updates`` (else
+  HTTP 403 naming the flag). The table lives in the engine core, so every API server sees a
+  change from the moment the call returns (design:
   :mod:`vllm_steer.integrations.engine.presets`).
+- ``--steer-presets-file PATH``: each API server looks at the file every
+  ``VLLM_STEER_PRESETS_FILE_POLL_SECONDS`` (2) seconds and sends a new version to the engine
+  core's table (:class:`PresetsFileWatcher`; the format: :mod:`vllm_steer.presets_file`).
 
 The plugin adds this endpoint to vLLM's endpoint-plugin list itself
 (:func:`vllm_steer.integrations.frontend.endpoints.load_endpoint_plugins`).
@@ -18,15 +24,19 @@ The plugin adds this endpoint to vLLM's endpoint-plugin list itself
 
 from __future__ import annotations
 
+import asyncio
 import os
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from vllm_steer.integrations.frontend.engine_client import control, refresh_presets
+from vllm_steer.integrations.frontend.engine_client import control
 from vllm_steer.integrations.frontend.request_scope import close_scope, open_scope
 from vllm_steer.integrations.frontend.state import frontend_state
+from vllm_steer.logs import get_logger
 from vllm_steer.server.errors import error_response as _error
 
+logger = get_logger()
 router = APIRouter()
 
 class SteerHeadersMiddleware:
@@ -68,14 +78,26 @@ async def list_presets(raw: Request):
     if cfg is None:
         return _error(404, _DISABLED, "NotFoundError")
     knew = sorted(frontend_state().presets_view())  # this process's view, before reading
-    runtime = await refresh_presets() if cfg.enable_updates else {}
+    table: dict = {}
+    engine = frontend_state().engine
+    if cfg.presets_change and engine is not None:
+        try:
+            table = await control(engine, "presets")
+        except Exception as e:  # the engine is shutting down: the view as it is
+            logger.debug("vllm-steer: reading the presets failed: %s", e)
+    runtime = table.get("presets", frontend_state().presets_view() if cfg.presets_change
+                        else {})
+    from_file = set(table.get("from_file") or ())
     return JSONResponse({"object": "list",
                          "data": [{"name": n, "steer": dict(m), "source": "--steer-preset"}
                                   for n, m in cfg.presets.items()]
+                         + [{"name": n, "steer": dict(m), "source": "file"}
+                            for n, m in runtime.items() if n in from_file]
                          + [{"name": n, "steer": dict(m), "source": "api"}
-                            for n, m in runtime.items()],
+                            for n, m in runtime.items() if n not in from_file],
                          "defaults": dict(cfg.defaults), "floors": dict(cfg.floors),
                          "updates_enabled": cfg.enable_updates,
+                         **({"presets_file": cfg.presets_file} if cfg.presets_file else {}),
                          # which API-server process answered, and the run-time presets it
                          # knew before reading the engine core's table
                          "api_server": {"pid": os.getpid(), "knew": knew}})
@@ -86,28 +108,48 @@ def _updates_refused(cfg) -> JSONResponse | None:
         return _error(404, _DISABLED, "NotFoundError")
     if not cfg.enable_updates:
         return _error(403, "preset updates are disabled on this server; start it with "
-                      "--enable-steer-updates to add and delete presets over HTTP "
-                      "(or set them at start-up with --steer-preset NAME=STEER:X,...)",
+                      "--enable-steer-updates to add, replace and delete presets over HTTP "
+                      "(or set them at start-up with --steer-preset NAME=STEER:X,..., or in "
+                      "a file with --steer-presets-file PATH)",
                       "PermissionError")
     return None
 
 
-def _reserved(raw: Request, cfg) -> dict[str, str]:
-    """Model names a new preset may not take, as this API server knows them."""
+def _model_names(state, cfg) -> dict[str, str]:
+    """Model names no run-time or file preset may take, as this API server knows them: the
+    served model, LoRA adapters, ``--steer-preset`` presets."""
     out: dict[str, str] = {}
-    models = getattr(raw.app.state, "openai_serving_models", None)
+    models = getattr(state, "openai_serving_models", None)
     for b in getattr(models, "base_model_paths", None) or ():
         out[b.name] = "the served model name"
     for n in getattr(models, "lora_requests", None) or {}:
         out[n] = "a LoRA adapter"
     out.update({n: "a preset set by --steer-preset" for n in cfg.presets})
-    out.update({n: "a preset added at run time (DELETE /v1/steer-presets/"
-                f"{n} first to replace it)" for n in frontend_state().presets_view()})
     return out
 
 
-@router.post("/v1/steer-presets")
-async def add_preset(raw: Request):
+def _reserved(raw: Request, cfg) -> dict[str, str]:
+    """Model names a new preset (POST) may not take, as this API server knows them."""
+    out = _model_names(raw.app.state, cfg)
+    out.update({n: "a preset added at run time (PUT /v1/steer-presets/"
+                f"{n} replaces it)" for n in frontend_state().presets_view()})
+    return out
+
+
+async def _known_steers(engine, cfg) -> set[str]:
+    """The steers a preset may name: loaded now (not draining), and ``--steer-dir``'s files."""
+    listing = await control(engine, "list")  # the steers loaded now, and the current table
+    steers = {s["name"] for s in listing.get("steers", []) if s["state"] != "draining"}
+    if cfg.steer_dir and os.path.isdir(cfg.steer_dir):
+        steers |= {f[:-len(".safetensors")] for f in os.listdir(cfg.steer_dir)
+                   if f.endswith(".safetensors")}
+    return steers
+
+
+async def _set_preset(raw: Request, name: str | None, replace: bool):
+    """``POST /v1/steer-presets`` (``name`` None: from the body; a taken name is refused) and
+    ``PUT /v1/steer-presets/{name}`` (``replace``: a run-time preset of that name gets the new
+    mix in one step, a new name is added)."""
     import json
     import uuid
 
@@ -120,25 +162,49 @@ async def add_preset(raw: Request):
     try:
         body = await raw.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return _error(400, f"the body is not JSON ({e}); send e.g. "
-                      '{"name": "polite", "steer": {"detox": 4, "sentiment": -2}}')
+        example = ('{"steer": {"detox": 4, "sentiment": -2}}' if replace else
+                   '{"name": "polite", "steer": {"detox": 4, "sentiment": -2}}')
+        return _error(400, f"the body is not JSON ({e}); send e.g. {example}")
+    if replace:
+        if not isinstance(body, dict):
+            return _error(400, "expected a JSON object, e.g. "
+                          '{"steer": {"detox": 4, "sentiment": -2}}')
+        if body.get("name", name) != name:
+            return _error(400, f"\"name\" {body['name']!r} differs from the name in the path "
+                          f"{name!r}; PUT /v1/steer-presets/NAME sets the preset NAME (leave "
+                          "\"name\" out)")
+        if name in cfg.presets:
+            return _error(400, f"preset {name!r} is set by --steer-preset at start-up and "
+                          "cannot be replaced at run time; restart the server without it, or "
+                          "give the run-time preset another name")
+        body = {**body, "name": name}
     engine = frontend_state().engine
     if engine is None:
         return _error(503, "no engine behind this server")
-    listing = await control(engine, "list")  # the steers loaded now, and the current table
-    steers = {s["name"] for s in listing.get("steers", []) if s["state"] != "draining"}
-    if cfg.steer_dir and os.path.isdir(cfg.steer_dir):
-        steers |= {f[:-len(".safetensors")] for f in os.listdir(cfg.steer_dir)
-                   if f.endswith(".safetensors")}
+    steers = await _known_steers(engine, cfg)
+    reserved = _model_names(raw.app.state, cfg) if replace else _reserved(raw, cfg)
     try:
-        name, mix = preset_from_body(body, steers, cfg.max_strength, _reserved(raw, cfg))
+        name, mix = preset_from_body(body, steers, cfg.max_strength, reserved)
     except PolicyError as e:
         return _error(400, str(e))
-    res = await control(engine, "preset_add", name=name, steer=mix, token=uuid.uuid4().hex)
+    res = await control(engine, "preset_add", name=name, steer=mix, token=uuid.uuid4().hex,
+                        replace=replace)
     if not res.get("ok"):
         return _error(res.get("status", 400), res.get("error", "refused"))
-    return JSONResponse({"object": "steer_preset", "name": name, "steer": mix,
-                         "source": "api"})
+    out = {"object": "steer_preset", "name": name, "steer": mix, "source": "api"}
+    if replace:
+        out["replaced"] = res.get("replaced")
+    return JSONResponse(out)
+
+
+@router.post("/v1/steer-presets")
+async def add_preset(raw: Request):
+    return await _set_preset(raw, None, replace=False)
+
+
+@router.put("/v1/steer-presets/{name}")
+async def put_preset(name: str, raw: Request):
+    return await _set_preset(raw, name, replace=True)
 
 
 @router.delete("/v1/steer-presets/{name}")
@@ -158,9 +224,83 @@ async def delete_preset(name: str, raw: Request):
                          "source": "api"})
 
 
+# ---- the presets file (--steer-presets-file) -----------------------------------------------
+class PresetsFileWatcher:
+    """One API server's reader of the presets file: a cheap ``stat`` per poll, and on a change
+    the file read, checked and sent to the engine core (``preset_file``). A file that cannot be
+    served is logged once per version; the presets loaded before it stay in force."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.key: tuple | None | bool = False  # stat key last seen (False: none yet)
+        self.loaded: str | None = None  # sha256 of the version in force
+        self.refused: str | None = None  # what was last refused (a digest or a message)
+
+    async def check(self, engine, cfg, state=None) -> dict | None:
+        """Read the file if its stat changed; returns the engine core's answer if it sent one."""
+        from vllm_steer import presets_file as pf
+
+        key = await asyncio.to_thread(pf.stat_key, self.path)
+        if key == self.key:
+            return None
+        self.key = key
+        digest = None
+        try:
+            if key is None:
+                raise pf.PresetsFileError(f"presets file {self.path} is missing; write it "
+                                          f"back (e.g. {pf.FILE_EXAMPLE}, or "
+                                          '{"presets": {}} for none)')
+            text, stamp = await asyncio.to_thread(pf.read_file, self.path)
+            digest = stamp[1]
+            if digest == self.loaded:  # touched, not changed (or a refused one undone)
+                self.refused = None
+                return None
+            if digest == self.refused:  # refused and logged already
+                return None
+            raw = pf.parse(text, self.path)
+            presets = pf.check(raw, self.path, await _known_steers(engine, cfg),
+                               cfg.max_strength, _model_names(state, cfg))
+        except pf.PresetsFileError as e:
+            return self._refuse(str(e), digest)
+        res = await control(engine, "preset_file", presets=presets, stamp=list(stamp),
+                            path=self.path)
+        if not res.get("ok"):
+            return self._refuse(f"presets file {self.path}: {res.get('error')}", stamp[1], res)
+        self.loaded, self.refused = stamp[1], None
+        return res
+
+    def _refuse(self, message: str, mark: str | None, res: dict | None = None) -> dict:
+        mark = mark or message
+        if mark != self.refused:
+            view = sorted(frontend_state().presets_view())
+            logger.error("vllm-steer: %s. The file was not loaded: the presets in force before "
+                         "stay (%s)", message, ", ".join(view) or "none")
+        self.refused = mark
+        return res or {"ok": False, "status": 400, "error": message}
+
+
+#: Seconds between two looks (a ``stat``) at the presets file by each API server;
+#: ``VLLM_STEER_PRESETS_FILE_POLL_SECONDS`` overrides it.
+FILE_POLL_SECONDS = float(os.environ.get("VLLM_STEER_PRESETS_FILE_POLL_SECONDS", "2.0"))
+
+
+async def watch_presets_file(watcher: PresetsFileWatcher, engine, cfg, state) -> None:
+    """Every :data:`FILE_POLL_SECONDS`, :meth:`PresetsFileWatcher.check` (off the event
+    loop: the ``stat`` and the read run in a thread)."""
+    while True:
+        await asyncio.sleep(FILE_POLL_SECONDS)
+        try:
+            await watcher.check(engine, cfg, state)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the engine is shutting down, or busy: try again
+            watcher.key = False
+            logger.debug("vllm-steer: presets file poll failed: %s", e)
+
+
 class PresetsEndpoint:
-    """vLLM endpoint plugin: the response headers and ``/v1/steer-presets`` (list; add and
-    delete with ``--enable-steer-updates``)."""
+    """vLLM endpoint plugin: the response headers and ``/v1/steer-presets`` (list; add,
+    replace and delete with ``--enable-steer-updates``), and the presets file's reader."""
 
     name = "vllm_steer_presets"
     required_tasks = ("generate",)
@@ -172,3 +312,9 @@ class PresetsEndpoint:
     async def init_state(self, engine_client, state, args) -> None:
         if engine_client is not None:
             frontend_state().set_engine(engine_client)
+            cfg = _config()
+            if cfg is not None and cfg.presets_file:  # read before the server takes requests
+                watcher = PresetsFileWatcher(cfg.presets_file)
+                await watcher.check(engine_client, cfg, state)
+                state.vllm_steer_presets_file = asyncio.get_running_loop().create_task(
+                    watch_presets_file(watcher, engine_client, cfg, state))

@@ -24,8 +24,9 @@ Ops (``collective_rpc(CONTROL_METHOD, args=(op, kwargs))``, one dict back):
 - ``("rollback", {"name", "generations": {engine: generation}})``: unload ``name`` from this
   engine core if it is bound to the generation given for this engine (a load that failed on
   another engine core, see :func:`merge`);
-- ``("presets", {})``, ``("preset_add", {"name", "steer", "token"})``, ``("preset_delete",
-  {"name"})``, ``("preset_rollback", {"name", "token"})``: the run-time preset table
+- ``("presets", {})``, ``("preset_add", {"name", "steer", "token", "replace"})``,
+  ``("preset_delete", {"name"})``, ``("preset_rollback", {"name", "token"})``,
+  ``("preset_file", {"presets", "stamp", "path"})``: the run-time preset table
   (:mod:`vllm_steer.integrations.engine.presets`); every answer (and ``list``'s) carries the table
   as ``{"version", "presets"}``.
 
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 
 from vllm_steer import REQUEST_FIELD
 from vllm_steer.config import SteerServerConfig
-from vllm_steer.integrations.engine.presets import PresetTable
+from vllm_steer.integrations.engine.presets import PresetTable, file_op
 from vllm_steer.integrations.engine.registry import (BOUND_KEY, SteerCapacityError, SteerEntry,
                                               SteerNameError, SteerRegistry, bound_in,
                                               check_name, dir_path)
@@ -172,14 +173,18 @@ def _preset_op(core, cfg, op: str, kwargs: dict) -> dict:
     table = engine_state(core).presets
     if op == "presets":
         return {"ok": True, **table.snapshot()}
-    if op == "preset_add":
+    if op in ("preset_add", "preset_file"):
         served = getattr(core.vllm_config.model_config, "served_model_name", None)
         reserved = {str(n): "the served model name"
                     for n in ([served] if isinstance(served, str) else served or [])}
         reserved.update({n: "a preset set by --steer-preset" for n in cfg.presets})
-        res = table.add(kwargs["name"], kwargs["steer"], kwargs.get("token", ""), reserved)
+        if op == "preset_file":  # logged by the presets module
+            return file_op(table, kwargs, reserved)
+        res = table.add(kwargs["name"], kwargs["steer"], kwargs.get("token", ""), reserved,
+                        replace=bool(kwargs.get("replace")))
         if res["ok"]:
-            logger.info("vllm-steer: added preset %r = %s (run time)", kwargs["name"],
+            logger.info("vllm-steer: %s preset %r = %s (run time)",
+                        "replaced" if res.get("replaced") else "added", kwargs["name"],
                         res["preset"]["steer"])
         return res
     if op == "preset_delete":

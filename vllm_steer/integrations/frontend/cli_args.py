@@ -57,9 +57,9 @@ def add_steer_args(parser) -> None:
                             "DIR/NAME.safetensors on first use.")
     group.add_argument("--enable-steer-updates", action="store_true", default=False,
                        help="Allow POST /v1/steers and DELETE /v1/steers/NAME (load and "
-                            "unload steers at run time) and POST /v1/steer-presets and "
-                            "DELETE /v1/steer-presets/NAME (add and delete presets). Off "
-                            "by default: only for servers whose clients you trust.")
+                            "unload steers at run time) and POST /v1/steer-presets, PUT and "
+                            "DELETE /v1/steer-presets/NAME (add, replace and delete presets). "
+                            "Off by default: only for servers whose clients you trust.")
     group.add_argument("--no-steer-drafter", dest="steer_drafter", action="store_false",
                        default=True,
                        help="Speculative decoding: do not steer the drafter's proposals "
@@ -75,6 +75,11 @@ def add_steer_args(parser) -> None:
                             "request replaces the preset's value of each steer it names). "
                             "Several may follow one flag: `--steer-preset polite=detox:4 "
                             "kind=detox:4,sentiment:2` (repeating the flag works too).")
+    group.add_argument("--steer-presets-file", default=None, metavar="PATH",
+                       help="Presets from a JSON or YAML file, {\"presets\": {\"polite\": "
+                            "{\"detox\": 4}}}, served like --steer-preset; every API server "
+                            "re-reads the file when it changes (a bad version is refused and "
+                            "logged, the presets before it stay).")
     group.add_argument("--steer-default", action="append", default=None,
                        metavar="STEER=X",
                        help="Strength applied to every request that names neither the steer "
@@ -91,6 +96,10 @@ def config_from_args(args: argparse.Namespace) -> SteerServerConfig | None:
     policy = _policy_args(args)
     if not (steers or getattr(args, "steer_dir", None)
             or getattr(args, "enable_steer_updates", False)):
+        if getattr(args, "steer_presets_file", None):
+            raise ValueError("vllm-steer: --steer-presets-file given without any steer; load "
+                             "the steers its presets name with --steer NAME=PATH (or "
+                             "--steer-dir DIR)")
         if policy:
             raise ValueError(f"vllm-steer: --steer-{'/'.join(k.rstrip('s') for k in policy)} "
                              "given without any steer; load the steers they name with "
@@ -110,25 +119,29 @@ def config_from_args(args: argparse.Namespace) -> SteerServerConfig | None:
                              **_runtime_args(args), **policy)
     if policy:
         check_policy_config(cfg, _reserved_model_names(args))
+    if cfg.presets_file:
+        check_presets_file(cfg, _reserved_model_names(args))
     return cfg
 
 
 def _runtime_args(args: argparse.Namespace) -> dict:
     """Run-time steer management flags (issue 15) as SteerServerConfig fields."""
+    import os
+
     steer_dir = getattr(args, "steer_dir", None)
     if steer_dir is not None:
-        import os
-
         if not os.path.isdir(steer_dir):
             raise ValueError(f"--steer-dir {steer_dir!r}: not a directory")
         steer_dir = os.path.abspath(steer_dir)
     if getattr(args, "enable_steer_updates", False):
         logger.warning("vllm-steer: --enable-steer-updates is on: POST /v1/steers and "
                        "DELETE /v1/steers/NAME can load and unload steers, and POST "
-                       "/v1/steer-presets and DELETE /v1/steer-presets/NAME can add and "
-                       "delete presets, at run time. Do not expose this server to untrusted "
+                       "/v1/steer-presets, PUT and DELETE /v1/steer-presets/NAME can add, "
+                       "replace and delete presets, at run time. Do not expose this server to untrusted "
                        "clients.")
-    return dict(max_steers=getattr(args, "max_steers", None),
+    presets_file = getattr(args, "steer_presets_file", None)
+    return dict(presets_file=os.path.abspath(presets_file) if presets_file else None,
+                max_steers=getattr(args, "max_steers", None),
                 max_steer_rank=getattr(args, "max_steer_rank", None), steer_dir=steer_dir,
                 enable_updates=bool(getattr(args, "enable_steer_updates", False)),
                 updates_any_path=bool(getattr(args, "steer_updates_any_path", False)))
@@ -187,6 +200,25 @@ def check_policy_config(cfg: SteerServerConfig, reserved: dict[str, str] | None 
         names |= {f[:-len(".safetensors")] for f in os.listdir(cfg.steer_dir)
                   if f.endswith(".safetensors")}
     check_policy(cfg.presets, cfg.defaults, cfg.floors, names, cfg.max_strength, reserved)
+
+
+def check_presets_file(cfg: SteerServerConfig, reserved: dict[str, str] | None = None) -> None:
+    """Start-up check of ``--steer-presets-file`` (:mod:`vllm_steer.presets_file`): the file
+    reads and every preset passes the ``--steer-preset`` checks, else the server does not
+    start."""
+    import os
+
+    from vllm_steer import presets_file
+
+    names = set(cfg.steers)
+    if cfg.steer_dir and os.path.isdir(cfg.steer_dir):
+        names |= {f[:-len(".safetensors")] for f in os.listdir(cfg.steer_dir)
+                  if f.endswith(".safetensors")}
+    taken = dict(reserved or {})
+    taken.update({n: "a preset set by --steer-preset" for n in cfg.presets})
+    presets, _ = presets_file.load(cfg.presets_file, names, cfg.max_strength, taken)
+    logger.info("vllm-steer: presets file %s: %d preset(s)%s", cfg.presets_file, len(presets),
+                f" ({', '.join(sorted(presets))})" if presets else "")
 
 
 def add_cli_args(orig, parser, *a, **kw):

@@ -3,7 +3,8 @@
 
 - ``OpenAIModelRegistry``: a preset name is a served model name and has its own card in
   ``/v1/models`` (:func:`is_base_model`, :func:`show_available_models`);
-- ``BaseServing._check_model``: with ``--enable-steer-updates``, a name that may be a
+- ``BaseServing._check_model``: with ``--enable-steer-updates`` or ``--steer-presets-file``,
+  a name that may be a
   run-time preset is read from the engine core first (:func:`check_model`);
 - ``to_sampling_params`` of every OpenAI request model: the preset's mix under the request's
   own ``steer`` (:func:`apply_preset`, called by
@@ -29,19 +30,19 @@ def presets() -> dict[str, dict[str, float]]:
     if not st.enabled:
         return {}
     cfg = st.config
-    return {**cfg.presets, **st.presets_view()} if cfg.enable_updates else dict(cfg.presets)
+    return {**cfg.presets, **st.presets_view()} if cfg.presets_change else dict(cfg.presets)
 
 
 def _runtime_presets_on() -> bool:
     st = frontend_state()
-    return st.enabled and st.config.enable_updates
+    return st.enabled and st.config.presets_change
 
 
 async def check_model(orig, self, request, *a, **kw):
     """``BaseServing._check_model`` (every OpenAI route's model check): with
-    ``--enable-steer-updates``, a ``model`` that is not the served model, a ``--steer-preset``
-    preset or a LoRA adapter may be a preset added (or deleted) at run time through any API
-    server: read the engine core's table first (one utility call), and pin the mix read for
+    ``--enable-steer-updates`` or ``--steer-presets-file``, a ``model`` that is not the served model, a ``--steer-preset``
+    preset or a LoRA adapter may be a preset added, replaced or deleted at run time (through
+    any API server, or the presets file): read the engine core's table first (one utility call), and pin the mix read for
     this request's ``to_sampling_params``."""
     name = getattr(request, "model", None)
     if isinstance(name, str) and name and _runtime_presets_on():

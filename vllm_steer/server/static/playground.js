@@ -2,6 +2,9 @@
 // Talks to: GET /v1/steer/info (and GET /v1/steers when the server has it), POST
 // /v1/completions or /v1/chat/completions (stream, with the `steer` field), POST
 // /v1/steer/highlight. Errors are shown as the server words them.
+// A server started with --api-key answers 401 to every /v1 call without the key: the page then
+// asks for it (the form at the top), keeps it in this page's memory only (never in storage or
+// a cookie; a reload forgets it) and sends it as "Authorization: Bearer KEY" on every call.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -11,7 +14,43 @@ const state = {
   pinned: [],           // [{steer: {...}, preset?}] extra columns: "Pin current mix", presets
   presets: [],          // [{name, steer}] presets served as model names
   controllers: [],      // AbortControllers of the running generations
+  apiKey: "",           // the server's API key as typed (memory only), "" when none given
+  needsKey: false,      // the server answered 401: it was started with --api-key
 };
+
+// ---------------------------------------------------------------- the server's API
+// fetch() of one of this server's API paths, with the API key when one was given.
+function api(path, opts) {
+  const o = { ...(opts || {}) };
+  const headers = { ...(o.headers || {}) };
+  if (state.apiKey) headers["Authorization"] = "Bearer " + state.apiKey;
+  o.headers = headers;
+  return fetch(path, o);
+}
+
+const KEY_HELP = "the key the server was started with (vllm serve --api-key KEY, or VLLM_API_KEY)";
+
+// Show the API-key form; `message` says why (no key yet, or the key was refused).
+function askKey(message) {
+  state.needsKey = true;
+  $("key-form").hidden = false;
+  showError($("key-error"), message);
+  setServer(false, "API key needed");
+  $("api-key").focus();
+}
+
+async function submitKey(ev) {
+  if (ev) ev.preventDefault();
+  const key = $("api-key").value.trim();
+  if (!key) {
+    showError($("key-error"), `Enter ${KEY_HELP}.`);
+    return;
+  }
+  state.apiKey = key;
+  $("api-key").value = "";
+  showError($("key-error"), "");
+  await loadInfo();
+}
 
 // ---------------------------------------------------------------- helpers
 function el(tag, attrs, ...children) {
@@ -55,6 +94,12 @@ function mixLabel(steer) {
 
 // The message of an error response, as the server gives it (vLLM, FastAPI or plain text).
 async function errorMessage(resp) {
+  if (resp.status === 401) {  // vLLM's --api-key guard: {"error": "Unauthorized"}
+    askKey(state.apiKey ? `The server refused this API key (HTTP 401 Unauthorized): enter ${KEY_HELP}.`
+      : `This server needs an API key (HTTP 401 Unauthorized): enter ${KEY_HELP}.`);
+    if (state.apiKey) state.apiKey = "";
+    return "HTTP 401 Unauthorized: the server needs its API key; enter it in the form at the top.";
+  }
   const text = await resp.text();
   let msg = text;
   try {
@@ -95,7 +140,12 @@ function normalizeSteers(j) {
 async function loadInfo() {
   let info;
   try {
-    const r = await fetch("/v1/steer/info");
+    const r = await api("/v1/steer/info");
+    if (r.status === 401) {  // before anything else: ask for the key, load again with it
+      await errorMessage(r);
+      $("sliders").replaceChildren(el("p", { class: "hint", text: "Enter the server's API key above to list its steers." }));
+      return;
+    }
     if (!r.ok) throw new Error(await errorMessage(r));
     info = await r.json();
   } catch (e) {
@@ -106,7 +156,7 @@ async function loadInfo() {
   }
   let source = "GET /v1/steer/info (the steers given to vllm serve --steer)";
   try {  // runtime management, when the server has it, knows steers loaded after start-up
-    const r = await fetch("/v1/steers");
+    const r = await api("/v1/steers");
     if (r.ok) {
       const listed = normalizeSteers(await r.json());
       if (listed) {
@@ -117,6 +167,8 @@ async function loadInfo() {
     }
   } catch (_) { /* older server: keep the info route's list */ }
   state.info = info;
+  $("key-form").hidden = true;  // the key (if any) works
+  showError($("global-error"), "");
   state.presets = await loadPresets(info);
   for (const s of info.steers) state.strengths[s.name] = 0;
   // A first press of Generate shows steering: the first steer with a recommended strength
@@ -140,7 +192,7 @@ async function loadInfo() {
 // GET /v1/steer/info's "presets" (the --steer-preset ones).
 async function loadPresets(info) {
   try {
-    const r = await fetch("/v1/models");
+    const r = await api("/v1/models");
     if (r.ok) {
       const j = await r.json();
       if (Array.isArray(j.data))
@@ -312,7 +364,9 @@ function requestBody(steer, preset) {
 function curlFor(path, body) {
   const b = { ...body };
   delete b.stream;
-  return `curl ${location.origin}${path} -H 'Content-Type: application/json' \\\n  -d '${JSON.stringify(b).replace(/'/g, "'\\''")}'`;
+  // the key itself is never written into the page: the command reads it from the shell
+  const auth = state.needsKey ? ` -H "Authorization: Bearer $VLLM_API_KEY"` : "";
+  return `curl ${location.origin}${path} -H 'Content-Type: application/json'${auth} \\\n  -d '${JSON.stringify(b).replace(/'/g, "'\\''")}'`;
 }
 
 async function generate(ev) {
@@ -356,7 +410,7 @@ async function stream(path, run) {
   let tokens = 0, finish = null, failed = false;
   const t0 = performance.now();
   try {
-    const resp = await fetch(path, { method: "POST", headers: { "Content-Type": "application/json" },
+    const resp = await api(path, { method: "POST", headers: { "Content-Type": "application/json" },
       body: JSON.stringify(run.body), signal: ctl.signal });
     if (!resp.ok) {
       showError(run.err, await errorMessage(resp));
@@ -470,7 +524,7 @@ async function highlight(ev) {
   $("hl-run").disabled = true;
   out.replaceChildren(el("p", { class: "hint", text: "scoring…" }));
   try {
-    const r = await fetch("/v1/steer/highlight", { method: "POST",
+    const r = await api("/v1/steer/highlight", { method: "POST",
       headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
     if (!r.ok) {
       out.replaceChildren();
@@ -568,6 +622,7 @@ document.addEventListener("DOMContentLoaded", () => {
   setupTabs();
   $("compare-form").addEventListener("submit", generate);
   $("highlight-form").addEventListener("submit", highlight);
+  $("key-form").addEventListener("submit", submitKey);
   $("stop").addEventListener("click", stopAll);
   $("pin").addEventListener("click", pinMix);
   $("add-preset").addEventListener("click", addPresetColumn);

@@ -1,0 +1,256 @@
+"""Presets that change while the server runs, without a server: the presets file (parsing,
+checks, the start-up check, one API server's reader) and the engine core's table (replacement
+in one step, the file's layer). The live server: tests/e2e/test_vllm_auth_presets.py."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+
+import pytest
+
+from vllm_steer import presets_file as pf
+from vllm_steer.integrations.engine.presets import PresetTable, file_op
+
+STEERS = {"detox", "sentiment"}
+RESERVED = {"tiny": "the served model name", "polite": "a preset set by --steer-preset"}
+
+
+def write(path, doc):
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return str(path)
+
+
+# ---- the file's format -------------------------------------------------------------------
+def test_json_and_yaml_files_give_the_same_presets(tmp_path):
+    j = write(tmp_path / "p.json", {"presets": {"kind": {"detox": 4, "sentiment": -2},
+                                                "calm": "detox:1.5"}})
+    y = write(tmp_path / "p.yaml", "presets:\n  kind: {detox: 4, sentiment: -2}\n"
+                                   "  calm: 'detox:1.5'\n")
+    want = {"kind": {"detox": 4.0, "sentiment": -2.0}, "calm": {"detox": 1.5}}
+    for path in (j, y):
+        got, stamp = pf.load(path, STEERS, 10.0, RESERVED)
+        assert got == want
+        data = open(path, "rb").read()
+        assert stamp == (os.stat(path).st_mtime_ns, hashlib.sha256(data).hexdigest())
+    assert pf.load(write(tmp_path / "e.yml", "presets: {}\n"), STEERS, 10.0)[0] == {}
+
+
+@pytest.mark.parametrize("name, doc, fragment", [
+    ("p.json", '{"presets": {"kind": ', "not valid JSON ("),
+    ("p.yaml", "presets: [a, b\n", "not valid YAML ("),
+    ("p.json", "[1, 2]", 'expected an object with "presets", got [1, 2]'),
+    ("p.json", {"preset": {}}, "unknown key(s) 'preset'; the file has one key"),
+    ("p.json", {}, '"presets" is missing'),
+    ("p.json", {"presets": ["kind"]}, '"presets" must map preset names to steer mixes'),
+    ("p.json", {"presets": {"kind": {"toxic": 1}}},
+     "preset 'kind': unknown steer 'toxic'; loaded steers (and --steer-dir files): detox, "
+     "sentiment"),
+    ("p.json", {"presets": {"kind": {"detox": 11}}},
+     "preset 'kind': strength 11 of steer 'detox' exceeds the server's maximum |strength| 10"),
+    ("p.json", {"presets": {"kind": {"detox": "4"}}},
+     "preset 'kind': strength '4' of steer 'detox' is not a number"),
+    ("p.json", {"presets": {"kind": {}}}, "preset 'kind': \"steer\" names no steer"),
+    ("p.json", {"presets": {"x y": {"detox": 1}}}, "preset name 'x y' may use only"),
+    ("p.json", {"presets": {"tiny": {"detox": 1}}},
+     "preset name 'tiny' is already the served model name; give the preset another name"),
+    ("p.json", {"presets": {"polite": {"detox": 1}}},
+     "preset name 'polite' is already a preset set by --steer-preset"),
+    ("p.toml", {"presets": {}}, "unknown format; name the file .json (JSON) or .yaml / .yml"),
+])
+def test_a_bad_file_is_refused_naming_the_file_and_the_problem(tmp_path, name, doc, fragment):
+    path = write(tmp_path / name, doc)
+    with pytest.raises(pf.PresetsFileError) as e:
+        pf.load(path, STEERS, 10.0, RESERVED)
+    assert path in str(e.value) and fragment in str(e.value), str(e.value)
+
+
+def test_a_missing_or_huge_file_is_refused(tmp_path):
+    with pytest.raises(pf.PresetsFileError, match="cannot be read .*--steer-presets-file"):
+        pf.load(str(tmp_path / "none.json"), STEERS, 10.0)
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (pf.MAX_FILE_BYTES + 1))
+    with pytest.raises(pf.PresetsFileError, match="larger than 1048576 bytes"):
+        pf.load(str(big), STEERS, 10.0)
+    assert pf.stat_key(str(tmp_path / "none.json")) is None
+
+
+def test_the_start_up_check_refuses_a_bad_file_and_keeps_a_good_ones_path(tmp_path):
+    from vllm_steer.integrations.frontend import cli_args
+
+    steer_dir = tmp_path / "steers"
+    steer_dir.mkdir()
+    (steer_dir / "sentiment.safetensors").write_bytes(b"")  # a --steer-dir file: a known name
+
+    def args(path, **kw):
+        base = dict(steer=None, steer_dir=str(steer_dir), model="tiny", served_model_name=None,
+                    steer_preset=["polite=sentiment:1"], steer_presets_file=path)
+        return argparse.Namespace(**{**base, **kw})
+
+    good = write(tmp_path / "p.json", {"presets": {"kind": {"sentiment": 2}}})
+    cfg = cli_args.config_from_args(args(os.path.relpath(good)))
+    assert cfg.presets_file == good and cfg.presets_change
+    assert cfg.to_additional_config()["vllm_steer"]["presets_file"] == good
+    from vllm_steer.config import SteerServerConfig
+
+    again = SteerServerConfig.from_additional_config(cfg.to_additional_config())
+    assert again.presets_file == good  # carried to every process
+    for doc, fragment in (({"presets": {"kind": {"detox": 2}}}, "unknown steer 'detox'"),
+                          ({"presets": {"polite": {"sentiment": 2}}},
+                           "'polite' is already a preset set by --steer-preset"),
+                          ({"presets": {"tiny": {"sentiment": 2}}},
+                           "'tiny' is already the served model name")):
+        with pytest.raises(pf.PresetsFileError, match=fragment):
+            cli_args.config_from_args(args(write(tmp_path / "p.json", doc)))
+    with pytest.raises(ValueError, match="--steer-presets-file given without any steer"):
+        cli_args.config_from_args(args(good, steer_dir=None, steer_preset=None))
+
+
+# ---- the engine core's table ---------------------------------------------------------------
+def test_put_replaces_a_run_time_preset_in_one_step():
+    t = PresetTable()
+    assert t.add("kind", {"detox": 1}, "t1")["ok"]
+    refused = t.add("kind", {"detox": 2}, "t2")  # POST: a taken name
+    assert (refused["ok"], refused["status"]) == (False, 400)
+    assert "(PUT /v1/steer-presets/kind replaces it)" in refused["error"]
+    got = t.add("kind", {"detox": 2}, "t3", replace=True)
+    assert got["ok"] and got["replaced"] == {"detox": 1.0}
+    assert (got["version"], got["presets"]) == (2, {"kind": {"detox": 2.0}})
+    assert t.add("new", {"detox": 3}, "t4", replace=True)["replaced"] is None  # PUT adds too
+    # a replacement that failed on another data-parallel engine core: the old mix comes back
+    assert t.rollback("kind", "t3")["presets"]["kind"] == {"detox": 1.0}
+    assert t.rollback("kind", "t3")["presets"]["kind"] == {"detox": 1.0}  # once
+    assert t.rollback("new", "t4")["presets"] == {"kind": {"detox": 1.0}}
+    for name, fragment in (("tiny", "the served model name"),
+                           ("polite", "a preset set by --steer-preset")):
+        got = t.add(name, {"detox": 1}, "t5", RESERVED, replace=True)
+        assert not got["ok"] and fragment in got["error"]
+
+
+def test_the_files_layer_replaces_as_a_whole_and_takes_names_over():
+    t = PresetTable()
+    t.add("kind", {"detox": 1}, "t1")
+    assert "from_file" not in t.snapshot()  # no file read yet: the answer as before
+    got = t.set_file({"house": {"detox": 2}, "kind": {"detox": 3}}, (10, "d1"), RESERVED)
+    assert got["ok"] and got["changed"] and got["took_over"] == ["kind"]
+    assert got["presets"] == {"house": {"detox": 2.0}, "kind": {"detox": 3.0}}
+    assert got["from_file"] == ["house", "kind"] and t.presets == {}
+    v = t.version
+    # the same content (another API server), or an older read: nothing changes
+    assert not t.set_file({"house": {"detox": 2}, "kind": {"detox": 3}}, (10, "d1"))["changed"]
+    assert not t.set_file({"old": {"detox": 1}}, (9, "d0"))["changed"]
+    assert t.version == v and set(t.file) == {"house", "kind"}
+    # a name of the file: not added, replaced or deleted over HTTP
+    for replace in (False, True):
+        got = t.add("house", {"detox": 5}, "t2", replace=replace)
+        assert not got["ok"] and "presets file (--steer-presets-file" in got["error"]
+    got = t.delete("house")
+    assert (got["ok"], got["status"]) == (False, 400) and "remove it from the file" in \
+        got["error"]
+    # a reserved name refuses the whole version: the one before stays
+    got = t.set_file({"tiny": {"detox": 1}}, (11, "d2"), RESERVED)
+    assert (got["ok"], got["status"]) == (False, 400) and "'tiny'" in got["error"]
+    assert set(t.file) == {"house", "kind"} and t.version == v
+    got = file_op(t, {"presets": {"house": {"detox": -2}}, "stamp": [12, "d3"], "path": "p"})
+    assert got["changed"] and (got["removed"], got["updated"]) == (["kind"], ["house"])
+    assert t.snapshot() == {"version": v + 1, "presets": {"house": {"detox": -2.0}},
+                            "from_file": ["house"]}
+
+
+# ---- one API server's reader -----------------------------------------------------------------
+class FakeEngine:
+    """The engine-control calls the reader makes, answered by one engine core's table."""
+
+    def __init__(self):
+        self.table = PresetTable()
+        self.calls: list[str] = []
+
+    async def control(self, engine, op, **kw):
+        self.calls.append(op)
+        if op == "list":
+            return {"enabled": True, "steers": [{"name": n, "state": "ready"}
+                                                for n in sorted(STEERS)]}
+        assert op == "preset_file"
+        return file_op(self.table, kw, {"tiny": "the served model name"})
+
+
+def test_the_reader_loads_each_new_version_once_and_keeps_the_last_good_one(tmp_path,
+                                                                         monkeypatch):
+    from vllm_steer.config import SteerServerConfig
+    from vllm_steer.integrations.frontend.state import frontend_state
+    from vllm_steer.server import presets_route
+
+    fake = FakeEngine()
+    monkeypatch.setattr(presets_route, "control", fake.control)
+    errors: list[str] = []
+    monkeypatch.setattr(presets_route.logger, "error", lambda msg, *a: errors.append(msg % a))
+    monkeypatch.setattr(frontend_state(), "presets", {})
+    monkeypatch.setattr(frontend_state(), "presets_version", -1)
+    path = write(tmp_path / "p.json", {"presets": {"house": {"detox": 2}}})
+    cfg = SteerServerConfig(steers={"detox": "x"}, presets_file=path)
+    w = presets_route.PresetsFileWatcher(path)
+
+    def check():
+        res = asyncio.run(w.check(None, cfg))
+        if res is not None:
+            frontend_state().update_presets(res)
+        return res
+
+    assert check()["presets"] == {"house": {"detox": 2.0}}
+    assert check() is None and fake.calls == ["list", "preset_file"]  # unchanged: one stat
+    os.utime(path, ns=(1, 1))  # touched (another mtime), same content: not sent again
+    assert check() is None and fake.calls == ["list", "preset_file"]
+    write(tmp_path / "p.json", {"presets": {"house": {"toxic": 2}}})
+    assert check()["ok"] is False
+    assert len(errors) == 1 and "unknown steer 'toxic'" in errors[0]
+    assert errors[0].endswith("The file was not loaded: the presets in force before stay "
+                              "(house)"), errors[0]
+    os.utime(path, ns=(2, 2))
+    assert check() is None and len(errors) == 1  # the same bad version: logged once
+    os.remove(path)
+    assert check()["ok"] is False and "missing" in errors[-1] and len(errors) == 2
+    assert fake.table.file == {"house": {"detox": 2.0}}  # still served
+    write(tmp_path / "p.json", {"presets": {"house": {"detox": -1}, "calm": "sentiment:1"}})
+    got = check()
+    assert got["changed"] and got["presets"] == {"house": {"detox": -1.0},
+                                                 "calm": {"sentiment": 1.0}}
+    write(tmp_path / "p.json", {"presets": {"tiny": {"detox": 1}}})  # refused by the engine
+    assert check()["ok"] is False and "'tiny' is already the served model name" in errors[-1]
+    assert set(fake.table.file) == {"house", "calm"}
+
+
+def test_a_presets_file_without_run_time_updates_serves_its_presets(monkeypatch):
+    """``--steer-presets-file`` alone (no ``--enable-steer-updates``): the file's presets are
+    model names (read from the engine core's table), the HTTP write routes stay 403."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from vllm_steer.config import SteerServerConfig
+    from vllm_steer.integrations.frontend import preset_models
+    from vllm_steer.integrations.frontend.state import FrontendState
+    from vllm_steer.server import presets_route
+
+    st = FrontendState()
+    monkeypatch.setattr(preset_models, "frontend_state", lambda: st)
+    monkeypatch.setattr(presets_route, "frontend_state", lambda: st)
+    st.reset(SteerServerConfig(steers={"detox": "x"}, presets={"polite": {"detox": 4.0}},
+                               presets_file="/etc/p.json"))
+    t = PresetTable()
+    st.update_presets(t.set_file({"house": {"detox": 2}}, (1, "d"), {}))
+    assert preset_models.presets() == {"polite": {"detox": 4.0}, "house": {"detox": 2.0}}
+    st.reset(SteerServerConfig(steers={"detox": "x"}, presets={"polite": {"detox": 4.0}}))
+    st.update_presets(t.snapshot())
+    assert preset_models.presets() == {"polite": {"detox": 4.0}}  # neither flag: static only
+    st.reset(SteerServerConfig(steers={"detox": "x"}, presets_file="/etc/p.json"))
+    app = FastAPI()
+    app.include_router(presets_route.router)
+    c = TestClient(app)
+    for method, path in (("POST", "/v1/steer-presets"), ("PUT", "/v1/steer-presets/house"),
+                         ("DELETE", "/v1/steer-presets/house")):
+        r = c.request(method, path, json={"name": "house", "steer": {"detox": 1}})
+        assert r.status_code == 403, r.text
+        assert "--enable-steer-updates" in r.json()["error"]["message"]
+        assert "--steer-presets-file" in r.json()["error"]["message"]

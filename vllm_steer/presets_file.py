@@ -1,0 +1,139 @@
+"""The presets file (``vllm serve ... --steer-presets-file PATH``): presets served as model
+names, kept in a file that every API server re-reads when it changes, so a fleet of servers
+converges on the file's presets without an HTTP call to each.
+
+The format, JSON (``.json``) or YAML (``.yaml`` / ``.yml``)::
+
+    {"presets": {"polite": {"detox": 4, "sentiment": 2},
+                 "detox-stable": "detox-v2:4"}}
+
+``presets`` maps each preset (model) name to its steer mix: an object of steer -> strength, or
+the ``--steer-preset`` string form ``"steer:strength,..."``. ``{"presets": {}}`` serves no
+preset from the file. Each preset is checked like ``--steer-preset``: a valid model name that
+is not the served model, a LoRA adapter or a ``--steer-preset`` preset; steers that are loaded
+(or files of ``--steer-dir``); strengths within ``--steer-max-strength``.
+
+This module reads and checks a file (pure, no torch); the API server's polling is
+:func:`vllm_steer.server.presets_route.watch_presets_file`, the table it fills
+:mod:`vllm_steer.integrations.engine.presets`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Iterable, Mapping
+
+from vllm_steer.names import echo
+from vllm_steer.policy import PolicyError, preset_from_body
+
+#: File name endings read as JSON and as YAML; any other ending is refused.
+JSON_SUFFIXES = (".json",)
+YAML_SUFFIXES = (".yaml", ".yml")
+#: The one top-level key of a presets file.
+PRESETS_KEY = "presets"
+#: Largest presets file read (bytes): a file of presets is a few kB.
+MAX_FILE_BYTES = 1 << 20
+FILE_EXAMPLE = '{"presets": {"polite": {"detox": 4, "sentiment": 2}}}'
+
+
+class PresetsFileError(ValueError):
+    """A presets file that cannot be served; the message names the file, the problem and the
+    fix. At start-up the server refuses to start; at run time the presets loaded before stay
+    in force."""
+
+
+def file_format(path: str) -> str:
+    """``"json"`` or ``"yaml"`` from the file's name; :class:`PresetsFileError` otherwise."""
+    low = str(path).lower()
+    if low.endswith(JSON_SUFFIXES):
+        return "json"
+    if low.endswith(YAML_SUFFIXES):
+        return "yaml"
+    raise PresetsFileError(f"--steer-presets-file {echo(str(path), 200)}: unknown format; name "
+                           "the file .json (JSON) or .yaml / .yml (YAML)")
+
+
+def stat_key(path: str) -> tuple[int, int, int] | None:
+    """What tells a changed file cheaply: ``(mtime_ns, size, inode)``; None if it is missing
+    (an editor replacing the file, a Kubernetes ConfigMap swapping its link, change it)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def read_file(path: str) -> tuple[str, tuple[int, str]]:
+    """The file's text and its stamp ``(mtime_ns, sha256 of the bytes)``."""
+    try:
+        with open(path, "rb") as f:
+            mtime = os.fstat(f.fileno()).st_mtime_ns
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise PresetsFileError(f"presets file {path}: cannot be read ({e.strerror or e}); "
+                               "check the path given to --steer-presets-file") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise PresetsFileError(f"presets file {path}: larger than {MAX_FILE_BYTES} bytes; a "
+                               "presets file holds names and strengths only")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PresetsFileError(f"presets file {path}: not UTF-8 text ({e})") from None
+    return text, (mtime, hashlib.sha256(data).hexdigest())
+
+
+def parse(text: str, path: str) -> dict[str, Any]:
+    """The file's ``presets`` mapping as written (name -> mix), its shape checked."""
+    fmt = file_format(path)
+    try:
+        if fmt == "json":
+            doc = json.loads(text)
+        else:
+            import yaml
+
+            doc = yaml.safe_load(text)
+    except Exception as e:  # noqa: BLE001 - json and yaml raise their own errors
+        raise PresetsFileError(f"presets file {path}: not valid {fmt.upper()} ({e}); e.g. "
+                               f"{FILE_EXAMPLE}") from None
+    if not isinstance(doc, Mapping):
+        raise PresetsFileError(f"presets file {path}: expected an object with \"presets\", got "
+                               f"{echo(doc, 80)}; e.g. {FILE_EXAMPLE}")
+    unknown = sorted(str(k) for k in doc if k != PRESETS_KEY)
+    if unknown:
+        raise PresetsFileError(f"presets file {path}: unknown key(s) "
+                               f"{', '.join(map(repr, unknown))}; the file has one key, "
+                               f"\"presets\", e.g. {FILE_EXAMPLE}")
+    presets = doc.get(PRESETS_KEY)
+    if presets is None:
+        raise PresetsFileError(f"presets file {path}: \"presets\" is missing; e.g. "
+                               f"{FILE_EXAMPLE} (an empty object serves no preset)")
+    if not isinstance(presets, Mapping):
+        raise PresetsFileError(f"presets file {path}: \"presets\" must map preset names to "
+                               f"steer mixes, got {echo(presets, 80)}; e.g. {FILE_EXAMPLE}")
+    return dict(presets)
+
+
+def check(presets: Mapping[str, Any], path: str, steers: Iterable[str], max_strength: float,
+          reserved: Mapping[str, str] | None = None) -> dict[str, dict[str, float]]:
+    """Each preset checked like ``--steer-preset`` (``steers``: the names a preset may use;
+    ``reserved``: model names taken, name -> what takes it); the mixes as numbers."""
+    steers = set(steers)
+    out: dict[str, dict[str, float]] = {}
+    for name, mix in presets.items():
+        try:
+            name, mix = preset_from_body({"name": name, "steer": mix}, steers, max_strength,
+                                         reserved)
+        except PolicyError as e:
+            raise PresetsFileError(f"presets file {path}: {e}") from None
+        out[name] = mix
+    return out
+
+
+def load(path: str, steers: Iterable[str], max_strength: float,
+         reserved: Mapping[str, str] | None = None
+         ) -> tuple[dict[str, dict[str, float]], tuple[int, str]]:
+    """Read, parse and check the file: ``(presets, stamp)``."""
+    text, stamp = read_file(path)
+    return check(parse(text, path), path, steers, max_strength, reserved), stamp
