@@ -99,8 +99,8 @@ class OpTimer:
 
     def start(self, t: Any) -> tuple:
         """Before the op on tensor ``t``: the token :meth:`stop` takes."""
-        pair = self._record_start() if t.is_cuda else None
-        return time.perf_counter(), pair, bool(t.is_cuda)
+        cuda = t.is_cuda
+        return time.perf_counter(), self._record_start() if cuda else None, cuda
 
     def stop(self, token: tuple) -> None:
         """After the op (its kernels launched)."""
