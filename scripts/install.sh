@@ -25,6 +25,18 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
   fi
 fi
 
+# 0b. Debian's prometheus for its promtool (tests/e2e/test_vllm_parallel.py checks /metrics with
+#     `promtool check metrics`; it skips that check without it). 22 MB; same rules as above.
+if ! command -v promtool >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && sudo -n true 2>/dev/null && SUDO="sudo -n"
+  if [ "$(id -u)" -eq 0 ] || [ -n "$SUDO" ]; then
+    echo "[install] prometheus (apt-get, for promtool)"
+    apt_prom() { DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null; }
+    apt_prom || { $SUDO apt-get update -q >/dev/null && apt_prom; } \
+      || echo "[install] WARNING: apt-get could not install prometheus; promtool checks will skip"
+  fi
+fi
+
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   echo "[install] .venv is up to date"
   exit 0

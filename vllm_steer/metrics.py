@@ -1,77 +1,241 @@
 """Steer metrics on vLLM's ``/metrics`` (its Prometheus registry, ``prometheus_client``).
 
-The engine core counts (loads, unloads, evictions, failures, requests steered per steer) and
-the workers time the steer op; every API-server process mirrors those engine-wide values
-from the ``list`` control op it polls (:mod:`vllm_steer.server.steers_route`). They are
-exported as gauges in ``mostrecent`` multiprocess mode, so with ``--api-server-count N``
-(Prometheus multiprocess mode) the N mirrors of one engine value show once, not summed.
+Three processes take part, each with its own part here:
 
-======================================  =====================================================
-``vllm_steer:loaded_steers``            steers loaded now (bound to a name)
-``vllm_steer:max_steers``               steer slots (``--max-steers``)
-``vllm_steer:requests_steered_total``   requests admitted with a steer, label ``steer``
-``vllm_steer:steer_loads_total``        run-time loads (HTTP, offline, ``--steer-dir``)
-``vllm_steer:steer_unloads_total``      unloads
-``vllm_steer:steer_evictions_total``    least-recently-used evictions at capacity
-``vllm_steer:steer_load_failures_total``  refused loads (bad file, full, bad name)
-``vllm_steer:steer_op_seconds_total``   host time in the steer op, seconds, summed over the
-                                        engine cores (data parallelism); per engine core,
-                                        one worker holding the LM head
-``vllm_steer:steer_op_calls_total``     steered LM-head calls (counted the same way)
-``vllm_steer:steer_op_seconds_per_step``  mean steer-op time per steered call since the last
-                                        poll (seconds)
-======================================  =====================================================
+- the workers time the steer op (:class:`OpTimer`): host time always; on CUDA the device
+  time from CUDA events, read only once the device has passed them (``Event.query``), so
+  timing never makes the host wait; on the CPU the op runs on the host, so its device time
+  is its host time;
+- the engine core counts loads, unloads, evictions, refused loads and requests steered per
+  steer; each ``list`` control op hands what moved since the previous ``list`` to the API
+  server that asked (:func:`take_new`): every increment goes to exactly one API server;
+- every API server polls ``list`` (once a second, :mod:`vllm_steer.server.steers_route`) and
+  adds what it was handed to its counters (:class:`SteerMetrics`). With
+  ``--api-server-count N`` (Prometheus multiprocess mode) ``/metrics`` sums the counters of
+  the N processes: each increment once, never N times. Levels (steers loaded, slots, the
+  per-step mean) are gauges in ``mostrecent`` mode: the last value any process saw.
 
-Light: ``prometheus_client`` only (vLLM's own dependency).
+Every counter and the per-step gauge carry the label ``engine``: the engine core's
+data-parallel rank, as in vLLM's own metrics (``0`` without data parallelism).
+
+=========================================  ==================================================
+``vllm_steer:loaded_steers``               gauge: steers loaded now (bound to a name)
+``vllm_steer:max_steers``                  gauge: steer slots (``--max-steers``)
+``vllm_steer:requests_steered_total``      counter: requests admitted with a steer, label
+                                           ``steer``
+``vllm_steer:steer_loads_total``           counter: run-time loads (HTTP, offline,
+                                           ``--steer-dir``)
+``vllm_steer:steer_unloads_total``         counter: unloads
+``vllm_steer:steer_evictions_total``       counter: least-recently-used evictions at capacity
+``vllm_steer:steer_load_failures_total``   counter: refused loads (bad file, full, bad name)
+``vllm_steer:steer_op_seconds_total``      counter: time the device spent in the steer op
+                                           (CUDA events; on the CPU the host time)
+``vllm_steer:steer_op_host_seconds_total``  counter: host time in the steer op (on CUDA the
+                                           launch cost, not the op)
+``vllm_steer:steer_op_calls_total``        counter: steered LM-head calls
+``vllm_steer:steer_op_seconds_per_step``   gauge: mean device time per timed steered call
+                                           since the previous poll, seconds
+=========================================  ==================================================
+
+The op values are per engine core those of one worker that holds the LM head (tensor
+parallelism: every rank steers the same rows; pipeline parallelism: the last stage).
+
+Light: ``prometheus_client`` only (vLLM's own dependency); torch only inside :class:`OpTimer`'s
+CUDA path (the worker has it loaded).
 """
 
 from __future__ import annotations
 
-_METRICS = None
+import time
+from collections import deque
+from typing import Any
 
+LOADED = "vllm_steer:loaded_steers"
+CAPACITY = "vllm_steer:max_steers"
+REQUESTS_STEERED = "vllm_steer:requests_steered_total"
+OP_SECONDS = "vllm_steer:steer_op_seconds_total"
+OP_HOST_SECONDS = "vllm_steer:steer_op_host_seconds_total"
+OP_CALLS = "vllm_steer:steer_op_calls_total"
+OP_SECONDS_PER_STEP = "vllm_steer:steer_op_seconds_per_step"
+#: The engine core's registry counters (``SteerRegistry.counters`` keys) -> metric names.
 COUNTERS = {"loads": "vllm_steer:steer_loads_total",
             "unloads": "vllm_steer:steer_unloads_total",
             "evictions": "vllm_steer:steer_evictions_total",
             "failures": "vllm_steer:steer_load_failures_total"}
+#: The label naming the engine core (data-parallel rank), as vLLM's own metrics name it.
+ENGINE_LABEL = "engine"
+#: A worker's op values in its ``stats`` answer (cumulative since start).
+OP_KEYS = ("op_seconds", "op_host_seconds", "op_calls", "op_timed_calls")
+
+#: Event pairs a worker keeps recorded before it reads the finished ones by itself.
+TIMER_POLL_EVERY = 64
+#: Most event pairs in flight; past it an op goes untimed (its call still counts).
+TIMER_MAX_PENDING = 4096
+
+_METRICS = None
+_SENT = "vllm_steer_metrics_sent"  # the engine core's attribute: the values handed out so far
 
 
+# ---- worker: timing the op -----------------------------------------------------------------
+class OpTimer:
+    """The steer op's time in one worker: host time, and device time that never syncs.
+
+    ``token = timer.start(hidden)`` before the op, ``timer.stop(token)`` after it. On CUDA a
+    pair of timing events (reused) is recorded around the op on the current stream; the
+    device time of a pair is read (``elapsed_time``) only after ``query()`` says the device
+    has passed its end event; pairs not finished yet stay for the next read (:meth:`poll`,
+    run by :meth:`report` and every :data:`TIMER_POLL_EVERY` ops). Per op: two event records
+    and a deque append. While a CUDA graph is captured nothing is recorded (a captured op
+    has no time of its own). On the CPU the op runs synchronously on the host: its device
+    time is its host time.
+    """
+
+    def __init__(self):
+        self.host_seconds = 0.0
+        self.device_seconds = 0.0
+        self.timed_calls = 0  # ops whose device time is in device_seconds
+        self._pending: deque = deque()  # (start, end) event pairs recorded, not read yet
+        self._free: list = []  # pairs read, for reuse
+
+    def start(self, t: Any) -> tuple:
+        """Before the op on tensor ``t``: the token :meth:`stop` takes."""
+        cuda = t.is_cuda
+        return time.perf_counter(), self._record_start() if cuda else None, cuda
+
+    def stop(self, token: tuple) -> None:
+        """After the op (its kernels launched)."""
+        t0, pair, cuda = token
+        dt = time.perf_counter() - t0
+        self.host_seconds += dt
+        if not cuda:
+            self.device_seconds += dt
+            self.timed_calls += 1
+        elif pair is not None:
+            pair[1].record()
+            self._pending.append(pair)
+            if len(self._pending) >= TIMER_POLL_EVERY:
+                self.poll()
+
+    def _record_start(self):
+        import torch
+
+        if torch.cuda.is_current_stream_capturing() or len(self._pending) >= TIMER_MAX_PENDING:
+            return None
+        pair = self._free.pop() if self._free else (torch.cuda.Event(enable_timing=True),
+                                                    torch.cuda.Event(enable_timing=True))
+        pair[0].record()
+        return pair
+
+    def poll(self) -> None:
+        """Add the device time of every op the device has finished, oldest first; stop at
+        the first one it has not (``query()``: never a wait)."""
+        while self._pending and self._pending[0][1].query():
+            start, end = self._pending.popleft()
+            self.device_seconds += start.elapsed_time(end) / 1000.0
+            self.timed_calls += 1
+            self._free.append((start, end))
+
+    def report(self) -> dict:
+        """The cumulative values a worker's ``stats`` answer carries (after a :meth:`poll`)."""
+        self.poll()
+        return {"op_seconds": self.device_seconds, "op_host_seconds": self.host_seconds,
+                "op_timed_calls": self.timed_calls}
+
+
+# ---- engine core: what moved since the previous list ---------------------------------------
+def engine_totals(stats: dict, workers: list | None) -> dict:
+    """One engine core's cumulative values: its registry's counters and requests steered per
+    name (``stats``), and the op values of its worker with the most steered calls (every
+    worker holding the LM head steers the same rows; one without the head counts nothing)."""
+    found = [w for w in workers or [] if isinstance(w, dict)]
+    head = max(found, key=lambda w: int(w.get("op_calls", 0)), default={})
+    return {"counters": {k: stats.get("counters", {}).get(k, 0) for k in COUNTERS},
+            "served": dict(stats.get("served") or {}),
+            "op": {k: head.get(k, 0) for k in OP_KEYS}}
+
+
+def take_new(core: Any, stats: dict, workers: list | None) -> dict:
+    """What moved in this engine core since the previous call (the previous ``list`` from any
+    API server), and remember the values handed out. Each increment is handed out once, so
+    the API servers' counters sum to the engine core's values. A value never goes back: a
+    lower reading (another worker picked) hands out nothing until it passes the last one.
+
+    ``{"engine": "0", "counters": {k: delta}, "served": {name: delta}, "op": {k: delta}}``;
+    ``counters`` and ``op`` always have every key (so the series exist from the first poll),
+    ``served`` only the names that moved."""
+    now = engine_totals(stats, workers)
+    last = getattr(core, _SENT, None) or {"counters": {}, "served": {}, "op": {}}
+    out: dict[str, Any] = {"engine": str(int(getattr(core, "engine_index", 0) or 0))}
+    sent: dict[str, dict] = {}
+    for part, values in now.items():
+        prev = last[part]
+        sent[part] = {**prev, **{k: max(v, prev.get(k, 0)) for k, v in values.items()}}
+        out[part] = {k: max(0, v - prev.get(k, 0)) for k, v in values.items()}
+    out["served"] = {k: d for k, d in out["served"].items() if d}
+    setattr(core, _SENT, sent)
+    return out
+
+
+# ---- API server: the Prometheus metrics ------------------------------------------------------
 class SteerMetrics:
+    """This API server's steer metrics on a ``prometheus_client`` registry."""
+
     def __init__(self, registry=None):
-        from prometheus_client import REGISTRY, Gauge
+        from prometheus_client import REGISTRY, Counter, Gauge
 
         reg = registry or REGISTRY
-        g = lambda name, doc, labels=(): Gauge(name, doc, labelnames=labels, registry=reg,  # noqa
-                                               multiprocess_mode="mostrecent")
-        self.loaded = g("vllm_steer:loaded_steers", "Steers loaded now.")
-        self.capacity = g("vllm_steer:max_steers", "Steer slots (--max-steers).")
-        self.served = g("vllm_steer:requests_steered_total",
-                        "Requests admitted with a steer, per steer name.", ("steer",))
-        self.counters = {k: g(name, f"Steer {k} since start.") for k, name in COUNTERS.items()}
-        self.op_seconds = g("vllm_steer:steer_op_seconds_total",
-                            "Host time in the steer op, seconds (summed over engine cores).")
-        self.op_calls = g("vllm_steer:steer_op_calls_total", "Steered LM-head calls (summed over engine cores).")
-        self.op_per_step = g("vllm_steer:steer_op_seconds_per_step",
-                             "Mean steer-op time per steered call since the last poll, seconds.")
-        self._last = (0.0, 0)
+
+        def gauge(name, doc, labels=()):
+            return Gauge(name, doc, labelnames=labels, registry=reg,
+                         multiprocess_mode="mostrecent")
+
+        def counter(name, doc, labels=()):
+            # prometheus_client declares a counter without its "_total" and exposes it with
+            return Counter(name.removesuffix("_total"), doc,
+                           labelnames=(ENGINE_LABEL, *labels), registry=reg)
+
+        self.loaded = gauge(LOADED, "Steers loaded now.")
+        self.capacity = gauge(CAPACITY, "Steer slots (--max-steers).")
+        self.served = counter(REQUESTS_STEERED, "Requests admitted with a steer, per steer name.",
+                              ("steer",))
+        self.counters = {k: counter(name, doc) for (k, name), doc in zip(COUNTERS.items(), (
+            "Run-time steer loads (HTTP, offline, first use from --steer-dir).",
+            "Steer unloads.",
+            "Least-recently-used steer evictions at capacity.",
+            "Refused steer loads (bad file, no free slot, bad name)."))}
+        self.op_seconds = counter(OP_SECONDS, "Time the device spent in the steer op, seconds "
+                                  "(CUDA events; on the CPU the host time).")
+        self.op_host_seconds = counter(OP_HOST_SECONDS, "Host time in the steer op, seconds "
+                                       "(on CUDA the launch cost).")
+        self.op_calls = counter(OP_CALLS, "Steered LM-head calls.")
+        self.op_per_step = gauge(OP_SECONDS_PER_STEP, "Mean device time per timed steered "
+                                 "call since the previous poll, seconds.", (ENGINE_LABEL,))
 
     def update(self, listing: dict) -> None:
-        """Mirror the engine's values from a ``list`` control op's answer."""
+        """Take a ``list`` control op's answer: the levels, and the increments handed to this
+        process (``listing["metrics"]``: one engine core's :func:`take_new`, or a list of
+        them with data parallelism)."""
         stats = listing.get("stats") or {}
         self.loaded.set(stats.get("loaded", 0))
         self.capacity.set(stats.get("capacity", 0))
-        for name, n in (stats.get("served") or {}).items():
-            self.served.labels(steer=name).set(n)
-        for k, gauge in self.counters.items():
-            gauge.set((stats.get("counters") or {}).get(k, 0))
-        op = stats.get("op")  # control.op_totals, summed over the engine cores
-        if op is not None:
-            sec, calls = float(op["seconds"]), int(op["calls"])
-            self.op_seconds.set(sec)
-            self.op_calls.set(calls)
-            ls, lc = self._last
-            if calls > lc:
-                self.op_per_step.set((sec - ls) / (calls - lc))
-            self._last = (sec, calls)
+        new = listing.get("metrics")
+        for part in new if isinstance(new, list) else [new]:
+            if part:
+                self._add(part)
+
+    def _add(self, new: dict) -> None:
+        e = str(new.get("engine", "0"))
+        for k, d in (new.get("counters") or {}).items():
+            if k in self.counters:
+                self.counters[k].labels(e).inc(d)
+        for name, d in (new.get("served") or {}).items():
+            self.served.labels(e, name).inc(d)
+        op = new.get("op") or {}
+        self.op_seconds.labels(e).inc(op.get("op_seconds", 0))
+        self.op_host_seconds.labels(e).inc(op.get("op_host_seconds", 0))
+        self.op_calls.labels(e).inc(op.get("op_calls", 0))
+        if op.get("op_timed_calls", 0) > 0:
+            self.op_per_step.labels(e).set(op.get("op_seconds", 0) / op["op_timed_calls"])
 
 
 def get_metrics() -> SteerMetrics:

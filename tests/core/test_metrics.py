@@ -1,38 +1,366 @@
-"""vllm_steer.metrics: the values /metrics shows, from a ``list`` answer (one engine core or
-several merged)."""
+"""vllm_steer.metrics: what ``/metrics`` shows. The types and names Prometheus sees; the
+counters fed by what each engine core hands out per ``list`` (each increment to one API
+server, so several API servers and data-parallel engine cores count it once); the steer-op
+timer, whose device time never makes the host wait."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry
+import contextlib
+import glob
+from types import SimpleNamespace
 
-from vllm_steer.metrics import SteerMetrics
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest, multiprocess, values
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import random_steer
+from vllm_steer import metrics as metrics_mod
+from vllm_steer.config import SteerServerConfig
+from vllm_steer.format import save_steer
+from vllm_steer.integrations.engine import control
+from vllm_steer.integrations.engine.answers import merge
+from vllm_steer.integrations.engine.registry import SteerRegistry
+from vllm_steer.metrics import OpTimer, SteerMetrics, take_new
+
+COUNTER_NAMES = ["vllm_steer:requests_steered_total", "vllm_steer:steer_loads_total",
+                 "vllm_steer:steer_unloads_total", "vllm_steer:steer_evictions_total",
+                 "vllm_steer:steer_load_failures_total", "vllm_steer:steer_op_seconds_total",
+                 "vllm_steer:steer_op_host_seconds_total", "vllm_steer:steer_op_calls_total"]
+GAUGE_NAMES = ["vllm_steer:loaded_steers", "vllm_steer:max_steers",
+               "vllm_steer:steer_op_seconds_per_step"]
 
 
-def _value(reg, name, **labels):
-    return reg.get_sample_value(name, labels or None)
+def families(text: str) -> dict:
+    """Exposition text -> {name as exposed (a counter with its ``_total``): family}."""
+    out = {}
+    for f in text_string_to_metric_families(text):
+        out[f.name + "_total" if f.type == "counter" else f.name] = f
+    return out
 
 
-def _listing(op_seconds, op_calls, served=None):
-    return {"enabled": True, "steers": [],
-            "stats": {"loaded": 2, "capacity": 4, "served": served or {"detox": 3},
-                      "counters": {"loads": 5, "unloads": 1, "evictions": 0, "failures": 2},
-                      "op": {"seconds": op_seconds, "calls": op_calls}},
-            "workers": [{"op_seconds": 99.0, "op_calls": 99}]}  # "op" is what counts
+def value(fams: dict, name: str, **labels) -> float:
+    """The sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
+    return sum(s.value for s in fams[name].samples if s.name == name
+               and all(s.labels.get(k) == v for k, v in labels.items())) if name in fams else 0.0
 
 
-def test_update_mirrors_the_engine_values_and_the_per_step_mean():
+# ---- a fake engine core: the real registry and control op, workers we set ----------------
+def _core(index: int, workers: list[dict]):
+    cfg = SteerServerConfig(steers={}, max_steers=4, enable_updates=True)
+    return SimpleNamespace(
+        engine_index=index,
+        vllm_steer_state=control.EngineSteerState(cfg, SteerRegistry(4), 64),
+        scheduler=SimpleNamespace(requests={}),
+        model_executor=SimpleNamespace(collective_rpc=lambda fn, args=(): (
+            [dict(w) for w in workers] if args[0] == "stats" else [True] * len(workers))),
+        vllm_config=SimpleNamespace(model_config=SimpleNamespace(model="tiny")))
+
+
+def _steer(core, name: str, n: int) -> None:
+    """``n`` requests admitted with steer ``name`` in this engine core."""
+    for _ in range(n):
+        core.vllm_steer_state.registry.bind([name])
+
+
+def _list(cores) -> dict:
+    """What an API server's engine client gets for ``list``: every engine core's answer,
+    merged."""
+    return merge("list", [control.handle(c, "list") for c in cores])
+
+
+def _worker(seconds=0.0, host=0.0, calls=0, timed=0) -> dict:
+    return {"op_seconds": seconds, "op_host_seconds": host, "op_calls": calls,
+            "op_timed_calls": timed, "slots": []}
+
+
+def _load(core, tmp_path, name: str, ok: bool = True) -> None:
+    path = tmp_path / f"{name}.safetensors"
+    if ok:
+        save_steer(path, random_steer(64, 4, name))
+    else:
+        path.write_bytes(b"not a steer file")
+    res = control.handle(core, "load", {"name": name, "path": str(path), "source": "api"})
+    assert res["ok"] is ok, res
+
+
+# ---- types and names ------------------------------------------------------------------------
+def test_every_total_is_a_counter_with_help_and_the_levels_are_gauges(tmp_path):
+    workers = [_worker()]
+    core = _core(0, workers)
+    _load(core, tmp_path, "detox")
+    _steer(core, "detox", 3)
+    workers[0].update(_worker(0.5, 0.7, 10, 10))
+    reg = CollectorRegistry()
+    SteerMetrics(registry=reg).update(_list([core]))
+    fams = families(generate_latest(reg).decode())
+    steer_fams = {n: f for n, f in fams.items() if n.startswith("vllm_steer:")
+                  and not n.endswith("_created")}  # prometheus_client's own counter stamps
+    assert sorted(steer_fams) == sorted(COUNTER_NAMES + GAUGE_NAMES)
+    for name, f in steer_fams.items():
+        assert f.documentation, f"{name} has no HELP"
+        assert f.type == ("counter" if name in COUNTER_NAMES else "gauge"), (name, f.type)
+        if name.endswith("_total"):
+            assert f.type == "counter", name
+    assert value(fams, "vllm_steer:requests_steered_total", steer="detox", engine="0") == 3
+    assert value(fams, "vllm_steer:steer_loads_total", engine="0") == 1
+    assert value(fams, "vllm_steer:steer_op_seconds_total", engine="0") == 0.5
+    assert value(fams, "vllm_steer:steer_op_host_seconds_total", engine="0") == 0.7
+    assert value(fams, "vllm_steer:max_steers") == 4
+    assert value(fams, "vllm_steer:loaded_steers") == 1
+
+
+def test_every_metric_is_documented_for_users():
+    from pathlib import Path
+
+    docs = "\n".join(p.read_text() for p in Path(__file__).parents[2].glob("docs/*.md"))
+    for name in COUNTER_NAMES + GAUGE_NAMES:
+        assert f"`{name}" in docs, f"{name} is not in docs/"
+
+
+# ---- counters from deltas ---------------------------------------------------------------------
+def test_take_new_hands_out_each_increment_once_and_never_a_decrease():
+    core = SimpleNamespace(engine_index=1)
+    stats = {"counters": {"loads": 2, "unloads": 0, "evictions": 0, "failures": 1},
+             "served": {"detox": 3}}
+    tp = [_worker(0.5, 0.8, 10, 10), _worker(0.4, 0.9, 10, 10)]  # TP=2: the same 10 calls
+    first = take_new(core, stats, tp)
+    assert first["engine"] == "1"
+    assert first["counters"] == {"loads": 2, "unloads": 0, "evictions": 0, "failures": 1}
+    assert first["served"] == {"detox": 3}
+    assert first["op"] == {"op_seconds": 0.5, "op_host_seconds": 0.8, "op_calls": 10,
+                           "op_timed_calls": 10}
+    again = take_new(core, stats, tp)  # nothing moved: nothing handed out
+    assert again["served"] == {} and set(again["counters"].values()) == {0}
+    assert set(again["op"].values()) == {0}
+    stats["counters"]["loads"] = 3
+    stats["served"] = {"detox": 5, "formal": 1}
+    # the other TP rank has the most calls now and a lower time: nothing goes back
+    tp = [_worker(0.5, 0.8, 10, 10), _worker(0.45, 1.0, 12, 12)]
+    third = take_new(core, stats, tp)
+    assert third["counters"]["loads"] == 1 and third["served"] == {"detox": 2, "formal": 1}
+    assert third["op"]["op_seconds"] == 0 and third["op"]["op_calls"] == 2
+    assert third["op"]["op_host_seconds"] == pytest.approx(0.2)
+    fourth = take_new(core, stats, [_worker(0.6, 1.0, 12, 12)])
+    assert fourth["op"]["op_seconds"] == pytest.approx(0.1)  # only past the last one
+
+
+def test_per_step_gauge_is_the_mean_device_time_of_the_calls_since_the_previous_poll():
+    workers = [_worker(0.5, 0.6, 10, 10)]
+    core = _core(0, workers)
     reg = CollectorRegistry()
     m = SteerMetrics(registry=reg)
-    m.update(_listing(0.5, 10))
-    assert _value(reg, "vllm_steer:loaded_steers") == 2
-    assert _value(reg, "vllm_steer:max_steers") == 4
-    assert _value(reg, "vllm_steer:requests_steered_total", steer="detox") == 3
-    assert _value(reg, "vllm_steer:steer_loads_total") == 5
-    assert _value(reg, "vllm_steer:steer_load_failures_total") == 2
-    assert _value(reg, "vllm_steer:steer_op_seconds_total") == 0.5
-    assert _value(reg, "vllm_steer:steer_op_calls_total") == 10
-    assert _value(reg, "vllm_steer:steer_op_seconds_per_step") == 0.05
-    m.update(_listing(0.9, 14))  # 4 more calls took 0.4 s
-    assert abs(_value(reg, "vllm_steer:steer_op_seconds_per_step") - 0.1) < 1e-12
+    m.update(_list([core]))
+    assert reg.get_sample_value("vllm_steer:steer_op_seconds_per_step", {"engine": "0"}) == 0.05
+    workers[0].update(_worker(0.9, 1.0, 14, 14))  # 4 more calls took 0.4 s
+    m.update(_list([core]))
+    assert reg.get_sample_value("vllm_steer:steer_op_seconds_per_step",
+                                {"engine": "0"}) == pytest.approx(0.1)
+    m.update(_list([core]))  # no call since: the last mean stays
+    assert reg.get_sample_value("vllm_steer:steer_op_seconds_per_step",
+                                {"engine": "0"}) == pytest.approx(0.1)
+    assert reg.get_sample_value("vllm_steer:steer_op_calls_total", {"engine": "0"}) == 14
     m.update({"enabled": False, "steers": [], "stats": {}, "workers": []})  # nothing to read
-    assert _value(reg, "vllm_steer:steer_op_calls_total") == 14
+    assert reg.get_sample_value("vllm_steer:steer_op_calls_total", {"engine": "0"}) == 14
+
+
+@contextlib.contextmanager
+def _as_process(value_classes: dict, pid: int):
+    """Run as API-server process ``pid`` in Prometheus multiprocess mode (what vLLM sets up
+    for ``--api-server-count`` > 1): metric values go to that process's files."""
+    old = values.ValueClass
+    values.ValueClass = value_classes.setdefault(pid, values.MultiProcessValue(lambda: pid))
+    try:
+        yield
+    finally:
+        values.ValueClass = old
+
+
+def test_two_api_servers_and_two_engine_cores_count_each_increment_once(tmp_path,
+                                                                         monkeypatch):
+    """vLLM's multiprocess ``/metrics`` sums a counter over the API-server processes: each
+    engine core's values show once, under its own ``engine`` label, whichever API server
+    polled when; the gauges show the last value."""
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(prom))
+    classes: dict = {}
+    workers = [[_worker()], [_worker()]]
+    cores = [_core(0, workers[0]), _core(1, workers[1])]
+    servers = {}
+    for pid in (101, 102):
+        with _as_process(classes, pid):
+            servers[pid] = SteerMetrics(registry=CollectorRegistry())
+
+    def poll(pid):
+        with _as_process(classes, pid):
+            servers[pid].update(_list(cores))
+
+    def scrape() -> dict:
+        reg = CollectorRegistry()
+        multiprocess.MultiProcessCollector(reg, path=str(prom))
+        return families(generate_latest(reg).decode())
+
+    for core in cores:
+        _load(core, tmp_path, "detox")
+    _load(cores[1], tmp_path, "bad", ok=False)
+    poll(101)
+    _steer(cores[0], "detox", 3)
+    _steer(cores[1], "detox", 2)
+    workers[0][0].update(_worker(0.25, 0.5, 5, 5))
+    poll(102)
+    poll(101)  # nothing moved since 102's poll: 101 adds nothing
+    _steer(cores[1], "detox", 4)
+    workers[1][0].update(_worker(0.5, 0.75, 6, 6))
+    poll(101)
+    poll(102)
+    assert len(glob.glob(str(prom / "counter_*.db"))) == 2  # both processes hold counts
+    fams = scrape()
+    for e, core in enumerate(cores):  # what each engine core counted, once
+        reg = core.vllm_steer_state.registry
+        assert value(fams, "vllm_steer:requests_steered_total", engine=str(e),
+                     steer="detox") == reg.served["detox"]
+        assert value(fams, "vllm_steer:steer_loads_total", engine=str(e)) == \
+            reg.counters["loads"] == 1
+        assert value(fams, "vllm_steer:steer_load_failures_total", engine=str(e)) == \
+            reg.counters["failures"] == e
+    assert value(fams, "vllm_steer:requests_steered_total") == 3 + 2 + 4
+    assert value(fams, "vllm_steer:steer_op_seconds_total", engine="0") == 0.25
+    assert value(fams, "vllm_steer:steer_op_calls_total", engine="1") == 6
+    assert value(fams, "vllm_steer:steer_op_host_seconds_total") == 0.5 + 0.75
+    assert value(fams, "vllm_steer:loaded_steers") == 1  # a level: once, not per process
+    assert value(fams, "vllm_steer:max_steers") == 4
+    for name in COUNTER_NAMES:
+        assert fams[name].type == "counter", name
+
+
+# ---- the op timer -----------------------------------------------------------------------------
+class FakeDevice:
+    """A device that runs what was recorded when told (``run``), 2 ms per event."""
+
+    def __init__(self):
+        self.queue: list = []
+        self.clock = 0.0
+        self.capturing = False
+        self.events = 0  # events created
+        self.waits = 0  # host waits on the device (synchronize)
+        self.early_reads = 0  # elapsed_time on an event the device has not reached
+
+    def run(self, n=None):
+        for e in self.queue[:n]:
+            e.t, e.done = self.clock, True
+            self.clock += 2.0
+        del self.queue[:n]
+
+
+@pytest.fixture()
+def fake_cuda(monkeypatch):
+    dev = FakeDevice()
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False, **k):
+            assert enable_timing, "a timing event needs enable_timing=True"
+            dev.events += 1
+            self.done, self.t = True, None
+
+        def record(self, stream=None):
+            self.done = False
+            dev.queue.append(self)
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            dev.waits += 1
+
+        def elapsed_time(self, end):  # CUDA: cudaErrorNotReady unless both completed
+            if not (self.done and end.done):
+                dev.early_reads += 1
+                raise RuntimeError("CUDA error: device not ready")
+            return end.t - self.t
+
+    def synchronize(*a, **k):
+        dev.waits += 1
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: dev.capturing)
+    return dev
+
+
+ON_CUDA = SimpleNamespace(is_cuda=True)
+
+
+def test_cuda_op_time_comes_from_events_read_only_once_the_device_passed_them(fake_cuda):
+    dev = fake_cuda
+    timer = OpTimer()
+    for _ in range(3):  # three steered calls; the device runs none of them yet
+        timer.stop(timer.start(ON_CUDA))
+    assert timer.report()["op_timed_calls"] == 0 and timer.device_seconds == 0
+    dev.run(3)  # the first call's start and end, and the second's start
+    rep = timer.report()
+    assert rep["op_timed_calls"] == 1 and rep["op_seconds"] == pytest.approx(0.002)
+    dev.run()
+    rep = timer.report()
+    assert rep["op_timed_calls"] == 3 and rep["op_seconds"] == pytest.approx(0.006)
+    assert rep["op_host_seconds"] > 0 and rep["op_host_seconds"] == timer.host_seconds
+    assert dev.waits == 0 and dev.early_reads == 0
+    assert dev.events == 6
+
+
+def test_cuda_timing_never_waits_reuses_its_events_and_skips_a_graph_capture(fake_cuda):
+    dev = fake_cuda
+    timer = OpTimer()
+    for step in range(3 * metrics_mod.TIMER_POLL_EVERY):  # a long run with no report
+        timer.stop(timer.start(ON_CUDA))
+        if step % 2:
+            dev.run()  # the device one call behind the host
+    assert dev.waits == 0 and dev.early_reads == 0
+    assert len(timer._pending) <= metrics_mod.TIMER_POLL_EVERY  # read by itself, bounded
+    assert dev.events <= 2 * (metrics_mod.TIMER_POLL_EVERY + 2)  # pairs reused
+    dev.run()
+    assert timer.report()["op_timed_calls"] == 3 * metrics_mod.TIMER_POLL_EVERY
+    dev.capturing = True  # a CUDA graph capture: nothing recorded, nothing counted
+    queued = len(dev.queue)
+    timer.stop(timer.start(ON_CUDA))
+    assert len(dev.queue) == queued
+    assert timer.report()["op_timed_calls"] == 3 * metrics_mod.TIMER_POLL_EVERY
+
+
+def test_cpu_op_device_time_is_its_host_time(fake_cuda):
+    timer = OpTimer()
+    for _ in range(4):
+        timer.stop(timer.start(torch.zeros(2)))
+    rep = timer.report()
+    assert rep["op_timed_calls"] == 4 and rep["op_seconds"] == rep["op_host_seconds"] > 0
+    assert fake_cuda.events == 0
+
+
+def test_a_worker_reports_its_timed_steer_calls(tmp_path):
+    """The worker's ``stats`` answer (``GET /v1/steers`` ``"workers"``, and the metrics'
+    source) after steered LM-head calls on the CPU."""
+    from vllm_steer.integrations.worker.management import worker_op
+    from vllm_steer.integrations.worker.runtime import get_runtime
+    from vllm_steer.reference import steer_coefficients, steer_reference
+
+    path = tmp_path / "a.safetensors"
+    save_steer(path, random_steer(32, 4, "a", seed=1, scale=3.0))
+    extra = {"vllm_steer": {"steers": {"a": str(path)}, "backend": "torch"}}
+    rt = get_runtime(extra)
+    rt.load(32, torch.device("cpu"), torch.float32)
+    rt.ensure_slots(2, torch.device("cpu"))
+    row = np.zeros(rt.num_columns, dtype=np.float32)
+    row[0], row[rt.capacity] = steer_coefficients(4, rt.bank.steers[0].metadata.epsilon, None)
+    rt.set_slot(0, row)
+    rt.flush()
+    rt.batch_size = 1  # the runner's step: one request, in slot 0
+    h = torch.randn(1, 32, generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        out = rt.steer_rows(h)
+    torch.testing.assert_close(out, steer_reference(h, rt.bank.p1, rt.bank.p2,
+                                                    rt.bank.rank_offsets, torch.tensor(row)[None]))
+    rep = worker_op(SimpleNamespace(vllm_config=SimpleNamespace(additional_config=extra)),
+                    "stats")
+    assert rep["op_calls"] == rep["op_timed_calls"] == 3
+    assert rep["op_seconds"] == rep["op_host_seconds"] > 0

@@ -4,17 +4,22 @@
 Each API server is a spawned process that builds its engine arguments from the parsed command
 line *before* vLLM loads plugins there; the steer configuration must reach it anyway, or it
 validates nothing and one bad request kills an engine. Run-time steers (``--steer-dir``,
-``--enable-steer-updates``) must reach both engine cores (issue 23). One server for the
-module (slow to start: four processes import vLLM on this CPU).
+``--enable-steer-updates``) must reach both engine cores (issue 23). The steer metrics on
+``/metrics`` count each request once across both API servers and engine cores. One server for
+the module (slow to start: four processes import vLLM on this CPU).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import shutil
+import subprocess
+import time
 
 import pytest
 import requests
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.steers import random_steer
 from vllm_steer.format import load_steer, save_steer
@@ -183,3 +188,92 @@ def test_a_run_time_preset_is_served_by_every_api_server_and_engine(dp_server):
     for _ in range(8):
         r = _complete(url, model="dp-kind")
         assert r.status_code == 404 and "The model `dp-kind` does not exist" in r.text, r.text
+
+
+# ---- /metrics: typed for Prometheus, each request counted once ------------------------------
+COUNTERS = ("vllm_steer:requests_steered_total", "vllm_steer:steer_loads_total",
+            "vllm_steer:steer_unloads_total", "vllm_steer:steer_evictions_total",
+            "vllm_steer:steer_load_failures_total", "vllm_steer:steer_op_seconds_total",
+            "vllm_steer:steer_op_host_seconds_total", "vllm_steer:steer_op_calls_total")
+
+
+def _scrape(url) -> tuple[str, dict]:
+    """``/metrics``: its text and {name as exposed (a counter with ``_total``): family}."""
+    r = requests.get(url + "/metrics", timeout=30)
+    assert r.status_code == 200, r.text
+    fams = {f.name + "_total" if f.type == "counter" else f.name: f
+            for f in text_string_to_metric_families(r.text)}
+    return r.text, fams
+
+
+def _samples(fams, name) -> dict:
+    return {tuple(sorted(s.labels.items())): s.value
+            for s in (fams[name].samples if name in fams else ()) if s.name == name}
+
+
+def _detox_counted(url) -> tuple[dict, dict, str]:
+    """Wait until ``vllm_steer:requests_steered_total{steer="detox"}`` per engine equals what
+    each engine core served (GET /v1/steers); the scrape then, and the text."""
+    deadline = time.time() + 20
+    while True:
+        served = {str(e): n for e, n in _served_per_engine(url, "detox").items() if n}
+        text, fams = _scrape(url)
+        counted = {dict(k)["engine"]: v for k, v in
+                   _samples(fams, "vllm_steer:requests_steered_total").items()
+                   if dict(k)["steer"] == "detox"}
+        if counted == served:
+            return fams, served, text
+        # twice the engine's count would be each API server counting every request
+        assert time.time() < deadline, f"counted {counted}, engine cores served {served}"
+        time.sleep(0.5)
+
+
+def test_metrics_are_typed_and_each_request_counts_once(dp_server):
+    url, d = dp_server
+    before, served0, _ = _detox_counted(url)
+    rs = _spread(url, n=12, steer={"detox": 5})
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
+    (d / "dir" / "broken.safetensors").write_bytes(b"not a steer file")
+    r = requests.post(url + "/v1/steers", json={"name": "broken"})  # refused: a bad file
+    assert r.status_code == 400, r.text
+    after, served, text = _detox_counted(url)
+    steer_fams = {n: f for n, f in after.items() if n.startswith("vllm_steer:")}
+    for name, f in steer_fams.items():
+        assert f.documentation, f"{name}: no HELP"
+        assert f.type in ("counter", "gauge"), f"{name}: TYPE {f.type}"
+        assert (f.type == "counter") == name.endswith("_total"), (name, f.type)
+    assert set(COUNTERS) <= set(steer_fams), sorted(steer_fams)
+    assert after["vllm_steer:loaded_steers"].type == "gauge"
+    assert after["vllm_steer:max_steers"].samples[0].value == 4
+    # 12 requests, each counted once (two API servers, two engine cores), on both engines
+    assert sum(served.values()) - sum(served0.values()) == 12
+    assert set(served) == {"0", "1"}
+    for name in COUNTERS:  # counters only go up between two scrapes
+        old = _samples(before, name)
+        new = _samples(after, name)
+        assert set(old) <= set(new), name
+        assert all(new[k] >= v for k, v in old.items()), (name, old, new)
+    fail = lambda fams: {dict(k)["engine"]: v for k, v in  # noqa: E731
+                         _samples(fams, "vllm_steer:steer_load_failures_total").items()}
+    assert {e: n - fail(before).get(e, 0) for e, n in fail(after).items()} == \
+        {"0": 1, "1": 1}  # the bad file, refused by each engine core once
+    calls = _samples(after, "vllm_steer:steer_op_calls_total")
+    device = _samples(after, "vllm_steer:steer_op_seconds_total")
+    host = _samples(after, "vllm_steer:steer_op_host_seconds_total")
+    assert all(calls[k] > _samples(before, "vllm_steer:steer_op_calls_total").get(k, 0)
+               for k in calls) and len(calls) == 2
+    assert all(device[k] > 0 and device[k] == pytest.approx(host[k]) for k in calls)  # CPU
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None,
+                    reason="promtool is not installed (scripts/install.sh installs Debian's)")
+def test_promtool_accepts_the_steer_metrics(dp_server):
+    url, _ = dp_server
+    text, _ = _scrape(url)
+    ours = "\n".join(line for line in text.splitlines() if "vllm_steer:" in line) + "\n"
+    res = subprocess.run(["promtool", "check", "metrics"], input=ours, text=True,
+                         capture_output=True, timeout=60)
+    # the one complaint left is the ':' in every vLLM metric name (vllm:..., vllm_steer:...)
+    problems = [p for p in (res.stdout + res.stderr).splitlines()
+                if p.strip() and not p.endswith("metric names should not contain ':'")]
+    assert res.returncode in (0, 3) and problems == [], (res.returncode, problems)

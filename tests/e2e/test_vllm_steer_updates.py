@@ -157,9 +157,14 @@ class Stream:
 
 
 def metric(url, name, labels="") -> float:
+    """The value of ``name`` on /metrics: its samples with ``labels`` summed (over the label
+    ``engine`` the counters carry); 0 if there is none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    want = dict(re.findall(r'(\w+)="([^"]*)"', labels))
     body = requests.get(url + "/metrics").text
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)}\s+([0-9.e+-]+)$", body, re.M)
-    return float(m.group(1)) if m else 0.0
+    return sum(s.value for f in text_string_to_metric_families(body) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in want.items()))
 
 
 def test_get_steers_lists_each_loaded_steer(server):

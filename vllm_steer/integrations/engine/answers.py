@@ -74,6 +74,7 @@ def merge(op: str, answers: list[dict]) -> dict:
         stats["draining"] = sum(1 for s in steers if s["state"] == "draining")
         stats["engines"] = n
         return {**answers[0], "steers": steers, "stats": stats,
+                "metrics": [a.get("metrics") for a in answers],  # vllm_steer.metrics.take_new
                 "workers": [w for a in answers for w in (a.get("workers") or [])]}
     oks = [a for a in answers if a.get("ok")]
     if op == "load":

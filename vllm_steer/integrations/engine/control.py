@@ -17,7 +17,8 @@ engine core's one thread, so they are ordered.
 Ops (``collective_rpc(CONTROL_METHOD, args=(op, kwargs))``, one dict back):
 
 - ``("list", {})``: ``{"steers": [...], "stats": {...}, "workers": [...], "version",
-  "presets"}``;
+  "presets", "metrics"}`` (``metrics``: what moved since the previous ``list``,
+  :func:`vllm_steer.metrics.take_new`);
 - ``("load", {"name", "path", "source"})``: ``{"ok": True, "steer": {...}, "evicted": name}``
   or ``{"ok": False, "status": 400|404|409|507, "error": message}``;
 - ``("unload", {"name"})``: ``{"ok": True, "steer": {...}}`` or an error as above;
@@ -49,6 +50,7 @@ from vllm_steer.integrations.engine.registry import (BOUND_KEY, SteerCapacityErr
                                               check_name, dir_path)
 from vllm_steer.integrations.engine.answers import op_totals
 from vllm_steer.logs import get_logger
+from vllm_steer.metrics import take_new
 
 logger = get_logger()
 
@@ -129,8 +131,9 @@ def _handle(core, op: str, kwargs: dict | None = None) -> dict:
         _workers(core, "drop", freed)
     if op == "list":
         workers = _workers(core, "stats")
+        stats = {**reg.stats(), "op": op_totals(workers)}
         return {"enabled": True, "steers": reg.listing(),
-                "stats": {**reg.stats(), "op": op_totals(workers)},
+                "stats": stats, "metrics": take_new(core, stats, workers),
                 "workers": workers, "steer_dir": cfg.steer_dir,
                 "enable_updates": cfg.enable_updates, "updates_any_path": cfg.updates_any_path,
                 **st.presets.snapshot()}

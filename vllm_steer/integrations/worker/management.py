@@ -24,7 +24,7 @@ def worker_op(worker, op: str, *args) -> Any:
         return True
     if op == "stats":
         bank = rt.bank
-        return {"op_seconds": rt.stats.seconds, "op_calls": rt.stats.calls,
+        return {**rt.stats.op.report(), "op_calls": rt.stats.calls,
                 "slots": [] if bank is None else
                 [[i, g, n] for i, (g, n) in enumerate(zip(bank.generations, bank.names))
                  if n is not None]}

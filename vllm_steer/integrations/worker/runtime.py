@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -51,6 +51,7 @@ from vllm_steer.config import SteerServerConfig
 from vllm_steer.request import BOUND_KEY, BoundSteer, Window
 from vllm_steer.format import SteerFileError, load_steer, read_metadata
 from vllm_steer.logs import get_logger
+from vllm_steer.metrics import OpTimer
 
 logger = get_logger()
 
@@ -61,7 +62,7 @@ class SteerStats:
 
     calls: int = 0  # steer-op calls (one per ``compute_logits`` with steered rows)
     rows: int = 0  # hidden-state rows passed through the steer op
-    seconds: float = 0.0  # host time spent in the steer op (the metrics' per-step time)
+    op: OpTimer = field(default_factory=OpTimer)  # the steer op's host and device time
 
     def as_dict(self) -> dict[str, int]:
         return {"calls": self.calls, "rows": self.rows}
@@ -433,7 +434,7 @@ class SteerRuntime:
                 key += (None if positions is None else positions.tobytes(),)
         self.stats.calls += 1
         self.stats.rows += n
-        t0 = time.perf_counter()
+        t0 = self.stats.op.start(hidden)
         if key != self._step_key:
             self._step_key = None  # never keep a stale key on error
             self._prepare_step(n, slots, positions)
@@ -444,7 +445,7 @@ class SteerRuntime:
         else:
             out = self._fn(hidden, self.bank.p1, self.bank.p2, self.bank.rank_offsets, coefs,
                            prepared=self._plan)
-        self.stats.seconds += time.perf_counter() - t0
+        self.stats.op.stop(t0)
         return out
 
     def _step_rows(self, hidden: torch.Tensor):
@@ -609,9 +610,9 @@ class SteerRuntime:
         coefs = self.slot_coefs.index_select(0, self.row_source.mapping[:n].long())
         self.stats.calls += 1
         self.stats.rows += n
-        t0 = time.perf_counter()
+        t0 = self.stats.op.start(hidden)
         out = self._fn(hidden, self.bank.p1, self.bank.p2, self.bank.rank_offsets, coefs)
-        self.stats.seconds += time.perf_counter() - t0
+        self.stats.op.stop(t0)
         return out
 
 
