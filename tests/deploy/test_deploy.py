@@ -133,7 +133,16 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 parser = FlexibleArgumentParser(prog="vllm")
 serve = ServeSubcommand()
 serve.subparser_init(parser.add_subparsers(dest="subparser"))
-args = parser.parse_args(["serve", *json.loads(os.environ["SERVE_ARGS"])])
+argvs = json.loads(os.environ["SERVE_ARGS"])
+out["others"] = []
+for argv in argvs[1:]:  # the other commands of the docs: parsed and validated only
+    try:
+        a = parser.parse_args(["serve", *argv])
+        serve.validate(a)
+        out["others"].append({"argv": argv, "model": a.model_tag, "error": None})
+    except (Exception, SystemExit) as e:
+        out["others"].append({"argv": argv, "error": f"{type(e).__name__}: {e}"})
+args = parser.parse_args(["serve", *argvs[0]])
 serve.validate(args)
 args.model = args.model_tag  # what ServeSubcommand.cmd does with the positional MODEL
 engine_args = AsyncEngineArgs.from_cli_args(args)
@@ -173,14 +182,50 @@ def probe(installed, container):
     mount points swapped for folders of this test, with the Deployment's environment (the
     Secret's value made up)."""
     tmp, target, view = installed["tmp"], installed["target"], installed["view"]
-    argv = [swap_mounts(a, tmp) for a in container["args"]]
+    argvs = [[swap_mounts(a, tmp) for a in argv]
+             for argv in [container["args"], *(args for _, args in docs_serve_commands())]]
     for m in MOUNTS:
         (tmp / m.strip("/")).mkdir(exist_ok=True)
-    Path(argv[0]).mkdir(parents=True, exist_ok=True)  # the model's folder (read at start-up)
+    Path(argvs[0][0]).mkdir(parents=True, exist_ok=True)  # the model's folder
     env = {e["name"]: e.get("value", "made-up-secret") for e in container["env"]}
-    r = run_isolated(PROBE, target, view, cwd=tmp, SERVE_ARGS=json.dumps(argv), **env)
+    r = run_isolated(PROBE, target, view, cwd=tmp, SERVE_ARGS=json.dumps(argvs), **env)
     assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-6000:]}"
     return last_json(r.stdout)
+
+
+DOC = ROOT / "docs" / "deploy.md"
+
+
+def commands(text: str) -> list[str]:
+    """Shell commands of a text: lines joined at a trailing backslash."""
+    return [c.strip() for c in re.sub(r"\\\n", " ", text).split("\n") if c.strip()]
+
+
+def image_tag() -> str:
+    """The tag the docs build the image as (``docker build ... -t TAG``)."""
+    (tag,) = {w[w.index("-t") + 1] for c in commands(DOC.read_text())
+              if c.startswith("docker build") for w in [shell_words(c)]}
+    return tag
+
+
+def docs_serve_commands() -> list[tuple[str, list[str]]]:
+    """(where, `vllm serve` arguments) of every command of docs/deploy.md and of the
+    Dockerfile's comments that serves: ``docker run ... IMAGE ARGS`` (the image's entry point
+    is `vllm serve`) and ``vllm serve ARGS``."""
+    texts = [("docs/deploy.md", DOC.read_text()),
+             ("deploy/Dockerfile", "\n".join(re.sub(r"^#\s?", "", ln)
+                                              for ln in DOCKERFILE.read_text().split("\n")
+                                              if ln.startswith("#")))]
+    out, tag = [], image_tag()
+    for where, text in texts:
+        for c in commands(text):
+            words = shell_words(c) if c.startswith(("docker run", "vllm serve")) else []
+            if words[:2] == ["docker", "run"]:
+                assert tag in words, f"{where}: `{c}` does not run the image {tag}"
+                out.append((where, words[words.index(tag) + 1:]))
+            elif words[:2] == ["vllm", "serve"]:
+                out.append((where, words[2:]))
+    return out
 
 
 def swap_mounts(arg: str, tmp: Path) -> str:
@@ -423,3 +468,13 @@ def test_every_mount_has_its_volume_and_claim(deployment, container, objects):
         assert mounts[path]["readOnly"] is True
     steer_files = [a for a in container["args"] if a.endswith(".safetensors")]
     assert steer_files and all(a.split("=", 1)[1].startswith("/steers/") for a in steer_files)
+
+
+def test_the_docs_serve_commands_parse_and_the_deployment_is_the_one_shown(probe, container):
+    cmds = docs_serve_commands()
+    assert {w for w, _ in cmds} == {"docs/deploy.md", "deploy/Dockerfile"}
+    for (where, argv), got in zip(cmds, probe["others"]):
+        assert got["error"] is None, f"{where}: vllm serve {' '.join(argv)}: {got['error']}"
+    # the page shows the Deployment's command as it is
+    shown = [args for where, args in cmds if where == "docs/deploy.md"]
+    assert container["args"] in shown
