@@ -135,12 +135,18 @@ serve = ServeSubcommand()
 serve.subparser_init(parser.add_subparsers(dest="subparser"))
 argvs = json.loads(os.environ["SERVE_ARGS"])
 out["others"] = []
+import contextlib, io
 for argv in argvs[1:]:  # the other commands of the docs: parsed and validated only
+    shown = io.StringIO()
     try:
-        a = parser.parse_args(["serve", *argv])
+        with contextlib.redirect_stdout(shown):
+            a = parser.parse_args(["serve", *argv])
         serve.validate(a)
-        out["others"].append({"argv": argv, "model": a.model_tag, "error": None})
-    except (Exception, SystemExit) as e:
+        out["others"].append({"argv": argv, "error": None})
+    except SystemExit as e:  # --help prints and exits 0
+        out["others"].append({"argv": argv, "help": shown.getvalue(),
+                              "error": None if e.code == 0 else f"exit {e.code}"})
+    except Exception as e:
         out["others"].append({"argv": argv, "error": f"{type(e).__name__}: {e}"})
 args = parser.parse_args(["serve", *argvs[0]])
 serve.validate(args)
@@ -475,6 +481,8 @@ def test_the_docs_serve_commands_parse_and_the_deployment_is_the_one_shown(probe
     assert {w for w, _ in cmds} == {"docs/deploy.md", "deploy/Dockerfile"}
     for (where, argv), got in zip(cmds, probe["others"]):
         assert got["error"] is None, f"{where}: vllm serve {' '.join(argv)}: {got['error']}"
+        if "help" in got:  # the page's check that vLLM sees the plugin: its flags are shown
+            assert "--steer NAME=PATH [NAME=PATH ...]" in got["help"], got["help"][-2000:]
     # the page shows the Deployment's command as it is
     shown = [args for where, args in cmds if where == "docs/deploy.md"]
     assert container["args"] in shown
