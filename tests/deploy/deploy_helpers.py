@@ -19,10 +19,15 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"
 KUBERNETES = DEPLOY / "kubernetes"
+MANIFESTS = sorted(KUBERNETES.rglob("*.yaml"))
+# Where the Deployment's volumes are mounted (swapped for folders of a test).
+MOUNTS = ("/models", "/steers")
 # What the build reads: the package and the files setup.py and pyproject.toml name.
 BUILD_INPUTS = ("setup.py", "pyproject.toml", "README.md", "vllm_steer")
 # Entries of this environment's site-packages that are this package's own installation
@@ -132,3 +137,21 @@ def last_json(stdout: str) -> dict:
 
 def shell_words(command: str) -> list[str]:
     return shlex.split(command)
+
+
+# --------------------------------------------------------------------------- manifests
+
+def manifests() -> dict[tuple[str, str], dict]:
+    """{(kind, name): object} of every manifest under deploy/kubernetes."""
+    out = {}
+    for path in MANIFESTS:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                out[(doc["kind"], doc["metadata"]["name"])] = doc
+    return out
+
+
+def swap_mounts(arg: str, tmp: Path) -> str:
+    for m in MOUNTS:
+        arg = re.sub(rf"(^|=){re.escape(m)}(?=/|$)", rf"\g<1>{tmp}{m}", arg)
+    return arg

@@ -21,15 +21,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from deploy_helpers import (DOCKERFILE, KUBERNETES, ROOT, build, dockerfile_args,
-                            dockerfile_instructions, isolated_site, last_json, run_isolated,
-                            shell_words, the, wheel_names, wheel_text)
+from deploy_helpers import (DOCKERFILE, KUBERNETES, MANIFESTS, MOUNTS, ROOT, build,
+                            dockerfile_args, dockerfile_instructions, isolated_site, last_json,
+                            manifests, run_isolated, shell_words, swap_mounts, the,
+                            wheel_names, wheel_text)
 
-MANIFESTS = sorted(KUBERNETES.rglob("*.yaml"))
-# Where the Deployment's volumes are mounted, swapped for folders of this test.
-MOUNTS = ("/models", "/steers")
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -76,16 +73,6 @@ def installed(wheel, tmp_path_factory):
             r = subprocess.run(words, capture_output=True, text=True, timeout=60)
         results.append((part.strip(), r))
     return {"target": target, "view": view, "tmp": tmp, "results": results}
-
-
-def manifests() -> dict[tuple[str, str], dict]:
-    """{(kind, name): object} of every manifest under deploy/kubernetes."""
-    out = {}
-    for path in MANIFESTS:
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc:
-                out[(doc["kind"], doc["metadata"]["name"])] = doc
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +148,6 @@ out["args"] = {"model": args.model, "port": args.port, "host": args.host,
 
 # vLLM's own middleware for these arguments, with the environment the Deployment gives:
 # which paths answer without the key.
-out["t_parse"] = time.time() - T0
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
@@ -232,12 +218,6 @@ def docs_serve_commands() -> list[tuple[str, list[str]]]:
             elif words[:2] == ["vllm", "serve"]:
                 out.append((where, words[2:]))
     return out
-
-
-def swap_mounts(arg: str, tmp: Path) -> str:
-    for m in MOUNTS:
-        arg = re.sub(rf"(^|=){re.escape(m)}(?=/|$)", rf"\g<1>{tmp}{m}", arg)
-    return arg
 
 
 # --------------------------------------------------------------------------- the wheel

@@ -21,8 +21,7 @@ import pytest
 import requests
 
 from conftest import random_steer
-from deploy_helpers import build, isolated_env, isolated_site
-from test_deploy import MOUNTS, manifests, swap_mounts
+from deploy_helpers import MOUNTS, build, isolated_env, isolated_site, manifests, swap_mounts
 from vllm_steer.format import save_steer
 from vllm_steer.server import launch
 
