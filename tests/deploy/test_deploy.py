@@ -281,14 +281,15 @@ def test_gpu_extras_resolve_together_against_this_environment(wheel):
 
 # --------------------------------------------------------------------------- the install
 
-def test_the_dockerfile_install_line_installs_the_wheel_offline(installed):
+def test_the_dockerfile_install_line_installs_the_wheel_offline(installed, wheel):
     for part, r in installed["results"]:
         assert r.returncode == 0, f"`{part}` failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     target = installed["target"]
     assert (target / "vllm_steer" / "__init__.py").is_file()
     # --no-deps: the wheel alone, nothing of vLLM's environment installed again
+    version = wheel.name.split("-")[1]
     assert sorted(p.name for p in target.iterdir() if p.name.endswith(".dist-info")) == [
-        "vllm_steer-0.1.0.dist-info"]
+        f"vllm_steer-{version}.dist-info"]
     assert (target / "bin" / "vllm-steer").is_file()
 
 
