@@ -15,7 +15,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess, values
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer import metrics as metrics_mod
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.format import save_steer

@@ -20,7 +20,7 @@ from unittest import mock
 import pytest
 import requests
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from deploy_helpers import MOUNTS, build, isolated_env, isolated_site, manifests, swap_mounts
 from vllm_steer.format import save_steer
 from vllm_steer.server import launch

@@ -21,7 +21,7 @@ import time
 import pytest
 import requests
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.format import save_steer
 
 pytestmark = pytest.mark.vllm
