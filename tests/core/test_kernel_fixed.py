@@ -277,3 +277,49 @@ def test_the_head_keeps_the_eager_op_where_graphs_do_not_apply(monkeypatch, log_
     assert any("launched eagerly: replaying it from CUDA graphs needs a fixed-layout copy of "
                "the bank of 0.0 MiB (6 columns x rank 8 x hidden 32), over 0 MiB" in line
                for line in log_lines), log_lines
+
+
+def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_included(tmp_path):
+    """The worker's head (``SteerRuntime.steer_rows``) with graphs (the stand-in) gives the
+    reference's rows, including a windowed request whose coefficients move with its
+    generated tokens, and replays without capturing once its buckets are known."""
+    import numpy as np
+
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.worker.runtime import RowSource, get_runtime
+    from vllm_steer.request import Window
+
+    paths = {}
+    for name, seed, rank in (("a", 1, 4), ("b", 2, 8)):
+        paths[name] = str(tmp_path / f"{name}.safetensors")
+        save_steer(paths[name], random_steer(32, rank, name, seed=seed))
+    rt = get_runtime({"vllm_steer": {"steers": paths, "max_steers": 3, "max_steer_rank": 8}})
+    rt.load(32, DEVICE, torch.float32)
+    assert (rt.graphs is None) == (DEVICE.type != "cuda")  # CPU: the eager op, as before
+    rt.ensure_slots(8, DEVICE)
+    rt.graphs = rt.bank.head_graphs(graph_backend=StandIn())
+    eps = {n: rt.bank.steers[j].metadata.epsilon for j, n in enumerate(rt.names)}
+    rows = {0: {0: 5 * eps["a"]}, 2: {1: -4 * eps["b"]}}
+    for slot, cols in rows.items():
+        row = np.zeros(rt.num_columns, np.float32)
+        for k, v in cols.items():
+            row[k] = v
+        rt.set_slot(slot, row)
+    rt.set_slot(5, np.array([0, 3 * eps["b"], 0, 0, 0, 0], np.float32),
+                {1: Window(3.0, start=2, base=0.0)})  # b from its third generated token on
+    rt.flush()
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4):
+        slots, pos = np.array([2, 5, 7, 0]), np.array([step, step, step, step])
+        h = torch.randn(4, 32, generator=gen).to(DEVICE)
+        with rt.rows(RowSource("slots", slots=slots, positions=pos)):
+            out = rt.steer_rows(h)
+        coefs = torch.zeros(4, rt.num_columns)
+        coefs[0, 1] = -4 * eps["b"]
+        coefs[1, 1] = 3 * eps["b"] if step >= 2 else 0.0
+        coefs[3, 0] = 5 * eps["a"]
+        ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+                              coefs)
+        torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out[2].cpu(), h[2].cpu())  # an unsteered slot, bit for bit
+    assert rt.graphs.captures == 1 and rt.graphs.replays == 4 and rt.stats.calls == 4
