@@ -7,8 +7,9 @@
 #      the kernels' Triton caches), batch invariance at 1/7/64/256 rows with
 #      VLLM_BATCH_INVARIANT=1, the steer op refused inside CUDA graph capture, steered steps
 #      run one step ahead after a CUDA-graph forward against the formula (scripts/
-#      gpu_async_steps.py), and the timings behind the `auto` backend rule (reported, never
-#      a failure).
+#      gpu_async_steps.py), the timings behind the `auto` backend rule (reported, never
+#      a failure), and the LM head's steer op replayed from CUDA graphs against its eager
+#      launch: host us per steered step (goal: at most 20), GPU us, rows against the formula.
 # Needs python3 with torch (CUDA), triton and pytest; no vLLM, no network, no install. Run from
 # the repository root (the script cds there and puts it on PYTHONPATH).
 # Output: the terminal and, when $OUT is set, $OUT/gpu_window.log (all of it) and
@@ -47,7 +48,7 @@ if [ "$CUDA" = 1 ]; then
   [ -n "${OUT:-}" ] && echo "$LINE" >> "$OUT/gpu_window_results.txt"
   [ "$TESTS" -eq 0 ] || STATUS=1
   echo
-  echo "== 2. serving checks: compiles, batch invariance, capture, auto"
+  echo "== 2. serving checks: compiles, batch invariance, capture, async, auto, replay"
   timeout 300 "$PY" scripts/gpu_window.py || STATUS=1
 else
   echo
