@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Is the steer kernel ready to serve on this GPU? One call, about 3 minutes (make gpu-window):
 #   1. the kernel, dispatch and serving tests on CUDA (VLLM_STEER_TEST_DEVICE=cuda:
-#      tests/core/test_kernels.py, test_ops.py, test_kernel_serving.py; Triton compiled for the
-#      GPU, not interpreted);
+#      tests/core/test_kernels.py, test_ops.py, test_kernel_serving.py, test_kernel_fixed.py;
+#      Triton compiled for the GPU, not interpreted; real CUDA graphs of the head's op);
 #   2. scripts/gpu_window.py: no Triton compile after ops.warm_up for rows 1..256 (counted in
 #      the kernels' Triton caches), batch invariance at 1/7/64/256 rows with
 #      VLLM_BATCH_INVARIANT=1, the steer op refused inside CUDA graph capture, steered steps
@@ -41,7 +41,8 @@ if [ "$CUDA" = 1 ]; then
   echo
   echo "== 1. kernel, dispatch and serving tests on CUDA"
   VLLM_STEER_TEST_DEVICE=cuda timeout 300 "$PY" -m pytest tests/core/test_kernels.py \
-    tests/core/test_ops.py tests/core/test_kernel_serving.py -q -ra -p no:cacheprovider
+    tests/core/test_ops.py tests/core/test_kernel_serving.py tests/core/test_kernel_fixed.py \
+    -q -ra -p no:cacheprovider
   TESTS=$?
   LINE="tests on CUDA: pytest exit $TESTS: $([ "$TESTS" -eq 0 ] && echo PASS || echo FAIL)"
   echo "$LINE"

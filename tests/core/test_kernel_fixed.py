@@ -323,3 +323,25 @@ def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_in
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
         assert torch.equal(out[2].cpu(), h[2].cpu())  # an unsteered slot, bit for bit
     assert rt.graphs.captures == 1 and rt.graphs.replays == 4 and rt.stats.calls == 4
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="real CUDA graphs (scripts/gpu_window.sh runs "
+                                                  "this file with VLLM_STEER_TEST_DEVICE=cuda)")
+def test_real_cuda_graphs_replay_the_tables_and_the_copys_current_values():
+    """On a GPU: the captured graph (no stand-in) follows new coefficients written into the
+    table and a steer rewritten into the fixed copy, and matches the reference."""
+    bank = _bank()
+    graphs = bank.head_graphs()
+    assert isinstance(graphs.backend, G.CudaGraphBackend)
+    table = torch.zeros(8, bank.num_columns, device=DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4):
+        if step == 2:
+            bank.put(1, 9, "b2", random_steer(32, 8, "b2", seed=9))  # same layout: no capture
+        table[:5] = _coefs(bank, 5, gen)
+        h = torch.randn(5, 32, generator=gen).to(DEVICE)
+        out = graphs.run(h, table).clone()
+        ref = steer_reference(h.cpu(), bank.p1.cpu(), bank.p2.cpu(), bank.rank_offsets,
+                              table[:5].cpu())
+        torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+    assert graphs.captures == 1 and graphs.replays == 4
