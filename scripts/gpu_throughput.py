@@ -23,8 +23,9 @@ Shapes: ``smollm2`` (the embedded model's architecture, SmolLM2-135M: hidden 576
 On ``--device cuda`` the engine runs as users run it (CUDA graphs, async scheduling), on the
 runner asked for (``v2``: Model Runner V2, the default). On ``--device cpu`` it is eager, V2
 through the test shim tests/v2shim (as scripts/gpu_vllm_check.py). Writes
-``OUT/gpu_throughput.json``; exit status 0 when every engine ran and produced the asked
-number of tokens in every mode.
+``OUT/gpu_throughput.json``; exit status 0 when every engine ran, produced the asked number
+of tokens in every mode, and its steer op saw no row in ``plain`` and every generated token's
+row in the steered modes.
 
     python scripts/gpu_throughput.py --device cuda                 # smollm2 and 8b, bf16, V2
     python scripts/gpu_throughput.py --device cpu --shapes tiny --dtype float32 --runner v1 \\
@@ -142,13 +143,23 @@ def run_engine(a) -> int:
                                               for _ in range(spec["prompt_len"])])
                for _ in range(spec["rows"])]
 
+    from vllm_steer.integrations.worker.runtime import steer_stats
+
+    def rows_steered() -> int:  # the workers' steer-op row counters, summed
+        return sum(s["rows"] for s in llm.collective_rpc(steer_stats))
+
+    steered: dict[str, int] = {}
+
     def run(mode: str) -> tuple[int, float]:
         params = [SamplingParams(max_tokens=spec["output_len"], ignore_eos=True, temperature=0,
                                  detokenize=False, extra_args=None if s is None else {"steer": s})
                   for s in mode_steers(mode, spec["rows"])]
+        before = rows_steered()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        steered[mode] = rows_steered() - before  # outside the timing
+        return sum(len(o.outputs[0].token_ids) for o in outs), dt
 
     modes = ["plain"] + [f"K={k}" for k in spec["k"]]
     for mode in modes:  # warm-up: every mode once (first steps, first uses of a row bucket)
@@ -158,7 +169,7 @@ def run_engine(a) -> int:
     for _ in range(spec["rounds"]):
         for mode in order.sample(modes, len(modes)):
             runs[mode].append(run(mode))
-    Path(a.result).write_text(json.dumps({"runs": runs}))
+    Path(a.result).write_text(json.dumps({"runs": runs, "rows_steered": steered}))
     return 0
 
 
@@ -225,14 +236,20 @@ def main(argv=None) -> int:
             results[shape] = {"error": f"exit {rc}"}
             ok = False
             continue
-        runs = json.loads(out.read_text())["runs"]
+        result = json.loads(out.read_text())
+        runs, steered = result["runs"], result["rows_steered"]
         want = a.rows * a.output_len
         complete = all(t == want for rs in runs.values() for t, _ in rs)
+        # the last run of each mode: plain rows never reach the steer op, steered rows do
+        # (at least one row per generated token of every request)
+        complete &= steered["plain"] == 0 and all(
+            steered[m] >= want for m in runs if m != "plain")
         ok &= complete
         summary = summarize(runs)
         graphs = "replays from CUDA graphs" in text
         results[shape] = {"hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"],
                           "graphs": graphs, "complete": complete, "modes": summary,
+                          "rows_steered_last_run": steered,
                           "runs": runs, "engine_s": round(time.time() - t0)}
         for mode, s in summary.items():
             print(f"{'PASS' if complete else 'FAIL'} [{shape} d{cfg['hidden_size']} {a.dtype} "
