@@ -270,13 +270,16 @@ class SlotBank:
         """On CUDA, the LM head's steer op replayed from CUDA graphs
         (:class:`~vllm_steer.kernels.graphs.SteerGraphs`) over the fixed-layout copy of the
         bank (:meth:`enable_fixed` at the reserved rank, allocated now unless drafter heads
-        already did: one copy serves both); the memory it costs is logged. None, and the
-        head launches the op eagerly, on any other device, with ``VLLM_STEER_CUDA_GRAPHS=0``,
-        when the steer backend was named (``choice``, the configured backend, or
-        ``$VLLM_STEER_BACKEND``: anything but ``auto`` is launched as asked), or when the copy would exceed :data:`~vllm_steer.kernels.graphs.MAX_GRAPH_BANK_BYTES`
-        (logged). Call it while the model loads: the copy is device memory vLLM should count
-        before it sizes the KV cache. ``graph_backend``: what records and replays the graphs
-        (tests pass a stand-in, which also lifts the CUDA-only rule)."""
+        already did: one copy serves both); the memory it costs is logged.
+
+        None, and the head launches the op eagerly: on any other device; with
+        ``VLLM_STEER_CUDA_GRAPHS=0``; when the steer backend was named (``choice``, the
+        configured backend, or ``$VLLM_STEER_BACKEND``: anything but ``auto`` runs as asked);
+        when the bank reserved no rank (no start-up steer and no ``--max-steer-rank``); when the
+        copy would exceed :data:`~vllm_steer.kernels.graphs.MAX_GRAPH_BANK_BYTES` or the device
+        cannot hold it (logged). Call it while the model loads: the copy is device memory vLLM
+        should count before it sizes the KV cache. ``graph_backend``: what records and replays
+        the graphs (tests pass a stand-in, which also lifts the CUDA-only rule)."""
         from vllm_steer.kernels import graphs as g
 
         if self.graphs is not None:
@@ -284,25 +287,35 @@ class SlotBank:
         on_cuda = torch.device(self.device or "cpu").type == "cuda"
         if (graph_backend is None and not on_cuda) or not g.graphs_enabled(choice):
             return None
-        rank = self.fixed_rank or max(self.reserved_rank, 1)
-        nbytes = g.fixed_bank_bytes(self.num_columns, rank, self.hidden_size, self.dtype)
-        if self.fixed_p1 is None and nbytes > g.MAX_GRAPH_BANK_BYTES:
-            logger.info("vllm-steer: the LM head's steer op is launched eagerly: replaying it "
-                        "from CUDA graphs needs a fixed-layout copy of the bank of %.1f MiB "
-                        "(%d columns x rank %d x hidden %d), over %d MiB", nbytes / 2**20,
-                        self.num_columns, rank, self.hidden_size, g.MAX_GRAPH_BANK_BYTES >> 20)
+        rank = self.fixed_rank or self.reserved_rank
+        eager = "vllm-steer: the LM head's steer op is launched eagerly: "
+        if not rank:
+            logger.info(eager + "the bank reserved no rank for a fixed-layout copy (set "
+                        "--max-steer-rank to replay it from CUDA graphs)")
             return None
+        nbytes = g.fixed_bank_bytes(self.num_columns, rank, self.hidden_size, self.dtype)
+        figure = (f"{nbytes / 2**20:.1f} MiB ({self.num_columns} columns x rank {rank} x "
+                  f"hidden {self.hidden_size})")
         shared = self.fixed_p1 is not None
+        if not shared and nbytes > g.MAX_GRAPH_BANK_BYTES:
+            logger.info(eager + "replaying it from CUDA graphs needs a fixed-layout copy of the "
+                        "bank of %s, over %d MiB", figure, g.MAX_GRAPH_BANK_BYTES >> 20)
+            return None
         if not shared:
-            self.enable_fixed(rank)
+            try:
+                self.enable_fixed(rank)
+            except torch.OutOfMemoryError as e:
+                self.fixed_rank, self.fixed_p1, self.fixed_p2 = 0, None, None
+                logger.warning(eager + "the device cannot hold a fixed-layout copy of the bank "
+                               "of %s (%s)", figure, str(e).splitlines()[0])
+                return None
         self.graphs = g.SteerGraphs(self.fixed_p1, self.fixed_p2, self.fixed_rank,
                                     graph_backend)
         self._graphs_state()
         logger.info("vllm-steer: the LM head's steer op replays from CUDA graphs (one per row "
-                    "bucket up to %d rows) over a fixed-layout copy of the bank: %.1f MiB "
-                    "(%d columns x rank %d x hidden %d, %s; drafter heads use the same copy); "
-                    "VLLM_STEER_CUDA_GRAPHS=0 launches it eagerly instead", g.MAX_GRAPH_ROWS,
-                    nbytes / 2**20, self.num_columns, self.fixed_rank, self.hidden_size,
+                    "bucket up to %d rows) over a fixed-layout copy of the bank: %s, %s; "
+                    "drafter heads use the same copy; VLLM_STEER_CUDA_GRAPHS=0 launches it "
+                    "eagerly instead", g.MAX_GRAPH_ROWS, figure,
                     "kept already" if shared else "allocated now")
         return self.graphs
 

@@ -213,8 +213,8 @@ def test_the_heads_graphs_reuse_the_copy_replay_new_steers_and_recapture_after_a
     bank = _bank()
     graphs = bank.head_graphs(graph_backend=StandIn())
     assert graphs is bank.head_graphs() and bank.fixed_p1 is graphs.p1  # one copy, kept
-    assert any("replays from CUDA graphs" in line and "0.0 MiB (6 columns x rank 8 x hidden 32, allocated now"
-               in line for line in log_lines), log_lines
+    assert any("replays from CUDA graphs" in line and "0.0 MiB (6 columns x rank 8 x hidden "
+               "32), allocated now" in line for line in log_lines), log_lines
     assert bank.fixed_p1.shape == (32, 2 * 3 * 8)
     gen = torch.Generator().manual_seed(0)
     table = torch.zeros(8, bank.num_columns, device=DEVICE)  # the caller's persistent buffer
@@ -270,6 +270,20 @@ def test_the_head_keeps_the_eager_op_where_graphs_do_not_apply(monkeypatch, log_
                                          r"set it to 1 .* or 0"):
         _bank().head_graphs(graph_backend=StandIn())
     monkeypatch.delenv("VLLM_STEER_CUDA_GRAPHS")
+    bank = _bank()
+
+    def oom(rank):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    monkeypatch.setattr(bank, "enable_fixed", oom)
+    assert bank.head_graphs(graph_backend=StandIn()) is None and bank.fixed_p1 is None
+    assert any("the device cannot hold a fixed-layout copy of the bank of 0.0 MiB (6 columns x "
+               "rank 8 x hidden 32) (CUDA out of memory. Tried to allocate 2.00 MiB)" in line
+               for line in log_lines), log_lines
+    bank = SlotBank(3, 32, device=DEVICE, dtype=torch.float32)  # no reserved rank
+    assert bank.head_graphs(graph_backend=StandIn()) is None and bank.fixed_p1 is None
+    assert any("reserved no rank for a fixed-layout copy (set --max-steer-rank" in line
+               for line in log_lines), log_lines
     monkeypatch.setattr(G, "MAX_GRAPH_BANK_BYTES", 1000)
     bank = _bank()
     assert bank.head_graphs(graph_backend=StandIn()) is None
