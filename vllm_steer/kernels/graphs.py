@@ -17,8 +17,9 @@ input, one replay, the first rows of its static output returned.
   until the next call (as the outputs of vLLM's captured model).
 
 A graph is captured on the first step that needs its bucket and replayed from then on. The
-cache is dropped (every bucket is captured again on its next use) when the coefficient table
-changes storage or shape, when the activations change dtype or width, and by
+cache is dropped (every bucket is captured again on its next use) when the caller passes
+another coefficient table (its buffer was re-allocated), when the activations change dtype or
+width, and by
 :meth:`SteerGraphs.invalidate` (the bank calls it after a load that changes its layout).
 :meth:`SteerGraphs.run` returns None, and the caller launches the op eagerly, for more rows
 than the largest bucket and while :attr:`SteerGraphs.disabled` says why.
@@ -133,7 +134,10 @@ class SteerGraphs:
         # bucket -> (graph, static input, static output, and what else the graph reads: the
         # index and the table, referenced here so that their memory is never handed out again)
         self._graphs: dict[int, tuple] = {}
-        self._key: tuple | None = None
+        self._steps: dict[int, tuple] = {}  # rows -> (graph, input view, output view)
+        self._table: torch.Tensor | None = None  # what the graphs were captured with
+        self._dtype: torch.dtype | None = None
+        self._width = 0
 
     @property
     def buckets(self) -> list[int]:
@@ -143,6 +147,7 @@ class SteerGraphs:
     def invalidate(self) -> None:
         """Drop every graph: each bucket is captured again on its next use."""
         self._graphs.clear()
+        self._steps.clear()
 
     def run(self, hidden: torch.Tensor, table: torch.Tensor) -> torch.Tensor | None:
         """The steered ``hidden`` (``[rows, hidden]``), row ``i`` with the coefficients of
@@ -154,19 +159,22 @@ class SteerGraphs:
         n = hidden.shape[0]
         if n > self.max_rows or self.disabled is not None:
             return None
-        key = (table.data_ptr(), table.shape, hidden.dtype, hidden.shape[1])
-        if key != self._key:
-            self._graphs.clear()
-            self._key = key
-        bucket = row_bucket(n)
-        entry = self._graphs.get(bucket)
-        if entry is None:
-            entry = self._capture(bucket, hidden, table)
-        graph, h_in, out = entry[:3]
-        h_in[:n].copy_(hidden)
+        if table is not self._table or hidden.dtype != self._dtype \
+                or hidden.shape[1] != self._width:
+            self.invalidate()  # a graph reads the table it was captured with
+            self._table, self._dtype, self._width = table, hidden.dtype, hidden.shape[1]
+        step = self._steps.get(n)
+        if step is None:  # the bucket's graph and the views of its buffers for n rows
+            bucket = row_bucket(n)
+            entry = self._graphs.get(bucket)
+            if entry is None:
+                entry = self._capture(bucket, hidden, table)
+            step = self._steps[n] = (entry[0], entry[1][:n], entry[2][:n])
+        graph, h_in, out = step
+        h_in.copy_(hidden)
         self.backend.replay(graph)
         self.replays += 1
-        return out[:n]
+        return out
 
     def _capture(self, bucket: int, hidden: torch.Tensor, table: torch.Tensor):
         dev = self.p1.device
