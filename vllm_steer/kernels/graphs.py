@@ -88,7 +88,7 @@ class GraphBackend(Protocol):
 
 class CudaGraphBackend:
     """``torch.cuda.CUDAGraph``: the function is run once on a side stream (library handles
-    and workspaces are created outside the capture), then captured; every graph of one
+    and workspaces are created outside the capture), then captured there; every graph of one
     :class:`SteerGraphs` shares one memory pool (they replay one at a time, on one stream).
     The capture is thread-local: work other threads of the process put on the GPU meanwhile
     is neither captured nor refused."""
@@ -98,15 +98,23 @@ class CudaGraphBackend:
         self.pool = None
 
     def capture(self, fn: Callable[[], None]) -> Any:
+        # torch.cuda.graph's steps (a device sync, then capture_begin/end on a side stream)
+        # without its gc.collect() and empty_cache(), which would cost a serving process far
+        # more than the capture itself
         with torch.cuda.device(self.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 fn()
-            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                fn()
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    fn()
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream().wait_stream(side)
             if self.pool is None:
                 self.pool = graph.pool()
         return graph
