@@ -293,7 +293,8 @@ def test_the_head_keeps_the_eager_op_where_graphs_do_not_apply(monkeypatch, log_
                for line in log_lines), log_lines
 
 
-def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_included(tmp_path):
+def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_included(
+        tmp_path, log_lines):
     """The worker's head (``SteerRuntime.steer_rows``) with graphs (the stand-in) gives the
     reference's rows, including a windowed request whose coefficients move with its
     generated tokens, and replays without capturing once its buckets are known."""
@@ -312,6 +313,11 @@ def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_in
     assert (rt.graphs is None) == (DEVICE.type != "cuda")  # CPU: the eager op, as before
     rt.ensure_slots(8, DEVICE)
     rt.graphs = rt.bank.head_graphs(graph_backend=StandIn())
+    copy = rt.bank.fixed_p1
+    assert rt.enable_fixed_drafter() == 0.0 and rt.bank.fixed_p1 is copy  # a drafter shares it
+    assert any("the drafter's steers, inside CUDA graphs, use a fixed-layout copy of the bank: "
+               "0.0 MiB (rank 8 per steer); the LM head's copy, no more memory" in line
+               for line in log_lines), log_lines
     eps = {n: rt.bank.steers[j].metadata.epsilon for j, n in enumerate(rt.names)}
     rows = {0: {0: 5 * eps["a"]}, 2: {1: -4 * eps["b"]}}
     for slot, cols in rows.items():

@@ -564,12 +564,15 @@ class SteerRuntime:
         bank = self.bank
         if bank is None:
             return 0.0
-        if bank.fixed_p1 is not None:
+        shared = bank.graphs is not None  # the LM head's CUDA graphs hold the copy already
+        if bank.fixed_p1 is not None and not shared:
             return 0.0
         rank = bank.reserved_rank  # the rank per steer the bank reserved at start-up
-        mib = bank.enable_fixed(rank) / 2**20
+        mib = 0.0 if shared else bank.enable_fixed(rank) / 2**20
         logger.info("vllm-steer: the drafter's steers, inside CUDA graphs, use a fixed-layout "
-                    "copy of the bank: %.1f MiB (rank %d per steer)%s", mib, bank.fixed_rank,
+                    "copy of the bank: %.1f MiB (rank %d per steer)%s%s",
+                    bank.fixed_p1.numel() * bank.fixed_p1.element_size() / 2**19,
+                    bank.fixed_rank, "; the LM head's copy, no more memory" if shared else "",
                     f"; left out (wider): {bank.fixed_left_out}" if bank.fixed_left_out else "")
         return mib
 
