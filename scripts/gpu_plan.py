@@ -16,11 +16,15 @@ seconds. It executes nothing on a GPU: the plan's commands are the ones to send.
      installs and says which attention extensions load, ``scripts/gpu_vllm_lean.py host``);
   3. the engine calls: ``scripts/gpu_vllm_check.py`` on Model Runner V2, bf16, with
      ``compilation_config`` mode 0 (no torch.compile) and ``FULL_DECODE_ONLY`` CUDA graphs;
-     then the same on V1 when the estimate leaves room for it in the budget.
+  4. the throughput call, when the estimate leaves room for it: ``scripts/gpu_throughput.py``,
+     steered against plain tokens/s in one engine per shape (V2, bf16, the same compilation
+     settings; the embedded model's architecture, hidden 576, and an 8B-like one, hidden 4096,
+     both with random weights; 64 rows, K = 1 and 64);
+  5. the V1 engine check (V1 is deprecated in vLLM), when the estimate still leaves room.
 
 Sizes: the working tree is measured (``git ls-files``); the wheels are measured from ``--wheels
 DIR`` (after ``gpu_vllm_carry.py download --lean``) or, without it, the total recorded in
-docs/internals.md (the lean carry: 87 wheels, 251.3 MiB, measured here; the whole carry is 115
+docs/dev/gpu-host.md (the lean carry: 87 wheels, 251.3 MiB, measured here; the whole carry is 115
 wheels, 1083.4 MiB). Times: the constants below,
 each with its source (benchmarks/RESULTS.md where measured, an estimate where not). Exit
 status 0 when every call fits the limits and the total fits ``--budget-min`` (default 12).
@@ -41,7 +45,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from gpu_vllm_carry import CarryError, MiB, RUN_LIMIT, default_chunk, tree_bytes  # noqa: E402
 
 CALL_LIMIT_S = 600  # the host's limit on one command
-RECORDED_WHEELS_MIB = 251.3  # docs/internals.md: `download --lean` measured 87 wheels, 251.3 MiB
+RECORDED_WHEELS_MIB = 251.3  # docs/dev/gpu-host.md: `download --lean` measured 87 wheels, 251.3 MiB
 FULL_WHEELS_MIB = 1083.4  # `download` without --lean: 115 wheels, 1083.4 MiB (the fallback)
 LEAN_CHUNKS = 8  # the target for the vLLM carry
 
@@ -59,6 +63,10 @@ ENGINE_S = 60  # one tiny-model engine with mode 0 (no compile) and decode graph
 #                of an engine here is 36-47 s (benchmarks/RESULTS.md: 108 s and 142 s for three)
 #                plus CUDA-graph capture; estimate
 ENGINES = 2  # gpu_vllm_check per (dtype, runner): the plugin's engine and stock vLLM
+REPLAY_CHECK_S = 20  # gpu_window's replay check (two shapes, rows 1 and 64, timed): estimate
+THROUGHPUT_SHAPES = ("smollm2", "8b")  # gpu_throughput: one engine each
+THROUGHPUT_RUNS_S = 25  # per shape: 3 modes x (1 warm-up + 3 rounds) of 64 rows x 64 tokens;
+#                         estimate (an 8B-like step at 64 rows is ~15 ms: 12 runs of ~1 s)
 
 
 class PlanError(Exception):
@@ -101,7 +109,8 @@ def wheel_bytes(wheels: str | None) -> tuple[int, str]:
     if wheels:
         files = sorted(Path(wheels).glob("*.whl"))
         return sum(f.stat().st_size for f in files), f"{len(files)} wheels in {wheels} (measured)"
-    return int(RECORDED_WHEELS_MIB * MiB), f"{RECORDED_WHEELS_MIB} MiB (recorded, docs/internals.md)"
+    return (int(RECORDED_WHEELS_MIB * MiB),
+            f"{RECORDED_WHEELS_MIB} MiB (recorded, docs/dev/gpu-host.md)")
 
 
 def plan(wheels: str | None = None, chunk: int | None = None,
@@ -113,7 +122,7 @@ def plan(wheels: str | None = None, chunk: int | None = None,
           "bash scripts/gpu_window.sh && python3 -m pytest -q -p no:cacheprovider "
           "tests/integrations/worker/test_syncfree.py -k cuda "
           "tests/integrations/worker/test_staging.py",
-          [], tree, 300, GPU_WINDOW_S + WORKER_CUDA_TESTS_S)
+          [], tree, 300, GPU_WINDOW_S + REPLAY_CHECK_S + WORKER_CUDA_TESTS_S)
     total, source = wheel_bytes(wheels)
     n = max(1, math.ceil(total / chunk))
     me = "python3 scripts/gpu_vllm_carry.py"
@@ -128,15 +137,26 @@ def plan(wheels: str | None = None, chunk: int | None = None,
             work += total / MiB * INSTALL_S_PER_MIB
         r.run(f"carry {i + 1}/{n}", cmd, [f".carry/c{i:03d}"], tree + size, 120, work)
     engine_timeout = 240
-    for runner in ("v2", "v1"):  # V2 (the GPU default) first; V1 while the budget allows
-        work = IMPORT_VLLM_S + ENGINES * ENGINE_S
-        if runner == "v1" and r.device_s + GAP_S + work > budget_s:
-            break
+    compile_cfg = "'{\"mode\": 0, \"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'"
+
+    def engine_check(runner: str) -> None:
         r.run(f"engine: {runner.upper()} bf16, mode 0, FULL_DECODE_ONLY",
               "PYTHONPATH=/tmp/site python3 scripts/gpu_vllm_check.py --device cuda "
               f"--dtypes bfloat16 --runners {runner} --engine-timeout 240 --compilation-config "
-              "'{\"mode\": 0, \"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'",
-              [], tree, ENGINES * engine_timeout + 60, work)
+              f"{compile_cfg}", [], tree, ENGINES * engine_timeout + 60,
+              IMPORT_VLLM_S + ENGINES * ENGINE_S)
+
+    engine_check("v2")  # V2, the GPU default, always
+    # then, while the budget allows: the throughput call, and V1 (deprecated) last
+    work = IMPORT_VLLM_S + len(THROUGHPUT_SHAPES) * (ENGINE_S + THROUGHPUT_RUNS_S)
+    if r.device_s + GAP_S + work <= budget_s:
+        r.run("throughput: V2 bf16, steered vs plain tokens/s",
+              "PYTHONPATH=/tmp/site python3 scripts/gpu_throughput.py --device cuda "
+              f"--shapes {' '.join(THROUGHPUT_SHAPES)} --dtype bfloat16 --runner v2 --rows 64 "
+              f"--k 1 64 --engine-timeout 240 --compilation-config {compile_cfg}",
+              [], tree, len(THROUGHPUT_SHAPES) * engine_timeout + 60, work)
+    if r.device_s + GAP_S + IMPORT_VLLM_S + ENGINES * ENGINE_S <= budget_s:
+        engine_check("v1")
     return r, {"tree_bytes": tree, "wheel_bytes": total, "wheels": source, "chunks": n,
                "chunk_bytes": chunk}
 

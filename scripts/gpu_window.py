@@ -15,11 +15,16 @@ INFO); the exit status is 1 when any check fails.
   after it, and a drafter's steer captured inside a CUDA graph replayed while requests and
   steers change, against the plain-torch formula (``scripts/gpu_async_steps.py``);
 - auto: times the planned Triton and torch paths at a few shapes and reports whether
-  ``ops.AUTO_CUDA`` picks the faster one (reported, never a failure).
+  ``ops.AUTO_CUDA`` picks the faster one (reported, never a failure);
+- replay: the LM head's steer op replayed from its row bucket's CUDA graph
+  (``kernels/graphs.py``) against the eager launch of the planned op, per steered step: host
+  microseconds (the goal: at most :data:`HOST_US_GOAL`, reported), GPU microseconds, and the
+  replayed rows against the reference (a failure when they differ).
 
 ``--dry-run`` (no CUDA): the invariance check on CPU under Triton's interpreter
-(TRITON_INTERPRET=1) and the async check on CPU (small, eager, no overlap), the others
-skipped with a line saying why.
+(TRITON_INTERPRET=1), the async check on CPU (small, eager, no overlap) and the replay check
+on CPU with a stand-in for the graph (the function run again at each replay: the code path,
+not the figures), the others skipped with a line saying why.
 """
 
 from __future__ import annotations
@@ -261,6 +266,98 @@ def check_auto(dev) -> bool:
     return True
 
 
+#: The most host time one steered step may spend in the steer op on a GPU (microseconds).
+HOST_US_GOAL = 20.0
+# (label, hidden, steer slots, rank per slot): the embedded model's shape and an 8B-like one
+REPLAY_SHAPES = [("d576 8 slots r16", 576, 8, 16), ("d4096 8 slots r64", 4096, 8, 64)]
+
+
+class EagerStandIn:
+    """The graph backend of a dry run: a capture keeps the function, a replay calls it."""
+
+    def capture(self, fn):
+        fn()
+        return fn
+
+    def replay(self, graph):
+        graph()
+
+
+def _host_us(fn, sync, calls: int = 200, burst: int = 20) -> float:
+    """Median host time of one call (microseconds), in bursts that never fill the launch
+    queue (a wait for the device between bursts, outside the timing)."""
+    for _ in range(5):
+        fn()
+    sync()
+    per = []
+    for _ in range(calls // burst):
+        t0 = time.perf_counter()
+        for _ in range(burst):
+            fn()
+        per.append((time.perf_counter() - t0) / burst * 1e6)
+        sync()
+    return float(np.median(per))
+
+
+def check_replay(dev, shapes=REPLAY_SHAPES, rows_list=(1, 64), dtype=torch.bfloat16,
+                 dry: bool = False) -> bool:
+    from vllm_steer import ops
+    from vllm_steer.bank import SlotBank
+    from vllm_steer.format import make_steer
+    from vllm_steer.reference import steer_reference
+
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    ok = True
+    for label, d, slots, rank in shapes:
+        bank = SlotBank(slots, d, device=dev, dtype=dtype, reserve_rank=rank)
+        gen = torch.Generator().manual_seed(d)
+        for k in range(slots):
+            bank.put(k, k + 1, f"s{k}", make_steer(torch.randn(d, rank, generator=gen) / d ** 0.5,
+                                                   torch.randn(d, rank, generator=gen) / rank ** 0.5,
+                                                   f"s{k}"))
+        graphs = bank.head_graphs(graph_backend=EagerStandIn() if not cuda else None)
+        for rows in rows_list:
+            co = torch.zeros(rows, bank.num_columns)
+            co[torch.arange(rows), torch.arange(rows) % slots] = 0.5 + torch.rand(rows, generator=gen)
+            table = co.to(dev)  # the head's persistent coefficient buffer
+            hidden = torch.randn(rows, d, generator=gen).to(dev, dtype)
+            p1, p2, offs = bank.p1, bank.p2, bank.rank_offsets
+            prepared = ops.prepare_steers(p1, p2, offs, table, host=co.numpy())
+            fn = ops.backend_fn(prepared.backend)
+            if prepared.plan is None:
+                launch = lambda: fn(hidden, p1, p2, offs, table)  # noqa: E731
+            else:
+                launch = lambda: fn(hidden, p1, p2, offs, table, prepared=prepared.plan)  # noqa: E731
+            replay = lambda: graphs.run(hidden, table)  # noqa: E731
+            t0 = time.perf_counter()
+            out = replay().clone()  # the bucket's first step: its capture
+            sync()
+            first_ms = (time.perf_counter() - t0) * 1e3
+            ref = steer_reference(hidden, p1, p2, offs, table)
+            scale = (ref.float() - hidden.float()).abs().max().item()
+            tol = 2 ** -6 if dtype != torch.float32 else 1e-5
+            good = torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol * scale)
+            ok &= good
+            h_launch, h_replay = _host_us(launch, sync), _host_us(replay, sync)
+            gpu = ""
+            if cuda:
+                gpu = (f"; GPU {_time_us(launch):.1f} us launched, {_time_us(replay):.1f} us "
+                       f"replayed")
+            goal = ("not the goal's figure (no graphs on CPU)" if dry else
+                    f"goal <= {HOST_US_GOAL:g} us {'met' if h_replay <= HOST_US_GOAL else 'NOT met'}")
+            say(f"replay {label} {str(dtype)[6:]} rows {rows}: host {h_launch:.1f} us launched "
+                f"({prepared.backend}), {h_replay:.1f} us replayed ({h_launch / h_replay:.1f}x; "
+                f"{goal}){gpu}; first step (the capture) {first_ms:.1f} ms, "
+                f"{graphs.captures} graph(s) captured: INFO")
+            say(f"replay {label} rows {rows}: replayed rows "
+                f"{'match' if good else 'DO NOT match'} the reference: {'PASS' if good else 'FAIL'}")
+        del bank, graphs
+        if cuda:
+            torch.cuda.empty_cache()
+    return ok
+
+
 def check_async(dev, **sizes) -> bool:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gpu_async_steps
@@ -284,7 +381,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT"),
                     help="folder for gpu_window_results.txt (default: $OUT, if set)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["compiles", "invariance",
-                                                               "capture", "async", "auto"])
+                                                               "capture", "async", "auto",
+                                                               "replay"])
     args = ap.parse_args(argv)
     os.environ.pop("VLLM_BATCH_INVARIANT", None)
     os.environ.pop("VLLM_STEER_BACKEND", None)
@@ -306,6 +404,9 @@ def main(argv=None) -> int:
             ok &= check_invariance(torch.device("cpu"), [(256, 16)])
         if "async" not in args.skip:
             ok &= check_async(torch.device("cpu"), steps=8, batch=16, hidden=128, layers=2)
+        if "replay" not in args.skip:
+            ok &= check_replay(torch.device("cpu"), [("d64 4 slots r8", 64, 4, 8)], (1, 5),
+                               dtype=torch.float32, dry=True)
     else:
         if not torch.cuda.is_available():
             say("gpu_window: FAIL: CUDA is not available to torch (use --dry-run on CPU)")
@@ -315,7 +416,8 @@ def main(argv=None) -> int:
                   "invariance": lambda: check_invariance(dev, [(576, 16), (4096, 64)]),
                   "capture": lambda: check_capture(dev),
                   "async": lambda: check_async(dev, steps=48, batch=256, hidden=4096),
-                  "auto": lambda: check_auto(dev)}
+                  "auto": lambda: check_auto(dev),
+                  "replay": lambda: check_replay(dev)}
         for name, check in checks.items():
             if name in args.skip:
                 say(f"{name}: SKIP: --skip")

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Is the steer kernel ready to serve on this GPU? One call, about 3 minutes (make gpu-window):
 #   1. the kernel, dispatch and serving tests on CUDA (VLLM_STEER_TEST_DEVICE=cuda:
-#      tests/core/test_kernels.py, test_ops.py, test_kernel_serving.py; Triton compiled for the
-#      GPU, not interpreted);
+#      tests/core/test_kernels.py, test_ops.py, test_kernel_serving.py, test_kernel_fixed.py;
+#      Triton compiled for the GPU, not interpreted; real CUDA graphs of the head's op);
 #   2. scripts/gpu_window.py: no Triton compile after ops.warm_up for rows 1..256 (counted in
 #      the kernels' Triton caches), batch invariance at 1/7/64/256 rows with
 #      VLLM_BATCH_INVARIANT=1, the steer op refused inside CUDA graph capture, steered steps
 #      run one step ahead after a CUDA-graph forward against the formula (scripts/
-#      gpu_async_steps.py), and the timings behind the `auto` backend rule (reported, never
-#      a failure).
+#      gpu_async_steps.py), the timings behind the `auto` backend rule (reported, never
+#      a failure), and the LM head's steer op replayed from CUDA graphs against its eager
+#      launch: host us per steered step (goal: at most 20), GPU us, rows against the formula.
 # Needs python3 with torch (CUDA), triton and pytest; no vLLM, no network, no install. Run from
 # the repository root (the script cds there and puts it on PYTHONPATH).
 # Output: the terminal and, when $OUT is set, $OUT/gpu_window.log (all of it) and
@@ -40,14 +41,15 @@ if [ "$CUDA" = 1 ]; then
   echo
   echo "== 1. kernel, dispatch and serving tests on CUDA"
   VLLM_STEER_TEST_DEVICE=cuda timeout 300 "$PY" -m pytest tests/core/test_kernels.py \
-    tests/core/test_ops.py tests/core/test_kernel_serving.py -q -ra -p no:cacheprovider
+    tests/core/test_ops.py tests/core/test_kernel_serving.py tests/core/test_kernel_fixed.py \
+    -q -ra -p no:cacheprovider
   TESTS=$?
   LINE="tests on CUDA: pytest exit $TESTS: $([ "$TESTS" -eq 0 ] && echo PASS || echo FAIL)"
   echo "$LINE"
   [ -n "${OUT:-}" ] && echo "$LINE" >> "$OUT/gpu_window_results.txt"
   [ "$TESTS" -eq 0 ] || STATUS=1
   echo
-  echo "== 2. serving checks: compiles, batch invariance, capture, auto"
+  echo "== 2. serving checks: compiles, batch invariance, capture, async, auto, replay"
   timeout 300 "$PY" scripts/gpu_window.py || STATUS=1
 else
   echo

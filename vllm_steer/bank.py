@@ -139,6 +139,7 @@ class SlotBank:
         self.fixed_p1: torch.Tensor | None = None  # [hidden, 2 * capacity * fixed_rank]
         self.fixed_p2: torch.Tensor | None = None
         self.fixed_left_out: list[str] = []  # steers wider than fixed_rank (not in the copy)
+        self.graphs = None  # the LM head's CUDA graphs over the fixed copy (head_graphs)
         self.reserved_rank = reserve_rank or 0  # rank per steer reserved (2 * capacity of them)
         if reserve_rank:
             self._allocate(2 * capacity * reserve_rank)
@@ -206,11 +207,14 @@ class SlotBank:
         if parts1:
             self.p1.copy_(torch.cat(parts1, dim=1))
             self.p2.copy_(torch.cat(parts2, dim=1))
+        layout_changed = offs != getattr(self, "rank_offsets", None)
         self.rank_offsets = offs
         self.version += 1
         self._plan_key, self._plan = None, None
         if self.fixed_p1 is not None:
             self._fill_fixed(segs)
+        if self.graphs is not None and layout_changed:
+            self.graphs.invalidate()  # captured again at their next use
 
     def enable_fixed(self, rank: int) -> int:
         """Keep, from now on, a copy of the factors whose layout never changes: segment ``k``
@@ -218,14 +222,18 @@ class SlotBank:
         rank + width)`` of ``fixed_p1`` / ``fixed_p2`` (``[hidden, 2 * capacity * rank]``),
         zeros elsewhere. Its storage, shape and the column of every segment stay the same
         across puts and drops (rewritten in place), so a CUDA graph that captured a steer op
-        reading it reads the current steers at every replay (``SteerRuntime.steer_fixed``). A
-        steer wider than ``rank`` is left out of the copy (``fixed_left_out``). Returns the
-        bytes allocated."""
+        reading it reads the current steers at every replay
+        (:func:`vllm_steer.ops.steer_fixed`: drafter heads inside vLLM's graphs, and the LM
+        head's own graphs, :meth:`head_graphs`, which share this one copy). A steer wider than
+        ``rank`` is left out of the copy (``fixed_left_out``). Returns the bytes allocated."""
         rank = max(int(rank), 1)
         cols = 2 * self.capacity * rank
         self.fixed_rank = rank
         self.fixed_p1 = torch.zeros(self.hidden_size, cols, device=self.device, dtype=self.dtype)
         self.fixed_p2 = torch.zeros_like(self.fixed_p1)
+        if self.graphs is not None:  # a new copy: the graphs read it from now on
+            self.graphs.p1, self.graphs.p2, self.graphs.rank = self.fixed_p1, self.fixed_p2, rank
+            self.graphs.invalidate()
         self._rebuild()
         return 2 * self.fixed_p1.numel() * self.fixed_p1.element_size()
 
@@ -244,6 +252,72 @@ class SlotBank:
         self.fixed_p1.copy_(host1)
         self.fixed_p2.copy_(host2)
         self.fixed_left_out = sorted(set(left))
+        self._graphs_state()
+
+    def _graphs_state(self) -> None:
+        """The head's graphs step aside (eager op, logged) while a steer is left out of the
+        fixed copy: the head must apply every steer, a drafter may propose without one."""
+        if self.graphs is None:
+            return
+        was = self.graphs.disabled
+        self.graphs.disabled = (f"steers wider than the fixed copy's rank {self.fixed_rank} are "
+                                f"loaded: {self.fixed_left_out}") if self.fixed_left_out else None
+        if self.graphs.disabled and not was:
+            logger.warning("vllm-steer: the LM head's steer op is launched eagerly (not from "
+                           "CUDA graphs) while %s", self.graphs.disabled)
+
+    def head_graphs(self, choice: str | None = "auto", graph_backend=None):
+        """On CUDA, the LM head's steer op replayed from CUDA graphs
+        (:class:`~vllm_steer.kernels.graphs.SteerGraphs`) over the fixed-layout copy of the
+        bank (:meth:`enable_fixed` at the reserved rank, allocated now unless drafter heads
+        already did: one copy serves both); the memory it costs is logged.
+
+        None, and the head launches the op eagerly: on any other device; with
+        ``VLLM_STEER_CUDA_GRAPHS=0``; when the steer backend was named (``choice``, the
+        configured backend, or ``$VLLM_STEER_BACKEND``: anything but ``auto`` runs as asked);
+        when the bank reserved no rank (no start-up steer and no ``--max-steer-rank``); when the
+        copy would exceed :data:`~vllm_steer.kernels.graphs.MAX_GRAPH_BANK_BYTES` or the device
+        cannot hold it (logged). Call it while the model loads: the copy is device memory vLLM
+        should count before it sizes the KV cache. ``graph_backend``: what records and replays
+        the graphs (tests pass a stand-in, which also lifts the CUDA-only rule)."""
+        from vllm_steer.kernels import graphs as g
+
+        if self.graphs is not None:
+            return self.graphs
+        on_cuda = torch.device(self.device or "cpu").type == "cuda"
+        if (graph_backend is None and not on_cuda) or not g.graphs_enabled(choice):
+            return None
+        rank = self.fixed_rank or self.reserved_rank
+        eager = "vllm-steer: the LM head's steer op is launched eagerly: "
+        if not rank:
+            logger.info(eager + "the bank reserved no rank for a fixed-layout copy (set "
+                        "--max-steer-rank to replay it from CUDA graphs)")
+            return None
+        nbytes = g.fixed_bank_bytes(self.num_columns, rank, self.hidden_size, self.dtype)
+        figure = (f"{nbytes / 2**20:.1f} MiB ({self.num_columns} columns x rank {rank} x "
+                  f"hidden {self.hidden_size})")
+        shared = self.fixed_p1 is not None
+        if not shared and nbytes > g.MAX_GRAPH_BANK_BYTES:
+            logger.info(eager + "replaying it from CUDA graphs needs a fixed-layout copy of the "
+                        "bank of %s, over %d MiB", figure, g.MAX_GRAPH_BANK_BYTES >> 20)
+            return None
+        if not shared:
+            try:
+                self.enable_fixed(rank)
+            except torch.OutOfMemoryError as e:
+                self.fixed_rank, self.fixed_p1, self.fixed_p2 = 0, None, None
+                logger.warning(eager + "the device cannot hold a fixed-layout copy of the bank "
+                               "of %s (%s)", figure, str(e).splitlines()[0])
+                return None
+        self.graphs = g.SteerGraphs(self.fixed_p1, self.fixed_p2, self.fixed_rank,
+                                    graph_backend)
+        self._graphs_state()
+        logger.info("vllm-steer: the LM head's steer op replays from CUDA graphs (one per row "
+                    "bucket up to %d rows) over a fixed-layout copy of the bank: %s, %s; "
+                    "drafter heads use the same copy; VLLM_STEER_CUDA_GRAPHS=0 launches it "
+                    "eagerly instead", g.MAX_GRAPH_ROWS, figure,
+                    "kept already" if shared else "allocated now")
+        return self.graphs
 
     def coef_row(self, bound: Mapping[str, Sequence[int]], strengths: Mapping[str, float]
                  ) -> tuple[list[float], list[str]]:

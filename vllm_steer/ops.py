@@ -13,7 +13,10 @@ always ``triton`` in vLLM's batch-invariant mode); ``torch`` on any other device
 ``VLLM_STEER_BACKEND`` overrides the choice for the whole process.
 
 Steering runs outside CUDA graphs: :func:`check_not_capturing` (one function, also called by
-every public kernel wrapper) refuses a call made while a graph is being captured.
+every public kernel wrapper) refuses a call made while a graph is being captured. The one
+exception is :func:`steer_fixed`, the capture-safe op (a fixed-layout bank, coefficients
+gathered on the device): drafter heads inside vLLM's graphs run it, and on CUDA the LM head
+replays it from its own graphs (:class:`vllm_steer.kernels.graphs.SteerGraphs`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 import torch
 
 from vllm_steer.kernels import batch_invariant, staging
+from vllm_steer.kernels import fixed as _fixed
 from vllm_steer.kernels.staging import check_not_capturing, to_device  # noqa: F401  (re-exported)
 from vllm_steer.reference import steer_reference
 
@@ -194,6 +198,22 @@ def warm_up(
     from vllm_steer.kernels.triton_steer import warm_up as triton_warm_up
 
     return triton_warm_up(p1, p2, rank_offsets, max_rows, act_dtype)
+
+
+def steer_fixed(
+    hidden: torch.Tensor,  # [num_rows, hidden]
+    p1: torch.Tensor,  # [hidden, columns * rank]: a fixed-layout bank (SlotBank.enable_fixed)
+    p2: torch.Tensor,  # [hidden, columns * rank]
+    rank: int,  # columns of the copy per coefficient column
+    table: torch.Tensor,  # [T, columns] float32 coefficient rows
+    index: torch.Tensor,  # [num_rows] int: each row's row of ``table``; -1: a padding row
+) -> torch.Tensor:
+    """The capture-safe steer op: row ``i`` steered with ``table[index[i]]`` (zeros for -1).
+    Semantics: see :func:`vllm_steer.reference.steer_reference`.
+
+    Allowed inside a CUDA graph capture (the ops it launches and their shapes depend on no
+    value, and nothing is read back to the host): see :mod:`vllm_steer.kernels.fixed`."""
+    return _fixed.steer_fixed(hidden, p1, p2, rank, table, index)
 
 
 def backend_fn(name: str) -> SteerFn:

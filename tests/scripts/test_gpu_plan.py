@@ -36,9 +36,16 @@ def test_the_plan_fits_the_hosts_limits_and_twelve_minutes(tmp_path):
     assert calls[0]["name"].startswith("kernels") and "gpu_window.sh" in calls[0]["command"]
     assert "test_staging.py" in calls[0]["command"] and "vllm" not in calls[0]["command"]
     engines = [c for c in calls if c["name"].startswith("engine")]
-    assert [c["name"].split()[1] for c in engines] == ["V2", "V1"]  # V1 fits the budget too
+    # the throughput call takes the room of the V1 check (V1 is deprecated in vLLM)
+    assert [c["name"].split()[1] for c in engines] == ["V2"]
     assert all("FULL_DECODE_ONLY" in c["command"] for c in engines)
-    assert "--runners v2" in engines[0]["command"] and "--runners v1" in engines[1]["command"]
+    assert "--runners v2" in engines[0]["command"]
+    throughput = calls[-1]
+    assert throughput["name"].startswith("throughput") and "FULL_DECODE_ONLY" in \
+        throughput["command"]
+    for arg in ("gpu_throughput.py --device cuda", "--shapes smollm2 8b", "--dtype bfloat16",
+                "--runner v2", "--rows 64", "--k 1 64"):
+        assert arg in throughput["command"], arg
     assert "assemble" in calls[-3]["command"] and "gpu_vllm_lean.py host" in calls[-3]["command"]
     assert saved_chunks(tmp_path) <= 8  # the lean carry
     assert all(c["mib"] <= 64 for c in calls), [c["mib"] for c in calls]
@@ -72,6 +79,14 @@ def test_a_tight_budget_drops_the_v1_engine_call_first():
     calls = calls_of(res.stdout)
     assert [c["name"] for c in calls if c["name"].startswith("engine")] == [
         "engine: V2 bf16, mode 0, FULL_DECODE_ONLY"]
+    assert not any(c["name"].startswith("throughput") for c in calls)  # no room for it either
+
+
+def test_a_larger_budget_keeps_the_throughput_call_and_the_v1_check_after_it():
+    res = run("--budget-min", 15)
+    names = [c["name"].split(":")[0] + " " + c["name"].split()[1] for c in calls_of(res.stdout)
+             if c["name"].startswith(("engine", "throughput"))]
+    assert names == ["engine V2", "throughput V2", "engine V1"]
 
 
 def test_a_larger_working_tree_gets_smaller_chunks_and_a_huge_one_is_refused(monkeypatch):

@@ -7,6 +7,10 @@ this package never imports it):
 - ``"triton"``: :func:`.triton_steer.steer_triton` (fused CUDA kernel; the CPU interpreter with
   ``TRITON_INTERPRET=1``), only when ``import triton`` works.
 
+Beside them, outside the dispatch: :mod:`.fixed`, the capture-safe op (a fixed-layout bank,
+coefficients gathered on the device; :func:`vllm_steer.ops.steer_fixed`), and :mod:`.graphs`,
+the LM head's CUDA graphs of it, one per row bucket.
+
 Importing the package is light: the kernel modules (torch, Triton) load on first use of a
 name below (``__getattr__``, as peft loads its optional backends).
 

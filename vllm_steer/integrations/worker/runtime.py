@@ -137,6 +137,7 @@ class SteerRuntime:
         self.capacity = config.capacity
         self.num_columns = 2 * self.capacity
         self.max_rows = 0  # the most rows one step steers (vLLM's max_num_seqs), once known
+        self.graphs = None  # CUDA: the head's op replayed from CUDA graphs (SlotBank.head_graphs)
 
     # ---- loading (head side) -------------------------------------------------------------
     def load(self, hidden_size: int, device: torch.device, dtype: torch.dtype,
@@ -177,6 +178,7 @@ class SteerRuntime:
         self._fn = ops.backend_fn(self.backend)  # resolved once, not per step
         self._prepare = ops._PREPARE.get(self.backend)
         self.warm_up()
+        self.graphs = self.bank.head_graphs(self.config.backend)
         logger.info("vllm-steer: loaded %d steer(s) %s on %s/%s", len(steers), self.names,
                     device, dtype)
 
@@ -440,7 +442,10 @@ class SteerRuntime:
             self._prepare_step(n, slots, positions)
             self._step_key = key
         coefs = self._coefs_dev[:n]
-        if self._plan is None:
+        out = None if self.graphs is None else self.graphs.run(hidden, self._coefs_dev)
+        if out is not None:  # replayed from the row bucket's CUDA graph
+            pass
+        elif self._plan is None:
             out = self._fn(hidden, self.bank.p1, self.bank.p2, self.bank.rank_offsets, coefs)
         else:
             out = self._fn(hidden, self.bank.p1, self.bank.p2, self.bank.rank_offsets, coefs,
@@ -560,12 +565,15 @@ class SteerRuntime:
         bank = self.bank
         if bank is None:
             return 0.0
-        if bank.fixed_p1 is not None:
+        shared = bank.graphs is not None  # the LM head's CUDA graphs hold the copy already
+        if bank.fixed_p1 is not None and not shared:
             return 0.0
         rank = bank.reserved_rank  # the rank per steer the bank reserved at start-up
-        mib = bank.enable_fixed(rank) / 2**20
+        mib = 0.0 if shared else bank.enable_fixed(rank) / 2**20
         logger.info("vllm-steer: the drafter's steers, inside CUDA graphs, use a fixed-layout "
-                    "copy of the bank: %.1f MiB (rank %d per steer)%s", mib, bank.fixed_rank,
+                    "copy of the bank: %.1f MiB (rank %d per steer)%s%s",
+                    bank.fixed_p1.numel() * bank.fixed_p1.element_size() / 2**19,
+                    bank.fixed_rank, "; the LM head's copy, no more memory" if shared else "",
                     f"; left out (wider): {bank.fixed_left_out}" if bank.fixed_left_out else "")
         return mib
 
@@ -591,16 +599,10 @@ class SteerRuntime:
             return hidden
         self.stats.calls += 1
         self.stats.rows += n
-        m = mapping[:n].long()
-        coefs = self.slot_coefs.index_select(0, m.clamp(min=0)) * (m >= 0).unsqueeze(1)
-        cols = coefs.repeat_interleave(bank.fixed_rank, dim=1)  # [n, 2 * capacity * rank]
-        # the GEMMs in the bank's dtype (fp32 accumulation inside), the sum in fp32: a bf16
-        # drafter's rows differ from the reference by rounding only, and only its proposals
-        # (never the outputs) depend on them
-        down = (hidden.to(bank.fixed_p1.dtype) @ bank.fixed_p1).float() * cols
-        delta = (down.to(bank.fixed_p2.dtype) @ bank.fixed_p2.T).float()
-        out = (hidden.float() + delta).to(hidden.dtype)
-        return torch.where((coefs == 0).all(dim=1, keepdim=True), hidden, out)
+        from vllm_steer import ops
+
+        return ops.steer_fixed(hidden, bank.fixed_p1, bank.fixed_p2, bank.fixed_rank,
+                               self.slot_coefs, mapping[:n])
 
     def _steer_device_mapping(self, hidden: torch.Tensor) -> torch.Tensor:
         """Rows known only through a device mapping (batch-sharded sampling): the slot table

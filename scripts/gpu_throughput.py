@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""Steered against plain tokens/s in one engine run: what steering costs a GPU's decode.
+
+For each model shape asked for, one vLLM engine (random weights, ``load_format="dummy"``, no
+tokenizer, no download) with the plugin loaded and K_max random steers, then rounds of the
+same work in every mode, in a fresh random order per round (drift of the machine hits all
+modes alike):
+
+  * ``plain``: no request steered (the plugin loaded, its head doing nothing);
+  * ``K=1``: every request steered with one steer;
+  * ``K=64``: the requests spread over 64 distinct steers (one each at 64 rows).
+
+Each run is ``--rows`` requests at once (``max_num_seqs``), ``--prompt-len`` prompt tokens,
+``--output-len`` generated tokens (EOS ignored), greedy. Reported per shape and mode: output
+tokens/s (median over rounds) and the median of the paired ratio to ``plain`` in the same
+round. Also reported: whether the head's steer op replayed from CUDA graphs (the engine log's
+line).
+
+Shapes: ``smollm2`` (the embedded model's architecture, SmolLM2-135M: hidden 576),
+``8b`` (an 8B-like Llama: hidden 4096, benchmarks/configs/llama-3.1-8b.json, with
+``--layers-8b`` layers), ``tiny`` (hidden 64, 2 layers: the reduced form for a CPU).
+
+On ``--device cuda`` the engine runs as users run it (CUDA graphs, async scheduling), on the
+runner asked for (``v2``: Model Runner V2, the default). On ``--device cpu`` it is eager, V2
+through the test shim tests/v2shim (as scripts/gpu_vllm_check.py). Writes
+``OUT/gpu_throughput.json``; exit status 0 when every engine ran, produced the asked number
+of tokens in every mode, and its steer op saw no row in ``plain`` and every generated token's
+row in the steered modes.
+
+    python scripts/gpu_throughput.py --device cuda                 # smollm2 and 8b, bf16, V2
+    python scripts/gpu_throughput.py --device cpu --shapes tiny --dtype float32 --runner v1 \\
+        --rows 4 --k 1 4 --output-len 4 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+#: SmolLM2-135M's architecture (the embedded model), weights left to ``load_format=dummy``.
+SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+           "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
+           "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+           "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+           "pad_token_id": 2, "hidden_act": "silu"}
+#: The reduced form for a CPU (vLLM's CPU attention needs head_dim 32/64/128...).
+TINY = {**SMOLLM2, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 1, "num_key_value_heads": 1, "vocab_size": 512,
+        "max_position_embeddings": 512}
+SHAPES = ("smollm2", "8b", "tiny")
+STEER_RANK = 64  # the random steers' rank (the cost does not depend on what a steer learned)
+
+
+def model_config(shape: str, layers_8b: int) -> dict:
+    if shape == "smollm2":
+        return dict(SMOLLM2)
+    if shape == "tiny":
+        return dict(TINY)
+    cfg = json.loads((ROOT / "benchmarks" / "configs" / "llama-3.1-8b.json").read_text())
+    return {**cfg, "num_hidden_layers": layers_8b}
+
+
+def write_model(folder: Path, config: dict) -> Path:
+    """A model folder holding only its config.json (random weights at load)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def write_steers(folder: Path, hidden: int, n: int, rank: int) -> dict[str, str]:
+    """``n`` random steers ``s0..s{n-1}`` of ``rank`` at ``hidden``; name -> path."""
+    import torch
+
+    from vllm_steer.format import make_steer, save_steer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for i in range(n):
+        g = torch.Generator().manual_seed(i)
+        s = make_steer(torch.randn(hidden, rank, generator=g) * 0.05,
+                       torch.randn(hidden, rank, generator=g) * 0.05, f"s{i}")
+        paths[f"s{i}"] = str(folder / f"s{i}.safetensors")
+        save_steer(paths[f"s{i}"], s)
+    return paths
+
+
+def mode_steers(mode: str, rows: int) -> list[dict | None]:
+    """The ``steer`` of each request in a mode: ``plain`` none, ``K=k`` request i on steer
+    ``s{i % k}`` at strength 2."""
+    if mode == "plain":
+        return [None] * rows
+    k = int(mode.split("=")[1])
+    return [{f"s{i % k}": 2.0} for i in range(rows)]
+
+
+def summarize(runs: dict[str, list[tuple[int, float]]]) -> dict[str, dict]:
+    """Per mode: median tokens/s and the median of the per-round ratio to ``plain``.
+    ``runs``: mode -> one ``(tokens, seconds)`` per round, rounds in the same order."""
+    base = [t / s for t, s in runs["plain"]]
+    out = {}
+    for mode, rs in runs.items():
+        tps = [t / s for t, s in rs]
+        out[mode] = {"tokens_per_s": statistics.median(tps),
+                     "ratio_to_plain": statistics.median(a / b for a, b in zip(tps, base)),
+                     "rounds": len(rs)}
+    return out
+
+
+# ---------------------------------------------------------------------- engine (subprocess)
+
+def run_engine(a) -> int:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(a.spec)
+    kw = dict(dtype=spec["dtype"], max_model_len=spec["prompt_len"] + spec["output_len"] + 16,
+              max_num_seqs=spec["rows"], seed=0, load_format="dummy", skip_tokenizer_init=True,
+              enforce_eager=spec["device"] == "cpu",
+              additional_config={"vllm_steer": {"steers": spec["steers"],
+                                                "max_steer_rank": STEER_RANK}})
+    if spec["device"] == "cpu":
+        kw["kv_cache_memory_bytes"] = 1 << 28
+    else:
+        kw["gpu_memory_utilization"] = 0.5
+    if spec.get("compilation_config"):
+        kw["compilation_config"] = spec["compilation_config"]
+    llm = LLM(spec["model"], **kw)
+    rng = random.Random(0)
+    vocab = spec["vocab_size"]
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab)
+                                              for _ in range(spec["prompt_len"])])
+               for _ in range(spec["rows"])]
+
+    from vllm_steer.integrations.worker.runtime import steer_stats
+
+    def rows_steered() -> int:  # the workers' steer-op row counters, summed
+        return sum(s["rows"] for s in llm.collective_rpc(steer_stats))
+
+    steered: dict[str, int] = {}
+
+    def run(mode: str) -> tuple[int, float]:
+        params = [SamplingParams(max_tokens=spec["output_len"], ignore_eos=True, temperature=0,
+                                 detokenize=False, extra_args=None if s is None else {"steer": s})
+                  for s in mode_steers(mode, spec["rows"])]
+        before = rows_steered()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        steered[mode] = rows_steered() - before  # outside the timing
+        return sum(len(o.outputs[0].token_ids) for o in outs), dt
+
+    modes = ["plain"] + [f"K={k}" for k in spec["k"]]
+    for mode in modes:  # warm-up: every mode once (first steps, first uses of a row bucket)
+        run(mode)
+    runs: dict[str, list] = {m: [] for m in modes}
+    order = random.Random(1)
+    for _ in range(spec["rounds"]):
+        for mode in order.sample(modes, len(modes)):
+            runs[mode].append(run(mode))
+    Path(a.result).write_text(json.dumps({"runs": runs, "rows_steered": steered}))
+    return 0
+
+
+# ------------------------------------------------------------------------------ main (parent)
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--shapes", nargs="+", default=["smollm2", "8b"], choices=SHAPES)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--runner", choices=["v2", "v1"], default="v2")
+    ap.add_argument("--rows", type=int, default=64, help="requests at once (max_num_seqs)")
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 64],
+                    help="steered modes: the requests spread over K steers")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--layers-8b", type=int, default=32,
+                    help="layers of the 8b shape (fewer: a quicker engine, a cheaper step)")
+    ap.add_argument("--compilation-config", type=json.loads, default=None, metavar="JSON",
+                    help="vLLM compilation_config of every engine (default: vLLM's)")
+    ap.add_argument("--engine-timeout", type=int, default=600)
+    ap.add_argument("--workdir", default=None, help="models, steers, engine logs (default: tmp)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where the JSON goes")
+    sub = ap.add_subparsers(dest="cmd")
+    e = sub.add_parser("_engine", help="(internal) one engine in this process")
+    e.add_argument("--spec", required=True)
+    e.add_argument("--result", required=True)
+    a = ap.parse_args(argv)
+    if a.cmd == "_engine":
+        return run_engine(a)
+
+    sys.path.insert(0, str(ROOT))
+    from gpu_vllm_check import engine_env
+
+    a.cpu_async = False
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="gpu_throughput-"))
+    print(f"gpu_throughput: device {a.device}, {a.dtype}, runner {a.runner}, {a.rows} rows, "
+          f"K {a.k}, shapes {a.shapes}, work in {work}", flush=True)
+    results, ok = {}, True
+    for shape in a.shapes:
+        cfg = model_config(shape, a.layers_8b)
+        spec = {"model": str(write_model(work / f"model-{shape}", cfg)), "dtype": a.dtype,
+                "device": a.device, "rows": a.rows, "k": a.k, "prompt_len": a.prompt_len,
+                "output_len": a.output_len, "rounds": a.rounds, "vocab_size": cfg["vocab_size"],
+                "steers": write_steers(work / f"steers-{shape}", cfg["hidden_size"], max(a.k),
+                                       STEER_RANK),
+                "compilation_config": a.compilation_config}
+        out, log = work / f"{shape}.json", work / f"{shape}.log"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "_engine", "--spec",
+               json.dumps(spec), "--result", str(out)]
+        env = engine_env(a, a.runner, True)
+        # collective_rpc(steer_stats) sends a function to the workers (pickled, as the tests do)
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        t0 = time.time()
+        with open(log, "w") as f:
+            try:
+                rc = subprocess.run(cmd, env=env, stdout=f,
+                                    stderr=subprocess.STDOUT, timeout=a.engine_timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        text = log.read_text()
+        if rc != 0:
+            print(f"FAIL [{shape}] engine exit {rc} in {time.time() - t0:.0f}s:\n{text[-3000:]}")
+            results[shape] = {"error": f"exit {rc}"}
+            ok = False
+            continue
+        result = json.loads(out.read_text())
+        runs, steered = result["runs"], result["rows_steered"]
+        want = a.rows * a.output_len
+        complete = all(t == want for rs in runs.values() for t, _ in rs)
+        # the last run of each mode: plain rows never reach the steer op, steered rows do
+        # (at least one row per generated token of every request)
+        complete &= steered["plain"] == 0 and all(
+            steered[m] >= want for m in runs if m != "plain")
+        ok &= complete
+        summary = summarize(runs)
+        graphs = "replays from CUDA graphs" in text
+        results[shape] = {"hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"],
+                          "graphs": graphs, "complete": complete, "modes": summary,
+                          "rows_steered_last_run": steered,
+                          "runs": runs, "engine_s": round(time.time() - t0)}
+        for mode, s in summary.items():
+            print(f"{'PASS' if complete else 'FAIL'} [{shape} d{cfg['hidden_size']} {a.dtype} "
+                  f"{a.runner}] {mode}: {s['tokens_per_s']:.0f} tokens/s, "
+                  f"{s['ratio_to_plain']:.3f}x plain ({s['rounds']} rounds; head "
+                  f"{'replayed from CUDA graphs' if graphs else 'launched eagerly'})", flush=True)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "gpu_throughput.json").write_text(json.dumps(
+        {"device": a.device, "dtype": a.dtype, "runner": a.runner, "rows": a.rows,
+         "shapes": results}, indent=1))
+    print(f"gpu_throughput: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

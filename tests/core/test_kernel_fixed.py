@@ -1,0 +1,367 @@
+"""The capture-safe steer op (``ops.steer_fixed``, ``vllm_steer/kernels/fixed.py``) and the
+LM head's CUDA graphs over it (``vllm_steer/kernels/graphs.py``), pinned on the CPU.
+
+A CUDA graph replays the kernels it recorded, on the buffers it recorded, with no Python. So
+the op is right in a graph when it computes the formula, launches the same ops with the same
+shapes whatever the values, and reads nothing back to the host. The graph cache is right when
+each row bucket is captured once, replayed after, and captured again when what it recorded
+(the table's storage, the bank's layout, the fixed copy) changes. The graph backend is
+replaced here by a stand-in that records its captures and, at each replay, re-runs the
+captured function and checks that it launches exactly the ops it recorded."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers.steers import random_steer
+from vllm_steer import ops
+from vllm_steer.bank import SlotBank
+from vllm_steer.kernels import graphs as G
+from vllm_steer.reference import steer_reference
+
+DEVICE = torch.device(os.environ.get("VLLM_STEER_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip(f"VLLM_STEER_TEST_DEVICE={DEVICE} but CUDA is not available",
+                allow_module_level=True)
+
+# dtype -> (rtol, atol as a fraction of the largest |delta|). fp32: summation order. bf16: the
+# GEMMs run in bf16 with fp32 accumulation, and their two results (the down-projection, then
+# the scaled down-projection fed to the up-projection) are rounded to bf16 (2^-9 relative
+# each), then the output itself (one bf16 ulp, 2^-8 relative).
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2 ** -7, 2 ** -6)}
+
+
+def fixed_layout(d, ranks, rank, dtype, seed=0):
+    """Random steer factors of ``ranks`` (0: an empty column), packed two ways: concatenated
+    (the reference's bank, ``rank_offsets``) and in the fixed layout (column k at
+    ``[k * rank, ...)``), built here by hand."""
+    g = torch.Generator().manual_seed(seed)
+    f1 = [torch.randn(d, r, generator=g) / d ** 0.5 for r in ranks]
+    f2 = [torch.randn(d, r, generator=g) / max(r, 1) ** 0.5 for r in ranks]
+    offs = [0]
+    for r in ranks:
+        offs.append(offs[-1] + r)
+    p1, p2 = torch.cat(f1, 1).to(dtype), torch.cat(f2, 1).to(dtype)
+    q1 = torch.zeros(d, len(ranks) * rank, dtype=dtype)
+    q2 = torch.zeros_like(q1)
+    for k, (a, b) in enumerate(zip(f1, f2)):
+        q1[:, k * rank:k * rank + a.shape[1]] = a
+        q2[:, k * rank:k * rank + b.shape[1]] = b
+    return [t.to(DEVICE) for t in (p1, p2, q1, q2)], offs
+
+
+def want(h, p1, p2, offs, table, index):
+    rows = torch.stack([table[i] if i >= 0 else torch.zeros(table.shape[1]) for i in index])
+    return steer_reference(h.cpu(), p1.cpu(), p2.cpu(), offs, rows.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,ranks,rows", [(32, [4, 8, 0, 3], 5), (37, [5, 1, 7], 11),
+                                          (64, [16, 0], 1)])
+def test_the_op_computes_the_reference_and_leaves_padding_and_unsteered_rows_alone(
+        dtype, d, ranks, rows):
+    (p1, p2, q1, q2), offs = fixed_layout(d, ranks, max(ranks), dtype, seed=d)
+    g = torch.Generator().manual_seed(rows)
+    table = torch.randn(rows + 3, len(ranks), generator=g) * 2
+    table[1] = 0.0  # an unsteered request
+    index = torch.randint(0, rows + 3, (rows,), generator=g)
+    if rows > 2:
+        index[-1], index[1] = -1, 1  # a padding row, an unsteered row
+    h = (torch.randn(rows, d, generator=g) * 3).to(dtype)
+    out = ops.steer_fixed(h.to(DEVICE), q1, q2, max(ranks), table.to(DEVICE), index.to(DEVICE))
+    ref = want(h, p1, p2, offs, table, index.tolist())
+    rtol, atol = TOL[dtype]
+    scale = (ref.float() - h.float()).abs().max().item()
+    torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=rtol, atol=atol * scale)
+    assert out.dtype == dtype and out.shape == h.shape
+    for i, j in enumerate(index.tolist()):
+        if j < 0 or not table[j].any():
+            assert torch.equal(out[i].cpu(), h[i]), i  # bit for bit
+        else:
+            assert not torch.equal(out[i].cpu(), h[i]), i
+
+
+class Record(TorchDispatchMode):
+    """Every op with its output shapes; an op that hands a value to the host raises (what a
+    CUDA graph capture refuses, and a replay would skip)."""
+
+    HOST = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select",
+            "unique", "_unique2", "item"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.HOST:
+            raise AssertionError(f"{name} reads a device value on the host")
+        out = func(*args, **(kwargs or {}))
+        shapes = tuple(tuple(o.shape) for o in (out if isinstance(out, (tuple, list)) else [out])
+                       if isinstance(o, torch.Tensor))
+        self.ops.append((name, shapes))
+        return out
+
+
+def test_the_op_launches_the_same_ops_and_shapes_whatever_the_values():
+    (_, _, q1, q2), _ = fixed_layout(32, [4, 8, 0], 8, torch.float32)
+    h = torch.randn(6, 32, device=DEVICE)
+    recorded = []
+    for table, index in ((torch.zeros(8, 3), [0, 1, 2, -1, -1, -1]),  # nothing steered
+                         (torch.randn(8, 3), [7, 1, 1, 2, 0, -1]),
+                         (torch.tensor([[0.0, 5.0, 0.0]] * 8), [-1] * 6)):
+        with Record() as rec:
+            ops.steer_fixed(h, q1, q2, 8, table.to(DEVICE), torch.tensor(index, device=DEVICE))
+        recorded.append(rec.ops)
+    assert recorded[0] == recorded[1] == recorded[2], recorded
+    assert len(recorded[0]) > 5  # the op ran (an empty record would prove nothing)
+
+
+class StandIn:
+    """A graph backend for the CPU: ``capture`` runs the function once under :class:`Record`
+    and keeps it with its op sequence; ``replay`` runs it again and fails unless it launches
+    the same ops with the same shapes (what a real graph would replay)."""
+
+    def __init__(self):
+        self.captured, self.replayed = [], 0
+
+    def capture(self, fn):
+        with Record() as rec:
+            fn()
+        self.captured.append((fn, rec.ops))
+        return len(self.captured) - 1
+
+    def replay(self, graph):
+        fn, recorded = self.captured[graph]
+        with Record() as rec:
+            fn()
+        assert rec.ops == recorded, "a replay launched other ops than its capture"
+        self.replayed += 1
+
+
+def test_graphs_capture_each_row_bucket_once_and_follow_the_tables_values():
+    (p1, p2, q1, q2), offs = fixed_layout(24, [4, 6], 6, torch.float32)
+    back = StandIn()
+    graphs = G.SteerGraphs(q1, q2, 6, back, max_rows=16)
+    table = torch.zeros(16, 2, device=DEVICE)
+    g = torch.Generator().manual_seed(0)
+    for step, n in enumerate([3, 4, 1, 3, 9, 16, 2, 5]):
+        table[:n] = torch.randn(n, 2, generator=g).to(DEVICE)  # the step's coefficients
+        h = torch.randn(n, 24, generator=g).to(DEVICE)
+        out = graphs.run(h, table)
+        ref = want(h, p1, p2, offs, table.cpu(), list(range(n)))
+        torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+    assert graphs.buckets == [1, 2, 4, 8, 16] and graphs.captures == 5
+    assert back.replayed == graphs.replays == 8
+    assert graphs.run(torch.randn(17, 24, device=DEVICE), torch.zeros(17, 2)) is None  # eager
+    graphs.disabled = "a reason"
+    assert graphs.run(torch.randn(2, 24, device=DEVICE), table) is None
+
+
+def test_a_new_table_storage_or_dtype_is_captured_again():
+    (_, _, q1, q2), _ = fixed_layout(16, [4], 4, torch.float32)
+    graphs = G.SteerGraphs(q1, q2, 4, StandIn())
+    table = torch.ones(4, 1, device=DEVICE)
+    h = torch.randn(3, 16, device=DEVICE)
+    graphs.run(h, table), graphs.run(h, table)
+    assert graphs.captures == 1
+    bigger = torch.ones(8, 1, device=DEVICE)  # the caller's buffer grew: new storage
+    graphs.run(h, bigger)
+    assert graphs.captures == 2
+    graphs.run(h.to(torch.bfloat16), bigger)
+    assert graphs.captures == 3 and graphs.buckets == [4]
+
+
+@pytest.fixture
+def log_lines():
+    """The messages the package logs during the test (INFO and above)."""
+    from vllm_steer.logs import get_logger
+
+    lines, logger = [], get_logger()
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def _bank(rank=8, **kw):
+    bank = SlotBank(3, 32, device=DEVICE, dtype=torch.float32, reserve_rank=rank, **kw)
+    bank.put(0, 1, "a", random_steer(32, 4, "a", seed=1))
+    bank.put(1, 2, "b", random_steer(32, 8, "b", seed=2))
+    return bank
+
+
+def _coefs(bank, rows, gen):
+    table = torch.zeros(rows, bank.num_columns, device=DEVICE)
+    for k in range(bank.capacity):
+        if bank.steers[k] is not None:
+            table[:, k] = torch.randn(rows, generator=gen).to(DEVICE)
+    return table
+
+
+def test_the_heads_graphs_reuse_the_copy_replay_new_steers_and_recapture_after_a_layout_change(
+        log_lines):
+    bank = _bank()
+    graphs = bank.head_graphs(graph_backend=StandIn())
+    assert graphs is bank.head_graphs() and bank.fixed_p1 is graphs.p1  # one copy, kept
+    assert any("replays from CUDA graphs" in line and "0.0 MiB (6 columns x rank 8 x hidden "
+               "32), allocated now" in line for line in log_lines), log_lines
+    assert bank.fixed_p1.shape == (32, 2 * 3 * 8)
+    gen = torch.Generator().manual_seed(0)
+    table = torch.zeros(8, bank.num_columns, device=DEVICE)  # the caller's persistent buffer
+
+    def step(n=3):
+        table[:n] = _coefs(bank, n, gen)
+        h = torch.randn(n, 32, generator=gen).to(DEVICE)
+        out = graphs.run(h, table)
+        ref = steer_reference(h.cpu(), bank.p1.cpu(), bank.p2.cpu(), bank.rank_offsets,
+                              table[:n].cpu())
+        torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+
+    step()
+    assert graphs.captures == 1
+    bank.put(2, 3, "c", random_steer(32, 8, "c", seed=3))  # a new steer: the layout changes
+    assert graphs.buckets == []  # the cache was dropped
+    step()
+    assert graphs.captures == 2
+    bank.drop(2)
+    bank.put(2, 4, "d", random_steer(32, 8, "d", seed=4))  # back to the same layout as "c"
+    captures = graphs.captures
+    step()  # captured again once (the drop changed the layout), then replayed
+    step()
+    assert graphs.captures == captures + 1
+    bank.put(2, 5, "e", random_steer(32, 8, "e", seed=5))  # same ranks: the layout stays
+    step()  # no capture: the replay reads the copy rewritten in place, and "e" counts
+    assert graphs.captures == captures + 1
+
+
+def test_a_steer_wider_than_the_copy_sends_the_head_back_to_the_eager_op(log_lines):
+    bank = _bank()
+    graphs = bank.head_graphs(graph_backend=StandIn())
+    bank.put(2, 3, "wide", random_steer(32, 12, "wide", seed=6))
+    assert graphs.disabled and "wide" in graphs.disabled
+    assert any("launched eagerly (not from CUDA graphs) while steers wider than the fixed "
+               "copy's rank 8 are loaded: ['wide']" in line for line in log_lines), log_lines
+    assert graphs.run(torch.randn(2, 32, device=DEVICE), torch.zeros(2, 6)) is None
+    bank.drop(2)
+    assert graphs.disabled is None
+    assert graphs.run(torch.randn(2, 32, device=DEVICE), torch.zeros(2, 6)) is not None
+
+
+def test_the_head_keeps_the_eager_op_where_graphs_do_not_apply(monkeypatch, log_lines):
+    assert _bank().head_graphs() is None  # no CUDA (the stand-in lifts this rule)
+    assert _bank().head_graphs("torch", graph_backend=StandIn()) is None  # a named backend
+    monkeypatch.setenv("VLLM_STEER_BACKEND", "triton")
+    assert _bank().head_graphs(graph_backend=StandIn()) is None
+    monkeypatch.delenv("VLLM_STEER_BACKEND")
+    monkeypatch.setenv("VLLM_STEER_CUDA_GRAPHS", "0")
+    assert _bank().head_graphs(graph_backend=StandIn()) is None
+    monkeypatch.setenv("VLLM_STEER_CUDA_GRAPHS", "yes")
+    with pytest.raises(ValueError, match=r"VLLM_STEER_CUDA_GRAPHS='yes' is not an integer: "
+                                         r"set it to 1 .* or 0"):
+        _bank().head_graphs(graph_backend=StandIn())
+    monkeypatch.delenv("VLLM_STEER_CUDA_GRAPHS")
+    bank = _bank()
+
+    def oom(rank):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    monkeypatch.setattr(bank, "enable_fixed", oom)
+    assert bank.head_graphs(graph_backend=StandIn()) is None and bank.fixed_p1 is None
+    assert any("the device cannot hold a fixed-layout copy of the bank of 0.0 MiB (6 columns x "
+               "rank 8 x hidden 32) (CUDA out of memory. Tried to allocate 2.00 MiB)" in line
+               for line in log_lines), log_lines
+    bank = SlotBank(3, 32, device=DEVICE, dtype=torch.float32)  # no reserved rank
+    assert bank.head_graphs(graph_backend=StandIn()) is None and bank.fixed_p1 is None
+    assert any("reserved no rank for a fixed-layout copy (set --max-steer-rank" in line
+               for line in log_lines), log_lines
+    monkeypatch.setattr(G, "MAX_GRAPH_BANK_BYTES", 1000)
+    bank = _bank()
+    assert bank.head_graphs(graph_backend=StandIn()) is None
+    assert bank.fixed_p1 is None  # nothing allocated
+    assert any("launched eagerly: replaying it from CUDA graphs needs a fixed-layout copy of "
+               "the bank of 0.0 MiB (6 columns x rank 8 x hidden 32), over 0 MiB" in line
+               for line in log_lines), log_lines
+
+
+def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_included(
+        tmp_path, log_lines):
+    """The worker's head (``SteerRuntime.steer_rows``) with graphs (the stand-in) gives the
+    reference's rows, including a windowed request whose coefficients move with its
+    generated tokens, and replays without capturing once its buckets are known."""
+    import numpy as np
+
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.worker.runtime import RowSource, get_runtime
+    from vllm_steer.request import Window
+
+    paths = {}
+    for name, seed, rank in (("a", 1, 4), ("b", 2, 8)):
+        paths[name] = str(tmp_path / f"{name}.safetensors")
+        save_steer(paths[name], random_steer(32, rank, name, seed=seed))
+    rt = get_runtime({"vllm_steer": {"steers": paths, "max_steers": 3, "max_steer_rank": 8}})
+    rt.load(32, DEVICE, torch.float32)
+    assert (rt.graphs is None) == (DEVICE.type != "cuda")  # CPU: the eager op, as before
+    rt.ensure_slots(8, DEVICE)
+    rt.graphs = rt.bank.head_graphs(graph_backend=StandIn())
+    copy = rt.bank.fixed_p1
+    assert rt.enable_fixed_drafter() == 0.0 and rt.bank.fixed_p1 is copy  # a drafter shares it
+    assert any("the drafter's steers, inside CUDA graphs, use a fixed-layout copy of the bank: "
+               "0.0 MiB (rank 8 per steer); the LM head's copy, no more memory" in line
+               for line in log_lines), log_lines
+    eps = {n: rt.bank.steers[j].metadata.epsilon for j, n in enumerate(rt.names)}
+    rows = {0: {0: 5 * eps["a"]}, 2: {1: -4 * eps["b"]}}
+    for slot, cols in rows.items():
+        row = np.zeros(rt.num_columns, np.float32)
+        for k, v in cols.items():
+            row[k] = v
+        rt.set_slot(slot, row)
+    rt.set_slot(5, np.array([0, 3 * eps["b"], 0, 0, 0, 0], np.float32),
+                {1: Window(3.0, start=2, base=0.0)})  # b from its third generated token on
+    rt.flush()
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4):
+        slots, pos = np.array([2, 5, 7, 0]), np.array([step, step, step, step])
+        h = torch.randn(4, 32, generator=gen).to(DEVICE)
+        with rt.rows(RowSource("slots", slots=slots, positions=pos)):
+            out = rt.steer_rows(h)
+        coefs = torch.zeros(4, rt.num_columns)
+        coefs[0, 1] = -4 * eps["b"]
+        coefs[1, 1] = 3 * eps["b"] if step >= 2 else 0.0
+        coefs[3, 0] = 5 * eps["a"]
+        ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+                              coefs)
+        torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out[2].cpu(), h[2].cpu())  # an unsteered slot, bit for bit
+    assert rt.graphs.captures == 1 and rt.graphs.replays == 4 and rt.stats.calls == 4
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="real CUDA graphs (scripts/gpu_window.sh runs "
+                                                  "this file with VLLM_STEER_TEST_DEVICE=cuda)")
+def test_real_cuda_graphs_replay_the_tables_and_the_copys_current_values():
+    """On a GPU: the captured graph (no stand-in) follows new coefficients written into the
+    table and a steer rewritten into the fixed copy, and matches the reference."""
+    bank = _bank()
+    graphs = bank.head_graphs()
+    assert isinstance(graphs.backend, G.CudaGraphBackend)
+    table = torch.zeros(8, bank.num_columns, device=DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4):
+        if step == 2:
+            bank.put(1, 9, "b2", random_steer(32, 8, "b2", seed=9))  # same layout: no capture
+        table[:5] = _coefs(bank, 5, gen)
+        h = torch.randn(5, 32, generator=gen).to(DEVICE)
+        out = graphs.run(h, table).clone()
+        ref = steer_reference(h.cpu(), bank.p1.cpu(), bank.p2.cpu(), bank.rank_offsets,
+                              table[:5].cpu())
+        torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+    assert graphs.captures == 1 and graphs.replays == 4

@@ -1,0 +1,47 @@
+"""The capture-safe steer op: rows whose coefficients are gathered on the device from a table,
+applied with a copy of the bank whose layout never changes. Semantics: see
+:mod:`vllm_steer.reference`.
+
+The fixed layout (:meth:`vllm_steer.bank.SlotBank.enable_fixed`): coefficient column ``k``
+multiplies the factors at columns ``[k * rank, (k + 1) * rank)`` of ``p1`` / ``p2``
+(``[hidden, columns * rank]``), a narrower steer padded with zero columns. Row ``i`` takes
+its coefficients from row ``index[i]`` of ``table`` (``[T, columns]`` fp32); ``index[i] =
+-1`` (a padding row) means all zeros, and such a row, like every row whose coefficients are
+all zero, comes back bit for bit.
+
+Why it can be recorded in a CUDA graph and replayed: the ops it launches and their shapes
+depend only on the number of rows and the buffers' shapes, never on a value (no data-dependent
+branch, no compaction of the active rows), and nothing is read back to the host. A graph that
+recorded it reads, at each replay, whatever the table, the index and the factors hold then.
+
+What that costs: every column of the fixed copy is multiplied for every row, whether a row
+uses it or not (two GEMMs of ``[rows, hidden] x [hidden, columns * rank]``), where the Triton
+kernel reads only the steers in use. Worth it while the fixed copy is small: the launch of the
+eager path costs more host time than these GEMMs cost the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def steer_fixed(
+    hidden: torch.Tensor,  # [rows, hidden]
+    p1: torch.Tensor,  # [hidden, columns * rank]: the fixed-layout copy's first factor
+    p2: torch.Tensor,  # [hidden, columns * rank]
+    rank: int,  # columns of the copy per coefficient column
+    table: torch.Tensor,  # [T, columns] fp32: coefficient rows (strength * epsilon)
+    index: torch.Tensor,  # [rows] int: row i's row of the table; -1: a padding row
+) -> torch.Tensor:
+    """Steer ``hidden`` with the coefficients ``table[index]``. Semantics: see reference.
+
+    Capture-safe: no host read, ops and shapes independent of every value. The GEMMs run in
+    the factors' dtype (fp32 accumulation inside), the scaling and the residual add in fp32,
+    the result in ``hidden``'s dtype."""
+    idx = index.long()
+    coefs = table.index_select(0, idx.clamp(min=0)) * (idx >= 0).unsqueeze(1)
+    cols = coefs.repeat_interleave(rank, dim=1)  # [rows, columns * rank]
+    down = (hidden.to(p1.dtype) @ p1).float() * cols
+    delta = (down.to(p2.dtype) @ p2.T).float()
+    out = (hidden.float() + delta).to(hidden.dtype)
+    return torch.where((coefs == 0).all(dim=1, keepdim=True), hidden, out)

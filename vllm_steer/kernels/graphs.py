@@ -1,0 +1,201 @@
+"""The LM head's steer op replayed from CUDA graphs, one per row bucket. Semantics: see
+:mod:`vllm_steer.reference`.
+
+On a GPU the eager steer op is launch-bound: its kernels run for a few microseconds, the host
+spends far longer launching them. :class:`SteerGraphs` records the capture-safe op
+(:func:`vllm_steer.kernels.fixed.steer_fixed`) once per *row bucket* (1, 2, 4, ..., up to
+:data:`MAX_GRAPH_ROWS` rows, as vLLM captures its model per batch size) into a CUDA graph with
+static buffers, and replays it each step: one copy of the step's rows into the bucket's static
+input, one replay, the first rows of its static output returned.
+
+- static input ``[bucket, hidden]`` (the rows past the step's are padding: whatever an earlier
+  step left there; their outputs are never read);
+- static index ``[bucket]`` = ``0, 1, ..., bucket - 1``: row ``i`` takes row ``i`` of the
+  coefficient table (the caller's per-step coefficient buffer, whose storage the graph keeps;
+  ``-1`` past the table's end);
+- static output ``[bucket, hidden]``: what :meth:`SteerGraphs.run` returns a view of, valid
+  until the next call (as the outputs of vLLM's captured model).
+
+A graph is captured on the first step that needs its bucket and replayed from then on. The
+cache is dropped (every bucket is captured again on its next use) when the caller passes
+another coefficient table (its buffer was re-allocated), when the activations change dtype or
+width, and by
+:meth:`SteerGraphs.invalidate` (the bank calls it after a load that changes its layout).
+:meth:`SteerGraphs.run` returns None, and the caller launches the op eagerly, for more rows
+than the largest bucket and while :attr:`SteerGraphs.disabled` says why.
+
+The graph itself comes from a backend (:class:`CudaGraphBackend` on CUDA); tests pass a
+stand-in that records captures and replays, so the bucket and re-capture rules are checked on
+a CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Protocol
+
+import torch
+
+from .fixed import steer_fixed
+
+#: Set to 0 to launch the LM head's steer op eagerly on CUDA (no CUDA graphs of it).
+ENV_GRAPHS = "VLLM_STEER_CUDA_GRAPHS"
+#: The steer backend's override (:data:`vllm_steer.ops.ENV_BACKEND`; this package never
+#: imports ops).
+ENV_BACKEND = "VLLM_STEER_BACKEND"
+#: The largest row bucket captured; a step with more rows launches the op eagerly.
+MAX_GRAPH_ROWS = 512
+#: The largest fixed-layout copy of the bank (both factors, bytes) for which the head uses
+#: graphs: each replay multiplies every column of the copy, used or not, so a large copy
+#: costs more GPU time than its launch saves host time (and the copy is device memory).
+MAX_GRAPH_BANK_BYTES = 256 << 20
+
+
+def graphs_enabled(choice: str | None = "auto") -> bool:
+    """Whether the head's op may be replayed from CUDA graphs: ``$VLLM_STEER_CUDA_GRAPHS``
+    (default on), and the steer backend left to ``auto`` (``choice``, the configured backend,
+    and ``$VLLM_STEER_BACKEND``): a backend named explicitly is launched as asked."""
+    if (choice or "auto") != "auto" or os.environ.get(ENV_BACKEND, "auto") != "auto":
+        return False
+    value = os.environ.get(ENV_GRAPHS, "").strip()
+    if not value:
+        return True
+    try:
+        return int(value) != 0
+    except ValueError:
+        raise ValueError(f"${ENV_GRAPHS}={value!r} is not an integer: set it to 1 (CUDA "
+                         f"graphs for the LM head's steer op, the default) or 0 (eager)") from None
+
+
+def row_bucket(n: int) -> int:
+    """The smallest power of two that holds ``n`` rows."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def fixed_bank_bytes(columns: int, rank: int, hidden_size: int, dtype) -> int:
+    """Device bytes of a fixed-layout copy: two factors ``[hidden, columns * rank]``."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return 2 * hidden_size * columns * rank * itemsize
+
+
+class GraphBackend(Protocol):
+    """Records a function into a replayable graph (CUDA graphs; a stand-in in tests)."""
+
+    def capture(self, fn: Callable[[], None]) -> Any: ...
+
+    def replay(self, graph: Any) -> None: ...
+
+
+class CudaGraphBackend:
+    """``torch.cuda.CUDAGraph``: the function is run once on a side stream (library handles
+    and workspaces are created outside the capture), then captured there; every graph of one
+    :class:`SteerGraphs` shares one memory pool (they replay one at a time, on one stream).
+    The capture is thread-local: work other threads of the process put on the GPU meanwhile
+    is neither captured nor refused."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.pool = None
+
+    def capture(self, fn: Callable[[], None]) -> Any:
+        # torch.cuda.graph's steps (a device sync, then capture_begin/end on a side stream)
+        # without its gc.collect() and empty_cache(), which would cost a serving process far
+        # more than the capture itself
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    fn()
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream().wait_stream(side)
+            if self.pool is None:
+                self.pool = graph.pool()
+        return graph
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+
+class SteerGraphs:
+    """The capture-safe steer op on a fixed-layout bank, one graph per row bucket.
+
+    ``p1``, ``p2``, ``rank``: the fixed-layout copy (:meth:`vllm_steer.bank.SlotBank.
+    enable_fixed`), whose storage every graph reads at replay (so loads that rewrite it in
+    place need no re-capture). ``backend``: :class:`CudaGraphBackend` on the copy's device
+    unless given."""
+
+    def __init__(self, p1: torch.Tensor, p2: torch.Tensor, rank: int,
+                 backend: GraphBackend | None = None, max_rows: int = MAX_GRAPH_ROWS):
+        self.p1, self.p2, self.rank = p1, p2, int(rank)
+        self.backend = backend if backend is not None else CudaGraphBackend(p1.device)
+        self.max_rows = int(max_rows)
+        self.disabled: str | None = None  # why the op is launched eagerly for now (or None)
+        self.captures = 0  # graphs captured (each bucket once per cache)
+        self.replays = 0
+        # bucket -> (graph, static input, static output, and what else the graph reads: the
+        # index and the table, referenced here so that their memory is never handed out again)
+        self._graphs: dict[int, tuple] = {}
+        self._steps: dict[int, tuple] = {}  # rows -> (graph, input view, output view)
+        self._table: torch.Tensor | None = None  # what the graphs were captured with
+        self._dtype: torch.dtype | None = None
+        self._width = 0
+
+    @property
+    def buckets(self) -> list[int]:
+        """The buckets captured so far (ascending)."""
+        return sorted(self._graphs)
+
+    def invalidate(self) -> None:
+        """Drop every graph: each bucket is captured again on its next use."""
+        self._graphs.clear()
+        self._steps.clear()
+
+    def run(self, hidden: torch.Tensor, table: torch.Tensor) -> torch.Tensor | None:
+        """The steered ``hidden`` (``[rows, hidden]``), row ``i`` with the coefficients of
+        ``table[i]`` (``table``: ``[at least rows, columns]`` fp32, a buffer that keeps its
+        storage from step to step), replayed from the bucket's graph (captured now if it is
+        the bucket's first use); a view of the static output, valid until the next call.
+        None when the caller must launch the op eagerly (too many rows, or
+        :attr:`disabled`)."""
+        n = hidden.shape[0]
+        if n > self.max_rows or self.disabled is not None:
+            return None
+        if table is not self._table or hidden.dtype != self._dtype \
+                or hidden.shape[1] != self._width:
+            self.invalidate()  # a graph reads the table it was captured with
+            self._table, self._dtype, self._width = table, hidden.dtype, hidden.shape[1]
+        step = self._steps.get(n)
+        if step is None:  # the bucket's graph and the views of its buffers for n rows
+            bucket = row_bucket(n)
+            entry = self._graphs.get(bucket)
+            if entry is None:
+                entry = self._capture(bucket, hidden, table)
+            step = self._steps[n] = (entry[0], entry[1][:n], entry[2][:n])
+        graph, h_in, out = step
+        h_in.copy_(hidden)
+        self.backend.replay(graph)
+        self.replays += 1
+        return out
+
+    def _capture(self, bucket: int, hidden: torch.Tensor, table: torch.Tensor):
+        dev = self.p1.device
+        h_in = torch.zeros((bucket, hidden.shape[1]), dtype=hidden.dtype, device=dev)
+        out = torch.zeros_like(h_in)
+        index = torch.arange(bucket, dtype=torch.int64, device=dev)
+        index = torch.where(index < table.shape[0], index, -1)
+        p1, p2, rank = self.p1, self.p2, self.rank
+
+        def step() -> None:
+            out.copy_(steer_fixed(h_in, p1, p2, rank, table, index))
+
+        graph = self.backend.capture(step)
+        self.captures += 1
+        self._graphs[bucket] = (graph, h_in, out, index, table)
+        return self._graphs[bucket]
