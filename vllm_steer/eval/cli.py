@@ -9,6 +9,10 @@
     vllm-steer eval train-baseline --like steers/smollm2-detox.safetensors --out bl.safetensors
     vllm-steer eval report eval_out/sentiment-sentiment --recommended-strength 5
 
+``eval toxicity|sentiment|grid`` and ``tune`` also take vLLM's own engine flags
+(``--tensor-parallel-size``, ``--dtype``, ``--max-model-len``, ...), added to their parsers
+when they are used (:mod:`vllm_steer.eval.engine_args`).
+
 Heavy imports happen inside the command functions, so ``--help`` stays fast. Negative
 strength lists may be written ``--strengths -10,-5,0,5,10`` or ``--strengths=-10,...``.
 """
