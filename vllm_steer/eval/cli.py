@@ -115,7 +115,7 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
 
 
 def _kv_cache_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument_group("vLLM engine (and every vLLM engine flag below)").add_argument(
+    p.add_argument_group("vLLM engine").add_argument(
         "--kv-cache-gib", type=float, default=None,
         help="KV-cache memory vLLM reserves, GiB (default: on CUDA what "
              "--gpu-memory-utilization leaves, on CPU 1)")

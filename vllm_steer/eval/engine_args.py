@@ -80,6 +80,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Add vLLM's engine flags to ``parser``, in vLLM's groups, under a "vLLM engine" title.
     A flag the tool defines itself stays the tool's; vLLM's is left out."""
     taken = set(parser._option_string_actions)
+    if parser.usage is None:  # the tool's own flags, then the engine's in one word
+        own = parser.format_usage().removeprefix("usage: ").rstrip().replace("%", "%%")
+        parser.usage = own.replace(parser.prog, "%(prog)s", 1) + " [vLLM engine flags]"
     defaults: dict = {}
     for group in _vllm_parser()._action_groups:
         actions = [a for a in group._group_actions
