@@ -173,6 +173,7 @@ def vllm_serve_options() -> frozenset[str]:
 
 
 def _options(parser) -> set[str]:
+    getattr(parser, "_add_engine_flags", lambda: None)()  # tune/eval: vLLM's engine flags
     return {o for a in parser._actions for o in a.option_strings}
 
 

@@ -472,3 +472,36 @@ def test_cli_train_prints_its_estimate_first_and_the_cache_size_is_right(tiny_mo
     meta = read_metadata(out)
     assert json.loads(meta.to_json())["recipe"]["train_strengths"] == [1.0, 2.0, 4.0]
     assert meta.rank == 16  # the default
+    # the estimate is for the model given: its parameters, hidden size, vocabulary, dtype,
+    # device (read here from the model's own files)
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as f:
+        params = sum(f.get_slice(k).get_shape()[0] * (f.get_slice(k).get_shape() + [1])[1]
+                     for k in f.keys())
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    m = re.search(r"; the model: (.+) parameters, hidden size (\d+), vocabulary ([\d,]+), "
+                  r"(float32|bfloat16) on cpu \((.+) MiB\)$", lines[0])
+    assert m and m.groups() == (
+        f"{params / 1e6:.3g}M", str(cfg["hidden_size"]), f"{cfg['vocab_size']:,}", m[4],
+        f"{params * {'float32': 4, 'bfloat16': 2}[m[4]] / 2**20:.3g}"), lines[0]
+    # the model's tokenizer has a chat template: the run says the texts are read as plain text
+    has_template = "chat_template" in (tiny_model_dir / "tokenizer_config.json").read_text() \
+        or (tiny_model_dir / "chat_template.jinja").exists()
+    note = [ln for ln in lines if "has a chat template" in ln]
+    assert has_template and note and "read as plain text" in note[0], lines[:3]
+
+
+def test_cli_train_requires_a_model_outside_the_demo_presets(tmp_path, capsys):
+    from vllm_steer.cli import main
+
+    (tmp_path / "p.txt").write_text("good\n")
+    assert main(["train", "--positive", str(tmp_path / "p.txt"), "--negative",
+                 str(tmp_path / "p.txt"), "--out", str(tmp_path / "x.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert "vllm-steer train: error: --model is required" in err
+    assert "--preset detox, --preset sentiment" in err and "default to smollm2" in err
+    assert not (tmp_path / "x.safetensors").exists()
+    from vllm_steer.train.cli import train_model
+
+    assert train_model(None, "detox") == "smollm2" and train_model("m", None) == "m"

@@ -9,6 +9,10 @@
     vllm-steer eval train-baseline --like steers/smollm2-detox.safetensors --out bl.safetensors
     vllm-steer eval report eval_out/sentiment-sentiment --recommended-strength 5
 
+``eval toxicity|sentiment|grid`` and ``tune`` also take vLLM's own engine flags
+(``--tensor-parallel-size``, ``--dtype``, ``--max-model-len``, ...), added to their parsers
+when they are used (:mod:`vllm_steer.eval.engine_args`).
+
 Heavy imports happen inside the command functions, so ``--help`` stays fast. Negative
 strength lists may be written ``--strengths -10,-5,0,5,10`` or ``--strengths=-10,...``.
 """
@@ -25,16 +29,21 @@ from vllm_steer.strengths import parse_strengths  # noqa: F401  (re-exported)
 _NEG_LIST = re.compile(r"^-[\d.]+(\s*,\s*-?[\d.]+)*$")
 
 
-def _parser(sub, name: str, **kw) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
+def _parser(sub, name: str, engine: bool = False, **kw) -> argparse.ArgumentParser:
+    """A sub-command's parser; ``engine``: it also takes vLLM's engine flags (added when it
+    is used, see :mod:`vllm_steer.eval.engine_args`)."""
+    from vllm_steer.eval.engine_args import engine_parser
+
+    add = (lambda n, **k: engine_parser(sub, n, **k)) if engine else sub.add_parser
+    p = add(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
     p._negative_number_matcher = _NEG_LIST  # "-10,-5,0" is a value, not an option
     return p
 
 
 def _common(p: argparse.ArgumentParser, task: str) -> None:
-    from vllm_steer.eval.generation import EngineConfig, SamplingConfig
+    from vllm_steer.eval.generation import SamplingConfig
 
-    s, e = SamplingConfig(), EngineConfig()
+    s = SamplingConfig()
     g = p.add_argument_group("what to evaluate")
     g.add_argument("--model", default="smollm2",
                    help="model to generate with: HF folder or id, or smollm2 (embedded)")
@@ -80,7 +89,8 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
     r.add_argument("--temperature", type=float, default=s.temperature,
                    help="sampling temperature")
     r.add_argument("--seed", type=int, default=s.seed,
-                   help="seed of the samples (the same draws in every condition)")
+                   help="seed of the samples (the same draws in every condition) and of the "
+                        "vLLM engine")
     o = p.add_argument_group("scoring and output")
     o.add_argument("--data", default=None,
                    help="data folder (default $VLLM_STEER_DATA or ../shared/data)")
@@ -100,15 +110,15 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
                         "prompt logprobs, same weights; about 2x faster on CPU), transformers, "
                         "or auto (vllm unless --scorer-model names another model)")
     o.add_argument("--quiet", action="store_true", help="no progress bars")
-    v = p.add_argument_group("vLLM engine")
-    v.add_argument("--dtype", default=e.dtype, help="model dtype in vLLM")
-    v.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs,
-                   help="sequences vLLM decodes together")
-    v.add_argument("--max-model-len", type=int, default=e.max_model_len,
-                   help="context window vLLM allocates for (prompt + continuation)")
-    v.add_argument("--kv-cache-gib", type=float, default=e.kv_cache_gib,
-                   help="KV-cache memory vLLM reserves, GiB")
+    _kv_cache_flag(p)
     p.set_defaults(func=cmd_eval, eval_task=task)
+
+
+def _kv_cache_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument_group("vLLM engine").add_argument(
+        "--kv-cache-gib", type=float, default=None,
+        help="KV-cache memory vLLM reserves, GiB (default: on CUDA what "
+             "--gpu-memory-utilization leaves, on CPU 1)")
 
 
 def add_commands(subparsers) -> None:
@@ -116,17 +126,17 @@ def add_commands(subparsers) -> None:
         "eval", help="evaluate steers like the paper (toxicity, sentiment, composition)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ev.add_subparsers(dest="eval_command", metavar="EVAL_COMMAND")
-    _common(_parser(sub, "toxicity", help="detoxification on RealToxicityPrompts (non-toxic)",
+    _common(_parser(sub, "toxicity", engine=True, help="detoxification on RealToxicityPrompts (non-toxic)",
                     description="Sample continuations of RealToxicityPrompts through vLLM at "
                                 "each strength; report avg max toxicity, toxicity probability, "
                                 "perplexity and dist-n, vs the soft-blacklist baseline."),
             "toxicity")
-    _common(_parser(sub, "sentiment", help="sentiment control on the sentiment prompts",
+    _common(_parser(sub, "sentiment", engine=True, help="sentiment control on the sentiment prompts",
                     description="Sample continuations of the neutral (or positive/negative) "
                                 "sentiment prompts at each strength; report positivity (SST-2 "
                                 "classifier, VADER), perplexity and dist-n, vs the baseline."),
             "sentiment")
-    _common(_parser(sub, "grid", help="composition: two steers over a grid of strengths",
+    _common(_parser(sub, "grid", engine=True, help="composition: two steers over a grid of strengths",
                     description="Steer with {A: a, B: b} for every (a, b) of the two strength "
                                 "lists; report toxicity, positivity and perplexity per cell."),
             "grid")
@@ -177,11 +187,11 @@ def add_commands(subparsers) -> None:
 
 def _tune_command(subparsers) -> None:
     """``vllm-steer tune STEER --task toxicity|sentiment --prompts FILE``."""
-    from vllm_steer.eval.generation import EngineConfig, SamplingConfig
+    from vllm_steer.eval.generation import SamplingConfig
     from vllm_steer.eval.tune import DEFAULT_STRENGTHS
 
-    s, e = SamplingConfig(), EngineConfig()
-    t = _parser(subparsers, "tune", help="choose a steer's recommended strength by generation",
+    s = SamplingConfig()
+    t = _parser(subparsers, "tune", engine=True, help="choose a steer's recommended strength by generation",
                 description="Generate on development prompts through vLLM with the plugin at "
                             "each candidate strength, and write the strongest strength whose "
                             "perplexity stays within --ppl-budget of unsteered (with the rule "
@@ -205,7 +215,8 @@ def _tune_command(subparsers) -> None:
     t.add_argument("--temperature", type=float, default=s.temperature,
                    help="sampling temperature")
     t.add_argument("--seed", type=int, default=s.seed,
-                   help="seed of the samples (the same draws at every strength)")
+                   help="seed of the samples (the same draws at every strength) and of the "
+                        "vLLM engine")
     t.add_argument("--model", default=None,
                    help="model to generate with: HF folder or id, or smollm2 (embedded) "
                         "(default: the model the steer was trained on, its base_model; "
@@ -220,15 +231,14 @@ def _tune_command(subparsers) -> None:
                         "(default: sst2 and vader)")
     t.add_argument("--dry-run", action="store_true",
                    help="measure and print, do not write the steer file")
-    t.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs,
-                   help="sequences vLLM decodes together")
-    t.add_argument("--kv-cache-gib", type=float, default=e.kv_cache_gib,
-                   help="KV-cache memory vLLM reserves, GiB")
     t.add_argument("--quiet", action="store_true", help="no progress bars")
+    _kv_cache_flag(t)
     t.set_defaults(func=cmd_tune)
 
 
 def _tune_command_line(args) -> str:
+    from vllm_steer.eval.engine_args import engine_flags
+
     a = ["vllm-steer", "tune", args.steer, "--task", args.task, "--prompts", args.prompts,
          f"--strengths={_nums(args.strengths)}", "--ppl-budget", f"{args.ppl_budget:g}",
          "--num-prompts", str(args.num_prompts), "--samples", str(args.samples),
@@ -239,16 +249,19 @@ def _tune_command_line(args) -> str:
         a += ["--toxicity-scorer", args.toxicity_scorer]
     for x in args.sentiment_scorer or []:
         a += ["--sentiment-scorer", x]
+    a += engine_flags(args.engine)
     return " ".join(shlex.quote(x) for x in a)
 
 
 def cmd_tune(args) -> int:
-    from vllm_steer.eval.generation import EngineConfig, SamplingConfig
+    from vllm_steer.eval.engine_args import engine_config_from_args
+    from vllm_steer.eval.generation import SamplingConfig
     from vllm_steer.eval.tune import TuneConfig, tune
 
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError(f"--num-prompts {args.num_prompts}: must be at least 1")
     args.model = tune_model(args.steer, args.model)
+    args.engine = engine_config_from_args(args, args.kv_cache_gib)
     cfg = TuneConfig(steer=args.steer, task=args.task, prompts=args.prompts,
                      strengths=[abs(x) for x in args.strengths], ppl_budget=args.ppl_budget,
                      num_prompts=args.num_prompts,
@@ -258,8 +271,7 @@ def cmd_tune(args) -> int:
                      model=args.model, data_dir=args.data, out=args.out,
                      toxicity_scorer=args.toxicity_scorer,
                      sentiment_scorers=args.sentiment_scorer or ["sst2", "vader"],
-                     engine=EngineConfig(max_num_seqs=args.max_num_seqs,
-                                         kv_cache_gib=args.kv_cache_gib),
+                     engine=args.engine,
                      write=not args.dry_run, progress=not args.quiet,
                      command=_tune_command_line(args))
     rec = tune(cfg)
@@ -285,7 +297,8 @@ def _nums(xs) -> str:
 def command_for(cfg) -> str:
     """The ``vllm-steer eval`` command line that reproduces ``cfg`` (defaults left out;
     the data folder is not included)."""
-    from vllm_steer.eval.generation import EngineConfig, SamplingConfig
+    from vllm_steer.eval.engine_args import engine_flags
+    from vllm_steer.eval.generation import SamplingConfig
 
     a = ["vllm-steer", "eval", cfg.task]
     if cfg.model != "smollm2":
@@ -325,12 +338,7 @@ def command_for(cfg) -> str:
         a += ["--scorer-dtype", cfg.scorer_dtype]
     if cfg.ppl_backend != "auto":
         a += ["--ppl-backend", cfg.ppl_backend]
-    e = EngineConfig()
-    for flag, k in (("--dtype", "dtype"), ("--max-num-seqs", "max_num_seqs"),
-                    ("--max-model-len", "max_model_len"), ("--kv-cache-gib", "kv_cache_gib")):
-        v = getattr(cfg.engine, k)
-        if v != getattr(e, k):
-            a += [flag, str(v)]
+    a += engine_flags(cfg.engine)
     a += ["--out", cfg.out]
     return " ".join(shlex.quote(x) for x in a)
 
@@ -339,7 +347,8 @@ def config_from_args(args):
     """The :class:`~vllm_steer.eval.harness.EvalConfig` of parsed arguments."""
     import os
 
-    from vllm_steer.eval.generation import EngineConfig, SamplingConfig
+    from vllm_steer.eval.engine_args import engine_config_from_args
+    from vllm_steer.eval.generation import SamplingConfig
     from vllm_steer.eval.harness import EvalConfig
 
     task = args.eval_task
@@ -370,8 +379,7 @@ def config_from_args(args):
         sentiment_scorers=args.sentiment_scorer or ["sst2", "vader"],
         scorer_model=args.scorer_model, scorer_dtype=args.scorer_dtype,
         ppl_backend=args.ppl_backend,
-        engine=EngineConfig(dtype=args.dtype, max_model_len=args.max_model_len,
-                            max_num_seqs=args.max_num_seqs, kv_cache_gib=args.kv_cache_gib),
+        engine=engine_config_from_args(args, args.kv_cache_gib),
         recommended_strength=getattr(args, "recommended_strength", None),
         progress=not args.quiet)
     cfg.command = command_for(cfg)

@@ -108,22 +108,68 @@ class Generator(Protocol):
     def close(self) -> None: ...
 
 
+DEVICE_CUDA, DEVICE_CPU = "cuda", "cpu"
+
+#: What an unset engine setting becomes, per device: bf16 and CUDA graphs on a GPU (vLLM's own
+#: choices for the rest); on a CPU the settings the evaluations were measured with.
+DEVICE_DEFAULTS: dict[str, dict] = {
+    DEVICE_CUDA: {"dtype": "bfloat16", "enforce_eager": False, "max_model_len": None,
+                  "max_num_seqs": None, "kv_cache_gib": None},
+    DEVICE_CPU: {"dtype": "float32", "enforce_eager": True, "max_model_len": 512,
+                 "max_num_seqs": 128, "kv_cache_gib": 1.0},
+}
+
+
+def engine_device() -> str:
+    """``cuda`` where vLLM runs on a CUDA (or ROCm) GPU, else ``cpu``."""
+    from vllm.platforms import current_platform
+
+    return DEVICE_CUDA if current_platform.is_cuda_alike() else DEVICE_CPU
+
+
 @dataclass
 class EngineConfig:
-    """The vLLM engine of an evaluation (defaults fit this project's CPU tests)."""
+    """The vLLM engine of an evaluation: vLLM's own engine arguments (``EngineArgs`` fields).
+    ``None`` means "the default for the device" (:data:`DEVICE_DEFAULTS`): bfloat16 and
+    CUDA graphs on a GPU; float32, eager and a 512-token window on a CPU."""
 
-    dtype: str = "float32"
-    """Model dtype in vLLM (``float32`` on CPU; ``auto``/``bfloat16`` on GPU)."""
-    max_model_len: int = 512
-    """Context window the engine allocates for (prompt + continuation)."""
-    max_num_seqs: int = 128
-    """Sequences decoded together (larger batches are faster per token)."""
-    kv_cache_gib: float = 1.0
-    """KV-cache memory (GiB) reserved on the CPU (``kv_cache_memory_bytes``)."""
-    enforce_eager: bool = True
-    """No graph capture/compilation (faster start-up; required on this CPU build)."""
+    dtype: str | None = None
+    """Model dtype in vLLM (``None``: ``bfloat16`` on CUDA, ``float32`` on CPU)."""
+    max_model_len: int | None = None
+    """Context window the engine allocates for, prompt + continuation (``None``: the model's
+    own on CUDA, 512 on CPU)."""
+    max_num_seqs: int | None = None
+    """Sequences decoded together (``None``: vLLM's default on CUDA, 128 on CPU)."""
+    kv_cache_gib: float | None = None
+    """KV-cache memory (GiB, ``kv_cache_memory_bytes``); ``None``: on CUDA the share
+    ``gpu_memory_utilization`` leaves, on CPU 1 GiB."""
+    enforce_eager: bool | None = None
+    """No CUDA graphs or compilation (``None``: graphs on CUDA, eager on CPU)."""
     extra: dict = field(default_factory=dict)
-    """Any other ``vllm.LLM`` keyword arguments."""
+    """Any other vLLM engine argument (``EngineArgs`` field -> value), e.g.
+    ``{"tensor_parallel_size": 2, "gpu_memory_utilization": 0.8, "quantization": "fp8"}``."""
+
+    def resolved(self, device: str) -> dict:
+        """The engine arguments for ``device`` (``cuda`` or ``cpu``): the settings given, the
+        device's defaults for the others; arguments left to vLLM are not included."""
+        if device not in DEVICE_DEFAULTS:
+            raise ValueError(f"device {device!r}: choose {' or '.join(DEVICE_DEFAULTS)}")
+        kw: dict = {}
+        for k, default in DEVICE_DEFAULTS[device].items():
+            v = getattr(self, k)
+            v = default if v is None else v
+            if v is None:
+                continue
+            if k == "kv_cache_gib":
+                kw["kv_cache_memory_bytes"] = int(v * (1 << 30))
+            else:
+                kw[k] = v
+        if "kv_cache_memory_bytes" in self.extra and self.kv_cache_gib is not None:
+            raise ValueError(f"--kv-cache-gib {self.kv_cache_gib:g} and "
+                             f"--kv-cache-memory-bytes {self.extra['kv_cache_memory_bytes']} "
+                             "both size the KV cache: give one of them")
+        kw.update(self.extra)
+        return kw
 
 
 class VLLMGenerator:
@@ -131,24 +177,24 @@ class VLLMGenerator:
 
     def __init__(self, model: str, steers: dict[str, str] | None = None,
                  blacklists: dict[str, str] | None = None, engine: EngineConfig | None = None,
-                 seed: int = 0):
+                 seed: int = 0, device: str | None = None):
         from vllm import LLM
 
         from vllm_steer.eval.logits_processor import FQCN, engine_config
 
         engine = engine or EngineConfig()
-        additional: dict = {}
+        kw = engine.resolved(device or engine_device())
+        #: the engine arguments this run used (recorded in results.json)
+        self.engine_args = dict(kw)
+        additional: dict = dict(kw.pop("additional_config", None) or {})
         if steers:
-            additional["vllm_steer"] = {"steers": dict(steers)}
-        kw = dict(dtype=engine.dtype, max_model_len=engine.max_model_len,
-                  max_num_seqs=engine.max_num_seqs, enforce_eager=engine.enforce_eager,
-                  kv_cache_memory_bytes=int(engine.kv_cache_gib * (1 << 30)), seed=seed)
+            additional["vllm_steer"] = {**additional.get("vllm_steer", {}),
+                                        "steers": dict(steers)}
         if blacklists:
             additional.update(engine_config(blacklists))
-            kw["logits_processors"] = [FQCN]
-        kw.update(engine.extra)
+            kw["logits_processors"] = list(kw.get("logits_processors") or []) + [FQCN]
         t0 = time.perf_counter()
-        self.llm = LLM(model, additional_config=additional or None, **kw)
+        self.llm = LLM(model, additional_config=additional or None, seed=seed, **kw)
         self.startup_s = time.perf_counter() - t0
 
     def generate(self, prompts: Sequence[str], conditions: Sequence[Condition],

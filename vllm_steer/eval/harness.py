@@ -309,6 +309,7 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     gen = factory(model_path, {n: steers[n]["path"] for n in names},
                   {bl_name: bl_path} if bl_path else {}, cfg.engine, cfg.sampling.seed)
     timing["engine_start_s"] = time.perf_counter() - t
+    engine_args = dict(getattr(gen, "engine_args", None) or {})
     same_model = cfg.scorer_model in (None, cfg.model)
     engine_ppl = cfg.ppl_backend == "vllm" or (cfg.ppl_backend == "auto" and same_model
                                                 and callable(getattr(gen, "nll", None)))
@@ -329,7 +330,7 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
             nll = gen.nll(flat_prompts, flat_texts, progress=cfg.progress)
             timing["score_ppl_s"] = time.perf_counter() - t
             scorer_info = {"model": cfg.model, "path": model_path, "backend": "vllm",
-                           "dtype": cfg.engine.dtype}
+                           "dtype": engine_args.get("dtype", cfg.engine.dtype)}
     finally:
         gen.close()
 
@@ -403,7 +404,7 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
         "conditions": cond_results, "timing": timing,
         "continuations": n_seq,
         "config": _config_record(cfg), "command": cfg.command,
-        "environment": _environment(),
+        "engine": engine_args, "environment": _environment(),
     }
     if cfg.task == "grid":
         results["grid"] = {"steers": names, "a": list(cfg.strengths),
@@ -458,7 +459,8 @@ _MERGE_KEYS: dict[str, Callable[[dict], Any]] = {
     "baseline": lambda r: (r.get("baseline") or {}).get("sha256"),
     "scorers": lambda r: (r["scorers"]["toxicity"]["name"], list(r["scorers"]["sentiment"]),
                           r["scorers"]["perplexity"]),
-    "engine dtype": lambda r: r["config"]["engine"]["dtype"],
+    "engine dtype": lambda r: (r.get("engine") or {}).get("dtype",
+                                                          r["config"]["engine"]["dtype"]),
 }
 
 

@@ -16,6 +16,9 @@ import sys
 
 from vllm_steer.train.config import DataConfig, TrainConfig
 
+#: The model the demo presets (``--preset``) train when no ``--model`` is given.
+DEMO_MODEL = "smollm2"
+
 
 class StrengthList(argparse.Action):
     """A list of strengths written as vllm-steer writes them everywhere, comma-separated
@@ -58,7 +61,8 @@ def add_commands(subparsers) -> None:
         "train", help="train a steer offline from positive and negative texts",
         description="Train an LM-Steer on a frozen Hugging Face causal LM. The final hidden "
                     "states of the texts are computed once; each step then costs only the "
-                    "output head. See docs/training.md.",
+                    "output head. Texts are read as plain text (no chat template), for chat "
+                    "models too. See docs/training.md.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     src = t.add_argument_group("data")
     src.add_argument("--preset", choices=["detox", "sentiment"],
@@ -111,8 +115,10 @@ def add_commands(subparsers) -> None:
                      help="dev texts per side at most")
 
     rec = t.add_argument_group("recipe")
-    rec.add_argument("--model", default=d.model,
-                     help="HF folder or id, or smollm2 (the embedded model)")
+    rec.add_argument("--model", default=None,
+                     help="the model the steer is for: HF folder or id, or smollm2 (the "
+                          "embedded model); required, except with a demo --preset, which "
+                          f"defaults to {DEMO_MODEL}")
     rec.add_argument("--steps", type=int, default=d.steps,
                      help="optimiser steps (one batch each; the paper's 1000)")
     rec.add_argument("--batch-size", type=int, default=d.batch_size, help="texts per step")
@@ -230,10 +236,25 @@ def _data_config(args) -> DataConfig:
                       **common)
 
 
+def train_model(model: str | None, preset: str | None) -> str:
+    """``--model``, or the embedded model for a demo preset; else a clear error."""
+    if model:
+        return model
+    if preset:
+        return DEMO_MODEL
+    from vllm_steer.train.data import PRESETS
+
+    demos = ", ".join(f"--preset {p}" for p in sorted(PRESETS))
+    raise ValueError("--model is required: the model the steer is for (a Hugging Face "
+                     "folder or id, e.g. --model meta-llama/Llama-3.1-8B-Instruct); a steer "
+                     "only works on the model it was trained on. Only the demo presets "
+                     f"({demos}) default to {DEMO_MODEL}, the embedded model")
+
+
 def cmd_train(args) -> int:
     from vllm_steer.train.trainer import train_steer
 
-    cfg = TrainConfig(model=args.model, rank=args.rank, domain_rank=args.domain_rank,
+    cfg = TrainConfig(model=train_model(args.model, args.preset), rank=args.rank, domain_rank=args.domain_rank,
                       epsilon=args.epsilon, init_std=args.init_std, lr=args.lr,
                       steps=args.steps, batch_size=args.batch_size, max_length=args.max_length,
                       regularization=args.regularization, seed=args.seed,

@@ -381,16 +381,39 @@ def estimate_run(prep: Prepared, lm: LMSteer, used, start: int = 0) -> dict[str,
     gemm_s = (time.perf_counter() - t) / reps
     evals = (cfg.steps // cfg.eval_every + 1) if cfg.eval_every else 1
     eval_s = evals * 2 * gemm_s * n_dev / step_tokens
+    device_bytes = peak - cache  # the cache is kept in host memory, batches are copied over
+    if prep.device.type != "cpu":
+        peak = device_bytes
     return {"tokens": tokens, "cache_bytes": cache, "peak_bytes": peak,
             "hidden_s": tokens / tok_per_s, "tokens_per_s": tok_per_s,
-            "steps": cfg.steps - start, "train_s": (cfg.steps - start) * 2 * gemm_s + eval_s}
+            "steps": cfg.steps - start, "train_s": (cfg.steps - start) * 2 * gemm_s + eval_s,
+            "device": prep.device.type, "params": params, "model_bytes": model_bytes,
+            "hidden_size": d, "vocab": vocab, "model_dtype": dtype_name(prep.model_dtype)}
 
 
-def describe_estimate(e: dict[str, float]) -> str:
+def _count(n: float) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
+def describe_estimate(e: dict[str, Any]) -> str:
+    where = e.get("device", "cpu")
+    host = ("" if where == "cpu" else
+            f" on {where}, and {_gib(e['cache_bytes'])} of host memory for the cache")
+    model = ("" if "params" not in e else
+             f"; the model: {_count(e['params'])} parameters, hidden size {e['hidden_size']}, "
+             f"vocabulary {e['vocab']:,}, {e['model_dtype']} on {where} "
+             f"({_gib(e['model_bytes'])})")
     return (f"hidden states of {e['tokens']:,} tokens (cache {_gib(e['cache_bytes'])}, "
             f"~{_minutes(e['hidden_s'])} at {e['tokens_per_s']:,.0f} tokens/s unless already "
             f"cached), {e['steps']} steps (~{_minutes(e['train_s'])}); peak memory about "
-            f"{_gib(e['peak_bytes'])} (rough: timed on a few texts and one head product)")
+            f"{_gib(e['peak_bytes'])}{host} (rough: timed on a few texts and one head "
+            f"product){model}")
+
+
+CHAT_NOTE = ("note: {model} has a chat template; training texts are read as plain text "
+             "(the tokenizer's own special tokens, no chat template), as the paper trains. A "
+             "served steer applies to every generated token, in completions and chat alike "
+             "(docs/training.md, chat models)")
 
 
 @dataclass
@@ -451,6 +474,8 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
     sched = BatchSchedule(len(prep.train_ids), cfg.batch_size, cfg.seed)
     used = used_texts(sched, cfg.steps)
     log("[train] estimate: " + describe_estimate(estimate_run(prep, lm, used, start)))
+    if getattr(prep.tokenizer, "chat_template", None):
+        log("[train] " + CHAT_NOTE.format(model=cfg.model))
     t_h = time.perf_counter()
     train_hs = hidden_states(prep, "train", checkpoint_dir, progress, log, needed=used)
     pos = local_index(train_hs, len(prep.train_ids))
