@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import random_steer
+from helpers.steers import random_steer
 from vllm_steer.cli import build_parser, main
 from vllm_steer.eval.cli import config_from_args
 from vllm_steer.eval.generation import EngineConfig, VLLMGenerator

@@ -9,7 +9,9 @@ import json
 
 import pytest
 
-from conftest import make_tiny_llama, random_steer
+from helpers.models import make_tiny_llama
+
+from helpers.steers import random_steer
 from vllm_steer.cli import main
 
 pytestmark = pytest.mark.vllm
