@@ -110,6 +110,10 @@ WRAPPER_ATTR = "_vllm_steer"
 #: Targets of the hooks whose patched function ran in this process at least once (recorded on
 #: each one's first call only); read by the hook-coverage tests through :func:`hooks_called`.
 _CALLED: set[str] = set()
+#: Environment variable naming a directory: every process then also appends the target of
+#: each hook, on its first call, to ``<dir>/hooks-<pid>.txt`` (:func:`hooks_recorded` reads
+#: them back: which hooks an engine's processes ran).
+RECORD_ENV = "VLLM_STEER_HOOKS_RECORD"
 
 
 def hooks_called() -> list[str]:
@@ -117,13 +121,44 @@ def hooks_called() -> list[str]:
     return sorted(_CALLED)
 
 
+def hooks_recorded(directory: str) -> set[str]:
+    """The targets every process recorded under ``directory`` (:data:`RECORD_ENV`)."""
+    import os
+
+    out: set[str] = set()
+    for name in os.listdir(directory):
+        if name.startswith("hooks-") and name.endswith(".txt"):
+            with open(os.path.join(directory, name), encoding="utf-8") as f:
+                out.update(line.strip() for line in f if line.strip())
+    return out
+
+
+def wrapped_targets(hooks, groups) -> set[str]:
+    """The targets of ``hooks`` of ``groups`` (names or :class:`HookGroup`) that wrap a vLLM
+    function (those whose calls are recorded)."""
+    names = {g if isinstance(g, str) else g.name for g in groups}
+    return {h.target for h in hooks if h.wrapper is not None and h.group.name in names}
+
+
+def _record(target: str) -> None:
+    """A hook's first call in this process (:func:`wrap_method`)."""
+    import os
+
+    _CALLED.add(target)
+    directory = os.environ.get(RECORD_ENV)
+    if directory:
+        with open(os.path.join(directory, f"hooks-{os.getpid()}.txt"), "a",
+                  encoding="utf-8") as f:
+            f.write(target + "\n")
+
+
 def wrap_method(owner: Any, name: str, wrapper: Callable, record: str | None = None) -> None:
     """Replace ``owner.name`` (a method, static or class method of a class, or a module's
     function) by one that calls ``wrapper(orig, *args, **kwargs)``: the one way this plugin
     patches vLLM. Idempotent (a second call with the same wrapper changes nothing); a
     coroutine (async generator) wrapper makes a coroutine (async generator) method. With
-    ``record``, its first call adds ``record`` to :func:`hooks_called` (one flag test a call
-    after that)."""
+    ``record``, its first call records ``record`` (:func:`hooks_called`, :data:`RECORD_ENV`);
+    every later call costs one flag test."""
     raw = inspect.getattr_static(owner, name)
     kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
     orig = raw.__func__ if kind else raw
@@ -135,7 +170,7 @@ def wrap_method(owner: Any, name: str, wrapper: Callable, record: str | None = N
         async def patched(*args, **kwargs):
             if first[0]:
                 first[0] = False
-                _CALLED.add(record)
+                _record(record)
             agen = wrapper(orig, *args, **kwargs)
             try:
                 async for item in agen:
@@ -146,13 +181,13 @@ def wrap_method(owner: Any, name: str, wrapper: Callable, record: str | None = N
         async def patched(*args, **kwargs):
             if first[0]:
                 first[0] = False
-                _CALLED.add(record)
+                _record(record)
             return await wrapper(orig, *args, **kwargs)
     else:
         def patched(*args, **kwargs):
             if first[0]:
                 first[0] = False
-                _CALLED.add(record)
+                _record(record)
             return wrapper(orig, *args, **kwargs)
     functools.update_wrapper(patched, orig)
     setattr(patched, WRAPPER_ATTR, wrapper)
