@@ -28,7 +28,8 @@ def test_modules_the_frontend_imports_do_not_import_torch():
     modules = [m.name for pkg in (frontend, engine)
                for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + ".")]
     assert len(modules) >= 8, modules
-    modules += ["vllm_steer.integrations." + m for m in ("plugin", "hooks", "families")]
+    modules += ["vllm_steer.integrations." + m for m in ("plugin", "hooks", "families",
+                                                            "surface", "supported")]
     modules += ["vllm_steer.config", "vllm_steer.format", "vllm_steer.policy"]
     code = f"import sys; import {', '.join(modules)}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -2,9 +2,13 @@
 
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers),
 and in ``vllm serve`` before the CLI parser is built. It installs every hook in :data:`HOOKS`,
-the one list of the plugin's patch points into vLLM, each named after what it patches,
-grouped by the process that needs it (docs/architecture.md shows the request's path through
-them). Each wraps the vLLM attribute with a function named after it
+the one list of the plugin's patch points into vLLM, each named after what it patches, in
+the group that needs it (:data:`~vllm_steer.integrations.hooks.GROUPS`: frontend, engine,
+worker, each model runner with its prompt logprobs and its speculative decoding), with the
+private vLLM names its wrapper reads (``reads``), the parameters it binds by name
+(``params``) and, for a name patched where it is imported, the functions that must still call
+it through that name (``called_by``); docs/architecture.md shows the request's path through
+them. Each wraps the vLLM attribute with a function named after it
 (:func:`~vllm_steer.integrations.hooks.wrap_method`), or installs something there:
 
 - frontend (API server and ``LLM`` process, :mod:`vllm_steer.integrations.frontend`): the
@@ -21,8 +25,10 @@ Offline, pass the same configuration yourself::
     LLM(model, additional_config={"vllm_steer": {"steers": {"detox": "detox.safetensors"}}})
     SamplingParams(extra_args={"steer": {"detox": 5}})
 
-A hook vLLM moved or removed is reported at registration: start-up fails when steers are
-configured (naming the vLLM version and the hook), and a warning is logged otherwise.
+A hook vLLM moved or removed is reported at registration, with the groups it makes
+unavailable; start-up with steers fails only when the configuration uses one of them (naming
+the vLLM version, the group and the hook). ``scripts/vllm_surface.py`` writes the names these
+hooks need, per vLLM version, to the manifests the tests check them against.
 
 This module imports no torch at import time (nor do the modules it imports).
 """
