@@ -252,8 +252,8 @@ def groups_used(vllm_config=None) -> tuple[HookGroup, ...]:
     """The hook groups a configuration uses: :data:`ALWAYS`, its model runner's (vLLM's
     ``use_v2_model_runner``, decided by ``VLLM_USE_V2_MODEL_RUNNER`` and the platform) with
     its steered prompt logprobs, and that runner's speculative decoding when a
-    ``speculative_config`` is set. Without a config (the CLI, before vLLM builds it): only
-    :data:`ALWAYS`; the rest is checked when vLLM creates the engine config."""
+    ``speculative_config`` is set. Without a config (the CLI, before vLLM builds it): the
+    frontend and engine groups; the rest is checked when vLLM creates the engine config."""
     if vllm_config is None:
         return (FRONTEND, ENGINE)
     v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
