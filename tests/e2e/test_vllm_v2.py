@@ -50,10 +50,20 @@ def steers(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm(v2_runner, tiny_model_dir, steers):
+def hooks_record(tmp_path_factory):
+    """The directory where this module's engine processes record the hooks they ran."""
+    return str(tmp_path_factory.mktemp("hooks-record-v2"))
+
+
+@pytest.fixture(scope="module")
+def llm(v2_runner, tiny_model_dir, steers, hooks_record):
+    from vllm_steer.integrations.hooks import RECORD_ENV
+
     # collective_rpc(steer_stats): read the worker's steer-op counters from the test
-    with steered_llm(tiny_model_dir, steers[1], **ENGINE_KW) as engine:
-        yield engine
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(RECORD_ENV, hooks_record)  # inherited by the engine processes it starts
+        with steered_llm(tiny_model_dir, steers[1], **ENGINE_KW) as engine:
+            yield engine
 
 
 @pytest.fixture(scope="module")
@@ -300,3 +310,30 @@ def test_highlight_route_html_and_errors_on_a_v2_engine(highlight_app):
     long = _post(app, "/v1/steer/highlight", {"text": "word " * 400, "steer": {"a": 5}})
     assert long.status_code == 400 and long.json()["error"]["param"] == "text"
     assert "256 tokens (max_model_len)" in long.json()["error"]["message"]
+
+
+def test_every_hook_of_the_model_runner_v2_groups_ran_in_the_engine(llm, hooks_record,
+                                                                   prompt_ids):
+    """Hook coverage on Model Runner V2: every wrapped hook of the groups this engine uses
+    (engine core, V2 runner, its prompt logprobs: both scoring entry points) was called in
+    the engine's processes, so a patched name vLLM stopped calling fails here."""
+    import numpy as np
+
+    from vllm_steer.integrations.hooks import hooks_recorded, wrapped_targets
+    from vllm_steer.integrations.plugin import HOOKS
+
+    from vllm_steer.integrations.engine.registry import CONTROL_METHOD
+
+    listed = llm.collective_rpc(CONTROL_METHOD, args=("list", {}))[0]["steers"]
+    assert "a" in [e["name"] for e in listed]  # through EngineCore.collective_rpc
+    ids = prompt_ids[1]
+    rows = np.array([[ids[j + 1]] for j in range(len(ids) - 1)], dtype=np.int64)
+    outs = llm.generate(PROMPTS[:2], [sp({"a": 3}, max_tokens=1, prompt_logprobs=0),
+                                      sp({"b": -2}, max_tokens=1,
+                                         prompt_logprob_token_ids=rows)])
+    assert all(o.outputs[0].token_ids for o in outs)
+    ran = hooks_recorded(hooks_record)
+    want = wrapped_targets(HOOKS, ("engine", "v2", "v2-lens"))
+    assert len(want) == 5, sorted(want)
+    assert want - ran == set(), f"hooks never called: {sorted(want - ran)}"
+    assert not ran & wrapped_targets(HOOKS, ("v1", "v1-lens", "v1-spec", "v2-spec"))

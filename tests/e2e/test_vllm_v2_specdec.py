@@ -24,7 +24,6 @@ from __future__ import annotations
 import pytest
 
 from helpers.models import make_tiny_eagle, make_tiny_llama, make_tiny_mimo
-
 from helpers.reference import HFReference
 from e2e.test_vllm_specdec import (ENGINE_KW, MAX_TOKENS, MIXED, PROMPTS, SPEC,
                                        oracle_eagle_head, spec_counts)
@@ -57,10 +56,28 @@ def engine(request, v2_runner, targets, pair_steers, tmp_path_factory):
     elif name == "eagle3":
         spec["model"] = str(make_tiny_eagle(tmp_path_factory.mktemp("eagle3-v2"), "eagle3",
                                             draft_vocab=1024))
-    llm = LLM(str(target), additional_config={"vllm_steer": {"steers": pair_steers[1]}},
-              speculative_config=spec, disable_log_stats=False, **ENGINE_KW)
+    from vllm_steer.integrations.hooks import RECORD_ENV
+
+    HOOK_RECORDS[name] = str(tmp_path_factory.mktemp(f"hooks-v2-{name}"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(RECORD_ENV, HOOK_RECORDS[name])  # inherited by the engine processes
+        llm = LLM(str(target), additional_config={"vllm_steer": {"steers": pair_steers[1]}},
+                  speculative_config=spec, disable_log_stats=False, **ENGINE_KW)
     yield name, target, llm
     del llm
+
+
+#: method -> the directory where its engine's processes record the hooks they ran
+HOOK_RECORDS: dict[str, str] = {}
+#: the wrapped hooks of Model Runner V2's speculative-decoding group each method's drafter
+#: calls: the draft model (StandaloneARSpeculator) all three; the EAGLE family loads and
+#: samples its drafts through DraftModelSpeculator; n-gram has no drafter model
+V2_SPEC_CALLS = {
+    "draft_model": ("StandaloneARSpeculator.propose", "DraftModelSpeculator.load_model",
+                    "DraftModelSpeculator.sample_draft"),
+    "eagle": ("DraftModelSpeculator.load_model", "DraftModelSpeculator.sample_draft"),
+    "eagle3": ("DraftModelSpeculator.load_model", "DraftModelSpeculator.sample_draft"),
+}
 
 
 def test_v2_speculative_decoding_serves_the_steered_target_in_a_mixed_batch(engine,
@@ -109,3 +126,28 @@ def test_v2_draft_model_and_eagle_drafters_are_steered(engine):
                     "says nothing about their steer")
     plain, steered = _acceptance(llm, None), _acceptance(llm, {"a": 5})
     assert plain == 1.0 and steered == 1.0, (plain, steered)
+
+
+def test_every_hook_of_the_v2_speculative_decoding_groups_ran_in_the_engine(engine):
+    """Hook coverage with speculative decoding on Model Runner V2, per method: the V2
+    runner's wrapped hooks, and those of its speculative-decoding group that the method's
+    drafter uses (:data:`V2_SPEC_CALLS`; the draft model uses every one), were called in the
+    engine's processes, so a patched name vLLM stopped calling fails here."""
+    from vllm import SamplingParams
+
+    from vllm_steer.integrations.hooks import hooks_recorded, wrapped_targets
+    from vllm_steer.integrations.plugin import HOOKS
+
+    name, _, llm = engine
+    outs = llm.generate(PROMPTS, [SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, extra_args=None if s is None else {"steer": s})
+        for s in MIXED], use_tqdm=False)
+    assert all(o.outputs[0].token_ids for o in outs)
+    ran = hooks_recorded(HOOK_RECORDS[name])
+    spec = wrapped_targets(HOOKS, ("v2-spec",))
+    want = wrapped_targets(HOOKS, ("v2",)) | {
+        t for t in spec if t.rpartition(":")[2] in V2_SPEC_CALLS.get(name, ())}
+    assert V2_SPEC_CALLS["draft_model"] == tuple(sorted(
+        (t.rpartition(":")[2] for t in spec), key=V2_SPEC_CALLS["draft_model"].index))
+    assert want - ran == set(), f"{name}: hooks never called: {sorted(want - ran)}"
+    assert not ran & wrapped_targets(HOOKS, ("v1", "v1-lens", "v1-spec"))

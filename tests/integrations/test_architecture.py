@@ -20,6 +20,31 @@ def test_the_hooks_table_is_generated_from_hooks():
     assert len(got.splitlines()) == len(HOOKS) + 2
 
 
+def test_every_function_the_hooks_table_names_exists():
+    """Each "our function" of the table is a real ``module.function`` of the package (a lazily
+    imported worker wrapper is named by the function it calls)."""
+    import importlib
+
+    text = DOC.read_text()
+    table = text.split("<!-- HOOKS:begin -->\n", 1)[1].split("\n<!-- HOOKS:end -->", 1)[0]
+    named = []
+    for row in table.splitlines()[2:]:
+        fn = row.split("|")[3].strip().strip("`")
+        if fn == "(checked only)":
+            continue
+        named.append(fn)
+        dotted = "vllm_steer.integrations." + fn.removeprefix("install: ")
+        module, _, attr = dotted.rpartition(".")
+        try:
+            obj = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise AssertionError(f"docs/architecture.md names {fn}, which does not exist: "
+                                 f"{e}") from e
+        assert callable(obj), fn
+    assert any(n.startswith("worker.") for n in named) and \
+        any(n.startswith("install: ") for n in named), named
+
+
 def test_every_module_the_doc_names_exists():
     text = DOC.read_text()
     dirs = {"frontend": "vllm_steer/integrations/frontend",

@@ -2,9 +2,13 @@
 
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers),
 and in ``vllm serve`` before the CLI parser is built. It installs every hook in :data:`HOOKS`,
-the one list of the plugin's patch points into vLLM, each named after what it patches,
-grouped by the process that needs it (docs/architecture.md shows the request's path through
-them). Each wraps the vLLM attribute with a function named after it
+the one list of the plugin's patch points into vLLM, each named after what it patches, in
+the group that needs it (:data:`~vllm_steer.integrations.hooks.GROUPS`: frontend, engine,
+worker, each model runner with its prompt logprobs and its speculative decoding), with the
+private vLLM names its wrapper reads (``reads``), the parameters it binds by name
+(``params``) and, for a name patched where it is imported, the functions that must still call
+it through that name (``called_by``); docs/architecture.md shows the request's path through
+them. Each wraps the vLLM attribute with a function named after it
 (:func:`~vllm_steer.integrations.hooks.wrap_method`), or installs something there:
 
 - frontend (API server and ``LLM`` process, :mod:`vllm_steer.integrations.frontend`): the
@@ -21,8 +25,10 @@ Offline, pass the same configuration yourself::
     LLM(model, additional_config={"vllm_steer": {"steers": {"detox": "detox.safetensors"}}})
     SamplingParams(extra_args={"steer": {"detox": 5}})
 
-A hook vLLM moved or removed is reported at registration: start-up fails when steers are
-configured (naming the vLLM version and the hook), and a warning is logged otherwise.
+A hook vLLM moved or removed is reported at registration, with the groups it makes
+unavailable; start-up with steers fails only when the configuration uses one of them (naming
+the vLLM version, the group and the hook). ``scripts/vllm_surface.py`` writes the names these
+hooks need, per vLLM version, to the manifests the tests check them against.
 
 This module imports no torch at import time (nor do the modules it imports).
 """
@@ -34,7 +40,8 @@ import functools
 from vllm_steer.integrations.engine import core
 from vllm_steer.integrations.frontend import (async_llm, cli_args, endpoints, preset_models,
                                               request_field, startup_checks)
-from vllm_steer.integrations.hooks import Hook, install_hooks
+from vllm_steer.integrations.hooks import (ENGINE, FRONTEND, V1, V1_LENS, V1_SPEC, V2, V2_LENS,
+                                           V2_SPEC, WORKER, Hook, install_hooks)
 
 
 @functools.cache
@@ -43,20 +50,28 @@ def register() -> None:
     install_hooks(HOOKS)
 
 
+#: Attribute of a :func:`_worker` wrapper: the ``module:function`` it calls.
+WORKER_TARGET_ATTR = "vllm_steer_calls"
+
+
 def _worker(name: str, attr: str):
     """A worker-side wrapper, imported on its first call (the worker modules import torch:
     never at this module's import, nor in a process that never runs the runner), then called
-    directly on every later step."""
+    directly on every later step. It names what it calls in :data:`WORKER_TARGET_ATTR`."""
+    module = f"vllm_steer.integrations.worker.{name}"
+
     @functools.cache
     def target():
         import importlib
 
-        return getattr(importlib.import_module(f"vllm_steer.integrations.worker.{name}"), attr)
+        return getattr(importlib.import_module(module), attr)
 
     def call(orig, *args, **kwargs):
         return target()(orig, *args, **kwargs)
 
-    call.__name__ = call.__qualname__ = f"{name}.{attr}"
+    call.__name__ = attr
+    call.__qualname__ = f"_worker.{name}.{attr}"
+    setattr(call, WORKER_TARGET_ATTR, f"{module}:{attr}")
     return call
 
 
@@ -73,19 +88,37 @@ def _install_loader_checks(owner) -> None:
 
 
 _REQUESTS = request_field.REQUEST_CLASSES
+# vLLM's modules and classes the hooks name (targets and the names their wrappers read)
 _V1 = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_V1_BATCH = "vllm.v1.worker.gpu_input_batch:InputBatch"
+_V1_BUFFER = "vllm.v1.utils:CpuGpuBuffer"  # the runner's _make_buffer: .np (host), .gpu
 _V2 = "vllm.v1.worker.gpu"
+_V2_RUNNER = f"{_V2}.model_runner:GPUModelRunner"
+_V2_BATCH = f"{_V2}.input_batch:InputBatch"
+_V2_STATES = f"{_V2}.states:RequestState"
+_V2_SPECULATOR = f"{_V2}.spec_decode.speculator:DraftModelSpeculator"
+_SPEC_CONFIG = "vllm.config.speculative:SpeculativeConfig"
+
+
+def _reads(owner: str, *names: str) -> tuple[str, ...]:
+    """``owner.name`` for each name: what a wrapper reads of one vLLM class."""
+    return tuple(f"{owner}.{n}" for n in names)
+
 
 HOOKS: tuple[Hook, ...] = (
     # ---- frontend: API server and LLM process (vllm_steer.integrations.frontend) ---------
     Hook("vllm.engine.arg_utils:EngineArgs.add_cli_args", "--steer flags in vllm serve",
-         cli_args.add_cli_args),
+         cli_args.add_cli_args, params=("parser",)),
     Hook("vllm.engine.arg_utils:EngineArgs.from_cli_args",
-         "--steer carried in additional_config", cli_args.from_cli_args),
+         "--steer carried in additional_config", cli_args.from_cli_args, params=("args",),
+         reads=("vllm.engine.arg_utils:EngineArgs.additional_config",)),
     Hook("vllm.engine.arg_utils:EngineArgs.create_engine_config",
          "start-up checks and our logits processor", startup_checks.create_engine_config),
     Hook("vllm.v1.engine.input_processor:InputProcessor.__init__",
-         "refusing bad steers at admission (HTTP 400)", request_field.input_processor_init),
+         "refusing bad steers at admission (HTTP 400)", request_field.input_processor_init,
+         params=("vllm_config",),
+         reads=("vllm.v1.engine.input_processor:InputProcessor."
+                "validate_logits_processors_params",)),
     Hook("vllm.v1.engine.input_processor:InputProcessor._build_logits_processors_params_"
          "validator", "refusing bad steers at admission (HTTP 400)"),
     *(Hook(f"{module}:{name}.model_fields", "the `steer` request field (parsed once)",
@@ -97,101 +130,162 @@ HOOKS: tuple[Hook, ...] = (
            request_field.to_beam_search_params)
       for module, name in _REQUESTS if name != "ResponsesRequest"),
     Hook("vllm.entrypoints.openai.models.serving:OpenAIModelRegistry.is_base_model",
-         "presets served as model names", preset_models.is_base_model),
+         "presets served as model names", preset_models.is_base_model,
+         params=("model_name",)),
     Hook("vllm.entrypoints.openai.models.serving:OpenAIModelRegistry.show_available_models",
          "presets listed in /v1/models", preset_models.show_available_models),
     Hook("vllm.entrypoints.serve.engine.serving:BaseServing._check_model",
          "presets added or deleted at run time, seen by every API server",
-         preset_models.check_model),
+         preset_models.check_model, params=("request",)),
     Hook("vllm.plugins:load_endpoint_plugins",
          "the /v1/steers and /v1/steer-presets routes, the x-vllm-steer-* headers",
-         endpoints.load_endpoint_plugins),
+         endpoints.load_endpoint_plugins, params=("supported_tasks",),
+         called_by=("vllm.plugins.endpoint_plugins.interface:attach_endpoint_plugins",)),
     Hook("vllm.v1.engine.async_llm:AsyncLLM.add_request",
          "--steer-dir steers loaded before admission (HTTP 400 with the reason)",
-         async_llm.add_request),
+         async_llm.add_request, params=("request_id", "prompt", "params")),
     Hook("vllm.v1.engine.async_llm:AsyncLLM.generate",
          "an engine-side steer refusal answered as HTTP 400, not 500", async_llm.generate),
     # ---- engine core (vllm_steer.integrations.engine) ------------------------------------
     Hook("vllm.v1.engine.core:EngineCore.collective_rpc",
          "loading/unloading steers in the engine core (collective_rpc)", core.collective_rpc,
-         process="engine"),
+         group=ENGINE, params=("method", "timeout", "args", "kwargs")),
     Hook("vllm.v1.engine.core:EngineCore.add_request",
          "defaults, floors and binding a request's steers to (slot, generation) at admission",
-         core.add_request, process="engine"),
+         core.add_request, group=ENGINE, params=("request", "request_wave"),
+         reads=("vllm.v1.engine.core:EngineCoreProc.output_queue",
+                "vllm.v1.request:Request.client_index", "vllm.v1.request:Request.request_id",
+                "vllm.v1.request:Request.sampling_params",
+                "vllm.v1.engine:EngineCoreOutputs.finished_requests",
+                "vllm.v1.engine:FinishReason.ERROR")),
     Hook("vllm.v1.engine:EngineCoreOutput.stop_reason",
-         "the engine-side steer refusal's message (error output's stop_reason)",
-         process="engine"),
-    # ---- worker (vllm_steer.integrations.worker) -----------------------------------------
+         "the engine-side steer refusal's message (error output's stop_reason)", group=ENGINE),
+    # ---- worker, every runner (vllm_steer.integrations.worker) ---------------------------
     Hook("vllm.model_executor.layers.logits_processor:LogitsProcessor.register_oot",
-         "the steered LM head", install=_install_head, process="worker"),
+         "the steered LM head", install=_install_head, group=WORKER,
+         reads=("vllm.model_executor.custom_op:op_registry_oot",
+                "vllm.model_executor.layers.logits_processor:LogitsProcessor.forward",
+                "vllm.model_executor.layers.logits_processor:LogitsProcessor.get_top_tokens",
+                "vllm.model_executor.layers.logits_processor:LogitsProcessor.logits_as_input",
+                "vllm.model_executor.layers.logits_processor:LogitsProcessor.head_dtype")),
     Hook("vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",
          "checking the model's logits layer is the steered head",
-         install=_install_loader_checks, process="worker"),
+         install=_install_loader_checks, group=WORKER, params=("vllm_config",)),
+    # ---- V1 model runner ------------------------------------------------------------------
     Hook("vllm.v1.sample.logits_processor:LogitsProcessor", "V1 per-request steer state",
-         process="worker"),
+         group=V1, reads=("vllm.v1.sample.logits_processor:BatchUpdate",
+                          "vllm.v1.sample.logits_processor:MoveDirectionality")),
     Hook("vllm.v1.sample.logits_processor:BatchUpdate", "V1 per-request steer state",
-         process="worker"),
-    Hook("vllm.v1.worker.gpu_input_batch:InputBatch.__init__",
+         group=V1),
+    Hook(f"{_V1_BATCH}.__init__",
          "no output-token tracking for our processor (V1)", _worker("v1", "input_batch_init"),
-         process="worker"),
+         group=V1, reads=(*_reads(_V1_BATCH, "logitsprocs", "logitsprocs_need_output_token_ids"),
+                          "vllm.v1.sample.logits_processor:BUILTIN_LOGITS_PROCESSORS",
+                          "vllm.v1.sample.logits_processor.state:LogitsProcessors.all")),
     Hook(f"{_V1}._prepare_inputs",
          "generated-token positions of the batch rows for generation windows (V1)",
-         _worker("v1", "prepare_inputs"), process="worker"),
+         _worker("v1", "prepare_inputs"), group=V1,
+         params=("scheduler_output", "num_scheduled_tokens"),
+         reads=(*_reads(_V1, "vllm_config", "input_batch"),
+                *_reads(_V1_BATCH, "num_reqs", "num_computed_tokens_cpu", "num_prompt_tokens"))),
     Hook(f"{_V1}._get_prompt_logprobs_dict", "steered prompt logprobs (V1)",
-         _worker("v1", "get_prompt_logprobs_dict"), process="worker"),
+         _worker("v1", "get_prompt_logprobs_dict"), group=V1_LENS,
+         params=("hidden_states", "num_scheduled_tokens"),
+         reads=(*_reads(_V1, "vllm_config", "num_prompt_logprobs", "input_batch",
+                        "query_start_loc"), f"{_V1_BATCH}.num_reqs", f"{_V1_BUFFER}.np")),
+    # ---- speculative decoding on the V1 model runner --------------------------------------
     Hook(f"{_V1}.execute_model",
          "speculative decoding: the step's verification rows -> requests (V1)",
-         _worker("spec_decode", "execute_model"), process="worker"),
+         _worker("spec_decode", "execute_model"), group=V1_SPEC,
+         reads=_reads(_V1, "vllm_config", "speculative_config")),
     Hook(f"{_V1}._calc_spec_decode_metadata",
          "speculative decoding: draft-token counts per request (V1)",
-         _worker("spec_decode", "calc_spec_decode_metadata"), process="worker"),
+         _worker("spec_decode", "calc_spec_decode_metadata"), group=V1_SPEC,
+         params=("num_draft_tokens", "cu_num_scheduled_tokens"),
+         reads=(*_reads(_V1, "input_batch", "use_async_spec_decode", "prev_num_draft_tokens",
+                        "_get_valid_sampled_token_count"),
+                *_reads(_V1_BATCH, "num_computed_tokens_cpu", "num_prompt_tokens", "req_ids",
+                        "prev_req_id_to_index"), f"{_V1_BUFFER}.np")),
     Hook(f"{_V1}.propose_draft_token_ids",
          "speculative decoding: the drafter's rows -> requests (V1)",
-         _worker("spec_decode", "propose_draft_token_ids"), process="worker"),
+         _worker("spec_decode", "propose_draft_token_ids"), group=V1_SPEC,
+         reads=(*_reads(_V1, "vllm_config", "input_batch", "drafter", "speculative_config"),
+                f"{_V1_BATCH}.num_reqs", *_reads(_SPEC_CONFIG, "method", "draft_model_config"))),
     Hook("vllm.v1.worker.gpu_model_runner:build_logitsprocs",
          "speculative decoding: our per-request steer state (V1 refuses custom processors)",
-         _worker("spec_decode", "build_logitsprocs"), process="worker"),
+         _worker("spec_decode", "build_logitsprocs"), group=V1_SPEC,
+         params=("vllm_config", "device", "is_pin_memory", "is_pooling_model",
+                 "custom_logitsprocs"),
+         reads=("vllm.v1.sample.logits_processor.state:LogitsProcessors.argmax_invariant",
+                "vllm.v1.sample.logits_processor.state:LogitsProcessors.non_argmax_invariant"),
+         called_by=(f"{_V1}.__init__",)),
+    # ---- Model Runner V2 ------------------------------------------------------------------
     Hook(f"{_V2}.sample.logits_processor:LogitsProcessor", "V2 per-request steer state",
-         process="worker"),
-    Hook(f"{_V2}.model_runner:GPUModelRunner.sample",
+         group=V2),
+    Hook(f"{_V2_RUNNER}.sample",
          "the step's row -> request mapping (V2; verification rows too)",
-         _worker("v2", "sample"), process="worker"),
+         _worker("v2", "sample"), group=V2,
+         params=("hidden_states", "input_batch", "grammar_output"),
+         reads=(*_reads(_V2_RUNNER, "vllm_config", "speculator", "batch_sharder", "req_states"),
+                *_reads(_V2_BATCH, "idx_mapping_np", "expanded_idx_mapping", "cu_num_logits_np",
+                        "num_computed_tokens_np", "num_scheduled_tokens", "query_start_loc_np",
+                        "num_reqs"),
+                *_reads(_V2_STATES, "prompt_len", "num_computed_tokens"),
+                f"{_V2}.buffer_utils:UvaBackedTensor.np",
+                f"{_V2}.buffer_utils:StagedWriteTensor.gpu")),
+    Hook(f"{_V2}.sample.batch_shard:BatchSharder.shard_sampler_inputs",
+         "rows of batch-sharded sampling (V2, --enable-batch-sharded-sampling)", group=V2,
+         params=("input_batch", "grammar_output")),
     Hook(f"{_V2}.sample.prompt_logprob:PromptLogprobsWorker.compute_prompt_logprobs",
-         "steered prompt logprobs (V2)", _worker("v2", "prompt_logprobs"), process="worker"),
+         "steered prompt logprobs (V2)", _worker("v2", "prompt_logprobs"), group=V2_LENS,
+         params=("logits_fn", "hidden_states", "input_batch"),
+         reads=_reads(_V2_BATCH, "idx_mapping_np", "query_start_loc_np", "num_reqs")),
     Hook(f"{_V2}.sample.prompt_logprob:PromptLogprobsWorker.compute_prompt_token_id_logprobs",
          "steered prompt logprobs (V2, prompt_logprob_token_ids)",
-         _worker("v2", "prompt_logprobs"), process="worker"),
-    Hook(f"{_V2}.sample.batch_shard:BatchSharder.shard_sampler_inputs",
-         "rows of batch-sharded sampling (V2, --enable-batch-sharded-sampling)",
-         process="worker"),
+         _worker("v2", "prompt_logprobs"), group=V2_LENS,
+         params=("logits_fn", "hidden_states", "input_batch"),
+         reads=_reads(_V2_BATCH, "idx_mapping_np", "query_start_loc_np", "num_reqs")),
+    # ---- speculative decoding on Model Runner V2 ------------------------------------------
     Hook(f"{_V2}.spec_decode.standalone_ar.speculator:StandaloneARSpeculator.propose",
          "speculative decoding: the draft model's rows -> requests (V2)",
-         _worker("spec_decode", "propose_standalone_v2"), process="worker"),
-    Hook(f"{_V2}.spec_decode.speculator:DraftModelSpeculator.load_model",
+         _worker("spec_decode", "propose_standalone_v2"), group=V2_SPEC,
+         params=("input_batch",),
+         reads=(f"{_V2}.spec_decode.standalone_ar.speculator:StandaloneARSpeculator."
+                "vllm_config", *_reads(_V2_BATCH, "num_reqs", "idx_mapping_np"))),
+    Hook(f"{_V2_SPECULATOR}.load_model",
          "speculative decoding: EAGLE / EAGLE-3 / MTP drafter heads prepared for CUDA graphs "
-         "(V2)", _worker("spec_decode", "speculator_load_model"), process="worker"),
-    Hook(f"{_V2}.spec_decode.speculator:DraftModelSpeculator.sample_draft",
+         "(V2)", _worker("spec_decode", "speculator_load_model"), group=V2_SPEC,
+         reads=(*_reads(_V2_SPECULATOR, "vllm_config", "model"),
+                f"{_V2_RUNNER}.speculator", *_reads(_SPEC_CONFIG, "method",
+                                                    "draft_model_config"))),
+    Hook(f"{_V2_SPECULATOR}.sample_draft",
          "speculative decoding: the captured draft steps' rows -> requests, on the device (V2)",
-         _worker("spec_decode", "sample_draft_v2"), process="worker"),
+         _worker("spec_decode", "sample_draft_v2"), group=V2_SPEC, params=("idx_mapping",),
+         reads=(f"{_V2_SPECULATOR}.vllm_config",)),
 )
+
+
+def wrapper_name(hook: Hook) -> str:
+    """What the hook installs, as the table shows it: the wrapper's ``module.function`` (a
+    lazily imported worker wrapper: the function it calls), ``install: module.function``, or
+    ``(checked only)``; modules relative to ``vllm_steer.integrations``."""
+    if hook.wrapper is not None:
+        fn = getattr(hook.wrapper, WORKER_TARGET_ATTR, None) or \
+            f"{hook.wrapper.__module__}:{hook.wrapper.__qualname__}"
+        prefix = ""
+    elif hook.install is not None:
+        fn = f"{hook.install.__module__}:{hook.install.__qualname__}"
+        prefix = "install: "
+    else:
+        return "(checked only)"
+    return prefix + fn.replace("vllm_steer.integrations.", "").replace(":", ".")
 
 
 def hooks_table() -> str:
     """:data:`HOOKS` as the Markdown table of docs/architecture.md (a test keeps them equal;
     regenerate with ``python -c "from vllm_steer.integrations.plugin import hooks_table;
     print(hooks_table())"``)."""
-    rows = ["| process | vLLM attribute | our function | why |", "|---|---|---|---|"]
+    rows = ["| group | vLLM attribute | our function | why |", "|---|---|---|---|"]
     for h in HOOKS:
-        if h.wrapper is not None:
-            fn = getattr(h.wrapper, "__module__", "") + "." + h.wrapper.__qualname__
-            fn = fn.replace("vllm_steer.integrations.plugin._worker.<locals>.call",
-                            "worker." + h.wrapper.__name__)
-            if "<locals>" not in fn and not fn.startswith("worker."):
-                fn = fn.replace("vllm_steer.integrations.", "")
-        elif h.install is not None:
-            fn = "install: " + h.install.__module__.replace("vllm_steer.integrations.", "") + \
-                "." + h.install.__qualname__
-        else:
-            fn = "(checked only)"
-        rows.append(f"| {h.process} | `{h.target}` | `{fn}` | {h.purpose} |")
+        rows.append(f"| {h.group.name} | `{h.target}` | `{wrapper_name(h)}` | {h.purpose} |")
     return "\n".join(rows)

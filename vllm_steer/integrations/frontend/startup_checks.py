@@ -42,7 +42,7 @@ def configure_engine(vllm_config) -> None:
     frontend_state().reset(cfg)
     if cfg is None or not cfg.enabled:
         return
-    check_hooks()
+    check_hooks(vllm_config)  # the hook groups this configuration uses
     from vllm_steer.integrations.families import check_model  # refuses what we cannot steer
 
     check_steers_fit(cfg, check_model(vllm_config.model_config), vllm_config.model_config.model)
