@@ -36,7 +36,6 @@ import pytest
 import torch
 
 from helpers.models import make_tiny_llama
-
 from helpers.steers import random_steer
 from helpers.families import ARCHITECTURES, FAMILIES, make_family_model
 

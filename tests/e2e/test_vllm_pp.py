@@ -12,9 +12,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.models import make_tiny_llama
-
 from helpers.reference import HFReference
-
 from helpers.steers import random_steer, save_steers
 
 pytestmark = pytest.mark.vllm

@@ -12,7 +12,6 @@ import pytest
 import requests
 
 from helpers.reference import HFReference
-
 from helpers.steers import random_steer, save_steers
 
 pytestmark = pytest.mark.vllm

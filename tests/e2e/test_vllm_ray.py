@@ -31,9 +31,7 @@ import pytest
 import requests
 
 from helpers.models import make_tiny_llama
-
 from helpers.reference import HFReference
-
 from helpers.steers import random_steer, save_steers
 
 pytestmark = pytest.mark.vllm

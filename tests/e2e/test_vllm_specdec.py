@@ -31,7 +31,6 @@ import functools
 import pytest
 
 from helpers.models import make_tiny_eagle, make_tiny_llama, make_tiny_mimo
-
 from helpers.reference import HFReference
 
 pytestmark = pytest.mark.vllm

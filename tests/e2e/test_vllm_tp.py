@@ -14,9 +14,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.models import make_tiny_llama
-
 from helpers.reference import HFReference
-
 from helpers.steers import random_steer, save_steers
 from vllm_steer.integrations.worker.runtime import steer_stats
 

@@ -23,9 +23,7 @@ import pytest
 import torch
 
 from helpers.engines import steered_llm
-
 from helpers.reference import HFReference
-
 from helpers.steers import random_steer, save_steers
 from vllm_steer.format import make_steer
 from vllm_steer.integrations.worker.runtime import steer_stats

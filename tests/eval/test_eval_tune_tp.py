@@ -10,7 +10,6 @@ import json
 import pytest
 
 from helpers.models import make_tiny_llama
-
 from helpers.steers import random_steer
 from vllm_steer.cli import main
 

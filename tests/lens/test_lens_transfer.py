@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from helpers.models import make_tiny_llama
-
 from helpers.steers import random_steer
 from vllm_steer.format import load_steer, make_steer, save_steer
 from vllm_steer.lens.transfer import (fit_map, fit_quality, logit_shift_rms, shared_anchors,

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from helpers.reference import HFReference
-
 from helpers.steers import random_steer
 
 ROOT = Path(__file__).resolve().parents[2]

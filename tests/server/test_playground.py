@@ -18,7 +18,6 @@ import pytest
 import requests
 
 from helpers.models import make_tiny_llama
-
 from helpers.steers import random_steer
 from vllm_steer.format import save_steer
 from vllm_steer.server.launch import serve

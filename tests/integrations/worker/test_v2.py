@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from helpers.engines import v2_runner_env
-
 from helpers.steers import random_steer
 from vllm_steer.format import save_steer
 from vllm_steer.reference import steer_reference
