@@ -1,22 +1,26 @@
 """vllm-steer: LM-Steer steering served per request from stock vLLM."""
 
+import os
 import runpy
 
 from setuptools import find_packages, setup
 
 #: the supported vLLM range, one source for this file and the start-up check
-SUPPORTED_VLLM = runpy.run_path("vllm_steer/integrations/supported.py")["SUPPORTED_VLLM"]
+SUPPORTED_VLLM = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                             "vllm_steer", "integrations", "supported.py")
+                                )["SUPPORTED_VLLM"]
 
 setup(
     name="vllm-steer",
     version="0.1.0",
     description="LM-Steer (ACL 2024) steering as a vLLM plugin: per-request, batched, "
                 "from the OpenAI API",
-    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description=open("README.md").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["vllm_steer", "vllm_steer.*"]),
-    package_data={"vllm_steer": ["py.typed"], "vllm_steer.server": ["static/*"]},
+    package_data={"vllm_steer": ["py.typed"], "vllm_steer.server": ["static/*"],
+                  "vllm_steer.integrations": ["surfaces/*.json"]},
     install_requires=["safetensors>=0.4", "numpy", "tqdm"],
     extras_require={
         # cpu and cuda are exclusive: install exactly one (both provide the `vllm` package).
