@@ -22,7 +22,7 @@ import os
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from vllm_steer.integrations.frontend.engine_client import control, refresh_presets
+from vllm_steer.integrations.frontend.engine_client import manage, refresh_presets
 from vllm_steer.integrations.frontend.request_scope import close_scope, open_scope
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.server.errors import error_response as _error
@@ -125,7 +125,7 @@ async def add_preset(raw: Request):
     engine = frontend_state().engine
     if engine is None:
         return _error(503, "no engine behind this server")
-    listing = await control(engine, "list")  # the steers loaded now, and the current table
+    listing = await manage(engine, "list")  # the steers loaded now, and the current table
     steers = {s["name"] for s in listing.get("steers", []) if s["state"] != "draining"}
     if cfg.steer_dir and os.path.isdir(cfg.steer_dir):
         steers |= {f[:-len(".safetensors")] for f in os.listdir(cfg.steer_dir)
@@ -134,7 +134,7 @@ async def add_preset(raw: Request):
         name, mix = preset_from_body(body, steers, cfg.max_strength, _reserved(raw, cfg))
     except PolicyError as e:
         return _error(400, str(e))
-    res = await control(engine, "preset_add", name=name, steer=mix, token=uuid.uuid4().hex)
+    res = await manage(engine, "preset_add", name=name, steer=mix, token=uuid.uuid4().hex)
     if not res.get("ok"):
         return _error(res.get("status", 400), res.get("error", "refused"))
     return JSONResponse({"object": "steer_preset", "name": name, "steer": mix,
@@ -150,7 +150,7 @@ async def delete_preset(name: str, raw: Request):
     engine = frontend_state().engine
     if engine is None:
         return _error(503, "no engine behind this server")
-    res = await control(engine, "preset_delete", name=name)
+    res = await manage(engine, "preset_delete", name=name)
     if not res.get("ok"):
         return _error(res.get("status", 400), res.get("error", "refused"),
                       "NotFoundError" if res.get("status") == 404 else "BadRequestError")

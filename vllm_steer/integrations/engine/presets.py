@@ -4,7 +4,7 @@
 Design (docs/internals.md, "Run-time steers and presets: the engine core decides"):
 
 - **One table, in the engine core.** :class:`PresetTable` lives next to the steer registry
-  in each engine core (``control.py`` ops ``presets``, ``preset_add``, ``preset_delete``,
+  in each engine core (``management.py`` ops ``presets``, ``preset_add``, ``preset_delete``,
   ``preset_rollback``; with data parallelism every engine core holds a copy, changed by the
   same calls, and engine core 0's answer is the one read). ``--steer-preset`` presets stay in
   the configuration (every process has them, they never change).
@@ -86,15 +86,3 @@ class PresetTable:
             self.delete(name)
         return {"ok": True, **self.snapshot()}
 
-
-def merge(op: str, answers: list[dict]) -> dict:
-    """One answer of the engine cores' answers (data parallelism) to a preset op: an add is
-    ok if every engine core added it (else the first refusal: the caller rolls back the
-    others), a delete if any had it; the table read is engine core 0's."""
-    if len(answers) == 1:
-        return answers[0]
-    if op == "preset_add":
-        return next((a for a in answers if not a.get("ok")), answers[0])
-    if op == "preset_delete":
-        return next((a for a in answers if a.get("ok")), answers[0])
-    return answers[0]
