@@ -116,7 +116,7 @@ HOOKS: tuple[Hook, ...] = (
          "loading/unloading steers in the engine core (collective_rpc)", core.collective_rpc,
          process="engine"),
     Hook("vllm.v1.engine.core:EngineCore.add_request",
-         "defaults, floors and binding a request's steers to (slot, generation) at admission",
+         "binding a request's steers to (bank slot, load) at admission",
          core.add_request, process="engine"),
     Hook("vllm.v1.engine:EngineCoreOutput.stop_reason",
          "the engine-side steer refusal's message (error output's stop_reason)",
