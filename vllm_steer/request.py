@@ -369,13 +369,21 @@ class SteerRequest:
                                     f"{echo(version)}; this vllm-steer reads version "
                                     f"{WIRE_VERSION} (frontend and engine run different "
                                     "vllm-steer versions: install the same one everywhere)")
-        try:
+        try:  # checked as it is read (a form made elsewhere): never another exception
             entries = []
-            for name, v in value.get("steers") or ():
-                if not isinstance(name, str):
-                    raise TypeError(f"steer name {echo(name)}")
-                entries.append((name, Window(**v) if isinstance(v, Mapping) else float(v)))
-        except (TypeError, ValueError) as e:
+            items = value.get("steers") or ()
+            if not isinstance(items, (list, tuple)) or not all(
+                    isinstance(i, (list, tuple)) and len(i) == 2 for i in items):
+                raise TypeError("'steers' must be a list of [name, strength or window] pairs")
+            for name, v in items:
+                problem = steer_name_problem(name)
+                if problem:
+                    raise SteerRequestError(f"{where}: {problem}")
+                entries.append((name, _window(name, v, where, math.inf) if isinstance(v, Mapping)
+                                else _strength(name, v, where, math.inf)))
+        except SteerRequestError:
+            raise
+        except (TypeError, ValueError, OverflowError) as e:
             raise SteerRequestError(f"{where}: malformed serialised steer request ({e}); it "
                                     "is written by vllm-steer's frontend, not by hand") from None
         return cls(tuple(entries))
