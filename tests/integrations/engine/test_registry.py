@@ -113,7 +113,7 @@ def test_dir_path_stays_inside_the_directory(tmp_path):
     assert not path_inside("/etc/passwd", None)
 
 
-# ---- data parallelism: one answer from every engine core's (protocol.merge_answers) -----------------
+# ---- data parallelism: one answer from every engine core's (protocol.merge_answers) ---------
 def _core(index, capacity, steer_dir=None):
     """An engine core as management.run_op sees it: its own registry, no requests, workers that
     accept every op."""
