@@ -363,7 +363,12 @@ class SteerRequest:
         :class:`SteerRequestError` for another version or a malformed form."""
         if isinstance(value, SteerWire):
             return value.request
-        version = value.get(WIRE_KEY) if isinstance(value, Mapping) else None
+        if not is_wire(value):
+            raise SteerRequestError(f"{where}: {echo(value)} is not the serialised form "
+                                    "vllm-steer's frontend writes: the request did not pass its "
+                                    "admission (send it through vLLM's LLM, AsyncLLM or API "
+                                    "server, with the plugin installed)")
+        version = value.get(WIRE_KEY)
         if version != WIRE_VERSION:
             raise SteerRequestError(f"{where}: serialised steer request of version "
                                     f"{echo(version)}; this vllm-steer reads version "

@@ -248,3 +248,14 @@ def test_binding_adds_only_the_bound_form_and_drops_one_a_client_sent(files):
     assert sp.extra_args["steer"] is wire and sp.extra_args["other"] == 1
     assert BoundSteer.from_wire(sp.extra_args[BOUND_KEY]) == \
         [BoundSteer("detox", *_slot(core, "detox"), 2.0)]
+
+
+def test_the_engine_refuses_a_value_that_skipped_the_frontends_admission(files):
+    core, _ = _server(files[0])
+    sp = SimpleNamespace(extra_args={"steer": {"detox": 1}})
+    with pytest.raises(SteerAdmissionError) as e:
+        bind_request(core, SimpleNamespace(request_id="r", sampling_params=sp))
+    assert _refusal(e) == ("steer: {'detox': 1} is not the serialised form vllm-steer's "
+                           "frontend writes: the request did not pass its admission (send it "
+                           "through vLLM's LLM, AsyncLLM or API server, with the plugin "
+                           "installed)")
