@@ -3,7 +3,7 @@
 A child of vLLM's ``vllm`` logger, so that what the plugin logs comes out through vLLM's own
 handler and format, at vLLM's level (``VLLM_LOGGING_LEVEL``, INFO by default), in every
 process vLLM starts (API servers, engine core, workers), e.g.
-``(EngineCore pid=…) INFO … [control.py:160] vllm-steer: loaded steer 'detox' … in 4.1 ms``.
+``(EngineCore pid=…) INFO … [management.py:180] vllm-steer: loaded steer 'detox' … 4.1 ms``.
 A plain ``logging.getLogger("vllm_steer")`` has no handler in those processes, so its INFO
 lines were dropped. Outside vLLM (training, the transformers path) nothing configures the
 ``vllm`` logger and Python's default applies: warnings and errors are shown.

@@ -17,7 +17,7 @@ The same engine-core operations as ``POST`` / ``DELETE /v1/steers`` (through
 
 from __future__ import annotations
 
-from vllm_steer.integrations.frontend.engine_client import control_sync
+from vllm_steer.integrations.frontend.engine_client import manage_sync
 
 
 class SteerLoadError(ValueError):
@@ -28,8 +28,8 @@ class SteerLoadError(ValueError):
         self.status = status
 
 
-def _control(llm, op: str, **kwargs) -> dict:
-    res = control_sync(llm, op, **kwargs)
+def _manage(llm, op: str, **kwargs) -> dict:
+    res = manage_sync(llm, op, **kwargs)
     if res.get("ok") is False:
         raise SteerLoadError(res["error"], res["status"])
     return res
@@ -41,14 +41,14 @@ def load_steer(llm, name: str, path: str) -> dict:
     Raises :class:`SteerLoadError` with every reason when the file or capacity refuses."""
     import os
 
-    return _control(llm, "load", name=name, path=os.path.abspath(path), source="offline")["steer"]
+    return _manage(llm, "load", name=name, path=os.path.abspath(path), source="offline")["steer"]
 
 
 def unload_steer(llm, name: str) -> dict:
     """Unload steer ``name`` (requests already admitted with it finish with it)."""
-    return _control(llm, "unload", name=name)["steer"]
+    return _manage(llm, "unload", name=name)["steer"]
 
 
 def list_steers(llm) -> list[dict]:
     """The loaded steers (as ``GET /v1/steers`` ``data``)."""
-    return [s for s in _control(llm, "list")["steers"] if s["state"] == "loaded"]
+    return [s for s in _manage(llm, "list")["steers"] if s["state"] == "loaded"]

@@ -2,16 +2,17 @@
 them.
 
 The ``steer`` value of a request (the OpenAI body's top-level field, ``vllm_xargs={"steer":
-"name:strength,..."}`` or offline ``SamplingParams(extra_args={"steer": ...})``) is parsed once
-per process boundary into a frozen :class:`SteerRequest` (names, signed strengths, generation
-windows; vLLM's ``LoRARequest`` is the model):
+"name:strength,..."}`` or offline ``SamplingParams(extra_args={"steer": ...})``) is a user's
+value: :meth:`SteerRequest.parse` is its one parser, run once, where it enters the frontend (API
+server or ``LLM`` process). From there the typed request travels on:
 
-- the frontend (API server or ``LLM`` process) parses it where it enters (the request body's
-  validator; offline, the admission check) and writes its serialised form, which has a version
-  (:meth:`SteerRequest.to_wire`), back into ``extra_args["steer"]``: everything downstream
-  decodes that (:meth:`SteerRequest.from_value`) and never parses the grammar again;
-- the engine core applies the operator's policy (:mod:`vllm_steer.policy`) to the typed object
-  and binds each steer to a ``(slot, generation)`` (:class:`BoundSteer`);
+- the frontend applies the operator's policy (presets, ``--steer-default``, ``--steer-floor``:
+  :mod:`vllm_steer.policy`) to it once and writes its serialised form, which has a version
+  (:meth:`SteerRequest.to_wire`), into ``extra_args["steer"]``; in the frontend that form
+  still holds the typed request (:class:`SteerWire`), so nothing there decodes it again;
+- the engine core decodes it once (:meth:`SteerRequest.from_wire`, the one decoder of the
+  serialised form; :meth:`~SteerRequest.parse` never accepts it) and binds each steer to the
+  bank slot and load that hold it (:class:`BoundSteer`);
 - the worker reads only the bound form.
 
 Limits (:data:`MAX_STEER_CHARS`, :data:`MAX_WINDOW_TOKEN`, ...) and every message about a
@@ -220,6 +221,10 @@ def _parse_steer(value: Any, known: Mapping[str, Any] | None, max_strength: floa
                         "{'strength': 5, 'start': 0, 'end': 32}}}")
                 items[name] = s
     elif isinstance(value, Mapping):
+        if WIRE_KEY in value:
+            raise SteerRequestError(f"{where}: {WIRE_KEY!r} marks the serialised form vllm-steer "
+                                    "writes itself, not a request's value; send a mapping of "
+                                    "steer names to strengths, e.g. {\"detox\": 5}")
         items = dict(value)
     else:
         raise SteerRequestError(f"{where}: expected an object mapping steer names to strengths "
@@ -272,9 +277,10 @@ def unknown_steer(where: str, name: Any, loaded, steer_dir: str | None = None,
     return f"{where}: unknown steer {echo(name)}; {label}: {listing}"
 
 
-#: Version of the serialised form (:meth:`SteerRequest.to_wire`). The key cannot be a steer
-#: name (``@`` is outside the name rule), so the form is never taken for a user's mapping.
-WIRE_VERSION = 1
+#: Version of the serialised form (:meth:`SteerRequest.to_wire`; 2: the steers the request is
+#: served with, the operator's policy applied). The key cannot be a steer name (``@`` is
+#: outside the name rule), so the form is never taken for a user's mapping.
+WIRE_VERSION = 2
 WIRE_KEY = "@vllm_steer"
 
 
@@ -302,7 +308,8 @@ class SteerRequest:
     @classmethod
     def parse(cls, value: Any, known: Mapping[str, Any] | None = None,
               max_strength: float = math.inf, where: str = REQUEST_FIELD) -> "SteerRequest":
-        """Parse and check a request's steer value (or decode its serialised form).
+        """Parse and check a user's steer value (never the serialised form: that is
+        :meth:`from_wire`'s).
 
         Accepts a mapping ``{"detox": 5, "sentiment": -3}`` or the ``vllm_xargs`` string form
         ``"detox:5,sentiment:-3"`` (an empty string is no steer). Strengths are numbers or
@@ -312,24 +319,7 @@ class SteerRequest:
         Raises :class:`SteerRequestError` naming the field and the problem; the message
         repeats at most a short prefix of any value.
         """
-        if is_wire(value):
-            request = cls.from_wire(value, where)
-            if known is not None:
-                for name in request.names:
-                    if name not in known:
-                        raise SteerRequestError(unknown_steer(where, name, known))
-            for name, v in request.entries:
-                s = max(abs(v.strength), abs(v.base)) if isinstance(v, Window) else abs(v)
-                if s > max_strength:
-                    _strength(name, s, where, max_strength)  # raises with the usual message
-            return request
         return cls(_parse_steer(value, known, max_strength, where))
-
-    @classmethod
-    def from_value(cls, value: Any, where: str = REQUEST_FIELD) -> "SteerRequest":
-        """The request in ``extra_args["steer"]``: its serialised form decoded, or a raw value
-        parsed against the name rule (a request that did not pass a frontend's parse)."""
-        return cls.parse(value, None, math.inf, where)
 
     # ---- views ------------------------------------------------------------------------------
     @property
@@ -358,23 +348,60 @@ class SteerRequest:
         return bool(self.strengths)
 
     # ---- the serialised form -----------------------------------------------------------------
-    def to_wire(self) -> dict[str, Any]:
-        """The form carried in ``extra_args["steer"]`` (JSON-safe, versioned)."""
-        return {WIRE_KEY: WIRE_VERSION,
-                "steers": [[n, _wire_value(v)] for n, v in self.entries]}
+    def to_wire(self) -> "SteerWire":
+        """The form carried in ``extra_args["steer"]`` (JSON-safe, versioned), holding this
+        request for the process that made it (:class:`SteerWire`)."""
+        wire = SteerWire({WIRE_KEY: WIRE_VERSION,
+                          "steers": [[n, _wire_value(v)] for n, v in self.entries]})
+        wire.request = self
+        return wire
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any], where: str = REQUEST_FIELD) -> "SteerRequest":
+        """The one decoder of the serialised form (:meth:`to_wire`): in the process that made it,
+        the request it holds; elsewhere (the engine core) decoded. Raises
+        :class:`SteerRequestError` for another version or a malformed form."""
+        if isinstance(value, SteerWire):
+            return value.request
+        if not is_wire(value):
+            raise SteerRequestError(f"{where}: {echo(value)} is not the serialised form "
+                                    "vllm-steer's frontend writes: the request did not pass its "
+                                    "admission (send it through vLLM's LLM, AsyncLLM or API "
+                                    "server, with the plugin installed)")
         version = value.get(WIRE_KEY)
         if version != WIRE_VERSION:
             raise SteerRequestError(f"{where}: serialised steer request of version "
                                     f"{echo(version)}; this vllm-steer reads version "
                                     f"{WIRE_VERSION} (frontend and engine run different "
                                     "vllm-steer versions: install the same one everywhere)")
-        entries = []
-        for name, v in value.get("steers") or ():
-            entries.append((name, Window(**v) if isinstance(v, Mapping) else float(v)))
+        try:  # checked as it is read (a form made elsewhere): never another exception
+            entries = []
+            items = value.get("steers") or ()
+            if not isinstance(items, (list, tuple)) or not all(
+                    isinstance(i, (list, tuple)) and len(i) == 2 for i in items):
+                raise TypeError("'steers' must be a list of [name, strength or window] pairs")
+            for name, v in items:
+                problem = steer_name_problem(name)
+                if problem:
+                    raise SteerRequestError(f"{where}: {problem}")
+                entries.append((name, _window(name, v, where, math.inf) if isinstance(v, Mapping)
+                                else _strength(name, v, where, math.inf)))
+        except SteerRequestError:
+            raise
+        except (TypeError, ValueError, OverflowError) as e:
+            raise SteerRequestError(f"{where}: malformed serialised steer request ({e}); it "
+                                    "is written by vllm-steer's frontend, not by hand") from None
         return cls(tuple(entries))
+
+
+class SteerWire(dict):
+    """The serialised form of a :class:`SteerRequest` (:meth:`SteerRequest.to_wire`): a plain
+    JSON-safe dict wherever it is sent (msgpack, JSON keep only the dict), which in the process
+    that made it still holds the typed request (``request``), so that process never decodes
+    it. A plain dict of the same keys is a value from outside: the frontend parses it as a
+    user's value (and refuses it), the engine core decodes it."""
+
+    __slots__ = ("request",)
 
 
 def is_wire(value: Any) -> bool:
@@ -382,20 +409,30 @@ def is_wire(value: Any) -> bool:
     return isinstance(value, Mapping) and WIRE_KEY in value
 
 
-#: ``SamplingParams.extra_args`` key the engine core writes: the request's steers bound to their
-#: slots, ``[[name, slot, generation, strength or window], ...]`` (:class:`BoundSteer`).
+def admitted(value: Any) -> SteerRequest | None:
+    """The request a frontend of this process admitted, if ``value`` is its serialised form
+    (:class:`SteerWire`), else None (a user's value, or none)."""
+    return value.request if isinstance(value, SteerWire) else None
+
+
+#: ``SamplingParams.extra_args`` key the engine core writes: the request's steers bound to the
+#: bank slots that hold them, ``[[name, bank_slot, load_id, strength or window], ...]``
+#: (:class:`BoundSteer`).
 BOUND_KEY = "vllm_steer_bound"
 
 
 @dataclass(frozen=True)
 class BoundSteer:
-    """One steer of a request, bound by the engine core to the slot and generation that hold
-    it (:class:`vllm_steer.integrations.engine.registry.SteerRegistry`): the only form the
+    """One steer of a request, bound by the engine core to the bank slot and the load that
+    hold it (:class:`vllm_steer.integrations.engine.registry.SteerRegistry`): the only form the
     workers read."""
 
     name: str
-    slot: int
-    generation: int
+    bank_slot: int
+    """The slot of the steer bank (every worker's factors) holding the steer."""
+    load_id: int
+    """Which load of the steer the slot must hold (the registry's generation id; a slot
+    re-used by another load no longer serves the request)."""
     value: float | Window
     """The strength, or the generation window."""
 
@@ -405,7 +442,7 @@ class BoundSteer:
 
     @staticmethod
     def to_wire(bound: Sequence["BoundSteer"]) -> list:
-        return [[b.name, b.slot, b.generation, _wire_value(b.value)] for b in bound]
+        return [[b.name, b.bank_slot, b.load_id, _wire_value(b.value)] for b in bound]
 
     @staticmethod
     def from_wire(value: Any) -> list["BoundSteer"]:

@@ -280,3 +280,43 @@ def test_valid_windows_parse_and_round_trip(value):
         again = request_windows({name: json.loads(json.dumps(dataclasses.asdict(w)))}, KNOWN,
                                 MAX)
         assert again == {name: w}
+
+
+# ---- the serialised form (what the frontend sends the engine core) -----------------------
+@FUZZ
+@given(st.dictionaries(st.sampled_from(sorted(KNOWN)), VALID_WINDOW | st.floats(-MAX, MAX),
+                       max_size=3))
+def test_the_serialised_form_round_trips_and_is_not_a_users_value(value):
+    """A parsed request's serialised form, sent to another process (JSON-safe), decodes to the
+    same request; in the process that made it, it holds that request. Sent back as a user's
+    value it is refused, naming the key."""
+    from vllm_steer.request import WIRE_KEY, SteerRequest
+
+    request = SteerRequest.parse(value, KNOWN, MAX)
+    wire = request.to_wire()
+    assert SteerRequest.from_wire(json.loads(json.dumps(wire))) == request
+    assert SteerRequest.from_wire(wire) is request
+    with pytest.raises(SteerRequestError) as e:
+        SteerRequest.parse(json.loads(json.dumps(wire)), KNOWN, MAX)
+    assert str(e.value).startswith(f"steer: {WIRE_KEY!r} marks the serialised form")
+
+
+@FUZZ
+@given(JSON)
+def test_any_json_as_the_serialised_forms_steers(steers):
+    """Whatever a serialised form holds, decoding it gives a request of valid names and finite
+    strengths or a SteerRequestError naming the field, never another exception."""
+    from vllm_steer.request import WIRE_KEY, WIRE_VERSION, SteerRequest
+
+    try:
+        got = SteerRequest.from_wire({WIRE_KEY: WIRE_VERSION, "steers": steers})
+    except SteerRequestError as e:
+        assert str(e).startswith("steer:") and len(str(e)) < 600, str(e)[:700]
+        return
+    from vllm_steer.names import is_steer_name
+
+    assert [n for n, _ in got.entries] == [x[0] for x in steers or ()]
+    for name, v in got.entries:
+        assert is_steer_name(name)
+        for s in ((v.strength, v.base) if isinstance(v, Window) else (v,)):
+            assert isinstance(s, float) and math.isfinite(s)

@@ -19,8 +19,8 @@ from helpers.steers import random_steer
 from vllm_steer import metrics as metrics_mod
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.format import save_steer
-from vllm_steer.integrations.engine import control
-from vllm_steer.integrations.engine.answers import merge
+from vllm_steer.integrations.engine import management, state
+from vllm_steer.integrations.protocol import merge_answers
 from vllm_steer.integrations.engine.registry import SteerRegistry
 from vllm_steer.metrics import OpTimer, SteerMetrics, take_new
 
@@ -51,7 +51,7 @@ def _core(index: int, workers: list[dict]):
     cfg = SteerServerConfig(steers={}, max_steers=4, enable_updates=True)
     return SimpleNamespace(
         engine_index=index,
-        vllm_steer_state=control.EngineSteerState(cfg, SteerRegistry(4), 64),
+        vllm_steer_state=state.EngineSteerState(cfg, SteerRegistry(4), 64),
         scheduler=SimpleNamespace(requests={}),
         model_executor=SimpleNamespace(collective_rpc=lambda fn, args=(): (
             [dict(w) for w in workers] if args[0] == "stats" else [True] * len(workers))),
@@ -67,7 +67,7 @@ def _steer(core, name: str, n: int) -> None:
 def _list(cores) -> dict:
     """What an API server's engine client gets for ``list``: every engine core's answer,
     merged."""
-    return merge("list", [control.handle(c, "list") for c in cores])
+    return merge_answers("list", [management.run_op(c, "list") for c in cores])
 
 
 def _worker(seconds=0.0, host=0.0, calls=0, timed=0) -> dict:
@@ -81,7 +81,7 @@ def _load(core, tmp_path, name: str, ok: bool = True) -> None:
         save_steer(path, random_steer(64, 4, name))
     else:
         path.write_bytes(b"not a steer file")
-    res = control.handle(core, "load", {"name": name, "path": str(path), "source": "api"})
+    res = management.run_op(core, "load", {"name": name, "path": str(path), "source": "api"})
     assert res["ok"] is ok, res
 
 

@@ -59,7 +59,7 @@ def test_precedence_table(request_value, preset, defaults, floors, want, floored
         {k: float(v) for k, v in want.items()}
     assert got_floored == floored
     # idempotent: the engine core resolves again what the API server wrote (its wire form)
-    again, _ = resolve(SteerRequest.parse(got.to_wire()), None, defaults, floors)
+    again, _ = resolve(SteerRequest.from_wire(dict(got.to_wire())), None, defaults, floors)
     assert again == got
 
 
@@ -240,13 +240,13 @@ def test_the_engine_cores_preset_table():
 
 
 def test_data_parallel_answers_and_the_api_servers_view():
-    from vllm_steer.integrations.engine import presets
+    from vllm_steer.integrations.protocol import merge_preset_answers
 
     ok = {"ok": True, "version": 3, "presets": {"kind": {"detox": 4.0}}}
     no = {"ok": False, "status": 400, "error": "taken", "version": 3, "presets": {}}
-    assert presets.merge("preset_add", [ok, no]) is no  # added only if every engine did
-    assert presets.merge("preset_add", [ok, dict(ok)]) is ok
-    assert presets.merge("preset_delete", [no, ok]) is ok  # deleted if any engine had it
+    assert merge_preset_answers("preset_add", [ok, no]) is no  # added only if every engine did
+    assert merge_preset_answers("preset_add", [ok, dict(ok)]) is ok
+    assert merge_preset_answers("preset_delete", [no, ok]) is ok  # deleted if any engine had it
     from vllm_steer.integrations.frontend.state import FrontendState
 
     st = FrontendState()  # an API server's view of the table

@@ -230,11 +230,11 @@ def test_every_hook_of_the_v1_runner_groups_ran_in_the_engine(llm, hooks_record)
     (engine core, V1 runner, its prompt logprobs) was called in the engine's processes, and
     the frontend hooks of the offline path in this one, so a patched name vLLM stopped
     calling fails here. Steered requests with prompt logprobs make sure every path ran."""
-    from vllm_steer.integrations.engine.registry import CONTROL_METHOD
+    from vllm_steer.integrations.protocol import MANAGEMENT_METHOD
     from vllm_steer.integrations.hooks import hooks_called, hooks_recorded, wrapped_targets
     from vllm_steer.integrations.plugin import HOOKS
 
-    listed = llm.collective_rpc(CONTROL_METHOD, args=("list", {}))[0]["steers"]
+    listed = llm.collective_rpc(MANAGEMENT_METHOD, args=("list", {}))[0]["steers"]
     assert "a" in [e["name"] for e in listed]  # through EngineCore.collective_rpc
     outs = llm.generate(PROMPTS[:2], [sp({"a": 3}, prompt_logprobs=0, max_tokens=2),
                                       sp(max_tokens=2)])

@@ -72,15 +72,15 @@ def test_pp2_steered_and_unsteered_equal_the_unsharded_model(llm, ref):
 
 def test_pp2_a_steer_loaded_at_run_time_reaches_the_last_rank_and_steers(llm, ref, steers):
     from vllm_steer import offline
-    from vllm_steer.integrations.engine.registry import CONTROL_METHOD
+    from vllm_steer.integrations.protocol import MANAGEMENT_METHOD
 
     entry = offline.load_steer(llm, "late", steers[1]["late"])
-    workers = llm.collective_rpc(CONTROL_METHOD, args=("list", {}))[0]["workers"]
+    workers = llm.collective_rpc(MANAGEMENT_METHOD, args=("list", {}))[0]["workers"]
     assert len(workers) == 2  # one answer per pipeline rank, in rank order
     # the last stage (the LM head) holds it; the first one has no head and holds no steers
     assert [entry["slot"], entry["generation"], "late"] in workers[1]["slots"], workers
     assert workers[0]["slots"] == [], workers
     ref.check_generate(llm, PROMPTS, [{"late": 6}, {"late": -3, "a": 2}], MAX_TOKENS)
     offline.unload_steer(llm, "late")
-    workers = llm.collective_rpc(CONTROL_METHOD, args=("list", {}))[0]["workers"]
+    workers = llm.collective_rpc(MANAGEMENT_METHOD, args=("list", {}))[0]["workers"]
     assert all("late" not in [n for _, _, n in w["slots"]] for w in workers), workers

@@ -424,9 +424,9 @@ def test_loads_and_unloads_are_logged_through_vllms_logger(server):
     assert load(server, "logged", STATE["dir"] / "b.safetensors").status_code == 200
     assert requests.delete(server + "/v1/steers/logged").status_code == 200
     log = (STATE["root"] / "server.log").read_text()
-    assert re.search(r"^\(EngineCore[^)]*\) INFO \S+ \S+ \[control\.py:\d+\] vllm-steer: loaded "
-                     r"steer 'logged' from \S+b\.safetensors \(rank 8, slot \d+, generation \d+\)"
-                     r" in [0-9.]+ ms", log, re.M), log[-3000:]
+    assert re.search(r"^\(EngineCore[^)]*\) INFO \S+ \S+ \[management\.py:\d+\] vllm-steer: "
+                     r"loaded steer 'logged' from \S+b\.safetensors \(rank 8, slot \d+, "
+                     r"generation \d+\) in [0-9.]+ ms", log, re.M), log[-3000:]
     assert re.search(r"^\(EngineCore[^)]*\) INFO .*vllm-steer: unloaded steer 'logged'", log, re.M)
 
 

@@ -320,9 +320,9 @@ def test_every_hook_of_the_model_runner_v2_groups_ran_in_the_engine(llm, hooks_r
     from vllm_steer.integrations.hooks import hooks_recorded, wrapped_targets
     from vllm_steer.integrations.plugin import HOOKS
 
-    from vllm_steer.integrations.engine.registry import CONTROL_METHOD
+    from vllm_steer.integrations.protocol import MANAGEMENT_METHOD
 
-    listed = llm.collective_rpc(CONTROL_METHOD, args=("list", {}))[0]["steers"]
+    listed = llm.collective_rpc(MANAGEMENT_METHOD, args=("list", {}))[0]["steers"]
     assert "a" in [e["name"] for e in listed]  # through EngineCore.collective_rpc
     ids = prompt_ids[1]
     rows = np.array([[ids[j + 1]] for j in range(len(ids) - 1)], dtype=np.int64)

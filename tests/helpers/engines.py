@@ -42,7 +42,7 @@ def v2_runner_env() -> dict[str, str]:
 
 def bound_extra(names, steer) -> dict:
     """``extra_args`` of a request whose steers the engine core bound (as
-    ``vllm_steer.integrations.engine.control.admit`` does) to a runtime loaded from
+    ``vllm_steer.integrations.engine.binding.bind_request`` does) to a runtime loaded from
     ``--steer`` files ``names`` (slot i, generation i + 1, as at start-up); the raw value too."""
     from vllm_steer.request import BOUND_KEY, BoundSteer, SteerRequest
 

@@ -151,7 +151,7 @@ HOOKS: tuple[Hook, ...] = (
          "loading/unloading steers in the engine core (collective_rpc)", core.collective_rpc,
          group=ENGINE, params=("method", "timeout", "args", "kwargs")),
     Hook("vllm.v1.engine.core:EngineCore.add_request",
-         "defaults, floors and binding a request's steers to (slot, generation) at admission",
+         "binding a request's steers to (bank slot, load) at admission",
          core.add_request, group=ENGINE, params=("request", "request_wave"),
          reads=("vllm.v1.engine.core:EngineCoreProc.output_queue",
                 "vllm.v1.request:Request.client_index", "vllm.v1.request:Request.request_id",

@@ -30,7 +30,7 @@ import os
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from vllm_steer.integrations.frontend.engine_client import control
+from vllm_steer.integrations.frontend.engine_client import manage
 from vllm_steer.integrations.frontend.request_scope import close_scope, open_scope
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.logs import get_logger
@@ -82,7 +82,7 @@ async def list_presets(raw: Request):
     engine = frontend_state().engine
     if cfg.presets_change and engine is not None:
         try:
-            table = await control(engine, "presets")
+            table = await manage(engine, "presets")
         except Exception as e:  # the engine is shutting down: the view as it is
             logger.debug("vllm-steer: reading the presets failed: %s", e)
     runtime = table.get("presets", frontend_state().presets_view() if cfg.presets_change
@@ -138,7 +138,7 @@ def _reserved(raw: Request, cfg) -> dict[str, str]:
 
 async def _known_steers(engine, cfg) -> set[str]:
     """The steers a preset may name: loaded now (not draining), and ``--steer-dir``'s files."""
-    listing = await control(engine, "list")  # the steers loaded now, and the current table
+    listing = await manage(engine, "list")  # the steers loaded now, and the current table
     steers = {s["name"] for s in listing.get("steers", []) if s["state"] != "draining"}
     if cfg.steer_dir and os.path.isdir(cfg.steer_dir):
         steers |= {f[:-len(".safetensors")] for f in os.listdir(cfg.steer_dir)
@@ -187,8 +187,8 @@ async def _set_preset(raw: Request, name: str | None, replace: bool):
         name, mix = preset_from_body(body, steers, cfg.max_strength, reserved)
     except PolicyError as e:
         return _error(400, str(e))
-    res = await control(engine, "preset_add", name=name, steer=mix, token=uuid.uuid4().hex,
-                        replace=replace)
+    res = await manage(engine, "preset_add", name=name, steer=mix, token=uuid.uuid4().hex,
+                       replace=replace)
     if not res.get("ok"):
         return _error(res.get("status", 400), res.get("error", "refused"))
     out = {"object": "steer_preset", "name": name, "steer": mix, "source": "api"}
@@ -216,7 +216,7 @@ async def delete_preset(name: str, raw: Request):
     engine = frontend_state().engine
     if engine is None:
         return _error(503, "no engine behind this server")
-    res = await control(engine, "preset_delete", name=name)
+    res = await manage(engine, "preset_delete", name=name)
     if not res.get("ok"):
         return _error(res.get("status", 400), res.get("error", "refused"),
                       "NotFoundError" if res.get("status") == 404 else "BadRequestError")
@@ -262,7 +262,7 @@ class PresetsFileWatcher:
                                cfg.max_strength, _model_names(state, cfg))
         except pf.PresetsFileError as e:
             return self._refuse(str(e), digest)
-        res = await control(engine, "preset_file", presets=presets, stamp=list(stamp),
+        res = await manage(engine, "preset_file", presets=presets, stamp=list(stamp),
                             path=self.path)
         if not res.get("ok"):
             return self._refuse(f"presets file {self.path}: {res.get('error')}", stamp[1], res)

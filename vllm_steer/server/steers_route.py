@@ -9,7 +9,7 @@
   ``path`` the file is ``DIR/NAME.safetensors``.
 
 Every call reaches the engine core through vLLM's ``collective_rpc`` utility call on the
-engine client (see :mod:`vllm_steer.integrations.engine.control`), so every API-server process
+engine client (see :mod:`vllm_steer.integrations.engine.management`), so every API-server process
 (``--api-server-count``) and every worker sees the same set; with data parallelism every
 engine core gets the call and their answers are merged
 (:mod:`vllm_steer.integrations.frontend.engine_client`). Each API server also polls the engine's list (once a second,
@@ -31,7 +31,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from vllm_steer.integrations.frontend.engine_client import control
+from vllm_steer.integrations.frontend.engine_client import manage
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.server.errors import error_response as _error
 from vllm_steer.logs import get_logger
@@ -61,7 +61,7 @@ async def list_steers(raw: Request):
     if engine is None:
         return _error(503, "no engine behind this server")
     admitted = sorted(frontend_state().loaded_names())  # this process's admission view, before refresh
-    res = await control(engine, "list")
+    res = await manage(engine, "list")
     if not res.get("enabled"):
         return _error(404, "steering is not enabled on this server", "NotFoundError")
     data = [s for s in res["steers"] if s["state"] != "draining"]
@@ -111,7 +111,7 @@ async def load_steer(body: LoadSteerRequest, raw: Request):
                       "with --steer-updates-any-path to allow any path", "PermissionError")
     if not os.path.isabs(path) and cfg.steer_dir:
         path = os.path.join(cfg.steer_dir, path)
-    res = await control(_engine(raw), "load", name=body.name, path=os.path.abspath(path),
+    res = await manage(_engine(raw), "load", name=body.name, path=os.path.abspath(path),
                         source="api")
     if not res["ok"]:
         return _error(res["status"], res["error"])
@@ -123,7 +123,7 @@ async def unload_steer(name: str, raw: Request):
     refused = _updates_refused()
     if refused is not None:
         return refused
-    res = await control(_engine(raw), "unload", name=name)
+    res = await manage(_engine(raw), "unload", name=name)
     if not res["ok"]:
         return _error(res["status"], res["error"],
                       "NotFoundError" if res["status"] == 404 else "BadRequestError")
@@ -133,7 +133,7 @@ async def unload_steer(name: str, raw: Request):
 async def _poll(engine) -> None:
     while True:
         try:
-            await control(engine, "list")
+            await manage(engine, "list")
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the engine is shutting down, or busy: try again

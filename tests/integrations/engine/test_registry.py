@@ -113,14 +113,14 @@ def test_dir_path_stays_inside_the_directory(tmp_path):
     assert not path_inside("/etc/passwd", None)
 
 
-# ---- data parallelism: one answer from every engine core's (control.merge) -----------------
+# ---- data parallelism: one answer from every engine core's (protocol.merge_answers) ---------
 def _core(index, capacity, steer_dir=None):
-    """An engine core as control.handle sees it: its own registry, no requests, workers that
+    """An engine core as management.run_op sees it: its own registry, no requests, workers that
     accept every op."""
     from types import SimpleNamespace
 
     from vllm_steer.config import SteerServerConfig
-    from vllm_steer.integrations.engine.control import EngineSteerState
+    from vllm_steer.integrations.engine.state import EngineSteerState
 
     cfg = SteerServerConfig(steers={}, max_steers=capacity, steer_dir=steer_dir,
                             enable_updates=True)
@@ -132,16 +132,16 @@ def _core(index, capacity, steer_dir=None):
 
 
 def _all(cores, op, **kw):
-    from vllm_steer.integrations.engine import control
+    from vllm_steer.integrations.engine import management
 
-    return [control.handle(c, op, kw) for c in cores]
+    return [management.run_op(c, op, kw) for c in cores]
 
 
 def test_dp_load_list_unload_merge_and_a_partial_failure_is_rolled_back(tmp_path):
     from helpers.steers import random_steer
 
     from vllm_steer.format import save_steer
-    from vllm_steer.integrations.engine.answers import merge, rollback_kwargs
+    from vllm_steer.integrations.protocol import merge_answers as merge, rollback_kwargs
 
     for n in ("a", "b", "c"):
         save_steer(tmp_path / f"{n}.safetensors", random_steer(64, 4, n))
@@ -183,7 +183,7 @@ def test_dp_steer_op_time_is_summed_over_engine_cores_one_head_worker_each():
     rows, a PP stage without the head none); data parallelism sums the engine cores."""
     from types import SimpleNamespace
 
-    from vllm_steer.integrations.engine import answers as dp
+    from vllm_steer.integrations import protocol as dp
 
     tp = [{"op_seconds": 0.5, "op_calls": 10, "slots": []},
           {"op_seconds": 0.7, "op_calls": 10, "slots": []}]     # TP=2: the same 10 calls
@@ -199,5 +199,5 @@ def test_dp_steer_op_time_is_summed_over_engine_cores_one_head_worker_each():
             else [True] * len(w))
     answers = _all(cores, "list")
     assert [a["stats"]["op"]["calls"] for a in answers] == [10, 4]
-    merged = dp.merge("list", answers)
+    merged = dp.merge_answers("list", answers)
     assert merged["stats"]["op"] == {"seconds": 0.75, "calls": 14}

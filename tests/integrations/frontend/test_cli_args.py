@@ -104,3 +104,21 @@ def test_enable_steer_updates_names_both_route_families_in_its_help_and_warning(
         for route in ("POST /v1/steers", "DELETE /v1/steers/NAME", "POST /v1/steer-presets",
                       "DELETE /v1/steer-presets/NAME"):
             assert route in text, (route, text)
+
+
+def test_no_steer_drafter_help_does_not_show_default_true_and_the_drafter_is_steered_unless_given():
+    """vLLM's help formatter appends "(default: True)" to a store_false flag, which reads as
+    if --no-steer-drafter were on; its help says what happens without it instead."""
+    import argparse
+
+    from vllm.utils.argparse_utils import SortedHelpFormatter
+
+    parser = argparse.ArgumentParser(prog="vllm serve", formatter_class=SortedHelpFormatter)
+    cli_args.add_steer_args(parser)
+    text = " ".join(parser.format_help().split())
+    entry = text[text.index("--no-steer-drafter Speculative"):].split(" --steer ")[0]
+    assert "(default: True)" not in entry and "Without this flag the drafter is steered." \
+        in entry, entry
+    assert cli_args.config_from_args(parser.parse_args(["--steer", "a=/x"])).steer_drafter
+    assert not cli_args.config_from_args(
+        parser.parse_args(["--steer", "a=/x", "--no-steer-drafter"])).steer_drafter

@@ -67,11 +67,11 @@ def test_good_steer_reaches_the_sampling_params(client):
     assert r.status_code == 200, r.text
     wire = r.json()["extra_args"]["steer"]
     assert wire[WIRE_KEY] == WIRE_VERSION
-    assert SteerRequest.from_value(wire).named == {"detox": 5.0}
+    assert SteerRequest.from_wire(wire).named == {"detox": 5.0}
     r = post(client, {"vllm_xargs": {"steer": "detox:5,sentiment:-3"}})
     assert r.status_code == 200, r.text
     assert list(r.json()["extra_args"]) == ["steer"]
-    assert SteerRequest.from_value(r.json()["extra_args"]["steer"]).named == \
+    assert SteerRequest.from_wire(r.json()["extra_args"]["steer"]).named == \
         {"detox": 5.0, "sentiment": -3.0}
 
 

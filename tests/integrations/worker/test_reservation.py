@@ -130,15 +130,16 @@ def test_a_steer_over_the_reservation_is_refused_by_the_bank(tmp_path):
 def test_a_run_time_load_over_the_reservation_is_http_400(tmp_path, rank, domain_rank, what):
     """``POST /v1/steers`` (the engine core's load op) answers 400 naming the rank, the limit
     and the fix, before any worker is asked."""
-    from vllm_steer.integrations.engine import control
+    from vllm_steer.integrations.engine import management
     from vllm_steer.integrations.engine.registry import SteerRegistry
+    from vllm_steer.integrations.engine.state import EngineSteerState
 
     cfg = SteerServerConfig(steers={}, max_steers=2, max_steer_rank=4, enable_updates=True)
     core = SimpleNamespace(
-        vllm_steer_state=control.EngineSteerState(cfg, SteerRegistry(cfg.capacity), HIDDEN),
+        vllm_steer_state=EngineSteerState(cfg, SteerRegistry(cfg.capacity), HIDDEN),
         vllm_config=SimpleNamespace(model_config=SimpleNamespace(model="m")))
     path = _steer(tmp_path, "big", rank, 7, domain_rank=domain_rank)
-    out = control.load(core, "big", path, "api")
+    out = management.load_steer_file(core, "big", path, "api")
     assert out["ok"] is False and out["status"] == 400, out
     assert f"{what}, over --max-steer-rank=4" in out["error"]
     assert "larger --max-steer-rank" in out["error"]

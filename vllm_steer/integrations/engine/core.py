@@ -1,40 +1,41 @@
 """The engine core's hooks: run-time steer management and admission.
 
-``EngineCore.collective_rpc`` answers the steer-management method of
-:mod:`vllm_steer.integrations.engine.control` (load / unload / list / presets) and
-``EngineCore.add_request`` applies defaults and floors and binds each request's steers to
-(slot, generation); a request refused there is finished at once with an error output
-(:func:`send_refusal`), which the API server turns into HTTP 400
-(:mod:`vllm_steer.integrations.frontend.async_llm`).
+``EngineCore.collective_rpc`` answers the management method
+(:data:`~vllm_steer.integrations.protocol.MANAGEMENT_METHOD`: load / unload / list / presets,
+:mod:`vllm_steer.integrations.engine.management`), and ``EngineCore.add_request`` binds each
+request's steers to (bank slot, load) (:mod:`vllm_steer.integrations.engine.binding`); a
+request refused there is finished at once with an error output (:func:`send_refusal`), which
+the API server turns into HTTP 400 (:mod:`vllm_steer.integrations.frontend.async_llm`).
 
-This module imports no torch (the frontend imports it).
+This module imports no torch.
 """
 
 from __future__ import annotations
 
-from vllm_steer.integrations.engine import control
-from vllm_steer.integrations.engine.registry import CONTROL_METHOD, REFUSED_PREFIX
+from vllm_steer.integrations.engine.binding import SteerAdmissionError, bind_request
+from vllm_steer.integrations.engine.management import run_op
+from vllm_steer.integrations.protocol import MANAGEMENT_METHOD, REFUSED_PREFIX
 from vllm_steer.logs import get_logger
 
 logger = get_logger()
 
 
 def collective_rpc(orig, self, method, timeout=None, args=(), kwargs=None):
-    """``EngineCore.collective_rpc`` answers :data:`registry.CONTROL_METHOD` in the engine core
-    (load / unload / list / presets, forwarded to every worker by the executor's own
-    collective_rpc)."""
-    if method == CONTROL_METHOD:
-        return [control.handle(self, *args)]
+    """``EngineCore.collective_rpc`` answers :data:`~vllm_steer.integrations.protocol.
+    MANAGEMENT_METHOD` in the engine core (load / unload / list / presets, forwarded to every
+    worker by the executor's own collective_rpc)."""
+    if method == MANAGEMENT_METHOD:
+        return [run_op(self, *args)]
     return orig(self, method, timeout, args, kwargs)
 
 
 def add_request(orig, self, request, request_wave: int = 0):
-    """``EngineCore.add_request``: defaults, floors and each steer bound to (slot,
-    generation) (:func:`control.admit`); a request refused there is finished at once with an
-    error output (:func:`send_refusal`)."""
+    """``EngineCore.add_request``: each steer bound to (bank slot, load)
+    (:func:`~vllm_steer.integrations.engine.binding.bind_request`); a request refused there
+    is finished at once with an error output (:func:`send_refusal`)."""
     try:
-        control.admit(self, request)
-    except control.SteerAdmissionError as e:
+        bind_request(self, request)
+    except SteerAdmissionError as e:
         if getattr(self, "output_queue", None) is None:  # engine core in this process
             raise  # (offline): the caller sees it
         logger.warning("vllm-steer: request %s refused: %s", request.request_id, e)
@@ -46,8 +47,9 @@ def add_request(orig, self, request, request_wave: int = 0):
 def send_refusal(core, request, message: str) -> None:
     """Finish ``request`` at once with vLLM's error output (as
     ``EngineCore._send_error_outputs_to_client`` does), its ``stop_reason`` carrying
-    :data:`registry.REFUSED_PREFIX` and ``message``: the API server's ``AsyncLLM.generate``
-    hook turns it into the client's HTTP 400 instead of vLLM's generic 500."""
+    :data:`~vllm_steer.integrations.protocol.REFUSED_PREFIX` and ``message``: the API server's
+    ``AsyncLLM.generate`` hook turns it into the client's HTTP 400 instead of vLLM's generic
+    500."""
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
     out = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,

@@ -6,7 +6,7 @@ it.
 Design (docs/internals.md, "Run-time steers and presets: the engine core decides"):
 
 - **One table, in the engine core.** :class:`PresetTable` lives next to the steer registry
-  in each engine core (``control.py`` ops ``presets``, ``preset_add`` (``replace``: the PUT),
+  in each engine core (``management.py`` ops ``presets``, ``preset_add`` (``replace``: the PUT),
   ``preset_delete``, ``preset_rollback``, ``preset_file``; with data parallelism every engine
   core holds a copy, changed by the same calls, and engine core 0's answer is the one read).
   It has two layers: the presets of the file (replaced as a whole each time an API server
@@ -175,16 +175,3 @@ def file_op(table: PresetTable, kwargs: Mapping[str, Any],
                           kwargs.get("path", ""), len(table.file),
                           f" ({'; '.join(parts)})" if parts else "")
     return res
-
-
-def merge(op: str, answers: list[dict]) -> dict:
-    """One answer of the engine cores' answers (data parallelism) to a preset op: an add (or
-    replacement, or file) is ok if every engine core took it (else the first refusal: the
-    caller rolls back the others), a delete if any had it; the table read is engine core 0's."""
-    if len(answers) == 1:
-        return answers[0]
-    if op in ("preset_add", "preset_file"):
-        return next((a for a in answers if not a.get("ok")), answers[0])
-    if op == "preset_delete":
-        return next((a for a in answers if a.get("ok")), answers[0])
-    return answers[0]

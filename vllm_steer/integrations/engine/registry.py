@@ -8,8 +8,9 @@ request, waiting or running) and is the authority on which steers are loaded:
   unloading a steer never moves what a request in flight uses.
 - **Generations.** Every load gets a new generation id (unique across names). A request is
   *bound* when it reaches the engine core: each steer it names is resolved to
-  ``(slot, generation)`` and written into its sampling params (:data:`BOUND_KEY`). Workers
-  steer with exactly that slot and check that it still holds that generation. Re-loading a
+  ``(slot, generation)`` and written into its sampling params (:data:`BOUND_KEY`,
+  :class:`~vllm_steer.request.BoundSteer`: ``bank_slot`` and ``load_id``). Workers steer with
+  exactly that slot and check that it still holds that generation. Re-loading a
   name from another file makes a new generation in another slot; requests bound before keep
   the old one.
 - **Unloading.** The name is unbound at once (later requests are refused); the slot stays
@@ -19,7 +20,8 @@ request, waiting or running) and is the authority on which steers are loaded:
   recently used first, when a load needs a slot and it is used by no request. Steers given
   with ``--steer`` or loaded over HTTP / offline are never evicted.
 
-Light: standard library only (the frontend and the tests import it).
+Light: standard library only. The name rule and the ``--steer-dir`` path it uses are the
+protocol's (:mod:`vllm_steer.integrations.protocol`), shared with the frontend.
 """
 
 from __future__ import annotations
@@ -29,63 +31,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-from vllm_steer.request import BOUND_KEY
+from vllm_steer.integrations.protocol import (SOURCE_STARTUP, SOURCE_STEER_DIR, SOURCES,
+                                              SteerNameError, check_name, dir_path, name_problem)
+from vllm_steer.request import BOUND_KEY, BoundSteer
 
-#: ``collective_rpc`` method name the plugin's engine-core hook answers (see ``control``).
-CONTROL_METHOD = "vllm_steer_control"
-#: ``stop_reason`` prefix of the error output the engine core sends for a request whose steer
-#: it refuses at admission; the API server turns it back into HTTP 400 (``param: "steer"``).
-REFUSED_PREFIX = "vllm-steer refused: "
 DEFAULT_MAX_STEERS = 8
-MAX_NAME_LENGTH = 64
-SOURCES = ("--steer", "steer-dir", "api", "offline")
 
 
 class SteerCapacityError(RuntimeError):
     """No slot is free for a new steer."""
-
-
-class SteerNameError(ValueError):
-    """A steer name is not allowed (charset, length, path separators)."""
-
-
-def name_problem(name: Any) -> str | None:
-    """Why ``name`` cannot name a steer (or be a file name in ``--steer-dir``), else None."""
-    try:  # the project's one steer-name rule, where present
-        from vllm_steer.names import steer_name_problem  # type: ignore
-    except ImportError:
-        steer_name_problem = None
-    if steer_name_problem is not None:
-        problem = steer_name_problem(name)
-        if problem is not None:
-            return problem
-    if not isinstance(name, str) or not name:
-        return f"steer name {name!r} must be a non-empty string"
-    if len(name) > MAX_NAME_LENGTH:
-        return f"steer name {name[:40]!r}... is {len(name)} characters; at most {MAX_NAME_LENGTH}"
-    if not all(ch.isascii() and (ch.isalnum() or ch in "_-.") for ch in name):
-        return (f"steer name {name[:40]!r} may use only ASCII letters, digits, '_', '-' and '.' "
-                f"(at most {MAX_NAME_LENGTH} characters)")
-    if name.startswith(".") or ".." in name:
-        return f"steer name {name!r} may not start with '.' or contain '..'"
-    return None
-
-
-def check_name(name: Any) -> str:
-    problem = name_problem(name)
-    if problem:
-        raise SteerNameError(problem)
-    return name
-
-
-def dir_path(steer_dir: str, name: str) -> str:
-    """``DIR/NAME.safetensors`` for a valid ``name``; never a path outside ``steer_dir``."""
-    check_name(name)
-    root = os.path.realpath(steer_dir)
-    path = os.path.realpath(os.path.join(root, name + ".safetensors"))
-    if os.path.dirname(path) != root:  # a symlink pointing out of the directory
-        raise SteerNameError(f"steer {name!r}: {path} is outside --steer-dir {steer_dir}")
-    return path
 
 
 def path_inside(path: str, steer_dir: str | None) -> bool:
@@ -109,7 +63,7 @@ class SteerEntry:
     labels: dict = field(default_factory=dict)
     recommended_strength: float | None = None
     base_model: str | None = None
-    source: str = "--steer"
+    source: str = SOURCE_STARTUP
     loaded_at: float = 0.0
     requests_served: int = 0
     last_used: float = 0.0
@@ -172,7 +126,7 @@ class SteerRegistry:
                 return old.slot, None
         if evictable:
             cands = [e for e in self.slots if e is not None and e.state == "loaded"
-                     and e.source == "steer-dir" and (e.slot, e.generation) not in in_use]
+                     and e.source == SOURCE_STEER_DIR and (e.slot, e.generation) not in in_use]
             if cands:
                 victim = min(cands, key=lambda e: e.last_used)
                 return victim.slot, victim
@@ -250,11 +204,9 @@ def bound_in(requests: Iterable[Any]) -> set[tuple[int, int]]:
     for r in requests:
         sp = getattr(r, "sampling_params", None)
         extra = getattr(sp, "extra_args", None) or {}
-        for _name, slot, gen, _value in extra.get(BOUND_KEY) or ():
-            used.add((int(slot), int(gen)))
+        used.update((b.bank_slot, b.load_id) for b in BoundSteer.from_wire(extra.get(BOUND_KEY)))
     return used
 
 
 __all__ = ["SteerRegistry", "SteerEntry", "SteerCapacityError", "SteerNameError", "BOUND_KEY",
-           "CONTROL_METHOD", "REFUSED_PREFIX", "name_problem", "check_name", "dir_path",
-           "path_inside", "bound_in"]
+           "SOURCES", "name_problem", "check_name", "dir_path", "path_inside", "bound_in"]

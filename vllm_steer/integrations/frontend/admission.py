@@ -1,43 +1,65 @@
 """Admission in the frontend (API server / ``LLM`` process): where a request's ``steer`` value
-enters the process and is parsed, once, into a :class:`~vllm_steer.request.SteerRequest`.
+enters the process, is parsed once into a :class:`~vllm_steer.request.SteerRequest`, and gets
+the operator's policy once.
 
-Two entries, one parse each (whichever a request meets first; the other then decodes the
-serialised form the first wrote back into the value, :meth:`SteerRequest.to_wire`):
+- **The parse** (:func:`check_value`), whichever entry a request meets first:
 
-- the OpenAI request body's validator (:func:`check_request_fields`, a pydantic validator on
-  the request models, so streaming and non-streaming requests get HTTP 400 before anything
-  is sent);
-- admission in vLLM's ``InputProcessor`` (:func:`validate`, ``validate_params`` of our logits
-  processor): offline ``SamplingParams(extra_args={"steer": ...})`` and ``vllm_xargs`` enter
-  here.
+  - the OpenAI request body's validator (:func:`check_request_fields`, a pydantic validator on
+    the request models, so streaming and non-streaming requests get HTTP 400 before anything
+    is sent);
+  - vLLM's ``InputProcessor`` (:func:`validate`, ``validate_params`` of our logits
+    processor): offline ``SamplingParams(extra_args={"steer": ...})`` and other callers of
+    ``LLM`` / ``AsyncLLM`` enter here.
 
-The names a request may use, the limits and the ``--steer-dir`` files are checked against
-what this process knows (:func:`~vllm_steer.integrations.frontend.state.frontend_state`);
-only the header of a steer file is read (no torch).
+  The names a request may use, the limits and the ``--steer-dir`` files are checked against
+  what this process knows (:func:`~vllm_steer.integrations.frontend.state.frontend_state`);
+  only the header of a steer file is read (no torch).
+- **The policy** (:func:`serve`): a preset's mix under the request (an OpenAI request's
+  ``model``), then ``--steer-default`` and ``--steer-floor``
+  (:func:`vllm_steer.policy.resolve`). The steers the request is served with go to the engine
+  core in ``extra_args["steer"]`` (:meth:`~vllm_steer.request.SteerRequest.to_wire`; in this
+  process that form holds the typed request, :func:`~vllm_steer.request.admitted`, so later
+  steps read it without decoding), and to the response headers.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from typing import Any, Mapping
 
 from vllm_steer import REQUEST_FIELD
-from vllm_steer.integrations.engine.registry import SteerNameError, dir_path, name_problem
+from vllm_steer.integrations.frontend.request_scope import record_applied
 from vllm_steer.integrations.frontend.state import frontend_state
-from vllm_steer.request import SteerRequest, SteerRequestError, is_wire, unknown_steer
+from vllm_steer.integrations.protocol import name_problem, steer_dir_file
+from vllm_steer.request import SteerRequest, SteerRequestError, admitted
 
 
-def _check_unloaded(request: SteerRequest, where: str = REQUEST_FIELD) -> dict:
-    """Names the request uses that are not loaded: fine if ``--steer-dir`` has them (loaded on
-    first use by the engine core), else a SteerRequestError naming the directory. Returns the
-    names the request may use."""
+def dir_steer_file(name: str, loaded, where: str = REQUEST_FIELD) -> str:
+    """The ``--steer-dir`` file of ``name`` (not loaded), checked as far as this process can
+    without torch: it exists (:func:`~vllm_steer.integrations.protocol.steer_dir_file`, the
+    engine core's own lookup) and its header fits the model. Raises SteerRequestError."""
     from vllm_steer.format import SteerFileError, read_metadata
 
     st = frontend_state()
+    path = steer_dir_file(st.config.steer_dir, name, loaded, where)
+    try:  # the header only (no torch): what can be refused before the engine loads it
+        meta = read_metadata(path)
+    except SteerFileError as e:
+        raise SteerRequestError(f"{where}: steer {name!r} in --steer-dir: "
+                                + " ".join(str(e).split())[:1000]) from None
+    if st.hidden_size and meta.hidden_size != st.hidden_size:
+        raise SteerRequestError(f"{where}: steer {name!r} ({path}) has hidden size "
+                                f"{meta.hidden_size} but the model has {st.hidden_size}")
+    return path
+
+
+def _check_unloaded(request: SteerRequest, where: str = REQUEST_FIELD) -> None:
+    """Names the request uses that are not loaded: fine if ``--steer-dir`` has them (loaded on
+    first use by the engine core), else a SteerRequestError naming the directory."""
+    st = frontend_state()
     cfg = st.config
     loaded = st.loaded_names()
-    known = {n: True for n in loaded}
     for name in request.strengths:
         if name in loaded:
             continue
@@ -48,40 +70,17 @@ def _check_unloaded(request: SteerRequest, where: str = REQUEST_FIELD) -> dict:
             # process's view may be a poll old: the engine core, which holds the one registry,
             # decides; it refuses an unknown name with this same message (HTTP 400 through
             # frontend.async_llm), so no API server refuses a just-loaded steer
-            known[name] = True
             continue
-        if not cfg.steer_dir:
-            raise SteerRequestError(unknown_steer(where, name, loaded))
-        problem = name_problem(name)
-        try:
-            path = None if problem else dir_path(cfg.steer_dir, name)
-        except SteerNameError as e:
-            problem = str(e)
-        if problem:
-            raise SteerRequestError(f"{where}: {problem}")
-        if not os.path.isfile(path):
-            raise SteerRequestError(unknown_steer(where, name, loaded, cfg.steer_dir))
-        try:  # the header only (no torch): what can be refused before the engine loads it
-            meta = read_metadata(path)
-        except SteerFileError as e:
-            raise SteerRequestError(f"{where}: steer {name!r} in --steer-dir: "
-                                    + " ".join(str(e).split())[:1000]) from None
-        if st.hidden_size and meta.hidden_size != st.hidden_size:
-            raise SteerRequestError(f"{where}: steer {name!r} ({path}) has hidden size "
-                                    f"{meta.hidden_size} but the model has {st.hidden_size}")
-        known[name] = True
-    return known
+        dir_steer_file(name, loaded, where)
 
 
 def check_value(value: Any, where: str = REQUEST_FIELD) -> SteerRequest:
-    """Parse a request's steer value against this server's steers and limits: the one parse
-    of the frontend (a serialised form, already parsed in this process, is decoded).
+    """Parse a user's steer value against this server's steers and limits: the one parse of
+    the frontend (:meth:`SteerRequest.parse`).
 
     Raises :class:`SteerRequestError`. A server without steers accepts only values whose
     strengths are all 0.
     """
-    if is_wire(value):
-        return SteerRequest.from_wire(value, where)
     st = frontend_state()
     cfg = st.config
     if cfg is not None and cfg.enabled and (cfg.steer_dir or cfg.enable_updates
@@ -136,25 +135,62 @@ def check_request_fields(steer: Any, xargs: Any) -> SteerRequest | None:
         if steer is not None and xs is not None:
             raise SteerRequestError(BOTH_GIVEN)
         value = steer if steer is not None else xs
-        return None if value is None else check_value(value)
+        return None if value is None else request_of(value)
     except SteerRequestError as e:
         raise field_error(str(e)) from None
 
 
+def request_of(value: Any, where: str = REQUEST_FIELD) -> SteerRequest:
+    """The request a steer value stands for in this process: the one this frontend admitted
+    (its serialised form holds it), else the user's value parsed (:func:`check_value`)."""
+    request = admitted(value)
+    return request if request is not None else check_value(value, where)
+
+
+def serve(params: Any, request: SteerRequest | None,
+          preset: Mapping[str, float] | None = None) -> SteerRequest:
+    """The frontend's one application of the operator's policy: ``preset``'s mix under the
+    request's own steers, then ``--steer-default`` and ``--steer-floor``
+    (:func:`vllm_steer.policy.resolve`). Writes the steers the request is served with into
+    ``params.extra_args["steer"]`` (their serialised form, which the engine core binds; nothing
+    when the request has no steer value and none applies) and records them for the response
+    headers. Returns them."""
+    from vllm_steer import policy
+
+    st = frontend_state()
+    given = request is not None
+    served = request if given else SteerRequest()
+    if st.enabled:
+        cfg = st.config
+        if preset:
+            served = policy.with_preset(served, preset)
+        served, floored = policy.resolve(served, None, cfg.defaults, cfg.floors)
+        record_applied(served.named, floored)
+    if given or served.entries:
+        params.extra_args = {**(params.extra_args or {}), REQUEST_FIELD: served.to_wire()}
+    return served
+
+
 def validate(params: Any) -> None:
-    """Admission (``validate_params``): parse the request's steer value if no frontend entry
-    parsed it yet, and write its serialised form back into ``extra_args`` for the engine.
-    Raises ``VLLMValidationError`` (HTTP 400, ``param: "steer"``) if it is bad."""
+    """Admission (``validate_params``, every request of every frontend): a request this
+    frontend has not admitted yet (a user's value, offline or from another ``LLM`` /
+    ``AsyncLLM`` caller; or none, under ``--steer-default`` / ``--steer-floor``) is parsed and
+    gets the policy (:func:`serve`). Raises ``VLLMValidationError`` (HTTP 400,
+    ``param: "steer"``) if it is bad."""
     extra = getattr(params, "extra_args", None) or {}
     value = extra.get(REQUEST_FIELD)
-    if value is None or is_wire(value):
-        return
+    if admitted(value) is not None:
+        return  # admitted by this frontend already (the OpenAI request's to_sampling_params)
+    if value is None:
+        st = frontend_state()
+        if not (st.enabled and (st.config.defaults or st.config.floors)):
+            return
     try:
-        request = check_value(value)
+        request = None if value is None else check_value(value)
     except SteerRequestError as e:
         try:
             from vllm.exceptions import VLLMValidationError
         except ImportError:  # older vLLM: a ValueError is a 400 too
             raise e from None
         raise VLLMValidationError(str(e), parameter=REQUEST_FIELD) from None
-    params.extra_args = {**extra, REQUEST_FIELD: request.to_wire()}
+    serve(params, request)

@@ -6,14 +6,13 @@ This module imports no torch (the frontend imports it).
 
 from __future__ import annotations
 
-import os
-
 from vllm_steer import REQUEST_FIELD
-from vllm_steer.integrations.engine.registry import REFUSED_PREFIX, dir_path, name_problem
 from vllm_steer.integrations.frontend import admission
-from vllm_steer.integrations.frontend.engine_client import control
+from vllm_steer.integrations.frontend.engine_client import manage
 from vllm_steer.integrations.frontend.state import frontend_state
-from vllm_steer.request import SteerRequest, SteerRequestError
+from vllm_steer.integrations.protocol import (OP_LOAD, REFUSED_PREFIX, SOURCE_STEER_DIR,
+                                              name_problem)
+from vllm_steer.request import SteerRequestError, admitted
 
 
 async def generate(orig, self, *args, **kwargs):
@@ -37,36 +36,33 @@ async def generate(orig, self, *args, **kwargs):
 
 
 async def add_request(orig, self, request_id, prompt, params, *args, **kwargs):
-    """``AsyncLLM.add_request`` loads a ``--steer-dir`` steer a request names before admitting
-    it, so a refusal (bad file, capacity full) is an HTTP 400 with the reason. (The engine
-    core binds, and loads on first use, anyway: this only surfaces the errors.)"""
+    """``AsyncLLM.add_request`` loads a ``--steer-dir`` steer a request is served with before
+    admitting it, so a refusal (bad file, capacity full) is an HTTP 400 with the reason. (The
+    engine core binds, and loads on first use, anyway: this only surfaces the errors.) A
+    request the frontend has not admitted yet (a caller of ``AsyncLLM`` with a steer value of
+    its own) is admitted here first (:func:`~vllm_steer.integrations.frontend.admission.
+    validate`), so its value is parsed once."""
     cfg = frontend_state().config
-    if cfg is not None and cfg.steer_dir:
+    if cfg is not None and cfg.steer_dir and hasattr(params, "extra_args"):
+        admission.validate(params)
         await _preload_dir_steers(self, cfg, params)
     return await orig(self, request_id, prompt, params, *args, **kwargs)
 
 
 async def _preload_dir_steers(engine, cfg, params) -> None:
-    value = (getattr(params, "extra_args", None) or {}).get(REQUEST_FIELD)
-    if value is None:
+    request = admitted((params.extra_args or {}).get(REQUEST_FIELD))
+    if request is None:
         return
-    try:
-        names = list(SteerRequest.from_value(value).strengths)
-    except SteerRequestError:
-        return  # validation refuses it with the reason
     st = frontend_state()
     loaded = st.loaded_names()
-    for name in names:
+    for name in request.strengths:
         if name in loaded or name_problem(name):
             continue
-        try:
-            admission._check_unloaded(SteerRequest(((name, 1.0),)))  # name, file, header, size
-            path = dir_path(cfg.steer_dir, name)
-        except (SteerRequestError, ValueError):
-            return  # validation refuses it with the reason
-        if not os.path.isfile(path):
-            return
-        res = await control(engine, "load", name=name, path=path, source="steer-dir")
+        try:  # file, header, size: the admission's own check of a --steer-dir steer
+            path = admission.dir_steer_file(name, loaded)
+        except SteerRequestError:
+            return  # the engine core refuses it with the reason
+        res = await manage(engine, OP_LOAD, name=name, path=path, source=SOURCE_STEER_DIR)
         if not res["ok"] and name not in st.loaded_names():
             from vllm.exceptions import VLLMValidationError
 

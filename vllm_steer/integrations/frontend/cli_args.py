@@ -60,11 +60,14 @@ def add_steer_args(parser) -> None:
                             "unload steers at run time) and POST /v1/steer-presets, PUT and "
                             "DELETE /v1/steer-presets/NAME (add, replace and delete presets). "
                             "Off by default: only for servers whose clients you trust.")
+    # no default shown: vLLM's help appends "(default: True)", which reads as if the flag
+    # were on; unset, the drafter is steered (config_from_args)
     group.add_argument("--no-steer-drafter", dest="steer_drafter", action="store_false",
-                       default=True,
+                       default=argparse.SUPPRESS,
                        help="Speculative decoding: do not steer the drafter's proposals "
                             "(draft model, EAGLE, EAGLE-3, MTP; the output follows the steered "
-                            "target either way; steering the drafter keeps acceptance up).")
+                            "target either way; steering the drafter keeps acceptance up). "
+                            "Without this flag the drafter is steered.")
     group.add_argument("--steer-updates-any-path", action="store_true", default=False,
                        help="With --enable-steer-updates: POST /v1/steers may load files "
                             "outside --steer-dir.")

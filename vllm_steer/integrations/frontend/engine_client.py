@@ -1,23 +1,25 @@
-"""The engine-control client: one management op (list / load / unload / presets) sent to
-every engine core, the answers merged, a partial change rolled back, and this process's views
-refreshed. The HTTP routes (:mod:`vllm_steer.server`) use :func:`control` on the API server's
-``AsyncLLM``; offline, :mod:`vllm_steer.offline` uses :func:`control_sync` on an ``LLM``.
+"""The management client: one management op (list / load / unload / presets) sent to every
+engine core, the answers merged, a partial change rolled back, and this process's views
+refreshed. The HTTP routes (:mod:`vllm_steer.server`) use :func:`manage` on the API server's
+``AsyncLLM``; offline, :mod:`vllm_steer.offline` uses :func:`manage_sync` on an ``LLM``.
 
-The op itself runs in the engine core (:mod:`vllm_steer.integrations.engine.control`), reached
-through vLLM's ``collective_rpc`` utility call with the method name
-:data:`~vllm_steer.integrations.engine.registry.CONTROL_METHOD`. With data parallelism each
-engine core holds its own registry and vLLM's load-balancing client sends a utility call to
-every one of them: their answers are merged (:func:`~vllm_steer.integrations.engine.control.
-merge`, :mod:`vllm_steer.integrations.engine.answers`). Light: no torch at import time.
+The op itself runs in the engine core (:mod:`vllm_steer.integrations.engine.management`),
+reached through vLLM's ``collective_rpc`` utility call with the method name
+:data:`~vllm_steer.integrations.protocol.MANAGEMENT_METHOD`. With data parallelism each engine
+core holds its own registry and vLLM's load-balancing client sends a utility call to every one
+of them: their answers are merged (:func:`~vllm_steer.integrations.protocol.merge_answers`).
+Light: no torch at import time.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm_steer.integrations.engine.answers import merge, rollback_kwargs
-from vllm_steer.integrations.engine.registry import CONTROL_METHOD
 from vllm_steer.integrations.frontend.state import frontend_state
+from vllm_steer.integrations.protocol import (MANAGEMENT_METHOD, OP_LIST, OP_LOAD,
+                                              OP_PRESET_ADD, OP_PRESET_ROLLBACK, OP_PRESETS,
+                                              OP_ROLLBACK, OP_UNLOAD, is_preset_op,
+                                              merge_answers, rollback_kwargs)
 from vllm_steer.logs import get_logger
 
 logger = get_logger()
@@ -33,9 +35,9 @@ def _take_views(op: str, res: dict, metrics: bool = True) -> None:
     """This process's views from an answer: the run-time presets (every answer has them), and
     from a ``list`` the names it admits and the metrics."""
     st = frontend_state()
-    if op.startswith("preset") or op == "list":
+    if is_preset_op(op) or op == OP_LIST:
         st.update_presets(res)
-    if op == "list" and res.get("enabled"):
+    if op == OP_LIST and res.get("enabled"):
         st.set_loaded(s["name"] for s in res["steers"] if s["state"] != "draining")
         if not metrics:
             return
@@ -47,25 +49,25 @@ def _take_views(op: str, res: dict, metrics: bool = True) -> None:
             logger.exception("vllm-steer: metrics update failed")
 
 
-async def control(engine, op: str, **kwargs) -> dict:
-    """One control op in every engine core: their answers merged, a load or preset add that
-    only some of them took rolled back, this process's views (names, presets, metrics)
+async def manage(engine, op: str, **kwargs) -> dict:
+    """One management op in every engine core: their answers merged, a load or preset add
+    that only some of them took rolled back, this process's views (names, presets, metrics)
     refreshed."""
     answers = await _every_engine(engine, op, kwargs)
-    res = merge(op, answers)
-    if op == "load" and not res.get("ok"):
+    res = merge_answers(op, answers)
+    if op == OP_LOAD and not res.get("ok"):
         undo = rollback_kwargs(kwargs["name"], answers)
         if undo is not None:  # loaded by some engine cores only: unload it from those
-            await _every_engine(engine, "rollback", undo)
+            await _every_engine(engine, OP_ROLLBACK, undo)
             res = _rolled_back(res, undo)
-    if op == "preset_add" and not res.get("ok") and any(a.get("ok") for a in answers):
+    if op == OP_PRESET_ADD and not res.get("ok") and any(a.get("ok") for a in answers):
         # data parallelism: added by some engine cores only: take it out of those again
-        await _every_engine(engine, "preset_rollback", {"name": kwargs["name"],
-                                                        "token": kwargs.get("token", "")})
-        res = await control(engine, "presets") | {k: res[k] for k in ("ok", "status", "error")}
+        await _every_engine(engine, OP_PRESET_ROLLBACK, {"name": kwargs["name"],
+                                                         "token": kwargs.get("token", "")})
+        res = await manage(engine, OP_PRESETS) | {k: res[k] for k in ("ok", "status", "error")}
     _take_views(op, res)
-    if op in ("load", "unload"):  # refused ones too: the failure counters moved
-        await control(engine, "list")
+    if op in (OP_LOAD, OP_UNLOAD):  # refused ones too: the failure counters moved
+        await manage(engine, OP_LIST)
     return res
 
 
@@ -79,11 +81,9 @@ async def _every_engine(engine, op: str, kwargs: dict) -> list[dict]:
     client = getattr(engine, "engine_core", None)
     call_all = getattr(client, "call_utility_all_async", None)
     if call_all is None or len(getattr(client, "core_engines", ()) or ()) < 2:
-        return list(await engine.collective_rpc(CONTROL_METHOD, args=(op, kwargs)))[:1]
-    return [r[0] for r in await call_all("collective_rpc", CONTROL_METHOD, None, (op, kwargs),
+        return list(await engine.collective_rpc(MANAGEMENT_METHOD, args=(op, kwargs)))[:1]
+    return [r[0] for r in await call_all("collective_rpc", MANAGEMENT_METHOD, None, (op, kwargs),
                                          None)]
-
-
 
 
 async def refresh_presets(engine: Any = None) -> dict[str, dict[str, float]]:
@@ -94,18 +94,18 @@ async def refresh_presets(engine: Any = None) -> dict[str, dict[str, float]]:
     engine = engine if engine is not None else st.engine
     if engine is not None:
         try:
-            await control(engine, "presets")
+            await manage(engine, OP_PRESETS)
         except Exception as e:  # the engine is shutting down: the request fails anyway
             logger.debug("vllm-steer: reading the run-time presets failed: %s", e)
     return st.presets_view()
 
 
-def control_sync(llm: Any, op: str, **kwargs) -> dict:
-    """:func:`control` for an offline ``vllm.LLM`` (one engine core, in order with its
+def manage_sync(llm: Any, op: str, **kwargs) -> dict:
+    """:func:`manage` for an offline ``vllm.LLM`` (one engine core, in order with its
     ``generate`` calls): the op, then the list that refreshes this process's views."""
-    res = llm.collective_rpc(CONTROL_METHOD, args=(op, kwargs))[0]
+    res = llm.collective_rpc(MANAGEMENT_METHOD, args=(op, kwargs))[0]
     _take_views(op, res, metrics=False)
-    if op != "list":
-        _take_views("list", llm.collective_rpc(CONTROL_METHOD, args=("list", {}))[0],
+    if op != OP_LIST:
+        _take_views(OP_LIST, llm.collective_rpc(MANAGEMENT_METHOD, args=(OP_LIST, {}))[0],
                     metrics=False)
     return res

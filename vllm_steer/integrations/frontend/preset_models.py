@@ -7,7 +7,7 @@
   a name that may be a
   run-time preset is read from the engine core first (:func:`check_model`);
 - ``to_sampling_params`` of every OpenAI request model: the preset's mix under the request's
-  own ``steer`` (:func:`apply_preset`, called by
+  own ``steer``, with the operator's defaults and floors (:func:`apply_preset`, called by
   :func:`vllm_steer.integrations.frontend.request_field.to_sampling_params`).
 
 Installed from :data:`vllm_steer.integrations.plugin.HOOKS`. No torch at import time.
@@ -15,10 +15,9 @@ Installed from :data:`vllm_steer.integrations.plugin.HOOKS`. No torch at import 
 
 from __future__ import annotations
 
-from vllm_steer import REQUEST_FIELD, policy
+from vllm_steer.integrations.frontend.admission import serve
 from vllm_steer.integrations.frontend.engine_client import refresh_presets
-from vllm_steer.integrations.frontend.request_scope import (pin_preset, pinned_preset,
-                                                            record_applied)
+from vllm_steer.integrations.frontend.request_scope import pin_preset, pinned_preset
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.request import SteerRequest
 
@@ -83,25 +82,15 @@ async def show_available_models(orig, self):
     return models
 
 
-def apply_preset(params, model: str | None) -> None:
-    """Write ``model``'s preset (if it is one) under the request's steers, and record the
-    applied steers (after defaults and floors) for the response headers. (The engine core
-    applies defaults and floors itself: :func:`vllm_steer.integrations.engine.control.
-    EngineSteerState.apply_policy`.)"""
-    st = frontend_state()
-    if not st.enabled:
-        return
-    cfg = st.config
-    extra = dict(params.extra_args or {})
-    request = SteerRequest.from_value(extra.get(REQUEST_FIELD))
+def apply_preset(params, model: str | None, request: SteerRequest | None) -> None:
+    """Serve ``request`` (the OpenAI request's steers, None: it has none) with ``model``'s
+    preset (if it is one) under its own steers, and the operator's defaults and floors: the
+    frontend's one application of the policy
+    (:func:`vllm_steer.integrations.frontend.admission.serve`), which writes the steers into
+    ``params.extra_args`` for the engine core and records them for the response headers."""
     preset = None
-    if isinstance(model, str):
+    if frontend_state().enabled and isinstance(model, str):
         pinned, preset = pinned_preset(model)  # what this request's model check read
         if not pinned:
             preset = presets().get(model)
-    if preset:
-        request = policy.with_preset(request, preset)
-        extra[REQUEST_FIELD] = request.to_wire()
-        params.extra_args = extra
-    resolved, floored = policy.resolve(request, None, cfg.defaults, cfg.floors)
-    record_applied(resolved.named, floored)
+    serve(params, request, preset)

@@ -40,7 +40,7 @@ def add_request_field(cls) -> None:
     The check is a pydantic model validator, so a bad value is a validation error (HTTP 400,
     ``param: "steer"``) before any endpoint runs, streaming or not. It leaves the parsed
     request's serialised form in the ``steer`` field (a ``vllm_xargs`` steer moves there), which
-    :func:`to_sampling_params` carries to ``SamplingParams.extra_args``.
+    holds the typed request for :func:`to_sampling_params` (no second parse).
     """
     from typing import Any, Optional, Union
 
@@ -75,21 +75,22 @@ def add_request_field(cls) -> None:
 
 
 def to_sampling_params(orig, self, *a, **kw):
-    """``to_sampling_params`` of an OpenAI request model, in this order: vLLM's own; the
-    request's steers into ``extra_args["steer"]`` (their serialised form, parsed by the body's
-    validator); then the preset its ``model`` names, under the request's own steers, and the
-    response headers (:func:`vllm_steer.integrations.frontend.preset_models.apply_preset`)."""
+    """``to_sampling_params`` of an OpenAI request model, in this order: vLLM's own; then the
+    request's steers (parsed by the body's validator, carried in the ``steer`` field) with the
+    preset its ``model`` names under them, defaults and floors, into ``extra_args["steer"]``
+    and the response headers (:func:`vllm_steer.integrations.frontend.preset_models.
+    apply_preset`)."""
     from vllm_steer.integrations.frontend.preset_models import apply_preset
 
     params = orig(self, *a, **kw)
     value = getattr(self, REQUEST_FIELD, None)
-    if value is not None:
-        extra = dict(params.extra_args or {})
-        if REQUEST_FIELD in extra:  # also refused when the request was parsed
-            raise admission.field_error(admission.BOTH_GIVEN)
-        extra[REQUEST_FIELD] = value
-        params.extra_args = extra
-    apply_preset(params, getattr(self, "model", None))
+    extra = params.extra_args or {}
+    if value is not None and REQUEST_FIELD in extra:  # also refused when it was parsed
+        raise admission.field_error(admission.BOTH_GIVEN)
+    if value is None:  # a vllm_xargs steer the validator did not see, if any
+        value = extra.get(REQUEST_FIELD)
+    request = None if value is None else admission.check_request_fields(value, None)
+    apply_preset(params, getattr(self, "model", None), request)
     return params
 
 
@@ -112,7 +113,7 @@ def refuse_steered_beam_search(request) -> None:
         if value is None:
             continue
         try:
-            steered = bool(admission.check_value(value))
+            steered = bool(admission.request_of(value))
         except Exception as e:  # noqa: BLE001 - a request built without the body's validator
             raise admission.field_error(str(e)) from None
         if steered:

@@ -132,7 +132,7 @@ class SteerRuntime:
         self._prepare = None
         self._coef_copy: StagedCopy | None = None
         self._slot_copy: StagedCopy | None = None
-        # steers come and go at run time (vllm_steer.integrations.engine.control): a fixed number of
+        # steers come and go at run time (integrations.engine.management): a fixed number of
         # steer slots, two coefficient columns each (steer, domain; see SlotBank)
         self.capacity = config.capacity
         self.num_columns = 2 * self.capacity
@@ -264,13 +264,13 @@ class SteerRuntime:
         bound = self._bound(params) if self.bank is not None else []
         if not bound:
             return np.zeros(self.num_columns, dtype=np.float32)
-        row, problems = self.bank.coef_row({b.name: (b.slot, b.generation) for b in bound},
+        row, problems = self.bank.coef_row({b.name: (b.bank_slot, b.load_id) for b in bound},
                                            {b.name: b.strength for b in bound})
         for p in problems:
             logger.error("vllm-steer: request steer left out: %s", p)
         return np.asarray(row, dtype=np.float32)
 
-    # ---- run-time loading (vllm_steer.integrations.engine.control) ------------------------------
+    # ---- run-time loading (vllm_steer.integrations.engine.management) -----------------------
     def put_steer(self, slot: int, generation: int, name: str, steer) -> None:
         """Load a steer into a slot no request uses (the engine core picked it)."""
         assert self.bank is not None, "steers are loaded with the model"
@@ -302,10 +302,11 @@ class SteerRuntime:
             return None
         out = {}
         for b in bound:
-            if not 0 <= b.slot < self.capacity or self.bank.generations[b.slot] != b.generation \
-                    or self.bank.steers[b.slot] is None or not b.strength:
+            slot = b.bank_slot
+            if not 0 <= slot < self.capacity or self.bank.generations[slot] != b.load_id \
+                    or self.bank.steers[slot] is None or not b.strength:
                 continue  # left out by coef_row too (logged there)
-            out[b.slot] = b.value if isinstance(b.value, Window) else Window(b.value, base=b.value)
+            out[slot] = b.value if isinstance(b.value, Window) else Window(b.value, base=b.value)
         return out or None
 
     def set_slot(self, slot: int, row: np.ndarray | None, windows: dict | None = None) -> None:

@@ -1,0 +1,261 @@
+"""Admission end to end without an engine: a request's steers as the frontend admits them
+(:func:`vllm_steer.integrations.frontend.admission.validate`: the one parse, presets,
+defaults, floors), sent to the engine core as vLLM sends them (msgpack), and bound there
+(:func:`vllm_steer.integrations.engine.binding.bind_request`). What a user would see: the
+strengths each steer is served with (the bound form the workers read) or the refusal
+message, which is the same whichever process refuses."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from conftest import random_steer  # noqa: E402
+from vllm_steer.config import SteerServerConfig  # noqa: E402
+from vllm_steer.format import read_metadata, save_steer  # noqa: E402
+from vllm_steer.integrations.engine.binding import SteerAdmissionError, bind_request  # noqa: E402
+from vllm_steer.integrations.engine.registry import SteerEntry, SteerRegistry  # noqa: E402
+from vllm_steer.integrations.engine.state import EngineSteerState  # noqa: E402
+from vllm_steer.integrations.frontend import admission  # noqa: E402
+from vllm_steer.integrations.frontend.state import frontend_state  # noqa: E402
+from vllm_steer.request import BOUND_KEY, BoundSteer, SteerRequest, Window  # noqa: E402
+
+HIDDEN = 64
+LOADED = ("detox", "formal", "sentiment")
+
+
+@pytest.fixture
+def files(tmp_path):
+    """``--steer`` files, and a ``--steer-dir`` with ``extra`` and a steer of the wrong size."""
+    steer_dir = tmp_path / "dir"
+    steer_dir.mkdir()
+    paths = {}
+    for i, name in enumerate(LOADED):
+        paths[name] = str(tmp_path / f"{name}.safetensors")
+        save_steer(paths[name], random_steer(HIDDEN, 4, name, seed=i))
+    save_steer(steer_dir / "extra.safetensors", random_steer(HIDDEN, 4, "extra", seed=7))
+    save_steer(steer_dir / "narrow.safetensors", random_steer(HIDDEN // 2, 4, "narrow", seed=8))
+    return paths, str(steer_dir)
+
+
+def _server(paths, steer_dir=None, **policy):
+    """The frontend's state and an engine core (its registry, workers that take every op)
+    for one configuration, as at start-up."""
+    cfg = SteerServerConfig(steers=paths, max_strength=10.0, steer_dir=steer_dir,
+                            max_steers=4, **policy)
+    st = frontend_state()
+    st.reset(cfg)
+    st.hidden_size = HIDDEN
+    reg = SteerRegistry(cfg.capacity)
+    for slot, (name, path) in enumerate(cfg.steers.items()):
+        reg.commit(SteerEntry.from_metadata(name, path, read_metadata(path),
+                                            reg.new_generation(), slot, "--steer"))
+    reg.counters["loads"] = 0
+    puts = []
+    core = SimpleNamespace(
+        engine_index=0, vllm_steer_state=EngineSteerState(cfg, reg, HIDDEN),
+        scheduler=SimpleNamespace(requests={}),
+        model_executor=SimpleNamespace(
+            collective_rpc=lambda fn, args=(): puts.append(args) or [True]),
+        vllm_config=SimpleNamespace(model_config=SimpleNamespace(model="tiny")))
+    return core, puts
+
+
+@pytest.fixture(autouse=True)
+def _restore_frontend_state():
+    old = frontend_state().config
+    yield
+    frontend_state().reset(old)
+
+
+def _sent(params):
+    """``params`` as the engine-core process receives them (vLLM's msgpack)."""
+    from vllm import SamplingParams
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    return MsgpackDecoder(SamplingParams).decode(MsgpackEncoder().encode(params))
+
+
+def _admit(core, steer=..., across_processes=True):
+    """One request through the frontend's admission and the engine core's binding: the
+    bound steers ``{name: (bank_slot, load_id, value)}``."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(extra_args=None if steer is ... else {"steer": steer})
+    admission.validate(params)
+    sp = _sent(params) if across_processes else params
+    request = SimpleNamespace(request_id="r", sampling_params=sp)
+    bind_request(core, request)
+    return {b.name: (b.bank_slot, b.load_id, b.value)
+            for b in BoundSteer.from_wire((sp.extra_args or {}).get(BOUND_KEY))}
+
+
+def _slot(core, name):
+    e = core.vllm_steer_state.registry.get(name)
+    return e.slot, e.generation
+
+
+def _refusal(exc_info) -> str:
+    """The refusal's message (HTTP 400's ``message``; vLLM's ``str`` of its validation error
+    adds the parameter, which the response carries as ``param``)."""
+    return str(exc_info.value.args[0])
+
+
+def test_a_request_is_bound_with_its_own_strengths(files):
+    core, _ = _server(files[0])
+    got = _admit(core, {"detox": 5, "sentiment": "-2.5"})
+    assert got == {"detox": (*_slot(core, "detox"), 5.0),
+                   "sentiment": (*_slot(core, "sentiment"), -2.5)}
+    got = _admit(core, "detox:3")  # the vllm_xargs string form
+    assert got == {"detox": (*_slot(core, "detox"), 3.0)}
+    assert _admit(core, {"detox": 0}) == {} and _admit(core) == {}  # unsteered
+    window = {"strength": 4, "start": 2, "end": 8, "ramp": 2}
+    assert _admit(core, {"formal": window})["formal"][2] == Window(4.0, 2, 8, 2, 0.0)
+
+
+def test_defaults_apply_unless_the_request_names_the_steer(files):
+    core, _ = _server(files[0], defaults={"formal": 2.0})
+    assert _admit(core) == {"formal": (*_slot(core, "formal"), 2.0)}
+    assert _admit(core, {"detox": 5}) == {"detox": (*_slot(core, "detox"), 5.0),
+                                          "formal": (*_slot(core, "formal"), 2.0)}
+    assert _admit(core, {"formal": -1}) == {"formal": (*_slot(core, "formal"), -1.0)}
+    assert _admit(core, {"formal": 0}) == {}  # named with 0: the default is overridden
+
+
+def test_floors_raise_a_strength_below_them_and_leave_the_others(files):
+    core, _ = _server(files[0], floors={"sentiment": -1.0, "detox": 2.0})
+    got = _admit(core, {"sentiment": -3})
+    assert got["sentiment"][2] == -1.0  # -3 < -1: served at the floor
+    assert got["detox"][2] == 2.0  # not named: 0 < 2, raised to the floor
+    got = _admit(core, {"sentiment": 4, "detox": 6})
+    assert (got["sentiment"][2], got["detox"][2]) == (4.0, 6.0)  # above: as asked
+    got = _admit(core, {"detox": {"strength": 1, "start": 3}})
+    assert got["detox"][2] == Window(2.0, 3, None, 0, 2.0)  # strength and base raised
+
+
+def test_a_steer_dir_steer_is_loaded_on_first_use_and_bound_to_its_new_slot(files):
+    paths, steer_dir = files
+    core, puts = _server(paths, steer_dir)
+    got = _admit(core, {"extra": 3, "detox": 1})
+    reg = core.vllm_steer_state.registry
+    entry = reg.get("extra")
+    assert entry is not None and entry.source == "steer-dir"
+    assert entry.file == os.path.realpath(os.path.join(steer_dir, "extra.safetensors"))
+    assert got == {"extra": (entry.slot, entry.generation, 3.0),
+                   "detox": (*_slot(core, "detox"), 1.0)}
+    assert [a[:3] for a in puts if a[0] == "put"] == [("put", entry.slot, entry.generation)]
+    assert _admit(core, {"extra": -2}) == {"extra": (entry.slot, entry.generation, -2.0)}
+    assert reg.counters["loads"] == 1  # the second request found it loaded
+
+
+def test_the_engine_core_binds_a_request_the_frontend_of_the_same_process_admitted(files):
+    """Offline with the engine core in the frontend's process: the serialised form still holds
+    the typed request, which the engine core binds as it is."""
+    core, _ = _server(files[0], defaults={"formal": 2.0})
+    got = _admit(core, {"detox": 5}, across_processes=False)
+    assert got == {"detox": (*_slot(core, "detox"), 5.0), "formal": (*_slot(core, "formal"),
+                                                                      2.0)}
+
+
+@pytest.mark.parametrize("steer, message", [
+    ({"nope": 1}, "steer: unknown steer 'nope'; loaded steers: detox, formal, sentiment"),
+    ({"detox": 11}, "steer: strength 11 of steer 'detox' exceeds the server's maximum "
+                    "|strength| 10 (--steer-max-strength)"),
+    ("detox:1e3", "steer: strength 1000 of steer 'detox' exceeds the server's maximum "
+                  "|strength| 10 (--steer-max-strength)"),
+    ({"detox": "x"}, "steer: strength of steer 'detox' must be a number, got 'x'"),
+    ({"@vllm_steer": 2, "steers": [["detox", 50.0]]},
+     "steer: '@vllm_steer' marks the serialised form vllm-steer writes itself"),
+])
+def test_the_frontend_refuses_a_bad_value_with_http_400_naming_it(files, steer, message):
+    from vllm.exceptions import VLLMValidationError
+
+    core, _ = _server(files[0])
+    with pytest.raises(VLLMValidationError) as e:
+        _admit(core, steer)
+    assert _refusal(e).startswith(message), _refusal(e)
+    assert e.value.parameter == "steer"
+
+
+def test_an_unknown_steer_is_refused_with_one_message_by_the_frontend_and_the_engine(files):
+    """With --steer-dir, a name with no file there: the same message from the frontend's check
+    and from the engine core's (a request the frontend let through: its view of the names a
+    poll old, under --enable-steer-updates)."""
+    from vllm.exceptions import VLLMValidationError
+
+    paths, steer_dir = files
+    expected = (f"steer: unknown steer 'nope': not loaded (loaded: detox, formal, sentiment) "
+                f"and no file nope.safetensors in --steer-dir {steer_dir}")
+    core, _ = _server(paths, steer_dir)
+    with pytest.raises(VLLMValidationError) as e:
+        _admit(core, {"nope": 1})
+    assert _refusal(e) == expected
+    core, _ = _server(paths, steer_dir, enable_updates=True)  # the engine core decides
+    with pytest.raises(SteerAdmissionError) as e:
+        _admit(core, {"nope": 1})
+    assert _refusal(e) == expected
+
+
+def test_the_engine_refuses_a_steer_unloaded_after_the_frontend_admitted_it(files):
+    core, _ = _server(files[0])
+    core.vllm_steer_state.registry.unload("detox", set())
+    with pytest.raises(SteerAdmissionError) as e:
+        _admit(core, {"detox": 2})
+    assert _refusal(e) == "steer: unknown steer 'detox'; loaded steers: formal, sentiment"
+
+
+def test_a_steer_dir_file_of_the_wrong_size_is_refused_naming_both_sizes(files):
+    from vllm.exceptions import VLLMValidationError
+
+    paths, steer_dir = files
+    core, _ = _server(paths, steer_dir)
+    with pytest.raises(VLLMValidationError) as e:  # the frontend reads the header
+        _admit(core, {"narrow": 1})
+    path = os.path.realpath(os.path.join(steer_dir, "narrow.safetensors"))
+    assert _refusal(e) == (f"steer: steer 'narrow' ({path}) has hidden size 32 but the model "
+                           "has 64")
+    sp = SimpleNamespace(extra_args={"steer": dict(SteerRequest((("narrow", 1.0),)).to_wire())})
+    with pytest.raises(SteerAdmissionError) as e:  # the engine core loads it: refused too
+        bind_request(core, SimpleNamespace(request_id="r", sampling_params=sp))
+    assert _refusal(e) == (f"steer: steer file '{path}' refused:\n  - steer 'narrow' has "
+                           "hidden size 32 but the model tiny has 64; train or transfer the "
+                           "steer for this model (vllm-steer train / transfer)")
+    assert core.vllm_steer_state.registry.get("narrow") is None
+
+
+def test_the_engine_refuses_a_serialised_form_of_another_version(files):
+    core, _ = _server(files[0])
+    sp = SimpleNamespace(extra_args={"steer": {"@vllm_steer": 1, "steers": [["detox", 1.0]]}})
+    with pytest.raises(SteerAdmissionError) as e:
+        bind_request(core, SimpleNamespace(request_id="r", sampling_params=sp))
+    assert _refusal(e) == ("steer: serialised steer request of version 1; this vllm-steer "
+                           "reads version 2 (frontend and engine run different vllm-steer "
+                           "versions: install the same one everywhere)")
+
+
+def test_binding_adds_only_the_bound_form_and_drops_one_a_client_sent(files):
+    """Nothing downstream reads ``extra_args["steer"]`` in the engine core: binding leaves it
+    as it came and writes the bound form, replacing any the request carried in."""
+    core, _ = _server(files[0])
+    wire = dict(SteerRequest((("detox", 2.0),)).to_wire())
+    forged = BoundSteer.to_wire([BoundSteer("detox", 3, 99, 50.0)])
+    sp = SimpleNamespace(extra_args={"steer": wire, BOUND_KEY: forged, "other": 1})
+    bind_request(core, SimpleNamespace(request_id="r", sampling_params=sp))
+    assert sp.extra_args["steer"] is wire and sp.extra_args["other"] == 1
+    assert BoundSteer.from_wire(sp.extra_args[BOUND_KEY]) == \
+        [BoundSteer("detox", *_slot(core, "detox"), 2.0)]
+
+
+def test_the_engine_refuses_a_value_that_skipped_the_frontends_admission(files):
+    core, _ = _server(files[0])
+    sp = SimpleNamespace(extra_args={"steer": {"detox": 1}})
+    with pytest.raises(SteerAdmissionError) as e:
+        bind_request(core, SimpleNamespace(request_id="r", sampling_params=sp))
+    assert _refusal(e) == ("steer: {'detox': 1} is not the serialised form vllm-steer's "
+                           "frontend writes: the request did not pass its admission (send it "
+                           "through vLLM's LLM, AsyncLLM or API server, with the plugin "
+                           "installed)")

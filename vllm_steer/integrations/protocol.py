@@ -1,0 +1,231 @@
+"""What the frontend (API server, ``LLM`` process) and the engine core say to each other: the
+one module both sides import (as vLLM's ``vllm/v1/engine/__init__.py`` is for its own
+frontend and engine core). Neither side imports the other (import-linter checks it).
+
+- **Management** (load / unload / list / presets): a utility call, vLLM's ``collective_rpc``
+  with the method name :data:`MANAGEMENT_METHOD` and ``args=(op, kwargs)``, one of the ops
+  ``OP_*`` below; the engine core answers one dict (its answer names the engine core,
+  ``"engine"``). With data parallelism every engine core answers for itself:
+  :func:`merge_answers` makes one answer of theirs, :func:`rollback_kwargs` undoes a load that
+  only some of them took.
+- **Admission**: a request's steers travel in ``SamplingParams.extra_args["steer"]`` in their
+  serialised form (:meth:`vllm_steer.request.SteerRequest.to_wire`, decoded by
+  :meth:`~vllm_steer.request.SteerRequest.from_wire`); a request the engine core refuses is
+  finished with an error output whose ``stop_reason`` starts with :data:`REFUSED_PREFIX`.
+- **Names and files**: the steer-name rule for a file name (:func:`name_problem`), and the one
+  ``--steer-dir`` lookup (:func:`steer_dir_file`) the frontend and the engine core both use,
+  so a request is refused with the same message wherever it is.
+
+Light: standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm_steer.names import steer_name_problem
+from vllm_steer.request import SteerRequestError, unknown_steer
+
+#: ``collective_rpc`` method name of the management channel; the plugin's hook on
+#: ``EngineCore.collective_rpc`` answers it in the engine core.
+MANAGEMENT_METHOD = "vllm_steer_control"
+#: ``stop_reason`` prefix of the error output the engine core sends for a request whose steer
+#: it refuses at admission; the API server turns it back into HTTP 400 (``param: "steer"``).
+REFUSED_PREFIX = "vllm-steer refused: "
+
+# ---- the management ops (``args=(op, kwargs)``) ---------------------------------------------
+#: ``{}`` -> ``{"enabled", "steers": [...], "stats": {...}, "workers": [...], "version",
+#: "presets", ...}``.
+OP_LIST = "list"
+#: ``{"name", "path", "source"}`` -> ``{"ok": True, "steer": {...}, "evicted": name,
+#: "load_ms"}`` or ``{"ok": False, "status": 400|404|409|507, "error": message}``.
+OP_LOAD = "load"
+#: ``{"name"}`` -> ``{"ok": True, "steer": {...}}`` or an error as above.
+OP_UNLOAD = "unload"
+#: ``{"name", "generations": {engine: generation}}``: unload ``name`` from an engine core that
+#: holds it at the generation given for it (a load that failed on another engine core).
+OP_ROLLBACK = "rollback"
+#: ``{}`` -> the run-time preset table ``{"ok", "version", "presets"}``.
+OP_PRESETS = "presets"
+#: ``{"name", "steer", "token", "replace"}``: add a run-time preset (``replace``: the ``PUT``,
+#: which swaps a run-time preset's mix in one step; ``"replaced"``: the mix before).
+OP_PRESET_ADD = "preset_add"
+#: ``{"name"}``: delete a run-time preset.
+OP_PRESET_DELETE = "preset_delete"
+#: ``{"name", "token"}``: undo the add of ``token`` (it failed on another engine core).
+OP_PRESET_ROLLBACK = "preset_rollback"
+#: ``{"presets", "stamp", "path"}``: the presets file's presets, replacing its last version.
+OP_PRESET_FILE = "preset_file"
+#: Every op the engine core answers.
+OPS = (OP_LIST, OP_LOAD, OP_UNLOAD, OP_ROLLBACK, OP_PRESETS, OP_PRESET_ADD, OP_PRESET_DELETE,
+       OP_PRESET_ROLLBACK, OP_PRESET_FILE)
+#: Where a steer was loaded from (``"source"`` of a load; ``--steer`` ones at start-up).
+SOURCE_STARTUP, SOURCE_STEER_DIR, SOURCE_API, SOURCE_OFFLINE = \
+    "--steer", "steer-dir", "api", "offline"
+SOURCES = (SOURCE_STARTUP, SOURCE_STEER_DIR, SOURCE_API, SOURCE_OFFLINE)
+
+
+def is_preset_op(op: str) -> bool:
+    """Whether ``op`` is one of the run-time preset table's ops (no worker involved)."""
+    return op.startswith("preset")
+
+
+# ---- names and --steer-dir files --------------------------------------------------------------
+class SteerNameError(ValueError):
+    """A steer name is not allowed (charset, length, path separators)."""
+
+
+def name_problem(name: Any) -> str | None:
+    """Why ``name`` cannot name a steer or a file in ``--steer-dir``, else None: the steer-name
+    rule (:func:`vllm_steer.names.steer_name_problem`), and no leading ``.`` or ``..``."""
+    problem = steer_name_problem(name)
+    if problem is not None:
+        return problem
+    if name.startswith(".") or ".." in name:
+        return f"steer name {name!r} may not start with '.' or contain '..'"
+    return None
+
+
+def check_name(name: Any) -> str:
+    """``name`` if it may name a steer, else :class:`SteerNameError` saying why."""
+    problem = name_problem(name)
+    if problem:
+        raise SteerNameError(problem)
+    return name
+
+
+def dir_path(steer_dir: str, name: str) -> str:
+    """``DIR/NAME.safetensors`` for a valid ``name``; never a path outside ``steer_dir``."""
+    check_name(name)
+    root = os.path.realpath(steer_dir)
+    path = os.path.realpath(os.path.join(root, name + ".safetensors"))
+    if os.path.dirname(path) != root:  # a symlink pointing out of the directory
+        raise SteerNameError(f"steer {name!r}: {path} is outside --steer-dir {steer_dir}")
+    return path
+
+
+def steer_dir_file(steer_dir: str | None, name: str, loaded, where: str) -> str:
+    """The file of a steer a request names that is not loaded: ``--steer-dir``'s
+    ``NAME.safetensors`` (loaded on first use). Raises :class:`SteerRequestError` with the one
+    message the frontend and the engine core both give: unknown steer (no ``--steer-dir``, or
+    no such file there, listing ``loaded``), or a name that cannot be a file name."""
+    if not steer_dir:
+        raise SteerRequestError(unknown_steer(where, name, loaded))
+    try:
+        path = dir_path(steer_dir, name)
+    except SteerNameError as e:
+        raise SteerRequestError(f"{where}: {e}") from None
+    if not os.path.isfile(path):
+        raise SteerRequestError(unknown_steer(where, name, loaded, steer_dir))
+    return path
+
+
+# ---- the engine cores' answers made one (data parallelism) ----------------------------------
+def op_totals(workers: list) -> dict:
+    """The steer-op time of one engine core: that of its worker with the most steered calls.
+
+    Every worker holding the LM head steers the same rows (tensor parallelism: each rank its
+    copy of the hidden states), so one of them stands for the engine core; with pipeline
+    parallelism only the last stage has the head (the others count nothing)."""
+    found = [w for w in workers or [] if isinstance(w, dict)]
+    if not found:
+        return {"seconds": 0.0, "calls": 0}
+    w = max(found, key=lambda w: int(w.get("op_calls", 0)))
+    return {"seconds": float(w.get("op_seconds", 0.0)), "calls": int(w.get("op_calls", 0))}
+
+
+def merge_answers(op: str, answers: list[dict]) -> dict:
+    """One answer from the answers of every engine core (data parallelism) to ``op``.
+
+    - ``list``: a steer is ``loaded`` when every engine core has it bound, ``partial`` when
+      some do (a ``--steer-dir`` steer loaded on first use, or evicted, in one engine core:
+      the others load it again on their first use), else ``draining``; ``per_engine`` gives
+      each engine core's slot, generation and state (they may differ: each binds its own
+      requests); ``requests_served``, the counters and the steer-op time (``stats["op"]``)
+      are summed over the engine cores.
+    - ``load``: ok only if every engine core loaded it (the caller rolls back the others,
+      see :func:`rollback_kwargs`); the first refusal is the answer.
+    - ``unload``: ok if any engine core had it bound (it is bound in none afterwards).
+    - the preset ops: see :func:`merge_preset_answers`.
+    """
+    if len(answers) == 1:
+        return answers[0]
+    if is_preset_op(op):
+        return merge_preset_answers(op, answers)
+    if op == OP_LIST:
+        return _merge_lists(answers)
+    oks = [a for a in answers if a.get("ok")]
+    if op == OP_LOAD:
+        if len(oks) < len(answers):
+            return next(a for a in answers if not a.get("ok"))
+        evicted = sorted({a["evicted"] for a in answers if a.get("evicted")})
+        return {**answers[0], "evicted": ", ".join(evicted) or None,
+                "steer": {**answers[0]["steer"], "per_engine": [
+                    {"engine": a.get("engine"), "slot": a["steer"]["slot"],
+                     "generation": a["steer"]["generation"]} for a in answers]}}
+    if op == OP_UNLOAD:
+        return oks[0] if oks else answers[0]
+    return answers[0]
+
+
+def _merge_lists(answers: list[dict]) -> dict:
+    if not all(a.get("enabled") for a in answers):
+        return answers[0]
+    n = len(answers)
+    merged: dict[tuple, dict] = {}
+    for a in answers:
+        for s in a["steers"]:
+            key = (s["name"], s["state"] == "loaded")
+            m = merged.get(key)
+            if m is None:
+                m = merged[key] = {**s, "requests_served": 0, "per_engine": []}
+            m["requests_served"] += s.get("requests_served", 0)
+            m["per_engine"].append({"engine": a.get("engine"), "slot": s["slot"],
+                                    "generation": s["generation"], "state": s["state"],
+                                    "requests_served": s.get("requests_served", 0)})
+    steers = []
+    for (name, loaded), m in merged.items():
+        if loaded:
+            m["state"] = "loaded" if len(m["per_engine"]) == n else "partial"
+        steers.append(m)
+    stats = dict(answers[0]["stats"])
+    stats["counters"] = {k: sum(a["stats"]["counters"].get(k, 0) for a in answers)
+                         for k in answers[0]["stats"]["counters"]}
+    served: dict[str, int] = {}
+    for a in answers:
+        for k, v in a["stats"].get("served", {}).items():
+            served[k] = served.get(k, 0) + v
+    stats["served"] = served
+    ops = [a["stats"].get("op") or op_totals(a.get("workers")) for a in answers]
+    stats["op"] = {"seconds": sum(o["seconds"] for o in ops),
+                   "calls": sum(o["calls"] for o in ops)}
+    stats["loaded"] = sum(1 for s in steers if s["state"] != "draining")
+    stats["draining"] = sum(1 for s in steers if s["state"] == "draining")
+    stats["engines"] = n
+    return {**answers[0], "steers": steers, "stats": stats,
+            "metrics": [a.get("metrics") for a in answers],  # vllm_steer.metrics.take_new
+            "workers": [w for a in answers for w in (a.get("workers") or [])]}
+
+
+def merge_preset_answers(op: str, answers: list[dict]) -> dict:
+    """One answer of the engine cores' answers (data parallelism) to a preset op: an add (or
+    replacement, or file) is ok if every engine core took it (else the first refusal: the
+    caller rolls back the others), a delete if any had it; the table read is engine core 0's."""
+    if len(answers) == 1:
+        return answers[0]
+    if op in (OP_PRESET_ADD, OP_PRESET_FILE):
+        return next((a for a in answers if not a.get("ok")), answers[0])
+    if op == OP_PRESET_DELETE:
+        return next((a for a in answers if a.get("ok")), answers[0])
+    return answers[0]
+
+
+def rollback_kwargs(name: str, answers: list[dict]) -> dict | None:
+    """``rollback`` arguments undoing a load that failed on some engine cores (None: it
+    failed nowhere, or everywhere)."""
+    done = {str(a.get("engine")): a["steer"]["generation"] for a in answers if a.get("ok")}
+    if not done or len(done) == len(answers):
+        return None
+    return {"name": name, "generations": done}
+
