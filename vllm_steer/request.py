@@ -394,8 +394,8 @@ class BoundSteer:
     workers read."""
 
     name: str
-    slot: int
-    generation: int
+    bank_slot: int
+    load_id: int
     value: float | Window
     """The strength, or the generation window."""
 
@@ -405,7 +405,7 @@ class BoundSteer:
 
     @staticmethod
     def to_wire(bound: Sequence["BoundSteer"]) -> list:
-        return [[b.name, b.slot, b.generation, _wire_value(b.value)] for b in bound]
+        return [[b.name, b.bank_slot, b.load_id, _wire_value(b.value)] for b in bound]
 
     @staticmethod
     def from_wire(value: Any) -> list["BoundSteer"]:

@@ -229,7 +229,8 @@ import numpy as np, torch
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu.sample.batch_shard import BatchSharder
-from vllm_steer.integrations.worker.runtime import RowSource, get_runtime
+from vllm_steer.integrations.worker.rows import NoRows
+from vllm_steer.integrations.worker.runtime import get_runtime
 from vllm_steer.integrations.hooks import wrap_method  # noqa: E402
 from vllm_steer.integrations.worker import v2  # noqa: E402
 
@@ -239,7 +240,7 @@ cfg = types.SimpleNamespace(additional_config={"vllm_steer": {"steers": {
 rt = get_runtime(cfg.additional_config)
 rt.load(64, torch.device("cpu"), torch.float32)
 rt.ensure_slots(8, torch.device("cpu"))
-rt.row_source = RowSource("none")  # as the V2 processor sets it
+rt.row_source = NoRows()  # as the V2 processor sets it
 coefs = {1: [4e-3, 0], 2: [0, -3e-3], 3: [0, 5e-3], 4: [-2e-3, 1e-3]}  # slots 0, 5: unsteered
 for slot, row in coefs.items():
     full = np.zeros(rt.num_columns, dtype=np.float32)  # the first two steers' columns

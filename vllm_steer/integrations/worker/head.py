@@ -3,8 +3,9 @@
 Semantics: see :mod:`vllm_steer.reference`. ``forward(lm_head, hidden_states)`` receives the
 post-norm hidden states of exactly the rows being sampled; ``c' = c + sum_i eps_i W_i c`` is
 applied to them before the one LM-head matmul of the original layer, with no extra
-vocabulary-sized work. Registered by the plugin (:mod:`vllm_steer.integrations.frontend.startup_checks`)
-through ``LogitsProcessor.register_oot`` (vLLM's PluggableLayer mechanism).
+vocabulary-sized work. Registered by the plugin (:data:`vllm_steer.integrations.plugin.HOOKS`,
+:func:`register_head`) through ``LogitsProcessor.register_oot`` (vLLM's PluggableLayer
+mechanism).
 
 The base class is called explicitly (``LogitsProcessor.forward(self, ...)``, never a
 zero-argument ``super()``): vLLM's LoRA wrapper (``LogitsProcessorWithLoRA``) calls
