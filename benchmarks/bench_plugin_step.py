@@ -10,7 +10,8 @@ are the steered head (``SteeredLogitsProcessor.forward`` less vLLM's own logits 
 per-request steer state's callbacks (``update_state``; ``add_request``, ``apply_staged_writes``).
 The steer op (the backend function the runtime calls) is timed on its own in the same calls:
 ``plugin - op`` is what the plugin adds around the op. The timer's own cost per region is
-measured and taken out. vLLM's step is the wall time of ``LLMEngine.step`` (scheduling, the
+measured and taken out (every region's, vLLM's ``orig`` calls included: each one's cost
+lands in the plugin region around it). vLLM's step is the wall time of ``LLMEngine.step`` (scheduling, the
 forward on this CPU, sampling, output processing), plugin included.
 
     python benchmarks/bench_plugin_step.py                       # V1 and V2, 0/1/256 rows
@@ -185,7 +186,7 @@ def child(runner: str, rows_list: list[int], steps: int) -> dict:
                 wall = time.perf_counter() - t0
                 acc, count = REG.take()
                 plugin = sum(v for b, v in acc.items() if b.startswith("plugin:"))
-                regions = sum(v for b, v in count.items() if b.startswith("plugin:") or b == "op")
+                regions = sum(count.values())  # each region's cost lands in its parent
                 samples.append((wall, plugin, acc.get("op", 0.0), regions, acc))
             while engine.has_unfinished_requests():
                 engine.step()

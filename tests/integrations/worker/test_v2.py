@@ -182,7 +182,8 @@ def test_a_finished_requests_stale_slot_costs_no_steer_work(processor, vllm_conf
     assert rt.stats.calls == calls
     batch.idx_mapping_np = np.array([1, 6])  # the steered slot is in the step again: steered
     batch.expanded_idx_mapping = torch.tensor([1, 6])
-    Runner.sample = lambda self, hs, ib, go: rt.steer_rows(hs)
+    Runner.sample = lambda self, hidden_states, input_batch, grammar_output: rt.steer_rows(
+        hidden_states)
     wrap_method(Runner, "sample", v2.sample)
     h = torch.randn(2, 64)
     out = Runner().sample(h, batch, None)
