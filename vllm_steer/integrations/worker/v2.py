@@ -58,6 +58,8 @@ def sample(orig, self, *args, **kwargs):
         return orig(self, *args, **kwargs)
     if not binding(self).drafter_checked and getattr(self, "speculator", None) is not None:
         prepare_drafter_once(self, rt)  # which drafter heads stay steered (spec_decode.py)
+    if not rt.slots.num_active_slots:  # no steered request anywhere: the one check
+        return orig(self, *args, **kwargs)
     input_batch = _INPUT_BATCH.get(orig, (self, *args), kwargs)
     if not rt.any_steered(input_batch.idx_mapping_np):
         return orig(self, *args, **kwargs)
