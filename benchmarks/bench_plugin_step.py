@@ -32,6 +32,7 @@ per steered step.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -77,12 +78,25 @@ class Regions:
 REG = Regions()
 
 
+_TIMED_ORIG: dict = {}
+
+
+def _timed_orig(orig):
+    """``orig`` timed as "vllm", made once per function (with its signature: the plugin reads
+    arguments by name from it, once per function)."""
+    inner = _TIMED_ORIG.get(orig)
+    if inner is None:
+        def inner(*a, **k):
+            return REG.run("vllm", orig, *a, **k)
+        functools.update_wrapper(inner, orig)
+        _TIMED_ORIG[orig] = inner
+    return inner
+
+
 def _timed_hook(wrapper):
     """A hook wrapper whose own time goes to "plugin" and its ``orig``'s to "vllm"."""
     def timed(orig, *args, **kwargs):
-        def inner(*a, **k):
-            return REG.run("vllm", orig, *a, **k)
-        return REG.run("plugin:" + timed.__name__, wrapper, inner, *args, **kwargs)
+        return REG.run("plugin:" + timed.__name__, wrapper, _timed_orig(orig), *args, **kwargs)
 
     timed.__name__ = getattr(wrapper, "__name__", "timed")
     return timed
