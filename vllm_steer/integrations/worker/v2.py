@@ -152,19 +152,23 @@ def _prompt_row_slots(input_batch) -> np.ndarray:
     return np.repeat(np.asarray(input_batch.idx_mapping_np[:n], dtype=np.int64), np.diff(qsl))
 
 
-def _steered_logits_fn(rt, logits_fn, hidden_states, slots: np.ndarray):
+def _steered_logits_fn(rt, logits_fn, hidden_states, input_batch):
     """``logits_fn`` with each call's rows mapped to their slots by their offset in the step.
 
     V2 passes views of the step's hidden states (``hidden_states[a:b]``); the offset is read
-    from the view's address on the host (no device read).
+    from the view's address on the host (no device read). The row -> slot table is made at the
+    first call: most steps ask for no prompt logprobs, and vLLM never calls ``logits_fn``.
     """
-    row_bytes = hidden_states.stride(0) * hidden_states.element_size()
-    base_ptr = hidden_states.data_ptr()
+    table = []  # [row slots, base address, row bytes, storage address], at the first call
 
     def fn(h):
+        if not table:
+            table.extend((_prompt_row_slots(input_batch), hidden_states.data_ptr(),
+                          hidden_states.stride(0) * hidden_states.element_size(),
+                          hidden_states.untyped_storage().data_ptr()))
+        slots, base_ptr, row_bytes, storage = table
         offset = (h.data_ptr() - base_ptr) // row_bytes
-        if h.untyped_storage().data_ptr() != hidden_states.untyped_storage().data_ptr() \
-                or not 0 <= offset <= len(slots):
+        if h.untyped_storage().data_ptr() != storage or not 0 <= offset <= len(slots):
             source = NoRows()  # not a view of the step: leave it unsteered
         else:
             source = SlotRows(slots=slots[offset:offset + h.shape[0]], positions=None)
@@ -191,6 +195,6 @@ def prompt_logprobs(orig, self, *args, **kwargs):
     if not rt.any_steered(input_batch.idx_mapping_np):
         return orig(self, *args, **kwargs)
     fn = _steered_logits_fn(rt, _LOGITS_FN.get(orig, call, kwargs),
-                            _HIDDEN_STATES.get(orig, call, kwargs), _prompt_row_slots(input_batch))
+                            _HIDDEN_STATES.get(orig, call, kwargs), input_batch)
     call, kwargs = _LOGITS_FN.replace(orig, call, kwargs, fn)
     return orig(*call, **kwargs)
