@@ -36,7 +36,8 @@ def child(batches: list[int], calls: int) -> dict:
     from helpers.steers import random_steer
     from vllm_steer.config import SteerServerConfig
     from vllm_steer.format import save_steer
-    from vllm_steer.integrations.worker.runtime import RowSource, SteerRuntime
+    from vllm_steer.integrations.worker.rows import BatchRows, MappedRows
+    from vllm_steer.integrations.worker.runtime import SteerRuntime
     from vllm_steer.kernels.torch_steer import prepare_torch, steer_torch
 
     out = {}
@@ -58,9 +59,8 @@ def child(batches: list[int], calls: int) -> dict:
             rt.flush()
             h = torch.randn(bs, HIDDEN)
             order = np.random.default_rng(0).permutation(bs)
-            sources = {"batch": RowSource("batch"),
-                       "mapping": RowSource("mapping", mapping=torch.from_numpy(order),
-                                            slots=order)}
+            sources = {"batch": BatchRows(),
+                       "mapping": MappedRows(mapping=torch.from_numpy(order), slots=order)}
             for name, src in sources.items():
                 times = []
                 with rt.rows(src):

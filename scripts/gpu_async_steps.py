@@ -110,7 +110,7 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
     """The check; returns ``{"ok", "lines", ...}``. ``runtime_hook(rt)`` may alter the runtime
     (tests use it to show that a wrong row is caught)."""
     from vllm_steer.integrations.worker import v2
-    from vllm_steer.integrations.worker.runtime import RowSource
+    from vllm_steer.integrations.worker.rows import NO_ROWS
 
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -120,7 +120,7 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
     lines: list[str] = []
     tmp = tempfile.TemporaryDirectory()
     rt, config = _runtime(device, dtype, hidden, 4, 16, 2 * batch, Path(tmp.name))
-    rt.row_source = RowSource("none")  # as the V2 processor sets it: rows outside sample()
+    rt.row_source = NO_ROWS  # as the V2 processor sets it: rows outside sample()
     if runtime_hook is not None:
         runtime_hook(rt)
 

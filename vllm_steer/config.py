@@ -44,9 +44,10 @@ class SteerServerConfig:
     ``--steer-dir`` (default: only files inside it)."""
     steer_drafter: bool = True
     """Speculative decoding: steer the drafter's rows too (a draft model, EAGLE, EAGLE-3 or MTP
-    head of the steers' hidden size; under Model Runner V2 only a draft model: its EAGLE-style
-    drafters propose unsteered) to keep the acceptance rate up; ``--no-steer-drafter``: propose unsteered. Either
-    way the output follows the steered target (rejection sampling)."""
+    head of the steers' hidden size; under Model Runner V2, EAGLE-style drafters inside CUDA
+    graphs through a fixed-layout copy of the bank) to keep the acceptance rate up;
+    ``--no-steer-drafter``: propose unsteered. Either way the output follows the steered
+    target (rejection sampling)."""
     presets: dict[str, dict[str, float]] = field(default_factory=dict)
     """``--steer-preset NAME=detox:4,sentiment:2``: preset name -> steer mix. Each preset is
     served as a model name (listed in ``/v1/models``); a request with ``"model": NAME`` gets

@@ -219,3 +219,9 @@ def steer_fixed(
 def backend_fn(name: str) -> SteerFn:
     """The registered function of a resolved backend (the serving path calls it directly)."""
     return _REGISTRY[name]
+
+
+def backend_prepare(name: str) -> Callable | None:
+    """The planning function of a resolved backend (None: it plans nothing; see
+    :func:`register_backend`)."""
+    return _PREPARE.get(name)

@@ -301,7 +301,8 @@ def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_in
     import numpy as np
 
     from vllm_steer.format import save_steer
-    from vllm_steer.integrations.worker.runtime import RowSource, get_runtime
+    from vllm_steer.integrations.worker.rows import SlotRows
+    from vllm_steer.integrations.worker.runtime import get_runtime
     from vllm_steer.request import Window
 
     paths = {}
@@ -332,7 +333,7 @@ def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_in
     for step in range(4):
         slots, pos = np.array([2, 5, 7, 0]), np.array([step, step, step, step])
         h = torch.randn(4, 32, generator=gen).to(DEVICE)
-        with rt.rows(RowSource("slots", slots=slots, positions=pos)):
+        with rt.rows(SlotRows(slots=slots, positions=pos)):
             out = rt.steer_rows(h)
         coefs = torch.zeros(4, rt.num_columns)
         coefs[0, 1] = -4 * eps["b"]

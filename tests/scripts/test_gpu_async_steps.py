@@ -31,7 +31,7 @@ def test_the_worker_code_passes_the_one_step_ahead_check(dtype):
 
 def _hook(shift):
     def hook(rt):
-        real, last = rt._row_coefs, []
+        real, last = rt.slots.row_coefs, []
 
         def row_coefs(n, slots, positions):
             coefs = real(n, slots, positions)
@@ -41,7 +41,7 @@ def _hook(shift):
             last.append(coefs)
             return prev  # the previous call's coefficients (a staging buffer reused too early)
 
-        rt._row_coefs = row_coefs
+        rt.slots.row_coefs = row_coefs
     return hook
 
 

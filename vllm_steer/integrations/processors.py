@@ -24,7 +24,8 @@ from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
 from vllm_steer.integrations.frontend import admission
-from vllm_steer.integrations.worker.runtime import RowSource, get_runtime
+from vllm_steer.integrations.worker.rows import NO_ROWS
+from vllm_steer.integrations.worker.runtime import get_runtime
 
 
 class SteerLogitsProcessorV1(V1LogitsProcessor):
@@ -55,7 +56,8 @@ class SteerLogitsProcessorV1(V1LogitsProcessor):
         for slot in batch_update.removed:
             rt.set_slot(slot, None)
         for slot, params, _prompt, _out in batch_update.added:
-            rt.set_slot(slot, rt.coef_row(params), rt.coef_windows(params))
+            coefs = rt.decode(params)  # decoded once, into its row and windows
+            rt.set_slot(slot, coefs.row, coefs.windows)
         for a, b, direction in batch_update.moved:
             rt.move_slot(a, b, swap=direction == MoveDirectionality.SWAP)
         rt.batch_size = batch_update.batch_size
@@ -95,18 +97,17 @@ class SteerLogitsProcessorV2(V2LogitsProcessor):
         if self.runtime is not None:
             self.runtime.ensure_slots(req_states.max_num_reqs, req_states.device)
             # outside sample() (prompt logprobs, warm-up) rows have no known slot: unsteered
-            self.runtime.row_source = RowSource("none")
+            self.runtime.row_source = NO_ROWS
 
     def add_request(self, req_idx: int, sampling_params) -> bool:
         rt = self.runtime
         if rt is None:
             return False
-        row = rt.coef_row(sampling_params)
-        windows = rt.coef_windows(sampling_params)
-        rt.set_slot(req_idx, row, windows)  # full reset of the slot
+        coefs = rt.decode(sampling_params)  # decoded once, into its row and windows
+        rt.set_slot(req_idx, coefs.row, coefs.windows)  # full reset of the slot
         # logits are steered in the head and apply() has nothing to do: "needs processing" is
         # declared only where a greedy fast path would otherwise skip the head
-        return self.declare_steered and (windows is not None or bool(row.any()))
+        return self.declare_steered and (coefs.windows is not None or bool(coefs.row.any()))
 
     def apply_staged_writes(self) -> None:
         if self.runtime is not None:

@@ -1,9 +1,13 @@
-"""What the kernels do on the host around CUDA: host-to-device copies with no device sync, and
-the guard that keeps the steer op out of CUDA graph capture."""
+"""What the kernels do on the host around CUDA: host-to-device copies with no device sync
+(:func:`to_device`, :class:`StagedCopy`), and the guard that keeps the steer op out of CUDA
+graph capture."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from vllm_steer.logs import get_logger
 
 
 def to_device(array, device: torch.device) -> torch.Tensor:
@@ -37,3 +41,75 @@ def check_not_capturing(device: torch.device) -> None:
     and by every public kernel wrapper (steer and prepare functions)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(CAPTURE_ERROR.format(device=device))
+
+
+class StagedCopy:
+    """Host -> device copies from pinned staging that is never rewritten before its copy ran,
+    and never waited for while the device still runs.
+
+    A ring of pinned buffers, each with a CUDA event recorded after its copy. A copy takes a
+    buffer whose event has completed (``Event.query()``: a flag read, no wait) and adds a
+    buffer when every one is still in flight, so however many copies a step makes (a V2
+    prompt-logprob step copies once per chunk while the forward may still be running) the host
+    does not wait behind the device: the ring grows to the number of copies in flight at once
+    (a handful; :attr:`grown` counts the buffers added). Past :data:`MAX_STAGING_BUFFERS` in
+    flight the oldest copy is waited for (logged once): a device that far behind the host is
+    not a state the runner reaches (it reads each step's sampled tokens). This is vLLM's
+    ``CpuGpuBuffer`` pattern (the V1 runner's ``prepare_inputs_event``) without its wait. On
+    CPU the copy is a plain one (no pinning)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._free: list = []  # pinned buffers whose copy has run
+        self._flight: list = []  # (buffer, event) of copies not known to have run, oldest first
+        self._events: list = []  # spare events
+        self.grown = 0  # pinned buffers allocated
+        self.waits = 0  # copies waited for (ring full)
+
+    def copy_(self, dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
+        """``dst.copy_(src)`` (``dst`` a contiguous device tensor of ``src``'s shape)."""
+        if not self.cuda:
+            return dst.copy_(torch.from_numpy(src))
+        buf = self._take(src.nbytes)
+        staged = buf[:src.nbytes].view(dst.dtype).view(dst.shape)
+        staged.numpy()[...] = src
+        dst.copy_(staged, non_blocking=True)
+        event = self._events.pop() if self._events else torch.cuda.Event()
+        event.record()
+        self._flight.append((buf, event))
+        return dst
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        """A pinned buffer of at least ``nbytes`` that no pending copy reads (no wait unless
+        :data:`MAX_STAGING_BUFFERS` copies are in flight)."""
+        while self._flight and self._flight[0][1].query():  # copies that ran, in order
+            buf, event = self._flight.pop(0)
+            self._free.append(buf)
+            self._events.append(event)
+        if not self._free and len(self._flight) >= MAX_STAGING_BUFFERS:
+            _warn_once(f"vllm-steer: {len(self._flight)} coefficient copies in flight (the "
+                       f"staging limit, {MAX_STAGING_BUFFERS}); the host waits for the oldest")
+            buf, event = self._flight.pop(0)
+            event.synchronize()
+            self.waits += 1
+            self._free.append(buf)
+            self._events.append(event)
+        buf = self._free.pop() if self._free else None
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1024), dtype=torch.uint8, pin_memory=True)
+            self.grown += 1
+        return buf
+
+
+#: The most coefficient copies one :class:`StagedCopy` keeps in flight before it waits.
+MAX_STAGING_BUFFERS = 64
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        get_logger().warning(msg)

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from conftest import random_steer  # noqa: E402
+from helpers.steers import random_steer  # noqa: E402
 from vllm_steer.config import SteerServerConfig  # noqa: E402
 from vllm_steer.format import read_metadata, save_steer  # noqa: E402
 from vllm_steer.integrations.engine.binding import SteerAdmissionError, bind_request  # noqa: E402

@@ -17,7 +17,8 @@ import torch
 from helpers.steers import random_steer
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.format import load_steer, make_steer, save_steer
-from vllm_steer.integrations.worker.runtime import RowSource, SteerRuntime
+from vllm_steer.integrations.worker.rows import SlotRows
+from vllm_steer.integrations.worker.runtime import SteerRuntime
 from vllm_steer.reference import steer_coefficients, steer_reference
 
 HIDDEN = 48
@@ -112,7 +113,7 @@ def test_the_bank_is_reserved_at_start_up_and_run_time_loads_allocate_nothing(tm
     want = steer_reference(h.float(), torch.cat(p1, 1).to(torch.bfloat16).float(),
                            torch.cat(p2, 1).to(torch.bfloat16).float(), offs,
                            torch.from_numpy(cols))
-    with rt.rows(RowSource("slots", slots=np.array(list(rows)))):
+    with rt.rows(SlotRows(slots=np.array(list(rows)))):
         got = rt.steer_rows(h.to(torch.bfloat16))
     torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.02)
 

@@ -41,14 +41,14 @@ def test_decode_steps_reuse_the_plan_and_a_changed_slot_replans(tmp_path):
     for _step in range(3):  # decode steps of an unchanged batch: one plan
         h = torch.randn(3, 64, generator=gen)
         torch.testing.assert_close(rt.steer_rows(h), _want(rt, h, [a, b, none]))
-    plan = rt._plan
+    plan = rt.planner._plan
     assert plan is not None
     # a request finishes and another takes its slot (update_state): the next step re-plans
     rt.set_slot(1, a)
     rt.flush()
     h = torch.randn(3, 64, generator=gen)
     out = rt.steer_rows(h)
-    assert rt._plan is not plan
+    assert rt.planner._plan is not plan
     torch.testing.assert_close(out, _want(rt, h, [a, a, none]))
     # a slot moved without a coefficient change still counts as a change
     rt.move_slot(0, 2, swap=True)
@@ -87,7 +87,7 @@ def test_no_steer_work_once_the_last_steered_request_left(tmp_path):
 def test_rows_given_by_host_slots_get_their_slots_coefficients(tmp_path):
     """A ``slots`` row source (host-side row -> slot, as spec decoding and V2 prompt logprobs
     give it): each row is steered with its own slot's coefficients, in any order, repeated."""
-    from vllm_steer.integrations.worker.runtime import RowSource
+    from vllm_steer.integrations.worker.rows import SlotRows
 
     rt = _runtime(tmp_path)
     pad = [0.0] * (rt.num_columns - 2)
@@ -97,7 +97,7 @@ def test_rows_given_by_host_slots_get_their_slots_coefficients(tmp_path):
     rt.flush()
     slots = np.array([5, 5, 3, 0, 3, 3])
     h = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
-    with rt.rows(RowSource("slots", slots=slots)):
+    with rt.rows(SlotRows(slots=slots)):
         out = rt.steer_rows(h)
     torch.testing.assert_close(out, _want(rt, h, [b, b, a, none, a, a]))
     assert torch.equal(out[3], h[3])

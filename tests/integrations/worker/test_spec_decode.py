@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_steer.integrations.worker.spec_decode import verification_rows
+from vllm_steer.integrations.worker.rows import SlotRows
+from vllm_steer.integrations.worker.spec_v1 import verification_rows
 
 
 def _vllm_logits_indices(num_draft, cu_scheduled):
@@ -126,7 +127,7 @@ def _drafter_log(fn) -> list[str]:
 def _load_v2_drafter(runner, rt):
     """``DraftModelSpeculator.load_model`` of the stand-in V2 runner's speculator (the drafter
     already there), through the plugin's wrapper; returns the fixed-copy allocations made."""
-    from vllm_steer.integrations.worker.spec_decode import speculator_load_model
+    from vllm_steer.integrations.worker.spec_v2 import speculator_load_model
 
     fixed = []
     rt.enable_fixed_drafter = lambda: fixed.append(True)
@@ -173,7 +174,7 @@ def test_a_model_runner_v2_drafter_is_prepared_for_cuda_graphs_when_it_loads(met
 def test_a_v2_draft_model_step_maps_its_rows_to_the_batch_slots():
     """V2's draft model computes one row per request of the input batch: the rows get the
     slots of ``idx_mapping_np`` only while a slot of the batch is steered."""
-    from vllm_steer.integrations.worker.spec_decode import propose_standalone_v2
+    from vllm_steer.integrations.worker.spec_v2 import propose_standalone_v2
 
     seen = []
 
@@ -191,11 +192,11 @@ def test_a_v2_draft_model_step_maps_its_rows_to_the_batch_slots():
     rt = Runtime()
     spec = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={}))
     batch = SimpleNamespace(num_reqs=3, idx_mapping_np=np.array([5, 0, 2, 7]))
-    orig = lambda self, ib, *a, **kw: "proposed"  # noqa: E731
+    orig = lambda self, input_batch, *a, **kw: "proposed"  # noqa: E731
     with mock.patch("vllm_steer.integrations.worker.runtime.get_runtime", lambda cfg: rt):
         assert propose_standalone_v2(orig, spec, batch, 1, x=2) == "proposed"
         assert [s.slots.tolist() for s in seen] == [[5, 0, 2]]
-        assert seen[0].kind == "slots" and seen[0].positions is None
+        assert isinstance(seen[0], SlotRows) and seen[0].positions is None
         batch.idx_mapping_np = np.array([1, 0, 2, 5])  # slot 5 not among the batch's three
         propose_standalone_v2(orig, spec, batch)
         assert len(seen) == 1
@@ -214,7 +215,7 @@ def test_async_counts_are_corrected_for_the_drafts_the_previous_step_rejected():
     """Async scheduling: the runner's counts assume every previous draft accepted; the real
     count subtracts ``optimistic - (valid - 1)`` per request, found through its previous batch
     index (vLLM's own ``correct_spec_decode_token_counts`` rule)."""
-    from vllm_steer.integrations.worker.spec_decode import real_computed_tokens
+    from vllm_steer.integrations.worker.spec_v1 import true_computed_tokens
 
     calls = []
     ib = SimpleNamespace(num_computed_tokens_cpu=np.array([20, 31, 12, 7]),
@@ -226,8 +227,8 @@ def test_async_counts_are_corrected_for_the_drafts_the_previous_step_rejected():
         _get_valid_sampled_token_count=lambda: calls.append(1) or [2, 4, 4])
     # a: prev index 2, 3 optimistic, 4 valid (3 accepted): no change; b: prev 0, 3 optimistic,
     # 2 valid (1 accepted): -2; c: no optimistic count; new: not in the previous batch
-    assert real_computed_tokens(runner, 4).tolist() == [20, 29, 12, 7]
+    assert true_computed_tokens(runner, 4).tolist() == [20, 29, 12, 7]
     assert ib.num_computed_tokens_cpu.tolist() == [20, 31, 12, 7]  # vLLM's own counts kept
     runner.use_async_spec_decode = False
-    assert real_computed_tokens(runner, 4).tolist() == [20, 31, 12, 7]
+    assert true_computed_tokens(runner, 4).tolist() == [20, 31, 12, 7]
     assert len(calls) == 1  # the wait only where a count is optimistic

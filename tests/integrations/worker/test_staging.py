@@ -17,7 +17,7 @@ import torch
 
 from helpers.steers import random_steer
 from vllm_steer.format import save_steer
-from vllm_steer.integrations.worker import runtime as runtime_mod
+from vllm_steer.kernels import staging
 from vllm_steer.integrations.worker import v2
 from vllm_steer.integrations.worker.runtime import get_runtime
 from vllm_steer.reference import steer_coefficients, steer_reference
@@ -82,7 +82,7 @@ def fake_cuda(monkeypatch):
             dev.copies.append((f"to({out.device})", dev.is_pinned(t)))
         return out
 
-    class OnCuda(runtime_mod.StagedCopy):  # the staged copies take their CUDA path
+    class OnCuda(staging.StagedCopy):  # the staged copies take their CUDA path
         def __init__(self, device):
             super().__init__(device)
             self.cuda = True
@@ -91,7 +91,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
     monkeypatch.setattr(torch.Tensor, "to", to)
-    monkeypatch.setattr(runtime_mod, "StagedCopy", OnCuda)
+    monkeypatch.setattr(staging, "StagedCopy", OnCuda)
     del real_pin
     return dev
 
@@ -119,7 +119,7 @@ def _record_device_copies(monkeypatch, dev, rt):
     real_copy = torch.Tensor.copy_
 
     def copy_(dst, src, non_blocking=False):
-        bufs = [b for b in (rt.slot_coefs, rt._coefs_dev) if b is not None]
+        bufs = [b for b in (rt.slot_coefs, rt.planner._coefs_dev) if b is not None]
         if any(dst.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in bufs):
             dev.copies.append(("coefficients", dev.is_pinned(src)))
         return real_copy(dst, src, non_blocking=non_blocking)
@@ -179,9 +179,10 @@ def test_batch_sharded_sampling_copies_its_row_slots_from_pinned_memory(fake_cud
             return b, sorted_idx, grammar_output, None
 
     sharder = Sharder()
-    source = runtime_mod.RowSource("mapping", mapping=None)
-    with v2._sorted_rows(sharder, batch, source):
+    sources = []
+    with v2._sorted_rows(sharder, batch, sources.append):
         sharder.shard_sampler_inputs(batch, None)
+    source = sources[-1]
     assert source.mapping is not None and source.mapping.device.type == "meta"
     assert dev.copies and all(pinned for _, pinned in dev.copies), (
         f"host -> device copies (what, pinned): {dev.copies}")

@@ -22,7 +22,8 @@ from helpers.steers import random_steer
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.request import Window
 from vllm_steer.format import make_steer, save_steer
-from vllm_steer.integrations.worker.runtime import RowSource, SteerRuntime
+from vllm_steer.integrations.worker.rows import BatchRows, MappedRows, SlotRows
+from vllm_steer.integrations.worker.runtime import SteerRuntime
 from vllm_steer.reference import steer_coefficients, steer_reference
 
 HIDDEN = 64
@@ -54,7 +55,7 @@ class DeviceReads(TorchDispatchMode):
         p = _ptr(t)
         if not p:
             return False
-        roots = [self.rt.slot_coefs, getattr(self.rt, "_coefs_dev", None)]
+        roots = [self.rt.slot_coefs, getattr(self.rt.planner, "_coefs_dev", None)]
         return p in self.marked or any(r is not None and p == _ptr(r) for r in roots)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -156,14 +157,14 @@ def _steps(rt, source: str, mode: DeviceReads, gen, device=None, dtype=torch.flo
         if source == "batch":
             rt.batch_size = 4
             slots = np.arange(4)
-            src = RowSource("batch")
+            src = BatchRows()
         elif source == "mapping":
             slots = order
-            src = RowSource("mapping", mapping=torch.from_numpy(order.astype(np.int32)),
+            src = MappedRows(mapping=torch.from_numpy(order.astype(np.int32)),
                             slots=order.copy())
         else:
             slots = order
-            src = RowSource("slots", slots=order.copy())
+            src = SlotRows(slots=order.copy())
         with rt.rows(src), mode:
             out = rt.steer_rows(h)
         yield out, h, [state[int(s)] for s in slots]
@@ -246,22 +247,22 @@ def test_an_unchanged_step_reuses_everything(tmp_path, monkeypatch):
     rt.set_slot(5, _row(rt, b=2))
     rt.flush()
     calls = {"plan": 0, "copy": 0}
-    prepare = rt._prepare
+    prepare = rt.banks.prepare
 
     def counted(*a, **k):
         calls["plan"] += 1
         return prepare(*a, **k)
 
-    monkeypatch.setattr(rt, "_prepare", counted)
+    monkeypatch.setattr(rt.banks, "prepare", counted)
     h = torch.randn(3, HIDDEN)
     slots = np.array([5, 3, 0])
     for _ in range(4):
-        with rt.rows(RowSource("mapping", mapping=torch.from_numpy(slots), slots=slots.copy())):
+        with rt.rows(MappedRows(mapping=torch.from_numpy(slots), slots=slots.copy())):
             rt.steer_rows(h)
-        calls["copy"] = rt._coef_copy is not None
+        calls["copy"] = rt.planner._coef_copy is not None
     assert calls["plan"] == 1
     # another row order is another step: re-planned
-    with rt.rows(RowSource("slots", slots=slots[::-1].copy())):
+    with rt.rows(SlotRows(slots=slots[::-1].copy())):
         out = rt.steer_rows(h)
     assert calls["plan"] == 2
     torch.testing.assert_close(out, _want(rt, h, [_row(rt), _row(rt, a=4), _row(rt, b=2)]))
@@ -332,7 +333,7 @@ def test_windows_at_mixed_positions(tmp_path):
         order = np.array([3, 1, 0, 2, 3])
         pos = np.array([t[3], t[1], t[0], t[2], -1])  # the last row: a prompt row (base)
         h5 = torch.randn(5, HIDDEN, generator=gen)
-        with rt.rows(RowSource("slots", slots=order, positions=pos)):
+        with rt.rows(SlotRows(slots=order, positions=pos)):
             out = rt.steer_rows(h5)
         want = [_window_row(rt, windows[int(s)], int(p)) for s, p in zip(order, pos)]
         torch.testing.assert_close(out, _want(rt, h5, want))
@@ -359,8 +360,8 @@ def test_windows_cost_nothing_without_them_and_replan_only_on_change(tmp_path, m
     rt.set_slot(1, _row(rt, b=2))
     rt.flush()
     plans = []
-    prepare = rt._prepare
-    monkeypatch.setattr(rt, "_prepare", lambda *a, **k: plans.append(1) or prepare(*a, **k))
+    prepare = rt.banks.prepare
+    monkeypatch.setattr(rt.banks, "prepare", lambda *a, **k: plans.append(1) or prepare(*a, **k))
     h = torch.randn(2, HIDDEN)
     rt.batch_size = 2
     for t in range(6):
@@ -370,7 +371,7 @@ def test_windows_cost_nothing_without_them_and_replan_only_on_change(tmp_path, m
 
 
 def test_request_windows_reach_the_slot(tmp_path):
-    """``coef_windows`` turns a request's bound windows into per-slot windows; steers given as
+    """``decode`` turns a request's bound windows into per-slot windows; steers given as
     numbers beside them stay constant."""
     from helpers.engines import bound_extra
 
@@ -378,12 +379,12 @@ def test_request_windows_reach_the_slot(tmp_path):
     params = _Params(None)
     params.extra_args = bound_extra(rt.names, {"a": {"strength": 4, "start": 1, "end": 3},
                                                "b": 2})
-    wins = rt.coef_windows(params)
+    wins = rt.decode(params).windows
     ja, jb = rt.names.index("a"), rt.names.index("b")
     assert wins[ja].start == 1 and wins[ja].end == 3 and wins[ja].strength == 4
     assert wins[jb].at(0) == wins[jb].at(100) == wins[jb].base == 2
     params.extra_args = bound_extra(rt.names, {"a": 3})
-    assert rt.coef_windows(params) is None
+    assert rt.decode(params).windows is None
 
 
 # ---- CUDA: the same steps under sync debug mode ---------------------------------------------
@@ -468,7 +469,7 @@ def test_v2_rows_and_positions_come_from_the_input_batchs_host_arrays(tmp_path):
     assert slots.tolist() == [5, 5, 5, 2, 0, 0]
     assert pos.tolist() == [4, 5, 6, 1, 1, 2]  # the last row of each samples 10 + 3 - 7 = 6
     h = torch.randn(6, HIDDEN)
-    with rt.rows(RowSource("mapping", mapping=torch.from_numpy(slots), slots=slots,
+    with rt.rows(MappedRows(mapping=torch.from_numpy(slots), slots=slots,
                            positions=pos)):
         out = rt.steer_rows(h)
     want = [_row(rt, a=win.at(4)), _row(rt, a=win.at(5)), _row(rt, a=win.at(6)),

@@ -183,7 +183,8 @@ def test_a_finished_requests_stale_slot_costs_no_steer_work(processor, vllm_conf
     assert rt.stats.calls == calls
     batch.idx_mapping_np = np.array([1, 6])  # the steered slot is in the step again: steered
     batch.expanded_idx_mapping = torch.tensor([1, 6])
-    Runner.sample = lambda self, hs, ib, go: rt.steer_rows(hs)
+    Runner.sample = lambda self, hidden_states, input_batch, grammar_output: rt.steer_rows(
+        hidden_states)
     wrap_method(Runner, "sample", v2.sample)
     h = torch.randn(2, 64)
     out = Runner().sample(h, batch, None)
@@ -230,7 +231,8 @@ import numpy as np, torch
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu.sample.batch_shard import BatchSharder
-from vllm_steer.integrations.worker.runtime import RowSource, get_runtime
+from vllm_steer.integrations.worker.rows import NoRows
+from vllm_steer.integrations.worker.runtime import get_runtime
 from vllm_steer.integrations.hooks import wrap_method  # noqa: E402
 from vllm_steer.integrations.worker import v2  # noqa: E402
 
@@ -240,7 +242,7 @@ cfg = types.SimpleNamespace(additional_config={"vllm_steer": {"steers": {
 rt = get_runtime(cfg.additional_config)
 rt.load(64, torch.device("cpu"), torch.float32)
 rt.ensure_slots(8, torch.device("cpu"))
-rt.row_source = RowSource("none")  # as the V2 processor sets it
+rt.row_source = NoRows()  # as the V2 processor sets it
 coefs = {1: [4e-3, 0], 2: [0, -3e-3], 3: [0, 5e-3], 4: [-2e-3, 1e-3]}  # slots 0, 5: unsteered
 for slot, row in coefs.items():
     full = np.zeros(rt.num_columns, dtype=np.float32)  # the first two steers' columns

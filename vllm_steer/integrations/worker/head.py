@@ -3,8 +3,9 @@
 Semantics: see :mod:`vllm_steer.reference`. ``forward(lm_head, hidden_states)`` receives the
 post-norm hidden states of exactly the rows being sampled; ``c' = c + sum_i eps_i W_i c`` is
 applied to them before the one LM-head matmul of the original layer, with no extra
-vocabulary-sized work. Registered by the plugin (:mod:`vllm_steer.integrations.frontend.startup_checks`)
-through ``LogitsProcessor.register_oot`` (vLLM's PluggableLayer mechanism).
+vocabulary-sized work. Registered by the plugin (:data:`vllm_steer.integrations.plugin.HOOKS`,
+:func:`register_head`) through ``LogitsProcessor.register_oot`` (vLLM's PluggableLayer
+mechanism).
 
 The base class is called explicitly (``LogitsProcessor.forward(self, ...)``, never a
 zero-argument ``super()``): vLLM's LoRA wrapper (``LogitsProcessorWithLoRA``) calls
@@ -136,6 +137,6 @@ def load_model(orig, self, vllm_config, *a, **kw):
     cfg = SteerServerConfig.from_additional_config(vllm_config.additional_config)
     if cfg is not None and cfg.enabled and _has_lm_head() and \
             getattr(vllm_config.model_config, "runner_type", "generate") != "pooling":
-        check_hooks()
+        check_hooks(vllm_config)  # the hook groups of this runner and configuration
         check_head_installed(model)
     return model

@@ -5,19 +5,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_steer.integrations.worker.runtime import get_runtime
+from vllm_steer.integrations.worker.runtime import runtime_of
 
 
 def worker_op(worker, op: str, *args) -> Any:
-    """Runs in every worker (``collective_rpc`` with a callable): change or report slots."""
-    rt = get_runtime(worker.vllm_config.additional_config)
+    """Runs in every worker (``collective_rpc`` with a callable): change or report bank
+    slots."""
+    rt = runtime_of(worker)
     if rt is None:
         return None
     if op == "put":
-        slot, gen, name, steer = args
+        bank_slot, load_id, name, steer = args
         if rt.bank is None:  # no LM head in this worker (an earlier pipeline stage): no steers
             return False
-        rt.put_steer(slot, gen, name, steer)
+        rt.put_steer(bank_slot, load_id, name, steer)
         return True
     if op == "drop":
         rt.drop_slots(args[0])

@@ -2,15 +2,25 @@
 worker's :class:`~vllm_steer.integrations.worker.runtime.SteerRuntime` what the per-request
 state (:class:`vllm_steer.integrations.processors.SteerLogitsProcessorV1`) cannot see: the
 generated-token index of each batch row, the rows of prompt logprobs. Semantics: see
-:mod:`vllm_steer.reference`.
+:mod:`vllm_steer.reference`. Speculative decoding on this runner:
+:mod:`vllm_steer.integrations.worker.spec_v1`.
+
+Each hook reads the runner's runtime from its binding (:func:`runtime_of`: one attribute read
+per step) and reads vLLM's arguments by name (:class:`~vllm_steer.integrations.worker.
+arguments.Arg`).
 """
 
 from __future__ import annotations
 
-from vllm_steer.integrations.worker.runtime import RowSource, get_runtime
+from vllm_steer.integrations.worker.arguments import Arg
+from vllm_steer.integrations.worker.rows import PromptRows
+from vllm_steer.integrations.worker.runtime import runtime_of
+
+_NUM_SCHEDULED = Arg("num_scheduled_tokens")
+_HIDDEN_STATES = Arg("hidden_states")
 
 
-def prepare_inputs(orig, self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+def prepare_inputs(orig, self, *args, **kwargs):
     """``GPUModelRunner._prepare_inputs``: give the runtime the index of the generated token each batch row samples, while some
     slot has a generation window (host arrays only, one vectorised expression per step).
 
@@ -19,16 +29,19 @@ def prepare_inputs(orig, self, scheduler_output, num_scheduled_tokens, *args, **
     first generated token; a preempted request resumes with its outputs counted as computed;
     the sample of a non-final prefill chunk is discarded by vLLM, whatever its index).
     """
-    out = orig(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
-    rt = get_runtime(self.vllm_config.additional_config)
-    if rt is not None:
-        if rt.num_window_slots:
-            b = self.input_batch
-            n = b.num_reqs
-            rt.batch_positions = (b.num_computed_tokens_cpu[:n] + num_scheduled_tokens[:n]
-                                  - b.num_prompt_tokens[:n]).astype("int64")
-        else:
-            rt.batch_positions = None
+    out = orig(self, *args, **kwargs)
+    rt = runtime_of(self)
+    if rt is None:
+        return out
+    planner = rt.planner
+    if rt.slots.num_window_slots:
+        b = self.input_batch
+        n = b.num_reqs
+        scheduled = _NUM_SCHEDULED.get(orig, (self, *args), kwargs)
+        planner.batch_positions = (b.num_computed_tokens_cpu[:n] + scheduled[:n]
+                                   - b.num_prompt_tokens[:n]).astype("int64")
+    elif planner.batch_positions is not None:
+        planner.batch_positions = None
     return out
 
 
@@ -53,16 +66,19 @@ def input_batch_init(orig, self, *args, **kwargs):
         self.logitsprocs_need_output_token_ids = False
 
 
-def get_prompt_logprobs_dict(orig, self, hidden_states, num_scheduled_tokens):
+def get_prompt_logprobs_dict(orig, self, *args, **kwargs):
     """``GPUModelRunner._get_prompt_logprobs_dict``: steer prompt logprobs of a steered request like its sampled tokens.
 
     ``_get_prompt_logprobs_dict`` calls ``compute_logits`` once per request on a slice of the
     step's hidden states; the runtime maps that slice back to the request's batch slot.
     """
-    rt = get_runtime(self.vllm_config.additional_config)
-    if rt is None or not rt.active or not self.num_prompt_logprobs:
-        return orig(self, hidden_states, num_scheduled_tokens)
+    if not self.num_prompt_logprobs:
+        return orig(self, *args, **kwargs)
+    rt = runtime_of(self)
+    if rt is None or not rt.active:
+        return orig(self, *args, **kwargs)
     n = self.input_batch.num_reqs
     qsl = self.query_start_loc.np[: n + 1].copy()
-    with rt.rows(RowSource("prompt", base=hidden_states, query_start_loc=qsl)):
-        return orig(self, hidden_states, num_scheduled_tokens)
+    hidden_states = _HIDDEN_STATES.get(orig, (self, *args), kwargs)
+    with rt.rows(PromptRows(base=hidden_states, query_start_loc=qsl)):
+        return orig(self, *args, **kwargs)

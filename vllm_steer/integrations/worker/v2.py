@@ -12,8 +12,10 @@ Prompt logprobs are steered too: the prompt-logprob worker's ``compute_logits`` 
 that may hold rows of several requests) get each row's request slot from host-side data
 (:func:`prompt_logprobs`).
 Speculative decoding: the verification rows (``num_draft_tokens + 1`` per request) come
-through the same ``expanded_idx_mapping``; the drafter proposes unsteered
-(:mod:`vllm_steer.integrations.worker.spec_decode`).
+through the same ``expanded_idx_mapping``; drafters are steered too (a draft model on host
+rows, EAGLE / EAGLE-3 / MTP inside CUDA graphs: :mod:`vllm_steer.integrations.worker.spec_v2`).
+Each hook reads the runner's runtime from its binding (one attribute read per step) and vLLM's
+arguments by name (:class:`~vllm_steer.integrations.worker.arguments.Arg`).
 """
 
 from __future__ import annotations
@@ -21,11 +23,21 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+import torch
 
-from vllm_steer.integrations.worker.runtime import RowSource, current_runtime, get_runtime
+from vllm_steer.integrations.worker.arguments import Arg
+from vllm_steer.integrations.worker.rows import MappedRows, NoRows, SlotRows
+from vllm_steer.integrations.worker.runtime import binding, current_runtime, runtime_of
+from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
+from vllm_steer.integrations.worker.spec_v2 import true_computed_tokens
+from vllm_steer.ops import to_device
+
+_INPUT_BATCH = Arg("input_batch")
+_LOGITS_FN = Arg("logits_fn")
+_HIDDEN_STATES = Arg("hidden_states")
 
 
-def sample(orig, self, hidden_states, input_batch, grammar_output):
+def sample(orig, self, *args, **kwargs):
     """``GPUModelRunner.sample`` (V2): scope the step's row -> slot mapping around V2's ``sample()`` (which calls the head).
 
     The head works only when a slot of this step's batch (``idx_mapping``) is steered: V2 has
@@ -41,25 +53,29 @@ def sample(orig, self, hidden_states, input_batch, grammar_output):
     logits without the model's logits layer) raises :class:`HeadBypassedError` instead of
     serving those rows unsteered: one integer comparison per steered step.
     """
-    rt = get_runtime(self.vllm_config.additional_config)
-    if rt is not None and getattr(self, "speculator", None) is not None:
-        from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
-
+    rt = runtime_of(self)
+    if rt is None:
+        return orig(self, *args, **kwargs)
+    if not binding(self).drafter_checked and getattr(self, "speculator", None) is not None:
         prepare_drafter_once(self, rt)  # which drafter heads stay steered (spec_decode.py)
-    if rt is None or not rt.any_steered(input_batch.idx_mapping_np):
-        return orig(self, hidden_states, input_batch, grammar_output)
-    calls = rt.head_calls
+    if not rt.slots.num_active_slots:  # no steered request anywhere: the one check
+        return orig(self, *args, **kwargs)
+    input_batch = _INPUT_BATCH.get(orig, (self, *args), kwargs)
+    if not rt.any_steered(input_batch.idx_mapping_np):
+        return orig(self, *args, **kwargs)
+    planner = rt.planner
+    calls = planner.head_calls
     sharder = getattr(self, "batch_sharder", None)
     if sharder is None:
         slots, positions = _host_rows(rt, self, input_batch)
-        with rt.rows(RowSource("mapping", mapping=input_batch.expanded_idx_mapping,
-                               slots=slots, positions=positions)):
-            out = orig(self, hidden_states, input_batch, grammar_output)
+        with rt.rows(MappedRows(mapping=input_batch.expanded_idx_mapping, slots=slots,
+                                positions=positions)):
+            out = orig(self, *args, **kwargs)
     else:
-        source = RowSource("mapping", mapping=None)
-        with rt.rows(source), _sorted_rows(sharder, input_batch, source):
-            out = orig(self, hidden_states, input_batch, grammar_output)
-    if rt.head_calls == calls:
+        with rt.rows(MappedRows(mapping=None)), \
+                _sorted_rows(sharder, input_batch, planner.set_rows):
+            out = orig(self, *args, **kwargs)
+    if planner.head_calls == calls:
         raise HeadBypassedError(HEAD_BYPASSED)
     return out
 
@@ -80,8 +96,6 @@ def _host_rows(rt, runner, input_batch):
     windows, the generated-token index each row samples, from the input batch's host arrays
     (no device read): request i has ``cu_num_logits[i + 1] - cu_num_logits[i]`` rows, its last
     one sampling token ``num_computed + num_scheduled - prompt_len``."""
-    import numpy as np
-
     idx = input_batch.idx_mapping_np  # [num_reqs]
     nr = len(idx)
     cu = input_batch.cu_num_logits_np[: nr + 1]
@@ -95,7 +109,7 @@ def _host_rows(rt, runner, input_batch):
         return slots, None
     computed = input_batch.num_computed_tokens_np[:nr]
     if getattr(runner, "speculator", None) is not None and rt.any_windowed(idx):
-        computed = exact_computed_tokens(req_states, idx)
+        computed = true_computed_tokens(req_states, idx)
     last = (computed + input_batch.num_scheduled_tokens[:nr]
             - req_states.prompt_len.np[idx]).astype(np.int64)
     if one_each:
@@ -104,30 +118,10 @@ def _host_rows(rt, runner, input_batch):
     return slots, np.repeat(last - counts + 1, counts) + local
 
 
-def exact_computed_tokens(req_states, idx: np.ndarray) -> np.ndarray:
-    """The computed-token counts of slots ``idx`` from V2's device state.
-
-    With speculative decoding V2's host mirror (``num_computed_tokens_np``) is an upper bound:
-    the scheduler counts every draft of the previous step as accepted, and V2 corrects only
-    its device copy (``post_update``, after ``sample()``). A generation window needs the real
-    count: read the device copy, which at ``sample()`` holds this step's starting count. This
-    read waits for the step's forward (a device-to-host copy): only steps that hold a
-    windowed request under speculative decoding pay it."""
-    import torch
-
-    index = torch.as_tensor(np.asarray(idx, dtype=np.int64))
-    gpu = req_states.num_computed_tokens.gpu
-    return gpu.index_select(0, index.to(gpu.device)).cpu().numpy().astype(np.int64)
-
-
 @contextlib.contextmanager
-def _sorted_rows(sharder, input_batch, source: RowSource):
-    """Set ``source.mapping`` from the owner-sorted logits indices the sharder returns."""
-    import numpy as np
-    import torch
-
-    from vllm_steer.ops import to_device
-
+def _sorted_rows(sharder, input_batch, set_rows):
+    """Give ``set_rows`` the owner-sorted logits indices the sharder returns as the rows'
+    device mapping (:class:`MappedRows` with no host copy: gathered on the device)."""
     qsl = input_batch.query_start_loc_np
     token_slots = np.repeat(input_batch.idx_mapping_np, np.diff(qsl[: input_batch.num_reqs + 1]))
     orig = sharder.shard_sampler_inputs
@@ -141,7 +135,7 @@ def _sorted_rows(sharder, input_batch, source: RowSource):
                 "sorted_logits_indices, grammar_output, metadata) in this vLLM; steered rows "
                 "cannot be matched to requests. Run without --enable-batch-sharded-sampling")
         slots = to_device(token_slots, sorted_idx.device)  # pinned: a pageable copy syncs
-        source.mapping = slots[sorted_idx.long()]
+        set_rows(MappedRows(mapping=slots[sorted_idx.long()]))
         return out
 
     sharder.shard_sampler_inputs = shard_sampler_inputs  # this step only
@@ -158,29 +152,33 @@ def _prompt_row_slots(input_batch) -> np.ndarray:
     return np.repeat(np.asarray(input_batch.idx_mapping_np[:n], dtype=np.int64), np.diff(qsl))
 
 
-def _steered_logits_fn(rt, logits_fn, hidden_states, slots: np.ndarray):
+def _steered_logits_fn(rt, logits_fn, hidden_states, input_batch):
     """``logits_fn`` with each call's rows mapped to their slots by their offset in the step.
 
     V2 passes views of the step's hidden states (``hidden_states[a:b]``); the offset is read
-    from the view's address on the host (no device read).
+    from the view's address on the host (no device read). The row -> slot table is made at the
+    first call: most steps ask for no prompt logprobs, and vLLM never calls ``logits_fn``.
     """
-    row_bytes = hidden_states.stride(0) * hidden_states.element_size()
-    base_ptr = hidden_states.data_ptr()
+    table = []  # [row slots, base address, row bytes, storage address], at the first call
 
     def fn(h):
+        if not table:
+            table.extend((_prompt_row_slots(input_batch), hidden_states.data_ptr(),
+                          hidden_states.stride(0) * hidden_states.element_size(),
+                          hidden_states.untyped_storage().data_ptr()))
+        slots, base_ptr, row_bytes, storage = table
         offset = (h.data_ptr() - base_ptr) // row_bytes
-        if h.untyped_storage().data_ptr() != hidden_states.untyped_storage().data_ptr() \
-                or not 0 <= offset <= len(slots):
-            source = RowSource("none")  # not a view of the step: leave it unsteered
+        if h.untyped_storage().data_ptr() != storage or not 0 <= offset <= len(slots):
+            source = NoRows()  # not a view of the step: leave it unsteered
         else:
-            source = RowSource("slots", slots=slots[offset:offset + h.shape[0]], positions=None)
+            source = SlotRows(slots=slots[offset:offset + h.shape[0]], positions=None)
         with rt.rows(source):
             return logits_fn(h)
 
     return fn
 
 
-def prompt_logprobs(orig, self, logits_fn, hidden_states, input_batch, *args, **kwargs):
+def prompt_logprobs(orig, self, *args, **kwargs):
     """``PromptLogprobsWorker.compute_prompt_logprobs`` and
     ``compute_prompt_token_id_logprobs`` (V2): steer's prompt logprobs like its sampled tokens.
 
@@ -190,7 +188,13 @@ def prompt_logprobs(orig, self, logits_fn, hidden_states, input_batch, *args, **
     its own request's slot (``idx_mapping_np`` repeated over ``query_start_loc_np``).
     """
     rt = current_runtime()  # the prompt-logprob worker has no config: the worker's runtime
-    if rt is None or not rt.any_steered(input_batch.idx_mapping_np):
-        return orig(self, logits_fn, hidden_states, input_batch, *args, **kwargs)
-    fn = _steered_logits_fn(rt, logits_fn, hidden_states, _prompt_row_slots(input_batch))
-    return orig(self, fn, hidden_states, input_batch, *args, **kwargs)
+    if rt is None or not rt.slots.num_active_slots:
+        return orig(self, *args, **kwargs)
+    call = (self, *args)
+    input_batch = _INPUT_BATCH.get(orig, call, kwargs)
+    if not rt.any_steered(input_batch.idx_mapping_np):
+        return orig(self, *args, **kwargs)
+    fn = _steered_logits_fn(rt, _LOGITS_FN.get(orig, call, kwargs),
+                            _HIDDEN_STATES.get(orig, call, kwargs), input_batch)
+    call, kwargs = _LOGITS_FN.replace(orig, call, kwargs, fn)
+    return orig(*call, **kwargs)

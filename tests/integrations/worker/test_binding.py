@@ -1,0 +1,85 @@
+"""The per-step path: each runner finds its runtime once (no configuration rebuilt, validated or
+serialised per step), and the hooks read vLLM's arguments by name, so that a vLLM that adds a
+parameter still works and one that renames it fails loudly."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from vllm_steer.config import SteerServerConfig
+from vllm_steer.integrations.worker import runtime as runtime_mod
+from vllm_steer.integrations.worker.arguments import Arg
+from vllm_steer.integrations.worker.runtime import BINDING_ATTR, runtime_of
+from vllm_steer.integrations.worker.v1 import prepare_inputs
+
+
+class _Runner:
+    def __init__(self, config):
+        self.vllm_config = SimpleNamespace(additional_config=config)
+        self.input_batch = SimpleNamespace(num_reqs=2, num_computed_tokens_cpu=np.array([5, 7]),
+                                           num_prompt_tokens=np.array([3, 3]))
+
+
+def test_a_runner_looks_its_runtime_up_once_then_reads_it(monkeypatch):
+    """Steps of a runner validate the steer configuration once, at its first hooked call; a
+    runner of an engine without steers is bound to no runtime, also once."""
+    built = []
+    real = SteerServerConfig.from_additional_config
+
+    def counted(cfg):
+        built.append(1)
+        return real(cfg)
+
+    monkeypatch.setattr(SteerServerConfig, "from_additional_config", staticmethod(counted))
+    sentinel = object()
+    monkeypatch.setattr(runtime_mod, "get_runtime", lambda cfg: counted(cfg) and sentinel)
+    runner = _Runner({"vllm_steer": {"steers": {"a": "a.safetensors"}}})
+    assert [runtime_of(runner) for _ in range(5)] == [sentinel] * 5
+    assert len(built) == 1
+    plain = _Runner(None)
+    assert [runtime_of(plain) for _ in range(5)] == [None] * 5
+    assert len(built) == 2
+    assert getattr(plain, BINDING_ATTR).resolved  # the one attribute set on the runner
+
+
+def test_v1_prepare_inputs_reads_its_arguments_by_name():
+    """A windowed slot's generated-token positions come from ``num_scheduled_tokens``, given
+    by position or by keyword, wherever it stands in the signature."""
+    rt = SimpleNamespace(slots=SimpleNamespace(num_window_slots=1),
+                         planner=SimpleNamespace(batch_positions=None))
+    runner = _Runner(None)
+    runner.__dict__[BINDING_ATTR] = SimpleNamespace(resolved=True, runtime=rt)
+
+    def old(self, scheduler_output, num_scheduled_tokens):
+        return "out"
+
+    def newer(self, scheduler_output, extra, num_scheduled_tokens, more=None):
+        return "out"
+
+    scheduled = np.array([1, 1])
+    for orig, args, kwargs in ((old, (None, scheduled), {}),
+                               (old, (None,), {"num_scheduled_tokens": scheduled}),
+                               (newer, (None, "x", scheduled), {}),
+                               (newer, (None, "x"), {"num_scheduled_tokens": scheduled})):
+        rt.planner.batch_positions = None
+        assert prepare_inputs(orig, runner, *args, **kwargs) == "out"
+        assert rt.planner.batch_positions.tolist() == [3, 5]
+
+
+def test_an_argument_a_vllm_renamed_fails_loudly_naming_it():
+    def sample_draft(self, hidden, positions, idx_mapping):
+        pass
+
+    def renamed(self, hidden, positions, slot_mapping):
+        pass
+
+    arg = Arg("idx_mapping")
+    assert arg.get(sample_draft, ("self", 1, 2, "m"), {}) == "m"
+    assert arg.get(sample_draft, ("self", 1, 2), {"idx_mapping": "k"}) == "k"
+    with pytest.raises(RuntimeError, match="has no parameter 'idx_mapping'.*slot_mapping"):
+        arg.get(renamed, ("self", 1, 2, "m"), {})
+    args, kwargs = arg.replace(sample_draft, ("self", 1, 2, "m"), {}, "new")
+    assert args == ("self", 1, 2, "new") and kwargs == {}

@@ -1,0 +1,185 @@
+"""The steer bank's lifecycle in a worker: load at start-up (with the device memory reserved
+for its worst case while vLLM loads the model), put and drop at run time, the backend resolved
+once, kernels compiled ahead, and the fixed-layout copy for drafters inside CUDA graphs.
+Semantics: see :mod:`vllm_steer.reference`.
+
+A *bank slot* holds one loaded steer (:class:`~vllm_steer.bank.SlotBank`), under a *load id*
+that changes with every load into it, so that a request bound to an earlier load of that bank
+slot is never served another file's steer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from vllm_steer.bank import SlotBank
+from vllm_steer.config import SteerServerConfig
+from vllm_steer.format import SteerFileError, load_steer, read_metadata
+from vllm_steer.logs import get_logger
+
+logger = get_logger()
+
+
+class BankState:
+    """The worker's steer bank on the model's device and dtype, and the backend that runs it."""
+
+    def __init__(self, config: SteerServerConfig):
+        self.config = config
+        self.names = list(config.steers)
+        self.metadata = {}
+        problems = []
+        for name, path in config.steers.items():
+            try:
+                self.metadata[name] = read_metadata(path)
+            except SteerFileError as e:
+                problems.append(str(e))
+        if problems:
+            raise SteerFileError(", ".join(config.steers.values()),
+                                 [p.replace("\n", " ") for p in problems])
+        # steers come and go at run time (vllm_steer.integrations.engine.control): a fixed
+        # number of bank slots, two coefficient columns each (steer, domain; see SlotBank)
+        self.capacity = config.capacity
+        self.num_columns = 2 * self.capacity
+        self.bank: SlotBank | None = None
+        self.backend: str | None = None  # resolved at load
+        self.fn: Callable | None = None  # the backend's steer function (resolved once)
+        self.prepare: Callable | None = None  # the backend's planning function, if any
+        self.max_rows = 0  # the most rows one step steers (vLLM's max_num_seqs), once known
+        self.graphs = None  # CUDA: the head's op replayed from CUDA graphs (SlotBank.head_graphs)
+
+    def load(self, hidden_size: int, device: torch.device, dtype: torch.dtype,
+             model_id: str | None = None) -> None:
+        """Load every steer on the model's device/dtype; refuse a steer that does not fit."""
+        if self.bank is not None:
+            return
+        reasons = []
+        steers = {}
+        for name, path in self.config.steers.items():
+            meta = self.metadata[name]
+            if meta.hidden_size != hidden_size:
+                reasons.append(f"steer {name!r} ({path}): hidden size {meta.hidden_size} does not "
+                               f"fit the model's hidden size {hidden_size}; train or transfer it "
+                               "for this model (vllm-steer train / vllm-steer transfer)")
+                continue
+            if meta.base_model and model_id and not _same_model(meta.base_model, model_id):
+                logger.warning("vllm-steer: steer %r (%s) was trained on %r but the server runs "
+                               "%r; it fits (same hidden size) but may not steer as intended",
+                               name, path, meta.base_model, model_id)
+            try:
+                steers[name] = load_steer(path)
+            except SteerFileError as e:
+                reasons.append(str(e).replace("\n", " "))
+        if reasons:
+            raise SteerFileError(", ".join(self.config.steers.values()), reasons)
+        self.bank = self._reserve_bank(hidden_size, device, dtype, steers)
+        for bank_slot, name in enumerate(self.names):  # the registry numbers them the same way
+            self.bank.put(bank_slot, bank_slot + 1, name, steers[name])
+        # Resolve the backend now (it imports the kernels, and Triton where present: about
+        # half a second), not in the first steered request's step.
+        from vllm_steer import ops
+
+        max_rank = self.config.max_steer_rank or max(
+            (steers[n].p1.shape[1] for n in steers), default=None)
+        self.backend = ops.resolve_backend(self.config.backend, torch.device(device or "cpu"),
+                                           hidden_size, max_rank)
+        self.fn = ops.backend_fn(self.backend)  # resolved once, not per step
+        self.prepare = ops.backend_prepare(self.backend)
+        self.warm_up()
+        self.graphs = self.bank.head_graphs(self.config.backend)
+        logger.info("vllm-steer: loaded %d steer(s) %s on %s/%s", len(steers), self.names,
+                    device, dtype)
+
+    def _reserve_bank(self, hidden_size: int, device, dtype, steers: dict) -> SlotBank:
+        """The bank, its device storage allocated now for its worst case: ``capacity`` steers
+        of rank ``--max-steer-rank`` (or, without it, the largest start-up steer's), each with
+        a domain component (:func:`~vllm_steer.bank.slot_bank_bytes`). Called while vLLM loads
+        the model, so vLLM counts it with the weights before it sizes the KV cache, and a
+        run-time load then allocates nothing. Refused with the figure when it does not fit."""
+        from vllm_steer.bank import slot_bank_bytes
+
+        cap, max_rank = self.capacity, self.config.max_steer_rank
+        rank = max_rank or max((p.shape[1] for s in steers.values()
+                                for p in (s.p1, s.domain_p1) if p is not None), default=0)
+        dtype_name = str(dtype).replace("torch.", "")
+        mib = slot_bank_bytes(cap, rank, hidden_size, dtype) / 2**20
+        figure = (f"{cap} max steers x rank {rank} x hidden {hidden_size} x {dtype_name}, "
+                  "x2 factors, x2 for domain components")
+        try:
+            bank = SlotBank(cap, hidden_size, device=device, dtype=dtype, max_rank=max_rank,
+                            reserve_rank=rank)
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError(
+                f"vllm-steer: the steer bank needs {mib:.1f} MiB on {device} ({figure}) and the "
+                f"device cannot hold it ({str(e).splitlines()[0]}); lower --max-steers "
+                f"(now {cap}) or --max-steer-rank (now {rank}), or "
+                "--gpu-memory-utilization") from None
+        logger.info("vllm-steer: steer bank reserves %.1f MiB (%s)%s", mib, figure,
+                    "" if max_rank else "; without --max-steer-rank a run-time load of a larger "
+                    "rank allocates device memory outside vLLM's budget")
+        return bank
+
+    def warm_up(self) -> None:
+        """Compile, now, every kernel specialisation the backend can launch for this bank's
+        layout and up to ``max_rows`` rows (at start-up and after a load that changes the
+        layout), so that no serving step stalls on a JIT compile. CUDA only (the CPU paths
+        compile nothing)."""
+        if self.bank is None or not self.max_rows or self.bank.p1.device.type != "cuda":
+            return
+        from vllm_steer import ops
+
+        t0 = time.perf_counter()
+        n = ops.warm_up(self.backend, self.bank.p1, self.bank.p2, self.bank.rank_offsets,
+                        self.max_rows, self.bank.p1.dtype)
+        if n:
+            logger.info("vllm-steer: compiled %d steer-kernel specialisation(s) for up to %d "
+                        "rows in %.1f s", n, self.max_rows, time.perf_counter() - t0)
+
+    def put(self, bank_slot: int, load_id: int, name: str, steer) -> None:
+        """Load a steer into a bank slot no request uses (the engine core picked it)."""
+        assert self.bank is not None, "steers are loaded with the model"
+        layout = list(self.bank.rank_offsets)
+        self.bank.put(bank_slot, load_id, name, steer)
+        if list(self.bank.rank_offsets) != layout:
+            self.warm_up()
+        if name in self.bank.fixed_left_out:
+            logger.warning("vllm-steer: steer %r (rank %d) is wider than the drafter's copy of "
+                           "the bank (rank %d): drafters inside CUDA graphs propose without it; "
+                           "the target applies it", name, steer.p1.shape[1],
+                           self.bank.fixed_rank)
+
+    def drop(self, bank_slots) -> None:
+        if self.bank is None:
+            return
+        for bank_slot in bank_slots:
+            self.bank.drop(bank_slot)
+
+    def enable_fixed_drafter(self) -> float:
+        """Keep the bank's fixed-layout copy (:meth:`SlotBank.enable_fixed`) for drafter heads
+        that run inside captured CUDA graphs, at the bank's reserved rank; called while vLLM
+        loads the drafter (before it sizes the KV cache). Returns the MiB allocated (0: no bank
+        or already kept)."""
+        bank = self.bank
+        if bank is None:
+            return 0.0
+        shared = bank.graphs is not None  # the LM head's CUDA graphs hold the copy already
+        if bank.fixed_p1 is not None and not shared:
+            return 0.0
+        rank = bank.reserved_rank  # the rank per steer the bank reserved at start-up
+        mib = 0.0 if shared else bank.enable_fixed(rank) / 2**20
+        logger.info("vllm-steer: the drafter's steers, inside CUDA graphs, use a fixed-layout "
+                    "copy of the bank: %.1f MiB (rank %d per steer)%s%s",
+                    bank.fixed_p1.numel() * bank.fixed_p1.element_size() / 2**19,
+                    bank.fixed_rank, "; the LM head's copy, no more memory" if shared else "",
+                    f"; left out (wider): {bank.fixed_left_out}" if bank.fixed_left_out else "")
+        return mib
+
+
+def _same_model(a: str, b: str) -> bool:
+    norm = lambda s: s.rstrip("/").split("/")[-1].lower().replace("_", "-")  # noqa: E731
+    return norm(a) == norm(b) or a in b or b in a
+
+
+__all__ = ["BankState"]

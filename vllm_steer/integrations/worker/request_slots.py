@@ -1,0 +1,229 @@
+"""The request-slot table: the coefficients and generation windows of the request in each
+batch slot of the runner (V1: persistent-batch index; V2: request-state slot), on the host and
+mirrored on the device. Semantics: see :mod:`vllm_steer.reference`.
+
+A *request slot* is where the runner keeps one running request; a *bank slot* is where the
+steer bank keeps one loaded steer (:class:`~vllm_steer.bank.SlotBank`). Each request is decoded
+once, when it enters a request slot (:func:`decode_request`): its bound form
+(:class:`~vllm_steer.request.BoundSteer`, as the engine core bound it) becomes its coefficient
+row and its windows, per bank slot.
+
+Generation windows (a request's strength as a schedule over its generated tokens,
+:class:`vllm_steer.request.Window`): per-slot window arrays on the host, set with the slot; each
+step computes the windowed rows' coefficients from the index of the token each row samples,
+vectorised (:meth:`RequestSlots.row_coefs`); requests without windows pay nothing for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_steer.bank import SlotBank
+from vllm_steer.integrations.worker.rows import warn_once
+from vllm_steer.kernels import staging
+from vllm_steer.logs import get_logger
+from vllm_steer.request import BOUND_KEY, BoundSteer, Window
+
+logger = get_logger()
+
+
+@dataclass(frozen=True)
+class RequestCoefs:
+    """A request decoded once: what its request slot is set to."""
+
+    row: np.ndarray
+    """``[2 * capacity]`` fp32: the constant coefficients (steer, then domain columns)."""
+    windows: dict[int, Window] | None
+    """Per bank slot, the generation window of each steer it names (a steer given as a number:
+    a constant ``Window(s, base=s)``); None when it has no window (the common case)."""
+
+
+def decode_request(params: Any, bank: SlotBank | None, num_columns: int) -> RequestCoefs:
+    """The coefficients of a request (zeros when it asks for no steer), decoded once from the
+    bound form the engine core wrote (``extra_args[BOUND_KEY]``).
+
+    A bank slot that no longer holds the request's load id is never used (the engine core
+    keeps a slot while a request bound to it runs, so this is a bug guard, logged). Never
+    raises on request data."""
+    extra = getattr(params, "extra_args", None) or {}
+    wire = extra.get(BOUND_KEY)
+    if bank is None or not wire:
+        return RequestCoefs(np.zeros(num_columns, dtype=np.float32), None)
+    try:
+        bound = BoundSteer.from_wire(wire)
+    except Exception as e:  # noqa: BLE001 - request data must not crash a worker
+        logger.warning("vllm-steer: a request's bound steers %r are malformed (%s); the "
+                       "request is served unsteered", wire, e)
+        return RequestCoefs(np.zeros(num_columns, dtype=np.float32), None)
+    row, problems = bank.coef_row({b.name: (b.bank_slot, b.load_id) for b in bound},
+                                  {b.name: b.strength for b in bound})
+    for p in problems:
+        logger.error("vllm-steer: request steer left out: %s", p)
+    windows = None
+    if any(isinstance(b.value, Window) for b in bound):
+        windows = {}
+        for b in bound:
+            j = b.bank_slot
+            if not 0 <= j < bank.capacity or bank.generations[j] != b.load_id \
+                    or bank.steers[j] is None or not b.strength:
+                continue  # left out of the row too (logged above)
+            windows[j] = b.value if isinstance(b.value, Window) else Window(b.value, base=b.value)
+        windows = windows or None
+    return RequestCoefs(np.asarray(row, dtype=np.float32), windows)
+
+
+#: the per-slot window arrays (host, ``[max_slots, capacity]`` float64 each)
+WINDOW_FIELDS = ("strength", "base", "start", "end", "ramp", "eps", "dom")
+
+
+class RequestSlots:
+    """Coefficients ``[max_slots, 2 * capacity]`` of the request in each request slot: the host
+    table, its device mirror (:attr:`table`, copied when changed: :meth:`flush`), which slots
+    are steered and which have generation windows."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.num_columns = 2 * capacity
+        self.table: torch.Tensor | None = None  # [max_slots, K] fp32 on the device
+        self.host: np.ndarray | None = None  # [max_slots, K] host table
+        self.steered: np.ndarray | None = None  # [max_slots] bool: slot has a non-zero row
+        self.windowed: np.ndarray | None = None  # [max_slots] bool
+        self.windows: dict[str, np.ndarray] | None = None  # WINDOW_FIELDS, None until used
+        self.num_window_slots = 0
+        self.num_active_slots = 0  # steered slots as of the last flush
+        self.version = 0  # bumped whenever the coefficients may change (keys the step plan)
+        self.max_slots = 0
+        self._dirty = False
+        self._copy: staging.StagedCopy | None = None
+
+    def ensure(self, max_slots: int, device: torch.device) -> bool:
+        """Size the table for ``max_slots`` request slots (True: it was (re)made, empty)."""
+        if self.host is not None and self.host.shape[0] >= max_slots:
+            return False
+        self.host = np.zeros((max_slots, self.num_columns), dtype=np.float32)
+        self.steered = np.zeros(max_slots, dtype=bool)
+        self.table = torch.zeros((max_slots, self.num_columns), dtype=torch.float32,
+                                 device=device)
+        self._copy = staging.StagedCopy(torch.device(device))
+        self.windowed = np.zeros(max_slots, dtype=bool)
+        self.windows = None
+        self.num_window_slots = 0
+        self._dirty = False
+        self.num_active_slots = 0
+        self.version += 1
+        self.max_slots = max_slots
+        return True
+
+    def set(self, slot: int, row: np.ndarray | None, windows: dict | None,
+            bank: SlotBank | None) -> None:
+        """(Re)initialise a slot fully: a reused slot keeps nothing of its previous request.
+
+        ``windows`` (:attr:`RequestCoefs.windows`): the request's strength is a schedule over
+        its generated tokens; each step then computes the slot's coefficients from the index of
+        the token each row samples (:meth:`row_coefs`). ``row`` stays the constant row (what
+        the request asks for inside its windows), which says whether the slot is steered."""
+        assert self.host is not None
+        self.host[slot] = 0.0 if row is None else row
+        steered = bool(np.any(self.host[slot]))
+        if windows:
+            self._set_windows(slot, windows, bank)
+            steered = steered or any(w.strength or w.base for w in windows.values())
+        elif self.windowed[slot]:
+            self.windowed[slot] = False
+            self.num_window_slots -= 1
+        self.steered[slot] = steered
+        self._dirty = True
+        self.version += 1
+
+    def _set_windows(self, slot: int, windows: dict, bank: SlotBank) -> None:
+        if self.windows is None:
+            n = self.host.shape[0]
+            self.windows = {k: np.zeros((n, self.capacity), dtype=np.float64)
+                            for k in WINDOW_FIELDS}
+        w = self.windows
+        for arr in w.values():
+            arr[slot] = 0.0
+        w["end"][slot] = -1.0
+        for j, win in windows.items():
+            meta = bank.steers[j].metadata
+            served = meta.domain == "with_steer" and bank.steers[j].domain_p1 is not None
+            w["strength"][slot, j], w["base"][slot, j] = win.strength, win.base
+            w["start"][slot, j], w["ramp"][slot, j] = win.start, win.ramp
+            w["end"][slot, j] = -1 if win.end is None else win.end
+            w["eps"][slot, j] = meta.epsilon
+            w["dom"][slot, j] = meta.domain_strength * meta.epsilon if served else 0.0
+        if not self.windowed[slot]:
+            self.windowed[slot] = True
+            self.num_window_slots += 1
+
+    def move(self, src: int, dst: int, swap: bool) -> None:
+        assert self.host is not None
+        arrays = [self.host, self.steered, self.windowed]
+        if self.windows is not None:
+            arrays += list(self.windows.values())
+        for arr in arrays:
+            if swap:
+                arr[[src, dst]] = arr[[dst, src]]
+            else:
+                arr[dst] = arr[src]
+                arr[src] = 0
+        self.num_window_slots = int(np.count_nonzero(self.windowed))
+        self._dirty = True
+        self.version += 1
+
+    def flush(self) -> None:
+        """Copy changed slot coefficients to the device (once per step, only when changed),
+        from pinned staging on CUDA (no sync; see :class:`StagedCopy`)."""
+        if not self._dirty or self.host is None:
+            return
+        n = self.host.shape[0]
+        self._copy.copy_(self.table[:n], self.host)
+        self.num_active_slots = int(np.count_nonzero(self.steered))
+        self._dirty = False
+        self.version += 1
+
+    def any_steered(self, slots: np.ndarray) -> bool:
+        """Whether any of these slots (a step's ``idx_mapping``) holds a steered request."""
+        return self.num_active_slots > 0 and bool(self.steered[slots].any())
+
+    def any_windowed(self, slots: np.ndarray) -> bool:
+        """Whether any of these slots holds a request with a generation window."""
+        return bool(self.num_window_slots) and bool(self.windowed[slots].any())
+
+    def row_coefs(self, n: int, slots: np.ndarray | None,
+                  positions: np.ndarray | None) -> np.ndarray:
+        """The rows' coefficients ``[n, columns]`` on the host: the slots' rows of the host
+        table; a slot with generation windows gets each steer's strength at the row's
+        generated token (``window_strengths``, vectorised over the windowed rows only), then
+        ``steer_coefficients``' rule: the domain component applies wherever the steer's
+        strength is non-zero. Semantics: see reference."""
+        coefs = self.host[:n].copy() if slots is None else self.host[slots]
+        if not self.num_window_slots:
+            return coefs
+        windowed = self.windowed[:n] if slots is None else self.windowed[slots]
+        rows = np.flatnonzero(windowed)
+        if rows.size == 0:
+            return coefs
+        from vllm_steer.reference import window_strengths
+
+        ws = rows if slots is None else slots[rows]
+        if positions is None:
+            warn_once("vllm-steer: a windowed request's generated-token positions are unknown "
+                      "in this step; its rows get the windows' base strength")
+            t = np.full(rows.size, -1, dtype=np.int64)
+        else:
+            t = positions[rows]
+        w = self.windows
+        s = window_strengths(w["strength"][ws], w["base"][ws], w["start"][ws], w["end"][ws],
+                             w["ramp"][ws], t[:, None])  # [rows, capacity]
+        cap = self.capacity
+        coefs[rows, :cap] = s * w["eps"][ws]
+        coefs[rows, cap:] = np.where(s != 0, w["dom"][ws], 0.0)
+        return coefs
+
+
+__all__ = ["RequestSlots", "RequestCoefs", "decode_request"]

@@ -1,0 +1,328 @@
+"""The rows of each ``compute_logits`` call and the steer op on them: typed row sources and the
+step planner. Semantics: see :mod:`vllm_steer.reference`.
+
+A *row source* says which request slot each hidden-state row of the next ``compute_logits``
+call belongs to; the runner hooks set it for the calls they scope (:meth:`StepPlanner.rows`).
+It is one of six small frozen types (a tagged union, :data:`RowSource`):
+
+- :class:`BatchRows` (V1): row i is request slot i (persistent-batch order);
+- :class:`MappedRows` (V2): the step's row -> slot on the device, with its host copy when
+  known (a device mapping alone, under batch-sharded sampling, is gathered on the device);
+- :class:`SlotRows`: the slot of each row on the host (speculative decoding, V2 prompt
+  logprobs, drafters), optionally the generated-token index each row samples;
+- :class:`PromptRows` (V1 prompt logprobs): a slice of the step's hidden states, one request;
+- :class:`NoRows`: rows with no known slot, left unsteered;
+- :class:`CapturedRows` (V2 drafters inside CUDA graphs): row -> slot on the device only,
+  read by the capture-safe op (:meth:`StepPlanner.steer_fixed`).
+
+The planner is sync-free by construction (no device tensor is read into Python): every row
+source gives its row -> slot on the host; the rows' coefficients are gathered from the request
+slots' host table, copied from pinned staging (:class:`~vllm_steer.kernels.staging.StagedCopy`)
+into a persistent device buffer only when they changed, and the backend's plan is made from the
+host copy and cached under a host key. Only batch-sharded sampling (V2, TP > 1), whose row
+order exists on the device alone, gathers and plans on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+import torch
+
+from vllm_steer.kernels import staging
+from vllm_steer.logs import get_logger
+
+
+@dataclass(frozen=True)
+class BatchRows:
+    """V1: row i is request slot i (persistent-batch order)."""
+
+
+@dataclass(frozen=True)
+class MappedRows:
+    """V2: the step's row -> slot. ``mapping`` on the device; ``slots`` (and ``positions``,
+    the generated-token index of each row) its host copy, which plans are made from when
+    given. A device mapping alone (batch-sharded sampling) is gathered on the device."""
+
+    mapping: torch.Tensor | None = None
+    slots: np.ndarray | None = None
+    positions: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class SlotRows:
+    """The slot of each row on the host (``[num_rows]`` int) and optionally the index of the
+    generated token each row samples (-1: a prompt row)."""
+
+    slots: np.ndarray | None
+    positions: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """V1 prompt logprobs: a slice of the step's hidden states ``base``, mapped to its request
+    by its offset (``query_start_loc``: the requests' token offsets)."""
+
+    base: torch.Tensor
+    query_start_loc: np.ndarray
+
+
+@dataclass(frozen=True)
+class NoRows:
+    """Rows with no known slot: left unsteered."""
+
+
+@dataclass(frozen=True)
+class CapturedRows:
+    """Row -> slot on the device only (``mapping[i]``; -1: padding), for the capture-safe op."""
+
+    mapping: torch.Tensor | None
+
+
+#: Where the rows of the next ``compute_logits`` call come from.
+RowSource = Union[BatchRows, MappedRows, SlotRows, PromptRows, NoRows, CapturedRows]
+
+BATCH_ROWS = BatchRows()
+NO_ROWS = NoRows()
+
+_DEVICE_MAPPING = object()
+
+
+class StepPlanner:
+    """The row source of the next ``compute_logits`` call, and the steer op on its rows with
+    a plan cached per step (coefficients, device buffer, backend plan). Reads the worker's
+    bank (``banks``: :class:`~vllm_steer.integrations.worker.bank_state.BankState`) and
+    request slots (``slots``: :class:`~vllm_steer.integrations.worker.request_slots.
+    RequestSlots`); counts into ``stats`` (:class:`~vllm_steer.integrations.worker.runtime.
+    SteerStats`)."""
+
+    def __init__(self, banks, slots, stats):
+        self.banks = banks
+        self.slots = slots
+        self.stats = stats
+        self.row_source: RowSource = BATCH_ROWS
+        self.batch_size = 0  # V1: requests in the persistent batch
+        # V1: the generated-token index each batch row samples (host, set by the runner hook
+        # only while some slot has a generation window; None otherwise)
+        self.batch_positions: np.ndarray | None = None
+        self.head_calls = 0  # calls into the head (steer_rows), steered rows or not
+        # the per-step cache (see steer_rows): the step's key, its host coefficients, the
+        # device buffer they were copied to, the plan and what it was made for
+        self._step_key: object = None
+        self._step_coefs: np.ndarray | None = None
+        self._coefs_dev: torch.Tensor | None = None
+        self._coef_copy: staging.StagedCopy | None = None
+        self._plan_key: object = None
+        self._plan = None
+
+    @property
+    def active(self) -> bool:
+        """Whether the head has steer work for the rows of the next ``compute_logits``."""
+        src = self.row_source
+        if type(src) is CapturedRows:  # recorded whether or not a slot is steered
+            bank = self.banks.bank
+            return bank is not None and bank.fixed_p1 is not None
+        return self.banks.bank is not None and self.slots.num_active_slots > 0 \
+            and type(src) is not NoRows
+
+    def set_rows(self, source: RowSource) -> None:
+        """Set the row source of the calls that follow (inside a :meth:`rows` block)."""
+        self.row_source = source
+
+    @contextlib.contextmanager
+    def rows(self, source: RowSource):
+        """Scope a row source to the calls inside the block (V2 sampling, prompt logprobs)."""
+        prev, self.row_source = self.row_source, source
+        try:
+            yield
+        finally:
+            self.row_source = prev
+
+    # ---- the head ------------------------------------------------------------------------
+    def steer_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Steer the rows of one ``compute_logits`` call. Semantics: see reference.
+
+        Sync-free by construction: the rows' slots (and generated-token positions) are host
+        data, their coefficients are gathered from the host table, copied to a persistent
+        device buffer from pinned staging only when they changed, and the plan is made from
+        the host copy and cached under a host key (coefficient version, the step's row -> slot
+        array, window positions). An unchanged step costs a key comparison and the kernels.
+        """
+        self.head_calls += 1
+        src = self.row_source
+        if type(src) is CapturedRows:
+            return self.steer_fixed(hidden, src.mapping)
+        if not self.active or hidden.shape[0] == 0:
+            return hidden
+        n = hidden.shape[0]
+        step = self._step_rows(hidden)
+        if step is None:
+            return hidden
+        if step is _DEVICE_MAPPING:  # no host row -> slot (batch-sharded sampling)
+            return self._steer_device_mapping(hidden)
+        slots, positions, rows_key = step
+        table = self.slots
+        bank = self.banks.bank
+        key = (table.version, bank.version, n, rows_key)
+        if table.num_window_slots:
+            windowed = table.windowed[:n] if slots is None else table.windowed[slots]
+            if windowed.any():  # the coefficients move with the rows' positions
+                key += (None if positions is None else positions.tobytes(),)
+        self.stats.calls += 1
+        self.stats.rows += n
+        t0 = self.stats.op.start(hidden)
+        if key != self._step_key:
+            self._step_key = None  # never keep a stale key on error
+            self._prepare_step(n, slots, positions)
+            self._step_key = key
+        coefs = self._coefs_dev[:n]
+        fn = self.banks.fn
+        graphs = self.banks.graphs
+        out = None if graphs is None else graphs.run(hidden, self._coefs_dev)
+        if out is not None:  # replayed from the row bucket's CUDA graph
+            pass
+        elif self._plan is None:
+            out = fn(hidden, bank.p1, bank.p2, bank.rank_offsets, coefs)
+        else:
+            out = fn(hidden, bank.p1, bank.p2, bank.rank_offsets, coefs, prepared=self._plan)
+        self.stats.op.stop(t0)
+        return out
+
+    def _step_rows(self, hidden: torch.Tensor):
+        """``(slots, positions, key)`` of the rows of this call, all host-side: ``slots`` None
+        means row i = slot i; ``positions`` the generated-token index of each row (-1: not a
+        generated token) or None. None: the rows are left unsteered."""
+        src = self.row_source
+        n = hidden.shape[0]
+        kind = type(src)
+        if kind is NoRows:
+            return None
+        if kind is MappedRows or kind is SlotRows:
+            if src.slots is None:
+                if kind is MappedRows and src.mapping is not None:
+                    return _DEVICE_MAPPING
+                warn_once("vllm-steer: logits rows came before their row mapping was known; "
+                          "they are computed unsteered")
+                return None
+            if len(src.slots) < n:
+                warn_once("vllm-steer: logits rows outnumber their known slots; they are "
+                          "computed unsteered")
+                return None
+            slots = np.asarray(src.slots[:n], dtype=np.int64)
+            pos = None if src.positions is None else np.asarray(src.positions[:n], np.int64)
+            return slots, pos, slots.tobytes()
+        if kind is PromptRows:
+            base = src.base
+            row_bytes = base.stride(0) * base.element_size()
+            offset = (hidden.data_ptr() - base.data_ptr()) // row_bytes
+            if hidden.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() \
+                    or not 0 <= offset < base.shape[0]:
+                warn_once("vllm-steer: prompt-logprob rows could not be matched to a request; "
+                          "they are computed unsteered")
+                return None
+            slot = int(np.searchsorted(src.query_start_loc, offset, side="right") - 1)
+            # prompt rows are no generated tokens: a window gives them its base strength
+            return np.full(n, slot, dtype=np.int64), np.full(n, -1, dtype=np.int64), ("p", slot)
+        # BatchRows: V1 samples one row per request, in persistent-batch order
+        if n != self.batch_size:
+            warn_once(f"vllm-steer: compute_logits got {n} rows for a batch of "
+                      f"{self.batch_size} requests; rows left unsteered")
+            return None
+        pos = self.batch_positions
+        return None, (None if pos is None or len(pos) < n else pos[:n]), "b"
+
+    def _prepare_step(self, n: int, slots, positions) -> None:
+        """A step whose key changed: gather its coefficients on the host; when they differ from
+        the device buffer's, copy them (pinned, non-blocking) and re-plan what depends on them
+        (the torch plan holds the values; the Triton plan only the non-zero pattern)."""
+        coefs = self.slots.row_coefs(n, slots, positions)
+        last = self._step_coefs
+        same = last is not None and last.shape == coefs.shape and np.array_equal(last, coefs)
+        banks = self.banks
+        bank = banks.bank
+        if not same:
+            self._step_coefs = None
+            dev = bank.p1.device
+            if self._coefs_dev is None or self._coefs_dev.shape[0] < n \
+                    or self._coefs_dev.device != dev:
+                rows = max(n, 2 * (0 if self._coefs_dev is None else self._coefs_dev.shape[0]))
+                self._coefs_dev = torch.zeros((rows, banks.num_columns), dtype=torch.float32,
+                                              device=dev)
+                self._coef_copy = staging.StagedCopy(dev)
+            self._coef_copy.copy_(self._coefs_dev[:n], coefs)
+            self._step_coefs = coefs
+        if banks.prepare is None:
+            self._plan = None
+            return
+        sig = (coefs != 0).tobytes() if banks.backend == "triton" else coefs.tobytes()
+        plan_key = (bank.version, banks.backend, n, sig)
+        if plan_key != self._plan_key:
+            self._plan_key, self._plan = None, None  # never keep a stale plan on error
+            self._plan = banks.prepare(bank.p1, bank.p2, bank.rank_offsets,
+                                       self._coefs_dev[:n], host=coefs)
+            self._plan_key = plan_key
+
+    def _steer_device_mapping(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Rows known only through a device mapping (batch-sharded sampling): the slot table
+        is gathered on the device and planned per call (the backend's own planning; the
+        Triton backend's is a device launch, the torch backend's reads the device)."""
+        n = hidden.shape[0]
+        bank = self.banks.bank
+        coefs = self.slots.table.index_select(0, self.row_source.mapping[:n].long())
+        self.stats.calls += 1
+        self.stats.rows += n
+        t0 = self.stats.op.start(hidden)
+        out = self.banks.fn(hidden, bank.p1, bank.p2, bank.rank_offsets, coefs)
+        self.stats.op.stop(t0)
+        return out
+
+    # ---- drafter heads inside CUDA graphs (Model Runner V2's EAGLE / EAGLE-3 / MTP) -----------
+    def steer_fixed(self, hidden: torch.Tensor, mapping: torch.Tensor | None) -> torch.Tensor:
+        """Steer rows whose slots are known only on the device (``mapping[i]``: row i's slot;
+        -1: a padding row, left as it is) from the fixed-layout copy of the bank. Semantics:
+        see reference.
+
+        Capture-safe by construction: every tensor it reads keeps its storage and shape
+        between steps (the slot table, the fixed copy, the caller's mapping buffer), its shapes
+        depend only on the number of rows, and no value goes back to the host; so a CUDA
+        graph that captured it computes each replay's rows with that replay's coefficients.
+        Outside a capture, a worker with no steered slot skips it."""
+        bank = self.banks.bank
+        n = hidden.shape[0]
+        if bank is None or bank.fixed_p1 is None or mapping is None or n == 0:
+            return hidden
+        table = self.slots.table
+        if mapping.shape[0] < n or table is None:
+            warn_once("vllm-steer: drafter rows outnumber their known slots; they are "
+                      "computed unsteered")
+            return hidden
+        if not self.slots.num_active_slots and not _capturing(hidden):
+            return hidden
+        self.stats.calls += 1
+        self.stats.rows += n
+        from vllm_steer import ops
+
+        return ops.steer_fixed(hidden, bank.fixed_p1, bank.fixed_p2, bank.fixed_rank, table,
+                               mapping[:n])
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (on ``t``'s device)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(msg: str) -> None:
+    """Log a warning once per process."""
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        get_logger().warning(msg)
+
+
+__all__ = ["RowSource", "BatchRows", "MappedRows", "SlotRows", "PromptRows", "NoRows",
+           "CapturedRows", "StepPlanner", "warn_once"]

@@ -1,0 +1,164 @@
+"""Speculative decoding on the V1 runner (the CPU runner and the V1 GPU runner). Semantics: see
+:mod:`vllm_steer.reference`; what steering the target and the drafter means:
+:mod:`vllm_steer.integrations.worker.spec_decode`.
+
+- **Target rows.** With a ``speculative_config`` every V1 step computes the logits of
+  ``hidden_states[logits_indices]``: per request, in batch order, ``num_draft_tokens[i] + 1``
+  rows (``_calc_spec_decode_metadata``, host-side ``num_draft_tokens``). The wrapper of that
+  method scopes a host-side row -> slot mapping (:class:`~vllm_steer.integrations.worker.rows.
+  SlotRows`, with the index of the generated token each row samples) to the rest of
+  ``execute_model``, whose only ``compute_logits`` call is the verification one.
+- **Drafter rows.** Every drafter with logits (``draft_model``, ``eagle``, ``eagle3``,
+  ``mtp``: vLLM's ``SpecDecodeBaseProposer`` family) computes, in
+  ``propose_draft_token_ids``, one row per request of the batch, in batch order, per draft
+  step (EAGLE: from the target's hidden state, then from its own): mapped to slots
+  ``0..num_reqs-1``. Rows the mapping does not cover (parallel drafting) are computed
+  unsteered by the runtime.
+
+Everything is planned from host data (numpy arrays the runner already has): no device read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_steer.integrations.worker.arguments import Arg
+from vllm_steer.integrations.worker.rows import SlotRows
+from vllm_steer.integrations.worker.runtime import binding, runtime_of
+from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
+
+#: Our V1 per-request steer state (:mod:`vllm_steer.integrations.processors`), loaded by name
+#: as vLLM loads custom logits processors.
+V1_PROCESSOR = "vllm_steer.integrations.processors:SteerLogitsProcessorV1"
+
+_NUM_DRAFT = Arg("num_draft_tokens")
+_CU_SCHEDULED = Arg("cu_num_scheduled_tokens")
+
+
+def verification_rows(num_draft_tokens: np.ndarray, cu_num_scheduled: np.ndarray,
+                      num_computed: np.ndarray, num_prompt: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Slot and generated-token index of each verification row (host arrays, batch order).
+
+    Request ``i`` has ``num_draft_tokens[i] + 1`` rows; row ``j`` samples the request's
+    generated token ``g_i + j``, where ``g_i`` is its generated-token count before this step
+    (computed tokens + scheduled tokens - draft tokens - prompt tokens). A request still in
+    its prompt (a partial prefill chunk, whose sample is dropped) gets -1."""
+    num_draft_tokens = np.asarray(num_draft_tokens, dtype=np.int64)
+    n = num_draft_tokens.shape[0]
+    sampled = num_draft_tokens + 1
+    scheduled = np.diff(np.asarray(cu_num_scheduled[:n], dtype=np.int64), prepend=0)
+    gen = (np.asarray(num_computed[:n], dtype=np.int64) + scheduled - num_draft_tokens
+           - np.asarray(num_prompt[:n], dtype=np.int64))
+    slots = np.repeat(np.arange(n, dtype=np.int64), sampled)
+    starts = np.cumsum(sampled) - sampled
+    offsets = np.arange(slots.shape[0], dtype=np.int64) - np.repeat(starts, sampled)
+    positions = np.repeat(gen, sampled) + offsets
+    positions[np.repeat(gen < 0, sampled)] = -1
+    return slots, positions
+
+
+def execute_model(orig, self, *args, **kwargs):
+    """``GPUModelRunner.execute_model``: the verification rows of a speculative step are
+    mapped to their requests (by :func:`calc_spec_decode_metadata`) for this step only."""
+    if self.speculative_config is None:
+        return orig(self, *args, **kwargs)
+    rt = runtime_of(self)
+    if rt is None:
+        return orig(self, *args, **kwargs)
+    state = binding(self)
+    prev = rt.planner.row_source
+    state.spec_step = True  # the verification rows of this step are mapped
+    try:
+        return orig(self, *args, **kwargs)
+    finally:
+        state.spec_step = False
+        rt.planner.row_source = prev
+
+
+def calc_spec_decode_metadata(orig, self, *args, **kwargs):
+    """``GPUModelRunner._calc_spec_decode_metadata``: each verification row's slot and
+    generated-token index (:func:`verification_rows`)."""
+    out = orig(self, *args, **kwargs)
+    state = binding(self)
+    if state.spec_step and state.runtime is not None:
+        rt = state.runtime
+        call = (self, *args)
+        num_draft_tokens = _NUM_DRAFT.get(orig, call, kwargs)
+        cu_num_scheduled_tokens = _CU_SCHEDULED.get(orig, call, kwargs)
+        ib = self.input_batch
+        computed = ib.num_computed_tokens_cpu
+        if rt.num_window_slots and rt.any_windowed(np.arange(len(num_draft_tokens))):
+            computed = true_computed_tokens(self, len(num_draft_tokens))
+        slots, positions = verification_rows(num_draft_tokens, cu_num_scheduled_tokens,
+                                             computed, ib.num_prompt_tokens)
+        rt.planner.row_source = SlotRows(slots=slots, positions=positions)
+    return out
+
+
+def true_computed_tokens(runner, n: int) -> np.ndarray:
+    """The computed-token counts of the batch's first ``n`` requests, corrected for the drafts
+    the previous step rejected.
+
+    Under async scheduling with speculative decoding, the engine core schedules a step before
+    the previous one's accepted-draft count is back, and the V1 runner counts every draft of
+    the previous step as accepted (``prev_num_draft_tokens``: the optimistic count per
+    previous batch index) until it corrects ``num_computed_tokens_cpu`` after this step's
+    forward is launched (``correct_spec_decode_token_counts``). A generation window needs the
+    true count now: read the previous step's valid-token counts
+    (``_get_valid_sampled_token_count``, the runner's own read, which waits for the previous
+    step's sampling) and apply vLLM's correction, ``optimistic - (valid - 1)``, to a copy.
+    Only steps with a windowed request pay that wait; without async scheduling, or when no
+    request carries an optimistic count, the counts are returned as they are."""
+    computed = np.asarray(runner.input_batch.num_computed_tokens_cpu[:n], dtype=np.int64)
+    if not getattr(runner, "use_async_spec_decode", False):
+        return computed
+    ib = runner.input_batch
+    prev_index = getattr(ib, "prev_req_id_to_index", None) or {}
+    optimistic = runner.prev_num_draft_tokens.np
+    pairs = [(i, prev_index.get(req_id)) for i, req_id in enumerate(ib.req_ids[:n])]
+    pairs = [(i, j) for i, j in pairs if j is not None and optimistic[j] > 0]
+    if not pairs:
+        return computed
+    valid = runner._get_valid_sampled_token_count()
+    computed = computed.copy()
+    for i, j in pairs:
+        if j < len(valid):
+            computed[i] -= int(optimistic[j]) - (int(valid[j]) - 1)
+    return computed
+
+
+def propose_draft_token_ids(orig, self, *args, **kwargs):
+    """``GPUModelRunner.propose_draft_token_ids``: the drafter's rows (one per request, batch
+    order) mapped to their requests; the drafter's heads checked once
+    (:func:`~vllm_steer.integrations.worker.spec_decode.prepare_drafter`)."""
+    rt = runtime_of(self)
+    if rt is None:
+        return orig(self, *args, **kwargs)
+    prepare_drafter_once(self, rt)
+    slots = np.arange(self.input_batch.num_reqs, dtype=np.int64)
+    with rt.rows(SlotRows(slots=slots, positions=None)):
+        return orig(self, *args, **kwargs)
+
+
+def build_logitsprocs(orig, vllm_config, device, is_pin_memory, is_pooling_model,
+                      custom_logitsprocs=()):
+    """``gpu_model_runner.build_logitsprocs``: V1 refuses every custom logits processor under
+    speculative decoding (they would see one row per request). Ours never touches logits
+    (``apply`` is the identity; the head steers, with the rows mapped here): build vLLM's own
+    processors as without it, then add ours for its per-slot bookkeeping. Any other custom
+    processor is still refused by vLLM."""
+    import importlib
+
+    custom = list(custom_logitsprocs or ())
+    ours = [p for p in custom if p == V1_PROCESSOR or getattr(p, "__qualname__", None)
+            == "SteerLogitsProcessorV1"]
+    if vllm_config.speculative_config is None or is_pooling_model or not ours \
+            or len(ours) != len(custom):
+        return orig(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
+    procs = orig(vllm_config, device, is_pin_memory, is_pooling_model, ())
+    module, _, name = V1_PROCESSOR.partition(":")
+    proc = getattr(importlib.import_module(module), name)(vllm_config, device, is_pin_memory)
+    (procs.argmax_invariant if proc.is_argmax_invariant()
+     else procs.non_argmax_invariant).append(proc)
+    return procs
