@@ -93,8 +93,26 @@ def test_unset_engine_settings_take_the_devices_defaults(steer_file, llm_kwargs)
                                       "kv_cache_memory_bytes": 2 << 30}
 
 
-def test_tune_takes_the_same_flags_and_records_them(steer_file, tmp_path, monkeypatch):
-    """``tune``'s engine flags reach the evaluation it runs and its recorded command."""
+@pytest.fixture(params=["plain", "plugin loaded"])
+def plugin_state(request, monkeypatch):
+    """Each tool test twice: in a plain process, and in one where this package's vLLM plugin
+    is registered (as after an engine started in the same process): its hooks wrap
+    ``EngineArgs.add_cli_args`` / ``from_cli_args`` for ``vllm serve``'s ``--steer`` flags,
+    which must not reach the tools' parsers (their ``steer`` is a file)."""
+    import vllm_steer.eval.engine_args as engine_args
+
+    monkeypatch.setattr(engine_args, "_TEMPLATE", [])
+    if request.param == "plugin loaded":
+        from vllm_steer.integrations.plugin import register
+
+        register()
+    return request.param
+
+
+def test_tune_takes_the_same_flags_and_records_them(steer_file, tmp_path, monkeypatch,
+                                                    plugin_state):
+    """``tune``'s engine flags reach the evaluation it runs and its recorded command, with or
+    without the serving plugin's hooks in the process."""
     import vllm_steer.eval.tune as tune_mod
 
     seen = {}
@@ -117,6 +135,7 @@ def test_tune_takes_the_same_flags_and_records_them(steer_file, tmp_path, monkey
     for flag in ("--tensor-parallel-size 2", "--dtype float16", "--max-model-len 2000",
                  "--enforce-eager", "--quantization fp8", "--gpu-memory-utilization 0.8"):
         assert flag in cfg.command, (flag, cfg.command)
+    assert "--steer " not in cfg.command and "steer_preset" not in cfg.engine.extra
 
 
 def test_engine_flag_errors_name_the_flags(steer_file, capsys):

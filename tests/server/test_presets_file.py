@@ -184,7 +184,7 @@ def test_the_reader_loads_each_new_version_once_and_keeps_the_last_good_one(tmp_
     from vllm_steer.server import presets_route
 
     fake = FakeEngine()
-    monkeypatch.setattr(presets_route, "control", fake.control)
+    monkeypatch.setattr(presets_route, "manage", fake.control)
     errors: list[str] = []
     monkeypatch.setattr(presets_route.logger, "error", lambda msg, *a: errors.append(msg % a))
     monkeypatch.setattr(frontend_state(), "presets", {})

@@ -65,13 +65,30 @@ def engine_parser(subparsers, name: str, **kw) -> argparse.ArgumentParser:
 _TEMPLATE: list[argparse.ArgumentParser] = []
 
 
+def _unhooked(name: str):
+    """``EngineArgs.<name>`` as vLLM defines it, callable as on the class. In a process that
+    loaded this package's vLLM plugin, ``add_cli_args`` and ``from_cli_args`` are wrapped to add
+    and read the serving flags (``--steer`` ...): the tools take vLLM's engine flags only (their
+    own positional ``steer`` is a file, not ``--steer NAME=PATH``)."""
+    import functools
+    import inspect
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_steer.integrations.hooks import WRAPPER_ATTR
+
+    raw = inspect.getattr_static(EngineArgs, name)
+    fn = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+    if getattr(fn, WRAPPER_ATTR, None) is not None:
+        fn = fn.__wrapped__
+    return functools.partial(fn, EngineArgs) if isinstance(raw, classmethod) else fn
+
+
 def _vllm_parser() -> argparse.ArgumentParser:
     """A parser holding exactly ``EngineArgs.add_cli_args``'s flags (built once)."""
     if not _TEMPLATE:
-        from vllm.engine.arg_utils import EngineArgs
-
         p = argparse.ArgumentParser(add_help=False)
-        EngineArgs.add_cli_args(p)
+        _unhooked("add_cli_args")(p)
         _TEMPLATE.append(p)
     return _TEMPLATE[0]
 
@@ -115,7 +132,7 @@ def engine_config_from_args(args: argparse.Namespace, kv_cache_gib: float | None
     for k in DEVICE_FIELDS:  # EngineArgs' own default stands in for "the device's"
         if getattr(ns, k, None) is None and hasattr(EngineArgs, k):
             setattr(ns, k, getattr(EngineArgs, k))
-    EngineArgs.from_cli_args(ns)  # vLLM's own checks of the values
+    _unhooked("from_cli_args")(ns)  # vLLM's own checks of the values
     own = {k: getattr(args, k) for k in DEVICE_FIELDS if k in defaults}
     extra = {k: getattr(args, k) for k, d in defaults.items()
              if k not in own and getattr(args, k) != d}
