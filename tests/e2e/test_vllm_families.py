@@ -1,7 +1,7 @@
 """Every model family, served, trained, transferred and converted (docs/compatibility.md, "Model
 families").
 
-For each family of tests/families.py a tiny random model is made on the fly and four steers
+For each family of tests/helpers/families.py a tiny random model is made on the fly and four steers
 are made for it with the command line: ``rand`` (random), ``train`` (``vllm-steer train`` on a
 synthetic task), ``xfer`` (``vllm-steer transfer`` from a tiny Llama of hidden size 64) and
 ``conv`` (``vllm-steer convert`` of a checkpoint in the paper's format). One subprocess
@@ -200,10 +200,12 @@ def engine_pass(models, tmp_path_factory):
             "requests": [{"ids": PROMPT, "steer": s} for s in REQUESTS],
             "vanilla": VANILLA, "max_tokens": MAX_TOKENS}
     (d / "spec.json").write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_PLUGINS="none", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    script = Path(__file__).resolve().parents[1] / "families.py"
+    tests_dir = str(Path(__file__).resolve().parents[1])  # helpers.families, run as a module
+    env = dict(os.environ, VLLM_PLUGINS="none", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               PYTHONPATH=os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH"))
+                                          if p))
     log = open(d / "log.txt", "w")
-    proc = subprocess.Popen([sys.executable, str(script), str(d / "spec.json"),
+    proc = subprocess.Popen([sys.executable, "-m", "helpers.families", str(d / "spec.json"),
                              str(d / "out.json")], env=env, stdout=log, stderr=subprocess.STDOUT)
     yield proc, d
     if proc.poll() is None:

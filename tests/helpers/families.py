@@ -192,7 +192,8 @@ def _inspect_in_process(archs: list[str]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``python tests/families.py SPEC.json OUT.json``: stock vLLM first (plugins off by
+    """``python -m helpers.families SPEC.json OUT.json`` (``tests`` on the path): stock vLLM
+    first (plugins off by
     VLLM_PLUGINS=none), then the plugin registered by hand, in one process (engine core
     in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     import json
