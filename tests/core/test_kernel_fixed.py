@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers.capture import Record
 
 from helpers.steers import random_steer
 from vllm_steer import ops
@@ -84,28 +84,6 @@ def test_the_op_computes_the_reference_and_leaves_padding_and_unsteered_rows_alo
             assert torch.equal(out[i].cpu(), h[i]), i  # bit for bit
         else:
             assert not torch.equal(out[i].cpu(), h[i]), i
-
-
-class Record(TorchDispatchMode):
-    """Every op with its output shapes; an op that hands a value to the host raises (what a
-    CUDA graph capture refuses, and a replay would skip)."""
-
-    HOST = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select",
-            "unique", "_unique2", "item"}
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in self.HOST:
-            raise AssertionError(f"{name} reads a device value on the host")
-        out = func(*args, **(kwargs or {}))
-        shapes = tuple(tuple(o.shape) for o in (out if isinstance(out, (tuple, list)) else [out])
-                       if isinstance(o, torch.Tensor))
-        self.ops.append((name, shapes))
-        return out
 
 
 def test_the_op_launches_the_same_ops_and_shapes_whatever_the_values():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers.capture import Record
 
 from helpers.steers import random_steer
 from vllm_steer.format import save_steer
@@ -69,28 +69,6 @@ def test_rows_get_their_slots_steers_and_padding_rows_are_left_alone(tmp_path, d
     torch.testing.assert_close(out, _want(rt, h, mapping.numpy(), rows), atol=tol, rtol=tol)
     assert torch.equal(out[1], h[1]) and torch.equal(out[3:], h[3:])  # unsteered, padding
     assert not torch.equal(out[0], h[0]) and not torch.equal(out[2], h[2])
-
-
-class Record(TorchDispatchMode):
-    """Every op with its output shapes; an op that hands a value to the host raises (what a
-    CUDA graph capture refuses, and a replay would skip)."""
-
-    HOST = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select",
-            "unique", "_unique2", "item"}
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in self.HOST:
-            raise AssertionError(f"{name} reads a device value on the host")
-        out = func(*args, **(kwargs or {}))
-        shapes = tuple(tuple(o.shape) for o in (out if isinstance(out, (tuple, list)) else [out])
-                       if isinstance(o, torch.Tensor))
-        self.ops.append((name, shapes))
-        return out
 
 
 def test_the_op_records_the_same_kernels_whatever_the_values_and_reads_nothing_back(tmp_path):
