@@ -112,8 +112,13 @@ def plugin_state(request, monkeypatch):
 def test_tune_takes_the_same_flags_and_records_them(steer_file, tmp_path, monkeypatch,
                                                     plugin_state):
     """``tune``'s engine flags reach the evaluation it runs and its recorded command, with or
-    without the serving plugin's hooks in the process."""
+    without the serving plugin's hooks in the process, on a host without network access
+    (``HF_HUB_OFFLINE``: checking the flags must not look vLLM's default model up)."""
+    import huggingface_hub.constants
+
     import vllm_steer.eval.tune as tune_mod
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
     seen = {}
 

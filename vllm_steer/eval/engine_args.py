@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 
 #: ``EngineConfig`` fields set from vLLM's flags of the same name (default: the device's).
 DEVICE_FIELDS = ("dtype", "enforce_eager", "max_model_len", "max_num_seqs")
@@ -132,6 +133,9 @@ def engine_config_from_args(args: argparse.Namespace, kv_cache_gib: float | None
     for k in DEVICE_FIELDS:  # EngineArgs' own default stands in for "the device's"
         if getattr(ns, k, None) is None and hasattr(EngineArgs, k):
             setattr(ns, k, getattr(EngineArgs, k))
+    # The model is the tool's own flag (given to the engine later). vLLM's default model id
+    # would be looked up on the hub under HF_HUB_OFFLINE; a path that exists is taken as is.
+    ns.model = os.curdir
     _unhooked("from_cli_args")(ns)  # vLLM's own checks of the values
     own = {k: getattr(args, k) for k in DEVICE_FIELDS if k in defaults}
     extra = {k: getattr(args, k) for k, d in defaults.items()
