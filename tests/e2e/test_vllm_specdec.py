@@ -95,20 +95,28 @@ def stock(targets, tmp_path_factory):
                                                    ENGINE_KW, tmp_path_factory.mktemp(name)))
 
 
+def speculative_config(name: str, target, tmp_path_factory, tag: str = "") -> dict:
+    """``--speculative-config`` of method ``name`` for the target model folder ``target``:
+    the target itself as the draft model, the oracle EAGLE head, or a random EAGLE-3 head
+    (``tag``: a suffix for the folders it makes)."""
+    spec = dict(SPEC[name])
+    if name == "draft_model":
+        spec["model"] = str(target)
+    elif name == "eagle":
+        spec["model"] = str(oracle_eagle_head(tmp_path_factory.mktemp("eagle" + tag)))
+    elif name == "eagle3":
+        spec["model"] = str(make_tiny_eagle(tmp_path_factory.mktemp("eagle3" + tag), "eagle3",
+                                            draft_vocab=1024))
+    return spec
+
+
 @pytest.fixture(scope="module", params=list(SPEC))
 def engine(request, targets, pair_steers, tmp_path_factory):
     from vllm import LLM
 
     name = request.param
-    spec = dict(SPEC[name])
     target = targets(TARGET[name])
-    if name == "draft_model":
-        spec["model"] = str(target)
-    elif name == "eagle":
-        spec["model"] = str(oracle_eagle_head(tmp_path_factory.mktemp("eagle")))
-    elif name == "eagle3":
-        spec["model"] = str(make_tiny_eagle(tmp_path_factory.mktemp("eagle3"), "eagle3",
-                                            draft_vocab=1024))
+    spec = speculative_config(name, target, tmp_path_factory)
     from vllm_steer.integrations.hooks import RECORD_ENV
 
     HOOK_RECORDS[name] = str(tmp_path_factory.mktemp(f"hooks-{name}"))

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.models import make_tiny_eagle, make_tiny_llama, make_tiny_mimo
+from helpers.models import make_tiny_llama, make_tiny_mimo
 from helpers.reference import HFReference
-from e2e.test_vllm_specdec import (ENGINE_KW, MAX_TOKENS, MIXED, PROMPTS, SPEC,
-                                       oracle_eagle_head, spec_counts)
+from e2e.test_vllm_specdec import (ENGINE_KW, MAX_TOKENS, MIXED, PROMPTS, spec_counts,
+                                   speculative_config)
 
 pytestmark = pytest.mark.vllm
 
@@ -47,15 +47,8 @@ def engine(request, v2_runner, targets, pair_steers, tmp_path_factory):
     from vllm import LLM
 
     name = request.param
-    spec = dict(SPEC[name])
     target = targets[TARGET[name]]
-    if name == "draft_model":
-        spec["model"] = str(target)
-    elif name == "eagle":
-        spec["model"] = str(oracle_eagle_head(tmp_path_factory.mktemp("eagle-v2")))
-    elif name == "eagle3":
-        spec["model"] = str(make_tiny_eagle(tmp_path_factory.mktemp("eagle3-v2"), "eagle3",
-                                            draft_vocab=1024))
+    spec = speculative_config(name, target, tmp_path_factory, "-v2")
     from vllm_steer.integrations.hooks import RECORD_ENV
 
     HOOK_RECORDS[name] = str(tmp_path_factory.mktemp(f"hooks-v2-{name}"))
