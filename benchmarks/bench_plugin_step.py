@@ -48,36 +48,48 @@ BATCH = 256
 
 
 class Regions:
-    """Exclusive timers: each region's time less the regions inside it (a stack)."""
+    """Exclusive timers: each region's time less the regions inside it.
+
+    While a step runs, a region costs two clock reads and two list appends (its start and its
+    end, stamped into one log); the exclusive times are worked out from the log afterwards
+    (:meth:`take`), so that the harness adds as little as it can to what it measures."""
 
     def __init__(self):
-        self.acc: dict[str, float] = {}
-        self.count: dict[str, int] = {}
-        self.stack: list[list[float]] = []  # [children time] per open region
+        self.log: list = []
 
     def run(self, bucket: str, fn, *args, **kwargs):
-        clock = time.perf_counter
-        self.stack.append([0.0])
-        t0 = clock()
+        log, clock = self.log, time.perf_counter_ns
+        log.append((bucket, clock()))
         try:
             return fn(*args, **kwargs)
         finally:
-            dt = clock() - t0
-            children = self.stack.pop()[0]
-            self.acc[bucket] = self.acc.get(bucket, 0.0) + dt - children
-            self.count[bucket] = self.count.get(bucket, 0) + 1
-            if self.stack:
-                self.stack[-1][0] += dt
+            log.append((None, clock()))
 
     def take(self) -> tuple[dict, dict]:
-        acc, count = self.acc, self.count
-        self.acc, self.count = {}, {}
+        """Seconds per bucket (exclusive) and regions per bucket since the last take."""
+        log, self.log = self.log, []
+        acc: dict[str, float] = {}
+        count: dict[str, int] = {}
+        stack: list[list] = []  # [bucket, start ns, children ns] per open region
+        for bucket, t in log:
+            if bucket is not None:
+                stack.append([bucket, t, 0])
+                continue
+            b, t0, children = stack.pop()
+            dt = t - t0
+            acc[b] = acc.get(b, 0.0) + (dt - children) * 1e-9
+            count[b] = count.get(b, 0) + 1
+            if stack:
+                stack[-1][2] += dt
         return acc, count
 
 
 REG = Regions()
 
 
+#: ``MODE["null"]``: this step runs do-nothing stand-ins at every site the plugin hooks (the
+#: same harness, the same call sites, none of the plugin's work)
+MODE = {"null": False}
 _TIMED_ORIG: dict = {}
 
 
@@ -93,32 +105,45 @@ def _timed_orig(orig):
     return inner
 
 
+def _null_hook(orig, *args, **kwargs):
+    return orig(*args, **kwargs)
+
+
 def _timed_hook(wrapper):
-    """A hook wrapper whose own time goes to "plugin" and its ``orig``'s to "vllm"."""
+    """A hook wrapper whose own time goes to "plugin:<name>" and its ``orig``'s to "vllm"; in
+    a null step, a do-nothing hook in its place."""
+    from vllm_steer.integrations.hooks import RESOLVE_ATTR
+
+    name = "plugin:" + getattr(wrapper, "__name__", "timed")
+    resolve = getattr(wrapper, RESOLVE_ATTR, None)
+    fn = []  # what the plugin's patched method calls: the imported function, once resolved
+
     def timed(orig, *args, **kwargs):
-        return REG.run("plugin:" + timed.__name__, wrapper, _timed_orig(orig), *args, **kwargs)
+        if not fn:
+            fn.append(resolve() if resolve is not None else wrapper)
+        return REG.run(name, _null_hook if MODE["null"] else fn[0], _timed_orig(orig),
+                       *args, **kwargs)
 
     timed.__name__ = getattr(wrapper, "__name__", "timed")
     return timed
 
 
-def _null_hook(orig, *args, **kwargs):
-    return orig(*args, **kwargs)
-
-
-def _time_method(cls, name: str, bucket: str) -> None:
+def _time_method(cls, name: str, bucket: str, null=None) -> None:
+    """Time ``cls.name`` as ``bucket``; in a null step, ``null`` runs in its place."""
     fn = cls.__dict__.get(name)
     if fn is None:
         return
 
     def timed(*args, **kwargs):
-        return REG.run(bucket, fn, *args, **kwargs)
+        return REG.run(bucket, null if MODE["null"] and null is not None else fn,
+                       *args, **kwargs)
 
     setattr(cls, name, timed)
 
 
 def _instrument() -> None:
-    """Time the plugin's worker hooks, head, per-request state and op (before vLLM starts)."""
+    """Time the plugin's worker hooks, head, per-request state and op (before vLLM starts),
+    each with its do-nothing stand-in for the null steps."""
     import dataclasses
 
     from vllm_steer import ops
@@ -129,23 +154,23 @@ def _instrument() -> None:
         if h.process == "worker" and h.wrapper is not None else h for h in plugin.HOOKS)
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    from vllm_steer.integrations import processors
     from vllm_steer.integrations.worker import head
+    from vllm_steer.integrations.worker.rows import StepPlanner
 
-    _time_method(head.SteeredLogitsProcessor, "forward", "plugin:head")
+    def plain_forward(self, lm_head, hidden_states, embedding_bias=None, skip_gather=False):
+        return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
+
+    _time_method(head.SteeredLogitsProcessor, "forward", "plugin:head", null=plain_forward)
+    _time_method(StepPlanner, "_prepare_step", "plugin:head (re-planned)")
     _time_method(LogitsProcessor, "forward", "vllm")
-    for cls_name in dir(processors):
-        cls = getattr(processors, cls_name)
-        if isinstance(cls, type) and cls.__module__ == processors.__name__:
-            for m in ("update_state", "add_request", "apply_staged_writes"):
-                _time_method(cls, m, f"plugin:{cls_name}.{m}")
-    # a hook that does nothing, on a vLLM method called once per step, timed like ours: what
-    # the timer and a pass-through wrapper cost where vLLM calls them (cold caches, this load)
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    from vllm_steer.integrations.hooks import wrap_method
-
-    wrap_method(Scheduler, "schedule", _timed_hook(_null_hook))
+    for module in _state_modules():
+        for cls_name in dir(module):
+            cls = getattr(module, cls_name)
+            if isinstance(cls, type) and cls.__module__ == module.__name__:
+                for m, null in (("update_state", lambda self, *a: None),
+                                ("add_request", lambda self, *a: False),
+                                ("apply_staged_writes", lambda self: None)):
+                    _time_method(cls, m, f"plugin:{cls_name}.{m}", null=null)
     backend_fn = ops.backend_fn
 
     def timed_backend_fn(name):
@@ -156,6 +181,21 @@ def _instrument() -> None:
         return op
 
     ops.backend_fn = timed_backend_fn
+
+
+def _state_modules():
+    """The modules of the per-request steer state (vLLM's custom logits processors)."""
+    import importlib
+
+    out = []
+    for name in ("vllm_steer.integrations.processors",
+                 "vllm_steer.integrations.worker.request_state_v1",
+                 "vllm_steer.integrations.worker.request_state_v2"):
+        try:
+            out.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    return out
 
 
 def _region_cost(n: int = 20000) -> float:
@@ -210,33 +250,39 @@ def child(runner: str, rows_list: list[int], steps: int, batch: int = BATCH) -> 
             for _ in range(4):  # prefill and the first decode steps, not timed
                 engine.step()
             REG.take()
-            samples = []
-            for _ in range(steps):
+            samples = {False: [], True: []}  # plugin steps, null steps
+            for i in range(2 * steps):  # interleaved: the plugin's hooks, then stand-ins
+                MODE["null"] = null = bool(i % 2)
                 t0 = time.perf_counter()
                 engine.step()
                 wall = time.perf_counter() - t0
                 acc, count = REG.take()
-                plugin = sum(v for b, v in acc.items() if b.startswith("plugin:")
-                             and b != "plugin:_null_hook")
+                plugin = sum(v for b, v in acc.items() if b.startswith("plugin:"))
                 regions = sum(count.values())  # each region's cost lands in its parent
-                calls = sum(v for b, v in count.items() if b.startswith("plugin:")
-                            and b != "plugin:_null_hook")
-                samples.append((wall, plugin, acc.get("op", 0.0), regions, acc, calls))
+                samples[null].append((wall, plugin, acc.get("op", 0.0), regions, acc))
+            MODE["null"] = False
             engine.abort_request([f"r{rows}-{i}" for i in range(batch)])
             while engine.has_unfinished_requests():
                 engine.step()
             cost = out["region_cost_us"] * 1e-6
             med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+            real, null = samples[False], samples[True]
+
+            def work(s):  # the sites' time with the op, less the harness's own per region
+                return max(0.0, s[1] + s[2] - s[3] * cost)
+
             out["rows"][rows] = {
-                "step_us": med([s[0] for s in samples]) * 1e6,
-                "plugin_us": med([max(0.0, s[1] + s[2] - s[3] * cost) for s in samples]) * 1e6,
-                "op_us": med([s[2] for s in samples]) * 1e6,
-                "regions": med([s[3] for s in samples]),
-                "hook_calls": med([s[5] for s in samples]),
-                "null_hook_us": med([s[4].get("plugin:_null_hook", 0.0) for s in samples]) * 1e6,
-                "detail_us": {b: med([s[4].get(b, 0.0) for s in samples]) * 1e6
-                              for b in sorted({b for s in samples for b in s[4]})
+                "step_us": med([s[0] for s in real]) * 1e6,
+                "null_step_us": med([s[0] for s in null]) * 1e6,
+                "plugin_us": med([work(s) for s in real]) * 1e6,
+                "null_us": med([work(s) for s in null]) * 1e6,
+                "op_us": med([s[2] for s in real]) * 1e6,
+                "detail_us": {b: med([s[4].get(b, 0.0) for s in real]) * 1e6
+                              for b in sorted({b for s in real for b in s[4]})
                               if b.startswith("plugin:")},
+                "null_detail_us": {b: med([s[4].get(b, 0.0) for s in null]) * 1e6
+                                   for b in sorted({b for s in null for b in s[4]})
+                                   if b.startswith("plugin:")},
             }
         del llm
     return out
@@ -280,28 +326,25 @@ def main() -> None:
         load = os.getloadavg()[0]
     except OSError:
         load = float("nan")
-    print(f"plugin host work per decode step, batch {args.batch}, {args.steps} steps (median); "
-          f"load average {load:.2f} on {os.cpu_count()} CPUs")
-    print(f"{'runner':6} {'steered':>7} {'vLLM step us':>13} {'plugin us':>10} {'op us':>8} "
-          f"{'plugin-op us':>12} {'plugin/step':>11} {'calls':>5} {'net us':>7}  goal")
-    detail = args.detail
+    print(f"plugin host work per decode step, batch {args.batch}, {args.steps} + {args.steps} "
+          f"interleaved steps (median); load average {load:.2f} on {os.cpu_count()} CPUs")
+    print(f"{'runner':6} {'steered':>7} {'vLLM step us':>13} {'sites us':>9} {'op us':>8} "
+          f"{'null us':>8} {'net us':>7} {'net+op/step':>11}  goal")
     for res in results:
         for rows, r in res["rows"].items():
-            extra = r["plugin_us"] - r["op_us"]
-            # net: less what a do-nothing hook measures per call where vLLM calls it
-            net = max(0.0, extra - r["hook_calls"] * r["null_hook_us"])
+            # net: the plugin's own work, less the op and what do-nothing hooks measure at the
+            # same sites in the interleaved null steps
+            net = r["plugin_us"] - r["op_us"] - r["null_us"]
             goal = (f"<10 us: {'met' if net < 10 else 'NOT met'}" if int(rows) == 0
                     else f"op+10 us: {'met' if net < 10 else 'NOT met'}")
-            print(f"{res['runner']:6} {rows:>7} {r['step_us']:13.0f} {r['plugin_us']:10.1f} "
-                  f"{r['op_us']:8.1f} {extra:12.1f} {r['plugin_us'] / r['step_us']:11.2%} "
-                  f"{r['hook_calls']:5d} {net:7.1f}  {goal}")
-            if detail:
-                print("        " + ", ".join(f"{b[7:]} {v:.1f}" for b, v in
-                                             r["detail_us"].items() if v >= 0.05))
-        null = [r["null_hook_us"] for r in res["rows"].values()]
-        print(f"{res['runner']:6} timer cost {res['region_cost_us']:.2f} us per region (taken "
-              f"out); a do-nothing hook measures {min(null):.1f}-{max(null):.1f} us per call")
-
+            print(f"{res['runner']:6} {rows:>7} {r['step_us']:13.0f} {r['plugin_us']:9.1f} "
+                  f"{r['op_us']:8.1f} {r['null_us']:8.1f} {net:7.1f} "
+                  f"{(net + r['op_us']) / r['step_us']:11.2%}  {goal}")
+            if args.detail:
+                for label, d in (("plugin", r["detail_us"]), ("null", r["null_detail_us"])):
+                    print(f"        {label:6} " + ", ".join(f"{b[7:]} {v:.1f}"
+                                                        for b, v in d.items() if v >= 0.05))
+        print(f"{res['runner']:6} timer cost {res['region_cost_us']:.2f} us per region (taken out)")
 
 if __name__ == "__main__":
     main()

@@ -77,3 +77,30 @@ def test_a_wrapped_hook_is_recorded_on_its_first_call_only():
     assert "test:Owner.method" not in hooks.hooks_called()
     assert Owner().method(1) == 2 and Owner().method(2) == 3 and seen == [1, 2]
     assert hooks.hooks_called().count("test:Owner.method") == 1
+
+
+def test_a_lazily_imported_worker_wrapper_is_imported_once_then_called_directly():
+    """A worker hook imports its module at its first call, and every later call reaches the
+    imported function from the patched method itself (no shim frame per step)."""
+    import sys
+
+    from vllm_steer.integrations import hooks, plugin
+
+    class Runner:
+        def prepare(self, x):
+            return x * 2
+
+    calls = []
+    shim = plugin._worker("runtime", "steer_stats")  # a real worker module, resolved lazily
+    real_target = getattr(shim, hooks.RESOLVE_ATTR)
+
+    def target():
+        calls.append("resolved")
+        return lambda orig, self, x: orig(self, x) + 1
+
+    setattr(shim, hooks.RESOLVE_ATTR, target)
+    hooks.wrap_method(Runner, "prepare", shim)
+    assert [Runner().prepare(i) for i in range(4)] == [1, 3, 5, 7]
+    assert calls == ["resolved"]  # imported once, then called directly
+    assert real_target().__module__ == "vllm_steer.integrations.worker.runtime"
+    assert "vllm_steer.integrations.worker.runtime" in sys.modules

@@ -152,6 +152,12 @@ def _record(target: str) -> None:
             f.write(target + "\n")
 
 
+#: On a wrapper that imports what it calls at its first call (the worker's wrappers, which
+#: import torch): a function returning that callable, which :func:`wrap_method` then calls
+#: directly.
+RESOLVE_ATTR = "vllm_steer_resolve"
+
+
 def wrap_method(owner: Any, name: str, wrapper: Callable, record: str | None = None) -> None:
     """Replace ``owner.name`` (a method, static or class method of a class, or a module's
     function) by one that calls ``wrapper(orig, *args, **kwargs)``: the one way this plugin
@@ -184,11 +190,20 @@ def wrap_method(owner: Any, name: str, wrapper: Callable, record: str | None = N
                 _record(record)
             return await wrapper(orig, *args, **kwargs)
     else:
+        # a lazily imported wrapper (RESOLVE_ATTR) is replaced by what it calls at the first
+        # call: every later call goes straight to it (one flag test, no extra frame)
+        resolve = getattr(wrapper, RESOLVE_ATTR, None)
+        call = [wrapper]
+        first[0] = first[0] or resolve is not None
+
         def patched(*args, **kwargs):
             if first[0]:
                 first[0] = False
-                _record(record)
-            return wrapper(orig, *args, **kwargs)
+                if record is not None:
+                    _record(record)
+                if resolve is not None:
+                    call[0] = resolve()
+            return call[0](orig, *args, **kwargs)
     functools.update_wrapper(patched, orig)
     setattr(patched, WRAPPER_ATTR, wrapper)
     setattr(owner, name, kind(patched) if kind else patched)

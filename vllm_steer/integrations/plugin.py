@@ -40,8 +40,8 @@ import functools
 from vllm_steer.integrations.engine import core
 from vllm_steer.integrations.frontend import (async_llm, cli_args, endpoints, preset_models,
                                               request_field, startup_checks)
-from vllm_steer.integrations.hooks import (ENGINE, FRONTEND, V1, V1_LENS, V1_SPEC, V2, V2_LENS,
-                                           V2_SPEC, WORKER, Hook, install_hooks)
+from vllm_steer.integrations.hooks import (ENGINE, FRONTEND, RESOLVE_ATTR, V1, V1_LENS, V1_SPEC,
+                                           V2, V2_LENS, V2_SPEC, WORKER, Hook, install_hooks)
 
 
 @functools.cache
@@ -57,7 +57,9 @@ WORKER_TARGET_ATTR = "vllm_steer_calls"
 def _worker(name: str, attr: str):
     """A worker-side wrapper, imported on its first call (the worker modules import torch:
     never at this module's import, nor in a process that never runs the runner), then called
-    directly on every later step. It names what it calls in :data:`WORKER_TARGET_ATTR`."""
+    directly on every later step (:data:`~vllm_steer.integrations.hooks.RESOLVE_ATTR`: the
+    patched method calls the imported function itself). It names what it calls in
+    :data:`WORKER_TARGET_ATTR`."""
     module = f"vllm_steer.integrations.worker.{name}"
 
     @functools.cache
@@ -72,6 +74,7 @@ def _worker(name: str, attr: str):
     call.__name__ = attr
     call.__qualname__ = f"_worker.{name}.{attr}"
     setattr(call, WORKER_TARGET_ATTR, f"{module}:{attr}")
+    setattr(call, RESOLVE_ATTR, target)  # wrap_method then calls the target directly
     return call
 
 
@@ -97,6 +100,7 @@ _V2_RUNNER = f"{_V2}.model_runner:GPUModelRunner"
 _V2_BATCH = f"{_V2}.input_batch:InputBatch"
 _V2_STATES = f"{_V2}.states:RequestState"
 _V2_SPECULATOR = f"{_V2}.spec_decode.speculator:DraftModelSpeculator"
+_V2_PROMPT = f"{_V2}.sample.prompt_logprob:PromptLogprobsWorker"
 _SPEC_CONFIG = "vllm.config.speculative:SpeculativeConfig"
 
 
@@ -236,15 +240,17 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{_V2}.sample.batch_shard:BatchSharder.shard_sampler_inputs",
          "rows of batch-sharded sampling (V2, --enable-batch-sharded-sampling)", group=V2,
          params=("input_batch", "grammar_output")),
-    Hook(f"{_V2}.sample.prompt_logprob:PromptLogprobsWorker.compute_prompt_logprobs",
+    Hook(f"{_V2_PROMPT}.compute_prompt_logprobs",
          "steered prompt logprobs (V2)", _worker("v2", "prompt_logprobs"), group=V2_LENS,
          params=("logits_fn", "hidden_states", "input_batch"),
-         reads=_reads(_V2_BATCH, "idx_mapping_np", "query_start_loc_np", "num_reqs")),
-    Hook(f"{_V2}.sample.prompt_logprob:PromptLogprobsWorker.compute_prompt_token_id_logprobs",
+         reads=(f"{_V2_PROMPT}.in_progress_prompt_logprobs",
+                *_reads(_V2_BATCH, "idx_mapping_np", "query_start_loc_np", "num_reqs"))),
+    Hook(f"{_V2_PROMPT}.compute_prompt_token_id_logprobs",
          "steered prompt logprobs (V2, prompt_logprob_token_ids)",
-         _worker("v2", "prompt_logprobs"), group=V2_LENS,
+         _worker("v2", "prompt_token_id_logprobs"), group=V2_LENS,
          params=("logits_fn", "hidden_states", "input_batch"),
-         reads=_reads(_V2_BATCH, "idx_mapping_np", "query_start_loc_np", "num_reqs")),
+         reads=(f"{_V2_PROMPT}.token_id_scores",
+                *_reads(_V2_BATCH, "idx_mapping_np", "query_start_loc_np", "num_reqs"))),
     # ---- speculative decoding on Model Runner V2 ------------------------------------------
     Hook(f"{_V2}.spec_decode.standalone_ar.speculator:StandaloneARSpeculator.propose",
          "speculative decoding: the draft model's rows -> requests (V2)",

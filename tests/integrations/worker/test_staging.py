@@ -152,7 +152,8 @@ def test_a_prompt_logprob_step_never_waits_behind_the_forward(tmp_path, fake_cud
         for slot, row in rows.items():  # the requests join (first step) or stay
             rt.set_slot(slot, row)
         rt.flush()
-        out = v2.prompt_logprobs(compute_prompt_logprobs, None, rt.steer_rows, h, batch)
+        worker = SimpleNamespace(in_progress_prompt_logprobs={f"r{i}": [] for i in range(3)})
+        out = v2.prompt_logprobs(compute_prompt_logprobs, worker, rt.steer_rows, h, batch)
         torch.testing.assert_close(out, want)
         grown.append(len(dev.pinned))  # pinned buffers allocated so far
         dev.finish_step()

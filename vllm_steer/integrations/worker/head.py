@@ -45,14 +45,14 @@ class SteeredLogitsProcessor(LogitsProcessor):
                 skip_gather: bool = False):
         # `self` may be vLLM's LoRA wrapper (see the module docstring)
         rt = self.steer_runtime
-        if rt is not None and rt.active and not self.logits_as_input:
-            hidden_states = rt.steer_rows(hidden_states)
+        if rt is not None and not self.logits_as_input:  # the planner's one check when idle
+            hidden_states = rt.planner.steer_rows(hidden_states)
         return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
 
     def get_top_tokens(self, lm_head, hidden_states, embedding_bias=None):
         rt = self.steer_runtime
-        if rt is not None and rt.active:
-            hidden_states = rt.steer_rows(hidden_states)
+        if rt is not None:
+            hidden_states = rt.planner.steer_rows(hidden_states)
         return LogitsProcessor.get_top_tokens(self, lm_head, hidden_states, embedding_bias)
 
 

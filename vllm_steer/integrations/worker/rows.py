@@ -106,7 +106,7 @@ class StepPlanner:
         self.row_source: RowSource = BATCH_ROWS
         self.batch_size = 0  # V1: requests in the persistent batch
         # V1: the generated-token index each batch row samples (host, set by the runner hook
-        # only while some slot has a generation window; None otherwise)
+        # at every step while some slot has a generation window, and read only then)
         self.batch_positions: np.ndarray | None = None
         self.head_calls = 0  # calls into the head (steer_rows), steered rows or not
         # the per-step cache (see steer_rows): the step's key, its host coefficients, the
@@ -114,6 +114,7 @@ class StepPlanner:
         self._step_key: object = None
         self._step_coefs: np.ndarray | None = None
         self._coefs_dev: torch.Tensor | None = None
+        self._step_coefs_dev: torch.Tensor | None = None  # its first n rows (this step's)
         self._coef_copy: staging.StagedCopy | None = None
         self._plan_key: object = None
         self._plan = None
@@ -153,11 +154,14 @@ class StepPlanner:
         """
         self.head_calls += 1
         src = self.row_source
-        if type(src) is CapturedRows:
+        kind = type(src)
+        if kind is CapturedRows:
             return self.steer_fixed(hidden, src.mapping)
-        if not self.active or hidden.shape[0] == 0:
-            return hidden
+        if not self.slots.num_active_slots or kind is NoRows or self.banks.bank is None:
+            return hidden  # no steered request: the one check
         n = hidden.shape[0]
+        if n == 0:
+            return hidden
         step = self._step_rows(hidden)
         if step is None:
             return hidden
@@ -177,17 +181,18 @@ class StepPlanner:
         if key != self._step_key:
             self._step_key = None  # never keep a stale key on error
             self._prepare_step(n, slots, positions)
+            self._step_coefs_dev = self._coefs_dev[:n]
             self._step_key = key
-        coefs = self._coefs_dev[:n]
-        fn = self.banks.fn
         graphs = self.banks.graphs
         out = None if graphs is None else graphs.run(hidden, self._coefs_dev)
         if out is not None:  # replayed from the row bucket's CUDA graph
             pass
-        elif self._plan is None:
-            out = fn(hidden, bank.p1, bank.p2, bank.rank_offsets, coefs)
+        elif self._plan is None:  # a backend with no plan (it plans inside the call)
+            out = self.banks.fn(hidden, bank.p1, bank.p2, bank.rank_offsets,
+                                self._step_coefs_dev)
         else:
-            out = fn(hidden, bank.p1, bank.p2, bank.rank_offsets, coefs, prepared=self._plan)
+            out = self.banks.fn(hidden, bank.p1, bank.p2, bank.rank_offsets,
+                                self._step_coefs_dev, prepared=self._plan)
         self.stats.op.stop(t0)
         return out
 
@@ -211,8 +216,8 @@ class StepPlanner:
                 warn_once("vllm-steer: logits rows outnumber their known slots; they are "
                           "computed unsteered")
                 return None
-            slots = np.asarray(src.slots[:n], dtype=np.int64)
-            pos = None if src.positions is None else np.asarray(src.positions[:n], np.int64)
+            slots = src.slots[:n]  # converted only when the step is planned (_prepare_step)
+            pos = None if src.positions is None else src.positions[:n]
             return slots, pos, slots.tobytes()
         if kind is PromptRows:
             base = src.base
@@ -238,6 +243,10 @@ class StepPlanner:
         """A step whose key changed: gather its coefficients on the host; when they differ from
         the device buffer's, copy them (pinned, non-blocking) and re-plan what depends on them
         (the torch plan holds the values; the Triton plan only the non-zero pattern)."""
+        if slots is not None:
+            slots = np.asarray(slots, dtype=np.int64)
+        if positions is not None:
+            positions = np.asarray(positions, dtype=np.int64)
         coefs = self.slots.row_coefs(n, slots, positions)
         last = self._step_coefs
         same = last is not None and last.shape == coefs.shape and np.array_equal(last, coefs)

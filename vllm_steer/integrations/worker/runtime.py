@@ -259,17 +259,25 @@ def binding(owner: Any) -> RunnerBinding:
     return b
 
 
-def runtime_of(owner: Any) -> SteerRuntime | None:
-    """The runtime of a runner (or V2 speculator, or worker): looked up from its
-    ``vllm_config`` at its first call, then read from its :class:`RunnerBinding`."""
+def bound(owner: Any) -> RunnerBinding:
+    """The :class:`RunnerBinding` of a runner (or V2 speculator, or worker) with its runtime
+    resolved: looked up from its ``vllm_config`` at its first call, then one attribute read."""
     b = getattr(owner, BINDING_ATTR, None)
     if b is not None and b.resolved:
-        return b.runtime
+        return b
     b = binding(owner)
     b.runtime = get_runtime(owner.vllm_config.additional_config)
     b.resolved = True
-    return b.runtime
+    return b
+
+
+def runtime_of(owner: Any) -> SteerRuntime | None:
+    """The runtime of a runner (or V2 speculator, or worker) (:func:`bound`)."""
+    b = getattr(owner, BINDING_ATTR, None)
+    if b is not None and b.resolved:
+        return b.runtime
+    return bound(owner).runtime
 
 
 __all__ = ["SteerRuntime", "SteerStats", "RunnerBinding", "get_runtime", "runtime_of",
-           "binding", "current_runtime", "steer_stats"]
+           "binding", "bound", "current_runtime", "steer_stats"]

@@ -33,15 +33,12 @@ def prepare_inputs(orig, self, *args, **kwargs):
     rt = runtime_of(self)
     if rt is None:
         return out
-    planner = rt.planner
-    if rt.slots.num_window_slots:
+    if rt.slots.num_window_slots:  # positions are read only for windowed slots' rows
         b = self.input_batch
         n = b.num_reqs
         scheduled = _NUM_SCHEDULED.get(orig, (self, *args), kwargs)
-        planner.batch_positions = (b.num_computed_tokens_cpu[:n] + scheduled[:n]
-                                   - b.num_prompt_tokens[:n]).astype("int64")
-    elif planner.batch_positions is not None:
-        planner.batch_positions = None
+        rt.planner.batch_positions = (b.num_computed_tokens_cpu[:n] + scheduled[:n]
+                                      - b.num_prompt_tokens[:n]).astype("int64")
     return out
 
 

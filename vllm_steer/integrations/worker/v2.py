@@ -27,7 +27,7 @@ import torch
 
 from vllm_steer.integrations.worker.arguments import Arg
 from vllm_steer.integrations.worker.rows import MappedRows, NoRows, SlotRows
-from vllm_steer.integrations.worker.runtime import binding, current_runtime, runtime_of
+from vllm_steer.integrations.worker.runtime import bound, current_runtime
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
 from vllm_steer.integrations.worker.spec_v2 import true_computed_tokens
 from vllm_steer.ops import to_device
@@ -52,29 +52,39 @@ def sample(orig, self, *args, **kwargs):
     A step with steered rows whose ``sample()`` never reached the head (a path that computes
     logits without the model's logits layer) raises :class:`HeadBypassedError` instead of
     serving those rows unsteered: one integer comparison per steered step.
+
+    Per step: one binding read and one integer check while no request anywhere is steered;
+    a step with steered requests maps its rows from host arrays (:func:`_host_rows`).
     """
-    rt = runtime_of(self)
+    b = bound(self)
+    rt = b.runtime
     if rt is None:
         return orig(self, *args, **kwargs)
-    if not binding(self).drafter_checked and getattr(self, "speculator", None) is not None:
-        prepare_drafter_once(self, rt)  # which drafter heads stay steered (spec_decode.py)
-    if not rt.slots.num_active_slots:  # no steered request anywhere: the one check
+    if not b.drafter_checked:  # the runner's first step: its drafter is loaded by then
+        if getattr(self, "speculator", None) is not None:
+            prepare_drafter_once(self, rt)  # which drafter heads stay steered (spec_decode.py)
+        b.drafter_checked = True
+    table = rt.slots
+    if not table.num_active_slots:  # no steered request anywhere: the one check
         return orig(self, *args, **kwargs)
     input_batch = _INPUT_BATCH.get(orig, (self, *args), kwargs)
-    if not rt.any_steered(input_batch.idx_mapping_np):
+    if not table.steered[input_batch.idx_mapping_np].any():
         return orig(self, *args, **kwargs)
     planner = rt.planner
     calls = planner.head_calls
     sharder = getattr(self, "batch_sharder", None)
-    if sharder is None:
-        slots, positions = _host_rows(rt, self, input_batch)
-        with rt.rows(MappedRows(mapping=input_batch.expanded_idx_mapping, slots=slots,
-                                positions=positions)):
+    prev = planner.row_source
+    try:
+        if sharder is None:
+            slots, positions = _host_rows(rt, self, input_batch)
+            planner.row_source = MappedRows(input_batch.expanded_idx_mapping, slots, positions)
             out = orig(self, *args, **kwargs)
-    else:
-        with rt.rows(MappedRows(mapping=None)), \
-                _sorted_rows(sharder, input_batch, planner.set_rows):
-            out = orig(self, *args, **kwargs)
+        else:
+            planner.row_source = MappedRows(mapping=None)
+            with _sorted_rows(sharder, input_batch, planner.set_rows):
+                out = orig(self, *args, **kwargs)
+    finally:
+        planner.row_source = prev
     if planner.head_calls == calls:
         raise HeadBypassedError(HEAD_BYPASSED)
     return out
@@ -98,11 +108,14 @@ def _host_rows(rt, runner, input_batch):
     one sampling token ``num_computed + num_scheduled - prompt_len``."""
     idx = input_batch.idx_mapping_np  # [num_reqs]
     nr = len(idx)
-    cu = input_batch.cu_num_logits_np[: nr + 1]
-    one_each = len(cu) <= nr or cu[nr] - cu[0] == nr
+    cu = input_batch.cu_num_logits_np
+    one_each = len(cu) <= nr or int(cu[nr]) - int(cu[0]) == nr  # no draft rows: the common case
+    if one_each and not rt.slots.num_window_slots:
+        return idx, None
+    cu = cu[: nr + 1]
     counts = None if one_each else np.diff(cu)
     slots = idx if one_each else np.repeat(idx, counts)
-    if not rt.num_window_slots:
+    if not rt.slots.num_window_slots:
         return slots, None
     req_states = getattr(runner, "req_states", None)
     if req_states is None:
@@ -179,8 +192,27 @@ def _steered_logits_fn(rt, logits_fn, hidden_states, input_batch):
 
 
 def prompt_logprobs(orig, self, *args, **kwargs):
-    """``PromptLogprobsWorker.compute_prompt_logprobs`` and
-    ``compute_prompt_token_id_logprobs`` (V2): steer's prompt logprobs like its sampled tokens.
+    """``PromptLogprobsWorker.compute_prompt_logprobs`` (V2): steer prompt logprobs like the
+    sampled tokens (:func:`_steered_prompt_call`).
+
+    vLLM calls it at every step; it computes nothing unless a running request asked for
+    prompt logprobs, which vLLM records in ``in_progress_prompt_logprobs`` (an entry per such
+    request, from ``add_request`` to ``remove_request``): while that is empty, one check."""
+    if not self.in_progress_prompt_logprobs:
+        return orig(self, *args, **kwargs)
+    return _steered_prompt_call(orig, self, args, kwargs)
+
+
+def prompt_token_id_logprobs(orig, self, *args, **kwargs):
+    """``PromptLogprobsWorker.compute_prompt_token_id_logprobs`` (V2, ``prompt_logprob_token_ids``):
+    as :func:`prompt_logprobs`; vLLM's own record of such requests is ``token_id_scores``."""
+    if not self.token_id_scores:
+        return orig(self, *args, **kwargs)
+    return _steered_prompt_call(orig, self, args, kwargs)
+
+
+def _steered_prompt_call(orig, self, args, kwargs):
+    """Steer's prompt logprobs like its sampled tokens.
 
     ``PromptLogprobsWorker.compute_prompt_logprobs`` runs the step's token rows through
     ``compute_logits`` in fixed-size chunks that may hold rows of several requests;
