@@ -23,6 +23,8 @@ from vllm_steer.integrations.engine import management, state
 from vllm_steer.integrations.protocol import merge_answers
 from vllm_steer.integrations.engine.registry import SteerRegistry
 from vllm_steer.metrics import OpTimer, SteerMetrics, take_new
+from helpers.fakes import VllmObject, engine_core
+from vllm_steer.integrations.engine.state import engine_state
 
 COUNTER_NAMES = ["vllm_steer:requests_steered_total", "vllm_steer:steer_loads_total",
                  "vllm_steer:steer_unloads_total", "vllm_steer:steer_evictions_total",
@@ -49,9 +51,9 @@ def value(fams: dict, name: str, **labels) -> float:
 # ---- a fake engine core: the real registry and control op, workers we set ----------------
 def _core(index: int, workers: list[dict]):
     cfg = SteerServerConfig(steers={}, max_steers=4, enable_updates=True)
-    return SimpleNamespace(
+    return engine_core(
         engine_index=index,
-        vllm_steer_state=state.EngineSteerState(cfg, SteerRegistry(4), 64),
+        steer_state=state.EngineSteerState(cfg, SteerRegistry(4), 64),
         scheduler=SimpleNamespace(requests={}),
         model_executor=SimpleNamespace(collective_rpc=lambda fn, args=(): (
             [dict(w) for w in workers] if args[0] == "stats" else [True] * len(workers))),
@@ -61,7 +63,7 @@ def _core(index: int, workers: list[dict]):
 def _steer(core, name: str, n: int) -> None:
     """``n`` requests admitted with steer ``name`` in this engine core."""
     for _ in range(n):
-        core.vllm_steer_state.registry.bind([name])
+        engine_state(core).registry.bind([name])
 
 
 def _list(cores) -> dict:
@@ -121,7 +123,7 @@ def test_every_metric_is_documented_for_users():
 
 # ---- counters from deltas ---------------------------------------------------------------------
 def test_take_new_hands_out_each_increment_once_and_never_a_decrease():
-    core = SimpleNamespace(engine_index=1)
+    core = engine_core(engine_index=1)
     stats = {"counters": {"loads": 2, "unloads": 0, "evictions": 0, "failures": 1},
              "served": {"detox": 3}}
     tp = [_worker(0.5, 0.8, 10, 10), _worker(0.4, 0.9, 10, 10)]  # TP=2: the same 10 calls
@@ -218,7 +220,7 @@ def test_two_api_servers_and_two_engine_cores_count_each_increment_once(tmp_path
     assert len(glob.glob(str(prom / "counter_*.db"))) == 2  # both processes hold counts
     fams = scrape()
     for e, core in enumerate(cores):  # what each engine core counted, once
-        reg = core.vllm_steer_state.registry
+        reg = engine_state(core).registry
         assert value(fams, "vllm_steer:requests_steered_total", engine=str(e),
                      steer="detox") == reg.served["detox"]
         assert value(fams, "vllm_steer:steer_loads_total", engine=str(e)) == \
@@ -360,7 +362,7 @@ def test_a_worker_reports_its_timed_steer_calls(tmp_path):
         out = rt.steer_rows(h)
     torch.testing.assert_close(out, steer_reference(h, rt.bank.p1, rt.bank.p2,
                                                     rt.bank.rank_offsets, torch.tensor(row)[None]))
-    rep = worker_op(SimpleNamespace(vllm_config=SimpleNamespace(additional_config=extra)),
+    rep = worker_op(VllmObject(vllm_config=SimpleNamespace(additional_config=extra)),
                     "stats")
     assert rep["op_calls"] == rep["op_timed_calls"] == 3
     assert rep["op_seconds"] == rep["op_host_seconds"] > 0

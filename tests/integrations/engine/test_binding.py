@@ -23,6 +23,8 @@ from vllm_steer.integrations.engine.state import EngineSteerState  # noqa: E402
 from vllm_steer.integrations.frontend import admission  # noqa: E402
 from vllm_steer.integrations.frontend.state import frontend_state  # noqa: E402
 from vllm_steer.request import BOUND_KEY, BoundSteer, SteerRequest, Window  # noqa: E402
+from helpers.fakes import engine_core  # noqa: E402
+from vllm_steer.integrations.engine.state import engine_state  # noqa: E402
 
 HIDDEN = 64
 LOADED = ("detox", "formal", "sentiment")
@@ -56,8 +58,8 @@ def _server(paths, steer_dir=None, **policy):
                                             reg.new_generation(), slot, "--steer"))
     reg.counters["loads"] = 0
     puts = []
-    core = SimpleNamespace(
-        engine_index=0, vllm_steer_state=EngineSteerState(cfg, reg, HIDDEN),
+    core = engine_core(
+        engine_index=0, steer_state=EngineSteerState(cfg, reg, HIDDEN),
         scheduler=SimpleNamespace(requests={}),
         model_executor=SimpleNamespace(
             collective_rpc=lambda fn, args=(): puts.append(args) or [True]),
@@ -95,7 +97,7 @@ def _admit(core, steer=..., across_processes=True):
 
 
 def _slot(core, name):
-    e = core.vllm_steer_state.registry.get(name)
+    e = engine_state(core).registry.get(name)
     return e.slot, e.generation
 
 
@@ -141,7 +143,7 @@ def test_a_steer_dir_steer_is_loaded_on_first_use_and_bound_to_its_new_slot(file
     paths, steer_dir = files
     core, puts = _server(paths, steer_dir)
     got = _admit(core, {"extra": 3, "detox": 1})
-    reg = core.vllm_steer_state.registry
+    reg = engine_state(core).registry
     entry = reg.get("extra")
     assert entry is not None and entry.source == "steer-dir"
     assert entry.file == os.path.realpath(os.path.join(steer_dir, "extra.safetensors"))
@@ -202,7 +204,7 @@ def test_an_unknown_steer_is_refused_with_one_message_by_the_frontend_and_the_en
 
 def test_the_engine_refuses_a_steer_unloaded_after_the_frontend_admitted_it(files):
     core, _ = _server(files[0])
-    core.vllm_steer_state.registry.unload("detox", set())
+    engine_state(core).registry.unload("detox", set())
     with pytest.raises(SteerAdmissionError) as e:
         _admit(core, {"detox": 2})
     assert _refusal(e) == "steer: unknown steer 'detox'; loaded steers: formal, sentiment"
@@ -224,7 +226,7 @@ def test_a_steer_dir_file_of_the_wrong_size_is_refused_naming_both_sizes(files):
     assert _refusal(e) == (f"steer: steer file '{path}' refused:\n  - steer 'narrow' has "
                            "hidden size 32 but the model tiny has 64; train or transfer the "
                            "steer for this model (vllm-steer train / transfer)")
-    assert core.vllm_steer_state.registry.get("narrow") is None
+    assert engine_state(core).registry.get("narrow") is None
 
 
 def test_the_engine_refuses_a_serialised_form_of_another_version(files):

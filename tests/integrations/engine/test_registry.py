@@ -10,6 +10,7 @@ from vllm_steer.format import SteerMetadata
 from vllm_steer.integrations.engine.registry import (SteerCapacityError, SteerEntry, SteerNameError,
                                               SteerRegistry, bound_in, dir_path, name_problem,
                                               path_inside)
+from helpers.fakes import engine_core
 
 
 def _load(reg, name, in_use=frozenset(), source="api", file=None):
@@ -124,8 +125,8 @@ def _core(index, capacity, steer_dir=None):
 
     cfg = SteerServerConfig(steers={}, max_steers=capacity, steer_dir=steer_dir,
                             enable_updates=True)
-    return SimpleNamespace(
-        engine_index=index, vllm_steer_state=EngineSteerState(cfg, SteerRegistry(capacity), 64),
+    return engine_core(
+        engine_index=index, steer_state=EngineSteerState(cfg, SteerRegistry(capacity), 64),
         scheduler=SimpleNamespace(requests={}),
         model_executor=SimpleNamespace(collective_rpc=lambda fn, args=(): [True]),
         vllm_config=SimpleNamespace(model_config=SimpleNamespace(model="tiny")))

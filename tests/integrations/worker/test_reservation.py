@@ -20,6 +20,7 @@ from vllm_steer.format import load_steer, make_steer, save_steer
 from vllm_steer.integrations.worker.rows import SlotRows
 from vllm_steer.integrations.worker.runtime import SteerRuntime
 from vllm_steer.reference import steer_coefficients, steer_reference
+from helpers.fakes import engine_core
 
 HIDDEN = 48
 
@@ -136,8 +137,8 @@ def test_a_run_time_load_over_the_reservation_is_http_400(tmp_path, rank, domain
     from vllm_steer.integrations.engine.state import EngineSteerState
 
     cfg = SteerServerConfig(steers={}, max_steers=2, max_steer_rank=4, enable_updates=True)
-    core = SimpleNamespace(
-        vllm_steer_state=EngineSteerState(cfg, SteerRegistry(cfg.capacity), HIDDEN),
+    core = engine_core(
+        steer_state=EngineSteerState(cfg, SteerRegistry(cfg.capacity), HIDDEN),
         vllm_config=SimpleNamespace(model_config=SimpleNamespace(model="m")))
     path = _steer(tmp_path, "big", rank, 7, domain_rank=domain_rank)
     out = management.load_steer_file(core, "big", path, "api")

@@ -12,7 +12,7 @@ import pytest
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.integrations.worker import runtime as runtime_mod
 from vllm_steer.integrations.worker.arguments import Arg
-from vllm_steer.integrations.worker.runtime import BINDING_ATTR, runtime_of
+from vllm_steer.integrations.worker.runtime import BINDINGS, RunnerBinding, runtime_of
 from vllm_steer.integrations.worker.v1 import prepare_inputs
 
 
@@ -42,7 +42,11 @@ def test_a_runner_looks_its_runtime_up_once_then_reads_it(monkeypatch):
     plain = _Runner(None)
     assert [runtime_of(plain) for _ in range(5)] == [None] * 5
     assert len(built) == 2
-    assert getattr(plain, BINDING_ATTR).resolved  # the one attribute set on the runner
+    assert BINDINGS.get(plain).resolved
+    assert sorted(vars(plain)) == ["input_batch", "vllm_config"]  # nothing set on the runner
+    n = len(BINDINGS)
+    del runner, plain  # a collected runner's binding goes with it
+    assert len(BINDINGS) == n - 2
 
 
 def test_v1_prepare_inputs_reads_its_arguments_by_name():
@@ -51,7 +55,9 @@ def test_v1_prepare_inputs_reads_its_arguments_by_name():
     rt = SimpleNamespace(slots=SimpleNamespace(num_window_slots=1),
                          planner=SimpleNamespace(batch_positions=None))
     runner = _Runner(None)
-    runner.__dict__[BINDING_ATTR] = SimpleNamespace(resolved=True, runtime=rt)
+    b = RunnerBinding()
+    b.runtime, b.resolved = rt, True
+    BINDINGS.set(runner, b)
 
     def old(self, scheduler_output, num_scheduled_tokens):
         return "out"

@@ -13,6 +13,7 @@ import torch
 
 from vllm_steer.integrations.worker.rows import SlotRows
 from vllm_steer.integrations.worker.spec_v1 import verification_rows
+from helpers.fakes import VllmObject
 
 
 def _vllm_logits_indices(num_draft, cu_scheduled):
@@ -20,7 +21,7 @@ def _vllm_logits_indices(num_draft, cu_scheduled):
     verification row."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    fake = SimpleNamespace(arange_np=np.arange(4096, dtype=np.int64),
+    fake = VllmObject(arange_np=np.arange(4096, dtype=np.int64),
                            _arange_scratch=np.zeros(4096, dtype=np.int64),
                            device=torch.device("cpu"),
                            input_ids=SimpleNamespace(gpu=torch.zeros(4096, dtype=torch.int32)))
@@ -77,10 +78,10 @@ def _runner_with_drafter(draft_hidden, steer_hidden, steer_drafter=True, method=
     spec = SimpleNamespace(method=method, draft_model_config=draft_mc)
     if v2:  # V2 keeps it in its speculator, of a class per method
         cls = "StandaloneARSpeculator" if method == "draft_model" else "EagleSpeculator"
-        runner = SimpleNamespace(speculator=type(cls, (), {"model": model})(),
+        runner = VllmObject(speculator=type(cls, (), {"model": model})(),
                                  speculative_config=spec)
     else:
-        runner = SimpleNamespace(drafter=SimpleNamespace(model=model), speculative_config=spec)
+        runner = VllmObject(drafter=SimpleNamespace(model=model), speculative_config=spec)
     return runner, rt, [model.head, model.mtp_head]
 
 
@@ -190,7 +191,7 @@ def test_a_v2_draft_model_step_maps_its_rows_to_the_batch_slots():
             yield
 
     rt = Runtime()
-    spec = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={}))
+    spec = VllmObject(vllm_config=SimpleNamespace(additional_config={}))
     batch = SimpleNamespace(num_reqs=3, idx_mapping_np=np.array([5, 0, 2, 7]))
     orig = lambda self, input_batch, *a, **kw: "proposed"  # noqa: E731
     with mock.patch("vllm_steer.integrations.worker.runtime.get_runtime", lambda cfg: rt):
@@ -205,7 +206,7 @@ def test_a_v2_draft_model_step_maps_its_rows_to_the_batch_slots():
 def test_an_ngram_runner_has_no_drafter_heads():
     from vllm_steer.integrations.worker.spec_decode import drafter_heads, prepare_drafter
 
-    runner = SimpleNamespace(drafter=SimpleNamespace(), speculative_config=SimpleNamespace(
+    runner = VllmObject(drafter=SimpleNamespace(), speculative_config=SimpleNamespace(
         method="ngram"))
     assert drafter_heads(runner) == []
     prepare_drafter(runner, SimpleNamespace(bank=None, config=None))  # nothing to detach
@@ -221,7 +222,7 @@ def test_async_counts_are_corrected_for_the_drafts_the_previous_step_rejected():
     ib = SimpleNamespace(num_computed_tokens_cpu=np.array([20, 31, 12, 7]),
                          req_ids=["a", "b", "c", "new"],
                          prev_req_id_to_index={"a": 2, "b": 0, "c": 1})
-    runner = SimpleNamespace(
+    runner = VllmObject(
         use_async_spec_decode=True, input_batch=ib,
         prev_num_draft_tokens=SimpleNamespace(np=np.array([3, 0, 3, 0])),
         _get_valid_sampled_token_count=lambda: calls.append(1) or [2, 4, 4])

@@ -11,6 +11,7 @@ from vllm_steer.config import SteerServerConfig
 from vllm_steer.integrations.engine.presets import PresetTable
 from vllm_steer.integrations.engine.registry import SteerEntry, SteerRegistry
 from vllm_steer.integrations.protocol import SOURCE_STARTUP
+from vllm_steer.integrations.side_table import SideTable
 
 
 @dataclass
@@ -27,9 +28,19 @@ class EngineSteerState:
     """The run-time preset table (``POST /v1/steer-presets``)."""
 
 
+#: Each engine core's :class:`EngineSteerState`, kept beside it (nothing is set on vLLM's
+#: objects).
+STATES: SideTable[EngineSteerState] = SideTable()
+
+
+def attach(core, st: EngineSteerState) -> EngineSteerState:
+    """Give an engine core this state (tests build engine cores by hand)."""
+    return STATES.set(core, st)
+
+
 def engine_state(core) -> EngineSteerState:
     """This engine core's :class:`EngineSteerState`, created on first use (the one accessor)."""
-    st = getattr(core, "vllm_steer_state", None)
+    st = STATES.get(core)
     if st is not None:
         return st
     from vllm_steer.format import read_metadata
@@ -45,5 +56,4 @@ def engine_state(core) -> EngineSteerState:
                                                 reg.new_generation(), slot, SOURCE_STARTUP))
         reg.counters["loads"] = 0  # start-up steers are not run-time loads
         st = EngineSteerState(cfg, reg, head_input_size(core.vllm_config.model_config))
-    core.vllm_steer_state = st
-    return st
+    return STATES.set(core, st)

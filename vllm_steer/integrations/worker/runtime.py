@@ -23,8 +23,8 @@ of the step's batch (``idx_mapping``) and a finished request's stale slot costs 
 
 Each runner (and V2 speculator) finds its runtime once: :func:`runtime_of` looks it up from the
 engine's configuration at the runner's first hooked call and keeps it, with the runner's other
-steer state, in one :class:`RunnerBinding` (attribute :data:`BINDING_ATTR`), as vLLM's runner
-keeps ``self.lora_manager``; every later step reads it from there (no configuration rebuilt,
+steer state, in one :class:`RunnerBinding` (kept beside the runner, in :data:`BINDINGS`), as
+vLLM's runner keeps ``self.lora_manager``; every later step reads it from there (no configuration rebuilt,
 nothing serialised, nothing imported).
 """
 
@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from vllm_steer.config import SteerServerConfig
+from vllm_steer.integrations.side_table import SideTable
 from vllm_steer.integrations.worker.bank_state import BankState
 from vllm_steer.integrations.worker.request_slots import (RequestCoefs, RequestSlots,
                                                           decode_request)
@@ -226,14 +227,14 @@ def current_runtime() -> SteerRuntime | None:
     return _RUNTIMES.get(None)
 
 
-#: The one attribute the plugin sets on a vLLM runner (or V2 speculator, or worker): its
-#: :class:`RunnerBinding`.
-BINDING_ATTR = "vllm_steer_binding"
+#: Each vLLM runner's (or V2 speculator's, or worker's) :class:`RunnerBinding`, kept beside it
+#: (nothing is set on vLLM's objects).
+BINDINGS: SideTable[RunnerBinding] = SideTable()
 
 
 class RunnerBinding:
-    """The plugin's state for one vLLM runner (or V2 speculator, or worker), kept in its
-    :data:`BINDING_ATTR` attribute."""
+    """The plugin's state for one vLLM runner (or V2 speculator, or worker), kept in
+    :data:`BINDINGS`."""
 
     __slots__ = ("runtime", "resolved", "drafter_checked", "spec_step", "captured")
 
@@ -252,17 +253,16 @@ class RunnerBinding:
 
 def binding(owner: Any) -> RunnerBinding:
     """The :class:`RunnerBinding` of a runner (made on first use)."""
-    b = getattr(owner, BINDING_ATTR, None)
+    b = BINDINGS.get(owner)
     if b is None:
-        b = RunnerBinding()
-        setattr(owner, BINDING_ATTR, b)
+        b = BINDINGS.set(owner, RunnerBinding())
     return b
 
 
 def bound(owner: Any) -> RunnerBinding:
     """The :class:`RunnerBinding` of a runner (or V2 speculator, or worker) with its runtime
-    resolved: looked up from its ``vllm_config`` at its first call, then one attribute read."""
-    b = getattr(owner, BINDING_ATTR, None)
+    resolved: looked up from its ``vllm_config`` at its first call, then one dictionary read."""
+    b = BINDINGS.get(owner)
     if b is not None and b.resolved:
         return b
     b = binding(owner)
@@ -273,7 +273,7 @@ def bound(owner: Any) -> RunnerBinding:
 
 def runtime_of(owner: Any) -> SteerRuntime | None:
     """The runtime of a runner (or V2 speculator, or worker) (:func:`bound`)."""
-    b = getattr(owner, BINDING_ATTR, None)
+    b = BINDINGS.get(owner)
     if b is not None and b.resolved:
         return b.runtime
     return bound(owner).runtime

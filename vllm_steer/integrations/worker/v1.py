@@ -5,7 +5,7 @@ generated-token index of each batch row, the rows of prompt logprobs. Semantics:
 :mod:`vllm_steer.reference`. Speculative decoding on this runner:
 :mod:`vllm_steer.integrations.worker.spec_v1`.
 
-Each hook reads the runner's runtime from its binding (:func:`runtime_of`: one attribute read
+Each hook reads the runner's runtime from its binding (:func:`runtime_of`: one dictionary read
 per step) and reads vLLM's arguments by name (:class:`~vllm_steer.integrations.worker.
 arguments.Arg`).
 """

@@ -14,7 +14,7 @@ that may hold rows of several requests) get each row's request slot from host-si
 Speculative decoding: the verification rows (``num_draft_tokens + 1`` per request) come
 through the same ``expanded_idx_mapping``; drafters are steered too (a draft model on host
 rows, EAGLE / EAGLE-3 / MTP inside CUDA graphs: :mod:`vllm_steer.integrations.worker.spec_v2`).
-Each hook reads the runner's runtime from its binding (one attribute read per step) and vLLM's
+Each hook reads the runner's runtime from its binding (one dictionary read per step) and vLLM's
 arguments by name (:class:`~vllm_steer.integrations.worker.arguments.Arg`).
 """
 

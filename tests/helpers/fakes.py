@@ -1,0 +1,22 @@
+"""vLLM objects built by hand for unit tests of the plugin's engine-core side."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+
+class VllmObject(SimpleNamespace):
+    """A vLLM object (engine core, worker, runner) built by hand: the attributes the plugin
+    reads, weakly referenceable as vLLM's objects are (the plugin keeps its state for one
+    beside it, never on it)."""
+
+
+def engine_core(steer_state=None, **attrs) -> VllmObject:
+    """A hand-built engine core holding ``attrs``, with ``steer_state`` (an
+    ``EngineSteerState``) as the plugin's state for it when given."""
+    from vllm_steer.integrations.engine.state import attach
+
+    core = VllmObject(**attrs)
+    if steer_state is not None:
+        attach(core, steer_state)
+    return core
