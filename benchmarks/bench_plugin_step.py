@@ -129,16 +129,16 @@ def _instrument() -> None:
         if h.process == "worker" and h.wrapper is not None else h for h in plugin.HOOKS)
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    from vllm_steer.integrations import processors
-    from vllm_steer.integrations.worker import head
+    from vllm_steer.integrations.worker import head, request_state_v1, request_state_v2
 
     _time_method(head.SteeredLogitsProcessor, "forward", "plugin:head")
     _time_method(LogitsProcessor, "forward", "vllm")
-    for cls_name in dir(processors):
-        cls = getattr(processors, cls_name)
-        if isinstance(cls, type) and cls.__module__ == processors.__name__:
-            for m in ("update_state", "add_request", "apply_staged_writes"):
-                _time_method(cls, m, f"plugin:{cls_name}.{m}")
+    for module in (request_state_v1, request_state_v2):
+        for cls_name in dir(module):
+            cls = getattr(module, cls_name)
+            if isinstance(cls, type) and cls.__module__ == module.__name__:
+                for m in ("update_state", "add_request", "apply_staged_writes"):
+                    _time_method(cls, m, f"plugin:{cls_name}.{m}")
     # a hook that does nothing, on a vLLM method called once per step, timed like ours: what
     # the timer and a pass-through wrapper cost where vLLM calls them (cold caches, this load)
     from vllm.v1.core.sched.scheduler import Scheduler
