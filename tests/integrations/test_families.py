@@ -75,7 +75,8 @@ def test_configure_engine_checks_steers_against_the_head_input_of_opt(tmp_path):
     save_steer(bad, random_steer(1024, 2, "bad"))
     mc = _model_config("OPTForCausalLM", 1024, word_embed_proj_dim=512)
     configure_engine(_vllm_config(mc, {"good": str(good)}))
-    assert mc.logits_processors == ["vllm_steer.integrations.processors:SteerLogitsProcessorV1"]
+    assert mc.logits_processors == [
+        "vllm_steer.integrations.request_state_v1:SteerRequestStateV1"]
     with pytest.raises(SteerFileError, match="hidden size 1024 but the model .* has 512"):
         configure_engine(_vllm_config(_model_config("OPTForCausalLM", 1024,
                                                     word_embed_proj_dim=512),

@@ -26,6 +26,14 @@ vLLM's CPU platform sets ``scheduler_config.async_scheduling = False`` in
 ``CpuPlatform.check_and_update_config``; the shim wraps that method, when
 ``vllm.platforms.cpu`` is imported, so that it keeps the value it was given. Nothing else is
 needed: the V1 CPU runner is the GPU runner's subclass and runs its async path as is.
+
+The plugin without V1's logits-processor module, independently, with
+``STEER_TEST_NO_V1_LOGITSPROCS=1``: every import of ``vllm.v1.sample.logits_processor`` (or a
+submodule) by a ``vllm_steer`` module raises ``ImportError``, as it would on a vLLM that
+dropped the V1 runner, so a process serving Model Runner V2 fails if the plugin's V2 path needs
+it. vLLM's own imports of it are left alone (vLLM 0.32 and 0.33 still import it themselves,
+Model Runner V2 included), and so are the plugin's lookups of its hook targets
+(``importlib.import_module``: a missing target only disables its hook group).
 """
 
 import os
@@ -161,8 +169,36 @@ def _bool_masks() -> None:
         self, ptrs, value, as_bool(mask), *a)
 
 
+V1_LOGITSPROCS = "vllm.v1.sample.logits_processor"
+
+
+def hide_v1_logitsprocs_from_the_plugin() -> None:
+    """Make ``import vllm.v1.sample.logits_processor`` (and ``from vllm.v1.sample import
+    logits_processor``, and its submodules) raise ``ImportError`` in every ``vllm_steer``
+    module. Idempotent."""
+    import builtins
+
+    if getattr(builtins.__import__, "_steer_hides_v1_logitsprocs", False):
+        return
+    orig = builtins.__import__
+
+    def __import__(name, globals=None, locals=None, fromlist=(), level=0):
+        importer = (globals or {}).get("__name__") or ""
+        if level == 0 and importer.split(".", 1)[0] == "vllm_steer" and (
+                name == V1_LOGITSPROCS or name.startswith(V1_LOGITSPROCS + ".")
+                or (name == "vllm.v1.sample" and "logits_processor" in (fromlist or ()))):
+            raise ImportError(f"tests/v2shim: {importer} imports {V1_LOGITSPROCS}, hidden from "
+                              "the plugin (STEER_TEST_NO_V1_LOGITSPROCS=1)", name=name)
+        return orig(name, globals, locals, fromlist, level)
+
+    __import__._steer_hides_v1_logitsprocs = True
+    builtins.__import__ = __import__
+
+
 if os.environ.get("STEER_TEST_V2_SHIM") == "1":
     _install()
     _bool_masks()
 if os.environ.get("STEER_TEST_ASYNC_SHIM") == "1":
     _install_async()
+if os.environ.get("STEER_TEST_NO_V1_LOGITSPROCS") == "1":
+    hide_v1_logitsprocs_from_the_plugin()

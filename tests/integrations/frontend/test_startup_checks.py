@@ -1,6 +1,7 @@
 """Start-up checks (vllm_steer.integrations.frontend.startup_checks) without starting an engine: the
 steer files, speculative decoding, pooling models and data-parallel modes are refused at
-engine config creation, naming what and why; what is accepted gets our logits processor."""
+engine config creation, naming what and why; what is accepted gets our per-request steer state
+(a vLLM logits processor)."""
 
 from __future__ import annotations
 
@@ -31,12 +32,31 @@ def _engine_config(model, steers, **kw):
                       **kw).create_engine_config()
 
 
-def test_engine_config_installs_the_v1_logits_processor(registered, tiny_model_dir, tmp_path):
+def test_engine_config_installs_the_v1_request_state(registered, tiny_model_dir, tmp_path):
     p = tmp_path / "a.safetensors"
     save_steer(p, random_steer(64, 4, "a"))
     cfg = _engine_config(tiny_model_dir, {"a": str(p)})
     assert cfg.model_config.logits_processors == [
-        "vllm_steer.integrations.processors:SteerLogitsProcessorV1"]
+        "vllm_steer.integrations.request_state_v1:SteerRequestStateV1"]
+
+
+def test_each_runners_request_state_is_named_by_its_module_and_class():
+    """The names start-up writes (and the V1 speculative-decoding hook matches) are real
+    classes, each in its runner's module, subclassing that runner's logits-processor base."""
+    import importlib
+
+    from vllm.v1.sample.logits_processor import LogitsProcessor as V1Base
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2Base
+
+    from vllm_steer.integrations.frontend import startup_checks
+    from vllm_steer.integrations.worker import spec_v1
+
+    assert spec_v1.V1_REQUEST_STATE == startup_checks.REQUEST_STATE_V1
+    for fqcn, base in ((startup_checks.REQUEST_STATE_V1, V1Base),
+                       (startup_checks.REQUEST_STATE_V2, V2Base)):
+        module, _, name = fqcn.partition(":")
+        cls = getattr(importlib.import_module(module), name)
+        assert issubclass(cls, base) and cls.__module__ == module, fqcn
 
 
 def _bad_files(tmp_path):
@@ -135,7 +155,7 @@ def test_speculative_decoding_ngram_draft_model_and_eagle_are_accepted(registere
         cfg = _engine_config(tiny_model_dir, {"a": str(p)}, speculative_config=spec)
         assert cfg.speculative_config.method == spec["method"]
         assert cfg.model_config.logits_processors == [
-            "vllm_steer.integrations.processors:SteerLogitsProcessorV1"]
+            "vllm_steer.integrations.request_state_v1:SteerRequestStateV1"]
 
 
 def _vllm(*args, timeout=240):

@@ -11,7 +11,7 @@ from vllm.v1.sample.logits_processor import LogitsProcessor, LogitsProcessors  #
 from vllm.v1.worker.gpu_input_batch import InputBatch  # noqa: E402
 
 from vllm_steer.integrations.hooks import wrap_method  # noqa: E402
-from vllm_steer.integrations.processors import SteerLogitsProcessorV1  # noqa: E402
+from vllm_steer.integrations.request_state_v1 import SteerRequestStateV1  # noqa: E402
 from vllm_steer.integrations.worker.v1 import input_batch_init  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def _batch(procs):
 
 
 def test_output_token_ids_not_tracked_for_processors_that_do_not_read_them():
-    assert SteerLogitsProcessorV1.needs_output_token_ids is False
+    assert SteerRequestStateV1.needs_output_token_ids is False
     wrap_method(InputBatch, "__init__", input_batch_init)
     wrap_method(InputBatch, "__init__", input_batch_init)  # idempotent: wrapped once
     assert getattr(InputBatch.__init__, "_vllm_steer", False)

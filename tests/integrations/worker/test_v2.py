@@ -21,7 +21,7 @@ from helpers.steers import random_steer
 from vllm_steer.format import save_steer
 from vllm_steer.reference import steer_reference
 
-V2_FQCN = "vllm_steer.integrations.processors:SteerLogitsProcessorV2"
+V2_FQCN = "vllm_steer.integrations.request_state_v2:SteerRequestStateV2"
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +76,9 @@ def test_v2_loader_accepts_the_processor_and_validator_rejects_bad_requests(vllm
         LogitsProcessor, build_custom_logits_processors_params_validator,
     )
 
-    from vllm_steer.integrations.processors import SteerLogitsProcessorV2
+    from vllm_steer.integrations.request_state_v2 import SteerRequestStateV2
 
-    assert issubclass(SteerLogitsProcessorV2, LogitsProcessor)
+    assert issubclass(SteerRequestStateV2, LogitsProcessor)
     validate = build_custom_logits_processors_params_validator([V2_FQCN])
     validate(_params({"a": 5, "b": -10}))
     validate(_params())
@@ -95,11 +95,12 @@ def test_steered_requests_declare_logits_processing_only_where_a_greedy_fast_pat
     unsteered ones not."""
     from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors
 
-    from vllm_steer.integrations import processors
+    from vllm_steer.integrations import request_state_v2
 
-    assert not processors.has_greedy_fast_path()
-    monkeypatch.setattr(processors, "GREEDY_FAST_PATH_MODULE", "vllm.v1.worker.gpu.sample.sampler")
-    assert processors.has_greedy_fast_path()
+    assert not request_state_v2.has_greedy_fast_path()
+    monkeypatch.setattr(request_state_v2, "GREEDY_FAST_PATH_MODULE",
+                        "vllm.v1.worker.gpu.sample.sampler")
+    assert request_state_v2.has_greedy_fast_path()
     (proc,) = build_custom_logits_processors(vllm_config, _req_states(), False, [V2_FQCN])
     proc.runtime.load(64, torch.device("cpu"), torch.float32)
     assert proc.add_request(1, _params({"a": 5})) is True

@@ -4,10 +4,12 @@ accepts.
 When vLLM creates the engine config (``EngineArgs.create_engine_config``),
 :func:`configure_engine` checks the steer files (safetensors only, no torch), the model family,
 presets/defaults/floors, speculative decoding and data-parallel modes, then appends our
-per-request logits processor for the active model runner (V1 or Model Runner V2) to
-``model_config.logits_processors``. In each worker, vLLM's ``LogitsProcessor`` layer is
-swapped for :class:`~vllm_steer.integrations.worker.head.SteeredLogitsProcessor` (``register_oot``),
-and once the model is loaded its logits layer is checked to be that head
+per-request steer state for the active model runner (V1 or Model Runner V2) to
+``model_config.logits_processors`` (a vLLM logits processor by type only: that is how vLLM
+loads per-request state into its workers; :func:`processor_fqcn`). In each worker, vLLM's
+``LogitsProcessor`` layer is swapped for
+:class:`~vllm_steer.integrations.worker.head.SteeredLogitsProcessor` (``register_oot``), and
+once the model is loaded its logits layer is checked to be that head
 (:mod:`vllm_steer.integrations.worker.head`).
 
 This module imports no torch at import time (the frontend imports it).
@@ -29,7 +31,7 @@ SUPPORTED_SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 
 
 def create_engine_config(orig, self, *a, **kw):
-    """``EngineArgs.create_engine_config``: the checks and our logits processor
+    """``EngineArgs.create_engine_config``: the checks and our per-request steer state
     (:func:`configure_engine`) on every engine config vLLM creates."""
     vllm_config = orig(self, *a, **kw)
     configure_engine(vllm_config)
@@ -37,7 +39,8 @@ def create_engine_config(orig, self, *a, **kw):
 
 
 def configure_engine(vllm_config) -> None:
-    """Check the steers, refuse what we cannot steer, and install our logits processor."""
+    """Check the steers, refuse what we cannot steer, and install our per-request steer state
+    (as a logits processor)."""
     cfg = SteerServerConfig.from_additional_config(vllm_config.additional_config)
     frontend_state().reset(cfg)
     if cfg is None or not cfg.enabled:
@@ -144,8 +147,16 @@ def check_steers_fit(cfg: SteerServerConfig, hidden_size: int, model: str) -> No
                              [f"{e.path}: {r}" for e in errors for r in e.reasons])
 
 
+#: Our per-request steer state per model runner, ``module:Class`` as vLLM loads custom logits
+#: processors (:mod:`vllm_steer.integrations.request_state_v1`, ``request_state_v2``).
+REQUEST_STATE_V1 = "vllm_steer.integrations.request_state_v1:SteerRequestStateV1"
+REQUEST_STATE_V2 = "vllm_steer.integrations.request_state_v2:SteerRequestStateV2"
+
+
 def processor_fqcn(vllm_config) -> str:
-    """The logits processor of the active model runner (named, not imported: no torch)."""
+    """The per-request steer state of the active model runner, as the logits processor vLLM
+    loads (named, not imported: no torch; each runner's module imports only its runner's
+    logits-processor interface)."""
     if getattr(vllm_config, "use_v2_model_runner", False):
-        return "vllm_steer.integrations.processors:SteerLogitsProcessorV2"
-    return "vllm_steer.integrations.processors:SteerLogitsProcessorV1"
+        return REQUEST_STATE_V2
+    return REQUEST_STATE_V1

@@ -27,9 +27,9 @@ from vllm_steer.integrations.worker.rows import SlotRows
 from vllm_steer.integrations.worker.runtime import binding, runtime_of
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
 
-#: Our V1 per-request steer state (:mod:`vllm_steer.integrations.processors`), loaded by name
-#: as vLLM loads custom logits processors.
-V1_PROCESSOR = "vllm_steer.integrations.processors:SteerLogitsProcessorV1"
+#: Our V1 per-request steer state (:mod:`vllm_steer.integrations.request_state_v1`),
+#: loaded by name as vLLM loads custom logits processors.
+V1_REQUEST_STATE = "vllm_steer.integrations.request_state_v1:SteerRequestStateV1"
 
 _NUM_DRAFT = Arg("num_draft_tokens")
 _CU_SCHEDULED = Arg("cu_num_scheduled_tokens")
@@ -151,13 +151,13 @@ def build_logitsprocs(orig, vllm_config, device, is_pin_memory, is_pooling_model
     import importlib
 
     custom = list(custom_logitsprocs or ())
-    ours = [p for p in custom if p == V1_PROCESSOR or getattr(p, "__qualname__", None)
-            == "SteerLogitsProcessorV1"]
+    ours = [p for p in custom if p == V1_REQUEST_STATE or getattr(p, "__qualname__", None)
+            == "SteerRequestStateV1"]
     if vllm_config.speculative_config is None or is_pooling_model or not ours \
             or len(ours) != len(custom):
         return orig(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
     procs = orig(vllm_config, device, is_pin_memory, is_pooling_model, ())
-    module, _, name = V1_PROCESSOR.partition(":")
+    module, _, name = V1_REQUEST_STATE.partition(":")
     proc = getattr(importlib.import_module(module), name)(vllm_config, device, is_pin_memory)
     (procs.argmax_invariant if proc.is_argmax_invariant()
      else procs.non_argmax_invariant).append(proc)

@@ -1,7 +1,7 @@
 """vLLM's V1 model runner (the CPU runner and the V1 GPU runner): the hooks that give the
 worker's :class:`~vllm_steer.integrations.worker.runtime.SteerRuntime` what the per-request
-state (:class:`vllm_steer.integrations.processors.SteerLogitsProcessorV1`) cannot see: the
-generated-token index of each batch row, the rows of prompt logprobs. Semantics: see
+state (:class:`~vllm_steer.integrations.request_state_v1.SteerRequestStateV1`) cannot
+see: the generated-token index of each batch row, the rows of prompt logprobs. Semantics: see
 :mod:`vllm_steer.reference`. Speculative decoding on this runner:
 :mod:`vllm_steer.integrations.worker.spec_v1`.
 

@@ -1,4 +1,5 @@
-"""Per-request steer state for vLLM's Model Runner V2 (the GPU default).
+"""vLLM's Model Runner V2 (the GPU default): the hooks that map each step's rows to request
+slots (the per-request state itself: :mod:`vllm_steer.integrations.request_state_v2`).
 
 Semantics: see :mod:`vllm_steer.reference`. Thin by design: V2 keeps request state in slots
 (``add_request(slot, params)``) and tells, per step, which slot each logits row belongs to

@@ -1,0 +1,66 @@
+"""Per-request steer state on vLLM's V1 model runner (the CPU runner and the V1 GPU runner):
+where a request's steers reach the worker.
+
+:class:`SteerRequestStateV1` is a vLLM logits processor by type only: vLLM loads per-request
+state into its workers through custom logits processors (named in
+``model_config.logits_processors``), so it subclasses V1's ``LogitsProcessor``; it never
+changes logits (``apply`` is the identity; the LM head steers,
+:mod:`vllm_steer.integrations.worker.head`). It straddles two processes, as vLLM's custom logits
+processors do: ``validate_params`` runs in the frontend at admission
+(:func:`vllm_steer.integrations.frontend.admission.validate`); an instance lives in each worker
+and puts the coefficients of the request in each batch slot into the worker's request-slot
+table (:meth:`~vllm_steer.integrations.worker.runtime.SteerRuntime.set_slot`, ``flush``),
+where the LM-head hook reads them. Semantics: see :mod:`vllm_steer.reference`.
+
+V1 keeps a persistent batch: ``update_state(BatchUpdate)`` reports added, removed and moved
+slots; V1 samples one row per request in batch order, so row i is slot i.
+
+This module imports V1's ``vllm.v1.sample.logits_processor`` and nothing of Model Runner V2
+(:mod:`vllm_steer.integrations.request_state_v2`): a vLLM without the V1 runner never
+imports it. Named in ``model_config.logits_processors`` by
+:func:`vllm_steer.integrations.frontend.startup_checks.processor_fqcn`.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from vllm_steer.integrations.frontend import admission
+from vllm_steer.integrations.worker.runtime import get_runtime
+
+
+class SteerRequestStateV1(LogitsProcessor):
+    """V1 per-request steer state: each batch slot's coefficients for the LM-head hook."""
+
+    # Read by worker.v1.input_batch_init: this processor never reads output token ids.
+    needs_output_token_ids = False
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        admission.validate(sampling_params)
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        self.runtime = get_runtime(vllm_config.additional_config)
+        if self.runtime is not None:
+            self.runtime.ensure_slots(vllm_config.scheduler_config.max_num_seqs, device)
+
+    def is_argmax_invariant(self) -> bool:
+        return True  # logits are steered in the head, not here
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        rt = self.runtime
+        if rt is None or batch_update is None:
+            return
+        for slot in batch_update.removed:
+            rt.set_slot(slot, None)
+        for slot, params, _prompt, _out in batch_update.added:
+            coefs = rt.decode(params)  # decoded once, into its row and windows
+            rt.set_slot(slot, coefs.row, coefs.windows)
+        for a, b, direction in batch_update.moved:
+            rt.move_slot(a, b, swap=direction == MoveDirectionality.SWAP)
+        rt.batch_size = batch_update.batch_size
+        rt.flush()
