@@ -4,18 +4,22 @@ next to vLLM's own step time, for the V1 runner and Model Runner V2, in one run.
 An offline engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core
 and the worker are this process) on a tiny random Llama (hidden 64) with four random steers,
 and is stepped by hand (``LLMEngine.step``) through decode steps of a batch of 256 requests
-(``--batch``), of which 0, 1 or 256 are steered (``--rows``). Every worker hook of the plugin (``plugin.HOOKS``, worker
-process) is timed *exclusively*: the time inside vLLM's original (``orig``) is taken out; so
-are the steered head (``SteeredLogitsProcessor.forward`` less vLLM's own logits layer) and the
-per-request steer state's callbacks (``update_state``; ``add_request``, ``apply_staged_writes``).
-The steer op (the backend function the runtime calls) is timed on its own in the same calls:
-``plugin - op`` is what the plugin adds around the op. A do-nothing hook on a method vLLM calls
-once per step (``Scheduler.schedule``), timed the same way, measures what the harness itself
-costs per hook call where vLLM calls it (cold caches, this machine's load); ``net`` takes that
-out per plugin call (``calls``: hook, head and callback calls per step). The timer's own cost per region is
-measured and taken out (every region's, vLLM's ``orig`` calls included: each one's cost
-lands in the plugin region around it). vLLM's step is the wall time of ``LLMEngine.step`` (scheduling, the
-forward on this CPU, sampling, output processing), plugin included.
+(``--batch``), of which 0, 1 or 256 are steered (``--rows``). Every site where the plugin
+runs is timed *exclusively*: each worker hook of ``plugin.HOOKS`` (the time inside vLLM's
+original, ``orig``, taken out), the steered head (``SteeredLogitsProcessor.forward`` less
+vLLM's own logits layer) and the per-request steer state's callbacks (``update_state``;
+``add_request``, ``apply_staged_writes``). The steer op (the backend function the runtime
+calls) is timed on its own in the same calls.
+
+Steps alternate between the plugin and do-nothing stand-ins at the very same sites (a hook
+that only calls ``orig``, vLLM's plain logits layer for the head, empty callbacks), timed by the
+same harness: what the stand-ins measure is what the harness and the call sites cost on this
+machine at that moment (cold caches, other load), and ``net`` is the plugin's time less the op
+and less the stand-ins' time, medians over each kind of step. The timer stamps each region's
+start and end into a log (exclusive times are worked out after the step), and its own cost
+per region, measured, is taken out of both. vLLM's step is the wall time of
+``LLMEngine.step`` (scheduling, the forward on this CPU, sampling, output processing),
+plugin included.
 
     python benchmarks/bench_plugin_step.py                       # V1 and V2, 0/1/256 rows
     python benchmarks/bench_plugin_step.py --runners v1 --steps 20 --rows 0,1

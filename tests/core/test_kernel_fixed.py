@@ -324,6 +324,41 @@ def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_in
     assert rt.graphs.captures == 1 and rt.graphs.replays == 4 and rt.stats.calls == 4
 
 
+def test_a_batch_growing_to_max_num_seqs_captures_each_row_bucket_once(tmp_path):
+    """The head's coefficient buffer holds ``max_num_seqs`` rows from the first step, so a
+    batch that grows from one request to the most the runner schedules, and shrinks again,
+    captures each row bucket once (a new buffer would make every graph capture again)."""
+    import numpy as np
+
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.worker.rows import SlotRows
+    from vllm_steer.integrations.worker.runtime import get_runtime
+
+    path = str(tmp_path / "a.safetensors")
+    save_steer(path, random_steer(32, 4, "a", seed=1))
+    rt = get_runtime({"vllm_steer": {"steers": {"a": path}, "max_steers": 2,
+                                     "max_steer_rank": 8}})
+    rt.load(32, DEVICE, torch.float32)
+    rt.ensure_slots(8, DEVICE)
+    rt.graphs = rt.bank.head_graphs(graph_backend=StandIn())
+    row = np.zeros(rt.num_columns, np.float32)
+    row[0] = 4 * rt.bank.steers[0].metadata.epsilon
+    for slot in range(8):
+        rt.set_slot(slot, row if slot % 2 == 0 else None)
+    rt.flush()
+    gen = torch.Generator().manual_seed(0)
+    for n in (*range(1, 9), *range(7, 0, -1)):
+        h = torch.randn(n, 32, generator=gen).to(DEVICE)
+        with rt.rows(SlotRows(slots=np.arange(n))):
+            out = rt.steer_rows(h)
+        coefs = torch.tensor(np.stack([row if i % 2 == 0 else 0 * row for i in range(n)]))
+        ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+                              coefs)
+        torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+    assert rt.graphs.buckets == [1, 2, 4, 8]
+    assert rt.graphs.captures == 4 and rt.graphs.replays == 15
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="real CUDA graphs (scripts/gpu_window.sh runs "
                                                   "this file with VLLM_STEER_TEST_DEVICE=cuda)")
 def test_real_cuda_graphs_replay_the_tables_and_the_copys_current_values():

@@ -34,7 +34,8 @@ PROMPTS = ["Hello there, my name is", "The weather today", "Once upon a time in 
 REQUESTS = [({"a": 5}, 7), (None, 3), ({"b": -6}, 5), ({"a": 2, "b": 3}, 2), (None, 6),
             ({"a": -4}, 4)]
 ENGINE_KW = dict(dtype="float32", kv_cache_memory_bytes=1 << 28, max_model_len=256,
-                 max_num_seqs=3, enforce_eager=True, seed=0, async_scheduling=True)
+                 max_num_seqs=3, enforce_eager=True, seed=0, async_scheduling=True,
+                 max_num_batched_tokens=256)  # V2's start-up warm-up runs this many tokens
 
 
 def _shim():

@@ -40,7 +40,8 @@ PROMPTS = ["Hello there, my name is", "The weather today",
            "Q: What is two plus two?\nA:"]
 MAX_TOKENS = 16
 ENGINE_KW = dict(dtype="float32", kv_cache_memory_bytes=1 << 27, max_model_len=256,
-                 max_num_seqs=8, enforce_eager=True, seed=0, enable_prefix_caching=False)
+                 max_num_seqs=8, enforce_eager=True, seed=0, enable_prefix_caching=False,
+                 max_num_batched_tokens=256)  # V2's start-up warm-up runs this many tokens
 SPEC = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
               "prompt_lookup_min": 1},

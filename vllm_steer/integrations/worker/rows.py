@@ -257,7 +257,12 @@ class StepPlanner:
             dev = bank.p1.device
             if self._coefs_dev is None or self._coefs_dev.shape[0] < n \
                     or self._coefs_dev.device != dev:
-                rows = max(n, 2 * (0 if self._coefs_dev is None else self._coefs_dev.shape[0]))
+                # sized for the most rows a step samples (max_num_seqs) from the start: the
+                # head's CUDA graphs read this buffer and are captured again when it is
+                # replaced, which then happens only for a step with more rows (verification
+                # rows, prompt-logprob chunks), each time doubling
+                rows = max(n, banks.max_rows,
+                           2 * (0 if self._coefs_dev is None else self._coefs_dev.shape[0]))
                 self._coefs_dev = torch.zeros((rows, banks.num_columns), dtype=torch.float32,
                                               device=dev)
                 self._coef_copy = staging.StagedCopy(dev)
