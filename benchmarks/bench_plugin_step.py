@@ -11,11 +11,13 @@ vLLM's own logits layer) and the per-request steer state's callbacks (``update_s
 ``add_request``, ``apply_staged_writes``). The steer op (the backend function the runtime
 calls) is timed on its own in the same calls.
 
-Steps alternate between the plugin and do-nothing stand-ins at the very same sites (a hook
-that only calls ``orig``, vLLM's plain logits layer for the head, empty callbacks), timed by the
-same harness: what the stand-ins measure is what the harness and the call sites cost on this
-machine at that moment (cold caches, other load), and ``net`` is the plugin's time less the op
-and less the stand-ins' time, medians over each kind of step. The timer stamps each region's
+Steps alternate between the plugin and stand-ins at the very same sites, timed by the same
+harness: a hook that only calls ``orig``, empty callbacks, and for the head the steer op alone
+on the same rows (launched as the plugin's head launches it, its result unused) before vLLM's
+plain logits layer. What the stand-ins measure is what the harness, the call sites and the op
+cost on this machine at that moment (cold caches, other load); ``net`` is the plugin's time
+less the stand-ins', medians over each kind of step: what the plugin adds to an unsteered
+step, and to a steered step beyond the op alone. The timer stamps each region's
 start and end into a log (exclusive times are worked out after the step), and its own cost
 per region, measured, is taken out of both. vLLM's step is the wall time of
 ``LLMEngine.step`` (scheduling, the forward on this CPU, sampling, output processing),
@@ -116,10 +118,10 @@ def _null_hook(orig, *args, **kwargs):
 def _timed_hook(wrapper):
     """A hook wrapper whose own time goes to "plugin:<name>" and its ``orig``'s to "vllm"; in
     a null step, a do-nothing hook in its place."""
-    from vllm_steer.integrations.hooks import RESOLVE_ATTR
+    from vllm_steer.integrations import hooks
 
     name = "plugin:" + getattr(wrapper, "__name__", "timed")
-    resolve = getattr(wrapper, RESOLVE_ATTR, None)
+    resolve = getattr(wrapper, getattr(hooks, "RESOLVE_ATTR", "vllm_steer_resolve"), None)
     fn = []  # what the plugin's patched method calls: the imported function, once resolved
 
     def timed(orig, *args, **kwargs):
@@ -162,6 +164,18 @@ def _instrument() -> None:
     from vllm_steer.integrations.worker.rows import StepPlanner
 
     def plain_forward(self, lm_head, hidden_states, embedding_bias=None, skip_gather=False):
+        """The head's stand-in: vLLM's plain logits layer, after the steer op alone on the
+        same rows as the plugin's head launches it in the steps around (its last plan,
+        through the same timed op), its result unused: so ``net`` compares the plugin's head
+        with the op it launches, at the same site."""
+        rt = self.steer_runtime
+        planner = None if rt is None else rt.planner
+        coefs = None if planner is None else getattr(planner, "_step_coefs_dev", None)
+        if coefs is not None and planner._step_key is not None and rt.slots.num_active_slots \
+                and coefs.shape[0] == hidden_states.shape[0]:
+            bank = rt.banks.bank
+            kw = {} if planner._plan is None else {"prepared": planner._plan}
+            rt.banks.fn(hidden_states, bank.p1, bank.p2, bank.rank_offsets, coefs, **kw)
         return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
 
     _time_method(head.SteeredLogitsProcessor, "forward", "plugin:head", null=plain_forward)
@@ -280,6 +294,7 @@ def child(runner: str, rows_list: list[int], steps: int, batch: int = BATCH) -> 
                 "plugin_us": med([work(s) for s in real]) * 1e6,
                 "null_us": med([work(s) for s in null]) * 1e6,
                 "op_us": med([s[2] for s in real]) * 1e6,
+                "null_op_us": med([s[2] for s in null]) * 1e6,
                 "detail_us": {b: med([s[4].get(b, 0.0) for s in real]) * 1e6
                               for b in sorted({b for s in real for b in s[4]})
                               if b.startswith("plugin:")},
@@ -291,8 +306,8 @@ def child(runner: str, rows_list: list[int], steps: int, batch: int = BATCH) -> 
     return out
 
 
-def _v2_env() -> dict[str, str]:
-    path = os.environ.get("PYTHONPATH", "")
+def _v2_env(path: str) -> dict[str, str]:
+    """The test shim's environment, ahead of ``path`` (the child's PYTHONPATH: this tree)."""
     return {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "tests" / "v2shim"), path) if p),
             "STEER_TEST_V2_SHIM": "1", "VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1"}
 
@@ -316,7 +331,7 @@ def main() -> None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", ""))
                                             if p)
         if runner == "v2":
-            env.update(_v2_env())
+            env.update(_v2_env(env["PYTHONPATH"]))
         proc = subprocess.run([sys.executable, __file__, "--child", runner, "--rows", args.rows,
                                "--steps", str(args.steps), "--batch", str(args.batch)], env=env,
                               capture_output=True, text=True)
@@ -332,16 +347,16 @@ def main() -> None:
     print(f"plugin host work per decode step, batch {args.batch}, {args.steps} + {args.steps} "
           f"interleaved steps (median); load average {load:.2f} on {os.cpu_count()} CPUs")
     print(f"{'runner':6} {'steered':>7} {'vLLM step us':>13} {'sites us':>9} {'op us':>8} "
-          f"{'null us':>8} {'net us':>7} {'net+op/step':>11}  goal")
+          f"{'null us':>8} {'null op':>8} {'net us':>7} {'net+op/step':>11}  goal")
     for res in results:
         for rows, r in res["rows"].items():
-            # net: the plugin's own work, less the op and what do-nothing hooks measure at the
-            # same sites in the interleaved null steps
-            net = r["plugin_us"] - r["op_us"] - r["null_us"]
+            # net: the plugin's own work: its sites' time less what the stand-ins measure at
+            # the same sites in the interleaved null steps (the op alone included there)
+            net = r["plugin_us"] - r["null_us"]
             goal = (f"<10 us: {'met' if net < 10 else 'NOT met'}" if int(rows) == 0
                     else f"op+10 us: {'met' if net < 10 else 'NOT met'}")
             print(f"{res['runner']:6} {rows:>7} {r['step_us']:13.0f} {r['plugin_us']:9.1f} "
-                  f"{r['op_us']:8.1f} {r['null_us']:8.1f} {net:7.1f} "
+                  f"{r['op_us']:8.1f} {r['null_us']:8.1f} {r['null_op_us']:8.1f} {net:7.1f} "
                   f"{(net + r['op_us']) / r['step_us']:11.2%}  {goal}")
             if args.detail:
                 for label, d in (("plugin", r["detail_us"]), ("null", r["null_detail_us"])):

@@ -49,9 +49,12 @@ def test_a_runner_looks_its_runtime_up_once_then_reads_it(monkeypatch):
     assert len(BINDINGS) == n - 2
 
 
-def test_v1_prepare_inputs_reads_its_arguments_by_name():
+def test_v1_prepare_inputs_reads_its_arguments_by_name(monkeypatch):
     """A windowed slot's generated-token positions come from ``num_scheduled_tokens``, given
     by position or by keyword, wherever it stands in the signature."""
+    from vllm_steer.integrations.worker import v1
+
+    monkeypatch.setattr(v1, "WINDOWED_SLOTS", [1])  # a windowed request in this process
     rt = SimpleNamespace(slots=SimpleNamespace(num_window_slots=1),
                          planner=SimpleNamespace(batch_positions=None))
     runner = _Runner(None)
@@ -89,3 +92,36 @@ def test_an_argument_a_vllm_renamed_fails_loudly_naming_it():
         arg.get(renamed, ("self", 1, 2, "m"), {})
     args, kwargs = arg.replace(sample_draft, ("self", 1, 2, "m"), {}, "new")
     assert args == ("self", 1, 2, "new") and kwargs == {}
+
+
+def test_the_process_count_of_windowed_slots_follows_every_slot_change(tmp_path):
+    """V1's per-step hook reads one process-wide count before anything else: it follows each
+    request slot given, cleared, moved or reset, over two runtimes."""
+    import torch
+
+    from helpers.steers import random_steer
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.worker.request_slots import WINDOWED_SLOTS
+    from vllm_steer.integrations.worker.runtime import SteerRuntime
+    from vllm_steer.request import Window
+
+    path = str(tmp_path / "a.safetensors")
+    save_steer(path, random_steer(16, 2, "a", seed=1))
+    start = WINDOWED_SLOTS[0]
+    rts = [SteerRuntime(SteerServerConfig(steers={"a": path})) for _ in range(2)]
+    row = np.zeros(rts[0].num_columns, np.float32)
+    row[0] = 1e-3
+    for rt in rts:
+        rt.load(16, torch.device("cpu"), torch.float32)
+        rt.ensure_slots(4, torch.device("cpu"))
+        rt.set_slot(0, row, {0: Window(1.0, start=2)})
+    assert WINDOWED_SLOTS[0] == start + 2
+    rts[0].set_slot(1, row, {0: Window(1.0, start=2)})
+    rts[0].move_slot(0, 3, swap=False)  # moved: still two windowed slots there
+    assert WINDOWED_SLOTS[0] == start + 3
+    rts[0].set_slot(3, row)  # the slot reused by a request with no window
+    assert WINDOWED_SLOTS[0] == start + 2
+    rts[1].ensure_slots(8, torch.device("cpu"))  # a new, empty table
+    assert WINDOWED_SLOTS[0] == start + 1
+    rts[0].set_slot(1, None)
+    assert WINDOWED_SLOTS[0] == start

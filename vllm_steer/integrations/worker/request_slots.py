@@ -76,6 +76,11 @@ def decode_request(params: Any, bank: SlotBank | None, num_columns: int) -> Requ
     return RequestCoefs(np.asarray(row, dtype=np.float32), windows)
 
 
+#: Request slots holding a request with generation windows in this process, over all its
+#: runtimes: V1's per-step hook reads this one integer before anything else, so a step with
+#: no windowed request anywhere costs one read (``WINDOWED_SLOTS[0]``).
+WINDOWED_SLOTS = [0]
+
 #: the per-slot window arrays (host, ``[max_slots, capacity]`` float64 each)
 WINDOW_FIELDS = ("strength", "base", "start", "end", "ramp", "eps", "dom")
 
@@ -111,7 +116,7 @@ class RequestSlots:
         self._copy = staging.StagedCopy(torch.device(device))
         self.windowed = np.zeros(max_slots, dtype=bool)
         self.windows = None
-        self.num_window_slots = 0
+        self._count_windows(0)
         self._dirty = False
         self.num_active_slots = 0
         self.version += 1
@@ -134,7 +139,7 @@ class RequestSlots:
             steered = steered or any(w.strength or w.base for w in windows.values())
         elif self.windowed[slot]:
             self.windowed[slot] = False
-            self.num_window_slots -= 1
+            self._count_windows(self.num_window_slots - 1)
         self.steered[slot] = steered
         self._dirty = True
         self.version += 1
@@ -158,7 +163,7 @@ class RequestSlots:
             w["dom"][slot, j] = meta.domain_strength * meta.epsilon if served else 0.0
         if not self.windowed[slot]:
             self.windowed[slot] = True
-            self.num_window_slots += 1
+            self._count_windows(self.num_window_slots + 1)
 
     def move(self, src: int, dst: int, swap: bool) -> None:
         assert self.host is not None
@@ -171,9 +176,14 @@ class RequestSlots:
             else:
                 arr[dst] = arr[src]
                 arr[src] = 0
-        self.num_window_slots = int(np.count_nonzero(self.windowed))
+        self._count_windows(int(np.count_nonzero(self.windowed)))
         self._dirty = True
         self.version += 1
+
+    def _count_windows(self, n: int) -> None:
+        """Set :attr:`num_window_slots`, keeping the process's count (:data:`WINDOWED_SLOTS`)."""
+        WINDOWED_SLOTS[0] += n - self.num_window_slots
+        self.num_window_slots = n
 
     def flush(self) -> None:
         """Copy changed slot coefficients to the device (once per step, only when changed),
@@ -226,4 +236,4 @@ class RequestSlots:
         return coefs
 
 
-__all__ = ["RequestSlots", "RequestCoefs", "decode_request"]
+__all__ = ["RequestSlots", "RequestCoefs", "decode_request", "WINDOWED_SLOTS"]

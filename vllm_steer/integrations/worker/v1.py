@@ -13,6 +13,7 @@ arguments.Arg`).
 from __future__ import annotations
 
 from vllm_steer.integrations.worker.arguments import Arg
+from vllm_steer.integrations.worker.request_slots import WINDOWED_SLOTS
 from vllm_steer.integrations.worker.rows import PromptRows
 from vllm_steer.integrations.worker.runtime import runtime_of
 
@@ -30,10 +31,10 @@ def prepare_inputs(orig, self, *args, **kwargs):
     the sample of a non-final prefill chunk is discarded by vLLM, whatever its index).
     """
     out = orig(self, *args, **kwargs)
-    rt = runtime_of(self)
-    if rt is None:
+    if not WINDOWED_SLOTS[0]:  # no windowed request in this process: the one read
         return out
-    if rt.slots.num_window_slots:  # positions are read only for windowed slots' rows
+    rt = runtime_of(self)
+    if rt is not None and rt.slots.num_window_slots:  # read only for windowed slots' rows
         b = self.input_batch
         n = b.num_reqs
         scheduled = _NUM_SCHEDULED.get(orig, (self, *args), kwargs)
