@@ -59,6 +59,7 @@ class SteerRequestStateV2(LogitsProcessor):
     def __init__(self, vllm_config, req_states) -> None:
         super().__init__(vllm_config, req_states)
         self.runtime = get_runtime(vllm_config.additional_config)
+        self.slots = None if self.runtime is None else self.runtime.slots  # the request slots
         self.declare_steered = has_greedy_fast_path()  # see GREEDY_FAST_PATH_MODULE
         if self.runtime is not None:
             self.runtime.ensure_slots(req_states.max_num_reqs, req_states.device)
@@ -76,8 +77,9 @@ class SteerRequestStateV2(LogitsProcessor):
         return self.declare_steered and (coefs.windows is not None or bool(coefs.row.any()))
 
     def apply_staged_writes(self) -> None:
-        if self.runtime is not None:
-            self.runtime.flush()
+        slots = self.slots  # called at every step: one flag read while nothing changed
+        if slots is not None and slots.dirty:
+            slots.flush()
 
     def apply(self, logits, ctx):
         return logits

@@ -80,6 +80,9 @@ def decode_request(params: Any, bank: SlotBank | None, num_columns: int) -> Requ
 #: runtimes: V1's per-step hook reads this one integer before anything else, so a step with
 #: no windowed request anywhere costs one read (``WINDOWED_SLOTS[0]``).
 WINDOWED_SLOTS = [0]
+#: Steered request slots in this process as of each table's last flush, over all its runtimes:
+#: Model Runner V2's per-step hook reads this one integer before anything else.
+STEERED_SLOTS = [0]
 
 #: the per-slot window arrays (host, ``[max_slots, capacity]`` float64 each)
 WINDOW_FIELDS = ("strength", "base", "start", "end", "ramp", "eps", "dom")
@@ -102,7 +105,7 @@ class RequestSlots:
         self.num_active_slots = 0  # steered slots as of the last flush
         self.version = 0  # bumped whenever the coefficients may change (keys the step plan)
         self.max_slots = 0
-        self._dirty = False
+        self.dirty = False
         self._copy: staging.StagedCopy | None = None
 
     def ensure(self, max_slots: int, device: torch.device) -> bool:
@@ -117,8 +120,8 @@ class RequestSlots:
         self.windowed = np.zeros(max_slots, dtype=bool)
         self.windows = None
         self._count_windows(0)
-        self._dirty = False
-        self.num_active_slots = 0
+        self.dirty = False
+        self._count_active(0)
         self.version += 1
         self.max_slots = max_slots
         return True
@@ -141,7 +144,7 @@ class RequestSlots:
             self.windowed[slot] = False
             self._count_windows(self.num_window_slots - 1)
         self.steered[slot] = steered
-        self._dirty = True
+        self.dirty = True
         self.version += 1
 
     def _set_windows(self, slot: int, windows: dict, bank: SlotBank) -> None:
@@ -177,8 +180,13 @@ class RequestSlots:
                 arr[dst] = arr[src]
                 arr[src] = 0
         self._count_windows(int(np.count_nonzero(self.windowed)))
-        self._dirty = True
+        self.dirty = True
         self.version += 1
+
+    def _count_active(self, n: int) -> None:
+        """Set :attr:`num_active_slots`, keeping the process's count (:data:`STEERED_SLOTS`)."""
+        STEERED_SLOTS[0] += n - self.num_active_slots
+        self.num_active_slots = n
 
     def _count_windows(self, n: int) -> None:
         """Set :attr:`num_window_slots`, keeping the process's count (:data:`WINDOWED_SLOTS`)."""
@@ -188,12 +196,12 @@ class RequestSlots:
     def flush(self) -> None:
         """Copy changed slot coefficients to the device (once per step, only when changed),
         from pinned staging on CUDA (no sync; see :class:`StagedCopy`)."""
-        if not self._dirty or self.host is None:
+        if not self.dirty or self.host is None:
             return
         n = self.host.shape[0]
         self._copy.copy_(self.table[:n], self.host)
-        self.num_active_slots = int(np.count_nonzero(self.steered))
-        self._dirty = False
+        self._count_active(int(np.count_nonzero(self.steered)))
+        self.dirty = False
         self.version += 1
 
     def any_steered(self, slots: np.ndarray) -> bool:
@@ -236,4 +244,4 @@ class RequestSlots:
         return coefs
 
 
-__all__ = ["RequestSlots", "RequestCoefs", "decode_request", "WINDOWED_SLOTS"]
+__all__ = ["RequestSlots", "RequestCoefs", "decode_request", "WINDOWED_SLOTS", "STEERED_SLOTS"]

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from vllm_steer.integrations.worker.arguments import Arg
+from vllm_steer.integrations.worker.request_slots import STEERED_SLOTS
 from vllm_steer.integrations.worker.rows import MappedRows, NoRows, SlotRows
 from vllm_steer.integrations.worker.runtime import bound, current_runtime
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
@@ -54,19 +55,24 @@ def sample(orig, self, *args, **kwargs):
     logits without the model's logits layer) raises :class:`HeadBypassedError` instead of
     serving those rows unsteered: one integer comparison per steered step.
 
-    Per step: one binding read and one integer check while no request anywhere is steered;
-    a step with steered requests maps its rows from host arrays (:func:`_host_rows`).
+    Per step: one integer read while no request in the process is steered
+    (:data:`~vllm_steer.integrations.worker.request_slots.STEERED_SLOTS`); a step with steered
+    requests maps its rows from host arrays (:func:`_host_rows`). The drafter heads are
+    checked (:func:`prepare_drafter_once`) at the runner's first steered step, before its
+    drafter proposes.
     """
+    if not STEERED_SLOTS[0]:  # no steered request in this process: the one read
+        return orig(self, *args, **kwargs)
     b = bound(self)
     rt = b.runtime
     if rt is None:
         return orig(self, *args, **kwargs)
-    if not b.drafter_checked:  # the runner's first step: its drafter is loaded by then
+    if not b.drafter_checked:  # the first steered step: the drafter is loaded by then
         if getattr(self, "speculator", None) is not None:
             prepare_drafter_once(self, rt)  # which drafter heads stay steered (spec_decode.py)
         b.drafter_checked = True
     table = rt.slots
-    if not table.num_active_slots:  # no steered request anywhere: the one check
+    if not table.num_active_slots:  # none of this runner's requests is steered
         return orig(self, *args, **kwargs)
     input_batch = _INPUT_BATCH.get(orig, (self, *args), kwargs)
     if not table.steered[input_batch.idx_mapping_np].any():
