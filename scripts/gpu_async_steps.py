@@ -146,6 +146,10 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
     def sample(hs, batch_ns):
         return v2.sample(Runner.sample, Runner(), hs, batch_ns, None)
 
+    # V2's PromptLogprobsWorker: its record of the running requests that asked for them
+    prompt_worker = SimpleNamespace(in_progress_prompt_logprobs={
+        f"r{i}": [] for i in range(len(PROMPT_LENS))})
+
     def prompt_fn(self, logits_fn, hidden_states, input_batch):  # vLLM's chunked prompt rows
         n = hidden_states.shape[0]
         return torch.cat([logits_fn(hidden_states[a:a + CHUNK]) for a in range(0, n, CHUNK)])
@@ -177,7 +181,7 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
         pb = SimpleNamespace(num_reqs=len(PROMPT_LENS), idx_mapping_np=order[:len(PROMPT_LENS)],
                              query_start_loc_np=qsl)
         ph = torch.randn(int(qsl[-1]), hidden, generator=g, device=device).to(dtype)
-        plogits = v2.prompt_logprobs(prompt_fn, None, rt.steer_rows, ph, pb)
+        plogits = v2.prompt_logprobs(prompt_fn, prompt_worker, rt.steer_rows, ph, pb)
         kept.append((h.clone(), logits, ph, plogits, slot_rows[order].copy(),
                      np.repeat(slot_rows[order[:len(PROMPT_LENS)]], PROMPT_LENS, axis=0)))
     host_s = time.perf_counter() - t0
