@@ -104,13 +104,23 @@ def _spread(url, n=16, **extra):
         return list(ex.map(lambda _: _complete(url, **extra), range(n)))
 
 
-def _listings(url, tries=24) -> dict:
-    """pid of the answering API server -> its GET /v1/steers answer (new connections)."""
+def _listings(url, rounds=6, width=8) -> dict:
+    """pid of the answering API server -> its GET /v1/steers answer (new connections, ``width``
+    at a time: the API servers share one listening socket, and an idle one could otherwise
+    accept every connection made one after another)."""
     seen = {}
-    for _ in range(tries):
+
+    def get(_):
         r = requests.get(url + "/v1/steers")
         assert r.status_code == 200, r.text
-        seen[r.json()["api_server"]["pid"]] = r.json()
+        return r.json()
+
+    with cf.ThreadPoolExecutor(width) as ex:
+        for _ in range(rounds):
+            for answer in ex.map(get, range(width)):
+                seen[answer["api_server"]["pid"]] = answer
+            if len(seen) == 2:
+                break
     assert len(seen) == 2, "GETs reached one API-server process only"
     return seen
 
