@@ -75,7 +75,7 @@ def sample(orig, self, *args, **kwargs):
     if not table.num_active_slots:  # none of this runner's requests is steered
         return orig(self, *args, **kwargs)
     input_batch = _INPUT_BATCH.get(orig, (self, *args), kwargs)
-    if not table.steered[input_batch.idx_mapping_np].any():
+    if not table.any_steered(input_batch.idx_mapping_np):
         return orig(self, *args, **kwargs)
     planner = rt.planner
     calls = planner.head_calls
@@ -219,7 +219,7 @@ def prompt_token_id_logprobs(orig, self, *args, **kwargs):
 
 
 def _steered_prompt_call(orig, self, args, kwargs):
-    """Steer's prompt logprobs like its sampled tokens.
+    """Steer prompt logprobs like the sampled tokens.
 
     ``PromptLogprobsWorker.compute_prompt_logprobs`` runs the step's token rows through
     ``compute_logits`` in fixed-size chunks that may hold rows of several requests;
