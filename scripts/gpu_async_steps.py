@@ -71,6 +71,22 @@ def _coef_row(rt, rng) -> np.ndarray:
     return row
 
 
+class EagerGraphs:
+    """The head's graph backend on the CPU: a capture keeps the function, a replay calls it.
+    The head's graphs write into static buffers all the same, so the rows the head returns
+    last until its next call, as on a GPU."""
+
+    def capture(self, fn):
+        fn()
+        return fn
+
+    def replay(self, graph):
+        graph()
+
+    def reset(self):
+        pass
+
+
 def _replay(fn, graph: bool):
     """``fn`` as vLLM runs a captured step: warmed up on a side stream, captured once in a CUDA
     graph, then replayed (without ``graph``: ``fn`` itself, run eagerly each time)."""
@@ -121,6 +137,8 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
     tmp = tempfile.TemporaryDirectory()
     rt, config = _runtime(device, dtype, hidden, 4, 16, 2 * batch, Path(tmp.name))
     rt.row_source = NO_ROWS  # as the V2 processor sets it: rows outside sample()
+    if not cuda and rt.banks.graphs is None:  # the head's graphs as on a GPU, run eagerly
+        rt.banks.graphs = rt.bank.head_graphs(graph_backend=EagerGraphs())
     if runtime_hook is not None:
         runtime_hook(rt)
 
@@ -141,7 +159,9 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
         vllm_config = SimpleNamespace(additional_config=config)
 
         def sample(self, hidden_states, input_batch, grammar_output):
-            return rt.steer_rows(hidden_states)
+            # the head's matmul reads the steered rows at once and writes new logits; the
+            # steered rows (from a CUDA graph, its static output) last until the next call
+            return rt.steer_rows(hidden_states).clone()
 
     def sample(hs, batch_ns):
         return v2.sample(Runner.sample, Runner(), hs, batch_ns, None)
@@ -151,8 +171,9 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
         f"r{i}": [] for i in range(len(PROMPT_LENS))})
 
     def prompt_fn(self, logits_fn, hidden_states, input_batch):  # vLLM's chunked prompt rows
-        n = hidden_states.shape[0]
-        return torch.cat([logits_fn(hidden_states[a:a + CHUNK]) for a in range(0, n, CHUNK)])
+        n = hidden_states.shape[0]  # each chunk's logits: new memory (the head's matmul)
+        return torch.cat([logits_fn(hidden_states[a:a + CHUNK]).clone()
+                          for a in range(0, n, CHUNK)])
 
     waits = _count_event_waits() if cuda else None
     slot_rows = np.zeros((2 * batch, rt.num_columns), dtype=np.float32)
@@ -199,8 +220,11 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
                 bad.append(f"step {step} {what}: max |error| {err:.3g} > {tol}")
     ok = not bad and plain_diff == 0 and effect > 5 * tol and (waits is None or waits[0] == 0)
     tag = str(dtype).replace("torch.", "")
+    head = rt.banks.graphs
+    head_replays = 0 if head is None else head.replays
     lines.append(f"async {tag}: {steps} steps x {batch} rows + {sum(PROMPT_LENS)} prompt rows "
-                 f"in chunks of {CHUNK}, forward {'in a CUDA graph' if graph else 'eager'}: "
+                 f"in chunks of {CHUNK}, forward {'in a CUDA graph' if graph else 'eager'}, "
+                 f"head op replayed from its graphs {head_replays} times: "
                  f"max |steered - reference| {worst:.3g} (tolerance {tol}), plain rows differing "
                  f"{plain_diff}, largest steer effect {effect:.3g}, host waits on unfinished "
                  f"events {'n/a' if waits is None else waits[0]}, host {host_s * 1e3:.0f} ms "
@@ -210,7 +234,8 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
         waits[1]()
     tmp.cleanup()
     return {"ok": ok, "lines": lines, "worst": worst, "plain_diff": plain_diff,
-            "effect": effect, "waits": None if waits is None else waits[0]}
+            "effect": effect, "waits": None if waits is None else waits[0],
+            "head_replays": head_replays}
 
 
 def run_drafter(device="cuda", dtype=torch.bfloat16, steps: int = 16, batch: int = 64,

@@ -169,7 +169,9 @@ def run_engine(a) -> int:
     for _ in range(spec["rounds"]):
         for mode in order.sample(modes, len(modes)):
             runs[mode].append(run(mode))
-    Path(a.result).write_text(json.dumps({"runs": runs, "rows_steered": steered}))
+    Path(a.result).write_text(json.dumps({
+        "runs": runs, "rows_steered": steered,
+        "plugin_loaded": "vllm_steer.integrations.plugin" in sys.modules}))
     return 0
 
 
@@ -209,6 +211,7 @@ def main(argv=None) -> int:
 
     a.cpu_async = False
     work = Path(a.workdir or tempfile.mkdtemp(prefix="gpu_throughput-"))
+    a.workdir = str(work)
     print(f"gpu_throughput: device {a.device}, {a.dtype}, runner {a.runner}, {a.rows} rows, "
           f"K {a.k}, shapes {a.shapes}, work in {work}", flush=True)
     results, ok = {}, True
@@ -241,6 +244,10 @@ def main(argv=None) -> int:
             continue
         result = json.loads(out.read_text())
         runs, steered = result["runs"], result["rows_steered"]
+        if not result["plugin_loaded"]:
+            print(f"FAIL [{shape}] vLLM did not load the plugin (no vllm.general_plugins entry "
+                  f"point named vllm_steer on the engine's path): every mode ran unsteered")
+            ok = False
         want = a.rows * a.output_len
         complete = all(t == want for rs in runs.values() for t, _ in rs)
         # the last run of each mode: plain rows never reach the steer op, steered rows do

@@ -165,8 +165,8 @@ def cmd_download(a) -> int:
     dest.mkdir(parents=True, exist_ok=True)
     have = machine_packages(a.packages_file) | NEVER
     skip = {norm(s) for s in a.skip}
-    if a.lean:
-        skip |= {norm(s) for s in _lean().LEAN_DROP}
+    lean_drop = {norm(s) for s in _lean().LEAN_DROP} if a.lean else set()
+    skip |= lean_drop
     _, Requirement = _packaging()
     queue = [f"vllm=={a.vllm}", *a.extra]
     leaves = {norm(Requirement(e).name) for e in a.extra}  # their own needs are not followed
@@ -174,6 +174,7 @@ def cmd_download(a) -> int:
     carried: set[str] = set()
     extras_of: dict[str, set[str]] = {}  # the extras followed so far, per carried package
     pins: dict[str, str] = {}
+    needed_by: dict[str, list[str]] = {}  # a --lean drop -> the carried packages requiring it
     while queue:
         spec = queue.pop(0)
         req = Requirement(spec)
@@ -204,7 +205,18 @@ def cmd_download(a) -> int:
         extras_of[name] = set(req.extras)
         for w in found:
             if name not in leaves:
-                queue += wheel_requirements(w, req.extras)
+                reqs = wheel_requirements(w, req.extras)
+                queue += reqs
+                if name != "vllm":  # the import trace reads vLLM's modules, not this package's
+                    for r in reqs:
+                        if norm(Requirement(r).name) in lean_drop:
+                            needed_by.setdefault(norm(Requirement(r).name), []).append(name)
+    if needed_by:
+        raise CarryError("--lean leaves behind what a carried package requires (the import trace "
+                         "follows vLLM's own modules only; keep these: remove them from "
+                         "LEAN_DROP in scripts/gpu_vllm_lean.py): " + "; ".join(
+                             f"{d} (required by {', '.join(sorted(set(by)))})"
+                             for d, by in sorted(needed_by.items())))
     unused = [] if a.dry_run else [w for w in dest.glob("*.whl") if wheel_name(w) not in carried]
     for w in unused:  # left from another download (e.g. without --lean): never carried
         (dest / "unused").mkdir(exist_ok=True)

@@ -53,12 +53,60 @@ REQUESTS = [({"a": 5}, 6), (None, 9), ({"b": -6}, 4), ({"a": 2, "b": 3}, 7), (No
 TOL = {"float32": 2e-3, "bfloat16": 0.15, "float16": 0.05}
 
 
+def _setup_kwargs() -> dict:
+    """The package's name, version and entry points, read from setup.py (not run)."""
+    import ast
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call)
+                and getattr(n.func, "id", None) == "setup")
+    return {k.arg: ast.literal_eval(k.value) for k in call.keywords
+            if k.arg in ("name", "version", "entry_points")}
+
+
+def plugin_metadata(where: Path) -> Path:
+    """A folder holding the package's metadata (``*.dist-info``: its name, version and entry
+    points), to put on the engines' path where the package is not installed: vLLM finds
+    plugins only through their ``vllm.general_plugins`` entry point, and without it the
+    engine serves every request unsteered (``extra_args`` it does not know are ignored)."""
+    kw = _setup_kwargs()
+    dist = where / f"{kw['name'].replace('-', '_')}-{kw['version']}.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {kw['name']}\n"
+                                   f"Version: {kw['version']}\n")
+    (dist / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{line}\n" for line in lines) + "\n"
+        for group, lines in kw["entry_points"].items()))
+    return where
+
+
+def _importable(env: dict, code: str) -> bool:
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          timeout=120).returncode == 0
+
+
+_FIND_PLUGIN = ("import sys, importlib.metadata as m; sys.exit(not any(e.name == 'vllm_steer' "
+                "for e in m.entry_points(group='vllm.general_plugins')))")
+
+
 def engine_env(a, runner: str, plugin: bool) -> dict:
+    """The environment of one engine: the model runner, the plugin (its entry point found, or
+    the plugin left out: ``VLLM_PLUGINS=none``), the test shims on a CPU; on CUDA without
+    FlashInfer (a lean vLLM carry), vLLM's FlashInfer sampler off."""
     env = dict(os.environ)
     env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
     if not plugin:
         env["VLLM_PLUGINS"] = "none"
     path = [str(ROOT)]
+    if plugin and not _importable({**env, "PYTHONPATH": os.pathsep.join(
+            path + [p for p in [env.get("PYTHONPATH")] if p])}, _FIND_PLUGIN):
+        where = plugin_metadata(Path(getattr(a, "workdir", None)
+                                     or tempfile.mkdtemp(prefix="steer-meta-")) / "steer_meta")
+        print(f"  the package is not installed here: its entry points from {where}", flush=True)
+        path.append(str(where))
+    if a.device == "cuda" and "VLLM_USE_FLASHINFER_SAMPLER" not in env \
+            and not _importable(env, "import flashinfer"):
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # V2's sampler imports it at start-up
     if a.device == "cpu":
         if runner == "v2":
             env["STEER_TEST_V2_SHIM"] = "1"
@@ -90,7 +138,8 @@ def run_engine(a) -> int:
         kw["additional_config"] = {"vllm_steer": {"steers": spec["steers"]}}
     llm = LLM(spec["model"], **kw)
     cfg = llm.llm_engine.vllm_config
-    info = {"async_scheduling": bool(cfg.scheduler_config.async_scheduling),
+    info = {"plugin_loaded": "vllm_steer.integrations.plugin" in sys.modules,
+            "async_scheduling": bool(cfg.scheduler_config.async_scheduling),
             "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
             "v2_runner": bool(getattr(cfg, "use_v2_model_runner", False))}
 
@@ -233,7 +282,9 @@ def main(argv=None) -> int:
             infos[f"{dtype}-{runner}"] = on["info"]
             checks.append({"dtype": dtype, "runner": runner, "check": "engine settings as asked",
                            "ok": on["info"]["async_scheduling"] == use_async
-                           and on["info"]["v2_runner"] == (runner == "v2"), **on["info"]})
+                           and on["info"]["v2_runner"] == (runner == "v2")
+                           and on["info"]["plugin_loaded"]
+                           and not off["info"]["plugin_loaded"], **on["info"]})
             checks += compare(a, dtype, runner, ref, on, off)
     for c in checks:
         detail = {k: v for k, v in c.items() if k not in ("dtype", "runner", "check", "ok")}

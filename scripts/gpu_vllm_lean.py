@@ -40,8 +40,10 @@ from pathlib import Path
 # not need it). Their own requirements are not followed either.
 LEAN_DROP: dict[str, tuple[tuple[str, ...], str]] = {
     "flashinfer-python": (("flashinfer",), "FlashInfer attention, sampling and MoE kernels: "
-                          "vLLM imports it inside functions only; V2 samples with its own "
-                          "Triton kernels and Hopper attention is FlashAttention 3"),
+                          "vLLM imports it inside functions only; Hopper attention is "
+                          "FlashAttention 3, and V2's sampler asks for FlashInfer at start-up "
+                          "unless VLLM_USE_FLASHINFER_SAMPLER=0 (the GPU scripts set it when "
+                          "FlashInfer is absent) and then samples with its own kernels"),
     "nvidia-cutlass-dsl": (("cutlass",), "the CuTe DSL (FlashAttention 4 on Blackwell, FP4/FP8 "
                            "GEMMs): imported inside functions only"),
     "quack-kernels": (("quack",), "CuTe DSL kernels for Blackwell"),
@@ -49,7 +51,6 @@ LEAN_DROP: dict[str, tuple[tuple[str, ...], str]] = {
     "tokenspeed-mla": (("tokenspeed_mla",), "MLA attention kernels (DeepSeek-style models)"),
     "humming-kernels": (("humming",), "quantized GEMM kernels"),
     "nvidia-cudnn-frontend": (("cudnn",), "cuDNN attention for MLA prefill"),
-    "apache-tvm-ffi": (("tvm_ffi",), "the FFI of FlashInfer and TileLang"),
     "torchcodec": (("torchcodec",), "video decoding for multimodal inputs"),
     "pynvvideocodec": (("PyNvVideoCodec",), "GPU video decoding for multimodal inputs"),
     "fastsafetensors": (("fastsafetensors",), "the --load-format fastsafetensors loader"),

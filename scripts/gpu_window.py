@@ -282,6 +282,9 @@ class EagerStandIn:
     def replay(self, graph):
         graph()
 
+    def reset(self):
+        pass
+
 
 def _host_us(fn, sync, calls: int = 200, burst: int = 20) -> float:
     """Median host time of one call (microseconds), in bursts that never fill the launch

@@ -106,7 +106,7 @@ class StandIn:
     the same ops with the same shapes (what a real graph would replay)."""
 
     def __init__(self):
-        self.captured, self.replayed = [], 0
+        self.captured, self.replayed, self.resets = [], 0, 0
 
     def capture(self, fn):
         with Record() as rec:
@@ -120,6 +120,9 @@ class StandIn:
             fn()
         assert rec.ops == recorded, "a replay launched other ops than its capture"
         self.replayed += 1
+
+    def reset(self):
+        self.resets += 1
 
 
 def test_graphs_capture_each_row_bucket_once_and_follow_the_tables_values():
@@ -147,10 +150,11 @@ def test_a_new_table_storage_or_dtype_is_captured_again():
     table = torch.ones(4, 1, device=DEVICE)
     h = torch.randn(3, 16, device=DEVICE)
     graphs.run(h, table), graphs.run(h, table)
-    assert graphs.captures == 1
+    assert graphs.captures == 1 and graphs.backend.resets == 0
     bigger = torch.ones(8, 1, device=DEVICE)  # the caller's buffer grew: new storage
     graphs.run(h, bigger)
-    assert graphs.captures == 2
+    # the old graphs are dropped and the backend told so (a CUDA pool is not reused)
+    assert graphs.captures == 2 and graphs.backend.resets == 1
     graphs.run(h.to(torch.bfloat16), bigger)
     assert graphs.captures == 3 and graphs.buckets == [4]
 
@@ -229,14 +233,16 @@ def test_a_steer_wider_than_the_copy_sends_the_head_back_to_the_eager_op(log_lin
     assert graphs.disabled and "wide" in graphs.disabled
     assert any("launched eagerly (not from CUDA graphs) while steers wider than the fixed "
                "copy's rank 8 are loaded: ['wide']" in line for line in log_lines), log_lines
-    assert graphs.run(torch.randn(2, 32, device=DEVICE), torch.zeros(2, 6)) is None
+    assert graphs.run(torch.randn(2, 32, device=DEVICE), torch.zeros(2, 6, device=DEVICE)) is None
     bank.drop(2)
     assert graphs.disabled is None
-    assert graphs.run(torch.randn(2, 32, device=DEVICE), torch.zeros(2, 6)) is not None
+    assert graphs.run(torch.randn(2, 32, device=DEVICE),
+                      torch.zeros(2, 6, device=DEVICE)) is not None
 
 
 def test_the_head_keeps_the_eager_op_where_graphs_do_not_apply(monkeypatch, log_lines):
-    assert _bank().head_graphs() is None  # no CUDA (the stand-in lifts this rule)
+    if DEVICE.type != "cuda":
+        assert _bank().head_graphs() is None  # no CUDA (the stand-in lifts this rule)
     assert _bank().head_graphs("torch", graph_backend=StandIn()) is None  # a named backend
     monkeypatch.setenv("VLLM_STEER_BACKEND", "triton")
     assert _bank().head_graphs(graph_backend=StandIn()) is None
@@ -379,3 +385,24 @@ def test_real_cuda_graphs_replay_the_tables_and_the_copys_current_values():
                               table[:5].cpu())
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
     assert graphs.captures == 1 and graphs.replays == 4
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="real CUDA graphs (scripts/gpu_window.sh runs "
+                                                  "this file with VLLM_STEER_TEST_DEVICE=cuda)")
+def test_real_cuda_graphs_are_captured_again_after_every_graph_was_dropped():
+    """On a GPU: a new coefficient table and a load that changes the bank's layout each drop
+    every graph; the next captures (into a new memory pool: capturing into the dropped graphs'
+    pool fails an assertion inside PyTorch) replay the reference."""
+    bank = _bank()
+    graphs = bank.head_graphs()
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        if step == 2:
+            bank.put(2, 7, "c", random_steer(32, 2, "c", seed=7))  # a new layout
+        table = _coefs(bank, 4, gen)  # a new buffer each step
+        h = torch.randn(4, 32, generator=gen).to(DEVICE)
+        out = graphs.run(h, table).clone()
+        ref = steer_reference(h.cpu(), bank.p1.cpu(), bank.p2.cpu(), bank.rank_offsets,
+                              table.cpu())
+        torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+    assert graphs.captures == 3

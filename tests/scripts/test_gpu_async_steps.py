@@ -27,6 +27,9 @@ def test_the_worker_code_passes_the_one_step_ahead_check(dtype):
     assert r["ok"], r["lines"]
     assert r["plain_diff"] == 0 and r["effect"] > 5 * gpu_async_steps.TOLERANCE[dtype]
     assert "PASS" in r["lines"][0] and "forward eager" in r["lines"][0]
+    # the head's op ran from its graphs (eager stand-in: static buffers, as on a GPU) at every
+    # sampled step and prompt chunk
+    assert r["head_replays"] >= SMALL["steps"] * 2, r["lines"][0]
 
 
 def _hook(shift):

@@ -78,6 +78,39 @@ def test_compare_passes_a_correct_engine_and_catches_wrong_rows(ref):
         "steered row 2: mixed batch = alone"]
 
 
+def test_the_plugins_metadata_carries_the_installed_packages_entry_points(tmp_path):
+    """Where the package is not installed (a GPU host with the checkout alone), the engines
+    get its metadata on their path: the same entry points as the installed distribution's,
+    found by the lookup vLLM uses."""
+    import importlib.metadata as md
+
+    where = gvc.plugin_metadata(tmp_path / "meta")
+    written = [d for d in md.distributions(path=[str(where)])]
+    assert [d.metadata["Name"] for d in written] == ["vllm-steer"]
+    installed = md.distribution("vllm-steer")
+    assert {(e.group, e.name, e.value) for e in written[0].entry_points} == \
+        {(e.group, e.name, e.value) for e in installed.entry_points}
+    found = [e for e in md.entry_points(group="vllm.general_plugins") if e.name == "vllm_steer"]
+    assert found and found[0].value in {e.value for e in written[0].entry_points}
+
+
+def test_engine_env_puts_the_metadata_on_the_path_and_turns_off_a_missing_flashinfer(
+        tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    a = argparse.Namespace(device="cuda", cpu_async=False, workdir=str(tmp_path))
+    monkeypatch.setattr(gvc, "_importable", lambda env, code: False)  # neither is found
+    env = gvc.engine_env(a, "v2", True)
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" and "VLLM_PLUGINS" not in env
+    assert str(tmp_path / "steer_meta") in env["PYTHONPATH"].split(os.pathsep)
+    assert list((tmp_path / "steer_meta").glob("*.dist-info/entry_points.txt"))
+    stock = gvc.engine_env(a, "v2", False)
+    assert stock["VLLM_PLUGINS"] == "none"
+    monkeypatch.setattr(gvc, "_importable", lambda env, code: True)  # both are found
+    env = gvc.engine_env(argparse.Namespace(device="cuda", cpu_async=False,
+                                            workdir=str(tmp_path / "other")), "v2", True)
+    assert "VLLM_USE_FLASHINFER_SAMPLER" not in env and "steer_meta" not in env["PYTHONPATH"]
+
+
 @pytest.mark.vllm
 def test_reduced_check_runs_on_cpu_with_async_scheduling(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -88,6 +121,7 @@ def test_reduced_check_runs_on_cpu_with_async_scheduling(tmp_path):
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     doc = json.loads((tmp_path / "gpu_vllm_check.json").read_text())
     assert doc["engines"]["float32-v1"]["async_scheduling"] is True
+    assert doc["engines"]["float32-v1"]["plugin_loaded"] is True
     names = [c["check"] for c in doc["checks"]]
     assert len(names) == 1 + 13 and all(c["ok"] for c in doc["checks"])
     assert "gpu_vllm_check: 14 passed, 0 failed" in r.stdout

@@ -168,6 +168,27 @@ def test_download_lean_skips_the_extras_strips_the_wheel_and_sets_stale_wheels_a
     assert "was stripped by `download --lean`; delete it" in r.stderr
 
 
+def test_download_lean_refuses_to_leave_behind_what_a_carried_package_requires(tmp_path):
+    """The import trace reads vLLM's modules only: a dropped package that another carried
+    package requires (as XGrammar requires TVM FFI) is refused, naming both."""
+    dest = tmp_path / "whl"
+    dest.mkdir()
+    files = {m.replace(".", "/") + ".py": "" for m in lean.PATH_ROOTS if m != "vllm"}
+    files["vllm/__init__.py"] = ""
+    make_wheel(dest / "vllm-9.9-py3-none-any.whl", files, requires=["grammar==1.0"])
+    with zipfile.ZipFile(dest / "grammar-1.0-py3-none-any.whl", "w") as z:
+        z.writestr("grammar-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: grammar\n"
+                   "Version: 1.0\nRequires-Dist: flashinfer-python>=0.1\n")
+    pk = tmp_path / "packages.txt"
+    pk.write_text("Packages: six.\n")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_vllm_carry.py"), "download",
+                        "--vllm", "9.9", "--dest", str(dest), "--packages-file", str(pk),
+                        "--lean"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--lean leaves behind what a carried package requires" in r.stderr
+    assert "flashinfer-python (required by grammar)" in r.stderr
+
+
 def test_host_report_names_each_extension_and_why_it_does_not_load():
     """``host`` runs after the install on the GPU host; here (vLLM's CPU build, no CUDA
     extensions) every extension is reported with its reason, and nothing raises."""

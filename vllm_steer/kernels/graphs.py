@@ -85,11 +85,16 @@ class GraphBackend(Protocol):
 
     def replay(self, graph: Any) -> None: ...
 
+    def reset(self) -> None:
+        """Every graph captured so far is being dropped: the next capture starts afresh."""
+
 
 class CudaGraphBackend:
     """``torch.cuda.CUDAGraph``: the function is run once on a side stream (library handles
-    and workspaces are created outside the capture), then captured there; every graph of one
-    :class:`SteerGraphs` shares one memory pool (they replay one at a time, on one stream).
+    and workspaces are created outside the capture), then captured there; the graphs of one
+    :class:`SteerGraphs` share one memory pool (they replay one at a time, on one stream) until
+    :meth:`reset`: once its last graph is gone, the caching allocator keeps a pool only to free
+    it, and a capture into it fails an internal assertion of PyTorch's.
     The capture is thread-local: work other threads of the process put on the GPU meanwhile
     is neither captured nor refused."""
 
@@ -122,6 +127,9 @@ class CudaGraphBackend:
     def replay(self, graph: Any) -> None:
         graph.replay()
 
+    def reset(self) -> None:
+        self.pool = None  # the next capture opens a new pool
+
 
 class SteerGraphs:
     """The capture-safe steer op on a fixed-layout bank, one graph per row bucket.
@@ -153,9 +161,12 @@ class SteerGraphs:
         return sorted(self._graphs)
 
     def invalidate(self) -> None:
-        """Drop every graph: each bucket is captured again on its next use."""
-        self._graphs.clear()
-        self._steps.clear()
+        """Drop every graph: each bucket is captured again on its next use (into a new memory
+        pool: the dropped graphs' pool is freed)."""
+        if self._graphs:
+            self._graphs.clear()
+            self._steps.clear()
+            self.backend.reset()
 
     def run(self, hidden: torch.Tensor, table: torch.Tensor) -> torch.Tensor | None:
         """The steered ``hidden`` (``[rows, hidden]``), row ``i`` with the coefficients of
