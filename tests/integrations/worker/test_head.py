@@ -76,6 +76,60 @@ def test_head_works_with_a_lora_style_wrapper_as_self(head_cls):
     assert top.tolist() == (hidden @ weight.T).argmax(-1).tolist()
 
 
+def test_the_head_steers_only_while_a_request_in_the_process_is_steered(head_cls, tmp_path):
+    """The head's gate: with no steered request in the process it computes vLLM's plain
+    logits without reaching the runtime; a flushed steered slot makes it steer that row (the
+    formula in plain torch); cleared again, plain logits and the runtime untouched."""
+    from vllm_steer.integrations.worker import request_slots
+
+    others = request_slots.STEERED_SLOTS[0]  # other tests' live slots, given back after
+    request_slots.STEERED_SLOTS[0] = 0
+    try:
+        _head_gate(head_cls, tmp_path)
+    finally:
+        request_slots.STEERED_SLOTS[0] += others
+
+
+def _head_gate(head_cls, tmp_path):
+    import numpy as np
+
+    from helpers.steers import random_steer
+    from vllm_steer.config import SteerServerConfig
+    from vllm_steer.format import load_steer, save_steer
+    from vllm_steer.integrations.worker.rows import SlotRows
+    from vllm_steer.integrations.worker.runtime import SteerRuntime
+
+    path = str(tmp_path / "a.safetensors")
+    save_steer(path, random_steer(16, 4, "a", seed=3, scale=3.0))
+    rt = SteerRuntime(SteerServerConfig(steers={"a": path}))
+    rt.load(16, torch.device("cpu"), torch.float32)
+    rt.ensure_slots(4, torch.device("cpu"))
+    head = head_cls(50)
+    head.steer_runtime = rt
+    g = torch.Generator().manual_seed(1)
+    weight, hidden = torch.randn(50, 16, generator=g), torch.randn(2, 16, generator=g)
+    plain = hidden @ weight.T
+    rt.planner.set_rows(SlotRows(slots=np.array([0, 1]), positions=None))
+    calls = rt.planner.head_calls
+    assert torch.allclose(head(_Head(weight), hidden), plain, atol=1e-5)
+    assert rt.planner.head_calls == calls  # the gate: the runtime was not reached
+    eps = 5e-3
+    row = np.zeros(rt.num_columns, np.float32)
+    row[0] = eps  # the steer's own column, no domain part (random_steer has none)
+    rt.set_slot(1, row)
+    rt.flush()
+    steer = load_steer(path)
+    w = steer.p1.float() @ steer.p2.float().T
+    want = torch.stack([hidden[0], hidden[1] + eps * (hidden[1] @ w)]) @ weight.T
+    assert torch.allclose(head(_Head(weight), hidden), want, atol=1e-4)
+    assert not torch.allclose(want, plain, atol=1e-2)
+    rt.set_slot(1, None)
+    rt.flush()
+    calls = rt.planner.head_calls
+    assert torch.allclose(head(_Head(weight), hidden), plain, atol=1e-5)
+    assert rt.planner.head_calls == calls
+
+
 def test_check_head_names_a_model_specific_logits_subclass(head_cls):
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 

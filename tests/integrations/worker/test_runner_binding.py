@@ -125,3 +125,34 @@ def test_the_process_count_of_windowed_slots_follows_every_slot_change(tmp_path)
     assert WINDOWED_SLOTS[0] == start + 1
     rts[0].set_slot(1, None)
     assert WINDOWED_SLOTS[0] == start
+
+
+def test_a_dropped_runtime_takes_its_slots_out_of_the_process_counts(tmp_path):
+    """The process-wide counts gate the per-step hooks and the head: a runtime that goes
+    away (an engine shut down in a process that starts another) leaves none of its steered or
+    windowed slots in them."""
+    import gc
+
+    import torch
+
+    from helpers.steers import random_steer
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.worker.request_slots import STEERED_SLOTS, WINDOWED_SLOTS
+    from vllm_steer.integrations.worker.runtime import SteerRuntime
+    from vllm_steer.request import Window
+
+    path = str(tmp_path / "a.safetensors")
+    save_steer(path, random_steer(16, 2, "a", seed=1))
+    start = STEERED_SLOTS[0], WINDOWED_SLOTS[0]
+    rt = SteerRuntime(SteerServerConfig(steers={"a": path}))
+    rt.load(16, torch.device("cpu"), torch.float32)
+    rt.ensure_slots(4, torch.device("cpu"))
+    row = np.zeros(rt.num_columns, np.float32)
+    row[0] = 1e-3
+    rt.set_slot(0, row, {0: Window(1.0, start=2)})
+    rt.set_slot(2, row)
+    rt.flush()
+    assert (STEERED_SLOTS[0], WINDOWED_SLOTS[0]) == (start[0] + 2, start[1] + 1)
+    del rt
+    gc.collect()
+    assert (STEERED_SLOTS[0], WINDOWED_SLOTS[0]) == start

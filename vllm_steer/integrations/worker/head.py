@@ -19,6 +19,8 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
+from vllm_steer.integrations.worker.request_slots import STEERED_SLOTS
+from vllm_steer.integrations.worker.rows import CAPTURE_SCOPES
 from vllm_steer.integrations.worker.runtime import SteerRuntime, get_runtime
 
 
@@ -43,16 +45,19 @@ class SteeredLogitsProcessor(LogitsProcessor):
 
     def forward(self, lm_head, hidden_states: torch.Tensor, embedding_bias=None,
                 skip_gather: bool = False):
-        # `self` may be vLLM's LoRA wrapper (see the module docstring)
-        rt = self.steer_runtime
-        if rt is not None and not self.logits_as_input:  # the planner's one check when idle
-            hidden_states = rt.planner.steer_rows(hidden_states)
+        # `self` may be vLLM's LoRA wrapper (see the module docstring). No steered request in
+        # the process and no drafter step being recorded: two integer reads, nothing else.
+        if STEERED_SLOTS[0] or CAPTURE_SCOPES[0]:
+            rt = self.steer_runtime
+            if rt is not None and not self.logits_as_input:
+                hidden_states = rt.planner.steer_rows(hidden_states)
         return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
 
     def get_top_tokens(self, lm_head, hidden_states, embedding_bias=None):
-        rt = self.steer_runtime
-        if rt is not None:
-            hidden_states = rt.planner.steer_rows(hidden_states)
+        if STEERED_SLOTS[0] or CAPTURE_SCOPES[0]:
+            rt = self.steer_runtime
+            if rt is not None:
+                hidden_states = rt.planner.steer_rows(hidden_states)
         return LogitsProcessor.get_top_tokens(self, lm_head, hidden_states, embedding_bias)
 
 

@@ -16,6 +16,7 @@ vectorised (:meth:`RequestSlots.row_coefs`); requests without windows pay nothin
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +85,14 @@ WINDOWED_SLOTS = [0]
 #: Model Runner V2's per-step hook reads this one integer before anything else.
 STEERED_SLOTS = [0]
 
+
+
+def _uncount(counted: list[int]) -> None:
+    """A table was collected: its slots leave the process's counts."""
+    STEERED_SLOTS[0] -= counted[0]
+    WINDOWED_SLOTS[0] -= counted[1]
+
+
 #: the per-slot window arrays (host, ``[max_slots, capacity]`` float64 each)
 WINDOW_FIELDS = ("strength", "base", "start", "end", "ramp", "eps", "dom")
 
@@ -107,6 +116,9 @@ class RequestSlots:
         self.max_slots = 0
         self.dirty = False
         self._copy: staging.StagedCopy | None = None
+        # this table's share of the process's counts, given back when the table is collected
+        self._counted = [0, 0]  # [steered slots, windowed slots]
+        weakref.finalize(self, _uncount, self._counted)
 
     def ensure(self, max_slots: int, device: torch.device) -> bool:
         """Size the table for ``max_slots`` request slots (True: it was (re)made, empty)."""
@@ -186,12 +198,12 @@ class RequestSlots:
     def _count_active(self, n: int) -> None:
         """Set :attr:`num_active_slots`, keeping the process's count (:data:`STEERED_SLOTS`)."""
         STEERED_SLOTS[0] += n - self.num_active_slots
-        self.num_active_slots = n
+        self.num_active_slots = self._counted[0] = n
 
     def _count_windows(self, n: int) -> None:
         """Set :attr:`num_window_slots`, keeping the process's count (:data:`WINDOWED_SLOTS`)."""
         WINDOWED_SLOTS[0] += n - self.num_window_slots
-        self.num_window_slots = n
+        self.num_window_slots = self._counted[1] = n
 
     def flush(self) -> None:
         """Copy changed slot coefficients to the device (once per step, only when changed),

@@ -75,6 +75,13 @@ class NoRows:
     """Rows with no known slot: left unsteered."""
 
 
+#: Open :class:`CapturedRows` scopes in this process (drafter steps being recorded into CUDA
+#: graphs, which must record the steer op whether or not a request is steered yet). With
+#: :data:`~vllm_steer.integrations.worker.request_slots.STEERED_SLOTS` it is the head's gate:
+#: both zero, the head has nothing to do.
+CAPTURE_SCOPES = [0]
+
+
 @dataclass(frozen=True)
 class CapturedRows:
     """Row -> slot on the device only (``mapping[i]``; -1: padding), for the capture-safe op."""
@@ -135,12 +142,16 @@ class StepPlanner:
 
     @contextlib.contextmanager
     def rows(self, source: RowSource):
-        """Scope a row source to the calls inside the block (V2 sampling, prompt logprobs)."""
+        """Scope a row source to the calls inside the block (V2 sampling, prompt logprobs,
+        drafter steps recorded into CUDA graphs: counted in :data:`CAPTURE_SCOPES`)."""
         prev, self.row_source = self.row_source, source
+        captured = type(source) is CapturedRows
+        CAPTURE_SCOPES[0] += captured
         try:
             yield
         finally:
             self.row_source = prev
+            CAPTURE_SCOPES[0] -= captured
 
     # ---- the head ------------------------------------------------------------------------
     def steer_rows(self, hidden: torch.Tensor) -> torch.Tensor:
