@@ -49,11 +49,12 @@ EOF
 if [ "$MODE" = vllm-check ] || [ "$MODE" = vllm-bench ]; then
   "$PY" -c "import vllm; print('vllm', vllm.__version__, vllm.__file__)" \
     || { echo "gpu_check: FAIL: vLLM is not importable (carry it: python3 scripts/gpu_vllm_carry.py plan)"; exit 2; }
-  # vLLM finds the plugin through its entry point: install the package's metadata once.
+  # vLLM finds the plugin through its entry point: put the package's metadata on the path
+  # (read from setup.py; no build, no install) where the package is not installed.
   if ! "$PY" -c "import sys, importlib.metadata as m; sys.exit(not any(e.name == 'vllm_steer' for e in m.entry_points(group='vllm.general_plugins')))"; then
-    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/steer_site "$ROOT" \
-      || { echo "gpu_check: FAIL: could not install vllm_steer's entry points"; exit 2; }
-    export PYTHONPATH="/tmp/steer_site${PYTHONPATH:+:$PYTHONPATH}"
+    META=$("$PY" -c "import sys; from pathlib import Path; sys.path.insert(0, 'scripts'); import gpu_vllm_check as g; print(g.plugin_metadata(Path('/tmp/steer_meta')))") \
+      || { echo "gpu_check: FAIL: could not write vllm_steer's entry points"; exit 2; }
+    export PYTHONPATH="$META${PYTHONPATH:+:$PYTHONPATH}"
   fi
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
