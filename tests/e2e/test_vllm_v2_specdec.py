@@ -25,10 +25,14 @@ import pytest
 
 from helpers.models import make_tiny_llama, make_tiny_mimo
 from helpers.reference import HFReference
-from e2e.test_vllm_specdec import (ENGINE_KW, MAX_TOKENS, MIXED, PROMPTS, spec_counts,
+from e2e.test_vllm_specdec import (ENGINE_KW, MIXED, PROMPTS, spec_counts,
                                    speculative_config)
 
 pytestmark = pytest.mark.vllm
+
+#: tokens per request: each V2 step with a drafter takes seconds in the Triton interpreter
+#: (the test shim), and 8 tokens already verify drafts at several steps and show every steer
+MAX_TOKENS = 8
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 TARGET = {"ngram": "tiny", "draft_model": "tiny", "eagle": "bigram", "eagle3": "tiny",
@@ -132,8 +136,8 @@ def test_every_hook_of_the_v2_speculative_decoding_groups_ran_in_the_engine(engi
     from vllm_steer.integrations.plugin import HOOKS
 
     name, _, llm = engine
-    outs = llm.generate(PROMPTS, [SamplingParams(
-        temperature=0, max_tokens=MAX_TOKENS, extra_args=None if s is None else {"steer": s})
+    outs = llm.generate(PROMPTS, [SamplingParams(  # a prefill and decode steps with drafts
+        temperature=0, max_tokens=4, extra_args=None if s is None else {"steer": s})
         for s in MIXED], use_tqdm=False)
     assert all(o.outputs[0].token_ids for o in outs)
     ran = hooks_recorded(HOOK_RECORDS[name])
