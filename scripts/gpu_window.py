@@ -37,6 +37,9 @@ import time
 import numpy as np
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_async_steps import EagerGraphs  # noqa: E402  (the dry run's graph backend)
+
 RESULTS: list[str] = []
 
 
@@ -272,20 +275,6 @@ HOST_US_GOAL = 20.0
 REPLAY_SHAPES = [("d576 8 slots r16", 576, 8, 16), ("d4096 8 slots r64", 4096, 8, 64)]
 
 
-class EagerStandIn:
-    """The graph backend of a dry run: a capture keeps the function, a replay calls it."""
-
-    def capture(self, fn):
-        fn()
-        return fn
-
-    def replay(self, graph):
-        graph()
-
-    def reset(self):
-        pass
-
-
 def _host_us(fn, sync, calls: int = 200, burst: int = 20) -> float:
     """Median host time of one call (microseconds), in bursts that never fill the launch
     queue (a wait for the device between bursts, outside the timing)."""
@@ -319,7 +308,7 @@ def check_replay(dev, shapes=REPLAY_SHAPES, rows_list=(1, 64), dtype=torch.bfloa
             bank.put(k, k + 1, f"s{k}", make_steer(torch.randn(d, rank, generator=gen) / d ** 0.5,
                                                    torch.randn(d, rank, generator=gen) / rank ** 0.5,
                                                    f"s{k}"))
-        graphs = bank.head_graphs(graph_backend=EagerStandIn() if not cuda else None)
+        graphs = bank.head_graphs(graph_backend=None if cuda else EagerGraphs())
         for rows in rows_list:
             co = torch.zeros(rows, bank.num_columns)
             co[torch.arange(rows), torch.arange(rows) % slots] = 0.5 + torch.rand(rows, generator=gen)
@@ -362,7 +351,6 @@ def check_replay(dev, shapes=REPLAY_SHAPES, rows_list=(1, 64), dtype=torch.bfloa
 
 
 def check_async(dev, **sizes) -> bool:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gpu_async_steps
 
     ok = True
