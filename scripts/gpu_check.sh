@@ -51,11 +51,9 @@ if [ "$MODE" = vllm-check ] || [ "$MODE" = vllm-bench ]; then
     || { echo "gpu_check: FAIL: vLLM is not importable (carry it: python3 scripts/gpu_vllm_carry.py plan)"; exit 2; }
   # vLLM finds the plugin through its entry point: put the package's metadata on the path
   # (read from setup.py; no build, no install) where the package is not installed.
-  if ! "$PY" -c "import sys, importlib.metadata as m; sys.exit(not any(e.name == 'vllm_steer' for e in m.entry_points(group='vllm.general_plugins')))"; then
-    META=$("$PY" -c "import sys; from pathlib import Path; sys.path.insert(0, 'scripts'); import gpu_vllm_check as g; print(g.plugin_metadata(Path('/tmp/steer_meta')))") \
-      || { echo "gpu_check: FAIL: could not write vllm_steer's entry points"; exit 2; }
-    export PYTHONPATH="$META${PYTHONPATH:+:$PYTHONPATH}"
-  fi
+  META=$("$PY" -c "import os, sys; from pathlib import Path; sys.path.insert(0, 'scripts'); import gpu_vllm_check as g; print(g.plugin_path(dict(os.environ), Path('/tmp/steer_meta')) or '')") \
+    || { echo "gpu_check: FAIL: could not write vllm_steer's entry points"; exit 2; }
+  [ -n "$META" ] && export PYTHONPATH="$META${PYTHONPATH:+:$PYTHONPATH}"
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
 if [ "$MODE" = vllm-check ]; then

@@ -208,9 +208,9 @@ def cmd_download(a) -> int:
                 reqs = wheel_requirements(w, req.extras)
                 queue += reqs
                 if name != "vllm":  # the import trace reads vLLM's modules, not this package's
-                    for r in reqs:
-                        if norm(Requirement(r).name) in lean_drop:
-                            needed_by.setdefault(norm(Requirement(r).name), []).append(name)
+                    for dep in (norm(Requirement(r).name) for r in reqs):
+                        if dep in lean_drop:
+                            needed_by.setdefault(dep, []).append(name)
     if needed_by:
         raise CarryError("--lean leaves behind what a carried package requires (the import trace "
                          "follows vLLM's own modules only; keep these: remove them from "

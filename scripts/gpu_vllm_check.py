@@ -89,6 +89,17 @@ _FIND_PLUGIN = ("import sys, importlib.metadata as m; sys.exit(not any(e.name ==
                 "for e in m.entry_points(group='vllm.general_plugins')))")
 
 
+def plugin_path(env: dict, where: Path) -> Path | None:
+    """None where a Python run with ``env`` finds the plugin's ``vllm.general_plugins`` entry
+    point; else :func:`plugin_metadata` written to ``where``, the folder to put on its path
+    (also run by scripts/gpu_check.sh)."""
+    return None if _importable(env, _FIND_PLUGIN) else plugin_metadata(where)
+
+
+def _pythonpath(path: list[str], env: dict) -> str:
+    return os.pathsep.join(path + [p for p in [env.get("PYTHONPATH")] if p])
+
+
 def engine_env(a, runner: str, plugin: bool) -> dict:
     """The environment of one engine: the model runner, the plugin (its entry point found, or
     the plugin left out: ``VLLM_PLUGINS=none``), the test shims on a CPU; on CUDA without
@@ -98,12 +109,14 @@ def engine_env(a, runner: str, plugin: bool) -> dict:
     if not plugin:
         env["VLLM_PLUGINS"] = "none"
     path = [str(ROOT)]
-    if plugin and not _importable({**env, "PYTHONPATH": os.pathsep.join(
-            path + [p for p in [env.get("PYTHONPATH")] if p])}, _FIND_PLUGIN):
-        where = plugin_metadata(Path(getattr(a, "workdir", None)
-                                     or tempfile.mkdtemp(prefix="steer-meta-")) / "steer_meta")
-        print(f"  the package is not installed here: its entry points from {where}", flush=True)
-        path.append(str(where))
+    if plugin:
+        where = plugin_path({**env, "PYTHONPATH": _pythonpath(path, env)},
+                            Path(getattr(a, "workdir", None)
+                                 or tempfile.mkdtemp(prefix="steer-meta-")) / "steer_meta")
+        if where is not None:
+            print(f"  the package is not installed here: its entry points from {where}",
+                  flush=True)
+            path.append(str(where))
     if a.device == "cuda" and "VLLM_USE_FLASHINFER_SAMPLER" not in env \
             and not _importable(env, "import flashinfer"):
         env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # V2's sampler imports it at start-up
@@ -115,7 +128,7 @@ def engine_env(a, runner: str, plugin: bool) -> dict:
             env["STEER_TEST_ASYNC_SHIM"] = "1"
         if runner == "v2" or a.cpu_async:
             path.insert(0, str(SHIM))
-    env["PYTHONPATH"] = os.pathsep.join(path + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = _pythonpath(path, env)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

@@ -86,7 +86,6 @@ WINDOWED_SLOTS = [0]
 STEERED_SLOTS = [0]
 
 
-
 def _uncount(counted: list[int]) -> None:
     """A table was collected: its slots leave the process's counts."""
     STEERED_SLOTS[0] -= counted[0]
