@@ -17,13 +17,14 @@ demo: install
 
 # Whole suite: unit tests, Triton kernel under the interpreter, real vLLM engines on CPU.
 # Two pytest workers, one test module each at a time (a module's engine is shared by its
-# tests): engine start-up waits on one process while the other computes. TEST_WORKERS=0: serial.
+# tests): engine start-up waits on one process while the other computes. The modules that start
+# engines go first (tests/conftest.py), so the run ends on short ones. TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
 test: install
 	@$(PY) -m vllm_steer.cli model smollm2 >/dev/null
 	.venv/bin/lint-imports --config .importlinter
 	TRITON_INTERPRET=1 $(PY) -m pytest tests -ra -q -p no:cacheprovider --durations=15 \
-		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # Everything but the tests that start a vLLM engine.
 test-fast: install

@@ -102,7 +102,8 @@ def _pythonpath(path: list[str], env: dict) -> str:
 
 def engine_env(a, runner: str, plugin: bool) -> dict:
     """The environment of one engine: the model runner, the plugin (its entry point found, or
-    the plugin left out: ``VLLM_PLUGINS=none``), the test shims on a CPU; on CUDA without
+    the plugin left out: ``VLLM_PLUGINS=none``), the test shims on a CPU (where stock vLLM
+    runs in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, to start faster); on CUDA without
     FlashInfer (a lean vLLM carry), vLLM's FlashInfer sampler off."""
     env = dict(os.environ)
     env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
@@ -121,6 +122,8 @@ def engine_env(a, runner: str, plugin: bool) -> dict:
             and not _importable(env, "import flashinfer"):
         env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # V2's sampler imports it at start-up
     if a.device == "cpu":
+        if not plugin:  # stock vLLM inside its one process: no engine-core and worker spawns
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if runner == "v2":
             env["STEER_TEST_V2_SHIM"] = "1"
             env["TRITON_INTERPRET"] = "1"

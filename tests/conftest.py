@@ -16,6 +16,20 @@ from helpers.steers import random_steer, save_steers
 ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = Path(os.environ.get("VLLM_STEER_DATA", ROOT.parent / "shared" / "data"))
 
+# An engine's processes get 1 s, not vLLM's 5, to exit before they are killed when a test's
+# engine or server shuts down (inherited by the servers the tests start): every test that
+# looks at an engine does so while it runs.
+os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules that start vLLM engines (any test marked ``vllm``: most of the suite's time)
+    run first, the others after them in their order: with two workers (``make test``,
+    ``--dist loadfile --no-loadscope-reorder``) the run then ends on short modules rather
+    than on one engine module while the other worker idles."""
+    heavy = {item.path for item in items if item.get_closest_marker("vllm")}
+    items.sort(key=lambda item: item.path not in heavy)  # stable: in-module order kept
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:

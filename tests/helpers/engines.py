@@ -73,14 +73,15 @@ def stock_vllm(model_dir, prompts: list, max_tokens: int, engine_kw: dict, workd
                ) -> list:
     """Greedy ``[tokens, logprobs]`` per prompt from stock vLLM with no plugin loaded
     (``VLLM_PLUGINS=none``, a subprocess), the same engine settings: what unsteered requests
-    must reproduce."""
+    must reproduce. The engine runs inside that subprocess (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+    no engine-core and worker processes to spawn, each importing vLLM again)."""
     import json
     import subprocess
     import sys
 
     script = Path(workdir) / "stock_vllm.py"
     script.write_text(_STOCK_VLLM)
-    env = dict(os.environ, VLLM_PLUGINS="none")
+    env = dict(os.environ, VLLM_PLUGINS="none", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     out = subprocess.run([sys.executable, str(script), str(model_dir), json.dumps(prompts),
                           str(max_tokens), json.dumps(engine_kw)], env=env, capture_output=True,
                          text=True, timeout=600)
