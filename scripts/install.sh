@@ -51,13 +51,20 @@ has() { "$PY" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('
 # The installer: uv (installed into the venv by pip; it downloads and unpacks in parallel, a fresh
 # .venv in well under a minute instead of about three), or pip when uv cannot be had. uv does not
 # read pip's configuration: pip's find-links (a local wheel directory, such as one holding the
-# CPU torch wheel) are passed on to it.
+# CPU torch wheel) and constraint files are passed on to it.
 PIP="$PY -m pip --disable-pip-version-check -q"
 if [ -x "$VENV/bin/uv" ] || $PIP install "uv>=0.5" >/dev/null 2>&1; then
   export VIRTUAL_ENV="$VENV"
   links=()
-  for d in ${PIP_FIND_LINKS:-} $("$PY" -m pip config get global.find-links 2>/dev/null || true); do
-    [ -d "$d" ] && links+=(--find-links "$d")
+  conf=$("$PY" -m pip config list 2>/dev/null || true)
+  for d in $(sed -n "s/^[^=]*\.find-links='\(.*\)'$/\1/p" <<<"$conf"); do
+    case "$d" in
+      http://*|https://*|file://*) links+=(--find-links "$d") ;;
+      *) if [ -d "$d" ]; then links+=(--find-links "$d"); fi ;;
+    esac
+  done
+  for c in $(sed -n "s/^[^=]*\.constraint='\(.*\)'$/\1/p" <<<"$conf"); do
+    if [ -f "$c" ]; then links+=(--constraint "$c"); fi
   done
   PIP="$VENV/bin/uv pip -q"
   PIP_INSTALL="$PIP install ${links[*]}"
