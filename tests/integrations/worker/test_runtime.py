@@ -101,3 +101,40 @@ def test_rows_given_by_host_slots_get_their_slots_coefficients(tmp_path):
         out = rt.steer_rows(h)
     torch.testing.assert_close(out, _want(rt, h, [b, b, a, none, a, a]))
     assert torch.equal(out[3], h[3])
+
+
+def test_a_steady_batchs_kept_answer_follows_every_change_of_the_slots():
+    """V2 asks at every step whether the step's batch (``idx_mapping``) holds a steered slot,
+    with the batch's bytes as a key: the answer kept for an unchanged batch must follow every
+    slot that becomes steered, finishes or moves in between (checked against a plain set)."""
+    from vllm_steer.integrations.worker.request_slots import RequestSlots
+
+    table = RequestSlots(2)
+    table.ensure(8, torch.device("cpu"))
+    row = np.zeros(table.num_columns, dtype=np.float32)
+    row[0] = 5e-3
+    steered: set[int] = set()
+    idx = np.array([0, 1, 2], dtype=np.intp)
+    key = idx.tobytes()
+
+    def check():
+        want = bool(steered & {0, 1, 2})
+        assert table.any_steered(idx, key) is want
+        assert table.any_steered(idx, key) is want  # asked again: the kept answer
+        assert table.any_steered(idx) is want
+
+    check()
+    for change in ("steer 5", "steer 1", "clear 1", "move 5 2", "clear 2"):
+        op, *args = change.split()
+        if op == "steer":
+            table.set(int(args[0]), row, None, None)
+            steered.add(int(args[0]))
+        elif op == "clear":
+            table.set(int(args[0]), None, None, None)
+            steered.discard(int(args[0]))
+        else:
+            table.move(int(args[0]), int(args[1]), swap=False)
+            steered.discard(int(args[0]))
+            steered.add(int(args[1]))
+        table.flush()
+        check()

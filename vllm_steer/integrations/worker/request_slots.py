@@ -117,6 +117,7 @@ class RequestSlots:
         self._copy: staging.StagedCopy | None = None
         # this table's share of the process's counts, given back when the table is collected
         self._counted = [0, 0]  # [steered slots, windowed slots]
+        self._last_batch: tuple = (None, -1, False)  # any_steered's (slots' bytes, version, answer)
         weakref.finalize(self, _uncount, self._counted)
 
     def ensure(self, max_slots: int, device: torch.device) -> bool:
@@ -215,9 +216,20 @@ class RequestSlots:
         self.dirty = False
         self.version += 1
 
-    def any_steered(self, slots: np.ndarray) -> bool:
-        """Whether any of these slots (a step's ``idx_mapping``) holds a steered request."""
-        return self.num_active_slots > 0 and bool(self.steered[slots].any())
+    def any_steered(self, slots: np.ndarray, key: bytes | None = None) -> bool:
+        """Whether any of these slots (a step's ``idx_mapping``) holds a steered request.
+        ``key``: ``slots.tobytes()`` when the caller has it; the answer is then kept for the
+        next call with the same slots and an unchanged table (a steady decode step)."""
+        if not self.num_active_slots:
+            return False
+        if key is None:
+            return bool(self.steered[slots].any())
+        last = self._last_batch
+        if last[0] == key and last[1] == self.version:
+            return last[2]
+        out = bool(self.steered[slots].any())
+        self._last_batch = (key, self.version, out)
+        return out
 
     def any_windowed(self, slots: np.ndarray) -> bool:
         """Whether any of these slots holds a request with a generation window."""

@@ -45,11 +45,13 @@ class BatchRows:
 class MappedRows:
     """V2: the step's row -> slot. ``mapping`` on the device; ``slots`` (and ``positions``,
     the generated-token index of each row) its host copy, which plans are made from when
-    given. A device mapping alone (batch-sharded sampling) is gathered on the device."""
+    given; ``key`` the bytes of ``slots`` when the runner hook has them already. A device
+    mapping alone (batch-sharded sampling) is gathered on the device."""
 
     mapping: torch.Tensor | None = None
     slots: np.ndarray | None = None
     positions: np.ndarray | None = None
+    key: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -227,9 +229,11 @@ class StepPlanner:
                 warn_once("vllm-steer: logits rows outnumber their known slots; they are "
                           "computed unsteered")
                 return None
-            slots = src.slots[:n]  # converted only when the step is planned (_prepare_step)
             pos = None if src.positions is None else src.positions[:n]
-            return slots, pos, slots.tobytes()
+            # converted only when the step is planned (_prepare_step)
+            slots = src.slots if len(src.slots) == n else src.slots[:n]
+            key = src.key if kind is MappedRows and slots is src.slots else None
+            return slots, pos, slots.tobytes() if key is None else key
         if kind is PromptRows:
             base = src.base
             row_bytes = base.stride(0) * base.element_size()

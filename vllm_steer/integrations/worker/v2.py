@@ -57,7 +57,10 @@ def sample(orig, self, *args, **kwargs):
 
     Per step: one integer read while no request in the process is steered
     (:data:`~vllm_steer.integrations.worker.request_slots.STEERED_SLOTS`); a step with steered
-    requests maps its rows from host arrays (:func:`_host_rows`). The drafter heads are
+    requests maps its rows from host arrays (:func:`_host_rows`). The batch's slots are turned
+    into bytes once: the key under which the check of the batch is kept for the next step
+    (:meth:`~vllm_steer.integrations.worker.request_slots.RequestSlots.any_steered`) and the
+    head's step key (:class:`MappedRows` ``key``). The drafter heads are
     checked (:func:`prepare_drafter_once`) at the runner's first steered step, before its
     drafter proposes.
     """
@@ -75,7 +78,9 @@ def sample(orig, self, *args, **kwargs):
     if not table.num_active_slots:  # none of this runner's requests is steered
         return orig(self, *args, **kwargs)
     input_batch = _INPUT_BATCH.get(orig, (self, *args), kwargs)
-    if not table.any_steered(input_batch.idx_mapping_np):
+    idx = input_batch.idx_mapping_np
+    key = idx.tobytes()  # the batch's slots: the check's and the head's key
+    if not table.any_steered(idx, key):
         return orig(self, *args, **kwargs)
     planner = rt.planner
     calls = planner.head_calls
@@ -84,7 +89,8 @@ def sample(orig, self, *args, **kwargs):
     try:
         if sharder is None:
             slots, positions = _host_rows(rt, self, input_batch)
-            planner.row_source = MappedRows(input_batch.expanded_idx_mapping, slots, positions)
+            planner.row_source = MappedRows(input_batch.expanded_idx_mapping, slots, positions,
+                                            key if slots is idx else None)
             out = orig(self, *args, **kwargs)
         else:
             planner.row_source = MappedRows(mapping=None)
