@@ -139,17 +139,20 @@ def _time_method(cls, name: str, bucket: str, null=None) -> None:
     fn = cls.__dict__.get(name)
     if fn is None:
         return
+    method = isinstance(fn, classmethod)
+    fn = fn.__func__ if method else fn
 
     def timed(*args, **kwargs):
         return REG.run(bucket, null if MODE["null"] and null is not None else fn,
                        *args, **kwargs)
 
-    setattr(cls, name, timed)
+    setattr(cls, name, classmethod(timed) if method else timed)
 
 
-def _instrument() -> None:
-    """Time the plugin's worker hooks, head, per-request state and op (before vLLM starts),
-    each with its do-nothing stand-in for the null steps."""
+def _instrument(processes: tuple[str, ...] = ("worker",)) -> None:
+    """Time the plugin's hooks of ``processes`` (the worker's by default; an in-process engine
+    may time the frontend's and the engine core's too), head, per-request state and op
+    (before vLLM starts), each with its do-nothing stand-in for the null steps."""
     import dataclasses
 
     from vllm_steer import ops
@@ -157,7 +160,7 @@ def _instrument() -> None:
 
     plugin.HOOKS = tuple(
         dataclasses.replace(h, wrapper=_timed_hook(h.wrapper))
-        if h.process == "worker" and h.wrapper is not None else h for h in plugin.HOOKS)
+        if h.process in processes and h.wrapper is not None else h for h in plugin.HOOKS)
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
     from vllm_steer.integrations.worker import head
@@ -187,7 +190,8 @@ def _instrument() -> None:
             if isinstance(cls, type) and cls.__module__ == module.__name__:
                 for m, null in (("update_state", lambda self, *a: None),
                                 ("add_request", lambda self, *a: False),
-                                ("apply_staged_writes", lambda self: None)):
+                                ("apply_staged_writes", lambda self: None),
+                                ("validate_params", lambda cls, params: None)):
                     _time_method(cls, m, f"plugin:{cls_name}.{m}", null=null)
     backend_fn = ops.backend_fn
 

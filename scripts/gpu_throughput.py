@@ -136,6 +136,7 @@ def run_engine(a) -> int:
         kw["gpu_memory_utilization"] = 0.5
     if spec.get("compilation_config"):
         kw["compilation_config"] = spec["compilation_config"]
+    profiler = Profiler() if spec.get("profile") else None
     llm = LLM(spec["model"], **kw)
     rng = random.Random(0)
     vocab = spec["vocab_size"]
@@ -149,15 +150,20 @@ def run_engine(a) -> int:
         return sum(s["rows"] for s in llm.collective_rpc(steer_stats))
 
     steered: dict[str, int] = {}
+    profile: dict[str, list] = {}
 
     def run(mode: str) -> tuple[int, float]:
         params = [SamplingParams(max_tokens=spec["output_len"], ignore_eos=True, temperature=0,
                                  detokenize=False, extra_args=None if s is None else {"steer": s})
                   for s in mode_steers(mode, spec["rows"])]
         before = rows_steered()
+        if profiler is not None:
+            profiler.begin()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t0
+        if profiler is not None:
+            profile.setdefault(mode, []).append(profiler.end())
         steered[mode] = rows_steered() - before  # outside the timing
         return sum(len(o.outputs[0].token_ids) for o in outs), dt
 
@@ -170,9 +176,63 @@ def run_engine(a) -> int:
         for mode in order.sample(modes, len(modes)):
             runs[mode].append(run(mode))
     Path(a.result).write_text(json.dumps({
-        "runs": runs, "rows_steered": steered,
+        "runs": runs, "rows_steered": steered, "profile": profile,
         "plugin_loaded": "vllm_steer.integrations.plugin" in sys.modules}))
     return 0
+
+
+class Profiler:
+    """``--profile``: the plugin's own host time in each run, by site, and the head's CUDA
+    graphs captured and replayed in it. The engine runs in this process (frontend, engine
+    core and worker: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), every hook of the plugin timed
+    exclusively (benchmarks/bench_plugin_step.py's timers: a hook's time less vLLM's
+    original inside it), with the steered head, the per-request state's callbacks and the op.
+    Made before the engine starts (the hooks are wrapped when vLLM loads the plugin)."""
+
+    def __init__(self):
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import bench_plugin_step
+
+        self.timers = bench_plugin_step
+        bench_plugin_step._instrument(processes=("frontend", "engine", "worker"))
+        self._graphs = (0, 0)
+
+    @staticmethod
+    def graph_counts() -> tuple[int, int]:
+        from vllm_steer.integrations.worker.runtime import _RUNTIMES
+
+        rt = _RUNTIMES.get(None)
+        graphs = None if rt is None else rt.banks.graphs
+        return (0, 0) if graphs is None else (graphs.captures, graphs.replays)
+
+    def begin(self) -> None:
+        self.timers.REG.take()
+        self._graphs = self.graph_counts()
+
+    def end(self) -> dict:
+        """Seconds per site since :meth:`begin` (``vllm``: vLLM's originals inside the hooks;
+        ``captures``/``replays``: the head's CUDA graphs; ``regions``: timed regions)."""
+        acc, count = self.timers.REG.take()
+        captures, replays = self.graph_counts()
+        return {**acc, "captures": captures - self._graphs[0],
+                "replays": replays - self._graphs[1], "regions": sum(count.values())}
+
+
+def profile_lines(profile: dict, steps: int) -> list[str]:
+    """Per mode: the plugin's host ms per run (median over the rounds), per step, and its
+    largest sites."""
+    lines = []
+    for mode, runs in profile.items():
+        sites = sorted({k for r in runs for k in r if k.startswith("plugin:") or k == "op"})
+        med = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in sites}
+        total = statistics.median(sum(r.get(k, 0.0) for k in sites) for r in runs)
+        top = sorted(med.items(), key=lambda kv: -kv[1])[:6]
+        lines.append(
+            f"  profile {mode}: plugin {total * 1e3:.2f} ms per run ({total / steps * 1e6:.0f} "
+            f"us per step), head graphs captured {max(r['captures'] for r in runs)} / replayed "
+            f"{statistics.median(r['replays'] for r in runs):.0f} per run; largest: "
+            + ", ".join(f"{k.removeprefix('plugin:')} {v * 1e3:.2f} ms" for k, v in top))
+    return lines
 
 
 # ------------------------------------------------------------------------------ main (parent)
@@ -196,6 +256,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compilation-config", type=json.loads, default=None, metavar="JSON",
                     help="vLLM compilation_config of every engine (default: vLLM's)")
     ap.add_argument("--engine-timeout", type=int, default=600)
+    ap.add_argument("--profile", action="store_true",
+                    help="the plugin's host time per run by site, in an in-process engine "
+                         "(frontend, engine core and worker in one process)")
     ap.add_argument("--workdir", default=None, help="models, steers, engine logs (default: tmp)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where the JSON goes")
     sub = ap.add_subparsers(dest="cmd")
@@ -222,13 +285,15 @@ def main(argv=None) -> int:
                 "output_len": a.output_len, "rounds": a.rounds, "vocab_size": cfg["vocab_size"],
                 "steers": write_steers(work / f"steers-{shape}", cfg["hidden_size"], max(a.k),
                                        STEER_RANK),
-                "compilation_config": a.compilation_config}
+                "compilation_config": a.compilation_config, "profile": a.profile}
         out, log = work / f"{shape}.json", work / f"{shape}.log"
         cmd = [sys.executable, str(Path(__file__).resolve()), "_engine", "--spec",
                json.dumps(spec), "--result", str(out)]
         env = engine_env(a, a.runner, True)
         # collective_rpc(steer_stats) sends a function to the workers (pickled, as the tests do)
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        if a.profile:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         t0 = time.time()
         with open(log, "w") as f:
             try:
@@ -260,12 +325,15 @@ def main(argv=None) -> int:
         results[shape] = {"hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"],
                           "graphs": graphs, "complete": complete, "modes": summary,
                           "rows_steered_last_run": steered,
-                          "runs": runs, "engine_s": round(time.time() - t0)}
+                          "runs": runs, "profile": result.get("profile") or None,
+                          "engine_s": round(time.time() - t0)}
         for mode, s in summary.items():
             print(f"{'PASS' if complete else 'FAIL'} [{shape} d{cfg['hidden_size']} {a.dtype} "
                   f"{a.runner}] {mode}: {s['tokens_per_s']:.0f} tokens/s, "
                   f"{s['ratio_to_plain']:.3f}x plain ({s['rounds']} rounds; head "
                   f"{'replayed from CUDA graphs' if graphs else 'launched eagerly'})", flush=True)
+        for line in profile_lines(result.get("profile") or {}, a.output_len + 1):
+            print(line, flush=True)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "gpu_throughput.json").write_text(json.dumps(
         {"device": a.device, "dtype": a.dtype, "runner": a.runner, "rows": a.rows,
