@@ -20,7 +20,10 @@ seconds. It executes nothing on a GPU: the plan's commands are the ones to send.
      steered against plain tokens/s in one engine per shape (V2, bf16, the same compilation
      settings; the embedded model's architecture, hidden 576, and an 8B-like one, hidden 4096,
      both with random weights; 64 rows, K = 1 and 64);
-  5. the V1 engine check (V1 is deprecated in vLLM), when the estimate still leaves room.
+  5. the profile call, when the estimate still leaves room: ``scripts/gpu_throughput.py
+     --profile`` on the embedded model's architecture, the plugin's host time per run by site
+     (every hook, the head and its parts, the per-request callbacks) in an in-process engine;
+  6. the V1 engine check (V1 is deprecated in vLLM), when the estimate still leaves room.
 
 Sizes: the working tree is measured (``git ls-files``); the wheels are measured from ``--wheels
 DIR`` (after ``gpu_vllm_carry.py download --lean``) or, without it, the total recorded in
@@ -52,21 +55,26 @@ LEAN_CHUNKS = 8  # the target for the vLLM carry
 # Device seconds, each with its source.
 START_S = 30  # a fresh machine's start and the first tree's transfer: 30 s on the H100
 #              (2026-11-27: the first call held 138 s for a 108 s run; the device README
-#              says "a minute or more")
+#              says "a minute or more"); 28 s on the H200 (a 0.4 s first call)
 GAP_S = 6  # between consecutive calls (warm 30 s; idle time counts): 4.5-9 s measured
 UPLOAD_S_PER_MIB = 0.15  # carrying the working tree and a chunk; estimate (unmeasured)
-GPU_WINDOW_S = 110  # `make gpu-window` on the H100: 108 s (benchmarks/RESULTS.md)
-WORKER_CUDA_TESTS_S = 30  # test_syncfree's CUDA tests (bf16, fp32) + test_staging; estimate
+GPU_WINDOW_S = 110  # `make gpu-window` on the H100: 108 s; on the H200 92 s, its replay check
+#                    included (benchmarks/RESULTS.md)
+WORKER_CUDA_TESTS_S = 10  # test_syncfree's CUDA tests (bf16, fp32) + test_staging: 7 s (H200)
 RECEIVE_S = 3  # sha256 and copy of one 56 MiB chunk; estimate
-INSTALL_S_PER_MIB = 0.08  # assemble + pip install --no-deps of the wheels; estimate
-IMPORT_VLLM_S = 20  # `import vllm` on the host; estimate
-ENGINE_S = 67  # one tiny-model engine with mode 0 (no compile) and decode graphs, on the
-#                H100: 67 s with the plugin, 44 s stock, 38 s eager (benchmarks/RESULTS.md)
+INSTALL_S_PER_MIB = 0.14  # assemble + pip install --no-deps + the host check: 38 s for the
+#                          253.8 MiB lean carry's last call (H200)
+IMPORT_VLLM_S = 40  # gpu_vllm_check's own start (import vLLM, write the models, references):
+#                     42 s of its 190 s (H200)
+ENGINE_S = 75  # one tiny-model engine with mode 0 (no compile) and decode graphs, with its
+#                requests: 97 s with the plugin, 51 s stock on the H200; 67 s and 44 s on the
+#                H100 (benchmarks/RESULTS.md)
 ENGINES = 2  # gpu_vllm_check per (dtype, runner): the plugin's engine and stock vLLM
-REPLAY_CHECK_S = 20  # gpu_window's replay check (two shapes, rows 1 and 64, timed): estimate
 THROUGHPUT_SHAPES = ("smollm2", "8b")  # gpu_throughput: one engine each
-THROUGHPUT_RUNS_S = 25  # per shape: 3 modes x (1 warm-up + 3 rounds) of 64 rows x 64 tokens;
-#                         estimate (an 8B-like step at 64 rows is ~15 ms: 12 runs of ~1 s)
+THROUGHPUT_SHAPE_S = 55  # per shape: the engine's start and 3 modes x (1 warm-up + 3 rounds)
+#                          of 64 rows x 64 tokens: 114 s for both shapes, 50 s the embedded
+#                          model's engine (H200)
+PROFILE_S = 65  # gpu_throughput --profile, the embedded model's shape alone: 65 s (H200)
 
 
 class PlanError(Exception):
@@ -122,7 +130,7 @@ def plan(wheels: str | None = None, chunk: int | None = None,
           "bash scripts/gpu_window.sh; w=$?; python3 -m pytest -q -p no:cacheprovider "
           "tests/integrations/worker/test_syncfree.py -k cuda "
           "tests/integrations/worker/test_staging.py; exit $((w | $?))",
-          [], tree, 300, GPU_WINDOW_S + REPLAY_CHECK_S + WORKER_CUDA_TESTS_S)
+          [], tree, 300, GPU_WINDOW_S + WORKER_CUDA_TESTS_S)
     total, source = wheel_bytes(wheels)
     n = max(1, math.ceil(total / chunk))
     me = "python3 scripts/gpu_vllm_carry.py"
@@ -147,14 +155,19 @@ def plan(wheels: str | None = None, chunk: int | None = None,
               IMPORT_VLLM_S + ENGINES * ENGINE_S)
 
     engine_check("v2")  # V2, the GPU default, always
-    # then, while the budget allows: the throughput call, and V1 (deprecated) last
-    work = IMPORT_VLLM_S + len(THROUGHPUT_SHAPES) * (ENGINE_S + THROUGHPUT_RUNS_S)
+    # then, while the budget allows: the throughput call, the profile, and V1 (deprecated)
+    work = len(THROUGHPUT_SHAPES) * THROUGHPUT_SHAPE_S
+    throughput = ("PYTHONPATH=/tmp/site python3 scripts/gpu_throughput.py --device cuda "
+                  "--dtype bfloat16 --runner v2 --rows 64 --k 1 64 --engine-timeout 240 "
+                  f"--compilation-config {compile_cfg}")
     if r.device_s + GAP_S + work <= budget_s:
         r.run("throughput: V2 bf16, steered vs plain tokens/s",
-              "PYTHONPATH=/tmp/site python3 scripts/gpu_throughput.py --device cuda "
-              f"--shapes {' '.join(THROUGHPUT_SHAPES)} --dtype bfloat16 --runner v2 --rows 64 "
-              f"--k 1 64 --engine-timeout 240 --compilation-config {compile_cfg}",
+              f"{throughput} --shapes {' '.join(THROUGHPUT_SHAPES)}",
               [], tree, len(THROUGHPUT_SHAPES) * engine_timeout + 60, work)
+        if r.device_s + GAP_S + PROFILE_S <= budget_s:
+            r.run("profile: V2 bf16, the plugin's host time per run by site",
+                  f"{throughput} --shapes smollm2 --profile",
+                  [], tree, engine_timeout + 60, PROFILE_S)
     if r.device_s + GAP_S + IMPORT_VLLM_S + ENGINES * ENGINE_S <= budget_s:
         engine_check("v1")
     return r, {"tree_bytes": tree, "wheel_bytes": total, "wheels": source, "chunks": n,

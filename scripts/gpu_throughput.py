@@ -152,7 +152,7 @@ def run_engine(a) -> int:
     steered: dict[str, int] = {}
     profile: dict[str, list] = {}
 
-    def run(mode: str) -> tuple[int, float]:
+    def run(mode: str, warm_up: bool = False) -> tuple[int, float]:
         params = [SamplingParams(max_tokens=spec["output_len"], ignore_eos=True, temperature=0,
                                  detokenize=False, extra_args=None if s is None else {"steer": s})
                   for s in mode_steers(mode, spec["rows"])]
@@ -162,14 +162,14 @@ def run_engine(a) -> int:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t0
-        if profiler is not None:
+        if profiler is not None and not warm_up:
             profile.setdefault(mode, []).append(profiler.end())
         steered[mode] = rows_steered() - before  # outside the timing
         return sum(len(o.outputs[0].token_ids) for o in outs), dt
 
     modes = ["plain"] + [f"K={k}" for k in spec["k"]]
     for mode in modes:  # warm-up: every mode once (first steps, first uses of a row bucket)
-        run(mode)
+        run(mode, warm_up=True)
     runs: dict[str, list] = {m: [] for m in modes}
     order = random.Random(1)
     for _ in range(spec["rounds"]):
@@ -193,8 +193,19 @@ class Profiler:
         sys.path.insert(0, str(ROOT / "benchmarks"))
         import bench_plugin_step
 
+        from vllm_steer.integrations.worker.rows import StepPlanner
+        from vllm_steer.kernels.graphs import SteerGraphs
+        from vllm_steer.metrics import OpTimer
+
         self.timers = bench_plugin_step
         bench_plugin_step._instrument(processes=("frontend", "engine", "worker"))
+        # the head's parts, each out of the head's own time
+        for cls, name, site in ((SteerGraphs, "run", "head: graphs.run"),
+                                (OpTimer, "start", "head: timer"),
+                                (OpTimer, "stop", "head: timer"),
+                                (StepPlanner, "_step_rows", "head: rows"),
+                                (StepPlanner, "_eager_plan", "head: eager plan")):
+            bench_plugin_step._time_method(cls, name, "plugin:" + site)
         self._graphs = (0, 0)
 
     @staticmethod
@@ -211,11 +222,13 @@ class Profiler:
 
     def end(self) -> dict:
         """Seconds per site since :meth:`begin` (``vllm``: vLLM's originals inside the hooks;
-        ``captures``/``replays``: the head's CUDA graphs; ``regions``: timed regions)."""
+        ``captures``/``replays``: the head's CUDA graphs; ``regions``: timed regions;
+        ``calls``: regions per site)."""
         acc, count = self.timers.REG.take()
         captures, replays = self.graph_counts()
         return {**acc, "captures": captures - self._graphs[0],
-                "replays": replays - self._graphs[1], "regions": sum(count.values())}
+                "replays": replays - self._graphs[1], "regions": sum(count.values()),
+                "calls": count}
 
 
 def profile_lines(profile: dict, steps: int) -> list[str]:
@@ -226,7 +239,7 @@ def profile_lines(profile: dict, steps: int) -> list[str]:
         sites = sorted({k for r in runs for k in r if k.startswith("plugin:") or k == "op"})
         med = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in sites}
         total = statistics.median(sum(r.get(k, 0.0) for k in sites) for r in runs)
-        top = sorted(med.items(), key=lambda kv: -kv[1])[:6]
+        top = sorted(med.items(), key=lambda kv: -kv[1])[:8]
         lines.append(
             f"  profile {mode}: plugin {total * 1e3:.2f} ms per run ({total / steps * 1e6:.0f} "
             f"us per step), head graphs captured {max(r['captures'] for r in runs)} / replayed "

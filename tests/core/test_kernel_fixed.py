@@ -365,6 +365,60 @@ def test_a_batch_growing_to_max_num_seqs_captures_each_row_bucket_once(tmp_path)
     assert rt.graphs.captures == 4 and rt.graphs.replays == 15
 
 
+def test_steps_replayed_from_graphs_plan_nothing_and_an_eager_step_plans_its_own(tmp_path):
+    """The eager op's plan is made for the first eager launch of a step's coefficients, never
+    for a step its graph replays; the eager launch then gives the reference's rows."""
+    import numpy as np
+
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.worker.rows import SlotRows
+    from vllm_steer.integrations.worker.runtime import get_runtime
+
+    path = str(tmp_path / "a.safetensors")
+    save_steer(path, random_steer(32, 4, "a", seed=3))
+    rt = get_runtime({"vllm_steer": {"steers": {"a": path}, "max_steers": 2,
+                                     "max_steer_rank": 8}})
+    rt.load(32, DEVICE, torch.float32)
+    rt.ensure_slots(4, DEVICE)
+    rt.graphs = rt.bank.head_graphs(graph_backend=StandIn())
+    planned = []
+    prepare = rt.banks.prepare
+    assert prepare is not None  # the auto backend plans its launches
+
+    def counted(*args, **kwargs):
+        planned.append(1)
+        return prepare(*args, **kwargs)
+
+    rt.banks.prepare = counted
+    eps = rt.bank.steers[0].metadata.epsilon
+    gen = torch.Generator().manual_seed(0)
+
+    def step(strengths):
+        for slot, s in enumerate(strengths):
+            row = np.zeros(rt.num_columns, np.float32)
+            row[0] = s * eps
+            rt.set_slot(slot, row if s else None)
+        rt.flush()
+        h = torch.randn(4, 32, generator=gen).to(DEVICE)
+        with rt.rows(SlotRows(slots=np.arange(4))):
+            out = rt.steer_rows(h)
+        coefs = torch.zeros(4, rt.num_columns)
+        coefs[:, 0] = torch.tensor(strengths, dtype=torch.float32) * eps
+        ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+                              coefs)
+        torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+
+    for strengths in ([4, 0, 2, 0], [4, 1, 2, 0], [4, 1, 2, 0]):  # replayed
+        step(strengths)
+    assert rt.graphs.replays == 3 and planned == []
+    rt.graphs.disabled = "a steer wider than the copy"  # the eager op from now on
+    step([4, 1, 2, 0])
+    step([4, 1, 2, 0])
+    assert len(planned) == 1  # planned at its first eager launch, then kept
+    step([0, 3, 2, 5])
+    assert len(planned) == 2 and rt.graphs.replays == 3
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="real CUDA graphs (scripts/gpu_window.sh runs "
                                                   "this file with VLLM_STEER_TEST_DEVICE=cuda)")
 def test_real_cuda_graphs_replay_the_tables_and_the_copys_current_values():

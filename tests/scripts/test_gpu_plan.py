@@ -40,20 +40,23 @@ def test_the_plan_fits_the_hosts_limits_and_twelve_minutes(tmp_path):
     assert [c["name"].split()[1] for c in engines] == ["V2"]
     assert all("FULL_DECODE_ONLY" in c["command"] for c in engines)
     assert "--runners v2" in engines[0]["command"]
-    throughput = calls[-1]
+    throughput, profile = calls[-2:]
     assert throughput["name"].startswith("throughput") and "FULL_DECODE_ONLY" in \
         throughput["command"]
     for arg in ("gpu_throughput.py --device cuda", "--shapes smollm2 8b", "--dtype bfloat16",
                 "--runner v2", "--rows 64", "--k 1 64"):
         assert arg in throughput["command"], arg
-    assert "assemble" in calls[-3]["command"] and "gpu_vllm_lean.py host" in calls[-3]["command"]
+    assert profile["name"].startswith("profile")
+    assert "--shapes smollm2 --profile" in profile["command"] and "FULL_DECODE_ONLY" in \
+        profile["command"]
+    assert "assemble" in calls[-4]["command"] and "gpu_vllm_lean.py host" in calls[-4]["command"]
     assert saved_chunks(tmp_path) <= 8  # the lean carry
     assert all(c["mib"] <= 64 for c in calls), [c["mib"] for c in calls]
     assert all(c["timeout_s"] <= 600 for c in calls)
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert saved["device_s"] <= 12 * 60 and saved["device_s"] == sum(
         c["est_s"] for c in saved["calls"])
-    assert len(calls) == 3 + saved["chunks"]
+    assert len(calls) == 4 + saved["chunks"]
     assert "FITS" in res.stdout
 
 
@@ -79,14 +82,14 @@ def test_a_tight_budget_drops_the_v1_engine_call_first():
     calls = calls_of(res.stdout)
     assert [c["name"] for c in calls if c["name"].startswith("engine")] == [
         "engine: V2 bf16, mode 0, FULL_DECODE_ONLY"]
-    assert not any(c["name"].startswith("throughput") for c in calls)  # no room for it either
+    assert not any(c["name"].startswith(("throughput", "profile")) for c in calls)  # no room
 
 
 def test_a_larger_budget_keeps_the_throughput_call_and_the_v1_check_after_it():
     res = run("--budget-min", 15)
     names = [c["name"].split(":")[0] + " " + c["name"].split()[1] for c in calls_of(res.stdout)
-             if c["name"].startswith(("engine", "throughput"))]
-    assert names == ["engine V2", "throughput V2", "engine V1"]
+             if c["name"].startswith(("engine", "throughput", "profile"))]
+    assert names == ["engine V2", "throughput V2", "profile V2", "engine V1"]
 
 
 def test_a_larger_working_tree_gets_smaller_chunks_and_a_huge_one_is_refused(monkeypatch):

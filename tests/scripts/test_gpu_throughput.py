@@ -8,6 +8,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,3 +56,40 @@ def test_ratios_pair_each_round_with_plain_of_the_same_round():
     assert s["K=1"]["ratio_to_plain"] == statistics.median([0.8, 1.0, 1 / 1.1])
     assert s["K=1"]["tokens_per_s"] == statistics.median([80.0, 50.0, 100 / 1.1])
     assert s["K=1"]["rounds"] == 3
+
+
+def test_profile_lines_give_each_modes_median_run_and_its_largest_sites():
+    runs = [{"plugin:head": 0.004, "op": 0.002, "vllm": 0.5, "captures": 1, "replays": 9,
+             "regions": 40, "calls": {"plugin:head": 9}},
+            {"plugin:head": 0.006, "op": 0.002, "vllm": 0.5, "captures": 0, "replays": 9,
+             "regions": 40, "calls": {"plugin:head": 9}},
+            {"plugin:head": 0.008, "op": 0.004, "vllm": 0.5, "captures": 0, "replays": 9,
+             "regions": 40, "calls": {"plugin:head": 9}}]
+    (line,) = gt.profile_lines({"K=1": runs}, steps=10)
+    # the median run's total (head and op: vLLM's own time is not the plugin's), per step
+    assert line.startswith("  profile K=1: plugin 8.00 ms per run (800 us per step)")
+    assert "captured 1 / replayed 9 per run" in line
+    assert line.endswith("largest: head 6.00 ms, op 2.00 ms")
+
+
+@pytest.mark.vllm
+def test_the_profile_puts_the_steered_modes_time_on_the_head_and_the_op(tmp_path):
+    import json
+    import os
+    import subprocess
+
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_throughput.py"),
+                        "--device", "cpu", "--shapes", "tiny", "--dtype", "float32",
+                        "--runner", "v1", "--rows", "8", "--k", "1", "--output-len", "4",
+                        "--rounds", "1", "--profile", "--workdir", str(tmp_path / "w"),
+                        "--out", str(tmp_path)], capture_output=True, text=True,
+                       env=dict(os.environ), timeout=900, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    prof = json.loads((tmp_path / "gpu_throughput.json").read_text())["shapes"]["tiny"]["profile"]
+    (plain,), (steered,) = prof["plain"], prof["K=1"]
+    assert "op" not in plain  # no row steered: the op never ran
+    # every generated token's row went through the head and the op: one call per step
+    assert steered["calls"]["op"] == steered["calls"]["plugin:head"] >= 4
+    assert steered["op"] > 0 and steered["plugin:head"] > 0
+    assert steered["calls"]["plugin:SteerRequestStateV1.validate_params"] == 8  # per request
+    assert "profile K=1: plugin" in r.stdout

@@ -127,6 +127,7 @@ class StepPlanner:
         self._coef_copy: staging.StagedCopy | None = None
         self._plan_key: object = None
         self._plan = None
+        self._plan_checked = False  # _plan checked against the step's coefficients
 
     @property
     def active(self) -> bool:
@@ -195,17 +196,18 @@ class StepPlanner:
             self._step_key = None  # never keep a stale key on error
             self._prepare_step(n, slots, positions)
             self._step_coefs_dev = self._coefs_dev[:n]
+            self._plan_checked = False
             self._step_key = key
         graphs = self.banks.graphs
         out = None if graphs is None else graphs.run(hidden, self._coefs_dev)
-        if out is not None:  # replayed from the row bucket's CUDA graph
-            pass
-        elif self._plan is None:  # a backend with no plan (it plans inside the call)
-            out = self.banks.fn(hidden, bank.p1, bank.p2, bank.rank_offsets,
-                                self._step_coefs_dev)
-        else:
-            out = self.banks.fn(hidden, bank.p1, bank.p2, bank.rank_offsets,
-                                self._step_coefs_dev, prepared=self._plan)
+        if out is None:  # launched eagerly (no graphs, or not for this step)
+            plan = self._eager_plan(n)
+            if plan is None:  # a backend with no plan (it plans inside the call)
+                out = self.banks.fn(hidden, bank.p1, bank.p2, bank.rank_offsets,
+                                    self._step_coefs_dev)
+            else:
+                out = self.banks.fn(hidden, bank.p1, bank.p2, bank.rank_offsets,
+                                    self._step_coefs_dev, prepared=plan)
         self.stats.op.stop(t0)
         return out
 
@@ -256,8 +258,9 @@ class StepPlanner:
 
     def _prepare_step(self, n: int, slots, positions) -> None:
         """A step whose key changed: gather its coefficients on the host; when they differ from
-        the device buffer's, copy them (pinned, non-blocking) and re-plan what depends on them
-        (the torch plan holds the values; the Triton plan only the non-zero pattern)."""
+        the device buffer's, copy them (pinned, non-blocking). The eager op's plan waits for
+        the first eager launch of these coefficients (:meth:`_eager_plan`): a step replayed
+        from the head's CUDA graphs needs none."""
         if slots is not None:
             slots = np.asarray(slots, dtype=np.int64)
         if positions is not None:
@@ -283,9 +286,18 @@ class StepPlanner:
                 self._coef_copy = staging.StagedCopy(dev)
             self._coef_copy.copy_(self._coefs_dev[:n], coefs)
             self._step_coefs = coefs
+
+    def _eager_plan(self, n: int):
+        """The eager op's plan for this step's coefficients (None: the backend plans inside
+        the call), made again only when what it depends on changed (the torch plan holds the
+        values; the Triton plan only the non-zero pattern)."""
+        if self._plan_checked:
+            return self._plan
+        banks = self.banks
         if banks.prepare is None:
-            self._plan = None
-            return
+            self._plan, self._plan_checked = None, True
+            return None
+        bank, coefs = banks.bank, self._step_coefs
         sig = (coefs != 0).tobytes() if banks.backend == "triton" else coefs.tobytes()
         plan_key = (bank.version, banks.backend, n, sig)
         if plan_key != self._plan_key:
@@ -293,6 +305,8 @@ class StepPlanner:
             self._plan = banks.prepare(bank.p1, bank.p2, bank.rank_offsets,
                                        self._coefs_dev[:n], host=coefs)
             self._plan_key = plan_key
+        self._plan_checked = True
+        return self._plan
 
     def _steer_device_mapping(self, hidden: torch.Tensor) -> torch.Tensor:
         """Rows known only through a device mapping (batch-sharded sampling): the slot table
