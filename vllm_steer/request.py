@@ -26,7 +26,8 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence  # isinstance on these, not typing's aliases
+from typing import Any
 
 from vllm_steer import REQUEST_FIELD
 from vllm_steer.names import echo, steer_name_problem
@@ -183,7 +184,26 @@ def _window(name: str, value: Mapping, where: str, max_strength: float) -> Windo
     return Window(strength=strength, start=start, end=end, ramp=ramp, base=base)
 
 
+def _surely_short(value: Mapping) -> bool:
+    """Whether a mapping is surely under :data:`MAX_STEER_CHARS` as JSON without encoding it:
+    at most 8 entries, each an ASCII name of at most 64 characters (6 characters each once
+    escaped) with a float or a 64-bit int (24 characters at most): under 3,400 in all."""
+    if len(value) > 8:
+        return False
+    for name, raw in value.items():
+        if type(name) is not str or len(name) > 64 or not name.isascii():
+            return False
+        kind = type(raw)
+        if not (kind is float or (kind is int and -(1 << 63) <= raw < 1 << 63)):
+            return False
+    return True
+
+
 def _serialised_length(value: Any) -> int | None:
+    """The value's length as JSON (0 when it is surely short, :func:`_surely_short`); None
+    when it cannot be encoded (its items are checked one by one after)."""
+    if isinstance(value, Mapping) and _surely_short(value):
+        return 0
     try:
         return len(json.dumps(value, default=repr))
     except (TypeError, ValueError, RecursionError):  # checked item by item below
