@@ -330,23 +330,31 @@ def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_in
     assert rt.graphs.captures == 1 and rt.graphs.replays == 4 and rt.stats.calls == 4
 
 
+def _one_steer_runtime(tmp_path, slots: int, seed: int):
+    """A worker runtime with one random rank-4 steer at hidden 32, ``slots`` request slots and
+    the head's graphs through the stand-in."""
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.worker.runtime import get_runtime
+
+    path = str(tmp_path / "a.safetensors")
+    save_steer(path, random_steer(32, 4, "a", seed=seed))
+    rt = get_runtime({"vllm_steer": {"steers": {"a": path}, "max_steers": 2,
+                                     "max_steer_rank": 8}})
+    rt.load(32, DEVICE, torch.float32)
+    rt.ensure_slots(slots, DEVICE)
+    rt.graphs = rt.bank.head_graphs(graph_backend=StandIn())
+    return rt
+
+
 def test_a_batch_growing_to_max_num_seqs_captures_each_row_bucket_once(tmp_path):
     """The head's coefficient buffer holds ``max_num_seqs`` rows from the first step, so a
     batch that grows from one request to the most the runner schedules, and shrinks again,
     captures each row bucket once (a new buffer would make every graph capture again)."""
     import numpy as np
 
-    from vllm_steer.format import save_steer
     from vllm_steer.integrations.worker.rows import SlotRows
-    from vllm_steer.integrations.worker.runtime import get_runtime
 
-    path = str(tmp_path / "a.safetensors")
-    save_steer(path, random_steer(32, 4, "a", seed=1))
-    rt = get_runtime({"vllm_steer": {"steers": {"a": path}, "max_steers": 2,
-                                     "max_steer_rank": 8}})
-    rt.load(32, DEVICE, torch.float32)
-    rt.ensure_slots(8, DEVICE)
-    rt.graphs = rt.bank.head_graphs(graph_backend=StandIn())
+    rt = _one_steer_runtime(tmp_path, slots=8, seed=1)
     row = np.zeros(rt.num_columns, np.float32)
     row[0] = 4 * rt.bank.steers[0].metadata.epsilon
     for slot in range(8):
@@ -370,17 +378,9 @@ def test_steps_replayed_from_graphs_plan_nothing_and_an_eager_step_plans_its_own
     for a step its graph replays; the eager launch then gives the reference's rows."""
     import numpy as np
 
-    from vllm_steer.format import save_steer
     from vllm_steer.integrations.worker.rows import SlotRows
-    from vllm_steer.integrations.worker.runtime import get_runtime
 
-    path = str(tmp_path / "a.safetensors")
-    save_steer(path, random_steer(32, 4, "a", seed=3))
-    rt = get_runtime({"vllm_steer": {"steers": {"a": path}, "max_steers": 2,
-                                     "max_steer_rank": 8}})
-    rt.load(32, DEVICE, torch.float32)
-    rt.ensure_slots(4, DEVICE)
-    rt.graphs = rt.bank.head_graphs(graph_backend=StandIn())
+    rt = _one_steer_runtime(tmp_path, slots=4, seed=3)
     planned = []
     prepare = rt.banks.prepare
     assert prepare is not None  # the auto backend plans its launches
