@@ -201,7 +201,7 @@ class StepPlanner:
         graphs = self.banks.graphs
         out = None if graphs is None else graphs.run(hidden, self._coefs_dev)
         if out is None:  # launched eagerly (no graphs, or not for this step)
-            plan = self._eager_plan(n)
+            plan = self._plan if self._plan_checked else self._eager_plan(n)
             if plan is None:  # a backend with no plan (it plans inside the call)
                 out = self.banks.fn(hidden, bank.p1, bank.p2, bank.rank_offsets,
                                     self._step_coefs_dev)
@@ -291,8 +291,6 @@ class StepPlanner:
         """The eager op's plan for this step's coefficients (None: the backend plans inside
         the call), made again only when what it depends on changed (the torch plan holds the
         values; the Triton plan only the non-zero pattern)."""
-        if self._plan_checked:
-            return self._plan
         banks = self.banks
         if banks.prepare is None:
             self._plan, self._plan_checked = None, True
