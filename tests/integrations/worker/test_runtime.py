@@ -138,3 +138,37 @@ def test_a_steady_batchs_kept_answer_follows_every_change_of_the_slots():
             steered.add(int(args[1]))
         table.flush()
         check()
+
+
+def test_a_plain_request_in_a_clear_slot_changes_nothing_and_clears_a_used_one(tmp_path):
+    """A request that asks for no steer, in a slot holding none, leaves the table as it is (no
+    new version: nothing to plan again, nothing to copy to the device); in a slot a steered
+    or windowed request left, it clears the slot fully."""
+    from vllm_steer.integrations.worker.rows import SlotRows
+    from vllm_steer.request import Window
+
+    rt = _runtime(tmp_path)
+    table = rt.slots
+    zero = np.zeros(rt.num_columns, dtype=np.float32)
+    a = zero.copy()
+    a[0] = 5e-3
+    rt.set_slot(1, a)
+    rt.set_slot(2, zero.copy(), {0: Window(3.0, start=2, base=0.0)})  # windowed, off at first
+    rt.set_slot(5, zero.copy(), {0: Window(0.0, start=2, base=0.0)})  # windowed, never steered
+    rt.flush()
+    version = table.version
+    for slot, row in ((0, None), (3, zero), (4, zero.copy())):  # plain requests, clear slots
+        rt.set_slot(slot, row)
+    assert table.version == version and not table.dirty
+    # plain requests take the slots the steered and the windowed request left: cleared
+    rt.set_slot(1, None)
+    rt.set_slot(2, zero)
+    rt.set_slot(5, None)
+    assert table.version > version and table.dirty
+    rt.flush()
+    assert rt.num_active_slots == 0 and table.num_window_slots == 0
+    assert not table.windowed[[2, 5]].any() and not table.host[:6].any()
+    assert not torch.count_nonzero(table.table[:5])  # the device copy too
+    h = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    with rt.rows(SlotRows(slots=np.arange(5), positions=np.full(5, 4))):
+        assert torch.equal(rt.steer_rows(h), h)  # every row as the plain model's

@@ -145,8 +145,15 @@ class RequestSlots:
         ``windows`` (:attr:`RequestCoefs.windows`): the request's strength is a schedule over
         its generated tokens; each step then computes the slot's coefficients from the index of
         the token each row samples (:meth:`row_coefs`). ``row`` stays the constant row (what
-        the request asks for inside its windows), which says whether the slot is steered."""
+        the request asks for inside its windows), which says whether the slot is steered.
+
+        A request that asks for no steer, in a slot that holds none (not steered, no windows:
+        its row is all zeros), changes nothing: the table keeps its version and needs no copy
+        to the device."""
         assert self.host is not None
+        if not windows and not self.steered[slot] and not self.windowed[slot] \
+                and (row is None or not row.any()):
+            return
         self.host[slot] = 0.0 if row is None else row
         steered = bool(np.any(self.host[slot]))
         if windows:
