@@ -14,7 +14,9 @@ Each run is ``--rows`` requests at once (``max_num_seqs``), ``--prompt-len`` pro
 ``--output-len`` generated tokens (EOS ignored), greedy. Reported per shape and mode: output
 tokens/s (median over rounds) and the median of the paired ratio to ``plain`` in the same
 round. Also reported: whether the head's steer op replayed from CUDA graphs (the engine log's
-line).
+line). With ``--profile`` the engine runs in one process and the plugin's own host time is
+timed by site in every timed run (:class:`Profiler`; the ratios of such a run are not the
+figures to report: one process does the work of three).
 
 Shapes: ``smollm2`` (the embedded model's architecture, SmolLM2-135M: hidden 576),
 ``8b`` (an 8B-like Llama: hidden 4096, benchmarks/configs/llama-3.1-8b.json, with
