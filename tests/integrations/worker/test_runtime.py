@@ -142,8 +142,9 @@ def test_a_steady_batchs_kept_answer_follows_every_change_of_the_slots():
 
 def test_a_plain_request_in_a_clear_slot_changes_nothing_and_clears_a_used_one(tmp_path):
     """A request that asks for no steer, in a slot holding none, leaves the table as it is (no
-    new version: nothing to plan again, nothing to copy to the device); in a slot a steered
-    or windowed request left, it clears the slot fully."""
+    new version: nothing to plan again, nothing to copy to the device), and so does moving it
+    between such slots; in a slot a steered or windowed request left, it clears the slot
+    fully, and a steered or windowed request still moves."""
     from vllm_steer.integrations.worker.rows import SlotRows
     from vllm_steer.request import Window
 
@@ -159,7 +160,17 @@ def test_a_plain_request_in_a_clear_slot_changes_nothing_and_clears_a_used_one(t
     version = table.version
     for slot, row in ((0, None), (3, zero), (4, zero.copy())):  # plain requests, clear slots
         rt.set_slot(slot, row)
+    rt.move_slot(3, 0, swap=False)  # a plain request moves to a clear slot, or swaps with one
+    rt.move_slot(4, 6, swap=True)
     assert table.version == version and not table.dirty
+    rt.move_slot(1, 7, swap=True)  # the steered request moves: the table changes
+    assert table.steered[7] and not table.steered[1] and table.version > version
+    rt.move_slot(7, 1, swap=True)
+    rt.move_slot(5, 6, swap=False)  # so does a windowed one, even with no strength yet
+    assert table.windowed[6] and not table.windowed[5]
+    rt.move_slot(6, 5, swap=False)
+    rt.flush()
+    version = table.version
     # plain requests take the slots the steered and the windowed request left: cleared
     rt.set_slot(1, None)
     rt.set_slot(2, zero)

@@ -188,7 +188,12 @@ class RequestSlots:
             self._count_windows(self.num_window_slots + 1)
 
     def move(self, src: int, dst: int, swap: bool) -> None:
+        """Move (or swap) a slot's request to another slot. Two slots that hold no steer (all
+        zeros, no windows) stay as they are: nothing changes."""
         assert self.host is not None
+        if not (self.steered[src] or self.windowed[src] or self.steered[dst]
+                or self.windowed[dst]):
+            return
         arrays = [self.host, self.steered, self.windowed]
         if self.windows is not None:
             arrays += list(self.windows.values())
