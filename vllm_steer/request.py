@@ -200,10 +200,8 @@ def _surely_short(value: Mapping) -> bool:
 
 
 def _serialised_length(value: Any) -> int | None:
-    """The value's length as JSON (0 when it is surely short, :func:`_surely_short`); None
-    when it cannot be encoded (its items are checked one by one after)."""
-    if isinstance(value, Mapping) and _surely_short(value):
-        return 0
+    """The value's length as JSON; None when it cannot be encoded (its items are checked one
+    by one after)."""
     try:
         return len(json.dumps(value, default=repr))
     except (TypeError, ValueError, RecursionError):  # checked item by item below
@@ -257,7 +255,7 @@ def _parse_steer(value: Any, known: Mapping[str, Any] | None, max_strength: floa
             raise SteerRequestError(unknown_steer(where, name, known))
         if known is None and steer_name_problem(name):
             raise SteerRequestError(f"{where}: {steer_name_problem(name)}")
-    if not isinstance(value, str):
+    if not isinstance(value, str) and not _surely_short(items):  # encoded only when it may be long
         n = _serialised_length(value)
         if n is not None and n > MAX_STEER_CHARS:
             raise SteerRequestError(f"{where}: the steer value is {n} characters as JSON; at most "

@@ -205,16 +205,17 @@ def test_steer_value_over_4096_characters_is_refused():
 def test_the_values_taken_as_short_without_json_are_all_under_the_limit():
     """A mapping of at most 8 ASCII names of at most 64 characters to floats or 64-bit ints
     is taken as short without encoding it: the longest such value is still under 4096."""
-    from vllm_steer.request import MAX_STEER_CHARS, _serialised_length
+    from vllm_steer.request import MAX_STEER_CHARS, _serialised_length, _surely_short
 
     worst = {chr(1) * 63 + chr(48 + i): -1.2345678901234567e-308 for i in range(8)}
     worst_int = {chr(1) * 63 + chr(48 + i): -(1 << 63) for i in range(8)}
     for value in (worst, worst_int):
-        assert _serialised_length(value) == 0  # not encoded
+        assert _surely_short(value)  # not encoded
         assert len(json.dumps(value)) < MAX_STEER_CHARS
     # one step past any bound: encoded, and its real length told
     for value in ({**worst, "x": 1.0}, {"a" * 65: 1.0}, {"d\u00e9": 1.0}, {"a": 1 << 63},
                   {"a": True}, {"a": "5"}):
+        assert not _surely_short(value), value
         assert _serialised_length(value) == len(json.dumps(value)), value
 
 
