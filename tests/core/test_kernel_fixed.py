@@ -144,6 +144,28 @@ def test_graphs_capture_each_row_bucket_once_and_follow_the_tables_values():
     assert graphs.run(torch.randn(2, 24, device=DEVICE), table) is None
 
 
+def test_capture_records_every_missing_bucket_up_to_the_rows_asked_and_no_more():
+    (p1, p2, q1, q2), offs = fixed_layout(24, [4, 6], 6, torch.float32)
+    graphs = G.SteerGraphs(q1, q2, 6, StandIn(), max_rows=16)
+    table = torch.zeros(16, 2, device=DEVICE)
+    assert graphs.capture(5, 24, torch.float32, table) == 4  # 1, 2, 4, 8
+    assert graphs.buckets == [1, 2, 4, 8]
+    assert graphs.capture(8, 24, torch.float32, table) == 0  # captured already
+    assert graphs.capture(100, 24, torch.float32, table) == 1  # up to max_rows: 16
+    assert graphs.buckets == [1, 2, 4, 8, 16] and graphs.captures == 5
+    table[:9] = torch.randn(9, 2).to(DEVICE)
+    h = torch.randn(9, 24).to(DEVICE)
+    out = graphs.run(h, table)  # replayed, not captured, with the table's values now
+    assert graphs.captures == 5 and graphs.replays == 1
+    torch.testing.assert_close(out.cpu(), want(h, p1, p2, offs, table.cpu(), list(range(9))),
+                               rtol=1e-5, atol=1e-5)
+    assert graphs.capture(4, 24, torch.bfloat16, table) == 3  # other activations: anew
+    assert graphs.buckets == [1, 2, 4] and graphs.backend.resets == 1
+    graphs.disabled = "a reason"
+    graphs.invalidate()
+    assert graphs.capture(4, 24, torch.float32, table) == 0 and graphs.buckets == []
+
+
 def test_a_new_table_storage_or_dtype_is_captured_again():
     (_, _, q1, q2), _ = fixed_layout(16, [4], 4, torch.float32)
     graphs = G.SteerGraphs(q1, q2, 4, StandIn())
@@ -286,18 +308,22 @@ def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_in
 
     from vllm_steer.format import save_steer
     from vllm_steer.integrations.worker.rows import SlotRows
-    from vllm_steer.integrations.worker.runtime import get_runtime
+    from vllm_steer.integrations.worker.runtime import SteerRuntime, get_runtime
     from vllm_steer.request import Window
 
     paths = {}
     for name, seed, rank in (("a", 1, 4), ("b", 2, 8)):
         paths[name] = str(tmp_path / f"{name}.safetensors")
         save_steer(paths[name], random_steer(32, rank, name, seed=seed))
-    rt = get_runtime({"vllm_steer": {"steers": paths, "max_steers": 3, "max_steer_rank": 8}})
+    config = {"vllm_steer": {"steers": paths, "max_steers": 3, "max_steer_rank": 8}}
+    rt = get_runtime(config)
     rt.load(32, DEVICE, torch.float32)
     assert (rt.graphs is None) == (DEVICE.type != "cuda")  # CPU: the eager op, as before
+    rt = SteerRuntime(rt.config)  # another worker's, with the stand-in graph backend
+    rt.banks.graph_backend = StandIn()
     rt.ensure_slots(8, DEVICE)
-    rt.graphs = rt.bank.head_graphs(graph_backend=StandIn())
+    rt.load(32, DEVICE, torch.float32)
+    assert rt.graphs.buckets == [1, 2, 4, 8]  # captured as the model loads, up to 8 rows
     copy = rt.bank.fixed_p1
     assert rt.enable_fixed_drafter() == 0.0 and rt.bank.fixed_p1 is copy  # a drafter shares it
     assert any("the drafter's steers, inside CUDA graphs, use a fixed-layout copy of the bank: "
@@ -327,12 +353,14 @@ def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_in
                               coefs)
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
         assert torch.equal(out[2].cpu(), h[2].cpu())  # an unsteered slot, bit for bit
-    assert rt.graphs.captures == 1 and rt.graphs.replays == 4 and rt.stats.calls == 4
+    # no step captured: the 4-row bucket's graph, captured at load, replayed 4 times
+    assert rt.graphs.captures == 4 and rt.graphs.replays == 4 and rt.stats.calls == 4
 
 
-def _one_steer_runtime(tmp_path, slots: int, seed: int):
+def _one_steer_runtime(tmp_path, slots: int, seed: int, load_first: bool = True):
     """A worker runtime with one random rank-4 steer at hidden 32, ``slots`` request slots and
-    the head's graphs through the stand-in."""
+    the head's graphs through the stand-in (the model loaded before the request slots are
+    sized, or after)."""
     from vllm_steer.format import save_steer
     from vllm_steer.integrations.worker.runtime import get_runtime
 
@@ -340,21 +368,30 @@ def _one_steer_runtime(tmp_path, slots: int, seed: int):
     save_steer(path, random_steer(32, 4, "a", seed=seed))
     rt = get_runtime({"vllm_steer": {"steers": {"a": path}, "max_steers": 2,
                                      "max_steer_rank": 8}})
-    rt.load(32, DEVICE, torch.float32)
-    rt.ensure_slots(slots, DEVICE)
-    rt.graphs = rt.bank.head_graphs(graph_backend=StandIn())
+    rt.banks.graph_backend = StandIn()
+    if load_first:
+        rt.load(32, DEVICE, torch.float32)
+        assert rt.graphs.captures == 0  # max_num_seqs not known yet: nothing captured
+        rt.ensure_slots(slots, DEVICE)
+    else:
+        rt.ensure_slots(slots, DEVICE)  # no bank yet: nothing to capture
+        rt.load(32, DEVICE, torch.float32)
     return rt
 
 
-def test_a_batch_growing_to_max_num_seqs_captures_each_row_bucket_once(tmp_path):
-    """The head's coefficient buffer holds ``max_num_seqs`` rows from the first step, so a
-    batch that grows from one request to the most the runner schedules, and shrinks again,
-    captures each row bucket once (a new buffer would make every graph capture again)."""
+@pytest.mark.parametrize("load_first", [True, False])
+def test_the_heads_graphs_are_captured_at_start_up_and_no_step_captures(tmp_path, load_first):
+    """Every row bucket up to ``max_num_seqs`` is captured once the model is loaded and the
+    request slots are sized, whichever comes first, so that no serving step stalls on a
+    capture: a batch that grows from one request to the most the runner schedules, and
+    shrinks again, only replays (the coefficient buffer, which the graphs read, holds every
+    bucket's rows from the start), with the reference's rows."""
     import numpy as np
 
     from vllm_steer.integrations.worker.rows import SlotRows
 
-    rt = _one_steer_runtime(tmp_path, slots=8, seed=1)
+    rt = _one_steer_runtime(tmp_path, slots=8, seed=1, load_first=load_first)
+    assert rt.graphs.buckets == [1, 2, 4, 8] and rt.graphs.captures == 4
     row = np.zeros(rt.num_columns, np.float32)
     row[0] = 4 * rt.bank.steers[0].metadata.epsilon
     for slot in range(8):
@@ -371,6 +408,56 @@ def test_a_batch_growing_to_max_num_seqs_captures_each_row_bucket_once(tmp_path)
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
     assert rt.graphs.buckets == [1, 2, 4, 8]
     assert rt.graphs.captures == 4 and rt.graphs.replays == 15
+    rt.ensure_slots(4, DEVICE)  # sized already: nothing to capture
+    assert rt.graphs.captures == 4
+
+
+def test_a_load_that_changes_the_banks_layout_captures_the_graphs_again_before_the_next_step(
+        tmp_path):
+    """A run-time load (or unload) that changes the bank's layout drops the head's graphs; they
+    are captured again as part of the load, for every bucket, and the steps after it replay
+    them with the new steer's rows. A load that keeps the layout captures nothing."""
+    import numpy as np
+
+    from vllm_steer.integrations.worker.rows import SlotRows
+
+    rt = _one_steer_runtime(tmp_path, slots=4, seed=5)
+    assert rt.graphs.captures == 3  # buckets 1, 2, 4
+    gen = torch.Generator().manual_seed(0)
+
+    def step(strengths):
+        for slot, (col, s) in enumerate(strengths):
+            row = np.zeros(rt.num_columns, np.float32)
+            if s:
+                row[col] = s * rt.bank.steers[col].metadata.epsilon
+            rt.set_slot(slot, row if s else None)
+        rt.flush()
+        n = len(strengths)
+        h = torch.randn(n, 32, generator=gen).to(DEVICE)
+        with rt.rows(SlotRows(slots=np.arange(n))):
+            out = rt.steer_rows(h)
+        coefs = torch.zeros(n, rt.num_columns)
+        for i, (col, s) in enumerate(strengths):
+            if s:
+                coefs[i, col] = s * rt.bank.steers[col].metadata.epsilon
+        ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+                              coefs)
+        torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+
+    step([(0, 4), (0, 0), (0, -2)])
+    rt.put_steer(1, 7, "b", random_steer(32, 8, "b", seed=6))  # a new steer: a new layout
+    assert rt.graphs.buckets == [1, 2, 4] and rt.graphs.captures == 6  # captured in the load
+    step([(0, 4), (1, 3), (1, -2), (0, 0)])
+    step([(1, 5)])
+    rt.drop_slots([1])
+    assert rt.graphs.captures == 9
+    step([(0, 3), (0, 0)])
+    rt.put_steer(1, 8, "b2", random_steer(32, 8, "b2", seed=7))  # the layout the drop undid
+    captures = rt.graphs.captures
+    rt.put_steer(1, 9, "b3", random_steer(32, 8, "b3", seed=8))  # the same ranks: kept
+    assert rt.graphs.captures == captures
+    step([(1, 4), (0, 2)])
+    assert rt.graphs.captures == captures and rt.graphs.replays == 5
 
 
 def test_steps_replayed_from_graphs_plan_nothing_and_an_eager_step_plans_its_own(tmp_path):

@@ -16,10 +16,11 @@ input, one replay, the first rows of its static output returned.
 - static output ``[bucket, hidden]``: what :meth:`SteerGraphs.run` returns a view of, valid
   until the next call (as the outputs of vLLM's captured model).
 
-A graph is captured on the first step that needs its bucket and replayed from then on. The
-cache is dropped (every bucket is captured again on its next use) when the caller passes
-another coefficient table (its buffer was re-allocated), when the activations change dtype or
-width, and by
+The worker captures every bucket up to its most rows per step when the model loads
+(:meth:`SteerGraphs.capture`), and again after a load that dropped them; a bucket still
+missing is captured on the first step that needs it, then replayed. The cache is dropped
+(every bucket is captured again) when the caller passes another coefficient table (its
+buffer was re-allocated), when the activations change dtype or width, and by
 :meth:`SteerGraphs.invalidate` (the bank calls it after a load that changes its layout).
 :meth:`SteerGraphs.run` returns None, and the caller launches the op eagerly, for more rows
 than the largest bucket and while :attr:`SteerGraphs.disabled` says why.
@@ -180,14 +181,13 @@ class SteerGraphs:
             return None
         if table is not self._table or hidden.dtype != self._dtype \
                 or hidden.shape[1] != self._width:
-            self.invalidate()  # a graph reads the table it was captured with
-            self._table, self._dtype, self._width = table, hidden.dtype, hidden.shape[1]
+            self._use(table, hidden.dtype, hidden.shape[1])
         step = self._steps.get(n)
         if step is None:  # the bucket's graph and the views of its buffers for n rows
             bucket = row_bucket(n)
             entry = self._graphs.get(bucket)
             if entry is None:
-                entry = self._capture(bucket, hidden, table)
+                entry = self._capture(bucket)
             step = self._steps[n] = (entry[0], entry[1][:n], entry[2][:n])
         graph, h_in, out = step
         h_in.copy_(hidden)
@@ -195,9 +195,30 @@ class SteerGraphs:
         self.replays += 1
         return out
 
-    def _capture(self, bucket: int, hidden: torch.Tensor, table: torch.Tensor):
-        dev = self.p1.device
-        h_in = torch.zeros((bucket, hidden.shape[1]), dtype=hidden.dtype, device=dev)
+    def capture(self, rows: int, width: int, dtype: torch.dtype, table: torch.Tensor) -> int:
+        """Capture now every bucket a step of 1..``rows`` rows replays (at most
+        :attr:`max_rows`) that is not captured yet, for activations ``[rows, width]`` of
+        ``dtype`` and the coefficient buffer ``table`` (as :meth:`run` takes it): at start-up
+        and after a load that dropped the graphs, so that no serving step captures. Returns the
+        number captured (0 while :attr:`disabled`)."""
+        if self.disabled is not None or rows < 1:
+            return 0
+        if table is not self._table or dtype != self._dtype or width != self._width:
+            self._use(table, dtype, width)
+        top = row_bucket(min(int(rows), self.max_rows))
+        missing = [b for b in (1 << i for i in range(top.bit_length())) if b not in self._graphs]
+        for bucket in missing:
+            self._capture(bucket)
+        return len(missing)
+
+    def _use(self, table: torch.Tensor, dtype: torch.dtype, width: int) -> None:
+        """Graphs for another coefficient buffer or activations: drop the ones captured."""
+        self.invalidate()  # a graph reads the table it was captured with
+        self._table, self._dtype, self._width = table, dtype, int(width)
+
+    def _capture(self, bucket: int):
+        dev, table = self.p1.device, self._table
+        h_in = torch.zeros((bucket, self._width), dtype=self._dtype, device=dev)
         out = torch.zeros_like(h_in)
         index = torch.arange(bucket, dtype=torch.int64, device=dev)
         index = torch.where(index < table.shape[0], index, -1)

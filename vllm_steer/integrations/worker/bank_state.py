@@ -49,6 +49,9 @@ class BankState:
         self.prepare: Callable | None = None  # the backend's planning function, if any
         self.max_rows = 0  # the most rows one step steers (vLLM's max_num_seqs), once known
         self.graphs = None  # CUDA: the head's op replayed from CUDA graphs (SlotBank.head_graphs)
+        # what records and replays the head's graphs (None: CUDA graphs, on CUDA only; tests
+        # set a stand-in before the load, which lifts the CUDA-only rule)
+        self.graph_backend = None
 
     def load(self, hidden_size: int, device: torch.device, dtype: torch.dtype,
              model_id: str | None = None) -> None:
@@ -88,7 +91,7 @@ class BankState:
         self.fn = ops.backend_fn(self.backend)  # resolved once, not per step
         self.prepare = ops.backend_prepare(self.backend)
         self.warm_up()
-        self.graphs = self.bank.head_graphs(self.config.backend)
+        self.graphs = self.bank.head_graphs(self.config.backend, self.graph_backend)
         logger.info("vllm-steer: loaded %d steer(s) %s on %s/%s", len(steers), self.names,
                     device, dtype)
 

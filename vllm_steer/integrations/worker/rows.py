@@ -26,6 +26,7 @@ order exists on the device alone, gathers and plans on the device.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Union
 
@@ -268,24 +269,51 @@ class StepPlanner:
         coefs = self.slots.row_coefs(n, slots, positions)
         last = self._step_coefs
         same = last is not None and last.shape == coefs.shape and np.array_equal(last, coefs)
-        banks = self.banks
-        bank = banks.bank
         if not same:
             self._step_coefs = None
-            dev = bank.p1.device
-            if self._coefs_dev is None or self._coefs_dev.shape[0] < n \
-                    or self._coefs_dev.device != dev:
-                # sized for the most rows a step samples (max_num_seqs) from the start: the
-                # head's CUDA graphs read this buffer and are captured again when it is
-                # replaced, which then happens only for a step with more rows (verification
-                # rows, prompt-logprob chunks), each time doubling
-                rows = max(n, banks.max_rows,
-                           2 * (0 if self._coefs_dev is None else self._coefs_dev.shape[0]))
-                self._coefs_dev = torch.zeros((rows, banks.num_columns), dtype=torch.float32,
-                                              device=dev)
-                self._coef_copy = staging.StagedCopy(dev)
-            self._coef_copy.copy_(self._coefs_dev[:n], coefs)
+            buf = self._coef_buffer(n)  # (may make a new buffer, and its staged copy)
+            self._coef_copy.copy_(buf[:n], coefs)
             self._step_coefs = coefs
+
+    def _coef_buffer(self, n: int) -> torch.Tensor:
+        """The device buffer of the step's coefficients (``[rows >= n, columns]`` fp32), made
+        for the most rows a step samples (max_num_seqs) and, with the head's CUDA graphs, for
+        their largest bucket, from the start: the graphs read this buffer and are captured
+        again when it is replaced, which then happens only for a step with more rows
+        (prompt-logprob chunks), each time doubling. A new buffer starts all zero."""
+        banks = self.banks
+        dev = banks.bank.p1.device
+        buf = self._coefs_dev
+        if buf is None or buf.shape[0] < n or buf.device != dev:
+            graphs = banks.graphs
+            rows = max(n, banks.max_rows, 0 if graphs is None else graphs.max_rows,
+                       2 * (0 if buf is None else buf.shape[0]))
+            self._step_coefs = self._step_key = None  # the new buffer holds no step's yet
+            self._coefs_dev = buf = torch.zeros((rows, banks.num_columns), dtype=torch.float32,
+                                                device=dev)
+            self._coef_copy = staging.StagedCopy(dev)
+        return buf
+
+    def capture_graphs(self) -> int:
+        """Capture the head's CUDA graphs now, for every row bucket up to the most rows a step
+        samples (vLLM's max_num_seqs): when the model loads and the request slots are sized,
+        and after a load or unload that dropped them (a new layout of the bank), so that no
+        serving step stalls on a capture. Returns the number captured."""
+        banks = self.banks
+        graphs, bank = banks.graphs, banks.bank
+        if graphs is None or bank is None or not banks.max_rows:
+            return 0
+        dev = bank.p1.device
+        cuda = dev.type == "cuda"
+        t0, held = time.perf_counter(), torch.cuda.memory_reserved(dev) if cuda else 0
+        done = graphs.capture(banks.max_rows, bank.hidden_size, bank.dtype,
+                              self._coef_buffer(min(banks.max_rows, graphs.max_rows)))
+        if done:
+            mib = (torch.cuda.memory_reserved(dev) - held) / 2**20 if cuda else 0.0
+            get_logger().info("vllm-steer: captured %d CUDA graph(s) of the LM head's steer op "
+                              "(buckets %s rows) in %.2f s, %.1f MiB", done, graphs.buckets,
+                              time.perf_counter() - t0, mib)
+        return done
 
     def _eager_plan(self, n: int):
         """The eager op's plan for this step's coefficients (None: the backend plans inside

@@ -115,16 +115,19 @@ class SteerRuntime:
              model_id: str | None = None) -> None:
         """Load every steer on the model's device/dtype (:meth:`BankState.load`)."""
         self.banks.load(hidden_size, device, dtype, model_id=model_id)
+        self.planner.capture_graphs()
 
     def put_steer(self, bank_slot: int, load_id: int, name: str, steer) -> None:
         """Load a steer into a bank slot no request uses (the engine core picked it)."""
         self.banks.put(bank_slot, load_id, name, steer)
         self.slots.version += 1
+        self.planner.capture_graphs()  # again, if the load changed the bank's layout
 
     def drop_slots(self, bank_slots) -> None:
         """Empty these bank slots."""
         self.banks.drop(bank_slots)
         self.slots.version += 1
+        self.planner.capture_graphs()
 
     def warm_up(self) -> None:
         """Compile the backend's kernels for the bank's layout now (CUDA only)."""
@@ -132,7 +135,9 @@ class SteerRuntime:
 
     def enable_fixed_drafter(self) -> float:
         """The bank's fixed-layout copy for drafters in CUDA graphs (MiB allocated)."""
-        return self.banks.enable_fixed_drafter()
+        mib = self.banks.enable_fixed_drafter()
+        self.planner.capture_graphs()  # a new copy drops the head's graphs
+        return mib
 
     # ---- the request slots ---------------------------------------------------------------
     def ensure_slots(self, max_slots: int, device: torch.device) -> None:
@@ -140,6 +145,7 @@ class SteerRuntime:
         if self.slots.ensure(max_slots, device):
             self.banks.max_rows = max_slots
             self.banks.warm_up()
+            self.planner.capture_graphs()
 
     def decode(self, params: Any) -> RequestCoefs:
         """A request's row and windows, decoded once from its bound form."""
