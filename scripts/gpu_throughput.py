@@ -13,10 +13,11 @@ modes alike):
 Each run is ``--rows`` requests at once (``max_num_seqs``), ``--prompt-len`` prompt tokens,
 ``--output-len`` generated tokens (EOS ignored), greedy. Reported per shape and mode: output
 tokens/s (median over rounds) and the median of the paired ratio to ``plain`` in the same
-round. Also reported: whether the head's steer op replayed from CUDA graphs (the engine log's
-line). With ``--profile`` the engine runs in one process and the plugin's own host time is
-timed by site in every timed run (:class:`Profiler`; the ratios of such a run are not the
-figures to report: one process does the work of three).
+round. Also reported: whether the head's steer op replayed from CUDA graphs, and the graphs
+it captured while the engine started (the engine log's lines). With ``--profile`` the engine
+runs in one process and the plugin's own host time is timed by site in every timed run
+(:class:`Profiler`; the ratios of such a run are not the figures to report: one process
+does the work of three).
 
 Shapes: ``smollm2`` (the embedded model's architecture, SmolLM2-135M: hidden 576),
 ``8b`` (an 8B-like Llama: hidden 4096, benchmarks/configs/llama-3.1-8b.json, with
@@ -337,8 +338,12 @@ def main(argv=None) -> int:
         ok &= complete
         summary = summarize(runs)
         graphs = "replays from CUDA graphs" in text
+        # the head's graphs captured at start-up (count, buckets, seconds, MiB), as logged
+        captured = [line.split("vllm-steer: ", 1)[1] for line in text.splitlines()
+                    if "CUDA graph(s) of the LM head's steer op" in line]
         results[shape] = {"hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"],
-                          "graphs": graphs, "complete": complete, "modes": summary,
+                          "graphs": graphs, "captured_at_start": captured,
+                          "complete": complete, "modes": summary,
                           "rows_steered_last_run": steered,
                           "runs": runs, "profile": result.get("profile") or None,
                           "engine_s": round(time.time() - t0)}
@@ -347,6 +352,8 @@ def main(argv=None) -> int:
                   f"{a.runner}] {mode}: {s['tokens_per_s']:.0f} tokens/s, "
                   f"{s['ratio_to_plain']:.3f}x plain ({s['rounds']} rounds; head "
                   f"{'replayed from CUDA graphs' if graphs else 'launched eagerly'})", flush=True)
+        for line in captured:
+            print(f"  engine start: {line}", flush=True)
         for line in profile_lines(result.get("profile") or {}, a.output_len + 1):
             print(line, flush=True)
     Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,9 @@ Checked, per request (greedy, logprobs of the sampled tokens):
   3. every request gets exactly the same tokens in the mixed batch as alone (logprobs within
      tol).
 
+On CUDA, per engine with the plugin: its LM head captured its CUDA graphs while it started
+(the engine log's line), and no capture failed.
+
 On ``--device cuda`` the engines run as users run them: CUDA graphs (enforce_eager False) and
 async scheduling on, Model Runner V2 (``v2``) or V1 (``v1``, ``VLLM_USE_V2_MODEL_RUNNER=0``).
 On ``--device cpu`` (the reduced form run by tests/scripts/test_gpu_vllm_check.py) the engines are
@@ -301,6 +304,16 @@ def main(argv=None) -> int:
                            and on["info"]["v2_runner"] == (runner == "v2")
                            and on["info"]["plugin_loaded"]
                            and not off["info"]["plugin_loaded"], **on["info"]})
+            if a.device == "cuda":  # the head's own graphs, captured while the engine started
+                lines = (work / f"{dtype}-{runner}-plugin.log").read_text().splitlines()
+                captured = [line.split("vllm-steer: ", 1)[-1] for line in lines
+                            if "CUDA graph(s) of the LM head's steer op" in line]
+                failed = [line.split("vllm-steer: ", 1)[-1] for line in lines
+                          if "launched eagerly from now on" in line]
+                checks.append({"dtype": dtype, "runner": runner,
+                               "check": "the head's CUDA graphs captured at start-up",
+                               "ok": bool(captured) and not failed, "captured": captured,
+                               "failed": failed})
             checks += compare(a, dtype, runner, ref, on, off)
     for c in checks:
         detail = {k: v for k, v in c.items() if k not in ("dtype", "runner", "check", "ok")}

@@ -323,7 +323,8 @@ def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_in
     rt.banks.graph_backend = StandIn()
     rt.ensure_slots(8, DEVICE)
     rt.load(32, DEVICE, torch.float32)
-    assert rt.graphs.buckets == [1, 2, 4, 8]  # captured as the model loads, up to 8 rows
+    rt.model_loaded()
+    assert rt.graphs.buckets == [1, 2, 4, 8]  # captured once the model is loaded, up to 8 rows
     copy = rt.bank.fixed_p1
     assert rt.enable_fixed_drafter() == 0.0 and rt.bank.fixed_p1 is copy  # a drafter shares it
     assert any("the drafter's steers, inside CUDA graphs, use a fixed-layout copy of the bank: "
@@ -360,7 +361,7 @@ def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_in
 def _one_steer_runtime(tmp_path, slots: int, seed: int, load_first: bool = True):
     """A worker runtime with one random rank-4 steer at hidden 32, ``slots`` request slots and
     the head's graphs through the stand-in (the model loaded before the request slots are
-    sized, or after)."""
+    sized, as Model Runner V2 may, or after, as V1 does)."""
     from vllm_steer.format import save_steer
     from vllm_steer.integrations.worker.runtime import get_runtime
 
@@ -370,12 +371,15 @@ def _one_steer_runtime(tmp_path, slots: int, seed: int, load_first: bool = True)
                                      "max_steer_rank": 8}})
     rt.banks.graph_backend = StandIn()
     if load_first:
-        rt.load(32, DEVICE, torch.float32)
+        rt.load(32, DEVICE, torch.float32)  # the head, built with the model
+        rt.model_loaded()  # vLLM's loader done
         assert rt.graphs.captures == 0  # max_num_seqs not known yet: nothing captured
         rt.ensure_slots(slots, DEVICE)
     else:
         rt.ensure_slots(slots, DEVICE)  # no bank yet: nothing to capture
         rt.load(32, DEVICE, torch.float32)
+        assert rt.graphs.captures == 0  # the weights are not loaded yet: nothing captured
+        rt.model_loaded()
     return rt
 
 
@@ -410,6 +414,104 @@ def test_the_heads_graphs_are_captured_at_start_up_and_no_step_captures(tmp_path
     assert rt.graphs.captures == 4 and rt.graphs.replays == 15
     rt.ensure_slots(4, DEVICE)  # sized already: nothing to capture
     assert rt.graphs.captures == 4
+
+
+def test_an_fp32_head_captures_its_graphs_for_the_models_hidden_states(tmp_path):
+    """With an fp32 LM head (vLLM's ``head_dtype``) the bank is fp32 and the hidden states keep
+    the model's bf16: the graphs are captured for bf16 rows, so the steps replay them."""
+    import numpy as np
+
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.worker.rows import SlotRows
+    from vllm_steer.integrations.worker.runtime import SteerRuntime
+    from vllm_steer.config import SteerServerConfig
+
+    path = str(tmp_path / "a.safetensors")
+    save_steer(path, random_steer(32, 4, "a", seed=4))
+    rt = SteerRuntime(SteerServerConfig.from_additional_config(
+        {"vllm_steer": {"steers": {"a": path}, "max_steer_rank": 4}}))
+    rt.banks.graph_backend = StandIn()
+    rt.ensure_slots(4, DEVICE)
+    rt.load(32, DEVICE, torch.float32)  # the head's dtype
+    rt.model_loaded(torch.bfloat16)  # the model's
+    assert rt.graphs.captures == 3
+    row = np.zeros(rt.num_columns, np.float32)
+    row[0] = 5 * rt.bank.steers[0].metadata.epsilon
+    rt.set_slot(0, row)
+    rt.flush()
+    h = torch.randn(2, 32, generator=torch.Generator().manual_seed(0)).to(DEVICE, torch.bfloat16)
+    with rt.rows(SlotRows(slots=np.arange(2))):
+        out = rt.steer_rows(h)
+    assert rt.graphs.captures == 3 and rt.graphs.replays == 1 and out.dtype == torch.bfloat16
+    coefs = torch.zeros(2, rt.num_columns)
+    coefs[0] = torch.from_numpy(row)
+    ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+                          coefs)
+    torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=2 ** -7, atol=2 ** -7)
+
+
+class FailingStandIn(StandIn):
+    """The stand-in, whose capture number ``fail_at`` (counted from 1) raises as CUDA would."""
+
+    def __init__(self, fail_at: int):
+        super().__init__()
+        self.fail_at, self.tries = fail_at, 0
+
+    def capture(self, fn):
+        self.tries += 1
+        if self.tries == self.fail_at:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\n"
+                               "CUDA kernel errors might be asynchronously reported")
+        return super().capture(fn)
+
+
+@pytest.mark.parametrize("when", ["start-up", "step"])
+def test_a_capture_that_fails_leaves_the_head_on_the_eager_op_and_serving(tmp_path, log_lines,
+                                                                          when):
+    """CUDA graphs are an optimisation: a capture that fails, while the engine starts or in a
+    step, is logged once, and the head serves every later step with the eager op (the
+    reference's rows), never trying to capture again (not after a load either)."""
+    import numpy as np
+
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.worker.rows import SlotRows
+    from vllm_steer.integrations.worker.runtime import SteerRuntime
+    from vllm_steer.config import SteerServerConfig
+
+    path = str(tmp_path / "a.safetensors")
+    save_steer(path, random_steer(32, 4, "a", seed=2))
+    rt = SteerRuntime(SteerServerConfig.from_additional_config(
+        {"vllm_steer": {"steers": {"a": path}, "max_steers": 2, "max_steer_rank": 8}}))
+    rt.banks.graph_backend = back = FailingStandIn(fail_at=3 if when == "start-up" else 1)
+    rt.ensure_slots(8, DEVICE)
+    rt.load(32, DEVICE, torch.float32)
+    if when == "start-up":
+        rt.model_loaded()  # buckets 1 and 2 captured, then 4 fails: nothing raised
+        assert back.tries == 3
+    eps = rt.bank.steers[0].metadata.epsilon
+    gen = torch.Generator().manual_seed(0)
+    for n in (3, 3, 6):
+        row = np.zeros(rt.num_columns, np.float32)
+        row[0] = 4 * eps
+        for slot in range(n):
+            rt.set_slot(slot, row if slot != 1 else None)
+        rt.flush()
+        h = torch.randn(n, 32, generator=gen).to(DEVICE)
+        with rt.rows(SlotRows(slots=np.arange(n))):
+            out = rt.steer_rows(h)
+        coefs = torch.zeros(n, rt.num_columns)
+        coefs[:, 0] = 4 * eps
+        coefs[1] = 0
+        ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+                              coefs)
+        torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+    rt.put_steer(1, 5, "b", random_steer(32, 8, "b", seed=3))  # a new layout: no new try
+    tries = back.tries
+    assert tries == (3 if when == "start-up" else 1) and rt.graphs.buckets == []
+    assert rt.graphs.replays == 0 and "operation not permitted" in rt.graphs.failed
+    warned = [line for line in log_lines if "launched eagerly from now on" in line]
+    assert len(warned) == 1 and "RuntimeError: CUDA error: operation not permitted when " \
+        "stream is capturing" in warned[0] and "asynchronously" not in warned[0], warned
 
 
 def test_a_load_that_changes_the_banks_layout_captures_the_graphs_again_before_the_next_step(

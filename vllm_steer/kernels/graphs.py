@@ -23,7 +23,8 @@ missing is captured on the first step that needs it, then replayed. The cache is
 buffer was re-allocated), when the activations change dtype or width, and by
 :meth:`SteerGraphs.invalidate` (the bank calls it after a load that changes its layout).
 :meth:`SteerGraphs.run` returns None, and the caller launches the op eagerly, for more rows
-than the largest bucket and while :attr:`SteerGraphs.disabled` says why.
+than the largest bucket, while :attr:`SteerGraphs.disabled` says why, and for good once a
+capture failed (:attr:`SteerGraphs.failed`, logged).
 
 The graph itself comes from a backend (:class:`CudaGraphBackend` on CUDA); tests pass a
 stand-in that records captures and replays, so the bucket and re-capture rules are checked on
@@ -36,6 +37,8 @@ import os
 from typing import Any, Callable, Protocol
 
 import torch
+
+from vllm_steer.logs import get_logger
 
 from .fixed import steer_fixed
 
@@ -146,6 +149,7 @@ class SteerGraphs:
         self.backend = backend if backend is not None else CudaGraphBackend(p1.device)
         self.max_rows = int(max_rows)
         self.disabled: str | None = None  # why the op is launched eagerly for now (or None)
+        self.failed: str | None = None  # why it is launched eagerly for good: a failed capture
         self.captures = 0  # graphs captured (each bucket once per cache)
         self.replays = 0
         # bucket -> (graph, static input, static output, and what else the graph reads: the
@@ -174,10 +178,10 @@ class SteerGraphs:
         ``table[i]`` (``table``: ``[at least rows, columns]`` fp32, a buffer that keeps its
         storage from step to step), replayed from the bucket's graph (captured now if it is
         the bucket's first use); a view of the static output, valid until the next call.
-        None when the caller must launch the op eagerly (too many rows, or
-        :attr:`disabled`)."""
+        None when the caller must launch the op eagerly (too many rows, :attr:`disabled`, or
+        :attr:`failed`)."""
         n = hidden.shape[0]
-        if n > self.max_rows or self.disabled is not None:
+        if n > self.max_rows or self.disabled is not None or self.failed is not None:
             return None
         if table is not self._table or hidden.dtype != self._dtype \
                 or hidden.shape[1] != self._width:
@@ -187,7 +191,9 @@ class SteerGraphs:
             bucket = row_bucket(n)
             entry = self._graphs.get(bucket)
             if entry is None:
-                entry = self._capture(bucket)
+                entry = self._try_capture(bucket)
+                if entry is None:
+                    return None
             step = self._steps[n] = (entry[0], entry[1][:n], entry[2][:n])
         graph, h_in, out = step
         h_in.copy_(hidden)
@@ -201,20 +207,37 @@ class SteerGraphs:
         ``dtype`` and the coefficient buffer ``table`` (as :meth:`run` takes it): at start-up
         and after a load that dropped the graphs, so that no serving step captures. Returns the
         number captured (0 while :attr:`disabled`)."""
-        if self.disabled is not None or rows < 1:
+        if self.disabled is not None or self.failed is not None or rows < 1:
             return 0
         if table is not self._table or dtype != self._dtype or width != self._width:
             self._use(table, dtype, width)
         top = row_bucket(min(int(rows), self.max_rows))
-        missing = [b for b in (1 << i for i in range(top.bit_length())) if b not in self._graphs]
-        for bucket in missing:
-            self._capture(bucket)
-        return len(missing)
+        done = 0
+        for bucket in (1 << i for i in range(top.bit_length())):
+            if bucket not in self._graphs:
+                if self._try_capture(bucket) is None:
+                    break
+                done += 1
+        return done
 
     def _use(self, table: torch.Tensor, dtype: torch.dtype, width: int) -> None:
         """Graphs for another coefficient buffer or activations: drop the ones captured."""
         self.invalidate()  # a graph reads the table it was captured with
         self._table, self._dtype, self._width = table, dtype, int(width)
+
+    def _try_capture(self, bucket: int):
+        """:meth:`_capture`, or None when it fails: the graphs are dropped and :attr:`failed`
+        says why, and from then on the caller launches the op eagerly (the graphs are an
+        optimisation: a capture that fails must not stop serving)."""
+        try:
+            return self._capture(bucket)
+        except Exception as e:  # noqa: BLE001 (whatever CUDA or the allocator raised)
+            self.invalidate()
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            self.failed = f"capturing the {bucket}-row graph failed: {type(e).__name__}: {first}"
+            get_logger().warning("vllm-steer: the LM head's steer op is launched eagerly from "
+                                 "now on (not from CUDA graphs): %s", self.failed)
+            return None
 
     def _capture(self, bucket: int):
         dev, table = self.p1.device, self._table

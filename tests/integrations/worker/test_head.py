@@ -206,3 +206,57 @@ def test_engine_with_a_model_specific_logits_layer_fails_at_startup(tiny_model_d
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("STARTUP-FAILED")][0]
     assert "TinySpecialHeadForCausalLM" in line and "SpecialLogitsProcessor" in line
     assert "not supported with --steer" in line
+
+
+class _GraphStandIn:
+    """A graph backend for the CPU: ``capture`` runs the function once, ``replay`` again."""
+
+    def __init__(self):
+        self.captured = []
+
+    def capture(self, fn):
+        fn()
+        self.captured.append(fn)
+        return len(self.captured) - 1
+
+    def replay(self, graph):
+        self.captured[graph]()
+
+    def reset(self):
+        pass
+
+
+def test_the_loader_hook_captures_the_heads_graphs_once_the_model_is_loaded(head_cls, tmp_path):
+    """vLLM's loader (``BaseModelLoader.load_model``, wrapped) returns the built model; its
+    head's CUDA graphs (a stand-in here) are captured then, for every row bucket up to
+    max_num_seqs, before any step: a configuration without steers captures nothing."""
+    from helpers.steers import random_steer
+    from vllm.config import VllmConfig
+
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.worker import head as head_mod
+    from vllm_steer.integrations.worker.runtime import get_runtime
+
+    path = str(tmp_path / "a.safetensors")
+    save_steer(path, random_steer(16, 4, "a", seed=1))
+    config = {"vllm_steer": {"steers": {"a": path}, "max_steer_rank": 4}}
+    rt = get_runtime(config)
+    rt.banks.graph_backend = back = _GraphStandIn()
+    rt.ensure_slots(6, torch.device("cpu"))  # the runner's request slots (V1: before the load)
+
+    class TinyForCausalLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.logits_processor = head_cls(50)  # as vLLM builds it: the bank loads
+
+    def orig(loader, vllm_config):
+        rt.load(16, torch.device("cpu"), torch.float32)  # what the head's __init__ does
+        assert back.captured == []  # not while the model is built
+        return TinyForCausalLM()
+
+    model = head_mod.load_model(orig, object(), VllmConfig(additional_config=config))
+    assert isinstance(model, TinyForCausalLM)
+    assert rt.graphs.buckets == [1, 2, 4, 8] and len(back.captured) == 4
+    plain = head_mod.load_model(lambda loader, vllm_config: TinyForCausalLM(), object(),
+                                VllmConfig())
+    assert isinstance(plain, TinyForCausalLM) and len(back.captured) == 4

@@ -52,6 +52,10 @@ class BankState:
         # what records and replays the head's graphs (None: CUDA graphs, on CUDA only; tests
         # set a stand-in before the load, which lifts the CUDA-only rule)
         self.graph_backend = None
+        self.model_loaded = False  # vLLM's loader has finished (the head's graphs may be captured)
+        # the hidden states' dtype at the head (the model's; the bank's is the head's, which
+        # an fp32 head_dtype makes differ)
+        self.activation_dtype: torch.dtype | None = None
 
     def load(self, hidden_size: int, device: torch.device, dtype: torch.dtype,
              model_id: str | None = None) -> None:

@@ -134,7 +134,8 @@ def _has_lm_head() -> bool:
 
 def load_model(orig, self, vllm_config, *a, **kw):
     """``BaseModelLoader.load_model`` (and overrides): the built model's logits layer is
-    checked to be the steered head (:func:`check_head_installed`)."""
+    checked to be the steered head (:func:`check_head_installed`), then the head's CUDA graphs
+    are captured (:meth:`SteerRuntime.model_loaded`), before vLLM sizes the KV cache."""
     from vllm_steer.config import SteerServerConfig
     from vllm_steer.integrations.hooks import check_hooks
 
@@ -144,4 +145,7 @@ def load_model(orig, self, vllm_config, *a, **kw):
             getattr(vllm_config.model_config, "runner_type", "generate") != "pooling":
         check_hooks(vllm_config)  # the hook groups of this runner and configuration
         check_head_installed(model)
+        rt = get_runtime(vllm_config.additional_config)
+        if rt is not None:
+            rt.model_loaded(getattr(vllm_config.model_config, "dtype", None))  # hidden states
     return model

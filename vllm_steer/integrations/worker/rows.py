@@ -296,17 +296,20 @@ class StepPlanner:
 
     def capture_graphs(self) -> int:
         """Capture the head's CUDA graphs now, for every row bucket up to the most rows a step
-        samples (vLLM's max_num_seqs): when the model loads and the request slots are sized,
-        and after a load or unload that dropped them (a new layout of the bank), so that no
-        serving step stalls on a capture. Returns the number captured."""
+        samples (vLLM's max_num_seqs), once the model is loaded and the request slots are
+        sized (whichever comes last), and after a load or unload that dropped them (a new
+        layout of the bank), so that no serving step stalls on a capture. Returns the number
+        captured. A capture that fails leaves the head on the eager op, logged
+        (:attr:`~vllm_steer.kernels.graphs.SteerGraphs.failed`)."""
         banks = self.banks
         graphs, bank = banks.graphs, banks.bank
-        if graphs is None or bank is None or not banks.max_rows:
+        if graphs is None or bank is None or not banks.max_rows or not banks.model_loaded:
             return 0
         dev = bank.p1.device
         cuda = dev.type == "cuda"
         t0, held = time.perf_counter(), torch.cuda.memory_reserved(dev) if cuda else 0
-        done = graphs.capture(banks.max_rows, bank.hidden_size, bank.dtype,
+        done = graphs.capture(banks.max_rows, bank.hidden_size,
+                              banks.activation_dtype or bank.dtype,
                               self._coef_buffer(min(banks.max_rows, graphs.max_rows)))
         if done:
             mib = (torch.cuda.memory_reserved(dev) - held) / 2**20 if cuda else 0.0

@@ -115,6 +115,13 @@ class SteerRuntime:
              model_id: str | None = None) -> None:
         """Load every steer on the model's device/dtype (:meth:`BankState.load`)."""
         self.banks.load(hidden_size, device, dtype, model_id=model_id)
+
+    def model_loaded(self, activation_dtype: torch.dtype | None = None) -> None:
+        """The worker's model is built and its weights loaded (vLLM's loader, before it sizes
+        the KV cache): capture the head's CUDA graphs now (:meth:`StepPlanner.capture_graphs`)
+        for hidden states of ``activation_dtype`` (the model's dtype; the bank's when None)."""
+        self.banks.model_loaded = True
+        self.banks.activation_dtype = activation_dtype
         self.planner.capture_graphs()
 
     def put_steer(self, bank_slot: int, load_id: int, name: str, steer) -> None:
