@@ -58,8 +58,8 @@ START_S = 30  # a fresh machine's start and the first tree's transfer: 30 s on t
 #              says "a minute or more"); 28 s on the H200 (a 0.4 s first call)
 GAP_S = 6  # between consecutive calls (warm 30 s; idle time counts): 4.5-9 s measured
 UPLOAD_S_PER_MIB = 0.15  # carrying the working tree and a chunk; estimate (unmeasured)
-GPU_WINDOW_S = 110  # `make gpu-window` on the H100: 108 s; on the H200 92 s, its replay check
-#                    included (benchmarks/RESULTS.md)
+GPU_WINDOW_S = 120  # `make gpu-window` on the H100: 108 s; on the H200 92 s, its replay check
+#                    included (benchmarks/RESULTS.md); its head check since: 10 s (estimate)
 WORKER_CUDA_TESTS_S = 10  # test_syncfree's CUDA tests (bf16, fp32) + test_staging: 7 s (H200)
 RECEIVE_S = 3  # sha256 and copy of one 56 MiB chunk; estimate
 INSTALL_S_PER_MIB = 0.14  # assemble + pip install --no-deps + the host check: 38 s for the

@@ -19,12 +19,16 @@ INFO); the exit status is 1 when any check fails.
 - replay: the LM head's steer op replayed from its row bucket's CUDA graph
   (``kernels/graphs.py``) against the eager launch of the planned op, per steered step: host
   microseconds (the goal: at most :data:`HOST_US_GOAL`, reported), GPU microseconds, and the
-  replayed rows against the reference (a failure when they differ).
+  replayed rows against the reference (a failure when they differ);
+- head: the worker's head on a steady steered step (``StepPlanner.steer_rows``, graphs
+  captured at start-up as in an engine), host microseconds warm and with cold caches, by part
+  (``graphs.run``, the op's timer, the row lookup); a failure when its rows differ from the
+  reference or a step captured a graph.
 
 ``--dry-run`` (no CUDA): the invariance check on CPU under Triton's interpreter
 (TRITON_INTERPRET=1), the async check on CPU (small, eager, no overlap) and the replay check
-on CPU with a stand-in for the graph (the function run again at each replay: the code path,
-not the figures), the others skipped with a line saying why.
+and the head check on CPU with a stand-in for the graph (the function run again at each
+replay: the code path, not the figures), the others skipped with a line saying why.
 """
 
 from __future__ import annotations
@@ -350,6 +354,132 @@ def check_replay(dev, shapes=REPLAY_SHAPES, rows_list=(1, 64), dtype=torch.bfloa
     return ok
 
 
+#: (label, hidden, rank) of the head check: the embedded model's shape and an 8B-like one
+HEAD_SHAPES = [("d576 r16", 576, 16), ("d4096 r64", 4096, 64)]
+
+
+class _PartTimes:
+    """Host time spent in some methods (``cls.name``), each call timed in place."""
+
+    def __init__(self, parts):
+        self.parts, self.total, self._orig = parts, {}, []
+
+    def __enter__(self):
+        for label, cls, name in self.parts:
+            orig = getattr(cls, name)
+            self._orig.append((cls, name, orig))
+
+            def timed(*a, _orig=orig, _label=label, **k):
+                t0 = time.perf_counter()
+                try:
+                    return _orig(*a, **k)
+                finally:
+                    self.total[_label] = self.total.get(_label, 0.0) + time.perf_counter() - t0
+            setattr(cls, name, timed)
+        return self
+
+    def __exit__(self, *exc):
+        for cls, name, orig in reversed(self._orig):
+            setattr(cls, name, orig)
+
+
+def check_head(dev, shapes=HEAD_SHAPES, rows_list=(1, 64), dtype=torch.bfloat16,
+               steps: int = 100, dry: bool = False) -> bool:
+    """The worker's head on a steady steered step, as Model Runner V2 calls it (its rows mapped
+    on the host, the step unchanged since the last): ``StepPlanner.steer_rows`` through a
+    runtime whose graphs were captured at start-up. Host microseconds per step, back to back
+    (warm) and each after a pass over 64 MiB of host memory (caches cold, as after vLLM's own
+    step in an engine), with the parts: ``graphs.run`` (one copy and one replay), the op's
+    timer (two CUDA event records), the row lookup; the rest is the head's own code. The rows
+    are checked against the reference (a failure when they differ)."""
+    import tempfile
+
+    from vllm_steer.config import SteerServerConfig
+    from vllm_steer.format import make_steer, save_steer
+    from vllm_steer.integrations.worker.rows import MappedRows, StepPlanner
+    from vllm_steer.integrations.worker.runtime import SteerRuntime
+    from vllm_steer.kernels.graphs import SteerGraphs
+    from vllm_steer.metrics import OpTimer
+    from vllm_steer.reference import steer_reference
+
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    flush = np.ones(64 << 17, dtype=np.float64)  # 64 MiB
+    ok = True
+    for label, d, rank in shapes:
+        gen = torch.Generator().manual_seed(d)
+        folder = tempfile.mkdtemp(prefix="gpu_window-head-")
+        path = os.path.join(folder, "a.safetensors")
+        save_steer(path, make_steer(torch.randn(d, rank, generator=gen) / d ** 0.5,
+                                    torch.randn(d, rank, generator=gen) / rank ** 0.5, "a"))
+        rt = SteerRuntime(SteerServerConfig.from_additional_config(
+            {"vllm_steer": {"steers": {"a": path}, "max_steers": 8, "max_steer_rank": rank}}))
+        if not cuda:
+            rt.banks.graph_backend = EagerGraphs()
+        rt.ensure_slots(max(rows_list), dev)
+        rt.load(d, dev, dtype)
+        rt.model_loaded(dtype)
+        eps = rt.bank.steers[0].metadata.epsilon
+        row = np.zeros(rt.num_columns, np.float32)
+        row[0] = 5 * eps
+        for slot in range(max(rows_list)):
+            rt.set_slot(slot, row)
+        rt.flush()
+        captures = rt.graphs.captures if rt.graphs is not None else 0
+        for rows in rows_list:
+            idx = np.arange(rows, dtype=np.int32)
+            src = MappedRows(torch.arange(rows, dtype=torch.int32, device=dev), idx, None,
+                             idx.tobytes())
+            hidden = torch.randn(rows, d, generator=gen).to(dev, dtype)
+            with rt.rows(src):
+                out = rt.steer_rows(hidden).clone()
+                ref = steer_reference(hidden, rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets,
+                                      torch.from_numpy(np.tile(row, (rows, 1))).to(dev))
+                scale = (ref.float() - hidden.float()).abs().max().item()
+                tol = 2 ** -6 if dtype != torch.float32 else 1e-5
+                good = torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol * scale)
+                ok &= good
+                step = lambda: rt.steer_rows(hidden)  # noqa: E731
+                warm = _host_us(step, sync)
+
+                def cold_us(fn, n=steps):
+                    per = []
+                    for i in range(n):
+                        flush.sum()  # outside the timing: the caches hold vLLM's step's data
+                        t0 = time.perf_counter()
+                        fn()
+                        per.append((time.perf_counter() - t0) * 1e6)
+                        if i % 20 == 19:
+                            sync()
+                    sync()
+                    return float(np.median(per)), per
+
+                cold, _ = cold_us(step)
+                parts = [("graphs.run", SteerGraphs, "run"), ("timer", OpTimer, "start"),
+                         ("timer", OpTimer, "stop"), ("rows", StepPlanner, "_step_rows")]
+                with _PartTimes(parts) as pt:
+                    _, per = cold_us(step)
+                means = {k: v / steps * 1e6 for k, v in pt.total.items()}
+                means["the rest"] = float(np.mean(per)) - sum(means.values())
+                split = ", ".join(f"{k} {v:.1f}" for k, v in means.items())
+            replayed = rt.graphs is not None and rt.graphs.replays > 0
+            how = ("replayed from a stand-in graph on the CPU: not a GPU's figures" if dry else
+                   "replayed from CUDA graphs" if replayed else "launched eagerly")
+            say(f"head {label} {str(dtype)[6:]} rows {rows}: host {warm:.1f} us per steered step "
+                f"warm, {cold:.1f} us with cold caches (medians; by part with cold caches, means "
+                f"in us: {split}); {how}: INFO")
+            say(f"head {label} rows {rows}: steered rows "
+                f"{'match' if good else 'DO NOT match'} the reference: {'PASS' if good else 'FAIL'}")
+        new = (rt.graphs.captures if rt.graphs is not None else 0) - captures
+        say(f"head {label}: {new} graph(s) captured by the steps (captured at start-up: "
+            f"{captures}): {'PASS' if new == 0 else 'FAIL'}")
+        ok &= new == 0
+        del rt
+        if cuda:
+            torch.cuda.empty_cache()
+    return ok
+
+
 def check_async(dev, **sizes) -> bool:
     import gpu_async_steps
 
@@ -373,7 +503,7 @@ def main(argv=None) -> int:
                     help="folder for gpu_window_results.txt (default: $OUT, if set)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["compiles", "invariance",
                                                                "capture", "async", "auto",
-                                                               "replay"])
+                                                               "replay", "head"])
     args = ap.parse_args(argv)
     os.environ.pop("VLLM_BATCH_INVARIANT", None)
     os.environ.pop("VLLM_STEER_BACKEND", None)
@@ -398,6 +528,9 @@ def main(argv=None) -> int:
         if "replay" not in args.skip:
             ok &= check_replay(torch.device("cpu"), [("d64 4 slots r8", 64, 4, 8)], (1, 5),
                                dtype=torch.float32, dry=True)
+        if "head" not in args.skip:
+            ok &= check_head(torch.device("cpu"), [("d64 r8", 64, 8)], (1, 5),
+                             dtype=torch.float32, steps=20, dry=True)
     else:
         if not torch.cuda.is_available():
             say("gpu_window: FAIL: CUDA is not available to torch (use --dry-run on CPU)")
@@ -408,7 +541,8 @@ def main(argv=None) -> int:
                   "capture": lambda: check_capture(dev),
                   "async": lambda: check_async(dev, steps=48, batch=256, hidden=4096),
                   "auto": lambda: check_auto(dev),
-                  "replay": lambda: check_replay(dev)}
+                  "replay": lambda: check_replay(dev),
+                  "head": lambda: check_head(dev)}
         for name, check in checks.items():
             if name in args.skip:
                 say(f"{name}: SKIP: --skip")

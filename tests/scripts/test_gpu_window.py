@@ -1,6 +1,7 @@
 """scripts/gpu_window.py's dry run (no CUDA): the replay check runs the LM head's graph path
 with a stand-in graph on the CPU, reports host microseconds launched and replayed, and checks
-the replayed rows against the reference."""
+the replayed rows against the reference; the head check does the same through the worker's
+head, with its parts, and checks that no step captures."""
 
 from __future__ import annotations
 
@@ -28,3 +29,13 @@ def test_the_dry_run_runs_the_replay_check_and_writes_its_lines(tmp_path):
         assert "not the goal's figure" in line
     assert sum("replayed rows match the reference: PASS" in line for line in lines) == 2
     assert "capture: SKIP: needs CUDA" in res.stdout and lines[-1] == "gpu_window checks: PASS"
+    # the head check: the worker's steady step, its parts, its rows, and no capture by a step
+    head = [line for line in lines if line.startswith("head") and "host" in line]
+    assert len(head) == 2, lines  # rows 1 and 5
+    for line in head:
+        m = re.search(r"host ([\d.]+) us per steered step warm, ([\d.]+) us with cold caches "
+                      r".*graphs.run ([\d.]+).*the rest (-?[\d.]+)\); replayed from a stand-in",
+                      line)
+        assert m and all(float(m[i]) > 0 for i in (1, 2, 3)), line
+    assert sum("steered rows match the reference: PASS" in line for line in lines) == 2
+    assert "head d64 r8: 0 graph(s) captured by the steps (captured at start-up: 4): PASS" in lines
