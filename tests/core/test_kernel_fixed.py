@@ -358,13 +358,15 @@ def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_in
     assert rt.graphs.captures == 4 and rt.graphs.replays == 4 and rt.stats.calls == 4
 
 
-def _one_steer_runtime(tmp_path, slots: int, seed: int, load_first: bool = True):
+def _one_steer_runtime(tmp_path, slots: int, seed: int, load_first: bool = True,
+                       max_rows: int | None = None):
     """A worker runtime with one random rank-4 steer at hidden 32, ``slots`` request slots and
     the head's graphs through the stand-in (the model loaded before the request slots are
     sized, as Model Runner V2 may, or after, as V1 does)."""
     from vllm_steer.format import save_steer
     from vllm_steer.integrations.worker.runtime import get_runtime
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = str(tmp_path / "a.safetensors")
     save_steer(path, random_steer(32, 4, "a", seed=seed))
     rt = get_runtime({"vllm_steer": {"steers": {"a": path}, "max_steers": 2,
@@ -374,9 +376,9 @@ def _one_steer_runtime(tmp_path, slots: int, seed: int, load_first: bool = True)
         rt.load(32, DEVICE, torch.float32)  # the head, built with the model
         rt.model_loaded()  # vLLM's loader done
         assert rt.graphs.captures == 0  # max_num_seqs not known yet: nothing captured
-        rt.ensure_slots(slots, DEVICE)
+        rt.ensure_slots(slots, DEVICE, max_rows)
     else:
-        rt.ensure_slots(slots, DEVICE)  # no bank yet: nothing to capture
+        rt.ensure_slots(slots, DEVICE, max_rows)  # no bank yet: nothing to capture
         rt.load(32, DEVICE, torch.float32)
         assert rt.graphs.captures == 0  # the weights are not loaded yet: nothing captured
         rt.model_loaded()
@@ -414,6 +416,41 @@ def test_the_heads_graphs_are_captured_at_start_up_and_no_step_captures(tmp_path
     assert rt.graphs.captures == 4 and rt.graphs.replays == 15
     rt.ensure_slots(4, DEVICE)  # sized already: nothing to capture
     assert rt.graphs.captures == 4
+
+
+def test_with_speculative_decoding_the_buckets_cover_every_verification_row(tmp_path):
+    """A step verifies up to max_num_seqs x (1 + num_speculative_tokens) rows: the graphs are
+    captured for that many at start-up (the kernels compiled for as many), so a full
+    verification step replays without a capture."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_steer.integrations.worker.rows import SlotRows
+    from vllm_steer.integrations.worker.runtime import max_step_rows
+
+    spec = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3))
+    assert max_step_rows(spec, 4) == 16
+    assert max_step_rows(SimpleNamespace(speculative_config=None), 4) == 4
+    assert max_step_rows(object(), 4) == 4
+    rt = _one_steer_runtime(tmp_path, slots=4, seed=9)
+    assert rt.graphs.buckets == [1, 2, 4]
+    rt = _one_steer_runtime(tmp_path / "spec", slots=4, seed=9, max_rows=16)
+    assert rt.graphs.buckets == [1, 2, 4, 8, 16] and rt.banks.max_rows == 16
+    row = np.zeros(rt.num_columns, np.float32)
+    row[0] = 4 * rt.bank.steers[0].metadata.epsilon
+    for slot in range(4):
+        rt.set_slot(slot, row if slot != 2 else None)
+    rt.flush()
+    slots = np.repeat(np.arange(4), 4)  # each request's 3 draft tokens and its bonus token
+    h = torch.randn(16, 32, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with rt.rows(SlotRows(slots=slots)):
+        out = rt.steer_rows(h)
+    coefs = torch.from_numpy(np.stack([0 * row if s == 2 else row for s in slots]))
+    ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+                          coefs)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+    assert rt.graphs.captures == 5 and rt.graphs.replays == 1
 
 
 def test_an_fp32_head_captures_its_graphs_for_the_models_hidden_states(tmp_path):

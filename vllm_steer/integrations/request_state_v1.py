@@ -27,7 +27,7 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from vllm_steer.integrations.frontend import admission
-from vllm_steer.integrations.worker.runtime import get_runtime
+from vllm_steer.integrations.worker.runtime import get_runtime, max_step_rows
 
 
 class SteerRequestStateV1(LogitsProcessor):
@@ -43,7 +43,8 @@ class SteerRequestStateV1(LogitsProcessor):
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.runtime = get_runtime(vllm_config.additional_config)
         if self.runtime is not None:
-            self.runtime.ensure_slots(vllm_config.scheduler_config.max_num_seqs, device)
+            seqs = vllm_config.scheduler_config.max_num_seqs
+            self.runtime.ensure_slots(seqs, device, max_step_rows(vllm_config, seqs))
 
     def is_argmax_invariant(self) -> bool:
         return True  # logits are steered in the head, not here

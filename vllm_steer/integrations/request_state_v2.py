@@ -28,7 +28,7 @@ from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
 
 from vllm_steer.integrations.frontend import admission
 from vllm_steer.integrations.worker.rows import NO_ROWS
-from vllm_steer.integrations.worker.runtime import get_runtime
+from vllm_steer.integrations.worker.runtime import get_runtime, max_step_rows
 
 # A sampling path of newer vLLM that computes greedy logits straight from ``lm_head.weight``
 # for batches where no request needs logits processing (not in vLLM 0.32 or 0.33). Where it
@@ -62,7 +62,8 @@ class SteerRequestStateV2(LogitsProcessor):
         self.slots = None if self.runtime is None else self.runtime.slots  # the request slots
         self.declare_steered = has_greedy_fast_path()  # see GREEDY_FAST_PATH_MODULE
         if self.runtime is not None:
-            self.runtime.ensure_slots(req_states.max_num_reqs, req_states.device)
+            seqs = req_states.max_num_reqs
+            self.runtime.ensure_slots(seqs, req_states.device, max_step_rows(vllm_config, seqs))
             # outside sample() (prompt logprobs, warm-up) rows have no known slot: unsteered
             self.runtime.row_source = NO_ROWS
 

@@ -47,7 +47,7 @@ class BankState:
         self.backend: str | None = None  # resolved at load
         self.fn: Callable | None = None  # the backend's steer function (resolved once)
         self.prepare: Callable | None = None  # the backend's planning function, if any
-        self.max_rows = 0  # the most rows one step steers (vLLM's max_num_seqs), once known
+        self.max_rows = 0  # the most rows one step steers (max_step_rows), once known
         self.graphs = None  # CUDA: the head's op replayed from CUDA graphs (SlotBank.head_graphs)
         # what records and replays the head's graphs (None: CUDA graphs, on CUDA only; tests
         # set a stand-in before the load, which lifts the CUDA-only rule)

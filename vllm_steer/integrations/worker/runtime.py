@@ -147,10 +147,13 @@ class SteerRuntime:
         return mib
 
     # ---- the request slots ---------------------------------------------------------------
-    def ensure_slots(self, max_slots: int, device: torch.device) -> None:
-        """Size the request-slot table for ``max_slots`` (vLLM's ``max_num_seqs``)."""
+    def ensure_slots(self, max_slots: int, device: torch.device,
+                     max_rows: int | None = None) -> None:
+        """Size the request-slot table for ``max_slots`` (vLLM's ``max_num_seqs``); a step
+        steers at most ``max_rows`` rows (:func:`max_step_rows`; ``max_slots`` when None): the
+        kernels are compiled and the head's graphs captured for that many."""
         if self.slots.ensure(max_slots, device):
-            self.banks.max_rows = max_slots
+            self.banks.max_rows = max(max_rows or 0, max_slots)
             self.banks.warm_up()
             self.planner.capture_graphs()
 
@@ -194,6 +197,16 @@ class SteerRuntime:
     def steer_fixed(self, hidden: torch.Tensor, mapping: torch.Tensor | None) -> torch.Tensor:
         """The capture-safe op on rows mapped on the device (:meth:`StepPlanner.steer_fixed`)."""
         return self.planner.steer_fixed(hidden, mapping)
+
+
+def max_step_rows(vllm_config: Any, max_slots: int) -> int:
+    """The most rows one ``compute_logits`` call of a runner with ``max_slots`` request slots
+    steers: a row per request, and with speculative decoding the draft tokens each request
+    verifies too (``max_num_seqs x (1 + num_speculative_tokens)``, as Model Runner V2 sizes its
+    logits)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    k = getattr(spec, "num_speculative_tokens", None) if spec is not None else None
+    return max_slots * (1 + (int(k) if isinstance(k, int) and k > 0 else 0))
 
 
 # One runtime per process and configuration (tests may run several engines in one process);
