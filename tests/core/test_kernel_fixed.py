@@ -686,3 +686,51 @@ def test_real_cuda_graphs_are_captured_again_after_every_graph_was_dropped():
                               table.cpu())
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
     assert graphs.captures == 3
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="real CUDA graphs (scripts/gpu_window.sh runs "
+                                                  "this file with VLLM_STEER_TEST_DEVICE=cuda)")
+def test_real_cuda_graphs_captured_at_start_up_replay_and_are_captured_again_in_a_load(tmp_path):
+    """On a GPU: the worker's runtime captures every bucket once the model is loaded (no
+    stand-in); steps of 1..8 rows replay them with the reference's rows and capture nothing; a
+    load that changes the layout captures them again before it returns, and the steps after it
+    apply the new steer."""
+    import numpy as np
+
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.worker.rows import SlotRows
+    from vllm_steer.integrations.worker.runtime import get_runtime
+
+    path = str(tmp_path / "a.safetensors")
+    save_steer(path, random_steer(32, 4, "a", seed=11))
+    rt = get_runtime({"vllm_steer": {"steers": {"a": path}, "max_steers": 2,
+                                     "max_steer_rank": 8}})
+    rt.ensure_slots(8, DEVICE)
+    rt.load(32, DEVICE, torch.float32)
+    rt.model_loaded(torch.float32)
+    assert isinstance(rt.graphs.backend, G.CudaGraphBackend)
+    assert rt.graphs.buckets == [1, 2, 4, 8] and rt.graphs.captures == 4
+    gen = torch.Generator().manual_seed(0)
+
+    def step(n, col):
+        row = np.zeros(rt.num_columns, np.float32)
+        row[col] = 4 * rt.bank.steers[col].metadata.epsilon
+        for slot in range(n):
+            rt.set_slot(slot, row if slot % 2 == 0 else None)
+        rt.flush()
+        h = torch.randn(n, 32, generator=gen).to(DEVICE)
+        with rt.rows(SlotRows(slots=np.arange(n))):
+            out = rt.steer_rows(h).clone()
+        coefs = torch.from_numpy(np.stack([row if i % 2 == 0 else 0 * row for i in range(n)]))
+        ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+                              coefs)
+        torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+    for n in (1, 3, 8, 5):
+        step(n, 0)
+    assert rt.graphs.captures == 4 and rt.graphs.replays == 4
+    rt.put_steer(1, 7, "b", random_steer(32, 8, "b", seed=12))  # a new layout
+    assert rt.graphs.captures == 8
+    for n in (2, 7):
+        step(n, 1)
+    assert rt.graphs.captures == 8 and rt.graphs.replays == 6
