@@ -418,6 +418,42 @@ def test_the_heads_graphs_are_captured_at_start_up_and_no_step_captures(tmp_path
     assert rt.graphs.captures == 4
 
 
+def test_enforce_eager_keeps_the_head_on_the_eager_op(tmp_path, log_lines):
+    """vLLM's ``--enforce-eager`` (no CUDA graphs) holds for the head's op too: no graph is
+    made or captured, the log says why, and the eager op gives the reference's rows."""
+    import numpy as np
+
+    from vllm_steer.config import SteerServerConfig
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.worker.rows import SlotRows
+    from vllm_steer.integrations.worker.runtime import SteerRuntime
+
+    path = str(tmp_path / "a.safetensors")
+    save_steer(path, random_steer(32, 4, "a", seed=5))
+    rt = SteerRuntime(SteerServerConfig.from_additional_config(
+        {"vllm_steer": {"steers": {"a": path}, "max_steer_rank": 4}}))
+    rt.banks.graph_backend = back = StandIn()
+    rt.ensure_slots(4, DEVICE)
+    rt.load(32, DEVICE, torch.float32, cuda_graphs=False)
+    rt.model_loaded(torch.float32)
+    assert rt.graphs is None and back.captured == [] and rt.bank.fixed_p1 is None
+    assert any("launched eagerly: vLLM runs with --enforce-eager" in line
+               for line in log_lines), log_lines
+    row = np.zeros(rt.num_columns, np.float32)
+    row[0] = 5 * rt.bank.steers[0].metadata.epsilon
+    rt.set_slot(1, row)
+    rt.flush()
+    h = torch.randn(3, 32, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with rt.rows(SlotRows(slots=np.arange(3))):
+        out = rt.steer_rows(h)
+    coefs = torch.zeros(3, rt.num_columns)
+    coefs[1] = torch.from_numpy(row)
+    ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+                          coefs)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+    assert back.captured == [] and back.replayed == 0
+
+
 def test_with_speculative_decoding_the_buckets_cover_every_verification_row(tmp_path):
     """A step verifies up to max_num_seqs x (1 + num_speculative_tokens) rows: the graphs are
     captured for that many at start-up (the kernels compiled for as many), so a full

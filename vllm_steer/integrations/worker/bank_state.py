@@ -58,8 +58,10 @@ class BankState:
         self.activation_dtype: torch.dtype | None = None
 
     def load(self, hidden_size: int, device: torch.device, dtype: torch.dtype,
-             model_id: str | None = None) -> None:
-        """Load every steer on the model's device/dtype; refuse a steer that does not fit."""
+             model_id: str | None = None, cuda_graphs: bool = True) -> None:
+        """Load every steer on the model's device/dtype; refuse a steer that does not fit.
+        ``cuda_graphs`` False (vLLM's ``--enforce-eager``): the head launches its op eagerly,
+        no CUDA graph of it is captured."""
         if self.bank is not None:
             return
         reasons = []
@@ -95,7 +97,11 @@ class BankState:
         self.fn = ops.backend_fn(self.backend)  # resolved once, not per step
         self.prepare = ops.backend_prepare(self.backend)
         self.warm_up()
-        self.graphs = self.bank.head_graphs(self.config.backend, self.graph_backend)
+        if cuda_graphs:
+            self.graphs = self.bank.head_graphs(self.config.backend, self.graph_backend)
+        elif self.graph_backend is not None or torch.device(device or "cpu").type == "cuda":
+            logger.info("vllm-steer: the LM head's steer op is launched eagerly: vLLM runs with "
+                        "--enforce-eager (no CUDA graphs)")
         logger.info("vllm-steer: loaded %d steer(s) %s on %s/%s", len(steers), self.names,
                     device, dtype)
 

@@ -41,7 +41,9 @@ class SteeredLogitsProcessor(LogitsProcessor):
                 device = torch.device(current_platform.device_type)
             from vllm_steer.integrations.families import head_input_size  # OPT: != hidden
 
-            self.steer_runtime.load(head_input_size(mc), device, dtype, model_id=mc.model)
+            # --enforce-eager: no CUDA graphs of vLLM's, nor of the head's op
+            self.steer_runtime.load(head_input_size(mc), device, dtype, model_id=mc.model,
+                                    cuda_graphs=not getattr(mc, "enforce_eager", False))
 
     def forward(self, lm_head, hidden_states: torch.Tensor, embedding_bias=None,
                 skip_gather: bool = False):

@@ -112,9 +112,9 @@ class SteerRuntime:
 
     # ---- the bank ------------------------------------------------------------------------
     def load(self, hidden_size: int, device: torch.device, dtype: torch.dtype,
-             model_id: str | None = None) -> None:
+             model_id: str | None = None, cuda_graphs: bool = True) -> None:
         """Load every steer on the model's device/dtype (:meth:`BankState.load`)."""
-        self.banks.load(hidden_size, device, dtype, model_id=model_id)
+        self.banks.load(hidden_size, device, dtype, model_id=model_id, cuda_graphs=cuda_graphs)
 
     def model_loaded(self, activation_dtype: torch.dtype | None = None) -> None:
         """The worker's model is built and its weights loaded (vLLM's loader, before it sizes
