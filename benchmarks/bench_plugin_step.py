@@ -38,6 +38,7 @@ per steered step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -147,6 +148,22 @@ def _time_method(cls, name: str, bucket: str, null=None) -> None:
                        *args, **kwargs)
 
     setattr(cls, name, classmethod(timed) if method else timed)
+
+
+@contextlib.contextmanager
+def timed_methods(parts):
+    """Time each ``(bucket, cls, name)`` of ``parts`` as :func:`_time_method` does while the
+    block runs, then put the methods back; yields :data:`REG`, emptied first (its ``take()``:
+    seconds per bucket, exclusive)."""
+    saved = [(cls, name, cls.__dict__[name]) for _, cls, name in parts]
+    REG.take()
+    try:
+        for bucket, cls, name in parts:
+            _time_method(cls, name, bucket)
+        yield REG
+    finally:
+        for cls, name, fn in reversed(saved):
+            setattr(cls, name, fn)
 
 
 def _instrument(processes: tuple[str, ...] = ("worker",)) -> None:

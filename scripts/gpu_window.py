@@ -42,6 +42,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+from bench_plugin_step import timed_methods  # noqa: E402  (the head check's timers by part)
 from gpu_async_steps import EagerGraphs  # noqa: E402  (the dry run's graph backend)
 
 RESULTS: list[str] = []
@@ -358,31 +361,6 @@ def check_replay(dev, shapes=REPLAY_SHAPES, rows_list=(1, 64), dtype=torch.bfloa
 HEAD_SHAPES = [("d576 r16", 576, 16), ("d4096 r64", 4096, 64)]
 
 
-class _PartTimes:
-    """Host time spent in some methods (``cls.name``), each call timed in place."""
-
-    def __init__(self, parts):
-        self.parts, self.total, self._orig = parts, {}, []
-
-    def __enter__(self):
-        for label, cls, name in self.parts:
-            orig = getattr(cls, name)
-            self._orig.append((cls, name, orig))
-
-            def timed(*a, _orig=orig, _label=label, **k):
-                t0 = time.perf_counter()
-                try:
-                    return _orig(*a, **k)
-                finally:
-                    self.total[_label] = self.total.get(_label, 0.0) + time.perf_counter() - t0
-            setattr(cls, name, timed)
-        return self
-
-    def __exit__(self, *exc):
-        for cls, name, orig in reversed(self._orig):
-            setattr(cls, name, orig)
-
-
 def check_head(dev, shapes=HEAD_SHAPES, rows_list=(1, 64), dtype=torch.bfloat16,
                steps: int = 100, dry: bool = False) -> bool:
     """The worker's head on a steady steered step, as Model Runner V2 calls it (its rows mapped
@@ -457,9 +435,10 @@ def check_head(dev, shapes=HEAD_SHAPES, rows_list=(1, 64), dtype=torch.bfloat16,
                 cold, _ = cold_us(step)
                 parts = [("graphs.run", SteerGraphs, "run"), ("timer", OpTimer, "start"),
                          ("timer", OpTimer, "stop"), ("rows", StepPlanner, "_step_rows")]
-                with _PartTimes(parts) as pt:
+                with timed_methods(parts) as regions:
                     _, per = cold_us(step)
-                means = {k: v / steps * 1e6 for k, v in pt.total.items()}
+                    seconds, _ = regions.take()
+                means = {k: v / steps * 1e6 for k, v in seconds.items()}
                 means["the rest"] = float(np.mean(per)) - sum(means.values())
                 split = ", ".join(f"{k} {v:.1f}" for k, v in means.items())
             replayed = rt.graphs is not None and rt.graphs.replays > 0
