@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from helpers.capture import Record
+from helpers.capture import Record, StandIn
 
 from helpers.steers import random_steer
 from vllm_steer import ops
@@ -98,31 +98,6 @@ def test_the_op_launches_the_same_ops_and_shapes_whatever_the_values():
         recorded.append(rec.ops)
     assert recorded[0] == recorded[1] == recorded[2], recorded
     assert len(recorded[0]) > 5  # the op ran (an empty record would prove nothing)
-
-
-class StandIn:
-    """A graph backend for the CPU: ``capture`` runs the function once under :class:`Record`
-    and keeps it with its op sequence; ``replay`` runs it again and fails unless it launches
-    the same ops with the same shapes (what a real graph would replay)."""
-
-    def __init__(self):
-        self.captured, self.replayed, self.resets = [], 0, 0
-
-    def capture(self, fn):
-        with Record() as rec:
-            fn()
-        self.captured.append((fn, rec.ops))
-        return len(self.captured) - 1
-
-    def replay(self, graph):
-        fn, recorded = self.captured[graph]
-        with Record() as rec:
-            fn()
-        assert rec.ops == recorded, "a replay launched other ops than its capture"
-        self.replayed += 1
-
-    def reset(self):
-        self.resets += 1
 
 
 def test_graphs_capture_each_row_bucket_once_and_follow_the_tables_values():

@@ -1,5 +1,6 @@
 """What a CUDA graph capture would record of an op, on any device: a dispatch mode that lists
-every op with its output shapes and refuses any op that hands a device value to the host."""
+every op with its output shapes and refuses any op that hands a device value to the host, and
+a graph backend for the CPU built on it (:class:`StandIn`)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,28 @@ class Record(TorchDispatchMode):
                        if isinstance(o, torch.Tensor))
         self.ops.append((name, shapes))
         return out
+
+
+class StandIn:
+    """A graph backend for the CPU: ``capture`` runs the function once under :class:`Record`
+    and keeps it with its op sequence; ``replay`` runs it again and fails unless it launches
+    the same ops with the same shapes (what a real graph would replay)."""
+
+    def __init__(self):
+        self.captured, self.replayed, self.resets = [], 0, 0
+
+    def capture(self, fn):
+        with Record() as rec:
+            fn()
+        self.captured.append((fn, rec.ops))
+        return len(self.captured) - 1
+
+    def replay(self, graph):
+        fn, recorded = self.captured[graph]
+        with Record() as rec:
+            fn()
+        assert rec.ops == recorded, "a replay launched other ops than its capture"
+        self.replayed += 1
+
+    def reset(self):
+        self.resets += 1

@@ -208,28 +208,11 @@ def test_engine_with_a_model_specific_logits_layer_fails_at_startup(tiny_model_d
     assert "not supported with --steer" in line
 
 
-class _GraphStandIn:
-    """A graph backend for the CPU: ``capture`` runs the function once, ``replay`` again."""
-
-    def __init__(self):
-        self.captured = []
-
-    def capture(self, fn):
-        fn()
-        self.captured.append(fn)
-        return len(self.captured) - 1
-
-    def replay(self, graph):
-        self.captured[graph]()
-
-    def reset(self):
-        pass
-
-
 def test_the_loader_hook_captures_the_heads_graphs_once_the_model_is_loaded(head_cls, tmp_path):
     """vLLM's loader (``BaseModelLoader.load_model``, wrapped) returns the built model; its
     head's CUDA graphs (a stand-in here) are captured then, for every row bucket up to
     max_num_seqs, before any step: a configuration without steers captures nothing."""
+    from helpers.capture import StandIn
     from helpers.steers import random_steer
     from vllm.config import VllmConfig
 
@@ -241,7 +224,7 @@ def test_the_loader_hook_captures_the_heads_graphs_once_the_model_is_loaded(head
     save_steer(path, random_steer(16, 4, "a", seed=1))
     config = {"vllm_steer": {"steers": {"a": path}, "max_steer_rank": 4}}
     rt = get_runtime(config)
-    rt.banks.graph_backend = back = _GraphStandIn()
+    rt.banks.graph_backend = back = StandIn()
     rt.ensure_slots(6, torch.device("cpu"))  # the runner's request slots (V1: before the load)
 
     class TinyForCausalLM(torch.nn.Module):
