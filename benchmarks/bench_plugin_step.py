@@ -50,6 +50,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HIDDEN, RANK, K = 64, 8, 4
+#: untimed decode steps of each kind before the timed ones: Python specialises the code a site
+#: runs only after its first few calls (the plugin's and the stand-ins' alike)
+WARM = 8
 #: the batch: this many requests decode together; the first ``rows`` of them are steered
 BATCH = 256
 
@@ -92,6 +95,7 @@ class Regions:
 
 
 REG = Regions()
+sys.modules.setdefault("bench_plugin_step", sys.modules[__name__])
 
 
 #: ``MODE["null"]``: this step runs do-nothing stand-ins at every site the plugin hooks (the
@@ -282,19 +286,22 @@ def child(runner: str, rows_list: list[int], steps: int, batch: int = BATCH) -> 
         for rows in rows_list:
             for i in range(batch):
                 steer = {f"s{i % K}": 4} if i < rows else None
-                sp = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True,
+                # every timed step decodes the whole batch
+                sp = SamplingParams(temperature=0, max_tokens=2 * (WARM + steps) + 8,
+                                    ignore_eos=True,
                                     extra_args=None if steer is None else {"steer": steer})
                 engine.add_request(f"r{rows}-{i}", {"prompt_token_ids": prompt}, sp)
-            for _ in range(4):  # prefill and the first decode steps, not timed
-                engine.step()
-            REG.take()
+            engine.step()  # the prefill, not timed
             samples = {False: [], True: []}  # plugin steps, null steps
-            for i in range(2 * steps):  # interleaved: the plugin's hooks, then stand-ins
+            for i in range(-2 * WARM, 2 * steps):  # interleaved: the plugin's, then stand-ins
                 MODE["null"] = null = bool(i % 2)
+                assert engine.get_num_unfinished_requests() == batch
                 t0 = time.perf_counter()
                 engine.step()
                 wall = time.perf_counter() - t0
                 acc, count = REG.take()
+                if i < 0:  # warming up: both kinds of step, not timed
+                    continue
                 plugin = sum(v for b, v in acc.items() if b.startswith("plugin:"))
                 regions = sum(count.values())  # each region's cost lands in its parent
                 samples[null].append((wall, plugin, acc.get("op", 0.0), regions, acc))

@@ -2,10 +2,10 @@
 
 Three processes take part, each with its own part here:
 
-- the workers time the steer op (:class:`OpTimer`): host time always; on CUDA the device
-  time from CUDA events, read only once the device has passed them (``Event.query``), so
-  timing never makes the host wait; on the CPU the op runs on the host, so its device time
-  is its host time;
+- the workers time one steer op in 16 (:class:`OpTimer`), each timed op counting for the
+  untimed ones before it: its host time; on CUDA its device time from CUDA events, read only
+  once the device has passed them (``Event.query``), so timing never makes the host wait; on
+  the CPU the op runs on the host, so its device time is its host time;
 - the engine core counts loads, unloads, evictions, refused loads and requests steered per
   steer; each ``list`` control op hands what moved since the previous ``list`` to the API
   server that asked (:func:`take_new`): every increment goes to exactly one API server;
@@ -29,9 +29,10 @@ data-parallel rank, as in vLLM's own metrics (``0`` without data parallelism).
 ``vllm_steer:steer_evictions_total``       counter: least-recently-used evictions at capacity
 ``vllm_steer:steer_load_failures_total``   counter: refused loads (bad file, full, bad name)
 ``vllm_steer:steer_op_seconds_total``      counter: time the device spent in the steer op
-                                           (CUDA events; on the CPU the host time)
+                                           (CUDA events; on the CPU the host time), from one
+                                           op in 16
 ``vllm_steer:steer_op_host_seconds_total``  counter: host time in the steer op (on CUDA the
-                                           launch cost, not the op)
+                                           launch cost, not the op), from one op in 16
 ``vllm_steer:steer_op_calls_total``        counter: steered LM-head calls
 ``vllm_steer:steer_op_seconds_per_step``   gauge: mean device time per timed steered call
                                            since the previous poll, seconds
@@ -67,6 +68,10 @@ ENGINE_LABEL = "engine"
 #: A worker's op values in its ``stats`` answer (cumulative since start).
 OP_KEYS = ("op_seconds", "op_host_seconds", "op_calls", "op_timed_calls")
 
+#: One steer op in this many is timed (host and device), and counts for the untimed ones
+#: before it: timing every op would add two CUDA event records (on the CPU, two clock reads
+#: and their sums) to every steered step's host work.
+TIMER_SAMPLE_EVERY = 16
 #: Event pairs a worker keeps recorded before it reads the finished ones by itself.
 TIMER_POLL_EVERY = 64
 #: Most event pairs in flight; past it an op goes untimed (its call still counts).
@@ -78,41 +83,52 @@ _SENT = "vllm_steer_metrics_sent"  # the engine core's attribute: the values han
 
 # ---- worker: timing the op -----------------------------------------------------------------
 class OpTimer:
-    """The steer op's time in one worker: host time, and device time that never syncs.
+    """The steer op's time in one worker: host time, and device time that never syncs, from
+    one op in :data:`TIMER_SAMPLE_EVERY`.
 
-    ``token = timer.start(hidden)`` before the op, ``timer.stop(token)`` after it. On CUDA a
-    pair of timing events (reused) is recorded around the op on the current stream; the
-    device time of a pair is read (``elapsed_time``) only after ``query()`` says the device
-    has passed its end event; pairs not finished yet stay for the next read (:meth:`poll`,
-    run by :meth:`report` and every :data:`TIMER_POLL_EVERY` ops). Per op: two event records
-    and a deque append. While a CUDA graph is captured nothing is recorded (a captured op
-    has no time of its own). On the CPU the op runs synchronously on the host: its device
-    time is its host time.
+    The caller times an op only while :attr:`skip` is 0: ``token = timer.start(hidden)``
+    before it, ``timer.stop(token)`` after it; otherwise it only decrements :attr:`skip`
+    (no call: the head's steady step, where every call costs). A timed op stands for itself
+    and the untimed ones before it (:attr:`weight` of them): its time counts that many times,
+    so the seconds are an estimate that only grows, exact in the mean, and trail the calls by
+    at most ``TIMER_SAMPLE_EVERY - 1`` ops. The first op is timed alone.
+
+    On CUDA a pair of timing events (reused) is recorded around a timed op on the current
+    stream; the device time of a pair is read (``elapsed_time``) only after ``query()`` says
+    the device has passed its end event; pairs not finished yet stay for the next read
+    (:meth:`poll`, run by :meth:`report` and every :data:`TIMER_POLL_EVERY` pairs). While a
+    CUDA graph is captured nothing is recorded (a captured op has no time of its own). On the
+    CPU the op runs synchronously on the host: its device time is its host time.
     """
 
     def __init__(self):
         self.host_seconds = 0.0
         self.device_seconds = 0.0
-        self.timed_calls = 0  # ops whose device time is in device_seconds
-        self._pending: deque = deque()  # (start, end) event pairs recorded, not read yet
+        self.timed_calls = 0  # ops whose device time is in device_seconds (weights summed)
+        self.skip = 0  # ops to leave untimed before the next timed one
+        self.weight = 1  # the ops the next timed one stands for
+        self._pending: deque = deque()  # (start, end, weight) of pairs not read yet
         self._free: list = []  # pairs read, for reuse
 
     def start(self, t: Any) -> tuple:
-        """Before the op on tensor ``t``: the token :meth:`stop` takes."""
+        """Before a timed op on tensor ``t`` (:attr:`skip` is 0): the token :meth:`stop`
+        takes."""
         cuda = t.is_cuda
         return time.perf_counter(), self._record_start() if cuda else None, cuda
 
     def stop(self, token: tuple) -> None:
-        """After the op (its kernels launched)."""
+        """After the timed op (its kernels launched)."""
         t0, pair, cuda = token
         dt = time.perf_counter() - t0
-        self.host_seconds += dt
+        w = self.weight
+        self.weight, self.skip = TIMER_SAMPLE_EVERY, TIMER_SAMPLE_EVERY - 1
+        self.host_seconds += dt * w
         if not cuda:
-            self.device_seconds += dt
-            self.timed_calls += 1
+            self.device_seconds += dt * w
+            self.timed_calls += w
         elif pair is not None:
             pair[1].record()
-            self._pending.append(pair)
+            self._pending.append((*pair, w))
             if len(self._pending) >= TIMER_POLL_EVERY:
                 self.poll()
 
@@ -130,9 +146,9 @@ class OpTimer:
         """Add the device time of every op the device has finished, oldest first; stop at
         the first one it has not (``query()``: never a wait)."""
         while self._pending and self._pending[0][1].query():
-            start, end = self._pending.popleft()
-            self.device_seconds += start.elapsed_time(end) / 1000.0
-            self.timed_calls += 1
+            start, end, w = self._pending.popleft()
+            self.device_seconds += start.elapsed_time(end) / 1000.0 * w
+            self.timed_calls += w
             self._free.append((start, end))
 
     def report(self) -> dict:

@@ -292,50 +292,63 @@ def fake_cuda(monkeypatch):
 
 
 ON_CUDA = SimpleNamespace(is_cuda=True)
+EVERY = metrics_mod.TIMER_SAMPLE_EVERY
+
+
+def op(timer, t):
+    """One steer op, timed as the head times it: only while the timer's ``skip`` is 0."""
+    if timer.skip:
+        timer.skip -= 1
+    else:
+        timer.stop(timer.start(t))
 
 
 def test_cuda_op_time_comes_from_events_read_only_once_the_device_passed_them(fake_cuda):
     dev = fake_cuda
     timer = OpTimer()
-    for _ in range(3):  # three steered calls; the device runs none of them yet
-        timer.stop(timer.start(ON_CUDA))
+    for _ in range(1 + 2 * EVERY):  # steered calls; the device runs none of them yet
+        op(timer, ON_CUDA)
     assert timer.report()["op_timed_calls"] == 0 and timer.device_seconds == 0
-    dev.run(3)  # the first call's start and end, and the second's start
+    assert dev.events == 6  # three timed: the first, then one in TIMER_SAMPLE_EVERY
+    dev.run(3)  # the first timed call's start and end, and the second's start
     rep = timer.report()
     assert rep["op_timed_calls"] == 1 and rep["op_seconds"] == pytest.approx(0.002)
     dev.run()
-    rep = timer.report()
-    assert rep["op_timed_calls"] == 3 and rep["op_seconds"] == pytest.approx(0.006)
+    rep = timer.report()  # each later timed call counts for itself and the untimed before it
+    assert rep["op_timed_calls"] == 1 + 2 * EVERY
+    assert rep["op_seconds"] == pytest.approx(0.002 * (1 + 2 * EVERY))
     assert rep["op_host_seconds"] > 0 and rep["op_host_seconds"] == timer.host_seconds
     assert dev.waits == 0 and dev.early_reads == 0
-    assert dev.events == 6
 
 
 def test_cuda_timing_never_waits_reuses_its_events_and_skips_a_graph_capture(fake_cuda):
     dev = fake_cuda
     timer = OpTimer()
-    for step in range(3 * metrics_mod.TIMER_POLL_EVERY):  # a long run with no report
-        timer.stop(timer.start(ON_CUDA))
+    calls = 1 + 3 * metrics_mod.TIMER_POLL_EVERY * EVERY  # a long run with no report
+    for step in range(calls):
+        op(timer, ON_CUDA)
         if step % 2:
             dev.run()  # the device one call behind the host
     assert dev.waits == 0 and dev.early_reads == 0
     assert len(timer._pending) <= metrics_mod.TIMER_POLL_EVERY  # read by itself, bounded
     assert dev.events <= 2 * (metrics_mod.TIMER_POLL_EVERY + 2)  # pairs reused
     dev.run()
-    assert timer.report()["op_timed_calls"] == 3 * metrics_mod.TIMER_POLL_EVERY
+    assert timer.report()["op_timed_calls"] == calls
     dev.capturing = True  # a CUDA graph capture: nothing recorded, nothing counted
     queued = len(dev.queue)
-    timer.stop(timer.start(ON_CUDA))
+    for _ in range(EVERY):  # up to and including the next timed call
+        op(timer, ON_CUDA)
+    assert timer.skip == EVERY - 1  # the timed call came, inside the capture
     assert len(dev.queue) == queued
-    assert timer.report()["op_timed_calls"] == 3 * metrics_mod.TIMER_POLL_EVERY
+    assert timer.report()["op_timed_calls"] == calls
 
 
 def test_cpu_op_device_time_is_its_host_time(fake_cuda):
     timer = OpTimer()
-    for _ in range(4):
-        timer.stop(timer.start(torch.zeros(2)))
+    for _ in range(1 + EVERY):
+        op(timer, torch.zeros(2))
     rep = timer.report()
-    assert rep["op_timed_calls"] == 4 and rep["op_seconds"] == rep["op_host_seconds"] > 0
+    assert rep["op_timed_calls"] == 1 + EVERY and rep["op_seconds"] == rep["op_host_seconds"] > 0
     assert fake_cuda.events == 0
 
 
@@ -358,11 +371,16 @@ def test_a_worker_reports_its_timed_steer_calls(tmp_path):
     rt.flush()
     rt.batch_size = 1  # the runner's step: one request, in slot 0
     h = torch.randn(1, 32, generator=torch.Generator().manual_seed(0))
+    worker = VllmObject(vllm_config=SimpleNamespace(additional_config=extra))
     for _ in range(3):
         out = rt.steer_rows(h)
     torch.testing.assert_close(out, steer_reference(h, rt.bank.p1, rt.bank.p2,
                                                     rt.bank.rank_offsets, torch.tensor(row)[None]))
-    rep = worker_op(VllmObject(vllm_config=SimpleNamespace(additional_config=extra)),
-                    "stats")
-    assert rep["op_calls"] == rep["op_timed_calls"] == 3
+    rep = worker_op(worker, "stats")  # the first call timed; the next two wait for theirs
+    assert rep["op_calls"] == 3 and rep["op_timed_calls"] == 1
+    assert rep["op_seconds"] == rep["op_host_seconds"] > 0
+    for _ in range(2 * EVERY - 2):  # up to the next timed call and one in EVERY after it
+        rt.steer_rows(h)
+    rep = worker_op(worker, "stats")
+    assert rep["op_calls"] == rep["op_timed_calls"] == 1 + 2 * EVERY
     assert rep["op_seconds"] == rep["op_host_seconds"] > 0

@@ -183,3 +183,76 @@ def test_a_plain_request_in_a_clear_slot_changes_nothing_and_clears_a_used_one(t
     h = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
     with rt.rows(SlotRows(slots=np.arange(5), positions=np.full(5, 4))):
         assert torch.equal(rt.steer_rows(h), h)  # every row as the plain model's
+
+
+def test_a_steady_step_skips_the_row_lookup_and_every_change_ends_it(tmp_path, monkeypatch):
+    """Decode steps of an unchanged batch reuse the last step's plan without looking its rows
+    up again (V1's persistent batch; V2's batch with the same slots, as new row-source objects
+    with the same bytes). Every change in between is served with its own coefficients, checked
+    against the reference: a changed slot, a batch of another size, other rows planned in
+    between (prompt logprobs, a drafter), a generation window, and V2 slots in another order."""
+    from vllm_steer.integrations.worker.rows import MappedRows, SlotRows
+    from vllm_steer.request import Window
+
+    rt = _runtime(tmp_path)
+    pad = [0.0] * (rt.num_columns - 2)
+    a, b, none = (np.array(r + pad, dtype=np.float32) for r in ([5e-3, 0], [0, -3e-3], [0, 0]))
+    lookups = []
+    step_rows = rt.planner._step_rows
+    monkeypatch.setattr(rt.planner, "_step_rows", lambda h: lookups.append(1) or step_rows(h))
+    gen = torch.Generator().manual_seed(3)
+
+    def step(rows, source=None):
+        h = torch.randn(len(rows), 64, generator=gen)
+        if source is None:
+            out = rt.steer_rows(h)
+        else:
+            with rt.rows(source):
+                out = rt.steer_rows(h)
+        torch.testing.assert_close(out, _want(rt, h, rows))
+        n, lookups[:] = len(lookups), []
+        return n
+
+    for slot, row in enumerate((a, b, none)):
+        rt.set_slot(slot, row)
+    rt.batch_size = 3
+    rt.flush()
+    assert [step([a, b, none]) for _ in range(4)] == [1, 0, 0, 0]  # V1 decode steps
+    rt.set_slot(1, a)  # a request finishes and another takes its slot
+    rt.flush()
+    assert [step([a, a, none]) for _ in range(2)] == [1, 0]
+    rt.set_slot(3, b)  # one more request joins the batch
+    rt.batch_size = 4
+    rt.flush()
+    assert [step([a, a, none, b]) for _ in range(2)] == [1, 0]
+    rt.set_slot(4, None)  # a plain request joins: the table keeps its version
+    rt.batch_size = 5
+    rt.flush()
+    assert [step([a, a, none, b, none]) for _ in range(2)] == [1, 0]
+    rt.batch_size = 4  # and finishes
+    assert [step([a, a, none, b]) for _ in range(2)] == [1, 0]
+    # other rows planned in between (a prompt-logprob chunk, a drafter's rows)
+    assert step([b, a], SlotRows(slots=np.array([3, 0]))) == 1
+    assert [step([a, a, none, b]) for _ in range(2)] == [1, 0]
+    # a generation window: its rows move with their positions, never steady
+    rt.set_slot(2, none, {0: Window(5.0, start=0, ramp=3)})
+    rt.flush()
+    for t in range(3):
+        rt.batch_positions = np.array([7, 7, t, 7])
+        ramped = none.copy()
+        ramped[0] = rt.slots.row_coefs(1, np.array([2]), np.array([t]))[0, 0]
+        assert ramped[0] != 0
+        assert step([a, a, ramped, b]) == 1
+    rt.set_slot(2, none)  # the windowed request finishes
+    rt.flush()
+    assert [step([a, a, none, b]) for _ in range(2)] == [1, 0]
+    # V2: a new row source each step, the batch's slots as its bytes
+    slots = np.array([3, 0, 2], dtype=np.int32)
+
+    def mapped(s):
+        return MappedRows(mapping=torch.from_numpy(s), slots=s, key=s.tobytes())
+
+    assert [step([b, a, none], mapped(slots.copy())) for _ in range(3)] == [1, 0, 0]
+    assert step([a, b, none], mapped(slots[[1, 0, 2]].copy())) == 1  # another order
+    assert step([b, a, none], mapped(slots.copy())) == 1
+    assert step([b, a, none], MappedRows(mapping=None, slots=slots.copy())) == 1  # no key

@@ -65,11 +65,13 @@ def _runner_with_drafter(draft_hidden, steer_hidden, steer_drafter=True, method=
     from vllm_steer.integrations.worker.head import SteeredLogitsProcessor
 
     rt = SimpleNamespace(bank=SimpleNamespace(hidden_size=steer_hidden),
-                         config=SimpleNamespace(steer_drafter=steer_drafter))
+                         config=SimpleNamespace(steer_drafter=steer_drafter),
+                         planner=SimpleNamespace(steer_rows=lambda h: h))
     model = torch.nn.Module()
     for name in ("head", "mtp_head"):
         head = SteeredLogitsProcessor.__new__(SteeredLogitsProcessor)
         torch.nn.Module.__init__(head)
+        head.logits_as_input = False
         head.steer_runtime = rt
         model.add_module(name, head)
     draft_mc = SimpleNamespace(architectures=["LlamaForCausalLM"],
@@ -97,6 +99,7 @@ def test_a_drafter_is_steered_only_when_its_hidden_size_fits(draft_hidden, steer
     runner, rt, heads = _runner_with_drafter(draft_hidden, 64, steer_drafter)
     prepare_drafter(runner, rt)
     assert [h.steer_runtime is rt for h in heads] == [steered, steered]
+    assert [h.steer_rows is not None for h in heads] == [steered, steered]
 
 
 def _drafter_log(fn) -> list[str]:

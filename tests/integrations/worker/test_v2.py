@@ -155,6 +155,59 @@ def test_wrapped_sample_maps_rows_to_slots_through_expanded_idx_mapping(processo
 
 
 
+def test_steady_steps_reuse_their_rows_and_every_change_maps_them_again(processor, vllm_config,
+                                                                         monkeypatch):
+    """Decode steps of an unchanged batch map their rows once (V2 gives a new ``InputBatch``
+    each step; its slots' bytes say it is the same batch). A request that takes a slot, a batch
+    of other requests, a batch with no steered request and the same batch back are each
+    served with their own coefficients (against the reference)."""
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    from vllm_steer.integrations.hooks import wrap_method
+    from vllm_steer.integrations.worker import v2
+
+    rt = processor.runtime
+    processor.add_request(0, _params({"a": 4}))
+    processor.add_request(5, _params({"b": -3}))
+    processor.add_request(2, _params())
+    processor.apply_staged_writes()
+    mapped = []
+    host_rows = v2._host_rows
+    monkeypatch.setattr(v2, "_host_rows", lambda *a: mapped.append(1) or host_rows(*a))
+
+    class Runner:
+        def sample(self, hidden_states, input_batch, grammar_output):
+            return rt.steer_rows(hidden_states)
+
+    Runner.vllm_config = vllm_config
+    wrap_method(Runner, "sample", v2.sample)
+    runner = Runner()
+    strengths = {0: (4e-3, 0.0), 5: (0.0, -3e-3), 2: (0.0, 0.0)}
+
+    def step(slots):
+        batch = InputBatch.make_dummy(len(slots), len(slots),
+                                      InputBuffers(8, 64, torch.device("cpu")))
+        batch.idx_mapping_np = np.array(slots, dtype=np.int32)
+        batch.expanded_idx_mapping = torch.tensor(slots, dtype=torch.int32)
+        h = torch.randn(len(slots), 64)
+        out = runner.sample(h, batch, None)
+        coefs = torch.zeros(len(slots), rt.num_columns)
+        coefs[:, :2] = torch.tensor([strengths[s] for s in slots])
+        torch.testing.assert_close(out, steer_reference(h, rt.bank.p1, rt.bank.p2,
+                                                        rt.bank.rank_offsets, coefs))
+        n, mapped[:] = len(mapped), []
+        return n
+
+    assert [step([5, 2, 0]) for _ in range(3)] == [1, 0, 0]
+    processor.add_request(5, _params({"a": 2}))  # a new request takes slot 5
+    processor.apply_staged_writes()
+    strengths[5] = (2e-3, 0.0)
+    assert [step([5, 2, 0]) for _ in range(2)] == [1, 0]
+    assert [step([2, 0]) for _ in range(2)] == [1, 0]  # the request in slot 5 finished
+    assert step([2]) == 0  # no steered request in the batch: nothing mapped, nothing steered
+    assert [step([2, 0]) for _ in range(2)] == [1, 0]
+
+
 def test_a_finished_requests_stale_slot_costs_no_steer_work(processor, vllm_config):
     """V2 never tells a request left: its slot keeps its steer until reused. A step whose batch
     does not contain that slot must not run the steer op."""

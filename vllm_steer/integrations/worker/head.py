@@ -30,7 +30,7 @@ class SteeredLogitsProcessor(LogitsProcessor):
     def __init__(self, *args, **kwargs) -> None:
         LogitsProcessor.__init__(self, *args, **kwargs)
         vllm_config = get_current_vllm_config()
-        self.steer_runtime: SteerRuntime | None = get_runtime(vllm_config.additional_config)
+        self.steer_runtime = get_runtime(vllm_config.additional_config)
         if self.steer_runtime is not None and not self.logits_as_input:
             mc = vllm_config.model_config
             dtype = self.head_dtype or mc.dtype
@@ -45,21 +45,34 @@ class SteeredLogitsProcessor(LogitsProcessor):
             self.steer_runtime.load(head_input_size(mc), device, dtype, model_id=mc.model,
                                     cuda_graphs=not getattr(mc, "enforce_eager", False))
 
+    @property
+    def steer_runtime(self) -> SteerRuntime | None:
+        """The worker's runtime this head steers with (None: it computes vLLM's plain logits,
+        as a drafter's head left unsteered does)."""
+        return self._steer_runtime
+
+    @steer_runtime.setter
+    def steer_runtime(self, rt: SteerRuntime | None) -> None:
+        self._steer_runtime = rt
+        #: what each call runs on the hidden states (the runtime's planner's ``steer_rows``),
+        #: bound here rather than looked up through the runtime at every step
+        self.steer_rows = None if rt is None or self.logits_as_input else rt.planner.steer_rows
+
     def forward(self, lm_head, hidden_states: torch.Tensor, embedding_bias=None,
                 skip_gather: bool = False):
         # `self` may be vLLM's LoRA wrapper (see the module docstring). No steered request in
         # the process and no drafter step being recorded: two integer reads, nothing else.
         if STEERED_SLOTS[0] or CAPTURE_SCOPES[0]:
-            rt = self.steer_runtime
-            if rt is not None and not self.logits_as_input:
-                hidden_states = rt.planner.steer_rows(hidden_states)
+            steer_rows = self.steer_rows
+            if steer_rows is not None:
+                hidden_states = steer_rows(hidden_states)
         return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
 
     def get_top_tokens(self, lm_head, hidden_states, embedding_bias=None):
         if STEERED_SLOTS[0] or CAPTURE_SCOPES[0]:
-            rt = self.steer_runtime
-            if rt is not None:
-                hidden_states = rt.planner.steer_rows(hidden_states)
+            steer_rows = self.steer_rows
+            if steer_rows is not None:
+                hidden_states = steer_rows(hidden_states)
         return LogitsProcessor.get_top_tokens(self, lm_head, hidden_states, embedding_bias)
 
 

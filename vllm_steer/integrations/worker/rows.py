@@ -99,6 +99,8 @@ BATCH_ROWS = BatchRows()
 NO_ROWS = NoRows()
 
 _DEVICE_MAPPING = object()
+#: The row sources of a whole batch step, which the next step may repeat (_steady_step).
+_STEADY_KINDS = (BatchRows, MappedRows)
 
 
 class StepPlanner:
@@ -129,6 +131,9 @@ class StepPlanner:
         self._plan_key: object = None
         self._plan = None
         self._plan_checked = False  # _plan checked against the step's coefficients
+        # the last planned batch step, while its rows have no window (see steer_rows)
+        self._steady_src: RowSource | None = None
+        self._steady_key: object = None
 
     @property
     def active(self) -> bool:
@@ -166,42 +171,62 @@ class StepPlanner:
         device buffer from pinned staging only when they changed, and the plan is made from
         the host copy and cached under a host key (coefficient version, the step's row -> slot
         array, window positions). An unchanged step costs a key comparison and the kernels.
+
+        A *steady* step skips even the key: the rows of the last planned batch step again (V1's
+        persistent batch; V2's batch with the same slots, the bytes of ``idx_mapping``), as
+        many rows, the request-slot table and the bank at the versions its plan was made for.
+        That step had no generation window among its rows (it is recorded only then), and the
+        table's version says none came since. Any other step planned since (prompt logprobs, a
+        drafter's rows) or a new coefficient buffer replaces :attr:`_step_key`, which ends it.
+        A few comparisons, then the op on the cached plan; checked inline, as each further
+        call costs several µs here with the caches cold after vLLM's own step.
         """
         self.head_calls += 1
         src = self.row_source
-        kind = type(src)
-        if kind is CapturedRows:
-            return self.steer_fixed(hidden, src.mapping)
-        if not self.slots.num_active_slots or kind is NoRows or self.banks.bank is None:
-            return hidden  # no steered request: the one check
         n = hidden.shape[0]
-        if n == 0:
-            return hidden
-        step = self._step_rows(hidden)
-        if step is None:
-            return hidden
-        if step is _DEVICE_MAPPING:  # no host row -> slot (batch-sharded sampling)
-            return self._steer_device_mapping(hidden)
-        slots, positions, rows_key = step
-        table = self.slots
-        bank = self.banks.bank
-        key = (table.version, bank.version, n, rows_key)
-        if table.num_window_slots:
-            windowed = table.windowed[:n] if slots is None else table.windowed[slots]
-            if windowed.any():  # the coefficients move with the rows' positions
-                key += (None if positions is None else positions.tobytes(),)
-        self.stats.calls += 1
-        self.stats.rows += n
-        t0 = self.stats.op.start(hidden)
-        if key != self._step_key:
-            self._step_key = None  # never keep a stale key on error
-            self._prepare_step(n, slots, positions)
-            self._step_coefs_dev = self._coefs_dev[:n]
-            self._plan_checked = False
-            self._step_key = key
+        key = self._steady_key
+        if key is None or key is not self._step_key or n != key[2] \
+                or (src is not self._steady_src and (type(src) is not MappedRows
+                                                     or src.key is None or src.key != key[3])) \
+                or self.slots.version != key[0] or self.banks.bank.version != key[1]:
+            kind = type(src)
+            if kind is CapturedRows:
+                return self.steer_fixed(hidden, src.mapping)
+            if not self.slots.num_active_slots or kind is NoRows or self.banks.bank is None:
+                return hidden  # no steered request: the one check
+            if n == 0:
+                return hidden
+            step = self._step_rows(hidden)
+            if step is None:
+                return hidden
+            if step is _DEVICE_MAPPING:  # no host row -> slot (batch-sharded sampling)
+                return self._steer_device_mapping(hidden)
+            slots, positions, rows_key = step
+            table = self.slots
+            key = (table.version, self.banks.bank.version, n, rows_key)
+            if table.num_window_slots:
+                windowed = table.windowed[:n] if slots is None else table.windowed[slots]
+                if windowed.any():  # the coefficients move with the rows' positions
+                    key += (None if positions is None else positions.tobytes(),)
+            if key != self._step_key:
+                self._step_key = None  # never keep a stale key on error
+                self._prepare_step(n, slots, positions)
+                self._step_coefs_dev = self._coefs_dev[:n]
+                self._plan_checked = False
+                self._step_key = key
+            # a batch step with no window among its rows: the next may be steady
+            steady = len(key) == 4 and kind in _STEADY_KINDS
+            self._steady_src = src if steady else None
+            self._steady_key = self._step_key if steady else None
+        stats = self.stats
+        stats.calls += 1
+        stats.rows += n
+        timer = stats.op  # one call in TIMER_SAMPLE_EVERY is timed (OpTimer.skip)
+        t0 = None if timer.skip else timer.start(hidden)
         graphs = self.banks.graphs
         out = None if graphs is None else graphs.run(hidden, self._coefs_dev)
         if out is None:  # launched eagerly (no graphs, or not for this step)
+            bank = self.banks.bank
             plan = self._plan if self._plan_checked else self._eager_plan(n)
             if plan is None:  # a backend with no plan (it plans inside the call)
                 out = self.banks.fn(hidden, bank.p1, bank.p2, bank.rank_offsets,
@@ -209,7 +234,10 @@ class StepPlanner:
             else:
                 out = self.banks.fn(hidden, bank.p1, bank.p2, bank.rank_offsets,
                                     self._step_coefs_dev, prepared=plan)
-        self.stats.op.stop(t0)
+        if t0 is None:
+            timer.skip -= 1
+        else:
+            timer.stop(t0)
         return out
 
     def _step_rows(self, hidden: torch.Tensor):
@@ -346,9 +374,13 @@ class StepPlanner:
         coefs = self.slots.table.index_select(0, self.row_source.mapping[:n].long())
         self.stats.calls += 1
         self.stats.rows += n
-        t0 = self.stats.op.start(hidden)
+        timer = self.stats.op
+        t0 = None if timer.skip else timer.start(hidden)
         out = self.banks.fn(hidden, bank.p1, bank.p2, bank.rank_offsets, coefs)
-        self.stats.op.stop(t0)
+        if t0 is None:
+            timer.skip -= 1
+        else:
+            timer.stop(t0)
         return out
 
     # ---- drafter heads inside CUDA graphs (Model Runner V2's EAGLE / EAGLE-3 / MTP) -----------

@@ -262,7 +262,8 @@ class RunnerBinding:
     """The plugin's state for one vLLM runner (or V2 speculator, or worker), kept in
     :data:`BINDINGS`."""
 
-    __slots__ = ("runtime", "resolved", "drafter_checked", "spec_step", "captured")
+    __slots__ = ("runtime", "resolved", "drafter_checked", "spec_step", "captured",
+                 "steady_rows", "steady_version")
 
     def __init__(self) -> None:
         self.runtime: SteerRuntime | None = None
@@ -275,6 +276,12 @@ class RunnerBinding:
         """V1: inside a speculative ``execute_model``: its verification rows are mapped."""
         self.captured = False
         """V2 speculator: its drafter heads were prepared for CUDA-graph-captured steps."""
+        self.steady_rows = None
+        """V2 runner: the row source (``MappedRows``) of its last steered step, kept while that
+        batch had one row per request, no generation window and no drafter; a step with the
+        same batch (its key) and the request-slot table at :attr:`steady_version` reuses it."""
+        self.steady_version = -1
+        """The request-slot table's version when :attr:`steady_rows` was mapped."""
 
 
 def binding(owner: Any) -> RunnerBinding:

@@ -56,13 +56,13 @@ def sample(orig, self, *args, **kwargs):
     serving those rows unsteered: one integer comparison per steered step.
 
     Per step: one integer read while no request in the process is steered
-    (:data:`~vllm_steer.integrations.worker.request_slots.STEERED_SLOTS`); a step with steered
-    requests maps its rows from host arrays (:func:`_host_rows`). The batch's slots are turned
-    into bytes once: the key under which the check of the batch is kept for the next step
+    (:data:`~vllm_steer.integrations.worker.request_slots.STEERED_SLOTS`). The batch's slots
+    are turned into bytes once: a step with the batch of the last steered step, and the
+    request-slot table unchanged, reuses its rows (a steady decode step: one comparison);
+    another batch is checked and mapped from host arrays (:func:`_batch_rows`), the bytes
+    keying the check of the batch
     (:meth:`~vllm_steer.integrations.worker.request_slots.RequestSlots.any_steered`) and the
-    head's step key (:class:`MappedRows` ``key``). The drafter heads are
-    checked (:func:`prepare_drafter_once`) at the runner's first steered step, before its
-    drafter proposes.
+    head's step (:class:`MappedRows` ``key``).
     """
     if not STEERED_SLOTS[0]:  # no steered request in this process: the one read
         return orig(self, *args, **kwargs)
@@ -70,37 +70,56 @@ def sample(orig, self, *args, **kwargs):
     rt = b.runtime
     if rt is None:
         return orig(self, *args, **kwargs)
-    if not b.drafter_checked:  # the first steered step: the drafter is loaded by then
-        if getattr(self, "speculator", None) is not None:
-            prepare_drafter_once(self, rt)  # which drafter heads stay steered (spec_decode.py)
-        b.drafter_checked = True
-    table = rt.slots
-    if not table.num_active_slots:  # none of this runner's requests is steered
-        return orig(self, *args, **kwargs)
     input_batch = _INPUT_BATCH.get(orig, (self, *args), kwargs)
-    idx = input_batch.idx_mapping_np
-    key = idx.tobytes()  # the batch's slots: the check's and the head's key
-    if not table.any_steered(idx, key):
-        return orig(self, *args, **kwargs)
+    key = input_batch.idx_mapping_np.tobytes()  # the batch's slots: the check's and the head's key
+    source = b.steady_rows  # the last steered step's rows, reused for the same batch and table
+    if source is None or source.key != key or b.steady_version != rt.slots.version:
+        source = _batch_rows(self, b, rt, input_batch, key)
+        if source is None:  # no steered request in this step's batch
+            return orig(self, *args, **kwargs)
     planner = rt.planner
     calls = planner.head_calls
-    sharder = getattr(self, "batch_sharder", None)
     prev = planner.row_source
     try:
-        if sharder is None:
-            slots, positions = _host_rows(rt, self, input_batch)
-            planner.row_source = MappedRows(input_batch.expanded_idx_mapping, slots, positions,
-                                            key if slots is idx else None)
+        planner.row_source = source
+        if source.slots is not None:
             out = orig(self, *args, **kwargs)
-        else:
-            planner.row_source = MappedRows(mapping=None)
-            with _sorted_rows(sharder, input_batch, planner.set_rows):
+        else:  # batch-sharded sampling: the rows' slots through the sharder's own sort
+            with _sorted_rows(self.batch_sharder, input_batch, planner.set_rows):
                 out = orig(self, *args, **kwargs)
     finally:
         planner.row_source = prev
     if planner.head_calls == calls:
         raise HeadBypassedError(HEAD_BYPASSED)
     return out
+
+
+def _batch_rows(runner, b, rt, input_batch, key: bytes) -> MappedRows | None:
+    """The row source of a step whose batch differs from the last steered step's (or whose
+    request-slot table changed): None when no slot of its batch is steered. Its drafter heads
+    are checked at the runner's first steered step (:func:`prepare_drafter_once`), before its
+    drafter proposes. A batch of one row per request with no generation window and no drafter
+    is kept as the runner's steady rows (:attr:`RunnerBinding.steady_rows`): the next steps
+    of that batch map nothing again."""
+    if not b.drafter_checked:  # the first steered step: the drafter is loaded by then
+        if getattr(runner, "speculator", None) is not None:
+            prepare_drafter_once(runner, rt)  # which drafter heads stay steered (spec_decode.py)
+        b.drafter_checked = True
+    table = rt.slots
+    b.steady_rows = None
+    if not table.num_active_slots:  # none of this runner's requests is steered
+        return None
+    idx = input_batch.idx_mapping_np
+    if not table.any_steered(idx, key):
+        return None
+    if getattr(runner, "batch_sharder", None) is not None:
+        return MappedRows(mapping=None)
+    slots, positions = _host_rows(rt, runner, input_batch)
+    source = MappedRows(input_batch.expanded_idx_mapping, slots, positions,
+                        key if slots is idx else None)
+    if slots is idx and positions is None and getattr(runner, "speculator", None) is None:
+        b.steady_rows, b.steady_version = source, table.version
+    return source
 
 
 class HeadBypassedError(RuntimeError):
