@@ -11,7 +11,8 @@ vLLM's own logits layer) and the per-request steer state's callbacks (``update_s
 ``add_request``, ``apply_staged_writes``). The steer op (the backend function the runtime
 calls) is timed on its own in the same calls.
 
-Steps alternate between the plugin and stand-ins at the very same sites, timed by the same
+Steps alternate between the plugin and stand-ins at the very same sites (after :data:`WARM`
+untimed steps of each kind; every step decodes the whole batch), timed by the same
 harness: a hook that only calls ``orig``, empty callbacks, and for the head the steer op alone
 on the same rows (launched as the plugin's head launches it, its result unused) before vLLM's
 plain logits layer. What the stand-ins measure is what the harness, the call sites and the op
@@ -277,7 +278,8 @@ def child(runner: str, rows_list: list[int], steps: int, batch: int = BATCH) -> 
         steers = save_steers(Path(d), {f"s{i}": random_steer(HIDDEN, RANK, f"s{i}", seed=i)
                                        for i in range(K)})
         llm = LLM(str(model), additional_config={"vllm_steer": {"steers": steers}},
-                  dtype="float32", max_num_seqs=batch, max_model_len=128, enforce_eager=True,
+                  dtype="float32", max_num_seqs=batch, max_model_len=max(128, 2 * (WARM + steps) + 64),
+                  enforce_eager=True,
                   kv_cache_memory_bytes=1 << 28, seed=0, enable_prefix_caching=False,
                   max_num_batched_tokens=4096)
         engine = llm.llm_engine
