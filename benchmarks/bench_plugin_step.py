@@ -278,8 +278,8 @@ def child(runner: str, rows_list: list[int], steps: int, batch: int = BATCH) -> 
         steers = save_steers(Path(d), {f"s{i}": random_steer(HIDDEN, RANK, f"s{i}", seed=i)
                                        for i in range(K)})
         llm = LLM(str(model), additional_config={"vllm_steer": {"steers": steers}},
-                  dtype="float32", max_num_seqs=batch, max_model_len=max(128, 2 * (WARM + steps) + 64),
-                  enforce_eager=True,
+                  dtype="float32", max_num_seqs=batch, enforce_eager=True,
+                  max_model_len=max(128, 2 * (WARM + steps) + 64),  # the prompt and every step
                   kv_cache_memory_bytes=1 << 28, seed=0, enable_prefix_caching=False,
                   max_num_batched_tokens=4096)
         engine = llm.llm_engine
