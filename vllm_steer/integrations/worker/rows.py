@@ -99,7 +99,8 @@ BATCH_ROWS = BatchRows()
 NO_ROWS = NoRows()
 
 _DEVICE_MAPPING = object()
-#: The row sources of a whole batch step, which the next step may repeat (_steady_step).
+#: The row sources of a whole batch step, which the next step may repeat (a steady step:
+#: StepPlanner.steer_rows).
 _STEADY_KINDS = (BatchRows, MappedRows)
 
 

@@ -58,7 +58,7 @@ def sample(orig, self, *args, **kwargs):
     Per step: one integer read while no request in the process is steered
     (:data:`~vllm_steer.integrations.worker.request_slots.STEERED_SLOTS`). The batch's slots
     are turned into bytes once: a step with the batch of the last steered step, and the
-    request-slot table unchanged, reuses its rows (a steady decode step: one comparison);
+    request-slot table unchanged, reuses its rows (a steady decode step: three comparisons);
     another batch is checked and mapped from host arrays (:func:`_batch_rows`), the bytes
     keying the check of the batch
     (:meth:`~vllm_steer.integrations.worker.request_slots.RequestSlots.any_steered`) and the
