@@ -53,13 +53,15 @@ FULL_WHEELS_MIB = 1083.4  # `download` without --lean: 115 wheels, 1083.4 MiB (t
 LEAN_CHUNKS = 8  # the target for the vLLM carry
 
 # Device seconds, each with its source.
-START_S = 30  # a fresh machine's start and the first tree's transfer: 30 s on the H100
-#              (2026-11-27: the first call held 138 s for a 108 s run; the device README
+START_S = 30  # a fresh machine's start and the first tree's transfer: 30-33 s on the H100
+#              (2026-11-27: the first call held 138 s for a 108 s run, and 164 s for a
+#              131 s one; the device README
 #              says "a minute or more"); 28 s on the H200 (a 0.4 s first call)
 GAP_S = 6  # between consecutive calls (warm 30 s; idle time counts): 4.5-9 s measured
 UPLOAD_S_PER_MIB = 0.15  # carrying the working tree and a chunk; estimate (unmeasured)
-GPU_WINDOW_S = 120  # `make gpu-window` on the H100: 108 s; on the H200 92 s, its replay check
-#                    included (benchmarks/RESULTS.md); its head check since: 10 s (estimate)
+GPU_WINDOW_S = 125  # `make gpu-window` on the H100: 124 s with its replay and head checks
+#                    (131 s with the worker's CUDA tests); on the H200 92 s before the head
+#                    check (benchmarks/RESULTS.md)
 WORKER_CUDA_TESTS_S = 10  # test_syncfree's CUDA tests (bf16, fp32) + test_staging: 7 s (H200)
 RECEIVE_S = 3  # sha256 and copy of one 56 MiB chunk; estimate
 INSTALL_S_PER_MIB = 0.14  # assemble + pip install --no-deps + the host check: 38 s for the
@@ -71,10 +73,13 @@ ENGINE_S = 75  # one tiny-model engine with mode 0 (no compile) and decode graph
 #                H100 (benchmarks/RESULTS.md)
 ENGINES = 2  # gpu_vllm_check per (dtype, runner): the plugin's engine and stock vLLM
 THROUGHPUT_SHAPES = ("smollm2", "8b")  # gpu_throughput: one engine each
-THROUGHPUT_SHAPE_S = 55  # per shape: the engine's start and 3 modes x (1 warm-up + 3 rounds)
-#                          of 64 rows x 64 tokens: 114 s for both shapes, 50 s the embedded
-#                          model's engine (H200)
-PROFILE_S = 65  # gpu_throughput --profile, the embedded model's shape alone: 65 s (H200)
+THROUGHPUT_SHAPE_S = 75  # per shape: the engine's start and 3 modes x (1 warm-up + 7 rounds)
+#                          of 64 rows x 128 tokens. With 3 rounds of 64 tokens: 114 s for both
+#                          shapes on the H200, 108-128 s on the H100, of which 2-4 s and 4-7 s
+#                          were the runs; 7 rounds of twice the tokens: about 40 s more
+PROFILE_S = 65  # gpu_throughput --profile (3 rounds of 64 tokens), the embedded model's shape
+#                 alone: 65 s (H200), 54 s (H100)
+PROFILE_ARGS = "--rounds 3 --output-len 64"  # the profile's sites are medians of 3 rounds
 
 
 class PlanError(Exception):
@@ -166,7 +171,7 @@ def plan(wheels: str | None = None, chunk: int | None = None,
               [], tree, len(THROUGHPUT_SHAPES) * engine_timeout + 60, work)
         if r.device_s + GAP_S + PROFILE_S <= budget_s:
             r.run("profile: V2 bf16, the plugin's host time per run by site",
-                  f"{throughput} --shapes smollm2 --profile",
+                  f"{throughput} --shapes smollm2 --profile {PROFILE_ARGS}",
                   [], tree, engine_timeout + 60, PROFILE_S)
     if r.device_s + GAP_S + IMPORT_VLLM_S + ENGINES * ENGINE_S <= budget_s:
         engine_check("v1")

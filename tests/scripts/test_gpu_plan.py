@@ -86,7 +86,7 @@ def test_a_tight_budget_drops_the_v1_engine_call_first():
 
 
 def test_a_larger_budget_keeps_the_throughput_call_and_the_v1_check_after_it():
-    res = run("--budget-min", 15)
+    res = run("--budget-min", 16)
     names = [c["name"].split(":")[0] + " " + c["name"].split()[1] for c in calls_of(res.stdout)
              if c["name"].startswith(("engine", "throughput", "profile"))]
     assert names == ["engine V2", "throughput V2", "profile V2", "engine V1"]
