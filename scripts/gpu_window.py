@@ -368,7 +368,7 @@ def check_head(dev, shapes=HEAD_SHAPES, rows_list=(1, 64), dtype=torch.bfloat16,
     runtime whose graphs were captured at start-up. Host microseconds per step, back to back
     (warm) and each after a pass over 64 MiB of host memory (caches cold, as after vLLM's own
     step in an engine), with the parts: ``graphs.run`` (one copy and one replay), the op's
-    timer (two CUDA event records on one op in 16), the row lookup (which a steady step skips);
+    timer (two CUDA event records on one op in 64), the row lookup (which a steady step skips);
     the rest is the head's own code. The rows are checked against the reference (a failure
     when they differ)."""
     import tempfile
