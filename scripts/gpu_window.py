@@ -14,12 +14,14 @@ INFO); the exit status is 1 when any check fails.
 - async: steered steps run one step ahead with the forward in a CUDA graph and the steer op
   after it, and a drafter's steer captured inside a CUDA graph replayed while requests and
   steers change, against the plain-torch formula (``scripts/gpu_async_steps.py``);
-- auto: times the planned Triton and torch paths at a few shapes and reports whether
-  ``ops.AUTO_CUDA`` picks the faster one (reported, never a failure);
+- auto: times the planned Triton and torch paths at a few shapes, back to back (launches and
+  kernels) and on the device alone (the calls enqueued behind a sleeping kernel), and reports
+  whether ``ops.AUTO_CUDA`` picks the faster one (reported, never a failure);
 - replay: the LM head's steer op replayed from its row bucket's CUDA graph
   (``kernels/graphs.py``) against the eager launch of the planned op, per steered step: host
-  microseconds (the goal: at most :data:`HOST_US_GOAL`, reported), GPU microseconds, and the
-  replayed rows against the reference (a failure when they differ);
+  microseconds (the goal: at most :data:`HOST_US_GOAL`, reported), microseconds per call back
+  to back and on the device alone, and the replayed rows against the reference (a failure
+  when they differ);
 - head: the worker's head on a steady steered step (``StepPlanner.steer_rows``, graphs
   captured at start-up as in an engine), host microseconds warm and with cold caches, by part
   (``graphs.run``, the op's timer, the row lookup); a failure when its rows differ from the
@@ -230,13 +232,25 @@ def check_capture(dev) -> bool:
     return ok
 
 
-def _time_us(fn, reps: int = 20) -> float:
+#: GPU clock cycles of the kernel that holds the stream while a device-only timing enqueues
+#: its calls (about 10 ms at 2 GHz: 20 calls of at most a few hundred us of host time each)
+HOLD_CYCLES = 20_000_000
+
+
+def _time_us(fn, reps: int = 20, device_only: bool = False) -> float:
+    """Microseconds per call of ``fn`` on the current stream, the median of 5 batches of
+    ``reps`` calls back to back: launches and kernels together, the larger of the two per call
+    (a launch-bound op measures its host time). ``device_only``: the stream is held by a
+    sleeping kernel while the calls are enqueued, so the kernels then run without a gap: the
+    device's time alone."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if device_only:
+            torch.cuda._sleep(HOLD_CYCLES)
         start.record()
         for _ in range(reps):
             fn()
@@ -254,25 +268,32 @@ def check_auto(dev) -> bool:
     # (d, rank, K, rows): both sides of the AUTO_CUDA rule, and d 8192 where it is extrapolated
     shapes = [(576, 576, 1, 256), (2048, 64, 8, 256), (2048, 1024, 1, 64), (4096, 64, 8, 256),
               (4096, 4096, 8, 256), (8192, 1024, 1, 256), (8192, 8192, 1, 64)]
-    agree = 0
+    agree = agree_gpu = 0
     for d, rank, K, rows in shapes:
         p1, p2, offs = make_bank(d, [rank] * K, torch.bfloat16, dev)
         co = distinct_coefs(rows, [rank] * K, unsteered=False)
         coefs, hidden = co.to(dev), torch.randn(rows, d, device=dev, dtype=torch.bfloat16)
         tplan = prepare_triton(p1, p2, offs, coefs, host=co.numpy())
         pplan = prepare_torch(p1, p2, offs, coefs, host=co.numpy())
-        t_tri = _time_us(lambda p1=p1, p2=p2, plan=tplan: steer_triton(
-            hidden, p1, p2, offs, coefs, prepared=plan))
-        t_tor = _time_us(lambda p1=p1, p2=p2, plan=pplan: steer_torch(
-            hidden, p1, p2, offs, coefs, prepared=plan))
+        tri = lambda p1=p1, p2=p2, plan=tplan: steer_triton(  # noqa: E731
+            hidden, p1, p2, offs, coefs, prepared=plan)
+        tor = lambda p1=p1, p2=p2, plan=pplan: steer_torch(  # noqa: E731
+            hidden, p1, p2, offs, coefs, prepared=plan)
+        t_tri, t_tor = _time_us(tri), _time_us(tor)
+        g_tri, g_tor = _time_us(tri, device_only=True), _time_us(tor, device_only=True)
         pick = ops.resolve_backend("auto", dev, hidden=d, max_rank=rank)
         faster = "triton" if t_tri <= t_tor else "torch"
+        faster_gpu = "triton" if g_tri <= g_tor else "torch"
         agree += pick == faster
+        agree_gpu += pick == faster_gpu
         say(f"auto d{d} rank {rank} K {K} rows {rows}: triton {t_tri:.1f} us, torch {t_tor:.1f} "
-            f"us (planned, per call): auto picks {pick}, faster is {faster}: INFO")
+            f"us (planned, per call back to back); device alone triton {g_tri:.1f} us, torch "
+            f"{g_tor:.1f} us: auto picks {pick}, faster is {faster} ({faster_gpu} on the "
+            f"device alone): INFO")
         del p1, p2, tplan, pplan
         torch.cuda.empty_cache()
-    say(f"auto: the rule picked the faster path at {agree} of {len(shapes)} shapes: INFO")
+    say(f"auto: the rule picked the faster path at {agree} of {len(shapes)} shapes back to "
+        f"back, at {agree_gpu} on the device alone: INFO")
     return True
 
 
@@ -341,8 +362,10 @@ def check_replay(dev, shapes=REPLAY_SHAPES, rows_list=(1, 64), dtype=torch.bfloa
             h_launch, h_replay = _host_us(launch, sync), _host_us(replay, sync)
             gpu = ""
             if cuda:
-                gpu = (f"; GPU {_time_us(launch):.1f} us launched, {_time_us(replay):.1f} us "
-                       f"replayed")
+                gpu = (f"; back to back {_time_us(launch):.1f} us launched, "
+                       f"{_time_us(replay):.1f} us replayed; the device alone "
+                       f"{_time_us(launch, device_only=True):.1f} us launched, "
+                       f"{_time_us(replay, device_only=True):.1f} us replayed")
             goal = ("not the goal's figure (no graphs on CPU)" if dry else
                     f"goal <= {HOST_US_GOAL:g} us {'met' if h_replay <= HOST_US_GOAL else 'NOT met'}")
             say(f"replay {label} {str(dtype)[6:]} rows {rows}: host {h_launch:.1f} us launched "
