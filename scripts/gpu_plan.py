@@ -55,8 +55,8 @@ LEAN_CHUNKS = 8  # the target for the vLLM carry
 # Device seconds, each with its source.
 START_S = 30  # a fresh machine's start and the first tree's transfer: 30-33 s on the H100
 #              (2026-11-27: the first call held 138 s for a 108 s run, and 164 s for a
-#              131 s one; the device README
-#              says "a minute or more"); 28 s on the H200 (a 0.4 s first call)
+#              131 s one; the device README says "a minute or more"); 28 s on the H200 (a
+#              0.4 s first call)
 GAP_S = 6  # between consecutive calls (warm 30 s; idle time counts): 4.5-9 s measured
 UPLOAD_S_PER_MIB = 0.15  # carrying the working tree and a chunk; estimate (unmeasured)
 GPU_WINDOW_S = 125  # `make gpu-window` on the H100: 124 s with its replay and head checks

@@ -15,8 +15,9 @@ Each run is ``--rows`` requests at once (``max_num_seqs``), ``--prompt-len`` pro
 tokens/s (median over rounds) and the median of the paired ratio to ``plain`` in the same
 round; the fastest run's tokens/s and its ratio to plain's fastest (stalls of the host only
 slow a run down: on an H100 host, runs of the same plain work took 0.20 to 0.55 s); and the
-range of a run's seconds. Python's garbage is collected before each run, outside its timing. Also reported: whether the head's steer op replayed from CUDA graphs, and the graphs
-it captured while the engine started (the engine log's lines). With ``--profile`` the engine
+range of a run's seconds. Python's garbage is collected before each run, outside its timing.
+Also reported: whether the head's steer op replayed from CUDA graphs, and the graphs it
+captured while the engine started (the engine log's lines). With ``--profile`` the engine
 runs in one process and the plugin's own host time is timed by site in every timed run
 (:class:`Profiler`; the ratios of such a run are not the figures to report: one process
 does the work of three).

@@ -71,8 +71,9 @@ OP_KEYS = ("op_seconds", "op_host_seconds", "op_calls", "op_timed_calls")
 #: One steer op in this many is timed (host and device), and counts for the untimed ones
 #: before it: timing every op would add two CUDA event records (on the CPU, two clock reads
 #: and their sums) to every steered step's host work. In a GPU engine one timed op in 16
-#: cost about 5 us per steered step on average (an H100 host); one in 64 is about 1.4 us, and
-#: the counters trail the calls by at most 63 ops (a fraction of a second of decoding).
+#: cost about 5 us per steered step on average (an H100 host); one in 64 should cost about
+#: 1.4 us (estimated from that, not measured), and the counters trail the calls by at most 63
+#: ops (a fraction of a second of decoding).
 TIMER_SAMPLE_EVERY = 64
 #: Event pairs a worker keeps recorded before it reads the finished ones by itself.
 TIMER_POLL_EVERY = 64

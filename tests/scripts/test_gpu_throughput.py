@@ -56,7 +56,7 @@ def test_ratios_pair_each_round_with_plain_of_the_same_round():
     assert s["K=1"]["ratio_to_plain"] == statistics.median([0.8, 1.0, 1 / 1.1])
     assert s["K=1"]["tokens_per_s"] == statistics.median([80.0, 50.0, 100 / 1.1])
     assert s["K=1"]["rounds"] == 3
-    # the best rounds: K=1's 100/1.1 tokens/s against plain's 100
+    # the fastest runs: K=1's 100/1.1 tokens/s against plain's 100
     assert s["K=1"]["best_tokens_per_s"] == 100 / 1.1
     assert s["K=1"]["best_ratio_to_plain"] == pytest.approx(1 / 1.1)
     assert s["K=1"]["seconds"] == [1.1, 2.0] and s["plain"]["seconds"] == [1.0, 2.0]
