@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers.engines import v2_runner_env
+from helpers.engines import use_uniproc_workers, v2_runner_env
 from helpers.models import make_tiny_llama, tokenizer_src
 from helpers.reference import HFReference
 from helpers.steers import random_steer, save_steers
@@ -20,6 +20,9 @@ DATA_DIR = Path(os.environ.get("VLLM_STEER_DATA", ROOT.parent / "shared" / "data
 # engine or server shuts down (inherited by the servers the tests start): every test that
 # looks at an engine does so while it runs.
 os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
+# An engine of one worker runs it in its engine-core process, as on a GPU, not in a process of
+# its own as vLLM's CPU platform would: one process start less per engine (docs/internals.md).
+use_uniproc_workers()
 
 
 def pytest_collection_modifyitems(config, items):

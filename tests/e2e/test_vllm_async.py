@@ -20,11 +20,9 @@ logprobs) of the paper's formula applied by hand on the model's own weights
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from helpers.engines import V2_SHIM_DIR, v2_runner_env
+from helpers.engines import shim_module, v2_runner_env
 
 pytestmark = pytest.mark.vllm
 
@@ -38,14 +36,6 @@ ENGINE_KW = dict(dtype="float32", kv_cache_memory_bytes=1 << 28, max_model_len=2
                  max_num_batched_tokens=256)  # V2's start-up warm-up runs this many tokens
 
 
-def _shim():
-    spec = importlib.util.spec_from_file_location("steer_test_v2shim",
-                                                  V2_SHIM_DIR / "sitecustomize.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # no env flag here: defines the patches, installs nothing
-    return mod
-
-
 @pytest.fixture(scope="module")
 def async_env():
     from vllm.platforms.cpu import CpuPlatform
@@ -57,7 +47,7 @@ def async_env():
         # this process builds the VllmConfig: its CpuPlatform keeps async scheduling too
         mp.setattr(CpuPlatform, "check_and_update_config",
                    CpuPlatform.__dict__["check_and_update_config"])
-        _shim().keep_async_scheduling(CpuPlatform)
+        shim_module().keep_async_scheduling(CpuPlatform)
         # collective_rpc with a lambda: read the worker's runner settings from the test
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         yield

@@ -20,8 +20,9 @@ PROMPTS = ["Hello there, my name is", "The weather today", "Once upon a time in 
            "Q: What is two plus two?\nA:"]
 LONG_PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 36)  # > 2 KV blocks
 MAX_TOKENS = 8
-ENGINE_KW = dict(dtype="float32", gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 28, max_model_len=512,
-                 max_num_seqs=16, enforce_eager=True, seed=0, enable_prefix_caching=True)
+ENGINE_KW = dict(dtype="float32", gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 28,
+                 max_model_len=512, max_num_seqs=16, enforce_eager=True, seed=0,
+                 enable_prefix_caching=True)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,9 @@ def llm(tiny_model_dir, steer_files, hooks_record):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(RECORD_ENV, hooks_record)  # inherited by the engine core it starts
-        engine = LLM(str(tiny_model_dir),
+        # vLLM's CPU default, a worker process of its own (the suite's other engines of one
+        # worker run it in the engine core, as on a GPU: tests/conftest.py)
+        engine = LLM(str(tiny_model_dir), distributed_executor_backend="mp",
                      additional_config={"vllm_steer": {"steers": steer_files}}, **ENGINE_KW)
     yield engine
     del engine

@@ -28,6 +28,35 @@ def steered_llm(model_dir, steer_files: dict, **engine_kw):
 
 
 V2_SHIM_DIR = ROOT / "tests" / "v2shim"
+UNIPROC_FLAG = "STEER_TEST_UNIPROC_SHIM"
+
+
+def shim_module():
+    """``tests/v2shim/sitecustomize.py`` loaded as a module, for its patch functions (it installs
+    only what its flags in ``os.environ`` ask for)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("steer_test_v2shim",
+                                                  V2_SHIM_DIR / "sitecustomize.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def use_uniproc_workers() -> None:
+    """Engines of one worker, started by this process (offline ``LLM``) or by the processes it
+    starts (``vllm serve``), run that worker in their engine-core process: vLLM's ``"uni"``
+    executor, its default on a GPU. vLLM's CPU platform would spawn it (``"mp"``): one more
+    process that imports vLLM, about 15 s per engine on this CPU. Engines that ask for
+    ``distributed_executor_backend="mp"`` (``--distributed-executor-backend mp``) keep it, and
+    engines of several workers are left alone. ``STEER_TEST_UNIPROC_SHIM=0`` turns this off."""
+    if os.environ.setdefault(UNIPROC_FLAG, "1") != "1":
+        return
+    path = os.environ.get("PYTHONPATH", "")
+    if str(V2_SHIM_DIR) not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(V2_SHIM_DIR), path) if p)
+    shim = shim_module()
+    shim.on_cpu_platform(shim.keep_uniproc_executor)  # this process builds offline configs
 
 
 def v2_runner_env() -> dict[str, str]:

@@ -96,22 +96,38 @@ def _install() -> None:
     backends["cpu"] = Backend(InterpretOnlyBackend, CPUDriver)
 
 
+def _keep_given(platform_cls, section: str, field: str, only=None) -> None:
+    """Wrap ``platform_cls.check_and_update_config`` so that ``vllm_config.<section>.<field>``
+    keeps the value it was given (when that value is ``only``, if given). Idempotent."""
+    orig = platform_cls.__dict__["check_and_update_config"].__func__
+    tag = (section, field)
+    if tag in getattr(orig, "_steer_keeps", ()):
+        return
+
+    def check_and_update_config(cls, vllm_config):
+        part = getattr(vllm_config, section)
+        before = getattr(part, field)
+        orig(cls, vllm_config)
+        if only is None or before == only:
+            setattr(part, field, before)
+
+    check_and_update_config._steer_keeps = (*getattr(orig, "_steer_keeps", ()), tag)
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+
+
 def keep_async_scheduling(platform_cls) -> None:
     """Wrap ``platform_cls.check_and_update_config`` so that it keeps the
     ``scheduler_config.async_scheduling`` value it was given (vLLM's CPU platform sets it to
     False). Idempotent."""
-    orig = platform_cls.__dict__["check_and_update_config"].__func__
-    if getattr(orig, "_steer_keeps_async", False):
-        return
+    _keep_given(platform_cls, "scheduler_config", "async_scheduling")
 
-    def check_and_update_config(cls, vllm_config):
-        sc = vllm_config.scheduler_config
-        before = sc.async_scheduling
-        orig(cls, vllm_config)
-        sc.async_scheduling = before
 
-    check_and_update_config._steer_keeps_async = True
-    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+def keep_uniproc_executor(platform_cls) -> None:
+    """Wrap ``platform_cls.check_and_update_config`` so that an engine of one worker keeps the
+    ``"uni"`` executor vLLM gave it (the worker runs in the engine-core process, vLLM's default
+    on a GPU); vLLM's CPU platform replaces it by ``"mp"`` (one more process, spawned). Other
+    backends are left as they are. Idempotent."""
+    _keep_given(platform_cls, "parallel_config", "distributed_executor_backend", only="uni")
 
 
 def _on_import(target: str, fn) -> None:
@@ -140,11 +156,22 @@ def _on_import(target: str, fn) -> None:
     sys.meta_path.insert(0, _Finder())
 
 
+def on_cpu_platform(fn) -> None:
+    """Call ``fn(CpuPlatform)`` now if ``vllm.platforms.cpu`` is imported, else when it is."""
+    import sys
+
+    mod = sys.modules.get("vllm.platforms.cpu")
+    if mod is not None:
+        fn(mod.CpuPlatform)
+    else:
+        _on_import("vllm.platforms.cpu", lambda m: fn(m.CpuPlatform))
+
+
 def _install_async() -> None:
     # The async output paths' CUDA events and streams (V1 AsyncGPUModelRunnerOutput, V2
     # AsyncOutput) need nothing here: vLLM's vllm/v1/worker/cpu/shm.py, imported by the CPU
     # worker, already replaces them by no-op placeholders.
-    _on_import("vllm.platforms.cpu", lambda m: keep_async_scheduling(m.CpuPlatform))
+    on_cpu_platform(keep_async_scheduling)
 
 
 def _bool_masks() -> None:
@@ -200,5 +227,7 @@ if os.environ.get("STEER_TEST_V2_SHIM") == "1":
     _bool_masks()
 if os.environ.get("STEER_TEST_ASYNC_SHIM") == "1":
     _install_async()
+if os.environ.get("STEER_TEST_UNIPROC_SHIM") == "1":
+    on_cpu_platform(keep_uniproc_executor)
 if os.environ.get("STEER_TEST_NO_V1_LOGITSPROCS") == "1":
     hide_v1_logitsprocs_from_the_plugin()
