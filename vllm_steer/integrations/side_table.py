@@ -27,6 +27,13 @@ class SideTable(Generic[T]):
         """The state of ``owner`` (None: none yet)."""
         return self._items.get(id(owner))
 
+    @property
+    def by_id(self) -> dict[int, T]:
+        """The table itself, keyed by ``id(owner)``, for a per-step hook to read with no call of
+        its own (``table.by_id.get(id(owner))``; bind it once at import). Read only: entries
+        are made by :meth:`set`, and dropped when their owner is collected."""
+        return self._items
+
     def set(self, owner: Any, value: T) -> T:
         """Give ``owner`` this state (kept until ``owner`` is collected); returns it."""
         key = id(owner)

@@ -155,6 +155,51 @@ def test_wrapped_sample_maps_rows_to_slots_through_expanded_idx_mapping(processo
 
 
 
+def test_sample_reads_input_batch_by_name_however_it_is_passed(processor, vllm_config):
+    """``sample()``'s ``input_batch`` is found by name: at the position its signature gives
+    (also behind a parameter a newer vLLM added before it), kept for the next steps, and by
+    keyword when a call passes it so. Every step is steered with its own batch's rows."""
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    from vllm_steer.integrations.hooks import wrap_method
+    from vllm_steer.integrations.worker import v2
+
+    rt = processor.runtime
+    processor.add_request(1, _params({"a": 3}))
+    processor.add_request(4, _params({"b": 5}))
+    processor.apply_staged_writes()
+    strengths = {1: (3e-3, 0.0), 4: (0.0, 5e-3)}
+
+    class Runner:  # a vLLM whose sample() gained a parameter before input_batch
+        def sample(self, hidden_states, new_param, input_batch, grammar_output=None):
+            return rt.steer_rows(hidden_states)
+
+    Runner.vllm_config = vllm_config
+    wrap_method(Runner, "sample", v2.sample)
+    runner = Runner()
+
+    def batch_of(slots):
+        batch = InputBatch.make_dummy(len(slots), len(slots),
+                                      InputBuffers(8, 64, torch.device("cpu")))
+        batch.idx_mapping_np = np.array(slots, dtype=np.int32)
+        batch.expanded_idx_mapping = torch.tensor(slots, dtype=torch.int32)
+        return batch
+
+    calls = [lambda h, b: runner.sample(h, None, b, None),  # positional: position found
+             lambda h, b: runner.sample(h, None, b),  # positional again: position kept
+             lambda h, b: runner.sample(h, None, input_batch=b),  # by keyword
+             lambda h, b: runner.sample(hidden_states=h, new_param=None, input_batch=b),
+             lambda h, b: runner.sample(h, None, b, None)]
+    for call, slots in zip(calls, ([1, 4], [4, 1], [4], [1], [1, 4])):
+        h = torch.randn(len(slots), 64)
+        out = call(h, batch_of(slots))
+        coefs = torch.zeros(len(slots), rt.num_columns)
+        coefs[:, :2] = torch.tensor([strengths[s] for s in slots])
+        torch.testing.assert_close(out, steer_reference(h, rt.bank.p1, rt.bank.p2,
+                                                        rt.bank.rank_offsets, coefs))
+    assert v2._BINDINGS_BY_ID[id(runner)].sample_batch_at == 2  # after self: h, new_param, input_batch
+
+
 def test_steady_steps_reuse_their_rows_and_every_change_maps_them_again(processor, vllm_config,
                                                                          monkeypatch):
     """Decode steps of an unchanged batch map their rows once (V2 gives a new ``InputBatch``

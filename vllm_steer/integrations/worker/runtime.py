@@ -263,7 +263,7 @@ class RunnerBinding:
     :data:`BINDINGS`."""
 
     __slots__ = ("runtime", "resolved", "drafter_checked", "spec_step", "captured",
-                 "steady_rows", "steady_version")
+                 "steady_rows", "steady_version", "sample_batch_at")
 
     def __init__(self) -> None:
         self.runtime: SteerRuntime | None = None
@@ -282,6 +282,10 @@ class RunnerBinding:
         same batch (its key) and the request-slot table at :attr:`steady_version` reuses it."""
         self.steady_version = -1
         """The request-slot table's version when :attr:`steady_rows` was mapped."""
+        self.sample_batch_at = -1
+        """V2 runner: where ``sample()``'s ``input_batch`` is among the positional arguments
+        after ``self``, found from its signature at the first steered call (-1: not yet, or not
+        positional: read by name)."""
 
 
 def binding(owner: Any) -> RunnerBinding:

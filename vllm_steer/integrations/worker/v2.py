@@ -29,12 +29,13 @@ import torch
 from vllm_steer.integrations.worker.arguments import Arg
 from vllm_steer.integrations.worker.request_slots import STEERED_SLOTS
 from vllm_steer.integrations.worker.rows import MappedRows, NoRows, SlotRows
-from vllm_steer.integrations.worker.runtime import bound, current_runtime
+from vllm_steer.integrations.worker.runtime import BINDINGS, bound, current_runtime
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
 from vllm_steer.integrations.worker.spec_v2 import true_computed_tokens
 from vllm_steer.ops import to_device
 
 _INPUT_BATCH = Arg("input_batch")
+_BINDINGS_BY_ID = BINDINGS.by_id  # each runner's binding: read in sample() with no call
 _LOGITS_FN = Arg("logits_fn")
 _HIDDEN_STATES = Arg("hidden_states")
 
@@ -56,7 +57,10 @@ def sample(orig, self, *args, **kwargs):
     serving those rows unsteered: one integer comparison per steered step.
 
     Per step: one integer read while no request in the process is steered
-    (:data:`~vllm_steer.integrations.worker.request_slots.STEERED_SLOTS`). The batch's slots
+    (:data:`~vllm_steer.integrations.worker.request_slots.STEERED_SLOTS`). Otherwise the
+    runner's binding is one dictionary read and ``input_batch`` one index (its position, found
+    by name from ``orig``'s signature at the first steered call, kept in the binding): with the
+    caches cold after vLLM's step, each call made here costs a few µs. The batch's slots
     are turned into bytes once: a step with the batch of the last steered step, and the
     request-slot table unchanged, reuses its rows (a steady decode step: three comparisons);
     another batch is checked and mapped from host arrays (:func:`_batch_rows`), the bytes
@@ -66,11 +70,20 @@ def sample(orig, self, *args, **kwargs):
     """
     if not STEERED_SLOTS[0]:  # no steered request in this process: the one read
         return orig(self, *args, **kwargs)
-    b = bound(self)
+    b = _BINDINGS_BY_ID.get(id(self))  # bound(self), read inline: this is every steered step
+    if b is None or not b.resolved:
+        b = bound(self)
     rt = b.runtime
     if rt is None:
         return orig(self, *args, **kwargs)
-    input_batch = _INPUT_BATCH.get(orig, (self, *args), kwargs)
+    at = b.sample_batch_at
+    if 0 <= at < len(args):
+        input_batch = args[at]
+    else:
+        input_batch = _INPUT_BATCH.get(orig, (self, *args), kwargs)
+        if at < 0 and not kwargs.keys() & {_INPUT_BATCH.name}:
+            at = _INPUT_BATCH.position(orig)  # counts self
+            b.sample_batch_at = -1 if at is None else at - 1
     key = input_batch.idx_mapping_np.tobytes()  # the batch's slots: the check's and the head's key
     source = b.steady_rows  # the last steered step's rows, reused for the same batch and table
     if source is None or source.key != key or b.steady_version != rt.slots.version:
