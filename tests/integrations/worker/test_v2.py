@@ -197,7 +197,7 @@ def test_sample_reads_input_batch_by_name_however_it_is_passed(processor, vllm_c
         coefs[:, :2] = torch.tensor([strengths[s] for s in slots])
         torch.testing.assert_close(out, steer_reference(h, rt.bank.p1, rt.bank.p2,
                                                         rt.bank.rank_offsets, coefs))
-    assert v2._BINDINGS_BY_ID[id(runner)].sample_batch_at == 2  # after self: h, new_param, input_batch
+    assert v2._BINDINGS_BY_ID[id(runner)].sample_batch_at == 2  # h, new_param, input_batch
 
 
 def test_steady_steps_reuse_their_rows_and_every_change_maps_them_again(processor, vllm_config,
