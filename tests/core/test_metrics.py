@@ -296,11 +296,11 @@ EVERY = metrics_mod.TIMER_SAMPLE_EVERY
 
 
 def op(timer, t):
-    """One steer op, timed as the head times it: only while the timer's ``skip`` is 0."""
-    if timer.skip:
-        timer.skip -= 1
-    else:
-        timer.stop(timer.start(t))
+    """One steer op through the timer (timed only while its ``skip`` is 0); returns the op's
+    result, which the timer must hand back."""
+    out = timer.run(lambda x, y: (x, y), t, "arg")
+    assert out == (t, "arg")
+    return out
 
 
 def test_cuda_op_time_comes_from_events_read_only_once_the_device_passed_them(fake_cuda):

@@ -375,14 +375,8 @@ class StepPlanner:
         coefs = self.slots.table.index_select(0, self.row_source.mapping[:n].long())
         self.stats.calls += 1
         self.stats.rows += n
-        timer = self.stats.op
-        t0 = None if timer.skip else timer.start(hidden)
-        out = self.banks.fn(hidden, bank.p1, bank.p2, bank.rank_offsets, coefs)
-        if t0 is None:
-            timer.skip -= 1
-        else:
-            timer.stop(t0)
-        return out
+        return self.stats.op.run(self.banks.fn, hidden, bank.p1, bank.p2, bank.rank_offsets,
+                                 coefs)
 
     # ---- drafter heads inside CUDA graphs (Model Runner V2's EAGLE / EAGLE-3 / MTP) -----------
     def steer_fixed(self, hidden: torch.Tensor, mapping: torch.Tensor | None) -> torch.Tensor:
