@@ -32,8 +32,8 @@ UNIPROC_FLAG = "STEER_TEST_UNIPROC_SHIM"
 
 
 def shim_module():
-    """``tests/v2shim/sitecustomize.py`` loaded as a module, for its patch functions (it installs
-    only what its flags in ``os.environ`` ask for)."""
+    """``tests/v2shim/sitecustomize.py`` loaded as a module, for its patch functions (loaded so,
+    it installs nothing by itself)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("steer_test_v2shim",

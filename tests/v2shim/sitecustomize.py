@@ -27,6 +27,13 @@ vLLM's CPU platform sets ``scheduler_config.async_scheduling = False`` in
 ``vllm.platforms.cpu`` is imported, so that it keeps the value it was given. Nothing else is
 needed: the V1 CPU runner is the GPU runner's subclass and runs its async path as is.
 
+One process per engine of one worker, independently, with ``STEER_TEST_UNIPROC_SHIM=1``
+(``tests/conftest.py`` sets it for the whole suite): vLLM's CPU platform replaces the ``"uni"``
+executor of an engine of one worker (the worker in the engine-core process, vLLM's default on
+a GPU) by ``"mp"`` (a worker process of its own, spawned); the shim wraps
+``CpuPlatform.check_and_update_config`` so that it keeps ``"uni"``, saving each engine a
+process start.
+
 The plugin without V1's logits-processor module, independently, with
 ``STEER_TEST_NO_V1_LOGITSPROCS=1``: every import of ``vllm.v1.sample.logits_processor`` (or a
 submodule) by a ``vllm_steer`` module raises ``ImportError``, as it would on a vLLM that
@@ -222,12 +229,14 @@ def hide_v1_logitsprocs_from_the_plugin() -> None:
     builtins.__import__ = __import__
 
 
-if os.environ.get("STEER_TEST_V2_SHIM") == "1":
+# Python's start-up imports this file as ``sitecustomize``; loaded under another name
+# (``helpers.engines.shim_module``) it only defines the patches.
+if __name__ == "sitecustomize" and os.environ.get("STEER_TEST_V2_SHIM") == "1":
     _install()
     _bool_masks()
-if os.environ.get("STEER_TEST_ASYNC_SHIM") == "1":
+if __name__ == "sitecustomize" and os.environ.get("STEER_TEST_ASYNC_SHIM") == "1":
     _install_async()
-if os.environ.get("STEER_TEST_UNIPROC_SHIM") == "1":
+if __name__ == "sitecustomize" and os.environ.get("STEER_TEST_UNIPROC_SHIM") == "1":
     on_cpu_platform(keep_uniproc_executor)
-if os.environ.get("STEER_TEST_NO_V1_LOGITSPROCS") == "1":
+if __name__ == "sitecustomize" and os.environ.get("STEER_TEST_NO_V1_LOGITSPROCS") == "1":
     hide_v1_logitsprocs_from_the_plugin()
