@@ -282,10 +282,10 @@ class RunnerBinding:
         same batch (its key) and the request-slot table at :attr:`steady_version` reuses it."""
         self.steady_version = -1
         """The request-slot table's version when :attr:`steady_rows` was mapped."""
-        self.sample_batch_at = -1
+        self.sample_batch_at: int | None = None
         """V2 runner: where ``sample()``'s ``input_batch`` is among the positional arguments
-        after ``self``, found from its signature at the first steered call (-1: not yet, or not
-        positional: read by name)."""
+        after ``self``, found by name from its signature at the first steered call (None: not
+        yet; -1: keyword-only, read by name)."""
 
 
 def binding(owner: Any) -> RunnerBinding:

@@ -77,13 +77,13 @@ def sample(orig, self, *args, **kwargs):
     if rt is None:
         return orig(self, *args, **kwargs)
     at = b.sample_batch_at
+    if at is None:  # the first steered call: input_batch's place in orig's signature
+        pos = _INPUT_BATCH.position(orig)  # counts self
+        at = b.sample_batch_at = -1 if pos is None else pos - 1
     if 0 <= at < len(args):
         input_batch = args[at]
-    else:
+    else:  # passed by keyword (or keyword-only)
         input_batch = _INPUT_BATCH.get(orig, (self, *args), kwargs)
-        if at < 0 and not kwargs.keys() & {_INPUT_BATCH.name}:
-            at = _INPUT_BATCH.position(orig)  # counts self
-            b.sample_batch_at = -1 if at is None else at - 1
     key = input_batch.idx_mapping_np.tobytes()  # the batch's slots: the check's and the head's key
     source = b.steady_rows  # the last steered step's rows, reused for the same batch and table
     if source is None or source.key != key or b.steady_version != rt.slots.version:
