@@ -24,43 +24,26 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # helpers: the tiny random model and steers
 BATCH = 16
-V2_PROCESSOR = "vllm_steer.integrations.request_state_v2:SteerRequestStateV2"
+#: the ``--parts`` hooks that read as the plugin reads now (the others: as it read before)
+INLINE = ("binding inline", "inline, batch bytes")
 
 
-def _runtime_and_processor(workdir: Path):
-    """The V2 per-request state (and its runtime) of an engine config with steers a and b,
-    loaded on the CPU: request 0 steered, the other 15 not."""
-    import torch
+def _runtime(workdir: Path):
+    """The engine config and the V2 per-request state's runtime (steers a and b, loaded on the
+    CPU: ``helpers.v2_state``), with request 0 steered and the other 15 not."""
     from vllm import SamplingParams
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors
 
     from helpers.engines import bound_extra
     from helpers.models import make_tiny_llama
-    from helpers.steers import random_steer
-    from vllm_steer.format import save_steer
-    from vllm_steer.integrations import plugin
+    from helpers.v2_state import v2_request_state, v2_steer_config
 
-    plugin.register()
-    model = make_tiny_llama(workdir / "model")
-    steers = {}
-    for name, seed in (("a", 1), ("b", 2)):
-        steers[name] = str(workdir / f"{name}.safetensors")
-        save_steer(steers[name], random_steer(64, 4, name, seed=seed))
-    cfg = EngineArgs(model=str(model), max_model_len=128, additional_config={
-        "vllm_steer": {"steers": steers, "max_strength": 10}}).create_engine_config()
-    zeros = torch.zeros(64, dtype=torch.int32)
-    req_states = types.SimpleNamespace(device=torch.device("cpu"), max_num_reqs=64,
-                                       vocab_size=49152, all_token_ids=None, prompt_len=zeros,
-                                       prefill_len=zeros, total_len=None)
-    (proc,) = build_custom_logits_processors(cfg, req_states, False, [V2_PROCESSOR])
-    proc.runtime.load(64, torch.device("cpu"), torch.float32)
+    cfg = v2_steer_config(make_tiny_llama(workdir / "model"), workdir)
+    proc = v2_request_state(cfg, max_num_reqs=64)
     proc.add_request(0, SamplingParams(extra_args=bound_extra(["a", "b"], {"a": 4})))
     for slot in range(1, BATCH):
         proc.add_request(slot, SamplingParams())
@@ -69,8 +52,8 @@ def _runtime_and_processor(workdir: Path):
 
 
 def _part_hooks(binding_of):
-    """Hooks that stop after each piece of the steady path (``binding_of()``: the binding of
-    the plugin's runner, whose steady rows they read)."""
+    """Hooks that stop after each piece of the steady path (``binding_of()``: the plugin's
+    runner, whose binding they read)."""
     from vllm_steer.integrations.worker import v2
     from vllm_steer.integrations.worker.request_slots import STEERED_SLOTS
     from vllm_steer.integrations.worker.runtime import BINDINGS, bound
@@ -82,7 +65,7 @@ def _part_hooks(binding_of):
             if not STEERED_SLOTS[0] or part == "check":
                 return orig(self, *args, **kwargs)
             owner = binding_of()
-            if part.endswith("inline"):
+            if part in INLINE:
                 b = by_id.get(id(owner))
                 if part == "binding inline":
                     return orig(self, *args, **kwargs)
@@ -94,15 +77,14 @@ def _part_hooks(binding_of):
                 input_batch = arg.get(orig, (self, *args), kwargs)
                 if part == "input_batch by Arg.get":
                     return orig(self, *args, **kwargs)
-            key = input_batch.idx_mapping_np.tobytes()
-            if b.runtime is None or key is None:
-                raise RuntimeError("no runtime")
+            if b.runtime is None:
+                raise RuntimeError("the plugin's runner has no runtime")
+            input_batch.idx_mapping_np.tobytes()  # the batch's bytes, the steady step's key
             return orig(self, *args, **kwargs)
         return hook
 
     return {name: upto(name) for name in (
-        "check", "binding by bound()", "input_batch by Arg.get", "batch bytes",
-        "binding inline", "inline, batch bytes")}
+        "check", "binding by bound()", "input_batch by Arg.get", "batch bytes", *INLINE)}
 
 
 def main(argv=None) -> None:
@@ -121,7 +103,7 @@ def main(argv=None) -> None:
     from vllm_steer.integrations.hooks import wrap_method
     from vllm_steer.integrations.worker import v2
 
-    cfg, rt = _runtime_and_processor(Path(tempfile.mkdtemp()))
+    cfg, rt = _runtime(Path(tempfile.mkdtemp()))
     planner = rt.planner
 
     class Runner:  # V2's GPUModelRunner as the hook sees it: sample() calls the head

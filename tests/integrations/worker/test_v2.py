@@ -10,54 +10,23 @@ vLLM's real ``GPUModelRunner.sample`` and shard plan.
 
 from __future__ import annotations
 
-import types
-
 import numpy as np
 import pytest
 import torch
 
 from helpers.engines import v2_runner_env
-from helpers.steers import random_steer
-from vllm_steer.format import save_steer
+from helpers.v2_state import V2_FQCN, v2_request_state, v2_steer_config
 from vllm_steer.reference import steer_reference
-
-V2_FQCN = "vllm_steer.integrations.request_state_v2:SteerRequestStateV2"
 
 
 @pytest.fixture(scope="module")
 def vllm_config(tiny_model_dir, tmp_path_factory):
-    from vllm.engine.arg_utils import EngineArgs
-
-    from vllm_steer.integrations import plugin
-
-    plugin.register()
-    d = tmp_path_factory.mktemp("v2")
-    steers = {}
-    for name, seed in (("a", 1), ("b", 2)):
-        steers[name] = str(d / f"{name}.safetensors")
-        save_steer(steers[name], random_steer(64, 4, name, seed=seed))
-    return EngineArgs(model=str(tiny_model_dir), max_model_len=128,
-                      additional_config={"vllm_steer": {"steers": steers,
-                                                        "max_strength": 10}}
-                      ).create_engine_config()
-
-
-def _req_states(max_num_reqs=8):
-    # what LogitsProcRequestState.from_request_state reads of the runner's RequestState
-    z = torch.zeros(max_num_reqs, dtype=torch.int32)
-    return types.SimpleNamespace(device=torch.device("cpu"), max_num_reqs=max_num_reqs,
-                                 vocab_size=49152, all_token_ids=None, prompt_len=z,
-                                 prefill_len=z, total_len=None)
+    return v2_steer_config(tiny_model_dir, tmp_path_factory.mktemp("v2"))
 
 
 @pytest.fixture()
 def processor(vllm_config):
-    from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors
-
-    procs = build_custom_logits_processors(vllm_config, _req_states(), False, [V2_FQCN])
-    (proc,) = procs
-    proc.runtime.load(64, torch.device("cpu"), torch.float32)
-    return proc
+    return v2_request_state(vllm_config)
 
 
 def _params(steer=None):
@@ -93,16 +62,13 @@ def test_steered_requests_declare_logits_processing_only_where_a_greedy_fast_pat
     """vLLM 0.32 has no greedy fast path: declaring would cost an fp32 logits copy per step, so
     nothing is declared. A vLLM with one (the module exists) gets steered requests declared,
     unsteered ones not."""
-    from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors
-
     from vllm_steer.integrations import request_state_v2
 
     assert not request_state_v2.has_greedy_fast_path()
     monkeypatch.setattr(request_state_v2, "GREEDY_FAST_PATH_MODULE",
                         "vllm.v1.worker.gpu.sample.sampler")
     assert request_state_v2.has_greedy_fast_path()
-    (proc,) = build_custom_logits_processors(vllm_config, _req_states(), False, [V2_FQCN])
-    proc.runtime.load(64, torch.device("cpu"), torch.float32)
+    proc = v2_request_state(vllm_config)
     assert proc.add_request(1, _params({"a": 5})) is True
     assert proc.add_request(2, _params()) is False
     assert proc.add_request(1, _params()) is False  # the slot reused by an unsteered request
