@@ -10,7 +10,8 @@ counts the head call the hook checks for, so what is timed is the hook.
 
 ``--parts`` adds hooks that stop after each piece of the steady path, written as the plugin
 wrote them before it read its binding and ``input_batch`` inline (``bound()``, ``Arg.get``) and
-as it reads them now, so that each piece's cost shows as a difference within this run.
+keyed a steady step by the bytes of the batch's slots, and as it reads them now (the request
+ids), so that each piece's cost shows as a difference within this run.
 
     python benchmarks/bench_v2_sample.py                 # cold: plugin against pass-through
     python benchmarks/bench_v2_sample.py --evict-mib 0   # warm
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # helpers: the tiny random model and steers
 BATCH = 16
 #: the ``--parts`` hooks that read as the plugin reads now (the others: as it read before)
-INLINE = ("binding inline", "inline, batch bytes")
+INLINE = ("binding inline", "inline, request ids")
 
 
 def _runtime(workdir: Path):
@@ -79,7 +80,11 @@ def _part_hooks(binding_of):
                     return orig(self, *args, **kwargs)
             if b.runtime is None:
                 raise RuntimeError("the plugin's runner has no runtime")
-            input_batch.idx_mapping_np.tobytes()  # the batch's bytes, the steady step's key
+            if part in INLINE:  # the steady step's check: the request ids of the last one
+                if input_batch.req_ids != b.steady_ids:
+                    raise RuntimeError("the batch is not the plugin's steady one")
+            else:
+                input_batch.idx_mapping_np.tobytes()  # the batch's bytes, the old steady key
             return orig(self, *args, **kwargs)
         return hook
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOKS = ["plugin", "pass-through", "check", "binding by bound()", "input_batch by Arg.get",
-         "batch bytes", "binding inline", "inline, batch bytes"]
+         "batch bytes", "binding inline", "inline, request ids"]
 
 
 def test_the_table_has_every_hook_timed_against_the_pass_through():

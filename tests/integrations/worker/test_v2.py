@@ -169,9 +169,10 @@ def test_sample_reads_input_batch_by_name_however_it_is_passed(processor, vllm_c
 def test_steady_steps_reuse_their_rows_and_every_change_maps_them_again(processor, vllm_config,
                                                                          monkeypatch):
     """Decode steps of an unchanged batch map their rows once (V2 gives a new ``InputBatch``
-    each step; its slots' bytes say it is the same batch). A request that takes a slot, a batch
-    of other requests, a batch with no steered request and the same batch back are each
-    served with their own coefficients (against the reference)."""
+    each step; the same request ids in the same order, with no request added since, say it is
+    the same batch). A request that takes a slot, a batch of other requests, a batch with no
+    steered request, the same batch back, and a new request under a finished one's id in
+    another slot are each served with their own coefficients (against the reference)."""
     from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 
     from vllm_steer.integrations.hooks import wrap_method
@@ -195,11 +196,14 @@ def test_steady_steps_reuse_their_rows_and_every_change_maps_them_again(processo
     runner = Runner()
     strengths = {0: (4e-3, 0.0), 5: (0.0, -3e-3), 2: (0.0, 0.0)}
 
+    ids = {0: "r0", 5: "r5", 2: "r2"}  # each slot's request id
+
     def step(slots):
         batch = InputBatch.make_dummy(len(slots), len(slots),
                                       InputBuffers(8, 64, torch.device("cpu")))
         batch.idx_mapping_np = np.array(slots, dtype=np.int32)
         batch.expanded_idx_mapping = torch.tensor(slots, dtype=torch.int32)
+        batch.req_ids = [ids[s] for s in slots]  # a new list of the same ids, as V2 makes it
         h = torch.randn(len(slots), 64)
         out = runner.sample(h, batch, None)
         coefs = torch.zeros(len(slots), rt.num_columns)
@@ -213,10 +217,21 @@ def test_steady_steps_reuse_their_rows_and_every_change_maps_them_again(processo
     processor.add_request(5, _params({"a": 2}))  # a new request takes slot 5
     processor.apply_staged_writes()
     strengths[5] = (2e-3, 0.0)
+    ids[5] = "r5b"
     assert [step([5, 2, 0]) for _ in range(2)] == [1, 0]
     assert [step([2, 0]) for _ in range(2)] == [1, 0]  # the request in slot 5 finished
     assert step([2]) == 0  # no steered request in the batch: nothing mapped, nothing steered
     assert [step([2, 0]) for _ in range(2)] == [1, 0]
+    # the steered request "r0" finishes; a plain request under the same id takes slot 7 at once,
+    # in the same place in the batch: same ids, other slots (its slot 0 keeps its steer)
+    processor.add_request(7, _params())
+    processor.apply_staged_writes()
+    ids[7], strengths[7] = "r0", (0.0, 0.0)
+    assert [step([2, 7]) for _ in range(2)] == [0, 0]  # no steered request in the batch
+    processor.add_request(7, _params({"b": 1}))  # and once more, steered, into the same slot
+    processor.apply_staged_writes()
+    strengths[7] = (0.0, 1e-3)
+    assert [step([2, 7]) for _ in range(2)] == [1, 0]
 
 
 def test_a_finished_requests_stale_slot_costs_no_steer_work(processor, vllm_config):

@@ -112,6 +112,10 @@ class RequestSlots:
         self.num_window_slots = 0
         self.num_active_slots = 0  # steered slots as of the last flush
         self.version = 0  # bumped whenever the coefficients may change (keys the step plan)
+        self.assigned = 0
+        """Requests put into slots so far (:meth:`set`), counting those that changed nothing:
+        while it stays, every running request is in the slot it had (V2 gives a request its
+        slot only when it adds it, and then calls the per-request state's ``add_request``)."""
         self.max_slots = 0
         self.dirty = False
         self._copy: staging.StagedCopy | None = None
@@ -151,6 +155,7 @@ class RequestSlots:
         its row is all zeros), changes nothing: the table keeps its version and needs no copy
         to the device."""
         assert self.host is not None
+        self.assigned += 1
         if not windows and not self.steered[slot] and not self.windowed[slot] \
                 and (row is None or not row.any()):
             return

@@ -174,7 +174,8 @@ class StepPlanner:
         array, window positions). An unchanged step costs a key comparison and the kernels.
 
         A *steady* step skips even the key: the rows of the last planned batch step again (V1's
-        persistent batch; V2's batch with the same slots, the bytes of ``idx_mapping``), as
+        persistent batch; V2's batch with the same slots: the row source its ``sample`` hook
+        reused, or one with the same bytes of ``idx_mapping``), as
         many rows, the request-slot table and the bank at the versions its plan was made for.
         That step had no generation window among its rows (it is recorded only then), and the
         table's version says none came since. Any other step planned since (prompt logprobs, a

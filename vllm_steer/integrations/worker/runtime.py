@@ -263,7 +263,8 @@ class RunnerBinding:
     :data:`BINDINGS`."""
 
     __slots__ = ("runtime", "resolved", "drafter_checked", "spec_step", "captured",
-                 "steady_rows", "steady_version", "sample_batch_at")
+                 "steady_rows", "steady_ids", "steady_version", "steady_assigned",
+                 "sample_batch_at")
 
     def __init__(self) -> None:
         self.runtime: SteerRuntime | None = None
@@ -279,9 +280,15 @@ class RunnerBinding:
         self.steady_rows = None
         """V2 runner: the row source (``MappedRows``) of its last steered step, kept while that
         batch had one row per request, no generation window and no drafter; a step with the
-        same batch (its key) and the request-slot table at :attr:`steady_version` reuses it."""
+        same request ids (:attr:`steady_ids`), the request-slot table at :attr:`steady_version`
+        and no request put into a slot since (:attr:`steady_assigned`) reuses it."""
+        self.steady_ids = None
+        """The request ids of that step's batch, in order (a copy of ``input_batch.req_ids``)."""
         self.steady_version = -1
         """The request-slot table's version when :attr:`steady_rows` was mapped."""
+        self.steady_assigned = -1
+        """The request-slot table's count of requests put into slots then
+        (``RequestSlots.assigned``)."""
         self.sample_batch_at: int | None = None
         """V2 runner: where ``sample()``'s ``input_batch`` is among the positional arguments
         after ``self``, found by name from its signature at the first steered call (None: not

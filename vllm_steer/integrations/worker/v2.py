@@ -60,11 +60,15 @@ def sample(orig, self, *args, **kwargs):
     (:data:`~vllm_steer.integrations.worker.request_slots.STEERED_SLOTS`). Otherwise the
     runner's binding is one dictionary read and ``input_batch`` one index (its position, found
     by name from ``orig``'s signature at the first steered call, kept in the binding): with the
-    caches cold after vLLM's step, each call made here costs a few µs. The batch's slots
-    are turned into bytes once: a step with the batch of the last steered step, and the
-    request-slot table unchanged, reuses its rows (a steady decode step: three comparisons);
-    another batch is checked and mapped from host arrays (:func:`_batch_rows`), the bytes
-    keying the check of the batch
+    caches cold after vLLM's step, each call made here costs a few µs. A step with the
+    request ids of the last steered step, in the same order, reuses its rows when no request
+    was put into a slot since and the request-slot table is unchanged (a steady decode step:
+    three comparisons, no numpy). V2 gives a request its slot when it adds the request (and
+    then calls the per-request state's ``add_request``, counted in
+    :attr:`~vllm_steer.integrations.worker.request_slots.RequestSlots.assigned`), so the same
+    ids with none added are the same slots, even when a finished request's id comes back.
+    Another batch is checked and mapped from host arrays (:func:`_batch_rows`), the bytes of
+    its slots keying the check of the batch
     (:meth:`~vllm_steer.integrations.worker.request_slots.RequestSlots.any_steered`) and the
     head's step (:class:`MappedRows` ``key``).
     """
@@ -84,18 +88,23 @@ def sample(orig, self, *args, **kwargs):
         input_batch = args[at]
     else:  # passed by keyword (or keyword-only)
         input_batch = _INPUT_BATCH.get(orig, (self, *args), kwargs)
-    key = input_batch.idx_mapping_np.tobytes()  # the batch's slots: the check's and the head's key
-    source = b.steady_rows  # the last steered step's rows, reused for the same batch and table
-    if source is None or source.key != key or b.steady_version != rt.slots.version:
-        source = _batch_rows(self, b, rt, input_batch, key)
+    ids = input_batch.req_ids  # the same requests in the same order, none added: the same slots
+    table = rt.slots
+    sharded = False
+    if ids == b.steady_ids and b.steady_assigned == table.assigned \
+            and b.steady_version == table.version:
+        source = b.steady_rows  # a steady decode step: the last steered step's rows
+    else:
+        source = _batch_rows(self, b, rt, input_batch)
         if source is None:  # no steered request in this step's batch
             return orig(self, *args, **kwargs)
+        sharded = source.slots is None
     planner = rt.planner
     calls = planner.head_calls
     prev = planner.row_source
     try:
         planner.row_source = source
-        if source.slots is not None:
+        if not sharded:
             out = orig(self, *args, **kwargs)
         else:  # batch-sharded sampling: the rows' slots through the sharder's own sort
             with _sorted_rows(self.batch_sharder, input_batch, planner.set_rows):
@@ -107,22 +116,23 @@ def sample(orig, self, *args, **kwargs):
     return out
 
 
-def _batch_rows(runner, b, rt, input_batch, key: bytes) -> MappedRows | None:
+def _batch_rows(runner, b, rt, input_batch) -> MappedRows | None:
     """The row source of a step whose batch differs from the last steered step's (or whose
     request-slot table changed): None when no slot of its batch is steered. Its drafter heads
     are checked at the runner's first steered step (:func:`prepare_drafter_once`), before its
     drafter proposes. A batch of one row per request with no generation window and no drafter
-    is kept as the runner's steady rows (:attr:`RunnerBinding.steady_rows`): the next steps
-    of that batch map nothing again."""
+    is kept as the runner's steady rows (:attr:`RunnerBinding.steady_rows`, with its request
+    ids): the next steps of that batch map nothing again."""
     if not b.drafter_checked:  # the first steered step: the drafter is loaded by then
         if getattr(runner, "speculator", None) is not None:
             prepare_drafter_once(runner, rt)  # which drafter heads stay steered (spec_decode.py)
         b.drafter_checked = True
     table = rt.slots
-    b.steady_rows = None
+    b.steady_rows = b.steady_ids = None
     if not table.num_active_slots:  # none of this runner's requests is steered
         return None
     idx = input_batch.idx_mapping_np
+    key = idx.tobytes()  # the batch's slots: the check's and the head's key
     if not table.any_steered(idx, key):
         return None
     if getattr(runner, "batch_sharder", None) is not None:
@@ -131,7 +141,8 @@ def _batch_rows(runner, b, rt, input_batch, key: bytes) -> MappedRows | None:
     source = MappedRows(input_batch.expanded_idx_mapping, slots, positions,
                         key if slots is idx else None)
     if slots is idx and positions is None and getattr(runner, "speculator", None) is None:
-        b.steady_rows, b.steady_version = source, table.version
+        b.steady_rows, b.steady_ids = source, list(input_batch.req_ids)  # a copy: never vLLM's
+        b.steady_version, b.steady_assigned = table.version, table.assigned
     return source
 
 
