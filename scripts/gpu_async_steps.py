@@ -182,6 +182,7 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
 
     waits = _count_event_waits() if cuda else None
     slot_rows = np.zeros((2 * batch, rt.num_columns), dtype=np.float32)
+    req_ids = {}  # each slot's request id: a new request in a slot, a new id
     live = rng.choice(2 * batch, size=batch, replace=False)
     kept = []
     t0 = time.perf_counter()
@@ -193,13 +194,15 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
         for slot in live[leave] if step else live:
             slot_rows[slot] = _coef_row(rt, rng)
             rt.set_slot(int(slot), slot_rows[slot])
+            req_ids[int(slot)] = f"r{step}-{slot}"
         rt.flush()
         order = rng.permutation(live)  # this step's batch order (idx_mapping)
         x.copy_(torch.randn(batch, hidden, generator=g, device=device).to(dtype))
         replay()
         mapping = torch.as_tensor(order)  # V2 copies it from pinned host memory
         mapping = (mapping.pin_memory() if cuda else mapping).to(device, non_blocking=True)
-        ib = SimpleNamespace(idx_mapping_np=order, cu_num_logits_np=np.arange(batch + 1),
+        ib = SimpleNamespace(req_ids=[req_ids[int(s)] for s in order],
+                             idx_mapping_np=order, cu_num_logits_np=np.arange(batch + 1),
                              expanded_idx_mapping=mapping, num_computed_tokens_np=None,
                              num_scheduled_tokens=None)
         logits = sample(h, ib)
@@ -275,6 +278,7 @@ def run_drafter(device="cuda", dtype=torch.bfloat16, steps: int = 16, batch: int
 
     replay = _replay(draft_step, graph)
     slot_rows = np.zeros((2 * batch, rt.num_columns), dtype=np.float32)
+    req_ids = {}  # each slot's request id: a new request in a slot, a new id
     kept, loaded = [], False
     for step in range(steps):
         if step == steps // 2:  # a run-time load into the free fourth slot
