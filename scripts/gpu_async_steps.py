@@ -278,7 +278,6 @@ def run_drafter(device="cuda", dtype=torch.bfloat16, steps: int = 16, batch: int
 
     replay = _replay(draft_step, graph)
     slot_rows = np.zeros((2 * batch, rt.num_columns), dtype=np.float32)
-    req_ids = {}  # each slot's request id: a new request in a slot, a new id
     kept, loaded = [], False
     for step in range(steps):
         if step == steps // 2:  # a run-time load into the free fourth slot
