@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any
 
 LOADED = "vllm_steer:loaded_steers"
 CAPACITY = "vllm_steer:max_steers"
@@ -89,9 +89,10 @@ class OpTimer:
     """The steer op's time in one worker: host time, and device time that never syncs, from
     one op in :data:`TIMER_SAMPLE_EVERY`.
 
-    The caller times an op only while :attr:`skip` is 0: ``token = timer.start(hidden)``
-    before it, ``timer.stop(token)`` after it; otherwise it only decrements :attr:`skip`
-    (no call: the head's steady step, where every call costs). A timed op stands for itself
+    The caller times one op in :data:`TIMER_SAMPLE_EVERY`: ``token = timer.start(hidden)``
+    before it, ``untimed = timer.stop(token)`` after it, then the next ``untimed`` ops with no
+    call into the timer (the caller counts them down on its own object: the head's step
+    planner, whose steady step touches nothing more). A timed op stands for itself
     and the untimed ones before it (:attr:`weight` of them): its time counts that many times,
     so the seconds are an estimate that only grows, exact in the mean, and trail the calls by
     at most ``TIMER_SAMPLE_EVERY - 1`` ops. The first op is timed alone.
@@ -108,35 +109,22 @@ class OpTimer:
         self.host_seconds = 0.0
         self.device_seconds = 0.0
         self.timed_calls = 0  # ops whose device time is in device_seconds (weights summed)
-        self.skip = 0  # ops to leave untimed before the next timed one
         self.weight = 1  # the ops the next timed one stands for
         self._pending: deque = deque()  # (start, end, weight) of pairs not read yet
         self._free: list = []  # pairs read, for reuse
 
-    def run(self, fn: Callable, t: Any, *args: Any) -> Any:
-        """``fn(t, *args)``, timed when its turn comes (:attr:`skip` is 0), else only counted
-        down: the caller protocol in one call, for callers off the head's steady step (which
-        inlines it, as a call there costs)."""
-        if self.skip:
-            self.skip -= 1
-            return fn(t, *args)
-        token = self.start(t)
-        out = fn(t, *args)
-        self.stop(token)
-        return out
-
     def start(self, t: Any) -> tuple:
-        """Before a timed op on tensor ``t`` (:attr:`skip` is 0): the token :meth:`stop`
-        takes."""
+        """Before a timed op on tensor ``t``: the token :meth:`stop` takes."""
         cuda = t.is_cuda
         return time.perf_counter(), self._record_start() if cuda else None, cuda
 
-    def stop(self, token: tuple) -> None:
-        """After the timed op (its kernels launched)."""
+    def stop(self, token: tuple) -> int:
+        """After the timed op (its kernels launched): how many ops the caller leaves untimed
+        before it times the next one (which stands for them)."""
         t0, pair, cuda = token
         dt = time.perf_counter() - t0
         w = self.weight
-        self.weight, self.skip = TIMER_SAMPLE_EVERY, TIMER_SAMPLE_EVERY - 1
+        self.weight = TIMER_SAMPLE_EVERY
         self.host_seconds += dt * w
         if not cuda:
             self.device_seconds += dt * w
@@ -146,6 +134,7 @@ class OpTimer:
             self._pending.append((*pair, w))
             if len(self._pending) >= TIMER_POLL_EVERY:
                 self.poll()
+        return TIMER_SAMPLE_EVERY - 1
 
     def _record_start(self):
         import torch

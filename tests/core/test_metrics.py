@@ -295,19 +295,26 @@ ON_CUDA = SimpleNamespace(is_cuda=True)
 EVERY = metrics_mod.TIMER_SAMPLE_EVERY
 
 
-def op(timer, t):
-    """One steer op through the timer (timed only while its ``skip`` is 0); returns the op's
-    result, which the timer must hand back."""
-    out = timer.run(lambda x, y: (x, y), t, "arg")
-    assert out == (t, "arg")
-    return out
+class Caller:
+    """A caller of the timer as the head's step planner is: it times an op when none is left
+    untimed, then leaves as many untimed as :meth:`OpTimer.stop` says."""
+
+    def __init__(self, timer):
+        self.timer, self.untimed = timer, 0
+
+    def op(self, t):
+        if self.untimed:
+            self.untimed -= 1
+            return
+        self.untimed = self.timer.stop(self.timer.start(t))
 
 
 def test_cuda_op_time_comes_from_events_read_only_once_the_device_passed_them(fake_cuda):
     dev = fake_cuda
     timer = OpTimer()
+    caller = Caller(timer)
     for _ in range(1 + 2 * EVERY):  # steered calls; the device runs none of them yet
-        op(timer, ON_CUDA)
+        caller.op(ON_CUDA)
     assert timer.report()["op_timed_calls"] == 0 and timer.device_seconds == 0
     assert dev.events == 6  # three timed: the first, then one in TIMER_SAMPLE_EVERY
     dev.run(3)  # the first timed call's start and end, and the second's start
@@ -324,9 +331,10 @@ def test_cuda_op_time_comes_from_events_read_only_once_the_device_passed_them(fa
 def test_cuda_timing_never_waits_reuses_its_events_and_skips_a_graph_capture(fake_cuda):
     dev = fake_cuda
     timer = OpTimer()
+    caller = Caller(timer)
     calls = 1 + 3 * metrics_mod.TIMER_POLL_EVERY * EVERY  # a long run with no report
     for step in range(calls):
-        op(timer, ON_CUDA)
+        caller.op(ON_CUDA)
         if step % 2:
             dev.run()  # the device one call behind the host
     assert dev.waits == 0 and dev.early_reads == 0
@@ -337,16 +345,17 @@ def test_cuda_timing_never_waits_reuses_its_events_and_skips_a_graph_capture(fak
     dev.capturing = True  # a CUDA graph capture: nothing recorded, nothing counted
     queued = len(dev.queue)
     for _ in range(EVERY):  # up to and including the next timed call
-        op(timer, ON_CUDA)
-    assert timer.skip == EVERY - 1  # the timed call came, inside the capture
+        caller.op(ON_CUDA)
+    assert caller.untimed == EVERY - 1  # the timed call came, inside the capture
     assert len(dev.queue) == queued
     assert timer.report()["op_timed_calls"] == calls
 
 
 def test_cpu_op_device_time_is_its_host_time(fake_cuda):
     timer = OpTimer()
+    caller = Caller(timer)
     for _ in range(1 + EVERY):
-        op(timer, torch.zeros(2))
+        caller.op(torch.zeros(2))
     rep = timer.report()
     assert rep["op_timed_calls"] == 1 + EVERY and rep["op_seconds"] == rep["op_host_seconds"] > 0
     assert fake_cuda.events == 0

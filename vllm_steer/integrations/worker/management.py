@@ -25,7 +25,7 @@ def worker_op(worker, op: str, *args) -> Any:
         return True
     if op == "stats":
         bank = rt.bank
-        return {**rt.stats.op.report(), "op_calls": rt.stats.calls,
+        return {**rt.op_timer.report(), "op_calls": rt.planner.op_calls,
                 "slots": [] if bank is None else
                 [[i, g, n] for i, (g, n) in enumerate(zip(bank.generations, bank.names))
                  if n is not None]}

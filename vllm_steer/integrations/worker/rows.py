@@ -35,6 +35,7 @@ import torch
 
 from vllm_steer.kernels import staging
 from vllm_steer.logs import get_logger
+from vllm_steer.metrics import OpTimer
 
 
 @dataclass(frozen=True)
@@ -109,13 +110,18 @@ class StepPlanner:
     a plan cached per step (coefficients, device buffer, backend plan). Reads the worker's
     bank (``banks``: :class:`~vllm_steer.integrations.worker.bank_state.BankState`) and
     request slots (``slots``: :class:`~vllm_steer.integrations.worker.request_slots.
-    RequestSlots`); counts into ``stats`` (:class:`~vllm_steer.integrations.worker.runtime.
-    SteerStats`)."""
+    RequestSlots`). Counts its op calls and rows, and times one op in
+    :data:`~vllm_steer.metrics.TIMER_SAMPLE_EVERY` (:attr:`op_timer`): the counters and the
+    countdown to the next timed op are its own plain integers, so that a steady step touches
+    no other object for them (each cold object costs there)."""
 
-    def __init__(self, banks, slots, stats):
+    def __init__(self, banks, slots):
         self.banks = banks
         self.slots = slots
-        self.stats = stats
+        self.op_calls = 0  # steer-op calls (one per compute_logits with steered rows)
+        self.op_rows = 0  # hidden-state rows passed through the steer op
+        self.op_timer = OpTimer()  # the op's host and device time, from the timed ops
+        self.op_untimed = 0  # ops to leave untimed before the next timed one (OpTimer.stop)
         self.row_source: RowSource = BATCH_ROWS
         self.batch_size = 0  # V1: requests in the persistent batch
         # V1: the generated-token index each batch row samples (host, set by the runner hook
@@ -220,11 +226,10 @@ class StepPlanner:
             steady = len(key) == 4 and kind in _STEADY_KINDS
             self._steady_src = src if steady else None
             self._steady_key = self._step_key if steady else None
-        stats = self.stats
-        stats.calls += 1
-        stats.rows += n
-        timer = stats.op  # one call in TIMER_SAMPLE_EVERY is timed (OpTimer.skip)
-        t0 = None if timer.skip else timer.start(hidden)
+        self.op_calls += 1
+        self.op_rows += n
+        untimed = self.op_untimed  # one call in TIMER_SAMPLE_EVERY is timed (_timed, inlined)
+        t0 = None if untimed else self.op_timer.start(hidden)
         graphs = self.banks.graphs
         out = None if graphs is None else graphs.run(hidden, self._coefs_dev)
         if out is None:  # launched eagerly (no graphs, or not for this step)
@@ -236,10 +241,21 @@ class StepPlanner:
             else:
                 out = self.banks.fn(hidden, bank.p1, bank.p2, bank.rank_offsets,
                                     self._step_coefs_dev, prepared=plan)
-        if t0 is None:
-            timer.skip -= 1
-        else:
-            timer.stop(t0)
+        self.op_untimed = untimed - 1 if t0 is None else self.op_timer.stop(t0)
+        return out
+
+    def _timed(self, fn, hidden: torch.Tensor, *args) -> torch.Tensor:
+        """``fn(hidden, *args)``, counted, and timed when its turn comes (:attr:`op_untimed`
+        is 0; :meth:`~vllm_steer.metrics.OpTimer.stop` says how many ops to leave untimed
+        next). The head's steady step inlines the same, as a call there costs."""
+        self.op_calls += 1
+        self.op_rows += hidden.shape[0]
+        if self.op_untimed:
+            self.op_untimed -= 1
+            return fn(hidden, *args)
+        token = self.op_timer.start(hidden)
+        out = fn(hidden, *args)
+        self.op_untimed = self.op_timer.stop(token)
         return out
 
     def _step_rows(self, hidden: torch.Tensor):
@@ -374,10 +390,7 @@ class StepPlanner:
         n = hidden.shape[0]
         bank = self.banks.bank
         coefs = self.slots.table.index_select(0, self.row_source.mapping[:n].long())
-        self.stats.calls += 1
-        self.stats.rows += n
-        return self.stats.op.run(self.banks.fn, hidden, bank.p1, bank.p2, bank.rank_offsets,
-                                 coefs)
+        return self._timed(self.banks.fn, hidden, bank.p1, bank.p2, bank.rank_offsets, coefs)
 
     # ---- drafter heads inside CUDA graphs (Model Runner V2's EAGLE / EAGLE-3 / MTP) -----------
     def steer_fixed(self, hidden: torch.Tensor, mapping: torch.Tensor | None) -> torch.Tensor:
@@ -401,8 +414,8 @@ class StepPlanner:
             return hidden
         if not self.slots.num_active_slots and not _capturing(hidden):
             return hidden
-        self.stats.calls += 1
-        self.stats.rows += n
+        self.op_calls += 1
+        self.op_rows += n
         from vllm_steer import ops
 
         return ops.steer_fixed(hidden, bank.fixed_p1, bank.fixed_p2, bank.fixed_rank, table,

@@ -19,7 +19,8 @@ The head does no work at all while no request *of the current step* is steered (
 flags, no device sync): V1 zeroes a finished request's slot (``BatchUpdate.removed``); V2 has
 no removal callback, so its runner hook asks :meth:`SteerRuntime.any_steered` about the slots
 of the step's batch (``idx_mapping``) and a finished request's stale slot costs nothing.
-:attr:`SteerRuntime.stats` counts the steer-op calls (cheap host counters).
+:attr:`SteerRuntime.stats` reads the planner's counts of steer-op calls and rows (cheap host
+counters).
 
 Each runner (and V2 speculator) finds its runtime once: :func:`runtime_of` looks it up from the
 engine's configuration at the runner's first hooked call and keeps it, with the runner's other
@@ -30,7 +31,7 @@ nothing serialised, nothing imported).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,16 +43,15 @@ from vllm_steer.integrations.worker.bank_state import BankState
 from vllm_steer.integrations.worker.request_slots import (RequestCoefs, RequestSlots,
                                                           decode_request)
 from vllm_steer.integrations.worker.rows import RowSource, StepPlanner
-from vllm_steer.metrics import OpTimer
 
 
 @dataclass
 class SteerStats:
-    """Counters of the worker's steer op (host-side integers, no device sync)."""
+    """Counts of the worker's steer op (host-side integers, no device sync): a copy of
+    the step planner's (:attr:`StepPlanner.op_calls`, :attr:`StepPlanner.op_rows`)."""
 
     calls: int = 0  # steer-op calls (one per ``compute_logits`` with steered rows)
     rows: int = 0  # hidden-state rows passed through the steer op
-    op: OpTimer = field(default_factory=OpTimer)  # the steer op's host and device time
 
     def as_dict(self) -> dict[str, int]:
         return {"calls": self.calls, "rows": self.rows}
@@ -65,8 +65,7 @@ class SteerRuntime:
         self.config = config
         self.banks = BankState(config)
         self.slots = RequestSlots(config.capacity)
-        self.stats = SteerStats()
-        self.planner = StepPlanner(self.banks, self.slots, self.stats)
+        self.planner = StepPlanner(self.banks, self.slots)
 
     # ---- the parts' names, read by the hooks and tests -----------------------------------
     names = property(lambda self: self.banks.names, doc="The start-up steers' names.")
@@ -83,6 +82,10 @@ class SteerRuntime:
     num_active_slots = property(lambda self: self.slots.num_active_slots)
     num_window_slots = property(lambda self: self.slots.num_window_slots)
     head_calls = property(lambda self: self.planner.head_calls)
+    stats = property(lambda self: SteerStats(self.planner.op_calls, self.planner.op_rows),
+                     doc="The steer op's counts so far (a copy: :class:`SteerStats`).")
+    op_timer = property(lambda self: self.planner.op_timer,
+                        doc="The steer op's time (:class:`~vllm_steer.metrics.OpTimer`).")
     active = property(lambda self: self.planner.active,
                       doc="Whether the head has steer work for the next compute_logits' rows.")
 
