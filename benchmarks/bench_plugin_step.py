@@ -21,10 +21,11 @@ less the stand-ins', medians over each kind of step: what the plugin adds to an 
 step, and to a steered step beyond the op alone. ``net-op`` is the same without the op's own
 time, which is the same call in both kinds of step: its medians (``op us``, ``null op``)
 differ by a few µs from run to run, a noise that ``net`` carries and ``net-op`` does not (a
-plugin that made the op itself slower would show there, not in ``net-op``). The timer
-stamps each region's start and end into a log (exclusive times are worked out after the
-step), and its own cost per region, measured, is taken out of both. vLLM's step is the wall time of
-``LLMEngine.step`` (scheduling, the forward on this CPU, sampling, output processing),
+plugin that made the op itself slower would show there, not in ``net-op``). The goals are
+judged by ``net-op``, whose medians are of each step's sites less that step's own op. The
+timer stamps each region's start and end into a log (exclusive times are worked out after the
+step), and its own cost per region, measured, is taken out of both. vLLM's step is the wall
+time of ``LLMEngine.step`` (scheduling, the forward on this CPU, sampling, output processing),
 plugin included.
 
     python benchmarks/bench_plugin_step.py                       # V1 and V2, 0/1/256 rows
@@ -394,8 +395,10 @@ def main() -> None:
             # the same without the op's time: the same call in both kinds of step, whose
             # medians differ by a few µs from run to run (noise that net carries)
             net_ex_op = r["plugin_ex_op_us"] - r["null_ex_op_us"]
-            goal = (f"<10 us: {'met' if net < 10 else 'NOT met'}" if int(rows) == 0
-                    else f"op+10 us: {'met' if net < 10 else 'NOT met'}")
+            # the goals, judged by net-op (each step's own op time taken out of it; with no
+            # steered row there is no op, and net-op is net)
+            goal = (f"<10 us: {'met' if net_ex_op < 10 else 'NOT met'}" if int(rows) == 0
+                    else f"op+10 us: {'met' if net_ex_op < 10 else 'NOT met'}")
             print(f"{res['runner']:6} {rows:>7} {r['step_us']:13.0f} {r['plugin_us']:9.1f} "
                   f"{r['op_us']:8.1f} {r['null_us']:8.1f} {r['null_op_us']:8.1f} {net:7.1f} "
                   f"{net_ex_op:7.1f} "
