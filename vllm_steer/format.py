@@ -361,13 +361,12 @@ def _check_file(path: str) -> tuple[dict[str, Any], SteerMetadata]:
             reasons.append(f"metadata is not valid JSON ({str(e)[:200]})")
         else:
             reasons.extend(metadata_problems(d))
-    for t in (TENSOR_P1, TENSOR_P2):
-        if t not in header:
-            reasons.append(f"missing tensor {t!r}")
+    missing = [t for t in (TENSOR_P1, TENSOR_P2) if t not in header]
+    reasons.extend(f"missing tensor {t!r}" for t in missing)
     unknown = [k for k in header if k != "__metadata__" and k not in KNOWN_TENSORS]
-    if unknown:
-        warnings.warn(f"steer file {path!r}: unknown tensors {[_echo(k) for k in unknown[:5]]}"
-                      f"{' and more' if len(unknown) > 5 else ''} are ignored", stacklevel=3)
+    others = ", ".join(_echo(k) for k in unknown[:5]) + (" and more" if len(unknown) > 5 else "")
+    if missing and unknown:  # what the file holds instead (a file of another kind, or renamed)
+        reasons.append(f"the file's other tensors: {others}")
     if not reasons:  # entries are well-formed: compare shapes with each other and the metadata
         shape = {k: header[k]["shape"] for k in KNOWN_TENSORS if k in header}
         for a, b in ((TENSOR_P1, TENSOR_P2), (TENSOR_DOMAIN_P1, TENSOR_DOMAIN_P2)):
@@ -386,6 +385,8 @@ def _check_file(path: str) -> tuple[dict[str, Any], SteerMetadata]:
             reasons.append("metadata domain='with_steer' but the file has no domain tensors")
     if reasons:
         raise SteerFileError(path, reasons)
+    if unknown:  # a file that is served: only then are they ignored
+        warnings.warn(f"steer file {path!r}: unknown tensors {others} are ignored", stacklevel=3)
     return header, SteerMetadata.from_dict(d, path)
 
 

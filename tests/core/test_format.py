@@ -3,6 +3,7 @@
 import json
 import pickle
 import struct
+import warnings
 
 import pytest
 import torch
@@ -112,9 +113,23 @@ def test_wrong_shapes_and_every_reason_listed(tmp_path):
     assert "hidden size 16 but the metadata says 32" in _refusal(path2)
     path3 = tmp_path / "w3.safetensors"
     save_file({"other": s.p1}, path3)
-    msg = _refusal(path3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused: its tensors are named, not "ignored"
+        msg = _refusal(path3)
     assert "no 'vllm_steer' entry" in msg and "missing tensor 'steer.P1'" in msg \
-        and "missing tensor 'steer.P2'" in msg
+        and "missing tensor 'steer.P2'" in msg and "the file's other tensors: 'other'" in msg
+
+
+def test_unknown_tensors_of_a_served_file_warn_by_name_and_are_ignored(tmp_path):
+    from safetensors.torch import save_file
+
+    s = random_steer(16, 2, "x", seed=3)
+    path = tmp_path / "x.safetensors"
+    save_file({TENSOR_P1: s.p1, TENSOR_P2: s.p2, "optimizer.state": torch.zeros(16, 2)}, path,
+              metadata={METADATA_KEY: s.metadata.to_json()})
+    with pytest.warns(UserWarning, match="unknown tensors 'optimizer.state' are ignored"):
+        back = load_steer(path)
+    assert torch.equal(back.p1, s.p1) and torch.equal(back.p2, s.p2)
 
 
 def test_unknown_metadata_keys_warn_but_load(tmp_path):
