@@ -22,7 +22,7 @@ from vllm_steer.format import save_steer
 from vllm_steer.integrations.engine import management, state
 from vllm_steer.integrations.protocol import merge_answers
 from vllm_steer.integrations.engine.registry import SteerRegistry
-from vllm_steer.metrics import OpTimer, SteerMetrics, take_new
+from vllm_steer.metrics import SteerMetrics, take_new
 from helpers.fakes import VllmObject, engine_core
 from vllm_steer.integrations.engine.state import engine_state
 
@@ -291,30 +291,32 @@ def fake_cuda(monkeypatch):
     return dev
 
 
-ON_CUDA = SimpleNamespace(is_cuda=True)
+ON_CUDA = SimpleNamespace(is_cuda=True, shape=(1, 8))
 EVERY = metrics_mod.TIMER_SAMPLE_EVERY
 
 
-class Caller:
-    """A caller of the timer as the head's step planner is: it times an op when none is left
-    untimed, then leaves as many untimed as :meth:`OpTimer.stop` says."""
+def planner():
+    """The head's step planner with no bank or slots: its timed op (``_timed``), the caller of
+    the timer that counts the untimed ops down, is all these tests run."""
+    from vllm_steer.integrations.worker.rows import StepPlanner
 
-    def __init__(self, timer):
-        self.timer, self.untimed = timer, 0
+    return StepPlanner(None, None)
 
-    def op(self, t):
-        if self.untimed:
-            self.untimed -= 1
-            return
-        self.untimed = self.timer.stop(self.timer.start(t))
+
+def op(planner, t):
+    """One steer op through the planner's timer (timed when its turn comes); returns the op's
+    result, which must come back."""
+    out = planner._timed(lambda x, y: (x, y), t, "arg")
+    assert out == (t, "arg")
+    return out
 
 
 def test_cuda_op_time_comes_from_events_read_only_once_the_device_passed_them(fake_cuda):
     dev = fake_cuda
-    timer = OpTimer()
-    caller = Caller(timer)
+    p = planner()
+    timer = p.op_timer
     for _ in range(1 + 2 * EVERY):  # steered calls; the device runs none of them yet
-        caller.op(ON_CUDA)
+        op(p, ON_CUDA)
     assert timer.report()["op_timed_calls"] == 0 and timer.device_seconds == 0
     assert dev.events == 6  # three timed: the first, then one in TIMER_SAMPLE_EVERY
     dev.run(3)  # the first timed call's start and end, and the second's start
@@ -330,11 +332,11 @@ def test_cuda_op_time_comes_from_events_read_only_once_the_device_passed_them(fa
 
 def test_cuda_timing_never_waits_reuses_its_events_and_skips_a_graph_capture(fake_cuda):
     dev = fake_cuda
-    timer = OpTimer()
-    caller = Caller(timer)
+    p = planner()
+    timer = p.op_timer
     calls = 1 + 3 * metrics_mod.TIMER_POLL_EVERY * EVERY  # a long run with no report
     for step in range(calls):
-        caller.op(ON_CUDA)
+        op(p, ON_CUDA)
         if step % 2:
             dev.run()  # the device one call behind the host
     assert dev.waits == 0 and dev.early_reads == 0
@@ -345,17 +347,17 @@ def test_cuda_timing_never_waits_reuses_its_events_and_skips_a_graph_capture(fak
     dev.capturing = True  # a CUDA graph capture: nothing recorded, nothing counted
     queued = len(dev.queue)
     for _ in range(EVERY):  # up to and including the next timed call
-        caller.op(ON_CUDA)
-    assert caller.untimed == EVERY - 1  # the timed call came, inside the capture
+        op(p, ON_CUDA)
+    assert p.op_untimed == EVERY - 1  # the timed call came, inside the capture
     assert len(dev.queue) == queued
     assert timer.report()["op_timed_calls"] == calls
 
 
 def test_cpu_op_device_time_is_its_host_time(fake_cuda):
-    timer = OpTimer()
-    caller = Caller(timer)
+    p = planner()
+    timer = p.op_timer
     for _ in range(1 + EVERY):
-        caller.op(torch.zeros(2))
+        op(p, torch.zeros(2))
     rep = timer.report()
     assert rep["op_timed_calls"] == 1 + EVERY and rep["op_seconds"] == rep["op_host_seconds"] > 0
     assert fake_cuda.events == 0

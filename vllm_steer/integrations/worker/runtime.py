@@ -227,8 +227,8 @@ def steer_stats(worker: Any = None) -> dict[str, int]:
     for key, rt in _RUNTIMES.items():
         if key is None:
             continue
-        total.calls += rt.stats.calls
-        total.rows += rt.stats.rows
+        total.calls += rt.planner.op_calls
+        total.rows += rt.planner.op_rows
     return total.as_dict()
 
 
