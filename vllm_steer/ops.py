@@ -206,14 +206,16 @@ def steer_fixed(
     p2: torch.Tensor,  # [hidden, columns * rank]
     rank: int,  # columns of the copy per coefficient column
     table: torch.Tensor,  # [T, columns] float32 coefficient rows
-    index: torch.Tensor,  # [num_rows] int: each row's row of ``table``; -1: a padding row
+    index: torch.Tensor | None,  # [num_rows] int: each row's row of ``table``; -1: a padding
+    #                              row. None: row i's row is i (T >= num_rows)
+    out: torch.Tensor | None = None,  # [num_rows, hidden] of hidden's dtype: written, returned
 ) -> torch.Tensor:
     """The capture-safe steer op: row ``i`` steered with ``table[index[i]]`` (zeros for -1).
     Semantics: see :func:`vllm_steer.reference.steer_reference`.
 
     Allowed inside a CUDA graph capture (the ops it launches and their shapes depend on no
     value, and nothing is read back to the host): see :mod:`vllm_steer.kernels.fixed`."""
-    return _fixed.steer_fixed(hidden, p1, p2, rank, table, index)
+    return _fixed.steer_fixed(hidden, p1, p2, rank, table, index, out)
 
 
 def backend_fn(name: str) -> SteerFn:

@@ -100,6 +100,50 @@ def test_the_op_launches_the_same_ops_and_shapes_whatever_the_values():
     assert len(recorded[0]) > 5  # the op ran (an empty record would prove nothing)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_read_in_place_and_written_into_out_give_the_gathered_ops_result(dtype):
+    (p1, p2, q1, q2), offs = fixed_layout(40, [6, 0, 3], 6, dtype, seed=3)
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(9, 3, generator=g) * 2
+    table[2] = 0.0  # an unsteered request
+    h = (torch.randn(7, 40, generator=g) * 3).to(dtype)
+    hd, td = h.to(DEVICE), table.to(DEVICE)
+    gathered = ops.steer_fixed(hd, q1, q2, 6, td, torch.arange(7, device=DEVICE))
+    out = torch.full_like(hd, float("nan"))
+    got = ops.steer_fixed(hd, q1, q2, 6, td, None, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(out, gathered)  # the same bits
+    assert torch.equal(out[2].cpu(), h[2])  # the unsteered row comes back as it was
+    ref = want(h, p1, p2, offs, table, list(range(7)))
+    rtol, atol = TOL[dtype]
+    scale = (ref.float() - h.float()).abs().max().item()
+    torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=rtol, atol=atol * scale)
+
+
+def test_the_heads_graph_reads_the_table_in_place_and_writes_its_output_directly():
+    """In a graph each kernel costs the GPU microseconds however little it does: the head's
+    graph launches the two GEMMs, the scaling, the add and the unsteered rows' select, and no
+    gather of the coefficient rows, fp32 copy or copy of the result. A table with fewer rows
+    than a bucket is gathered (the bucket's last rows are padding), with the same result."""
+    (p1, p2, q1, q2), offs = fixed_layout(24, [4, 6], 6, torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    for table_rows, n, gathers in ((16, 5, False), (6, 5, True)):
+        back = StandIn()
+        graphs = G.SteerGraphs(q1, q2, 6, back, max_rows=16)
+        table = (torch.randn(table_rows, 2, generator=g) * 3).to(DEVICE)
+        h = (torch.randn(n, 24, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+        out = graphs.run(h, table)
+        ref = want(h, p1, p2, offs, table.cpu(), list(range(n)))
+        scale = (ref.float() - h.cpu().float()).abs().max().item()
+        torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=TOL[torch.bfloat16][0],
+                                   atol=TOL[torch.bfloat16][1] * scale)
+        (_, recorded), = back.captured
+        names = [name for name, _ in recorded]
+        assert names.count("mm") == 2, names
+        assert not {"clone", "copy_", "_to_copy", "repeat_interleave"} & set(names), names
+        assert ("index_select" in names) == gathers, names
+
+
 def test_graphs_capture_each_row_bucket_once_and_follow_the_tables_values():
     (p1, p2, q1, q2), offs = fixed_layout(24, [4, 6], 6, torch.float32)
     back = StandIn()

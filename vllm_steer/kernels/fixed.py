@@ -18,6 +18,14 @@ What that costs: every column of the fixed copy is multiplied for every row, whe
 uses it or not (two GEMMs of ``[rows, hidden] x [hidden, columns * rank]``), where the Triton
 kernel reads only the steers in use. Worth it while the fixed copy is small: the launch of the
 eager path costs more host time than these GEMMs cost the GPU.
+
+Inside a graph each kernel still costs the GPU a few microseconds, however small its work, so
+the op launches few: the two GEMMs, one scaling (the down-projection times each row's
+coefficients, computed in fp32 and rounded once to the factors' dtype, with no repeated
+coefficient row and no fp32 copy), one residual add (in fp32, rounded once to ``hidden``'s
+dtype), and the test and the select that keep unsteered rows bit for bit. With ``index=None``
+(the LM head's graphs: row ``i`` takes table row ``i``) there is no gather either, and with
+``out`` the result is written where the graph's caller reads it, with no copy.
 """
 
 from __future__ import annotations
@@ -31,17 +39,31 @@ def steer_fixed(
     p2: torch.Tensor,  # [hidden, columns * rank]
     rank: int,  # columns of the copy per coefficient column
     table: torch.Tensor,  # [T, columns] fp32: coefficient rows (strength * epsilon)
-    index: torch.Tensor,  # [rows] int: row i's row of the table; -1: a padding row
+    index: torch.Tensor | None,  # [rows] int: row i's row of the table; -1: a padding row.
+    #                              None: row i's row is i (T >= rows)
+    out: torch.Tensor | None = None,  # [rows, hidden] of hidden's dtype: written, returned
 ) -> torch.Tensor:
     """Steer ``hidden`` with the coefficients ``table[index]``. Semantics: see reference.
 
     Capture-safe: no host read, ops and shapes independent of every value. The GEMMs run in
     the factors' dtype (fp32 accumulation inside), the scaling and the residual add in fp32,
     the result in ``hidden``'s dtype."""
-    idx = index.long()
-    coefs = table.index_select(0, idx.clamp(min=0)) * (idx >= 0).unsqueeze(1)
-    cols = coefs.repeat_interleave(rank, dim=1)  # [rows, columns * rank]
-    down = (hidden.to(p1.dtype) @ p1).float() * cols
-    delta = (down.to(p2.dtype) @ p2.T).float()
-    out = (hidden.float() + delta).to(hidden.dtype)
-    return torch.where((coefs == 0).all(dim=1, keepdim=True), hidden, out)
+    rows = hidden.shape[0]
+    if index is None:
+        assert table.shape[0] >= rows, (tuple(table.shape), rows)
+        coefs = table[:rows]
+    else:
+        idx = index.long()
+        coefs = table.index_select(0, idx.clamp(min=0)) * (idx >= 0).unsqueeze(1)
+    columns = coefs.shape[1]
+    assert p1.shape[1] == columns * rank, (tuple(p1.shape), columns, rank)
+    down = hidden.to(p1.dtype) @ p1  # [rows, columns * rank]
+    scaled = torch.empty_like(down)  # down * each column's coefficient, in fp32, rounded once
+    torch.mul(down.view(rows, columns, rank), coefs.unsqueeze(2),
+              out=scaled.view(rows, columns, rank))
+    steered = torch.empty_like(hidden)  # hidden + the up-projection, in fp32, rounded once
+    torch.add(hidden, scaled @ p2.T, out=steered)
+    unsteered = (coefs == 0).all(dim=1, keepdim=True)
+    if out is None:
+        return torch.where(unsteered, hidden, steered)
+    return torch.where(unsteered, hidden, steered, out=out)

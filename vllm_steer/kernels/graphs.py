@@ -243,12 +243,14 @@ class SteerGraphs:
         dev, table = self.p1.device, self._table
         h_in = torch.zeros((bucket, self._width), dtype=self._dtype, device=dev)
         out = torch.zeros_like(h_in)
-        index = torch.arange(bucket, dtype=torch.int64, device=dev)
-        index = torch.where(index < table.shape[0], index, -1)
+        index = None  # row i takes the table's row i, read in place (no gather)
+        if table.shape[0] < bucket:  # the bucket's rows past the table's: padding rows
+            index = torch.arange(bucket, dtype=torch.int64, device=dev)
+            index = torch.where(index < table.shape[0], index, -1)
         p1, p2, rank = self.p1, self.p2, self.rank
 
         def step() -> None:
-            out.copy_(steer_fixed(h_in, p1, p2, rank, table, index))
+            steer_fixed(h_in, p1, p2, rank, table, index, out=out)
 
         graph = self.backend.capture(step)
         self.captures += 1
