@@ -61,7 +61,7 @@ GAP_S = 6  # between consecutive calls (warm 30 s; idle time counts): 4.5-9 s me
 UPLOAD_S_PER_MIB = 0.15  # carrying the working tree and a chunk; estimate (unmeasured)
 GPU_WINDOW_S = 125  # `make gpu-window` on the H100: 124 s with its replay and head checks
 #                    (131 s with the worker's CUDA tests); on the H200 92 s before the head
-#                    check (benchmarks/RESULTS.md)
+#                    check, 104 s with it and the worker's tests (benchmarks/RESULTS.md)
 WORKER_CUDA_TESTS_S = 10  # test_syncfree's CUDA tests (bf16, fp32) + test_staging: 7 s (H200)
 RECEIVE_S = 3  # sha256 and copy of one 56 MiB chunk; estimate
 INSTALL_S_PER_MIB = 0.14  # assemble + pip install --no-deps + the host check: 38 s for the
@@ -70,15 +70,18 @@ IMPORT_VLLM_S = 40  # gpu_vllm_check's own start (import vLLM, write the models,
 #                     42 s of its 190 s (H200)
 ENGINE_S = 75  # one tiny-model engine with mode 0 (no compile) and decode graphs, with its
 #                requests: 97 s with the plugin, 51 s stock on the H200; 67 s and 44 s on the
-#                H100 (benchmarks/RESULTS.md)
+#                H100; 44 s and 43 s on the H200 (2026-11-28) (benchmarks/RESULTS.md)
 ENGINES = 2  # gpu_vllm_check per (dtype, runner): the plugin's engine and stock vLLM
 THROUGHPUT_SHAPES = ("smollm2", "8b")  # gpu_throughput: one engine each
 THROUGHPUT_SHAPE_S = 75  # per shape: the engine's start and 3 modes x (1 warm-up + 7 rounds)
 #                          of 64 rows x 128 tokens. With 3 rounds of 64 tokens: 114 s for both
 #                          shapes on the H200, 108-128 s on the H100, of which 2-4 s and 4-7 s
-#                          were the runs; 7 rounds of twice the tokens: about 40 s more
+#                          were the runs; 7 rounds of twice the tokens: 180 s and 130 s for both
+#                          shapes on the H200 (2026-11-28)
 PROFILE_S = 65  # gpu_throughput --profile (3 rounds of 64 tokens), the embedded model's shape
 #                 alone: 65 s (H200), 54 s (H100)
+# The plan's nine calls on the H200 (2026-11-28) held the machine 567 s (9.4 min) against this
+# estimate's 11.9 min: the engine call took 122 s (estimated 197), the profile 42 s (65).
 PROFILE_ARGS = "--rounds 3 --output-len 64"  # the profile's sites are medians of 3 rounds
 
 

@@ -358,12 +358,14 @@ def main(argv=None) -> int:
                           "engine_s": round(time.time() - t0)}
         for mode, s in summary.items():
             lo, hi = s["seconds"]
+            head = ("" if mode == "plain" else  # plain rows never reach the steer op
+                    f"; head {'replayed from CUDA graphs' if graphs else 'launched eagerly'}")
             print(f"{'PASS' if complete else 'FAIL'} [{shape} d{cfg['hidden_size']} {a.dtype} "
                   f"{a.runner}] {mode}: {s['tokens_per_s']:.0f} tokens/s, "
                   f"{s['ratio_to_plain']:.3f}x plain (medians); fastest run "
                   f"{s['best_tokens_per_s']:.0f} tokens/s, {s['best_ratio_to_plain']:.3f}x "
-                  f"plain's fastest ({s['rounds']} rounds, runs {lo:.3f}-{hi:.3f} s; head "
-                  f"{'replayed from CUDA graphs' if graphs else 'launched eagerly'})", flush=True)
+                  f"plain's fastest ({s['rounds']} rounds, runs {lo:.3f}-{hi:.3f} s{head})",
+                  flush=True)
         for line in captured:
             print(f"  engine start: {line}", flush=True)
         for line in profile_lines(result.get("profile") or {}, a.output_len + 1):
