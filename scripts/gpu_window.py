@@ -299,8 +299,11 @@ def check_auto(dev) -> bool:
 
 #: The most host time one steered step may spend in the steer op on a GPU (microseconds).
 HOST_US_GOAL = 20.0
-# (label, hidden, steer slots, rank per slot): the embedded model's shape and an 8B-like one
-REPLAY_SHAPES = [("d576 8 slots r16", 576, 8, 16), ("d4096 8 slots r64", 4096, 8, 64)]
+# (label, hidden, steer slots, rank per slot): the embedded model's shape, an 8B-like one, and
+# the bank of the throughput call (scripts/gpu_throughput.py: 64 steers of rank 64), whose
+# every column the replayed op multiplies
+REPLAY_SHAPES = [("d576 8 slots r16", 576, 8, 16), ("d4096 8 slots r64", 4096, 8, 64),
+                 ("d4096 64 slots r64", 4096, 64, 64)]
 
 
 def _host_us(fn, sync, calls: int = 200, burst: int = 20) -> float:
