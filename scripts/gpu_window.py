@@ -21,7 +21,10 @@ INFO); the exit status is 1 when any check fails.
   (``kernels/graphs.py``) against the eager launch of the planned op, per steered step: host
   microseconds (the goal: at most :data:`HOST_US_GOAL`, reported), microseconds per call back
   to back and on the device alone, and the replayed rows against the reference (a failure
-  when they differ);
+  when they differ); beside it, the fused Triton op over the same fixed copy recorded in a
+  CUDA graph with its segments computed on the device (``triton_steer.
+  steer_triton_replayable``), timed the same way and checked against the reference: it reads
+  only the steers in use, where the head's op multiplies every column of the copy;
 - head: the worker's head on a steady steered step (``StepPlanner.steer_rows``, graphs
   captured at start-up as in an engine), host microseconds warm and with cold caches, by part
   (``graphs.run``, the op's timer, the row lookup); a failure when its rows differ from the
@@ -322,6 +325,35 @@ def _host_us(fn, sync, calls: int = 200, burst: int = 20) -> float:
     return float(np.median(per))
 
 
+def _triton_replay(bank, hidden: torch.Tensor, table: torch.Tensor, cuda: bool):
+    """The fused Triton op over the bank's fixed copy (the head graphs' factors), recorded in a
+    CUDA graph as :func:`~vllm_steer.kernels.triton_steer.steer_triton_replayable` allows: a
+    function that copies ``hidden`` in, replays, and returns the static output. It reads only
+    the steers the rows use, where the replayed op multiplies every column of the copy. On
+    the CPU (a dry run) the same calls run eagerly under Triton's interpreter."""
+    from vllm_steer.kernels import triton_steer as ts
+
+    p1, p2, rank = bank.fixed_p1, bank.fixed_p2, bank.fixed_rank
+    offs = [k * rank for k in range(table.shape[1] + 1)]
+    h_in, out = hidden.clone(), torch.empty_like(hidden)
+    plan = ts.prepare_triton(p1, p2, offs, table)
+    call = lambda: ts.steer_triton_replayable(h_in, p1, p2, offs, table, out, plan)  # noqa: E731
+    call()  # compiles, outside the capture
+    if cuda:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        call = graph.replay
+
+    def replay() -> torch.Tensor:
+        h_in.copy_(hidden)
+        call()
+        return out
+
+    return replay
+
+
 def check_replay(dev, shapes=REPLAY_SHAPES, rows_list=(1, 64), dtype=torch.bfloat16,
                  dry: bool = False) -> bool:
     from vllm_steer import ops
@@ -377,6 +409,18 @@ def check_replay(dev, shapes=REPLAY_SHAPES, rows_list=(1, 64), dtype=torch.bfloa
                 f"{graphs.captures} graph(s) captured: INFO")
             say(f"replay {label} rows {rows}: replayed rows "
                 f"{'match' if good else 'DO NOT match'} the reference: {'PASS' if good else 'FAIL'}")
+            tri = _triton_replay(bank, hidden, table, cuda)
+            t_out = tri().clone()
+            sync()
+            t_good = torch.allclose(t_out.float(), ref.float(), rtol=tol, atol=tol * scale)
+            ok &= t_good
+            timed = ("run eagerly (no graphs on CPU)" if not cuda else
+                     f"replayed from a CUDA graph: host {_host_us(tri, sync):.1f} us, back to "
+                     f"back {_time_us(tri):.1f} us, the device alone "
+                     f"{_time_us(tri, device_only=True):.1f} us")
+            say(f"replay {label} rows {rows}: the Triton op over the same copy, its segments "
+                f"on the device, {timed}; its rows {'match' if t_good else 'DO NOT match'} the "
+                f"reference: {'PASS' if t_good else 'FAIL'}")
         del bank, graphs
         if cuda:
             torch.cuda.empty_cache()

@@ -467,6 +467,33 @@ def test_triton_plan_reused_over_steps_gives_the_per_call_result(pattern):
         steer_triton(hidden[:5], p1, p2, offs, coefs[:5], prepared=plan)
 
 
+@pytest.mark.parametrize("act_dtype,fac_dtype", [(torch.float32, torch.float32),
+                                                   (torch.bfloat16, torch.bfloat16)])
+def test_triton_replayable_op_follows_coefficients_whose_pattern_changed_after_its_plan(
+        act_dtype, fac_dtype):
+    # What a CUDA graph of the fused op replays: a plan made once, then calls that read new
+    # values from the same coefficient buffer, with other rows steered by other steers (and
+    # some by none) than when it was planned. Each call must give the reference's rows for
+    # the values the buffer holds then.
+    if TRITON_SKIP:
+        pytest.skip(TRITON_SKIP)
+    from vllm_steer.kernels.triton_steer import prepare_triton, steer_triton_replayable
+
+    hidden, p1, p2, offs, coefs = make_inputs(19, 64, [16, 16, 16, 16], "one_per_row",
+                                              act_dtype, fac_dtype, seed=11)
+    buf = coefs.clone()  # the graph's coefficient buffer
+    plan = prepare_triton(p1, p2, offs, buf)
+    gen = torch.Generator().manual_seed(12)
+    out = torch.empty_like(hidden)
+    for pattern in ("one_per_row", "mixed", "all_zero", "dense", "negative"):
+        buf.copy_(make_coefs(19, 4, pattern, gen).to(DEVICE))
+        out.fill_(float("nan"))
+        assert steer_triton_replayable(hidden, p1, p2, offs, buf, out, plan) is out
+        check(out, hidden, p1, p2, offs, buf)
+    with pytest.raises(AssertionError, match="prepared for 19 rows"):
+        steer_triton_replayable(hidden[:5], p1, p2, offs, buf[:5], out[:5], plan)
+
+
 def test_bmm_stacked_factors_follow_bank_changes_and_subsets():
     """The per-bank stacked factors of 'bmm' (cached) never serve a previous bank's factors."""
     from vllm_steer.kernels.torch_steer import prepare_torch, steer_torch

@@ -483,18 +483,23 @@ def kernel_params(t: Tiles, hidden: int, offs: list[int], act_dtype: torch.dtype
     return shrink, expand
 
 
-def segments(coefs: torch.Tensor):
+def segments(coefs: torch.Tensor, into: tuple | None = None):
     """Rows grouped by steer, on the device in one launch (no host sync).
 
     Returns ``(seg_rows [K, rows] int32, seg_counts [K] int32, perm [rows] int32)``: row
     ``seg_rows[k, i]`` for ``i < seg_counts[k]`` uses steer ``k`` (rows in order; entries past
     the count are unspecified); ``perm`` orders the rows by their first active steer, stably
-    (rows with no steer last).
+    (rows with no steer last). ``into``: those three tables to write instead of new ones.
     """
     num_rows, K = coefs.shape
-    seg_rows = torch.empty((K, num_rows), dtype=torch.int32, device=coefs.device)
-    seg_counts = torch.empty((K,), dtype=torch.int32, device=coefs.device)
-    perm = torch.empty((num_rows,), dtype=torch.int32, device=coefs.device)
+    if into is None:
+        seg_rows = torch.empty((K, num_rows), dtype=torch.int32, device=coefs.device)
+        seg_counts = torch.empty((K,), dtype=torch.int32, device=coefs.device)
+        perm = torch.empty((num_rows,), dtype=torch.int32, device=coefs.device)
+    else:
+        seg_rows, seg_counts, perm = into
+        assert seg_rows.shape == (K, num_rows) and seg_counts.shape == (K,) \
+            and perm.shape == (num_rows,), "the tables were made for other coefficients' shape"
     _steer_segments_kernel[(K + 1,)](coefs, seg_rows, seg_counts, perm, num_rows, K,
                                      **segments_params(num_rows, K))
     return seg_rows, seg_counts, perm
@@ -629,9 +634,7 @@ def steer_triton(
     """
     staging.check_not_capturing(hidden.device)
     offs = _offsets(rank_offsets)
-    K = len(offs) - 1
-    num_rows, d = hidden.shape
-    total_rank = offs[-1]
+    num_rows = hidden.shape[0]
     floats = (torch.float32, torch.float16, torch.bfloat16)
     assert hidden.dtype in floats, f"hidden dtype must be one of {floats}, got {hidden.dtype}"
     assert hidden.stride(1) == 1, f"hidden needs unit stride along hidden, got {hidden.stride()}"
@@ -655,6 +658,41 @@ def steer_triton(
     if prepared.segments is None:
         out.copy_(hidden)
         return out
+    return _launch(prepared, hidden, p1, p2, offs, coefs, out, interpret)
+
+
+def steer_triton_replayable(
+    hidden: torch.Tensor,  # [num_rows, hidden], unit stride along hidden
+    p1: torch.Tensor,  # [hidden, total_rank] contiguous
+    p2: torch.Tensor,  # [hidden, total_rank] contiguous, same dtype as p1
+    rank_offsets: Sequence[int],  # K + 1 ints (a list: no sync)
+    coefs: torch.Tensor,  # [num_rows, K] fp32 contiguous: read at each call
+    out: torch.Tensor,  # [num_rows, hidden] like hidden: written
+    prepared: TritonPlan,  # prepare_triton(p1, p2, rank_offsets, coefs), made outside a capture
+) -> torch.Tensor:
+    """The fused op as a CUDA graph can record it. Semantics: see reference.
+
+    The rows' grouping by steer (the segments) is computed on the device from the values
+    ``coefs`` holds at each call, into ``prepared``'s tables, so a recorded call follows
+    coefficients whose pattern changed since the plan; then the shrink and the expand. Three
+    launches (four with ``split_d > 1``), nothing allocated, no host read, and no refusal while
+    a capture runs. ``prepared`` fixes the tiles, the bank's tables and the scratch; make it,
+    and make one call (which compiles), before the capture."""
+    num_rows, K = coefs.shape
+    offs = _offsets(rank_offsets)
+    assert prepared.num_rows == num_rows and prepared.segments is not None, \
+        f"plan prepared for {prepared.num_rows} rows with steers, called with {num_rows}"
+    assert out.shape == hidden.shape and out.dtype == hidden.dtype and out.stride(1) == 1, \
+        (out.shape, out.dtype, out.stride())
+    segments(coefs, into=prepared.segments)
+    return _launch(prepared, hidden, p1, p2, offs, coefs, out, _interpreting())
+
+
+def _launch(prepared: TritonPlan, hidden, p1, p2, offs: list[int], coefs, out,
+            interpret: bool) -> torch.Tensor:
+    """The shrink and the expand of a plan with steered rows."""
+    num_rows, d = hidden.shape
+    K, total_rank = len(offs) - 1, offs[-1]
     t = prepared.tiles
     steer_t, col_t, end_t, offs_t = prepared.tables
     seg_rows, seg_counts, perm = prepared.segments
