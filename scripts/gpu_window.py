@@ -409,18 +409,24 @@ def check_replay(dev, shapes=REPLAY_SHAPES, rows_list=(1, 64), dtype=torch.bfloa
                 f"{graphs.captures} graph(s) captured: INFO")
             say(f"replay {label} rows {rows}: replayed rows "
                 f"{'match' if good else 'DO NOT match'} the reference: {'PASS' if good else 'FAIL'}")
-            tri = _triton_replay(bank, hidden, table, cuda)
-            t_out = tri().clone()
-            sync()
-            t_good = torch.allclose(t_out.float(), ref.float(), rtol=tol, atol=tol * scale)
+            what = f"replay {label} rows {rows}: the Triton op over the same copy, its segments"
+            try:
+                tri = _triton_replay(bank, hidden, table, cuda)
+                t_out = tri().clone()
+                sync()
+                t_good = torch.allclose(t_out.float(), ref.float(), rtol=tol, atol=tol * scale)
+                timed = ("run eagerly (no graphs on CPU)" if not cuda else
+                         f"replayed from a CUDA graph: host {_host_us(tri, sync):.1f} us, back "
+                         f"to back {_time_us(tri):.1f} us, the device alone "
+                         f"{_time_us(tri, device_only=True):.1f} us")
+                say(f"{what} on the device, {timed}; its rows "
+                    f"{'match' if t_good else 'DO NOT match'} the reference: "
+                    f"{'PASS' if t_good else 'FAIL'}")
+            except Exception as e:  # noqa: BLE001 (report it; the other checks still run)
+                t_good = False
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                say(f"{what} on the device: {type(e).__name__}: {first}: FAIL")
             ok &= t_good
-            timed = ("run eagerly (no graphs on CPU)" if not cuda else
-                     f"replayed from a CUDA graph: host {_host_us(tri, sync):.1f} us, back to "
-                     f"back {_time_us(tri):.1f} us, the device alone "
-                     f"{_time_us(tri, device_only=True):.1f} us")
-            say(f"replay {label} rows {rows}: the Triton op over the same copy, its segments "
-                f"on the device, {timed}; its rows {'match' if t_good else 'DO NOT match'} the "
-                f"reference: {'PASS' if t_good else 'FAIL'}")
         del bank, graphs
         if cuda:
             torch.cuda.empty_cache()
