@@ -678,7 +678,7 @@ def steer_triton_replayable(
     launches (four with ``split_d > 1``), nothing allocated, no host read, and no refusal while
     a capture runs. ``prepared`` fixes the tiles, the bank's tables and the scratch; make it,
     and make one call (which compiles), before the capture."""
-    num_rows, K = coefs.shape
+    num_rows = coefs.shape[0]
     offs = _offsets(rank_offsets)
     assert prepared.num_rows == num_rows and prepared.segments is not None, \
         f"plan prepared for {prepared.num_rows} rows with steers, called with {num_rows}"
