@@ -14,16 +14,21 @@ seconds. It executes nothing on a GPU: the plan's commands are the ones to send.
   2. the lean vLLM carry, one chunk per call (``scripts/gpu_vllm_carry.py download --lean``:
      chunks of 56 MiB, less when the working tree is over 7 MiB; the last call assembles,
      installs and says which attention extensions load, ``scripts/gpu_vllm_lean.py host``);
-  3. the engine calls: ``scripts/gpu_vllm_check.py`` on Model Runner V2, bf16, with
-     ``compilation_config`` mode 0 (no torch.compile) and ``FULL_DECODE_ONLY`` CUDA graphs;
-  4. the throughput call, when the estimate leaves room for it: ``scripts/gpu_throughput.py``,
-     steered against plain tokens/s in one engine per shape (V2, bf16, the same compilation
-     settings; the embedded model's architecture, hidden 576, and an 8B-like one, hidden 4096,
-     both with random weights; 64 rows, K = 1 and 64);
+  3. the throughput call, in the configuration the Kubernetes Deployment serves
+     (deploy/kubernetes/deployment.yaml: no compilation option, so vLLM's defaults, torch.compile
+     on and its default CUDA-graph mode): ``scripts/gpu_throughput.py``, steered against plain
+     tokens/s in one engine at the 8B-like shape (hidden 4096, 32 layers, random weights;
+     V2, bf16), 256 rows, K = 1, 64 and 256 distinct steers;
+  4. the engine check: ``scripts/gpu_vllm_check.py`` on Model Runner V2, bf16, vLLM's default
+     compilation (the plugin's engine and stock vLLM's);
   5. the profile call, when the estimate still leaves room: ``scripts/gpu_throughput.py
      --profile`` on the embedded model's architecture, the plugin's host time per run by site
      (every hook, the head and its parts, the per-request callbacks) in an in-process engine;
   6. the V1 engine check (V1 is deprecated in vLLM), when the estimate still leaves room.
+
+If torch.compile does not run on the host's torch (vLLM 0.33.0 pins a newer one), the engine
+calls stop at the engine's start; :data:`FALLBACK_COMPILATION` is what they ran with before
+(no torch.compile, decode-only full CUDA graphs) and ``--fallback`` prints the plan with it.
 
 Sizes: the working tree is measured (``git ls-files``); the wheels are measured from ``--wheels
 DIR`` (after ``gpu_vllm_carry.py download --lean``) or, without it, the total recorded in
@@ -68,18 +73,28 @@ INSTALL_S_PER_MIB = 0.14  # assemble + pip install --no-deps + the host check: 3
 #                          253.8 MiB lean carry's last call (H200)
 IMPORT_VLLM_S = 40  # gpu_vllm_check's own start (import vLLM, write the models, references):
 #                     42 s of its 190 s (H200)
-ENGINE_S = 75  # one tiny-model engine with mode 0 (no compile) and decode graphs, with its
-#                requests: 97 s with the plugin, 51 s stock on the H200; 67 s and 44 s on the
-#                H100; 44 s and 43 s on the H200 (2026-11-28) (benchmarks/RESULTS.md)
+ENGINE_S = 50  # one tiny-model engine with mode 0 (no compile) and decode graphs, with its
+#                requests: 44 s with the plugin, 43 s stock on the H200 (2026-11-28); 97 s and
+#                51 s on the H200, 67 s and 44 s on the H100 before (benchmarks/RESULTS.md)
+COMPILE_TINY_S = 45  # what vLLM's default compilation adds to a tiny model's engine start
+#                      (Dynamo, Inductor with a cold cache, the piecewise and full graphs'
+#                      captures); estimate, never measured on these hosts
 ENGINES = 2  # gpu_vllm_check per (dtype, runner): the plugin's engine and stock vLLM
-THROUGHPUT_SHAPES = ("smollm2", "8b")  # gpu_throughput: one engine each
-THROUGHPUT_SHAPE_S = 75  # per shape: the engine's start and 3 modes x (1 warm-up + 7 rounds)
-#                          of 64 rows x 128 tokens. With 3 rounds of 64 tokens: 114 s for both
-#                          shapes on the H200, 108-128 s on the H100, of which 2-4 s and 4-7 s
-#                          were the runs; 7 rounds of twice the tokens: 180 s and 130 s for both
-#                          shapes on the H200 (2026-11-28)
+THROUGHPUT_SHAPES = ("8b",)  # gpu_throughput: one engine each; the deployed model's shape
+THROUGHPUT_ROWS = 256  # requests at once: K = 256 needs 256 rows to be 256 distinct steers
+THROUGHPUT_K = (1, 64, 256)
+THROUGHPUT_ROUNDS = 5
+ENGINE_8B_S = 50  # the 8B-like engine's start with mode 0 (dummy weights, 64 random steers
+#                   written and loaded): about 50 s of the 130 s for both shapes on the H200
+COMPILE_8B_S = 90  # what the default compilation adds to the 8B-like engine's start (32
+#                    layers traced once, a few distinct pieces compiled, about 35 batch sizes
+#                    captured piecewise and full); estimate, never measured on these hosts
+RUN_8B_S = 1.4  # one run of 256 rows x 128 tokens at the 8B-like shape: 0.79-0.93 s at 64
+#                 rows on the H200 (6.3 ms a step); estimate for 256 rows
+DEFAULT_COMPILATION = None  # the Deployment passes no compilation option: vLLM's defaults
+FALLBACK_COMPILATION = '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}'
 PROFILE_S = 65  # gpu_throughput --profile (3 rounds of 64 tokens), the embedded model's shape
-#                 alone: 65 s (H200), 54 s (H100)
+#                 alone with mode 0: 65 s (H200), 54 s (H100); plus COMPILE_TINY_S compiled
 # The plan's nine calls on the H200 (2026-11-28) held the machine 567 s (9.4 min) against this
 # estimate's 11.9 min: the engine call took 122 s (estimated 197), the profile 42 s (65).
 PROFILE_ARGS = "--rounds 3 --output-len 64"  # the profile's sites are medians of 3 rounds
@@ -130,7 +145,10 @@ def wheel_bytes(wheels: str | None) -> tuple[int, str]:
 
 
 def plan(wheels: str | None = None, chunk: int | None = None,
-         budget_s: float = 12 * 60) -> tuple[Runner, dict]:
+         budget_s: float = 12 * 60,
+         compilation: str | None = DEFAULT_COMPILATION) -> tuple[Runner, dict]:
+    """The calls in order. ``compilation``: the engines' ``--compilation-config`` (None:
+    vLLM's defaults, as the Deployment runs)."""
     tree = tree_bytes()
     chunk = default_chunk(tree) if chunk is None else chunk
     r = Runner()
@@ -152,31 +170,36 @@ def plan(wheels: str | None = None, chunk: int | None = None,
                     "scripts/gpu_vllm_lean.py host")
             work += total / MiB * INSTALL_S_PER_MIB
         r.run(f"carry {i + 1}/{n}", cmd, [f".carry/c{i:03d}"], tree + size, 120, work)
-    engine_timeout = 240
-    compile_cfg = "'{\"mode\": 0, \"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'"
+    compiled = compilation is None
+    cfg_arg = "" if compiled else f" --compilation-config '{compilation}'"
+    label = "vLLM's default compilation" if compiled else "mode 0, FULL_DECODE_ONLY"
+    compile_s = COMPILE_TINY_S if compiled else 0
+    # the throughput call first: the goal's figure (steered >= 0.995 of plain at the 8B shape)
+    runs = (1 + THROUGHPUT_ROUNDS) * (1 + len(THROUGHPUT_K))
+    work = len(THROUGHPUT_SHAPES) * (ENGINE_8B_S + (COMPILE_8B_S if compiled else 0)
+                                     + runs * RUN_8B_S)
+    r.run(f"throughput: V2 bf16, {label}, steered vs plain tokens/s",
+          "PYTHONPATH=/tmp/site python3 scripts/gpu_throughput.py --device cuda "
+          f"--dtype bfloat16 --runner v2 --shapes {' '.join(THROUGHPUT_SHAPES)} "
+          f"--rows {THROUGHPUT_ROWS} --k {' '.join(map(str, THROUGHPUT_K))} "
+          f"--rounds {THROUGHPUT_ROUNDS} --engine-timeout 420{cfg_arg}",
+          [], tree, 480, work)
 
     def engine_check(runner: str) -> None:
-        r.run(f"engine: {runner.upper()} bf16, mode 0, FULL_DECODE_ONLY",
+        r.run(f"engine: {runner.upper()} bf16, {label}",
               "PYTHONPATH=/tmp/site python3 scripts/gpu_vllm_check.py --device cuda "
-              f"--dtypes bfloat16 --runners {runner} --engine-timeout 240 --compilation-config "
-              f"{compile_cfg}", [], tree, ENGINES * engine_timeout + 60,
-              IMPORT_VLLM_S + ENGINES * ENGINE_S)
+              f"--dtypes bfloat16 --runners {runner} --engine-timeout 240{cfg_arg}",
+              [], tree, ENGINES * 240 + 60, IMPORT_VLLM_S + ENGINES * (ENGINE_S + compile_s))
 
     engine_check("v2")  # V2, the GPU default, always
-    # then, while the budget allows: the throughput call, the profile, and V1 (deprecated)
-    work = len(THROUGHPUT_SHAPES) * THROUGHPUT_SHAPE_S
-    throughput = ("PYTHONPATH=/tmp/site python3 scripts/gpu_throughput.py --device cuda "
-                  "--dtype bfloat16 --runner v2 --rows 64 --k 1 64 --engine-timeout 240 "
-                  f"--compilation-config {compile_cfg}")
-    if r.device_s + GAP_S + work <= budget_s:
-        r.run("throughput: V2 bf16, steered vs plain tokens/s",
-              f"{throughput} --shapes {' '.join(THROUGHPUT_SHAPES)}",
-              [], tree, len(THROUGHPUT_SHAPES) * engine_timeout + 60, work)
-        if r.device_s + GAP_S + PROFILE_S <= budget_s:
-            r.run("profile: V2 bf16, the plugin's host time per run by site",
-                  f"{throughput} --shapes smollm2 --profile {PROFILE_ARGS}",
-                  [], tree, engine_timeout + 60, PROFILE_S)
-    if r.device_s + GAP_S + IMPORT_VLLM_S + ENGINES * ENGINE_S <= budget_s:
+    # then, while the budget allows: the profile, and V1 (deprecated)
+    profile_s = PROFILE_S + compile_s
+    if r.device_s + GAP_S + profile_s <= budget_s:
+        r.run(f"profile: V2 bf16, {label}, the plugin's host time per run by site",
+              "PYTHONPATH=/tmp/site python3 scripts/gpu_throughput.py --device cuda "
+              "--dtype bfloat16 --runner v2 --rows 64 --k 1 64 --engine-timeout 240 "
+              f"--shapes smollm2 --profile {PROFILE_ARGS}{cfg_arg}", [], tree, 300, profile_s)
+    if r.device_s + GAP_S + IMPORT_VLLM_S + ENGINES * (ENGINE_S + compile_s) <= budget_s:
         engine_check("v1")
     return r, {"tree_bytes": tree, "wheel_bytes": total, "wheels": source, "chunks": n,
                "chunk_bytes": chunk}
@@ -191,10 +214,13 @@ def main(argv=None) -> int:
                     help="chunk size (default: what `gpu_vllm_carry.py split` picks for this tree)")
     ap.add_argument("--budget-min", type=float, default=12.0)
     ap.add_argument("--json", default=None, help="also write the plan as JSON here")
+    ap.add_argument("--fallback", action="store_true",
+                    help=f"the engines with {FALLBACK_COMPILATION} (torch.compile not run), "
+                         "for a host where vLLM's default compilation does not start")
     a = ap.parse_args(argv)
     try:
         r, info = plan(a.wheels, None if a.chunk_mib is None else int(a.chunk_mib * MiB),
-                       a.budget_min * 60)
+                       a.budget_min * 60, FALLBACK_COMPILATION if a.fallback else None)
     except (PlanError, CarryError) as e:
         print(f"gpu_plan: REFUSED: {e}")
         return 1
@@ -216,6 +242,10 @@ def main(argv=None) -> int:
     print(f"# if the engine call stops on a ModuleNotFoundError of a package left behind: carry "
           f"everything (download without --lean: {FULL_WHEELS_MIB} MiB, "
           f"{math.ceil(FULL_WHEELS_MIB * MiB / info['chunk_bytes'])} chunks)")
+    if not a.fallback:
+        print(f"# if an engine stops at its start under torch.compile (the host's torch is older "
+              f"than vLLM's pin): the same calls with --compilation-config "
+              f"'{FALLBACK_COMPILATION}' (python3 scripts/gpu_plan.py --fallback)")
     if a.json:
         Path(a.json).write_text(json.dumps({**info, "device_s": r.device_s, "calls": [
             c.__dict__ for c in r.calls]}, indent=1))

@@ -148,7 +148,12 @@ def run_engine(a) -> int:
     if spec.get("compilation_config"):
         kw["compilation_config"] = spec["compilation_config"]
     profiler = Profiler() if spec.get("profile") else None
+    t_start = time.perf_counter()
     llm = LLM(spec["model"], **kw)
+    start_s = time.perf_counter() - t_start  # the engine's start (compile and captures in it)
+    cc = llm.llm_engine.vllm_config.compilation_config
+    engine = {"start_s": round(start_s, 1), "compilation_mode": str(getattr(cc, "mode", None)),
+              "cudagraph_mode": str(cc.cudagraph_mode)}
     rng = random.Random(0)
     vocab = spec["vocab_size"]
     prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab)
@@ -188,7 +193,7 @@ def run_engine(a) -> int:
         for mode in order.sample(modes, len(modes)):
             runs[mode].append(run(mode))
     Path(a.result).write_text(json.dumps({
-        "runs": runs, "rows_steered": steered, "profile": profile,
+        "runs": runs, "rows_steered": steered, "profile": profile, "engine": engine,
         "plugin_loaded": "vllm_steer.integrations.plugin" in sys.modules}))
     return 0
 
@@ -293,6 +298,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "_engine":
         return run_engine(a)
+    if max(a.k) > a.rows:
+        ap.error(f"--k {max(a.k)} is more than --rows {a.rows}: a run of {a.rows} requests "
+                 f"uses at most {a.rows} distinct steers; use --rows {max(a.k)} or more")
 
     sys.path.insert(0, str(ROOT))
     from gpu_vllm_check import engine_env
@@ -355,6 +363,7 @@ def main(argv=None) -> int:
                           "complete": complete, "modes": summary,
                           "rows_steered_last_run": steered,
                           "runs": runs, "profile": result.get("profile") or None,
+                          "engine": result.get("engine"),
                           "engine_s": round(time.time() - t0)}
         for mode, s in summary.items():
             lo, hi = s["seconds"]
@@ -366,6 +375,10 @@ def main(argv=None) -> int:
                   f"{s['best_tokens_per_s']:.0f} tokens/s, {s['best_ratio_to_plain']:.3f}x "
                   f"plain's fastest ({s['rounds']} rounds, runs {lo:.3f}-{hi:.3f} s{head})",
                   flush=True)
+        eng = result.get("engine") or {}
+        print(f"  engine: start {eng.get('start_s')} s, compilation mode "
+              f"{eng.get('compilation_mode')}, cudagraph_mode {eng.get('cudagraph_mode')}, "
+              f"{round(time.time() - t0)} s in all", flush=True)
         for line in captured:
             print(f"  engine start: {line}", flush=True)
         for line in profile_lines(result.get("profile") or {}, a.output_len + 1):

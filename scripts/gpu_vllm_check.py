@@ -155,11 +155,14 @@ def run_engine(a) -> int:
         kw["compilation_config"] = spec["compilation_config"]
     if spec["plugin"]:
         kw["additional_config"] = {"vllm_steer": {"steers": spec["steers"]}}
+    t_start = time.perf_counter()
     llm = LLM(spec["model"], **kw)
     cfg = llm.llm_engine.vllm_config
     info = {"plugin_loaded": "vllm_steer.integrations.plugin" in sys.modules,
             "async_scheduling": bool(cfg.scheduler_config.async_scheduling),
+            "compilation_mode": str(getattr(cfg.compilation_config, "mode", None)),
             "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
+            "start_s": round(time.perf_counter() - t_start, 1),
             "v2_runner": bool(getattr(cfg, "use_v2_model_runner", False))}
 
     def sp(steer, n):
@@ -303,7 +306,8 @@ def main(argv=None) -> int:
                            "ok": on["info"]["async_scheduling"] == use_async
                            and on["info"]["v2_runner"] == (runner == "v2")
                            and on["info"]["plugin_loaded"]
-                           and not off["info"]["plugin_loaded"], **on["info"]})
+                           and not off["info"]["plugin_loaded"], **on["info"],
+                           "stock_start_s": off["info"].get("start_s")})
             if a.device == "cuda":  # the head's own graphs, captured while the engine started
                 lines = (work / f"{dtype}-{runner}-plugin.log").read_text().splitlines()
                 captured = [line.split("vllm-steer: ", 1)[-1] for line in lines

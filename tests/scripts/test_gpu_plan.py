@@ -1,6 +1,7 @@
 """scripts/gpu_plan.py (make gpu-plan): the GPU window's plan, rehearsed through a stand-in for
 the GPU host's runner, fits the host's limits (64 MiB carried per call, 600 s per command) and
-12 minutes of device time; a call over a limit is refused, naming it."""
+12 minutes of device time, with the engines in the deployed configuration (vLLM's
+default compilation); a call over a limit is refused, naming it."""
 
 from __future__ import annotations
 
@@ -36,27 +37,25 @@ def test_the_plan_fits_the_hosts_limits_and_twelve_minutes(tmp_path):
     assert calls[0]["name"].startswith("kernels") and "gpu_window.sh" in calls[0]["command"]
     assert "test_staging.py" in calls[0]["command"] and "vllm" not in calls[0]["command"]
     engines = [c for c in calls if c["name"].startswith("engine")]
-    # the throughput call takes the room of the V1 check (V1 is deprecated in vLLM)
-    assert [c["name"].split()[1] for c in engines] == ["V2"]
-    assert all("FULL_DECODE_ONLY" in c["command"] for c in engines)
+    # the deployed configuration: no compilation option, so vLLM's defaults (torch.compile on)
+    assert [c["name"] for c in engines] == ["engine: V2 bf16, vLLM's default compilation"]
     assert "--runners v2" in engines[0]["command"]
-    throughput, profile = calls[-2:]
-    assert throughput["name"].startswith("throughput") and "FULL_DECODE_ONLY" in \
-        throughput["command"]
-    for arg in ("gpu_throughput.py --device cuda", "--shapes smollm2 8b", "--dtype bfloat16",
-                "--runner v2", "--rows 64", "--k 1 64"):
+    throughput = calls[-2]
+    assert throughput["name"].startswith("throughput")
+    for c in (throughput, *engines):
+        assert "--compilation-config" not in c["command"] and "--enforce-eager" not in c["command"]
+    for arg in ("gpu_throughput.py --device cuda", "--shapes 8b", "--dtype bfloat16",
+                "--runner v2", "--rows 256", "--k 1 64 256"):
         assert arg in throughput["command"], arg
-    assert profile["name"].startswith("profile")
-    assert "--shapes smollm2 --profile" in profile["command"] and "FULL_DECODE_ONLY" in \
-        profile["command"]
-    assert "assemble" in calls[-4]["command"] and "gpu_vllm_lean.py host" in calls[-4]["command"]
+    assert not any(c["name"].startswith("profile") for c in calls)  # no room for it
+    assert "assemble" in calls[-3]["command"] and "gpu_vllm_lean.py host" in calls[-3]["command"]
     assert saved_chunks(tmp_path) <= 8  # the lean carry
     assert all(c["mib"] <= 64 for c in calls), [c["mib"] for c in calls]
     assert all(c["timeout_s"] <= 600 for c in calls)
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert saved["device_s"] <= 12 * 60 and saved["device_s"] == sum(
         c["est_s"] for c in saved["calls"])
-    assert len(calls) == 4 + saved["chunks"]
+    assert len(calls) == 3 + saved["chunks"]
     assert "FITS" in res.stdout
 
 
@@ -77,19 +76,30 @@ def test_measured_wheels_set_the_chunks(tmp_path):
     assert "lean target 8): MET" in res.stdout
 
 
-def test_a_tight_budget_drops_the_v1_engine_call_first():
+def test_a_tight_budget_keeps_the_throughput_call_and_the_v2_check_only():
     res = run("--budget-min", 8)
     calls = calls_of(res.stdout)
-    assert [c["name"] for c in calls if c["name"].startswith("engine")] == [
-        "engine: V2 bf16, mode 0, FULL_DECODE_ONLY"]
-    assert not any(c["name"].startswith(("throughput", "profile")) for c in calls)  # no room
+    assert [c["name"].split(",")[0] for c in calls[-2:]] == ["throughput: V2 bf16",
+                                                            "engine: V2 bf16"]
+    assert not any(c["name"].startswith("profile") for c in calls)
+    assert res.returncode == 1 and "OVER" in res.stdout  # and says it does not fit
 
 
-def test_a_larger_budget_keeps_the_throughput_call_and_the_v1_check_after_it():
-    res = run("--budget-min", 16)
+def test_a_larger_budget_keeps_the_profile_and_the_v1_check_after_them():
+    res = run("--budget-min", 18)
     names = [c["name"].split(":")[0] + " " + c["name"].split()[1] for c in calls_of(res.stdout)
              if c["name"].startswith(("engine", "throughput", "profile"))]
-    assert names == ["engine V2", "throughput V2", "profile V2", "engine V1"]
+    assert names == ["throughput V2", "engine V2", "profile V2", "engine V1"]
+
+
+def test_the_fallback_runs_the_engines_without_torch_compile_and_leaves_room():
+    res = run("--fallback")
+    assert res.returncode == 0, res.stdout
+    calls = calls_of(res.stdout)
+    engines = [c for c in calls if c["name"].startswith(("engine", "throughput", "profile"))]
+    assert engines and all('"mode": 0' in c["command"] and "FULL_DECODE_ONLY" in c["command"]
+                           for c in engines)
+    assert "--rows 256 --k 1 64 256" in engines[0]["command"]
 
 
 def test_a_larger_working_tree_gets_smaller_chunks_and_a_huge_one_is_refused(monkeypatch):

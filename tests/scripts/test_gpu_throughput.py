@@ -97,3 +97,11 @@ def test_the_profile_puts_the_steered_modes_time_on_the_head_and_the_op(tmp_path
     assert steered["op"] > 0 and steered["plugin:head"] > 0
     assert steered["calls"]["plugin:SteerRequestStateV1.validate_params"] == 8  # per request
     assert "profile K=1: plugin" in r.stdout
+
+
+def test_more_steers_than_rows_is_refused_naming_the_fix(capsys):
+    with pytest.raises(SystemExit) as e:
+        gt.main(["--device", "cpu", "--shapes", "tiny", "--rows", "64", "--k", "1", "256"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--k 256 is more than --rows 64" in err and "use --rows 256 or more" in err
