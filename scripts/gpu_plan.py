@@ -76,9 +76,10 @@ IMPORT_VLLM_S = 40  # gpu_vllm_check's own start (import vLLM, write the models,
 ENGINE_S = 50  # one tiny-model engine with mode 0 (no compile) and decode graphs, with its
 #                requests: 44 s with the plugin, 43 s stock on the H200 (2026-11-28); 97 s and
 #                51 s on the H200, 67 s and 44 s on the H100 before (benchmarks/RESULTS.md)
-COMPILE_TINY_S = 45  # what vLLM's default compilation adds to a tiny model's engine start
-#                      (Dynamo, Inductor with a cold cache, the piecewise and full graphs'
-#                      captures); estimate, never measured on these hosts
+COMPILE_TINY_S = 40  # what vLLM's default compilation adds to a tiny model's engine with its
+#                      requests (Dynamo, Inductor with a cold cache, the piecewise and full
+#                      graphs' captures): 83 s with the plugin, 82 s stock on the H200
+#                      (2026-11-28; torch.compile 12-13 s of it), against 44 s and 43 s
 ENGINES = 2  # gpu_vllm_check per (dtype, runner): the plugin's engine and stock vLLM
 THROUGHPUT_SHAPES = ("8b",)  # gpu_throughput: one engine each; the deployed model's shape
 THROUGHPUT_ROWS = 256  # requests at once: K = 256 needs 256 rows to be 256 distinct steers
@@ -87,16 +88,19 @@ THROUGHPUT_ROUNDS = 5
 ENGINE_8B_S = 50  # the 8B-like engine's start with mode 0 (dummy weights, 64 random steers
 #                   written and loaded): about 50 s of the 130 s for both shapes on the H200
 COMPILE_8B_S = 90  # what the default compilation adds to the 8B-like engine's start (32
-#                    layers traced once, a few distinct pieces compiled, about 35 batch sizes
-#                    captured piecewise and full); estimate, never measured on these hosts
-RUN_8B_S = 1.4  # one run of 256 rows x 128 tokens at the 8B-like shape: 0.79-0.93 s at 64
-#                 rows on the H200 (6.3 ms a step); estimate for 256 rows
+#                    layers traced once, 51 piecewise and 35 full sizes captured): the
+#                    engine with 256 steers started in 100 s (torch.compile 20 s), and took
+#                    173 s with its 24 runs on the H200 (2026-11-28)
+RUN_8B_S = 1.5  # one run of 256 rows x 128 tokens at the 8B-like shape: 1.43-1.65 s (H200)
 DEFAULT_COMPILATION = None  # the Deployment passes no compilation option: vLLM's defaults
 FALLBACK_COMPILATION = '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}'
 PROFILE_S = 65  # gpu_throughput --profile (3 rounds of 64 tokens), the embedded model's shape
 #                 alone with mode 0: 65 s (H200), 54 s (H100); plus COMPILE_TINY_S compiled
-# The plan's nine calls on the H200 (2026-11-28) held the machine 567 s (9.4 min) against this
-# estimate's 11.9 min: the engine call took 122 s (estimated 197), the profile 42 s (65).
+# The plan's nine calls on the H200 (2026-11-28, mode 0) held the machine 567 s (9.4 min)
+# against an estimate of 11.9 min. In the deployed configuration the same day, six calls (the
+# first chunk carried with the kernels, the install with the throughput call) held it 597 s
+# (10.0 min) against 11.8: kernels 142 s with the start (estimated 184 with the chunk), the
+# throughput call with the install 221 s (231), the engine check 206 s (237).
 PROFILE_ARGS = "--rounds 3 --output-len 64"  # the profile's sites are medians of 3 rounds
 
 
