@@ -18,7 +18,9 @@ seconds. It executes nothing on a GPU: the plan's commands are the ones to send.
      (deploy/kubernetes/deployment.yaml: no compilation option, so vLLM's defaults, torch.compile
      on and its default CUDA-graph mode): ``scripts/gpu_throughput.py``, steered against plain
      tokens/s in one engine at the 8B-like shape (hidden 4096, 32 layers, random weights;
-     V2, bf16), 256 rows, K = 1, 64 and 256 distinct steers;
+     V2, bf16), 256 rows, K = 1, 64 and 256 distinct steers (256 steers of rank 64 loaded:
+     their fixed-layout copy, 512 MiB, is over the head's graphs' limit, so the head's op is
+     launched eagerly in every steered mode, as in a Deployment with such a bank);
   4. the engine check: ``scripts/gpu_vllm_check.py`` on Model Runner V2, bf16, vLLM's default
      compilation (the plugin's engine and stock vLLM's);
   5. the profile call, when the estimate still leaves room: ``scripts/gpu_throughput.py
