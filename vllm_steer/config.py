@@ -14,6 +14,10 @@ from vllm_steer.names import echo, steer_name_problem
 from vllm_steer.policy import parse_mix
 
 DEFAULT_MAX_STRENGTH = 50.0
+#: The rank per steer the steer bank reserves without ``--max-steer-rank`` (or the largest
+#: ``--steer`` file's rank, if larger): a run-time load of a larger rank is refused, so the bank
+#: never allocates device memory outside what vLLM measured at start-up.
+DEFAULT_RESERVED_RANK = 64
 #: ``--max-steers-per-request`` unless given: the most steers one request may be served with
 #: (presets, defaults and floors counted); the bank's capacity (``--max-steers``) bounds it too.
 DEFAULT_MAX_STEERS_PER_REQUEST = 8
@@ -105,6 +109,14 @@ class SteerServerConfig:
     def capacity(self) -> int:
         """Steer slots: ``max_steers``, default the number of ``--steer``, at least 8."""
         return self.max_steers if self.max_steers is not None else max(len(self.steers), 8)
+
+    def reserved_rank(self, startup_ranks=()) -> int:
+        """The rank per steer (and per domain component) the steer bank reserves at start-up,
+        the largest a steer loaded at run time may have: ``--max-steer-rank``, else the
+        largest of :data:`DEFAULT_RESERVED_RANK` and the ``--steer`` files' ranks."""
+        if self.max_steer_rank is not None:
+            return self.max_steer_rank
+        return max([DEFAULT_RESERVED_RANK, *startup_ranks])
 
     @property
     def per_request(self) -> int:

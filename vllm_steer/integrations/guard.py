@@ -30,6 +30,7 @@ Light: standard library only (vLLM's exception types are imported when a guard f
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator
 
 from vllm_steer.logs import get_logger
@@ -74,14 +75,36 @@ def classify(exc: BaseException, where: str, request_id: object) -> tuple[int, s
     return INTERNAL_STATUS, internal_message(where, request_id, exc)
 
 
-def internal_error(message: str) -> Exception:
-    """The exception the frontend raises for a fault of the plugin: vLLM's
-    ``GenerationError`` (HTTP 500 with ``message``)."""
+@functools.cache
+def _plugin_error_class() -> type:
+    """:class:`PluginError`'s class: a vLLM ``GenerationError`` (HTTP 500 with its message)."""
     try:
         from vllm.exceptions import GenerationError
     except ImportError:  # pragma: no cover - every supported vLLM has it
-        return RuntimeError(message)
-    return GenerationError(message)
+        GenerationError = RuntimeError
+
+    class SteerPluginError(GenerationError):
+        """A fault of the vllm-steer plugin while serving one request (HTTP 500)."""
+
+    return SteerPluginError
+
+
+def internal_error(message: str) -> Exception:
+    """The exception the frontend raises for a fault of the plugin: a vLLM
+    ``GenerationError`` (HTTP 500 with ``message``)."""
+    return _plugin_error_class()(message)
+
+
+def plugin_error_in(exc: BaseException) -> BaseException | None:
+    """The plugin's own error that ``exc`` carries, if any: vLLM's ``AsyncLLM.generate``
+    re-raises a failure of ``add_request`` as an ``EngineGenerateError`` without its
+    message, the plugin's error as its cause."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, _plugin_error_class()):
+            return exc
+        exc, seen = exc.__cause__, seen + 1
+    return None
 
 
 @contextlib.contextmanager

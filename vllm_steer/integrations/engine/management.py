@@ -192,12 +192,13 @@ def load_steer_file(core, name: str, path: str, source: str,
             reasons.append(f"steer {name!r} has hidden size {steer.hidden_size} but the model "
                            f"{core.vllm_config.model_config.model} has {hidden}; train or "
                            "transfer the steer for this model (vllm-steer train / transfer)")
+        limit = st.reserved_rank
         for what, p in (("rank", steer.p1), ("domain rank", steer.domain_p1)):
-            if cfg.max_steer_rank is not None and p is not None \
-                    and p.shape[1] > cfg.max_steer_rank:
-                reasons.append(f"steer {name!r} has {what} {p.shape[1]}, over "
-                               f"--max-steer-rank={cfg.max_steer_rank} (the steer bank is "
-                               "reserved for it at start-up); restart the server with a larger "
+            if p is not None and p.shape[1] > limit:
+                reasons.append(f"steer {name!r} has {what} {p.shape[1]}, over the rank "
+                               f"{limit} per steer the steer bank reserved at start-up "
+                               "(--max-steer-rank; default: the largest --steer file's rank, "
+                               "at least 64); restart the server with a larger "
                                "--max-steer-rank or load a steer of a lower rank")
         if reasons:
             raise SteerFileError(path, reasons)

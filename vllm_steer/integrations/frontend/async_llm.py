@@ -27,6 +27,11 @@ async def generate(orig, self, *args, **kwargs):
             with guard.frontend("AsyncLLM.generate", getattr(out, "request_id", None)):
                 _raise_engine_refusal(out)
             yield out
+    except Exception as e:
+        ours = guard.plugin_error_in(e)  # the plugin's 500 from add_request, with its message
+        if ours is not None and ours is not e:
+            raise ours from None
+        raise
     finally:
         await agen.aclose()
 
