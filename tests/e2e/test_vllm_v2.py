@@ -58,7 +58,7 @@ def hooks_record(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(v2_runner, tiny_model_dir, steers, hooks_record):
-    from vllm_steer.integrations.hooks import RECORD_ENV
+    from hook_recorder import RECORD_ENV
 
     # collective_rpc(steer_stats): read the worker's steer-op counters from the test
     with pytest.MonkeyPatch.context() as mp:
@@ -321,7 +321,7 @@ def test_every_hook_of_the_model_runner_v2_groups_ran_in_the_engine(llm, hooks_r
     the engine's processes, so a patched name vLLM stopped calling fails here."""
     import numpy as np
 
-    from vllm_steer.integrations.hooks import hooks_recorded, wrapped_targets
+    from hook_recorder import recorded, wrapped_targets
     from vllm_steer.integrations.plugin import HOOKS
 
     from vllm_steer.integrations.protocol import MANAGEMENT_METHOD
@@ -334,7 +334,7 @@ def test_every_hook_of_the_model_runner_v2_groups_ran_in_the_engine(llm, hooks_r
                                       sp({"b": -2}, max_tokens=1,
                                          prompt_logprob_token_ids=rows)])
     assert all(o.outputs[0].token_ids for o in outs)
-    ran = hooks_recorded(hooks_record)
+    ran = recorded(hooks_record)
     want = wrapped_targets(HOOKS, ("engine", "v2", "v2-lens"))
     assert len(want) == 5, sorted(want)
     assert want - ran == set(), f"hooks never called: {sorted(want - ran)}"

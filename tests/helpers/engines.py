@@ -43,6 +43,21 @@ def shim_module():
     return mod
 
 
+def hook_recorder():
+    """``tests/v2shim/hook_recorder.py`` as the module ``hook_recorder`` (one instance in this
+    process; the engine processes import it from the ``PYTHONPATH``)."""
+    import importlib.util
+    import sys
+
+    if "hook_recorder" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("hook_recorder",
+                                                      V2_SHIM_DIR / "hook_recorder.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["hook_recorder"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["hook_recorder"]
+
+
 def use_uniproc_workers() -> None:
     """Engines of one worker, started by this process (offline ``LLM``) or by the processes it
     starts (``vllm serve``), run that worker in their engine-core process: vLLM's ``"uni"``
