@@ -26,6 +26,12 @@ class EngineSteerState:
     """The LM head's input size: what a steer must fit."""
     presets: PresetTable = field(default_factory=PresetTable)
     """The run-time preset table (``POST /v1/steer-presets``)."""
+    engine: int = 0
+    """This engine core's data-parallel rank (vLLM's ``EngineCore.engine_index``; 0 without
+    data parallelism), which names its answers and metrics."""
+    metrics_sent: dict | None = None
+    """The metric values already handed out to the API servers
+    (:func:`vllm_steer.metrics.take_new`; None before the first ``list``)."""
 
 
 #: Each engine core's :class:`EngineSteerState`, kept beside it (nothing is set on vLLM's
@@ -47,13 +53,15 @@ def engine_state(core) -> EngineSteerState:
     from vllm_steer.integrations.families import head_input_size
 
     cfg = SteerServerConfig.from_additional_config(core.vllm_config.additional_config)
+    engine = int(getattr(core, "engine_index", 0) or 0)
     if cfg is None or not cfg.enabled:
-        st = EngineSteerState(cfg, None, 0)
+        st = EngineSteerState(cfg, None, 0, engine=engine)
     else:
         reg = SteerRegistry(cfg.capacity)
         for slot, (name, path) in enumerate(cfg.steers.items()):  # as the workers number them
             reg.commit(SteerEntry.from_metadata(name, path, read_metadata(path),
                                                 reg.new_generation(), slot, SOURCE_STARTUP))
         reg.counters["loads"] = 0  # start-up steers are not run-time loads
-        st = EngineSteerState(cfg, reg, head_input_size(core.vllm_config.model_config))
+        st = EngineSteerState(cfg, reg, head_input_size(core.vllm_config.model_config),
+                              engine=engine)
     return STATES.set(core, st)
