@@ -71,14 +71,34 @@ def install(plugin) -> None:
         return
 
     def install_hooks(hooks):
+        from vllm_steer.integrations import hooks as machinery
         from vllm_steer.integrations.manifest import installed_version
 
         version = installed_version()
-        return orig([recording(h, h.target_for(version) or h.target)
-                     if h.wrapper is not None else h for h in hooks])
+        pairs = [(h, recording(h, h.target_for(version) or h.target))
+                 for h in hooks if h.wrapper is not None]
+        out = orig([dict((id(h), r) for h, r in pairs).get(id(h), h) for h in hooks])
+        for h, r in pairs:  # the patched method names the plugin's own wrapper, as without
+            _own(machinery, h.target_for(version), r.wrapper, h.wrapper)  # the recorder
+        return out
 
     install_hooks._steer_records = True
     plugin.install_hooks = install_hooks
+
+
+def _own(machinery, target, recording_wrapper, wrapper) -> None:
+    """Make the method patched at ``target`` name ``wrapper`` (``WRAPPER_ATTR``), so that
+    installing the same hook again (a test installing some of ``HOOKS`` by hand) changes
+    nothing, as it would without the recorder."""
+    module, _, qual = (target or "").partition(":")
+    try:
+        owner = machinery.resolve(module + ":" + qual.rpartition(".")[0])
+        raw = inspect.getattr_static(owner, qual.rpartition(".")[2])
+    except (ImportError, AttributeError):
+        return
+    fn = getattr(raw, "__func__", raw)
+    if getattr(fn, machinery.WRAPPER_ATTR, None) is recording_wrapper:
+        setattr(fn, machinery.WRAPPER_ATTR, wrapper)
 
 
 def recorded(directory: str) -> set[str]:
