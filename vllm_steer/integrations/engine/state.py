@@ -40,8 +40,14 @@ STATES: SideTable[EngineSteerState] = SideTable()
 
 
 def attach(core, st: EngineSteerState) -> EngineSteerState:
-    """Give an engine core this state (tests build engine cores by hand)."""
+    """Give an engine core this state, numbered as the core is (tests build engine cores by
+    hand)."""
+    st.engine = _engine_index(core)
     return STATES.set(core, st)
+
+
+def _engine_index(core) -> int:
+    return int(getattr(core, "engine_index", 0) or 0)
 
 
 def engine_state(core) -> EngineSteerState:
@@ -53,7 +59,7 @@ def engine_state(core) -> EngineSteerState:
     from vllm_steer.integrations.families import head_input_size
 
     cfg = SteerServerConfig.from_additional_config(core.vllm_config.additional_config)
-    engine = int(getattr(core, "engine_index", 0) or 0)
+    engine = _engine_index(core)
     if cfg is None or not cfg.enabled:
         st = EngineSteerState(cfg, None, 0, engine=engine)
     else:
