@@ -1,5 +1,6 @@
-"""Write the surface manifest of a vLLM version: every name the plugin's hooks patch, read,
-bind by name or need called through a patched name, as vLLM's source defines it.
+"""Write the surface manifest of a vLLM version: every name the plugin's hooks patch (each
+alternative target too), read, bind by name or need called through a patched name, as vLLM's
+source defines it.
 
     python scripts/vllm_surface.py                      # the installed vLLM
     python scripts/vllm_surface.py --wheel vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl
@@ -10,7 +11,7 @@ without a GPU: ``pip download vllm==X --no-deps -d DIR`` fetches one. The manife
 hooks against every committed manifest (tests/integrations/test_surface.py), so supporting a
 new vLLM starts here: write its manifest, run the tests, read what moved.
 
-Format (``format``: :data:`vllm_steer.integrations.surface.SURFACE_FORMAT`): ``vllm`` (the
+Format (``format``: :data:`vllm_steer.integrations.manifest.SURFACE_FORMAT`): ``vllm`` (the
 version), ``source``, ``names`` (each name: its kind, where it is defined, its parameters
 as one string; null when this vLLM does not have it) and ``calls`` (``"caller -> patched name"``: how the
 caller reaches it, null when it no longer does).
@@ -25,30 +26,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vllm_steer.integrations.surface import (SURFACE_FORMAT, SURFACES_DIR, Sources,  # noqa: E402
-                                             Surface, call_key)
-
-
-def needed(hooks) -> tuple[list[str], list[tuple[str, str]]]:
-    """The names and the (caller, target) pairs ``hooks`` depend on."""
-    names = sorted({n for h in hooks for n in (h.target, *h.reads)})
-    calls = sorted({(c, h.target) for h in hooks for c in h.called_by})
-    return names, calls
-
-
-def manifest(sources: Sources, source: str, hooks) -> dict:
-    """The manifest of ``sources`` for ``hooks``."""
-    surface = Surface(sources)
-    version = sources.version()
-    if version is None:
-        raise SystemExit("vllm_surface: no vllm/_version.py in " + source)
-    names, calls = needed(hooks)
-    entries = {n: surface.lookup(n) for n in names}
-    for e in entries.values():
-        if e is not None and "params" in e:
-            e["params"] = ", ".join(e["params"])  # one line each: the file stays readable
-    return {"format": SURFACE_FORMAT, "vllm": version, "source": source, "names": entries,
-            "calls": {call_key(c, t): surface.calls_by_name(c, t) for c, t in calls}}
+from vllm_steer.integrations.manifest import SURFACES_DIR, write  # noqa: E402
+from vllm_steer.integrations.surface import Sources, Surface  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -58,10 +37,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from vllm_steer.integrations.plugin import HOOKS
 
-    if args.wheel:
-        m = manifest(Sources(wheel=args.wheel), os.path.basename(args.wheel), HOOKS)
-    else:
-        m = manifest(Sources(), "installed", HOOKS)
+    sources = Sources(wheel=args.wheel) if args.wheel else Sources()
+    try:
+        m = write(Surface(sources), os.path.basename(args.wheel) if args.wheel else "installed",
+                  HOOKS)
+    except ValueError as e:
+        raise SystemExit(f"vllm_surface: {e}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"vllm-{m['vllm'].split('+')[0]}.json")
     with open(path, "w", encoding="utf-8") as f:

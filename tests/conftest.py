@@ -8,10 +8,11 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers.engines import use_uniproc_workers, v2_runner_env
+from helpers.engines import hook_recorder, use_uniproc_workers, v2_runner_env
 from helpers.models import make_tiny_llama, tokenizer_src
 from helpers.reference import HFReference
 from helpers.steers import random_steer, save_steers
+from vllm_steer.integrations import plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = Path(os.environ.get("VLLM_STEER_DATA", ROOT.parent / "shared" / "data"))
@@ -23,6 +24,9 @@ os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
 # An engine of one worker runs it in its engine-core process, as on a GPU, not in a process of
 # its own as vLLM's CPU platform would: one process start less per engine (docs/internals.md).
 use_uniproc_workers()
+# The plugin's hooks note their first call (tests/v2shim/hook_recorder.py): installed before
+# anything registers the plugin in this process (the engine processes: its sitecustomize).
+hook_recorder().install(plugin)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -88,7 +88,6 @@ TIMER_POLL_EVERY = 64
 TIMER_MAX_PENDING = 4096
 
 _METRICS = None
-_SENT = "vllm_steer_metrics_sent"  # the engine core's attribute: the values handed out so far
 
 
 # ---- worker: timing the op -----------------------------------------------------------------
@@ -181,9 +180,11 @@ def engine_totals(stats: dict, workers: list | None) -> dict:
             "op": {k: head.get(k, 0) for k in OP_KEYS}}
 
 
-def take_new(core: Any, stats: dict, workers: list | None) -> dict:
+def take_new(state: Any, stats: dict, workers: list | None) -> dict:
     """What moved in this engine core since the previous call (the previous ``list`` from any
-    API server), and remember the values handed out. Each increment is handed out once, so
+    API server), and remember the values handed out in ``state`` (the engine core's
+    :class:`~vllm_steer.integrations.engine.state.EngineSteerState`: its ``engine`` and
+    ``metrics_sent``). Each increment is handed out once, so
     the API servers' counters sum to the engine core's values. A value never goes back: a
     lower reading (another worker picked) hands out nothing until it passes the last one.
 
@@ -191,15 +192,15 @@ def take_new(core: Any, stats: dict, workers: list | None) -> dict:
     ``counters`` and ``op`` always have every key (so the series exist from the first poll),
     ``served`` only the names that moved."""
     now = engine_totals(stats, workers)
-    last = getattr(core, _SENT, None) or {"counters": {}, "served": {}, "op": {}}
-    out: dict[str, Any] = {"engine": str(int(getattr(core, "engine_index", 0) or 0))}
+    last = state.metrics_sent or {"counters": {}, "served": {}, "op": {}}
+    out: dict[str, Any] = {"engine": str(state.engine)}
     sent: dict[str, dict] = {}
     for part, values in now.items():
         prev = last[part]
         sent[part] = {**prev, **{k: max(v, prev.get(k, 0)) for k, v in values.items()}}
         out[part] = {k: max(0, v - prev.get(k, 0)) for k, v in values.items()}
     out["served"] = {k: d for k, d in out["served"].items() if d}
-    setattr(core, _SENT, sent)
+    state.metrics_sent = sent
     return out
 
 

@@ -124,29 +124,31 @@ def test_every_metric_is_documented_for_users():
 
 # ---- counters from deltas ---------------------------------------------------------------------
 def test_take_new_hands_out_each_increment_once_and_never_a_decrease():
-    core = engine_core(engine_index=1)
+    from vllm_steer.integrations.engine.state import EngineSteerState
+
+    state = EngineSteerState(None, None, 0, engine=1)  # where the engine core keeps them
     stats = {"counters": {"loads": 2, "unloads": 0, "evictions": 0, "failures": 1},
              "served": {"detox": 3}}
     tp = [_worker(0.5, 0.8, 10, 10), _worker(0.4, 0.9, 10, 10)]  # TP=2: the same 10 calls
-    first = take_new(core, stats, tp)
+    first = take_new(state, stats, tp)
     assert first["engine"] == "1"
     assert first["counters"] == {"loads": 2, "unloads": 0, "evictions": 0, "failures": 1,
                                  "refused_400": 0, "refused_500": 0}
     assert first["served"] == {"detox": 3}
     assert first["op"] == {"op_seconds": 0.5, "op_host_seconds": 0.8, "op_calls": 10,
                            "op_timed_calls": 10}
-    again = take_new(core, stats, tp)  # nothing moved: nothing handed out
+    again = take_new(state, stats, tp)  # nothing moved: nothing handed out
     assert again["served"] == {} and set(again["counters"].values()) == {0}
     assert set(again["op"].values()) == {0}
     stats["counters"]["loads"] = 3
     stats["served"] = {"detox": 5, "formal": 1}
     # the other TP rank has the most calls now and a lower time: nothing goes back
     tp = [_worker(0.5, 0.8, 10, 10), _worker(0.45, 1.0, 12, 12)]
-    third = take_new(core, stats, tp)
+    third = take_new(state, stats, tp)
     assert third["counters"]["loads"] == 1 and third["served"] == {"detox": 2, "formal": 1}
     assert third["op"]["op_seconds"] == 0 and third["op"]["op_calls"] == 2
     assert third["op"]["op_host_seconds"] == pytest.approx(0.2)
-    fourth = take_new(core, stats, [_worker(0.6, 1.0, 12, 12)])
+    fourth = take_new(state, stats, [_worker(0.6, 1.0, 12, 12)])
     assert fourth["op"]["op_seconds"] == pytest.approx(0.1)  # only past the last one
 
 

@@ -50,7 +50,7 @@ def hooks_record(tmp_path_factory):
 def llm(tiny_model_dir, steer_files, hooks_record):
     from vllm import LLM
 
-    from vllm_steer.integrations.hooks import RECORD_ENV
+    from hook_recorder import RECORD_ENV
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(RECORD_ENV, hooks_record)  # inherited by the engine core it starts
@@ -234,7 +234,7 @@ def test_every_hook_of_the_v1_runner_groups_ran_in_the_engine(llm, hooks_record)
     the frontend hooks of the offline path in this one, so a patched name vLLM stopped
     calling fails here. Steered requests with prompt logprobs make sure every path ran."""
     from vllm_steer.integrations.protocol import MANAGEMENT_METHOD
-    from vllm_steer.integrations.hooks import hooks_called, hooks_recorded, wrapped_targets
+    from hook_recorder import CALLED, recorded, wrapped_targets
     from vllm_steer.integrations.plugin import HOOKS
 
     listed = llm.collective_rpc(MANAGEMENT_METHOD, args=("list", {}))[0]["steers"]
@@ -242,7 +242,7 @@ def test_every_hook_of_the_v1_runner_groups_ran_in_the_engine(llm, hooks_record)
     outs = llm.generate(PROMPTS[:2], [sp({"a": 3}, prompt_logprobs=0, max_tokens=2),
                                       sp(max_tokens=2)])
     assert all(o.outputs[0].token_ids for o in outs)
-    ran = hooks_recorded(hooks_record) | set(hooks_called())
+    ran = recorded(hooks_record) | CALLED
     want = wrapped_targets(HOOKS, ("engine", "v1", "v1-lens")) | {
         "vllm.engine.arg_utils:EngineArgs.create_engine_config",
         "vllm.v1.engine.input_processor:InputProcessor.__init__"}

@@ -118,7 +118,7 @@ def engine(request, targets, pair_steers, tmp_path_factory):
     name = request.param
     target = targets(TARGET[name])
     spec = speculative_config(name, target, tmp_path_factory)
-    from vllm_steer.integrations.hooks import RECORD_ENV
+    from hook_recorder import RECORD_ENV
 
     HOOK_RECORDS[name] = str(tmp_path_factory.mktemp(f"hooks-{name}"))
     with pytest.MonkeyPatch.context() as mp:
@@ -219,13 +219,13 @@ def test_every_hook_of_the_v1_speculative_decoding_groups_ran_in_the_engine(engi
     """Hook coverage with speculative decoding on the V1 runner, per method: every wrapped
     hook of the V1 runner's groups and of its speculative-decoding group was called in the
     engine's processes, so a patched name vLLM stopped calling fails here."""
-    from vllm_steer.integrations.hooks import hooks_recorded, wrapped_targets
+    from hook_recorder import recorded, wrapped_targets
     from vllm_steer.integrations.plugin import HOOKS
 
     name, llm = engine
     outs = llm.generate(PROMPTS, [sp(s) for s in MIXED], use_tqdm=False)
     assert all(o.outputs[0].token_ids for o in outs)
-    ran = hooks_recorded(HOOK_RECORDS[name])
+    ran = recorded(HOOK_RECORDS[name])
     want = wrapped_targets(HOOKS, ("v1", "v1-spec"))
     assert len(want) == 6, sorted(want)
     assert want - ran == set(), f"{name}: hooks never called: {sorted(want - ran)}"

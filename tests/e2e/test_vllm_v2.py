@@ -7,6 +7,11 @@ the ``PYTHONPATH`` of the spawned engine processes together with ``VLLM_USE_V2_M
 (fixture ``v2_runner`` in conftest). The shim also hides V1's logits-processor module from
 the plugin in the engine processes (``STEER_TEST_NO_V1_LOGITSPROCS=1``): Model Runner V2 serves
 without it, as on a vLLM that dropped the V1 runner.
+The engine also plays a vLLM release after the supported ones (``STEER_TEST_NEXT_RELEASE=1``,
+tests/v2shim/next_release.py): Model Runner V2's ``GPUModelRunner.sample`` is renamed
+``sample_logits`` in the engine processes, and the plugin there, told it runs that release
+(its surface: vLLM 0.33's manifest with the rename and without the V1 runner), declares the new
+name as an alternative target. Every steered result below comes through the renamed method.
 The interpreter is slow: a tiny model, four prompts, few tokens.
 
 The same semantics as the V1 tests (tests/e2e/test_vllm_offline.py), checked against plain torch
@@ -58,12 +63,13 @@ def hooks_record(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(v2_runner, tiny_model_dir, steers, hooks_record):
-    from vllm_steer.integrations.hooks import RECORD_ENV
+    from hook_recorder import RECORD_ENV
 
     # collective_rpc(steer_stats): read the worker's steer-op counters from the test
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(RECORD_ENV, hooks_record)  # inherited by the engine processes it starts
         mp.setenv("STEER_TEST_NO_V1_LOGITSPROCS", "1")  # tests/v2shim, in those processes
+        mp.setenv("STEER_TEST_NEXT_RELEASE", "1")  # the stand-in release, in those processes
         with steered_llm(tiny_model_dir, steers[1], **ENGINE_KW) as engine:
             yield engine
 
@@ -89,6 +95,36 @@ def sp(steer=None, **kw):
 
 def tokens(outs):
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+SHARDER = "vllm.v1.worker.gpu.sample.batch_shard:BatchSharder.shard_sampler_inputs"
+
+
+def _next_release():
+    import importlib.util
+
+    from helpers.engines import V2_SHIM_DIR
+
+    spec = importlib.util.spec_from_file_location("next_release", V2_SHIM_DIR / "next_release.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_plugin_patched_the_renamed_method_of_the_stand_in_release(llm):
+    """In the engine process the plugin patched ``sample_logits`` (the alternative target of
+    the release it was told it runs), not the old name, which vLLM's call site still uses."""
+    def names(worker):
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+        from vllm_steer.integrations import manifest
+        from vllm_steer.integrations.hooks import WRAPPER_ATTR
+
+        return (manifest.installed_version(),
+                hasattr(vars(GPUModelRunner)["sample_logits"], WRAPPER_ATTR),
+                hasattr(vars(GPUModelRunner)["sample"], WRAPPER_ATTR))
+
+    assert llm.collective_rpc(names) == [("0.34.0", True, False)]
 
 
 def test_engine_runs_model_runner_v2_with_the_v2_request_state(llm):
@@ -321,7 +357,7 @@ def test_every_hook_of_the_model_runner_v2_groups_ran_in_the_engine(llm, hooks_r
     the engine's processes, so a patched name vLLM stopped calling fails here."""
     import numpy as np
 
-    from vllm_steer.integrations.hooks import hooks_recorded, wrapped_targets
+    from hook_recorder import recorded, wrapped_targets
     from vllm_steer.integrations.plugin import HOOKS
 
     from vllm_steer.integrations.protocol import MANAGEMENT_METHOD
@@ -334,8 +370,12 @@ def test_every_hook_of_the_model_runner_v2_groups_ran_in_the_engine(llm, hooks_r
                                       sp({"b": -2}, max_tokens=1,
                                          prompt_logprob_token_ids=rows)])
     assert all(o.outputs[0].token_ids for o in outs)
-    ran = hooks_recorded(hooks_record)
-    want = wrapped_targets(HOOKS, ("engine", "v2", "v2-lens"))
-    assert len(want) == 5, sorted(want)
+    ran = recorded(hooks_record)
+    nr = _next_release()
+    hooks_next = nr.hooks(HOOKS)  # what the engine's plugin installed: the rename declared
+    want = wrapped_targets(hooks_next, ("engine", "v2", "v2-lens"), nr.VERSION)
+    want.discard(SHARDER)  # only under --enable-batch-sharded-sampling (test_v2.py)
+    assert len(want) == 5 and nr.RENAMED[1] in want, sorted(want)
     assert want - ran == set(), f"hooks never called: {sorted(want - ran)}"
+    assert nr.RENAMED[0] not in ran
     assert not ran & wrapped_targets(HOOKS, ("v1", "v1-lens", "v1-spec", "v2-spec"))

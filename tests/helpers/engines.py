@@ -43,6 +43,21 @@ def shim_module():
     return mod
 
 
+def hook_recorder():
+    """``tests/v2shim/hook_recorder.py`` as the module ``hook_recorder`` (one instance in this
+    process; the engine processes import it from the ``PYTHONPATH``)."""
+    import importlib.util
+    import sys
+
+    if "hook_recorder" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("hook_recorder",
+                                                      V2_SHIM_DIR / "hook_recorder.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["hook_recorder"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["hook_recorder"]
+
+
 def use_uniproc_workers() -> None:
     """Engines of one worker, started by this process (offline ``LLM``) or by the processes it
     starts (``vllm serve``), run that worker in their engine-core process: vLLM's ``"uni"``
@@ -50,11 +65,11 @@ def use_uniproc_workers() -> None:
     process that imports vLLM, about 15 s per engine on this CPU. Engines that ask for
     ``distributed_executor_backend="mp"`` (``--distributed-executor-backend mp``) keep it, and
     engines of several workers are left alone. ``STEER_TEST_UNIPROC_SHIM=0`` turns this off."""
+    path = os.environ.get("PYTHONPATH", "")  # every shim there is off unless its flag is set
+    if str(V2_SHIM_DIR) not in path.split(os.pathsep):  # (the hook recorder's too)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(V2_SHIM_DIR), path) if p)
     if os.environ.setdefault(UNIPROC_FLAG, "1") != "1":
         return
-    path = os.environ.get("PYTHONPATH", "")
-    if str(V2_SHIM_DIR) not in path.split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(V2_SHIM_DIR), path) if p)
     shim = shim_module()
     shim.on_cpu_platform(shim.keep_uniproc_executor)  # this process builds offline configs
 

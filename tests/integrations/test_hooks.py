@@ -17,7 +17,7 @@ from vllm.v1.engine.input_processor import InputProcessor
 
 del InputProcessor._build_logits_processors_params_validator  # "a vLLM that moved it"
 from vllm_steer.integrations import plugin
-from vllm_steer.integrations.hooks import MissingHookError
+from vllm_steer.integrations.hook_check import MissingHookError
 
 plugin.register()
 model, steer = sys.argv[1], sys.argv[2]
@@ -73,7 +73,7 @@ from vllm.engine.arg_utils import EngineArgs
 del v1_runner.GPUModelRunner, v1_runner.build_logitsprocs, v1_batch.InputBatch
 vllm.config.vllm.HAS_TRITON = True  # Model Runner V2's config check (no engine starts here)
 from vllm_steer.integrations import plugin
-from vllm_steer.integrations.hooks import MissingHookError
+from vllm_steer.integrations.hook_check import MissingHookError
 
 try:
     import vllm_steer.integrations.request_state_v1  # the V1 runner's state needs it

@@ -28,8 +28,9 @@ def test_modules_the_frontend_imports_do_not_import_torch():
     modules = [m.name for pkg in (frontend, engine)
                for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + ".")]
     assert len(modules) >= 8, modules
-    modules += ["vllm_steer.integrations." + m for m in ("plugin", "hooks", "families",
-                                                            "surface", "supported")]
+    modules += ["vllm_steer.integrations." + m for m in ("plugin", "hooks", "hook_check",
+                                                            "families", "surface", "manifest",
+                                                            "supported")]
     modules += ["vllm_steer.config", "vllm_steer.format", "vllm_steer.policy"]
     code = f"import sys; import {', '.join(modules)}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -40,9 +41,11 @@ def test_every_hook_is_found_on_this_vllm(registered):
     from vllm_steer.integrations import hooks
     from vllm_steer.integrations import plugin
 
+    from vllm_steer.integrations.manifest import installed_version
+
     assert hooks._MISSING == []
     for hook in plugin.HOOKS:
-        hooks.resolve(hook.target)
+        hooks.resolve(hook.target_for(installed_version()))
 
 
 def test_every_hook_group_passes_the_start_up_check_on_this_vllm(registered):
@@ -50,33 +53,40 @@ def test_every_hook_group_passes_the_start_up_check_on_this_vllm(registered):
     calls through patched imported names all found on the installed vLLM."""
     from types import SimpleNamespace
 
-    from vllm_steer.integrations import hooks
+    from vllm_steer.integrations import hook_check, hooks
 
     for group in hooks.GROUPS:
-        assert hooks.check_surface(group) == [], group.name
+        assert hook_check.check_surface(group) == [], group.name
     for v2 in (False, True):
         for spec in (None, SimpleNamespace(method="ngram")):
             config = SimpleNamespace(use_v2_model_runner=v2, speculative_config=spec)
-            used = [g.name for g in hooks.groups_used(config)]
+            used = [g.name for g in hook_check.groups_used(config)]
             assert used == ["frontend", "engine", "worker",
                             *(["v2", "v2-lens"] if v2 else ["v1", "v1-lens"]),
                             *([("v2-spec" if v2 else "v1-spec")] if spec else [])]
-            hooks.check_hooks(config)
+            hook_check.check_hooks(config)
 
 
-def test_a_wrapped_hook_is_recorded_on_its_first_call_only():
+def test_the_test_recorder_notes_a_hook_on_its_first_call_only():
+    """The hook-coverage tests' recorder (tests/v2shim/hook_recorder.py, not product code):
+    a recording hook notes its target once, and wraps as the plugin's wrapper does."""
+    from helpers.engines import hook_recorder
+
     from vllm_steer.integrations import hooks
+
+    rec = hook_recorder()
 
     class Owner:
         def method(self, x):
             return x + 1
 
     seen = []
-    hooks.wrap_method(Owner, "method", lambda orig, self, x: seen.append(x) or orig(self, x),
-                      record="test:Owner.method")
-    assert "test:Owner.method" not in hooks.hooks_called()
+    hook = hooks.Hook("test:Owner.method", "test",
+                      lambda orig, self, x: seen.append(x) or orig(self, x))
+    hooks.wrap_method(Owner, "method", rec.recording(hook, "test:Owner.method").wrapper)
+    assert "test:Owner.method" not in rec.CALLED
     assert Owner().method(1) == 2 and Owner().method(2) == 3 and seen == [1, 2]
-    assert hooks.hooks_called().count("test:Owner.method") == 1
+    assert "test:Owner.method" in rec.CALLED
 
 
 def test_a_lazily_imported_worker_wrapper_is_imported_once_then_called_directly():

@@ -34,6 +34,13 @@ a GPU) by ``"mp"`` (a worker process of its own, spawned); the shim wraps
 ``CpuPlatform.check_and_update_config`` so that it keeps ``"uni"``, saving each engine a
 process start.
 
+Which of the plugin's hooks ran, independently, with ``STEER_TEST_HOOKS_RECORD=DIR``: each
+process notes them in ``DIR`` (``tests/v2shim/hook_recorder.py``).
+
+A vLLM release after the supported ones, independently, with ``STEER_TEST_NEXT_RELEASE=1``:
+every process plays it (``tests/v2shim/next_release.py``: a wrapped Model Runner V2 method
+renamed, the plugin told so).
+
 The plugin without V1's logits-processor module, independently, with
 ``STEER_TEST_NO_V1_LOGITSPROCS=1``: every import of ``vllm.v1.sample.logits_processor`` (or a
 submodule) by a ``vllm_steer`` module raises ``ImportError``, as it would on a vLLM that
@@ -240,3 +247,11 @@ if __name__ == "sitecustomize" and os.environ.get("STEER_TEST_UNIPROC_SHIM") == 
     on_cpu_platform(keep_uniproc_executor)
 if __name__ == "sitecustomize" and os.environ.get("STEER_TEST_NO_V1_LOGITSPROCS") == "1":
     hide_v1_logitsprocs_from_the_plugin()
+if __name__ == "sitecustomize" and os.environ.get("STEER_TEST_HOOKS_RECORD"):
+    import hook_recorder  # beside this file: tests/v2shim/hook_recorder.py
+
+    _on_import("vllm_steer.integrations.plugin", hook_recorder.install)
+if __name__ == "sitecustomize" and os.environ.get("STEER_TEST_NEXT_RELEASE") == "1":
+    import next_release  # beside this file: tests/v2shim/next_release.py
+
+    next_release.install(_on_import)

@@ -1,15 +1,12 @@
-"""The hook machinery: how the plugin patches vLLM and reports what vLLM moved.
+"""The hook machinery: how the plugin patches vLLM.
 
-Each patch point is a :class:`Hook` (``module:Class.attribute``, why, how to install it, the
-:class:`HookGroup` that needs it, and the private vLLM names its wrapper reads); the plugin's
-one list of them is :data:`vllm_steer.integrations.plugin.HOOKS`, installed by
-:func:`install_hooks` when vLLM calls the plugin's ``register()``. A hook vLLM moved or removed
-is recorded there, and the groups it makes unavailable are logged. :func:`check_hooks`
-(called wherever steers are configured) refuses to steer only when a group the configuration
-uses (:func:`groups_used`) is unavailable, naming the vLLM version, the group and the hook;
-for those groups it also checks, on the imported vLLM (:mod:`vllm_steer.integrations.surface`),
-every name the wrappers read, the parameters they bind by name, and that the functions which
-call a name the plugin patches where it is imported still call it through that name.
+Each patch point is a :class:`Hook` (``module:Class.attribute``, with :class:`Alternative`
+names for the vLLM releases that renamed it, why, how to install it, the :class:`HookGroup`
+that needs it, and the private names its wrapper reads); the plugin's one list of them is
+:data:`vllm_steer.integrations.plugin.HOOKS`, installed by :func:`install_hooks` when vLLM
+calls the plugin's ``register()``, each through :func:`wrap_method` or its install function.
+A hook the installed vLLM lacks is recorded there, and the groups it makes unavailable are
+logged; :mod:`vllm_steer.integrations.hook_check` refuses the configurations that use one.
 
 This module imports no torch (the frontend imports it).
 """
@@ -72,6 +69,31 @@ ALWAYS: tuple[HookGroup, ...] = (FRONTEND, ENGINE, WORKER)
 
 
 @dataclass(frozen=True)
+class Alternative:
+    """A name of a hook's target in some vLLM releases (a method vLLM renamed)."""
+
+    target: str
+    """``module:Class.attribute`` in those releases."""
+    versions: str
+    """The releases where it has this name, a pip version specifier (``">=0.34"``); empty:
+    every release."""
+
+    def holds(self, version: str) -> bool:
+        """Whether vLLM ``version`` is one of :attr:`versions` (a local build tag such as
+        ``+cpu`` and pre-releases count as their release)."""
+        if not self.versions:
+            return True
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import InvalidVersion, Version
+
+        try:
+            v = Version(version)
+        except InvalidVersion:
+            return False
+        return SpecifierSet(self.versions).contains(Version(v.base_version), prereleases=True)
+
+
+@dataclass(frozen=True)
 class Hook:
     """One patch point in vLLM."""
 
@@ -89,94 +111,61 @@ class Hook:
     (the plugin does not know which one it is in); hooks of other processes are never called
     there."""
     reads: tuple[str, ...] = ()
-    """Private vLLM names the wrapper reads besides the target, ``module:Class.name``: class
-    attributes, methods, fields, or instance attributes assigned in a method of the class
-    (each checked in vLLM's source)."""
+    """Private names the wrapper (or the plugin code it calls) reads besides the target,
+    ``module:Class.name``: class attributes, methods, fields, or instance attributes assigned
+    in a method of the class (each checked in the source). Names of other packages than vLLM
+    (pydantic) are checked in that package's installed source."""
     params: tuple[str, ...] = ()
     """Parameters of the target the wrapper binds by name (checked in its signature)."""
     called_by: tuple[str, ...] = ()
     """For a name patched where it is imported (``module:function``): the functions that must
     still call it through that name at call time (a global of that module, or a function-local
     ``from module import function``), else the patch would silently never run."""
+    versions: str = ""
+    """The vLLM releases where :attr:`target` has this name (a pip specifier; empty: all)."""
+    alternatives: tuple[Alternative, ...] = ()
+    """The same attribute under other names, each in the releases that have it: the first
+    of :attr:`targets` whose releases hold the installed vLLM is the one patched
+    (:meth:`target_for`), so one plugin serves the releases before and after a rename."""
 
     @property
     def process(self) -> str:
         """The process whose hook this is (:attr:`HookGroup.process`)."""
         return self.group.process
 
+    @property
+    def targets(self) -> tuple[Alternative, ...]:
+        """Every name of the target with its releases, :attr:`target` first."""
+        return (Alternative(self.target, self.versions), *self.alternatives)
+
+    def target_for(self, version: str) -> str | None:
+        """The target's name in vLLM ``version`` (None: no name declared for it)."""
+        return next((t.target for t in self.targets if t.holds(version)), None)
+
 
 #: Attribute set on every function :func:`wrap_method` installs: the wrapper it calls.
 WRAPPER_ATTR = "_vllm_steer"
-#: Targets of the hooks whose patched function ran in this process at least once (recorded on
-#: each one's first call only); read by the hook-coverage tests through :func:`hooks_called`.
-_CALLED: set[str] = set()
-#: Environment variable naming a directory: every process then also appends the target of
-#: each hook, on its first call, to ``<dir>/hooks-<pid>.txt`` (:func:`hooks_recorded` reads
-#: them back: which hooks an engine's processes ran).
-RECORD_ENV = "VLLM_STEER_HOOKS_RECORD"
-
-
-def hooks_called() -> list[str]:
-    """The targets (``module:Class.attribute``) of the hooks that ran in this process."""
-    return sorted(_CALLED)
-
-
-def hooks_recorded(directory: str) -> set[str]:
-    """The targets every process recorded under ``directory`` (:data:`RECORD_ENV`)."""
-    import os
-
-    out: set[str] = set()
-    for name in os.listdir(directory):
-        if name.startswith("hooks-") and name.endswith(".txt"):
-            with open(os.path.join(directory, name), encoding="utf-8") as f:
-                out.update(line.strip() for line in f if line.strip())
-    return out
-
-
-def wrapped_targets(hooks, groups) -> set[str]:
-    """The targets of ``hooks`` of ``groups`` (names or :class:`HookGroup`) that wrap a vLLM
-    function (those whose calls are recorded)."""
-    names = {g if isinstance(g, str) else g.name for g in groups}
-    return {h.target for h in hooks if h.wrapper is not None and h.group.name in names}
-
-
-def _record(target: str) -> None:
-    """A hook's first call in this process (:func:`wrap_method`)."""
-    import os
-
-    _CALLED.add(target)
-    directory = os.environ.get(RECORD_ENV)
-    if directory:
-        with open(os.path.join(directory, f"hooks-{os.getpid()}.txt"), "a",
-                  encoding="utf-8") as f:
-            f.write(target + "\n")
-
-
 #: On a wrapper that imports what it calls at its first call (the worker's wrappers, which
 #: import torch): a function returning that callable, which :func:`wrap_method` then calls
 #: directly.
 RESOLVE_ATTR = "vllm_steer_resolve"
 
 
-def wrap_method(owner: Any, name: str, wrapper: Callable, record: str | None = None) -> None:
+def wrap_method(owner: Any, name: str, wrapper: Callable) -> None:
     """Replace ``owner.name`` (a method, static or class method of a class, or a module's
     function) by one that calls ``wrapper(orig, *args, **kwargs)``: the one way this plugin
     patches vLLM. Idempotent (a second call with the same wrapper changes nothing); a
-    coroutine (async generator) wrapper makes a coroutine (async generator) method. With
-    ``record``, its first call records ``record`` (:func:`hooks_called`, :data:`RECORD_ENV`);
+    coroutine (async generator) wrapper makes a coroutine (async generator) method. A
+    wrapper with :data:`RESOLVE_ATTR` is replaced at the first call by what that returns:
     every later call costs one flag test."""
     raw = inspect.getattr_static(owner, name)
     kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
     orig = raw.__func__ if kind else raw
     if getattr(orig, WRAPPER_ATTR, None) is wrapper:
         return
-    first = [record is not None]  # a one-element cell: the cheapest test on every call
 
     if inspect.isasyncgenfunction(wrapper):
         async def patched(*args, **kwargs):
-            if first[0]:
-                first[0] = False
-                _record(record)
             agen = wrapper(orig, *args, **kwargs)
             try:
                 async for item in agen:
@@ -185,71 +174,65 @@ def wrap_method(owner: Any, name: str, wrapper: Callable, record: str | None = N
                 await agen.aclose()
     elif inspect.iscoroutinefunction(wrapper):
         async def patched(*args, **kwargs):
-            if first[0]:
-                first[0] = False
-                _record(record)
             return await wrapper(orig, *args, **kwargs)
     else:
         # a lazily imported wrapper (RESOLVE_ATTR) is replaced by what it calls at the first
         # call: every later call goes straight to it (one flag test, no extra frame)
         resolve = getattr(wrapper, RESOLVE_ATTR, None)
-        call = [wrapper]
-        first[0] = first[0] or resolve is not None
+        call, first = [wrapper], [resolve is not None]  # one-element cells
 
         def patched(*args, **kwargs):
             if first[0]:
                 first[0] = False
-                if record is not None:
-                    _record(record)
-                if resolve is not None:
-                    call[0] = resolve()
+                call[0] = resolve()
             return call[0](orig, *args, **kwargs)
     functools.update_wrapper(patched, orig)
     setattr(patched, WRAPPER_ATTR, wrapper)
     setattr(owner, name, kind(patched) if kind else patched)
 
 
-class MissingHookError(RuntimeError):
-    """A vLLM attribute the plugin hooks into is missing (another vLLM version)."""
-
-
 _MISSING: list[str] = []  # "target (purpose): error" of every hook not found at registration
 _MISSING_BY_GROUP: dict[str, list[str]] = {}  # the same, per group name
 _INSTALLED: list[Hook] = []  # the hooks install_hooks was given in this process
-_SURFACE: dict[str, list[str]] = {}  # group name -> what check_surface found wrong (cached)
 
 
 def resolve(target: str) -> Any:
-    """The object named by ``module:Qualified.name``; ImportError/AttributeError if absent."""
+    """The object named by ``module:Qualified.name`` (the one resolver); ImportError /
+    AttributeError if absent."""
     import importlib
 
     module, _, qualname = target.partition(":")
     obj = importlib.import_module(module)
-    for part in qualname.split("."):
+    for part in qualname.split(".") if qualname else ():
         obj = getattr(obj, part)
     return obj
 
 
 def install_hooks(hooks) -> list[str]:
-    """Install every hook; record each one vLLM does not have, and log the groups that are
+    """Install every hook, each at its target's name in the installed vLLM
+    (:meth:`Hook.target_for`); record each one vLLM does not have, and log the groups that are
     unavailable because of them (start-up refuses only the configurations that use one)."""
-    import importlib
+    from vllm_steer.integrations import manifest
 
+    version = manifest.installed_version()
     missing = []
     for hook in hooks:
         _INSTALLED.append(hook)
+        target = hook.target_for(version)
         try:
-            resolve(hook.target)
-            module, _, qualname = hook.target.partition(":")
-            owner = (resolve(module + ":" + qualname.rpartition(".")[0]) if "." in qualname
-                     else importlib.import_module(module))
+            if target is None:
+                raise AttributeError("no name declared for this vLLM release (declared: " + \
+                                     "; ".join(f"{t.target} in {t.versions or 'any'}"
+                                               for t in hook.targets) + ")")
+            resolve(target)
+            module, _, qualname = target.partition(":")
+            owner = resolve(module + ":" + qualname.rpartition(".")[0])
             if hook.wrapper is not None:
-                wrap_method(owner, qualname.rpartition(".")[2], hook.wrapper,
-                            record=hook.target)
+                wrap_method(owner, qualname.rpartition(".")[2], hook.wrapper)
             if hook.install is not None:
                 hook.install(owner)
         except (ImportError, AttributeError) as e:
-            line = f"{hook.target} ({hook.purpose}): {type(e).__name__}: {e}"
+            line = f"{target or hook.target} ({hook.purpose}): {type(e).__name__}: {e}"
             missing.append(line)
             _MISSING_BY_GROUP.setdefault(hook.group.name, []).append(line)
     if missing:
@@ -257,94 +240,7 @@ def install_hooks(hooks) -> list[str]:
         groups = [g for g in GROUPS if g.name in _MISSING_BY_GROUP]
         logger.warning("vllm-steer: vLLM %s lacks %d patch point(s) of this plugin (supported: "
                        "vllm%s); unavailable: %s; a configuration that uses one of these "
-                       "refuses --steer at start-up: %s", _vllm_version(), len(missing),
+                       "refuses --steer at start-up: %s", version, len(missing),
                        SUPPORTED_VLLM, ", ".join(f"{g.name} ({g.needed_by})" for g in groups),
                        "; ".join(missing))
     return missing
-
-
-def groups_used(vllm_config=None) -> tuple[HookGroup, ...]:
-    """The hook groups a configuration uses: :data:`ALWAYS`, its model runner's (vLLM's
-    ``use_v2_model_runner``, decided by ``VLLM_USE_V2_MODEL_RUNNER`` and the platform) with
-    its steered prompt logprobs, and that runner's speculative decoding when a
-    ``speculative_config`` is set. Without a config (the CLI, before vLLM builds it): the
-    frontend and engine groups; the rest is checked when vLLM creates the engine config."""
-    if vllm_config is None:
-        return (FRONTEND, ENGINE)
-    v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
-    used = [*ALWAYS, *((V2, V2_LENS) if v2 else (V1, V1_LENS))]
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        used.append(V2_SPEC if v2 else V1_SPEC)
-    return tuple(used)
-
-
-def check_hooks(vllm_config=None) -> None:
-    """Raise :class:`MissingHookError` if a hook group this configuration uses
-    (:func:`groups_used`) lacks a patch point, a name its wrappers read, a parameter they
-    bind by name, or a call through a patched imported name (called when steers are
-    configured: at config creation, in ``from_cli_args`` and in each worker). The other
-    groups may be unavailable: nothing that runs needs them."""
-    for group in groups_used(vllm_config):
-        problems = list(_MISSING_BY_GROUP.get(group.name, ()))
-        if not problems:
-            problems = check_surface(group)
-        if problems:
-            raise MissingHookError(
-                f"vllm-steer: cannot steer on vLLM {_vllm_version()}: it moved or removed "
-                f"{len(problems)} patch point(s) of the plugin that this configuration needs "
-                f"(hook group {group.name!r}, for {group.needed_by}): {'; '.join(problems)}. "
-                f"This vllm-steer supports vllm{SUPPORTED_VLLM}; {group.fix}install a supported "
-                "vLLM, or serve without --steer")
-
-
-def check_surface(group: HookGroup) -> list[str]:
-    """What the imported vLLM lacks of the installed hooks of ``group``: each declared read,
-    each parameter bound by name, each call through a patched imported name
-    (:func:`surface_problems` on a :class:`~vllm_steer.integrations.surface.LiveSurface`).
-    Checked once per process and group."""
-    if group.name not in _SURFACE:
-        from vllm_steer.integrations.surface import LiveSurface
-
-        surface = LiveSurface()
-        _SURFACE[group.name] = [p for h in _INSTALLED if h.group is group
-                                for p in surface_problems(h, surface)]
-    return _SURFACE[group.name]
-
-
-def surface_problems(hook: Hook, surface) -> list[str]:
-    """What ``surface`` lacks of ``hook``: a :class:`~vllm_steer.integrations.surface.Surface`
-    on vLLM's source, or a committed manifest
-    (:class:`~vllm_steer.integrations.surface.ManifestSurface`)."""
-    from vllm_steer.integrations.surface import bindable
-
-    out = []
-    where = f"{hook.target} ({hook.purpose})"
-    entry = surface.lookup(hook.target)
-    if entry is None:
-        return [f"{where}: not found"]
-    if hook.params:
-        params = entry.get("params")
-        if params is None and entry.get("kind") != "outside vLLM":
-            out.append(f"{where}: no signature to bind {', '.join(hook.params)} by name")
-        elif params is not None:
-            lost = [p for p in hook.params if p not in bindable(params)]
-            if lost:
-                out.append(f"{where}: its signature ({', '.join(params)}) has no parameter "
-                           f"{', '.join(lost)}, which the plugin binds by name")
-    for name in hook.reads:
-        if surface.lookup(name) is None:
-            out.append(f"{where}: reads {name}, which this vLLM does not have")
-    for caller in hook.called_by:
-        if surface.calls_by_name(caller, hook.target) is None:
-            out.append(f"{where}: {caller} no longer calls it through the name the plugin "
-                       "patches, so the patch would never run")
-    return out
-
-
-def _vllm_version() -> str:
-    try:
-        from vllm import __version__
-
-        return str(__version__)
-    except Exception:  # pragma: no cover
-        return "(unknown version)"

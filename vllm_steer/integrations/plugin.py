@@ -7,7 +7,9 @@ the group that needs it (:data:`~vllm_steer.integrations.hooks.GROUPS`: frontend
 worker, each model runner with its prompt logprobs and its speculative decoding), with the
 private vLLM names its wrapper reads (``reads``), the parameters it binds by name
 (``params``) and, for a name patched where it is imported, the functions that must still call
-it through that name (``called_by``); docs/architecture.md shows the request's path through
+it through that name (``called_by``); a method a vLLM release renamed keeps one hook, with the
+new name as an :class:`~vllm_steer.integrations.hooks.Alternative` for the releases that have
+it; docs/architecture.md shows the request's path through
 them. Each wraps the vLLM attribute with a function named after it
 (:func:`~vllm_steer.integrations.hooks.wrap_method`), or installs something there:
 
@@ -102,6 +104,11 @@ _V2_STATES = f"{_V2}.states:RequestState"
 _V2_SPECULATOR = f"{_V2}.spec_decode.speculator:DraftModelSpeculator"
 _V2_PROMPT = f"{_V2}.sample.prompt_logprob:PromptLogprobsWorker"
 _SPEC_CONFIG = "vllm.config.speculative:SpeculativeConfig"
+_CONFIG = "vllm.config:VllmConfig"
+_MODEL = "vllm.config.model:ModelConfig"
+_ENGINE_CORE = "vllm.v1.engine.core:EngineCore"
+_REGISTRY = "vllm.entrypoints.openai.models.serving:OpenAIModelRegistry"
+_PYDANTIC_DECORATORS = "pydantic._internal._decorators"  # pydantic's private validator list
 
 
 def _reads(owner: str, *names: str) -> tuple[str, ...]:
@@ -117,43 +124,61 @@ HOOKS: tuple[Hook, ...] = (
          "--steer carried in additional_config", cli_args.from_cli_args, params=("args",),
          reads=("vllm.engine.arg_utils:EngineArgs.additional_config",)),
     Hook("vllm.engine.arg_utils:EngineArgs.create_engine_config",
-         "start-up checks and our logits processor", startup_checks.create_engine_config),
+         "start-up checks and our logits processor", startup_checks.create_engine_config,
+         # the configuration every process reads (families.py, the start-up checks, state)
+         reads=(*_reads(_CONFIG, "model_config", "additional_config", "parallel_config",
+                        "speculative_config", "use_v2_model_runner"),
+                *_reads(_MODEL, "model", "architectures", "hf_config", "hf_text_config",
+                        "get_hidden_size", "logits_processors", "dtype"))),
     Hook("vllm.v1.engine.input_processor:InputProcessor.__init__",
          "refusing bad steers at admission (HTTP 400)", request_field.input_processor_init,
-         params=("vllm_config",),
-         reads=("vllm.v1.engine.input_processor:InputProcessor."
-                "validate_logits_processors_params",)),
+         params=("vllm_config",)),
     Hook("vllm.v1.engine.input_processor:InputProcessor._build_logits_processors_params_"
-         "validator", "refusing bad steers at admission (HTTP 400)"),
+         "validator", "refusing bad steers at admission (HTTP 400)",
+         request_field.params_validator,
+         reads=("vllm.v1.engine.input_processor:InputProcessor.vllm_config",
+                f"{_CONFIG}.model_config", f"{_MODEL}.logits_processors")),
     *(Hook(f"{module}:{name}.model_fields", "the `steer` request field (parsed once)",
-           install=request_field.add_request_field) for module, name in _REQUESTS),
+           install=request_field.add_request_field,
+           reads=(f"{_PYDANTIC_DECORATORS}:Decorator", f"{_PYDANTIC_DECORATORS}:Decorator.build",
+                  f"{_PYDANTIC_DECORATORS}:ModelValidatorDecoratorInfo"))
+      for module, name in _REQUESTS),
     *(Hook(f"{module}:{name}.to_sampling_params",
            "the `steer` request field, then a preset's mix for its model name",
            request_field.to_sampling_params) for module, name in _REQUESTS),
     *(Hook(f"{module}:{name}.to_beam_search_params", "refusing steered beam search",
            request_field.to_beam_search_params)
       for module, name in _REQUESTS if name != "ResponsesRequest"),
-    Hook("vllm.entrypoints.openai.models.serving:OpenAIModelRegistry.is_base_model",
+    Hook(f"{_REGISTRY}.is_base_model",
          "presets served as model names", preset_models.is_base_model,
          params=("model_name",)),
-    Hook("vllm.entrypoints.openai.models.serving:OpenAIModelRegistry.show_available_models",
-         "presets listed in /v1/models", preset_models.show_available_models),
+    Hook(f"{_REGISTRY}.show_available_models",
+         "presets listed in /v1/models", preset_models.show_available_models,
+         reads=(*_reads(_REGISTRY, "base_model_paths", "model_config"),
+                f"{_MODEL}.max_model_len")),
     Hook("vllm.entrypoints.serve.engine.serving:BaseServing._check_model",
          "presets added or deleted at run time, seen by every API server",
-         preset_models.check_model, params=("request",)),
+         preset_models.check_model, params=("request",),
+         reads=("vllm.entrypoints.serve.engine.serving:BaseServing.models",)),
     Hook("vllm.plugins:load_endpoint_plugins",
          "the /v1/steers and /v1/steer-presets routes, the x-vllm-steer-* headers",
          endpoints.load_endpoint_plugins, params=("supported_tasks",),
          called_by=("vllm.plugins.endpoint_plugins.interface:attach_endpoint_plugins",)),
     Hook("vllm.v1.engine.async_llm:AsyncLLM.add_request",
          "--steer-dir steers loaded before admission (HTTP 400 with the reason)",
-         async_llm.add_request, params=("request_id", "prompt", "params")),
+         async_llm.add_request, params=("request_id", "prompt", "params"),
+         reads=("vllm.sampling_params:SamplingParams.extra_args",)),
     Hook("vllm.v1.engine.async_llm:AsyncLLM.generate",
          "an engine-side steer refusal answered as HTTP 400, not 500", async_llm.generate),
     # ---- engine core (vllm_steer.integrations.engine) ------------------------------------
     Hook("vllm.v1.engine.core:EngineCore.collective_rpc",
          "loading/unloading steers in the engine core (collective_rpc)", core.collective_rpc,
-         group=ENGINE, params=("method", "timeout", "args", "kwargs")),
+         group=ENGINE, params=("method", "timeout", "args", "kwargs"),
+         reads=(*_reads(_ENGINE_CORE, "scheduler", "model_executor", "vllm_config"),
+                "vllm.v1.engine.core:EngineCoreProc.engine_index",
+                "vllm.v1.core.sched.scheduler:Scheduler.requests",
+                "vllm.v1.executor.abstract:Executor.collective_rpc",
+                *_reads(_MODEL, "model", "served_model_name"))),
     Hook("vllm.v1.engine.core:EngineCore.add_request",
          "binding a request's steers to (bank slot, load) at admission",
          core.add_request, group=ENGINE, params=("request", "request_wave"),
@@ -168,6 +193,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook("vllm.model_executor.layers.logits_processor:LogitsProcessor.register_oot",
          "the steered LM head", install=_install_head, group=WORKER,
          reads=("vllm.model_executor.custom_op:op_registry_oot",
+                "vllm.platforms:current_platform", "vllm.platforms.interface:Platform.device_type",
                 "vllm.model_executor.layers.logits_processor:LogitsProcessor.forward",
                 "vllm.model_executor.layers.logits_processor:LogitsProcessor.get_top_tokens",
                 "vllm.model_executor.layers.logits_processor:LogitsProcessor.logits_as_input",
@@ -178,7 +204,10 @@ HOOKS: tuple[Hook, ...] = (
     # ---- V1 model runner ------------------------------------------------------------------
     Hook("vllm.v1.sample.logits_processor:LogitsProcessor", "V1 per-request steer state",
          group=V1, reads=("vllm.v1.sample.logits_processor:BatchUpdate",
-                          "vllm.v1.sample.logits_processor:MoveDirectionality")),
+                          "vllm.v1.sample.logits_processor:MoveDirectionality",
+                          "vllm.v1.sample.logits_processor:MoveDirectionality.SWAP",
+                          f"{_CONFIG}.scheduler_config",
+                          "vllm.config.scheduler:SchedulerConfig.max_num_seqs")),
     Hook("vllm.v1.sample.logits_processor:BatchUpdate", "V1 per-request steer state",
          group=V1),
     Hook(f"{_V1_BATCH}.__init__",
@@ -225,7 +254,7 @@ HOOKS: tuple[Hook, ...] = (
          called_by=(f"{_V1}.__init__",)),
     # ---- Model Runner V2 ------------------------------------------------------------------
     Hook(f"{_V2}.sample.logits_processor:LogitsProcessor", "V2 per-request steer state",
-         group=V2),
+         group=V2, reads=_reads(_V2_STATES, "max_num_reqs", "device")),
     Hook(f"{_V2_RUNNER}.sample",
          "the step's row -> request mapping (V2; verification rows too)",
          _worker("v2", "sample"), group=V2,
@@ -238,8 +267,8 @@ HOOKS: tuple[Hook, ...] = (
                 f"{_V2}.buffer_utils:UvaBackedTensor.np",
                 f"{_V2}.buffer_utils:StagedWriteTensor.gpu")),
     Hook(f"{_V2}.sample.batch_shard:BatchSharder.shard_sampler_inputs",
-         "rows of batch-sharded sampling (V2, --enable-batch-sharded-sampling)", group=V2,
-         params=("input_batch", "grammar_output")),
+         "rows of batch-sharded sampling (V2, --enable-batch-sharded-sampling)",
+         _worker("v2", "shard_sampler_inputs"), group=V2),
     Hook(f"{_V2_PROMPT}.compute_prompt_logprobs",
          "steered prompt logprobs (V2)", _worker("v2", "prompt_logprobs"), group=V2_LENS,
          params=("logits_fn", "hidden_states", "input_batch"),
@@ -293,5 +322,7 @@ def hooks_table() -> str:
     print(hooks_table())"``)."""
     rows = ["| group | vLLM attribute | our function | why |", "|---|---|---|---|"]
     for h in HOOKS:
-        rows.append(f"| {h.group.name} | `{h.target}` | `{wrapper_name(h)}` | {h.purpose} |")
+        names = f"`{h.target}`" + (f" (vLLM {h.versions})" if h.versions else "") + "".join(
+            f"<br>or `{t.target}` (vLLM {t.versions})" for t in h.alternatives)
+        rows.append(f"| {h.group.name} | {names} | `{wrapper_name(h)}` | {h.purpose} |")
     return "\n".join(rows)

@@ -1,24 +1,26 @@
-"""vLLM's surface as the plugin sees it: the names its hooks patch and read, found in vLLM's
-source code (``ast``), never by importing vLLM.
+"""vLLM's surface as the plugin sees it: the names its hooks patch and read, found in a
+package's source code (``ast``), never by importing it.
 
-One reader serves three callers: the start-up check of the hooks a configuration uses
-(:func:`vllm_steer.integrations.hooks.check_hooks`, on the installed vLLM), the script that
-writes a version's manifest (``scripts/vllm_surface.py``, from the installed vLLM or from a
-wheel file, which need not import on this host), and the test that checks
-:data:`vllm_steer.integrations.plugin.HOOKS` against every committed manifest.
+One reader serves three callers: the script that writes a version's manifest
+(``scripts/vllm_surface.py``, from the installed vLLM or from a wheel file, which need not
+import on this host), the start-up check of the hooks a configuration uses when no committed
+manifest describes the installed vLLM (:func:`vllm_steer.integrations.manifest.installed_surface`),
+and the tests that check :data:`vllm_steer.integrations.plugin.HOOKS` and the plugin's own
+attribute reads.
 
 A name is ``module:Qualified.name``. :meth:`Surface.lookup` says what it is:
 
-- ``function`` / ``method`` (with its parameter names), ``class``, ``class attribute`` (an
-  assignment or an annotated field in the class body: dataclass, msgspec and pydantic fields),
-  ``module attribute``;
+- ``function`` / ``method`` / ``staticmethod`` (with its parameter names, :func:`params`),
+  ``property``, ``class``, ``class attribute`` (an assignment or an annotated field in the
+  class body: dataclass, msgspec and pydantic fields), ``module``, ``module attribute``;
 - ``instance attribute``: assigned to ``self.<name>`` in a method of the class or of one of
-  its vLLM base classes (the method is named in ``where``);
-- ``outside vLLM``: the class has a base class from another package (pydantic's
-  ``BaseModel``, ...), which may define it: accepted, not verified.
+  its base classes of the same package (the method is named in ``where``);
+- ``outside vLLM`` (:data:`OUTSIDE`, whichever package is read): imported from another
+  package, or the class has a base class from another package (pydantic's ``BaseModel``,
+  ...), which may define it: accepted, not verified.
 
 Imports are followed (``from x import Name`` and re-exports), and base classes through the
-imports of the module that defines the class. No torch, no vLLM import.
+imports of the module that defines the class. No torch, no import of the package read.
 """
 
 from __future__ import annotations
@@ -29,102 +31,91 @@ import os
 import zipfile
 from typing import Any
 
-#: Format of the manifests ``scripts/vllm_surface.py`` writes
-#: (``vllm_steer/integrations/surfaces/vllm-<version>.json``).
-SURFACE_FORMAT = 1
-#: Where the committed manifests are.
-SURFACES_DIR = os.path.join(os.path.dirname(__file__), "surfaces")
+_DEPTH = 12  # imports, bases and nesting followed at most this deep
+#: The kind of a name another package defines (accepted, not verified).
+OUTSIDE = "outside vLLM"
 
 
 class Sources:
-    """vLLM's Python sources by module name: from a directory (the installed package) or from
-    a wheel file."""
+    """A package's Python sources by module name: from a directory (the installed package) or
+    from a wheel file."""
 
-    def __init__(self, root: str | None = None, wheel: str | None = None) -> None:
-        if wheel is not None:
-            self._zip = zipfile.ZipFile(wheel)
-            self._names = set(self._zip.namelist())
-            self.root = None
-        else:
-            if root is None:
-                spec = importlib.util.find_spec("vllm")  # finds the package, imports nothing
-                if spec is None or not spec.submodule_search_locations:
-                    raise ImportError("vllm is not installed")
-                root = os.path.dirname(list(spec.submodule_search_locations)[0])
-            self.root, self._zip = root, None
+    def __init__(self, root: str | None = None, wheel: str | None = None,
+                 package: str = "vllm") -> None:
+        self.package = package
+        self._zip = zipfile.ZipFile(wheel) if wheel is not None else None
+        self._names = set(self._zip.namelist()) if self._zip is not None else set()
+        if self._zip is None and root is None:
+            spec = importlib.util.find_spec(package)  # finds the package, imports nothing
+            if spec is None or not spec.submodule_search_locations:
+                raise ImportError(f"{package} is not installed")
+            root = os.path.dirname(list(spec.submodule_search_locations)[0])
+        self.root = root
         self._text: dict[str, str | None] = {}
+
+    def _read(self, rel: str) -> str | None:
+        if self._zip is not None:
+            return self._zip.read(rel).decode("utf-8") if rel in self._names else None
+        path = os.path.join(self.root, rel)
+        if not os.path.isfile(path):
+            return None
+        with open(path, encoding="utf-8") as f:
+            return f.read()
 
     def text(self, module: str) -> str | None:
         """The source of ``module`` (a package's ``__init__.py``), or None."""
         if module not in self._text:
             base = module.replace(".", "/")
-            found = None
-            for rel in (base + ".py", base + "/__init__.py"):
-                if self._zip is not None:
-                    if rel in self._names:
-                        found = self._zip.read(rel).decode("utf-8")
-                        break
-                else:
-                    path = os.path.join(self.root, rel)
-                    if os.path.isfile(path):
-                        with open(path, encoding="utf-8") as f:
-                            found = f.read()
-                        break
-            self._text[module] = found
+            found = self._read(base + ".py")
+            self._text[module] = found if found is not None else self._read(base + "/__init__.py")
         return self._text[module]
 
     def is_package(self, module: str) -> bool:
         rel = module.replace(".", "/") + "/__init__.py"
-        if self._zip is not None:
-            return rel in self._names
-        return os.path.isfile(os.path.join(self.root, rel))
+        return rel in self._names if self._zip is not None else \
+            os.path.isfile(os.path.join(self.root, rel))
 
     def version(self) -> str | None:
-        """The version this source tree says it is (``vllm/_version.py``)."""
-        text = self.text("vllm._version")
-        if text is None:
-            return None
-        for node in ast.parse(text).body:
+        """The version this source tree says it is (``<package>/_version.py``)."""
+        text = self.text(self.package + "._version")
+        for node in ast.parse(text).body if text is not None else ():
             if isinstance(node, (ast.Assign, ast.AnnAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                names = {t.id for t in targets if isinstance(t, ast.Name)}
+                names = {t.id for t in _targets(node) if isinstance(t, ast.Name)}
                 if names & {"__version__", "version"} and isinstance(node.value, ast.Constant):
                     return str(node.value.value)
         return None
 
 
-def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
-    """Parameter names as they bind: ``/`` after positional-only ones, ``*name``, a bare
-    ``*`` before keyword-only ones, ``**name``."""
+def params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """A function's parameter names as they bind (the one formatter): ``/`` after
+    positional-only ones, ``*name``, a bare ``*`` before keyword-only ones, ``**name``."""
     a = fn.args
-    out = [p.arg for p in a.posonlyargs]
-    if a.posonlyargs:
-        out.append("/")
+    out = [p.arg for p in a.posonlyargs] + (["/"] if a.posonlyargs else [])
     out += [p.arg for p in a.args]
     if a.vararg is not None:
         out.append("*" + a.vararg.arg)
     elif a.kwonlyargs:
         out.append("*")
     out += [p.arg for p in a.kwonlyargs]
-    if a.kwarg is not None:
-        out.append("**" + a.kwarg.arg)
-    return out
+    return out + (["**" + a.kwarg.arg] if a.kwarg is not None else [])
 
 
-def bindable(params: list[str]) -> set[str]:
+def bindable(names: list[str]) -> set[str]:
     """The parameter names a caller may pass by keyword (not positional-only, not ``*x``)."""
-    names = [p for p in params if not p.startswith("*")]
-    if "/" in names:
-        names = names[names.index("/") + 1:]
-    return set(names)
+    names = [p for p in names if not p.startswith("*")]
+    return set(names[names.index("/") + 1:] if "/" in names else names)
 
 
 class Surface:
-    """Look names up in vLLM's sources (parsed once each)."""
+    """Look names up in a package's sources (each module parsed once)."""
 
     def __init__(self, sources: Sources) -> None:
         self.sources = sources
         self._trees: dict[str, ast.Module | None] = {}
+
+    @property
+    def version(self) -> str | None:
+        return self.sources.version()
 
     def tree(self, module: str) -> ast.Module | None:
         if module not in self._trees:
@@ -132,196 +123,40 @@ class Surface:
             self._trees[module] = None if text is None else ast.parse(text)
         return self._trees[module]
 
-    # ---- module level --------------------------------------------------------------------
-    def _absolute(self, module: str, node: ast.ImportFrom) -> str:
-        if not node.level:
-            return node.module or ""
-        pkg = module if self.sources.is_package(module) else module.rpartition(".")[0]
-        for _ in range(node.level - 1):
-            pkg = pkg.rpartition(".")[0]
-        return pkg + ("." + node.module if node.module else "")
-
-    def _module_def(self, module: str, name: str, depth: int = 0):
-        """``(module, node)`` defining ``name`` at module level (imports followed), the string
-        ``"outside:<module>"`` for a name imported from another package, or None."""
-        tree = self.tree(module)
-        if tree is None or depth > 8:
-            return None
-        found = None
-        for node in _toplevel(tree.body):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
-                    and node.name == name:
-                found = (module, node)
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-                    found = (module, node)
-            elif isinstance(node, ast.ImportFrom):
-                for alias in node.names:
-                    if (alias.asname or alias.name) == name:
-                        src = self._absolute(module, node)
-                        if not src.startswith("vllm"):
-                            found = "outside:" + src
-                        else:
-                            found = self._module_def(src, alias.name, depth + 1) or (
-                                (src + "." + alias.name, None)
-                                if self.tree(src + "." + alias.name) is not None else None)
-        if found is None and self.tree(module + "." + name) is not None \
-                and self.sources.is_package(module):
-            found = (module + "." + name, None)  # a submodule
-        return found
-
-    # ---- classes -------------------------------------------------------------------------
-    def _bases(self, module: str, cls: ast.ClassDef) -> list:
-        """The class's bases: ``(module, ClassDef)`` for vLLM classes, ``"outside:<name>"``
-        for others."""
-        out = []
-        for b in cls.bases:
-            if isinstance(b, ast.Subscript):  # Generic[T], Base[T]
-                b = b.value
-            dotted = _dotted(b)
-            if dotted is None or dotted in ("object", "Generic", "Protocol", "ABC"):
-                continue
-            head, _, rest = dotted.partition(".")
-            found = self._module_def(module, head)
-            for part in rest.split(".") if rest else ():
-                if isinstance(found, tuple) and found[1] is None:  # a module: its attribute
-                    found = self._module_def(found[0], part)
-                else:
-                    found = None
-            if isinstance(found, tuple) and isinstance(found[1], ast.ClassDef):
-                out.append(found)
-            else:  # another package's class, a builtin, or one built at run time
-                out.append("outside:" + (found[len("outside:"):] + "." + dotted
-                                         if isinstance(found, str) else dotted))
-        return out
-
-    def _class_member(self, module: str, cls: ast.ClassDef, name: str, depth: int = 0):
-        """The entry for ``name`` in the class body of ``cls`` or its bases (class level)."""
-        if depth > 12:
-            return None
-        for node in _toplevel(cls.body):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-                decos = {_dotted(d.func if isinstance(d, ast.Call) else d) for d in
-                         node.decorator_list}
-                if decos & {"property", "functools.cached_property", "cached_property"}:
-                    return {"kind": "property", "where": f"{module}:{cls.name}"}
-                kind = "staticmethod" if "staticmethod" in decos else "method"
-                entry = {"kind": kind, "where": f"{module}:{cls.name}",
-                         "params": _params(node)}
-                return entry
-            if isinstance(node, ast.ClassDef) and node.name == name:
-                return {"kind": "class", "where": f"{module}:{cls.name}"}
-            if isinstance(node, (ast.Assign, ast.AnnAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-                    return {"kind": "class attribute", "where": f"{module}:{cls.name}"}
-        for base in self._bases(module, cls):
-            if isinstance(base, tuple):
-                got = self._class_member(base[0], base[1], name, depth + 1)
-                if got is not None:
-                    return got
-        return None
-
-    def _instance_attr(self, module: str, cls: ast.ClassDef, name: str, depth: int = 0):
-        """Where ``self.<name>`` is assigned in a method of ``cls`` or of its vLLM bases."""
-        if depth > 12:
-            return None
-        for node in _toplevel(cls.body):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not \
-                    node.args.args:
-                continue
-            me = node.args.args[0].arg
-            for sub in ast.walk(node):
-                targets = []
-                if isinstance(sub, ast.Assign):
-                    targets = sub.targets
-                elif isinstance(sub, (ast.AnnAssign, ast.AugAssign)):
-                    targets = [sub.target]
-                for t in targets:
-                    for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
-                        if isinstance(el, ast.Attribute) and el.attr == name and \
-                                isinstance(el.value, ast.Name) and el.value.id == me:
-                            return {"kind": "instance attribute",
-                                    "where": f"{module}:{cls.name}.{node.name}"}
-        for base in self._bases(module, cls):
-            if isinstance(base, tuple):
-                got = self._instance_attr(base[0], base[1], name, depth + 1)
-                if got is not None:
-                    return got
-        return None
-
-    def _outside_bases(self, module: str, cls: ast.ClassDef, depth: int = 0) -> list[str]:
-        out = []
-        for base in self._bases(module, cls):
-            if isinstance(base, str):
-                out.append(base[len("outside:"):])
-            elif depth < 12:
-                out += self._outside_bases(base[0], base[1], depth + 1)
-        return out
-
-    # ---- the one entry point -------------------------------------------------------------
-    def lookup(self, name: str) -> dict[str, Any] | None:
-        """What ``module:Qualified.name`` is in these sources (see the module docstring), or
-        None when it is not there."""
-        module, _, qual = name.partition(":")
-        parts = qual.split(".")
-        found = self._module_def(module, parts[0])
-        if found is None:
-            return None
-        if isinstance(found, str):
-            return {"kind": "outside vLLM", "where": found[len("outside:"):]}
-        mod, node = found
-        if len(parts) == 1:
-            return _entry(mod, node, parts[0])
-        for i, part in enumerate(parts[1:], 1):
-            last = i == len(parts) - 1
-            if node is None:  # a module
-                got = self._module_def(mod, part)
-                if got is None or isinstance(got, str):
-                    return None if got is None else {"kind": "outside vLLM",
-                                                     "where": got[len("outside:"):]}
-                mod, node = got
-                if last:
-                    return _entry(mod, node, part)
-                continue
-            if not isinstance(node, ast.ClassDef):
-                return None
-            entry = self._class_member(mod, node, part)
-            if entry is None and last:
-                entry = self._instance_attr(mod, node, part)
-            if entry is None:
-                outside = self._outside_bases(mod, node)
-                if outside and last:
-                    return {"kind": "outside vLLM", "where": ", ".join(outside)}
-                return None
-            if last:
-                return entry
-            if entry["kind"] != "class":
-                return None
-            inner = [n for n in node.body if isinstance(n, ast.ClassDef) and n.name == part]
-            node = inner[0] if inner else None
-            if node is None:
-                return None
-        return None
-
-    def function_node(self, name: str):
-        """``(module, FunctionDef)`` of a function or method ``module:Qualified.name``."""
+    # ---- the one lookup ------------------------------------------------------------------
+    def find(self, name: str) -> tuple[dict[str, Any], Any] | None:
+        """``(entry, node)`` of ``module:Qualified.name`` (the ``ast`` node defining it, or
+        None for what has none: a module, an instance attribute, a name outside the
+        package), or None when these sources lack it. Every lookup goes through here."""
         module, _, qual = name.partition(":")
         parts = qual.split(".")
         found = self._module_def(module, parts[0])
         if not isinstance(found, tuple):
-            return None
+            return None if found is None else (_outside(found), None)
         mod, node = found
+        entry = _entry(mod, node)
         for part in parts[1:]:
-            if not isinstance(node, ast.ClassDef):
+            if node is None:  # a module: one of its module-level names
+                found = self._module_def(mod, part)
+                if not isinstance(found, tuple):
+                    return None if found is None else (_outside(found), None)
+                mod, node = found
+                entry = _entry(mod, node)
+            elif isinstance(node, ast.ClassDef):
+                got = self._member(mod, node, part)
+                if got is None:
+                    outside = self._outside_bases(mod, node)
+                    return (_outside(", ".join(outside)), None) \
+                        if outside and part == parts[-1] else None
+                entry, (mod, node) = got
+            else:
                 return None
-            hit = [n for n in _toplevel(node.body) if getattr(n, "name", None) == part]
-            if not hit:
-                return None
-            node = hit[0]
-        return (mod, node) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
-            else None
+        return entry, node
+
+    def lookup(self, name: str) -> dict[str, Any] | None:
+        """What ``module:Qualified.name`` is in these sources (the module docstring), or None."""
+        got = self.find(name)
+        return None if got is None else got[0]
 
     def calls_by_name(self, caller: str, target: str) -> str | None:
         """Whether function ``caller`` reads the name ``target`` patches at call time:
@@ -329,10 +164,11 @@ class Surface:
         global ``name``, or imports ``name`` from that module inside its body and uses it.
         Returns how (``"global"`` / ``"local import"``), or None."""
         tmod, _, tname = target.partition(":")
-        got = self.function_node(caller)
-        if got is None:
+        got = self.find(caller)
+        fn = None if got is None else got[1]
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             return None
-        cmod, fn = got
+        cmod = got[0]["where"].partition(":")[0]
         used, local_from = False, None
         for sub in ast.walk(fn):
             if isinstance(sub, ast.Name) and sub.id == tname and isinstance(sub.ctx, ast.Load):
@@ -347,185 +183,122 @@ class Surface:
             return "local import" if local_from == (tmod, tname) else None
         return "global" if cmod == tmod else None
 
+    # ---- module level --------------------------------------------------------------------
+    def _absolute(self, module: str, node: ast.ImportFrom) -> str:
+        if not node.level:
+            return node.module or ""
+        pkg = module if self.sources.is_package(module) else module.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            pkg = pkg.rpartition(".")[0]
+        return pkg + ("." + node.module if node.module else "")
 
-class LiveSurface:
-    """The same answers as :class:`Surface`, from the imported vLLM (the start-up check: its
-    modules are imported by then, and this costs no parsing): class-level names with
-    ``inspect.getattr_static`` and the class annotations (dataclass, msgspec and pydantic
-    fields), instance attributes from the methods' byte code (a ``STORE_ATTR`` of the name in
-    a method of the class or a base), signatures with ``inspect.signature``, and the calls
-    through a patched name from the caller's byte code."""
-
-    def _resolve(self, name: str):
-        import importlib
-
-        module, _, qual = name.partition(":")
-        obj = importlib.import_module(module)
-        for part in qual.split(".") if qual else ():
-            obj = getattr(obj, part)
-        return obj
-
-    def lookup(self, name: str) -> dict[str, Any] | None:
-        import inspect
-
-        owner_name, _, last = name.rpartition(".") if "." in name.partition(":")[2] \
-            else (name.partition(":")[0] + ":", "", name.partition(":")[2])
-        try:
-            owner = self._resolve(owner_name.rstrip(":"))
-        except (ImportError, AttributeError):
+    def _module_def(self, module: str, name: str, depth: int = 0):
+        """``(module, node)`` defining ``name`` at module level (imports followed; node None
+        for a submodule), the string ``"<package>.<module>"`` for a name imported from another
+        package, or None."""
+        tree = self.tree(module)
+        if tree is None or depth > _DEPTH:
             return None
-        if not inspect.isclass(owner):
-            if not hasattr(owner, last):
-                return None
-            obj = getattr(owner, last)
-            entry = {"kind": "class" if inspect.isclass(obj) else "function" if callable(obj)
-                     else "module" if inspect.ismodule(obj) else "module attribute"}
-            if entry["kind"] == "function":
-                entry["params"] = _live_params(obj)
-            return entry
-        try:
-            raw = inspect.getattr_static(owner, last)
-        except AttributeError:
-            raw = None
-        else:
-            if isinstance(raw, property):
-                return {"kind": "property"}
-            fn = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
-            if inspect.isfunction(fn):
-                return {"kind": "staticmethod" if isinstance(raw, staticmethod) else "method",
-                        "params": _live_params(fn)}
-            return {"kind": "class" if inspect.isclass(raw) else "class attribute"}
-        mro = [k for k in owner.__mro__ if k is not object]
-        if any(last in vars(k).get("__annotations__", {}) for k in mro) or \
-                last in (getattr(owner, "__struct_fields__", None) or ()):
-            return {"kind": "class attribute"}
-        for k in mro:
-            if not k.__module__.startswith("vllm"):
+        found = None
+        for node in _toplevel(tree.body):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if node.name == name:
+                    found = (module, node)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                if any(isinstance(t, ast.Name) and t.id == name for t in _targets(node)):
+                    found = (module, node)
+            elif isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    if (alias.asname or alias.name) == name:
+                        found = self._imported(self._absolute(module, node), alias.name, depth)
+        if found is None and self.sources.is_package(module) \
+                and self.tree(module + "." + name) is not None:
+            found = (module + "." + name, None)  # a submodule
+        return found
+
+    def _imported(self, src: str, name: str, depth: int):
+        if src.partition(".")[0] != self.sources.package:
+            return src
+        got = self._module_def(src, name, depth + 1)
+        if got is None and self.tree(src + "." + name) is not None:
+            got = (src + "." + name, None)
+        return got
+
+    # ---- classes -------------------------------------------------------------------------
+    def _bases(self, module: str, cls: ast.ClassDef) -> list:
+        """The class's bases: ``(module, ClassDef)`` for this package's classes,
+        ``"<dotted name>"`` for others (another package's, a builtin, one built at run time)."""
+        out = []
+        for b in cls.bases:
+            dotted = _dotted(b.value if isinstance(b, ast.Subscript) else b)  # Base[T]
+            if dotted is None or dotted in ("object", "Generic", "Protocol", "ABC"):
                 continue
-            for attr, value in vars(k).items():
-                if _stores(value, last):
-                    return {"kind": "instance attribute", "where": f"{k.__module__}:"
-                            f"{k.__qualname__}.{attr}"}
-        outside = [k for k in mro if not k.__module__.startswith("vllm")]
-        if outside:
-            return {"kind": "outside vLLM", "where": ", ".join(
-                f"{k.__module__}.{k.__qualname__}" for k in outside)}
+            head, _, rest = dotted.partition(".")
+            found = self._module_def(module, head)
+            for part in rest.split(".") if rest else ():
+                found = self._module_def(found[0], part) \
+                    if isinstance(found, tuple) and found[1] is None else None
+            if isinstance(found, tuple) and isinstance(found[1], ast.ClassDef):
+                out.append(found)
+            else:
+                out.append(found + "." + dotted if isinstance(found, str) else dotted)
+        return out
+
+    def _member(self, module: str, cls: ast.ClassDef, name: str):
+        """``(entry, (module, node))`` of ``name`` on ``cls``: in its body or a base's, else
+        assigned to ``self.<name>`` in a method of it or of a base."""
+        return self._in_body(module, cls, name, 0) or self._assigned(module, cls, name, 0)
+
+    def _in_body(self, module: str, cls: ast.ClassDef, name: str, depth: int):
+        for node in _toplevel(cls.body):
+            hit = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
+                and node.name == name or isinstance(node, (ast.Assign, ast.AnnAssign)) \
+                and any(isinstance(t, ast.Name) and t.id == name for t in _targets(node))
+            if hit:
+                return _entry(module, node, cls.name), (module, node)
+        return self._in_bases(module, cls, name, depth, self._in_body)
+
+    def _assigned(self, module: str, cls: ast.ClassDef, name: str, depth: int):
+        for fn in _toplevel(cls.body):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.args.args:
+                continue
+            me = fn.args.args[0].arg
+            for sub in ast.walk(fn):
+                targets = _targets(sub) if isinstance(sub, (ast.Assign, ast.AnnAssign,
+                                                            ast.AugAssign)) else ()
+                for t in targets:
+                    for el in t.elts if isinstance(t, ast.Tuple) else [t]:
+                        if isinstance(el, ast.Attribute) and el.attr == name and \
+                                isinstance(el.value, ast.Name) and el.value.id == me:
+                            return {"kind": "instance attribute",
+                                    "where": f"{module}:{cls.name}.{fn.name}"}, (module, el)
+        return self._in_bases(module, cls, name, depth, self._assigned)
+
+    def _in_bases(self, module, cls, name, depth, search):
+        if depth >= _DEPTH:
+            return None
+        for base in self._bases(module, cls):
+            got = search(base[0], base[1], name, depth + 1) if isinstance(base, tuple) else None
+            if got is not None:
+                return got
         return None
 
-    def calls_by_name(self, caller: str, target: str) -> str | None:
-        import dis
-        import inspect
-
-        tmod, _, tname = target.partition(":")
-        try:
-            fn = inspect.unwrap(self._resolve(caller))
-        except (ImportError, AttributeError):
-            return None
-        code = getattr(fn, "__code__", None)
-        if code is None or tname not in code.co_names:
-            return None
-        ops = list(dis.get_instructions(code))
-        for i, op in enumerate(ops):
-            if op.opname == "IMPORT_FROM" and op.argval == tname:
-                mods = [o.argval for o in ops[:i] if o.opname == "IMPORT_NAME"]
-                return "local import" if mods and mods[-1] == tmod else None
-        if fn.__module__ == tmod and any(o.opname == "LOAD_GLOBAL" and o.argval == tname
-                                         for o in ops):
-            return "global"
-        return None
+    def _outside_bases(self, module: str, cls: ast.ClassDef, depth: int = 0) -> list[str]:
+        out = []
+        for base in self._bases(module, cls):
+            if isinstance(base, str):
+                out.append(base)
+            elif depth < _DEPTH:
+                out += self._outside_bases(base[0], base[1], depth + 1)
+        return out
 
 
-def _live_params(fn) -> list[str]:
-    import inspect
-
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return []
-    out, kinds = [], inspect.Parameter
-    saw_kwonly_marker = False
-    params = list(sig.parameters.values())
-    for i, p in enumerate(params):
-        if p.kind is kinds.VAR_POSITIONAL:
-            out.append("*" + p.name)
-            saw_kwonly_marker = True
-            continue
-        if p.kind is kinds.VAR_KEYWORD:
-            out.append("**" + p.name)
-            continue
-        if p.kind is kinds.KEYWORD_ONLY and not saw_kwonly_marker:
-            out.append("*")
-            saw_kwonly_marker = True
-        out.append(p.name)
-        if p.kind is kinds.POSITIONAL_ONLY and (i + 1 == len(params) or params[i + 1].kind
-                                                 is not kinds.POSITIONAL_ONLY):
-            out.append("/")
-    return out
+def _outside(where: str) -> dict[str, Any]:
+    return {"kind": OUTSIDE, "where": where}
 
 
-def _stores(value, name: str) -> bool:
-    """Whether a class member (function, property, static/class method) assigns
-    ``<first argument>.<name>``: a ``STORE_ATTR name`` in its byte code."""
-    import dis
-    import inspect
-
-    fns = [value.fget, value.fset] if isinstance(value, property) else \
-        [value.__func__] if isinstance(value, (staticmethod, classmethod)) else [value]
-    for fn in fns:
-        fn = inspect.unwrap(fn) if inspect.isfunction(fn) else fn
-        code = getattr(fn, "__code__", None)
-        if code is None or name not in code.co_names:
-            continue
-        if any(op.opname == "STORE_ATTR" and op.argval == name
-               for op in dis.get_instructions(code)):
-            return True
-    return False
-
-
-class ManifestSurface:
-    """A committed manifest (``scripts/vllm_surface.py``) answering as :class:`Surface`."""
-
-    def __init__(self, manifest: dict) -> None:
-        if manifest.get("format") != SURFACE_FORMAT:
-            raise ValueError(f"surface manifest format {manifest.get('format')!r}, expected "
-                             f"{SURFACE_FORMAT}: regenerate it with scripts/vllm_surface.py")
-        self.version = manifest["vllm"]
-        self.names = manifest["names"]
-        self.calls = manifest["calls"]
-
-    def lookup(self, name: str):
-        if name not in self.names:
-            raise KeyError(f"the manifest of vLLM {self.version} has no entry for {name}: "
-                           "regenerate it with scripts/vllm_surface.py")
-        entry = self.names[name]
-        if entry is not None and isinstance(entry.get("params"), str):
-            entry = dict(entry, params=[p for p in entry["params"].split(", ") if p])
-        return entry
-
-    def calls_by_name(self, caller: str, target: str):
-        key = call_key(caller, target)
-        if key not in self.calls:
-            raise KeyError(f"the manifest of vLLM {self.version} has no entry for {key}: "
-                           "regenerate it with scripts/vllm_surface.py")
-        return self.calls[key]
-
-
-def call_key(caller: str, target: str) -> str:
-    """A manifest's key of "does ``caller`` call ``target`` through its patched name"."""
-    return f"{caller} -> {target}"
-
-
-def load_manifests() -> list[dict]:
-    """Every committed manifest, oldest vLLM first."""
-    import json
-
-    out = []
-    for name in sorted(os.listdir(SURFACES_DIR)) if os.path.isdir(SURFACES_DIR) else ():
-        if name.startswith("vllm-") and name.endswith(".json"):
-            with open(os.path.join(SURFACES_DIR, name), encoding="utf-8") as f:
-                out.append(json.load(f))
-    return sorted(out, key=lambda m: tuple(int(x) for x in m["vllm"].split(".")[:3]
-                                           if x.isdigit()))
+def _targets(node) -> list:
+    return node.targets if isinstance(node, ast.Assign) else [node.target]
 
 
 def _toplevel(body):
@@ -551,11 +324,18 @@ def _dotted(node) -> str | None:
     return None
 
 
-def _entry(module: str, node, name: str) -> dict[str, Any]:
+def _entry(module: str, node, cls: str | None = None) -> dict[str, Any]:
+    """What ``node`` (defined in ``module``, in the body of class ``cls`` if given) is."""
+    where = f"{module}:{cls}" if cls else module
     if node is None:
         return {"kind": "module", "where": module}
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return {"kind": "function", "where": module, "params": _params(node)}
+        decos = {_dotted(d.func if isinstance(d, ast.Call) else d) for d in node.decorator_list}
+        if cls and decos & {"property", "functools.cached_property", "cached_property"}:
+            return {"kind": "property", "where": where}
+        kind = "function" if not cls else "staticmethod" if "staticmethod" in decos \
+            else "method"
+        return {"kind": kind, "where": where, "params": params(node)}
     if isinstance(node, ast.ClassDef):
-        return {"kind": "class", "where": module}
-    return {"kind": "module attribute", "where": module}
+        return {"kind": "class", "where": where}
+    return {"kind": "class attribute" if cls else "module attribute", "where": where}

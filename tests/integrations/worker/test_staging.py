@@ -179,6 +179,9 @@ def test_batch_sharded_sampling_copies_its_row_slots_from_pinned_memory(fake_cud
         def shard_sampler_inputs(self, b, grammar_output):
             return b, sorted_idx, grammar_output, None
 
+    from vllm_steer.integrations.hooks import wrap_method
+
+    wrap_method(Sharder, "shard_sampler_inputs", v2.shard_sampler_inputs)  # as HOOKS does
     sharder = Sharder()
     sources = []
     with v2._sorted_rows(sharder, batch, sources.append):

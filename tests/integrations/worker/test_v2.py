@@ -353,6 +353,7 @@ class Model:
 runner = object.__new__(GPUModelRunner)
 runner.vllm_config, runner.batch_sharder, runner.model = cfg, sharder, Model()
 wrap_method(GPUModelRunner, "sample", v2.sample)
+wrap_method(BatchSharder, "shard_sampler_inputs", v2.shard_sampler_inputs)
 hidden = torch.randn(10, 64, generator=torch.Generator().manual_seed(0))
 try:
     GPUModelRunner.sample(runner, hidden, batch, None)

@@ -92,7 +92,7 @@ def _run_op(core, op: str, kwargs: dict | None = None) -> dict:
         workers = _workers(core, "stats")
         stats = {**reg.stats(), "op": op_totals(workers)}
         return {"enabled": True, "steers": reg.listing(),
-                "stats": stats, "metrics": take_new(core, stats, workers),
+                "stats": stats, "metrics": take_new(st, stats, workers),
                 "workers": workers, "steer_dir": cfg.steer_dir,
                 "enable_updates": cfg.enable_updates, "updates_any_path": cfg.updates_any_path,
                 **st.presets.snapshot()}

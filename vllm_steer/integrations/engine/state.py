@@ -35,6 +35,13 @@ class EngineSteerState:
         """The largest rank a steer loaded at run time may have: what the bank reserved."""
         return self.config.reserved_rank(self.startup_ranks) if self.config else 0
 
+    engine: int = 0
+    """This engine core's data-parallel rank (vLLM's ``EngineCore.engine_index``; 0 without
+    data parallelism), which names its answers and metrics."""
+    metrics_sent: dict | None = None
+    """The metric values already handed out to the API servers
+    (:func:`vllm_steer.metrics.take_new`; None before the first ``list``)."""
+
 
 #: Each engine core's :class:`EngineSteerState`, kept beside it (nothing is set on vLLM's
 #: objects).
@@ -42,8 +49,14 @@ STATES: SideTable[EngineSteerState] = SideTable()
 
 
 def attach(core, st: EngineSteerState) -> EngineSteerState:
-    """Give an engine core this state (tests build engine cores by hand)."""
+    """Give an engine core this state, numbered as the core is (tests build engine cores by
+    hand)."""
+    st.engine = _engine_index(core)
     return STATES.set(core, st)
+
+
+def _engine_index(core) -> int:
+    return int(getattr(core, "engine_index", 0) or 0)
 
 
 def engine_state(core) -> EngineSteerState:
@@ -55,8 +68,9 @@ def engine_state(core) -> EngineSteerState:
     from vllm_steer.integrations.families import head_input_size
 
     cfg = SteerServerConfig.from_additional_config(core.vllm_config.additional_config)
+    engine = _engine_index(core)
     if cfg is None or not cfg.enabled:
-        st = EngineSteerState(cfg, None, 0)
+        st = EngineSteerState(cfg, None, 0, engine=engine)
     else:
         reg = SteerRegistry(cfg.capacity)
         ranks = []
@@ -67,5 +81,5 @@ def engine_state(core) -> EngineSteerState:
                                                 SOURCE_STARTUP))
         reg.counters["loads"] = 0  # start-up steers are not run-time loads
         st = EngineSteerState(cfg, reg, head_input_size(core.vllm_config.model_config),
-                              startup_ranks=tuple(ranks))
+                              startup_ranks=tuple(ranks), engine=engine)
     return STATES.set(core, st)

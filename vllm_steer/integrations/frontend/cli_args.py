@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 from vllm_steer.config import DEFAULT_MAX_STRENGTH, SteerServerConfig, parse_steer_arg
-from vllm_steer.integrations.hooks import check_hooks
+from vllm_steer.integrations.hook_check import check_hooks
 from vllm_steer.logs import get_logger
 
 logger = get_logger()

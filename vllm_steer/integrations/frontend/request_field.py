@@ -133,21 +133,26 @@ def refuse_steered_beam_search(request) -> None:
 
 def input_processor_init(orig, self, vllm_config, *a, **kw):
     """``InputProcessor.__init__``: every frontend process (also each of `--api-server-count N`)
-    learns the steer names and limits from its own config, for admission. Without our logits
-    processor (no steers loaded), the steer field is still checked there: a request asking for
-    a non-zero steer is refused, never served unsteered."""
+    learns the steer names and limits from its own config, for admission."""
     from vllm_steer.integrations.families import head_input_size
 
     st = frontend_state()
     st.reset(SteerServerConfig.from_additional_config(vllm_config.additional_config))
     st.hidden_size = int(head_input_size(vllm_config.model_config) or 0)
     orig(self, vllm_config, *a, **kw)
-    procs = [str(p) for p in (vllm_config.model_config.logits_processors or [])]
-    if processor_fqcn(vllm_config) not in procs:
-        inner = self.validate_logits_processors_params
 
-        def validate(params):
-            admission.validate(params)
-            inner(params)
 
-        self.validate_logits_processors_params = validate
+def params_validator(orig, self, *a, **kw):
+    """``InputProcessor._build_logits_processors_params_validator``: without our logits
+    processor (no steers loaded), the steer field is still checked at admission: a request
+    asking for a non-zero steer is refused, never served unsteered."""
+    inner = orig(self, *a, **kw)
+    procs = [str(p) for p in (self.vllm_config.model_config.logits_processors or [])]
+    if processor_fqcn(self.vllm_config) in procs:
+        return inner
+
+    def validate(params):
+        admission.validate(params)
+        inner(params)
+
+    return validate

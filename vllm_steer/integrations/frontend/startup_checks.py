@@ -20,7 +20,7 @@ from __future__ import annotations
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.integrations.frontend.cli_args import check_policy_config
 from vllm_steer.integrations.frontend.state import frontend_state
-from vllm_steer.integrations.hooks import check_hooks
+from vllm_steer.integrations.hook_check import check_hooks
 from vllm_steer.logs import get_logger
 
 logger = get_logger()

@@ -152,7 +152,7 @@ def load_model(orig, self, vllm_config, *a, **kw):
     checked to be the steered head (:func:`check_head_installed`), then the head's CUDA graphs
     are captured (:meth:`SteerRuntime.model_loaded`), before vLLM sizes the KV cache."""
     from vllm_steer.config import SteerServerConfig
-    from vllm_steer.integrations.hooks import check_hooks
+    from vllm_steer.integrations.hook_check import check_hooks
 
     model = orig(self, vllm_config, *a, **kw)
     cfg = SteerServerConfig.from_additional_config(vllm_config.additional_config)

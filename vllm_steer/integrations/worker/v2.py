@@ -187,31 +187,43 @@ def _host_rows(rt, runner, input_batch):
     return slots, np.repeat(last - counts + 1, counts) + local
 
 
+#: Each sharder's pending row mapping while its runner's ``sample()`` runs (by ``id``):
+#: ``(token_slots, set_rows)``, read by :func:`shard_sampler_inputs`.
+_SHARDING: dict[int, tuple] = {}
+
+
 @contextlib.contextmanager
 def _sorted_rows(sharder, input_batch, set_rows):
     """Give ``set_rows`` the owner-sorted logits indices the sharder returns as the rows'
-    device mapping (:class:`MappedRows` with no host copy: gathered on the device)."""
+    device mapping (:class:`MappedRows` with no host copy: gathered on the device), through
+    the hook on ``BatchSharder.shard_sampler_inputs`` (:func:`shard_sampler_inputs`)."""
     qsl = input_batch.query_start_loc_np
     token_slots = np.repeat(input_batch.idx_mapping_np, np.diff(qsl[: input_batch.num_reqs + 1]))
-    orig = sharder.shard_sampler_inputs
-
-    def shard_sampler_inputs(batch, grammar_output):
-        out = orig(batch, grammar_output)
-        sorted_idx = out[1] if isinstance(out, tuple) and len(out) == 4 else None
-        if not isinstance(sorted_idx, torch.Tensor) or sorted_idx.dtype.is_floating_point:
-            raise RuntimeError(
-                "vllm-steer: BatchSharder.shard_sampler_inputs no longer returns (batch, "
-                "sorted_logits_indices, grammar_output, metadata) in this vLLM; steered rows "
-                "cannot be matched to requests. Run without --enable-batch-sharded-sampling")
-        slots = to_device(token_slots, sorted_idx.device)  # pinned: a pageable copy syncs
-        set_rows(MappedRows(mapping=slots[sorted_idx.long()]))
-        return out
-
-    sharder.shard_sampler_inputs = shard_sampler_inputs  # this step only
+    _SHARDING[id(sharder)] = (token_slots, set_rows)  # this step only
     try:
         yield
     finally:
-        del sharder.shard_sampler_inputs
+        _SHARDING.pop(id(sharder), None)
+
+
+def shard_sampler_inputs(orig, self, *args, **kwargs):
+    """``BatchSharder.shard_sampler_inputs`` (V2, batch-sharded sampling): inside a steered
+    ``sample()`` (:func:`_sorted_rows`), map each owner-sorted logits row to its request's
+    slot; otherwise vLLM's own call, untouched (one dictionary read)."""
+    out = orig(self, *args, **kwargs)
+    pending = _SHARDING.get(id(self))
+    if pending is None:
+        return out
+    token_slots, set_rows = pending
+    sorted_idx = out[1] if isinstance(out, tuple) and len(out) == 4 else None
+    if not isinstance(sorted_idx, torch.Tensor) or sorted_idx.dtype.is_floating_point:
+        raise RuntimeError(
+            "vllm-steer: BatchSharder.shard_sampler_inputs no longer returns (batch, "
+            "sorted_logits_indices, grammar_output, metadata) in this vLLM; steered rows "
+            "cannot be matched to requests. Run without --enable-batch-sharded-sampling")
+    slots = to_device(token_slots, sorted_idx.device)  # pinned: a pageable copy syncs
+    set_rows(MappedRows(mapping=slots[sorted_idx.long()]))
+    return out
 
 
 def _prompt_row_slots(input_batch) -> np.ndarray:

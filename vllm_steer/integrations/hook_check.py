@@ -1,0 +1,108 @@
+"""The start-up check: which hook groups a configuration uses, and whether the installed vLLM
+still has everything those groups need.
+
+:func:`check_hooks` (called wherever steers are configured) refuses to steer only when a
+group the configuration uses (:func:`groups_used`) is unavailable, naming the vLLM version,
+the group and the hook: a target :func:`~vllm_steer.integrations.hooks.install_hooks` did not
+find, or, on the installed vLLM's surface
+(:func:`~vllm_steer.integrations.manifest.installed_surface`: its committed manifest, else the
+``ast`` reader on its source), a name the wrappers read, a parameter they bind by name, or a
+call through a patched imported name that is gone. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from vllm_steer.integrations.hooks import (_INSTALLED, _MISSING_BY_GROUP, ALWAYS, ENGINE,
+                                           FRONTEND, V1, V1_LENS, V1_SPEC, V2, V2_LENS, V2_SPEC,
+                                           Hook, HookGroup)
+from vllm_steer.integrations.supported import SUPPORTED_VLLM
+
+
+class MissingHookError(RuntimeError):
+    """A vLLM attribute the plugin hooks into is missing (another vLLM version)."""
+
+
+_SURFACE: dict[str, list[str]] = {}  # group name -> what check_surface found wrong (cached)
+
+
+def groups_used(vllm_config=None) -> tuple[HookGroup, ...]:
+    """The hook groups a configuration uses: the frontend, engine and worker groups, its model
+    runner's (vLLM's ``use_v2_model_runner``, decided by ``VLLM_USE_V2_MODEL_RUNNER`` and the
+    platform) with its steered prompt logprobs, and that runner's speculative decoding when a
+    ``speculative_config`` is set. Without a config (the CLI, before vLLM builds it): the
+    frontend and engine groups; the rest is checked when vLLM creates the engine config."""
+    if vllm_config is None:
+        return (FRONTEND, ENGINE)
+    v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
+    used = [*ALWAYS, *((V2, V2_LENS) if v2 else (V1, V1_LENS))]
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        used.append(V2_SPEC if v2 else V1_SPEC)
+    return tuple(used)
+
+
+def check_hooks(vllm_config=None) -> None:
+    """Raise :class:`MissingHookError` if a hook group this configuration uses
+    (:func:`groups_used`) lacks a patch point, a name its wrappers read, a parameter they
+    bind by name, or a call through a patched imported name (called when steers are
+    configured: at config creation, in ``from_cli_args`` and in each worker). The other
+    groups may be unavailable: nothing that runs needs them."""
+    from vllm_steer.integrations.manifest import installed_version
+
+    for group in groups_used(vllm_config):
+        problems = list(_MISSING_BY_GROUP.get(group.name, ())) or check_surface(group)
+        if problems:
+            raise MissingHookError(
+                f"vllm-steer: cannot steer on vLLM {installed_version()}: it moved or removed "
+                f"{len(problems)} patch point(s) of the plugin that this configuration needs "
+                f"(hook group {group.name!r}, for {group.needed_by}): {'; '.join(problems)}. "
+                f"This vllm-steer supports vllm{SUPPORTED_VLLM}; {group.fix}install a supported "
+                "vLLM, or serve without --steer")
+
+
+def check_surface(group: HookGroup) -> list[str]:
+    """What the installed vLLM lacks of the installed hooks of ``group``
+    (:func:`surface_problems` on :func:`~vllm_steer.integrations.manifest.installed_surface`).
+    Checked once per process and group."""
+    if group.name not in _SURFACE:
+        from vllm_steer.integrations.manifest import installed_surface
+
+        surface = installed_surface(_INSTALLED)
+        _SURFACE[group.name] = [p for h in _INSTALLED if h.group is group
+                                for p in surface_problems(h, surface)]
+    return _SURFACE[group.name]
+
+
+def surface_problems(hook: Hook, surface) -> list[str]:
+    """What ``surface`` (a vLLM release's: its committed manifest,
+    :class:`~vllm_steer.integrations.manifest.ManifestSurface`, or the ``ast`` reader on its
+    source) lacks of ``hook``, at the target's name in that release (:meth:`Hook.target_for`)."""
+    from vllm_steer.integrations.surface import OUTSIDE, bindable
+
+    target = hook.target_for(surface.version)
+    if target is None:
+        return [f"{hook.target} ({hook.purpose}): no name declared for vLLM {surface.version} "
+                f"(declared: {'; '.join(f'{t.target} in {t.versions}' for t in hook.targets)})"]
+    out = []
+    where = f"{target} ({hook.purpose})"
+    entry = surface.lookup(target)
+    if entry is None:
+        return [f"{where}: not found"]
+    if hook.params:
+        params = entry.get("params")
+        if params is None and entry.get("kind") != OUTSIDE:
+            out.append(f"{where}: no signature to bind {', '.join(hook.params)} by name")
+        elif params is not None:
+            lost = [p for p in hook.params if p not in bindable(params)]
+            if lost:
+                out.append(f"{where}: its signature ({', '.join(params)}) has no parameter "
+                           f"{', '.join(lost)}, which the plugin binds by name")
+    for name in hook.reads:
+        if surface.lookup(name) is None:
+            pkg = "vLLM" if name.partition(":")[0].partition(".")[0] == "vllm" else \
+                f"installed {name.partition('.')[0]}"
+            out.append(f"{where}: reads {name}, which this {pkg} does not have")
+    for caller in hook.called_by:
+        if surface.calls_by_name(caller, target) is None:
+            out.append(f"{where}: {caller} no longer calls it through the name the plugin "
+                       "patches, so the patch would never run")
+    return out
