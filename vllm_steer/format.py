@@ -50,6 +50,13 @@ FILE_SUFFIX = ".safetensors"
 DomainMode = Literal["none", "with_steer"]
 _SAFETENSORS_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 
+#: ``labels`` key naming the side of a steer that moves towards harmful text: ``"negative"``
+#: (a detox steer: negative strengths make text toxic) or ``"positive"``. Pages that show a
+#: steer to people (the playground) keep that side out of view until the user asks for it.
+LABEL_HARMFUL = "harmful"
+#: The values ``labels["harmful"]`` may take.
+HARMFUL_SIDES = ("negative", "positive")
+
 # ---- limits (documented in docs/format.md) -------------------------------------------------
 #: Largest safetensors header (JSON) a steer file may have, in bytes.
 MAX_HEADER_BYTES = 1 << 20
@@ -92,7 +99,9 @@ class SteerMetadata:
     epsilon: float = DEFAULT_EPSILON
     """Unit of strength: a request strength ``s`` applies ``s * epsilon``."""
     labels: dict[str, str] = field(default_factory=dict)
-    """What positive and negative strengths move towards, e.g. ``{"positive": "non-toxic"}``."""
+    """What positive and negative strengths move towards, e.g. ``{"positive": "non-toxic",
+    "negative": "toxic"}``; ``"harmful"`` (:data:`LABEL_HARMFUL`) names the side that moves
+    towards harmful text, e.g. ``"negative"`` for a detox steer."""
     domain: DomainMode = "none"
     """How the domain ("dummy") component is applied when serving: ``none`` keeps it for
     reference only; ``with_steer`` adds it at ``domain_strength`` whenever the steer is used
@@ -200,6 +209,10 @@ def metadata_problems(d: Any) -> list[str]:
     labels = d.get("labels", {})
     if not (isinstance(labels, dict) and all(isinstance(v, str) for v in labels.values())):
         reasons.append(f"metadata labels={_echo(labels)}, expected an object of strings")
+    elif labels.get(LABEL_HARMFUL, HARMFUL_SIDES[0]) not in HARMFUL_SIDES:
+        reasons.append(f"metadata labels.{LABEL_HARMFUL}={_echo(labels[LABEL_HARMFUL])}, "
+                       f"expected {' or '.join(map(repr, HARMFUL_SIDES))} (the side that "
+                       "moves towards harmful text)")
     for key in ("recipe", "data", "metrics", "source"):
         if not isinstance(d.get(key, {}), dict):
             reasons.append(f"metadata {key}={_echo(d[key])}, expected a JSON object")
@@ -526,6 +539,12 @@ def load_steer(path: str | os.PathLike, device=None, dtype=None) -> Steer:
     if device is not None or dtype is not None:
         steer = steer.to(device=device, dtype=dtype)
     return steer
+
+
+def harmful_side(meta: SteerMetadata) -> str | None:
+    """The side of the steer its file marks harmful (``labels["harmful"]``), or None."""
+    side = (meta.labels or {}).get(LABEL_HARMFUL)
+    return side if side in HARMFUL_SIDES else None
 
 
 def make_steer(p1, p2, name: str, *, base_model: str | None = None,

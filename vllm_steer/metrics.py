@@ -39,7 +39,20 @@ data-parallel rank, as in vLLM's own metrics (``0`` without data parallelism).
 ``vllm_steer:steer_op_calls_total``        counter: steered LM-head calls
 ``vllm_steer:steer_op_seconds_per_step``   gauge: mean device time per timed steered call
                                            since the previous poll, seconds
+``vllm_steer:presets_file_refused``        gauge: 1 while the newest version of the presets
+                                           file is refused (retried every poll) and an older
+                                           one serves, else 0
+``vllm_steer:presets_file_reloads_total``  counter: versions of the presets file loaded (the
+                                           one read at start-up included)
+``vllm_steer:presets_file_refusals_total``  counter: versions of the presets file refused
+                                           (once per version, not per retry)
 =========================================  ==================================================
+
+The presets file's metrics come from the API servers that read the file
+(:class:`vllm_steer.server.presets_route.PresetsFileWatcher`) and carry no ``engine`` label: a
+version loads into every engine core at once. A reload counts once per server (only the API
+server whose read changed the engine core's table counts it); with ``--api-server-count N``
+every API server reads the file, so a refused version counts once in each of them.
 
 The op values are per engine core those of one worker that holds the LM head (tensor
 parallelism: every rank steers the same rows; pipeline parallelism: the last stage).
@@ -61,6 +74,9 @@ OP_SECONDS = "vllm_steer:steer_op_seconds_total"
 OP_HOST_SECONDS = "vllm_steer:steer_op_host_seconds_total"
 OP_CALLS = "vllm_steer:steer_op_calls_total"
 OP_SECONDS_PER_STEP = "vllm_steer:steer_op_seconds_per_step"
+PRESETS_FILE_REFUSED = "vllm_steer:presets_file_refused"
+PRESETS_FILE_RELOADS = "vllm_steer:presets_file_reloads_total"
+PRESETS_FILE_REFUSALS = "vllm_steer:presets_file_refusals_total"
 #: The engine core's registry counters (``SteerRegistry.counters`` keys) -> metric names.
 COUNTERS = {"loads": "vllm_steer:steer_loads_total",
             "unloads": "vllm_steer:steer_unloads_total",
@@ -241,6 +257,15 @@ class SteerMetrics:
         self.op_calls = counter(OP_CALLS, "Steered LM-head calls.")
         self.op_per_step = gauge(OP_SECONDS_PER_STEP, "Mean device time per timed steered "
                                  "call since the previous poll, seconds.", (ENGINE_LABEL,))
+        # the presets file: read by the API servers, loaded into every engine core at once
+        self.file_refused = gauge(PRESETS_FILE_REFUSED, "1 while the newest version of the "
+                                  "presets file is refused (retried every poll) and an older "
+                                  "one serves, else 0.")
+        self.file_reloads = Counter(PRESETS_FILE_RELOADS.removesuffix("_total"),
+                                    "Versions of the presets file loaded.", registry=reg)
+        self.file_refusals = Counter(PRESETS_FILE_REFUSALS.removesuffix("_total"),
+                                     "Versions of the presets file refused (once per "
+                                     "version, not per retry).", registry=reg)
 
     def update(self, listing: dict) -> None:
         """Take a ``list`` control op's answer: the levels, and the increments handed to this
@@ -269,6 +294,18 @@ class SteerMetrics:
         self.op_calls.labels(e).inc(op.get("op_calls", 0))
         if op.get("op_timed_calls", 0) > 0:
             self.op_per_step.labels(e).set(op.get("op_seconds", 0) / op["op_timed_calls"])
+
+
+    def presets_file(self, reloaded: bool = False, refused_new: bool = False,
+                     refused: bool | None = None) -> None:
+        """A read of the presets file: a version ``reloaded`` (it changed the table), a new
+        version ``refused_new``; ``refused``: whether the newest version is refused now."""
+        if reloaded:
+            self.file_reloads.inc()
+        if refused_new:
+            self.file_refusals.inc()
+        if refused is not None:
+            self.file_refused.set(1 if refused else 0)
 
 
 def get_metrics() -> SteerMetrics:

@@ -246,6 +246,8 @@ def _meta_edit(**kw):
     (_edit(_meta_edit(name="n" * 10_000)), "is 10000 characters long; at most 64"),
     (_edit(_meta_edit(hidden_size=True)), "hidden_size=True"),
     (_edit(_meta_edit(labels=[1])), "labels=[1]"),
+    (_edit(_meta_edit(labels={"harmful": "toxic"})),
+     "labels.harmful='toxic', expected 'negative' or 'positive' (the side that moves"),
     (_edit(_meta_edit(format_version="1")), "format_version='1'"),
     (_edit(_meta_edit(recommended_strength=float("inf"))), "recommended_strength=inf"),
 ])
@@ -299,3 +301,18 @@ def test_save_refuses_what_load_would_refuse(tmp_path, meta, fragment):
     with pytest.raises(SteerFileError, match=fragment):
         save_steer(tmp_path / "x.safetensors", s)
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_the_shipped_detox_steer_marks_its_negative_side_harmful():
+    """The playground reads ``labels.harmful`` to keep the toxic side of detox out of view
+    until asked (docs/format.md); the other shipped steer marks no side."""
+    from pathlib import Path
+
+    from vllm_steer.format import LABEL_HARMFUL, harmful_side
+
+    steers = Path(__file__).resolve().parents[2] / "steers"
+    detox = read_metadata(steers / "smollm2-detox.safetensors")
+    assert detox.labels == {"positive": "non-toxic", "negative": "toxic",
+                            LABEL_HARMFUL: "negative"}
+    assert harmful_side(detox) == "negative"
+    assert harmful_side(read_metadata(steers / "smollm2-sentiment.safetensors")) is None

@@ -30,9 +30,11 @@ COUNTER_NAMES = ["vllm_steer:requests_steered_total", "vllm_steer:steer_loads_to
                  "vllm_steer:steer_unloads_total", "vllm_steer:steer_evictions_total",
                  "vllm_steer:steer_load_failures_total", "vllm_steer:steer_op_seconds_total",
                  "vllm_steer:steer_op_host_seconds_total", "vllm_steer:steer_op_calls_total",
-                 "vllm_steer:requests_refused_total"]
+                 "vllm_steer:requests_refused_total",
+                 "vllm_steer:presets_file_reloads_total",
+                 "vllm_steer:presets_file_refusals_total"]
 GAUGE_NAMES = ["vllm_steer:loaded_steers", "vllm_steer:max_steers",
-               "vllm_steer:steer_op_seconds_per_step"]
+               "vllm_steer:steer_op_seconds_per_step", "vllm_steer:presets_file_refused"]
 
 
 def families(text: str) -> dict:

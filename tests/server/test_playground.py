@@ -70,6 +70,8 @@ def server(tmp_path_factory):
         steer = random_steer(64, 8, name, seed=seed, scale=3.0)
         steer.metadata.recommended_strength = rec
         steer.metadata.labels = {"positive": f"more {name}", "negative": f"less {name}"}
+        if name == "detox":  # as the shipped detox steer: its negative side makes text toxic
+            steer.metadata.labels["harmful"] = "negative"
         save_steer(d / f"{name}.safetensors", steer)
     args = [tiny_model_dir, "--served-model-name", "tiny",
             "--steer", f"detox={d / 'detox.safetensors'}",
@@ -205,7 +207,7 @@ def set_field(driver, id_, value):
 # let a column's last delta and its "finished" class both arrive between the two reads: the
 # text was one token short yet the column counted as finished.)
 COLUMNS_JS = """
-return Array.from(document.querySelectorAll('#columns .column'), (col) => ({
+return Array.from(document.querySelectorAll('#columns .column:not(.withheld)'), (col) => ({
   title: col.querySelector('h2').textContent,
   steer: col.getAttribute('data-steer'),
   text: col.querySelector('[data-role=output]').textContent,
@@ -229,6 +231,15 @@ def columns(driver):
             "request": json.loads(re.search(r"-d '(.*)'$", col["request"], re.S)[1]),
         })
     return out
+
+
+def withheld(driver) -> list[dict]:
+    """The columns the page did not generate (a side a steer file marks harmful)."""
+    return driver.execute_script("""
+return Array.from(document.querySelectorAll('#columns .column.withheld'), (col) => ({
+  title: col.querySelector('h2').textContent, steer: JSON.parse(col.getAttribute('data-steer')),
+  why: col.querySelector('[data-role=why]').textContent}));
+""")
 
 
 def settled(driver):
@@ -303,17 +314,41 @@ def test_no_key_is_asked_on_a_server_without_api_key(page, server):
 @pytest.mark.vllm
 @browser
 def test_first_generate_gives_three_steered_columns_as_the_api_returns_them(page, server):
-    """No slider touched: the first press of Generate already shows the recommended steer."""
+    """No slider touched: the first press of Generate already shows the recommended steer, but
+    not the side its file marks harmful (detox's negative side: toxic text): that column says
+    why and is generated only when the user asks for it."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
+    info = requests.get(server + "/v1/steer/info").json()
+    assert info["steers"][0]["labels"]["harmful"] == "negative"  # read from the file
     set_field(page, "prompt", "Once upon a time")
     set_field(page, "max-tokens", MAX_TOKENS)
     # greedy: a sampled token of a random model can flip with the batch's float rounding
     set_field(page, "temperature", 0)
     assert page.find_element(By.ID, "num-detox").get_property("value") == "5"
+    head = page.find_element(By.ID, "desc-detox").text
+    assert "negative side (less detox) marked harmful in the file" in head, head
+    box = page.find_element(By.ID, "show-harmful")
+    assert box.is_displayed() and not box.is_selected()
+    page.execute_script("window.sentBodies = []; const orig = window.fetch; window.fetch = "
+                        "(u, o) => { if (o && o.method === 'POST') window.sentBodies.push("
+                        "JSON.parse(o.body)); return orig(u, o); };")
     page.find_element(By.ID, "generate").click()
     cols = wait(page, settled)
+    assert [c["steer"] for c in cols] == [None, {"detox": 5}]
+    hidden = withheld(page)
+    assert [(h["title"], h["steer"]) for h in hidden] == \
+        [("detox \u22125 (not generated)", {"detox": -5})]
+    assert "detox at \u22125 moves towards less detox" in hidden[0]["why"]
+    assert "marks harmful (labels.harmful)" in hidden[0]["why"]
+    assert "Show sides marked harmful" in hidden[0]["why"]
+    sent = page.execute_script("return window.sentBodies")
+    assert [b.get("steer") for b in sent] == [None, {"detox": 5}]  # nothing asked for -5
+    # the user asks for it: the column's button ticks the box and generates all three
+    page.find_element(By.CSS_SELECTOR, "#columns .withheld button[data-role=show-harmful]").click()
+    cols = wait(page, lambda d: len(columns(d)) == 3 and settled(d))
+    assert page.find_element(By.ID, "show-harmful").is_selected() and not withheld(page)
     assert [c["steer"] for c in cols] == [{"detox": -5}, None, {"detox": 5}]
     assert [c["title"] for c in cols] == ["detox \u22125", "plain", "detox +5"]
     texts = [c["text"] for c in cols]
@@ -490,6 +525,7 @@ def test_recommended_strength_over_the_servers_maximum_starts_capped(page, serve
     set_field(page, "prompt", "Once upon a time")
     set_field(page, "max-tokens", MAX_TOKENS)
     set_field(page, "temperature", 0)
+    page.find_element(By.ID, "show-harmful").click()  # the -20 column too (detox's toxic side)
     page.find_element(By.ID, "generate").click()
     cols = wait(page, settled)
     assert [c["steer"] for c in cols] == [{"detox": -20}, None, {"detox": 20}]

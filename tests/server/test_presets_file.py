@@ -157,24 +157,51 @@ def test_the_files_layer_replaces_as_a_whole_and_takes_names_over():
     got = file_op(t, {"presets": {"house": {"detox": -2}}, "stamp": [12, "d3"], "path": "p"})
     assert got["changed"] and (got["removed"], got["updated"]) == (["kind"], ["house"])
     assert t.snapshot() == {"version": v + 1, "presets": {"house": {"detox": -2.0}},
-                            "from_file": ["house"]}
+                            "from_file": ["house"], "file_stamp": [12, "d3"]}
 
 
 # ---- one API server's reader -----------------------------------------------------------------
 class FakeEngine:
-    """The engine-control calls the reader makes, answered by one engine core's table."""
+    """The engine-control calls the reader makes, answered by one engine core's table;
+    ``steers``: the steers loaded (or files of ``--steer-dir``) as the engine sees them."""
 
-    def __init__(self):
+    def __init__(self, steers=STEERS):
         self.table = PresetTable()
+        self.steers = set(steers)
         self.calls: list[str] = []
 
     async def control(self, engine, op, **kw):
         self.calls.append(op)
         if op == "list":
             return {"enabled": True, "steers": [{"name": n, "state": "ready"}
-                                                for n in sorted(STEERS)]}
+                                                for n in sorted(self.steers)]}
+        if op == "presets":
+            return self.table.snapshot()
         assert op == "preset_file"
         return file_op(self.table, kw, {"tiny": "the served model name"})
+
+
+@pytest.fixture
+def file_metrics(monkeypatch):
+    """The process's steer metrics on a registry of their own; ``read()``: the presets file's
+    three series as ``/metrics`` shows them."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from vllm_steer import metrics
+
+    reg = CollectorRegistry()
+    monkeypatch.setattr(metrics, "_METRICS", metrics.SteerMetrics(reg))
+    names = (metrics.PRESETS_FILE_REFUSED, metrics.PRESETS_FILE_RELOADS,
+             metrics.PRESETS_FILE_REFUSALS)
+
+    def read() -> dict[str, float]:
+        text = generate_latest(reg).decode()
+        got = {s.name: s.value for f in text_string_to_metric_families(text)
+               for s in f.samples if s.name in names}
+        return {n: got.get(n) for n in names}
+
+    return read
 
 
 def test_the_reader_loads_each_new_version_once_and_keeps_the_last_good_one(tmp_path,
@@ -207,9 +234,12 @@ def test_the_reader_loads_each_new_version_once_and_keeps_the_last_good_one(tmp_
     assert check()["ok"] is False
     assert len(errors) == 1 and "unknown steer 'toxic'" in errors[0]
     assert errors[0].endswith("The file was not loaded: the presets in force before stay "
-                              "(house)"), errors[0]
+                              "(house); it is read again every 2 s until a version loads"), \
+        errors[0]
     os.utime(path, ns=(2, 2))
-    assert check() is None and len(errors) == 1  # the same bad version: logged once
+    # the same bad version, touched or not: read again at every poll, logged once
+    assert check()["ok"] is False and check()["ok"] is False and len(errors) == 1
+    assert fake.calls == ["list", "preset_file"] + ["list"] * 3
     os.remove(path)
     assert check()["ok"] is False and "missing" in errors[-1] and len(errors) == 2
     assert fake.table.file == {"house": {"detox": 2.0}}  # still served
@@ -254,3 +284,115 @@ def test_a_presets_file_without_run_time_updates_serves_its_presets(monkeypatch)
         assert r.status_code == 403, r.text
         assert "--enable-steer-updates" in r.json()["error"]["message"]
         assert "--steer-presets-file" in r.json()["error"]["message"]
+
+
+def test_a_refused_version_is_read_again_at_every_poll_until_it_loads(tmp_path, monkeypatch,
+                                                                      file_metrics):
+    """A replica whose volume shows the new steer file after the new presets file: the version
+    is refused while the steer is unknown, read again at every poll, and served once the steer
+    is there; the old version serves meanwhile. ``GET /v1/steer-presets`` and the metrics say
+    which version serves and which is refused, and why."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from vllm_steer.config import SteerServerConfig
+    from vllm_steer.integrations.frontend.state import FrontendState
+    from vllm_steer.server import presets_route
+
+    st = FrontendState()
+    monkeypatch.setattr(presets_route, "frontend_state", lambda: st)
+    fake = FakeEngine({"detox-v1"})
+    monkeypatch.setattr(presets_route, "manage", fake.control)
+    errors: list[str] = []
+    monkeypatch.setattr(presets_route.logger, "error", lambda msg, *a: errors.append(msg % a))
+    path = tmp_path / "presets.json"
+
+    def swap(doc) -> str:
+        """A new version in one step, as docs/deploy.md says: a sibling file renamed over it."""
+        tmp = tmp_path / ".presets.json.tmp"
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, path)
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    v1 = swap({"presets": {"detox-stable": "detox-v1:4"}})
+    cfg = SteerServerConfig(steers={}, steer_dir=str(tmp_path / "none"), presets_file=str(path))
+    st.reset(cfg)
+    st.set_engine(fake)
+    w = presets_route.PresetsFileWatcher(str(path))
+    app = FastAPI()
+    app.include_router(presets_route.router)
+    app.state.vllm_steer_presets_watcher = w
+    client = TestClient(app)
+
+    def check():
+        res = asyncio.run(w.check(fake, cfg, app.state))
+        if res is not None:
+            st.update_presets(res)
+        return res
+
+    def listed() -> dict:
+        r = client.get("/v1/steer-presets")
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["presets_file"] == str(path)
+        return body
+
+    assert check()["changed"]
+    state = listed()["presets_file_state"]
+    assert state["serving"]["sha256"] == v1 and state["refused"] is None
+    assert (state["path"], state["reloads"], state["refusals"]) == (str(path), 1, 0)
+    assert file_metrics() == {"vllm_steer:presets_file_refused": 0.0,
+                              "vllm_steer:presets_file_reloads_total": 1.0,
+                              "vllm_steer:presets_file_refusals_total": 0.0}
+
+    v2 = swap({"presets": {"detox-stable": "detox-v2:4"}})  # detox-v2 not on the volume yet
+    for reads in (1, 2, 3):
+        res = check()
+        assert (res["ok"], res["status"]) == (False, 400)
+        assert "preset 'detox-stable': unknown steer 'detox-v2'" in res["error"], res
+        body = listed()
+        state = body["presets_file_state"]
+        assert state["serving"]["sha256"] == v1  # the old version serves
+        assert state["refused"]["sha256"] == v2 and state["refused"]["reads"] == reads
+        assert "unknown steer 'detox-v2'" in state["refused"]["reason"]
+        assert [(p["name"], p["steer"], p["source"]) for p in body["data"]] == \
+            [("detox-stable", {"detox-v1": 4.0}, "file")]
+    assert len(errors) == 1 and str(path) in errors[0]  # logged once, read three times
+    assert file_metrics() == {"vllm_steer:presets_file_refused": 1.0,
+                              "vllm_steer:presets_file_reloads_total": 1.0,
+                              "vllm_steer:presets_file_refusals_total": 1.0}
+
+    fake.steers.add("detox-v2")  # the steer file shows up on this replica's volume
+    res = check()  # the next poll: the file itself did not change
+    assert res["ok"] and res["changed"]
+    assert res["presets"] == {"detox-stable": {"detox-v2": 4.0}}
+    state = listed()["presets_file_state"]
+    assert state["serving"]["sha256"] == v2 and state["refused"] is None
+    assert (state["reloads"], state["refusals"]) == (2, 1)
+    assert file_metrics() == {"vllm_steer:presets_file_refused": 0.0,
+                              "vllm_steer:presets_file_reloads_total": 2.0,
+                              "vllm_steer:presets_file_refusals_total": 1.0}
+    n = len(fake.calls)
+    assert check() is None and len(fake.calls) == n  # served: back to one stat per poll
+
+    # a refused version undone (the version in force written back): nothing to retry
+    swap({"presets": {"detox-stable": "detox-v3:4"}})
+    assert check()["ok"] is False and listed()["presets_file_state"]["refused"]
+    assert swap({"presets": {"detox-stable": "detox-v2:4"}}) == v2
+    assert check() is None
+    state = listed()["presets_file_state"]
+    assert state["serving"]["sha256"] == v2 and state["refused"] is None
+    assert file_metrics() == {"vllm_steer:presets_file_refused": 0.0,
+                              "vllm_steer:presets_file_reloads_total": 2.0,
+                              "vllm_steer:presets_file_refusals_total": 2.0}
+    n = len(fake.calls)
+    assert check() is None and len(fake.calls) == n
+
+    # a missing file is refused, read again, and served again once written back
+    path.unlink()
+    assert "is missing" in check()["error"] and "is missing" in check()["error"]
+    assert listed()["presets_file_state"]["refused"]["sha256"] is None
+    swap({"presets": {"detox-stable": "detox-v1:4"}})
+    assert check()["presets"] == {"detox-stable": {"detox-v1": 4.0}}
+    assert file_metrics()["vllm_steer:presets_file_refused"] == 0.0
+    assert fake.table.file == {"detox-stable": {"detox-v1": 4.0}}

@@ -16,7 +16,10 @@
   :mod:`vllm_steer.integrations.engine.presets`).
 - ``--steer-presets-file PATH``: each API server looks at the file every
   ``VLLM_STEER_PRESETS_FILE_POLL_SECONDS`` (2) seconds and sends a new version to the engine
-  core's table (:class:`PresetsFileWatcher`; the format: :mod:`vllm_steer.presets_file`).
+  core's table; a version refused (a steer it names not on this replica's volume yet) is read
+  again at every poll until one loads (:class:`PresetsFileWatcher`; the format:
+  :mod:`vllm_steer.presets_file`). ``GET /v1/steer-presets`` shows the file's state
+  (``presets_file_state``: the version serving, the one refused and why).
 
 The plugin adds this endpoint to vLLM's endpoint-plugin list itself
 (:func:`vllm_steer.integrations.frontend.endpoints.load_endpoint_plugins`).
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -97,10 +101,19 @@ async def list_presets(raw: Request):
                             for n, m in runtime.items() if n not in from_file],
                          "defaults": dict(cfg.defaults), "floors": dict(cfg.floors),
                          "updates_enabled": cfg.enable_updates,
-                         **({"presets_file": cfg.presets_file} if cfg.presets_file else {}),
+                         **({"presets_file": cfg.presets_file,
+                             "presets_file_state": _file_state(raw, cfg, table)}
+                            if cfg.presets_file else {}),
                          # which API-server process answered, and the run-time presets it
                          # knew before reading the engine core's table
                          "api_server": {"pid": os.getpid(), "knew": knew}})
+
+
+def _file_state(raw: Request, cfg, table: dict) -> dict:
+    watcher = getattr(raw.app.state, "vllm_steer_presets_watcher", None)
+    if watcher is None:  # not read by this process (yet)
+        watcher = PresetsFileWatcher(cfg.presets_file)
+    return watcher.state(table)
 
 
 def _updates_refused(cfg) -> JSONResponse | None:
@@ -225,23 +238,45 @@ async def delete_preset(name: str, raw: Request):
 
 
 # ---- the presets file (--steer-presets-file) -----------------------------------------------
+def _iso(t: float | None) -> str | None:
+    import datetime
+
+    return None if t is None else datetime.datetime.fromtimestamp(
+        t, datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 class PresetsFileWatcher:
     """One API server's reader of the presets file: a cheap ``stat`` per poll, and on a change
-    the file read, checked and sent to the engine core (``preset_file``). A file that cannot be
-    served is logged once per version; the presets loaded before it stay in force."""
+    the file read, checked and sent to the engine core (``preset_file``).
+
+    A version that cannot be served is logged once, and retried at every poll until a version
+    is served: a steer it names may reach this replica's volume after the presets file does
+    (shared storage that shows files late, a copy still in flight), a name it takes may be
+    freed. Meanwhile the presets loaded before stay in force. :meth:`state` says which version
+    serves and what was refused, and why (``GET /v1/steer-presets``); the metrics
+    ``vllm_steer:presets_file_*`` count both (:meth:`vllm_steer.metrics.SteerMetrics.presets_file`).
+    """
 
     def __init__(self, path: str):
         self.path = path
         self.key: tuple | None | bool = False  # stat key last seen (False: none yet)
         self.loaded: str | None = None  # sha256 of the version in force
-        self.refused: str | None = None  # what was last refused (a digest or a message)
+        self.loaded_at: float | None = None  # when this API server saw it served (time.time)
+        self.refused: str | None = None  # what is refused now (a digest or a message)
+        self.reason: str | None = None  # why, as logged
+        self.refused_digest: str | None = None  # its sha256 (None: missing or unreadable)
+        self.refused_since: float | None = None
+        self.tries = 0  # reads of the refused version so far (the first included)
+        self.reloads = 0  # versions this API server loaded (its read changed the table)
+        self.refusals = 0  # versions this API server refused
 
     async def check(self, engine, cfg, state=None) -> dict | None:
-        """Read the file if its stat changed; returns the engine core's answer if it sent one."""
+        """Read the file if its stat changed, or again while a version is refused; returns the
+        engine core's answer if it sent one, or the refusal."""
         from vllm_steer import presets_file as pf
 
         key = await asyncio.to_thread(pf.stat_key, self.path)
-        if key == self.key:
+        if key == self.key and self.refused is None:
             return None
         self.key = key
         digest = None
@@ -253,9 +288,7 @@ class PresetsFileWatcher:
             text, stamp = await asyncio.to_thread(pf.read_file, self.path)
             digest = stamp[1]
             if digest == self.loaded:  # touched, not changed (or a refused one undone)
-                self.refused = None
-                return None
-            if digest == self.refused:  # refused and logged already
+                self._serving(None, digest)
                 return None
             raw = pf.parse(text, self.path)
             presets = pf.check(raw, self.path, await _known_steers(engine, cfg),
@@ -266,17 +299,68 @@ class PresetsFileWatcher:
                             path=self.path)
         if not res.get("ok"):
             return self._refuse(f"presets file {self.path}: {res.get('error')}", stamp[1], res)
-        self.loaded, self.refused = stamp[1], None
+        self._serving(res, stamp[1])
         return res
 
-    def _refuse(self, message: str, mark: str | None, res: dict | None = None) -> dict:
-        mark = mark or message
-        if mark != self.refused:
+    def _serving(self, res: dict | None, digest: str) -> None:
+        """The version of ``digest`` serves (``res``: the engine core's answer to sending it)."""
+        if self.refused is not None:
+            if digest != self.loaded:
+                logger.info("vllm-steer: presets file %s: version %s loaded after %d read(s) "
+                            "refused since %s (%s)", self.path, digest[:12], self.tries,
+                            _iso(self.refused_since), self.reason)
+            else:
+                logger.info("vllm-steer: presets file %s: back to the version in force (%s); "
+                            "the refused one is gone", self.path, digest[:12])
+        reloaded = bool(res and res.get("changed"))
+        if digest != self.loaded:
+            self.loaded, self.loaded_at = digest, time.time()
+        self.refused = self.reason = self.refused_digest = self.refused_since = None
+        self.tries = 0
+        self.reloads += reloaded
+        _file_metrics(reloaded=reloaded, refused=False)
+
+    def _refuse(self, message: str, digest: str | None, res: dict | None = None) -> dict:
+        mark = digest or message
+        new = mark != self.refused
+        if new:
             view = sorted(frontend_state().presets_view())
             logger.error("vllm-steer: %s. The file was not loaded: the presets in force before "
-                         "stay (%s)", message, ", ".join(view) or "none")
-        self.refused = mark
+                         "stay (%s); it is read again every %g s until a version loads",
+                         message, ", ".join(view) or "none", FILE_POLL_SECONDS)
+            self.refused, self.refused_digest = mark, digest
+            self.refused_since, self.tries = time.time(), 0
+            self.refusals += 1
+        elif message != self.reason:
+            logger.info("vllm-steer: %s (still refused)", message)
+        self.reason = message
+        self.tries += 1
+        _file_metrics(refused_new=new, refused=True)
         return res or {"ok": False, "status": 400, "error": message}
+
+    def state(self, table: dict | None = None) -> dict:
+        """The file's state for ``GET /v1/steer-presets``: the version serving (from the
+        engine core's ``table`` when given: the version every API server serves) and the one
+        refused now, if any, with its reason."""
+        stamp = (table or {}).get("file_stamp")
+        digest = stamp[1] if stamp else self.loaded
+        serving = None if digest is None else {
+            "sha256": digest, **({"mtime": _iso(stamp[0] / 1e9)} if stamp else {}),
+            **({"loaded_at": _iso(self.loaded_at)} if digest == self.loaded else {})}
+        refused = None if self.refused is None else {
+            "sha256": self.refused_digest, "reason": self.reason,
+            "since": _iso(self.refused_since), "reads": self.tries}
+        return {"path": self.path, "poll_seconds": FILE_POLL_SECONDS, "serving": serving,
+                "refused": refused, "reloads": self.reloads, "refusals": self.refusals}
+
+
+def _file_metrics(**kw) -> None:
+    try:
+        from vllm_steer.metrics import get_metrics
+
+        get_metrics().presets_file(**kw)
+    except Exception:  # metrics never break serving
+        logger.exception("vllm-steer: metrics update failed")
 
 
 #: Seconds between two looks (a ``stat``) at the presets file by each API server;
@@ -315,6 +399,7 @@ class PresetsEndpoint:
             cfg = _config()
             if cfg is not None and cfg.presets_file:  # read before the server takes requests
                 watcher = PresetsFileWatcher(cfg.presets_file)
+                state.vllm_steer_presets_watcher = watcher  # its state: GET /v1/steer-presets
                 await watcher.check(engine_client, cfg, state)
                 state.vllm_steer_presets_file = asyncio.get_running_loop().create_task(
                     watch_presets_file(watcher, engine_client, cfg, state))

@@ -57,7 +57,8 @@ PRESETS: dict[str, Preset] = {
     "detox": Preset(
         name="detox", train="jigsaw/jigsaw_balanced.csv", dev=None, format="csv", header=False,
         text_field="0", label_field="1", positive_labels=("0",), negative_labels=("1",),
-        ignore_labels=(), labels={"positive": "non-toxic", "negative": "toxic"},
+        ignore_labels=(),
+        labels={"positive": "non-toxic", "negative": "toxic", "harmful": "negative"},
         description="Jigsaw toxic comments (CSV without header: text,label); label 0 "
                     "(non-toxic) positive, 1 (toxic) negative; dev split from the file"),
     "sentiment": Preset(

@@ -57,12 +57,14 @@ class PresetTable:
         self.version = 0
 
     def snapshot(self) -> dict:
-        """``{"version", "presets"}`` (both layers, as model names serve them), and
-        ``"from_file"`` (the names of the file's presets) once a file was read."""
+        """``{"version", "presets"}`` (both layers, as model names serve them), and once a
+        file was read ``"from_file"`` (the names of the file's presets) and ``"file_stamp"``
+        (``[mtime_ns, sha256]`` of the version served)."""
         out = {"version": self.version,
                "presets": {n: dict(m) for n, m in {**self.presets, **self.file}.items()}}
         if self.file_stamp is not None:
             out["from_file"] = sorted(self.file)
+            out["file_stamp"] = list(self.file_stamp)
         return out
 
     def add(self, name: str, mix: Mapping[str, float], token: str = "",

@@ -82,6 +82,22 @@ function recommended(s) {
   return s && typeof s.recommended_strength === "number" ? s.recommended_strength : null;
 }
 
+// The side of a steer that its file marks harmful (labels.harmful: "negative" or "positive"),
+// e.g. the negative side of a detox steer, which makes text toxic; null when none is marked.
+function harmfulSide(s) {
+  const h = s && s.labels && s.labels.harmful;
+  return h === "negative" || h === "positive" ? h : null;
+}
+
+// The steers of a mix set on the side their file marks harmful: [{name, v, towards}].
+function harmfulParts(mix) {
+  const by = Object.fromEntries(state.info.steers.map((s) => [s.name, s]));
+  return Object.entries(mix || {}).filter(([n, v]) => {
+    const h = harmfulSide(by[n]);
+    return (h === "negative" && v < 0) || (h === "positive" && v > 0);
+  }).map(([n, v]) => ({ name: n, v, towards: (by[n].labels || {})[harmfulSide(by[n])] || "harmful text" }));
+}
+
 // The note shown where a recommended strength over the server's maximum is shown.
 function capNote(rec) {
   return `capped at \u00B1${Math.abs(capped(rec))}: this server's --steer-max-strength`;
@@ -173,9 +189,13 @@ async function loadInfo() {
   for (const s of info.steers) state.strengths[s.name] = 0;
   // A first press of Generate shows steering: the first steer with a recommended strength
   // (from its file's metadata) starts there, capped at the server's maximum (a file may
-  // recommend more than this server allows); the others at 0.
+  // recommend more than this server allows), on the side its file does not mark harmful;
+  // the others at 0.
   const first = info.steers.find((s) => recommended(s) !== null && s.recommended_strength !== 0);
-  if (first) state.strengths[first.name] = capped(first.recommended_strength);
+  if (first) {
+    const v = capped(first.recommended_strength);
+    state.strengths[first.name] = harmfulParts({ [first.name]: v }).length ? -v : v;
+  }
   $("steers-source").textContent = `${info.steers.length} steer(s) on this server, from ${source}. ` +
     `Requests may use |strength| up to ${info.max_strength}.`;
   $("steer-count").textContent = `(${info.steers.length})`;
@@ -258,12 +278,16 @@ function renderSliders() {
     const poles = [labels.negative ? `negative strengths → ${labels.negative}` : null,
       labels.positive ? `positive strengths → ${labels.positive}` : null].filter(Boolean).join("; ");
     const recText = rec !== null ? `recommended ±${Math.abs(rec)}` : "no recommended strength in the file";
+    const harm = harmfulSide(s);
+    const harmText = harm ? ` · ${harm} side (${labels[harm] || "harmful"}) marked harmful in the file: ` +
+      "−mix columns leave it out unless “Show sides marked harmful” is ticked" : "";
     return el("div", { class: "steer-row" },
       el("div", { class: "steer-head" },
         el("label", { for: id, text: s.name }),
         el("span", { class: "poles", id: "desc-" + s.name },
           el("span", { class: "sr-only", text: poles ? poles + "; " : "" }), recText,
-          over ? el("span", { class: "cap", id: "cap-" + s.name, text: ` (${capNote(rec)})` }) : null)),
+          over ? el("span", { class: "cap", id: "cap-" + s.name, text: ` (${capNote(rec)})` }) : null,
+          harm ? el("span", { class: "harm", id: "harm-" + s.name, text: harmText }) : null)),
       el("div", { class: "slider-line" },
         el("div", { class: "slider-wrap" }, range, marks,
           el("div", { class: "ends", "aria-hidden": "true" },
@@ -314,6 +338,7 @@ function renderSteerList() {
     const rows = [
       ["file", s.file], ["error", s.error],
       ["positive strength →", labels.positive], ["negative strength →", labels.negative],
+      ["marked harmful in the file", harmfulSide(s) ? `the ${harmfulSide(s)} side` : null],
       ["recommended strength", recommended(s) !== null && capped(s.recommended_strength) !== s.recommended_strength
         ? `${s.recommended_strength} (${capNote(s.recommended_strength)})` : s.recommended_strength], ["rank", s.rank],
       ["hidden size", s.hidden_size], ["epsilon (unit of strength)", s.epsilon],
@@ -337,7 +362,11 @@ function columnsToRun() {
   const has = Object.keys(mix).length > 0;
   const cols = [];
   if ($("layout").value === "mirror") {
-    if (has) cols.push({ steer: negate(mix) });
+    // −mix is what nobody asked for by name: a side a steer file marks harmful (the toxic side
+    // of detox) is left out, saying why, unless the user ticks "Show sides marked harmful"
+    const harm = has ? harmfulParts(negate(mix)) : [];
+    if (has) cols.push(harm.length && !$("show-harmful").checked ? { steer: negate(mix), withheld: harm }
+      : { steer: negate(mix) });
     cols.push({ steer: null });
     if (has) cols.push({ steer: mix });
   } else {
@@ -378,6 +407,10 @@ async function generate(ev) {
   const box = $("columns");
   box.replaceChildren();
   const runs = cols.map((c, i) => {
+    if (c.withheld) {
+      box.append(withheldColumn(c));
+      return null;
+    }
     const body = requestBody(c.steer, c.preset);
     const out = el("span", { class: "out", "data-role": "output" });
     const status = el("p", { class: "status", "data-role": "status", text: "waiting…" });
@@ -392,7 +425,7 @@ async function generate(ev) {
       el("details", { class: "req" }, el("summary", { text: "request" }), el("pre", { text: curlFor(path, body) })));
     box.append(col);
     return { col, out, status, err, body, index: i };
-  });
+  }).filter(Boolean);
   $("generate").disabled = true;
   $("stop").disabled = false;
   await Promise.all(runs.map((r) => stream(path, r)));
@@ -401,6 +434,18 @@ async function generate(ev) {
   const plain = runs.find((r) => !r.body.steer && r.body.model === state.info.model);
   for (const r of runs) if (r !== plain && plain && r.done && plain.done && r.text === plain.text)
     r.status.textContent += " · same text as plain (try a larger strength)";
+}
+
+// A column not generated: its mix moves a steer towards the side its file marks harmful.
+function withheldColumn(c) {
+  const why = c.withheld.map((p) => `${p.name} at ${fmt(p.v)} moves towards ${p.towards}`).join("; ");
+  return el("article", { class: "column withheld", "data-steer": JSON.stringify(c.steer),
+    "aria-label": `Not generated: ${mixLabel(c.steer)}` },
+    el("h2", { text: `${mixLabel(c.steer)} (not generated)` }),
+    el("p", { class: "why", "data-role": "why", text: `Not generated: ${why}, the side the steer's file ` +
+      "marks harmful (labels.harmful). Tick “Show sides marked harmful” to generate it." }),
+    el("button", { type: "button", class: "secondary", "data-role": "show-harmful",
+      text: "Generate this side too", onclick: () => { $("show-harmful").checked = true; generate(); } }));
 }
 
 async function stream(path, run) {
