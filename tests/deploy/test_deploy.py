@@ -624,7 +624,7 @@ def test_the_network_policy_selects_the_replicas_and_admits_only_their_port(depl
 
 
 @pytest.mark.parametrize("path, field, typo", [
-    ("pdb.yaml", "maxUnavailable:", "maxUnavailible:"),
+    ("pdb.yaml", "\n  maxUnavailable:", "\n  maxUnavailible:"),  # the field, not the comment
     ("networkpolicy.yaml", "policyTypes:", "policyType:"),
     ("jobs/model-download.yaml", "backoffLimit:", "backofLimit:"),
     ("presets-configmap.yaml", "data:", "datas:"),
@@ -638,4 +638,5 @@ def test_kubernetes_validate_catches_a_planted_fault_in_each_new_manifest(tmp_pa
     bad.write_text(text.replace(field, typo, 1))
     r = subprocess.run([exe, "--strict", str(bad)], capture_output=True, text=True,
                        timeout=120)
-    assert r.returncode != 0 and typo.rstrip(":") in r.stdout + r.stderr, r.stdout + r.stderr
+    assert r.returncode != 0 and typo.strip().rstrip(":") in r.stdout + r.stderr, (
+        r.stdout + r.stderr)
