@@ -61,8 +61,6 @@ def add_steer_args(parser) -> None:
                             "unload steers at run time) and POST /v1/steer-presets, PUT and "
                             "DELETE /v1/steer-presets/NAME (add, replace and delete presets). "
                             "Off by default: only for servers whose clients you trust.")
-    # no default shown: vLLM's help appends "(default: True)", which reads as if the flag
-    # were on; unset, the drafter is steered (config_from_args)
     group.add_argument("--steer-admin-key", type=SecretKey, default=None, metavar="KEY",
                        help="With --enable-steer-updates: the routes that load and unload "
                             "steers and add, replace and delete presets need this key "
@@ -70,6 +68,8 @@ def add_steer_args(parser) -> None:
                             "VLLM_API_KEY then serve requests only (HTTP 403 on those routes). "
                             f"Read from {ADMIN_KEY_ENV} when not given (prefer the variable: "
                             "a flag shows in the process list).")
+    # no default shown: vLLM's help appends "(default: True)", which reads as if the flag
+    # were on; unset, the drafter is steered (config_from_args)
     group.add_argument("--no-steer-drafter", dest="steer_drafter", action="store_false",
                        default=argparse.SUPPRESS,
                        help="Speculative decoding: do not steer the drafter's proposals "
