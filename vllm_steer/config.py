@@ -215,3 +215,28 @@ def parse_steer_arg(arg: str) -> tuple[str, str]:
     from vllm_steer.format import read_metadata
 
     return read_metadata(arg).name, arg
+
+
+# ---- the steer admin key (--steer-admin-key) -----------------------------------------------
+#: The environment variable read when ``--steer-admin-key`` is not given (as vLLM reads
+#: ``VLLM_API_KEY`` when ``--api-key`` is not given).
+ADMIN_KEY_ENV = "VLLM_STEER_ADMIN_KEY"
+
+
+class SecretKey(str):
+    """A key given on the command line: a ``str`` whose ``repr`` hides it, so that vLLM's log
+    of the non-default arguments (``non-default args: {...}``) shows ``'***'``. The key itself
+    is never put in ``additional_config`` (vLLM logs the engine configuration)."""
+
+    def __repr__(self) -> str:
+        return "'***'"
+
+
+def admin_key(args: Any = None) -> str | None:
+    """The steer admin key: ``--steer-admin-key`` if given (``args.steer_admin_key``), else
+    ``$VLLM_STEER_ADMIN_KEY``; None (or empty) when neither is set. With a key, the routes
+    that change steers or presets (``POST /v1/steers``, ``DELETE /v1/steers/NAME``, ``POST
+    /v1/steer-presets``, ``PUT`` and ``DELETE /v1/steer-presets/NAME``) need it as
+    ``Authorization: Bearer KEY`` (:mod:`vllm_steer.server.admin`)."""
+    key = getattr(args, "steer_admin_key", None) if args is not None else None
+    return str(key) if key else (os.environ.get(ADMIN_KEY_ENV) or None)

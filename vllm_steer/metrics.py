@@ -74,8 +74,12 @@ OP_SECONDS = "vllm_steer:steer_op_seconds_total"
 OP_HOST_SECONDS = "vllm_steer:steer_op_host_seconds_total"
 OP_CALLS = "vllm_steer:steer_op_calls_total"
 OP_SECONDS_PER_STEP = "vllm_steer:steer_op_seconds_per_step"
+#: 1 while the newest version of ``--steer-presets-file`` on disk is refused and an older one
+#: serves, else 0.
 PRESETS_FILE_REFUSED = "vllm_steer:presets_file_refused"
+#: Versions of the presets file taken (counter).
 PRESETS_FILE_RELOADS = "vllm_steer:presets_file_reloads_total"
+#: Versions of the presets file refused (counter).
 PRESETS_FILE_REFUSALS = "vllm_steer:presets_file_refusals_total"
 #: The engine core's registry counters (``SteerRegistry.counters`` keys) -> metric names.
 COUNTERS = {"loads": "vllm_steer:steer_loads_total",

@@ -26,8 +26,10 @@ DEPLOY = ROOT / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"
 KUBERNETES = DEPLOY / "kubernetes"
 MANIFESTS = sorted(KUBERNETES.rglob("*.yaml"))
-# Where the Deployment's volumes are mounted (swapped for folders of a test).
+# Where the Deployment's claims are mounted (swapped for folders of a test).
 MOUNTS = ("/models", "/steers")
+# Where its ConfigMaps are mounted (swapped too; their files written there by a test).
+CONFIG_MOUNTS = ("/etc/vllm-steer/presets",)
 # What the build reads: the package and the files setup.py and pyproject.toml name.
 BUILD_INPUTS = ("setup.py", "pyproject.toml", "README.md", "vllm_steer")
 # Entries of this environment's site-packages that are this package's own installation
@@ -152,6 +154,28 @@ def manifests() -> dict[tuple[str, str], dict]:
 
 
 def swap_mounts(arg: str, tmp: Path) -> str:
-    for m in MOUNTS:
+    for m in MOUNTS + CONFIG_MOUNTS:
         arg = re.sub(rf"(^|=){re.escape(m)}(?=/|$)", rf"\g<1>{tmp}{m}", arg)
     return arg
+
+
+def write_config_mounts(container: dict, volumes: list[dict], tmp: Path) -> None:
+    """The files of each ConfigMap the container mounts, written where the kubelet puts them
+    (the mount point swapped into ``tmp``)."""
+    objects = manifests()
+    by_name = {v["name"]: v for v in volumes}
+    for mount in container["volumeMounts"]:
+        cm = by_name[mount["name"]].get("configMap")
+        if cm is None:
+            continue
+        folder = Path(swap_mounts(mount["mountPath"], tmp))
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in objects[("ConfigMap", cm["name"])]["data"].items():
+            (folder / name).write_text(text)
+
+
+def secret_values(container: dict) -> dict[str, str]:
+    """The container's environment, each Secret's value made up from the Secret's name (so
+    that two Secrets never share a value)."""
+    return {e["name"]: e.get("value") or f"made-up-{e['valueFrom']['secretKeyRef']['name']}"
+            for e in container["env"]}

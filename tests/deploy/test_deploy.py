@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from deploy_helpers import (DOCKERFILE, KUBERNETES, MANIFESTS, MOUNTS, ROOT, build,
-                            dockerfile_args, dockerfile_instructions, isolated_site, last_json,
-                            manifests, run_isolated, shell_words, swap_mounts, the,
-                            wheel_names, wheel_text)
+from deploy_helpers import (CONFIG_MOUNTS, DOCKERFILE, KUBERNETES, MANIFESTS, MOUNTS, ROOT,
+                            build, dockerfile_args, dockerfile_instructions, isolated_site,
+                            last_json, manifests, run_isolated, secret_values, shell_words,
+                            swap_mounts, the, wheel_names, wheel_text, write_config_mounts)
 
 
 
@@ -168,7 +168,7 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def probe(installed, container):
+def probe(installed, deployment, container):
     """What an interpreter that sees only the installed wheel (and this environment's vLLM)
     finds, and what vLLM's serve parser makes of the Deployment's arguments, the volumes'
     mount points swapped for folders of this test, with the Deployment's environment (the
@@ -179,7 +179,8 @@ def probe(installed, container):
     for m in MOUNTS:
         (tmp / m.strip("/")).mkdir(exist_ok=True)
     Path(argvs[0][0]).mkdir(parents=True, exist_ok=True)  # the model's folder
-    env = {e["name"]: e.get("value", "made-up-secret") for e in container["env"]}
+    write_config_mounts(container, deployment["spec"]["template"]["spec"]["volumes"], tmp)
+    env = secret_values(container)
     r = run_isolated(PROBE, target, view, cwd=tmp, SERVE_ARGS=json.dumps(argvs), **env)
     assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-6000:]}"
     return last_json(r.stdout)
@@ -433,9 +434,16 @@ def test_the_api_key_from_the_secret_guards_every_v1_route_and_not_the_probes(pr
     env = {e["name"]: e for e in container["env"]}
     ref = env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"]
     assert ref["name"] and ref["key"]
-    # no --api-key in the args: vLLM takes VLLM_API_KEY (args win when both are given)
-    assert probe["args"]["api_key"] is None
-    assert probe["args"]["env_api_key"] == "made-up-secret"
+    # no --api-key in the args: vLLM takes VLLM_API_KEY (args win when both are given); the
+    # plugin adds the steer admin key (its own Secret) to the keys vLLM's check takes, so
+    # that it passes on the management routes (what each key may do: tests/server/
+    # test_admin_key.py)
+    assert "--api-key" not in " ".join(container["args"])
+    admin = env["VLLM_STEER_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]
+    assert admin["name"] != ref["name"]
+    assert probe["args"]["env_api_key"] == "made-up-vllm-steer-api-key"
+    assert probe["args"]["api_key"] == ["made-up-vllm-steer-api-key",
+                                        "made-up-vllm-steer-admin-key"]
     # [no key, wrong key, the key]
     assert probe["auth"]["/health"] == [200, 200, 200]
     assert probe["auth"]["/metrics"] == [200, 200, 200]
@@ -467,3 +475,168 @@ def test_the_docs_serve_commands_parse_and_the_deployment_is_the_one_shown(probe
     # the page shows the Deployment's command as it is
     shown = [args for where, args in cmds if where == "docs/deploy.md"]
     assert container["args"] in shown
+
+
+# --------------------------------------------------------------------------- the fleet
+
+def _kind(objects, kind):
+    return [o for (k, _), o in objects.items() if k == kind]
+
+
+def _pod_spec(obj):
+    return obj["spec"]["template"]["spec"] if "template" in obj["spec"] else obj["spec"]
+
+
+def test_the_presets_file_is_the_configmap_mounted_as_a_folder(deployment, container,
+                                                               objects, probe):
+    """--steer-presets-file names a file of a ConfigMap mounted as a folder (a subPath mount
+    is never updated), and the file's presets pass the start-up check vLLM's parser ran."""
+    (flag,) = [a for a in container["args"] if a.startswith("--steer-presets-file=")]
+    path = Path(flag.split("=", 1)[1])
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert str(path.parent) in mounts and str(path.parent) in CONFIG_MOUNTS
+    mount = mounts[str(path.parent)]
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    cm = objects[("ConfigMap", volumes[mount["name"]]["configMap"]["name"])]
+    assert path.name in cm["data"]
+    for obj in objects.values():  # no subPath mount anywhere
+        if obj["kind"] in ("Deployment", "Job", "Pod"):
+            for c in _pod_spec(obj)["containers"]:
+                assert all("subPath" not in m for m in c.get("volumeMounts", [])), obj["kind"]
+    assert "--enable-steer-updates" in container["args"]
+    # vLLM's parser took the file (the probe ran the start-up check on the ConfigMap's copy)
+    assert probe["args"]["steer"]["presets_file"].endswith(str(path))
+    assert probe["args"]["steer"]["enable_updates"] is True
+
+
+def test_every_claim_names_a_storage_class_to_replace(objects):
+    claims = _kind(objects, "PersistentVolumeClaim")
+    assert claims
+    for claim in claims:
+        spec = claim["spec"]
+        assert spec["accessModes"] == ["ReadWriteMany"]
+        # a placeholder that names what to put there (no cluster has it: the claim stays
+        # Pending until it is replaced, rather than binding a ReadWriteOnce default)
+        assert spec["storageClassName"] == "replace-with-a-readwritemany-class"
+    assert "storageClassName" in (KUBERNETES / "volumes.yaml").read_text().split("apiVersion")[0]
+
+
+def test_the_rollout_needs_no_spare_gpu_and_the_budget_allows_one_disruption(deployment,
+                                                                            objects):
+    """maxSurge 0: a roll-out never asks for a GPU beyond the replicas' own; the disruption
+    budget selects the replicas and lets one go at a time, like the roll-out."""
+    rolling = deployment["spec"]["strategy"]["rollingUpdate"]
+    assert rolling == {"maxSurge": 0, "maxUnavailable": 1}
+    (pdb,) = _kind(objects, "PodDisruptionBudget")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pdb["spec"]["maxUnavailable"] == 1 < deployment["spec"]["replicas"]
+
+
+def _container(obj):
+    (c,) = _pod_spec(obj)["containers"]
+    return c
+
+
+def test_the_model_job_downloads_with_the_token_and_renames_into_the_served_folder(
+        objects, container, tmp_path):
+    """The Job's script, run here with a stand-in huggingface_hub: the files land in a
+    folder under .incoming, then move in one rename to the folder the Deployment serves; a
+    second run leaves the model as it is. The token comes from a Secret; no offline flag."""
+    (job,) = [o for o in _kind(objects, "Job") if "model" in o["metadata"]["name"]]
+    c = _container(job)
+    env = {e["name"]: e for e in c["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
+    assert "HF_HUB_OFFLINE" not in env
+    (mount,) = c["volumeMounts"]
+    assert mount.get("readOnly") is not True
+    claim = _pod_spec(job)["volumes"][0]["persistentVolumeClaim"]["claimName"]
+    served = Path(container["args"][0])
+    dmounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    dvols = {v["name"]: v for v in deployment_volumes(objects)}
+    (models_vol,) = [n for n, v in dvols.items()
+                     if v.get("persistentVolumeClaim", {}).get("claimName") == claim]
+    assert served.parent == Path(dmounts[models_vol]) == Path(mount["mountPath"])
+    # run it: /models swapped for a folder, huggingface_hub for a stub that writes the files
+    stub = tmp_path / "stub"
+    (stub / "huggingface_hub").mkdir(parents=True)
+    (stub / "huggingface_hub" / "__init__.py").write_text(
+        "import os, json\n"
+        "def snapshot_download(repo_id, local_dir, ignore_patterns=()):\n"
+        "    assert os.environ['HF_TOKEN'] == 'tok', 'no token'\n"
+        "    os.makedirs(local_dir)\n"
+        "    open(os.path.join(local_dir, 'config.json'), 'w').write(json.dumps("
+        "{'repo': repo_id, 'ignore': list(ignore_patterns)}))\n")
+    models = tmp_path / "models"
+    models.mkdir()
+    script = c["args"][0].replace("/models", str(models)).replace("python3", sys.executable)
+    run_env = {**os.environ, **{k: e["value"] for k, e in env.items() if "value" in e},
+               "HF_TOKEN": "tok", "PYTHONPATH": str(stub)}
+    for want in ("downloaded", "is in place"):
+        r = subprocess.run(c["command"] + [script], env=run_env, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0 and want in r.stdout, r.stdout + r.stderr
+        got = json.loads((models / served.name / "config.json").read_text())
+        assert got["repo"] == "meta-llama/Llama-3.1-8B-Instruct"
+        assert list((models / ".incoming").iterdir()) == []
+
+
+def deployment_volumes(objects):
+    (deploy,) = _kind(objects, "Deployment")
+    return deploy["spec"]["template"]["spec"]["volumes"]
+
+
+def test_the_steer_writer_mounts_the_steer_claim_read_write(objects, container):
+    (pod,) = [o for o in _kind(objects, "Pod") if "steer-writer" in o["metadata"]["name"]]
+    c = _container(pod)
+    (mount,) = c["volumeMounts"]
+    assert mount.get("readOnly") is not True and mount["mountPath"] == "/steers"
+    claim = _pod_spec(pod)["volumes"][0]["persistentVolumeClaim"]["claimName"]
+    dvols = {v["name"]: v for v in deployment_volumes(objects)}
+    dmounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert dvols[dmounts["/steers"]]["persistentVolumeClaim"]["claimName"] == claim
+    # the writer's labels are not the replicas': the Service never sends it requests
+    (service,) = _kind(objects, "Service")
+    assert not service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    # docs/deploy.md copies into .incoming and renames into place
+    doc = DOC.read_text()
+    assert re.search(r"kubectl cp \S+ vllm-steer-steer-writer:/steers/\.incoming/", doc)
+    assert re.search(r"kubectl exec vllm-steer-steer-writer -- mv /steers/\.incoming/\S+ "
+                     r"/steers/", doc)
+
+
+def test_the_monitoring_objects_carry_the_release_label_and_select_the_service(objects):
+    for kind in ("ServiceMonitor", "PrometheusRule"):
+        (obj,) = _kind(objects, kind)
+        assert obj["metadata"]["labels"]["release"] == "kube-prometheus-stack", kind
+
+
+def test_the_network_policy_selects_the_replicas_and_admits_only_their_port(deployment,
+                                                                           container,
+                                                                           objects):
+    (policy,) = _kind(objects, "NetworkPolicy")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    ports = {p["name"] for p in container["ports"]}
+    for rule in policy["spec"]["ingress"]:
+        assert rule["from"] and {p["port"] for p in rule["ports"]} <= ports
+
+
+@pytest.mark.parametrize("path, field, typo", [
+    ("pdb.yaml", "\n  maxUnavailable:", "\n  maxUnavailible:"),  # the field, not the comment
+    ("networkpolicy.yaml", "policyTypes:", "policyType:"),
+    ("jobs/model-download.yaml", "backoffLimit:", "backofLimit:"),
+    ("presets-configmap.yaml", "data:", "datas:"),
+])
+def test_kubernetes_validate_catches_a_planted_fault_in_each_new_manifest(tmp_path, path,
+                                                                           field, typo):
+    exe = _kubernetes_validate()
+    bad = tmp_path / Path(path).name
+    text = (KUBERNETES / path).read_text()
+    assert field in text
+    bad.write_text(text.replace(field, typo, 1))
+    r = subprocess.run([exe, "--strict", str(bad)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and typo.strip().rstrip(":") in r.stdout + r.stderr, (
+        r.stdout + r.stderr)

@@ -21,7 +21,8 @@ import pytest
 import requests
 
 from helpers.steers import random_steer
-from deploy_helpers import MOUNTS, build, isolated_env, isolated_site, manifests, swap_mounts
+from deploy_helpers import (MOUNTS, build, isolated_env, isolated_site, manifests,
+                            secret_values, swap_mounts, write_config_mounts)
 from vllm_steer.format import save_steer
 from vllm_steer.server import launch
 
@@ -32,9 +33,13 @@ SWAPPED = {"--dtype": "float32", "--max-model-len": "512"}
 CPU_ONLY = ["--max-num-seqs", "16", "--kv-cache-memory-bytes", str(1 << 28), "--enforce-eager"]
 
 
-def _deployment_container() -> dict:
+def _deployment() -> dict:
     (deploy,) = [o for (k, _), o in manifests().items() if k == "Deployment"]
-    (c,) = deploy["spec"]["template"]["spec"]["containers"]
+    return deploy
+
+
+def _deployment_container() -> dict:
+    (c,) = _deployment()["spec"]["template"]["spec"]["containers"]
     return c
 
 
@@ -52,13 +57,15 @@ def server(tiny_model_dir, tmp_path_factory):
     argv = [swap_mounts(a, tmp) for a in c["args"]]
     for m in MOUNTS:
         (tmp / m.strip("/")).mkdir(exist_ok=True)
+    write_config_mounts(c, _deployment()["spec"]["template"]["spec"]["volumes"], tmp)
     for seed, a in enumerate(a for a in argv if a.endswith(".safetensors")):
         name, path = a.split("=", 1)
         save_steer(path, random_steer(64, 8, name, seed=seed + 1, scale=3.0))
     argv[0] = str(tiny_model_dir)
     argv = [f"{a.split('=')[0]}={SWAPPED[a.split('=')[0]]}" if a.split("=")[0] in SWAPPED
             else a for a in argv] + CPU_ONLY
-    env = {e["name"]: e.get("value", KEY) for e in c["env"]}
+    env = secret_values(c)
+    env["VLLM_API_KEY"] = KEY
     # `vllm serve` of an interpreter without site-packages (the wheel's folder first), run
     # outside the checkout
     wrapper = tmp / "vllm"
@@ -107,7 +114,8 @@ def test_every_v1_route_needs_the_key_from_the_secret(server):
         assert _get(server, path, key=KEY).status_code == 200, path
     assert _complete(server, "meta-llama/Llama-3.1-8B-Instruct", key=None).status_code == 401
     ids = {m["id"] for m in _get(server, "/v1/models", key=KEY).json()["data"]}
-    assert ids == {"meta-llama/Llama-3.1-8B-Instruct", "polite"}
+    # the served model, the --steer-preset and the presets file's preset (the ConfigMap)
+    assert ids == {"meta-llama/Llama-3.1-8B-Instruct", "polite", "detox-stable"}
     steers = _get(server, "/v1/steers", key=KEY).json()
     names = {s["name"] for s in (steers["data"] if isinstance(steers, dict) else steers)}
     assert names == {"detox", "sentiment"}
@@ -123,3 +131,23 @@ def test_the_preset_serves_detox_at_4_and_the_steer_changes_the_text(server):
     text = [r.json()["choices"][0]["text"] for r in (plain, steered, preset)]
     assert text[1] != text[0]
     assert text[2] == text[1]
+
+
+def test_only_the_admin_key_from_its_secret_changes_presets(server):
+    """The Deployment enables updates with the steer admin key: the API key serves requests
+    but gets 403 on the management routes; the admin key (its own Secret) adds a preset,
+    which then serves."""
+    admin = secret_values(_deployment_container())["VLLM_STEER_ADMIN_KEY"]
+    assert admin != KEY
+    body = {"name": "kind", "steer": {"detox": 2}}
+    url = server["url"] + "/v1/steer-presets"
+    r = requests.post(url, json=body, timeout=30, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 403 and "admin key" in r.json()["error"]["message"], r.text
+    r = requests.post(url, json=body, timeout=30)
+    assert r.status_code == 401
+    r = requests.post(url, json=body, timeout=30, headers={"Authorization": f"Bearer {admin}"})
+    assert r.status_code == 200, r.text
+    ids = {m["id"] for m in _get(server, "/v1/models", key=KEY).json()["data"]}
+    assert "kind" in ids
+    assert _complete(server, "kind").status_code == 200  # the admin key also sends requests
+    assert _complete(server, "kind", key=admin).status_code == 200

@@ -227,7 +227,7 @@ def script_source(rel: str) -> str | None:
 
 # Programs whose flags are not ours to check, and foreign flags named in prose.
 EXTERNAL = ("curl", "ray", "pip", "ssh", "git", "pytest", "make", "apt-get", "nice", "ls",
-            "docker", "kubectl")
+            "docker", "kubectl", "helm")
 FOREIGN_FLAGS = {"--steer_values"}  # the paper's generation script
 
 FLAG = re.compile(r"(?<![\w-])(--[A-Za-z][\w-]*)")

@@ -11,7 +11,8 @@
   (add; a taken name is refused), ``PUT /v1/steer-presets/{name}`` ``{"steer": {...}}`` (add,
   or replace a run-time preset in one step: no request sees it missing) and ``DELETE
   /v1/steer-presets/{name}``: presets at run time, only with ``--enable-steer-updates`` (else
-  HTTP 403 naming the flag). The table lives in the engine core, so every API server sees a
+  HTTP 403 naming the flag; with a steer admin key, ``--steer-admin-key``, only requests
+  sending it: :mod:`vllm_steer.server.admin`). The table lives in the engine core, so every API server sees a
   change from the moment the call returns (design:
   :mod:`vllm_steer.integrations.engine.presets`).
 - ``--steer-presets-file PATH``: each API server looks at the file every
@@ -38,6 +39,7 @@ from vllm_steer.integrations.frontend.engine_client import manage
 from vllm_steer.integrations.frontend.request_scope import close_scope, open_scope
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.logs import get_logger
+from vllm_steer.server.admin import admin_refused
 from vllm_steer.server.errors import error_response as _error
 
 logger = get_logger()
@@ -169,7 +171,8 @@ async def _set_preset(raw: Request, name: str | None, replace: bool):
     from vllm_steer.policy import PolicyError, preset_from_body
 
     cfg = _config()
-    refused = _updates_refused(cfg)
+    refused = (admin_refused(raw, "replace presets" if replace else "add presets")
+               or _updates_refused(cfg))
     if refused is not None:
         return refused
     try:
@@ -223,7 +226,7 @@ async def put_preset(name: str, raw: Request):
 @router.delete("/v1/steer-presets/{name}")
 async def delete_preset(name: str, raw: Request):
     cfg = _config()
-    refused = _updates_refused(cfg)
+    refused = admin_refused(raw, "delete presets") or _updates_refused(cfg)
     if refused is not None:
         return refused
     engine = frontend_state().engine

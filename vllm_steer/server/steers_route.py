@@ -6,7 +6,8 @@
 - ``POST /v1/steers`` ``{"name": "detox", "path": "/steers/detox.safetensors"}`` and
   ``DELETE /v1/steers/{name}``: only with ``--enable-steer-updates`` (else HTTP 403 naming the
   flag). ``path`` must lie inside ``--steer-dir`` unless ``--steer-updates-any-path``; without
-  ``path`` the file is ``DIR/NAME.safetensors``.
+  ``path`` the file is ``DIR/NAME.safetensors``. With a steer admin key
+  (``--steer-admin-key``) only requests sending it (:mod:`vllm_steer.server.admin`).
 
 Every call reaches the engine core through vLLM's ``collective_rpc`` utility call on the
 engine client (see :mod:`vllm_steer.integrations.engine.management`), so every API-server process
@@ -33,6 +34,7 @@ from pydantic import BaseModel, Field
 
 from vllm_steer.integrations.frontend.engine_client import manage
 from vllm_steer.integrations.frontend.state import frontend_state
+from vllm_steer.server.admin import admin_refused
 from vllm_steer.server.errors import error_response as _error
 from vllm_steer.logs import get_logger
 
@@ -91,7 +93,7 @@ async def load_steer(body: LoadSteerRequest, raw: Request):
     from vllm_steer.integrations.engine.registry import (SteerNameError, check_name, dir_path,
                                                          path_inside)
 
-    refused = _updates_refused()
+    refused = admin_refused(raw, "load steers") or _updates_refused()
     if refused is not None:
         return refused
     cfg = frontend_state().config
@@ -120,7 +122,7 @@ async def load_steer(body: LoadSteerRequest, raw: Request):
 
 @router.delete("/v1/steers/{name}")
 async def unload_steer(name: str, raw: Request):
-    refused = _updates_refused()
+    refused = admin_refused(raw, "unload steers") or _updates_refused()
     if refused is not None:
         return refused
     res = await manage(_engine(raw), "unload", name=name)

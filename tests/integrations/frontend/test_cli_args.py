@@ -122,3 +122,36 @@ def test_no_steer_drafter_help_does_not_show_default_true_and_the_drafter_is_ste
     assert cli_args.config_from_args(parser.parse_args(["--steer", "a=/x"])).steer_drafter
     assert not cli_args.config_from_args(
         parser.parse_args(["--steer", "a=/x", "--no-steer-drafter"])).steer_drafter
+
+
+def test_the_steer_admin_key_is_hidden_in_logs_and_joins_the_api_keys_once(monkeypatch):
+    """--steer-admin-key (or VLLM_STEER_ADMIN_KEY): its repr is masked (vLLM logs the
+    non-default arguments), it joins vLLM's API keys only when there are some (from
+    --api-key, or VLLM_API_KEY as vLLM reads it), once however often the engine arguments
+    are built, and never when it equals an API key."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    cli_args.add_steer_args(parser)
+    flag = next(a for a in parser._actions if "--steer-admin-key" in a.option_strings)
+    assert "VLLM_STEER_ADMIN_KEY" in flag.help and flag.default is None
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_STEER_ADMIN_KEY", raising=False)
+    args = parser.parse_args(["--steer-admin-key", "k-0x51"])
+    assert repr(args.steer_admin_key) == "'***'" and "k-0x51" not in repr(vars(args))
+    args.api_key = None  # no API key: vLLM checks nothing, nothing to join
+    cli_args.admit_admin_key(args)
+    assert args.api_key is None
+    args.api_key = ["inf"]
+    for _ in range(2):
+        cli_args.admit_admin_key(args)
+        assert args.api_key == ["inf", "k-0x51"]
+    # the key from the environment, the API key from VLLM_API_KEY
+    monkeypatch.setenv("VLLM_STEER_ADMIN_KEY", "adm2")
+    monkeypatch.setenv("VLLM_API_KEY", "inf2")
+    env_args = argparse.Namespace(api_key=None, steer_admin_key=None)
+    cli_args.admit_admin_key(env_args)
+    assert env_args.api_key == ["inf2", "adm2"]
+    same = argparse.Namespace(api_key=["adm2"], steer_admin_key=None)
+    with pytest.raises(ValueError, match="give the admin key a value of its own"):
+        cli_args.admit_admin_key(same)

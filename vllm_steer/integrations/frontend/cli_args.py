@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_steer.config import DEFAULT_MAX_STRENGTH, SteerServerConfig, parse_steer_arg
+from vllm_steer.config import (ADMIN_KEY_ENV, DEFAULT_MAX_STRENGTH, SecretKey,
+                               SteerServerConfig, admin_key, parse_steer_arg)
 from vllm_steer.integrations.hook_check import check_hooks
 from vllm_steer.logs import get_logger
 
@@ -63,6 +64,13 @@ def add_steer_args(parser) -> None:
                             "unload steers at run time) and POST /v1/steer-presets, PUT and "
                             "DELETE /v1/steer-presets/NAME (add, replace and delete presets). "
                             "Off by default: only for servers whose clients you trust.")
+    group.add_argument("--steer-admin-key", type=SecretKey, default=None, metavar="KEY",
+                       help="With --enable-steer-updates: the routes that load and unload "
+                            "steers and add, replace and delete presets need this key "
+                            "(`Authorization: Bearer KEY`); the API keys of --api-key / "
+                            "VLLM_API_KEY then serve requests only (HTTP 403 on those routes). "
+                            f"Read from {ADMIN_KEY_ENV} when not given (prefer the variable: "
+                            "a flag shows in the process list).")
     # no default shown: vLLM's help appends "(default: True)", which reads as if the flag
     # were on; unset, the drafter is steered (config_from_args)
     group.add_argument("--no-steer-drafter", dest="steer_drafter", action="store_false",
@@ -143,8 +151,14 @@ def _runtime_args(args: argparse.Namespace) -> dict:
         logger.warning("vllm-steer: --enable-steer-updates is on: POST /v1/steers and "
                        "DELETE /v1/steers/NAME can load and unload steers, and POST "
                        "/v1/steer-presets, PUT and DELETE /v1/steer-presets/NAME can add, "
-                       "replace and delete presets, at run time. Do not expose this server to untrusted "
-                       "clients.")
+                       "replace and delete presets, at run time. %s",
+                       "Only requests with the steer admin key may." if admin_key(args) else
+                       "Any client that may send requests may (set --steer-admin-key or "
+                       f"{ADMIN_KEY_ENV} to keep them to holders of that key); do not expose "
+                       "this server to untrusted clients.")
+    elif admin_key(args):
+        logger.warning("vllm-steer: a steer admin key is set but --enable-steer-updates is "
+                       "off: no route changes steers or presets, the key guards nothing")
     presets_file = getattr(args, "steer_presets_file", None)
     return dict(presets_file=os.path.abspath(presets_file) if presets_file else None,
                 max_steers=getattr(args, "max_steers", None),
@@ -228,6 +242,33 @@ def check_presets_file(cfg: SteerServerConfig, reserved: dict[str, str] | None =
                 f" ({', '.join(sorted(presets))})" if presets else "")
 
 
+def admit_admin_key(args: argparse.Namespace) -> None:
+    """The steer admin key among the keys vLLM's own check accepts on ``/v1`` routes.
+
+    vLLM's ``--api-key`` check (``AuthenticationMiddleware``) answers 401 to any ``/v1``
+    request without one of its keys; the management routes are ``/v1`` routes, so when an API
+    key is set (``--api-key``, or ``VLLM_API_KEY`` without it) the admin key is added to that
+    list (``args.api_key``, as vLLM's precedence reads it). The admin key may then also send
+    requests; the API keys may not change steers (:mod:`vllm_steer.server.admin`). Without an
+    API key vLLM checks nothing and the list is left unset. An admin key equal to an API key
+    is refused: it would make every inference client an admin."""
+    import os
+
+    key = admin_key(args)
+    if not key or not hasattr(args, "api_key"):
+        return
+    if any(isinstance(k, SecretKey) for k in args.api_key or ()):
+        return  # admitted already (engine arguments built twice from one namespace)
+    keys = [k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k]
+    if key in keys:
+        raise ValueError(f"vllm-steer: the steer admin key (--steer-admin-key / "
+                         f"{ADMIN_KEY_ENV}) is one of the API keys (--api-key / VLLM_API_KEY): "
+                         "every client could then change steers and presets; give the admin "
+                         "key a value of its own")
+    if keys:
+        args.api_key = [*keys, SecretKey(key)]
+
+
 def add_cli_args(orig, parser, *a, **kw):
     """``EngineArgs.add_cli_args``: vLLM's flags, then ours (:func:`add_steer_args`)."""
     parser = orig(parser, *a, **kw)
@@ -239,6 +280,7 @@ def from_cli_args(orig, cls, args: argparse.Namespace):
     """``EngineArgs.from_cli_args``: the ``--steer`` flags carried in ``additional_config``."""
     cfg = config_from_args(args)
     if cfg is not None:
+        admit_admin_key(args)
         check_hooks()
         # Written back into the namespace: the API servers of --api-server-count N /
         # --data-parallel-size N are spawned with this namespace and build their engine

@@ -1,0 +1,3 @@
+{{- define "vllm-steer.labels" -}}
+app.kubernetes.io/name: {{ .Release.Name }}
+{{- end -}}
