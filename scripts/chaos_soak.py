@@ -142,10 +142,17 @@ class Server:
         return out
 
     def engine_cores(self):
+        """The engine-core processes: vLLM's log names each process and its pid
+        ("(EngineCore_DP0 pid=123) INFO ..."); the process titles need setproctitle."""
+        import re
+
+        pids = {int(p) for p in re.findall(r"\(EngineCore\w* pid=(\d+)\)",
+                                           self.log.read_text(errors="replace"))}
         out = []
         for p in self.processes():
             try:
-                if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline()):
+                if p.pid in pids or "EngineCore" in p.name() or \
+                        any("EngineCore" in a for a in p.cmdline()):
                     out.append(p)
             except Exception:
                 pass
@@ -163,6 +170,20 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.f.close()
+
+
+class Attached:
+    """A server this script did not start (``--url``)."""
+
+    def __init__(self, url):
+        self.url, self.start_s = url.rstrip("/"), 0.0
+        self.proc = argparse.Namespace(returncode=None)
+
+    def rss_mb(self):
+        return {}
+
+    def stop(self):
+        pass
 
 
 # ---------------------------------------------------------------------------- files
@@ -205,17 +226,20 @@ class Stats:
         self.examples = collections.defaultdict(list)  # "5xx"/"conn"/"unexpected" -> few
         self.ops = collections.defaultdict(collections.Counter)
         self.greedy = collections.defaultdict(list)  # key -> texts seen under load
-        self.stream_errors = 0
+        self.stream_errors = collections.Counter()  # error events in 200 streams, by code
 
-    def record(self, kind, status, allowed, desc, body_text=""):
+    def record(self, kind, status, allowed, desc, body_text="", code=None):
+        code = status if code is None else code
         with self.lock:
             self.by_status[status] += 1
             self.by_kind[kind][status] += 1
             bad = None
             if status == "conn_error":
                 bad = "conn_error"
-            elif isinstance(status, int) and status >= 500:
+            elif isinstance(code, int) and code >= 500:
                 bad = "5xx"
+            elif status == "stream_error":  # a stream cut without an error code
+                bad = "conn_error"
             elif status not in allowed:
                 self.unexpected[kind] += 1
                 bad = "unexpected"
@@ -226,7 +250,9 @@ class Stats:
     def op(self, kind, status):
         with self.lock:
             self.ops[kind][status] += 1
-            if status == "conn_error" or (isinstance(status, int) and status >= 500):
+            # 507: the documented refusal of a load into a full bank (names --max-steers)
+            if status == "conn_error" or (isinstance(status, int) and status >= 500
+                                          and status != 507):
                 self.by_status[f"op {status}"] += 1
                 if len(self.examples["op_error"]) < 20:
                     self.examples["op_error"].append({"op": kind, "status": status})
@@ -323,9 +349,13 @@ class Client(threading.Thread):
             try:
                 text = read_stream(r, path)
             except StreamError as e:
+                # an error event after the 200 headers: a refusal (400) or a failure (500)
+                code = e.code if isinstance(e.code, int) else "stream_error"
                 with self.stats.lock:
-                    self.stats.stream_errors += 1
-                self.stats.record(kind, "stream_error", allowed, desc, str(e))
+                    self.stats.stream_errors[code] += 1
+                status = code if code == "stream_error" else f"stream {code}"
+                self.stats.record(kind, status, {f"stream {a}" for a in allowed}, desc,
+                                  str(e), code=code)
                 return None, None
             except requests.RequestException as e:
                 self.stats.record(kind, "conn_error", allowed, desc, repr(e))
@@ -431,7 +461,9 @@ class Client(threading.Thread):
 
 
 class StreamError(Exception):
-    pass
+    def __init__(self, msg, code=None):
+        super().__init__(msg)
+        self.code = code
 
 
 def read_stream(r, path) -> str:
@@ -450,7 +482,10 @@ def read_stream(r, path) -> str:
             break
         ev = json.loads(data)
         if "error" in ev and "choices" not in ev:
-            raise StreamError(json.dumps(ev)[:400])
+            err = ev["error"] if isinstance(ev["error"], dict) else {}
+            raise StreamError(json.dumps(ev)[:400], err.get("code"))
+        if ev.get("type") in ("error", "response.failed"):
+            raise StreamError(json.dumps(ev)[:400], ev.get("code") or 500)
         if path == "/v1/responses":
             if ev.get("type") == "response.output_text.delta":
                 parts.append(ev.get("delta", ""))
@@ -601,8 +636,11 @@ def soak(base, work, args, server) -> dict:
                 with stats.lock:
                     n = sum(v for k, v in stats.by_status.items() if not str(k).startswith("op"))
                     s5 = sum(v for k, v in stats.by_status.items()
-                             if isinstance(k, int) and k >= 500)
-                    ce = stats.by_status.get("conn_error", 0)
+                             if isinstance(k, int) and k >= 500) + sum(
+                        v for k, v in stats.stream_errors.items()
+                        if isinstance(k, int) and k >= 500)
+                    ce = stats.by_status.get("conn_error", 0) + \
+                        stats.by_status.get("stream_error", 0)
                     st = dict(sorted((str(k), v) for k, v in stats.by_status.items()))
                     nops = sum(sum(c.values()) for c in stats.ops.values())
                 print(f"[soak {time.time() - t0:6.0f}s] requests {n} ({n / (last - t0):.1f}/s) "
@@ -619,6 +657,10 @@ def restart_check(args_list, work, log_dir, server) -> dict:
     """Kill the engine core under traffic; what clients see; the exit status; a restart."""
     base = server.url
     out: dict = {}
+    if server.proc.poll() is not None or not plain_ok(base)[0]:
+        out["error"] = f"the server had died before the kill (exit {server.proc.poll()})"
+        server.stop()
+        return out
     # run-time state to lose: a steer loaded over HTTP, a run-time preset, counters
     requests.post(base + "/v1/steers", json={"name": "api1",
                                              "path": str(work / "steers" / "d3.safetensors")},
@@ -628,8 +670,10 @@ def restart_check(args_list, work, log_dir, server) -> dict:
     out["before_kill"] = before
     cores = server.engine_cores()
     out["engine_cores"] = [f"{p.pid} {p.name()}" for p in cores]
-    if not cores:
-        out["error"] = "no engine core process found"
+    if not cores or server.proc.poll() is not None:
+        out["error"] = (f"the server had exited ({server.proc.returncode}) before the kill"
+                        if server.proc.poll() is not None else "no engine core process found")
+        server.stop()
         return out
     seen = collections.Counter()
     stop = threading.Event()
@@ -714,6 +758,9 @@ def main(argv=None) -> int:
                     help="float32 (default): the greedy check needs batch-invariant output")
     ap.add_argument("--work", type=Path, default=None,
                     help="folder for the steer dir, presets file and logs (default: a temp one)")
+    ap.add_argument("--url", default=None,
+                    help="soak a server already running with server_args(MODEL, --work) "
+                         "instead of starting one (no RSS, no --restart-check)")
     ap.add_argument("--restart-check", action="store_true",
                     help="after the soak, kill the engine core and restart the server")
     args = ap.parse_args(argv)
@@ -727,8 +774,11 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     setup_work(work, random.Random(args.seed))
     sargs = server_args(model, work, args.dtype)
-    print(f"[soak] work folder {work}; starting vllm serve {' '.join(sargs)}", flush=True)
-    server = Server(sargs, work / "server.log")
+    if args.url:
+        server = Attached(args.url)
+    else:
+        print(f"[soak] work folder {work}; starting vllm serve {' '.join(sargs)}", flush=True)
+        server = Server(sargs, work / "server.log")
     report: dict = {"command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
                     "duration_s": args.duration, "clients": args.clients, "seed": args.seed,
                     "dtype": args.dtype, "server_args": sargs,
@@ -751,7 +801,8 @@ def main(argv=None) -> int:
                 if t != solo.get(key):
                     mismatches.append({"key": key, "under_load": t, "solo": solo.get(key)})
         n_req = sum(v for k, v in stats.by_status.items() if not str(k).startswith("op"))
-        s5 = sum(v for k, v in stats.by_status.items() if isinstance(k, int) and k >= 500)
+        s5 = sum(v for k, v in stats.by_status.items() if isinstance(k, int) and k >= 500) + \
+            sum(v for k, v in stats.stream_errors.items() if isinstance(k, int) and k >= 500)
         op5 = sum(v for k, v in stats.by_status.items() if str(k).startswith("op"))
         start_total = sum(rss_start.values())
         end_total = sum(rss_end.values())
@@ -763,8 +814,9 @@ def main(argv=None) -> int:
             "requests_by_kind": {k: {str(s): n for s, n in c.items()}
                                  for k, c in sorted(stats.by_kind.items())},
             "status_5xx": s5,
-            "connection_errors": stats.by_status.get("conn_error", 0),
-            "stream_errors": stats.stream_errors,
+            "connection_errors": stats.by_status.get("conn_error", 0) +
+            stats.by_status.get("stream_error", 0),
+            "stream_error_events": {str(k): v for k, v in stats.stream_errors.items()},
             "ops_5xx_or_conn_errors": op5,
             "unexpected_status": dict(stats.unexpected),
             "operations": {k: {str(s): n for s, n in c.items()}
@@ -779,7 +831,7 @@ def main(argv=None) -> int:
             "rss_growth_mb": round(end_total - start_total, 1),
             "rss_growth_pct": round(100 * (end_total - start_total) / max(start_total, 1), 1),
         })
-        if args.restart_check:
+        if args.restart_check and not args.url:
             report["restart"] = restart_check(sargs, work, work, server)
     finally:
         server.stop()
@@ -791,13 +843,12 @@ def main(argv=None) -> int:
         ("5xx responses", report.get("status_5xx", 1)),
         ("connection errors", report.get("connection_errors", 1)),
         ("5xx or connection errors on management calls", report.get("ops_5xx_or_conn_errors", 1)),
-        ("stream errors", report.get("stream_errors", 1)),
         ("engine not alive", not report.get("engine_alive")),
         ("greedy mismatches", report.get("mismatches", 1)),
     ] if bad]
     summary = {k: report.get(k) for k in (
         "elapsed_s", "clients", "requests", "requests_by_status", "status_5xx",
-        "connection_errors", "stream_errors", "unexpected_status", "engine_alive",
+        "connection_errors", "stream_error_events", "unexpected_status", "engine_alive",
         "greedy_checked", "mismatches", "rss_mb_start_total", "rss_mb_end_total",
         "rss_growth_mb")}
     print("[soak] " + json.dumps(summary), flush=True)
