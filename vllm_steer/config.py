@@ -14,6 +14,13 @@ from vllm_steer.names import echo, steer_name_problem
 from vllm_steer.policy import parse_mix
 
 DEFAULT_MAX_STRENGTH = 50.0
+#: The rank per steer the steer bank reserves without ``--max-steer-rank`` (or the largest
+#: ``--steer`` file's rank, if larger): a run-time load of a larger rank is refused, so the bank
+#: never allocates device memory outside what vLLM measured at start-up.
+DEFAULT_RESERVED_RANK = 64
+#: ``--max-steers-per-request`` unless given: the most steers one request may be served with
+#: (presets, defaults and floors counted); the bank's capacity (``--max-steers``) bounds it too.
+DEFAULT_MAX_STEERS_PER_REQUEST = 8
 
 
 @dataclass
@@ -30,6 +37,12 @@ class SteerServerConfig:
     """Steer slots (``--max-steers``): how many steers may be loaded at once; the per-request
     coefficient table and the bank are sized for it up front. Default: the number of
     ``--steer`` options, at least 8."""
+    max_steers_per_request: int | None = None
+    """``--max-steers-per-request``: the most steers one request may be served with, presets,
+    ``--steer-default`` and ``--steer-floor`` counted (None:
+    :data:`DEFAULT_MAX_STEERS_PER_REQUEST`).
+    A request over it, or over what the bank holds at once (``--max-steers``), is an HTTP 400
+    naming the count, the limit and the fix."""
     max_steer_rank: int | None = None
     """Largest rank a loaded steer may have (``--max-steer-rank``); None: any."""
     steer_dir: str | None = None
@@ -81,6 +94,7 @@ class SteerServerConfig:
                 raise ValueError(f"steers[{name!r}]: expected a file path, got "
                                  f"{type(path).__name__}")
         for flag, v in (("--max-steers", self.max_steers),
+                        ("--max-steers-per-request", self.max_steers_per_request),
                         ("--max-steer-rank", self.max_steer_rank)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{flag}={v!r}: must be a positive integer")
@@ -95,6 +109,20 @@ class SteerServerConfig:
     def capacity(self) -> int:
         """Steer slots: ``max_steers``, default the number of ``--steer``, at least 8."""
         return self.max_steers if self.max_steers is not None else max(len(self.steers), 8)
+
+    def reserved_rank(self, startup_ranks=()) -> int:
+        """The rank per steer (and per domain component) the steer bank reserves at start-up,
+        the largest a steer loaded at run time may have: ``--max-steer-rank``, else the
+        largest of :data:`DEFAULT_RESERVED_RANK` and the ``--steer`` files' ranks."""
+        if self.max_steer_rank is not None:
+            return self.max_steer_rank
+        return max([DEFAULT_RESERVED_RANK, *startup_ranks])
+
+    @property
+    def per_request(self) -> int:
+        """The most steers one request may be served with (``--max-steers-per-request``)."""
+        return (self.max_steers_per_request if self.max_steers_per_request is not None
+                else DEFAULT_MAX_STEERS_PER_REQUEST)
 
     @property
     def enabled(self) -> bool:
@@ -146,8 +174,8 @@ class SteerServerConfig:
 
 
 #: Keys of the run-time steer management (issue 15) in ``additional_config["vllm_steer"]``.
-_RUNTIME_KEYS = frozenset({"max_steers", "max_steer_rank", "steer_dir", "enable_updates",
-                           "updates_any_path", "presets_file"})
+_RUNTIME_KEYS = frozenset({"max_steers", "max_steers_per_request", "max_steer_rank",
+                           "steer_dir", "enable_updates", "updates_any_path", "presets_file"})
 
 
 #: Keys of the operator policy (issue 24: presets, defaults, floors; see vllm_steer.policy).

@@ -28,6 +28,9 @@ data-parallel rank, as in vLLM's own metrics (``0`` without data parallelism).
 ``vllm_steer:steer_unloads_total``         counter: unloads
 ``vllm_steer:steer_evictions_total``       counter: least-recently-used evictions at capacity
 ``vllm_steer:steer_load_failures_total``   counter: refused loads (bad file, full, bad name)
+``vllm_steer:requests_refused_total``      counter: requests the engine core refused, label
+                                           ``status`` (``400``: the request's error;
+                                           ``500``: a fault of the plugin)
 ``vllm_steer:steer_op_seconds_total``      counter: time the device spent in the steer op
                                            (CUDA events; on the CPU the host time), from one
                                            op in 64
@@ -63,6 +66,10 @@ COUNTERS = {"loads": "vllm_steer:steer_loads_total",
             "unloads": "vllm_steer:steer_unloads_total",
             "evictions": "vllm_steer:steer_evictions_total",
             "failures": "vllm_steer:steer_load_failures_total"}
+#: Requests the plugin refused, per HTTP status (``status`` label): the registry's
+#: ``refused_400`` (a client's error) and ``refused_500`` (a fault of the plugin) counters.
+REQUESTS_REFUSED = "vllm_steer:requests_refused_total"
+REFUSALS = {"refused_400": "400", "refused_500": "500"}
 #: The label naming the engine core (data-parallel rank), as vLLM's own metrics name it.
 ENGINE_LABEL = "engine"
 #: A worker's op values in its ``stats`` answer (cumulative since start).
@@ -169,7 +176,7 @@ def engine_totals(stats: dict, workers: list | None) -> dict:
     worker holding the LM head steers the same rows; one without the head counts nothing)."""
     found = [w for w in workers or [] if isinstance(w, dict)]
     head = max(found, key=lambda w: int(w.get("op_calls", 0)), default={})
-    return {"counters": {k: stats.get("counters", {}).get(k, 0) for k in COUNTERS},
+    return {"counters": {k: stats.get("counters", {}).get(k, 0) for k in (*COUNTERS, *REFUSALS)},
             "served": dict(stats.get("served") or {}),
             "op": {k: head.get(k, 0) for k in OP_KEYS}}
 
@@ -223,6 +230,9 @@ class SteerMetrics:
             "Steer unloads.",
             "Least-recently-used steer evictions at capacity.",
             "Refused steer loads (bad file, no free slot, bad name)."))}
+        self.refused = counter(REQUESTS_REFUSED, "Requests the steer plugin refused in the "
+                               "engine core, per HTTP status (400: the request's error; 500: a "
+                               "fault of the plugin).", ("status",))
         self.op_seconds = counter(OP_SECONDS, "Time the device spent in the steer op, seconds "
                                   "(CUDA events; on the CPU the host time).")
         self.op_host_seconds = counter(OP_HOST_SECONDS, "Host time in the steer op, seconds "
@@ -248,6 +258,8 @@ class SteerMetrics:
         for k, d in (new.get("counters") or {}).items():
             if k in self.counters:
                 self.counters[k].labels(e).inc(d)
+            elif k in REFUSALS:
+                self.refused.labels(e, REFUSALS[k]).inc(d)
         for name, d in (new.get("served") or {}).items():
             self.served.labels(e, name).inc(d)
         op = new.get("op") or {}

@@ -33,6 +33,10 @@ MANAGEMENT_METHOD = "vllm_steer_control"
 #: ``stop_reason`` prefix of the error output the engine core sends for a request whose steer
 #: it refuses at admission; the API server turns it back into HTTP 400 (``param: "steer"``).
 REFUSED_PREFIX = "vllm-steer refused: "
+#: ``stop_reason`` prefix of the error output the engine core sends for a request whose
+#: admission failed in the plugin's own code (:mod:`vllm_steer.integrations.guard`): the API
+#: server answers it with HTTP 500 and the message, and the engine goes on serving.
+FAILED_PREFIX = "vllm-steer failed: "
 
 # ---- the management ops (``args=(op, kwargs)``) ---------------------------------------------
 #: ``{}`` -> ``{"enabled", "steers": [...], "stats": {...}, "workers": [...], "version",
@@ -69,6 +73,27 @@ SOURCES = (SOURCE_STARTUP, SOURCE_STEER_DIR, SOURCE_API, SOURCE_OFFLINE)
 def is_preset_op(op: str) -> bool:
     """Whether ``op`` is one of the run-time preset table's ops (no worker involved)."""
     return op.startswith("preset")
+
+
+# ---- how many steers one request may be served with ------------------------------------------
+def count_problem(names, per_request: int, capacity: int, where: str) -> str | None:
+    """Why a request served with the steers ``names`` (after presets, defaults and floors)
+    cannot be admitted for their number, else None: over ``--max-steers-per-request``
+    (``per_request``), or over what the bank holds at once (``--max-steers``, ``capacity``).
+    The frontend and the engine core refuse with this one message."""
+    n = len(names)
+    shown = ", ".join(repr(x) for x in list(names)[:12]) + (", ..." if n > 12 else "")
+    if n > per_request:
+        return (f"{where}: the request is served with {n} steers ({shown}), over the "
+                f"server's limit of {per_request} per request (--max-steers-per-request="
+                f"{per_request}; presets, --steer-default and --steer-floor count too); send "
+                "fewer steers, or restart the server with a larger --max-steers-per-request")
+    if n > capacity:
+        return (f"{where}: the request is served with {n} steers ({shown}), but the steer "
+                f"bank holds at most {capacity} at once (--max-steers={capacity}); send at "
+                f"most {capacity} steers in one request, or restart the server with a larger "
+                "--max-steers")
+    return None
 
 
 # ---- names and --steer-dir files --------------------------------------------------------------

@@ -15,14 +15,15 @@ Light: no torch at import time.
 from __future__ import annotations
 
 from vllm_steer import REQUEST_FIELD
-from vllm_steer.integrations.engine.management import load_steer_file
+from vllm_steer.integrations.engine.management import in_use_by_requests, load_steer_file
 from vllm_steer.integrations.engine.state import engine_state
-from vllm_steer.integrations.protocol import SOURCE_STEER_DIR, steer_dir_file
+from vllm_steer.integrations.protocol import SOURCE_STEER_DIR, count_problem, steer_dir_file
 from vllm_steer.request import BOUND_KEY, BoundSteer, SteerRequest, SteerRequestError
 
 
-class SteerAdmissionError(ValueError):
-    """A request names a steer the engine cannot serve (unloaded, or its file was refused)."""
+class SteerAdmissionError(SteerRequestError):
+    """A request names a steer the engine cannot serve (unloaded, its file refused, more
+    steers than the bank holds at once): the request's HTTP 400."""
 
 
 def bind_request(core, request) -> None:
@@ -30,10 +31,16 @@ def bind_request(core, request) -> None:
     steer it is served with gets the ``(bank_slot, load_id)`` that holds it, loading it from
     ``--steer-dir`` on first use, written into its sampling params (:data:`BOUND_KEY`).
 
+    Admission is planned before anything is loaded: the count is checked against
+    ``--max-steers-per-request`` and ``--max-steers`` (:func:`~vllm_steer.integrations.
+    protocol.count_problem`), every first-use file is found, and the bank must have room for
+    all of them at once without evicting a steer a running request uses or one this request
+    names. A first-use load therefore never evicts a steer bound earlier in the same request.
+
     Raises :class:`SteerAdmissionError` when a named steer is not loaded (and not in
-    ``--steer-dir``), its file there is refused, or the serialised form cannot be read; the
-    message is the one the API server's own check gives
-    (:func:`vllm_steer.integrations.protocol.steer_dir_file`).
+    ``--steer-dir``), its file there is refused, the request names too many steers, the bank
+    has no room for them now, or the serialised form cannot be read; the message is the one
+    the API server's own check gives (:func:`vllm_steer.integrations.protocol.steer_dir_file`).
     """
     sp = getattr(request, "sampling_params", None)
     if sp is None:
@@ -42,7 +49,8 @@ def bind_request(core, request) -> None:
     if BOUND_KEY in extra:  # only the engine core writes it
         extra = {k: v for k, v in extra.items() if k != BOUND_KEY}
         sp.extra_args = extra
-    reg = engine_state(core).registry
+    st = engine_state(core)
+    reg = st.registry
     value = extra.get(REQUEST_FIELD)
     if reg is None or value is None:
         return
@@ -51,22 +59,43 @@ def bind_request(core, request) -> None:
     except SteerRequestError as e:
         raise SteerAdmissionError(str(e)) from None
     names = list(steers.strengths)
-    for name in names:
-        if name not in reg.bound:
-            _load_from_steer_dir(core, name)
+    problem = count_problem(names, st.config.per_request, reg.capacity, REQUEST_FIELD)
+    if problem:
+        raise SteerAdmissionError(problem)
+    missing = [n for n in names if n not in reg.bound]
+    if missing:
+        paths = {n: _steer_dir_path(core, n) for n in missing}  # every file found first
+        in_use = in_use_by_requests(core)
+        room = reg.room(in_use, protect=names)
+        if len(missing) > room:
+            raise SteerAdmissionError(_no_room(reg, names, missing, room))
+        for name in missing:
+            res = load_steer_file(core, name, paths[name], SOURCE_STEER_DIR, protect=names)
+            if not res["ok"]:
+                raise SteerAdmissionError(f"{REQUEST_FIELD}: {res['error']}")
     slots = reg.bind(names)
     values = steers.named
     bound = [BoundSteer(n, *slots[n], values[n]) for n in names]
     sp.extra_args = {**extra, BOUND_KEY: BoundSteer.to_wire(bound)}
 
 
-def _load_from_steer_dir(core, name: str) -> None:
-    """Load ``name`` from ``--steer-dir`` (its first use), or refuse the request."""
+def _steer_dir_path(core, name: str) -> str:
+    """The ``--steer-dir`` file of ``name`` (its first use), or refuse the request."""
     st = engine_state(core)
     try:
-        path = steer_dir_file(st.config.steer_dir, name, st.registry.names(), REQUEST_FIELD)
+        return steer_dir_file(st.config.steer_dir, name, st.registry.names(), REQUEST_FIELD)
     except SteerRequestError as e:
         raise SteerAdmissionError(str(e)) from None
-    res = load_steer_file(core, name, path, SOURCE_STEER_DIR)
-    if not res["ok"]:
-        raise SteerAdmissionError(f"{REQUEST_FIELD}: {res['error']}")
+
+
+def _no_room(reg, names, missing, room: int) -> str:
+    """The refusal of a request whose first-use steers do not all fit in the bank now."""
+    pinned = reg.pinned()
+    used = reg.capacity - pinned - room
+    return (f"{REQUEST_FIELD}: the request needs {len(missing)} steer(s) loaded from "
+            f"--steer-dir ({', '.join(repr(n) for n in missing)}) but only {room} of the "
+            f"{reg.capacity} steer slots can take one now (--max-steers={reg.capacity}: "
+            f"{pinned} hold steers that are never evicted, {used} hold steers that running "
+            "requests or this request use); retry when running requests finish, send fewer "
+            f"steers at once (at most {reg.capacity - pinned} from --steer-dir), or restart "
+            "with a larger --max-steers")

@@ -12,9 +12,11 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from vllm_steer.integrations.engine.binding import SteerAdmissionError, bind_request
+from vllm_steer.integrations.engine.binding import bind_request
 from vllm_steer.integrations.engine.management import run_op
-from vllm_steer.integrations.protocol import MANAGEMENT_METHOD, REFUSED_PREFIX
+from vllm_steer.integrations.engine.state import STATES
+from vllm_steer.integrations.guard import CLIENT_STATUS, classify, management_failure
+from vllm_steer.integrations.protocol import FAILED_PREFIX, MANAGEMENT_METHOD, REFUSED_PREFIX
 from vllm_steer.logs import get_logger
 
 logger = get_logger()
@@ -23,37 +25,67 @@ logger = get_logger()
 def collective_rpc(orig, self, method, timeout=None, args=(), kwargs=None):
     """``EngineCore.collective_rpc`` answers :data:`~vllm_steer.integrations.protocol.
     MANAGEMENT_METHOD` in the engine core (load / unload / list / presets, forwarded to every
-    worker by the executor's own collective_rpc)."""
+    worker by the executor's own collective_rpc). The op never raises (:func:`run_op`: a
+    failure is its answer); a call whose arguments are not ``(op, kwargs)`` is answered
+    with a 400."""
     if method == MANAGEMENT_METHOD:
-        return [run_op(self, *args)]
+        if not args or not isinstance(args[0], str) or len(args) > 2:
+            return [{"ok": False, "status": 400, "engine": 0,
+                     "error": f"steer management call: expected (op, kwargs), got {args!r:.200}"}]
+        try:
+            return [run_op(self, *args)]
+        except Exception as e:  # the plugin's one guard: answered, never raised
+            return [{**management_failure(str(args[0]), e),
+                     "engine": int(getattr(self, "engine_index", 0) or 0)}]
     return orig(self, method, timeout, args, kwargs)
 
 
 def add_request(orig, self, request, request_wave: int = 0):
     """``EngineCore.add_request``: each steer bound to (bank slot, load)
-    (:func:`~vllm_steer.integrations.engine.binding.bind_request`); a request refused there
-    is finished at once with an error output (:func:`send_refusal`)."""
+    (:func:`~vllm_steer.integrations.engine.binding.bind_request`), inside the plugin's one
+    guard (:mod:`vllm_steer.integrations.guard`): a request refused there (HTTP 400) or whose
+    admission failed in the plugin's code (HTTP 500, logged once with its traceback) is
+    finished at once with an error output (:func:`send_refusal`), and the engine core goes on
+    with every other request. Only vLLM's own ``add_request`` runs outside the guard."""
     try:
         bind_request(self, request)
-    except SteerAdmissionError as e:
+    except Exception as e:
+        request_id = getattr(request, "request_id", None)
+        status, message = classify(e, "EngineCore.add_request", request_id)
         if getattr(self, "output_queue", None) is None:  # engine core in this process
-            raise  # (offline): the caller sees it
-        logger.warning("vllm-steer: request %s refused: %s", request.request_id, e)
-        send_refusal(self, request, str(e))
+            if status == CLIENT_STATUS:
+                raise  # (offline): the caller sees it
+            raise RuntimeError(message) from e
+        if status == CLIENT_STATUS:
+            logger.warning("vllm-steer: request %s refused: %s", request_id, message)
+        count_refusal(self, status)
+        send_refusal(self, request, message, status)
         return
     return orig(self, request, request_wave)
 
 
-def send_refusal(core, request, message: str) -> None:
+def count_refusal(core, status: int) -> None:
+    """One more request refused by the plugin in this engine core (``refused_400`` /
+    ``refused_500`` of the registry's counters: ``vllm_steer:requests_refused_total``)."""
+    st = STATES.get(core)  # never created here: this runs when admission failed
+    reg = st.registry if st is not None else None
+    if reg is not None:
+        key = f"refused_{status}"
+        reg.counters[key] = reg.counters.get(key, 0) + 1
+
+
+def send_refusal(core, request, message: str, status: int = CLIENT_STATUS) -> None:
     """Finish ``request`` at once with vLLM's error output (as
     ``EngineCore._send_error_outputs_to_client`` does), its ``stop_reason`` carrying
-    :data:`~vllm_steer.integrations.protocol.REFUSED_PREFIX` and ``message``: the API server's
-    ``AsyncLLM.generate`` hook turns it into the client's HTTP 400 instead of vLLM's generic
-    500."""
+    :data:`~vllm_steer.integrations.protocol.REFUSED_PREFIX` (a refusal, HTTP 400) or
+    :data:`~vllm_steer.integrations.protocol.FAILED_PREFIX` (a fault of the plugin, HTTP 500)
+    and ``message``: the API server's ``AsyncLLM.generate`` hook turns it into the client's
+    answer instead of vLLM's generic 500."""
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
+    prefix = REFUSED_PREFIX if status == CLIENT_STATUS else FAILED_PREFIX
     out = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
-                           stop_reason=REFUSED_PREFIX + message)
+                           stop_reason=prefix + message)
     core.output_queue.put_nowait(
         (request.client_index, EngineCoreOutputs(finished_requests={request.request_id},
                                                  outputs=[out])))

@@ -21,6 +21,7 @@ theirs.
 from __future__ import annotations
 
 import time
+from typing import Collection
 
 from vllm_steer.integrations.engine.presets import file_op
 from vllm_steer.integrations.engine.registry import (SteerCapacityError, SteerEntry,
@@ -36,7 +37,9 @@ from vllm_steer.metrics import take_new
 logger = get_logger()
 
 
-def _in_use(core) -> set[tuple[int, int]]:
+def in_use_by_requests(core) -> set[tuple[int, int]]:
+    """``(bank_slot, load_id)`` of every steer a request in the engine core (waiting or
+    running) is bound to."""
     return bound_in(core.scheduler.requests.values())
 
 
@@ -46,20 +49,35 @@ def _workers(core, *args) -> list:
     return core.model_executor.collective_rpc(worker_op, args=args)
 
 
+#: The string arguments each op needs (anything else is a 400, never a KeyError).
+_REQUIRED = {OP_LOAD: ("name", "path"), OP_UNLOAD: ("name",), OP_ROLLBACK: ("name",),
+             OP_PRESET_DELETE: ("name",), OP_PRESET_ADD: ("name",),
+             OP_PRESET_ROLLBACK: ("name",)}
+
+
 def _error(status: int, message: str) -> dict:
     return {"ok": False, "status": status, "error": message}
 
 
 def run_op(core, op: str, kwargs: dict | None = None) -> dict:
     """One management op in the engine core (see the module doc): its answer, naming this
-    engine core."""
+    engine core. The engine-core hook runs it inside the plugin's guard
+    (:func:`vllm_steer.integrations.engine.core.collective_rpc`): an op that fails in the
+    plugin's code answers HTTP 500 and changes nothing."""
     return {**_run_op(core, op, kwargs), "engine": int(getattr(core, "engine_index", 0) or 0)}
 
 
 def _run_op(core, op: str, kwargs: dict | None = None) -> dict:
     st = engine_state(core)
     reg, cfg = st.registry, st.config
+    if not isinstance(kwargs, dict) and kwargs is not None:
+        return _error(400, f"steer management op {op!r}: its arguments must be a mapping, "
+                      f"got {type(kwargs).__name__}")
     kwargs = dict(kwargs or {})
+    missing = [k for k in _REQUIRED.get(op, ()) if not isinstance(kwargs.get(k), str)]
+    if missing:
+        return _error(400, f"steer management op {op!r}: {', '.join(missing)} must be given "
+                      "as a string")
     if reg is None:
         if op == OP_LIST:
             return {"enabled": False, "steers": [], "stats": {}, "workers": []}
@@ -67,7 +85,7 @@ def _run_op(core, op: str, kwargs: dict | None = None) -> dict:
                       "--steer-dir or --enable-steer-updates)")
     if is_preset_op(op):  # run-time presets: no worker involved
         return _preset_op(core, cfg, op, kwargs)
-    freed = reg.reap(_in_use(core))
+    freed = reg.reap(in_use_by_requests(core))
     if freed:
         _workers(core, "drop", freed)
     if op == OP_LIST:
@@ -82,12 +100,15 @@ def _run_op(core, op: str, kwargs: dict | None = None) -> dict:
         existing = reg.get(kwargs["name"])
         if kwargs.get("source") == SOURCE_STEER_DIR and existing is not None:  # first use raced
             return {"ok": True, "steer": existing.to_json(), "evicted": None, "load_ms": 0.0}
+        protect = kwargs.get("protect") or ()
         return load_steer_file(core, kwargs["name"], kwargs["path"],
-                               kwargs.get("source", SOURCE_API))
+                               kwargs.get("source", SOURCE_API),
+                               protect=[str(n) for n in protect] if isinstance(
+                                   protect, (list, tuple)) else ())
     if op == OP_UNLOAD:
         name = kwargs["name"]
         try:
-            entry, freed = reg.unload(name, _in_use(core))
+            entry, freed = reg.unload(name, in_use_by_requests(core))
         except KeyError:
             return _error(404, f"steer {name!r} is not loaded; loaded steers: "
                           f"{', '.join(reg.names()) or 'none'}")
@@ -101,7 +122,7 @@ def _run_op(core, op: str, kwargs: dict | None = None) -> dict:
         gen = (kwargs.get("generations") or {}).get(str(getattr(core, "engine_index", 0) or 0))
         if entry is None or entry.generation != gen:
             return {"ok": True, "steer": None}
-        _, freed = reg.unload(kwargs["name"], _in_use(core))
+        _, freed = reg.unload(kwargs["name"], in_use_by_requests(core))
         reg.counters["unloads"] -= 1  # not an unload anyone asked for
         if freed:
             _workers(core, "drop", freed)
@@ -143,9 +164,14 @@ def _preset_op(core, cfg, op: str, kwargs: dict) -> dict:
     return _error(400, f"unknown steer control op {op!r}")
 
 
-def load_steer_file(core, name: str, path: str, source: str) -> dict:
-    """Load the steer file ``path`` as ``name``: check it like at start-up, pick a slot, put
-    the factors on every worker, bind the name (the ``load`` op's answer)."""
+def load_steer_file(core, name: str, path: str, source: str,
+                    protect: Collection[str] = ()) -> dict:
+    """Load the steer file ``path`` as ``name``: check it like at start-up, pick a slot (never
+    evicting a steer that a request uses or that ``protect`` names: the steers of the request
+    being admitted), put the factors on every worker, bind the name (the ``load`` op's
+    answer). A file that cannot be read is a 400 naming it; a put that fails in a worker
+    leaves every name as it was (a steer-dir steer whose slot it was about to take is
+    unbound, to be read again on its next use)."""
     from vllm_steer.format import SteerFileError, load_steer
 
     st = engine_state(core)
@@ -157,18 +183,22 @@ def load_steer_file(core, name: str, path: str, source: str) -> dict:
         reg.counters["failures"] += 1
         return _error(400, str(e))
     try:
-        steer = load_steer(path)
+        try:
+            steer = load_steer(path)
+        except OSError as e:  # gone, unreadable, or a folder since it was named
+            raise SteerFileError(path, [f"cannot be read: {type(e).__name__}: {e}"]) from None
         reasons = []
         if steer.hidden_size != hidden:
             reasons.append(f"steer {name!r} has hidden size {steer.hidden_size} but the model "
                            f"{core.vllm_config.model_config.model} has {hidden}; train or "
                            "transfer the steer for this model (vllm-steer train / transfer)")
+        limit = st.reserved_rank
         for what, p in (("rank", steer.p1), ("domain rank", steer.domain_p1)):
-            if cfg.max_steer_rank is not None and p is not None \
-                    and p.shape[1] > cfg.max_steer_rank:
-                reasons.append(f"steer {name!r} has {what} {p.shape[1]}, over "
-                               f"--max-steer-rank={cfg.max_steer_rank} (the steer bank is "
-                               "reserved for it at start-up); restart the server with a larger "
+            if p is not None and p.shape[1] > limit:
+                reasons.append(f"steer {name!r} has {what} {p.shape[1]}, over the rank "
+                               f"{limit} per steer the steer bank reserved at start-up "
+                               "(--max-steer-rank; default: the largest --steer file's rank, "
+                               "at least 64); restart the server with a larger "
                                "--max-steer-rank or load a steer of a lower rank")
         if reasons:
             raise SteerFileError(path, reasons)
@@ -176,12 +206,21 @@ def load_steer_file(core, name: str, path: str, source: str) -> dict:
         reg.counters["failures"] += 1
         return _error(400, str(e))
     try:
-        slot, evicted = reg.free_slot(_in_use(core), evictable=True, replacing=name)
+        slot, evicted = reg.free_slot(in_use_by_requests(core), evictable=True, replacing=name,
+                                      protect=protect)
     except SteerCapacityError as e:
         reg.counters["failures"] += 1
         return _error(507, f"cannot load steer {name!r}: {e}")
     gen = reg.new_generation()
-    _workers(core, "put", slot, gen, name, steer)
+    try:
+        _workers(core, "put", slot, gen, name, steer)
+    except Exception:
+        reg.counters["failures"] += 1
+        if evicted is not None:  # its slot may hold part of the new factors now
+            reg.bound.pop(evicted.name, None)
+            reg.slots[slot] = None
+            reg.counters["evictions"] += 1
+        raise
     entry = reg.commit(SteerEntry.from_metadata(name, path, steer.metadata, gen, slot, source),
                        evicted)
     ms = (time.perf_counter() - t0) * 1e3

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 from vllm_steer.integrations.protocol import (SOURCE_STARTUP, SOURCE_STEER_DIR, SOURCES,
                                               SteerNameError, check_name, dir_path, name_problem)
@@ -95,7 +95,8 @@ class SteerRegistry:
         self.slots: list[SteerEntry | None] = [None] * capacity
         self.bound: dict[str, int] = {}  # name -> slot
         self.next_generation = 1
-        self.counters = {"loads": 0, "unloads": 0, "evictions": 0, "failures": 0}
+        self.counters = {"loads": 0, "unloads": 0, "evictions": 0, "failures": 0,
+                         "refused_400": 0, "refused_500": 0}
         self.served: dict[str, int] = {}  # requests steered per name (kept over unloads)
 
     # ---- queries ---------------------------------------------------------------------------
@@ -111,11 +112,13 @@ class SteerRegistry:
 
     # ---- planning a load -------------------------------------------------------------------
     def free_slot(self, in_use: set[tuple[int, int]], evictable: bool = True,
-                  replacing: str | None = None) -> tuple[int, SteerEntry | None]:
+                  replacing: str | None = None,
+                  protect: Collection[str] = ()) -> tuple[int, SteerEntry | None]:
         """A slot for a new steer: an empty one, else a draining one no request uses, else
-        (``evictable``) the least recently used steer-dir steer no request uses, whose entry is
-        returned to be evicted. ``replacing``: the name being re-loaded (its old slot is free
-        when no request uses it). Raises :class:`SteerCapacityError` naming the limit."""
+        (``evictable``) the least recently used steer-dir steer no request uses and not named
+        in ``protect`` (the steers of the request being admitted), whose entry is returned to
+        be evicted. ``replacing``: the name being re-loaded (its old slot is free when no
+        request uses it). Raises :class:`SteerCapacityError` naming the limit."""
         self.reap(in_use)
         for i, e in enumerate(self.slots):
             if e is None:
@@ -126,7 +129,8 @@ class SteerRegistry:
                 return old.slot, None
         if evictable:
             cands = [e for e in self.slots if e is not None and e.state == "loaded"
-                     and e.source == SOURCE_STEER_DIR and (e.slot, e.generation) not in in_use]
+                     and e.source == SOURCE_STEER_DIR and (e.slot, e.generation) not in in_use
+                     and e.name not in protect]
             if cands:
                 victim = min(cands, key=lambda e: e.last_used)
                 return victim.slot, victim
@@ -137,6 +141,25 @@ class SteerRegistry:
             + (f", {draining} unloaded but still used by running requests" if draining else "")
             + f"; --max-steers={self.capacity}); unload a steer (DELETE /v1/steers/NAME) or "
             "restart with a larger --max-steers")
+
+    def room(self, in_use: set[tuple[int, int]], protect: Collection[str] = ()) -> int:
+        """How many steers could be loaded now without unloading one that a request uses or
+        that ``protect`` names: empty slots, draining slots no request uses, and steer-dir
+        steers no request uses (evictable). Changes nothing."""
+        free = 0
+        for e in self.slots:
+            if e is None or (e.state == "draining" and (e.slot, e.generation) not in in_use):
+                free += 1
+            elif (e.state == "loaded" and e.source == SOURCE_STEER_DIR
+                  and (e.slot, e.generation) not in in_use and e.name not in protect):
+                free += 1
+        return free
+
+    def pinned(self) -> int:
+        """Slots no first-use load can take: steers given with ``--steer`` or loaded over HTTP
+        or offline (never evicted)."""
+        return sum(1 for e in self.slots if e is not None and e.state == "loaded"
+                   and e.source != SOURCE_STEER_DIR)
 
     def commit(self, entry: SteerEntry, evicted: SteerEntry | None = None) -> SteerEntry:
         """Put ``entry`` (slot chosen by :meth:`free_slot`) in place and bind its name."""

@@ -26,6 +26,14 @@ class EngineSteerState:
     """The LM head's input size: what a steer must fit."""
     presets: PresetTable = field(default_factory=PresetTable)
     """The run-time preset table (``POST /v1/steer-presets``)."""
+    startup_ranks: tuple[int, ...] = ()
+    """The ranks of the ``--steer`` files (what the workers' bank reservation is sized for,
+    with :meth:`~vllm_steer.config.SteerServerConfig.reserved_rank`)."""
+
+    @property
+    def reserved_rank(self) -> int:
+        """The largest rank a steer loaded at run time may have: what the bank reserved."""
+        return self.config.reserved_rank(self.startup_ranks) if self.config else 0
 
 
 #: Each engine core's :class:`EngineSteerState`, kept beside it (nothing is set on vLLM's
@@ -51,9 +59,13 @@ def engine_state(core) -> EngineSteerState:
         st = EngineSteerState(cfg, None, 0)
     else:
         reg = SteerRegistry(cfg.capacity)
+        ranks = []
         for slot, (name, path) in enumerate(cfg.steers.items()):  # as the workers number them
-            reg.commit(SteerEntry.from_metadata(name, path, read_metadata(path),
-                                                reg.new_generation(), slot, SOURCE_STARTUP))
+            meta = read_metadata(path)
+            ranks.append(int(meta.rank))
+            reg.commit(SteerEntry.from_metadata(name, path, meta, reg.new_generation(), slot,
+                                                SOURCE_STARTUP))
         reg.counters["loads"] = 0  # start-up steers are not run-time loads
-        st = EngineSteerState(cfg, reg, head_input_size(core.vllm_config.model_config))
+        st = EngineSteerState(cfg, reg, head_input_size(core.vllm_config.model_config),
+                              startup_ranks=tuple(ranks))
     return STATES.set(core, st)

@@ -31,7 +31,7 @@ from typing import Any, Mapping
 from vllm_steer import REQUEST_FIELD
 from vllm_steer.integrations.frontend.request_scope import record_applied
 from vllm_steer.integrations.frontend.state import frontend_state
-from vllm_steer.integrations.protocol import name_problem, steer_dir_file
+from vllm_steer.integrations.protocol import count_problem, name_problem, steer_dir_file
 from vllm_steer.request import SteerRequest, SteerRequestError, admitted
 
 
@@ -165,6 +165,10 @@ def serve(params: Any, request: SteerRequest | None,
         if preset:
             served = policy.with_preset(served, preset)
         served, floored = policy.resolve(served, None, cfg.defaults, cfg.floors)
+        problem = count_problem(list(served.strengths), cfg.per_request, cfg.capacity,
+                                REQUEST_FIELD)
+        if problem:  # the engine core would refuse it: say so before it is sent
+            raise field_error(problem)
         record_applied(served.named, floored)
     if given or served.entries:
         params.extra_args = {**(params.extra_args or {}), REQUEST_FIELD: served.to_wire()}

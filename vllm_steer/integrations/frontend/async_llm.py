@@ -7,11 +7,12 @@ This module imports no torch (the frontend imports it).
 from __future__ import annotations
 
 from vllm_steer import REQUEST_FIELD
+from vllm_steer.integrations import guard
 from vllm_steer.integrations.frontend import admission
 from vllm_steer.integrations.frontend.engine_client import manage
 from vllm_steer.integrations.frontend.state import frontend_state
-from vllm_steer.integrations.protocol import (OP_LOAD, REFUSED_PREFIX, SOURCE_STEER_DIR,
-                                              name_problem)
+from vllm_steer.integrations.protocol import (FAILED_PREFIX, OP_LOAD, REFUSED_PREFIX,
+                                              SOURCE_STEER_DIR, name_problem)
 from vllm_steer.request import SteerRequestError, admitted
 
 
@@ -23,16 +24,31 @@ async def generate(orig, self, *args, **kwargs):
     agen = orig(self, *args, **kwargs)
     try:
         async for out in agen:
-            for o in getattr(out, "outputs", None) or ():
-                reason = getattr(o, "stop_reason", None)
-                if isinstance(reason, str) and reason.startswith(REFUSED_PREFIX):
-                    from vllm.exceptions import VLLMValidationError
-
-                    raise VLLMValidationError(reason[len(REFUSED_PREFIX):],
-                                              parameter=REQUEST_FIELD)
+            with guard.frontend("AsyncLLM.generate", getattr(out, "request_id", None)):
+                _raise_engine_refusal(out)
             yield out
+    except Exception as e:
+        ours = guard.plugin_error_in(e)  # the plugin's 500 from add_request, with its message
+        if ours is not None and ours is not e:
+            raise ours from None
+        raise
     finally:
         await agen.aclose()
+
+
+def _raise_engine_refusal(out) -> None:
+    """Raise the client's answer if the engine core finished ``out``'s request with a
+    refusal (HTTP 400, ``param: "steer"``) or a fault of the plugin (HTTP 500)."""
+    for o in getattr(out, "outputs", None) or ():
+        reason = getattr(o, "stop_reason", None)
+        if not isinstance(reason, str):
+            continue
+        if reason.startswith(REFUSED_PREFIX):
+            from vllm.exceptions import VLLMValidationError
+
+            raise VLLMValidationError(reason[len(REFUSED_PREFIX):], parameter=REQUEST_FIELD)
+        if reason.startswith(FAILED_PREFIX):
+            raise guard.internal_error(reason[len(FAILED_PREFIX):])
 
 
 async def add_request(orig, self, request_id, prompt, params, *args, **kwargs):
@@ -44,8 +60,9 @@ async def add_request(orig, self, request_id, prompt, params, *args, **kwargs):
     validate`), so its value is parsed once."""
     cfg = frontend_state().config
     if cfg is not None and cfg.steer_dir and hasattr(params, "extra_args"):
-        admission.validate(params)
-        await _preload_dir_steers(self, cfg, params)
+        with guard.frontend("AsyncLLM.add_request", request_id):
+            admission.validate(params)
+            await _preload_dir_steers(self, cfg, params)
     return await orig(self, request_id, prompt, params, *args, **kwargs)
 
 
@@ -55,14 +72,17 @@ async def _preload_dir_steers(engine, cfg, params) -> None:
         return
     st = frontend_state()
     loaded = st.loaded_names()
-    for name in request.strengths:
+    names = list(request.strengths)
+    for name in names:
         if name in loaded or name_problem(name):
             continue
         try:  # file, header, size: the admission's own check of a --steer-dir steer
             path = admission.dir_steer_file(name, loaded)
         except SteerRequestError:
             return  # the engine core refuses it with the reason
-        res = await manage(engine, OP_LOAD, name=name, path=path, source=SOURCE_STEER_DIR)
+        # protect: the load never evicts a steer this same request names
+        res = await manage(engine, OP_LOAD, name=name, path=path, source=SOURCE_STEER_DIR,
+                           protect=names)
         if not res["ok"] and name not in st.loaded_names():
             from vllm.exceptions import VLLMValidationError
 

@@ -50,6 +50,9 @@ def add_steer_args(parser) -> None:
     group.add_argument("--max-steers", type=int, default=None, metavar="N",
                        help="Steers that may be loaded at once (slots sized up front). "
                             "Default: the number of --steer, at least 8.")
+    group.add_argument("--max-steers-per-request", type=int, default=None, metavar="N",
+                       help="Most steers one request may be served with, presets, defaults "
+                            "and floors counted (default 8; --max-steers bounds it too).")
     group.add_argument("--max-steer-rank", type=int, default=None, metavar="R",
                        help="Refuse steers of a larger rank.")
     group.add_argument("--steer-dir", default=None, metavar="DIR",
@@ -145,6 +148,7 @@ def _runtime_args(args: argparse.Namespace) -> dict:
     presets_file = getattr(args, "steer_presets_file", None)
     return dict(presets_file=os.path.abspath(presets_file) if presets_file else None,
                 max_steers=getattr(args, "max_steers", None),
+                max_steers_per_request=getattr(args, "max_steers_per_request", None),
                 max_steer_rank=getattr(args, "max_steer_rank", None), steer_dir=steer_dir,
                 enable_updates=bool(getattr(args, "enable_steer_updates", False)),
                 updates_any_path=bool(getattr(args, "steer_updates_any_path", False)))

@@ -15,6 +15,7 @@ Installed from :data:`vllm_steer.integrations.plugin.HOOKS`. No torch at import 
 
 from __future__ import annotations
 
+from vllm_steer.integrations import guard
 from vllm_steer.integrations.frontend.admission import serve
 from vllm_steer.integrations.frontend.engine_client import refresh_presets
 from vllm_steer.integrations.frontend.request_scope import pin_preset, pinned_preset
@@ -43,14 +44,15 @@ async def check_model(orig, self, request, *a, **kw):
     preset or a LoRA adapter may be a preset added, replaced or deleted at run time (through
     any API server, or the presets file): read the engine core's table first (one utility call), and pin the mix read for
     this request's ``to_sampling_params``."""
-    name = getattr(request, "model", None)
-    if isinstance(name, str) and name and _runtime_presets_on():
-        models = self.models
-        static = (name in frontend_state().config.presets
-                  or any(b.name == name for b in models.base_model_paths)
-                  or name in (getattr(models, "lora_requests", None) or {}))
-        if not static:
-            pin_preset(name, (await refresh_presets()).get(name))
+    with guard.frontend("BaseServing._check_model", getattr(request, "request_id", None)):
+        name = getattr(request, "model", None)
+        if isinstance(name, str) and name and _runtime_presets_on():
+            models = self.models
+            static = (name in frontend_state().config.presets
+                      or any(b.name == name for b in models.base_model_paths)
+                      or name in (getattr(models, "lora_requests", None) or {}))
+            if not static:
+                pin_preset(name, (await refresh_presets()).get(name))
     return await orig(self, request, *a, **kw)
 
 
@@ -61,8 +63,9 @@ def is_base_model(orig, self, model_name):
         return True
     if not isinstance(model_name, str):
         return False
-    pinned, mix = pinned_preset(model_name)  # what this request's model check read
-    return bool(mix) if pinned else model_name in presets()
+    with guard.frontend("OpenAIModelRegistry.is_base_model"):
+        pinned, mix = pinned_preset(model_name)  # what this request's model check read
+        return bool(mix) if pinned else model_name in presets()
 
 
 async def show_available_models(orig, self):
@@ -71,14 +74,16 @@ async def show_available_models(orig, self):
     ``--lora-modules``."""
     from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelPermission
 
-    if _runtime_presets_on():  # run-time presets: the engine core's table as of now
-        await refresh_presets()
+    with guard.frontend("OpenAIModelRegistry.show_available_models"):
+        if _runtime_presets_on():  # run-time presets: the engine core's table as of now
+            await refresh_presets()
     models = await orig(self)
-    base = self.base_model_paths[0]
-    models.data.extend(ModelCard(id=name, root=base.model_path, parent=base.name,
-                                 max_model_len=self.model_config.max_model_len,
-                                 permission=[ModelPermission()], steer=dict(mix))
-                       for name, mix in presets().items())
+    with guard.frontend("OpenAIModelRegistry.show_available_models"):
+        base = self.base_model_paths[0]
+        models.data.extend(ModelCard(id=name, root=base.model_path, parent=base.name,
+                                     max_model_len=self.model_config.max_model_len,
+                                     permission=[ModelPermission()], steer=dict(mix))
+                           for name, mix in presets().items())
     return models
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from vllm_steer import REQUEST_FIELD
 from vllm_steer.config import SteerServerConfig
+from vllm_steer.integrations import guard
 from vllm_steer.integrations.frontend import admission
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.integrations.frontend.startup_checks import processor_fqcn
@@ -83,14 +84,15 @@ def to_sampling_params(orig, self, *a, **kw):
     from vllm_steer.integrations.frontend.preset_models import apply_preset
 
     params = orig(self, *a, **kw)
-    value = getattr(self, REQUEST_FIELD, None)
-    extra = params.extra_args or {}
-    if value is not None and REQUEST_FIELD in extra:  # also refused when it was parsed
-        raise admission.field_error(admission.BOTH_GIVEN)
-    if value is None:  # a vllm_xargs steer the validator did not see, if any
-        value = extra.get(REQUEST_FIELD)
-    request = None if value is None else admission.check_request_fields(value, None)
-    apply_preset(params, getattr(self, "model", None), request)
+    with guard.frontend("to_sampling_params", getattr(self, "request_id", None)):
+        value = getattr(self, REQUEST_FIELD, None)
+        extra = params.extra_args or {}
+        if value is not None and REQUEST_FIELD in extra:  # also refused when it was parsed
+            raise admission.field_error(admission.BOTH_GIVEN)
+        if value is None:  # a vllm_xargs steer the validator did not see, if any
+            value = extra.get(REQUEST_FIELD)
+        request = None if value is None else admission.check_request_fields(value, None)
+        apply_preset(params, getattr(self, "model", None), request)
     return params
 
 
@@ -100,7 +102,8 @@ _VALIDATOR_NAME = "_vllm_steer_check"
 def to_beam_search_params(orig, self, *a, **kw):
     """vLLM's beam search builds its own per-step ``SamplingParams`` with no ``extra_args``:
     a steer would be dropped silently. Refuse a steered beam-search request (HTTP 400)."""
-    refuse_steered_beam_search(self)
+    with guard.frontend("to_beam_search_params", getattr(self, "request_id", None)):
+        refuse_steered_beam_search(self)
     return orig(self, *a, **kw)
 
 

@@ -107,21 +107,22 @@ class BankState:
 
     def _reserve_bank(self, hidden_size: int, device, dtype, steers: dict) -> SlotBank:
         """The bank, its device storage allocated now for its worst case: ``capacity`` steers
-        of rank ``--max-steer-rank`` (or, without it, the largest start-up steer's), each with
+        of rank ``--max-steer-rank`` (or, without it, the largest of 64 and the start-up steers'
+        ranks: :meth:`~vllm_steer.config.SteerServerConfig.reserved_rank`), each with
         a domain component (:func:`~vllm_steer.bank.slot_bank_bytes`). Called while vLLM loads
         the model, so vLLM counts it with the weights before it sizes the KV cache, and a
         run-time load then allocates nothing. Refused with the figure when it does not fit."""
         from vllm_steer.bank import slot_bank_bytes
 
-        cap, max_rank = self.capacity, self.config.max_steer_rank
-        rank = max_rank or max((p.shape[1] for s in steers.values()
-                                for p in (s.p1, s.domain_p1) if p is not None), default=0)
+        cap = self.capacity
+        rank = self.config.reserved_rank(p.shape[1] for s in steers.values()
+                                         for p in (s.p1, s.domain_p1) if p is not None)
         dtype_name = str(dtype).replace("torch.", "")
         mib = slot_bank_bytes(cap, rank, hidden_size, dtype) / 2**20
         figure = (f"{cap} max steers x rank {rank} x hidden {hidden_size} x {dtype_name}, "
                   "x2 factors, x2 for domain components")
         try:
-            bank = SlotBank(cap, hidden_size, device=device, dtype=dtype, max_rank=max_rank,
+            bank = SlotBank(cap, hidden_size, device=device, dtype=dtype, max_rank=rank,
                             reserve_rank=rank)
         except torch.OutOfMemoryError as e:
             raise RuntimeError(
@@ -129,9 +130,8 @@ class BankState:
                 f"device cannot hold it ({str(e).splitlines()[0]}); lower --max-steers "
                 f"(now {cap}) or --max-steer-rank (now {rank}), or "
                 "--gpu-memory-utilization") from None
-        logger.info("vllm-steer: steer bank reserves %.1f MiB (%s)%s", mib, figure,
-                    "" if max_rank else "; without --max-steer-rank a run-time load of a larger "
-                    "rank allocates device memory outside vLLM's budget")
+        logger.info("vllm-steer: steer bank reserves %.1f MiB (%s); a steer of a larger rank "
+                    "is refused", mib, figure)
         return bank
 
     def warm_up(self) -> None:
