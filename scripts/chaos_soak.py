@@ -240,10 +240,14 @@ class Stats:
                 bad = "5xx"
             elif status == "stream_error":  # a stream cut without an error code
                 bad = "conn_error"
+            elif str(status).startswith("stream "):  # a refusal inside a 200 stream
+                bad = "stream_refusal"
+                if status not in allowed:
+                    self.unexpected[kind] += 1
             elif status not in allowed:
                 self.unexpected[kind] += 1
                 bad = "unexpected"
-            if bad and len(self.examples[bad]) < 20:
+            if bad and len(self.examples[bad]) < (5 if bad == "stream_refusal" else 20):
                 self.examples[bad].append({"kind": kind, "status": status, "request": desc,
                                            "response": body_text[:400]})
 
