@@ -617,6 +617,7 @@ def solo_texts(base, keys) -> dict:
         else:
             b["messages"] = [{"role": "user", "content": CHECK_PROMPTS[int(p)]}]
         r = requests.post(base + path, json=b, timeout=TIMEOUT)
+        print(f"[solo] {key}: {r.status_code}", flush=True)
         out[key] = response_text(r.json(), path) if r.status_code == 200 else \
             f"HTTP {r.status_code}: {r.text[:200]}"
     return out
@@ -798,6 +799,14 @@ def main(argv=None) -> int:
         restore_work(work)  # the folder and the file as at start (for the restart)
         alive, why = plain_ok(base)
         rss_end = server.rss_mb()
+        if args.report:  # the traffic's figures, before the solo runs
+            args.report.write_text(json.dumps(dict(
+                report, partial=True, elapsed_s=round(res["elapsed_s"], 1),
+                requests_by_status={str(k): v for k, v in stats.by_status.items()},
+                engine_alive=alive, rss_mb_start=rss_start, rss_mb_end=rss_end),
+                indent=1, default=str))
+        print(f"[soak] traffic stopped; engine alive: {why}; {len(stats.greedy)} greedy "
+              f"requests to run alone", flush=True)
         solo = solo_texts(base, stats.greedy) if alive else {}
         mismatches = []
         for key, texts in stats.greedy.items():
