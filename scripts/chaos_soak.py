@@ -1,0 +1,878 @@
+#!/usr/bin/env python
+"""Chaos soak: one `vllm serve` with steers under random valid and invalid traffic while steers,
+presets and files change underneath it.
+
+    python scripts/chaos_soak.py --duration 900 --clients 8 --seed 0 --report soak.json
+
+The server is the embedded SmolLM2-135M-Instruct in float32 with two API servers, a bank of 3
+steers (``--steer sentiment=...`` and two slots), a ``--steer-dir`` of 6 files (twice the
+bank), ``--enable-steer-updates``, a presets file and a ``--steer-preset``. ``--clients``
+threads send completions, chat and responses requests, streamed or not, with ``n > 1``,
+logprobs, windows, presets as model names, ``vllm_xargs``, and invalid ones (unknown steers,
+bad strengths and windows, oversized and malformed fields). One operator thread meanwhile
+loads and unloads steers over HTTP, puts and deletes presets, rewrites the presets file (a bad
+version too) and replaces, corrupts and removes steer files in the folder.
+
+A fixed set of greedy requests (temperature 0, steered only by the ``--steer`` steer, which no
+operation touches) runs among the traffic; at the end each runs alone on the same server and
+every text seen under load must be the solo one (float32: the plain model does not depend on
+the batch on a CPU; in bf16 it does).
+
+The report (``--report``, JSON; a summary on stdout) gives requests by kind and status, every
+5xx and connection error with its request, whether the engine is alive at the end (``/health``
+and a plain request), the greedy mismatches, and the RSS of the server's processes after
+warm-up and at the end. The exit status is 1 when there was a 5xx, a connection error, a
+mismatch or a dead engine.
+
+``--restart-check`` then kills the engine core (SIGKILL) under traffic, records what clients
+see and the server's exit status, starts the server again with the same flags and checks what
+came back (the presets file, the folder, ``--steer``) and what did not (run-time loads and
+presets, counters): docs/deploy.md "What a restart loses".
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from vllm_steer.server.launch import _tail, free_port, vllm_executable  # noqa: E402
+
+MODEL_NAME = "smollm2"
+SHIPPED = {"detox": ROOT / "steers" / "smollm2-detox.safetensors",
+           "sentiment": ROOT / "steers" / "smollm2-sentiment.safetensors"}
+MAX_STEERS = 3
+MAX_STRENGTH = 50
+DIR_NAMES = [f"d{i}" for i in range(1, 7)]  # --steer-dir files: twice the bank
+API_NAMES = ["api1", "api2"]  # loaded by POST with a path
+RT_PRESETS = ["rp1", "rp2", "rp3"]  # run-time presets
+FILE_PRESETS = ["fp1", "fp2", "fp3"]
+FLAG_PRESET = "fixed"  # --steer-preset fixed=sentiment:3
+
+PROMPTS = ["The weather today is", "My neighbour's dog", "I went to the restaurant and",
+           "The movie was", "Tell me about your day", "Our team meeting"]
+CHECK_PROMPTS = PROMPTS[:3]
+# the greedy check: steered only by --steer sentiment (never unloaded, never replaced)
+CHECK_STEERS = {
+    "plain": {},
+    "sent+5": {"steer": {"sentiment": 5}},
+    "sent-6": {"steer": {"sentiment": -6}},
+    "window": {"steer": {"sentiment": {"strength": 8, "start": 2, "end": 9, "ramp": 3}}},
+    "xargs": {"vllm_xargs": {"steer": "sentiment:4"}},
+    "preset": {"model": FLAG_PRESET},
+}
+CHECK_TOKENS = 16
+TIMEOUT = 300
+
+
+# ---------------------------------------------------------------------------- the server
+def server_args(model: str, work: Path, dtype: str) -> list[str]:
+    return [model, "--served-model-name", MODEL_NAME, "--dtype", dtype,
+            "--max-model-len", "512", "--max-num-seqs", "16",
+            "--kv-cache-memory-bytes", str(1 << 28), "--enforce-eager",
+            "--api-server-count", "2", "--max-steers", str(MAX_STEERS),
+            "--steer", f"sentiment={SHIPPED['sentiment']}",
+            "--steer-dir", str(work / "steers"), "--enable-steer-updates",
+            "--steer-presets-file", str(work / "presets.json"),
+            "--steer-preset", f"{FLAG_PRESET}=sentiment:3",
+            "--steer-max-strength", str(MAX_STRENGTH)]
+
+
+class Server:
+    """`vllm serve ARGS` on loopback; unlike vllm_steer.server.launch.serve it keeps the
+    process, so that its exit status can be read after an engine core is killed."""
+
+    def __init__(self, args: list[str], log: Path, timeout: float = 900.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [vllm_executable(), "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.f = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.f, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        t0 = time.time()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n"
+                                   f"{_tail(log)}")
+            if time.time() - t0 > timeout:
+                self.stop()
+                raise RuntimeError(f"vllm serve did not come up in {timeout:.0f} s:\n"
+                                   f"{_tail(log)}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        self.start_s = time.time() - t0
+
+    def processes(self):
+        import psutil
+
+        try:
+            me = psutil.Process(self.proc.pid)
+            return [me, *me.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def rss_mb(self) -> dict:
+        import psutil
+
+        out = {}
+        for p in self.processes():
+            try:
+                out[f"{p.pid} {p.name()}"] = round(p.memory_info().rss / 2**20, 1)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def engine_cores(self):
+        """The engine-core processes: vLLM's log names each process and its pid
+        ("(EngineCore_DP0 pid=123) INFO ..."); the process titles need setproctitle."""
+        import re
+
+        pids = {int(p) for p in re.findall(r"\(EngineCore\w* pid=(\d+)\)",
+                                           self.log.read_text(errors="replace"))}
+        out = []
+        for p in self.processes():
+            try:
+                if p.pid in pids or "EngineCore" in p.name() or \
+                        any("EngineCore" in a for a in p.cmdline()):
+                    out.append(p)
+            except Exception:
+                pass
+        return out
+
+    def stop(self):
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.f.close()
+
+
+class Attached:
+    """A server this script did not start (``--url``)."""
+
+    def __init__(self, url):
+        self.url, self.start_s = url.rstrip("/"), 0.0
+        self.proc = argparse.Namespace(returncode=None)
+
+    def rss_mb(self):
+        return {}
+
+    def stop(self):
+        pass
+
+
+# ---------------------------------------------------------------------------- files
+def atomic_write(path: Path, data: bytes):
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def good_presets(rng: random.Random) -> dict:
+    mixes = [{"sentiment": 3}, {"d1": 2, "sentiment": -1}, {"d2": -3}, {"sentiment": -5},
+             {"d3": 4}, "sentiment:2,d4:1"]
+    return {"presets": {name: rng.choice(mixes) for name in FILE_PRESETS}}
+
+
+def setup_work(work: Path, rng: random.Random):
+    (work / "steers").mkdir(parents=True, exist_ok=True)
+    for i, name in enumerate(DIR_NAMES):
+        src = SHIPPED["detox" if i % 2 == 0 else "sentiment"]
+        shutil.copyfile(src, work / "steers" / f"{name}.safetensors")
+    doc = {"presets": {"fp1": {"sentiment": 3}, "fp2": {"d1": 2, "sentiment": -1},
+                       "fp3": "d2:-3"}}
+    atomic_write(work / "presets.json", json.dumps(doc).encode())
+
+
+def restore_work(work: Path):
+    setup_work(work, random.Random(0))
+    for p in (work / "steers").iterdir():
+        if p.stem not in DIR_NAMES:
+            p.unlink()
+
+
+# ---------------------------------------------------------------------------- requests
+class Stats:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.by_status = collections.Counter()  # status (int or "conn_error")
+        self.by_kind = collections.defaultdict(collections.Counter)
+        self.unexpected = collections.Counter()  # kind -> count of statuses outside its set
+        self.examples = collections.defaultdict(list)  # "5xx"/"conn"/"unexpected" -> few
+        self.ops = collections.defaultdict(collections.Counter)
+        self.greedy = collections.defaultdict(list)  # key -> texts seen under load
+        self.stream_errors = collections.Counter()  # error events in 200 streams, by code
+
+    def record(self, kind, status, allowed, desc, body_text="", code=None):
+        code = status if code is None else code
+        with self.lock:
+            self.by_status[status] += 1
+            self.by_kind[kind][status] += 1
+            bad = None
+            if status == "conn_error":
+                bad = "conn_error"
+            elif isinstance(code, int) and code >= 500:
+                bad = "5xx"
+            elif status == "stream_error":  # a stream cut without an error code
+                bad = "conn_error"
+            elif str(status).startswith("stream "):  # a refusal inside a 200 stream
+                bad = "stream_refusal"
+                if status not in allowed:
+                    self.unexpected[kind] += 1
+            elif status not in allowed:
+                self.unexpected[kind] += 1
+                bad = "unexpected"
+            if bad and len(self.examples[bad]) < (5 if bad == "stream_refusal" else 20):
+                self.examples[bad].append({"kind": kind, "status": status, "request": desc,
+                                           "response": body_text[:400]})
+
+    def op(self, kind, status):
+        with self.lock:
+            self.ops[kind][status] += 1
+            # 507: the documented refusal of a load into a full bank (names --max-steers)
+            if status == "conn_error" or (isinstance(status, int) and status >= 500
+                                          and status != 507):
+                self.by_status[f"op {status}"] += 1
+                if len(self.examples["op_error"]) < 20:
+                    self.examples["op_error"].append({"op": kind, "status": status})
+
+
+def steer_value(rng: random.Random):
+    """A valid strength: a number, a numeric string or a window."""
+    s = rng.choice([rng.randint(-8, 8), round(rng.uniform(-10, 10), 2)])
+    r = rng.random()
+    if r < 0.6:
+        return s
+    if r < 0.7:
+        return str(s)
+    w = {"strength": s}
+    if rng.random() < 0.5:
+        w["start"] = rng.randint(0, 6)
+    if rng.random() < 0.5:
+        w["end"] = w.get("start", 0) + rng.randint(1, 10)
+    if rng.random() < 0.5:
+        w["ramp"] = rng.randint(0, 5)
+    if rng.random() < 0.3:
+        w["base"] = rng.randint(-2, 2)
+    return w
+
+
+def valid_steer(rng: random.Random, k_max: int = 2) -> dict:
+    names = ["sentiment"] + DIR_NAMES + API_NAMES
+    k = rng.randint(1, k_max)
+    return {n: steer_value(rng) for n in rng.sample(names, k)}
+
+
+# Invalid steer fields: each a 400 naming the problem (a few depend on the state: 404 for a
+# model, 400 for all steer fields).
+INVALID_STEERS = [
+    {"steer": {"nothere": 1}},
+    {"steer": {"sentiment": True}},
+    {"steer": {"sentiment": [1]}},
+    {"steer": {"sentiment": "nan"}},
+    {"steer": {"sentiment": "0x10"}},
+    {"steer": {"sentiment": "1e400"}},
+    {"steer": {"sentiment": MAX_STRENGTH + 1}},
+    {"steer": {"sentiment": 3.5e9}},
+    {"steer": {"sentiment": {"strength": 3, "start": 5, "end": 5}}},
+    {"steer": {"sentiment": {"strength": 3, "start": 1.5}}},
+    {"steer": {"sentiment": {"strength": 3, "start": 2000000}}},
+    {"steer": {"sentiment": {"strength": 3, "speed": 2}}},
+    {"steer": {"sentiment": {"start": 2}}},
+    {"steer": {"../d1": 1}},
+    {"steer": {"a/b": 1}},
+    {"steer": {"..": 1}},
+    {"steer": {"x" * 5000: 1}},
+    {"steer": {f"s{i}": 1 for i in range(600)}},
+    {"steer": "sentiment"},
+    {"steer": 5},
+    {"steer": [["sentiment", 1]]},
+    {"vllm_xargs": {"steer": "sentiment:"}},
+    {"vllm_xargs": {"steer": "sentiment:1,sentiment:2"}},
+    {"vllm_xargs": {"steer": ":::"}},
+    {"vllm_xargs": {"steer": "sentiment:1"}, "steer": {"sentiment": 1}},
+    {"steer": {"d1": 1, "d2": 1, "d3": 1, "d4": 1}},  # more steers than the bank holds
+    {"steer": {"d1": 1, "d2": 1, "d3": 1, "d4": 1, "d5": 1, "d6": 1}},
+    {"steer": {"sentiment": 2}, "use_beam_search": True, "n": 2},
+]
+
+
+class Client(threading.Thread):
+    def __init__(self, i, base, stats, rng, stop):
+        super().__init__(daemon=True, name=f"client-{i}")
+        self.base, self.stats, self.rng, self.stop = base, stats, rng, stop
+        self.s = requests.Session()
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                self.one()
+            except Exception as e:  # a bug in this script: count it, keep going
+                self.stats.record("script_error", "script_error", set(), repr(e))
+
+    # -- building blocks
+    def send(self, kind, path, body, allowed, stream=False, raw=None):
+        desc = raw.decode(errors="replace")[:300] if raw is not None else \
+            json.dumps(body)[:300]
+        try:
+            if raw is not None:
+                r = self.s.post(self.base + path, data=raw, timeout=TIMEOUT,
+                                headers={"Content-Type": "application/json"})
+            else:
+                r = self.s.post(self.base + path, json=body, stream=stream, timeout=TIMEOUT)
+        except requests.RequestException as e:
+            self.stats.record(kind, "conn_error", allowed, desc, repr(e))
+            return None, None
+        text = None
+        if stream and r.status_code == 200:
+            try:
+                text = read_stream(r, path)
+            except StreamError as e:
+                # an error event after the 200 headers: a refusal (400) or a failure (500)
+                code = e.code if isinstance(e.code, int) else "stream_error"
+                with self.stats.lock:
+                    self.stats.stream_errors[code] += 1
+                status = code if code == "stream_error" else f"stream {code}"
+                self.stats.record(kind, status, {f"stream {a}" for a in allowed}, desc,
+                                  str(e), code=code)
+                return None, None
+            except requests.RequestException as e:
+                self.stats.record(kind, "conn_error", allowed, desc, repr(e))
+                return None, None
+        body_text = r.text if not stream or r.status_code != 200 else ""
+        self.stats.record(kind, r.status_code, allowed, desc, body_text)
+        if r.status_code != 200:
+            return r.status_code, None
+        if text is None:
+            text = response_text(r.json(), path)
+        return 200, text
+
+    def body(self, path, prompt, extra=None, max_tokens=None):
+        rng = self.rng
+        mt = max_tokens or rng.randint(1, 24)
+        if path == "/v1/completions":
+            b = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": mt}
+        elif path == "/v1/chat/completions":
+            b = {"model": MODEL_NAME, "messages": [{"role": "user", "content": prompt}],
+                 "max_tokens": mt}
+        else:
+            b = {"model": MODEL_NAME, "input": prompt, "max_output_tokens": mt}
+        b.update(extra or {})
+        return b
+
+    def one(self):
+        rng = self.rng
+        r = rng.random()
+        path = rng.choice(["/v1/completions", "/v1/completions", "/v1/chat/completions",
+                           "/v1/responses"])
+        prompt = rng.choice(PROMPTS)
+        if r < 0.25:  # the greedy check
+            key_prompt = rng.randrange(len(CHECK_PROMPTS))
+            key_steer = rng.choice(list(CHECK_STEERS))
+            path = rng.choice(["/v1/completions", "/v1/chat/completions"])
+            extra = dict(CHECK_STEERS[key_steer], temperature=0)
+            if rng.random() < 0.3:
+                extra.update({"logprobs": 2} if path == "/v1/completions"
+                             else {"logprobs": True, "top_logprobs": 2})
+            stream = rng.random() < 0.4
+            b = self.body(path, CHECK_PROMPTS[key_prompt], extra, CHECK_TOKENS)
+            b["stream"] = stream
+            status, text = self.send("greedy_check", path, b, {200}, stream=stream)
+            if status == 200:
+                with self.stats.lock:
+                    self.stats.greedy[f"{path} {key_prompt} {key_steer}"].append(text)
+        elif r < 0.55:  # steered with any steer: the folder's may be gone, full or corrupt
+            extra = {"steer": valid_steer(rng, 3), "temperature": rng.choice([0, 0.7, 1.0])}
+            if rng.random() < 0.2:
+                extra["model"] = rng.choice(FILE_PRESETS + RT_PRESETS + [FLAG_PRESET])
+            stream = path != "/v1/responses" and rng.random() < 0.4
+            b = self.body(path, prompt, extra)
+            b["stream"] = stream
+            self.send("steered", path, b, {200, 400, 404, 507}, stream=stream)
+        elif r < 0.65:  # n > 1, logprobs, seeds
+            path = rng.choice(["/v1/completions", "/v1/chat/completions"])
+            extra = {"n": rng.randint(2, 4), "temperature": 0.9, "seed": rng.randint(0, 99),
+                     "steer": {"sentiment": steer_value(rng)}}
+            if path == "/v1/completions":
+                extra["logprobs"] = rng.randint(0, 5)
+                if rng.random() < 0.3:
+                    extra["echo"] = True
+            else:
+                extra.update(logprobs=True, top_logprobs=rng.randint(0, 5))
+            stream = rng.random() < 0.3
+            b = self.body(path, prompt, extra)
+            b["stream"] = stream
+            self.send("n_logprobs", path, b, {200}, stream=stream)
+        elif r < 0.72:  # presets as model names
+            extra = {"model": rng.choice(FILE_PRESETS + RT_PRESETS + [FLAG_PRESET]),
+                     "temperature": 0}
+            if rng.random() < 0.3:
+                extra["steer"] = {"sentiment": steer_value(rng)}
+            self.send("preset_model", path, self.body(path, prompt, extra),
+                      {200, 400, 404})
+        elif r < 0.92:  # invalid steer fields
+            extra = dict(rng.choice(INVALID_STEERS))
+            stream = path != "/v1/responses" and rng.random() < 0.3
+            b = self.body(path, prompt, extra)
+            b["stream"] = stream
+            self.send("invalid_steer", path, b, {400}, stream=stream)
+        else:  # malformed requests
+            choice = rng.randrange(7)
+            if choice == 0:
+                self.send("malformed", path, None, {400, 422}, raw=b'{"model": "smollm2", "pro')
+            elif choice == 1:
+                b = self.body(path, "word " * 2000)  # over --max-model-len
+                self.send("malformed", path, b, {400})
+            elif choice == 2:
+                b = self.body(path, prompt, {"max_tokens": 100000, "max_output_tokens": 100000})
+                self.send("malformed", path, b, {400})
+            elif choice == 3:
+                b = self.body(path, prompt, {"model": "no-such-model"})
+                self.send("malformed", path, b, {404})
+            elif choice == 4:
+                b = self.body(path, prompt, {"max_tokens": "many", "max_output_tokens": "x"})
+                self.send("malformed", path, b, {400, 422})
+            elif choice == 5:
+                b = self.body(path, prompt, {"temperature": -1})
+                self.send("malformed", path, b, {400, 422})
+            else:
+                self.send("malformed", path, None, {400, 422}, raw=b"\xff\xfe not json")
+
+
+class StreamError(Exception):
+    def __init__(self, msg, code=None):
+        super().__init__(msg)
+        self.code = code
+
+
+def read_stream(r, path) -> str:
+    """The text of a streamed response (the first choice); an error event is a StreamError."""
+    parts, done = [], False
+    for line in r.iter_lines():
+        if not line:
+            continue
+        if line.startswith(b"event:"):
+            continue
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:]
+        if data == b"[DONE]":
+            done = True
+            break
+        ev = json.loads(data)
+        if "error" in ev and "choices" not in ev:
+            err = ev["error"] if isinstance(ev["error"], dict) else {}
+            raise StreamError(json.dumps(ev)[:400], err.get("code"))
+        if ev.get("type") in ("error", "response.failed"):
+            raise StreamError(json.dumps(ev)[:400], ev.get("code") or 500)
+        if path == "/v1/responses":
+            if ev.get("type") == "response.output_text.delta":
+                parts.append(ev.get("delta", ""))
+            if ev.get("type") == "response.completed":
+                done = True
+            continue
+        for c in ev.get("choices") or []:
+            if c.get("index", 0) != 0:
+                continue
+            if "text" in c:
+                parts.append(c["text"] or "")
+            else:
+                parts.append((c.get("delta") or {}).get("content") or "")
+    if not done:
+        raise StreamError("stream ended without [DONE]")
+    return "".join(parts)
+
+
+def response_text(j, path) -> str:
+    if path == "/v1/completions":
+        return j["choices"][0]["text"]
+    if path == "/v1/chat/completions":
+        return j["choices"][0]["message"]["content"] or ""
+    return "".join(c.get("text", "") for o in j.get("output", [])
+                   for c in o.get("content", []) or [])
+
+
+class Operator(threading.Thread):
+    """Management calls and file changes, one every 0.2-1.5 s."""
+
+    def __init__(self, base, stats, rng, stop, work: Path):
+        super().__init__(daemon=True, name="operator")
+        self.base, self.stats, self.rng, self.stop, self.work = base, stats, rng, stop, work
+        self.s = requests.Session()
+
+    def call(self, kind, method, path, body=None):
+        try:
+            r = self.s.request(method, self.base + path, json=body, timeout=TIMEOUT)
+            self.stats.op(kind, r.status_code)
+        except requests.RequestException:
+            self.stats.op(kind, "conn_error")
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                self.one()
+            except Exception as e:
+                self.stats.op(f"script_error {e!r}"[:80], "script_error")
+            self.stop.wait(self.rng.uniform(0.2, 1.5))
+
+    def one(self):
+        rng, steers = self.rng, self.work / "steers"
+        r = rng.random()
+        if r < 0.15:
+            self.call("load_dir", "POST", "/v1/steers", {"name": rng.choice(DIR_NAMES)})
+        elif r < 0.22:
+            self.call("load_path", "POST", "/v1/steers",
+                      {"name": rng.choice(API_NAMES),
+                       "path": str(steers / f"{rng.choice(DIR_NAMES)}.safetensors")})
+        elif r < 0.25:
+            self.call("load_bad", "POST", "/v1/steers",
+                      rng.choice([{"name": "../x"}, {"name": "x", "path": "/etc/passwd"},
+                                  {"name": "nothere"}, {"name": 5}, {}]))
+        elif r < 0.42:
+            self.call("unload", "DELETE", f"/v1/steers/{rng.choice(DIR_NAMES + API_NAMES)}")
+        elif r < 0.55:
+            mix = valid_steer(rng, 2)
+            mix = {k: (v["strength"] if isinstance(v, dict) else float(v))
+                   for k, v in mix.items()}
+            if rng.random() < 0.2:
+                mix = rng.choice([{"nothere": 1}, {"sentiment": 99}, {}, "x"])
+            self.call("preset_put", "PUT", f"/v1/steer-presets/{rng.choice(RT_PRESETS)}",
+                      {"steer": mix})
+        elif r < 0.6:
+            self.call("preset_post", "POST", "/v1/steer-presets",
+                      {"name": rng.choice(RT_PRESETS + FILE_PRESETS + [MODEL_NAME]),
+                       "steer": {"sentiment": rng.randint(-5, 5)}})
+        elif r < 0.68:
+            self.call("preset_delete", "DELETE",
+                      f"/v1/steer-presets/{rng.choice(RT_PRESETS + FILE_PRESETS)}")
+        elif r < 0.78:
+            kind = rng.choice(["good", "good", "bad_json", "bad_steer", "bad_strength"])
+            doc = {"good": lambda: json.dumps(good_presets(rng)),
+                   "bad_json": lambda: '{"presets": {"fp1": ',
+                   "bad_steer": lambda: json.dumps({"presets": {"fp1": {"nothere": 1}}}),
+                   "bad_strength": lambda: json.dumps({"presets": {"fp1": {"sentiment": 99}}}),
+                   }[kind]()
+            atomic_write(self.work / "presets.json", doc.encode())
+            self.stats.op("presets_file", kind)
+        elif r < 0.88:
+            name = rng.choice(DIR_NAMES)
+            kind = rng.choice(["replace", "replace", "remove", "corrupt"])
+            path = steers / f"{name}.safetensors"
+            if kind == "replace":
+                atomic_write(path, SHIPPED[rng.choice(["detox", "sentiment"])].read_bytes())
+            elif kind == "remove":
+                path.unlink(missing_ok=True)
+            else:
+                atomic_write(path, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+            self.stats.op("steer_file", kind)
+        else:
+            self.call("get", "GET", rng.choice(["/v1/steers", "/v1/steer-presets",
+                                                "/v1/models", "/metrics", "/health"]))
+
+
+# ---------------------------------------------------------------------------- phases
+def plain_ok(base) -> tuple[bool, str]:
+    try:
+        h = requests.get(base + "/health", timeout=30).status_code
+        r = requests.post(base + "/v1/completions", timeout=120,
+                          json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4})
+        return h == 200 and r.status_code == 200, f"/health {h}, plain request {r.status_code}"
+    except requests.RequestException as e:
+        return False, repr(e)
+
+
+def solo_texts(base, keys) -> dict:
+    out = {}
+    for key in sorted(keys):
+        path, p, steer = key.split(" ")
+        b = {"model": MODEL_NAME, "max_tokens": CHECK_TOKENS, "temperature": 0,
+             **CHECK_STEERS[steer]}
+        if path == "/v1/completions":
+            b["prompt"] = CHECK_PROMPTS[int(p)]
+        else:
+            b["messages"] = [{"role": "user", "content": CHECK_PROMPTS[int(p)]}]
+        r = requests.post(base + path, json=b, timeout=TIMEOUT)
+        print(f"[solo] {key}: {r.status_code}", flush=True)
+        out[key] = response_text(r.json(), path) if r.status_code == 200 else \
+            f"HTTP {r.status_code}: {r.text[:200]}"
+    return out
+
+
+def soak(base, work, args, server) -> dict:
+    stats, stop = Stats(), threading.Event()
+    seed = random.Random(args.seed)
+    clients = [Client(i, base, stats, random.Random(seed.random()), stop)
+               for i in range(args.clients)]
+    op = Operator(base, stats, random.Random(seed.random()), stop, work)
+    for t in clients:
+        t.start()
+    op.start()
+    t0 = last = time.time()
+    try:
+        while time.time() - t0 < args.duration:
+            time.sleep(1)
+            if time.time() - last >= 10:
+                last = time.time()
+                with stats.lock:
+                    n = sum(v for k, v in stats.by_status.items() if not str(k).startswith("op"))
+                    s5 = sum(v for k, v in stats.by_status.items()
+                             if isinstance(k, int) and k >= 500) + sum(
+                        v for k, v in stats.stream_errors.items()
+                        if isinstance(k, int) and k >= 500)
+                    ce = stats.by_status.get("conn_error", 0) + \
+                        stats.by_status.get("stream_error", 0)
+                    st = dict(sorted((str(k), v) for k, v in stats.by_status.items()))
+                    nops = sum(sum(c.values()) for c in stats.ops.values())
+                print(f"[soak {time.time() - t0:6.0f}s] requests {n} ({n / (last - t0):.1f}/s) "
+                      f"5xx {s5} conn_errors {ce} ops {nops} by status {st}", flush=True)
+    finally:
+        stop.set()
+        for t in clients + [op]:
+            t.join(TIMEOUT + 10)
+    elapsed = time.time() - t0
+    return {"stats": stats, "elapsed_s": elapsed}
+
+
+def restart_check(args_list, work, log_dir, server) -> dict:
+    """Kill the engine core under traffic; what clients see; the exit status; a restart."""
+    base = server.url
+    out: dict = {}
+    if server.proc.poll() is not None or not plain_ok(base)[0]:
+        out["error"] = f"the server had died before the kill (exit {server.proc.poll()})"
+        server.stop()
+        return out
+    # run-time state to lose: a steer loaded over HTTP, a run-time preset, counters
+    requests.post(base + "/v1/steers", json={"name": "api1",
+                                             "path": str(work / "steers" / "d3.safetensors")},
+                  timeout=120)
+    requests.put(base + "/v1/steer-presets/rp1", json={"steer": {"sentiment": 2}}, timeout=120)
+    before = state(base)
+    out["before_kill"] = before
+    cores = server.engine_cores()
+    out["engine_cores"] = [f"{p.pid} {p.name()}" for p in cores]
+    if not cores or server.proc.poll() is not None:
+        out["error"] = (f"the server had exited ({server.proc.returncode}) before the kill"
+                        if server.proc.poll() is not None else "no engine core process found")
+        server.stop()
+        return out
+    seen = collections.Counter()
+    stop = threading.Event()
+
+    def traffic():
+        s = requests.Session()
+        while not stop.is_set():
+            try:
+                r = s.post(base + "/v1/completions", timeout=30,
+                           json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 8,
+                                 "steer": {"sentiment": 3}})
+                seen[r.status_code] += 1
+            except requests.RequestException as e:
+                seen[type(e).__name__] += 1
+                time.sleep(0.2)
+
+    threads = [threading.Thread(target=traffic, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(2)
+    t_kill = time.time()
+    cores[0].send_signal(signal.SIGKILL)
+    try:
+        code = server.proc.wait(120)
+    except subprocess.TimeoutExpired:
+        code = None
+    out["server_exit_s"] = round(time.time() - t_kill, 1)
+    out["server_exit_code"] = code
+    time.sleep(1)
+    stop.set()
+    for t in threads:
+        t.join(40)
+    out["clients_saw"] = {str(k): v for k, v in seen.items()}
+    server.stop()
+    # the restart: the same flags
+    s2 = Server(args_list, log_dir / "server-restart.log")
+    try:
+        b2 = s2.url
+        out["restart_start_s"] = round(s2.start_s, 1)
+        after = {}
+        # the presets file and the folder serve again; --steer too
+        for name, body in [("file_preset", {"model": "fp1"}),
+                           ("steer_dir", {"steer": {"d3": 4}}),
+                           ("flag_steer", {"steer": {"sentiment": 4}}),
+                           ("flag_preset", {"model": FLAG_PRESET}),
+                           ("runtime_preset", {"model": "rp1"}),
+                           ("runtime_loaded_name", {"steer": {"api1": 4}})]:
+            r = requests.post(b2 + "/v1/completions", timeout=120,
+                              json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 4,
+                                    **body})
+            after[name] = r.status_code
+        out["after_restart_status"] = after
+        out["after_restart"] = state(b2)
+    finally:
+        s2.stop()
+    out["restart_exit_code"] = s2.proc.returncode
+    return out
+
+
+def state(base) -> dict:
+    import re
+
+    st = requests.get(base + "/v1/steers", timeout=60).json()
+    pr = requests.get(base + "/v1/steer-presets", timeout=60).json()
+    metrics = requests.get(base + "/metrics", timeout=60).text
+    steered = sum(float(m) for m in re.findall(
+        r"^vllm_steer:requests_steered_total\{[^}]*\} ([0-9.e+]+)$", metrics, re.M))
+    return {"steers": sorted(s["name"] for s in st["data"]), "presets": pr,
+            "requests_steered_total": steered}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=900, help="seconds of traffic (900)")
+    ap.add_argument("--clients", type=int, default=8, help="client threads (8)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed of the traffic (0)")
+    ap.add_argument("--report", type=Path, default=None, help="write the JSON report here")
+    ap.add_argument("--model", default=None,
+                    help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="float32",
+                    help="float32 (default): the greedy check needs batch-invariant output")
+    ap.add_argument("--work", type=Path, default=None,
+                    help="folder for the steer dir, presets file and logs (default: a temp one)")
+    ap.add_argument("--url", default=None,
+                    help="soak a server already running with server_args(MODEL, --work) "
+                         "instead of starting one (no RSS, no --restart-check)")
+    ap.add_argument("--restart-check", action="store_true",
+                    help="after the soak, kill the engine core and restart the server")
+    args = ap.parse_args(argv)
+
+    model = args.model
+    if model is None:
+        from vllm_steer.models import prepare_embedded
+
+        model = str(prepare_embedded("smollm2"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="chaos-soak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    setup_work(work, random.Random(args.seed))
+    sargs = server_args(model, work, args.dtype)
+    if args.url:
+        server = Attached(args.url)
+    else:
+        print(f"[soak] work folder {work}; starting vllm serve {' '.join(sargs)}", flush=True)
+        server = Server(sargs, work / "server.log")
+    report: dict = {"command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
+                    "duration_s": args.duration, "clients": args.clients, "seed": args.seed,
+                    "dtype": args.dtype, "server_args": sargs,
+                    "server_start_s": round(server.start_s, 1)}
+    try:
+        base = server.url
+        ok, why = plain_ok(base)  # warm-up
+        rss_start = server.rss_mb()
+        print(f"[soak] server up in {server.start_s:.0f} s ({why}); RSS MB {rss_start}",
+              flush=True)
+        res = soak(base, work, args, server)
+        stats = res["stats"]
+        restore_work(work)  # the folder and the file as at start (for the restart)
+        alive, why = plain_ok(base)
+        rss_end = server.rss_mb()
+        if args.report:  # the traffic's figures, before the solo runs
+            args.report.write_text(json.dumps(dict(
+                report, partial=True, elapsed_s=round(res["elapsed_s"], 1),
+                requests_by_status={str(k): v for k, v in stats.by_status.items()},
+                engine_alive=alive, rss_mb_start=rss_start, rss_mb_end=rss_end),
+                indent=1, default=str))
+        print(f"[soak] traffic stopped; engine alive: {why}; {len(stats.greedy)} greedy "
+              f"requests to run alone", flush=True)
+        solo = solo_texts(base, stats.greedy) if alive else {}
+        mismatches = []
+        for key, texts in stats.greedy.items():
+            for t in texts:
+                if t != solo.get(key):
+                    mismatches.append({"key": key, "under_load": t, "solo": solo.get(key)})
+        n_req = sum(v for k, v in stats.by_status.items() if not str(k).startswith("op"))
+        s5 = sum(v for k, v in stats.by_status.items() if isinstance(k, int) and k >= 500) + \
+            sum(v for k, v in stats.stream_errors.items() if isinstance(k, int) and k >= 500)
+        op5 = sum(v for k, v in stats.by_status.items() if str(k).startswith("op"))
+        start_total = sum(rss_start.values())
+        end_total = sum(rss_end.values())
+        report.update({
+            "elapsed_s": round(res["elapsed_s"], 1),
+            "requests": n_req,
+            "requests_by_status": {str(k): v for k, v in sorted(stats.by_status.items(),
+                                                                key=lambda kv: str(kv[0]))},
+            "requests_by_kind": {k: {str(s): n for s, n in c.items()}
+                                 for k, c in sorted(stats.by_kind.items())},
+            "status_5xx": s5,
+            "connection_errors": stats.by_status.get("conn_error", 0) +
+            stats.by_status.get("stream_error", 0),
+            "stream_error_events": {str(k): v for k, v in stats.stream_errors.items()},
+            "ops_5xx_or_conn_errors": op5,
+            "unexpected_status": dict(stats.unexpected),
+            "operations": {k: {str(s): n for s, n in c.items()}
+                           for k, c in sorted(stats.ops.items())},
+            "examples": dict(stats.examples),
+            "engine_alive": alive, "engine_alive_detail": why,
+            "greedy_checked": sum(len(v) for v in stats.greedy.values()),
+            "greedy_keys": len(stats.greedy),
+            "mismatches": len(mismatches), "mismatch_examples": mismatches[:10],
+            "rss_mb_start": rss_start, "rss_mb_end": rss_end,
+            "rss_mb_start_total": round(start_total, 1), "rss_mb_end_total": round(end_total, 1),
+            "rss_growth_mb": round(end_total - start_total, 1),
+            "rss_growth_pct": round(100 * (end_total - start_total) / max(start_total, 1), 1),
+        })
+        if args.restart_check and not args.url:
+            report["restart"] = restart_check(sargs, work, work, server)
+    finally:
+        server.stop()
+        report["server_exit_code"] = server.proc.returncode
+        report["server_log"] = str(work / "server.log")
+        if args.report:
+            args.report.write_text(json.dumps(report, indent=1, default=str))
+    failed = [why for why, bad in [
+        ("5xx responses", report.get("status_5xx", 1)),
+        ("connection errors", report.get("connection_errors", 1)),
+        ("5xx or connection errors on management calls", report.get("ops_5xx_or_conn_errors", 1)),
+        ("engine not alive", not report.get("engine_alive")),
+        ("greedy mismatches", report.get("mismatches", 1)),
+    ] if bad]
+    summary = {k: report.get(k) for k in (
+        "elapsed_s", "clients", "requests", "requests_by_status", "status_5xx",
+        "connection_errors", "stream_error_events", "unexpected_status", "engine_alive",
+        "greedy_checked", "mismatches", "rss_mb_start_total", "rss_mb_end_total",
+        "rss_growth_mb")}
+    print("[soak] " + json.dumps(summary), flush=True)
+    if "restart" in report:
+        print("[soak] restart: " + json.dumps(report["restart"], default=str)[:3000], flush=True)
+    if failed:
+        print(f"[soak] FAILED: {', '.join(failed)}", flush=True)
+        return 1
+    print("[soak] passed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
