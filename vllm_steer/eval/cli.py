@@ -80,6 +80,7 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
         g.add_argument("--recommended-strength", type=float, default=None,
                        help="strength the goals are checked at (default: the steer file's, "
                             "else 5)")
+    _mode_flags(g)
     r = p.add_argument_group("sampling (the paper's protocol by default)")
     r.add_argument("--num-prompts", type=int, default=None,
                    help="first N prompts (default: all)")
@@ -112,6 +113,19 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
     o.add_argument("--quiet", action="store_true", help="no progress bars")
     _kv_cache_flag(p)
     p.set_defaults(func=cmd_eval, eval_task=task)
+
+
+def _mode_flags(g) -> None:
+    from vllm_steer.eval.chat import DEFAULT_INSTRUCTION, MODES
+
+    g.add_argument("--mode", choices=MODES, default="plain",
+                   help="plain: the model continues the prompt text (completions); chat: the "
+                        "prompt is the user turn under the model's chat template and the "
+                        "assistant reply is scored; chat-instruct: the same with the prompt "
+                        "inside --instruction")
+    g.add_argument("--instruction", default=None, metavar="TEXT",
+                   help="--mode chat-instruct: the user turn, {prompt} where the prompt goes "
+                        f"(default {DEFAULT_INSTRUCTION!r})")
 
 
 def _kv_cache_flag(p: argparse.ArgumentParser) -> None:
@@ -205,6 +219,7 @@ def _tune_command(subparsers) -> None:
                    help="development prompts (JSONL, prompt.text per line)")
     t.add_argument("--strengths", type=parse_strengths,
                    default=list(DEFAULT_STRENGTHS), help="candidate magnitudes")
+    _mode_flags(t)
     t.add_argument("--ppl-budget", type=float, default=0.15,
                    help="largest relative perplexity increase over unsteered (0.15 = +15%%)")
     t.add_argument("--num-prompts", type=int, default=100, help="first N prompts")
@@ -245,6 +260,7 @@ def _tune_command_line(args) -> str:
          "--max-tokens", str(args.max_tokens), "--seed", str(args.seed)]
     if args.model != "smollm2":
         a += ["--model", args.model]
+    a += _mode_argv(args.mode, args.instruction)
     if args.toxicity_scorer != "profanity-check":
         a += ["--toxicity-scorer", args.toxicity_scorer]
     for x in args.sentiment_scorer or []:
@@ -271,7 +287,7 @@ def cmd_tune(args) -> int:
                      model=args.model, data_dir=args.data, out=args.out,
                      toxicity_scorer=args.toxicity_scorer,
                      sentiment_scorers=args.sentiment_scorer or ["sst2", "vader"],
-                     engine=args.engine,
+                     engine=args.engine, mode=args.mode, instruction=args.instruction,
                      write=not args.dry_run, progress=not args.quiet,
                      command=_tune_command_line(args))
     rec = tune(cfg)
@@ -288,6 +304,11 @@ def tune_model(steer: str, model: str | None) -> str:
     from vllm_steer.format import read_metadata
 
     return read_metadata(steer).base_model or "smollm2"
+
+
+def _mode_argv(mode: str, instruction: str | None) -> list[str]:
+    a = [] if mode == "plain" else ["--mode", mode]
+    return a + (["--instruction", instruction] if instruction is not None else [])
 
 
 def _nums(xs) -> str:
@@ -321,6 +342,7 @@ def command_for(cfg) -> str:
         a += ["--prompt-set", cfg.prompt_set]
     if cfg.num_prompts is not None:
         a += ["--num-prompts", str(cfg.num_prompts)]
+    a += _mode_argv(cfg.mode, cfg.instruction)
     d = SamplingConfig()
     for flag, k in (("--samples", "samples"), ("--max-tokens", "max_tokens"),
                     ("--top-p", "top_p"), ("--temperature", "temperature"), ("--seed", "seed")):
@@ -381,7 +403,7 @@ def config_from_args(args):
         ppl_backend=args.ppl_backend,
         engine=engine_config_from_args(args, args.kv_cache_gib),
         recommended_strength=getattr(args, "recommended_strength", None),
-        progress=not args.quiet)
+        mode=args.mode, instruction=args.instruction, progress=not args.quiet)
     cfg.command = command_for(cfg)
     return cfg
 

@@ -81,6 +81,13 @@ class EvalConfig:
     """vLLM engine settings."""
     recommended_strength: float | None = None
     """Strength the goals are checked at (default: the steer file's, else 5)."""
+    mode: str = "plain"
+    """How prompts reach the model (:mod:`vllm_steer.eval.chat`): ``plain`` (continue the
+    text), ``chat`` (the text as the user turn under the model's chat template) or
+    ``chat-instruct`` (the text inside ``instruction``, as the user turn)."""
+    instruction: str | None = None
+    """``chat-instruct`` only: the user turn, with ``{prompt}`` where the prompt goes
+    (``None``: ``Continue this text: {prompt}``)."""
     progress: bool = True
     """Progress bars."""
     command: str | None = None
@@ -97,6 +104,9 @@ class EvalConfig:
                              f"{len(self.steers)} (use `vllm-steer eval grid` for two)")
         if not self.strengths:
             raise ValueError("--strengths is empty")
+        from vllm_steer.eval.chat import check_mode
+
+        check_mode(self.mode, self.instruction)
         if self.ppl_backend not in ("auto", "vllm", "transformers"):
             raise ValueError(f"--ppl-backend {self.ppl_backend!r}: choose auto, vllm or "
                              "transformers")
@@ -260,11 +270,12 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
              log: Callable[[str], None] = _log) -> dict[str, Any]:
     """Run the evaluation; write the files in ``cfg.out``; return the results document."""
     from vllm_steer.eval import report
+    from vllm_steer.eval.chat import DEFAULT_INSTRUCTION
     from vllm_steer.eval.diversity import diversity_metrics
     from vllm_steer.eval.fluency import PerplexityScorer, perplexity_metrics
     from vllm_steer.eval.prompts import load_prompts, prompt_file, read_prompts
     from vllm_steer.eval.scorers import get_scorer
-    from vllm_steer.eval.sentiment import positivity_metrics
+    from vllm_steer.eval.sentiment import POSITIVE_THRESHOLD, positivity_metrics
     from vllm_steer.eval.toxicity import toxicity_metrics
     from vllm_steer.models import resolve_model
 
@@ -282,6 +293,17 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
         pfile = prompt_file(prompt_task, data_dir, cfg.prompt_set)
         prompts = load_prompts(prompt_task, data_dir, cfg.prompt_set, cfg.num_prompts)
     model_path = resolve_model(cfg.model)
+    # what the model is given: the prompt text (plain), or the chat-templated user turn
+    messages: list[str] | None = None
+    model_prompts: list = list(prompts)
+    scorer_prompts: list[str] = list(prompts)
+    if cfg.mode != "plain":
+        from transformers import AutoTokenizer
+
+        from vllm_steer.eval.chat import chat_prompts
+
+        messages, scorer_prompts, model_prompts = chat_prompts(
+            AutoTokenizer.from_pretrained(model_path), prompts, cfg.mode, cfg.instruction)
     steers = load_steer_infos(cfg.steers)
     names = list(steers)
     first = steers[names[0]]["metadata"] if names else None
@@ -300,7 +322,7 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     bl_name = "blacklist" if bl_path else None
     conditions = build_conditions(cfg, names, bl_name)
     n_seq = len(conditions) * len(prompts) * cfg.sampling.samples
-    log(f"{cfg.task}: {len(prompts)} prompts x {cfg.sampling.samples} samples x "
+    log(f"{cfg.task} ({cfg.mode}): {len(prompts)} prompts x {cfg.sampling.samples} samples x "
         f"{len(conditions)} conditions = {n_seq} continuations of up to "
         f"{cfg.sampling.max_tokens} tokens")
 
@@ -316,18 +338,20 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     nll = None
     try:
         t = time.perf_counter()
-        gens: Generations = gen.generate(prompts, conditions, cfg.sampling, cfg.progress)
+        gens: Generations = gen.generate(model_prompts, conditions, cfg.sampling,
+                                         cfg.progress)
         timing["generate_s"] = time.perf_counter() - t
         flat_texts, flat_prompts, index = [], [], []
         for c in conditions:
             for i, samples in enumerate(gens[c.label]):
                 for j, text in enumerate(samples):
                     flat_texts.append(text)
-                    flat_prompts.append(prompts[i])
+                    flat_prompts.append(i)
                     index.append((c.label, i, j))
         if engine_ppl:
             t = time.perf_counter()
-            nll = gen.nll(flat_prompts, flat_texts, progress=cfg.progress)
+            nll = gen.nll([model_prompts[i] for i in flat_prompts], flat_texts,
+                          progress=cfg.progress)
             timing["score_ppl_s"] = time.perf_counter() - t
             scorer_info = {"model": cfg.model, "path": model_path, "backend": "vllm",
                            "dtype": engine_args.get("dtype", cfg.engine.dtype)}
@@ -343,7 +367,8 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     if nll is None:
         t = time.perf_counter()
         ppl_scorer = PerplexityScorer(cfg.scorer_model or model_path, dtype=cfg.scorer_dtype)
-        nll = ppl_scorer.nll(flat_prompts, flat_texts, progress=cfg.progress)
+        nll = ppl_scorer.nll([scorer_prompts[i] for i in flat_prompts], flat_texts,
+                             progress=cfg.progress)
         scorer_info = {"model": cfg.scorer_model or cfg.model, "path": ppl_scorer.path,
                        "backend": "transformers", "dtype": ppl_scorer.dtype_name}
         del ppl_scorer
@@ -369,7 +394,12 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
             m["mean_p_positive" + suffix] = pm["mean_p_positive"]
         m.update(perplexity_metrics([x for row in p["nll"] for x in row]))
         m.update(diversity_metrics(gens[c.label]))
-        cond_results.append({**c.to_dict(), "metrics": m,
+        per_prompt = {"max_toxicity": [max(x) for x in p["tox"]]}
+        if cfg.sentiment_scorers:
+            per_prompt["positive_share"] = [
+                sum(v > POSITIVE_THRESHOLD for v in x) / len(x)
+                for x in p[cfg.sentiment_scorers[0]]]
+        cond_results.append({**c.to_dict(), "metrics": m, "per_prompt": per_prompt,
                              "sample_p_positive": [x for row in p[cfg.sentiment_scorers[0]]
                                                    for x in row]
                              if cfg.sentiment_scorers else []})
@@ -381,6 +411,7 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
             for i, samples in enumerate(gens[c.label]):
                 f.write(json.dumps({
                     "condition": c.label, "prompt_index": i, "prompt": prompts[i],
+                    **({"user": messages[i]} if messages is not None else {}),
                     "samples": [{"text": t_, "toxicity": p["tox"][i][j],
                                  **{f"p_positive_{s}": p[s][i][j] for s in sent},
                                  "ppl": p["nll"][i][j].ppl, "tokens": p["nll"][i][j].tokens}
@@ -392,7 +423,10 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     tox_scorer = get_scorer("toxicity", cfg.toxicity_scorer)
     timing["total_s"] = time.perf_counter() - t_start
     results: dict[str, Any] = {
-        "task": cfg.task, "prompt_file": _prompt_file_record(pfile, data_dir),
+        "task": cfg.task, "mode": cfg.mode,
+        "instruction": (cfg.instruction or DEFAULT_INSTRUCTION) if cfg.mode == "chat-instruct"
+        else None,
+        "prompt_file": _prompt_file_record(pfile, data_dir),
         "num_prompts": len(prompts), "sampling": asdict(cfg.sampling),
         "model": cfg.model, "model_path": model_path,
         "steers": steers, "baseline": report.baseline_info(bl_path),
@@ -452,6 +486,7 @@ def rerender(out: str, recommended_strength: float | None = None) -> dict[str, A
 # same steers and baseline, same scorers): key -> how to read it from results.json.
 _MERGE_KEYS: dict[str, Callable[[dict], Any]] = {
     "task": lambda r: r["task"],
+    "mode": lambda r: (r.get("mode", "plain"), r.get("instruction")),
     "model": lambda r: r.get("model_path") or r["model"],
     "prompts": lambda r: (r["prompt_file"], r["num_prompts"]),
     "sampling": lambda r: r["sampling"],

@@ -242,6 +242,14 @@ def markdown(results: dict) -> str:
           f"{s['samples']} samples each, up to {s['max_tokens']} tokens, top-p {s['top_p']}, "
           f"temperature {s['temperature']}, seed {s['seed']} "
           f"({results['continuations']} continuations)"]
+    mode = results.get("mode", "plain")
+    if mode == "plain":
+        L.append("- mode: plain (the model continues the prompt text)")
+    else:
+        how = ("the prompt text as it is" if mode == "chat" else
+               f"the prompt inside the instruction `{results.get('instruction')}`")
+        L.append(f"- mode: {mode}: the user turn is {how}, under the model's chat template; "
+                 "the assistant's reply is scored, its perplexity given the templated prompt")
     for n, info in results["steers"].items():
         md = info["metadata"]
         L.append(f"- steer `{n}`: `{os.path.basename(info['path'])}` (sha256 "

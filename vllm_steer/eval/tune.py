@@ -72,6 +72,11 @@ class TuneConfig:
     """Sentiment scorers; the first is the headline one."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """vLLM engine settings."""
+    mode: str = "plain"
+    """``plain``, ``chat`` or ``chat-instruct``: how the prompts reach the model
+    (:mod:`vllm_steer.eval.chat`)."""
+    instruction: str | None = None
+    """``chat-instruct``: the user turn, ``{prompt}`` where the prompt goes."""
     write: bool = True
     """Write the chosen strength and the curve into the steer file."""
     progress: bool = True
@@ -154,6 +159,7 @@ def tune(cfg: TuneConfig, generator_factory: Callable | None = None,
                       sampling=cfg.sampling, data_dir=cfg.data_dir, out=out,
                       toxicity_scorer=cfg.toxicity_scorer,
                       sentiment_scorers=list(cfg.sentiment_scorers), engine=cfg.engine,
+                      mode=cfg.mode, instruction=cfg.instruction,
                       progress=cfg.progress, command=cfg.command)
     results = evaluate(ecfg, generator_factory=generator_factory, log=log)
     curve = []
@@ -173,6 +179,7 @@ def tune(cfg: TuneConfig, generator_factory: Callable | None = None,
         "prompts": {"file": os.path.abspath(cfg.prompts), "sha256": _sha256(cfg.prompts),
                     "num_prompts": results["num_prompts"]},
         "sampling": dataclasses.asdict(cfg.sampling), "model": cfg.model,
+        "mode": cfg.mode, "instruction": results.get("instruction"),
         "scorers": {"toxicity": cfg.toxicity_scorer, "sentiment": list(cfg.sentiment_scorers),
                     "perplexity": results["scorers"]["perplexity"]},
         "curve": curve, "previous_recommended_strength": meta.recommended_strength,
