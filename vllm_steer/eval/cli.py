@@ -207,9 +207,11 @@ def _tune_command(subparsers) -> None:
     s = SamplingConfig()
     t = _parser(subparsers, "tune", engine=True, help="choose a steer's recommended strength by generation",
                 description="Generate on development prompts through vLLM with the plugin at "
-                            "each candidate strength, and write the strongest strength whose "
-                            "perplexity stays within --ppl-budget of unsteered (with the rule "
-                            "and the measured curve) into the steer file's metadata. "
+                            "each candidate strength; among the strengths whose perplexity "
+                            "stays within --ppl-budget of unsteered, write the one that moves "
+                            "the target metric most (with the rule, the measured curve and "
+                            "the effects' confidence intervals) into the steer file's "
+                            "metadata; warn when none moves it beyond noise. "
                             "See docs/eval.md.")
     t.add_argument("steer", help="steer file (rewritten in place: recommended_strength, "
                                  "metrics.tune)")
