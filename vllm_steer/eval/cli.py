@@ -96,8 +96,10 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
     o.add_argument("--data", default=None,
                    help="data folder (default $VLLM_STEER_DATA or ../shared/data)")
     o.add_argument("--out", default=None, help="output folder (default eval_out/TASK-STEER)")
-    o.add_argument("--toxicity-scorer", default="profanity-check",
-                   help="registered toxicity scorer, or module:Class")
+    o.add_argument("--toxicity-scorer", action="append", default=None, metavar="NAME",
+                   help="toxicity scorer(s), registered name or module:Class, repeatable; the "
+                        "first is the headline, the others are reported beside it (default: "
+                        "profanity-check)")
     o.add_argument("--sentiment-scorer", action="append", default=None, metavar="NAME",
                    help="sentiment scorer(s), repeatable; the first is the headline "
                         "(default: sst2 and vader)")
@@ -241,8 +243,10 @@ def _tune_command(subparsers) -> None:
     t.add_argument("--data", default=None, help="data folder (the sst2 scorer trains from it)")
     t.add_argument("--out", default=None, help="evaluation folder (default "
                                                "eval_out/tune-TASK-NAME)")
-    t.add_argument("--toxicity-scorer", default="profanity-check",
-                   help="registered toxicity scorer, or module:Class")
+    t.add_argument("--toxicity-scorer", action="append", default=None, metavar="NAME",
+                   help="toxicity scorer(s), registered name or module:Class, repeatable; the "
+                        "first is the target, the others are reported beside it (default: "
+                        "profanity-check)")
     t.add_argument("--sentiment-scorer", action="append", default=None, metavar="NAME",
                    help="sentiment scorer(s), repeatable; the first is the headline "
                         "(default: sst2 and vader)")
@@ -263,8 +267,8 @@ def _tune_command_line(args) -> str:
     if args.model != "smollm2":
         a += ["--model", args.model]
     a += _mode_argv(args.mode, args.instruction)
-    if args.toxicity_scorer != "profanity-check":
-        a += ["--toxicity-scorer", args.toxicity_scorer]
+    for x in args.toxicity_scorer or []:
+        a += ["--toxicity-scorer", x]
     for x in args.sentiment_scorer or []:
         a += ["--sentiment-scorer", x]
     a += engine_flags(args.engine)
@@ -287,7 +291,8 @@ def cmd_tune(args) -> int:
                                              top_p=args.top_p, temperature=args.temperature,
                                              seed=args.seed),
                      model=args.model, data_dir=args.data, out=args.out,
-                     toxicity_scorer=args.toxicity_scorer,
+                     toxicity_scorer=(args.toxicity_scorer or ["profanity-check"])[0],
+                     extra_toxicity_scorers=(args.toxicity_scorer or [])[1:],
                      sentiment_scorers=args.sentiment_scorer or ["sst2", "vader"],
                      engine=args.engine, mode=args.mode, instruction=args.instruction,
                      write=not args.dry_run, progress=not args.quiet,
@@ -351,8 +356,9 @@ def command_for(cfg) -> str:
         v = getattr(cfg.sampling, k)
         if v != getattr(d, k):
             a += [flag, f"{v:g}"]
-    if cfg.toxicity_scorer != "profanity-check":
-        a += ["--toxicity-scorer", cfg.toxicity_scorer]
+    if cfg.toxicity_scorer != "profanity-check" or cfg.extra_toxicity_scorers:
+        for x in [cfg.toxicity_scorer, *cfg.extra_toxicity_scorers]:
+            a += ["--toxicity-scorer", x]
     if cfg.sentiment_scorers != ["sst2", "vader"]:
         for x in cfg.sentiment_scorers:
             a += ["--sentiment-scorer", x]
@@ -399,7 +405,9 @@ def config_from_args(args):
         prompt_file=getattr(args, "prompt_file", None),
         sampling=SamplingConfig(samples=args.samples, max_tokens=args.max_tokens,
                                 top_p=args.top_p, temperature=args.temperature, seed=args.seed),
-        data_dir=args.data, out=out, toxicity_scorer=args.toxicity_scorer,
+        data_dir=args.data, out=out,
+        toxicity_scorer=(args.toxicity_scorer or ["profanity-check"])[0],
+        extra_toxicity_scorers=(args.toxicity_scorer or [])[1:],
         sentiment_scorers=args.sentiment_scorer or ["sst2", "vader"],
         scorer_model=args.scorer_model, scorer_dtype=args.scorer_dtype,
         ppl_backend=args.ppl_backend,

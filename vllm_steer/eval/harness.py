@@ -65,7 +65,10 @@ class EvalConfig:
     out: str = "eval_out"
     """Output folder."""
     toxicity_scorer: str = "profanity-check"
-    """Registered toxicity scorer (or ``module:Class``)."""
+    """Registered toxicity scorer (or ``module:Class``): the headline one."""
+    extra_toxicity_scorers: list[str] = field(default_factory=list)
+    """Further toxicity scorers reported beside the headline one, on the same samples
+    (metrics ``avg_max_toxicity_NAME``, ``toxicity_prob_NAME``, ``mean_toxicity_NAME``)."""
     sentiment_scorers: list[str] = field(default_factory=lambda: ["sst2", "vader"])
     """Sentiment scorers; the first is the headline one."""
     scorer_model: str | None = None
@@ -311,7 +314,8 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
 
     # scorers first: a broken scorer fails before the long generation
     t = time.perf_counter()
-    get_scorer("toxicity", cfg.toxicity_scorer)
+    for s in [cfg.toxicity_scorer, *cfg.extra_toxicity_scorers]:
+        get_scorer("toxicity", s)
     for s in cfg.sentiment_scorers:
         get_scorer("sentiment", s)
     timing["scorers_load_s"] = time.perf_counter() - t
@@ -361,6 +365,8 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     # ------------------------------------------------------------------ scoring
     t = time.perf_counter()
     tox = _chunked_scores("toxicity", cfg.toxicity_scorer, flat_texts, cfg.progress)
+    tox_more = {s: _chunked_scores("toxicity", s, flat_texts, cfg.progress)
+                for s in cfg.extra_toxicity_scorers}
     sent = {s: _chunked_scores("sentiment", s, flat_texts, cfg.progress)
             for s in cfg.sentiment_scorers}
     timing["score_text_s"] = time.perf_counter() - t
@@ -375,9 +381,13 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
         timing["score_ppl_s"] = time.perf_counter() - t
 
     per: dict[str, dict[str, list[list[Any]]]] = {
-        c.label: {k: [[] for _ in prompts] for k in ("tox", "nll", *sent)} for c in conditions}
+        c.label: {k: [[] for _ in prompts]
+                  for k in ("tox", "nll", *sent, *(f"tox:{x}" for x in tox_more))}
+        for c in conditions}
     for k, (label, i, _j) in enumerate(index):
         per[label]["tox"][i].append(tox[k])
+        for x in tox_more:
+            per[label][f"tox:{x}"][i].append(tox_more[x][k])
         per[label]["nll"][i].append(nll[k])
         for s in sent:
             per[label][s][i].append(sent[s][k])
@@ -387,6 +397,8 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
         p = per[c.label]
         m: dict[str, Any] = {}
         m.update(toxicity_metrics(p["tox"]))
+        for x in tox_more:
+            m.update({f"{k}_{x}": v for k, v in toxicity_metrics(p[f"tox:{x}"]).items()})
         for n_s, s in enumerate(cfg.sentiment_scorers):
             pm = positivity_metrics(p[s])
             suffix = "" if n_s == 0 else f"_{s}"
@@ -413,6 +425,7 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
                     "condition": c.label, "prompt_index": i, "prompt": prompts[i],
                     **({"user": messages[i]} if messages is not None else {}),
                     "samples": [{"text": t_, "toxicity": p["tox"][i][j],
+                                 **{f"toxicity_{x}": p[f"tox:{x}"][i][j] for x in tox_more},
                                  **{f"p_positive_{s}": p[s][i][j] for s in sent},
                                  "ppl": p["nll"][i][j].ppl, "tokens": p["nll"][i][j].tokens}
                                 for j, t_ in enumerate(samples)]}) + "\n")
@@ -432,7 +445,8 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
         "steers": steers, "baseline": report.baseline_info(bl_path),
         "recommended_strength": report.recommended_strength(cfg, first),
         "scorers": {"toxicity": {"name": cfg.toxicity_scorer,
-                                 "version_warnings": getattr(tox_scorer, "version_warnings", [])},
+                                 "version_warnings": getattr(tox_scorer, "version_warnings", []),
+                                 "more": list(cfg.extra_toxicity_scorers)},
                     "sentiment": cfg.sentiment_scorers, "sst2": sst2_info,
                     "perplexity": scorer_info},
         "conditions": cond_results, "timing": timing,
@@ -492,7 +506,9 @@ _MERGE_KEYS: dict[str, Callable[[dict], Any]] = {
     "sampling": lambda r: r["sampling"],
     "steers": lambda r: {n: i["sha256"] for n, i in r["steers"].items()},
     "baseline": lambda r: (r.get("baseline") or {}).get("sha256"),
-    "scorers": lambda r: (r["scorers"]["toxicity"]["name"], list(r["scorers"]["sentiment"]),
+    "scorers": lambda r: (r["scorers"]["toxicity"]["name"],
+                          r["scorers"]["toxicity"].get("more", []),
+                          list(r["scorers"]["sentiment"]),
                           r["scorers"]["perplexity"]),
     "engine dtype": lambda r: (r.get("engine") or {}).get("dtype",
                                                           r["config"]["engine"]["dtype"]),

@@ -210,8 +210,10 @@ def check_goals(results: dict) -> dict:
 
 def _table(results: dict, conds: list[dict]) -> list[str]:
     keys = headline(results)
-    rest = [k for k in ("avg_max_toxicity", "toxicity_prob", "positivity", "positivity_vader")
-            if k not in keys and k in conds[0]["metrics"]]
+    more = [f"{k}_{x}" for x in ((results.get("scorers") or {}).get("toxicity") or {})
+            .get("more", []) for k in ("avg_max_toxicity", "toxicity_prob")]
+    rest = [k for k in ("avg_max_toxicity", "toxicity_prob", *more, "positivity",
+                        "positivity_vader") if k not in keys and k in conds[0]["metrics"]]
     cols = keys + rest + ["ppl", "ppl_tokens", "dist-1", "dist-2", "dist-3"]
     lines = ["| method | strength | " + " | ".join(LABELS.get(k, k) for k in cols) + " |",
              "|---|---:|" + "---:|" * len(cols)]
@@ -264,7 +266,9 @@ def markdown(results: dict) -> str:
     sst2 = sc.get("sst2") or {}
     tox_note = ("; WARNING: " + sc["toxicity"]["version_warnings"][0]
                 if sc["toxicity"].get("version_warnings") else "")
-    L.append(f"- scorers: toxicity `{sc['toxicity']['name']}`{tox_note}; sentiment "
+    more = sc["toxicity"].get("more") or []
+    tox_more = f" (also {', '.join(f'`{x}`' for x in more)})" if more else ""
+    L.append(f"- scorers: toxicity `{sc['toxicity']['name']}`{tox_more}{tox_note}; sentiment "
              + ", ".join(f"`{x}`" for x in sc["sentiment"])
              + (f" (sst2: TF-IDF + logistic regression, SST-2 dev accuracy "
                 f"{100 * sst2['dev_accuracy']:.1f}%, test accuracy "

@@ -73,7 +73,9 @@ class TuneConfig:
     out: str | None = None
     """Folder of the evaluation run (default ``eval_out/tune-TASK-NAME``)."""
     toxicity_scorer: str = "profanity-check"
-    """Toxicity scorer (registered name or ``module:Class``)."""
+    """Toxicity scorer (registered name or ``module:Class``): the target's."""
+    extra_toxicity_scorers: list[str] = field(default_factory=list)
+    """Further toxicity scorers, reported in the evaluation run beside it."""
     sentiment_scorers: list[str] = field(default_factory=lambda: ["sst2", "vader"])
     """Sentiment scorers; the first is the headline one."""
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -208,6 +210,7 @@ def tune(cfg: TuneConfig, generator_factory: Callable | None = None,
                       baseline="none", num_prompts=cfg.num_prompts, prompt_file=cfg.prompts,
                       sampling=cfg.sampling, data_dir=cfg.data_dir, out=out,
                       toxicity_scorer=cfg.toxicity_scorer,
+                      extra_toxicity_scorers=list(cfg.extra_toxicity_scorers),
                       sentiment_scorers=list(cfg.sentiment_scorers), engine=cfg.engine,
                       mode=cfg.mode, instruction=cfg.instruction,
                       progress=cfg.progress, command=cfg.command)
@@ -271,6 +274,10 @@ def tune(cfg: TuneConfig, generator_factory: Callable | None = None,
             p["strength"], p["ppl"], 100 * p["ppl_relative"],
             "".join(f"  {k} {p[k]:.3f}" for k in ("avg_max_toxicity", "toxicity_prob",
                                                   "positivity") if k in p)))
+    for e in effects:
+        log(f"tune:   target s={e['strength']:g}: {target_name} {e['effect']:+.3f}, 95% CI "
+            f"{e['ci95'][0]:+.3f} .. {e['ci95'][1]:+.3f} ({e['prompts']} prompts)"
+            + ("" if e["beyond_noise"] else ", within noise"))
     if cfg.write:
         steer = load_steer(cfg.steer)
         metrics = dict(steer.metadata.metrics)
