@@ -219,3 +219,85 @@ def test_tune_generates_with_the_steers_own_model_unless_told(tmp_path):
     model_help = next(a.help for a in tune._actions if "--model" in a.option_strings)
     assert tune.format_help().count("smollm2 for a file that names") == 1
     assert model_help.count("default") == 1
+
+
+class SteerAwareGenerator:
+    """Samples whose toxicity depends on the steer file's weights: prompt i's sample j is
+    toxic when a fixed draw u(i, j) (the same in every condition, as the seeds are) exceeds
+    0.2 + 0.15 * s * |P1 P2^T| (no effect at all when the steer's factors are zero)."""
+
+    def __init__(self, model, steers, blacklists, engine, seed):
+        st = load_steer(next(iter(steers.values())))
+        self.size = float((st.p1 @ st.p2.T).norm().clamp(max=1.0))
+
+    def generate(self, prompts, conditions, sampling, progress=True):
+        import random
+
+        out = {}
+        for c in conditions:
+            cut = 0.2 + 0.15 * max(c.strength, 0.0) * self.size
+            out[c.label] = [[" s=%+g %s" % (c.strength, "toxic" if random.Random(
+                i * 100 + j).random() > cut else "kind") for j in range(sampling.samples)]
+                for i in range(len(prompts))]
+        return out
+
+    def nll(self, prompts, continuations, progress=True):
+        return [SampleNLL(3 * math.log(ppl_of(_strength(t) / 4)), 3) for t in continuations]
+
+    def close(self):
+        pass
+
+
+class WordToxicity:
+    name = "word-tox"
+
+    def score(self, texts):
+        return [1.0 if "toxic" in t else 0.0 for t in texts]
+
+
+def test_tune_warns_when_no_strength_moves_the_target_beyond_noise(tmp_path, tiny_model_dir):
+    register_scorer("toxicity", "word-tox", WordToxicity, overwrite=True)
+    p = tmp_path / "dev.jsonl"
+    p.write_text("\n".join(json.dumps({"prompt": {"text": f"P{i}"}}) for i in range(40)))
+    real = _steer(tmp_path, {"positive": "non-toxic", "negative": "toxic"}, "real")
+    zero = _steer(tmp_path, {"positive": "non-toxic", "negative": "toxic"}, "zero")
+    st = load_steer(zero)
+    st.p1.zero_()
+    save_steer(zero, st)
+    runs = {}
+    for name, path in (("real", real), ("zero", zero)):
+        logs = []
+        rec = tune(_cfg(tiny_model_dir, path, str(p), tmp_path, num_prompts=40,
+                        toxicity_scorer="word-tox", ppl_budget=0.5, out=str(tmp_path / name),
+                        sampling=SamplingConfig(samples=3, max_tokens=4)),
+                   SteerAwareGenerator, log=logs.append)
+        runs[name] = (rec, [m for m in logs if "warning" in m])
+    rec, warnings = runs["zero"]
+    assert rec["target"]["moves_beyond_noise"] is False
+    assert all(e["effect"] == 0 and e["se"] == 0 for e in rec["target"]["effects"])
+    assert len(warnings) == 1 and "beyond noise" in warnings[0]
+    rec, warnings = runs["real"]
+    assert warnings == [] and rec["target"]["moves_beyond_noise"] is True
+    eff = {e["strength"]: e for e in rec["target"]["effects"]}
+    assert eff[4]["effect"] > eff[1]["effect"] > 0 and eff[4]["ci95"][0] > 0
+    # ppl grows as 4% (s/4)^2: every strength is within +50%; the one moving toxicity most
+    assert rec["recommended_strength"] == 4.0
+    # the effect is the paired per-prompt drop in max toxicity, checked by hand
+    res = json.loads((tmp_path / "real" / "results.json").read_text())
+    by = {c["strength"]: c["per_prompt"]["max_toxicity"] for c in res["conditions"]}
+    d = [a - b for a, b in zip(by[0], by[4])]
+    assert eff[4]["effect"] == pytest.approx(sum(d) / len(d))
+    sd = (sum((x - sum(d) / 40) ** 2 for x in d) / 39) ** 0.5
+    assert eff[4]["se"] == pytest.approx(sd / 40 ** 0.5)
+
+
+def test_the_pick_is_the_largest_effect_within_the_budget():
+    from vllm_steer.eval.tune import pick_by_effect
+
+    effects = [{"strength": 1, "effect": 0.1}, {"strength": 2, "effect": 0.3},
+               {"strength": 3, "effect": 0.2}, {"strength": 4, "effect": 0.5}]
+    assert pick_by_effect(effects, 3)["strength"] == 2  # 4 is outside the budget
+    assert pick_by_effect(effects, 4)["strength"] == 4
+    assert pick_by_effect(effects, None) is None
+    tie = [{"strength": 1, "effect": 0.0}, {"strength": 2, "effect": 0.0}]
+    assert pick_by_effect(tie, 2)["strength"] == 2  # the stronger of equal ones

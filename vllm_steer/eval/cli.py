@@ -80,6 +80,7 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
         g.add_argument("--recommended-strength", type=float, default=None,
                        help="strength the goals are checked at (default: the steer file's, "
                             "else 5)")
+    _mode_flags(g)
     r = p.add_argument_group("sampling (the paper's protocol by default)")
     r.add_argument("--num-prompts", type=int, default=None,
                    help="first N prompts (default: all)")
@@ -95,8 +96,10 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
     o.add_argument("--data", default=None,
                    help="data folder (default $VLLM_STEER_DATA or ../shared/data)")
     o.add_argument("--out", default=None, help="output folder (default eval_out/TASK-STEER)")
-    o.add_argument("--toxicity-scorer", default="profanity-check",
-                   help="registered toxicity scorer, or module:Class")
+    o.add_argument("--toxicity-scorer", action="append", default=None, metavar="NAME",
+                   help="toxicity scorer(s), registered name or module:Class, repeatable; the "
+                        "first is the headline, the others are reported beside it (default: "
+                        "profanity-check)")
     o.add_argument("--sentiment-scorer", action="append", default=None, metavar="NAME",
                    help="sentiment scorer(s), repeatable; the first is the headline "
                         "(default: sst2 and vader)")
@@ -112,6 +115,19 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
     o.add_argument("--quiet", action="store_true", help="no progress bars")
     _kv_cache_flag(p)
     p.set_defaults(func=cmd_eval, eval_task=task)
+
+
+def _mode_flags(g) -> None:
+    from vllm_steer.eval.chat import DEFAULT_INSTRUCTION, MODES
+
+    g.add_argument("--mode", choices=MODES, default="plain",
+                   help="plain: the model continues the prompt text (completions); chat: the "
+                        "prompt is the user turn under the model's chat template and the "
+                        "assistant reply is scored; chat-instruct: the same with the prompt "
+                        "inside --instruction")
+    g.add_argument("--instruction", default=None, metavar="TEXT",
+                   help="--mode chat-instruct: the user turn, {prompt} where the prompt goes "
+                        f"(default {DEFAULT_INSTRUCTION!r})")
 
 
 def _kv_cache_flag(p: argparse.ArgumentParser) -> None:
@@ -193,9 +209,11 @@ def _tune_command(subparsers) -> None:
     s = SamplingConfig()
     t = _parser(subparsers, "tune", engine=True, help="choose a steer's recommended strength by generation",
                 description="Generate on development prompts through vLLM with the plugin at "
-                            "each candidate strength, and write the strongest strength whose "
-                            "perplexity stays within --ppl-budget of unsteered (with the rule "
-                            "and the measured curve) into the steer file's metadata. "
+                            "each candidate strength; among the strengths whose perplexity "
+                            "stays within --ppl-budget of unsteered, write the one that moves "
+                            "the target metric most (with the rule, the measured curve and "
+                            "the effects' confidence intervals) into the steer file's "
+                            "metadata; warn when none moves it beyond noise. "
                             "See docs/eval.md.")
     t.add_argument("steer", help="steer file (rewritten in place: recommended_strength, "
                                  "metrics.tune)")
@@ -205,6 +223,7 @@ def _tune_command(subparsers) -> None:
                    help="development prompts (JSONL, prompt.text per line)")
     t.add_argument("--strengths", type=parse_strengths,
                    default=list(DEFAULT_STRENGTHS), help="candidate magnitudes")
+    _mode_flags(t)
     t.add_argument("--ppl-budget", type=float, default=0.15,
                    help="largest relative perplexity increase over unsteered (0.15 = +15%%)")
     t.add_argument("--num-prompts", type=int, default=100, help="first N prompts")
@@ -224,8 +243,10 @@ def _tune_command(subparsers) -> None:
     t.add_argument("--data", default=None, help="data folder (the sst2 scorer trains from it)")
     t.add_argument("--out", default=None, help="evaluation folder (default "
                                                "eval_out/tune-TASK-NAME)")
-    t.add_argument("--toxicity-scorer", default="profanity-check",
-                   help="registered toxicity scorer, or module:Class")
+    t.add_argument("--toxicity-scorer", action="append", default=None, metavar="NAME",
+                   help="toxicity scorer(s), registered name or module:Class, repeatable; the "
+                        "first is the target, the others are reported beside it (default: "
+                        "profanity-check)")
     t.add_argument("--sentiment-scorer", action="append", default=None, metavar="NAME",
                    help="sentiment scorer(s), repeatable; the first is the headline "
                         "(default: sst2 and vader)")
@@ -245,8 +266,9 @@ def _tune_command_line(args) -> str:
          "--max-tokens", str(args.max_tokens), "--seed", str(args.seed)]
     if args.model != "smollm2":
         a += ["--model", args.model]
-    if args.toxicity_scorer != "profanity-check":
-        a += ["--toxicity-scorer", args.toxicity_scorer]
+    a += _mode_argv(args.mode, args.instruction)
+    for x in args.toxicity_scorer or []:
+        a += ["--toxicity-scorer", x]
     for x in args.sentiment_scorer or []:
         a += ["--sentiment-scorer", x]
     a += engine_flags(args.engine)
@@ -269,9 +291,10 @@ def cmd_tune(args) -> int:
                                              top_p=args.top_p, temperature=args.temperature,
                                              seed=args.seed),
                      model=args.model, data_dir=args.data, out=args.out,
-                     toxicity_scorer=args.toxicity_scorer,
+                     toxicity_scorer=(args.toxicity_scorer or ["profanity-check"])[0],
+                     extra_toxicity_scorers=(args.toxicity_scorer or [])[1:],
                      sentiment_scorers=args.sentiment_scorer or ["sst2", "vader"],
-                     engine=args.engine,
+                     engine=args.engine, mode=args.mode, instruction=args.instruction,
                      write=not args.dry_run, progress=not args.quiet,
                      command=_tune_command_line(args))
     rec = tune(cfg)
@@ -288,6 +311,11 @@ def tune_model(steer: str, model: str | None) -> str:
     from vllm_steer.format import read_metadata
 
     return read_metadata(steer).base_model or "smollm2"
+
+
+def _mode_argv(mode: str, instruction: str | None) -> list[str]:
+    a = [] if mode == "plain" else ["--mode", mode]
+    return a + (["--instruction", instruction] if instruction is not None else [])
 
 
 def _nums(xs) -> str:
@@ -321,14 +349,16 @@ def command_for(cfg) -> str:
         a += ["--prompt-set", cfg.prompt_set]
     if cfg.num_prompts is not None:
         a += ["--num-prompts", str(cfg.num_prompts)]
+    a += _mode_argv(cfg.mode, cfg.instruction)
     d = SamplingConfig()
     for flag, k in (("--samples", "samples"), ("--max-tokens", "max_tokens"),
                     ("--top-p", "top_p"), ("--temperature", "temperature"), ("--seed", "seed")):
         v = getattr(cfg.sampling, k)
         if v != getattr(d, k):
             a += [flag, f"{v:g}"]
-    if cfg.toxicity_scorer != "profanity-check":
-        a += ["--toxicity-scorer", cfg.toxicity_scorer]
+    if cfg.toxicity_scorer != "profanity-check" or cfg.extra_toxicity_scorers:
+        for x in [cfg.toxicity_scorer, *cfg.extra_toxicity_scorers]:
+            a += ["--toxicity-scorer", x]
     if cfg.sentiment_scorers != ["sst2", "vader"]:
         for x in cfg.sentiment_scorers:
             a += ["--sentiment-scorer", x]
@@ -375,13 +405,15 @@ def config_from_args(args):
         prompt_file=getattr(args, "prompt_file", None),
         sampling=SamplingConfig(samples=args.samples, max_tokens=args.max_tokens,
                                 top_p=args.top_p, temperature=args.temperature, seed=args.seed),
-        data_dir=args.data, out=out, toxicity_scorer=args.toxicity_scorer,
+        data_dir=args.data, out=out,
+        toxicity_scorer=(args.toxicity_scorer or ["profanity-check"])[0],
+        extra_toxicity_scorers=(args.toxicity_scorer or [])[1:],
         sentiment_scorers=args.sentiment_scorer or ["sst2", "vader"],
         scorer_model=args.scorer_model, scorer_dtype=args.scorer_dtype,
         ppl_backend=args.ppl_backend,
         engine=engine_config_from_args(args, args.kv_cache_gib),
         recommended_strength=getattr(args, "recommended_strength", None),
-        progress=not args.quiet)
+        mode=args.mode, instruction=args.instruction, progress=not args.quiet)
     cfg.command = command_for(cfg)
     return cfg
 

@@ -97,12 +97,15 @@ class SamplingConfig:
 
 #: condition label -> per prompt, its samples
 Generations = dict[str, list[list[str]]]
+#: A prompt: text the engine tokenises as a completion prompt, or token ids given as they are
+#: (a chat-templated prompt, :mod:`vllm_steer.eval.chat`).
+Prompt = str | list[int]
 
 
 class Generator(Protocol):
     """What the harness needs from an engine (a fake one in unit tests)."""
 
-    def generate(self, prompts: Sequence[str], conditions: Sequence[Condition],
+    def generate(self, prompts: Sequence[Prompt], conditions: Sequence[Condition],
                  sampling: SamplingConfig, progress: bool = True) -> Generations: ...
 
     def close(self) -> None: ...
@@ -197,9 +200,12 @@ class VLLMGenerator:
         self.llm = LLM(model, additional_config=additional or None, seed=seed, **kw)
         self.startup_s = time.perf_counter() - t0
 
-    def generate(self, prompts: Sequence[str], conditions: Sequence[Condition],
+    def generate(self, prompts: Sequence[Prompt], conditions: Sequence[Condition],
                  sampling: SamplingConfig, progress: bool = True) -> Generations:
+        """Samples of every prompt in every condition. A prompt given as token ids (a
+        chat-templated prompt) goes to the engine as it is."""
         from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
 
         sampling.validate()
         k = sampling.samples
@@ -207,7 +213,8 @@ class VLLMGenerator:
         for cond in conditions:
             extra = cond.extra_args()
             for i, p in enumerate(prompts):
-                all_prompts.append(p)
+                all_prompts.append(p if isinstance(p, str)
+                                   else TokensPrompt(prompt_token_ids=list(p)))
                 params.append(SamplingParams(n=k, top_p=sampling.top_p,
                                              temperature=sampling.temperature,
                                              max_tokens=sampling.max_tokens,
@@ -219,12 +226,13 @@ class VLLMGenerator:
             result[label][i] = [c.text for c in sorted(o.outputs, key=lambda c: c.index)]
         return result
 
-    def nll(self, prompts: Sequence[str], continuations: Sequence[str],
+    def nll(self, prompts: Sequence[Prompt], continuations: Sequence[str],
             progress: bool = True) -> list:
         """Unsteered log-likelihood of each continuation given its prompt, from the engine's
         prompt logprobs (the same model and weights that generated; prompt and continuation
         tokenised separately and concatenated, as :func:`vllm_steer.hf.token_logprobs`
-        does). Returns :class:`~vllm_steer.eval.fluency.SampleNLL` per pair."""
+        does; a prompt given as token ids, a chat-templated one, is used as it is, so a
+        chat reply is scored given the templated prompt). Returns :class:`~vllm_steer.eval.fluency.SampleNLL` per pair."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -237,9 +245,13 @@ class VLLMGenerator:
         reqs, where, starts = [], [], []
         cache: dict[str, list[int]] = {}
         for i, (p, c) in enumerate(zip(prompts, continuations)):
-            if p not in cache:
-                cache[p] = tok(p, add_special_tokens=False)["input_ids"]
-            a, b = cache[p], tok(c, add_special_tokens=False)["input_ids"]
+            if isinstance(p, str):
+                if p not in cache:
+                    cache[p] = tok(p, add_special_tokens=False)["input_ids"]
+                a = cache[p]
+            else:
+                a = list(p)
+            b = tok(c, add_special_tokens=False)["input_ids"]
             if not b:
                 continue
             reqs.append(TokensPrompt(prompt_token_ids=a + b))

@@ -65,7 +65,10 @@ class EvalConfig:
     out: str = "eval_out"
     """Output folder."""
     toxicity_scorer: str = "profanity-check"
-    """Registered toxicity scorer (or ``module:Class``)."""
+    """Registered toxicity scorer (or ``module:Class``): the headline one."""
+    extra_toxicity_scorers: list[str] = field(default_factory=list)
+    """Further toxicity scorers reported beside the headline one, on the same samples
+    (metrics ``avg_max_toxicity_NAME``, ``toxicity_prob_NAME``, ``mean_toxicity_NAME``)."""
     sentiment_scorers: list[str] = field(default_factory=lambda: ["sst2", "vader"])
     """Sentiment scorers; the first is the headline one."""
     scorer_model: str | None = None
@@ -81,6 +84,13 @@ class EvalConfig:
     """vLLM engine settings."""
     recommended_strength: float | None = None
     """Strength the goals are checked at (default: the steer file's, else 5)."""
+    mode: str = "plain"
+    """How prompts reach the model (:mod:`vllm_steer.eval.chat`): ``plain`` (continue the
+    text), ``chat`` (the text as the user turn under the model's chat template) or
+    ``chat-instruct`` (the text inside ``instruction``, as the user turn)."""
+    instruction: str | None = None
+    """``chat-instruct`` only: the user turn, with ``{prompt}`` where the prompt goes
+    (``None``: ``Continue this text: {prompt}``)."""
     progress: bool = True
     """Progress bars."""
     command: str | None = None
@@ -97,6 +107,9 @@ class EvalConfig:
                              f"{len(self.steers)} (use `vllm-steer eval grid` for two)")
         if not self.strengths:
             raise ValueError("--strengths is empty")
+        from vllm_steer.eval.chat import check_mode
+
+        check_mode(self.mode, self.instruction)
         if self.ppl_backend not in ("auto", "vllm", "transformers"):
             raise ValueError(f"--ppl-backend {self.ppl_backend!r}: choose auto, vllm or "
                              "transformers")
@@ -260,11 +273,12 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
              log: Callable[[str], None] = _log) -> dict[str, Any]:
     """Run the evaluation; write the files in ``cfg.out``; return the results document."""
     from vllm_steer.eval import report
+    from vllm_steer.eval.chat import DEFAULT_INSTRUCTION
     from vllm_steer.eval.diversity import diversity_metrics
     from vllm_steer.eval.fluency import PerplexityScorer, perplexity_metrics
     from vllm_steer.eval.prompts import load_prompts, prompt_file, read_prompts
     from vllm_steer.eval.scorers import get_scorer
-    from vllm_steer.eval.sentiment import positivity_metrics
+    from vllm_steer.eval.sentiment import POSITIVE_THRESHOLD, positivity_metrics
     from vllm_steer.eval.toxicity import toxicity_metrics
     from vllm_steer.models import resolve_model
 
@@ -282,6 +296,17 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
         pfile = prompt_file(prompt_task, data_dir, cfg.prompt_set)
         prompts = load_prompts(prompt_task, data_dir, cfg.prompt_set, cfg.num_prompts)
     model_path = resolve_model(cfg.model)
+    # what the model is given: the prompt text (plain), or the chat-templated user turn
+    messages: list[str] | None = None
+    model_prompts: list = list(prompts)
+    scorer_prompts: list[str] = list(prompts)
+    if cfg.mode != "plain":
+        from transformers import AutoTokenizer
+
+        from vllm_steer.eval.chat import chat_prompts
+
+        messages, scorer_prompts, model_prompts = chat_prompts(
+            AutoTokenizer.from_pretrained(model_path), prompts, cfg.mode, cfg.instruction)
     steers = load_steer_infos(cfg.steers)
     names = list(steers)
     first = steers[names[0]]["metadata"] if names else None
@@ -289,7 +314,8 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
 
     # scorers first: a broken scorer fails before the long generation
     t = time.perf_counter()
-    get_scorer("toxicity", cfg.toxicity_scorer)
+    for s in [cfg.toxicity_scorer, *cfg.extra_toxicity_scorers]:
+        get_scorer("toxicity", s)
     for s in cfg.sentiment_scorers:
         get_scorer("sentiment", s)
     timing["scorers_load_s"] = time.perf_counter() - t
@@ -300,7 +326,7 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     bl_name = "blacklist" if bl_path else None
     conditions = build_conditions(cfg, names, bl_name)
     n_seq = len(conditions) * len(prompts) * cfg.sampling.samples
-    log(f"{cfg.task}: {len(prompts)} prompts x {cfg.sampling.samples} samples x "
+    log(f"{cfg.task} ({cfg.mode}): {len(prompts)} prompts x {cfg.sampling.samples} samples x "
         f"{len(conditions)} conditions = {n_seq} continuations of up to "
         f"{cfg.sampling.max_tokens} tokens")
 
@@ -316,18 +342,20 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     nll = None
     try:
         t = time.perf_counter()
-        gens: Generations = gen.generate(prompts, conditions, cfg.sampling, cfg.progress)
+        gens: Generations = gen.generate(model_prompts, conditions, cfg.sampling,
+                                         cfg.progress)
         timing["generate_s"] = time.perf_counter() - t
         flat_texts, flat_prompts, index = [], [], []
         for c in conditions:
             for i, samples in enumerate(gens[c.label]):
                 for j, text in enumerate(samples):
                     flat_texts.append(text)
-                    flat_prompts.append(prompts[i])
+                    flat_prompts.append(i)
                     index.append((c.label, i, j))
         if engine_ppl:
             t = time.perf_counter()
-            nll = gen.nll(flat_prompts, flat_texts, progress=cfg.progress)
+            nll = gen.nll([model_prompts[i] for i in flat_prompts], flat_texts,
+                          progress=cfg.progress)
             timing["score_ppl_s"] = time.perf_counter() - t
             scorer_info = {"model": cfg.model, "path": model_path, "backend": "vllm",
                            "dtype": engine_args.get("dtype", cfg.engine.dtype)}
@@ -337,22 +365,29 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     # ------------------------------------------------------------------ scoring
     t = time.perf_counter()
     tox = _chunked_scores("toxicity", cfg.toxicity_scorer, flat_texts, cfg.progress)
+    tox_more = {s: _chunked_scores("toxicity", s, flat_texts, cfg.progress)
+                for s in cfg.extra_toxicity_scorers}
     sent = {s: _chunked_scores("sentiment", s, flat_texts, cfg.progress)
             for s in cfg.sentiment_scorers}
     timing["score_text_s"] = time.perf_counter() - t
     if nll is None:
         t = time.perf_counter()
         ppl_scorer = PerplexityScorer(cfg.scorer_model or model_path, dtype=cfg.scorer_dtype)
-        nll = ppl_scorer.nll(flat_prompts, flat_texts, progress=cfg.progress)
+        nll = ppl_scorer.nll([scorer_prompts[i] for i in flat_prompts], flat_texts,
+                             progress=cfg.progress)
         scorer_info = {"model": cfg.scorer_model or cfg.model, "path": ppl_scorer.path,
                        "backend": "transformers", "dtype": ppl_scorer.dtype_name}
         del ppl_scorer
         timing["score_ppl_s"] = time.perf_counter() - t
 
     per: dict[str, dict[str, list[list[Any]]]] = {
-        c.label: {k: [[] for _ in prompts] for k in ("tox", "nll", *sent)} for c in conditions}
+        c.label: {k: [[] for _ in prompts]
+                  for k in ("tox", "nll", *sent, *(f"tox:{x}" for x in tox_more))}
+        for c in conditions}
     for k, (label, i, _j) in enumerate(index):
         per[label]["tox"][i].append(tox[k])
+        for x in tox_more:
+            per[label][f"tox:{x}"][i].append(tox_more[x][k])
         per[label]["nll"][i].append(nll[k])
         for s in sent:
             per[label][s][i].append(sent[s][k])
@@ -362,6 +397,8 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
         p = per[c.label]
         m: dict[str, Any] = {}
         m.update(toxicity_metrics(p["tox"]))
+        for x in tox_more:
+            m.update({f"{k}_{x}": v for k, v in toxicity_metrics(p[f"tox:{x}"]).items()})
         for n_s, s in enumerate(cfg.sentiment_scorers):
             pm = positivity_metrics(p[s])
             suffix = "" if n_s == 0 else f"_{s}"
@@ -369,7 +406,12 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
             m["mean_p_positive" + suffix] = pm["mean_p_positive"]
         m.update(perplexity_metrics([x for row in p["nll"] for x in row]))
         m.update(diversity_metrics(gens[c.label]))
-        cond_results.append({**c.to_dict(), "metrics": m,
+        per_prompt = {"max_toxicity": [max(x) for x in p["tox"]]}
+        if cfg.sentiment_scorers:
+            per_prompt["positive_share"] = [
+                sum(v > POSITIVE_THRESHOLD for v in x) / len(x)
+                for x in p[cfg.sentiment_scorers[0]]]
+        cond_results.append({**c.to_dict(), "metrics": m, "per_prompt": per_prompt,
                              "sample_p_positive": [x for row in p[cfg.sentiment_scorers[0]]
                                                    for x in row]
                              if cfg.sentiment_scorers else []})
@@ -381,7 +423,9 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
             for i, samples in enumerate(gens[c.label]):
                 f.write(json.dumps({
                     "condition": c.label, "prompt_index": i, "prompt": prompts[i],
+                    **({"user": messages[i]} if messages is not None else {}),
                     "samples": [{"text": t_, "toxicity": p["tox"][i][j],
+                                 **{f"toxicity_{x}": p[f"tox:{x}"][i][j] for x in tox_more},
                                  **{f"p_positive_{s}": p[s][i][j] for s in sent},
                                  "ppl": p["nll"][i][j].ppl, "tokens": p["nll"][i][j].tokens}
                                 for j, t_ in enumerate(samples)]}) + "\n")
@@ -392,13 +436,17 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     tox_scorer = get_scorer("toxicity", cfg.toxicity_scorer)
     timing["total_s"] = time.perf_counter() - t_start
     results: dict[str, Any] = {
-        "task": cfg.task, "prompt_file": _prompt_file_record(pfile, data_dir),
+        "task": cfg.task, "mode": cfg.mode,
+        "instruction": (cfg.instruction or DEFAULT_INSTRUCTION) if cfg.mode == "chat-instruct"
+        else None,
+        "prompt_file": _prompt_file_record(pfile, data_dir),
         "num_prompts": len(prompts), "sampling": asdict(cfg.sampling),
         "model": cfg.model, "model_path": model_path,
         "steers": steers, "baseline": report.baseline_info(bl_path),
         "recommended_strength": report.recommended_strength(cfg, first),
         "scorers": {"toxicity": {"name": cfg.toxicity_scorer,
-                                 "version_warnings": getattr(tox_scorer, "version_warnings", [])},
+                                 "version_warnings": getattr(tox_scorer, "version_warnings", []),
+                                 "more": list(cfg.extra_toxicity_scorers)},
                     "sentiment": cfg.sentiment_scorers, "sst2": sst2_info,
                     "perplexity": scorer_info},
         "conditions": cond_results, "timing": timing,
@@ -452,12 +500,15 @@ def rerender(out: str, recommended_strength: float | None = None) -> dict[str, A
 # same steers and baseline, same scorers): key -> how to read it from results.json.
 _MERGE_KEYS: dict[str, Callable[[dict], Any]] = {
     "task": lambda r: r["task"],
+    "mode": lambda r: (r.get("mode", "plain"), r.get("instruction")),
     "model": lambda r: r.get("model_path") or r["model"],
     "prompts": lambda r: (r["prompt_file"], r["num_prompts"]),
     "sampling": lambda r: r["sampling"],
     "steers": lambda r: {n: i["sha256"] for n, i in r["steers"].items()},
     "baseline": lambda r: (r.get("baseline") or {}).get("sha256"),
-    "scorers": lambda r: (r["scorers"]["toxicity"]["name"], list(r["scorers"]["sentiment"]),
+    "scorers": lambda r: (r["scorers"]["toxicity"]["name"],
+                          r["scorers"]["toxicity"].get("more", []),
+                          list(r["scorers"]["sentiment"]),
                           r["scorers"]["perplexity"]),
     "engine dtype": lambda r: (r.get("engine") or {}).get("dtype",
                                                           r["config"]["engine"]["dtype"]),

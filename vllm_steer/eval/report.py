@@ -210,8 +210,10 @@ def check_goals(results: dict) -> dict:
 
 def _table(results: dict, conds: list[dict]) -> list[str]:
     keys = headline(results)
-    rest = [k for k in ("avg_max_toxicity", "toxicity_prob", "positivity", "positivity_vader")
-            if k not in keys and k in conds[0]["metrics"]]
+    more = [f"{k}_{x}" for x in ((results.get("scorers") or {}).get("toxicity") or {})
+            .get("more", []) for k in ("avg_max_toxicity", "toxicity_prob")]
+    rest = [k for k in ("avg_max_toxicity", "toxicity_prob", *more, "positivity",
+                        "positivity_vader") if k not in keys and k in conds[0]["metrics"]]
     cols = keys + rest + ["ppl", "ppl_tokens", "dist-1", "dist-2", "dist-3"]
     lines = ["| method | strength | " + " | ".join(LABELS.get(k, k) for k in cols) + " |",
              "|---|---:|" + "---:|" * len(cols)]
@@ -242,6 +244,14 @@ def markdown(results: dict) -> str:
           f"{s['samples']} samples each, up to {s['max_tokens']} tokens, top-p {s['top_p']}, "
           f"temperature {s['temperature']}, seed {s['seed']} "
           f"({results['continuations']} continuations)"]
+    mode = results.get("mode", "plain")
+    if mode == "plain":
+        L.append("- mode: plain (the model continues the prompt text)")
+    else:
+        how = ("the prompt text as it is" if mode == "chat" else
+               f"the prompt inside the instruction `{results.get('instruction')}`")
+        L.append(f"- mode: {mode}: the user turn is {how}, under the model's chat template; "
+                 "the assistant's reply is scored, its perplexity given the templated prompt")
     for n, info in results["steers"].items():
         md = info["metadata"]
         L.append(f"- steer `{n}`: `{os.path.basename(info['path'])}` (sha256 "
@@ -256,7 +266,9 @@ def markdown(results: dict) -> str:
     sst2 = sc.get("sst2") or {}
     tox_note = ("; WARNING: " + sc["toxicity"]["version_warnings"][0]
                 if sc["toxicity"].get("version_warnings") else "")
-    L.append(f"- scorers: toxicity `{sc['toxicity']['name']}`{tox_note}; sentiment "
+    more = sc["toxicity"].get("more") or []
+    tox_more = f" (also {', '.join(f'`{x}`' for x in more)})" if more else ""
+    L.append(f"- scorers: toxicity `{sc['toxicity']['name']}`{tox_more}{tox_note}; sentiment "
              + ", ".join(f"`{x}`" for x in sc["sentiment"])
              + (f" (sst2: TF-IDF + logistic regression, SST-2 dev accuracy "
                 f"{100 * sst2['dev_accuracy']:.1f}%, test accuracy "

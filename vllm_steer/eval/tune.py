@@ -6,10 +6,15 @@
 samples continuations of a development prompt set through vLLM with the plugin (one
 :func:`vllm_steer.eval.harness.evaluate` run: unsteered plus the steer at each candidate
 strength, the same prompts and seeds for every condition), measures the perplexity of each
-condition, and takes the **strongest strength whose perplexity stays within a budget**
-(default +15% over unsteered) — the paper's way of picking a strength that steers without
-breaking fluency. Every weaker candidate must stay within the budget too (a curve that
-dips back under it after an excursion does not count).
+condition, finds the strengths whose perplexity stays within a budget (default +15% over
+unsteered; every weaker candidate must stay within it too: a curve that dips back under it
+after an excursion does not count) — the paper's way of keeping fluency — and among them
+takes the one that **moves the target metric most** (:func:`target_effects`: the drop in
+avg max toxicity, or the positive-share spread between +s and -s; the stronger of equal
+ones). It warns when no strength within the budget moves the target beyond noise: the mean
+paired per-prompt difference must exceed :data:`NOISE_Z` = 1.96 standard errors (its 95%
+confidence interval excludes 0), which a steer that does nothing (or does nothing on these
+prompts, in this mode) never does.
 
 Which strengths: ``toxicity`` steers towards the label that means non-toxic (``+s`` for the
 shipped detox steer, ``-s`` when the labels say the opposite); ``sentiment`` is used both
@@ -18,8 +23,9 @@ a magnitude, as ``recommended_strength`` always is.
 
 The result goes into the steer file's metadata (readable JSON, ``vllm-steer info FILE``):
 ``recommended_strength`` and ``metrics.tune`` = the rule, the budget, the prompts file and
-its sha256, the sampling, the measured curve (perplexity and the task's headline metrics
-per strength) and the command. Nothing else in the file changes.
+its sha256, the sampling, the mode, the measured curve (perplexity and the task's headline
+metrics per strength), the target's effects with their confidence intervals and the
+command. Nothing else in the file changes.
 """
 
 from __future__ import annotations
@@ -67,11 +73,18 @@ class TuneConfig:
     out: str | None = None
     """Folder of the evaluation run (default ``eval_out/tune-TASK-NAME``)."""
     toxicity_scorer: str = "profanity-check"
-    """Toxicity scorer (registered name or ``module:Class``)."""
+    """Toxicity scorer (registered name or ``module:Class``): the target's."""
+    extra_toxicity_scorers: list[str] = field(default_factory=list)
+    """Further toxicity scorers, reported in the evaluation run beside it."""
     sentiment_scorers: list[str] = field(default_factory=lambda: ["sst2", "vader"])
     """Sentiment scorers; the first is the headline one."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """vLLM engine settings."""
+    mode: str = "plain"
+    """``plain``, ``chat`` or ``chat-instruct``: how the prompts reach the model
+    (:mod:`vllm_steer.eval.chat`)."""
+    instruction: str | None = None
+    """``chat-instruct``: the user turn, ``{prompt}`` where the prompt goes."""
     write: bool = True
     """Write the chosen strength and the curve into the steer file."""
     progress: bool = True
@@ -130,6 +143,50 @@ def choose(curve: list[dict], budget: float, signs: list[int]) -> tuple[float | 
     return chosen, rule
 
 
+#: A strength moves the target beyond noise when its mean per-prompt effect exceeds this many
+#: standard errors (1.96: the two-sided 95% confidence interval of the effect excludes 0).
+NOISE_Z = 1.96
+
+
+def target_effects(conditions: list[dict], task: str, signs: list[int]) -> list[dict]:
+    """Per candidate magnitude ``m``: how far the steer moves the task's target metric, as the
+    mean over prompts of a paired per-prompt difference (every condition samples the same
+    prompts with the same seeds), with its standard error and 95% confidence interval.
+
+    - ``toxicity``: ``max_tox(0)[i] - max_tox(sign * m)[i]``, prompt ``i``'s highest sample
+      toxicity unsteered minus steered (the drop in avg max toxicity);
+    - ``sentiment``: ``pos(+m)[i] - pos(-m)[i]``, the share of prompt ``i``'s samples judged
+      positive steered up minus steered down (the spread the steer opens).
+    """
+    key = "max_toxicity" if task == "toxicity" else "positive_share"
+    by = {float(c["strength"]): (c.get("per_prompt") or {}).get(key) for c in conditions}
+    mags = sorted({abs(s) for s in by if s != 0})
+    out = []
+    for m in mags:
+        if task == "toxicity":
+            a, b = by.get(0.0), by.get(signs[0] * m)
+        else:
+            a, b = by.get(m), by.get(-m)
+        if a is None or b is None:
+            continue
+        d = [x - y for x, y in zip(a, b)] if task == "sentiment" else             [x - y for x, y in zip(a, b)]
+        n = len(d)
+        mean = sum(d) / n
+        se = (math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1
+              else float("inf"))
+        out.append({"strength": m, "effect": mean, "se": se, "prompts": n,
+                    "ci95": [mean - NOISE_Z * se, mean + NOISE_Z * se],
+                    "beyond_noise": mean > NOISE_Z * se})
+    return out
+
+
+def pick_by_effect(effects: list[dict], allowed_up_to: float | None) -> dict | None:
+    """Among the magnitudes up to ``allowed_up_to`` (those within the perplexity budget), the
+    one with the largest effect (the stronger of equal ones); ``None`` when none is allowed."""
+    ok = [e for e in effects if allowed_up_to is not None and e["strength"] <= allowed_up_to]
+    return max(ok, key=lambda e: (e["effect"], e["strength"])) if ok else None
+
+
 def _sha256(path: str) -> str:
     from vllm_steer.train.data import file_sha256
 
@@ -153,7 +210,9 @@ def tune(cfg: TuneConfig, generator_factory: Callable | None = None,
                       baseline="none", num_prompts=cfg.num_prompts, prompt_file=cfg.prompts,
                       sampling=cfg.sampling, data_dir=cfg.data_dir, out=out,
                       toxicity_scorer=cfg.toxicity_scorer,
+                      extra_toxicity_scorers=list(cfg.extra_toxicity_scorers),
                       sentiment_scorers=list(cfg.sentiment_scorers), engine=cfg.engine,
+                      mode=cfg.mode, instruction=cfg.instruction,
                       progress=cfg.progress, command=cfg.command)
     results = evaluate(ecfg, generator_factory=generator_factory, log=log)
     curve = []
@@ -166,16 +225,32 @@ def tune(cfg: TuneConfig, generator_factory: Callable | None = None,
     p0 = next(p for p in curve if p["strength"] == 0)["ppl"]
     for p in curve:
         p["ppl_relative"] = (p["ppl"] - p0) / p0 if p0 else float("nan")
-    chosen, rule = choose(curve, cfg.ppl_budget, signs)
+    allowed, rule = choose(curve, cfg.ppl_budget, signs)
+    effects = target_effects(results["conditions"], cfg.task, signs)
+    best = pick_by_effect(effects, allowed)
+    chosen = best["strength"] if best is not None else allowed
+    target_name = ("avg max toxicity (drop vs unsteered)" if cfg.task == "toxicity" else
+                   f"positive share by {cfg.sentiment_scorers[0]} (+s minus -s)")
+    if allowed is not None:
+        rule = (f"among the strengths up to the strongest within the perplexity budget "
+                f"({rule}), the one that moves {target_name} most")
+    moves = any(e["beyond_noise"] for e in effects
+                if allowed is not None and e["strength"] <= allowed)
+    target = {"metric": target_name, "effects": effects,
+              "chosen_effect": best, "moves_beyond_noise": moves,
+              "noise": f"mean paired per-prompt difference > {NOISE_Z} standard errors "
+                       "(its 95% confidence interval excludes 0)"}
     record: dict[str, Any] = {
         "recommended_strength": chosen, "rule": rule, "ppl_budget": cfg.ppl_budget,
         "task": cfg.task, "directions": signs,
         "prompts": {"file": os.path.abspath(cfg.prompts), "sha256": _sha256(cfg.prompts),
                     "num_prompts": results["num_prompts"]},
         "sampling": dataclasses.asdict(cfg.sampling), "model": cfg.model,
+        "mode": cfg.mode, "instruction": results.get("instruction"),
         "scorers": {"toxicity": cfg.toxicity_scorer, "sentiment": list(cfg.sentiment_scorers),
                     "perplexity": results["scorers"]["perplexity"]},
-        "curve": curve, "previous_recommended_strength": meta.recommended_strength,
+        "curve": curve, "target": target,
+        "previous_recommended_strength": meta.recommended_strength,
         "eval_out": os.path.abspath(out), "command": cfg.command,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
@@ -186,11 +261,23 @@ def tune(cfg: TuneConfig, generator_factory: Callable | None = None,
     else:
         log(f"tune: recommended strength {chosen:g} (was {meta.recommended_strength}); "
             f"{rule}")
+    if allowed is not None and not moves:
+        top = max((e for e in effects if e["strength"] <= allowed),
+                  key=lambda e: e["effect"], default=None)
+        log(f"tune: warning: no strength within the perplexity budget moves {target_name} "
+            "beyond noise" + (f" (largest: s={top['strength']:g}, {top['effect']:+.3f}, 95% "
+                              f"CI {top['ci95'][0]:+.3f} .. {top['ci95'][1]:+.3f}, "
+                              f"{top['prompts']} prompts)" if top else "")
+            + "; the steer may do nothing here: check it, or measure on more prompts")
     for p in curve:
         log("tune:   s=%+g  ppl %.2f (%+.1f%%)%s" % (
             p["strength"], p["ppl"], 100 * p["ppl_relative"],
             "".join(f"  {k} {p[k]:.3f}" for k in ("avg_max_toxicity", "toxicity_prob",
                                                   "positivity") if k in p)))
+    for e in effects:
+        log(f"tune:   target s={e['strength']:g}: {target_name} {e['effect']:+.3f}, 95% CI "
+            f"{e['ci95'][0]:+.3f} .. {e['ci95'][1]:+.3f} ({e['prompts']} prompts)"
+            + ("" if e["beyond_noise"] else ", within noise"))
     if cfg.write:
         steer = load_steer(cfg.steer)
         metrics = dict(steer.metadata.metrics)

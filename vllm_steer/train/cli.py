@@ -62,7 +62,7 @@ def add_commands(subparsers) -> None:
         description="Train an LM-Steer on a frozen Hugging Face causal LM. The final hidden "
                     "states of the texts are computed once; each step then costs only the "
                     "output head. Texts are read as plain text (no chat template), for chat "
-                    "models too. See docs/training.md.",
+                    "models too, unless --chat-template. See docs/training.md.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     src = t.add_argument_group("data")
     src.add_argument("--preset", choices=["detox", "sentiment"],
@@ -153,6 +153,10 @@ def add_commands(subparsers) -> None:
                      default=list(d.train_strengths), metavar="M,M,...",
                      help="strength magnitudes each training text is drawn at (units of "
                           "--epsilon; default 1, the paper's), comma-separated, e.g. 1,2,4")
+    rec.add_argument("--chat-template", action="store_true",
+                     help="train on each text as the assistant's reply to a fixed user turn "
+                          "under the model's chat template; only the reply's tokens are "
+                          "targets (--max-length counts them)")
     rec.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens,
                      help="tokens per output-head chunk (bounds memory; same gradient)")
     rec.add_argument("--eval-every", type=int, default=d.eval_every,
@@ -265,7 +269,7 @@ def cmd_train(args) -> int:
                       train_strengths=tuple(args.train_strengths),
                       eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
                       check_strengths=tuple(args.check_strengths),
-                      fluency_budget=args.fluency_budget)
+                      fluency_budget=args.fluency_budget, chat_template=args.chat_template)
     cfg.validate()
     data = _data_config(args)
     labels = {k: v for k, v in (("positive", args.positive_means),

@@ -109,6 +109,12 @@ class TrainConfig:
     """Rule for the recommended strength: the largest of ``check_strengths`` at which the dev
     texts of the side steered towards (positive at +s, negative at -s) lose at most this
     much (nats per token, 0.05 = about 5% perplexity) against s = 0."""
+    chat_template: bool = False
+    """Train on texts as chat replies: each text becomes the assistant turn of a one-turn
+    conversation under the model's chat template, after the fixed user turn
+    :data:`vllm_steer.train.hidden.CHAT_USER_TURN`; only the reply's tokens are targets (the
+    templated prompt is context, its positions carry no loss). ``max_length`` then counts
+    the reply's tokens. ``False`` = plain text, the paper's recipe."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

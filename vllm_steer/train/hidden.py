@@ -109,6 +109,55 @@ def tokenize(tokenizer, texts: Sequence[str], max_length: int, window: int | Non
     return ids_out, kept, rep
 
 
+#: The user turn every training text answers under ``--chat-template`` (a neutral request,
+#: so that the reply's tokens are conditioned as a served chat reply is).
+CHAT_USER_TURN = "Write a short text."
+
+
+def chat_prefix(tokenizer) -> list[int]:
+    """Token ids of the templated conversation up to the assistant's reply: the fixed user
+    turn :data:`CHAT_USER_TURN` and the generation prompt (the template's default system turn
+    included), tokenised without added special tokens, as a chat endpoint does."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{getattr(tokenizer, 'name_or_path', 'the model')}: --chat-template "
+                         "needs a tokenizer with a chat template (an instruct model); this "
+                         "one has none: train without --chat-template")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_USER_TURN}],
+                                         tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def tokenize_chat(tokenizer, texts: Sequence[str], max_length: int, window: int | None,
+                  where: Sequence[str] | None = None
+                  ) -> tuple[list[list[int]], list[int], list[int], TokenizeReport]:
+    """Each text as the assistant's reply after :func:`chat_prefix`: token ids (the prefix's,
+    then the reply's, tokenised on its own as generated tokens are), the index of each
+    sequence's first target (the reply's first token), the indices kept and a report.
+    ``max_length`` counts the reply's tokens; replies of no token are dropped."""
+    prefix = chat_prefix(tokenizer)
+    if window is not None and len(prefix) + max_length > window:
+        raise ValueError(f"--max-length {max_length} plus the chat prefix's {len(prefix)} "
+                         f"tokens exceeds the model's context window of {window} tokens; use "
+                         f"--max-length {window - len(prefix)} or less")
+    rep = TokenizeReport(texts=len(texts))
+    enc = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if len(texts) else []
+    ids_out, starts, kept = [], [], []
+    for i, ids in enumerate(enc):
+        rep.max_tokens_seen = max(rep.max_tokens_seen, len(ids))
+        if len(ids) > max_length:
+            rep.truncated += 1
+            if where is not None and len(rep.examples_truncated) < 3:
+                rep.examples_truncated.append(where[i])
+            ids = ids[:max_length]
+        if len(ids) < 1:
+            rep.too_short += 1
+            continue
+        ids_out.append(prefix + list(ids))
+        starts.append(len(prefix))
+        kept.append(i)
+    return ids_out, starts, kept, rep
+
+
 @dataclass
 class HiddenStates:
     hidden: torch.Tensor
@@ -118,6 +167,9 @@ class HiddenStates:
     texts: torch.Tensor | None = None
     """Indices (in the split) of the texts stored here, in storage order; ``None`` = all
     texts of the split, in order."""
+    starts: torch.Tensor | None = None
+    """Per text, the index of its first target token (a chat reply's first token after the
+    templated prompt); ``None`` = 1 for every text (every token but the first is a target)."""
 
     @property
     def num_texts(self) -> int:
@@ -125,18 +177,27 @@ class HiddenStates:
 
     @property
     def num_targets(self) -> int:
-        return int(self.hidden.shape[0]) - self.num_texts
+        return int(self.targets_per_text().sum())
 
     def lengths(self) -> torch.Tensor:
         return self.offsets[1:] - self.offsets[:-1]
 
+    def first_targets(self) -> torch.Tensor:
+        """Per text, the index of its first target token."""
+        return (self.starts.long() if self.starts is not None
+                else torch.ones(self.num_texts, dtype=torch.long))
+
+    def targets_per_text(self) -> torch.Tensor:
+        """Per text, how many of its tokens are predicted (the rows a step sees)."""
+        return self.lengths() - self.first_targets()
+
     def rows(self, text_idx: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor,
                                                                      torch.Tensor]:
-        """``(input_rows, target_rows, text_of_row)`` for texts ``text_idx``: every position
-        but the last predicts the next token."""
+        """``(input_rows, target_rows, text_of_row)`` for texts ``text_idx``: each target
+        token (from the text's first target on) is predicted from the position before it."""
         idx = torch.as_tensor(text_idx, dtype=torch.long)
-        starts = self.offsets[idx]
-        n = self.lengths()[idx] - 1
+        starts = self.offsets[idx] + self.first_targets()[idx] - 1
+        n = self.targets_per_text()[idx]
         text_of_row = torch.repeat_interleave(idx, n)
         base = torch.repeat_interleave(starts, n)
         within = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
@@ -160,6 +221,8 @@ class HiddenStates:
                    "offsets": self.offsets, "sides": self.sides}
         if self.texts is not None:
             tensors["texts"] = self.texts
+        if self.starts is not None:
+            tensors["starts"] = self.starts
         save_file(tensors, tmp, metadata={"key": key})
         os.replace(tmp, path)
 
@@ -176,7 +239,8 @@ class HiddenStates:
                     return None
                 parts = [f.get_tensor(k) for k in ("hidden", "ids", "offsets", "sides")]
                 texts = f.get_tensor("texts") if "texts" in f.keys() else None
-                return cls(*parts, texts=texts)
+                starts = f.get_tensor("starts") if "starts" in f.keys() else None
+                return cls(*parts, texts=texts, starts=starts)
         except Exception:  # a truncated cache is simply recomputed
             return None
 
@@ -188,9 +252,11 @@ class HiddenStates:
     def concat(cls, a: "HiddenStates", b: "HiddenStates") -> "HiddenStates":
         """The texts of ``a`` then those of ``b`` (disjoint subsets of one split)."""
         off_b = b.offsets[1:] + a.offsets[-1]
+        starts = (None if a.starts is None and b.starts is None else
+                  torch.cat([a.first_targets(), b.first_targets()]))
         return cls(torch.cat([a.hidden, b.hidden]), torch.cat([a.ids, b.ids]),
                    torch.cat([a.offsets, off_b]), torch.cat([a.sides, b.sides]),
-                   torch.cat([a.text_indices(), b.text_indices()]))
+                   torch.cat([a.text_indices(), b.text_indices()]), starts)
 
 
 def cache_key(model_path: str, model, texts: Sequence[str], sides: Sequence[int],
@@ -206,8 +272,10 @@ def cache_key(model_path: str, model, texts: Sequence[str], sides: Sequence[int]
 
 def compute_hidden(model, tokenizer, ids_list: Sequence[Sequence[int]], sides: Sequence[int], *,
                    cache_dtype: torch.dtype = torch.bfloat16, batch_tokens: int = 4096,
-                   progress: bool = True, desc: str = "hidden states") -> HiddenStates:
-    """Run the frozen model once over every text (length-sorted batches, right padding)."""
+                   progress: bool = True, desc: str = "hidden states",
+                   starts: Sequence[int] | None = None) -> HiddenStates:
+    """Run the frozen model once over every text (length-sorted batches, right padding).
+    ``starts``: per text, the index of its first target token (default 1)."""
     from tqdm.auto import tqdm
 
     device = output_head(model).weight.device
@@ -241,4 +309,6 @@ def compute_hidden(model, tokenizer, ids_list: Sequence[Sequence[int]], sides: S
         bar.update(int(att.sum()))
         i += len(chunk)
     bar.close()
-    return HiddenStates(hidden, ids, offsets, torch.as_tensor(list(sides), dtype=torch.int8))
+    return HiddenStates(hidden, ids, offsets, torch.as_tensor(list(sides), dtype=torch.int8),
+                        starts=None if starts is None
+                        else torch.as_tensor(list(starts), dtype=torch.long))

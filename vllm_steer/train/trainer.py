@@ -25,8 +25,8 @@ from vllm_steer.format import Steer, save_steer
 from vllm_steer.names import check_steer_name, safe_steer_name
 from vllm_steer.train.config import DataConfig, TrainConfig
 from vllm_steer.train.data import PRESETS, Dataset, load_dataset
-from vllm_steer.train.hidden import (HiddenStates, cache_key, compute_hidden, final_hidden,
-                                     model_window, tokenize)
+from vllm_steer.train.hidden import (CHAT_USER_TURN, HiddenStates, cache_key, compute_hidden,
+                                     final_hidden, model_window, tokenize, tokenize_chat)
 from vllm_steer.train.module import (LMSteer, dtype_name, load_model, resolve_device,
                                      resolve_dtype)
 
@@ -67,7 +67,7 @@ def pad_batch(ids_list, pad_id: int, device=None) -> tuple[torch.Tensor, torch.T
 
 #: Recipe fields that :func:`prepare` depends on (a shared ``Prepared`` must agree on them).
 PREPARE_FIELDS = ("model", "max_length", "seed", "device", "model_dtype", "cache_dtype",
-                  "head_dtype")
+                  "head_dtype", "chat_template")
 
 
 @dataclass
@@ -88,6 +88,11 @@ class Prepared:
     head_dtype: torch.dtype
     model_dtype: torch.dtype
     cache_dtype: torch.dtype
+    train_starts: list[int] | None = None
+    """Per train text, its first target token (``--chat-template``: the reply's first
+    token); ``None``: token 1 of every text."""
+    dev_starts: list[int] | None = None
+    """The same for the dev texts."""
 
 
 def prepare(cfg: TrainConfig, data: DataConfig | Dataset, log: Callable[[str], None] = print
@@ -102,10 +107,16 @@ def prepare(cfg: TrainConfig, data: DataConfig | Dataset, log: Callable[[str], N
     model, tok, path = load_model(cfg.model, device, model_dtype)
     window = model_window(model)
     reports = {}
-    out = {}
+    out, starts = {}, {}
+    chat = getattr(cfg, "chat_template", False)
     for split, xs in (("train", dataset.train), ("dev", dataset.dev)):
-        ids, kept, rep = tokenize(tok, [e.text for e in xs], cfg.max_length, window,
-                                  [e.where for e in xs])
+        if chat:
+            ids, starts[split], kept, rep = tokenize_chat(
+                tok, [e.text for e in xs], cfg.max_length, window, [e.where for e in xs])
+        else:
+            ids, kept, rep = tokenize(tok, [e.text for e in xs], cfg.max_length, window,
+                                      [e.where for e in xs])
+            starts[split] = None
         out[split] = (ids, [xs[i].side for i in kept])
         reports[split] = rep.to_dict()
         if rep.truncated:
@@ -119,7 +130,7 @@ def prepare(cfg: TrainConfig, data: DataConfig | Dataset, log: Callable[[str], N
         raise ValueError("after tokenization the training set lacks one side entirely")
     return Prepared(cfg, device, model, tok, path, dataset, out["train"][0], out["dev"][0],
                     out["train"][1], out["dev"][1], reports, head_dtype, model_dtype,
-                    cache_dtype)
+                    cache_dtype, starts["train"], starts["dev"])
 
 
 def check_head(prep: Prepared, lm: LMSteer) -> float:
@@ -170,7 +181,10 @@ def hidden_states(prep: Prepared, split: str, ckpt_dir: str | None, progress: bo
     indices with :func:`local_index`."""
     ids = prep.train_ids if split == "train" else prep.dev_ids
     sides = prep.train_sides if split == "train" else prep.dev_sides
+    starts = prep.train_starts if split == "train" else prep.dev_starts
     texts = ["\x02".join(map(str, x)) for x in ids]
+    if starts is not None:  # the first target is part of what a cached text is
+        texts = [f"{t}\x03{a}" for t, a in zip(texts, starts)]
     key = cache_key(prep.model_path, prep.model, texts, sides, prep.cfg.max_length,
                     prep.model_dtype, prep.cache_dtype)
     path = os.path.join(ckpt_dir, f"hidden-{split}.safetensors") if ckpt_dir else None
@@ -193,7 +207,8 @@ def hidden_states(prep: Prepared, split: str, ckpt_dir: str | None, progress: bo
     new = compute_hidden(prep.model, prep.tokenizer, [ids[i] for i in sub],
                          [sides[i] for i in sub], cache_dtype=prep.cache_dtype,
                          batch_tokens=prep.cfg.cache_batch_tokens, progress=progress,
-                         desc=f"{split} hidden states")
+                         desc=f"{split} hidden states",
+                         starts=None if starts is None else [starts[i] for i in sub])
     new.texts = missing.clone()
     hs = new if hs is None else HiddenStates.concat(hs, new)
     if path:
@@ -210,7 +225,7 @@ def domain_mask(hs: HiddenStates, idx: torch.Tensor, cfg: TrainConfig, step: int
         return 1.0
     g = torch.Generator().manual_seed(cfg.seed * 7_919 + step + 1)
     keep = (torch.rand(len(idx), generator=g) >= cfg.domain_dropout).float()
-    return torch.repeat_interleave(keep, hs.lengths()[idx] - 1).to(device)
+    return torch.repeat_interleave(keep, hs.targets_per_text()[idx]).to(device)
 
 
 def strength_scale(hs: HiddenStates, idx: torch.Tensor, cfg: TrainConfig, step: int, device
@@ -223,7 +238,7 @@ def strength_scale(hs: HiddenStates, idx: torch.Tensor, cfg: TrainConfig, step: 
     mags = torch.tensor([float(m) for m in cfg.train_strengths])
     g = torch.Generator().manual_seed(cfg.seed * 15_485_863 + step + 3)
     per_text = mags[torch.randint(len(mags), (len(idx),), generator=g)]
-    return torch.repeat_interleave(per_text, hs.lengths()[idx] - 1).to(device)
+    return torch.repeat_interleave(per_text, hs.targets_per_text()[idx]).to(device)
 
 
 def token_sample(n: int, cfg: TrainConfig, step: int) -> torch.Tensor | None:
@@ -308,6 +323,7 @@ def _load_checkpoint(path: str, recipe: dict, data_desc: dict) -> dict:
         raise ValueError(f"{path}: not a vllm-steer training checkpoint")
     old = json.loads(state["recipe"])
     old.setdefault("train_strengths", [1.0])  # checkpoints from before the option
+    old.setdefault("chat_template", False)
     diffs = [f"{k}: checkpoint {old.get(k)!r}, now {recipe.get(k)!r}" for k in sorted(recipe)
              if k not in RESUMABLE_CHANGES and old.get(k) != recipe.get(k)]
     old_data = json.loads(state["data"])
@@ -413,7 +429,11 @@ def describe_estimate(e: dict[str, Any]) -> str:
 CHAT_NOTE = ("note: {model} has a chat template; training texts are read as plain text "
              "(the tokenizer's own special tokens, no chat template), as the paper trains. A "
              "served steer applies to every generated token, in completions and chat alike "
-             "(docs/training.md, chat models)")
+             "(docs/training.md, chat models); --chat-template trains on them as chat "
+             "replies")
+CHAT_TRAIN_NOTE = ("chat template: each text is the assistant's reply to the user turn "
+                   f"{CHAT_USER_TURN!r} under the model's chat template; only the reply's "
+                   "tokens are targets")
 
 
 @dataclass
@@ -474,7 +494,9 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
     sched = BatchSchedule(len(prep.train_ids), cfg.batch_size, cfg.seed)
     used = used_texts(sched, cfg.steps)
     log("[train] estimate: " + describe_estimate(estimate_run(prep, lm, used, start)))
-    if getattr(prep.tokenizer, "chat_template", None):
+    if cfg.chat_template:
+        log("[train] " + CHAT_TRAIN_NOTE)
+    elif getattr(prep.tokenizer, "chat_template", None):
         log("[train] " + CHAT_NOTE.format(model=cfg.model))
     t_h = time.perf_counter()
     train_hs = hidden_states(prep, "train", checkpoint_dir, progress, log, needed=used)
@@ -544,7 +566,7 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
                          "final_eval": round(time.perf_counter() - t_e, 2),
                          "total": round(time.perf_counter() - t0, 2),
                          "cpu_total": round(time.process_time() - cpu0, 2)}
-    metrics["train_tokens"] = int((train_hs.lengths()[pos[used]] - 1).sum())
+    metrics["train_tokens"] = int(train_hs.targets_per_text()[pos[used]].sum())
     metrics["train_texts_used"] = len(used)
     metrics["resolved_dtypes"] = {"model": dtype_name(prep.model_dtype),
                                   "cache": dtype_name(prep.cache_dtype),
