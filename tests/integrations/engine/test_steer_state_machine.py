@@ -130,9 +130,9 @@ class SteerStateMachine(RuleBasedStateMachine):
         real = fmt.load_steer
 
         def load(path, *a, **kw):
+            steer = real(path, *a, **kw)
             with open(path, "rb") as f:
                 blob = f.read()
-            steer = real(path, *a, **kw)
             steer.vllm_steer_digest = hashlib.sha256(blob).hexdigest()
             return steer
 
