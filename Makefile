@@ -23,6 +23,7 @@ TEST_WORKERS ?= 2
 test: install
 	@$(PY) -m vllm_steer.cli model smollm2 >/dev/null
 	.venv/bin/lint-imports
+	.venv/bin/ruff check
 	TRITON_INTERPRET=1 $(PY) -m pytest tests -ra -q -p no:cacheprovider --durations=15 \
 		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 

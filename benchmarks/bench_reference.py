@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     ours = json.loads(line[0][6:])
     ours["tok_s"] = ours["tokens"] / ours["seconds"]
     speedup = ours["tok_s"] / paper["tok_s"]
-    print(f"\n| implementation | output tokens | seconds | tokens/s |\n|---|---|---|---|")
+    print("\n| implementation | output tokens | seconds | tokens/s |\n|---|---|---|---|")
     print(f"| paper-style transformers, 1 prompt at a time | {paper['tokens']} | "
           f"{paper['seconds']:.1f} | {paper['tok_s']:.1f} |")
     print(f"| vLLM + vllm-steer, batched | {ours['tokens']} | {ours['seconds']:.1f} | "

@@ -99,7 +99,7 @@ def copy_bandwidth(device: torch.device, timer: Timer, mb: int) -> float:
     src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
     t = timer.compare({"copy": lambda: dst.copy_(src)}, budget_s=1.0, min_reps=5)["copy"]
-    del src, dst
+    src = dst = None  # released (the closures above hold them)
     return 2 * n / t
 
 
@@ -267,7 +267,7 @@ def main(argv=None) -> int:
                             f"{ref / res['kernel']:.2f}" if ref else "-",
                             f"{gbs:.1f}", f"{100 * gbs * 1e9 / bw:.0f}%", f"{lm * 1e6:.1f}",
                             f"{100 * res['kernel'] / lm:.1f}%", res.get("note", "")), flush=True)
-        del head
+        head = None  # released (the closures above hold them)
         if cuda:
             torch.cuda.empty_cache()
     if not cuda:
@@ -317,7 +317,7 @@ def run_shape(fn, timer, device, dtype, d, rows, K, r, pattern, gen, per_shape, 
     res = dict(kernel=times["kernel"], ref=times.get("ref"), used=used, note=note,
                bytes=must_move_bytes(rows, d, ranks, coefs, hidden.element_size(),
                                      p1.element_size()))
-    del p1, p2, hidden, coefs, fns, out, ref
+    p1 = p2 = hidden = coefs = fns = out = ref = None  # released (the closures above hold them)
     return res
 
 

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from vllm_steer.train.config import TrainConfig  # noqa: E402
 from vllm_steer.train.data import load_dataset, preset_data_config  # noqa: E402
 from vllm_steer.train.hidden import compute_hidden  # noqa: E402
-from vllm_steer.train.module import LMSteer, load_model, resolve_dtype  # noqa: E402
+from vllm_steer.train.module import LMSteer, load_model  # noqa: E402
 from vllm_steer.train.trainer import BatchSchedule, pad_batch, prepare  # noqa: E402
 
 

@@ -293,7 +293,7 @@ def check_auto(dev) -> bool:
             f"us (planned, per call back to back); device alone triton {g_tri:.1f} us, torch "
             f"{g_tor:.1f} us: auto picks {pick}, faster is {faster} ({faster_gpu} on the "
             f"device alone): INFO")
-        del p1, p2, tplan, pplan
+        p1 = p2 = tplan = pplan = None  # released (the closures above hold them)
         torch.cuda.empty_cache()
     say(f"auto: the rule picked the faster path at {agree} of {len(shapes)} shapes back to "
         f"back, at {agree_gpu} on the device alone: INFO")
@@ -427,7 +427,7 @@ def check_replay(dev, shapes=REPLAY_SHAPES, rows_list=(1, 64), dtype=torch.bfloa
                 first = (str(e).strip().splitlines() or [""])[0][:300]
                 say(f"{what} on the device: {type(e).__name__}: {first}: FAIL")
             ok &= t_good
-        del bank, graphs
+        bank = graphs = None  # released (the closures above hold them)
         if cuda:
             torch.cuda.empty_cache()
     return ok
@@ -530,7 +530,7 @@ def check_head(dev, shapes=HEAD_SHAPES, rows_list=(1, 64), dtype=torch.bfloat16,
         say(f"head {label}: {new} graph(s) captured by the steps (captured at start-up: "
             f"{captures}): {'PASS' if new == 0 else 'FAIL'}")
         ok &= new == 0
-        del rt
+        rt = None  # released (the closures above hold them)
         if cuda:
             torch.cuda.empty_cache()
     return ok

@@ -7,8 +7,7 @@ import pytest
 
 from helpers.steers import random_steer
 from vllm_steer.eval import register_scorer
-from vllm_steer.eval.generation import SamplingConfig
-from vllm_steer.eval.harness import EvalConfig, evaluate
+from vllm_steer.eval.harness import evaluate
 from vllm_steer.eval.toxicity import toxicity_metrics
 from vllm_steer.format import save_steer
 

@@ -52,7 +52,6 @@ class HFReference:
         and its logprob (within 2e-3); ``max_tokens`` None: each request's own length. Returns,
         per steered request, whether the same steers at constant strength decode otherwise (the
         window matters)."""
-        import pytest
 
         from vllm_steer.request import Window
 
@@ -81,7 +80,6 @@ class HFReference:
         with logprobs: every token equals :meth:`greedy` and every logprob :meth:`logprobs`
         within ``tol``; the requests at the indices in ``changed`` must differ from the
         unsteered reference (the steer has a visible effect). Returns the outputs."""
-        import pytest
         from vllm import SamplingParams
 
         params = [SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0,

@@ -19,7 +19,6 @@ from unittest import mock
 
 import pytest
 
-from vllm_steer.config import SteerServerConfig
 from vllm_steer.integrations.frontend.state import frontend_state
 
 INFERENCE, ADMIN, WRONG = "inference-key", "admin-key", "wrong-key"

@@ -6,7 +6,6 @@ the tiny model through the CLI."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest

@@ -42,7 +42,7 @@ import functools
 from vllm_steer.integrations.engine import core
 from vllm_steer.integrations.frontend import (async_llm, cli_args, endpoints, preset_models,
                                               request_field, startup_checks)
-from vllm_steer.integrations.hooks import (ENGINE, FRONTEND, RESOLVE_ATTR, V1, V1_LENS, V1_SPEC,
+from vllm_steer.integrations.hooks import (ENGINE, RESOLVE_ATTR, V1, V1_LENS, V1_SPEC,
                                            V2, V2_LENS, V2_SPEC, WORKER, Hook, install_hooks)
 
 

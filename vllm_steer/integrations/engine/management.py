@@ -175,7 +175,7 @@ def load_steer_file(core, name: str, path: str, source: str,
     from vllm_steer.format import SteerFileError, load_steer
 
     st = engine_state(core)
-    reg, cfg, hidden = st.registry, st.config, st.hidden_size
+    reg, hidden = st.registry, st.hidden_size
     t0 = time.perf_counter()
     try:
         check_name(name)
