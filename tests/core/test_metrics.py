@@ -406,7 +406,9 @@ def test_a_worker_reports_its_timed_steer_calls(tmp_path):
 def test_refusals_reach_prometheus_by_status():
     """The engine core's refusals (400: the request's error; 500: a fault of the plugin)
     become ``vllm_steer:requests_refused_total{engine, status}``, each increment once."""
-    core = engine_core(engine_index=0)
+    from vllm_steer.integrations.engine.state import EngineSteerState
+
+    core = EngineSteerState(None, None, 0, engine=0)  # where the engine core keeps them
     stats = {"counters": {"refused_400": 3, "refused_500": 1}, "served": {}}
     reg = CollectorRegistry()
     m = SteerMetrics(registry=reg)
