@@ -160,6 +160,18 @@ class Clients:
             with self.lock:
                 self.calls.append(rec)
 
+    def until_new(self, new: str, served: dict[str, float], timeout: float = 120.0) -> None:
+        """Keep the traffic on until every replica answered a call started after it served
+        ``new`` (``served``: replica -> monotonic time), and 2 seconds more."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                seen = {c[3] for c in self.calls if c[3] in served and c[0] > served[c[3]]}
+            if seen == set(served):
+                break
+            time.sleep(0.2)
+        time.sleep(2.0)
+
     def finish(self) -> list[tuple]:
         self.stop.set()
         for t in self.threads:
@@ -301,7 +313,7 @@ def test_rollout_and_rollback_by_the_docs_under_traffic(fleet):
         took = {r: w[0] for r, w in waited.items()}
         allowed = {r: w[1] for r, w in waited.items()}
         served = {r: t_swap + s for r, s in took.items()}
-        time.sleep(3.0)  # traffic on the new version
+        clients.until_new(new, served)  # traffic on the new version
         calls = clients.finish()
         print(f"\n[rollout] {label}: seconds until each replica served {new}: "
               f"{ {r: round(t, 2) for r, t in took.items()} }; allowed (the next look, every "
@@ -362,9 +374,9 @@ def test_a_replica_that_sees_the_steer_file_late_converges_once_it_is_there(flee
                    cwd=fleet["docs"].work, check=True)
     t_file = time.monotonic()
     took_b, allowed_b = wait_serving(b, "detox-v3", t_file, rt_b)
-    time.sleep(3.0)
-    calls = clients.finish()
     served = {"0": t_swap + took_a, "1": t_file + took_b}
+    clients.until_new("detox-v3", served)
+    calls = clients.finish()
     print(f"\n[rollout] late steer file: A served detox-v3 {took_a:.2f} s after the swap "
           f"(allowed {allowed_a:.2f} s); B refused it for {t_file - t_swap:.1f} s "
           f"({st['refused']['reads']} reads when looked at) and served it {took_b:.2f} s after "
