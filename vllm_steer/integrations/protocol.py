@@ -195,6 +195,9 @@ def merge_answers(op: str, answers: list[dict]) -> dict:
 
 
 def _merge_lists(answers: list[dict]) -> dict:
+    failed = [a for a in answers if a.get("ok") is False]
+    if failed:  # an engine core's list failed: its answer (status, error) is the answer
+        return failed[0]
     if not all(a.get("enabled") for a in answers):
         return answers[0]
     n = len(answers)

@@ -64,6 +64,8 @@ async def list_steers(raw: Request):
         return _error(503, "no engine behind this server")
     admitted = sorted(frontend_state().loaded_names())  # this process's admission view, before refresh
     res = await manage(engine, "list")
+    if res.get("ok") is False:  # the engine core's list failed (its answer says why)
+        return _error(int(res.get("status", 500)), str(res.get("error", "")))
     if not res.get("enabled"):
         return _error(404, "steering is not enabled on this server", "NotFoundError")
     data = [s for s in res["steers"] if s["state"] != "draining"]
