@@ -190,7 +190,7 @@ def _instrument(processes: tuple[str, ...] = ("worker",)) -> None:
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
     from vllm_steer.integrations.worker import head
-    from vllm_steer.integrations.worker.rows import StepPlanner
+    from vllm_steer.integrations.worker.planner import StepPlanner
 
     def plain_forward(self, lm_head, hidden_states, embedding_bias=None, skip_gather=False):
         """The head's stand-in: vLLM's plain logits layer, after the steer op alone on the
@@ -199,16 +199,17 @@ def _instrument(processes: tuple[str, ...] = ("worker",)) -> None:
         with the op it launches, at the same site."""
         rt = self.steer_runtime
         planner = None if rt is None else rt.planner
-        coefs = None if planner is None else getattr(planner, "_step_coefs_dev", None)
-        if coefs is not None and planner._step_key is not None and rt.slots.num_active_slots \
+        coefs = None if planner is None else planner.step_coefs
+        if coefs is not None and rt.slots.num_active_slots \
                 and coefs.shape[0] == hidden_states.shape[0]:
-            bank = rt.banks.bank
-            kw = {} if planner._plan is None else {"prepared": planner._plan}
-            rt.banks.fn(hidden_states, bank.p1, bank.p2, bank.rank_offsets, coefs, **kw)
+            bank = rt.bank_state.bank
+            plan = planner.step_plan
+            kw = {} if plan is None else {"prepared": plan}
+            rt.bank_state.fn(hidden_states, bank.p1, bank.p2, bank.rank_offsets, coefs, **kw)
         return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
 
     _time_method(head.SteeredLogitsProcessor, "forward", "plugin:head", null=plain_forward)
-    _time_method(StepPlanner, "_prepare_step", "plugin:head (re-planned)")
+    _time_method(StepPlanner, "plan_step", "plugin:head (re-planned)")
     _time_method(LogitsProcessor, "forward", "vllm")
     for module in _state_modules():
         for cls_name in dir(module):

@@ -1,6 +1,6 @@
 """Host time of one steered decode step in the worker runtime, for two source trees side by side.
 
-``SteerRuntime.steer_rows`` is timed per call on an unchanged batch (the steady decode step:
+``StepPlanner.steer_rows`` is timed per call on an unchanged batch (the steady decode step:
 what the plugin adds to each step), for the V1 row source ("batch", row i = slot i) and the V2
 one ("mapping": the step's row -> slot). As a floor, the steer op alone with a ready plan
 (``steer_torch(..., prepared=plan)``) is timed on the same rows: the difference is the
@@ -48,34 +48,34 @@ def child(batches: list[int], calls: int) -> dict:
             save_steer(steers[f"s{i}"], random_steer(HIDDEN, RANK, f"s{i}", seed=i))
         for bs in batches:
             rt = SteerRuntime(SteerServerConfig(steers=steers, backend="torch"))
-            rt.load(HIDDEN, torch.device("cpu"), torch.float32)
+            rt.bank_state.load(HIDDEN, torch.device("cpu"), torch.float32)
             rt.ensure_slots(max(bs, 8), torch.device("cpu"))
             for slot in range(bs):  # requests on one steer each, every 4th one unsteered
-                row = np.zeros(rt.num_columns, dtype=np.float32)
+                row = np.zeros(rt.slots.num_columns, dtype=np.float32)
                 if slot % 4 != 3:
                     row[slot % K] = 4e-3
                 rt.set_slot(slot, row)
-            rt.batch_size = bs
-            rt.flush()
+            rt.planner.batch_size = bs
+            rt.slots.flush()
             h = torch.randn(bs, HIDDEN)
             order = np.random.default_rng(0).permutation(bs)
             sources = {"batch": BatchRows(),
                        "mapping": MappedRows(mapping=torch.from_numpy(order), slots=order)}
             for name, src in sources.items():
                 times = []
-                with rt.rows(src):
+                with rt.planner.rows(src):
                     for i in range(calls + 20):
                         t0 = time.perf_counter()
-                        rt.steer_rows(h)
+                        rt.planner.steer_rows(h)
                         if i >= 20:
                             times.append(time.perf_counter() - t0)
                 out[f"{name}/{bs}"] = float(np.median(times) * 1e6)
-            coefs = rt.slot_coefs[:bs].contiguous()
-            plan = prepare_torch(rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets, coefs)
+            coefs = rt.slots.table[:bs].contiguous()
+            plan = prepare_torch(*rt.bank_state.bank.factors, coefs)
             times = []
             for i in range(calls + 20):
                 t0 = time.perf_counter()
-                steer_torch(h, rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets, coefs,
+                steer_torch(h, *rt.bank_state.bank.factors, coefs,
                             prepared=plan)
                 if i >= 20:
                     times.append(time.perf_counter() - t0)

@@ -9,7 +9,7 @@ one of them steered, the rows of the previous step reused). The runner's ``sampl
 counts the head call the hook checks for, so what is timed is the hook.
 
 ``--parts`` adds hooks that stop after each piece of the steady path, written as the plugin
-wrote them before it read its binding and ``input_batch`` inline (``bound()``, ``Arg.get``) and
+wrote them before it read its binding and ``input_batch`` inline (``V2RunnerBinding.of()``, ``Arg.get``) and
 keyed a steady step by the bytes of the batch's slots, and as it reads them now (the request
 ids), so that each piece's cost shows as a difference within this run.
 
@@ -56,14 +56,14 @@ def _part_hooks(binding_of):
     """Hooks that stop after each piece of the steady path (``binding_of()``: the plugin's
     runner, whose binding they read)."""
     from vllm_steer.integrations.worker import v2
-    from vllm_steer.integrations.worker.request_slots import STEERED_SLOTS
-    from vllm_steer.integrations.worker.runtime import BINDINGS, bound
+    from vllm_steer.integrations.worker.gates import GATES
+    from vllm_steer.integrations.worker.runtime import BINDINGS, V2RunnerBinding
 
     by_id, arg = BINDINGS.by_id, v2._INPUT_BATCH
 
     def upto(part):
         def hook(orig, self, *args, **kwargs):
-            if not STEERED_SLOTS[0] or part == "check":
+            if not GATES.steered_slots or part == "check":
                 return orig(self, *args, **kwargs)
             owner = binding_of()
             if part in INLINE:
@@ -72,8 +72,8 @@ def _part_hooks(binding_of):
                     return orig(self, *args, **kwargs)
                 input_batch = args[1]  # the runner's sample(hidden_states, input_batch, ...)
             else:
-                b = bound(owner)
-                if part == "binding by bound()":
+                b = V2RunnerBinding.of(owner)
+                if part == "binding by of()":
                     return orig(self, *args, **kwargs)
                 input_batch = arg.get(orig, (self, *args), kwargs)
                 if part == "input_batch by Arg.get":
@@ -89,7 +89,7 @@ def _part_hooks(binding_of):
         return hook
 
     return {name: upto(name) for name in (
-        "check", "binding by bound()", "input_batch by Arg.get", "batch bytes", *INLINE)}
+        "check", "binding by of()", "input_batch by Arg.get", "batch bytes", *INLINE)}
 
 
 def main(argv=None) -> None:

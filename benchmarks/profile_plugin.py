@@ -4,7 +4,7 @@ End-to-end throughput ratios (bench_throughput.py) cannot resolve a 1% cost on a
 2-core machine; this measures it directly. One offline engine runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with K random steers loaded; the plugin's per-step
 bookkeeping (the V1 processor's ``update_state``), the steer op in the head
-(``SteerRuntime.steer_rows``, with its planning ``prepare_torch`` counted separately) and,
+(``StepPlanner.steer_rows``, with its planning ``prepare_torch`` counted separately) and,
 for scale, vLLM's LM-head matmul are wrapped with timers. For each pattern (no request
 steered; every request on one steer; requests spread over K distinct steers) the same batch
 is generated and each part's share of the generate time is printed.
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     from bench_throughput import make_prompts, random_steer_files
     from vllm_steer import kernels, ops
     from vllm_steer.integrations import request_state_v1
-    from vllm_steer.integrations.worker import runtime
+    from vllm_steer.integrations.worker import planner
     from vllm_steer.models import resolve_model
 
     class Hooks:  # the torch backend's two entry points, as registered with the dispatch
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         run = staticmethod(kernels.torch_steer.steer_torch)
 
     timed(request_state_v1.SteerRequestStateV1, "update_state", "bookkeeping (update_state)")
-    timed(runtime.SteerRuntime, "steer_rows", "steer op in the head (steer_rows)")
+    timed(planner.StepPlanner, "steer_rows", "steer op in the head (steer_rows)")
     timed(Hooks, "prepare", "  of which planning (prepare_torch)")
     timed(LogitsProcessor, "_get_logits", "LM-head matmul (for scale)")
     ops.register_backend("torch", Hooks.run, prepare=Hooks.prepare)

@@ -55,9 +55,9 @@ def _runtime(device, dtype, hidden: int, num_steers: int, rank: int, slots: int,
         save_steer(files[name], make_steer(p1, p2, name))
     config = {"vllm_steer": {"steers": files, "max_strength": 10}}
     rt = get_runtime(config)
-    rt.load(hidden, device, dtype)
+    rt.bank_state.load(hidden, device, dtype)
     rt.ensure_slots(slots, device)
-    rt.warm_up()  # as at start-up: no kernel compiles inside the timed steps
+    rt.bank_state.warm_up()  # as at start-up: no kernel compiles inside the timed steps
     return rt, config
 
 
@@ -65,12 +65,12 @@ def _coef_row(rt, rng) -> np.ndarray:
     """A request's coefficients: no steer (a third of them), or one or two steers."""
     from vllm_steer.reference import steer_coefficients
 
-    row = np.zeros(rt.num_columns, dtype=np.float32)
+    row = np.zeros(rt.slots.num_columns, dtype=np.float32)
     if rng.random() < 1 / 3:
         return row
-    for j in rng.choice(len(rt.names), size=rng.integers(1, 3), replace=False):
-        eps = rt.bank.steers[j].metadata.epsilon
-        row[j], row[rt.capacity + j] = steer_coefficients(float(rng.uniform(-8, 8)), eps, None)
+    for j in rng.choice(len(rt.bank_state.names), size=rng.integers(1, 3), replace=False):
+        eps = rt.bank_state.bank.steers[j].metadata.epsilon
+        row[j], row[rt.bank_state.capacity + j] = steer_coefficients(float(rng.uniform(-8, 8)), eps, None)
     return row
 
 
@@ -113,7 +113,7 @@ def _compare(rt, inp: torch.Tensor, got: torch.Tensor, coefs: np.ndarray):
     largest steer effect)."""
     from vllm_steer.reference import steer_reference
 
-    bank = rt.bank
+    bank = rt.bank_state.bank
     want = steer_reference(inp, bank.p1, bank.p2, bank.rank_offsets,
                            torch.as_tensor(coefs, dtype=torch.float32, device=inp.device))
     err = float(((got.float() - want.float()).abs()
@@ -132,6 +132,7 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
     (tests use it to show that a wrong row is caught)."""
     from vllm_steer.integrations.worker import v2
     from vllm_steer.integrations.worker.rows import NO_ROWS
+    from vllm_steer.kernels.graphs import head_graphs
 
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -141,9 +142,9 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
     lines: list[str] = []
     tmp = tempfile.TemporaryDirectory()
     rt, config = _runtime(device, dtype, hidden, 4, 16, 2 * batch, Path(tmp.name))
-    rt.row_source = NO_ROWS  # as the V2 processor sets it: rows outside sample()
-    if not cuda and rt.banks.graphs is None:  # the head's graphs as on a GPU, run eagerly
-        rt.banks.graphs = rt.bank.head_graphs(graph_backend=EagerGraphs())
+    rt.planner.row_source = NO_ROWS  # as the V2 processor sets it: rows outside sample()
+    if not cuda and rt.bank_state.bank.graphs is None:  # the head's graphs as on a GPU, eagerly
+        head_graphs(rt.bank_state.bank, graph_backend=EagerGraphs())
     if runtime_hook is not None:
         runtime_hook(rt)
 
@@ -166,7 +167,7 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
         def sample(self, hidden_states, input_batch, grammar_output):
             # the head's matmul reads the steered rows at once and writes new logits; the
             # steered rows (from a CUDA graph, its static output) last until the next call
-            return rt.steer_rows(hidden_states).clone()
+            return rt.planner.steer_rows(hidden_states).clone()
 
     def sample(hs, batch_ns):
         return v2.sample(Runner.sample, Runner(), hs, batch_ns, None)
@@ -181,7 +182,7 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
                           for a in range(0, n, CHUNK)])
 
     waits = _count_event_waits() if cuda else None
-    slot_rows = np.zeros((2 * batch, rt.num_columns), dtype=np.float32)
+    slot_rows = np.zeros((2 * batch, rt.slots.num_columns), dtype=np.float32)
     req_ids = {}  # each slot's request id: a new request in a slot, a new id
     live = rng.choice(2 * batch, size=batch, replace=False)
     kept = []
@@ -195,7 +196,7 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
             slot_rows[slot] = _coef_row(rt, rng)
             rt.set_slot(int(slot), slot_rows[slot])
             req_ids[int(slot)] = f"r{step}-{slot}"
-        rt.flush()
+        rt.slots.flush()
         order = rng.permutation(live)  # this step's batch order (idx_mapping)
         x.copy_(torch.randn(batch, hidden, generator=g, device=device).to(dtype))
         replay()
@@ -210,7 +211,7 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
         pb = SimpleNamespace(num_reqs=len(PROMPT_LENS), idx_mapping_np=order[:len(PROMPT_LENS)],
                              query_start_loc_np=qsl)
         ph = torch.randn(int(qsl[-1]), hidden, generator=g, device=device).to(dtype)
-        plogits = v2.prompt_logprobs(prompt_fn, prompt_worker, rt.steer_rows, ph, pb)
+        plogits = v2.prompt_logprobs(prompt_fn, prompt_worker, rt.planner.steer_rows, ph, pb)
         kept.append((h.clone(), logits, ph, plogits, slot_rows[order].copy(),
                      np.repeat(slot_rows[order[:len(PROMPT_LENS)]], PROMPT_LENS, axis=0)))
     host_s = time.perf_counter() - t0
@@ -228,7 +229,7 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
                 bad.append(f"step {step} {what}: max |error| past one rounding {err:.3g} > {tol}")
     ok = not bad and plain_diff == 0 and effect > 5 * tol and (waits is None or waits[0] == 0)
     tag = str(dtype).replace("torch.", "")
-    head = rt.banks.graphs
+    head = rt.bank_state.bank.graphs
     head_replays = 0 if head is None else head.replays
     lines.append(f"async {tag}: {steps} steps x {batch} rows + {sum(PROMPT_LENS)} prompt rows "
                  f"in chunks of {CHUNK}, forward {'in a CUDA graph' if graph else 'eager'}, "
@@ -250,7 +251,7 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
 def run_drafter(device="cuda", dtype=torch.bfloat16, steps: int = 16, batch: int = 64,
                 hidden: int = 1024, graph: bool | None = None, seed: int = 1) -> dict:
     """The drafter's steer inside a CUDA graph (Model Runner V2's EAGLE / EAGLE-3 / MTP draft
-    steps): a stand-in draft step (one layer, then ``SteerRuntime.steer_fixed`` on its rows
+    steps): a stand-in draft step (one layer, then ``StepPlanner.steer_fixed`` on its rows
     with the speculator-style ``idx_mapping`` buffer, -1 for padding) captured once; then
     replays with requests joining and leaving (the slot table rewritten in place), the mapping
     buffer rewritten, and a steer loaded into a free slot halfway: every replay's rows against
@@ -274,10 +275,10 @@ def run_drafter(device="cuda", dtype=torch.bfloat16, steps: int = 16, batch: int
 
     def draft_step():
         h.copy_(torch.tanh(x @ w) * 2)
-        out.copy_(rt.steer_fixed(h, mapping))
+        out.copy_(rt.planner.steer_fixed(h, mapping))
 
     replay = _replay(draft_step, graph)
-    slot_rows = np.zeros((2 * batch, rt.num_columns), dtype=np.float32)
+    slot_rows = np.zeros((2 * batch, rt.slots.num_columns), dtype=np.float32)
     kept, loaded = [], False
     for step in range(steps):
         if step == steps // 2:  # a run-time load into the free fourth slot
@@ -290,11 +291,11 @@ def run_drafter(device="cuda", dtype=torch.bfloat16, steps: int = 16, batch: int
         for slot in live[: batch // 3]:
             row = _coef_row(rt, rng)
             if loaded and rng.random() < 0.5:
-                row[3], row[rt.capacity + 3] = steer_coefficients(float(rng.uniform(-8, 8)),
+                row[3], row[rt.bank_state.capacity + 3] = steer_coefficients(float(rng.uniform(-8, 8)),
                                                                   1e-3, None)
             slot_rows[slot] = row
             rt.set_slot(int(slot), row)
-        rt.flush()
+        rt.slots.flush()
         m = np.concatenate([live, [-1, -1, -1]]).astype(np.int32)  # padded like V2's buffer
         mapping.copy_(torch.from_numpy(m))
         x.copy_(torch.randn(batch, hidden, generator=g, device=device).to(dtype))

@@ -210,7 +210,7 @@ class Profiler:
         sys.path.insert(0, str(ROOT / "benchmarks"))
         import bench_plugin_step
 
-        from vllm_steer.integrations.worker.rows import StepPlanner
+        from vllm_steer.integrations.worker.planner import StepPlanner
         from vllm_steer.kernels.graphs import SteerGraphs
         from vllm_steer.metrics import OpTimer
 
@@ -227,10 +227,10 @@ class Profiler:
 
     @staticmethod
     def graph_counts() -> tuple[int, int]:
-        from vllm_steer.integrations.worker.runtime import _RUNTIMES
+        from vllm_steer.integrations.worker.runtime import current_runtime
 
-        rt = _RUNTIMES.get(None)
-        graphs = None if rt is None else rt.banks.graphs
+        rt = current_runtime()
+        graphs = None if rt is None else rt.bank_state.bank.graphs
         return (0, 0) if graphs is None else (graphs.captures, graphs.replays)
 
     def begin(self) -> None:

@@ -359,6 +359,7 @@ def check_replay(dev, shapes=REPLAY_SHAPES, rows_list=(1, 64), dtype=torch.bfloa
     from vllm_steer import ops
     from vllm_steer.bank import SlotBank
     from vllm_steer.format import make_steer
+    from vllm_steer.kernels import graphs as G
     from vllm_steer.reference import steer_reference
 
     cuda = dev.type == "cuda"
@@ -371,7 +372,7 @@ def check_replay(dev, shapes=REPLAY_SHAPES, rows_list=(1, 64), dtype=torch.bfloa
             bank.put(k, k + 1, f"s{k}", make_steer(torch.randn(d, rank, generator=gen) / d ** 0.5,
                                                    torch.randn(d, rank, generator=gen) / rank ** 0.5,
                                                    f"s{k}"))
-        graphs = bank.head_graphs(graph_backend=None if cuda else EagerGraphs())
+        graphs = G.head_graphs(bank, graph_backend=None if cuda else EagerGraphs())
         for rows in rows_list:
             co = torch.zeros(rows, bank.num_columns)
             co[torch.arange(rows), torch.arange(rows) % slots] = 0.5 + torch.rand(rows, generator=gen)
@@ -451,7 +452,8 @@ def check_head(dev, shapes=HEAD_SHAPES, rows_list=(1, 64), dtype=torch.bfloat16,
 
     from vllm_steer.config import SteerServerConfig
     from vllm_steer.format import make_steer, save_steer
-    from vllm_steer.integrations.worker.rows import MappedRows, StepPlanner
+    from vllm_steer.integrations.worker.planner import StepPlanner
+    from vllm_steer.integrations.worker.rows import MappedRows
     from vllm_steer.integrations.worker.runtime import SteerRuntime
     from vllm_steer.kernels.graphs import SteerGraphs
     from vllm_steer.metrics import OpTimer
@@ -470,31 +472,31 @@ def check_head(dev, shapes=HEAD_SHAPES, rows_list=(1, 64), dtype=torch.bfloat16,
         rt = SteerRuntime(SteerServerConfig.from_additional_config(
             {"vllm_steer": {"steers": {"a": path}, "max_steers": 8, "max_steer_rank": rank}}))
         if not cuda:
-            rt.banks.graph_backend = EagerGraphs()
+            rt.bank_state.graph_backend = EagerGraphs()
         rt.ensure_slots(max(rows_list), dev)
-        rt.load(d, dev, dtype)
+        rt.bank_state.load(d, dev, dtype)
         rt.model_loaded(dtype)
-        eps = rt.bank.steers[0].metadata.epsilon
-        row = np.zeros(rt.num_columns, np.float32)
+        eps = rt.bank_state.bank.steers[0].metadata.epsilon
+        row = np.zeros(rt.slots.num_columns, np.float32)
         row[0] = 5 * eps
         for slot in range(max(rows_list)):
             rt.set_slot(slot, row)
-        rt.flush()
-        captures = rt.graphs.captures if rt.graphs is not None else 0
+        rt.slots.flush()
+        captures = rt.bank_state.bank.graphs.captures if rt.bank_state.bank.graphs is not None else 0
         for rows in rows_list:
             idx = np.arange(rows, dtype=np.int32)
             src = MappedRows(torch.arange(rows, dtype=torch.int32, device=dev), idx, None,
                              idx.tobytes())
             hidden = torch.randn(rows, d, generator=gen).to(dev, dtype)
-            with rt.rows(src):
-                out = rt.steer_rows(hidden).clone()
-                ref = steer_reference(hidden, rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets,
+            with rt.planner.rows(src):
+                out = rt.planner.steer_rows(hidden).clone()
+                ref = steer_reference(hidden, *rt.bank_state.bank.factors,
                                       torch.from_numpy(np.tile(row, (rows, 1))).to(dev))
                 scale = (ref.float() - hidden.float()).abs().max().item()
                 tol = 2 ** -6 if dtype != torch.float32 else 1e-5
                 good = torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol * scale)
                 ok &= good
-                step = lambda: rt.steer_rows(hidden)  # noqa: E731
+                step = lambda: rt.planner.steer_rows(hidden)  # noqa: E731
                 warm = _host_us(step, sync)
 
                 def cold_us(fn, n=steps):
@@ -518,7 +520,7 @@ def check_head(dev, shapes=HEAD_SHAPES, rows_list=(1, 64), dtype=torch.bfloat16,
                 means = {k: v / steps * 1e6 for k, v in seconds.items()}
                 means["the rest"] = float(np.mean(per)) - sum(means.values())
                 split = ", ".join(f"{k} {v:.1f}" for k, v in means.items())
-            replayed = rt.graphs is not None and rt.graphs.replays > 0
+            replayed = rt.bank_state.bank.graphs is not None and rt.bank_state.bank.graphs.replays > 0
             how = ("replayed from a stand-in graph on the CPU: not a GPU's figures" if dry else
                    "replayed from CUDA graphs" if replayed else "launched eagerly")
             say(f"head {label} {str(dtype)[6:]} rows {rows}: host {warm:.1f} us per steered step "
@@ -526,7 +528,7 @@ def check_head(dev, shapes=HEAD_SHAPES, rows_list=(1, 64), dtype=torch.bfloat16,
                 f"in us: {split}); {how}: INFO")
             say(f"head {label} rows {rows}: steered rows "
                 f"{'match' if good else 'DO NOT match'} the reference: {'PASS' if good else 'FAIL'}")
-        new = (rt.graphs.captures if rt.graphs is not None else 0) - captures
+        new = (rt.bank_state.bank.graphs.captures if rt.bank_state.bank.graphs is not None else 0) - captures
         say(f"head {label}: {new} graph(s) captured by the steps (captured at start-up: "
             f"{captures}): {'PASS' if new == 0 else 'FAIL'}")
         ok &= new == 0

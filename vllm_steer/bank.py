@@ -91,13 +91,19 @@ class SteerBank:
                             prepared=prepared)
 
 
+def coefficient_columns(capacity: int) -> int:
+    """Coefficient columns of a bank of ``capacity`` bank slots: two per bank slot, its steer
+    (column ``j``) and its domain component (column ``capacity + j``); see :class:`SlotBank`."""
+    return 2 * capacity
+
+
 def slot_bank_bytes(capacity: int, max_rank: int, hidden_size: int, dtype) -> int:
     """Device bytes of a :class:`SlotBank` reserved for ``capacity`` steers of rank up to
     ``max_rank``: two factors (``p1``, ``p2``), each ``[hidden, total rank]``, whose total
     rank is at most ``2 * capacity * max_rank`` (every slot's steer and its domain
     component)."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    return 2 * (2 * capacity * max_rank) * hidden_size * itemsize
+    return 2 * (coefficient_columns(capacity) * max_rank) * hidden_size * itemsize
 
 
 class SlotBank:
@@ -126,7 +132,9 @@ class SlotBank:
         self.device, self.dtype = device, dtype
         self.max_rank = max_rank
         self.steers: list[Steer | None] = [None] * capacity
-        self.generations: list[int] = [0] * capacity
+        # per bank slot, the load id the engine core issued for the steer it holds (0: empty);
+        # a request bound to another load of that bank slot is never served this steer
+        self.load_ids: list[int] = [0] * capacity
         self.names: list[str | None] = [None] * capacity
         self.version = 0
         self._plan_key: object = None
@@ -139,15 +147,22 @@ class SlotBank:
         self.fixed_p1: torch.Tensor | None = None  # [hidden, 2 * capacity * fixed_rank]
         self.fixed_p2: torch.Tensor | None = None
         self.fixed_left_out: list[str] = []  # steers wider than fixed_rank (not in the copy)
-        self.graphs = None  # the LM head's CUDA graphs over the fixed copy (head_graphs)
+        # the LM head's CUDA graphs over the fixed copy (kernels.graphs.head_graphs), told of
+        # every change of the bank's layout and of the copy
+        self.graphs = None
         self.reserved_rank = reserve_rank or 0  # rank per steer reserved (2 * capacity of them)
         if reserve_rank:
-            self._allocate(2 * capacity * reserve_rank)
+            self._allocate(coefficient_columns(capacity) * reserve_rank)
         self._rebuild()
 
     @property
     def num_columns(self) -> int:
-        return 2 * self.capacity
+        return coefficient_columns(self.capacity)
+
+    @property
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """``(p1, p2, rank_offsets)``: the bank as every steer op takes it."""
+        return self.p1, self.p2, self.rank_offsets
 
     @property
     def reserved_bytes(self) -> int:
@@ -159,8 +174,9 @@ class SlotBank:
         self._store1 = torch.zeros(n, device=self.device, dtype=self.dtype)
         self._store2 = torch.zeros(n, device=self.device, dtype=self.dtype)
 
-    def put(self, slot: int, generation: int, name: str, steer: Steer) -> None:
-        """Load ``steer`` into ``slot`` (which no running request may use)."""
+    def put(self, bank_slot: int, load_id: int, name: str, steer: Steer) -> None:
+        """Load ``steer`` into ``bank_slot`` (which no running request may use) under
+        ``load_id`` (the engine core's, unique per load)."""
         if steer.hidden_size != self.hidden_size:
             raise ValueError(f"steer {name!r} has hidden size {steer.hidden_size}; the model "
                              f"has {self.hidden_size}")
@@ -169,15 +185,16 @@ class SlotBank:
                 raise ValueError(f"steer {name!r} has {what} {p.shape[1]} over "
                                  f"--max-steer-rank={self.max_rank}; raise --max-steer-rank "
                                  f"(the bank is reserved for it at start-up)")
-        self.steers[slot] = steer.to(device="cpu", dtype=self.dtype)  # packed in _rebuild
-        self.generations[slot] = generation
-        self.names[slot] = name
+        self.steers[bank_slot] = steer.to(device="cpu", dtype=self.dtype)  # packed in _rebuild
+        self.load_ids[bank_slot] = load_id
+        self.names[bank_slot] = name
         self._rebuild()
 
-    def drop(self, slot: int) -> None:
-        self.steers[slot] = None
-        self.generations[slot] = 0
-        self.names[slot] = None
+    def drop(self, bank_slot: int) -> None:
+        """Empty ``bank_slot``."""
+        self.steers[bank_slot] = None
+        self.load_ids[bank_slot] = 0
+        self.names[bank_slot] = None
         self._rebuild()
 
     def _rebuild(self) -> None:
@@ -224,16 +241,16 @@ class SlotBank:
         across puts and drops (rewritten in place), so a CUDA graph that captured a steer op
         reading it reads the current steers at every replay
         (:func:`vllm_steer.ops.steer_fixed`: drafter heads inside vLLM's graphs, and the LM
-        head's own graphs, :meth:`head_graphs`, which share this one copy). A steer wider than
-        ``rank`` is left out of the copy (``fixed_left_out``). Returns the bytes allocated."""
+        head's own graphs, :func:`vllm_steer.kernels.graphs.head_graphs`, which share this
+        one copy). A steer wider than ``rank`` is left out of the copy (``fixed_left_out``).
+        Returns the bytes allocated."""
         rank = max(int(rank), 1)
-        cols = 2 * self.capacity * rank
+        cols = self.num_columns * rank
         self.fixed_rank = rank
         self.fixed_p1 = torch.zeros(self.hidden_size, cols, device=self.device, dtype=self.dtype)
         self.fixed_p2 = torch.zeros_like(self.fixed_p1)
         if self.graphs is not None:  # a new copy: the graphs read it from now on
-            self.graphs.p1, self.graphs.p2, self.graphs.rank = self.fixed_p1, self.fixed_p2, rank
-            self.graphs.invalidate()
+            self.graphs.use_copy(self.fixed_p1, self.fixed_p2, rank)
         self._rebuild()
         return 2 * self.fixed_p1.numel() * self.fixed_p1.element_size()
 
@@ -252,78 +269,14 @@ class SlotBank:
         self.fixed_p1.copy_(host1)
         self.fixed_p2.copy_(host2)
         self.fixed_left_out = sorted(set(left))
-        self._graphs_state()
-
-    def _graphs_state(self) -> None:
-        """The head's graphs step aside (eager op, logged) while a steer is left out of the
-        fixed copy: the head must apply every steer, a drafter may propose without one."""
-        if self.graphs is None:
-            return
-        was = self.graphs.disabled
-        self.graphs.disabled = (f"steers wider than the fixed copy's rank {self.fixed_rank} are "
-                                f"loaded: {self.fixed_left_out}") if self.fixed_left_out else None
-        if self.graphs.disabled and not was:
-            logger.warning("vllm-steer: the LM head's steer op is launched eagerly (not from "
-                           "CUDA graphs) while %s", self.graphs.disabled)
-
-    def head_graphs(self, choice: str | None = "auto", graph_backend=None):
-        """On CUDA, the LM head's steer op replayed from CUDA graphs
-        (:class:`~vllm_steer.kernels.graphs.SteerGraphs`) over the fixed-layout copy of the
-        bank (:meth:`enable_fixed` at the reserved rank, allocated now unless drafter heads
-        already did: one copy serves both); the memory it costs is logged.
-
-        None, and the head launches the op eagerly: on any other device; with
-        ``VLLM_STEER_CUDA_GRAPHS=0``; when the steer backend was named (``choice``, the
-        configured backend, or ``$VLLM_STEER_BACKEND``: anything but ``auto`` runs as asked);
-        when the bank reserved no rank (no start-up steer and no ``--max-steer-rank``); when the
-        copy would exceed :data:`~vllm_steer.kernels.graphs.MAX_GRAPH_BANK_BYTES` or the device
-        cannot hold it (logged). Call it while the model loads: the copy is device memory vLLM
-        should count before it sizes the KV cache. ``graph_backend``: what records and replays
-        the graphs (tests pass a stand-in, which also lifts the CUDA-only rule)."""
-        from vllm_steer.kernels import graphs as g
-
         if self.graphs is not None:
-            return self.graphs
-        on_cuda = torch.device(self.device or "cpu").type == "cuda"
-        if (graph_backend is None and not on_cuda) or not g.graphs_enabled(choice):
-            return None
-        rank = self.fixed_rank or self.reserved_rank
-        eager = "vllm-steer: the LM head's steer op is launched eagerly: "
-        if not rank:
-            logger.info(eager + "the bank reserved no rank for a fixed-layout copy (set "
-                        "--max-steer-rank to replay it from CUDA graphs)")
-            return None
-        nbytes = g.fixed_bank_bytes(self.num_columns, rank, self.hidden_size, self.dtype)
-        figure = (f"{nbytes / 2**20:.1f} MiB ({self.num_columns} columns x rank {rank} x "
-                  f"hidden {self.hidden_size})")
-        shared = self.fixed_p1 is not None
-        if not shared and nbytes > g.MAX_GRAPH_BANK_BYTES:
-            logger.info(eager + "replaying it from CUDA graphs needs a fixed-layout copy of the "
-                        "bank of %s, over %d MiB", figure, g.MAX_GRAPH_BANK_BYTES >> 20)
-            return None
-        if not shared:
-            try:
-                self.enable_fixed(rank)
-            except torch.OutOfMemoryError as e:
-                self.fixed_rank, self.fixed_p1, self.fixed_p2 = 0, None, None
-                logger.warning(eager + "the device cannot hold a fixed-layout copy of the bank "
-                               "of %s (%s)", figure, str(e).splitlines()[0])
-                return None
-        self.graphs = g.SteerGraphs(self.fixed_p1, self.fixed_p2, self.fixed_rank,
-                                    graph_backend)
-        self._graphs_state()
-        logger.info("vllm-steer: the LM head's steer op replays from CUDA graphs (one per row "
-                    "bucket up to %d rows) over a fixed-layout copy of the bank: %s, %s; "
-                    "drafter heads use the same copy; VLLM_STEER_CUDA_GRAPHS=0 launches it "
-                    "eagerly instead", g.MAX_GRAPH_ROWS, figure,
-                    "kept already" if shared else "allocated now")
-        return self.graphs
+            self.graphs.left_out(self.fixed_left_out, self.fixed_rank)
 
     def coef_row(self, bound: Mapping[str, Sequence[int]], strengths: Mapping[str, float]
                  ) -> tuple[list[float], list[str]]:
-        """Coefficients for a request bound to ``{name: (slot, generation)}``.
+        """Coefficients for a request bound to ``{name: (bank_slot, load_id)}``.
 
-        Returns the row and the problems (a slot that no longer holds that generation: the
+        Returns the row and the problems (a bank slot that no longer holds that load: the
         steer is left out, never replaced by another file's).
         """
         row = [0.0] * self.num_columns
@@ -331,11 +284,11 @@ class SlotBank:
         for name, s in strengths.items():
             if not s:
                 continue
-            slot, gen = bound.get(name, (None, None))
-            if slot is None or not 0 <= slot < self.capacity or self.generations[slot] != gen \
-                    or self.steers[slot] is None:
-                problems.append(f"steer {name!r} generation {gen} is not in slot {slot} "
-                                f"(holds generation {self.generations[slot] if slot is not None and 0 <= slot < self.capacity else None})")
+            slot, load_id = bound.get(name, (None, None))
+            known = slot is not None and 0 <= slot < self.capacity
+            if not known or self.load_ids[slot] != load_id or self.steers[slot] is None:
+                problems.append(f"steer {name!r} load {load_id} is not in bank slot {slot} "
+                                f"(it holds load {self.load_ids[slot] if known else None})")
                 continue
             meta = self.steers[slot].metadata
             served = meta.domain == "with_steer" and self.steers[slot].domain_p1 is not None

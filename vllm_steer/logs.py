@@ -18,3 +18,13 @@ LOGGER_NAME = "vllm.vllm_steer"
 
 def get_logger() -> logging.Logger:
     return logging.getLogger(LOGGER_NAME)
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(msg: str) -> None:
+    """Log a warning once per process (a condition that repeats at every step)."""
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        get_logger().warning(msg)

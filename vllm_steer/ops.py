@@ -26,14 +26,13 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import torch
 
-from vllm_steer.kernels import batch_invariant, staging
+from vllm_steer.kernels import ENV_BACKEND, batch_invariant, staging
 from vllm_steer.kernels import fixed as _fixed
 from vllm_steer.kernels.staging import check_not_capturing, to_device  # noqa: F401  (re-exported)
 from vllm_steer.reference import steer_reference
 
 Backend = Literal["auto", "reference", "torch", "triton"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "torch", "triton")
-ENV_BACKEND = "VLLM_STEER_BACKEND"
 
 SteerFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Sequence[int], torch.Tensor],
                    torch.Tensor]
@@ -136,7 +135,7 @@ def apply_steers(
     rank_offsets: Sequence[int],  # K + 1
     coefs: torch.Tensor,  # [num_rows, K] float32 (strength * epsilon)
     backend: str | None = None,
-    prepared: Prepared | None = None,  # from prepare_steers(..., same coefs, same backend)
+    prepared: BackendPlan | None = None,  # from prepare_steers(..., same coefs, same backend)
 ) -> torch.Tensor:
     """Batched steer operation. Semantics: see :func:`vllm_steer.reference.steer_reference`.
 
@@ -150,7 +149,7 @@ def apply_steers(
     return fn(hidden, p1, p2, rank_offsets, coefs)
 
 
-class Prepared(NamedTuple):
+class BackendPlan(NamedTuple):
     """A backend's plan for one set of coefficients (``plan`` None: the backend plans per call)."""
 
     backend: str
@@ -164,7 +163,7 @@ def prepare_steers(
     coefs: torch.Tensor,  # [num_rows, K] float32
     backend: str | None = None,
     host=None,  # numpy [num_rows, K]: the same coefficients on the host (plan with no sync)
-) -> Prepared:
+) -> BackendPlan:
     """Plan the steering of a batch once, for :func:`apply_steers` (``prepared=``) to reuse
     on every call while ``coefs`` stays the same (e.g. the decode steps of a batch).
 
@@ -174,8 +173,8 @@ def prepare_steers(
     name = resolve_backend(backend, coefs.device, p1.shape[0], max_rank_of(rank_offsets))
     prep = _PREPARE.get(name)
     if prep is None:
-        return Prepared(name, None)
-    return Prepared(name, prep(p1, p2, rank_offsets, coefs) if host is None
+        return BackendPlan(name, None)
+    return BackendPlan(name, prep(p1, p2, rank_offsets, coefs) if host is None
                     else prep(p1, p2, rank_offsets, coefs, host=host))
 
 

@@ -77,6 +77,6 @@ def test_slot_bank_keeps_columns_fixed_while_steers_come_and_go():
     # a request bound to an older generation of slot 1 is never steered by what is there now
     bank.put(1, 9, "a", b)
     row, problems = bank.coef_row({"a": (1, 7)}, {"a": 5})
-    assert row == [0.0] * 6 and "generation 7" in problems[0]
+    assert row == [0.0] * 6 and "load 7" in problems[0]
     bank.drop(1)
     assert bank.rank_offsets == [0, 6, 6, 6, 6, 6, 6]

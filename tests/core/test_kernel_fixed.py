@@ -234,8 +234,8 @@ def _coefs(bank, rows, gen):
 def test_the_heads_graphs_reuse_the_copy_replay_new_steers_and_recapture_after_a_layout_change(
         log_lines):
     bank = _bank()
-    graphs = bank.head_graphs(graph_backend=StandIn())
-    assert graphs is bank.head_graphs() and bank.fixed_p1 is graphs.p1  # one copy, kept
+    graphs = G.head_graphs(bank, graph_backend=StandIn())
+    assert graphs is G.head_graphs(bank) and bank.fixed_p1 is graphs.p1  # one copy, kept
     assert any("replays from CUDA graphs" in line and "0.0 MiB (6 columns x rank 8 x hidden "
                "32), allocated now" in line for line in log_lines), log_lines
     assert bank.fixed_p1.shape == (32, 2 * 3 * 8)
@@ -269,7 +269,7 @@ def test_the_heads_graphs_reuse_the_copy_replay_new_steers_and_recapture_after_a
 
 def test_a_steer_wider_than_the_copy_sends_the_head_back_to_the_eager_op(log_lines):
     bank = _bank()
-    graphs = bank.head_graphs(graph_backend=StandIn())
+    graphs = G.head_graphs(bank, graph_backend=StandIn())
     bank.put(2, 3, "wide", random_steer(32, 12, "wide", seed=6))
     assert graphs.disabled and "wide" in graphs.disabled
     assert any("launched eagerly (not from CUDA graphs) while steers wider than the fixed "
@@ -283,17 +283,17 @@ def test_a_steer_wider_than_the_copy_sends_the_head_back_to_the_eager_op(log_lin
 
 def test_the_head_keeps_the_eager_op_where_graphs_do_not_apply(monkeypatch, log_lines):
     if DEVICE.type != "cuda":
-        assert _bank().head_graphs() is None  # no CUDA (the stand-in lifts this rule)
-    assert _bank().head_graphs("torch", graph_backend=StandIn()) is None  # a named backend
+        assert G.head_graphs(_bank()) is None  # no CUDA (the stand-in lifts this rule)
+    assert G.head_graphs(_bank(), "torch", graph_backend=StandIn()) is None  # a named backend
     monkeypatch.setenv("VLLM_STEER_BACKEND", "triton")
-    assert _bank().head_graphs(graph_backend=StandIn()) is None
+    assert G.head_graphs(_bank(), graph_backend=StandIn()) is None
     monkeypatch.delenv("VLLM_STEER_BACKEND")
     monkeypatch.setenv("VLLM_STEER_CUDA_GRAPHS", "0")
-    assert _bank().head_graphs(graph_backend=StandIn()) is None
+    assert G.head_graphs(_bank(), graph_backend=StandIn()) is None
     monkeypatch.setenv("VLLM_STEER_CUDA_GRAPHS", "yes")
     with pytest.raises(ValueError, match=r"VLLM_STEER_CUDA_GRAPHS='yes' is not an integer: "
                                          r"set it to 1 .* or 0"):
-        _bank().head_graphs(graph_backend=StandIn())
+        G.head_graphs(_bank(), graph_backend=StandIn())
     monkeypatch.delenv("VLLM_STEER_CUDA_GRAPHS")
     bank = _bank()
 
@@ -301,17 +301,17 @@ def test_the_head_keeps_the_eager_op_where_graphs_do_not_apply(monkeypatch, log_
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
 
     monkeypatch.setattr(bank, "enable_fixed", oom)
-    assert bank.head_graphs(graph_backend=StandIn()) is None and bank.fixed_p1 is None
+    assert G.head_graphs(bank, graph_backend=StandIn()) is None and bank.fixed_p1 is None
     assert any("the device cannot hold a fixed-layout copy of the bank of 0.0 MiB (6 columns x "
                "rank 8 x hidden 32) (CUDA out of memory. Tried to allocate 2.00 MiB)" in line
                for line in log_lines), log_lines
     bank = SlotBank(3, 32, device=DEVICE, dtype=torch.float32)  # no reserved rank
-    assert bank.head_graphs(graph_backend=StandIn()) is None and bank.fixed_p1 is None
+    assert G.head_graphs(bank, graph_backend=StandIn()) is None and bank.fixed_p1 is None
     assert any("reserved no rank for a fixed-layout copy (set --max-steer-rank" in line
                for line in log_lines), log_lines
     monkeypatch.setattr(G, "MAX_GRAPH_BANK_BYTES", 1000)
     bank = _bank()
-    assert bank.head_graphs(graph_backend=StandIn()) is None
+    assert G.head_graphs(bank, graph_backend=StandIn()) is None
     assert bank.fixed_p1 is None  # nothing allocated
     assert any("launched eagerly: replaying it from CUDA graphs needs a fixed-layout copy of "
                "the bank of 0.0 MiB (6 columns x rank 8 x hidden 32), over 0 MiB" in line
@@ -320,7 +320,7 @@ def test_the_head_keeps_the_eager_op_where_graphs_do_not_apply(monkeypatch, log_
 
 def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_included(
         tmp_path, log_lines):
-    """The worker's head (``SteerRuntime.steer_rows``) with graphs (the stand-in) gives the
+    """The worker's head (``StepPlanner.steer_rows``) with graphs (the stand-in) gives the
     reference's rows, including a windowed request whose coefficients move with its
     generated tokens, and replays without capturing once its buckets are known."""
     import numpy as np
@@ -336,45 +336,45 @@ def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_in
         save_steer(paths[name], random_steer(32, rank, name, seed=seed))
     config = {"vllm_steer": {"steers": paths, "max_steers": 3, "max_steer_rank": 8}}
     rt = get_runtime(config)
-    rt.load(32, DEVICE, torch.float32)
-    assert (rt.graphs is None) == (DEVICE.type != "cuda")  # CPU: the eager op, as before
+    rt.bank_state.load(32, DEVICE, torch.float32)
+    assert (rt.bank_state.bank.graphs is None) == (DEVICE.type != "cuda")  # CPU: the eager op, as before
     rt = SteerRuntime(rt.config)  # another worker's, with the stand-in graph backend
-    rt.banks.graph_backend = StandIn()
+    rt.bank_state.graph_backend = StandIn()
     rt.ensure_slots(8, DEVICE)
-    rt.load(32, DEVICE, torch.float32)
+    rt.bank_state.load(32, DEVICE, torch.float32)
     rt.model_loaded()
-    assert rt.graphs.buckets == [1, 2, 4, 8]  # captured once the model is loaded, up to 8 rows
-    copy = rt.bank.fixed_p1
-    assert rt.enable_fixed_drafter() == 0.0 and rt.bank.fixed_p1 is copy  # a drafter shares it
+    assert rt.bank_state.bank.graphs.buckets == [1, 2, 4, 8]  # captured once the model is loaded, up to 8 rows
+    copy = rt.bank_state.bank.fixed_p1
+    assert rt.enable_fixed_drafter() == 0.0 and rt.bank_state.bank.fixed_p1 is copy  # a drafter shares it
     assert any("the drafter's steers, inside CUDA graphs, use a fixed-layout copy of the bank: "
                "0.0 MiB (rank 8 per steer); the LM head's copy, no more memory" in line
                for line in log_lines), log_lines
-    eps = {n: rt.bank.steers[j].metadata.epsilon for j, n in enumerate(rt.names)}
+    eps = {n: rt.bank_state.bank.steers[j].metadata.epsilon for j, n in enumerate(rt.bank_state.names)}
     rows = {0: {0: 5 * eps["a"]}, 2: {1: -4 * eps["b"]}}
     for slot, cols in rows.items():
-        row = np.zeros(rt.num_columns, np.float32)
+        row = np.zeros(rt.slots.num_columns, np.float32)
         for k, v in cols.items():
             row[k] = v
         rt.set_slot(slot, row)
     rt.set_slot(5, np.array([0, 3 * eps["b"], 0, 0, 0, 0], np.float32),
                 {1: Window(3.0, start=2, base=0.0)})  # b from its third generated token on
-    rt.flush()
+    rt.slots.flush()
     gen = torch.Generator().manual_seed(0)
     for step in range(4):
         slots, pos = np.array([2, 5, 7, 0]), np.array([step, step, step, step])
         h = torch.randn(4, 32, generator=gen).to(DEVICE)
-        with rt.rows(SlotRows(slots=slots, positions=pos)):
-            out = rt.steer_rows(h)
-        coefs = torch.zeros(4, rt.num_columns)
+        with rt.planner.rows(SlotRows(slots=slots, positions=pos)):
+            out = rt.planner.steer_rows(h)
+        coefs = torch.zeros(4, rt.slots.num_columns)
         coefs[0, 1] = -4 * eps["b"]
         coefs[1, 1] = 3 * eps["b"] if step >= 2 else 0.0
         coefs[3, 0] = 5 * eps["a"]
-        ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+        ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
                               coefs)
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
         assert torch.equal(out[2].cpu(), h[2].cpu())  # an unsteered slot, bit for bit
     # no step captured: the 4-row bucket's graph, captured at load, replayed 4 times
-    assert rt.graphs.captures == 4 and rt.graphs.replays == 4 and rt.stats.calls == 4
+    assert rt.bank_state.bank.graphs.captures == 4 and rt.bank_state.bank.graphs.replays == 4 and rt.planner.stats.calls == 4
 
 
 def _one_steer_runtime(tmp_path, slots: int, seed: int, load_first: bool = True,
@@ -390,16 +390,16 @@ def _one_steer_runtime(tmp_path, slots: int, seed: int, load_first: bool = True,
     save_steer(path, random_steer(32, 4, "a", seed=seed))
     rt = get_runtime({"vllm_steer": {"steers": {"a": path}, "max_steers": 2,
                                      "max_steer_rank": 8}})
-    rt.banks.graph_backend = StandIn()
+    rt.bank_state.graph_backend = StandIn()
     if load_first:
-        rt.load(32, DEVICE, torch.float32)  # the head, built with the model
+        rt.bank_state.load(32, DEVICE, torch.float32)  # the head, built with the model
         rt.model_loaded()  # vLLM's loader done
-        assert rt.graphs.captures == 0  # max_num_seqs not known yet: nothing captured
+        assert rt.bank_state.bank.graphs.captures == 0  # max_num_seqs not known yet: nothing captured
         rt.ensure_slots(slots, DEVICE, max_rows)
     else:
         rt.ensure_slots(slots, DEVICE, max_rows)  # no bank yet: nothing to capture
-        rt.load(32, DEVICE, torch.float32)
-        assert rt.graphs.captures == 0  # the weights are not loaded yet: nothing captured
+        rt.bank_state.load(32, DEVICE, torch.float32)
+        assert rt.bank_state.bank.graphs.captures == 0  # the weights are not loaded yet: nothing captured
         rt.model_loaded()
     return rt
 
@@ -416,25 +416,25 @@ def test_the_heads_graphs_are_captured_at_start_up_and_no_step_captures(tmp_path
     from vllm_steer.integrations.worker.rows import SlotRows
 
     rt = _one_steer_runtime(tmp_path, slots=8, seed=1, load_first=load_first)
-    assert rt.graphs.buckets == [1, 2, 4, 8] and rt.graphs.captures == 4
-    row = np.zeros(rt.num_columns, np.float32)
-    row[0] = 4 * rt.bank.steers[0].metadata.epsilon
+    assert rt.bank_state.bank.graphs.buckets == [1, 2, 4, 8] and rt.bank_state.bank.graphs.captures == 4
+    row = np.zeros(rt.slots.num_columns, np.float32)
+    row[0] = 4 * rt.bank_state.bank.steers[0].metadata.epsilon
     for slot in range(8):
         rt.set_slot(slot, row if slot % 2 == 0 else None)
-    rt.flush()
+    rt.slots.flush()
     gen = torch.Generator().manual_seed(0)
     for n in (*range(1, 9), *range(7, 0, -1)):
         h = torch.randn(n, 32, generator=gen).to(DEVICE)
-        with rt.rows(SlotRows(slots=np.arange(n))):
-            out = rt.steer_rows(h)
+        with rt.planner.rows(SlotRows(slots=np.arange(n))):
+            out = rt.planner.steer_rows(h)
         coefs = torch.tensor(np.stack([row if i % 2 == 0 else 0 * row for i in range(n)]))
-        ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+        ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
                               coefs)
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
-    assert rt.graphs.buckets == [1, 2, 4, 8]
-    assert rt.graphs.captures == 4 and rt.graphs.replays == 15
+    assert rt.bank_state.bank.graphs.buckets == [1, 2, 4, 8]
+    assert rt.bank_state.bank.graphs.captures == 4 and rt.bank_state.bank.graphs.replays == 15
     rt.ensure_slots(4, DEVICE)  # sized already: nothing to capture
-    assert rt.graphs.captures == 4
+    assert rt.bank_state.bank.graphs.captures == 4
 
 
 def test_enforce_eager_keeps_the_head_on_the_eager_op(tmp_path, log_lines):
@@ -451,23 +451,23 @@ def test_enforce_eager_keeps_the_head_on_the_eager_op(tmp_path, log_lines):
     save_steer(path, random_steer(32, 4, "a", seed=5))
     rt = SteerRuntime(SteerServerConfig.from_additional_config(
         {"vllm_steer": {"steers": {"a": path}, "max_steer_rank": 4}}))
-    rt.banks.graph_backend = back = StandIn()
+    rt.bank_state.graph_backend = back = StandIn()
     rt.ensure_slots(4, DEVICE)
-    rt.load(32, DEVICE, torch.float32, cuda_graphs=False)
+    rt.bank_state.load(32, DEVICE, torch.float32, cuda_graphs=False)
     rt.model_loaded(torch.float32)
-    assert rt.graphs is None and back.captured == [] and rt.bank.fixed_p1 is None
+    assert rt.bank_state.bank.graphs is None and back.captured == [] and rt.bank_state.bank.fixed_p1 is None
     assert any("launched eagerly: vLLM runs with --enforce-eager" in line
                for line in log_lines), log_lines
-    row = np.zeros(rt.num_columns, np.float32)
-    row[0] = 5 * rt.bank.steers[0].metadata.epsilon
+    row = np.zeros(rt.slots.num_columns, np.float32)
+    row[0] = 5 * rt.bank_state.bank.steers[0].metadata.epsilon
     rt.set_slot(1, row)
-    rt.flush()
+    rt.slots.flush()
     h = torch.randn(3, 32, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    with rt.rows(SlotRows(slots=np.arange(3))):
-        out = rt.steer_rows(h)
-    coefs = torch.zeros(3, rt.num_columns)
+    with rt.planner.rows(SlotRows(slots=np.arange(3))):
+        out = rt.planner.steer_rows(h)
+    coefs = torch.zeros(3, rt.slots.num_columns)
     coefs[1] = torch.from_numpy(row)
-    ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+    ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
                           coefs)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
     assert back.captured == [] and back.replayed == 0
@@ -489,23 +489,23 @@ def test_with_speculative_decoding_the_buckets_cover_every_verification_row(tmp_
     assert max_step_rows(SimpleNamespace(speculative_config=None), 4) == 4
     assert max_step_rows(object(), 4) == 4
     rt = _one_steer_runtime(tmp_path, slots=4, seed=9)
-    assert rt.graphs.buckets == [1, 2, 4]
+    assert rt.bank_state.bank.graphs.buckets == [1, 2, 4]
     rt = _one_steer_runtime(tmp_path / "spec", slots=4, seed=9, max_rows=16)
-    assert rt.graphs.buckets == [1, 2, 4, 8, 16] and rt.banks.max_rows == 16
-    row = np.zeros(rt.num_columns, np.float32)
-    row[0] = 4 * rt.bank.steers[0].metadata.epsilon
+    assert rt.bank_state.bank.graphs.buckets == [1, 2, 4, 8, 16] and rt.bank_state.max_rows == 16
+    row = np.zeros(rt.slots.num_columns, np.float32)
+    row[0] = 4 * rt.bank_state.bank.steers[0].metadata.epsilon
     for slot in range(4):
         rt.set_slot(slot, row if slot != 2 else None)
-    rt.flush()
+    rt.slots.flush()
     slots = np.repeat(np.arange(4), 4)  # each request's 3 draft tokens and its bonus token
     h = torch.randn(16, 32, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    with rt.rows(SlotRows(slots=slots)):
-        out = rt.steer_rows(h)
+    with rt.planner.rows(SlotRows(slots=slots)):
+        out = rt.planner.steer_rows(h)
     coefs = torch.from_numpy(np.stack([0 * row if s == 2 else row for s in slots]))
-    ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+    ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
                           coefs)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
-    assert rt.graphs.captures == 5 and rt.graphs.replays == 1
+    assert rt.bank_state.bank.graphs.captures == 5 and rt.bank_state.bank.graphs.replays == 1
 
 
 def test_an_fp32_head_captures_its_graphs_for_the_models_hidden_states(tmp_path):
@@ -522,22 +522,22 @@ def test_an_fp32_head_captures_its_graphs_for_the_models_hidden_states(tmp_path)
     save_steer(path, random_steer(32, 4, "a", seed=4))
     rt = SteerRuntime(SteerServerConfig.from_additional_config(
         {"vllm_steer": {"steers": {"a": path}, "max_steer_rank": 4}}))
-    rt.banks.graph_backend = StandIn()
+    rt.bank_state.graph_backend = StandIn()
     rt.ensure_slots(4, DEVICE)
-    rt.load(32, DEVICE, torch.float32)  # the head's dtype
+    rt.bank_state.load(32, DEVICE, torch.float32)  # the head's dtype
     rt.model_loaded(torch.bfloat16)  # the model's
-    assert rt.graphs.captures == 3
-    row = np.zeros(rt.num_columns, np.float32)
-    row[0] = 5 * rt.bank.steers[0].metadata.epsilon
+    assert rt.bank_state.bank.graphs.captures == 3
+    row = np.zeros(rt.slots.num_columns, np.float32)
+    row[0] = 5 * rt.bank_state.bank.steers[0].metadata.epsilon
     rt.set_slot(0, row)
-    rt.flush()
+    rt.slots.flush()
     h = torch.randn(2, 32, generator=torch.Generator().manual_seed(0)).to(DEVICE, torch.bfloat16)
-    with rt.rows(SlotRows(slots=np.arange(2))):
-        out = rt.steer_rows(h)
-    assert rt.graphs.captures == 3 and rt.graphs.replays == 1 and out.dtype == torch.bfloat16
-    coefs = torch.zeros(2, rt.num_columns)
+    with rt.planner.rows(SlotRows(slots=np.arange(2))):
+        out = rt.planner.steer_rows(h)
+    assert rt.bank_state.bank.graphs.captures == 3 and rt.bank_state.bank.graphs.replays == 1 and out.dtype == torch.bfloat16
+    coefs = torch.zeros(2, rt.slots.num_columns)
     coefs[0] = torch.from_numpy(row)
-    ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+    ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
                           coefs)
     torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=2 ** -7, atol=2 ** -7)
 
@@ -574,33 +574,33 @@ def test_a_capture_that_fails_leaves_the_head_on_the_eager_op_and_serving(tmp_pa
     save_steer(path, random_steer(32, 4, "a", seed=2))
     rt = SteerRuntime(SteerServerConfig.from_additional_config(
         {"vllm_steer": {"steers": {"a": path}, "max_steers": 2, "max_steer_rank": 8}}))
-    rt.banks.graph_backend = back = FailingStandIn(fail_at=3 if when == "start-up" else 1)
+    rt.bank_state.graph_backend = back = FailingStandIn(fail_at=3 if when == "start-up" else 1)
     rt.ensure_slots(8, DEVICE)
-    rt.load(32, DEVICE, torch.float32)
+    rt.bank_state.load(32, DEVICE, torch.float32)
     if when == "start-up":
         rt.model_loaded()  # buckets 1 and 2 captured, then 4 fails: nothing raised
         assert back.tries == 3
-    eps = rt.bank.steers[0].metadata.epsilon
+    eps = rt.bank_state.bank.steers[0].metadata.epsilon
     gen = torch.Generator().manual_seed(0)
     for n in (3, 3, 6):
-        row = np.zeros(rt.num_columns, np.float32)
+        row = np.zeros(rt.slots.num_columns, np.float32)
         row[0] = 4 * eps
         for slot in range(n):
             rt.set_slot(slot, row if slot != 1 else None)
-        rt.flush()
+        rt.slots.flush()
         h = torch.randn(n, 32, generator=gen).to(DEVICE)
-        with rt.rows(SlotRows(slots=np.arange(n))):
-            out = rt.steer_rows(h)
-        coefs = torch.zeros(n, rt.num_columns)
+        with rt.planner.rows(SlotRows(slots=np.arange(n))):
+            out = rt.planner.steer_rows(h)
+        coefs = torch.zeros(n, rt.slots.num_columns)
         coefs[:, 0] = 4 * eps
         coefs[1] = 0
-        ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+        ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
                               coefs)
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
     rt.put_steer(1, 5, "b", random_steer(32, 8, "b", seed=3))  # a new layout: no new try
     tries = back.tries
-    assert tries == (3 if when == "start-up" else 1) and rt.graphs.buckets == []
-    assert rt.graphs.replays == 0 and "operation not permitted" in rt.graphs.failed
+    assert tries == (3 if when == "start-up" else 1) and rt.bank_state.bank.graphs.buckets == []
+    assert rt.bank_state.bank.graphs.replays == 0 and "operation not permitted" in rt.bank_state.bank.graphs.failed
     warned = [line for line in log_lines if "launched eagerly from now on" in line]
     assert len(warned) == 1 and "RuntimeError: CUDA error: operation not permitted when " \
         "stream is capturing" in warned[0] and "asynchronously" not in warned[0], warned
@@ -616,42 +616,42 @@ def test_a_load_that_changes_the_banks_layout_captures_the_graphs_again_before_t
     from vllm_steer.integrations.worker.rows import SlotRows
 
     rt = _one_steer_runtime(tmp_path, slots=4, seed=5)
-    assert rt.graphs.captures == 3  # buckets 1, 2, 4
+    assert rt.bank_state.bank.graphs.captures == 3  # buckets 1, 2, 4
     gen = torch.Generator().manual_seed(0)
 
     def step(strengths):
         for slot, (col, s) in enumerate(strengths):
-            row = np.zeros(rt.num_columns, np.float32)
+            row = np.zeros(rt.slots.num_columns, np.float32)
             if s:
-                row[col] = s * rt.bank.steers[col].metadata.epsilon
+                row[col] = s * rt.bank_state.bank.steers[col].metadata.epsilon
             rt.set_slot(slot, row if s else None)
-        rt.flush()
+        rt.slots.flush()
         n = len(strengths)
         h = torch.randn(n, 32, generator=gen).to(DEVICE)
-        with rt.rows(SlotRows(slots=np.arange(n))):
-            out = rt.steer_rows(h)
-        coefs = torch.zeros(n, rt.num_columns)
+        with rt.planner.rows(SlotRows(slots=np.arange(n))):
+            out = rt.planner.steer_rows(h)
+        coefs = torch.zeros(n, rt.slots.num_columns)
         for i, (col, s) in enumerate(strengths):
             if s:
-                coefs[i, col] = s * rt.bank.steers[col].metadata.epsilon
-        ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+                coefs[i, col] = s * rt.bank_state.bank.steers[col].metadata.epsilon
+        ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
                               coefs)
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
 
     step([(0, 4), (0, 0), (0, -2)])
     rt.put_steer(1, 7, "b", random_steer(32, 8, "b", seed=6))  # a new steer: a new layout
-    assert rt.graphs.buckets == [1, 2, 4] and rt.graphs.captures == 6  # captured in the load
+    assert rt.bank_state.bank.graphs.buckets == [1, 2, 4] and rt.bank_state.bank.graphs.captures == 6  # captured in the load
     step([(0, 4), (1, 3), (1, -2), (0, 0)])
     step([(1, 5)])
     rt.drop_slots([1])
-    assert rt.graphs.captures == 9
+    assert rt.bank_state.bank.graphs.captures == 9
     step([(0, 3), (0, 0)])
     rt.put_steer(1, 8, "b2", random_steer(32, 8, "b2", seed=7))  # the layout the drop undid
-    captures = rt.graphs.captures
+    captures = rt.bank_state.bank.graphs.captures
     rt.put_steer(1, 9, "b3", random_steer(32, 8, "b3", seed=8))  # the same ranks: kept
-    assert rt.graphs.captures == captures
+    assert rt.bank_state.bank.graphs.captures == captures
     step([(1, 4), (0, 2)])
-    assert rt.graphs.captures == captures and rt.graphs.replays == 5
+    assert rt.bank_state.bank.graphs.captures == captures and rt.bank_state.bank.graphs.replays == 5
 
 
 def test_steps_replayed_from_graphs_plan_nothing_and_an_eager_step_plans_its_own(tmp_path):
@@ -663,41 +663,41 @@ def test_steps_replayed_from_graphs_plan_nothing_and_an_eager_step_plans_its_own
 
     rt = _one_steer_runtime(tmp_path, slots=4, seed=3)
     planned = []
-    prepare = rt.banks.prepare
+    prepare = rt.bank_state.prepare
     assert prepare is not None  # the auto backend plans its launches
 
     def counted(*args, **kwargs):
         planned.append(1)
         return prepare(*args, **kwargs)
 
-    rt.banks.prepare = counted
-    eps = rt.bank.steers[0].metadata.epsilon
+    rt.bank_state.prepare = counted
+    eps = rt.bank_state.bank.steers[0].metadata.epsilon
     gen = torch.Generator().manual_seed(0)
 
     def step(strengths):
         for slot, s in enumerate(strengths):
-            row = np.zeros(rt.num_columns, np.float32)
+            row = np.zeros(rt.slots.num_columns, np.float32)
             row[0] = s * eps
             rt.set_slot(slot, row if s else None)
-        rt.flush()
+        rt.slots.flush()
         h = torch.randn(4, 32, generator=gen).to(DEVICE)
-        with rt.rows(SlotRows(slots=np.arange(4))):
-            out = rt.steer_rows(h)
-        coefs = torch.zeros(4, rt.num_columns)
+        with rt.planner.rows(SlotRows(slots=np.arange(4))):
+            out = rt.planner.steer_rows(h)
+        coefs = torch.zeros(4, rt.slots.num_columns)
         coefs[:, 0] = torch.tensor(strengths, dtype=torch.float32) * eps
-        ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+        ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
                               coefs)
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
 
     for strengths in ([4, 0, 2, 0], [4, 1, 2, 0], [4, 1, 2, 0]):  # replayed
         step(strengths)
-    assert rt.graphs.replays == 3 and planned == []
-    rt.graphs.disabled = "a steer wider than the copy"  # the eager op from now on
+    assert rt.bank_state.bank.graphs.replays == 3 and planned == []
+    rt.bank_state.bank.graphs.disabled = "a steer wider than the copy"  # the eager op from now on
     step([4, 1, 2, 0])
     step([4, 1, 2, 0])
     assert len(planned) == 1  # planned at its first eager launch, then kept
     step([0, 3, 2, 5])
-    assert len(planned) == 2 and rt.graphs.replays == 3
+    assert len(planned) == 2 and rt.bank_state.bank.graphs.replays == 3
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="real CUDA graphs (scripts/gpu_window.sh runs "
@@ -706,7 +706,7 @@ def test_real_cuda_graphs_replay_the_tables_and_the_copys_current_values():
     """On a GPU: the captured graph (no stand-in) follows new coefficients written into the
     table and a steer rewritten into the fixed copy, and matches the reference."""
     bank = _bank()
-    graphs = bank.head_graphs()
+    graphs = G.head_graphs(bank)
     assert isinstance(graphs.backend, G.CudaGraphBackend)
     table = torch.zeros(8, bank.num_columns, device=DEVICE)
     gen = torch.Generator().manual_seed(0)
@@ -729,7 +729,7 @@ def test_real_cuda_graphs_are_captured_again_after_every_graph_was_dropped():
     every graph; the next captures (into a new memory pool: capturing into the dropped graphs'
     pool fails an assertion inside PyTorch) replay the reference."""
     bank = _bank()
-    graphs = bank.head_graphs()
+    graphs = G.head_graphs(bank)
     gen = torch.Generator().manual_seed(1)
     for step in range(3):
         if step == 2:
@@ -761,31 +761,31 @@ def test_real_cuda_graphs_captured_at_start_up_replay_and_are_captured_again_in_
     rt = get_runtime({"vllm_steer": {"steers": {"a": path}, "max_steers": 2,
                                      "max_steer_rank": 8}})
     rt.ensure_slots(8, DEVICE)
-    rt.load(32, DEVICE, torch.float32)
+    rt.bank_state.load(32, DEVICE, torch.float32)
     rt.model_loaded(torch.float32)
-    assert isinstance(rt.graphs.backend, G.CudaGraphBackend)
-    assert rt.graphs.buckets == [1, 2, 4, 8] and rt.graphs.captures == 4
+    assert isinstance(rt.bank_state.bank.graphs.backend, G.CudaGraphBackend)
+    assert rt.bank_state.bank.graphs.buckets == [1, 2, 4, 8] and rt.bank_state.bank.graphs.captures == 4
     gen = torch.Generator().manual_seed(0)
 
     def step(n, col):
-        row = np.zeros(rt.num_columns, np.float32)
-        row[col] = 4 * rt.bank.steers[col].metadata.epsilon
+        row = np.zeros(rt.slots.num_columns, np.float32)
+        row[col] = 4 * rt.bank_state.bank.steers[col].metadata.epsilon
         for slot in range(n):
             rt.set_slot(slot, row if slot % 2 == 0 else None)
-        rt.flush()
+        rt.slots.flush()
         h = torch.randn(n, 32, generator=gen).to(DEVICE)
-        with rt.rows(SlotRows(slots=np.arange(n))):
-            out = rt.steer_rows(h).clone()
+        with rt.planner.rows(SlotRows(slots=np.arange(n))):
+            out = rt.planner.steer_rows(h).clone()
         coefs = torch.from_numpy(np.stack([row if i % 2 == 0 else 0 * row for i in range(n)]))
-        ref = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+        ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
                               coefs)
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
 
     for n in (1, 3, 8, 5):
         step(n, 0)
-    assert rt.graphs.captures == 4 and rt.graphs.replays == 4
+    assert rt.bank_state.bank.graphs.captures == 4 and rt.bank_state.bank.graphs.replays == 4
     rt.put_steer(1, 7, "b", random_steer(32, 8, "b", seed=12))  # a new layout
-    assert rt.graphs.captures == 8
+    assert rt.bank_state.bank.graphs.captures == 8
     for n in (2, 7):
         step(n, 1)
-    assert rt.graphs.captures == 8 and rt.graphs.replays == 6
+    assert rt.bank_state.bank.graphs.captures == 8 and rt.bank_state.bank.graphs.replays == 6

@@ -304,7 +304,7 @@ EVERY = metrics_mod.TIMER_SAMPLE_EVERY
 def planner():
     """The head's step planner with no bank or slots: its timed op (``_timed``), the caller of
     the timer that counts the untimed ops down, is all these tests run."""
-    from vllm_steer.integrations.worker.rows import StepPlanner
+    from vllm_steer.integrations.worker.planner import StepPlanner
 
     return StepPlanner(None, None)
 
@@ -380,24 +380,23 @@ def test_a_worker_reports_its_timed_steer_calls(tmp_path):
     save_steer(path, random_steer(32, 4, "a", seed=1, scale=3.0))
     extra = {"vllm_steer": {"steers": {"a": str(path)}, "backend": "torch"}}
     rt = get_runtime(extra)
-    rt.load(32, torch.device("cpu"), torch.float32)
+    rt.bank_state.load(32, torch.device("cpu"), torch.float32)
     rt.ensure_slots(2, torch.device("cpu"))
-    row = np.zeros(rt.num_columns, dtype=np.float32)
-    row[0], row[rt.capacity] = steer_coefficients(4, rt.bank.steers[0].metadata.epsilon, None)
+    row = np.zeros(rt.slots.num_columns, dtype=np.float32)
+    row[0], row[rt.bank_state.capacity] = steer_coefficients(4, rt.bank_state.bank.steers[0].metadata.epsilon, None)
     rt.set_slot(0, row)
-    rt.flush()
-    rt.batch_size = 1  # the runner's step: one request, in slot 0
+    rt.slots.flush()
+    rt.planner.batch_size = 1  # the runner's step: one request, in slot 0
     h = torch.randn(1, 32, generator=torch.Generator().manual_seed(0))
     worker = VllmObject(vllm_config=SimpleNamespace(additional_config=extra))
     for _ in range(3):
-        out = rt.steer_rows(h)
-    torch.testing.assert_close(out, steer_reference(h, rt.bank.p1, rt.bank.p2,
-                                                    rt.bank.rank_offsets, torch.tensor(row)[None]))
+        out = rt.planner.steer_rows(h)
+    torch.testing.assert_close(out, steer_reference(h, *rt.bank_state.bank.factors, torch.tensor(row)[None]))
     rep = worker_op(worker, "stats")  # the first call timed; the next two wait for theirs
     assert rep["op_calls"] == 3 and rep["op_timed_calls"] == 1
     assert rep["op_seconds"] == rep["op_host_seconds"] > 0
     for _ in range(2 * EVERY - 2):  # up to the next timed call and one in EVERY after it
-        rt.steer_rows(h)
+        rt.planner.steer_rows(h)
     rep = worker_op(worker, "stats")
     assert rep["op_calls"] == rep["op_timed_calls"] == 1 + 2 * EVERY
     assert rep["op_seconds"] == rep["op_host_seconds"] > 0

@@ -5,7 +5,7 @@ Attention backends that split decodes from prefills (FlashInfer, MLA, FlashAtten
 GPUs: their metadata builder's ``reorder_batch_threshold``) make the V1 runner reorder its
 persistent batch before each step (``reorder_batch_to_split_decodes_and_prefills``): decodes
 first, prefills last, by swapping requests, which our logits processor receives as
-``BatchUpdate.moved`` entries with ``MoveDirectionality.SWAP`` (``SteerRuntime.move_slot``).
+``BatchUpdate.moved`` entries with ``MoveDirectionality.SWAP`` (``RequestSlots.move``).
 The CPU attention backend does not ask for it, so the test sets the runner's
 ``reorder_batch_threshold`` to 1 in the engine process (what a decode-splitting backend
 reports), runs steered and unsteered prompts of different lengths and ``max_tokens`` through
@@ -50,25 +50,25 @@ def test_swapped_rows_keep_their_own_steer(llm, pair_ref):
     def force_reorder_and_count(worker):
         """In the engine process: a decode-splitting backend's threshold, and a count of the
         moves the steer runtime receives."""
-        from vllm_steer.integrations.worker import runtime
+        from vllm_steer.integrations.worker import request_slots
 
         worker.model_runner.reorder_batch_threshold = 1
-        cls = runtime.SteerRuntime
+        cls = request_slots.RequestSlots
         if "_test_moves" not in cls.__dict__:
-            orig = cls.move_slot
+            orig = cls.move
             cls._test_moves = {"swap": 0, "move": 0}
 
-            def move_slot(self, src, dst, swap):
+            def move(self, src, dst, swap):
                 cls._test_moves["swap" if swap else "move"] += 1
                 return orig(self, src, dst, swap)
 
-            cls.move_slot = move_slot
+            cls.move = move
         return dict(cls._test_moves)
 
     def moves(worker):
-        from vllm_steer.integrations.worker import runtime
+        from vllm_steer.integrations.worker import request_slots
 
-        return dict(runtime.SteerRuntime._test_moves)
+        return dict(request_slots.RequestSlots._test_moves)
 
     assert llm.collective_rpc(lambda w: type(w.model_runner).__module__) == [
         "vllm.v1.worker.cpu_model_runner"]

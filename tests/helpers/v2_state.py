@@ -50,5 +50,5 @@ def v2_request_state(vllm_config, max_num_reqs: int = 8):
 
     (proc,) = build_custom_logits_processors(vllm_config, v2_req_states(max_num_reqs), False,
                                              [V2_FQCN])
-    proc.runtime.load(64, torch.device("cpu"), torch.float32)
+    proc.runtime.bank_state.load(64, torch.device("cpu"), torch.float32)
     return proc

@@ -120,7 +120,7 @@ req_states = types.SimpleNamespace(device=torch.device("cpu"), max_num_reqs=8,
 (state,) = build_custom_logits_processors(v2_config, req_states, False,
                                           v2_config.model_config.logits_processors)
 rt = state.runtime
-rt.load(64, torch.device("cpu"), torch.float32)
+rt.bank_state.load(64, torch.device("cpu"), torch.float32)
 state.add_request(3, SamplingParams(extra_args=bound_extra(["a"], {"a": 5})))
 state.add_request(1, SamplingParams())
 state.apply_staged_writes()
@@ -130,7 +130,7 @@ class Runner:  # stands in for V2's GPUModelRunner: sample() calls the LM head
     vllm_config = v2_config
 
     def sample(self, hidden_states, input_batch, grammar_output):
-        return rt.steer_rows(hidden_states)
+        return rt.planner.steer_rows(hidden_states)
 
 
 wrap_method(Runner, "sample", v2.sample)
@@ -139,9 +139,9 @@ batch.idx_mapping_np = np.array([1, 3])  # the step's requests -> slots
 batch.expanded_idx_mapping = torch.tensor([1, 3], dtype=torch.int32)  # rows -> slots
 h = torch.randn(2, 64)
 out = Runner().sample(h, batch, None)
-coefs = torch.zeros(2, rt.num_columns)  # one column per steer slot: a first
+coefs = torch.zeros(2, rt.slots.num_columns)  # one column per steer slot: a first
 coefs[1, 0] = 5e-3  # strength 5
-want = steer_reference(h, rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets, coefs)
+want = steer_reference(h, *rt.bank_state.bank.factors, coefs)
 print("V2-STEERED", type(state).__qualname__, torch.equal(out[0], h[0]),
       torch.allclose(out, want, atol=1e-5), not torch.equal(out[1], h[1]), flush=True)
 """

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-HOOKS = ["plugin", "pass-through", "check", "binding by bound()", "input_batch by Arg.get",
+HOOKS = ["plugin", "pass-through", "check", "binding by of()", "input_batch by Arg.get",
          "batch bytes", "binding inline", "inline, request ids"]
 
 

@@ -63,10 +63,10 @@ def test_the_drafter_steer_passes_its_replay_check(dtype):
 
 
 def test_the_drafter_check_catches_rows_mapped_to_the_wrong_slots(monkeypatch):
-    from vllm_steer.integrations.worker.runtime import SteerRuntime
+    from vllm_steer.integrations.worker.planner import StepPlanner
 
-    real = SteerRuntime.steer_fixed
-    monkeypatch.setattr(SteerRuntime, "steer_fixed",
+    real = StepPlanner.steer_fixed
+    monkeypatch.setattr(StepPlanner, "steer_fixed",
                         lambda self, h, m: real(self, h, m.flip(0)))  # rows get others' slots
     r = gpu_async_steps.run_drafter(device="cpu", dtype=torch.float32, steps=4, batch=16,
                                     hidden=128)

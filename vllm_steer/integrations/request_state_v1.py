@@ -9,7 +9,7 @@ changes logits (``apply`` is the identity; the LM head steers,
 processors do: ``validate_params`` runs in the frontend at admission
 (:func:`vllm_steer.integrations.frontend.admission.validate`); an instance lives in each worker
 and puts the coefficients of the request in each batch slot into the worker's request-slot
-table (:meth:`~vllm_steer.integrations.worker.runtime.SteerRuntime.set_slot`, ``flush``),
+table (:meth:`~vllm_steer.integrations.worker.runtime.SteerRuntime.set_slot`, ``slots.flush``),
 where the LM-head hook reads them. Semantics: see :mod:`vllm_steer.reference`.
 
 V1 keeps a persistent batch: ``update_state(BatchUpdate)`` reports added, removed and moved
@@ -62,6 +62,6 @@ class SteerRequestStateV1(LogitsProcessor):
             coefs = rt.decode(params)  # decoded once, into its row and windows
             rt.set_slot(slot, coefs.row, coefs.windows)
         for a, b, direction in batch_update.moved:
-            rt.move_slot(a, b, swap=direction == MoveDirectionality.SWAP)
-        rt.batch_size = batch_update.batch_size
-        rt.flush()
+            rt.slots.move(a, b, swap=direction == MoveDirectionality.SWAP)
+        rt.planner.batch_size = batch_update.batch_size
+        rt.slots.flush()

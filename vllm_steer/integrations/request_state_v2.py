@@ -65,7 +65,7 @@ class SteerRequestStateV2(LogitsProcessor):
             seqs = req_states.max_num_reqs
             self.runtime.ensure_slots(seqs, req_states.device, max_step_rows(vllm_config, seqs))
             # outside sample() (prompt logprobs, warm-up) rows have no known slot: unsteered
-            self.runtime.row_source = NO_ROWS
+            self.runtime.planner.row_source = NO_ROWS
 
     def add_request(self, req_idx: int, sampling_params) -> bool:
         rt = self.runtime

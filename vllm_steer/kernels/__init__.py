@@ -25,8 +25,11 @@ import os
 from typing import Any, Callable
 
 __all__ = ["steer_torch", "prepare_torch", "steer_triton", "prepare_triton", "HAS_TRITON",
-           "backends", "batch_invariant", "ENV_BATCH_INVARIANT"]
+           "backends", "batch_invariant", "ENV_BATCH_INVARIANT", "ENV_BACKEND"]
 
+#: The steer backend for the whole process (``auto``, ``reference``, ``torch``, ``triton``),
+#: over the configured one: :func:`vllm_steer.ops.resolve_backend`.
+ENV_BACKEND = "VLLM_STEER_BACKEND"
 #: vLLM's switch for batch-invariant results (an integer; non-zero is on), read as vLLM reads it.
 ENV_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"
 

@@ -34,19 +34,19 @@ a CPU.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable, Protocol
 
 import torch
 
 from vllm_steer.logs import get_logger
 
+from . import ENV_BACKEND
 from .fixed import steer_fixed
+from .layout import row_bucket
 
 #: Set to 0 to launch the LM head's steer op eagerly on CUDA (no CUDA graphs of it).
 ENV_GRAPHS = "VLLM_STEER_CUDA_GRAPHS"
-#: The steer backend's override (:data:`vllm_steer.ops.ENV_BACKEND`; this package never
-#: imports ops).
-ENV_BACKEND = "VLLM_STEER_BACKEND"
 #: The largest row bucket captured; a step with more rows launches the op eagerly.
 MAX_GRAPH_ROWS = 512
 #: The largest fixed-layout copy of the bank (both factors, bytes) for which the head uses
@@ -69,11 +69,6 @@ def graphs_enabled(choice: str | None = "auto") -> bool:
     except ValueError:
         raise ValueError(f"${ENV_GRAPHS}={value!r} is not an integer: set it to 1 (CUDA "
                          f"graphs for the LM head's steer op, the default) or 0 (eager)") from None
-
-
-def row_bucket(n: int) -> int:
-    """The smallest power of two that holds ``n`` rows."""
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def fixed_bank_bytes(columns: int, rank: int, hidden_size: int, dtype) -> int:
@@ -165,6 +160,23 @@ class SteerGraphs:
         """The buckets captured so far (ascending)."""
         return sorted(self._graphs)
 
+    def use_copy(self, p1: torch.Tensor, p2: torch.Tensor, rank: int) -> None:
+        """The bank made a new fixed-layout copy: the graphs read it from now on (captured
+        again)."""
+        self.p1, self.p2, self.rank = p1, p2, int(rank)
+        self.invalidate()
+
+    def left_out(self, names: list[str], rank: int) -> None:
+        """The steers the bank's fixed copy (of ``rank`` per steer) leaves out, being wider:
+        while there is one, the head's op is launched eagerly (logged), as the head must apply
+        every steer (a drafter may propose without one)."""
+        was = self.disabled
+        self.disabled = (f"steers wider than the fixed copy's rank {rank} are loaded: "
+                         f"{names}") if names else None
+        if self.disabled and not was:
+            get_logger().warning("vllm-steer: the LM head's steer op is launched eagerly (not "
+                                 "from CUDA graphs) while %s", self.disabled)
+
     def invalidate(self) -> None:
         """Drop every graph: each bucket is captured again on its next use (into a new memory
         pool: the dropped graphs' pool is freed)."""
@@ -206,11 +218,16 @@ class SteerGraphs:
         :attr:`max_rows`) that is not captured yet, for activations ``[rows, width]`` of
         ``dtype`` and the coefficient buffer ``table`` (as :meth:`run` takes it): at start-up
         and after a load that dropped the graphs, so that no serving step captures. Returns the
-        number captured (0 while :attr:`disabled`)."""
+        number captured (0 while :attr:`disabled`), logged with the time and device memory it
+        took. A capture that fails leaves the caller on the eager op, logged
+        (:attr:`failed`)."""
         if self.disabled is not None or self.failed is not None or rows < 1:
             return 0
         if table is not self._table or dtype != self._dtype or width != self._width:
             self._use(table, dtype, width)
+        dev = self.p1.device
+        cuda = dev.type == "cuda"
+        t0, held = time.perf_counter(), torch.cuda.memory_reserved(dev) if cuda else 0
         top = row_bucket(min(int(rows), self.max_rows))
         done = 0
         for bucket in (1 << i for i in range(top.bit_length())):
@@ -218,6 +235,11 @@ class SteerGraphs:
                 if self._try_capture(bucket) is None:
                     break
                 done += 1
+        if done:
+            mib = (torch.cuda.memory_reserved(dev) - held) / 2**20 if cuda else 0.0
+            get_logger().info("vllm-steer: captured %d CUDA graph(s) of the LM head's steer op "
+                              "(buckets %s rows) in %.2f s, %.1f MiB", done, self.buckets,
+                              time.perf_counter() - t0, mib)
         return done
 
     def _use(self, table: torch.Tensor, dtype: torch.dtype, width: int) -> None:
@@ -256,3 +278,58 @@ class SteerGraphs:
         self.captures += 1
         self._graphs[bucket] = (graph, h_in, out, index, table)
         return self._graphs[bucket]
+
+
+def head_graphs(bank, choice: str | None = "auto",
+                graph_backend: GraphBackend | None = None) -> SteerGraphs | None:
+    """On CUDA, the LM head's steer op replayed from CUDA graphs (:class:`SteerGraphs`) over
+    the fixed-layout copy of ``bank`` (a :class:`~vllm_steer.bank.SlotBank`;
+    :meth:`~vllm_steer.bank.SlotBank.enable_fixed` at its reserved rank, allocated now unless
+    drafter heads already did: one copy serves both), kept as ``bank.graphs`` (the bank tells
+    them of each change of its layout and of the copy); the memory it costs is logged.
+
+    None, and the head launches the op eagerly: on any other device; with
+    ``VLLM_STEER_CUDA_GRAPHS=0``; when the steer backend was named (``choice``, the
+    configured backend, or ``$VLLM_STEER_BACKEND``: anything but ``auto`` runs as asked); when
+    the bank reserved no rank (no start-up steer and no ``--max-steer-rank``); when the copy
+    would exceed :data:`MAX_GRAPH_BANK_BYTES` or the device cannot hold it (logged). Call it
+    while the model loads: the copy is device memory vLLM should count before it sizes the KV
+    cache. ``graph_backend``: what records and replays the graphs (tests pass a stand-in,
+    which also lifts the CUDA-only rule)."""
+    if bank.graphs is not None:
+        return bank.graphs
+    on_cuda = torch.device(bank.device or "cpu").type == "cuda"
+    if (graph_backend is None and not on_cuda) or not graphs_enabled(choice):
+        return None
+    logger = get_logger()
+    rank = bank.fixed_rank or bank.reserved_rank
+    eager = "vllm-steer: the LM head's steer op is launched eagerly: "
+    if not rank:
+        logger.info(eager + "the bank reserved no rank for a fixed-layout copy (set "
+                    "--max-steer-rank to replay it from CUDA graphs)")
+        return None
+    nbytes = fixed_bank_bytes(bank.num_columns, rank, bank.hidden_size, bank.dtype)
+    figure = (f"{nbytes / 2**20:.1f} MiB ({bank.num_columns} columns x rank {rank} x "
+              f"hidden {bank.hidden_size})")
+    shared = bank.fixed_p1 is not None
+    if not shared and nbytes > MAX_GRAPH_BANK_BYTES:
+        logger.info(eager + "replaying it from CUDA graphs needs a fixed-layout copy of the "
+                    "bank of %s, over %d MiB", figure, MAX_GRAPH_BANK_BYTES >> 20)
+        return None
+    if not shared:
+        try:
+            bank.enable_fixed(rank)
+        except torch.OutOfMemoryError as e:
+            bank.fixed_rank, bank.fixed_p1, bank.fixed_p2 = 0, None, None
+            logger.warning(eager + "the device cannot hold a fixed-layout copy of the bank "
+                           "of %s (%s)", figure, str(e).splitlines()[0])
+            return None
+    graphs = bank.graphs = SteerGraphs(bank.fixed_p1, bank.fixed_p2, bank.fixed_rank,
+                                       graph_backend)
+    graphs.left_out(bank.fixed_left_out, bank.fixed_rank)
+    logger.info("vllm-steer: the LM head's steer op replays from CUDA graphs (one per row "
+                "bucket up to %d rows) over a fixed-layout copy of the bank: %s, %s; "
+                "drafter heads use the same copy; VLLM_STEER_CUDA_GRAPHS=0 launches it "
+                "eagerly instead", MAX_GRAPH_ROWS, figure,
+                "kept already" if shared else "allocated now")
+    return graphs

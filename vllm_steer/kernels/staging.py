@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_steer.logs import get_logger
+from vllm_steer.logs import warn_once
 
 
 def to_device(array, device: torch.device) -> torch.Tensor:
@@ -88,8 +88,8 @@ class StagedCopy:
             self._free.append(buf)
             self._events.append(event)
         if not self._free and len(self._flight) >= MAX_STAGING_BUFFERS:
-            _warn_once(f"vllm-steer: {len(self._flight)} coefficient copies in flight (the "
-                       f"staging limit, {MAX_STAGING_BUFFERS}); the host waits for the oldest")
+            warn_once(f"vllm-steer: {len(self._flight)} coefficient copies in flight (the "
+                      f"staging limit, {MAX_STAGING_BUFFERS}); the host waits for the oldest")
             buf, event = self._flight.pop(0)
             event.synchronize()
             self.waits += 1
@@ -105,11 +105,3 @@ class StagedCopy:
 #: The most coefficient copies one :class:`StagedCopy` keeps in flight before it waits.
 MAX_STAGING_BUFFERS = 64
 
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        get_logger().warning(msg)

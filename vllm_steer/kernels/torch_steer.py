@@ -36,13 +36,8 @@ import numpy as np
 import torch
 
 from vllm_steer.kernels import staging
+from vllm_steer.kernels.layout import rank_offsets_list
 from vllm_steer.kernels.staging import to_device
-
-
-def _offsets(rank_offsets) -> list[int]:
-    if isinstance(rank_offsets, torch.Tensor):
-        return [int(o) for o in rank_offsets.tolist()]
-    return [int(o) for o in rank_offsets]
 
 
 # Cost model of choose_strategy, in microseconds, measured on the development CPU (AMD EPYC,
@@ -137,7 +132,7 @@ def choose_strategy(nz, offs: list[int], hidden_size: int,
     return Plan(best, rows, steers, counts)
 
 
-class Prepared(NamedTuple):
+class TorchPlan(NamedTuple):
     """Everything :func:`steer_torch` derives from the coefficients and the factors alone.
 
     Made by :func:`prepare_torch`; reusable for as long as the coefficients do not change (the
@@ -176,8 +171,8 @@ def prepare_torch(
     strategy: str | None = None,  # one of STRATEGIES to force it (benchmarks, tests)
     reuse: bool = True,  # the plan will run many times (the serving path)
     host: np.ndarray | None = None,  # [num_rows, K]: ``coefs`` on the host (no device read)
-) -> Prepared:
-    """Plan one batch's steering for :func:`steer_torch` (see :class:`Prepared`).
+) -> TorchPlan:
+    """Plan one batch's steering for :func:`steer_torch` (see :class:`TorchPlan`).
 
     A plan for reuse keeps fp32 copies of 16-bit factors and may stack factors for ``bmm``:
     copies made once and paid back over the steps. ``reuse=False`` (a plan used once, by
@@ -193,7 +188,7 @@ def prepare_torch(
     """
     staging.check_not_capturing(coefs.device)
     f32 = _f32 if reuse else (lambda t: t)
-    offs = _offsets(rank_offsets)
+    offs = rank_offsets_list(rank_offsets)
     K = len(offs) - 1
     num_rows = coefs.shape[0]
     d = p1.shape[0]
@@ -202,7 +197,7 @@ def prepare_torch(
         f"p1 {tuple(p1.shape)} and p2 {tuple(p2.shape)} must be [hidden, total_rank={offs[-1]}]"
     assert coefs.dtype == torch.float32 and coefs.dim() == 2 and coefs.shape[1] == K, \
         f"coefs must be float32 [num_rows, K={K}], got {coefs.dtype} {tuple(coefs.shape)}"
-    none = Prepared(num_rows, None, True, None, None, None, [], None, [])
+    none = TorchPlan(num_rows, None, True, None, None, None, [], None, [])
     if num_rows == 0 or K == 0:
         return none
     nz = _host_bool(host != 0 if host is not None else coefs != 0)
@@ -233,7 +228,7 @@ def prepare_torch(
             # coefficients expanded along rank: one gather through a host-built column index
             cols = np.repeat(np.asarray(steers, dtype=np.int64), ranks)
             scale = co.index_select(1, to_device(cols, dev))
-        return Prepared(num_rows, rows, False, f32(down), f32(up), scale.contiguous(), [], None,
+        return TorchPlan(num_rows, rows, False, f32(down), f32(up), scale.contiguous(), [], None,
                         [])
     n_active = co.shape[0]
     full, groups = [], []
@@ -279,7 +274,7 @@ def prepare_torch(
                 groups.append((start, n, f32(p1[:, a:b]), f32(p2[:, a:b]),
                                all_coef[seg[k], None].contiguous()))
                 start += n
-    return Prepared(num_rows, rows, False, None, None, None, full, pair_rows, groups,
+    return TorchPlan(num_rows, rows, False, None, None, None, full, pair_rows, groups,
                     tuple(stacks))
 
 
@@ -329,7 +324,7 @@ def steer_torch(
     coefs: torch.Tensor,  # [num_rows, K] fp32
     out: torch.Tensor | None = None,  # [num_rows, hidden] like hidden (allocated if None)
     strategy: str | None = None,  # one of STRATEGIES to force it (benchmarks, tests)
-    prepared: Prepared | None = None,  # from prepare_torch on these factors and coefs
+    prepared: TorchPlan | None = None,  # from prepare_torch on these factors and coefs
 ) -> torch.Tensor:
     """Batched steer in torch. Semantics: see vllm_steer.reference (``steer_reference``).
 

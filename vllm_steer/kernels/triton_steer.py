@@ -70,6 +70,7 @@ import triton
 import triton.language as tl
 
 from vllm_steer.kernels import batch_invariant, staging
+from vllm_steer.kernels.layout import rank_offsets_list, row_bucket, row_buckets  # noqa: F401
 
 #: fp32 x fp32 dot precision on CUDA ("tf32x3" ~ fp32 accuracy on tensor cores, or "ieee").
 FP32_PRECISION = os.environ.get("VLLM_STEER_FP32_PRECISION", "tf32x3")
@@ -298,12 +299,6 @@ _TABLES_MAX = 64
 _NUM_SMS: dict[int, int] = {}
 
 
-def _offsets(rank_offsets) -> list[int]:
-    if isinstance(rank_offsets, torch.Tensor):
-        return [int(o) for o in rank_offsets.tolist()]  # a CUDA tensor syncs here: pass a list
-    return [int(o) for o in rank_offsets]
-
-
 def _bank_tables(offs: list[int], block_r: int, device: torch.device):
     """Device tables of a bank layout (cached: no host-to-device copy in the steady state)."""
     key = (tuple(offs), block_r, str(device))
@@ -369,18 +364,6 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def row_bucket(num_rows: int) -> int:
-    """The row count whose tiles serve ``num_rows`` rows: the next power of two (1, 2, 4, ...).
-
-    Tiles, hence compiled kernels, change only between buckets: 9 buckets cover 1..256 rows."""
-    return _pow2_at_least(max(int(num_rows), 1))
-
-
-def row_buckets(max_rows: int) -> list[int]:
-    """Every :func:`row_bucket` of 1..max_rows rows (``[1, 2, 4, ..., row_bucket(max_rows)]``)."""
-    if max_rows < 1:
-        return []
-    return [1 << i for i in range(row_bucket(max_rows).bit_length())]
 
 
 #: The row count the tiles are chosen for in batch-invariant mode, whatever the batch (a
@@ -589,7 +572,7 @@ def prepare_triton(
     from ``coefs`` at run time): it stays valid while the values change and the pattern not."""
     dev = p1.device
     staging.check_not_capturing(dev)
-    offs = _offsets(rank_offsets)
+    offs = rank_offsets_list(rank_offsets)
     K, total_rank = len(offs) - 1, offs[-1]
     num_rows, d = coefs.shape[0], p1.shape[0]
     _check_factors(d, p1, p2, offs, coefs, num_rows)
@@ -633,7 +616,7 @@ def steer_triton(
     Refuses to run while a CUDA graph is being captured (steering runs outside CUDA graphs).
     """
     staging.check_not_capturing(hidden.device)
-    offs = _offsets(rank_offsets)
+    offs = rank_offsets_list(rank_offsets)
     num_rows = hidden.shape[0]
     floats = (torch.float32, torch.float16, torch.bfloat16)
     assert hidden.dtype in floats, f"hidden dtype must be one of {floats}, got {hidden.dtype}"
@@ -679,7 +662,7 @@ def steer_triton_replayable(
     a capture runs. ``prepared`` fixes the tiles, the bank's tables and the scratch; make it,
     and make one call (which compiles), before the capture."""
     num_rows = coefs.shape[0]
-    offs = _offsets(rank_offsets)
+    offs = rank_offsets_list(rank_offsets)
     assert prepared.num_rows == num_rows and prepared.segments is not None, \
         f"plan prepared for {prepared.num_rows} rows with steers, called with {num_rows}"
     assert out.shape == hidden.shape and out.dtype == hidden.dtype and out.stride(1) == 1, \
@@ -754,7 +737,7 @@ def specializations(
     Assumes what the serving path passes: activations and output of ``hidden`` contiguous
     columns (a row stride of another "multiple of 16" class compiles anew) and fresh (16-byte
     aligned) tensors. A new bank layout (a steer of another rank loaded) has its own set."""
-    offs = _offsets(rank_offsets)
+    offs = rank_offsets_list(rank_offsets)
     if device is None:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     num_sms = _num_sms(torch.device(device))
@@ -779,7 +762,7 @@ def warm_up(
     bank's cached device tables. Returns the number of specialisations warmed.
 
     Call it at start-up and again after the bank's layout changes."""
-    offs = _offsets(rank_offsets)
+    offs = rank_offsets_list(rank_offsets)
     K, d = len(offs) - 1, p1.shape[0]
     dev = p1.device
     specs = specializations(max_rows, d, offs, act_dtype, p1.dtype, dev)

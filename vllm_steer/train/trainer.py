@@ -65,13 +65,13 @@ def pad_batch(ids_list, pad_id: int, device=None) -> tuple[torch.Tensor, torch.T
     return inp.to(device), att.to(device)
 
 
-#: Recipe fields that :func:`prepare` depends on (a shared ``Prepared`` must agree on them).
+#: Recipe fields that :func:`prepare` depends on (a shared ``PreparedRun`` must agree on them).
 PREPARE_FIELDS = ("model", "max_length", "seed", "device", "model_dtype", "cache_dtype",
                   "head_dtype", "chat_template")
 
 
 @dataclass
-class Prepared:
+class PreparedRun:
     """Everything a training run needs, loaded once (also used by tests and benchmarks)."""
 
     cfg: TrainConfig
@@ -96,7 +96,7 @@ class Prepared:
 
 
 def prepare(cfg: TrainConfig, data: DataConfig | Dataset, log: Callable[[str], None] = print
-            ) -> Prepared:
+            ) -> PreparedRun:
     """Validate, load the model and the data, tokenize (truncation counted)."""
     cfg.validate()
     device = resolve_device(cfg.device)
@@ -128,12 +128,12 @@ def prepare(cfg: TrainConfig, data: DataConfig | Dataset, log: Callable[[str], N
     sides = out["train"][1]
     if not (any(s > 0 for s in sides) and any(s < 0 for s in sides)):
         raise ValueError("after tokenization the training set lacks one side entirely")
-    return Prepared(cfg, device, model, tok, path, dataset, out["train"][0], out["dev"][0],
+    return PreparedRun(cfg, device, model, tok, path, dataset, out["train"][0], out["dev"][0],
                     out["train"][1], out["dev"][1], reports, head_dtype, model_dtype,
                     cache_dtype, starts["train"], starts["dev"])
 
 
-def check_head(prep: Prepared, lm: LMSteer) -> float:
+def check_head(prep: PreparedRun, lm: LMSteer) -> float:
     """Max |logit| difference between the model and head(final hidden state) on one text;
     raises if the model computes its logits in a way the trainer does not reproduce."""
     ids = torch.tensor([prep.train_ids[0][:32]], device=prep.device)
@@ -171,7 +171,7 @@ def local_index(hs: HiddenStates, n_split: int) -> torch.Tensor:
     return pos
 
 
-def hidden_states(prep: Prepared, split: str, ckpt_dir: str | None, progress: bool,
+def hidden_states(prep: PreparedRun, split: str, ckpt_dir: str | None, progress: bool,
                   log: Callable[[str], None] = print, needed: torch.Tensor | None = None
                   ) -> HiddenStates:
     """The split's hidden states of the texts ``needed`` (indices into the split; default
@@ -349,7 +349,7 @@ def _minutes(sec: float) -> str:
     return f"{sec:.0f} s" if sec < 90 else f"{sec / 60:.1f} min"
 
 
-def estimate_run(prep: Prepared, lm: LMSteer, used, start: int = 0) -> dict[str, float]:
+def estimate_run(prep: PreparedRun, lm: LMSteer, used, start: int = 0) -> dict[str, float]:
     """What a run will cost, before it starts: the hidden-state cache (tokens x hidden size
     in the cache dtype, train texts the steps draw plus the dev texts), peak memory (model,
     cache, one head chunk's logits and their gradient) and time, from a probe of this device's
@@ -449,7 +449,7 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
                 resume: bool = False, checkpoint_dir: str | None = None,
                 keep_checkpoint: bool = False, recommended_strength: float | None = None,
                 progress: bool = True, log: Callable[[str], None] | None = None,
-                prepared: Prepared | None = None) -> TrainResult:
+                prepared: PreparedRun | None = None) -> TrainResult:
     """Train a steer and (if ``out``) write it as a steer file. See the module docstring."""
     from tqdm.auto import tqdm
 

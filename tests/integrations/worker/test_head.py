@@ -80,14 +80,14 @@ def test_the_head_steers_only_while_a_request_in_the_process_is_steered(head_cls
     """The head's gate: with no steered request in the process it computes vLLM's plain
     logits without reaching the runtime; a flushed steered slot makes it steer that row (the
     formula in plain torch); cleared again, plain logits and the runtime untouched."""
-    from vllm_steer.integrations.worker import request_slots
+    from vllm_steer.integrations.worker.gates import GATES
 
-    others = request_slots.STEERED_SLOTS[0]  # other tests' live slots, given back after
-    request_slots.STEERED_SLOTS[0] = 0
+    others = GATES.steered_slots  # other tests' live slots, given back after
+    GATES.steered_slots = 0
     try:
         _head_gate(head_cls, tmp_path)
     finally:
-        request_slots.STEERED_SLOTS[0] += others
+        GATES.steered_slots += others
 
 
 def _head_gate(head_cls, tmp_path):
@@ -102,7 +102,7 @@ def _head_gate(head_cls, tmp_path):
     path = str(tmp_path / "a.safetensors")
     save_steer(path, random_steer(16, 4, "a", seed=3, scale=3.0))
     rt = SteerRuntime(SteerServerConfig(steers={"a": path}))
-    rt.load(16, torch.device("cpu"), torch.float32)
+    rt.bank_state.load(16, torch.device("cpu"), torch.float32)
     rt.ensure_slots(4, torch.device("cpu"))
     head = head_cls(50)
     head.steer_runtime = rt
@@ -114,17 +114,17 @@ def _head_gate(head_cls, tmp_path):
     assert torch.allclose(head(_Head(weight), hidden), plain, atol=1e-5)
     assert rt.planner.head_calls == calls  # the gate: the runtime was not reached
     eps = 5e-3
-    row = np.zeros(rt.num_columns, np.float32)
+    row = np.zeros(rt.slots.num_columns, np.float32)
     row[0] = eps  # the steer's own column, no domain part (random_steer has none)
     rt.set_slot(1, row)
-    rt.flush()
+    rt.slots.flush()
     steer = load_steer(path)
     w = steer.p1.float() @ steer.p2.float().T
     want = torch.stack([hidden[0], hidden[1] + eps * (hidden[1] @ w)]) @ weight.T
     assert torch.allclose(head(_Head(weight), hidden), want, atol=1e-4)
     assert not torch.allclose(want, plain, atol=1e-2)
     rt.set_slot(1, None)
-    rt.flush()
+    rt.slots.flush()
     calls = rt.planner.head_calls
     assert torch.allclose(head(_Head(weight), hidden), plain, atol=1e-5)
     assert rt.planner.head_calls == calls
@@ -224,7 +224,7 @@ def test_the_loader_hook_captures_the_heads_graphs_once_the_model_is_loaded(head
     save_steer(path, random_steer(16, 4, "a", seed=1))
     config = {"vllm_steer": {"steers": {"a": path}, "max_steer_rank": 4}}
     rt = get_runtime(config)
-    rt.banks.graph_backend = back = StandIn()
+    rt.bank_state.graph_backend = back = StandIn()
     rt.ensure_slots(6, torch.device("cpu"))  # the runner's request slots (V1: before the load)
 
     class TinyForCausalLM(torch.nn.Module):
@@ -233,13 +233,13 @@ def test_the_loader_hook_captures_the_heads_graphs_once_the_model_is_loaded(head
             self.logits_processor = head_cls(50)  # as vLLM builds it: the bank loads
 
     def orig(loader, vllm_config):
-        rt.load(16, torch.device("cpu"), torch.float32)  # what the head's __init__ does
+        rt.bank_state.load(16, torch.device("cpu"), torch.float32)  # what the head's __init__ does
         assert back.captured == []  # not while the model is built
         return TinyForCausalLM()
 
     model = head_mod.load_model(orig, object(), VllmConfig(additional_config=config))
     assert isinstance(model, TinyForCausalLM)
-    assert rt.graphs.buckets == [1, 2, 4, 8] and len(back.captured) == 4
+    assert rt.bank_state.bank.graphs.buckets == [1, 2, 4, 8] and len(back.captured) == 4
     plain = head_mod.load_model(lambda loader, vllm_config: TinyForCausalLM(), object(),
                                 VllmConfig())
     assert isinstance(plain, TinyForCausalLM) and len(back.captured) == 4

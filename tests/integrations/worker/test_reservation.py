@@ -38,7 +38,7 @@ def _steer(tmp_path, name, rank, seed, domain_rank=None):
 
 
 def _storage(rt):
-    return (rt.bank.p1.untyped_storage().data_ptr(), rt.bank.p2.untyped_storage().data_ptr())
+    return (rt.bank_state.bank.p1.untyped_storage().data_ptr(), rt.bank_state.bank.p2.untyped_storage().data_ptr())
 
 
 class Lines(logging.Handler):
@@ -63,7 +63,7 @@ def test_the_bank_is_reserved_at_start_up_and_run_time_loads_allocate_nothing(tm
     logger.addHandler(lines)
     logger.setLevel(logging.INFO)
     try:
-        rt.load(HIDDEN, torch.device("cpu"), torch.bfloat16)
+        rt.bank_state.load(HIDDEN, torch.device("cpu"), torch.bfloat16)
     finally:
         logger.removeHandler(lines)
         logger.setLevel(level)
@@ -89,19 +89,19 @@ def test_the_bank_is_reserved_at_start_up_and_run_time_loads_allocate_nothing(tm
             rt.drop_slots([slot])
             loaded.pop(slot)
         assert _storage(rt) == start, f"{op} {name or slot} allocated new bank storage"
-    assert rt.bank.reserved_bytes == 2 * HIDDEN * 64 * 2
+    assert rt.bank_state.bank.reserved_bytes == 2 * HIDDEN * 64 * 2
 
     # and the repacked bank steers as the files say (each slot's steer, domain included)
     h = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(0))
     rows = {0: ("c", 2.0), 1: ("b", -3.0), 3: ("d", 4.0)}
-    cols = np.zeros((3, rt.num_columns), dtype=np.float32)
+    cols = np.zeros((3, rt.slots.num_columns), dtype=np.float32)
     for i, (slot, (name, s)) in enumerate(rows.items()):
         meta = load_steer(files[name]).metadata
         served = meta.domain == "with_steer"
-        cols[i, slot], cols[i, rt.capacity + slot] = steer_coefficients(
+        cols[i, slot], cols[i, rt.bank_state.capacity + slot] = steer_coefficients(
             s, meta.epsilon, meta.domain_strength if served else None)
         rt.set_slot(slot, cols[i])
-    rt.flush()
+    rt.slots.flush()
     p1, p2, offs = [], [], [0]
     for part in ("steer", "domain"):  # the reference packing: slots in order, then domains
         for slot in range(4):
@@ -114,15 +114,15 @@ def test_the_bank_is_reserved_at_start_up_and_run_time_loads_allocate_nothing(tm
     want = steer_reference(h.float(), torch.cat(p1, 1).to(torch.bfloat16).float(),
                            torch.cat(p2, 1).to(torch.bfloat16).float(), offs,
                            torch.from_numpy(cols))
-    with rt.rows(SlotRows(slots=np.array(list(rows)))):
-        got = rt.steer_rows(h.to(torch.bfloat16))
+    with rt.planner.rows(SlotRows(slots=np.array(list(rows)))):
+        got = rt.planner.steer_rows(h.to(torch.bfloat16))
     torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.02)
 
 
 def test_a_steer_over_the_reservation_is_refused_by_the_bank(tmp_path):
     rt = SteerRuntime(SteerServerConfig(steers={"a": _steer(tmp_path, "a", 4, 1)},
                                         backend="torch", max_steers=2, max_steer_rank=4))
-    rt.load(HIDDEN, torch.device("cpu"), torch.float32)
+    rt.bank_state.load(HIDDEN, torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match=r"domain rank 5 over --max-steer-rank=4"):
         rt.put_steer(1, 5, "x", load_steer(_steer(tmp_path, "x", 4, 2, domain_rank=5)))
 
@@ -157,7 +157,7 @@ def test_a_reservation_the_device_cannot_hold_is_refused_at_start_up(tmp_path, m
     rt = SteerRuntime(SteerServerConfig(steers={"a": _steer(tmp_path, "a", 4, 1)},
                                         max_steers=64, max_steer_rank=1024))
     with pytest.raises(RuntimeError) as e:
-        rt.load(HIDDEN, torch.device("cpu"), torch.float16)
+        rt.bank_state.load(HIDDEN, torch.device("cpu"), torch.float16)
     want_mib = 2 * HIDDEN * (64 * 1024 * 2) * 2 / 2**20
     msg = str(e.value)
     assert f"needs {want_mib:.1f} MiB" in msg and "CUDA out of memory" in msg

@@ -12,7 +12,8 @@ import pytest
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.integrations.worker import runtime as runtime_mod
 from vllm_steer.integrations.worker.arguments import Arg
-from vllm_steer.integrations.worker.runtime import BINDINGS, RunnerBinding, runtime_of
+from vllm_steer.integrations.worker.gates import GATES
+from vllm_steer.integrations.worker.runtime import BINDINGS, V1RunnerBinding
 from vllm_steer.integrations.worker.v1 import prepare_inputs
 
 
@@ -37,12 +38,12 @@ def test_a_runner_looks_its_runtime_up_once_then_reads_it(monkeypatch):
     sentinel = object()
     monkeypatch.setattr(runtime_mod, "get_runtime", lambda cfg: counted(cfg) and sentinel)
     runner = _Runner({"vllm_steer": {"steers": {"a": "a.safetensors"}}})
-    assert [runtime_of(runner) for _ in range(5)] == [sentinel] * 5
+    assert [V1RunnerBinding.of(runner).runtime for _ in range(5)] == [sentinel] * 5
     assert len(built) == 1
     plain = _Runner(None)
-    assert [runtime_of(plain) for _ in range(5)] == [None] * 5
+    assert [V1RunnerBinding.of(plain).runtime for _ in range(5)] == [None] * 5
     assert len(built) == 2
-    assert BINDINGS.get(plain).resolved
+    assert type(BINDINGS.get(plain)) is V1RunnerBinding
     assert sorted(vars(plain)) == ["input_batch", "vllm_config"]  # nothing set on the runner
     n = len(BINDINGS)
     del runner, plain  # a collected runner's binding goes with it
@@ -54,13 +55,11 @@ def test_v1_prepare_inputs_reads_its_arguments_by_name(monkeypatch):
     by position or by keyword, wherever it stands in the signature."""
     from vllm_steer.integrations.worker import v1
 
-    monkeypatch.setattr(v1, "WINDOWED_SLOTS", [1])  # a windowed request in this process
+    monkeypatch.setattr(GATES, "windowed_slots", 1)  # a windowed request in this process
     rt = SimpleNamespace(slots=SimpleNamespace(num_window_slots=1),
                          planner=SimpleNamespace(batch_positions=None))
     runner = _Runner(None)
-    b = RunnerBinding()
-    b.runtime, b.resolved = rt, True
-    BINDINGS.set(runner, b)
+    BINDINGS.set(runner, V1RunnerBinding(rt))
 
     def old(self, scheduler_output, num_scheduled_tokens):
         return "out"
@@ -101,30 +100,29 @@ def test_the_process_count_of_windowed_slots_follows_every_slot_change(tmp_path)
 
     from helpers.steers import random_steer
     from vllm_steer.format import save_steer
-    from vllm_steer.integrations.worker.request_slots import WINDOWED_SLOTS
     from vllm_steer.integrations.worker.runtime import SteerRuntime
     from vllm_steer.request import Window
 
     path = str(tmp_path / "a.safetensors")
     save_steer(path, random_steer(16, 2, "a", seed=1))
-    start = WINDOWED_SLOTS[0]
+    start = GATES.windowed_slots
     rts = [SteerRuntime(SteerServerConfig(steers={"a": path})) for _ in range(2)]
-    row = np.zeros(rts[0].num_columns, np.float32)
+    row = np.zeros(rts[0].slots.num_columns, np.float32)
     row[0] = 1e-3
     for rt in rts:
-        rt.load(16, torch.device("cpu"), torch.float32)
+        rt.bank_state.load(16, torch.device("cpu"), torch.float32)
         rt.ensure_slots(4, torch.device("cpu"))
         rt.set_slot(0, row, {0: Window(1.0, start=2)})
-    assert WINDOWED_SLOTS[0] == start + 2
+    assert GATES.windowed_slots == start + 2
     rts[0].set_slot(1, row, {0: Window(1.0, start=2)})
-    rts[0].move_slot(0, 3, swap=False)  # moved: still two windowed slots there
-    assert WINDOWED_SLOTS[0] == start + 3
+    rts[0].slots.move(0, 3, swap=False)  # moved: still two windowed slots there
+    assert GATES.windowed_slots == start + 3
     rts[0].set_slot(3, row)  # the slot reused by a request with no window
-    assert WINDOWED_SLOTS[0] == start + 2
+    assert GATES.windowed_slots == start + 2
     rts[1].ensure_slots(8, torch.device("cpu"))  # a new, empty table
-    assert WINDOWED_SLOTS[0] == start + 1
+    assert GATES.windowed_slots == start + 1
     rts[0].set_slot(1, None)
-    assert WINDOWED_SLOTS[0] == start
+    assert GATES.windowed_slots == start
 
 
 def test_a_dropped_runtime_takes_its_slots_out_of_the_process_counts(tmp_path):
@@ -137,22 +135,21 @@ def test_a_dropped_runtime_takes_its_slots_out_of_the_process_counts(tmp_path):
 
     from helpers.steers import random_steer
     from vllm_steer.format import save_steer
-    from vllm_steer.integrations.worker.request_slots import STEERED_SLOTS, WINDOWED_SLOTS
     from vllm_steer.integrations.worker.runtime import SteerRuntime
     from vllm_steer.request import Window
 
     path = str(tmp_path / "a.safetensors")
     save_steer(path, random_steer(16, 2, "a", seed=1))
-    start = STEERED_SLOTS[0], WINDOWED_SLOTS[0]
+    start = GATES.steered_slots, GATES.windowed_slots
     rt = SteerRuntime(SteerServerConfig(steers={"a": path}))
-    rt.load(16, torch.device("cpu"), torch.float32)
+    rt.bank_state.load(16, torch.device("cpu"), torch.float32)
     rt.ensure_slots(4, torch.device("cpu"))
-    row = np.zeros(rt.num_columns, np.float32)
+    row = np.zeros(rt.slots.num_columns, np.float32)
     row[0] = 1e-3
     rt.set_slot(0, row, {0: Window(1.0, start=2)})
     rt.set_slot(2, row)
-    rt.flush()
-    assert (STEERED_SLOTS[0], WINDOWED_SLOTS[0]) == (start[0] + 2, start[1] + 1)
+    rt.slots.flush()
+    assert (GATES.steered_slots, GATES.windowed_slots) == (start[0] + 2, start[1] + 1)
     del rt
     gc.collect()
-    assert (STEERED_SLOTS[0], WINDOWED_SLOTS[0]) == start
+    assert (GATES.steered_slots, GATES.windowed_slots) == start

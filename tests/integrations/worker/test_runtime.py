@@ -18,69 +18,68 @@ def _runtime(tmp_path):
         steers[name] = str(tmp_path / f"{name}.safetensors")
         save_steer(steers[name], random_steer(64, 4, name, seed=seed, scale=3.0))
     rt = SteerRuntime(SteerServerConfig(steers=steers))
-    rt.load(64, torch.device("cpu"), torch.float32)
+    rt.bank_state.load(64, torch.device("cpu"), torch.float32)
     rt.ensure_slots(8, torch.device("cpu"))
     return rt
 
 
 def _want(rt, h, rows):
     coefs = torch.tensor(np.stack(rows), dtype=torch.float32)
-    return steer_reference(h, rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets, coefs)
+    return steer_reference(h, *rt.bank_state.bank.factors, coefs)
 
 
 def test_decode_steps_reuse_the_plan_and_a_changed_slot_replans(tmp_path):
     rt = _runtime(tmp_path)
-    assert rt.backend == "torch"
-    pad = [0.0] * (rt.num_columns - 2)  # columns: one per steer slot (and domain) of the bank
+    assert rt.bank_state.backend == "torch"
+    pad = [0.0] * (rt.slots.num_columns - 2)  # columns: one per steer slot (and domain) of the bank
     a, b, none = (np.array(r + pad, dtype=np.float32) for r in ([5e-3, 0], [0, -3e-3], [0, 0]))
     for slot, row in enumerate((a, b, none)):
         rt.set_slot(slot, row)
-    rt.batch_size = 3
-    rt.flush()
+    rt.planner.batch_size = 3
+    rt.slots.flush()
     gen = torch.Generator().manual_seed(0)
     for _step in range(3):  # decode steps of an unchanged batch: one plan
         h = torch.randn(3, 64, generator=gen)
-        torch.testing.assert_close(rt.steer_rows(h), _want(rt, h, [a, b, none]))
-    plan = rt.planner._plan
-    assert plan is not None
+        torch.testing.assert_close(rt.planner.steer_rows(h), _want(rt, h, [a, b, none]))
+    assert rt.planner.plans_made == 1
     # a request finishes and another takes its slot (update_state): the next step re-plans
     rt.set_slot(1, a)
-    rt.flush()
+    rt.slots.flush()
     h = torch.randn(3, 64, generator=gen)
-    out = rt.steer_rows(h)
-    assert rt.planner._plan is not plan
+    out = rt.planner.steer_rows(h)
+    assert rt.planner.plans_made == 2
     torch.testing.assert_close(out, _want(rt, h, [a, a, none]))
     # a slot moved without a coefficient change still counts as a change
-    rt.move_slot(0, 2, swap=True)
-    rt.flush()
+    rt.slots.move(0, 2, swap=True)
+    rt.slots.flush()
     h = torch.randn(3, 64, generator=gen)
-    torch.testing.assert_close(rt.steer_rows(h), _want(rt, h, [none, a, a]))
-    assert torch.equal(rt.steer_rows(h)[0], h[0])  # unsteered row untouched
+    torch.testing.assert_close(rt.planner.steer_rows(h), _want(rt, h, [none, a, a]))
+    assert torch.equal(rt.planner.steer_rows(h)[0], h[0])  # unsteered row untouched
 
 
 def test_no_steer_work_once_the_last_steered_request_left(tmp_path):
     rt = _runtime(tmp_path)
-    a, none = (np.zeros(rt.num_columns, dtype=np.float32) for _ in range(2))
+    a, none = (np.zeros(rt.slots.num_columns, dtype=np.float32) for _ in range(2))
     a[0] = 5e-3  # the first loaded steer's column
     rt.set_slot(0, none)
     rt.set_slot(1, a)
-    rt.batch_size = 2
-    rt.flush()
+    rt.planner.batch_size = 2
+    rt.slots.flush()
     h = torch.randn(2, 64)
-    assert rt.active and not torch.equal(rt.steer_rows(h)[1], h[1])
-    assert rt.stats.as_dict() == {"calls": 1, "rows": 2}
+    assert rt.planner.active and not torch.equal(rt.planner.steer_rows(h)[1], h[1])
+    assert rt.planner.stats.as_dict() == {"calls": 1, "rows": 2}
     # V1: the steered request finishes (BatchUpdate.removed), the other one goes on
     rt.set_slot(1, None)
-    rt.batch_size = 1
-    rt.flush()
-    assert not rt.active and rt.num_active_slots == 0
-    assert torch.equal(rt.steer_rows(h[:1]), h[:1])
-    assert rt.stats.calls == 1
+    rt.planner.batch_size = 1
+    rt.slots.flush()
+    assert not rt.planner.active and rt.slots.num_active_slots == 0
+    assert torch.equal(rt.planner.steer_rows(h[:1]), h[:1])
+    assert rt.planner.stats.calls == 1
     # a moved steered slot stays steered; the slot it left does not
     rt.set_slot(3, a)
-    rt.move_slot(3, 0, swap=False)
-    rt.flush()
-    assert rt.num_active_slots == 1 and rt.any_steered(np.array([0]))
+    rt.slots.move(3, 0, swap=False)
+    rt.slots.flush()
+    assert rt.slots.num_active_slots == 1 and rt.any_steered(np.array([0]))
     assert not rt.any_steered(np.array([1, 2, 3]))
 
 
@@ -90,15 +89,15 @@ def test_rows_given_by_host_slots_get_their_slots_coefficients(tmp_path):
     from vllm_steer.integrations.worker.rows import SlotRows
 
     rt = _runtime(tmp_path)
-    pad = [0.0] * (rt.num_columns - 2)
+    pad = [0.0] * (rt.slots.num_columns - 2)
     a, b, none = (np.array(r + pad, dtype=np.float32) for r in ([5e-3, 0], [0, -3e-3], [0, 0]))
     for slot, row in ((3, a), (5, b), (0, none)):
         rt.set_slot(slot, row)
-    rt.flush()
+    rt.slots.flush()
     slots = np.array([5, 5, 3, 0, 3, 3])
     h = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
-    with rt.rows(SlotRows(slots=slots)):
-        out = rt.steer_rows(h)
+    with rt.planner.rows(SlotRows(slots=slots)):
+        out = rt.planner.steer_rows(h)
     torch.testing.assert_close(out, _want(rt, h, [b, b, a, none, a, a]))
     assert torch.equal(out[3], h[3])
 
@@ -150,39 +149,39 @@ def test_a_plain_request_in_a_clear_slot_changes_nothing_and_clears_a_used_one(t
 
     rt = _runtime(tmp_path)
     table = rt.slots
-    zero = np.zeros(rt.num_columns, dtype=np.float32)
+    zero = np.zeros(rt.slots.num_columns, dtype=np.float32)
     a = zero.copy()
     a[0] = 5e-3
     rt.set_slot(1, a)
     rt.set_slot(2, zero.copy(), {0: Window(3.0, start=2, base=0.0)})  # windowed, off at first
     rt.set_slot(5, zero.copy(), {0: Window(0.0, start=2, base=0.0)})  # windowed, never steered
-    rt.flush()
+    rt.slots.flush()
     version = table.version
     for slot, row in ((0, None), (3, zero), (4, zero.copy())):  # plain requests, clear slots
         rt.set_slot(slot, row)
-    rt.move_slot(3, 0, swap=False)  # a plain request moves to a clear slot, or swaps with one
-    rt.move_slot(4, 6, swap=True)
+    rt.slots.move(3, 0, swap=False)  # a plain request moves to a clear slot, or swaps with one
+    rt.slots.move(4, 6, swap=True)
     assert table.version == version and not table.dirty
-    rt.move_slot(1, 7, swap=True)  # the steered request moves: the table changes
+    rt.slots.move(1, 7, swap=True)  # the steered request moves: the table changes
     assert table.steered[7] and not table.steered[1] and table.version > version
-    rt.move_slot(7, 1, swap=True)
-    rt.move_slot(5, 6, swap=False)  # so does a windowed one, even with no strength yet
+    rt.slots.move(7, 1, swap=True)
+    rt.slots.move(5, 6, swap=False)  # so does a windowed one, even with no strength yet
     assert table.windowed[6] and not table.windowed[5]
-    rt.move_slot(6, 5, swap=False)
-    rt.flush()
+    rt.slots.move(6, 5, swap=False)
+    rt.slots.flush()
     version = table.version
     # plain requests take the slots the steered and the windowed request left: cleared
     rt.set_slot(1, None)
     rt.set_slot(2, zero)
     rt.set_slot(5, None)
     assert table.version > version and table.dirty
-    rt.flush()
-    assert rt.num_active_slots == 0 and table.num_window_slots == 0
+    rt.slots.flush()
+    assert rt.slots.num_active_slots == 0 and table.num_window_slots == 0
     assert not table.windowed[[2, 5]].any() and not table.host[:6].any()
     assert not torch.count_nonzero(table.table[:5])  # the device copy too
     h = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
-    with rt.rows(SlotRows(slots=np.arange(5), positions=np.full(5, 4))):
-        assert torch.equal(rt.steer_rows(h), h)  # every row as the plain model's
+    with rt.planner.rows(SlotRows(slots=np.arange(5), positions=np.full(5, 4))):
+        assert torch.equal(rt.planner.steer_rows(h), h)  # every row as the plain model's
 
 
 def test_a_steady_step_skips_the_row_lookup_and_every_change_ends_it(tmp_path, monkeypatch):
@@ -195,56 +194,54 @@ def test_a_steady_step_skips_the_row_lookup_and_every_change_ends_it(tmp_path, m
     from vllm_steer.request import Window
 
     rt = _runtime(tmp_path)
-    pad = [0.0] * (rt.num_columns - 2)
+    pad = [0.0] * (rt.slots.num_columns - 2)
     a, b, none = (np.array(r + pad, dtype=np.float32) for r in ([5e-3, 0], [0, -3e-3], [0, 0]))
-    lookups = []
-    step_rows = rt.planner._step_rows
-    monkeypatch.setattr(rt.planner, "_step_rows", lambda h: lookups.append(1) or step_rows(h))
     gen = torch.Generator().manual_seed(3)
 
     def step(rows, source=None):
+        """The step's rows steered as the reference says; how many row lookups it made."""
         h = torch.randn(len(rows), 64, generator=gen)
+        before = rt.planner.steps_planned
         if source is None:
-            out = rt.steer_rows(h)
+            out = rt.planner.steer_rows(h)
         else:
-            with rt.rows(source):
-                out = rt.steer_rows(h)
+            with rt.planner.rows(source):
+                out = rt.planner.steer_rows(h)
         torch.testing.assert_close(out, _want(rt, h, rows))
-        n, lookups[:] = len(lookups), []
-        return n
+        return rt.planner.steps_planned - before
 
     for slot, row in enumerate((a, b, none)):
         rt.set_slot(slot, row)
-    rt.batch_size = 3
-    rt.flush()
+    rt.planner.batch_size = 3
+    rt.slots.flush()
     assert [step([a, b, none]) for _ in range(4)] == [1, 0, 0, 0]  # V1 decode steps
     rt.set_slot(1, a)  # a request finishes and another takes its slot
-    rt.flush()
+    rt.slots.flush()
     assert [step([a, a, none]) for _ in range(2)] == [1, 0]
     rt.set_slot(3, b)  # one more request joins the batch
-    rt.batch_size = 4
-    rt.flush()
+    rt.planner.batch_size = 4
+    rt.slots.flush()
     assert [step([a, a, none, b]) for _ in range(2)] == [1, 0]
     rt.set_slot(4, None)  # a plain request joins: the table keeps its version
-    rt.batch_size = 5
-    rt.flush()
+    rt.planner.batch_size = 5
+    rt.slots.flush()
     assert [step([a, a, none, b, none]) for _ in range(2)] == [1, 0]
-    rt.batch_size = 4  # and finishes
+    rt.planner.batch_size = 4  # and finishes
     assert [step([a, a, none, b]) for _ in range(2)] == [1, 0]
     # other rows planned in between (a prompt-logprob chunk, a drafter's rows)
     assert step([b, a], SlotRows(slots=np.array([3, 0]))) == 1
     assert [step([a, a, none, b]) for _ in range(2)] == [1, 0]
     # a generation window: its rows move with their positions, never steady
     rt.set_slot(2, none, {0: Window(5.0, start=0, ramp=3)})
-    rt.flush()
+    rt.slots.flush()
     for t in range(3):
-        rt.batch_positions = np.array([7, 7, t, 7])
+        rt.planner.batch_positions = np.array([7, 7, t, 7])
         ramped = none.copy()
         ramped[0] = rt.slots.row_coefs(1, np.array([2]), np.array([t]))[0, 0]
         assert ramped[0] != 0
         assert step([a, a, ramped, b]) == 1
     rt.set_slot(2, none)  # the windowed request finishes
-    rt.flush()
+    rt.slots.flush()
     assert [step([a, a, none, b]) for _ in range(2)] == [1, 0]
     # V2: a new row source each step, the batch's slots as its bytes
     slots = np.array([3, 0, 2], dtype=np.int32)

@@ -64,7 +64,7 @@ def _runner_with_drafter(draft_hidden, steer_hidden, steer_drafter=True, method=
     whose steers have ``steer_hidden`` (what ``prepare_drafter`` reads, nothing more)."""
     from vllm_steer.integrations.worker.head import SteeredLogitsProcessor
 
-    rt = SimpleNamespace(bank=SimpleNamespace(hidden_size=steer_hidden),
+    rt = SimpleNamespace(bank_state=SimpleNamespace(bank=SimpleNamespace(hidden_size=steer_hidden)),
                          config=SimpleNamespace(steer_drafter=steer_drafter),
                          planner=SimpleNamespace(steer_rows=lambda h: h))
     model = torch.nn.Module()
@@ -150,18 +150,24 @@ def test_a_model_runner_v2_drafter_is_prepared_for_cuda_graphs_when_it_loads(met
     drafter whose speculator was not prepared at load is detached and the log says why;
     another hidden size is detached at load. Its draft model runs eagerly and is steered as
     on V1."""
+    from vllm_steer.integrations.worker.runtime import V2RunnerBinding
     from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
+
+    def binding(runner, rt):  # the runner's binding, as its first steered step makes it
+        runner.vllm_config = SimpleNamespace(additional_config=None)
+        with mock.patch("vllm_steer.integrations.worker.runtime.get_runtime", return_value=rt):
+            return V2RunnerBinding.of(runner)
 
     runner, rt, heads = _runner_with_drafter(64, 64, method=method, v2=True)
     assert _load_v2_drafter(runner, rt) == [True]
-    lines = _drafter_log(lambda: (prepare_drafter_once(runner, rt),
-                                  prepare_drafter_once(runner, rt)))  # once per runner
+    lines = _drafter_log(lambda: (prepare_drafter_once(runner, binding(runner, rt)),
+                                  prepare_drafter_once(runner, binding(runner, rt))))  # once
     assert [h.steer_runtime is rt for h in heads] == [True, True]
     assert len(lines) == 1 and f"({method}): drafter steered" in lines[0], lines
     assert "CUDA-graph-captured draft steps" in lines[0], lines
 
     runner, rt, heads = _runner_with_drafter(64, 64, method=method, v2=True)  # not prepared
-    lines = _drafter_log(lambda: prepare_drafter_once(runner, rt))
+    lines = _drafter_log(lambda: prepare_drafter_once(runner, binding(runner, rt)))
     assert [h.steer_runtime for h in heads] == [None, None]
     assert f"({method}): drafter unsteered" in lines[0] and "not prepared" in lines[0], lines
 
@@ -171,7 +177,7 @@ def test_a_model_runner_v2_drafter_is_prepared_for_cuda_graphs_when_it_loads(met
 
     runner, rt, heads = _runner_with_drafter(64, 64, method="draft_model", v2=True)
     assert _load_v2_drafter(runner, rt) == []  # runs eagerly: the host-mapped path
-    prepare_drafter_once(runner, rt)
+    prepare_drafter_once(runner, binding(runner, rt))
     assert [h.steer_runtime is rt for h in heads] == [True, True]
 
 
@@ -182,16 +188,19 @@ def test_a_v2_draft_model_step_maps_its_rows_to_the_batch_slots():
 
     seen = []
 
-    class Runtime:
+    class Planner:
         row_source = None
-
-        def any_steered(self, slots):
-            return bool((slots == 5).any())
 
         @contextlib.contextmanager
         def rows(self, source):
             seen.append(source)
             yield
+
+    class Runtime:
+        planner = Planner()
+
+        def any_steered(self, slots):
+            return bool((slots == 5).any())
 
     rt = Runtime()
     spec = VllmObject(vllm_config=SimpleNamespace(additional_config={}))
@@ -212,14 +221,15 @@ def test_an_ngram_runner_has_no_drafter_heads():
     runner = VllmObject(drafter=SimpleNamespace(), speculative_config=SimpleNamespace(
         method="ngram"))
     assert drafter_heads(runner) == []
-    prepare_drafter(runner, SimpleNamespace(bank=None, config=None))  # nothing to detach
+    prepare_drafter(runner, SimpleNamespace(bank_state=SimpleNamespace(bank=None),
+                                            config=None))  # nothing to detach
 
 
 def test_async_counts_are_corrected_for_the_drafts_the_previous_step_rejected():
     """Async scheduling: the runner's counts assume every previous draft accepted; the real
     count subtracts ``optimistic - (valid - 1)`` per request, found through its previous batch
     index (vLLM's own ``correct_spec_decode_token_counts`` rule)."""
-    from vllm_steer.integrations.worker.spec_v1 import true_computed_tokens
+    from vllm_steer.integrations.worker.spec_v1 import corrected_computed_tokens
 
     calls = []
     ib = SimpleNamespace(num_computed_tokens_cpu=np.array([20, 31, 12, 7]),
@@ -231,8 +241,8 @@ def test_async_counts_are_corrected_for_the_drafts_the_previous_step_rejected():
         _get_valid_sampled_token_count=lambda: calls.append(1) or [2, 4, 4])
     # a: prev index 2, 3 optimistic, 4 valid (3 accepted): no change; b: prev 0, 3 optimistic,
     # 2 valid (1 accepted): -2; c: no optimistic count; new: not in the previous batch
-    assert true_computed_tokens(runner, 4).tolist() == [20, 29, 12, 7]
+    assert corrected_computed_tokens(runner, 4).tolist() == [20, 29, 12, 7]
     assert ib.num_computed_tokens_cpu.tolist() == [20, 31, 12, 7]  # vLLM's own counts kept
     runner.use_async_spec_decode = False
-    assert true_computed_tokens(runner, 4).tolist() == [20, 31, 12, 7]
+    assert corrected_computed_tokens(runner, 4).tolist() == [20, 31, 12, 7]
     assert len(calls) == 1  # the wait only where a count is optimistic

@@ -102,15 +102,15 @@ def _runtime(tmp_path):
         steers[name] = str(tmp_path / f"{name}.safetensors")
         save_steer(steers[name], random_steer(HIDDEN, 4, name, seed=seed, scale=3.0))
     rt = get_runtime({"vllm_steer": {"steers": steers, "backend": "torch"}})
-    rt.load(HIDDEN, torch.device("cpu"), torch.float32)
+    rt.bank_state.load(HIDDEN, torch.device("cpu"), torch.float32)
     rt.ensure_slots(8, torch.device("cpu"))
     return rt
 
 
 def _row(rt, name, s):
-    row = np.zeros(rt.num_columns, dtype=np.float32)
-    j = rt.names.index(name)
-    row[j], row[rt.capacity + j] = steer_coefficients(s, rt.bank.steers[j].metadata.epsilon, None)
+    row = np.zeros(rt.slots.num_columns, dtype=np.float32)
+    j = rt.bank_state.names.index(name)
+    row[j], row[rt.bank_state.capacity + j] = steer_coefficients(s, rt.bank_state.bank.steers[j].metadata.epsilon, None)
     return row
 
 
@@ -119,7 +119,7 @@ def _record_device_copies(monkeypatch, dev, rt):
     real_copy = torch.Tensor.copy_
 
     def copy_(dst, src, non_blocking=False):
-        bufs = [b for b in (rt.slot_coefs, rt.planner._coefs_dev) if b is not None]
+        bufs = [b for b in (rt.slots.table, rt.planner.coef_buffer) if b is not None]
         if any(dst.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in bufs):
             dev.copies.append(("coefficients", dev.is_pinned(src)))
         return real_copy(dst, src, non_blocking=non_blocking)
@@ -141,7 +141,7 @@ def test_a_prompt_logprob_step_never_waits_behind_the_forward(tmp_path, fake_cud
     batch = SimpleNamespace(num_reqs=3, idx_mapping_np=np.array([2, 0, 1]),
                             query_start_loc_np=np.array([0, 5, 8, 14]))
     h = torch.randn(14, HIDDEN, generator=torch.Generator().manual_seed(0))
-    want = steer_reference(h, rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets, torch.tensor(
+    want = steer_reference(h, *rt.bank_state.bank.factors, torch.tensor(
         np.repeat(np.stack([rows[2], rows[0], rows[1]]), lens, axis=0)))
 
     def compute_prompt_logprobs(self, logits_fn, hidden_states, input_batch):  # vLLM's chunks
@@ -151,9 +151,9 @@ def test_a_prompt_logprob_step_never_waits_behind_the_forward(tmp_path, fake_cud
     for step in range(2):
         for slot, row in rows.items():  # the requests join (first step) or stay
             rt.set_slot(slot, row)
-        rt.flush()
+        rt.slots.flush()
         worker = SimpleNamespace(in_progress_prompt_logprobs={f"r{i}": [] for i in range(3)})
-        out = v2.prompt_logprobs(compute_prompt_logprobs, worker, rt.steer_rows, h, batch)
+        out = v2.prompt_logprobs(compute_prompt_logprobs, worker, rt.planner.steer_rows, h, batch)
         torch.testing.assert_close(out, want)
         grown.append(len(dev.pinned))  # pinned buffers allocated so far
         dev.finish_step()

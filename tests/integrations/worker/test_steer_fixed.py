@@ -1,4 +1,4 @@
-"""The capture-safe steer of drafter rows (``SteerRuntime.steer_fixed``: Model Runner V2's EAGLE /
+"""The capture-safe steer of drafter rows (``StepPlanner.steer_fixed``: Model Runner V2's EAGLE /
 EAGLE-3 / MTP drafters, whose LM head runs inside CUDA-graph-captured draft steps).
 
 A CUDA graph replays the kernels it recorded, on the buffers it recorded, with no Python. So
@@ -30,31 +30,31 @@ def _runtime(tmp_path, dtype=torch.float32):
         save_steer(steers[name], random_steer(HIDDEN, rank, name, seed=seed, scale=2.0))
     rt = get_runtime({"vllm_steer": {"steers": steers, "backend": "torch", "max_steers": 3,
                                      "max_steer_rank": 8}})
-    rt.load(HIDDEN, torch.device("cpu"), dtype)
+    rt.bank_state.load(HIDDEN, torch.device("cpu"), dtype)
     rt.ensure_slots(8, torch.device("cpu"))
     rt.enable_fixed_drafter()
     return rt
 
 
 def _row(rt, **strengths):
-    row = np.zeros(rt.num_columns, dtype=np.float32)
+    row = np.zeros(rt.slots.num_columns, dtype=np.float32)
     for name, s in strengths.items():
-        j = rt.bank.names.index(name)
-        row[j], row[rt.capacity + j] = steer_coefficients(
-            s, rt.bank.steers[j].metadata.epsilon, None)
+        j = rt.bank_state.bank.names.index(name)
+        row[j], row[rt.bank_state.capacity + j] = steer_coefficients(
+            s, rt.bank_state.bank.steers[j].metadata.epsilon, None)
     return row
 
 
 def _set(rt, rows: dict):
     for slot, row in rows.items():
         rt.set_slot(slot, row)
-    rt.flush()
+    rt.slots.flush()
 
 
 def _want(rt, h, mapping, rows):
-    coefs = np.stack([rows.get(int(s), np.zeros(rt.num_columns, np.float32)) if s >= 0
-                      else np.zeros(rt.num_columns, np.float32) for s in mapping])
-    return steer_reference(h, rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets,
+    coefs = np.stack([rows.get(int(s), np.zeros(rt.slots.num_columns, np.float32)) if s >= 0
+                      else np.zeros(rt.slots.num_columns, np.float32) for s in mapping])
+    return steer_reference(h, *rt.bank_state.bank.factors,
                            torch.from_numpy(coefs))
 
 
@@ -65,7 +65,7 @@ def test_rows_get_their_slots_steers_and_padding_rows_are_left_alone(tmp_path, d
     _set(rt, rows)
     mapping = torch.tensor([3, 5, 0, -1, -1], dtype=torch.int32)  # V2 pads with -1
     h = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(0)).to(dtype)
-    out = rt.steer_fixed(h, mapping)
+    out = rt.planner.steer_fixed(h, mapping)
     torch.testing.assert_close(out, _want(rt, h, mapping.numpy(), rows), atol=tol, rtol=tol)
     assert torch.equal(out[1], h[1]) and torch.equal(out[3:], h[3:])  # unsteered, padding
     assert not torch.equal(out[0], h[0]) and not torch.equal(out[2], h[2])
@@ -83,7 +83,7 @@ def test_the_op_records_the_same_kernels_whatever_the_values_and_reads_nothing_b
         _set(rt, rows)
         m = torch.tensor(mapping, dtype=torch.int32)
         with Record() as rec:
-            rt.steer_fixed(h, m)
+            rt.planner.steer_fixed(h, m)
         recorded.append(rec.ops)
     assert recorded[0] == recorded[1] == recorded[2], recorded
     assert len(recorded[0]) > 5  # the op ran (an empty record would prove nothing)
@@ -94,17 +94,17 @@ def test_buffers_keep_their_storage_while_steers_and_requests_change(tmp_path):
     slot table and the fixed-layout copy keep their storage and shape, and the op's result
     follows the new steer (here: a steer put into the free third slot, then the first dropped)."""
     rt = _runtime(tmp_path)
-    ptrs = [t.data_ptr() for t in (rt.slot_coefs, rt.bank.fixed_p1, rt.bank.fixed_p2)]
-    shapes = [t.shape for t in (rt.bank.fixed_p1, rt.bank.fixed_p2)]
+    ptrs = [t.data_ptr() for t in (rt.slots.table, rt.bank_state.bank.fixed_p1, rt.bank_state.bank.fixed_p2)]
+    shapes = [t.shape for t in (rt.bank_state.bank.fixed_p1, rt.bank_state.bank.fixed_p2)]
     rt.put_steer(2, 7, "c", random_steer(HIDDEN, 6, "c", seed=3, scale=2.0))
     rt.drop_slots([0])
     rows = {1: _row(rt, c=4), 4: _row(rt, b=-5, c=2)}
     _set(rt, rows)
-    assert [t.data_ptr() for t in (rt.slot_coefs, rt.bank.fixed_p1, rt.bank.fixed_p2)] == ptrs
-    assert [t.shape for t in (rt.bank.fixed_p1, rt.bank.fixed_p2)] == shapes
+    assert [t.data_ptr() for t in (rt.slots.table, rt.bank_state.bank.fixed_p1, rt.bank_state.bank.fixed_p2)] == ptrs
+    assert [t.shape for t in (rt.bank_state.bank.fixed_p1, rt.bank_state.bank.fixed_p2)] == shapes
     mapping = torch.tensor([4, 1, 0], dtype=torch.int32)
     h = torch.randn(3, HIDDEN)
-    torch.testing.assert_close(rt.steer_fixed(h, mapping), _want(rt, h, mapping.numpy(), rows),
+    torch.testing.assert_close(rt.planner.steer_fixed(h, mapping), _want(rt, h, mapping.numpy(), rows),
                                atol=1e-5, rtol=1e-5)
 
 
@@ -114,7 +114,7 @@ def test_a_steer_wider_than_the_reserved_rank_is_left_out_of_the_drafter_only(tm
     from vllm_steer.logs import get_logger
 
     rt = _runtime(tmp_path)
-    rt.bank.max_rank = None  # a run-time load above the reservation (no --max-steer-rank)
+    rt.bank_state.bank.max_rank = None  # a run-time load above the reservation (no --max-steer-rank)
     lines = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: lines.append(record.getMessage())
@@ -123,12 +123,12 @@ def test_a_steer_wider_than_the_reserved_rank_is_left_out_of_the_drafter_only(tm
         rt.put_steer(2, 7, "wide", random_steer(HIDDEN, 12, "wide", seed=4, scale=2.0))
     finally:
         get_logger().removeHandler(handler)
-    assert rt.bank.fixed_left_out == ["wide"]
+    assert rt.bank_state.bank.fixed_left_out == ["wide"]
     assert any("steer 'wide' (rank 12) is wider than the drafter's copy of the bank (rank 8)"
                in line for line in lines), lines
     _set(rt, {0: _row(rt, wide=4)})
     h = torch.randn(1, HIDDEN)
-    assert torch.equal(rt.steer_fixed(h, torch.tensor([0])), h)  # the drafter: unsteered
+    assert torch.equal(rt.planner.steer_fixed(h, torch.tensor([0])), h)  # the drafter: unsteered
 
 
 def test_outside_a_capture_a_worker_with_no_steered_slot_skips_the_op(tmp_path):
@@ -136,5 +136,5 @@ def test_outside_a_capture_a_worker_with_no_steered_slot_skips_the_op(tmp_path):
     _set(rt, {0: _row(rt)})
     h, m = torch.randn(2, HIDDEN), torch.tensor([0, -1])
     with Record() as rec:
-        out = rt.steer_fixed(h, m)
+        out = rt.planner.steer_fixed(h, m)
     assert out is h and rec.ops == []

@@ -55,7 +55,7 @@ class DeviceReads(TorchDispatchMode):
         p = _ptr(t)
         if not p:
             return False
-        roots = [self.rt.slot_coefs, getattr(self.rt.planner, "_coefs_dev", None)]
+        roots = [self.rt.slots.table, self.rt.planner.coef_buffer]
         return p in self.marked or any(r is not None and p == _ptr(r) for r in roots)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -110,52 +110,52 @@ def _runtime(tmp_path, backend: str = "torch", domain: bool = False) -> SteerRun
                            domain_p2=torch.randn(HIDDEN, 4, generator=g))
         save_steer(steers[name], s)
     rt = SteerRuntime(SteerServerConfig(steers=steers, backend=backend))
-    rt.load(HIDDEN, torch.device("cpu"), torch.float32)
+    rt.bank_state.load(HIDDEN, torch.device("cpu"), torch.float32)
     rt.ensure_slots(8, torch.device("cpu"))
     return rt
 
 
 def _row(rt, **strengths) -> np.ndarray:
     """A request's coefficient row by the reference rule (``steer_coefficients``)."""
-    row = np.zeros(rt.num_columns, dtype=np.float32)
+    row = np.zeros(rt.slots.num_columns, dtype=np.float32)
     for name, s in strengths.items():
-        j = rt.names.index(name)
-        meta = rt.bank.steers[j].metadata
-        served = rt.bank.steers[j].domain_p1 is not None and meta.domain == "with_steer"
-        row[j], row[rt.capacity + j] = steer_coefficients(
+        j = rt.bank_state.names.index(name)
+        meta = rt.bank_state.bank.steers[j].metadata
+        served = rt.bank_state.bank.steers[j].domain_p1 is not None and meta.domain == "with_steer"
+        row[j], row[rt.bank_state.capacity + j] = steer_coefficients(
             s, meta.epsilon, meta.domain_strength if served else None)
     return row
 
 
 def _want(rt, h, rows):
     coefs = torch.tensor(np.stack(rows), dtype=torch.float32)
-    return steer_reference(h, rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets, coefs)
+    return steer_reference(h, *rt.bank_state.bank.factors, coefs)
 
 
 def _steps(rt, source: str, mode: DeviceReads, gen, device=None, dtype=torch.float32):
     """Decode steps with steering changes between them; yields (out, hidden, rows wanted)."""
     a, b, c = _row(rt, a=4), _row(rt, b=-3, c=2), _row(rt, c=5)
-    none = np.zeros(rt.num_columns, dtype=np.float32)
+    none = np.zeros(rt.slots.num_columns, dtype=np.float32)
     state = {0: a, 1: none, 2: b, 3: none}
     for slot, row in state.items():
         rt.set_slot(slot, row)
-    rt.flush()
+    rt.slots.flush()
     order = np.array([2, 0, 3, 1])  # the step's row -> slot (mapping and slots sources)
     for step in range(6):
         if step == 2:  # a request leaves and another takes its slot
             state[0] = c
             rt.set_slot(0, c)
-            rt.flush()
+            rt.slots.flush()
         if step == 4:  # slots move (V1 condense) / the batch order changes (V2)
             state[1], state[2] = state[2], state[1]
-            rt.move_slot(1, 2, swap=True)
-            rt.flush()
+            rt.slots.move(1, 2, swap=True)
+            rt.slots.flush()
             order = np.array([1, 3, 0, 2])
         h = torch.randn(4, HIDDEN, generator=gen).to(dtype)
         if device is not None:  # on the GPU, from pinned memory (a pageable copy syncs)
             h = h.pin_memory().to(device, non_blocking=True)
         if source == "batch":
-            rt.batch_size = 4
+            rt.planner.batch_size = 4
             slots = np.arange(4)
             src = BatchRows()
         elif source == "mapping":
@@ -165,8 +165,8 @@ def _steps(rt, source: str, mode: DeviceReads, gen, device=None, dtype=torch.flo
         else:
             slots = order
             src = SlotRows(slots=order.copy())
-        with rt.rows(src), mode:
-            out = rt.steer_rows(h)
+        with rt.planner.rows(src), mode:
+            out = rt.planner.steer_rows(h)
         yield out, h, [state[int(s)] for s in slots]
 
 
@@ -210,7 +210,7 @@ def test_steps_read_no_device_tensor(tmp_path, monkeypatch, backend, source):
         if not HAS_TRITON:
             pytest.skip("no triton")
     rt = _runtime(tmp_path, backend)
-    assert rt.backend == backend
+    assert rt.bank_state.backend == backend
     mode = DeviceReads(rt)
     if backend == "triton":
         _pause_kernel_launches(monkeypatch, mode)
@@ -220,7 +220,7 @@ def test_steps_read_no_device_tensor(tmp_path, monkeypatch, backend, source):
         for i, r in enumerate(rows):
             if not r.any():
                 assert torch.equal(out[i], h[i])  # unsteered rows: bit for bit
-    assert rt.stats.calls == 6
+    assert rt.planner.stats.calls == 6
     assert mode.reads == [], f"device tensors read into Python: {sorted(set(mode.reads))}"
 
 
@@ -231,11 +231,11 @@ def test_the_guard_sees_a_device_read(tmp_path):
 
     rt = _runtime(tmp_path)
     rt.set_slot(0, _row(rt, a=4))
-    rt.flush()
+    rt.slots.flush()
     mode = DeviceReads(rt)
     with mode:
-        coefs = rt.slot_coefs.index_select(0, torch.tensor([0, 1]))
-        prepare_torch(rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets, coefs)
+        coefs = rt.slots.table.index_select(0, torch.tensor([0, 1]))
+        prepare_torch(*rt.bank_state.bank.factors, coefs)
     assert mode.reads
 
 
@@ -245,25 +245,25 @@ def test_an_unchanged_step_reuses_everything(tmp_path, monkeypatch):
     rt = _runtime(tmp_path)
     rt.set_slot(3, _row(rt, a=4))
     rt.set_slot(5, _row(rt, b=2))
-    rt.flush()
+    rt.slots.flush()
     calls = {"plan": 0, "copy": 0}
-    prepare = rt.banks.prepare
+    prepare = rt.bank_state.prepare
 
     def counted(*a, **k):
         calls["plan"] += 1
         return prepare(*a, **k)
 
-    monkeypatch.setattr(rt.banks, "prepare", counted)
+    monkeypatch.setattr(rt.bank_state, "prepare", counted)
     h = torch.randn(3, HIDDEN)
     slots = np.array([5, 3, 0])
     for _ in range(4):
-        with rt.rows(MappedRows(mapping=torch.from_numpy(slots), slots=slots.copy())):
-            rt.steer_rows(h)
-        calls["copy"] = rt.planner._coef_copy is not None
+        with rt.planner.rows(MappedRows(mapping=torch.from_numpy(slots), slots=slots.copy())):
+            rt.planner.steer_rows(h)
+        calls["copy"] = rt.planner.coef_buffer is not None
     assert calls["plan"] == 1
     # another row order is another step: re-planned
-    with rt.rows(SlotRows(slots=slots[::-1].copy())):
-        out = rt.steer_rows(h)
+    with rt.planner.rows(SlotRows(slots=slots[::-1].copy())):
+        out = rt.planner.steer_rows(h)
     assert calls["plan"] == 2
     torch.testing.assert_close(out, _want(rt, h, [_row(rt), _row(rt, a=4), _row(rt, b=2)]))
 
@@ -290,7 +290,7 @@ def test_segments_from_host_equal_the_device_segments():
 def _window_row(rt, windows: dict, t: int) -> np.ndarray:
     """By hand: each steer's strength at generated token ``t`` (``Window.at``; prompt rows
     ``t = -1`` get the base), then ``steer_coefficients``."""
-    row = np.zeros(rt.num_columns, dtype=np.float32)
+    row = np.zeros(rt.slots.num_columns, dtype=np.float32)
     for name, w in windows.items():
         s = w.base if t < 0 else w.at(t)
         if s:
@@ -312,61 +312,61 @@ def test_windows_at_mixed_positions(tmp_path):
     w0 = {"a": Window(4.0, start=2, end=6, ramp=3)}  # a has a domain component
     w1 = {"b": Window(-3.0, start=0, end=3), "c": Window(2.0, base=2.0)}  # c: constant 2
     w2 = {"c": Window(5.0, start=1, ramp=4, base=1.0)}
-    j = {n: rt.names.index(n) for n in "abc"}
+    j = {n: rt.bank_state.names.index(n) for n in "abc"}
     for slot, w in ((0, w0), (1, w1), (3, w2)):
         rt.set_slot(slot, _row(rt, **{n: x.strength for n, x in w.items()}),
                     {j[n]: x for n, x in w.items()})
     rt.set_slot(2, _row(rt, b=1))  # constant, no window
-    rt.flush()
-    assert rt.num_window_slots == 3
+    rt.slots.flush()
+    assert rt.slots.num_window_slots == 3
     windows = {0: w0, 1: w1, 2: {"b": Window(1.0, base=1.0)}, 3: w2}
     gen = torch.Generator().manual_seed(0)
     start = np.array([0, 5, 1, 2])  # generated-token index of each slot at the first step
     for step in range(8):
         t = start + step
         h = torch.randn(4, HIDDEN, generator=gen)
-        rt.batch_size, rt.batch_positions = 4, t
-        out = rt.steer_rows(h)
+        rt.planner.batch_size, rt.planner.batch_positions = 4, t
+        out = rt.planner.steer_rows(h)
         want = [_window_row(rt, windows[s], int(t[s])) for s in range(4)]
         torch.testing.assert_close(out, _want(rt, h, want))
         # the same rows in another order, through host slots and positions (V2, spec decoding)
         order = np.array([3, 1, 0, 2, 3])
         pos = np.array([t[3], t[1], t[0], t[2], -1])  # the last row: a prompt row (base)
         h5 = torch.randn(5, HIDDEN, generator=gen)
-        with rt.rows(SlotRows(slots=order, positions=pos)):
-            out = rt.steer_rows(h5)
+        with rt.planner.rows(SlotRows(slots=order, positions=pos)):
+            out = rt.planner.steer_rows(h5)
         want = [_window_row(rt, windows[int(s)], int(p)) for s, p in zip(order, pos)]
         torch.testing.assert_close(out, _want(rt, h5, want))
     # a move carries the windows; a reused slot starts clean
-    rt.move_slot(0, 2, swap=True)
+    rt.slots.move(0, 2, swap=True)
     rt.set_slot(1, _row(rt, a=1))
-    rt.flush()
+    rt.slots.flush()
     windows = {0: {"b": Window(1.0, base=1.0)}, 1: {"a": Window(1.0, base=1.0)}, 2: w0, 3: w2}
     t = np.array([7, 0, 4, 3])
     h = torch.randn(4, HIDDEN, generator=gen)
-    rt.batch_size, rt.batch_positions = 4, t
-    out = rt.steer_rows(h)
+    rt.planner.batch_size, rt.planner.batch_positions = 4, t
+    out = rt.planner.steer_rows(h)
     want = [_window_row(rt, windows[s], int(t[s])) for s in range(4)]
     torch.testing.assert_close(out, _want(rt, h, want))
-    assert rt.num_window_slots == 2
+    assert rt.slots.num_window_slots == 2
 
 
 def test_windows_cost_nothing_without_them_and_replan_only_on_change(tmp_path, monkeypatch):
     """A window that has reached its plateau changes no coefficient: the steps go on without
     copies or re-plans although the positions move; a ramp re-plans per changed step."""
     rt = _runtime(tmp_path)
-    j = rt.names.index("a")
+    j = rt.bank_state.names.index("a")
     rt.set_slot(0, _row(rt, a=4), {j: Window(4.0, start=0, ramp=2)})
     rt.set_slot(1, _row(rt, b=2))
-    rt.flush()
+    rt.slots.flush()
     plans = []
-    prepare = rt.banks.prepare
-    monkeypatch.setattr(rt.banks, "prepare", lambda *a, **k: plans.append(1) or prepare(*a, **k))
+    prepare = rt.bank_state.prepare
+    monkeypatch.setattr(rt.bank_state, "prepare", lambda *a, **k: plans.append(1) or prepare(*a, **k))
     h = torch.randn(2, HIDDEN)
-    rt.batch_size = 2
+    rt.planner.batch_size = 2
     for t in range(6):
-        rt.batch_positions = np.array([t, 10])
-        rt.steer_rows(h)
+        rt.planner.batch_positions = np.array([t, 10])
+        rt.planner.steer_rows(h)
     assert len(plans) == 2  # t = 0 (half strength) and t = 1 (full); then unchanged
 
 
@@ -377,13 +377,13 @@ def test_request_windows_reach_the_slot(tmp_path):
 
     rt = _runtime(tmp_path)
     params = _Params(None)
-    params.extra_args = bound_extra(rt.names, {"a": {"strength": 4, "start": 1, "end": 3},
+    params.extra_args = bound_extra(rt.bank_state.names, {"a": {"strength": 4, "start": 1, "end": 3},
                                                "b": 2})
     wins = rt.decode(params).windows
-    ja, jb = rt.names.index("a"), rt.names.index("b")
+    ja, jb = rt.bank_state.names.index("a"), rt.bank_state.names.index("b")
     assert wins[ja].start == 1 and wins[ja].end == 3 and wins[ja].strength == 4
     assert wins[jb].at(0) == wins[jb].at(100) == wins[jb].base == 2
-    params.extra_args = bound_extra(rt.names, {"a": 3})
+    params.extra_args = bound_extra(rt.bank_state.names, {"a": 3})
     assert rt.decode(params).windows is None
 
 
@@ -403,7 +403,7 @@ def test_cuda_steps_do_not_sync(tmp_path, backend, source, dtype):
         save_steer(steers[name], random_steer(HIDDEN, 16, name, seed=seed, scale=3.0))
     dev = torch.device("cuda")
     rt = SteerRuntime(SteerServerConfig(steers=steers, backend=backend))
-    rt.load(HIDDEN, dev, dtype)
+    rt.bank_state.load(HIDDEN, dev, dtype)
     rt.ensure_slots(8, dev)
     gen = torch.Generator().manual_seed(0)
 
@@ -433,7 +433,7 @@ def test_cuda_steps_do_not_sync(tmp_path, backend, source, dtype):
         results.append((out, h, rows))
     assert len(results) == 6
     for out, h, rows in results:
-        want = steer_reference(h.cpu(), rt.bank.p1.cpu(), rt.bank.p2.cpu(), rt.bank.rank_offsets,
+        want = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
                                torch.tensor(np.stack(rows), dtype=torch.float32))
         tol = 2e-3 if dtype == torch.float32 else 3e-2  # bf16: an ulp at the rows' magnitude
         torch.testing.assert_close(out.cpu(), want, atol=tol, rtol=tol)
@@ -448,11 +448,11 @@ def test_v2_rows_and_positions_come_from_the_input_batchs_host_arrays(tmp_path):
     from vllm_steer.integrations.worker.v2 import _host_rows
 
     rt = _runtime(tmp_path)
-    j = rt.names.index("a")
+    j = rt.bank_state.names.index("a")
     win = Window(4.0, start=5, ramp=3)  # 0, 4/3, 8/3 at tokens 4, 5, 6
     rt.set_slot(5, _row(rt, a=4), {j: win})
     rt.set_slot(2, _row(rt, b=2))
-    rt.flush()
+    rt.slots.flush()
     prompt_len = np.zeros(8, dtype=np.int32)
     prompt_len[[5, 2, 0]] = [7, 3, 4]
     runner = SimpleNamespace(req_states=SimpleNamespace(prompt_len=SimpleNamespace(np=prompt_len)))
@@ -469,11 +469,11 @@ def test_v2_rows_and_positions_come_from_the_input_batchs_host_arrays(tmp_path):
     assert slots.tolist() == [5, 5, 5, 2, 0, 0]
     assert pos.tolist() == [4, 5, 6, 1, 1, 2]  # the last row of each samples 10 + 3 - 7 = 6
     h = torch.randn(6, HIDDEN)
-    with rt.rows(MappedRows(mapping=torch.from_numpy(slots), slots=slots,
+    with rt.planner.rows(MappedRows(mapping=torch.from_numpy(slots), slots=slots,
                            positions=pos)):
-        out = rt.steer_rows(h)
+        out = rt.planner.steer_rows(h)
     want = [_row(rt, a=win.at(4)), _row(rt, a=win.at(5)), _row(rt, a=win.at(6)),
             _row(rt, b=2), _row(rt), _row(rt)]
     torch.testing.assert_close(out, _want(rt, h, want))
     rt.set_slot(5, None)  # no window left: no positions asked for
-    assert rt.num_window_slots == 0 and _host_rows(rt, runner, batch)[1] is None
+    assert rt.slots.num_window_slots == 0 and _host_rows(rt, runner, batch)[1] is None

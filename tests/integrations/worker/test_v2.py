@@ -78,12 +78,12 @@ def test_slots_are_fully_reset_when_reused(processor):
     rt = processor.runtime
     assert processor.add_request(3, _params({"a": 5, "b": 2})) is False  # apply() not needed
     processor.apply_staged_writes()
-    assert rt.slot_coefs[3, :2].tolist() == pytest.approx([5e-3, 2e-3])  # slots of a, b
-    assert not rt.slot_coefs[3, 2:].any()
-    assert rt.has_steered_slots
+    assert rt.slots.table[3, :2].tolist() == pytest.approx([5e-3, 2e-3])  # slots of a, b
+    assert not rt.slots.table[3, 2:].any()
+    assert rt.slots.num_active_slots
     processor.add_request(3, _params())  # a new request in the same slot, unsteered
     processor.apply_staged_writes()
-    assert not rt.slot_coefs[3].any() and not rt.has_steered_slots
+    assert not rt.slots.table[3].any() and not rt.slots.num_active_slots
 
 
 def test_wrapped_sample_maps_rows_to_slots_through_expanded_idx_mapping(processor, vllm_config):
@@ -93,7 +93,7 @@ def test_wrapped_sample_maps_rows_to_slots_through_expanded_idx_mapping(processo
     from vllm_steer.integrations.worker import v2
 
     rt = processor.runtime
-    assert rt.backend == "torch"  # resolved (kernels imported) at load, not in a request's step
+    assert rt.bank_state.backend == "torch"  # resolved (kernels imported) at load, not in a request's step
     processor.add_request(0, _params({"a": 4}))
     processor.add_request(5, _params({"b": -3}))
     processor.add_request(2, _params())
@@ -105,19 +105,19 @@ def test_wrapped_sample_maps_rows_to_slots_through_expanded_idx_mapping(processo
 
     class Runner:  # stands in for V2's GPUModelRunner: sample() calls the LM head
         def sample(self, hidden_states, input_batch, grammar_output):
-            return rt.steer_rows(hidden_states)
+            return rt.planner.steer_rows(hidden_states)
 
     Runner.vllm_config = vllm_config
     wrap_method(Runner, "sample", v2.sample)
     h = torch.randn(3, 64)
     out = Runner().sample(h, batch, None)
-    coefs = torch.zeros(3, rt.num_columns)  # one column per steer slot: a, b first
+    coefs = torch.zeros(3, rt.slots.num_columns)  # one column per steer slot: a, b first
     coefs[:, :2] = torch.tensor([[0.0, -3e-3], [0.0, 0.0], [4e-3, 0.0]])
-    want = steer_reference(h, rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets, coefs)
+    want = steer_reference(h, *rt.bank_state.bank.factors, coefs)
     torch.testing.assert_close(out, want)
     assert torch.equal(out[1], h[1])
     # outside sample() (e.g. V2 prompt logprobs) rows have no slot: left unsteered
-    assert torch.equal(rt.steer_rows(h), h)
+    assert torch.equal(rt.planner.steer_rows(h), h)
 
 
 
@@ -138,7 +138,7 @@ def test_sample_reads_input_batch_by_name_however_it_is_passed(processor, vllm_c
 
     class Runner:  # a vLLM whose sample() gained a parameter before input_batch
         def sample(self, hidden_states, new_param, input_batch, grammar_output=None):
-            return rt.steer_rows(hidden_states)
+            return rt.planner.steer_rows(hidden_states)
 
     Runner.vllm_config = vllm_config
     wrap_method(Runner, "sample", v2.sample)
@@ -159,10 +159,9 @@ def test_sample_reads_input_batch_by_name_however_it_is_passed(processor, vllm_c
     for call, slots in zip(calls, ([1, 4], [4, 1], [4], [1], [1, 4])):
         h = torch.randn(len(slots), 64)
         out = call(h, batch_of(slots))
-        coefs = torch.zeros(len(slots), rt.num_columns)
+        coefs = torch.zeros(len(slots), rt.slots.num_columns)
         coefs[:, :2] = torch.tensor([strengths[s] for s in slots])
-        torch.testing.assert_close(out, steer_reference(h, rt.bank.p1, rt.bank.p2,
-                                                        rt.bank.rank_offsets, coefs))
+        torch.testing.assert_close(out, steer_reference(h, *rt.bank_state.bank.factors, coefs))
     assert v2._BINDINGS_BY_ID[id(runner)].sample_batch_at == 2  # h, new_param, input_batch
 
 
@@ -189,7 +188,7 @@ def test_steady_steps_reuse_their_rows_and_every_change_maps_them_again(processo
 
     class Runner:
         def sample(self, hidden_states, input_batch, grammar_output):
-            return rt.steer_rows(hidden_states)
+            return rt.planner.steer_rows(hidden_states)
 
     Runner.vllm_config = vllm_config
     wrap_method(Runner, "sample", v2.sample)
@@ -206,10 +205,9 @@ def test_steady_steps_reuse_their_rows_and_every_change_maps_them_again(processo
         batch.req_ids = [ids[s] for s in slots]  # a new list of the same ids, as V2 makes it
         h = torch.randn(len(slots), 64)
         out = runner.sample(h, batch, None)
-        coefs = torch.zeros(len(slots), rt.num_columns)
+        coefs = torch.zeros(len(slots), rt.slots.num_columns)
         coefs[:, :2] = torch.tensor([strengths[s] for s in slots])
-        torch.testing.assert_close(out, steer_reference(h, rt.bank.p1, rt.bank.p2,
-                                                        rt.bank.rank_offsets, coefs))
+        torch.testing.assert_close(out, steer_reference(h, *rt.bank_state.bank.factors, coefs))
         n, mapped[:] = len(mapped), []
         return n
 
@@ -252,23 +250,23 @@ def test_a_finished_requests_stale_slot_costs_no_steer_work(processor, vllm_conf
 
     class Runner:
         def sample(self, hidden_states, input_batch, grammar_output):
-            assert not rt.active  # the head's check: nothing to do for these rows
-            return rt.steer_rows(hidden_states)
+            assert not rt.planner.active  # the head's check: nothing to do for these rows
+            return rt.planner.steer_rows(hidden_states)
 
     Runner.vllm_config = vllm_config
     wrap_method(Runner, "sample", v2.sample)
-    calls = rt.stats.calls
+    calls = rt.planner.stats.calls
     h = torch.randn(1, 64)
     assert torch.equal(Runner().sample(h, batch, None), h)
-    assert rt.stats.calls == calls
+    assert rt.planner.stats.calls == calls
     batch.idx_mapping_np = np.array([1, 6])  # the steered slot is in the step again: steered
     batch.expanded_idx_mapping = torch.tensor([1, 6])
-    Runner.sample = lambda self, hidden_states, input_batch, grammar_output: rt.steer_rows(
+    Runner.sample = lambda self, hidden_states, input_batch, grammar_output: rt.planner.steer_rows(
         hidden_states)
     wrap_method(Runner, "sample", v2.sample)
     h = torch.randn(2, 64)
     out = Runner().sample(h, batch, None)
-    assert rt.stats.calls == calls + 1 and torch.equal(out[0], h[0]) and not torch.equal(out[1], h[1])
+    assert rt.planner.stats.calls == calls + 1 and torch.equal(out[0], h[0]) and not torch.equal(out[1], h[1])
 
 def test_a_step_sampled_without_the_head_is_refused_not_served_unsteered(processor, vllm_config):
     """A sampling path that computes logits straight from the LM-head weight (a greedy fast
@@ -320,15 +318,15 @@ steers, out_path = sys.argv[1].split(","), sys.argv[2]
 cfg = types.SimpleNamespace(additional_config={"vllm_steer": {"steers": {
     "a": steers[0], "b": steers[1]}}})
 rt = get_runtime(cfg.additional_config)
-rt.load(64, torch.device("cpu"), torch.float32)
+rt.bank_state.load(64, torch.device("cpu"), torch.float32)
 rt.ensure_slots(8, torch.device("cpu"))
-rt.row_source = NoRows()  # as the V2 processor sets it
+rt.planner.row_source = NoRows()  # as the V2 processor sets it
 coefs = {1: [4e-3, 0], 2: [0, -3e-3], 3: [0, 5e-3], 4: [-2e-3, 1e-3]}  # slots 0, 5: unsteered
 for slot, row in coefs.items():
-    full = np.zeros(rt.num_columns, dtype=np.float32)  # the first two steers' columns
+    full = np.zeros(rt.slots.num_columns, dtype=np.float32)  # the first two steers' columns
     full[:2] = row
     rt.set_slot(slot, full)
-rt.flush()
+rt.slots.flush()
 
 # rank 0 of TP=2, built without a process group (the only thing __init__ asks it for)
 sharder = object.__new__(BatchSharder)
@@ -347,7 +345,7 @@ class Stop(Exception):
 
 class Model:
     def compute_logits_local(self, hidden):
-        torch.save({"rows": hidden.clone(), "steered": rt.steer_rows(hidden)}, out_path)
+        torch.save({"rows": hidden.clone(), "steered": rt.planner.steer_rows(hidden)}, out_path)
         raise Stop
 
 runner = object.__new__(GPUModelRunner)
@@ -361,7 +359,7 @@ except Stop:
     pass
 saved = torch.load(out_path)
 saved["hidden"] = hidden
-saved["stats"] = rt.stats.as_dict()
+saved["stats"] = rt.planner.stats.as_dict()
 torch.save(saved, out_path)
 print("DONE")
 """

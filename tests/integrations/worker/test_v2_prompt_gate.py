@@ -24,12 +24,12 @@ def _steered_runtime(tmp_path):
     path = str(tmp_path / "a.safetensors")
     save_steer(path, random_steer(HIDDEN, 4, "a", seed=3, scale=3.0))
     rt = get_runtime({"vllm_steer": {"steers": {"a": path}, "max_strength": 10}})
-    rt.load(HIDDEN, torch.device("cpu"), torch.float32)
+    rt.bank_state.load(HIDDEN, torch.device("cpu"), torch.float32)
     rt.ensure_slots(4, torch.device("cpu"))
-    row = np.zeros(rt.num_columns, np.float32)
+    row = np.zeros(rt.slots.num_columns, np.float32)
     row[0] = 4e-3
     rt.set_slot(1, row)
-    rt.flush()
+    rt.slots.flush()
     return rt, row
 
 
@@ -49,7 +49,7 @@ def test_v2_prompt_logprob_hooks_wrap_nothing_until_a_request_asks_for_prompt_lo
         return logits_fn(hidden_states)
 
     def logits_fn(x):  # the model's compute_logits: the steered head, logits = its input
-        return rt.steer_rows(x.clone())
+        return rt.planner.steer_rows(x.clone())
 
     for hook in (v2.prompt_logprobs, v2.prompt_token_id_logprobs):
         given.clear()
@@ -61,7 +61,7 @@ def test_v2_prompt_logprob_hooks_wrap_nothing_until_a_request_asks_for_prompt_lo
     out = v2.prompt_logprobs(orig, worker, logits_fn, h.clone(), batch)
     assert given[0] is not logits_fn
     coefs = torch.tensor(np.stack([row] * 3 + [np.zeros_like(row)] * 2))
-    want = steer_reference(h, rt.bank.p1, rt.bank.p2, rt.bank.rank_offsets, coefs)
+    want = steer_reference(h, *rt.bank_state.bank.factors, coefs)
     torch.testing.assert_close(out, want)
     assert not torch.equal(out[:3], h[:3])  # slot 1's rows steered, slot 0's (unsteered) not
     torch.testing.assert_close(out[3:], h[3:])

@@ -39,16 +39,14 @@ class BankState:
         if problems:
             raise SteerFileError(", ".join(config.steers.values()),
                                  [p.replace("\n", " ") for p in problems])
-        # steers come and go at run time (vllm_steer.integrations.engine.control): a fixed
-        # number of bank slots, two coefficient columns each (steer, domain; see SlotBank)
+        # steers come and go at run time (vllm_steer.integrations.engine): a fixed number of
+        # bank slots (SlotBank)
         self.capacity = config.capacity
-        self.num_columns = 2 * self.capacity
         self.bank: SlotBank | None = None
         self.backend: str | None = None  # resolved at load
         self.fn: Callable | None = None  # the backend's steer function (resolved once)
         self.prepare: Callable | None = None  # the backend's planning function, if any
         self.max_rows = 0  # the most rows one step steers (max_step_rows), once known
-        self.graphs = None  # CUDA: the head's op replayed from CUDA graphs (SlotBank.head_graphs)
         # what records and replays the head's graphs (None: CUDA graphs, on CUDA only; tests
         # set a stand-in before the load, which lifts the CUDA-only rule)
         self.graph_backend = None
@@ -84,8 +82,8 @@ class BankState:
         if reasons:
             raise SteerFileError(", ".join(self.config.steers.values()), reasons)
         self.bank = self._reserve_bank(hidden_size, device, dtype, steers)
-        for bank_slot, name in enumerate(self.names):  # the registry numbers them the same way
-            self.bank.put(bank_slot, bank_slot + 1, name, steers[name])
+        for bank_slot, name in enumerate(self.names):
+            self.bank.put(bank_slot, startup_load_id(bank_slot), name, steers[name])
         # Resolve the backend now (it imports the kernels, and Triton where present: about
         # half a second), not in the first steered request's step.
         from vllm_steer import ops
@@ -98,7 +96,9 @@ class BankState:
         self.prepare = ops.backend_prepare(self.backend)
         self.warm_up()
         if cuda_graphs:
-            self.graphs = self.bank.head_graphs(self.config.backend, self.graph_backend)
+            from vllm_steer.kernels.graphs import head_graphs
+
+            head_graphs(self.bank, self.config.backend, self.graph_backend)
         elif self.graph_backend is not None or torch.device(device or "cpu").type == "cuda":
             logger.info("vllm-steer: the LM head's steer op is launched eagerly: vLLM runs with "
                         "--enforce-eager (no CUDA graphs)")
@@ -190,9 +190,17 @@ class BankState:
         return mib
 
 
+def startup_load_id(bank_slot: int) -> int:
+    """The load id of the start-up steer in ``bank_slot``. The worker loads the start-up steers
+    itself, with the model, before any op of the engine core reaches it; the engine core's
+    registry puts them into bank slots ``0, 1, ...`` in their order and issues them its first
+    load ids, ``1, 2, ...`` (a run-time load's id comes with its put op)."""
+    return bank_slot + 1
+
+
 def _same_model(a: str, b: str) -> bool:
     norm = lambda s: s.rstrip("/").split("/")[-1].lower().replace("_", "-")  # noqa: E731
     return norm(a) == norm(b) or a in b or b in a
 
 
-__all__ = ["BankState"]
+__all__ = ["BankState", "startup_load_id"]

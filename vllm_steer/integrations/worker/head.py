@@ -19,8 +19,7 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-from vllm_steer.integrations.worker.request_slots import STEERED_SLOTS
-from vllm_steer.integrations.worker.rows import CAPTURE_SCOPES
+from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.runtime import SteerRuntime, get_runtime
 
 
@@ -42,8 +41,9 @@ class SteeredLogitsProcessor(LogitsProcessor):
             from vllm_steer.integrations.families import head_input_size  # OPT: != hidden
 
             # --enforce-eager: no CUDA graphs of vLLM's, nor of the head's op
-            self.steer_runtime.load(head_input_size(mc), device, dtype, model_id=mc.model,
-                                    cuda_graphs=not getattr(mc, "enforce_eager", False))
+            self.steer_runtime.bank_state.load(
+                head_input_size(mc), device, dtype, model_id=mc.model,
+                cuda_graphs=not getattr(mc, "enforce_eager", False))
 
     @property
     def steer_runtime(self) -> SteerRuntime | None:
@@ -62,14 +62,14 @@ class SteeredLogitsProcessor(LogitsProcessor):
                 skip_gather: bool = False):
         # `self` may be vLLM's LoRA wrapper (see the module docstring). No steered request in
         # the process and no drafter step being recorded: two integer reads, nothing else.
-        if STEERED_SLOTS[0] or CAPTURE_SCOPES[0]:
+        if GATES.steered_slots or GATES.capture_scopes:
             steer_rows = self.steer_rows
             if steer_rows is not None:
                 hidden_states = steer_rows(hidden_states)
         return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
 
     def get_top_tokens(self, lm_head, hidden_states, embedding_bias=None):
-        if STEERED_SLOTS[0] or CAPTURE_SCOPES[0]:
+        if GATES.steered_slots or GATES.capture_scopes:
             steer_rows = self.steer_rows
             if steer_rows is not None:
                 hidden_states = steer_rows(hidden_states)

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_steer.integrations.worker.runtime import runtime_of
+from vllm_steer.integrations.worker.runtime import Binding
 
 
 def worker_op(worker, op: str, *args) -> Any:
     """Runs in every worker (``collective_rpc`` with a callable): change or report bank
     slots."""
-    rt = runtime_of(worker)
+    rt = Binding.of(worker).runtime
     if rt is None:
         return None
     if op == "put":
         bank_slot, load_id, name, steer = args
-        if rt.bank is None:  # no LM head in this worker (an earlier pipeline stage): no steers
+        if rt.bank_state.bank is None:  # no LM head here (an earlier pipeline stage): no steers
             return False
         rt.put_steer(bank_slot, load_id, name, steer)
         return True
@@ -24,9 +24,9 @@ def worker_op(worker, op: str, *args) -> Any:
         rt.drop_slots(args[0])
         return True
     if op == "stats":
-        bank = rt.bank
-        return {**rt.op_timer.report(), "op_calls": rt.planner.op_calls,
+        bank = rt.bank_state.bank
+        return {**rt.planner.op_timer.report(), "op_calls": rt.planner.op_calls,
                 "slots": [] if bank is None else
-                [[i, g, n] for i, (g, n) in enumerate(zip(bank.generations, bank.names))
+                [[i, g, n] for i, (g, n) in enumerate(zip(bank.load_ids, bank.names))
                  if n is not None]}
     raise ValueError(f"unknown steer worker op {op!r}")

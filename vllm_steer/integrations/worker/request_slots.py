@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_steer.bank import SlotBank
-from vllm_steer.integrations.worker.rows import warn_once
+from vllm_steer.bank import SlotBank, coefficient_columns
+from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.kernels import staging
-from vllm_steer.logs import get_logger
+from vllm_steer.logs import get_logger, warn_once
 from vllm_steer.request import BOUND_KEY, BoundSteer, Window
 
 logger = get_logger()
@@ -69,7 +69,7 @@ def decode_request(params: Any, bank: SlotBank | None, num_columns: int) -> Requ
         windows = {}
         for b in bound:
             j = b.bank_slot
-            if not 0 <= j < bank.capacity or bank.generations[j] != b.load_id \
+            if not 0 <= j < bank.capacity or bank.load_ids[j] != b.load_id \
                     or bank.steers[j] is None or not b.strength:
                 continue  # left out of the row too (logged above)
             windows[j] = b.value if isinstance(b.value, Window) else Window(b.value, base=b.value)
@@ -77,19 +77,10 @@ def decode_request(params: Any, bank: SlotBank | None, num_columns: int) -> Requ
     return RequestCoefs(np.asarray(row, dtype=np.float32), windows)
 
 
-#: Request slots holding a request with generation windows in this process, over all its
-#: runtimes: V1's per-step hook reads this one integer before anything else, so a step with
-#: no windowed request anywhere costs one read (``WINDOWED_SLOTS[0]``).
-WINDOWED_SLOTS = [0]
-#: Steered request slots in this process as of each table's last flush, over all its runtimes:
-#: Model Runner V2's per-step hook reads this one integer before anything else.
-STEERED_SLOTS = [0]
-
-
 def _uncount(counted: list[int]) -> None:
-    """A table was collected: its slots leave the process's counts."""
-    STEERED_SLOTS[0] -= counted[0]
-    WINDOWED_SLOTS[0] -= counted[1]
+    """A table was collected: its slots leave the process's gates."""
+    GATES.steered_slots -= counted[0]
+    GATES.windowed_slots -= counted[1]
 
 
 #: the per-slot window arrays (host, ``[max_slots, capacity]`` float64 each)
@@ -103,7 +94,7 @@ class RequestSlots:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.num_columns = 2 * capacity
+        self.num_columns = coefficient_columns(capacity)
         self.table: torch.Tensor | None = None  # [max_slots, K] fp32 on the device
         self.host: np.ndarray | None = None  # [max_slots, K] host table
         self.steered: np.ndarray | None = None  # [max_slots] bool: slot has a non-zero row
@@ -213,13 +204,15 @@ class RequestSlots:
         self.version += 1
 
     def _count_active(self, n: int) -> None:
-        """Set :attr:`num_active_slots`, keeping the process's count (:data:`STEERED_SLOTS`)."""
-        STEERED_SLOTS[0] += n - self.num_active_slots
+        """Set :attr:`num_active_slots`, keeping the process's count
+        (:data:`~vllm_steer.integrations.worker.gates.GATES`)."""
+        GATES.steered_slots += n - self.num_active_slots
         self.num_active_slots = self._counted[0] = n
 
     def _count_windows(self, n: int) -> None:
-        """Set :attr:`num_window_slots`, keeping the process's count (:data:`WINDOWED_SLOTS`)."""
-        WINDOWED_SLOTS[0] += n - self.num_window_slots
+        """Set :attr:`num_window_slots`, keeping the process's count
+        (:data:`~vllm_steer.integrations.worker.gates.GATES`)."""
+        GATES.windowed_slots += n - self.num_window_slots
         self.num_window_slots = self._counted[1] = n
 
     def flush(self) -> None:
@@ -284,4 +277,4 @@ class RequestSlots:
         return coefs
 
 
-__all__ = ["RequestSlots", "RequestCoefs", "decode_request", "WINDOWED_SLOTS", "STEERED_SLOTS"]
+__all__ = ["RequestSlots", "RequestCoefs", "decode_request"]

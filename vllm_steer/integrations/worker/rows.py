@@ -1,8 +1,10 @@
-"""The rows of each ``compute_logits`` call and the steer op on them: typed row sources and the
-step planner. Semantics: see :mod:`vllm_steer.reference`.
+"""The rows of each ``compute_logits`` call: typed row sources. Semantics: see
+:mod:`vllm_steer.reference`.
 
 A *row source* says which request slot each hidden-state row of the next ``compute_logits``
-call belongs to; the runner hooks set it for the calls they scope (:meth:`StepPlanner.rows`).
+call belongs to; the runner hooks set it for the calls they scope
+(:meth:`~vllm_steer.integrations.worker.planner.StepPlanner.rows`), and the step planner
+(:mod:`~vllm_steer.integrations.worker.planner`) steers the rows it names.
 It is one of six small frozen types (a tagged union, :data:`RowSource`):
 
 - :class:`BatchRows` (V1): row i is request slot i (persistent-batch order);
@@ -13,29 +15,21 @@ It is one of six small frozen types (a tagged union, :data:`RowSource`):
 - :class:`PromptRows` (V1 prompt logprobs): a slice of the step's hidden states, one request;
 - :class:`NoRows`: rows with no known slot, left unsteered;
 - :class:`CapturedRows` (V2 drafters inside CUDA graphs): row -> slot on the device only,
-  read by the capture-safe op (:meth:`StepPlanner.steer_fixed`).
+  read by the capture-safe op (:meth:`~vllm_steer.integrations.worker.planner.StepPlanner.
+  steer_fixed`).
 
-The planner is sync-free by construction (no device tensor is read into Python): every row
-source gives its row -> slot on the host; the rows' coefficients are gathered from the request
-slots' host table, copied from pinned staging (:class:`~vllm_steer.kernels.staging.StagedCopy`)
-into a persistent device buffer only when they changed, and the backend's plan is made from the
-host copy and cached under a host key. Only batch-sharded sampling (V2, TP > 1), whose row
-order exists on the device alone, gathers and plans on the device.
+Every row source but the last gives its row -> slot on the host, so that the planner reads no
+device tensor into Python (sync-free); only batch-sharded sampling (V2, TP > 1), whose row
+order exists on the device alone, is gathered on the device.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
 from dataclasses import dataclass
 from typing import Union
 
 import numpy as np
 import torch
-
-from vllm_steer.kernels import staging
-from vllm_steer.logs import get_logger
-from vllm_steer.metrics import OpTimer
 
 
 @dataclass(frozen=True)
@@ -79,13 +73,6 @@ class NoRows:
     """Rows with no known slot: left unsteered."""
 
 
-#: Open :class:`CapturedRows` scopes in this process (drafter steps being recorded into CUDA
-#: graphs, which must record the steer op whether or not a request is steered yet). With
-#: :data:`~vllm_steer.integrations.worker.request_slots.STEERED_SLOTS` it is the head's gate:
-#: both zero, the head has nothing to do.
-CAPTURE_SCOPES = [0]
-
-
 @dataclass(frozen=True)
 class CapturedRows:
     """Row -> slot on the device only (``mapping[i]``; -1: padding), for the capture-safe op."""
@@ -98,344 +85,10 @@ RowSource = Union[BatchRows, MappedRows, SlotRows, PromptRows, NoRows, CapturedR
 
 BATCH_ROWS = BatchRows()
 NO_ROWS = NoRows()
-
-_DEVICE_MAPPING = object()
 #: The row sources of a whole batch step, which the next step may repeat (a steady step:
-#: StepPlanner.steer_rows).
-_STEADY_KINDS = (BatchRows, MappedRows)
-
-
-class StepPlanner:
-    """The row source of the next ``compute_logits`` call, and the steer op on its rows with
-    a plan cached per step (coefficients, device buffer, backend plan). Reads the worker's
-    bank (``banks``: :class:`~vllm_steer.integrations.worker.bank_state.BankState`) and
-    request slots (``slots``: :class:`~vllm_steer.integrations.worker.request_slots.
-    RequestSlots`). Counts its op calls and rows, and times one op in
-    :data:`~vllm_steer.metrics.TIMER_SAMPLE_EVERY` (:attr:`op_timer`): the counters and the
-    countdown to the next timed op are its own plain integers, so that a steady step touches
-    no other object for them (each cold object costs there)."""
-
-    def __init__(self, banks, slots):
-        self.banks = banks
-        self.slots = slots
-        self.op_calls = 0  # steer-op calls (one per compute_logits with steered rows)
-        self.op_rows = 0  # hidden-state rows passed through the steer op
-        self.op_timer = OpTimer()  # the op's host and device time, from the timed ops
-        self.op_untimed = 0  # ops to leave untimed before the next timed one (OpTimer.stop)
-        self.row_source: RowSource = BATCH_ROWS
-        self.batch_size = 0  # V1: requests in the persistent batch
-        # V1: the generated-token index each batch row samples (host, set by the runner hook
-        # at every step while some slot has a generation window, and read only then)
-        self.batch_positions: np.ndarray | None = None
-        self.head_calls = 0  # calls into the head (steer_rows), steered rows or not
-        # the per-step cache (see steer_rows): the step's key, its host coefficients, the
-        # device buffer they were copied to, the plan and what it was made for
-        self._step_key: object = None
-        self._step_coefs: np.ndarray | None = None
-        self._coefs_dev: torch.Tensor | None = None
-        self._step_coefs_dev: torch.Tensor | None = None  # its first n rows (this step's)
-        self._coef_copy: staging.StagedCopy | None = None
-        self._plan_key: object = None
-        self._plan = None
-        self._plan_checked = False  # _plan checked against the step's coefficients
-        # the last planned batch step, while its rows have no window (see steer_rows)
-        self._steady_src: RowSource | None = None
-        self._steady_key: object = None
-
-    @property
-    def active(self) -> bool:
-        """Whether the head has steer work for the rows of the next ``compute_logits``."""
-        src = self.row_source
-        if type(src) is CapturedRows:  # recorded whether or not a slot is steered
-            bank = self.banks.bank
-            return bank is not None and bank.fixed_p1 is not None
-        return self.banks.bank is not None and self.slots.num_active_slots > 0 \
-            and type(src) is not NoRows
-
-    def set_rows(self, source: RowSource) -> None:
-        """Set the row source of the calls that follow (inside a :meth:`rows` block)."""
-        self.row_source = source
-
-    @contextlib.contextmanager
-    def rows(self, source: RowSource):
-        """Scope a row source to the calls inside the block (V2 sampling, prompt logprobs,
-        drafter steps recorded into CUDA graphs: counted in :data:`CAPTURE_SCOPES`)."""
-        prev, self.row_source = self.row_source, source
-        captured = type(source) is CapturedRows
-        CAPTURE_SCOPES[0] += captured
-        try:
-            yield
-        finally:
-            self.row_source = prev
-            CAPTURE_SCOPES[0] -= captured
-
-    # ---- the head ------------------------------------------------------------------------
-    def steer_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Steer the rows of one ``compute_logits`` call. Semantics: see reference.
-
-        Sync-free by construction: the rows' slots (and generated-token positions) are host
-        data, their coefficients are gathered from the host table, copied to a persistent
-        device buffer from pinned staging only when they changed, and the plan is made from
-        the host copy and cached under a host key (coefficient version, the step's row -> slot
-        array, window positions). An unchanged step costs a key comparison and the kernels.
-
-        A *steady* step skips even the key: the rows of the last planned batch step again (V1's
-        persistent batch; V2's batch with the same slots: the row source its ``sample`` hook
-        reused, or one with the same bytes of ``idx_mapping``), as
-        many rows, the request-slot table and the bank at the versions its plan was made for.
-        That step had no generation window among its rows (it is recorded only then), and the
-        table's version says none came since. Any other step planned since (prompt logprobs, a
-        drafter's rows) or a new coefficient buffer replaces :attr:`_step_key`, which ends it.
-        A few comparisons, then the op on the cached plan; checked inline, as each further
-        call costs several µs here with the caches cold after vLLM's own step.
-        """
-        self.head_calls += 1
-        src = self.row_source
-        n = hidden.shape[0]
-        key = self._steady_key
-        if key is None or key is not self._step_key or n != key[2] \
-                or (src is not self._steady_src and (type(src) is not MappedRows
-                                                     or src.key is None or src.key != key[3])) \
-                or self.slots.version != key[0] or self.banks.bank.version != key[1]:
-            kind = type(src)
-            if kind is CapturedRows:
-                return self.steer_fixed(hidden, src.mapping)
-            if not self.slots.num_active_slots or kind is NoRows or self.banks.bank is None:
-                return hidden  # no steered request: the one check
-            if n == 0:
-                return hidden
-            step = self._step_rows(hidden)
-            if step is None:
-                return hidden
-            if step is _DEVICE_MAPPING:  # no host row -> slot (batch-sharded sampling)
-                return self._steer_device_mapping(hidden)
-            slots, positions, rows_key = step
-            table = self.slots
-            key = (table.version, self.banks.bank.version, n, rows_key)
-            if table.num_window_slots:
-                windowed = table.windowed[:n] if slots is None else table.windowed[slots]
-                if windowed.any():  # the coefficients move with the rows' positions
-                    key += (None if positions is None else positions.tobytes(),)
-            if key != self._step_key:
-                self._step_key = None  # never keep a stale key on error
-                self._prepare_step(n, slots, positions)
-                self._step_coefs_dev = self._coefs_dev[:n]
-                self._plan_checked = False
-                self._step_key = key
-            # a batch step with no window among its rows: the next may be steady
-            steady = len(key) == 4 and kind in _STEADY_KINDS
-            self._steady_src = src if steady else None
-            self._steady_key = self._step_key if steady else None
-        self.op_calls += 1
-        self.op_rows += n
-        untimed = self.op_untimed  # one call in TIMER_SAMPLE_EVERY is timed (_timed, inlined)
-        t0 = None if untimed else self.op_timer.start(hidden)
-        graphs = self.banks.graphs
-        out = None if graphs is None else graphs.run(hidden, self._coefs_dev)
-        if out is None:  # launched eagerly (no graphs, or not for this step)
-            bank = self.banks.bank
-            plan = self._plan if self._plan_checked else self._eager_plan(n)
-            if plan is None:  # a backend with no plan (it plans inside the call)
-                out = self.banks.fn(hidden, bank.p1, bank.p2, bank.rank_offsets,
-                                    self._step_coefs_dev)
-            else:
-                out = self.banks.fn(hidden, bank.p1, bank.p2, bank.rank_offsets,
-                                    self._step_coefs_dev, prepared=plan)
-        self.op_untimed = untimed - 1 if t0 is None else self.op_timer.stop(t0)
-        return out
-
-    def _timed(self, fn, hidden: torch.Tensor, *args) -> torch.Tensor:
-        """``fn(hidden, *args)``, counted, and timed when its turn comes (:attr:`op_untimed`
-        is 0; :meth:`~vllm_steer.metrics.OpTimer.stop` says how many ops to leave untimed
-        next). The head's steady step inlines the same, as a call there costs."""
-        self.op_calls += 1
-        self.op_rows += hidden.shape[0]
-        if self.op_untimed:
-            self.op_untimed -= 1
-            return fn(hidden, *args)
-        token = self.op_timer.start(hidden)
-        out = fn(hidden, *args)
-        self.op_untimed = self.op_timer.stop(token)
-        return out
-
-    def _step_rows(self, hidden: torch.Tensor):
-        """``(slots, positions, key)`` of the rows of this call, all host-side: ``slots`` None
-        means row i = slot i; ``positions`` the generated-token index of each row (-1: not a
-        generated token) or None. None: the rows are left unsteered."""
-        src = self.row_source
-        n = hidden.shape[0]
-        kind = type(src)
-        if kind is NoRows:
-            return None
-        if kind is MappedRows or kind is SlotRows:
-            if src.slots is None:
-                if kind is MappedRows and src.mapping is not None:
-                    return _DEVICE_MAPPING
-                warn_once("vllm-steer: logits rows came before their row mapping was known; "
-                          "they are computed unsteered")
-                return None
-            if len(src.slots) < n:
-                warn_once("vllm-steer: logits rows outnumber their known slots; they are "
-                          "computed unsteered")
-                return None
-            pos = None if src.positions is None else src.positions[:n]
-            # converted only when the step is planned (_prepare_step)
-            slots = src.slots if len(src.slots) == n else src.slots[:n]
-            key = src.key if kind is MappedRows and slots is src.slots else None
-            return slots, pos, slots.tobytes() if key is None else key
-        if kind is PromptRows:
-            base = src.base
-            row_bytes = base.stride(0) * base.element_size()
-            offset = (hidden.data_ptr() - base.data_ptr()) // row_bytes
-            if hidden.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() \
-                    or not 0 <= offset < base.shape[0]:
-                warn_once("vllm-steer: prompt-logprob rows could not be matched to a request; "
-                          "they are computed unsteered")
-                return None
-            slot = int(np.searchsorted(src.query_start_loc, offset, side="right") - 1)
-            # prompt rows are no generated tokens: a window gives them its base strength
-            return np.full(n, slot, dtype=np.int64), np.full(n, -1, dtype=np.int64), ("p", slot)
-        # BatchRows: V1 samples one row per request, in persistent-batch order
-        if n != self.batch_size:
-            warn_once(f"vllm-steer: compute_logits got {n} rows for a batch of "
-                      f"{self.batch_size} requests; rows left unsteered")
-            return None
-        pos = self.batch_positions
-        return None, (None if pos is None or len(pos) < n else pos[:n]), "b"
-
-    def _prepare_step(self, n: int, slots, positions) -> None:
-        """A step whose key changed: gather its coefficients on the host; when they differ from
-        the device buffer's, copy them (pinned, non-blocking). The eager op's plan waits for
-        the first eager launch of these coefficients (:meth:`_eager_plan`): a step replayed
-        from the head's CUDA graphs needs none."""
-        if slots is not None:
-            slots = np.asarray(slots, dtype=np.int64)
-        if positions is not None:
-            positions = np.asarray(positions, dtype=np.int64)
-        coefs = self.slots.row_coefs(n, slots, positions)
-        last = self._step_coefs
-        same = last is not None and last.shape == coefs.shape and np.array_equal(last, coefs)
-        if not same:
-            self._step_coefs = None
-            buf = self._coef_buffer(n)  # (may make a new buffer, and its staged copy)
-            self._coef_copy.copy_(buf[:n], coefs)
-            self._step_coefs = coefs
-
-    def _coef_buffer(self, n: int) -> torch.Tensor:
-        """The device buffer of the step's coefficients (``[rows >= n, columns]`` fp32), made
-        for the most rows a step samples (max_num_seqs) and, with the head's CUDA graphs, for
-        their largest bucket, from the start: the graphs read this buffer and are captured
-        again when it is replaced, which then happens only for a step with more rows
-        (prompt-logprob chunks), each time doubling. A new buffer starts all zero."""
-        banks = self.banks
-        dev = banks.bank.p1.device
-        buf = self._coefs_dev
-        if buf is None or buf.shape[0] < n or buf.device != dev:
-            graphs = banks.graphs
-            rows = max(n, banks.max_rows, 0 if graphs is None else graphs.max_rows,
-                       2 * (0 if buf is None else buf.shape[0]))
-            self._step_coefs = self._step_key = None  # the new buffer holds no step's yet
-            self._coefs_dev = buf = torch.zeros((rows, banks.num_columns), dtype=torch.float32,
-                                                device=dev)
-            self._coef_copy = staging.StagedCopy(dev)
-        return buf
-
-    def capture_graphs(self) -> int:
-        """Capture the head's CUDA graphs now, for every row bucket up to the most rows a step
-        samples (vLLM's max_num_seqs), once the model is loaded and the request slots are
-        sized (whichever comes last), and after a load or unload that dropped them (a new
-        layout of the bank), so that no serving step stalls on a capture. Returns the number
-        captured. A capture that fails leaves the head on the eager op, logged
-        (:attr:`~vllm_steer.kernels.graphs.SteerGraphs.failed`)."""
-        banks = self.banks
-        graphs, bank = banks.graphs, banks.bank
-        if graphs is None or bank is None or not banks.max_rows or not banks.model_loaded:
-            return 0
-        dev = bank.p1.device
-        cuda = dev.type == "cuda"
-        t0, held = time.perf_counter(), torch.cuda.memory_reserved(dev) if cuda else 0
-        done = graphs.capture(banks.max_rows, bank.hidden_size,
-                              banks.activation_dtype or bank.dtype,
-                              self._coef_buffer(min(banks.max_rows, graphs.max_rows)))
-        if done:
-            mib = (torch.cuda.memory_reserved(dev) - held) / 2**20 if cuda else 0.0
-            get_logger().info("vllm-steer: captured %d CUDA graph(s) of the LM head's steer op "
-                              "(buckets %s rows) in %.2f s, %.1f MiB", done, graphs.buckets,
-                              time.perf_counter() - t0, mib)
-        return done
-
-    def _eager_plan(self, n: int):
-        """The eager op's plan for this step's coefficients (None: the backend plans inside
-        the call), made again only when what it depends on changed (the torch plan holds the
-        values; the Triton plan only the non-zero pattern)."""
-        banks = self.banks
-        if banks.prepare is None:
-            self._plan, self._plan_checked = None, True
-            return None
-        bank, coefs = banks.bank, self._step_coefs
-        sig = (coefs != 0).tobytes() if banks.backend == "triton" else coefs.tobytes()
-        plan_key = (bank.version, banks.backend, n, sig)
-        if plan_key != self._plan_key:
-            self._plan_key, self._plan = None, None  # never keep a stale plan on error
-            self._plan = banks.prepare(bank.p1, bank.p2, bank.rank_offsets,
-                                       self._coefs_dev[:n], host=coefs)
-            self._plan_key = plan_key
-        self._plan_checked = True
-        return self._plan
-
-    def _steer_device_mapping(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Rows known only through a device mapping (batch-sharded sampling): the slot table
-        is gathered on the device and planned per call (the backend's own planning; the
-        Triton backend's is a device launch, the torch backend's reads the device)."""
-        n = hidden.shape[0]
-        bank = self.banks.bank
-        coefs = self.slots.table.index_select(0, self.row_source.mapping[:n].long())
-        return self._timed(self.banks.fn, hidden, bank.p1, bank.p2, bank.rank_offsets, coefs)
-
-    # ---- drafter heads inside CUDA graphs (Model Runner V2's EAGLE / EAGLE-3 / MTP) -----------
-    def steer_fixed(self, hidden: torch.Tensor, mapping: torch.Tensor | None) -> torch.Tensor:
-        """Steer rows whose slots are known only on the device (``mapping[i]``: row i's slot;
-        -1: a padding row, left as it is) from the fixed-layout copy of the bank. Semantics:
-        see reference.
-
-        Capture-safe by construction: every tensor it reads keeps its storage and shape
-        between steps (the slot table, the fixed copy, the caller's mapping buffer), its shapes
-        depend only on the number of rows, and no value goes back to the host; so a CUDA
-        graph that captured it computes each replay's rows with that replay's coefficients.
-        Outside a capture, a worker with no steered slot skips it."""
-        bank = self.banks.bank
-        n = hidden.shape[0]
-        if bank is None or bank.fixed_p1 is None or mapping is None or n == 0:
-            return hidden
-        table = self.slots.table
-        if mapping.shape[0] < n or table is None:
-            warn_once("vllm-steer: drafter rows outnumber their known slots; they are "
-                      "computed unsteered")
-            return hidden
-        if not self.slots.num_active_slots and not _capturing(hidden):
-            return hidden
-        self.op_calls += 1
-        self.op_rows += n
-        from vllm_steer import ops
-
-        return ops.steer_fixed(hidden, bank.fixed_p1, bank.fixed_p2, bank.fixed_rank, table,
-                               mapping[:n])
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured on the current stream (on ``t``'s device)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-_WARNED: set[str] = set()
-
-
-def warn_once(msg: str) -> None:
-    """Log a warning once per process."""
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        get_logger().warning(msg)
+#: :meth:`~vllm_steer.integrations.worker.planner.StepPlanner.steer_rows`).
+STEADY_KINDS = (BatchRows, MappedRows)
 
 
 __all__ = ["RowSource", "BatchRows", "MappedRows", "SlotRows", "PromptRows", "NoRows",
-           "CapturedRows", "StepPlanner", "warn_once"]
+           "CapturedRows", "BATCH_ROWS", "NO_ROWS", "STEADY_KINDS"]

@@ -11,27 +11,32 @@ one concept each:
   the coefficients (and generation windows) of the request in each batch slot (V1:
   persistent-batch index; V2: request-state slot), written by the per-request steer state
   when requests enter, leave or move, fully reset when a slot is reused;
-- the step planner (:class:`~vllm_steer.integrations.worker.rows.StepPlanner`): the typed row
-  source of the next ``compute_logits`` call (which request slot each row belongs to) and the
-  steer op on those rows, planned from host data only (sync-free).
+- the step planner (:class:`~vllm_steer.integrations.worker.planner.StepPlanner`): the typed
+  row source of the next ``compute_logits`` call (which request slot each row belongs to) and
+  the steer op on those rows, planned from host data only (sync-free).
+
+Hooks and tests use each part through its own methods (``rt.slots.flush()``,
+``rt.planner.rows(...)``, ``rt.bank_state.bank``); the runtime's own methods are the few that
+change more than one part together (a load, a drop, sizing the request slots).
 
 The head does no work at all while no request *of the current step* is steered (host-side
 flags, no device sync): V1 zeroes a finished request's slot (``BatchUpdate.removed``); V2 has
 no removal callback, so its runner hook asks :meth:`SteerRuntime.any_steered` about the slots
 of the step's batch (``idx_mapping``) and a finished request's stale slot costs nothing.
-:attr:`SteerRuntime.stats` reads the planner's counts of steer-op calls and rows (cheap host
+:attr:`StepPlanner.stats` reads the planner's counts of steer-op calls and rows (cheap host
 counters).
 
-Each runner (and V2 speculator) finds its runtime once: :func:`runtime_of` looks it up from the
-engine's configuration at the runner's first hooked call and keeps it, with the runner's other
-steer state, in one :class:`RunnerBinding` (kept beside the runner, in :data:`BINDINGS`), as
-vLLM's runner keeps ``self.lora_manager``; every later step reads it from there (no configuration rebuilt,
+Each vLLM object that runs hooks finds its runtime once: ``XBinding.of(owner)`` looks it up
+from the engine's configuration at the object's first hooked call and keeps it, with what
+that object's hooks read, in one binding per kind of owner (:class:`V1RunnerBinding`,
+:class:`V2RunnerBinding`, :class:`SpeculatorBinding`; a worker's :class:`Binding` holds the
+runtime alone), kept beside it in :data:`BINDINGS`, as vLLM's runner keeps
+``self.lora_manager``; every later step reads it from there (no configuration rebuilt,
 nothing serialised, nothing imported).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,110 +47,46 @@ from vllm_steer.integrations.side_table import SideTable
 from vllm_steer.integrations.worker.bank_state import BankState
 from vllm_steer.integrations.worker.request_slots import (RequestCoefs, RequestSlots,
                                                           decode_request)
-from vllm_steer.integrations.worker.rows import RowSource, StepPlanner
-
-
-@dataclass
-class SteerStats:
-    """Counts of the worker's steer op (host-side integers, no device sync): a copy of
-    the step planner's (:attr:`StepPlanner.op_calls`, :attr:`StepPlanner.op_rows`)."""
-
-    calls: int = 0  # steer-op calls (one per ``compute_logits`` with steered rows)
-    rows: int = 0  # hidden-state rows passed through the steer op
-
-    def as_dict(self) -> dict[str, int]:
-        return {"calls": self.calls, "rows": self.rows}
+from vllm_steer.integrations.worker.planner import SteerStats, StepPlanner
 
 
 class SteerRuntime:
-    """State of one worker: its bank, its request slots and its step planner. Created by
-    whichever of head / per-request steer state comes first."""
+    """State of one worker: its bank (:attr:`bank_state`), its request slots (:attr:`slots`)
+    and its step planner (:attr:`planner`), each used through its own methods. Created by
+    whichever of head / per-request steer state comes first. Its own methods are the few
+    that change more than one part together."""
 
     def __init__(self, config: SteerServerConfig):
         self.config = config
-        self.banks = BankState(config)
+        self.bank_state = BankState(config)
         self.slots = RequestSlots(config.capacity)
-        self.planner = StepPlanner(self.banks, self.slots)
-
-    # ---- the parts' names, read by the hooks and tests -----------------------------------
-    names = property(lambda self: self.banks.names, doc="The start-up steers' names.")
-    bank = property(lambda self: self.banks.bank, doc="The SlotBank (None until loaded).")
-    graphs = property(lambda self: self.banks.graphs,
-                      lambda self, g: setattr(self.banks, "graphs", g),
-                      doc="CUDA: the head's op replayed from CUDA graphs (None: the eager op).")
-    backend = property(lambda self: self.banks.backend, doc="The resolved backend.")
-    capacity = property(lambda self: self.banks.capacity, doc="Bank slots (--max-steers).")
-    num_columns = property(lambda self: self.banks.num_columns,
-                           doc="Coefficient columns: two per bank slot (steer, domain).")
-    slot_coefs = property(lambda self: self.slots.table,
-                          doc="``[max_slots, K]`` fp32 on the device: each request slot's row.")
-    num_active_slots = property(lambda self: self.slots.num_active_slots)
-    num_window_slots = property(lambda self: self.slots.num_window_slots)
-    head_calls = property(lambda self: self.planner.head_calls)
-    stats = property(lambda self: SteerStats(self.planner.op_calls, self.planner.op_rows),
-                     doc="The steer op's counts so far (a copy: :class:`SteerStats`).")
-    op_timer = property(lambda self: self.planner.op_timer,
-                        doc="The steer op's time (:class:`~vllm_steer.metrics.OpTimer`).")
-    active = property(lambda self: self.planner.active,
-                      doc="Whether the head has steer work for the next compute_logits' rows.")
-
-    @property
-    def row_source(self) -> RowSource:
-        return self.planner.row_source
-
-    @row_source.setter
-    def row_source(self, source: RowSource) -> None:
-        self.planner.row_source = source
-
-    @property
-    def batch_size(self) -> int:
-        return self.planner.batch_size
-
-    @batch_size.setter
-    def batch_size(self, n: int) -> None:
-        self.planner.batch_size = n
-
-    @property
-    def batch_positions(self) -> np.ndarray | None:
-        return self.planner.batch_positions
-
-    @batch_positions.setter
-    def batch_positions(self, positions: np.ndarray | None) -> None:
-        self.planner.batch_positions = positions
+        self.planner = StepPlanner(self.bank_state, self.slots)
 
     # ---- the bank ------------------------------------------------------------------------
-    def load(self, hidden_size: int, device: torch.device, dtype: torch.dtype,
-             model_id: str | None = None, cuda_graphs: bool = True) -> None:
-        """Load every steer on the model's device/dtype (:meth:`BankState.load`)."""
-        self.banks.load(hidden_size, device, dtype, model_id=model_id, cuda_graphs=cuda_graphs)
-
     def model_loaded(self, activation_dtype: torch.dtype | None = None) -> None:
         """The worker's model is built and its weights loaded (vLLM's loader, before it sizes
         the KV cache): capture the head's CUDA graphs now (:meth:`StepPlanner.capture_graphs`)
         for hidden states of ``activation_dtype`` (the model's dtype; the bank's when None)."""
-        self.banks.model_loaded = True
-        self.banks.activation_dtype = activation_dtype
+        self.bank_state.model_loaded = True
+        self.bank_state.activation_dtype = activation_dtype
         self.planner.capture_graphs()
 
     def put_steer(self, bank_slot: int, load_id: int, name: str, steer) -> None:
-        """Load a steer into a bank slot no request uses (the engine core picked it)."""
-        self.banks.put(bank_slot, load_id, name, steer)
+        """Load a steer into a bank slot no request uses (the engine core picked it, and
+        issued its load id)."""
+        self.bank_state.put(bank_slot, load_id, name, steer)
         self.slots.version += 1
         self.planner.capture_graphs()  # again, if the load changed the bank's layout
 
     def drop_slots(self, bank_slots) -> None:
         """Empty these bank slots."""
-        self.banks.drop(bank_slots)
+        self.bank_state.drop(bank_slots)
         self.slots.version += 1
         self.planner.capture_graphs()
 
-    def warm_up(self) -> None:
-        """Compile the backend's kernels for the bank's layout now (CUDA only)."""
-        self.banks.warm_up()
-
     def enable_fixed_drafter(self) -> float:
         """The bank's fixed-layout copy for drafters in CUDA graphs (MiB allocated)."""
-        mib = self.banks.enable_fixed_drafter()
+        mib = self.bank_state.enable_fixed_drafter()
         self.planner.capture_graphs()  # a new copy drops the head's graphs
         return mib
 
@@ -156,50 +97,21 @@ class SteerRuntime:
         steers at most ``max_rows`` rows (:func:`max_step_rows`; ``max_slots`` when None): the
         kernels are compiled and the head's graphs captured for that many."""
         if self.slots.ensure(max_slots, device):
-            self.banks.max_rows = max(max_rows or 0, max_slots)
-            self.banks.warm_up()
+            self.bank_state.max_rows = max(max_rows or 0, max_slots)
+            self.bank_state.warm_up()
             self.planner.capture_graphs()
 
     def decode(self, params: Any) -> RequestCoefs:
         """A request's row and windows, decoded once from its bound form."""
-        return decode_request(params, self.banks.bank, self.banks.num_columns)
+        return decode_request(params, self.bank_state.bank, self.slots.num_columns)
 
     def set_slot(self, slot: int, row: np.ndarray | None, windows: dict | None = None) -> None:
         """(Re)initialise request slot ``slot`` fully (:meth:`RequestSlots.set`)."""
-        self.slots.set(slot, row, windows, self.banks.bank)
-
-    def move_slot(self, src: int, dst: int, swap: bool) -> None:
-        self.slots.move(src, dst, swap)
-
-    def flush(self) -> None:
-        """Copy changed request-slot coefficients to the device (:meth:`RequestSlots.flush`)."""
-        self.slots.flush()
-
-    @property
-    def has_steered_slots(self) -> bool:
-        """Some request slot holds a steered request (V2: possibly one that has finished)."""
-        return self.banks.bank is not None and self.slots.num_active_slots > 0
+        self.slots.set(slot, row, windows, self.bank_state.bank)
 
     def any_steered(self, slots: np.ndarray) -> bool:
         """Whether any of these request slots (a step's ``idx_mapping``) is steered."""
-        return self.banks.bank is not None and self.slots.any_steered(slots)
-
-    def any_windowed(self, slots: np.ndarray) -> bool:
-        """Whether any of these request slots holds a request with a generation window."""
-        return self.slots.any_windowed(slots)
-
-    # ---- the step ------------------------------------------------------------------------
-    def rows(self, source: RowSource):
-        """Scope a row source to the calls inside the block (:meth:`StepPlanner.rows`)."""
-        return self.planner.rows(source)
-
-    def steer_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Steer the rows of one ``compute_logits`` call (:meth:`StepPlanner.steer_rows`)."""
-        return self.planner.steer_rows(hidden)
-
-    def steer_fixed(self, hidden: torch.Tensor, mapping: torch.Tensor | None) -> torch.Tensor:
-        """The capture-safe op on rows mapped on the device (:meth:`StepPlanner.steer_fixed`)."""
-        return self.planner.steer_fixed(hidden, mapping)
+        return self.bank_state.bank is not None and self.slots.any_steered(slots)
 
 
 def max_step_rows(vllm_config: Any, max_slots: int) -> int:
@@ -225,10 +137,9 @@ def steer_stats(worker: Any = None) -> dict[str, int]:
     """
     total = SteerStats()
     for key, rt in _RUNTIMES.items():
-        if key is None:
-            continue
-        total.calls += rt.planner.op_calls
-        total.rows += rt.planner.op_rows
+        if key is not None:
+            total.calls += rt.planner.op_calls
+            total.rows += rt.planner.op_rows
     return total.as_dict()
 
 
@@ -236,7 +147,7 @@ def get_runtime(additional_config: dict | None) -> SteerRuntime | None:
     """The process's runtime for this engine's configuration (None: no steers configured).
 
     Validates and serialises the configuration: called once per runner, head and per-request
-    state (at load), never per step (:func:`runtime_of`)."""
+    state (at load), never per step (:meth:`Binding.of`)."""
     cfg = SteerServerConfig.from_additional_config(additional_config)
     if cfg is None or not cfg.enabled:
         return None
@@ -256,34 +167,62 @@ def current_runtime() -> SteerRuntime | None:
     return _RUNTIMES.get(None)
 
 
-#: Each vLLM runner's (or V2 speculator's, or worker's) :class:`RunnerBinding`, kept beside it
-#: (nothing is set on vLLM's objects).
-BINDINGS: SideTable[RunnerBinding] = SideTable()
+#: Each vLLM owner's binding (:class:`Binding`: a runner's, a V2 speculator's or a worker's),
+#: kept beside it (nothing is set on vLLM's objects).
+BINDINGS: SideTable[Binding] = SideTable()
 
 
-class RunnerBinding:
-    """The plugin's state for one vLLM runner (or V2 speculator, or worker), kept in
-    :data:`BINDINGS`."""
+class Binding:
+    """The plugin's state for one vLLM object that runs hooks (kept in :data:`BINDINGS`): the
+    worker's runtime for that object's engine, looked up once, at its first hooked call
+    (:meth:`of`). A worker's (run-time steer management) holds nothing else; each kind of
+    runner and the V2 speculator add what their own hooks read."""
 
-    __slots__ = ("runtime", "resolved", "drafter_checked", "spec_step", "captured",
-                 "steady_rows", "steady_ids", "steady_version", "steady_assigned",
-                 "sample_batch_at")
+    __slots__ = ("runtime",)
 
-    def __init__(self) -> None:
-        self.runtime: SteerRuntime | None = None
-        """The worker's runtime for this runner's engine (None: no steers configured)."""
-        self.resolved = False
-        """Whether :attr:`runtime` was looked up (at the runner's first hooked call)."""
+    def __init__(self, runtime: SteerRuntime | None) -> None:
+        self.runtime = runtime
+        """The worker's runtime for this object's engine (None: no steers configured)."""
+
+    @classmethod
+    def of(cls, owner: Any):
+        """The binding of ``owner`` (a vLLM runner, speculator or worker): made at its first
+        call, with the runtime looked up from its ``vllm_config``; then one dictionary read."""
+        b = BINDINGS.get(owner)
+        if b is None:
+            b = BINDINGS.set(owner, cls(get_runtime(owner.vllm_config.additional_config)))
+        return b
+
+
+class V1RunnerBinding(Binding):
+    """The V1 runner's binding (:mod:`~vllm_steer.integrations.worker.v1`,
+    :mod:`~vllm_steer.integrations.worker.spec_v1`)."""
+
+    __slots__ = ("drafter_checked", "spec_step")
+
+    def __init__(self, runtime: SteerRuntime | None) -> None:
+        super().__init__(runtime)
         self.drafter_checked = False
         """The runner's drafter heads were checked (``spec_decode.prepare_drafter_once``)."""
         self.spec_step = False
-        """V1: inside a speculative ``execute_model``: its verification rows are mapped."""
-        self.captured = False
-        """V2 speculator: its drafter heads were prepared for CUDA-graph-captured steps."""
+        """Inside a speculative ``execute_model``: its verification rows are mapped."""
+
+
+class V2RunnerBinding(Binding):
+    """Model Runner V2's binding (:mod:`~vllm_steer.integrations.worker.v2`): what its
+    per-step ``sample`` hook reads, the last steady batch included."""
+
+    __slots__ = ("drafter_checked", "steady_rows", "steady_ids", "steady_version",
+                 "steady_assigned", "sample_batch_at")
+
+    def __init__(self, runtime: SteerRuntime | None) -> None:
+        super().__init__(runtime)
+        self.drafter_checked = False
+        """The runner's drafter heads were checked (``spec_decode.prepare_drafter_once``)."""
         self.steady_rows = None
-        """V2 runner: the row source (``MappedRows``) of its last steered step, kept while that
-        batch had one row per request, no generation window and no drafter; a step with the
-        same request ids (:attr:`steady_ids`), the request-slot table at :attr:`steady_version`
+        """The row source (``MappedRows``) of its last steered step, kept while that batch
+        had one row per request, no generation window and no drafter; a step with the same
+        request ids (:attr:`steady_ids`), the request-slot table at :attr:`steady_version`
         and no request put into a slot since (:attr:`steady_assigned`) reuses it."""
         self.steady_ids = None
         """The request ids of that step's batch, in order (a copy of ``input_batch.req_ids``)."""
@@ -293,38 +232,22 @@ class RunnerBinding:
         """The request-slot table's count of requests put into slots then
         (``RequestSlots.assigned``)."""
         self.sample_batch_at: int | None = None
-        """V2 runner: where ``sample()``'s ``input_batch`` is among the positional arguments
-        after ``self``, found by name from its signature at the first steered call (None: not
-        yet; -1: keyword-only, read by name)."""
+        """Where ``sample()``'s ``input_batch`` is among the positional arguments after
+        ``self``, found by name from its signature at the first steered call (None: not yet;
+        -1: keyword-only, read by name)."""
 
 
-def binding(owner: Any) -> RunnerBinding:
-    """The :class:`RunnerBinding` of a runner (made on first use)."""
-    b = BINDINGS.get(owner)
-    if b is None:
-        b = BINDINGS.set(owner, RunnerBinding())
-    return b
+class SpeculatorBinding(Binding):
+    """A V2 speculator's binding (:mod:`~vllm_steer.integrations.worker.spec_v2`)."""
+
+    __slots__ = ("captured",)
+
+    def __init__(self, runtime: SteerRuntime | None) -> None:
+        super().__init__(runtime)
+        self.captured = False
+        """Its drafter heads were prepared for CUDA-graph-captured draft steps."""
 
 
-def bound(owner: Any) -> RunnerBinding:
-    """The :class:`RunnerBinding` of a runner (or V2 speculator, or worker) with its runtime
-    resolved: looked up from its ``vllm_config`` at its first call, then one dictionary read."""
-    b = BINDINGS.get(owner)
-    if b is not None and b.resolved:
-        return b
-    b = binding(owner)
-    b.runtime = get_runtime(owner.vllm_config.additional_config)
-    b.resolved = True
-    return b
-
-
-def runtime_of(owner: Any) -> SteerRuntime | None:
-    """The runtime of a runner (or V2 speculator, or worker) (:func:`bound`)."""
-    b = BINDINGS.get(owner)
-    if b is not None and b.resolved:
-        return b.runtime
-    return bound(owner).runtime
-
-
-__all__ = ["SteerRuntime", "SteerStats", "RunnerBinding", "get_runtime", "runtime_of",
-           "binding", "bound", "current_runtime", "steer_stats"]
+__all__ = ["SteerRuntime", "SteerStats", "Binding", "V1RunnerBinding", "V2RunnerBinding",
+           "SpeculatorBinding", "BINDINGS", "get_runtime", "current_runtime", "steer_stats",
+           "max_step_rows"]

@@ -21,7 +21,8 @@ Which methods are accepted is decided at start-up
 
 from __future__ import annotations
 
-from vllm_steer.integrations.worker.runtime import binding
+from vllm_steer.integrations.worker.runtime import BINDINGS
+
 
 def drafter_model(runner):
     """The runner's drafter model: V1 ``runner.drafter.model``, V2 ``runner.speculator.model``
@@ -75,7 +76,8 @@ def drafter_fits(spec, rt) -> tuple[bool, int | None, int | None]:
             hidden = head_input_size(draft_mc)
         except Exception:  # noqa: BLE001 - an unknown layout: leave the drafter unsteered
             hidden = None
-    steer_hidden = rt.bank.hidden_size if rt.bank is not None else None
+    bank = rt.bank_state.bank
+    steer_hidden = bank.hidden_size if bank is not None else None
     fits = bool(getattr(rt.config, "steer_drafter", True)) and hidden is not None \
         and hidden == steer_hidden
     return fits, hidden, steer_hidden
@@ -102,7 +104,8 @@ def prepare_drafter(runner, rt) -> None:
     fits, hidden, steer_hidden = drafter_fits(spec, rt)
     how = ""
     if _v2_captured(runner):
-        prepared = binding(runner.speculator).captured
+        speculator = BINDINGS.get(runner.speculator)  # made by its load hook, if it ran
+        prepared = speculator is not None and speculator.captured
         steer = fits and prepared
         how = V2_DRAFTER_CAPTURED if steer else (V2_DRAFTER_REASON if fits else "")
     else:
@@ -113,9 +116,10 @@ def prepare_drafter(runner, rt) -> None:
     _log_drafter(spec, steer, hidden, steer_hidden, how)
 
 
-def prepare_drafter_once(runner, rt) -> None:
-    """:func:`prepare_drafter` at a runner's first step (its drafter is loaded by then)."""
-    state = binding(runner)
-    if not state.drafter_checked:
-        prepare_drafter(runner, rt)
-        state.drafter_checked = True
+def prepare_drafter_once(runner, binding) -> None:
+    """:func:`prepare_drafter` at a runner's first step (its drafter is loaded by then), with
+    the runner's binding (:class:`~vllm_steer.integrations.worker.runtime.V1RunnerBinding` or
+    :class:`~vllm_steer.integrations.worker.runtime.V2RunnerBinding`)."""
+    if not binding.drafter_checked:
+        prepare_drafter(runner, binding.runtime)
+        binding.drafter_checked = True

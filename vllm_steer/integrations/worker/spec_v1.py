@@ -24,7 +24,7 @@ import numpy as np
 
 from vllm_steer.integrations.worker.arguments import Arg
 from vllm_steer.integrations.worker.rows import SlotRows
-from vllm_steer.integrations.worker.runtime import binding, runtime_of
+from vllm_steer.integrations.worker.runtime import BINDINGS, V1RunnerBinding
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
 
 #: Our V1 per-request steer state (:mod:`vllm_steer.integrations.request_state_v1`),
@@ -63,10 +63,10 @@ def execute_model(orig, self, *args, **kwargs):
     mapped to their requests (by :func:`calc_spec_decode_metadata`) for this step only."""
     if self.speculative_config is None:
         return orig(self, *args, **kwargs)
-    rt = runtime_of(self)
+    state = V1RunnerBinding.of(self)
+    rt = state.runtime
     if rt is None:
         return orig(self, *args, **kwargs)
-    state = binding(self)
     prev = rt.planner.row_source
     state.spec_step = True  # the verification rows of this step are mapped
     try:
@@ -80,23 +80,23 @@ def calc_spec_decode_metadata(orig, self, *args, **kwargs):
     """``GPUModelRunner._calc_spec_decode_metadata``: each verification row's slot and
     generated-token index (:func:`verification_rows`)."""
     out = orig(self, *args, **kwargs)
-    state = binding(self)
-    if state.spec_step and state.runtime is not None:
+    state = BINDINGS.get(self)  # made by execute_model, which scopes the step
+    if state is not None and state.spec_step and state.runtime is not None:
         rt = state.runtime
         call = (self, *args)
         num_draft_tokens = _NUM_DRAFT.get(orig, call, kwargs)
         cu_num_scheduled_tokens = _CU_SCHEDULED.get(orig, call, kwargs)
         ib = self.input_batch
         computed = ib.num_computed_tokens_cpu
-        if rt.num_window_slots and rt.any_windowed(np.arange(len(num_draft_tokens))):
-            computed = true_computed_tokens(self, len(num_draft_tokens))
+        if rt.slots.any_windowed(np.arange(len(num_draft_tokens))):
+            computed = corrected_computed_tokens(self, len(num_draft_tokens))
         slots, positions = verification_rows(num_draft_tokens, cu_num_scheduled_tokens,
                                              computed, ib.num_prompt_tokens)
         rt.planner.row_source = SlotRows(slots=slots, positions=positions)
     return out
 
 
-def true_computed_tokens(runner, n: int) -> np.ndarray:
+def corrected_computed_tokens(runner, n: int) -> np.ndarray:
     """The computed-token counts of the batch's first ``n`` requests, corrected for the drafts
     the previous step rejected.
 
@@ -132,12 +132,13 @@ def propose_draft_token_ids(orig, self, *args, **kwargs):
     """``GPUModelRunner.propose_draft_token_ids``: the drafter's rows (one per request, batch
     order) mapped to their requests; the drafter's heads checked once
     (:func:`~vllm_steer.integrations.worker.spec_decode.prepare_drafter`)."""
-    rt = runtime_of(self)
+    state = V1RunnerBinding.of(self)
+    rt = state.runtime
     if rt is None:
         return orig(self, *args, **kwargs)
-    prepare_drafter_once(self, rt)
+    prepare_drafter_once(self, state)
     slots = np.arange(self.input_batch.num_reqs, dtype=np.int64)
-    with rt.rows(SlotRows(slots=slots, positions=None)):
+    with rt.planner.rows(SlotRows(slots=slots, positions=None)):
         return orig(self, *args, **kwargs)
 
 

@@ -3,14 +3,14 @@ steering the target and the drafter means: :mod:`vllm_steer.integrations.worker.
 
 - **Target rows.** V2's ``sample()`` maps every verification row through
   ``expanded_idx_mapping`` (:mod:`vllm_steer.integrations.worker.v2`); a generation window
-  reads the true computed-token counts (:func:`true_computed_tokens`).
+  reads the true computed-token counts (:func:`device_computed_tokens`).
 - **A draft model** (``StandaloneARSpeculator``, which V2 runs eagerly: no CUDA graph)
   computes one row per request of the input batch per draft step: mapped to the batch's slots
   (``idx_mapping_np``, host) by :func:`propose_standalone_v2`, and steered as on V1.
 - **EAGLE, EAGLE-3 and MTP** speculators run the drafter's LM head inside the draft steps that
   V2 captures in CUDA graphs (forward, logits and sampling together, ``target_dependent_ar``),
   where host-planned per-step inputs would be frozen at capture: their rows are steered by the
-  capture-safe op (:meth:`~vllm_steer.integrations.worker.rows.StepPlanner.steer_fixed`: the
+  capture-safe op (:meth:`~vllm_steer.integrations.worker.planner.StepPlanner.steer_fixed`: the
   slots gathered on the device from the speculator's own ``idx_mapping`` buffer, the bank's
   fixed-layout copy), scoped by :func:`sample_draft_v2` and prepared when vLLM loads the
   drafter (:func:`speculator_load_model`, before it sizes the KV cache).
@@ -22,7 +22,7 @@ import numpy as np
 
 from vllm_steer.integrations.worker.arguments import Arg
 from vllm_steer.integrations.worker.rows import CapturedRows, SlotRows
-from vllm_steer.integrations.worker.runtime import binding, runtime_of
+from vllm_steer.integrations.worker.runtime import SpeculatorBinding
 from vllm_steer.integrations.worker.spec_decode import (V2_EAGER_SPECULATOR, drafter_fits,
                                                         steered_heads)
 
@@ -30,7 +30,7 @@ _INPUT_BATCH = Arg("input_batch")
 _IDX_MAPPING = Arg("idx_mapping")
 
 
-def true_computed_tokens(req_states, idx: np.ndarray) -> np.ndarray:
+def device_computed_tokens(req_states, idx: np.ndarray) -> np.ndarray:
     """The computed-token counts of slots ``idx`` from V2's device state.
 
     With speculative decoding V2's host mirror (``num_computed_tokens_np``) is an upper bound:
@@ -50,7 +50,7 @@ def propose_standalone_v2(orig, self, *args, **kwargs):
     """``StandaloneARSpeculator.propose``: each of its ``compute_logits`` calls has one row per
     request of the input batch, in batch order (``idx_mapping[:num_reqs]``): mapped to those
     slots from the host copy (``idx_mapping_np``)."""
-    rt = runtime_of(self)
+    rt = SpeculatorBinding.of(self).runtime
     if rt is None:
         return orig(self, *args, **kwargs)
     input_batch = _INPUT_BATCH.get(orig, (self, *args), kwargs)
@@ -59,7 +59,7 @@ def propose_standalone_v2(orig, self, *args, **kwargs):
     if not num_reqs or slots is None or not rt.any_steered(slots[:num_reqs]):
         return orig(self, *args, **kwargs)
     rows = SlotRows(slots=np.asarray(slots[:num_reqs], dtype=np.int64), positions=None)
-    with rt.rows(rows):
+    with rt.planner.rows(rows):
         return orig(self, *args, **kwargs)
 
 
@@ -72,8 +72,9 @@ def speculator_load_model(orig, self, *args, **kwargs):
     head. A drafter that cannot be steered (another hidden size, ``--no-steer-drafter``) has
     its heads detached."""
     out = orig(self, *args, **kwargs)
-    rt = runtime_of(self)
-    if rt is None or rt.bank is None or type(self).__name__ == V2_EAGER_SPECULATOR:
+    state = SpeculatorBinding.of(self)
+    rt = state.runtime
+    if rt is None or rt.bank_state.bank is None or type(self).__name__ == V2_EAGER_SPECULATOR:
         return out
     heads = steered_heads(getattr(self, "model", None))
     if not heads:
@@ -81,7 +82,7 @@ def speculator_load_model(orig, self, *args, **kwargs):
     fits, _, _ = drafter_fits(self.vllm_config.speculative_config, rt)
     if fits:
         rt.enable_fixed_drafter()
-        binding(self).captured = True
+        state.captured = True
     else:
         for head in heads:
             head.steer_runtime = None
@@ -92,9 +93,9 @@ def sample_draft_v2(orig, self, *args, **kwargs):
     """``DraftModelSpeculator.sample_draft``: a prepared speculator's draft-step rows (one per
     request, ``idx_mapping[i]`` its slot, -1 for padding) are steered by the capture-safe op,
     which reads the speculator's own ``idx_mapping`` buffer on the device."""
-    state = binding(self)
+    state = SpeculatorBinding.of(self)
     if not state.captured:
         return orig(self, *args, **kwargs)
     mapping = _IDX_MAPPING.get(orig, (self, *args), kwargs)
-    with state.runtime.rows(CapturedRows(mapping=mapping)):
+    with state.runtime.planner.rows(CapturedRows(mapping=mapping)):
         return orig(self, *args, **kwargs)

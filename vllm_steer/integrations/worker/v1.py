@@ -5,17 +5,18 @@ see: the generated-token index of each batch row, the rows of prompt logprobs. S
 :mod:`vllm_steer.reference`. Speculative decoding on this runner:
 :mod:`vllm_steer.integrations.worker.spec_v1`.
 
-Each hook reads the runner's runtime from its binding (:func:`runtime_of`: one dictionary read
-per step) and reads vLLM's arguments by name (:class:`~vllm_steer.integrations.worker.
-arguments.Arg`).
+Each hook reads the runner's runtime from its binding
+(:class:`~vllm_steer.integrations.worker.runtime.V1RunnerBinding`, ``.of(runner)``: one
+dictionary read per step) and reads vLLM's arguments by name
+(:class:`~vllm_steer.integrations.worker.arguments.Arg`).
 """
 
 from __future__ import annotations
 
 from vllm_steer.integrations.worker.arguments import Arg
-from vllm_steer.integrations.worker.request_slots import WINDOWED_SLOTS
+from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.rows import PromptRows
-from vllm_steer.integrations.worker.runtime import runtime_of
+from vllm_steer.integrations.worker.runtime import V1RunnerBinding
 
 _NUM_SCHEDULED = Arg("num_scheduled_tokens")
 _HIDDEN_STATES = Arg("hidden_states")
@@ -31,9 +32,9 @@ def prepare_inputs(orig, self, *args, **kwargs):
     the sample of a non-final prefill chunk is discarded by vLLM, whatever its index).
     """
     out = orig(self, *args, **kwargs)
-    if not WINDOWED_SLOTS[0]:  # no windowed request in this process: the one read
+    if not GATES.windowed_slots:  # no windowed request in this process: the one read
         return out
-    rt = runtime_of(self)
+    rt = V1RunnerBinding.of(self).runtime
     if rt is not None and rt.slots.num_window_slots:  # read only for windowed slots' rows
         b = self.input_batch
         n = b.num_reqs
@@ -72,11 +73,11 @@ def get_prompt_logprobs_dict(orig, self, *args, **kwargs):
     """
     if not self.num_prompt_logprobs:
         return orig(self, *args, **kwargs)
-    rt = runtime_of(self)
-    if rt is None or not rt.active:
+    rt = V1RunnerBinding.of(self).runtime
+    if rt is None or not rt.planner.active:
         return orig(self, *args, **kwargs)
     n = self.input_batch.num_reqs
     qsl = self.query_start_loc.np[: n + 1].copy()
     hidden_states = _HIDDEN_STATES.get(orig, (self, *args), kwargs)
-    with rt.rows(PromptRows(base=hidden_states, query_start_loc=qsl)):
+    with rt.planner.rows(PromptRows(base=hidden_states, query_start_loc=qsl)):
         return orig(self, *args, **kwargs)

@@ -4,7 +4,7 @@ slots (the per-request state itself: :mod:`vllm_steer.integrations.request_state
 Semantics: see :mod:`vllm_steer.reference`. Thin by design: V2 keeps request state in slots
 (``add_request(slot, params)``) and tells, per step, which slot each logits row belongs to
 (``expanded_idx_mapping``). That mapping is needed *before* ``compute_logits``, so the runner's
-``sample()`` is wrapped to scope it (:meth:`SteerRuntime.rows`) around the LM-head call.
+``sample()`` is wrapped to scope it (:meth:`StepPlanner.rows`) around the LM-head call.
 V2 never says that a request finished, so the head works only in steps whose batch
 (``idx_mapping``) holds a steered slot. Under batch-sharded sampling (TP > 1) rows come
 owner-sorted; they are mapped through the sharder's own sort. Tested live in
@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from vllm_steer.integrations.worker.arguments import Arg
-from vllm_steer.integrations.worker.request_slots import STEERED_SLOTS
+from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.rows import MappedRows, NoRows, SlotRows
-from vllm_steer.integrations.worker.runtime import BINDINGS, bound, current_runtime
+from vllm_steer.integrations.worker.runtime import BINDINGS, V2RunnerBinding, current_runtime
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
-from vllm_steer.integrations.worker.spec_v2 import true_computed_tokens
+from vllm_steer.integrations.worker.spec_v2 import device_computed_tokens
 from vllm_steer.ops import to_device
 
 _INPUT_BATCH = Arg("input_batch")
@@ -57,7 +57,7 @@ def sample(orig, self, *args, **kwargs):
     serving those rows unsteered: one integer comparison per steered step.
 
     Per step: one integer read while no request in the process is steered
-    (:data:`~vllm_steer.integrations.worker.request_slots.STEERED_SLOTS`). Otherwise the
+    (:data:`~vllm_steer.integrations.worker.gates.GATES`). Otherwise the
     runner's binding is one dictionary read and ``input_batch`` one index (its position, found
     by name from ``orig``'s signature at the first steered call, kept in the binding): with the
     caches cold after vLLM's step, each call made here costs a few µs. A step with the
@@ -72,11 +72,11 @@ def sample(orig, self, *args, **kwargs):
     (:meth:`~vllm_steer.integrations.worker.request_slots.RequestSlots.any_steered`) and the
     head's step (:class:`MappedRows` ``key``).
     """
-    if not STEERED_SLOTS[0]:  # no steered request in this process: the one read
+    if not GATES.steered_slots:  # no steered request in this process: the one read
         return orig(self, *args, **kwargs)
-    b = _BINDINGS_BY_ID.get(id(self))  # bound(self), read inline: this is every steered step
-    if b is None or not b.resolved:
-        b = bound(self)
+    b = _BINDINGS_BY_ID.get(id(self))  # V2RunnerBinding.of(self), inline: every steered step
+    if b is None:
+        b = V2RunnerBinding.of(self)
     rt = b.runtime
     if rt is None:
         return orig(self, *args, **kwargs)
@@ -121,12 +121,10 @@ def _batch_rows(runner, b, rt, input_batch) -> MappedRows | None:
     request-slot table changed): None when no slot of its batch is steered. Its drafter heads
     are checked at the runner's first steered step (:func:`prepare_drafter_once`), before its
     drafter proposes. A batch of one row per request with no generation window and no drafter
-    is kept as the runner's steady rows (:attr:`RunnerBinding.steady_rows`, with its request
+    is kept as the runner's steady rows (:attr:`V2RunnerBinding.steady_rows`, with its request
     ids): the next steps of that batch map nothing again."""
     if not b.drafter_checked:  # the first steered step: the drafter is loaded by then
-        if getattr(runner, "speculator", None) is not None:
-            prepare_drafter_once(runner, rt)  # which drafter heads stay steered (spec_decode.py)
-        b.drafter_checked = True
+        prepare_drafter_once(runner, b)  # which drafter heads stay steered (spec_decode.py)
     table = rt.slots
     b.steady_rows = b.steady_ids = None
     if not table.num_active_slots:  # none of this runner's requests is steered
@@ -177,8 +175,8 @@ def _host_rows(rt, runner, input_batch):
     if req_states is None:
         return slots, None
     computed = input_batch.num_computed_tokens_np[:nr]
-    if getattr(runner, "speculator", None) is not None and rt.any_windowed(idx):
-        computed = true_computed_tokens(req_states, idx)
+    if getattr(runner, "speculator", None) is not None and rt.slots.any_windowed(idx):
+        computed = device_computed_tokens(req_states, idx)
     last = (computed + input_batch.num_scheduled_tokens[:nr]
             - req_states.prompt_len.np[idx]).astype(np.int64)
     if one_each:
@@ -253,7 +251,7 @@ def _steered_logits_fn(rt, logits_fn, hidden_states, input_batch):
             source = NoRows()  # not a view of the step: leave it unsteered
         else:
             source = SlotRows(slots=slots[offset:offset + h.shape[0]], positions=None)
-        with rt.rows(source):
+        with rt.planner.rows(source):
             return logits_fn(h)
 
     return fn

@@ -1,0 +1,41 @@
+"""The process-wide gates of the worker's hot paths: three counts each per-step hook reads
+before anything else, so that a step with nothing to steer costs one attribute read.
+
+A worker process may hold several runtimes (tests run several engines in one process); the
+counts are over all of them:
+
+- ``steered_slots``: request slots holding a steered request, as of each request-slot table's
+  last flush (Model Runner V2's ``sample`` hook and the head read it);
+- ``windowed_slots``: request slots holding a request with a generation window (the V1
+  runner's ``_prepare_inputs`` hook reads it);
+- ``capture_scopes``: open scopes of drafter rows being recorded into CUDA graphs
+  (:class:`~vllm_steer.integrations.worker.rows.CapturedRows`), which must record the steer
+  op whether or not a request is steered yet; with ``steered_slots`` it is the head's gate:
+  both zero, the head has nothing to do.
+
+The request-slot tables (:class:`~vllm_steer.integrations.worker.request_slots.RequestSlots`)
+and the step planner's row scopes keep them; nothing else writes them.
+"""
+
+from __future__ import annotations
+
+
+class ProcessGates:
+    """The counts the worker's hot paths read first (see the module docstring)."""
+
+    __slots__ = ("steered_slots", "windowed_slots", "capture_scopes")
+
+    def __init__(self) -> None:
+        self.steered_slots = 0
+        self.windowed_slots = 0
+        self.capture_scopes = 0
+
+    def __repr__(self) -> str:
+        return (f"ProcessGates(steered_slots={self.steered_slots}, windowed_slots="
+                f"{self.windowed_slots}, capture_scopes={self.capture_scopes})")
+
+
+#: This process's gates.
+GATES = ProcessGates()
+
+__all__ = ["ProcessGates", "GATES"]

@@ -1,0 +1,428 @@
+"""The steer op on the rows of each ``compute_logits`` call, planned once per step. Semantics:
+see :mod:`vllm_steer.reference`.
+
+The runner hooks say where the rows of the next call come from (a row source,
+:mod:`~vllm_steer.integrations.worker.rows`); the head calls :meth:`StepPlanner.steer_rows`.
+
+The planner is sync-free by construction (no device tensor is read into Python): every row
+source gives its row -> slot on the host; the rows' coefficients are gathered from the request
+slots' host table, copied from pinned staging (:class:`~vllm_steer.kernels.staging.StagedCopy`)
+into a persistent device buffer only when they changed, and the backend's plan is made from the
+host copy and cached under a host key (:class:`StepKey`). Only batch-sharded sampling (V2,
+TP > 1), whose row order exists on the device alone, gathers and plans on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from vllm_steer.integrations.worker.gates import GATES
+from vllm_steer.integrations.worker.rows import (BATCH_ROWS, STEADY_KINDS, CapturedRows,
+                                                 MappedRows, NoRows, PromptRows, RowSource,
+                                                 SlotRows)
+from vllm_steer.kernels import staging
+from vllm_steer.logs import warn_once
+from vllm_steer.metrics import OpTimer
+
+
+@dataclass
+class SteerStats:
+    """Counts of the worker's steer op (host-side integers, no device sync): a copy of
+    the step planner's (:attr:`StepPlanner.op_calls`, :attr:`StepPlanner.op_rows`)."""
+
+    calls: int = 0  # steer-op calls (one per ``compute_logits`` with steered rows)
+    rows: int = 0  # hidden-state rows passed through the steer op
+
+    def as_dict(self) -> dict[str, int]:
+        return {"calls": self.calls, "rows": self.rows}
+
+
+class StepKey(NamedTuple):
+    """What a step's coefficients were gathered for: a step with an equal key has the same
+    coefficients (and plan)."""
+
+    slots_version: int
+    """The request-slot table's version (:attr:`RequestSlots.version`)."""
+    bank_version: int
+    """The bank's version (:attr:`~vllm_steer.bank.SlotBank.version`)."""
+    rows: int
+    """The call's number of rows."""
+    row_key: object
+    """Which slot each row is: the bytes of the row -> slot array, ``"b"`` (V1's persistent
+    batch: row i is slot i) or ``("p", slot)`` (one request's prompt rows)."""
+    windowed: bool = False
+    """Some row's slot has a generation window: its coefficients move with the rows'
+    positions, and the step is never steady."""
+    positions: bytes | None = None
+    """With a window, the bytes of the rows' generated-token positions."""
+
+
+_DEVICE_MAPPING = object()
+
+
+class StepPlanner:
+    """The row source of the next ``compute_logits`` call, and the steer op on its rows with
+    a plan cached per step (coefficients, device buffer, backend plan). Reads the worker's
+    bank (``bank_state``: :class:`~vllm_steer.integrations.worker.bank_state.BankState`) and
+    request slots (``slots``: :class:`~vllm_steer.integrations.worker.request_slots.
+    RequestSlots`). Counts its op calls and rows, and times one op in
+    :data:`~vllm_steer.metrics.TIMER_SAMPLE_EVERY` (:attr:`op_timer`): the counters and the
+    countdown to the next timed op are its own plain integers, so that a steady step touches
+    no other object for them (each cold object costs there)."""
+
+    def __init__(self, bank_state, slots):
+        self.bank_state = bank_state
+        self.slots = slots
+        self.op_calls = 0  # steer-op calls (one per compute_logits with steered rows)
+        self.op_rows = 0  # hidden-state rows passed through the steer op
+        self.op_timer = OpTimer()  # the op's host and device time, from the timed ops
+        self.op_untimed = 0  # ops to leave untimed before the next timed one (OpTimer.stop)
+        self.row_source: RowSource = BATCH_ROWS
+        self.batch_size = 0  # V1: requests in the persistent batch
+        # V1: the generated-token index each batch row samples (host, set by the runner hook
+        # at every step while some slot has a generation window, and read only then)
+        self.batch_positions: np.ndarray | None = None
+        self.head_calls = 0  # calls into the head (steer_rows), steered rows or not
+        self.steps_planned = 0  # calls whose rows were looked up (not a steady step)
+        self.plans_made = 0  # eager plans made (the backend's planning function called)
+        # the per-step cache (see steer_rows): the step's key, its host coefficients, the
+        # device buffer they were copied to, the plan and what it was made for
+        self._step_key: StepKey | None = None
+        self._step_coefs: np.ndarray | None = None
+        self._coefs_dev: torch.Tensor | None = None
+        self._step_coefs_dev: torch.Tensor | None = None  # its first n rows (this step's)
+        self._coef_copy: staging.StagedCopy | None = None
+        self._plan_key: object = None
+        self._plan = None
+        self._plan_checked = False  # _plan checked against the step's coefficients
+        # the last planned batch step, while its rows have no window (see steer_rows)
+        self._steady_src: RowSource | None = None
+        self._steady_key: StepKey | None = None
+
+    @property
+    def stats(self) -> SteerStats:
+        """The steer op's counts so far (a copy)."""
+        return SteerStats(self.op_calls, self.op_rows)
+
+    @property
+    def active(self) -> bool:
+        """Whether the head has steer work for the rows of the next ``compute_logits``."""
+        src = self.row_source
+        bank = self.bank_state.bank
+        if type(src) is CapturedRows:  # recorded whether or not a slot is steered
+            return bank is not None and bank.fixed_p1 is not None
+        return bank is not None and self.slots.num_active_slots > 0 and type(src) is not NoRows
+
+    @property
+    def step_coefs(self) -> torch.Tensor | None:
+        """The device coefficients of the last planned step (``[rows, columns]`` fp32), as the
+        head launches the op on them; None before the first."""
+        return None if self._step_key is None else self._step_coefs_dev
+
+    @property
+    def step_plan(self):
+        """The backend's plan of the last planned step's coefficients (None: none made, or a
+        backend that plans inside the call)."""
+        return None if self._step_key is None else self._plan
+
+    @property
+    def coef_buffer(self) -> torch.Tensor | None:
+        """The device buffer the steps' coefficients are copied into (None before the first)."""
+        return self._coefs_dev
+
+    def set_rows(self, source: RowSource) -> None:
+        """Set the row source of the calls that follow (inside a :meth:`rows` block)."""
+        self.row_source = source
+
+    @contextlib.contextmanager
+    def rows(self, source: RowSource):
+        """Scope a row source to the calls inside the block (V2 sampling, prompt logprobs,
+        drafter steps recorded into CUDA graphs: counted in the process's gates,
+        :data:`~vllm_steer.integrations.worker.gates.GATES`)."""
+        prev, self.row_source = self.row_source, source
+        captured = type(source) is CapturedRows
+        GATES.capture_scopes += captured
+        try:
+            yield
+        finally:
+            self.row_source = prev
+            GATES.capture_scopes -= captured
+
+    # ---- the head ------------------------------------------------------------------------
+    def steer_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Steer the rows of one ``compute_logits`` call. Semantics: see reference.
+
+        Sync-free by construction: the rows' slots (and generated-token positions) are host
+        data, their coefficients are gathered from the host table, copied to a persistent
+        device buffer from pinned staging only when they changed, and the plan is made from
+        the host copy and cached under a host key (:class:`StepKey`). An unchanged step costs
+        a key comparison and the kernels; a steady step (:meth:`_is_steady`) not even that.
+        """
+        self.head_calls += 1
+        src = self.row_source
+        n = hidden.shape[0]
+        if not self._is_steady(src, n):
+            kind = type(src)
+            if kind is CapturedRows:
+                return self.steer_fixed(hidden, src.mapping)
+            if self._nothing_to_steer(kind) or n == 0:
+                return hidden
+            step = self._step_rows(hidden)
+            if step is None:
+                return hidden
+            if step is _DEVICE_MAPPING:  # no host row -> slot (batch-sharded sampling)
+                return self._steer_device_mapping(hidden)
+            slots, positions, row_key = step
+            key = self._key(n, slots, positions, row_key)
+            if key != self._step_key:
+                self._step_key = None  # never keep a stale key on error
+                self.plan_step(n, slots, positions)
+                self._step_coefs_dev = self._coefs_dev[:n]
+                self._plan_checked = False
+                self._step_key = key
+            # a batch step with no window among its rows: the next may be steady
+            steady = not key.windowed and kind in STEADY_KINDS
+            self._steady_src = src if steady else None
+            self._steady_key = self._step_key if steady else None
+        self.op_calls += 1
+        self.op_rows += n
+        untimed = self.op_untimed  # one call in TIMER_SAMPLE_EVERY is timed (_timed, inlined)
+        t0 = None if untimed else self.op_timer.start(hidden)
+        bank = self.bank_state.bank
+        graphs = bank.graphs
+        out = None if graphs is None else graphs.run(hidden, self._coefs_dev)
+        if out is None:  # launched eagerly (no graphs, or not for this step)
+            plan = self._plan if self._plan_checked else self._eager_plan(n)
+            if plan is None:  # a backend with no plan (it plans inside the call)
+                out = self.bank_state.fn(hidden, bank.p1, bank.p2, bank.rank_offsets,
+                                         self._step_coefs_dev)
+            else:
+                out = self.bank_state.fn(hidden, bank.p1, bank.p2, bank.rank_offsets,
+                                         self._step_coefs_dev, prepared=plan)
+        self.op_untimed = untimed - 1 if t0 is None else self.op_timer.stop(t0)
+        return out
+
+    def _is_steady(self, src: RowSource, n: int) -> bool:
+        """A *steady* step: the rows of the last planned batch step again (V1's persistent
+        batch; V2's batch with the same slots: the row source its ``sample`` hook reused, or
+        one with the same bytes of ``idx_mapping``), as many rows, the request-slot table and
+        the bank at the versions its plan was made for. That step had no generation window
+        among its rows (it is recorded only then), and the table's version says none came
+        since. Any other step planned since (prompt logprobs, a drafter's rows) or a new
+        coefficient buffer replaces :attr:`_step_key`, which ends it."""
+        key = self._steady_key
+        return key is not None and key is self._step_key and n == key.rows \
+            and (src is self._steady_src or _same_mapped_rows(src, key)) \
+            and self.slots.version == key.slots_version \
+            and self.bank_state.bank.version == key.bank_version
+
+    def _nothing_to_steer(self, kind: type) -> bool:
+        """No steered request slot, rows with no known slot, or no bank: the one check."""
+        return not self.slots.num_active_slots or kind is NoRows or self.bank_state.bank is None
+
+    def _key(self, n: int, slots, positions, row_key) -> StepKey:
+        """The step's :class:`StepKey` (with its rows' positions when a row is windowed)."""
+        table = self.slots
+        if _rows_windowed(table, n, slots):  # the coefficients move with the rows' positions
+            return StepKey(table.version, self.bank_state.bank.version, n, row_key, True,
+                           None if positions is None else positions.tobytes())
+        return StepKey(table.version, self.bank_state.bank.version, n, row_key)
+
+    def _timed(self, fn, hidden: torch.Tensor, *args) -> torch.Tensor:
+        """``fn(hidden, *args)``, counted, and timed when its turn comes (:attr:`op_untimed`
+        is 0; :meth:`~vllm_steer.metrics.OpTimer.stop` says how many ops to leave untimed
+        next). The head's steer_rows inlines the same, as a call there costs."""
+        self.op_calls += 1
+        self.op_rows += hidden.shape[0]
+        if self.op_untimed:
+            self.op_untimed -= 1
+            return fn(hidden, *args)
+        token = self.op_timer.start(hidden)
+        out = fn(hidden, *args)
+        self.op_untimed = self.op_timer.stop(token)
+        return out
+
+    def _step_rows(self, hidden: torch.Tensor):
+        """``(slots, positions, row_key)`` of the rows of this call, all host-side: ``slots``
+        None means row i = slot i; ``positions`` the generated-token index of each row (-1:
+        not a generated token) or None. None: the rows are left unsteered."""
+        self.steps_planned += 1
+        src = self.row_source
+        n = hidden.shape[0]
+        kind = type(src)
+        if kind is NoRows:
+            return None
+        if kind is MappedRows or kind is SlotRows:
+            if src.slots is None:
+                if kind is MappedRows and src.mapping is not None:
+                    return _DEVICE_MAPPING
+                warn_once("vllm-steer: logits rows came before their row mapping was known; "
+                          "they are computed unsteered")
+                return None
+            if len(src.slots) < n:
+                warn_once("vllm-steer: logits rows outnumber their known slots; they are "
+                          "computed unsteered")
+                return None
+            pos = None if src.positions is None else src.positions[:n]
+            # converted only when the step is planned (plan_step)
+            slots = src.slots if len(src.slots) == n else src.slots[:n]
+            key = src.key if kind is MappedRows and slots is src.slots else None
+            return slots, pos, slots.tobytes() if key is None else key
+        if kind is PromptRows:
+            base = src.base
+            row_bytes = base.stride(0) * base.element_size()
+            offset = (hidden.data_ptr() - base.data_ptr()) // row_bytes
+            if hidden.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() \
+                    or not 0 <= offset < base.shape[0]:
+                warn_once("vllm-steer: prompt-logprob rows could not be matched to a request; "
+                          "they are computed unsteered")
+                return None
+            slot = int(np.searchsorted(src.query_start_loc, offset, side="right") - 1)
+            # prompt rows are no generated tokens: a window gives them its base strength
+            return np.full(n, slot, dtype=np.int64), np.full(n, -1, dtype=np.int64), ("p", slot)
+        # BatchRows: V1 samples one row per request, in persistent-batch order
+        if n != self.batch_size:
+            warn_once(f"vllm-steer: compute_logits got {n} rows for a batch of "
+                      f"{self.batch_size} requests; rows left unsteered")
+            return None
+        pos = self.batch_positions
+        return None, (None if pos is None or len(pos) < n else pos[:n]), "b"
+
+    def plan_step(self, n: int, slots, positions) -> None:
+        """A step whose key changed: gather its coefficients on the host; when they differ from
+        the device buffer's, copy them (pinned, non-blocking). The eager op's plan waits for
+        the first eager launch of these coefficients (:meth:`_eager_plan`): a step replayed
+        from the head's CUDA graphs needs none."""
+        if slots is not None:
+            slots = np.asarray(slots, dtype=np.int64)
+        if positions is not None:
+            positions = np.asarray(positions, dtype=np.int64)
+        coefs = self.slots.row_coefs(n, slots, positions)
+        last = self._step_coefs
+        same = last is not None and last.shape == coefs.shape and np.array_equal(last, coefs)
+        if not same:
+            self._step_coefs = None
+            buf = self._coef_buffer(n)  # (may make a new buffer, and its staged copy)
+            self._coef_copy.copy_(buf[:n], coefs)
+            self._step_coefs = coefs
+
+    def _coef_buffer(self, n: int) -> torch.Tensor:
+        """The device buffer of the step's coefficients (``[rows >= n, columns]`` fp32), made
+        for the most rows a step samples (max_num_seqs) and, with the head's CUDA graphs, for
+        their largest bucket, from the start: the graphs read this buffer and are captured
+        again when it is replaced, which then happens only for a step with more rows
+        (prompt-logprob chunks), each time doubling. A new buffer starts all zero."""
+        bank_state = self.bank_state
+        bank = bank_state.bank
+        dev = bank.p1.device
+        buf = self._coefs_dev
+        if buf is None or buf.shape[0] < n or buf.device != dev:
+            graphs = bank.graphs
+            rows = max(n, bank_state.max_rows, 0 if graphs is None else graphs.max_rows,
+                       2 * (0 if buf is None else buf.shape[0]))
+            self._step_coefs = self._step_key = None  # the new buffer holds no step's yet
+            self._coefs_dev = buf = torch.zeros((rows, self.slots.num_columns),
+                                                dtype=torch.float32, device=dev)
+            self._coef_copy = staging.StagedCopy(dev)
+        return buf
+
+    def capture_graphs(self) -> int:
+        """Capture the head's CUDA graphs now (:meth:`~vllm_steer.kernels.graphs.SteerGraphs.
+        capture`) for the most rows a step samples (vLLM's max_num_seqs) and this planner's
+        coefficient buffer, once the model is loaded and the request slots are sized
+        (whichever comes last), and after a load or unload that dropped them (a new layout of
+        the bank), so that no serving step stalls on a capture. Returns the number
+        captured."""
+        bank_state = self.bank_state
+        bank = bank_state.bank
+        graphs = None if bank is None else bank.graphs
+        if graphs is None or not bank_state.max_rows or not bank_state.model_loaded:
+            return 0
+        return graphs.capture(bank_state.max_rows, bank.hidden_size,
+                              bank_state.activation_dtype or bank.dtype,
+                              self._coef_buffer(min(bank_state.max_rows, graphs.max_rows)))
+
+    def _eager_plan(self, n: int):
+        """The eager op's plan for this step's coefficients (None: the backend plans inside
+        the call), made again only when what it depends on changed (the torch plan holds the
+        values; the Triton plan only the non-zero pattern)."""
+        bank_state = self.bank_state
+        if bank_state.prepare is None:
+            self._plan, self._plan_checked = None, True
+            return None
+        bank, coefs = bank_state.bank, self._step_coefs
+        sig = (coefs != 0).tobytes() if bank_state.backend == "triton" else coefs.tobytes()
+        plan_key = (bank.version, bank_state.backend, n, sig)
+        if plan_key != self._plan_key:
+            self._plan_key, self._plan = None, None  # never keep a stale plan on error
+            self._plan = bank_state.prepare(bank.p1, bank.p2, bank.rank_offsets,
+                                            self._coefs_dev[:n], host=coefs)
+            self._plan_key = plan_key
+            self.plans_made += 1
+        self._plan_checked = True
+        return self._plan
+
+    def _steer_device_mapping(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Rows known only through a device mapping (batch-sharded sampling): the slot table
+        is gathered on the device and planned per call (the backend's own planning; the
+        Triton backend's is a device launch, the torch backend's reads the device)."""
+        n = hidden.shape[0]
+        bank = self.bank_state.bank
+        coefs = self.slots.table.index_select(0, self.row_source.mapping[:n].long())
+        return self._timed(self.bank_state.fn, hidden, bank.p1, bank.p2, bank.rank_offsets,
+                           coefs)
+
+    # ---- drafter heads inside CUDA graphs (Model Runner V2's EAGLE / EAGLE-3 / MTP) -----------
+    def steer_fixed(self, hidden: torch.Tensor, mapping: torch.Tensor | None) -> torch.Tensor:
+        """Steer rows whose slots are known only on the device (``mapping[i]``: row i's slot;
+        -1: a padding row, left as it is) from the fixed-layout copy of the bank. Semantics:
+        see reference.
+
+        Capture-safe by construction: every tensor it reads keeps its storage and shape
+        between steps (the slot table, the fixed copy, the caller's mapping buffer), its shapes
+        depend only on the number of rows, and no value goes back to the host; so a CUDA
+        graph that captured it computes each replay's rows with that replay's coefficients.
+        Outside a capture, a worker with no steered slot skips it."""
+        bank = self.bank_state.bank
+        n = hidden.shape[0]
+        if bank is None or bank.fixed_p1 is None or mapping is None or n == 0:
+            return hidden
+        table = self.slots.table
+        if mapping.shape[0] < n or table is None:
+            warn_once("vllm-steer: drafter rows outnumber their known slots; they are "
+                      "computed unsteered")
+            return hidden
+        if not self.slots.num_active_slots and not _capturing(hidden):
+            return hidden
+        self.op_calls += 1
+        self.op_rows += n
+        from vllm_steer import ops
+
+        return ops.steer_fixed(hidden, bank.fixed_p1, bank.fixed_p2, bank.fixed_rank, table,
+                               mapping[:n])
+
+
+def _same_mapped_rows(src: RowSource, key: StepKey) -> bool:
+    """V2 rows with the same bytes of ``idx_mapping`` as the step of ``key``: the same rows."""
+    return type(src) is MappedRows and src.key is not None and src.key == key.row_key
+
+
+def _rows_windowed(table, n: int, slots) -> bool:
+    """Whether the slot of any of the ``n`` rows (``slots``; None: row i is slot i) holds a
+    request with a generation window."""
+    if not table.num_window_slots:
+        return False
+    return bool((table.windowed[:n] if slots is None else table.windowed[slots]).any())
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (on ``t``'s device)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+__all__ = ["StepPlanner", "StepKey", "SteerStats"]
