@@ -53,7 +53,6 @@ def test_a_runner_looks_its_runtime_up_once_then_reads_it(monkeypatch):
 def test_v1_prepare_inputs_reads_its_arguments_by_name(monkeypatch):
     """A windowed slot's generated-token positions come from ``num_scheduled_tokens``, given
     by position or by keyword, wherever it stands in the signature."""
-    from vllm_steer.integrations.worker import v1
 
     monkeypatch.setattr(GATES, "windowed_slots", 1)  # a windowed request in this process
     rt = SimpleNamespace(slots=SimpleNamespace(num_window_slots=1),
