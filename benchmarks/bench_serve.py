@@ -185,7 +185,8 @@ def churn_main(args, model, hidden, common, tmp) -> int:
     print("|---|---|---|---|---|---|")
     for row in rows:
         lat, t, p = row["latency_ms"], row["ttft_ms"], row["tpot_ms"]
-        print(f"| {row['pass']} | {row['requests']} | {row['tok_s']:.1f} | {lat[50]:.0f}/{lat[99]:.0f}"
+        print(f"| {row['pass']} | {row['requests']} | {row['tok_s']:.1f} | "
+              f"{lat[50]:.0f}/{lat[99]:.0f}"
               f" | {t[50]:.0f}/{t[99]:.0f} | {p[50]:.1f}/{p[99]:.1f} |")
     ch = rows[1]
     print(f"\nload over HTTP: {ch['load_count']} ops, p50 {ch['load_ms'][50]:.1f} ms, p99 "

@@ -111,8 +111,9 @@ def main() -> None:
             for k, v in got.items():
                 prev[k] = min(prev[k], v)
     trees = list(results)
-    print(f"host us per steered step (lowest of {args.rounds} medians of {args.calls}; hidden {HIDDEN}, {K} steers of "
-          f"rank {RANK}, 3 of 4 rows steered; torch backend, 1 thread)")
+    print(f"host us per steered step (lowest of {args.rounds} medians of {args.calls}; "
+          f"hidden {HIDDEN}, {K} steers of rank {RANK}, 3 of 4 rows steered; torch backend, "
+          f"1 thread)")
     head = "| rows | source | " + " | ".join(trees) + " | op alone | "
     head += " | ".join(f"ratio {t}/{trees[0]}" for t in trees[1:])
     print(head + " |")

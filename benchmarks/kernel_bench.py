@@ -216,10 +216,12 @@ def main(argv=None) -> int:
           f"{str(dtype)[6:]} | torch {torch.__version__} | {stat} of interleaved runs")
     print(f"# copy bandwidth (read+write): {bw / 1e9:.1f} GB/s | LM head vocab {args.vocab} | "
           f"strength 5e-3 per steered row" + ("" if cuda else f" | load average "
-                                               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus"))
+                                               f"{os.getloadavg()[0]:.1f} on "
+                                               f"{os.cpu_count()} cpus"))
     cols = ("d", "rows", "K", "rank", "pattern", "used", "MB", "kernel_us", "ref_us", "speedup",
             "GB/s", "%copy", "lmhead_us", "%lmhead", "note")
-    fmt = "{:>5} {:>5} {:>3} {:>5} {:>8} {:>4} {:>8} {:>10} {:>10} {:>7} {:>7} {:>6} {:>10} {:>7}  {}"
+    fmt = ("{:>5} {:>5} {:>3} {:>5} {:>8} {:>4} {:>8} {:>10} {:>10} {:>7} {:>7} {:>6} {:>10} "
+           "{:>7}  {}")
     print(fmt.format(*cols))
     t_start = time.time()
     results = []
@@ -271,8 +273,8 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.empty_cache()
     if not cuda:
-        print(f"# load average at the end: {os.getloadavg()[0]:.1f} (other processes on these cores "
-              f"inflate both columns; ratios are of interleaved runs)")
+        print(f"# load average at the end: {os.getloadavg()[0]:.1f} (other processes on these "
+              f"cores inflate both columns; ratios are of interleaved runs)")
     summarize(results, bw, cuda)
     return 0
 

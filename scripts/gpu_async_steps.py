@@ -16,11 +16,11 @@ What vLLM does, reproduced with the plugin's own worker code and a stand-in mode
 
 Each step keeps its hidden states and the LM head's steered input on the device; at the end
 (one synchronize) every row is compared with ``steer_reference`` on the same hidden states
-with the coefficients its request had at that step (plain rows: bit for bit). A staging buffer overwritten before its
-copy ran, or a row given another step's or another request's coefficients, shows as a
-mismatch. Host waits on unfinished CUDA events are counted (0 expected). On the CPU
-(``device="cpu"``) the same steps run without graphs or overlap: a rehearsal of the check
-itself.
+with the coefficients its request had at that step (plain rows: bit for bit). A staging buffer
+overwritten before its copy ran, or a row given another step's or another request's
+coefficients, shows as a mismatch. Host waits on unfinished CUDA events are counted (0
+expected). On the CPU (``device="cpu"``) the same steps run without graphs or overlap: a
+rehearsal of the check itself.
 """
 
 from __future__ import annotations

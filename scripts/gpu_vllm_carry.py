@@ -24,7 +24,8 @@ wheels travel in chunks over consecutive calls and are put together there:
 
 Standard library only (``download`` also uses pip and its vendored ``packaging``).
 Semantics of what is carried: vllm 0.33.0 pins ``torch==2.14.0``; see docs/dev/gpu-host.md,
-"Carrying vLLM onto a GPU host without network access", for what that means against the machine's torch 2.11.
+"Carrying vLLM onto a GPU host without network access", for what that means against the
+machine's torch 2.11.
 """
 
 from __future__ import annotations
@@ -417,7 +418,8 @@ def cmd_plan(a) -> int:
           f"a host that was released has lost {a.area}: start again from call 1)")
     print(f"# working tree {tree / MiB:.1f} MiB + one chunk each; a run carries at most 64 MiB")
     for i, c in enumerate(calls, 1):
-        flag = "" if c["bytes"] <= RUN_LIMIT else "   # OVER 64 MiB: split with a smaller --chunk-mib"
+        flag = ("" if c["bytes"] <= RUN_LIMIT
+                else "   # OVER 64 MiB: split with a smaller --chunk-mib")
         print(json.dumps({"call": i, "carry": c["carry"], "command": c["command"]}) + flag)
     print("# then, on the same host: "
           f"PYTHONPATH={a.target}:$PYTHONPATH bash scripts/gpu_check.sh vllm-check "
@@ -437,8 +439,8 @@ def _check_chunk(path: Path, entry: dict) -> None:
                          f"{entry['size']}; carry {entry['name']} again")
     got = sha256_file(path)
     if got != entry["sha256"]:
-        raise CarryError(f"chunk {entry['name']} (#{entry['index']}): sha256 {got[:16]}... does not "
-                         f"match the manifest's {entry['sha256'][:16]}... (corrupt or out of "
+        raise CarryError(f"chunk {entry['name']} (#{entry['index']}): sha256 {got[:16]}... does "
+                         f"not match the manifest's {entry['sha256'][:16]}... (corrupt or out of "
                          f"order); carry {entry['name']} again")
 
 

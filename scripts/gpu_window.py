@@ -171,7 +171,8 @@ def check_invariance(dev, shapes) -> bool:
                 outs = {n: steer_triton(hidden[:n], p1, p2, [0, rank], coefs[:n].contiguous())
                         for n in (1, 7, 64, 256)}
                 same, diff = _first_rows_equal(outs)
-                line.append(f"triton mode {mode}: {'identical' if same else f'max diff {diff:.3g}'}")
+                line.append(f"triton mode {mode}: "
+                            f"{'identical' if same else f'max diff {diff:.3g}'}")
                 if mode == "1":
                     ok &= same
                     verdict = "PASS" if same else "FAIL"
@@ -369,13 +370,15 @@ def check_replay(dev, shapes=REPLAY_SHAPES, rows_list=(1, 64), dtype=torch.bfloa
         bank = SlotBank(slots, d, device=dev, dtype=dtype, reserve_rank=rank)
         gen = torch.Generator().manual_seed(d)
         for k in range(slots):
-            bank.put(k, k + 1, f"s{k}", make_steer(torch.randn(d, rank, generator=gen) / d ** 0.5,
-                                                   torch.randn(d, rank, generator=gen) / rank ** 0.5,
-                                                   f"s{k}"))
+            bank.put(k, k + 1, f"s{k}",
+                     make_steer(torch.randn(d, rank, generator=gen) / d ** 0.5,
+                                torch.randn(d, rank, generator=gen) / rank ** 0.5,
+                                f"s{k}"))
         graphs = G.head_graphs(bank, graph_backend=None if cuda else EagerGraphs())
         for rows in rows_list:
             co = torch.zeros(rows, bank.num_columns)
-            co[torch.arange(rows), torch.arange(rows) % slots] = 0.5 + torch.rand(rows, generator=gen)
+            co[torch.arange(rows), torch.arange(rows) % slots] = (
+                0.5 + torch.rand(rows, generator=gen))
             table = co.to(dev)  # the head's persistent coefficient buffer
             hidden = torch.randn(rows, d, generator=gen).to(dev, dtype)
             p1, p2, offs = bank.p1, bank.p2, bank.rank_offsets
@@ -403,13 +406,15 @@ def check_replay(dev, shapes=REPLAY_SHAPES, rows_list=(1, 64), dtype=torch.bfloa
                        f"{_time_us(launch, device_only=True):.1f} us launched, "
                        f"{_time_us(replay, device_only=True):.1f} us replayed")
             goal = ("not the goal's figure (no graphs on CPU)" if dry else
-                    f"goal <= {HOST_US_GOAL:g} us {'met' if h_replay <= HOST_US_GOAL else 'NOT met'}")
+                    f"goal <= {HOST_US_GOAL:g} us "
+                    f"{'met' if h_replay <= HOST_US_GOAL else 'NOT met'}")
             say(f"replay {label} {str(dtype)[6:]} rows {rows}: host {h_launch:.1f} us launched "
                 f"({prepared.backend}), {h_replay:.1f} us replayed ({h_launch / h_replay:.1f}x; "
                 f"{goal}){gpu}; first step (the capture) {first_ms:.1f} ms, "
                 f"{graphs.captures} graph(s) captured: INFO")
             say(f"replay {label} rows {rows}: replayed rows "
-                f"{'match' if good else 'DO NOT match'} the reference: {'PASS' if good else 'FAIL'}")
+                f"{'match' if good else 'DO NOT match'} the reference: "
+                f"{'PASS' if good else 'FAIL'}")
             what = f"replay {label} rows {rows}: the Triton op over the same copy, its segments"
             try:
                 tri = _triton_replay(bank, hidden, table, cuda)
@@ -527,8 +532,10 @@ def check_head(dev, shapes=HEAD_SHAPES, rows_list=(1, 64), dtype=torch.bfloat16,
                 f"warm, {cold:.1f} us with cold caches (medians; by part with cold caches, means "
                 f"in us: {split}); {how}: INFO")
             say(f"head {label} rows {rows}: steered rows "
-                f"{'match' if good else 'DO NOT match'} the reference: {'PASS' if good else 'FAIL'}")
-        new = (rt.bank_state.bank.graphs.captures if rt.bank_state.bank.graphs is not None else 0) - captures
+                f"{'match' if good else 'DO NOT match'} the reference: "
+                f"{'PASS' if good else 'FAIL'}")
+        graphs_now = rt.bank_state.bank.graphs
+        new = (graphs_now.captures if graphs_now is not None else 0) - captures
         say(f"head {label}: {new} graph(s) captured by the steps (captured at start-up: "
             f"{captures}): {'PASS' if new == 0 else 'FAIL'}")
         ok &= new == 0

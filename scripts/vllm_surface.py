@@ -13,8 +13,8 @@ new vLLM starts here: write its manifest, run the tests, read what moved.
 
 Format (``format``: :data:`vllm_steer.integrations.manifest.SURFACE_FORMAT`): ``vllm`` (the
 version), ``source``, ``names`` (each name: its kind, where it is defined, its parameters
-as one string; null when this vLLM does not have it) and ``calls`` (``"caller -> patched name"``: how the
-caller reaches it, null when it no longer does).
+as one string; null when this vLLM does not have it) and ``calls`` (``"caller -> patched name"``:
+how the caller reaches it, null when it no longer does).
 """
 
 from __future__ import annotations

@@ -347,7 +347,8 @@ def _tensor_entry_problems(key: str, info: Any) -> list[str]:
         out.append(f"tensor {k}: malformed data_offsets {_echo(offs)}, expected [start, end]")
     elif not out and offs[1] - offs[0] != shape[0] * shape[1] * _SAFETENSORS_DTYPES[dtype]:
         out.append(f"tensor {k}: data_offsets {offs} span {offs[1] - offs[0]} bytes but a "
-                   f"{dtype} {shape} tensor takes {shape[0] * shape[1] * _SAFETENSORS_DTYPES[dtype]}")
+                   f"{dtype} {shape} tensor takes "
+                   f"{shape[0] * shape[1] * _SAFETENSORS_DTYPES[dtype]}")
     return out
 
 

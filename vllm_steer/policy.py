@@ -16,8 +16,8 @@ A floor is a minimum of the *signed* strength (``value >= F``): ``detox=2`` mean
 towards the steer's positive label; a negative floor ``detox=-2`` lets a request steer
 towards the negative label by at most 2 and leaves every other request alone.
 
-Everything here works on the typed request (:class:`vllm_steer.request.SteerRequest`); the math of steering is in
-:mod:`vllm_steer.reference` (Semantics: see reference).
+Everything here works on the typed request (:class:`vllm_steer.request.SteerRequest`); the math
+of steering is in :mod:`vllm_steer.reference` (Semantics: see reference).
 """
 
 from __future__ import annotations

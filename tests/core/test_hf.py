@@ -175,7 +175,8 @@ def test_token_logprobs_match_manual_and_move_with_the_steer(tiny):
     steered = token_logprobs(model, tok, TEXTS, steers=steer, strengths=5.0)
     assert all(not torch.allclose(a, b) for a, b in zip(lps, steered))
     # prefixes: only the text's own tokens are scored
-    pre = token_logprobs(model, tok, ["over the lazy dog."], prefixes=["The quick brown fox jumps "])
+    pre = token_logprobs(model, tok, ["over the lazy dog."],
+                         prefixes=["The quick brown fox jumps "])
     assert pre[0].shape[0] == len(tok("over the lazy dog.", add_special_tokens=False)["input_ids"])
 
 

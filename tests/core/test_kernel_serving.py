@@ -218,7 +218,8 @@ def test_batch_invariant_mode_refuses_atomics_and_bad_values(monkeypatch):
     p1, p2, offs = bank(64, [16], torch.float32)
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     monkeypatch.setenv(ENV_TILES, "split_d=2")
-    with pytest.raises(ValueError, match=r"split_d=2 adds partial sums with atomics.*use split_d=1"):
+    with pytest.raises(ValueError,
+                       match=r"split_d=2 adds partial sums with atomics.*use split_d=1"):
         prepare_triton(p1, p2, offs, torch.ones(3, 1))
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "yes")
     with pytest.raises(ValueError, match=r"VLLM_BATCH_INVARIANT='yes' is not an integer.*1 \(on\)"):

@@ -411,7 +411,8 @@ def module_name_exists(dotted: str) -> bool:
                     return True
                 src = cand.read_text()
                 name = rest[0]
-                return bool(re.search(rf"^\s*(?:async\s+)?(?:def|class)\s+{name}\b|^\s*{name}\s*[:=]"
+                return bool(re.search(rf"^\s*(?:async\s+)?(?:def|class)\s+{name}\b"
+                                      rf"|^\s*{name}\s*[:=]"
                                       rf"|^\s*(?:from .* )?import .*\b{name}\b|[\"']{name}[\"']",
                                       src, re.M))
         if not base.exists() and k == 1:
@@ -714,7 +715,8 @@ def test_fact_check_catches_a_wrong_figure_of_a_shipped_steer():
     facts = {"smollm2-detox": {"rank": 16, "steps": 1000, "recommended_strength": 4.0,
                                "base_model": "smollm2", "dev_loss": 4.3308, "hidden_size": 576}}
     good = ("The shipped `steers/smollm2-detox.safetensors` is rank 16, 1,000 steps, "
-            "recommended strength 4.\n\n```json\n{\"name\": \"detox\", \"rank\": 16, \"hidden_size\": 576, "
+            "recommended strength 4.\n\n```json\n{\"name\": \"detox\", \"rank\": 16, "
+            "\"hidden_size\": 576, "
             "\"base_model\": \"smollm2\", \"metrics\": {\"dev_loss\": 4.33}}\n```\n\n"
             "| file | rank | recommended strength |\n|---|---|---|\n"
             "| `smollm2-detox.safetensors` | **16** | 4 (tune) |\n\n"

@@ -374,4 +374,5 @@ def test_the_page_asks_for_the_key_and_generates_with_it(server):
 def test_the_server_log_shows_the_file_loads(server):
     log = (STATE["root"] / "server.log").read_text(errors="replace")
     assert re.search(r"vllm-steer: presets file \S+presets\.json loaded: 2 preset\(s\) "
-                     r"\(added calm; changed house; taken over from the run-time presets calm\)", log), log[-3000:]
+                     r"\(added calm; changed house; taken over from the run-time presets calm\)",
+                     log), log[-3000:]

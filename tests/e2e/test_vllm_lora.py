@@ -53,8 +53,10 @@ def write_adapter(out, model_dir, targets, seed):
                  if t != "lm_head" else ["lm_head"])
         out_f, in_f = shapes.get(t, (vocab, hidden))
         for n in names:
-            tensors[f"base_model.model.{n}.lora_A.weight"] = torch.randn(RANK, in_f, generator=g) * 0.3
-            tensors[f"base_model.model.{n}.lora_B.weight"] = torch.randn(out_f, RANK, generator=g) * 0.3
+            tensors[f"base_model.model.{n}.lora_A.weight"] = (
+                torch.randn(RANK, in_f, generator=g) * 0.3)
+            tensors[f"base_model.model.{n}.lora_B.weight"] = (
+                torch.randn(out_f, RANK, generator=g) * 0.3)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "adapter_model.safetensors")
     (out / "adapter_config.json").write_text(json.dumps({

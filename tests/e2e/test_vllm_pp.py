@@ -3,8 +3,8 @@
 Two workers (``distributed_executor_backend="mp"``, one core each) each hold one of the two
 decoder layers; only the last pipeline rank has the LM head (the first one has vLLM's
 ``PPMissingLayer`` and no logits layer at all), so only it steers. Tokens and logprobs must be
-those of the unsharded model with the steer applied by hand (``helpers.reference.HFReference``), and a
-steer loaded at run time must reach the last rank.
+those of the unsharded model with the steer applied by hand (``helpers.reference.HFReference``),
+and a steer loaded at run time must reach the last rank.
 """
 
 from __future__ import annotations

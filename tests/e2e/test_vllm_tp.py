@@ -50,7 +50,8 @@ def llm(model_dir, steers):
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
         # collective_rpc(steer_stats): read each worker's steer-op counters from the test
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        engine = LLM(str(model_dir), additional_config={"vllm_steer": {"steers": steers[1], "max_steers": 3}},
+        engine = LLM(str(model_dir),
+                     additional_config={"vllm_steer": {"steers": steers[1], "max_steers": 3}},
                      **ENGINE_KW)
         yield engine
         del engine

@@ -109,7 +109,8 @@ def test_a_larger_working_tree_gets_smaller_chunks_and_a_huge_one_is_refused(mon
 
     monkeypatch.setattr(gpu_plan, "tree_bytes", lambda: 20 * MiB)
     r, info = gpu_plan.plan()
-    assert info["chunk_bytes"] == 43 * MiB and info["chunks"] == -(-info["wheel_bytes"] // (43 * MiB))
+    assert (info["chunk_bytes"] == 43 * MiB
+            and info["chunks"] == -(-info["wheel_bytes"] // (43 * MiB)))
     assert max(c.bytes for c in r.calls) <= 63 * MiB
     monkeypatch.setattr(gpu_plan, "tree_bytes", lambda: 60 * MiB)
     with pytest.raises(gpu_vllm_carry.CarryError, match="the working tree is 60.0 MiB"):

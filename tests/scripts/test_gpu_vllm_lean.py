@@ -74,7 +74,8 @@ def make_wheel(path: Path, files: dict[str, bytes | str], requires=()) -> Path:
 DROP = {name: ((name,), "test") for name in (
     "needed_pkg", "guarded_pkg", "cond_pkg", "lazy_pkg", "typing_pkg", "cond_needed",
     "not_on_path")}
-STRIP = {"vllm/_ext_C.abi3.so": ("vllm._ext_C", "test"), "vllm/_moe_C.abi3.so": ("vllm._moe_C", "t")}
+STRIP = {"vllm/_ext_C.abi3.so": ("vllm._ext_C", "test"),
+         "vllm/_moe_C.abi3.so": ("vllm._moe_C", "t")}
 
 
 @pytest.fixture()

@@ -41,7 +41,8 @@ def _browser_missing() -> str | None:
 
 MISSING = _browser_missing()
 # presets served as model names (--steer-preset; issue 24, the presets branch)
-HAS_PRESETS = "presets" in __import__("vllm_steer.config").config.SteerServerConfig.__dataclass_fields__
+HAS_PRESETS = ("presets" in
+               __import__("vllm_steer.config").config.SteerServerConfig.__dataclass_fields__)
 browser = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
 

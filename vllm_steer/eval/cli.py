@@ -142,17 +142,20 @@ def add_commands(subparsers) -> None:
         "eval", help="evaluate steers like the paper (toxicity, sentiment, composition)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ev.add_subparsers(dest="eval_command", metavar="EVAL_COMMAND")
-    _common(_parser(sub, "toxicity", engine=True, help="detoxification on RealToxicityPrompts (non-toxic)",
+    _common(_parser(sub, "toxicity", engine=True,
+                    help="detoxification on RealToxicityPrompts (non-toxic)",
                     description="Sample continuations of RealToxicityPrompts through vLLM at "
                                 "each strength; report avg max toxicity, toxicity probability, "
                                 "perplexity and dist-n, vs the soft-blacklist baseline."),
             "toxicity")
-    _common(_parser(sub, "sentiment", engine=True, help="sentiment control on the sentiment prompts",
+    _common(_parser(sub, "sentiment", engine=True,
+                    help="sentiment control on the sentiment prompts",
                     description="Sample continuations of the neutral (or positive/negative) "
                                 "sentiment prompts at each strength; report positivity (SST-2 "
                                 "classifier, VADER), perplexity and dist-n, vs the baseline."),
             "sentiment")
-    _common(_parser(sub, "grid", engine=True, help="composition: two steers over a grid of strengths",
+    _common(_parser(sub, "grid", engine=True,
+                    help="composition: two steers over a grid of strengths",
                     description="Steer with {A: a, B: b} for every (a, b) of the two strength "
                                 "lists; report toxicity, positivity and perplexity per cell."),
             "grid")
@@ -194,7 +197,8 @@ def add_commands(subparsers) -> None:
                    help="tokens per text (default: the steer's with --like, else 64)")
     t.add_argument("--lr", type=float, default=None,
                    help="Adam learning rate of the logit offset (default 3e-2)")
-    t.add_argument("--seed", type=int, default=None, help="seed (default: the steer's with --like, else 0)")
+    t.add_argument("--seed", type=int, default=None,
+                   help="seed (default: the steer's with --like, else 0)")
     t.add_argument("--quiet", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_train_baseline)
     ev.set_defaults(func=lambda args: (ev.print_help(), 2)[1])
@@ -207,7 +211,8 @@ def _tune_command(subparsers) -> None:
     from vllm_steer.eval.tune import DEFAULT_STRENGTHS
 
     s = SamplingConfig()
-    t = _parser(subparsers, "tune", engine=True, help="choose a steer's recommended strength by generation",
+    t = _parser(subparsers, "tune", engine=True,
+                help="choose a steer's recommended strength by generation",
                 description="Generate on development prompts through vLLM with the plugin at "
                             "each candidate strength; among the strengths whose perplexity "
                             "stays within --ppl-budget of unsteered, write the one that moves "

@@ -232,7 +232,8 @@ class VLLMGenerator:
         prompt logprobs (the same model and weights that generated; prompt and continuation
         tokenised separately and concatenated, as :func:`vllm_steer.hf.token_logprobs`
         does; a prompt given as token ids, a chat-templated one, is used as it is, so a
-        chat reply is scored given the templated prompt). Returns :class:`~vllm_steer.eval.fluency.SampleNLL` per pair."""
+        chat reply is scored given the templated prompt). Returns
+        :class:`~vllm_steer.eval.fluency.SampleNLL` per pair."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

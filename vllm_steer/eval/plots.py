@@ -69,7 +69,8 @@ def _log_perplexity_axis(ax) -> None:
     ax.set_xscale("log")  # after the data is drawn: the limits below are the data's
     lo, hi = ax.get_xlim()
     for subs in ((1, 1.5, 2, 3, 4, 5, 7), (1, 2, 5), (1, 3), (1,)):
-        ticks = [s * 10 ** e for e in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+        ticks = [s * 10 ** e
+                 for e in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
                  for s in subs if lo <= s * 10 ** e <= hi]
         if len(ticks) <= 7:
             break

@@ -303,7 +303,8 @@ def markdown(results: dict) -> str:
             bl = e["soft_blacklist"] or {}
             L.append(f"| {e['strength']:+g} | {e['ppl']:.2f} | " + " | ".join(
                 f"{fmt(k, e['lm_steer'][k])} | {fmt(k, bl.get(k))}" for k in keys)
-                + f" | {'n/a' if e['soft_blacklist_strength'] is None else format(e['soft_blacklist_strength'], '+.2f')} |")
+                + " | " + ("n/a" if e["soft_blacklist_strength"] is None
+                           else format(e["soft_blacklist_strength"], "+.2f")) + " |")
     goals = results.get("goals") or {}
     if goals:
         L += ["", "## Goals", ""] + _goal_lines(task, goals)

@@ -326,7 +326,8 @@ def add_commands(subparsers) -> None:
     common(s, "the s of the +s/-s contrast (default: recommended strength, else 5)")
     s.add_argument("--text", help="one text")
     s.add_argument("--file", help="texts, one a line")
-    s.add_argument("--strengths", help="comma-separated grid for the read-out, e.g. --strengths=-10,-5,0,5,10 "
+    s.add_argument("--strengths",
+                   help="comma-separated grid for the read-out, e.g. --strengths=-10,-5,0,5,10 "
                    "(default -5,0,5; +/-strength are always added)")
     s.add_argument("--dataset", choices=["sst2", "jigsaw"], help="evaluate on this data set")
     s.add_argument("--split", default="test", help="sst2 split: test or dev (default test)")

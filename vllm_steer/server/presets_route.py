@@ -4,7 +4,8 @@
   detox=2,sentiment=-3`` (what the request is served with, after preset, defaults and
   floors) and ``x-vllm-steer-floored: detox`` when a floor raised a steer. Set by an ASGI
   middleware from what the request's ``to_sampling_params`` recorded
-  (:func:`vllm_steer.integrations.frontend.request_scope.record_applied`, called by the plugin), so streaming responses carry them too.
+  (:func:`vllm_steer.integrations.frontend.request_scope.record_applied`, called by the plugin),
+  so streaming responses carry them too.
 - ``GET /v1/steer-presets``: the presets (served as model names, each with its source:
   ``--steer-preset``, ``file`` or ``api``), defaults and floors.
 - ``POST /v1/steer-presets`` ``{"name": "polite", "steer": {"detox": 4, "sentiment": -2}}``
@@ -12,8 +13,8 @@
   or replace a run-time preset in one step: no request sees it missing) and ``DELETE
   /v1/steer-presets/{name}``: presets at run time, only with ``--enable-steer-updates`` (else
   HTTP 403 naming the flag; with a steer admin key, ``--steer-admin-key``, only requests
-  sending it: :mod:`vllm_steer.server.admin`). The table lives in the engine core, so every API server sees a
-  change from the moment the call returns (design:
+  sending it: :mod:`vllm_steer.server.admin`). The table lives in the engine core, so every API
+  server sees a change from the moment the call returns (design:
   :mod:`vllm_steer.integrations.engine.presets`).
 - ``--steer-presets-file PATH``: each API server looks at the file every
   ``VLLM_STEER_PRESETS_FILE_POLL_SECONDS`` (2) seconds and sends a new version to the engine

@@ -13,13 +13,13 @@ Every call reaches the engine core through vLLM's ``collective_rpc`` utility cal
 engine client (see :mod:`vllm_steer.integrations.engine.management`), so every API-server process
 (``--api-server-count``) and every worker sees the same set; with data parallelism every
 engine core gets the call and their answers are merged
-(:mod:`vllm_steer.integrations.frontend.engine_client`). Each API server also polls the engine's list (once a second,
-``VLLM_STEER_POLL_SECONDS``): it keeps the process's view of the names
+(:mod:`vllm_steer.integrations.frontend.engine_client`). Each API server also polls the engine's
+list (once a second, ``VLLM_STEER_POLL_SECONDS``): it keeps the process's view of the names
 (:class:`vllm_steer.integrations.frontend.state.FrontendState`) and the metrics
 (:mod:`vllm_steer.metrics`) current. The view may be a poll old, so with
 ``--enable-steer-updates`` a name it lacks is left to the engine core, whose refusal the
-client gets as HTTP 400 (:func:`vllm_steer.integrations.frontend.async_llm.generate`). The plugin adds this endpoint
-to vLLM's endpoint-plugin list itself
+client gets as HTTP 400 (:func:`vllm_steer.integrations.frontend.async_llm.generate`). The plugin
+adds this endpoint to vLLM's endpoint-plugin list itself
 (:func:`vllm_steer.integrations.frontend.endpoints.load_endpoint_plugins`).
 """
 
@@ -62,7 +62,8 @@ async def list_steers(raw: Request):
     engine = _engine(raw)
     if engine is None:
         return _error(503, "no engine behind this server")
-    admitted = sorted(frontend_state().loaded_names())  # this process's admission view, before refresh
+    # this process's admission view, before refresh
+    admitted = sorted(frontend_state().loaded_names())
     res = await manage(engine, "list")
     if res.get("ok") is False:  # the engine core's list failed (its answer says why)
         return _error(int(res.get("status", 500)), str(res.get("error", "")))

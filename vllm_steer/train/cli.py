@@ -258,7 +258,8 @@ def train_model(model: str | None, preset: str | None) -> str:
 def cmd_train(args) -> int:
     from vllm_steer.train.trainer import train_steer
 
-    cfg = TrainConfig(model=train_model(args.model, args.preset), rank=args.rank, domain_rank=args.domain_rank,
+    cfg = TrainConfig(model=train_model(args.model, args.preset), rank=args.rank,
+                      domain_rank=args.domain_rank,
                       epsilon=args.epsilon, init_std=args.init_std, lr=args.lr,
                       steps=args.steps, batch_size=args.batch_size, max_length=args.max_length,
                       regularization=args.regularization, seed=args.seed,

@@ -85,7 +85,8 @@ def preset_data_config(name: str, data_dir: str | None = None, **overrides) -> D
     if not os.path.exists(train):
         raise DataError(f"preset {name!r}: {train!r} not found in the data folder {data_dir!r} "
                         f"(expected {p.train})")
-    cfg = DataConfig(labelled=[train], dev_labelled=[os.path.join(data_dir, p.dev)] if p.dev else [],
+    cfg = DataConfig(labelled=[train],
+                     dev_labelled=[os.path.join(data_dir, p.dev)] if p.dev else [],
                      format=p.format, header=p.header, text_field=p.text_field,
                      label_field=p.label_field, positive_labels=list(p.positive_labels),
                      negative_labels=list(p.negative_labels),

@@ -86,7 +86,8 @@ class TokenizeReport:
 
 
 def tokenize(tokenizer, texts: Sequence[str], max_length: int, window: int | None,
-             where: Sequence[str] | None = None) -> tuple[list[list[int]], list[int], TokenizeReport]:
+             where: Sequence[str] | None = None
+             ) -> tuple[list[list[int]], list[int], TokenizeReport]:
     """Token ids per text (truncated to ``max_length``), the indices kept, and a report."""
     if window is not None and max_length > window:
         raise ValueError(f"--max-length {max_length} exceeds the model's context window of "

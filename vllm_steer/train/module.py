@@ -283,7 +283,8 @@ class LMSteer(nn.Module):
                 m = self.steer_logits_matrix(hd)  # [R, V], graph to P2/Q2
                 m_hd = m.detach()
                 b_mat = torch.cat([w, m_hd.T], 1)  # [V, d + R]
-                dm = torch.zeros(m.shape, dtype=torch.float32, device=m.device) if backward else None
+                dm = (torch.zeros(m.shape, dtype=torch.float32, device=m.device) if backward
+                      else None)
             elif hd == torch.float32:
                 b_mat = w
             else:

@@ -41,7 +41,8 @@ def test_a_steering_server_gets_the_steers_and_presets_routes_once(loader):
     assert _names(plugins.load_endpoint_plugins(("generate",))) == [
         "vllm_steer_lens", "vllm_steer_steers", "vllm_steer_presets"]
     assert calls == [("generate",)]  # vLLM's own loader ran, with the tasks
-    wrap_method(plugins, "load_endpoint_plugins", endpoints.load_endpoint_plugins)  # installing twice wraps once
+    # installing twice wraps once
+    wrap_method(plugins, "load_endpoint_plugins", endpoints.load_endpoint_plugins)
     assert len(plugins.load_endpoint_plugins()) == 3
 
 

@@ -395,8 +395,8 @@ def test_request_windows_reach_the_slot(tmp_path):
 def test_cuda_steps_do_not_sync(tmp_path, backend, source, dtype):
     """Steered decode steps on the GPU, in fp32 and bf16 (mixed steered/unsteered rows, a
     steering change and a move midway, flush included) raise on any device-to-host sync;
-    results match the reference. The first step warms up (kernel compilation, allocator); every step after it
-    is checked."""
+    results match the reference. The first step warms up (kernel compilation, allocator); every
+    step after it is checked."""
     steers = {}
     for name, seed in (("a", 1), ("b", 2), ("c", 3)):
         steers[name] = str(tmp_path / f"{name}.safetensors")

@@ -266,7 +266,8 @@ def test_a_finished_requests_stale_slot_costs_no_steer_work(processor, vllm_conf
     wrap_method(Runner, "sample", v2.sample)
     h = torch.randn(2, 64)
     out = Runner().sample(h, batch, None)
-    assert rt.planner.stats.calls == calls + 1 and torch.equal(out[0], h[0]) and not torch.equal(out[1], h[1])
+    assert (rt.planner.stats.calls == calls + 1 and torch.equal(out[0], h[0])
+            and not torch.equal(out[1], h[1]))
 
 def test_a_step_sampled_without_the_head_is_refused_not_served_unsteered(processor, vllm_config):
     """A sampling path that computes logits straight from the LM-head weight (a greedy fast

@@ -202,7 +202,8 @@ class SteerRegistry:
 
     # ---- admission -------------------------------------------------------------------------
     def bind(self, names: Iterable[str]) -> dict[str, list[int]]:
-        """``{name: [slot, generation]}`` of the loaded steers ``names`` (KeyError if one is not)."""
+        """``{name: [slot, generation]}`` of the loaded steers ``names`` (KeyError if one is
+        not)."""
         out = {}
         now = time.time()
         for n in names:

@@ -40,10 +40,11 @@ def _runtime_presets_on() -> bool:
 
 async def check_model(orig, self, request, *a, **kw):
     """``BaseServing._check_model`` (every OpenAI route's model check): with
-    ``--enable-steer-updates`` or ``--steer-presets-file``, a ``model`` that is not the served model, a ``--steer-preset``
-    preset or a LoRA adapter may be a preset added, replaced or deleted at run time (through
-    any API server, or the presets file): read the engine core's table first (one utility call), and pin the mix read for
-    this request's ``to_sampling_params``."""
+    ``--enable-steer-updates`` or ``--steer-presets-file``, a ``model`` that is not the served
+    model, a ``--steer-preset`` preset or a LoRA adapter may be a preset added, replaced or
+    deleted at run time (through any API server, or the presets file): read the engine core's
+    table first (one utility call), and pin the mix read for this request's
+    ``to_sampling_params``."""
     with guard.frontend("BaseServing._check_model", getattr(request, "request_id", None)):
         name = getattr(request, "model", None)
         if isinstance(name, str) and name and _runtime_presets_on():

@@ -81,8 +81,8 @@ def check_speculative_config(vllm_config) -> None:
                + " or ".join(f'{{"method": "{m}"}}' for m in SUPPORTED_SPEC_METHODS)
                + ", or without the --steer options")
         raise ValueError(f"vllm-steer: speculative decoding method {method!r} is not supported "
-                         f"with steers (supported: {', '.join(SUPPORTED_SPEC_METHODS)}); its drafter "
-                         "rows are not mapped to their requests (untested); " + fix)
+                         f"with steers (supported: {', '.join(SUPPORTED_SPEC_METHODS)}); its "
+                         "drafter rows are not mapped to their requests (untested); " + fix)
 
 
 def check_runtime_steers_fit_parallelism(cfg: SteerServerConfig, vllm_config) -> None:
