@@ -147,6 +147,33 @@ def test_a_run_time_load_over_the_reservation_is_http_400(tmp_path, rank, domain
     assert "larger --max-steer-rank" in out["error"]
 
 
+def test_without_max_steer_rank_the_bank_reserves_64_and_refuses_more(tmp_path):
+    """No ``--max-steer-rank``: the bank reserves rank 64 per steer (or the largest
+    ``--steer`` file's, if larger); a run-time load of rank 65 is refused with a 400, one of
+    rank 64 fits the reservation (no device memory outside it)."""
+    from vllm_steer.config import DEFAULT_RESERVED_RANK
+    from vllm_steer.integrations.engine import management
+    from vllm_steer.integrations.engine.registry import SteerRegistry
+    from vllm_steer.integrations.engine.state import EngineSteerState
+
+    assert DEFAULT_RESERVED_RANK == 64
+    cfg = SteerServerConfig(steers={}, max_steers=2, enable_updates=True)
+    core = engine_core(
+        steer_state=EngineSteerState(cfg, SteerRegistry(cfg.capacity), HIDDEN),
+        vllm_config=SimpleNamespace(model_config=SimpleNamespace(model="m")),
+        model_executor=SimpleNamespace(collective_rpc=lambda fn, args=(): [True]),
+        scheduler=SimpleNamespace(requests={}))
+    out = management.load_steer_file(core, "big", _steer(tmp_path, "big", 65, 7), "api")
+    assert out["ok"] is False and out["status"] == 400, out
+    assert "rank 65, over --max-steer-rank=64" in out["error"]
+    ok = management.load_steer_file(core, "fits", _steer(tmp_path, "fits", 64, 8), "api")
+    assert ok["ok"] is True, ok
+    rt = SteerRuntime(SteerServerConfig(steers={"a": _steer(tmp_path, "a", 4, 1)},
+                                        backend="torch", max_steers=2))
+    rt.bank_state.load(HIDDEN, torch.device("cpu"), torch.float32)
+    assert rt.bank_state.bank.reserved_rank == 64
+
+
 def test_a_reservation_the_device_cannot_hold_is_refused_at_start_up(tmp_path, monkeypatch):
     from vllm_steer import bank
 

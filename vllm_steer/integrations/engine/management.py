@@ -195,10 +195,10 @@ def load_steer_file(core, name: str, path: str, source: str,
         limit = st.reserved_rank
         for what, p in (("rank", steer.p1), ("domain rank", steer.domain_p1)):
             if p is not None and p.shape[1] > limit:
-                reasons.append(f"steer {name!r} has {what} {p.shape[1]}, over the rank "
-                               f"{limit} per steer the steer bank reserved at start-up "
-                               "(--max-steer-rank; default: the largest --steer file's rank, "
-                               "at least 64); restart the server with a larger "
+                reasons.append(f"steer {name!r} has {what} {p.shape[1]}, over "
+                               f"--max-steer-rank={limit} (the rank per steer the steer bank "
+                               "reserved at start-up; default: the largest --steer file's "
+                               "rank, at least 64); restart the server with a larger "
                                "--max-steer-rank or load a steer of a lower rank")
         if reasons:
             raise SteerFileError(path, reasons)
