@@ -9,9 +9,9 @@ one of them steered, the rows of the previous step reused). The runner's ``sampl
 counts the head call the hook checks for, so what is timed is the hook.
 
 ``--parts`` adds hooks that stop after each piece of the steady path, written as the plugin
-wrote them before it read its binding and ``input_batch`` inline (``V2RunnerBinding.of()``, ``Arg.get``) and
-keyed a steady step by the bytes of the batch's slots, and as it reads them now (the request
-ids), so that each piece's cost shows as a difference within this run.
+wrote them before it read its binding and ``input_batch`` inline (``V2RunnerBinding.of()``,
+``Arg.get``) and keyed a steady step by the bytes of the batch's slots, and as it reads them
+now (the request ids), so that each piece's cost shows as a difference within this run.
 
     python benchmarks/bench_v2_sample.py                 # cold: plugin against pass-through
     python benchmarks/bench_v2_sample.py --evict-mib 0   # warm

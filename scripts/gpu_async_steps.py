@@ -70,7 +70,8 @@ def _coef_row(rt, rng) -> np.ndarray:
         return row
     for j in rng.choice(len(rt.bank_state.names), size=rng.integers(1, 3), replace=False):
         eps = rt.bank_state.bank.steers[j].metadata.epsilon
-        row[j], row[rt.bank_state.capacity + j] = steer_coefficients(float(rng.uniform(-8, 8)), eps, None)
+        row[j], row[rt.bank_state.capacity + j] = steer_coefficients(float(rng.uniform(-8, 8)),
+                                                                     eps, None)
     return row
 
 
@@ -291,8 +292,8 @@ def run_drafter(device="cuda", dtype=torch.bfloat16, steps: int = 16, batch: int
         for slot in live[: batch // 3]:
             row = _coef_row(rt, rng)
             if loaded and rng.random() < 0.5:
-                row[3], row[rt.bank_state.capacity + 3] = steer_coefficients(float(rng.uniform(-8, 8)),
-                                                                  1e-3, None)
+                row[3], row[rt.bank_state.capacity + 3] = steer_coefficients(
+                    float(rng.uniform(-8, 8)), 1e-3, None)
             slot_rows[slot] = row
             rt.set_slot(int(slot), row)
         rt.slots.flush()

@@ -487,7 +487,8 @@ def check_head(dev, shapes=HEAD_SHAPES, rows_list=(1, 64), dtype=torch.bfloat16,
         for slot in range(max(rows_list)):
             rt.set_slot(slot, row)
         rt.slots.flush()
-        captures = rt.bank_state.bank.graphs.captures if rt.bank_state.bank.graphs is not None else 0
+        captures = (rt.bank_state.bank.graphs.captures if rt.bank_state.bank.graphs is not None
+                    else 0)
         for rows in rows_list:
             idx = np.arange(rows, dtype=np.int32)
             src = MappedRows(torch.arange(rows, dtype=torch.int32, device=dev), idx, None,
@@ -525,7 +526,8 @@ def check_head(dev, shapes=HEAD_SHAPES, rows_list=(1, 64), dtype=torch.bfloat16,
                 means = {k: v / steps * 1e6 for k, v in seconds.items()}
                 means["the rest"] = float(np.mean(per)) - sum(means.values())
                 split = ", ".join(f"{k} {v:.1f}" for k, v in means.items())
-            replayed = rt.bank_state.bank.graphs is not None and rt.bank_state.bank.graphs.replays > 0
+            replayed = (rt.bank_state.bank.graphs is not None
+                        and rt.bank_state.bank.graphs.replays > 0)
             how = ("replayed from a stand-in graph on the CPU: not a GPU's figures" if dry else
                    "replayed from CUDA graphs" if replayed else "launched eagerly")
             say(f"head {label} {str(dtype)[6:]} rows {rows}: host {warm:.1f} us per steered step "

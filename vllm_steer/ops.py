@@ -76,12 +76,12 @@ def _load_kernels() -> None:
 #: (cuBLAS beats the fused kernel on big GEMMs); rank 64, Triton 34.5 us vs torch 155 us. H200,
 #: one steer of rank 1024 or full, d 2048 and 4096: Triton at 0.81-1.31x the speed of the
 #: per-steer loop (the same cuBLAS GEMMs plus a per-call fp32 up-cast), slower in 16 of 24
-#: shapes; at d 576 it is 1.04-1.32x faster (both launch-bound). Rows are not a key: with them the winner moved in no
-#: consistent direction (H200, d 4096 full rank: Triton ahead at 16 and 512 rows, behind at 1,
-#: 64 and 256). Planned per-call times on an H200 (scripts/gpu_window.py, bf16): rank 1024 at
-#: d 2048 (64 rows) Triton 83.8 us vs torch 119 us, at d 8192 (256 rows) 191 vs 224 us; full
-#: rank at d 4096 (256 rows, 8 steers) 898 vs 554 us, at d 8192 (64 rows) 560 vs 416 us: the
-#: fused kernel wins up to rank 1024, cuBLAS from full rank; 2048 is the boundary in between.
+#: shapes; at d 576 it is 1.04-1.32x faster (both launch-bound). Rows are not a key: with them the
+#: winner moved in no consistent direction (H200, d 4096 full rank: Triton ahead at 16 and 512 rows,
+#: behind at 1, 64 and 256). Planned per-call times on an H200 (scripts/gpu_window.py, bf16): rank
+#: 1024 at d 2048 (64 rows) Triton 83.8 us vs torch 119 us, at d 8192 (256 rows) 191 vs 224 us; full
+#: rank at d 4096 (256 rows, 8 steers) 898 vs 554 us, at d 8192 (64 rows) 560 vs 416 us: the fused
+#: kernel wins up to rank 1024, cuBLAS from full rank; 2048 is the boundary in between.
 AUTO_CUDA: tuple[tuple[int, int, str], ...] = (
     (2048, 2048, "torch"),
 )

@@ -337,19 +337,23 @@ def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_in
     config = {"vllm_steer": {"steers": paths, "max_steers": 3, "max_steer_rank": 8}}
     rt = get_runtime(config)
     rt.bank_state.load(32, DEVICE, torch.float32)
-    assert (rt.bank_state.bank.graphs is None) == (DEVICE.type != "cuda")  # CPU: the eager op, as before
+    # CPU: the eager op, as before
+    assert (rt.bank_state.bank.graphs is None) == (DEVICE.type != "cuda")
     rt = SteerRuntime(rt.config)  # another worker's, with the stand-in graph backend
     rt.bank_state.graph_backend = StandIn()
     rt.ensure_slots(8, DEVICE)
     rt.bank_state.load(32, DEVICE, torch.float32)
     rt.model_loaded()
-    assert rt.bank_state.bank.graphs.buckets == [1, 2, 4, 8]  # captured once the model is loaded, up to 8 rows
+    # captured once the model is loaded, up to 8 rows
+    assert rt.bank_state.bank.graphs.buckets == [1, 2, 4, 8]
     copy = rt.bank_state.bank.fixed_p1
-    assert rt.enable_fixed_drafter() == 0.0 and rt.bank_state.bank.fixed_p1 is copy  # a drafter shares it
+    # a drafter shares it
+    assert rt.enable_fixed_drafter() == 0.0 and rt.bank_state.bank.fixed_p1 is copy
     assert any("the drafter's steers, inside CUDA graphs, use a fixed-layout copy of the bank: "
                "0.0 MiB (rank 8 per steer); the LM head's copy, no more memory" in line
                for line in log_lines), log_lines
-    eps = {n: rt.bank_state.bank.steers[j].metadata.epsilon for j, n in enumerate(rt.bank_state.names)}
+    eps = {n: rt.bank_state.bank.steers[j].metadata.epsilon
+           for j, n in enumerate(rt.bank_state.names)}
     rows = {0: {0: 5 * eps["a"]}, 2: {1: -4 * eps["b"]}}
     for slot, cols in rows.items():
         row = np.zeros(rt.slots.num_columns, np.float32)
@@ -369,12 +373,13 @@ def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_in
         coefs[0, 1] = -4 * eps["b"]
         coefs[1, 1] = 3 * eps["b"] if step >= 2 else 0.0
         coefs[3, 0] = 5 * eps["a"]
-        ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
-                              coefs)
+        ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(),
+                              rt.bank_state.bank.rank_offsets, coefs)
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
         assert torch.equal(out[2].cpu(), h[2].cpu())  # an unsteered slot, bit for bit
     # no step captured: the 4-row bucket's graph, captured at load, replayed 4 times
-    assert rt.bank_state.bank.graphs.captures == 4 and rt.bank_state.bank.graphs.replays == 4 and rt.planner.stats.calls == 4
+    assert (rt.bank_state.bank.graphs.captures == 4 and rt.bank_state.bank.graphs.replays == 4
+            and rt.planner.stats.calls == 4)
 
 
 def _one_steer_runtime(tmp_path, slots: int, seed: int, load_first: bool = True,
@@ -394,12 +399,14 @@ def _one_steer_runtime(tmp_path, slots: int, seed: int, load_first: bool = True,
     if load_first:
         rt.bank_state.load(32, DEVICE, torch.float32)  # the head, built with the model
         rt.model_loaded()  # vLLM's loader done
-        assert rt.bank_state.bank.graphs.captures == 0  # max_num_seqs not known yet: nothing captured
+        # max_num_seqs not known yet: nothing captured
+        assert rt.bank_state.bank.graphs.captures == 0
         rt.ensure_slots(slots, DEVICE, max_rows)
     else:
         rt.ensure_slots(slots, DEVICE, max_rows)  # no bank yet: nothing to capture
         rt.bank_state.load(32, DEVICE, torch.float32)
-        assert rt.bank_state.bank.graphs.captures == 0  # the weights are not loaded yet: nothing captured
+        # the weights are not loaded yet: nothing captured
+        assert rt.bank_state.bank.graphs.captures == 0
         rt.model_loaded()
     return rt
 
@@ -416,7 +423,8 @@ def test_the_heads_graphs_are_captured_at_start_up_and_no_step_captures(tmp_path
     from vllm_steer.integrations.worker.rows import SlotRows
 
     rt = _one_steer_runtime(tmp_path, slots=8, seed=1, load_first=load_first)
-    assert rt.bank_state.bank.graphs.buckets == [1, 2, 4, 8] and rt.bank_state.bank.graphs.captures == 4
+    assert (rt.bank_state.bank.graphs.buckets == [1, 2, 4, 8]
+            and rt.bank_state.bank.graphs.captures == 4)
     row = np.zeros(rt.slots.num_columns, np.float32)
     row[0] = 4 * rt.bank_state.bank.steers[0].metadata.epsilon
     for slot in range(8):
@@ -428,8 +436,8 @@ def test_the_heads_graphs_are_captured_at_start_up_and_no_step_captures(tmp_path
         with rt.planner.rows(SlotRows(slots=np.arange(n))):
             out = rt.planner.steer_rows(h)
         coefs = torch.tensor(np.stack([row if i % 2 == 0 else 0 * row for i in range(n)]))
-        ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
-                              coefs)
+        ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(),
+                              rt.bank_state.bank.rank_offsets, coefs)
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
     assert rt.bank_state.bank.graphs.buckets == [1, 2, 4, 8]
     assert rt.bank_state.bank.graphs.captures == 4 and rt.bank_state.bank.graphs.replays == 15
@@ -455,7 +463,8 @@ def test_enforce_eager_keeps_the_head_on_the_eager_op(tmp_path, log_lines):
     rt.ensure_slots(4, DEVICE)
     rt.bank_state.load(32, DEVICE, torch.float32, cuda_graphs=False)
     rt.model_loaded(torch.float32)
-    assert rt.bank_state.bank.graphs is None and back.captured == [] and rt.bank_state.bank.fixed_p1 is None
+    assert (rt.bank_state.bank.graphs is None and back.captured == []
+            and rt.bank_state.bank.fixed_p1 is None)
     assert any("launched eagerly: vLLM runs with --enforce-eager" in line
                for line in log_lines), log_lines
     row = np.zeros(rt.slots.num_columns, np.float32)
@@ -467,8 +476,8 @@ def test_enforce_eager_keeps_the_head_on_the_eager_op(tmp_path, log_lines):
         out = rt.planner.steer_rows(h)
     coefs = torch.zeros(3, rt.slots.num_columns)
     coefs[1] = torch.from_numpy(row)
-    ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
-                          coefs)
+    ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(),
+                          rt.bank_state.bank.rank_offsets, coefs)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
     assert back.captured == [] and back.replayed == 0
 
@@ -502,8 +511,8 @@ def test_with_speculative_decoding_the_buckets_cover_every_verification_row(tmp_
     with rt.planner.rows(SlotRows(slots=slots)):
         out = rt.planner.steer_rows(h)
     coefs = torch.from_numpy(np.stack([0 * row if s == 2 else row for s in slots]))
-    ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
-                          coefs)
+    ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(),
+                          rt.bank_state.bank.rank_offsets, coefs)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
     assert rt.bank_state.bank.graphs.captures == 5 and rt.bank_state.bank.graphs.replays == 1
 
@@ -534,11 +543,12 @@ def test_an_fp32_head_captures_its_graphs_for_the_models_hidden_states(tmp_path)
     h = torch.randn(2, 32, generator=torch.Generator().manual_seed(0)).to(DEVICE, torch.bfloat16)
     with rt.planner.rows(SlotRows(slots=np.arange(2))):
         out = rt.planner.steer_rows(h)
-    assert rt.bank_state.bank.graphs.captures == 3 and rt.bank_state.bank.graphs.replays == 1 and out.dtype == torch.bfloat16
+    assert (rt.bank_state.bank.graphs.captures == 3 and rt.bank_state.bank.graphs.replays == 1
+            and out.dtype == torch.bfloat16)
     coefs = torch.zeros(2, rt.slots.num_columns)
     coefs[0] = torch.from_numpy(row)
-    ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
-                          coefs)
+    ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(),
+                          rt.bank_state.bank.rank_offsets, coefs)
     torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=2 ** -7, atol=2 ** -7)
 
 
@@ -594,13 +604,14 @@ def test_a_capture_that_fails_leaves_the_head_on_the_eager_op_and_serving(tmp_pa
         coefs = torch.zeros(n, rt.slots.num_columns)
         coefs[:, 0] = 4 * eps
         coefs[1] = 0
-        ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
-                              coefs)
+        ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(),
+                              rt.bank_state.bank.rank_offsets, coefs)
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
     rt.put_steer(1, 5, "b", random_steer(32, 8, "b", seed=3))  # a new layout: no new try
     tries = back.tries
     assert tries == (3 if when == "start-up" else 1) and rt.bank_state.bank.graphs.buckets == []
-    assert rt.bank_state.bank.graphs.replays == 0 and "operation not permitted" in rt.bank_state.bank.graphs.failed
+    assert (rt.bank_state.bank.graphs.replays == 0
+            and "operation not permitted" in rt.bank_state.bank.graphs.failed)
     warned = [line for line in log_lines if "launched eagerly from now on" in line]
     assert len(warned) == 1 and "RuntimeError: CUDA error: operation not permitted when " \
         "stream is capturing" in warned[0] and "asynchronously" not in warned[0], warned
@@ -634,13 +645,14 @@ def test_a_load_that_changes_the_banks_layout_captures_the_graphs_again_before_t
         for i, (col, s) in enumerate(strengths):
             if s:
                 coefs[i, col] = s * rt.bank_state.bank.steers[col].metadata.epsilon
-        ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
-                              coefs)
+        ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(),
+                              rt.bank_state.bank.rank_offsets, coefs)
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
 
     step([(0, 4), (0, 0), (0, -2)])
     rt.put_steer(1, 7, "b", random_steer(32, 8, "b", seed=6))  # a new steer: a new layout
-    assert rt.bank_state.bank.graphs.buckets == [1, 2, 4] and rt.bank_state.bank.graphs.captures == 6  # captured in the load
+    assert (rt.bank_state.bank.graphs.buckets == [1, 2, 4]
+            and rt.bank_state.bank.graphs.captures == 6)  # captured in the load
     step([(0, 4), (1, 3), (1, -2), (0, 0)])
     step([(1, 5)])
     rt.drop_slots([1])
@@ -685,8 +697,8 @@ def test_steps_replayed_from_graphs_plan_nothing_and_an_eager_step_plans_its_own
             out = rt.planner.steer_rows(h)
         coefs = torch.zeros(4, rt.slots.num_columns)
         coefs[:, 0] = torch.tensor(strengths, dtype=torch.float32) * eps
-        ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
-                              coefs)
+        ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(),
+                              rt.bank_state.bank.rank_offsets, coefs)
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
 
     for strengths in ([4, 0, 2, 0], [4, 1, 2, 0], [4, 1, 2, 0]):  # replayed
@@ -764,7 +776,8 @@ def test_real_cuda_graphs_captured_at_start_up_replay_and_are_captured_again_in_
     rt.bank_state.load(32, DEVICE, torch.float32)
     rt.model_loaded(torch.float32)
     assert isinstance(rt.bank_state.bank.graphs.backend, G.CudaGraphBackend)
-    assert rt.bank_state.bank.graphs.buckets == [1, 2, 4, 8] and rt.bank_state.bank.graphs.captures == 4
+    assert (rt.bank_state.bank.graphs.buckets == [1, 2, 4, 8]
+            and rt.bank_state.bank.graphs.captures == 4)
     gen = torch.Generator().manual_seed(0)
 
     def step(n, col):
@@ -777,8 +790,8 @@ def test_real_cuda_graphs_captured_at_start_up_replay_and_are_captured_again_in_
         with rt.planner.rows(SlotRows(slots=np.arange(n))):
             out = rt.planner.steer_rows(h).clone()
         coefs = torch.from_numpy(np.stack([row if i % 2 == 0 else 0 * row for i in range(n)]))
-        ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
-                              coefs)
+        ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(),
+                              rt.bank_state.bank.rank_offsets, coefs)
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
 
     for n in (1, 3, 8, 5):

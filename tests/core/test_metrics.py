@@ -383,7 +383,8 @@ def test_a_worker_reports_its_timed_steer_calls(tmp_path):
     rt.bank_state.load(32, torch.device("cpu"), torch.float32)
     rt.ensure_slots(2, torch.device("cpu"))
     row = np.zeros(rt.slots.num_columns, dtype=np.float32)
-    row[0], row[rt.bank_state.capacity] = steer_coefficients(4, rt.bank_state.bank.steers[0].metadata.epsilon, None)
+    row[0], row[rt.bank_state.capacity] = steer_coefficients(
+        4, rt.bank_state.bank.steers[0].metadata.epsilon, None)
     rt.set_slot(0, row)
     rt.slots.flush()
     rt.planner.batch_size = 1  # the runner's step: one request, in slot 0
@@ -391,7 +392,8 @@ def test_a_worker_reports_its_timed_steer_calls(tmp_path):
     worker = VllmObject(vllm_config=SimpleNamespace(additional_config=extra))
     for _ in range(3):
         out = rt.planner.steer_rows(h)
-    torch.testing.assert_close(out, steer_reference(h, *rt.bank_state.bank.factors, torch.tensor(row)[None]))
+    torch.testing.assert_close(out, steer_reference(h, *rt.bank_state.bank.factors,
+                                                    torch.tensor(row)[None]))
     rep = worker_op(worker, "stats")  # the first call timed; the next two wait for theirs
     assert rep["op_calls"] == 3 and rep["op_timed_calls"] == 1
     assert rep["op_seconds"] == rep["op_host_seconds"] > 0

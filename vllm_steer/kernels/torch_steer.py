@@ -184,7 +184,8 @@ def prepare_torch(
     Every decision (active rows, steers, counts, strategy, gathered pairs) is made on the host
     from ``host`` (a numpy copy of ``coefs``; without it ``coefs`` is read once, which on CUDA
     is a sync); index tensors are built on the host and copied to the device from pinned
-    memory (:func:`vllm_steer.kernels.staging.to_device`). The device ops of a plan only gather and scale.
+    memory (:func:`vllm_steer.kernels.staging.to_device`). The device ops of a plan only
+    gather and scale.
     """
     staging.check_not_capturing(coefs.device)
     f32 = _f32 if reuse else (lambda t: t)

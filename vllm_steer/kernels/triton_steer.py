@@ -548,10 +548,12 @@ def _check_factors(d: int, p1: torch.Tensor, p2: torch.Tensor, offs: list[int],
     assert p1.dtype == p2.dtype and p1.dtype in floats, \
         f"p1 and p2 need one dtype of {floats}, got {p1.dtype} and {p2.dtype}"
     assert p1.shape == p2.shape == (d, total_rank), \
-        f"p1 {tuple(p1.shape)} and p2 {tuple(p2.shape)} must be [hidden={d}, total_rank={total_rank}]"
+        (f"p1 {tuple(p1.shape)} and p2 {tuple(p2.shape)} must be "
+         f"[hidden={d}, total_rank={total_rank}]")
     assert p1.is_contiguous() and p2.is_contiguous(), "p1 and p2 must be contiguous"
     assert coefs.dtype == torch.float32 and coefs.shape == (num_rows, K), \
-        f"coefs must be float32 [num_rows={num_rows}, K={K}], got {coefs.dtype} {tuple(coefs.shape)}"
+        (f"coefs must be float32 [num_rows={num_rows}, K={K}], "
+         f"got {coefs.dtype} {tuple(coefs.shape)}")
     assert coefs.is_contiguous(), "coefs must be contiguous"
     assert offs[0] == 0 and all(b >= a for a, b in zip(offs, offs[1:])), \
         f"rank_offsets must start at 0 and not decrease, got {offs}"

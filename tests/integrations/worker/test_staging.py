@@ -110,7 +110,8 @@ def _runtime(tmp_path):
 def _row(rt, name, s):
     row = np.zeros(rt.slots.num_columns, dtype=np.float32)
     j = rt.bank_state.names.index(name)
-    row[j], row[rt.bank_state.capacity + j] = steer_coefficients(s, rt.bank_state.bank.steers[j].metadata.epsilon, None)
+    row[j], row[rt.bank_state.capacity + j] = steer_coefficients(
+        s, rt.bank_state.bank.steers[j].metadata.epsilon, None)
     return row
 
 

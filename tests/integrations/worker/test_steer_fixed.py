@@ -94,18 +94,20 @@ def test_buffers_keep_their_storage_while_steers_and_requests_change(tmp_path):
     slot table and the fixed-layout copy keep their storage and shape, and the op's result
     follows the new steer (here: a steer put into the free third slot, then the first dropped)."""
     rt = _runtime(tmp_path)
-    ptrs = [t.data_ptr() for t in (rt.slots.table, rt.bank_state.bank.fixed_p1, rt.bank_state.bank.fixed_p2)]
+    ptrs = [t.data_ptr() for t in (rt.slots.table, rt.bank_state.bank.fixed_p1,
+                                   rt.bank_state.bank.fixed_p2)]
     shapes = [t.shape for t in (rt.bank_state.bank.fixed_p1, rt.bank_state.bank.fixed_p2)]
     rt.put_steer(2, 7, "c", random_steer(HIDDEN, 6, "c", seed=3, scale=2.0))
     rt.drop_slots([0])
     rows = {1: _row(rt, c=4), 4: _row(rt, b=-5, c=2)}
     _set(rt, rows)
-    assert [t.data_ptr() for t in (rt.slots.table, rt.bank_state.bank.fixed_p1, rt.bank_state.bank.fixed_p2)] == ptrs
+    assert [t.data_ptr() for t in (rt.slots.table, rt.bank_state.bank.fixed_p1,
+                                   rt.bank_state.bank.fixed_p2)] == ptrs
     assert [t.shape for t in (rt.bank_state.bank.fixed_p1, rt.bank_state.bank.fixed_p2)] == shapes
     mapping = torch.tensor([4, 1, 0], dtype=torch.int32)
     h = torch.randn(3, HIDDEN)
-    torch.testing.assert_close(rt.planner.steer_fixed(h, mapping), _want(rt, h, mapping.numpy(), rows),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rt.planner.steer_fixed(h, mapping),
+                               _want(rt, h, mapping.numpy(), rows), atol=1e-5, rtol=1e-5)
 
 
 def test_a_steer_wider_than_the_reserved_rank_is_left_out_of_the_drafter_only(tmp_path):
@@ -114,7 +116,8 @@ def test_a_steer_wider_than_the_reserved_rank_is_left_out_of_the_drafter_only(tm
     from vllm_steer.logs import get_logger
 
     rt = _runtime(tmp_path)
-    rt.bank_state.bank.max_rank = None  # a run-time load above the reservation (no --max-steer-rank)
+    # a run-time load above the reservation (no --max-steer-rank)
+    rt.bank_state.bank.max_rank = None
     lines = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: lines.append(record.getMessage())

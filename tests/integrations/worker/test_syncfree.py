@@ -361,7 +361,8 @@ def test_windows_cost_nothing_without_them_and_replan_only_on_change(tmp_path, m
     rt.slots.flush()
     plans = []
     prepare = rt.bank_state.prepare
-    monkeypatch.setattr(rt.bank_state, "prepare", lambda *a, **k: plans.append(1) or prepare(*a, **k))
+    monkeypatch.setattr(rt.bank_state, "prepare",
+                        lambda *a, **k: plans.append(1) or prepare(*a, **k))
     h = torch.randn(2, HIDDEN)
     rt.planner.batch_size = 2
     for t in range(6):
@@ -377,8 +378,8 @@ def test_request_windows_reach_the_slot(tmp_path):
 
     rt = _runtime(tmp_path)
     params = _Params(None)
-    params.extra_args = bound_extra(rt.bank_state.names, {"a": {"strength": 4, "start": 1, "end": 3},
-                                               "b": 2})
+    params.extra_args = bound_extra(rt.bank_state.names,
+                                    {"a": {"strength": 4, "start": 1, "end": 3}, "b": 2})
     wins = rt.decode(params).windows
     ja, jb = rt.bank_state.names.index("a"), rt.bank_state.names.index("b")
     assert wins[ja].start == 1 and wins[ja].end == 3 and wins[ja].strength == 4
@@ -433,7 +434,8 @@ def test_cuda_steps_do_not_sync(tmp_path, backend, source, dtype):
         results.append((out, h, rows))
     assert len(results) == 6
     for out, h, rows in results:
-        want = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(), rt.bank_state.bank.rank_offsets,
+        want = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(),
+                               rt.bank_state.bank.rank_offsets,
                                torch.tensor(np.stack(rows), dtype=torch.float32))
         tol = 2e-3 if dtype == torch.float32 else 3e-2  # bf16: an ulp at the rows' magnitude
         torch.testing.assert_close(out.cpu(), want, atol=tol, rtol=tol)

@@ -93,7 +93,8 @@ def test_wrapped_sample_maps_rows_to_slots_through_expanded_idx_mapping(processo
     from vllm_steer.integrations.worker import v2
 
     rt = processor.runtime
-    assert rt.bank_state.backend == "torch"  # resolved (kernels imported) at load, not in a request's step
+    # resolved (kernels imported) at load, not in a request's step
+    assert rt.bank_state.backend == "torch"
     processor.add_request(0, _params({"a": 4}))
     processor.add_request(5, _params({"b": -3}))
     processor.add_request(2, _params())

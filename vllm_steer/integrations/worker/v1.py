@@ -23,8 +23,9 @@ _HIDDEN_STATES = Arg("hidden_states")
 
 
 def prepare_inputs(orig, self, *args, **kwargs):
-    """``GPUModelRunner._prepare_inputs``: give the runtime the index of the generated token each batch row samples, while some
-    slot has a generation window (host arrays only, one vectorised expression per step).
+    """``GPUModelRunner._prepare_inputs``: give the runtime the index of the generated token
+    each batch row samples, while some slot has a generation window (host arrays only, one
+    vectorised expression per step).
 
     Row i (request i of the persistent batch) samples the token after its scheduled ones:
     generated index ``num_computed_tokens + num_scheduled_tokens - num_prompt_tokens`` (0: the
@@ -66,7 +67,8 @@ def input_batch_init(orig, self, *args, **kwargs):
 
 
 def get_prompt_logprobs_dict(orig, self, *args, **kwargs):
-    """``GPUModelRunner._get_prompt_logprobs_dict``: steer prompt logprobs of a steered request like its sampled tokens.
+    """``GPUModelRunner._get_prompt_logprobs_dict``: steer prompt logprobs of a steered request
+    like its sampled tokens.
 
     ``_get_prompt_logprobs_dict`` calls ``compute_logits`` once per request on a slice of the
     step's hidden states; the runtime maps that slice back to the request's batch slot.

@@ -8,7 +8,8 @@ Semantics: see :mod:`vllm_steer.reference`. Thin by design: V2 keeps request sta
 V2 never says that a request finished, so the head works only in steps whose batch
 (``idx_mapping``) holds a steered slot. Under batch-sharded sampling (TP > 1) rows come
 owner-sorted; they are mapped through the sharder's own sort. Tested live in
-tests/e2e/test_vllm_v2.py (through the test shim tests/v2shim) and piecewise in tests/integrations/worker/test_v2.py.
+tests/e2e/test_vllm_v2.py (through the test shim tests/v2shim) and piecewise in
+tests/integrations/worker/test_v2.py.
 Prompt logprobs are steered too: the prompt-logprob worker's ``compute_logits`` calls (chunks
 that may hold rows of several requests) get each row's request slot from host-side data
 (:func:`prompt_logprobs`).
@@ -41,7 +42,8 @@ _HIDDEN_STATES = Arg("hidden_states")
 
 
 def sample(orig, self, *args, **kwargs):
-    """``GPUModelRunner.sample`` (V2): scope the step's row -> slot mapping around V2's ``sample()`` (which calls the head).
+    """``GPUModelRunner.sample`` (V2): scope the step's row -> slot mapping around V2's
+    ``sample()`` (which calls the head).
 
     The head works only when a slot of this step's batch (``idx_mapping``) is steered: V2 has
     no removal callback, and a finished request's slot must cost nothing.
