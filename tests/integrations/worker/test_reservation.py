@@ -38,7 +38,8 @@ def _steer(tmp_path, name, rank, seed, domain_rank=None):
 
 
 def _storage(rt):
-    return (rt.bank_state.bank.p1.untyped_storage().data_ptr(), rt.bank_state.bank.p2.untyped_storage().data_ptr())
+    bank = rt.bank_state.bank
+    return (bank.p1.untyped_storage().data_ptr(), bank.p2.untyped_storage().data_ptr())
 
 
 class Lines(logging.Handler):
