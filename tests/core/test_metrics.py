@@ -29,7 +29,8 @@ from vllm_steer.integrations.engine.state import engine_state
 COUNTER_NAMES = ["vllm_steer:requests_steered_total", "vllm_steer:steer_loads_total",
                  "vllm_steer:steer_unloads_total", "vllm_steer:steer_evictions_total",
                  "vllm_steer:steer_load_failures_total", "vllm_steer:steer_op_seconds_total",
-                 "vllm_steer:steer_op_host_seconds_total", "vllm_steer:steer_op_calls_total"]
+                 "vllm_steer:steer_op_host_seconds_total", "vllm_steer:steer_op_calls_total",
+                 "vllm_steer:requests_refused_total"]
 GAUGE_NAMES = ["vllm_steer:loaded_steers", "vllm_steer:max_steers",
                "vllm_steer:steer_op_seconds_per_step"]
 
@@ -129,7 +130,8 @@ def test_take_new_hands_out_each_increment_once_and_never_a_decrease():
     tp = [_worker(0.5, 0.8, 10, 10), _worker(0.4, 0.9, 10, 10)]  # TP=2: the same 10 calls
     first = take_new(core, stats, tp)
     assert first["engine"] == "1"
-    assert first["counters"] == {"loads": 2, "unloads": 0, "evictions": 0, "failures": 1}
+    assert first["counters"] == {"loads": 2, "unloads": 0, "evictions": 0, "failures": 1,
+                                 "refused_400": 0, "refused_500": 0}
     assert first["served"] == {"detox": 3}
     assert first["op"] == {"op_seconds": 0.5, "op_host_seconds": 0.8, "op_calls": 10,
                            "op_timed_calls": 10}
@@ -395,3 +397,20 @@ def test_a_worker_reports_its_timed_steer_calls(tmp_path):
     rep = worker_op(worker, "stats")
     assert rep["op_calls"] == rep["op_timed_calls"] == 1 + 2 * EVERY
     assert rep["op_seconds"] == rep["op_host_seconds"] > 0
+
+
+def test_refusals_reach_prometheus_by_status():
+    """The engine core's refusals (400: the request's error; 500: a fault of the plugin)
+    become ``vllm_steer:requests_refused_total{engine, status}``, each increment once."""
+    core = engine_core(engine_index=0)
+    stats = {"counters": {"refused_400": 3, "refused_500": 1}, "served": {}}
+    reg = CollectorRegistry()
+    m = SteerMetrics(registry=reg)
+    m.update({"stats": stats, "metrics": take_new(core, stats, [])})
+    stats["counters"]["refused_400"] = 5
+    m.update({"stats": stats, "metrics": take_new(core, stats, [])})
+    samples = {tuple(sorted(s.labels.items())): s.value
+               for s in families(generate_latest(reg).decode())[
+                   "vllm_steer:requests_refused_total"].samples if s.name.endswith("_total")}
+    assert samples == {(("engine", "0"), ("status", "400")): 5.0,
+                       (("engine", "0"), ("status", "500")): 1.0}

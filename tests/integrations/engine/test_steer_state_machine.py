@@ -21,7 +21,7 @@ The invariants are what a user relies on:
 - no slot is reused while a request uses it; capacity is never exceeded;
 - counters and listings agree.
 
-``make test`` runs a bounded profile (``VLLM_STEER_STATE_EXAMPLES``, default 60 programs of
+``make test`` runs a bounded profile (``VLLM_STEER_STATE_EXAMPLES``, default 25 programs of
 up to 40 steps); a longer one: ``VLLM_STEER_STATE_EXAMPLES=2000 .venv/bin/python -m pytest
 tests/integrations/engine/test_steer_state_machine.py`` (docs/internals.md).
 """
@@ -57,7 +57,7 @@ HIDDEN = 16
 CAPACITY = 3
 DIR_NAMES = [f"d{i}" for i in range(6)]  # the steer dir: twice the bank
 PINNED = "pin"
-EXAMPLES = int(os.environ.get("VLLM_STEER_STATE_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("VLLM_STEER_STATE_EXAMPLES", "25"))
 
 
 def _digest(path: str) -> str:
@@ -130,9 +130,9 @@ class SteerStateMachine(RuleBasedStateMachine):
         real = fmt.load_steer
 
         def load(path, *a, **kw):
+            steer = real(path, *a, **kw)
             with open(path, "rb") as f:
                 blob = f.read()
-            steer = real(path, *a, **kw)
             steer.vllm_steer_digest = hashlib.sha256(blob).hexdigest()
             return steer
 
