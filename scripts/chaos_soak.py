@@ -524,6 +524,7 @@ class Operator(threading.Thread):
         super().__init__(daemon=True, name="operator")
         self.base, self.stats, self.rng, self.stop, self.work = base, stats, rng, stop, work
         self.s = requests.Session()
+        self.SWEEP = list(self.SWEEP)
 
     def call(self, kind, method, path, body=None):
         try:
@@ -540,9 +541,13 @@ class Operator(threading.Thread):
                 self.stats.op(f"script_error {e!r}"[:80], "script_error")
             self.stop.wait(self.rng.uniform(0.2, 1.5))
 
+    # the first operations: one of each kind (presets file and steer files first), so that a
+    # short soak on a slow machine has them all; then at random
+    SWEEP = [0.7, 0.8, 0.05, 0.5, 0.3, 0.18, 0.57, 0.62, 0.23, 0.7, 0.8, 0.95]
+
     def one(self):
         rng, steers = self.rng, self.work / "steers"
-        r = rng.random()
+        r = self.SWEEP.pop(0) if self.SWEEP else rng.random()
         if r < 0.15:
             self.call("load_dir", "POST", "/v1/steers", {"name": rng.choice(DIR_NAMES)})
         elif r < 0.22:

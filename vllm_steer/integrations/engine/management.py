@@ -205,6 +205,15 @@ def load_steer_file(core, name: str, path: str, source: str,
     except SteerFileError as e:
         reg.counters["failures"] += 1
         return _error(400, str(e))
+    never = {e.name for e in reg.slots if e is not None and e.state == "loaded"
+             and e.source != SOURCE_STEER_DIR}
+    if protect and len(never | set(protect) | {name}) > reg.capacity:
+        reg.counters["failures"] += 1  # never fits, however long the request waits
+        return _error(400, f"cannot load steer {name!r}: the request's steers "
+                      f"({', '.join(repr(n) for n in protect)}) and the {len(never)} steer(s) "
+                      f"never evicted ({', '.join(sorted(never)) or 'none'}) are more than "
+                      f"the {reg.capacity} steer slots (--max-steers={reg.capacity}); send "
+                      "fewer steers at once, or restart with a larger --max-steers")
     try:
         slot, evicted = reg.free_slot(in_use_by_requests(core), evictable=True, replacing=name,
                                       protect=protect)

@@ -6,6 +6,10 @@ This module imports no torch (the frontend imports it).
 
 from __future__ import annotations
 
+import asyncio
+import os
+import time
+
 from vllm_steer import REQUEST_FIELD
 from vllm_steer.integrations import guard
 from vllm_steer.integrations.frontend import admission
@@ -80,11 +84,40 @@ async def _preload_dir_steers(engine, cfg, params) -> None:
             path = admission.dir_steer_file(name, loaded)
         except SteerRequestError:
             return  # the engine core refuses it with the reason
-        # protect: the load never evicts a steer this same request names
-        res = await manage(engine, OP_LOAD, name=name, path=path, source=SOURCE_STEER_DIR,
-                           protect=names)
+        res = await _load_waiting_for_room(engine, name, path, names)
         if not res["ok"] and name not in st.loaded_names():
             from vllm.exceptions import VLLMValidationError
 
             raise VLLMValidationError(f"{REQUEST_FIELD}: {res['error']}",
                                       parameter=REQUEST_FIELD)
+
+
+def first_use_wait_seconds() -> float:
+    """How long a request waits for a steer slot when every slot is held by steers that
+    running requests use (``VLLM_STEER_FIRST_USE_WAIT_SECONDS``, default
+    :data:`FIRST_USE_WAIT_SECONDS`), as vLLM's ``--max-loras`` makes a request wait."""
+    try:
+        return max(0.0, float(os.environ.get("VLLM_STEER_FIRST_USE_WAIT_SECONDS",
+                                             FIRST_USE_WAIT_SECONDS)))
+    except ValueError:
+        return FIRST_USE_WAIT_SECONDS
+
+
+#: Default of :func:`first_use_wait_seconds`.
+FIRST_USE_WAIT_SECONDS = 10.0
+
+
+async def _load_waiting_for_room(engine, name: str, path: str, names: list) -> dict:
+    """Load the ``--steer-dir`` steer ``name`` for a request naming ``names`` (never evicting
+    one of them: ``protect``). When the bank is full of steers running requests use (507), wait
+    for one of them to finish, retrying with a growing pause, up to
+    :func:`first_use_wait_seconds`; then the refusal stands (HTTP 400 naming the limit)."""
+    deadline = time.monotonic() + first_use_wait_seconds()
+    pause = 0.05
+    while True:
+        res = await manage(engine, OP_LOAD, name=name, path=path, source=SOURCE_STEER_DIR,
+                           protect=names)
+        if res["ok"] or res.get("status") != 507 or time.monotonic() + pause > deadline:
+            return res
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.5)
