@@ -92,7 +92,8 @@ def main(argv=None) -> int:
         shutil.copy(shipped[i % len(shipped)], d / f"{name}.safetensors")
         names.append(name)
     cmd = [model_dir, "--served-model-name", "m", "--steer-dir", d, "--max-steers", 2,
-           "--max-model-len", 1024, "--max-num-seqs", 16, "--enforce-eager"]
+           "--max-model-len", 512, "--max-num-seqs", 16, "--kv-cache-memory-bytes", 1 << 28,
+           "--enforce-eager"]
     gaps = {"quiet": [], "loads": []}
     loads: list = []
     try:
@@ -117,8 +118,10 @@ def main(argv=None) -> int:
                         loads.extend(made)
                     print(f"round {r + 1}/{args.rounds} {kind}: {len(gaps[kind])} gaps, "
                           f"{len(made)} first-use requests", file=sys.stderr, flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    except Exception:
+        print(f"the server's log is kept: {work / 'server.log'}", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
     res = {k: {"p50_ms": 1e3 * statistics.median(v), "p99_ms": 1e3 * pct(v, 0.99),
                "max_ms": 1e3 * max(v), "n": len(v)} for k, v in gaps.items()}
     res["first_use_requests"] = len(loads)
