@@ -6,12 +6,14 @@ clients decode long completions; their inter-token latency (the time between two
 tokens) is measured in rounds that alternate, side by side in one run:
 
 - **quiet**: the streams alone;
-- **loads**: the same streams while another client sends short requests that each name a
-  steer not loaded (one every ``--load-every`` seconds), so the engine core loads a file
-  (read, checked, put into the bank) between its steps.
+- **traffic**: the same streams while another client sends short requests (one every
+  ``--load-every`` seconds) that all name one steer, loaded by the first of them: the
+  traffic of the next kind without its loads;
+- **loads**: the same streams while that client's requests each name a steer not loaded, so
+  the engine core loads a file (read, checked, put into the bank) between its steps.
 
-Prints p50, p99 and the largest inter-token gap of each kind, the loads made, and the ratio
-loads/quiet. Usage::
+Prints p50, p99 and the largest inter-token gap of each kind, the loads made, and the ratios
+loads/traffic (what the loads themselves cost) and loads/quiet. Usage::
 
     .venv/bin/python benchmarks/bench_first_use_stall.py --rounds 4 --streams 4
 
@@ -94,17 +96,18 @@ def main(argv=None) -> int:
     cmd = [model_dir, "--served-model-name", "m", "--steer-dir", d, "--max-steers", 2,
            "--max-model-len", 512, "--max-num-seqs", 16, "--kv-cache-memory-bytes", 1 << 28,
            "--enforce-eager"]
-    gaps = {"quiet": [], "loads": []}
+    gaps = {"quiet": [], "traffic": [], "loads": []}
     loads: list = []
     try:
         with serve(cmd, work / "server.log") as url:
             stream_gaps(url, "m", 8, [])  # warm-up
             for r in range(args.rounds):
-                for kind in ("quiet", "loads"):
+                for kind in ("quiet", "traffic", "loads"):
                     stop, made = threading.Event(), []
                     lt = None
-                    if kind == "loads":
-                        lt = threading.Thread(target=loader, args=(url, "m", names,
+                    if kind != "quiet":
+                        which = names if kind == "loads" else names[:1]
+                        lt = threading.Thread(target=loader, args=(url, "m", which,
                                                                    args.load_every, stop, made))
                         lt.start()
                     ts = [threading.Thread(target=stream_gaps,
@@ -115,7 +118,8 @@ def main(argv=None) -> int:
                     stop.set()
                     if lt is not None:
                         lt.join()
-                        loads.extend(made)
+                        if kind == "loads":
+                            loads.extend(made)
                     print(f"round {r + 1}/{args.rounds} {kind}: {len(gaps[kind])} gaps, "
                           f"{len(made)} first-use requests", file=sys.stderr, flush=True)
     except Exception:
@@ -128,12 +132,13 @@ def main(argv=None) -> int:
     res["first_use_status"] = {str(c): sum(1 for _, s in loads if s == c)
                                for c in sorted({s for _, s in loads})}
     print(f"{'':8}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'gaps':>7}")
-    for k in ("quiet", "loads"):
+    for k in ("quiet", "traffic", "loads"):
         v = res[k]
         print(f"{k:8}{v['p50_ms']:9.1f}{v['p99_ms']:9.1f}{v['max_ms']:9.1f}{v['n']:7d}")
-    print(f"loads/quiet: p50 x{res['loads']['p50_ms'] / res['quiet']['p50_ms']:.2f}, "
-          f"p99 x{res['loads']['p99_ms'] / res['quiet']['p99_ms']:.2f}; first-use requests "
-          f"{res['first_use_requests']} {res['first_use_status']}")
+    for a, b in (("loads", "traffic"), ("loads", "quiet")):
+        print(f"{a}/{b}: p50 x{res[a]['p50_ms'] / res[b]['p50_ms']:.2f}, "
+              f"p99 x{res[a]['p99_ms'] / res[b]['p99_ms']:.2f}")
+    print(f"first-use requests {res['first_use_requests']} {res['first_use_status']}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     return 0
