@@ -672,9 +672,12 @@ def restart_check(args_list, work, log_dir, server) -> dict:
         server.stop()
         return out
     # run-time state to lose: a steer loaded over HTTP, a run-time preset, counters
-    requests.post(base + "/v1/steers", json={"name": "api1",
-                                             "path": str(work / "steers" / "d3.safetensors")},
-                  timeout=120)
+    # a file of its own (the soak's operator may have corrupted or removed any d*.safetensors)
+    own = work / "steers" / "restart-check.safetensors"
+    atomic_write(own, SHIPPED["detox"].read_bytes())
+    loaded = requests.post(base + "/v1/steers", json={"name": "api1", "path": str(own)},
+                           timeout=120)
+    out["api1_load_status"] = loaded.status_code
     requests.put(base + "/v1/steer-presets/rp1", json={"steer": {"sentiment": 2}}, timeout=120)
     before = state(base)
     out["before_kill"] = before

@@ -75,7 +75,10 @@ def server(tiny_model_dir, tmp_path_factory):
     # each API server refreshes its view of the names at start and when it runs a steer op
     # itself, never on a timer: the other API server's view is stale (issue 23) and the
     # answers must not depend on it
-    with serve(args, root / "server.log", env={"VLLM_STEER_POLL_SECONDS": "3600"}) as url:
+    # and a first-use request that finds every slot in use is refused at once, not after
+    # waiting for one (test_vllm_faults.py has requests wait)
+    with serve(args, root / "server.log", env={"VLLM_STEER_POLL_SECONDS": "3600",
+                                                "VLLM_STEER_FIRST_USE_WAIT_SECONDS": "0"}) as url:
         yield url
 
 
