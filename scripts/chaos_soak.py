@@ -675,8 +675,13 @@ def restart_check(args_list, work, log_dir, server) -> dict:
     # a file of its own (the soak's operator may have corrupted or removed any d*.safetensors)
     own = work / "steers" / "restart-check.safetensors"
     atomic_write(own, SHIPPED["detox"].read_bytes())
-    loaded = requests.post(base + "/v1/steers", json={"name": "api1", "path": str(own)},
-                           timeout=120)
+    deadline = time.time() + 60
+    while True:  # 507: every slot holds a steer that requests still in the engine use
+        loaded = requests.post(base + "/v1/steers", json={"name": "api1", "path": str(own)},
+                               timeout=120)
+        if loaded.status_code != 507 or time.time() > deadline:
+            break
+        time.sleep(1.0)
     out["api1_load_status"] = loaded.status_code
     requests.put(base + "/v1/steer-presets/rp1", json={"steer": {"sentiment": 2}}, timeout=120)
     before = state(base)
