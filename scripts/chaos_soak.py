@@ -663,6 +663,24 @@ def soak(base, work, args, server) -> dict:
     return {"stats": stats, "elapsed_s": elapsed}
 
 
+def wait_idle(base: str, timeout: float) -> float | None:
+    """Seconds until vLLM reports no request running or waiting (``/metrics``), None if it
+    never did within ``timeout``."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        try:
+            text = requests.get(base + "/metrics", timeout=10).text
+            busy = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(("vllm:num_requests_running{",
+                                           "vllm:num_requests_waiting{")))
+            if busy == 0:
+                return round(time.time() - t0, 1)
+        except (requests.RequestException, ValueError, IndexError):
+            pass
+        time.sleep(1.0)
+    return None
+
+
 def restart_check(args_list, work, log_dir, server) -> dict:
     """Kill the engine core under traffic; what clients see; the exit status; a restart."""
     base = server.url
@@ -675,6 +693,7 @@ def restart_check(args_list, work, log_dir, server) -> dict:
     # a file of its own (the soak's operator may have corrupted or removed any d*.safetensors)
     own = work / "steers" / "restart-check.safetensors"
     atomic_write(own, SHIPPED["detox"].read_bytes())
+    out["engine_idle_after_s"] = wait_idle(base, 180)  # the soak's last requests finish
     deadline = time.time() + 60
     while True:  # 507: every slot holds a steer that requests still in the engine use
         loaded = requests.post(base + "/v1/steers", json={"name": "api1", "path": str(own)},
