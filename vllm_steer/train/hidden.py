@@ -94,6 +94,14 @@ def tokenize(tokenizer, texts: Sequence[str], max_length: int, window: int | Non
                          f"{window} tokens; use --max-length {window} or less")
     rep = TokenizeReport(texts=len(texts))
     enc = tokenizer(list(texts), add_special_tokens=True)["input_ids"] if len(texts) else []
+    ids_out, kept = _truncated(enc, max_length, 2, where, rep)
+    return ids_out, kept, rep
+
+
+def _truncated(enc, max_length: int, min_length: int, where: Sequence[str] | None,
+               rep: TokenizeReport) -> tuple[list[list[int]], list[int]]:
+    """Each sequence of ``enc`` cut to ``max_length`` tokens, those under ``min_length``
+    dropped; the kept sequences and their indices, counted in ``rep``."""
     ids_out, kept = [], []
     for i, ids in enumerate(enc):
         rep.max_tokens_seen = max(rep.max_tokens_seen, len(ids))
@@ -102,12 +110,12 @@ def tokenize(tokenizer, texts: Sequence[str], max_length: int, window: int | Non
             if where is not None and len(rep.examples_truncated) < 3:
                 rep.examples_truncated.append(where[i])
             ids = ids[:max_length]
-        if len(ids) < 2:
+        if len(ids) < min_length:
             rep.too_short += 1
             continue
         ids_out.append(list(ids))
         kept.append(i)
-    return ids_out, kept, rep
+    return ids_out, kept
 
 
 #: The user turn every training text answers under ``--chat-template`` (a neutral request,
@@ -142,21 +150,8 @@ def tokenize_chat(tokenizer, texts: Sequence[str], max_length: int, window: int 
                          f"--max-length {window - len(prefix)} or less")
     rep = TokenizeReport(texts=len(texts))
     enc = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if len(texts) else []
-    ids_out, starts, kept = [], [], []
-    for i, ids in enumerate(enc):
-        rep.max_tokens_seen = max(rep.max_tokens_seen, len(ids))
-        if len(ids) > max_length:
-            rep.truncated += 1
-            if where is not None and len(rep.examples_truncated) < 3:
-                rep.examples_truncated.append(where[i])
-            ids = ids[:max_length]
-        if len(ids) < 1:
-            rep.too_short += 1
-            continue
-        ids_out.append(prefix + list(ids))
-        starts.append(len(prefix))
-        kept.append(i)
-    return ids_out, starts, kept, rep
+    replies, kept = _truncated(enc, max_length, 1, where, rep)
+    return [prefix + ids for ids in replies], [len(prefix)] * len(replies), kept, rep
 
 
 @dataclass

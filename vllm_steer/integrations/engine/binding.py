@@ -90,7 +90,7 @@ def _steer_dir_path(core, name: str) -> str:
 
 def _no_room(reg, names, missing, room: int) -> str:
     """The refusal of a request whose first-use steers do not all fit in the bank now."""
-    pinned = reg.pinned()
+    pinned = len(reg.never_evicted())
     used = reg.capacity - pinned - room
     return (f"{REQUEST_FIELD}: the request needs {len(missing)} steer(s) loaded from "
             f"--steer-dir ({', '.join(repr(n) for n in missing)}) but only {room} of the "

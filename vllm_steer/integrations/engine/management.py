@@ -205,8 +205,7 @@ def load_steer_file(core, name: str, path: str, source: str,
     except SteerFileError as e:
         reg.counters["failures"] += 1
         return _error(400, str(e))
-    never = {e.name for e in reg.slots if e is not None and e.state == "loaded"
-             and e.source != SOURCE_STEER_DIR}
+    never = reg.never_evicted()
     if protect and len(never | set(protect) | {name}) > reg.capacity:
         reg.counters["failures"] += 1  # never fits, however long the request waits
         return _error(400, f"cannot load steer {name!r}: the request's steers "

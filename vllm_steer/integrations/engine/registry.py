@@ -128,9 +128,7 @@ class SteerRegistry:
             if old is not None and (old.slot, old.generation) not in in_use:
                 return old.slot, None
         if evictable:
-            cands = [e for e in self.slots if e is not None and e.state == "loaded"
-                     and e.source == SOURCE_STEER_DIR and (e.slot, e.generation) not in in_use
-                     and e.name not in protect]
+            cands = [e for e in self.slots if self._evictable(e, in_use, protect)]
             if cands:
                 victim = min(cands, key=lambda e: e.last_used)
                 return victim.slot, victim
@@ -146,20 +144,23 @@ class SteerRegistry:
         """How many steers could be loaded now without unloading one that a request uses or
         that ``protect`` names: empty slots, draining slots no request uses, and steer-dir
         steers no request uses (evictable). Changes nothing."""
-        free = 0
-        for e in self.slots:
-            if e is None or (e.state == "draining" and (e.slot, e.generation) not in in_use):
-                free += 1
-            elif (e.state == "loaded" and e.source == SOURCE_STEER_DIR
-                  and (e.slot, e.generation) not in in_use and e.name not in protect):
-                free += 1
-        return free
+        return sum(1 for e in self.slots if e is None
+                   or (e.state == "draining" and (e.slot, e.generation) not in in_use)
+                   or self._evictable(e, in_use, protect))
 
-    def pinned(self) -> int:
-        """Slots no first-use load can take: steers given with ``--steer`` or loaded over HTTP
-        or offline (never evicted)."""
-        return sum(1 for e in self.slots if e is not None and e.state == "loaded"
-                   and e.source != SOURCE_STEER_DIR)
+    @staticmethod
+    def _evictable(e: SteerEntry | None, in_use: set[tuple[int, int]],
+                   protect: Collection[str]) -> bool:
+        """Whether a first-use load may evict ``e``: a loaded steer-dir steer no request uses
+        and ``protect`` does not name (:meth:`free_slot`, :meth:`room`)."""
+        return (e is not None and e.state == "loaded" and e.source == SOURCE_STEER_DIR
+                and (e.slot, e.generation) not in in_use and e.name not in protect)
+
+    def never_evicted(self) -> set[str]:
+        """Names of the steers no first-use load can take the slot of: given with ``--steer``
+        or loaded over HTTP or offline."""
+        return {e.name for e in self.slots if e is not None and e.state == "loaded"
+                and e.source != SOURCE_STEER_DIR}
 
     def commit(self, entry: SteerEntry, evicted: SteerEntry | None = None) -> SteerEntry:
         """Put ``entry`` (slot chosen by :meth:`free_slot`) in place and bind its name."""
