@@ -118,6 +118,13 @@ class SteerServerConfig:
             return self.max_steer_rank
         return max([DEFAULT_RESERVED_RANK, *startup_ranks])
 
+    def startup_placement(self) -> dict[str, tuple[int, int]]:
+        """``{name: (bank_slot, load_id)}`` of the ``--steer`` steers: the one place their bank
+        slots and load ids are issued. Both processes receive this configuration: the workers
+        put each steer there when the model loads, and the engine core's registry records the
+        same placement and issues the next load ids after these."""
+        return {name: (i, i + 1) for i, name in enumerate(self.steers)}
+
     @property
     def per_request(self) -> int:
         """The most steers one request may be served with (``--max-steers-per-request``)."""

@@ -21,7 +21,7 @@ import os
 import sys
 
 DEFAULT_URL = "http://localhost:8000"
-COLUMNS = ("name", "rank", "hidden_size", "source", "generation", "requests_served", "file")
+COLUMNS = ("name", "rank", "hidden_size", "source", "load_id", "requests_served", "file")
 
 
 def _call(method: str, url: str, path: str, body=None, api_key: str | None = None):
@@ -64,7 +64,7 @@ def _cmd_load(args) -> int:
         body["path"] = os.path.abspath(args.path) if os.path.exists(args.path) else args.path
     data = _call("POST", args.url, "/v1/steers", body, api_key=args.api_key)
     print(json.dumps(data, indent=2) if args.json else
-          f"loaded {data['name']} (rank {data['rank']}, generation {data['generation']}) from "
+          f"loaded {data['name']} (rank {data['rank']}, load id {data['load_id']}) from "
           f"{data['file']}" + (f"; evicted {data['evicted']}" if data.get("evicted") else ""))
     return 0
 

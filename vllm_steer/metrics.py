@@ -7,7 +7,7 @@ Three processes take part, each with its own part here:
   once the device has passed them (``Event.query``), so timing never makes the host wait; on
   the CPU the op runs on the host, so its device time is its host time;
 - the engine core counts loads, unloads, evictions, refused loads and requests steered per
-  steer; each ``list`` control op hands what moved since the previous ``list`` to the API
+  steer; each ``list`` management op hands what moved since the previous ``list`` to the API
   server that asked (:func:`take_new`): every increment goes to exactly one API server;
 - every API server polls ``list`` (once a second, :mod:`vllm_steer.server.steers_route`) and
   adds what it was handed to its counters (:class:`SteerMetrics`). With
@@ -272,7 +272,7 @@ class SteerMetrics:
                                      "version, not per retry).", registry=reg)
 
     def update(self, listing: dict) -> None:
-        """Take a ``list`` control op's answer: the levels, and the increments handed to this
+        """Take a ``list`` management op's answer: the levels, and the increments handed to this
         process (``listing["metrics"]``: one engine core's :func:`take_new`, or a list of
         them with data parallelism)."""
         stats = listing.get("stats") or {}

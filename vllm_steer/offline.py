@@ -7,7 +7,7 @@
     offline.load_steer(llm, "detox", "steers/smollm2-detox.safetensors")
     llm.generate(prompts, SamplingParams(extra_args={"steer": {"detox": 5}}))
     offline.unload_steer(llm, "detox")
-    offline.list_steers(llm)   # [{"name": ..., "file": ..., "generation": ..., ...}]
+    offline.list_steers(llm)   # [{"name": ..., "file": ..., "load_id": ..., ...}]
 
 The same engine-core operations as ``POST`` / ``DELETE /v1/steers`` (through
 ``LLM.collective_rpc``, reaching every worker); the same guarantees (see
@@ -36,7 +36,7 @@ def _manage(llm, op: str, **kwargs) -> dict:
 
 
 def load_steer(llm, name: str, path: str) -> dict:
-    """Load ``path`` as steer ``name`` (a new generation if the name is loaded: requests
+    """Load ``path`` as steer ``name`` (a new load id if the name is loaded: requests
     already admitted keep the old file). Returns the steer's entry (as ``GET /v1/steers``).
     Raises :class:`SteerLoadError` with every reason when the file or capacity refuses."""
     import os

@@ -449,7 +449,7 @@ class BoundSteer:
     bank_slot: int
     """The slot of the steer bank (every worker's factors) holding the steer."""
     load_id: int
-    """Which load of the steer the slot must hold (the registry's generation id; a slot
+    """Which load of the steer the slot must hold (the registry's load id; a slot
     re-used by another load no longer serves the request)."""
     value: float | Window
     """The strength, or the generation window."""

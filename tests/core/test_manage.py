@@ -19,7 +19,7 @@ PRESETS = {"object": "list",
            "defaults": {"detox": 2.0}, "floors": {}, "updates_enabled": True}
 STEERS = {"object": "list", "max_steers": 8, "steer_dir": None,
           "data": [{"name": "detox", "rank": 16, "hidden_size": 576, "source": "--steer",
-                    "generation": 1, "requests_served": 3, "file": "/s/detox.safetensors"}]}
+                    "load_id": 1, "requests_served": 3, "file": "/s/detox.safetensors"}]}
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def server():
                                           "steer": {"detox": 4.0, "sentiment": -2.0},
                                           "source": "api"})
             self._answer(200, {"object": "steer", "name": body["name"], "rank": 16,
-                               "generation": 2, "file": body.get("path"), "evicted": None})
+                               "load_id": 2, "file": body.get("path"), "evicted": None})
 
         def do_DELETE(self):
             seen.append(("DELETE", self.path, None))

@@ -51,7 +51,7 @@ def value(fams: dict, name: str, **labels) -> float:
                and all(s.labels.get(k) == v for k, v in labels.items())) if name in fams else 0.0
 
 
-# ---- a fake engine core: the real registry and control op, workers we set ----------------
+# ---- a fake engine core: the real registry and management op, workers we set ----------------
 def _core(index: int, workers: list[dict]):
     cfg = SteerServerConfig(steers={}, max_steers=4, enable_updates=True)
     return engine_core(

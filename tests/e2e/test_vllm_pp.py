@@ -78,7 +78,7 @@ def test_pp2_a_steer_loaded_at_run_time_reaches_the_last_rank_and_steers(llm, re
     workers = llm.collective_rpc(MANAGEMENT_METHOD, args=("list", {}))[0]["workers"]
     assert len(workers) == 2  # one answer per pipeline rank, in rank order
     # the last stage (the LM head) holds it; the first one has no head and holds no steers
-    assert [entry["slot"], entry["generation"], "late"] in workers[1]["slots"], workers
+    assert [entry["bank_slot"], entry["load_id"], "late"] in workers[1]["slots"], workers
     assert workers[0]["slots"] == [], workers
     ref.check_generate(llm, PROMPTS, [{"late": 6}, {"late": -3, "a": 2}], MAX_TOKENS)
     offline.unload_steer(llm, "late")

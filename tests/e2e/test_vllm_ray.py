@@ -223,7 +223,7 @@ def test_ray_server_a_steer_loaded_over_http_steers_both_workers_and_unloads(
     listed = {s["name"]: s for s in listing["data"]}
     assert listed["late"]["source"] == "api" and listed["late"]["rank"] == 4, listed
     # both Ray workers (one per node) hold it, in the slot and generation the engine bound
-    held = [listed["late"]["slot"], listed["late"]["generation"]]
+    held = [listed["late"]["bank_slot"], listed["late"]["load_id"]]
     assert [[*held, "late"] in w["slots"] for w in listing["workers"]] == [True, True], listing
     # logprobs equal to the reference: both ranks' halves of the vocabulary are steered
     check_completions(server, ref, prompt_ids[:2], [{"late": 6}, {"late": -3, "a": 2}],

@@ -234,8 +234,8 @@ def test_post_refuses_traversal_outside_paths_and_bad_files_changing_nothing(ser
         assert r.status_code == status, (body, r.text)
         assert fragment in r.json()["error"]["message"], (body, r.text)
     after = steers(server)
-    assert {n: s["generation"] for n, s in after.items()} == \
-        {n: s["generation"] for n, s in before.items()}
+    assert {n: s["load_id"] for n, s in after.items()} == \
+        {n: s["load_id"] for n, s in before.items()}
     assert text(server, {"detox": 5}) != text(server)  # detox unchanged, still serving
 
 
@@ -254,12 +254,12 @@ def test_load_under_traffic_loses_and_changes_no_request(server):
 
 
 def test_reload_under_the_same_name_old_requests_keep_the_old_file(server):
-    old_gen = steers(server)["u"]["generation"]
+    old_gen = steers(server)["u"]["load_id"]
     want_old = text(server, {"a": 5}, 200)  # u is a.safetensors now
     s = Stream(server, {"u": 5})
     r = s.after(lambda: load(server, "u", STATE["dir"] / "b.safetensors"))
     assert r.status_code == 200, r.text
-    assert r.json()["generation"] > old_gen
+    assert r.json()["load_id"] > old_gen
     new = text(server, {"u": 5})  # admitted after the reload: the new file
     assert s.text() == want_old
     assert new == text(server, {"b": 5}) != text(server, {"a": 5})

@@ -98,7 +98,7 @@ def test_tp2_workers_both_steer_with_a_steer_loaded_at_run_time(llm, ref, tmp_pa
     steer = random_steer(HIDDEN, 8, "t", seed=5, scale=3.0)
     save_steer(tmp_path / "t.safetensors", steer)
     entry = offline.load_steer(llm, "t", tmp_path / "t.safetensors")
-    assert (entry["name"], entry["slot"], entry["source"]) == ("t", 2, "offline")
+    assert (entry["name"], entry["bank_slot"], entry["source"]) == ("t", 2, "offline")
     # each TP rank computes half of the vocabulary's logits from its own copy of the hidden
     # state: tokens and logprobs match the unsharded reference only if both ranks steered
     ref.steers["t"] = steer

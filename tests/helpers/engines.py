@@ -87,15 +87,17 @@ def v2_runner_env() -> dict[str, str]:
 def bound_extra(names, steer) -> dict:
     """``extra_args`` of a request whose steers the engine core bound (as
     ``vllm_steer.integrations.engine.binding.bind_request`` does) to a runtime loaded from
-    ``--steer`` files ``names`` (slot i, generation i + 1, as at start-up); the raw value too."""
+    ``--steer`` files ``names`` (placed as the server's configuration places them); the raw
+    value too."""
+    from vllm_steer.config import SteerServerConfig
     from vllm_steer.request import BOUND_KEY, BoundSteer, SteerRequest
 
     if steer is None:
         return {}
     request = SteerRequest.parse(steer)
-    names = list(names)
-    bound = [BoundSteer(n, names.index(n), names.index(n) + 1, request.named[n])
-             for n in request.strengths if n in names]
+    placed = SteerServerConfig(steers={n: f"{n}.safetensors" for n in names}).startup_placement()
+    bound = [BoundSteer(n, *placed[n], request.named[n])
+             for n in request.strengths if n in placed]
     return {"steer": steer, BOUND_KEY: BoundSteer.to_wire(bound)}
 
 

@@ -29,7 +29,7 @@ from vllm_steer.request import SteerRequestError, unknown_steer
 
 #: ``collective_rpc`` method name of the management channel; the plugin's hook on
 #: ``EngineCore.collective_rpc`` answers it in the engine core.
-MANAGEMENT_METHOD = "vllm_steer_control"
+MANAGEMENT_METHOD = "vllm_steer_manage"
 #: ``stop_reason`` prefix of the error output the engine core sends for a request whose steer
 #: it refuses at admission; the API server turns it back into HTTP 400 (``param: "steer"``).
 REFUSED_PREFIX = "vllm-steer refused: "
@@ -47,8 +47,8 @@ OP_LIST = "list"
 OP_LOAD = "load"
 #: ``{"name"}`` -> ``{"ok": True, "steer": {...}}`` or an error as above.
 OP_UNLOAD = "unload"
-#: ``{"name", "generations": {engine: generation}}``: unload ``name`` from an engine core that
-#: holds it at the generation given for it (a load that failed on another engine core).
+#: ``{"name", "load_ids": {engine: load_id}}``: unload ``name`` from an engine core that
+#: holds it under the load id given for it (a load that failed on another engine core).
 OP_ROLLBACK = "rollback"
 #: ``{}`` -> the run-time preset table ``{"ok", "version", "presets"}``.
 OP_PRESETS = "presets"
@@ -166,7 +166,7 @@ def merge_answers(op: str, answers: list[dict]) -> dict:
     - ``list``: a steer is ``loaded`` when every engine core has it bound, ``partial`` when
       some do (a ``--steer-dir`` steer loaded on first use, or evicted, in one engine core:
       the others load it again on their first use), else ``draining``; ``per_engine`` gives
-      each engine core's slot, generation and state (they may differ: each binds its own
+      each engine core's bank slot, load id and state (they may differ: each binds its own
       requests); ``requests_served``, the counters and the steer-op time (``stats["op"]``)
       are summed over the engine cores.
     - ``load``: ok only if every engine core loaded it (the caller rolls back the others,
@@ -187,8 +187,8 @@ def merge_answers(op: str, answers: list[dict]) -> dict:
         evicted = sorted({a["evicted"] for a in answers if a.get("evicted")})
         return {**answers[0], "evicted": ", ".join(evicted) or None,
                 "steer": {**answers[0]["steer"], "per_engine": [
-                    {"engine": a.get("engine"), "slot": a["steer"]["slot"],
-                     "generation": a["steer"]["generation"]} for a in answers]}}
+                    {"engine": a.get("engine"), "bank_slot": a["steer"]["bank_slot"],
+                     "load_id": a["steer"]["load_id"]} for a in answers]}}
     if op == OP_UNLOAD:
         return oks[0] if oks else answers[0]
     return answers[0]
@@ -209,8 +209,8 @@ def _merge_lists(answers: list[dict]) -> dict:
             if m is None:
                 m = merged[key] = {**s, "requests_served": 0, "per_engine": []}
             m["requests_served"] += s.get("requests_served", 0)
-            m["per_engine"].append({"engine": a.get("engine"), "slot": s["slot"],
-                                    "generation": s["generation"], "state": s["state"],
+            m["per_engine"].append({"engine": a.get("engine"), "bank_slot": s["bank_slot"],
+                                    "load_id": s["load_id"], "state": s["state"],
                                     "requests_served": s.get("requests_served", 0)})
     steers = []
     for (name, loaded), m in merged.items():
@@ -252,8 +252,8 @@ def merge_preset_answers(op: str, answers: list[dict]) -> dict:
 def rollback_kwargs(name: str, answers: list[dict]) -> dict | None:
     """``rollback`` arguments undoing a load that failed on some engine cores (None: it
     failed nowhere, or everywhere)."""
-    done = {str(a.get("engine")): a["steer"]["generation"] for a in answers if a.get("ok")}
+    done = {str(a.get("engine")): a["steer"]["load_id"] for a in answers if a.get("ok")}
     if not done or len(done) == len(answers):
         return None
-    return {"name": name, "generations": done}
+    return {"name": name, "load_ids": done}
 

@@ -75,7 +75,7 @@ async def list_steers(raw: Request):
                          "max_steers": res["stats"]["capacity"],
                          "steer_dir": res.get("steer_dir"),
                          "updates_enabled": bool(res.get("enable_updates")),
-                         # each worker's steer-op counters and the [slot, generation, name]
+                         # each worker's steer-op counters and the [bank_slot, load_id, name]
                          # it holds (every engine core's workers, with data parallelism)
                          "workers": res.get("workers") or [],
                          # which API-server process answered, and the names it admitted then

@@ -55,7 +55,7 @@ def _server(paths, steer_dir=None, **policy):
     reg = SteerRegistry(cfg.capacity)
     for slot, (name, path) in enumerate(cfg.steers.items()):
         reg.commit(SteerEntry.from_metadata(name, path, read_metadata(path),
-                                            reg.new_generation(), slot, "--steer"))
+                                            reg.new_load_id(), slot, "--steer"))
     reg.counters["loads"] = 0
     puts = []
     core = engine_core(
@@ -98,7 +98,7 @@ def _admit(core, steer=..., across_processes=True):
 
 def _slot(core, name):
     e = engine_state(core).registry.get(name)
-    return e.slot, e.generation
+    return e.bank_slot, e.load_id
 
 
 def _refusal(exc_info) -> str:
@@ -147,10 +147,10 @@ def test_a_steer_dir_steer_is_loaded_on_first_use_and_bound_to_its_new_slot(file
     entry = reg.get("extra")
     assert entry is not None and entry.source == "steer-dir"
     assert entry.file == os.path.realpath(os.path.join(steer_dir, "extra.safetensors"))
-    assert got == {"extra": (entry.slot, entry.generation, 3.0),
+    assert got == {"extra": (entry.bank_slot, entry.load_id, 3.0),
                    "detox": (*_slot(core, "detox"), 1.0)}
-    assert [a[:3] for a in puts if a[0] == "put"] == [("put", entry.slot, entry.generation)]
-    assert _admit(core, {"extra": -2}) == {"extra": (entry.slot, entry.generation, -2.0)}
+    assert [a[:3] for a in puts if a[0] == "put"] == [("put", entry.bank_slot, entry.load_id)]
+    assert _admit(core, {"extra": -2}) == {"extra": (entry.bank_slot, entry.load_id, -2.0)}
     assert reg.counters["loads"] == 1  # the second request found it loaded
 
 

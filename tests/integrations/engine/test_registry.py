@@ -17,38 +17,38 @@ def _load(reg, name, in_use=frozenset(), source="api", file=None):
     slot, evicted = reg.free_slot(set(in_use), evictable=True, replacing=name)
     meta = SteerMetadata(name=name, hidden_size=64, rank=4)
     return reg.commit(SteerEntry.from_metadata(name, file or f"/s/{name}.safetensors", meta,
-                                               reg.new_generation(), slot, source), evicted)
+                                               reg.new_load_id(), slot, source), evicted)
 
 
 def test_reload_under_a_name_makes_a_new_generation_in_another_slot_while_the_old_is_used():
     reg = SteerRegistry(3)
     old = _load(reg, "detox", file="/s/v1.safetensors")
     bound_old = reg.bind(["detox"])
-    assert bound_old == {"detox": [old.slot, old.generation]}
-    new = _load(reg, "detox", in_use={(old.slot, old.generation)}, file="/s/v2.safetensors")
-    assert new.slot != old.slot and new.generation > old.generation
-    assert reg.bind(["detox"]) == {"detox": [new.slot, new.generation]}
-    assert reg.slots[old.slot].state == "draining"  # kept for the request bound before
+    assert bound_old == {"detox": [old.bank_slot, old.load_id]}
+    new = _load(reg, "detox", in_use={(old.bank_slot, old.load_id)}, file="/s/v2.safetensors")
+    assert new.bank_slot != old.bank_slot and new.load_id > old.load_id
+    assert reg.bind(["detox"]) == {"detox": [new.bank_slot, new.load_id]}
+    assert reg.slots[old.bank_slot].state == "draining"  # kept for the request bound before
     assert [s["file"] for s in reg.listing() if s["state"] == "loaded"] == ["/s/v2.safetensors"]
-    assert reg.reap({(old.slot, old.generation)}) == []
-    assert reg.reap(set()) == [old.slot] and reg.slots[old.slot] is None
+    assert reg.reap({(old.bank_slot, old.load_id)}) == []
+    assert reg.reap(set()) == [old.bank_slot] and reg.slots[old.bank_slot] is None
 
 
 def test_reload_of_an_unused_name_reuses_its_slot_with_a_new_generation():
     reg = SteerRegistry(1)
     old = _load(reg, "detox")
     new = _load(reg, "detox")
-    assert new.slot == old.slot and new.generation == old.generation + 1
+    assert new.bank_slot == old.bank_slot and new.load_id == old.load_id + 1
 
 
 def test_unload_drains_while_used_and_frees_when_not():
     reg = SteerRegistry(2)
     a = _load(reg, "a")
-    entry, freed = reg.unload("a", {(a.slot, a.generation)})
+    entry, freed = reg.unload("a", {(a.bank_slot, a.load_id)})
     assert entry.state == "draining" and freed == [] and "a" not in reg.bound
     with pytest.raises(KeyError):
         reg.bind(["a"])
-    assert reg.reap(set()) == [a.slot]
+    assert reg.reap(set()) == [a.bank_slot]
     with pytest.raises(KeyError):
         reg.unload("a", set())
     assert reg.counters["unloads"] == 1
@@ -60,21 +60,21 @@ def test_capacity_evicts_the_least_recently_used_unused_steer_dir_steer_only():
     x = _load(reg, "x", source="steer-dir")
     y = _load(reg, "y", source="steer-dir")
     reg.bind(["x"])  # x used more recently than y
-    reg.slots[y.slot].last_used = reg.slots[x.slot].last_used - 10
+    reg.slots[y.bank_slot].last_used = reg.slots[x.bank_slot].last_used - 10
     z = _load(reg, "z", source="steer-dir")
-    assert z.slot == y.slot and "y" not in reg.bound and reg.counters["evictions"] == 1
+    assert z.bank_slot == y.bank_slot and "y" not in reg.bound and reg.counters["evictions"] == 1
     # every steer-dir steer in use, the rest pinned: refused naming the limit and the flag
     with pytest.raises(SteerCapacityError, match=r"all 3 steer slots.*--max-steers=3"):
-        _load(reg, "w", in_use={(x.slot, x.generation), (z.slot, z.generation)})
-    assert set(reg.bound) == {"pinned", "x", "z"} and pinned.slot == 0
+        _load(reg, "w", in_use={(x.bank_slot, x.load_id), (z.bank_slot, z.load_id)})
+    assert set(reg.bound) == {"pinned", "x", "z"} and pinned.bank_slot == 0
 
 
 def test_full_with_draining_slots_says_so():
     reg = SteerRegistry(1)
     a = _load(reg, "a")
-    reg.unload("a", {(a.slot, a.generation)})
+    reg.unload("a", {(a.bank_slot, a.load_id)})
     with pytest.raises(SteerCapacityError, match="still used by running requests"):
-        _load(reg, "b", in_use={(a.slot, a.generation)})
+        _load(reg, "b", in_use={(a.bank_slot, a.load_id)})
 
 
 def test_served_counts_per_name_and_bound_in_reads_requests():
@@ -152,7 +152,7 @@ def test_dp_load_list_unload_merge_and_a_partial_failure_is_rolled_back(tmp_path
     assert _all(cores[1:], "load", name="b", path=path("b"), source="api")[0]["ok"]
     answers = _all(cores, "load", name="a", path=path("a"), source="api")
     res = merge("load", answers)
-    assert res["ok"] and [(p["engine"], p["slot"]) for p in res["steer"]["per_engine"]] == \
+    assert res["ok"] and [(p["engine"], p["bank_slot"]) for p in res["steer"]["per_engine"]] == \
         [(0, 0), (1, 1)]  # each engine core its own slot
     listing = merge("list", _all(cores, "list"))
     states = {s["name"]: s["state"] for s in listing["steers"]}
@@ -167,7 +167,7 @@ def test_dp_load_list_unload_merge_and_a_partial_failure_is_rolled_back(tmp_path
     res = merge("load", answers)
     assert not res["ok"] and res["status"] == 507 and "--max-steers=2" in res["error"]
     undo = rollback_kwargs("c", answers)
-    assert undo == {"name": "c", "generations": {"0": answers[0]["steer"]["generation"]}}
+    assert undo == {"name": "c", "load_ids": {"0": answers[0]["steer"]["load_id"]}}
     _all(cores, "rollback", **undo)
     names = [{s["name"] for s in x["steers"] if s["state"] == "loaded"}
              for x in _all(cores, "list")]

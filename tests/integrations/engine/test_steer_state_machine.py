@@ -105,7 +105,7 @@ class SteerStateMachine(RuleBasedStateMachine):
                                      enable_updates=True)
         reg = SteerRegistry(self.cfg.capacity)
         reg.commit(SteerEntry.from_metadata(PINNED, pin, read_metadata(pin),
-                                            reg.new_generation(), 0, "--steer"))
+                                            reg.new_load_id(), 0, "--steer"))
         reg.counters["loads"] = 0
         self.workers = FakeWorkers()
         self.workers.bank[0] = (1, PINNED, _digest(pin))
@@ -292,14 +292,14 @@ class SteerStateMachine(RuleBasedStateMachine):
         in_use = {(s, g) for b in self.running.values() for s, g, _ in b.values()}
         room = 0
         for e in self.reg.slots:
-            if e is None or ((e.slot, e.generation) not in in_use and (
+            if e is None or ((e.bank_slot, e.load_id) not in in_use and (
                     e.state == "draining"
                     or (e.source == "steer-dir" and e.name not in names))):
                 room += 1
         return len(missing) <= room
 
     def _state(self):
-        return {"slots": [(e.name, e.slot, e.generation, e.state, e.source) if e else None
+        return {"slots": [(e.name, e.bank_slot, e.load_id, e.state, e.source) if e else None
                           for e in self.reg.slots], "running": self.running}
 
     @invariant()

@@ -114,22 +114,22 @@ def _run_op(core, op: str, kwargs: dict | None = None) -> dict:
                           f"{', '.join(reg.names()) or 'none'}")
         if freed:
             _workers(core, "drop", freed)
-        logger.info("vllm-steer: unloaded steer %r (generation %d)%s", name, entry.generation,
+        logger.info("vllm-steer: unloaded steer %r (load id %d)%s", name, entry.load_id,
                     "" if freed else "; its slot is freed when the requests using it finish")
         return {"ok": True, "steer": entry.to_json()}
     if op == OP_ROLLBACK:
         entry = reg.get(kwargs["name"])
-        gen = (kwargs.get("generations") or {}).get(str(getattr(core, "engine_index", 0) or 0))
-        if entry is None or entry.generation != gen:
+        load_id = (kwargs.get("load_ids") or {}).get(str(getattr(core, "engine_index", 0) or 0))
+        if entry is None or entry.load_id != load_id:
             return {"ok": True, "steer": None}
         _, freed = reg.unload(kwargs["name"], in_use_by_requests(core))
         reg.counters["unloads"] -= 1  # not an unload anyone asked for
         if freed:
             _workers(core, "drop", freed)
-        logger.info("vllm-steer: load of steer %r (generation %d) rolled back: it failed on "
-                    "another data-parallel engine", kwargs["name"], gen)
+        logger.info("vllm-steer: load of steer %r (load id %d) rolled back: it failed on "
+                    "another data-parallel engine", kwargs["name"], load_id)
         return {"ok": True, "steer": entry.to_json()}
-    return _error(400, f"unknown steer control op {op!r}")
+    return _error(400, f"unknown steer management op {op!r}")
 
 
 def _preset_op(core, cfg, op: str, kwargs: dict) -> dict:
@@ -161,7 +161,7 @@ def _preset_op(core, cfg, op: str, kwargs: dict) -> dict:
         return res
     if op == OP_PRESET_ROLLBACK:
         return table.rollback(kwargs["name"], kwargs.get("token", ""))
-    return _error(400, f"unknown steer control op {op!r}")
+    return _error(400, f"unknown steer management op {op!r}")
 
 
 def load_steer_file(core, name: str, path: str, source: str,
@@ -219,9 +219,9 @@ def load_steer_file(core, name: str, path: str, source: str,
     except SteerCapacityError as e:
         reg.counters["failures"] += 1
         return _error(507, f"cannot load steer {name!r}: {e}")
-    gen = reg.new_generation()
+    load_id = reg.new_load_id()
     try:
-        _workers(core, "put", slot, gen, name, steer)
+        _workers(core, "put", slot, load_id, name, steer)
     except Exception:
         reg.counters["failures"] += 1
         if evicted is not None:  # its slot may hold part of the new factors now
@@ -229,11 +229,11 @@ def load_steer_file(core, name: str, path: str, source: str,
             reg.slots[slot] = None
             reg.counters["evictions"] += 1
         raise
-    entry = reg.commit(SteerEntry.from_metadata(name, path, steer.metadata, gen, slot, source),
+    entry = reg.commit(SteerEntry.from_metadata(name, path, steer.metadata, load_id, slot, source),
                        evicted)
     ms = (time.perf_counter() - t0) * 1e3
-    logger.info("vllm-steer: loaded steer %r from %s (rank %d, slot %d, generation %d) in "
-                "%.1f ms%s", name, path, entry.rank, slot, gen, ms,
+    logger.info("vllm-steer: loaded steer %r from %s (rank %d, bank slot %d, load id %d) in "
+                "%.1f ms%s", name, path, entry.rank, slot, load_id, ms,
                 f"; evicted {evicted.name!r} (least recently used)" if evicted else "")
     return {"ok": True, "steer": entry.to_json(), "evicted": evicted.name if evicted else None,
             "load_ms": ms}

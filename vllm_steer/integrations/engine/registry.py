@@ -1,4 +1,4 @@
-"""The set of steers an engine serves, managed at run time: slots, generations, capacity.
+"""The set of steers an engine serves, managed at run time: bank slots, load ids, capacity.
 
 One :class:`SteerRegistry` lives in the engine-core process (the one place that sees every
 request, waiting or running) and is the authority on which steers are loaded:
@@ -6,13 +6,14 @@ request, waiting or running) and is the authority on which steers are loaded:
 - **Slots.** ``--max-steers N`` fixes N steer slots up front. A steer occupies one slot; the
   per-request coefficient table of every worker has fixed columns per slot, so loading or
   unloading a steer never moves what a request in flight uses.
-- **Generations.** Every load gets a new generation id (unique across names). A request is
-  *bound* when it reaches the engine core: each steer it names is resolved to
-  ``(slot, generation)`` and written into its sampling params (:data:`BOUND_KEY`,
-  :class:`~vllm_steer.request.BoundSteer`: ``bank_slot`` and ``load_id``). Workers steer with
-  exactly that slot and check that it still holds that generation. Re-loading a
-  name from another file makes a new generation in another slot; requests bound before keep
-  the old one.
+- **Load ids.** Every load gets a new load id (unique across names; the start-up steers'
+  come with the server's configuration,
+  :meth:`~vllm_steer.config.SteerServerConfig.startup_placement`). A request is *bound*
+  when it reaches the engine core: each steer it names is resolved to
+  ``(bank_slot, load_id)`` and written into its sampling params (:data:`BOUND_KEY`,
+  :class:`~vllm_steer.request.BoundSteer`). Workers steer with exactly that bank slot and
+  check that it still holds that load. Re-loading a name from another file makes a new load
+  in another bank slot; requests bound before keep the old one.
 - **Unloading.** The name is unbound at once (later requests are refused); the slot stays
   *draining* until no request bound to it remains, then is freed (:meth:`reap`). A request in
   flight when its steer is unloaded therefore finishes with it.
@@ -55,8 +56,8 @@ class SteerEntry:
 
     name: str
     file: str
-    generation: int
-    slot: int
+    load_id: int
+    bank_slot: int
     hidden_size: int
     rank: int
     eps0: float
@@ -70,9 +71,9 @@ class SteerEntry:
     state: str = "loaded"  # "loaded" (bound to its name) or "draining" (unloaded, still used)
 
     @classmethod
-    def from_metadata(cls, name, path, meta, generation, slot, source) -> "SteerEntry":
+    def from_metadata(cls, name, path, meta, load_id, bank_slot, source) -> "SteerEntry":
         now = time.time()
-        return cls(name=name, file=os.path.abspath(path), generation=generation, slot=slot,
+        return cls(name=name, file=os.path.abspath(path), load_id=load_id, bank_slot=bank_slot,
                    hidden_size=int(meta.hidden_size), rank=int(meta.rank),
                    eps0=float(meta.epsilon), labels=dict(meta.labels or {}),
                    recommended_strength=meta.recommended_strength, base_model=meta.base_model,
@@ -86,7 +87,7 @@ class SteerEntry:
 
 
 class SteerRegistry:
-    """Slots, names and generations of the steers one engine serves (see the module doc)."""
+    """Bank slots, names and load ids of the steers one engine serves (see the module doc)."""
 
     def __init__(self, capacity: int = DEFAULT_MAX_STEERS):
         if capacity < 1:
@@ -94,7 +95,7 @@ class SteerRegistry:
         self.capacity = capacity
         self.slots: list[SteerEntry | None] = [None] * capacity
         self.bound: dict[str, int] = {}  # name -> slot
-        self.next_generation = 1
+        self.next_load_id = 1
         self.counters = {"loads": 0, "unloads": 0, "evictions": 0, "failures": 0,
                          "refused_400": 0, "refused_500": 0}
         self.served: dict[str, int] = {}  # requests steered per name (kept over unloads)
@@ -108,7 +109,7 @@ class SteerRegistry:
         return sorted(self.bound)
 
     def listing(self) -> list[dict]:
-        return [e.to_json() for e in sorted(filter(None, self.slots), key=lambda e: e.slot)]
+        return [e.to_json() for e in sorted(filter(None, self.slots), key=lambda e: e.bank_slot)]
 
     # ---- planning a load -------------------------------------------------------------------
     def free_slot(self, in_use: set[tuple[int, int]], evictable: bool = True,
@@ -125,13 +126,13 @@ class SteerRegistry:
                 return i, None
         if replacing is not None:
             old = self.get(replacing)
-            if old is not None and (old.slot, old.generation) not in in_use:
-                return old.slot, None
+            if old is not None and (old.bank_slot, old.load_id) not in in_use:
+                return old.bank_slot, None
         if evictable:
             cands = [e for e in self.slots if self._evictable(e, in_use, protect)]
             if cands:
                 victim = min(cands, key=lambda e: e.last_used)
-                return victim.slot, victim
+                return victim.bank_slot, victim
         used = sum(1 for e in self.slots if e is not None)
         draining = sum(1 for e in self.slots if e is not None and e.state == "draining")
         raise SteerCapacityError(
@@ -145,7 +146,7 @@ class SteerRegistry:
         that ``protect`` names: empty slots, draining slots no request uses, and steer-dir
         steers no request uses (evictable). Changes nothing."""
         return sum(1 for e in self.slots if e is None
-                   or (e.state == "draining" and (e.slot, e.generation) not in in_use)
+                   or (e.state == "draining" and (e.bank_slot, e.load_id) not in in_use)
                    or self._evictable(e, in_use, protect))
 
     @staticmethod
@@ -154,7 +155,7 @@ class SteerRegistry:
         """Whether a first-use load may evict ``e``: a loaded steer-dir steer no request uses
         and ``protect`` does not name (:meth:`free_slot`, :meth:`room`)."""
         return (e is not None and e.state == "loaded" and e.source == SOURCE_STEER_DIR
-                and (e.slot, e.generation) not in in_use and e.name not in protect)
+                and (e.bank_slot, e.load_id) not in in_use and e.name not in protect)
 
     def never_evicted(self) -> set[str]:
         """Names of the steers no first-use load can take the slot of: given with ``--steer``
@@ -168,16 +169,16 @@ class SteerRegistry:
             self.counters["evictions"] += 1
             self.bound.pop(evicted.name, None)
         old = self.get(entry.name)
-        if old is not None and old.slot != entry.slot:
+        if old is not None and old.bank_slot != entry.bank_slot:
             old.state = "draining"
-        self.slots[entry.slot] = entry
-        self.bound[entry.name] = entry.slot
+        self.slots[entry.bank_slot] = entry
+        self.bound[entry.name] = entry.bank_slot
         self.counters["loads"] += 1
         return entry
 
-    def new_generation(self) -> int:
-        g = self.next_generation
-        self.next_generation += 1
+    def new_load_id(self) -> int:
+        g = self.next_load_id
+        self.next_load_id += 1
         return g
 
     # ---- unloading -------------------------------------------------------------------------
@@ -196,20 +197,20 @@ class SteerRegistry:
         """Free draining slots no request uses; returns the freed slots."""
         freed = []
         for i, e in enumerate(self.slots):
-            if e is not None and e.state == "draining" and (e.slot, e.generation) not in in_use:
+            if e is not None and e.state == "draining" and (e.bank_slot, e.load_id) not in in_use:
                 self.slots[i] = None
                 freed.append(i)
         return freed
 
     # ---- admission -------------------------------------------------------------------------
     def bind(self, names: Iterable[str]) -> dict[str, list[int]]:
-        """``{name: [slot, generation]}`` of the loaded steers ``names`` (KeyError if one is
+        """``{name: [bank_slot, load_id]}`` of the loaded steers ``names`` (KeyError if one is
         not)."""
         out = {}
         now = time.time()
         for n in names:
             e = self.slots[self.bound[n]]
-            out[n] = [e.slot, e.generation]
+            out[n] = [e.bank_slot, e.load_id]
         for n in names:
             e = self.slots[self.bound[n]]
             e.requests_served += 1
@@ -224,7 +225,7 @@ class SteerRegistry:
 
 
 def bound_in(requests: Iterable[Any]) -> set[tuple[int, int]]:
-    """``(slot, generation)`` pairs bound by ``requests`` (objects with ``sampling_params``)."""
+    """``(bank_slot, load_id)`` pairs bound by ``requests`` (objects with ``sampling_params``)."""
     used = set()
     for r in requests:
         sp = getattr(r, "sampling_params", None)

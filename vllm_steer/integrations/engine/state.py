@@ -21,7 +21,7 @@ class EngineSteerState:
     config: SteerServerConfig | None
     """This engine's steer configuration (None: it does not steer)."""
     registry: SteerRegistry | None
-    """Which steers are loaded, in which slot and generation (None: steering is off)."""
+    """Which steers are loaded, in which bank slot under which load id (None: steering is off)."""
     hidden_size: int
     """The LM head's input size: what a steer must fit."""
     presets: PresetTable = field(default_factory=PresetTable)
@@ -74,11 +74,12 @@ def engine_state(core) -> EngineSteerState:
     else:
         reg = SteerRegistry(cfg.capacity)
         ranks = []
-        for slot, (name, path) in enumerate(cfg.steers.items()):  # as the workers number them
-            meta = read_metadata(path)
+        for name, (bank_slot, load_id) in cfg.startup_placement().items():  # the workers' too
+            meta = read_metadata(cfg.steers[name])
             ranks.append(int(meta.rank))
-            reg.commit(SteerEntry.from_metadata(name, path, meta, reg.new_generation(), slot,
+            reg.commit(SteerEntry.from_metadata(name, cfg.steers[name], meta, load_id, bank_slot,
                                                 SOURCE_STARTUP))
+            reg.next_load_id = max(reg.next_load_id, load_id + 1)
         reg.counters["loads"] = 0  # start-up steers are not run-time loads
         st = EngineSteerState(cfg, reg, head_input_size(core.vllm_config.model_config),
                               startup_ranks=tuple(ranks), engine=engine)

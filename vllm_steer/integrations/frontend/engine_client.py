@@ -28,7 +28,7 @@ logger = get_logger()
 def _rolled_back(res: dict, undo: dict) -> dict:
     return {**res, "error": f"{res['error']} (data parallelism: refused by engine core "
                             f"{res.get('engine')}; unloaded again from the "
-                            f"{len(undo['generations'])} engine core(s) that had loaded it)"}
+                            f"{len(undo['load_ids'])} engine core(s) that had loaded it)"}
 
 
 def _take_views(op: str, res: dict, metrics: bool = True) -> None:

@@ -82,8 +82,8 @@ class BankState:
         if reasons:
             raise SteerFileError(", ".join(self.config.steers.values()), reasons)
         self.bank = self._reserve_bank(hidden_size, device, dtype, steers)
-        for bank_slot, name in enumerate(self.names):
-            self.bank.put(bank_slot, startup_load_id(bank_slot), name, steers[name])
+        for name, (bank_slot, load_id) in self.config.startup_placement().items():
+            self.bank.put(bank_slot, load_id, name, steers[name])
         # Resolve the backend now (it imports the kernels, and Triton where present: about
         # half a second), not in the first steered request's step.
         from vllm_steer import ops
@@ -190,17 +190,9 @@ class BankState:
         return mib
 
 
-def startup_load_id(bank_slot: int) -> int:
-    """The load id of the start-up steer in ``bank_slot``. The worker loads the start-up steers
-    itself, with the model, before any op of the engine core reaches it; the engine core's
-    registry puts them into bank slots ``0, 1, ...`` in their order and issues them its first
-    load ids, ``1, 2, ...`` (a run-time load's id comes with its put op)."""
-    return bank_slot + 1
-
-
 def _same_model(a: str, b: str) -> bool:
     norm = lambda s: s.rstrip("/").split("/")[-1].lower().replace("_", "-")  # noqa: E731
     return norm(a) == norm(b) or a in b or b in a
 
 
-__all__ = ["BankState", "startup_load_id"]
+__all__ = ["BankState"]
