@@ -37,26 +37,15 @@ def recording(hook, target: str):
     """``hook`` with a wrapper that notes ``target`` when it first runs, then does what the
     plugin's wrapper does (a lazily imported one is still resolved once, then called
     directly)."""
-    from vllm_steer.integrations.hooks import RESOLVE_ATTR
+    from vllm_steer.integrations.hooks import RESOLVE_ATTR, same_kind
 
     wrapper = hook.wrapper
-    if inspect.isasyncgenfunction(wrapper):
-        async def rec(orig, *args, **kwargs):
-            note(target)
-            agen = wrapper(orig, *args, **kwargs)
-            try:
-                async for item in agen:
-                    yield item
-            finally:
-                await agen.aclose()
-    elif inspect.iscoroutinefunction(wrapper):
-        async def rec(orig, *args, **kwargs):
-            note(target)
-            return await wrapper(orig, *args, **kwargs)
-    else:
-        def rec(orig, *args, **kwargs):
-            note(target)
-            return wrapper(orig, *args, **kwargs)
+
+    def noting(*args, **kwargs):
+        note(target)
+        return wrapper(*args, **kwargs)
+
+    rec = same_kind(wrapper, noting)
     functools.update_wrapper(rec, wrapper)
     resolve = getattr(wrapper, RESOLVE_ATTR, None)
     if resolve is not None:  # wrap_method calls this at the first call only

@@ -151,6 +151,26 @@ WRAPPER_ATTR = "_vllm_steer"
 RESOLVE_ATTR = "vllm_steer_resolve"
 
 
+def same_kind(like: Callable, call: Callable) -> Callable:
+    """A function of the kind of ``like`` (plain, coroutine or async generator function) whose
+    calls return, await or yield from ``call(*args, **kwargs)``."""
+    if inspect.isasyncgenfunction(like):
+        async def forward(*args, **kwargs):
+            agen = call(*args, **kwargs)
+            try:
+                async for item in agen:
+                    yield item
+            finally:
+                await agen.aclose()
+    elif inspect.iscoroutinefunction(like):
+        async def forward(*args, **kwargs):
+            return await call(*args, **kwargs)
+    else:
+        def forward(*args, **kwargs):
+            return call(*args, **kwargs)
+    return forward
+
+
 def wrap_method(owner: Any, name: str, wrapper: Callable) -> None:
     """Replace ``owner.name`` (a method, static or class method of a class, or a module's
     function) by one that calls ``wrapper(orig, *args, **kwargs)``: the one way this plugin
@@ -164,17 +184,8 @@ def wrap_method(owner: Any, name: str, wrapper: Callable) -> None:
     if getattr(orig, WRAPPER_ATTR, None) is wrapper:
         return
 
-    if inspect.isasyncgenfunction(wrapper):
-        async def patched(*args, **kwargs):
-            agen = wrapper(orig, *args, **kwargs)
-            try:
-                async for item in agen:
-                    yield item
-            finally:
-                await agen.aclose()
-    elif inspect.iscoroutinefunction(wrapper):
-        async def patched(*args, **kwargs):
-            return await wrapper(orig, *args, **kwargs)
+    if inspect.isasyncgenfunction(wrapper) or inspect.iscoroutinefunction(wrapper):
+        patched = same_kind(wrapper, functools.partial(wrapper, orig))
     else:
         # a lazily imported wrapper (RESOLVE_ATTR) is replaced by what it calls at the first
         # call: every later call goes straight to it (one flag test, no extra frame)
