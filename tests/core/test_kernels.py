@@ -330,6 +330,25 @@ def test_triton_rejects_bad_input_clearly():
         run_triton(hidden, p1.T.contiguous().T, p2, offs, coefs)
 
 
+def test_triton_segments_and_replayable_op_check_dtypes_before_launching():
+    """The two wrappers that launch without planning first (the segments, the replayable op)
+    assert their operands' dtypes themselves."""
+    if TRITON_SKIP:
+        pytest.skip(TRITON_SKIP)
+    from vllm_steer.kernels.triton.launch import steer_triton_replayable
+    from vllm_steer.kernels.triton.plan import prepare_triton
+    from vllm_steer.kernels.triton.segments import segments
+
+    hidden, p1, p2, offs, coefs = make_inputs(4, 64, [16], "mixed", torch.float32, torch.float32)
+    with pytest.raises(AssertionError, match="coefs must be float32"):
+        segments(coefs.double())
+    with pytest.raises(AssertionError, match="contiguous"):
+        segments(torch.zeros(1, 4, device=DEVICE).expand(4, 4))
+    plan = prepare_triton(p1, p2, offs, coefs)
+    with pytest.raises(AssertionError, match="hidden dtype"):
+        steer_triton_replayable(hidden.double(), p1, p2, offs, coefs, hidden.double(), plan)
+
+
 @pytest.mark.parametrize("tiles", [
     dict(shrink_m=16, shrink_r=16, shrink_d=16, expand_m=16, expand_d=16, expand_r=16),
     dict(shrink_m=32, shrink_r=32, split_d=2, expand_m=32, expand_d=32, expand_r=32),

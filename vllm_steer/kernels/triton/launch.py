@@ -106,6 +106,8 @@ def steer_triton_replayable(
     steers in use: ``scripts/gpu_window.py`` (its ``replay`` check) records it in a CUDA graph
     and times it beside the head's graphs, and ``tests/core/test_kernels.py`` checks it against
     the reference."""
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    assert hidden.dtype in floats, f"hidden dtype must be one of {floats}, got {hidden.dtype}"
     num_rows = coefs.shape[0]
     offs = rank_offsets_list(rank_offsets)
     assert prepared.num_rows == num_rows and prepared.segments is not None, \

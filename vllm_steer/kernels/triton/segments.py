@@ -27,6 +27,8 @@ def segments(
     the count are unspecified); ``perm`` orders the rows by their first active steer, stably
     (rows with no steer last). ``into``: those three tables to write instead of new ones.
     """
+    assert coefs.dtype == torch.float32 and coefs.dim() == 2 and coefs.is_contiguous(), \
+        f"coefs must be float32 [num_rows, K] contiguous, got {coefs.dtype} {tuple(coefs.shape)}"
     num_rows, K = coefs.shape
     if into is None:
         seg_rows = torch.empty((K, num_rows), dtype=torch.int32, device=coefs.device)
