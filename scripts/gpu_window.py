@@ -22,8 +22,8 @@ INFO); the exit status is 1 when any check fails.
   microseconds (the goal: at most :data:`HOST_US_GOAL`, reported), microseconds per call back
   to back and on the device alone, and the replayed rows against the reference (a failure
   when they differ); beside it, the fused Triton op over the same fixed copy recorded in a
-  CUDA graph with its segments computed on the device (``triton_steer.
-  steer_triton_replayable``), timed the same way and checked against the reference: it reads
+  CUDA graph with its segments computed on the device (``kernels/triton/launch.py``,
+  ``steer_triton_replayable``), timed the same way and checked against the reference: it reads
   only the steers in use, where the head's op multiplies every column of the copy;
 - head: the worker's head on a steady steered step (``StepPlanner.steer_rows``, graphs
   captured at start-up as in an engine), host microseconds warm and with cold caches, by part
@@ -106,10 +106,12 @@ COMPILE_SHAPES = [("d576 r16", 576, [16]), ("d4096 r16/16/64", 4096, [16, 16, 64
 
 def check_compiles(dev, shapes=COMPILE_SHAPES, max_rows: int = 256) -> bool:
     from vllm_steer import ops
-    from vllm_steer.kernels import triton_steer as ts
+    from vllm_steer.kernels.triton import jit
+    from vllm_steer.kernels.triton.launch import steer_triton
+    from vllm_steer.kernels.triton.plan import prepare_triton
 
-    kernels = {"segments": ts._steer_segments_kernel, "shrink": ts._steer_shrink_kernel,
-               "expand": ts._steer_expand_kernel}
+    kernels = {"segments": jit._steer_segments_kernel, "shrink": jit._steer_shrink_kernel,
+               "expand": jit._steer_expand_kernel}
 
     def entries():
         return sum(cache_entries(k) for k in kernels.values())
@@ -129,9 +131,9 @@ def check_compiles(dev, shapes=COMPILE_SHAPES, max_rows: int = 256) -> bool:
             hidden = torch.randn(rows, d, device=dev, dtype=torch.bfloat16)
             coefs = co.to(dev)
             t = time.perf_counter()
-            plan = ts.prepare_triton(p1, p2, offs, coefs, host=co.numpy())  # the serving path
-            ts.steer_triton(hidden, p1, p2, offs, coefs, prepared=plan)
-            ts.steer_triton(hidden, p1, p2, offs, coefs)  # unplanned: the segments kernel too
+            plan = prepare_triton(p1, p2, offs, coefs, host=co.numpy())  # the serving path
+            steer_triton(hidden, p1, p2, offs, coefs, prepared=plan)
+            steer_triton(hidden, p1, p2, offs, coefs)  # unplanned: the segments kernel too
             torch.cuda.synchronize()
             worst = max(worst, (time.perf_counter() - t, rows))
         new = entries() - after_warm
@@ -155,7 +157,7 @@ def _first_rows_equal(outs: dict) -> tuple[bool, float]:
 
 def check_invariance(dev, shapes) -> bool:
     from vllm_steer.kernels.torch_steer import steer_torch
-    from vllm_steer.kernels.triton_steer import steer_triton
+    from vllm_steer.kernels.triton.launch import steer_triton
 
     ok = True
     for d, rank in shapes:
@@ -189,7 +191,8 @@ def check_invariance(dev, shapes) -> bool:
 def check_capture(dev) -> bool:
     from vllm_steer import ops
     from vllm_steer.kernels.torch_steer import prepare_torch, steer_torch
-    from vllm_steer.kernels.triton_steer import prepare_triton, steer_triton
+    from vllm_steer.kernels.triton.launch import steer_triton
+    from vllm_steer.kernels.triton.plan import prepare_triton
 
     p1, p2, offs = make_bank(576, [16, 64], torch.bfloat16, dev)
     co = distinct_coefs(8, [16, 64])
@@ -267,7 +270,8 @@ def _time_us(fn, reps: int = 20, device_only: bool = False) -> float:
 def check_auto(dev) -> bool:
     from vllm_steer import ops
     from vllm_steer.kernels.torch_steer import prepare_torch, steer_torch
-    from vllm_steer.kernels.triton_steer import prepare_triton, steer_triton
+    from vllm_steer.kernels.triton.launch import steer_triton
+    from vllm_steer.kernels.triton.plan import prepare_triton
 
     # (d, rank, K, rows): both sides of the AUTO_CUDA rule, and d 8192 where it is extrapolated
     shapes = [(576, 576, 1, 256), (2048, 64, 8, 256), (2048, 1024, 1, 64), (4096, 64, 8, 256),
@@ -328,17 +332,18 @@ def _host_us(fn, sync, calls: int = 200, burst: int = 20) -> float:
 
 def _triton_replay(bank, hidden: torch.Tensor, table: torch.Tensor, cuda: bool):
     """The fused Triton op over the bank's fixed copy (the head graphs' factors), recorded in a
-    CUDA graph as :func:`~vllm_steer.kernels.triton_steer.steer_triton_replayable` allows: a
+    CUDA graph as :func:`~vllm_steer.kernels.triton.launch.steer_triton_replayable` allows: a
     function that copies ``hidden`` in, replays, and returns the static output. It reads only
     the steers the rows use, where the replayed op multiplies every column of the copy. On
     the CPU (a dry run) the same calls run eagerly under Triton's interpreter."""
-    from vllm_steer.kernels import triton_steer as ts
+    from vllm_steer.kernels.triton.launch import steer_triton_replayable
+    from vllm_steer.kernels.triton.plan import prepare_triton
 
     p1, p2, rank = bank.fixed_p1, bank.fixed_p2, bank.fixed_rank
     offs = [k * rank for k in range(table.shape[1] + 1)]
     h_in, out = hidden.clone(), torch.empty_like(hidden)
-    plan = ts.prepare_triton(p1, p2, offs, table)
-    call = lambda: ts.steer_triton_replayable(h_in, p1, p2, offs, table, out, plan)  # noqa: E731
+    plan = prepare_triton(p1, p2, offs, table)
+    call = lambda: steer_triton_replayable(h_in, p1, p2, offs, table, out, plan)  # noqa: E731
     call()  # compiles, outside the capture
     if cuda:
         torch.cuda.synchronize()
@@ -581,7 +586,7 @@ def main(argv=None) -> int:
     say(f"gpu_window: torch {torch.__version__}, triton {triton.__version__}, {where}")
     ok = True
     if args.dry_run:
-        from vllm_steer.kernels.triton_steer import _interpreting
+        from vllm_steer.kernels.triton.launch import _interpreting
 
         if not _interpreting():
             say("invariance: FAIL: a dry run needs TRITON_INTERPRET=1 (set before Python starts)")

@@ -189,12 +189,12 @@ def warm_up(
     """Compile at start-up every kernel the backend can launch for 1..max_rows rows of this
     bank, so that no serving step stalls on a compile. Returns the number of kernel
     specialisations warmed: ``triton`` launches each of
-    :func:`vllm_steer.kernels.triton_steer.specializations` once; ``torch`` and ``reference``
+    :func:`vllm_steer.kernels.triton.warmup.specializations` once; ``torch`` and ``reference``
     compile nothing (0). Call it again after the bank's layout changes."""
     name = resolve_backend(backend, p1.device, p1.shape[0], max_rank_of(rank_offsets))
     if name != "triton":
         return 0
-    from vllm_steer.kernels.triton_steer import warm_up as triton_warm_up
+    from vllm_steer.kernels.triton.warmup import warm_up as triton_warm_up
 
     return triton_warm_up(p1, p2, rank_offsets, max_rows, act_dtype)
 

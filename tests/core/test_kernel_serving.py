@@ -29,7 +29,7 @@ def triton_device() -> torch.device:
     """DEVICE, where the Triton kernels can run there (else the test is skipped)."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    from vllm_steer.kernels.triton_steer import _interpreting
+    from vllm_steer.kernels.triton.launch import _interpreting
 
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         pytest.skip("VLLM_STEER_TEST_DEVICE=cuda but CUDA is not available")
@@ -67,14 +67,16 @@ class Recorder:
 def recorded(monkeypatch):
     """The kernels replaced by recorders; the tiles chosen for a 132-SM GPU (H100, H200), where
     they vary with the row count (the interpreter's one 'SM' would hide that)."""
-    from vllm_steer.kernels import triton_steer as ts
+    from vllm_steer.kernels.triton import jit, launch, tiling
 
+    # each name where every caller looks it up at call time: launch._interpreting (launch,
+    # warmup), tiling._num_sms (plan, warmup), the kernels in jit (segments, launch)
     log: list = []
-    monkeypatch.setattr(ts, "_interpreting", lambda: True)  # CPU tensors accepted; nothing runs
-    monkeypatch.setattr(ts, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(launch, "_interpreting", lambda: True)  # CPU tensors accepted; no run
+    monkeypatch.setattr(tiling, "_num_sms", lambda device: 132)
     for name in ("segments", "shrink", "expand"):
         attr = f"_steer_{name}_kernel"
-        monkeypatch.setattr(ts, attr, Recorder(name, getattr(ts, attr), log))
+        monkeypatch.setattr(jit, attr, Recorder(name, getattr(jit, attr), log))
     return log
 
 
@@ -105,7 +107,9 @@ PROBE_SHAPES = {"d576-r16": (576, [16], 11), "d4096-r16-16-64": (4096, [16, 16, 
 @needs_triton
 @pytest.mark.parametrize("shape", list(PROBE_SHAPES))
 def test_warm_up_leaves_nothing_to_compile_for_1_to_256_rows(recorded, shape):
-    from vllm_steer.kernels.triton_steer import prepare_triton, specializations, steer_triton
+    from vllm_steer.kernels.triton.launch import steer_triton
+    from vllm_steer.kernels.triton.plan import prepare_triton
+    from vllm_steer.kernels.triton.warmup import specializations
 
     d, ranks, expected = PROBE_SHAPES[shape]
     p1, p2, offs = bank(d, ranks)
@@ -134,7 +138,7 @@ def test_warm_up_leaves_nothing_to_compile_for_1_to_256_rows(recorded, shape):
 def test_the_row_count_is_never_a_compile_time_fact(recorded):
     """Rows of one bucket (here 33..64) launch the same kernels: the row count is neither a
     tile input (only its bucket is) nor specialised by Triton (1, multiple of 16)."""
-    from vllm_steer.kernels.triton_steer import steer_triton
+    from vllm_steer.kernels.triton.launch import steer_triton
 
     p1, p2, offs = bank(4096, [16, 16, 64])
     keys = set()
@@ -149,7 +153,7 @@ def test_the_row_count_is_never_a_compile_time_fact(recorded):
 def test_warm_up_runs_the_kernels_and_torch_warms_nothing():
     """The real launches (under the interpreter on CPU): warm_up returns the number it
     compiled, and leaves the kernels' results unchanged."""
-    from vllm_steer.kernels.triton_steer import specializations
+    from vllm_steer.kernels.triton.warmup import specializations
     from vllm_steer.reference import steer_reference
 
     dev = triton_device()
@@ -173,19 +177,20 @@ def test_batch_invariant_mode_rows_do_not_depend_on_the_batch(monkeypatch, dtype
     """A row's output is bit for bit the same at 1, 7, 64 and 256 rows. The shape is one where,
     on a 16-SM GPU, the tiles otherwise change with the batch (the shrink split along hidden,
     with atomics, up to 64 rows; not at 256), which changes last bits in fp32 and bf16."""
-    from vllm_steer.kernels import triton_steer as ts
+    from vllm_steer.kernels.triton import tiling
+    from vllm_steer.kernels.triton.launch import steer_triton
     from vllm_steer.reference import steer_reference
 
     dev = triton_device()
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
-    monkeypatch.setattr(ts, "_num_sms", lambda device: 16)
+    monkeypatch.setattr(tiling, "_num_sms", lambda device: 16)  # looked up there by the plan
     d, rank = 512, 64
     gen = torch.Generator().manual_seed(11)
     p1 = (torch.randn(d, rank, generator=gen) / d ** 0.5).to(dev, dtype)
     p2 = (torch.randn(d, rank, generator=gen) / rank ** 0.5).to(dev, dtype)
     hidden = torch.randn(256, d, generator=gen).to(dev, dtype)
     coefs = torch.randn(256, 1, generator=gen).to(dev)
-    outs = {n: ts.steer_triton(hidden[:n], p1, p2, [0, rank], coefs[:n].contiguous())
+    outs = {n: steer_triton(hidden[:n], p1, p2, [0, rank], coefs[:n].contiguous())
             for n in (1, 7, 64, 256)}
     for small, big in [(1, 7), (7, 64), (64, 256)]:
         diff = (outs[small].float() - outs[big][:small].float()).abs().max().item()
@@ -199,7 +204,7 @@ def test_batch_invariant_mode_rows_do_not_depend_on_the_batch(monkeypatch, dtype
 def test_batch_invariant_tiles_ignore_the_row_count(monkeypatch):
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    from vllm_steer.kernels.triton_steer import choose_tiles
+    from vllm_steer.kernels.triton.tiling import choose_tiles
 
     offs = [0, 16, 16, 80]
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
@@ -213,7 +218,8 @@ def test_batch_invariant_mode_refuses_atomics_and_bad_values(monkeypatch):
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
     from vllm_steer.kernels import batch_invariant
-    from vllm_steer.kernels.triton_steer import ENV_TILES, prepare_triton
+    from vllm_steer.kernels.triton.plan import prepare_triton
+    from vllm_steer.kernels.triton.tiling import ENV_TILES
 
     p1, p2, offs = bank(64, [16], torch.float32)
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
@@ -267,10 +273,11 @@ def test_every_steer_entry_point_runs_the_capture_guard(monkeypatch):
         "prepare_torch": lambda: torch_steer.prepare_torch(p1, p2, offs, coefs),
     }
     if HAS_TRITON:
-        from vllm_steer.kernels import triton_steer
+        from vllm_steer.kernels.triton.launch import steer_triton
+        from vllm_steer.kernels.triton.plan import prepare_triton
 
-        calls["steer_triton"] = lambda: triton_steer.steer_triton(hidden, p1, p2, offs, coefs)
-        calls["prepare_triton"] = lambda: triton_steer.prepare_triton(p1, p2, offs, coefs)
+        calls["steer_triton"] = lambda: steer_triton(hidden, p1, p2, offs, coefs)
+        calls["prepare_triton"] = lambda: prepare_triton(p1, p2, offs, coefs)
     for name, call in calls.items():
         with pytest.raises(RuntimeError, match="capturing on cpu"):
             call()

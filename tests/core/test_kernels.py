@@ -28,7 +28,7 @@ def _triton_usable() -> str | None:
     """None when the Triton kernel can run on DEVICE, else why not."""
     if not HAS_TRITON:
         return "triton is not installed"
-    from vllm_steer.kernels.triton_steer import _interpreting
+    from vllm_steer.kernels.triton.launch import _interpreting
 
     if DEVICE.type == "cpu" and not _interpreting():
         return "Triton on CPU needs TRITON_INTERPRET=1 set before import (make test sets it)"
@@ -269,7 +269,7 @@ def test_triton_strided_rows():
 def test_triton_segments_group_rows_by_steer():
     if TRITON_SKIP:
         pytest.skip(TRITON_SKIP)
-    from vllm_steer.kernels.triton_steer import segments
+    from vllm_steer.kernels.triton.segments import segments
 
     coefs = torch.tensor([[0.0, 1.0, 0.0],
                           [0.0, 0.0, 0.0],
@@ -288,7 +288,7 @@ def test_triton_segments_match_torch_sorting(rows, K):
     """Several chunks of rows (running offsets), K past a power of two, single row."""
     if TRITON_SKIP:
         pytest.skip(TRITON_SKIP)
-    from vllm_steer.kernels.triton_steer import segments
+    from vllm_steer.kernels.triton.segments import segments
 
     gen = torch.Generator().manual_seed(rows + K)
     coefs = torch.randn(rows, K, generator=gen) * (torch.rand(rows, K, generator=gen) < 0.05)
@@ -308,7 +308,7 @@ def test_triton_host_segments_match_the_device_kernel(rows, K):
     segments kernel, each 16-byte aligned (else Triton compiles the kernels anew for them)."""
     if TRITON_SKIP:
         pytest.skip(TRITON_SKIP)
-    from vllm_steer.kernels.triton_steer import segments, segments_host
+    from vllm_steer.kernels.triton.segments import segments, segments_host
 
     gen = torch.Generator().manual_seed(rows * K)
     coefs = torch.randn(rows, K, generator=gen) * (torch.rand(rows, K, generator=gen) < 0.3)
@@ -330,6 +330,25 @@ def test_triton_rejects_bad_input_clearly():
         run_triton(hidden, p1.T.contiguous().T, p2, offs, coefs)
 
 
+def test_triton_segments_and_replayable_op_check_dtypes_before_launching():
+    """The two wrappers that launch without planning first (the segments, the replayable op)
+    assert their operands' dtypes themselves."""
+    if TRITON_SKIP:
+        pytest.skip(TRITON_SKIP)
+    from vllm_steer.kernels.triton.launch import steer_triton_replayable
+    from vllm_steer.kernels.triton.plan import prepare_triton
+    from vllm_steer.kernels.triton.segments import segments
+
+    hidden, p1, p2, offs, coefs = make_inputs(4, 64, [16], "mixed", torch.float32, torch.float32)
+    with pytest.raises(AssertionError, match="coefs must be float32"):
+        segments(coefs.double())
+    with pytest.raises(AssertionError, match="contiguous"):
+        segments(torch.zeros(1, 4, device=DEVICE).expand(4, 4))
+    plan = prepare_triton(p1, p2, offs, coefs)
+    with pytest.raises(AssertionError, match="hidden dtype"):
+        steer_triton_replayable(hidden.double(), p1, p2, offs, coefs, hidden.double(), plan)
+
+
 @pytest.mark.parametrize("tiles", [
     dict(shrink_m=16, shrink_r=16, shrink_d=16, expand_m=16, expand_d=16, expand_r=16),
     dict(shrink_m=32, shrink_r=32, split_d=2, expand_m=32, expand_d=32, expand_r=32),
@@ -337,7 +356,7 @@ def test_triton_rejects_bad_input_clearly():
 ], ids=["all16", "split2", "split4-wide"])
 def test_triton_tile_variants(tiles):
     """Every tiling (and the hidden split with fp32 atomics) computes the same function."""
-    from vllm_steer.kernels.triton_steer import Tiles
+    from vllm_steer.kernels.triton.tiling import Tiles
 
     hidden, p1, p2, offs, coefs = make_inputs(13, 48, [48, 9, 20], "mixed",
                                               torch.bfloat16, torch.bfloat16, seed=6)
@@ -349,7 +368,7 @@ def test_triton_tile_variants(tiles):
 def test_triton_tile_overrides_from_the_environment(monkeypatch):
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    from vllm_steer.kernels.triton_steer import ENV_TILES, Tiles, _with_overrides
+    from vllm_steer.kernels.triton.tiling import ENV_TILES, Tiles, _with_overrides
 
     monkeypatch.setenv(ENV_TILES, "expand_r=64, num_stages=2")
     assert _with_overrides(Tiles()) == Tiles(expand_r=64, num_stages=2)
@@ -361,7 +380,7 @@ def test_triton_tile_overrides_from_the_environment(monkeypatch):
 def test_triton_tiles_follow_the_shape():
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    from vllm_steer.kernels.triton_steer import choose_tiles
+    from vllm_steer.kernels.triton.tiling import choose_tiles
 
     decode = choose_tiles(1, 4096, [0, 64], num_sms=132)  # one row, one rank-64 steer
     assert decode.split_d > 1 and decode.shrink_r == 16 and decode.expand_d == 32
@@ -450,7 +469,8 @@ def test_triton_plan_reused_over_steps_gives_the_per_call_result(pattern):
     # planned call, and the reference.
     if TRITON_SKIP:
         pytest.skip(TRITON_SKIP)
-    from vllm_steer.kernels.triton_steer import prepare_triton, steer_triton
+    from vllm_steer.kernels.triton.launch import steer_triton
+    from vllm_steer.kernels.triton.plan import prepare_triton
 
     _, p1, p2, offs, coefs = make_inputs(21, 64, [16, 32, 16], pattern, torch.float32,
                                          torch.float32, seed=7)
@@ -477,7 +497,8 @@ def test_triton_replayable_op_follows_coefficients_whose_pattern_changed_after_i
     # the values the buffer holds then.
     if TRITON_SKIP:
         pytest.skip(TRITON_SKIP)
-    from vllm_steer.kernels.triton_steer import prepare_triton, steer_triton_replayable
+    from vllm_steer.kernels.triton.launch import steer_triton_replayable
+    from vllm_steer.kernels.triton.plan import prepare_triton
 
     hidden, p1, p2, offs, coefs = make_inputs(19, 64, [16, 16, 16, 16], "one_per_row",
                                               act_dtype, fac_dtype, seed=11)

@@ -152,7 +152,7 @@ def test_triton_on_cpu_tensors_without_interpreter_says_what_to_do():
 
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    from vllm_steer.kernels.triton_steer import _interpreting
+    from vllm_steer.kernels.triton.launch import _interpreting
 
     hidden, p1, p2, offs, coefs = inputs()
     if _interpreting():

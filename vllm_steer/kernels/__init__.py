@@ -4,8 +4,9 @@ The backends the one dispatch point :mod:`vllm_steer.ops` serves (it imports thi
 this package never imports it):
 
 - ``"torch"``: :func:`.torch_steer.steer_torch` (CPU path, CUDA fallback), always;
-- ``"triton"``: :func:`.triton_steer.steer_triton` (fused CUDA kernel; the CPU interpreter with
-  ``TRITON_INTERPRET=1``), only when ``import triton`` works.
+- ``"triton"``: :func:`.triton.launch.steer_triton` (fused CUDA kernel; the CPU interpreter
+  with ``TRITON_INTERPRET=1``; the subpackage :mod:`.triton`, a module per concept), only when
+  ``import triton`` works.
 
 Beside them, outside the dispatch: :mod:`.fixed`, the capture-safe op (a fixed-layout bank,
 coefficients gathered on the device; :func:`vllm_steer.ops.steer_fixed`), and :mod:`.graphs`,
@@ -34,7 +35,7 @@ ENV_BACKEND = "VLLM_STEER_BACKEND"
 ENV_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"
 
 _FROM = {"steer_torch": ".torch_steer", "prepare_torch": ".torch_steer",
-         "steer_triton": ".triton_steer", "prepare_triton": ".triton_steer"}
+         "steer_triton": ".triton.launch", "prepare_triton": ".triton.plan"}
 
 
 def _has_triton() -> bool:
@@ -49,7 +50,7 @@ def __getattr__(name: str) -> Any:
     if name == "HAS_TRITON":
         value = _has_triton()
     elif name in _FROM:
-        if _FROM[name] == ".triton_steer" and not _has_triton():
+        if _FROM[name].startswith(".triton.") and not _has_triton():
             value = None
         else:
             value = getattr(importlib.import_module(_FROM[name], __name__), name)
@@ -80,7 +81,8 @@ def backends() -> dict[str, tuple[Callable, Callable | None]]:
 
     out = {"torch": (steer_torch, prepare_torch)}
     if _has_triton():
-        from .triton_steer import prepare_triton, steer_triton
+        from .triton.launch import steer_triton
+        from .triton.plan import prepare_triton
 
         out["triton"] = (steer_triton, prepare_triton)
     return out

@@ -2,8 +2,9 @@
 
 Semantics: see vllm_steer.reference. This checks what the interpreter cannot: that the kernels
 lower through Triton's real code generator (types of loop-carried values, dot operand dtypes,
-layouts) for the configurations ``choose_tiles`` picks, and how many registers they use and
-whether they spill (with ``cuobjdump -res-usage`` from Triton's bundled CUDA tools).
+layouts) for the configurations ``choose_tiles`` (:mod:`.triton.tiling`) picks, and how many
+registers they use and whether they spill (with ``cuobjdump -res-usage`` from Triton's bundled
+CUDA tools).
 
     python -m vllm_steer.kernels.aot_check            # the default shapes x dtypes, sm_90
     python -m vllm_steer.kernels.aot_check --arch 80 --quick
@@ -54,9 +55,9 @@ def compile_all(arch: int, shapes, dtypes, num_sms: int = 132) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from . import triton_steer as ts
+    from .triton import jit, launch, tiling
 
-    if ts._interpreting():
+    if launch._interpreting():
         print("aot_check: TRITON_INTERPRET is set; run without it", file=sys.stderr)
         return 2
     target = GPUTarget("cuda", arch, 32)
@@ -69,23 +70,23 @@ def compile_all(arch: int, shapes, dtypes, num_sms: int = 132) -> int:
                               target=target, options=opts)
 
     failures = 0
-    seg = build(ts._steer_segments_kernel,
+    seg = build(jit._steer_segments_kernel,
                 dict(coefs_ptr="*fp32", seg_rows_ptr="*i32", seg_counts_ptr="*i32",
                      perm_ptr="*i32", num_rows="i32", K="i32"), dict(CHUNK=128, K_PAD=64))
     print(f"segments: {_resources(seg.asm['cubin'])}")
     for rows, d, rank, K in shapes:
         offs = [min(rank, d) * k for k in range(K + 1)]
-        t = ts.choose_tiles(rows, d, offs, num_sms)
+        t = tiling.choose_tiles(rows, d, offs, num_sms)
         for act, fac in dtypes:
-            shrink_kw, expand_kw = ts.kernel_params(t, d, offs, DT[act], DT[fac])
+            shrink_kw, expand_kw = tiling.kernel_params(t, d, offs, DT[act], DT[fac])
             ints = dict(num_rows="i32", hidden="i32", total_rank="i32", K="i32")
             try:
-                s = build(ts._steer_shrink_kernel, dict(
+                s = build(jit._steer_shrink_kernel, dict(
                     hidden_ptr=f"*{TT[act]}", p1_ptr=f"*{TT[fac]}", coefs_ptr="*fp32",
                     seg_rows_ptr="*i32", seg_counts_ptr="*i32", blk_steer_ptr="*i32",
                     blk_col_ptr="*i32", blk_end_ptr="*i32", buf_ptr="*fp32", stride_h="i32",
                     **ints), shrink_kw)
-                e = build(ts._steer_expand_kernel, dict(
+                e = build(jit._steer_expand_kernel, dict(
                     hidden_ptr=f"*{TT[act]}", p2_ptr=f"*{TT[fac]}", coefs_ptr="*fp32",
                     perm_ptr="*i32", rank_offsets_ptr="*i32", buf_ptr="*fp32",
                     out_ptr=f"*{TT[act]}", stride_h="i32", stride_o="i32", **ints), expand_kw)

@@ -173,12 +173,13 @@ def _steps(rt, source: str, mode: DeviceReads, gen, device=None, dtype=torch.flo
 def _pause_kernel_launches(monkeypatch, mode):
     """The Triton interpreter runs kernels on the host, reading their arguments: a launch is
     no read on CUDA, so launches of the two GEMM kernels are not watched (planning is)."""
-    from vllm_steer.kernels import triton_steer
+    from vllm_steer.kernels.triton import jit, launch
 
-    interpreting = triton_steer._interpreting()
-    monkeypatch.setattr(triton_steer, "_interpreting", lambda: interpreting)
+    # _interpreting looks at the kernels' type: fixed before they are wrapped
+    interpreting = launch._interpreting()
+    monkeypatch.setattr(launch, "_interpreting", lambda: interpreting)
     for name in ("_steer_shrink_kernel", "_steer_expand_kernel"):
-        kernel = getattr(triton_steer, name)
+        kernel = getattr(jit, name)
 
         class Paused:
             def __init__(self, k):
@@ -198,7 +199,7 @@ def _pause_kernel_launches(monkeypatch, mode):
             def __getattr__(self, item):
                 return getattr(self.k, item)
 
-        monkeypatch.setattr(triton_steer, name, Paused(kernel))
+        monkeypatch.setattr(jit, name, Paused(kernel))  # launch looks them up in jit
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -273,7 +274,7 @@ def test_segments_from_host_equal_the_device_segments():
 
     if not HAS_TRITON:
         pytest.skip("no triton")
-    from vllm_steer.kernels.triton_steer import segments, segments_host
+    from vllm_steer.kernels.triton.segments import segments, segments_host
 
     rng = np.random.default_rng(0)
     for n, K in ((1, 1), (7, 3), (40, 5), (3, 8), (5, 2)):
