@@ -428,8 +428,8 @@ def test_loads_and_unloads_are_logged_through_vllms_logger(server):
     assert requests.delete(server + "/v1/steers/logged").status_code == 200
     log = (STATE["root"] / "server.log").read_text()
     assert re.search(r"^\(EngineCore[^)]*\) INFO \S+ \S+ \[management\.py:\d+\] vllm-steer: "
-                     r"loaded steer 'logged' from \S+b\.safetensors \(rank 8, slot \d+, "
-                     r"generation \d+\) in [0-9.]+ ms", log, re.M), log[-3000:]
+                     r"loaded steer 'logged' from \S+b\.safetensors \(rank 8, bank slot \d+, "
+                     r"load id \d+\) in [0-9.]+ ms", log, re.M), log[-3000:]
     assert re.search(r"^\(EngineCore[^)]*\) INFO .*vllm-steer: unloaded steer 'logged'", log, re.M)
 
 
