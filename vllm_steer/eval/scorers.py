@@ -3,7 +3,8 @@
 Two kinds, each a registry of factories (called once, lazily, when a run needs the scorer):
 
 - ``toxicity``: ``score(texts) -> list[float]``, the probability that each text is toxic
-  (built in: ``profanity-check``; see :mod:`vllm_steer.eval.toxicity`);
+  (built in: ``profanity-check``, see :mod:`vllm_steer.eval.toxicity`, and
+  ``minilm-jigsaw``, see :mod:`vllm_steer.eval.minilm`);
 - ``sentiment``: ``score(texts) -> list[float]``, the probability that each text is positive
   (built in: ``sst2`` and ``vader``; see :mod:`vllm_steer.eval.sentiment`).
 
@@ -114,7 +115,8 @@ def score_texts(kind: str, name: str, texts: Sequence[str]) -> list[float]:
 #: only when a run first builds one. The registry imports its scorers lazily and they do not
 #: import it (no import cycle).
 BUILTINS: dict[str, dict[str, str]] = {
-    "toxicity": {"profanity-check": "vllm_steer.eval.toxicity:ProfanityCheckScorer"},
+    "toxicity": {"profanity-check": "vllm_steer.eval.toxicity:ProfanityCheckScorer",
+                 "minilm-jigsaw": "vllm_steer.eval.minilm:minilm_jigsaw_scorer"},
     "sentiment": {"sst2": "vllm_steer.eval.sentiment:sst2_scorer",
                   "vader": "vllm_steer.eval.sentiment:VaderScorer"},
 }

@@ -9,7 +9,9 @@ The paper scores with the Perspective API. Offline, the default scorer is
 ``profanity-check`` (the ``alt-profanity-check`` package: a linear SVM over bag-of-words,
 calibrated, trained on hand-labelled toxic/offensive text): a *profanity/offensiveness*
 scorer, so absolute numbers are not comparable with Perspective's; relative changes are
-what the evaluation reports. Plug another scorer with
+what the evaluation reports. The second built-in, ``minilm-jigsaw``
+(:mod:`vllm_steer.eval.minilm`), is a small transformer fine-tuned on Jigsaw that agrees
+with Perspective more closely. Plug another scorer with
 ``register_scorer("toxicity", NAME, Factory)`` (see :mod:`vllm_steer.eval.scorers`).
 """
 
