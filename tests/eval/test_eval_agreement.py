@@ -54,8 +54,10 @@ def test_texts_labels_and_the_two_measures(tmp_path):
     assert agreement([0.1, 0.3, 0.5], [0.9, 0.1, 0.6])["auroc"] == 0.5  # 1 pair of 2 right
 
 
-def test_the_script_prints_the_table_for_scorers_given_by_module(tmp_path):
-    from vllm_steer.eval import register_scorer
+def test_the_script_prints_the_table_for_scorers_given_by_module(tmp_path, monkeypatch):
+    from vllm_steer.eval import register_scorer, scorers
+
+    monkeypatch.setitem(scorers._REGISTRY, "toxicity", dict(scorers._REGISTRY["toxicity"]))
 
     register_scorer("toxicity", "shouty", Shouty, overwrite=True)
     pt, res = scorer_agreement(["shouty"], str(_rtp(tmp_path)), progress=False)

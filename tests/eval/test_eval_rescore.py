@@ -36,7 +36,16 @@ def _write_run(path):
     return path
 
 
-def test_rescore_adds_the_scores_and_the_metrics_of_a_direct_computation(tmp_path, capsys):
+@pytest.fixture
+def own_registry(monkeypatch):
+    """The toxicity scorers registered by a test are gone after it."""
+    from vllm_steer.eval import scorers
+
+    monkeypatch.setitem(scorers._REGISTRY, "toxicity", dict(scorers._REGISTRY["toxicity"]))
+
+
+def test_rescore_adds_the_scores_and_the_metrics_of_a_direct_computation(tmp_path, capsys,
+                                                                         own_registry):
     from vllm_steer.cli import main
 
     register_scorer("toxicity", "length", Length, overwrite=True)
@@ -77,7 +86,8 @@ def test_the_bootstrap_interval_is_an_independent_resampling_of_prompts():
     assert ci["toxicity_prob"] == pytest.approx(list(np.percentile(prob, [2.5, 97.5])))
 
 
-def test_a_run_with_results_gets_the_metrics_beside_the_headline(tmp_path, monkeypatch):
+def test_a_run_with_results_gets_the_metrics_beside_the_headline(tmp_path, monkeypatch,
+                                                                 own_registry):
     """With a results.json, the rescored metrics join each condition's (suffixed by the
     scorer's name, as with a second --toxicity-scorer), and the report is rewritten."""
     import vllm_steer.eval.harness as harness
