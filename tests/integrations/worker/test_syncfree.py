@@ -1,5 +1,5 @@
-"""The per-step path plans from host data only (issue 22 item 1) and applies generation
-windows per generated token (issue 24, runtime side).
+"""The per-step path plans from host data only and applies generation windows per generated
+token (the worker's side).
 
 CPU: a ``TorchDispatchMode`` marks the runtime's device-side tensors (the slot table
 ``slot_coefs`` and the per-step coefficient buffer) and everything computed from them, and
@@ -172,7 +172,9 @@ def _steps(rt, source: str, mode: DeviceReads, gen, device=None, dtype=torch.flo
 
 def _pause_kernel_launches(monkeypatch, mode):
     """The Triton interpreter runs kernels on the host, reading their arguments: a launch is
-    no read on CUDA, so launches of the two GEMM kernels are not watched (planning is)."""
+    no read on CUDA, so launches of the two GEMM kernels are not watched (planning is). The
+    interpreter of Triton 3.9 reads them outside torch's dispatch, so there the pause changes
+    nothing; it keeps the check true for an interpreter that reads through torch."""
     from vllm_steer.kernels.triton import jit, launch
 
     # _interpreting looks at the kernels' type: fixed before they are wrapped
