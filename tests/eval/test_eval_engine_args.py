@@ -85,8 +85,13 @@ def test_unset_engine_settings_take_the_devices_defaults(steer_file, llm_kwargs)
                     "enforce_eager": False}  # vLLM's own window, batch and memory share
     assert cpu == {"model": "m", "seed": 0, "additional_config": None, "dtype": "float32",
                    "enforce_eager": True, "max_model_len": 512, "max_num_seqs": 128,
-                   "kv_cache_memory_bytes": 1 << 30}
+                   "kv_cache_memory_bytes": 1 << 30,
+                   # every prompt prefilled whole: vLLM's CPU runner cannot rewind the
+                   # generator of a seeded request whose prefill was split
+                   "enable_chunked_prefill": False}
     assert here == cpu
+    assert EngineConfig(extra={"enable_chunked_prefill": True}).resolved("cpu")[
+        "enable_chunked_prefill"] is True  # what the user gives wins
     # a setting the user gives wins over the device's default
     given = EngineConfig(dtype="float32", enforce_eager=True, kv_cache_gib=2.0)
     assert given.resolved("cuda") == {"dtype": "float32", "enforce_eager": True,

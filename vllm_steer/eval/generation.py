@@ -134,7 +134,9 @@ def engine_device() -> str:
 class EngineConfig:
     """The vLLM engine of an evaluation: vLLM's own engine arguments (``EngineArgs`` fields).
     ``None`` means "the default for the device" (:data:`DEVICE_DEFAULTS`): bfloat16 and
-    CUDA graphs on a GPU; float32, eager and a 512-token window on a CPU."""
+    CUDA graphs on a GPU; float32, eager and a 512-token window on a CPU, where every prompt
+    is prefilled whole (no chunked prefill: vLLM's CPU runner cannot rewind a seeded
+    request's generator)."""
 
     dtype: str | None = None
     """Model dtype in vLLM (``None``: ``bfloat16`` on CUDA, ``float32`` on CPU)."""
@@ -171,6 +173,11 @@ class EngineConfig:
             raise ValueError(f"--kv-cache-gib {self.kv_cache_gib:g} and "
                              f"--kv-cache-memory-bytes {self.extra['kv_cache_memory_bytes']} "
                              "both size the KV cache: give one of them")
+        if device == DEVICE_CPU:
+            # every prompt prefilled whole: vLLM 0.32's CPU runner dies when it drops the token
+            # sampled for a partly prefilled request that has a seed (a CPU generator has no
+            # offset to rewind), and every sample here has one
+            kw["enable_chunked_prefill"] = False
         kw.update(self.extra)
         return kw
 
