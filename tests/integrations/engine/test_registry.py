@@ -1,4 +1,4 @@
-"""The engine's set of steers: slots, generations, draining, eviction, names, paths."""
+"""The engine's set of steers: bank slots, load ids, draining, eviction, names, paths."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _load(reg, name, in_use=frozenset(), source="api", file=None):
                                                reg.new_load_id(), slot, source), evicted)
 
 
-def test_reload_under_a_name_makes_a_new_generation_in_another_slot_while_the_old_is_used():
+def test_reload_under_a_name_makes_a_new_load_in_another_bank_slot_while_the_old_is_used():
     reg = SteerRegistry(3)
     old = _load(reg, "detox", file="/s/v1.safetensors")
     bound_old = reg.bind(["detox"])
@@ -34,7 +34,7 @@ def test_reload_under_a_name_makes_a_new_generation_in_another_slot_while_the_ol
     assert reg.reap(set()) == [old.bank_slot] and reg.slots[old.bank_slot] is None
 
 
-def test_reload_of_an_unused_name_reuses_its_slot_with_a_new_generation():
+def test_reload_of_an_unused_name_reuses_its_bank_slot_with_a_new_load_id():
     reg = SteerRegistry(1)
     old = _load(reg, "detox")
     new = _load(reg, "detox")
