@@ -74,14 +74,22 @@ MAX_META_STRENGTH = 1e4
 MAX_BASE_MODEL_LENGTH = 1024
 
 
-class SteerFileError(ValueError):
-    """A steer file was refused; the message names the file and every reason."""
+class RefusedFileError(ValueError):
+    """A file was refused; the message names the file (a ``KIND`` file) and every reason."""
+
+    KIND = "file"
 
     def __init__(self, path: str, reasons: list[str]):
         self.path = str(path)
         self.reasons = list(reasons)
         lines = "\n".join(f"  - {r}" for r in reasons)
-        super().__init__(f"steer file {self.path!r} refused:\n{lines}")
+        super().__init__(f"{self.KIND} file {self.path!r} refused:\n{lines}")
+
+
+class SteerFileError(RefusedFileError):
+    """A steer file was refused; the message names the file and every reason."""
+
+    KIND = "steer"
 
 
 @dataclass

@@ -30,6 +30,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from vllm_steer.format import RefusedFileError
+
 NAME = "minilm-jigsaw"
 #: The scorer file shipped with the package (installed as package data).
 SCORER_FILE = Path(__file__).resolve().parent / "data" / f"{NAME}.safetensors"
@@ -89,14 +91,10 @@ _DTYPES = {"F16": 2, "BF16": 2, "F32": 4}
 MAX_HEADER_BYTES = 1 << 20
 
 
-class ScorerFileError(ValueError):
+class ScorerFileError(RefusedFileError):
     """A scorer file was refused; the message names the file and every reason."""
 
-    def __init__(self, path: str, reasons: list[str]):
-        self.path = str(path)
-        self.reasons = list(reasons)
-        lines = "\n".join(f"  - {r}" for r in reasons)
-        super().__init__(f"scorer file {self.path!r} refused:\n{lines}")
+    KIND = "scorer"
 
 
 def layer_tensor_names(layer: int) -> list[str]:
