@@ -16,6 +16,7 @@ the old one, and serves the new one once the file is there.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import hashlib
 import http.server
@@ -199,8 +200,6 @@ def fleet(smollm2_dir, tmp_path_factory):
               "--kv-cache-memory-bytes", 1 << 28, "--enforce-eager"]
     env = {"VLLM_STEER_PRESETS_FILE_POLL_SECONDS": str(POLL)}
     with contextlib.ExitStack() as stack:
-        import concurrent.futures as cf
-
         # both replicas start at once (an engine start is about a minute on this CPU)
         with cf.ThreadPoolExecutor(2) as pool:
             urls = list(pool.map(lambda a: stack.enter_context(
@@ -309,7 +308,11 @@ def test_rollout_and_rollback_by_the_docs_under_traffic(fleet):
         rt = {str(i): control_latency(u) for i, u in enumerate(urls)}
         t_swap = time.monotonic()
         docs.run(steps[-1])  # step 3 (or 5): the presets file swapped in one step
-        waited = {str(i): wait_serving(u, new, t_swap, rt[str(i)]) for i, u in enumerate(urls)}
+        # each replica watched by its own thread: one replica's wait must not delay the look
+        # that times the other
+        with cf.ThreadPoolExecutor(len(urls)) as pool:
+            waited = dict(zip(rt, pool.map(lambda r, u: wait_serving(u, new, t_swap, rt[r]),
+                                           rt, urls)))
         took = {r: w[0] for r, w in waited.items()}
         allowed = {r: w[1] for r, w in waited.items()}
         served = {r: t_swap + s for r, s in took.items()}
