@@ -137,3 +137,56 @@ def test_a_tokenizer_without_a_template_is_refused(prep):
         from vllm_steer.train.hidden import tokenize_chat
 
         tokenize_chat(prep.tokenizer, ["hi"], 512, 512)
+
+
+def _whole_text_head_inputs(model, ids: list[int]) -> torch.Tensor:
+    """Independent: the head's input over the whole rendered text, one text at a time."""
+    got = []
+    handle = model.get_output_embeddings().register_forward_pre_hook(
+        lambda _m, args: got.append(args[0][0].detach()))
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids]))
+    finally:
+        handle.remove()
+    return got[0]
+
+
+def test_the_shared_chat_prompt_runs_once_and_gives_the_whole_texts_states(prep):
+    hs = compute_hidden(prep.model, prep.tokenizer, prep.train_ids, prep.train_sides,
+                        cache_dtype=torch.float32, progress=False, starts=prep.train_starts,
+                        batch_tokens=64)  # several batches of replies continue one prompt
+    calls = []
+    handle = prep.model.register_forward_pre_hook(
+        lambda _m, args, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
+    try:
+        compute_hidden(prep.model, prep.tokenizer, prep.train_ids, prep.train_sides,
+                       cache_dtype=torch.float32, progress=False, starts=prep.train_starts,
+                       batch_tokens=64)
+    finally:
+        handle.remove()
+    P = prep.train_starts[0]
+    longest_reply = max(len(x) for x in prep.train_ids) - P
+    # the prompt once (1 x P); then replies only, but for one whole text (the check that
+    # this model's forward continues the cache exactly)
+    assert calls[0] == (1, P)
+    assert [c for c in calls[1:] if c[1] > longest_reply] == [(1, P + longest_reply)]
+    assert len(calls) > 3
+    for i, ids in enumerate(prep.train_ids):
+        want = _whole_text_head_inputs(prep.model, ids)
+        got = hs.hidden[hs.offsets[i]:hs.offsets[i + 1]]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_forward_that_does_not_continue_the_cache_falls_back_to_whole_texts(prep,
+                                                                             monkeypatch):
+    from vllm_steer.train import hidden
+
+    monkeypatch.setattr(hidden._Prefix, "continued",
+                        lambda self, inp, att: torch.zeros(*inp.shape, 64))
+    hs = compute_hidden(prep.model, prep.tokenizer, prep.dev_ids, prep.dev_sides,
+                        cache_dtype=torch.float32, progress=False, starts=prep.dev_starts)
+    for i, ids in enumerate(prep.dev_ids):
+        torch.testing.assert_close(hs.hidden[hs.offsets[i]:hs.offsets[i + 1]],
+                                   _whole_text_head_inputs(prep.model, ids),
+                                   rtol=1e-4, atol=1e-5)

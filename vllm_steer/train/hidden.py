@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 
 from vllm_steer.hf import output_head
+from vllm_steer.logs import warn_once
 
 
 class _Stop(Exception):
@@ -266,6 +267,67 @@ def cache_key(model_path: str, model, texts: Sequence[str], sides: Sequence[int]
     return h.hexdigest()
 
 
+def shared_prefix(ids_list: Sequence[Sequence[int]], starts: Sequence[int] | None) -> int:
+    """How many leading tokens every text shares before its first target (``--chat-template``:
+    the templated user turn), 0 when they do not all share one."""
+    if not starts or not ids_list or len(set(starts)) != 1:
+        return 0
+    P = int(starts[0])
+    first = list(ids_list[0][:P])
+    if P < 1 or any(len(x) <= P or list(x[:P]) != first for x in ids_list):
+        return 0
+    return P
+
+
+class _Prefix:
+    """The templated prompt every chat text shares, run through the model once: its head
+    inputs (``hidden`` [P, hidden]) and its key/value cache, which each batch of replies
+    continues instead of running the prompt again (about half the tokens of a chat run)."""
+
+    def __init__(self, model, ids: Sequence[int], device):
+        from transformers import DynamicCache
+
+        self.model, self.ids, self.P = model, list(ids), len(ids)
+        self.cache = DynamicCache(config=model.config)
+        store: list[torch.Tensor] = []
+        inp = torch.as_tensor([self.ids], device=device)
+        with capture_head_input(model, store), torch.no_grad():
+            try:
+                model(input_ids=inp, attention_mask=torch.ones_like(inp),
+                      past_key_values=self.cache, use_cache=True)
+            except _Stop:
+                pass
+        self.hidden = store[0][0].to("cpu")
+
+    def continued(self, inp: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """Head inputs [B, T, hidden] of right-padded replies ``inp`` after the prompt."""
+        import copy
+
+        cache = copy.deepcopy(self.cache)
+        cache.batch_repeat_interleave(inp.shape[0])
+        mask = torch.cat([torch.ones(inp.shape[0], self.P, dtype=att.dtype, device=att.device),
+                          att], 1)
+        pos = torch.arange(self.P, self.P + inp.shape[1], device=inp.device).expand_as(inp)
+        store: list[torch.Tensor] = []
+        with capture_head_input(self.model, store), torch.no_grad():
+            try:
+                self.model(input_ids=inp, attention_mask=mask, position_ids=pos,
+                           past_key_values=cache, use_cache=True)
+            except _Stop:
+                pass
+        return store[0]
+
+    def agrees(self, h: torch.Tensor, inp: torch.Tensor, att: torch.Tensor) -> bool:
+        """Whether ``h`` (:meth:`continued` of the first batch) equals the batch's first text
+        run whole without the cache (to the dtype's rounding)."""
+        n = int(att[0].sum())
+        whole = torch.as_tensor([self.ids + inp[0, :n].tolist()], device=inp.device)
+        ref = final_hidden(self.model, whole, torch.ones_like(whole))[0, self.P:].to("cpu")
+        ref, got = ref.float(), h[0, :n].float()
+        tol = 1e-3 if h.dtype == torch.float32 else 5e-2
+        return bool(torch.allclose(got, ref, rtol=tol, atol=tol * float(ref.abs().max())))
+
+
 def compute_hidden(model, tokenizer, ids_list: Sequence[Sequence[int]], sides: Sequence[int], *,
                    cache_dtype: torch.dtype = torch.bfloat16, batch_tokens: int = 4096,
                    progress: bool = True, desc: str = "hidden states",
@@ -286,23 +348,36 @@ def compute_hidden(model, tokenizer, ids_list: Sequence[Sequence[int]], sides: S
         ids[offsets[i]:offsets[i + 1]] = torch.as_tensor(x, dtype=torch.int32)
     order = sorted(range(len(ids_list)), key=lambda i: -len(ids_list[i]))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    P = shared_prefix(ids_list, starts)
+    prefix = _Prefix(model, ids_list[order[0]][:P], device) if P else None
     bar = tqdm(total=total, desc=desc, unit="tok", disable=not progress, leave=False)
     i = 0
     while i < len(order):
-        T = len(ids_list[order[i]])
-        B = max(1, batch_tokens // T)
+        T = len(ids_list[order[i]]) - P
+        B = max(1, batch_tokens // (T + P))
         chunk = order[i:i + B]
         inp = torch.full((len(chunk), T), pad, dtype=torch.long)
         att = torch.zeros((len(chunk), T), dtype=torch.long)
         for j, k in enumerate(chunk):
-            x = ids_list[k]
+            x = ids_list[k][P:]
             inp[j, :len(x)] = torch.as_tensor(x)
             att[j, :len(x)] = 1
-        h = final_hidden(model, inp.to(device), att.to(device)).to("cpu")
+        if prefix is None:
+            h = final_hidden(model, inp.to(device), att.to(device)).to("cpu")
+        else:
+            h = prefix.continued(inp.to(device), att.to(device)).to("cpu")
+            if i == 0 and not prefix.agrees(h, inp, att):
+                # this model's forward does not continue a cache as expected: run whole texts
+                warn_once(f"{type(model).__name__}: the chat prompt's cache did not reproduce "
+                          "the whole texts' hidden states; computing each text whole")
+                prefix, P = None, 0
+                continue
         for j, k in enumerate(chunk):
             L = len(ids_list[k])
-            hidden[offsets[k]:offsets[k] + L] = h[j, :L].to(cache_dtype)
-        bar.update(int(att.sum()))
+            if P:  # the shared prompt's states, then the reply's
+                hidden[offsets[k]:offsets[k] + P] = prefix.hidden.to(cache_dtype)
+            hidden[offsets[k] + P:offsets[k] + L] = h[j, :L - P].to(cache_dtype)
+        bar.update(int(att.sum()) + P * len(chunk))
         i += len(chunk)
     bar.close()
     return HiddenStates(hidden, ids, offsets, torch.as_tensor(list(sides), dtype=torch.int8),
