@@ -153,16 +153,14 @@ def _whole_text_head_inputs(model, ids: list[int]) -> torch.Tensor:
 
 
 def test_the_shared_chat_prompt_runs_once_and_gives_the_whole_texts_states(prep):
-    hs = compute_hidden(prep.model, prep.tokenizer, prep.train_ids, prep.train_sides,
-                        cache_dtype=torch.float32, progress=False, starts=prep.train_starts,
-                        batch_tokens=64)  # several batches of replies continue one prompt
     calls = []
     handle = prep.model.register_forward_pre_hook(
         lambda _m, args, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
     try:
-        compute_hidden(prep.model, prep.tokenizer, prep.train_ids, prep.train_sides,
-                       cache_dtype=torch.float32, progress=False, starts=prep.train_starts,
-                       batch_tokens=64)
+        hs = compute_hidden(prep.model, prep.tokenizer, prep.train_ids, prep.train_sides,
+                            cache_dtype=torch.float32, progress=False,
+                            starts=prep.train_starts,
+                            batch_tokens=64)  # several batches of replies continue one prompt
     finally:
         handle.remove()
     P = prep.train_starts[0]

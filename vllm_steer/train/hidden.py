@@ -50,12 +50,15 @@ def capture_head_input(model, store: list):
         handle.remove()
 
 
-def final_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The head's input [B, T, hidden] for a padded batch (the head is not computed)."""
+def final_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 **forward) -> torch.Tensor:
+    """The head's input [B, T, hidden] for a padded batch (the head is not computed).
+    ``forward``: more arguments of the model's forward (default ``use_cache=False``)."""
     store: list[torch.Tensor] = []
+    forward.setdefault("use_cache", False)
     with capture_head_input(model, store), torch.no_grad():
         try:
-            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            model(input_ids=input_ids, attention_mask=attention_mask, **forward)
         except _Stop:
             pass
     if not store:
@@ -284,20 +287,14 @@ class _Prefix:
     inputs (``hidden`` [P, hidden]) and its key/value cache, which each batch of replies
     continues instead of running the prompt again (about half the tokens of a chat run)."""
 
-    def __init__(self, model, ids: Sequence[int], device):
+    def __init__(self, model, ids: Sequence[int], device, dtype: torch.dtype):
         from transformers import DynamicCache
 
         self.model, self.ids, self.P = model, list(ids), len(ids)
         self.cache = DynamicCache(config=model.config)
-        store: list[torch.Tensor] = []
         inp = torch.as_tensor([self.ids], device=device)
-        with capture_head_input(model, store), torch.no_grad():
-            try:
-                model(input_ids=inp, attention_mask=torch.ones_like(inp),
-                      past_key_values=self.cache, use_cache=True)
-            except _Stop:
-                pass
-        self.hidden = store[0][0].to("cpu")
+        self.hidden = final_hidden(model, inp, torch.ones_like(inp), past_key_values=self.cache,
+                                   use_cache=True)[0].to("cpu", dtype)
 
     def continued(self, inp: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         """Head inputs [B, T, hidden] of right-padded replies ``inp`` after the prompt."""
@@ -308,14 +305,8 @@ class _Prefix:
         mask = torch.cat([torch.ones(inp.shape[0], self.P, dtype=att.dtype, device=att.device),
                           att], 1)
         pos = torch.arange(self.P, self.P + inp.shape[1], device=inp.device).expand_as(inp)
-        store: list[torch.Tensor] = []
-        with capture_head_input(self.model, store), torch.no_grad():
-            try:
-                self.model(input_ids=inp, attention_mask=mask, position_ids=pos,
-                           past_key_values=cache, use_cache=True)
-            except _Stop:
-                pass
-        return store[0]
+        return final_hidden(self.model, inp, mask, position_ids=pos, past_key_values=cache,
+                            use_cache=True)
 
     def agrees(self, h: torch.Tensor, inp: torch.Tensor, att: torch.Tensor) -> bool:
         """Whether ``h`` (:meth:`continued` of the first batch) equals the batch's first text
@@ -349,7 +340,7 @@ def compute_hidden(model, tokenizer, ids_list: Sequence[Sequence[int]], sides: S
     order = sorted(range(len(ids_list)), key=lambda i: -len(ids_list[i]))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     P = shared_prefix(ids_list, starts)
-    prefix = _Prefix(model, ids_list[order[0]][:P], device) if P else None
+    prefix = _Prefix(model, ids_list[order[0]][:P], device, cache_dtype) if P else None
     bar = tqdm(total=total, desc=desc, unit="tok", disable=not progress, leave=False)
     i = 0
     while i < len(order):
@@ -375,7 +366,7 @@ def compute_hidden(model, tokenizer, ids_list: Sequence[Sequence[int]], sides: S
         for j, k in enumerate(chunk):
             L = len(ids_list[k])
             if P:  # the shared prompt's states, then the reply's
-                hidden[offsets[k]:offsets[k] + P] = prefix.hidden.to(cache_dtype)
+                hidden[offsets[k]:offsets[k] + P] = prefix.hidden
             hidden[offsets[k] + P:offsets[k] + L] = h[j, :L - P].to(cache_dtype)
         bar.update(int(att.sum()) + P * len(chunk))
         i += len(chunk)
