@@ -36,6 +36,11 @@ PRESETS_KEY = "presets"
 #: Largest presets file read (bytes): a file of presets is a few kB.
 MAX_FILE_BYTES = 1 << 20
 FILE_EXAMPLE = '{"presets": {"polite": {"detox": 4, "sentiment": 2}}}'
+#: Looks at a path that vanished while it was being resolved, before it counts as missing. A
+#: Kubernetes ConfigMap volume links ``presets.yaml`` to ``..data/presets.yaml`` and updates
+#: by renaming ``..data`` to a new folder, then removing the old folder at once: a look that
+#: went through the old ``..data`` may find its file gone, and the next one finds the new file.
+RESOLVE_TRIES = 3
 
 
 class PresetsFileError(ValueError):
@@ -58,17 +63,33 @@ def file_format(path: str) -> str:
 def stat_key(path: str) -> tuple[int, int, int] | None:
     """What tells a changed file cheaply: ``(mtime_ns, size, inode)``; None if it is missing
     (an editor replacing the file, a Kubernetes ConfigMap swapping its link, change it)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
+    for _ in range(RESOLVE_TRIES):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+    return None
+
+
+def _open(path: str):
+    """``open(path, "rb")``, looked up again if the path vanished while it was resolved
+    (:data:`RESOLVE_TRIES`)."""
+    for k in range(RESOLVE_TRIES):
+        try:
+            return open(path, "rb")
+        except FileNotFoundError:
+            if k == RESOLVE_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def read_file(path: str) -> tuple[str, tuple[int, str]]:
     """The file's text and its stamp ``(mtime_ns, sha256 of the bytes)``."""
     try:
-        with open(path, "rb") as f:
+        with _open(path) as f:
             mtime = os.fstat(f.fileno()).st_mtime_ns
             data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:

@@ -102,6 +102,11 @@ general = load_plugins_by_group(DEFAULT_PLUGINS_GROUP)
 out["general"] = {k: sys.modules[f.__module__].__file__ for k, f in general.items()}
 out["endpoint"] = {type(p).__name__: sys.modules[type(p).__module__].__file__
                    for p in load_endpoint_plugins(("generate",))}
+# the variable the docs give to serve the lens route and the playground (the demo's)
+os.environ["VLLM_PLUGINS"], plugins = "vllm_steer,vllm_steer_lens", os.environ["VLLM_PLUGINS"]
+out["endpoint_with_lens"] = {type(p).__name__: sys.modules[type(p).__module__].__file__
+                             for p in load_endpoint_plugins(("generate",))}
+os.environ["VLLM_PLUGINS"] = plugins
 out["dists"] = sorted({str(d.locate_file("")) for d in md.distributions()
                        if d.metadata["Name"] == "vllm-steer"})
 static = res.files("vllm_steer.server") / "static"
@@ -300,9 +305,23 @@ def test_vllm_loads_both_plugins_from_the_installed_wheel(installed, probe):
     assert probe["dists"] == [target + "/"] or probe["dists"] == [target]
     assert list(probe["general"]) == ["vllm_steer"]
     assert probe["general"]["vllm_steer"].startswith(target)
-    # the endpoint plugin is opt-in (VLLM_PLUGINS, set by the Deployment and the image)
-    assert list(probe["endpoint"]) == ["SteerLensEndpoint"]
-    assert probe["endpoint"]["SteerLensEndpoint"].startswith(target)
+    # the endpoint plugin is opt-in (VLLM_PLUGINS): the Deployment's environment leaves the
+    # lens route and the playground off; the variable the docs give (the demo's) loads them
+    assert probe["endpoint"] == {}
+    assert list(probe["endpoint_with_lens"]) == ["SteerLensEndpoint"]
+    assert probe["endpoint_with_lens"]["SteerLensEndpoint"].startswith(target)
+
+
+def test_production_turns_the_lens_and_the_playground_off_and_the_demo_keeps_them(container):
+    from scripts.demo import PLUGINS_ENV
+
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["VLLM_PLUGINS"] == "vllm_steer"
+    lens = "vllm_steer,vllm_steer_lens"
+    assert PLUGINS_ENV["VLLM_PLUGINS"] == lens
+    doc = DOC.read_text()
+    assert "VLLM_PLUGINS=vllm_steer`" in doc and f"`{lens}`" in doc
+    assert f"VLLM_PLUGINS={lens} vllm serve" in (ROOT / "README.md").read_text()
 
 
 def test_the_playground_is_served_from_the_installed_files(installed, probe):

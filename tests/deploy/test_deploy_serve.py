@@ -91,10 +91,17 @@ def _complete(server, model, steer=None, key=KEY):
                          headers={"Authorization": f"Bearer {key}"} if key else {})
 
 
-def test_the_playground_is_served_from_the_installed_files(server):
-    r = _get(server, "/steer/")
-    assert r.status_code == 200
-    assert r.text.endswith(MARK)  # the installed copy's page, not the checkout's
+def test_the_lens_route_and_the_playground_are_off_in_production(server):
+    # the Deployment's VLLM_PLUGINS names the plugin only (its endpoint plugin serves both);
+    # the installed copy has the page, so a 404 is the setting's, not a missing file's
+    assert (server["target"] / "vllm_steer" / "server" / "static" / "index.html").read_text(
+    ).endswith(MARK)
+    assert _get(server, "/steer/").status_code == 404
+    r = requests.post(server["url"] + "/v1/steer/highlight", timeout=30,
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "meta-llama/Llama-3.1-8B-Instruct", "text": "Hello",
+                            "steer": {"detox": 4}})
+    assert r.status_code == 404, r.text
 
 
 def test_health_and_metrics_answer_the_probes_without_the_key(server):

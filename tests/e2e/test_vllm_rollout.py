@@ -3,9 +3,14 @@
 
 Both replicas read one presets file (``--steer-presets-file``) and one steer directory
 (``--steer-dir``; replica B's is a link to it, so that one variant can give B a view of its
-own that shows a new file late, as network storage can). The test runs the commands of the
-roll-out section of docs/deploy.md as a user types them (a steer file written then renamed
-into the directory; the presets file swapped the same way), while client threads call the
+own that shows a new file late, as network storage can). The presets file is the shipped
+ConfigMap's, in a folder laid out and updated as the kubelet updates a mounted ConfigMap
+(``presets.yaml -> ..data/presets.yaml``, each update a new timestamped folder and one rename
+of ``..data``: :mod:`helpers.kubelet`), and ``kubectl`` is a stand-in that applies a ConfigMap
+manifest to that folder at once (the kubelet's 1-2 minutes of sync skipped). The test runs
+the commands of the roll-out section of docs/deploy.md for the shipped Deployment as a user
+types them (a steer file written then renamed into the directory; the ConfigMap edited and
+applied), while client threads call the
 stable preset name through the proxy, and asserts what the docs promise: no client call fails,
 every response's ``x-vllm-steer-applied`` names the old or the new version, and each replica
 serves the new version at its next look at the file. A roll-back runs the same way. In the
@@ -25,6 +30,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -32,6 +38,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from helpers.kubelet import DATA_DIR, MOUNTS_ENV, apply, configmaps
+from helpers.rollout_doc import rollout_blocks
 from helpers.steers import random_steer
 from vllm_steer.format import save_steer
 from vllm_steer.server.launch import serve
@@ -52,40 +60,35 @@ HIDDEN = 576  # SmolLM2-135M's hidden size
 
 
 # ---- the doc's commands ------------------------------------------------------------------
-def rollout_blocks() -> list[str]:
-    """The ``sh`` blocks of docs/deploy.md's roll-out section, in order: the steer file written
-    then renamed, the presets file swapped, the roll-back."""
-    text = (ROOT / "docs" / "deploy.md").read_text()
-    section = text.split("## Rolling out a new steer version across replicas", 1)[1]
-    section = section.split("\n## ", 1)[0]
-    blocks = [textwrap_dedent(b) for b in re.findall(r"```sh\n(.*?)\n\s*```", section, re.S)]
-    assert len(blocks) == 3, blocks
-    return blocks
-
-
-def textwrap_dedent(block: str) -> str:
-    import textwrap
-
-    return textwrap.dedent(block)
+CONFIGMAP = Path("deploy") / "kubernetes" / "presets-configmap.yaml"
 
 
 class Docs:
     """Runs the doc's commands with its paths (``/steers``, ``/etc/vllm-steer``) at the test's
-    folders; ``versions``: the doc's version names mapped to the ones a variant rolls."""
+    folders, in a work folder holding the user's copy of ``deploy/kubernetes/``, with
+    ``kubectl`` the kubelet's stand-in (``mounts``: ConfigMap name -> mounted folder);
+    ``versions``: the doc's version names mapped to the ones a variant rolls."""
 
-    def __init__(self, steers: Path, etc: Path, work: Path):
+    def __init__(self, steers: Path, etc: Path, work: Path, mounts: dict[str, str]):
         self.steers, self.etc, self.work = steers, etc, work
-        self.copy, self.swap, self.rollback = rollout_blocks()
-        assert "mv " in self.copy and "/steers/detox-v2.safetensors" in self.copy
-        assert '"detox-v1:4"/"detox-v2:4"' in self.swap and "mv " in self.swap
-        assert '"detox-v2:4"/"detox-v1:4"' in self.rollback
+        blocks = rollout_blocks()
+        self.copy, self.swap, self.rollback = (blocks["copy"], blocks["swap_configmap"],
+                                               blocks["rollback_configmap"])
+        bin_dir = work / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "kubectl").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m '
+                                         'helpers.kubelet "$@"\n')
+        (bin_dir / "kubectl").chmod(0o755)
+        self.env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                    "PYTHONPATH": str(ROOT / "tests"), MOUNTS_ENV: json.dumps(mounts)}
 
     def run(self, block: str, **versions: str) -> None:
         for old, new in versions.items():  # e.g. detox_v2="detox-v3"
             block = block.replace(old.replace("_", "-"), new)
         block = block.replace("/etc/vllm-steer/", f"{self.etc}/").replace("/steers/",
                                                                            f"{self.steers}/")
-        subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=self.work, check=True)
+        subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=self.work, check=True,
+                       env=self.env)
 
 
 # ---- a round-robin proxy ----------------------------------------------------------------
@@ -192,10 +195,21 @@ def fleet(smollm2_dir, tmp_path_factory):
     for k, name in enumerate(("detox-v1", "detox-v2", "detox-v3")):
         save_steer(work / f"{name}.safetensors", random_steer(HIDDEN, 4, name, seed=k))
     os.link(work / "detox-v1.safetensors", steers / "detox-v1.safetensors")
-    (etc / "presets.json").write_text(json.dumps({"presets": {PRESET: "detox-v1:4"}}))
+    # the user's copy of the shipped ConfigMap, its alias on v1 (step 1 of the doc), mounted
+    # where the Deployment mounts it, as the kubelet lays it out
+    shipped = (ROOT / CONFIGMAP).read_text()
+    assert "detox-stable: {detox: 4}" in shipped
+    (work / CONFIGMAP).parent.mkdir(parents=True)
+    (work / CONFIGMAP).write_text(shipped.replace("detox-stable: {detox: 4}",
+                                                  'detox-stable: "detox-v1:4"'))
+    (name,) = configmaps(work / CONFIGMAP)
+    mount = etc / "presets"
+    assert apply(work / CONFIGMAP, {name: str(mount)}) == [name]
+    presets_file = mount / "presets.yaml"
+    assert os.readlink(presets_file) == "..data/presets.yaml"
     view_b = root / "b-steers"  # replica B's --steer-dir: a link to the shared folder
     view_b.symlink_to(steers, target_is_directory=True)
-    common = ["--steer-presets-file", etc / "presets.json", "--dtype", "float32",
+    common = ["--steer-presets-file", presets_file, "--dtype", "float32",
               "--max-model-len", "256", "--max-num-seqs", "8",
               "--kv-cache-memory-bytes", 1 << 28, "--enforce-eager"]
     env = {"VLLM_STEER_PRESETS_FILE_POLL_SECONDS": str(POLL)}
@@ -208,8 +222,9 @@ def fleet(smollm2_dir, tmp_path_factory):
                 [("a", steers), ("b", view_b)]))
         proxy = Proxy(urls)
         stack.callback(proxy.close)
-        yield {"urls": urls, "proxy": proxy, "docs": Docs(steers, etc, work), "root": root,
-               "steers": steers, "view_b": view_b, "etc": etc}
+        yield {"urls": urls, "proxy": proxy, "root": root, "steers": steers,
+               "docs": Docs(steers, etc, work, {name: str(mount)}), "view_b": view_b,
+               "mount": mount, "presets_file": presets_file}
 
 
 def presets_state(url: str) -> dict:
@@ -296,7 +311,7 @@ def test_rollout_and_rollback_by_the_docs_under_traffic(fleet):
     for u in urls:  # the file's first version serves everywhere
         st = presets_state(u)
         assert st["mix"] == {"detox-v1": 4.0} and st["refused"] is None, st
-        assert st["serving"]["sha256"] == file_sha(fleet["etc"] / "presets.json")
+        assert st["serving"]["sha256"] == file_sha(fleet["presets_file"])
 
     for label, steps, old, new in (
             ("roll-out v1 -> v2", [docs.copy, docs.swap], "detox-v1", "detox-v2"),
@@ -306,8 +321,13 @@ def test_rollout_and_rollback_by_the_docs_under_traffic(fleet):
         for block in steps[:-1]:
             docs.run(block)  # step 2: the steer file, written then renamed
         rt = {str(i): control_latency(u) for i, u in enumerate(urls)}
+        before = os.readlink(fleet["mount"] / DATA_DIR)
         t_swap = time.monotonic()
-        docs.run(steps[-1])  # step 3 (or 5): the presets file swapped in one step
+        docs.run(steps[-1])  # step 3 (or 5): the ConfigMap edited and applied
+        # the kubelet's one step: ..data renamed to a new folder, the file's link unchanged
+        assert os.readlink(fleet["mount"] / DATA_DIR) != before
+        assert not (fleet["mount"] / before).exists()
+        assert os.readlink(fleet["presets_file"]) == "..data/presets.yaml"
         # each replica watched by its own thread: one replica's wait must not delay the look
         # that times the other
         with cf.ThreadPoolExecutor(len(urls)) as pool:
@@ -324,7 +344,7 @@ def test_rollout_and_rollback_by_the_docs_under_traffic(fleet):
               f"{ {r: round(t, 2) for r, t in allowed.items()} }")
         check_calls(calls, {f"{old}", f"{new}"}, served, new, label)
         assert all(took[r] <= allowed[r] for r in took), (took, allowed)
-        sha = file_sha(fleet["etc"] / "presets.json")
+        sha = file_sha(fleet["presets_file"])
         for u in urls:
             st = presets_state(u)
             assert st["serving"]["sha256"] == sha and st["refused"] is None, st
@@ -349,8 +369,10 @@ def test_a_replica_that_sees_the_steer_file_late_converges_once_it_is_there(flee
     time.sleep(2.0)
     docs.run(docs.copy, detox_v2="detox-v3")  # step 2 for v3: only A's volume shows it
     rt_a, rt_b = control_latency(a), control_latency(b)
+    before = os.readlink(fleet["mount"] / DATA_DIR)
     t_swap = time.monotonic()
     docs.run(docs.swap, detox_v2="detox-v3")  # step 3: v1 -> v3
+    assert os.readlink(fleet["mount"] / DATA_DIR) != before
     took_a, allowed_a = wait_serving(a, "detox-v3", t_swap, rt_a)
     # B refuses the new version, says why, and keeps serving v1 while it reads it again
     deadline = time.monotonic() + 120
@@ -363,7 +385,7 @@ def test_a_replica_that_sees_the_steer_file_late_converges_once_it_is_there(flee
         time.sleep(0.2)
     assert st["mix"] == {"detox-v1": 4.0}, st
     assert "unknown steer 'detox-v3'" in st["refused"]["reason"], st
-    assert st["refused"]["sha256"] == file_sha(fleet["etc"] / "presets.json")
+    assert st["refused"]["sha256"] == file_sha(fleet["presets_file"])
     assert st["refused"]["reads"] >= 2, st  # read again at every look
     during_b = refused_metric(b)
     assert during_b["vllm_steer:presets_file_refused"] == 1.0, during_b
@@ -389,7 +411,7 @@ def test_a_replica_that_sees_the_steer_file_late_converges_once_it_is_there(flee
     after_b = refused_metric(b)
     st = presets_state(b)
     assert st["refused"] is None and st["serving"]["sha256"] == file_sha(
-        fleet["etc"] / "presets.json"), st
+        fleet["presets_file"]), st
     assert after_b["vllm_steer:presets_file_refused"] == 0.0
     # one refusal counted however many reads it took, one more version loaded
     assert after_b["vllm_steer:presets_file_refusals_total"] == \
