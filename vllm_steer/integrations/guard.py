@@ -16,7 +16,8 @@ it, so vLLM's own errors keep vLLM's handling):
 
 The engine core cannot raise into vLLM's busy loop (an exception there ends the engine): it
 answers a refused request with an error output whose ``stop_reason`` carries
-:data:`~vllm_steer.integrations.protocol.REFUSED_PREFIX` (400) or
+:data:`~vllm_steer.integrations.protocol.REFUSED_PREFIX` (400),
+:data:`~vllm_steer.integrations.protocol.BUSY_PREFIX` (429: no room in the bank now) or
 :data:`~vllm_steer.integrations.protocol.FAILED_PREFIX` (500), and a failed management call
 with an error answer (:func:`management_failure`). The frontend raises vLLM's own exception
 types, which vLLM's exception handlers answer with that status (:func:`frontend`).
