@@ -180,15 +180,17 @@ def test_a_plain_429_gets_retry_after():
 
 
 def test_the_busy_error_is_vllms_429_and_passes_the_guard():
+    """vLLM answers a ``GracefulHTTPError`` with its own status (HTTP 429 here; through a real
+    server: tests/e2e/test_vllm_faults.py); the guard lets it through, not as a 500."""
     from http import HTTPStatus
 
-    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from vllm.exceptions import GracefulHTTPError, VLLMClientError
 
     from vllm_steer.integrations import guard
 
     with pytest.raises(Exception) as e:
         with guard.frontend("AsyncLLM.add_request", "r1"):
             raise guard.busy_error("steer: no steer slot freed")
-    err = create_error_response(e.value)
-    assert err.error.code == HTTPStatus.TOO_MANY_REQUESTS == 429
-    assert err.error.message == "steer: no steer slot freed"
+    assert isinstance(e.value, GracefulHTTPError) and not isinstance(e.value, VLLMClientError)
+    assert e.value.http_status == HTTPStatus.TOO_MANY_REQUESTS == 429
+    assert e.value.message == "steer: no steer slot freed"
