@@ -5,6 +5,9 @@ output: the embedded SmolLM2 served with the shipped steers, driven in headless 
     .venv/bin/python scripts/playground_screenshot.py --url http://127.0.0.1:8000   # or uses one
 
 Needs Debian's chromium and chromedriver (scripts/install.sh) and selenium (the test extra).
+It waits for every column of the playground to settle (generated, failed, or withheld: a side
+a steer file marks harmful, which the page does not generate unless asked), at most
+``--timeout`` seconds per step, and otherwise exits 1 naming the columns still running.
 """
 
 from __future__ import annotations
@@ -17,6 +20,56 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: A column's classes once it has settled: its stream ended (``finished``), it failed or was
+#: refused (``failed``), or the page withheld it (``withheld``: never generated unless asked).
+SETTLED = ("finished", "failed", "withheld")
+#: Every column of the page, in one script (one snapshot: no event lands between two reads).
+COLUMNS_JS = """
+return Array.from(document.querySelectorAll('#columns .column'), (col) => ({
+  title: (col.querySelector('h2') || {}).textContent || '', classes: col.className}));
+"""
+
+
+class ScreenshotTimeout(RuntimeError):
+    """The page did not reach the state a screenshot needs in time."""
+
+
+def unsettled(driver) -> list[str] | None:
+    """The titles of the columns still running (an empty list: every column settled); None
+    while the page shows no column yet."""
+    cols = driver.execute_script(COLUMNS_JS) or []
+    if not cols:
+        return None
+    return [c["title"].strip() or "(untitled)" for c in cols
+            if not set(SETTLED) & set(c["classes"].split())]
+
+
+def wait_for_columns(driver, timeout: float, poll: float = 0.2) -> None:
+    """Wait until every column has settled (:data:`SETTLED`); raise
+    :class:`ScreenshotTimeout` naming the columns still running after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = unsettled(driver)
+        if left == []:
+            return
+        if time.monotonic() >= deadline:
+            raise ScreenshotTimeout(
+                f"the playground's columns did not settle in {timeout:g} s: "
+                + (f"still running: {', '.join(left)}" if left else "no column appeared")
+                + "; is the server generating? (raise --timeout on a slow machine)")
+        time.sleep(poll)
+
+
+def wait_until(driver, cond, timeout: float, what: str):
+    """``WebDriverWait(driver, timeout).until(cond)``, raising :class:`ScreenshotTimeout`
+    naming ``what`` instead of selenium's bare timeout."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, timeout).until(cond)
+    except TimeoutException:
+        raise ScreenshotTimeout(f"{what} did not happen in {timeout:g} s") from None
 
 
 def chromium(width: int, height: int):
@@ -47,12 +100,13 @@ def full_page(driver, path: Path, width: int) -> None:
 
 def shoot(base: str, out: Path, args) -> None:
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select, WebDriverWait
+    from selenium.webdriver.support.ui import Select
 
     d = chromium(args.width, 900)
     try:
         d.get(base + "/steer/")
-        WebDriverWait(d, 60).until(lambda d: d.find_elements(By.ID, f"sl-{args.steer}"))
+        wait_until(d, lambda d: d.find_elements(By.ID, f"sl-{args.steer}"), args.timeout,
+                   f"the playground listing steer {args.steer!r}")
 
         def field(id_, value):
             e = d.find_element(By.ID, id_)
@@ -65,10 +119,7 @@ def shoot(base: str, out: Path, args) -> None:
         field("seed", args.seed)
         field(f"num-{args.steer}", args.strength)
         d.find_element(By.ID, "generate").click()
-        WebDriverWait(d, 600).until(lambda d: (cols := d.find_elements(
-            By.CSS_SELECTOR, "#columns .column")) and all(
-            "finished" in c.get_attribute("class") or "failed" in c.get_attribute("class")
-            for c in cols))
+        wait_for_columns(d, args.timeout)
         d.execute_script("document.activeElement.blur()")
         full_page(d, out / "playground.png", args.width)
 
@@ -77,8 +128,9 @@ def shoot(base: str, out: Path, args) -> None:
         Select(d.find_element(By.ID, "hl-steer")).select_by_visible_text(args.highlight_steer)
         field("hl-strength", args.highlight_strength)
         d.find_element(By.ID, "hl-run").click()
-        WebDriverWait(d, 300).until(lambda d: d.find_elements(
-            By.CSS_SELECTOR, "#hl-out mark.span, #hl-out .no-spans, #hl-error:not([hidden])"))
+        wait_until(d, lambda d: d.find_elements(
+            By.CSS_SELECTOR, "#hl-out mark.span, #hl-out .no-spans, #hl-error:not([hidden])"),
+            args.timeout, "the highlight's answer")
         d.execute_script("document.activeElement.blur()")
         full_page(d, out / "playground-highlight.png", args.width)
     finally:
@@ -100,7 +152,17 @@ def main(argv=None) -> int:
                    "but the dessert was wonderful and the view was lovely.")
     p.add_argument("--highlight-steer", default="sentiment")
     p.add_argument("--highlight-strength", type=float, default=3)
+    p.add_argument("--timeout", type=float, default=600,
+                   help="seconds each step of the page may take (default 600)")
     args = p.parse_args(argv)
+    try:
+        return _run(args)
+    except ScreenshotTimeout as e:
+        print(f"playground_screenshot: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args) -> int:
     if args.url:
         shoot(args.url.rstrip("/"), args.out, args)
         return 0

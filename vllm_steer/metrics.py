@@ -27,10 +27,17 @@ data-parallel rank, as in vLLM's own metrics (``0`` without data parallelism).
                                            ``--steer-dir``)
 ``vllm_steer:steer_unloads_total``         counter: unloads
 ``vllm_steer:steer_evictions_total``       counter: least-recently-used evictions at capacity
-``vllm_steer:steer_load_failures_total``   counter: refused loads (bad file, full, bad name)
+``vllm_steer:steer_load_failures_total``   counter: refused loads (bad file, bad name, a full
+                                           bank for a load over HTTP or offline; not a
+                                           first use that waits for a slot)
+``vllm_steer:steer_file_reads_total``      counter: steer files read by run-time loads
+``vllm_steer:bank_full_waits_total``       counter: requests that found every slot they
+                                           could take held and waited, label ``outcome``
+                                           (``loaded``; ``retry_after``: answered HTTP 429)
 ``vllm_steer:requests_refused_total``      counter: requests the engine core refused, label
                                            ``status`` (``400``: the request's error;
-                                           ``500``: a fault of the plugin)
+                                           ``429``: no room in the bank now; ``500``: a
+                                           fault of the plugin)
 ``vllm_steer:steer_op_seconds_total``      counter: time the device spent in the steer op
                                            (CUDA events; on the CPU the host time), from one
                                            op in 64
@@ -85,11 +92,18 @@ PRESETS_FILE_REFUSALS = "vllm_steer:presets_file_refusals_total"
 COUNTERS = {"loads": "vllm_steer:steer_loads_total",
             "unloads": "vllm_steer:steer_unloads_total",
             "evictions": "vllm_steer:steer_evictions_total",
-            "failures": "vllm_steer:steer_load_failures_total"}
+            "failures": "vllm_steer:steer_load_failures_total",
+            "file_reads": "vllm_steer:steer_file_reads_total"}
+#: Requests whose first-use steer found the bank full and waited for a slot (counted by the
+#: API server that waited, once per request), label ``outcome``: ``loaded`` (a slot freed in
+#: time) or ``retry_after`` (HTTP 429 with ``Retry-After``).
+BANK_FULL_WAITS = "vllm_steer:bank_full_waits_total"
+BANK_FULL_OUTCOMES = ("loaded", "retry_after")
 #: Requests the plugin refused, per HTTP status (``status`` label): the registry's
-#: ``refused_400`` (a client's error) and ``refused_500`` (a fault of the plugin) counters.
+#: ``refused_400`` (a client's error), ``refused_429`` (no room in the bank now) and
+#: ``refused_500`` (a fault of the plugin) counters.
 REQUESTS_REFUSED = "vllm_steer:requests_refused_total"
-REFUSALS = {"refused_400": "400", "refused_500": "500"}
+REFUSALS = {"refused_400": "400", "refused_429": "429", "refused_500": "500"}
 #: The label naming the engine core (data-parallel rank), as vLLM's own metrics name it.
 ENGINE_LABEL = "engine"
 #: A worker's op values in its ``stats`` answer (cumulative since start).
@@ -250,10 +264,19 @@ class SteerMetrics:
             "Run-time steer loads (HTTP, offline, first use from --steer-dir).",
             "Steer unloads.",
             "Least-recently-used steer evictions at capacity.",
-            "Refused steer loads (bad file, no free slot, bad name)."))}
+            "Refused steer loads (bad file, bad name, no free slot for a load over HTTP or "
+            "offline).",
+            "Steer files read by run-time loads."))}
+        self.bank_full_waits = Counter(BANK_FULL_WAITS.removesuffix("_total"),
+                                       "Requests that waited for a steer slot because every "
+                                       "slot was held (contention, not a failure), per outcome "
+                                       "(loaded; retry_after: HTTP 429).", ("outcome",),
+                                       registry=reg)
+        for outcome in BANK_FULL_OUTCOMES:  # both series exist from the start
+            self.bank_full_waits.labels(outcome)
         self.refused = counter(REQUESTS_REFUSED, "Requests the steer plugin refused in the "
-                               "engine core, per HTTP status (400: the request's error; 500: a "
-                               "fault of the plugin).", ("status",))
+                               "engine core, per HTTP status (400: the request's error; 429: no "
+                               "room in the bank now; 500: a fault of the plugin).", ("status",))
         self.op_seconds = counter(OP_SECONDS, "Time the device spent in the steer op, seconds "
                                   "(CUDA events; on the CPU the host time).")
         self.op_host_seconds = counter(OP_HOST_SECONDS, "Host time in the steer op, seconds "
@@ -299,6 +322,11 @@ class SteerMetrics:
         if op.get("op_timed_calls", 0) > 0:
             self.op_per_step.labels(e).set(op.get("op_seconds", 0) / op["op_timed_calls"])
 
+
+    def bank_full_wait(self, outcome: str) -> None:
+        """One request that waited for a steer slot, ended with ``outcome``
+        (:data:`BANK_FULL_OUTCOMES`)."""
+        self.bank_full_waits.labels(outcome).inc()
 
     def presets_file(self, reloaded: bool = False, refused_new: bool = False,
                      refused: bool | None = None) -> None:

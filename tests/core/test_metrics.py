@@ -32,7 +32,8 @@ COUNTER_NAMES = ["vllm_steer:requests_steered_total", "vllm_steer:steer_loads_to
                  "vllm_steer:steer_op_host_seconds_total", "vllm_steer:steer_op_calls_total",
                  "vllm_steer:requests_refused_total",
                  "vllm_steer:presets_file_reloads_total",
-                 "vllm_steer:presets_file_refusals_total"]
+                 "vllm_steer:presets_file_refusals_total",
+                 "vllm_steer:steer_file_reads_total", "vllm_steer:bank_full_waits_total"]
 GAUGE_NAMES = ["vllm_steer:loaded_steers", "vllm_steer:max_steers",
                "vllm_steer:steer_op_seconds_per_step", "vllm_steer:presets_file_refused"]
 
@@ -110,10 +111,26 @@ def test_every_total_is_a_counter_with_help_and_the_levels_are_gauges(tmp_path):
             assert f.type == "counter", name
     assert value(fams, "vllm_steer:requests_steered_total", steer="detox", engine="0") == 3
     assert value(fams, "vllm_steer:steer_loads_total", engine="0") == 1
+    assert value(fams, "vllm_steer:steer_file_reads_total", engine="0") == 1  # one load, one file
     assert value(fams, "vllm_steer:steer_op_seconds_total", engine="0") == 0.5
     assert value(fams, "vllm_steer:steer_op_host_seconds_total", engine="0") == 0.7
     assert value(fams, "vllm_steer:max_steers") == 4
     assert value(fams, "vllm_steer:loaded_steers") == 1
+
+
+def test_bank_full_waits_are_counted_per_outcome_from_zero():
+    """Both outcomes exist from the start (a rate over them is defined before the first wait),
+    each wait counts once, in its outcome only."""
+    reg = CollectorRegistry()
+    m = SteerMetrics(registry=reg)
+    read = lambda: {s.labels["outcome"]: s.value  # noqa: E731
+                    for s in families(generate_latest(reg).decode())[
+                        "vllm_steer:bank_full_waits_total"].samples if s.name.endswith("_total")}
+    assert read() == {"loaded": 0.0, "retry_after": 0.0}
+    m.bank_full_wait("retry_after")
+    m.bank_full_wait("retry_after")
+    m.bank_full_wait("loaded")
+    assert read() == {"loaded": 1.0, "retry_after": 2.0}
 
 
 def test_every_metric_is_documented_for_users():
@@ -135,7 +152,8 @@ def test_take_new_hands_out_each_increment_once_and_never_a_decrease():
     first = take_new(state, stats, tp)
     assert first["engine"] == "1"
     assert first["counters"] == {"loads": 2, "unloads": 0, "evictions": 0, "failures": 1,
-                                 "refused_400": 0, "refused_500": 0}
+                                 "file_reads": 0, "refused_400": 0, "refused_429": 0,
+                                 "refused_500": 0}
     assert first["served"] == {"detox": 3}
     assert first["op"] == {"op_seconds": 0.5, "op_host_seconds": 0.8, "op_calls": 10,
                            "op_timed_calls": 10}
@@ -405,12 +423,13 @@ def test_a_worker_reports_its_timed_steer_calls(tmp_path):
 
 
 def test_refusals_reach_prometheus_by_status():
-    """The engine core's refusals (400: the request's error; 500: a fault of the plugin)
-    become ``vllm_steer:requests_refused_total{engine, status}``, each increment once."""
+    """The engine core's refusals (400: the request's error; 429: no room in the bank now;
+    500: a fault of the plugin) become ``vllm_steer:requests_refused_total{engine, status}``,
+    each increment once."""
     from vllm_steer.integrations.engine.state import EngineSteerState
 
     core = EngineSteerState(None, None, 0, engine=0)  # where the engine core keeps them
-    stats = {"counters": {"refused_400": 3, "refused_500": 1}, "served": {}}
+    stats = {"counters": {"refused_400": 3, "refused_429": 2, "refused_500": 1}, "served": {}}
     reg = CollectorRegistry()
     m = SteerMetrics(registry=reg)
     m.update({"stats": stats, "metrics": take_new(core, stats, [])})
@@ -420,4 +439,5 @@ def test_refusals_reach_prometheus_by_status():
                for s in families(generate_latest(reg).decode())[
                    "vllm_steer:requests_refused_total"].samples if s.name.endswith("_total")}
     assert samples == {(("engine", "0"), ("status", "400")): 5.0,
+                       (("engine", "0"), ("status", "429")): 2.0,
                        (("engine", "0"), ("status", "500")): 1.0}

@@ -67,6 +67,12 @@ def installed(wheel, tmp_path_factory):
         if "pip" in words and "install" in words:
             r = subprocess.run(words + ["--target", str(target)], capture_output=True,
                                text=True, timeout=300)
+        elif words[0] == sys.executable and "-m" in words:  # a module's check (the vLLM
+            # range), run as `python3 -m` runs it, against the folder
+            module = words[words.index("-m") + 1]
+            r = run_isolated(f"import runpy, sys; sys.argv = [{module!r}]; "
+                             f"runpy.run_module({module!r}, run_name='__main__')",
+                             target, view, cwd=tmp)
         elif words[0] == sys.executable:  # the image's own check, against the folder
             r = run_isolated(words[words.index("-c") + 1], target, view, cwd=tmp)
         else:
@@ -290,6 +296,10 @@ def test_gpu_extras_resolve_together_against_this_environment(wheel):
 def test_the_dockerfile_install_line_installs_the_wheel_offline(installed, wheel):
     for part, r in installed["results"]:
         assert r.returncode == 0, f"`{part}` failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    # the image's vLLM checked against the supported range, by the installed plugin
+    (check,) = [r for part, r in installed["results"]
+                if "-m vllm_steer.integrations.supported" in part]
+    assert "is in vllm-steer's supported range" in check.stdout, check
     target = installed["target"]
     assert (target / "vllm_steer" / "__init__.py").is_file()
     # --no-deps: the wheel alone, nothing of vLLM's environment installed again

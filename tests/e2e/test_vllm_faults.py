@@ -21,6 +21,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import random
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,7 @@ pytestmark = pytest.mark.vllm
 HIDDEN = 64
 CAPACITY = 3
 PER_REQUEST = 4
+FIRST_USE_WAIT = 1.5  # seconds a first-use request waits for a slot before its 429
 DIR_NAMES = [f"d{i}" for i in range(1, 7)]
 PROMPT = [1, 504, 3458, 314, 253, 655]
 SHIM = Path(__file__).resolve().parents[1] / "faultshim"
@@ -61,7 +64,8 @@ def server(tiny_model_dir, tmp_path_factory):
             "--kv-cache-memory-bytes", 1 << 28, "--enforce-eager"]
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(SHIM),
                                                        os.environ.get("PYTHONPATH")])),
-           "STEER_TEST_FAULTS": str(faults), "VLLM_STEER_POLL_SECONDS": "3600"}
+           "STEER_TEST_FAULTS": str(faults), "VLLM_STEER_POLL_SECONDS": "3600",
+           "VLLM_STEER_FIRST_USE_WAIT_SECONDS": str(FIRST_USE_WAIT)}
     STATE.update(dir=d, root=root, faults=faults, log=root / "server.log")
     with serve(args, root / "server.log", env=env) as url:
         yield url
@@ -123,22 +127,113 @@ def test_a_request_over_the_free_room_never_evicts_its_own_steers(server, tiny_m
         assert tokens(complete(server, want)) == reference_tokens(tiny_model_dir, want)
 
 
-def test_concurrent_first_use_requests_get_200_or_400(server, tiny_model_dir):
+def test_concurrent_first_use_requests_get_200_400_or_429(server, tiny_model_dir):
     rng = random.Random(7)
     mixes = [{n: rng.choice([-3, 2, 4]) for n in rng.sample(DIR_NAMES, rng.randint(1, 4))}
              for _ in range(32)]
     with cf.ThreadPoolExecutor(8) as pool:
         codes = list(pool.map(lambda m: complete(server, m).status_code, mixes))
-    assert set(codes) <= {200, 400}, codes
-    # a request that fits waits for a slot while running requests hold them all: the 400s
-    # are the requests over the bank (more dir steers than its 2 free slots)
+    assert set(codes) <= {200, 400, 429}, codes
+    # a request that fits waits for a slot while running requests hold them all (a 429 if
+    # none frees in time): the 400s are the requests over the bank (more dir steers than its
+    # 2 free slots)
     over = [c for m, c in zip(mixes, codes) if len(m) > CAPACITY - 1]
     fits = [c for m, c in zip(mixes, codes) if len(m) <= CAPACITY - 1]
     assert set(over) == {400}, (codes, mixes)
+    assert 400 not in fits, (codes, mixes)
     assert fits.count(200) >= len(fits) // 2, (codes, mixes)
     assert requests.get(server + "/health", timeout=10).status_code == 200
     want = {"d2": 1.0, "d5": -2.0}  # the bank is not wedged: two first-use steers fit
     assert tokens(complete(server, want)) == reference_tokens(tiny_model_dir, want)
+
+
+def metric(url, name, **labels) -> float:
+    """The value of ``name`` on /metrics after the API server took the engine core's counters
+    (``GET /v1/steers`` runs a ``list``): its samples with ``labels`` summed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert requests.get(url + "/v1/steers", timeout=30).status_code == 200
+    body = requests.get(url + "/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(body) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+class Holder:
+    """A long streamed completion with one steer, read in a thread: it holds its steer's bank
+    slot from its first token until it ends."""
+
+    def __init__(self, url, name):
+        self.r = requests.post(url + "/v1/completions", stream=True, timeout=300, json={
+            "model": "tiny", "prompt": PROMPT, "max_tokens": 500, "temperature": 0,
+            "ignore_eos": True, "stream": True, "steer": {name: 1.0}})
+        assert self.r.status_code == 200, self.r.text
+        self.lines = self.r.iter_lines()
+        assert next(line for line in self.lines if line)  # admitted: its steer is bound
+        self.t = threading.Thread(target=lambda: [None for _ in self.lines])
+        self.t.start()
+
+    def running(self) -> bool:
+        return self.t.is_alive()
+
+
+def test_a_full_bank_is_a_429_with_retry_after_and_its_retry_is_served(server, tiny_model_dir):
+    """Both slots the pinned steer leaves held by running requests: a request needing a third
+    ``--steer-dir`` steer waits, then gets HTTP 429 with ``Retry-After`` through the OpenAI
+    client (plain and streamed), reading no file while it waits; counted as a wait, not as a
+    load failure. Its retry once the slots free is served, with the right tokens."""
+    import openai
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    for name in ("d3", "d4"):  # loaded, so the holders start at once
+        assert complete(server, {name: 1}).status_code == 200
+    reads = metric(server, "vllm_steer:steer_file_reads_total")
+    failures = metric(server, "vllm_steer:steer_load_failures_total")
+    waits = metric(server, "vllm_steer:bank_full_waits_total", outcome="retry_after")
+    holders = [Holder(server, "d3"), Holder(server, "d4")]
+    want = {"d5": 3.0}
+
+    def plain():
+        t0 = time.monotonic()
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6,
+                                      extra_body={"steer": want})
+        return e.value, time.monotonic() - t0
+
+    def streamed():
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, stream=True,
+                                      extra_body={"steer": {"d6": 1.0}})
+        return e.value, 0.0
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        answers = [f.result() for f in [pool.submit(plain), pool.submit(streamed)]]
+    assert all(h.running() for h in holders), "the holders ended before the 429s: longer ones"
+    for err, took in answers:
+        assert err.status_code == 429, err
+        assert err.response.headers["retry-after"].isdigit(), err.response.headers
+        msg = err.response.json()["error"]["message"]
+        # the API server's wait, or (its view of the names a moment old) the engine core's
+        # admission: both name the bank and the limit
+        assert ("all 3 steer slots are in use" in msg
+                or "only 0 of the 3 steer slots can take one now" in msg), msg
+        assert "--max-steers=3" in msg, msg
+    assert answers[0][1] >= FIRST_USE_WAIT - 0.1  # it waited before the 429
+    assert metric(server, "vllm_steer:steer_file_reads_total") == reads  # nothing read
+    assert metric(server, "vllm_steer:steer_load_failures_total") == failures
+    assert metric(server, "vllm_steer:bank_full_waits_total", outcome="retry_after") == \
+        waits + 2
+    for h in holders:
+        h.t.join(timeout=300)
+    # the retry, after Retry-After: served with the right tokens, the file read once
+    time.sleep(int(answers[0][0].response.headers["retry-after"]))
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
+                                    logprobs=0, extra_body={"steer": want, "ignore_eos": True,
+                                                            "return_tokens_as_token_ids": True})
+    got = [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens]
+    assert got == reference_tokens(tiny_model_dir, want)
+    assert metric(server, "vllm_steer:steer_file_reads_total") == reads + 1
+    assert metric(server, "vllm_steer:steer_load_failures_total") == failures
+    assert requests.get(server + "/health", timeout=10).status_code == 200
 
 
 # ---- fault injection ---------------------------------------------------------------------

@@ -351,10 +351,12 @@ def test_eviction_at_capacity_takes_the_least_recently_used_unused_dir_steer(ser
     evictions = metric(server, "vllm_steer:steer_evictions_total")
     assert text(server, {"c": 1})
     assert set(steers(server)) == {"detox", "p1", "a", "c"}
-    # every steer-dir steer in use by a running request, the others pinned: refused clearly
+    # every steer-dir steer in use by a running request, the others pinned: a 429 to retry
+    # (this server waits 0 s for a slot), with Retry-After, naming the bank
     s1, s2 = Stream(server, {"a": 1}), Stream(server, {"c": 1})
     r = s1.after(lambda: s2.after(lambda: complete(server, {"b": 1})))
-    assert r.status_code == 400, r.text
+    assert r.status_code == 429, r.text
+    assert r.headers["retry-after"].isdigit() and int(r.headers["retry-after"]) >= 1, r.headers
     msg = r.json()["error"]["message"]
     # the API server's first-use load is refused by the registry; a request the API server
     # sends on (its view of the loaded steers a moment old) is refused by the engine core's

@@ -70,6 +70,8 @@ def llm(v2_runner, tiny_model_dir, steers, hooks_record):
         mp.setenv(RECORD_ENV, hooks_record)  # inherited by the engine processes it starts
         mp.setenv("STEER_TEST_NO_V1_LOGITSPROCS", "1")  # tests/v2shim, in those processes
         mp.setenv("STEER_TEST_NEXT_RELEASE", "1")  # the stand-in release, in those processes
+        # outside the supported range: served only with the operator's override
+        mp.setenv("VLLM_STEER_ALLOW_UNTESTED_VLLM", "1")
         with steered_llm(tiny_model_dir, steers[1], **ENGINE_KW) as engine:
             yield engine
 

@@ -251,6 +251,43 @@ def settled(driver):
         else False
 
 
+def _screenshot_script():
+    """scripts/playground_screenshot.py, loaded as a module."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "playground_screenshot.py"
+    spec = importlib.util.spec_from_file_location("playground_screenshot", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.vllm
+@browser
+def test_the_screenshot_scripts_wait_ends_on_the_default_page_and_times_out_naming_a_column(
+        page, server):
+    """The screenshot script's wait, on the real page: the default Generate withholds the
+    side marked harmful (detox's negative side), and the wait still ends once the generated
+    columns have finished (checked with this module's own reading of the columns); a column
+    that never settles ends it with a message naming that column."""
+    from selenium.webdriver.common.by import By
+
+    shot = _screenshot_script()
+    set_field(page, "prompt", "Once upon a time")
+    set_field(page, "max-tokens", MAX_TOKENS)
+    page.find_element(By.ID, "generate").click()
+    shot.wait_for_columns(page, timeout=WAIT)
+    assert [h["steer"] for h in withheld(page)] == [{"detox": -5}]
+    cols = settled(page)
+    assert cols and [c["steer"] for c in cols] == [None, {"detox": 5}]
+    assert all(c["text"] for c in cols), cols
+    page.execute_script("const a = document.createElement('article'); a.className = 'column'; "
+                        "a.innerHTML = '<h2>still going</h2>'; "
+                        "document.querySelector('#columns').append(a);")
+    with pytest.raises(shot.ScreenshotTimeout, match="still running: still going"):
+        shot.wait_for_columns(page, timeout=1)
+
+
 @pytest.mark.vllm
 @browser
 def test_server_serves_the_page_with_a_same_origin_policy_and_the_info(server):

@@ -7,6 +7,8 @@ it, so vLLM's own errors keep vLLM's handling):
 
 - a **client's error** (:func:`is_client_error`: a bad ``steer`` value, a refused steer,
   over a limit) becomes that request's HTTP 400, with the message that names the problem;
+- a request that found **no room now** (every steer slot held by running requests, after
+  waiting) becomes HTTP 429 with ``Retry-After`` (:func:`busy_error`): a client retries it;
 - **anything else** is a fault of the plugin: its traceback is logged once, and the request
   (only that one) fails with HTTP 500 and a message naming vllm-steer, the hook and the
   request id (:func:`internal_message`). The engine core keeps stepping and every other
@@ -14,7 +16,8 @@ it, so vLLM's own errors keep vLLM's handling):
 
 The engine core cannot raise into vLLM's busy loop (an exception there ends the engine): it
 answers a refused request with an error output whose ``stop_reason`` carries
-:data:`~vllm_steer.integrations.protocol.REFUSED_PREFIX` (400) or
+:data:`~vllm_steer.integrations.protocol.REFUSED_PREFIX` (400),
+:data:`~vllm_steer.integrations.protocol.BUSY_PREFIX` (429: no room in the bank now) or
 :data:`~vllm_steer.integrations.protocol.FAILED_PREFIX` (500), and a failed management call
 with an error answer (:func:`management_failure`). The frontend raises vLLM's own exception
 types, which vLLM's exception handlers answer with that status (:func:`frontend`).
@@ -40,6 +43,8 @@ logger = get_logger()
 
 #: The HTTP status of a client's error, and of a fault of the plugin.
 CLIENT_STATUS, INTERNAL_STATUS = 400, 500
+#: The HTTP status of a request that found no room now and may retry (a full steer bank).
+BUSY_STATUS = 429
 
 
 def is_client_error(exc: BaseException) -> bool:
@@ -95,6 +100,35 @@ def internal_error(message: str) -> Exception:
     return _plugin_error_class()(message)
 
 
+@functools.cache
+def _busy_error_class() -> type:
+    """:func:`busy_error`'s class: a vLLM ``GracefulHTTPError`` (HTTP 429 with its message)."""
+    from vllm.exceptions import GracefulHTTPError
+
+    class SteerBankFullError(GracefulHTTPError):
+        """No steer slot could be had in time for this request (HTTP 429, retry later)."""
+
+    return SteerBankFullError
+
+
+def busy_error(message: str) -> Exception:
+    """The exception the frontend raises for a request that may succeed when retried (a full
+    steer bank): a vLLM ``GracefulHTTPError`` with HTTP 429 and ``message``; its
+    ``Retry-After`` header comes from the request's scope
+    (:func:`vllm_steer.integrations.frontend.request_scope.refuse_busy`)."""
+    from http import HTTPStatus
+
+    return _busy_error_class()(message, HTTPStatus(BUSY_STATUS))
+
+
+def is_busy_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is :func:`busy_error`'s (it passes the guard as it is)."""
+    try:
+        return isinstance(exc, _busy_error_class())
+    except ImportError:  # pragma: no cover - every supported vLLM has it
+        return False
+
+
 def plugin_error_in(exc: BaseException) -> BaseException | None:
     """The plugin's own error that ``exc`` carries, if any: vLLM's ``AsyncLLM.generate``
     re-raises a failure of ``add_request`` as an ``EngineGenerateError`` without its
@@ -110,12 +144,15 @@ def plugin_error_in(exc: BaseException) -> BaseException | None:
 @contextlib.contextmanager
 def frontend(where: str, request_id: object = None) -> Iterator[None]:
     """Run the plugin's code of frontend hook ``where`` (API server or ``LLM`` process) for
-    one request: a client's error passes as it is (vLLM answers it with HTTP 400); anything
+    one request: a client's error passes as it is (vLLM answers it with HTTP 400), and so
+    does :func:`busy_error`'s (HTTP 429); anything
     else is logged once and raised as vLLM's ``GenerationError`` (HTTP 500) naming
     vllm-steer, the hook and ``request_id``."""
     try:
         yield
     except Exception as e:
+        if is_busy_error(e):
+            raise
         status, message = classify(e, where, request_id)
         if status == CLIENT_STATUS:
             raise

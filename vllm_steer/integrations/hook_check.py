@@ -7,19 +7,56 @@ the group and the hook: a target :func:`~vllm_steer.integrations.hooks.install_h
 find, or, on the installed vLLM's surface
 (:func:`~vllm_steer.integrations.manifest.installed_surface`: its committed manifest, else the
 ``ast`` reader on its source), a name the wrappers read, a parameter they bind by name, or a
-call through a patched imported name that is gone. This module imports no torch.
+call through a patched imported name that is gone. Before any of that, a vLLM outside the
+supported range is refused, whatever resolves (:func:`check_version`; the override
+``VLLM_STEER_ALLOW_UNTESTED_VLLM=1`` serves with a loud warning). This module imports no
+torch.
 """
 
 from __future__ import annotations
 
+import os
+
 from vllm_steer.integrations.hooks import (_INSTALLED, _MISSING_BY_GROUP, ALWAYS, ENGINE,
                                            FRONTEND, V1, V1_LENS, V1_SPEC, V2, V2_LENS, V2_SPEC,
                                            Hook, HookGroup)
-from vllm_steer.integrations.supported import SUPPORTED_VLLM
+from vllm_steer.integrations.supported import (ALLOW_UNTESTED_ENV, SUPPORTED_VLLM,
+                                               version_problem)
+from vllm_steer.logs import get_logger
+
+logger = get_logger()
 
 
 class MissingHookError(RuntimeError):
     """A vLLM attribute the plugin hooks into is missing (another vLLM version)."""
+
+
+class UnsupportedVllmError(RuntimeError):
+    """The installed vLLM is outside the supported range (and the override is not set)."""
+
+
+_WARNED: list[str] = []  # the untested versions this process has warned about
+
+
+def check_version() -> None:
+    """Refuse to steer on a vLLM outside :data:`~vllm_steer.integrations.supported.
+    SUPPORTED_VLLM` (:class:`UnsupportedVllmError`, naming the range, the version found and
+    the override), even when every hook still resolves: its behaviour is untested. With
+    ``VLLM_STEER_ALLOW_UNTESTED_VLLM=1`` it serves, with a loud warning, once per process."""
+    from vllm_steer.integrations.manifest import installed_version
+
+    version = installed_version()
+    problem = version_problem(version)
+    if problem is None:
+        return
+    if os.environ.get(ALLOW_UNTESTED_ENV, "").strip() != "1":
+        raise UnsupportedVllmError(problem)
+    if version not in _WARNED:
+        _WARNED.append(version)
+        logger.warning("vllm-steer: UNTESTED vLLM %s (supported: vllm%s); serving steers "
+                       "anyway because %s=1. Steered outputs may be wrong: check them against "
+                       "a supported vLLM before relying on them", version, SUPPORTED_VLLM,
+                       ALLOW_UNTESTED_ENV)
 
 
 _SURFACE: dict[str, list[str]] = {}  # group name -> what check_surface found wrong (cached)
@@ -45,9 +82,11 @@ def check_hooks(vllm_config=None) -> None:
     (:func:`groups_used`) lacks a patch point, a name its wrappers read, a parameter they
     bind by name, or a call through a patched imported name (called when steers are
     configured: at config creation, in ``from_cli_args`` and in each worker). The other
-    groups may be unavailable: nothing that runs needs them."""
+    groups may be unavailable: nothing that runs needs them. First, a vLLM outside the
+    supported range is refused (:func:`check_version`)."""
     from vllm_steer.integrations.manifest import installed_version
 
+    check_version()
     for group in groups_used(vllm_config):
         problems = list(_MISSING_BY_GROUP.get(group.name, ())) or check_surface(group)
         if problems:

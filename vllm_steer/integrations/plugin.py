@@ -165,11 +165,15 @@ HOOKS: tuple[Hook, ...] = (
          endpoints.load_endpoint_plugins, params=("supported_tasks",),
          called_by=("vllm.plugins.endpoint_plugins.interface:attach_endpoint_plugins",)),
     Hook("vllm.v1.engine.async_llm:AsyncLLM.add_request",
-         "--steer-dir steers loaded before admission (HTTP 400 with the reason)",
+         "--steer-dir steers loaded before admission (HTTP 400 with the reason, 429 when "
+         "the bank stays full)",
          async_llm.add_request, params=("request_id", "prompt", "params"),
          reads=("vllm.sampling_params:SamplingParams.extra_args",)),
     Hook("vllm.v1.engine.async_llm:AsyncLLM.generate",
-         "an engine-side steer refusal answered as HTTP 400, not 500", async_llm.generate),
+         "an engine-side steer refusal answered as HTTP 400, not 500; a steered request's "
+         "end wakes the requests waiting for a steer slot", async_llm.generate,
+         params=("prompt", "sampling_params"),
+         reads=("vllm.sampling_params:SamplingParams.extra_args",)),
     # ---- engine core (vllm_steer.integrations.engine) ------------------------------------
     Hook("vllm.v1.engine.core:EngineCore.collective_rpc",
          "loading/unloading steers in the engine core (collective_rpc)", core.collective_rpc,

@@ -37,6 +37,10 @@ REFUSED_PREFIX = "vllm-steer refused: "
 #: admission failed in the plugin's own code (:mod:`vllm_steer.integrations.guard`): the API
 #: server answers it with HTTP 500 and the message, and the engine goes on serving.
 FAILED_PREFIX = "vllm-steer failed: "
+#: ``stop_reason`` prefix of the error output the engine core sends for a request whose
+#: first-use steers find no room in the bank now (every slot they could take held by steers
+#: running requests use): the API server answers it with HTTP 429 and ``Retry-After``.
+BUSY_PREFIX = "vllm-steer busy: "
 
 # ---- the management ops (``args=(op, kwargs)``) ---------------------------------------------
 #: ``{}`` -> ``{"enabled", "steers": [...], "stats": {...}, "workers": [...], "version",

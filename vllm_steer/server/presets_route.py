@@ -30,6 +30,7 @@ The plugin adds this endpoint to vLLM's endpoint-plugin list itself
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 
@@ -37,6 +38,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from vllm_steer.integrations.frontend.engine_client import manage
+from vllm_steer.integrations.frontend import request_scope
 from vllm_steer.integrations.frontend.request_scope import close_scope, open_scope
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.logs import get_logger
@@ -47,7 +49,15 @@ logger = get_logger()
 router = APIRouter()
 
 class SteerHeadersMiddleware:
-    """Pure ASGI middleware adding the ``x-vllm-steer-*`` headers to the response."""
+    """Pure ASGI middleware adding the ``x-vllm-steer-*`` headers to the response, and
+    ``Retry-After`` to a request refused with HTTP 429 (every steer slot held by running
+    requests, after the wait).
+
+    A request that may wait for a steer slot (:func:`~vllm_steer.integrations.frontend.
+    request_scope.hold_start`) has its response's start held until its first body: a stream,
+    whose HTTP 200 starlette sends before the first token, is then still answered with the
+    429 (JSON, vLLM's error format) when the wait ended with one, instead of an error event
+    after a 200."""
 
     def __init__(self, app):
         self.app = app
@@ -56,19 +66,63 @@ class SteerHeadersMiddleware:
         if scope.get("type") != "http":
             return await self.app(scope, receive, send)
         box, token = open_scope()
+        held: list = []  # the response's start, while held
+        done = []  # set once our own 429 replaced the response
 
         async def send_with_headers(message):
-            if message.get("type") == "http.response.start" and box.get("headers"):
-                headers = list(message.get("headers") or [])
-                headers += [(k.encode("latin-1"), v.encode("latin-1", "replace"))
-                            for k, v in box["headers"].items()]
-                message = {**message, "headers": headers}
+            if done:
+                return  # the rest of a stream answered with our 429
+            kind = message.get("type")
+            if kind == "http.response.start":
+                message = _with_headers(message, box)
+                if request_scope.held(box) and message.get("status") == 200:
+                    held.append(message)
+                    return
+            elif kind == "http.response.body" and held:
+                start = held.pop()
+                refused = request_scope.busy(box)
+                if refused is not None:
+                    done.append(True)
+                    for m in _busy_response(*refused, start):
+                        await send(m)
+                    return
+                await send(start)
             await send(message)
 
         try:
             await self.app(scope, receive, send_with_headers)
+            if held and not done:  # a response without a body
+                await send(held.pop())
         finally:
             close_scope(token)
+
+
+def _with_headers(start: dict, box: dict) -> dict:
+    """The response's start with the ``x-vllm-steer-*`` headers, and ``Retry-After`` on a 429
+    of a full steer bank."""
+    extra = dict(box.get("headers") or {})
+    refused = request_scope.busy(box)
+    if refused is not None and start.get("status") == 429:
+        extra["retry-after"] = str(refused[1])
+    if not extra:
+        return start
+    headers = list(start.get("headers") or [])
+    headers += [(k.encode("latin-1"), v.encode("latin-1", "replace")) for k, v in extra.items()]
+    return {**start, "headers": headers}
+
+
+def _busy_response(message: str, retry_after: int, start: dict) -> list[dict]:
+    """The ASGI messages of HTTP 429 with ``Retry-After`` and vLLM's error body, for a
+    stream that had not begun (its held start's ``x-vllm-steer-*`` headers kept)."""
+    body = json.dumps({"error": {"message": message, "type": "Too Many Requests",
+                                 "param": None, "code": 429}}).encode()
+    headers = [(k, v) for k, v in start.get("headers") or []
+               if k.lower().startswith(b"x-vllm-steer")]
+    headers += [(b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", str(retry_after).encode())]
+    return [{"type": "http.response.start", "status": 429, "headers": headers},
+            {"type": "http.response.body", "body": body, "more_body": False}]
 
 
 def _config():

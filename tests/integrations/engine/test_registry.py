@@ -202,3 +202,140 @@ def test_dp_steer_op_time_is_summed_over_engine_cores_one_head_worker_each():
     assert [a["stats"]["op"]["calls"] for a in answers] == [10, 4]
     merged = dp.merge_answers("list", answers)
     assert merged["stats"]["op"] == {"seconds": 0.75, "calls": 14}
+
+
+# ---- a full bank: capacity before the file, contention is not a failure --------------------
+def _running(core, *entries):
+    """Requests running in ``core``, each bound to one loaded steer (as binding writes it)."""
+    from types import SimpleNamespace
+
+    from vllm_steer.request import BOUND_KEY, BoundSteer
+
+    for i, e in enumerate(entries):
+        bound = BoundSteer.to_wire([BoundSteer(e["name"], e["bank_slot"], e["load_id"], 1.0)])
+        core.scheduler.requests[f"run{i}"] = SimpleNamespace(
+            sampling_params=SimpleNamespace(extra_args={BOUND_KEY: bound}))
+
+
+def test_a_full_bank_answers_507_before_reading_the_file_and_counts_no_failure(tmp_path,
+                                                                               monkeypatch):
+    """Every slot held by steers running requests use: a first-use load answers 507 at once,
+    opening no file (counted by a wrapper of the file reader, not by the plugin's counter),
+    however often it is asked; it counts contention, not a load failure. Once the requests
+    end, one ask loads it, reading the file once."""
+    from helpers.steers import random_steer
+
+    from vllm_steer import format as steer_format
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.engine.state import engine_state
+
+    for n in ("a", "b", "c"):
+        save_steer(tmp_path / f"{n}.safetensors", random_steer(64, 4, n))
+    opened = []
+    real = steer_format.load_steer
+    monkeypatch.setattr(steer_format, "load_steer", lambda p: opened.append(p) or real(p))
+    core = _core(0, 2, steer_dir=str(tmp_path))
+    path = lambda n: str(tmp_path / f"{n}.safetensors")  # noqa: E731
+    held = [_all([core], "load", name=n, path=path(n), source="steer-dir")[0]["steer"]
+            for n in ("a", "b")]
+    assert len(opened) == 2
+    _running(core, *held)
+    reg = engine_state(core).registry
+    failures = reg.counters["failures"]
+    for _ in range(20):
+        res = _all([core], "load", name="c", path=path("c"), source="steer-dir",
+                   protect=["c"])[0]
+        assert not res["ok"] and res["status"] == 507, res
+        assert "all 2 steer slots are in use" in res["error"] and "--max-steers=2" in res["error"]
+    # a path that no longer exists is not even looked at while the bank is full
+    res = _all([core], "load", name="c", path=str(tmp_path / "gone.safetensors"),
+               source="steer-dir", protect=["c"])[0]
+    assert res["status"] == 507, res
+    assert opened == [path("a"), path("b")]
+    assert reg.counters["failures"] == failures and reg.counters["bank_full"] == 21
+    assert reg.counters["file_reads"] == 2
+    # an operator's load over HTTP at a full bank is a refused load (a failure), still unread
+    res = _all([core], "load", name="c", path=path("c"), source="api")[0]
+    assert res["status"] == 507 and reg.counters["failures"] == failures + 1
+    assert len(opened) == 2
+    # the running requests end: one ask loads it, one read, the least recently used evicted
+    core.scheduler.requests.clear()
+    res = _all([core], "load", name="c", path=path("c"), source="steer-dir", protect=["c"])[0]
+    assert res["ok"] and res["evicted"] == "a", res
+    assert opened == [path("a"), path("b"), path("c")] and reg.counters["file_reads"] == 3
+
+
+def test_a_request_that_never_fits_is_a_400_before_any_read(tmp_path, monkeypatch):
+    """The request's steers and the steers never evicted are more than the bank: a 400 naming
+    the limit (no wait helps), with no file read."""
+    from helpers.steers import random_steer
+
+    from vllm_steer import format as steer_format
+    from vllm_steer.format import save_steer
+
+    for n in ("p", "a", "c"):
+        save_steer(tmp_path / f"{n}.safetensors", random_steer(64, 4, n))
+    core = _core(0, 2, steer_dir=str(tmp_path))
+    assert _all([core], "load", name="p", path=str(tmp_path / "p.safetensors"),
+                source="api")[0]["ok"]
+    opened = []
+    real = steer_format.load_steer
+    monkeypatch.setattr(steer_format, "load_steer", lambda p: opened.append(p) or real(p))
+    res = _all([core], "load", name="c", path=str(tmp_path / "c.safetensors"),
+               source="steer-dir", protect=["a", "c"])[0]
+    assert not res["ok"] and res["status"] == 400, res
+    assert "--max-steers=2" in res["error"] and "never evicted" in res["error"], res
+    assert opened == []
+
+
+def test_engine_core_admission_without_room_is_a_busy_refusal_and_never_fitting_a_400(
+        tmp_path):
+    """A request reaching the engine core whose first-use steer finds every slot held by
+    running requests is finished with the busy prefix (the API server's HTTP 429); one whose
+    steers can never fit beside the steers never evicted with the refusal prefix (HTTP 400).
+    Neither counts a load failure."""
+    from types import SimpleNamespace
+
+    from helpers.steers import random_steer
+
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.engine import core as engine_hooks
+    from vllm_steer.integrations.engine.state import engine_state
+    from vllm_steer.integrations.protocol import BUSY_PREFIX, REFUSED_PREFIX
+    from vllm_steer.request import SteerRequest
+
+    for n in ("p", "q", "a", "c"):
+        save_steer(tmp_path / f"{n}.safetensors", random_steer(64, 4, n))
+    core = _core(0, 3, steer_dir=str(tmp_path))
+    sent = []
+    core.output_queue = SimpleNamespace(put_nowait=sent.append)
+    for n in ("p", "q"):  # never evicted
+        assert _all([core], "load", name=n, path=str(tmp_path / f"{n}.safetensors"),
+                    source="api")[0]["ok"]
+    held = _all([core], "load", name="a", path=str(tmp_path / "a.safetensors"),
+                source="steer-dir")[0]["steer"]
+    _running(core, held)
+    reg = engine_state(core).registry
+    failures = reg.counters["failures"]
+
+    def admit(rid, steers):
+        request = SimpleNamespace(request_id=rid, client_index=0, sampling_params=SimpleNamespace(
+            extra_args={"steer": SteerRequest.parse(steers, None, 10.0).to_wire()}))
+        engine_hooks.add_request(lambda *a: pytest.fail("admitted"), core, request)
+        (_, outs), = sent[-1:]
+        return outs.outputs[0].stop_reason
+
+    reason = admit("r1", {"c": 1.0})  # fits once the request using 'a' ends
+    assert reason.startswith(BUSY_PREFIX) and "only 0 of the 3 steer slots" in reason, reason
+    reason = admit("r2", {"p": 1.0, "c": -1.0})
+    assert reason.startswith(BUSY_PREFIX), reason
+    reason = admit("r3", {"a": 1.0, "c": 1.0})  # with p and q: 4 steers in 3 slots, ever
+    assert reason.startswith(REFUSED_PREFIX) and "--max-steers=3" in reason, reason
+    assert reg.counters["failures"] == failures and reg.counters["bank_full"] == 2
+    assert reg.counters["refused_429"] == 2 and reg.counters["refused_400"] == 1
+    core.scheduler.requests.clear()  # the request using 'a' ends: the same request fits
+    admitted = []
+    request = SimpleNamespace(request_id="r4", client_index=0, sampling_params=SimpleNamespace(
+        extra_args={"steer": SteerRequest.parse({"c": 1.0}, None, 10.0).to_wire()}))
+    engine_hooks.add_request(lambda core_, req, wave: admitted.append(req), core, request)
+    assert admitted == [request] and set(reg.bound) == {"p", "q", "c"}

@@ -50,7 +50,8 @@ from vllm_steer.format import read_metadata, save_steer  # noqa: E402
 from vllm_steer.integrations.engine import core as engine_hooks  # noqa: E402
 from vllm_steer.integrations.engine.registry import SteerEntry, SteerRegistry  # noqa: E402
 from vllm_steer.integrations.engine.state import EngineSteerState  # noqa: E402
-from vllm_steer.integrations.protocol import MANAGEMENT_METHOD, REFUSED_PREFIX  # noqa: E402
+from vllm_steer.integrations.protocol import (BUSY_PREFIX, MANAGEMENT_METHOD,  # noqa: E402
+                                              REFUSED_PREFIX)
 from vllm_steer.request import BOUND_KEY, BoundSteer, SteerRequest  # noqa: E402
 
 HIDDEN = 16
@@ -181,7 +182,12 @@ class SteerStateMachine(RuleBasedStateMachine):
         if not admitted:
             (client_index, out), = self.outputs[before:]
             reason = out.outputs[0].stop_reason
-            assert reason.startswith(REFUSED_PREFIX), reason  # a documented refusal only
+            # a documented refusal only: "busy" (HTTP 429, retry) only for a request that fits
+            # once running requests finish, beside the steers never evicted
+            assert reason.startswith((REFUSED_PREFIX, BUSY_PREFIX)), reason
+            if reason.startswith(BUSY_PREFIX):
+                names = set(SteerRequest.from_wire(value).strengths)
+                assert len(self.reg.never_evicted() | names) <= self.reg.capacity, reason
             return False, reason
         self.core.scheduler.requests[rid] = request
         bound = BoundSteer.from_wire((request.sampling_params.extra_args or {}).get(BOUND_KEY))

@@ -26,6 +26,11 @@ class SteerAdmissionError(SteerRequestError):
     steers than the bank holds at once): the request's HTTP 400."""
 
 
+class SteerBankFullError(SteerAdmissionError):
+    """A request's first-use steers find no room in the bank now (every slot they could take
+    holds a steer running requests use): the request's HTTP 429, to be retried."""
+
+
 def bind_request(core, request) -> None:
     """Bind the steers of ``request`` (an engine-core ``Request``) in this engine core: each
     steer it is served with gets the ``(bank_slot, load_id)`` that holds it, loading it from
@@ -38,8 +43,9 @@ def bind_request(core, request) -> None:
     names. A first-use load therefore never evicts a steer bound earlier in the same request.
 
     Raises :class:`SteerAdmissionError` when a named steer is not loaded (and not in
-    ``--steer-dir``), its file there is refused, the request names too many steers, the bank
-    has no room for them now, or the serialised form cannot be read; the message is the one
+    ``--steer-dir``), its file there is refused, the request names too many steers, or the
+    serialised form cannot be read; :class:`SteerBankFullError` when the bank has no room
+    for them now; the message is the one
     the API server's own check gives (:func:`vllm_steer.integrations.protocol.steer_dir_file`).
     """
     sp = getattr(request, "sampling_params", None)
@@ -68,11 +74,16 @@ def bind_request(core, request) -> None:
         in_use = in_use_by_requests(core)
         room = reg.room(in_use, protect=names)
         if len(missing) > room:
-            raise SteerAdmissionError(_no_room(reg, names, missing, room))
+            if len(reg.never_evicted() | set(names)) > reg.capacity:  # never fits: a 400
+                raise SteerAdmissionError(_no_room(reg, names, missing, room))
+            reg.counters["bank_full"] += 1  # contention, not a failure: retry later (429)
+            raise SteerBankFullError(_no_room(reg, names, missing, room))
         for name in missing:
             res = load_steer_file(core, name, paths[name], SOURCE_STEER_DIR, protect=names)
             if not res["ok"]:
-                raise SteerAdmissionError(f"{REQUEST_FIELD}: {res['error']}")
+                error = (SteerBankFullError if res.get("status") == 507
+                         else SteerAdmissionError)
+                raise error(f"{REQUEST_FIELD}: {res['error']}")
     slots = reg.bind(names)
     values = steers.named
     bound = [BoundSteer(n, *slots[n], values[n]) for n in names]

@@ -12,11 +12,13 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from vllm_steer.integrations.engine.binding import bind_request
+from vllm_steer.integrations.engine.binding import SteerBankFullError, bind_request
 from vllm_steer.integrations.engine.management import run_op
 from vllm_steer.integrations.engine.state import STATES
-from vllm_steer.integrations.guard import CLIENT_STATUS, classify, management_failure
-from vllm_steer.integrations.protocol import FAILED_PREFIX, MANAGEMENT_METHOD, REFUSED_PREFIX
+from vllm_steer.integrations.guard import (BUSY_STATUS, CLIENT_STATUS, classify,
+                                           management_failure)
+from vllm_steer.integrations.protocol import (BUSY_PREFIX, FAILED_PREFIX, MANAGEMENT_METHOD,
+                                              REFUSED_PREFIX)
 from vllm_steer.logs import get_logger
 
 logger = get_logger()
@@ -58,6 +60,8 @@ def add_request(orig, self, request, request_wave: int = 0):
             raise RuntimeError(message) from e
         if status == CLIENT_STATUS:
             logger.warning("vllm-steer: request %s refused: %s", request_id, message)
+            if isinstance(e, SteerBankFullError):  # no room now: the client may retry
+                status = BUSY_STATUS
         count_refusal(self, status)
         send_refusal(self, request, message, status)
         return
@@ -66,7 +70,8 @@ def add_request(orig, self, request, request_wave: int = 0):
 
 def count_refusal(core, status: int) -> None:
     """One more request refused by the plugin in this engine core (``refused_400`` /
-    ``refused_500`` of the registry's counters: ``vllm_steer:requests_refused_total``)."""
+    ``refused_429`` / ``refused_500`` of the registry's counters:
+    ``vllm_steer:requests_refused_total``)."""
     st = STATES.get(core)  # never created here: this runs when admission failed
     reg = st.registry if st is not None else None
     if reg is not None:
@@ -77,13 +82,16 @@ def count_refusal(core, status: int) -> None:
 def send_refusal(core, request, message: str, status: int = CLIENT_STATUS) -> None:
     """Finish ``request`` at once with vLLM's error output (as
     ``EngineCore._send_error_outputs_to_client`` does), its ``stop_reason`` carrying
-    :data:`~vllm_steer.integrations.protocol.REFUSED_PREFIX` (a refusal, HTTP 400) or
+    :data:`~vllm_steer.integrations.protocol.REFUSED_PREFIX` (a refusal, HTTP 400),
+    :data:`~vllm_steer.integrations.protocol.BUSY_PREFIX` (no room in the bank now, HTTP
+    429) or
     :data:`~vllm_steer.integrations.protocol.FAILED_PREFIX` (a fault of the plugin, HTTP 500)
     and ``message``: the API server's ``AsyncLLM.generate`` hook turns it into the client's
     answer instead of vLLM's generic 500."""
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
-    prefix = REFUSED_PREFIX if status == CLIENT_STATUS else FAILED_PREFIX
+    prefix = {CLIENT_STATUS: REFUSED_PREFIX, BUSY_STATUS: BUSY_PREFIX}.get(status,
+                                                                          FAILED_PREFIX)
     out = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
                            stop_reason=prefix + message)
     core.output_queue.put_nowait(

@@ -166,10 +166,13 @@ def _preset_op(core, cfg, op: str, kwargs: dict) -> dict:
 
 def load_steer_file(core, name: str, path: str, source: str,
                     protect: Collection[str] = ()) -> dict:
-    """Load the steer file ``path`` as ``name``: check it like at start-up, pick a slot (never
-    evicting a steer that a request uses or that ``protect`` names: the steers of the request
-    being admitted), put the factors on every worker, bind the name (the ``load`` op's
-    answer). A file that cannot be read is a 400 naming it; a put that fails in a worker
+    """Load the steer file ``path`` as ``name``: pick a slot (never evicting a steer that a
+    request uses or that ``protect`` names: the steers of the request being admitted), then
+    read and check the file like at start-up, put the factors on every worker, bind the name
+    (the ``load`` op's answer). Capacity comes first: a full bank answers 507 without reading
+    the file (a ``--steer-dir`` first use counts it as ``bank_full``, contention, not a
+    failure); a request that can never fit is a 400. A file that cannot be read is a 400
+    naming it; a put that fails in a worker
     leaves every name as it was (a steer-dir steer whose slot it was about to take is
     unbound, to be read again on its next use)."""
     from vllm_steer.format import SteerFileError, load_steer
@@ -182,8 +185,27 @@ def load_steer_file(core, name: str, path: str, source: str,
     except SteerNameError as e:
         reg.counters["failures"] += 1
         return _error(400, str(e))
+    never = reg.never_evicted()
+    if protect and len(never | set(protect) | {name}) > reg.capacity:
+        reg.counters["failures"] += 1  # never fits, however long the request waits
+        return _error(400, f"cannot load steer {name!r}: the request's steers "
+                      f"({', '.join(repr(n) for n in protect)}) and the {len(never)} steer(s) "
+                      f"never evicted ({', '.join(sorted(never)) or 'none'}) are more than "
+                      f"the {reg.capacity} steer slots (--max-steers={reg.capacity}); send "
+                      "fewer steers at once, or restart with a larger --max-steers")
+    try:  # capacity before the file: a full bank costs no read (the slot stays ours: this
+        # op runs on the engine core's one thread, nothing binds or loads in between)
+        slot, evicted = reg.free_slot(in_use_by_requests(core), evictable=True, replacing=name,
+                                      protect=protect)
+    except SteerCapacityError as e:
+        if source == SOURCE_STEER_DIR:  # contention, not a failure: the API server waits
+            reg.counters["bank_full"] += 1
+        else:
+            reg.counters["failures"] += 1
+        return _error(507, f"cannot load steer {name!r}: {e}")
     try:
         try:
+            reg.counters["file_reads"] += 1
             steer = load_steer(path)
         except OSError as e:  # gone, unreadable, or a folder since it was named
             raise SteerFileError(path, [f"cannot be read: {type(e).__name__}: {e}"]) from None
@@ -205,20 +227,6 @@ def load_steer_file(core, name: str, path: str, source: str,
     except SteerFileError as e:
         reg.counters["failures"] += 1
         return _error(400, str(e))
-    never = reg.never_evicted()
-    if protect and len(never | set(protect) | {name}) > reg.capacity:
-        reg.counters["failures"] += 1  # never fits, however long the request waits
-        return _error(400, f"cannot load steer {name!r}: the request's steers "
-                      f"({', '.join(repr(n) for n in protect)}) and the {len(never)} steer(s) "
-                      f"never evicted ({', '.join(sorted(never)) or 'none'}) are more than "
-                      f"the {reg.capacity} steer slots (--max-steers={reg.capacity}); send "
-                      "fewer steers at once, or restart with a larger --max-steers")
-    try:
-        slot, evicted = reg.free_slot(in_use_by_requests(core), evictable=True, replacing=name,
-                                      protect=protect)
-    except SteerCapacityError as e:
-        reg.counters["failures"] += 1
-        return _error(507, f"cannot load steer {name!r}: {e}")
     load_id = reg.new_load_id()
     try:
         _workers(core, "put", slot, load_id, name, steer)

@@ -96,8 +96,11 @@ class SteerRegistry:
         self.slots: list[SteerEntry | None] = [None] * capacity
         self.bound: dict[str, int] = {}  # name -> slot
         self.next_load_id = 1
+        # bank_full: first-use loads that found every slot held (the request waits: not a
+        # failure); file_reads: steer files read by run-time loads
         self.counters = {"loads": 0, "unloads": 0, "evictions": 0, "failures": 0,
-                         "refused_400": 0, "refused_500": 0}
+                         "bank_full": 0, "file_reads": 0, "refused_400": 0, "refused_429": 0,
+                         "refused_500": 0}
         self.served: dict[str, int] = {}  # requests steered per name (kept over unloads)
 
     # ---- queries ---------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import os
 from typing import Any, Mapping
 
 from vllm_steer import REQUEST_FIELD
-from vllm_steer.integrations.frontend.request_scope import record_applied
+from vllm_steer.integrations.frontend.request_scope import hold_start, record_applied
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.integrations.protocol import count_problem, name_problem, steer_dir_file
 from vllm_steer.request import SteerRequest, SteerRequestError, admitted
@@ -170,6 +170,8 @@ def serve(params: Any, request: SteerRequest | None,
         if problem:  # the engine core would refuse it: say so before it is sent
             raise field_error(problem)
         record_applied(served.named, floored)
+        if cfg.steer_dir and served.strengths:
+            hold_start()  # a first use may wait for a slot, then answer 429 (async_llm)
     if given or served.entries:
         params.extra_args = {**(params.extra_args or {}), REQUEST_FIELD: served.to_wire()}
     return served

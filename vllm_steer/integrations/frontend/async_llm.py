@@ -1,5 +1,6 @@
 """The API server's hooks on vLLM's ``AsyncLLM``: an engine-side steer refusal answered as
-HTTP 400, and ``--steer-dir`` steers loaded before admission.
+HTTP 400, and ``--steer-dir`` steers loaded before admission (a full bank waited for, then
+HTTP 429 with ``Retry-After``).
 
 This module imports no torch (the frontend imports it).
 """
@@ -14,17 +15,23 @@ from vllm_steer import REQUEST_FIELD
 from vllm_steer.integrations import guard
 from vllm_steer.integrations.frontend import admission
 from vllm_steer.integrations.frontend.engine_client import manage
+from vllm_steer.integrations.frontend.request_scope import refuse_busy
 from vllm_steer.integrations.frontend.state import frontend_state
-from vllm_steer.integrations.protocol import (FAILED_PREFIX, OP_LOAD, REFUSED_PREFIX,
+from vllm_steer.integrations.protocol import (BUSY_PREFIX, FAILED_PREFIX, OP_LOAD, REFUSED_PREFIX,
                                               SOURCE_STEER_DIR, name_problem)
+from vllm_steer.logs import get_logger
 from vllm_steer.request import SteerRequestError, admitted
+
+logger = get_logger()
 
 
 async def generate(orig, self, *args, **kwargs):
     """``AsyncLLM.generate`` raises ``VLLMValidationError`` (HTTP 400, ``param: "steer"``; the
     error event of a stream) when the engine core refused the request's steer at admission
     (:func:`vllm_steer.integrations.engine.core.send_refusal`): a steer unloaded, or not yet
-    loaded, in the engine while this API server's view of the names was a moment old."""
+    loaded, in the engine while this API server's view of the names was a moment old. When a
+    steered request ends, the requests waiting for a steer slot are woken
+    (:func:`_load_waiting_for_room`)."""
     agen = orig(self, *args, **kwargs)
     try:
         async for out in agen:
@@ -38,11 +45,22 @@ async def generate(orig, self, *args, **kwargs):
         raise
     finally:
         await agen.aclose()
+        st = frontend_state()
+        if st.slot_waiters and _steered(args, kwargs):  # its steers' slots may be free now
+            st.slot_may_be_free()
+
+
+def _steered(args: tuple, kwargs: dict) -> bool:
+    """Whether the ``AsyncLLM.generate`` call with ``args`` / ``kwargs`` carries a steer (its
+    sampling params: the second argument)."""
+    params = kwargs.get("sampling_params", args[1] if len(args) > 1 else None)
+    return REQUEST_FIELD in (getattr(params, "extra_args", None) or {})
 
 
 def _raise_engine_refusal(out) -> None:
     """Raise the client's answer if the engine core finished ``out``'s request with a
-    refusal (HTTP 400, ``param: "steer"``) or a fault of the plugin (HTTP 500)."""
+    refusal (HTTP 400, ``param: "steer"``), no room in the bank now (HTTP 429 with
+    ``Retry-After``) or a fault of the plugin (HTTP 500)."""
     for o in getattr(out, "outputs", None) or ():
         reason = getattr(o, "stop_reason", None)
         if not isinstance(reason, str):
@@ -51,13 +69,18 @@ def _raise_engine_refusal(out) -> None:
             from vllm.exceptions import VLLMValidationError
 
             raise VLLMValidationError(reason[len(REFUSED_PREFIX):], parameter=REQUEST_FIELD)
+        if reason.startswith(BUSY_PREFIX):
+            message = reason[len(BUSY_PREFIX):]
+            refuse_busy(message, RETRY_AFTER_SECONDS)
+            raise guard.busy_error(message)
         if reason.startswith(FAILED_PREFIX):
             raise guard.internal_error(reason[len(FAILED_PREFIX):])
 
 
 async def add_request(orig, self, request_id, prompt, params, *args, **kwargs):
     """``AsyncLLM.add_request`` loads a ``--steer-dir`` steer a request is served with before
-    admitting it, so a refusal (bad file, capacity full) is an HTTP 400 with the reason. (The
+    admitting it, so a refusal (bad file, more steers than the bank) is an HTTP 400 with the
+    reason, and a bank still full after the wait an HTTP 429 with ``Retry-After``. (The
     engine core binds, and loads on first use, anyway: this only surfaces the errors.) A
     request the frontend has not admitted yet (a caller of ``AsyncLLM`` with a steer value of
     its own) is admitted here first (:func:`~vllm_steer.integrations.frontend.admission.
@@ -85,6 +108,13 @@ async def _preload_dir_steers(engine, cfg, params) -> None:
         except SteerRequestError:
             return  # the engine core refuses it with the reason
         res = await _load_waiting_for_room(engine, name, path, names)
+        if not res["ok"] and res.get("status") == 507:
+            message = (f"{REQUEST_FIELD}: {res['error']}; no steer slot freed in the "
+                       f"{first_use_wait_seconds():g} s this request waited "
+                       "(VLLM_STEER_FIRST_USE_WAIT_SECONDS): retry after "
+                       f"{RETRY_AFTER_SECONDS} s")
+            refuse_busy(message, RETRY_AFTER_SECONDS)
+            raise guard.busy_error(message)
         if not res["ok"] and name not in st.loaded_names():
             from vllm.exceptions import VLLMValidationError
 
@@ -107,17 +137,63 @@ def first_use_wait_seconds() -> float:
 FIRST_USE_WAIT_SECONDS = 10.0
 
 
+#: A request waiting for a steer slot asks the engine core again when a steered request of
+#: this API server finishes, and at least this often (requests finishing on another API
+#: server, or offline, wake no one here), seconds.
+FIRST_USE_POLL_SECONDS = 1.0
+#: The least time between two asks of one waiting request, seconds (many steered requests
+#: finishing at once wake it once).
+FIRST_USE_MIN_GAP_SECONDS = 0.1
+#: ``Retry-After`` of a request that got no steer slot in time (HTTP 429), seconds.
+RETRY_AFTER_SECONDS = 1
+
+
 async def _load_waiting_for_room(engine, name: str, path: str, names: list) -> dict:
     """Load the ``--steer-dir`` steer ``name`` for a request naming ``names`` (never evicting
-    one of them: ``protect``). When the bank is full of steers running requests use (507), wait
-    for one of them to finish, retrying with a growing pause, up to
-    :func:`first_use_wait_seconds`; then the refusal stands (HTTP 400 naming the limit)."""
+    one of them: ``protect``). The engine core checks capacity before it reads the file
+    (:func:`vllm_steer.integrations.engine.management.load_steer_file`): a full bank (every
+    slot held by steers running requests use) answers 507 at once, read nothing, counted as
+    contention. The request then waits, up to :func:`first_use_wait_seconds`, for a steered
+    request of this API server to finish (or :data:`FIRST_USE_POLL_SECONDS`) and asks once
+    more: one cheap call per wake-up, none on a timer of its own, and the file is read once,
+    when a slot is there. Counted once in ``vllm_steer:bank_full_waits_total``; a 507 that
+    stands is the caller's HTTP 429."""
+    st = frontend_state()
+    loop = asyncio.get_running_loop()
     deadline = time.monotonic() + first_use_wait_seconds()
-    pause = 0.05
+    waited = False
     while True:
-        res = await manage(engine, OP_LOAD, name=name, path=path, source=SOURCE_STEER_DIR,
-                           protect=names)
-        if res["ok"] or res.get("status") != 507 or time.monotonic() + pause > deadline:
-            return res
-        await asyncio.sleep(pause)
-        pause = min(pause * 2, 0.5)
+        woken = loop.create_future()
+        st.slot_waiters.add(woken)  # before asking: a request ending meanwhile still wakes it
+        try:
+            asked = time.monotonic()
+            res = await manage(engine, OP_LOAD, name=name, path=path, source=SOURCE_STEER_DIR,
+                               protect=names)
+            left = deadline - time.monotonic()
+            if res["ok"] or res.get("status") != 507 or left <= 0:
+                break
+            waited = True
+            try:
+                await asyncio.wait_for(woken, min(left, FIRST_USE_POLL_SECONDS))
+            except asyncio.TimeoutError:
+                pass
+            gap = asked + FIRST_USE_MIN_GAP_SECONDS - time.monotonic()
+            if gap > 0:
+                await asyncio.sleep(min(gap, max(0.0, deadline - time.monotonic())))
+        finally:
+            st.slot_waiters.discard(woken)
+    if waited or res.get("status") == 507:
+        _count_wait("loaded" if res["ok"] else "retry_after" if res.get("status") == 507
+                    else None)
+    return res
+
+
+def _count_wait(outcome: str | None) -> None:
+    if outcome is None:
+        return
+    try:
+        from vllm_steer.metrics import get_metrics
+
+        get_metrics().bank_full_wait(outcome)
+    except Exception:  # metrics never break serving
+        logger.exception("vllm-steer: metrics update failed")

@@ -18,7 +18,8 @@ from typing import Any
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.integrations.protocol import (MANAGEMENT_METHOD, OP_LIST, OP_LOAD,
                                               OP_PRESET_ADD, OP_PRESET_ROLLBACK, OP_PRESETS,
-                                              OP_ROLLBACK, OP_UNLOAD, is_preset_op,
+                                              OP_ROLLBACK, OP_UNLOAD, SOURCE_STEER_DIR,
+                                              is_preset_op,
                                               merge_answers, rollback_kwargs)
 from vllm_steer.logs import get_logger
 
@@ -66,9 +67,17 @@ async def manage(engine, op: str, **kwargs) -> dict:
                                                          "token": kwargs.get("token", "")})
         res = await manage(engine, OP_PRESETS) | {k: res[k] for k in ("ok", "status", "error")}
     _take_views(op, res)
-    if op in (OP_LOAD, OP_UNLOAD):  # refused ones too: the failure counters moved
-        await manage(engine, OP_LIST)
+    if op in (OP_LOAD, OP_UNLOAD) and not _bank_full(op, kwargs, answers):
+        await manage(engine, OP_LIST)  # refused ones too: the failure counters moved
     return res
+
+
+def _bank_full(op: str, kwargs: dict, answers: list[dict]) -> bool:
+    """Whether every engine core answered a first-use load with a full bank (507): nothing
+    moved but a contention count, so no ``list`` follows (a request waiting for a slot asks
+    again, and each ask stays one cheap call)."""
+    return (op == OP_LOAD and kwargs.get("source") == SOURCE_STEER_DIR and bool(answers)
+            and all(not a.get("ok") and a.get("status") == 507 for a in answers))
 
 
 async def _every_engine(engine, op: str, kwargs: dict) -> list[dict]:

@@ -1,6 +1,7 @@
 """What one HTTP request of the API server carries between vLLM's hooks and our response
-headers: the steers it is served with (for ``x-vllm-steer-*``) and the run-time preset its
-model check read. One mutable box per HTTP request, opened by the headers middleware
+headers: the steers it is served with (for ``x-vllm-steer-*``), the run-time preset its
+model check read, and whether it may wait for a steer slot or was refused with HTTP 429
+(``Retry-After``). One mutable box per HTTP request, opened by the headers middleware
 (:class:`vllm_steer.server.presets_route.SteerHeadersMiddleware`, :func:`open_scope`); outside
 an HTTP request (offline) every function here is a no-op.
 
@@ -58,3 +59,30 @@ def pinned_preset(name: str) -> tuple[bool, dict | None]:
     return False, None
 
 
+
+
+def hold_start() -> None:
+    """This HTTP request may wait for a steer slot (a steer it names is loaded on first use):
+    the response's start is held until its first body, so a stream that has not begun can
+    still be answered with HTTP 429 (:func:`refuse_busy`). No-op outside a request."""
+    box = _BOX.get()
+    if box is not None:
+        box["hold"] = True
+
+
+def refuse_busy(message: str, retry_after: int) -> None:
+    """This HTTP request is refused with HTTP 429: ``message``, and ``Retry-After:
+    retry_after`` (seconds) on its response (no-op outside a request)."""
+    box = _BOX.get()
+    if box is not None:
+        box["busy"] = (message, int(retry_after))
+
+
+def held(box: dict) -> bool:
+    """Whether the response of the request ``box`` belongs to waits for its first body."""
+    return bool(box.get("hold"))
+
+
+def busy(box: dict) -> tuple[str, int] | None:
+    """``(message, retry_after)`` if the request ``box`` belongs to was refused with 429."""
+    return box.get("busy")

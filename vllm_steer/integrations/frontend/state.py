@@ -8,6 +8,7 @@ what it knows of the steers, held in :class:`FrontendState` and reached through
   and every management call refresh it; None: the configured ``--steer`` names);
 - ``hidden_size``: the served model's steer size (``--steer-dir`` files are checked against it);
 - ``engine``: this API server's engine client (the management routes, presets);
+- ``slot_waiters``: the requests waiting for a steer slot, woken when a steered request ends;
 - the run-time preset table as this process last read it (:meth:`FrontendState.presets_view`,
   replaced only by a newer ``version``).
 
@@ -38,6 +39,17 @@ class FrontendState:
     """Version of the run-time preset table last read (-1: none read)."""
     presets: dict[str, dict[str, float]] = field(default_factory=dict)
     """The run-time preset table last read."""
+    slot_waiters: set = field(default_factory=set)
+    """Futures of the requests waiting for a steer slot, set when a steered request of this
+    process finishes (:mod:`vllm_steer.integrations.frontend.async_llm`)."""
+
+    def slot_may_be_free(self) -> None:
+        """A steered request of this process finished: wake every request waiting for a
+        steer slot (each asks the engine core once whether there is room now)."""
+        waiters, self.slot_waiters = self.slot_waiters, set()
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
     def reset(self, config: SteerServerConfig | None) -> None:
         """A new engine configuration for this process: it starts from its own ``--steer``
