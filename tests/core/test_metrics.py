@@ -34,7 +34,8 @@ COUNTER_NAMES = ["vllm_steer:requests_steered_total", "vllm_steer:steer_loads_to
                  "vllm_steer:presets_file_reloads_total",
                  "vllm_steer:presets_file_refusals_total"]
 GAUGE_NAMES = ["vllm_steer:loaded_steers", "vllm_steer:max_steers",
-               "vllm_steer:steer_op_seconds_per_step", "vllm_steer:presets_file_refused"]
+               "vllm_steer:steer_op_seconds_per_step", "vllm_steer:presets_file_refused",
+               "vllm_steer:head_eager", "vllm_steer:start_time_seconds"]
 
 
 def families(text: str) -> dict:
@@ -134,8 +135,7 @@ def test_take_new_hands_out_each_increment_once_and_never_a_decrease():
     tp = [_worker(0.5, 0.8, 10, 10), _worker(0.4, 0.9, 10, 10)]  # TP=2: the same 10 calls
     first = take_new(state, stats, tp)
     assert first["engine"] == "1"
-    assert first["counters"] == {"loads": 2, "unloads": 0, "evictions": 0, "failures": 1,
-                                 "refused_400": 0, "refused_500": 0}
+    assert first["counters"] == {"loads": 2, "unloads": 0, "evictions": 0, "failures": 1}
     assert first["served"] == {"detox": 3}
     assert first["op"] == {"op_seconds": 0.5, "op_host_seconds": 0.8, "op_calls": 10,
                            "op_timed_calls": 10}
@@ -404,20 +404,35 @@ def test_a_worker_reports_its_timed_steer_calls(tmp_path):
     assert rep["op_seconds"] == rep["op_host_seconds"] > 0
 
 
-def test_refusals_reach_prometheus_by_status():
+def test_engine_core_refusals_reach_prometheus_by_status_and_reason():
     """The engine core's refusals (400: the request's error; 500: a fault of the plugin)
-    become ``vllm_steer:requests_refused_total{engine, status}``, each increment once."""
+    become ``vllm_steer:requests_refused_total{engine, status, reason, source="engine_core"}``,
+    each increment once; the API server's own series are there at 0 from the start."""
     from vllm_steer.integrations.engine.state import EngineSteerState
 
     core = EngineSteerState(None, None, 0, engine=0)  # where the engine core keeps them
-    stats = {"counters": {"refused_400": 3, "refused_500": 1}, "served": {}}
+    stats = {"counters": {}, "served": {}, "refused": {"400:bank_full": 3, "500:internal": 1}}
     reg = CollectorRegistry()
     m = SteerMetrics(registry=reg)
     m.update({"stats": stats, "metrics": take_new(core, stats, [])})
-    stats["counters"]["refused_400"] = 5
+    stats["refused"]["400:bank_full"] = 5
+    stats["refused"]["400:unknown_steer"] = 2
     m.update({"stats": stats, "metrics": take_new(core, stats, [])})
+    m.update({"stats": stats, "metrics": take_new(core, stats, [])})  # nothing moved
     samples = {tuple(sorted(s.labels.items())): s.value
                for s in families(generate_latest(reg).decode())[
                    "vllm_steer:requests_refused_total"].samples if s.name.endswith("_total")}
-    assert samples == {(("engine", "0"), ("status", "400")): 5.0,
-                       (("engine", "0"), ("status", "500")): 1.0}
+    engine = {k: v for k, v in samples.items() if ("source", "engine_core") in k}
+    assert engine == {
+        (("engine", "0"), ("reason", "bank_full"), ("source", "engine_core"),
+         ("status", "400")): 5.0,
+        (("engine", "0"), ("reason", "unknown_steer"), ("source", "engine_core"),
+         ("status", "400")): 2.0,
+        (("engine", "0"), ("reason", "internal"), ("source", "engine_core"),
+         ("status", "500")): 1.0}
+    api = {dict(k)["reason"]: (dict(k)["status"], v) for k, v in samples.items()
+           if ("source", "api_server") in k}
+    assert api["unknown_preset"] == ("404", 0) and api["internal"] == ("500", 0)
+    assert api["strength_limit"] == ("400", 0)
+    # an API server's refusal names no engine core (an empty label: Prometheus drops it)
+    assert {dict(k).get("engine", "") for k in samples if ("source", "api_server") in k} == {""}

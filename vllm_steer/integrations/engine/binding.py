@@ -18,7 +18,8 @@ from vllm_steer import REQUEST_FIELD
 from vllm_steer.integrations.engine.management import in_use_by_requests, load_steer_file
 from vllm_steer.integrations.engine.state import engine_state
 from vllm_steer.integrations.protocol import SOURCE_STEER_DIR, count_problem, steer_dir_file
-from vllm_steer.request import BOUND_KEY, BoundSteer, SteerRequest, SteerRequestError
+from vllm_steer.request import (BOUND_KEY, BoundSteer, SteerRequest, SteerRequestError,
+                                 refusal_reason)
 
 
 class SteerAdmissionError(SteerRequestError):
@@ -57,22 +58,23 @@ def bind_request(core, request) -> None:
     try:  # request data never raises out of the engine core: refuse this request only
         steers = SteerRequest.from_wire(value)
     except SteerRequestError as e:
-        raise SteerAdmissionError(str(e)) from None
+        raise SteerAdmissionError(str(e), refusal_reason(e)) from None
     names = list(steers.strengths)
     problem = count_problem(names, st.config.per_request, reg.capacity, REQUEST_FIELD)
     if problem:
-        raise SteerAdmissionError(problem)
+        raise SteerAdmissionError(problem, "too_many_steers")
     missing = [n for n in names if n not in reg.bound]
     if missing:
         paths = {n: _steer_dir_path(core, n) for n in missing}  # every file found first
         in_use = in_use_by_requests(core)
         room = reg.room(in_use, protect=names)
         if len(missing) > room:
-            raise SteerAdmissionError(_no_room(reg, names, missing, room))
+            raise SteerAdmissionError(_no_room(reg, names, missing, room), "bank_full")
         for name in missing:
             res = load_steer_file(core, name, paths[name], SOURCE_STEER_DIR, protect=names)
             if not res["ok"]:
-                raise SteerAdmissionError(f"{REQUEST_FIELD}: {res['error']}")
+                raise SteerAdmissionError(f"{REQUEST_FIELD}: {res['error']}",
+                                          "bank_full" if res.get("status") == 507 else "bad_file")
     slots = reg.bind(names)
     values = steers.named
     bound = [BoundSteer(n, *slots[n], values[n]) for n in names]
@@ -85,7 +87,7 @@ def _steer_dir_path(core, name: str) -> str:
     try:
         return steer_dir_file(st.config.steer_dir, name, st.registry.names(), REQUEST_FIELD)
     except SteerRequestError as e:
-        raise SteerAdmissionError(str(e)) from None
+        raise SteerAdmissionError(str(e), refusal_reason(e)) from None
 
 
 def _no_room(reg, names, missing, room: int) -> str:

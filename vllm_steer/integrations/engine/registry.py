@@ -99,6 +99,8 @@ class SteerRegistry:
         self.counters = {"loads": 0, "unloads": 0, "evictions": 0, "failures": 0,
                          "refused_400": 0, "refused_500": 0}
         self.served: dict[str, int] = {}  # requests steered per name (kept over unloads)
+        # requests refused at admission, per "STATUS:REASON" (vllm_steer.metrics.refusal_key)
+        self.refused: dict[str, int] = {}
 
     # ---- queries ---------------------------------------------------------------------------
     def get(self, name: str) -> SteerEntry | None:
@@ -220,6 +222,7 @@ class SteerRegistry:
 
     def stats(self) -> dict:
         return {"counters": dict(self.counters), "served": dict(self.served),
+                "refused": dict(self.refused),
                 "loaded": len(self.bound), "capacity": self.capacity,
                 "draining": sum(1 for e in self.slots if e is not None and e.state == "draining")}
 

@@ -28,7 +28,8 @@ async def generate(orig, self, *args, **kwargs):
     agen = orig(self, *args, **kwargs)
     try:
         async for out in agen:
-            with guard.frontend("AsyncLLM.generate", getattr(out, "request_id", None)):
+            with guard.frontend("AsyncLLM.generate", getattr(out, "request_id", None),
+                                count=False):  # the engine core counted its refusal
                 _raise_engine_refusal(out)
             yield out
     except Exception as e:
@@ -86,10 +87,8 @@ async def _preload_dir_steers(engine, cfg, params) -> None:
             return  # the engine core refuses it with the reason
         res = await _load_waiting_for_room(engine, name, path, names)
         if not res["ok"] and name not in st.loaded_names():
-            from vllm.exceptions import VLLMValidationError
-
-            raise VLLMValidationError(f"{REQUEST_FIELD}: {res['error']}",
-                                      parameter=REQUEST_FIELD)
+            raise admission.field_error(f"{REQUEST_FIELD}: {res['error']}",
+                                        "bank_full" if res.get("status") == 507 else "bad_file")
 
 
 def first_use_wait_seconds() -> float:
