@@ -243,6 +243,51 @@ def test_two_api_servers_and_two_engine_cores_count_each_increment_once(tmp_path
         assert fams[name].type == "counter", name
 
 
+def test_refusals_of_two_api_servers_and_an_engine_core_show_once_each(tmp_path, monkeypatch):
+    """With ``--api-server-count 2`` each API server counts the requests it refused itself in
+    its own process (:func:`count_refusal`; one exception counted once however many hooks it
+    passes), the engine core's refusals reach whichever API server polls: the multiprocess
+    ``/metrics`` shows each refusal once, by reason and where it happened."""
+    from vllm_steer.integrations.engine.core import count_refusal as engine_refusal
+    from vllm_steer.request import SteerRequestError
+
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(prom))
+    classes: dict = {}
+    core = _core(0, [_worker()])
+    servers = {}
+    for pid in (101, 102):
+        with _as_process(classes, pid):
+            servers[pid] = SteerMetrics(registry=CollectorRegistry())
+
+    def refuse(pid, exc, status=400, times=1):
+        with _as_process(classes, pid):
+            monkeypatch.setattr(metrics_mod, "_METRICS", servers[pid])
+            for _ in range(times):  # the same refusal through several hooks: counted once
+                metrics_mod.count_refusal(exc, status)
+
+    refuse(101, SteerRequestError("steer: unknown steer 'x'", "unknown_steer"), times=3)
+    refuse(102, SteerRequestError("steer: unknown steer 'y'", "unknown_steer"))
+    refuse(102, SteerRequestError("steer: strength 99", "strength_limit"))
+    refuse(101, RuntimeError("a fault"), status=500)
+    engine_refusal(core, 400, "bank_full")
+    engine_refusal(core, 400, "bank_full")
+    with _as_process(classes, 102):
+        servers[102].update(_list([core]))
+    with _as_process(classes, 101):
+        servers[101].update(_list([core]))  # nothing new: adds nothing
+    reg = CollectorRegistry()
+    multiprocess.MultiProcessCollector(reg, path=str(prom))
+    fams = families(generate_latest(reg).decode())
+    name = "vllm_steer:requests_refused_total"
+    assert value(fams, name, source="api_server", reason="unknown_steer", status="400") == 2
+    assert value(fams, name, source="api_server", reason="strength_limit") == 1
+    assert value(fams, name, source="api_server", reason="internal", status="500") == 1
+    assert value(fams, name, source="engine_core", reason="bank_full", engine="0") == 2
+    assert value(fams, name) == 6
+
+
 # ---- the op timer -----------------------------------------------------------------------------
 class FakeDevice:
     """A device that runs what was recorded when told (``run``), 2 ms per event."""
