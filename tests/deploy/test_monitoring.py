@@ -184,8 +184,16 @@ def test_every_expression_names_emitted_metrics_and_their_labels(emitted):
     names = {n for _, e in dashboard_expressions() for n, _ in METRIC.findall(e)}
     assert {M.REQUESTS_STEERED, M.OP_SECONDS, M.OP_CALLS, M.COUNTERS["loads"],
             M.COUNTERS["evictions"], M.COUNTERS["failures"], M.REQUESTS_REFUSED,
-            M.PRESETS_FILE_REFUSED, "vllm:request_success_total",
-            "vllm:generation_tokens_total"} <= names
+            M.PRESETS_FILE_REFUSED, M.HEAD_EAGER, M.START_TIME, "vllm:request_success_total",
+            "vllm:generation_tokens_total", "vllm:inter_token_latency_seconds_bucket"} <= names
+    # an inter-token p99 panel, per replica
+    assert any("histogram_quantile(0.99, sum by (pod, le) (rate(vllm:inter_token_latency" in e
+               for _, e in dashboard_expressions())
+    # every panel per replica: no aggregation that adds the replicas together (but the
+    # requests per steer, which are summed over replicas by design)
+    for w, e in dashboard_expressions():
+        assert not re.search(r"\b(sum|max|min|avg|count)\s*\(", e) or w.startswith(
+            ("variable", "panel 'Steered requests per steer'")), (w, e)
     # grouped per replica: every aggregation of the rules and the dashboard keeps `pod` or
     # adds everything up
     for w, e in rule_expressions() + dashboard_expressions():
