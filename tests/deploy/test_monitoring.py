@@ -238,7 +238,8 @@ def test_promtool_checks_the_rules_and_catches_a_planted_error(tmp_path):
     exe = _promtool()
     r = subprocess.run([exe, "check", "rules", str(_rule_file(tmp_path / "rules.yaml"))],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and f"SUCCESS: {len(rule_expressions())} rules found" in r.stdout, r.stdout + r.stderr
+    found = f"SUCCESS: {len(rule_expressions())} rules found"
+    assert r.returncode == 0 and found in r.stdout, r.stdout + r.stderr
     bad = tmp_path / "bad.yaml"
     bad.write_text((tmp_path / "rules.yaml").read_text().replace("> 0.05", "> > 0.05", 1))
     r = subprocess.run([exe, "check", "rules", str(bad)], capture_output=True, text=True,
