@@ -324,13 +324,13 @@ def _alert_tests(emitted) -> dict:
     groups = [{"interval": "1m", "input_series": series,
                "alert_rule_test": [{"eval_time": f"{t}m", "alertname": a, "exp_alerts": e}
                                    for t, a, e in checks]}]
-    # nothing scraped: the absent alert fires after its 5 minutes (and not before)
+    # nothing scraped: the absent alert fires after its 15 minutes (and not before)
     groups.append({"interval": "1m", "input_series": [
-        s("vllm:request_success_total", "other", "0+600x20", finished_reason="stop")],
+        s("vllm:request_success_total", "other", "0+600x30", finished_reason="stop")],
         "alert_rule_test": [
-            {"eval_time": "10m", "alertname": "VllmSteerMetricsAbsent", "exp_alerts": [
+            {"eval_time": "20m", "alertname": "VllmSteerMetricsAbsent", "exp_alerts": [
                 {"exp_labels": {"severity": "critical", "job": "vllm-steer"}}]},
-            {"eval_time": "3m", "alertname": "VllmSteerMetricsAbsent", "exp_alerts": []}]})
+            {"eval_time": "10m", "alertname": "VllmSteerMetricsAbsent", "exp_alerts": []}]})
     # inter-token latency: 600 tokens a minute at <= 20 ms for 7 hours, then at minute 420
     # sick's and plain's move to 20-200 ms; sick serves steered requests, plain none, well
     # stays fast
