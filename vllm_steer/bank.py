@@ -102,8 +102,9 @@ def slot_bank_bytes(capacity: int, max_rank: int, hidden_size: int, dtype) -> in
     ``max_rank``: two factors (``p1``, ``p2``), each ``[hidden, total rank]``, whose total
     rank is at most ``2 * capacity * max_rank`` (every slot's steer and its domain
     component)."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return 2 * (coefficient_columns(capacity) * max_rank) * hidden_size * itemsize
+    from vllm_steer.sizing import bank_bytes
+
+    return bank_bytes(capacity, max_rank, hidden_size, dtype)
 
 
 class SlotBank:

@@ -34,10 +34,22 @@ data-parallel rank, as in vLLM's own metrics (``0`` without data parallelism).
 ``vllm_steer:bank_full_waits_total``       counter: requests that found every slot they
                                            could take held and waited, label ``outcome``
                                            (``loaded``; ``retry_after``: answered HTTP 429)
-``vllm_steer:requests_refused_total``      counter: requests the engine core refused, label
-                                           ``status`` (``400``: the request's error;
-                                           ``429``: no room in the bank now; ``500``: a
-                                           fault of the plugin)
+``vllm_steer:requests_refused_total``      counter: requests the plugin refused, labels
+                                           ``status`` (``400``, ``404``: the request's
+                                           error; ``429``: no room in the bank now, retry;
+                                           ``500``: a fault of the plugin),
+                                           ``reason`` (:data:`~vllm_steer.request.
+                                           REFUSAL_REASONS`) and ``source`` (``api_server``
+                                           or ``engine_core``: where it was refused; an API
+                                           server's refusals carry no ``engine``)
+``vllm_steer:head_eager``                  gauge: 1 while the LM head's steer op is launched
+                                           eagerly where it should replay from CUDA graphs
+                                           (graphs turned off for the bank's size, a steer
+                                           wider than the graphs' copy, a failed capture),
+                                           else 0 (also where no graphs are used by choice:
+                                           CPU, ``--enforce-eager``, a named backend)
+``vllm_steer:start_time_seconds``          gauge: when this server's API server started
+                                           (Unix time); a change means a restart
 ``vllm_steer:steer_op_seconds_total``      counter: time the device spent in the steer op
                                            (CUDA events; on the CPU the host time), from one
                                            op in 64
@@ -54,6 +66,13 @@ data-parallel rank, as in vLLM's own metrics (``0`` without data parallelism).
 ``vllm_steer:presets_file_refusals_total``  counter: versions of the presets file refused
                                            (once per version, not per retry)
 =========================================  ==================================================
+
+Refusals are counted where they happen, once each: the API server counts what it refuses
+itself (the body's check, the policy, a ``--steer-dir`` load it waits for, an unknown model
+name) in its own process, so with ``--api-server-count N`` the multiprocess sum counts each
+once (:func:`count_refusal`); the engine core counts what it refuses at admission and hands the
+counts out with the other counters (:func:`take_new`), and the API server that turns such a
+refusal into the client's HTTP 400 does not count it again.
 
 The presets file's metrics come from the API servers that read the file
 (:class:`vllm_steer.server.presets_route.PresetsFileWatcher`) and carry no ``engine`` label: a
@@ -81,6 +100,10 @@ OP_SECONDS = "vllm_steer:steer_op_seconds_total"
 OP_HOST_SECONDS = "vllm_steer:steer_op_host_seconds_total"
 OP_CALLS = "vllm_steer:steer_op_calls_total"
 OP_SECONDS_PER_STEP = "vllm_steer:steer_op_seconds_per_step"
+#: 1 while the LM head's op runs eagerly where it should replay from CUDA graphs, else 0.
+HEAD_EAGER = "vllm_steer:head_eager"
+#: When the API server started (Unix time): a change is a restart.
+START_TIME = "vllm_steer:start_time_seconds"
 #: 1 while the newest version of ``--steer-presets-file`` on disk is refused and an older one
 #: serves, else 0.
 PRESETS_FILE_REFUSED = "vllm_steer:presets_file_refused"
@@ -99,11 +122,15 @@ COUNTERS = {"loads": "vllm_steer:steer_loads_total",
 #: time) or ``retry_after`` (HTTP 429 with ``Retry-After``).
 BANK_FULL_WAITS = "vllm_steer:bank_full_waits_total"
 BANK_FULL_OUTCOMES = ("loaded", "retry_after")
-#: Requests the plugin refused, per HTTP status (``status`` label): the registry's
-#: ``refused_400`` (a client's error), ``refused_429`` (no room in the bank now) and
-#: ``refused_500`` (a fault of the plugin) counters.
+#: Requests the plugin refused, labels ``status`` (HTTP), ``reason``
+#: (:data:`~vllm_steer.request.REFUSAL_REASONS`) and ``source`` (:data:`SOURCES`).
 REQUESTS_REFUSED = "vllm_steer:requests_refused_total"
-REFUSALS = {"refused_400": "400", "refused_429": "429", "refused_500": "500"}
+#: Where a request was refused: the ``source`` label.
+API_SERVER, ENGINE_CORE = "api_server", "engine_core"
+SOURCES = (API_SERVER, ENGINE_CORE)
+#: The HTTP status of each refusal reason that is not 400 (``vllm_steer.request.
+#: REFUSAL_REASONS``).
+REASON_STATUS = {"unknown_preset": 404, "bank_full": 429, "internal": 500}
 #: The label naming the engine core (data-parallel rank), as vLLM's own metrics name it.
 ENGINE_LABEL = "engine"
 #: A worker's op values in its ``stats`` answer (cumulative since start).
@@ -209,9 +236,17 @@ def engine_totals(stats: dict, workers: list | None) -> dict:
     worker holding the LM head steers the same rows; one without the head counts nothing)."""
     found = [w for w in workers or [] if isinstance(w, dict)]
     head = max(found, key=lambda w: int(w.get("op_calls", 0)), default={})
-    return {"counters": {k: stats.get("counters", {}).get(k, 0) for k in (*COUNTERS, *REFUSALS)},
+    return {"counters": {k: stats.get("counters", {}).get(k, 0) for k in COUNTERS},
             "served": dict(stats.get("served") or {}),
+            "refused": dict(stats.get("refused") or {}),
             "op": {k: head.get(k, 0) for k in OP_KEYS}}
+
+
+def engine_levels(workers: list | None) -> dict:
+    """One engine core's levels (not counts): ``head_eager``, 1 if a worker's LM head runs
+    its op eagerly where it should replay from CUDA graphs."""
+    found = [w for w in workers or [] if isinstance(w, dict)]
+    return {"head_eager": max((int(bool(w.get("head_eager"))) for w in found), default=0)}
 
 
 def take_new(state: Any, stats: dict, workers: list | None) -> dict:
@@ -222,20 +257,54 @@ def take_new(state: Any, stats: dict, workers: list | None) -> dict:
     the API servers' counters sum to the engine core's values. A value never goes back: a
     lower reading (another worker picked) hands out nothing until it passes the last one.
 
-    ``{"engine": "0", "counters": {k: delta}, "served": {name: delta}, "op": {k: delta}}``;
-    ``counters`` and ``op`` always have every key (so the series exist from the first poll),
-    ``served`` only the names that moved."""
+    ``{"engine": "0", "counters": {k: delta}, "served": {name: delta}, "refused":
+    {"STATUS:REASON": delta}, "op": {k: delta}, "levels": {k: value}}``; ``counters`` and
+    ``op`` always have every key (so the series exist from the first poll), ``served`` and
+    ``refused`` only the keys that moved; ``levels`` (:func:`engine_levels`) are values as
+    they are now, not increments."""
     now = engine_totals(stats, workers)
-    last = state.metrics_sent or {"counters": {}, "served": {}, "op": {}}
+    last = state.metrics_sent or {}
     out: dict[str, Any] = {"engine": str(state.engine)}
     sent: dict[str, dict] = {}
     for part, values in now.items():
-        prev = last[part]
+        prev = last.get(part, {})
         sent[part] = {**prev, **{k: max(v, prev.get(k, 0)) for k, v in values.items()}}
         out[part] = {k: max(0, v - prev.get(k, 0)) for k, v in values.items()}
     out["served"] = {k: d for k, d in out["served"].items() if d}
+    out["refused"] = {k: d for k, d in out["refused"].items() if d}
+    out["levels"] = engine_levels(workers)
     state.metrics_sent = sent
     return out
+
+
+def refusal_key(status: int, reason: str) -> str:
+    """The engine core's key of a refusal count (``"400:unknown_steer"``)."""
+    return f"{int(status)}:{reason}"
+
+
+# ---- API server: a refusal of its own ------------------------------------------------------
+#: Set on a refusal once it is counted (the plugin's own exception types only).
+_COUNTED = "_vllm_steer_counted"
+
+
+def count_refusal(exc: BaseException, status: int) -> None:
+    """Count ``exc``, a request this API server refuses with HTTP ``status``, once: in this
+    process's counter (with ``--api-server-count N``, vLLM's multiprocess ``/metrics`` sums
+    the N processes, each refusal counted by the one that answered it). A refusal the plugin
+    raises through several hooks is counted by the first (it is marked). Never raises."""
+    try:
+        from vllm_steer.request import refusal_reason
+
+        if getattr(exc, _COUNTED, False):
+            return
+        with_reason = status < 500
+        get_metrics().refused_here(status, refusal_reason(exc) if with_reason else "internal")
+        try:
+            setattr(exc, _COUNTED, True)
+        except AttributeError:  # pragma: no cover - an exception type with __slots__
+            pass
+    except Exception:  # noqa: BLE001 - metrics never break serving
+        pass
 
 
 # ---- API server: the Prometheus metrics ------------------------------------------------------
@@ -274,9 +343,22 @@ class SteerMetrics:
                                        registry=reg)
         for outcome in BANK_FULL_OUTCOMES:  # both series exist from the start
             self.bank_full_waits.labels(outcome)
-        self.refused = counter(REQUESTS_REFUSED, "Requests the steer plugin refused in the "
-                               "engine core, per HTTP status (400: the request's error; 429: no "
-                               "room in the bank now; 500: a fault of the plugin).", ("status",))
+        self.refused = counter(REQUESTS_REFUSED, "Requests the steer plugin refused, per HTTP "
+                               "status (400, 404: the request's error; 429: no room in the "
+                               "bank now; 500: a fault of the plugin), reason, and where "
+                               "(api_server, engine_core).",
+                               ("status", "reason", "source"))
+        from vllm_steer.request import REFUSAL_REASONS
+
+        for reason in REFUSAL_REASONS:  # every API server's series exist from the start at 0,
+            # so that a ratio over them has a denominator before the first refusal
+            self.refused.labels("", str(REASON_STATUS.get(reason, 400)), reason, API_SERVER)
+        self.head_eager = gauge(HEAD_EAGER, "1 while the LM head's steer op is launched "
+                                "eagerly where it should replay from CUDA graphs, else 0.",
+                                (ENGINE_LABEL,))
+        self.start_time = Gauge(START_TIME, "When this server's API server started (Unix "
+                                "time).", registry=reg, multiprocess_mode="max")
+        self.start_time.set(time.time())
         self.op_seconds = counter(OP_SECONDS, "Time the device spent in the steer op, seconds "
                                   "(CUDA events; on the CPU the host time).")
         self.op_host_seconds = counter(OP_HOST_SECONDS, "Host time in the steer op, seconds "
@@ -311,8 +393,12 @@ class SteerMetrics:
         for k, d in (new.get("counters") or {}).items():
             if k in self.counters:
                 self.counters[k].labels(e).inc(d)
-            elif k in REFUSALS:
-                self.refused.labels(e, REFUSALS[k]).inc(d)
+        for k, d in (new.get("refused") or {}).items():
+            status, _, reason = str(k).partition(":")
+            self.refused.labels(e, status, reason or "bad_steer", ENGINE_CORE).inc(d)
+        for k, v in (new.get("levels") or {}).items():
+            if k == "head_eager":
+                self.head_eager.labels(e).set(v)
         for name, d in (new.get("served") or {}).items():
             self.served.labels(e, name).inc(d)
         op = new.get("op") or {}
@@ -322,11 +408,14 @@ class SteerMetrics:
         if op.get("op_timed_calls", 0) > 0:
             self.op_per_step.labels(e).set(op.get("op_seconds", 0) / op["op_timed_calls"])
 
-
     def bank_full_wait(self, outcome: str) -> None:
         """One request that waited for a steer slot, ended with ``outcome``
         (:data:`BANK_FULL_OUTCOMES`)."""
         self.bank_full_waits.labels(outcome).inc()
+
+    def refused_here(self, status: int, reason: str) -> None:
+        """One request refused by this API server (no engine core: ``engine`` is empty)."""
+        self.refused.labels("", str(int(status)), reason, API_SERVER).inc()
 
     def presets_file(self, reloaded: bool = False, refused_new: bool = False,
                      refused: bool | None = None) -> None:

@@ -32,8 +32,38 @@ from typing import Any
 from vllm_steer import REQUEST_FIELD
 from vllm_steer.names import echo, steer_name_problem
 
+#: Why the plugin refused a request: the ``reason`` label of
+#: ``vllm_steer:requests_refused_total`` (:mod:`vllm_steer.metrics`), with what it means.
+REFUSAL_REASONS = {
+    "bad_steer": "the steer value is malformed (its form, a strength that is not a number, "
+                 "a window, its size)",
+    "unknown_steer": "a steer that is not loaded and has no file in --steer-dir",
+    "strength_limit": "a strength over --steer-max-strength",
+    "too_many_steers": "more steers than --max-steers-per-request or --max-steers",
+    "bank_full": "no free steer slot for a --steer-dir steer's first use",
+    "bad_file": "a --steer-dir steer's file refused (header, hidden size, contents)",
+    "unknown_preset": "a model name that is neither the served model, a LoRA adapter nor a "
+                      "preset (HTTP 404)",
+    "beam_search": "a steered beam-search request",
+    "internal": "a fault of the plugin (HTTP 500)",
+}
+#: The reason of a refusal that names no other.
+BAD_STEER = "bad_steer"
+
+
 class SteerRequestError(ValueError):
-    """A request's ``steer`` field is invalid. The message names the field and the problem."""
+    """A request's ``steer`` field is invalid. The message names the field and the problem;
+    :attr:`reason` says which kind of refusal it is (a key of :data:`REFUSAL_REASONS`)."""
+
+    def __init__(self, message: str = "", reason: str = BAD_STEER):
+        super().__init__(message)
+        self.reason = reason
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """The :data:`REFUSAL_REASONS` key of a refusal (:data:`BAD_STEER` when it names none)."""
+    reason = getattr(exc, "reason", None)
+    return reason if reason in REFUSAL_REASONS else BAD_STEER
 
 
 @dataclass(frozen=True)
@@ -90,7 +120,7 @@ def _strength(name: str, value: Any, where: str, max_strength: float) -> float:
         if abs(value) > max_strength:
             raise SteerRequestError(f"{where}: strength {echo(value)} of steer {echo(name)} "
                                     f"exceeds the server's maximum |strength| {max_strength:g} "
-                                    "(--steer-max-strength)")
+                                    "(--steer-max-strength)", "strength_limit")
         try:
             return float(value)
         except OverflowError:
@@ -108,7 +138,7 @@ def _strength(name: str, value: Any, where: str, max_strength: float) -> float:
     if abs(s) > max_strength:
         raise SteerRequestError(f"{where}: strength {s:g} of steer {echo(name)} exceeds the "
                                 f"server's maximum |strength| {max_strength:g} "
-                                "(--steer-max-strength)")
+                                "(--steer-max-strength)", "strength_limit")
     return s
 
 
@@ -169,7 +199,8 @@ def _window(name: str, value: Mapping, where: str, max_strength: float) -> Windo
             base = _strength(name, value["base"], where, max_strength)
         except SteerRequestError as e:  # the same checks, told as the window's base
             raise SteerRequestError(str(e).replace(f"{where}: strength",
-                                                   f"{where}: window base", 1)) from None
+                                                   f"{where}: window base", 1),
+                                    e.reason) from None
     start = _token_index(name, "start", value.get("start", 0), where, 0) \
         if value.get("start") is not None else 0
     ramp = _token_index(name, "ramp", value.get("ramp", 0), where, 0) \
@@ -252,7 +283,7 @@ def _parse_steer(value: Any, known: Mapping[str, Any] | None, max_strength: floa
         if not isinstance(name, str):
             raise SteerRequestError(f"{where}: steer names must be strings, got {echo(name)}")
         if known is not None and name not in known:
-            raise SteerRequestError(unknown_steer(where, name, known))
+            raise SteerRequestError(unknown_steer(where, name, known), "unknown_steer")
         if known is None and steer_name_problem(name):
             raise SteerRequestError(f"{where}: {steer_name_problem(name)}")
     if not isinstance(value, str) and not _surely_short(items):  # encoded only when it may be long

@@ -35,7 +35,8 @@ COUNTER_NAMES = ["vllm_steer:requests_steered_total", "vllm_steer:steer_loads_to
                  "vllm_steer:presets_file_refusals_total",
                  "vllm_steer:steer_file_reads_total", "vllm_steer:bank_full_waits_total"]
 GAUGE_NAMES = ["vllm_steer:loaded_steers", "vllm_steer:max_steers",
-               "vllm_steer:steer_op_seconds_per_step", "vllm_steer:presets_file_refused"]
+               "vllm_steer:steer_op_seconds_per_step", "vllm_steer:presets_file_refused",
+               "vllm_steer:head_eager", "vllm_steer:start_time_seconds"]
 
 
 def families(text: str) -> dict:
@@ -152,8 +153,7 @@ def test_take_new_hands_out_each_increment_once_and_never_a_decrease():
     first = take_new(state, stats, tp)
     assert first["engine"] == "1"
     assert first["counters"] == {"loads": 2, "unloads": 0, "evictions": 0, "failures": 1,
-                                 "file_reads": 0, "refused_400": 0, "refused_429": 0,
-                                 "refused_500": 0}
+                                 "file_reads": 0}
     assert first["served"] == {"detox": 3}
     assert first["op"] == {"op_seconds": 0.5, "op_host_seconds": 0.8, "op_calls": 10,
                            "op_timed_calls": 10}
@@ -259,6 +259,51 @@ def test_two_api_servers_and_two_engine_cores_count_each_increment_once(tmp_path
     assert value(fams, "vllm_steer:max_steers") == 4
     for name in COUNTER_NAMES:
         assert fams[name].type == "counter", name
+
+
+def test_refusals_of_two_api_servers_and_an_engine_core_show_once_each(tmp_path, monkeypatch):
+    """With ``--api-server-count 2`` each API server counts the requests it refused itself in
+    its own process (:func:`count_refusal`; one exception counted once however many hooks it
+    passes), the engine core's refusals reach whichever API server polls: the multiprocess
+    ``/metrics`` shows each refusal once, by reason and where it happened."""
+    from vllm_steer.integrations.engine.core import count_refusal as engine_refusal
+    from vllm_steer.request import SteerRequestError
+
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(prom))
+    classes: dict = {}
+    core = _core(0, [_worker()])
+    servers = {}
+    for pid in (101, 102):
+        with _as_process(classes, pid):
+            servers[pid] = SteerMetrics(registry=CollectorRegistry())
+
+    def refuse(pid, exc, status=400, times=1):
+        with _as_process(classes, pid):
+            monkeypatch.setattr(metrics_mod, "_METRICS", servers[pid])
+            for _ in range(times):  # the same refusal through several hooks: counted once
+                metrics_mod.count_refusal(exc, status)
+
+    refuse(101, SteerRequestError("steer: unknown steer 'x'", "unknown_steer"), times=3)
+    refuse(102, SteerRequestError("steer: unknown steer 'y'", "unknown_steer"))
+    refuse(102, SteerRequestError("steer: strength 99", "strength_limit"))
+    refuse(101, RuntimeError("a fault"), status=500)
+    engine_refusal(core, 400, "bank_full")
+    engine_refusal(core, 400, "bank_full")
+    with _as_process(classes, 102):
+        servers[102].update(_list([core]))
+    with _as_process(classes, 101):
+        servers[101].update(_list([core]))  # nothing new: adds nothing
+    reg = CollectorRegistry()
+    multiprocess.MultiProcessCollector(reg, path=str(prom))
+    fams = families(generate_latest(reg).decode())
+    name = "vllm_steer:requests_refused_total"
+    assert value(fams, name, source="api_server", reason="unknown_steer", status="400") == 2
+    assert value(fams, name, source="api_server", reason="strength_limit") == 1
+    assert value(fams, name, source="api_server", reason="internal", status="500") == 1
+    assert value(fams, name, source="engine_core", reason="bank_full", engine="0") == 2
+    assert value(fams, name) == 6
 
 
 # ---- the op timer -----------------------------------------------------------------------------
@@ -422,22 +467,36 @@ def test_a_worker_reports_its_timed_steer_calls(tmp_path):
     assert rep["op_seconds"] == rep["op_host_seconds"] > 0
 
 
-def test_refusals_reach_prometheus_by_status():
+def test_engine_core_refusals_reach_prometheus_by_status_and_reason():
     """The engine core's refusals (400: the request's error; 429: no room in the bank now;
-    500: a fault of the plugin) become ``vllm_steer:requests_refused_total{engine, status}``,
-    each increment once."""
+    500: a fault of the plugin)
+    become ``vllm_steer:requests_refused_total{engine, status, reason, source="engine_core"}``,
+    each increment once; the API server's own series are there at 0 from the start."""
     from vllm_steer.integrations.engine.state import EngineSteerState
 
     core = EngineSteerState(None, None, 0, engine=0)  # where the engine core keeps them
-    stats = {"counters": {"refused_400": 3, "refused_429": 2, "refused_500": 1}, "served": {}}
+    stats = {"counters": {}, "served": {}, "refused": {"429:bank_full": 3, "500:internal": 1}}
     reg = CollectorRegistry()
     m = SteerMetrics(registry=reg)
     m.update({"stats": stats, "metrics": take_new(core, stats, [])})
-    stats["counters"]["refused_400"] = 5
+    stats["refused"]["429:bank_full"] = 5
+    stats["refused"]["400:unknown_steer"] = 2
     m.update({"stats": stats, "metrics": take_new(core, stats, [])})
+    m.update({"stats": stats, "metrics": take_new(core, stats, [])})  # nothing moved
     samples = {tuple(sorted(s.labels.items())): s.value
                for s in families(generate_latest(reg).decode())[
                    "vllm_steer:requests_refused_total"].samples if s.name.endswith("_total")}
-    assert samples == {(("engine", "0"), ("status", "400")): 5.0,
-                       (("engine", "0"), ("status", "429")): 2.0,
-                       (("engine", "0"), ("status", "500")): 1.0}
+    engine = {k: v for k, v in samples.items() if ("source", "engine_core") in k}
+    assert engine == {
+        (("engine", "0"), ("reason", "bank_full"), ("source", "engine_core"),
+         ("status", "429")): 5.0,
+        (("engine", "0"), ("reason", "unknown_steer"), ("source", "engine_core"),
+         ("status", "400")): 2.0,
+        (("engine", "0"), ("reason", "internal"), ("source", "engine_core"),
+         ("status", "500")): 1.0}
+    api = {dict(k)["reason"]: (dict(k)["status"], v) for k, v in samples.items()
+           if ("source", "api_server") in k}
+    assert api["unknown_preset"] == ("404", 0) and api["internal"] == ("500", 0)
+    assert api["strength_limit"] == ("400", 0) and api["bank_full"] == ("429", 0)
+    # an API server's refusal names no engine core (an empty label: Prometheus drops it)
+    assert {dict(k).get("engine", "") for k in samples if ("source", "api_server") in k} == {""}

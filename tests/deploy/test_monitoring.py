@@ -88,7 +88,8 @@ def emitted() -> dict[str, dict[str, str]]:
     sm = M.SteerMetrics(registry=reg)
     sm.update({"stats": {"loaded": 1, "capacity": 8},
                "metrics": {"engine": "0", "counters": {k: 1 for k in M.COUNTERS},
-                           "served": {"detox": 1},
+                           "served": {"detox": 1}, "refused": {"400:bank_full": 1},
+                           "levels": {"head_eager": 0},
                            "op": {"op_seconds": 1e-3, "op_host_seconds": 1e-3, "op_calls": 64,
                                   "op_timed_calls": 64}}})
     plugin = _samples(reg)
@@ -183,8 +184,16 @@ def test_every_expression_names_emitted_metrics_and_their_labels(emitted):
     names = {n for _, e in dashboard_expressions() for n, _ in METRIC.findall(e)}
     assert {M.REQUESTS_STEERED, M.OP_SECONDS, M.OP_CALLS, M.COUNTERS["loads"],
             M.COUNTERS["evictions"], M.COUNTERS["failures"], M.REQUESTS_REFUSED,
-            M.PRESETS_FILE_REFUSED, "vllm:request_success_total",
-            "vllm:generation_tokens_total"} <= names
+            M.PRESETS_FILE_REFUSED, M.HEAD_EAGER, M.START_TIME, "vllm:request_success_total",
+            "vllm:generation_tokens_total", "vllm:inter_token_latency_seconds_bucket"} <= names
+    # an inter-token p99 panel, per replica
+    assert any("histogram_quantile(0.99, sum by (pod, le) (rate(vllm:inter_token_latency" in e
+               for _, e in dashboard_expressions())
+    # every panel per replica: no aggregation that adds the replicas together (but the
+    # requests per steer, which are summed over replicas by design)
+    for w, e in dashboard_expressions():
+        assert not re.search(r"\b(sum|max|min|avg|count)\s*\(", e) or w.startswith(
+            ("variable", "panel 'Steered requests per steer'")), (w, e)
     # grouped per replica: every aggregation of the rules and the dashboard keeps `pod` or
     # adds everything up
     for w, e in rule_expressions() + dashboard_expressions():
@@ -229,7 +238,8 @@ def test_promtool_checks_the_rules_and_catches_a_planted_error(tmp_path):
     exe = _promtool()
     r = subprocess.run([exe, "check", "rules", str(_rule_file(tmp_path / "rules.yaml"))],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and "SUCCESS: 5 rules found" in r.stdout, r.stdout + r.stderr
+    found = f"SUCCESS: {len(rule_expressions())} rules found"
+    assert r.returncode == 0 and found in r.stdout, r.stdout + r.stderr
     bad = tmp_path / "bad.yaml"
     bad.write_text((tmp_path / "rules.yaml").read_text().replace("> 0.05", "> > 0.05", 1))
     r = subprocess.run([exe, "check", "rules", str(bad)], capture_output=True, text=True,
@@ -246,17 +256,25 @@ def _series(emitted, name: str, pod: str, values: str, **labels) -> dict:
 
 
 def _alert_tests(emitted) -> dict:
-    """Made-up series for two replicas: ``sick`` should fire each alert, ``well`` never."""
-    s = lambda *a, **k: _series(emitted, *a, **k)  # noqa: E731
+    """Made-up series for replicas: ``sick`` should fire each alert, ``well`` never (and
+    ``plain``, in the latency test, is slow but serves no steer)."""
+    s = lambda *a, **k: _series(emitted, *a, job="vllm-steer", **k)  # noqa: E731
+    api = {"engine": "", "source": M.API_SERVER}
     series = [
-        # 10 requests/s finish on both; sick refuses 1/s (9%) with 400, and one 500;
-        # well refuses 0.1/s (1%)
+        # 10 requests/s finish on both; sick refuses 1/s (9%) for an unknown steer in the
+        # API server, and one 500 in the engine core; well refuses 0.1/s (1%)
         s("vllm:request_success_total", "sick", "0+600x60", finished_reason="stop"),
         s("vllm:request_success_total", "well", "0+600x60", finished_reason="stop"),
-        s(M.REQUESTS_REFUSED, "sick", "0+60x60", status="400"),
-        s(M.REQUESTS_REFUSED, "sick", "0x20 1x40", status="500"),
-        s(M.REQUESTS_REFUSED, "well", "0+6x60", status="400"),
-        s(M.REQUESTS_REFUSED, "well", "0x60", status="500"),
+        s(M.REQUESTS_REFUSED, "sick", "0+60x60", status="400", reason="unknown_steer", **api),
+        s(M.REQUESTS_REFUSED, "sick", "0x20 1x40", status="500", reason="internal",
+          engine="0", source=M.ENGINE_CORE),
+        s(M.REQUESTS_REFUSED, "well", "0+6x60", status="400", reason="unknown_steer", **api),
+        s(M.REQUESTS_REFUSED, "well", "0x60", status="500", reason="internal", **api),
+        # ... and below 5% for any one reason: 0.4/s for each of two (4% each, 8% in all)
+        s("vllm:request_success_total", "mixed", "0+600x60", finished_reason="stop"),
+        s(M.REQUESTS_REFUSED, "mixed", "0+24x60", status="400", reason="unknown_steer", **api),
+        s(M.REQUESTS_REFUSED, "mixed", "0+24x60", status="404", reason="unknown_preset",
+          **api),
         # the presets file: refused on sick from minute 10, never on well
         s(M.PRESETS_FILE_REFUSED, "sick", "0x10 1x50"),
         s(M.PRESETS_FILE_REFUSED, "well", "0x60"),
@@ -272,41 +290,95 @@ def _alert_tests(emitted) -> dict:
         # a refused load on sick at minute 30
         s(M.COUNTERS["failures"], "sick", "0x30 1x30"),
         s(M.COUNTERS["failures"], "well", "0x60"),
+        # the head eager on sick from minute 10
+        s(M.HEAD_EAGER, "sick", "0x10 1x50", engine="0"),
+        s(M.HEAD_EAGER, "well", "0x60", engine="0"),
+        # sick's server started again at minute 40
+        s(M.START_TIME, "sick", "1000x40 3400x20"),
+        s(M.START_TIME, "well", "1000x60"),
+        # both replicas scraped
+        s(M.CAPACITY, "sick", "8x60"),
+        s(M.CAPACITY, "well", "8x60"),
     ]
 
-    def fired(name, severity="warning"):
-        return [{"exp_labels": {"severity": severity, "namespace": "llm", "pod": "sick"}}]
+    def fired(name, severity="warning", **labels):
+        return [{"exp_labels": {"severity": severity, "namespace": "llm", "pod": "sick",
+                                **labels}}]
 
-    checks = [(45, "VllmSteerRefusalsRising", fired("VllmSteerRefusalsRising")),
+    checks = [(45, "VllmSteerRefusalsRising",
+               fired("VllmSteerRefusalsRising", reason="unknown_steer")),
               (5, "VllmSteerRefusalsRising", []),  # before its 10 minutes
               (25, "VllmSteerInternalErrors", fired("VllmSteerInternalErrors", "critical")),
               (15, "VllmSteerInternalErrors", []),
               (20, "VllmSteerPresetsFileRefused", fired("VllmSteerPresetsFileRefused")),
               (12, "VllmSteerPresetsFileRefused", []),  # refused, not yet for 5 minutes
               (40, "VllmSteerOpOverBudget", fired("VllmSteerOpOverBudget")),
+              (10, "VllmSteerOpOverBudget", []),  # over budget, not yet for 15 minutes
               (35, "VllmSteerLoadFailures", fired("VllmSteerLoadFailures")),
-              (55, "VllmSteerLoadFailures", [])]  # 15 minutes later
-    return {"rule_files": ["rules.yaml"], "evaluation_interval": "1m",
-            "tests": [{"interval": "1m", "input_series": series,
-                       "alert_rule_test": [{"eval_time": f"{t}m", "alertname": a,
-                                            "exp_alerts": e} for t, a, e in checks]}]}
+              (55, "VllmSteerLoadFailures", []),  # 15 minutes later
+              (30, "VllmSteerHeadEager", fired("VllmSteerHeadEager")),
+              (20, "VllmSteerHeadEager", []),  # eager, not yet for 15 minutes
+              (45, "VllmSteerRestarted", fired("VllmSteerRestarted")),
+              (35, "VllmSteerRestarted", []),
+              (30, "VllmSteerMetricsAbsent", [])]  # scraped
+    groups = [{"interval": "1m", "input_series": series,
+               "alert_rule_test": [{"eval_time": f"{t}m", "alertname": a, "exp_alerts": e}
+                                   for t, a, e in checks]}]
+    # nothing scraped: the absent alert fires after its 15 minutes (and not before)
+    groups.append({"interval": "1m", "input_series": [
+        s("vllm:request_success_total", "other", "0+600x30", finished_reason="stop")],
+        "alert_rule_test": [
+            {"eval_time": "20m", "alertname": "VllmSteerMetricsAbsent", "exp_alerts": [
+                {"exp_labels": {"severity": "critical", "job": "vllm-steer"}}]},
+            {"eval_time": "10m", "alertname": "VllmSteerMetricsAbsent", "exp_alerts": []}]})
+    # inter-token latency: 600 tokens a minute at <= 20 ms for 7 hours, then at minute 420
+    # sick's and plain's move to 20-200 ms; sick serves steered requests, plain none, well
+    # stays fast
+    lat = "vllm:inter_token_latency_seconds_bucket"
+    fast, slow = "0+600x420 252000+600x80", "0+600x420 252000+0x80"
+    lat_series = []
+    for pod, jump in (("sick", True), ("plain", True), ("well", False)):
+        lat_series += [s(lat, pod, slow if jump else fast, le="0.02"),
+                       s(lat, pod, "0+600x500", le="0.2"),
+                       s(lat, pod, "0+600x500", le="+Inf")]
+        lat_series.append(s(M.REQUESTS_STEERED, pod, "0x500" if pod == "plain" else
+                            "0+60x500", engine="0", steer="detox"))
+    groups.append({"interval": "1m", "input_series": lat_series, "alert_rule_test": [
+        {"eval_time": "450m", "alertname": "VllmSteerInterTokenP99Rising",
+         "exp_alerts": fired("VllmSteerInterTokenP99Rising")},
+        {"eval_time": "432m", "alertname": "VllmSteerInterTokenP99Rising",
+         "exp_alerts": []},  # risen, not yet for 15 minutes
+        {"eval_time": "400m", "alertname": "VllmSteerInterTokenP99Rising",
+         "exp_alerts": []}]})
+    return {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": groups}
 
 
 def test_each_alert_fires_on_the_sick_replica_only(emitted, tmp_path):
     exe = _promtool()
     _rule_file(tmp_path / "rules.yaml", strip_annotations=True)
     tests = _alert_tests(emitted)
-    # every alert of the file is exercised
-    assert {c["alertname"] for c in tests["tests"][0]["alert_rule_test"]} == {
-        w.split(" ", 1)[1] for w, _ in rule_expressions()}
+    checks = [c for g in tests["tests"] for c in g["alert_rule_test"]]
+    # every alert of the file is exercised, each both firing and silent
+    alerts = {w.split(" ", 1)[1] for w, _ in rule_expressions()}
+    assert {c["alertname"] for c in checks if c["exp_alerts"]} == alerts
+    assert {c["alertname"] for c in checks if not c["exp_alerts"]} == alerts
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
     r = subprocess.run([exe, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    # the test is not vacuous: with the op budget raised 100-fold the op alert stays quiet
-    # and promtool says so
+    # the test is not vacuous: with a threshold of each kind raised the alert stays quiet and
+    # promtool says so
     rules = tmp_path / "rules.yaml"
-    rules.write_text(rules.read_text().replace("> 0.05 *", "> 5 *"))
-    r = subprocess.run([exe, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode != 0 and "VllmSteerOpOverBudget" in r.stdout + r.stderr, r.stdout
+    spec = yaml.safe_load(rules.read_text())
+    for alert, old, new in (("VllmSteerOpOverBudget", "> 0.05 *", "> 5 *"),
+                            ("VllmSteerInterTokenP99Rising", "> 1.5 *", "> 15 *"),
+                            ("VllmSteerRefusalsRising", "> 0.05", "> 0.5"),
+                            ("VllmSteerHeadEager", "== 1", "== 2")):
+        changed = json.loads(json.dumps(spec))
+        rule = next(r for g in changed["groups"] for r in g["rules"] if r["alert"] == alert)
+        assert old in rule["expr"], (alert, old)
+        rule["expr"] = rule["expr"].replace(old, new)
+        rules.write_text(yaml.safe_dump(changed, sort_keys=False))
+        r = subprocess.run([exe, "test", "rules", "tests.yaml"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and alert in r.stdout + r.stderr, r.stdout

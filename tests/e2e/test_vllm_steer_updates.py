@@ -353,6 +353,8 @@ def test_eviction_at_capacity_takes_the_least_recently_used_unused_dir_steer(ser
     assert set(steers(server)) == {"detox", "p1", "a", "c"}
     # every steer-dir steer in use by a running request, the others pinned: a 429 to retry
     # (this server waits 0 s for a slot), with Retry-After, naming the bank
+    requests.get(server + "/v1/steers")
+    full = metric(server, "vllm_steer:requests_refused_total", '{reason="bank_full"}')
     s1, s2 = Stream(server, {"a": 1}), Stream(server, {"c": 1})
     r = s1.after(lambda: s2.after(lambda: complete(server, {"b": 1})))
     assert r.status_code == 429, r.text
@@ -363,6 +365,12 @@ def test_eviction_at_capacity_takes_the_least_recently_used_unused_dir_steer(ser
     # admission: both say the bank is full, name the limit and the fix
     assert ("all 4 steer slots are in use" in msg
             or "but only 0 of the 4 steer slots can take one now" in msg), msg
+    deadline = time.time() + 10  # counted once, as a full bank, where it was refused
+    while metric(server, "vllm_steer:requests_refused_total", '{reason="bank_full"}') \
+            != full + 1:
+        assert time.time() < deadline, "the bank_full refusal was not counted once"
+        requests.get(server + "/v1/steers")
+        time.sleep(0.5)
     assert "--max-steers=4" in msg and "larger --max-steers" in msg, msg
     r2 = load(server, "p2", STATE["dir"] / "b.safetensors")
     assert r2.status_code == 507 and "--max-steers=4" in r2.json()["error"]["message"]
@@ -412,6 +420,39 @@ def test_metrics_move(server):
         time.sleep(0.5)
     assert metric(server, "vllm_steer:loaded_steers") == len(steers(server))
     assert metric(server, "vllm_steer:steer_op_seconds_total") > 0
+
+
+def test_refusals_show_once_by_reason_across_both_api_servers(server):
+    """Each refused request counts once on /metrics (the two API-server processes summed),
+    under the reason it was refused for: a strength over the limit and an unknown model name
+    refused by an API server, a steer neither loaded nor in --steer-dir by the engine core
+    (handed to the API server whose steer list reads it next)."""
+    name = "vllm_steer:requests_refused_total"
+    reasons = ("unknown_steer", "strength_limit", "unknown_preset")
+
+    def counts():
+        return {r: metric(server, name, f'{{reason="{r}"}}') for r in reasons}
+
+    requests.get(server + "/v1/steers")  # what the engine core counted so far: on /metrics
+    before = counts()
+    codes = [complete(server, {"nope": 1}).status_code for _ in range(6)]  # both API servers
+    codes += [complete(server, {"detox": 1e6}).status_code for _ in range(3)]
+    codes += [requests.post(server + "/v1/completions", json={
+        "model": "no-such-model", "prompt": PROMPT, "max_tokens": 2}).status_code
+        for _ in range(2)]
+    assert codes == [400] * 9 + [404] * 2
+    want = {"unknown_steer": 6, "strength_limit": 3, "unknown_preset": 2}
+    deadline = time.time() + 10
+    while True:
+        requests.get(server + "/v1/steers")
+        now = counts()
+        moved = {r: now[r] - before[r] for r in reasons}
+        if moved == want or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert moved == want
+    assert metric(server, name, '{reason="strength_limit",source="api_server"}') >= 3
+    assert metric(server, name, '{reason="unknown_steer",source="engine_core"}') >= 6
 
 
 def test_cli_steers_list_load_unload(server, capsys):

@@ -108,6 +108,8 @@ def _busy_error_class() -> type:
     class SteerBankFullError(GracefulHTTPError):
         """No steer slot could be had in time for this request (HTTP 429, retry later)."""
 
+        reason = "bank_full"  # vllm_steer.request.REFUSAL_REASONS
+
     return SteerBankFullError
 
 
@@ -142,21 +144,32 @@ def plugin_error_in(exc: BaseException) -> BaseException | None:
 
 
 @contextlib.contextmanager
-def frontend(where: str, request_id: object = None) -> Iterator[None]:
+def frontend(where: str, request_id: object = None, count: bool = True) -> Iterator[None]:
     """Run the plugin's code of frontend hook ``where`` (API server or ``LLM`` process) for
     one request: a client's error passes as it is (vLLM answers it with HTTP 400), and so
     does :func:`busy_error`'s (HTTP 429); anything
     else is logged once and raised as vLLM's ``GenerationError`` (HTTP 500) naming
-    vllm-steer, the hook and ``request_id``."""
+    vllm-steer, the hook and ``request_id``. Either is counted as this process's refusal
+    (:func:`vllm_steer.metrics.count_refusal`) unless ``count`` is False (a refusal the
+    engine core counted already)."""
+    from vllm_steer.metrics import count_refusal
+
     try:
         yield
     except Exception as e:
         if is_busy_error(e):
+            if count:
+                count_refusal(e, BUSY_STATUS)
             raise
         status, message = classify(e, where, request_id)
         if status == CLIENT_STATUS:
+            if count:
+                count_refusal(e, status)
             raise
-        raise internal_error(message) from None
+        err = internal_error(message)
+        if count:
+            count_refusal(err, status)
+        raise err from None
 
 
 def management_failure(op: str, exc: BaseException) -> dict:

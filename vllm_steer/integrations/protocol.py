@@ -140,13 +140,13 @@ def steer_dir_file(steer_dir: str | None, name: str, loaded, where: str) -> str:
     message the frontend and the engine core both give: unknown steer (no ``--steer-dir``, or
     no such file there, listing ``loaded``), or a name that cannot be a file name."""
     if not steer_dir:
-        raise SteerRequestError(unknown_steer(where, name, loaded))
+        raise SteerRequestError(unknown_steer(where, name, loaded), "unknown_steer")
     try:
         path = dir_path(steer_dir, name)
     except SteerNameError as e:
         raise SteerRequestError(f"{where}: {e}") from None
     if not os.path.isfile(path):
-        raise SteerRequestError(unknown_steer(where, name, loaded, steer_dir))
+        raise SteerRequestError(unknown_steer(where, name, loaded, steer_dir), "unknown_steer")
     return path
 
 

@@ -39,6 +39,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from vllm_steer import sizing
 from vllm_steer.logs import get_logger
 
 from . import ENV_BACKEND
@@ -48,11 +49,10 @@ from .layout import row_bucket
 #: Set to 0 to launch the LM head's steer op eagerly on CUDA (no CUDA graphs of it).
 ENV_GRAPHS = "VLLM_STEER_CUDA_GRAPHS"
 #: The largest row bucket captured; a step with more rows launches the op eagerly.
-MAX_GRAPH_ROWS = 512
+MAX_GRAPH_ROWS = sizing.MAX_GRAPH_ROWS
 #: The largest fixed-layout copy of the bank (both factors, bytes) for which the head uses
-#: graphs: each replay multiplies every column of the copy, used or not, so a large copy
-#: costs more GPU time than its launch saves host time (and the copy is device memory).
-MAX_GRAPH_BANK_BYTES = 256 << 20
+#: graphs (:data:`vllm_steer.sizing.MAX_GRAPH_BANK_BYTES`, where the sizing table reads it).
+MAX_GRAPH_BANK_BYTES = sizing.MAX_GRAPH_BANK_BYTES
 
 
 def graphs_enabled(choice: str | None = "auto") -> bool:
@@ -72,9 +72,9 @@ def graphs_enabled(choice: str | None = "auto") -> bool:
 
 
 def fixed_bank_bytes(columns: int, rank: int, hidden_size: int, dtype) -> int:
-    """Device bytes of a fixed-layout copy: two factors ``[hidden, columns * rank]``."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return 2 * hidden_size * columns * rank * itemsize
+    """Device bytes of a fixed-layout copy: two factors ``[hidden, columns * rank]``
+    (:func:`vllm_steer.sizing.head_graph_copy_bytes`; ``columns``: two per slot)."""
+    return sizing.head_graph_copy_bytes(columns // 2, rank, hidden_size, dtype)
 
 
 class GraphBackend(Protocol):

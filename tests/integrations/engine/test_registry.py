@@ -332,7 +332,7 @@ def test_engine_core_admission_without_room_is_a_busy_refusal_and_never_fitting_
     reason = admit("r3", {"a": 1.0, "c": 1.0})  # with p and q: 4 steers in 3 slots, ever
     assert reason.startswith(REFUSED_PREFIX) and "--max-steers=3" in reason, reason
     assert reg.counters["failures"] == failures and reg.counters["bank_full"] == 2
-    assert reg.counters["refused_429"] == 2 and reg.counters["refused_400"] == 1
+    assert reg.refused == {"429:bank_full": 2, "400:too_many_steers": 1}, reg.refused
     core.scheduler.requests.clear()  # the request using 'a' ends: the same request fits
     admitted = []
     request = SimpleNamespace(request_id="r4", client_index=0, sampling_params=SimpleNamespace(

@@ -124,3 +124,100 @@ def test_a_new_engine_configuration_forgets_run_time_loads_of_the_last_one():
     frontend_state().reset(SteerServerConfig(steers={"a": "a.safetensors"}))
     assert frontend.check_value({"a": 2}).strengths == {"a": 2.0}
     frontend_state().reset(None)
+
+
+def _refused(reason: str, source: str = "api_server") -> float:
+    """``vllm_steer:requests_refused_total`` of this process for ``reason`` (the API server's
+    own counter, on vLLM's default registry)."""
+    from prometheus_client import REGISTRY
+
+    from vllm_steer.metrics import get_metrics
+
+    get_metrics()
+    total = 0.0
+    for fam in REGISTRY.collect():
+        for s in fam.samples:
+            if s.name == "vllm_steer:requests_refused_total" and \
+                    s.labels.get("reason") == reason and s.labels.get("source") == source:
+                total += s.value
+    return total
+
+
+@pytest.mark.parametrize("body, reason", [
+    ({"steer": {"toxic": 1}}, "unknown_steer"),
+    ({"steer": {"detox": 25}}, "strength_limit"),
+    ({"steer": {"detox": "x"}}, "bad_steer"),
+    ({"vllm_xargs": {"steer": "detox:5,,"}}, "bad_steer"),
+    ({"steer": {"detox": 1, "sentiment": 1}}, "too_many_steers"),  # after the body's check
+])
+def test_each_refusal_is_counted_once_by_its_reason(app, body, reason):
+    """What a client is refused with HTTP 400 shows on this API server's /metrics once, under
+    its reason; an admitted request counts nothing."""
+    from vllm_steer.request import REFUSAL_REASONS
+
+    old = frontend_state().config
+    frontend_state().reset(SteerServerConfig(steers={"detox": "d", "sentiment": "s"},
+                                             max_strength=20, max_steers_per_request=1))
+    try:
+        c = TestClient(app)
+        before = {r: _refused(r) for r in REFUSAL_REASONS}
+        r = post(c, body)
+        assert r.status_code == 400, r.text
+        after = {r: _refused(r) for r in REFUSAL_REASONS}
+        assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == {reason: 1}
+        assert post(c, {"steer": {"detox": 5}}).status_code == 200
+        assert {r: _refused(r) for r in REFUSAL_REASONS} == after
+    finally:
+        frontend_state().reset(old)
+
+
+def test_an_engine_core_refusal_is_the_clients_400_and_not_counted_again():
+    """The engine core counts its own refusals (handed to the API servers by ``list``): the API
+    server that turns one into HTTP 400 does not count it a second time."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_steer.integrations.frontend import async_llm
+    from vllm_steer.integrations.protocol import REFUSED_PREFIX
+
+    async def orig(self):
+        yield SimpleNamespace(request_id="r1", outputs=[SimpleNamespace(
+            stop_reason=REFUSED_PREFIX + "steer: no room")])
+
+    async def run():
+        async for _ in async_llm.generate(orig, None):
+            pass
+
+    before = {s: _refused("bad_steer", s) for s in ("api_server", "engine_core")}
+    with pytest.raises(VLLMValidationError, match="no room"):
+        asyncio.run(run())
+    assert {s: _refused("bad_steer", s) for s in ("api_server", "engine_core")} == before
+
+
+def test_an_unknown_model_name_is_an_unknown_preset_404_counted_once():
+    """vLLM answers a model name it does not serve with 404; on a steering server (presets are
+    model names) it is counted as ``unknown_preset``; a served name counts nothing."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm_steer.integrations.frontend import preset_models
+
+    old = frontend_state().config
+    frontend_state().reset(SteerServerConfig(steers={"detox": "d"},
+                                             presets={"polite": {"detox": 4.0}}))
+    try:
+        async def orig(self, request):
+            return None if request.model in ("m", "polite") else "404 response"
+
+        async def check(name):
+            return await preset_models.check_model(orig, None, SimpleNamespace(model=name))
+
+        before = _refused("unknown_preset")
+        assert asyncio.run(check("polite")) is None and asyncio.run(check("m")) is None
+        assert _refused("unknown_preset") == before
+        assert asyncio.run(check("politte")) == "404 response"
+        assert _refused("unknown_preset") == before + 1
+    finally:
+        frontend_state().reset(old)

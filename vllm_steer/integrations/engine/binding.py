@@ -18,7 +18,8 @@ from vllm_steer import REQUEST_FIELD
 from vllm_steer.integrations.engine.management import in_use_by_requests, load_steer_file
 from vllm_steer.integrations.engine.state import engine_state
 from vllm_steer.integrations.protocol import SOURCE_STEER_DIR, count_problem, steer_dir_file
-from vllm_steer.request import BOUND_KEY, BoundSteer, SteerRequest, SteerRequestError
+from vllm_steer.request import (BOUND_KEY, BoundSteer, SteerRequest, SteerRequestError,
+                                 refusal_reason)
 
 
 class SteerAdmissionError(SteerRequestError):
@@ -63,11 +64,11 @@ def bind_request(core, request) -> None:
     try:  # request data never raises out of the engine core: refuse this request only
         steers = SteerRequest.from_wire(value)
     except SteerRequestError as e:
-        raise SteerAdmissionError(str(e)) from None
+        raise SteerAdmissionError(str(e), refusal_reason(e)) from None
     names = list(steers.strengths)
     problem = count_problem(names, st.config.per_request, reg.capacity, REQUEST_FIELD)
     if problem:
-        raise SteerAdmissionError(problem)
+        raise SteerAdmissionError(problem, "too_many_steers")
     missing = [n for n in names if n not in reg.bound]
     if missing:
         paths = {n: _steer_dir_path(core, n) for n in missing}  # every file found first
@@ -75,15 +76,17 @@ def bind_request(core, request) -> None:
         room = reg.room(in_use, protect=names)
         if len(missing) > room:
             if len(reg.never_evicted() | set(names)) > reg.capacity:  # never fits: a 400
-                raise SteerAdmissionError(_no_room(reg, names, missing, room))
+                raise SteerAdmissionError(_no_room(reg, names, missing, room),
+                                          "too_many_steers")
             reg.counters["bank_full"] += 1  # contention, not a failure: retry later (429)
-            raise SteerBankFullError(_no_room(reg, names, missing, room))
+            raise SteerBankFullError(_no_room(reg, names, missing, room), "bank_full")
         for name in missing:
             res = load_steer_file(core, name, paths[name], SOURCE_STEER_DIR, protect=names)
             if not res["ok"]:
-                error = (SteerBankFullError if res.get("status") == 507
-                         else SteerAdmissionError)
-                raise error(f"{REQUEST_FIELD}: {res['error']}")
+                if res.get("status") == 507:
+                    raise SteerBankFullError(f"{REQUEST_FIELD}: {res['error']}", "bank_full")
+                raise SteerAdmissionError(f"{REQUEST_FIELD}: {res['error']}",
+                                          res.get("reason", "bad_file"))
     slots = reg.bind(names)
     values = steers.named
     bound = [BoundSteer(n, *slots[n], values[n]) for n in names]
@@ -96,7 +99,7 @@ def _steer_dir_path(core, name: str) -> str:
     try:
         return steer_dir_file(st.config.steer_dir, name, st.registry.names(), REQUEST_FIELD)
     except SteerRequestError as e:
-        raise SteerAdmissionError(str(e)) from None
+        raise SteerAdmissionError(str(e), refusal_reason(e)) from None
 
 
 def _no_room(reg, names, missing, room: int) -> str:

@@ -20,6 +20,8 @@ from vllm_steer.integrations.guard import (BUSY_STATUS, CLIENT_STATUS, classify,
 from vllm_steer.integrations.protocol import (BUSY_PREFIX, FAILED_PREFIX, MANAGEMENT_METHOD,
                                               REFUSED_PREFIX)
 from vllm_steer.logs import get_logger
+from vllm_steer.metrics import refusal_key
+from vllm_steer.request import refusal_reason
 
 logger = get_logger()
 
@@ -60,23 +62,25 @@ def add_request(orig, self, request, request_wave: int = 0):
             raise RuntimeError(message) from e
         if status == CLIENT_STATUS:
             logger.warning("vllm-steer: request %s refused: %s", request_id, message)
+            reason = refusal_reason(e)
             if isinstance(e, SteerBankFullError):  # no room now: the client may retry
-                status = BUSY_STATUS
-        count_refusal(self, status)
+                status, reason = BUSY_STATUS, "bank_full"
+        else:
+            reason = "internal"
+        count_refusal(self, status, reason)
         send_refusal(self, request, message, status)
         return
     return orig(self, request, request_wave)
 
 
-def count_refusal(core, status: int) -> None:
-    """One more request refused by the plugin in this engine core (``refused_400`` /
-    ``refused_429`` / ``refused_500`` of the registry's counters:
-    ``vllm_steer:requests_refused_total``)."""
+def count_refusal(core, status: int, reason: str) -> None:
+    """One more request refused by the plugin in this engine core, per status and reason in
+    its registry's ``refused``: ``vllm_steer:requests_refused_total{source="engine_core"}``."""
     st = STATES.get(core)  # never created here: this runs when admission failed
     reg = st.registry if st is not None else None
     if reg is not None:
-        key = f"refused_{status}"
-        reg.counters[key] = reg.counters.get(key, 0) + 1
+        key = refusal_key(status, reason)
+        reg.refused[key] = reg.refused.get(key, 0) + 1
 
 
 def send_refusal(core, request, message: str, status: int = CLIENT_STATUS) -> None:

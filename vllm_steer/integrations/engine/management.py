@@ -55,8 +55,13 @@ _REQUIRED = {OP_LOAD: ("name", "path"), OP_UNLOAD: ("name",), OP_ROLLBACK: ("nam
              OP_PRESET_ROLLBACK: ("name",)}
 
 
-def _error(status: int, message: str) -> dict:
-    return {"ok": False, "status": status, "error": message}
+def _error(status: int, message: str, reason: str | None = None) -> dict:
+    """A refused op's answer; ``reason`` (a key of :data:`vllm_steer.request.REFUSAL_REASONS`)
+    where a request's admission refuses with this answer."""
+    out = {"ok": False, "status": status, "error": message}
+    if reason is not None:
+        out["reason"] = reason
+    return out
 
 
 def run_op(core, op: str, kwargs: dict | None = None) -> dict:
@@ -192,7 +197,8 @@ def load_steer_file(core, name: str, path: str, source: str,
                       f"({', '.join(repr(n) for n in protect)}) and the {len(never)} steer(s) "
                       f"never evicted ({', '.join(sorted(never)) or 'none'}) are more than "
                       f"the {reg.capacity} steer slots (--max-steers={reg.capacity}); send "
-                      "fewer steers at once, or restart with a larger --max-steers")
+                      "fewer steers at once, or restart with a larger --max-steers",
+                      "too_many_steers")
     try:  # capacity before the file: a full bank costs no read (the slot stays ours: this
         # op runs on the engine core's one thread, nothing binds or loads in between)
         slot, evicted = reg.free_slot(in_use_by_requests(core), evictable=True, replacing=name,

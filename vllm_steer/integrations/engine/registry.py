@@ -99,9 +99,10 @@ class SteerRegistry:
         # bank_full: first-use loads that found every slot held (the request waits: not a
         # failure); file_reads: steer files read by run-time loads
         self.counters = {"loads": 0, "unloads": 0, "evictions": 0, "failures": 0,
-                         "bank_full": 0, "file_reads": 0, "refused_400": 0, "refused_429": 0,
-                         "refused_500": 0}
+                         "bank_full": 0, "file_reads": 0}
         self.served: dict[str, int] = {}  # requests steered per name (kept over unloads)
+        # requests refused at admission, per "STATUS:REASON" (vllm_steer.metrics.refusal_key)
+        self.refused: dict[str, int] = {}
 
     # ---- queries ---------------------------------------------------------------------------
     def get(self, name: str) -> SteerEntry | None:
@@ -223,6 +224,7 @@ class SteerRegistry:
 
     def stats(self) -> dict:
         return {"counters": dict(self.counters), "served": dict(self.served),
+                "refused": dict(self.refused),
                 "loaded": len(self.bound), "capacity": self.capacity,
                 "draining": sum(1 for e in self.slots if e is not None and e.state == "draining")}
 

@@ -31,8 +31,10 @@ from typing import Any, Mapping
 from vllm_steer import REQUEST_FIELD
 from vllm_steer.integrations.frontend.request_scope import hold_start, record_applied
 from vllm_steer.integrations.frontend.state import frontend_state
+from vllm_steer.metrics import count_refusal
 from vllm_steer.integrations.protocol import count_problem, name_problem, steer_dir_file
-from vllm_steer.request import SteerRequest, SteerRequestError, admitted
+from vllm_steer.request import (BAD_STEER, SteerRequest, SteerRequestError, admitted,
+                                 refusal_reason)
 
 
 def dir_steer_file(name: str, loaded, where: str = REQUEST_FIELD) -> str:
@@ -47,10 +49,11 @@ def dir_steer_file(name: str, loaded, where: str = REQUEST_FIELD) -> str:
         meta = read_metadata(path)
     except SteerFileError as e:
         raise SteerRequestError(f"{where}: steer {name!r} in --steer-dir: "
-                                + " ".join(str(e).split())[:1000]) from None
+                                + " ".join(str(e).split())[:1000], "bad_file") from None
     if st.hidden_size and meta.hidden_size != st.hidden_size:
         raise SteerRequestError(f"{where}: steer {name!r} ({path}) has hidden size "
-                                f"{meta.hidden_size} but the model has {st.hidden_size}")
+                                f"{meta.hidden_size} but the model has {st.hidden_size}",
+                                "bad_file")
     return path
 
 
@@ -96,7 +99,7 @@ def check_value(value: Any, where: str = REQUEST_FIELD) -> SteerRequest:
         except SteerRequestError:
             pass  # whatever is wrong with it, no steer can be applied here
         raise SteerRequestError(f"{where}: this server has no steers loaded (start it "
-                                "with `vllm serve MODEL --steer NAME=PATH`)")
+                                "with `vllm serve MODEL --steer NAME=PATH`)", "unknown_steer")
     return SteerRequest.parse(value, cfg.steers, cfg.max_strength, where)
 
 
@@ -110,8 +113,10 @@ def _field_error_class():
         return SteerRequestError
 
     class SteerFieldError(SteerRequestError, VLLMValidationError):
-        def __init__(self, message: str):
-            VLLMValidationError.__init__(self, message, parameter=REQUEST_FIELD)
+        def __init__(self, message: str, reason: str = BAD_STEER,
+                     parameter: str = REQUEST_FIELD):
+            VLLMValidationError.__init__(self, message, parameter=parameter)
+            self.reason = reason
 
         def __str__(self) -> str:
             return str(self.args[0]) if self.args else ""
@@ -119,8 +124,13 @@ def _field_error_class():
     return SteerFieldError
 
 
-def field_error(message: str) -> SteerRequestError:
-    return _field_error_class()(message)
+def field_error(message: str, reason: str = BAD_STEER,
+                parameter: str = REQUEST_FIELD) -> SteerRequestError:
+    """A refusal of the request (HTTP 400, ``param``: ``parameter``) for ``reason`` (a key of
+    :data:`~vllm_steer.request.REFUSAL_REASONS`)."""
+    if _field_error_class() is SteerRequestError:
+        return SteerRequestError(message, reason)
+    return _field_error_class()(message, reason, parameter)
 
 
 BOTH_GIVEN = (f"{REQUEST_FIELD}: given both as a top-level field and in vllm_xargs; use one")
@@ -137,7 +147,7 @@ def check_request_fields(steer: Any, xargs: Any) -> SteerRequest | None:
         value = steer if steer is not None else xs
         return None if value is None else request_of(value)
     except SteerRequestError as e:
-        raise field_error(str(e)) from None
+        raise field_error(str(e), refusal_reason(e)) from None
 
 
 def request_of(value: Any, where: str = REQUEST_FIELD) -> SteerRequest:
@@ -168,7 +178,7 @@ def serve(params: Any, request: SteerRequest | None,
         problem = count_problem(list(served.strengths), cfg.per_request, cfg.capacity,
                                 REQUEST_FIELD)
         if problem:  # the engine core would refuse it: say so before it is sent
-            raise field_error(problem)
+            raise field_error(problem, "too_many_steers")
         record_applied(served.named, floored)
         if cfg.steer_dir and served.strengths:
             hold_start()  # a first use may wait for a slot, then answer 429 (async_llm)
@@ -182,7 +192,15 @@ def validate(params: Any) -> None:
     frontend has not admitted yet (a user's value, offline or from another ``LLM`` /
     ``AsyncLLM`` caller; or none, under ``--steer-default`` / ``--steer-floor``) is parsed and
     gets the policy (:func:`serve`). Raises ``VLLMValidationError`` (HTTP 400,
-    ``param: "steer"``) if it is bad."""
+    ``param: "steer"``) if it is bad, counted as this process's refusal."""
+    try:
+        _validate(params)
+    except SteerRequestError as e:
+        count_refusal(e, 400)
+        raise
+
+
+def _validate(params: Any) -> None:
     extra = getattr(params, "extra_args", None) or {}
     value = extra.get(REQUEST_FIELD)
     if admitted(value) is not None:
@@ -194,9 +212,5 @@ def validate(params: Any) -> None:
     try:
         request = None if value is None else check_value(value)
     except SteerRequestError as e:
-        try:
-            from vllm.exceptions import VLLMValidationError
-        except ImportError:  # older vLLM: a ValueError is a 400 too
-            raise e from None
-        raise VLLMValidationError(str(e), parameter=REQUEST_FIELD) from None
+        raise field_error(str(e), refusal_reason(e)) from None
     serve(params, request)

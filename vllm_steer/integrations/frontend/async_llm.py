@@ -35,7 +35,8 @@ async def generate(orig, self, *args, **kwargs):
     agen = orig(self, *args, **kwargs)
     try:
         async for out in agen:
-            with guard.frontend("AsyncLLM.generate", getattr(out, "request_id", None)):
+            with guard.frontend("AsyncLLM.generate", getattr(out, "request_id", None),
+                                count=False):  # the engine core counted its refusal
                 _raise_engine_refusal(out)
             yield out
     except Exception as e:
@@ -116,10 +117,8 @@ async def _preload_dir_steers(engine, cfg, params) -> None:
             refuse_busy(message, RETRY_AFTER_SECONDS)
             raise guard.busy_error(message)
         if not res["ok"] and name not in st.loaded_names():
-            from vllm.exceptions import VLLMValidationError
-
-            raise VLLMValidationError(f"{REQUEST_FIELD}: {res['error']}",
-                                      parameter=REQUEST_FIELD)
+            raise admission.field_error(f"{REQUEST_FIELD}: {res['error']}",
+                                        res.get("reason", "bad_file"))
 
 
 def first_use_wait_seconds() -> float:

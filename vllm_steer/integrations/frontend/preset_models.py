@@ -54,7 +54,21 @@ async def check_model(orig, self, request, *a, **kw):
                       or name in (getattr(models, "lora_requests", None) or {}))
             if not static:
                 pin_preset(name, (await refresh_presets()).get(name))
-    return await orig(self, request, *a, **kw)
+    error = await orig(self, request, *a, **kw)
+    if error is not None and frontend_state().enabled:  # vLLM's 404: no such model name
+        count_unknown_model()
+    return error
+
+
+def count_unknown_model() -> None:
+    """A request refused for its model name (vLLM's HTTP 404) on a server that serves
+    presets as model names: counted as this API server's ``unknown_preset`` refusal."""
+    from vllm_steer.metrics import get_metrics
+
+    try:
+        get_metrics().refused_here(404, "unknown_preset")
+    except Exception:  # noqa: BLE001 - metrics never break serving
+        pass
 
 
 def is_base_model(orig, self, model_name):

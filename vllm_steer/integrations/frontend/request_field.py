@@ -20,6 +20,8 @@ from vllm_steer.integrations import guard
 from vllm_steer.integrations.frontend import admission
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.integrations.frontend.startup_checks import processor_fqcn
+from vllm_steer.metrics import count_refusal
+from vllm_steer.request import SteerRequestError
 
 REQUEST_CLASSES = (
     ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
@@ -61,7 +63,11 @@ def add_request_field(cls) -> None:
 
     def _vllm_steer_check(self):
         xargs = getattr(self, "vllm_xargs", None)
-        request = admission.check_request_fields(getattr(self, REQUEST_FIELD, None), xargs)
+        try:
+            request = admission.check_request_fields(getattr(self, REQUEST_FIELD, None), xargs)
+        except SteerRequestError as e:  # the body's check: this API server's refusal
+            count_refusal(e, guard.CLIENT_STATUS)
+            raise
         if request is not None:
             if isinstance(xargs, dict) and REQUEST_FIELD in xargs:
                 self.vllm_xargs = {k: v for k, v in xargs.items() if k != REQUEST_FIELD}
@@ -120,15 +126,11 @@ def refuse_steered_beam_search(request) -> None:
         except Exception as e:  # noqa: BLE001 - a request built without the body's validator
             raise admission.field_error(str(e)) from None
         if steered:
-            msg = (f"{REQUEST_FIELD}: beam search (use_beam_search) cannot be steered: vLLM's "
-                   "beam search runs its own per-step sampling without the request's steer, "
-                   "so it would be silently dropped; send the request without use_beam_search "
-                   "(or without the steer)")
-            try:
-                from vllm.exceptions import VLLMValidationError
-            except ImportError:  # pragma: no cover
-                raise ValueError(msg) from None
-            raise VLLMValidationError(msg, parameter="use_beam_search")
+            raise admission.field_error(
+                f"{REQUEST_FIELD}: beam search (use_beam_search) cannot be steered: vLLM's "
+                "beam search runs its own per-step sampling without the request's steer, "
+                "so it would be silently dropped; send the request without use_beam_search "
+                "(or without the steer)", "beam_search", "use_beam_search")
 
 
 def input_processor_init(orig, self, vllm_config, *a, **kw):

@@ -51,6 +51,9 @@ class BankState:
         # set a stand-in before the load, which lifts the CUDA-only rule)
         self.graph_backend = None
         self.model_loaded = False  # vLLM's loader has finished (the head's graphs may be captured)
+        # the head's op should replay from CUDA graphs here (CUDA, graphs on, backend auto,
+        # no --enforce-eager): where it does not, head_eager() says so
+        self.graphs_expected = False
         # the hidden states' dtype at the head (the model's; the bank's is the head's, which
         # an fp32 head_dtype makes differ)
         self.activation_dtype: torch.dtype | None = None
@@ -96,9 +99,11 @@ class BankState:
         self.prepare = ops.backend_prepare(self.backend)
         self.warm_up()
         if cuda_graphs:
-            from vllm_steer.kernels.graphs import head_graphs
+            from vllm_steer.kernels.graphs import graphs_enabled, head_graphs
 
             head_graphs(self.bank, self.config.backend, self.graph_backend)
+            self.graphs_expected = graphs_enabled(self.config.backend) and (
+                self.graph_backend is not None or torch.device(device or "cpu").type == "cuda")
         elif self.graph_backend is not None or torch.device(device or "cpu").type == "cuda":
             logger.info("vllm-steer: the LM head's steer op is launched eagerly: vLLM runs with "
                         "--enforce-eager (no CUDA graphs)")
@@ -133,6 +138,17 @@ class BankState:
         logger.info("vllm-steer: steer bank reserves %.1f MiB (%s); a steer of a larger rank "
                     "is refused", mib, figure)
         return bank
+
+    def head_eager(self) -> bool:
+        """Whether the LM head's op is launched eagerly where it should replay from CUDA
+        graphs (:attr:`graphs_expected`): no graphs (the bank's copy over the limit, no
+        reserved rank, the device could not hold it), or graphs disabled for now (a steer
+        wider than their copy) or for good (a failed capture). The ``vllm_steer:head_eager``
+        gauge."""
+        if not self.graphs_expected or self.bank is None:
+            return False
+        graphs = self.bank.graphs
+        return graphs is None or graphs.disabled is not None or graphs.failed is not None
 
     def warm_up(self) -> None:
         """Compile, now, every kernel specialisation the backend can launch for this bank's

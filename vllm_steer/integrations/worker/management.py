@@ -26,6 +26,7 @@ def worker_op(worker, op: str, *args) -> Any:
     if op == "stats":
         bank = rt.bank_state.bank
         return {**rt.planner.op_timer.report(), "op_calls": rt.planner.op_calls,
+                "head_eager": int(rt.bank_state.head_eager()),
                 "slots": [] if bank is None else
                 [[i, g, n] for i, (g, n) in enumerate(zip(bank.load_ids, bank.names))
                  if n is not None]}

@@ -1,0 +1,118 @@
+"""The sizing of docs/deploy.md against what the code allocates: the table is the sizing
+function's output, the function's figures are the bytes of the tensors the bank and the head's
+graphs really allocate (measured here on the CPU, with the stand-in graph backend), its graph
+limit is the one the head applies, and the Deployment's row is the Deployment's settings."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from helpers.capture import StandIn
+from helpers.steers import random_steer
+from vllm_steer import sizing
+from vllm_steer.bank import SlotBank
+from vllm_steer.config import DEFAULT_RESERVED_RANK
+from vllm_steer.integrations.engine.registry import DEFAULT_MAX_STEERS
+from vllm_steer.kernels import graphs as G
+
+ROOT = Path(__file__).resolve().parents[2]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_the_docs_table_is_the_sizing_functions_output():
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    m = re.search(r"<!-- SIZING:begin -->\n(.*?)\n<!-- SIZING:end -->", text, re.S)
+    assert m, "docs/deploy.md has no SIZING block"
+    assert m.group(1) == sizing.sizing_table(), "regenerate: vllm_steer.sizing.sizing_table()"
+
+
+@pytest.mark.parametrize("max_steers, rank, hidden, dtype", [
+    (3, 8, 32, "float32"), (4, 16, 48, "bfloat16"), (1, 4, 64, "float16")])
+def test_the_figures_are_the_bytes_the_bank_and_its_copy_allocate(max_steers, rank, hidden,
+                                                                   dtype):
+    bank = SlotBank(max_steers, hidden, dtype=DTYPES[dtype], reserve_rank=rank)
+    bank.put(0, 1, "a", random_steer(hidden, rank, "a", seed=1))
+    # the factors are views of the storage reserved up front: its size is the bank's memory
+    reserved = bank.p1.untyped_storage().nbytes() + bank.p2.untyped_storage().nbytes()
+    assert reserved == sizing.bank_bytes(max_steers, rank, hidden, dtype)
+    copied = bank.enable_fixed(rank)
+    assert copied == _nbytes(bank.fixed_p1, bank.fixed_p2) == sizing.head_graph_copy_bytes(
+        max_steers, rank, hidden, dtype)
+
+
+def test_the_graph_rows_are_the_static_buffers_of_every_bucket_captured():
+    """Every bucket up to 512 rows captured (the stand-in backend runs the op on the CPU):
+    their static inputs and outputs take what :func:`graph_rows_bytes` says."""
+    hidden, max_steers, rank = 16, 2, 4
+    bank = SlotBank(max_steers, hidden, dtype=torch.float32, reserve_rank=rank)
+    bank.put(0, 1, "a", random_steer(hidden, rank, "a", seed=1))
+    graphs = G.head_graphs(bank, graph_backend=StandIn())
+    table = torch.zeros(sizing.MAX_GRAPH_ROWS, bank.num_columns)
+    assert graphs.capture(sizing.MAX_GRAPH_ROWS, hidden, torch.float32, table) == 10
+    rows = sum(_nbytes(entry[1], entry[2]) for entry in graphs._graphs.values())
+    assert rows == sizing.graph_rows_bytes(hidden, "float32")
+    assert sizing.head_graph_bytes(max_steers, rank, hidden, "float32") == \
+        rows + _nbytes(bank.fixed_p1, bank.fixed_p2)
+
+
+def test_the_head_turns_its_graphs_off_exactly_where_the_sizing_says(monkeypatch):
+    """The head's limit is the sizing's: at the limit the graphs are made, one byte under it
+    they are not (and the table says "off")."""
+    def bank():
+        b = SlotBank(3, 32, dtype=torch.float32, reserve_rank=8)
+        b.put(0, 1, "a", random_steer(32, 4, "a", seed=1))
+        return b
+
+    copy = sizing.head_graph_copy_bytes(3, 8, 32, "float32")
+    assert G.MAX_GRAPH_BANK_BYTES == sizing.MAX_GRAPH_BANK_BYTES
+    for limit, on in ((copy, True), (copy - 1, False)):
+        monkeypatch.setattr(G, "MAX_GRAPH_BANK_BYTES", limit)
+        monkeypatch.setattr(sizing, "MAX_GRAPH_BANK_BYTES", limit)
+        assert (G.head_graphs(bank(), graph_backend=StandIn()) is not None) is on
+        assert sizing.head_graphs_on(3, 8, 32, "float32") is on
+        assert (sizing.head_graph_bytes(3, 8, 32, "float32") > 0) is on
+    # the measured case: 256 slots at rank 64, hidden 4096, bf16 is over the real limit
+    monkeypatch.undo()
+    assert not sizing.head_graphs_on(256, 64, 4096, "bfloat16")
+    assert sizing.head_graphs_on(128, 64, 4096, "bfloat16")
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == name:
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def test_the_deployments_row_has_the_deployments_settings():
+    doc = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "deployment.yaml").read_text())
+    args = doc["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "Llama-3.1-8B" in args[0]
+    row = next(r for r in sizing.DOC_ROWS if "the Deployment" in r.note)
+    assert row.max_steers == int(_flag(args, "--max-steers") or DEFAULT_MAX_STEERS)
+    assert row.rank == int(_flag(args, "--max-steer-rank") or DEFAULT_RESERVED_RANK)
+    assert row.dtype == _flag(args, "--dtype") == "bfloat16"
+    assert row.hidden_size == 4096  # Llama-3.1-8B's hidden size
+    # the figures the docs give for it
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    mib = round(sizing.bank_bytes(row.max_steers, row.rank, 4096, "bfloat16") / 2**20)
+    graphs = round(sizing.head_graph_bytes(row.max_steers, row.rank, 4096, "bfloat16") / 2**20)
+    assert f"{mib} MiB of bank and {graphs} MiB of head graphs" in text
+    assert f"take {mib + graphs} MiB" in text
+
+
+def test_a_dtype_it_does_not_know_is_refused_by_name():
+    with pytest.raises(ValueError, match="'int8'.*float32, bfloat16, float16"):
+        sizing.bank_bytes(8, 64, 4096, "int8")
+    assert sizing.dtype_bytes(torch.bfloat16) == 2
