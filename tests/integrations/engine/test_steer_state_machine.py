@@ -198,6 +198,7 @@ class SteerStateMachine(RuleBasedStateMachine):
         self.model.learn(first, 1, 0)
         # request id -> {name: (load id, bank slot, sha256 of the file, strength)}
         self.running: dict[str, dict[str, tuple]] = {}
+        self.ids_admitted: list[str] = []
         self.ids = itertools.count()
         self.file_version = 0
         self._patch_load()
@@ -297,6 +298,7 @@ class SteerStateMachine(RuleBasedStateMachine):
             assert (b.load_id, b.bank_slot) == (inst.load_id, inst.bank_slot), (b, inst)
             record[b.name] = (b.load_id, b.bank_slot, inst.digest, b.value)
         self.running[rid] = record
+        self.ids_admitted.append(rid)
         return want, bound
 
     def _learn(self, loads):
@@ -315,10 +317,11 @@ class SteerStateMachine(RuleBasedStateMachine):
     # ---- rules: requests -------------------------------------------------------------------
     @rule(names=st.lists(st.sampled_from([*DIR_NAMES, PINNED, "nope", "../x"]), max_size=5),
           strength=st.sampled_from([1, -2.5, 0]), as_text=st.booleans(),
-          fault=st.sampled_from([None, None, None, "put0", "put1"]))
-    def request(self, names, strength, as_text, fault):
+          fault=st.sampled_from([None, None, None, "put0", "put1"]), short=st.booleans())
+    def request(self, names, strength, as_text, fault, short):
         """A request naming 0 to 5 steers: loaded, first-use, missing, bad and repeated;
-        sometimes a worker fails during its first first-use load."""
+        sometimes a worker fails during its first first-use load. A ``short`` one finishes
+        before the next step (its steers are idle again: what eviction may take)."""
         if as_text:  # the vllm_xargs string form, repeats and all
             value = ",".join(f"{n}:{strength}" for n in names)
         else:
@@ -329,8 +332,20 @@ class SteerStateMachine(RuleBasedStateMachine):
             assert any(not M.valid_name(n) for n in names) or (
                 as_text and len(set(names)) < len(names)), names  # a bad name, or given twice
             return
-        _, bound = self._admit(parsed.to_wire(), fault)
+        outcome, bound = self._admit(parsed.to_wire(), fault)
         assert all(b.value == strength for b in bound), bound
+        if short and outcome.ok:
+            self._finish(self.ids_admitted[-1])
+
+    @rule(names=st.lists(st.sampled_from(DIR_NAMES), min_size=1, max_size=4))
+    def use(self, names):
+        """Short requests one after the other, each naming one steer-dir steer (a first use
+        loads it, at capacity evicting the least recently used idle one), each finished
+        before the next."""
+        for name in names:
+            outcome, _ = self._admit(SteerRequest.parse({name: 1}, None, 10.0).to_wire())
+            if outcome.ok:
+                self._finish(self.ids_admitted[-1])
 
     @rule(preset=st.sampled_from(["p1", "p2", STATIC_PRESET]),
           extra=st.sampled_from([None, "d0", PINNED]), strength=st.sampled_from([1.0, -3.0]))
@@ -355,9 +370,10 @@ class SteerStateMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def finish(self, data):
-        if not self.running:
-            return
-        rid = data.draw(st.sampled_from(sorted(self.running)))
+        if self.running:
+            self._finish(data.draw(st.sampled_from(sorted(self.running))))
+
+    def _finish(self, rid):
         self.running.pop(rid)
         self.core.scheduler.requests.pop(rid)
         self.model.finish(rid)
@@ -395,6 +411,15 @@ class SteerStateMachine(RuleBasedStateMachine):
             inst, = want.loads
             self.model.learn(inst, answer["steer"]["load_id"], answer["steer"]["bank_slot"])
             assert answer["steer"]["file"] == path, answer
+
+    @rule(data=st.data(), src=st.sampled_from(DIR_NAMES),
+          fault=st.sampled_from([None, None, "put1"]))
+    def replace(self, data, src, fault):
+        """POST /v1/steers for a name loaded now: a new load of another file (requests
+        admitted before keep the old one)."""
+        names = sorted(self.model.names())
+        if names:
+            self.load(data.draw(st.sampled_from(names)), src, fault)
 
     @rule(name=st.sampled_from([*DIR_NAMES, "api1", PINNED, "never"]),
           fault=st.sampled_from([None, None, "drop1"]))
