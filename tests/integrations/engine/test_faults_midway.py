@@ -333,3 +333,32 @@ def test_a_dp_preset_add_that_fails_on_one_engine_core_is_rolled_back_on_the_oth
     assert _manage(cores, "preset_add", name="p1", steer={"a": 5.0}, token="t3",
                    replace=True)["ok"]
     assert [_presets(c)["presets"] for c in cores] == [{"p1": {"a": 5.0}}] * 2
+
+
+def test_a_dp_unload_that_fails_on_one_engine_core_says_so_and_a_retry_finishes_it(
+        files, monkeypatch):
+    """One engine core unloads the name, the other fails: it still serves the name, so the
+    call answers the failure (not the first engine core's success), and sending it again
+    unloads it there."""
+    cores = [_core(0), _core(1)]
+    assert _manage(cores, "load", name="a", path=files("a"))["ok"]
+    registry = engine_state_of(cores[1]).registry
+
+    def unload(*a, **kw):
+        raise RuntimeError("fault injected in engine core 1's unload")
+    monkeypatch.setattr(registry, "unload", unload)
+    res = _manage(cores, "unload", name="a")
+    monkeypatch.undo()
+    assert res["ok"] is False and res["status"] == 500, res
+    assert "unloaded by engine core(s) 0 only" in res["error"], res
+    assert [[s[0] for s in state(c)["steers"]] for c in cores] == [[], ["a"]]
+    assert _manage(cores, "unload", name="a")["ok"]  # the retry finishes it
+    assert [state(c)["steers"] for c in cores] == [[], []]
+    for c in cores:
+        agree(c)
+
+
+def engine_state_of(core):
+    from vllm_steer.integrations.engine.state import engine_state
+
+    return engine_state(core)
