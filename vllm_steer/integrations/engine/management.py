@@ -261,7 +261,6 @@ def load_steer_file(core, name: str, path: str, source: str,
             "load_ms": ms}
 
 
-
 def _snapshot(reg) -> tuple:
     """What :meth:`~vllm_steer.integrations.engine.registry.SteerRegistry.commit` changes,
     to put back when a load fails half-way (:func:`_restore`)."""
