@@ -374,6 +374,11 @@ class SteerStateMachine(RuleBasedStateMachine):
             self._finish(data.draw(st.sampled_from(sorted(self.running))))
 
     def _finish(self, rid):
+        """A request finishes: up to its end every worker held the file it was admitted
+        with, in its slot and load (afterwards a draining load of it is freed)."""
+        for name, (load_id, slot, digest, _) in self.running[rid].items():
+            for bank in self.workers.banks:
+                assert bank.get(slot) == (load_id, name, digest), (rid, name, bank)
         self.running.pop(rid)
         self.core.scheduler.requests.pop(rid)
         self.model.finish(rid)
