@@ -275,6 +275,9 @@ def test_a_fault_half_way_through_a_management_write_changes_nothing(server, tin
         assert requests.get(server + "/health", timeout=10).status_code == 200
         assert tokens(complete(server, {"d1": 2})) == want
 
+    for name, source, _, _ in _steers(server):  # a free slot for the load below
+        if source == "steer-dir":
+            assert _call(server, "DELETE", f"/v1/steers/{name}").status_code == 200
     serves()  # 'd1' is loaded on its first use here, not half-way through a call below
     # POST /v1/steers: every worker holds the factors, the registry's commit fails
     before = _steers(server)
