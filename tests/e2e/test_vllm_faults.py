@@ -14,6 +14,12 @@ dir larger than it, the shape of ``docs/deploy.md`` (``--max-steers 3``, one ste
   fails with HTTP 500 naming vllm-steer, and the next request on the same engine is served
   and correct. The other hooks of those groups run at start-up only (:data:`STARTUP`); every
   hook of the two groups is one or the other.
+- **Faults half-way through a management call that writes** (``POST`` and ``DELETE
+  /v1/steers``, ``POST``, ``PUT`` and ``DELETE /v1/steer-presets``): a load that fails after
+  every worker's put and before the registry's commit, an unload whose slot a worker fails to
+  empty, a preset change that fails in the preset table. The listing afterwards is the one
+  before the call (or, for the unload, the one after it: the unload is done and says so), the
+  same call then succeeds, and the engine serves the right tokens.
 """
 
 from __future__ import annotations
@@ -328,3 +334,81 @@ def test_a_fault_in_the_plugin_fails_one_request_and_the_next_is_served(server, 
     assert requests.get(server + "/health", timeout=10).status_code == 200
     log = STATE["log"].read_text(errors="replace")
     assert log.count(f"fault injected by the test ({target})") >= 1
+
+
+# ---- faults half-way through a management call that writes -------------------------------
+def _steers(url) -> list:
+    r = requests.get(url + "/v1/steers", timeout=60)
+    assert r.status_code == 200, r.text
+    return sorted((s["name"], s["source"], s["bank_slot"], s["load_id"])
+                  for s in r.json()["data"])
+
+
+def _presets(url) -> dict:
+    r = requests.get(url + "/v1/steer-presets", timeout=60)
+    assert r.status_code == 200, r.text
+    return {p["name"]: p["steer"] for p in r.json()["data"]}
+
+
+def _call(url, method, path, body=None):
+    return requests.request(method, url + path, json=body, timeout=120)
+
+
+def _faulted(url, target, method, path, body=None):
+    """The call with ``target`` raising once inside it."""
+    (STATE["faults"] / target).write_text("")
+    r = _call(url, method, path, body)
+    assert not (STATE["faults"] / target).exists(), f"{target} was never called"
+    return r
+
+
+def test_a_fault_half_way_through_a_management_write_changes_nothing(server, tiny_model_dir):
+    d2 = str(STATE["dir"] / "d2.safetensors")
+    want = reference_tokens(tiny_model_dir, {"d1": 2.0})
+
+    def serves():
+        assert requests.get(server + "/health", timeout=10).status_code == 200
+        assert tokens(complete(server, {"d1": 2})) == want
+
+    for name, source, _, _ in _steers(server):  # a free slot for the load below
+        if source == "steer-dir":
+            assert _call(server, "DELETE", f"/v1/steers/{name}").status_code == 200
+    serves()  # 'd1' is loaded on its first use here, not half-way through a call below
+    # POST /v1/steers: every worker holds the factors, the registry's commit fails
+    before = _steers(server)
+    r = _faulted(server, "vllm_steer.integrations.engine.registry:SteerRegistry.commit",
+                 "POST", "/v1/steers", {"name": "api1", "path": d2})
+    assert r.status_code == 500 and "vllm-steer" in r.text, r.text
+    assert _steers(server) == before
+    serves()
+    r = _call(server, "POST", "/v1/steers", {"name": "api1", "path": d2})
+    assert r.status_code == 200, r.text
+    loaded = _steers(server)
+    assert [s[0] for s in loaded] == sorted([*[s[0] for s in before], "api1"]), loaded
+    # DELETE /v1/steers/api1: unbound, then a worker fails to empty its slot: done
+    r = _faulted(server, "vllm_steer.integrations.worker.management:worker_op",
+                 "DELETE", "/v1/steers/api1")
+    assert r.status_code == 200, r.text
+    assert _steers(server) == before
+    serves()
+    assert _call(server, "POST", "/v1/steers", {"name": "api1", "path": d2}).status_code == 200
+    assert _call(server, "DELETE", "/v1/steers/api1").status_code == 200
+    assert _steers(server) == before
+    # the preset writes: POST, PUT, DELETE, each failing in the engine core's preset table
+    presets = _presets(server)
+    add, delete = ("vllm_steer.integrations.engine.presets:PresetTable.add",
+                   "vllm_steer.integrations.engine.presets:PresetTable.delete")
+    for target, method, path, body, then in (
+            (add, "POST", "/v1/steer-presets", {"name": "kind", "steer": {"d1": 2}},
+             {**presets, "kind": {"d1": 2.0}}),
+            (add, "PUT", "/v1/steer-presets/kind", {"steer": {"d1": 3}},
+             {**presets, "kind": {"d1": 3.0}}),
+            (delete, "DELETE", "/v1/steer-presets/kind", None, presets)):
+        was = _presets(server)
+        r = _faulted(server, target, method, path, body)
+        assert r.status_code == 500 and "vllm-steer" in r.text, (method, r.text)
+        assert _presets(server) == was, method
+        serves()
+        r = _call(server, method, path, body)
+        assert r.status_code == 200, (method, r.text)
+        assert _presets(server) == then, method

@@ -3,10 +3,11 @@
 A server started with this folder on ``PYTHONPATH`` and ``STEER_TEST_FAULTS=DIR`` (no
 ``VLLM_`` prefix: vLLM warns about unknown ``VLLM_*`` variables) replaces each function of
 :data:`TARGETS` (the plugin's code that one hook of the ``frontend`` or ``engine`` group runs
-inside the plugin's guard) by one that raises ``RuntimeError`` on its next call after the test
-creates the file ``DIR/<module>:<name>``: the call that takes the file (``os.remove``, one
-process wins) raises, every other call runs the real function. So one request meets the fault
-and the next one does not (tests/e2e/test_vllm_faults.py).
+inside the plugin's guard, and steps inside the management ops that write) by one that raises
+``RuntimeError`` on its next call after the test creates the file ``DIR/<module>:<name>``:
+the call that takes the file (``os.remove``, one process wins) raises, every other call runs
+the real function. So one request meets the fault and the next one does not
+(tests/e2e/test_vllm_faults.py). A target ``module:Class.method`` is a method of a class.
 
 Python imports ``sitecustomize`` at start-up from ``sys.path``, so every process vLLM spawns
 (API servers, engine core) patches the modules before vLLM registers the plugin (the plugin's
@@ -32,6 +33,12 @@ TARGETS = (
     "vllm_steer.integrations.frontend.async_llm:_raise_engine_refusal",
     "vllm_steer.integrations.engine.core:bind_request",
     "vllm_steer.integrations.engine.core:run_op",
+    # inside the management ops that write: after every worker's put and before the
+    # registry's commit; a worker's drop after the unload; the preset table's changes
+    "vllm_steer.integrations.engine.registry:SteerRegistry.commit",
+    "vllm_steer.integrations.worker.management:worker_op",
+    "vllm_steer.integrations.engine.presets:PresetTable.add",
+    "vllm_steer.integrations.engine.presets:PresetTable.delete",
 )
 MESSAGE = "fault injected by the test"
 
@@ -64,8 +71,11 @@ def _faulty(directory: str, target: str, fn):
 def _install(directory: str) -> None:
     for target in TARGETS:
         module, _, name = target.partition(":")
-        mod = importlib.import_module(module)
-        setattr(mod, name, _faulty(directory, target, getattr(mod, name)))
+        owner = importlib.import_module(module)
+        *classes, name = name.split(".")  # ``module:Class.method``: a method of a class
+        for cls in classes:
+            owner = getattr(owner, cls)
+        setattr(owner, name, _faulty(directory, target, getattr(owner, name)))
 
 
 if os.environ.get("STEER_TEST_FAULTS"):

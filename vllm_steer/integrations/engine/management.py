@@ -49,6 +49,20 @@ def _workers(core, *args) -> list:
     return core.model_executor.collective_rpc(worker_op, args=args)
 
 
+def _drop(core, slots) -> None:
+    """Empty ``slots`` in every worker. The registry has freed them already: no name is bound
+    to them and the next load into one overwrites it, so a worker that fails to drop leaves
+    unbound factors behind, never a steer served from the wrong slot. Logged, not raised: the
+    op that freed them (an unload, a reap) has happened and answers so."""
+    if not slots:
+        return
+    try:
+        _workers(core, "drop", list(slots))
+    except Exception:
+        logger.exception("vllm-steer: emptying bank slot(s) %s in the workers failed; the "
+                         "slots are free and are overwritten by the next load", list(slots))
+
+
 #: The string arguments each op needs (anything else is a 400, never a KeyError).
 _REQUIRED = {OP_LOAD: ("name", "path"), OP_UNLOAD: ("name",), OP_ROLLBACK: ("name",),
              OP_PRESET_DELETE: ("name",), OP_PRESET_ADD: ("name",),
@@ -90,9 +104,7 @@ def _run_op(core, op: str, kwargs: dict | None = None) -> dict:
                       "--steer-dir or --enable-steer-updates)")
     if is_preset_op(op):  # run-time presets: no worker involved
         return _preset_op(core, cfg, op, kwargs)
-    freed = reg.reap(in_use_by_requests(core))
-    if freed:
-        _workers(core, "drop", freed)
+    _drop(core, reg.reap(in_use_by_requests(core)))
     if op == OP_LIST:
         workers = _workers(core, "stats")
         stats = {**reg.stats(), "op": op_totals(workers)}
@@ -117,8 +129,7 @@ def _run_op(core, op: str, kwargs: dict | None = None) -> dict:
         except KeyError:
             return _error(404, f"steer {name!r} is not loaded; loaded steers: "
                           f"{', '.join(reg.names()) or 'none'}")
-        if freed:
-            _workers(core, "drop", freed)
+        _drop(core, freed)
         logger.info("vllm-steer: unloaded steer %r (load id %d)%s", name, entry.load_id,
                     "" if freed else "; its slot is freed when the requests using it finish")
         return {"ok": True, "steer": entry.to_json()}
@@ -129,8 +140,7 @@ def _run_op(core, op: str, kwargs: dict | None = None) -> dict:
             return {"ok": True, "steer": None}
         _, freed = reg.unload(kwargs["name"], in_use_by_requests(core))
         reg.counters["unloads"] -= 1  # not an unload anyone asked for
-        if freed:
-            _workers(core, "drop", freed)
+        _drop(core, freed)
         logger.info("vllm-steer: load of steer %r (load id %d) rolled back: it failed on "
                     "another data-parallel engine", kwargs["name"], load_id)
         return {"ok": True, "steer": entry.to_json()}
@@ -177,9 +187,11 @@ def load_steer_file(core, name: str, path: str, source: str,
     (the ``load`` op's answer). Capacity comes first: a full bank answers 507 without reading
     the file (a ``--steer-dir`` first use counts it as ``bank_full``, contention, not a
     failure); a request that can never fit is a 400. A file that cannot be read is a 400
-    naming it; a put that fails in a worker
-    leaves every name as it was (a steer-dir steer whose slot it was about to take is
-    unbound, to be read again on its next use)."""
+    naming it. A put that fails in a worker (or anything else before the name is bound) is
+    raised with the registry as it was, but for the steer whose bank slot the load was
+    taking, whose factors some workers may have overwritten: it is unbound (a steer-dir steer
+    is read again on its next use; a name replaced in its own slot is unloaded) and the slot
+    emptied in every worker."""
     from vllm_steer.format import SteerFileError, load_steer
 
     st = engine_state(core)
@@ -234,17 +246,27 @@ def load_steer_file(core, name: str, path: str, source: str,
         reg.counters["failures"] += 1
         return _error(400, str(e))
     load_id = reg.new_load_id()
+    taken = reg.slots[slot]  # the entry in that slot: the evicted one, or the name's own
+    saved = _snapshot(reg)
     try:
         _workers(core, "put", slot, load_id, name, steer)
-    except Exception:
+        entry = reg.commit(SteerEntry.from_metadata(name, path, steer.metadata, load_id, slot,
+                                                    source), evicted)
+    except Exception:  # a worker's put, or anything before the name is bound: undo it all
+        _restore(reg, saved)
         reg.counters["failures"] += 1
-        if evicted is not None:  # its slot may hold part of the new factors now
-            reg.bound.pop(evicted.name, None)
+        if taken is not None:  # its slot may hold part of the new factors now
             reg.slots[slot] = None
-            reg.counters["evictions"] += 1
+            if reg.bound.get(taken.name) == slot:
+                reg.bound.pop(taken.name)
+            if evicted is not None:
+                reg.counters["evictions"] += 1
+            logger.warning("vllm-steer: loading steer %r into bank slot %d failed; steer %r "
+                           "(load id %d), which held that slot, is unloaded%s", name, slot,
+                           taken.name, taken.load_id,
+                           " (read again on its next use)" if evicted is not None else "")
+        _drop(core, [slot])
         raise
-    entry = reg.commit(SteerEntry.from_metadata(name, path, steer.metadata, load_id, slot, source),
-                       evicted)
     ms = (time.perf_counter() - t0) * 1e3
     logger.info("vllm-steer: loaded steer %r from %s (rank %d, bank slot %d, load id %d) in "
                 "%.1f ms%s", name, path, entry.rank, slot, load_id, ms,
@@ -252,3 +274,20 @@ def load_steer_file(core, name: str, path: str, source: str,
     return {"ok": True, "steer": entry.to_json(), "evicted": evicted.name if evicted else None,
             "load_ms": ms}
 
+
+def _snapshot(reg) -> tuple:
+    """What :meth:`~vllm_steer.integrations.engine.registry.SteerRegistry.commit` changes,
+    to put back when a load fails half-way (:func:`_restore`)."""
+    return (list(reg.slots), dict(reg.bound), dict(reg.counters),
+            [(e, e.state) for e in reg.slots if e is not None])
+
+
+def _restore(reg, saved: tuple) -> None:
+    slots, bound, counters, states = saved
+    reg.slots[:] = slots
+    reg.bound.clear()
+    reg.bound.update(bound)
+    reg.counters.clear()
+    reg.counters.update(counters)
+    for e, state in states:
+        e.state = state

@@ -145,13 +145,14 @@ class PresetTable:
         if self.file_stamp is not None and (mtime < self.file_stamp[0]
                                             or digest == self.file_stamp[1]):
             return {"ok": True, "changed": False, **self.snapshot()}
-        took = sorted(n for n in presets if n in self.presets)
+        new = {n: {k: float(v) for k, v in m.items()} for n, m in presets.items()}
+        took = sorted(n for n in new if n in self.presets)  # nothing changed before here
         for name in took:
             self.presets.pop(name)
             self.tokens.pop(name, None)
             self.previous.pop(name, None)
         old = self.file
-        self.file = {n: {k: float(v) for k, v in m.items()} for n, m in presets.items()}
+        self.file = new
         self.file_stamp = (mtime, digest)
         self.version += 1
         return {"ok": True, "changed": True, "took_over": took,

@@ -32,6 +32,19 @@ def _rolled_back(res: dict, undo: dict) -> dict:
                             f"{len(undo['load_ids'])} engine core(s) that had loaded it)"}
 
 
+def _unload_failed_somewhere(res: dict, answers: list[dict]) -> dict:
+    """An unload that some engine cores did and another failed (not a 404: it had the name):
+    that engine core still serves the name, so the call answers its error (sending it again
+    unloads it there; the others answer 404, which the merged answer ignores)."""
+    failed = [a for a in answers if not a.get("ok") and a.get("status") != 404]
+    if not failed:
+        return res
+    done = sorted(str(a.get("engine")) for a in answers if a.get("ok"))
+    return {**failed[0], "error": f"{failed[0]['error']} (data parallelism: unloaded by "
+                                  f"engine core(s) {', '.join(done)} only; send the call again "
+                                  "to unload it from the others)"}
+
+
 def _take_views(op: str, res: dict, metrics: bool = True) -> None:
     """This process's views from an answer: the run-time presets (every answer has them), and
     from a ``list`` the names it admits and the metrics."""
@@ -61,6 +74,8 @@ async def manage(engine, op: str, **kwargs) -> dict:
         if undo is not None:  # loaded by some engine cores only: unload it from those
             await _every_engine(engine, OP_ROLLBACK, undo)
             res = _rolled_back(res, undo)
+    if op == OP_UNLOAD and res.get("ok"):
+        res = _unload_failed_somewhere(res, answers)
     if op == OP_PRESET_ADD and not res.get("ok") and any(a.get("ok") for a in answers):
         # data parallelism: added by some engine cores only: take it out of those again
         await _every_engine(engine, OP_PRESET_ROLLBACK, {"name": kwargs["name"],

@@ -1,0 +1,366 @@
+"""Faults inside the engine core's state-changing operations, at each step between their first
+and last write: a load (after one worker's put; after every put and before the registry's
+commit), a replacement, an unload (a worker that fails to empty the slot), the presets-file
+swap, and the data-parallel roll-back (one engine core applied the op, the other failed).
+
+The real engine-core code runs (the management hook, the registry, the preset table, the
+data-parallel client of the API server); the workers are two fakes (tensor parallelism), each
+keeping its copy of the bank from the ``put`` / ``drop`` calls it gets, and failing on
+command. After each fault: the answer is an error naming vllm-steer (or, for an unload whose
+slot a worker failed to empty, the unload's success), the registry and every worker's bank
+agree (no name is bound to a slot whose bank holds another load), the state is the one before
+the op or the one after it, and the next op succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from helpers.fakes import engine_core
+from helpers.steers import random_steer
+from vllm_steer.config import SteerServerConfig
+from vllm_steer.format import save_steer
+from vllm_steer.integrations.engine import core as hooks
+from vllm_steer.integrations.engine.registry import SteerRegistry
+from vllm_steer.integrations.engine.state import EngineSteerState
+from vllm_steer.integrations.protocol import MANAGEMENT_METHOD
+from vllm_steer.request import BOUND_KEY, BoundSteer, SteerRequest
+
+HIDDEN = 16
+
+
+class Workers:
+    """Two workers' banks (``slot -> (load_id, name)``); ``fail(op, worker)``: that worker
+    raises on the next ``op``, after the workers before it applied it."""
+
+    def __init__(self):
+        self.banks = [{}, {}]
+        self.armed = None
+
+    def fail(self, op, worker):
+        self.armed = (op, worker)
+
+    def collective_rpc(self, fn, args=()):
+        op, out = args[0], []
+        for i, bank in enumerate(self.banks):
+            if self.armed == (op, i):
+                self.armed = None
+                raise RuntimeError(f"fault injected in worker {i} during {op}")
+            if op == "put":
+                bank[args[1]] = (args[2], args[3])
+            elif op == "drop":
+                for s in args[1]:
+                    bank.pop(s, None)
+            out.append({} if op == "stats" else True)
+        return out
+
+
+@pytest.fixture
+def files(tmp_path):
+    for i, n in enumerate(("a", "b", "c", "d")):
+        save_steer(tmp_path / f"{n}.safetensors", random_steer(HIDDEN, 2, n, seed=i))
+    return lambda n: str(tmp_path / f"{n}.safetensors")
+
+
+def _core(index=0, capacity=2, steer_dir=None):
+    cfg = SteerServerConfig(steers={}, max_steers=capacity, steer_dir=steer_dir,
+                            enable_updates=True)
+    return engine_core(
+        engine_index=index, steer_state=EngineSteerState(cfg, SteerRegistry(capacity), HIDDEN),
+        scheduler=SimpleNamespace(requests={}), model_executor=Workers(),
+        output_queue=SimpleNamespace(put_nowait=lambda item: None),
+        vllm_config=SimpleNamespace(model_config=SimpleNamespace(model="tiny",
+                                                                 served_model_name="tiny")))
+
+
+def op(core, op_name, /, **kw) -> dict:
+    (answer,) = hooks.collective_rpc(None, core, MANAGEMENT_METHOD, args=(op_name, kw))
+    return answer
+
+
+def state(core) -> dict:
+    """What a user can see: the listing (name, state, source, bank slot, load id) and the
+    counters but the failures (a failed load counts one) and the file reads (a load that
+    fails after reading its file read it)."""
+    answer = op(core, "list")
+    counters = dict(answer["stats"]["counters"])
+    counters.pop("failures")
+    counters.pop("file_reads")
+    return {"steers": sorted((s["name"], s["state"], s["source"], s["bank_slot"], s["load_id"])
+                             for s in answer["steers"]), "counters": counters}
+
+
+def agree(core, stale_ok: bool = False) -> None:
+    """Every worker's bank holds the loads the registry lists, in their slots; and no other
+    (``stale_ok``: a slot a worker failed to empty may keep factors no name is bound to)."""
+    listing = {s["bank_slot"]: (s["load_id"], s["name"]) for s in op(core, "list")["steers"]}
+    for bank in core.model_executor.banks:
+        assert {s: bank.get(s) for s in listing} == listing, (bank, listing)
+        assert stale_ok or set(bank) == set(listing), (bank, listing)
+
+
+def admit(core, rid, steers: dict) -> list[BoundSteer]:
+    """One request through the engine core's admission hook; its bound steers."""
+    request = SimpleNamespace(request_id=rid, client_index=0, sampling_params=SimpleNamespace(
+        extra_args={"steer": SteerRequest.parse(steers, None, 10.0).to_wire()}))
+    admitted = []
+    hooks.add_request(lambda c, r, w: admitted.append(r), core, request)
+    assert admitted, rid
+    core.scheduler.requests[rid] = request
+    return BoundSteer.from_wire(request.sampling_params.extra_args[BOUND_KEY])
+
+
+# ---- a load --------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["worker 0's put", "worker 1's put (worker 0 wrote)",
+                                   "the commit (both workers wrote)"])
+def test_a_load_into_a_free_slot_that_fails_half_way_changes_nothing(files, where,
+                                                                      monkeypatch):
+    core = _core()
+    assert op(core, "load", name="a", path=files("a"))["ok"]
+    before = state(core)
+    if where.startswith("the commit"):
+        def commit(self, *a, **kw):
+            raise RuntimeError("fault injected before the commit")
+        monkeypatch.setattr(SteerRegistry, "commit", commit)
+    else:
+        core.model_executor.fail("put", int(where[7]))
+    answer = op(core, "load", name="b", path=files("b"))
+    monkeypatch.undo()
+    assert answer["ok"] is False and answer["status"] == 500, answer
+    assert answer["error"].startswith("vllm-steer") and "fault injected" in answer["error"]
+    assert state(core) == before  # as before: 'a' only, nothing half-loaded
+    agree(core)
+    assert op(core, "load", name="b", path=files("b"))["ok"]  # the next op succeeds
+    agree(core)
+    assert {b.name: b.load_id for b in admit(core, "r1", {"a": 1, "b": 2})} == {
+        s[0]: s[4] for s in state(core)["steers"]}
+
+
+def test_a_replacement_in_its_own_slot_that_fails_half_way_unloads_the_name(files):
+    """The bank is full and the name's slot is the only one: the second worker fails after
+    the first wrote the new factors over the old ones. The old load cannot be served any
+    more (one worker no longer holds it): the name is unloaded, the slot emptied in every
+    worker, nothing else changes; loading it again succeeds."""
+    core = _core(capacity=2)
+    assert op(core, "load", name="a", path=files("a"))["ok"]
+    assert op(core, "load", name="b", path=files("b"))["ok"]
+    before = state(core)
+    core.model_executor.fail("put", 1)
+    answer = op(core, "load", name="a", path=files("c"))
+    assert answer["ok"] is False and answer["status"] == 500, answer
+    after = state(core)
+    assert after["steers"] == [s for s in before["steers"] if s[0] != "a"], after
+    assert after["counters"] == before["counters"]
+    agree(core)
+    assert op(core, "load", name="a", path=files("c"))["ok"]
+    agree(core)
+
+
+def test_a_replacement_that_fails_keeps_the_old_file_for_running_and_new_requests(files):
+    """A replacement with a free slot whose put fails in the second worker: the old load
+    stays bound (new requests get it) and the request running on it keeps its slot."""
+    core = _core(capacity=3)
+    assert op(core, "load", name="a", path=files("a"))["ok"]
+    (running,) = admit(core, "r1", {"a": 1})
+    before = state(core)
+    core.model_executor.fail("put", 1)
+    assert op(core, "load", name="a", path=files("b"))["status"] == 500
+    assert state(core) == before
+    agree(core)
+    (again,) = admit(core, "r2", {"a": 2})
+    assert (again.bank_slot, again.load_id) == (running.bank_slot, running.load_id)
+    new = op(core, "load", name="a", path=files("b"))  # the next replacement succeeds
+    assert new["ok"] and new["steer"]["bank_slot"] != running.bank_slot
+    assert {s[1] for s in state(core)["steers"] if s[0] == "a"} == {"loaded", "draining"}
+    agree(core)
+
+
+def test_a_first_use_load_that_fails_half_way_unbinds_the_steer_it_was_evicting(files,
+                                                                                tmp_path):
+    """A first use from --steer-dir evicts the idle least-recently-used steer-dir steer: the
+    put fails in the second worker after the first wrote over it. The request fails (500),
+    the evicted steer is unbound (read again on its next use), nothing else changes."""
+    core = _core(capacity=2, steer_dir=str(tmp_path))
+    admit(core, "r1", {"a": 1})
+    admit(core, "r2", {"b": 1})
+    core.scheduler.requests.clear()  # both finished; 'a' is the least recently used
+    before = state(core)
+    core.model_executor.fail("put", 1)
+    outputs = []
+    core.output_queue = SimpleNamespace(put_nowait=outputs.append)
+    request = SimpleNamespace(request_id="r3", client_index=0, sampling_params=SimpleNamespace(
+        extra_args={"steer": SteerRequest.parse({"c": 1}, None, 10.0).to_wire()}))
+    hooks.add_request(lambda c, r, w: pytest.fail("admitted"), core, request)
+    (_, out), = outputs
+    assert out.outputs[0].stop_reason.startswith("vllm-steer failed: ")
+    after = state(core)
+    assert [s for s in after["steers"]] == [s for s in before["steers"] if s[0] != "a"]
+    assert after["counters"]["evictions"] == before["counters"]["evictions"] + 1
+    agree(core)
+    assert [b.name for b in admit(core, "r4", {"c": 1})] == ["c"]  # the next one is served
+    assert [b.name for b in admit(core, "r5", {"a": 1})] == ["a"]  # read again
+    agree(core)
+
+
+# ---- an unload -----------------------------------------------------------------------------
+def test_an_unload_whose_slot_a_worker_fails_to_empty_is_done_and_says_so(files):
+    core = _core(capacity=1)
+    assert op(core, "load", name="a", path=files("a"))["ok"]
+    core.model_executor.fail("drop", 1)
+    answer = op(core, "unload", name="a")
+    assert answer["ok"] is True, answer  # the name is unbound: what the caller asked for
+    assert state(core)["steers"] == []
+    res = op(core, "load", name="b", path=files("b"))  # the slot is free: overwritten
+    assert res["ok"] and res["steer"]["bank_slot"] == 0
+    agree(core)
+
+
+def test_a_drain_whose_slot_a_worker_fails_to_empty_frees_it_and_serves_on(files):
+    core = _core(capacity=1)
+    assert op(core, "load", name="a", path=files("a"))["ok"]
+    admit(core, "r1", {"a": 1})
+    assert op(core, "unload", name="a")["ok"]
+    core.scheduler.requests.clear()
+    core.model_executor.fail("drop", 1)
+    assert op(core, "list")["steers"] == []  # reaped: freed even though one drop failed
+    assert op(core, "load", name="b", path=files("b"))["ok"]
+    agree(core)
+
+
+# ---- presets -------------------------------------------------------------------------------
+def _presets(core):
+    return {k: v for k, v in op(core, "presets").items() if k != "engine"}
+
+
+def test_a_presets_file_swap_that_fails_half_way_changes_nothing():
+    """The file's second preset cannot be read, after the first one would take a run-time
+    name over: the run-time preset stays, the file's presets and the version are as before;
+    the next version loads."""
+    core = _core()
+    assert op(core, "preset_add", name="p1", steer={"a": 1.0}, token="t1")["ok"]
+    assert op(core, "preset_file", presets={"f": {"a": 2.0}}, stamp=(1, "v1"))["ok"]
+    before = _presets(core)
+    bad = op(core, "preset_file", presets={"p1": {"a": 3.0}, "p9": {"a": "x"}}, stamp=(2, "v2"))
+    assert bad["ok"] is False, bad
+    assert _presets(core) == before
+    good = op(core, "preset_file", presets={"p1": {"a": 3.0}}, stamp=(2, "v2"))
+    assert good["ok"] and good["took_over"] == ["p1"] and good["removed"] == ["f"]
+    assert _presets(core)["presets"] == {"p1": {"a": 3.0}}
+
+
+def test_a_preset_add_or_replace_with_a_bad_mix_changes_nothing():
+    core = _core()
+    assert op(core, "preset_add", name="p1", steer={"a": 1.0}, token="t1")["ok"]
+    before = _presets(core)
+    for replace in (False, True):
+        res = op(core, "preset_add", name="p2" if not replace else "p1",
+                 steer={"a": 1.0, "b": "x"}, token="t2", replace=replace)
+        assert res["ok"] is False, res
+        assert _presets(core) == before
+
+
+# ---- data parallelism: one engine core applied it, the other failed ----------------------
+class DPClient:
+    """vLLM's data-parallel client as the API server's management client uses it: a utility
+    call to every engine core, one answer each."""
+
+    def __init__(self, cores):
+        self.core_engines = cores
+
+    async def call_utility_all_async(self, method, *args):
+        assert method == "collective_rpc"
+        return [hooks.collective_rpc(None, c, *args) for c in self.core_engines]
+
+
+def _manage(cores, op_name, /, **kw):
+    from vllm_steer.integrations.frontend.engine_client import manage
+    from vllm_steer.integrations.frontend.state import frontend_state
+
+    try:
+        return asyncio.run(manage(SimpleNamespace(engine_core=DPClient(cores)), op_name,
+                                  **kw))
+    finally:
+        frontend_state().reset(None)
+
+
+def test_a_dp_load_that_fails_half_way_on_one_engine_core_is_rolled_back_on_the_other(files):
+    cores = [_core(0), _core(1)]
+    assert _manage(cores, "load", name="a", path=files("a"))["ok"]
+    before = [state(c) for c in cores]
+    cores[1].model_executor.fail("put", 1)  # engine core 0 loads it; engine core 1 half-way
+    res = _manage(cores, "load", name="b", path=files("b"))
+    assert res["ok"] is False and res["status"] == 500 and "rolled back" not in res, res
+    assert "unloaded again from the 1 engine core(s)" in res["error"], res
+    after = [state(c) for c in cores]
+    for b, a in zip(before, after):
+        assert a["steers"] == b["steers"]
+    for c in cores:
+        agree(c)
+    assert _manage(cores, "load", name="b", path=files("b"))["ok"]  # the next op succeeds
+    assert [sorted(s[0] for s in state(c)["steers"]) for c in cores] == [["a", "b"]] * 2
+
+
+def test_a_dp_roll_back_whose_drop_fails_still_unbinds(files):
+    cores = [_core(0), _core(1, capacity=1)]
+    assert _manage(cores, "load", name="a", path=files("a"))["ok"] is True
+    cores[0].model_executor.fail("drop", 0)  # engine core 1 is full: 507, then roll back
+    res = _manage(cores, "load", name="b", path=files("b"))
+    assert res["ok"] is False and res["status"] == 507, res
+    assert [sorted(s[0] for s in state(c)["steers"]) for c in cores] == [["a"], ["a"]]
+    assert _manage(cores, "unload", name="a")["ok"]
+    assert _manage(cores, "load", name="b", path=files("b"))["ok"]
+    for c in cores:
+        agree(c, stale_ok=True)
+
+
+def test_a_dp_preset_add_that_fails_on_one_engine_core_is_rolled_back_on_the_other(
+        monkeypatch):
+    from vllm_steer.integrations.engine.state import engine_state
+
+    cores = [_core(0), _core(1)]
+    assert _manage(cores, "preset_add", name="p1", steer={"a": 1.0}, token="t1")["ok"]
+    before = [_presets(c) for c in cores]
+    table = engine_state(cores[1]).presets
+
+    def add(*a, **kw):
+        raise RuntimeError("fault injected in engine core 1's preset table")
+    monkeypatch.setattr(table, "add", add)
+    res = _manage(cores, "preset_add", name="p1", steer={"a": 5.0}, token="t2", replace=True)
+    monkeypatch.undo()
+    assert res["ok"] is False and res["status"] == 500, res
+    assert [_presets(c)["presets"] for c in cores] == [b["presets"] for b in before]
+    assert _manage(cores, "preset_add", name="p1", steer={"a": 5.0}, token="t3",
+                   replace=True)["ok"]
+    assert [_presets(c)["presets"] for c in cores] == [{"p1": {"a": 5.0}}] * 2
+
+
+def test_a_dp_unload_that_fails_on_one_engine_core_says_so_and_a_retry_finishes_it(
+        files, monkeypatch):
+    """One engine core unloads the name, the other fails: it still serves the name, so the
+    call answers the failure (not the first engine core's success), and sending it again
+    unloads it there."""
+    cores = [_core(0), _core(1)]
+    assert _manage(cores, "load", name="a", path=files("a"))["ok"]
+    registry = engine_state_of(cores[1]).registry
+
+    def unload(*a, **kw):
+        raise RuntimeError("fault injected in engine core 1's unload")
+    monkeypatch.setattr(registry, "unload", unload)
+    res = _manage(cores, "unload", name="a")
+    monkeypatch.undo()
+    assert res["ok"] is False and res["status"] == 500, res
+    assert "unloaded by engine core(s) 0 only" in res["error"], res
+    assert [[s[0] for s in state(c)["steers"]] for c in cores] == [[], ["a"]]
+    assert _manage(cores, "unload", name="a")["ok"]  # the retry finishes it
+    assert [state(c)["steers"] for c in cores] == [[], []]
+    for c in cores:
+        agree(c)
+
+
+def engine_state_of(core):
+    from vllm_steer.integrations.engine.state import engine_state
+
+    return engine_state(core)
