@@ -37,6 +37,11 @@ REFUSED_PREFIX = "vllm-steer refused: "
 #: admission failed in the plugin's own code (:mod:`vllm_steer.integrations.guard`): the API
 #: server answers it with HTTP 500 and the message, and the engine goes on serving.
 FAILED_PREFIX = "vllm-steer failed: "
+#: Attribute of a step's ``ModelRunnerOutput`` (set by the worker, read by the engine core's
+#: scheduler hook): ``{request id: message}`` of the requests that step failed in the plugin's
+#: worker code (:mod:`vllm_steer.integrations.worker.step_faults`). The output crosses the
+#: process boundary pickled (vLLM's message queue; Ray's serialiser), which keeps it.
+STEP_FAILED_ATTR = "vllm_steer_failed"
 
 # ---- the management ops (``args=(op, kwargs)``) ---------------------------------------------
 #: ``{}`` -> ``{"enabled", "steers": [...], "stats": {...}, "workers": [...], "version",
