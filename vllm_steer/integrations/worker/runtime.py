@@ -123,7 +123,7 @@ class SteerRuntime:
             if (getattr(params, "extra_args", None) or {}).get(BOUND_KEY):
                 self.faults.record_slot(slot, REQUEST_STATE, e)
             else:  # it asked for no steer: served as asked
-                self.faults._log(REQUEST_STATE, e, "no request (it asked for no steer)")
+                self.faults.log(REQUEST_STATE, e, "no request fails (it asked for no steer)")
             return None
         if self.faults.slots:
             self.faults.clear_slot(slot)

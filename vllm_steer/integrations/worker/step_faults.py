@@ -54,14 +54,15 @@ class StepFaults:
         """Whether a fault waits for the step's output."""
         return self.step is not None or bool(self.slots)
 
-    def _log(self, where: str, exc: BaseException, whom: str) -> None:
-        logger.error("vllm-steer: internal error in %s (worker): %s fail with HTTP 500; the "
-                     "step's other requests are served", where, whom,
+    def log(self, where: str, exc: BaseException, whom: str) -> None:
+        """Log a fault at ``where`` once, with its traceback, and ``whom`` it fails."""
+        logger.error("vllm-steer: internal error in %s (worker): %s (HTTP 500); the step's "
+                     "other requests are served", where, whom,
                      exc_info=(type(exc), exc, exc.__traceback__))
 
     def record(self, where: str, exc: BaseException) -> None:
         """A fault of the step's code at ``where``: the step's steered requests fail."""
-        self._log(where, exc, "the step's steered requests")
+        self.log(where, exc, "the step's steered requests fail")
         if not self.pending:
             GATES.worker_faults += 1
         if self.step is None:
@@ -69,7 +70,7 @@ class StepFaults:
 
     def record_slot(self, slot: int, where: str, exc: BaseException) -> None:
         """A fault in putting the request of request slot ``slot`` there: it fails."""
-        self._log(where, exc, f"the request entering slot {slot}")
+        self.log(where, exc, f"the request entering slot {slot} fails")
         if not self.pending:
             GATES.worker_faults += 1
         self.slots[slot] = (where, exc)
@@ -102,7 +103,7 @@ class StepFaults:
         ``req_ids[i]`` is in request slot ``slots[i]`` (None: slot i, V1's batch order; -1:
         none); ``steered[slot]``: whether that slot is steered (the request-slot table's)."""
         failed: dict[str, str] = {}
-        step = self.step
+        step, was_pending = self.step, self.pending
         for i, rid in enumerate(req_ids):
             slot = i if slots is None else int(slots[i])
             if rid is None or slot < 0:
@@ -113,7 +114,7 @@ class StepFaults:
                 fault = step
             if fault is not None:
                 failed[rid] = internal_message(fault[0], rid, fault[1])
-        if self.pending:
+        if was_pending:
             GATES.worker_faults -= 1
         self.step = None
         self.slots.clear()
