@@ -14,6 +14,10 @@ dir larger than it, the shape of ``docs/deploy.md`` (``--max-steers 3``, one ste
   fails with HTTP 500 naming vllm-steer, and the next request on the same engine is served
   and correct. The other hooks of those groups run at start-up only (:data:`STARTUP`); every
   hook of the two groups is one or the other.
+- **Worker faults** (:data:`WORKER_CASES`): the plugin's per-step worker code (the steer op,
+  the V1 runner's row positions, one request's slot) raises while one steered request runs
+  beside unsteered ones: it gets a 500 naming vllm-steer and the request, the unsteered ones
+  exactly plain greedy tokens, and the next steered request is served correctly.
 """
 
 from __future__ import annotations
