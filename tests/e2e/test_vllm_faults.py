@@ -20,6 +20,10 @@ dir larger than it, the shape of ``docs/deploy.md`` (``--max-steers 3``, one ste
   empty, a preset change that fails in the preset table. The listing afterwards is the one
   before the call (or, for the unload, the one after it: the unload is done and says so), the
   same call then succeeds, and the engine serves the right tokens.
+- **Worker faults** (:data:`WORKER_CASES`): the plugin's per-step worker code (the steer op,
+  the V1 runner's row positions, one request's slot) raises while one steered request runs
+  beside unsteered ones: it gets a 500 naming vllm-steer and the request, the unsteered ones
+  exactly plain greedy tokens, and the next steered request is served correctly.
 """
 
 from __future__ import annotations
@@ -286,8 +290,8 @@ def test_every_frontend_and_engine_hook_has_a_fault_case_or_runs_at_startup():
 
     cases = [c[0] for c in _fault_cases()]
     for hook in HOOKS:
-        if hook.group not in (FRONTEND, ENGINE):
-            continue
+        if hook.group not in (FRONTEND, ENGINE) or hook.target == WORKER_FAULT_HOOK:
+            continue  # (the worker faults' hook: every worker case runs through it)
         covered = [c for c in cases if hook.target.endswith(c)]
         if hook.target in STARTUP or ".model_fields" in hook.target:
             assert not covered, hook.target
@@ -412,3 +416,66 @@ def test_a_fault_half_way_through_a_management_write_changes_nothing(server, tin
         r = _call(server, method, path, body)
         assert r.status_code == 200, (method, r.text)
         assert _presets(server) == then, method
+
+
+# ---- faults of the plugin's worker code ---------------------------------------------------
+#: (case, the plugin's worker function that raises, the steer of the request that meets it):
+#: the steer op and the step planner behind the head; the V1 runner's row positions (read only
+#: for a request with a generation window); one request put into its request slot.
+WORKER_CASES = [
+    ("steer-op", "vllm_steer.integrations.worker.planner:StepPlanner.steer_rows", {"d1": 2}),
+    ("row-positions", "vllm_steer.integrations.worker.v1:batch_positions",
+     {"d1": {"strength": 2, "start": 0, "end": 32}}),
+    ("request-slot", "vllm_steer.bank:SlotBank.coef_row", {"d1": 2}),
+]
+#: The engine-core hook that turns a worker fault into the failed requests' HTTP 500: every
+#: worker case runs through it.
+WORKER_FAULT_HOOK = "vllm.v1.core.sched.scheduler:Scheduler.update_from_output"
+PLAIN_TOKENS = 24
+
+
+def test_every_worker_hook_run_per_step_has_a_fault_case():
+    """Each per-step hook of the V1 runner's groups that runs the plugin's code (the head,
+    the rows, the per-request state) has a worker case here; the scheduler hook is what
+    every worker case goes through."""
+    import sys
+
+    sys.path.insert(0, str(SHIM))
+    try:
+        import sitecustomize as shim
+    finally:
+        sys.path.remove(str(SHIM))
+    assert {c[1] for c in WORKER_CASES} <= set(shim.WORKER_TARGETS)
+    from vllm_steer.integrations.plugin import HOOKS
+
+    assert any(h.target == WORKER_FAULT_HOOK for h in HOOKS)
+
+
+@pytest.mark.parametrize("case,target,steer", WORKER_CASES, ids=[c[0] for c in WORKER_CASES])
+def test_a_worker_fault_fails_only_the_steered_request_of_its_step(server, case, target, steer,
+                                                                  tiny_model_dir):
+    """One steered request in a mixed batch meets a fault of the plugin's worker code: it gets
+    a 500 naming vllm-steer and the request; the unsteered requests of the same steps get
+    exactly plain greedy decoding (torch on the model's own weights); the engine serves on,
+    and the next steered request is served correctly."""
+    plain = reference_tokens(tiny_model_dir, {}, PLAIN_TOKENS)
+    (STATE["faults"] / target).write_text("")
+    rid = f"wfault-{case}"
+    with cf.ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(complete, server, None, max_tokens=PLAIN_TOKENS,
+                              headers={"X-Request-Id": f"plain-{case}-{i}"}) for i in range(3)]
+        time.sleep(0.2)  # the unsteered requests are running when the steered one comes
+        bad = pool.submit(complete, server, steer, headers={"X-Request-Id": rid}).result()
+        others = [f.result() for f in others]
+    assert not (STATE["faults"] / target).exists(), f"{target} was never called"
+    assert bad.status_code == 500, (bad.status_code, bad.text)
+    assert "vllm-steer" in bad.text and "fault injected by the test" in bad.text, bad.text
+    assert rid in bad.text, bad.text
+    for r in others:
+        assert tokens(r) == plain
+    after = complete(server, steer, headers={"X-Request-Id": f"after-{rid}"})
+    want = {"d1": 2.0}
+    assert tokens(after) == reference_tokens(tiny_model_dir, want)
+    assert requests.get(server + "/health", timeout=10).status_code == 200
+    log = STATE["log"].read_text(errors="replace")
+    assert "internal error in" in log and f"fault injected by the test ({target})" in log

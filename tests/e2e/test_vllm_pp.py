@@ -4,7 +4,8 @@ Two workers (``distributed_executor_backend="mp"``, one core each) each hold one
 decoder layers; only the last pipeline rank has the LM head (the first one has vLLM's
 ``PPMissingLayer`` and no logits layer at all), so only it steers. Tokens and logprobs must be
 those of the unsharded model with the steer applied by hand (``helpers.reference.HFReference``),
-and a steer loaded at run time must reach the last rank.
+and a steer loaded at run time must reach the last rank. A fault of the plugin's worker code
+on the last rank fails only the steered request of its step (the other rank has no head).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def llm(model_dir, steers):
     paths = steers[1]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+        # collective_rpc(function): plant a worker fault in each rank from the test
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         engine = LLM(str(model_dir), additional_config={"vllm_steer": {
             "steers": {"a": paths["a"], "b": paths["b"]}, "max_steers": 4}}, **ENGINE_KW)
         yield engine
@@ -84,3 +87,45 @@ def test_pp2_a_steer_loaded_at_run_time_reaches_the_last_rank_and_steers(llm, re
     offline.unload_steer(llm, "late")
     workers = llm.collective_rpc(MANAGEMENT_METHOD, args=("list", {}))[0]["workers"]
     assert all("late" not in [n for _, _, n in w["slots"]] for w in workers), workers
+
+
+def sp(steer=None):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                          extra_args=None if steer is None else {"steer": steer})
+
+
+def test_pp2_a_worker_fault_on_the_last_rank_fails_only_the_steered_request(llm, ref):
+    """The last rank's step planner faults once: the steered request ends with an error naming
+    vllm-steer, carried to the engine core with the last rank's output; the unsteered requests
+    get exactly plain greedy decoding, and the next steered request is served correctly."""
+    from vllm_steer.integrations.protocol import FAILED_PREFIX
+
+    target = "vllm_steer.integrations.worker.planner:StepPlanner._step_rows"
+
+    def arm(worker):  # in each rank: the next call raises, once (only the last rank calls it)
+        from vllm_steer.integrations.worker.planner import StepPlanner
+
+        real = StepPlanner.__dict__["_step_rows"]
+
+        def once(*args, **kwargs):
+            StepPlanner._step_rows = real
+            raise RuntimeError(f"fault injected by the test ({target})")
+
+        StepPlanner._step_rows = once
+        return True
+
+    assert llm.collective_rpc(arm) == [True, True]
+    outs = llm.generate(PROMPTS, [sp(), sp({"a": 5}), sp(), sp()])
+    bad = outs[1].outputs[0]
+    assert bad.finish_reason == "error", bad
+    assert bad.stop_reason.startswith(FAILED_PREFIX + "vllm-steer: internal error in the "
+                                      "steered LM head while serving request "), bad
+    assert f"fault injected by the test ({target})" in bad.stop_reason
+    for i in (0, 2, 3):
+        o = outs[i]
+        assert list(o.outputs[0].token_ids) == ref.greedy(list(o.prompt_token_ids), MAX_TOKENS)
+    (after,) = llm.generate(PROMPTS[1:2], sp({"a": 5}))
+    assert list(after.outputs[0].token_ids) == ref.greedy(list(after.prompt_token_ids),
+                                                          MAX_TOKENS, {"a": 5})

@@ -6,7 +6,9 @@ logprobs must be those of the unsharded model (plain torch on the same weights, 
 applied by hand: what TP=1 is pinned to in tests/e2e/test_vllm_offline.py). The V1 side of the
 slot-hygiene check lives here too: after the last steered request finishes, no worker does
 steer work. A steer loaded at run time (``vllm_steer.offline.load_steer``) reaches both
-workers (the last test: it loads into the engine's third slot and unloads again).
+workers (it loads into the engine's third slot and unloads again). A fault of the plugin's
+worker code on both ranks fails only the steered request of its step, its error carried from
+the worker processes to the engine core with the step's output.
 """
 
 from __future__ import annotations
@@ -115,3 +117,39 @@ def test_tp2_workers_both_steer_with_a_steer_loaded_at_run_time(llm, ref, tmp_pa
     with pytest.raises(offline.SteerLoadError, match="hidden size 64"):
         offline.load_steer(llm, "small", tmp_path / "small.safetensors")
     assert [s["name"] for s in offline.list_steers(llm)] == ["a", "b"]
+
+
+def test_tp2_a_worker_fault_fails_only_the_steered_request_across_processes(llm, ref):
+    """Both ranks' step planners fault once (each rank runs the same code on the same rows):
+    the steered request ends with an error naming vllm-steer, carried from the worker
+    processes to the engine core with the step's output; the unsteered requests of the batch
+    get exactly plain greedy decoding, and the next steered request is served correctly."""
+    from vllm_steer.integrations.protocol import FAILED_PREFIX
+
+    target = "vllm_steer.integrations.worker.planner:StepPlanner._step_rows"
+
+    def arm(worker):  # in each worker process: the next call raises, once
+        from vllm_steer.integrations.worker.planner import StepPlanner
+
+        real = StepPlanner.__dict__["_step_rows"]
+
+        def once(*args, **kwargs):
+            StepPlanner._step_rows = real
+            raise RuntimeError(f"fault injected by the test ({target})")
+
+        StepPlanner._step_rows = once
+        return True
+
+    assert llm.collective_rpc(arm) == [True, True]
+    outs = llm.generate(PROMPTS, [sp(), sp({"a": 5}), sp(), sp()])
+    bad = outs[1].outputs[0]
+    assert bad.finish_reason == "error", bad
+    assert bad.stop_reason.startswith(FAILED_PREFIX + "vllm-steer: internal error in the "
+                                      "steered LM head while serving request "), bad
+    assert f"fault injected by the test ({target})" in bad.stop_reason
+    for i in (0, 2, 3):
+        o = outs[i]
+        assert list(o.outputs[0].token_ids) == ref.greedy(list(o.prompt_token_ids), MAX_TOKENS)
+    (after,) = llm.generate(PROMPTS[1:2], sp({"a": 5}))
+    assert list(after.outputs[0].token_ids) == ref.greedy(list(after.prompt_token_ids),
+                                                          MAX_TOKENS, {"a": 5})

@@ -20,7 +20,9 @@ unsteered requests are untouched by steered neighbours, a steered request gets t
 alone and in any batch, logprobs equal the reference, steers compose, reused slots keep
 nothing of their previous request, a finished request's slot costs no steer work, prompt
 logprobs and ``prompt_logprob_token_ids`` scores are steered per request, generation windows
-follow each request's generated tokens, and ``POST /v1/steer/highlight`` (the lens endpoint's
+follow each request's generated tokens, a fault of the plugin's worker code fails only the
+steered request of its step (the unsteered ones are served exactly), and
+``POST /v1/steer/highlight`` (the lens endpoint's
 route, on an app whose engine client is this module's engine) equals the transformers lens.
 """
 
@@ -377,7 +379,60 @@ def test_every_hook_of_the_model_runner_v2_groups_ran_in_the_engine(llm, hooks_r
     hooks_next = nr.hooks(HOOKS)  # what the engine's plugin installed: the rename declared
     want = wrapped_targets(hooks_next, ("engine", "v2", "v2-lens"), nr.VERSION)
     want.discard(SHARDER)  # only under --enable-batch-sharded-sampling (test_v2.py)
-    assert len(want) == 5 and nr.RENAMED[1] in want, sorted(want)
+    assert len(want) == 7 and nr.RENAMED[1] in want, sorted(want)
     assert want - ran == set(), f"hooks never called: {sorted(want - ran)}"
     assert nr.RENAMED[0] not in ran
     assert not ran & wrapped_targets(HOOKS, ("v1", "v1-lens", "v1-spec", "v2-spec"))
+
+
+#: Model Runner V2's per-step worker code a fault is planted in (``module:Class.method``): the
+#: step planner behind the steered head, V2's row mapping, one request put into its slot.
+WORKER_FAULTS = ["vllm_steer.integrations.worker.planner:StepPlanner._step_rows",
+                 "vllm_steer.integrations.worker.v2:_batch_rows",
+                 "vllm_steer.bank:SlotBank.coef_row"]
+
+
+@pytest.mark.parametrize("target", WORKER_FAULTS, ids=lambda t: t.rpartition(":")[2])
+def test_a_worker_fault_fails_only_the_steered_request_of_its_step(llm, ref, prompt_ids,
+                                                                  target):
+    """A fault of the plugin's worker code (planted in the engine's worker, raising once) in a
+    step with one steered and three unsteered requests: the steered one ends with an error
+    whose message names vllm-steer and the fault; the unsteered ones get exactly plain greedy
+    decoding; the engine goes on, and the next steered request is served correctly."""
+    from vllm_steer.integrations.protocol import FAILED_PREFIX
+
+    def arm(worker, target=target):  # in the worker: the next call raises, once
+        import importlib
+
+        module, _, name = target.partition(":")
+        owner_name, _, attr = name.rpartition(".")
+        mod = importlib.import_module(module)
+        owner = getattr(mod, owner_name) if owner_name else mod
+        real = owner.__dict__[attr] if owner_name else getattr(mod, attr)
+
+        def once(*args, **kwargs):
+            # V2 keeps a finished request's slot steered until reused, so V2's row mapping
+            # also runs for a step holding no steered request: the fault waits for one
+            if attr == "_batch_rows":
+                rt, batch = args[2], args[3]
+                if not rt.slots.steered[batch.idx_mapping_np].any():
+                    return real(*args, **kwargs)
+            setattr(owner, attr, real)
+            raise RuntimeError(f"fault injected by the test ({target})")
+
+        setattr(owner, attr, once)
+        return True
+
+    assert llm.collective_rpc(arm) == [True]
+    outs = llm.generate(PROMPTS, [sp(), sp({"a": 5}), sp(), sp()])
+    bad = outs[1].outputs[0]
+    assert bad.finish_reason == "error", bad
+    assert isinstance(bad.stop_reason, str) and bad.stop_reason.startswith(FAILED_PREFIX)
+    assert "vllm-steer: internal error in" in bad.stop_reason
+    assert f"fault injected by the test ({target})" in bad.stop_reason
+    assert outs[1].request_id in bad.stop_reason
+    got = tokens(outs)
+    for i in (0, 2, 3):
+        assert got[i] == ref.greedy(prompt_ids[i], MAX_TOKENS)
+    after = tokens(llm.generate(PROMPTS[1:2], sp({"a": 5})))[0]
+    assert after == ref.greedy(prompt_ids[1], MAX_TOKENS, {"a": 5})

@@ -3,11 +3,12 @@
 A server started with this folder on ``PYTHONPATH`` and ``STEER_TEST_FAULTS=DIR`` (no
 ``VLLM_`` prefix: vLLM warns about unknown ``VLLM_*`` variables) replaces each function of
 :data:`TARGETS` (the plugin's code that one hook of the ``frontend`` or ``engine`` group runs
-inside the plugin's guard, and steps inside the management ops that write) by one that raises
-``RuntimeError`` on its next call after the test creates the file ``DIR/<module>:<name>``:
-the call that takes the file (``os.remove``, one process wins) raises, every other call runs
-the real function. So one request meets the fault and the next one does not
-(tests/e2e/test_vllm_faults.py). A target ``module:Class.method`` is a method of a class.
+inside the plugin's guard, and steps inside the management ops that write) and of
+:data:`WORKER_TARGETS` (the worker's per-step code) by one that raises ``RuntimeError`` on its
+next call after the test creates the file ``DIR/<module>:<name>``: the call that takes the
+file (``os.remove``, one process wins) raises, every other call runs the real function. So one
+request meets the fault and the next one does not (tests/e2e/test_vllm_faults.py). A target
+``module:Class.method`` is a method of a class.
 
 Python imports ``sitecustomize`` at start-up from ``sys.path``, so every process vLLM spawns
 (API servers, engine core) patches the modules before vLLM registers the plugin (the plugin's
@@ -39,6 +40,15 @@ TARGETS = (
     "vllm_steer.integrations.worker.management:worker_op",
     "vllm_steer.integrations.engine.presets:PresetTable.add",
     "vllm_steer.integrations.engine.presets:PresetTable.delete",
+)
+#: The same for the plugin's per-step worker code (``module:Class.method`` for a method): the
+#: steer op and the step planner behind the head, the V1 runner's row positions, V2's row
+#: mapping, one request put into its request slot.
+WORKER_TARGETS = (
+    "vllm_steer.integrations.worker.planner:StepPlanner.steer_rows",
+    "vllm_steer.integrations.worker.v1:batch_positions",
+    "vllm_steer.integrations.worker.v2:_batch_rows",
+    "vllm_steer.bank:SlotBank.coef_row",
 )
 MESSAGE = "fault injected by the test"
 
@@ -76,6 +86,13 @@ def _install(directory: str) -> None:
         for cls in classes:
             owner = getattr(owner, cls)
         setattr(owner, name, _faulty(directory, target, getattr(owner, name)))
+    # the worker's modules import torch: patched when vLLM (and so torch) is imported anyway
+    for target in WORKER_TARGETS:
+        module, _, name = target.partition(":")
+        mod = importlib.import_module(module)
+        owner, _, attr = name.rpartition(".")
+        owner = getattr(mod, owner) if owner else mod
+        setattr(owner, attr, _faulty(directory, target, getattr(owner, attr)))
 
 
 if os.environ.get("STEER_TEST_FAULTS"):

@@ -22,10 +22,12 @@ answers a refused request with an error output whose ``stop_reason`` carries
 with an error answer (:func:`management_failure`). The frontend raises vLLM's own exception
 types, which vLLM's exception handlers answer with that status (:func:`frontend`).
 
-Worker-step hooks (the steered LM head, the runners' rows) serve a whole batch at once and
-cannot refuse one request: an error there fails the step loudly (vLLM ends the engine and
-the server exits non-zero) and is never served unsteered. Admission therefore refuses
-everything from request data that could reach them (names, strengths, windows, counts).
+Worker-step hooks (the steered LM head, the runners' rows, the per-request steer state) serve
+a whole batch at once: a fault there fails the step's steered requests with the same HTTP 500
+message (:mod:`vllm_steer.integrations.worker.step_faults`, finished by the engine core's
+scheduler hook, :mod:`vllm_steer.integrations.engine.worker_faults`), the step's other requests
+get vLLM's plain logits, and the engine goes on. Admission still refuses everything from
+request data that could reach them (names, strengths, windows, counts).
 
 Light: standard library only (vLLM's exception types are imported when a guard fires).
 """

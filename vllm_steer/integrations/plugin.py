@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import functools
 
-from vllm_steer.integrations.engine import core
+from vllm_steer.integrations.engine import core, worker_faults
 from vllm_steer.integrations.frontend import (async_llm, cli_args, endpoints, preset_models,
                                               request_field, startup_checks)
 from vllm_steer.integrations.hooks import (ENGINE, RESOLVE_ATTR, V1, V1_LENS, V1_SPEC,
@@ -107,6 +107,8 @@ _SPEC_CONFIG = "vllm.config.speculative:SpeculativeConfig"
 _CONFIG = "vllm.config:VllmConfig"
 _MODEL = "vllm.config.model:ModelConfig"
 _ENGINE_CORE = "vllm.v1.engine.core:EngineCore"
+_SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
+_OUTPUT = "vllm.v1.outputs:ModelRunnerOutput"
 _REGISTRY = "vllm.entrypoints.openai.models.serving:OpenAIModelRegistry"
 _PYDANTIC_DECORATORS = "pydantic._internal._decorators"  # pydantic's private validator list
 
@@ -191,6 +193,16 @@ HOOKS: tuple[Hook, ...] = (
                 "vllm.v1.request:Request.sampling_params",
                 "vllm.v1.engine:EngineCoreOutputs.finished_requests",
                 "vllm.v1.engine:FinishReason.ERROR")),
+    Hook("vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+         "a fault of the plugin's worker code fails only the requests its step steered "
+         "(HTTP 500)", worker_faults.update_from_output, group=ENGINE,
+         params=("scheduler_output", "model_runner_output"),
+         reads=(*_reads(_SCHEDULER, "requests", "finish_requests"),
+                *_reads("vllm.v1.request:Request", "request_id", "client_index",
+                        "is_finished"),
+                "vllm.v1.request:RequestStatus.FINISHED_ERROR",
+                "vllm.v1.engine:EngineCoreOutputs.outputs",
+                "vllm.v1.engine:FinishReason.ERROR")),
     Hook("vllm.v1.engine:EngineCoreOutput.stop_reason",
          "the engine-side steer refusal's message (error output's stop_reason)", group=ENGINE),
     # ---- worker, every runner (vllm_steer.integrations.worker) ---------------------------
@@ -225,6 +237,12 @@ HOOKS: tuple[Hook, ...] = (
          params=("scheduler_output", "num_scheduled_tokens"),
          reads=(*_reads(_V1, "vllm_config", "input_batch"),
                 *_reads(_V1_BATCH, "num_reqs", "num_computed_tokens_cpu", "num_prompt_tokens"))),
+    Hook(f"{_V1}.sample_tokens",
+         "the requests a fault of the plugin's worker code failed, named in the step's output "
+         "(V1)", _worker("v1", "sample_tokens"), group=V1,
+         reads=(f"{_V1}.vllm_config",
+                "vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput."
+                "_model_runner_output", f"{_OUTPUT}.req_ids")),
     Hook(f"{_V1}._get_prompt_logprobs_dict", "steered prompt logprobs (V1)",
          _worker("v1", "get_prompt_logprobs_dict"), group=V1_LENS,
          params=("hidden_states", "num_scheduled_tokens"),
@@ -270,6 +288,12 @@ HOOKS: tuple[Hook, ...] = (
                 *_reads(_V2_STATES, "prompt_len", "num_computed_tokens"),
                 f"{_V2}.buffer_utils:UvaBackedTensor.np",
                 f"{_V2}.buffer_utils:StagedWriteTensor.gpu")),
+    Hook(f"{_V2_RUNNER}.sample_tokens",
+         "the requests a fault of the plugin's worker code failed, named in the step's output "
+         "(V2)", _worker("v2", "sample_tokens"), group=V2,
+         reads=(*_reads(_V2_RUNNER, "vllm_config", "req_states"),
+                f"{_V2_STATES}.req_id_to_index",
+                f"{_V2}.async_utils:AsyncOutput.model_runner_output", f"{_OUTPUT}.req_ids")),
     Hook(f"{_V2}.sample.batch_shard:BatchSharder.shard_sampler_inputs",
          "rows of batch-sharded sampling (V2, --enable-batch-sharded-sampling)",
          _worker("v2", "shard_sampler_inputs"), group=V2),

@@ -41,6 +41,11 @@ FAILED_PREFIX = "vllm-steer failed: "
 #: first-use steers find no room in the bank now (every slot they could take held by steers
 #: running requests use): the API server answers it with HTTP 429 and ``Retry-After``.
 BUSY_PREFIX = "vllm-steer busy: "
+#: Attribute of a step's ``ModelRunnerOutput`` (set by the worker, read by the engine core's
+#: scheduler hook): ``{request id: message}`` of the requests that step failed in the plugin's
+#: worker code (:mod:`vllm_steer.integrations.worker.step_faults`). The output crosses the
+#: process boundary pickled (vLLM's message queue; Ray's serialiser), which keeps it.
+STEP_FAILED_ATTR = "vllm_steer_failed"
 
 # ---- the management ops (``args=(op, kwargs)``) ---------------------------------------------
 #: ``{}`` -> ``{"enabled", "steers": [...], "stats": {...}, "workers": [...], "version",

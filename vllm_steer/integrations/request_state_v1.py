@@ -28,6 +28,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 
 from vllm_steer.integrations.frontend import admission
 from vllm_steer.integrations.worker.runtime import get_runtime, max_step_rows
+from vllm_steer.integrations.worker.step_faults import REQUEST_STATE
 
 
 class SteerRequestStateV1(LogitsProcessor):
@@ -56,12 +57,18 @@ class SteerRequestStateV1(LogitsProcessor):
         rt = self.runtime
         if rt is None or batch_update is None:
             return
-        for slot in batch_update.removed:
-            rt.set_slot(slot, None)
-        for slot, params, _prompt, _out in batch_update.added:
-            coefs = rt.decode(params)  # decoded once, into its row and windows
-            rt.set_slot(slot, coefs.row, coefs.windows)
-        for a, b, direction in batch_update.moved:
-            rt.slots.move(a, b, swap=direction == MoveDirectionality.SWAP)
+        # a fault of the plugin's code fails the requests it concerns (HTTP 500), not the
+        # engine (worker/step_faults.py): one request's, in assign; the batch's steered
+        # requests, for the rest
+        with rt.faults.guard(REQUEST_STATE):
+            for slot in batch_update.removed:
+                rt.set_slot(slot, None)
+            for slot, params, _prompt, _out in batch_update.added:
+                rt.assign(slot, params)  # decoded once, into its row and windows
+            for a, b, direction in batch_update.moved:
+                swap = direction == MoveDirectionality.SWAP
+                rt.slots.move(a, b, swap=swap)
+                if rt.faults.slots:
+                    rt.faults.move(a, b, swap)
         rt.planner.batch_size = batch_update.batch_size
         rt.slots.flush()

@@ -71,8 +71,11 @@ class SteerRequestStateV2(LogitsProcessor):
         rt = self.runtime
         if rt is None:
             return False
-        coefs = rt.decode(sampling_params)  # decoded once, into its row and windows
-        rt.set_slot(req_idx, coefs.row, coefs.windows)  # full reset of the slot
+        # decoded once, into its row and windows; a full reset of the slot (a fault of the
+        # plugin's code there fails this request alone: worker/step_faults.py)
+        coefs = rt.assign(req_idx, sampling_params)
+        if coefs is None:
+            return False
         # logits are steered in the head and apply() has nothing to do: "needs processing" is
         # declared only where a greedy fast path would otherwise skip the head
         return self.declare_steered and (coefs.windows is not None or bool(coefs.row.any()))

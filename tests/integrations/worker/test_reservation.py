@@ -140,7 +140,8 @@ def test_a_run_time_load_over_the_reservation_is_http_400(tmp_path, rank, domain
     cfg = SteerServerConfig(steers={}, max_steers=2, max_steer_rank=4, enable_updates=True)
     core = engine_core(
         steer_state=EngineSteerState(cfg, SteerRegistry(cfg.capacity), HIDDEN),
-        vllm_config=SimpleNamespace(model_config=SimpleNamespace(model="m")))
+        vllm_config=SimpleNamespace(model_config=SimpleNamespace(model="m")),
+        scheduler=SimpleNamespace(requests={}))  # no request holds a slot
     path = _steer(tmp_path, "big", rank, 7, domain_rank=domain_rank)
     out = management.load_steer_file(core, "big", path, "api")
     assert out["ok"] is False and out["status"] == 400, out

@@ -55,8 +55,10 @@ def test_v1_prepare_inputs_reads_its_arguments_by_name(monkeypatch):
     by position or by keyword, wherever it stands in the signature."""
 
     monkeypatch.setattr(GATES, "windowed_slots", 1)  # a windowed request in this process
+    from vllm_steer.integrations.worker.step_faults import StepFaults
+
     rt = SimpleNamespace(slots=SimpleNamespace(num_window_slots=1),
-                         planner=SimpleNamespace(batch_positions=None))
+                         planner=SimpleNamespace(batch_positions=None), faults=StepFaults())
     runner = _Runner(None)
     BINDINGS.set(runner, V1RunnerBinding(rt))
 

@@ -1,4 +1,4 @@
-"""The process-wide gates of the worker's hot paths: three counts each per-step hook reads
+"""The process-wide gates of the worker's hot paths: the counts each per-step hook reads
 before anything else, so that a step with nothing to steer costs one attribute read.
 
 A worker process may hold several runtimes (tests run several engines in one process); the
@@ -11,10 +11,14 @@ counts are over all of them:
 - ``capture_scopes``: open scopes of drafter rows being recorded into CUDA graphs
   (:class:`~vllm_steer.integrations.worker.rows.CapturedRows`), which must record the steer
   op whether or not a request is steered yet; with ``steered_slots`` it is the head's gate:
-  both zero, the head has nothing to do.
+  both zero, the head has nothing to do;
+- ``worker_faults``: runtimes with a fault of the plugin's worker code waiting for the step's
+  output (:mod:`~vllm_steer.integrations.worker.step_faults`; the runners' ``sample_tokens``
+  hooks read it).
 
-The request-slot tables (:class:`~vllm_steer.integrations.worker.request_slots.RequestSlots`)
-and the step planner's row scopes keep them; nothing else writes them.
+The request-slot tables (:class:`~vllm_steer.integrations.worker.request_slots.RequestSlots`),
+the step planner's row scopes and the runtimes' step faults keep them; nothing else writes
+them.
 """
 
 from __future__ import annotations
@@ -23,16 +27,18 @@ from __future__ import annotations
 class ProcessGates:
     """The counts the worker's hot paths read first (see the module docstring)."""
 
-    __slots__ = ("steered_slots", "windowed_slots", "capture_scopes")
+    __slots__ = ("steered_slots", "windowed_slots", "capture_scopes", "worker_faults")
 
     def __init__(self) -> None:
         self.steered_slots = 0
         self.windowed_slots = 0
         self.capture_scopes = 0
+        self.worker_faults = 0
 
     def __repr__(self) -> str:
         return (f"ProcessGates(steered_slots={self.steered_slots}, windowed_slots="
-                f"{self.windowed_slots}, capture_scopes={self.capture_scopes})")
+                f"{self.windowed_slots}, capture_scopes={self.capture_scopes}, "
+                f"worker_faults={self.worker_faults})")
 
 
 #: This process's gates.

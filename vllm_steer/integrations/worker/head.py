@@ -11,6 +11,10 @@ The base class is called explicitly (``LogitsProcessor.forward(self, ...)``, nev
 zero-argument ``super()``): vLLM's LoRA wrapper (``LogitsProcessorWithLoRA``) calls
 ``type(base_layer).forward(wrapper, ...)`` with itself as ``self``, and reads our public
 attributes through its ``base_layer``.
+
+A fault of the steer op is not the engine's end: the call computes vLLM's plain logits for
+every row and the step's steered requests fail with HTTP 500 (:func:`step_fault`,
+:mod:`~vllm_steer.integrations.worker.step_faults`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
 from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.runtime import SteerRuntime, get_runtime
+from vllm_steer.integrations.worker.step_faults import HEAD, capturing
 
 
 class SteeredLogitsProcessor(LogitsProcessor):
@@ -65,15 +70,33 @@ class SteeredLogitsProcessor(LogitsProcessor):
         if GATES.steered_slots or GATES.capture_scopes:
             steer_rows = self.steer_rows
             if steer_rows is not None:
-                hidden_states = steer_rows(hidden_states)
+                try:
+                    hidden_states = steer_rows(hidden_states)
+                except Exception as e:  # plain logits for every row; its requests fail
+                    step_fault(self, hidden_states, e)
         return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
 
     def get_top_tokens(self, lm_head, hidden_states, embedding_bias=None):
         if GATES.steered_slots or GATES.capture_scopes:
             steer_rows = self.steer_rows
             if steer_rows is not None:
-                hidden_states = steer_rows(hidden_states)
+                try:
+                    hidden_states = steer_rows(hidden_states)
+                except Exception as e:
+                    step_fault(self, hidden_states, e)
         return LogitsProcessor.get_top_tokens(self, lm_head, hidden_states, embedding_bias)
+
+
+def step_fault(head, hidden_states: torch.Tensor, exc: Exception) -> None:
+    """A fault of the steer op (or of the step planner behind it) on one call: recorded for
+    the step's output (the step's steered requests fail with HTTP 500,
+    :mod:`~vllm_steer.integrations.worker.step_faults`), and the call goes on with the hidden
+    states as they came, so every row gets vLLM's plain logits. Raised again while a CUDA
+    graph is being captured (a graph without the op would serve unsteered at every replay)."""
+    rt = getattr(head, "steer_runtime", None)
+    if rt is None or capturing(hidden_states):
+        raise exc
+    rt.faults.record(HEAD, exc)
 
 
 class HeadNotInstalledError(RuntimeError):

@@ -48,6 +48,8 @@ from vllm_steer.integrations.worker.bank_state import BankState
 from vllm_steer.integrations.worker.request_slots import (RequestCoefs, RequestSlots,
                                                           decode_request)
 from vllm_steer.integrations.worker.planner import SteerStats, StepPlanner
+from vllm_steer.integrations.worker.step_faults import REQUEST_STATE, StepFaults
+from vllm_steer.request import BOUND_KEY
 
 
 class SteerRuntime:
@@ -61,6 +63,8 @@ class SteerRuntime:
         self.bank_state = BankState(config)
         self.slots = RequestSlots(config.capacity)
         self.planner = StepPlanner(self.bank_state, self.slots)
+        #: faults of the plugin's worker code waiting for the step's output (step_faults.py)
+        self.faults = StepFaults()
 
     # ---- the bank ------------------------------------------------------------------------
     def model_loaded(self, activation_dtype: torch.dtype | None = None) -> None:
@@ -104,6 +108,26 @@ class SteerRuntime:
     def decode(self, params: Any) -> RequestCoefs:
         """A request's row and windows, decoded once from its bound form."""
         return decode_request(params, self.bank_state.bank, self.slots.num_columns)
+
+    def assign(self, slot: int, params: Any) -> RequestCoefs | None:
+        """Put a request (its ``SamplingParams``) into request slot ``slot``: decoded once
+        (:meth:`decode`), the slot fully reset (:meth:`set_slot`). A fault of the plugin's
+        code here leaves the slot unsteered and fails that request alone (HTTP 500,
+        :mod:`~vllm_steer.integrations.worker.step_faults`), unless it asked for no steer: it
+        is then served as asked. Returns the request's coefficients (None after a fault)."""
+        try:
+            coefs = self.decode(params)
+            self.set_slot(slot, coefs.row, coefs.windows)
+        except Exception as e:
+            self.set_slot(slot, None)
+            if (getattr(params, "extra_args", None) or {}).get(BOUND_KEY):
+                self.faults.record_slot(slot, REQUEST_STATE, e)
+            else:  # it asked for no steer: served as asked
+                self.faults.log(REQUEST_STATE, e, "no request fails (it asked for no steer)")
+            return None
+        if self.faults.slots:
+            self.faults.clear_slot(slot)
+        return coefs
 
     def set_slot(self, slot: int, row: np.ndarray | None, windows: dict | None = None) -> None:
         """(Re)initialise request slot ``slot`` fully (:meth:`RequestSlots.set`)."""

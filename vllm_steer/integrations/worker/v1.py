@@ -17,6 +17,7 @@ from vllm_steer.integrations.worker.arguments import Arg
 from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.rows import PromptRows
 from vllm_steer.integrations.worker.runtime import V1RunnerBinding
+from vllm_steer.integrations.worker.step_faults import ROWS, attach
 
 _NUM_SCHEDULED = Arg("num_scheduled_tokens")
 _HIDDEN_STATES = Arg("hidden_states")
@@ -37,11 +38,35 @@ def prepare_inputs(orig, self, *args, **kwargs):
         return out
     rt = V1RunnerBinding.of(self).runtime
     if rt is not None and rt.slots.num_window_slots:  # read only for windowed slots' rows
-        b = self.input_batch
-        n = b.num_reqs
-        scheduled = _NUM_SCHEDULED.get(orig, (self, *args), kwargs)
-        rt.planner.batch_positions = (b.num_computed_tokens_cpu[:n] + scheduled[:n]
-                                      - b.num_prompt_tokens[:n]).astype("int64")
+        with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
+            rt.planner.batch_positions = None
+            rt.planner.batch_positions = batch_positions(
+                self.input_batch, _NUM_SCHEDULED.get(orig, (self, *args), kwargs))
+    return out
+
+
+def batch_positions(b, scheduled):
+    """The generated-token index each row of V1's persistent batch ``b`` samples."""
+    n = b.num_reqs
+    return (b.num_computed_tokens_cpu[:n] + scheduled[:n]
+            - b.num_prompt_tokens[:n]).astype("int64")
+
+
+def sample_tokens(orig, self, *args, **kwargs):
+    """``GPUModelRunner.sample_tokens`` (V1): the step's output names the requests a fault of
+    the plugin's worker code failed in this step
+    (:mod:`~vllm_steer.integrations.worker.step_faults`), for the engine core to finish with
+    HTTP 500. One integer read per step while there is none."""
+    out = orig(self, *args, **kwargs)
+    if not GATES.worker_faults:
+        return out
+    rt = V1RunnerBinding.of(self).runtime
+    if rt is None or not rt.faults.pending:
+        return out
+    # V1's async output holds the step's ModelRunnerOutput; row i of the batch is slot i
+    output = getattr(out, "_model_runner_output", out)
+    attach(output, rt.faults.take(getattr(output, "req_ids", None) or (), None,
+                                  rt.slots.steered))
     return out
 
 

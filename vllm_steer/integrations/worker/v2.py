@@ -33,6 +33,7 @@ from vllm_steer.integrations.worker.rows import MappedRows, NoRows, SlotRows
 from vllm_steer.integrations.worker.runtime import BINDINGS, V2RunnerBinding, current_runtime
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
 from vllm_steer.integrations.worker.spec_v2 import device_computed_tokens
+from vllm_steer.integrations.worker.step_faults import ROWS, attach
 from vllm_steer.ops import to_device
 
 _INPUT_BATCH = Arg("input_batch")
@@ -97,8 +98,10 @@ def sample(orig, self, *args, **kwargs):
             and b.steady_version == table.version:
         source = b.steady_rows  # a steady decode step: the last steered step's rows
     else:
-        source = _batch_rows(self, b, rt, input_batch)
-        if source is None:  # no steered request in this step's batch
+        source = None
+        with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
+            source = _batch_rows(self, b, rt, input_batch)
+        if source is None:  # no steered request in this step's batch (or a fault)
             return orig(self, *args, **kwargs)
         sharded = source.slots is None
     planner = rt.planner
@@ -115,6 +118,25 @@ def sample(orig, self, *args, **kwargs):
         planner.row_source = prev
     if planner.head_calls == calls:
         raise HeadBypassedError(HEAD_BYPASSED)
+    return out
+
+
+def sample_tokens(orig, self, *args, **kwargs):
+    """``GPUModelRunner.sample_tokens`` (V2): the step's output names the requests a fault of
+    the plugin's worker code failed in this step
+    (:mod:`~vllm_steer.integrations.worker.step_faults`), for the engine core to finish with
+    HTTP 500. One integer read per step while there is none."""
+    out = orig(self, *args, **kwargs)
+    if not GATES.worker_faults:
+        return out
+    rt = V2RunnerBinding.of(self).runtime
+    if rt is None or not rt.faults.pending:
+        return out
+    output = getattr(out, "model_runner_output", out)  # V2's async output holds it
+    req_ids = getattr(output, "req_ids", None) or ()
+    index = self.req_states.req_id_to_index  # each request's slot
+    attach(output, rt.faults.take(req_ids, [index.get(r, -1) for r in req_ids],
+                                  rt.slots.steered))
     return out
 
 
