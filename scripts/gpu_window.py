@@ -339,7 +339,7 @@ def _triton_replay(bank, hidden: torch.Tensor, table: torch.Tensor, cuda: bool):
     from vllm_steer.kernels.triton.launch import steer_triton_replayable
     from vllm_steer.kernels.triton.plan import prepare_triton
 
-    p1, p2, rank = bank.fixed_p1, bank.fixed_p2, bank.fixed_rank
+    p1, p2, rank = bank.p1, bank.p2, bank.rank
     offs = [k * rank for k in range(table.shape[1] + 1)]
     h_in, out = hidden.clone(), torch.empty_like(hidden)
     plan = prepare_triton(p1, p2, offs, table)

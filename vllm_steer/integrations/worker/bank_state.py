@@ -1,6 +1,6 @@
 """The steer bank's lifecycle in a worker: load at start-up (with the device memory reserved
 for its worst case while vLLM loads the model), put and drop at run time, the backend resolved
-once, kernels compiled ahead, and the fixed-layout copy for drafters inside CUDA graphs.
+once, kernels compiled ahead; drafters inside CUDA graphs read the bank in place.
 Semantics: see :mod:`vllm_steer.reference`.
 
 A *bank slot* holds one loaded steer (:class:`~vllm_steer.bank.SlotBank`), under a *load id*
@@ -98,7 +98,8 @@ class BankState:
         if cuda_graphs:
             from vllm_steer.kernels.graphs import head_graphs
 
-            head_graphs(self.bank, self.config.backend, self.graph_backend)
+            head_graphs(self.bank, self.config.backend, self.graph_backend,
+                        max_per_row=self.max_per_row)
         elif self.graph_backend is not None or torch.device(device or "cpu").type == "cuda":
             logger.info("vllm-steer: the LM head's steer op is launched eagerly: vLLM runs with "
                         "--enforce-eager (no CUDA graphs)")
@@ -157,11 +158,6 @@ class BankState:
         self.bank.put(bank_slot, load_id, name, steer)
         if list(self.bank.rank_offsets) != layout:
             self.warm_up()
-        if name in self.bank.fixed_left_out:
-            logger.warning("vllm-steer: steer %r (rank %d) is wider than the drafter's copy of "
-                           "the bank (rank %d): drafters inside CUDA graphs propose without it; "
-                           "the target applies it", name, steer.p1.shape[1],
-                           self.bank.fixed_rank)
 
     def drop(self, bank_slots) -> None:
         if self.bank is None:
@@ -169,25 +165,22 @@ class BankState:
         for bank_slot in bank_slots:
             self.bank.drop(bank_slot)
 
+    @property
+    def max_per_row(self) -> int:
+        """The most non-zero coefficients a row can have: two (a steer and its domain
+        component) per steer a request may be served with (``--max-steers-per-request``,
+        enforced by the engine core), at most every column."""
+        cols = 2 * self.capacity
+        return max(1, min(cols, 2 * self.config.per_request))
+
     def enable_fixed_drafter(self) -> float:
-        """Keep the bank's fixed-layout copy (:meth:`SlotBank.enable_fixed`) for drafter heads
-        that run inside captured CUDA graphs, at the bank's reserved rank; called while vLLM
-        loads the drafter (before it sizes the KV cache). Returns the MiB allocated (0: no bank
-        or already kept)."""
+        """Drafter heads inside captured CUDA graphs read the bank in place (its layout never
+        changes): nothing to allocate. Logged; returns the MiB allocated (always 0)."""
         bank = self.bank
-        if bank is None:
-            return 0.0
-        shared = bank.graphs is not None  # the LM head's CUDA graphs hold the copy already
-        if bank.fixed_p1 is not None and not shared:
-            return 0.0
-        rank = bank.reserved_rank  # the rank per steer the bank reserved at start-up
-        mib = 0.0 if shared else bank.enable_fixed(rank) / 2**20
-        logger.info("vllm-steer: the drafter's steers, inside CUDA graphs, use a fixed-layout "
-                    "copy of the bank: %.1f MiB (rank %d per steer)%s%s",
-                    bank.fixed_p1.numel() * bank.fixed_p1.element_size() / 2**19,
-                    bank.fixed_rank, "; the LM head's copy, no more memory" if shared else "",
-                    f"; left out (wider): {bank.fixed_left_out}" if bank.fixed_left_out else "")
-        return mib
+        if bank is not None:
+            logger.info("vllm-steer: the drafter's steers, inside CUDA graphs, read the bank in "
+                        "place (rank %d per steer): no more memory", bank.rank)
+        return 0.0
 
 
 def _same_model(a: str, b: str) -> bool:
