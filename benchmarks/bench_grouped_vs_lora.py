@@ -52,12 +52,10 @@ from vllm_steer.kernels.triton.grouped import grouped_scratch, steer_grouped  # 
 from vllm_steer.reference import steer_reference  # noqa: E402
 
 
-def make_case(d, rank, slots, k, rows, dtype, device, seed=0):
-    """The bank (fixed layout, 2 * slots columns), the same steers in LoRA's layout, the
-    table (row r: steer r % k at a coefficient in [0.5, 2), as powers of two so LoRA's scaled
-    input is exact), the index and the rows."""
+def make_bank(d, rank, slots, dtype, device, seed=0):
+    """A bank of ``slots`` random steers in the fixed layout (2 * slots columns: the domain
+    columns empty, as a server's), and the same steers in LoRA's layout."""
     g = torch.Generator().manual_seed(seed)
-    used = min(k, rows)
     cols = 2 * slots
     a = (torch.randn(slots, d, rank, generator=g) / d ** 0.5).to(dtype)  # P1 of each slot
     b = (torch.randn(slots, d, rank, generator=g) / rank ** 0.5).to(dtype)  # P2
@@ -65,26 +63,38 @@ def make_case(d, rank, slots, k, rows, dtype, device, seed=0):
     p2 = torch.zeros_like(p1)
     p1[:, :slots * rank] = a.permute(1, 0, 2).reshape(d, slots * rank)
     p2[:, :slots * rank] = b.permute(1, 0, 2).reshape(d, slots * rank)
-    # the steers in use spread over the bank (not the first k slots)
+    return dict(p1=p1.to(device), p2=p2.to(device), lora_a=a.transpose(1, 2).contiguous()
+                .to(device), lora_b=b.contiguous().to(device), rank=rank, cols=cols,
+                slots=slots)
+
+
+def make_case(bank, k, rows, seed=0):
+    """The table (row r: steer r % k of the bank, spread over its slots, at a coefficient of
+    0.5 or 1: a power of two, so LoRA's scaled input is exact), the index and the rows."""
+    g = torch.Generator().manual_seed(seed)
+    device, dtype = bank["p1"].device, bank["p1"].dtype
+    d, slots = bank["p1"].shape[0], bank["slots"]
+    used = min(k, rows)
     which = torch.randperm(slots, generator=g)[:used]
     steer_of_row = which[torch.arange(rows) % used]
     coef = 2.0 ** torch.randint(-1, 1, (rows,), generator=g).float()
-    table = torch.zeros(rows, cols)
+    table = torch.zeros(rows, bank["cols"])
     table[torch.arange(rows), steer_of_row] = coef
     h = torch.randn(rows, d, generator=g).to(dtype)
-    lora_a = a.transpose(1, 2).contiguous()  # [L, rank, hidden]
-    lora_b = b.contiguous()  # [L, hidden, rank]
     dev = lambda t: t.to(device)  # noqa: E731
-    return dict(p1=dev(p1), p2=dev(p2), table=dev(table), index=dev(torch.arange(rows)),
-                h=dev(h), lora_a=dev(lora_a), lora_b=dev(lora_b),
-                mapping=dev(steer_of_row.to(torch.int32)), coef=dev(coef), used=used,
-                rank=rank, cols=cols, slots=slots)
+    return dict(bank, table=dev(table), index=dev(torch.arange(rows)), h=dev(h),
+                mapping=dev(steer_of_row.to(torch.int32)), coef=dev(coef), used=used)
 
 
 def reference(c):
-    offs = [j * c["rank"] for j in range(c["cols"] + 1)]
-    return steer_reference(c["h"].cpu().float(), c["p1"].cpu().float(), c["p2"].cpu().float(),
-                           offs, c["table"].cpu())
+    """The reference's rows (fp32), on the rows' device, over the steers in use only."""
+    cols = sorted(set(c["mapping"].tolist()))
+    r = c["rank"]
+    take = torch.tensor([j * r + i for j in cols for i in range(r)], device=c["h"].device)
+    p1 = c["p1"].index_select(1, take).float()
+    p2 = c["p2"].index_select(1, take).float()
+    offs = [i * r for i in range(len(cols) + 1)]
+    return steer_reference(c["h"].float(), p1, p2, offs, c["table"][:, cols].contiguous()).cpu()
 
 
 def ours_fn(c):
@@ -208,9 +218,10 @@ def main(argv=None) -> int:
         flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
         say(f"{'rows':>5} {'K':>4} {'used':>4} {'MiB':>7} {'roof us':>8} {'ours us':>8} "
             f"{'lora us':>8} {'meta us':>8} {'ours/roof':>9} {'lora/ours':>9}")
+    bank = make_bank(a.d, a.rank, a.slots, dtype, device)
     for rows in a.rows:
         for k in a.K:
-            c = make_case(a.d, a.rank, a.slots, k, rows, dtype, device, seed=rows * 1000 + k)
+            c = make_case(bank, k, rows, seed=rows * 1000 + k)
             ref = reference(c)
             ours, out_ours = ours_fn(c)
             lora, out_lora, meta = lora_fn(c, L)

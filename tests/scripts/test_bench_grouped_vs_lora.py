@@ -37,7 +37,7 @@ def test_lora_and_the_grouped_op_give_the_references_rows(capsys, tmp_path, monk
 
 
 def test_the_check_refuses_rows_that_are_not_the_references():
-    c = B.make_case(64, 16, 4, 2, 6, torch.float16, torch.device("cpu"))
+    c = B.make_case(B.make_bank(64, 16, 4, torch.float16, torch.device("cpu")), 2, 6)
     ref = B.reference(c)
     assert B.check("unsteered", c["h"], ref, c["h"], torch.float16) is not None
     assert B.check("exact", ref.half(), ref, c["h"], torch.float16) is None
