@@ -11,8 +11,9 @@ seconds. It executes nothing on a GPU: the plan's commands are the ones to send.
      ``lora_expand`` and the roofline (``benchmarks/bench_grouped_vs_lora.py``: d 4096, rank
      64, K = 1, 8, 64, 256 distinct steers over 256 and 64 rows, bf16, CUDA graphs; vLLM's two
      op files carried alone in ``build/lora_ops``, made before the window with ``python
-     benchmarks/lora_ops.py carry build/lora_ops``), then ``scripts/gpu_window.sh`` (kernel tests on CUDA, compile count after warm-up,
-     batch invariance, capture guard, one-step-ahead steps after a CUDA-graph forward,
+     benchmarks/lora_ops.py carry build/lora_ops``), then ``scripts/gpu_window.sh`` (kernel
+     tests on CUDA, compile count after warm-up, batch invariance, capture guard, one-step-ahead
+     steps after a CUDA-graph forward,
      ``auto``) and the worker's CUDA tests (the sync test in bf16 and fp32 steps, the
      event-wait / pinned-copy step of tests/integrations/worker/test_staging.py);
   2. the lean vLLM carry, one chunk per call (``scripts/gpu_vllm_carry.py download --lean``:
@@ -23,8 +24,7 @@ seconds. It executes nothing on a GPU: the plan's commands are the ones to send.
      on and its default CUDA-graph mode): ``scripts/gpu_throughput.py``, steered against plain
      tokens/s in one engine at the 8B-like shape (hidden 4096, 32 layers, random weights;
      V2, bf16), 256 rows, K = 1, 64 and 256 distinct steers (256 steers of rank 64 loaded:
-     their fixed-layout copy, 512 MiB, is over the head's graphs' limit, so the head's op is
-     launched eagerly in every steered mode, as in a Deployment with such a bank);
+     the head's graphs read the bank in place, whatever its size, and replay the grouped op);
   4. the engine check: ``scripts/gpu_vllm_check.py`` on Model Runner V2, bf16, vLLM's default
      compilation (the plugin's engine and stock vLLM's);
   5. the profile call, when the estimate still leaves room: ``scripts/gpu_throughput.py
