@@ -135,7 +135,8 @@ def compile_grouped(build, shapes, dtypes) -> int:
                     num_rows="i32", hidden="i32", R="i32"), dict(
                     S=s, BLOCK_M=grouped.BLOCK_M, BLOCK_R=br, BLOCK_D=grouped.SHRINK_D,
                     SPLIT=split, EVEN_R=br == rank, EVEN_D=d % (grouped.SHRINK_D * split) == 0,
-                    MODE=tiling._mode(DT[act], DT[fac]), num_warps=4, **common))
+                    MODE=tiling._mode(DT[act], DT[fac]), num_warps=grouped.SHRINK_WARPS,
+                    **common))
                 expand = build(grouped_jit._grouped_expand_kernel, dict(
                     hidden_ptr=f"*{TT[act]}", p2_ptr=f"*{TT[fac]}", slots_ptr="*i32",
                     vals_ptr="*fp32", perm_ptr="*i32", buf_ptr="*fp32", out_ptr=f"*{TT[act]}",
@@ -144,7 +145,7 @@ def compile_grouped(build, shapes, dtypes) -> int:
                     S=s, S_PAD=s_pad, BLOCK_M=grouped.BLOCK_M, BLOCK_D=grouped.EXPAND_D,
                     BLOCK_R=br, SPLIT=split, EVEN_R=br == rank,
                     EVEN_D=d % grouped.EXPAND_D == 0, MODE=tiling._mode(torch.float32, DT[fac]),
-                    num_warps=4, **common))
+                    num_warps=grouped.EXPAND_WARPS, **common))
                 print(f"grouped d {d:5} rank {rank:3} columns {cols:4} S {s:2} {act}/{fac}: "
                       f"rows {_resources(rows.asm['cubin'])} | segments "
                       f"{_resources(seg.asm['cubin'])} | shrink split {split} "
@@ -161,9 +162,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 90")
     ap.add_argument("--quick", action="store_true", help="the goal shape, bf16 and fp32 only")
+    ap.add_argument("--grouped-only", action="store_true",
+                    help="only the grouped capture-safe op's kernels")
     args = ap.parse_args(argv)
     shapes = SHAPES[1:2] if args.quick else SHAPES
     dtypes = [("bf16", "bf16"), ("fp32", "fp32")] if args.quick else DTYPES
+    if args.grouped_only:
+        shapes = []
     return compile_all(args.arch, shapes, dtypes,
                        grouped_shapes=GROUPED_SHAPES[:1] if args.quick else GROUPED_SHAPES)
 
