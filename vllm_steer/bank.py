@@ -151,6 +151,9 @@ class SlotBank:
         self.graphs = None
         self.reserved_rank = reserve_rank or 0  # rank per steer reserved (2 * capacity of them)
         self.rank = 0  # columns per coefficient column (the layout's rank)
+        # [columns] int32 on the device: each column's steer rank (0: empty), rewritten in
+        # place: the grouped op reads only these columns of a narrower steer
+        self.widths = torch.zeros(self.num_columns, dtype=torch.int32, device=device)
         self._allocate(int(reserve_rank or 0))
 
     @property
@@ -224,6 +227,7 @@ class SlotBank:
         """Coefficient column ``column``'s factors, in place (zeros past their rank, or for
         none): one host-to-device copy per factor."""
         r = self.rank
+        self.widths[column] = 0 if a is None else a.shape[1]
         if not r:
             return
         for dst, src in ((self.p1, a), (self.p2, b)):

@@ -212,6 +212,8 @@ def steer_fixed(
     out: torch.Tensor | None = None,  # [num_rows, hidden] of hidden's dtype: written, returned
     scratch: Any = None,  # fixed_scratch(...) for these rows: nothing allocated per call
     max_per_row: int | None = None,  # the most non-zero coefficients a row has (default: all)
+    widths: torch.Tensor | None = None,  # [columns] int32: each column's steer rank
+    #                                      (SlotBank.widths: the grouped op reads no padding)
 ) -> torch.Tensor:
     """The capture-safe steer op: row ``i`` steered with ``table[index[i]]`` (zeros for -1).
     Semantics: see :func:`vllm_steer.reference.steer_reference`.
@@ -221,7 +223,8 @@ def steer_fixed(
     (:func:`vllm_steer.kernels.triton.grouped.steer_grouped`: rows grouped by slot on the
     device, only the steers in use read); elsewhere the dense torch op
     (:mod:`vllm_steer.kernels.fixed`), both on the bank in place."""
-    return _capture_safe.steer(hidden, p1, p2, rank, table, index, out, scratch, max_per_row)
+    return _capture_safe.steer(hidden, p1, p2, rank, table, index, out, scratch, max_per_row,
+                               widths)
 
 
 def fixed_scratch(rows: int, columns: int, rank: int, hidden: int, device,

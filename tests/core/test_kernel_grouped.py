@@ -220,3 +220,23 @@ def test_what_a_graph_records_is_the_same_for_any_values_and_reads_nothing_back(
         ref = expected(h.cpu(), p1, p2, offs, table.cpu(), index.cpu())
         check(out.cpu(), ref, h.cpu(), torch.float32)
     assert len(seen[0]) == 4 and all(s == seen[0] for s in seen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_with_widths_a_narrower_steers_padding_is_never_read(dtype):
+    """``widths`` (the bank's per-column steer ranks): the columns past a steer's rank are
+    never loaded. Here they hold NaN, which any read would spread into the rows."""
+    d, rank, ranks, rows = 64, 16, [16, 5, 0, 9], 12
+    q1, q2, p1, p2, offs = bank(d, ranks, rank, dtype, seed=17)
+    for q in (q1, q2):
+        for k, r in enumerate(ranks):
+            q[:, k * rank + r:(k + 1) * rank] = float("nan")
+    g = torch.Generator().manual_seed(9)
+    table, index = pattern("mix", rows, len(ranks), g)
+    table[:, 2] = 0.0  # the empty slot is used by no row
+    h = (torch.randn(rows, d, generator=g) * 2).to(dtype)
+    widths = torch.tensor(ranks, dtype=torch.int32).to(DEVICE)
+    out = run(h, q1, q2, rank, table, index, widths=widths)
+    assert not out.isnan().any()
+    check(out, expected(h, p1, p2, offs, table, index), h, dtype)
+    assert run(h, q1, q2, rank, table, index).isnan().any()  # without them, the padding is read

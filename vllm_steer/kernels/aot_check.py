@@ -131,19 +131,22 @@ def compile_grouped(build, shapes, dtypes) -> int:
                     num_rows="i32", C="i32"), dict(S=s, S_PAD=s_pad, CHUNK=256))
                 shrink = build(grouped_jit._grouped_shrink_kernel, dict(
                     hidden_ptr=f"*{TT[act]}", p1_ptr=f"*{TT[fac]}", seg_ptr="*i32",
-                    counts_ptr="*i32", buf_ptr="*fp32", stride_h="i32", ld_p="i32",
+                    counts_ptr="*i32", widths_ptr="*i32", buf_ptr="*fp32", stride_h="i32",
+                    ld_p="i32",
                     num_rows="i32", hidden="i32", R="i32"), dict(
                     S=s, BLOCK_M=grouped.BLOCK_M, BLOCK_R=br, BLOCK_D=grouped.SHRINK_D,
-                    SPLIT=split, EVEN_R=br == rank, EVEN_D=d % (grouped.SHRINK_D * split) == 0,
+                    SPLIT=split, HAS_WIDTHS=True, EVEN_R=False,
+                    EVEN_D=d % (grouped.SHRINK_D * split) == 0,
                     MODE=tiling._mode(DT[act], DT[fac]), num_warps=grouped.SHRINK_WARPS,
                     **common))
                 expand = build(grouped_jit._grouped_expand_kernel, dict(
                     hidden_ptr=f"*{TT[act]}", p2_ptr=f"*{TT[fac]}", slots_ptr="*i32",
-                    vals_ptr="*fp32", perm_ptr="*i32", buf_ptr="*fp32", out_ptr=f"*{TT[act]}",
+                    vals_ptr="*fp32", perm_ptr="*i32", widths_ptr="*i32", buf_ptr="*fp32",
+                    out_ptr=f"*{TT[act]}",
                     stride_h="i32", stride_o="i32", ld_p="i32", num_rows="i32", hidden="i32",
                     R="i32", C="i32"), dict(
                     S=s, S_PAD=s_pad, BLOCK_M=grouped.BLOCK_M, BLOCK_D=grouped.EXPAND_D,
-                    BLOCK_R=br, SPLIT=split, EVEN_R=br == rank,
+                    BLOCK_R=br, SPLIT=split, HAS_WIDTHS=True, EVEN_R=False,
                     EVEN_D=d % grouped.EXPAND_D == 0, MODE=tiling._mode(torch.float32, DT[fac]),
                     num_warps=grouped.EXPAND_WARPS, **common))
                 print(f"grouped d {d:5} rank {rank:3} columns {cols:4} S {s:2} {act}/{fac}: "

@@ -36,12 +36,14 @@ def scratch(rows: int, columns: int, rank: int, hidden: int, device,
 
 def steer(hidden: torch.Tensor, p1: torch.Tensor, p2: torch.Tensor, rank: int,
           table: torch.Tensor, index: torch.Tensor | None, out: torch.Tensor | None = None,
-          buffers: Any = None, max_per_row: int | None = None) -> torch.Tensor:
+          buffers: Any = None, max_per_row: int | None = None,
+          widths: torch.Tensor | None = None) -> torch.Tensor:
     """Row ``i`` steered with ``table[index[i]]`` (see :func:`vllm_steer.ops.steer_fixed`)."""
     if grouped_on(hidden.device):
         from .triton.grouped import steer_grouped
 
-        return steer_grouped(hidden, p1, p2, rank, table, index, out, buffers, max_per_row)
+        return steer_grouped(hidden, p1, p2, rank, table, index, out, buffers, max_per_row,
+                             widths)
     return fixed.steer_fixed(hidden, p1, p2, rank, table, index, out)
 
 

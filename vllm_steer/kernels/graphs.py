@@ -129,12 +129,15 @@ class SteerGraphs:
     (:class:`vllm_steer.bank.SlotBank`), whose storage every graph reads at replay (so loads,
     which rewrite it in place, need no re-capture). ``backend``: :class:`CudaGraphBackend` on
     the bank's device unless given. ``max_per_row``: the most non-zero coefficients a row has
-    (two per steer a request may use), what the grouped op's buffers are sized for."""
+    (two per steer a request may use), what the grouped op's buffers are sized for.
+    ``widths``: the bank's per-column steer ranks (:attr:`vllm_steer.bank.SlotBank.widths`,
+    rewritten in place by loads), so the grouped op reads no zero padding."""
 
     def __init__(self, p1: torch.Tensor, p2: torch.Tensor, rank: int,
                  backend: GraphBackend | None = None, max_rows: int = MAX_GRAPH_ROWS,
-                 max_per_row: int | None = None):
+                 max_per_row: int | None = None, widths: torch.Tensor | None = None):
         self.p1, self.p2, self.rank = p1, p2, int(rank)
+        self.widths = widths  # [columns] int32 each column's steer rank, read at replay
         self.backend = backend if backend is not None else CudaGraphBackend(p1.device)
         self.max_rows = int(max_rows)
         self.max_per_row = max_per_row
@@ -253,12 +256,12 @@ class SteerGraphs:
         if table.shape[0] < bucket:  # the bucket's rows past the table's: padding rows
             index = torch.arange(bucket, dtype=torch.int64, device=dev)
             index = torch.where(index < table.shape[0], index, -1)
-        p1, p2, rank = self.p1, self.p2, self.rank
+        p1, p2, rank, widths = self.p1, self.p2, self.rank, self.widths
         scratch = capture_safe.scratch(bucket, table.shape[1], rank, self._width, dev,
                                        self.max_per_row)
 
         def step() -> None:
-            capture_safe.steer(h_in, p1, p2, rank, table, index, out, scratch)
+            capture_safe.steer(h_in, p1, p2, rank, table, index, out, scratch, widths=widths)
 
         graph = self.backend.capture(step)
         self.captures += 1
@@ -292,7 +295,7 @@ def head_graphs(bank, choice: str | None = "auto",
                     "no rank (set --max-steer-rank to replay it from CUDA graphs)")
         return None
     graphs = bank.graphs = SteerGraphs(bank.p1, bank.p2, bank.rank, graph_backend,
-                                       max_per_row=max_per_row)
+                                       max_per_row=max_per_row, widths=bank.widths)
     logger.info("vllm-steer: the LM head's steer op replays from CUDA graphs (one per row "
                 "bucket up to %d rows) over the bank in place (%d columns x rank %d x hidden "
                 "%d), reading only the steers in use; VLLM_STEER_CUDA_GRAPHS=0 launches it "

@@ -404,7 +404,7 @@ class StepPlanner:
         from vllm_steer import ops
 
         return ops.steer_fixed(hidden, bank.p1, bank.p2, bank.rank, table, mapping[:n],
-                               max_per_row=self.bank_state.max_per_row)
+                               max_per_row=self.bank_state.max_per_row, widths=bank.widths)
 
 
 def _same_mapped_rows(src: RowSource, key: StepKey) -> bool:

@@ -94,12 +94,16 @@ def steer_grouped(
     out: torch.Tensor | None = None,  # [rows, hidden] like hidden, unit stride: written
     scratch: GroupedScratch | None = None,  # grouped_scratch(rows, C, S, rank, hidden)
     max_per_row: int | None = None,  # S (default: C); ignored with scratch (its S)
+    widths: torch.Tensor | None = None,  # [C] int32: each column's steer rank (<= rank);
+    #                                      None: every column ``rank`` wide
 ) -> torch.Tensor:
     """Steer ``hidden`` with ``table[index]``. Semantics: see vllm_steer.reference.
 
     Capture-safe: four launches whose grids depend on shapes only, no host read, nothing
     allocated when ``out`` and ``scratch`` are given. Each used steer's factors are read once
-    per tile of its rows; rows with no steer (and padding rows) come back bit for bit."""
+    per tile of its rows (with ``widths``, only their first ``widths[c]`` columns: a narrower
+    steer's zero padding is never read); rows with no steer (and padding rows) come back bit for
+    bit."""
     floats = (torch.float32, torch.float16, torch.bfloat16)
     rows, d = hidden.shape
     assert hidden.dtype in floats, f"hidden dtype must be one of {floats}, got {hidden.dtype}"
@@ -118,6 +122,9 @@ def steer_grouped(
     else:
         assert index.shape == (rows,) and index.dtype in (torch.int32, torch.int64), \
             (tuple(index.shape), index.dtype)
+    if widths is not None:
+        assert widths.shape == (C,) and widths.dtype == torch.int32, \
+            f"widths must be int32 [{C}], got {widths.dtype} {tuple(widths.shape)}"
     if out is None:
         out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
     assert out.shape == hidden.shape and out.dtype == hidden.dtype and out.stride(1) == 1, \
@@ -137,7 +144,8 @@ def steer_grouped(
     br = scratch.buf.shape[2]
     s_pad = max(2, _pow2_at_least(S))
     common = dict(FP32_PREC=FP32_PRECISION, INTERPRET=interpret)
-    even_r = br == rank
+    even_r = br == rank and widths is None
+    w = widths if widths is not None else scratch.counts  # a pointer the kernels never read
     shrink_warps = {} if interpret else dict(num_warps=SHRINK_WARPS)
     expand_warps = {} if interpret else dict(num_warps=EXPAND_WARPS)
     grouped_jit._grouped_rows_kernel[(triton.cdiv(rows, BLOCK_M),)](
@@ -148,16 +156,18 @@ def steer_grouped(
         scratch.slots, scratch.seg, scratch.counts, scratch.perm, rows, C,
         S=S, S_PAD=s_pad, CHUNK=max(16, min(256, _pow2_at_least(rows))))
     grouped_jit._grouped_shrink_kernel[(triton.cdiv(rows, BLOCK_M), C, split)](
-        hidden, p1, scratch.seg, scratch.counts, scratch.buf,
+        hidden, p1, scratch.seg, scratch.counts, w, scratch.buf,
         hidden.stride(0), p1.stride(0), rows, d, rank,
-        S=S, BLOCK_M=BLOCK_M, BLOCK_R=br, BLOCK_D=SHRINK_D, SPLIT=split, EVEN_R=even_r,
+        S=S, BLOCK_M=BLOCK_M, BLOCK_R=br, BLOCK_D=SHRINK_D, SPLIT=split,
+        HAS_WIDTHS=widths is not None, EVEN_R=even_r,
         EVEN_D=d % (SHRINK_D * split) == 0, MODE=_mode(hidden.dtype, p1.dtype), **common,
         **shrink_warps)
     grouped_jit._grouped_expand_kernel[(triton.cdiv(rows, BLOCK_M), triton.cdiv(d, EXPAND_D))](
-        hidden, p2, scratch.slots, scratch.vals, scratch.perm, scratch.buf, out,
+        hidden, p2, scratch.slots, scratch.vals, scratch.perm, w, scratch.buf, out,
         hidden.stride(0), out.stride(0), p2.stride(0), rows, d, rank, C,
         S=S, S_PAD=s_pad, BLOCK_M=BLOCK_M, BLOCK_D=EXPAND_D, BLOCK_R=br, SPLIT=split,
-        EVEN_R=even_r, EVEN_D=d % EXPAND_D == 0, MODE=_mode(torch.float32, p1.dtype),
+        HAS_WIDTHS=widths is not None, EVEN_R=even_r, EVEN_D=d % EXPAND_D == 0,
+        MODE=_mode(torch.float32, p1.dtype),
         **common, **expand_warps)
     return out
 

@@ -126,13 +126,16 @@ def _grouped_shrink_kernel(
     p1_ptr,  # [hidden, C * R] (row stride ld_p): the bank's first factors, fixed layout
     seg_ptr,  # [C, num_rows] int32
     counts_ptr,  # [C] int32
+    widths_ptr,  # [C] int32: each column's steer rank (<= R); unused without HAS_WIDTHS
     buf_ptr,  # [SPLIT, num_rows * S, BLOCK_R] fp32 out: partial down-projections
     stride_h, ld_p, num_rows, hidden, R,
     S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_R: tl.constexpr, EVEN_D: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_WIDTHS: tl.constexpr, EVEN_R: tl.constexpr, EVEN_D: tl.constexpr,
     MODE: tl.constexpr, FP32_PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    # EVEN_R: R == BLOCK_R (no mask along the rank); EVEN_D: hidden % (BLOCK_D * SPLIT) == 0.
+    # EVEN_R: R == BLOCK_R and no widths (no mask along the rank); EVEN_D: hidden %
+    # (BLOCK_D * SPLIT) == 0. With widths, only a column's first widths[c] factor columns are
+    # read (a narrower steer's zero padding is never loaded).
     pid_m = tl.program_id(0)
     c = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -145,7 +148,10 @@ def _grouped_shrink_kernel(
                       other=0).to(tl.int64)
         rows = ent // S
         offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
+        if HAS_WIDTHS:
+            r_mask = offs_r < tl.load(widths_ptr + c)
+        else:
+            r_mask = offs_r < R
         cols = c.to(tl.int64) * R + offs_r
         d_chunk = tl.cdiv(tl.cdiv(hidden, SPLIT), BLOCK_D) * BLOCK_D
         d_lo = pid_s * d_chunk
@@ -170,11 +176,13 @@ def _grouped_expand_kernel(
     slots_ptr,  # [num_rows, S] int32
     vals_ptr,  # [num_rows, S] fp32
     perm_ptr,  # [num_rows] int32
+    widths_ptr,  # [C] int32: each column's steer rank (<= R); unused without HAS_WIDTHS
     buf_ptr,  # [SPLIT, num_rows * S, BLOCK_R] fp32
     out_ptr,  # [num_rows, hidden], row stride stride_o
     stride_h, stride_o, ld_p, num_rows, hidden, R, C,
     S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, EVEN_R: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, HAS_WIDTHS: tl.constexpr,
+    EVEN_R: tl.constexpr, EVEN_D: tl.constexpr,
     MODE: tl.constexpr, FP32_PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -192,10 +200,13 @@ def _grouped_expand_kernel(
     keys = tl.where(keys < 0, C, keys)
     steered = tl.min(keys, axis=1) < C
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     cur = tl.min(tl.min(keys, axis=1), axis=0)
     while cur < C:  # each distinct slot of the tile's rows, ascending
+        if HAS_WIDTHS:
+            r_mask = offs_r < tl.load(widths_ptr + cur)
+        else:
+            r_mask = offs_r < R
         match = keys == cur
         has = tl.sum(match.to(tl.int32), axis=1) > 0
         sidx = tl.sum(tl.where(match, ss[None, :], 0), axis=1)
@@ -204,7 +215,7 @@ def _grouped_expand_kernel(
         down = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for sp in tl.static_range(SPLIT):
             down += tl.load(buf_ptr + sp * num_rows * S * BLOCK_R + at[:, None] + offs_r[None, :],
-                            mask=has[:, None], other=0.0)
+                            mask=has[:, None] & r_mask[None, :], other=0.0)
         down = down * coef[:, None]
         cols = cur.to(tl.int64) * R + offs_r
         p = _load_tile(p2_ptr + offs_d.to(tl.int64)[None, :] * ld_p + cols[:, None],
