@@ -7,8 +7,13 @@ The stand-in (:class:`Runner`) enforces the host's limits on each call (at most 
 working tree included; a command timeout of at most 600 s) and counts calls, bytes and device
 seconds. It executes nothing on a GPU: the plan's commands are the ones to send. The calls:
 
-  1. no vLLM: ``scripts/gpu_window.sh`` (kernel tests on CUDA, compile count after warm-up,
-     batch invariance, capture guard, one-step-ahead steps after a CUDA-graph forward,
+  1. no vLLM: first the grouped capture-safe steer op beside vLLM's ``lora_shrink`` /
+     ``lora_expand`` and the roofline (``benchmarks/bench_grouped_vs_lora.py``: d 4096, rank
+     64, K = 1, 8, 64, 256 distinct steers over 256 and 64 rows, bf16, CUDA graphs; vLLM's two
+     op files carried alone in ``build/lora_ops``, made before the window with ``python
+     benchmarks/lora_ops.py carry build/lora_ops``), then ``scripts/gpu_window.sh`` (kernel
+     tests on CUDA, compile count after warm-up, batch invariance, capture guard, one-step-ahead
+     steps after a CUDA-graph forward,
      ``auto``) and the worker's CUDA tests (the sync test in bf16 and fp32 steps, the
      event-wait / pinned-copy step of tests/integrations/worker/test_staging.py);
   2. the lean vLLM carry, one chunk per call (``scripts/gpu_vllm_carry.py download --lean``:
@@ -19,8 +24,7 @@ seconds. It executes nothing on a GPU: the plan's commands are the ones to send.
      on and its default CUDA-graph mode): ``scripts/gpu_throughput.py``, steered against plain
      tokens/s in one engine at the 8B-like shape (hidden 4096, 32 layers, random weights;
      V2, bf16), 256 rows, K = 1, 64 and 256 distinct steers (256 steers of rank 64 loaded:
-     their fixed-layout copy, 512 MiB, is over the head's graphs' limit, so the head's op is
-     launched eagerly in every steered mode, as in a Deployment with such a bank);
+     the head's graphs read the bank in place, whatever its size, and replay the grouped op);
   4. the engine check: ``scripts/gpu_vllm_check.py`` on Model Runner V2, bf16, vLLM's default
      compilation (the plugin's engine and stock vLLM's);
   5. the profile call, when the estimate still leaves room: ``scripts/gpu_throughput.py
@@ -37,7 +41,7 @@ DIR`` (after ``gpu_vllm_carry.py download --lean``) or, without it, the total re
 docs/dev/gpu-host.md (the lean carry: 88 wheels, 253.8 MiB, measured here; the whole carry is 115
 wheels, 1083.4 MiB). Times: the constants below,
 each with its source (benchmarks/RESULTS.md where measured, an estimate where not). Exit
-status 0 when every call fits the limits and the total fits ``--budget-min`` (default 12).
+status 0 when every call fits the limits and the total fits ``--budget-min`` (default 14).
 Standard library only.
 """
 
@@ -95,6 +99,8 @@ COMPILE_8B_S = 90  # what the default compilation adds to the 8B-like engine's s
 #                    layers traced once, 51 piecewise and 35 full sizes captured): the
 #                    engine with 256 steers started in 100 s (torch.compile 20 s), and took
 #                    173 s with its 24 runs on the H200 (2026-11-28)
+BENCH_LORA_S = 45  # bench_grouped_vs_lora.py: 8 shapes, each op compiled, recorded and replayed
+#                   50 times, the reference on the device; an estimate (unmeasured)
 RUN_8B_S = 1.5  # one run of 256 rows x 128 tokens at the 8B-like shape: 1.43-1.65 s (H200)
 DEFAULT_COMPILATION = None  # the Deployment passes no compilation option: vLLM's defaults
 FALLBACK_COMPILATION = '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}'
@@ -144,6 +150,27 @@ class Runner:
         return call
 
 
+LORA_OPS_DIR = "build/lora_ops"  # vLLM's LoRA op files (benchmarks/lora_ops.py carry)
+
+
+def lora_ops_bytes() -> int:
+    """Bytes of the carried LoRA op files: the folder when made, else the installed vLLM's
+    five files (without importing vLLM), else 64 KiB (their size in vLLM 0.32: 51 KiB)."""
+    folder = ROOT / LORA_OPS_DIR
+    if folder.is_dir():
+        return sum(f.stat().st_size for f in folder.iterdir())
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec and spec.submodule_search_locations:
+        d = Path(list(spec.submodule_search_locations)[0]) / "lora" / "ops" / "triton_ops"
+        names = ("kernel_utils.py", "utils.py", "lora_kernel_metadata.py", "lora_shrink_op.py",
+                 "lora_expand_op.py")
+        if all((d / n).exists() for n in names):
+            return sum((d / n).stat().st_size for n in names)
+    return 64 << 10
+
+
 def wheel_bytes(wheels: str | None) -> tuple[int, str]:
     if wheels:
         files = sorted(Path(wheels).glob("*.whl"))
@@ -153,18 +180,20 @@ def wheel_bytes(wheels: str | None) -> tuple[int, str]:
 
 
 def plan(wheels: str | None = None, chunk: int | None = None,
-         budget_s: float = 12 * 60,
+         budget_s: float = 14 * 60,
          compilation: str | None = DEFAULT_COMPILATION) -> tuple[Runner, dict]:
     """The calls in order. ``compilation``: the engines' ``--compilation-config`` (None:
     vLLM's defaults, as the Deployment runs)."""
     tree = tree_bytes()
     chunk = default_chunk(tree) if chunk is None else chunk
     r = Runner()
-    r.run("kernels, no vLLM",
-          "bash scripts/gpu_window.sh; w=$?; python3 -m pytest -q -p no:cacheprovider "
+    lora = lora_ops_bytes()
+    r.run("kernels, no vLLM: the grouped op beside lora_shrink/lora_expand, then the window",
+          "python3 benchmarks/bench_grouped_vs_lora.py --device cuda --lora-ops build/lora_ops; "
+          "b=$?; bash scripts/gpu_window.sh; w=$?; python3 -m pytest -q -p no:cacheprovider "
           "tests/integrations/worker/test_syncfree.py -k cuda "
-          "tests/integrations/worker/test_staging.py; exit $((w | $?))",
-          [], tree, 300, GPU_WINDOW_S + WORKER_CUDA_TESTS_S)
+          "tests/integrations/worker/test_staging.py; exit $((b | w | $?))",
+          [LORA_OPS_DIR], tree + lora, 360, BENCH_LORA_S + GPU_WINDOW_S + WORKER_CUDA_TESTS_S)
     total, source = wheel_bytes(wheels)
     n = max(1, math.ceil(total / chunk))
     me = "python3 scripts/gpu_vllm_carry.py"
@@ -220,7 +249,9 @@ def main(argv=None) -> int:
     ap.add_argument("--wheels", default=None, help="the carried wheels' folder (sizes measured)")
     ap.add_argument("--chunk-mib", type=float, default=None,
                     help="chunk size (default: what `gpu_vllm_carry.py split` picks for this tree)")
-    ap.add_argument("--budget-min", type=float, default=12.0)
+    ap.add_argument("--budget-min", type=float, default=14.0,
+                    help="device minutes (default 14: the 15 a task is lent at present, less "
+                         "one for the estimates' error)")
     ap.add_argument("--json", default=None, help="also write the plan as JSON here")
     ap.add_argument("--fallback", action="store_true",
                     help=f"the engines with {FALLBACK_COMPILATION} (torch.compile not run), "

@@ -21,7 +21,7 @@ INFO); the exit status is 1 when any check fails.
   (``kernels/graphs.py``) against the eager launch of the planned op, per steered step: host
   microseconds (the goal: at most :data:`HOST_US_GOAL`, reported), microseconds per call back
   to back and on the device alone, and the replayed rows against the reference (a failure
-  when they differ); beside it, the fused Triton op over the same fixed copy recorded in a
+  when they differ); beside it, the fused Triton op over the same bank recorded in a
   CUDA graph with its segments computed on the device (``kernels/triton/launch.py``,
   ``steer_triton_replayable``), timed the same way and checked against the reference: it reads
   only the steers in use, where the head's op multiplies every column of the copy;
@@ -331,15 +331,15 @@ def _host_us(fn, sync, calls: int = 200, burst: int = 20) -> float:
 
 
 def _triton_replay(bank, hidden: torch.Tensor, table: torch.Tensor, cuda: bool):
-    """The fused Triton op over the bank's fixed copy (the head graphs' factors), recorded in a
+    """The fused Triton op over the bank in place (the head graphs' factors), recorded in a
     CUDA graph as :func:`~vllm_steer.kernels.triton.launch.steer_triton_replayable` allows: a
     function that copies ``hidden`` in, replays, and returns the static output. It reads only
-    the steers the rows use, where the replayed op multiplies every column of the copy. On
+    the steers the rows use, as the head graphs' grouped op does from a table and an index. On
     the CPU (a dry run) the same calls run eagerly under Triton's interpreter."""
     from vllm_steer.kernels.triton.launch import steer_triton_replayable
     from vllm_steer.kernels.triton.plan import prepare_triton
 
-    p1, p2, rank = bank.fixed_p1, bank.fixed_p2, bank.fixed_rank
+    p1, p2, rank = bank.p1, bank.p2, bank.rank
     offs = [k * rank for k in range(table.shape[1] + 1)]
     h_in, out = hidden.clone(), torch.empty_like(hidden)
     plan = prepare_triton(p1, p2, offs, table)

@@ -111,19 +111,26 @@ class SlotBank:
     """A bank of ``capacity`` steer *slots* whose steers come and go at run time.
 
     The coefficient layout is fixed up front: column ``j`` is slot ``j``'s steer and column
-    ``capacity + j`` its domain component (zero width when absent), so the per-request
-    coefficient table of the serving runtime (``[max_num_seqs, 2 * capacity]``) is allocated
-    once and a request's row never moves when other steers are loaded or unloaded.
-    :meth:`put` / :meth:`drop` change one slot; the concatenated factors are repacked and
-    :attr:`version` bumps, which invalidates the cached plan.
+    ``capacity + j`` its domain component, so the per-request coefficient table of the serving
+    runtime (``[max_num_seqs, 2 * capacity]``) is allocated once and a request's row never moves
+    when other steers are loaded or unloaded.
 
-    Memory: with ``reserve_rank`` the factors' device storage is allocated once, at
-    construction, for ``capacity`` steers (and domain components) of rank up to
-    ``reserve_rank`` (:func:`slot_bank_bytes`), and every later put or drop rewrites it in
-    place: a run-time load allocates no device memory, so what vLLM measured at start-up
-    (before it sized the KV cache) stays true. A steer larger than the reservation is refused
-    when ``max_rank`` is ``reserve_rank`` (``--max-steer-rank``), otherwise the storage grows
-    (a device allocation, logged). The steers themselves are kept on the host.
+    The factors have a fixed layout too, and the bank is never moved or copied: ``p1`` and
+    ``p2`` are ``[hidden, 2 * capacity * rank]``, coefficient column ``k`` multiplying columns
+    ``[k * rank, (k + 1) * rank)`` (a narrower steer padded with zeros, an empty slot all zeros;
+    ``rank_offsets`` is ``[0, rank, 2 * rank, ...]``). :meth:`put` / :meth:`drop` rewrite one
+    slot's columns in place and bump :attr:`version` (which invalidates the cached plan); the
+    tensors keep their storage, shape and every slot's columns, so a CUDA graph that recorded
+    an op reading them (:func:`vllm_steer.ops.steer_fixed`: the LM head's graphs and the
+    drafters' inside vLLM's) reads the current steers at every replay.
+
+    Memory: with ``reserve_rank`` the storage is allocated once, at construction, for
+    ``capacity`` steers (and domain components) of rank up to ``reserve_rank``
+    (:func:`slot_bank_bytes`): a run-time load allocates no device memory, so what vLLM measured
+    at start-up (before it sized the KV cache) stays true. A steer larger than the reservation
+    is refused when ``max_rank`` is ``reserve_rank`` (``--max-steer-rank``; what serving does),
+    otherwise the storage grows to its rank (a device allocation, logged; the graphs reading the
+    bank are told and record again). The steers themselves are kept on the host.
     """
 
     def __init__(self, capacity: int, hidden_size: int, device=None, dtype=None,
@@ -140,21 +147,15 @@ class SlotBank:
         self.version = 0
         self._plan_key: object = None
         self._plan = None
-        self._store1 = self._store2 = None  # flat device storage of p1 and p2
-        # the fixed-layout copy for CUDA-graph-captured drafter heads (enable_fixed): segment
-        # k (column k's steer or domain component) at columns [k * fixed_rank, ...), zeros
-        # elsewhere, rewritten in place at every put / drop
-        self.fixed_rank = 0
-        self.fixed_p1: torch.Tensor | None = None  # [hidden, 2 * capacity * fixed_rank]
-        self.fixed_p2: torch.Tensor | None = None
-        self.fixed_left_out: list[str] = []  # steers wider than fixed_rank (not in the copy)
-        # the LM head's CUDA graphs over the fixed copy (kernels.graphs.head_graphs), told of
-        # every change of the bank's layout and of the copy
+        # the LM head's CUDA graphs over the bank (kernels.graphs.head_graphs), told when the
+        # storage grows (the only time it moves)
         self.graphs = None
         self.reserved_rank = reserve_rank or 0  # rank per steer reserved (2 * capacity of them)
-        if reserve_rank:
-            self._allocate(coefficient_columns(capacity) * reserve_rank)
-        self._rebuild()
+        self.rank = 0  # columns per coefficient column (the layout's rank)
+        # [columns] int32 on the device: each column's steer rank (0: empty), rewritten in
+        # place: the grouped op reads only these columns of a narrower steer
+        self.widths = torch.zeros(self.num_columns, dtype=torch.int32, device=device)
+        self._allocate(int(reserve_rank or 0))
 
     @property
     def num_columns(self) -> int:
@@ -168,12 +169,21 @@ class SlotBank:
     @property
     def reserved_bytes(self) -> int:
         """Device bytes of the factors' storage (both factors)."""
-        return 0 if self._store1 is None else 2 * self._store1.numel() * self._store1.element_size()
+        return 2 * self.p1.numel() * self.p1.element_size()
 
-    def _allocate(self, total_rank: int) -> None:
-        n = self.hidden_size * total_rank
-        self._store1 = torch.zeros(n, device=self.device, dtype=self.dtype)
-        self._store2 = torch.zeros(n, device=self.device, dtype=self.dtype)
+    def _allocate(self, rank: int) -> None:
+        """Storage for ``rank`` columns per coefficient column, the current steers copied."""
+        d, cols = self.hidden_size, self.num_columns
+        old = (self.p1, self.p2, self.rank) if self.rank else None
+        self.p1 = torch.zeros(d, cols * rank, device=self.device, dtype=self.dtype)
+        self.p2 = torch.zeros_like(self.p1)
+        if old is not None:
+            for new, prev in zip((self.p1, self.p2), old[:2]):
+                new.view(d, cols, rank)[:, :, :old[2]].copy_(prev.view(d, cols, old[2]))
+        self.rank = rank
+        self.rank_offsets: list[int] = [k * rank for k in range(cols + 1)]
+        if self.graphs is not None:
+            self.graphs.use_bank(self.p1, self.p2, rank)  # recorded again at their next use
 
     def put(self, bank_slot: int, load_id: int, name: str, steer: Steer) -> None:
         """Load ``steer`` into ``bank_slot`` (which no running request may use) under
@@ -186,92 +196,50 @@ class SlotBank:
                 raise ValueError(f"steer {name!r} has {what} {p.shape[1]} over "
                                  f"--max-steer-rank={self.max_rank}; raise --max-steer-rank "
                                  f"(the bank is reserved for it at start-up)")
-        self.steers[bank_slot] = steer.to(device="cpu", dtype=self.dtype)  # packed in _rebuild
+        host = steer.to(device="cpu", dtype=self.dtype)
+        served = host.metadata.domain == "with_steer" and host.domain_p1 is not None
+        width = max(host.p1.shape[1], host.domain_p1.shape[1] if served else 0)
+        if width > self.rank:
+            if self.rank:
+                logger.warning(
+                    "vllm-steer: the steer bank grows from rank %d to %d per steer on %s: a "
+                    "device allocation outside the memory vLLM measured at start-up; set "
+                    "--max-steer-rank to reserve the worst case at start-up",
+                    self.rank, width, self.device)
+            self._allocate(width)
+        self.steers[bank_slot] = host
         self.load_ids[bank_slot] = load_id
         self.names[bank_slot] = name
-        self._rebuild()
+        self._write(bank_slot, host.p1, host.p2)
+        self._write(self.capacity + bank_slot, *((host.domain_p1, host.domain_p2) if served
+                                                 else (None, None)))
+        self._changed()
 
     def drop(self, bank_slot: int) -> None:
         """Empty ``bank_slot``."""
         self.steers[bank_slot] = None
         self.load_ids[bank_slot] = 0
         self.names[bank_slot] = None
-        self._rebuild()
+        self._write(bank_slot, None, None)
+        self._write(self.capacity + bank_slot, None, None)
+        self._changed()
 
-    def _rebuild(self) -> None:
-        """Pack the slots' factors on the host, then one contiguous copy per factor into the
-        device storage (grown only when no reservation holds them)."""
-        d = self.hidden_size
-        parts1, parts2, offs = [], [], [0]
-        segs = [(s.p1, s.p2) if s is not None else (None, None) for s in self.steers]
-        segs += [(s.domain_p1, s.domain_p2)
-                 if s is not None and s.metadata.domain == "with_steer"
-                 and s.domain_p1 is not None else (None, None) for s in self.steers]
-        for a, b in segs:
-            if a is not None:
-                parts1.append(a), parts2.append(b)
-            offs.append(offs[-1] + (0 if a is None else a.shape[1]))
-        total = offs[-1]
-        if self._store1 is None or self._store1.numel() < d * total:
-            if self._store1 is not None:
-                logger.warning(
-                    "vllm-steer: the steer bank grows from total rank %d to %d on %s: a device "
-                    "allocation outside the memory vLLM measured at start-up; set "
-                    "--max-steer-rank to reserve the worst case at start-up",
-                    self._store1.numel() // max(d, 1), total, self.device)
-            self._allocate(total)
-        self.p1 = self._store1[:d * total].view(d, total)
-        self.p2 = self._store2[:d * total].view(d, total)
-        if parts1:
-            self.p1.copy_(torch.cat(parts1, dim=1))
-            self.p2.copy_(torch.cat(parts2, dim=1))
-        layout_changed = offs != getattr(self, "rank_offsets", None)
-        self.rank_offsets = offs
+    def _write(self, column: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """Coefficient column ``column``'s factors, in place (zeros past their rank, or for
+        none): one host-to-device copy per factor."""
+        r = self.rank
+        self.widths[column] = 0 if a is None else a.shape[1]
+        if not r:
+            return
+        for dst, src in ((self.p1, a), (self.p2, b)):
+            block = torch.zeros(self.hidden_size, r, dtype=dst.dtype)
+            if src is not None:
+                block[:, :src.shape[1]] = src
+            dst[:, column * r:(column + 1) * r].copy_(block)
+
+    def _changed(self) -> None:
         self.version += 1
         self._plan_key, self._plan = None, None
-        if self.fixed_p1 is not None:
-            self._fill_fixed(segs)
-        if self.graphs is not None and layout_changed:
-            self.graphs.invalidate()  # captured again at their next use
-
-    def enable_fixed(self, rank: int) -> int:
-        """Keep, from now on, a copy of the factors whose layout never changes: segment ``k``
-        (the factors that coefficient column ``k`` multiplies) at columns ``[k * rank, k *
-        rank + width)`` of ``fixed_p1`` / ``fixed_p2`` (``[hidden, 2 * capacity * rank]``),
-        zeros elsewhere. Its storage, shape and the column of every segment stay the same
-        across puts and drops (rewritten in place), so a CUDA graph that captured a steer op
-        reading it reads the current steers at every replay
-        (:func:`vllm_steer.ops.steer_fixed`: drafter heads inside vLLM's graphs, and the LM
-        head's own graphs, :func:`vllm_steer.kernels.graphs.head_graphs`, which share this
-        one copy). A steer wider than ``rank`` is left out of the copy (``fixed_left_out``).
-        Returns the bytes allocated."""
-        rank = max(int(rank), 1)
-        cols = self.num_columns * rank
-        self.fixed_rank = rank
-        self.fixed_p1 = torch.zeros(self.hidden_size, cols, device=self.device, dtype=self.dtype)
-        self.fixed_p2 = torch.zeros_like(self.fixed_p1)
-        if self.graphs is not None:  # a new copy: the graphs read it from now on
-            self.graphs.use_copy(self.fixed_p1, self.fixed_p2, rank)
-        self._rebuild()
-        return 2 * self.fixed_p1.numel() * self.fixed_p1.element_size()
-
-    def _fill_fixed(self, segs) -> None:
-        r, left = self.fixed_rank, []
-        host1 = torch.zeros(self.fixed_p1.shape, dtype=self.dtype)
-        host2 = torch.zeros(self.fixed_p2.shape, dtype=self.dtype)
-        for k, (a, b) in enumerate(segs):
-            if a is None:
-                continue
-            if a.shape[1] > r:
-                left.append(self.names[k % self.capacity] or f"slot {k % self.capacity}")
-                continue
-            host1[:, k * r:k * r + a.shape[1]] = a
-            host2[:, k * r:k * r + b.shape[1]] = b
-        self.fixed_p1.copy_(host1)
-        self.fixed_p2.copy_(host2)
-        self.fixed_left_out = sorted(set(left))
-        if self.graphs is not None:
-            self.graphs.left_out(self.fixed_left_out, self.fixed_rank)
 
     def coef_row(self, bound: Mapping[str, Sequence[int]], strengths: Mapping[str, float]
                  ) -> tuple[list[float], list[str]]:

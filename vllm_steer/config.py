@@ -58,7 +58,7 @@ class SteerServerConfig:
     steer_drafter: bool = True
     """Speculative decoding: steer the drafter's rows too (a draft model, EAGLE, EAGLE-3 or MTP
     head of the steers' hidden size; under Model Runner V2, EAGLE-style drafters inside CUDA
-    graphs through a fixed-layout copy of the bank) to keep the acceptance rate up;
+    graphs reading the bank in place) to keep the acceptance rate up;
     ``--no-steer-drafter``: propose unsteered. Either way the output follows the steered
     target (rejection sampling)."""
     presets: dict[str, dict[str, float]] = field(default_factory=dict)

@@ -14,9 +14,11 @@ always ``triton`` in vLLM's batch-invariant mode); ``torch`` on any other device
 
 Steering runs outside CUDA graphs: :func:`check_not_capturing` (one function, also called by
 every public kernel wrapper) refuses a call made while a graph is being captured. The one
-exception is :func:`steer_fixed`, the capture-safe op (a fixed-layout bank, coefficients
-gathered on the device): drafter heads inside vLLM's graphs run it, and on CUDA the LM head
-replays it from its own graphs (:class:`vllm_steer.kernels.graphs.SteerGraphs`).
+exception is :func:`steer_fixed`, the capture-safe op (the bank read in place in its fixed
+layout, coefficients gathered on the device; on CUDA the rows grouped by slot on the device,
+:mod:`vllm_steer.kernels.triton.grouped`): drafter heads inside vLLM's graphs run it, and on
+CUDA the LM head replays it from its own graphs
+(:class:`vllm_steer.kernels.graphs.SteerGraphs`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 import torch
 
 from vllm_steer.kernels import ENV_BACKEND, batch_invariant, staging
-from vllm_steer.kernels import fixed as _fixed
+from vllm_steer.kernels import capture_safe as _capture_safe
 from vllm_steer.kernels.staging import check_not_capturing, to_device  # noqa: F401  (re-exported)
 from vllm_steer.reference import steer_reference
 
@@ -201,20 +203,35 @@ def warm_up(
 
 def steer_fixed(
     hidden: torch.Tensor,  # [num_rows, hidden]
-    p1: torch.Tensor,  # [hidden, columns * rank]: a fixed-layout bank (SlotBank.enable_fixed)
+    p1: torch.Tensor,  # [hidden, columns * rank]: the bank in its fixed layout (SlotBank.p1)
     p2: torch.Tensor,  # [hidden, columns * rank]
-    rank: int,  # columns of the copy per coefficient column
+    rank: int,  # columns of the bank per coefficient column (SlotBank.rank)
     table: torch.Tensor,  # [T, columns] float32 coefficient rows
     index: torch.Tensor | None,  # [num_rows] int: each row's row of ``table``; -1: a padding
     #                              row. None: row i's row is i (T >= num_rows)
     out: torch.Tensor | None = None,  # [num_rows, hidden] of hidden's dtype: written, returned
+    scratch: Any = None,  # fixed_scratch(...) for these rows: nothing allocated per call
+    max_per_row: int | None = None,  # the most non-zero coefficients a row has (default: all)
+    widths: torch.Tensor | None = None,  # [columns] int32: each column's steer rank
+    #                                      (SlotBank.widths: the grouped op reads no padding)
 ) -> torch.Tensor:
     """The capture-safe steer op: row ``i`` steered with ``table[index[i]]`` (zeros for -1).
     Semantics: see :func:`vllm_steer.reference.steer_reference`.
 
-    Allowed inside a CUDA graph capture (the ops it launches and their shapes depend on no
-    value, and nothing is read back to the host): see :mod:`vllm_steer.kernels.fixed`."""
-    return _fixed.steer_fixed(hidden, p1, p2, rank, table, index, out)
+    Allowed inside a CUDA graph capture (the launches and their shapes depend on no value,
+    and nothing is read back to the host). On CUDA with Triton, the grouped op
+    (:func:`vllm_steer.kernels.triton.grouped.steer_grouped`: rows grouped by slot on the
+    device, only the steers in use read); elsewhere the dense torch op
+    (:mod:`vllm_steer.kernels.fixed`), both on the bank in place."""
+    return _capture_safe.steer(hidden, p1, p2, rank, table, index, out, scratch, max_per_row,
+                               widths)
+
+
+def fixed_scratch(rows: int, columns: int, rank: int, hidden: int, device,
+                  max_per_row: int | None = None) -> Any:
+    """The buffers :func:`steer_fixed` reuses for ``rows`` rows on ``device`` (make them
+    outside a capture; None where the op needs none: the torch op)."""
+    return _capture_safe.scratch(rows, columns, rank, hidden, device, max_per_row)
 
 
 def backend_fn(name: str) -> SteerFn:

@@ -1,19 +1,20 @@
 """GPU memory of the steer bank and of the LM head's CUDA graphs, by ``--max-steers``, rank,
 hidden size and dtype: the one place these figures are computed. The bank's reservation
 (:func:`vllm_steer.bank.slot_bank_bytes`, refused with this figure when it does not fit), the
-head's graphs (:func:`vllm_steer.kernels.graphs.head_graphs`: their copy of the bank and the
-limit past which they are turned off) and the sizing table of ``docs/deploy.md``
-(:func:`sizing_table`, checked by a test) all read it.
+head's graphs (:func:`vllm_steer.kernels.graphs.head_graphs`: their rows and the grouped op's
+buffers) and the sizing table of ``docs/deploy.md`` (:func:`sizing_table`, checked by a test)
+all read it.
 
 - **The bank**: two factors (``p1``, ``p2``), each ``[hidden, 2 * max_steers * rank]``: every
   slot's steer and its domain component at the reserved rank (``--max-steer-rank``, else the
   largest of 64 and the ``--steer`` files' ranks). Allocated once, while vLLM loads the model,
-  so vLLM counts it before it sizes the KV cache.
-- **The head's graphs**: the op replayed from CUDA graphs reads a fixed-layout copy of the bank,
-  as large as the bank (:func:`head_graph_copy_bytes`). Past :data:`MAX_GRAPH_BANK_BYTES` the
-  graphs are turned off and the op is launched eagerly (slower: ``vllm_steer:head_eager``
-  says so), and the copy is not made. Each graph's static input and output rows add
-  :func:`graph_rows_bytes` (row buckets 1, 2, 4, ... up to 512 rows).
+  so vLLM counts it before it sizes the KV cache; it never moves, and the head's graphs read it
+  in place (no copy, whatever its size).
+- **The head's graphs**: one per row bucket (1, 2, 4, ... up to 512 rows), each with its static
+  input and output rows (:func:`graph_rows_bytes`) and, on CUDA, the grouped op's buffers
+  (:func:`grouped_scratch_bytes`: each row's slots and coefficients, the rows grouped per
+  coefficient column, and the down-projections in fp32), sized by the most steers a request
+  may use (``--max-steers-per-request``).
 
 Light: standard library only (a torch dtype is read by its name).
 """
@@ -24,12 +25,10 @@ from dataclasses import dataclass
 
 #: Bytes per element of the dtypes a model serves in.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-#: The largest fixed-layout copy of the bank (both factors, bytes) for which the head uses
-#: CUDA graphs: each replay multiplies every column of the copy, used or not, so a large copy
-#: costs more GPU time than its launch saves host time (and the copy is device memory).
-MAX_GRAPH_BANK_BYTES = 256 << 20
 #: The largest row bucket the head's graphs capture (a step with more rows runs eagerly).
 MAX_GRAPH_ROWS = 512
+#: ``--max-steers-per-request``'s default: the most steers one request may use.
+DEFAULT_PER_REQUEST = 8
 
 
 def dtype_bytes(dtype) -> int:
@@ -52,34 +51,58 @@ def bank_bytes(max_steers: int, rank: int, hidden_size: int, dtype) -> int:
     return 2 * int(hidden_size) * bank_columns(max_steers, rank) * dtype_bytes(dtype)
 
 
-def head_graph_copy_bytes(max_steers: int, rank: int, hidden_size: int, dtype) -> int:
-    """Device bytes of the fixed-layout copy of the bank the head's CUDA graphs read (and
-    drafters inside CUDA graphs): two factors ``[hidden, 2 * max_steers * rank]``."""
-    return 2 * int(hidden_size) * bank_columns(max_steers, rank) * dtype_bytes(dtype)
+def _buckets(rows: int = MAX_GRAPH_ROWS) -> list[int]:
+    """The row buckets captured for up to ``rows`` rows: 1, 2, 4, ..."""
+    out, top = [1], 1
+    while top < min(int(rows), MAX_GRAPH_ROWS):
+        top *= 2
+        out.append(top)
+    return out
 
 
-def head_graphs_on(max_steers: int, rank: int, hidden_size: int, dtype) -> bool:
-    """Whether the head replays its op from CUDA graphs at this size (on CUDA, graphs not
-    turned off otherwise): its copy at most :data:`MAX_GRAPH_BANK_BYTES`."""
-    return head_graph_copy_bytes(max_steers, rank, hidden_size, dtype) <= MAX_GRAPH_BANK_BYTES
+def split_d(hidden_size: int) -> int:
+    """The grouped op's slices of ``hidden`` (its down-projection's partial sums)."""
+    return max(1, min(4, int(hidden_size) // 1024))
+
+
+def grouped_scratch_bytes(rows: int, columns: int, max_per_row: int, rank: int,
+                          hidden_size: int) -> int:
+    """Device bytes of the grouped op's buffers for ``rows`` rows (made once per graph):
+    ``[rows, S]`` slots (int32) and coefficients (fp32), ``[columns, rows]`` rows per column
+    and ``[columns]`` counts (int32), ``[rows]`` order (int32), and the down-projections
+    ``[split_d(hidden), rows * S, max(16, rank rounded up to a power of two)]`` (fp32), with
+    ``S = min(max_per_row, columns)``."""
+    s = max(1, min(int(max_per_row), int(columns)))
+    br = 16
+    while br < int(rank):
+        br *= 2
+    rows, columns = int(rows), int(columns)
+    return 4 * (2 * rows * s + columns * rows + columns + rows
+                + split_d(hidden_size) * rows * s * br)
+
+
+def graph_scratch_bytes(max_steers: int, rank: int, hidden_size: int,
+                        per_request: int = DEFAULT_PER_REQUEST,
+                        rows: int = MAX_GRAPH_ROWS) -> int:
+    """Device bytes of the grouped op's buffers over every captured bucket: two coefficient
+    columns a slot (a steer and its domain component), two non-zero ones a steer a request
+    uses."""
+    return sum(grouped_scratch_bytes(b, 2 * int(max_steers), 2 * int(per_request), rank,
+                                     hidden_size) for b in _buckets(rows))
 
 
 def graph_rows_bytes(hidden_size: int, dtype, rows: int = MAX_GRAPH_ROWS) -> int:
     """Device bytes of the head's graphs' static input and output rows, every bucket up to
     ``rows`` (1, 2, 4, ...) captured: ``2 * (2 * bucket - 1) * hidden``."""
-    top = 1
-    while top < min(int(rows), MAX_GRAPH_ROWS):
-        top *= 2
-    return 2 * (2 * top - 1) * int(hidden_size) * dtype_bytes(dtype)
+    return 2 * sum(_buckets(rows)) * int(hidden_size) * dtype_bytes(dtype)
 
 
-def head_graph_bytes(max_steers: int, rank: int, hidden_size: int, dtype) -> int:
-    """Device bytes of the head's CUDA graphs at this size: the copy and the rows of every
-    bucket; 0 where the graphs are turned off for the copy's size."""
-    if not head_graphs_on(max_steers, rank, hidden_size, dtype):
-        return 0
-    return (head_graph_copy_bytes(max_steers, rank, hidden_size, dtype)
-            + graph_rows_bytes(hidden_size, dtype))
+def head_graph_bytes(max_steers: int, rank: int, hidden_size: int, dtype,
+                     per_request: int = DEFAULT_PER_REQUEST) -> int:
+    """Device bytes of the head's CUDA graphs at this size: the rows and the grouped op's
+    buffers of every bucket (the bank itself is read in place)."""
+    return (graph_rows_bytes(hidden_size, dtype)
+            + graph_scratch_bytes(max_steers, rank, hidden_size, per_request))
 
 
 @dataclass(frozen=True)
@@ -106,13 +129,13 @@ DOC_ROWS = (
     SizingRow(8, 16, 4096, "bfloat16", "Llama-3.1-8B, `--max-steer-rank 16`"),
     SizingRow(32, 64, 4096, "bfloat16", "Llama-3.1-8B"),
     SizingRow(64, 64, 4096, "bfloat16", "Llama-3.1-8B"),
-    SizingRow(128, 64, 4096, "bfloat16", "Llama-3.1-8B: the largest with graphs"),
-    SizingRow(256, 64, 4096, "bfloat16", "Llama-3.1-8B: graphs off"),
+    SizingRow(128, 64, 4096, "bfloat16", "Llama-3.1-8B"),
+    SizingRow(256, 64, 4096, "bfloat16", "Llama-3.1-8B"),
     SizingRow(256, 16, 4096, "bfloat16", "Llama-3.1-8B"),
     SizingRow(8, 64, 4096, "float32", "an 8B model in fp32"),
     SizingRow(8, 64, 8192, "bfloat16", "Llama-3.1-70B (per GPU)"),
-    SizingRow(64, 64, 8192, "bfloat16", "Llama-3.1-70B: the largest with graphs"),
-    SizingRow(128, 64, 8192, "bfloat16", "Llama-3.1-70B: graphs off"),
+    SizingRow(64, 64, 8192, "bfloat16", "Llama-3.1-70B"),
+    SizingRow(128, 64, 8192, "bfloat16", "Llama-3.1-70B"),
 )
 
 
@@ -128,10 +151,10 @@ def sizing_table(rows=DOC_ROWS) -> str:
         graphs = head_graph_bytes(r.max_steers, r.rank, r.hidden_size, r.dtype)
         out.append(f"| {r.max_steers} | {r.rank} | {r.hidden_size} | {r.dtype} | "
                    f"{_mib(bank_bytes(r.max_steers, r.rank, r.hidden_size, r.dtype))} | "
-                   f"{_mib(graphs) if graphs else 'off (eager)'} | {r.note} |")
+                   f"{_mib(graphs)} | {r.note} |")
     return "\n".join(out)
 
 
-__all__ = ["DTYPE_BYTES", "MAX_GRAPH_BANK_BYTES", "MAX_GRAPH_ROWS", "SizingRow", "DOC_ROWS",
-           "bank_bytes", "head_graph_copy_bytes", "head_graphs_on", "graph_rows_bytes",
-           "head_graph_bytes", "sizing_table", "dtype_bytes"]
+__all__ = ["DTYPE_BYTES", "MAX_GRAPH_ROWS", "DEFAULT_PER_REQUEST", "SizingRow", "DOC_ROWS",
+           "bank_bytes", "graph_rows_bytes", "grouped_scratch_bytes", "graph_scratch_bytes",
+           "head_graph_bytes", "sizing_table", "dtype_bytes", "split_d"]

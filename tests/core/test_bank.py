@@ -79,4 +79,6 @@ def test_slot_bank_keeps_columns_fixed_while_steers_come_and_go():
     row, problems = bank.coef_row({"a": (1, 7)}, {"a": 5})
     assert row == [0.0] * 6 and "load 7" in problems[0]
     bank.drop(1)
-    assert bank.rank_offsets == [0, 6, 6, 6, 6, 6, 6]
+    assert bank.rank_offsets == [0, 6, 12, 18, 24, 30, 36]  # grew to rank 6 per column; kept
+    assert torch.equal(bank.p1[:, 6:12], torch.zeros(32, 6))  # slot 1 emptied in place
+    assert bank.widths.tolist() == [6, 0, 0, 0, 0, 0]  # each column's steer rank, in place

@@ -231,14 +231,14 @@ def _coefs(bank, rows, gen):
     return table
 
 
-def test_the_heads_graphs_reuse_the_copy_replay_new_steers_and_recapture_after_a_layout_change(
-        log_lines):
+def test_the_heads_graphs_read_the_bank_in_place_and_loads_keep_every_graph(log_lines):
     bank = _bank()
+    storage = (bank.p1.data_ptr(), bank.p2.data_ptr())
     graphs = G.head_graphs(bank, graph_backend=StandIn())
-    assert graphs is G.head_graphs(bank) and bank.fixed_p1 is graphs.p1  # one copy, kept
-    assert any("replays from CUDA graphs" in line and "0.0 MiB (6 columns x rank 8 x hidden "
-               "32), allocated now" in line for line in log_lines), log_lines
-    assert bank.fixed_p1.shape == (32, 2 * 3 * 8)
+    assert graphs is G.head_graphs(bank) and bank.p1 is graphs.p1  # the bank itself, no copy
+    assert any("replays from CUDA graphs" in line and "over the bank in place (6 columns x "
+               "rank 8 x hidden 32)" in line for line in log_lines), log_lines
+    assert bank.p1.shape == (32, 2 * 3 * 8) and bank.rank_offsets == [8 * k for k in range(7)]
     gen = torch.Generator().manual_seed(0)
     table = torch.zeros(8, bank.num_columns, device=DEVICE)  # the caller's persistent buffer
 
@@ -246,39 +246,37 @@ def test_the_heads_graphs_reuse_the_copy_replay_new_steers_and_recapture_after_a
         table[:n] = _coefs(bank, n, gen)
         h = torch.randn(n, 32, generator=gen).to(DEVICE)
         out = graphs.run(h, table)
-        ref = steer_reference(h.cpu(), bank.p1.cpu(), bank.p2.cpu(), bank.rank_offsets,
-                              table[:n].cpu())
+        ref = torch.stack([h[i].cpu() + sum(
+            table[i, k].item() * (bank.steers[k].matrix() @ h[i].cpu())
+            for k in range(bank.capacity) if bank.steers[k] is not None)
+            for i in range(n)])  # c + sum eps W c, from each steer file's own factors
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
 
     step()
     assert graphs.captures == 1
-    bank.put(2, 3, "c", random_steer(32, 8, "c", seed=3))  # a new steer: the layout changes
-    assert graphs.buckets == []  # the cache was dropped
+    bank.put(2, 3, "c", random_steer(32, 8, "c", seed=3))  # a new steer, written in place
+    bank.drop(0)
+    bank.put(0, 4, "d", random_steer(32, 5, "d", seed=4))  # another rank, the same columns
+    step()  # no capture: the replay reads the bank rewritten in place, and "c", "d" count
     step()
-    assert graphs.captures == 2
-    bank.drop(2)
-    bank.put(2, 4, "d", random_steer(32, 8, "d", seed=4))  # back to the same layout as "c"
-    captures = graphs.captures
-    step()  # captured again once (the drop changed the layout), then replayed
-    step()
-    assert graphs.captures == captures + 1
-    bank.put(2, 5, "e", random_steer(32, 8, "e", seed=5))  # same ranks: the layout stays
-    step()  # no capture: the replay reads the copy rewritten in place, and "e" counts
-    assert graphs.captures == captures + 1
+    assert graphs.captures == 1 and graphs.replays == 3
+    assert (bank.p1.data_ptr(), bank.p2.data_ptr()) == storage
 
 
-def test_a_steer_wider_than_the_copy_sends_the_head_back_to_the_eager_op(log_lines):
-    bank = _bank()
+def test_a_steer_wider_than_an_unbounded_banks_rank_grows_it_and_the_graphs_record_again():
+    bank = _bank()  # rank 8 reserved, no --max-steer-rank: the bank may grow (logged)
     graphs = G.head_graphs(bank, graph_backend=StandIn())
-    bank.put(2, 3, "wide", random_steer(32, 12, "wide", seed=6))
-    assert graphs.disabled and "wide" in graphs.disabled
-    assert any("launched eagerly (not from CUDA graphs) while steers wider than the fixed "
-               "copy's rank 8 are loaded: ['wide']" in line for line in log_lines), log_lines
-    assert graphs.run(torch.randn(2, 32, device=DEVICE), torch.zeros(2, 6, device=DEVICE)) is None
-    bank.drop(2)
-    assert graphs.disabled is None
-    assert graphs.run(torch.randn(2, 32, device=DEVICE),
-                      torch.zeros(2, 6, device=DEVICE)) is not None
+    table = torch.zeros(2, 6, device=DEVICE)
+    table[:, 2] = 0.5
+    h = torch.randn(2, 32, device=DEVICE)
+    graphs.run(h, table)
+    wide = random_steer(32, 12, "wide", seed=6)
+    bank.put(2, 3, "wide", wide)
+    assert bank.rank == 12 and graphs.p1 is bank.p1 and graphs.buckets == []
+    out = graphs.run(h, table)
+    assert graphs.captures == 2
+    want_rows = h.cpu() + 0.5 * h.cpu() @ wide.matrix().T
+    torch.testing.assert_close(out.cpu(), want_rows, rtol=1e-5, atol=1e-5)
 
 
 def test_the_head_keeps_the_eager_op_where_graphs_do_not_apply(monkeypatch, log_lines):
@@ -295,27 +293,13 @@ def test_the_head_keeps_the_eager_op_where_graphs_do_not_apply(monkeypatch, log_
                                          r"set it to 1 .* or 0"):
         G.head_graphs(_bank(), graph_backend=StandIn())
     monkeypatch.delenv("VLLM_STEER_CUDA_GRAPHS")
-    bank = _bank()
-
-    def oom(rank):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
-
-    monkeypatch.setattr(bank, "enable_fixed", oom)
-    assert G.head_graphs(bank, graph_backend=StandIn()) is None and bank.fixed_p1 is None
-    assert any("the device cannot hold a fixed-layout copy of the bank of 0.0 MiB (6 columns x "
-               "rank 8 x hidden 32) (CUDA out of memory. Tried to allocate 2.00 MiB)" in line
-               for line in log_lines), log_lines
     bank = SlotBank(3, 32, device=DEVICE, dtype=torch.float32)  # no reserved rank
-    assert G.head_graphs(bank, graph_backend=StandIn()) is None and bank.fixed_p1 is None
-    assert any("reserved no rank for a fixed-layout copy (set --max-steer-rank" in line
+    assert G.head_graphs(bank, graph_backend=StandIn()) is None and bank.graphs is None
+    assert any("the bank reserved no rank (set --max-steer-rank" in line
                for line in log_lines), log_lines
-    monkeypatch.setattr(G, "MAX_GRAPH_BANK_BYTES", 1000)
-    bank = _bank()
-    assert G.head_graphs(bank, graph_backend=StandIn()) is None
-    assert bank.fixed_p1 is None  # nothing allocated
-    assert any("launched eagerly: replaying it from CUDA graphs needs a fixed-layout copy of "
-               "the bank of 0.0 MiB (6 columns x rank 8 x hidden 32), over 0 MiB" in line
-               for line in log_lines), log_lines
+    # a bank of any size replays from graphs: no copy, so no size limit
+    big = SlotBank(3, 32, device=DEVICE, dtype=torch.float32, reserve_rank=512)
+    assert G.head_graphs(big, graph_backend=StandIn()) is not None
 
 
 def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_included(
@@ -346,12 +330,11 @@ def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_in
     rt.model_loaded()
     # captured once the model is loaded, up to 8 rows
     assert rt.bank_state.bank.graphs.buckets == [1, 2, 4, 8]
-    copy = rt.bank_state.bank.fixed_p1
-    # a drafter shares it
-    assert rt.enable_fixed_drafter() == 0.0 and rt.bank_state.bank.fixed_p1 is copy
-    assert any("the drafter's steers, inside CUDA graphs, use a fixed-layout copy of the bank: "
-               "0.0 MiB (rank 8 per steer); the LM head's copy, no more memory" in line
-               for line in log_lines), log_lines
+    bank_p1 = rt.bank_state.bank.p1
+    # a drafter reads the same bank, in place
+    assert rt.enable_fixed_drafter() == 0.0 and rt.bank_state.bank.p1 is bank_p1
+    assert any("the drafter's steers, inside CUDA graphs, read the bank in place (rank 8 per "
+               "steer): no more memory" in line for line in log_lines), log_lines
     eps = {n: rt.bank_state.bank.steers[j].metadata.epsilon
            for j, n in enumerate(rt.bank_state.names)}
     rows = {0: {0: 5 * eps["a"]}, 2: {1: -4 * eps["b"]}}
@@ -463,8 +446,7 @@ def test_enforce_eager_keeps_the_head_on_the_eager_op(tmp_path, log_lines):
     rt.ensure_slots(4, DEVICE)
     rt.bank_state.load(32, DEVICE, torch.float32, cuda_graphs=False)
     rt.model_loaded(torch.float32)
-    assert (rt.bank_state.bank.graphs is None and back.captured == []
-            and rt.bank_state.bank.fixed_p1 is None)
+    assert rt.bank_state.bank.graphs is None and back.captured == []
     assert any("launched eagerly: vLLM runs with --enforce-eager" in line
                for line in log_lines), log_lines
     row = np.zeros(rt.slots.num_columns, np.float32)
@@ -617,11 +599,11 @@ def test_a_capture_that_fails_leaves_the_head_on_the_eager_op_and_serving(tmp_pa
         "stream is capturing" in warned[0] and "asynchronously" not in warned[0], warned
 
 
-def test_a_load_that_changes_the_banks_layout_captures_the_graphs_again_before_the_next_step(
+def test_run_time_loads_and_unloads_keep_every_graph_and_the_replays_read_the_new_steers(
         tmp_path):
-    """A run-time load (or unload) that changes the bank's layout drops the head's graphs; they
-    are captured again as part of the load, for every bucket, and the steps after it replay
-    them with the new steer's rows. A load that keeps the layout captures nothing."""
+    """The bank never moves: a run-time load or unload rewrites its slot in place, the head's
+    graphs are kept (nothing captured), and the steps after it replay them with the new
+    steer's rows."""
     import numpy as np
 
     from vllm_steer.integrations.worker.rows import SlotRows
@@ -650,20 +632,16 @@ def test_a_load_that_changes_the_banks_layout_captures_the_graphs_again_before_t
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
 
     step([(0, 4), (0, 0), (0, -2)])
-    rt.put_steer(1, 7, "b", random_steer(32, 8, "b", seed=6))  # a new steer: a new layout
+    rt.put_steer(1, 7, "b", random_steer(32, 8, "b", seed=6))  # a new steer, another rank
     assert (rt.bank_state.bank.graphs.buckets == [1, 2, 4]
-            and rt.bank_state.bank.graphs.captures == 6)  # captured in the load
+            and rt.bank_state.bank.graphs.captures == 3)  # nothing captured
     step([(0, 4), (1, 3), (1, -2), (0, 0)])
     step([(1, 5)])
     rt.drop_slots([1])
-    assert rt.bank_state.bank.graphs.captures == 9
     step([(0, 3), (0, 0)])
-    rt.put_steer(1, 8, "b2", random_steer(32, 8, "b2", seed=7))  # the layout the drop undid
-    captures = rt.bank_state.bank.graphs.captures
-    rt.put_steer(1, 9, "b3", random_steer(32, 8, "b3", seed=8))  # the same ranks: kept
-    assert rt.bank_state.bank.graphs.captures == captures
+    rt.put_steer(1, 8, "b2", random_steer(32, 3, "b2", seed=7))
     step([(1, 4), (0, 2)])
-    assert rt.bank_state.bank.graphs.captures == captures and rt.bank_state.bank.graphs.replays == 5
+    assert rt.bank_state.bank.graphs.captures == 3 and rt.bank_state.bank.graphs.replays == 5
 
 
 def test_steps_replayed_from_graphs_plan_nothing_and_an_eager_step_plans_its_own(tmp_path):

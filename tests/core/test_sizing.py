@@ -1,7 +1,7 @@
 """The sizing of docs/deploy.md against what the code allocates: the table is the sizing
 function's output, the function's figures are the bytes of the tensors the bank and the head's
-graphs really allocate (measured here on the CPU, with the stand-in graph backend), its graph
-limit is the one the head applies, and the Deployment's row is the Deployment's settings."""
+graphs really allocate (measured here on the CPU, with the stand-in graph backend), no size
+turns the head's graphs off, and the Deployment's row is the Deployment's settings."""
 
 from __future__ import annotations
 
@@ -37,21 +37,32 @@ def test_the_docs_table_is_the_sizing_functions_output():
 
 @pytest.mark.parametrize("max_steers, rank, hidden, dtype", [
     (3, 8, 32, "float32"), (4, 16, 48, "bfloat16"), (1, 4, 64, "float16")])
-def test_the_figures_are_the_bytes_the_bank_and_its_copy_allocate(max_steers, rank, hidden,
-                                                                   dtype):
+def test_the_figures_are_the_bytes_the_bank_allocates_and_it_never_moves(max_steers, rank,
+                                                                        hidden, dtype):
     bank = SlotBank(max_steers, hidden, dtype=DTYPES[dtype], reserve_rank=rank)
+    where = (bank.p1.data_ptr(), bank.p2.data_ptr())
     bank.put(0, 1, "a", random_steer(hidden, rank, "a", seed=1))
     # the factors are views of the storage reserved up front: its size is the bank's memory
     reserved = bank.p1.untyped_storage().nbytes() + bank.p2.untyped_storage().nbytes()
     assert reserved == sizing.bank_bytes(max_steers, rank, hidden, dtype)
-    copied = bank.enable_fixed(rank)
-    assert copied == _nbytes(bank.fixed_p1, bank.fixed_p2) == sizing.head_graph_copy_bytes(
-        max_steers, rank, hidden, dtype)
+    assert (bank.p1.data_ptr(), bank.p2.data_ptr()) == where  # a load writes in place
+
+
+@pytest.mark.parametrize("rows, columns, max_per_row, rank, hidden", [
+    (1, 4, 2, 8, 32), (16, 6, 16, 16, 48), (512, 16, 16, 64, 4096), (7, 3, 2, 100, 2048)])
+def test_the_grouped_ops_buffers_are_what_the_sizing_says(rows, columns, max_per_row, rank,
+                                                          hidden):
+    from vllm_steer.kernels.triton.grouped import grouped_scratch
+
+    scratch = grouped_scratch(rows, columns, max_per_row, rank, hidden, torch.device("cpu"))
+    got = sum(_nbytes(t) for t in vars(scratch).values() if isinstance(t, torch.Tensor))
+    assert got == sizing.grouped_scratch_bytes(rows, columns, max_per_row, rank, hidden)
 
 
 def test_the_graph_rows_are_the_static_buffers_of_every_bucket_captured():
     """Every bucket up to 512 rows captured (the stand-in backend runs the op on the CPU):
-    their static inputs and outputs take what :func:`graph_rows_bytes` says."""
+    their static inputs and outputs take what :func:`graph_rows_bytes` says, and nothing of
+    the bank is copied (the graphs read the bank's own tensors)."""
     hidden, max_steers, rank = 16, 2, 4
     bank = SlotBank(max_steers, hidden, dtype=torch.float32, reserve_rank=rank)
     bank.put(0, 1, "a", random_steer(hidden, rank, "a", seed=1))
@@ -60,30 +71,20 @@ def test_the_graph_rows_are_the_static_buffers_of_every_bucket_captured():
     assert graphs.capture(sizing.MAX_GRAPH_ROWS, hidden, torch.float32, table) == 10
     rows = sum(_nbytes(entry[1], entry[2]) for entry in graphs._graphs.values())
     assert rows == sizing.graph_rows_bytes(hidden, "float32")
+    assert graphs.p1.data_ptr() == bank.p1.data_ptr()
+    assert graphs.p2.data_ptr() == bank.p2.data_ptr()
     assert sizing.head_graph_bytes(max_steers, rank, hidden, "float32") == \
-        rows + _nbytes(bank.fixed_p1, bank.fixed_p2)
+        rows + sizing.graph_scratch_bytes(max_steers, rank, hidden)
 
 
-def test_the_head_turns_its_graphs_off_exactly_where_the_sizing_says(monkeypatch):
-    """The head's limit is the sizing's: at the limit the graphs are made, one byte under it
-    they are not (and the table says "off")."""
-    def bank():
-        b = SlotBank(3, 32, dtype=torch.float32, reserve_rank=8)
-        b.put(0, 1, "a", random_steer(32, 4, "a", seed=1))
-        return b
-
-    copy = sizing.head_graph_copy_bytes(3, 8, 32, "float32")
-    assert G.MAX_GRAPH_BANK_BYTES == sizing.MAX_GRAPH_BANK_BYTES
-    for limit, on in ((copy, True), (copy - 1, False)):
-        monkeypatch.setattr(G, "MAX_GRAPH_BANK_BYTES", limit)
-        monkeypatch.setattr(sizing, "MAX_GRAPH_BANK_BYTES", limit)
-        assert (G.head_graphs(bank(), graph_backend=StandIn()) is not None) is on
-        assert sizing.head_graphs_on(3, 8, 32, "float32") is on
-        assert (sizing.head_graph_bytes(3, 8, 32, "float32") > 0) is on
-    # the measured case: 256 slots at rank 64, hidden 4096, bf16 is over the real limit
-    monkeypatch.undo()
-    assert not sizing.head_graphs_on(256, 64, 4096, "bfloat16")
-    assert sizing.head_graphs_on(128, 64, 4096, "bfloat16")
+def test_a_large_bank_keeps_the_heads_graphs():
+    """No size turns the graphs off: a bank far larger than a small limit would allow (here
+    64 slots) is replayed from graphs all the same."""
+    b = SlotBank(64, 32, dtype=torch.float32, reserve_rank=8)
+    b.put(0, 1, "a", random_steer(32, 4, "a", seed=1))
+    graphs = G.head_graphs(b, graph_backend=StandIn())
+    assert graphs is not None and graphs.p1.data_ptr() == b.p1.data_ptr()
+    assert not hasattr(G, "MAX_GRAPH_BANK_BYTES") and not hasattr(sizing, "head_graphs_on")
 
 
 def _flag(args: list[str], name: str) -> str | None:

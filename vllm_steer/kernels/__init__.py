@@ -8,8 +8,10 @@ this package never imports it):
   with ``TRITON_INTERPRET=1``; the subpackage :mod:`.triton`, a module per concept), only when
   ``import triton`` works.
 
-Beside them, outside the dispatch: :mod:`.fixed`, the capture-safe op (a fixed-layout bank,
-coefficients gathered on the device; :func:`vllm_steer.ops.steer_fixed`), and :mod:`.graphs`,
+Beside them, outside the dispatch: :mod:`.capture_safe`, the capture-safe op over the bank in
+place, coefficients gathered on the device (:func:`vllm_steer.ops.steer_fixed`; on CUDA the
+grouped Triton op :mod:`.triton.grouped`, elsewhere the dense torch op :mod:`.fixed`), and
+:mod:`.graphs`,
 the LM head's CUDA graphs of it, one per row bucket.
 
 Importing the package is light: the kernel modules (torch, Triton) load on first use of a

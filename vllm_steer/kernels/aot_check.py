@@ -9,6 +9,9 @@ CUDA tools).
     python -m vllm_steer.kernels.aot_check            # the default shapes x dtypes, sm_90
     python -m vllm_steer.kernels.aot_check --arch 80 --quick
 
+Both ops: the planned fused op (segments, shrink, expand) and the grouped capture-safe op
+(:mod:`.triton.grouped`: rows, segments, shrink, expand) at :data:`GROUPED_SHAPES`.
+
 Must run with ``TRITON_INTERPRET`` unset (interpreted kernels cannot be compiled); exits 1 if a
 kernel fails to compile.
 """
@@ -31,6 +34,9 @@ SHAPES = [(1, 4096, 64, 1), (256, 4096, 4096, 8), (512, 8192, 1024, 8), (256, 40
           (16, 576, 576, 1), (37, 1000, 17, 3)]
 DTYPES = [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("fp32", "bf16"),
           ("bf16", "fp32")]
+# The grouped op: (hidden, rank, bank columns, most steers a row): the goal shape (256 slots
+# of rank 64, 8 steers a request), a narrow steer, odd sizes.
+GROUPED_SHAPES = [(4096, 64, 512, 16), (4096, 16, 64, 2), (1000, 17, 6, 3)]
 
 
 def _resources(cubin: bytes) -> str:
@@ -50,7 +56,8 @@ def _resources(cubin: bytes) -> str:
     return f"regs {m.group(1)} stack {m.group(2)}" if m else "?"
 
 
-def compile_all(arch: int, shapes, dtypes, num_sms: int = 132) -> int:
+def compile_all(arch: int, shapes, dtypes, num_sms: int = 132,
+                grouped_shapes=tuple(GROUPED_SHAPES)) -> int:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -98,17 +105,75 @@ def compile_all(arch: int, shapes, dtypes, num_sms: int = 132) -> int:
                 failures += 1
                 print(f"FAILED rows {rows} d {d} rank {rank} K {K} {act}/{fac}: "
                       f"{type(exc).__name__}: {exc}", flush=True)
-    return 1 if failures else 0
+    return 1 if (failures or compile_grouped(build, grouped_shapes, dtypes)) else 0
+
+
+def compile_grouped(build, shapes, dtypes) -> int:
+    """Compile the grouped op's four kernels (:mod:`.triton.grouped_jit`) for each shape and
+    dtype pair, as :func:`.triton.grouped.steer_grouped` launches them; returns the failures."""
+    from .triton import grouped, grouped_jit, tiling
+
+    failures = 0
+    p2 = tiling._pow2_at_least
+    for d, rank, cols, s in shapes:
+        s_pad, br = max(2, p2(s)), max(16, p2(rank))
+        split = grouped.split_d(d)
+        common = dict(FP32_PREC=tiling.FP32_PRECISION, INTERPRET=False)
+        for act, fac in dtypes:
+            try:
+                rows = build(grouped_jit._grouped_rows_kernel, dict(
+                    table_ptr="*fp32", index_ptr="*i64", slots_ptr="*i32", vals_ptr="*fp32",
+                    num_rows="i32", table_rows="i32", C="i32"),
+                    dict(HAS_INDEX=True, S=s, S_PAD=s_pad, BLOCK_M=grouped.BLOCK_M,
+                         C_CHUNK=max(16, min(128, p2(cols)))))
+                seg = build(grouped_jit._grouped_segments_kernel, dict(
+                    slots_ptr="*i32", seg_ptr="*i32", counts_ptr="*i32", perm_ptr="*i32",
+                    num_rows="i32", C="i32"), dict(S=s, S_PAD=s_pad, CHUNK=256))
+                shrink = build(grouped_jit._grouped_shrink_kernel, dict(
+                    hidden_ptr=f"*{TT[act]}", p1_ptr=f"*{TT[fac]}", seg_ptr="*i32",
+                    counts_ptr="*i32", widths_ptr="*i32", buf_ptr="*fp32", stride_h="i32",
+                    ld_p="i32",
+                    num_rows="i32", hidden="i32", R="i32"), dict(
+                    S=s, BLOCK_M=grouped.BLOCK_M, BLOCK_R=br, BLOCK_D=grouped.SHRINK_D,
+                    SPLIT=split, HAS_WIDTHS=True, EVEN_R=False,
+                    EVEN_D=d % (grouped.SHRINK_D * split) == 0,
+                    MODE=tiling._mode(DT[act], DT[fac]), num_warps=grouped.SHRINK_WARPS,
+                    **common))
+                expand = build(grouped_jit._grouped_expand_kernel, dict(
+                    hidden_ptr=f"*{TT[act]}", p2_ptr=f"*{TT[fac]}", slots_ptr="*i32",
+                    vals_ptr="*fp32", perm_ptr="*i32", widths_ptr="*i32", buf_ptr="*fp32",
+                    out_ptr=f"*{TT[act]}",
+                    stride_h="i32", stride_o="i32", ld_p="i32", num_rows="i32", hidden="i32",
+                    R="i32", C="i32"), dict(
+                    S=s, S_PAD=s_pad, BLOCK_M=grouped.BLOCK_M, BLOCK_D=grouped.EXPAND_D,
+                    BLOCK_R=br, SPLIT=split, HAS_WIDTHS=True, EVEN_R=False,
+                    EVEN_D=d % grouped.EXPAND_D == 0, MODE=tiling._mode(torch.float32, DT[fac]),
+                    num_warps=grouped.EXPAND_WARPS, **common))
+                print(f"grouped d {d:5} rank {rank:3} columns {cols:4} S {s:2} {act}/{fac}: "
+                      f"rows {_resources(rows.asm['cubin'])} | segments "
+                      f"{_resources(seg.asm['cubin'])} | shrink split {split} "
+                      f"{_resources(shrink.asm['cubin'])} | expand "
+                      f"{_resources(expand.asm['cubin'])}", flush=True)
+            except Exception as exc:  # report every failing configuration, then fail
+                failures += 1
+                print(f"FAILED grouped d {d} rank {rank} columns {cols} S {s} {act}/{fac}: "
+                      f"{type(exc).__name__}: {exc}", flush=True)
+    return failures
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 90")
     ap.add_argument("--quick", action="store_true", help="the goal shape, bf16 and fp32 only")
+    ap.add_argument("--grouped-only", action="store_true",
+                    help="only the grouped capture-safe op's kernels")
     args = ap.parse_args(argv)
     shapes = SHAPES[1:2] if args.quick else SHAPES
     dtypes = [("bf16", "bf16"), ("fp32", "fp32")] if args.quick else DTYPES
-    return compile_all(args.arch, shapes, dtypes)
+    if args.grouped_only:
+        shapes = []
+    return compile_all(args.arch, shapes, dtypes,
+                       grouped_shapes=GROUPED_SHAPES[:1] if args.quick else GROUPED_SHAPES)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,22 @@
-"""The capture-safe steer op: rows whose coefficients are gathered on the device from a table,
-applied with a copy of the bank whose layout never changes. Semantics: see
+"""The dense capture-safe steer op, in torch: rows whose coefficients are gathered on the
+device from a table, applied with the bank read in place in its fixed layout. The op
+:mod:`.capture_safe` runs off CUDA (the CPU; on CUDA it runs the grouped Triton op,
+:mod:`.triton.grouped`, which reads only the steers in use). Semantics: see
 :mod:`vllm_steer.reference`.
 
-The fixed layout (:meth:`vllm_steer.bank.SlotBank.enable_fixed`): coefficient column ``k``
-multiplies the factors at columns ``[k * rank, (k + 1) * rank)`` of ``p1`` / ``p2``
-(``[hidden, columns * rank]``), a narrower steer padded with zero columns. Row ``i`` takes
-its coefficients from row ``index[i]`` of ``table`` (``[T, columns]`` fp32); ``index[i] =
--1`` (a padding row) means all zeros, and such a row, like every row whose coefficients are
-all zero, comes back bit for bit.
+The fixed layout (:class:`vllm_steer.bank.SlotBank`): coefficient column ``k`` multiplies the
+factors at columns ``[k * rank, (k + 1) * rank)`` of ``p1`` / ``p2`` (``[hidden, columns *
+rank]``), a narrower steer padded with zero columns. Row ``i`` takes its coefficients from row
+``index[i]`` of ``table`` (``[T, columns]`` fp32); ``index[i] = -1`` (a padding row) means all
+zeros, and such a row, like every row whose coefficients are all zero, comes back bit for bit.
 
 Why it can be recorded in a CUDA graph and replayed: the ops it launches and their shapes
 depend only on the number of rows and the buffers' shapes, never on a value (no data-dependent
 branch, no compaction of the active rows), and nothing is read back to the host. A graph that
 recorded it reads, at each replay, whatever the table, the index and the factors hold then.
 
-What that costs: every column of the fixed copy is multiplied for every row, whether a row
-uses it or not (two GEMMs of ``[rows, hidden] x [hidden, columns * rank]``), where the Triton
-kernel reads only the steers in use. Worth it while the fixed copy is small: the launch of the
-eager path costs more host time than these GEMMs cost the GPU.
+What that costs: every column of the bank is multiplied for every row, whether a row uses it
+or not (two GEMMs of ``[rows, hidden] x [hidden, columns * rank]``).
 
 Inside a graph each kernel still costs the GPU a few microseconds, however small its work, so
 the op launches few: the two GEMMs, one scaling (the down-projection times each row's
@@ -35,9 +34,9 @@ import torch
 
 def steer_fixed(
     hidden: torch.Tensor,  # [rows, hidden]
-    p1: torch.Tensor,  # [hidden, columns * rank]: the fixed-layout copy's first factor
+    p1: torch.Tensor,  # [hidden, columns * rank]: the bank's first factors, fixed layout
     p2: torch.Tensor,  # [hidden, columns * rank]
-    rank: int,  # columns of the copy per coefficient column
+    rank: int,  # columns of the bank per coefficient column
     table: torch.Tensor,  # [T, columns] fp32: coefficient rows (strength * epsilon)
     index: torch.Tensor | None,  # [rows] int: row i's row of the table; -1: a padding row.
     #                              None: row i's row is i (T >= rows)

@@ -3,7 +3,9 @@
 
 On a GPU the eager steer op is launch-bound: its kernels run for a few microseconds, the host
 spends far longer launching them. :class:`SteerGraphs` records the capture-safe op
-(:func:`vllm_steer.kernels.fixed.steer_fixed`) once per *row bucket* (1, 2, 4, ..., up to
+(:func:`vllm_steer.ops.steer_fixed`: on CUDA the grouped op,
+:mod:`vllm_steer.kernels.triton.grouped`, which reads only the steers in use, over the bank in
+place) once per *row bucket* (1, 2, 4, ..., up to
 :data:`MAX_GRAPH_ROWS` rows, as vLLM captures its model per batch size) into a CUDA graph with
 static buffers, and replays it each step: one copy of the step's rows into the bucket's static
 input, one replay, the first rows of its static output returned.
@@ -20,11 +22,12 @@ The worker captures every bucket up to its most rows per step when the model loa
 (:meth:`SteerGraphs.capture`), and again after a load that dropped them; a bucket still
 missing is captured on the first step that needs it, then replayed. The cache is dropped
 (every bucket is captured again) when the caller passes another coefficient table (its
-buffer was re-allocated), when the activations change dtype or width, and by
-:meth:`SteerGraphs.invalidate` (the bank calls it after a load that changes its layout).
-:meth:`SteerGraphs.run` returns None, and the caller launches the op eagerly, for more rows
-than the largest bucket, while :attr:`SteerGraphs.disabled` says why, and for good once a
-capture failed (:attr:`SteerGraphs.failed`, logged).
+buffer was re-allocated), when the activations change dtype or width, and when the bank's
+storage moves (:meth:`SteerGraphs.use_bank`: only a bank without a reservation grows; a load
+into a reserved bank writes in place and keeps every graph). :meth:`SteerGraphs.run` returns
+None, and the caller launches the op eagerly, for more rows than the largest bucket, while
+:attr:`SteerGraphs.disabled` says why, and for good once a capture failed
+(:attr:`SteerGraphs.failed`, logged).
 
 The graph itself comes from a backend (:class:`CudaGraphBackend` on CUDA); tests pass a
 stand-in that records captures and replays, so the bucket and re-capture rules are checked on
@@ -42,17 +45,13 @@ import torch
 from vllm_steer import sizing
 from vllm_steer.logs import get_logger
 
-from . import ENV_BACKEND
-from .fixed import steer_fixed
+from . import ENV_BACKEND, capture_safe
 from .layout import row_bucket
 
 #: Set to 0 to launch the LM head's steer op eagerly on CUDA (no CUDA graphs of it).
 ENV_GRAPHS = "VLLM_STEER_CUDA_GRAPHS"
 #: The largest row bucket captured; a step with more rows launches the op eagerly.
 MAX_GRAPH_ROWS = sizing.MAX_GRAPH_ROWS
-#: The largest fixed-layout copy of the bank (both factors, bytes) for which the head uses
-#: graphs (:data:`vllm_steer.sizing.MAX_GRAPH_BANK_BYTES`, where the sizing table reads it).
-MAX_GRAPH_BANK_BYTES = sizing.MAX_GRAPH_BANK_BYTES
 
 
 def graphs_enabled(choice: str | None = "auto") -> bool:
@@ -69,12 +68,6 @@ def graphs_enabled(choice: str | None = "auto") -> bool:
     except ValueError:
         raise ValueError(f"${ENV_GRAPHS}={value!r} is not an integer: set it to 1 (CUDA "
                          f"graphs for the LM head's steer op, the default) or 0 (eager)") from None
-
-
-def fixed_bank_bytes(columns: int, rank: int, hidden_size: int, dtype) -> int:
-    """Device bytes of a fixed-layout copy: two factors ``[hidden, columns * rank]``
-    (:func:`vllm_steer.sizing.head_graph_copy_bytes`; ``columns``: two per slot)."""
-    return sizing.head_graph_copy_bytes(columns // 2, rank, hidden_size, dtype)
 
 
 class GraphBackend(Protocol):
@@ -131,18 +124,24 @@ class CudaGraphBackend:
 
 
 class SteerGraphs:
-    """The capture-safe steer op on a fixed-layout bank, one graph per row bucket.
+    """The capture-safe steer op over the bank in place, one graph per row bucket.
 
-    ``p1``, ``p2``, ``rank``: the fixed-layout copy (:meth:`vllm_steer.bank.SlotBank.
-    enable_fixed`), whose storage every graph reads at replay (so loads that rewrite it in
-    place need no re-capture). ``backend``: :class:`CudaGraphBackend` on the copy's device
-    unless given."""
+    ``p1``, ``p2``, ``rank``: the bank's factors in their fixed layout
+    (:class:`vllm_steer.bank.SlotBank`), whose storage every graph reads at replay (so loads,
+    which rewrite it in place, need no re-capture). ``backend``: :class:`CudaGraphBackend` on
+    the bank's device unless given. ``max_per_row``: the most non-zero coefficients a row has
+    (two per steer a request may use), what the grouped op's buffers are sized for.
+    ``widths``: the bank's per-column steer ranks (:attr:`vllm_steer.bank.SlotBank.widths`,
+    rewritten in place by loads), so the grouped op reads no zero padding."""
 
     def __init__(self, p1: torch.Tensor, p2: torch.Tensor, rank: int,
-                 backend: GraphBackend | None = None, max_rows: int = MAX_GRAPH_ROWS):
+                 backend: GraphBackend | None = None, max_rows: int = MAX_GRAPH_ROWS,
+                 max_per_row: int | None = None, widths: torch.Tensor | None = None):
         self.p1, self.p2, self.rank = p1, p2, int(rank)
+        self.widths = widths  # [columns] int32 each column's steer rank, read at replay
         self.backend = backend if backend is not None else CudaGraphBackend(p1.device)
         self.max_rows = int(max_rows)
+        self.max_per_row = max_per_row
         self.disabled: str | None = None  # why the op is launched eagerly for now (or None)
         self.failed: str | None = None  # why it is launched eagerly for good: a failed capture
         self.captures = 0  # graphs captured (each bucket once per cache)
@@ -160,22 +159,11 @@ class SteerGraphs:
         """The buckets captured so far (ascending)."""
         return sorted(self._graphs)
 
-    def use_copy(self, p1: torch.Tensor, p2: torch.Tensor, rank: int) -> None:
-        """The bank made a new fixed-layout copy: the graphs read it from now on (captured
-        again)."""
+    def use_bank(self, p1: torch.Tensor, p2: torch.Tensor, rank: int) -> None:
+        """The bank's storage moved (it grew to a larger rank): the graphs read the new one
+        from now on (captured again)."""
         self.p1, self.p2, self.rank = p1, p2, int(rank)
         self.invalidate()
-
-    def left_out(self, names: list[str], rank: int) -> None:
-        """The steers the bank's fixed copy (of ``rank`` per steer) leaves out, being wider:
-        while there is one, the head's op is launched eagerly (logged), as the head must apply
-        every steer (a drafter may propose without one)."""
-        was = self.disabled
-        self.disabled = (f"steers wider than the fixed copy's rank {rank} are loaded: "
-                         f"{names}") if names else None
-        if self.disabled and not was:
-            get_logger().warning("vllm-steer: the LM head's steer op is launched eagerly (not "
-                                 "from CUDA graphs) while %s", self.disabled)
 
     def invalidate(self) -> None:
         """Drop every graph: each bucket is captured again on its next use (into a new memory
@@ -269,32 +257,33 @@ class SteerGraphs:
         if table.shape[0] < bucket:  # the bucket's rows past the table's: padding rows
             index = torch.arange(bucket, dtype=torch.int64, device=dev)
             index = torch.where(index < table.shape[0], index, -1)
-        p1, p2, rank = self.p1, self.p2, self.rank
+        p1, p2, rank, widths = self.p1, self.p2, self.rank, self.widths
+        scratch = capture_safe.scratch(bucket, table.shape[1], rank, self._width, dev,
+                                       self.max_per_row)
 
         def step() -> None:
-            steer_fixed(h_in, p1, p2, rank, table, index, out=out)
+            capture_safe.steer(h_in, p1, p2, rank, table, index, out, scratch, widths=widths)
 
         graph = self.backend.capture(step)
         self.captures += 1
-        self._graphs[bucket] = (graph, h_in, out, index, table)
+        self._graphs[bucket] = (graph, h_in, out, index, table, scratch)
         return self._graphs[bucket]
 
 
 def head_graphs(bank, choice: str | None = "auto",
-                graph_backend: GraphBackend | None = None) -> SteerGraphs | None:
+                graph_backend: GraphBackend | None = None,
+                max_per_row: int | None = None) -> SteerGraphs | None:
     """On CUDA, the LM head's steer op replayed from CUDA graphs (:class:`SteerGraphs`) over
-    the fixed-layout copy of ``bank`` (a :class:`~vllm_steer.bank.SlotBank`;
-    :meth:`~vllm_steer.bank.SlotBank.enable_fixed` at its reserved rank, allocated now unless
-    drafter heads already did: one copy serves both), kept as ``bank.graphs`` (the bank tells
-    them of each change of its layout and of the copy); the memory it costs is logged.
+    ``bank`` (a :class:`~vllm_steer.bank.SlotBank`) read in place: no copy, no device memory
+    but the graphs' own buffers; kept as ``bank.graphs`` (the bank tells them when its storage
+    moves). ``max_per_row``: the most non-zero coefficients a row has (two per steer a request
+    may use; default: every column).
 
     None, and the head launches the op eagerly: on any other device; with
     ``VLLM_STEER_CUDA_GRAPHS=0``; when the steer backend was named (``choice``, the
     configured backend, or ``$VLLM_STEER_BACKEND``: anything but ``auto`` runs as asked); when
-    the bank reserved no rank (no start-up steer and no ``--max-steer-rank``); when the copy
-    would exceed :data:`MAX_GRAPH_BANK_BYTES` or the device cannot hold it (logged). Call it
-    while the model loads: the copy is device memory vLLM should count before it sizes the KV
-    cache. ``graph_backend``: what records and replays the graphs (tests pass a stand-in,
+    the bank has no rank yet (no start-up steer and no ``--max-steer-rank``: nothing to lay
+    out). ``graph_backend``: what records and replays the graphs (tests pass a stand-in,
     which also lifts the CUDA-only rule)."""
     if bank.graphs is not None:
         return bank.graphs
@@ -302,34 +291,15 @@ def head_graphs(bank, choice: str | None = "auto",
     if (graph_backend is None and not on_cuda) or not graphs_enabled(choice):
         return None
     logger = get_logger()
-    rank = bank.fixed_rank or bank.reserved_rank
-    eager = "vllm-steer: the LM head's steer op is launched eagerly: "
-    if not rank:
-        logger.info(eager + "the bank reserved no rank for a fixed-layout copy (set "
-                    "--max-steer-rank to replay it from CUDA graphs)")
+    if not bank.rank:
+        logger.info("vllm-steer: the LM head's steer op is launched eagerly: the bank reserved "
+                    "no rank (set --max-steer-rank to replay it from CUDA graphs)")
         return None
-    nbytes = fixed_bank_bytes(bank.num_columns, rank, bank.hidden_size, bank.dtype)
-    figure = (f"{nbytes / 2**20:.1f} MiB ({bank.num_columns} columns x rank {rank} x "
-              f"hidden {bank.hidden_size})")
-    shared = bank.fixed_p1 is not None
-    if not shared and nbytes > MAX_GRAPH_BANK_BYTES:
-        logger.info(eager + "replaying it from CUDA graphs needs a fixed-layout copy of the "
-                    "bank of %s, over %d MiB", figure, MAX_GRAPH_BANK_BYTES >> 20)
-        return None
-    if not shared:
-        try:
-            bank.enable_fixed(rank)
-        except torch.OutOfMemoryError as e:
-            bank.fixed_rank, bank.fixed_p1, bank.fixed_p2 = 0, None, None
-            logger.warning(eager + "the device cannot hold a fixed-layout copy of the bank "
-                           "of %s (%s)", figure, str(e).splitlines()[0])
-            return None
-    graphs = bank.graphs = SteerGraphs(bank.fixed_p1, bank.fixed_p2, bank.fixed_rank,
-                                       graph_backend)
-    graphs.left_out(bank.fixed_left_out, bank.fixed_rank)
+    graphs = bank.graphs = SteerGraphs(bank.p1, bank.p2, bank.rank, graph_backend,
+                                       max_per_row=max_per_row, widths=bank.widths)
     logger.info("vllm-steer: the LM head's steer op replays from CUDA graphs (one per row "
-                "bucket up to %d rows) over a fixed-layout copy of the bank: %s, %s; "
-                "drafter heads use the same copy; VLLM_STEER_CUDA_GRAPHS=0 launches it "
-                "eagerly instead", MAX_GRAPH_ROWS, figure,
-                "kept already" if shared else "allocated now")
+                "bucket up to %d rows) over the bank in place (%d columns x rank %d x hidden "
+                "%d), reading only the steers in use; VLLM_STEER_CUDA_GRAPHS=0 launches it "
+                "eagerly instead", MAX_GRAPH_ROWS, bank.num_columns, bank.rank,
+                bank.hidden_size)
     return graphs

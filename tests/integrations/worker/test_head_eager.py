@@ -28,7 +28,8 @@ class FailingStandIn(StandIn):
         raise RuntimeError("capture refused")
 
 
-def _runtime(tmp_path, backend, max_rank=None, cuda_graphs=True, steer_backend=None):
+def _runtime(tmp_path, backend, max_rank=None, cuda_graphs=True, steer_backend=None,
+             max_steers=None):
     """A worker's runtime with start-up steer ``a`` (rank 4) loaded and its request slots
     sized, as vLLM's load leaves it; ``(runtime, the worker object worker_op takes)``."""
     path = str(tmp_path / "a.safetensors")
@@ -38,6 +39,8 @@ def _runtime(tmp_path, backend, max_rank=None, cuda_graphs=True, steer_backend=N
         cfg["max_steer_rank"] = max_rank
     if steer_backend is not None:
         cfg["backend"] = steer_backend
+    if max_steers is not None:
+        cfg["max_steers"] = max_steers
     extra = {"vllm_steer": cfg}
     rt = get_runtime(extra)
     rt.bank_state.graph_backend = backend
@@ -52,16 +55,14 @@ def _eager(worker) -> int:
     return worker_op(worker, "stats")["head_eager"]
 
 
-def test_replayed_graphs_report_0_and_disabled_graphs_report_1_until_enabled(tmp_path):
+def test_replayed_graphs_report_0_and_disabled_graphs_report_1(tmp_path):
     rt, worker = _runtime(tmp_path, StandIn())
     graphs = rt.bank_state.bank.graphs
     assert graphs is not None and graphs.buckets
     assert _eager(worker) == 0
-    # the bank tells the graphs of a steer its copy leaves out (wider than the copy's rank):
-    # the head launches the op eagerly while it is loaded
-    graphs.left_out(["wide"], graphs.rank)
+    graphs.disabled = "disabled for this check"  # the head launches the op eagerly meanwhile
     assert _eager(worker) == 1
-    graphs.left_out([], graphs.rank)
+    graphs.disabled = None
     assert _eager(worker) == 0
 
 
@@ -71,13 +72,11 @@ def test_a_failed_capture_reports_1(tmp_path):
     assert _eager(worker) == 1
 
 
-def test_graphs_turned_off_for_the_banks_size_report_1(tmp_path, monkeypatch):
-    """The Deployment's case past 128 slots at rank 64 and hidden 4096: the copy the graphs
-    need is over MAX_GRAPH_BANK_BYTES, so they are never made."""
-    monkeypatch.setattr(G, "MAX_GRAPH_BANK_BYTES", 1024)
-    rt, worker = _runtime(tmp_path, StandIn(), max_rank=4)
-    assert rt.bank_state.bank.graphs is None
-    assert _eager(worker) == 1
+def test_a_large_bank_replays_and_reports_0(tmp_path):
+    """The bank is read in place: no size of it turns the graphs off (64 slots here)."""
+    rt, worker = _runtime(tmp_path, StandIn(), max_rank=4, max_steers=64)
+    assert rt.bank_state.bank.graphs is not None
+    assert _eager(worker) == 0
 
 
 @pytest.mark.parametrize("how", ["cpu", "enforce_eager", "named_backend", "env"])

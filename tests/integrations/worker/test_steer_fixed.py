@@ -91,26 +91,27 @@ def test_the_op_records_the_same_kernels_whatever_the_values_and_reads_nothing_b
 
 def test_buffers_keep_their_storage_while_steers_and_requests_change(tmp_path):
     """A graph captured before a run-time load reads, at replay, the steers loaded since: the
-    slot table and the fixed-layout copy keep their storage and shape, and the op's result
+    slot table and the bank keep their storage and shape, and the op's result
     follows the new steer (here: a steer put into the free third slot, then the first dropped)."""
     rt = _runtime(tmp_path)
-    ptrs = [t.data_ptr() for t in (rt.slots.table, rt.bank_state.bank.fixed_p1,
-                                   rt.bank_state.bank.fixed_p2)]
-    shapes = [t.shape for t in (rt.bank_state.bank.fixed_p1, rt.bank_state.bank.fixed_p2)]
+    ptrs = [t.data_ptr() for t in (rt.slots.table, rt.bank_state.bank.p1,
+                                   rt.bank_state.bank.p2)]
+    shapes = [t.shape for t in (rt.bank_state.bank.p1, rt.bank_state.bank.p2)]
     rt.put_steer(2, 7, "c", random_steer(HIDDEN, 6, "c", seed=3, scale=2.0))
     rt.drop_slots([0])
     rows = {1: _row(rt, c=4), 4: _row(rt, b=-5, c=2)}
     _set(rt, rows)
-    assert [t.data_ptr() for t in (rt.slots.table, rt.bank_state.bank.fixed_p1,
-                                   rt.bank_state.bank.fixed_p2)] == ptrs
-    assert [t.shape for t in (rt.bank_state.bank.fixed_p1, rt.bank_state.bank.fixed_p2)] == shapes
+    assert [t.data_ptr() for t in (rt.slots.table, rt.bank_state.bank.p1,
+                                   rt.bank_state.bank.p2)] == ptrs
+    assert [t.shape for t in (rt.bank_state.bank.p1, rt.bank_state.bank.p2)] == shapes
     mapping = torch.tensor([4, 1, 0], dtype=torch.int32)
     h = torch.randn(3, HIDDEN)
     torch.testing.assert_close(rt.planner.steer_fixed(h, mapping),
                                _want(rt, h, mapping.numpy(), rows), atol=1e-5, rtol=1e-5)
 
 
-def test_a_steer_wider_than_the_reserved_rank_is_left_out_of_the_drafter_only(tmp_path):
+def test_a_steer_wider_than_an_unbounded_banks_rank_grows_it_and_the_drafter_applies_it(
+        tmp_path):
     import logging
 
     from vllm_steer.logs import get_logger
@@ -126,12 +127,14 @@ def test_a_steer_wider_than_the_reserved_rank_is_left_out_of_the_drafter_only(tm
         rt.put_steer(2, 7, "wide", random_steer(HIDDEN, 12, "wide", seed=4, scale=2.0))
     finally:
         get_logger().removeHandler(handler)
-    assert rt.bank_state.bank.fixed_left_out == ["wide"]
-    assert any("steer 'wide' (rank 12) is wider than the drafter's copy of the bank (rank 8)"
-               in line for line in lines), lines
-    _set(rt, {0: _row(rt, wide=4)})
-    h = torch.randn(1, HIDDEN)
-    assert torch.equal(rt.planner.steer_fixed(h, torch.tensor([0])), h)  # the drafter: unsteered
+    assert rt.bank_state.bank.rank == 12
+    assert any("the steer bank grows from rank 8 to 12 per steer" in line
+               for line in lines), lines
+    rows = {0: _row(rt, wide=4, a=1)}
+    _set(rt, rows)
+    h, mapping = torch.randn(1, HIDDEN), torch.tensor([0])
+    torch.testing.assert_close(rt.planner.steer_fixed(h, mapping),
+                               _want(rt, h, mapping.numpy(), rows), atol=1e-5, rtol=1e-5)
 
 
 def test_outside_a_capture_a_worker_with_no_steered_slot_skips_the_op(tmp_path):

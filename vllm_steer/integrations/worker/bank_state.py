@@ -1,6 +1,6 @@
 """The steer bank's lifecycle in a worker: load at start-up (with the device memory reserved
 for its worst case while vLLM loads the model), put and drop at run time, the backend resolved
-once, kernels compiled ahead, and the fixed-layout copy for drafters inside CUDA graphs.
+once, kernels compiled ahead; drafters inside CUDA graphs read the bank in place.
 Semantics: see :mod:`vllm_steer.reference`.
 
 A *bank slot* holds one loaded steer (:class:`~vllm_steer.bank.SlotBank`), under a *load id*
@@ -101,7 +101,8 @@ class BankState:
         if cuda_graphs:
             from vllm_steer.kernels.graphs import graphs_enabled, head_graphs
 
-            head_graphs(self.bank, self.config.backend, self.graph_backend)
+            head_graphs(self.bank, self.config.backend, self.graph_backend,
+                        max_per_row=self.max_per_row)
             self.graphs_expected = graphs_enabled(self.config.backend) and (
                 self.graph_backend is not None or torch.device(device or "cpu").type == "cuda")
         elif self.graph_backend is not None or torch.device(device or "cpu").type == "cuda":
@@ -141,10 +142,8 @@ class BankState:
 
     def head_eager(self) -> bool:
         """Whether the LM head's op is launched eagerly where it should replay from CUDA
-        graphs (:attr:`graphs_expected`): no graphs (the bank's copy over the limit, no
-        reserved rank, the device could not hold it), or graphs disabled for now (a steer
-        wider than their copy) or for good (a failed capture). The ``vllm_steer:head_eager``
-        gauge."""
+        graphs (:attr:`graphs_expected`): no graphs (no reserved rank), or graphs disabled
+        for now or for good (a failed capture). The ``vllm_steer:head_eager`` gauge."""
         if not self.graphs_expected or self.bank is None:
             return False
         graphs = self.bank.graphs
@@ -173,11 +172,6 @@ class BankState:
         self.bank.put(bank_slot, load_id, name, steer)
         if list(self.bank.rank_offsets) != layout:
             self.warm_up()
-        if name in self.bank.fixed_left_out:
-            logger.warning("vllm-steer: steer %r (rank %d) is wider than the drafter's copy of "
-                           "the bank (rank %d): drafters inside CUDA graphs propose without it; "
-                           "the target applies it", name, steer.p1.shape[1],
-                           self.bank.fixed_rank)
 
     def drop(self, bank_slots) -> None:
         if self.bank is None:
@@ -185,25 +179,22 @@ class BankState:
         for bank_slot in bank_slots:
             self.bank.drop(bank_slot)
 
+    @property
+    def max_per_row(self) -> int:
+        """The most non-zero coefficients a row can have: two (a steer and its domain
+        component) per steer a request may be served with (``--max-steers-per-request``,
+        enforced by the engine core), at most every column."""
+        cols = 2 * self.capacity
+        return max(1, min(cols, 2 * self.config.per_request))
+
     def enable_fixed_drafter(self) -> float:
-        """Keep the bank's fixed-layout copy (:meth:`SlotBank.enable_fixed`) for drafter heads
-        that run inside captured CUDA graphs, at the bank's reserved rank; called while vLLM
-        loads the drafter (before it sizes the KV cache). Returns the MiB allocated (0: no bank
-        or already kept)."""
+        """Drafter heads inside captured CUDA graphs read the bank in place (its layout never
+        changes): nothing to allocate. Logged; returns the MiB allocated (always 0)."""
         bank = self.bank
-        if bank is None:
-            return 0.0
-        shared = bank.graphs is not None  # the LM head's CUDA graphs hold the copy already
-        if bank.fixed_p1 is not None and not shared:
-            return 0.0
-        rank = bank.reserved_rank  # the rank per steer the bank reserved at start-up
-        mib = 0.0 if shared else bank.enable_fixed(rank) / 2**20
-        logger.info("vllm-steer: the drafter's steers, inside CUDA graphs, use a fixed-layout "
-                    "copy of the bank: %.1f MiB (rank %d per steer)%s%s",
-                    bank.fixed_p1.numel() * bank.fixed_p1.element_size() / 2**19,
-                    bank.fixed_rank, "; the LM head's copy, no more memory" if shared else "",
-                    f"; left out (wider): {bank.fixed_left_out}" if bank.fixed_left_out else "")
-        return mib
+        if bank is not None:
+            logger.info("vllm-steer: the drafter's steers, inside CUDA graphs, read the bank in "
+                        "place (rank %d per steer): no more memory", bank.rank)
+        return 0.0
 
 
 def _same_model(a: str, b: str) -> bool:

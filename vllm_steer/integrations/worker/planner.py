@@ -115,7 +115,7 @@ class StepPlanner:
         src = self.row_source
         bank = self.bank_state.bank
         if type(src) is CapturedRows:  # recorded whether or not a slot is steered
-            return bank is not None and bank.fixed_p1 is not None
+            return bank is not None and bank.rank > 0
         return bank is not None and self.slots.num_active_slots > 0 and type(src) is not NoRows
 
     @property
@@ -380,17 +380,17 @@ class StepPlanner:
     # ---- drafter heads inside CUDA graphs (Model Runner V2's EAGLE / EAGLE-3 / MTP) -----------
     def steer_fixed(self, hidden: torch.Tensor, mapping: torch.Tensor | None) -> torch.Tensor:
         """Steer rows whose slots are known only on the device (``mapping[i]``: row i's slot;
-        -1: a padding row, left as it is) from the fixed-layout copy of the bank. Semantics:
-        see reference.
+        -1: a padding row, left as it is) from the bank, read in place. Semantics: see
+        reference.
 
         Capture-safe by construction: every tensor it reads keeps its storage and shape
-        between steps (the slot table, the fixed copy, the caller's mapping buffer), its shapes
+        between steps (the slot table, the bank, the caller's mapping buffer), its shapes
         depend only on the number of rows, and no value goes back to the host; so a CUDA
         graph that captured it computes each replay's rows with that replay's coefficients.
         Outside a capture, a worker with no steered slot skips it."""
         bank = self.bank_state.bank
         n = hidden.shape[0]
-        if bank is None or bank.fixed_p1 is None or mapping is None or n == 0:
+        if bank is None or not bank.rank or mapping is None or n == 0:
             return hidden
         table = self.slots.table
         if mapping.shape[0] < n or table is None:
@@ -403,8 +403,8 @@ class StepPlanner:
         self.op_rows += n
         from vllm_steer import ops
 
-        return ops.steer_fixed(hidden, bank.fixed_p1, bank.fixed_p2, bank.fixed_rank, table,
-                               mapping[:n])
+        return ops.steer_fixed(hidden, bank.p1, bank.p2, bank.rank, table, mapping[:n],
+                               max_per_row=self.bank_state.max_per_row, widths=bank.widths)
 
 
 def _same_mapped_rows(src: RowSource, key: StepKey) -> bool:

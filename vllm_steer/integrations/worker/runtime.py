@@ -89,9 +89,10 @@ class SteerRuntime:
         self.planner.capture_graphs()
 
     def enable_fixed_drafter(self) -> float:
-        """The bank's fixed-layout copy for drafters in CUDA graphs (MiB allocated)."""
+        """Drafters in CUDA graphs read the bank in place (MiB allocated: 0); the head's
+        graphs are captured now if they are not yet."""
         mib = self.bank_state.enable_fixed_drafter()
-        self.planner.capture_graphs()  # a new copy drops the head's graphs
+        self.planner.capture_graphs()
         return mib
 
     # ---- the request slots ---------------------------------------------------------------

@@ -53,7 +53,7 @@ V2_DRAFTER_REASON = ("Model Runner V2 runs the drafter's LM head inside CUDA-gra
                      "draft steps, and this drafter was not prepared for them when it loaded")
 #: how a prepared V2 EAGLE / EAGLE-3 / MTP drafter is steered (logged with the decision)
 V2_DRAFTER_CAPTURED = ("inside CUDA-graph-captured draft steps: slots gathered on the device, "
-                       "the bank's fixed-layout copy")
+                       "the bank read in place")
 #: the V2 speculator that runs its drafter eagerly (its rows mapped by propose_standalone_v2)
 V2_EAGER_SPECULATOR = "StandaloneARSpeculator"
 

@@ -11,8 +11,8 @@ steering the target and the drafter means: :mod:`vllm_steer.integrations.worker.
   V2 captures in CUDA graphs (forward, logits and sampling together, ``target_dependent_ar``),
   where host-planned per-step inputs would be frozen at capture: their rows are steered by the
   capture-safe op (:meth:`~vllm_steer.integrations.worker.planner.StepPlanner.steer_fixed`: the
-  slots gathered on the device from the speculator's own ``idx_mapping`` buffer, the bank's
-  fixed-layout copy), scoped by :func:`sample_draft_v2` and prepared when vLLM loads the
+  slots gathered on the device from the speculator's own ``idx_mapping`` buffer, the bank read
+  in place), scoped by :func:`sample_draft_v2` and prepared when vLLM loads the
   drafter (:func:`speculator_load_model`, before it sizes the KV cache).
 """
 
@@ -66,8 +66,8 @@ def propose_standalone_v2(orig, self, *args, **kwargs):
 def speculator_load_model(orig, self, *args, **kwargs):
     """``DraftModelSpeculator.load_model``: once an EAGLE / EAGLE-3 / MTP drafter is loaded
     (before vLLM profiles memory and sizes the KV cache), prepare its steered heads for
-    CUDA-graph-captured draft steps: the bank's fixed-layout copy is allocated now
-    (:meth:`~vllm_steer.integrations.worker.runtime.SteerRuntime.enable_fixed_drafter`) and
+    CUDA-graph-captured draft steps: they read the bank in place, whose layout never changes
+    (:meth:`~vllm_steer.integrations.worker.runtime.SteerRuntime.enable_fixed_drafter`), and
     :func:`sample_draft_v2` scopes the speculator's ``idx_mapping`` around each draft step's
     head. A drafter that cannot be steered (another hidden size, ``--no-steer-drafter``) has
     its heads detached."""

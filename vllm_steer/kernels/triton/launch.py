@@ -101,9 +101,9 @@ def steer_triton_replayable(
     and make one call (which compiles), before the capture.
 
     Serving does not call it: the CUDA graphs of the LM head and of the drafters record the
-    capture-safe op over a fixed-layout bank (:mod:`vllm_steer.kernels.fixed`,
-    :mod:`vllm_steer.kernels.graphs`). It is that op's fused alternative, which reads only the
-    steers in use: ``scripts/gpu_window.py`` (its ``replay`` check) records it in a CUDA graph
+    grouped capture-safe op over the bank in place (:mod:`.grouped`,
+    :mod:`vllm_steer.kernels.graphs`), which takes a table and an index instead of a planned
+    batch. ``scripts/gpu_window.py`` (its ``replay`` check) records this one in a CUDA graph
     and times it beside the head's graphs, and ``tests/core/test_kernels.py`` checks it against
     the reference."""
     floats = (torch.float32, torch.float16, torch.bfloat16)
