@@ -1,0 +1,153 @@
+"""Vector steers trained from contrastive pairs: ``vllm-steer train --kind vector``.
+
+Each positive text is paired with a negative one (the data's seeded order, as many pairs as
+the smaller side has). The output of every chosen decoder block is read at the last token of
+each text (:func:`vllm_steer.train.hidden.block_outputs_at_last`), and per block ``k``, with
+``d_j = h_k(positive_j) - h_k(negative_j)``:
+
+- ``caa``: ``v_k = mean_j d_j`` (contrastive activation addition);
+- ``pca``: ``v_k`` = the first principal component of the ``d_j`` (centred, unit norm), signed
+  so that in most pairs the positive text projects higher (repeng's ``pca_diff``, its default).
+
+A positive strength then moves towards the positive texts. Semantics of serving the result:
+:func:`vllm_steer.reference.vector_steer_reference`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from vllm_steer.train.config import DataConfig, VectorConfig
+from vllm_steer.vectors import VectorSteer, make_vector_steer, parse_layers, save_any
+
+
+def caa_direction(pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    """The mean paired difference ``mean_j (pos_j - neg_j)`` ([n, hidden] each), float32."""
+    return (pos.double() - neg.double()).mean(0).float()
+
+
+def pca_direction(pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    """The first principal component (unit norm) of the centred paired differences, signed so
+    that the positive text of a pair projects higher in more pairs than not."""
+    diffs = pos.double() - neg.double()
+    if diffs.shape[0] < 2:
+        raise ValueError(f"PCA needs at least 2 pairs, got {diffs.shape[0]}")
+    centred = diffs - diffs.mean(0, keepdim=True)
+    v = torch.linalg.svd(centred, full_matrices=False).Vh[0]
+    higher = (pos.double() @ v > neg.double() @ v).double().mean()
+    lower = (pos.double() @ v < neg.double() @ v).double().mean()
+    if lower > higher:
+        v = -v
+    return v.float()
+
+
+def separation(v: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor) -> float:
+    """Share of pairs whose positive text projects higher on ``v`` than its negative one."""
+    return float(((pos.double() @ v.double()) > (neg.double() @ v.double())).double().mean())
+
+
+@dataclass
+class VectorResult:
+    steer: VectorSteer
+    paths: list[str]
+    metrics: dict[str, Any]
+
+
+def _pairs(ids: list[list[int]], sides: list[int], limit: int | None
+           ) -> tuple[list[list[int]], list[list[int]]]:
+    pos = [x for x, s in zip(ids, sides) if s > 0]
+    neg = [x for x, s in zip(ids, sides) if s < 0]
+    n = min(len(pos), len(neg), limit or len(ids))
+    return pos[:n], neg[:n]
+
+
+def train_vector(cfg: VectorConfig, data: DataConfig, outs: list[str], *,
+                 name: str | None = None, labels: dict[str, str] | None = None,
+                 recommended_strength: float | None = None, progress: bool = True,
+                 log: Callable[[str], None] | None = None) -> VectorResult:
+    """Make a vector steer from ``data``'s positive and negative texts and write it to each
+    path of ``outs`` (``.gguf``: llama.cpp's format; else ours)."""
+    from vllm_steer.hf import decoder_layers
+    from vllm_steer.names import check_steer_name, safe_steer_name
+    from vllm_steer.train.data import PRESETS, load_dataset
+    from vllm_steer.train.hidden import block_outputs_at_last, model_window, tokenize
+    from vllm_steer.train.module import load_model, resolve_device, resolve_dtype
+
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    t0 = time.perf_counter()
+    cfg.validate()
+    preset = PRESETS.get(data.preset) if data.preset else None
+    name = name or (preset.name if preset else
+                    safe_steer_name(os.path.basename(outs[0]).split(".")[0]) if outs else "vector")
+    check_steer_name(name)
+    labels = labels or (dict(preset.labels) if preset else {})
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.model_dtype, device, "model_dtype")
+    ds = load_dataset(data, cfg.seed)
+    model, tok, path = load_model(cfg.model, device, dtype)
+    n_blocks = len(decoder_layers(model))
+    layers = (parse_layers(cfg.layers, n_blocks) if cfg.layers is not None
+              else list(range(1, n_blocks)) or [0])
+    if any(o.endswith(".gguf") for o in outs) and 0 in layers:
+        raise ValueError("block 0 cannot be written to a llama.cpp GGUF (llama.cpp refuses "
+                         f"direction.0): choose --layers from 1 (e.g. 1-{n_blocks - 1}), or "
+                         "write only the .safetensors file")
+    window = model_window(model)
+    states = {}
+    counts = {}
+    for split, xs in (("train", ds.train), ("dev", ds.dev)):
+        ids, kept, rep = tokenize(tok, [e.text for e in xs], cfg.max_length, window)
+        pos, neg = _pairs(ids, [xs[i].side for i in kept],
+                          cfg.max_pairs if split == "train" else None)
+        counts[split] = len(pos)
+        if split == "train" and len(pos) < 2:
+            raise ValueError(f"{len(pos)} training pairs: a vector needs at least 2 (both "
+                             "sides need texts of 2 tokens or more)")
+        if not pos:
+            continue
+        both = block_outputs_at_last(model, tok, pos + neg, layers,
+                                     batch_tokens=cfg.batch_tokens, progress=progress,
+                                     desc=f"{split} block outputs")
+        states[split] = (both[:, :len(pos)], both[:, len(pos):])
+    log(f"[train] {name}: {counts['train']} training pairs, {counts.get('dev', 0)} dev pairs, "
+        f"{cfg.method} on blocks {layers[0]}-{layers[-1]} ({len(layers)} blocks)")
+    directions, per_layer = {}, {}
+    tp, tn = states["train"]
+    for li, k in enumerate(layers):
+        v = (caa_direction if cfg.method == "caa" else pca_direction)(tp[li], tn[li])
+        directions[k] = v
+        unit = v.double() / max(float(v.double().norm()), 1e-30)
+        m = {"norm": round(float(v.norm()), 6),
+             "train_separation": round(separation(v, tp[li], tn[li]), 4),
+             "mean_difference_along": round(float(((tp[li] - tn[li]).double() @ unit).mean()), 6)}
+        if "dev" in states:
+            m["dev_separation"] = round(separation(v, states["dev"][0][li],
+                                                   states["dev"][1][li]), 4)
+        per_layer[str(k)] = m
+    metrics = {"pairs": counts, "per_layer": per_layer,
+               "wall_s": round(time.perf_counter() - t0, 2)}
+    if "dev" in states:
+        best = max(per_layer, key=lambda k: per_layer[k]["dev_separation"])
+        metrics["best_dev_separation"] = {"layer": int(best),
+                                          "separation": per_layer[best]["dev_separation"]}
+    recipe = cfg.to_dict()
+    recipe["layers_resolved"] = layers
+    vs = make_vector_steer(directions, name,
+                           base_model=cfg.model if cfg.model == "smollm2" else path,
+                           model_type=getattr(model.config, "model_type", None),
+                           model_layers=n_blocks, labels=labels,
+                           recommended_strength=recommended_strength, recipe=recipe,
+                           data=ds.describe(data), metrics=metrics)
+    for out in outs:
+        save_any(out, vs)
+        log(f"[train] wrote {out}")
+    if "dev" in states:
+        b = metrics["best_dev_separation"]
+        log(f"[train] dev separation: best {b['separation']:.2f} at block {b['layer']}")
+    return VectorResult(vs, list(outs), metrics)
