@@ -32,7 +32,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_steer.format import (FILE_SUFFIX, FORMAT_NAME, FORMAT_VERSION, KIND_KEY, KIND_VECTOR,
+from vllm_steer.format import (FORMAT_NAME, FORMAT_VERSION, KIND_KEY, KIND_VECTOR,
                                MAX_HIDDEN_SIZE, METADATA_KEY, SteerFileError,
                                TENSOR_DIRECTION_PREFIX, _echo, _is_int, common_metadata_problems,
                                file_kind, read_document)
