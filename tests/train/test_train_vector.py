@@ -94,10 +94,31 @@ def test_caa_is_the_mean_difference(model_dir, data, tmp_path):
         np.testing.assert_allclose(res.steer.directions[k].double().numpy(), want,
                                    rtol=1e-4, atol=1e-5 * np.abs(want).max())
     assert res.metrics["pairs"]["train"] == len(pos) >= 20
+    # the dev check: unsteered dev losses as transformers computes them, and the rule
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    check = res.metrics["dev_check"]
+    for side, f in (("positive", data.dev_positive[0]), ("negative", data.dev_negative[0])):
+        nll, n = 0.0, 0
+        for t in open(f).read().splitlines():
+            ids = tok(t, return_tensors="pt")["input_ids"]
+            with torch.no_grad():
+                nll += float(model(ids, labels=ids).loss) * (ids.shape[1] - 1)
+            n += ids.shape[1] - 1
+        assert check[side]["0"] == pytest.approx(nll / n, rel=1e-4)
+    strengths = (0.05, 0.1, 0.2, 0.3, 0.5)  # CAA's default: fractions of one difference
+    ok = [s for s in strengths
+          if check["positive"][f"{s:+g}"] - check["positive"]["0"] <= 0.05
+          and check["negative"][f"{-s:+g}"] - check["negative"]["0"] <= 0.05]
+    assert res.steer.metadata.recommended_strength == (max(ok) if ok else 0.05)
+    assert check["positive"]["+0.5"] != check["positive"]["0"]  # the vectors were applied
 
 
 def test_pca_is_the_first_singular_vector_signed_towards_positive(model_dir, data, tmp_path):
-    cfg = VectorConfig(model=str(model_dir), method="pca", model_dtype="float32")
+    cfg = VectorConfig(model=str(model_dir), method="pca", model_dtype="float32",
+                       fluency_budget=None)
     out = tmp_path / "pca.safetensors"
     res = train_vector(cfg, data, [str(out)], name="calm", progress=False, log=lambda m: None)
     pos, neg = _train_pairs(model_dir, data, cfg)

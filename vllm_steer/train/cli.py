@@ -284,7 +284,7 @@ def train_model(model: str | None, preset: str | None) -> str:
 LM_STEER_ONLY = ("steps", "batch_size", "rank", "domain_rank", "lr", "epsilon", "init_std",
                  "domain_dropout", "regularization", "cache_dtype", "head_dtype", "step_tokens",
                  "train_strengths", "chat_template", "chunk_tokens", "eval_every",
-                 "check_strengths", "fluency_budget", "checkpoint_dir", "checkpoint_every",
+                 "checkpoint_dir", "checkpoint_every",
                  "resume", "keep_checkpoint")
 #: ``train`` flags that only a vector steer uses.
 VECTOR_ONLY = ("method", "layers", "max_pairs")
@@ -304,11 +304,15 @@ def cmd_train_vector(args) -> int:
     if given:
         raise ValueError(f"{', '.join(given)}: LM-Steer training flags, not used by --kind "
                          "vector (its recipe: --method, --layers, --max-pairs, --max-length, "
-                         "--seed, --model-dtype); drop them")
+                         "--seed, --model-dtype, --check-strengths, --fluency-budget); drop "
+                         "them")
     cfg = VectorConfig(model=train_model(args.model, args.preset), method=args.method,
                        layers=args.layers, max_length=args.max_length,
                        max_pairs=args.max_pairs, seed=args.seed, device=args.device,
-                       model_dtype=args.model_dtype)
+                       model_dtype=args.model_dtype,
+                       check_strengths=(tuple(args.check_strengths) if _set_flags(
+                           args, ("check_strengths",)) else None),
+                       fluency_budget=args.fluency_budget)
     cfg.validate()
     if args.layers is not None and args.layers.strip().lower() != "all":
         from vllm_steer.vectors import parse_layers

@@ -262,9 +262,20 @@ class VectorConfig:
     """dtype of the frozen model's forward passes (``auto``: as for LM-Steer training)."""
     batch_tokens: int = 4096
     """Padded tokens per forward batch."""
+    check_strengths: tuple[float, ...] | None = None
+    """Strengths of the final dev check (dev texts' loss at +-s against 0, the vectors
+    applied at every position); ``None``: fractions 0.05 to 0.5 of one mean difference per
+    block (:func:`vllm_steer.train.vector.default_check_strengths`)."""
+    fluency_budget: float | None = 0.05
+    """Rule for the recommended strength, as for LM-Steer: the largest check strength at
+    which the dev texts steered towards lose at most this many nats/token; ``None``: no dev
+    check."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if self.check_strengths is not None:
+            d["check_strengths"] = [float(s) for s in self.check_strengths]
+        return d
 
     def validate(self) -> None:
         problems = []
@@ -280,6 +291,13 @@ class VectorConfig:
         if self.model_dtype not in ("auto", "float32", "bfloat16", "float16"):
             problems.append(f"model_dtype={self.model_dtype!r}: choose auto, float32, bfloat16 "
                             "or float16")
+        if self.check_strengths is not None and not (
+                self.check_strengths and all(isinstance(s, (int, float)) and math.isfinite(s)
+                                             and s > 0 for s in self.check_strengths)):
+            problems.append(f"check_strengths={self.check_strengths!r}: give positive "
+                            "strengths, e.g. (0.1, 0.2)")
+        if self.fluency_budget is not None and not self.fluency_budget >= 0:
+            problems.append(f"fluency_budget={self.fluency_budget}: must be >= 0")
         if problems:
             raise ValueError("invalid vector training configuration:\n" +
                              "\n".join(f"  - {p}" for p in problems))

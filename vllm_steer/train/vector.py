@@ -52,6 +52,51 @@ def separation(v: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor) -> float:
     return float(((pos.double() @ v.double()) > (neg.double() @ v.double())).double().mean())
 
 
+def side_nll(model, ids_list: list[list[int]], pad_id: int, batch_texts: int = 16) -> float:
+    """Mean next-token negative log-likelihood (nats per predicted token) of ``ids_list``."""
+    from vllm_steer.train.trainer import pad_batch
+
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for a in range(0, len(ids_list), batch_texts):
+            inp, att = pad_batch(ids_list[a:a + batch_texts], pad_id, device)
+            logits = model(input_ids=inp, attention_mask=att, use_cache=False).logits.float()
+            lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, inp[:, 1:, None])[..., 0]
+            mask = att[:, 1:].bool()
+            total -= float(lp[mask].double().sum())
+            count += int(mask.sum())
+    return total / max(count, 1)
+
+
+def vector_check(model, vs: VectorSteer, pos_ids, neg_ids, strengths, pad_id: int
+                 ) -> dict[str, dict[str, float]]:
+    """Dev losses per side at strengths 0 and +-s, the vector applied at every position (as
+    served): the same table as an LM-Steer's ``dev_check``."""
+    from vllm_steer.hf import vector_steering
+
+    out: dict[str, dict[str, float]] = {}
+    for side, ids in (("positive", pos_ids), ("negative", neg_ids)):
+        row = {"0": side_nll(model, ids, pad_id)}
+        for s in strengths:
+            for v in (s, -s):
+                with vector_steering(model, vs, v):
+                    row[f"{v:+g}"] = side_nll(model, ids, pad_id)
+        out[side] = row
+    return out
+
+
+def default_check_strengths(method: str, per_layer: dict[str, dict[str, float]]
+                            ) -> tuple[float, ...]:
+    """Strengths of the dev check when none are given: fractions of one mean difference per
+    block (CAA's unit; a PCA vector's unit is scaled by the mean difference along it)."""
+    fractions = (0.05, 0.1, 0.2, 0.3, 0.5)
+    if method == "caa":
+        return fractions
+    scale = sum(abs(m["mean_difference_along"]) for m in per_layer.values()) / len(per_layer)
+    return tuple(float(f"{f * scale:.3g}") for f in fractions)
+
+
 @dataclass
 class VectorResult:
     steer: VectorSteer
@@ -72,7 +117,9 @@ def train_vector(cfg: VectorConfig, data: DataConfig, outs: list[str], *,
                  recommended_strength: float | None = None, progress: bool = True,
                  log: Callable[[str], None] | None = None) -> VectorResult:
     """Make a vector steer from ``data``'s positive and negative texts and write it to each
-    path of ``outs`` (``.gguf``: llama.cpp's format; else ours)."""
+    path of ``outs`` (``.gguf``: llama.cpp's format; else ours). With dev texts, the
+    recommended strength (unless given) is the largest check strength within the fluency
+    budget (:func:`vector_check`, the rule of LM-Steer training)."""
     from vllm_steer.hf import decoder_layers
     from vllm_steer.names import check_steer_name, safe_steer_name
     from vllm_steer.train.data import PRESETS, load_dataset
@@ -99,8 +146,7 @@ def train_vector(cfg: VectorConfig, data: DataConfig, outs: list[str], *,
                          f"direction.0): choose --layers from 1 (e.g. 1-{n_blocks - 1}), or "
                          "write only the .safetensors file")
     window = model_window(model)
-    states = {}
-    counts = {}
+    states, counts, dev_ids = {}, {}, None
     for split, xs in (("train", ds.train), ("dev", ds.dev)):
         ids, kept, rep = tokenize(tok, [e.text for e in xs], cfg.max_length, window)
         pos, neg = _pairs(ids, [xs[i].side for i in kept],
@@ -111,6 +157,8 @@ def train_vector(cfg: VectorConfig, data: DataConfig, outs: list[str], *,
                              "sides need texts of 2 tokens or more)")
         if not pos:
             continue
+        if split == "dev":
+            dev_ids = (pos, neg)
         both = block_outputs_at_last(model, tok, pos + neg, layers,
                                      batch_tokens=cfg.batch_tokens, progress=progress,
                                      desc=f"{split} block outputs")
@@ -130,24 +178,41 @@ def train_vector(cfg: VectorConfig, data: DataConfig, outs: list[str], *,
             m["dev_separation"] = round(separation(v, states["dev"][0][li],
                                                    states["dev"][1][li]), 4)
         per_layer[str(k)] = m
-    metrics = {"pairs": counts, "per_layer": per_layer,
-               "wall_s": round(time.perf_counter() - t0, 2)}
+    metrics: dict[str, Any] = {"pairs": counts, "per_layer": per_layer}
     if "dev" in states:
         best = max(per_layer, key=lambda k: per_layer[k]["dev_separation"])
         metrics["best_dev_separation"] = {"layer": int(best),
                                           "separation": per_layer[best]["dev_separation"]}
     recipe = cfg.to_dict()
     recipe["layers_resolved"] = layers
+    rec = recommended_strength
     vs = make_vector_steer(directions, name,
                            base_model=cfg.model if cfg.model == "smollm2" else path,
                            model_type=getattr(model.config, "model_type", None),
                            model_layers=n_blocks, labels=labels,
-                           recommended_strength=recommended_strength, recipe=recipe,
+                           recommended_strength=rec, recipe=recipe,
                            data=ds.describe(data), metrics=metrics)
+    if dev_ids is not None and cfg.fluency_budget is not None:
+        from vllm_steer.train.trainer import recommend_strength
+
+        strengths = cfg.check_strengths or default_check_strengths(cfg.method, per_layer)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        check = vector_check(model, vs, dev_ids[0], dev_ids[1], strengths, pad)
+        metrics["dev_check"] = check
+        best, rule = recommend_strength(check, strengths, cfg.fluency_budget)
+        metrics["recommended_strength_rule"] = rule
+        if rec is None:
+            vs.metadata.recommended_strength = best if best is not None else min(strengths)
+        log("[train] dev check: " + ", ".join(
+            f"{side} " + " ".join(f"{k}:{v:.3f}" for k, v in row.items())
+            for side, row in check.items()))
+    metrics["wall_s"] = round(time.perf_counter() - t0, 2)
     for out in outs:
         save_any(out, vs)
         log(f"[train] wrote {out}")
     if "dev" in states:
         b = metrics["best_dev_separation"]
         log(f"[train] dev separation: best {b['separation']:.2f} at block {b['layer']}")
+    if vs.metadata.recommended_strength is not None:
+        log(f"[train] recommended strength {vs.metadata.recommended_strength:g}")
     return VectorResult(vs, list(outs), metrics)
