@@ -49,7 +49,7 @@ GGUF_KEY_MODEL_HINT = f"{GGUF_ARCH}.model_hint"
 GGUF_KEY_LAYER_COUNT = f"{GGUF_ARCH}.layer_count"
 #: GGUF key (a string: our JSON metadata document) that carries a vector steer's metadata
 #: through a GGUF file; llama.cpp ignores keys it does not know.
-GGUF_KEY_METADATA = "vllm_steer.metadata"
+GGUF_KEY_METADATA = f"{GGUF_ARCH}.vllm_steer_metadata"
 #: The first 4 bytes of every GGUF file.
 GGUF_MAGIC = b"GGUF"
 #: Largest decoder-block index + 1 a vector steer may name.
