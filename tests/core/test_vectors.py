@@ -332,3 +332,43 @@ def test_vector_steering_refuses_a_misfit(tmp_path):
     with pytest.raises(ValueError, match=r"blocks 3 but the model has 3 decoder blocks"):
         with vector_steering(model, make_vector_steer(_dirs([3], hidden=32), "v"), 1.0):
             pass
+
+
+@pytest.mark.parametrize("kind", ["gguf", "safetensors"])
+def test_mutated_files_load_or_are_refused(tmp_path, kind):
+    """Bit flips, truncations and byte insertions: the outcome is always a sound vector steer
+    or a VectorFileError, never another exception."""
+    import random
+    import warnings
+
+    src = tmp_path / f"v.{kind}"
+    vs = make_vector_steer(_dirs([1, 2, 3]), "v", model_type="llama")
+    (save_gguf if kind == "gguf" else save_vector)(src, vs)
+    raw = src.read_bytes()
+    rng = random.Random(0)
+    outcomes = {"loaded": 0, "refused": 0}
+    for i in range(150):
+        b = bytearray(raw)
+        op = i % 3
+        if op == 0:
+            for _ in range(rng.randint(1, 4)):
+                b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        elif op == 1:
+            b = b[:rng.randrange(len(b))]
+        else:
+            at = rng.randrange(len(b))
+            b[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+        p = tmp_path / f"m{i}.{kind}"
+        p.write_bytes(bytes(b))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got = load_vector(p)
+        except VectorFileError:
+            outcomes["refused"] += 1
+            continue
+        outcomes["loaded"] += 1
+        assert all(v.shape == (got.hidden_size,) and torch.isfinite(v).all()
+                   for v in got.directions.values())
+        assert sorted(got.directions) == got.metadata.layers
+    assert outcomes["refused"] > 50
