@@ -69,20 +69,27 @@ def side_nll(model, ids_list: list[list[int]], pad_id: int, batch_texts: int = 1
     return total / max(count, 1)
 
 
-def vector_check(model, vs: VectorSteer, pos_ids, neg_ids, strengths, pad_id: int
-                 ) -> dict[str, dict[str, float]]:
+def vector_check(model, vs: VectorSteer, pos_ids, neg_ids, strengths, pad_id: int,
+                 progress: bool = False) -> dict[str, dict[str, float]]:
     """Dev losses per side at strengths 0 and +-s, the vector applied at every position (as
     served): the same table as an LM-Steer's ``dev_check``."""
+    from tqdm.auto import tqdm
+
     from vllm_steer.hf import vector_steering
 
     out: dict[str, dict[str, float]] = {}
+    bar = tqdm(total=2 * (1 + 2 * len(strengths)), desc="dev check", unit="pass",
+               disable=not progress, leave=False)
     for side, ids in (("positive", pos_ids), ("negative", neg_ids)):
         row = {"0": side_nll(model, ids, pad_id)}
+        bar.update()
         for s in strengths:
             for v in (s, -s):
                 with vector_steering(model, vs, v):
                     row[f"{v:+g}"] = side_nll(model, ids, pad_id)
+                bar.update()
         out[side] = row
+    bar.close()
     return out
 
 
@@ -197,7 +204,7 @@ def train_vector(cfg: VectorConfig, data: DataConfig, outs: list[str], *,
 
         strengths = cfg.check_strengths or default_check_strengths(cfg.method, per_layer)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        check = vector_check(model, vs, dev_ids[0], dev_ids[1], strengths, pad)
+        check = vector_check(model, vs, dev_ids[0], dev_ids[1], strengths, pad, progress)
         metrics["dev_check"] = check
         best, rule = recommend_strength(check, strengths, cfg.fluency_budget)
         metrics["recommended_strength_rule"] = rule
