@@ -264,7 +264,7 @@ class VectorConfig:
     """Padded tokens per forward batch."""
     check_strengths: tuple[float, ...] | None = None
     """Strengths of the final dev check (dev texts' loss at +-s against 0, the vectors
-    applied at every position); ``None``: fractions 0.05 to 0.5 of one mean difference per
+    applied at every position); ``None``: fractions 0.01 to 0.1 of one mean difference per
     block (:func:`vllm_steer.train.vector.default_check_strengths`)."""
     fluency_budget: float | None = 0.05
     """Rule for the recommended strength, as for LM-Steer: the largest check strength at
