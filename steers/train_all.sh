@@ -26,8 +26,8 @@ $PY -m vllm_steer.cli train --preset sentiment --rank 64 --steps 150 --eval-ever
 # A vector steer (a control vector per decoder block, docs/training.md): the mean difference
 # of 400 Jigsaw pairs at blocks 1-29, as our file and as llama.cpp's GGUF. A few minutes.
 $PY -m vllm_steer.cli train --kind vector --preset detox --data "$DATA" --method caa \
-    --max-pairs 400 --max-length 48 --dev-max 50 --seed 0 \
-    --out steers/smollm2-detox-vector.safetensors steers/smollm2-detox-vector.gguf
+    --max-pairs 400 --max-length 48 --dev-max 50 --seed 0 --name vector-detox \
+    --out steers/smollm2-vector-detox.safetensors steers/smollm2-vector-detox.gguf
 
 # The recommended strength, chosen like the paper: generate on development prompts through
 # vLLM + the plugin, take the strongest strength within +15% perplexity of unsteered
