@@ -327,6 +327,10 @@ def _read_header(path: str) -> tuple[dict[str, Any] | None, list[str], int]:
             raw = f.read(n) if 2 <= n <= MAX_HEADER_BYTES and n + 8 <= size else None
     except OSError as e:
         return None, [f"cannot read the file ({e.strerror or e})"], 0
+    if head[:4] == b"GGUF":
+        return None, ["this is a GGUF file (a llama.cpp control vector is a vector steer, not "
+                      "an LM-Steer file): read it with vllm_steer.vectors.load_vector, or "
+                      "`vllm-steer convert FILE --out x.safetensors`"], 0
     if raw is None:
         if _looks_like_pickle(head):
             return None, [_PICKLE_REASON], 0

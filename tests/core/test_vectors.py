@@ -187,9 +187,13 @@ def test_our_vector_file_refusals_listed_at_once(tmp_path):
 def test_kinds_do_not_mix(tmp_path):
     vec = tmp_path / "v.safetensors"
     save_vector(vec, make_vector_steer(_dirs([1]), "v"))
+    gg = tmp_path / "v.gguf"
+    write_repeng_gguf(gg, _dirs([1]))
     for read in (read_metadata, load_steer):
         with pytest.raises(SteerFileError, match="this is a vector steer"):
             read(vec)
+        with pytest.raises(SteerFileError, match="this is a GGUF file .*load_vector"):
+            read(gg)
     lm = tmp_path / "lm.safetensors"
     save_steer(lm, make_steer(torch.ones(HIDDEN, 2), torch.ones(HIDDEN, 2), "lm"))
     raw = lm.read_bytes()
