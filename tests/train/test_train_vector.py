@@ -181,3 +181,42 @@ def test_cli_refusals(model_dir, data, tmp_path, capsys):
                  str(tmp_path / "x.safetensors")]) == 1
     assert "block 9 does not exist; the model has 4 decoder blocks" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_pairs_file_keeps_each_pair_together(model_dir, tmp_path, capsys):
+    """``--pairs``: PCA of the differences of the file's own pairs (same topic, the sentiment
+    word swapped), compared with numpy's SVD of those differences."""
+    import json
+
+    rng = random.Random(5)
+    pairs = []
+    for _ in range(24):
+        words = [rng.choice(FILL) for _ in range(rng.randint(3, 7))]
+        at = rng.randrange(len(words) + 1)
+        pairs.append((" ".join(words[:at] + [rng.choice(POS)] + words[at:]),
+                      " ".join(words[:at] + [rng.choice(NEG)] + words[at:])))
+    f = tmp_path / "pairs.jsonl"
+    f.write_text("\n".join(json.dumps({"positive": p, "negative": n}) for p, n in pairs))
+    out = tmp_path / "p.safetensors"
+    assert main(["train", "--kind", "vector", "--model", str(model_dir), "--pairs", str(f),
+                 "--dev-fraction", "0", "--model-dtype", "float32", "--quiet",
+                 "--out", str(out)]) == 0
+    vs = load_vector(out)
+    hp = _last_token_states(model_dir, [p for p, _ in pairs])
+    hn = _last_token_states(model_dir, [n for _, n in pairs])
+    for k in vs.layers:
+        d = hp[k] - hn[k]
+        _, _, vt = np.linalg.svd(d - d.mean(0), full_matrices=False)
+        np.testing.assert_allclose(abs(vs.directions[k].double().numpy() @ vt[0]), 1.0,
+                                   atol=1e-4)
+    assert vs.metadata.data["counts"] == {"pairs": 24, "dev_pairs": 0}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"positive": "a b c", "negative": "d e f"}\n{"positive": 3}\n')
+    assert main(["train", "--kind", "vector", "--model", str(model_dir), "--pairs", str(bad),
+                 "--out", str(tmp_path / "b.safetensors")]) == 1
+    assert 'bad.jsonl:2: expected an object with string keys "positive" and "negative"' in \
+        capsys.readouterr().err
+    assert main(["train", "--kind", "vector", "--model", str(model_dir), "--pairs", str(f),
+                 "--positive", str(f), "--out", str(tmp_path / "b.safetensors")]) == 1
+    assert "--pairs and --positive: give the pairs or the sides, not both" in \
+        capsys.readouterr().err

@@ -126,6 +126,10 @@ def add_commands(subparsers) -> None:
     kind.add_argument("--layers", default=None, metavar="SPEC",
                       help="--kind vector: decoder blocks (0-based), e.g. 1-29, 5,10,12-14 or "
                            "all (default: every block but 0, what llama.cpp can steer)")
+    kind.add_argument("--pairs", nargs="+", default=None, metavar="FILE",
+                      help="--kind vector: JSONL files of contrastive pairs, one "
+                           '{"positive": ..., "negative": ...} a line (repeng\'s form), '
+                           "instead of --positive/--negative/--data/--preset")
     kind.add_argument("--max-pairs", type=int, default=None, metavar="N",
                       help="--kind vector: training pairs at most (default: as many as the "
                            "smaller side has)")
@@ -287,7 +291,7 @@ LM_STEER_ONLY = ("steps", "batch_size", "rank", "domain_rank", "lr", "epsilon", 
                  "checkpoint_dir", "checkpoint_every",
                  "resume", "keep_checkpoint")
 #: ``train`` flags that only a vector steer uses.
-VECTOR_ONLY = ("method", "layers", "max_pairs")
+VECTOR_ONLY = ("method", "layers", "max_pairs", "pairs")
 
 
 def _set_flags(args, dests) -> list[str]:
@@ -320,8 +324,18 @@ def cmd_train_vector(args) -> int:
         parse_layers(args.layers)  # its syntax, before the model loads
     labels = {k: v for k, v in (("positive", args.positive_means),
                                 ("negative", args.negative_means)) if v}
-    train_vector(cfg, _data_config(args), args.out, name=args.name, labels=labels or None,
-                 recommended_strength=args.recommended_strength, progress=not args.quiet)
+    if args.pairs:
+        other = [f for f, on in (("--positive", args.positive), ("--negative", args.negative),
+                                 ("--data", args.data), ("--preset", args.preset)) if on]
+        if other:
+            raise ValueError(f"--pairs and {', '.join(other)}: give the pairs or the "
+                             "sides, not both")
+        data = DataConfig(dev_fraction=args.dev_fraction, dev_max_per_side=args.dev_max)
+    else:
+        data = _data_config(args)
+    train_vector(cfg, data, args.out, name=args.name, labels=labels or None,
+                 recommended_strength=args.recommended_strength, progress=not args.quiet,
+                 pairs=args.pairs)
     return 0
 
 

@@ -121,14 +121,70 @@ def _pairs(ids: list[list[int]], sides: list[int], limit: int | None
     return pos[:n], neg[:n]
 
 
-def train_vector(cfg: VectorConfig, data: DataConfig, outs: list[str], *,
+def load_pairs(files: list[str], *, dev_fraction: float = 0.1, dev_max: int = 200,
+               seed: int = 0) -> tuple[list[tuple[str, str]], list[tuple[str, str]],
+                                       dict[str, Any]]:
+    """Contrastive pairs from JSONL files, one ``{"positive": str, "negative": str}`` object
+    a line (repeng's ``DatasetEntry``): ``(train, dev, description)``, the dev pairs a seeded
+    ``dev_fraction`` (at most ``dev_max``) of them."""
+    import json
+    import random
+
+    from vllm_steer.train.data import file_sha256
+
+    pairs: list[tuple[str, str]] = []
+    for f in files:
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"--pairs {f}: no such file")
+        with open(f, encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    d = json.loads(line)
+                except ValueError as e:
+                    raise ValueError(f"{f}:{n}: not JSON ({str(e)[:80]}); each line is "
+                                     '{"positive": "...", "negative": "..."}') from None
+                if not (isinstance(d, dict) and isinstance(d.get("positive"), str)
+                        and isinstance(d.get("negative"), str)):
+                    raise ValueError(f"{f}:{n}: expected an object with string keys "
+                                     '"positive" and "negative" (a contrastive pair)')
+                pairs.append((d["positive"], d["negative"]))
+    if len(pairs) < 2:
+        raise ValueError(f"--pairs {' '.join(files)}: {len(pairs)} pairs; a vector needs at "
+                         "least 2")
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    pairs = [pairs[i] for i in order]
+    n_dev = min(int(round(dev_fraction * len(pairs))), dev_max, len(pairs) - 2)
+    if dev_fraction > 0 and len(pairs) >= 3:
+        n_dev = max(n_dev, 1)
+    desc = {"pairs": list(files), "sha256": {f: file_sha256(f) for f in files},
+            "counts": {"pairs": len(pairs), "dev_pairs": n_dev}}
+    return pairs[n_dev:], pairs[:n_dev], desc
+
+
+def _joint_pairs(tok, pairs: list[tuple[str, str]], max_length: int, window, limit):
+    """Token ids of each pair's two texts, a pair dropped when either text is."""
+    from vllm_steer.train.hidden import tokenize
+
+    pos, kp, _ = tokenize(tok, [p for p, _ in pairs], max_length, window)
+    neg, kn, _ = tokenize(tok, [n for _, n in pairs], max_length, window)
+    at_p, at_n = dict(zip(kp, pos)), dict(zip(kn, neg))
+    both = [i for i in range(len(pairs)) if i in at_p and i in at_n][:limit or len(pairs)]
+    return [at_p[i] for i in both], [at_n[i] for i in both]
+
+
+def train_vector(cfg: VectorConfig, data: DataConfig | None, outs: list[str], *,
                  name: str | None = None, labels: dict[str, str] | None = None,
                  recommended_strength: float | None = None, progress: bool = True,
-                 log: Callable[[str], None] | None = None) -> VectorResult:
+                 log: Callable[[str], None] | None = None,
+                 pairs: list[str] | None = None) -> VectorResult:
     """Make a vector steer from ``data``'s positive and negative texts and write it to each
     path of ``outs`` (``.gguf``: llama.cpp's format; else ours). With dev texts, the
     recommended strength (unless given) is the largest check strength within the fluency
-    budget (:func:`vector_check`, the rule of LM-Steer training)."""
+    budget (:func:`vector_check`, the rule of LM-Steer training). ``pairs``: JSONL files of
+    contrastive pairs (:func:`load_pairs`) instead of ``data``, each pair kept together."""
     from vllm_steer.hf import decoder_layers
     from vllm_steer.names import check_steer_name, safe_steer_name
     from vllm_steer.train.data import PRESETS, load_dataset
@@ -138,14 +194,23 @@ def train_vector(cfg: VectorConfig, data: DataConfig, outs: list[str], *,
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     cfg.validate()
-    preset = PRESETS.get(data.preset) if data.preset else None
+    preset = PRESETS.get(data.preset) if data is not None and data.preset else None
     name = name or (preset.name if preset else
                     safe_steer_name(os.path.basename(outs[0]).split(".")[0]) if outs else "vector")
     check_steer_name(name)
     labels = labels or (dict(preset.labels) if preset else {})
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.model_dtype, device, "model_dtype")
-    ds = load_dataset(data, cfg.seed)
+    if pairs:
+        dev_fraction = data.dev_fraction if data is not None else DataConfig.dev_fraction
+        dev_max = data.dev_max_per_side if data is not None else DataConfig.dev_max_per_side
+        train_p, dev_p, data_desc = load_pairs(pairs, dev_fraction=dev_fraction,
+                                               dev_max=dev_max, seed=cfg.seed)
+    else:
+        if data is None:
+            raise ValueError("no training data: give a DataConfig or pairs files")
+        ds = load_dataset(data, cfg.seed)
+        data_desc = ds.describe(data)
     model, tok, path = load_model(cfg.model, device, dtype)
     n_blocks = len(decoder_layers(model))
     layers = (parse_layers(cfg.layers, n_blocks) if cfg.layers is not None
@@ -156,10 +221,15 @@ def train_vector(cfg: VectorConfig, data: DataConfig, outs: list[str], *,
                          "write only the .safetensors file")
     window = model_window(model)
     states, counts, dev_ids = {}, {}, None
-    for split, xs in (("train", ds.train), ("dev", ds.dev)):
-        ids, kept, rep = tokenize(tok, [e.text for e in xs], cfg.max_length, window)
-        pos, neg = _pairs(ids, [xs[i].side for i in kept],
-                          cfg.max_pairs if split == "train" else None)
+    for split in ("train", "dev"):
+        limit = cfg.max_pairs if split == "train" else None
+        if pairs:
+            pos, neg = _joint_pairs(tok, train_p if split == "train" else dev_p,
+                                    cfg.max_length, window, limit)
+        else:
+            xs = ds.train if split == "train" else ds.dev
+            ids, kept, _ = tokenize(tok, [e.text for e in xs], cfg.max_length, window)
+            pos, neg = _pairs(ids, [xs[i].side for i in kept], limit)
         counts[split] = len(pos)
         if split == "train" and len(pos) < 2:
             raise ValueError(f"{len(pos)} training pairs: a vector needs at least 2 (both "
@@ -200,7 +270,7 @@ def train_vector(cfg: VectorConfig, data: DataConfig, outs: list[str], *,
                            model_type=getattr(model.config, "model_type", None),
                            model_layers=n_blocks, labels=labels,
                            recommended_strength=rec, recipe=recipe,
-                           data=ds.describe(data), metrics=metrics)
+                           data=data_desc, metrics=metrics)
     if dev_ids is not None and cfg.fluency_budget is not None:
         from vllm_steer.train.trainer import recommend_strength
 
