@@ -23,6 +23,12 @@ $PY -m vllm_steer.cli train --preset detox --rank 16 --steps 1000 --step-tokens 
 $PY -m vllm_steer.cli train --preset sentiment --rank 64 --steps 150 --eval-every 25 \
     --checkpoint-every 25 "${COMMON[@]}" --out steers/smollm2-sentiment.safetensors "$@"
 
+# A vector steer (a control vector per decoder block, docs/training.md): the mean difference
+# of 400 Jigsaw pairs at blocks 1-29, as our file and as llama.cpp's GGUF. A few minutes.
+$PY -m vllm_steer.cli train --kind vector --preset detox --data "$DATA" --method caa \
+    --max-pairs 400 --max-length 48 --dev-max 50 --seed 0 --name vector-detox \
+    --out steers/smollm2-vector-detox.safetensors steers/smollm2-vector-detox.gguf
+
 # The recommended strength, chosen like the paper: generate on development prompts through
 # vLLM + the plugin, take the strongest strength within +15% perplexity of unsteered
 # (docs/eval.md; written into the file's recommended_strength and metrics.tune).

@@ -18,6 +18,7 @@ This command makes and inspects steers and manages a running server's:
     vllm-steer eval toxicity|sentiment|grid ...   evaluate like the paper
     vllm-steer transfer|highlight|explain|score   the lens: move, read and explain steers
     vllm-steer convert CHECKPOINT ...             import a steer trained with the paper's code
+    vllm-steer convert X.gguf --out X.safetensors a control vector, GGUF <-> ours
     vllm-steer steers list|load|unload --url URL  a running server's steers (HTTP)
     vllm-steer presets list|add|delete --url URL  a running server's presets (HTTP)
 
@@ -47,9 +48,11 @@ def _cmd_model(args) -> int:
 
 
 def _cmd_info(args) -> int:
-    from vllm_steer.format import read_metadata
+    from vllm_steer.format import KIND_VECTOR, file_kind, read_document, read_metadata
+    from vllm_steer.vectors import is_gguf, read_vector_metadata
 
-    meta = read_metadata(args.file)
+    vector = is_gguf(args.file) or file_kind(read_document(args.file)[1]) == KIND_VECTOR
+    meta = read_vector_metadata(args.file) if vector else read_metadata(args.file)
     print(json.dumps(json.loads(meta.to_json()), indent=2, sort_keys=True))
     return 0
 
@@ -107,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="embedded model (smollm2: SmolLM2-135M-Instruct)")
     m.set_defaults(func=_cmd_model)
     i = sub.add_parser("info", help="print a steer file's metadata")
-    i.add_argument("file", help="steer file (.safetensors)")
+    i.add_argument("file", help="steer file (.safetensors), or a control vector (.gguf)")
     i.set_defaults(func=_cmd_info)
     for mod in COMMAND_MODULES:
         try:

@@ -43,6 +43,18 @@ TENSOR_P2 = "steer.P2"
 TENSOR_DOMAIN_P1 = "domain.P1"
 TENSOR_DOMAIN_P2 = "domain.P2"
 KNOWN_TENSORS = (TENSOR_P1, TENSOR_P2, TENSOR_DOMAIN_P1, TENSOR_DOMAIN_P2)
+#: Metadata key naming a steer file's kind; absent means :data:`KIND_LM_STEER`.
+KIND_KEY = "kind"
+#: An LM-Steer file (``steer.P1``/``steer.P2`` on the final hidden state): every file written
+#: before kinds existed.
+KIND_LM_STEER = "lm-steer"
+#: A control-vector file (``direction.K`` added to decoder block K's output): see
+#: :mod:`vllm_steer.vectors`.
+KIND_VECTOR = "vector"
+KINDS = (KIND_LM_STEER, KIND_VECTOR)
+#: Name prefix of a vector file's tensors: ``direction.K`` is the vector of decoder block K
+#: (0-based), one dimension ``[hidden]``, as llama.cpp's control-vector GGUF names them.
+TENSOR_DIRECTION_PREFIX = "direction."
 #: The paper's unit of strength.
 DEFAULT_EPSILON = 1e-3
 FILE_SUFFIX = ".safetensors"
@@ -128,12 +140,17 @@ class SteerMetadata:
     """Where the steer came from when not trained here (converted, transferred)."""
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
+    kind: str = KIND_LM_STEER
+    """The file's kind, always :data:`KIND_LM_STEER` here (not written: the default when
+    absent, so files stay readable by releases before kinds)."""
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
     """Unknown keys read from a newer file (kept, written back, warned about)."""
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
         extra = d.pop("extra")
+        if d[KIND_KEY] == KIND_LM_STEER:
+            del d[KIND_KEY]
         d.update(extra)
         return json.dumps(d, sort_keys=True)
 
@@ -167,14 +184,43 @@ def _finite(v: Any) -> bool:
 
 
 def metadata_problems(d: Any) -> list[str]:
-    """Every reason the metadata document ``d`` (the parsed ``vllm_steer`` JSON) is refused.
+    """Every reason the metadata document ``d`` (the parsed ``vllm_steer`` JSON) of an
+    LM-Steer file is refused.
 
-    The one check of steer metadata, used when a file is read and when one is saved.
+    The one check of steer metadata, used when a file is read and when one is saved. A
+    vector file (``kind`` ``"vector"``) is refused here with the reader to use instead.
     """
-    from vllm_steer.names import steer_name_problem
-
     if not isinstance(d, dict):
         return [f"metadata must be a JSON object, got {type(d).__name__}"]
+    kind = d.get(KIND_KEY, KIND_LM_STEER)
+    if kind == KIND_VECTOR:
+        return [f"this is a vector steer (metadata {KIND_KEY}={KIND_VECTOR!r}), not an LM-Steer "
+                "file: read it with vllm_steer.vectors.load_vector (`vllm-steer info FILE` "
+                "shows either kind)"]
+    reasons = common_metadata_problems(d, ("name", "hidden_size", "rank"))
+    if "rank" in d and not (_is_int(d["rank"]) and 1 <= d["rank"] <= MAX_RANK):
+        reasons.append(f"metadata rank={_echo(d['rank'])}, expected an integer from 1 to "
+                       f"{MAX_RANK}")
+    eps = d.get("epsilon", DEFAULT_EPSILON)
+    if not (_is_number(eps) and _finite(eps) and MIN_EPSILON <= eps <= MAX_EPSILON):
+        reasons.append(f"metadata epsilon={_echo(eps)}, expected a number from {MIN_EPSILON:g} "
+                       f"to {MAX_EPSILON:g} (the paper's unit is {DEFAULT_EPSILON:g})")
+    dom = d.get("domain", "none")
+    if dom not in ("none", "with_steer"):
+        reasons.append(f"metadata domain={_echo(dom)}, expected 'none' or 'with_steer'")
+    v = d.get("domain_strength", 1.0)
+    if not (_is_number(v) and _finite(v) and abs(v) <= MAX_META_STRENGTH):
+        reasons.append(f"metadata domain_strength={_echo(v)}, expected a finite number with "
+                       f"|domain_strength| <= {MAX_META_STRENGTH:g}")
+    return reasons
+
+
+def common_metadata_problems(d: dict[str, Any], required: tuple[str, ...]) -> list[str]:
+    """The checks every kind of steer file shares: format and version, ``kind``, the
+    ``required`` keys, ``name``, ``hidden_size``, ``base_model``, ``recommended_strength``,
+    ``labels`` and the free-form objects."""
+    from vllm_steer.names import steer_name_problem
+
     reasons: list[str] = []
     fmt = d.get("format", FORMAT_NAME)
     if fmt != FORMAT_NAME:
@@ -185,35 +231,29 @@ def metadata_problems(d: Any) -> list[str]:
     elif ver > FORMAT_VERSION:
         reasons.append(f"format_version {ver} is newer than this vllm-steer supports "
                        f"({FORMAT_VERSION}); upgrade vllm-steer")
-    missing = [k for k in ("name", "hidden_size", "rank") if k not in d]
+    kind = d.get(KIND_KEY, KIND_LM_STEER)
+    if kind not in KINDS:
+        reasons.append(f"metadata {KIND_KEY}={_echo(kind)}, expected one of "
+                       f"{', '.join(map(repr, KINDS))} (a newer vllm-steer may know it)")
+    missing = [k for k in required if k not in d]
     if missing:
         reasons.append(f"metadata lacks required keys {missing}")
     if "name" in d:
         problem = steer_name_problem(d["name"])
         if problem:
             reasons.append(f"metadata name: {problem}")
-    for key, top in (("hidden_size", MAX_HIDDEN_SIZE), ("rank", MAX_RANK)):
-        if key in d and not (_is_int(d[key]) and 1 <= d[key] <= top):
-            reasons.append(f"metadata {key}={_echo(d[key])}, expected an integer from 1 to {top}")
+    if "hidden_size" in d and not (_is_int(d["hidden_size"])
+                                   and 1 <= d["hidden_size"] <= MAX_HIDDEN_SIZE):
+        reasons.append(f"metadata hidden_size={_echo(d['hidden_size'])}, expected an integer "
+                       f"from 1 to {MAX_HIDDEN_SIZE}")
     bm = d.get("base_model")
     if bm is not None and not (isinstance(bm, str) and len(bm) <= MAX_BASE_MODEL_LENGTH):
         reasons.append(f"metadata base_model={_echo(bm)}, expected a string of at most "
                        f"{MAX_BASE_MODEL_LENGTH} characters or null")
-    eps = d.get("epsilon", DEFAULT_EPSILON)
-    if not (_is_number(eps) and _finite(eps) and MIN_EPSILON <= eps <= MAX_EPSILON):
-        reasons.append(f"metadata epsilon={_echo(eps)}, expected a number from {MIN_EPSILON:g} "
-                       f"to {MAX_EPSILON:g} (the paper's unit is {DEFAULT_EPSILON:g})")
-    dom = d.get("domain", "none")
-    if dom not in ("none", "with_steer"):
-        reasons.append(f"metadata domain={_echo(dom)}, expected 'none' or 'with_steer'")
-    for key, default in (("domain_strength", 1.0), ("recommended_strength", None)):
-        v = d.get(key, default)
-        if v is None and default is None:
-            continue
-        if not (_is_number(v) and _finite(v) and abs(v) <= MAX_META_STRENGTH):
-            reasons.append(f"metadata {key}={_echo(v)}, expected a finite number with "
-                           f"|{key}| <= {MAX_META_STRENGTH:g}"
-                           + (" or null" if default is None else ""))
+    v = d.get("recommended_strength")
+    if v is not None and not (_is_number(v) and _finite(v) and abs(v) <= MAX_META_STRENGTH):
+        reasons.append(f"metadata recommended_strength={_echo(v)}, expected a finite number "
+                       f"with |recommended_strength| <= {MAX_META_STRENGTH:g} or null")
     labels = d.get("labels", {})
     if not (isinstance(labels, dict) and all(isinstance(v, str) for v in labels.values())):
         reasons.append(f"metadata labels={_echo(labels)}, expected an object of strings")
@@ -287,6 +327,10 @@ def _read_header(path: str) -> tuple[dict[str, Any] | None, list[str], int]:
             raw = f.read(n) if 2 <= n <= MAX_HEADER_BYTES and n + 8 <= size else None
     except OSError as e:
         return None, [f"cannot read the file ({e.strerror or e})"], 0
+    if head[:4] == b"GGUF":
+        return None, ["this is a GGUF file (a llama.cpp control vector is a vector steer, not "
+                      "an LM-Steer file): read it with vllm_steer.vectors.load_vector, or "
+                      "`vllm-steer convert FILE --out x.safetensors`"], 0
     if raw is None:
         if _looks_like_pickle(head):
             return None, [_PICKLE_REASON], 0
@@ -346,26 +390,30 @@ def _tensor_entry_problems(key: str, info: Any) -> list[str]:
     if not (isinstance(dtype, str) and dtype in _SAFETENSORS_DTYPES):
         out.append(f"tensor {k} has dtype {_echo(dtype)}, expected one of "
                    f"{sorted(_SAFETENSORS_DTYPES)}")
-    if not (isinstance(shape, list) and len(shape) == 2
+    # a vector file's direction.K is one row [hidden]; every other tensor is [hidden, rank]
+    vector = isinstance(key, str) and key.startswith(TENSOR_DIRECTION_PREFIX)
+    ndim, form = (1, "[hidden]") if vector else (2, "[hidden, rank]")
+    if not (isinstance(shape, list) and len(shape) == ndim
             and all(_is_int(x) and 1 <= x <= MAX_HIDDEN_SIZE for x in shape)):
-        out.append(f"tensor {k} has shape {_echo(shape)}, expected [hidden, rank] with each "
+        out.append(f"tensor {k} has shape {_echo(shape)}, expected {form} with each "
                    f"size from 1 to {MAX_HIDDEN_SIZE}")
     if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(x) for x in offs)
             and 0 <= offs[0] <= offs[1]):
         out.append(f"tensor {k}: malformed data_offsets {_echo(offs)}, expected [start, end]")
-    elif not out and offs[1] - offs[0] != shape[0] * shape[1] * _SAFETENSORS_DTYPES[dtype]:
+    elif not out and offs[1] - offs[0] != math.prod(shape) * _SAFETENSORS_DTYPES[dtype]:
         out.append(f"tensor {k}: data_offsets {offs} span {offs[1] - offs[0]} bytes but a "
                    f"{dtype} {shape} tensor takes "
-                   f"{shape[0] * shape[1] * _SAFETENSORS_DTYPES[dtype]}")
+                   f"{math.prod(shape) * _SAFETENSORS_DTYPES[dtype]}")
     return out
 
 
-def _check_file(path: str) -> tuple[dict[str, Any], SteerMetadata]:
-    """The one check of a steer file without loading tensors: (header, metadata), or
-    :class:`SteerFileError` listing every reason."""
+def read_document(path: str) -> tuple[dict[str, Any] | None, Any, list[str]]:
+    """``(header, metadata document, reasons)`` of a safetensors steer file of any kind,
+    without checking the document's values: ``header`` is None when the file is not
+    safetensors, ``document`` None when it has no readable ``vllm_steer`` JSON."""
     header, reasons, _ = _read_header(path)
     if header is None:
-        raise SteerFileError(path, reasons)
+        return None, None, reasons
     smeta = header.get("__metadata__")
     meta_raw = smeta.get(METADATA_KEY) if isinstance(smeta, dict) else None
     d: Any = None
@@ -381,8 +429,25 @@ def _check_file(path: str) -> tuple[dict[str, Any], SteerMetadata]:
             d = _strict_json(meta_raw, constants=True)
         except (ValueError, RecursionError) as e:
             reasons.append(f"metadata is not valid JSON ({str(e)[:200]})")
-        else:
-            reasons.extend(metadata_problems(d))
+    return header, d, reasons
+
+
+def file_kind(d: Any) -> str | None:
+    """The kind a parsed metadata document declares (:data:`KIND_LM_STEER` when absent), or
+    None when ``d`` is not a JSON object."""
+    return d.get(KIND_KEY, KIND_LM_STEER) if isinstance(d, dict) else None
+
+
+def _check_file(path: str) -> tuple[dict[str, Any], SteerMetadata]:
+    """The one check of an LM-Steer file without loading tensors: (header, metadata), or
+    :class:`SteerFileError` listing every reason."""
+    header, d, reasons = read_document(path)
+    if header is None:
+        raise SteerFileError(path, reasons)
+    if d is not None:
+        reasons.extend(metadata_problems(d))
+        if file_kind(d) == KIND_VECTOR:  # its tensors are another kind's: nothing more to say
+            raise SteerFileError(path, reasons)
     missing = [t for t in (TENSOR_P1, TENSOR_P2) if t not in header]
     reasons.extend(f"missing tensor {t!r}" for t in missing)
     unknown = [k for k in header if k != "__metadata__" and k not in KNOWN_TENSORS]

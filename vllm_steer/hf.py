@@ -15,12 +15,15 @@ and untied heads are kept as they are.
 from __future__ import annotations
 
 import contextlib
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
 from vllm_steer.bank import SteerBank
 from vllm_steer.format import Steer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm_steer.vectors import VectorSteer
 
 
 def output_head(model) -> torch.nn.Module:
@@ -75,6 +78,85 @@ def steering(model, steers: "Mapping[str, Steer] | Steer | SteerBank",
     finally:
         if handle is not None:
             handle.remove()
+
+
+#: Where each supported family keeps its decoder blocks (attribute paths from the causal LM).
+DECODER_LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h",
+                       "gpt_neox.layers", "model.language_model.layers")
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The model's decoder blocks, in order (block ``k`` is ``decoder_layers(model)[k]``)."""
+    for path in DECODER_LAYER_PATHS:
+        obj = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, torch.nn.ModuleList) and len(obj):
+            return obj
+    raise ValueError(f"{type(model).__name__}: no decoder blocks found (looked for "
+                     f"{', '.join(DECODER_LAYER_PATHS)})")
+
+
+def block_hidden(output) -> torch.Tensor:
+    """The hidden state a decoder block returns (a tensor, or the first of a tuple)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@contextlib.contextmanager
+def vector_steering(model, vectors: "Mapping[str, VectorSteer] | VectorSteer",
+                    strengths: "Mapping[str, float] | float"):
+    """Apply vector steers inside the ``with`` block: ``a_i * v_{i,k}`` is added to the
+    output of decoder block ``k`` at every position (semantics:
+    :func:`vllm_steer.reference.vector_steer_reference`). Undone on exit, also on error."""
+    from vllm_steer.reference import vector_steer_reference
+    from vllm_steer.vectors import VectorSteer, model_fit_problems
+
+    if isinstance(vectors, VectorSteer):
+        vectors = {vectors.name: vectors}
+    if not isinstance(strengths, Mapping):
+        if len(vectors) != 1:
+            raise ValueError("a bare strength needs exactly one vector steer; pass "
+                             "{name: strength}")
+        strengths = {next(iter(vectors)): float(strengths)}
+    unknown = set(strengths) - set(vectors)
+    if unknown:
+        raise KeyError(f"unknown vector steers {sorted(unknown)}; given: {sorted(vectors)}")
+    layers = decoder_layers(model)
+    hidden = int(model.config.hidden_size)
+    for name, vs in vectors.items():
+        problems = model_fit_problems(vs.metadata, hidden_size=hidden, num_layers=len(layers))
+        if problems:
+            raise ValueError(f"vector steer {name!r}: " + "; ".join(problems))
+    names = [n for n in strengths if strengths[n] != 0]
+    handles = []
+
+    def hook_for(k: int, stack: torch.Tensor, coefs: torch.Tensor):
+        def hook(_module, _args, output):
+            h = block_hidden(output)
+            flat = h.reshape(-1, h.shape[-1])
+            c = coefs.to(h.device).expand(flat.shape[0], -1)
+            new = vector_steer_reference(flat, stack.to(h.device), c).reshape(h.shape)
+            if isinstance(output, tuple):
+                return (new, *output[1:])
+            if isinstance(output, list):
+                return [new, *output[1:]]
+            return new
+        return hook
+
+    try:
+        for k, block in enumerate(layers):
+            here = [n for n in names if k in vectors[n].directions]
+            if not here:
+                continue
+            stack = torch.stack([vectors[n].directions[k].float() for n in here])
+            coefs = torch.tensor([[float(strengths[n]) for n in here]], dtype=torch.float32)
+            handles.append(block.register_forward_hook(hook_for(k, stack, coefs)))
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def tokenize_scored(tokenizer, text: str, prefix: str | None = None,

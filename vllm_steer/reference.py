@@ -21,6 +21,17 @@ In the paper's notation (column vectors) this is ``c' = c + sum_i eps_i W_i c`` 
 A request's coefficients come from its strengths by :func:`steer_coefficients`: strength
 ``s`` of a steer with epsilon ``eps`` is ``s * eps``; a steer served with its domain ("dummy")
 component adds that component at ``domain_strength * eps`` whenever the steer is applied.
+
+A *vector steer* (:mod:`vllm_steer.vectors`) acts on the residual stream instead: for each
+decoder block ``k`` it has a vector ``v_{i,k}`` (or none), and a row steered at strengths
+``a_i`` has::
+
+    h_k[t] += sum_i a_i * v_{i,k}          for every position t of the row
+
+added to the output of block ``k`` (its hidden state after the block's last residual add,
+before the next block; llama.cpp's ``l_out``), so every later block, and the keys and values
+they cache, see the steered state. :func:`vector_steer_reference` is that addition for one
+block.
 """
 
 from __future__ import annotations
@@ -103,3 +114,20 @@ def steered_logits_reference(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
     if bias is not None:
         logits = logits + bias.float()
     return logits
+
+
+def vector_steer_reference(hidden: torch.Tensor,  # [num_rows, hidden]: block k's output
+                           vectors: torch.Tensor,  # [K, hidden]: v_{i,k} (zeros: no vector)
+                           coefs: torch.Tensor,  # [num_rows, K]: each row's strength a_i
+                           ) -> torch.Tensor:
+    """``out[r] = h[r] + sum_i coefs[r, i] * vectors[i]``: vector steers on one decoder
+    block's output (fp32 math, input dtype out). A row whose coefficients are all zero is
+    returned bit-identical to its input."""
+    num_rows, d = hidden.shape
+    K = vectors.shape[0]
+    assert vectors.shape == (K, d), (vectors.shape, d)
+    assert coefs.shape == (num_rows, K), (coefs.shape, (num_rows, K))
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    out = (hidden.to(acc) + coefs.to(acc) @ vectors.to(acc)).to(hidden.dtype)
+    untouched = (coefs == 0).all(dim=1)
+    return torch.where(untouched[:, None], hidden, out)

@@ -470,11 +470,13 @@ def check_self_anchors(text: str, where: str, path: Path) -> list[str]:
 # --------------------------------------------------------------------------- (d) steer facts
 
 def steer_facts(path: Path) -> dict:
-    from vllm_steer.format import read_metadata
+    from vllm_steer.format import KIND_VECTOR, file_kind, read_document, read_metadata
+    from vllm_steer.vectors import read_vector_metadata
 
-    meta = json.loads(read_metadata(str(path)).to_json())
+    vector = file_kind(read_document(str(path))[1]) == KIND_VECTOR
+    meta = json.loads((read_vector_metadata if vector else read_metadata)(str(path)).to_json())
     recipe, metrics = meta.get("recipe") or {}, meta.get("metrics") or {}
-    return {"rank": meta["rank"], "steps": recipe.get("steps"),
+    return {"rank": meta.get("rank"), "steps": recipe.get("steps"),
             "recommended_strength": meta.get("recommended_strength"),
             "base_model": meta.get("base_model"), "dev_loss": metrics.get("dev_loss"),
             "hidden_size": meta.get("hidden_size")}

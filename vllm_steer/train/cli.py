@@ -12,9 +12,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from vllm_steer.train.config import DataConfig, TrainConfig
+from vllm_steer.train.config import DataConfig, TrainConfig, VectorConfig
 
 #: The model the demo presets (``--preset``) train when no ``--model`` is given.
 DEMO_MODEL = "smollm2"
@@ -114,6 +115,25 @@ def add_commands(subparsers) -> None:
     src.add_argument("--dev-max", type=int, default=DataConfig.dev_max_per_side,
                      help="dev texts per side at most")
 
+    kind = t.add_argument_group("kind (docs/training.md: vector steers)")
+    kind.add_argument("--kind", choices=["lm-steer", "vector"], default="lm-steer",
+                      help="lm-steer: a steer on the final hidden state (trained by gradient "
+                           "steps); vector: a control vector per decoder block, from the "
+                           "positive and negative texts paired (no steps)")
+    kind.add_argument("--method", choices=["pca", "caa"], default=VectorConfig.method,
+                      help="--kind vector: pca = first principal component of the paired "
+                           "differences (repeng's default), caa = their mean")
+    kind.add_argument("--layers", default=None, metavar="SPEC",
+                      help="--kind vector: decoder blocks (0-based), e.g. 1-29, 5,10,12-14 or "
+                           "all (default: every block but 0, what llama.cpp can steer)")
+    kind.add_argument("--pairs", nargs="+", default=None, metavar="FILE",
+                      help="--kind vector: JSONL files of contrastive pairs, one "
+                           '{"positive": ..., "negative": ...} a line (repeng\'s form), '
+                           "instead of --positive/--negative/--data/--preset")
+    kind.add_argument("--max-pairs", type=int, default=None, metavar="N",
+                      help="--kind vector: training pairs at most (default: as many as the "
+                           "smaller side has)")
+
     rec = t.add_argument_group("recipe")
     rec.add_argument("--model", default=None,
                      help="the model the steer is for: HF folder or id, or smollm2 (the "
@@ -169,7 +189,9 @@ def add_commands(subparsers) -> None:
                           "recommended strength (the largest check strength within it)")
 
     out = t.add_argument_group("output")
-    out.add_argument("--out", required=True, help="steer file to write (.safetensors)")
+    out.add_argument("--out", required=True, nargs="+", metavar="FILE",
+                     help="steer file to write (.safetensors); --kind vector takes several, "
+                          "and writes llama.cpp's GGUF for a .gguf one")
     out.add_argument("--name", help="steer name (default: the preset, or the file's stem)")
     out.add_argument("--positive-means", help="what positive strengths move towards, for the "
                                               "metadata (e.g. non-toxic)")
@@ -185,15 +207,22 @@ def add_commands(subparsers) -> None:
     out.add_argument("--keep-checkpoint", action="store_true",
                      help="keep the checkpoint folder after success (default: removed)")
     out.add_argument("--quiet", action="store_true", help="no progress bars")
-    t.set_defaults(func=cmd_train)
+    t.set_defaults(func=cmd_train, train_parser=t)
 
     c = subparsers.add_parser(
-        "convert", help="import a steer trained with the paper's original code",
+        "convert", help="import a steer trained with the paper's original code, or convert "
+                        "a vector steer between llama.cpp's GGUF and our file",
         description="Convert a checkpoint of github.com/Glaciohound/LM-Steer "
-                    "(torch.save([args, {projector1, projector2}, step])) to a steer file.",
+                    "(torch.save([args, {projector1, projector2}, step])) to a steer file; or "
+                    "a control vector between llama.cpp's GGUF (as repeng and EasySteer "
+                    "write it) and this project's file, both ways (--out X.gguf writes GGUF).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    c.add_argument("checkpoint", help="checkpoint of the paper's train.py (.pt)")
-    c.add_argument("--out", required=True, help="steer file to write (.safetensors)")
+    c.add_argument("checkpoint", help="checkpoint of the paper's train.py (.pt), a control "
+                                      "vector .gguf, or a vector steer .safetensors")
+    c.add_argument("--out", required=True, help="file to write (.safetensors; .gguf for a "
+                                                "vector steer in llama.cpp's format)")
+    c.add_argument("--layers", default=None, metavar="SPEC",
+                   help="vector steers: keep only these blocks (0-based), e.g. 1-29")
     c.add_argument("--unsafe-allow-pickle", action="store_true",
                    help="allow reading the pickle with torch's restricted loader "
                         "(weights_only=True; enough for the paper's checkpoints)")
@@ -255,8 +284,74 @@ def train_model(model: str | None, preset: str | None) -> str:
                      f"({demos}) default to {DEMO_MODEL}, the embedded model")
 
 
+#: ``train`` flags that only an LM-Steer uses: refused with ``--kind vector`` when set.
+LM_STEER_ONLY = ("steps", "batch_size", "rank", "domain_rank", "lr", "epsilon", "init_std",
+                 "domain_dropout", "regularization", "cache_dtype", "head_dtype", "step_tokens",
+                 "train_strengths", "chat_template", "chunk_tokens", "eval_every",
+                 "checkpoint_dir", "checkpoint_every",
+                 "resume", "keep_checkpoint")
+#: ``train`` flags that only a vector steer uses.
+VECTOR_ONLY = ("method", "layers", "max_pairs", "pairs")
+
+
+def _set_flags(args, dests) -> list[str]:
+    """The flags among ``dests`` given a value other than their default."""
+    parser = args.train_parser
+    flag = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    return [flag[d] for d in dests if getattr(args, d) != parser.get_default(d)]
+
+
+def cmd_train_vector(args) -> int:
+    from vllm_steer.train.vector import train_vector
+
+    given = _set_flags(args, LM_STEER_ONLY)
+    if given:
+        raise ValueError(f"{', '.join(given)}: LM-Steer training flags, not used by --kind "
+                         "vector (its recipe: --method, --layers, --max-pairs, --max-length, "
+                         "--seed, --model-dtype, --check-strengths, --fluency-budget); drop "
+                         "them")
+    cfg = VectorConfig(model=train_model(args.model, args.preset), method=args.method,
+                       layers=args.layers, max_length=args.max_length,
+                       max_pairs=args.max_pairs, seed=args.seed, device=args.device,
+                       model_dtype=args.model_dtype,
+                       check_strengths=(tuple(args.check_strengths) if _set_flags(
+                           args, ("check_strengths",)) else None),
+                       fluency_budget=args.fluency_budget)
+    cfg.validate()
+    if args.layers is not None and args.layers.strip().lower() != "all":
+        from vllm_steer.vectors import parse_layers
+
+        parse_layers(args.layers)  # its syntax, before the model loads
+    labels = {k: v for k, v in (("positive", args.positive_means),
+                                ("negative", args.negative_means)) if v}
+    if args.pairs:
+        other = [f for f, on in (("--positive", args.positive), ("--negative", args.negative),
+                                 ("--data", args.data), ("--preset", args.preset)) if on]
+        if other:
+            raise ValueError(f"--pairs and {', '.join(other)}: give the pairs or the "
+                             "sides, not both")
+        data = DataConfig(dev_fraction=args.dev_fraction, dev_max_per_side=args.dev_max)
+    else:
+        data = _data_config(args)
+    train_vector(cfg, data, args.out, name=args.name, labels=labels or None,
+                 recommended_strength=args.recommended_strength, progress=not args.quiet,
+                 pairs=args.pairs)
+    return 0
+
+
 def cmd_train(args) -> int:
     from vllm_steer.train.trainer import train_steer
+
+    if args.kind == "vector":
+        return cmd_train_vector(args)
+    given = _set_flags(args, VECTOR_ONLY)
+    if given:
+        raise ValueError(f"{', '.join(given)}: vector-steer flags; add --kind vector, or drop "
+                         "them")
+    if len(args.out) != 1:
+        raise ValueError(f"--out {' '.join(args.out)}: an LM-Steer is written to one "
+                         ".safetensors file")
+    args.out = args.out[0]
 
     cfg = TrainConfig(model=train_model(args.model, args.preset), rank=args.rank,
                       domain_rank=args.domain_rank,
@@ -281,9 +376,59 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _is_vector_input(path: str) -> bool:
+    """A llama.cpp GGUF, or one of our safetensors files of kind ``vector``."""
+    from vllm_steer.format import KIND_VECTOR, file_kind, read_document
+    from vllm_steer.vectors import is_gguf
+
+    if is_gguf(path):
+        return True
+    if not os.path.isfile(path):
+        return False
+    _, d, _ = read_document(path)
+    return file_kind(d) == KIND_VECTOR
+
+
+def cmd_convert_vector(args) -> int:
+    """GGUF -> our file, our file -> GGUF (or either to itself, e.g. to keep some layers)."""
+    from vllm_steer.vectors import GGUF_SUFFIX, load_vector, save_any
+
+    given = [f for f, on in (("--unsafe-allow-pickle", args.unsafe_allow_pickle),
+                             ("--unsafe-full-unpickle", args.unsafe_full_unpickle),
+                             ("--steer-index", args.steer_index is not None),
+                             ("--dummy-index", args.dummy_index is not None),
+                             ("--no-dummy", args.no_dummy), ("--epsilon", args.epsilon)) if on]
+    if given:
+        raise ValueError(f"{', '.join(given)}: flags of LM-Steer checkpoints; "
+                         f"{args.checkpoint} is a vector steer")
+    vs = load_vector(args.checkpoint)
+    if args.layers is not None:
+        from vllm_steer.vectors import parse_layers
+
+        vs = vs.select(parse_layers(args.layers, max(vs.layers) + 1))
+    if args.name:
+        from vllm_steer.names import check_steer_name
+
+        check_steer_name(args.name)
+        vs.metadata.name = args.name
+    if args.base_model:
+        vs.metadata.base_model = args.base_model
+    save_any(args.out, vs)
+    kind = "llama.cpp GGUF" if args.out.endswith(GGUF_SUFFIX) else "vector steer file"
+    print(f"wrote {args.out} ({kind}): {vs.name}, hidden size {vs.hidden_size}, blocks "
+          f"{vs.layers[0]}-{vs.layers[-1]} ({len(vs.layers)} vectors)")
+    return 0
+
+
 def cmd_convert(args) -> int:
     from vllm_steer.format import SteerFileError, save_steer
     from vllm_steer.train.convert import PickleRefused, convert_checkpoint, describe
+
+    if _is_vector_input(args.checkpoint):
+        return cmd_convert_vector(args)
+    if args.layers is not None:
+        raise ValueError("--layers selects the blocks of a vector steer; "
+                         f"{args.checkpoint} is an LM-Steer checkpoint")
 
     try:
         steer = convert_checkpoint(args.checkpoint, allow_pickle=args.unsafe_allow_pickle,

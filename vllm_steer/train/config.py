@@ -232,3 +232,72 @@ class DataConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class VectorConfig:
+    """The recipe of a vector steer (``vllm-steer train --kind vector``). Every field is
+    written to the file's ``recipe``."""
+
+    model: str = "smollm2"
+    """Base model: a Hugging Face folder or id, or ``smollm2`` (the embedded model)."""
+    method: Literal["pca", "caa"] = "pca"
+    """``pca``: the first principal component of the paired differences (centred, unit
+    norm, signed so that the positive side projects higher: repeng's default ``pca_diff``);
+    ``caa``: the mean paired difference (contrastive activation addition; its norm is the
+    separation's)."""
+    layers: str | None = None
+    """Decoder blocks (0-based) to make vectors for: ``1-29``, ``5,10,12-14`` or ``all``;
+    ``None`` = every block but block 0 (1 to n-1: what llama.cpp can steer, repeng's
+    default)."""
+    max_length: int = 256
+    """Tokens kept per text (the state is read at the last kept token)."""
+    max_pairs: int | None = None
+    """Training pairs at most (a seeded subset); ``None`` = as many as the smaller side has."""
+    seed: int = 0
+    """Seed of the data split and subset."""
+    device: str = "auto"
+    """``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda``, ``cuda:1``, ..."""
+    model_dtype: DTypeName = "auto"
+    """dtype of the frozen model's forward passes (``auto``: as for LM-Steer training)."""
+    batch_tokens: int = 4096
+    """Padded tokens per forward batch."""
+    check_strengths: tuple[float, ...] | None = None
+    """Strengths of the final dev check (dev texts' loss at +-s against 0, the vectors
+    applied at every position); ``None``: fractions 0.01 to 0.1 of one mean difference per
+    block (:func:`vllm_steer.train.vector.default_check_strengths`)."""
+    fluency_budget: float | None = 0.05
+    """Rule for the recommended strength, as for LM-Steer: the largest check strength at
+    which the dev texts steered towards lose at most this many nats/token; ``None``: no dev
+    check."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if self.check_strengths is not None:
+            d["check_strengths"] = [float(s) for s in self.check_strengths]
+        return d
+
+    def validate(self) -> None:
+        problems = []
+        if self.method not in ("pca", "caa"):
+            problems.append(f"method={self.method!r}: choose pca or caa")
+        for name in ("max_length", "batch_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                problems.append(f"{name}={v!r}: must be a positive integer")
+        if self.max_pairs is not None and (not isinstance(self.max_pairs, int)
+                                           or self.max_pairs < 2):
+            problems.append(f"max_pairs={self.max_pairs!r}: must be an integer >= 2 or None")
+        if self.model_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            problems.append(f"model_dtype={self.model_dtype!r}: choose auto, float32, bfloat16 "
+                            "or float16")
+        if self.check_strengths is not None and not (
+                self.check_strengths and all(isinstance(s, (int, float)) and math.isfinite(s)
+                                             and s > 0 for s in self.check_strengths)):
+            problems.append(f"check_strengths={self.check_strengths!r}: give positive "
+                            "strengths, e.g. (0.1, 0.2)")
+        if self.fluency_budget is not None and not self.fluency_budget >= 0:
+            problems.append(f"fluency_budget={self.fluency_budget}: must be >= 0")
+        if problems:
+            raise ValueError("invalid vector training configuration:\n" +
+                             "\n".join(f"  - {p}" for p in problems))

@@ -374,3 +374,81 @@ def compute_hidden(model, tokenizer, ids_list: Sequence[Sequence[int]], sides: S
     return HiddenStates(hidden, ids, offsets, torch.as_tensor(list(sides), dtype=torch.int8),
                         starts=None if starts is None
                         else torch.as_tensor(list(starts), dtype=torch.long))
+
+
+@contextlib.contextmanager
+def capture_blocks(model, layers: Sequence[int], store: dict):
+    """Inside the block a forward records the output of each decoder block in ``layers``
+    (``store[k]``: [B, T, hidden]) and stops after the last of them (later blocks and the
+    head are never computed)."""
+    from vllm_steer.hf import block_hidden, decoder_layers
+
+    blocks = decoder_layers(model)
+    last = max(layers)
+    handles = []
+
+    def hook_for(k: int):
+        def hook(_module, _args, output):
+            store[k] = block_hidden(output).detach()
+            if k == last:
+                raise _Stop
+        return hook
+
+    try:
+        for k in sorted(set(layers)):
+            handles.append(blocks[k].register_forward_hook(hook_for(k)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def block_outputs_at_last(model, tokenizer, ids_list: Sequence[Sequence[int]],
+                          layers: Sequence[int], *, batch_tokens: int = 4096,
+                          progress: bool = True, desc: str = "block outputs") -> torch.Tensor:
+    """``[len(layers), num_texts, hidden]`` float32: the output of each decoder block in
+    ``layers`` (0-based; ``output_hidden_states[k + 1]`` in transformers' numbering) at the
+    last token of each text, in the order of ``layers`` and ``ids_list``. Length-sorted,
+    right-padded batches; the forward stops after the last block asked for."""
+    from tqdm.auto import tqdm
+
+    from vllm_steer.hf import decoder_layers
+
+    layers = list(layers)
+    if not layers:
+        raise ValueError("no layers to read")
+    n_blocks = len(decoder_layers(model))
+    bad = [k for k in layers if not 0 <= k < n_blocks]
+    if bad:
+        raise ValueError(f"blocks {bad} do not exist: the model has {n_blocks} decoder blocks "
+                         f"(0 to {n_blocks - 1})")
+    device = output_head(model).weight.device
+    d = int(model.config.hidden_size)
+    out = torch.empty(len(layers), len(ids_list), d, dtype=torch.float32)
+    order = sorted(range(len(ids_list)), key=lambda i: -len(ids_list[i]))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    bar = tqdm(total=len(ids_list), desc=desc, unit="text", disable=not progress, leave=False)
+    i = 0
+    while i < len(order):
+        T = len(ids_list[order[i]])
+        chunk = order[i:i + max(1, batch_tokens // T)]
+        inp = torch.full((len(chunk), T), pad, dtype=torch.long)
+        att = torch.zeros((len(chunk), T), dtype=torch.long)
+        for j, k in enumerate(chunk):
+            inp[j, :len(ids_list[k])] = torch.as_tensor(list(ids_list[k]))
+            att[j, :len(ids_list[k])] = 1
+        store: dict[int, torch.Tensor] = {}
+        with capture_blocks(model, layers, store), torch.no_grad():
+            try:
+                model(input_ids=inp.to(device), attention_mask=att.to(device), use_cache=False)
+            except _Stop:
+                pass
+        last = att.sum(1) - 1
+        rows = torch.arange(len(chunk))
+        idx = torch.as_tensor(chunk)
+        for li, k in enumerate(layers):
+            out[li, idx] = store[k].to("cpu")[rows, last].float()
+        bar.update(len(chunk))
+        i += len(chunk)
+    bar.close()
+    return out

@@ -1,0 +1,378 @@
+"""Vector steers (vllm_steer.vectors): llama.cpp's control-vector GGUF read as repeng and
+llama.cpp's generator write it (with the gguf package's own writer), our safetensors kind,
+the round trip bit for bit, every refusal listed, the check against a model, and the math
+(vllm_steer.reference.vector_steer_reference) against transformers' own hidden states."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_steer.format import (KIND_VECTOR, SteerFileError, load_steer, make_steer,
+                               read_metadata, save_steer)
+from vllm_steer.hf import decoder_layers, vector_steering
+from vllm_steer.reference import vector_steer_reference
+from vllm_steer.vectors import (VectorFileError, check_fits_model, load_gguf, load_vector,
+                                make_vector_steer, model_fit_problems, parse_layers,
+                                read_vector_metadata, save_gguf, save_vector)
+
+gguf = pytest.importorskip("gguf")
+
+HIDDEN = 16
+
+
+def _dirs(layers, seed=0, hidden=HIDDEN):
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(hidden).astype(np.float32) for k in layers}
+
+
+def write_repeng_gguf(path, dirs, model_hint="llama"):
+    """A control vector written the way repeng's ``ControlVector.export_gguf`` does."""
+    w = gguf.GGUFWriter(str(path), "controlvector")
+    w.add_string("controlvector.model_hint", model_hint)
+    w.add_uint32("controlvector.layer_count", len(dirs))
+    for k in dirs:
+        w.add_tensor(f"direction.{k}", dirs[k])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_llamacpp_gguf(path, dirs, arch="controlvector", dtype=None, extra_tensors=()):
+    """As llama.cpp's control-vector generator writes it (layer_count an int32), or with the
+    given defects."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_string(f"{arch}.model_hint", "llama")
+    w.add_int32(f"{arch}.layer_count", len(dirs))
+    for k, v in dirs.items():
+        w.add_tensor(f"direction.{k}", v if dtype is None else v.astype(dtype))
+    for name, v in extra_tensors:
+        w.add_tensor(name, v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def raw_tensors(path):
+    """name -> raw bytes, read with gguf's reader (not ours)."""
+    r = gguf.GGUFReader(str(path))
+    return {t.name: bytes(np.asarray(t.data).tobytes()) for t in r.tensors}, r
+
+
+def test_repeng_gguf_reads_and_round_trips_bit_for_bit(tmp_path):
+    dirs = _dirs(range(1, 6))
+    dirs[3][0] = np.float32(-0.0)  # bits, not values: -0.0 must survive
+    dirs[3][1] = np.float32(1e-45)  # a subnormal too
+    src = tmp_path / "calm.gguf"
+    write_repeng_gguf(src, dirs)
+    vs = load_vector(src)
+    assert vs.layers == [1, 2, 3, 4, 5] and vs.hidden_size == HIDDEN
+    assert vs.metadata.model_type == "llama" and vs.name == "calm"
+    assert vs.metadata.source["keys"]["controlvector.layer_count"] == 5
+    for k, v in dirs.items():
+        assert vs.directions[k].numpy().tobytes() == v.tobytes()
+    ours = tmp_path / "calm.safetensors"
+    save_vector(ours, vs)
+    assert read_vector_metadata(ours).kind == KIND_VECTOR
+    back = tmp_path / "back.gguf"
+    save_gguf(back, load_vector(ours))
+    want, _ = raw_tensors(src)
+    got, reader = raw_tensors(back)
+    assert got == want  # every tensor, every bit, and no other tensor
+    f = reader.get_field
+    assert f("general.architecture").contents() == "controlvector"
+    assert f("controlvector.model_hint").contents() == "llama"
+    assert f("controlvector.layer_count").contents() == 5
+    # our metadata travelled through the GGUF
+    assert load_vector(back).metadata.source == vs.metadata.source
+
+
+def test_llamacpp_generator_gguf_reads(tmp_path):
+    dirs = _dirs(range(1, 4), seed=1)
+    p = tmp_path / "gen.gguf"
+    write_llamacpp_gguf(p, dirs)
+    vs = load_gguf(p, name="gen")
+    assert vs.layers == [1, 2, 3]
+    assert all(np.array_equal(vs.directions[k].numpy(), dirs[k]) for k in dirs)
+
+
+def test_bad_gguf_lists_every_reason(tmp_path):
+    dirs = _dirs([1, 2])
+    dirs[2] = np.full(HIDDEN, np.nan, np.float32)
+    p = tmp_path / "bad.gguf"
+    write_llamacpp_gguf(p, dirs, arch="llama",
+                        extra_tensors=[("direction.x", np.zeros(HIDDEN, np.float32)),
+                                       ("direction.7", np.zeros(HIDDEN + 1, np.float32)),
+                                       ("direction.8", np.zeros((2, HIDDEN), np.float32))])
+    with pytest.raises(VectorFileError) as e:
+        load_vector(p)
+    msg = str(e.value)
+    assert "'llama', expected 'controlvector'" in msg
+    assert "'direction.x' is not named direction.K" in msg
+    assert "direction.2 holds NaN or inf" in msg
+    assert f"direction.7 has {HIDDEN + 1} values but the first direction has {HIDDEN}" in msg
+    assert "direction.8 has shape" in msg
+    assert isinstance(e.value, SteerFileError)
+
+
+def test_gguf_f16_and_junk_refused(tmp_path):
+    p = tmp_path / "f16.gguf"
+    write_llamacpp_gguf(p, _dirs([1]), dtype=np.float16)
+    with pytest.raises(VectorFileError, match="direction.1 has type F16, expected F32"):
+        load_vector(p)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + struct.pack("<I", 3) + b"\x01\x02")
+    with pytest.raises(VectorFileError, match="not a readable GGUF file"):
+        load_vector(junk)
+    with pytest.raises(VectorFileError, match="no such file"):
+        load_vector(tmp_path / "missing.gguf")
+
+
+def test_gguf_writer_refuses_block_0(tmp_path):
+    vs = make_vector_steer(_dirs([0, 1, 2]), "v0")
+    with pytest.raises(VectorFileError, match=r"block 0, which llama.cpp refuses.*--layers 1-2"):
+        save_gguf(tmp_path / "v0.gguf", vs)
+    assert not (tmp_path / "v0.gguf").exists()
+    save_gguf(tmp_path / "v12.gguf", vs.select([1, 2]))  # the fix the message names
+    assert load_vector(tmp_path / "v12.gguf").layers == [1, 2]
+    save_vector(tmp_path / "v0.safetensors", vs)  # our file steers block 0 too
+    assert load_vector(tmp_path / "v0.safetensors").layers == [0, 1, 2]
+
+
+def _rewrite_meta(path, edit):
+    """Rewrite the JSON metadata of a safetensors file in place (same tensors)."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    doc = json.loads(header["__metadata__"]["vllm_steer"])
+    edit(doc)
+    header["__metadata__"]["vllm_steer"] = json.dumps(doc)
+    hb = json.dumps(header).encode()
+    hb += b" " * (-len(hb) % 8)
+    path.write_bytes(struct.pack("<Q", len(hb)) + hb + raw[8 + n:])
+
+
+def test_our_vector_file_refusals_listed_at_once(tmp_path):
+    p = tmp_path / "v.safetensors"
+    save_vector(p, make_vector_steer(_dirs([1, 2]), "v", labels={"harmful": "negative"},
+                                     model_layers=4, recommended_strength=2.0))
+    meta = read_vector_metadata(p)
+    assert meta.layers == [1, 2] and meta.model_layers == 4 and meta.recommended_strength == 2.0
+
+    def edit(d):
+        d["layers"] = [1, 3]
+        d["labels"] = {"harmful": "both"}
+        d["recommended_strength"] = float("inf")
+    _rewrite_meta(p, edit)
+    with pytest.raises(VectorFileError) as e:
+        load_vector(p)
+    msg = str(e.value)
+    assert "labels.harmful='both'" in msg and "recommended_strength=inf" in msg
+    # the tensors are compared with the layers only once the metadata is sound
+    _rewrite_meta(p, lambda d: d.update(labels={}, recommended_strength=None, model_layers=3))
+    with pytest.raises(VectorFileError, match=r"layers include block 3 but model_layers=3"):
+        load_vector(p)
+    _rewrite_meta(p, lambda d: d.update(model_layers=None))
+    with pytest.raises(VectorFileError, match=r"tensors are for blocks 1-2 but the metadata "
+                                              r"lists 1,3"):
+        load_vector(p)
+
+
+def test_kinds_do_not_mix(tmp_path):
+    vec = tmp_path / "v.safetensors"
+    save_vector(vec, make_vector_steer(_dirs([1]), "v"))
+    gg = tmp_path / "v.gguf"
+    write_repeng_gguf(gg, _dirs([1]))
+    for read in (read_metadata, load_steer):
+        with pytest.raises(SteerFileError, match="this is a vector steer"):
+            read(vec)
+        with pytest.raises(SteerFileError, match="this is a GGUF file .*load_vector"):
+            read(gg)
+    lm = tmp_path / "lm.safetensors"
+    save_steer(lm, make_steer(torch.ones(HIDDEN, 2), torch.ones(HIDDEN, 2), "lm"))
+    raw = lm.read_bytes()
+    assert b'"kind"' not in raw  # LM-Steer files are written as before kinds existed
+    with pytest.raises(VectorFileError, match="kind='lm-steer', expected 'vector'"):
+        load_vector(lm)
+    _rewrite_meta(lm, lambda d: d.update(kind="lm-steer"))
+    assert read_metadata(lm).name == "lm"  # an explicit default kind is accepted
+    _rewrite_meta(lm, lambda d: d.update(kind="sae"))
+    with pytest.raises(SteerFileError, match="kind='sae', expected one of 'lm-steer', 'vector'"):
+        read_metadata(lm)
+
+
+def test_fit_against_model_names_both_sides():
+    vs = make_vector_steer(_dirs(range(1, 6)), "v", base_model="org/Model-A",
+                           model_type="llama", model_layers=6)
+    m = vs.metadata
+    assert model_fit_problems(m, hidden_size=HIDDEN, num_layers=6, model_name="/x/model-a",
+                              model_type="llama") == []
+    reasons = model_fit_problems(m, hidden_size=32, num_layers=4, model_name="org/other",
+                                 model_type="gpt2")
+    text = "\n".join(reasons)
+    assert f"hidden size {HIDDEN} but 'org/other' has hidden size 32" in text
+    assert "vectors for blocks 4-5 but 'org/other' has 4 decoder blocks (0 to 3)" in text
+    assert "made for a model of 6 decoder blocks but 'org/other' has 4" in text
+    assert "made for a 'llama' model but 'org/other' is a 'gpt2' model" in text
+    assert "made for 'org/Model-A' but the model is 'org/other'" in text
+    with pytest.raises(VectorFileError, match="calm.gguf"):
+        check_fits_model(m, "calm.gguf", hidden_size=32, num_layers=6)
+
+
+def test_parse_layers():
+    assert parse_layers("1-3,7") == [1, 2, 3, 7]
+    assert parse_layers("all", 3) == [0, 1, 2]
+    with pytest.raises(ValueError, match="block 5 does not exist; the model has 4"):
+        parse_layers("2-5", 4)
+    with pytest.raises(ValueError, match="like 1-29"):
+        parse_layers("3-1")
+
+
+def test_reference_against_a_loop():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, HIDDEN, generator=g).to(torch.bfloat16)
+    vecs = torch.randn(3, HIDDEN, generator=g)
+    coefs = torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.5, -2.0, 0.0],
+                          [0.0, 0.0, 3.0], [1.0, 1.0, 1.0]])
+    out = vector_steer_reference(h, vecs, coefs)
+    assert out.dtype == h.dtype
+    assert torch.equal(out[0], h[0])  # an unsteered row: bit-identical
+    for r in range(1, 5):
+        want = h[r].double() + sum(float(coefs[r, i]) * vecs[i].double() for i in range(3))
+        torch.testing.assert_close(out[r], want.to(torch.bfloat16), rtol=0, atol=0)
+
+
+def _llama(layers=3, bigram=False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=97,
+                      max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg).eval()
+    if bigram:  # every block adds nothing to the residual stream
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+    return model
+
+
+def _inputs_of(modules, run):
+    """What each module receives (its first argument) during ``run()``."""
+    seen = {}
+    hooks = [m.register_forward_pre_hook(
+        lambda _m, args, kwargs, i=i: seen.__setitem__(
+            i, args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+        for i, m in enumerate(modules)]
+    try:
+        out = run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen, out
+
+
+def test_vector_is_added_to_block_k_output_as_transformers_numbers_it():
+    """With ``direction.K`` at strength ``a``, what block K+1 (or the final norm, after the
+    last block) receives is the unsteered output of block K plus ``a * v`` -- transformers'
+    ``hidden_states[K + 1]`` -- and nothing before block K changes."""
+    model = _llama(layers=4)
+    ids = torch.tensor([[5, 9, 2, 44, 7]])
+    v = torch.randn(32)
+    nxt = [*model.model.layers[1:], model.model.norm]
+    run = lambda: model(ids, output_hidden_states=True).hidden_states  # noqa: E731
+    with torch.no_grad():
+        plain_in, plain = _inputs_of(nxt, run)
+        for k in range(3):  # the off-by-one: hidden_states[k + 1] is block k's output
+            torch.testing.assert_close(plain_in[k], plain[k + 1], rtol=0, atol=0)
+        for k in range(4):
+            with vector_steering(model, make_vector_steer({k: v}, "v"), 1.5):
+                got_in, got = _inputs_of(nxt, run)
+            for j in range(k + 1):
+                assert torch.equal(got[j], plain[j])
+            torch.testing.assert_close(got_in[k], plain_in[k] + 1.5 * v, rtol=1e-6, atol=1e-6)
+            assert not torch.allclose(got[-1], plain[-1], atol=1e-3)
+    assert decoder_layers(model) is model.model.layers
+
+
+def test_logits_move_as_a_hand_written_forward_says():
+    """On a model whose blocks add nothing, the head's input is ``norm(embed(t) + sum a_i v_i)``
+    for vectors on any blocks: the logits computed by hand from the weights."""
+    model = _llama(layers=3, bigram=True)
+    ids = torch.tensor([[3, 17, 60, 8]])
+    emb = model.model.embed_tokens.weight[ids[0]]
+    g = torch.Generator().manual_seed(1)
+    a = make_vector_steer({1: torch.randn(32, generator=g), 2: torch.randn(32, generator=g)}, "a")
+    b = make_vector_steer({2: torch.randn(32, generator=g)}, "b")
+    eps, w_norm = model.config.rms_norm_eps, model.model.norm.weight
+
+    def by_hand(x):
+        x = x.double()
+        normed = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w_norm.double()
+        return normed @ model.lm_head.weight.double().T
+
+    shift = 2.0 * (a.directions[1] + a.directions[2]) - 3.0 * b.directions[2]
+    with torch.no_grad(), vector_steering(model, {"a": a, "b": b}, {"a": 2.0, "b": -3.0}):
+        got = model(ids).logits[0]
+    with torch.no_grad():
+        plain = model(ids).logits[0]
+    torch.testing.assert_close(got.double(), by_hand(emb + shift), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(plain.double(), by_hand(emb), rtol=1e-4, atol=1e-4)
+    assert (got - plain).abs().max() > 0.1  # the steer moved the logits
+
+
+def test_vector_steering_refuses_a_misfit(tmp_path):
+    model = _llama(layers=3)
+    with pytest.raises(ValueError, match=r"hidden size 16 but the model has hidden size 32"):
+        with vector_steering(model, make_vector_steer(_dirs([1]), "v"), 1.0):
+            pass
+    with pytest.raises(ValueError, match=r"blocks 3 but the model has 3 decoder blocks"):
+        with vector_steering(model, make_vector_steer(_dirs([3], hidden=32), "v"), 1.0):
+            pass
+
+
+@pytest.mark.parametrize("kind", ["gguf", "safetensors"])
+def test_mutated_files_load_or_are_refused(tmp_path, kind):
+    """Bit flips, truncations and byte insertions: the outcome is always a sound vector steer
+    or a VectorFileError, never another exception."""
+    import random
+    import warnings
+
+    src = tmp_path / f"v.{kind}"
+    vs = make_vector_steer(_dirs([1, 2, 3]), "v", model_type="llama")
+    (save_gguf if kind == "gguf" else save_vector)(src, vs)
+    raw = src.read_bytes()
+    rng = random.Random(0)
+    outcomes = {"loaded": 0, "refused": 0}
+    for i in range(150):
+        b = bytearray(raw)
+        op = i % 3
+        if op == 0:
+            for _ in range(rng.randint(1, 4)):
+                b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        elif op == 1:
+            b = b[:rng.randrange(len(b))]
+        else:
+            at = rng.randrange(len(b))
+            b[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+        p = tmp_path / f"m{i}.{kind}"
+        p.write_bytes(bytes(b))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got = load_vector(p)
+        except VectorFileError:
+            outcomes["refused"] += 1
+            continue
+        outcomes["loaded"] += 1
+        assert all(v.shape == (got.hidden_size,) and torch.isfinite(v).all()
+                   for v in got.directions.values())
+        assert sorted(got.directions) == got.metadata.layers
+    assert outcomes["refused"] > 50

@@ -1,0 +1,222 @@
+"""``vllm-steer train --kind vector`` on a tiny random Llama with synthetic pairs: CAA against
+the mean difference read from transformers' ``output_hidden_states``, PCA against numpy's SVD,
+the files it writes read back with the gguf package and with ours, and ``convert`` both ways."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_steer.cli import main
+from vllm_steer.train.config import DataConfig, VectorConfig
+from vllm_steer.train.vector import train_vector
+from vllm_steer.vectors import load_vector
+
+gguf = pytest.importorskip("gguf")
+
+POS = "happy good great lovely wonderful kind sunny bright joyful nice".split()
+NEG = "sad bad awful terrible horrible cruel dark gloomy nasty ugly".split()
+FILL = "the a day was and it felt very so we".split()
+LAYERS = 4
+
+
+def _texts(words, n, seed):
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) if rng.random() < 0.5 else rng.choice(FILL)
+                     for _ in range(rng.randint(3, 9))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from helpers.models import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny4"), layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> DataConfig:
+    d = tmp_path_factory.mktemp("pairs")
+    files = {}
+    for name, words, n, seed in (("pos", POS, 30, 1), ("neg", NEG, 30, 2),
+                                 ("dev_pos", POS, 6, 3), ("dev_neg", NEG, 6, 4)):
+        files[name] = d / f"{name}.txt"
+        files[name].write_text("\n".join(_texts(words, n, seed)))
+    return DataConfig(positive=[str(files["pos"])], negative=[str(files["neg"])],
+                      dev_positive=[str(files["dev_pos"])], dev_negative=[str(files["dev_neg"])])
+
+
+def _train_pairs(model_dir, data, cfg):
+    """The training pairs as train_vector forms them (the data's seeded order), as texts."""
+    from vllm_steer.train.data import load_dataset
+
+    ds = load_dataset(data, cfg.seed)
+    pos = [e.text for e in ds.train if e.side > 0]
+    neg = [e.text for e in ds.train if e.side < 0]
+    n = min(len(pos), len(neg))
+    return pos[:n], neg[:n]
+
+
+def _last_token_states(model_dir, texts):
+    """Each text alone through transformers with output_hidden_states: block k's output at the
+    last token is hidden_states[k + 1]; the last block's is read with the final norm removed
+    (transformers' last entry is normalised)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = np.zeros((LAYERS, len(texts), model.config.hidden_size))
+    with torch.no_grad():
+        for i, t in enumerate(texts):
+            ids = tok(t, return_tensors="pt")["input_ids"]
+            hs = model(ids, output_hidden_states=True).hidden_states
+            for k in range(LAYERS - 1):
+                out[k, i] = hs[k + 1][0, -1].double().numpy()
+        model.model.norm = torch.nn.Identity()
+        for i, t in enumerate(texts):
+            ids = tok(t, return_tensors="pt")["input_ids"]
+            out[LAYERS - 1, i] = model(ids, output_hidden_states=True).hidden_states[-1][0, -1] \
+                .double().numpy()
+    return out
+
+
+def test_caa_is_the_mean_difference(model_dir, data, tmp_path):
+    cfg = VectorConfig(model=str(model_dir), method="caa", layers="all", model_dtype="float32")
+    res = train_vector(cfg, data, [str(tmp_path / "caa.safetensors")], progress=False,
+                       log=lambda m: None)
+    pos, neg = _train_pairs(model_dir, data, cfg)
+    hp, hn = _last_token_states(model_dir, pos), _last_token_states(model_dir, neg)
+    assert res.steer.layers == [0, 1, 2, 3]
+    for k in range(LAYERS):
+        want = (hp[k] - hn[k]).mean(0)
+        np.testing.assert_allclose(res.steer.directions[k].double().numpy(), want,
+                                   rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    assert res.metrics["pairs"]["train"] == len(pos) >= 20
+    # the dev check: unsteered dev losses as transformers computes them, and the rule
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    check = res.metrics["dev_check"]
+    for side, f in (("positive", data.dev_positive[0]), ("negative", data.dev_negative[0])):
+        nll, n = 0.0, 0
+        for t in open(f).read().splitlines():
+            ids = tok(t, return_tensors="pt")["input_ids"]
+            with torch.no_grad():
+                nll += float(model(ids, labels=ids).loss) * (ids.shape[1] - 1)
+            n += ids.shape[1] - 1
+        assert check[side]["0"] == pytest.approx(nll / n, rel=1e-4)
+    strengths = (0.01, 0.02, 0.03, 0.05, 0.1)  # CAA's default: fractions of one difference
+    ok = [s for s in strengths
+          if check["positive"][f"{s:+g}"] - check["positive"]["0"] <= 0.05
+          and check["negative"][f"{-s:+g}"] - check["negative"]["0"] <= 0.05]
+    assert res.steer.metadata.recommended_strength == (max(ok) if ok else 0.01)
+    assert check["positive"]["+0.1"] != check["positive"]["0"]  # the vectors were applied
+
+
+def test_pca_is_the_first_singular_vector_signed_towards_positive(model_dir, data, tmp_path):
+    cfg = VectorConfig(model=str(model_dir), method="pca", model_dtype="float32",
+                       fluency_budget=None)
+    out = tmp_path / "pca.safetensors"
+    res = train_vector(cfg, data, [str(out)], name="calm", progress=False, log=lambda m: None)
+    pos, neg = _train_pairs(model_dir, data, cfg)
+    hp, hn = _last_token_states(model_dir, pos), _last_token_states(model_dir, neg)
+    assert res.steer.layers == [1, 2, 3]  # default: every block but 0, as llama.cpp steers
+    for k in (1, 2, 3):
+        d = hp[k] - hn[k]
+        _, _, vt = np.linalg.svd(d - d.mean(0), full_matrices=False)
+        got = res.steer.directions[k].double().numpy()
+        assert abs(np.linalg.norm(got) - 1) < 1e-5
+        np.testing.assert_allclose(abs(got @ vt[0]), 1.0, atol=1e-4)  # same axis
+        higher = ((hp[k] - hn[k]) @ got > 0).mean()
+        assert higher >= 0.5  # the sign: positive texts project higher in most pairs
+        assert res.metrics["per_layer"][str(k)]["train_separation"] == pytest.approx(higher,
+                                                                                    abs=1e-3)
+    meta = load_vector(out).metadata
+    assert meta.name == "calm" and meta.model_layers == LAYERS and meta.model_type == "llama"
+    assert meta.recipe["method"] == "pca" and meta.data["sha256"]
+
+
+def test_cli_writes_gguf_and_ours_and_converts_both_ways(model_dir, data, tmp_path, capsys):
+    ours, gg = tmp_path / "v.safetensors", tmp_path / "v.gguf"
+    assert main(["train", "--kind", "vector", "--model", str(model_dir), "--positive",
+                 *data.positive, "--negative", *data.negative, "--method", "caa",
+                 "--layers", "1-3", "--model-dtype", "float32", "--quiet",
+                 "--out", str(ours), str(gg)]) == 0
+    a, b = load_vector(ours), load_vector(gg)
+    assert a.layers == b.layers == [1, 2, 3]
+    reader = gguf.GGUFReader(str(gg))  # the gguf package's own reader
+    assert reader.get_field("general.architecture").contents() == "controlvector"
+    assert reader.get_field("controlvector.model_hint").contents() == "llama"
+    for t in reader.tensors:
+        k = int(t.name.split(".")[1])
+        assert np.asarray(t.data).tobytes() == a.directions[k].numpy().tobytes()
+    # GGUF -> ours -> GGUF keeps every tensor bit for bit
+    back, again = tmp_path / "back.safetensors", tmp_path / "again.gguf"
+    assert main(["convert", str(gg), "--out", str(back)]) == 0
+    assert main(["convert", str(back), "--out", str(again), "--layers", "2-3"]) == 0
+    assert "blocks 2-3" in capsys.readouterr().out
+    r2 = gguf.GGUFReader(str(again))
+    assert {t.name: np.asarray(t.data).tobytes() for t in r2.tensors} == {
+        t.name: np.asarray(t.data).tobytes() for t in reader.tensors if t.name != "direction.1"}
+    assert main(["info", str(gg)]) == 0
+    assert '"kind": "vector"' in capsys.readouterr().out
+
+
+def test_cli_refusals(model_dir, data, tmp_path, capsys):
+    base = ["train", "--model", str(model_dir), "--positive", *data.positive, "--negative",
+            *data.negative]
+    assert main([*base, "--kind", "vector", "--steps", "5", "--out",
+                 str(tmp_path / "x.safetensors")]) == 1
+    assert "--steps: LM-Steer training flags, not used by --kind vector" in \
+        capsys.readouterr().err
+    assert main([*base, "--layers", "1-2", "--out", str(tmp_path / "x.safetensors")]) == 1
+    assert "--layers: vector-steer flags; add --kind vector" in capsys.readouterr().err
+    assert main([*base, "--kind", "vector", "--layers", "0-3", "--out",
+                 str(tmp_path / "x.gguf")]) == 1
+    assert "llama.cpp refuses direction.0" in capsys.readouterr().err
+    assert main([*base, "--kind", "vector", "--layers", "2-9", "--out",
+                 str(tmp_path / "x.safetensors")]) == 1
+    assert "block 9 does not exist; the model has 4 decoder blocks" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_pairs_file_keeps_each_pair_together(model_dir, tmp_path, capsys):
+    """``--pairs``: PCA of the differences of the file's own pairs (same topic, the sentiment
+    word swapped), compared with numpy's SVD of those differences."""
+    import json
+
+    rng = random.Random(5)
+    pairs = []
+    for _ in range(24):
+        words = [rng.choice(FILL) for _ in range(rng.randint(3, 7))]
+        at = rng.randrange(len(words) + 1)
+        pairs.append((" ".join(words[:at] + [rng.choice(POS)] + words[at:]),
+                      " ".join(words[:at] + [rng.choice(NEG)] + words[at:])))
+    f = tmp_path / "pairs.jsonl"
+    f.write_text("\n".join(json.dumps({"positive": p, "negative": n}) for p, n in pairs))
+    out = tmp_path / "p.safetensors"
+    assert main(["train", "--kind", "vector", "--model", str(model_dir), "--pairs", str(f),
+                 "--dev-fraction", "0", "--model-dtype", "float32", "--quiet",
+                 "--out", str(out)]) == 0
+    vs = load_vector(out)
+    hp = _last_token_states(model_dir, [p for p, _ in pairs])
+    hn = _last_token_states(model_dir, [n for _, n in pairs])
+    for k in vs.layers:
+        d = hp[k] - hn[k]
+        _, _, vt = np.linalg.svd(d - d.mean(0), full_matrices=False)
+        np.testing.assert_allclose(abs(vs.directions[k].double().numpy() @ vt[0]), 1.0,
+                                   atol=1e-4)
+    assert vs.metadata.data["counts"] == {"pairs": 24, "dev_pairs": 0}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"positive": "a b c", "negative": "d e f"}\n{"positive": 3}\n')
+    assert main(["train", "--kind", "vector", "--model", str(model_dir), "--pairs", str(bad),
+                 "--out", str(tmp_path / "b.safetensors")]) == 1
+    assert 'bad.jsonl:2: expected an object with string keys "positive" and "negative"' in \
+        capsys.readouterr().err
+    assert main(["train", "--kind", "vector", "--model", str(model_dir), "--pairs", str(f),
+                 "--positive", str(f), "--out", str(tmp_path / "b.safetensors")]) == 1
+    assert "--pairs and --positive: give the pairs or the sides, not both" in \
+        capsys.readouterr().err
