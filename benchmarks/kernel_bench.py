@@ -255,7 +255,8 @@ def main(argv=None) -> int:
                         if (rows, d) not in lm_cache:
                             h = torch.randn(rows, d, device=device, dtype=dtype)
                             lm_cache[(rows, d)] = timer.compare(
-                                {"lm": lambda: h @ head.T}, budget_s=per_shape / 2)["lm"]
+                                {"lm": lambda h=h, head=head: h @ head.T},
+                                budget_s=per_shape / 2)["lm"]
                         lm = lm_cache[(rows, d)]
                         row.update(res, lmhead=lm)
                         results.append(row)

@@ -150,7 +150,7 @@ def test_graphs_capture_each_row_bucket_once_and_follow_the_tables_values():
     graphs = G.SteerGraphs(q1, q2, 6, back, max_rows=16)
     table = torch.zeros(16, 2, device=DEVICE)
     g = torch.Generator().manual_seed(0)
-    for step, n in enumerate([3, 4, 1, 3, 9, 16, 2, 5]):
+    for _step, n in enumerate([3, 4, 1, 3, 9, 16, 2, 5]):
         table[:n] = torch.randn(n, 2, generator=g).to(DEVICE)  # the step's coefficients
         h = torch.randn(n, 24, generator=g).to(DEVICE)
         out = graphs.run(h, table)

@@ -278,7 +278,7 @@ def test_every_steer_entry_point_runs_the_capture_guard(monkeypatch):
 
         calls["steer_triton"] = lambda: steer_triton(hidden, p1, p2, offs, coefs)
         calls["prepare_triton"] = lambda: prepare_triton(p1, p2, offs, coefs)
-    for name, call in calls.items():
+    for _name, call in calls.items():
         with pytest.raises(RuntimeError, match="capturing on cpu"):
             call()
     assert len(seen) == len(calls)

@@ -232,7 +232,7 @@ def train_scorer(data_dir: str, out: str, recipe: dict[str, Any] | None = None,
     step, stale, stop = 0, 0, False
     bar = tqdm(total=total, desc="training top layers + head", disable=not progress,
                mininterval=2)
-    for epoch in range(r["epochs"]):
+    for _epoch in range(r["epochs"]):
         for batch in _batches(train, lengths, r["batch_size"], rng):
             x, mask = _pad_states([states[i] for i in batch])
             loss = torch.nn.functional.binary_cross_entropy_with_logits(
