@@ -191,7 +191,7 @@ def paired_ratios(values: list[float], base: list[float]) -> list[float]:
     """Each round's value over the base mode's value in the same round."""
     if len(values) != len(base):
         raise ValueError(f"{len(values)} runs against {len(base)} base runs: rounds must pair")
-    return [v / b for v, b in zip(values, base)]
+    return [v / b for v, b in zip(values, base, strict=True)]
 
 
 def median_ci(xs: list[float], level: float = 0.95, draws: int = 2000,

@@ -127,7 +127,7 @@ def make_coefs(pattern: str, rows: int, K: int, device, gen) -> torch.Tensor:
 
 def must_move_bytes(rows, d, ranks, coefs, act_elt, fac_elt) -> int:
     used = (coefs != 0).any(dim=0).tolist()
-    factor = sum(2 * d * r * fac_elt for r, u in zip(ranks, used) if u)
+    factor = sum(2 * d * r * fac_elt for r, u in zip(ranks, used, strict=False) if u)
     return 2 * rows * d * act_elt + factor + coefs.numel() * 4
 
 

@@ -525,7 +525,7 @@ def merge(runs: Sequence[str], out: str) -> dict[str, Any]:
     docs = [_read_results(run) for run in runs]
     first = docs[0]
     problems = []
-    for run, doc in zip(runs[1:], docs[1:]):
+    for run, doc in zip(runs[1:], docs[1:], strict=True):
         for key, get in _MERGE_KEYS.items():
             try:
                 a, b = get(first), get(doc)
@@ -534,7 +534,7 @@ def merge(runs: Sequence[str], out: str) -> dict[str, Any]:
             if a != b:
                 problems.append(f"{key} differs: {runs[0]}: {a!r}, {run}: {b!r}")
     by_label: dict[str, dict] = {}
-    for run, doc in zip(runs, docs):
+    for run, doc in zip(runs, docs, strict=True):
         for c in doc["conditions"]:
             seen = by_label.get(c["label"])
             if seen is None:
@@ -553,7 +553,7 @@ def merge(runs: Sequence[str], out: str) -> dict[str, Any]:
                                * first["sampling"]["samples"])
     merged["command"] = "\n    ".join(d["command"] for d in docs if d.get("command")) or None
     merged["merged_from"] = [{"run": r, "command": d.get("command"), "timing": d["timing"]}
-                             for r, d in zip(runs, docs)]
+                             for r, d in zip(runs, docs, strict=True)]
     merged["timing"] = {k: sum(d["timing"].get(k, 0.0) for d in docs)
                         for k in first["timing"]}
     strengths = sorted({s for d in docs for s in d["config"].get("strengths") or []})

@@ -538,7 +538,7 @@ class MiniLMToxicityScorer:
                 tok, mask = pad_batch([ids[i] for i in group])
                 pooled = mean_pool(self.model(tok, mask), mask)
                 z = pooled @ self.head_weight[0] + self.head_bias[0]
-                for i, v in zip(group, z.tolist()):
+                for i, v in zip(group, z.tolist(), strict=True):
                     out[i] = float(v)
         return out
 

@@ -174,7 +174,7 @@ def _predict(top: _Top, states: Sequence, rows: Sequence[int], batch_tokens: int
     with torch.inference_mode():
         for g in M.length_batches([states[i].shape[0] for i in rows], batch_tokens):
             x, mask = _pad_states([states[rows[k]] for k in g])
-            for k, z in zip(g, top.logits(x, mask, train=False).tolist()):
+            for k, z in zip(g, top.logits(x, mask, train=False).tolist(), strict=True):
                 out[k] = z
     return out
 
