@@ -179,6 +179,16 @@ def _predict(top: _Top, states: Sequence, rows: Sequence[int], batch_tokens: int
     return out
 
 
+def _top_tensors(top, start: int) -> dict[str, Any]:
+    """The scorer file's tensors: the head's, and the tuned layers' (from layer ``start``)."""
+    tensors = {M.TENSOR_HEAD_WEIGHT: top.head.weight.detach(),
+               M.TENSOR_HEAD_BIAS: top.head.bias.detach()}
+    for k, layer in enumerate(top.layers):
+        for name, t in layer.state_dict().items():
+            tensors[M.LAYER_PREFIX.format(start + k) + name] = t
+    return tensors
+
+
 def train_scorer(data_dir: str, out: str, recipe: dict[str, Any] | None = None,
                  threads: int | None = 1, progress: bool = True, command: str | None = None,
                  log: Callable[[str], None] = print, package: M.EncoderPackage | None = None
@@ -264,11 +274,7 @@ def train_scorer(data_dir: str, out: str, recipe: dict[str, Any] | None = None,
     log(f"best dev AUROC {best['auroc']:.4f} at step {best['step']} of {total} "
         f"({t_cache:.0f} s caching, {t_train:.0f} s training)")
 
-    tensors = {M.TENSOR_HEAD_WEIGHT: top.head.weight.detach(),
-               M.TENSOR_HEAD_BIAS: top.head.bias.detach()}
-    for k, layer in enumerate(top.layers):
-        for name, t in layer.state_dict().items():
-            tensors[M.LAYER_PREFIX.format(start + k) + name] = t
+    tensors = _top_tensors(top, start)
     meta = {
         M.META_FORMAT: M.FORMAT_NAME, M.META_FORMAT_VERSION: M.FORMAT_VERSION,
         M.META_NAME: M.NAME, M.META_KIND: "toxicity",
