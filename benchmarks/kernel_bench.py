@@ -135,7 +135,8 @@ def parse_rank(s: str, d: int) -> int:
     return d if s == "full" else min(int(s), d)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -169,7 +170,26 @@ def main(argv=None) -> int:
                          "timed side by side")
     ap.add_argument("--tiles", default=None, help="Triton tile overrides, e.g. "
                     "'expand_r=64,num_stages=4' (sets $VLLM_STEER_TILES; see Tiles)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _grid(args, cuda: bool) -> tuple[list, list, list, list, list]:
+    """The shapes measured: hidden sizes, rows, K, ranks and patterns (the options', else the
+    device's defaults, or its quick set)."""
+    if cuda:
+        defaults = dict(d=[576, 2048, 4096, 8192], rows=[1, 16, 64, 256, 512], K=[1, 8, 64],
+                        rank=["64", "1024", "full"])
+        quick = dict(d=[576, 4096], rows=[1, 256], K=[1, 8, 64], rank=["64", "full"])
+    else:
+        defaults = dict(d=[576], rows=[1, 16, 128], K=[1, 8, 64], rank=["64", "full"])
+        quick = dict(d=[576], rows=[1, 64], K=[1, 8, 64], rank=["64", "full"])
+    base = quick if args.quick else defaults
+    return (args.d or base["d"], args.rows or base["rows"], args.K or base["K"],
+            args.rank or base["rank"], args.pattern or ["distinct", "loaded"])
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     if args.tiles:
         os.environ["VLLM_STEER_TILES"] = args.tiles
     if args.threads:
@@ -187,19 +207,7 @@ def main(argv=None) -> int:
         print(f"--plan once applies to the torch backend, not {backend!r}", file=sys.stderr)
         return 2
     dtype = DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
-    if cuda:
-        defaults = dict(d=[576, 2048, 4096, 8192], rows=[1, 16, 64, 256, 512], K=[1, 8, 64],
-                        rank=["64", "1024", "full"])
-        quick = dict(d=[576, 4096], rows=[1, 256], K=[1, 8, 64], rank=["64", "full"])
-    else:
-        defaults = dict(d=[576], rows=[1, 16, 128], K=[1, 8, 64], rank=["64", "full"])
-        quick = dict(d=[576], rows=[1, 64], K=[1, 8, 64], rank=["64", "full"])
-    base = quick if args.quick else defaults
-    ds = args.d or base["d"]
-    rows_list = args.rows or base["rows"]
-    Ks = args.K or base["K"]
-    ranks = args.rank or base["rank"]
-    patterns = args.pattern or ["distinct", "loaded"]
+    ds, rows_list, Ks, ranks, patterns = _grid(args, cuda)
     per_shape = args.time_per_shape or (0.3 if cuda else 0.6)
 
     stat = args.stat or ("median" if cuda else "min")
