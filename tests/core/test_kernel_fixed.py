@@ -49,7 +49,7 @@ def fixed_layout(d, ranks, rank, dtype, seed=0):
     p1, p2 = torch.cat(f1, 1).to(dtype), torch.cat(f2, 1).to(dtype)
     q1 = torch.zeros(d, len(ranks) * rank, dtype=dtype)
     q2 = torch.zeros_like(q1)
-    for k, (a, b) in enumerate(zip(f1, f2)):
+    for k, (a, b) in enumerate(zip(f1, f2, strict=True)):
         q1[:, k * rank:k * rank + a.shape[1]] = a
         q2[:, k * rank:k * rank + b.shape[1]] = b
     return [t.to(DEVICE) for t in (p1, p2, q1, q2)], offs

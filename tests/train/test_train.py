@@ -117,7 +117,7 @@ def test_cached_training_equals_full_model_training(prep):
     for step in range(4):
         idx = sched.indices(step)
         c, t, s = hs.batch(idx)
-        for k, (lm, opt) in enumerate(zip(lms, opts)):
+        for k, (lm, opt) in enumerate(zip(lms, opts, strict=True)):
             opt.zero_grad()
             if k == 0:
                 lm.loss_backward(c, t, s, head_dtype=torch.float32)
