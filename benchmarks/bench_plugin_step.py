@@ -320,10 +320,10 @@ def child(runner: str, rows_list: list[int], steps: int, batch: int = BATCH) -> 
             med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
             real, null = samples[False], samples[True]
 
-            def work(s):  # the sites' time with the op, less the harness's own per region
+            def work(s, cost=cost):  # the sites' time with the op, less the harness's per region
                 return max(0.0, s[1] + s[2] - s[3] * cost)
 
-            def work_ex_op(s):  # the same without the op's own time
+            def work_ex_op(s, cost=cost):  # the same without the op's own time
                 return max(0.0, s[1] - s[3] * cost)
 
             out["rows"][rows] = {

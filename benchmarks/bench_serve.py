@@ -89,7 +89,7 @@ async def run_pass(base, prompts, steers, output_len, concurrency):
                 return await one_request(session, url, p, s, output_len)
 
         t0 = time.perf_counter()
-        res = await asyncio.gather(*(guarded(p, s) for p, s in zip(prompts, steers)))
+        res = await asyncio.gather(*(guarded(p, s) for p, s in zip(prompts, steers, strict=False)))
         wall = time.perf_counter() - t0
     return {"wall": wall, "tok_s": len(prompts) * output_len / wall,
             "ttft": [r["ttft"] for r in res], "tpot": [r["tpot"] for r in res],

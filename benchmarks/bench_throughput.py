@@ -191,7 +191,7 @@ def paired_ratios(values: list[float], base: list[float]) -> list[float]:
     """Each round's value over the base mode's value in the same round."""
     if len(values) != len(base):
         raise ValueError(f"{len(values)} runs against {len(base)} base runs: rounds must pair")
-    return [v / b for v, b in zip(values, base)]
+    return [v / b for v, b in zip(values, base, strict=True)]
 
 
 def median_ci(xs: list[float], level: float = 0.95, draws: int = 2000,
@@ -251,7 +251,8 @@ def modes(n: int, names: list[str], k_list=K_LIST) -> dict[str, list]:
     return out
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2",
@@ -282,7 +283,11 @@ def main(argv=None) -> int:
                          "identical engines on this machine")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--replot", metavar="JSON", help="only redraw the plot of a saved run")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     if args.replot:
         doc = json.loads(Path(args.replot).read_text())
         src = Path(args.replot)  # throughput{stem}.json -> throughput_vs_k{stem}.png

@@ -127,7 +127,7 @@ def make_coefs(pattern: str, rows: int, K: int, device, gen) -> torch.Tensor:
 
 def must_move_bytes(rows, d, ranks, coefs, act_elt, fac_elt) -> int:
     used = (coefs != 0).any(dim=0).tolist()
-    factor = sum(2 * d * r * fac_elt for r, u in zip(ranks, used) if u)
+    factor = sum(2 * d * r * fac_elt for r, u in zip(ranks, used, strict=False) if u)
     return 2 * rows * d * act_elt + factor + coefs.numel() * 4
 
 
@@ -135,7 +135,8 @@ def parse_rank(s: str, d: int) -> int:
     return d if s == "full" else min(int(s), d)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -169,7 +170,26 @@ def main(argv=None) -> int:
                          "timed side by side")
     ap.add_argument("--tiles", default=None, help="Triton tile overrides, e.g. "
                     "'expand_r=64,num_stages=4' (sets $VLLM_STEER_TILES; see Tiles)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _grid(args, cuda: bool) -> tuple[list, list, list, list, list]:
+    """The shapes measured: hidden sizes, rows, K, ranks and patterns (the options', else the
+    device's defaults, or its quick set)."""
+    if cuda:
+        defaults = dict(d=[576, 2048, 4096, 8192], rows=[1, 16, 64, 256, 512], K=[1, 8, 64],
+                        rank=["64", "1024", "full"])
+        quick = dict(d=[576, 4096], rows=[1, 256], K=[1, 8, 64], rank=["64", "full"])
+    else:
+        defaults = dict(d=[576], rows=[1, 16, 128], K=[1, 8, 64], rank=["64", "full"])
+        quick = dict(d=[576], rows=[1, 64], K=[1, 8, 64], rank=["64", "full"])
+    base = quick if args.quick else defaults
+    return (args.d or base["d"], args.rows or base["rows"], args.K or base["K"],
+            args.rank or base["rank"], args.pattern or ["distinct", "loaded"])
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     if args.tiles:
         os.environ["VLLM_STEER_TILES"] = args.tiles
     if args.threads:
@@ -187,19 +207,7 @@ def main(argv=None) -> int:
         print(f"--plan once applies to the torch backend, not {backend!r}", file=sys.stderr)
         return 2
     dtype = DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
-    if cuda:
-        defaults = dict(d=[576, 2048, 4096, 8192], rows=[1, 16, 64, 256, 512], K=[1, 8, 64],
-                        rank=["64", "1024", "full"])
-        quick = dict(d=[576, 4096], rows=[1, 256], K=[1, 8, 64], rank=["64", "full"])
-    else:
-        defaults = dict(d=[576], rows=[1, 16, 128], K=[1, 8, 64], rank=["64", "full"])
-        quick = dict(d=[576], rows=[1, 64], K=[1, 8, 64], rank=["64", "full"])
-    base = quick if args.quick else defaults
-    ds = args.d or base["d"]
-    rows_list = args.rows or base["rows"]
-    Ks = args.K or base["K"]
-    ranks = args.rank or base["rank"]
-    patterns = args.pattern or ["distinct", "loaded"]
+    ds, rows_list, Ks, ranks, patterns = _grid(args, cuda)
     per_shape = args.time_per_shape or (0.3 if cuda else 0.6)
 
     stat = args.stat or ("median" if cuda else "min")
@@ -255,7 +263,8 @@ def main(argv=None) -> int:
                         if (rows, d) not in lm_cache:
                             h = torch.randn(rows, d, device=device, dtype=dtype)
                             lm_cache[(rows, d)] = timer.compare(
-                                {"lm": lambda: h @ head.T}, budget_s=per_shape / 2)["lm"]
+                                {"lm": lambda h=h, head=head: h @ head.T},
+                                budget_s=per_shape / 2)["lm"]
                         lm = lm_cache[(rows, d)]
                         row.update(res, lmhead=lm)
                         results.append(row)

@@ -35,7 +35,7 @@ def main(src: Path = ROOT / "benchmarks/results/gpu_cost_h200.json",
     x = range(len(shapes))
     ax.bar([i - 0.2 for i in x], op, 0.4, label="steer op (auto's backend, planned, per call)")
     ax.bar([i + 0.2 for i in x], head, 0.4, label="LM head (vocab 128,256), for scale")
-    for i, (a, b) in enumerate(zip(op, head)):
+    for i, (a, b) in enumerate(zip(op, head, strict=False)):
         ax.text(i - 0.2, a, f"{a:.0f}", ha="center", va="bottom", fontsize=8)
         ax.text(i + 0.2, b, f"{b:.0f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), labels, fontsize=8)

@@ -42,11 +42,12 @@ def plot(docs: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.8, 5.0))
     all_ks, floor = [], 0.9
-    for doc, color in zip(docs, ("tab:blue", "tab:green")):
+    for doc, color in zip(docs, ("tab:blue", "tab:green"), strict=False):
         m = doc["meta"]
         ks, med, lo, hi, control = series(doc)
         all_ks += ks
-        err = [[a - b for a, b in zip(med, lo)], [b - a for a, b in zip(med, hi)]]
+        err = [[a - b for a, b in zip(med, lo, strict=True)],
+               [b - a for a, b in zip(med, hi, strict=True)]]
         ax.errorbar(ks, med, yerr=err, fmt="o-", color=color, capsize=4,
                     label=f"batch {m['batch']}, {m['output_len']} output tokens, "
                           f"{m['repeats']} repetitions (median, 95% interval)")

@@ -343,7 +343,8 @@ def simulate_acceptance(head, W, data, k: int = 3, skip: int = 0) -> float:
     return acc / max(1, tot)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2", help="embedded name or HF folder")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "heads" / "smollm2-eagle"))
@@ -372,7 +373,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     from tqdm import tqdm

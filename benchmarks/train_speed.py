@@ -101,9 +101,9 @@ def main() -> int:
     hd = prep.head_dtype
     for step in range(args.steps + 1):  # step 0 is a warm-up, not timed
         idx = sched.indices(step)
-        for name, fn in (("paper", lambda: step_paper(idx)),
-                         ("ours", lambda: step_ours(ours, opts["ours"], idx, hd)),
-                         ("ours_fp32", lambda: step_ours(ours_fp32, opts["ours_fp32"], idx,
+        for name, fn in (("paper", lambda idx=idx: step_paper(idx)),
+                         ("ours", lambda idx=idx: step_ours(ours, opts["ours"], idx, hd)),
+                         ("ours_fp32", lambda idx=idx: step_ours(ours_fp32, opts["ours_fp32"], idx,
                                                          torch.float32))):
             t = time.perf_counter()
             fn()

@@ -122,7 +122,8 @@ def summarize(runs: dict[str, list[tuple[int, float]]]) -> dict[str, dict]:
     for mode, rs in runs.items():
         tps = [t / s for t, s in rs]
         out[mode] = {"tokens_per_s": statistics.median(tps),
-                     "ratio_to_plain": statistics.median(a / b for a, b in zip(tps, base)),
+                     "ratio_to_plain": statistics.median(
+                         a / b for a, b in zip(tps, base, strict=False)),
                      "best_tokens_per_s": max(tps), "best_ratio_to_plain": max(tps) / max(base),
                      "seconds": [min(s for _, s in rs), max(s for _, s in rs)],
                      "rounds": len(rs)}

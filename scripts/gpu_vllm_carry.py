@@ -161,6 +161,25 @@ def pip_download(spec: str, dest: Path, dry_run: bool) -> None:
         subprocess.run(cmd, check=True)
 
 
+def _check_lean_needs(needed_by: dict[str, list[str]]) -> None:
+    """Refuse a --lean drop that a carried package requires."""
+    if needed_by:
+        raise CarryError("--lean leaves behind what a carried package requires (the import trace "
+                         "follows vLLM's own modules only; keep these: remove them from "
+                         "LEAN_DROP in scripts/gpu_vllm_lean.py): " + "; ".join(
+                             f"{d} (required by {', '.join(sorted(set(by)))})"
+                             for d, by in sorted(needed_by.items())))
+
+
+def _set_aside_unused(dest: Path, carried: set[str]) -> None:
+    """Move the wheels in ``dest`` that are not carried (left from another download, e.g.
+    without --lean) into ``dest/unused``."""
+    for w in [w for w in dest.glob("*.whl") if wheel_name(w) not in carried]:
+        (dest / "unused").mkdir(exist_ok=True)
+        w.replace(dest / "unused" / w.name)
+        print(f"not needed: {w.name} -> {dest / 'unused'}/")
+
+
 def cmd_download(a) -> int:
     dest = Path(a.dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -212,18 +231,9 @@ def cmd_download(a) -> int:
                     for dep in (norm(Requirement(r).name) for r in reqs):
                         if dep in lean_drop:
                             needed_by.setdefault(dep, []).append(name)
-    if needed_by:
-        raise CarryError("--lean leaves behind what a carried package requires (the import trace "
-                         "follows vLLM's own modules only; keep these: remove them from "
-                         "LEAN_DROP in scripts/gpu_vllm_lean.py): " + "; ".join(
-                             f"{d} (required by {', '.join(sorted(set(by)))})"
-                             for d, by in sorted(needed_by.items())))
-    unused = [] if a.dry_run else [w for w in dest.glob("*.whl") if wheel_name(w) not in carried]
-    for w in unused:  # left from another download (e.g. without --lean): never carried
-        (dest / "unused").mkdir(exist_ok=True)
-        w.replace(dest / "unused" / w.name)
-        print(f"not needed: {w.name} -> {dest / 'unused'}/")
+    _check_lean_needs(needed_by)
     if not a.dry_run:
+        _set_aside_unused(dest, carried)
         lean_vllm(dest, a.vllm, strip=a.lean)
     total = sum(w.stat().st_size for w in dest.glob("*.whl"))
     print(f"{len(list(dest.glob('*.whl')))} wheels in {dest}, {total / MiB:.1f} MiB")

@@ -174,10 +174,11 @@ def run_engine(a) -> int:
         for o in llm.generate(prompts, params, use_tqdm=False):
             c = o.outputs[0]
             res.append({"prompt_ids": list(o.prompt_token_ids), "tokens": list(c.token_ids),
-                        "logprobs": [e[t].logprob for e, t in zip(c.logprobs, c.token_ids)]})
+                        "logprobs": [e[t].logprob
+                                     for e, t in zip(c.logprobs, c.token_ids, strict=False)]})
         return res
 
-    reqs = [(p, s, n) for p, (s, n) in zip(PROMPTS, REQUESTS)]
+    reqs = [(p, s, n) for p, (s, n) in zip(PROMPTS, REQUESTS, strict=False)]
     result = {"info": info}
     if spec["plugin"]:
         result["mixed"] = outs([p for p, _, _ in reqs], [sp(s, n) for _, s, n in reqs])
@@ -220,7 +221,7 @@ def compare(a, dtype: str, runner: str, ref, on: dict, off: dict) -> list[dict]:
         lp = ref.logprobs(ids, steer)
         n0 = len(row["prompt_ids"])
         errs, bad_tokens = [], []
-        for j, (t, got) in enumerate(zip(row["tokens"], row["logprobs"])):
+        for j, (t, got) in enumerate(zip(row["tokens"], row["logprobs"], strict=False)):
             r = lp[n0 - 1 + j]
             errs.append(abs(got - float(r[t])))
             top2 = r.topk(2).values
@@ -231,11 +232,11 @@ def compare(a, dtype: str, runner: str, ref, on: dict, off: dict) -> list[dict]:
               max(errs) <= tol and not bad_tokens, max_abs_err=max(errs), tol=tol,
               tokens_off_reference=bad_tokens)
         if steer is None:
-            d = max(abs(x - y) for x, y in zip(row["logprobs"], stock["logprobs"]))
+            d = max(abs(x - y) for x, y in zip(row["logprobs"], stock["logprobs"], strict=False))
             check(f"unsteered row {i}: tokens = stock vLLM (no plugin)",
                   row["tokens"] == stock["tokens"] and d <= tol, max_abs_err=d,
                   tokens=row["tokens"], stock=stock["tokens"])
-        d = max(abs(x - y) for x, y in zip(row["logprobs"], alone["logprobs"]))
+        d = max(abs(x - y) for x, y in zip(row["logprobs"], alone["logprobs"], strict=False))
         check(f"{kind} row {i}: mixed batch = alone", row["tokens"] == alone["tokens"]
               and d <= tol, max_abs_err=d, mixed=row["tokens"], alone=alone["tokens"])
     # the steers must move the logprobs by more than the tolerance, or 1. proves nothing

@@ -151,6 +151,26 @@ def _modules(z: zipfile.ZipFile) -> tuple[dict[str, tuple[str, bool]], set[str]]
     return mods, names
 
 
+def _from_target(module: str, pkg: bool, node: ast.ImportFrom) -> str:
+    """The module a ``from ... import`` of ``module`` names, relative levels resolved."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if pkg else module.split(".")[:-1]
+    base = base[:len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _handles_import_error(t: ast.Try) -> bool:
+    """Whether a handler of ``t`` catches an import error (or everything)."""
+    for h in t.handlers:
+        types = [] if h.type is None else (
+            h.type.elts if isinstance(h.type, ast.Tuple) else [h.type])
+        if h.type is None or any(getattr(x, "id", getattr(x, "attr", None)) in _IMPORT_ERRORS
+                                 for x in types):
+            return True
+    return False
+
+
 def _imports(module: str, source: bytes, pkg: bool, names: set[str]) -> list[tuple[str, str, int]]:
     """(target, kind, line) of every import statement of one module."""
     out: list[tuple[str, str, int]] = []
@@ -159,24 +179,10 @@ def _imports(module: str, source: bytes, pkg: bool, names: set[str]) -> list[tup
         if isinstance(node, ast.Import):
             out.extend((a.name, kind, node.lineno) for a in node.names)
             return
-        if node.level:
-            base = module.split(".") if pkg else module.split(".")[:-1]
-            base = base[:len(base) - node.level + 1]
-            target = ".".join(base + ([node.module] if node.module else []))
-        else:
-            target = node.module or ""
+        target = _from_target(module, pkg, node)
         for a in node.names:
             sub = f"{target}.{a.name}"
             out.append((sub if sub in names else target, kind, node.lineno))
-
-    def handles_import_error(t: ast.Try) -> bool:
-        for h in t.handlers:
-            types = [] if h.type is None else (
-                h.type.elts if isinstance(h.type, ast.Tuple) else [h.type])
-            if h.type is None or any(getattr(x, "id", getattr(x, "attr", None)) in _IMPORT_ERRORS
-                                     for x in types):
-                return True
-        return False
 
     def visit(body, kind):
         for node in body:
@@ -187,7 +193,7 @@ def _imports(module: str, source: bytes, pkg: bool, names: set[str]) -> list[tup
             elif isinstance(node, ast.ClassDef):
                 visit(node.body, kind)
             elif isinstance(node, ast.Try):
-                visit(node.body, "guarded" if handles_import_error(node) else kind)
+                visit(node.body, "guarded" if _handles_import_error(node) else kind)
                 for h in node.handlers:
                     visit(h.body, kind)
                 visit(node.orelse, kind)

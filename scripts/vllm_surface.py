@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         m = write(Surface(sources), os.path.basename(args.wheel) if args.wheel else "installed",
                   HOOKS)
     except ValueError as e:
-        raise SystemExit(f"vllm_surface: {e}")
+        raise SystemExit(f"vllm_surface: {e}") from e
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"vllm-{m['vllm'].split('+')[0]}.json")
     with open(path, "w", encoding="utf-8") as f:

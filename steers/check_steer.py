@@ -74,7 +74,7 @@ def main() -> int:
         path = os.path.join(data_dir, PROMPTS[preset])
         with open(path) as f:
             prompts = [json.loads(line)["prompt"]["text"]
-                       for _, line in zip(range(args.prompts), f)]
+                       for _, line in zip(range(args.prompts), f, strict=False)]
         gen_strengths = sorted({0.0, *[v for s in args.strengths for v in (s, -s)]})
         print(f"\nGreedy continuations ({args.max_new_tokens} new tokens) of prompts from "
               f"`{PROMPTS[preset]}`:\n")

@@ -178,7 +178,7 @@ class SlotBank:
         self.p1 = torch.zeros(d, cols * rank, device=self.device, dtype=self.dtype)
         self.p2 = torch.zeros_like(self.p1)
         if old is not None:
-            for new, prev in zip((self.p1, self.p2), old[:2]):
+            for new, prev in zip((self.p1, self.p2), old[:2], strict=True):
                 new.view(d, cols, rank)[:, :, :old[2]].copy_(prev.view(d, cols, old[2]))
         self.rank = rank
         self.rank_offsets: list[int] = [k * rank for k in range(cols + 1)]

@@ -191,7 +191,7 @@ def token_logprobs(model, tokenizer, texts: Sequence[str], steers=None, strength
             chunk = texts[i:i + batch_size]
             pre = prefixes[i:i + batch_size] if prefixes is not None else [None] * len(chunk)
             ids_list, starts = [], []
-            for text, p in zip(chunk, pre):
+            for text, p in zip(chunk, pre, strict=False):
                 ids, start = tokenize_scored(tokenizer, text, p, max_length)
                 ids_list.append(ids), starts.append(start)
             T = max(len(x) for x in ids_list)

@@ -50,9 +50,9 @@ def _cmd_list(args) -> int:
         return 0
     rows = [[str(s.get(c)) for c in COLUMNS] for s in data["data"]]
     widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(COLUMNS)]
-    print("  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)))
+    print("  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths, strict=True)))
     for r in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
     print(f"{len(rows)} of {data['max_steers']} steer slots used"
           + (f"; --steer-dir {data['steer_dir']}" if data.get("steer_dir") else ""))
     return 0
@@ -89,9 +89,9 @@ def _cmd_presets_list(args) -> int:
             for p in data.get("data", [])]
     cols = ("name", "steer", "source")
     widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
     for r in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
     extra = [f"{k} {_mix(data[k])}" for k in ("defaults", "floors") if data.get(k)]
     print(f"{len(rows)} preset(s)" + (f"; {'; '.join(extra)}" if extra else "")
           + ("" if data.get("updates_enabled") else

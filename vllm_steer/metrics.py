@@ -335,7 +335,7 @@ class SteerMetrics:
             "Least-recently-used steer evictions at capacity.",
             "Refused steer loads (bad file, bad name, no free slot for a load over HTTP or "
             "offline).",
-            "Steer files read by run-time loads."))}
+            "Steer files read by run-time loads."), strict=True)}
         self.bank_full_waits = Counter(BANK_FULL_WAITS.removesuffix("_total"),
                                        "Requests that waited for a steer slot because every "
                                        "slot was held (contention, not a failure), per outcome "

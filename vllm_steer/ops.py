@@ -103,7 +103,7 @@ def _auto_cuda(hidden: int | None, max_rank: int | None) -> str:
 def max_rank_of(rank_offsets: Sequence[int] | torch.Tensor) -> int:
     """The largest steer rank of a bank layout (0 for no steers)."""
     offs = rank_offsets.tolist() if isinstance(rank_offsets, torch.Tensor) else rank_offsets
-    return max((int(b) - int(a) for a, b in zip(offs, offs[1:])), default=0)
+    return max((int(b) - int(a) for a, b in zip(offs, offs[1:], strict=False)), default=0)
 
 
 def resolve_backend(backend: str | None, device: torch.device, hidden: int | None = None,

@@ -239,6 +239,47 @@ def _serialised_length(value: Any) -> int | None:
         return None
 
 
+def _string_items(value: str, where: str) -> dict[str, str]:
+    """The 'name:strength,...' string form (vllm_xargs) -> ``{name: strength text}``."""
+    if len(value) > MAX_XARGS_CHARS:
+        raise SteerRequestError(f"{where}: the 'name:strength,...' string is {len(value)} "
+                                f"characters; at most {MAX_XARGS_CHARS} are allowed")
+    items: dict[str, str] = {}
+    if not value.strip():
+        return items
+    for part in (p.strip() for p in value.split(",")):
+        name, sep, s = part.partition(":")
+        name, s = name.strip(), s.strip()
+        if not sep or not name or not s or ":" in s:
+            raise SteerRequestError(
+                f"{where}: malformed entry {echo(part)} in {echo(value)}; expected "
+                "'name:strength[,name:strength...]'"
+                + (" (empty entry: a stray ',')" if not part else ""))
+        if name in items:
+            raise SteerRequestError(f"{where}: steer {echo(name)} given twice in "
+                                    f"{echo(value)}")
+        if any(c in s for c in "@~{}"):
+            raise SteerRequestError(
+                f"{where}: {echo(part)}: the 'name:strength' string form (vllm_xargs) "
+                "has no generation windows; send the steer as a JSON object in the "
+                "top-level 'steer' field, e.g. extra_body={'steer': {'detox': "
+                "{'strength': 5, 'start': 0, 'end': 32}}}")
+        items[name] = s
+    return items
+
+
+def _check_names(items: Mapping[Any, Any], known: Mapping[str, Any] | None,
+                 where: str) -> None:
+    """Each name a string, and a loaded steer (or, with no ``known``, a valid name)."""
+    for name in items:
+        if not isinstance(name, str):
+            raise SteerRequestError(f"{where}: steer names must be strings, got {echo(name)}")
+        if known is not None and name not in known:
+            raise SteerRequestError(unknown_steer(where, name, known), "unknown_steer")
+        if known is None and steer_name_problem(name):
+            raise SteerRequestError(f"{where}: {steer_name_problem(name)}")
+
+
 def _parse_steer(value: Any, known: Mapping[str, Any] | None, max_strength: float,
                  where: str) -> tuple[tuple[str, float | Window], ...]:
     """The grammar: a raw ``steer`` value -> its entries ``(name, strength or Window)`` in the
@@ -246,29 +287,7 @@ def _parse_steer(value: Any, known: Mapping[str, Any] | None, max_strength: floa
     if value is None:
         return ()
     if isinstance(value, str):
-        if len(value) > MAX_XARGS_CHARS:
-            raise SteerRequestError(f"{where}: the 'name:strength,...' string is {len(value)} "
-                                    f"characters; at most {MAX_XARGS_CHARS} are allowed")
-        items: dict[str, Any] = {}
-        if value.strip():
-            for part in (p.strip() for p in value.split(",")):
-                name, sep, s = part.partition(":")
-                name, s = name.strip(), s.strip()
-                if not sep or not name or not s or ":" in s:
-                    raise SteerRequestError(
-                        f"{where}: malformed entry {echo(part)} in {echo(value)}; expected "
-                        "'name:strength[,name:strength...]'"
-                        + (" (empty entry: a stray ',')" if not part else ""))
-                if name in items:
-                    raise SteerRequestError(f"{where}: steer {echo(name)} given twice in "
-                                            f"{echo(value)}")
-                if any(c in s for c in "@~{}"):
-                    raise SteerRequestError(
-                        f"{where}: {echo(part)}: the 'name:strength' string form (vllm_xargs) "
-                        "has no generation windows; send the steer as a JSON object in the "
-                        "top-level 'steer' field, e.g. extra_body={'steer': {'detox': "
-                        "{'strength': 5, 'start': 0, 'end': 32}}}")
-                items[name] = s
+        items = _string_items(value, where)
     elif isinstance(value, Mapping):
         if WIRE_KEY in value:
             raise SteerRequestError(f"{where}: {WIRE_KEY!r} marks the serialised form vllm-steer "
@@ -279,13 +298,7 @@ def _parse_steer(value: Any, known: Mapping[str, Any] | None, max_strength: floa
         raise SteerRequestError(f"{where}: expected an object mapping steer names to strengths "
                                 f"(e.g. {{\"detox\": 5}}) or a 'name:strength,...' string, got "
                                 f"{type(value).__name__}")
-    for name in items:  # names first: an unknown name is told as such, however long
-        if not isinstance(name, str):
-            raise SteerRequestError(f"{where}: steer names must be strings, got {echo(name)}")
-        if known is not None and name not in known:
-            raise SteerRequestError(unknown_steer(where, name, known), "unknown_steer")
-        if known is None and steer_name_problem(name):
-            raise SteerRequestError(f"{where}: {steer_name_problem(name)}")
+    _check_names(items, known, where)  # names first: an unknown name is told as such
     if not isinstance(value, str) and not _surely_short(items):  # encoded only when it may be long
         n = _serialised_length(value)
         if n is not None and n > MAX_STEER_CHARS:

@@ -165,7 +165,7 @@ def test_token_logprobs_match_manual_and_move_with_the_steer(tiny):
     model, tok = tiny
     steer = random_steer(64, 4, "a", seed=8)
     lps = token_logprobs(model, tok, TEXTS)
-    for text, lp in zip(TEXTS, lps):
+    for text, lp in zip(TEXTS, lps, strict=True):
         ids = torch.tensor([tok(text)["input_ids"]])
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0].float()
@@ -173,7 +173,7 @@ def test_token_logprobs_match_manual_and_move_with_the_steer(tiny):
         assert lp.shape == (ids.shape[1] - 1,)
         torch.testing.assert_close(lp, want, rtol=1e-4, atol=1e-4)
     steered = token_logprobs(model, tok, TEXTS, steers=steer, strengths=5.0)
-    assert all(not torch.allclose(a, b) for a, b in zip(lps, steered))
+    assert all(not torch.allclose(a, b) for a, b in zip(lps, steered, strict=True))
     # prefixes: only the text's own tokens are scored
     pre = token_logprobs(model, tok, ["over the lazy dog."],
                          prefixes=["The quick brown fox jumps "])

@@ -49,7 +49,7 @@ def fixed_layout(d, ranks, rank, dtype, seed=0):
     p1, p2 = torch.cat(f1, 1).to(dtype), torch.cat(f2, 1).to(dtype)
     q1 = torch.zeros(d, len(ranks) * rank, dtype=dtype)
     q2 = torch.zeros_like(q1)
-    for k, (a, b) in enumerate(zip(f1, f2)):
+    for k, (a, b) in enumerate(zip(f1, f2, strict=True)):
         q1[:, k * rank:k * rank + a.shape[1]] = a
         q2[:, k * rank:k * rank + b.shape[1]] = b
     return [t.to(DEVICE) for t in (p1, p2, q1, q2)], offs
@@ -150,7 +150,7 @@ def test_graphs_capture_each_row_bucket_once_and_follow_the_tables_values():
     graphs = G.SteerGraphs(q1, q2, 6, back, max_rows=16)
     table = torch.zeros(16, 2, device=DEVICE)
     g = torch.Generator().manual_seed(0)
-    for step, n in enumerate([3, 4, 1, 3, 9, 16, 2, 5]):
+    for _step, n in enumerate([3, 4, 1, 3, 9, 16, 2, 5]):
         table[:n] = torch.randn(n, 2, generator=g).to(DEVICE)  # the step's coefficients
         h = torch.randn(n, 24, generator=g).to(DEVICE)
         out = graphs.run(h, table)

@@ -44,7 +44,7 @@ def bank(d, ranks, rank, dtype, seed=0):
     q1 = torch.zeros(d, len(ranks) * rank)
     q2 = torch.zeros_like(q1)
     offs = [0]
-    for k, (a, b) in enumerate(zip(f1, f2)):
+    for k, (a, b) in enumerate(zip(f1, f2, strict=True)):
         q1[:, k * rank:k * rank + a.shape[1]] = a
         q2[:, k * rank:k * rank + b.shape[1]] = b
         offs.append(offs[-1] + a.shape[1])

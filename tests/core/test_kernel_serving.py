@@ -55,9 +55,10 @@ class Recorder:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            ints = tuple((n, a == 1, a % 16 == 0) for n, a in zip(self.arg_names, args)
+            named = list(zip(self.arg_names, args, strict=False))
+            ints = tuple((n, a == 1, a % 16 == 0) for n, a in named
                          if isinstance(a, int) and n not in self.unspecialized)
-            ptrs = tuple((n, a.data_ptr() % 16 == 0) for n, a in zip(self.arg_names, args)
+            ptrs = tuple((n, a.data_ptr() % 16 == 0) for n, a in named
                          if isinstance(a, torch.Tensor))
             self.log.append((self.name, ints + ptrs, tuple(sorted(kwargs.items()))))
         return launch
@@ -278,7 +279,7 @@ def test_every_steer_entry_point_runs_the_capture_guard(monkeypatch):
 
         calls["steer_triton"] = lambda: steer_triton(hidden, p1, p2, offs, coefs)
         calls["prepare_triton"] = lambda: prepare_triton(p1, p2, offs, coefs)
-    for name, call in calls.items():
+    for _name, call in calls.items():
         with pytest.raises(RuntimeError, match="capturing on cpu"):
             call()
     assert len(seen) == len(calls)

@@ -12,7 +12,7 @@ def _bank(d=48, ranks=(4, 7), seed=0):
     offs = [0]
     for r in ranks:
         offs.append(offs[-1] + r)
-    return torch.cat(p1, 1), torch.cat(p2, 1), offs, [b @ a.T for a, b in zip(p1, p2)]
+    return torch.cat(p1, 1), torch.cat(p2, 1), offs, [b @ a.T for a, b in zip(p1, p2, strict=True)]
 
 
 def test_factor_form_equals_dense_paper_formula():

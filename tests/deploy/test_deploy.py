@@ -497,7 +497,7 @@ def test_every_mount_has_its_volume_and_claim(deployment, container, objects):
 def test_the_docs_serve_commands_parse_and_the_deployment_is_the_one_shown(probe, container):
     cmds = docs_serve_commands()
     assert {w for w, _ in cmds} == {"docs/deploy.md", "deploy/Dockerfile"}
-    for (where, argv), got in zip(cmds, probe["others"]):
+    for (where, argv), got in zip(cmds, probe["others"], strict=False):
         assert got["error"] is None, f"{where}: vllm serve {' '.join(argv)}: {got['error']}"
         if "help" in got:  # the page's check that vLLM sees the plugin: its flags are shown
             assert "--steer NAME=PATH [NAME=PATH ...]" in got["help"], got["help"][-2000:]

@@ -332,8 +332,8 @@ def route_matches(doc: str, route: str) -> bool:
     a, b = doc.strip("/").split("/"), route.strip("/").split("/")
     if len(b) and b[-1].startswith("{") and ":path}" in b[-1]:
         return len(a) >= len(b) and all(x == y or y.startswith("{")
-                                         for x, y in zip(a, b[:-1]))
-    return len(a) == len(b) and all(x == y or y.startswith("{") for x, y in zip(a, b))
+                                         for x, y in zip(a, b[:-1], strict=False))
+    return len(a) == len(b) and all(x == y or y.startswith("{") for x, y in zip(a, b, strict=False))
 
 
 def check_routes(text: str, where: str, routes=None) -> list[str]:
@@ -555,7 +555,7 @@ def check_steer_facts(text: str, where: str, facts: dict[str, dict] | None = Non
         if unit.kind == "row" and unit.header:
             cells = [c.strip() for c in unit.text.strip().strip("|").split("|")]
             stem = next(s for _, s in spots if s)
-            for col, cell in zip(unit.header, cells):
+            for col, cell in zip(unit.header, cells, strict=False):
                 key = COLUMN.get(re.sub(r"[*`]", "", col).split("(")[0].strip())
                 m = re.match(r"\**\+?" + NUM, re.sub(r"[*`]", "", cell))
                 if key and m and not _same(m.group(1), facts[stem][key]):
@@ -563,7 +563,7 @@ def check_steer_facts(text: str, where: str, facts: dict[str, dict] | None = Non
                                     f"file says {facts[stem][key]}")
             continue
         bounds = [p for p, _ in spots] + [len(unit.text)]
-        for (start, stem), end in zip(spots, bounds[1:]):
+        for (start, stem), end in zip(spots, bounds[1:], strict=False):
             if stem is None:
                 continue
             seg = unit.text[start:end]

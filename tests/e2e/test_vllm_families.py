@@ -220,7 +220,7 @@ def built(models, engine_pass, synth, source):
     from vllm_steer.cli import main
 
     src_model, src_steer = source
-    for fam, rec in models.items():
+    for _fam, rec in models.items():
         steers, model_dir = rec["steers"], rec["model"]
         rec["train_rc"] = main(["train", "--model", model_dir, "--positive", str(synth["pos"]),
                                 "--negative", str(synth["neg"]), "--out", steers["train"],

@@ -218,7 +218,7 @@ def test_a_full_bank_is_a_429_with_retry_after_and_its_retry_is_served(server, t
     with cf.ThreadPoolExecutor(2) as pool:
         answers = [f.result() for f in [pool.submit(plain), pool.submit(streamed)]]
     assert all(h.running() for h in holders), "the holders ended before the 429s: longer ones"
-    for err, took in answers:
+    for err, _took in answers:
         assert err.status_code == 429, err
         assert err.response.headers["retry-after"].isdigit(), err.response.headers
         msg = err.response.json()["error"]["message"]

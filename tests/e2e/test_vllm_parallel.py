@@ -153,7 +153,7 @@ def test_run_time_load_steers_on_both_engines_and_unload_reaches_both(dp_server,
     _steered_tokens_match_reference(rs, tiny_model_dir, d / "dir" / "posted.safetensors", 5)
     served = _served_per_engine(url, "run")
     assert sorted(served) == [0, 1] and all(n > 0 for n in served.values()), served
-    for pid, listing in _listings(url).items():  # the same answer from every API server
+    for _pid, listing in _listings(url).items():  # the same answer from every API server
         run = {s["name"]: s for s in listing["data"]}["run"]
         assert run["state"] == "loaded" and len(run["per_engine"]) == 2, listing
         assert {s["name"] for s in listing["data"]} >= {"detox", "run"}

@@ -331,8 +331,9 @@ def test_rollout_and_rollback_by_the_docs_under_traffic(fleet):
         # each replica watched by its own thread: one replica's wait must not delay the look
         # that times the other
         with cf.ThreadPoolExecutor(len(urls)) as pool:
-            waited = dict(zip(rt, pool.map(lambda r, u: wait_serving(u, new, t_swap, rt[r]),
-                                           rt, urls)))
+            waited = dict(zip(rt, pool.map(
+                lambda r, u, new=new, t_swap=t_swap, rt=rt: wait_serving(u, new, t_swap, rt[r]),
+                rt, urls), strict=True))
         took = {r: w[0] for r, w in waited.items()}
         allowed = {r: w[1] for r, w in waited.items()}
         served = {r: t_swap + s for r, s in took.items()}

@@ -490,10 +490,11 @@ def test_api_fuzz_from_the_openapi_schema(server, client):
         @fuzz
         @given(steer=steer, xarg=st.none() | xargs, stream=st.booleans())
         def one(steer, xarg, stream):
-            body = {**base, "max_tokens": 1, "stream": stream, "steer": steer}
+            body = {**base, "max_tokens": 1, "stream": stream, "steer": steer}  # noqa: B023 (run below)
             if xarg is not None:
                 body["vllm_xargs"] = {"steer": xarg}
-            check(requests.post(server + path, data=json.dumps(body, allow_nan=True),
+            check(requests.post(server + path,  # noqa: B023 (run below, in this iteration)
+                                data=json.dumps(body, allow_nan=True),
                                 headers={"Content-Type": "application/json"}, timeout=120))
 
         one()

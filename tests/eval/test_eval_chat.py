@@ -38,7 +38,7 @@ def test_user_turns_and_rendering_match_the_tokenizers_template(tok):
     assert user_message("x", "chat-instruct", "Review: {prompt}!") == "Review: x!"
     messages, texts, ids = chat_prompts(tok, PROMPTS, "chat-instruct")
     assert messages[0] == DEFAULT_INSTRUCTION.replace("{prompt}", PROMPTS[0])
-    for m, t, x in zip(messages, texts, ids):
+    for m, t, x in zip(messages, texts, ids, strict=True):
         ref = tok.apply_chat_template([{"role": "user", "content": m}], tokenize=True,
                                       add_generation_prompt=True)
         ref = ref["input_ids"] if not isinstance(ref, list) else ref
@@ -146,7 +146,7 @@ def test_chat_mode_through_vllm_matches_llm_chat(tiny_model_dir, tok, tmp_path):
     finally:
         gen.close()
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    for p, reply, got in zip(ids, replies, nll):
+    for p, reply, got in zip(ids, replies, nll, strict=False):
         r = tok(reply, add_special_tokens=False)["input_ids"]
         with torch.no_grad():
             lp = torch.log_softmax(model(input_ids=torch.tensor([p + r])).logits[0], -1)

@@ -92,7 +92,7 @@ def test_eval_end_to_end_on_the_tiny_model(tiny_model_dir, data_dir, tmp_path):
     pairs = [(r["prompt"], s) for r in recs[::3] for s in r["samples"]]
     ref = PerplexityScorer(str(tiny_model_dir), dtype="float32").nll(
         [p for p, _ in pairs], [s["text"] for _, s in pairs], progress=False)
-    for (_, s), r in zip(pairs, ref):
+    for (_, s), r in zip(pairs, ref, strict=False):
         assert s["tokens"] == r.tokens and s["ppl"] == pytest.approx(r.ppl, rel=2e-3)
     md = (out / "results.md").read_text()
     assert "| soft-blacklist | blacklist=+1 |" in md and "## Goals" in md

@@ -28,8 +28,8 @@ def test_perplexity_is_exp_of_mean_nll_computed_independently(scorer):
     prompts = ["The weather today", "Once upon a time", "The weather today"]
     conts = [" is sunny and warm.", " there was a dragon who liked tea", " rain"]
     got = scorer.nll(prompts, conts, progress=False)
-    ref = [_independent_nll(scorer, p, c) for p, c in zip(prompts, conts)]
-    for g, (s, n) in zip(got, ref):
+    ref = [_independent_nll(scorer, p, c) for p, c in zip(prompts, conts, strict=True)]
+    for g, (s, n) in zip(got, ref, strict=True):
         assert g.tokens == n
         assert g.nll_sum == pytest.approx(s, rel=1e-4)
         assert g.ppl == pytest.approx(math.exp(s / n), rel=1e-4)
@@ -44,7 +44,7 @@ def test_order_is_kept_despite_length_sorting(scorer):
     prompts = ["A", "A much longer prompt that has many more tokens than the others", "B c"]
     conts = [" one two three four five six seven", " x", " y z"]
     batched = scorer.nll(prompts, conts, progress=False)
-    alone = [scorer.nll([p], [c], progress=False)[0] for p, c in zip(prompts, conts)]
+    alone = [scorer.nll([p], [c], progress=False)[0] for p, c in zip(prompts, conts, strict=True)]
     assert [x.tokens for x in batched] == [x.tokens for x in alone]
     assert [x.nll_sum for x in batched] == pytest.approx([x.nll_sum for x in alone], rel=1e-4)
 

@@ -285,7 +285,7 @@ def test_tune_warns_when_no_strength_moves_the_target_beyond_noise(tmp_path, tin
     # the effect is the paired per-prompt drop in max toxicity, checked by hand
     res = json.loads((tmp_path / "real" / "results.json").read_text())
     by = {c["strength"]: c["per_prompt"]["max_toxicity"] for c in res["conditions"]}
-    d = [a - b for a, b in zip(by[0], by[4])]
+    d = [a - b for a, b in zip(by[0], by[4], strict=True)]
     assert eff[4]["effect"] == pytest.approx(sum(d) / len(d))
     sd = (sum((x - sum(d) / 40) ** 2 for x in d) / 39) ** 0.5
     assert eff[4]["se"] == pytest.approx(sd / 40 ** 0.5)

@@ -60,5 +60,5 @@ def test_tune_runs_a_tensor_parallel_engine_from_vllms_flags(tmp_path, monkeypat
     pairs = [(r["prompt"], s) for r in recs for s in r["samples"]]
     ref = PerplexityScorer(str(model), dtype="float32").nll(
         [p for p, _ in pairs], [s["text"] for _, s in pairs], progress=False)
-    for (_, s), r in zip(pairs, ref):
+    for (_, s), r in zip(pairs, ref, strict=False):
         assert s["tokens"] == r.tokens and s["ppl"] == pytest.approx(r.ppl, rel=2e-3)

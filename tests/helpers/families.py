@@ -135,7 +135,7 @@ def _run_engines(spec: dict, plugin: bool) -> dict:
         outs = llm.generate([TokensPrompt(prompt_token_ids=r["ids"]) for r in reqs], params,
                             use_tqdm=False)
         fam_out = []
-        for r, o in zip(reqs, outs):
+        for r, o in zip(reqs, outs, strict=False):
             c = o.outputs[0]
             pos = [{str(t): e.logprob for t, e in d.items()} for d in o.prompt_logprobs[1:]]
             pos += [{str(t): e.logprob for t, e in d.items()} for d in c.logprobs]

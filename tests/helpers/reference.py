@@ -56,12 +56,12 @@ class HFReference:
         from vllm_steer.request import Window
 
         constant = []
-        for o, steer in zip(outs, steers):
+        for o, steer in zip(outs, steers, strict=False):
             windows = {n: Window(**v) if isinstance(v, dict) else Window(v, base=v)
                        for n, v in (steer or {}).items()}
             ids = list(o.prompt_token_ids)
             for t, (tok, entry) in enumerate(zip(o.outputs[0].token_ids,
-                                                 o.outputs[0].logprobs)):
+                                                 o.outputs[0].logprobs, strict=False)):
                 lp = self.logprobs(ids, {n: w.at(t) for n, w in windows.items()})[-1]
                 assert tok == int(lp.argmax()), (steer, t)
                 assert entry[tok].logprob == pytest.approx(lp[tok].item(), abs=2e-3), (steer, t)
@@ -86,11 +86,11 @@ class HFReference:
                                  extra_args=None if s is None else {"steer": s})
                   for s in strengths]
         outs = llm.generate(prompts[:len(strengths)], params, use_tqdm=False)
-        for k, (o, s) in enumerate(zip(outs, strengths)):
+        for k, (o, s) in enumerate(zip(outs, strengths, strict=False)):
             ids, got = list(o.prompt_token_ids), list(o.outputs[0].token_ids)
             assert got == self.greedy(ids, max_tokens, s), (k, s)
             lp = self.logprobs(ids + got, s)
-            for i, (tok, entry) in enumerate(zip(got, o.outputs[0].logprobs)):
+            for i, (tok, entry) in enumerate(zip(got, o.outputs[0].logprobs, strict=False)):
                 assert entry[tok].logprob == pytest.approx(lp[len(ids) - 1 + i, tok].item(),
                                                            abs=tol), (k, s, i)
             if k in changed:

@@ -20,7 +20,7 @@ def rollout_blocks() -> dict[str, str]:
     section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
     blocks = [textwrap.dedent(b) for b in re.findall(r"```sh\n(.*?)\n\s*```", section, re.S)]
     assert len(blocks) == len(NAMES), blocks
-    out = dict(zip(NAMES, blocks))
+    out = dict(zip(NAMES, blocks, strict=False))
     assert "mv " in out["copy"] and "/steers/detox-v2.safetensors" in out["copy"]
     for name, old, new in (("swap", "v1", "v2"), ("rollback", "v2", "v1")):
         sed = f"'s/\"detox-{old}:4\"/\"detox-{new}:4\"/'"

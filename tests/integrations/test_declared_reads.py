@@ -101,7 +101,7 @@ def test_every_attribute_the_plugin_reads_of_a_vllm_object_is_declared():
     names = declared()
     undeclared = []
     for path in SOURCES:
-        for where, a, depth, how, _ in scan(path)[0]:
+        for where, a, depth, _how, _ in scan(path)[0]:
             if a.startswith("__") or a in names or (depth > 1 and a in PLAIN):
                 continue
             undeclared.append(f"{where}: {a}")

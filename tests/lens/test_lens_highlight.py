@@ -46,7 +46,7 @@ def test_best_spans_matches_brute_force(seed):
         assert 1 <= sp.end - sp.start <= max_len
         assert sp.score == pytest.approx(sum(scores[sp.start:sp.end]))
         assert sp.score > 0
-    for a, b in zip(spans, spans[1:]):
+    for a, b in zip(spans, spans[1:], strict=False):
         assert a.end < b.start  # non-adjacent, sorted
     if want_spans and len({round(x, 3) for x in scores}) == n:
         assert [(sp.start, sp.end) for sp in spans] == want_spans

@@ -147,7 +147,7 @@ def test_plan_one_call_per_chunk(tmp_path, wheels):
         calls = [json.loads(line.split("   #")[0]) for line in r.stdout.splitlines()
                  if line.startswith("{")]
         assert len(calls) == len(man["chunks"])
-        for c, call in zip(man["chunks"], calls):
+        for c, call in zip(man["chunks"], calls, strict=True):
             assert call["carry"] == [f"{out.name}/{c['name']}"]
             assert f"receive {out.name}/{c['name']}" in call["command"]
         assert "assemble" in calls[-1]["command"] and "--install" in calls[-1]["command"]

@@ -37,13 +37,14 @@ def fake_engine_results(ref):
 
     tok = AutoTokenizer.from_pretrained(ref.model.name_or_path)
     rows = []
-    for p, (steer, n) in zip(gvc.PROMPTS, gvc.REQUESTS):
+    for p, (steer, n) in zip(gvc.PROMPTS, gvc.REQUESTS, strict=True):
         ids = tok.encode(p)
         toks = ref.greedy(ids, n, steer)
         lp = ref.logprobs(ids + toks, steer)
         rows.append({"prompt_ids": ids, "tokens": toks,
                      "logprobs": [float(lp[len(ids) - 1 + i, t]) for i, t in enumerate(toks)]})
-    stock = [copy.deepcopy(r) if s is None else None for r, (s, _) in zip(rows, gvc.REQUESTS)]
+    stock = [copy.deepcopy(r) if s is None else None
+             for r, (s, _) in zip(rows, gvc.REQUESTS, strict=True)]
     for i, (s, n) in enumerate(gvc.REQUESTS):
         if s is not None:
             ids = rows[i]["prompt_ids"]

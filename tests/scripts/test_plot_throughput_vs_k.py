@@ -25,7 +25,7 @@ def test_each_committed_run_gives_its_k_points_with_intervals_around_the_median(
         doc = json.loads(path.read_text())
         ks, med, lo, hi, control = mod.series(doc)
         assert ks == doc["meta"].get("k_list", ks) and ks == sorted(ks) and ks
-        assert all(a <= m <= b for a, m, b in zip(lo, med, hi))
+        assert all(a <= m <= b for a, m, b in zip(lo, med, hi, strict=True))
         assert control is not None and control[0] <= control[1]
 
 

@@ -97,7 +97,8 @@ def test_fused_step_matches_autograd(prep, rank):
                                                               1.0, True))
     for hd, chunk, tol in ((torch.float32, 10**6, 1e-5), (torch.float32, 7, 1e-5),
                            (torch.bfloat16, 16, 3e-2)):
-        loss, g = run(lambda: lm.loss_backward(c, t, s, head_dtype=hd, chunk_tokens=chunk))
+        loss, g = run(lambda hd=hd, chunk=chunk: lm.loss_backward(c, t, s, head_dtype=hd,
+                                                                  chunk_tokens=chunk))
         assert loss == pytest.approx(ref_loss, rel=tol)
         assert float((g - ref_g).norm() / ref_g.norm()) < tol * 10, (hd, chunk)
 
@@ -116,7 +117,7 @@ def test_cached_training_equals_full_model_training(prep):
     for step in range(4):
         idx = sched.indices(step)
         c, t, s = hs.batch(idx)
-        for k, (lm, opt) in enumerate(zip(lms, opts)):
+        for k, (lm, opt) in enumerate(zip(lms, opts, strict=True)):
             opt.zero_grad()
             if k == 0:
                 lm.loss_backward(c, t, s, head_dtype=torch.float32)

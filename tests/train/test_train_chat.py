@@ -91,7 +91,7 @@ def test_the_loss_is_cross_entropy_over_the_reply_only(prep):
     got = mean_loss(lm, hs, strength=0.0, domain=0.0)
     tot, n = 0.0, 0
     with torch.no_grad():
-        for ids, start in zip(prep.dev_ids, prep.dev_starts):
+        for ids, start in zip(prep.dev_ids, prep.dev_starts, strict=True):
             logits = prep.model(input_ids=torch.tensor([ids])).logits[0].float()
             lp = torch.log_softmax(logits, -1)
             tot -= sum(float(lp[k - 1, ids[k]]) for k in range(start, len(ids)))

@@ -396,40 +396,49 @@ def _nums(xs) -> str:
     return ",".join(f"{x:g}" for x in xs)
 
 
-def command_for(cfg) -> str:
-    """The ``vllm-steer eval`` command line that reproduces ``cfg`` (defaults left out;
-    the data folder is not included)."""
-    from vllm_steer.eval.engine_args import engine_flags
-    from vllm_steer.eval.generation import SamplingConfig
-
-    a = ["vllm-steer", "eval", cfg.task]
-    if cfg.model != "smollm2":
-        a += ["--model", cfg.model]
-    for st in cfg.steers:
-        a += ["--steer", st]
-    a.append(f"--strengths={_nums(cfg.strengths)}")
+def _strength_argv(cfg) -> list[str]:
+    """The strengths, and the baseline's or the grid's settings."""
+    a = [f"--strengths={_nums(cfg.strengths)}"]
     if cfg.task == "grid":
-        a += [f"--grid-strengths={_nums(cfg.grid_strengths)}", "--prompts", cfg.grid_prompts]
-    else:
-        if cfg.baseline != "auto":
-            a += ["--baseline", cfg.baseline]
-        if cfg.baseline_strengths is not None and cfg.baseline != "none":
-            a.append(f"--baseline-strengths={_nums(cfg.baseline_strengths)}")
-        if cfg.recommended_strength is not None:
-            a += ["--recommended-strength", f"{cfg.recommended_strength:g}"]
+        return a + [f"--grid-strengths={_nums(cfg.grid_strengths)}", "--prompts", cfg.grid_prompts]
+    if cfg.baseline != "auto":
+        a += ["--baseline", cfg.baseline]
+    if cfg.baseline_strengths is not None and cfg.baseline != "none":
+        a.append(f"--baseline-strengths={_nums(cfg.baseline_strengths)}")
+    if cfg.recommended_strength is not None:
+        a += ["--recommended-strength", f"{cfg.recommended_strength:g}"]
+    return a
+
+
+def _prompt_argv(cfg) -> list[str]:
+    """The prompts: a file, or a named set other than the task's default, and how many."""
+    a = []
     if cfg.prompt_file:
         a += ["--prompts", cfg.prompt_file]
     elif cfg.prompt_set and not (cfg.task == "sentiment" and cfg.prompt_set == "neutral"):
         a += ["--prompt-set", cfg.prompt_set]
     if cfg.num_prompts is not None:
         a += ["--num-prompts", str(cfg.num_prompts)]
-    a += _mode_argv(cfg.mode, cfg.instruction)
+    return a
+
+
+def _sampling_argv(sampling) -> list[str]:
+    """The sampling settings that differ from the defaults."""
+    from vllm_steer.eval.generation import SamplingConfig
+
+    a = []
     d = SamplingConfig()
     for flag, k in (("--samples", "samples"), ("--max-tokens", "max_tokens"),
                     ("--top-p", "top_p"), ("--temperature", "temperature"), ("--seed", "seed")):
-        v = getattr(cfg.sampling, k)
+        v = getattr(sampling, k)
         if v != getattr(d, k):
             a += [flag, f"{v:g}"]
+    return a
+
+
+def _scorer_argv(cfg) -> list[str]:
+    """The scorers and the perplexity backend, where not the defaults."""
+    a = []
     if cfg.toxicity_scorer != "profanity-check" or cfg.extra_toxicity_scorers:
         for x in [cfg.toxicity_scorer, *cfg.extra_toxicity_scorers]:
             a += ["--toxicity-scorer", x]
@@ -442,6 +451,24 @@ def command_for(cfg) -> str:
         a += ["--scorer-dtype", cfg.scorer_dtype]
     if cfg.ppl_backend != "auto":
         a += ["--ppl-backend", cfg.ppl_backend]
+    return a
+
+
+def command_for(cfg) -> str:
+    """The ``vllm-steer eval`` command line that reproduces ``cfg`` (defaults left out;
+    the data folder is not included)."""
+    from vllm_steer.eval.engine_args import engine_flags
+
+    a = ["vllm-steer", "eval", cfg.task]
+    if cfg.model != "smollm2":
+        a += ["--model", cfg.model]
+    for st in cfg.steers:
+        a += ["--steer", st]
+    a += _strength_argv(cfg)
+    a += _prompt_argv(cfg)
+    a += _mode_argv(cfg.mode, cfg.instruction)
+    a += _sampling_argv(cfg.sampling)
+    a += _scorer_argv(cfg)
     a += engine_flags(cfg.engine)
     a += ["--out", cfg.out]
     return " ".join(shlex.quote(x) for x in a)

@@ -74,7 +74,7 @@ class PerplexityScorer:
             idx = order[a:a + step]
             lps = token_logprobs(self.model, self.tokenizer, [continuations[i] for i in idx],
                                  prefixes=[prompts[i] for i in idx], batch_size=self.batch_size)
-            for i, lp in zip(idx, lps):
+            for i, lp in zip(idx, lps, strict=True):
                 out[i] = SampleNLL(-float(lp.double().sum()), int(lp.numel()))
             bar.update(len(idx))
         bar.close()

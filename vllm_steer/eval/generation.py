@@ -229,7 +229,7 @@ class VLLMGenerator:
                 where.append((cond.label, i))
         outs = self.llm.generate(all_prompts, params, use_tqdm=progress)
         result: Generations = {c.label: [[] for _ in prompts] for c in conditions}
-        for (label, i), o in zip(where, outs):
+        for (label, i), o in zip(where, outs, strict=True):
             result[label][i] = [c.text for c in sorted(o.outputs, key=lambda c: c.index)]
         return result
 
@@ -252,7 +252,7 @@ class VLLMGenerator:
         out: list = [SampleNLL(0.0, 0)] * len(prompts)
         reqs, where, starts = [], [], []
         cache: dict[str, list[int]] = {}
-        for i, (p, c) in enumerate(zip(prompts, continuations)):
+        for i, (p, c) in enumerate(zip(prompts, continuations, strict=True)):
             if isinstance(p, str):
                 if p not in cache:
                     cache[p] = tok(p, add_special_tokens=False)["input_ids"]
@@ -267,7 +267,7 @@ class VLLMGenerator:
             starts.append(max(len(a), 1))
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
         outs = self.llm.generate(reqs, params, use_tqdm=progress)
-        for i, start, o in zip(where, starts, outs):
+        for i, start, o in zip(where, starts, outs, strict=True):
             ids = o.prompt_token_ids
             lps = [o.prompt_logprobs[k][ids[k]].logprob for k in range(start, len(ids))]
             out[i] = SampleNLL(-float(sum(lps)), len(lps))

@@ -274,12 +274,7 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     """Run the evaluation; write the files in ``cfg.out``; return the results document."""
     from vllm_steer.eval import report
     from vllm_steer.eval.chat import DEFAULT_INSTRUCTION
-    from vllm_steer.eval.diversity import diversity_metrics
-    from vllm_steer.eval.fluency import PerplexityScorer, perplexity_metrics
-    from vllm_steer.eval.prompts import load_prompts, prompt_file, read_prompts
-    from vllm_steer.eval.scorers import get_scorer
-    from vllm_steer.eval.sentiment import POSITIVE_THRESHOLD, positivity_metrics
-    from vllm_steer.eval.toxicity import toxicity_metrics
+    from vllm_steer.eval.fluency import PerplexityScorer
     from vllm_steer.models import resolve_model
 
     cfg.validate()
@@ -288,25 +283,9 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     data_dir = data_dir_of(cfg, required=not cfg.prompt_file)
     if data_dir:
         os.environ.setdefault("VLLM_STEER_DATA", data_dir)  # the sst2 scorer trains from here
-    prompt_task = cfg.grid_prompts if cfg.task == "grid" else cfg.task
-    if cfg.prompt_file:
-        pfile = cfg.prompt_file
-        prompts = read_prompts(pfile, cfg.num_prompts)
-    else:
-        pfile = prompt_file(prompt_task, data_dir, cfg.prompt_set)
-        prompts = load_prompts(prompt_task, data_dir, cfg.prompt_set, cfg.num_prompts)
+    pfile, prompts = _read_task_prompts(cfg, data_dir)
     model_path = resolve_model(cfg.model)
-    # what the model is given: the prompt text (plain), or the chat-templated user turn
-    messages: list[str] | None = None
-    model_prompts: list = list(prompts)
-    scorer_prompts: list[str] = list(prompts)
-    if cfg.mode != "plain":
-        from transformers import AutoTokenizer
-
-        from vllm_steer.eval.chat import chat_prompts
-
-        messages, scorer_prompts, model_prompts = chat_prompts(
-            AutoTokenizer.from_pretrained(model_path), prompts, cfg.mode, cfg.instruction)
+    messages, scorer_prompts, model_prompts = _model_prompts(cfg, prompts, model_path)
     steers = load_steer_infos(cfg.steers)
     names = list(steers)
     first = steers[names[0]]["metadata"] if names else None
@@ -314,10 +293,7 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
 
     # scorers first: a broken scorer fails before the long generation
     t = time.perf_counter()
-    for s in [cfg.toxicity_scorer, *cfg.extra_toxicity_scorers]:
-        get_scorer("toxicity", s)
-    for s in cfg.sentiment_scorers:
-        get_scorer("sentiment", s)
+    _load_scorers(cfg)
     timing["scorers_load_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -345,13 +321,7 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
         gens: Generations = gen.generate(model_prompts, conditions, cfg.sampling,
                                          cfg.progress)
         timing["generate_s"] = time.perf_counter() - t
-        flat_texts, flat_prompts, index = [], [], []
-        for c in conditions:
-            for i, samples in enumerate(gens[c.label]):
-                for j, text in enumerate(samples):
-                    flat_texts.append(text)
-                    flat_prompts.append(i)
-                    index.append((c.label, i, j))
+        flat_texts, flat_prompts, index = _flatten(conditions, gens)
         if engine_ppl:
             t = time.perf_counter()
             nll = gen.nll([model_prompts[i] for i in flat_prompts], flat_texts,
@@ -380,60 +350,12 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
         del ppl_scorer
         timing["score_ppl_s"] = time.perf_counter() - t
 
-    per: dict[str, dict[str, list[list[Any]]]] = {
-        c.label: {k: [[] for _ in prompts]
-                  for k in ("tox", "nll", *sent, *(f"tox:{x}" for x in tox_more))}
-        for c in conditions}
-    for k, (label, i, _j) in enumerate(index):
-        per[label]["tox"][i].append(tox[k])
-        for x in tox_more:
-            per[label][f"tox:{x}"][i].append(tox_more[x][k])
-        per[label]["nll"][i].append(nll[k])
-        for s in sent:
-            per[label][s][i].append(sent[s][k])
+    per = _per_prompt_scores(conditions, len(prompts), index, tox, tox_more, nll, sent)
+    cond_results = [_condition_result(cfg, c, per[c.label], tox_more, gens[c.label])
+                    for c in conditions]
+    _write_generations(os.path.join(cfg.out, "generations.jsonl"), conditions, per, gens,
+                       prompts, messages, tox_more, sent)
 
-    cond_results = []
-    for c in conditions:
-        p = per[c.label]
-        m: dict[str, Any] = {}
-        m.update(toxicity_metrics(p["tox"]))
-        for x in tox_more:
-            m.update({f"{k}_{x}": v for k, v in toxicity_metrics(p[f"tox:{x}"]).items()})
-        for n_s, s in enumerate(cfg.sentiment_scorers):
-            pm = positivity_metrics(p[s])
-            suffix = "" if n_s == 0 else f"_{s}"
-            m["positivity" + suffix] = pm["positivity"]
-            m["mean_p_positive" + suffix] = pm["mean_p_positive"]
-        m.update(perplexity_metrics([x for row in p["nll"] for x in row]))
-        m.update(diversity_metrics(gens[c.label]))
-        per_prompt = {"max_toxicity": [max(x) for x in p["tox"]]}
-        if cfg.sentiment_scorers:
-            per_prompt["positive_share"] = [
-                sum(v > POSITIVE_THRESHOLD for v in x) / len(x)
-                for x in p[cfg.sentiment_scorers[0]]]
-        cond_results.append({**c.to_dict(), "metrics": m, "per_prompt": per_prompt,
-                             "sample_p_positive": [x for row in p[cfg.sentiment_scorers[0]]
-                                                   for x in row]
-                             if cfg.sentiment_scorers else []})
-
-    # ------------------------------------------------------------------ generations file
-    with open(os.path.join(cfg.out, "generations.jsonl"), "w", encoding="utf-8") as f:
-        for c in conditions:
-            p = per[c.label]
-            for i, samples in enumerate(gens[c.label]):
-                f.write(json.dumps({
-                    "condition": c.label, "prompt_index": i, "prompt": prompts[i],
-                    **({"user": messages[i]} if messages is not None else {}),
-                    "samples": [{"text": t_, "toxicity": p["tox"][i][j],
-                                 **{f"toxicity_{x}": p[f"tox:{x}"][i][j] for x in tox_more},
-                                 **{f"p_positive_{s}": p[s][i][j] for s in sent},
-                                 "ppl": p["nll"][i][j].ppl, "tokens": p["nll"][i][j].tokens}
-                                for j, t_ in enumerate(samples)]}) + "\n")
-
-    sst2_info = None
-    if "sst2" in cfg.sentiment_scorers:
-        sst2_info = getattr(get_scorer("sentiment", "sst2"), "info", None)
-    tox_scorer = get_scorer("toxicity", cfg.toxicity_scorer)
     timing["total_s"] = time.perf_counter() - t_start
     results: dict[str, Any] = {
         "task": cfg.task, "mode": cfg.mode,
@@ -444,11 +366,7 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
         "model": cfg.model, "model_path": model_path,
         "steers": steers, "baseline": report.baseline_info(bl_path),
         "recommended_strength": report.recommended_strength(cfg, first),
-        "scorers": {"toxicity": {"name": cfg.toxicity_scorer,
-                                 "version_warnings": getattr(tox_scorer, "version_warnings", []),
-                                 "more": list(cfg.extra_toxicity_scorers)},
-                    "sentiment": cfg.sentiment_scorers, "sst2": sst2_info,
-                    "perplexity": scorer_info},
+        "scorers": _scorers_record(cfg, scorer_info),
         "conditions": cond_results, "timing": timing,
         "continuations": n_seq,
         "config": _config_record(cfg), "command": cfg.command,
@@ -461,6 +379,133 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     log(f"wrote {cfg.out}/results.json, results.md, generations.jsonl and "
         f"{len(results['plots'])} plot(s) in {timing['total_s']:.0f}s")
     return results
+
+
+def _read_task_prompts(cfg: EvalConfig, data_dir: str | None) -> tuple[str, list[str]]:
+    """The prompt file and its prompts: the configured file, or the task's set."""
+    from vllm_steer.eval.prompts import load_prompts, prompt_file, read_prompts
+
+    if cfg.prompt_file:
+        return cfg.prompt_file, read_prompts(cfg.prompt_file, cfg.num_prompts)
+    prompt_task = cfg.grid_prompts if cfg.task == "grid" else cfg.task
+    return (prompt_file(prompt_task, data_dir, cfg.prompt_set),
+            load_prompts(prompt_task, data_dir, cfg.prompt_set, cfg.num_prompts))
+
+
+def _model_prompts(cfg: EvalConfig, prompts: list[str], model_path: str
+                   ) -> tuple[list[str] | None, list[str], list]:
+    """What the model is given: the prompt text (plain), or the chat-templated user turn;
+    returns the user messages (None when plain), the scorer's prompts and the model's."""
+    if cfg.mode == "plain":
+        return None, list(prompts), list(prompts)
+    from transformers import AutoTokenizer
+
+    from vllm_steer.eval.chat import chat_prompts
+
+    return chat_prompts(AutoTokenizer.from_pretrained(model_path), prompts, cfg.mode,
+                        cfg.instruction)
+
+
+def _load_scorers(cfg: EvalConfig) -> None:
+    """Load every configured scorer, so that a broken one fails before generation."""
+    from vllm_steer.eval.scorers import get_scorer
+
+    for s in [cfg.toxicity_scorer, *cfg.extra_toxicity_scorers]:
+        get_scorer("toxicity", s)
+    for s in cfg.sentiment_scorers:
+        get_scorer("sentiment", s)
+
+
+def _flatten(conditions, gens: Generations
+             ) -> tuple[list[str], list[int], list[tuple[str, int, int]]]:
+    """Every continuation in one list, with its prompt's index and its (condition, prompt,
+    sample) place."""
+    flat_texts, flat_prompts, index = [], [], []
+    for c in conditions:
+        for i, samples in enumerate(gens[c.label]):
+            for j, text in enumerate(samples):
+                flat_texts.append(text)
+                flat_prompts.append(i)
+                index.append((c.label, i, j))
+    return flat_texts, flat_prompts, index
+
+
+def _per_prompt_scores(conditions, n_prompts: int, index, tox, tox_more, nll, sent
+                       ) -> dict[str, dict[str, list[list[Any]]]]:
+    """The flat scores put back per condition, score kind and prompt."""
+    per: dict[str, dict[str, list[list[Any]]]] = {
+        c.label: {k: [[] for _ in range(n_prompts)]
+                  for k in ("tox", "nll", *sent, *(f"tox:{x}" for x in tox_more))}
+        for c in conditions}
+    for k, (label, i, _j) in enumerate(index):
+        per[label]["tox"][i].append(tox[k])
+        for x in tox_more:
+            per[label][f"tox:{x}"][i].append(tox_more[x][k])
+        per[label]["nll"][i].append(nll[k])
+        for s in sent:
+            per[label][s][i].append(sent[s][k])
+    return per
+
+
+def _condition_result(cfg: EvalConfig, c, p: dict[str, list[list[Any]]], tox_more,
+                      generations) -> dict[str, Any]:
+    """One condition's metrics, per-prompt figures and sample positivities."""
+    from vllm_steer.eval.diversity import diversity_metrics
+    from vllm_steer.eval.fluency import perplexity_metrics
+    from vllm_steer.eval.sentiment import POSITIVE_THRESHOLD, positivity_metrics
+    from vllm_steer.eval.toxicity import toxicity_metrics
+
+    m: dict[str, Any] = {}
+    m.update(toxicity_metrics(p["tox"]))
+    for x in tox_more:
+        m.update({f"{k}_{x}": v for k, v in toxicity_metrics(p[f"tox:{x}"]).items()})
+    for n_s, s in enumerate(cfg.sentiment_scorers):
+        pm = positivity_metrics(p[s])
+        suffix = "" if n_s == 0 else f"_{s}"
+        m["positivity" + suffix] = pm["positivity"]
+        m["mean_p_positive" + suffix] = pm["mean_p_positive"]
+    m.update(perplexity_metrics([x for row in p["nll"] for x in row]))
+    m.update(diversity_metrics(generations))
+    per_prompt = {"max_toxicity": [max(x) for x in p["tox"]]}
+    if cfg.sentiment_scorers:
+        per_prompt["positive_share"] = [
+            sum(v > POSITIVE_THRESHOLD for v in x) / len(x)
+            for x in p[cfg.sentiment_scorers[0]]]
+    return {**c.to_dict(), "metrics": m, "per_prompt": per_prompt,
+            "sample_p_positive": [x for row in p[cfg.sentiment_scorers[0]] for x in row]
+            if cfg.sentiment_scorers else []}
+
+
+def _write_generations(path: str, conditions, per, gens: Generations, prompts: list[str],
+                       messages: list[str] | None, tox_more, sent) -> None:
+    """``generations.jsonl``: one line per condition and prompt, with its samples' scores."""
+    with open(path, "w", encoding="utf-8") as f:
+        for c in conditions:
+            p = per[c.label]
+            for i, samples in enumerate(gens[c.label]):
+                f.write(json.dumps({
+                    "condition": c.label, "prompt_index": i, "prompt": prompts[i],
+                    **({"user": messages[i]} if messages is not None else {}),
+                    "samples": [{"text": t_, "toxicity": p["tox"][i][j],
+                                 **{f"toxicity_{x}": p[f"tox:{x}"][i][j] for x in tox_more},
+                                 **{f"p_positive_{s}": p[s][i][j] for s in sent},
+                                 "ppl": p["nll"][i][j].ppl, "tokens": p["nll"][i][j].tokens}
+                                for j, t_ in enumerate(samples)]}) + "\n")
+
+
+def _scorers_record(cfg: EvalConfig, perplexity: dict[str, Any]) -> dict[str, Any]:
+    """The results' record of the scorers used."""
+    from vllm_steer.eval.scorers import get_scorer
+
+    sst2_info = None
+    if "sst2" in cfg.sentiment_scorers:
+        sst2_info = getattr(get_scorer("sentiment", "sst2"), "info", None)
+    tox_scorer = get_scorer("toxicity", cfg.toxicity_scorer)
+    return {"toxicity": {"name": cfg.toxicity_scorer,
+                         "version_warnings": getattr(tox_scorer, "version_warnings", []),
+                         "more": list(cfg.extra_toxicity_scorers)},
+            "sentiment": cfg.sentiment_scorers, "sst2": sst2_info,
+            "perplexity": perplexity}
 
 
 def write_outputs(results: dict[str, Any], out: str) -> None:
@@ -525,7 +570,7 @@ def merge(runs: Sequence[str], out: str) -> dict[str, Any]:
     docs = [_read_results(run) for run in runs]
     first = docs[0]
     problems = []
-    for run, doc in zip(runs[1:], docs[1:]):
+    for run, doc in zip(runs[1:], docs[1:], strict=True):
         for key, get in _MERGE_KEYS.items():
             try:
                 a, b = get(first), get(doc)
@@ -534,7 +579,7 @@ def merge(runs: Sequence[str], out: str) -> dict[str, Any]:
             if a != b:
                 problems.append(f"{key} differs: {runs[0]}: {a!r}, {run}: {b!r}")
     by_label: dict[str, dict] = {}
-    for run, doc in zip(runs, docs):
+    for run, doc in zip(runs, docs, strict=True):
         for c in doc["conditions"]:
             seen = by_label.get(c["label"])
             if seen is None:
@@ -553,7 +598,7 @@ def merge(runs: Sequence[str], out: str) -> dict[str, Any]:
                                * first["sampling"]["samples"])
     merged["command"] = "\n    ".join(d["command"] for d in docs if d.get("command")) or None
     merged["merged_from"] = [{"run": r, "command": d.get("command"), "timing": d["timing"]}
-                             for r, d in zip(runs, docs)]
+                             for r, d in zip(runs, docs, strict=True)]
     merged["timing"] = {k: sum(d["timing"].get(k, 0.0) for d in docs)
                         for k in first["timing"]}
     strengths = sorted({s for d in docs for s in d["config"].get("strengths") or []})

@@ -65,7 +65,7 @@ class SoftBlacklistLogitsProcessor(LogitsProcessor):
         self.names = list(paths)
         self.index = {n: i for i, n in enumerate(self.names)}
         rows = []
-        for name, path in paths.items():
+        for _name, path in paths.items():
             sb = load_soft_blacklist(path)
             rows.append(sb.bias.float() * sb.epsilon)
         self.offsets = (torch.stack(rows).to(device) if rows

@@ -361,53 +361,7 @@ def file_problems(header: dict[str, Any], meta: dict[str, Any] | None,
     reasons: list[str] = []
     tuned: list[int] = []
     if meta is not None:
-        missing = [k for k in REQUIRED_META if k not in meta]
-        if missing:
-            reasons.append(f"metadata lacks required keys {missing}")
-        if meta.get(META_FORMAT, FORMAT_NAME) != FORMAT_NAME:
-            reasons.append(f"metadata format is {meta.get(META_FORMAT)!r}, expected "
-                           f"{FORMAT_NAME!r}")
-        ver = meta.get(META_FORMAT_VERSION)
-        if META_FORMAT_VERSION in meta and ver != FORMAT_VERSION:
-            reasons.append(f"format_version {ver!r}: this vllm-steer reads format_version "
-                           f"{FORMAT_VERSION}" + (" (upgrade vllm-steer)" if isinstance(ver, int)
-                                                  and ver > FORMAT_VERSION else ""))
-        enc = meta.get(META_ENCODER)
-        if META_ENCODER in meta:
-            if not isinstance(enc, dict):
-                reasons.append(f"metadata {META_ENCODER} is not a JSON object")
-            elif encoder_sha256 is not None and enc.get(ENC_SHA256) != encoder_sha256:
-                reasons.append(
-                    f"the file was tuned from encoder weights with sha256 "
-                    f"{enc.get(ENC_SHA256)!r} ({enc.get(ENC_PACKAGE)} {enc.get(ENC_VERSION)}), "
-                    f"but the installed {ENCODER_PACKAGE} has {encoder_sha256} (install "
-                    f"{enc.get(ENC_PACKAGE, ENCODER_PACKAGE)}=={enc.get(ENC_VERSION, '?')})")
-        layers = meta.get(META_TUNED_LAYERS)
-        n_layers = (encoder_config or {}).get("num_hidden_layers")
-        if META_TUNED_LAYERS in meta:
-            if not (isinstance(layers, list) and layers
-                    and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
-                    and len(set(layers)) == len(layers)):
-                reasons.append(f"metadata {META_TUNED_LAYERS}={layers!r}, expected a list of "
-                               "distinct layer numbers")
-            elif n_layers is not None and not all(0 <= i < n_layers for i in layers):
-                reasons.append(f"metadata {META_TUNED_LAYERS}={layers}: the encoder has layers "
-                               f"0 to {n_layers - 1}")
-            elif n_layers is not None and sorted(layers) != list(
-                    range(n_layers - len(layers), n_layers)):
-                reasons.append(f"metadata {META_TUNED_LAYERS}={layers}: the tuned layers must be "
-                               f"the top ones ({n_layers - len(layers)} to {n_layers - 1})")
-            else:
-                tuned = sorted(layers)
-        ml = meta.get(META_MAX_LENGTH)
-        top = (encoder_config or {}).get("max_position_embeddings", 512)
-        if META_MAX_LENGTH in meta and not (isinstance(ml, int) and not isinstance(ml, bool)
-                                            and 3 <= ml <= top):
-            reasons.append(f"metadata {META_MAX_LENGTH}={ml!r}, expected an integer from 3 to "
-                           f"{top}")
-        if META_POOLING in meta and meta.get(META_POOLING) != "mean":
-            reasons.append(f"metadata {META_POOLING}={meta.get(META_POOLING)!r}, expected "
-                           "'mean'")
+        tuned = _metadata_problems(meta, encoder_sha256, encoder_config, reasons)
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     for k, v in tensors.items():
         if not (isinstance(v, dict) and v.get("dtype") in _DTYPES):
@@ -415,22 +369,93 @@ def file_problems(header: dict[str, Any], meta: dict[str, Any] | None,
                            f"{v.get('dtype') if isinstance(v, dict) else v!r}, expected one of "
                            f"{sorted(_DTYPES)}")
     if encoder_config is not None and (meta is None or tuned or META_TUNED_LAYERS not in meta):
-        want = expected_shapes(tuned, encoder_config["hidden_size"],
-                               encoder_config["intermediate_size"])
-        absent = [k for k in want if k not in tensors]
-        if absent:
-            more = f" and {len(absent) - 8} more" if len(absent) > 8 else ""
-            reasons.append(f"missing tensors {absent[:8]}{more}")
-        extra = [k for k in tensors if k not in want]
-        if extra:
-            more = f" and {len(extra) - 8} more" if len(extra) > 8 else ""
-            reasons.append(f"unexpected tensors {extra[:8]}{more} (not of the tuned layers "
-                           f"{tuned} or the head)")
-        for k, shape in want.items():
-            got = tensors.get(k, {}).get("shape") if isinstance(tensors.get(k), dict) else None
-            if k in tensors and got != shape:
-                reasons.append(f"tensor {k!r} has shape {got}, expected {shape}")
+        _tensor_problems(tensors, tuned, encoder_config, reasons)
     return reasons
+
+
+def _metadata_problems(meta: dict[str, Any], encoder_sha256: str | None,
+                       encoder_config: dict[str, Any] | None, reasons: list[str]) -> list[int]:
+    """Append the metadata's problems to ``reasons``; return the tuned layers (sorted), or
+    [] where they are absent or wrong."""
+    missing = [k for k in REQUIRED_META if k not in meta]
+    if missing:
+        reasons.append(f"metadata lacks required keys {missing}")
+    if meta.get(META_FORMAT, FORMAT_NAME) != FORMAT_NAME:
+        reasons.append(f"metadata format is {meta.get(META_FORMAT)!r}, expected "
+                       f"{FORMAT_NAME!r}")
+    ver = meta.get(META_FORMAT_VERSION)
+    if META_FORMAT_VERSION in meta and ver != FORMAT_VERSION:
+        reasons.append(f"format_version {ver!r}: this vllm-steer reads format_version "
+                       f"{FORMAT_VERSION}" + (" (upgrade vllm-steer)" if isinstance(ver, int)
+                                              and ver > FORMAT_VERSION else ""))
+    if META_ENCODER in meta:
+        _encoder_problem(meta.get(META_ENCODER), encoder_sha256, reasons)
+    tuned: list[int] = []
+    if META_TUNED_LAYERS in meta:
+        tuned = _tuned_layers(meta.get(META_TUNED_LAYERS),
+                              (encoder_config or {}).get("num_hidden_layers"), reasons)
+    ml = meta.get(META_MAX_LENGTH)
+    top = (encoder_config or {}).get("max_position_embeddings", 512)
+    if META_MAX_LENGTH in meta and not (isinstance(ml, int) and not isinstance(ml, bool)
+                                        and 3 <= ml <= top):
+        reasons.append(f"metadata {META_MAX_LENGTH}={ml!r}, expected an integer from 3 to "
+                       f"{top}")
+    if META_POOLING in meta and meta.get(META_POOLING) != "mean":
+        reasons.append(f"metadata {META_POOLING}={meta.get(META_POOLING)!r}, expected "
+                       "'mean'")
+    return tuned
+
+
+def _encoder_problem(enc: Any, encoder_sha256: str | None, reasons: list[str]) -> None:
+    """The metadata's encoder record against the installed encoder's weights."""
+    if not isinstance(enc, dict):
+        reasons.append(f"metadata {META_ENCODER} is not a JSON object")
+    elif encoder_sha256 is not None and enc.get(ENC_SHA256) != encoder_sha256:
+        reasons.append(
+            f"the file was tuned from encoder weights with sha256 "
+            f"{enc.get(ENC_SHA256)!r} ({enc.get(ENC_PACKAGE)} {enc.get(ENC_VERSION)}), "
+            f"but the installed {ENCODER_PACKAGE} has {encoder_sha256} (install "
+            f"{enc.get(ENC_PACKAGE, ENCODER_PACKAGE)}=={enc.get(ENC_VERSION, '?')})")
+
+
+def _tuned_layers(layers: Any, n_layers: int | None, reasons: list[str]) -> list[int]:
+    """The metadata's tuned layers, sorted, if they are distinct layer numbers that are the
+    encoder's top ones; else [] with the reason appended."""
+    if not (isinstance(layers, list) and layers
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+            and len(set(layers)) == len(layers)):
+        reasons.append(f"metadata {META_TUNED_LAYERS}={layers!r}, expected a list of "
+                       "distinct layer numbers")
+    elif n_layers is not None and not all(0 <= i < n_layers for i in layers):
+        reasons.append(f"metadata {META_TUNED_LAYERS}={layers}: the encoder has layers "
+                       f"0 to {n_layers - 1}")
+    elif n_layers is not None and sorted(layers) != list(
+            range(n_layers - len(layers), n_layers)):
+        reasons.append(f"metadata {META_TUNED_LAYERS}={layers}: the tuned layers must be "
+                       f"the top ones ({n_layers - len(layers)} to {n_layers - 1})")
+    else:
+        return sorted(layers)
+    return []
+
+
+def _tensor_problems(tensors: dict[str, Any], tuned: list[int],
+                     encoder_config: dict[str, Any], reasons: list[str]) -> None:
+    """The file's tensors against those the tuned layers and the head need."""
+    want = expected_shapes(tuned, encoder_config["hidden_size"],
+                           encoder_config["intermediate_size"])
+    absent = [k for k in want if k not in tensors]
+    if absent:
+        more = f" and {len(absent) - 8} more" if len(absent) > 8 else ""
+        reasons.append(f"missing tensors {absent[:8]}{more}")
+    extra = [k for k in tensors if k not in want]
+    if extra:
+        more = f" and {len(extra) - 8} more" if len(extra) > 8 else ""
+        reasons.append(f"unexpected tensors {extra[:8]}{more} (not of the tuned layers "
+                       f"{tuned} or the head)")
+    for k, shape in want.items():
+        got = tensors.get(k, {}).get("shape") if isinstance(tensors.get(k), dict) else None
+        if k in tensors and got != shape:
+            reasons.append(f"tensor {k!r} has shape {got}, expected {shape}")
 
 
 def read_scorer_metadata(path: str | os.PathLike) -> dict[str, Any]:
@@ -538,7 +563,7 @@ class MiniLMToxicityScorer:
                 tok, mask = pad_batch([ids[i] for i in group])
                 pooled = mean_pool(self.model(tok, mask), mask)
                 z = pooled @ self.head_weight[0] + self.head_bias[0]
-                for i, v in zip(group, z.tolist()):
+                for i, v in zip(group, z.tolist(), strict=True):
                     out[i] = float(v)
         return out
 

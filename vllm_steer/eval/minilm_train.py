@@ -174,9 +174,19 @@ def _predict(top: _Top, states: Sequence, rows: Sequence[int], batch_tokens: int
     with torch.inference_mode():
         for g in M.length_batches([states[i].shape[0] for i in rows], batch_tokens):
             x, mask = _pad_states([states[rows[k]] for k in g])
-            for k, z in zip(g, top.logits(x, mask, train=False).tolist()):
+            for k, z in zip(g, top.logits(x, mask, train=False).tolist(), strict=True):
                 out[k] = z
     return out
+
+
+def _top_tensors(top, start: int) -> dict[str, Any]:
+    """The scorer file's tensors: the head's, and the tuned layers' (from layer ``start``)."""
+    tensors = {M.TENSOR_HEAD_WEIGHT: top.head.weight.detach(),
+               M.TENSOR_HEAD_BIAS: top.head.bias.detach()}
+    for k, layer in enumerate(top.layers):
+        for name, t in layer.state_dict().items():
+            tensors[M.LAYER_PREFIX.format(start + k) + name] = t
+    return tensors
 
 
 def train_scorer(data_dir: str, out: str, recipe: dict[str, Any] | None = None,
@@ -232,7 +242,7 @@ def train_scorer(data_dir: str, out: str, recipe: dict[str, Any] | None = None,
     step, stale, stop = 0, 0, False
     bar = tqdm(total=total, desc="training top layers + head", disable=not progress,
                mininterval=2)
-    for epoch in range(r["epochs"]):
+    for _epoch in range(r["epochs"]):
         for batch in _batches(train, lengths, r["batch_size"], rng):
             x, mask = _pad_states([states[i] for i in batch])
             loss = torch.nn.functional.binary_cross_entropy_with_logits(
@@ -264,11 +274,7 @@ def train_scorer(data_dir: str, out: str, recipe: dict[str, Any] | None = None,
     log(f"best dev AUROC {best['auroc']:.4f} at step {best['step']} of {total} "
         f"({t_cache:.0f} s caching, {t_train:.0f} s training)")
 
-    tensors = {M.TENSOR_HEAD_WEIGHT: top.head.weight.detach(),
-               M.TENSOR_HEAD_BIAS: top.head.bias.detach()}
-    for k, layer in enumerate(top.layers):
-        for name, t in layer.state_dict().items():
-            tensors[M.LAYER_PREFIX.format(start + k) + name] = t
+    tensors = _top_tensors(top, start)
     meta = {
         M.META_FORMAT: M.FORMAT_NAME, M.META_FORMAT_VERSION: M.FORMAT_VERSION,
         M.META_NAME: M.NAME, M.META_KIND: "toxicity",

@@ -37,7 +37,7 @@ def ablation(results: dict, path: str) -> None:
     plt = _plt()
     keys = headline(results)
     fig, axes = plt.subplots(1, len(keys), figsize=(5.2 * len(keys), 3.8), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    for ax, key in zip(axes[0], keys, strict=True):
         ax2 = ax.twinx()
         for method, color in (("lm-steer", STEER_COLOR), ("soft-blacklist", BL_COLOR)):
             cs = _curve(results, method)
@@ -86,7 +86,7 @@ def tradeoff(results: dict, path: str) -> None:
     plt = _plt()
     keys = headline(results)
     fig, axes = plt.subplots(1, len(keys), figsize=(5.2 * len(keys), 3.8), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    for ax, key in zip(axes[0], keys, strict=True):
         for method, color in (("lm-steer", STEER_COLOR), ("soft-blacklist", BL_COLOR)):
             cs = _curve(results, method)
             if not cs:
@@ -121,7 +121,7 @@ def sentiment_distribution(results: dict, path: str, lo: float = -5, hi: float =
     if not panels:
         return False
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 3.8), squeeze=False)
-    for ax, (method, cs) in zip(axes[0], panels):
+    for ax, (method, cs) in zip(axes[0], panels, strict=True):
         data = [c["sample_p_positive"] for c in cs]
         pos = list(range(len(cs)))
         parts = ax.violinplot(data, positions=pos, showmeans=True, showextrema=False)
@@ -153,7 +153,7 @@ def grid(results: dict, path: str) -> None:
     a, b = g["steers"]
     keys = ["avg_max_toxicity", "positivity", "ppl"]
     fig, axes = plt.subplots(1, len(keys), figsize=(4.6 * len(keys), 4), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    for ax, key in zip(axes[0], keys, strict=True):
         m = np.full((len(g["a"]), len(g["b"])), np.nan)
         for i, sa in enumerate(g["a"]):
             for j, sb in enumerate(g["b"]):

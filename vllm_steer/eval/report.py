@@ -115,7 +115,7 @@ def compare_at_equal_perplexity(results: dict) -> list[dict]:
                                  "lm_steer": {k: c["metrics"][k] for k in keys},
                                  "soft_blacklist": None, "soft_blacklist_strength": None}
         pts = [(b["strength"], b["metrics"][PPL], b["metrics"]) for b in side]
-        for (s0, p0, m0), (s1, p1, m1) in zip(pts, pts[1:]):
+        for (s0, p0, m0), (s1, p1, m1) in zip(pts, pts[1:], strict=False):
             if min(p0, p1) <= target <= max(p0, p1) and p0 != p1:
                 w = (target - p0) / (p1 - p0)
                 entry["soft_blacklist"] = {k: m0[k] + w * (m1[k] - m0[k]) for k in keys}

@@ -160,7 +160,8 @@ class SST2Classifier:
 
     def accuracy(self, texts: Sequence[str], labels: Sequence[int]) -> float:
         p = self.score(texts)
-        return sum((x > POSITIVE_THRESHOLD) == bool(y) for x, y in zip(p, labels)) / len(labels)
+        hits = sum((x > POSITIVE_THRESHOLD) == bool(y) for x, y in zip(p, labels, strict=True))
+        return hits / len(labels)
 
 
 class VaderScorer:

@@ -169,8 +169,8 @@ def target_effects(conditions: list[dict], task: str, signs: list[int]) -> list[
             a, b = by.get(m), by.get(-m)
         if a is None or b is None:
             continue
-        d = ([x - y for x, y in zip(a, b)] if task == "sentiment" else
-             [x - y for x, y in zip(a, b)])
+        d = ([x - y for x, y in zip(a, b, strict=False)] if task == "sentiment" else
+             [x - y for x, y in zip(a, b, strict=False)])
         n = len(d)
         mean = sum(d) / n
         se = (math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1

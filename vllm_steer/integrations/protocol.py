@@ -222,7 +222,7 @@ def _merge_lists(answers: list[dict]) -> dict:
                                     "load_id": s["load_id"], "state": s["state"],
                                     "requests_served": s.get("requests_served", 0)})
     steers = []
-    for (name, loaded), m in merged.items():
+    for (_name, loaded), m in merged.items():
         if loaded:
             m["state"] = "loaded" if len(m["per_engine"]) == n else "partial"
         steers.append(m)

@@ -30,6 +30,7 @@ batch runs the GEMMs alone).
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -301,7 +302,7 @@ def _stacked_factors(p1, p2, offs: list[int], ks: list[int], f32) -> tuple:
     if r not in per_rank:
         same = [k for k in range(len(offs) - 1) if offs[k + 1] - offs[k] == r]
         d = p1.shape[0]
-        if all(offs[a + 1] == offs[b] for a, b in zip(same, same[1:])):  # adjacent columns
+        if all(offs[a + 1] == offs[b] for a, b in itertools.pairwise(same)):  # adjacent columns
             a, b = offs[same[0]], offs[same[-1] + 1]
             down = p1[:, a:b].reshape(d, len(same), r).permute(1, 0, 2)
             up_t = p2[:, a:b].reshape(d, len(same), r).permute(1, 2, 0)

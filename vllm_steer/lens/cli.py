@@ -201,7 +201,7 @@ def cmd_score(args) -> int:
                            "limit": args.limit, "seed": args.seed,
                            "strengths": sc.strengths,
                            "per_text": [{"label": lab, "loglik": ll} for (_, lab), ll
-                                        in zip(rows, sc.loglik)]}, f, indent=2)
+                                        in zip(rows, sc.loglik, strict=True)]}, f, indent=2)
                 f.write("\n")
         return 0
     if args.file is not None and args.text is None:
@@ -215,9 +215,9 @@ def cmd_score(args) -> int:
     con = sc.contrast(strength)
     lab = steer.metadata.labels or {}
     out = []
-    for text, row, best, c in zip(texts, sc.loglik, sc.best(), con):
+    for text, row, best, c in zip(texts, sc.loglik, sc.best(), con, strict=True):
         side = "positive" if c > 0 else "negative"
-        out.append({"text": text, "loglik": dict(zip([f"{s:g}" for s in grid], row)),
+        out.append({"text": text, "loglik": dict(zip([f"{s:g}" for s in grid], row, strict=True)),
                     "best_strength": best, "contrast": c, "side": side,
                     "label": lab.get(side)})
     if args.json:
@@ -225,7 +225,7 @@ def cmd_score(args) -> int:
             json.dump(out, f, indent=2, ensure_ascii=False)
             f.write("\n")
     print("strength  " + "  ".join(f"{s:>8g}" for s in grid) + "   best  contrast  side")
-    for o, row in zip(out, sc.loglik):
+    for o, row in zip(out, sc.loglik, strict=True):
         short = o["text"][:60].replace("\n", " ")
         print("loglik    " + "  ".join(f"{v:8.4f}" for v in row) +
               f"  {o['best_strength']:5g}  {o['contrast']:+.4f}  {o['side']}"

@@ -125,7 +125,7 @@ def word_end_probability(model, tokenizer, ids: Sequence[int], pieces: Sequence[
             x = torch.tensor([pre + [t] for t in chunk], device=device)
             logits = model(input_ids=x).logits[:, -1]
             probs = torch.softmax(logits.float(), -1)[:, :len(starts_new)].cpu()
-            for t, p in zip(chunk, probs[:, starts_new].sum(-1).tolist()):
+            for t, p in zip(chunk, probs[:, starts_new].sum(-1).tolist(), strict=True):
                 out[t] = p
     return out
 
@@ -156,7 +156,7 @@ def direction_tokens(dirs: Directions, E: torch.Tensor, pieces: Sequence[str],
         for cand in (order[:pool * n], order.flip(0)[:pool * n]):
             if is_word is not None:
                 ok = is_word([int(idx[j]) for j in cand])
-                cand = [j for j, good in zip(cand, ok) if good] or list(cand)
+                cand = [j for j, good in zip(cand, ok, strict=True) if good] or list(cand)
             ends.append([(pieces[int(idx[j])], float(col[j])) for j in cand[:n]])
         top, bottom = ends
         s = float(dirs.sigma[i])

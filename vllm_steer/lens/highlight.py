@@ -179,7 +179,7 @@ def to_html(tokens: Sequence[str], scores: Sequence[float | None], spans: Sequen
     scale = _scale(scores)
     owner = _span_of(spans, len(tokens))
     parts = []
-    for i, (tok, s) in enumerate(zip(tokens, scores)):
+    for i, (tok, s) in enumerate(zip(tokens, scores, strict=True)):
         if s is None:
             style, tip = "", "no score"
         else:
@@ -242,7 +242,7 @@ def to_ansi(tokens: Sequence[str], scores: Sequence[float | None], spans: Sequen
     scale = _scale(scores)
     owner = _span_of(spans, len(tokens))
     out = []
-    for i, (tok, s) in enumerate(zip(tokens, scores)):
+    for i, (tok, s) in enumerate(zip(tokens, scores, strict=True)):
         opening = owner[i] >= 0 and (i == 0 or owner[i - 1] != owner[i])
         closing = owner[i] >= 0 and (i == len(tokens) - 1 or owner[i + 1] != owner[i])
         if color:
@@ -280,7 +280,7 @@ def text_pieces(tokenizer, text: str, prefix: str | None = None) -> tuple[list[i
     for i in range(1, len(starts)):
         starts[i] = max(starts[i], starts[i - 1])
     ends = starts[1:] + [len(text)]
-    pieces = [text[a:b] for a, b in zip(starts, ends)]
+    pieces = [text[a:b] for a, b in zip(starts, ends, strict=True)]
     return list(ids), pieces
 
 

@@ -107,8 +107,8 @@ def training_texts(steer) -> set[str] | None:
 
 def auc(scores: Sequence[float], positive: Sequence[bool]) -> float:
     """Area under the ROC curve (probability a positive outranks a negative; ties count 1/2)."""
-    pos = [s for s, p in zip(scores, positive) if p]
-    neg = [s for s, p in zip(scores, positive) if not p]
+    pos = [s for s, p in zip(scores, positive, strict=True) if p]
+    neg = [s for s, p in zip(scores, positive, strict=True) if not p]
     if not pos or not neg:
         return float("nan")
     ranked = sorted([(s, 1) for s in pos] + [(s, 0) for s in neg])
@@ -122,7 +122,7 @@ def auc(scores: Sequence[float], positive: Sequence[bool]) -> float:
         for t in range(i, j + 1):
             ranks[t] = (i + j) / 2 + 1
         i = j + 1
-    rsum = sum(r for r, (_, lab) in zip(ranks, ranked) if lab == 1)
+    rsum = sum(r for r, (_, lab) in zip(ranks, ranked, strict=True) if lab == 1)
     return (rsum - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg))
 
 
@@ -210,11 +210,11 @@ def evaluate(model, tokenizer, steer, rows: Sequence[tuple[str, str]], dataset: 
                      progress)
     con = sc.contrast(strength)
     truth = [lab == positive_label for _, lab in rows]
-    acc = sum((c > 0) == t for c, t in zip(con, truth)) / max(len(rows), 1)
+    acc = sum((c > 0) == t for c, t in zip(con, truth, strict=True)) / max(len(rows), 1)
     best = sc.best()
     by: dict[str, dict[str, int]] = {}
     mean_con: dict[str, list[float]] = {}
-    for (_, lab), b, c in zip(rows, best, con):
+    for (_, lab), b, c in zip(rows, best, con, strict=True):
         by.setdefault(lab, {}).setdefault(f"{b:g}", 0)
         by[lab][f"{b:g}"] += 1
         mean_con.setdefault(lab, []).append(c)
@@ -222,7 +222,7 @@ def evaluate(model, tokenizer, steer, rows: Sequence[tuple[str, str]], dataset: 
     for g in grid:
         if g > 0 and -g in grid:
             cg = sc.contrast(g)
-            by_s[f"{g:g}"] = {"accuracy": sum((c > 0) == t for c, t in zip(cg, truth))
+            by_s[f"{g:g}"] = {"accuracy": sum((c > 0) == t for c, t in zip(cg, truth, strict=True))
                               / max(len(rows), 1), "auc": auc(cg, truth)}
     ev = Evaluation(dataset, steer.name, len(rows), abs(strength), acc, auc(con, truth),
                     positive_label, by, {k: sum(v) / len(v) for k, v in mean_con.items()},

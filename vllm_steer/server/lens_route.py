@@ -78,7 +78,7 @@ async def _prompt_logprobs(engine, ids: list[int], steer: dict | None) -> list[f
                                      f"steer-highlight-{uuid.uuid4().hex}"):
         final = out
     lps = final.prompt_logprobs or []
-    return [None if e is None else e[t].logprob for e, t in zip(lps, ids)]
+    return [None if e is None else e[t].logprob for e, t in zip(lps, ids, strict=False)]
 
 
 @router.post("/v1/steer/highlight")
@@ -132,7 +132,7 @@ async def _highlight(body: HighlightRequest, engine):
         msg = str(e.args[0]) if e.args else type(e).__name__
         return _error(400, msg[:1000], getattr(e, "parameter", None))
     scores = [None if a is None or b is None else a - b
-              for a, b in zip(steered[len(prefix):], base[len(prefix):])]
+              for a, b in zip(steered[len(prefix):], base[len(prefix):], strict=False)]
     spans = await asyncio.to_thread(best_spans, [s or 0.0 for s in scores], body.k,
                                     body.max_len)
     info = {"steer": body.steer, "against": body.against or {}, "k": body.k,

@@ -295,7 +295,7 @@ def test_a_dp_load_that_fails_half_way_on_one_engine_core_is_rolled_back_on_the_
     assert res["ok"] is False and res["status"] == 500 and "rolled back" not in res, res
     assert "unloaded again from the 1 engine core(s)" in res["error"], res
     after = [state(c) for c in cores]
-    for b, a in zip(before, after):
+    for b, a in zip(before, after, strict=True):
         assert a["steers"] == b["steers"]
     for c in cores:
         agree(c)

@@ -194,7 +194,7 @@ def test_dp_steer_op_time_is_summed_over_engine_cores_one_head_worker_each():
     assert dp.op_totals(pp) == {"seconds": 0.25, "calls": 4}
     assert dp.op_totals([True, None]) == {"seconds": 0.0, "calls": 0}
     cores = [_core(0, 2), _core(1, 2)]
-    for core, workers in zip(cores, (tp, pp)):
+    for core, workers in zip(cores, (tp, pp), strict=True):
         core.model_executor = SimpleNamespace(
             collective_rpc=lambda fn, args=(), w=workers: list(w) if args[0] == "stats"
             else [True] * len(w))

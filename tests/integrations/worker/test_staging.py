@@ -149,7 +149,7 @@ def test_a_prompt_logprob_step_never_waits_behind_the_forward(tmp_path, fake_cud
         return torch.cat([logits_fn(hidden_states[a:a + 4]) for a in range(0, 14, 4)])
 
     grown = []
-    for step in range(2):
+    for _step in range(2):
         for slot, row in rows.items():  # the requests join (first step) or stay
             rt.set_slot(slot, row)
         rt.slots.flush()

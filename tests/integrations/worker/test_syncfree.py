@@ -338,7 +338,7 @@ def test_windows_at_mixed_positions(tmp_path):
         h5 = torch.randn(5, HIDDEN, generator=gen)
         with rt.planner.rows(SlotRows(slots=order, positions=pos)):
             out = rt.planner.steer_rows(h5)
-        want = [_window_row(rt, windows[int(s)], int(p)) for s, p in zip(order, pos)]
+        want = [_window_row(rt, windows[int(s)], int(p)) for s, p in zip(order, pos, strict=True)]
         torch.testing.assert_close(out, _want(rt, h5, want))
     # a move carries the windows; a reused slot starts clean
     rt.slots.move(0, 2, swap=True)

@@ -157,7 +157,7 @@ def test_sample_reads_input_batch_by_name_however_it_is_passed(processor, vllm_c
              lambda h, b: runner.sample(h, None, input_batch=b),  # by keyword
              lambda h, b: runner.sample(hidden_states=h, new_param=None, input_batch=b),
              lambda h, b: runner.sample(h, None, b, None)]
-    for call, slots in zip(calls, ([1, 4], [4, 1], [4], [1], [1, 4])):
+    for call, slots in zip(calls, ([1, 4], [4, 1], [4], [1], [1, 4]), strict=True):
         h = torch.randn(len(slots), 64)
         out = call(h, batch_of(slots))
         coefs = torch.zeros(len(slots), rt.slots.num_columns)

@@ -28,6 +28,6 @@ def worker_op(worker, op: str, *args) -> Any:
         return {**rt.planner.op_timer.report(), "op_calls": rt.planner.op_calls,
                 "head_eager": int(rt.bank_state.head_eager()),
                 "slots": [] if bank is None else
-                [[i, g, n] for i, (g, n) in enumerate(zip(bank.load_ids, bank.names))
+                [[i, g, n] for i, (g, n) in enumerate(zip(bank.load_ids, bank.names, strict=True))
                  if n is not None]}
     raise ValueError(f"unknown steer worker op {op!r}")

@@ -56,7 +56,7 @@ def _check_factors(d: int, p1: torch.Tensor, p2: torch.Tensor, offs: list[int],
         (f"coefs must be float32 [num_rows={num_rows}, K={K}], "
          f"got {coefs.dtype} {tuple(coefs.shape)}")
     assert coefs.is_contiguous(), "coefs must be contiguous"
-    assert offs[0] == 0 and all(b >= a for a, b in zip(offs, offs[1:])), \
+    assert offs[0] == 0 and all(b >= a for a, b in zip(offs, offs[1:], strict=False)), \
         f"rank_offsets must start at 0 and not decrease, got {offs}"
 
 
