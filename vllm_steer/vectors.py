@@ -306,7 +306,7 @@ def _check_vector_file(path: str) -> tuple[dict[str, Any], VectorMetadata]:
             reasons.append(f"the file's direction tensors are for blocks "
                            f"{_ranges(sorted(found)) or 'none'} but the metadata lists "
                            f"{_ranges(want)}")
-        for k, name in sorted(found.items()):
+        for _k, name in sorted(found.items()):
             if header[name]["shape"] != [d["hidden_size"]]:
                 reasons.append(f"{name} has shape {header[name]['shape']} but the metadata's "
                                f"hidden size is {d['hidden_size']}")
@@ -380,74 +380,100 @@ def load_gguf(path: str | os.PathLike, name: str | None = None) -> VectorSteer:
     """A vector steer from llama.cpp's control-vector GGUF (what repeng, EasySteer and
     llama.cpp's generator write). Read with the ``gguf`` package. The file's tensors are kept
     bit for bit; ``direction.K`` is block K's vector (0-based)."""
-    import hashlib
-
-    import numpy as np
-    import torch
-
-    from vllm_steer.names import safe_steer_name
-
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise VectorFileError(path, ["no such file" if not os.path.exists(path)
-                                     else "is not a file, expected a .gguf file"])
-    try:
-        import gguf
-        reader = gguf.GGUFReader(path)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # noqa: BLE001 -- corrupt files raise anything
-        raise VectorFileError(path, [f"not a readable GGUF file ({type(e).__name__}: "
-                                     f"{str(e)[:200]})"]) from None
+    reader = _open_gguf(path)
     reasons: list[str] = []
     arch = _gguf_value(reader, GGUF_KEY_ARCH)
     if arch != GGUF_ARCH:
         reasons.append(f"{GGUF_KEY_ARCH} is {_echo(arch)}, expected {GGUF_ARCH!r} (a control "
                        "vector; this looks like another kind of GGUF, e.g. a model)")
+    dirs = _gguf_directions(reader, reasons)
+    if reasons:
+        raise VectorFileError(path, reasons)
+    meta_kwargs = _gguf_metadata(reader, path, dirs, name)
+    known = {f.name for f in dataclasses.fields(VectorMetadata)}
+    extra = {k: v for k, v in meta_kwargs.items() if k not in known}
+    meta_kwargs = {k: v for k, v in meta_kwargs.items() if k in known and k != "extra"}
+    vs = make_vector_steer(dirs, **meta_kwargs)
+    vs.metadata.extra = extra
+    check_vector_steer(vs, path)
+    return vs
+
+
+def _open_gguf(path: str):
+    """``gguf.GGUFReader`` of ``path``, or the refusal naming why it cannot be read."""
+    if not os.path.isfile(path):
+        raise VectorFileError(path, ["no such file" if not os.path.exists(path)
+                                     else "is not a file, expected a .gguf file"])
+    try:
+        import gguf
+        return gguf.GGUFReader(path)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 -- corrupt files raise anything
+        raise VectorFileError(path, [f"not a readable GGUF file ({type(e).__name__}: "
+                                     f"{str(e)[:200]})"]) from None
+
+
+def _gguf_directions(reader, reasons: list[str]) -> dict:
+    """Block index -> fp32 vector of every ``direction.K`` tensor of ``reader``; what is
+    wrong with a tensor is added to ``reasons``."""
+    import gguf
+    import numpy as np
+    import torch
+
     dirs: dict[int, torch.Tensor] = {}
     hidden = None
     for t in reader.tensors:
         k = direction_layer(t.name)
-        if k is None:
-            reasons.append(f"tensor {_echo(t.name)} is not named direction.K (K a block index), "
-                           "as llama.cpp requires")
-            continue
-        if t.tensor_type != gguf.GGMLQuantizationType.F32:
-            reasons.append(f"{t.name} has type {t.tensor_type.name}, expected F32 (as llama.cpp "
-                           "requires)")
-            continue
         n = int(t.n_elements)
-        if len([s for s in t.shape if int(s) != 1]) > 1 or not 1 <= n <= MAX_HIDDEN_SIZE:
-            reasons.append(f"{t.name} has shape {[int(s) for s in t.shape]}, expected one "
-                           f"dimension [hidden] of 1 to {MAX_HIDDEN_SIZE}")
-            continue
-        if k >= MAX_LAYERS:
-            reasons.append(f"{t.name}: block {k} is beyond the {MAX_LAYERS} blocks a vector "
-                           "steer may have")
-            continue
-        if hidden is None:
+        problem = _gguf_tensor_problem(t, k, n, hidden, gguf)
+        if problem is None:
             hidden = n
-        elif n != hidden:
-            reasons.append(f"{t.name} has {n} values but the first direction has {hidden}: "
-                           "every direction must have the model's hidden size")
-            continue
-        arr = np.array(t.data, dtype=np.float32, copy=True).reshape(-1)
-        if not np.isfinite(arr).all():
-            reasons.append(f"{t.name} holds NaN or inf values")
-            continue
-        dirs[k] = torch.from_numpy(arr)
+            arr = np.array(t.data, dtype=np.float32, copy=True).reshape(-1)
+            if np.isfinite(arr).all():
+                dirs[k] = torch.from_numpy(arr)
+                continue
+            problem = f"{t.name} holds NaN or inf values"
+        reasons.append(problem)
     if not reader.tensors:
         reasons.append("the file has no direction tensors")
+    return dirs
+
+
+def _gguf_tensor_problem(t, k: int | None, n: int, hidden: int | None, gguf) -> str | None:
+    """Why the GGUF tensor ``t`` (block ``k``, ``n`` values) is not a direction (None: it is);
+    ``hidden``: the values of the directions before it."""
+    if k is None:
+        return (f"tensor {_echo(t.name)} is not named direction.K (K a block index), as "
+                "llama.cpp requires")
+    if t.tensor_type != gguf.GGMLQuantizationType.F32:
+        return f"{t.name} has type {t.tensor_type.name}, expected F32 (as llama.cpp requires)"
+    if len([s for s in t.shape if int(s) != 1]) > 1 or not 1 <= n <= MAX_HIDDEN_SIZE:
+        return (f"{t.name} has shape {[int(s) for s in t.shape]}, expected one dimension "
+                f"[hidden] of 1 to {MAX_HIDDEN_SIZE}")
+    if k >= MAX_LAYERS:
+        return f"{t.name}: block {k} is beyond the {MAX_LAYERS} blocks a vector steer may have"
+    if hidden is not None and n != hidden:
+        return (f"{t.name} has {n} values but the first direction has {hidden}: every "
+                "direction must have the model's hidden size")
+    return None
+
+
+def _gguf_metadata(reader, path: str, dirs: dict, name: str | None) -> dict:
+    """The vector steer's metadata fields from the GGUF's keys: our own metadata where the file
+    was written here, else the name, the model hint and where the file came from."""
+    import hashlib
+
+    from vllm_steer.names import safe_steer_name
+
     hint = _gguf_value(reader, GGUF_KEY_MODEL_HINT)
     count = _gguf_value(reader, GGUF_KEY_LAYER_COUNT)
     doc_raw = _gguf_value(reader, GGUF_KEY_METADATA)
-    if reasons:
-        raise VectorFileError(path, reasons)
     with open(path, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
     keys = {}
-    for key in (GGUF_KEY_MODEL_HINT, GGUF_KEY_LAYER_COUNT):
-        v = _gguf_value(reader, key)
+    for key, v in ((GGUF_KEY_MODEL_HINT, hint), (GGUF_KEY_LAYER_COUNT, count)):
         if isinstance(v, (str, int, float)):
             keys[key] = v
     source = {"kind": "llama.cpp control-vector GGUF", "file": os.path.basename(path),
@@ -459,8 +485,7 @@ def load_gguf(path: str | os.PathLike, name: str | None = None) -> VectorSteer:
         except ValueError:
             d = None
         if isinstance(d, dict) and not vector_metadata_problems(d):
-            d = {k: v for k, v in d.items() if k not in ("hidden_size", "layers")}
-            meta_kwargs = d
+            meta_kwargs = {k: v for k, v in d.items() if k not in ("hidden_size", "layers")}
     if not meta_kwargs:
         meta_kwargs = {"name": name or safe_steer_name(os.path.basename(path).split(".")[0],
                                                        "vector"),
@@ -471,13 +496,7 @@ def load_gguf(path: str | os.PathLike, name: str | None = None) -> VectorSteer:
                               "directions (the directions are what is applied)")
     elif name:
         meta_kwargs["name"] = name
-    known = {f.name for f in dataclasses.fields(VectorMetadata)}
-    extra = {k: v for k, v in meta_kwargs.items() if k not in known}
-    meta_kwargs = {k: v for k, v in meta_kwargs.items() if k in known and k != "extra"}
-    vs = make_vector_steer(dirs, **meta_kwargs)
-    vs.metadata.extra = extra
-    check_vector_steer(vs, path)
-    return vs
+    return meta_kwargs
 
 
 def save_gguf(path: str | os.PathLike, vs: VectorSteer) -> None:
