@@ -702,6 +702,10 @@ def restart_check(args_list, work, log_dir, server) -> dict:
             break
         time.sleep(1.0)
     out["api1_load_status"] = loaded.status_code
+    if loaded.status_code != 200:  # what the operator would read: the answer and the listing
+        out["api1_load_error"] = loaded.text[:600]
+        listing = requests.get(base + "/v1/steers", timeout=60)
+        out["api1_load_listing"] = listing.json() if listing.ok else listing.text[:600]
     requests.put(base + "/v1/steer-presets/rp1", json={"steer": {"sentiment": 2}}, timeout=120)
     before = state(base)
     out["before_kill"] = before

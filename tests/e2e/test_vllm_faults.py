@@ -438,13 +438,13 @@ def test_every_worker_hook_run_per_step_has_a_fault_case():
     """Each per-step hook of the V1 runner's groups that runs the plugin's code (the head,
     the rows, the per-request state) has a worker case here; the scheduler hook is what
     every worker case goes through."""
-    import sys
+    import importlib.util
 
-    sys.path.insert(0, str(SHIM))
-    try:
-        import sitecustomize as shim
-    finally:
-        sys.path.remove(str(SHIM))
+    # by path: this process may have imported another ``sitecustomize`` at start-up
+    spec = importlib.util.spec_from_file_location("faultshim_sitecustomize",
+                                                  SHIM / "sitecustomize.py")
+    shim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shim)
     assert {c[1] for c in WORKER_CASES} <= set(shim.WORKER_TARGETS)
     from vllm_steer.integrations.plugin import HOOKS
 
