@@ -694,7 +694,7 @@ def restart_check(args_list, work, log_dir, server) -> dict:
     own = work / "steers" / "restart-check.safetensors"
     atomic_write(own, SHIPPED["detox"].read_bytes())
     out["engine_idle_after_s"] = wait_idle(base, 180)  # the soak's last requests finish
-    deadline = time.time() + 60
+    deadline = time.time() + 180  # a loaded machine's last soak requests may still run
     while True:  # 507: every slot holds a steer that requests still in the engine use
         loaded = requests.post(base + "/v1/steers", json={"name": "api1", "path": str(own)},
                                timeout=120)
