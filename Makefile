@@ -60,7 +60,8 @@ gpu-window:
 	bash scripts/gpu_window.sh
 
 # The GPU window's plan, rehearsed here (no GPU): each device call with what it carries (at most
-# 64 MiB) and its estimated device time; fails when the plan does not fit 12 minutes.
+# 64 MiB) and its estimated device time; fails when the plan does not fit 12 minutes
+# (a window is 15 minutes of device time, the machine's start and the transfers included).
 .PHONY: gpu-plan
 gpu-plan:
 	python3 scripts/gpu_plan.py

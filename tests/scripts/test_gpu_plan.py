@@ -1,6 +1,6 @@
 """scripts/gpu_plan.py (make gpu-plan): the GPU window's plan, rehearsed through a stand-in for
 the GPU host's runner, fits the host's limits (64 MiB carried per call, 600 s per command) and
-14 minutes of device time, with the engines in the deployed configuration (vLLM's
+12 minutes of device time, with the engines in the deployed configuration (vLLM's
 default compilation); a call over a limit is refused, naming it."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def saved_chunks(tmp_path) -> int:
     return json.loads((tmp_path / "plan.json").read_text())["chunks"]
 
 
-def test_the_plan_fits_the_hosts_limits_and_fourteen_minutes(tmp_path):
+def test_the_plan_fits_the_hosts_limits_and_twelve_minutes(tmp_path):
     res = run("--json", tmp_path / "plan.json")
     assert res.returncode == 0, res.stdout + res.stderr
     calls = calls_of(res.stdout)
@@ -40,25 +40,25 @@ def test_the_plan_fits_the_hosts_limits_and_fourteen_minutes(tmp_path):
     assert calls[0]["command"].startswith("python3 benchmarks/bench_grouped_vs_lora.py "
                                           "--device cuda --lora-ops build/lora_ops;")
     assert calls[0]["carry"] == ["build/lora_ops"]
-    engines = [c for c in calls if c["name"].startswith("engine")]
-    # the deployed configuration: no compilation option, so vLLM's defaults (torch.compile on)
-    assert [c["name"] for c in engines] == ["engine: V2 bf16, vLLM's default compilation"]
-    assert "--runners v2" in engines[0]["command"]
+    # the engine check (it passed in full in an earlier window) only where it fits: not in 12
+    assert not [c for c in calls if c["name"].startswith("engine")]
+    engines = [c for c in calls if c["name"].startswith(("throughput", "profile"))]
     throughput = calls[-2]
     assert throughput["name"].startswith("throughput")
-    for c in (throughput, *engines):
+    for c in engines:  # the deployed configuration: vLLM's default compilation
         assert "--compilation-config" not in c["command"] and "--enforce-eager" not in c["command"]
     for arg in ("gpu_throughput.py --device cuda", "--shapes 8b", "--dtype bfloat16",
                 "--runner v2", "--rows 256", "--k 1 64 256"):
         assert arg in throughput["command"], arg
-    assert not any(c["name"].startswith("profile") for c in calls)  # no room for it
+    assert calls[-1]["name"].startswith("profile")  # the room left: the host time per site
     assert "assemble" in calls[-3]["command"] and "gpu_vllm_lean.py host" in calls[-3]["command"]
     assert saved_chunks(tmp_path) <= 8  # the lean carry
     assert all(c["mib"] <= 64 for c in calls), [c["mib"] for c in calls]
     assert all(c["timeout_s"] <= 600 for c in calls)
     saved = json.loads((tmp_path / "plan.json").read_text())
-    assert saved["device_s"] <= 14 * 60 and saved["device_s"] == sum(
+    assert saved["device_s"] <= 12 * 60 and saved["device_s"] == sum(
         c["est_s"] for c in saved["calls"])
+    # the kernels, the carry, the throughput and the profile
     assert len(calls) == 3 + saved["chunks"]
     assert "FITS" in res.stdout
 
@@ -80,11 +80,11 @@ def test_measured_wheels_set_the_chunks(tmp_path):
     assert "lean target 8): MET" in res.stdout
 
 
-def test_a_tight_budget_keeps_the_throughput_call_and_the_v2_check_only():
+def test_a_tight_budget_keeps_the_throughput_call_only():
     res = run("--budget-min", 8)
     calls = calls_of(res.stdout)
-    assert [c["name"].split(",")[0] for c in calls[-2:]] == ["throughput: V2 bf16",
-                                                            "engine: V2 bf16"]
+    assert calls[-1]["name"].split(",")[0] == "throughput: V2 bf16"
+    assert not any(c["name"].startswith("engine") for c in calls)
     assert not any(c["name"].startswith("profile") for c in calls)
     assert res.returncode == 1 and "OVER" in res.stdout  # and says it does not fit
 
