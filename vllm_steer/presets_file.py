@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from typing import Any, Iterable, Mapping
 
 from vllm_steer.names import echo
@@ -40,7 +41,10 @@ FILE_EXAMPLE = '{"presets": {"polite": {"detox": 4, "sentiment": 2}}}'
 #: Kubernetes ConfigMap volume links ``presets.yaml`` to ``..data/presets.yaml`` and updates
 #: by renaming ``..data`` to a new folder, then removing the old folder at once: a look that
 #: went through the old ``..data`` may find its file gone, and the next one finds the new file.
-RESOLVE_TRIES = 3
+RESOLVE_TRIES = 5
+#: The pause before each further look, times the looks made so far (seconds): a swap lasts
+#: well under this, so a second look sees the new folder.
+RESOLVE_PAUSE_S = 0.001
 
 
 class PresetsFileError(ValueError):
@@ -63,10 +67,11 @@ def file_format(path: str) -> str:
 def stat_key(path: str) -> tuple[int, int, int] | None:
     """What tells a changed file cheaply: ``(mtime_ns, size, inode)``; None if it is missing
     (an editor replacing the file, a Kubernetes ConfigMap swapping its link, change it)."""
-    for _ in range(RESOLVE_TRIES):
+    for k in range(RESOLVE_TRIES):
         try:
             st = os.stat(path)
         except FileNotFoundError:
+            time.sleep(RESOLVE_PAUSE_S * (k + 1))
             continue
         except OSError:
             return None
@@ -83,6 +88,7 @@ def _open(path: str):
         except FileNotFoundError:
             if k == RESOLVE_TRIES - 1:
                 raise
+            time.sleep(RESOLVE_PAUSE_S * (k + 1))
     raise AssertionError("unreachable")
 
 

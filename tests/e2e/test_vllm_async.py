@@ -23,6 +23,8 @@ from __future__ import annotations
 import pytest
 
 from helpers.engines import shim_module, v2_runner_env
+from helpers.worker_faults import (STEP_ROWS, check_only_the_steered_request_failed,
+                                   step_rows_fault)
 
 pytestmark = pytest.mark.vllm
 
@@ -117,34 +119,11 @@ def test_a_worker_fault_fails_only_the_steered_request_under_async_scheduling(ll
     request ends with an error naming vllm-steer (from V1's async output and V2's alike); the
     unsteered requests get exactly plain greedy decoding, and the next steered request is
     served correctly."""
-    from vllm_steer.integrations.protocol import FAILED_PREFIX
-
-    target = "vllm_steer.integrations.worker.planner:StepPlanner._step_rows"
-
-    def arm(worker):  # in the worker: the next call raises, once
-        from vllm_steer.integrations.worker.planner import StepPlanner
-
-        real = StepPlanner.__dict__["_step_rows"]
-
-        def once(*args, **kwargs):
-            StepPlanner._step_rows = real
-            raise RuntimeError(f"fault injected by the test ({target})")
-
-        StepPlanner._step_rows = once
-        return True
-
-    assert llm.collective_rpc(arm) == [True]
+    assert llm.collective_rpc(step_rows_fault()) == [True]
     reqs = [(None, 8), ({"a": 5}, 5), (None, 7), (None, 6)]
     outs = llm.generate(PROMPTS[:4], [sp(s, n) for s, n in reqs], use_tqdm=False)
-    bad = outs[1].outputs[0]
-    assert bad.finish_reason == "error", bad
-    assert bad.stop_reason.startswith(FAILED_PREFIX + "vllm-steer: internal error in the "
-                                      "steered LM head while serving request "), bad
-    assert f"fault injected by the test ({target})" in bad.stop_reason
-    for i in (0, 2, 3):
-        o = outs[i]
-        assert list(o.outputs[0].token_ids) == pair_ref.greedy(list(o.prompt_token_ids),
-                                                               reqs[i][1])
+    check_only_the_steered_request_failed(
+        outs, 1, STEP_ROWS, lambda i, prompt: pair_ref.greedy(prompt, reqs[i][1]))
     (after,) = llm.generate(PROMPTS[1:2], [sp({"a": 5}, 5)], use_tqdm=False)
     assert list(after.outputs[0].token_ids) == pair_ref.greedy(list(after.prompt_token_ids),
                                                                5, {"a": 5})

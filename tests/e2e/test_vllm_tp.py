@@ -18,6 +18,8 @@ import pytest
 from helpers.models import make_tiny_llama
 from helpers.reference import HFReference
 from helpers.steers import random_steer, save_steers
+from helpers.worker_faults import (STEP_ROWS, check_only_the_steered_request_failed,
+                                   step_rows_fault)
 from vllm_steer.integrations.worker.runtime import steer_stats
 
 pytestmark = pytest.mark.vllm
@@ -124,32 +126,10 @@ def test_tp2_a_worker_fault_fails_only_the_steered_request_across_processes(llm,
     the steered request ends with an error naming vllm-steer, carried from the worker
     processes to the engine core with the step's output; the unsteered requests of the batch
     get exactly plain greedy decoding, and the next steered request is served correctly."""
-    from vllm_steer.integrations.protocol import FAILED_PREFIX
-
-    target = "vllm_steer.integrations.worker.planner:StepPlanner._step_rows"
-
-    def arm(worker):  # in each worker process: the next call raises, once
-        from vllm_steer.integrations.worker.planner import StepPlanner
-
-        real = StepPlanner.__dict__["_step_rows"]
-
-        def once(*args, **kwargs):
-            StepPlanner._step_rows = real
-            raise RuntimeError(f"fault injected by the test ({target})")
-
-        StepPlanner._step_rows = once
-        return True
-
-    assert llm.collective_rpc(arm) == [True, True]
+    assert llm.collective_rpc(step_rows_fault()) == [True, True]
     outs = llm.generate(PROMPTS, [sp(), sp({"a": 5}), sp(), sp()])
-    bad = outs[1].outputs[0]
-    assert bad.finish_reason == "error", bad
-    assert bad.stop_reason.startswith(FAILED_PREFIX + "vllm-steer: internal error in the "
-                                      "steered LM head while serving request "), bad
-    assert f"fault injected by the test ({target})" in bad.stop_reason
-    for i in (0, 2, 3):
-        o = outs[i]
-        assert list(o.outputs[0].token_ids) == ref.greedy(list(o.prompt_token_ids), MAX_TOKENS)
+    check_only_the_steered_request_failed(
+        outs, 1, STEP_ROWS, lambda i, prompt: ref.greedy(prompt, MAX_TOKENS))
     (after,) = llm.generate(PROMPTS[1:2], sp({"a": 5}))
     assert list(after.outputs[0].token_ids) == ref.greedy(list(after.prompt_token_ids),
                                                           MAX_TOKENS, {"a": 5})
