@@ -20,3 +20,23 @@ def engine_core(steer_state=None, **attrs) -> VllmObject:
     if steer_state is not None:
         attach(core, steer_state)
     return core
+
+
+def fake_lm_head(weight):
+    """A stand-in for vLLM's ParallelLMHead (unquantized, one device) holding ``weight``."""
+    import torch
+
+    class FakeLMHead(torch.nn.Module):
+        class _Linear:
+            def apply(self, layer, x, bias=None):
+                return x @ layer.weight.T
+
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(weight, requires_grad=False)
+            self.quant_method = self._Linear()
+            self.tp_size = 1
+            self.shard_indices = SimpleNamespace(num_org_vocab_padding=0,
+                                                 org_vocab_start_index=0)
+
+    return FakeLMHead()

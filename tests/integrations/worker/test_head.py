@@ -10,10 +10,10 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.fakes import fake_lm_head
 
 
 @pytest.fixture(scope="module")
@@ -27,22 +27,6 @@ def head_cls():
 
     with set_current_vllm_config(VllmConfig()):  # what the layers read when built
         yield SteeredLogitsProcessor
-
-
-class _Head(torch.nn.Module):
-    """A stand-in for vLLM's ParallelLMHead (unquantized, one device)."""
-
-    class _Linear:
-        def apply(self, layer, x, bias=None):
-            return x @ layer.weight.T
-
-    def __init__(self, weight):
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self.quant_method = self._Linear()
-        self.tp_size = 1
-        self.shard_indices = SimpleNamespace(num_org_vocab_padding=0,
-                                             org_vocab_start_index=0)
 
 
 class _Wrapper(torch.nn.Module):
@@ -70,9 +54,9 @@ def test_head_works_with_a_lora_style_wrapper_as_self(head_cls):
     head = head_cls(50)
     assert type(head) is head_cls
     wrapped = _Wrapper(head)
-    got = wrapped(_Head(weight), hidden)
+    got = wrapped(fake_lm_head(weight), hidden)
     assert torch.allclose(got, hidden @ weight.T, atol=1e-5)
-    top = head_cls.get_top_tokens(wrapped, _Head(weight), hidden)
+    top = head_cls.get_top_tokens(wrapped, fake_lm_head(weight), hidden)
     assert top.tolist() == (hidden @ weight.T).argmax(-1).tolist()
 
 
@@ -92,8 +76,8 @@ def test_the_head_steers_only_while_a_request_in_the_process_is_steered(head_cls
 
 def _head_gate(head_cls, tmp_path):
     import numpy as np
-
     from helpers.steers import random_steer
+
     from vllm_steer.config import SteerServerConfig
     from vllm_steer.format import load_steer, save_steer
     from vllm_steer.integrations.worker.rows import SlotRows
@@ -111,7 +95,7 @@ def _head_gate(head_cls, tmp_path):
     plain = hidden @ weight.T
     rt.planner.set_rows(SlotRows(slots=np.array([0, 1]), positions=None))
     calls = rt.planner.head_calls
-    assert torch.allclose(head(_Head(weight), hidden), plain, atol=1e-5)
+    assert torch.allclose(head(fake_lm_head(weight), hidden), plain, atol=1e-5)
     assert rt.planner.head_calls == calls  # the gate: the runtime was not reached
     eps = 5e-3
     row = np.zeros(rt.slots.num_columns, np.float32)
@@ -121,12 +105,12 @@ def _head_gate(head_cls, tmp_path):
     steer = load_steer(path)
     w = steer.p1.float() @ steer.p2.float().T
     want = torch.stack([hidden[0], hidden[1] + eps * (hidden[1] @ w)]) @ weight.T
-    assert torch.allclose(head(_Head(weight), hidden), want, atol=1e-4)
+    assert torch.allclose(head(fake_lm_head(weight), hidden), want, atol=1e-4)
     assert not torch.allclose(want, plain, atol=1e-2)
     rt.set_slot(1, None)
     rt.slots.flush()
     calls = rt.planner.head_calls
-    assert torch.allclose(head(_Head(weight), hidden), plain, atol=1e-5)
+    assert torch.allclose(head(fake_lm_head(weight), hidden), plain, atol=1e-5)
     assert rt.planner.head_calls == calls
 
 
@@ -186,6 +170,7 @@ if __name__ == "__main__":
 @pytest.mark.vllm
 def test_engine_with_a_model_specific_logits_layer_fails_at_startup(tiny_model_dir, tmp_path):
     from helpers.steers import random_steer
+
     from vllm_steer.format import save_steer
 
     model = tmp_path / "special"

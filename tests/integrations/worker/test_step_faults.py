@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers.fakes import fake_lm_head
 
 from vllm_steer.integrations.protocol import FAILED_PREFIX, STEP_FAILED_ATTR
 
@@ -38,24 +39,10 @@ def head_cls():
         yield SteeredLogitsProcessor
 
 
-class _Head(torch.nn.Module):
-    """A stand-in for vLLM's ParallelLMHead (unquantized, one device)."""
-
-    class _Linear:
-        def apply(self, layer, x, bias=None):
-            return x @ layer.weight.T
-
-    def __init__(self, weight):
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self.quant_method = self._Linear()
-        self.tp_size = 1
-        self.shard_indices = SimpleNamespace(num_org_vocab_padding=0, org_vocab_start_index=0)
-
-
 @pytest.fixture()
 def runtime(tmp_path):
     from helpers.steers import random_steer
+
     from vllm_steer.config import SteerServerConfig
     from vllm_steer.format import save_steer
     from vllm_steer.integrations.worker.gates import GATES
@@ -91,8 +78,8 @@ def test_a_fault_of_the_steer_op_gives_plain_logits_and_fails_the_steered_reques
     rt.set_slot(1, row)  # slot 1 steered; slots 0 and 2 not
     rt.slots.flush()
     rt.planner.set_rows(SlotRows(slots=np.array([0, 1, 2]), positions=None))
-    steered = head(_Head(weight), hidden)
-    plain = LogitsProcessor.forward(head, _Head(weight), hidden)  # vLLM's layer, no plugin
+    steered = head(fake_lm_head(weight), hidden)
+    plain = LogitsProcessor.forward(head, fake_lm_head(weight), hidden)  # vLLM's layer, no plugin
     assert not torch.equal(steered[1], plain[1]) and torch.equal(steered[0], plain[0])
 
     def broken(h):
@@ -100,7 +87,7 @@ def test_a_fault_of_the_steer_op_gives_plain_logits_and_fails_the_steered_reques
 
     head.steer_rows = broken
     gate = GATES.worker_faults
-    got = head(_Head(weight), hidden)
+    got = head(fake_lm_head(weight), hidden)
     assert torch.equal(got, plain)  # every row: vLLM's plain logits, bit for bit
     assert GATES.worker_faults == gate + 1 and rt.faults.pending
     failed = rt.faults.take(["r0", "r1", "r2"], None, rt.slots.steered)
@@ -111,7 +98,7 @@ def test_a_fault_of_the_steer_op_gives_plain_logits_and_fails_the_steered_reques
     assert not rt.faults.pending and GATES.worker_faults == gate
     # the next step is steered again
     head.steer_runtime = rt
-    assert torch.equal(head(_Head(weight), hidden), steered)
+    assert torch.equal(head(fake_lm_head(weight), hidden), steered)
     assert not rt.faults.pending
 
 
