@@ -150,6 +150,9 @@ class SlotBank:
         # the LM head's CUDA graphs over the bank (kernels.graphs.head_graphs), told when the
         # storage grows (the only time it moves)
         self.graphs = None
+        # the worker's vector bank (integrations.worker.step_mapping.LayerVectors: put(slot,
+        # steer), drop(slot)) where the decoder layers have the op; None: no such op
+        self.layers = None
         self.reserved_rank = reserve_rank or 0  # rank per steer reserved (2 * capacity of them)
         self.rank = 0  # columns per coefficient column (the layout's rank)
         # [columns] int32 on the device: each column's steer rank (0: empty), rewritten in
@@ -187,7 +190,15 @@ class SlotBank:
 
     def put(self, bank_slot: int, load_id: int, name: str, steer: Steer) -> None:
         """Load ``steer`` into ``bank_slot`` (which no running request may use) under
-        ``load_id`` (the engine core's, unique per load)."""
+        ``load_id`` (the engine core's, unique per load). A steer of a kind applied inside the
+        decoder layers (:mod:`vllm_steer.kinds`) takes no factor columns: its slot's columns
+        are zeros (the head's op reads nothing there) and its vectors go to :attr:`layers`
+        (the worker's vector bank), which must exist."""
+        from vllm_steer.kinds import AT_DECODER_LAYERS, kind_of
+
+        if kind_of(steer).applied_at == AT_DECODER_LAYERS:
+            self._put_layer_steer(bank_slot, load_id, name, steer)
+            return
         if steer.hidden_size != self.hidden_size:
             raise ValueError(f"steer {name!r} has hidden size {steer.hidden_size}; the model "
                              f"has {self.hidden_size}")
@@ -215,8 +226,33 @@ class SlotBank:
                                                  else (None, None)))
         self._changed()
 
+    def _put_layer_steer(self, bank_slot: int, load_id: int, name: str, steer) -> None:
+        if self.layers is None:
+            raise ValueError(f"steer {name!r} is a {steer.metadata.kind} steer, applied in the "
+                             "model's decoder layers, but this server has no op there: start "
+                             "it with --steer-vectors (or a vector steer among its --steer "
+                             "files)")
+        self.layers.put(bank_slot, steer)
+        self.steers[bank_slot] = steer
+        self.load_ids[bank_slot] = load_id
+        self.names[bank_slot] = name
+        self._write(bank_slot, None, None)
+        self._write(self.capacity + bank_slot, None, None)
+        self._changed()
+
+    def layer_slots(self) -> list[int]:
+        """The bank slots holding a steer applied in the decoder layers."""
+        from vllm_steer.kinds import applied_in_layers
+
+        return [j for j, st in enumerate(self.steers) if st is not None and applied_in_layers(st)]
+
     def drop(self, bank_slot: int) -> None:
         """Empty ``bank_slot``."""
+        if self.layers is not None and self.steers[bank_slot] is not None:
+            from vllm_steer.kinds import applied_in_layers
+
+            if applied_in_layers(self.steers[bank_slot]):
+                self.layers.drop(bank_slot)
         self.steers[bank_slot] = None
         self.load_ids[bank_slot] = 0
         self.names[bank_slot] = None
@@ -260,7 +296,8 @@ class SlotBank:
                                 f"(it holds load {self.load_ids[slot] if known else None})")
                 continue
             meta = self.steers[slot].metadata
-            served = meta.domain == "with_steer" and self.steers[slot].domain_p1 is not None
+            served = meta.domain == "with_steer" \
+                and getattr(self.steers[slot], "domain_p1", None) is not None
             row[slot], row[self.capacity + slot] = steer_coefficients(
                 float(s), meta.epsilon, meta.domain_strength if served else None)
         return row, problems

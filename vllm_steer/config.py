@@ -72,6 +72,11 @@ class SteerServerConfig:
     """``--steer-floor detox=2``: steer -> the least signed strength a request is served with;
     a request asking for less is raised to it (the response says so in
     ``x-vllm-steer-floored``)."""
+    steer_vectors: bool = False
+    """``--steer-vectors``: put the vector steers' op into the model's decoder layers even when
+    no ``--steer`` file is a vector steer, so that vector steers can be loaded at run time
+    (``--steer-dir``, ``POST /v1/steers``). A ``--steer`` vector file turns it on by itself;
+    without either, the model is compiled exactly as vLLM builds it."""
     presets_file: str | None = None
     """``--steer-presets-file PATH``: a JSON or YAML file of presets (``{"presets": {"polite":
     {"detox": 4}}}``), served like ``--steer-preset`` ones and re-read by every API server when
@@ -138,6 +143,21 @@ class SteerServerConfig:
         return bool(self.steers or self.steer_dir or self.enable_updates
                     or self.max_steers is not None)
 
+    def layers_enabled(self) -> bool:
+        """Whether the decoder layers get the op of decoder-layer steers (vector steers):
+        ``--steer-vectors``, or a ``--steer`` file of such a kind (read from its header)."""
+        if self.steer_vectors:
+            return True
+        from vllm_steer.kinds import AT_DECODER_LAYERS, kind_of_file
+
+        for path in self.steers.values():
+            try:
+                if kind_of_file(path).applied_at == AT_DECODER_LAYERS:
+                    return True
+            except Exception:  # noqa: BLE001 - a bad file is refused with its reasons later
+                continue
+        return False
+
     @property
     def presets_change(self) -> bool:
         """Whether presets may change while the server runs (``--enable-steer-updates`` or
@@ -182,7 +202,8 @@ class SteerServerConfig:
 
 #: Keys of the run-time steer management (issue 15) in ``additional_config["vllm_steer"]``.
 _RUNTIME_KEYS = frozenset({"max_steers", "max_steers_per_request", "max_steer_rank",
-                           "steer_dir", "enable_updates", "updates_any_path", "presets_file"})
+                           "steer_dir", "enable_updates", "updates_any_path", "presets_file",
+                           "steer_vectors"})
 
 
 #: Keys of the operator policy (issue 24: presets, defaults, floors; see vllm_steer.policy).

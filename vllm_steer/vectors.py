@@ -119,6 +119,28 @@ class VectorMetadata:
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
     """Unknown keys read from a newer file (kept, written back, warned about)."""
 
+    # What every steer's metadata answers (the bank, the registry and ``/v1/steers`` read
+    # these of any kind): a vector has no rank and no domain component, and its strength is
+    # its coefficient (``a * v_k``: epsilon 1).
+    @property
+    def rank(self) -> int:
+        """0: a vector steer has no low-rank factors."""
+        return 0
+
+    @property
+    def epsilon(self) -> float:
+        """1.0: strength ``a`` adds ``a * v_k`` (no unit to scale by)."""
+        return 1.0
+
+    @property
+    def domain(self) -> str:
+        """``"none"``: no domain component."""
+        return "none"
+
+    @property
+    def domain_strength(self) -> float:
+        return 0.0
+
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
         d.update(d.pop("extra"))
@@ -184,6 +206,10 @@ class VectorSteer:
     @property
     def layers(self) -> list[int]:
         return sorted(self.directions)
+
+    def to(self, device=None, dtype=None) -> "VectorSteer":
+        """The same steer; its vectors stay float32 on the host (the bank copies them)."""
+        return self
 
     def stacked(self, num_layers: int) -> "torch.Tensor":
         """``[num_layers, hidden]``: block ``k``'s vector in row ``k``, zeros elsewhere."""

@@ -129,11 +129,18 @@ def check_name(name: Any) -> str:
     return name
 
 
+#: The file suffixes a ``--steer-dir`` steer may have, looked up in this order: the project's
+#: steer file (either kind), then llama.cpp's control-vector GGUF.
+STEER_DIR_SUFFIXES = (".safetensors", ".gguf")
+
+
 def dir_path(steer_dir: str, name: str) -> str:
-    """``DIR/NAME.safetensors`` for a valid ``name``; never a path outside ``steer_dir``."""
+    """``DIR/NAME.safetensors`` (or, when only that exists, ``DIR/NAME.gguf``: a control
+    vector) for a valid ``name``; never a path outside ``steer_dir``."""
     check_name(name)
     root = os.path.realpath(steer_dir)
-    path = os.path.realpath(os.path.join(root, name + ".safetensors"))
+    paths = [os.path.realpath(os.path.join(root, name + sfx)) for sfx in STEER_DIR_SUFFIXES]
+    path = next((p for p in paths if os.path.isfile(p)), paths[0])
     if os.path.dirname(path) != root:  # a symlink pointing out of the directory
         raise SteerNameError(f"steer {name!r}: {path} is outside --steer-dir {steer_dir}")
     return path
@@ -141,7 +148,7 @@ def dir_path(steer_dir: str, name: str) -> str:
 
 def steer_dir_file(steer_dir: str | None, name: str, loaded, where: str) -> str:
     """The file of a steer a request names that is not loaded: ``--steer-dir``'s
-    ``NAME.safetensors`` (loaded on first use). Raises :class:`SteerRequestError` with the one
+    ``NAME.safetensors`` or ``NAME.gguf`` (loaded on first use). Raises :class:`SteerRequestError` with the one
     message the frontend and the engine core both give: unknown steer (no ``--steer-dir``, or
     no such file there, listing ``loaded``), or a name that cannot be a file name."""
     if not steer_dir:

@@ -91,6 +91,46 @@ def bind_request(core, request) -> None:
     values = steers.named
     bound = [BoundSteer(n, *slots[n], values[n]) for n in names]
     sp.extra_args = {**extra, BOUND_KEY: BoundSteer.to_wire(bound)}
+    if st.layers_enabled:
+        salt_prefix_cache(request, reg, bound)
+
+
+#: What starts the part of a request's ``cache_salt`` that names its decoder-layer steers.
+SALT_PREFIX = "vllm-steer-layers:"
+
+
+def layer_mix(reg, bound) -> str:
+    """The request's mix of decoder-layer steers (vector steers), as a stable string: each
+    steer's name, load id and value (a strength or a window), in name order; empty when it
+    has none. LM-Steer steers are left out: they change only the sampled rows, never the keys
+    and values, so their requests keep sharing the prefix cache."""
+    parts = []
+    for b in sorted(bound, key=lambda b: b.name):
+        entry = reg.slots[b.bank_slot] if 0 <= b.bank_slot < len(reg.slots) else None
+        if entry is None or entry.kind == "lm-steer" or not b.strength:
+            continue
+        parts.append(f"{b.name}#{b.load_id}={b.value!r}")
+    return ";".join(parts)
+
+
+def salt_prefix_cache(request, reg, bound) -> None:
+    """A request served with decoder-layer steers changes the keys and values of every later
+    block: its prefix-cache blocks are salted with its mix (vLLM's ``cache_salt``, which the
+    block hashes include), so that a prefix cached under one mix is never reused by a request
+    with another mix, nor by an unsteered one. The request's own salt is kept in front. The
+    block hashes vLLM computed when it made the request are computed again."""
+    mix = layer_mix(reg, bound)
+    if not mix:
+        return
+    import hashlib
+
+    digest = hashlib.sha256(mix.encode()).hexdigest()[:32]
+    own = getattr(request, "cache_salt", None)
+    request.cache_salt = f"{own or ''}|{SALT_PREFIX}{digest}"
+    hashes = getattr(request, "block_hashes", None)
+    if hashes:  # made from the old salt: made again
+        hashes.clear()
+        request.update_block_hashes()
 
 
 def _steer_dir_path(core, name: str) -> str:

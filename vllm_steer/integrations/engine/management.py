@@ -24,6 +24,7 @@ import time
 from typing import Collection
 
 from vllm_steer.integrations.engine.presets import file_op
+from vllm_steer.kinds import applied_in_layers
 from vllm_steer.integrations.engine.registry import (SteerCapacityError, SteerEntry,
                                                      SteerNameError, bound_in, check_name)
 from vllm_steer.integrations.engine.state import engine_state
@@ -192,7 +193,8 @@ def load_steer_file(core, name: str, path: str, source: str,
     taking, whose factors some workers may have overwritten: it is unbound (a steer-dir steer
     is read again on its next use; a name replaced in its own slot is unloaded) and the slot
     emptied in every worker."""
-    from vllm_steer.format import SteerFileError, load_steer
+    from vllm_steer.format import SteerFileError
+    from vllm_steer.kinds import load_any
 
     st = engine_state(core)
     reg, hidden = st.registry, st.hidden_size
@@ -224,16 +226,19 @@ def load_steer_file(core, name: str, path: str, source: str,
     try:
         try:
             reg.counters["file_reads"] += 1
-            steer = load_steer(path)
+            steer = load_any(path)
         except OSError as e:  # gone, unreadable, or a folder since it was named
             raise SteerFileError(path, [f"cannot be read: {type(e).__name__}: {e}"]) from None
         reasons = []
-        if steer.hidden_size != hidden:
+        if applied_in_layers(steer):
+            reasons = layer_steer_problems(core, st, name, steer.metadata)
+        elif steer.hidden_size != hidden:
             reasons.append(f"steer {name!r} has hidden size {steer.hidden_size} but the model "
                            f"{core.vllm_config.model_config.model} has {hidden}; train or "
                            "transfer the steer for this model (vllm-steer train / transfer)")
         limit = st.reserved_rank
-        for what, p in (("rank", steer.p1), ("domain rank", steer.domain_p1)):
+        for what, p in (("rank", getattr(steer, "p1", None)),
+                        ("domain rank", getattr(steer, "domain_p1", None))):
             if p is not None and p.shape[1] > limit:
                 reasons.append(f"steer {name!r} has {what} {p.shape[1]}, over "
                                f"--max-steer-rank={limit} (the rank per steer the steer bank "
@@ -273,6 +278,29 @@ def load_steer_file(core, name: str, path: str, source: str,
                 f"; evicted {evicted.name!r} (least recently used)" if evicted else "")
     return {"ok": True, "steer": entry.to_json(), "evicted": evicted.name if evicted else None,
             "load_ms": ms}
+
+
+def layer_steer_problems(core, st, name: str, meta) -> list[str]:
+    """Why a steer applied in the decoder layers (a vector steer) cannot be served by this
+    engine: no op in its layers (started without ``--steer-vectors`` or a vector ``--steer``
+    file), or a steer made for another model (hidden size, decoder blocks, architecture,
+    name: :func:`vllm_steer.vectors.model_fit_problems`, naming both sides). Empty: it fits."""
+    from vllm_steer.vectors import model_fit_problems
+
+    if not st.layers_enabled:
+        return [f"steer {name!r} is a {meta.kind} steer (added in the model's decoder layers), "
+                "but this server was started without the op there: restart it with "
+                "--steer-vectors (or with a vector steer among its --steer files)"]
+    mc = core.vllm_config.model_config
+    return model_fit_problems(meta, **model_identity(mc))
+
+
+def model_identity(mc) -> dict:
+    """The served model as :func:`vllm_steer.vectors.model_fit_problems` checks it."""
+    hf = mc.hf_text_config
+    return dict(hidden_size=int(mc.get_hidden_size()),
+                num_layers=int(hf.num_hidden_layers), model_name=str(mc.model),
+                model_type=getattr(hf, "model_type", None))
 
 
 def _snapshot(reg) -> tuple:

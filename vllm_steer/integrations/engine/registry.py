@@ -69,6 +69,8 @@ class SteerEntry:
     requests_served: int = 0
     last_used: float = 0.0
     state: str = "loaded"  # "loaded" (bound to its name) or "draining" (unloaded, still used)
+    kind: str = "lm-steer"  # the steer's kind (vllm_steer.kinds): lm-steer or vector
+    layers: list | None = None  # a vector steer's decoder blocks (0-based)
 
     @classmethod
     def from_metadata(cls, name, path, meta, load_id, bank_slot, source) -> "SteerEntry":
@@ -77,7 +79,9 @@ class SteerEntry:
                    hidden_size=int(meta.hidden_size), rank=int(meta.rank),
                    eps0=float(meta.epsilon), labels=dict(meta.labels or {}),
                    recommended_strength=meta.recommended_strength, base_model=meta.base_model,
-                   source=source, loaded_at=now, last_used=now)
+                   source=source, loaded_at=now, last_used=now,
+                   kind=str(getattr(meta, "kind", "lm-steer")),
+                   layers=list(meta.layers) if hasattr(meta, "layers") else None)
 
     def to_json(self) -> dict:
         d = asdict(self)

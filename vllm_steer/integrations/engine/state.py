@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm_steer.config import SteerServerConfig
+from vllm_steer.kinds import read_any_metadata
 from vllm_steer.integrations.engine.presets import PresetTable
 from vllm_steer.integrations.engine.registry import SteerEntry, SteerRegistry
 from vllm_steer.integrations.protocol import SOURCE_STARTUP
@@ -41,6 +42,9 @@ class EngineSteerState:
     metrics_sent: dict | None = None
     """The metric values already handed out to the API servers
     (:func:`vllm_steer.metrics.take_new`; None before the first ``list``)."""
+    layers_enabled: bool = False
+    """Whether the workers' decoder layers have the op of decoder-layer steers (vector
+    steers): :meth:`~vllm_steer.config.SteerServerConfig.layers_enabled`, read once."""
 
 
 #: Each engine core's :class:`EngineSteerState`, kept beside it (nothing is set on vLLM's
@@ -64,7 +68,6 @@ def engine_state(core) -> EngineSteerState:
     st = STATES.get(core)
     if st is not None:
         return st
-    from vllm_steer.format import read_metadata
     from vllm_steer.integrations.families import head_input_size
 
     cfg = SteerServerConfig.from_additional_config(core.vllm_config.additional_config)
@@ -75,12 +78,13 @@ def engine_state(core) -> EngineSteerState:
         reg = SteerRegistry(cfg.capacity)
         ranks = []
         for name, (bank_slot, load_id) in cfg.startup_placement().items():  # the workers' too
-            meta = read_metadata(cfg.steers[name])
+            meta = read_any_metadata(cfg.steers[name])
             ranks.append(int(meta.rank))
             reg.commit(SteerEntry.from_metadata(name, cfg.steers[name], meta, load_id, bank_slot,
                                                 SOURCE_STARTUP))
             reg.next_load_id = max(reg.next_load_id, load_id + 1)
         reg.counters["loads"] = 0  # start-up steers are not run-time loads
         st = EngineSteerState(cfg, reg, head_input_size(core.vllm_config.model_config),
-                              startup_ranks=tuple(ranks), engine=engine)
+                              startup_ranks=tuple(ranks), engine=engine,
+                              layers_enabled=cfg.layers_enabled())
     return STATES.set(core, st)

@@ -41,16 +41,18 @@ def dir_steer_file(name: str, loaded, where: str = REQUEST_FIELD) -> str:
     """The ``--steer-dir`` file of ``name`` (not loaded), checked as far as this process can
     without torch: it exists (:func:`~vllm_steer.integrations.protocol.steer_dir_file`, the
     engine core's own lookup) and its header fits the model. Raises SteerRequestError."""
-    from vllm_steer.format import SteerFileError, read_metadata
+    from vllm_steer.format import SteerFileError
+    from vllm_steer.kinds import applied_in_layers, read_any_metadata
 
     st = frontend_state()
     path = steer_dir_file(st.config.steer_dir, name, loaded, where)
     try:  # the header only (no torch): what can be refused before the engine loads it
-        meta = read_metadata(path)
+        meta = read_any_metadata(path)
     except SteerFileError as e:
         raise SteerRequestError(f"{where}: steer {name!r} in --steer-dir: "
                                 + " ".join(str(e).split())[:1000], "bad_file") from None
-    if st.hidden_size and meta.hidden_size != st.hidden_size:
+    # (a decoder-layer steer is checked against the model's blocks by the engine core)
+    if st.hidden_size and not applied_in_layers(meta) and meta.hidden_size != st.hidden_size:
         raise SteerRequestError(f"{where}: steer {name!r} ({path}) has hidden size "
                                 f"{meta.hidden_size} but the model has {st.hidden_size}",
                                 "bad_file")

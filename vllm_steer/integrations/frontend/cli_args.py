@@ -79,6 +79,11 @@ def add_steer_args(parser) -> None:
                             "(draft model, EAGLE, EAGLE-3, MTP; the output follows the steered "
                             "target either way; steering the drafter keeps acceptance up). "
                             "Without this flag the drafter is steered.")
+    group.add_argument("--steer-vectors", action="store_true", default=False,
+                       help="Put the vector steers' op into the model's decoder layers so "
+                            "that vector steers (control vectors: llama.cpp GGUF or the "
+                            "vector kind of steer file) can be loaded at run time; on by "
+                            "itself when a --steer file is a vector steer.")
     group.add_argument("--steer-updates-any-path", action="store_true", default=False,
                        help="With --enable-steer-updates: POST /v1/steers may load files "
                             "outside --steer-dir.")
@@ -165,7 +170,8 @@ def _runtime_args(args: argparse.Namespace) -> dict:
                 max_steers_per_request=getattr(args, "max_steers_per_request", None),
                 max_steer_rank=getattr(args, "max_steer_rank", None), steer_dir=steer_dir,
                 enable_updates=bool(getattr(args, "enable_steer_updates", False)),
-                updates_any_path=bool(getattr(args, "steer_updates_any_path", False)))
+                updates_any_path=bool(getattr(args, "steer_updates_any_path", False)),
+                steer_vectors=bool(getattr(args, "steer_vectors", False)))
 
 
 def _policy_args(args: argparse.Namespace) -> dict:

@@ -48,7 +48,8 @@ def configure_engine(vllm_config) -> None:
     check_hooks(vllm_config)  # the hook groups this configuration uses
     from vllm_steer.integrations.families import check_model  # refuses what we cannot steer
 
-    check_steers_fit(cfg, check_model(vllm_config.model_config), vllm_config.model_config.model)
+    check_steers_fit(cfg, check_model(vllm_config.model_config), vllm_config.model_config.model,
+                     vllm_config)
     served = getattr(vllm_config.model_config, "served_model_name", None)
     check_policy_config(cfg, {str(n): "the served model name" for n in
                               ([served] if isinstance(served, str) else served or [])})
@@ -120,20 +121,39 @@ def check_runtime_steers_fit_parallelism(cfg: SteerServerConfig, vllm_config) ->
                 "--steer NAME=PATH (which works in every data-parallel mode)")
 
 
-def check_steers_fit(cfg: SteerServerConfig, hidden_size: int, model: str) -> None:
-    """Load each steer file once (safetensors only) and check it fits the model.
+def check_steers_fit(cfg: SteerServerConfig, hidden_size: int, model: str,
+                     vllm_config=None) -> None:
+    """Load each steer file once (any kind: :mod:`vllm_steer.kinds`) and check it fits the
+    model; an engine with decoder-layer steers (vector steers) is checked to be one they can
+    be served on (:func:`check_layer_steering`).
 
     Raises :class:`~vllm_steer.format.SteerFileError` naming each refused file and every
-    reason (missing, truncated, pickle, NaN/inf, wrong shape, hidden size mismatch).
+    reason (missing, truncated, pickle, NaN/inf, wrong shape, hidden size mismatch; for a
+    vector steer, the model's hidden size, decoder blocks, architecture and name, each
+    naming both sides).
     """
-    from vllm_steer.format import SteerFileError, load_steer
+    from vllm_steer.format import SteerFileError
+    from vllm_steer.kinds import applied_in_layers, load_any
 
     errors: list[SteerFileError] = []
+    if vllm_config is not None and cfg.layers_enabled():
+        check_layer_steering(vllm_config)
     for name, path in cfg.steers.items():
         try:
-            steer = load_steer(path)
+            steer = load_any(path)
         except SteerFileError as e:
             errors.append(e)
+            continue
+        if applied_in_layers(steer):
+            if vllm_config is not None:
+                from vllm_steer.integrations.engine.management import model_identity
+                from vllm_steer.vectors import model_fit_problems
+
+                reasons = model_fit_problems(steer.metadata,
+                                             **model_identity(vllm_config.model_config))
+                if reasons:
+                    errors.append(SteerFileError(path, [f"steer {name!r}: {r}"
+                                                        for r in reasons]))
             continue
         if steer.hidden_size != hidden_size:
             errors.append(SteerFileError(path, [
@@ -145,6 +165,27 @@ def check_steers_fit(cfg: SteerServerConfig, hidden_size: int, model: str) -> No
     if errors:
         raise SteerFileError(", ".join(e.path for e in errors),
                              [f"{e.path}: {r}" for e in errors for r in e.reasons])
+
+
+def check_layer_steering(vllm_config) -> None:
+    """Refuse, before anything is loaded, the configurations decoder-layer steers (vector
+    steers) cannot be served in: sequence parallelism (it splits the residual stream by
+    token across the tensor-parallel ranks, and the per-token coefficients are the whole
+    step's) and pipeline parallelism (the earlier stages keep no steer state)."""
+    pc = vllm_config.parallel_config
+    pass_config = getattr(vllm_config.compilation_config, "pass_config", None)
+    if getattr(pass_config, "enable_sp", False) or \
+            getattr(pass_config, "enable_sequence_parallelism", False):
+        raise ValueError(
+            "vllm-steer: vector steers cannot be served with sequence parallelism "
+            "(compilation pass enable_sp): it splits the residual stream by token across the "
+            "tensor-parallel ranks, and each step's per-token strengths are the whole step's. "
+            "Turn sequence parallelism off, or serve without vector steers")
+    if int(getattr(pc, "pipeline_parallel_size", 1) or 1) > 1:
+        raise ValueError(
+            f"vllm-steer: vector steers are not served with --pipeline-parallel-size "
+            f"{pc.pipeline_parallel_size} in this release (only the last stage keeps the "
+            "requests' steers); use tensor parallelism, or serve LM-Steer steers only")
 
 
 #: Our per-request steer state per model runner, ``module:Class`` as vLLM loads custom logits

@@ -17,7 +17,8 @@ import torch
 
 from vllm_steer.bank import SlotBank
 from vllm_steer.config import SteerServerConfig
-from vllm_steer.format import SteerFileError, load_steer, read_metadata
+from vllm_steer.format import SteerFileError
+from vllm_steer.kinds import applied_in_layers, load_any, read_any_metadata
 from vllm_steer.logs import get_logger
 
 logger = get_logger()
@@ -33,7 +34,7 @@ class BankState:
         problems = []
         for name, path in config.steers.items():
             try:
-                self.metadata[name] = read_metadata(path)
+                self.metadata[name] = read_any_metadata(path)
             except SteerFileError as e:
                 problems.append(str(e))
         if problems:
@@ -57,6 +58,9 @@ class BankState:
         # the hidden states' dtype at the head (the model's; the bank's is the head's, which
         # an fp32 head_dtype makes differ)
         self.activation_dtype: torch.dtype | None = None
+        # the --steer steers applied in the decoder layers, put into the bank once the model's
+        # layers have their op (install_layers): {name: steer}
+        self.startup_layer_steers: dict = {}
 
     def load(self, hidden_size: int, device: torch.device, dtype: torch.dtype,
              model_id: str | None = None, cuda_graphs: bool = True) -> None:
@@ -69,6 +73,12 @@ class BankState:
         steers = {}
         for name, path in self.config.steers.items():
             meta = self.metadata[name]
+            if applied_in_layers(meta):  # checked against the model's blocks (startup_checks)
+                try:
+                    steers[name] = load_any(path)
+                except SteerFileError as e:
+                    reasons.append(str(e).replace("\n", " "))
+                continue
             if meta.hidden_size != hidden_size:
                 reasons.append(f"steer {name!r} ({path}): hidden size {meta.hidden_size} does not "
                                f"fit the model's hidden size {hidden_size}; train or transfer it "
@@ -79,20 +89,24 @@ class BankState:
                                "%r; it fits (same hidden size) but may not steer as intended",
                                name, path, meta.base_model, model_id)
             try:
-                steers[name] = load_steer(path)
+                steers[name] = load_any(path)
             except SteerFileError as e:
                 reasons.append(str(e).replace("\n", " "))
         if reasons:
             raise SteerFileError(", ".join(self.config.steers.values()), reasons)
         self.bank = self._reserve_bank(hidden_size, device, dtype, steers)
         for name, (bank_slot, load_id) in self.config.startup_placement().items():
+            if applied_in_layers(steers[name]):
+                self.startup_layer_steers[name] = steers[name]  # with the layers' op
+                continue
             self.bank.put(bank_slot, load_id, name, steers[name])
         # Resolve the backend now (it imports the kernels, and Triton where present: about
         # half a second), not in the first steered request's step.
         from vllm_steer import ops
 
         max_rank = self.config.max_steer_rank or max(
-            (steers[n].p1.shape[1] for n in steers), default=None)
+            (steers[n].p1.shape[1] for n in steers if not applied_in_layers(steers[n])),
+            default=None)
         self.backend = ops.resolve_backend(self.config.backend, torch.device(device or "cpu"),
                                            hidden_size, max_rank)
         self.fn = ops.backend_fn(self.backend)  # resolved once, not per step
@@ -122,6 +136,7 @@ class BankState:
 
         cap = self.capacity
         rank = self.config.reserved_rank(p.shape[1] for s in steers.values()
+                                         if not applied_in_layers(s)
                                          for p in (s.p1, s.domain_p1) if p is not None)
         dtype_name = str(dtype).replace("torch.", "")
         mib = slot_bank_bytes(cap, rank, hidden_size, dtype) / 2**20

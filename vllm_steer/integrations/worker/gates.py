@@ -12,6 +12,9 @@ counts are over all of them:
   (:class:`~vllm_steer.integrations.worker.rows.CapturedRows`), which must record the steer
   op whether or not a request is steered yet; with ``steered_slots`` it is the head's gate:
   both zero, the head has nothing to do;
+- ``layer_mappings``: runtimes whose model's decoder layers have the op of decoder-layer
+  steers (:mod:`~vllm_steer.integrations.worker.decoder_layers`): the runners' input hooks
+  then build each step's mapping (:mod:`~vllm_steer.integrations.worker.step_mapping`);
 - ``worker_faults``: runtimes with a fault of the plugin's worker code waiting for the step's
   output (:mod:`~vllm_steer.integrations.worker.step_faults`; the runners' ``sample_tokens``
   hooks read it).
@@ -27,18 +30,20 @@ from __future__ import annotations
 class ProcessGates:
     """The counts the worker's hot paths read first (see the module docstring)."""
 
-    __slots__ = ("steered_slots", "windowed_slots", "capture_scopes", "worker_faults")
+    __slots__ = ("steered_slots", "windowed_slots", "capture_scopes", "worker_faults",
+                 "layer_mappings")
 
     def __init__(self) -> None:
         self.steered_slots = 0
         self.windowed_slots = 0
         self.capture_scopes = 0
         self.worker_faults = 0
+        self.layer_mappings = 0
 
     def __repr__(self) -> str:
         return (f"ProcessGates(steered_slots={self.steered_slots}, windowed_slots="
                 f"{self.windowed_slots}, capture_scopes={self.capture_scopes}, "
-                f"worker_faults={self.worker_faults})")
+                f"worker_faults={self.worker_faults}, layer_mappings={self.layer_mappings})")
 
 
 #: This process's gates.

@@ -24,8 +24,12 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
 from vllm_steer.integrations.worker.gates import GATES
+from vllm_steer.logs import get_logger
 from vllm_steer.integrations.worker.runtime import SteerRuntime, get_runtime
 from vllm_steer.integrations.worker.step_faults import HEAD, capturing
+
+
+logger = get_logger()
 
 
 class SteeredLogitsProcessor(LogitsProcessor):
@@ -186,4 +190,25 @@ def load_model(orig, self, vllm_config, *a, **kw):
         rt = get_runtime(vllm_config.additional_config)
         if rt is not None:
             rt.model_loaded(getattr(vllm_config.model_config, "dtype", None))  # hidden states
+    if cfg is not None and cfg.enabled and cfg.layers_enabled() and \
+            getattr(vllm_config.model_config, "runner_type", "generate") != "pooling":
+        install_layers(model, vllm_config)
     return model
+
+
+def install_layers(model, vllm_config) -> None:
+    """The op of decoder-layer steers in the model's blocks
+    (:meth:`SteerRuntime.install_layers`), once per worker: the first model this worker
+    loads is the target (a drafter is loaded after it and keeps its blocks as they are)."""
+    rt = get_runtime(vllm_config.additional_config)
+    if rt is None or rt.layers is not None:
+        return
+    mc = vllm_config.model_config
+    sc = vllm_config.scheduler_config
+    capture = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None) or 0
+    max_tokens = max(int(sc.max_num_batched_tokens), int(capture))
+    device = next(model.parameters()).device
+    n = rt.install_layers(model, int(mc.hf_text_config.num_hidden_layers),
+                          int(mc.get_hidden_size()), max_tokens, device)
+    logger.info("vllm-steer: vector steers' op in %d decoder block(s) (%d bank slots, up to "
+                "%d tokens per step)", n, rt.config.capacity, max_tokens)

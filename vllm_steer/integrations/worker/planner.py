@@ -303,6 +303,9 @@ class StepPlanner:
         if positions is not None:
             positions = np.asarray(positions, dtype=np.int64)
         coefs = self.slots.row_coefs(n, slots, positions)
+        layers = self.bank_state.bank.layers
+        if layers is not None and layers.slot_is_vector.any():  # the layers' columns: not here
+            coefs[:, :layers.capacity] *= 1.0 - layers.slot_is_vector
         last = self._step_coefs
         same = last is not None and last.shape == coefs.shape and np.array_equal(last, coefs)
         if not same:

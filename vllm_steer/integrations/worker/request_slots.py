@@ -173,7 +173,8 @@ class RequestSlots:
         w["end"][slot] = -1.0
         for j, win in windows.items():
             meta = bank.steers[j].metadata
-            served = meta.domain == "with_steer" and bank.steers[j].domain_p1 is not None
+            served = meta.domain == "with_steer" \
+                and getattr(bank.steers[j], "domain_p1", None) is not None
             w["strength"][slot, j], w["base"][slot, j] = win.strength, win.base
             w["start"][slot, j], w["ramp"][slot, j] = win.start, win.ramp
             w["end"][slot, j] = -1 if win.end is None else win.end

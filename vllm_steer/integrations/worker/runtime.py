@@ -47,7 +47,9 @@ from vllm_steer.integrations.side_table import SideTable
 from vllm_steer.integrations.worker.bank_state import BankState
 from vllm_steer.integrations.worker.request_slots import (RequestCoefs, RequestSlots,
                                                           decode_request)
+from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.planner import SteerStats, StepPlanner
+from vllm_steer.integrations.worker.step_mapping import LayerVectors, StepMapping
 from vllm_steer.integrations.worker.step_faults import REQUEST_STATE, StepFaults
 from vllm_steer.request import BOUND_KEY
 
@@ -65,6 +67,35 @@ class SteerRuntime:
         self.planner = StepPlanner(self.bank_state, self.slots)
         #: faults of the plugin's worker code waiting for the step's output (step_faults.py)
         self.faults = StepFaults()
+        #: the vector bank read by the decoder layers (None: no decoder-layer op in this
+        #: model: no vector steer configured), and the step mapping that feeds it
+        self.layers: LayerVectors | None = None
+        self.mapping: StepMapping | None = None
+
+    # ---- steers inside the decoder layers -------------------------------------------------
+    def install_layers(self, model: torch.nn.Module, num_blocks: int, hidden_size: int,
+                       max_tokens: int, device: torch.device) -> int:
+        """Give the model's decoder blocks the op of decoder-layer steers, reading a vector
+        bank and a step mapping made now (once per worker, before vLLM compiles the model);
+        the ``--steer`` steers of that kind are put in. Returns the blocks steered."""
+        from vllm_steer.integrations.worker import decoder_layers
+
+        if self.layers is not None:
+            return 0
+        blocks = decoder_layers.local_blocks(model, num_blocks)
+        layers = LayerVectors(blocks, num_blocks, self.config.capacity, hidden_size,
+                              max_tokens, device)
+        n = decoder_layers.install(model, layers, num_blocks)
+        self.layers, self.mapping = layers, StepMapping(layers, self.slots)
+        GATES.layer_mappings += 1
+        bank = self.bank_state.bank
+        if bank is not None:
+            bank.layers = layers
+            placement = self.config.startup_placement()
+            for name, steer in self.bank_state.startup_layer_steers.items():
+                bank.put(*placement[name], name, steer)
+            self.slots.version += 1
+        return n
 
     # ---- the bank ------------------------------------------------------------------------
     def model_loaded(self, activation_dtype: torch.dtype | None = None) -> None:

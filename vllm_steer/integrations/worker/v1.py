@@ -18,6 +18,7 @@ from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.rows import PromptRows
 from vllm_steer.integrations.worker.runtime import V1RunnerBinding
 from vllm_steer.integrations.worker.step_faults import ROWS, attach
+from vllm_steer.integrations.worker.step_mapping import v1_tokens
 
 _NUM_SCHEDULED = Arg("num_scheduled_tokens")
 _HIDDEN_STATES = Arg("hidden_states")
@@ -34,14 +35,20 @@ def prepare_inputs(orig, self, *args, **kwargs):
     the sample of a non-final prefill chunk is discarded by vLLM, whatever its index).
     """
     out = orig(self, *args, **kwargs)
-    if not GATES.windowed_slots:  # no windowed request in this process: the one read
+    if not (GATES.windowed_slots or GATES.layer_mappings):  # the one read, most steps
         return out
     rt = V1RunnerBinding.of(self).runtime
-    if rt is not None and rt.slots.num_window_slots:  # read only for windowed slots' rows
+    if rt is None:
+        return out
+    if rt.slots.num_window_slots:  # read only for windowed slots' rows
         with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
             rt.planner.batch_positions = None
             rt.planner.batch_positions = batch_positions(
                 self.input_batch, _NUM_SCHEDULED.get(orig, (self, *args), kwargs))
+    if rt.mapping is not None:  # the step mapping of the decoder layers' steers
+        with rt.faults.guard(ROWS):
+            rt.mapping.build_or_clear(*v1_tokens(
+                self.input_batch, _NUM_SCHEDULED.get(orig, (self, *args), kwargs)))
     return out
 
 

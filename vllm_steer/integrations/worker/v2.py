@@ -34,6 +34,7 @@ from vllm_steer.integrations.worker.runtime import BINDINGS, V2RunnerBinding, cu
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
 from vllm_steer.integrations.worker.spec_v2 import device_computed_tokens
 from vllm_steer.integrations.worker.step_faults import ROWS, attach
+from vllm_steer.integrations.worker.step_mapping import v2_tokens
 from vllm_steer.ops import to_device
 
 _INPUT_BATCH = Arg("input_batch")
@@ -119,6 +120,23 @@ def sample(orig, self, *args, **kwargs):
     if planner.head_calls == calls:
         raise HeadBypassedError(HEAD_BYPASSED)
     return out
+
+
+def prepare_inputs(orig, self, *args, **kwargs):
+    """``GPUModelRunner.prepare_inputs`` (V2): the step mapping of the decoder layers' steers
+    (:mod:`~vllm_steer.integrations.worker.step_mapping`), built from the input batch's host
+    arrays before the model's forward. One integer read per step in a process whose model
+    has no such op."""
+    input_batch = orig(self, *args, **kwargs)
+    if not GATES.layer_mappings:
+        return input_batch
+    rt = V2RunnerBinding.of(self).runtime
+    if rt is not None and rt.mapping is not None:
+        req_states = getattr(self, "req_states", None)
+        prompt_len = None if req_states is None else req_states.prompt_len.np
+        with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
+            rt.mapping.build_or_clear(*v2_tokens(input_batch, prompt_len))
+    return input_batch
 
 
 def sample_tokens(orig, self, *args, **kwargs):

@@ -1,0 +1,195 @@
+"""The step mapping: each token of the step, its request slot and its strengths, built once
+per step into persistent buffers that the model's compiled forward reads in place.
+Semantics: see :mod:`vllm_steer.reference`.
+
+vLLM's multi-LoRA keeps a ``LoRAMapping`` per token, copied once per step into persistent
+device buffers that its kernels read inside the CUDA graphs. The step mapping is the same for
+steers applied inside the decoder layers (:data:`vllm_steer.kinds.AT_DECODER_LAYERS`): one
+runner adapter per model runner gives the step's tokens in the order of the model's input
+(:func:`v1_tokens`, :func:`v2_tokens`: each token's request slot and the index of the
+generated token its row samples), and :meth:`StepMapping.build` writes their coefficients
+into :attr:`LayerVectors.token_coefs`: pinned staging, then the device
+(:class:`~vllm_steer.kernels.staging.StagedCopy`: a ring of pinned buffers, so that an
+overlapping step under async scheduling never rewrites a copy in flight), only the rows that
+changed, and zeros past the step's tokens (padding tokens are never steered).
+
+A step with no vector-steered request costs one check once its rows are zero.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_steer.kernels import staging
+
+
+class LayerVectors:
+    """The vector bank and the per-token coefficients of one worker, read in place by its
+    decoder blocks (:mod:`~vllm_steer.integrations.worker.decoder_layers`).
+
+    ``vectors`` is ``[local blocks, bank slots, hidden]`` float32 (a pipeline stage holds only
+    its own blocks' vectors); ``token_coefs`` ``[max tokens, bank slots]`` float32. Both are
+    allocated once, when the model is loaded, and never move: a load or unload rewrites one
+    slot's column in place."""
+
+    def __init__(self, blocks: list[int], num_blocks: int, capacity: int, hidden_size: int,
+                 max_tokens: int, device: torch.device):
+        self.blocks = list(blocks)
+        """The model's decoder blocks (0-based, of ``num_blocks``) in this worker."""
+        self.num_blocks = num_blocks
+        self.capacity = capacity
+        self.hidden_size = hidden_size
+        self.max_tokens = max_tokens
+        self.device = torch.device(device)
+        self.vectors = torch.zeros(len(self.blocks), capacity, hidden_size,
+                                   dtype=torch.float32, device=device)
+        self.token_coefs = torch.zeros(max_tokens, capacity, dtype=torch.float32,
+                                       device=device)
+        self.slot_is_vector = np.zeros(capacity, dtype=np.float32)
+        """1.0 for each bank slot that holds a decoder-layer steer (its coefficient column is
+        read here, and not by the head)."""
+        self.version = 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        return (self.vectors.numel() + self.token_coefs.numel()) * 4
+
+    def put(self, bank_slot: int, steer) -> None:
+        """Write a decoder-layer steer's vectors (its kind's ``[num_blocks, hidden]``,
+        :attr:`vllm_steer.kinds.SteerKind.layer_vectors`) into ``bank_slot``: this worker's
+        blocks' rows, in place."""
+        from vllm_steer.kinds import kind_of
+
+        if steer.hidden_size != self.hidden_size:
+            raise ValueError(f"steer {steer.name!r} has hidden size {steer.hidden_size}; the "
+                             f"model's decoder blocks have {self.hidden_size}")
+        stacked = kind_of(steer).layer_vectors(steer, self.num_blocks)
+        rows = stacked[self.blocks] if self.blocks else stacked[:0]
+        self.vectors[:, bank_slot, :].copy_(rows.to(self.vectors.device, torch.float32))
+        self.slot_is_vector[bank_slot] = 1.0
+        self.version += 1
+
+    def drop(self, bank_slot: int) -> None:
+        self.vectors[:, bank_slot, :].zero_()
+        self.slot_is_vector[bank_slot] = 0.0
+        self.version += 1
+
+    def block_vectors(self, block: int) -> torch.Tensor:
+        """Block ``block``'s ``[bank slots, hidden]`` view (what that block's op reads)."""
+        return self.vectors[self.blocks.index(block)]
+
+
+class StepMapping:
+    """Each token's coefficients for the decoder-layer steers of the step, in
+    :attr:`LayerVectors.token_coefs` (see the module doc). ``slots``: the worker's
+    :class:`~vllm_steer.integrations.worker.request_slots.RequestSlots`."""
+
+    def __init__(self, layers: LayerVectors, slots):
+        self.layers = layers
+        self.slots = slots
+        self.filled = 0
+        """Rows of the device buffer that may be non-zero (those of the last steered step)."""
+        self.steps = 0  # steps mapped
+        self.steered_steps = 0  # steps with a vector-steered token
+        self._copy = staging.StagedCopy(layers.device)
+        self._zeros: np.ndarray | None = None
+
+    def build(self, req_slots: np.ndarray, counts: np.ndarray,
+              gen_first: np.ndarray | None) -> None:
+        """Map one step: request ``i`` (request slot ``req_slots[i]``) has ``counts[i]``
+        consecutive tokens in the model's input; the first samples generated token
+        ``gen_first[i]`` (negative: a prompt token; None: unknown, only needed with generation
+        windows), the next ones the following indices. Writes the step's rows and zeros the
+        rows a longer previous step left."""
+        self.steps += 1
+        table = self.slots
+        mask = self.layers.slot_is_vector
+        host = table.host
+        n = int(counts.sum()) if len(counts) else 0
+        per_req = None
+        if table.num_active_slots and host is not None and len(req_slots) and n:
+            windowed = table.any_windowed(req_slots)
+            per_req = host[req_slots, :self.layers.capacity] * mask
+            if not windowed and not per_req.any():
+                per_req = None
+            elif windowed:
+                per_req = self._windowed_rows(req_slots, counts, gen_first, n)
+            else:
+                per_req = np.repeat(per_req, counts, axis=0)
+        if per_req is None or not per_req.any():
+            self._clear()
+            return
+        if n > self.layers.max_tokens:
+            raise RuntimeError(f"vllm-steer: the step has {n} tokens, over the "
+                               f"{self.layers.max_tokens} the step mapping was sized for")
+        buf = self.layers.token_coefs
+        rows = np.ascontiguousarray(per_req, dtype=np.float32)
+        if self.filled > n:  # rows of a longer step: zero them in the same copy
+            rows = np.concatenate([rows, self._zero_rows(self.filled - n)])
+        self._copy.copy_(buf[:rows.shape[0]], rows)
+        self.filled = n
+        self.steered_steps += 1
+
+    def build_or_clear(self, req_slots: np.ndarray, counts: np.ndarray,
+                       gen_first: np.ndarray | None) -> None:
+        """:meth:`build`; on a fault, the rows are zeroed (the step runs unsteered in the
+        layers) and the fault raised for the step's steered requests to fail."""
+        try:
+            self.build(req_slots, counts, gen_first)
+        except Exception:
+            self.filled = max(self.filled, self.layers.max_tokens)
+            self._clear()
+            raise
+
+    def _windowed_rows(self, req_slots, counts, gen_first, n: int) -> np.ndarray:
+        """Per-token rows when a request of the step has a generation window: each token's
+        strength at the generated token its row samples (prompt tokens: the base strength)."""
+        token_slots = np.repeat(req_slots, counts)
+        if gen_first is None:
+            positions = None
+        else:
+            starts = np.cumsum(counts) - counts
+            positions = (np.repeat(gen_first, counts)
+                         + (np.arange(n) - np.repeat(starts, counts))).astype(np.int64)
+        rows = self.slots.row_coefs(n, token_slots, positions)
+        return rows[:, :self.layers.capacity] * self.layers.slot_is_vector
+
+    def _zero_rows(self, k: int) -> np.ndarray:
+        z = self._zeros
+        if z is None or z.shape[0] < k:
+            z = self._zeros = np.zeros((max(k, 64), self.layers.capacity), dtype=np.float32)
+        return z[:k]
+
+    def _clear(self) -> None:
+        """No vector-steered token in the step: zero the rows the last steered step left."""
+        if self.filled:
+            self._copy.copy_(self.layers.token_coefs[:self.filled], self._zero_rows(self.filled))
+            self.filled = 0
+
+
+def v1_tokens(input_batch, num_scheduled: np.ndarray):
+    """V1's step (the persistent batch: request slot ``i`` is batch row ``i``, its tokens
+    consecutive in batch order): ``(req_slots, counts, gen_first)``."""
+    n = input_batch.num_reqs
+    counts = np.asarray(num_scheduled[:n], dtype=np.int64)
+    computed = np.asarray(input_batch.num_computed_tokens_cpu[:n], dtype=np.int64)
+    gen_first = computed + 1 - np.asarray(input_batch.num_prompt_tokens[:n], dtype=np.int64)
+    return np.arange(n, dtype=np.int64), counts, gen_first
+
+
+def v2_tokens(input_batch, prompt_len: np.ndarray | None):
+    """Model Runner V2's step (request ``i`` in request-state slot ``idx_mapping[i]``, its
+    tokens from ``query_start_loc[i]``): ``(req_slots, counts, gen_first)``."""
+    n = input_batch.num_reqs
+    idx = np.asarray(input_batch.idx_mapping_np[:n], dtype=np.int64)
+    qsl = np.asarray(input_batch.query_start_loc_np[:n + 1], dtype=np.int64)
+    counts = np.diff(qsl)
+    gen_first = None
+    if prompt_len is not None:
+        computed = np.asarray(input_batch.num_computed_tokens_np[:n], dtype=np.int64)
+        gen_first = computed + 1 - np.asarray(prompt_len, dtype=np.int64)[idx]
+    return idx, counts, gen_first
+
+
+__all__ = ["LayerVectors", "StepMapping", "v1_tokens", "v2_tokens"]

@@ -1,0 +1,43 @@
+"""The decoder layers' op: per-token vector steers added to a block's output, inside the
+model's compiled forward. Semantics: see :func:`vllm_steer.reference.vector_steer_reference`.
+
+``out[t] = h[t] + token_coefs[t] @ vectors`` for the ``n`` tokens of the call, where
+``token_coefs`` is the step mapping's persistent ``[max_tokens, bank slots]`` float32 buffer
+(row ``t``: token ``t``'s strength of each vector steer; zero for unsteered and padding tokens)
+and ``vectors`` the vector bank's ``[bank slots, hidden]`` float32 rows of this block.
+
+Capture-safe by construction: it reads the two persistent buffers in place (their storage
+never changes), its shapes depend only on the number of tokens, and nothing goes back to the
+host; so the graph vLLM compiles and captures computes each step's tokens with that step's
+coefficients. A token whose row is all zeros gets ``h + 0``: the same bits (in fp32, bf16 and
+fp16, as ``h`` is widened exactly to fp32 and rounded back).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def add_vectors(hidden: torch.Tensor,  # [n, hidden]: a block's output (or its residual)
+                token_coefs: torch.Tensor,  # [>= n, slots] fp32: per-token strengths
+                vectors: torch.Tensor,  # [slots, hidden] fp32: this block's vectors
+                ) -> torch.Tensor:
+    """``hidden + token_coefs[:n] @ vectors``, accumulated in fp32, in ``hidden``'s dtype."""
+    n = hidden.shape[0]
+    delta = torch.mm(token_coefs[:n], vectors)
+    return (hidden.float() + delta).to(hidden.dtype)
+
+
+def add_to_block_output(out, token_coefs: torch.Tensor, vectors: torch.Tensor):
+    """The op on a decoder block's return value, whatever its family returns: the residual
+    stream after the block is ``hidden_states + residual`` for a block that returns the pair
+    (Llama, Qwen, Gemma 2: the vector goes into the residual, which the next block's fused
+    add-norm sums), and the tensor itself for one that returns the stream (GPT-2, NeoX, OPT)."""
+    if isinstance(out, tuple):
+        if len(out) >= 2 and isinstance(out[1], torch.Tensor):
+            return (out[0], add_vectors(out[1], token_coefs, vectors), *out[2:])
+        return (add_vectors(out[0], token_coefs, vectors), *out[1:])
+    return add_vectors(out, token_coefs, vectors)
+
+
+__all__ = ["add_vectors", "add_to_block_output"]
