@@ -88,3 +88,11 @@ def test_swapped_rows_keep_their_own_steer(llm, pair_ref):
         for i, (t, e) in enumerate(zip(got, o.outputs[0].logprobs)):
             assert e[t].logprob == pytest.approx(lp[len(ids) - 1 + i, t].item(), abs=2e-3)
     assert plain_differs >= 2  # the steers change tokens: the test can tell rows apart
+
+
+def test_an_engine_without_vector_steers_has_no_op_in_its_decoder_blocks(llm):
+    """LM-Steer steers only: the decoder blocks stay vLLM's own classes (no op inserted)."""
+    names = llm.collective_rpc(lambda w: sorted(
+        {type(m).__name__ for m in w.model_runner.model.modules()
+         if type(m).__name__.endswith("DecoderLayer")}))
+    assert names == [["LlamaDecoderLayer"]]

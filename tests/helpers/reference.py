@@ -11,31 +11,70 @@ class HFReference:
     applied by hand on the LM head's input, ``c + sum_i s_i eps_i (c P1_i) P2_i^T``, with no
     vllm_steer code on the path. For engine tests (greedy tokens, logprobs)."""
 
-    def __init__(self, model_dir, steers: dict):
+    def __init__(self, model_dir, steers: dict, vectors: dict | None = None):
         import torch
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.steers = steers  # name -> Steer (p1, p2, metadata.epsilon)
+        # name -> {decoder block k (0-based): [hidden] vector added to block k's output}
+        self.vectors = vectors or {}
+
+    def _blocks(self):
+        """The transformers model's decoder blocks, found by hand (no vllm_steer code)."""
+        m = self.model
+        for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+            obj = m
+            try:
+                for part in path.split("."):
+                    obj = getattr(obj, part)
+            except AttributeError:
+                continue
+            return obj
+        raise AssertionError(f"no decoder blocks found in {type(m).__name__}")
 
     def logprobs(self, ids: list[int], strengths: dict | None = None):
-        """log-softmax of the next-token logits at every position of ``ids`` ([len, vocab])."""
+        """log-softmax of the next-token logits at every position of ``ids`` ([len, vocab]).
+        A vector steer's strength is a number (every position) or a list (one per position
+        of ``ids``): ``a * v_k`` is added to the output of block ``k`` at that position."""
         import torch
+
+        strengths = strengths or {}
+        head = {n: s for n, s in strengths.items() if n in self.steers}
 
         def pre_hook(_module, args):
             c = args[0]
             out = c.clone()
-            for name, s in (strengths or {}).items():
+            for name, s in head.items():
                 st = self.steers[name]
                 out = out + s * st.metadata.epsilon * (c @ st.p1.float()) @ st.p2.float().T
             return (out, *args[1:])
 
-        handle = self.model.lm_head.register_forward_pre_hook(pre_hook)
+        def block_hook(k):
+            def hook(_module, _args, output):
+                h = output[0] if isinstance(output, tuple) else output
+                delta = torch.zeros(h.shape[-2], h.shape[-1])
+                for name, a in strengths.items():
+                    v = self.vectors.get(name, {}).get(k)
+                    if v is None:
+                        continue
+                    a = torch.tensor(a if isinstance(a, list) else [a] * h.shape[-2],
+                                     dtype=torch.float32)
+                    delta = delta + a[:, None] * v.float()[None, :]
+                h = h + delta
+                return (h, *output[1:]) if isinstance(output, tuple) else h
+            return hook
+
+        handles = [self.model.lm_head.register_forward_pre_hook(pre_hook)]
+        if any(n in self.vectors for n in strengths):
+            handles += [b.register_forward_hook(block_hook(k))
+                        for k, b in enumerate(self._blocks())]
         try:
             with torch.no_grad():
                 logits = self.model(torch.tensor([ids])).logits[0].float()
         finally:
-            handle.remove()
+            for h in handles:
+                h.remove()
         return torch.log_softmax(logits, -1)
 
     def greedy(self, prompt_ids: list[int], n: int, strengths: dict | None = None) -> list[int]:
