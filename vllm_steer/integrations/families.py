@@ -112,3 +112,13 @@ def check_model(model_config) -> int:
                     "(%s); the steer acts on the input of vLLM's LM-head layer as for them",
                     archs, ", ".join(sorted({f.name for f in FAMILIES.values()})))
     return head_input_size(model_config)
+
+
+def model_identity(mc) -> dict:
+    """The served model (vLLM's ``ModelConfig``) as
+    :func:`vllm_steer.vectors.model_fit_problems` checks a vector steer against it: hidden
+    size, decoder blocks, name and architecture."""
+    hf = mc.hf_text_config
+    return dict(hidden_size=int(mc.get_hidden_size()),
+                num_layers=int(hf.num_hidden_layers), model_name=str(mc.model),
+                model_type=getattr(hf, "model_type", None))

@@ -148,9 +148,10 @@ def dir_path(steer_dir: str, name: str) -> str:
 
 def steer_dir_file(steer_dir: str | None, name: str, loaded, where: str) -> str:
     """The file of a steer a request names that is not loaded: ``--steer-dir``'s
-    ``NAME.safetensors`` or ``NAME.gguf`` (loaded on first use). Raises :class:`SteerRequestError` with the one
-    message the frontend and the engine core both give: unknown steer (no ``--steer-dir``, or
-    no such file there, listing ``loaded``), or a name that cannot be a file name."""
+    ``NAME.safetensors`` or ``NAME.gguf`` (loaded on first use). Raises
+    :class:`SteerRequestError` with the one message the frontend and the engine core both
+    give: unknown steer (no ``--steer-dir``, or no such file there, listing ``loaded``), or a
+    name that cannot be a file name."""
     if not steer_dir:
         raise SteerRequestError(unknown_steer(where, name, loaded), "unknown_steer")
     try:

@@ -285,6 +285,7 @@ def layer_steer_problems(core, st, name: str, meta) -> list[str]:
     engine: no op in its layers (started without ``--steer-vectors`` or a vector ``--steer``
     file), or a steer made for another model (hidden size, decoder blocks, architecture,
     name: :func:`vllm_steer.vectors.model_fit_problems`, naming both sides). Empty: it fits."""
+    from vllm_steer.integrations.families import model_identity
     from vllm_steer.vectors import model_fit_problems
 
     if not st.layers_enabled:
@@ -293,14 +294,6 @@ def layer_steer_problems(core, st, name: str, meta) -> list[str]:
                 "--steer-vectors (or with a vector steer among its --steer files)"]
     mc = core.vllm_config.model_config
     return model_fit_problems(meta, **model_identity(mc))
-
-
-def model_identity(mc) -> dict:
-    """The served model as :func:`vllm_steer.vectors.model_fit_problems` checks it."""
-    hf = mc.hf_text_config
-    return dict(hidden_size=int(mc.get_hidden_size()),
-                num_layers=int(hf.num_hidden_layers), model_name=str(mc.model),
-                model_type=getattr(hf, "model_type", None))
 
 
 def _snapshot(reg) -> tuple:

@@ -146,7 +146,7 @@ def check_steers_fit(cfg: SteerServerConfig, hidden_size: int, model: str,
             continue
         if applied_in_layers(steer):
             if vllm_config is not None:
-                from vllm_steer.integrations.engine.management import model_identity
+                from vllm_steer.integrations.families import model_identity
                 from vllm_steer.vectors import model_fit_problems
 
                 reasons = model_fit_problems(steer.metadata,

@@ -1,0 +1,87 @@
+"""Kinds of steer: a file is read by its kind, a loaded steer goes where its kind says, and a
+new kind needs only its own module and one registration (a test-only kind shows it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import bias_kind
+from helpers.steers import random_steer
+from vllm_steer import kinds
+from vllm_steer.bank import SlotBank
+from vllm_steer.format import save_steer
+from vllm_steer.integrations.worker.request_slots import RequestSlots
+from vllm_steer.integrations.worker.step_mapping import LayerVectors, StepMapping
+from vllm_steer.kernels.layer_vectors import add_to_block_output
+from vllm_steer.vectors import make_vector_steer, save_gguf, save_vector
+
+
+@pytest.fixture
+def bias():
+    k = bias_kind.register()
+    yield k
+    kinds.unregister_kind(k.name)
+
+
+def test_each_file_is_read_by_its_own_kind(tmp_path):
+    lm = tmp_path / "lm.safetensors"
+    save_steer(lm, random_steer(16, 2, "lm", seed=0))
+    vec = tmp_path / "v.safetensors"
+    save_vector(vec, make_vector_steer({1: torch.ones(16)}, "v"))
+    gg = tmp_path / "g.gguf"
+    save_gguf(gg, make_vector_steer({1: torch.ones(16)}, "g"))
+    assert [kinds.kind_of_file(p).name for p in (lm, vec, gg)] == ["lm-steer", "vector", "vector"]
+    assert kinds.read_any_metadata(gg).layers == [1]
+    assert kinds.load_any(lm).p1.shape == (16, 2)
+    assert kinds.applied_in_layers(kinds.read_any_metadata(vec))
+    assert not kinds.applied_in_layers(kinds.read_any_metadata(lm))
+
+
+def test_a_test_only_kind_is_served_by_the_bank_the_mapping_and_the_blocks_op(tmp_path, bias):
+    """Registered from its own module only: its file is claimed, its steer goes to the vector
+    bank (no factor columns), the step mapping gives its tokens their strengths, and the
+    blocks' op adds ``a * v`` at its block only; plain torch says what each token must get."""
+    path = tmp_path / f"b{bias_kind.SUFFIX}"
+    v = torch.randn(16, generator=torch.Generator().manual_seed(3))
+    bias_kind.save(path, "b", 1, v)
+    assert kinds.kind_of_file(path) is bias
+    steer = kinds.load_any(path)
+
+    bank = SlotBank(4, 16, reserve_rank=2)
+    layers = LayerVectors([0, 1], 2, 4, 16, max_tokens=8, device=torch.device("cpu"))
+    bank.layers = layers
+    bank.put(2, 7, "b", steer)
+    assert bank.layer_slots() == [2] and int(bank.widths[2]) == 0  # no factor columns
+    assert torch.equal(bank.p1, torch.zeros_like(bank.p1))
+
+    slots = RequestSlots(4)
+    slots.ensure(3, torch.device("cpu"))
+    row, problems = bank.coef_row({"b": (2, 7)}, {"b": -1.5})
+    assert not problems
+    slots.set(1, np.asarray(row, dtype=np.float32), None, bank)  # request slot 1: steered
+    slots.flush()
+    mapping = StepMapping(layers, slots)
+    # three requests (slots 0, 1, 2) with 2, 3 and 1 tokens: only slot 1's tokens steered
+    mapping.build(np.array([0, 1, 2]), np.array([2, 3, 1]), None)
+    h = torch.randn(6, 16)
+    res = torch.randn(6, 16)
+    out1 = add_to_block_output((h, res), layers.token_coefs, layers.block_vectors(1))
+    out0 = add_to_block_output((h, res), layers.token_coefs, layers.block_vectors(0))
+    want = res.clone()
+    want[2:5] += -1.5 * v  # plain torch: the steered request's tokens, at its block
+    assert torch.allclose(out1[1], want, atol=1e-6) and torch.equal(out1[0], h)
+    assert torch.equal(out1[1][[0, 1, 5]], res[[0, 1, 5]])  # other tokens: the same bits
+    assert torch.equal(out0[1], res)  # another block: nothing
+    # a shorter step with no steered token zeroes what the last one left
+    mapping.build(np.array([0]), np.array([1]), None)
+    assert not layers.token_coefs.any()
+
+
+def test_unregistered_kinds_fall_back_to_lm_steer_s_reader(tmp_path):
+    path = tmp_path / f"b{bias_kind.SUFFIX}"
+    bias_kind.save(path, "b", 1, [1.0, 2.0])
+    assert kinds.kind_of_file(path).name == "lm-steer"  # whose reader refuses it, with reasons
+    with pytest.raises(Exception, match="refused"):
+        kinds.read_any_metadata(path)
