@@ -49,7 +49,7 @@ VANILLA = ["gptj", "opt", "gemma2", "cohere"]
 PROMPT = [1, 504, 3458, 314, 253, 1345, 5026, 30]
 MAX_TOKENS = 2
 REQUESTS = [None, {"rand": 4}, {"rand": -3}, {"train": 5}, {"xfer": 5}, {"conv": 5},
-            {"rand": 2, "conv": -2}]
+            {"rand": 2, "conv": -2}, {"vec": 2.0}, {"vec": -1.5, "rand": 2}]
 POS_WORDS = "happy good great lovely wonderful kind sunny bright joyful nice".split()
 NEG_WORDS = "sad bad awful terrible horrible cruel dark gloomy nasty ugly".split()
 FILL = "the a day was and it felt very so we".split()
@@ -78,16 +78,40 @@ def load_hf(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def head_input(model, ids: list[int]) -> torch.Tensor:
-    """The final hidden state ``c`` [T, d]: the input of the model's output embeddings."""
+def decoder_blocks(model):
+    """The transformers model's decoder blocks, by each family's own attribute path."""
+    for path in ("transformer.h", "gpt_neox.layers", "model.decoder.layers", "model.layers"):
+        obj = model
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        return obj
+    raise AssertionError(f"no decoder blocks in {type(model).__name__}")
+
+
+def head_input(model, ids: list[int], vectors=None) -> torch.Tensor:
+    """The final hidden state ``c`` [T, d]: the input of the model's output embeddings.
+    ``vectors``: ``{block k: a * v_k}`` added to block ``k``'s output at every position (the
+    stream the block returns: a tuple's first element), by forward hooks written here."""
     store = []
-    h = model.get_output_embeddings().register_forward_pre_hook(
-        lambda m, a: store.append(a[0].detach()))
+    hooks = [model.get_output_embeddings().register_forward_pre_hook(
+        lambda m, a: store.append(a[0].detach()))]
+
+    def add(delta):
+        def hook(_m, _a, out):
+            return (out[0] + delta, *out[1:]) if isinstance(out, tuple) else out + delta
+        return hook
+
+    for k, delta in (vectors or {}).items():
+        hooks.append(decoder_blocks(model)[k].register_forward_hook(add(delta)))
     try:
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0]
     finally:
-        h.remove()
+        for h in hooks:
+            h.remove()
     return store[0][0], logits
 
 
@@ -171,6 +195,7 @@ def models(tmp_path_factory):
     "convert_rc"}: the models, a random steer and the converted paper checkpoint."""
     from vllm_steer.cli import main
     from vllm_steer.format import save_steer
+    from vllm_steer.vectors import make_vector_steer, save_vector
 
     root = tmp_path_factory.mktemp("families")
     out = {}
@@ -180,8 +205,15 @@ def models(tmp_path_factory):
         cfg = json.loads((model_dir / "config.json").read_text())
         dim = cfg.get("word_embed_proj_dim") or cfg.get("hidden_size") or cfg["n_embd"]
         steers = {name: str(d / f"{name}.safetensors") for name in ("rand", "train", "xfer",
-                                                                    "conv")}
+                                                                    "conv", "vec")}
         save_steer(steers["rand"], random_steer(dim, RANK, "rand", seed=i, scale=3.0))
+        # a vector steer on every decoder block (of the model's hidden size, which OPT's
+        # projected head input is not)
+        hidden = cfg.get("hidden_size") or cfg["n_embd"]
+        blocks = cfg.get("num_hidden_layers") or cfg["n_layer"]
+        g = torch.Generator().manual_seed(50 + i)
+        save_vector(steers["vec"], make_vector_steer(
+            {k: torch.randn(hidden, generator=g) for k in range(blocks)}, "vec"))
         rec = {"model": str(model_dir), "d": dim, "dir": d, "steers": steers}
         rec["paper"] = _paper_checkpoint(d / "paper.pt", dim, seed=100 + i)
         rec["convert_rc"] = main(["convert", str(d / "paper.pt"), "--unsafe-allow-pickle",
@@ -258,9 +290,18 @@ def _served(engines, fam):
 def _expected(fam, model, req, built):
     """Expected logprobs [positions, vocab] for one served request."""
     ids = req["ids"] + req["tokens"][:-1]
-    c, hf_logits = head_input(model, ids)
+    vectors = None
+    if "vec" in (req["steer"] or {}):  # read straight from the file: a * v_k per block
+        from safetensors import safe_open
+
+        with safe_open(built[fam]["steers"]["vec"], framework="pt") as f:
+            vectors = {int(k.split(".")[1]): req["steer"]["vec"] * f.get_tensor(k).float()
+                       for k in f.keys()}
+    c, hf_logits = head_input(model, ids, vectors)
     terms = []
     for name, s in (req["steer"] or {}).items():
+        if name == "vec":
+            continue
         if name == "conv":  # the paper's own formula, from the checkpoint: dummy steer at 1
             st = built[fam]["paper"]
             eps = 1e-3

@@ -122,3 +122,19 @@ def model_identity(mc) -> dict:
     return dict(hidden_size=int(mc.get_hidden_size()),
                 num_layers=int(hf.num_hidden_layers), model_name=str(mc.model),
                 model_type=getattr(hf, "model_type", None))
+
+
+#: vLLM decoder blocks that return ``(stream, input residual)``: the residual stream after the
+#: block is the first element (the next block starts again from it, ``residual =
+#: hidden_states``), not the sum of the two as in Llama-style blocks (``(mlp output,
+#: residual)``, summed by the next block's fused add-norm). A vector steer is added to the
+#: stream: the first element here, the residual there.
+STREAM_FIRST_BLOCKS = frozenset({"CohereDecoderLayer"})
+
+
+def block_returns_stream_first(block_cls: type) -> bool:
+    """Whether a decoder block class's tuple starts with the residual stream itself: the
+    blocks of :data:`STREAM_FIRST_BLOCKS`, and every transformers block (vLLM's Transformers
+    backend, whose blocks return ``(hidden_states, ...)``)."""
+    return block_cls.__name__ in STREAM_FIRST_BLOCKS \
+        or block_cls.__module__.startswith("transformers.")

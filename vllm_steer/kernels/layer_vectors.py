@@ -18,21 +18,29 @@ from __future__ import annotations
 import torch
 
 
-def add_vectors(hidden: torch.Tensor,  # [n, hidden]: a block's output (or its residual)
+def add_vectors(hidden: torch.Tensor,  # [..., n, hidden]: a block's output (or residual)
                 token_coefs: torch.Tensor,  # [>= n, slots] fp32: per-token strengths
                 vectors: torch.Tensor,  # [slots, hidden] fp32: this block's vectors
                 ) -> torch.Tensor:
-    """``hidden + token_coefs[:n] @ vectors``, accumulated in fp32, in ``hidden``'s dtype."""
-    n = hidden.shape[0]
+    """``hidden + token_coefs[:n] @ vectors``, accumulated in fp32, in ``hidden``'s dtype
+    (``hidden`` may have leading dimensions, as a transformers block's ``[1, n, hidden]``:
+    its rows are the step's tokens in order)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    n = flat.shape[0]
     delta = torch.mm(token_coefs[:n], vectors)
-    return (hidden.float() + delta).to(hidden.dtype)
+    return (flat.float() + delta).to(hidden.dtype).reshape(hidden.shape)
 
 
-def add_to_block_output(out, token_coefs: torch.Tensor, vectors: torch.Tensor):
+def add_to_block_output(out, token_coefs: torch.Tensor, vectors: torch.Tensor,
+                        stream_first: bool = False):
     """The op on a decoder block's return value, whatever its family returns: the residual
-    stream after the block is ``hidden_states + residual`` for a block that returns the pair
-    (Llama, Qwen, Gemma 2: the vector goes into the residual, which the next block's fused
-    add-norm sums), and the tensor itself for one that returns the stream (GPT-2, NeoX, OPT)."""
+    stream after the block is ``hidden_states + residual`` for a vLLM block that returns the
+    pair (Llama, Qwen, Gemma 2: the vector goes into the residual, which the next block's fused
+    add-norm sums), and the tensor itself for one that returns the stream (GPT-2, GPT-J, OPT).
+    ``stream_first``: a transformers block (vLLM's Transformers backend), whose tuple starts
+    with the stream (the rest: attention weights, caches)."""
+    if isinstance(out, tuple) and stream_first:
+        return (add_vectors(out[0], token_coefs, vectors), *out[1:])
     if isinstance(out, tuple):
         if len(out) >= 2 and isinstance(out[1], torch.Tensor):
             return (out[0], add_vectors(out[1], token_coefs, vectors), *out[2:])

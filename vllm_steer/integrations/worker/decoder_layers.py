@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_steer.integrations.families import block_returns_stream_first
 from vllm_steer.kernels.layer_vectors import add_to_block_output
 
 #: The buffers registered on each steered block.
@@ -48,10 +49,22 @@ def find_blocks(model: torch.nn.Module, num_blocks: int) -> tuple[list[int], lis
             if isinstance(child, torch.nn.ModuleList) and len(child) == num_blocks:
                 idx = list(range(start, end))
                 return idx, [child[k] for k in idx]
+    # vLLM's Transformers backend (GPT-NeoX and others): the transformers model's own list,
+    # this stage's blocks being those not replaced by vLLM's PPMissingLayer
+    for _, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num_blocks:
+            idx = [k for k, b in enumerate(module) if type(b).__name__ != "PPMissingLayer"]
+            if idx and all(_is_block(module[k]) for k in idx):
+                return idx, [module[k] for k in idx]
     raise DecoderLayersNotFoundError(
         f"vllm-steer: the decoder blocks of {type(model).__name__} could not be found (no "
         f"module with start_layer/end_layer and a list of its {num_blocks} blocks), so vector "
         "steers cannot be applied to this model; serve it without vector steers")
+
+
+def _is_block(m: torch.nn.Module) -> bool:
+    """A decoder block (it has parameters of its own, unlike a list of norms or caches)."""
+    return any(True for _ in m.parameters()) and len(list(m.children())) > 1
 
 
 def steered_class(cls: type) -> type:
@@ -59,11 +72,12 @@ def steered_class(cls: type) -> type:
     sub = _CLASSES.get(cls)
     if sub is None:
         base_forward = cls.forward
+        stream_first = block_returns_stream_first(cls)  # (stream, ...) or (mlp, residual)
 
         def forward(self, *args, **kwargs):
             out = base_forward(self, *args, **kwargs)
             return add_to_block_output(out, getattr(self, COEFS_BUFFER),
-                                       getattr(self, VECTORS_BUFFER))
+                                       getattr(self, VECTORS_BUFFER), stream_first)
 
         forward.__doc__ = f"{cls.__qualname__}.forward, then its vector steers (see the module)."
         sub = type(f"Steered{cls.__name__}", (cls,), {"forward": forward,
