@@ -23,6 +23,7 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
+from vllm_steer.integrations import vllm_access
 from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.runtime import SteerRuntime, get_runtime
 from vllm_steer.integrations.worker.step_faults import HEAD, capturing
@@ -48,7 +49,7 @@ class SteeredLogitsProcessor(LogitsProcessor):
             # --enforce-eager: no CUDA graphs of vLLM's, nor of the head's op
             self.steer_runtime.bank_state.load(
                 head_input_size(mc), device, dtype, model_id=mc.model,
-                cuda_graphs=not getattr(mc, "enforce_eager", False))
+                cuda_graphs=not vllm_access.enforce_eager(mc))
 
     @property
     def steer_runtime(self) -> SteerRuntime | None:
@@ -162,12 +163,7 @@ def install_loader_checks(base_loader_cls) -> None:
 def _has_lm_head() -> bool:
     """Whether this worker's model has the LM head: with pipeline parallelism only the last
     stage does (the others have vLLM's ``PPMissingLayer`` and no logits layer to steer)."""
-    try:
-        from vllm.distributed import get_pp_group
-
-        return get_pp_group().is_last_rank
-    except (ImportError, AssertionError):  # no pipeline group (a model built outside vLLM)
-        return True
+    return vllm_access.is_last_pp_rank()
 
 
 def load_model(orig, self, vllm_config, *a, **kw):
@@ -180,7 +176,7 @@ def load_model(orig, self, vllm_config, *a, **kw):
     model = orig(self, vllm_config, *a, **kw)
     cfg = SteerServerConfig.from_additional_config(vllm_config.additional_config)
     if cfg is not None and cfg.enabled and _has_lm_head() and \
-            getattr(vllm_config.model_config, "runner_type", "generate") != "pooling":
+            not vllm_access.is_pooling(vllm_config.model_config):
         check_hooks(vllm_config)  # the hook groups of this runner and configuration
         check_head_installed(model)
         rt = get_runtime(vllm_config.additional_config)
