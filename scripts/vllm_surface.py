@@ -1,7 +1,7 @@
 """Write the surface manifest of a vLLM version: every name the plugin's hooks patch (each
-alternative target too), read (the hooks and the accesses of
-``vllm_steer/integrations/vllm_access.py``), bind by name or need called through a patched name, as vLLM's
-source defines it.
+alternative target too), read (the hooks' and the accesses' of
+``vllm_steer/integrations/vllm_access.py``), bind by name or need called through a patched
+name, as vLLM's source defines it.
 
     python scripts/vllm_surface.py                      # the installed vLLM
     python scripts/vllm_surface.py --wheel vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl

@@ -157,7 +157,7 @@ class _Taint:
                     if len(n.targets) == 1 and isinstance(n.targets[0], ast.Tuple) and \
                             isinstance(n.value, ast.Tuple) and \
                             len(n.value.elts) == len(n.targets[0].elts):
-                        for t, v in zip(n.targets[0].elts, n.value.elts):
+                        for t, v in zip(n.targets[0].elts, n.value.elts, strict=True):
                             self.bind(t, self.level(v))
                         continue
                     for t in n.targets:
