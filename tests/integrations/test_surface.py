@@ -218,3 +218,19 @@ def test_a_release_without_an_accessed_name_is_refused_at_start_up(monkeypatch):
     monkeypatch.setattr(vllm_access, "ACCESSES", later)
     with pytest.raises(MissingHookError, match=f"declared for vLLM >=99, not {__version__}"):
         hook_check.check_hooks(V1_CONFIG)
+
+
+def test_an_access_names_what_each_release_calls_it():
+    """vLLM 0.33 moved ``FrontendArgs`` (``--api-key``): the access declares both places, each
+    for its releases, and each manifest is checked at its own (a manifest records both)."""
+    from vllm_steer.integrations.vllm_access import ACCESSES, access_problems, api_keys
+
+    access = next(a for a in ACCESSES if a.function is api_keys)
+    old = "vllm.entrypoints.launchers.cli_args:FrontendArgs.api_key"
+    new = "vllm.entrypoints.common.cli_args:FrontendArgs.api_key"
+    assert access.names_for("0.32.0+cpu") == (old,) and access.names_for("0.33.0") == (new,)
+    for m in MANIFESTS:
+        assert access_problems(access, ManifestSurface(m)) == []
+        swapped = json.loads(json.dumps(m))
+        swapped["names"][old], swapped["names"][new] = m["names"][new], m["names"][old]
+        assert access_problems(access, ManifestSurface(swapped)) != []

@@ -59,9 +59,10 @@ def in_package(name: str) -> bool:
 def needed(hooks) -> tuple[list[str], list[tuple[str, str]]]:
     """The vLLM names and the (caller, target) pairs ``hooks`` depend on, in every release
     they name (each alternative target too); ``hooks`` may hold accesses too
-    (:class:`~vllm_steer.integrations.vllm_access.Access`: the names they read and set)."""
-    names = {n for h in hooks for n in (*(t.target for t in h.targets), *h.reads,
-                                        *getattr(h, "sets", ()))}
+    (:class:`~vllm_steer.integrations.vllm_access.Access`: the names they read and set, in
+    every release)."""
+    names = {n for h in hooks for n in (*(t.target for t in h.targets),
+                                        *getattr(h, "all_names", h.reads))}
     calls = {(c, t.target) for h in hooks for t in h.targets for c in h.called_by}
     return sorted(n for n in names if in_package(n)), sorted(calls)
 

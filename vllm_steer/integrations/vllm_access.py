@@ -24,6 +24,18 @@ from vllm_steer.integrations.hooks import ENGINE, FRONTEND, WORKER, Alternative,
 
 
 @dataclass(frozen=True)
+class Release:
+    """The names an access touches in some vLLM releases (where vLLM moved one)."""
+
+    versions: str
+    """The releases, a pip version specifier (``">=0.33"``)."""
+    reads: tuple[str, ...] = ()
+    """What the access reads there (as :attr:`Access.reads`)."""
+    sets: tuple[str, ...] = ()
+    """What it sets there (as :attr:`Access.sets`)."""
+
+
+@dataclass(frozen=True)
 class Access:
     """One function of this module that touches vLLM objects, and what it touches."""
 
@@ -39,13 +51,28 @@ class Access:
     sets: tuple[str, ...] = ()
     """Every name it assigns on a vLLM object (checked like :attr:`reads`)."""
     versions: str = ""
-    """The vLLM releases these names hold for, a pip specifier (empty: every release); on
-    another release the start-up check refuses the group, naming the access."""
+    """The vLLM releases these names hold for, a pip specifier (empty: every release)."""
+    releases: tuple[Release, ...] = ()
+    """The names in other releases, where vLLM moved one: the first whose releases hold the
+    installed vLLM is checked (:meth:`names_for`); on a release none holds, the start-up
+    check refuses the group, naming the access."""
 
     @property
     def names(self) -> tuple[str, ...]:
         """:attr:`reads` then :attr:`sets`."""
         return (*self.reads, *self.sets)
+
+    @property
+    def all_names(self) -> tuple[str, ...]:
+        """Every name of every release (what a manifest records)."""
+        return (*self.names, *(n for r in self.releases for n in (*r.reads, *r.sets)))
+
+    def names_for(self, version: str) -> tuple[str, ...] | None:
+        """The names touched on vLLM ``version`` (None: no release declared for it)."""
+        if self.holds(version):
+            return self.names
+        return next(((*r.reads, *r.sets) for r in self.releases
+                     if Alternative("", r.versions).holds(version)), None)
 
     # what the manifest writer (vllm_steer.integrations.manifest.needed) asks of a hook
     targets: tuple[Alternative, ...] = ()
@@ -329,6 +356,11 @@ def llm_collective_rpc(llm, method: str, args: tuple) -> list:
     return llm.collective_rpc(method, args=args)
 
 
+def api_keys(args) -> list | None:
+    """``--api-key`` of the API server's arguments (None: not given)."""
+    return getattr(args, "api_key", None)
+
+
 # ---- the worker --------------------------------------------------------------------------
 def is_last_pp_rank() -> bool:
     """Whether this worker is the last pipeline-parallel stage (the one with the LM head);
@@ -425,6 +457,10 @@ ACCESSES: tuple[Access, ...] = (
                   "vllm.v1.engine.core_client:MPClient.core_engines")),
     Access(llm_collective_rpc, "a management op offline", FRONTEND,
            reads=("vllm.entrypoints.llm:LLM.collective_rpc",)),
+    Access(api_keys, "API keys never pass as the steer admin key", FRONTEND,
+           reads=("vllm.entrypoints.launchers.cli_args:FrontendArgs.api_key",),
+           versions="<0.33", releases=(Release(">=0.33", reads=(
+               "vllm.entrypoints.common.cli_args:FrontendArgs.api_key",)),)),
     Access(is_last_pp_rank, "only the last pipeline stage has the LM head", WORKER,
            reads=("vllm.distributed.parallel_state:get_pp_group",
                   "vllm.distributed.parallel_state:GroupCoordinator.is_last_rank")),
@@ -435,10 +471,12 @@ def access_problems(access: Access, surface: Any) -> list[str]:
     """What ``surface`` (a vLLM release's, as :func:`vllm_steer.integrations.hook_check.
     surface_problems` reads it) lacks of ``access``."""
     where = f"vllm_steer.integrations.vllm_access.{access.function.__name__} ({access.purpose})"
-    if not access.holds(surface.version):
-        return [f"{where}: declared for vLLM {access.versions}, not {surface.version}"]
+    names = access.names_for(surface.version)
+    if names is None:
+        declared = "; ".join(v for v in (access.versions, *(r.versions for r in access.releases)))
+        return [f"{where}: declared for vLLM {declared}, not {surface.version}"]
     out = []
-    for name in access.names:
+    for name in names:
         if surface.lookup(name) is None:
             pkg = "vLLM" if name.partition(":")[0].partition(".")[0] == "vllm" else \
                 f"installed {name.partition('.')[0]}"
