@@ -1,10 +1,11 @@
-"""Where the plugin reads and writes vLLM's objects outside its hook wrappers: one small named
+"""Where the plugin reads and writes vLLM's objects outside its hook modules: one small named
 function per access (the configuration, the OpenAI request models, a request's sampling
-parameters, the pipeline-parallel group).
+parameters, the pipeline-parallel group, the engine client of the HTTP routes).
 
 Each function is declared in :data:`ACCESSES` as an :class:`Access`: the vLLM names it reads
 or sets, ``module:Class.name`` as vLLM defines them (and pydantic's private names it edits
-the request models with), for the vLLM releases in :attr:`Access.versions`. The start-up check
+the request models with), for the vLLM releases in :attr:`Access.versions`, and where vLLM
+moved a name, the names of the other releases (:class:`Release`). The start-up check
 (:func:`vllm_steer.integrations.hook_check.check_hooks`) looks every declared name up on the
 installed vLLM's surface, as it does the hooks' (the committed manifest in
 ``vllm_steer/integrations/surfaces/`` when there is one, else vLLM's source), so a release that
