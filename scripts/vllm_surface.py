@@ -1,6 +1,7 @@
 """Write the surface manifest of a vLLM version: every name the plugin's hooks patch (each
-alternative target too), read, bind by name or need called through a patched name, as vLLM's
-source defines it.
+alternative target too), read (the hooks' and the accesses' of
+``vllm_steer/integrations/vllm_access.py``), bind by name or need called through a patched
+name, as vLLM's source defines it.
 
     python scripts/vllm_surface.py                      # the installed vLLM
     python scripts/vllm_surface.py --wheel vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl
@@ -36,11 +37,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=SURFACES_DIR, help="directory of the manifests")
     args = p.parse_args(argv)
     from vllm_steer.integrations.plugin import HOOKS
+    from vllm_steer.integrations.vllm_access import ACCESSES
 
     sources = Sources(wheel=args.wheel) if args.wheel else Sources()
     try:
         m = write(Surface(sources), os.path.basename(args.wheel) if args.wheel else "installed",
-                  HOOKS)
+                  (*HOOKS, *ACCESSES))
     except ValueError as e:
         raise SystemExit(f"vllm_surface: {e}") from e
     os.makedirs(args.out, exist_ok=True)

@@ -1,61 +1,200 @@
-"""Every name the plugin reads of a vLLM object is declared in HOOKS (``Hook.reads``, a target
-or a parameter), so the start-up check verifies it: a vLLM release that renamed it is refused
-at start-up, not at the first request that reaches it. And the plugin sets attributes on vLLM
-objects only inside its hook wrappers (the one way it patches vLLM), never with ``setattr``.
+"""One rule: the plugin touches no attribute of a vLLM object outside its accessor layer
+(``vllm_steer/integrations/vllm_access.py``), but in the hook modules of :data:`HOOK_MODULES`;
+and every name touched there is declared (an :class:`~vllm_steer.integrations.vllm_access.
+Access`'s names, a hook's target or ``Hook.reads``), so the start-up check verifies it on the
+installed vLLM's surface: a release that renamed it is refused at start-up, not at the first
+request that reaches it.
 
-Read from the plugin's source (``ast``): in each function of ``vllm_steer/integrations`` (and
-``vllm_steer/metrics.py``), vLLM objects are the names imported from ``vllm``, the parameters
-of a hook wrapper (``wrapper(orig, self, ...)``) and the names in :data:`VLLM_NAMES` (the
-plugin's names for the vLLM objects it is handed: ``vllm_config``, ``runner``, ...). Each
-attribute read on one (``x.a``, ``getattr(x, "a")``) must be declared; so must each attribute
-read on what that returns (``x.a.b``), unless it is an attribute of the plain Python, numpy or
-torch types vLLM hands over (dict, list, ndarray, Tensor: :data:`PLAIN`, computed). Dunder
-names are Python's. Each import from a private module of another package
-(``pydantic._internal``) must be declared as a read too."""
+The hook modules allowed to read vLLM objects themselves are the wrappers of the engine core,
+of the API server's engine client and model registry, the per-request steer state, the
+steered head and the model runners' row mapping: each reads the state of the vLLM object its
+wrapper is handed (a runner's input batch, a scheduler's requests), on the hot path or in a
+sequence with vLLM's own call, and every name it reads is declared on its hook in ``HOOKS``
+(``Hook.reads``, ``Hook.params``). Everything else (the start-up checks, the request field,
+admission and binding, the families, the engine-core state, the HTTP routes of
+``vllm_steer/server/``, metrics) goes through the layer's named functions.
+
+Read from the source (``ast``) of the code that runs in vLLM's processes:
+``vllm_steer/integrations``, ``vllm_steer/server`` and ``vllm_steer/metrics.py`` (the tools
+that drive vLLM as a user does, ``vllm_steer/eval`` and ``vllm_steer/offline.py``, use its
+public API and are not the plugin). A vLLM object, in each function, is: a name imported from
+``vllm``; a parameter of a hook wrapper (``wrapper(orig, self, ...)``, ``orig`` too); a name in
+:data:`VLLM_NAMES` (the plugin's names for the vLLM objects it is handed); in the layer, each
+parameter of an accessor; and whatever is derived from one: an alias (``x = runner``), an
+attribute (``x.a``), ``getattr(x, "a")``, a call's result (``x.f()``, ``orig(...)``), an item
+(``x[i]``) or a loop variable over one. A touch is ``x.a`` (read or set),
+``getattr``/``hasattr``/``setattr``/``delattr`` on one (a computed name is refused outside the
+layer: it cannot be checked). Python's own names (``__init__``, ``__name__``: :data:`PYTHON`)
+are not vLLM's, and neither are the attributes of the plain types found behind a vLLM
+attribute (dict, list, ndarray, Tensor: :data:`PLAIN`), but on the vLLM object itself.
+Each import from a private module of another package (``pydantic._internal``) must be
+declared too."""
 
 from __future__ import annotations
 
 import ast
 import queue
+import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from vllm_steer.integrations import vllm_access
 from vllm_steer.integrations.plugin import HOOKS
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = sorted((ROOT / "vllm_steer" / "integrations").rglob("*.py")) + \
-    [ROOT / "vllm_steer" / "metrics.py"]
+PACKAGE = ROOT / "vllm_steer"
+SOURCES = sorted((PACKAGE / "integrations").rglob("*.py")) + \
+    sorted((PACKAGE / "server").rglob("*.py")) + [PACKAGE / "metrics.py"]
+#: The accessor layer.
+LAYER = "vllm_steer/integrations/vllm_access.py"
+#: The hook modules that read the vLLM objects their wrappers are handed, and why.
+HOOK_MODULES = {
+    "vllm_steer/integrations/engine/core.py": "EngineCore wrappers (the output queue)",
+    "vllm_steer/integrations/engine/management.py": "run-time loads: the engine core's "
+    "scheduler, executor and model",
+    "vllm_steer/integrations/engine/worker_faults.py": "Scheduler.update_from_output",
+    "vllm_steer/integrations/frontend/async_llm.py": "AsyncLLM wrappers",
+    "vllm_steer/integrations/frontend/preset_models.py": "the model registry's wrappers",
+    "vllm_steer/integrations/request_state_v1.py": "V1 per-request state (vLLM's class)",
+    "vllm_steer/integrations/request_state_v2.py": "V2 per-request state (vLLM's class)",
+    "vllm_steer/integrations/worker/head.py": "the steered head (vLLM's LogitsProcessor)",
+    "vllm_steer/integrations/worker/runtime.py": "the worker's runtime (speculative config)",
+    "vllm_steer/integrations/worker/spec_decode.py": "the drafter heads",
+    "vllm_steer/integrations/worker/spec_v1.py": "V1 runner: verification, drafter rows",
+    "vllm_steer/integrations/worker/spec_v2.py": "V2 runner: drafter rows",
+    "vllm_steer/integrations/worker/v1.py": "V1 runner: the step's rows",
+    "vllm_steer/integrations/worker/v2.py": "V2 runner: the step's rows",
+}
 #: Parameter and variable names the plugin gives the vLLM objects it is handed, outside the
 #: wrappers' own parameters.
 VLLM_NAMES = {"core", "runner", "vllm_config", "model_config", "req_states", "input_batch",
-              "sharder", "scheduler_output", "speculative_config"}
+              "sharder", "scheduler_output", "speculative_config", "engine", "llm"}
 #: Attributes of the plain types found behind a vLLM attribute (``x.a.values()``): not vLLM's.
-PLAIN = {n for t in (dict, list, tuple, set, str, queue.Queue, np.ndarray, torch.Tensor)
+PLAIN = {n for t in (dict, list, tuple, set, str, queue.Queue, np.ndarray, torch.Tensor,
+                    torch.nn.Module, types.AsyncGeneratorType, types.CoroutineType)
          for n in dir(t)}
+#: Python's names, on any object.
+PYTHON = {n for n in (*dir(object), *dir(type), "__func__", "__wrapped__", "__dict__",
+                      "__annotations__") if n.startswith("__")}
+#: Names the plugin's own classes define, read on the objects vLLM holds in its lists (our
+#: per-request state among its logits processors), with the class that defines each.
+OURS = {"needs_output_token_ids": "vllm_steer.integrations.request_state_v1:SteerRequestStateV1"}
+_ATTR_FUNCS = ("getattr", "hasattr", "setattr", "delattr")
+
+
+@dataclass(frozen=True)
+class Touch:
+    """One touch of an attribute of a vLLM object."""
+
+    where: str
+    """``path:line (function)``."""
+    function: str
+    """The top-level function (or class) it is in."""
+    name: str | None
+    """The attribute (None: a name computed at run time)."""
+    depth: int
+    """1: on the vLLM object itself; more: on what one of its attributes holds."""
+    how: str
+    """``read``, ``set``, or the built-in called (``getattr``, ``setattr``, ...)."""
+    wrapper: bool
+    """Whether it is in a hook wrapper (first parameter ``orig``)."""
 
 
 def declared() -> set[str]:
-    """The last component of every name HOOKS declare (targets, alternatives, reads)."""
-    names = {t.target for h in HOOKS for t in h.targets} | {r for h in HOOKS for r in h.reads}
-    return {n.rpartition(":")[2].rpartition(".")[2] for n in names}
+    """The last component of every name HOOKS and the layer declare."""
+    names = {t.target for h in HOOKS for t in h.targets} | {r for h in HOOKS for r in h.reads} \
+        | {n for a in vllm_access.ACCESSES for n in a.all_names}
+    return {last(n) for n in names}
 
 
-def _chain(node) -> tuple[str | None, list[str]]:
-    attrs = []
-    while isinstance(node, ast.Attribute):
-        attrs.append(node.attr)
-        node = node.value
-    return (node.id if isinstance(node, ast.Name) else None), attrs[::-1]
+def last(name: str) -> str:
+    return name.rpartition(":")[2].rpartition(".")[2]
 
 
-def scan(path: Path):
-    """``(where, name, depth, how)`` for each attribute of a vLLM object read or set in
-    ``path`` (depth 1: on the object itself), and ``(where, module:Name)`` of each private
-    import of another package."""
-    tree = ast.parse(path.read_text())
-    rel = path.relative_to(ROOT)
+class _Taint:
+    """The vLLM objects of one function: roots and what is derived from them, with depth."""
+
+    def __init__(self, roots: set[str]) -> None:
+        self.depth = {r: 0 for r in roots}
+
+    def level(self, node) -> int | None:
+        """0 for a vLLM object, k for what k attribute steps from one hold; None: not one."""
+        if isinstance(node, ast.Name):
+            return self.depth.get(node.id)
+        if isinstance(node, (ast.Attribute, ast.Subscript)):
+            inner = self.level(node.value)
+            return None if inner is None else inner + 1
+        if isinstance(node, ast.Await):
+            return self.level(node.value)
+        if isinstance(node, ast.Call):
+            if isinstance(node.func, ast.Name) and node.func.id == "getattr" and node.args:
+                inner = self.level(node.args[0])
+                return None if inner is None else inner + 1
+            inner = self.level(node.func)
+            return None if inner is None else inner + 1
+        if isinstance(node, ast.BoolOp):
+            levels = [lv for lv in map(self.level, node.values) if lv is not None]
+            return min(levels) if levels else None
+        return None
+
+    def bind(self, target, level: int | None) -> None:
+        if level is None:
+            return
+        if isinstance(target, ast.Name):
+            self.depth[target.id] = min(level, self.depth.get(target.id, level))
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            for el in target.elts:
+                self.bind(el, level + 1)
+
+    def learn(self, fn) -> None:
+        """Follow the aliases of ``fn`` (twice: a use before its assignment in source order)."""
+        for _ in range(2):
+            for n in ast.walk(fn):
+                if isinstance(n, ast.Assign):
+                    if len(n.targets) == 1 and isinstance(n.targets[0], ast.Tuple) and \
+                            isinstance(n.value, ast.Tuple) and \
+                            len(n.value.elts) == len(n.targets[0].elts):
+                        for t, v in zip(n.targets[0].elts, n.value.elts, strict=True):
+                            self.bind(t, self.level(v))
+                        continue
+                    for t in n.targets:
+                        self.bind(t, self.level(n.value))
+                elif isinstance(n, (ast.AnnAssign, ast.NamedExpr)) and n.value is not None:
+                    self.bind(n.target, self.level(n.value))
+                elif isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)):
+                    lv = self.level(n.iter)
+                    self.bind(n.target, None if lv is None else lv + 1)
+
+
+_FUNCTION = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def _functions(tree):
+    """``(top-level name, function)`` for every outermost function (a module's, a class's
+    methods); a function nested in one is read with it (its closure's aliases hold)."""
+    def outermost(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, _FUNCTION):
+                yield child
+            else:
+                yield from outermost(child)
+
+    for top in tree.body:
+        for fn in ([top] if isinstance(top, _FUNCTION) else outermost(top)):
+            yield getattr(top, "name", "<module>"), fn
+
+
+def _params(fn) -> list[str]:
+    return [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+
+
+def scan(source: str, rel: str) -> tuple[list[Touch], list[tuple[str, str]]]:
+    """Every touch of a vLLM object in ``source`` (the file ``rel``), and ``(where,
+    module:Name)`` of each import from a private module of another package."""
+    tree = ast.parse(source)
     imported, private = set(), []
     constants = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
                  and isinstance(n.value, ast.Constant) for t in n.targets
@@ -66,71 +205,174 @@ def scan(path: Path):
                 imported |= {a.asname or a.name for a in n.names}
             elif n.module != "__future__" and any(p.startswith("_") for p in n.module.split(".")):
                 private += [(f"{rel}:{n.lineno}", f"{n.module}:{a.name}") for a in n.names]
+        elif isinstance(n, ast.Import):
+            imported |= {(a.asname or a.name).split(".")[0] for a in n.names
+                         if a.name.split(".")[0] == "vllm"}
+    accessors = {a.function.__name__ for a in vllm_access.ACCESSES} if rel == LAYER else set()
     found = []
-    for fn in ast.walk(tree):
-        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        args = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+    for top, fn in _functions(tree):
+        args = _params(fn)
         wrapper = bool(args) and args[0] == "orig"
-        roots = imported | VLLM_NAMES | (set(args[1:]) if wrapper else set())
-        inner = {id(n.value) for n in ast.walk(fn) if isinstance(n, ast.Attribute)}
+        roots = imported | VLLM_NAMES | (set(args) if wrapper or fn.name in accessors else set())
+        roots |= {a for sub in ast.walk(fn) if isinstance(sub, _FUNCTION) and sub is not fn
+                  and _params(sub)[:1] == ["orig"] for a in _params(sub)}
+        taint = _Taint(roots)
+        taint.learn(fn)
         for n in ast.walk(fn):
             where = f"{rel}:{getattr(n, 'lineno', fn.lineno)} ({fn.name})"
-            if isinstance(n, ast.Attribute) and id(n) not in inner:
-                root, attrs = _chain(n)
-                if root in roots:
-                    store = not isinstance(n.ctx, ast.Load)
-                    for depth, a in enumerate(attrs, 1):
-                        last = depth == len(attrs)
-                        found.append((where, a, depth, "set" if store and last else "read",
-                                      wrapper))
+            if isinstance(n, ast.Attribute):
+                lv = taint.level(n.value)
+                if lv is not None:
+                    how = "read" if isinstance(n.ctx, ast.Load) else "set"
+                    found.append(Touch(where, top, n.attr, lv + 1, how, wrapper))
             elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and \
-                    n.func.id in ("getattr", "hasattr", "setattr", "delattr") and \
-                    len(n.args) >= 2 and isinstance(n.args[0], ast.Name) and \
-                    n.args[0].id in roots:
+                    n.func.id in _ATTR_FUNCS and len(n.args) >= 2:
+                lv = taint.level(n.args[0])
+                if lv is None:
+                    continue
                 name = n.args[1].value if isinstance(n.args[1], ast.Constant) else \
                     constants.get(getattr(n.args[1], "id", None))
-                if name is None:  # a name computed at run time: not seen here
-                    continue
-                found.append((where, name, 1, "read" if n.func.id in ("getattr", "hasattr")
-                              else n.func.id, wrapper))
+                found.append(Touch(where, top, name, lv + 1, n.func.id, wrapper))
     return found, private
 
 
-def test_every_attribute_the_plugin_reads_of_a_vllm_object_is_declared():
+def violations(source: str, rel: str) -> list[str]:
+    """What breaks the rule in ``source`` (the file ``rel``, relative to the repository)."""
+    touches, _ = scan(source, rel)
     names = declared()
-    undeclared = []
-    for path in SOURCES:
-        for where, a, depth, _how, _ in scan(path)[0]:
-            if a.startswith("__") or a in names or (depth > 1 and a in PLAIN):
-                continue
-            undeclared.append(f"{where}: {a}")
-    assert undeclared == [], ("attributes of vLLM objects read without a declaration in "
-                              "HOOKS (add each to the reads of the hook whose code reads it): "
-                              + "; ".join(undeclared))
+    per_access = {a.function.__name__: {last(n) for n in a.all_names}
+                  for a in vllm_access.ACCESSES}
+    out = []
+    for t in touches:
+        if t.name in PYTHON or (t.depth > 1 and (t.name in PLAIN or t.name in OURS)):
+            continue
+        what = f"{t.where}: {t.how} {t.name or '(a computed name)'}"
+        if rel == LAYER:
+            if t.function not in per_access:
+                out.append(f"{what}: in no accessor declared in ACCESSES")
+            elif t.name is not None and t.name not in per_access[t.function]:
+                out.append(f"{what}: not declared in the Access of {t.function}")
+        elif rel in HOOK_MODULES:
+            if t.name is None:
+                continue  # a name computed at run time: not seen here
+            if t.name not in names:
+                out.append(f"{what}: not declared in HOOKS (add it to the reads of the hook "
+                           "whose code reads it)")
+            elif t.how in ("setattr", "delattr") or (t.how == "set" and not t.wrapper):
+                out.append(f"{what}: set outside a hook wrapper")
+        else:
+            out.append(f"{what}: a vLLM object touched outside {LAYER} (call an accessor)")
+    return out
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def test_no_vllm_object_is_touched_outside_the_layer_and_every_name_is_declared():
+    bad = [v for p in SOURCES for v in violations(p.read_text(), _rel(p))]
+    assert bad == [], "; ".join(bad)
 
 
 def test_every_private_import_of_another_package_is_declared():
-    reads = {r for h in HOOKS for r in h.reads}
-    missing = [f"{where}: {name}" for path in SOURCES for where, name in scan(path)[1]
-               if name not in reads]
-    assert missing == [], "private imports without a declaration in HOOKS: " + "; ".join(missing)
+    reads = {r for h in HOOKS for r in h.reads} | \
+        {n for a in vllm_access.ACCESSES for n in a.all_names}
+    missing = [f"{where}: {name}" for p in SOURCES for where, name in
+               scan(p.read_text(), _rel(p))[1] if name not in reads]
+    assert missing == [], "private imports without a declaration: " + "; ".join(missing)
 
 
-def test_attributes_are_set_on_vllm_objects_only_inside_hook_wrappers():
-    """Patching goes through ``wrap_method`` (or an install function) alone: outside a hook
-    wrapper's own fields nothing sets an attribute on a vLLM object, and nothing uses
-    ``setattr``/``delattr`` on one."""
-    bad = [f"{where}: {how} {a}" for path in SOURCES for where, a, _, how, wrapper in scan(path)[0]
-           if how in ("setattr", "delattr") or (how == "set" and not wrapper)]
-    assert bad == [], "attributes set on vLLM objects outside the hooks: " + "; ".join(bad)
+def test_every_accessor_is_a_function_of_the_layer_and_declared_once():
+    fns = [a.function for a in vllm_access.ACCESSES]
+    assert len(set(fns)) == len(fns)
+    assert all(f.__module__ == vllm_access.__name__ for f in fns)
+    tree = ast.parse((ROOT / LAYER).read_text())
+    touching = {t.function for t in scan((ROOT / LAYER).read_text(), LAYER)[0]}
+    public = {n.name for n in tree.body if isinstance(n, _FUNCTION)}
+    assert touching <= {f.__name__ for f in fns} | {"access_problems"}, touching
+    assert {f.__name__ for f in fns} <= public
+
+
+def test_the_allowed_files_exist_and_our_names_are_ours():
+    from vllm_steer.integrations.hooks import resolve
+
+    assert (ROOT / LAYER).is_file()
+    assert [f for f in HOOK_MODULES if not (ROOT / f).is_file()] == []
+    for name, owner in OURS.items():
+        assert name in vars(resolve(owner)), (name, owner)
+
+
+# ---- the rule can fail: planted cases ----------------------------------------------------
+FRONTEND_FILE = "vllm_steer/integrations/frontend/startup_checks.py"
+RUNNER_FILE = "vllm_steer/integrations/worker/v1.py"
+SERVER_FILE = "vllm_steer/server/lens_route.py"
+
+
+def _one(source: str, rel: str, *words: str) -> None:
+    """``source`` breaks the rule, and one of the violations says each of ``words``."""
+    got = violations(source, rel)
+    assert any(all(w in v for w in words) for v in got), (words, got)
+
+
+def test_an_alias_of_a_vllm_object_is_followed():
+    src = "def f(vllm_config):\n    mc = vllm_config\n    return bool(mc)\n"
+    assert violations(src, FRONTEND_FILE) == []  # no attribute touched: nothing to find
+    _one("def f(vllm_config):\n    x = vllm_config\n    y = x\n    return y.enforce_eager\n",
+         FRONTEND_FILE, "read enforce_eager", "outside")
+    # in a hook module an alias's read must be declared
+    _one("def f(orig, self):\n    batch = self.input_batch\n    return batch.no_such_field\n",
+         RUNNER_FILE, "read no_such_field", "not declared in HOOKS")
+    # and set only inside a wrapper
+    _one("def f(orig, self):\n    out = orig(self)\n    out.req_ids = []\n    return out\n",
+         FRONTEND_FILE, "set req_ids", "outside")
+    _one("def f(runner):\n    batch = runner.input_batch\n    batch.num_reqs = 0\n",
+         RUNNER_FILE, "set num_reqs", "set outside a hook wrapper")
+
+
+def test_getattr_on_a_vllm_object_is_a_touch():
+    _one("def f(vllm_config):\n    return getattr(vllm_config, 'enforce_eager', False)\n",
+         FRONTEND_FILE, "getattr enforce_eager")
+    _one("def f(vllm_config, name):\n    return getattr(vllm_config.model_config, name)\n",
+         FRONTEND_FILE, "getattr (a computed name)")
+    _one("def f(runner):\n    return getattr(runner, 'no_such_field', None)\n",
+         RUNNER_FILE, "getattr no_such_field", "not declared in HOOKS")
+    _one("def f(orig, self, request):\n    sp = getattr(request, 'sampling_params')\n"
+         "    setattr(sp, 'extra_args', {})\n", RUNNER_FILE, "setattr extra_args")
+
+
+def test_a_read_in_the_http_server_is_refused():
+    _one("async def f(engine):\n    return engine.model_config.max_model_len\n",
+         SERVER_FILE, "read model_config", "outside")
+    _one("from vllm.config import get_current_vllm_config\n\n\ndef f():\n"
+         "    return get_current_vllm_config().model_config\n", SERVER_FILE, "read model_config")
+    _one("from vllm import SamplingParams\n\n\ndef f():\n    p = SamplingParams()\n"
+         "    return p.extra_args\n", SERVER_FILE, "read extra_args")
+
+
+def test_the_layer_names_what_each_accessor_touches():
+    assert violations("def enforce_eager(model_config):\n    return model_config.enforce_eager\n",
+                      LAYER) == []
+    _one("def enforce_eager(model_config):\n    return model_config.runner_type\n", LAYER,
+         "not declared in the Access of enforce_eager")
+    _one("def not_an_accessor(x, vllm_config):\n    return vllm_config.model_config\n", LAYER,
+         "in no accessor")
+
+
+def test_the_same_reads_through_the_layer_pass():
+    src = ("from vllm_steer.integrations import vllm_access as va\n\n\n"
+           "def f(vllm_config):\n    return va.enforce_eager(va.model_config(vllm_config))\n")
+    assert violations(src, FRONTEND_FILE) == []
+    assert violations(src, SERVER_FILE) == []
 
 
 def test_the_scan_finds_the_reads_it_is_meant_to():
-    """The scan is not vacuous: it sees reads of known vLLM objects in known places."""
-    got = {(w.split(":")[0], a) for p in SOURCES for w, a, *_ in scan(p)[0]}
+    """The scan is not vacuous on the plugin itself: it sees reads of known vLLM objects in
+    known places."""
+    got = {(t.where.split(":")[0], t.name) for p in SOURCES
+           for t in scan(p.read_text(), _rel(p))[0]}
     assert ("vllm_steer/integrations/worker/v2.py", "idx_mapping_np") in got
     assert ("vllm_steer/integrations/request_state_v2.py", "max_num_reqs") in got
     assert ("vllm_steer/integrations/engine/management.py", "scheduler") in got
-    private = {n for p in SOURCES for _, n in scan(p)[1]}
+    assert (LAYER, "enforce_eager") in got and (LAYER, "is_last_rank") in got
+    private = {n for p in SOURCES for _, n in scan(p.read_text(), _rel(p))[1]}
     assert "pydantic._internal._decorators:Decorator" in private

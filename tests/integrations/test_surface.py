@@ -176,3 +176,61 @@ def test_without_the_alternative_the_check_refuses_exactly_that_group(monkeypatc
                 hook_check.check_hooks(V2_CONFIG)
             assert f"cannot steer on vLLM {nr.VERSION}" in str(e.value)
             assert "(hook group 'v2'," in str(e.value) and old in str(e.value)
+
+
+@pytest.mark.parametrize("manifest_", MANIFESTS, ids=_version)
+def test_accesses_match_the_manifest(manifest_):
+    """Every name an accessor of the layer touches is in each supported vLLM."""
+    from vllm_steer.integrations.vllm_access import ACCESSES, access_problems
+
+    surface = ManifestSurface(manifest_)
+    assert set(manifest.needed(ACCESSES)[0]) <= set(manifest_["names"])
+    problems = [p for a in ACCESSES for p in access_problems(a, surface)]
+    assert problems == [], f"vLLM {manifest_['vllm']}: " + "; ".join(problems)
+
+
+def test_a_release_without_an_accessed_name_is_refused_at_start_up(monkeypatch):
+    """A release whose ``ModelConfig`` lost ``enforce_eager`` (read by the layer's
+    ``enforce_eager``, in the worker group): the start-up check refuses the configuration,
+    naming the accessor and the name; an access declared for other releases is refused too."""
+    import dataclasses
+
+    from vllm import __version__
+
+    from vllm_steer.integrations import vllm_access
+
+    m = json.loads(json.dumps(next(m for m in MANIFESTS if m["vllm"] == __version__)))
+    name = "vllm.config.model:ModelConfig.enforce_eager"
+    m["names"][name] = None
+    surface = ManifestSurface(m)
+    monkeypatch.setattr(hook_check, "_SURFACE", {})
+    monkeypatch.setattr(hook_check, "_MISSING_BY_GROUP", {})
+    monkeypatch.setattr(manifest, "installed_surface", lambda _h: surface)
+    with pytest.raises(MissingHookError) as e:
+        hook_check.check_hooks(V1_CONFIG)
+    assert "(hook group 'worker'," in str(e.value)
+    assert "vllm_access.enforce_eager (" in str(e.value) and \
+        f"reads {name}, which this vLLM does not have" in str(e.value)
+    monkeypatch.setattr(hook_check, "_SURFACE", {})
+    m["names"][name] = {"kind": "class attribute", "where": "vllm.config.model:ModelConfig"}
+    later = tuple(dataclasses.replace(a, versions=">=99") if a.function is
+                  vllm_access.enforce_eager else a for a in vllm_access.ACCESSES)
+    monkeypatch.setattr(vllm_access, "ACCESSES", later)
+    with pytest.raises(MissingHookError, match=f"declared for vLLM >=99, not {__version__}"):
+        hook_check.check_hooks(V1_CONFIG)
+
+
+def test_an_access_names_what_each_release_calls_it():
+    """vLLM 0.33 moved ``FrontendArgs`` (``--api-key``): the access declares both places, each
+    for its releases, and each manifest is checked at its own (a manifest records both)."""
+    from vllm_steer.integrations.vllm_access import ACCESSES, access_problems, api_keys
+
+    access = next(a for a in ACCESSES if a.function is api_keys)
+    old = "vllm.entrypoints.launchers.cli_args:FrontendArgs.api_key"
+    new = "vllm.entrypoints.common.cli_args:FrontendArgs.api_key"
+    assert access.names_for("0.32.0+cpu") == (old,) and access.names_for("0.33.0") == (new,)
+    for m in MANIFESTS:
+        assert access_problems(access, ManifestSurface(m)) == []
+        swapped = json.loads(json.dumps(m))
+        swapped["names"][old], swapped["names"][new] = m["names"][new], m["names"][old]
+        assert access_problems(access, ManifestSurface(swapped)) != []

@@ -22,6 +22,7 @@ steer would be silently ignored). Light: no torch, no vLLM at import time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from vllm_steer.integrations import vllm_access as va
 from vllm_steer.logs import get_logger
 
 logger = get_logger()
@@ -76,35 +77,26 @@ class UnsupportedModelError(ValueError):
     """The model's architecture cannot be steered correctly."""
 
 
-def _architectures(model_config) -> list[str]:
-    archs = list(getattr(model_config, "architectures", None) or [])
-    hf = getattr(model_config, "hf_config", None)
-    archs += [a for a in (getattr(hf, "architectures", None) or []) if a not in archs]
-    return archs
-
-
 def head_input_size(model_config) -> int:
     """Input size of the model's LM head (the hidden size a steer must have)."""
-    cfg = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config",
-                                                                   None)
-    for arch in _architectures(model_config):
+    for arch in va.architectures(model_config):
         fam = FAMILIES.get(arch)
         if fam is not None and fam.head_input != "hidden_size":
-            size = getattr(cfg, fam.head_input, None)
+            size = va.text_config_value(model_config, fam.head_input)
             if isinstance(size, int) and size > 0:
                 return size
-    return model_config.get_hidden_size()
+    return va.hidden_size(model_config)
 
 
 def check_model(model_config) -> int:
     """Refuse an architecture we cannot steer correctly (naming it and the reason); else
     return the head's input size. Architectures not in :data:`FAMILIES` are served (the steer
     acts on the input of vLLM's logits layer like for the tested ones) with a log line."""
-    archs = _architectures(model_config)
+    archs = va.architectures(model_config)
     for arch in archs:
         if arch in REFUSED:
             raise UnsupportedModelError(
-                f"vllm-steer: the architecture {arch} ({getattr(model_config, 'model', '?')}) "
+                f"vllm-steer: the architecture {arch} ({va.model_name(model_config)}) "
                 f"cannot be steered: {REFUSED[arch]}. Serve it without --steer, or use a model "
                 "of a supported family (docs/compatibility.md, 'Model families')")
     if not any(a in FAMILIES for a in archs):
@@ -118,10 +110,8 @@ def model_identity(mc) -> dict:
     """The served model (vLLM's ``ModelConfig``) as
     :func:`vllm_steer.vectors.model_fit_problems` checks a vector steer against it: hidden
     size, decoder blocks, name and architecture."""
-    hf = mc.hf_text_config
-    return dict(hidden_size=int(mc.get_hidden_size()),
-                num_layers=int(hf.num_hidden_layers), model_name=str(mc.model),
-                model_type=getattr(hf, "model_type", None))
+    return dict(hidden_size=va.hidden_size(mc), num_layers=va.num_hidden_layers(mc),
+                model_name=str(va.model_name(mc)), model_type=va.model_type(mc))
 
 
 #: vLLM decoder blocks that return ``(stream, input residual)``: the residual stream after the

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+from vllm_steer.integrations import vllm_access
 from vllm_steer.integrations.hooks import (_INSTALLED, _MISSING_BY_GROUP, ALWAYS, ENGINE,
                                            FRONTEND, V1, V1_LENS, V1_SPEC, V2, V2_LENS, V2_SPEC,
                                            Hook, HookGroup)
@@ -70,9 +71,9 @@ def groups_used(vllm_config=None) -> tuple[HookGroup, ...]:
     frontend and engine groups; the rest is checked when vLLM creates the engine config."""
     if vllm_config is None:
         return (FRONTEND, ENGINE)
-    v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
+    v2 = vllm_access.uses_v2_runner(vllm_config)
     used = [*ALWAYS, *((V2, V2_LENS) if v2 else (V1, V1_LENS))]
-    if getattr(vllm_config, "speculative_config", None) is not None:
+    if vllm_access.speculative_config(vllm_config) is not None:
         used.append(V2_SPEC if v2 else V1_SPEC)
     return tuple(used)
 
@@ -100,14 +101,19 @@ def check_hooks(vllm_config=None) -> None:
 
 def check_surface(group: HookGroup) -> list[str]:
     """What the installed vLLM lacks of the installed hooks of ``group``
-    (:func:`surface_problems` on :func:`~vllm_steer.integrations.manifest.installed_surface`).
-    Checked once per process and group."""
+    (:func:`surface_problems` on :func:`~vllm_steer.integrations.manifest.installed_surface`)
+    and of the group's accesses
+    (:func:`~vllm_steer.integrations.vllm_access.access_problems`). Checked once per process
+    and group."""
     if group.name not in _SURFACE:
         from vllm_steer.integrations.manifest import installed_surface
 
-        surface = installed_surface(_INSTALLED)
+        accesses = vllm_access.ACCESSES
+        surface = installed_surface((*_INSTALLED, *accesses))
         _SURFACE[group.name] = [p for h in _INSTALLED if h.group is group
-                                for p in surface_problems(h, surface)]
+                                for p in surface_problems(h, surface)] + \
+            [p for a in accesses if a.group is group
+             for p in vllm_access.access_problems(a, surface)]
     return _SURFACE[group.name]
 
 

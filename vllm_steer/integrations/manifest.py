@@ -3,7 +3,8 @@
 A manifest (``vllm_steer/integrations/surfaces/vllm-<version>.json``, written by
 ``scripts/vllm_surface.py``) records, for one vLLM release, what each name the hooks need is
 (:meth:`vllm_steer.integrations.surface.Surface.lookup`): every target of every hook, each
-alternative target included, every declared read, and every call through a patched imported
+alternative target included, every declared read (the hooks' and the accesses' of
+:mod:`vllm_steer.integrations.vllm_access`), and every call through a patched imported
 name. Names of other packages (pydantic) are not in it: they are read from the installed
 package's source.
 
@@ -57,8 +58,11 @@ def in_package(name: str) -> bool:
 
 def needed(hooks) -> tuple[list[str], list[tuple[str, str]]]:
     """The vLLM names and the (caller, target) pairs ``hooks`` depend on, in every release
-    they name (each alternative target too)."""
-    names = {n for h in hooks for n in (*(t.target for t in h.targets), *h.reads)}
+    they name (each alternative target too); ``hooks`` may hold accesses too
+    (:class:`~vllm_steer.integrations.vllm_access.Access`: the names they read and set, in
+    every release)."""
+    names = {n for h in hooks for n in (*(t.target for t in h.targets),
+                                        *getattr(h, "all_names", h.reads))}
     calls = {(c, t.target) for h in hooks for t in h.targets for c in h.called_by}
     return sorted(n for n in names if in_package(n)), sorted(calls)
 

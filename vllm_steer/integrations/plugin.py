@@ -110,7 +110,6 @@ _ENGINE_CORE = "vllm.v1.engine.core:EngineCore"
 _SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 _OUTPUT = "vllm.v1.outputs:ModelRunnerOutput"
 _REGISTRY = "vllm.entrypoints.openai.models.serving:OpenAIModelRegistry"
-_PYDANTIC_DECORATORS = "pydantic._internal._decorators"  # pydantic's private validator list
 
 
 def _reads(owner: str, *names: str) -> tuple[str, ...]:
@@ -140,11 +139,9 @@ HOOKS: tuple[Hook, ...] = (
          request_field.params_validator,
          reads=("vllm.v1.engine.input_processor:InputProcessor.vllm_config",
                 f"{_CONFIG}.model_config", f"{_MODEL}.logits_processors")),
+    # the field is added by vllm_access.add_request_field (pydantic's private names: there)
     *(Hook(f"{module}:{name}.model_fields", "the `steer` request field (parsed once)",
-           install=request_field.add_request_field,
-           reads=(f"{_PYDANTIC_DECORATORS}:Decorator", f"{_PYDANTIC_DECORATORS}:Decorator.build",
-                  f"{_PYDANTIC_DECORATORS}:ModelValidatorDecoratorInfo"))
-      for module, name in _REQUESTS),
+           install=request_field.add_request_field) for module, name in _REQUESTS),
     *(Hook(f"{module}:{name}.to_sampling_params",
            "the `steer` request field, then a preset's mix for its model name",
            request_field.to_sampling_params) for module, name in _REQUESTS),
@@ -157,11 +154,14 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{_REGISTRY}.show_available_models",
          "presets listed in /v1/models", preset_models.show_available_models,
          reads=(*_reads(_REGISTRY, "base_model_paths", "model_config"),
-                f"{_MODEL}.max_model_len")),
+                f"{_MODEL}.max_model_len", "vllm.entrypoints.serve.engine.protocol:ModelList.data",
+                "vllm.entrypoints.openai.models.protocol:BaseModelPath.model_path",
+                "vllm.entrypoints.openai.models.protocol:BaseModelPath.name")),
     Hook("vllm.entrypoints.serve.engine.serving:BaseServing._check_model",
          "presets added or deleted at run time, seen by every API server",
          preset_models.check_model, params=("request",),
-         reads=("vllm.entrypoints.serve.engine.serving:BaseServing.models",)),
+         reads=("vllm.entrypoints.serve.engine.serving:BaseServing.models",
+                f"{_REGISTRY}.lora_requests")),
     Hook("vllm.plugins:load_endpoint_plugins",
          "the /v1/steers and /v1/steer-presets routes, the x-vllm-steer-* headers",
          endpoints.load_endpoint_plugins, params=("supported_tasks",),
@@ -208,7 +208,8 @@ HOOKS: tuple[Hook, ...] = (
     # ---- worker, every runner (vllm_steer.integrations.worker) ---------------------------
     Hook("vllm.model_executor.layers.logits_processor:LogitsProcessor.register_oot",
          "the steered LM head", install=_install_head, group=WORKER,
-         reads=("vllm.model_executor.custom_op:op_registry_oot",
+         reads=(f"{_SPEC_CONFIG}.num_speculative_tokens",  # the rows a step may steer
+                "vllm.model_executor.custom_op:op_registry_oot",
                 "vllm.platforms:current_platform", "vllm.platforms.interface:Platform.device_type",
                 "vllm.model_executor.layers.logits_processor:LogitsProcessor.forward",
                 "vllm.model_executor.layers.logits_processor:LogitsProcessor.get_top_tokens",

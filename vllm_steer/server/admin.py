@@ -27,6 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from vllm_steer.config import ADMIN_KEY_ENV, SecretKey, admin_key
+from vllm_steer.integrations import vllm_access as va
 from vllm_steer.server.errors import error_response
 
 #: The routes the admin key guards: (method, path) as the routers declare them.
@@ -50,7 +51,7 @@ def _bearer(raw: Request) -> str | None:
 
 def _inference_keys(args) -> list[str]:
     """vLLM's API keys, as its check reads them, without the admin key the plugin added."""
-    keys = getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]
+    keys = va.api_keys(args) or [os.environ.get("VLLM_API_KEY")]
     return [k for k in keys if k and not isinstance(k, SecretKey)]
 
 

@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, Field
 
+from vllm_steer.integrations import vllm_access as va
 from vllm_steer.server.errors import error_response
 
 router = APIRouter()
@@ -74,11 +75,10 @@ async def _prompt_logprobs(engine, ids: list[int], steer: dict | None) -> list[f
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0,
                             extra_args={"steer": steer} if steer else None)
     final = None
-    async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), params,
-                                     f"steer-highlight-{uuid.uuid4().hex}"):
+    async for out in va.engine_generate(engine, TokensPrompt(prompt_token_ids=ids), params,
+                                        f"steer-highlight-{uuid.uuid4().hex}"):
         final = out
-    lps = final.prompt_logprobs or []
-    return [None if e is None else e[t].logprob for e, t in zip(lps, ids, strict=False)]
+    return va.prompt_token_logprobs(final, ids)
 
 
 @router.post("/v1/steer/highlight")
@@ -106,14 +106,12 @@ async def highlight(body: HighlightRequest, raw: Request):
 async def _highlight(body: HighlightRequest, engine):
     from vllm_steer.lens.highlight import best_spans, text_pieces, to_html, to_json
 
-    max_model_len = int(getattr(getattr(engine, "model_config", None), "max_model_len", 0)
-                        or 0)
+    max_model_len = va.max_model_len(va.engine_model_config(engine))
     if max_model_len and len(body.text) > MAX_CHARS_PER_TOKEN * max_model_len:
         return _error(400, f"text is {len(body.text)} characters; this server's context is "
                            f"{max_model_len} tokens (max_model_len), so at most "
                            f"{MAX_CHARS_PER_TOKEN * max_model_len} characters are read", "text")
-    tokenizer = await engine.get_tokenizer() if _is_coro(engine.get_tokenizer) \
-        else engine.get_tokenizer()
+    tokenizer = await va.engine_tokenizer(engine)
     ids, pieces = await asyncio.to_thread(text_pieces, tokenizer, body.text)
     prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else \
         ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
@@ -142,12 +140,6 @@ async def _highlight(body: HighlightRequest, engine):
             f"steer {body.steer} against {body.against or 'the plain model'}"))
         return HTMLResponse(page)
     return JSONResponse(await asyncio.to_thread(to_json, pieces, scores, spans, **info))
-
-
-def _is_coro(fn) -> bool:
-    import inspect
-
-    return inspect.iscoroutinefunction(fn)
 
 
 class SteerLensEndpoint:

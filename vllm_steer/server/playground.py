@@ -24,6 +24,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
+from vllm_steer.integrations import vllm_access as va
+
 router = APIRouter()
 
 STATIC_FILES = {
@@ -78,20 +80,16 @@ def server_config(engine):
 
     cfg = frontend_state().config
     if cfg is None and engine is not None:
-        vllm_config = getattr(engine, "vllm_config", None)
         cfg = SteerServerConfig.from_additional_config(
-            getattr(vllm_config, "additional_config", None))
+            va.additional_config(va.engine_vllm_config(engine)))
     return cfg
 
 
 def served_model_name(engine) -> str | None:
-    model_config = getattr(engine, "model_config", None)
+    model_config = va.engine_model_config(engine)
     if model_config is None:
         return None
-    name = getattr(model_config, "served_model_name", None) or getattr(model_config, "model", None)
-    if isinstance(name, (list, tuple)):
-        name = name[0] if name else None
-    return name
+    return va.served_model_name(model_config)
 
 
 def info_dict(cfg, model: str | None) -> dict[str, Any]:

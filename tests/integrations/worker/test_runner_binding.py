@@ -58,7 +58,8 @@ def test_v1_prepare_inputs_reads_its_arguments_by_name(monkeypatch):
     from vllm_steer.integrations.worker.step_faults import StepFaults
 
     rt = SimpleNamespace(slots=SimpleNamespace(num_window_slots=1),
-                         planner=SimpleNamespace(batch_positions=None), faults=StepFaults())
+                         planner=SimpleNamespace(batch_positions=None), faults=StepFaults(),
+                         mapping=None)
     runner = _Runner(None)
     BINDINGS.set(runner, V1RunnerBinding(rt))
 

@@ -15,6 +15,7 @@ Light: no torch at import time.
 from __future__ import annotations
 
 from vllm_steer import REQUEST_FIELD
+from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.engine.management import in_use_by_requests, load_steer_file
 from vllm_steer.integrations.engine.state import engine_state
 from vllm_steer.integrations.protocol import SOURCE_STEER_DIR, count_problem, steer_dir_file
@@ -49,13 +50,13 @@ def bind_request(core, request) -> None:
     for them now; the message is the one
     the API server's own check gives (:func:`vllm_steer.integrations.protocol.steer_dir_file`).
     """
-    sp = getattr(request, "sampling_params", None)
+    sp = va.sampling_params(request)
     if sp is None:
         return
-    extra = getattr(sp, "extra_args", None) or {}
+    extra = va.extra_args(sp)
     if BOUND_KEY in extra:  # only the engine core writes it
         extra = {k: v for k, v in extra.items() if k != BOUND_KEY}
-        sp.extra_args = extra
+        va.set_extra_args(sp, extra)
     st = engine_state(core)
     reg = st.registry
     value = extra.get(REQUEST_FIELD)
@@ -90,7 +91,7 @@ def bind_request(core, request) -> None:
     slots = reg.bind(names)
     values = steers.named
     bound = [BoundSteer(n, *slots[n], values[n]) for n in names]
-    sp.extra_args = {**extra, BOUND_KEY: BoundSteer.to_wire(bound)}
+    va.set_extra_args(sp, {**extra, BOUND_KEY: BoundSteer.to_wire(bound)})
     if st.layers_enabled:
         salt_prefix_cache(request, reg, bound)
 
@@ -125,12 +126,8 @@ def salt_prefix_cache(request, reg, bound) -> None:
     import hashlib
 
     digest = hashlib.sha256(mix.encode()).hexdigest()[:32]
-    own = getattr(request, "cache_salt", None)
-    request.cache_salt = f"{own or ''}|{SALT_PREFIX}{digest}"
-    hashes = getattr(request, "block_hashes", None)
-    if hashes:  # made from the old salt: made again
-        hashes.clear()
-        request.update_block_hashes()
+    own = va.cache_salt(request)
+    va.resalt_request(request, f"{own or ''}|{SALT_PREFIX}{digest}")
 
 
 def _steer_dir_path(core, name: str) -> str:

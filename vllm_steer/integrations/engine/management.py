@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from typing import Collection
 
+from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.engine.presets import file_op
 from vllm_steer.kinds import applied_in_layers
 from vllm_steer.integrations.engine.registry import (SteerCapacityError, SteerEntry,
@@ -292,7 +293,7 @@ def layer_steer_problems(core, st, name: str, meta) -> list[str]:
         return [f"steer {name!r} is a {meta.kind} steer (added in the model's decoder layers), "
                 "but this server was started without the op there: restart it with "
                 "--steer-vectors (or with a vector steer among its --steer files)"]
-    mc = core.vllm_config.model_config
+    mc = va.model_config(va.engine_config(core))
     return model_fit_problems(meta, **model_identity(mc))
 
 

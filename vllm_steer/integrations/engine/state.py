@@ -11,6 +11,7 @@ from vllm_steer.config import SteerServerConfig
 from vllm_steer.kinds import read_any_metadata
 from vllm_steer.integrations.engine.presets import PresetTable
 from vllm_steer.integrations.engine.registry import SteerEntry, SteerRegistry
+from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.protocol import SOURCE_STARTUP
 from vllm_steer.integrations.side_table import SideTable
 
@@ -60,7 +61,7 @@ def attach(core, st: EngineSteerState) -> EngineSteerState:
 
 
 def _engine_index(core) -> int:
-    return int(getattr(core, "engine_index", 0) or 0)
+    return va.engine_index(core)
 
 
 def engine_state(core) -> EngineSteerState:
@@ -70,7 +71,8 @@ def engine_state(core) -> EngineSteerState:
         return st
     from vllm_steer.integrations.families import head_input_size
 
-    cfg = SteerServerConfig.from_additional_config(core.vllm_config.additional_config)
+    vllm_config = va.engine_config(core)
+    cfg = SteerServerConfig.from_additional_config(va.additional_config(vllm_config))
     engine = _engine_index(core)
     if cfg is None or not cfg.enabled:
         st = EngineSteerState(cfg, None, 0, engine=engine)
@@ -84,7 +86,7 @@ def engine_state(core) -> EngineSteerState:
                                                 SOURCE_STARTUP))
             reg.next_load_id = max(reg.next_load_id, load_id + 1)
         reg.counters["loads"] = 0  # start-up steers are not run-time loads
-        st = EngineSteerState(cfg, reg, head_input_size(core.vllm_config.model_config),
+        st = EngineSteerState(cfg, reg, head_input_size(va.model_config(vllm_config)),
                               startup_ranks=tuple(ranks), engine=engine,
                               layers_enabled=cfg.layers_enabled())
     return STATES.set(core, st)

@@ -18,6 +18,7 @@ import argparse
 
 from vllm_steer.config import (ADMIN_KEY_ENV, DEFAULT_MAX_STRENGTH, SecretKey,
                                SteerServerConfig, admin_key, parse_steer_arg)
+from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.hook_check import check_hooks
 from vllm_steer.logs import get_logger
 
@@ -292,12 +293,12 @@ def from_cli_args(orig, cls, args: argparse.Namespace):
         # --data-parallel-size N are spawned with this namespace and build their engine
         # args from it *before* vLLM loads plugins there (so before this hook exists in
         # that process); vLLM's own from_cli_args then copies additional_config.
-        extra = dict(getattr(args, "additional_config", None) or {})
+        extra = dict(va.additional_config(args) or {})
         extra.update(cfg.to_additional_config())
-        args.additional_config = extra
+        va.set_additional_config(args, extra)
     engine_args = orig(cls, args)
     if cfg is not None:
-        extra = dict(engine_args.additional_config or {})
+        extra = dict(va.additional_config(engine_args) or {})
         extra.update(cfg.to_additional_config())
-        engine_args.additional_config = extra
+        va.set_additional_config(engine_args, extra)
     return engine_args

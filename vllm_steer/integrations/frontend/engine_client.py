@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.integrations.protocol import (MANAGEMENT_METHOD, OP_LIST, OP_LOAD,
                                               OP_PRESET_ADD, OP_PRESET_ROLLBACK, OP_PRESETS,
@@ -102,12 +103,7 @@ async def _every_engine(engine, op: str, kwargs: dict) -> list[dict]:
     but returns the first answer (``DPLBAsyncMPClient.call_utility_async``); its
     ``call_utility_all_async`` (one answer per engine core, what ``collective_rpc`` runs on
     each) gives them all. A single engine core: the same, one answer."""
-    client = getattr(engine, "engine_core", None)
-    call_all = getattr(client, "call_utility_all_async", None)
-    if call_all is None or len(getattr(client, "core_engines", ()) or ()) < 2:
-        return list(await engine.collective_rpc(MANAGEMENT_METHOD, args=(op, kwargs)))[:1]
-    return [r[0] for r in await call_all("collective_rpc", MANAGEMENT_METHOD, None, (op, kwargs),
-                                         None)]
+    return await va.collective_rpc_every_core(engine, MANAGEMENT_METHOD, (op, kwargs))
 
 
 async def refresh_presets(engine: Any = None) -> dict[str, dict[str, float]]:
@@ -127,9 +123,9 @@ async def refresh_presets(engine: Any = None) -> dict[str, dict[str, float]]:
 def manage_sync(llm: Any, op: str, **kwargs) -> dict:
     """:func:`manage` for an offline ``vllm.LLM`` (one engine core, in order with its
     ``generate`` calls): the op, then the list that refreshes this process's views."""
-    res = llm.collective_rpc(MANAGEMENT_METHOD, args=(op, kwargs))[0]
+    res = va.llm_collective_rpc(llm, MANAGEMENT_METHOD, (op, kwargs))[0]
     _take_views(op, res, metrics=False)
     if op != OP_LIST:
-        _take_views(OP_LIST, llm.collective_rpc(MANAGEMENT_METHOD, args=(OP_LIST, {}))[0],
+        _take_views(OP_LIST, va.llm_collective_rpc(llm, MANAGEMENT_METHOD, (OP_LIST, {}))[0],
                     metrics=False)
     return res

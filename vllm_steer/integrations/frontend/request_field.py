@@ -17,17 +17,14 @@ from __future__ import annotations
 from vllm_steer import REQUEST_FIELD
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.integrations import guard
+from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.frontend import admission
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.integrations.frontend.startup_checks import processor_fqcn
 from vllm_steer.metrics import count_refusal
 from vllm_steer.request import SteerRequestError
 
-REQUEST_CLASSES = (
-    ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
-    ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
-    ("vllm.entrypoints.openai.responses.protocol", "ResponsesRequest"),
-)
+REQUEST_CLASSES = va.REQUEST_CLASSES
 FIELD_DESCRIPTION = (
     "vllm-steer: steers to apply to this request, as a mapping from steer name (as loaded with "
     "`vllm serve --steer NAME=PATH`) to strength in units of the steer's epsilon, e.g. "
@@ -48,37 +45,29 @@ def add_request_field(cls) -> None:
     from typing import Any, Optional, Union
 
     from pydantic import Field
-    from pydantic._internal._decorators import Decorator, ModelValidatorDecoratorInfo
     from pydantic.fields import FieldInfo
 
-    if REQUEST_FIELD in cls.model_fields:
-        return
     ann = Optional[dict[str, Union[float, int, str, Any]]]
-    cls.__pydantic_fields__[REQUEST_FIELD] = FieldInfo.from_annotated_attribute(
+    field = FieldInfo.from_annotated_attribute(
         ann, Field(default=None, description=FIELD_DESCRIPTION,
                    examples=[{"detox": 5}, {"detox": 5, "sentiment": -3}]))
-    cls.__annotations__[REQUEST_FIELD] = ann
-    if hasattr(cls, "field_names"):
-        cls.field_names = None
+    va.add_request_field(cls, REQUEST_FIELD, ann, field, _VALIDATOR_NAME, _vllm_steer_check)
 
-    def _vllm_steer_check(self):
-        xargs = getattr(self, "vllm_xargs", None)
-        try:
-            request = admission.check_request_fields(getattr(self, REQUEST_FIELD, None), xargs)
-        except SteerRequestError as e:  # the body's check: this API server's refusal
-            count_refusal(e, guard.CLIENT_STATUS)
-            raise
-        if request is not None:
-            if isinstance(xargs, dict) and REQUEST_FIELD in xargs:
-                self.vllm_xargs = {k: v for k, v in xargs.items() if k != REQUEST_FIELD}
-            setattr(self, REQUEST_FIELD, request.to_wire())
-        return self
 
-    setattr(cls, _VALIDATOR_NAME, _vllm_steer_check)
-    cls.__pydantic_decorators__.model_validators[_VALIDATOR_NAME] = Decorator.build(
-        cls, cls_var_name=_VALIDATOR_NAME, shim=None,
-        info=ModelValidatorDecoratorInfo(mode="after"))
-    cls.model_rebuild(force=True)
+def _vllm_steer_check(self):
+    """The request models' "after" validator (:func:`add_request_field`): the body's one
+    parse of the ``steer`` field and of ``vllm_xargs["steer"]``."""
+    xargs = va.request_xargs(self)
+    try:
+        request = admission.check_request_fields(va.request_value(self, REQUEST_FIELD), xargs)
+    except SteerRequestError as e:  # the body's check: this API server's refusal
+        count_refusal(e, guard.CLIENT_STATUS)
+        raise
+    if request is not None:
+        if isinstance(xargs, dict) and REQUEST_FIELD in xargs:
+            va.set_request_xargs(self, {k: v for k, v in xargs.items() if k != REQUEST_FIELD})
+        va.set_request_value(self, REQUEST_FIELD, request.to_wire())
+    return self
 
 
 def to_sampling_params(orig, self, *a, **kw):
@@ -90,15 +79,15 @@ def to_sampling_params(orig, self, *a, **kw):
     from vllm_steer.integrations.frontend.preset_models import apply_preset
 
     params = orig(self, *a, **kw)
-    with guard.frontend("to_sampling_params", getattr(self, "request_id", None)):
-        value = getattr(self, REQUEST_FIELD, None)
-        extra = params.extra_args or {}
+    with guard.frontend("to_sampling_params", va.request_id(self)):
+        value = va.request_value(self, REQUEST_FIELD)
+        extra = va.extra_args(params)
         if value is not None and REQUEST_FIELD in extra:  # also refused when it was parsed
             raise admission.field_error(admission.BOTH_GIVEN)
         if value is None:  # a vllm_xargs steer the validator did not see, if any
             value = extra.get(REQUEST_FIELD)
         request = None if value is None else admission.check_request_fields(value, None)
-        apply_preset(params, getattr(self, "model", None), request)
+        apply_preset(params, va.request_model(self), request)
     return params
 
 
@@ -108,7 +97,7 @@ _VALIDATOR_NAME = "_vllm_steer_check"
 def to_beam_search_params(orig, self, *a, **kw):
     """vLLM's beam search builds its own per-step ``SamplingParams`` with no ``extra_args``:
     a steer would be dropped silently. Refuse a steered beam-search request (HTTP 400)."""
-    with guard.frontend("to_beam_search_params", getattr(self, "request_id", None)):
+    with guard.frontend("to_beam_search_params", va.request_id(self)):
         refuse_steered_beam_search(self)
     return orig(self, *a, **kw)
 
@@ -116,8 +105,8 @@ def to_beam_search_params(orig, self, *a, **kw):
 def refuse_steered_beam_search(request) -> None:
     """Raise (HTTP 400) if a beam-search request carries a non-zero steer (a bad one was
     refused when the body was parsed)."""
-    values = [getattr(request, REQUEST_FIELD, None),
-              (getattr(request, "vllm_xargs", None) or {}).get(REQUEST_FIELD)]
+    values = [va.request_value(request, REQUEST_FIELD),
+              (va.request_xargs(request) or {}).get(REQUEST_FIELD)]
     for value in values:
         if value is None:
             continue
@@ -139,8 +128,8 @@ def input_processor_init(orig, self, vllm_config, *a, **kw):
     from vllm_steer.integrations.families import head_input_size
 
     st = frontend_state()
-    st.reset(SteerServerConfig.from_additional_config(vllm_config.additional_config))
-    st.hidden_size = int(head_input_size(vllm_config.model_config) or 0)
+    st.reset(SteerServerConfig.from_additional_config(va.additional_config(vllm_config)))
+    st.hidden_size = int(head_input_size(va.model_config(vllm_config)) or 0)
     orig(self, vllm_config, *a, **kw)
 
 
@@ -149,8 +138,9 @@ def params_validator(orig, self, *a, **kw):
     processor (no steers loaded), the steer field is still checked at admission: a request
     asking for a non-zero steer is refused, never served unsteered."""
     inner = orig(self, *a, **kw)
-    procs = [str(p) for p in (self.vllm_config.model_config.logits_processors or [])]
-    if processor_fqcn(self.vllm_config) in procs:
+    vllm_config = va.input_processor_config(self)
+    procs = [str(p) for p in va.logits_processors(va.model_config(vllm_config))]
+    if processor_fqcn(vllm_config) in procs:
         return inner
 
     def validate(params):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.integrations.frontend.cli_args import check_policy_config
+from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.integrations.hook_check import check_hooks
 from vllm_steer.logs import get_logger
@@ -41,29 +42,26 @@ def create_engine_config(orig, self, *a, **kw):
 def configure_engine(vllm_config) -> None:
     """Check the steers, refuse what we cannot steer, and install our per-request steer state
     (as a logits processor)."""
-    cfg = SteerServerConfig.from_additional_config(vllm_config.additional_config)
+    cfg = SteerServerConfig.from_additional_config(va.additional_config(vllm_config))
     frontend_state().reset(cfg)
     if cfg is None or not cfg.enabled:
         return
     check_hooks(vllm_config)  # the hook groups this configuration uses
     from vllm_steer.integrations.families import check_model  # refuses what we cannot steer
 
-    check_steers_fit(cfg, check_model(vllm_config.model_config), vllm_config.model_config.model,
-                     vllm_config)
-    served = getattr(vllm_config.model_config, "served_model_name", None)
-    check_policy_config(cfg, {str(n): "the served model name" for n in
-                              ([served] if isinstance(served, str) else served or [])})
+    mc = va.model_config(vllm_config)
+    check_steers_fit(cfg, check_model(mc), va.model_name(mc), vllm_config)
+    check_policy_config(cfg, {n: "the served model name" for n in va.served_model_names(mc)})
     check_speculative_config(vllm_config)
     check_runtime_steers_fit_parallelism(cfg, vllm_config)
-    mc = vllm_config.model_config
-    if getattr(mc, "runner_type", "generate") == "pooling":
+    if va.is_pooling(mc):
         raise ValueError("vllm-steer: --steer needs a generative model; "
-                         f"{mc.model} runs as a pooling model")
+                         f"{va.model_name(mc)} runs as a pooling model")
     fqcn = processor_fqcn(vllm_config)
-    procs = list(mc.logits_processors or [])
+    procs = va.logits_processors(mc)
     if fqcn not in procs:
         procs.append(fqcn)
-    mc.logits_processors = procs
+    va.set_logits_processors(mc, procs)
     logger.info("vllm-steer: %d steer(s) %s, max |strength| %g, logits processor %s",
                 len(cfg.steers), list(cfg.steers), cfg.max_strength, fqcn)
 
@@ -73,10 +71,9 @@ def check_speculative_config(vllm_config) -> None:
     is steered, are mapped to their requests by
     :mod:`vllm_steer.integrations.worker.spec_decode` for the methods in
     ``SUPPORTED_SPEC_METHODS``, on both runners; any other method is refused here."""
-    spec = vllm_config.speculative_config
-    if spec is None:
+    if va.speculative_config(vllm_config) is None:
         return
-    method = getattr(spec, "method", None)
+    method = va.speculative_method(vllm_config)
     if method not in SUPPORTED_SPEC_METHODS:
         fix = ("serve without --speculative-config, or with "
                + " or ".join(f'{{"method": "{m}"}}' for m in SUPPORTED_SPEC_METHODS)
@@ -96,12 +93,12 @@ def check_runtime_steers_fit_parallelism(cfg: SteerServerConfig, vllm_config) ->
     hybrid load balancing (each API server talks to its own rank's / node's engine cores only,
     so a load through one would not reach the others) and elastic expert parallelism (an
     engine core added later would not have the run-time steers)."""
-    pc = getattr(vllm_config, "parallel_config", None)
-    dp = getattr(pc, "data_parallel_size", 1) or 1
+    dp = va.data_parallel_size(vllm_config)
     if dp <= 1 or not (cfg.steer_dir or cfg.enable_updates):
         return
     flags = " and ".join(f for f, on in (("--steer-dir", cfg.steer_dir),
                                          ("--enable-steer-updates", cfg.enable_updates)) if on)
+    modes = va.data_parallel_modes(vllm_config)
     for attr, mode, why in (
             ("data_parallel_external_lb", "external load balancing "
              "(--data-parallel-external-lb / --data-parallel-rank)",
@@ -111,7 +108,7 @@ def check_runtime_steers_fit_parallelism(cfg: SteerServerConfig, vllm_config) ->
              "engine cores only"),
             ("enable_elastic_ep", "elastic expert parallelism (--enable-elastic-ep)",
              "an engine core added when scaling up would not have the run-time steers")):
-        if getattr(pc, attr, False):
+        if modes.get(attr):
             raise ValueError(
                 f"vllm-steer: {flags} cannot be used with --data-parallel-size {dp} in {mode}: "
                 f"run-time steers are loaded into each engine core by a call from the API "
@@ -150,7 +147,7 @@ def check_steers_fit(cfg: SteerServerConfig, hidden_size: int, model: str,
                 from vllm_steer.vectors import model_fit_problems
 
                 reasons = model_fit_problems(steer.metadata,
-                                             **model_identity(vllm_config.model_config))
+                                             **model_identity(va.model_config(vllm_config)))
                 if reasons:
                     errors.append(SteerFileError(path, [f"steer {name!r}: {r}"
                                                         for r in reasons]))
@@ -172,19 +169,17 @@ def check_layer_steering(vllm_config) -> None:
     steers) cannot be served in: sequence parallelism (it splits the residual stream by
     token across the tensor-parallel ranks, and the per-token coefficients are the whole
     step's) and pipeline parallelism (the earlier stages keep no steer state)."""
-    pc = vllm_config.parallel_config
-    pass_config = getattr(vllm_config.compilation_config, "pass_config", None)
-    if getattr(pass_config, "enable_sp", False) or \
-            getattr(pass_config, "enable_sequence_parallelism", False):
+    if va.sequence_parallelism(vllm_config):
         raise ValueError(
             "vllm-steer: vector steers cannot be served with sequence parallelism "
             "(compilation pass enable_sp): it splits the residual stream by token across the "
             "tensor-parallel ranks, and each step's per-token strengths are the whole step's. "
             "Turn sequence parallelism off, or serve without vector steers")
-    if int(getattr(pc, "pipeline_parallel_size", 1) or 1) > 1:
+    pp = va.pipeline_parallel_size(vllm_config)
+    if pp > 1:
         raise ValueError(
             f"vllm-steer: vector steers are not served with --pipeline-parallel-size "
-            f"{pc.pipeline_parallel_size} in this release (only the last stage keeps the "
+            f"{pp} in this release (only the last stage keeps the "
             "requests' steers); use tensor parallelism, or serve LM-Steer steers only")
 
 
@@ -198,6 +193,6 @@ def processor_fqcn(vllm_config) -> str:
     """The per-request steer state of the active model runner, as the logits processor vLLM
     loads (named, not imported: no torch; each runner's module imports only its runner's
     logits-processor interface)."""
-    if getattr(vllm_config, "use_v2_model_runner", False):
+    if va.uses_v2_runner(vllm_config):
         return REQUEST_STATE_V2
     return REQUEST_STATE_V1

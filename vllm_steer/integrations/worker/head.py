@@ -23,6 +23,7 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
+from vllm_steer.integrations import vllm_access
 from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.logs import get_logger
 from vllm_steer.integrations.worker.runtime import SteerRuntime, get_runtime
@@ -52,7 +53,7 @@ class SteeredLogitsProcessor(LogitsProcessor):
             # --enforce-eager: no CUDA graphs of vLLM's, nor of the head's op
             self.steer_runtime.bank_state.load(
                 head_input_size(mc), device, dtype, model_id=mc.model,
-                cuda_graphs=not getattr(mc, "enforce_eager", False))
+                cuda_graphs=not vllm_access.enforce_eager(mc))
 
     @property
     def steer_runtime(self) -> SteerRuntime | None:
@@ -166,12 +167,7 @@ def install_loader_checks(base_loader_cls) -> None:
 def _has_lm_head() -> bool:
     """Whether this worker's model has the LM head: with pipeline parallelism only the last
     stage does (the others have vLLM's ``PPMissingLayer`` and no logits layer to steer)."""
-    try:
-        from vllm.distributed import get_pp_group
-
-        return get_pp_group().is_last_rank
-    except (ImportError, AssertionError):  # no pipeline group (a model built outside vLLM)
-        return True
+    return vllm_access.is_last_pp_rank()
 
 
 def load_model(orig, self, vllm_config, *a, **kw):
@@ -184,14 +180,14 @@ def load_model(orig, self, vllm_config, *a, **kw):
     model = orig(self, vllm_config, *a, **kw)
     cfg = SteerServerConfig.from_additional_config(vllm_config.additional_config)
     if cfg is not None and cfg.enabled and _has_lm_head() and \
-            getattr(vllm_config.model_config, "runner_type", "generate") != "pooling":
+            not vllm_access.is_pooling(vllm_config.model_config):
         check_hooks(vllm_config)  # the hook groups of this runner and configuration
         check_head_installed(model)
         rt = get_runtime(vllm_config.additional_config)
         if rt is not None:
             rt.model_loaded(getattr(vllm_config.model_config, "dtype", None))  # hidden states
     if cfg is not None and cfg.enabled and cfg.layers_enabled() and \
-            getattr(vllm_config.model_config, "runner_type", "generate") != "pooling":
+            not vllm_access.is_pooling(vllm_config.model_config):
         install_layers(model, vllm_config)
     return model
 
@@ -203,12 +199,11 @@ def install_layers(model, vllm_config) -> None:
     rt = get_runtime(vllm_config.additional_config)
     if rt is None or rt.layers is not None:
         return
-    mc = vllm_config.model_config
-    sc = vllm_config.scheduler_config
-    capture = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None) or 0
-    max_tokens = max(int(sc.max_num_batched_tokens), int(capture))
+    va = vllm_access
+    mc = va.model_config(vllm_config)
+    max_tokens = va.max_step_tokens(vllm_config)
     device = next(model.parameters()).device
-    n = rt.install_layers(model, int(mc.hf_text_config.num_hidden_layers),
-                          int(mc.get_hidden_size()), max_tokens, device)
+    n = rt.install_layers(model, va.num_hidden_layers(mc), int(va.hidden_size(mc)),
+                          max_tokens, device)
     logger.info("vllm-steer: vector steers' op in %d decoder block(s) (%d bank slots, up to "
                 "%d tokens per step)", n, rt.config.capacity, max_tokens)

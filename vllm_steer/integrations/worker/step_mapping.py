@@ -6,8 +6,9 @@ vLLM's multi-LoRA keeps a ``LoRAMapping`` per token, copied once per step into p
 device buffers that its kernels read inside the CUDA graphs. The step mapping is the same for
 steers applied inside the decoder layers (:data:`vllm_steer.kinds.AT_DECODER_LAYERS`): one
 runner adapter per model runner gives the step's tokens in the order of the model's input
-(:func:`v1_tokens`, :func:`v2_tokens`: each token's request slot and the index of the
-generated token its row samples), and :meth:`StepMapping.build` writes their coefficients
+(:func:`~vllm_steer.integrations.vllm_access.v1_step_tokens`,
+:func:`~vllm_steer.integrations.vllm_access.v2_step_tokens`, in the accessor layer: each
+token's request slot and the index of the generated token its row samples), and :meth:`StepMapping.build` writes their coefficients
 into :attr:`LayerVectors.token_coefs`: pinned staging, then the device
 (:class:`~vllm_steer.kernels.staging.StagedCopy`: a ring of pinned buffers, so that an
 overlapping step under async scheduling never rewrites a copy in flight), only the rows that
@@ -168,28 +169,4 @@ class StepMapping:
             self.filled = 0
 
 
-def v1_tokens(input_batch, num_scheduled: np.ndarray):
-    """V1's step (the persistent batch: request slot ``i`` is batch row ``i``, its tokens
-    consecutive in batch order): ``(req_slots, counts, gen_first)``."""
-    n = input_batch.num_reqs
-    counts = np.asarray(num_scheduled[:n], dtype=np.int64)
-    computed = np.asarray(input_batch.num_computed_tokens_cpu[:n], dtype=np.int64)
-    gen_first = computed + 1 - np.asarray(input_batch.num_prompt_tokens[:n], dtype=np.int64)
-    return np.arange(n, dtype=np.int64), counts, gen_first
-
-
-def v2_tokens(input_batch, prompt_len: np.ndarray | None):
-    """Model Runner V2's step (request ``i`` in request-state slot ``idx_mapping[i]``, its
-    tokens from ``query_start_loc[i]``): ``(req_slots, counts, gen_first)``."""
-    n = input_batch.num_reqs
-    idx = np.asarray(input_batch.idx_mapping_np[:n], dtype=np.int64)
-    qsl = np.asarray(input_batch.query_start_loc_np[:n + 1], dtype=np.int64)
-    counts = np.diff(qsl)
-    gen_first = None
-    if prompt_len is not None:
-        computed = np.asarray(input_batch.num_computed_tokens_np[:n], dtype=np.int64)
-        gen_first = computed + 1 - np.asarray(prompt_len, dtype=np.int64)[idx]
-    return idx, counts, gen_first
-
-
-__all__ = ["LayerVectors", "StepMapping", "v1_tokens", "v2_tokens"]
+__all__ = ["LayerVectors", "StepMapping"]

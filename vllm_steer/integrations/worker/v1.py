@@ -18,7 +18,7 @@ from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.rows import PromptRows
 from vllm_steer.integrations.worker.runtime import V1RunnerBinding
 from vllm_steer.integrations.worker.step_faults import ROWS, attach
-from vllm_steer.integrations.worker.step_mapping import v1_tokens
+from vllm_steer.integrations.vllm_access import v1_step_tokens
 
 _NUM_SCHEDULED = Arg("num_scheduled_tokens")
 _HIDDEN_STATES = Arg("hidden_states")
@@ -47,7 +47,7 @@ def prepare_inputs(orig, self, *args, **kwargs):
                 self.input_batch, _NUM_SCHEDULED.get(orig, (self, *args), kwargs))
     if rt.mapping is not None:  # the step mapping of the decoder layers' steers
         with rt.faults.guard(ROWS):
-            rt.mapping.build_or_clear(*v1_tokens(
+            rt.mapping.build_or_clear(*v1_step_tokens(
                 self.input_batch, _NUM_SCHEDULED.get(orig, (self, *args), kwargs)))
     return out
 

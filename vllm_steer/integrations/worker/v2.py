@@ -34,7 +34,7 @@ from vllm_steer.integrations.worker.runtime import BINDINGS, V2RunnerBinding, cu
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
 from vllm_steer.integrations.worker.spec_v2 import device_computed_tokens
 from vllm_steer.integrations.worker.step_faults import ROWS, attach
-from vllm_steer.integrations.worker.step_mapping import v2_tokens
+from vllm_steer.integrations.vllm_access import v2_step_tokens
 from vllm_steer.ops import to_device
 
 _INPUT_BATCH = Arg("input_batch")
@@ -132,10 +132,8 @@ def prepare_inputs(orig, self, *args, **kwargs):
         return input_batch
     rt = V2RunnerBinding.of(self).runtime
     if rt is not None and rt.mapping is not None:
-        req_states = getattr(self, "req_states", None)
-        prompt_len = None if req_states is None else req_states.prompt_len.np
         with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
-            rt.mapping.build_or_clear(*v2_tokens(input_batch, prompt_len))
+            rt.mapping.build_or_clear(*v2_step_tokens(self, input_batch))
     return input_batch
 
 

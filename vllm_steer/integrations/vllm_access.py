@@ -1,0 +1,597 @@
+"""Where the plugin reads and writes vLLM's objects outside its hook modules: one small named
+function per access (the configuration, the OpenAI request models, a request's sampling
+parameters, the pipeline-parallel group, the engine client of the HTTP routes).
+
+Each function is declared in :data:`ACCESSES` as an :class:`Access`: the vLLM names it reads
+or sets, ``module:Class.name`` as vLLM defines them (and pydantic's private names it edits
+the request models with), for the vLLM releases in :attr:`Access.versions`, and where vLLM
+moved a name, the names of the other releases (:class:`Release`). The start-up check
+(:func:`vllm_steer.integrations.hook_check.check_hooks`) looks every declared name up on the
+installed vLLM's surface, as it does the hooks' (the committed manifest in
+``vllm_steer/integrations/surfaces/`` when there is one, else vLLM's source), so a release that
+renamed one is refused at start-up, naming the access. ``tests/integrations/
+test_declared_reads.py`` keeps the rule: outside this module and the hook modules it names,
+the plugin touches no attribute of a vLLM object.
+
+This module imports neither torch nor vLLM at import time (the frontend imports it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from vllm_steer.integrations.hooks import (ENGINE, FRONTEND, V1, V2, WORKER, Alternative,
+                                           HookGroup)
+
+
+@dataclass(frozen=True)
+class Release:
+    """The names an access touches in some vLLM releases (where vLLM moved one)."""
+
+    versions: str
+    """The releases, a pip version specifier (``">=0.33"``)."""
+    reads: tuple[str, ...] = ()
+    """What the access reads there (as :attr:`Access.reads`)."""
+    sets: tuple[str, ...] = ()
+    """What it sets there (as :attr:`Access.sets`)."""
+
+
+@dataclass(frozen=True)
+class Access:
+    """One function of this module that touches vLLM objects, and what it touches."""
+
+    function: Callable
+    """The accessor (a function of this module)."""
+    purpose: str
+    """What the plugin needs it for (shown when the installed vLLM lacks a name)."""
+    group: HookGroup
+    """The hook group whose configurations call it (checked at start-up with that group)."""
+    reads: tuple[str, ...] = ()
+    """Every name it reads, ``module:Class.name`` (checked on the vLLM surface; names of
+    another package, pydantic's, on that package's installed source)."""
+    sets: tuple[str, ...] = ()
+    """Every name it assigns on a vLLM object (checked like :attr:`reads`)."""
+    versions: str = ""
+    """The vLLM releases these names hold for, a pip specifier (empty: every release)."""
+    releases: tuple[Release, ...] = ()
+    """The names in other releases, where vLLM moved one: the first whose releases hold the
+    installed vLLM is checked (:meth:`names_for`); on a release none holds, the start-up
+    check refuses the group, naming the access."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """:attr:`reads` then :attr:`sets`."""
+        return (*self.reads, *self.sets)
+
+    @property
+    def all_names(self) -> tuple[str, ...]:
+        """Every name of every release (what a manifest records)."""
+        return (*self.names, *(n for r in self.releases for n in (*r.reads, *r.sets)))
+
+    def names_for(self, version: str) -> tuple[str, ...] | None:
+        """The names touched on vLLM ``version`` (None: no release declared for it)."""
+        if self.holds(version):
+            return self.names
+        return next(((*r.reads, *r.sets) for r in self.releases
+                     if Alternative("", r.versions).holds(version)), None)
+
+    # what the manifest writer (vllm_steer.integrations.manifest.needed) asks of a hook
+    targets: tuple[Alternative, ...] = ()
+    """Always empty: an access patches nothing (present so the manifest reads it as a hook)."""
+    called_by: tuple[str, ...] = ()
+    """Always empty (as :attr:`targets`)."""
+
+    def holds(self, version: str) -> bool:
+        """Whether vLLM ``version`` is one of :attr:`versions`."""
+        return Alternative("", self.versions).holds(version)
+
+
+# vLLM's classes the accesses name
+_CONFIG = "vllm.config:VllmConfig"
+_MODEL = "vllm.config.model:ModelConfig"
+_PARALLEL = "vllm.config.parallel:ParallelConfig"
+_SPEC = "vllm.config.speculative:SpeculativeConfig"
+_ENGINE_ARGS = "vllm.engine.arg_utils:EngineArgs"
+_CORE = "vllm.v1.engine.core:EngineCore"
+_INPUT_PROCESSOR = "vllm.v1.engine.input_processor:InputProcessor"
+_PARAMS = "vllm.sampling_params:SamplingParams"
+_ASYNC_LLM = "vllm.v1.engine.async_llm:AsyncLLM"
+_PYDANTIC = "pydantic._internal._decorators"
+#: The OpenAI request models that carry the ``steer`` field, ``(module, class)``.
+REQUEST_CLASSES = (
+    ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
+    ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
+    ("vllm.entrypoints.openai.responses.protocol", "ResponsesRequest"),
+)
+
+
+def _each_request(*names: str) -> tuple[str, ...]:
+    return tuple(f"{m}:{c}.{n}" for m, c in REQUEST_CLASSES for n in names)
+
+
+# ---- the configuration (VllmConfig, ModelConfig), in every process ------------------------
+def additional_config(config) -> dict | None:
+    """``additional_config`` of a ``VllmConfig`` or of ``EngineArgs`` (and the CLI namespace
+    they are built from): where ``--steer`` travels."""
+    return getattr(config, "additional_config", None)
+
+
+def set_additional_config(config, value: dict) -> None:
+    """Write ``additional_config`` of ``EngineArgs`` or of the CLI namespace."""
+    config.additional_config = value
+
+
+def model_config(vllm_config):
+    """The ``ModelConfig`` of a ``VllmConfig``."""
+    return vllm_config.model_config
+
+
+def uses_v2_runner(vllm_config) -> bool:
+    """Whether the engine runs Model Runner V2 (vLLM's ``use_v2_model_runner``)."""
+    return bool(getattr(vllm_config, "use_v2_model_runner", False))
+
+
+def speculative_config(vllm_config):
+    """The ``SpeculativeConfig`` (None: no speculative decoding)."""
+    return getattr(vllm_config, "speculative_config", None)
+
+
+def speculative_method(vllm_config) -> str | None:
+    """The speculative-decoding method (``ngram``, ``eagle``, ...), None without one."""
+    return getattr(speculative_config(vllm_config), "method", None)
+
+
+def data_parallel_size(vllm_config) -> int:
+    """``--data-parallel-size`` (1 without a parallel config)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    return getattr(pc, "data_parallel_size", 1) or 1
+
+
+#: ``ParallelConfig`` flags of the data-parallel modes that refuse run-time steers.
+DATA_PARALLEL_MODES = ("data_parallel_external_lb", "data_parallel_hybrid_lb",
+                       "enable_elastic_ep")
+
+
+def data_parallel_modes(vllm_config) -> dict[str, bool]:
+    """Each flag of :data:`DATA_PARALLEL_MODES` (False when unset)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    return {name: bool(getattr(pc, name, False)) for name in DATA_PARALLEL_MODES}
+
+
+def model_name(model_config) -> str:
+    """The model's name or path (``ModelConfig.model``)."""
+    return getattr(model_config, "model", "?")
+
+
+def served_model_names(model_config) -> list[str]:
+    """``--served-model-name``, as a list of strings (empty: not given)."""
+    served = getattr(model_config, "served_model_name", None)
+    return [str(n) for n in ([served] if isinstance(served, str) else served or [])]
+
+
+def is_pooling(model_config) -> bool:
+    """Whether the model runs as a pooling model (``runner_type == "pooling"``): nothing is
+    sampled, so nothing is steered."""
+    return getattr(model_config, "runner_type", "generate") == "pooling"
+
+
+def enforce_eager(model_config) -> bool:
+    """``--enforce-eager``: vLLM captures no CUDA graphs (nor does the head's op)."""
+    return bool(getattr(model_config, "enforce_eager", False))
+
+
+def logits_processors(model_config) -> list:
+    """The custom logits processors vLLM loads in its workers (a copy)."""
+    return list(model_config.logits_processors or [])
+
+
+def set_logits_processors(model_config, procs: list) -> None:
+    """Write ``ModelConfig.logits_processors`` (how our per-request state reaches the
+    workers)."""
+    model_config.logits_processors = procs
+
+
+def architectures(model_config) -> list[str]:
+    """The model's architectures: vLLM's, then the Hugging Face config's others."""
+    archs = list(getattr(model_config, "architectures", None) or [])
+    hf = getattr(model_config, "hf_config", None)
+    archs += [a for a in (getattr(hf, "architectures", None) or []) if a not in archs]
+    return archs
+
+
+def text_config_value(model_config, name: str):
+    """A field of the model's text config (``hf_text_config``, else ``hf_config``), or None."""
+    cfg = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config",
+                                                                   None)
+    return getattr(cfg, name, None)
+
+
+def hidden_size(model_config) -> int:
+    """vLLM's hidden size of the model."""
+    return model_config.get_hidden_size()
+
+
+def input_processor_config(processor):
+    """The ``VllmConfig`` an ``InputProcessor`` was built with."""
+    return processor.vllm_config
+
+
+# ---- the engine core ---------------------------------------------------------------------
+def engine_config(core):
+    """The ``VllmConfig`` of an engine core."""
+    return core.vllm_config
+
+
+def engine_index(core) -> int:
+    """An engine core's data-parallel rank (0 without data parallelism)."""
+    return int(getattr(core, "engine_index", 0) or 0)
+
+
+def sampling_params(request):
+    """The ``SamplingParams`` of an engine-core ``Request`` (None: a pooling request)."""
+    return getattr(request, "sampling_params", None)
+
+
+def extra_args(params) -> dict:
+    """``SamplingParams.extra_args`` (empty when unset)."""
+    return getattr(params, "extra_args", None) or {}
+
+
+def set_extra_args(params, extra: dict) -> None:
+    """Write ``SamplingParams.extra_args`` (the bound steers travel there to the workers)."""
+    params.extra_args = extra
+
+
+def cache_salt(request) -> str | None:
+    """An engine-core ``Request``'s ``cache_salt`` (None: unsalted)."""
+    return getattr(request, "cache_salt", None)
+
+
+def resalt_request(request, salt: str) -> None:
+    """Give an engine-core ``Request`` a new ``cache_salt`` and compute its block hashes again
+    (vLLM computed them from the old salt when it made the request; the hasher continues
+    from the hashes it finds, so they are cleared first)."""
+    request.cache_salt = salt
+    hashes = getattr(request, "block_hashes", None)
+    if hashes:
+        hashes.clear()
+        request.update_block_hashes()
+
+
+# ---- the model, for steers inside its decoder layers -------------------------------------
+def num_hidden_layers(mc) -> int:
+    """The model's decoder blocks (its text config's ``num_hidden_layers``)."""
+    return int(text_config_value(mc, "num_hidden_layers"))
+
+
+def model_type(mc) -> str | None:
+    """The model's architecture name (its text config's ``model_type``)."""
+    return text_config_value(mc, "model_type")
+
+
+def max_step_tokens(vllm_config) -> int:
+    """The most tokens one step's forward runs: ``max_num_batched_tokens``, or the largest
+    CUDA-graph capture size when that is larger."""
+    capture = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None) or 0
+    return max(int(vllm_config.scheduler_config.max_num_batched_tokens), int(capture))
+
+
+def pipeline_parallel_size(vllm_config) -> int:
+    return int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+
+
+def sequence_parallelism(vllm_config) -> bool:
+    """Whether vLLM's sequence-parallelism pass is on (its name differs between releases)."""
+    pc = getattr(vllm_config.compilation_config, "pass_config", None)
+    return any(bool(getattr(pc, flag, False)) for flag in _SEQUENCE_PARALLEL_FLAGS)
+
+
+#: The pass-config flag of sequence parallelism, by the names releases gave it.
+_SEQUENCE_PARALLEL_FLAGS = ("enable_sp", "enable_sequence_parallelism")
+
+
+# ---- the runners' adapters of the step mapping -------------------------------------------
+def v1_step_tokens(input_batch, num_scheduled):
+    """V1's step (the persistent batch: request slot ``i`` is batch row ``i``, its tokens
+    consecutive in batch order): ``(req_slots, counts, gen_first)``, each request's slot, its
+    number of tokens in the step and the generated-token index its first token's row samples
+    (negative: a prompt token). Host arrays only."""
+    import numpy as np
+
+    n = input_batch.num_reqs
+    counts = np.asarray(num_scheduled[:n], dtype=np.int64)
+    computed = np.asarray(input_batch.num_computed_tokens_cpu[:n], dtype=np.int64)
+    gen_first = computed + 1 - np.asarray(input_batch.num_prompt_tokens[:n], dtype=np.int64)
+    return np.arange(n, dtype=np.int64), counts, gen_first
+
+
+def v2_step_tokens(runner, input_batch):
+    """Model Runner V2's step (request ``i`` in request-state slot ``idx_mapping[i]``, its
+    tokens from ``query_start_loc[i]``): ``(req_slots, counts, gen_first)`` as
+    :func:`v1_step_tokens`. Host arrays only."""
+    import numpy as np
+
+    n = input_batch.num_reqs
+    idx = np.asarray(input_batch.idx_mapping_np[:n], dtype=np.int64)
+    qsl = np.asarray(input_batch.query_start_loc_np[:n + 1], dtype=np.int64)
+    counts = np.diff(qsl)
+    req_states = getattr(runner, "req_states", None)
+    if req_states is None:
+        return idx, counts, None
+    computed = np.asarray(input_batch.num_computed_tokens_np[:n], dtype=np.int64)
+    prompt_len = np.asarray(req_states.prompt_len.np, dtype=np.int64)
+    return idx, counts, computed + 1 - prompt_len[idx]
+
+
+# ---- the OpenAI request models (API server) ----------------------------------------------
+def add_request_field(cls, name: str, annotation, field, validator_name: str,
+                      validator: Callable) -> bool:
+    """Add field ``name`` (a pydantic ``FieldInfo`` ``field`` of type ``annotation``) and an
+    "after" model validator to the pydantic request model ``cls``, then rebuild it. False
+    when the field is there already (nothing changed)."""
+    from pydantic._internal._decorators import Decorator, ModelValidatorDecoratorInfo
+
+    if name in cls.model_fields:
+        return False
+    cls.__pydantic_fields__[name] = field
+    cls.__annotations__[name] = annotation
+    if hasattr(cls, "field_names"):  # vLLM's cache of the field names
+        cls.field_names = None
+    setattr(cls, validator_name, validator)
+    cls.__pydantic_decorators__.model_validators[validator_name] = Decorator.build(
+        cls, cls_var_name=validator_name, shim=None,
+        info=ModelValidatorDecoratorInfo(mode="after"))
+    cls.model_rebuild(force=True)
+    return True
+
+
+def request_value(request, name: str):
+    """A field the plugin added to an OpenAI request model (``steer``), None when unset."""
+    return getattr(request, name, None)
+
+
+def set_request_value(request, name: str, value) -> None:
+    """Write a field the plugin added to an OpenAI request model."""
+    setattr(request, name, value)
+
+
+def request_xargs(request):
+    """``vllm_xargs`` of an OpenAI request (None when unset or absent)."""
+    return getattr(request, "vllm_xargs", None)
+
+
+def set_request_xargs(request, xargs: dict) -> None:
+    """Write ``vllm_xargs`` of an OpenAI request."""
+    request.vllm_xargs = xargs
+
+
+def request_id(request) -> str | None:
+    """An OpenAI request's ``request_id`` (None when it has none)."""
+    return getattr(request, "request_id", None)
+
+
+def request_model(request) -> str | None:
+    """The ``model`` an OpenAI request names."""
+    return getattr(request, "model", None)
+
+
+# ---- the API server's engine client (AsyncLLM; LLM offline) -------------------------------
+def engine_vllm_config(engine):
+    """The ``VllmConfig`` of an engine client (None: a client without one)."""
+    return getattr(engine, "vllm_config", None)
+
+
+def engine_model_config(engine):
+    """The ``ModelConfig`` of an engine client (None: a client without one)."""
+    return getattr(engine, "model_config", None)
+
+
+def max_model_len(model_config) -> int:
+    """The model's context length (0: unknown)."""
+    return int(getattr(model_config, "max_model_len", 0) or 0)
+
+
+def served_model_name(model_config) -> str | None:
+    """The first served model name, else the model's name (None: neither)."""
+    name = getattr(model_config, "served_model_name", None) or getattr(model_config, "model",
+                                                                       None)
+    if isinstance(name, (list, tuple)):
+        name = name[0] if name else None
+    return name
+
+
+async def engine_tokenizer(engine):
+    """The engine client's tokenizer (``get_tokenizer``, a coroutine in recent vLLM)."""
+    import inspect
+
+    get = engine.get_tokenizer
+    return await get() if inspect.iscoroutinefunction(get) else get()
+
+
+def engine_generate(engine, prompt, params, request_id: str):
+    """``engine.generate``: the request's outputs, an async iterator."""
+    return engine.generate(prompt, params, request_id)
+
+
+def prompt_token_logprobs(output, ids: list[int]) -> list[float | None]:
+    """The log-probability of each prompt token ``ids[i]`` in a ``RequestOutput``'s
+    ``prompt_logprobs`` (None where vLLM gives none: the first token)."""
+    lps = output.prompt_logprobs or []
+    return [None if e is None else e[t].logprob for e, t in zip(lps, ids, strict=False)]
+
+
+async def collective_rpc_every_core(engine, method: str, args: tuple) -> list:
+    """``collective_rpc(method, args)`` in every engine core the client manages, the first
+    worker's answer of each. vLLM's load-balancing data-parallel client sends each utility
+    call to every engine core but returns the first answer
+    (``DPLBAsyncMPClient.call_utility_async``); its ``call_utility_all_async`` gives them all.
+    A single engine core: ``collective_rpc``, its first answer."""
+    client = getattr(engine, "engine_core", None)
+    call_all = getattr(client, "call_utility_all_async", None)
+    if call_all is None or len(getattr(client, "core_engines", ()) or ()) < 2:
+        return list(await engine.collective_rpc(method, args=args))[:1]
+    return [r[0] for r in await call_all("collective_rpc", method, None, args, None)]
+
+
+def llm_collective_rpc(llm, method: str, args: tuple) -> list:
+    """``LLM.collective_rpc`` offline: each worker's answer."""
+    return llm.collective_rpc(method, args=args)
+
+
+def api_keys(args) -> list | None:
+    """``--api-key`` of the API server's arguments (None: not given)."""
+    return getattr(args, "api_key", None)
+
+
+# ---- the worker --------------------------------------------------------------------------
+def is_last_pp_rank() -> bool:
+    """Whether this worker is the last pipeline-parallel stage (the one with the LM head);
+    True outside a pipeline group (a model built outside vLLM)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return get_pp_group().is_last_rank
+    except (ImportError, AssertionError):  # no pipeline group
+        return True
+
+
+#: Every accessor and what it touches, checked at start-up with its group.
+ACCESSES: tuple[Access, ...] = (
+    Access(additional_config, "the --steer configuration", FRONTEND,
+           reads=(f"{_CONFIG}.additional_config", f"{_ENGINE_ARGS}.additional_config")),
+    Access(set_additional_config, "--steer carried in additional_config", FRONTEND,
+           sets=(f"{_ENGINE_ARGS}.additional_config",)),
+    Access(model_config, "the model's configuration", FRONTEND,
+           reads=(f"{_CONFIG}.model_config",)),
+    Access(uses_v2_runner, "the model runner's hook groups and per-request state", FRONTEND,
+           reads=(f"{_CONFIG}.use_v2_model_runner",)),
+    Access(speculative_config, "speculative decoding's hook groups", FRONTEND,
+           reads=(f"{_CONFIG}.speculative_config",)),
+    Access(speculative_method, "refusing an unsupported speculative method", FRONTEND,
+           reads=(f"{_CONFIG}.speculative_config", f"{_SPEC}.method")),
+    Access(data_parallel_size, "run-time steers under data parallelism", FRONTEND,
+           reads=(f"{_CONFIG}.parallel_config", f"{_PARALLEL}.data_parallel_size")),
+    Access(data_parallel_modes, "run-time steers under data parallelism", FRONTEND,
+           reads=(f"{_CONFIG}.parallel_config",
+                  *(f"{_PARALLEL}.{n}" for n in DATA_PARALLEL_MODES))),
+    Access(model_name, "naming the model in messages", FRONTEND, reads=(f"{_MODEL}.model",)),
+    Access(served_model_names, "presets never shadow the served model name", FRONTEND,
+           reads=(f"{_MODEL}.served_model_name",)),
+    Access(is_pooling, "refusing a pooling model", FRONTEND, reads=(f"{_MODEL}.runner_type",)),
+    Access(enforce_eager, "no CUDA graphs of the head's op under --enforce-eager", WORKER,
+           reads=(f"{_MODEL}.enforce_eager",)),
+    Access(logits_processors, "our per-request steer state", FRONTEND,
+           reads=(f"{_MODEL}.logits_processors",)),
+    Access(set_logits_processors, "our per-request steer state", FRONTEND,
+           sets=(f"{_MODEL}.logits_processors",)),
+    Access(architectures, "the model family", FRONTEND,
+           reads=(f"{_MODEL}.architectures", f"{_MODEL}.hf_config")),
+    Access(text_config_value, "the head's input size (a family's own field)", FRONTEND,
+           reads=(f"{_MODEL}.hf_text_config", f"{_MODEL}.hf_config")),
+    Access(hidden_size, "the head's input size", FRONTEND,
+           reads=(f"{_MODEL}.get_hidden_size",)),
+    Access(input_processor_config, "refusing bad steers at admission (HTTP 400)", FRONTEND,
+           reads=(f"{_INPUT_PROCESSOR}.vllm_config",)),
+    Access(engine_config, "the engine core's steer state", ENGINE,
+           reads=(f"{_CORE}.vllm_config",)),
+    Access(engine_index, "the engine core's data-parallel rank", ENGINE,
+           reads=("vllm.v1.engine.core:EngineCoreProc.engine_index",)),
+    Access(sampling_params, "binding a request's steers at admission", ENGINE,
+           reads=("vllm.v1.request:Request.sampling_params",)),
+    Access(extra_args, "a request's steers", ENGINE, reads=(f"{_PARAMS}.extra_args",)),
+    Access(set_extra_args, "a request's bound steers", ENGINE,
+           sets=(f"{_PARAMS}.extra_args",)),
+    Access(cache_salt, "the prefix cache salted by a request's vector mix", ENGINE,
+           reads=("vllm.v1.request:Request.cache_salt",)),
+    Access(resalt_request, "the prefix cache salted by a request's vector mix", ENGINE,
+           reads=("vllm.v1.request:Request.block_hashes",
+                  "vllm.v1.request:Request.update_block_hashes"),
+           sets=("vllm.v1.request:Request.cache_salt",)),
+    Access(num_hidden_layers, "vector steers checked against the model's blocks", FRONTEND,
+           reads=(f"{_MODEL}.hf_text_config",)),
+    Access(model_type, "vector steers checked against the model's architecture", FRONTEND,
+           reads=(f"{_MODEL}.hf_text_config",)),
+    Access(max_step_tokens, "the step mapping's buffers sized for a step", WORKER,
+           reads=(f"{_CONFIG}.scheduler_config", f"{_CONFIG}.compilation_config",
+                  "vllm.config.scheduler:SchedulerConfig.max_num_batched_tokens",
+                  "vllm.config.compilation:CompilationConfig.max_cudagraph_capture_size")),
+    Access(pipeline_parallel_size, "refusing vector steers under pipeline parallelism",
+           FRONTEND, reads=(f"{_CONFIG}.parallel_config",
+                            f"{_PARALLEL}.pipeline_parallel_size")),
+    Access(sequence_parallelism, "refusing vector steers under sequence parallelism",
+           FRONTEND, reads=(f"{_CONFIG}.compilation_config",
+                            "vllm.config.compilation:CompilationConfig.pass_config")),
+    Access(v1_step_tokens, "the step mapping of the decoder layers' steers (V1)", V1,
+           reads=tuple(f"vllm.v1.worker.gpu_input_batch:InputBatch.{n}" for n in
+                       ("num_reqs", "num_computed_tokens_cpu", "num_prompt_tokens"))),
+    Access(v2_step_tokens, "the step mapping of the decoder layers' steers (V2)", V2,
+           reads=(*(f"vllm.v1.worker.gpu.input_batch:InputBatch.{n}" for n in
+                    ("num_reqs", "idx_mapping_np", "query_start_loc_np",
+                     "num_computed_tokens_np")),
+                  "vllm.v1.worker.gpu.model_runner:GPUModelRunner.req_states",
+                  "vllm.v1.worker.gpu.states:RequestState.prompt_len",
+                  "vllm.v1.worker.gpu.buffer_utils:UvaBackedTensor.np")),
+    Access(add_request_field, "the `steer` request field (parsed once)", FRONTEND,
+           reads=(*_each_request("model_fields", "field_names", "model_rebuild"),
+                  f"{_PYDANTIC}:Decorator", f"{_PYDANTIC}:Decorator.build",
+                  f"{_PYDANTIC}:ModelValidatorDecoratorInfo",
+                  f"{_PYDANTIC}:DecoratorInfos.model_validators",
+                  "pydantic.main:BaseModel.__pydantic_fields__",
+                  "pydantic.main:BaseModel.__pydantic_decorators__"),
+           sets=_each_request("field_names")),
+    Access(request_value, "the `steer` request field", FRONTEND),
+    Access(set_request_value, "the `steer` request field", FRONTEND),
+    Access(request_xargs, "a steer in vllm_xargs", FRONTEND,
+           reads=_each_request("vllm_xargs")),
+    Access(set_request_xargs, "a steer in vllm_xargs moved to the `steer` field", FRONTEND,
+           sets=_each_request("vllm_xargs")),
+    Access(request_id, "the request named in a fault's log", FRONTEND,
+           reads=_each_request("request_id")),
+    Access(request_model, "a preset served as a model name", FRONTEND,
+           reads=_each_request("model")),
+    Access(engine_vllm_config, "the steer configuration of the HTTP routes", FRONTEND,
+           reads=("vllm.engine.protocol:EngineClient.vllm_config",)),
+    Access(engine_model_config, "the served model of the HTTP routes", FRONTEND,
+           reads=("vllm.engine.protocol:EngineClient.model_config",)),
+    Access(max_model_len, "the highlight route's bound on the text", FRONTEND,
+           reads=(f"{_MODEL}.max_model_len",)),
+    Access(served_model_name, "the served model in /v1/steer/info", FRONTEND,
+           reads=(f"{_MODEL}.served_model_name", f"{_MODEL}.model")),
+    Access(engine_tokenizer, "the highlight route's tokens", FRONTEND,
+           reads=(f"{_ASYNC_LLM}.get_tokenizer",)),
+    Access(engine_generate, "the highlight route's prompt logprobs", FRONTEND,
+           reads=("vllm.engine.protocol:EngineClient.generate",)),
+    Access(prompt_token_logprobs, "the highlight route's prompt logprobs", FRONTEND,
+           reads=("vllm.outputs:RequestOutput.prompt_logprobs", "vllm.logprobs:Logprob.logprob")),
+    Access(collective_rpc_every_core, "a management op in every engine core", FRONTEND,
+           reads=(f"{_ASYNC_LLM}.engine_core", f"{_ASYNC_LLM}.collective_rpc",
+                  "vllm.v1.engine.core_client:DPLBAsyncMPClient.call_utility_all_async",
+                  "vllm.v1.engine.core_client:MPClient.core_engines")),
+    Access(llm_collective_rpc, "a management op offline", FRONTEND,
+           reads=("vllm.entrypoints.llm:LLM.collective_rpc",)),
+    Access(api_keys, "API keys never pass as the steer admin key", FRONTEND,
+           reads=("vllm.entrypoints.launchers.cli_args:FrontendArgs.api_key",),
+           versions="<0.33", releases=(Release(">=0.33", reads=(
+               "vllm.entrypoints.common.cli_args:FrontendArgs.api_key",)),)),
+    Access(is_last_pp_rank, "only the last pipeline stage has the LM head", WORKER,
+           reads=("vllm.distributed.parallel_state:get_pp_group",
+                  "vllm.distributed.parallel_state:GroupCoordinator.is_last_rank")),
+)
+
+
+def access_problems(access: Access, surface: Any) -> list[str]:
+    """What ``surface`` (a vLLM release's, as :func:`vllm_steer.integrations.hook_check.
+    surface_problems` reads it) lacks of ``access``."""
+    where = f"vllm_steer.integrations.vllm_access.{access.function.__name__} ({access.purpose})"
+    names = access.names_for(surface.version)
+    if names is None:
+        declared = "; ".join(v for v in (access.versions, *(r.versions for r in access.releases)))
+        return [f"{where}: declared for vLLM {declared}, not {surface.version}"]
+    out = []
+    for name in names:
+        if surface.lookup(name) is None:
+            pkg = "vLLM" if name.partition(":")[0].partition(".")[0] == "vllm" else \
+                f"installed {name.partition('.')[0]}"
+            out.append(f"{where}: reads {name}, which this {pkg} does not have")
+    return out
