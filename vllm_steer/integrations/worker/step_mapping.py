@@ -8,8 +8,9 @@ steers applied inside the decoder layers (:data:`vllm_steer.kinds.AT_DECODER_LAY
 runner adapter per model runner gives the step's tokens in the order of the model's input
 (:func:`~vllm_steer.integrations.vllm_access.v1_step_tokens`,
 :func:`~vllm_steer.integrations.vllm_access.v2_step_tokens`, in the accessor layer: each
-token's request slot and the index of the generated token its row samples), and :meth:`StepMapping.build` writes their coefficients
-into :attr:`LayerVectors.token_coefs`: pinned staging, then the device
+token's request slot and the index of the generated token its row samples), and
+:meth:`StepMapping.build` writes their coefficients into :attr:`LayerVectors.token_coefs`:
+pinned staging, then the device
 (:class:`~vllm_steer.kernels.staging.StagedCopy`: a ring of pinned buffers, so that an
 overlapping step under async scheduling never rewrites a copy in flight), only the rows that
 changed, and zeros past the step's tokens (padding tokens are never steered).
