@@ -23,11 +23,14 @@ from __future__ import annotations
 import pytest
 
 from helpers.engines import shim_module, v2_runner_env
+from helpers.reference import HFReference
+from helpers.steers import random_vectors, save_vector_steer
 from helpers.worker_faults import (STEP_ROWS, check_only_the_steered_request_failed,
                                    step_rows_fault)
 
 pytestmark = pytest.mark.vllm
 
+VECTORS = random_vectors(64, [1], seed=13)  # a control vector at block 1
 PROMPTS = ["Hello there, my name is", "The weather today", "Once upon a time in a land far",
            "Q: What is two plus two?\nA:", "In the beginning", "A B C D E F G H I J K"]
 # (steer, max_tokens): six requests through three seats, leaving at different steps
@@ -56,7 +59,7 @@ def async_env():
 
 
 @pytest.fixture(scope="module", params=["v1", "v2"])
-def llm(request, async_env, tiny_model_dir, pair_steers):
+def llm(request, async_env, tiny_model_dir, pair_steers, tmp_path_factory):
     """One engine per model runner: V1 (the CPU default) and Model Runner V2 (through the V2
     shim, kernels in the Triton interpreter; see tests/e2e/test_vllm_v2.py)."""
     from vllm import LLM
@@ -66,8 +69,10 @@ def llm(request, async_env, tiny_model_dir, pair_steers):
             for k, v in v2_runner_env().items():
                 mp.setenv(k, v)
             mp.setattr("vllm.config.vllm.HAS_TRITON", True)
+        steers = {**pair_steers[1], "v": save_vector_steer(
+            tmp_path_factory.mktemp("vector") / "v.gguf", VECTORS, "v")}
         engine = LLM(str(tiny_model_dir),
-                     additional_config={"vllm_steer": {"steers": pair_steers[1]}}, **ENGINE_KW)
+                     additional_config={"vllm_steer": {"steers": steers}}, **ENGINE_KW)
         engine.runner_kind = request.param
         yield engine
         del engine
@@ -105,6 +110,20 @@ def test_requests_joining_and_leaving_get_their_own_tokens(llm, pair_ref):
         for i, (t, e) in enumerate(zip(got, o.outputs[0].logprobs)):
             assert e[t].logprob == pytest.approx(lp[len(ids) - 1 + i, t].item(), abs=2e-3)
     assert plain_differs >= 2  # the steers change tokens: the test can tell rows apart
+
+
+def test_vector_steers_join_and_leave_under_async_scheduling(llm, tiny_model_dir, pair_steers):
+    """The step mapping under async scheduling (a step prepared while the last one runs):
+    vector-steered requests of different lengths beside LM-Steer and unsteered ones, each
+    against forward hooks on the model's own weights."""
+    ref = HFReference(tiny_model_dir, pair_steers[0], vectors={"v": VECTORS})
+    reqs = [({"v": 1.0}, 3), (None, 6), ({"v": -1.0, "a": 4}, 5), ({"v": 0.7}, 2)]
+    outs = llm.generate(PROMPTS, [sp(s, n) for s, n in reqs], use_tqdm=False)
+    for o, (steer, n) in zip(outs, reqs, strict=True):
+        ids, got = list(o.prompt_token_ids), list(o.outputs[0].token_ids)
+        assert got == ref.greedy(ids, n, steer), (o.prompt, steer)
+    assert ref.greedy(list(outs[0].prompt_token_ids), 3, {"v": 1.0}) \
+        != ref.greedy(list(outs[0].prompt_token_ids), 3)  # the vector changes the tokens
 
 
 def test_a_steered_request_same_alone_as_in_the_async_batch(llm):

@@ -17,7 +17,7 @@ import pytest
 
 from helpers.models import make_tiny_llama
 from helpers.reference import HFReference
-from helpers.steers import random_steer, save_steers
+from helpers.steers import random_steer, random_vectors, save_steers, save_vector_steer
 from helpers.worker_faults import (STEP_ROWS, check_only_the_steered_request_failed,
                                    step_rows_fault)
 from vllm_steer.integrations.worker.runtime import steer_stats
@@ -28,6 +28,7 @@ PROMPTS = ["Hello there, my name is", "The weather today", "Once upon a time in 
            "Q: What is two plus two?\nA:"]
 MAX_TOKENS = 6
 HIDDEN = 128  # 2 attention heads: one per rank
+VECTORS = random_vectors(HIDDEN, [0, 1], seed=12)
 ENGINE_KW = dict(dtype="float32", kv_cache_memory_bytes=1 << 27, max_model_len=256,
                  max_num_seqs=8, enforce_eager=True, seed=0, tensor_parallel_size=2,
                  distributed_executor_backend="mp")
@@ -43,7 +44,9 @@ def steers(tmp_path_factory):
     d = tmp_path_factory.mktemp("steers-tp")
     objs = {"a": random_steer(HIDDEN, 8, "a", seed=1, scale=2.0),
             "b": random_steer(HIDDEN, 8, "b", seed=2, scale=2.0)}
-    return objs, save_steers(d, objs)
+    files = save_steers(d, objs)
+    files["v"] = save_vector_steer(d / "v.safetensors", VECTORS, "v")  # a vector steer
+    return objs, files
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,7 @@ def llm(model_dir, steers):
         # collective_rpc(steer_stats): read each worker's steer-op counters from the test
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         engine = LLM(str(model_dir),
-                     additional_config={"vllm_steer": {"steers": steers[1], "max_steers": 3}},
+                     additional_config={"vllm_steer": {"steers": steers[1], "max_steers": 4}},
                      **ENGINE_KW)
         yield engine
         del engine
@@ -63,7 +66,7 @@ def llm(model_dir, steers):
 
 @pytest.fixture(scope="module")
 def ref(model_dir, steers):
-    return HFReference(model_dir, steers[0])
+    return HFReference(model_dir, steers[0], vectors={"v": VECTORS})
 
 
 def sp(steer=None, **kw):
@@ -102,7 +105,7 @@ def test_tp2_workers_both_steer_with_a_steer_loaded_at_run_time(llm, ref, tmp_pa
     steer = random_steer(HIDDEN, 8, "t", seed=5, scale=3.0)
     save_steer(tmp_path / "t.safetensors", steer)
     entry = offline.load_steer(llm, "t", tmp_path / "t.safetensors")
-    assert (entry["name"], entry["bank_slot"], entry["source"]) == ("t", 2, "offline")
+    assert (entry["name"], entry["bank_slot"], entry["source"]) == ("t", 3, "offline")
     # each TP rank computes half of the vocabulary's logits from its own copy of the hidden
     # state: tokens and logprobs match the unsharded reference only if both ranks steered
     ref.steers["t"] = steer
@@ -111,14 +114,14 @@ def test_tp2_workers_both_steer_with_a_steer_loaded_at_run_time(llm, ref, tmp_pa
                            changed=(0, 1))
     finally:
         del ref.steers["t"]
-    assert [s["name"] for s in offline.list_steers(llm)] == ["a", "b", "t"]
+    assert [s["name"] for s in offline.list_steers(llm)] == ["a", "b", "v", "t"]
     offline.unload_steer(llm, "t")
     with pytest.raises(VLLMValidationError, match="unknown steer 't'"):
         llm.generate(PROMPTS[:1], sp({"t": 5}))
     save_steer(tmp_path / "small.safetensors", random_steer(64, 4, "small"))
     with pytest.raises(offline.SteerLoadError, match="hidden size 64"):
         offline.load_steer(llm, "small", tmp_path / "small.safetensors")
-    assert [s["name"] for s in offline.list_steers(llm)] == ["a", "b"]
+    assert [s["name"] for s in offline.list_steers(llm)] == ["a", "b", "v"]
 
 
 def test_tp2_a_worker_fault_fails_only_the_steered_request_across_processes(llm, ref):
@@ -133,3 +136,9 @@ def test_tp2_a_worker_fault_fails_only_the_steered_request_across_processes(llm,
     (after,) = llm.generate(PROMPTS[1:2], sp({"a": 5}))
     assert list(after.outputs[0].token_ids) == ref.greedy(list(after.prompt_token_ids),
                                                           MAX_TOKENS, {"a": 5})
+
+
+def test_vector_steers_on_two_ranks_match_the_reference(llm, ref):
+    """Tensor parallelism: each rank adds the vectors to its copy of the residual stream."""
+    ref.check_generate(llm, PROMPTS, [{"v": 1.0}, None, {"v": -1.0, "a": 3}],
+                       MAX_TOKENS, changed=(0, 2))

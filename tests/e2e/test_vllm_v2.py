@@ -33,7 +33,7 @@ import torch
 
 from helpers.engines import steered_llm
 from helpers.reference import HFReference
-from helpers.steers import random_steer, save_steers
+from helpers.steers import random_steer, random_vectors, save_steers, save_vector_steer
 from vllm_steer.format import make_steer
 from vllm_steer.integrations.worker.runtime import steer_stats
 
@@ -42,6 +42,7 @@ pytestmark = pytest.mark.vllm
 PROMPTS = ["Hello there, my name is", "The weather today", "Once upon a time in a land",
            "Q: What is two plus two?\nA:"]
 MAX_TOKENS = 6
+VECTORS = random_vectors(64, [1], seed=11)  # block 1 (llama.cpp never steers block 0)
 ENGINE_KW = dict(dtype="float32", kv_cache_memory_bytes=1 << 28, max_model_len=256,
                  max_num_seqs=8, enforce_eager=True, seed=0, enable_prefix_caching=True,
                  max_num_batched_tokens=256)  # V2's start-up warm-up runs this many tokens
@@ -54,7 +55,9 @@ def steers(tmp_path_factory):
     b = random_steer(64, 8, "b", seed=2, scale=3.0)
     comp = make_steer(torch.cat([a.p1, b.p1], 1), torch.cat([2 * a.p2, 3 * b.p2], 1), "comp")
     objs = {"a": a, "b": b, "comp": comp}
-    return objs, save_steers(d, objs)
+    files = save_steers(d, objs)
+    files["v"] = save_vector_steer(d / "v.gguf", VECTORS, "v")  # a control vector (llama.cpp)
+    return objs, files
 
 
 @pytest.fixture(scope="module")
@@ -436,3 +439,11 @@ def test_a_worker_fault_fails_only_the_steered_request_of_its_step(llm, ref, pro
         assert got[i] == ref.greedy(prompt_ids[i], MAX_TOKENS)
     after = tokens(llm.generate(PROMPTS[1:2], sp({"a": 5})))[0]
     assert after == ref.greedy(prompt_ids[1], MAX_TOKENS, {"a": 5})
+
+
+def test_vector_steers_in_a_mixed_batch_match_the_reference(llm, tiny_model_dir, steers):
+    """Model Runner V2's step mapping: a control vector alone, with an LM-Steer steer and with
+    a negative strength, beside unsteered rows, each against forward hooks on the model."""
+    ref = HFReference(tiny_model_dir, steers[0], vectors={"v": VECTORS})
+    ref.check_generate(llm, PROMPTS, [None, {"v": 1.0}, {"v": -1.0, "a": 4}, {"a": 4}],
+                       MAX_TOKENS, changed=(1, 2, 3))

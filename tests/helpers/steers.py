@@ -27,3 +27,22 @@ def random_steer(hidden: int, rank: int, name: str, seed: int = 0, scale: float 
     p1 = torch.randn(hidden, rank, generator=g) * scale
     p2 = torch.randn(hidden, rank, generator=g) * scale
     return make_steer(p1, p2, name, base_model=base_model, labels={"positive": name})
+
+
+def random_vectors(hidden: int, blocks, seed: int, scale: float = 1.0) -> dict:
+    """``{block: [hidden] float32}``: a random vector per decoder block (a vector steer's
+    content; strengths near 1 change the tiny models' greedy tokens)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(hidden, generator=g) * scale for k in blocks}
+
+
+def save_vector_steer(path, vectors: dict, name: str) -> str:
+    """Write ``vectors`` as a vector steer: llama.cpp's GGUF when ``path`` ends in ``.gguf``,
+    else the project's safetensors kind. Returns the path."""
+    from vllm_steer.vectors import make_vector_steer, save_gguf, save_vector
+
+    steer = make_vector_steer(vectors, name)
+    (save_gguf if str(path).endswith(".gguf") else save_vector)(path, steer)
+    return str(path)
