@@ -7,6 +7,14 @@ Modes (same prompts, same engine settings, fixed output length with EOS ignored)
   (c) every request steered with one steer
   (d) requests spread over K distinct steers and strengths, K = 1, 2, 4, 8, 16
   (e) two steers composed per request
+  (f) vector steers (control vectors on every decoder layer) loaded, no request steered
+  (g) every request steered with one vector steer, on every layer
+  (h) requests spread over K distinct vector steers, K = 1, 4, 16 (at most K_max)
+  (i) a vector steer and an LM-Steer steer per request
+
+Modes (f)-(i) run on a third engine (``--vectors``, the default) that serves the same
+LM-Steer steers plus K_max vector steers; (b)-(e) run on an engine with no vector steer, whose
+model has no op in its layers (what (b) measures against (a)).
 
 The engines live side by side in worker processes, (a) in one and (b)-(e) in another, and
 every round runs each mode once, in a fresh random order, so drift of the machine hits all
@@ -125,6 +133,37 @@ def random_steer_files(hidden: int, rank: int, n: int, prefix: str,
         steers[f"s{i}"] = str(folder / f"s{i}.safetensors")
         save_steer(steers[f"s{i}"], s)
     return steers
+
+
+def random_vector_files(hidden: int, layers: int, n: int, prefix: str) -> dict[str, str]:
+    """``n`` random vector steers ``v0..v{n-1}`` with a vector on every decoder layer (small:
+    the cost does not depend on the direction), saved in a fresh temporary folder."""
+    import torch
+
+    from vllm_steer.vectors import make_vector_steer, save_vector
+
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    out = {}
+    for i in range(n):
+        g = torch.Generator().manual_seed(1000 + i)
+        vs = make_vector_steer({k: torch.randn(hidden, generator=g) * 0.01
+                                for k in range(layers)}, f"v{i}")
+        out[f"v{i}"] = str(folder / f"v{i}.safetensors")
+        save_vector(out[f"v{i}"], vs)
+    return out
+
+
+def vector_modes(n: int, vnames: list[str], lm: str, k_list=(1, 4, 16)) -> dict[str, list]:
+    """Per-request steer dicts of the vector modes (f)-(i)."""
+    out = {"(f) vectors loaded, unsteered": [None] * n,
+           "(g) all steered, 1 vector, every layer": [{vnames[0]: 1.0}] * n}
+    for k in k_list:
+        if k > len(vnames):
+            break
+        out[f"(h) K={k} distinct vectors"] = [{vnames[i % k]: 0.5 + 0.1 * (i % 7)}
+                                              for i in range(n)]
+    out["(i) vector + LM-Steer"] = [{vnames[0]: 1.0, lm: 5.0}] * n
+    return out
 
 
 def engine_cpu_seconds(procs) -> float:
@@ -278,6 +317,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="--no-enforce-eager: CUDA graphs (and torch.compile) as on a GPU")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
                     help="per engine, on a GPU: the engines share it (e.g. 0.25 for three)")
+    ap.add_argument("--vectors", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the vector-steer modes (f)-(i) on a third engine")
     ap.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
                     help="a second plugin-free engine, (a'): the difference between two "
                          "identical engines on this machine")
@@ -307,21 +348,26 @@ def main(argv=None) -> int:
         args.load_format = "dummy"
     else:
         model = resolve_model(args.model)
-    hidden = AutoConfig.from_pretrained(model).hidden_size
+    hf_config = AutoConfig.from_pretrained(model)
+    hidden = hf_config.hidden_size
     k_list = tuple(int(k) for k in args.k_list.split(","))
     steers = random_steer_files(hidden, args.rank, max(k_list), "bench-steers-", args.steer,
                                 full_rank=args.full_rank)
+    vectors = (random_vector_files(hidden, hf_config.num_hidden_layers, max(k_list),
+                                   "bench-vectors-") if args.vectors else {})
 
     kw = engine_kwargs(args)
     if config_only:
         kw["skip_tokenizer_init"] = True
     prompts = make_prompts(model, args.batch, args.prompt_len, tokenizer=not config_only)
-    print(f"starting {3 if args.control else 2} engines ({model}; batch {args.batch}, prompt "
+    print(f"starting {2 + bool(args.control) + bool(vectors)} engines ({model}; batch {args.batch}, prompt "
           f"{args.prompt_len}, output {args.output_len} tokens, {args.repeats} rounds)...",
           flush=True)
     t0 = time.time()
     engines = {}
     specs = [("plain", True, None), ("plugin", False, steers)]
+    if vectors:
+        specs.append(("plugin, vectors", False, {**steers, **vectors}))
     if args.control:  # started last: whatever comes from start order shows up in (a')
         specs.append(("plain, 2nd", True, None))
     for name, disable_plugin, engine_steers in specs:  # one at a time, as a user would
@@ -332,6 +378,9 @@ def main(argv=None) -> int:
     if args.control:
         plan[CONTROL] = ("plain, 2nd", [None] * args.batch)
     plan.update({m: ("plugin", s) for m, s in modes(args.batch, list(steers), k_list).items()})
+    if vectors:
+        plan.update({m: ("plugin, vectors", s) for m, s in
+                     vector_modes(args.batch, list(vectors), list(steers)[0]).items()})
     for _, conn in engines.values():  # warm-up: one full-length pass per engine
         conn.send((prompts, [None] * args.batch, args.output_len))
         conn.recv()
@@ -366,6 +415,7 @@ def main(argv=None) -> int:
             "prompt_len": args.prompt_len, "output_len": args.output_len,
             "repeats": args.repeats, "control": args.control, "order": "shuffled per round",
             "steer_rank": args.rank, "full_rank_steers": args.full_rank, "k_list": k_list,
+            "vector_steers": len(vectors), "vector_layers": hf_config.num_hidden_layers,
             "engine_kwargs": kw, "startup_s_all_engines": startup,
             "machine": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "vllm": vllm.__version__, "torch": torch.__version__,
