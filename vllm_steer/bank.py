@@ -153,6 +153,9 @@ class SlotBank:
         # the worker's vector bank (integrations.worker.step_mapping.LayerVectors: put(slot,
         # steer), drop(slot)) where the decoder layers have the op; None: no such op
         self.layers = None
+        # False: a pipeline stage without the LM head keeps its slots' steers (for the
+        # requests' coefficients) but no factors (no head's op reads them)
+        self.factors = True
         self.reserved_rank = reserve_rank or 0  # rank per steer reserved (2 * capacity of them)
         self.rank = 0  # columns per coefficient column (the layout's rank)
         # [columns] int32 on the device: each column's steer rank (0: empty), rewritten in
@@ -198,6 +201,12 @@ class SlotBank:
 
         if kind_of(steer).applied_at == AT_DECODER_LAYERS:
             self._put_layer_steer(bank_slot, load_id, name, steer)
+            return
+        if not self.factors:  # no head here: the steer is known, its factors are not kept
+            self.steers[bank_slot] = steer.to(device="cpu")
+            self.load_ids[bank_slot] = load_id
+            self.names[bank_slot] = name
+            self._changed()
             return
         if steer.hidden_size != self.hidden_size:
             raise ValueError(f"steer {name!r} has hidden size {steer.hidden_size}; the model "

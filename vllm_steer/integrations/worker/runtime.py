@@ -89,12 +89,17 @@ class SteerRuntime:
         self.layers, self.mapping = layers, StepMapping(layers, self.slots)
         GATES.layer_mappings += 1
         bank = self.bank_state.bank
-        if bank is not None:
+        placement = self.config.startup_placement()
+        if bank is None:  # a pipeline stage without the LM head: a bank of steers, no factors
+            bank = self.bank_state.layers_only_bank(hidden_size, device)
             bank.layers = layers
-            placement = self.config.startup_placement()
+            for name, steer in self.bank_state.load_startup_steers().items():
+                bank.put(*placement[name], name, steer)
+        else:
+            bank.layers = layers
             for name, steer in self.bank_state.startup_layer_steers.items():
                 bank.put(*placement[name], name, steer)
-            self.slots.version += 1
+        self.slots.version += 1
         return n
 
     # ---- the bank ------------------------------------------------------------------------
