@@ -335,7 +335,7 @@ def unknown_steer(where: str, name: Any, loaded, steer_dir: str | None = None,
     listing = names_list(loaded) if listing is None else listing
     if steer_dir:
         return (f"{where}: unknown steer {echo(name)}: not loaded (loaded: {listing}) and no "
-                f"file {name}.safetensors in --steer-dir {steer_dir}")
+                f"file {name}.safetensors or {name}.gguf in --steer-dir {steer_dir}")
     return f"{where}: unknown steer {echo(name)}; {label}: {listing}"
 
 

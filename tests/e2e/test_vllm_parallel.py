@@ -55,7 +55,7 @@ def _complete(url, **extra):
 
 @pytest.mark.parametrize("steer, fragment", [
     ({"nope": 1}, "unknown steer 'nope': not loaded (loaded: detox) and no file "
-                  "nope.safetensors in --steer-dir"),
+                  "nope.safetensors or nope.gguf in --steer-dir"),
     ({"detox": 21}, "exceeds the server's maximum |strength| 20"),
 ])
 def test_bad_steer_is_400_from_every_api_server_and_the_engines_survive(dp_server, steer,

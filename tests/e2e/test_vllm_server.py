@@ -11,12 +11,14 @@ import json
 import pytest
 import requests
 
-from helpers.steers import random_steer
+from helpers.reference import HFReference
+from helpers.steers import random_steer, random_vectors, save_vector_steer
 from vllm_steer.format import save_steer
 from vllm_steer.server.launch import serve
 
 pytestmark = pytest.mark.vllm
 SERVER_DIR = [None]
+CALM = random_vectors(64, [1], seed=21)  # a control vector at block 1 (llama.cpp's GGUF)
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +26,10 @@ def server(tiny_model_dir, tmp_path_factory):
     d = SERVER_DIR[0] = tmp_path_factory.mktemp("srv")
     for name, seed in (("detox", 1), ("sentiment", 2)):
         save_steer(d / f"{name}.safetensors", random_steer(64, 8, name, seed=seed, scale=3.0))
+    save_vector_steer(d / "calm.gguf", CALM, "calm")
     args = [tiny_model_dir, "--served-model-name", "tiny",
             "--steer", f"detox={d / 'detox.safetensors'}",
+            "--steer", f"calm={d / 'calm.gguf'}",
             "--steer", d / "sentiment.safetensors",  # name taken from the file
             "--steer-max-strength", "20",
             "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "16",
@@ -86,7 +90,7 @@ def test_concurrent_mixed_requests_match_their_solo_results(client):
 
 
 @pytest.mark.parametrize("body, fragment", [
-    ({"steer": {"toxic": 1}}, "unknown steer 'toxic'; loaded steers: detox, sentiment"),
+    ({"steer": {"toxic": 1}}, "unknown steer 'toxic'; loaded steers: calm, detox, sentiment"),
     ({"steer": {"detox": "strong"}}, "strength of steer 'detox' must be a number"),
     ({"steer": {"detox": 21}}, "exceeds the server's maximum |strength| 20"),
     ({"vllm_xargs": {"steer": "detox=5"}}, "malformed entry 'detox=5'"),
@@ -523,11 +527,29 @@ def test_api_fuzz_from_the_openapi_schema(server, client):
 
 def test_steer_updates_are_off_by_default_and_the_list_is_on(server):
     listing = requests.get(server + "/v1/steers").json()
-    assert sorted(s["name"] for s in listing["data"]) == ["detox", "sentiment"]
+    assert sorted(s["name"] for s in listing["data"]) == ["calm", "detox", "sentiment"]
+    assert {s["name"]: s["kind"] for s in listing["data"]} == {
+        "calm": "vector", "detox": "lm-steer", "sentiment": "lm-steer"}
     assert listing["updates_enabled"] is False
     path = str(SERVER_DIR[0] / "detox.safetensors")
     for r in (requests.post(server + "/v1/steers", json={"name": "x", "path": path}),
               requests.delete(server + "/v1/steers/detox")):
         assert r.status_code == 403 and "--enable-steer-updates" in r.json()["error"]["message"]
     assert sorted(s["name"] for s in requests.get(server + "/v1/steers").json()["data"]) == \
-        ["detox", "sentiment"]
+        ["calm", "detox", "sentiment"]
+
+
+def test_a_control_vector_and_an_lm_steer_steer_in_one_request_over_http(server, tiny_model_dir):
+    """``extra_body={"steer": {"calm": a, "detox": s}}``: a llama.cpp control vector and an
+    LM-Steer steer mixed in one request, through the OpenAI route, each request's tokens equal
+    to the model with the vector added by forward hooks and the steer applied by hand."""
+    from vllm_steer.format import load_steer
+
+    ref = HFReference(tiny_model_dir, {"detox": load_steer(SERVER_DIR[0] / "detox.safetensors")},
+                      vectors={"calm": CALM})
+    plain = _ok(server)[0]
+    for steer in ({"calm": 1.0}, {"calm": -1.0, "detox": 4}):
+        got = _ok(server, steer=steer)[0]
+        want = ref.greedy(plain["prompt_token_ids"], 8, steer)
+        assert got["token_ids"] == want != plain["token_ids"], steer
+    assert plain["token_ids"] == ref.greedy(plain["prompt_token_ids"], 8)

@@ -202,7 +202,7 @@ def _model_dir(tiny_model_dir):
 
 
 @pytest.mark.parametrize("steer, fragment", [
-    ({"nothere": 1}, "no file nothere.safetensors in --steer-dir"),
+    ({"nothere": 1}, "no file nothere.safetensors or nothere.gguf in --steer-dir"),
     ({"../detox": 1}, "may use only"),
     ({"a/b": 1}, "may use only"),
     ({"..": 1}, "steer name"),

@@ -191,7 +191,7 @@ def test_an_unknown_steer_is_refused_with_one_message_by_the_frontend_and_the_en
 
     paths, steer_dir = files
     expected = (f"steer: unknown steer 'nope': not loaded (loaded: detox, formal, sentiment) "
-                f"and no file nope.safetensors in --steer-dir {steer_dir}")
+                f"and no file nope.safetensors or nope.gguf in --steer-dir {steer_dir}")
     core, _ = _server(paths, steer_dir)
     with pytest.raises(VLLMValidationError) as e:
         _admit(core, {"nope": 1})
