@@ -32,6 +32,7 @@ import pytest
 
 from helpers.models import make_tiny_eagle, make_tiny_llama, make_tiny_mimo
 from helpers.reference import HFReference
+from helpers.steers import random_vectors, save_vector_steer
 
 pytestmark = pytest.mark.vllm
 
@@ -57,6 +58,8 @@ TARGET = {"ngram": "tiny", "draft_model": "tiny", "eagle": "bigram", "eagle3": "
 EXACT_DRAFTER = ("draft_model", "eagle")
 # a mixed batch: steered and unsteered requests
 MIXED = [{"a": 5}, None, {"b": -4}, {"a": 3, "b": 2}]
+#: a vector steer on both blocks of every target (all of hidden size 64)
+VECTORS = random_vectors(64, [0, 1], seed=15)
 
 
 def oracle_eagle_head(out, hidden: int = 64):
@@ -123,7 +126,9 @@ def engine(request, targets, pair_steers, tmp_path_factory):
     HOOK_RECORDS[name] = str(tmp_path_factory.mktemp(f"hooks-{name}"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(RECORD_ENV, HOOK_RECORDS[name])  # inherited by the engine core it starts
-        llm = LLM(str(target), additional_config={"vllm_steer": {"steers": pair_steers[1]}},
+        steers = {**pair_steers[1], "v": save_vector_steer(
+            tmp_path_factory.mktemp(f"vector-{name}") / "v.safetensors", VECTORS, "v")}
+        llm = LLM(str(target), additional_config={"vllm_steer": {"steers": steers}},
                   speculative_config=spec, disable_log_stats=False, **ENGINE_KW)
     yield name, llm
     del llm
@@ -229,3 +234,19 @@ def test_every_hook_of_the_v1_speculative_decoding_groups_ran_in_the_engine(engi
     want = wrapped_targets(HOOKS, ("v1", "v1-spec"))
     assert len(want) == 7, sorted(want)
     assert want - ran == set(), f"{name}: hooks never called: {sorted(want - ran)}"
+
+
+def test_vector_steered_verification_gives_the_greedy_text_without_speculation(engine, targets,
+                                                                                pair_steers):
+    """The target's verification of the drafts runs with the requests' vectors in its blocks
+    (the step mapping covers the draft tokens): the greedy text is the model's with the
+    vectors added by forward hooks, whatever the (unsteered-in-layers) drafter proposed."""
+    name, llm = engine
+    ref = HFReference(targets(TARGET[name]), pair_steers[0], vectors={"v": VECTORS})
+    mixes = [{"v": 1.0}, None, {"v": -1.0, "a": 3}]
+    outs = llm.generate(PROMPTS[:3], [sp(m) for m in mixes], use_tqdm=False)
+    for o, mix in zip(outs, mixes, strict=True):
+        ids, got = list(o.prompt_token_ids), list(o.outputs[0].token_ids)
+        assert got == ref.greedy(ids, len(got), mix), (name, mix)
+    ids = list(outs[0].prompt_token_ids)
+    assert ref.greedy(ids, 6, {"v": 1.0}) != ref.greedy(ids, 6), name  # the vector matters
