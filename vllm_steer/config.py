@@ -240,9 +240,9 @@ def parse_steer_arg(arg: str) -> tuple[str, str]:
         if problem:
             raise ValueError(f"--steer {echo(arg, 80)}: {problem} (use NAME=PATH)")
         return name, path
-    from vllm_steer.format import read_metadata
+    from vllm_steer.kinds import read_any_metadata
 
-    return read_metadata(arg).name, arg
+    return read_any_metadata(arg).name, arg
 
 
 # ---- the steer admin key (--steer-admin-key) -----------------------------------------------

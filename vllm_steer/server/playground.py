@@ -116,10 +116,10 @@ def steer_entry(name: str, path: str) -> dict[str, Any]:
     if key not in _META_CACHE:
         import dataclasses
 
-        from vllm_steer.format import read_metadata
+        from vllm_steer.kinds import read_any_metadata
 
         try:
-            meta = dataclasses.asdict(read_metadata(path))
+            meta = dataclasses.asdict(read_any_metadata(path))
         except Exception as e:  # noqa: BLE001 - shown in the page, the server keeps serving
             return {"name": name, "file": os.path.basename(str(path)), "error": str(e)}
         meta.pop("extra", None)
