@@ -155,7 +155,7 @@ class SlotBank:
         self.layers = None
         # False: a pipeline stage without the LM head keeps its slots' steers (for the
         # requests' coefficients) but no factors (no head's op reads them)
-        self.factors = True
+        self.keeps_factors = True
         self.reserved_rank = reserve_rank or 0  # rank per steer reserved (2 * capacity of them)
         self.rank = 0  # columns per coefficient column (the layout's rank)
         # [columns] int32 on the device: each column's steer rank (0: empty), rewritten in
@@ -202,7 +202,7 @@ class SlotBank:
         if kind_of(steer).applied_at == AT_DECODER_LAYERS:
             self._put_layer_steer(bank_slot, load_id, name, steer)
             return
-        if not self.factors:  # no head here: the steer is known, its factors are not kept
+        if not self.keeps_factors:  # no head here: the steer is known, its factors are not kept
             self.steers[bank_slot] = steer.to(device="cpu")
             self.load_ids[bank_slot] = load_id
             self.names[bank_slot] = name

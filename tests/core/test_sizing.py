@@ -117,3 +117,17 @@ def test_a_dtype_it_does_not_know_is_refused_by_name():
     with pytest.raises(ValueError, match="'int8'.*float32, bfloat16, float16"):
         sizing.bank_bytes(8, 64, 4096, "int8")
     assert sizing.dtype_bytes(torch.bfloat16) == 2
+
+
+def test_the_vector_bank_s_size_is_what_the_step_mapping_allocates():
+    import torch
+
+    from vllm_steer.integrations.worker.step_mapping import LayerVectors
+    from vllm_steer.sizing import vector_bank_bytes
+
+    layers = LayerVectors([2, 3, 4], 8, capacity=5, hidden_size=48, max_tokens=40,
+                          device=torch.device("cpu"))
+    got = sum(t.numel() * t.element_size() for t in (layers.vectors, layers.token_coefs))
+    assert vector_bank_bytes(5, 3, 48, 40) == got == layers.reserved_bytes
+    # the 8B Deployment: 256 slots, 32 blocks, hidden 4096, 8192 tokens per step
+    assert vector_bank_bytes(256, 32, 4096, 8192) == 136 * 2**20

@@ -128,10 +128,10 @@ class BankState:
     def layers_only_bank(self, hidden_size: int, device) -> SlotBank:
         """The bank of a pipeline stage without the LM head (its decoder blocks have the op of
         decoder-layer steers): the slots' steers and load ids, for the requests'
-        coefficients, and no factor storage (:attr:`SlotBank.factors` False)."""
+        coefficients, and no factor storage (:attr:`SlotBank.keeps_factors` False)."""
         bank = SlotBank(self.capacity, hidden_size, device=device, dtype=torch.float32,
                         reserve_rank=0)
-        bank.factors = False
+        bank.keeps_factors = False
         self.bank = bank
         return bank
 
