@@ -74,6 +74,14 @@ def test_a_test_only_kind_is_served_by_the_bank_the_mapping_and_the_blocks_op(tm
     assert torch.allclose(out1[1], want, atol=1e-6) and torch.equal(out1[0], h)
     assert torch.equal(out1[1][[0, 1, 5]], res[[0, 1, 5]])  # other tokens: the same bits
     assert torch.equal(out0[1], res)  # another block: nothing
+    # the same step again writes nothing; a changed strength is written
+    mapping.build(np.array([0, 1, 2]), np.array([2, 3, 1]), None)
+    assert mapping.unchanged_steps == 1
+    row2, _ = bank.coef_row({"b": (2, 7)}, {"b": 2.0})
+    slots.set(1, np.asarray(row2, dtype=np.float32), None, bank)
+    mapping.build(np.array([0, 1, 2]), np.array([2, 3, 1]), None)
+    assert mapping.unchanged_steps == 1
+    assert torch.equal(layers.token_coefs[2:5, 2], torch.full((3,), 2.0))
     # a shorter step with no steered token zeroes what the last one left
     mapping.build(np.array([0]), np.array([1]), None)
     assert not layers.token_coefs.any()

@@ -94,8 +94,13 @@ class StepMapping:
         """Rows of the device buffer that may be non-zero (those of the last steered step)."""
         self.steps = 0  # steps mapped
         self.steered_steps = 0  # steps with a vector-steered token
+        self.unchanged_steps = 0  # steps whose rows were those of the step before
         self._copy = staging.StagedCopy(layers.device)
         self._zeros: np.ndarray | None = None
+        # what the device rows were last written for (no window among its requests): the
+        # request-slot table's and the vector bank's versions, the requests' slots and token
+        # counts; a step with the same key writes nothing
+        self._key: tuple | None = None
 
     def build(self, req_slots: np.ndarray, counts: np.ndarray,
               gen_first: np.ndarray | None) -> None:
@@ -110,8 +115,15 @@ class StepMapping:
         host = table.host
         n = int(counts.sum()) if len(counts) else 0
         per_req = None
+        key = None
         if table.num_active_slots and host is not None and len(req_slots) and n:
             windowed = table.any_windowed(req_slots)
+            if not windowed:  # the same requests, tokens and strengths: the rows are there
+                key = (table.version, self.layers.version, req_slots.tobytes(),
+                       counts.tobytes())
+                if key == self._key:
+                    self.unchanged_steps += 1
+                    return
             per_req = host[req_slots, :self.layers.capacity] * mask
             if not windowed and not per_req.any():
                 per_req = None
@@ -119,8 +131,10 @@ class StepMapping:
                 per_req = self._windowed_rows(req_slots, counts, gen_first, n)
             else:
                 per_req = np.repeat(per_req, counts, axis=0)
+        self._key = None  # never keep a stale key on error
         if per_req is None or not per_req.any():
             self._clear()
+            self._key = key
             return
         if n > self.layers.max_tokens:
             raise RuntimeError(f"vllm-steer: the step has {n} tokens, over the "
@@ -132,6 +146,7 @@ class StepMapping:
         self._copy.copy_(buf[:rows.shape[0]], rows)
         self.filled = n
         self.steered_steps += 1
+        self._key = key
 
     def build_or_clear(self, req_slots: np.ndarray, counts: np.ndarray,
                        gen_first: np.ndarray | None) -> None:
@@ -165,6 +180,7 @@ class StepMapping:
 
     def _clear(self) -> None:
         """No vector-steered token in the step: zero the rows the last steered step left."""
+        self._key = None
         if self.filled:
             self._copy.copy_(self.layers.token_coefs[:self.filled], self._zero_rows(self.filled))
             self.filled = 0
