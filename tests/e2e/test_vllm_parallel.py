@@ -21,13 +21,14 @@ import requests
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers.steers import random_steer
+from helpers.steers import random_steer, random_vectors, save_vector_steer
 from vllm_steer.format import load_steer, save_steer
 from vllm_steer.server.launch import serve
 
 pytestmark = pytest.mark.vllm
 MAX_TOKENS = 6
 PROMPT = "Once upon a time"
+CALM = random_vectors(64, [1], seed=22)  # a control vector, in --steer-dir as calm.gguf
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +38,11 @@ def dp_server(tiny_model_dir, tmp_path_factory):
     (d / "dir").mkdir()  # run-time steers (issue 23): --steer-dir and --enable-steer-updates
     save_steer(d / "dir" / "first.safetensors", random_steer(64, 8, "first", seed=2, scale=3.0))
     save_steer(d / "dir" / "posted.safetensors", random_steer(64, 8, "p", seed=3, scale=3.0))
+    save_vector_steer(d / "dir" / "calm.gguf", CALM, "calm")
     args = [tiny_model_dir, "--served-model-name", "tiny",
             "--steer", f"detox={d / 'detox.safetensors'}", "--steer-max-strength", "20",
-            "--steer-dir", d / "dir", "--enable-steer-updates", "--max-steers", "4",
+            "--steer-dir", d / "dir", "--enable-steer-updates", "--max-steers", "5",
+            "--steer-vectors",
             "--data-parallel-size", "2", "--api-server-count", "2",
             "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4",
             "--kv-cache-memory-bytes", 1 << 27, "--enforce-eager"]
@@ -254,7 +257,7 @@ def test_metrics_are_typed_and_each_request_counts_once(dp_server):
         assert (f.type == "counter") == name.endswith("_total"), (name, f.type)
     assert set(COUNTERS) <= set(steer_fams), sorted(steer_fams)
     assert after["vllm_steer:loaded_steers"].type == "gauge"
-    assert after["vllm_steer:max_steers"].samples[0].value == 4
+    assert after["vllm_steer:max_steers"].samples[0].value == 5
     # 12 requests, each counted once (two API servers, two engine cores), on both engines
     assert sum(served.values()) - sum(served0.values()) == 12
     assert set(served) == {"0", "1"}
@@ -287,3 +290,21 @@ def test_promtool_accepts_the_steer_metrics(dp_server):
     problems = [p for p in (res.stdout + res.stderr).splitlines()
                 if p.strip() and not p.endswith("metric names should not contain ':'")]
     assert res.returncode in (0, 3) and problems == [], (res.returncode, problems)
+
+
+def test_a_control_vector_in_the_steer_dir_steers_on_both_engines(dp_server, tiny_model_dir):
+    """``--steer-vectors`` with data parallelism: ``calm.gguf`` found in ``--steer-dir`` at its
+    first use, loaded into both engine cores, and every engine's answer is the model's with
+    the vector added by forward hooks."""
+    from helpers.reference import HFReference
+
+    url, _ = dp_server
+    rs = _spread(url, steer={"calm": 1.0})
+    toks = {tuple(r.json()["choices"][0]["token_ids"]) for r in rs}
+    assert len(toks) == 1
+    choice = rs[0].json()["choices"][0]
+    ref = HFReference(tiny_model_dir, {}, vectors={"calm": CALM})
+    want = ref.greedy(choice["prompt_token_ids"], MAX_TOKENS, {"calm": 1.0})
+    assert list(toks.pop()) == want != ref.greedy(choice["prompt_token_ids"], MAX_TOKENS)
+    listing = requests.get(url + "/v1/steers").json()["data"]
+    assert {s["name"]: s["kind"] for s in listing}["calm"] == "vector"
