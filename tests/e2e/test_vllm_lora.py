@@ -21,13 +21,14 @@ import pytest
 import requests
 import torch
 
-from helpers.steers import random_steer
+from helpers.steers import random_steer, random_vectors, save_vector_steer
 from vllm_steer.format import load_steer, save_steer
 from vllm_steer.server.launch import serve
 
 pytestmark = pytest.mark.vllm
 
 RANK, ALPHA = 8, 16
+VECTORS = random_vectors(64, [0, 1], seed=16)  # a vector steer on both blocks
 PROMPTS = ["Hello there, my name is", "Once upon a time in a land"]
 MAX_TOKENS = 6
 ENGINE_KW = dict(dtype="float32", kv_cache_memory_bytes=1 << 27, max_model_len=256,
@@ -75,7 +76,7 @@ def adapters(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def steer_path(tmp_path_factory):
+def steer_path(tmp_path_factory):  # (the vector steer is written beside it)
     p = tmp_path_factory.mktemp("lora-steer") / "a.safetensors"
     save_steer(p, random_steer(64, 8, "a", seed=1, scale=3.0))
     return p
@@ -120,8 +121,9 @@ def assert_matches(out, lp):
 def lora_llm(tiny_model_dir, steer_path):
     from vllm import LLM
 
+    vec = save_vector_steer(steer_path.parent / "v.safetensors", VECTORS, "v")
     engine = LLM(str(tiny_model_dir), additional_config={"vllm_steer": {"steers": {
-        "a": str(steer_path)}}}, **ENGINE_KW)
+        "a": str(steer_path), "v": vec}}}, **ENGINE_KW)
     yield engine
     del engine
 
@@ -163,6 +165,31 @@ def test_lora_plus_steer_is_the_papers_formula_on_the_lora_model(lora_llm, adapt
         assert_matches(out, reference_logprobs(model, ids, steer, 5.0))
         assert out.outputs[0].token_ids != plain.outputs[0].token_ids
 
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_lora_plus_a_vector_steer_is_the_lora_model_with_the_vector_added(lora_llm, adapters,
+                                                                         tiny_model_dir, name):
+    """A LoRA adapter and a vector steer in one request: the merged model with the vector
+    added to its blocks' outputs by forward hooks."""
+    model = merged_model(tiny_model_dir, adapters[name])
+
+    def add(delta):
+        return lambda _m, _a, out: ((out[0] + delta, *out[1:]) if isinstance(out, tuple)
+                                    else out + delta)
+
+    for prompt in PROMPTS[:2]:
+        plain = _generate(lora_llm, prompt, adapters[name], name)
+        out = _generate(lora_llm, prompt, adapters[name], name, steer={"v": 1.0})
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        hooks = [model.model.layers[k].register_forward_hook(add(v)) for k, v in VECTORS.items()]
+        try:
+            lp = reference_logprobs(model, ids)
+        finally:
+            for h in hooks:
+                h.remove()
+        assert_matches(out, lp)
+        assert out.outputs[0].token_ids != plain.outputs[0].token_ids
 
 # ---- the plugin installed, no steers configured: `vllm serve --enable-lora` -----------------
 @pytest.fixture(scope="module")
