@@ -118,7 +118,7 @@ def test_vector_steers_join_and_leave_under_async_scheduling(llm, tiny_model_dir
     against forward hooks on the model's own weights."""
     ref = HFReference(tiny_model_dir, pair_steers[0], vectors={"v": VECTORS})
     reqs = [({"v": 1.0}, 3), (None, 6), ({"v": -1.0, "a": 4}, 5), ({"v": 0.7}, 2)]
-    outs = llm.generate(PROMPTS, [sp(s, n) for s, n in reqs], use_tqdm=False)
+    outs = llm.generate(PROMPTS[:len(reqs)], [sp(s, n) for s, n in reqs], use_tqdm=False)
     for o, (steer, n) in zip(outs, reqs, strict=True):
         ids, got = list(o.prompt_token_ids), list(o.outputs[0].token_ids)
         assert got == ref.greedy(ids, n, steer), (o.prompt, steer)
