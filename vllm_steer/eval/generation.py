@@ -25,9 +25,6 @@ logger = get_logger()
 METHOD_NONE, METHOD_STEER, METHOD_BLACKLIST = "unsteered", "lm-steer", "soft-blacklist"
 #: A vector steer (control vector, ``h_k += a * v_k`` at decoder blocks).
 METHOD_VECTOR = "vector"
-#: The methods that are steers served by the plugin (their strengths go in the ``steer``
-#: request field).
-STEER_METHODS = (METHOD_STEER, METHOD_VECTOR)
 
 
 def steer_method(kinds: Sequence[str]) -> str:
