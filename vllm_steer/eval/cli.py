@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import os
 import shlex
 
 from vllm_steer.strengths import parse_strengths  # noqa: F401  (re-exported)
@@ -52,20 +53,25 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
     if task == "grid":
         g.add_argument("--steer", action="append", required=True, metavar="PATH",
                        help="steer file; give exactly two (names come from the files)")
-        g.add_argument("--strengths", type=parse_strengths, default=[0.0, 5.0, 10.0],
-                       help="strengths of the first steer (rows)")
-        g.add_argument("--grid-strengths", type=parse_strengths, default=[-5.0, 0.0, 5.0],
-                       help="strengths of the second steer (columns)")
+        g.add_argument("--strengths", type=parse_strengths, default=None,
+                       help="strengths of the first steer (rows); default 0,5,10 for "
+                            "LM-Steer, 0,r,2r for a vector steer of recommended strength r")
+        g.add_argument("--grid-strengths", type=parse_strengths, default=None,
+                       help="strengths of the second steer (columns); default -5,0,5 for "
+                            "LM-Steer, -r,0,r for a vector steer")
         g.add_argument("--prompts", choices=["toxicity", "sentiment"], default="toxicity",
                        help="which prompts to sample")
         g.add_argument("--prompt-set", choices=["neutral", "positive", "negative"],
                        default=None, help="sentiment prompts (with --prompts sentiment)")
     else:
         g.add_argument("--steer", metavar="PATH",
-                       help="steer file (its name is read from the file); without it only the "
+                       help="steer file: LM-Steer, or a vector steer (.safetensors or llama.cpp "
+                            ".gguf); its name is read from the file; without it only the "
                             "unsteered model and the baseline are evaluated")
-        g.add_argument("--strengths", type=parse_strengths, default=[-10.0, -5.0, 0.0, 5.0, 10.0],
-                       help="steer strengths (units of epsilon), comma-separated")
+        g.add_argument("--strengths", type=parse_strengths, default=None,
+                       help="steer strengths, comma-separated: units of epsilon for LM-Steer "
+                            "(default -10,-5,0,5,10), the coefficient a for a vector steer "
+                            "(default -2r,-r,0,r,2r, r its recommended strength)")
         if task == "sentiment":
             g.add_argument("--prompt-set", choices=["neutral", "positive", "negative"],
                            default="neutral", help="which sentiment prompts")
@@ -78,7 +84,8 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
                             "cached in ~/.cache/vllm-steer/eval), none, or a file from "
                             "`vllm-steer eval train-baseline`")
         g.add_argument("--baseline-strengths", type=parse_strengths, default=None,
-                       help="soft-blacklist strengths (default: same as --strengths)")
+                       help="soft-blacklist strengths (default: same as --strengths; "
+                            "-10,-5,0,5,10 beside a vector steer)")
         g.add_argument("--recommended-strength", type=float, default=None,
                        help="strength the goals are checked at (default: the steer file's, "
                             "else 5)")
@@ -277,7 +284,7 @@ def cmd_rescore(args) -> int:
 def _tune_command(subparsers) -> None:
     """``vllm-steer tune STEER --task toxicity|sentiment --prompts FILE``."""
     from vllm_steer.eval.generation import SamplingConfig
-    from vllm_steer.eval.tune import DEFAULT_STRENGTHS
+    from vllm_steer.eval.tune import DEFAULT_STRENGTHS, VECTOR_STRENGTH_FACTORS
 
     s = SamplingConfig()
     t = _parser(subparsers, "tune", engine=True,
@@ -289,14 +296,18 @@ def _tune_command(subparsers) -> None:
                             "the effects' confidence intervals) into the steer file's "
                             "metadata; warn when none moves it beyond noise. "
                             "See docs/eval.md.")
-    t.add_argument("steer", help="steer file (rewritten in place: recommended_strength, "
-                                 "metrics.tune)")
+    t.add_argument("steer", help="steer file, LM-Steer or a vector steer (.safetensors or "
+                                 "llama.cpp .gguf); rewritten in place, in its own format: "
+                                 "recommended_strength, metrics.tune")
     t.add_argument("--task", required=True, choices=["toxicity", "sentiment"],
                    help="toxicity: steer towards non-toxic; sentiment: both directions")
     t.add_argument("--prompts", required=True, metavar="FILE",
                    help="development prompts (JSONL, prompt.text per line)")
-    t.add_argument("--strengths", type=parse_strengths,
-                   default=list(DEFAULT_STRENGTHS), help="candidate magnitudes")
+    t.add_argument("--strengths", type=parse_strengths, default=None,
+                   help="candidate magnitudes (default: "
+                        f"{','.join(f'{x:g}' for x in DEFAULT_STRENGTHS)} for LM-Steer; for a "
+                        "vector steer its recommended strength times "
+                        f"{','.join(f'{x:g}' for x in VECTOR_STRENGTH_FACTORS)})")
     _mode_flags(t)
     t.add_argument("--ppl-budget", type=float, default=0.15,
                    help="largest relative perplexity increase over unsteered (0.15 = +15%%)")
@@ -352,10 +363,15 @@ def _tune_command_line(args) -> str:
 def cmd_tune(args) -> int:
     from vllm_steer.eval.engine_args import engine_config_from_args
     from vllm_steer.eval.generation import SamplingConfig
-    from vllm_steer.eval.tune import TuneConfig, tune
+    from vllm_steer.eval.tune import TuneConfig, default_strengths, tune
+    from vllm_steer.kinds import read_any_metadata
 
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError(f"--num-prompts {args.num_prompts}: must be at least 1")
+    if args.strengths is None:
+        if not os.path.exists(args.steer):
+            raise FileNotFoundError(f"{args.steer}: no such steer file")
+        args.strengths = default_strengths(read_any_metadata(args.steer), args.task)
     args.model = tune_model(args.steer, args.model)
     args.engine = engine_config_from_args(args, args.kv_cache_gib)
     cfg = TuneConfig(steer=args.steer, task=args.task, prompts=args.prompts,
@@ -382,9 +398,9 @@ def tune_model(steer: str, model: str | None) -> str:
     its ``base_model`` (what ``vllm-steer train`` trained it on), else the embedded smollm2."""
     if model:
         return model
-    from vllm_steer.format import read_metadata
+    from vllm_steer.kinds import read_any_metadata
 
-    return read_metadata(steer).base_model or "smollm2"
+    return read_any_metadata(steer).base_model or "smollm2"
 
 
 def _mode_argv(mode: str, instruction: str | None) -> list[str]:
@@ -476,8 +492,6 @@ def command_for(cfg) -> str:
 
 def config_from_args(args):
     """The :class:`~vllm_steer.eval.harness.EvalConfig` of parsed arguments."""
-    import os
-
     from vllm_steer.eval.engine_args import engine_config_from_args
     from vllm_steer.eval.generation import SamplingConfig
     from vllm_steer.eval.harness import EvalConfig
@@ -487,21 +501,34 @@ def config_from_args(args):
     for p in steers:
         if not os.path.exists(p):
             raise FileNotFoundError(f"--steer {p}: no such file")
+    from vllm_steer.kinds import read_any_metadata
+
+    metas = [read_any_metadata(p) for p in steers]
     if args.out:
         out = args.out
     else:
-        from vllm_steer.format import read_metadata
-
-        tag = "-".join(read_metadata(p).name for p in steers) or "unsteered"
+        tag = "-".join(m.name for m in metas) or "unsteered"
         out = os.path.join("eval_out", f"{task}-{tag}")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError(f"--num-prompts {args.num_prompts}: must be at least 1")
+    grid = task == "grid"
+    strengths = args.strengths
+    if strengths is None:
+        strengths = default_eval_strengths(metas[0] if metas else None,
+                                           [0.0, 5.0, 10.0] if grid else list(DEFAULT_EVAL))
+    grid_strengths = getattr(args, "grid_strengths", None)
+    if grid and grid_strengths is None:
+        grid_strengths = default_eval_strengths(metas[1], [-5.0, 0.0, 5.0])
+    baseline_strengths = getattr(args, "baseline_strengths", None)
+    if (baseline_strengths is None and metas and getattr(metas[0], "kind", None) == "vector"
+            and getattr(args, "baseline", "none") != "none"):
+        baseline_strengths = list(DEFAULT_EVAL)  # the blacklist's own scale, not the vector's
     cfg = EvalConfig(
-        task=task, model=args.model, steers=steers, strengths=args.strengths,
-        grid_strengths=getattr(args, "grid_strengths", [-5.0, 0.0, 5.0]),
+        task=task, model=args.model, steers=steers, strengths=strengths,
+        grid_strengths=grid_strengths if grid else [-5.0, 0.0, 5.0],
         grid_prompts=getattr(args, "prompts", "toxicity"),
         baseline=getattr(args, "baseline", "none"),
-        baseline_strengths=getattr(args, "baseline_strengths", None),
+        baseline_strengths=baseline_strengths,
         num_prompts=args.num_prompts, prompt_set=getattr(args, "prompt_set", None),
         prompt_file=getattr(args, "prompt_file", None),
         sampling=SamplingConfig(samples=args.samples, max_tokens=args.max_tokens,
@@ -517,6 +544,24 @@ def config_from_args(args):
         mode=args.mode, instruction=args.instruction, progress=not args.quiet)
     cfg.command = command_for(cfg)
     return cfg
+
+
+#: ``eval toxicity|sentiment``'s strengths for an LM-Steer file (units of epsilon).
+DEFAULT_EVAL = (-10.0, -5.0, 0.0, 5.0, 10.0)
+
+
+def default_eval_strengths(meta, lm_steer: list[float]) -> list[float]:
+    """Strengths to evaluate when none are given: ``lm_steer`` (units of epsilon) for an
+    LM-Steer file or no steer; for a vector steer, whose strength is the coefficient ``a``,
+    the same list with 5 read as its ``recommended_strength`` (refused when it has none)."""
+    if meta is None or getattr(meta, "kind", "lm-steer") != "vector":
+        return list(lm_steer)
+    r = meta.recommended_strength
+    if not r:
+        raise ValueError(f"the vector steer {meta.name!r} records no recommended_strength, so "
+                         "there is no scale for default strengths: give --strengths (the "
+                         "coefficient a, e.g. --strengths=-0.05,0,0.05)")
+    return [round(x / 5.0 * abs(r), 6) for x in lm_steer]
 
 
 def cmd_eval(args) -> int:
@@ -558,10 +603,10 @@ def cmd_train_baseline(args) -> int:
     data_dir = data_dir_of(cfg)
     labels = {}
     if args.like:
-        from vllm_steer.format import read_metadata
+        from vllm_steer.kinds import read_any_metadata
         import json
 
-        meta = json.loads(read_metadata(args.like).to_json())
+        meta = json.loads(read_any_metadata(args.like).to_json())
         labels = meta.get("labels") or {}
         recipe, data_cfg = baseline_plan(cfg, meta, data_dir)
     else:

@@ -1,7 +1,8 @@
 """Sampling continuations through vLLM with the plugin: the conditions of an evaluation.
 
-A :class:`Condition` is one way of generating: unsteered, LM-Steer at some strengths
-(``{"detox": 5}``, or two steers at once for the composition grid), or the soft-blacklist
+A :class:`Condition` is one way of generating: unsteered, a steer at some strengths
+(LM-Steer ``{"detox": 5}`` or a vector steer ``{"vector-detox": 0.03}``, or two steers at once
+for the composition grid), or the soft-blacklist
 baseline at some strength. Every condition samples the same prompts with the same seeds
 (prompt ``i`` uses seeds ``seed + i*k .. seed + i*k + k-1`` for its ``k`` samples), so
 differences between conditions come from the steering, not from the random draws.
@@ -22,6 +23,17 @@ from vllm_steer.logs import get_logger
 logger = get_logger()
 
 METHOD_NONE, METHOD_STEER, METHOD_BLACKLIST = "unsteered", "lm-steer", "soft-blacklist"
+#: A vector steer (control vector, ``h_k += a * v_k`` at decoder blocks).
+METHOD_VECTOR = "vector"
+
+
+def steer_method(kinds: Sequence[str]) -> str:
+    """The method label of a condition that steers with steers of these kinds (``lm-steer``,
+    ``vector``; a mix of both is ``lm-steer+vector``)."""
+    ks = sorted(set(kinds))
+    if not ks:
+        raise ValueError("a steered condition needs at least one steer")
+    return "+".join(METHOD_VECTOR if k == METHOD_VECTOR else METHOD_STEER for k in ks)
 
 
 @dataclass(frozen=True)
@@ -29,9 +41,11 @@ class Condition:
     """One generation setting."""
 
     method: str
-    """``unsteered``, ``lm-steer`` or ``soft-blacklist``."""
+    """``unsteered``, ``lm-steer``, ``vector`` (a vector steer), ``lm-steer+vector`` (a grid
+    cell mixing both kinds) or ``soft-blacklist``."""
     steer: dict[str, float] = field(default_factory=dict)
-    """Steer name -> strength (lm-steer)."""
+    """Steer name -> strength (``lm-steer``: units of epsilon; ``vector``: the coefficient
+    ``a`` of ``h_k += a * v_k``)."""
     blacklist: dict[str, float] = field(default_factory=dict)
     """Soft-blacklist name -> strength (soft-blacklist)."""
 

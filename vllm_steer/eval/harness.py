@@ -21,8 +21,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from vllm_steer.eval.generation import (METHOD_BLACKLIST, METHOD_NONE, METHOD_STEER, Condition,
-                                        EngineConfig, Generations, Generator, SamplingConfig)
+from vllm_steer.eval.generation import (METHOD_BLACKLIST, METHOD_NONE, Condition, EngineConfig,
+                                        Generations, Generator, SamplingConfig, steer_method)
 
 TASKS = ("toxicity", "sentiment", "grid")
 TASK_PRESET = {"toxicity": "detox", "sentiment": "sentiment"}
@@ -38,10 +38,12 @@ class EvalConfig:
     model: str = "smollm2"
     """Model to generate with: HF folder or id, or ``smollm2`` (embedded)."""
     steers: list[str] = field(default_factory=list)
-    """Steer files (the name is read from each file). One for toxicity/sentiment (none
+    """Steer files of any kind: LM-Steer, or a vector steer (its safetensors file or a llama.cpp
+    control-vector GGUF); the name is read from each file. One for toxicity/sentiment (none
     evaluates only the unsteered model and the baseline); two for the grid."""
     strengths: list[float] = field(default_factory=lambda: list(DEFAULT_STRENGTHS))
-    """Steer strengths swept (units of epsilon; 0 = unsteered). Grid: the first steer's."""
+    """Steer strengths swept (0 = unsteered): units of epsilon for LM-Steer, the coefficient
+    ``a`` of ``h_k += a * v_k`` for a vector steer. Grid: the first steer's."""
     grid_strengths: list[float] = field(default_factory=lambda: [-5.0, 0.0, 5.0])
     """Grid only: the second steer's strengths."""
     grid_prompts: str = "toxicity"
@@ -141,23 +143,27 @@ def data_dir_of(cfg: EvalConfig, required: bool = True) -> str | None:
 
 
 def load_steer_infos(paths: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """name -> {path, sha256, metadata} for each steer file (names must differ)."""
-    from vllm_steer.format import read_metadata
+    """name -> {path, sha256, kind, metadata} for each steer file of any kind (LM-Steer, a
+    vector steer in either of its formats; names must differ)."""
+    from vllm_steer.kinds import read_any_metadata
     from vllm_steer.train.data import file_sha256
 
     out: dict[str, dict[str, Any]] = {}
     for p in paths:
-        meta = read_metadata(p)
+        meta = read_any_metadata(p)
         if meta.name in out:
             raise ValueError(f"two steers are named {meta.name!r} ({out[meta.name]['path']} "
                              f"and {p}); the grid needs two different steers")
         out[meta.name] = {"path": os.path.abspath(p), "sha256": file_sha256(p),
-                          "metadata": json.loads(meta.to_json())}
+                          "kind": meta.kind, "metadata": json.loads(meta.to_json())}
     return out
 
 
-def build_conditions(cfg: EvalConfig, steer_names: list[str], blacklist: str | None
-                     ) -> list[Condition]:
+def build_conditions(cfg: EvalConfig, steer_names: list[str], blacklist: str | None,
+                     kinds: dict[str, str] | None = None) -> list[Condition]:
+    """The run's conditions; ``kinds``: steer name -> its kind (``lm-steer`` when not given),
+    which names the method of its conditions (``lm-steer``, ``vector``)."""
+    kinds = kinds or {}
     conds = [Condition(METHOD_NONE)]
     if cfg.task == "grid":
         a, b = steer_names
@@ -165,10 +171,12 @@ def build_conditions(cfg: EvalConfig, steer_names: list[str], blacklist: str | N
             for sb in cfg.grid_strengths:
                 st = {k: float(v) for k, v in ((a, sa), (b, sb)) if v}
                 if st:
-                    conds.append(Condition(METHOD_STEER, steer=st))
+                    conds.append(Condition(steer_method([kinds.get(k, "lm-steer") for k in st]),
+                                           steer=st))
         return conds
     for name in steer_names:
-        conds += [Condition(METHOD_STEER, steer={name: float(s)}) for s in cfg.strengths if s]
+        method = steer_method([kinds.get(name, "lm-steer")])
+        conds += [Condition(method, steer={name: float(s)}) for s in cfg.strengths if s]
     if blacklist is not None:
         bs = cfg.baseline_strengths if cfg.baseline_strengths is not None else cfg.strengths
         conds += [Condition(METHOD_BLACKLIST, blacklist={blacklist: float(s)}) for s in bs if s]
@@ -300,7 +308,8 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     bl_path = resolve_baseline(cfg, names[0] if names else None, first, data_dir, model_path)
     timing["baseline_s"] = time.perf_counter() - t
     bl_name = "blacklist" if bl_path else None
-    conditions = build_conditions(cfg, names, bl_name)
+    conditions = build_conditions(cfg, names, bl_name,
+                                  {n: steers[n]["kind"] for n in names})
     n_seq = len(conditions) * len(prompts) * cfg.sampling.samples
     log(f"{cfg.task} ({cfg.mode}): {len(prompts)} prompts x {cfg.sampling.samples} samples x "
         f"{len(conditions)} conditions = {n_seq} continuations of up to "

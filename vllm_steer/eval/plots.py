@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 
-from vllm_steer.eval.report import LABELS, headline
+from vllm_steer.eval.report import LABELS, headline, steer_kind_label
 
 STEER_COLOR, BL_COLOR = "tab:blue", "tab:orange"
+#: Each method's curve and colour (a run has one steer: LM-Steer or a vector steer).
+METHOD_COLORS = (("lm-steer", STEER_COLOR), ("vector", STEER_COLOR), ("soft-blacklist", BL_COLOR))
 
 
 def _plt():
@@ -39,7 +41,7 @@ def ablation(results: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(keys), figsize=(5.2 * len(keys), 3.8), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=True):
         ax2 = ax.twinx()
-        for method, color in (("lm-steer", STEER_COLOR), ("soft-blacklist", BL_COLOR)):
+        for method, color in METHOD_COLORS:
             cs = _curve(results, method)
             if not cs:
                 continue
@@ -47,7 +49,8 @@ def ablation(results: dict, path: str) -> None:
             ax.plot(x, [c["metrics"][key] for c in cs], "o-", color=color, label=method)
             ax2.plot(x, [c["metrics"]["ppl"] for c in cs], "s--", color=color, alpha=0.45,
                      label=f"{method} perplexity")
-        ax.set_xlabel("strength (units of epsilon)")
+        ax.set_xlabel("strength (coefficient a)" if steer_kind_label(results) == "vector steer"
+                      else "strength (units of epsilon)")
         ax.set_ylabel(LABELS.get(key, key))
         ax2.set_ylabel("perplexity (dashed)")
         ax.grid(alpha=0.3)
@@ -87,7 +90,7 @@ def tradeoff(results: dict, path: str) -> None:
     keys = headline(results)
     fig, axes = plt.subplots(1, len(keys), figsize=(5.2 * len(keys), 3.8), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=True):
-        for method, color in (("lm-steer", STEER_COLOR), ("soft-blacklist", BL_COLOR)):
+        for method, color in METHOD_COLORS:
             cs = _curve(results, method)
             if not cs:
                 continue
@@ -113,7 +116,7 @@ def tradeoff(results: dict, path: str) -> None:
 def sentiment_distribution(results: dict, path: str, lo: float = -5, hi: float = 5) -> bool:
     plt = _plt()
     panels = []
-    for method in ("lm-steer", "soft-blacklist"):
+    for method, _ in METHOD_COLORS:
         cs = [c for c in _curve(results, method) if lo <= c["strength"] <= hi
               and c.get("sample_p_positive")]
         if len(cs) >= 2:
@@ -126,7 +129,7 @@ def sentiment_distribution(results: dict, path: str, lo: float = -5, hi: float =
         pos = list(range(len(cs)))
         parts = ax.violinplot(data, positions=pos, showmeans=True, showextrema=False)
         for body in parts["bodies"]:
-            body.set_facecolor(STEER_COLOR if method == "lm-steer" else BL_COLOR)
+            body.set_facecolor(dict(METHOD_COLORS)[method])
             body.set_alpha(0.5)
         ax.plot(pos, [c["metrics"]["positivity"] for c in cs], "k^-", ms=5,
                 label="fraction positive")

@@ -71,24 +71,46 @@ def _by_method(results: dict, method: str) -> list[dict]:
     return [c for c in results["conditions"] if c["method"] == method]
 
 
+def _is_steered(c: dict) -> bool:
+    """A condition that steers with steers served by the plugin: ``lm-steer``, ``vector`` or a
+    mix of both (``lm-steer+vector``)."""
+    return c["method"] not in ("unsteered", "soft-blacklist")
+
+
+def _steered(results: dict) -> list[dict]:
+    return [c for c in results["conditions"] if _is_steered(c)]
+
+
+def method_name(method: str) -> str:
+    """A condition's method as the report writes it."""
+    return {"lm-steer": "LM-Steer", "vector": "vector steer",
+            "soft-blacklist": "soft blacklist"}.get(method, method)
+
+
+def steer_kind_label(results: dict) -> str:
+    """What the run's steer is, for headings: ``LM-Steer`` or ``vector steer``."""
+    kinds = {i.get("kind", "lm-steer") for i in (results.get("steers") or {}).values()}
+    return "vector steer" if kinds == {"vector"} else "LM-Steer"
+
+
 def _unsteered(results: dict) -> dict | None:
     return next((c for c in results["conditions"] if c["method"] == "unsteered"), None)
 
 
-def _at(results: dict, method: str, strength: float) -> dict | None:
+def _at(results: dict, strength: float) -> dict | None:
+    """The steered condition at ``strength`` (the unsteered one at 0)."""
     if strength == 0:
         return _unsteered(results)
-    return next((c for c in _by_method(results, method)
-                 if math.isclose(c["strength"], strength)), None)
+    return next((c for c in _steered(results) if math.isclose(c["strength"], strength)), None)
 
 
 def _at_or_nearest(results: dict, strength: float) -> tuple[dict | None, str | None]:
     """The steer condition at ``strength``, else the evaluated one of the same sign nearest
     to it (with a note saying so)."""
-    c = _at(results, "lm-steer", strength)
+    c = _at(results, strength)
     if c is not None or strength == 0:
         return c, None
-    same = [c for c in _by_method(results, "lm-steer") if c["strength"] * strength > 0]
+    same = [c for c in _steered(results) if c["strength"] * strength > 0]
     if not same:
         return None, None
     c = min(same, key=lambda c: (abs(c["strength"] - strength), abs(c["strength"])))
@@ -106,7 +128,7 @@ def compare_at_equal_perplexity(results: dict) -> list[dict]:
         return []
     keys = headline(results)
     out = []
-    for c in sorted(_by_method(results, "lm-steer"), key=lambda c: c["strength"]):
+    for c in sorted(_steered(results), key=lambda c: c["strength"]):
         s = c["strength"]
         side = [base] + sorted([b for b in bl if b["strength"] * s > 0],
                                key=lambda b: abs(b["strength"]))
@@ -173,7 +195,7 @@ def check_goals(results: dict) -> dict:
         # None: undefined (the unsteered value is 0, nothing to cut)
         out["met"] = {k: None if math.isnan(rel[k]) else rel[k] <= g[k] for k in rel}
         # best detoxification within the perplexity budget, over the evaluated strengths
-        ok = [c for c in _by_method(results, "lm-steer") if c["strength"] * sign > 0
+        ok = [c for c in _steered(results) if c["strength"] * sign > 0
               and m0["ppl"] and (c["metrics"]["ppl"] - m0["ppl"]) / m0["ppl"] <= g["ppl"]]
         if ok:
             best = min(ok, key=lambda c: c["metrics"]["avg_max_toxicity"])
@@ -225,7 +247,7 @@ def _table(results: dict, conds: list[dict]) -> list[str]:
 
 
 def _order(results: dict) -> list[dict]:
-    rank = {"unsteered": 0, "lm-steer": 1, "soft-blacklist": 2}
+    rank = {"unsteered": 0, "lm-steer": 1, "vector": 1, "soft-blacklist": 2}
     return sorted(results["conditions"], key=lambda c: (rank.get(c["method"], 3),
                                                         tuple(c["strengths"].values())))
 
@@ -254,8 +276,10 @@ def markdown(results: dict) -> str:
                  "the assistant's reply is scored, its perplexity given the templated prompt")
     for n, info in results["steers"].items():
         md = info["metadata"]
+        what = (f"vector steer, blocks {_blocks(md.get('layers') or [])}"
+                if info.get("kind") == "vector" else f"LM-Steer, rank {md.get('rank')}")
         L.append(f"- steer `{n}`: `{os.path.basename(info['path'])}` (sha256 "
-                 f"{info['sha256'][:12]}), labels {md.get('labels') or {}}, rank {md['rank']}")
+                 f"{info['sha256'][:12]}, {what}), labels {md.get('labels') or {}}")
     b = results.get("baseline")
     if b:
         steps = b["recipe"].get("steps")
@@ -295,9 +319,10 @@ def markdown(results: dict) -> str:
     comp = results.get("comparison") or []
     if comp:
         keys = headline(results)
-        L += ["", "## LM-Steer vs soft blacklist at equal perplexity", "",
+        who = steer_kind_label(results)
+        L += ["", f"## {who} vs soft blacklist at equal perplexity", "",
               "| steer strength | perplexity | " + " | ".join(
-                  f"{LABELS[k]}: LM-Steer | {LABELS[k]}: soft blacklist" for k in keys)
+                  f"{LABELS[k]}: {who} | {LABELS[k]}: soft blacklist" for k in keys)
               + " | blacklist strength |", "|---:|---:|" + "---:|---:|" * len(keys) + "---:|"]
         for e in comp:
             bl = e["soft_blacklist"] or {}
@@ -321,6 +346,19 @@ def markdown(results: dict) -> str:
           f"({results['environment'].get('cpus')} CPUs; vLLM "
           f"{results['environment'].get('vllm', '?')})", ""]
     return "\n".join(L)
+
+
+def _blocks(layers: list[int]) -> str:
+    """Decoder blocks as ranges: ``1-29``, ``3, 5-7``."""
+    out, xs = [], sorted(layers)
+    i = 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(f"{xs[i]}" if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ", ".join(out) or "none"
 
 
 def _grid_cell(results, a, b, sa, sb):

@@ -2,6 +2,11 @@
 
     vllm-steer tune steers/smollm2-detox.safetensors --task toxicity \\
         --prompts ../shared/data/prompts/toxicity/rtp_toxic_dev_598.jsonl
+    vllm-steer tune steers/smollm2-vector-detox.safetensors --task toxicity \\
+        --prompts ../shared/data/prompts/toxicity/rtp_toxic_dev_598.jsonl --strengths=0.02,0.04
+
+Any kind of steer file: LM-Steer, or a vector steer (its safetensors file or a llama.cpp
+control-vector GGUF, rewritten in its own format).
 
 samples continuations of a development prompt set through vLLM with the plugin (one
 :func:`vllm_steer.eval.harness.evaluate` run: unsteered plus the steer at each candidate
@@ -42,6 +47,8 @@ from vllm_steer.eval.generation import EngineConfig, SamplingConfig
 
 TASKS = ("toxicity", "sentiment")
 DEFAULT_STRENGTHS = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
+#: A vector steer's default candidates, as multiples of its ``recommended_strength``.
+VECTOR_STRENGTH_FACTORS = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0)
 #: Metrics recorded per point of the curve (those the run has).
 CURVE_KEYS = ("ppl", "ppl_tokens", "avg_max_toxicity", "toxicity_prob", "positivity",
               "positivity_vader", "dist-2")
@@ -59,7 +66,8 @@ class TuneConfig:
     """Development prompts (JSONL, ``prompt.text`` per line), e.g.
     ``prompts/toxicity/rtp_toxic_dev_598.jsonl``."""
     strengths: list[float] = field(default_factory=lambda: list(DEFAULT_STRENGTHS))
-    """Candidate magnitudes (units of epsilon), tried in the steering direction(s)."""
+    """Candidate magnitudes, tried in the steering direction(s): units of epsilon for an
+    LM-Steer file, the coefficient ``a`` for a vector steer (:func:`default_strengths`)."""
     ppl_budget: float = 0.15
     """Largest allowed relative perplexity increase over unsteered (0.15 = +15%)."""
     num_prompts: int | None = 100
@@ -199,11 +207,11 @@ def tune(cfg: TuneConfig, generator_factory: Callable | None = None,
     """Run the evaluation, choose the strength, (optionally) write it into the steer file.
     Returns the ``metrics.tune`` record."""
     from vllm_steer.eval.harness import EvalConfig, _log, evaluate
-    from vllm_steer.format import load_steer, read_metadata, save_steer
+    from vllm_steer.kinds import read_any_metadata
 
     log = log or _log
     cfg.validate()
-    meta = read_metadata(cfg.steer)
+    meta = read_any_metadata(cfg.steer)
     signs = directions(cfg.task, meta.labels)
     strengths = [0.0] + [sg * float(m) for m in sorted(cfg.strengths) for sg in signs]
     out = cfg.out or os.path.join("eval_out", f"tune-{cfg.task}-{meta.name}")
@@ -280,15 +288,47 @@ def tune(cfg: TuneConfig, generator_factory: Callable | None = None,
             f"{e['ci95'][0]:+.3f} .. {e['ci95'][1]:+.3f} ({e['prompts']} prompts)"
             + ("" if e["beyond_noise"] else ", within noise"))
     if cfg.write:
-        steer = load_steer(cfg.steer)
-        metrics = dict(steer.metadata.metrics)
-        metrics["tune"] = record
-        if chosen is not None:
-            metrics["recommended_strength_rule"] = "vllm-steer tune: " + rule
-        new_meta = dataclasses.replace(
-            steer.metadata, metrics=json.loads(json.dumps(metrics, default=str)),
-            recommended_strength=chosen if chosen is not None
-            else steer.metadata.recommended_strength)
-        save_steer(cfg.steer, dataclasses.replace(steer, metadata=new_meta))
+        _write_record(cfg.steer, record, rule if chosen is not None else None, chosen)
         log(f"tune: wrote the strength and the curve into {cfg.steer} (metrics.tune)")
     return record
+
+
+def _write_record(path: str, record: dict, rule: str | None, chosen: float | None) -> None:
+    """The steer file rewritten in its own kind and format (an LM-Steer file, a vector steer's
+    safetensors file or its llama.cpp GGUF), with ``metrics.tune`` and, when a strength was
+    chosen, ``recommended_strength``; nothing else changes."""
+    from vllm_steer.kinds import VECTOR, kind_of_file, load_any
+
+    steer = load_any(path)
+    metrics = dict(steer.metadata.metrics)
+    metrics["tune"] = record
+    if rule is not None:
+        metrics["recommended_strength_rule"] = "vllm-steer tune: " + rule
+    new_meta = dataclasses.replace(
+        steer.metadata, metrics=json.loads(json.dumps(metrics, default=str)),
+        recommended_strength=chosen if chosen is not None
+        else steer.metadata.recommended_strength)
+    new = dataclasses.replace(steer, metadata=new_meta)
+    if kind_of_file(path) is VECTOR:
+        from vllm_steer.vectors import is_gguf, save_gguf, save_vector
+
+        (save_gguf if is_gguf(path) else save_vector)(path, new)
+    else:
+        from vllm_steer.format import save_steer
+
+        save_steer(path, new)
+
+
+def default_strengths(meta: Any, task: str) -> list[float]:
+    """Candidate magnitudes when ``--strengths`` is not given: :data:`DEFAULT_STRENGTHS` (units
+    of epsilon) for an LM-Steer file; for a vector steer, whose strength is the raw coefficient
+    ``a`` of ``h_k += a * v_k`` and so has no common scale, :data:`VECTOR_STRENGTH_FACTORS`
+    times its ``recommended_strength``."""
+    if getattr(meta, "kind", "lm-steer") != "vector":
+        return list(DEFAULT_STRENGTHS)
+    r = meta.recommended_strength
+    if not r:
+        raise ValueError(f"the vector steer {meta.name!r} records no recommended_strength, so "
+                         "there is no scale to try strengths on: give --strengths (magnitudes "
+                         "of the coefficient a, e.g. --strengths=0.01,0.02,0.04,0.08)")
+    return [round(abs(r) * f, 6) for f in VECTOR_STRENGTH_FACTORS]
