@@ -92,11 +92,18 @@ def refs(targets, pair_steers):
 @pytest.fixture(scope="module")
 def stock(targets, tmp_path_factory):
     """Greedy tokens and their logprobs from stock vLLM (no plugin, no speculative decoding),
-    per target."""
-    from helpers.engines import stock_vllm
+    per target: every target's engine in one subprocess, on first use."""
+    from helpers.engines import stock_vllm_many
 
-    return functools.cache(lambda name: stock_vllm(targets(name), PROMPTS, MAX_TOKENS,
-                                                   ENGINE_KW, tmp_path_factory.mktemp(name)))
+    names = sorted(set(TARGET.values()))
+
+    @functools.cache
+    def all_targets():
+        jobs = [(targets(n), PROMPTS, MAX_TOKENS, ENGINE_KW) for n in names]
+        return dict(zip(names, stock_vllm_many(jobs, tmp_path_factory.mktemp("stock")),
+                        strict=True))
+
+    return lambda name: all_targets()[name]
 
 
 def speculative_config(name: str, target, tmp_path_factory, tag: str = "") -> dict:

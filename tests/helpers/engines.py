@@ -102,16 +102,21 @@ def bound_extra(names, steer) -> dict:
 
 
 _STOCK_VLLM = r"""
-import json, sys
+import gc, json, sys
 from vllm import LLM, SamplingParams
 if __name__ == "__main__":
-    model, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-    llm = LLM(model, **json.loads(sys.argv[4]))
-    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, logprobs=0))
-    print("RESULT" + json.dumps([[list(o.outputs[0].token_ids),
-                                  [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
-                                                                  o.outputs[0].token_ids)]]
-                                 for o in outs]))
+    results = []
+    for job in json.loads(sys.argv[1]):  # one engine after another, in this one process
+        llm = LLM(job["model"], **job["engine_kw"])
+        outs = llm.generate(job["prompts"], SamplingParams(max_tokens=job["max_tokens"],
+                                                           temperature=0, logprobs=0))
+        results.append([[list(o.outputs[0].token_ids),
+                         [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                         o.outputs[0].token_ids)]]
+                        for o in outs])
+        del llm, outs
+        gc.collect()
+    print("RESULT" + json.dumps(results))
 """
 
 
@@ -119,7 +124,14 @@ def stock_vllm(model_dir, prompts: list, max_tokens: int, engine_kw: dict, workd
                ) -> list:
     """Greedy ``[tokens, logprobs]`` per prompt from stock vLLM with no plugin loaded
     (``VLLM_PLUGINS=none``, a subprocess), the same engine settings: what unsteered requests
-    must reproduce. The engine runs inside that subprocess (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+    must reproduce. See :func:`stock_vllm_many`."""
+    return stock_vllm_many([(model_dir, prompts, max_tokens, engine_kw)], workdir)[0]
+
+
+def stock_vllm_many(jobs: list, workdir: Path) -> list:
+    """:func:`stock_vllm` of each ``(model_dir, prompts, max_tokens, engine_kw)`` in ``jobs``,
+    their engines one after another in one subprocess (one Python start and one vLLM import
+    for all). The engines run inside that subprocess (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
     no engine-core and worker processes to spawn, each importing vLLM again)."""
     import json
     import subprocess
@@ -128,9 +140,12 @@ def stock_vllm(model_dir, prompts: list, max_tokens: int, engine_kw: dict, workd
     script = Path(workdir) / "stock_vllm.py"
     script.write_text(_STOCK_VLLM)
     env = dict(os.environ, VLLM_PLUGINS="none", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    out = subprocess.run([sys.executable, str(script), str(model_dir), json.dumps(prompts),
-                          str(max_tokens), json.dumps(engine_kw)], env=env, capture_output=True,
-                         text=True, timeout=600)
+    spec = [{"model": str(m), "prompts": p, "max_tokens": n, "engine_kw": kw}
+            for m, p, n, kw in jobs]
+    out = subprocess.run([sys.executable, str(script), json.dumps(spec)], env=env,
+                         capture_output=True, text=True, timeout=600 * len(jobs))
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
     assert line, out.stderr[-3000:]
-    return json.loads(line[0][len("RESULT"):])
+    results = json.loads(line[0][len("RESULT"):])
+    assert len(results) == len(jobs), out.stderr[-3000:]
+    return results
