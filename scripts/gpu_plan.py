@@ -11,7 +11,10 @@ seconds. It executes nothing on a GPU: the plan's commands are the ones to send.
      ``lora_expand`` and the roofline (``benchmarks/bench_grouped_vs_lora.py``: d 4096, rank
      64, K = 1, 8, 64, 256 distinct steers over 256 and 64 rows, bf16, CUDA graphs; vLLM's two
      op files carried alone in ``build/lora_ops``, made before the window with ``python
-     benchmarks/lora_ops.py carry build/lora_ops``), then ``scripts/gpu_window.sh`` (kernel
+     benchmarks/lora_ops.py carry build/lora_ops``), then the decoder layers' vector-steer op
+     against its roofline (``benchmarks/bench_layer_vectors.py``: d 4096, bf16 rows, 256 bank
+     slots, 256 and 64 rows and 8192 prefill tokens, K = 1, 8, 64, 256, one layer and 32, eager
+     and compiled, CUDA graphs), then ``scripts/gpu_window.sh`` (kernel
      tests on CUDA, compile count after warm-up, batch invariance, capture guard, one-step-ahead
      steps after a CUDA-graph forward,
      ``auto``) and the worker's CUDA tests (the sync test in bf16 and fp32 steps, the
@@ -25,11 +28,15 @@ seconds. It executes nothing on a GPU: the plan's commands are the ones to send.
      tokens/s in one engine at the 8B-like shape (hidden 4096, 32 layers, random weights;
      V2, bf16), 256 rows, K = 1, 64 and 256 distinct steers (256 steers of rank 64 loaded:
      the head's graphs read the bank in place, whatever its size, and replay the grouped op);
+     and, in the same rounds, a second engine at that shape (the first one's steers loaded,
+     never used) with 64 random vector steers on
+     all 32 decoder layers (``--vector-k 1 64``): loaded but unused, every row on one vector
+     steer, and the rows over 64 distinct ones, each against the first engine's plain;
   4. the engine check, when the estimate still leaves room: ``scripts/gpu_vllm_check.py`` on
      Model Runner V2, bf16, vLLM's default
      compilation (the plugin's engine and stock vLLM's);
-  5. the profile call, when the estimate still leaves room: ``scripts/gpu_throughput.py
-     --profile`` on the embedded model's architecture, the plugin's host time per run by site
+  5. the profile call, when the estimate still leaves room (not at 12 minutes):
+     ``scripts/gpu_throughput.py --profile`` on the embedded model's architecture, the plugin's host time per run by site
      (every hook, the head and its parts, the per-request callbacks) in an in-process engine;
   6. the V1 engine check (V1 is deprecated in vLLM), when the estimate still leaves room.
 

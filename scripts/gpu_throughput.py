@@ -11,9 +11,11 @@ modes alike):
   * ``K=64``: the requests spread over 64 distinct steers (one each at 64 rows).
 
 With ``--vector-k``, a second engine at the same shape, in the same process, whose steers are
-max(``--vector-k``) random vector steers (control vectors) on every decoder layer (the op
-inside vLLM's compiled forward), its bank as large as the first engine's; its modes join the
-same rounds, and their ratios are to the first engine's ``plain`` (no vector op in its model):
+the first engine's (loaded, never used: the process's frontend admits every engine's requests
+by the steers of the engine made last) and max(``--vector-k``) random vector steers (control
+vectors) on every decoder layer (the op inside vLLM's compiled forward), its bank of
+max(``--k``) + max(``--vector-k``) slots; its modes join the same rounds, and their ratios are
+to the first engine's ``plain`` (no vector op in its model):
 
   * ``vector unused``: no request steered (vectors loaded, unused: the op adds zeros);
   * ``vector K=1``: every request steered by one vector steer;
@@ -431,11 +433,11 @@ def main(argv=None) -> int:
                 "steers": write_steers(work / f"steers-{shape}", cfg["hidden_size"], max(a.k),
                                        STEER_RANK),
                 "compilation_config": a.compilation_config, "profile": a.profile}
-        if a.vector_k:  # vector steers on every decoder layer; a bank as large as the first's
-            spec["vector"] = {
-                "k": a.vector_k, "max_steers": max(max(a.k), max(a.vector_k)),
-                "steers": write_vectors(work / f"vectors-{shape}", cfg["hidden_size"],
-                                        cfg["num_hidden_layers"], max(a.vector_k))}
+        if a.vector_k:  # the first engine's steers, and vector steers on every decoder layer
+            vectors = write_vectors(work / f"vectors-{shape}", cfg["hidden_size"],
+                                    cfg["num_hidden_layers"], max(a.vector_k))
+            spec["vector"] = {"k": a.vector_k, "max_steers": max(a.k) + max(a.vector_k),
+                              "steers": {**spec["steers"], **vectors}}
         out, log = work / f"{shape}.json", work / f"{shape}.log"
         cmd = [sys.executable, str(Path(__file__).resolve()), "_engine", "--spec",
                json.dumps(spec), "--result", str(out)]
