@@ -29,15 +29,16 @@ seconds. It executes nothing on a GPU: the plan's commands are the ones to send.
      V2, bf16), 256 rows, K = 1, 64 and 256 distinct steers (256 steers of rank 64 loaded:
      the head's graphs read the bank in place, whatever its size, and replay the grouped op);
      and, in the same rounds, a second engine at that shape (the first one's steers loaded,
-     never used) with 64 random vector steers on
-     all 32 decoder layers (``--vector-k 1 64``): loaded but unused, every row on one vector
-     steer, and the rows over 64 distinct ones, each against the first engine's plain;
+     never used) with 64 random vector steers on all 32 decoder layers (``--vector-k 1
+     64``): loaded but unused, every row on one vector steer, and the rows over 64 distinct
+     ones, each against the first engine's plain;
   4. the engine check, when the estimate still leaves room: ``scripts/gpu_vllm_check.py`` on
      Model Runner V2, bf16, vLLM's default
      compilation (the plugin's engine and stock vLLM's);
   5. the profile call, when the estimate still leaves room (not at 12 minutes):
-     ``scripts/gpu_throughput.py --profile`` on the embedded model's architecture, the plugin's host time per run by site
-     (every hook, the head and its parts, the per-request callbacks) in an in-process engine;
+     ``scripts/gpu_throughput.py --profile`` on the embedded model's architecture, the
+     plugin's host time per run by site (every hook, the head and its parts, the per-request
+     callbacks) in an in-process engine;
   6. the V1 engine check (V1 is deprecated in vLLM), when the estimate still leaves room.
 
 If torch.compile does not run on the host's torch (vLLM 0.33.0 pins a newer one), the engine
