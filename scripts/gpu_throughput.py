@@ -149,6 +149,17 @@ def mode_steers(mode: str, rows: int) -> list[dict | None]:
     return [{f"{name}{i % k}": 2.0} for i in range(rows)]
 
 
+def rows_changed(tokens: dict[str, list]) -> dict[str, float]:
+    """Per steered vector mode: the fraction of requests whose generated tokens differ from
+    ``vector unused``'s (same prompts, greedy): the vectors reached the logits. Reported, not
+    checked (a model could map both to the same tokens)."""
+    base = tokens.get(VECTOR_PREFIX + "unused")
+    if base is None:
+        return {}
+    return {m: sum(a != b for a, b in zip(t, base, strict=True)) / len(base)
+            for m, t in tokens.items() if m.startswith(VECTOR_PREFIX) and t is not base}
+
+
 def vector_stats(worker=None) -> dict[str, int]:
     """This worker's decoder-layer op: the blocks that have it (0: no vector op in the
     model) and the steps its step mapping fed a steered token. Takes (and ignores) a worker,
@@ -240,6 +251,7 @@ def run_engine(a) -> int:
         return sum(s["rows"] for s in llm.collective_rpc(steer_stats))
 
     steered: dict[str, int] = {}
+    tokens: dict[str, list] = {}  # each mode's last run: every request's generated tokens
     profile: dict[str, list] = {}
 
     def run(mode: str, warm_up: bool = False) -> tuple[int, float]:
@@ -257,6 +269,7 @@ def run_engine(a) -> int:
         if profiler is not None and not warm_up:
             profile.setdefault(mode, []).append(profiler.end())
         steered[mode] = rows_steered(mode) - before  # outside the timing
+        tokens[mode] = [list(o.outputs[0].token_ids) for o in outs]
         return sum(len(o.outputs[0].token_ids) for o in outs), dt
 
     modes = ["plain"] + [f"K={k}" for k in spec["k"]]
@@ -271,7 +284,7 @@ def run_engine(a) -> int:
             runs[mode].append(run(mode))
     Path(a.result).write_text(json.dumps({
         "runs": runs, "rows_steered": steered, "profile": profile, "engine": engine,
-        "vector": vector,
+        "vector": {**vector, "rows_changed": rows_changed(tokens)} if vector else vector,
         "plugin_loaded": "vllm_steer.integrations.plugin" in sys.modules}))
     return 0
 
@@ -515,7 +528,8 @@ def main(argv=None) -> int:
                   f"per worker, the first engine's in {vector['blocks_first_engine']}), "
                   f"{spec['vector']['max_steers']} bank slots; start {veng.get('start_s')} s, "
                   f"compilation mode {veng.get('compilation_mode')}, cudagraph_mode "
-                  f"{veng.get('cudagraph_mode')}", flush=True)
+                  f"{veng.get('cudagraph_mode')}; requests whose tokens the vectors changed "
+                  f"(of unused's): {vector.get('rows_changed')}", flush=True)
         for line in captured:
             print(f"  engine start: {line}", flush=True)
         for line in profile_lines(result.get("profile") or {}, a.output_len + 1):

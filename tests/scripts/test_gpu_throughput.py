@@ -158,3 +158,11 @@ def test_more_vector_steers_than_rows_or_with_the_profile_is_refused(capsys):
         gt.main(["--device", "cpu", "--shapes", "tiny", "--rows", "8", "--k", "1",
                  "--vector-k", "1", "--profile"])
     assert "--vector-k with --profile" in capsys.readouterr().err
+
+
+def test_rows_changed_counts_the_requests_whose_tokens_differ_from_unused():
+    tokens = {"plain": [[1, 2]] * 4, "vector unused": [[1, 2], [3, 4], [5, 6], [7, 8]],
+              "vector K=1": [[1, 2], [3, 9], [5, 6], [0, 8]],
+              "vector K=4": [[1, 2], [3, 4], [5, 6], [7, 8]]}
+    assert gt.rows_changed(tokens) == {"vector K=1": 0.5, "vector K=4": 0.0}
+    assert gt.rows_changed({"plain": [[1]]}) == {}
