@@ -27,11 +27,11 @@ tokens/s (median over rounds) and the median of the paired ratio to ``plain`` in
 round; the fastest run's tokens/s and its ratio to plain's fastest (stalls of the host only
 slow a run down: on an H100 host, runs of the same plain work took 0.20 to 0.55 s); and the
 range of a run's seconds. Python's garbage is collected before each run, outside its timing.
-The vector engine's check: its op is in
-every decoder block, the first engine's in none; the step mapping fed no step in ``vector
-unused`` and at least one per generated token in the steered vector modes. Also reported:
-whether the head's steer op replayed from CUDA graphs, and the graphs it
-captured while the engine started (the engine log's lines). With ``--profile`` the engine
+The vector engine is checked: its op is in every decoder block, the first engine's in none;
+its step mapping fed no step in ``vector unused`` and at least one per generated token in the
+steered vector modes. Also reported: the share of requests whose tokens the vectors changed
+(against ``vector unused``'s); whether the head's steer op replayed from CUDA graphs, and the
+graphs it captured while the engine started (the engine log's lines). With ``--profile`` the engine
 runs in one process and the plugin's own host time is timed by site in every timed run
 (:class:`Profiler`; the ratios of such a run are not the figures to report: one process
 does the work of three).
