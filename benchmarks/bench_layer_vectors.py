@@ -23,7 +23,10 @@ compiled forward traces it; ``--no-compile`` skips it).
 the device-to-device copy bandwidth measured here (each byte read and written, so copy
 bandwidth is the figure), plus 10 us, per call (the 32 layers' call: 32 layers' bytes, one
 10 us). The column ``read MiB`` is what the op actually reads: its matmul is dense over the
-bank, so every slot's vector is read whatever K is, and the coefficient rows too.
+bank, so every slot's vector is read whatever K is, and the coefficient rows too. And its
+matmul is fp32, ``2 * tokens * slots * hidden`` flops a layer (``GFLOP``; ``TFLOP/s``: what
+the op achieved): at 256 rows and 256 slots that is 0.5 GFLOP a layer, so the op may be
+bound by the device's fp32 rate rather than by its bandwidth.
 
 Each line also checks the op against a reference that gathers each row's vector (fp32 torch,
 no matmul), so a fast wrong op fails.
@@ -165,6 +168,11 @@ def read_bytes(slots: int, rows: int, d: int, layers: int, itemsize: int) -> int
     return layers * (slots * d * 4 + rows * slots * 4 + 2 * rows * d * itemsize)
 
 
+def dense_flops(rows: int, slots: int, d: int, layers: int) -> int:
+    """The dense op's matmul: ``[rows, slots] @ [slots, d]`` per layer, 2 flops a product."""
+    return layers * 2 * rows * slots * d
+
+
 def check(name: str, got: torch.Tensor, ref: torch.Tensor, h: torch.Tensor) -> str | None:
     """None when ``got`` is the reference within a rounding per layer of the output's dtype."""
     err = (got.cpu().float() - ref.float()).abs().max().item()
@@ -207,7 +215,8 @@ def main(argv=None) -> int:
     if cuda:
         flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
         say(f"{'rows':>5} {'K':>4} {'used':>4} {'layers':>6} {'form':>8} {'roof MiB':>8} "
-            f"{'read MiB':>8} {'roof us':>8} {'op us':>8} {'op/roof':>7}")
+            f"{'read MiB':>8} {'GFLOP':>7} {'roof us':>8} {'op us':>8} {'op/roof':>7} "
+            f"{'TFLOP/s':>7}")
     bank = make_bank(a.d, a.slots, a.layers, device)
     for dtype in dtypes:
         for rows in a.rows:
@@ -229,11 +238,12 @@ def main(argv=None) -> int:
                             continue
                         roof_b = roofline_bytes(c["used"], rows, a.d, layers, dtype.itemsize)
                         read_b = read_bytes(a.slots, rows, a.d, layers, dtype.itemsize)
+                        flops = dense_flops(rows, a.slots, a.d, layers)
                         roof = roof_b / bw * 1e6 + FLOOR_US
                         t = time_graph(call, flush, a.reps)
                         say(f"{rows:5} {k:4} {c['used']:4} {layers:6} {form:>8} "
-                            f"{roof_b / 2**20:8.2f} {read_b / 2**20:8.2f} {roof:8.1f} "
-                            f"{t:8.1f} {t / roof:7.2f}")
+                            f"{roof_b / 2**20:8.2f} {read_b / 2**20:8.2f} {flops / 1e9:7.2f} "
+                            f"{roof:8.1f} {t:8.1f} {t / roof:7.2f} {flops / t / 1e6:7.1f}")
     for f in failures:
         say(f"FAILED {f}")
     out = os.environ.get("OUT")
