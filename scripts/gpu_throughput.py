@@ -224,7 +224,8 @@ def run_engine(a) -> int:
         t_start = time.perf_counter()
         try:  # a vector engine that does not start leaves the first engine's figures
             vllm_ = LLM(spec["model"], **{**kw, "additional_config": {"vllm_steer": {
-                "steers": vspec["steers"], "max_steers": vspec["max_steers"]}}})
+                "steers": vspec["steers"], "max_steers": vspec["max_steers"],
+                "max_steer_rank": STEER_RANK}}})
         except Exception as e:  # noqa: BLE001 (reported, and the run fails)
             vector["error"] = f"the vector engine did not start: {type(e).__name__}: {e}"[:3000]
             print(vector["error"], flush=True)
