@@ -11,7 +11,10 @@ seconds. It executes nothing on a GPU: the plan's commands are the ones to send.
      ``lora_expand`` and the roofline (``benchmarks/bench_grouped_vs_lora.py``: d 4096, rank
      64, K = 1, 8, 64, 256 distinct steers over 256 and 64 rows, bf16, CUDA graphs; vLLM's two
      op files carried alone in ``build/lora_ops``, made before the window with ``python
-     benchmarks/lora_ops.py carry build/lora_ops``), then ``scripts/gpu_window.sh`` (kernel
+     benchmarks/lora_ops.py carry build/lora_ops``), then the decoder layers' vector-steer op
+     against its roofline (``benchmarks/bench_layer_vectors.py``: d 4096, bf16 rows, 256 bank
+     slots, 256 and 64 rows and 8192 prefill tokens, K = 1, 8, 64, 256, one layer and 32, eager
+     and compiled, CUDA graphs), then ``scripts/gpu_window.sh`` (kernel
      tests on CUDA, compile count after warm-up, batch invariance, capture guard, one-step-ahead
      steps after a CUDA-graph forward,
      ``auto``) and the worker's CUDA tests (the sync test in bf16 and fp32 steps, the
@@ -25,12 +28,17 @@ seconds. It executes nothing on a GPU: the plan's commands are the ones to send.
      tokens/s in one engine at the 8B-like shape (hidden 4096, 32 layers, random weights;
      V2, bf16), 256 rows, K = 1, 64 and 256 distinct steers (256 steers of rank 64 loaded:
      the head's graphs read the bank in place, whatever its size, and replay the grouped op);
+     and, in the same rounds, a second engine at that shape (the first one's steers loaded,
+     never used) with 64 random vector steers on all 32 decoder layers (``--vector-k 1
+     64``): loaded but unused, every row on one vector steer, and the rows over 64 distinct
+     ones, each against the first engine's plain;
   4. the engine check, when the estimate still leaves room: ``scripts/gpu_vllm_check.py`` on
      Model Runner V2, bf16, vLLM's default
      compilation (the plugin's engine and stock vLLM's);
-  5. the profile call, when the estimate still leaves room: ``scripts/gpu_throughput.py
-     --profile`` on the embedded model's architecture, the plugin's host time per run by site
-     (every hook, the head and its parts, the per-request callbacks) in an in-process engine;
+  5. the profile call, when the estimate still leaves room (not at 12 minutes):
+     ``scripts/gpu_throughput.py --profile`` on the embedded model's architecture, the
+     plugin's host time per run by site (every hook, the head and its parts, the per-request
+     callbacks) in an in-process engine;
   6. the V1 engine check (V1 is deprecated in vLLM), when the estimate still leaves room.
 
 If torch.compile does not run on the host's torch (vLLM 0.33.0 pins a newer one), the engine
@@ -101,6 +109,16 @@ COMPILE_8B_S = 90  # what the default compilation adds to the 8B-like engine's s
 #                    layers traced once, 51 piecewise and 35 full sizes captured): the
 #                    engine with 256 steers started in 100 s (torch.compile 20 s), and took
 #                    173 s with its 24 runs on the H200 (2026-11-28)
+BENCH_LAYER_VECTORS_S = 45  # bench_layer_vectors.py: the vector op at 3 token counts x 4 K x
+#   (1, 32 layers) x (eager, compiled), each recorded and replayed 50 times (at most about
+#   6 ms a replay: 8192 tokens x 32 layers); torch.compile traced twice (1 and 32 layers);
+#   an estimate (unmeasured)
+THROUGHPUT_VECTOR_K = (1, 64)  # gpu_throughput --vector-k: the vector engine's steered modes
+VECTOR_ENGINE_8B_S = 105  # gpu_throughput --vector-k: the second 8B-like engine's start in vLLM's
+#   default compilation, in the process where the first one runs (vLLM imported, the steers
+#   written): the first engine's LLM() took 100 s on the H200 (2026-11-28: load, torch.compile
+#   20 s, the graphs' captures), plus 5 s for its 64 vector steers and the op's trace (an
+#   estimate); with mode 0, ENGINE_8B_S
 BENCH_LORA_S = 45  # bench_grouped_vs_lora.py: 8 shapes, each op compiled, recorded and replayed
 #                   50 times, the reference on the device; an estimate (unmeasured)
 RUN_8B_S = 1.5  # one run of 256 rows x 128 tokens at the 8B-like shape: 1.43-1.65 s (H200)
@@ -190,12 +208,15 @@ def plan(wheels: str | None = None, chunk: int | None = None,
     chunk = default_chunk(tree) if chunk is None else chunk
     r = Runner()
     lora = lora_ops_bytes()
-    r.run("kernels, no vLLM: the grouped op beside lora_shrink/lora_expand, then the window",
+    r.run("kernels, no vLLM: the grouped op beside lora_shrink/lora_expand, the vector op, "
+          "then the window",
           "python3 benchmarks/bench_grouped_vs_lora.py --device cuda --lora-ops build/lora_ops; "
-          "b=$?; bash scripts/gpu_window.sh; w=$?; python3 -m pytest -q -p no:cacheprovider "
+          "b=$?; python3 benchmarks/bench_layer_vectors.py --device cuda; v=$?; "
+          "bash scripts/gpu_window.sh; w=$?; python3 -m pytest -q -p no:cacheprovider "
           "tests/integrations/worker/test_syncfree.py -k cuda "
-          "tests/integrations/worker/test_staging.py; exit $((b | w | $?))",
-          [LORA_OPS_DIR], tree + lora, 360, BENCH_LORA_S + GPU_WINDOW_S + WORKER_CUDA_TESTS_S)
+          "tests/integrations/worker/test_staging.py; exit $((b | v | w | $?))",
+          [LORA_OPS_DIR], tree + lora, 360,
+          BENCH_LORA_S + BENCH_LAYER_VECTORS_S + GPU_WINDOW_S + WORKER_CUDA_TESTS_S)
     total, source = wheel_bytes(wheels)
     n = max(1, math.ceil(total / chunk))
     me = "python3 scripts/gpu_vllm_carry.py"
@@ -214,15 +235,21 @@ def plan(wheels: str | None = None, chunk: int | None = None,
     label = "vLLM's default compilation" if compiled else "mode 0, FULL_DECODE_ONLY"
     compile_s = COMPILE_TINY_S if compiled else 0
     # the throughput call first: the goal's figure (steered >= 0.995 of plain at the 8B shape)
-    runs = (1 + THROUGHPUT_ROUNDS) * (1 + len(THROUGHPUT_K))
+    # two engines per shape (LM-Steer's and the vector steers'), every mode in each round:
+    # plain, K..., vector unused, vector K...
+    modes = 1 + len(THROUGHPUT_K) + 1 + len(THROUGHPUT_VECTOR_K)
+    runs = (1 + THROUGHPUT_ROUNDS) * modes
     work = len(THROUGHPUT_SHAPES) * (ENGINE_8B_S + (COMPILE_8B_S if compiled else 0)
+                                     + (VECTOR_ENGINE_8B_S if compiled else ENGINE_8B_S)
                                      + runs * RUN_8B_S)
-    r.run(f"throughput: V2 bf16, {label}, steered vs plain tokens/s",
+    r.run(f"throughput: V2 bf16, {label}, steered vs plain tokens/s, LM-Steer and vector "
+          "steers",
           "PYTHONPATH=/tmp/site python3 scripts/gpu_throughput.py --device cuda "
           f"--dtype bfloat16 --runner v2 --shapes {' '.join(THROUGHPUT_SHAPES)} "
           f"--rows {THROUGHPUT_ROWS} --k {' '.join(map(str, THROUGHPUT_K))} "
-          f"--rounds {THROUGHPUT_ROUNDS} --engine-timeout 420{cfg_arg}",
-          [], tree, 480, work)
+          f"--vector-k {' '.join(map(str, THROUGHPUT_VECTOR_K))} "
+          f"--rounds {THROUGHPUT_ROUNDS} --engine-timeout 520{cfg_arg}",
+          [], tree, 580, work)
 
     def engine_check(runner: str) -> None:
         r.run(f"engine: {runner.upper()} bf16, {label}",

@@ -10,14 +10,28 @@ modes alike):
   * ``K=1``: every request steered with one steer;
   * ``K=64``: the requests spread over 64 distinct steers (one each at 64 rows).
 
+With ``--vector-k``, a second engine at the same shape, in the same process, whose steers are
+the first engine's (loaded, never used: the process's frontend admits every engine's requests
+by the steers of the engine made last) and max(``--vector-k``) random vector steers (control
+vectors) on every decoder layer (the op inside vLLM's compiled forward), its bank of
+max(``--k``) + max(``--vector-k``) slots; its modes join the same rounds, and their ratios are
+to the first engine's ``plain`` (no vector op in its model):
+
+  * ``vector unused``: no request steered (vectors loaded, unused: the op adds zeros);
+  * ``vector K=1``: every request steered by one vector steer;
+  * ``vector K=64``: the requests spread over 64 distinct vector steers.
+
 Each run is ``--rows`` requests at once (``max_num_seqs``), ``--prompt-len`` prompt tokens,
 ``--output-len`` generated tokens (EOS ignored), greedy. Reported per shape and mode: output
 tokens/s (median over rounds) and the median of the paired ratio to ``plain`` in the same
 round; the fastest run's tokens/s and its ratio to plain's fastest (stalls of the host only
 slow a run down: on an H100 host, runs of the same plain work took 0.20 to 0.55 s); and the
 range of a run's seconds. Python's garbage is collected before each run, outside its timing.
-Also reported: whether the head's steer op replayed from CUDA graphs, and the graphs it
-captured while the engine started (the engine log's lines). With ``--profile`` the engine
+The vector engine is checked: its op is in every decoder block, the first engine's in none;
+its step mapping fed no step in ``vector unused`` and at least one per generated token in the
+steered vector modes. Also reported: the share of requests whose tokens the vectors changed
+(against ``vector unused``'s); whether the head's steer op replayed from CUDA graphs, and the
+graphs it captured while the engine started (the engine log's lines). With ``--profile`` the engine
 runs in one process and the plugin's own host time is timed by site in every timed run
 (:class:`Profiler`; the ratios of such a run are not the figures to report: one process
 does the work of three).
@@ -35,7 +49,7 @@ row in the steered modes.
 
     python scripts/gpu_throughput.py --device cuda                 # smollm2 and 8b, bf16, V2
     python scripts/gpu_throughput.py --device cpu --shapes tiny --dtype float32 --runner v1 \\
-        --rows 4 --k 1 4 --output-len 4 --rounds 1
+        --rows 4 --k 1 4 --output-len 4 --rounds 1 [--vector-k 1 4]
 """
 
 from __future__ import annotations
@@ -103,13 +117,60 @@ def write_steers(folder: Path, hidden: int, n: int, rank: int) -> dict[str, str]
     return paths
 
 
+def write_vectors(folder: Path, hidden: int, layers: int, n: int) -> dict[str, str]:
+    """``n`` random vector steers ``v0..v{n-1}`` at ``hidden``, each with a vector for every
+    one of ``layers`` decoder blocks; name -> path."""
+    import torch
+
+    from vllm_steer.vectors import make_vector_steer, save_vector
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for i in range(n):
+        g = torch.Generator().manual_seed(10_000 + i)
+        vs = make_vector_steer({k: torch.randn(hidden, generator=g) * 0.05
+                                for k in range(layers)}, f"v{i}")
+        paths[f"v{i}"] = str(folder / f"v{i}.safetensors")
+        save_vector(paths[f"v{i}"], vs)
+    return paths
+
+
+VECTOR_PREFIX = "vector "  # the vector engine's modes: "vector unused", "vector K=k"
+
+
 def mode_steers(mode: str, rows: int) -> list[dict | None]:
-    """The ``steer`` of each request in a mode: ``plain`` none, ``K=k`` request i on steer
-    ``s{i % k}`` at strength 2."""
-    if mode == "plain":
+    """The ``steer`` of each request in a mode: ``plain`` and ``vector unused`` none, ``K=k``
+    request i on steer ``s{i % k}``, ``vector K=k`` on vector steer ``v{i % k}``, at strength
+    2."""
+    if mode in ("plain", VECTOR_PREFIX + "unused"):
         return [None] * rows
+    name = "v" if mode.startswith(VECTOR_PREFIX) else "s"
     k = int(mode.split("=")[1])
-    return [{f"s{i % k}": 2.0} for i in range(rows)]
+    return [{f"{name}{i % k}": 2.0} for i in range(rows)]
+
+
+def rows_changed(tokens: dict[str, list]) -> dict[str, float]:
+    """Per steered vector mode: the fraction of requests whose generated tokens differ from
+    ``vector unused``'s (same prompts, greedy): the vectors reached the logits. Reported, not
+    checked (a model could map both to the same tokens)."""
+    base = tokens.get(VECTOR_PREFIX + "unused")
+    if base is None:
+        return {}
+    return {m: sum(a != b for a, b in zip(t, base, strict=True)) / len(base)
+            for m, t in tokens.items() if m.startswith(VECTOR_PREFIX) and t is not base}
+
+
+def vector_stats(worker=None) -> dict[str, int]:
+    """This worker's decoder-layer op: the blocks that have it (0: no vector op in the
+    model) and the steps its step mapping fed a steered token. Takes (and ignores) a worker,
+    for ``LLM.collective_rpc``."""
+    from vllm_steer.integrations.worker.runtime import current_runtime
+
+    rt = current_runtime()
+    layers = None if rt is None else rt.layers
+    if layers is None:
+        return {"blocks": 0, "steered_steps": 0}
+    return {"blocks": len(layers.blocks), "steered_steps": rt.mapping.steered_steps}
 
 
 def summarize(runs: dict[str, list[tuple[int, float]]]) -> dict[str, dict]:
@@ -142,10 +203,11 @@ def run_engine(a) -> int:
               enforce_eager=spec["device"] == "cpu",
               additional_config={"vllm_steer": {"steers": spec["steers"],
                                                 "max_steer_rank": STEER_RANK}})
+    vspec = spec.get("vector")
     if spec["device"] == "cpu":
         kw["kv_cache_memory_bytes"] = 1 << 28
-    else:
-        kw["gpu_memory_utilization"] = 0.5
+    else:  # two engines at once with --vector-k: each its share of the device
+        kw["gpu_memory_utilization"] = 0.42 if vspec else 0.5
     if spec.get("compilation_config"):
         kw["compilation_config"] = spec["compilation_config"]
     profiler = Profiler() if spec.get("profile") else None
@@ -155,6 +217,26 @@ def run_engine(a) -> int:
     cc = llm.llm_engine.vllm_config.compilation_config
     engine = {"start_s": round(start_s, 1), "compilation_mode": str(getattr(cc, "mode", None)),
               "cudagraph_mode": str(cc.cudagraph_mode)}
+    engines = {"plain": llm}  # the engine that runs each mode (by its first word)
+    vector: dict = {}
+    vllm_ = None
+    if vspec:
+        t_start = time.perf_counter()
+        try:  # a vector engine that does not start leaves the first engine's figures
+            vllm_ = LLM(spec["model"], **{**kw, "additional_config": {"vllm_steer": {
+                "steers": vspec["steers"], "max_steers": vspec["max_steers"],
+                "max_steer_rank": STEER_RANK}}})
+        except Exception as e:  # noqa: BLE001 (reported, and the run fails)
+            vector["error"] = f"the vector engine did not start: {type(e).__name__}: {e}"[:3000]
+            print(vector["error"], flush=True)
+    if vllm_ is not None:
+        cc = vllm_.llm_engine.vllm_config.compilation_config
+        vector["engine"] = {"start_s": round(time.perf_counter() - t_start, 1),
+                            "compilation_mode": str(getattr(cc, "mode", None)),
+                            "cudagraph_mode": str(cc.cudagraph_mode)}
+        vector["blocks"] = [s["blocks"] for s in vllm_.collective_rpc(vector_stats)]
+        vector["blocks_first_engine"] = [s["blocks"] for s in llm.collective_rpc(vector_stats)]
+        engines["vector"] = vllm_
     rng = random.Random(0)
     vocab = spec["vocab_size"]
     prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab)
@@ -163,29 +245,37 @@ def run_engine(a) -> int:
 
     from vllm_steer.integrations.worker.runtime import steer_stats
 
-    def rows_steered() -> int:  # the workers' steer-op row counters, summed
+    def rows_steered(mode: str) -> int:  # the workers' steer-op row counters, summed
+        if mode.startswith(VECTOR_PREFIX):  # the steps the vector engine's mapping fed
+            return sum(s["steered_steps"]
+                       for s in engines["vector"].collective_rpc(vector_stats))
         return sum(s["rows"] for s in llm.collective_rpc(steer_stats))
 
     steered: dict[str, int] = {}
+    tokens: dict[str, list] = {}  # each mode's last run: every request's generated tokens
     profile: dict[str, list] = {}
 
     def run(mode: str, warm_up: bool = False) -> tuple[int, float]:
         params = [SamplingParams(max_tokens=spec["output_len"], ignore_eos=True, temperature=0,
                                  detokenize=False, extra_args=None if s is None else {"steer": s})
                   for s in mode_steers(mode, spec["rows"])]
-        before = rows_steered()
+        target = engines["vector" if mode.startswith(VECTOR_PREFIX) else "plain"]
+        before = rows_steered(mode)
         gc.collect()  # outside the timing: no run inherits a collection the last one owed
         if profiler is not None:
             profiler.begin()
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = target.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t0
         if profiler is not None and not warm_up:
             profile.setdefault(mode, []).append(profiler.end())
-        steered[mode] = rows_steered() - before  # outside the timing
+        steered[mode] = rows_steered(mode) - before  # outside the timing
+        tokens[mode] = [list(o.outputs[0].token_ids) for o in outs]
         return sum(len(o.outputs[0].token_ids) for o in outs), dt
 
     modes = ["plain"] + [f"K={k}" for k in spec["k"]]
+    if vllm_ is not None:
+        modes += [VECTOR_PREFIX + "unused"] + [f"{VECTOR_PREFIX}K={k}" for k in vspec["k"]]
     for mode in modes:  # warm-up: every mode once (first steps, first uses of a row bucket)
         run(mode, warm_up=True)
     runs: dict[str, list] = {m: [] for m in modes}
@@ -195,6 +285,7 @@ def run_engine(a) -> int:
             runs[mode].append(run(mode))
     Path(a.result).write_text(json.dumps({
         "runs": runs, "rows_steered": steered, "profile": profile, "engine": engine,
+        "vector": {**vector, "rows_changed": rows_changed(tokens)} if vector else vector,
         "plugin_loaded": "vllm_steer.integrations.plugin" in sys.modules}))
     return 0
 
@@ -268,7 +359,26 @@ def profile_lines(profile: dict, steps: int) -> list[str]:
 
 # ------------------------------------------------------------------------------ main (parent)
 
-def main(argv=None) -> int:
+def vector_problem(vector: dict, steered: dict[str, int], layers: int,
+                   output_len: int) -> str | None:
+    """None when the vector engine ran as asked: its op in every decoder block (summed over
+    its workers), in none of the first engine's; its step mapping fed no step in ``vector
+    unused`` and at least one per generated token in each steered vector mode (``steered``:
+    each mode's steered steps in its last run); else what went wrong."""
+    if vector.get("error"):
+        return vector["error"]
+    mine = {m: v for m, v in steered.items() if m.startswith(VECTOR_PREFIX)}
+    if sum(vector["blocks"]) < layers or sum(vector["blocks_first_engine"]) != 0:
+        return (f"the op is in {vector['blocks']} decoder blocks per worker, of {layers} "
+                f"(the first engine's: {vector['blocks_first_engine']}, expected none)")
+    unused = mine.pop(VECTOR_PREFIX + "unused")
+    if unused != 0 or not mine or any(v < output_len for v in mine.values()):
+        return (f"steered steps of the last runs: unused {unused} (expected 0), "
+                f"{mine} (expected at least {output_len} each)")
+    return None
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
@@ -279,6 +389,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=64, help="requests at once (max_num_seqs)")
     ap.add_argument("--k", type=int, nargs="+", default=[1, 64],
                     help="steered modes: the requests spread over K steers")
+    ap.add_argument("--vector-k", type=int, nargs="+", default=None, metavar="K",
+                    help="also a second engine with max(K) random vector steers on every "
+                         "decoder layer: its modes unused and the requests spread over each K "
+                         "vector steers, against the first engine's plain")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=7)
@@ -296,12 +410,24 @@ def main(argv=None) -> int:
     e = sub.add_parser("_engine", help="(internal) one engine in this process")
     e.add_argument("--spec", required=True)
     e.add_argument("--result", required=True)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     a = ap.parse_args(argv)
     if a.cmd == "_engine":
         return run_engine(a)
     if max(a.k) > a.rows:
         ap.error(f"--k {max(a.k)} is more than --rows {a.rows}: a run of {a.rows} requests "
                  f"uses at most {a.rows} distinct steers; use --rows {max(a.k)} or more")
+    if a.vector_k and max(a.vector_k) > a.rows:
+        ap.error(f"--vector-k {max(a.vector_k)} is more than --rows {a.rows}: a run of {a.rows} "
+                 f"requests uses at most {a.rows} distinct vector steers; use --rows "
+                 f"{max(a.vector_k)} or more")
+    if a.vector_k and a.profile:
+        ap.error("--vector-k with --profile: the profile's in-process engine is one engine; "
+                 "run them apart")
 
     sys.path.insert(0, str(ROOT))
     from gpu_vllm_check import engine_env
@@ -310,7 +436,8 @@ def main(argv=None) -> int:
     work = Path(a.workdir or tempfile.mkdtemp(prefix="gpu_throughput-"))
     a.workdir = str(work)
     print(f"gpu_throughput: device {a.device}, {a.dtype}, runner {a.runner}, {a.rows} rows, "
-          f"K {a.k}, shapes {a.shapes}, work in {work}", flush=True)
+          f"K {a.k}, vector K {a.vector_k or 'none'}, shapes {a.shapes}, work in {work}",
+          flush=True)
     results, ok = {}, True
     for shape in a.shapes:
         cfg = model_config(shape, a.layers_8b)
@@ -320,6 +447,11 @@ def main(argv=None) -> int:
                 "steers": write_steers(work / f"steers-{shape}", cfg["hidden_size"], max(a.k),
                                        STEER_RANK),
                 "compilation_config": a.compilation_config, "profile": a.profile}
+        if a.vector_k:  # the first engine's steers, and vector steers on every decoder layer
+            vectors = write_vectors(work / f"vectors-{shape}", cfg["hidden_size"],
+                                    cfg["num_hidden_layers"], max(a.vector_k))
+            spec["vector"] = {"k": a.vector_k, "max_steers": max(a.k) + max(a.vector_k),
+                              "steers": {**spec["steers"], **vectors}}
         out, log = work / f"{shape}.json", work / f"{shape}.log"
         cmd = [sys.executable, str(Path(__file__).resolve()), "_engine", "--spec",
                json.dumps(spec), "--result", str(out)]
@@ -352,7 +484,13 @@ def main(argv=None) -> int:
         # the last run of each mode: plain rows never reach the steer op, steered rows do
         # (at least one row per generated token of every request)
         complete &= steered["plain"] == 0 and all(
-            steered[m] >= want for m in runs if m != "plain")
+            steered[m] >= want for m in runs if m != "plain" and not m.startswith(VECTOR_PREFIX))
+        vector = result.get("vector") or {}
+        problem = vector_problem(vector, steered, cfg["num_hidden_layers"],
+                                 a.output_len) if a.vector_k else None
+        if problem:
+            print(f"FAIL [{shape}] vector engine: {problem}")
+        complete &= problem is None
         ok &= complete
         summary = summarize(runs)
         graphs = "replays from CUDA graphs" in text
@@ -365,10 +503,14 @@ def main(argv=None) -> int:
                           "rows_steered_last_run": steered,
                           "runs": runs, "profile": result.get("profile") or None,
                           "engine": result.get("engine"),
+                          "vector": ({**vector, "k": a.vector_k,
+                                      "max_steers": spec["vector"]["max_steers"]}
+                                     if a.vector_k else None),
                           "engine_s": round(time.time() - t0)}
         for mode, s in summary.items():
             lo, hi = s["seconds"]
             head = ("" if mode == "plain" else  # plain rows never reach the steer op
+                    "; the vector engine" if mode.startswith(VECTOR_PREFIX) else
                     f"; head {'replayed from CUDA graphs' if graphs else 'launched eagerly'}")
             print(f"{'PASS' if complete else 'FAIL'} [{shape} d{cfg['hidden_size']} {a.dtype} "
                   f"{a.runner}] {mode}: {s['tokens_per_s']:.0f} tokens/s, "
@@ -380,6 +522,15 @@ def main(argv=None) -> int:
         print(f"  engine: start {eng.get('start_s')} s, compilation mode "
               f"{eng.get('compilation_mode')}, cudagraph_mode {eng.get('cudagraph_mode')}, "
               f"{round(time.time() - t0)} s in all", flush=True)
+        if vector.get("engine"):
+            veng = vector["engine"]
+            print(f"  vector engine: {max(a.vector_k)} vector steers on every one of "
+                  f"{cfg['num_hidden_layers']} decoder layers (op in {vector['blocks']} blocks "
+                  f"per worker, the first engine's in {vector['blocks_first_engine']}), "
+                  f"{spec['vector']['max_steers']} bank slots; start {veng.get('start_s')} s, "
+                  f"compilation mode {veng.get('compilation_mode')}, cudagraph_mode "
+                  f"{veng.get('cudagraph_mode')}; requests whose tokens the vectors changed "
+                  f"(of unused's): {vector.get('rows_changed')}", flush=True)
         for line in captured:
             print(f"  engine start: {line}", flush=True)
         for line in profile_lines(result.get("profile") or {}, a.output_len + 1):
@@ -387,7 +538,7 @@ def main(argv=None) -> int:
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "gpu_throughput.json").write_text(json.dumps(
         {"device": a.device, "dtype": a.dtype, "runner": a.runner, "rows": a.rows,
-         "shapes": results}, indent=1))
+         "vector_k": a.vector_k, "shapes": results}, indent=1))
     print(f"gpu_throughput: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 

@@ -40,26 +40,31 @@ def test_the_plan_fits_the_hosts_limits_and_twelve_minutes(tmp_path):
     assert calls[0]["command"].startswith("python3 benchmarks/bench_grouped_vs_lora.py "
                                           "--device cuda --lora-ops build/lora_ops;")
     assert calls[0]["carry"] == ["build/lora_ops"]
+    # then the decoder layers' vector op alone, before the window
+    cmd = calls[0]["command"]
+    assert "python3 benchmarks/bench_layer_vectors.py --device cuda; v=$?;" in cmd
+    assert cmd.index("bench_layer_vectors") < cmd.index("gpu_window.sh")
+    assert "exit $((b | v | w | $?))" in cmd
     # the engine check (it passed in full in an earlier window) only where it fits: not in 12
     assert not [c for c in calls if c["name"].startswith("engine")]
     engines = [c for c in calls if c["name"].startswith(("throughput", "profile"))]
-    throughput = calls[-2]
+    throughput = calls[-1]  # last: the profile no longer fits in 12 minutes beside the vectors
     assert throughput["name"].startswith("throughput")
     for c in engines:  # the deployed configuration: vLLM's default compilation
         assert "--compilation-config" not in c["command"] and "--enforce-eager" not in c["command"]
     for arg in ("gpu_throughput.py --device cuda", "--shapes 8b", "--dtype bfloat16",
-                "--runner v2", "--rows 256", "--k 1 64 256"):
+                "--runner v2", "--rows 256", "--k 1 64 256", "--vector-k 1 64"):
         assert arg in throughput["command"], arg
-    assert calls[-1]["name"].startswith("profile")  # the room left: the host time per site
-    assert "assemble" in calls[-3]["command"] and "gpu_vllm_lean.py host" in calls[-3]["command"]
+    assert not [c for c in calls if c["name"].startswith("profile")]
+    assert "assemble" in calls[-2]["command"] and "gpu_vllm_lean.py host" in calls[-2]["command"]
     assert saved_chunks(tmp_path) <= 8  # the lean carry
     assert all(c["mib"] <= 64 for c in calls), [c["mib"] for c in calls]
     assert all(c["timeout_s"] <= 600 for c in calls)
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert saved["device_s"] <= 12 * 60 and saved["device_s"] == sum(
         c["est_s"] for c in saved["calls"])
-    # the kernels, the carry, the throughput and the profile
-    assert len(calls) == 3 + saved["chunks"]
+    # the kernels, the carry and the throughput
+    assert len(calls) == 2 + saved["chunks"]
     assert "FITS" in res.stdout
 
 
@@ -90,7 +95,7 @@ def test_a_tight_budget_keeps_the_throughput_call_only():
 
 
 def test_a_larger_budget_keeps_the_profile_and_the_v1_check_after_them():
-    res = run("--budget-min", 19)
+    res = run("--budget-min", 22)
     names = [c["name"].split(":")[0] + " " + c["name"].split()[1] for c in calls_of(res.stdout)
              if c["name"].startswith(("engine", "throughput", "profile"))]
     assert names == ["throughput V2", "engine V2", "profile V2", "engine V1"]
@@ -103,7 +108,7 @@ def test_the_fallback_runs_the_engines_without_torch_compile_and_leaves_room():
     engines = [c for c in calls if c["name"].startswith(("engine", "throughput", "profile"))]
     assert engines and all('"mode": 0' in c["command"] and "FULL_DECODE_ONLY" in c["command"]
                            for c in engines)
-    assert "--rows 256 --k 1 64 256" in engines[0]["command"]
+    assert "--rows 256 --k 1 64 256 --vector-k 1 64" in engines[0]["command"]
 
 
 def test_a_larger_working_tree_gets_smaller_chunks_and_a_huge_one_is_refused(monkeypatch):

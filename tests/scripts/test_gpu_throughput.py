@@ -105,3 +105,64 @@ def test_more_steers_than_rows_is_refused_naming_the_fix(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--k 256 is more than --rows 64" in err and "use --rows 256 or more" in err
+
+
+def test_the_vector_modes_spread_their_rows_over_k_vector_steers():
+    assert gt.mode_steers("vector unused", 3) == [None, None, None]
+    assert gt.mode_steers("vector K=1", 3) == [{"v0": 2.0}] * 3
+    assert [next(iter(s)) for s in gt.mode_steers("vector K=4", 6)] == ["v0", "v1", "v2", "v3",
+                                                                        "v0", "v1"]
+    assert len({next(iter(s)) for s in gt.mode_steers("vector K=64", 256)}) == 64
+
+
+def test_the_vector_steers_cover_every_decoder_layer_at_the_models_hidden_size(tmp_path):
+    from vllm_steer.vectors import load_vector
+
+    paths = gt.write_vectors(tmp_path, 96, 5, 3)
+    assert sorted(paths) == ["v0", "v1", "v2"]
+    steers = [load_vector(p) for p in paths.values()]
+    assert all(s.layers == [0, 1, 2, 3, 4] and s.hidden_size == 96 for s in steers)
+    assert all(s.directions[k].shape == (96,) for s in steers for k in range(5))
+    assert not torch.equal(steers[0].directions[0], steers[1].directions[0])  # distinct
+
+
+def test_the_vector_engines_check_names_what_went_wrong():
+    good = {"blocks": [32], "blocks_first_engine": [0]}
+    steered = {"plain": 0, "K=1": 999, "vector unused": 0, "vector K=1": 128,
+               "vector K=64": 130}
+    assert gt.vector_problem(good, steered, 32, 128) is None
+    # the op missing from blocks, or present in the first engine's model
+    assert "in [30] decoder blocks" in gt.vector_problem(
+        {**good, "blocks": [30]}, steered, 32, 128)
+    assert "expected none" in gt.vector_problem(
+        {**good, "blocks_first_engine": [32]}, steered, 32, 128)
+    # an unused run that fed steered steps; a steered run that fed too few
+    assert "unused 3 (expected 0)" in gt.vector_problem(
+        good, {**steered, "vector unused": 3}, 32, 128)
+    assert "expected at least 128 each" in gt.vector_problem(
+        good, {**steered, "vector K=64": 5}, 32, 128)
+    # two pipeline stages, 16 blocks each: the op in all 32
+    assert gt.vector_problem({**good, "blocks": [16, 16]}, steered, 32, 128) is None
+    assert gt.vector_problem({"error": "the vector engine did not start: OOM"}, steered, 32,
+                             128) == "the vector engine did not start: OOM"
+
+
+def test_more_vector_steers_than_rows_or_with_the_profile_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        gt.main(["--device", "cpu", "--shapes", "tiny", "--rows", "8", "--k", "1",
+                 "--vector-k", "1", "64"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--vector-k 64 is more than --rows 8" in err and "use --rows 64 or more" in err
+    with pytest.raises(SystemExit):
+        gt.main(["--device", "cpu", "--shapes", "tiny", "--rows", "8", "--k", "1",
+                 "--vector-k", "1", "--profile"])
+    assert "--vector-k with --profile" in capsys.readouterr().err
+
+
+def test_rows_changed_counts_the_requests_whose_tokens_differ_from_unused():
+    tokens = {"plain": [[1, 2]] * 4, "vector unused": [[1, 2], [3, 4], [5, 6], [7, 8]],
+              "vector K=1": [[1, 2], [3, 9], [5, 6], [0, 8]],
+              "vector K=4": [[1, 2], [3, 4], [5, 6], [7, 8]]}
+    assert gt.rows_changed(tokens) == {"vector K=1": 0.5, "vector K=4": 0.0}
+    assert gt.rows_changed({"plain": [[1]]}) == {}
