@@ -93,3 +93,33 @@ def test_unregistered_kinds_fall_back_to_lm_steer_s_reader(tmp_path):
     assert kinds.kind_of_file(path).name == "lm-steer"  # whose reader refuses it, with reasons
     with pytest.raises(Exception, match="refused"):
         kinds.read_any_metadata(path)
+
+
+def test_the_op_in_a_16_bit_dtype_writes_the_strengths_and_keeps_plain_rows_bit_for_bit():
+    """On CUDA the op runs in the model's 16-bit dtype: the step mapping writes the strengths
+    as that dtype's bytes (here on the host, the same code path), unsteered tokens keep their
+    bits, a steered token gets ``a * v`` within the dtype's rounding."""
+    from vllm_steer.integrations.worker.step_mapping import op_dtype
+
+    assert op_dtype(torch.device("cpu"), torch.bfloat16) == torch.float32
+    assert op_dtype(torch.device("cuda"), torch.bfloat16) == torch.bfloat16
+    assert op_dtype(torch.device("cuda"), torch.float32) == torch.float32
+    steer = make_vector_steer({0: torch.linspace(-1, 1, 16)}, "v")
+    bank = SlotBank(2, 16, reserve_rank=2)
+    layers = LayerVectors([0], 1, 2, 16, max_tokens=4, device=torch.device("cpu"),
+                          dtype=torch.bfloat16)
+    bank.layers = layers
+    bank.put(1, 3, "v", steer)
+    slots = RequestSlots(2)
+    slots.ensure(2, torch.device("cpu"))
+    row, _ = bank.coef_row({"v": (1, 3)}, {"v": 0.75})
+    slots.set(0, np.asarray(row, dtype=np.float32), None, bank)
+    slots.flush()
+    StepMapping(layers, slots).build(np.array([0, 1]), np.array([2, 1]), None)
+    assert layers.token_coefs.dtype == torch.bfloat16
+    assert layers.token_coefs[:3, 1].tolist() == [0.75, 0.75, 0.0]
+    h = torch.randn(3, 16).to(torch.bfloat16)
+    out = add_to_block_output(h, layers.token_coefs, layers.block_vectors(0))
+    assert torch.equal(out[2], h[2])
+    want = h[:2].float() + 0.75 * torch.linspace(-1, 1, 16)
+    assert torch.allclose(out[:2].float(), want, atol=2e-2)

@@ -131,3 +131,4 @@ def test_the_vector_bank_s_size_is_what_the_step_mapping_allocates():
     assert vector_bank_bytes(5, 3, 48, 40) == got == layers.reserved_bytes
     # the 8B Deployment: 256 slots, 32 blocks, hidden 4096, 8192 tokens per step
     assert vector_bank_bytes(256, 32, 4096, 8192) == 136 * 2**20
+    assert vector_bank_bytes(256, 32, 4096, 8192, "bfloat16") == 68 * 2**20

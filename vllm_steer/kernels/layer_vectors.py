@@ -4,7 +4,9 @@ model's compiled forward. Semantics: see :func:`vllm_steer.reference.vector_stee
 ``out[t] = h[t] + token_coefs[t] @ vectors`` for the ``n`` tokens of the call, where
 ``token_coefs`` is the step mapping's persistent ``[max_tokens, bank slots]`` float32 buffer
 (row ``t``: token ``t``'s strength of each vector steer; zero for unsteered and padding tokens)
-and ``vectors`` the vector bank's ``[bank slots, hidden]`` float32 rows of this block.
+and ``vectors`` the vector bank's ``[bank slots, hidden]`` rows of this block, both float32
+(or, on CUDA, the model's 16-bit dtype: the GEMM runs on the tensor cores, accumulating in
+fp32).
 
 Capture-safe by construction: it reads the two persistent buffers in place (their storage
 never changes), its shapes depend only on the number of tokens, and nothing goes back to the
@@ -19,16 +21,16 @@ import torch
 
 
 def add_vectors(hidden: torch.Tensor,  # [..., n, hidden]: a block's output (or residual)
-                token_coefs: torch.Tensor,  # [>= n, slots] fp32: per-token strengths
-                vectors: torch.Tensor,  # [slots, hidden] fp32: this block's vectors
+                token_coefs: torch.Tensor,  # [>= n, slots] fp32 (or 16-bit): per-token strengths
+                vectors: torch.Tensor,  # [slots, hidden], token_coefs' dtype: this block's
                 ) -> torch.Tensor:
     """``hidden + token_coefs[:n] @ vectors``, accumulated in fp32, in ``hidden``'s dtype
     (``hidden`` may have leading dimensions, as a transformers block's ``[1, n, hidden]``:
     its rows are the step's tokens in order)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     n = flat.shape[0]
-    delta = torch.mm(token_coefs[:n], vectors)
-    return (flat.float() + delta).to(hidden.dtype).reshape(hidden.shape)
+    delta = torch.mm(token_coefs[:n], vectors)  # fp32, or the model's 16-bit dtype on CUDA
+    return (flat.float() + delta.float()).to(hidden.dtype).reshape(hidden.shape)
 
 
 def add_to_block_output(out, token_coefs: torch.Tensor, vectors: torch.Tensor,

@@ -204,6 +204,6 @@ def install_layers(model, vllm_config) -> None:
     max_tokens = va.max_step_tokens(vllm_config)
     device = next(model.parameters()).device
     n = rt.install_layers(model, va.num_hidden_layers(mc), int(va.hidden_size(mc)),
-                          max_tokens, device)
+                          max_tokens, device, next(model.parameters()).dtype)
     logger.info("vllm-steer: vector steers' op in %d decoder block(s) (%d bank slots, up to "
                 "%d tokens per step)", n, rt.config.capacity, max_tokens)

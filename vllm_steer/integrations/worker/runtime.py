@@ -49,7 +49,7 @@ from vllm_steer.integrations.worker.request_slots import (RequestCoefs, RequestS
                                                           decode_request)
 from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.planner import SteerStats, StepPlanner
-from vllm_steer.integrations.worker.step_mapping import LayerVectors, StepMapping
+from vllm_steer.integrations.worker.step_mapping import LayerVectors, StepMapping, op_dtype
 from vllm_steer.integrations.worker.step_faults import REQUEST_STATE, StepFaults
 from vllm_steer.request import BOUND_KEY
 
@@ -74,7 +74,8 @@ class SteerRuntime:
 
     # ---- steers inside the decoder layers -------------------------------------------------
     def install_layers(self, model: torch.nn.Module, num_blocks: int, hidden_size: int,
-                       max_tokens: int, device: torch.device) -> int:
+                       max_tokens: int, device: torch.device,
+                       model_dtype: torch.dtype | None = None) -> int:
         """Give the model's decoder blocks the op of decoder-layer steers, reading a vector
         bank and a step mapping made now (once per worker, before vLLM compiles the model);
         the ``--steer`` steers of that kind are put in. Returns the blocks steered."""
@@ -84,7 +85,7 @@ class SteerRuntime:
             return 0
         blocks = decoder_layers.local_blocks(model, num_blocks)
         layers = LayerVectors(blocks, num_blocks, self.config.capacity, hidden_size,
-                              max_tokens, device)
+                              max_tokens, device, op_dtype(device, model_dtype))
         n = decoder_layers.install(model, layers, num_blocks)
         self.layers, self.mapping = layers, StepMapping(layers, self.slots)
         GATES.layer_mappings += 1

@@ -36,7 +36,7 @@ class LayerVectors:
     slot's column in place."""
 
     def __init__(self, blocks: list[int], num_blocks: int, capacity: int, hidden_size: int,
-                 max_tokens: int, device: torch.device):
+                 max_tokens: int, device: torch.device, dtype: torch.dtype = torch.float32):
         self.blocks = list(blocks)
         """The model's decoder blocks (0-based, of ``num_blocks``) in this worker."""
         self.num_blocks = num_blocks
@@ -44,10 +44,11 @@ class LayerVectors:
         self.hidden_size = hidden_size
         self.max_tokens = max_tokens
         self.device = torch.device(device)
-        self.vectors = torch.zeros(len(self.blocks), capacity, hidden_size,
-                                   dtype=torch.float32, device=device)
-        self.token_coefs = torch.zeros(max_tokens, capacity, dtype=torch.float32,
-                                       device=device)
+        self.dtype = dtype
+        """The op's dtype (:func:`op_dtype`): float32, or the model's 16-bit dtype on CUDA."""
+        self.vectors = torch.zeros(len(self.blocks), capacity, hidden_size, dtype=dtype,
+                                   device=device)
+        self.token_coefs = torch.zeros(max_tokens, capacity, dtype=dtype, device=device)
         self.slot_is_vector = np.zeros(capacity, dtype=np.float32)
         """1.0 for each bank slot that holds a decoder-layer steer (its coefficient column is
         read here, and not by the head)."""
@@ -55,7 +56,7 @@ class LayerVectors:
 
     @property
     def reserved_bytes(self) -> int:
-        return (self.vectors.numel() + self.token_coefs.numel()) * 4
+        return (self.vectors.numel() + self.token_coefs.numel()) * self.vectors.element_size()
 
     def put(self, bank_slot: int, steer) -> None:
         """Write a decoder-layer steer's vectors (its kind's ``[num_blocks, hidden]``,
@@ -68,7 +69,7 @@ class LayerVectors:
                              f"model's decoder blocks have {self.hidden_size}")
         stacked = kind_of(steer).layer_vectors(steer, self.num_blocks)
         rows = stacked[self.blocks] if self.blocks else stacked[:0]
-        self.vectors[:, bank_slot, :].copy_(rows.to(self.vectors.device, torch.float32))
+        self.vectors[:, bank_slot, :].copy_(rows.to(self.vectors.device, self.dtype))
         self.slot_is_vector[bank_slot] = 1.0
         self.version += 1
 
@@ -96,7 +97,6 @@ class StepMapping:
         self.steered_steps = 0  # steps with a vector-steered token
         self.unchanged_steps = 0  # steps whose rows were those of the step before
         self._copy = staging.StagedCopy(layers.device)
-        self._zeros: np.ndarray | None = None
         # what the device rows were last written for (no window among its requests): the
         # request-slot table's and the vector bank's versions, the requests' slots and token
         # counts; a step with the same key writes nothing
@@ -141,9 +141,14 @@ class StepMapping:
                                f"{self.layers.max_tokens} the step mapping was sized for")
         buf = self.layers.token_coefs
         rows = np.ascontiguousarray(per_req, dtype=np.float32)
-        if self.filled > n:  # rows of a longer step: zero them in the same copy
-            rows = np.concatenate([rows, self._zero_rows(self.filled - n)])
-        self._copy.copy_(buf[:rows.shape[0]], rows)
+        if self.layers.dtype != torch.float32:  # the op's 16-bit dtype (CUDA)
+            rows = _as_dtype(rows, self.layers.dtype)
+        if self.filled > n:  # rows of a longer step: zeroed on the device
+            buf[n:self.filled].zero_()
+        dst = buf[:n]
+        if rows.dtype == np.int16:  # 16-bit rows: copied as their bytes
+            dst = dst.view(torch.int16)
+        self._copy.copy_(dst, rows)
         self.filled = n
         self.steered_steps += 1
         self._key = key
@@ -172,18 +177,26 @@ class StepMapping:
         rows = self.slots.row_coefs(n, token_slots, positions)
         return rows[:, :self.layers.capacity] * self.layers.slot_is_vector
 
-    def _zero_rows(self, k: int) -> np.ndarray:
-        z = self._zeros
-        if z is None or z.shape[0] < k:
-            z = self._zeros = np.zeros((max(k, 64), self.layers.capacity), dtype=np.float32)
-        return z[:k]
-
     def _clear(self) -> None:
         """No vector-steered token in the step: zero the rows the last steered step left."""
         self._key = None
         if self.filled:
-            self._copy.copy_(self.layers.token_coefs[:self.filled], self._zero_rows(self.filled))
+            self.layers.token_coefs[:self.filled].zero_()  # on the device: no copy
             self.filled = 0
 
 
-__all__ = ["LayerVectors", "StepMapping"]
+def op_dtype(device: torch.device, model_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of the layers' op: the model's 16-bit dtype on CUDA (its GEMM runs on the
+    tensor cores; the strengths and vectors are rounded to it, well inside what a 16-bit
+    residual stream resolves), float32 elsewhere (exact against a float32 reference)."""
+    if torch.device(device).type == "cuda" and model_dtype in (torch.bfloat16, torch.float16):
+        return model_dtype
+    return torch.float32
+
+
+def _as_dtype(rows: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """``rows`` (float32) as the host bytes of ``dtype`` (a 16-bit dtype numpy may lack)."""
+    return torch.from_numpy(rows).to(dtype).view(torch.int16).numpy()
+
+
+__all__ = ["LayerVectors", "StepMapping", "op_dtype"]
