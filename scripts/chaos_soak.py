@@ -5,8 +5,8 @@ presets and files change underneath it.
     python scripts/chaos_soak.py --duration 900 --clients 8 --seed 0 --report soak.json
 
 The server is the embedded SmolLM2-135M-Instruct in float32 with two API servers, prefix
-caching, a bank of 4 steers (``--steer sentiment=...`` LM-Steer, ``--steer calm=calm.gguf`` a
-vector steer, and two slots), ``--steer-vectors``, a ``--steer-dir`` of 6 LM-Steer files and 4
+caching, a bank of 6 steers (``--steer sentiment=...`` LM-Steer, ``--steer calm=calm.gguf`` a
+vector steer, and four slots), ``--steer-vectors``, a ``--steer-dir`` of 6 LM-Steer files and 4
 vector steers (safetensors and llama.cpp GGUF, made for the model's hidden size and block
 count) plus two vector files made for another model, ``--enable-steer-updates``, a presets
 file and a ``--steer-preset``, both mixing the kinds. ``--clients`` threads send completions,
@@ -61,7 +61,7 @@ from vllm_steer.server.launch import _tail, free_port, vllm_executable  # noqa: 
 MODEL_NAME = "smollm2"
 SHIPPED = {"detox": ROOT / "steers" / "smollm2-detox.safetensors",
            "sentiment": ROOT / "steers" / "smollm2-sentiment.safetensors"}
-MAX_STEERS = 4
+MAX_STEERS = 6
 MAX_STRENGTH = 50
 DIR_NAMES = [f"d{i}" for i in range(1, 7)]  # --steer-dir LM-Steer files: over the bank
 # --steer-dir vector steers: NAME.safetensors (ours) or NAME.gguf (llama.cpp); the operator
@@ -277,8 +277,6 @@ def setup_work(work: Path, rng: random.Random):
     atomic_write(work / "calm.gguf", VECTOR_FILES[FLAG_VECTOR])
     for name in VEC_NAMES + BAD_VEC_DIR:
         atomic_write(work / "steers" / vec_file(name), VECTOR_FILES[name])
-    atomic_write(work / "bad-blocks.safetensors", VECTOR_FILES["vbad"])
-    atomic_write(work / "bad-blocks.gguf", VECTOR_FILES["gbad"])
     # the presets file names both kinds (but no GGUF-only steer of the folder: see Operator)
     doc = {"presets": {"fp1": {"sentiment": 3}, "fp2": {"d1": 2, "v1": -0.5},
                        "fp3": f"d2:-3,{FLAG_VECTOR}:0.7"}}
@@ -400,14 +398,15 @@ INVALID_STEERS = [
     {"vllm_xargs": {"steer": "sentiment:1,sentiment:2"}},
     {"vllm_xargs": {"steer": ":::"}},
     {"vllm_xargs": {"steer": "sentiment:1"}, "steer": {"sentiment": 1}},
-    {"steer": {"d1": 1, "d2": 1, "d3": 1, "d4": 1, "v1": 1}},  # more than the bank holds
+    # more steers than the bank holds
+    {"steer": {"d1": 1, "d2": 1, "d3": 1, "d4": 1, "d5": 1, "v1": 1, "g1": 0.5}},
     {"steer": {FLAG_VECTOR: 51}},
     {"steer": {FLAG_VECTOR: {"strength": 0.5, "start": 4, "end": 2}}},
     # vector files of the folder made for another model (OTHER_LAYERS blocks)
     {"steer": {"vbad": 0.5}},
     {"steer": {"gbad": -0.5, FLAG_VECTOR: 0.3}},
     {"steer": {"vbad": 0.5, "sentiment": 2}},
-    {"steer": {"d1": 1, "d2": 1, "d3": 1, "d4": 1, "d5": 1, "d6": 1}},
+    {"steer": {"d1": 1, "d2": 1, "d3": 1, "d4": 1, "d5": 1, "d6": 1, "v2": 1}},
     {"steer": {"sentiment": 2}, "use_beam_search": True, "n": 2},
 ]
 
@@ -417,6 +416,9 @@ class Client(threading.Thread):
         super().__init__(daemon=True, name=f"client-{i}")
         self.base, self.stats, self.rng, self.stop = base, stats, rng, stop
         self.s = requests.Session()
+        # the first request: a greedy check of its own key (8 clients: the vector steer's
+        # among them), so that a short soak on a slow machine checks each kind
+        self.first_key: str | None = list(CHECK_STEERS)[i % len(CHECK_STEERS)]
 
     def run(self):
         while not self.stop.is_set():
@@ -499,9 +501,10 @@ class Client(threading.Thread):
         path = rng.choice(["/v1/completions", "/v1/completions", "/v1/chat/completions",
                            "/v1/responses"])
         prompt = rng.choice(PROMPTS)
-        if r < 0.25:  # the greedy check
+        if r < 0.25 or self.first_key:  # the greedy check
             key_prompt = rng.randrange(len(CHECK_PROMPTS))
-            key_steer = rng.choice(list(CHECK_STEERS))
+            key_steer = self.first_key or rng.choice(list(CHECK_STEERS))
+            self.first_key = None
             path = rng.choice(["/v1/completions", "/v1/chat/completions"])
             extra = dict(CHECK_STEERS[key_steer], temperature=0)
             if rng.random() < 0.3:
@@ -521,7 +524,8 @@ class Client(threading.Thread):
             stream = path != "/v1/responses" and rng.random() < 0.4
             b = self.body(path, prompt, extra)
             b["stream"] = stream
-            self.send("steered", path, b, {200, 400, 404, 507}, stream=stream)
+            # 429: first-use steers that fit, but every slot holds a steer running requests use
+            self.send("steered", path, b, {200, 400, 404, 429, 507}, stream=stream)
         elif r < 0.65:  # n > 1, logprobs, seeds
             self.n_logprobs(prompt)
         elif r < 0.72:  # presets as model names
@@ -531,13 +535,16 @@ class Client(threading.Thread):
                 extra["steer"] = rng.choice([{"sentiment": steer_value(rng)},
                                              {FLAG_VECTOR: steer_value(rng, vector=True)}])
             self.send("preset_model", path, self.body(path, prompt, extra),
-                      {200, 400, 404})
+                      {200, 400, 404, 429})
         elif r < 0.92:  # invalid steer fields
             extra = dict(rng.choice(INVALID_STEERS))
             stream = path != "/v1/responses" and rng.random() < 0.3
             b = self.body(path, prompt, extra)
             b["stream"] = stream
-            self.send("invalid_steer", path, b, {400}, stream=stream)
+            # a bad file of the folder is read once a slot is free: a full bank is a 429 first
+            bad_file = set(extra.get("steer") or ()) & set(BAD_VEC_DIR)
+            self.send("invalid_steer", path, b, {400, 429} if bad_file else {400},
+                      stream=stream)
         else:  # malformed requests
             choice = rng.randrange(7)
             if choice == 0:
@@ -640,7 +647,7 @@ class Operator(threading.Thread):
 
     # the first operations: one of each kind (presets file and steer files first), so that a
     # short soak on a slow machine has them all; then at random
-    SWEEP = [0.7, 0.8, 0.05, 0.5, 0.3, 0.18, 0.57, 0.62, 0.23, 0.7, 0.8, 0.95]
+    SWEEP = [0.7, 0.8, 0.05, 0.24, 0.5, 0.44, 0.3, 0.18, 0.57, 0.62, 0.23, 0.7, 0.8, 0.95]
 
     def one(self):
         rng, steers = self.rng, self.work / "steers"
@@ -658,7 +665,7 @@ class Operator(threading.Thread):
                           {"name": API_NAMES[2],
                            "path": str(steers / vec_file(rng.choice(VEC_NAMES)))})
         elif r < 0.25:
-            if rng.random() < 0.5:
+            if r < 0.235:
                 self.call("load_bad", "POST", "/v1/steers",
                           rng.choice([{"name": "../x"}, {"name": "x", "path": "/etc/passwd"},
                                       {"name": "nothere"}, {"name": 5}, {}]))
@@ -724,7 +731,8 @@ class Operator(threading.Thread):
         evicts: the --steer ones and those this thread loaded by path)."""
         before = self.listing()
         kept = (before or set()) & ({"sentiment", FLAG_VECTOR} | set(API_NAMES))
-        path = self.work / self.rng.choice(["bad-blocks.safetensors", "bad-blocks.gguf"])
+        # inside --steer-dir (a path outside it is a 403 without --steer-updates-any-path)
+        path = self.work / "steers" / vec_file(self.rng.choice(BAD_VEC_DIR))
         try:
             r = self.s.post(self.base + "/v1/steers", timeout=TIMEOUT,
                             json={"name": self.rng.choice(["badv", API_NAMES[2]]),
@@ -936,7 +944,7 @@ def quiet_vector_check(base, work) -> dict:
     by POST: each a 400 naming both block counts, the listing the same after as before, and
     the --steer vector steer's greedy text the same after as before."""
     out: dict = {"ok": True, "posts": []}
-    for name in API_NAMES:
+    for name in API_NAMES + DIR_NAMES + VEC_NAMES:  # all but the --steer ones
         requests.delete(base + f"/v1/steers/{name}", timeout=120)
     body = {"model": MODEL_NAME, "prompt": CHECK_PROMPTS[0], "max_tokens": CHECK_TOKENS,
             "temperature": 0, "steer": {FLAG_VECTOR: 0.8}}
@@ -947,9 +955,9 @@ def quiet_vector_check(base, work) -> dict:
         return sorted(s["name"] for s in ls), (g.json()["choices"][0]["text"] if g.ok
                                                else f"HTTP {g.status_code}")
     before = snapshot()
-    for f in ("bad-blocks.safetensors", "bad-blocks.gguf"):
+    for f in map(vec_file, BAD_VEC_DIR):
         r = requests.post(base + "/v1/steers", timeout=120,
-                          json={"name": "badv", "path": str(work / f)})
+                          json={"name": "badv", "path": str(work / "steers" / f)})
         named = f"{OTHER_LAYERS} decoder blocks" in r.text and \
             str(MODEL_SHAPE["num_layers"]) in r.text
         out["posts"].append({"file": f, "status": r.status_code, "names_both": named,
