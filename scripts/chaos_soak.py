@@ -416,9 +416,11 @@ class Client(threading.Thread):
         super().__init__(daemon=True, name=f"client-{i}")
         self.base, self.stats, self.rng, self.stop = base, stats, rng, stop
         self.s = requests.Session()
-        # the first request: a greedy check of its own key (8 clients: the vector steer's
-        # among them), so that a short soak on a slow machine checks each kind
-        self.first_key: str | None = list(CHECK_STEERS)[i % len(CHECK_STEERS)]
+        # the first request of the first clients: greedy checks of the vector steer, of both
+        # kinds and plain, and an invalid request, so that a short soak on a busy machine
+        # checks each (the others start at random)
+        self.first_key = ["calm+0.8", "calm+sent", "plain", None][i] if i < 4 else None
+        self.first_r = 0.8 if i == 3 else None
 
     def run(self):
         while not self.stop.is_set():
@@ -497,7 +499,8 @@ class Client(threading.Thread):
 
     def one(self):
         rng = self.rng
-        r = rng.random()
+        r = rng.random() if self.first_r is None else self.first_r
+        self.first_r = None
         path = rng.choice(["/v1/completions", "/v1/completions", "/v1/chat/completions",
                            "/v1/responses"])
         prompt = rng.choice(PROMPTS)
