@@ -545,7 +545,8 @@ class Client(threading.Thread):
             b = self.body(path, prompt, extra)
             b["stream"] = stream
             # a bad file of the folder is read once a slot is free: a full bank is a 429 first
-            bad_file = set(extra.get("steer") or ()) & set(BAD_VEC_DIR)
+            steer = extra.get("steer")
+            bad_file = isinstance(steer, dict) and set(steer) & set(BAD_VEC_DIR)
             self.send("invalid_steer", path, b, {400, 429} if bad_file else {400},
                       stream=stream)
         else:  # malformed requests
