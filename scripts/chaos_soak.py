@@ -4,19 +4,25 @@ presets and files change underneath it.
 
     python scripts/chaos_soak.py --duration 900 --clients 8 --seed 0 --report soak.json
 
-The server is the embedded SmolLM2-135M-Instruct in float32 with two API servers, a bank of 3
-steers (``--steer sentiment=...`` and two slots), a ``--steer-dir`` of 6 files (twice the
-bank), ``--enable-steer-updates``, a presets file and a ``--steer-preset``. ``--clients``
-threads send completions, chat and responses requests, streamed or not, with ``n > 1``,
-logprobs, windows, presets as model names, ``vllm_xargs``, and invalid ones (unknown steers,
-bad strengths and windows, oversized and malformed fields). One operator thread meanwhile
-loads and unloads steers over HTTP, puts and deletes presets, rewrites the presets file (a bad
-version too) and replaces, corrupts and removes steer files in the folder.
+The server is the embedded SmolLM2-135M-Instruct in float32 with two API servers, prefix
+caching, a bank of 6 steers (``--steer sentiment=...`` LM-Steer, ``--steer calm=calm.gguf`` a
+vector steer, and four slots), ``--steer-vectors``, a ``--steer-dir`` of 6 LM-Steer files and 4
+vector steers (safetensors and llama.cpp GGUF, made for the model's hidden size and block
+count) plus two vector files made for another model, ``--enable-steer-updates``, a presets
+file and a ``--steer-preset``, both mixing the kinds. ``--clients`` threads send completions,
+chat and responses requests, streamed or not, with ``n > 1``, logprobs, windows, presets as
+model names, ``vllm_xargs``, mixes of both kinds with negative strengths, and invalid ones
+(unknown steers, bad strengths and windows, oversized and malformed fields, vector files for
+another model). One operator thread meanwhile loads and unloads steers of both kinds over
+HTTP (a vector file for another model too: a 400 naming the block counts, and no loaded steer
+lost), puts and deletes presets, rewrites the presets file (a bad version too) and replaces,
+corrupts and removes steer files of both kinds in the folder.
 
-A fixed set of greedy requests (temperature 0, steered only by the ``--steer`` steer, which no
-operation touches) runs among the traffic; at the end each runs alone on the same server and
-every text seen under load must be the solo one (float32: the plain model does not depend on
-the batch on a CPU; in bf16 it does).
+A fixed set of greedy requests (temperature 0, steered only by the ``--steer`` steers, which
+no operation touches: LM-Steer, the vector steer, both) runs among the traffic; every text
+seen under load must be the first one seen for that request, and at the end each runs alone
+on the same server and every text must be the solo one (float32: the plain model does not
+depend on the batch on a CPU; in bf16 it does).
 
 The report (``--report``, JSON; a summary on stdout) gives requests by kind and status, every
 5xx and connection error with its request, whether the engine is alive at the end (``/health``
@@ -55,13 +61,25 @@ from vllm_steer.server.launch import _tail, free_port, vllm_executable  # noqa: 
 MODEL_NAME = "smollm2"
 SHIPPED = {"detox": ROOT / "steers" / "smollm2-detox.safetensors",
            "sentiment": ROOT / "steers" / "smollm2-sentiment.safetensors"}
-MAX_STEERS = 3
+MAX_STEERS = 6
 MAX_STRENGTH = 50
-DIR_NAMES = [f"d{i}" for i in range(1, 7)]  # --steer-dir files: twice the bank
-API_NAMES = ["api1", "api2"]  # loaded by POST with a path
+DIR_NAMES = [f"d{i}" for i in range(1, 7)]  # --steer-dir LM-Steer files: over the bank
+# --steer-dir vector steers: NAME.safetensors (ours) or NAME.gguf (llama.cpp); the operator
+# replaces, corrupts and removes all but g1 (which a run-time preset always names)
+VEC_SAFETENSORS = ["v1", "v2"]
+VEC_GGUF = ["g1", "g2"]
+VEC_NAMES = VEC_SAFETENSORS + VEC_GGUF
+VEC_TOUCHED = ["v1", "v2", "g2"]
+BAD_VEC_DIR = ["vbad", "gbad"]  # vector files of the folder made for another model
+FLAG_VECTOR = "calm"  # --steer calm=calm.gguf (never unloaded)
+API_NAMES = ["api1", "api2", "api3"]  # loaded by POST with a path (api3: vector files)
 RT_PRESETS = ["rp1", "rp2", "rp3"]  # run-time presets
 FILE_PRESETS = ["fp1", "fp2", "fp3"]
-FLAG_PRESET = "fixed"  # --steer-preset fixed=sentiment:3
+FLAG_PRESET = "fixed"  # --steer-preset fixed=sentiment:3,calm:0.5
+# the soak model's shape (SmolLM2-135M: config.json hidden_size, num_hidden_layers); main()
+# reads them from the served model's config
+MODEL_SHAPE = {"hidden_size": 576, "num_layers": 30, "model_type": "llama"}
+OTHER_LAYERS = 24  # the bad vector files: made for a model of 24 blocks
 
 PROMPTS = ["The weather today is", "My neighbour's dog", "I went to the restaurant and",
            "The movie was", "Tell me about your day", "Our team meeting"]
@@ -74,6 +92,11 @@ CHECK_STEERS = {
     "window": {"steer": {"sentiment": {"strength": 8, "start": 2, "end": 9, "ramp": 3}}},
     "xargs": {"vllm_xargs": {"steer": "sentiment:4"}},
     "preset": {"model": FLAG_PRESET},
+    # the vector steer given by --steer (a GGUF): alone, negative, windowed, with LM-Steer
+    "calm+0.8": {"steer": {FLAG_VECTOR: 0.8}},
+    "calm-0.7": {"steer": {FLAG_VECTOR: -0.7}},
+    "calm-window": {"steer": {FLAG_VECTOR: {"strength": 1, "start": 1, "end": 8, "ramp": 2}}},
+    "calm+sent": {"steer": {FLAG_VECTOR: 0.6, "sentiment": -4}},
 }
 CHECK_TOKENS = 16
 TIMEOUT = 300
@@ -85,10 +108,12 @@ def server_args(model: str, work: Path, dtype: str) -> list[str]:
             "--max-model-len", "512", "--max-num-seqs", "16",
             "--kv-cache-memory-bytes", str(1 << 28), "--enforce-eager",
             "--api-server-count", "2", "--max-steers", str(MAX_STEERS),
+            "--enable-prefix-caching", "--steer-vectors",
             "--steer", f"sentiment={SHIPPED['sentiment']}",
+            "--steer", f"{FLAG_VECTOR}={work / 'calm.gguf'}",
             "--steer-dir", str(work / "steers"), "--enable-steer-updates",
             "--steer-presets-file", str(work / "presets.json"),
-            "--steer-preset", f"{FLAG_PRESET}=sentiment:3",
+            "--steer-preset", f"{FLAG_PRESET}=sentiment:3,{FLAG_VECTOR}:0.5",
             "--steer-max-strength", str(MAX_STRENGTH)]
 
 
@@ -195,8 +220,51 @@ def atomic_write(path: Path, data: bytes):
 
 def good_presets(rng: random.Random) -> dict:
     mixes = [{"sentiment": 3}, {"d1": 2, "sentiment": -1}, {"d2": -3}, {"sentiment": -5},
-             {"d3": 4}, "sentiment:2,d4:1"]
+             {"d3": 4}, "sentiment:2,d4:1", {FLAG_VECTOR: 0.6}, {"v1": -0.8, "sentiment": 2},
+             f"{FLAG_VECTOR}:-0.5,d5:3", {"v2": 0.5, FLAG_VECTOR: 0.4}]
     return {"presets": {name: rng.choice(mixes) for name in FILE_PRESETS}}
+
+
+def vector_bytes(seed: int, blocks, gguf: bool, num_layers: int | None = None) -> bytes:
+    """A vector steer's file: a random unit-scale vector (N(0, 1) entries) for each of
+    ``blocks``, made for the soak model (or, with ``num_layers``, for a model of that many
+    blocks)."""
+    import torch
+
+    from vllm_steer.vectors import make_vector_steer, save_gguf, save_vector
+
+    g = torch.Generator().manual_seed(seed)
+    vs = make_vector_steer(
+        {k: torch.randn(MODEL_SHAPE["hidden_size"], generator=g) for k in blocks},
+        f"soak{seed}", model_type=MODEL_SHAPE["model_type"],
+        model_layers=num_layers or MODEL_SHAPE["num_layers"])
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / ("v.gguf" if gguf else "v.safetensors")
+        (save_gguf if gguf else save_vector)(path, vs)
+        return path.read_bytes()
+
+
+def vector_files() -> dict:
+    """Every vector file of the soak, by role, as bytes (made once, seeded)."""
+    n = MODEL_SHAPE["num_layers"]
+    mid = list(range(n // 3, 2 * n // 3))
+    out = {FLAG_VECTOR: vector_bytes(1, mid, gguf=True)}
+    for i, name in enumerate(VEC_NAMES):
+        out[name] = vector_bytes(10 + i, mid[i::2], gguf=name in VEC_GGUF)
+    # replacements the operator writes over v*/g2 (other vectors, the same kind of file)
+    out["alt.safetensors"] = [vector_bytes(20 + i, mid[:3 + i], gguf=False) for i in range(2)]
+    out["alt.gguf"] = [vector_bytes(30 + i, mid[i:4 + i], gguf=True) for i in range(2)]
+    # made for a model of OTHER_LAYERS blocks: refused with a 400 naming both block counts
+    out["vbad"] = vector_bytes(40, [1, 2], gguf=False, num_layers=OTHER_LAYERS)
+    out["gbad"] = vector_bytes(41, [1, 2], gguf=True, num_layers=OTHER_LAYERS)
+    return out
+
+
+VECTOR_FILES: dict = {}
+
+
+def vec_file(name: str) -> str:
+    return f"{name}.gguf" if name in VEC_GGUF or name == "gbad" else f"{name}.safetensors"
 
 
 def setup_work(work: Path, rng: random.Random):
@@ -204,15 +272,23 @@ def setup_work(work: Path, rng: random.Random):
     for i, name in enumerate(DIR_NAMES):
         src = SHIPPED["detox" if i % 2 == 0 else "sentiment"]
         shutil.copyfile(src, work / "steers" / f"{name}.safetensors")
-    doc = {"presets": {"fp1": {"sentiment": 3}, "fp2": {"d1": 2, "sentiment": -1},
-                       "fp3": "d2:-3"}}
+    if not VECTOR_FILES:
+        VECTOR_FILES.update(vector_files())
+    atomic_write(work / "calm.gguf", VECTOR_FILES[FLAG_VECTOR])
+    for name in VEC_NAMES + BAD_VEC_DIR:
+        atomic_write(work / "steers" / vec_file(name), VECTOR_FILES[name])
+    # the presets file names both kinds (but no GGUF-only steer of the folder: see Operator)
+    doc = {"presets": {"fp1": {"sentiment": 3}, "fp2": {"d1": 2, "v1": -0.5},
+                       "fp3": f"d2:-3,{FLAG_VECTOR}:0.7"}}
     atomic_write(work / "presets.json", json.dumps(doc).encode())
 
 
 def restore_work(work: Path):
     setup_work(work, random.Random(0))
+    keep = {f"{n}.safetensors" for n in DIR_NAMES} | {vec_file(n) for n in
+                                                        VEC_NAMES + BAD_VEC_DIR}
     for p in (work / "steers").iterdir():
-        if p.stem not in DIR_NAMES:
+        if p.name not in keep:
             p.unlink()
 
 
@@ -227,6 +303,7 @@ class Stats:
         self.ops = collections.defaultdict(collections.Counter)
         self.greedy = collections.defaultdict(list)  # key -> texts seen under load
         self.stream_errors = collections.Counter()  # error events in 200 streams, by code
+        self.bad_vector = collections.Counter()  # "ok"/"failed": Operator.bad_vector checks
 
     def record(self, kind, status, allowed, desc, body_text="", code=None):
         code = status if code is None else code
@@ -262,9 +339,11 @@ class Stats:
                     self.examples["op_error"].append({"op": kind, "status": status})
 
 
-def steer_value(rng: random.Random):
-    """A valid strength: a number, a numeric string or a window."""
-    s = rng.choice([rng.randint(-8, 8), round(rng.uniform(-10, 10), 2)])
+def steer_value(rng: random.Random, vector: bool = False):
+    """A valid strength: a number, a numeric string or a window; for a vector steer (its
+    strength is the raw coefficient of unit-scale vectors) within [-1.2, 1.2]."""
+    s = rng.choice([rng.randint(-1, 1), round(rng.uniform(-1.2, 1.2), 2)]) if vector else \
+        rng.choice([rng.randint(-8, 8), round(rng.uniform(-10, 10), 2)])
     r = rng.random()
     if r < 0.6:
         return s
@@ -283,9 +362,12 @@ def steer_value(rng: random.Random):
 
 
 def valid_steer(rng: random.Random, k_max: int = 2) -> dict:
-    names = ["sentiment"] + DIR_NAMES + API_NAMES
+    """1 to ``k_max`` steers of any kind: LM-Steer, vector or both (api3 holds a vector)."""
+    lm = ["sentiment"] + DIR_NAMES + API_NAMES[:2]
+    vec = [FLAG_VECTOR] + VEC_NAMES + API_NAMES[2:]
+    names = rng.choice([lm, vec, lm + vec, lm + vec])
     k = rng.randint(1, k_max)
-    return {n: steer_value(rng) for n in rng.sample(names, k)}
+    return {n: steer_value(rng, n in vec) for n in rng.sample(names, k)}
 
 
 # Invalid steer fields: each a 400 naming the problem (a few depend on the state: 404 for a
@@ -316,8 +398,15 @@ INVALID_STEERS = [
     {"vllm_xargs": {"steer": "sentiment:1,sentiment:2"}},
     {"vllm_xargs": {"steer": ":::"}},
     {"vllm_xargs": {"steer": "sentiment:1"}, "steer": {"sentiment": 1}},
-    {"steer": {"d1": 1, "d2": 1, "d3": 1, "d4": 1}},  # more steers than the bank holds
-    {"steer": {"d1": 1, "d2": 1, "d3": 1, "d4": 1, "d5": 1, "d6": 1}},
+    # more steers than the bank holds
+    {"steer": {"d1": 1, "d2": 1, "d3": 1, "d4": 1, "d5": 1, "v1": 1, "g1": 0.5}},
+    {"steer": {FLAG_VECTOR: 51}},
+    {"steer": {FLAG_VECTOR: {"strength": 0.5, "start": 4, "end": 2}}},
+    # vector files of the folder made for another model (OTHER_LAYERS blocks)
+    {"steer": {"vbad": 0.5}},
+    {"steer": {"gbad": -0.5, FLAG_VECTOR: 0.3}},
+    {"steer": {"vbad": 0.5, "sentiment": 2}},
+    {"steer": {"d1": 1, "d2": 1, "d3": 1, "d4": 1, "d5": 1, "d6": 1, "v2": 1}},
     {"steer": {"sentiment": 2}, "use_beam_search": True, "n": 2},
 ]
 
@@ -327,6 +416,11 @@ class Client(threading.Thread):
         super().__init__(daemon=True, name=f"client-{i}")
         self.base, self.stats, self.rng, self.stop = base, stats, rng, stop
         self.s = requests.Session()
+        # the first request of the first clients: greedy checks of the vector steer, of both
+        # kinds and plain, and an invalid request, so that a short soak on a busy machine
+        # checks each (the others start at random)
+        self.first_key = ["calm+0.8", "calm+sent", "plain", None][i] if i < 4 else None
+        self.first_r = 0.8 if i == 3 else None
 
     def run(self):
         while not self.stop.is_set():
@@ -385,15 +479,35 @@ class Client(threading.Thread):
         b.update(extra or {})
         return b
 
+    def n_logprobs(self, prompt):
+        rng = self.rng
+        path = rng.choice(["/v1/completions", "/v1/chat/completions"])
+        extra = {"n": rng.randint(2, 4), "temperature": 0.9, "seed": rng.randint(0, 99),
+                 "steer": {"sentiment": steer_value(rng)}}
+        if rng.random() < 0.5:
+            extra["steer"][FLAG_VECTOR] = steer_value(rng, vector=True)
+        if path == "/v1/completions":
+            extra["logprobs"] = rng.randint(0, 5)
+            if rng.random() < 0.3:
+                extra["echo"] = True
+        else:
+            extra.update(logprobs=True, top_logprobs=rng.randint(0, 5))
+        stream = rng.random() < 0.3
+        b = self.body(path, prompt, extra)
+        b["stream"] = stream
+        self.send("n_logprobs", path, b, {200}, stream=stream)
+
     def one(self):
         rng = self.rng
-        r = rng.random()
+        r = rng.random() if self.first_r is None else self.first_r
+        self.first_r = None
         path = rng.choice(["/v1/completions", "/v1/completions", "/v1/chat/completions",
                            "/v1/responses"])
         prompt = rng.choice(PROMPTS)
-        if r < 0.25:  # the greedy check
+        if r < 0.25 or self.first_key:  # the greedy check
             key_prompt = rng.randrange(len(CHECK_PROMPTS))
-            key_steer = rng.choice(list(CHECK_STEERS))
+            key_steer = self.first_key or rng.choice(list(CHECK_STEERS))
+            self.first_key = None
             path = rng.choice(["/v1/completions", "/v1/chat/completions"])
             extra = dict(CHECK_STEERS[key_steer], temperature=0)
             if rng.random() < 0.3:
@@ -413,34 +527,28 @@ class Client(threading.Thread):
             stream = path != "/v1/responses" and rng.random() < 0.4
             b = self.body(path, prompt, extra)
             b["stream"] = stream
-            self.send("steered", path, b, {200, 400, 404, 507}, stream=stream)
+            # 429: first-use steers that fit, but every slot holds a steer running requests use
+            self.send("steered", path, b, {200, 400, 404, 429, 507}, stream=stream)
         elif r < 0.65:  # n > 1, logprobs, seeds
-            path = rng.choice(["/v1/completions", "/v1/chat/completions"])
-            extra = {"n": rng.randint(2, 4), "temperature": 0.9, "seed": rng.randint(0, 99),
-                     "steer": {"sentiment": steer_value(rng)}}
-            if path == "/v1/completions":
-                extra["logprobs"] = rng.randint(0, 5)
-                if rng.random() < 0.3:
-                    extra["echo"] = True
-            else:
-                extra.update(logprobs=True, top_logprobs=rng.randint(0, 5))
-            stream = rng.random() < 0.3
-            b = self.body(path, prompt, extra)
-            b["stream"] = stream
-            self.send("n_logprobs", path, b, {200}, stream=stream)
+            self.n_logprobs(prompt)
         elif r < 0.72:  # presets as model names
             extra = {"model": rng.choice(FILE_PRESETS + RT_PRESETS + [FLAG_PRESET]),
                      "temperature": 0}
             if rng.random() < 0.3:
-                extra["steer"] = {"sentiment": steer_value(rng)}
+                extra["steer"] = rng.choice([{"sentiment": steer_value(rng)},
+                                             {FLAG_VECTOR: steer_value(rng, vector=True)}])
             self.send("preset_model", path, self.body(path, prompt, extra),
-                      {200, 400, 404})
+                      {200, 400, 404, 429})
         elif r < 0.92:  # invalid steer fields
             extra = dict(rng.choice(INVALID_STEERS))
             stream = path != "/v1/responses" and rng.random() < 0.3
             b = self.body(path, prompt, extra)
             b["stream"] = stream
-            self.send("invalid_steer", path, b, {400}, stream=stream)
+            # a bad file of the folder is read once a slot is free: a full bank is a 429 first
+            steer = extra.get("steer")
+            bad_file = isinstance(steer, dict) and set(steer) & set(BAD_VEC_DIR)
+            self.send("invalid_steer", path, b, {400, 429} if bad_file else {400},
+                      stream=stream)
         else:  # malformed requests
             choice = rng.randrange(7)
             if choice == 0:
@@ -543,23 +651,36 @@ class Operator(threading.Thread):
 
     # the first operations: one of each kind (presets file and steer files first), so that a
     # short soak on a slow machine has them all; then at random
-    SWEEP = [0.7, 0.8, 0.05, 0.5, 0.3, 0.18, 0.57, 0.62, 0.23, 0.7, 0.8, 0.95]
+    SWEEP = [0.7, 0.8, 0.05, 0.24, 0.5, 0.44, 0.3, 0.18, 0.57, 0.62, 0.23, 0.7, 0.8, 0.95]
 
     def one(self):
         rng, steers = self.rng, self.work / "steers"
         r = self.SWEEP.pop(0) if self.SWEEP else rng.random()
         if r < 0.15:
-            self.call("load_dir", "POST", "/v1/steers", {"name": rng.choice(DIR_NAMES)})
+            self.call("load_dir", "POST", "/v1/steers",
+                      {"name": rng.choice(DIR_NAMES + VEC_NAMES)})
         elif r < 0.22:
-            self.call("load_path", "POST", "/v1/steers",
-                      {"name": rng.choice(API_NAMES),
-                       "path": str(steers / f"{rng.choice(DIR_NAMES)}.safetensors")})
+            if rng.random() < 0.5:  # an LM-Steer steer by path
+                self.call("load_path", "POST", "/v1/steers",
+                          {"name": rng.choice(API_NAMES[:2]),
+                           "path": str(steers / f"{rng.choice(DIR_NAMES)}.safetensors")})
+            else:  # a vector steer by path: safetensors or GGUF
+                self.call("load_path_vector", "POST", "/v1/steers",
+                          {"name": API_NAMES[2],
+                           "path": str(steers / vec_file(rng.choice(VEC_NAMES)))})
         elif r < 0.25:
-            self.call("load_bad", "POST", "/v1/steers",
-                      rng.choice([{"name": "../x"}, {"name": "x", "path": "/etc/passwd"},
-                                  {"name": "nothere"}, {"name": 5}, {}]))
+            if r < 0.235:
+                self.call("load_bad", "POST", "/v1/steers",
+                          rng.choice([{"name": "../x"}, {"name": "x", "path": "/etc/passwd"},
+                                      {"name": "nothere"}, {"name": 5}, {}]))
+            else:
+                self.bad_vector()
         elif r < 0.42:
-            self.call("unload", "DELETE", f"/v1/steers/{rng.choice(DIR_NAMES + API_NAMES)}")
+            self.call("unload", "DELETE",
+                      f"/v1/steers/{rng.choice(DIR_NAMES + VEC_NAMES + API_NAMES)}")
+        elif r < 0.46:  # a run-time preset naming a GGUF-only vector steer of the folder
+            self.call("preset_put_gguf", "PUT", f"/v1/steer-presets/{rng.choice(RT_PRESETS)}",
+                      {"steer": {"g1": round(rng.uniform(-1, 1), 2), "sentiment": 2}})
         elif r < 0.55:
             mix = valid_steer(rng, 2)
             mix = {k: (v["strength"] if isinstance(v, dict) else float(v))
@@ -585,11 +706,13 @@ class Operator(threading.Thread):
             atomic_write(self.work / "presets.json", doc.encode())
             self.stats.op("presets_file", kind)
         elif r < 0.88:
-            name = rng.choice(DIR_NAMES)
+            name = rng.choice(DIR_NAMES + VEC_TOUCHED)
             kind = rng.choice(["replace", "replace", "remove", "corrupt"])
-            path = steers / f"{name}.safetensors"
-            if kind == "replace":
+            path = steers / (f"{name}.safetensors" if name in DIR_NAMES else vec_file(name))
+            if kind == "replace" and name in DIR_NAMES:
                 atomic_write(path, SHIPPED[rng.choice(["detox", "sentiment"])].read_bytes())
+            elif kind == "replace":  # another vector, in the same format
+                atomic_write(path, rng.choice(VECTOR_FILES["alt" + path.suffix]))
             elif kind == "remove":
                 path.unlink(missing_ok=True)
             else:
@@ -598,6 +721,50 @@ class Operator(threading.Thread):
         else:
             self.call("get", "GET", rng.choice(["/v1/steers", "/v1/steer-presets",
                                                 "/v1/models", "/metrics", "/health"]))
+
+    def listing(self) -> set | None:
+        try:
+            r = self.s.get(self.base + "/v1/steers", timeout=TIMEOUT)
+            return {s["name"] for s in r.json()["data"]} if r.ok else None
+        except (requests.RequestException, ValueError, KeyError):
+            return None
+
+    def bad_vector(self):
+        """POST a vector file made for a model of OTHER_LAYERS blocks: a 400 that names both
+        block counts, and no steer loaded before it lost (the steers no request loads or
+        evicts: the --steer ones and those this thread loaded by path)."""
+        before = self.listing()
+        kept = (before or set()) & ({"sentiment", FLAG_VECTOR} | set(API_NAMES))
+        # inside --steer-dir (a path outside it is a 403 without --steer-updates-any-path)
+        path = self.work / "steers" / vec_file(self.rng.choice(BAD_VEC_DIR))
+        try:
+            r = self.s.post(self.base + "/v1/steers", timeout=TIMEOUT,
+                            json={"name": self.rng.choice(["badv", API_NAMES[2]]),
+                                  "path": str(path)})
+        except requests.RequestException:
+            self.stats.op("load_bad_vector", "conn_error")
+            return
+        self.stats.op("load_bad_vector", r.status_code)
+        after = self.listing()
+        if r.status_code == 507:  # the bank is full of steers never evicted: no file read
+            with self.stats.lock:
+                self.stats.bad_vector["bank full (507)"] += 1
+            return
+        problems = []
+        if r.status_code != 400:
+            problems.append(f"HTTP {r.status_code}, not 400")
+        want = [f"{OTHER_LAYERS} decoder blocks", str(MODEL_SHAPE["num_layers"])]
+        if not all(w in r.text for w in want):
+            problems.append(f"the message does not name {want}")
+        if after is None or kept - after:
+            problems.append(f"loaded steers lost: {sorted(kept - (after or set()))}")
+        with self.stats.lock:
+            self.stats.bad_vector["ok" if not problems else "failed"] += 1
+            if problems and len(self.stats.examples["bad_vector"]) < 10:
+                self.stats.examples["bad_vector"].append(
+                    {"path": str(path), "status": r.status_code, "response": r.text[:400],
+                     "problems": problems, "before": sorted(before or []),
+                     "after": sorted(after or [])})
 
 
 # ---------------------------------------------------------------------------- phases
@@ -760,6 +927,8 @@ def restart_check(args_list, work, log_dir, server) -> dict:
                            ("steer_dir", {"steer": {"d3": 4}}),
                            ("flag_steer", {"steer": {"sentiment": 4}}),
                            ("flag_preset", {"model": FLAG_PRESET}),
+                           ("flag_vector", {"steer": {FLAG_VECTOR: 0.5}}),
+                           ("steer_dir_vector", {"steer": {"g2": -0.5, "v1": 0.5}}),
                            ("runtime_preset", {"model": "rp1"}),
                            ("runtime_loaded_name", {"steer": {"api1": 4}})]:
             r = requests.post(b2 + "/v1/completions", timeout=120,
@@ -771,6 +940,37 @@ def restart_check(args_list, work, log_dir, server) -> dict:
     finally:
         s2.stop()
     out["restart_exit_code"] = s2.proc.returncode
+    return out
+
+
+def quiet_vector_check(base, work) -> dict:
+    """With no traffic: room in the bank, then both bad vector files (made for another model)
+    by POST: each a 400 naming both block counts, the listing the same after as before, and
+    the --steer vector steer's greedy text the same after as before."""
+    out: dict = {"ok": True, "posts": []}
+    for name in API_NAMES + DIR_NAMES + VEC_NAMES:  # all but the --steer ones
+        requests.delete(base + f"/v1/steers/{name}", timeout=120)
+    body = {"model": MODEL_NAME, "prompt": CHECK_PROMPTS[0], "max_tokens": CHECK_TOKENS,
+            "temperature": 0, "steer": {FLAG_VECTOR: 0.8}}
+
+    def snapshot():
+        ls = requests.get(base + "/v1/steers", timeout=120).json()["data"]
+        g = requests.post(base + "/v1/completions", json=body, timeout=TIMEOUT)
+        return sorted(s["name"] for s in ls), (g.json()["choices"][0]["text"] if g.ok
+                                               else f"HTTP {g.status_code}")
+    before = snapshot()
+    for f in map(vec_file, BAD_VEC_DIR):
+        r = requests.post(base + "/v1/steers", timeout=120,
+                          json={"name": "badv", "path": str(work / "steers" / f)})
+        named = f"{OTHER_LAYERS} decoder blocks" in r.text and \
+            str(MODEL_SHAPE["num_layers"]) in r.text
+        out["posts"].append({"file": f, "status": r.status_code, "names_both": named,
+                             "response": r.text[:400]})
+        out["ok"] &= r.status_code == 400 and named
+    after = snapshot()
+    out.update(listing_before=before[0], listing_after=after[0],
+               greedy_same=before[1] == after[1])
+    out["ok"] &= before == after
     return out
 
 
@@ -811,6 +1011,9 @@ def main(argv=None) -> int:
         from vllm_steer.models import prepare_embedded
 
         model = str(prepare_embedded("smollm2"))
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    MODEL_SHAPE.update(hidden_size=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"],
+                       model_type=cfg["model_type"])
     work = args.work or Path(tempfile.mkdtemp(prefix="chaos-soak-"))
     work.mkdir(parents=True, exist_ok=True)
     setup_work(work, random.Random(args.seed))
@@ -844,11 +1047,17 @@ def main(argv=None) -> int:
         print(f"[soak] traffic stopped; engine alive: {why}; {len(stats.greedy)} greedy "
               f"requests to run alone", flush=True)
         solo = solo_texts(base, stats.greedy) if alive else {}
-        mismatches = []
+        mismatches, first_mismatches = [], []
         for key, texts in stats.greedy.items():
             for t in texts:
                 if t != solo.get(key):
                     mismatches.append({"key": key, "under_load": t, "solo": solo.get(key)})
+                if t != texts[0]:
+                    first_mismatches.append({"key": key, "text": t, "first": texts[0]})
+        vec_greedy = sum(len(v) for k, v in stats.greedy.items()
+                         if k.split(" ")[2].startswith(FLAG_VECTOR))
+        quiet = quiet_vector_check(base, work) if alive else {"ok": False,
+                                                             "error": "engine not alive"}
         n_req = sum(v for k, v in stats.by_status.items() if not str(k).startswith("op"))
         s5 = sum(v for k, v in stats.by_status.items() if isinstance(k, int) and k >= 500) + \
             sum(v for k, v in stats.stream_errors.items() if isinstance(k, int) and k >= 500)
@@ -875,6 +1084,11 @@ def main(argv=None) -> int:
             "greedy_checked": sum(len(v) for v in stats.greedy.values()),
             "greedy_keys": len(stats.greedy),
             "mismatches": len(mismatches), "mismatch_examples": mismatches[:10],
+            "greedy_checked_vector": vec_greedy,
+            "first_answer_mismatches": len(first_mismatches),
+            "first_answer_mismatch_examples": first_mismatches[:10],
+            "bad_vector_checks": dict(stats.bad_vector),
+            "bad_vector_quiet_check": quiet,
             "rss_mb_start": rss_start, "rss_mb_end": rss_end,
             "rss_mb_start_total": round(start_total, 1), "rss_mb_end_total": round(end_total, 1),
             "rss_growth_mb": round(end_total - start_total, 1),
@@ -894,12 +1108,17 @@ def main(argv=None) -> int:
         ("5xx or connection errors on management calls", report.get("ops_5xx_or_conn_errors", 1)),
         ("engine not alive", not report.get("engine_alive")),
         ("greedy mismatches", report.get("mismatches", 1)),
+        ("greedy texts unlike the first answer", report.get("first_answer_mismatches", 1)),
+        ("bad vector file: not a 400 naming the block counts, or a loaded steer lost",
+         report.get("bad_vector_checks", {}).get("failed", 0)
+         or not report.get("bad_vector_quiet_check", {}).get("ok")),
     ] if bad]
     summary = {k: report.get(k) for k in (
         "elapsed_s", "clients", "requests", "requests_by_status", "status_5xx",
         "connection_errors", "stream_error_events", "unexpected_status", "engine_alive",
-        "greedy_checked", "mismatches", "rss_mb_start_total", "rss_mb_end_total",
-        "rss_growth_mb")}
+        "greedy_checked", "greedy_checked_vector", "mismatches", "first_answer_mismatches",
+        "bad_vector_checks", "rss_mb_start_total", "rss_mb_end_total", "rss_growth_mb")}
+    summary["bad_vector_quiet_ok"] = report.get("bad_vector_quiet_check", {}).get("ok")
     print("[soak] " + json.dumps(summary), flush=True)
     if "restart" in report:
         print("[soak] restart: " + json.dumps(report["restart"], default=str)[:3000], flush=True)

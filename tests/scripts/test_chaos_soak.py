@@ -1,12 +1,14 @@
-"""scripts/chaos_soak.py for 20 seconds, then its engine core killed and the server restarted.
+"""scripts/chaos_soak.py for 30 seconds, then its engine core killed and the server restarted.
 
 One run of the script (two engine starts: the soak's server and the restarted one): 8 clients of
-random valid and invalid completions, chat and responses requests while steers, presets and
-files change; then SIGKILL to the engine core under traffic, the server's exit, and a restart
-with the same flags (docs/deploy.md "What a restart loses"). Twenty seconds of traffic already
-hold every kind of operation (the operator's first dozen go through each kind, the presets
-file and the steer files first) and several greedy texts to compare; the long soak is the
-script itself (``--duration 900``, benchmarks/RESULTS.md).
+random valid and invalid completions, chat and responses requests mixing LM-Steer and vector
+steers (safetensors and GGUF) while steers, presets and files of both kinds change; then
+SIGKILL to the engine core under traffic, the server's exit, and a restart with the same flags
+(docs/deploy.md "What a restart loses").
+Thirty seconds of traffic hold every kind of operation (the operator's first dozen go through
+each kind, the presets file and the steer files first; the first requests of clients 0-3 are
+the fixed greedy and invalid checks); the long soak is the script itself (``--duration 900``,
+benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 #: seconds of traffic in the suite
-DURATION_S = 20
+DURATION_S = 30
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +48,19 @@ def test_a_chaos_soak_leaves_no_5xx_no_dropped_connection_and_the_same_greedy_te
     assert r["ops_5xx_or_conn_errors"] == 0, detail
     assert r["engine_alive"], detail
     assert r["mismatches"] == 0, detail
+    assert r["first_answer_mismatches"] == 0, json.dumps(r["first_answer_mismatch_examples"])
     # the traffic was real: answers and refusals, greedy texts compared, files changed
     assert r["requests_by_status"].get("200", 0) > 0, detail
     assert r["requests_by_status"].get("400", 0) > 0, detail
     assert r["greedy_checked"] >= 3, detail
+    # vector steers were served and refused: the --steer vector's greedy texts compared, a
+    # vector file for another model a 400 naming both block counts, nothing loaded lost
+    assert r["greedy_checked_vector"] >= 1, detail
+    assert not r["bad_vector_checks"].get("failed"), json.dumps(r["examples"].get("bad_vector"))
+    quiet = r["bad_vector_quiet_check"]
+    assert quiet["ok"], json.dumps(quiet)
+    assert [p["status"] for p in quiet["posts"]] == [400, 400], json.dumps(quiet)
+    assert "calm" in quiet["listing_after"] and quiet["greedy_same"], json.dumps(quiet)
     assert r["operations"]["presets_file"] and r["operations"]["steer_file"], detail
     assert proc.returncode == 0, proc.stdout[-3000:]
 
@@ -66,6 +77,7 @@ def test_killed_engine_core_stops_the_server_and_a_restart_serves_the_files_agai
     # what comes back: the presets file, the steer folder on first use, the flags
     assert after["file_preset"] == after["steer_dir"] == after["flag_steer"] == 200, k
     assert after["flag_preset"] == 200, k
+    assert after["flag_vector"] == after["steer_dir_vector"] == 200, k
     # what is lost: the run-time preset, the steer loaded over HTTP, the counters
     assert after["runtime_preset"] == 404, k
     assert after["runtime_loaded_name"] == 400, k
