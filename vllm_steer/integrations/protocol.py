@@ -134,6 +134,21 @@ def check_name(name: Any) -> str:
 STEER_DIR_SUFFIXES = (".safetensors", ".gguf")
 
 
+def steer_dir_names(steer_dir: str | None) -> set[str]:
+    """The steer names ``--steer-dir`` has files for (``NAME`` + one of
+    :data:`STEER_DIR_SUFFIXES`); empty without a directory."""
+    if not steer_dir or not os.path.isdir(steer_dir):
+        return set()
+    return {f[:-len(sfx)] for f in os.listdir(steer_dir) for sfx in STEER_DIR_SUFFIXES
+            if f.endswith(sfx) and len(f) > len(sfx)}
+
+
+def dir_has_file(steer_dir: str | None, name: str) -> bool:
+    """Whether ``--steer-dir`` holds an entry for ``name`` under one of its suffixes."""
+    return bool(steer_dir) and any(os.path.lexists(os.path.join(steer_dir, name + sfx))
+                                   for sfx in STEER_DIR_SUFFIXES)
+
+
 def dir_path(steer_dir: str, name: str) -> str:
     """``DIR/NAME.safetensors`` (or, when only that exists, ``DIR/NAME.gguf``: a control
     vector) for a valid ``name``; never a path outside ``steer_dir``."""

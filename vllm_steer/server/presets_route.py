@@ -41,6 +41,7 @@ from vllm_steer.integrations.frontend.engine_client import manage
 from vllm_steer.integrations.frontend import request_scope
 from vllm_steer.integrations.frontend.request_scope import close_scope, open_scope
 from vllm_steer.integrations.frontend.state import frontend_state
+from vllm_steer.integrations.protocol import steer_dir_names
 from vllm_steer.logs import get_logger
 from vllm_steer.server.admin import admin_refused
 from vllm_steer.server.errors import error_response as _error
@@ -210,10 +211,7 @@ async def _known_steers(engine, cfg) -> set[str]:
     """The steers a preset may name: loaded now (not draining), and ``--steer-dir``'s files."""
     listing = await manage(engine, "list")  # the steers loaded now, and the current table
     steers = {s["name"] for s in listing.get("steers", []) if s["state"] != "draining"}
-    if cfg.steer_dir and os.path.isdir(cfg.steer_dir):
-        steers |= {f[:-len(".safetensors")] for f in os.listdir(cfg.steer_dir)
-                   if f.endswith(".safetensors")}
-    return steers
+    return steers | steer_dir_names(cfg.steer_dir)
 
 
 async def _set_preset(raw: Request, name: str | None, replace: bool):

@@ -25,14 +25,14 @@ the operator's policy once.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, Mapping
 
 from vllm_steer import REQUEST_FIELD
 from vllm_steer.integrations.frontend.request_scope import hold_start, record_applied
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.metrics import count_refusal
-from vllm_steer.integrations.protocol import count_problem, name_problem, steer_dir_file
+from vllm_steer.integrations.protocol import (count_problem, dir_has_file, name_problem,
+                                              steer_dir_file)
 from vllm_steer.request import (BAD_STEER, SteerRequest, SteerRequestError, admitted,
                                  refusal_reason)
 
@@ -68,9 +68,8 @@ def _check_unloaded(request: SteerRequest, where: str = REQUEST_FIELD) -> None:
     for name in request.strengths:
         if name in loaded:
             continue
-        if cfg.enable_updates and not name_problem(name) and not (
-                cfg.steer_dir and os.path.lexists(os.path.join(cfg.steer_dir,
-                                                               name + ".safetensors"))):
+        if cfg.enable_updates and not name_problem(name) \
+                and not dir_has_file(cfg.steer_dir, name):
             # POST / DELETE (through any API server) change the names at any moment, and this
             # process's view may be a poll old: the engine core, which holds the one registry,
             # decides; it refuses an unknown name with this same message (HTTP 400 through

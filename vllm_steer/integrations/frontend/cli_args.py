@@ -20,6 +20,7 @@ from vllm_steer.config import (ADMIN_KEY_ENV, DEFAULT_MAX_STRENGTH, SecretKey,
                                SteerServerConfig, admin_key, parse_steer_arg)
 from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.hook_check import check_hooks
+from vllm_steer.integrations.protocol import steer_dir_names
 from vllm_steer.logs import get_logger
 
 logger = get_logger()
@@ -219,14 +220,10 @@ def check_policy_config(cfg: SteerServerConfig, reserved: dict[str, str] | None 
     """Start-up check of presets, defaults and floors (:func:`vllm_steer.policy.
     check_policy`): the steers they name are loaded (or files of ``--steer-dir``), the
     strengths within ``--steer-max-strength``, preset names clash with no model name."""
-    import os
-
     from vllm_steer.policy import check_policy
 
     names = set(cfg.steers)
-    if cfg.steer_dir and os.path.isdir(cfg.steer_dir):
-        names |= {f[:-len(".safetensors")] for f in os.listdir(cfg.steer_dir)
-                  if f.endswith(".safetensors")}
+    names |= steer_dir_names(cfg.steer_dir)
     check_policy(cfg.presets, cfg.defaults, cfg.floors, names, cfg.max_strength, reserved)
 
 
@@ -234,14 +231,10 @@ def check_presets_file(cfg: SteerServerConfig, reserved: dict[str, str] | None =
     """Start-up check of ``--steer-presets-file`` (:mod:`vllm_steer.presets_file`): the file
     reads and every preset passes the ``--steer-preset`` checks, else the server does not
     start."""
-    import os
-
     from vllm_steer import presets_file
 
     names = set(cfg.steers)
-    if cfg.steer_dir and os.path.isdir(cfg.steer_dir):
-        names |= {f[:-len(".safetensors")] for f in os.listdir(cfg.steer_dir)
-                  if f.endswith(".safetensors")}
+    names |= steer_dir_names(cfg.steer_dir)
     taken = dict(reserved or {})
     taken.update({n: "a preset set by --steer-preset" for n in cfg.presets})
     presets, _ = presets_file.load(cfg.presets_file, names, cfg.max_strength, taken)
