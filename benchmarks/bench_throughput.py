@@ -360,7 +360,8 @@ def main(argv=None) -> int:
     if config_only:
         kw["skip_tokenizer_init"] = True
     prompts = make_prompts(model, args.batch, args.prompt_len, tokenizer=not config_only)
-    print(f"starting {2 + bool(args.control) + bool(vectors)} engines ({model}; batch {args.batch}, prompt "
+    n_engines = 2 + bool(args.control) + bool(vectors)
+    print(f"starting {n_engines} engines ({model}; batch {args.batch}, prompt "
           f"{args.prompt_len}, output {args.output_len} tokens, {args.repeats} rounds)...",
           flush=True)
     t0 = time.time()
