@@ -596,3 +596,22 @@ def test_recommended_strength_over_the_servers_maximum_starts_capped(page, serve
     sent = page.execute_script("return window.sentBodies")
     assert [(b["url"], b["body"]["steer"]) for b in sent] == \
         [("/v1/steer/highlight", {"detox": 20})]
+
+
+def test_info_lists_a_control_vector_with_its_kind_blocks_and_strength(tmp_path):
+    """A llama.cpp control vector on the page: its kind, its blocks and its recommended
+    strength (the sliders' scale), read from the GGUF."""
+    import torch
+
+    from vllm_steer.config import SteerServerConfig
+    from vllm_steer.server.playground import info_dict
+    from vllm_steer.vectors import make_vector_steer, save_gguf
+
+    vs = make_vector_steer({2: torch.ones(64), 3: torch.ones(64)}, "calm",
+                           recommended_strength=0.5, labels={"positive": "calm"})
+    save_gguf(tmp_path / "calm.gguf", vs)
+    cfg = SteerServerConfig(steers={"c": str(tmp_path / "calm.gguf")}, max_strength=20)
+    (c,) = info_dict(cfg, "tiny")["steers"]
+    assert (c["name"], c["name_in_file"], c["file"], c["kind"]) == \
+        ("c", "calm", "calm.gguf", "vector")
+    assert (c["layers"], c["recommended_strength"], c["hidden_size"]) == ([2, 3], 0.5, 64)
