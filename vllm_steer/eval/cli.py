@@ -69,9 +69,9 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
                             ".gguf); its name is read from the file; without it only the "
                             "unsteered model and the baseline are evaluated")
         g.add_argument("--strengths", type=parse_strengths, default=None,
-                       help="steer strengths, comma-separated: units of epsilon for LM-Steer "
-                            "(default -10,-5,0,5,10), the coefficient a for a vector steer "
-                            "(default -2r,-r,0,r,2r, r its recommended strength)")
+                       help="steer strengths, comma-separated: units of epsilon for LM-Steer, "
+                            "the coefficient a for a vector steer (default -10,-5,0,5,10 for "
+                            "LM-Steer; -2r,-r,0,r,2r for a vector, r its recommended strength)")
         if task == "sentiment":
             g.add_argument("--prompt-set", choices=["neutral", "positive", "negative"],
                            default="neutral", help="which sentiment prompts")
