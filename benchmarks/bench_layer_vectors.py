@@ -52,6 +52,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from vllm_steer.integrations.worker.step_mapping import op_dtype  # noqa: E402
 from vllm_steer.kernels.layer_vectors import add_vectors  # noqa: E402
 
 FLOOR_US = 10.0  # the roofline's fixed cost of one call (a launch, a graph node's start)
@@ -162,10 +163,12 @@ def roofline_bytes(used: int, rows: int, d: int, layers: int, itemsize: int) -> 
     return layers * (used * d * 4 + 2 * rows * d * itemsize)
 
 
-def read_bytes(slots: int, rows: int, d: int, layers: int, itemsize: int) -> int:
-    """The bytes the dense op reads and writes: every slot's vector, the coefficient rows and
-    the rows, per layer."""
-    return layers * (slots * d * 4 + rows * slots * 4 + 2 * rows * d * itemsize)
+def read_bytes(slots: int, rows: int, d: int, layers: int, itemsize: int,
+               op_itemsize: int = 4) -> int:
+    """The bytes the dense op reads and writes: every slot's vector and the coefficient rows
+    (in the op's dtype), and the rows, per layer."""
+    return layers * (slots * d * op_itemsize + rows * slots * op_itemsize
+                     + 2 * rows * d * itemsize)
 
 
 def dense_flops(rows: int, slots: int, d: int, layers: int) -> int:
@@ -208,7 +211,8 @@ def main(argv=None) -> int:
     say = lambda s: (print(s, flush=True), lines.append(s))  # noqa: E731
     bw = copy_bandwidth(device) if cuda else None
     say(f"# vector-steer op (vllm_steer.kernels.layer_vectors.add_vectors); d {a.d}, "
-        f"{a.slots} bank slots, fp32 vectors, {', '.join(str(t)[6:] for t in dtypes)} rows, "
+        f"{a.slots} bank slots, vectors in the op's dtype (the rows' on CUDA), "
+        f"{', '.join(str(t)[6:] for t in dtypes)} rows, "
         f"{device}" + (f"; copy bandwidth {bw / 1e12:.2f} TB/s; roofline = used vectors + "
                        f"rows read and written, over it, + {FLOOR_US:g} us"
                        if bw else " (no timing)"))
@@ -222,11 +226,15 @@ def main(argv=None) -> int:
         for rows in a.rows:
             for k in a.K:
                 c = make_case(bank, k, rows, dtype, seed=rows * 1000 + k)
+                # the op's dtype as served (the step mapping's op_dtype): the rows' 16-bit
+                # dtype on CUDA, float32 elsewhere
+                odt = op_dtype(device, dtype)
                 for layers in (1, a.layers):
                     sub = bank[:layers]
-                    ref = reference(c["h"], sub, c["slot_of_row"], c["coef"])
+                    ref = reference(c["h"], sub.to(odt).float(), c["slot_of_row"], c["coef"])
                     for form in forms:
-                        call, out = op_fn(c["h"], c["coefs"], sub, form == "compiled")
+                        call, out = op_fn(c["h"], c["coefs"].to(odt), sub.to(odt),
+                                          form == "compiled")
                         call()
                         name = f"rows {rows} K {k} {layers} layer(s) {form} {str(dtype)[6:]}"
                         problem = check(name, out, ref, c["h"])
@@ -237,7 +245,8 @@ def main(argv=None) -> int:
                                 say(f"{name}: matches the reference")
                             continue
                         roof_b = roofline_bytes(c["used"], rows, a.d, layers, dtype.itemsize)
-                        read_b = read_bytes(a.slots, rows, a.d, layers, dtype.itemsize)
+                        read_b = read_bytes(a.slots, rows, a.d, layers, dtype.itemsize,
+                                            odt.itemsize)
                         flops = dense_flops(rows, a.slots, a.d, layers)
                         roof = roof_b / bw * 1e6 + FLOOR_US
                         t = time_graph(call, flush, a.reps)
