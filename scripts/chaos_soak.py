@@ -293,6 +293,18 @@ def restore_work(work: Path):
 
 
 # ---------------------------------------------------------------------------- requests
+def vllm_logprobs_key_error(message: str, desc: str) -> bool:
+    """Whether a 500 in a completion stream is vLLM's own ``KeyError`` in
+    ``_create_completion_logprobs`` (the error's message is the token id alone), which stock
+    vLLM 0.32 raises when a step's top-logprobs dict lacks the sampled token (an upstream bug:
+    vllm-project/vllm pull request 53722, open). Counted apart from the plugin's 5xx, and
+    reported; the plugin's own 500s name vllm-steer."""
+    import re
+
+    return bool(re.search(r'"message":\s*"\d+"', message)) and '"logprobs"' in desc \
+        and '"stream": true' in desc
+
+
 class Stats:
     def __init__(self):
         self.lock = threading.Lock()
@@ -317,6 +329,8 @@ class Stats:
                 bad = "5xx"
             elif status == "stream_error":  # a stream cut without an error code
                 bad = "conn_error"
+            elif status == "stream vllm #53722":  # vLLM's own KeyError (see that function)
+                bad = "vllm_known"
             elif str(status).startswith("stream "):  # a refusal inside a 200 stream
                 bad = "stream_refusal"
                 if status not in allowed:
@@ -449,6 +463,8 @@ class Client(threading.Thread):
             except StreamError as e:
                 # an error event after the 200 headers: a refusal (400) or a failure (500)
                 code = e.code if isinstance(e.code, int) else "stream_error"
+                if code == 500 and vllm_logprobs_key_error(str(e), desc):
+                    code = "vllm #53722"  # vLLM's own failure, counted apart (see there)
                 with self.stats.lock:
                     self.stats.stream_errors[code] += 1
                 status = code if code == "stream_error" else f"stream {code}"
