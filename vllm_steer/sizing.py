@@ -142,8 +142,8 @@ DOC_ROWS = (
 def vector_bank_bytes(max_steers: int, blocks: int, hidden_size: int,
                       max_step_tokens: int, dtype="float32") -> int:
     """Device bytes of the op of vector steers (a model served with one: ``--steer-vectors``
-    or a vector ``--steer`` file): the vector bank, a float32 vector per bank slot and decoder
-    block of this worker, and the step mapping's per-token strengths, float32 per bank slot
+    or a vector ``--steer`` file): the vector bank, a vector per bank slot and decoder
+    block of this worker, and the step mapping's per-token strengths, one per bank slot
     and token of a step (``max_num_batched_tokens``); on CUDA both are in the model's 16-bit
     ``dtype``. Allocated when the model is loaded, before vLLM sizes the KV cache."""
     return dtype_bytes(dtype) * int(max_steers) * (int(blocks) * int(hidden_size)

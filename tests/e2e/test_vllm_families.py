@@ -36,6 +36,7 @@ import pytest
 import torch
 
 from helpers.models import make_tiny_llama
+from helpers.reference import decoder_blocks
 from helpers.steers import random_steer
 from helpers.families import ARCHITECTURES, FAMILIES, make_family_model
 
@@ -76,19 +77,6 @@ def load_hf(model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def decoder_blocks(model):
-    """The transformers model's decoder blocks, by each family's own attribute path."""
-    for path in ("transformer.h", "gpt_neox.layers", "model.decoder.layers", "model.layers"):
-        obj = model
-        try:
-            for part in path.split("."):
-                obj = getattr(obj, part)
-        except AttributeError:
-            continue
-        return obj
-    raise AssertionError(f"no decoder blocks in {type(model).__name__}")
 
 
 def head_input(model, ids: list[int], vectors=None) -> torch.Tensor:

@@ -6,6 +6,20 @@ from __future__ import annotations
 import pytest
 
 
+def decoder_blocks(model):
+    """A transformers model's decoder blocks, found by hand by each family's own attribute
+    path (no vllm_steer code)."""
+    for path in ("transformer.h", "gpt_neox.layers", "model.decoder.layers", "model.layers"):
+        obj = model
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        return obj
+    raise AssertionError(f"no decoder blocks in {type(model).__name__}")
+
+
 class HFReference:
     """Plain-torch reference from a model's own weights (transformers): the paper's formula
     applied by hand on the LM head's input, ``c + sum_i s_i eps_i (c P1_i) P2_i^T``, with no
@@ -19,19 +33,6 @@ class HFReference:
         self.steers = steers  # name -> Steer (p1, p2, metadata.epsilon)
         # name -> {decoder block k (0-based): [hidden] vector added to block k's output}
         self.vectors = vectors or {}
-
-    def _blocks(self):
-        """The transformers model's decoder blocks, found by hand (no vllm_steer code)."""
-        m = self.model
-        for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
-            obj = m
-            try:
-                for part in path.split("."):
-                    obj = getattr(obj, part)
-            except AttributeError:
-                continue
-            return obj
-        raise AssertionError(f"no decoder blocks found in {type(m).__name__}")
 
     def logprobs(self, ids: list[int], strengths: dict | None = None):
         """log-softmax of the next-token logits at every position of ``ids`` ([len, vocab]).
@@ -68,7 +69,7 @@ class HFReference:
         handles = [self.model.lm_head.register_forward_pre_hook(pre_hook)]
         if any(n in self.vectors for n in strengths):
             handles += [b.register_forward_hook(block_hook(k))
-                        for k, b in enumerate(self._blocks())]
+                        for k, b in enumerate(decoder_blocks(self.model))]
         try:
             with torch.no_grad():
                 logits = self.model(torch.tensor([ids])).logits[0].float()

@@ -297,10 +297,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{_V2_RUNNER}.prepare_inputs",
          "the step mapping of the decoder layers' steers (V2)",
          _worker("v2", "prepare_inputs"), group=V2,
-         reads=(*_reads(_V2_RUNNER, "vllm_config", "req_states"),
-                *_reads(_V2_BATCH, "idx_mapping_np", "query_start_loc_np",
-                        "num_computed_tokens_np", "num_reqs"),
-                f"{_V2_STATES}.prompt_len", f"{_V2}.buffer_utils:UvaBackedTensor.np")),
+         reads=(f"{_V2_RUNNER}.vllm_config",)),  # the batch: vllm_access.v2_step_tokens
     Hook(f"{_V2_RUNNER}.sample_tokens",
          "the requests a fault of the plugin's worker code failed, named in the step's output "
          "(V2)", _worker("v2", "sample_tokens"), group=V2,
