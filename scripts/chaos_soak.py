@@ -121,17 +121,17 @@ class Server:
     """`vllm serve ARGS` on loopback; unlike vllm_steer.server.launch.serve it keeps the
     process, so that its exit status can be read after an engine core is killed."""
 
-    def __init__(self, args: list[str], log: Path, timeout: float = 900.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    def __init__(self, args: list[str], log: Path, timeout: float = 900.0, attempts: int = 3):
         self.log = log
-        cmd = [vllm_executable(), "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.f = open(log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.f, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
         t0 = time.time()
+        self._start(args)
         while True:
             if self.proc.poll() is not None:
+                attempts -= 1  # another process bound the port first: another port
+                if attempts and "Address already in use" in _tail(log):
+                    self.f.close()
+                    self._start(args)
+                    continue
                 raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n"
                                    f"{_tail(log)}")
             if time.time() - t0 > timeout:
@@ -145,6 +145,14 @@ class Server:
                 pass
             time.sleep(1)
         self.start_s = time.time() - t0
+
+    def _start(self, args: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [vllm_executable(), "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.f = open(self.log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.f, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
 
     def processes(self):
         import psutil
