@@ -14,8 +14,9 @@ target's either way.
 
 One engine per method (n-gram, the target as its own draft model, EAGLE, EAGLE-3 with a
 random head and a 1,024-token draft vocabulary, MTP on a MiMo-style target), one mixed batch
-each: every request's greedy tokens and logprobs against transformers on the target's own
-weights with the request's steer, or none (``HFReference``; test_vllm_specdec.py compares
+each (LM-Steer mixes, a vector steer on the target's blocks, none): every request's greedy
+tokens and logprobs against transformers on the target's own weights with the request's steer
+(vectors added by forward hooks), or none (``HFReference``; test_vllm_specdec.py compares
 unsteered requests with stock vLLM on the V1 runner).
 """
 
@@ -25,8 +26,9 @@ import pytest
 
 from helpers.models import make_tiny_llama, make_tiny_mimo
 from helpers.reference import HFReference
-from e2e.test_vllm_specdec import (ENGINE_KW, MIXED, PROMPTS, spec_counts,
+from e2e.test_vllm_specdec import (ENGINE_KW, MIXED, PROMPTS, VECTORS, spec_counts,
                                    speculative_config)
+from helpers.steers import save_vector_steer
 
 pytestmark = pytest.mark.vllm
 
@@ -58,7 +60,9 @@ def engine(request, v2_runner, targets, pair_steers, tmp_path_factory):
     HOOK_RECORDS[name] = str(tmp_path_factory.mktemp(f"hooks-v2-{name}"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(RECORD_ENV, HOOK_RECORDS[name])  # inherited by the engine processes
-        llm = LLM(str(target), additional_config={"vllm_steer": {"steers": pair_steers[1]}},
+        steers = {**pair_steers[1], "v": save_vector_steer(
+            tmp_path_factory.mktemp(f"vector-v2-{name}") / "v.safetensors", VECTORS, "v")}
+        llm = LLM(str(target), additional_config={"vllm_steer": {"steers": steers}},
                   speculative_config=spec, disable_log_stats=False, **ENGINE_KW)
     yield name, target, llm
     del llm
@@ -77,20 +81,26 @@ V2_SPEC_CALLS = {
 }
 
 
+#: the batch: LM-Steer mixes, none, and the vector steer on the target's blocks (alone, with
+#: its opposite strength, beside an LM-Steer steer), whose verification rows the step mapping
+#: covers (the drafts' tokens included)
+BATCH = [*zip(PROMPTS, MIXED), (PROMPTS[0], {"v": 1.0}), (PROMPTS[2], {"v": -1.0, "a": 3})]
+
+
 def test_v2_speculative_decoding_serves_the_steered_target_in_a_mixed_batch(engine,
                                                                           pair_steers):
     from vllm import SamplingParams
 
     name, target, llm = engine
-    ref = HFReference(target, pair_steers[0])
+    ref = HFReference(target, pair_steers[0], vectors={"v": VECTORS})
     d0, _ = spec_counts(llm)
-    outs = llm.generate(PROMPTS, [SamplingParams(
+    outs = llm.generate([p for p, _ in BATCH], [SamplingParams(
         temperature=0, max_tokens=MAX_TOKENS, logprobs=0,
-        extra_args=None if s is None else {"steer": s}) for s in MIXED], use_tqdm=False)
+        extra_args=None if s is None else {"steer": s}) for _, s in BATCH], use_tqdm=False)
     drafted, _ = spec_counts(llm)
     assert drafted - d0 > 0, f"{name}: no draft tokens were verified; nothing was tested"
     changed = 0
-    for o, steer in zip(outs, MIXED):
+    for o, (_, steer) in zip(outs, BATCH, strict=True):
         ids, got = list(o.prompt_token_ids), list(o.outputs[0].token_ids)
         assert got == ref.greedy(ids, MAX_TOKENS, steer), (name, o.prompt, steer)
         changed += steer is not None and got != ref.greedy(ids, MAX_TOKENS)
@@ -98,7 +108,7 @@ def test_v2_speculative_decoding_serves_the_steered_target_in_a_mixed_batch(engi
         lps = [lp_[t].logprob for lp_, t in zip(o.outputs[0].logprobs, got)]
         assert lps == pytest.approx([float(lp[len(ids) - 1 + i, t]) for i, t in
                                      enumerate(got)], abs=2e-3), (name, o.prompt, steer)
-    assert changed == sum(s is not None for s in MIXED), "a steer had no visible effect"
+    assert changed == sum(s is not None for _, s in BATCH), "a steer had no visible effect"
 
 
 def _acceptance(llm, steer) -> float:
