@@ -424,7 +424,7 @@ def test_a_fault_half_way_through_a_management_write_changes_nothing(server, tin
 #: for a request with a generation window); one request put into its request slot.
 WORKER_CASES = [
     ("steer-op", "vllm_steer.integrations.worker.planner:StepPlanner.steer_rows", {"d1": 2}),
-    ("row-positions", "vllm_steer.integrations.worker.v1:batch_positions",
+    ("row-positions", "vllm_steer.integrations.worker.v1:v1_batch_positions",
      {"d1": {"strength": 2, "start": 0, "end": 32}}),
     ("request-slot", "vllm_steer.bank:SlotBank.coef_row", {"d1": 2}),
 ]

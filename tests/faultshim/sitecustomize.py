@@ -46,7 +46,7 @@ TARGETS = (
 #: mapping, one request put into its request slot.
 WORKER_TARGETS = (
     "vllm_steer.integrations.worker.planner:StepPlanner.steer_rows",
-    "vllm_steer.integrations.worker.v1:batch_positions",
+    "vllm_steer.integrations.worker.v1:v1_batch_positions",
     "vllm_steer.integrations.worker.v2:_batch_rows",
     "vllm_steer.bank:SlotBank.coef_row",
 )

@@ -65,7 +65,6 @@ HOOK_MODULES = {
     "vllm_steer/integrations/worker/spec_decode.py": "the drafter heads",
     "vllm_steer/integrations/worker/spec_v1.py": "V1 runner: verification, drafter rows",
     "vllm_steer/integrations/worker/spec_v2.py": "V2 runner: drafter rows",
-    "vllm_steer/integrations/worker/v1.py": "V1 runner: the step's rows",
     "vllm_steer/integrations/worker/v2.py": "V2 runner: the step's rows",
 }
 #: Parameter and variable names the plugin gives the vLLM objects it is handed, outside the
@@ -304,7 +303,7 @@ def test_the_allowed_files_exist_and_our_names_are_ours():
 
 # ---- the rule can fail: planted cases ----------------------------------------------------
 FRONTEND_FILE = "vllm_steer/integrations/frontend/startup_checks.py"
-RUNNER_FILE = "vllm_steer/integrations/worker/v1.py"
+RUNNER_FILE = "vllm_steer/integrations/worker/v2.py"
 SERVER_FILE = "vllm_steer/server/lens_route.py"
 
 

@@ -1,11 +1,11 @@
-"""scripts/chaos_soak.py for 30 seconds, then its engine core killed and the server restarted.
+"""scripts/chaos_soak.py for 20 seconds, then its engine core killed and the server restarted.
 
 One run of the script (two engine starts: the soak's server and the restarted one): 8 clients of
 random valid and invalid completions, chat and responses requests mixing LM-Steer and vector
 steers (safetensors and GGUF) while steers, presets and files of both kinds change; then
 SIGKILL to the engine core under traffic, the server's exit, and a restart with the same flags
 (docs/deploy.md "What a restart loses").
-Thirty seconds of traffic hold every kind of operation (the operator's first dozen go through
+Twenty seconds of traffic hold every kind of operation (the operator's first dozen go through
 each kind, the presets file and the steer files first; the first requests of clients 0-3 are
 the fixed greedy and invalid checks); the long soak is the script itself (``--duration 900``,
 benchmarks/RESULTS.md).
@@ -23,7 +23,7 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 #: seconds of traffic in the suite
-DURATION_S = 30
+DURATION_S = 20
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from vllm_steer.integrations.hooks import (ENGINE, FRONTEND, V1, V2, WORKER, Alternative,
-                                           HookGroup)
+from vllm_steer.integrations.hooks import (ENGINE, FRONTEND, V1, V1_LENS, V2, WORKER,
+                                           Alternative, HookGroup)
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,14 @@ _INPUT_PROCESSOR = "vllm.v1.engine.input_processor:InputProcessor"
 _PARAMS = "vllm.sampling_params:SamplingParams"
 _ASYNC_LLM = "vllm.v1.engine.async_llm:AsyncLLM"
 _PYDANTIC = "pydantic._internal._decorators"
+_V1 = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_V1_BATCH = "vllm.v1.worker.gpu_input_batch:InputBatch"
+_V1_BUFFER = "vllm.v1.utils:CpuGpuBuffer"  # the runner's _make_buffer: .np (host), .gpu
+_OUTPUT = "vllm.v1.outputs:ModelRunnerOutput"
+
+
+def _reads(owner: str, *names: str) -> tuple[str, ...]:
+    return tuple(f"{owner}.{n}" for n in names)
 #: The OpenAI request models that carry the ``steer`` field, ``(module, class)``.
 REQUEST_CLASSES = (
     ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
@@ -300,6 +308,53 @@ def v1_step_tokens(input_batch, num_scheduled):
     computed = np.asarray(input_batch.num_computed_tokens_cpu[:n], dtype=np.int64)
     gen_first = computed + 1 - np.asarray(input_batch.num_prompt_tokens[:n], dtype=np.int64)
     return np.arange(n, dtype=np.int64), counts, gen_first
+
+
+def v1_input_batch(runner):
+    """V1's persistent batch (row ``i``: request slot ``i``)."""
+    return runner.input_batch
+
+
+def v1_batch_positions(input_batch, num_scheduled):
+    """The generated-token index each row of V1's persistent batch samples: ``computed +
+    scheduled - prompt`` (0: the first generated token). Host arrays only."""
+    n = input_batch.num_reqs
+    return (input_batch.num_computed_tokens_cpu[:n] + num_scheduled[:n]
+            - input_batch.num_prompt_tokens[:n]).astype("int64")
+
+
+def v1_step_output(out):
+    """``(ModelRunnerOutput, its request ids)`` of what V1's ``sample_tokens`` returned (an
+    async output holds the step's ``ModelRunnerOutput``)."""
+    output = getattr(out, "_model_runner_output", out)
+    return output, getattr(output, "req_ids", None) or ()
+
+
+def v1_untrack_output_token_ids(input_batch) -> bool:
+    """Turn V1's tracking of output token ids off when every custom logits processor of
+    ``input_batch`` declares ``needs_output_token_ids = False`` (vLLM's built-in ones keep
+    theirs: penalties, bad words). True when it was turned off."""
+    procs = input_batch.logitsprocs
+    if not input_batch.logitsprocs_need_output_token_ids or procs is None:
+        return False
+    from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS
+
+    custom = [lp for lp in procs.all if type(lp) not in BUILTIN_LOGITS_PROCESSORS]
+    if custom and all(getattr(lp, "needs_output_token_ids", True) is False for lp in custom):
+        input_batch.logitsprocs_need_output_token_ids = False
+        return True
+    return False
+
+
+def v1_has_prompt_logprobs(runner) -> bool:
+    """Whether a request of V1's batch asks for prompt logprobs."""
+    return bool(runner.num_prompt_logprobs)
+
+
+def v1_query_start_loc(runner):
+    """The token offset of each request of V1's step (``[requests + 1]``, a host copy)."""
+    n = runner.input_batch.num_reqs
+    return runner.query_start_loc.np[: n + 1].copy()
 
 
 def v2_step_tokens(runner, input_batch):
@@ -518,6 +573,23 @@ ACCESSES: tuple[Access, ...] = (
     Access(v1_step_tokens, "the step mapping of the decoder layers' steers (V1)", V1,
            reads=tuple(f"vllm.v1.worker.gpu_input_batch:InputBatch.{n}" for n in
                        ("num_reqs", "num_computed_tokens_cpu", "num_prompt_tokens"))),
+    Access(v1_input_batch, "the step's rows (V1)", V1, reads=(f"{_V1}.input_batch",)),
+    Access(v1_batch_positions, "generated-token positions of the batch rows for generation "
+           "windows (V1)", V1, reads=_reads(_V1_BATCH, "num_reqs", "num_computed_tokens_cpu",
+                                            "num_prompt_tokens")),
+    Access(v1_step_output, "the requests a fault failed, named in the step's output (V1)", V1,
+           reads=("vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput."
+                  "_model_runner_output", f"{_OUTPUT}.req_ids")),
+    Access(v1_untrack_output_token_ids, "no output-token tracking for our processor (V1)", V1,
+           reads=(*_reads(_V1_BATCH, "logitsprocs", "logitsprocs_need_output_token_ids"),
+                  "vllm.v1.sample.logits_processor:BUILTIN_LOGITS_PROCESSORS",
+                  "vllm.v1.sample.logits_processor.state:LogitsProcessors.all"),
+           sets=(f"{_V1_BATCH}.logitsprocs_need_output_token_ids",)),
+    Access(v1_has_prompt_logprobs, "steered prompt logprobs (V1)", V1_LENS,
+           reads=(f"{_V1}.num_prompt_logprobs",)),
+    Access(v1_query_start_loc, "steered prompt logprobs (V1)", V1_LENS,
+           reads=(*_reads(_V1, "input_batch", "query_start_loc"), f"{_V1_BATCH}.num_reqs",
+                  f"{_V1_BUFFER}.np")),
     Access(v2_step_tokens, "the step mapping of the decoder layers' steers (V2)", V2,
            reads=(*(f"vllm.v1.worker.gpu.input_batch:InputBatch.{n}" for n in
                     ("num_reqs", "idx_mapping_np", "query_start_loc_np",

@@ -18,7 +18,10 @@ from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.rows import PromptRows
 from vllm_steer.integrations.worker.runtime import V1RunnerBinding
 from vllm_steer.integrations.worker.step_faults import ROWS, attach
-from vllm_steer.integrations.vllm_access import v1_step_tokens
+from vllm_steer.integrations.vllm_access import (v1_batch_positions, v1_has_prompt_logprobs,
+                                                  v1_input_batch, v1_query_start_loc,
+                                                  v1_step_output, v1_step_tokens,
+                                                  v1_untrack_output_token_ids)
 
 _NUM_SCHEDULED = Arg("num_scheduled_tokens")
 _HIDDEN_STATES = Arg("hidden_states")
@@ -43,20 +46,13 @@ def prepare_inputs(orig, self, *args, **kwargs):
     if rt.slots.num_window_slots:  # read only for windowed slots' rows
         with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
             rt.planner.batch_positions = None
-            rt.planner.batch_positions = batch_positions(
-                self.input_batch, _NUM_SCHEDULED.get(orig, (self, *args), kwargs))
+            rt.planner.batch_positions = v1_batch_positions(
+                v1_input_batch(self), _NUM_SCHEDULED.get(orig, (self, *args), kwargs))
     if rt.mapping is not None:  # the step mapping of the decoder layers' steers
         with rt.faults.guard(ROWS):
             rt.mapping.build_or_clear(*v1_step_tokens(
-                self.input_batch, _NUM_SCHEDULED.get(orig, (self, *args), kwargs)))
+                v1_input_batch(self), _NUM_SCHEDULED.get(orig, (self, *args), kwargs)))
     return out
-
-
-def batch_positions(b, scheduled):
-    """The generated-token index each row of V1's persistent batch ``b`` samples."""
-    n = b.num_reqs
-    return (b.num_computed_tokens_cpu[:n] + scheduled[:n]
-            - b.num_prompt_tokens[:n]).astype("int64")
 
 
 def sample_tokens(orig, self, *args, **kwargs):
@@ -70,10 +66,8 @@ def sample_tokens(orig, self, *args, **kwargs):
     rt = V1RunnerBinding.of(self).runtime
     if rt is None or not rt.faults.pending:
         return out
-    # V1's async output holds the step's ModelRunnerOutput; row i of the batch is slot i
-    output = getattr(out, "_model_runner_output", out)
-    attach(output, rt.faults.take(getattr(output, "req_ids", None) or (), None,
-                                  rt.slots.steered))
+    output, req_ids = v1_step_output(out)  # row i of the batch is slot i
+    attach(output, rt.faults.take(req_ids, None, rt.slots.steered))
     return out
 
 
@@ -88,14 +82,7 @@ def input_batch_init(orig, self, *args, **kwargs):
     on per batch, as in vLLM.
     """
     orig(self, *args, **kwargs)
-    procs = self.logitsprocs
-    if not self.logitsprocs_need_output_token_ids or procs is None:
-        return
-    from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS
-
-    custom = [lp for lp in procs.all if type(lp) not in BUILTIN_LOGITS_PROCESSORS]
-    if custom and all(getattr(lp, "needs_output_token_ids", True) is False for lp in custom):
-        self.logitsprocs_need_output_token_ids = False
+    v1_untrack_output_token_ids(self)
 
 
 def get_prompt_logprobs_dict(orig, self, *args, **kwargs):
@@ -105,13 +92,12 @@ def get_prompt_logprobs_dict(orig, self, *args, **kwargs):
     ``_get_prompt_logprobs_dict`` calls ``compute_logits`` once per request on a slice of the
     step's hidden states; the runtime maps that slice back to the request's batch slot.
     """
-    if not self.num_prompt_logprobs:
+    if not v1_has_prompt_logprobs(self):
         return orig(self, *args, **kwargs)
     rt = V1RunnerBinding.of(self).runtime
     if rt is None or not rt.planner.active:
         return orig(self, *args, **kwargs)
-    n = self.input_batch.num_reqs
-    qsl = self.query_start_loc.np[: n + 1].copy()
+    qsl = v1_query_start_loc(self)
     hidden_states = _HIDDEN_STATES.get(orig, (self, *args), kwargs)
     with rt.planner.rows(PromptRows(base=hidden_states, query_start_loc=qsl)):
         return orig(self, *args, **kwargs)
