@@ -220,7 +220,7 @@ def test_grid_and_conditions_name_each_kind(tmp_path):
 PROMPTS = ["The weather today is", "My favourite food is"]
 
 
-def _hf_greedy(model_dir, vs, strength, prompts, max_tokens):
+def _hf_greedy(model_dir, vs, strength, prompts, max_tokens, chat_ids=None):
     """Greedy continuations from transformers with the vector added by forward hooks
     (vllm_steer.hf.vector_steering), decoded as vLLM decodes them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -230,8 +230,8 @@ def _hf_greedy(model_dir, vs, strength, prompts, max_tokens):
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
-    for p in prompts:
-        ids = tok(p)["input_ids"]
+    for i, p in enumerate(prompts):
+        ids = chat_ids[i] if chat_ids is not None else tok(p)["input_ids"]
         x = torch.tensor([ids])
         with torch.no_grad(), vector_steering(model, vs, strength):
             for _ in range(max_tokens):
@@ -245,12 +245,15 @@ def _hf_greedy(model_dir, vs, strength, prompts, max_tokens):
 
 
 @pytest.mark.vllm
-def test_eval_serves_a_gguf_vector_as_transformers_applies_it(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["plain", "chat"])
+def test_eval_serves_a_gguf_vector_as_transformers_applies_it(tiny_model_dir, tmp_path, mode):
     """The real engine, both toxicity scorers: a llama.cpp GGUF vector on block 1, greedy
     samples (top-p ~0) equal transformers' with the vector added to block 1's output; the
-    unsteered samples in the same batch equal transformers' plain ones. Chat prompts (the
-    chat template's tokens, then the same engine path) are test_eval_chat.py's."""
+    unsteered samples in the same batch equal transformers' plain ones."""
+    from transformers import AutoTokenizer
+
     from vllm_steer.cli import main
+    from vllm_steer.eval.chat import chat_prompts
 
     path, vs = _vector_file(tmp_path, "gguf", name="calm", layers=(1,), scale=4.0,
                             recommended=1.0)
@@ -259,7 +262,7 @@ def test_eval_serves_a_gguf_vector_as_transformers_applies_it(tiny_model_dir, tm
     out = tmp_path / "run"
     rc = main(["eval", "toxicity", "--model", str(tiny_model_dir), "--steer", path,
                "--strengths=0,1.5", "--baseline", "none", "--prompts", str(pfile),
-               "--samples", "1", "--max-tokens", "6", "--top-p", "1e-9", "--mode", "plain",
+               "--samples", "1", "--max-tokens", "6", "--top-p", "1e-9", "--mode", mode,
                "--toxicity-scorer", "profanity-check", "--toxicity-scorer", "minilm-jigsaw",
                "--sentiment-scorer", "vader", "--data", str(tmp_path / "none"),
                "--out", str(out), "--max-num-seqs", "8", "--kv-cache-gib", "0.25", "--quiet"])
@@ -274,8 +277,12 @@ def test_eval_serves_a_gguf_vector_as_transformers_applies_it(tiny_model_dir, tm
     for line in (out / "generations.jsonl").read_text().splitlines():
         rec = json.loads(line)
         gens.setdefault(rec["condition"], []).append(rec["samples"][0]["text"])
-    want = _hf_greedy(tiny_model_dir, vs, 1.5, PROMPTS, 6)
-    plain = _hf_greedy(tiny_model_dir, vs, 0.0, PROMPTS, 6)
+    chat_ids = None
+    if mode == "chat":
+        tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+        chat_ids = chat_prompts(tok, PROMPTS, "chat")[2]
+    want = _hf_greedy(tiny_model_dir, vs, 1.5, PROMPTS, 6, chat_ids)
+    plain = _hf_greedy(tiny_model_dir, vs, 0.0, PROMPTS, 6, chat_ids)
     assert gens["vector calm=+1.5"] == want
     assert gens["unsteered"] == plain
     assert want != plain  # the vector changed the tokens
