@@ -63,7 +63,6 @@ HOOK_MODULES = {
     "vllm_steer/integrations/worker/head.py": "the steered head (vLLM's LogitsProcessor)",
     "vllm_steer/integrations/worker/runtime.py": "the worker's runtime (speculative config)",
     "vllm_steer/integrations/worker/spec_decode.py": "the drafter heads",
-    "vllm_steer/integrations/worker/spec_v1.py": "V1 runner: verification, drafter rows",
     "vllm_steer/integrations/worker/spec_v2.py": "V2 runner: drafter rows",
     "vllm_steer/integrations/worker/v2.py": "V2 runner: the step's rows",
 }

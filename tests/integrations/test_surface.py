@@ -71,8 +71,12 @@ def test_hooks_match_the_manifest(manifest_):
 @pytest.mark.parametrize("manifest_", MANIFESTS, ids=_version)
 def test_a_hook_whose_reads_vllm_lacks_is_reported_by_the_manifest_check(manifest_):
     """The check can fail: a manifest without one read, one parameter and one call."""
+    import dataclasses
+
     m = json.loads(json.dumps(manifest_))
-    hook = next(h for h in HOOKS if h.params and h.reads and h.called_by)
+    hook = next(h for h in HOOKS if h.params and h.called_by)
+    if not hook.reads:  # a read of another hook's, declared on this one
+        hook = dataclasses.replace(hook, reads=next(h.reads for h in HOOKS if h.reads))
     m["names"][hook.reads[0]] = None
     entry = m["names"][hook.target]
     entry["params"] = ", ".join(p for p in entry["params"].split(", ") if p != hook.params[0])

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from vllm_steer.integrations.hooks import (ENGINE, FRONTEND, V1, V1_LENS, V2, WORKER,
-                                           Alternative, HookGroup)
+from vllm_steer.integrations.hooks import (ENGINE, FRONTEND, V1, V1_LENS, V1_SPEC, V2,
+                                           WORKER, Alternative, HookGroup)
 
 
 @dataclass(frozen=True)
@@ -357,6 +357,62 @@ def v1_query_start_loc(runner):
     return runner.query_start_loc.np[: n + 1].copy()
 
 
+def v1_speculates(runner) -> bool:
+    """Whether V1's runner speculates (has a ``speculative_config``)."""
+    return runner.speculative_config is not None
+
+
+def v1_num_reqs(runner) -> int:
+    """The requests in V1's persistent batch."""
+    return runner.input_batch.num_reqs
+
+
+def v1_token_counts(input_batch):
+    """``(computed, prompt)``: V1's per-row computed-token and prompt-token counts (host
+    arrays, the persistent batch's rows)."""
+    return input_batch.num_computed_tokens_cpu, input_batch.num_prompt_tokens
+
+
+def v1_corrected_computed_tokens(runner, n: int):
+    """The computed-token counts of V1's first ``n`` batch rows, corrected for the drafts the
+    previous step rejected.
+
+    Under async scheduling with speculative decoding, the engine core schedules a step before
+    the previous one's accepted-draft count is back, and the V1 runner counts every draft of
+    the previous step as accepted (``prev_num_draft_tokens``: the optimistic count per
+    previous batch index) until it corrects ``num_computed_tokens_cpu`` after this step's
+    forward is launched (``correct_spec_decode_token_counts``). A generation window needs the
+    true count now: read the previous step's valid-token counts
+    (``_get_valid_sampled_token_count``, the runner's own read, which waits for the previous
+    step's sampling) and apply vLLM's correction, ``optimistic - (valid - 1)``, to a copy.
+    Only steps with a windowed request pay that wait; without async scheduling, or when no
+    request carries an optimistic count, the counts are returned as they are."""
+    import numpy as np
+
+    ib = runner.input_batch
+    computed = np.asarray(ib.num_computed_tokens_cpu[:n], dtype=np.int64)
+    if not getattr(runner, "use_async_spec_decode", False):
+        return computed
+    prev_index = getattr(ib, "prev_req_id_to_index", None) or {}
+    optimistic = runner.prev_num_draft_tokens.np
+    pairs = [(i, prev_index.get(req_id)) for i, req_id in enumerate(ib.req_ids[:n])]
+    pairs = [(i, j) for i, j in pairs if j is not None and optimistic[j] > 0]
+    if not pairs:
+        return computed
+    valid = runner._get_valid_sampled_token_count()
+    computed = computed.copy()
+    for i, j in pairs:
+        if j < len(valid):
+            computed[i] -= int(optimistic[j]) - (int(valid[j]) - 1)
+    return computed
+
+
+def v1_add_logits_processor(procs, proc, argmax_invariant: bool) -> None:
+    """Add ``proc`` to V1's built ``LogitsProcessors`` ``procs``, in its argmax-invariant
+    list or the other, as vLLM sorts them."""
+    (procs.argmax_invariant if argmax_invariant else procs.non_argmax_invariant).append(proc)
+
+
 def v2_step_tokens(runner, input_batch):
     """Model Runner V2's step (request ``i`` in request-state slot ``idx_mapping[i]``, its
     tokens from ``query_start_loc[i]``): ``(req_slots, counts, gen_first)`` as
@@ -590,6 +646,21 @@ ACCESSES: tuple[Access, ...] = (
     Access(v1_query_start_loc, "steered prompt logprobs (V1)", V1_LENS,
            reads=(*_reads(_V1, "input_batch", "query_start_loc"), f"{_V1_BATCH}.num_reqs",
                   f"{_V1_BUFFER}.np")),
+    Access(v1_speculates, "speculative decoding: the step's verification rows (V1)", V1_SPEC,
+           reads=(f"{_V1}.speculative_config",)),
+    Access(v1_num_reqs, "speculative decoding: the drafter's rows (V1)", V1_SPEC,
+           reads=(f"{_V1}.input_batch", f"{_V1_BATCH}.num_reqs")),
+    Access(v1_token_counts, "speculative decoding: the verification rows' positions (V1)",
+           V1_SPEC, reads=_reads(_V1_BATCH, "num_computed_tokens_cpu", "num_prompt_tokens")),
+    Access(v1_corrected_computed_tokens, "speculative decoding under async scheduling: the "
+           "verification rows' positions (V1)", V1_SPEC,
+           reads=(*_reads(_V1, "input_batch", "use_async_spec_decode", "prev_num_draft_tokens",
+                          "_get_valid_sampled_token_count"),
+                  *_reads(_V1_BATCH, "num_computed_tokens_cpu", "req_ids",
+                          "prev_req_id_to_index"), f"{_V1_BUFFER}.np")),
+    Access(v1_add_logits_processor, "speculative decoding: our per-request steer state (V1)",
+           V1_SPEC, reads=_reads("vllm.v1.sample.logits_processor.state:LogitsProcessors",
+                                 "argmax_invariant", "non_argmax_invariant")),
     Access(v2_step_tokens, "the step mapping of the decoder layers' steers (V2)", V2,
            reads=(*(f"vllm.v1.worker.gpu.input_batch:InputBatch.{n}" for n in
                     ("num_reqs", "idx_mapping_np", "query_start_loc_np",

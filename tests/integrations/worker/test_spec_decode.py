@@ -229,7 +229,8 @@ def test_async_counts_are_corrected_for_the_drafts_the_previous_step_rejected():
     """Async scheduling: the runner's counts assume every previous draft accepted; the real
     count subtracts ``optimistic - (valid - 1)`` per request, found through its previous batch
     index (vLLM's own ``correct_spec_decode_token_counts`` rule)."""
-    from vllm_steer.integrations.worker.spec_v1 import corrected_computed_tokens
+    from vllm_steer.integrations.vllm_access import (
+        v1_corrected_computed_tokens as corrected_computed_tokens)
 
     calls = []
     ib = SimpleNamespace(num_computed_tokens_cpu=np.array([20, 31, 12, 7]),

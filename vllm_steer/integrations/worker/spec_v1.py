@@ -26,6 +26,9 @@ from vllm_steer.integrations.worker.arguments import Arg
 from vllm_steer.integrations.worker.rows import SlotRows
 from vllm_steer.integrations.worker.runtime import BINDINGS, V1RunnerBinding
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
+from vllm_steer.integrations.vllm_access import (speculative_config, v1_add_logits_processor,
+                                                  v1_corrected_computed_tokens, v1_input_batch,
+                                                  v1_num_reqs, v1_speculates, v1_token_counts)
 
 #: Our V1 per-request steer state (:mod:`vllm_steer.integrations.request_state_v1`),
 #: loaded by name as vLLM loads custom logits processors.
@@ -61,7 +64,7 @@ def verification_rows(num_draft_tokens: np.ndarray, cu_num_scheduled: np.ndarray
 def execute_model(orig, self, *args, **kwargs):
     """``GPUModelRunner.execute_model``: the verification rows of a speculative step are
     mapped to their requests (by :func:`calc_spec_decode_metadata`) for this step only."""
-    if self.speculative_config is None:
+    if not v1_speculates(self):
         return orig(self, *args, **kwargs)
     state = V1RunnerBinding.of(self)
     rt = state.runtime
@@ -86,46 +89,13 @@ def calc_spec_decode_metadata(orig, self, *args, **kwargs):
         call = (self, *args)
         num_draft_tokens = _NUM_DRAFT.get(orig, call, kwargs)
         cu_num_scheduled_tokens = _CU_SCHEDULED.get(orig, call, kwargs)
-        ib = self.input_batch
-        computed = ib.num_computed_tokens_cpu
+        computed, prompt = v1_token_counts(v1_input_batch(self))
         if rt.slots.any_windowed(np.arange(len(num_draft_tokens))):
-            computed = corrected_computed_tokens(self, len(num_draft_tokens))
+            computed = v1_corrected_computed_tokens(self, len(num_draft_tokens))
         slots, positions = verification_rows(num_draft_tokens, cu_num_scheduled_tokens,
-                                             computed, ib.num_prompt_tokens)
+                                             computed, prompt)
         rt.planner.row_source = SlotRows(slots=slots, positions=positions)
     return out
-
-
-def corrected_computed_tokens(runner, n: int) -> np.ndarray:
-    """The computed-token counts of the batch's first ``n`` requests, corrected for the drafts
-    the previous step rejected.
-
-    Under async scheduling with speculative decoding, the engine core schedules a step before
-    the previous one's accepted-draft count is back, and the V1 runner counts every draft of
-    the previous step as accepted (``prev_num_draft_tokens``: the optimistic count per
-    previous batch index) until it corrects ``num_computed_tokens_cpu`` after this step's
-    forward is launched (``correct_spec_decode_token_counts``). A generation window needs the
-    true count now: read the previous step's valid-token counts
-    (``_get_valid_sampled_token_count``, the runner's own read, which waits for the previous
-    step's sampling) and apply vLLM's correction, ``optimistic - (valid - 1)``, to a copy.
-    Only steps with a windowed request pay that wait; without async scheduling, or when no
-    request carries an optimistic count, the counts are returned as they are."""
-    computed = np.asarray(runner.input_batch.num_computed_tokens_cpu[:n], dtype=np.int64)
-    if not getattr(runner, "use_async_spec_decode", False):
-        return computed
-    ib = runner.input_batch
-    prev_index = getattr(ib, "prev_req_id_to_index", None) or {}
-    optimistic = runner.prev_num_draft_tokens.np
-    pairs = [(i, prev_index.get(req_id)) for i, req_id in enumerate(ib.req_ids[:n])]
-    pairs = [(i, j) for i, j in pairs if j is not None and optimistic[j] > 0]
-    if not pairs:
-        return computed
-    valid = runner._get_valid_sampled_token_count()
-    computed = computed.copy()
-    for i, j in pairs:
-        if j < len(valid):
-            computed[i] -= int(optimistic[j]) - (int(valid[j]) - 1)
-    return computed
 
 
 def propose_draft_token_ids(orig, self, *args, **kwargs):
@@ -137,7 +107,7 @@ def propose_draft_token_ids(orig, self, *args, **kwargs):
     if rt is None:
         return orig(self, *args, **kwargs)
     prepare_drafter_once(self, state)
-    slots = np.arange(self.input_batch.num_reqs, dtype=np.int64)
+    slots = np.arange(v1_num_reqs(self), dtype=np.int64)
     with rt.planner.rows(SlotRows(slots=slots, positions=None)):
         return orig(self, *args, **kwargs)
 
@@ -154,12 +124,11 @@ def build_logitsprocs(orig, vllm_config, device, is_pin_memory, is_pooling_model
     custom = list(custom_logitsprocs or ())
     ours = [p for p in custom if p == V1_REQUEST_STATE or getattr(p, "__qualname__", None)
             == "SteerRequestStateV1"]
-    if vllm_config.speculative_config is None or is_pooling_model or not ours \
+    if speculative_config(vllm_config) is None or is_pooling_model or not ours \
             or len(ours) != len(custom):
         return orig(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
     procs = orig(vllm_config, device, is_pin_memory, is_pooling_model, ())
     module, _, name = V1_REQUEST_STATE.partition(":")
     proc = getattr(importlib.import_module(module), name)(vllm_config, device, is_pin_memory)
-    (procs.argmax_invariant if proc.is_argmax_invariant()
-     else procs.non_argmax_invariant).append(proc)
+    v1_add_logits_processor(procs, proc, proc.is_argmax_invariant())
     return procs
