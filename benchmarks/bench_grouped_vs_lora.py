@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import lora_ops  # noqa: E402
+from cuda_timing import copy_bandwidth, time_graph  # noqa: E402
 
 from vllm_steer.kernels.triton.grouped import grouped_scratch, steer_grouped  # noqa: E402
 from vllm_steer.reference import steer_reference  # noqa: E402
@@ -125,26 +126,6 @@ def lora_fn(c, L):
     return call, out, (lambda: meta.prepare_tensors(c["mapping"]))
 
 
-def time_graph(call, flush, reps):
-    """Median microseconds of one replay of ``call`` recorded in a CUDA graph, L2 flushed
-    before each."""
-    call()  # compile and warm, outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 def time_eager(call, flush, reps):
     call()
     torch.cuda.synchronize()
@@ -158,21 +139,6 @@ def time_eager(call, flush, reps):
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
-
-
-def copy_bandwidth(device) -> float:
-    """Bytes per second of a device-to-device copy of 1 GiB (read + written)."""
-    a = torch.empty(1 << 29, dtype=torch.float16, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    end.synchronize()
-    return 10 * 2 * a.numel() * 2 / (start.elapsed_time(end) / 1e3)
 
 
 def check(name, got, ref, h, dtype) -> str | None:

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -51,7 +50,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from cuda_timing import copy_bandwidth, time_graph  # noqa: E402
 from vllm_steer.integrations.worker.step_mapping import op_dtype  # noqa: E402
 from vllm_steer.kernels.layer_vectors import add_vectors  # noqa: E402
 
@@ -120,41 +121,6 @@ def op_fn(h: torch.Tensor, coefs: torch.Tensor, bank: torch.Tensor, compiled: bo
     def call():
         out.copy_(fn(h, coefs, bank))
     return call, out
-
-
-def time_graph(call, flush: torch.Tensor, reps: int) -> float:
-    """Median microseconds of one replay of ``call`` recorded in a CUDA graph, L2 flushed
-    before each."""
-    call()  # compile and warm, outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
-def copy_bandwidth(device) -> float:
-    """Bytes per second of a device-to-device copy of 1 GiB (read + written)."""
-    a = torch.empty(1 << 29, dtype=torch.float16, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    end.synchronize()
-    return 10 * 2 * a.numel() * 2 / (start.elapsed_time(end) / 1e3)
 
 
 def roofline_bytes(used: int, rows: int, d: int, layers: int, itemsize: int) -> int:
