@@ -4,10 +4,10 @@ scorers and a stand-in perplexity with a known curve, so the right answer is kno
 
 import json
 import math
-import re
 
 import pytest
 
+from helpers.eval_standins import sample_strength, standin_generator
 from helpers.steers import random_steer
 from vllm_steer.eval import register_scorer
 from vllm_steer.eval.fluency import SampleNLL
@@ -16,46 +16,26 @@ from vllm_steer.eval.tune import TuneConfig, choose, tune
 from vllm_steer.format import load_steer, read_metadata, save_steer
 
 
-def _strength(text: str) -> float:
-    return float(re.search(r"s=([-+.\d]+)", text).group(1))
-
-
 def ppl_of(s: float) -> float:
     """The stand-in perplexity curve: 10 unsteered; +s costs 4% * s^2, -s costs 8% * s^2."""
     return 10.0 * (1 + (0.04 if s > 0 else 0.08) * s * s)
 
 
-class StandInGenerator:
-    """Each sample says which strength made it; the 'engine' scores it with ppl_of."""
-
-    made = []
-
-    def __init__(self, model, steers, blacklists, engine, seed):
-        StandInGenerator.made.append(steers)
-
-    def generate(self, prompts, conditions, sampling, progress=True):
-        return {c.label: [[f" s={c.strength:+g} sample{j}" for j in range(sampling.samples)]
-                          for _ in prompts] for c in conditions}
-
-    def nll(self, prompts, continuations, progress=True):
-        return [SampleNLL(3 * math.log(ppl_of(_strength(t))), 3) for t in continuations]
-
-    def close(self):
-        pass
+StandInGenerator = standin_generator(ppl_of)
 
 
 class StandInToxicity:
     name = "standin-tox"
 
     def score(self, texts):  # less toxic as s grows
-        return [max(0.0, 0.9 - 0.2 * max(_strength(t), 0.0)) for t in texts]
+        return [max(0.0, 0.9 - 0.2 * max(sample_strength(t), 0.0)) for t in texts]
 
 
 class StandInPositivity:
     name = "standin-pos"
 
     def score(self, texts):
-        return [min(1.0, max(0.0, 0.5 + 0.1 * _strength(t))) for t in texts]
+        return [min(1.0, max(0.0, 0.5 + 0.1 * sample_strength(t))) for t in texts]
 
 
 @pytest.fixture(autouse=True)
@@ -242,7 +222,7 @@ class SteerAwareGenerator:
         return out
 
     def nll(self, prompts, continuations, progress=True):
-        return [SampleNLL(3 * math.log(ppl_of(_strength(t) / 4)), 3) for t in continuations]
+        return [SampleNLL(3 * math.log(ppl_of(sample_strength(t) / 4)), 3) for t in continuations]
 
     def close(self):
         pass

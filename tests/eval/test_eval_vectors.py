@@ -4,15 +4,13 @@ Stand-in generators and scorers (no vLLM) for the bookkeeping; one engine run on
 whose greedy samples are compared token for token with transformers under forward hooks."""
 
 import json
-import math
-import re
 
 import pytest
 import torch
 
+from helpers.eval_standins import sample_strength, standin_generator
 from helpers.steers import random_steer
 from vllm_steer.eval import register_scorer
-from vllm_steer.eval.fluency import SampleNLL
 from vllm_steer.eval.generation import SamplingConfig
 from vllm_steer.eval.harness import EvalConfig, build_conditions, evaluate
 from vllm_steer.eval.tune import TuneConfig, tune
@@ -23,39 +21,19 @@ from vllm_steer.vectors import make_vector_steer, save_gguf, save_vector
 HIDDEN = 64
 
 
-def _strength(text: str) -> float:
-    return float(re.search(r"s=([-+.\d]+)", text).group(1))
-
-
 def ppl_of(s: float) -> float:
     """The stand-in perplexity: 10 unsteered, +4% at 0.01, +16% at 0.02, +36% at 0.03."""
     return 10.0 * (1 + 400 * s * s)
 
 
-class StandInGenerator:
-    """Each sample names its strength; records the steers the engine was given."""
-
-    made = []
-
-    def __init__(self, model, steers, blacklists, engine, seed):
-        StandInGenerator.made.append(dict(steers))
-
-    def generate(self, prompts, conditions, sampling, progress=True):
-        return {c.label: [[f" s={c.strength:+g} sample{j}" for j in range(sampling.samples)]
-                          for _ in prompts] for c in conditions}
-
-    def nll(self, prompts, continuations, progress=True):
-        return [SampleNLL(3 * math.log(ppl_of(_strength(t))), 3) for t in continuations]
-
-    def close(self):
-        pass
+StandInGenerator = standin_generator(ppl_of)
 
 
 class StandInToxicity:
     name = "standin-vtox"
 
     def score(self, texts):  # less toxic as s grows: 0.9 at 0, 0.5 at 0.02
-        return [max(0.0, 0.9 - 20 * max(_strength(t), 0.0)) for t in texts]
+        return [max(0.0, 0.9 - 20 * max(sample_strength(t), 0.0)) for t in texts]
 
 
 class StandInPositivity:
