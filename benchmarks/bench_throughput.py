@@ -135,18 +135,20 @@ def random_steer_files(hidden: int, rank: int, n: int, prefix: str,
     return steers
 
 
-def random_vector_files(hidden: int, layers: int, n: int, prefix: str) -> dict[str, str]:
-    """``n`` random vector steers ``v0..v{n-1}`` with a vector on every decoder layer (small:
-    the cost does not depend on the direction), saved in a fresh temporary folder."""
+def random_vector_files(hidden: int, layers: int, n: int, folder: Path, scale: float = 0.01,
+                        seed: int = 1000) -> dict[str, str]:
+    """``n`` random vector steers ``v0..v{n-1}`` with a vector on every one of ``layers``
+    decoder blocks (entries ``scale`` times a standard normal, seeds ``seed + i``: the cost
+    does not depend on the direction), saved in ``folder``; name -> path."""
     import torch
 
     from vllm_steer.vectors import make_vector_steer, save_vector
 
-    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    folder.mkdir(parents=True, exist_ok=True)
     out = {}
     for i in range(n):
-        g = torch.Generator().manual_seed(1000 + i)
-        vs = make_vector_steer({k: torch.randn(hidden, generator=g) * 0.01
+        g = torch.Generator().manual_seed(seed + i)
+        vs = make_vector_steer({k: torch.randn(hidden, generator=g) * scale
                                 for k in range(layers)}, f"v{i}")
         out[f"v{i}"] = str(folder / f"v{i}.safetensors")
         save_vector(out[f"v{i}"], vs)
@@ -354,7 +356,8 @@ def main(argv=None) -> int:
     steers = random_steer_files(hidden, args.rank, max(k_list), "bench-steers-", args.steer,
                                 full_rank=args.full_rank)
     vectors = (random_vector_files(hidden, hf_config.num_hidden_layers, max(k_list),
-                                   "bench-vectors-") if args.vectors else {})
+                                   Path(tempfile.mkdtemp(prefix="bench-vectors-")))
+               if args.vectors else {})
 
     kw = engine_kwargs(args)
     if config_only:

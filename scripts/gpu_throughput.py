@@ -119,20 +119,12 @@ def write_steers(folder: Path, hidden: int, n: int, rank: int) -> dict[str, str]
 
 def write_vectors(folder: Path, hidden: int, layers: int, n: int) -> dict[str, str]:
     """``n`` random vector steers ``v0..v{n-1}`` at ``hidden``, each with a vector for every
-    one of ``layers`` decoder blocks; name -> path."""
-    import torch
+    one of ``layers`` decoder blocks (bench_throughput.py's, larger: a tiny model's tokens
+    change under them); name -> path."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_throughput import random_vector_files
 
-    from vllm_steer.vectors import make_vector_steer, save_vector
-
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for i in range(n):
-        g = torch.Generator().manual_seed(10_000 + i)
-        vs = make_vector_steer({k: torch.randn(hidden, generator=g) * 0.05
-                                for k in range(layers)}, f"v{i}")
-        paths[f"v{i}"] = str(folder / f"v{i}.safetensors")
-        save_vector(paths[f"v{i}"], vs)
-    return paths
+    return random_vector_files(hidden, layers, n, folder, scale=0.05, seed=10_000)
 
 
 VECTOR_PREFIX = "vector "  # the vector engine's modes: "vector unused", "vector K=k"
