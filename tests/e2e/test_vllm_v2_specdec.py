@@ -81,10 +81,12 @@ V2_SPEC_CALLS = {
 }
 
 
-#: the batch: LM-Steer mixes, none, and the vector steer on the target's blocks (alone, with
-#: its opposite strength, beside an LM-Steer steer), whose verification rows the step mapping
-#: covers (the drafts' tokens included)
-BATCH = [*zip(PROMPTS, MIXED), (PROMPTS[0], {"v": 1.0}), (PROMPTS[2], {"v": -1.0, "a": 3})]
+#: the batch: the LM-Steer mixes of test_vllm_specdec.py (one steer, none, a negative
+#: strength, two composed), the last two with the vector steer on the target's blocks at both
+#: signs, whose verification rows the step mapping covers (the drafts' tokens included); four
+#: requests, as each V2 step in the Triton interpreter costs by the request
+BATCH = list(zip(PROMPTS, [MIXED[0], MIXED[1], {**MIXED[2], "v": -1.0},
+                           {**MIXED[3], "v": 1.0}], strict=True))
 
 
 def test_v2_speculative_decoding_serves_the_steered_target_in_a_mixed_batch(engine,
