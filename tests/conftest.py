@@ -36,23 +36,15 @@ use_uniproc_workers()
 hook_recorder().install(plugin)
 
 
-#: The longest modules (benchmarks/RESULTS.md, "The test suite's time"): they start first.
-LONGEST = ("test_vllm_v2_specdec.py", "test_vllm_specdec.py", "test_chaos_soak.py",
-           "test_vllm_async.py", "test_vllm_families.py")
-
-
 def pytest_collection_modifyitems(config, items):
     """Modules that start vLLM engines (any test marked ``vllm``: most of the suite's time)
-    run first, the longest of them (:data:`LONGEST`) before the rest, the others after them in
-    their order: with two workers (``make test``, ``--dist loadfile
-    --no-loadscope-reorder``) the run then ends on short modules rather than on one engine
-    module while the other worker idles."""
+    run first, the others after them in their order: with two workers (``make test``,
+    ``--dist loadfile --no-loadscope-reorder``) the run then ends on short modules rather
+    than on one engine module while the other worker idles. (Starting the longest engine
+    modules first was measured slower: they then run side by side, each starting servers and
+    engines of several processes; benchmarks/RESULTS.md, "The test suite's time".)"""
     heavy = {item.path for item in items if item.get_closest_marker("vllm")}
-
-    def rank(item):
-        name = item.path.name
-        return (item.path not in heavy, LONGEST.index(name) if name in LONGEST else len(LONGEST))
-    items.sort(key=rank)  # stable: in-module order kept
+    items.sort(key=lambda item: item.path not in heavy)  # stable: in-module order kept
 
 
 @pytest.fixture(scope="session")
