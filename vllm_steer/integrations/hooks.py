@@ -61,6 +61,14 @@ V2_LENS = HookGroup("v2-lens", "steered prompt logprobs on Model Runner V2 (any 
 V2_SPEC = HookGroup("v2-spec", "speculative decoding on Model Runner V2", "worker",
                     "serve without --speculative-config, or on the V1 model runner "
                     "(VLLM_USE_V2_MODEL_RUNNER=0), ")
+
+
+def reads_of(owner: str, *names: str) -> tuple[str, ...]:
+    """``owner.name`` for each name: what a hook or an accessor reads of one vLLM class
+    (``owner`` as ``module:Class``)."""
+    return tuple(f"{owner}.{n}" for n in names)
+
+
 #: Every group, in the order of the plugin's list.
 GROUPS: tuple[HookGroup, ...] = (FRONTEND, ENGINE, WORKER, V1, V1_LENS, V1_SPEC, V2, V2_LENS,
                                  V2_SPEC)

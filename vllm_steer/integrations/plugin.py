@@ -43,7 +43,8 @@ from vllm_steer.integrations.engine import core, worker_faults
 from vllm_steer.integrations.frontend import (async_llm, cli_args, endpoints, preset_models,
                                               request_field, startup_checks)
 from vllm_steer.integrations.hooks import (ENGINE, RESOLVE_ATTR, V1, V1_LENS, V1_SPEC,
-                                           V2, V2_LENS, V2_SPEC, WORKER, Hook, install_hooks)
+                                           V2, V2_LENS, V2_SPEC, WORKER, Hook, install_hooks,
+                                           reads_of)
 
 
 @functools.cache
@@ -96,7 +97,6 @@ _REQUESTS = request_field.REQUEST_CLASSES
 # vLLM's modules and classes the hooks name (targets and the names their wrappers read)
 _V1 = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _V1_BATCH = "vllm.v1.worker.gpu_input_batch:InputBatch"
-_V1_BUFFER = "vllm.v1.utils:CpuGpuBuffer"  # the runner's _make_buffer: .np (host), .gpu
 _V2 = "vllm.v1.worker.gpu"
 _V2_RUNNER = f"{_V2}.model_runner:GPUModelRunner"
 _V2_BATCH = f"{_V2}.input_batch:InputBatch"
@@ -112,9 +112,6 @@ _OUTPUT = "vllm.v1.outputs:ModelRunnerOutput"
 _REGISTRY = "vllm.entrypoints.openai.models.serving:OpenAIModelRegistry"
 
 
-def _reads(owner: str, *names: str) -> tuple[str, ...]:
-    """``owner.name`` for each name: what a wrapper reads of one vLLM class."""
-    return tuple(f"{owner}.{n}" for n in names)
 
 
 HOOKS: tuple[Hook, ...] = (
@@ -127,9 +124,9 @@ HOOKS: tuple[Hook, ...] = (
     Hook("vllm.engine.arg_utils:EngineArgs.create_engine_config",
          "start-up checks and our logits processor", startup_checks.create_engine_config,
          # the configuration every process reads (families.py, the start-up checks, state)
-         reads=(*_reads(_CONFIG, "model_config", "additional_config", "parallel_config",
+         reads=(*reads_of(_CONFIG, "model_config", "additional_config", "parallel_config",
                         "speculative_config", "use_v2_model_runner"),
-                *_reads(_MODEL, "model", "architectures", "hf_config", "hf_text_config",
+                *reads_of(_MODEL, "model", "architectures", "hf_config", "hf_text_config",
                         "get_hidden_size", "logits_processors", "dtype"))),
     Hook("vllm.v1.engine.input_processor:InputProcessor.__init__",
          "refusing bad steers at admission (HTTP 400)", request_field.input_processor_init,
@@ -153,7 +150,7 @@ HOOKS: tuple[Hook, ...] = (
          params=("model_name",)),
     Hook(f"{_REGISTRY}.show_available_models",
          "presets listed in /v1/models", preset_models.show_available_models,
-         reads=(*_reads(_REGISTRY, "base_model_paths", "model_config"),
+         reads=(*reads_of(_REGISTRY, "base_model_paths", "model_config"),
                 f"{_MODEL}.max_model_len", "vllm.entrypoints.serve.engine.protocol:ModelList.data",
                 "vllm.entrypoints.openai.models.protocol:BaseModelPath.model_path",
                 "vllm.entrypoints.openai.models.protocol:BaseModelPath.name")),
@@ -180,11 +177,11 @@ HOOKS: tuple[Hook, ...] = (
     Hook("vllm.v1.engine.core:EngineCore.collective_rpc",
          "loading/unloading steers in the engine core (collective_rpc)", core.collective_rpc,
          group=ENGINE, params=("method", "timeout", "args", "kwargs"),
-         reads=(*_reads(_ENGINE_CORE, "scheduler", "model_executor", "vllm_config"),
+         reads=(*reads_of(_ENGINE_CORE, "scheduler", "model_executor", "vllm_config"),
                 "vllm.v1.engine.core:EngineCoreProc.engine_index",
                 "vllm.v1.core.sched.scheduler:Scheduler.requests",
                 "vllm.v1.executor.abstract:Executor.collective_rpc",
-                *_reads(_MODEL, "model", "served_model_name"))),
+                *reads_of(_MODEL, "model", "served_model_name"))),
     Hook("vllm.v1.engine.core:EngineCore.add_request",
          "binding a request's steers to (bank slot, load) at admission",
          core.add_request, group=ENGINE, params=("request", "request_wave"),
@@ -197,8 +194,8 @@ HOOKS: tuple[Hook, ...] = (
          "a fault of the plugin's worker code fails only the requests its step steered "
          "(HTTP 500)", worker_faults.update_from_output, group=ENGINE,
          params=("scheduler_output", "model_runner_output"),
-         reads=(*_reads(_SCHEDULER, "requests", "finish_requests"),
-                *_reads("vllm.v1.request:Request", "request_id", "client_index",
+         reads=(*reads_of(_SCHEDULER, "requests", "finish_requests"),
+                *reads_of("vllm.v1.request:Request", "request_id", "client_index",
                         "is_finished"),
                 "vllm.v1.request:RequestStatus.FINISHED_ERROR",
                 "vllm.v1.engine:EngineCoreOutputs.outputs",
@@ -257,8 +254,8 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{_V1}.propose_draft_token_ids",
          "speculative decoding: the drafter's rows -> requests (V1)",
          _worker("spec_v1", "propose_draft_token_ids"), group=V1_SPEC,
-         reads=(*_reads(_V1, "vllm_config", "drafter", "speculative_config"),
-                *_reads(_SPEC_CONFIG, "method", "draft_model_config"))),
+         reads=(*reads_of(_V1, "vllm_config", "drafter", "speculative_config"),
+                *reads_of(_SPEC_CONFIG, "method", "draft_model_config"))),
     Hook("vllm.v1.worker.gpu_model_runner:build_logitsprocs",
          "speculative decoding: our per-request steer state (V1 refuses custom processors)",
          _worker("spec_v1", "build_logitsprocs"), group=V1_SPEC,
@@ -267,16 +264,16 @@ HOOKS: tuple[Hook, ...] = (
          called_by=(f"{_V1}.__init__",)),
     # ---- Model Runner V2 ------------------------------------------------------------------
     Hook(f"{_V2}.sample.logits_processor:LogitsProcessor", "V2 per-request steer state",
-         group=V2, reads=_reads(_V2_STATES, "max_num_reqs", "device")),
+         group=V2, reads=reads_of(_V2_STATES, "max_num_reqs", "device")),
     Hook(f"{_V2_RUNNER}.sample",
          "the step's row -> request mapping (V2; verification rows too)",
          _worker("v2", "sample"), group=V2,
          params=("hidden_states", "input_batch", "grammar_output"),
-         reads=(*_reads(_V2_RUNNER, "vllm_config", "speculator", "batch_sharder", "req_states"),
-                *_reads(_V2_BATCH, "req_ids", "idx_mapping_np", "expanded_idx_mapping",
+         reads=(*reads_of(_V2_RUNNER, "vllm_config", "speculator", "batch_sharder", "req_states"),
+                *reads_of(_V2_BATCH, "req_ids", "idx_mapping_np", "expanded_idx_mapping",
                         "cu_num_logits_np", "num_computed_tokens_np", "num_scheduled_tokens",
                         "query_start_loc_np", "num_reqs"),
-                *_reads(_V2_STATES, "prompt_len", "num_computed_tokens"),
+                *reads_of(_V2_STATES, "prompt_len", "num_computed_tokens"),
                 f"{_V2}.buffer_utils:UvaBackedTensor.np",
                 f"{_V2}.buffer_utils:StagedWriteTensor.gpu")),
     Hook(f"{_V2_RUNNER}.prepare_inputs",
@@ -286,7 +283,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{_V2_RUNNER}.sample_tokens",
          "the requests a fault of the plugin's worker code failed, named in the step's output "
          "(V2)", _worker("v2", "sample_tokens"), group=V2,
-         reads=(*_reads(_V2_RUNNER, "vllm_config", "req_states"),
+         reads=(*reads_of(_V2_RUNNER, "vllm_config", "req_states"),
                 f"{_V2_STATES}.req_id_to_index",
                 f"{_V2}.async_utils:AsyncOutput.model_runner_output", f"{_OUTPUT}.req_ids")),
     Hook(f"{_V2}.sample.batch_shard:BatchSharder.shard_sampler_inputs",
@@ -296,25 +293,25 @@ HOOKS: tuple[Hook, ...] = (
          "steered prompt logprobs (V2)", _worker("v2", "prompt_logprobs"), group=V2_LENS,
          params=("logits_fn", "hidden_states", "input_batch"),
          reads=(f"{_V2_PROMPT}.in_progress_prompt_logprobs",
-                *_reads(_V2_BATCH, "idx_mapping_np", "query_start_loc_np", "num_reqs"))),
+                *reads_of(_V2_BATCH, "idx_mapping_np", "query_start_loc_np", "num_reqs"))),
     Hook(f"{_V2_PROMPT}.compute_prompt_token_id_logprobs",
          "steered prompt logprobs (V2, prompt_logprob_token_ids)",
          _worker("v2", "prompt_token_id_logprobs"), group=V2_LENS,
          params=("logits_fn", "hidden_states", "input_batch"),
          reads=(f"{_V2_PROMPT}.token_id_scores",
-                *_reads(_V2_BATCH, "idx_mapping_np", "query_start_loc_np", "num_reqs"))),
+                *reads_of(_V2_BATCH, "idx_mapping_np", "query_start_loc_np", "num_reqs"))),
     # ---- speculative decoding on Model Runner V2 ------------------------------------------
     Hook(f"{_V2}.spec_decode.standalone_ar.speculator:StandaloneARSpeculator.propose",
          "speculative decoding: the draft model's rows -> requests (V2)",
          _worker("spec_v2", "propose_standalone_v2"), group=V2_SPEC,
          params=("input_batch",),
          reads=(f"{_V2}.spec_decode.standalone_ar.speculator:StandaloneARSpeculator."
-                "vllm_config", *_reads(_V2_BATCH, "num_reqs", "idx_mapping_np"))),
+                "vllm_config", *reads_of(_V2_BATCH, "num_reqs", "idx_mapping_np"))),
     Hook(f"{_V2_SPECULATOR}.load_model",
          "speculative decoding: EAGLE / EAGLE-3 / MTP drafter heads prepared for CUDA graphs "
          "(V2)", _worker("spec_v2", "speculator_load_model"), group=V2_SPEC,
-         reads=(*_reads(_V2_SPECULATOR, "vllm_config", "model"),
-                f"{_V2_RUNNER}.speculator", *_reads(_SPEC_CONFIG, "method",
+         reads=(*reads_of(_V2_SPECULATOR, "vllm_config", "model"),
+                f"{_V2_RUNNER}.speculator", *reads_of(_SPEC_CONFIG, "method",
                                                     "draft_model_config"))),
     Hook(f"{_V2_SPECULATOR}.sample_draft",
          "speculative decoding: the captured draft steps' rows -> requests, on the device (V2)",

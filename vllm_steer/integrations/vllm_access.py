@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from vllm_steer.integrations.hooks import (ENGINE, FRONTEND, V1, V1_LENS, V1_SPEC, V2,
-                                           WORKER, Alternative, HookGroup)
+                                           WORKER, Alternative, HookGroup, reads_of)
 
 
 @dataclass(frozen=True)
@@ -102,10 +102,6 @@ _V1 = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _V1_BATCH = "vllm.v1.worker.gpu_input_batch:InputBatch"
 _V1_BUFFER = "vllm.v1.utils:CpuGpuBuffer"  # the runner's _make_buffer: .np (host), .gpu
 _OUTPUT = "vllm.v1.outputs:ModelRunnerOutput"
-
-
-def _reads(owner: str, *names: str) -> tuple[str, ...]:
-    return tuple(f"{owner}.{n}" for n in names)
 #: The OpenAI request models that carry the ``steer`` field, ``(module, class)``.
 REQUEST_CLASSES = (
     ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
@@ -631,35 +627,35 @@ ACCESSES: tuple[Access, ...] = (
                        ("num_reqs", "num_computed_tokens_cpu", "num_prompt_tokens"))),
     Access(v1_input_batch, "the step's rows (V1)", V1, reads=(f"{_V1}.input_batch",)),
     Access(v1_batch_positions, "generated-token positions of the batch rows for generation "
-           "windows (V1)", V1, reads=_reads(_V1_BATCH, "num_reqs", "num_computed_tokens_cpu",
+           "windows (V1)", V1, reads=reads_of(_V1_BATCH, "num_reqs", "num_computed_tokens_cpu",
                                             "num_prompt_tokens")),
     Access(v1_step_output, "the requests a fault failed, named in the step's output (V1)", V1,
            reads=("vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput."
                   "_model_runner_output", f"{_OUTPUT}.req_ids")),
     Access(v1_untrack_output_token_ids, "no output-token tracking for our processor (V1)", V1,
-           reads=(*_reads(_V1_BATCH, "logitsprocs", "logitsprocs_need_output_token_ids"),
+           reads=(*reads_of(_V1_BATCH, "logitsprocs", "logitsprocs_need_output_token_ids"),
                   "vllm.v1.sample.logits_processor:BUILTIN_LOGITS_PROCESSORS",
                   "vllm.v1.sample.logits_processor.state:LogitsProcessors.all"),
            sets=(f"{_V1_BATCH}.logitsprocs_need_output_token_ids",)),
     Access(v1_has_prompt_logprobs, "steered prompt logprobs (V1)", V1_LENS,
            reads=(f"{_V1}.num_prompt_logprobs",)),
     Access(v1_query_start_loc, "steered prompt logprobs (V1)", V1_LENS,
-           reads=(*_reads(_V1, "input_batch", "query_start_loc"), f"{_V1_BATCH}.num_reqs",
+           reads=(*reads_of(_V1, "input_batch", "query_start_loc"), f"{_V1_BATCH}.num_reqs",
                   f"{_V1_BUFFER}.np")),
     Access(v1_speculates, "speculative decoding: the step's verification rows (V1)", V1_SPEC,
            reads=(f"{_V1}.speculative_config",)),
     Access(v1_num_reqs, "speculative decoding: the drafter's rows (V1)", V1_SPEC,
            reads=(f"{_V1}.input_batch", f"{_V1_BATCH}.num_reqs")),
     Access(v1_token_counts, "speculative decoding: the verification rows' positions (V1)",
-           V1_SPEC, reads=_reads(_V1_BATCH, "num_computed_tokens_cpu", "num_prompt_tokens")),
+           V1_SPEC, reads=reads_of(_V1_BATCH, "num_computed_tokens_cpu", "num_prompt_tokens")),
     Access(v1_corrected_computed_tokens, "speculative decoding under async scheduling: the "
            "verification rows' positions (V1)", V1_SPEC,
-           reads=(*_reads(_V1, "input_batch", "use_async_spec_decode", "prev_num_draft_tokens",
+           reads=(*reads_of(_V1, "input_batch", "use_async_spec_decode", "prev_num_draft_tokens",
                           "_get_valid_sampled_token_count"),
-                  *_reads(_V1_BATCH, "num_computed_tokens_cpu", "req_ids",
+                  *reads_of(_V1_BATCH, "num_computed_tokens_cpu", "req_ids",
                           "prev_req_id_to_index"), f"{_V1_BUFFER}.np")),
     Access(v1_add_logits_processor, "speculative decoding: our per-request steer state (V1)",
-           V1_SPEC, reads=_reads("vllm.v1.sample.logits_processor.state:LogitsProcessors",
+           V1_SPEC, reads=reads_of("vllm.v1.sample.logits_processor.state:LogitsProcessors",
                                  "argmax_invariant", "non_argmax_invariant")),
     Access(v2_step_tokens, "the step mapping of the decoder layers' steers (V2)", V2,
            reads=(*(f"vllm.v1.worker.gpu.input_batch:InputBatch.{n}" for n in
