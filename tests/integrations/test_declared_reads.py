@@ -1,18 +1,11 @@
 """One rule: the plugin touches no attribute of a vLLM object outside its accessor layer
-(``vllm_steer/integrations/vllm_access.py``), but in the hook modules of :data:`HOOK_MODULES`;
-and every name touched there is declared (an :class:`~vllm_steer.integrations.vllm_access.
-Access`'s names, a hook's target or ``Hook.reads``), so the start-up check verifies it on the
-installed vLLM's surface: a release that renamed it is refused at start-up, not at the first
-request that reaches it.
-
-The hook modules allowed to read vLLM objects themselves are the wrappers of the engine core,
-of the API server's engine client and model registry, the per-request steer state, the
-steered head and the model runners' row mapping: each reads the state of the vLLM object its
-wrapper is handed (a runner's input batch, a scheduler's requests), on the hot path or in a
-sequence with vLLM's own call, and every name it reads is declared on its hook in ``HOOKS``
-(``Hook.reads``, ``Hook.params``). Everything else (the start-up checks, the request field,
-admission and binding, the families, the engine-core state, the HTTP routes of
-``vllm_steer/server/``, metrics) goes through the layer's named functions.
+(``vllm_steer/integrations/vllm_access.py``), and every name touched there is declared (its
+:class:`~vllm_steer.integrations.vllm_access.Access`'s names), so the start-up check verifies
+it on the installed vLLM's surface: a release that renamed it is refused at start-up, not at
+the first request that reaches it. The hook wrappers (the engine core's, the API server's,
+the model runners', the steered head and the per-request state) call the layer's named
+functions like everything else (the start-up checks, the request field, admission and
+binding, the families, the HTTP routes of ``vllm_steer/server/``, metrics).
 
 Read from the source (``ast``) of the code that runs in vLLM's processes:
 ``vllm_steer/integrations``, ``vllm_steer/server`` and ``vllm_steer/metrics.py`` (the tools
@@ -50,26 +43,11 @@ SOURCES = sorted((PACKAGE / "integrations").rglob("*.py")) + \
     sorted((PACKAGE / "server").rglob("*.py")) + [PACKAGE / "metrics.py"]
 #: The accessor layer.
 LAYER = "vllm_steer/integrations/vllm_access.py"
-#: The hook modules that read the vLLM objects their wrappers are handed, and why.
-HOOK_MODULES = {
-    "vllm_steer/integrations/engine/core.py": "EngineCore wrappers (the output queue)",
-    "vllm_steer/integrations/engine/management.py": "run-time loads: the engine core's "
-    "scheduler, executor and model",
-    "vllm_steer/integrations/engine/worker_faults.py": "Scheduler.update_from_output",
-    "vllm_steer/integrations/frontend/async_llm.py": "AsyncLLM wrappers",
-    "vllm_steer/integrations/frontend/preset_models.py": "the model registry's wrappers",
-    "vllm_steer/integrations/request_state_v1.py": "V1 per-request state (vLLM's class)",
-    "vllm_steer/integrations/request_state_v2.py": "V2 per-request state (vLLM's class)",
-    "vllm_steer/integrations/worker/head.py": "the steered head (vLLM's LogitsProcessor)",
-    "vllm_steer/integrations/worker/runtime.py": "the worker's runtime (speculative config)",
-    "vllm_steer/integrations/worker/spec_decode.py": "the drafter heads",
-    "vllm_steer/integrations/worker/spec_v2.py": "V2 runner: drafter rows",
-    "vllm_steer/integrations/worker/v2.py": "V2 runner: the step's rows",
-}
 #: Parameter and variable names the plugin gives the vLLM objects it is handed, outside the
 #: wrappers' own parameters.
 VLLM_NAMES = {"core", "runner", "vllm_config", "model_config", "req_states", "input_batch",
-              "sharder", "scheduler_output", "speculative_config", "engine", "llm"}
+              "sharder", "scheduler_output", "speculative_config", "engine", "llm", "scheduler",
+              "worker", "output", "models"}
 #: Attributes of the plain types found behind a vLLM attribute (``x.a.values()``): not vLLM's.
 PLAIN = {n for t in (dict, list, tuple, set, str, queue.Queue, np.ndarray, torch.Tensor,
                     torch.nn.Module, types.AsyncGeneratorType, types.CoroutineType)
@@ -99,13 +77,6 @@ class Touch:
     """``read``, ``set``, or the built-in called (``getattr``, ``setattr``, ...)."""
     wrapper: bool
     """Whether it is in a hook wrapper (first parameter ``orig``)."""
-
-
-def declared() -> set[str]:
-    """The last component of every name HOOKS and the layer declare."""
-    names = {t.target for h in HOOKS for t in h.targets} | {r for h in HOOKS for r in h.reads} \
-        | {n for a in vllm_access.ACCESSES for n in a.all_names}
-    return {last(n) for n in names}
 
 
 def last(name: str) -> str:
@@ -237,7 +208,6 @@ def scan(source: str, rel: str) -> tuple[list[Touch], list[tuple[str, str]]]:
 def violations(source: str, rel: str) -> list[str]:
     """What breaks the rule in ``source`` (the file ``rel``, relative to the repository)."""
     touches, _ = scan(source, rel)
-    names = declared()
     per_access = {a.function.__name__: {last(n) for n in a.all_names}
                   for a in vllm_access.ACCESSES}
     out = []
@@ -250,14 +220,6 @@ def violations(source: str, rel: str) -> list[str]:
                 out.append(f"{what}: in no accessor declared in ACCESSES")
             elif t.name is not None and t.name not in per_access[t.function]:
                 out.append(f"{what}: not declared in the Access of {t.function}")
-        elif rel in HOOK_MODULES:
-            if t.name is None:
-                continue  # a name computed at run time: not seen here
-            if t.name not in names:
-                out.append(f"{what}: not declared in HOOKS (add it to the reads of the hook "
-                           "whose code reads it)")
-            elif t.how in ("setattr", "delattr") or (t.how == "set" and not t.wrapper):
-                out.append(f"{what}: set outside a hook wrapper")
         else:
             out.append(f"{what}: a vLLM object touched outside {LAYER} (call an accessor)")
     return out
@@ -295,7 +257,6 @@ def test_the_allowed_files_exist_and_our_names_are_ours():
     from vllm_steer.integrations.hooks import resolve
 
     assert (ROOT / LAYER).is_file()
-    assert [f for f in HOOK_MODULES if not (ROOT / f).is_file()] == []
     for name, owner in OURS.items():
         assert name in vars(resolve(owner)), (name, owner)
 
@@ -317,14 +278,13 @@ def test_an_alias_of_a_vllm_object_is_followed():
     assert violations(src, FRONTEND_FILE) == []  # no attribute touched: nothing to find
     _one("def f(vllm_config):\n    x = vllm_config\n    y = x\n    return y.enforce_eager\n",
          FRONTEND_FILE, "read enforce_eager", "outside")
-    # in a hook module an alias's read must be declared
-    _one("def f(orig, self):\n    batch = self.input_batch\n    return batch.no_such_field\n",
-         RUNNER_FILE, "read no_such_field", "not declared in HOOKS")
-    # and set only inside a wrapper
+    # in a runner's hook wrapper too: an alias of what it is handed, read or set
+    _one("def f(orig, self):\n    batch = self.input_batch\n    return batch.num_reqs\n",
+         RUNNER_FILE, "read num_reqs", "outside")
     _one("def f(orig, self):\n    out = orig(self)\n    out.req_ids = []\n    return out\n",
          FRONTEND_FILE, "set req_ids", "outside")
     _one("def f(runner):\n    batch = runner.input_batch\n    batch.num_reqs = 0\n",
-         RUNNER_FILE, "set num_reqs", "set outside a hook wrapper")
+         RUNNER_FILE, "set num_reqs", "outside")
 
 
 def test_getattr_on_a_vllm_object_is_a_touch():
@@ -332,8 +292,8 @@ def test_getattr_on_a_vllm_object_is_a_touch():
          FRONTEND_FILE, "getattr enforce_eager")
     _one("def f(vllm_config, name):\n    return getattr(vllm_config.model_config, name)\n",
          FRONTEND_FILE, "getattr (a computed name)")
-    _one("def f(runner):\n    return getattr(runner, 'no_such_field', None)\n",
-         RUNNER_FILE, "getattr no_such_field", "not declared in HOOKS")
+    _one("def f(runner):\n    return getattr(runner, 'speculator', None)\n",
+         RUNNER_FILE, "getattr speculator", "outside")
     _one("def f(orig, self, request):\n    sp = getattr(request, 'sampling_params')\n"
          "    setattr(sp, 'extra_args', {})\n", RUNNER_FILE, "setattr extra_args")
 
@@ -368,9 +328,12 @@ def test_the_scan_finds_the_reads_it_is_meant_to():
     known places."""
     got = {(t.where.split(":")[0], t.name) for p in SOURCES
            for t in scan(p.read_text(), _rel(p))[0]}
-    assert ("vllm_steer/integrations/worker/v2.py", "idx_mapping_np") in got
-    assert ("vllm_steer/integrations/request_state_v2.py", "max_num_reqs") in got
-    assert ("vllm_steer/integrations/engine/management.py", "scheduler") in got
+    assert (LAYER, "idx_mapping_np") in got and (LAYER, "max_num_reqs") in got
+    assert (LAYER, "scheduler") in got and (LAYER, "output_queue") in got
     assert (LAYER, "enforce_eager") in got and (LAYER, "is_last_rank") in got
+    # the same reads where the hooks once made them, planted: found there too
+    planted = [t.name for t in scan("def f(orig, self, input_batch):\n"
+                                    "    return input_batch.idx_mapping_np\n", RUNNER_FILE)[0]]
+    assert planted == ["idx_mapping_np"]
     private = {n for p in SOURCES for _, n in scan(p.read_text(), _rel(p))[1]}
     assert "pydantic._internal._decorators:Decorator" in private

@@ -24,7 +24,9 @@ imports it. Named in ``model_config.logits_processors`` by
 from __future__ import annotations
 
 import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+
+from vllm_steer.integrations import vllm_access
 
 from vllm_steer.integrations.frontend import admission
 from vllm_steer.integrations.worker.runtime import get_runtime, max_step_rows
@@ -42,9 +44,9 @@ class SteerRequestStateV1(LogitsProcessor):
         admission.validate(sampling_params)
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        self.runtime = get_runtime(vllm_config.additional_config)
+        self.runtime = get_runtime(vllm_access.additional_config(vllm_config))
         if self.runtime is not None:
-            seqs = vllm_config.scheduler_config.max_num_seqs
+            seqs = vllm_access.max_num_seqs(vllm_config)
             self.runtime.ensure_slots(seqs, device, max_step_rows(vllm_config, seqs))
 
     def is_argmax_invariant(self) -> bool:
@@ -66,7 +68,7 @@ class SteerRequestStateV1(LogitsProcessor):
             for slot, params, _prompt, _out in batch_update.added:
                 rt.assign(slot, params)  # decoded once, into its row and windows
             for a, b, direction in batch_update.moved:
-                swap = direction == MoveDirectionality.SWAP
+                swap = vllm_access.is_swap(direction)
                 rt.slots.move(a, b, swap=swap)
                 if rt.faults.slots:
                     rt.faults.move(a, b, swap)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
 
+from vllm_steer.integrations import vllm_access
 from vllm_steer.integrations.frontend import admission
 from vllm_steer.integrations.worker.rows import NO_ROWS
 from vllm_steer.integrations.worker.runtime import get_runtime, max_step_rows
@@ -58,12 +59,12 @@ class SteerRequestStateV2(LogitsProcessor):
 
     def __init__(self, vllm_config, req_states) -> None:
         super().__init__(vllm_config, req_states)
-        self.runtime = get_runtime(vllm_config.additional_config)
+        self.runtime = get_runtime(vllm_access.additional_config(vllm_config))
         self.slots = None if self.runtime is None else self.runtime.slots  # the request slots
         self.declare_steered = has_greedy_fast_path()  # see GREEDY_FAST_PATH_MODULE
         if self.runtime is not None:
-            seqs = req_states.max_num_reqs
-            self.runtime.ensure_slots(seqs, req_states.device, max_step_rows(vllm_config, seqs))
+            seqs, device = vllm_access.v2_request_states_size(req_states)
+            self.runtime.ensure_slots(seqs, device, max_step_rows(vllm_config, seqs))
             # outside sample() (prompt logprobs, warm-up) rows have no known slot: unsteered
             self.runtime.planner.row_source = NO_ROWS
 

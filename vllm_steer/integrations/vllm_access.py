@@ -1,6 +1,7 @@
-"""Where the plugin reads and writes vLLM's objects outside its hook modules: one small named
-function per access (the configuration, the OpenAI request models, a request's sampling
-parameters, the pipeline-parallel group, the engine client of the HTTP routes).
+"""Where the plugin reads and writes vLLM's objects, its hook wrappers included: one small
+named function per access (the configuration, the OpenAI request models, a request's sampling
+parameters, the pipeline-parallel group, the engine client of the HTTP routes, the engine
+core's scheduler and outputs, the model runners' batches and rows, the drafters).
 
 Each function is declared in :data:`ACCESSES` as an :class:`Access`: the vLLM names it reads
 or sets, ``module:Class.name`` as vLLM defines them (and pydantic's private names it edits
@@ -10,8 +11,8 @@ moved a name, the names of the other releases (:class:`Release`). The start-up c
 installed vLLM's surface, as it does the hooks' (the committed manifest in
 ``vllm_steer/integrations/surfaces/`` when there is one, else vLLM's source), so a release that
 renamed one is refused at start-up, naming the access. ``tests/integrations/
-test_declared_reads.py`` keeps the rule: outside this module and the hook modules it names,
-the plugin touches no attribute of a vLLM object.
+test_declared_reads.py`` keeps the rule: outside this module the plugin touches no attribute
+of a vLLM object.
 
 This module imports neither torch nor vLLM at import time (the frontend imports it).
 """
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from vllm_steer.integrations.hooks import (ENGINE, FRONTEND, V1, V1_LENS, V1_SPEC, V2,
-                                           WORKER, Alternative, HookGroup, reads_of)
+                                           V2_LENS, V2_SPEC, WORKER, Alternative, HookGroup,
+                                           reads_of)
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,17 @@ _V1 = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _V1_BATCH = "vllm.v1.worker.gpu_input_batch:InputBatch"
 _V1_BUFFER = "vllm.v1.utils:CpuGpuBuffer"  # the runner's _make_buffer: .np (host), .gpu
 _OUTPUT = "vllm.v1.outputs:ModelRunnerOutput"
+_V2 = "vllm.v1.worker.gpu"
+_SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
+_REGISTRY = "vllm.entrypoints.openai.models.serving:OpenAIModelRegistry"
+_BASE_PATH = "vllm.entrypoints.openai.models.protocol:BaseModelPath"
+_LOGITS_LAYER = "vllm.model_executor.layers.logits_processor:LogitsProcessor"
+_V2_RUNNER = f"{_V2}.model_runner:GPUModelRunner"
+_V2_BATCH = f"{_V2}.input_batch:InputBatch"
+_V2_STATES = f"{_V2}.states:RequestState"
+_V2_SPECULATOR = f"{_V2}.spec_decode.speculator:DraftModelSpeculator"
+_V2_STANDALONE = f"{_V2}.spec_decode.standalone_ar.speculator:StandaloneARSpeculator"
+_V2_PROMPT = f"{_V2}.sample.prompt_logprob:PromptLogprobsWorker"
 #: The OpenAI request models that carry the ``steer`` field, ``(module, class)``.
 REQUEST_CLASSES = (
     ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
@@ -427,6 +440,348 @@ def v2_step_tokens(runner, input_batch):
     return idx, counts, computed + 1 - prompt_len[idx]
 
 
+def logits_layer_calls(logits_processor_cls) -> tuple[Callable, Callable]:
+    """``(forward, get_top_tokens)`` of vLLM's ``LogitsProcessor`` class, which the steered
+    head calls after steering the rows (bound once, at import)."""
+    return logits_processor_cls.forward, logits_processor_cls.get_top_tokens
+
+
+def logits_as_input(head) -> bool:
+    """Whether a ``LogitsProcessor`` takes logits, not hidden states (nothing to steer)."""
+    return bool(head.logits_as_input)
+
+
+def head_dtype(head):
+    """A ``LogitsProcessor``'s own dtype of the head (None: the model's)."""
+    return getattr(head, "head_dtype", None)
+
+
+def model_dtype(model_config):
+    """The model's dtype."""
+    return getattr(model_config, "dtype", None)
+
+
+def platform_device_type() -> str:
+    """vLLM's current platform's device type (``"cuda"``, ``"cpu"``, ...)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type
+
+
+def worker_vllm_config(worker):
+    """The ``VllmConfig`` a vLLM worker was built with."""
+    return worker.vllm_config
+
+
+def v1_runner_vllm_config(runner):
+    """The ``VllmConfig`` of V1's runner."""
+    return runner.vllm_config
+
+
+def v2_runner_vllm_config(runner):
+    """The ``VllmConfig`` of Model Runner V2."""
+    return runner.vllm_config
+
+
+def speculator_vllm_config(speculator):
+    """The ``VllmConfig`` of a Model Runner V2 speculator."""
+    return speculator.vllm_config
+
+
+def speculative_tokens(vllm_config) -> int:
+    """The draft tokens a request verifies per step (0: no speculative decoding)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    k = getattr(spec, "num_speculative_tokens", None) if spec is not None else None
+    return int(k) if isinstance(k, int) and k > 0 else 0
+
+
+def v2_req_ids(input_batch) -> list:
+    """The request ids of Model Runner V2's step, in batch order (vLLM's own list)."""
+    return input_batch.req_ids
+
+
+def v2_batch_slots(input_batch):
+    """Each request's request-state slot in V2's step (``idx_mapping``'s host copy,
+    ``[num_reqs]``; vLLM's own array)."""
+    return input_batch.idx_mapping_np
+
+
+def v2_drafter_batch_slots(input_batch):
+    """The slots of the requests a V2 draft model proposes for (``idx_mapping``'s host copy,
+    its first ``num_reqs``; empty when the batch has none)."""
+    import numpy as np
+
+    num_reqs = getattr(input_batch, "num_reqs", 0)
+    slots = getattr(input_batch, "idx_mapping_np", None)
+    if not num_reqs or slots is None:
+        return np.zeros(0, dtype=np.int64)
+    return np.asarray(slots[:num_reqs], dtype=np.int64)
+
+
+def v2_row_mapping(input_batch):
+    """Each sampled row's request-state slot on the device (``expanded_idx_mapping``)."""
+    return input_batch.expanded_idx_mapping
+
+
+def v2_logits_offsets(input_batch):
+    """The sampled rows' offsets per request (``cu_num_logits``'s host copy, ``[num_reqs +
+    1]`` or shorter where vLLM keeps none)."""
+    return input_batch.cu_num_logits_np
+
+
+def v2_token_slots(input_batch):
+    """The request-state slot of every scheduled token of V2's step (host arrays only)."""
+    import numpy as np
+
+    n = input_batch.num_reqs
+    qsl = np.asarray(input_batch.query_start_loc_np[: n + 1])
+    return np.repeat(np.asarray(input_batch.idx_mapping_np[:n], dtype=np.int64), np.diff(qsl))
+
+
+def v2_last_positions(runner, input_batch, true_counts: bool):
+    """The generated-token index each request of V2's step samples last (``computed +
+    scheduled - prompt``; None where the runner keeps no request states). ``true_counts``:
+    the computed-token counts from the device (:func:`v2_device_computed_tokens`) rather than
+    the host mirror."""
+    import numpy as np
+
+    req_states = getattr(runner, "req_states", None)
+    if req_states is None:
+        return None
+    idx = input_batch.idx_mapping_np  # [num_reqs]
+    n = len(idx)
+    computed = v2_device_computed_tokens(runner, idx) if true_counts \
+        else input_batch.num_computed_tokens_np[:n]
+    return (computed + input_batch.num_scheduled_tokens[:n]
+            - req_states.prompt_len.np[idx]).astype(np.int64)
+
+
+def v2_device_computed_tokens(runner, idx):
+    """The computed-token counts of request-state slots ``idx`` from V2's device state.
+
+    With speculative decoding V2's host mirror (``num_computed_tokens_np``) is an upper bound:
+    the scheduler counts every draft of the previous step as accepted, and V2 corrects only
+    its device copy (``post_update``, after ``sample()``). A generation window needs the true
+    count: read the device copy, which at ``sample()`` holds this step's starting count. This
+    read waits for the step's forward (a device-to-host copy): only steps that hold a
+    windowed request under speculative decoding pay it."""
+    import numpy as np
+    import torch
+
+    index = torch.as_tensor(np.asarray(idx, dtype=np.int64))
+    gpu = runner.req_states.num_computed_tokens.gpu
+    return gpu.index_select(0, index.to(gpu.device)).cpu().numpy().astype(np.int64)
+
+
+def v2_batch_sharder(runner):
+    """V2's ``BatchSharder`` (None: no batch-sharded sampling)."""
+    return getattr(runner, "batch_sharder", None)
+
+
+def v2_speculator(runner):
+    """V2's speculator (None: no speculative decoding)."""
+    return getattr(runner, "speculator", None)
+
+
+def v2_step_output(out):
+    """``(ModelRunnerOutput, its request ids)`` of what V2's ``sample_tokens`` returned (an
+    async output holds the step's ``ModelRunnerOutput``)."""
+    output = getattr(out, "model_runner_output", out)
+    return output, getattr(output, "req_ids", None) or ()
+
+
+def v2_request_slots(runner, req_ids) -> list[int]:
+    """The request-state slot of each of ``req_ids`` (-1: none)."""
+    index = runner.req_states.req_id_to_index
+    return [index.get(r, -1) for r in req_ids]
+
+
+def v2_prompt_logprobs_pending(worker) -> bool:
+    """Whether a running request asked V2's prompt-logprob worker for prompt logprobs."""
+    return bool(worker.in_progress_prompt_logprobs)
+
+
+def v2_prompt_token_ids_pending(worker) -> bool:
+    """Whether a running request asked V2's prompt-logprob worker for the logprobs of given
+    prompt tokens (``prompt_logprob_token_ids``)."""
+    return bool(worker.token_id_scores)
+
+
+def v2_request_states_size(req_states) -> tuple[int, Any]:
+    """``(max_num_reqs, device)`` of V2's request states (what our per-request state sizes
+    its slots by)."""
+    return req_states.max_num_reqs, req_states.device
+
+
+def v1_drafter_model(runner):
+    """V1's drafter model, ``runner.drafter.model`` (None for n-gram)."""
+    model = getattr(getattr(runner, "drafter", None), "model", None)
+    return model if model is not None and hasattr(model, "named_modules") else None
+
+
+def v2_drafter_model(runner):
+    """Model Runner V2's drafter model, ``runner.speculator.model`` (None: none loaded)."""
+    model = getattr(getattr(runner, "speculator", None), "model", None)
+    return model if model is not None and hasattr(model, "named_modules") else None
+
+
+def speculator_model(speculator):
+    """A V2 speculator's drafter model (None before it is loaded)."""
+    return getattr(speculator, "model", None)
+
+
+def v1_runner_speculative_config(runner):
+    """V1's runner's ``SpeculativeConfig``."""
+    return runner.speculative_config
+
+
+def v2_runner_speculative_config(runner):
+    """Model Runner V2's ``SpeculativeConfig``."""
+    return runner.speculative_config
+
+
+def draft_model_config(spec):
+    """The drafter's ``ModelConfig`` (None: n-gram and the like)."""
+    return getattr(spec, "draft_model_config", None)
+
+
+def spec_method(spec) -> str | None:
+    """A ``SpeculativeConfig``'s method (``"eagle"``, ``"ngram"``, ...)."""
+    return getattr(spec, "method", None)
+
+
+# ---- the engine core: its scheduler, executor and outputs ---------------------------------
+def core_output_queue(core):
+    """An engine core's output queue (None: the engine core runs in the caller's process)."""
+    return getattr(core, "output_queue", None)
+
+
+def core_requests(core) -> list:
+    """Every request the engine core's scheduler holds (waiting or running)."""
+    return list(core.scheduler.requests.values())
+
+
+def core_run_in_workers(core, fn, args: tuple) -> list:
+    """``fn(worker, *args)`` in every worker, through the engine core's executor."""
+    return core.model_executor.collective_rpc(fn, args=args)
+
+
+def core_model_config(core):
+    """The engine core's ``ModelConfig``."""
+    return core.vllm_config.model_config
+
+
+def error_output(request_id: str, stop_reason: str):
+    """vLLM's output that finishes a request with an error (``FinishReason.ERROR``), its
+    ``stop_reason`` carrying the plugin's message (as ``EngineCore._send_error_outputs_to_
+    client`` builds it)."""
+    from vllm.v1.engine import EngineCoreOutput, FinishReason
+
+    return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR,
+                            stop_reason=stop_reason)
+
+
+def send_error_output(core, request, stop_reason: str) -> None:
+    """Finish ``request`` (not yet scheduled) at once with :func:`error_output`, put on the
+    engine core's output queue for its client."""
+    from vllm.v1.engine import EngineCoreOutputs
+
+    out = error_output(request.request_id, stop_reason)
+    core.output_queue.put_nowait(
+        (request.client_index, EngineCoreOutputs(finished_requests={request.request_id},
+                                                 outputs=[out])))
+
+
+def step_failures(output) -> dict | None:
+    """The requests the plugin's worker code failed in a step, ``{request id: message}``,
+    attached to the step's ``ModelRunnerOutput`` (:func:`attach_step_failures`)."""
+    from vllm_steer.integrations.protocol import STEP_FAILED_ATTR
+
+    return getattr(output, STEP_FAILED_ATTR, None)
+
+
+def attach_step_failures(output, failed: dict) -> None:
+    """Attach ``{request id: message}`` to a step's ``ModelRunnerOutput`` (pickled with it to
+    the engine core); never to vLLM's shared empty output (a step with requests has its
+    own)."""
+    from vllm_steer.integrations.protocol import STEP_FAILED_ATTR
+
+    if failed and getattr(output, "req_ids", None):
+        setattr(output, STEP_FAILED_ATTR, failed)
+
+
+def fail_running_requests(scheduler, failed: dict) -> list[tuple[str, int]]:
+    """Finish the scheduler's unfinished requests among ``failed`` (``FINISHED_ERROR``):
+    their ``(request id, client index)``."""
+    from vllm.v1.request import RequestStatus
+
+    running = [r for r in map(scheduler.requests.get, failed)
+               if r is not None and not r.is_finished()]
+    scheduler.finish_requests([r.request_id for r in running], RequestStatus.FINISHED_ERROR)
+    return [(r.request_id, r.client_index) for r in running]
+
+
+def add_error_output(outputs: dict, client_index: int, request_id: str,
+                     stop_reason: str) -> None:
+    """Add :func:`error_output` to a step's outputs per client (``{client index:
+    EngineCoreOutputs}``, what ``Scheduler.update_from_output`` returns)."""
+    from vllm.v1.engine import EngineCoreOutputs
+
+    out = error_output(request_id, stop_reason)
+    eco = outputs[client_index] if client_index in outputs else None
+    if eco is None:
+        outputs[client_index] = EngineCoreOutputs(outputs=[out])
+    else:
+        eco.outputs = [*eco.outputs, out]
+
+
+def max_num_seqs(vllm_config) -> int:
+    """The most requests in one step (``--max-num-seqs``)."""
+    return vllm_config.scheduler_config.max_num_seqs
+
+
+def is_swap(direction) -> bool:
+    """Whether a V1 batch move is a swap (``MoveDirectionality.SWAP``), not a one-way move."""
+    from vllm.v1.sample.logits_processor import MoveDirectionality
+
+    return direction == MoveDirectionality.SWAP
+
+
+# ---- the API server's model registry ---------------------------------------------------------
+def registry_model_names(models) -> tuple[list[str], list[str]]:
+    """The names an ``OpenAIModelRegistry`` serves itself: ``(its base models', its LoRA
+    adapters')``."""
+    return ([b.name for b in getattr(models, "base_model_paths", None) or ()],
+            list(getattr(models, "lora_requests", None) or {}))
+
+
+def serving_models(serving):
+    """The model registry of an OpenAI route's serving object."""
+    return serving.models
+
+
+def registry_base_model(models) -> tuple[str, str, int]:
+    """``(name, path, max_model_len)`` of the registry's first base model."""
+    base = models.base_model_paths[0]
+    return base.name, base.model_path, models.model_config.max_model_len
+
+
+def add_model_cards(models, cards: list) -> None:
+    """Add model cards to a ``/v1/models`` answer (``ModelList``)."""
+    models.data.extend(cards)
+
+
+def request_model_field(request) -> str | None:
+    """The ``model`` an OpenAI request names (None: none)."""
+    return getattr(request, "model", None)
+
+
+def has_extra_args(params) -> bool:
+    """Whether ``params`` is a ``SamplingParams`` (which carries ``extra_args``; pooling
+    parameters do not)."""
+    return hasattr(params, "extra_args")
+
+
 # ---- the OpenAI request models (API server) ----------------------------------------------
 def add_request_field(cls, name: str, annotation, field, validator_name: str,
                       validator: Callable) -> bool:
@@ -664,6 +1019,122 @@ ACCESSES: tuple[Access, ...] = (
                   "vllm.v1.worker.gpu.model_runner:GPUModelRunner.req_states",
                   "vllm.v1.worker.gpu.states:RequestState.prompt_len",
                   "vllm.v1.worker.gpu.buffer_utils:UvaBackedTensor.np")),
+    Access(logits_layer_calls, "the steered head runs vLLM's logits layer", WORKER,
+           reads=reads_of(_LOGITS_LAYER, "forward", "get_top_tokens")),
+    Access(logits_as_input, "the steered head: hidden states in, or logits", WORKER,
+           reads=(f"{_LOGITS_LAYER}.logits_as_input",)),
+    Access(head_dtype, "the steered head's dtype", WORKER,
+           reads=(f"{_LOGITS_LAYER}.head_dtype",)),
+    Access(model_dtype, "the steers' dtype on the device", WORKER,
+           reads=(f"{_MODEL}.dtype",)),
+    Access(platform_device_type, "the steers' device when the model loads on meta", WORKER,
+           reads=("vllm.platforms:current_platform", "vllm.platforms.interface:Platform."
+                  "device_type")),
+    Access(worker_vllm_config, "the worker's runtime (run-time loads)", WORKER,
+           reads=("vllm.v1.worker.worker_base:WorkerBase.vllm_config",)),
+    Access(v1_runner_vllm_config, "the runner's runtime (V1)", V1,
+           reads=(f"{_V1}.vllm_config",)),
+    Access(v2_runner_vllm_config, "the runner's runtime (V2)", V2,
+           reads=(f"{_V2_RUNNER}.vllm_config",)),
+    Access(speculator_vllm_config, "the speculator's runtime (V2)", V2_SPEC,
+           reads=(f"{_V2_SPECULATOR}.vllm_config", f"{_V2_STANDALONE}.vllm_config")),
+    Access(speculative_tokens, "the head's rows per step: verification rows too", WORKER,
+           reads=(f"{_CONFIG}.speculative_config", f"{_SPEC}.num_speculative_tokens")),
+    Access(v2_req_ids, "the step's rows: a steady batch (V2)", V2,
+           reads=(f"{_V2_BATCH}.req_ids",)),
+    Access(v2_batch_slots, "the step's requests' slots (V2)", V2,
+           reads=(f"{_V2_BATCH}.idx_mapping_np",)),
+    Access(v2_drafter_batch_slots, "speculative decoding: the draft model's rows (V2)",
+           V2_SPEC, reads=reads_of(_V2_BATCH, "num_reqs", "idx_mapping_np")),
+    Access(v2_row_mapping, "the step's rows on the device (V2)", V2,
+           reads=(f"{_V2_BATCH}.expanded_idx_mapping",)),
+    Access(v2_logits_offsets, "the step's verification rows (V2)", V2,
+           reads=(f"{_V2_BATCH}.cu_num_logits_np",)),
+    Access(v2_token_slots, "each token's slot: prompt logprobs, batch-sharded sampling (V2)",
+           V2, reads=reads_of(_V2_BATCH, "num_reqs", "query_start_loc_np", "idx_mapping_np")),
+    Access(v2_last_positions, "generated-token positions of the rows for generation windows "
+           "(V2)", V2,
+           reads=(f"{_V2_RUNNER}.req_states",
+                  *reads_of(_V2_BATCH, "idx_mapping_np", "num_computed_tokens_np",
+                            "num_scheduled_tokens"),
+                  f"{_V2_STATES}.prompt_len", f"{_V2}.buffer_utils:UvaBackedTensor.np")),
+    Access(v2_device_computed_tokens, "generation windows under speculative decoding: the "
+           "true computed-token counts (V2)", V2,
+           reads=(f"{_V2_RUNNER}.req_states", f"{_V2_STATES}.num_computed_tokens",
+                  f"{_V2}.buffer_utils:StagedWriteTensor.gpu")),
+    Access(v2_batch_sharder, "rows of batch-sharded sampling (V2)", V2,
+           reads=(f"{_V2_RUNNER}.batch_sharder",)),
+    Access(v2_speculator, "speculative decoding's rows and drafter (V2)", V2,
+           reads=(f"{_V2_RUNNER}.speculator",)),
+    Access(v2_step_output, "the requests a fault failed, named in the step's output (V2)", V2,
+           reads=(f"{_V2}.async_utils:AsyncOutput.model_runner_output", f"{_OUTPUT}.req_ids")),
+    Access(v2_request_slots, "the requests a fault failed, named in the step's output (V2)",
+           V2, reads=(f"{_V2_RUNNER}.req_states", f"{_V2_STATES}.req_id_to_index")),
+    Access(v2_prompt_logprobs_pending, "steered prompt logprobs (V2)", V2_LENS,
+           reads=(f"{_V2_PROMPT}.in_progress_prompt_logprobs",)),
+    Access(v2_prompt_token_ids_pending, "steered prompt logprobs (V2, "
+           "prompt_logprob_token_ids)", V2_LENS, reads=(f"{_V2_PROMPT}.token_id_scores",)),
+    Access(v2_request_states_size, "V2 per-request steer state sized by the request states",
+           V2, reads=reads_of(_V2_STATES, "max_num_reqs", "device")),
+    Access(v1_drafter_model, "speculative decoding: the drafter's heads (V1)", V1_SPEC,
+           reads=(f"{_V1}.drafter", "vllm.v1.spec_decode.eagle:SpecDecodeBaseProposer.model")),
+    Access(v2_drafter_model, "speculative decoding: the drafter's heads (V2)", V2_SPEC,
+           reads=(f"{_V2_RUNNER}.speculator", f"{_V2_SPECULATOR}.model")),
+    Access(speculator_model, "speculative decoding: EAGLE / EAGLE-3 / MTP drafter heads (V2)",
+           V2_SPEC, reads=(f"{_V2_SPECULATOR}.model",)),
+    Access(v1_runner_speculative_config, "speculative decoding: the drafter steered or not "
+           "(V1)", V1_SPEC, reads=(f"{_V1}.speculative_config",)),
+    Access(v2_runner_speculative_config, "speculative decoding: the drafter steered or not "
+           "(V2)", V2_SPEC, reads=(f"{_V2_RUNNER}.speculative_config",)),
+    Access(draft_model_config, "speculative decoding: the drafter's head input size", FRONTEND,
+           reads=(f"{_SPEC}.draft_model_config",)),
+    Access(spec_method, "speculative decoding: the method, logged", FRONTEND,
+           reads=(f"{_SPEC}.method",)),
+    Access(core_output_queue, "refusals answered from the engine core's process", ENGINE,
+           reads=(f"{_CORE}Proc.output_queue",)),
+    Access(core_requests, "steers in use by requests are never evicted", ENGINE,
+           reads=(f"{_CORE}.scheduler", f"{_SCHEDULER}.requests")),
+    Access(core_run_in_workers, "a management op in every worker", ENGINE,
+           reads=(f"{_CORE}.model_executor",
+                  "vllm.v1.executor.abstract:Executor.collective_rpc")),
+    Access(core_model_config, "the served model of the engine core's management ops", ENGINE,
+           reads=(f"{_CORE}.vllm_config", f"{_CONFIG}.model_config")),
+    Access(error_output, "a request finished with the plugin's error", ENGINE,
+           reads=("vllm.v1.engine:EngineCoreOutput", "vllm.v1.engine:FinishReason.ERROR")),
+    Access(send_error_output, "a request refused at admission", ENGINE,
+           reads=(f"{_CORE}Proc.output_queue", "vllm.v1.engine:EngineCoreOutputs",
+                  *reads_of("vllm.v1.request:Request", "request_id", "client_index"))),
+    Access(step_failures, "the requests a fault of the worker failed", ENGINE),
+    Access(attach_step_failures, "the requests a fault of the worker failed", WORKER,
+           reads=(f"{_OUTPUT}.req_ids",)),
+    Access(fail_running_requests, "the requests a fault of the worker failed", ENGINE,
+           reads=(*reads_of(_SCHEDULER, "requests", "finish_requests"),
+                  *reads_of("vllm.v1.request:Request", "request_id", "client_index",
+                            "is_finished"),
+                  "vllm.v1.request:RequestStatus.FINISHED_ERROR")),
+    Access(add_error_output, "the requests a fault of the worker failed", ENGINE,
+           reads=("vllm.v1.engine:EngineCoreOutputs",
+                  "vllm.v1.engine:EngineCoreOutputs.outputs"),
+           sets=("vllm.v1.engine:EngineCoreOutputs.outputs",)),
+    Access(max_num_seqs, "V1 per-request steer state sized by the batch", V1,
+           reads=(f"{_CONFIG}.scheduler_config",
+                  "vllm.config.scheduler:SchedulerConfig.max_num_seqs")),
+    Access(is_swap, "V1 per-request steer state: batch moves", V1,
+           reads=("vllm.v1.sample.logits_processor:MoveDirectionality.SWAP",)),
+    Access(registry_model_names, "presets never shadow served models or LoRA adapters",
+           FRONTEND, reads=(f"{_REGISTRY}.base_model_paths", f"{_REGISTRY}.lora_requests",
+                            f"{_BASE_PATH}.name")),
+    Access(serving_models, "presets as model names", FRONTEND,
+           reads=("vllm.entrypoints.serve.engine.serving:BaseServing.models",)),
+    Access(registry_base_model, "presets listed in /v1/models", FRONTEND,
+           reads=(f"{_REGISTRY}.base_model_paths", f"{_REGISTRY}.model_config",
+                  *reads_of(_BASE_PATH, "name", "model_path"), f"{_MODEL}.max_model_len")),
+    Access(add_model_cards, "presets listed in /v1/models", FRONTEND,
+           reads=("vllm.entrypoints.serve.engine.protocol:ModelList.data",)),
+    Access(request_model_field, "presets as model names", FRONTEND,
+           reads=_each_request("model")),
+    Access(has_extra_args, "steers preloaded from --steer-dir", FRONTEND,
+           reads=(f"{_PARAMS}.extra_args",)),
     Access(add_request_field, "the `steer` request field (parsed once)", FRONTEND,
            reads=(*_each_request("model_fields", "field_names", "model_rebuild"),
                   f"{_PYDANTIC}:Decorator", f"{_PYDANTIC}:Decorator.build",

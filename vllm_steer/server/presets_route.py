@@ -37,6 +37,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from vllm_steer.integrations import vllm_access
 from vllm_steer.integrations.frontend.engine_client import manage
 from vllm_steer.integrations.frontend import request_scope
 from vllm_steer.integrations.frontend.request_scope import close_scope, open_scope
@@ -191,10 +192,10 @@ def _model_names(state, cfg) -> dict[str, str]:
     served model, LoRA adapters, ``--steer-preset`` presets."""
     out: dict[str, str] = {}
     models = getattr(state, "openai_serving_models", None)
-    for b in getattr(models, "base_model_paths", None) or ():
-        out[b.name] = "the served model name"
-    for n in getattr(models, "lora_requests", None) or {}:
-        out[n] = "a LoRA adapter"
+    if models is not None:
+        base, lora = vllm_access.registry_model_names(models)
+        out.update({n: "the served model name" for n in base})
+        out.update({n: "a LoRA adapter" for n in lora})
     out.update({n: "a preset set by --steer-preset" for n in cfg.presets})
     return out
 

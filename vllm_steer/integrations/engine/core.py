@@ -12,6 +12,7 @@ This module imports no torch.
 
 from __future__ import annotations
 
+from vllm_steer.integrations import vllm_access
 from vllm_steer.integrations.engine.binding import SteerBankFullError, bind_request
 from vllm_steer.integrations.engine.management import run_op
 from vllm_steer.integrations.engine.state import STATES
@@ -40,7 +41,7 @@ def collective_rpc(orig, self, method, timeout=None, args=(), kwargs=None):
             return [run_op(self, *args)]
         except Exception as e:  # the plugin's one guard: answered, never raised
             return [{**management_failure(str(args[0]), e),
-                     "engine": int(getattr(self, "engine_index", 0) or 0)}]
+                     "engine": vllm_access.engine_index(self)}]
     return orig(self, method, timeout, args, kwargs)
 
 
@@ -54,9 +55,9 @@ def add_request(orig, self, request, request_wave: int = 0):
     try:
         bind_request(self, request)
     except Exception as e:
-        request_id = getattr(request, "request_id", None)
+        request_id = vllm_access.request_id(request)
         status, message = classify(e, "EngineCore.add_request", request_id)
-        if getattr(self, "output_queue", None) is None:  # engine core in this process
+        if vllm_access.core_output_queue(self) is None:  # engine core in this process
             if status == CLIENT_STATUS:
                 raise  # (offline): the caller sees it
             raise RuntimeError(message) from e
@@ -92,12 +93,6 @@ def send_refusal(core, request, message: str, status: int = CLIENT_STATUS) -> No
     :data:`~vllm_steer.integrations.protocol.FAILED_PREFIX` (a fault of the plugin, HTTP 500)
     and ``message``: the API server's ``AsyncLLM.generate`` hook turns it into the client's
     answer instead of vLLM's generic 500."""
-    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
-
     prefix = {CLIENT_STATUS: REFUSED_PREFIX, BUSY_STATUS: BUSY_PREFIX}.get(status,
                                                                           FAILED_PREFIX)
-    out = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
-                           stop_reason=prefix + message)
-    core.output_queue.put_nowait(
-        (request.client_index, EngineCoreOutputs(finished_requests={request.request_id},
-                                                 outputs=[out])))
+    vllm_access.send_error_output(core, request, prefix + message)

@@ -42,13 +42,13 @@ logger = get_logger()
 def in_use_by_requests(core) -> set[tuple[int, int]]:
     """``(bank_slot, load_id)`` of every steer a request in the engine core (waiting or
     running) is bound to."""
-    return bound_in(core.scheduler.requests.values())
+    return bound_in(va.core_requests(core))
 
 
 def _workers(core, *args) -> list:
     from vllm_steer.integrations.worker.management import worker_op
 
-    return core.model_executor.collective_rpc(worker_op, args=args)
+    return va.core_run_in_workers(core, worker_op, args)
 
 
 def _drop(core, slots) -> None:
@@ -85,7 +85,7 @@ def run_op(core, op: str, kwargs: dict | None = None) -> dict:
     engine core. The engine-core hook runs it inside the plugin's guard
     (:func:`vllm_steer.integrations.engine.core.collective_rpc`): an op that fails in the
     plugin's code answers HTTP 500 and changes nothing."""
-    return {**_run_op(core, op, kwargs), "engine": int(getattr(core, "engine_index", 0) or 0)}
+    return {**_run_op(core, op, kwargs), "engine": va.engine_index(core)}
 
 
 def _run_op(core, op: str, kwargs: dict | None = None) -> dict:
@@ -137,7 +137,7 @@ def _run_op(core, op: str, kwargs: dict | None = None) -> dict:
         return {"ok": True, "steer": entry.to_json()}
     if op == OP_ROLLBACK:
         entry = reg.get(kwargs["name"])
-        load_id = (kwargs.get("load_ids") or {}).get(str(getattr(core, "engine_index", 0) or 0))
+        load_id = (kwargs.get("load_ids") or {}).get(str(va.engine_index(core)))
         if entry is None or entry.load_id != load_id:
             return {"ok": True, "steer": None}
         _, freed = reg.unload(kwargs["name"], in_use_by_requests(core))
@@ -158,9 +158,8 @@ def _preset_op(core, cfg, op: str, kwargs: dict) -> dict:
     if op == OP_PRESETS:
         return {"ok": True, **table.snapshot()}
     if op in (OP_PRESET_ADD, OP_PRESET_FILE):
-        served = getattr(core.vllm_config.model_config, "served_model_name", None)
         reserved = {str(n): "the served model name"
-                    for n in ([served] if isinstance(served, str) else served or [])}
+                    for n in va.served_model_names(va.core_model_config(core))}
         reserved.update({n: "a preset set by --steer-preset" for n in cfg.presets})
         if op == OP_PRESET_FILE:  # logged by the presets module
             return file_op(table, kwargs, reserved)
@@ -235,7 +234,7 @@ def load_steer_file(core, name: str, path: str, source: str,
             reasons = layer_steer_problems(core, st, name, steer.metadata)
         elif steer.hidden_size != hidden:
             reasons.append(f"steer {name!r} has hidden size {steer.hidden_size} but the model "
-                           f"{core.vllm_config.model_config.model} has {hidden}; train or "
+                           f"{va.model_name(va.core_model_config(core))} has {hidden}; train or "
                            "transfer the steer for this model (vllm-steer train / transfer)")
         limit = st.reserved_rank
         for what, p in (("rank", getattr(steer, "p1", None)),

@@ -16,7 +16,8 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from vllm_steer.integrations.protocol import FAILED_PREFIX, STEP_FAILED_ATTR
+from vllm_steer.integrations import vllm_access as va
+from vllm_steer.integrations.protocol import FAILED_PREFIX
 from vllm_steer.logs import get_logger
 
 logger = get_logger()
@@ -27,24 +28,13 @@ def update_from_output(orig, self, scheduler_output, model_runner_output):
     (:data:`~vllm_steer.integrations.protocol.STEP_FAILED_ATTR` of ``model_runner_output``)
     are finished with an error output naming vllm-steer; vLLM updates every other request
     from the step as it would. One attribute read per step when there is none."""
-    failed = getattr(model_runner_output, STEP_FAILED_ATTR, None)
+    failed = va.step_failures(model_runner_output)
     if not failed:
         return orig(self, scheduler_output, model_runner_output)
-    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
-    from vllm.v1.request import RequestStatus
-
-    running = [r for r in map(self.requests.get, failed) if r is not None and not r.is_finished()]
-    self.finish_requests([r.request_id for r in running], RequestStatus.FINISHED_ERROR)
+    running = va.fail_running_requests(self, failed)
     outputs = orig(self, scheduler_output, model_runner_output)
-    for request in running:
-        rid = request.request_id
+    for rid, client in running:
         logger.warning("vllm-steer: request %s failed in the worker (HTTP 500): %s", rid,
                        failed[rid])
-        out = EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR,
-                               stop_reason=FAILED_PREFIX + failed[rid])
-        eco = outputs.get(request.client_index)
-        if eco is None:
-            outputs[request.client_index] = EngineCoreOutputs(outputs=[out])
-        else:
-            eco.outputs = [*eco.outputs, out]
+        va.add_error_output(outputs, client, rid, FAILED_PREFIX + failed[rid])
     return outputs

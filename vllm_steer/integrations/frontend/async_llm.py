@@ -12,7 +12,7 @@ import os
 import time
 
 from vllm_steer import REQUEST_FIELD
-from vllm_steer.integrations import guard
+from vllm_steer.integrations import guard, vllm_access
 from vllm_steer.integrations.frontend import admission
 from vllm_steer.integrations.frontend.engine_client import manage
 from vllm_steer.integrations.frontend.request_scope import refuse_busy
@@ -35,7 +35,7 @@ async def generate(orig, self, *args, **kwargs):
     agen = orig(self, *args, **kwargs)
     try:
         async for out in agen:
-            with guard.frontend("AsyncLLM.generate", getattr(out, "request_id", None),
+            with guard.frontend("AsyncLLM.generate", vllm_access.request_id(out),
                                 count=False):  # the engine core counted its refusal
                 _raise_engine_refusal(out)
             yield out
@@ -87,7 +87,7 @@ async def add_request(orig, self, request_id, prompt, params, *args, **kwargs):
     its own) is admitted here first (:func:`~vllm_steer.integrations.frontend.admission.
     validate`), so its value is parsed once."""
     cfg = frontend_state().config
-    if cfg is not None and cfg.steer_dir and hasattr(params, "extra_args"):
+    if cfg is not None and cfg.steer_dir and vllm_access.has_extra_args(params):
         with guard.frontend("AsyncLLM.add_request", request_id):
             admission.validate(params)
             await _preload_dir_steers(self, cfg, params)

@@ -15,7 +15,7 @@ Installed from :data:`vllm_steer.integrations.plugin.HOOKS`. No torch at import 
 
 from __future__ import annotations
 
-from vllm_steer.integrations import guard
+from vllm_steer.integrations import guard, vllm_access
 from vllm_steer.integrations.frontend.admission import serve
 from vllm_steer.integrations.frontend.engine_client import refresh_presets
 from vllm_steer.integrations.frontend.request_scope import pin_preset, pinned_preset
@@ -45,13 +45,11 @@ async def check_model(orig, self, request, *a, **kw):
     deleted at run time (through any API server, or the presets file): read the engine core's
     table first (one utility call), and pin the mix read for this request's
     ``to_sampling_params``."""
-    with guard.frontend("BaseServing._check_model", getattr(request, "request_id", None)):
-        name = getattr(request, "model", None)
+    with guard.frontend("BaseServing._check_model", vllm_access.request_id(request)):
+        name = vllm_access.request_model_field(request)
         if isinstance(name, str) and name and _runtime_presets_on():
-            models = self.models
-            static = (name in frontend_state().config.presets
-                      or any(b.name == name for b in models.base_model_paths)
-                      or name in (getattr(models, "lora_requests", None) or {}))
+            base, lora = vllm_access.registry_model_names(vllm_access.serving_models(self))
+            static = name in frontend_state().config.presets or name in base or name in lora
             if not static:
                 pin_preset(name, (await refresh_presets()).get(name))
     error = await orig(self, request, *a, **kw)
@@ -94,11 +92,11 @@ async def show_available_models(orig, self):
             await refresh_presets()
     models = await orig(self)
     with guard.frontend("OpenAIModelRegistry.show_available_models"):
-        base = self.base_model_paths[0]
-        models.data.extend(ModelCard(id=name, root=base.model_path, parent=base.name,
-                                     max_model_len=self.model_config.max_model_len,
-                                     permission=[ModelPermission()], steer=dict(mix))
-                           for name, mix in presets().items())
+        base, path, max_len = vllm_access.registry_base_model(self)
+        vllm_access.add_model_cards(models, [
+            ModelCard(id=name, root=path, parent=base, max_model_len=max_len,
+                      permission=[ModelPermission()], steer=dict(mix))
+            for name, mix in presets().items()])
     return models
 
 

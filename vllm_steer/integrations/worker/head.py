@@ -31,6 +31,9 @@ from vllm_steer.integrations.worker.step_faults import HEAD, capturing
 
 
 logger = get_logger()
+#: vLLM's own logits layer calls, which ours run after steering the rows (the base class's,
+#: called with ``self`` explicitly: see the module doc)
+_PLAIN_FORWARD, _PLAIN_TOP_TOKENS = vllm_access.logits_layer_calls(LogitsProcessor)
 
 
 class SteeredLogitsProcessor(LogitsProcessor):
@@ -38,22 +41,21 @@ class SteeredLogitsProcessor(LogitsProcessor):
 
     def __init__(self, *args, **kwargs) -> None:
         LogitsProcessor.__init__(self, *args, **kwargs)
+        va = vllm_access
         vllm_config = get_current_vllm_config()
-        self.steer_runtime = get_runtime(vllm_config.additional_config)
-        if self.steer_runtime is not None and not self.logits_as_input:
-            mc = vllm_config.model_config
-            dtype = self.head_dtype or mc.dtype
+        self.steer_runtime = get_runtime(va.additional_config(vllm_config))
+        if self.steer_runtime is not None and not va.logits_as_input(self):
+            mc = va.model_config(vllm_config)
+            dtype = va.head_dtype(self) or va.model_dtype(mc)
             device = torch.get_default_device()
             if device.type == "meta":  # loading on meta first: load steers where vLLM runs
-                from vllm.platforms import current_platform
-
-                device = torch.device(current_platform.device_type)
+                device = torch.device(va.platform_device_type())
             from vllm_steer.integrations.families import head_input_size  # OPT: != hidden
 
             # --enforce-eager: no CUDA graphs of vLLM's, nor of the head's op
             self.steer_runtime.bank_state.load(
-                head_input_size(mc), device, dtype, model_id=mc.model,
-                cuda_graphs=not vllm_access.enforce_eager(mc))
+                head_input_size(mc), device, dtype, model_id=va.model_name(mc),
+                cuda_graphs=not va.enforce_eager(mc))
 
     @property
     def steer_runtime(self) -> SteerRuntime | None:
@@ -66,7 +68,8 @@ class SteeredLogitsProcessor(LogitsProcessor):
         self._steer_runtime = rt
         #: what each call runs on the hidden states (the runtime's planner's ``steer_rows``),
         #: bound here rather than looked up through the runtime at every step
-        self.steer_rows = None if rt is None or self.logits_as_input else rt.planner.steer_rows
+        self.steer_rows = None if rt is None or vllm_access.logits_as_input(self) \
+            else rt.planner.steer_rows
 
     def forward(self, lm_head, hidden_states: torch.Tensor, embedding_bias=None,
                 skip_gather: bool = False):
@@ -79,7 +82,7 @@ class SteeredLogitsProcessor(LogitsProcessor):
                     hidden_states = steer_rows(hidden_states)
                 except Exception as e:  # plain logits for every row; its requests fail
                     step_fault(self, hidden_states, e)
-        return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
+        return _PLAIN_FORWARD(self, lm_head, hidden_states, embedding_bias, skip_gather)
 
     def get_top_tokens(self, lm_head, hidden_states, embedding_bias=None):
         if GATES.steered_slots or GATES.capture_scopes:
@@ -89,7 +92,7 @@ class SteeredLogitsProcessor(LogitsProcessor):
                     hidden_states = steer_rows(hidden_states)
                 except Exception as e:
                     step_fault(self, hidden_states, e)
-        return LogitsProcessor.get_top_tokens(self, lm_head, hidden_states, embedding_bias)
+        return _PLAIN_TOP_TOKENS(self, lm_head, hidden_states, embedding_bias)
 
 
 def step_fault(head, hidden_states: torch.Tensor, exc: Exception) -> None:
@@ -177,17 +180,17 @@ def load_model(orig, self, vllm_config, *a, **kw):
     from vllm_steer.config import SteerServerConfig
     from vllm_steer.integrations.hook_check import check_hooks
 
+    va = vllm_access
     model = orig(self, vllm_config, *a, **kw)
-    cfg = SteerServerConfig.from_additional_config(vllm_config.additional_config)
-    if cfg is not None and cfg.enabled and _has_lm_head() and \
-            not vllm_access.is_pooling(vllm_config.model_config):
+    cfg = SteerServerConfig.from_additional_config(va.additional_config(vllm_config))
+    mc = va.model_config(vllm_config)
+    if cfg is not None and cfg.enabled and _has_lm_head() and not va.is_pooling(mc):
         check_hooks(vllm_config)  # the hook groups of this runner and configuration
         check_head_installed(model)
-        rt = get_runtime(vllm_config.additional_config)
+        rt = get_runtime(va.additional_config(vllm_config))
         if rt is not None:
-            rt.model_loaded(getattr(vllm_config.model_config, "dtype", None))  # hidden states
-    if cfg is not None and cfg.enabled and cfg.layers_enabled() and \
-            not vllm_access.is_pooling(vllm_config.model_config):
+            rt.model_loaded(va.model_dtype(mc))  # hidden states
+    if cfg is not None and cfg.enabled and cfg.layers_enabled() and not va.is_pooling(mc):
         install_layers(model, vllm_config)
     return model
 
@@ -196,7 +199,7 @@ def install_layers(model, vllm_config) -> None:
     """The op of decoder-layer steers in the model's blocks
     (:meth:`SteerRuntime.install_layers`), once per worker: the first model this worker
     loads is the target (a drafter is loaded after it and keeps its blocks as they are)."""
-    rt = get_runtime(vllm_config.additional_config)
+    rt = get_runtime(vllm_access.additional_config(vllm_config))
     if rt is None or rt.layers is not None:
         return
     va = vllm_access

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from vllm_steer.config import SteerServerConfig
+from vllm_steer.integrations import vllm_access
 from vllm_steer.integrations.side_table import SideTable
 from vllm_steer.integrations.worker.bank_state import BankState
 from vllm_steer.integrations.worker.request_slots import (RequestCoefs, RequestSlots,
@@ -158,7 +159,7 @@ class SteerRuntime:
             self.set_slot(slot, coefs.row, coefs.windows)
         except Exception as e:
             self.set_slot(slot, None)
-            if (getattr(params, "extra_args", None) or {}).get(BOUND_KEY):
+            if (vllm_access.extra_args(params) or {}).get(BOUND_KEY):
                 self.faults.record_slot(slot, REQUEST_STATE, e)
             else:  # it asked for no steer: served as asked
                 self.faults.log(REQUEST_STATE, e, "no request fails (it asked for no steer)")
@@ -181,9 +182,7 @@ def max_step_rows(vllm_config: Any, max_slots: int) -> int:
     steers: a row per request, and with speculative decoding the draft tokens each request
     verifies too (``max_num_seqs x (1 + num_speculative_tokens)``, as Model Runner V2 sizes its
     logits)."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    k = getattr(spec, "num_speculative_tokens", None) if spec is not None else None
-    return max_slots * (1 + (int(k) if isinstance(k, int) and k > 0 else 0))
+    return max_slots * (1 + vllm_access.speculative_tokens(vllm_config))
 
 
 # One runtime per process and configuration (tests may run several engines in one process);
@@ -241,6 +240,9 @@ class Binding:
     runner and the V2 speculator add what their own hooks read."""
 
     __slots__ = ("runtime",)
+    #: the ``VllmConfig`` of the owner, read through the accessor layer (one per owner kind:
+    #: each is checked at start-up with the hook group of that kind)
+    config_of = staticmethod(vllm_access.worker_vllm_config)
 
     def __init__(self, runtime: SteerRuntime | None) -> None:
         self.runtime = runtime
@@ -252,7 +254,8 @@ class Binding:
         call, with the runtime looked up from its ``vllm_config``; then one dictionary read."""
         b = BINDINGS.get(owner)
         if b is None:
-            b = BINDINGS.set(owner, cls(get_runtime(owner.vllm_config.additional_config)))
+            config = cls.config_of(owner)
+            b = BINDINGS.set(owner, cls(get_runtime(vllm_access.additional_config(config))))
         return b
 
 
@@ -261,6 +264,7 @@ class V1RunnerBinding(Binding):
     :mod:`~vllm_steer.integrations.worker.spec_v1`)."""
 
     __slots__ = ("drafter_checked", "spec_step")
+    config_of = staticmethod(vllm_access.v1_runner_vllm_config)
 
     def __init__(self, runtime: SteerRuntime | None) -> None:
         super().__init__(runtime)
@@ -276,6 +280,7 @@ class V2RunnerBinding(Binding):
 
     __slots__ = ("drafter_checked", "steady_rows", "steady_ids", "steady_version",
                  "steady_assigned", "sample_batch_at")
+    config_of = staticmethod(vllm_access.v2_runner_vllm_config)
 
     def __init__(self, runtime: SteerRuntime | None) -> None:
         super().__init__(runtime)
@@ -303,6 +308,7 @@ class SpeculatorBinding(Binding):
     """A V2 speculator's binding (:mod:`~vllm_steer.integrations.worker.spec_v2`)."""
 
     __slots__ = ("captured",)
+    config_of = staticmethod(vllm_access.speculator_vllm_config)
 
     def __init__(self, runtime: SteerRuntime | None) -> None:
         super().__init__(runtime)

@@ -21,22 +21,14 @@ Which methods are accepted is decided at start-up
 
 from __future__ import annotations
 
+from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.worker.runtime import BINDINGS
-
-
-def drafter_model(runner):
-    """The runner's drafter model: V1 ``runner.drafter.model``, V2 ``runner.speculator.model``
-    (None for n-gram)."""
-    for owner in ("drafter", "speculator"):
-        model = getattr(getattr(runner, owner, None), "model", None)
-        if model is not None and hasattr(model, "named_modules"):
-            return model
-    return None
 
 
 def drafter_heads(runner) -> list:
     """The steered logits layers of the runner's drafter model (none for n-gram)."""
-    return steered_heads(drafter_model(runner))
+    v2 = va.v2_speculator(runner) is not None
+    return steered_heads(va.v2_drafter_model(runner) if v2 else va.v1_drafter_model(runner))
 
 
 def steered_heads(model) -> list:
@@ -60,14 +52,14 @@ V2_EAGER_SPECULATOR = "StandaloneARSpeculator"
 
 def _v2_captured(runner) -> bool:
     """A V2 runner whose speculator may capture its drafter's head in CUDA graphs."""
-    speculator = getattr(runner, "speculator", None)
+    speculator = va.v2_speculator(runner)
     return speculator is not None and type(speculator).__name__ != V2_EAGER_SPECULATOR
 
 
 def drafter_fits(spec, rt) -> tuple[bool, int | None, int | None]:
     """Whether a drafter can be steered: ``steer_drafter`` on and its head's input size equal
     to the steers'; with both sizes."""
-    draft_mc = getattr(spec, "draft_model_config", None)
+    draft_mc = va.draft_model_config(spec)
     hidden = None
     if draft_mc is not None:
         from vllm_steer.integrations.families import head_input_size
@@ -88,7 +80,7 @@ def _log_drafter(spec, steer: bool, hidden, steer_hidden, how: str) -> None:
 
     get_logger().info(
         "vllm-steer: speculative decoding (%s): drafter %s (drafter hidden size %s, steers' "
-        "%s%s)", spec.method, "steered" if steer else "unsteered", hidden, steer_hidden,
+        "%s%s)", va.spec_method(spec), "steered" if steer else "unsteered", hidden, steer_hidden,
         f"; {how}" if how else "")
 
 
@@ -100,11 +92,12 @@ def prepare_drafter(runner, rt) -> None:
     heads = drafter_heads(runner)
     if not heads:
         return
-    spec = runner.speculative_config
+    spec = va.v2_runner_speculative_config(runner) if va.v2_speculator(runner) is not None \
+        else va.v1_runner_speculative_config(runner)
     fits, hidden, steer_hidden = drafter_fits(spec, rt)
     how = ""
     if _v2_captured(runner):
-        speculator = BINDINGS.get(runner.speculator)  # made by its load hook, if it ran
+        speculator = BINDINGS.get(va.v2_speculator(runner))  # made by its load hook, if it ran
         prepared = speculator is not None and speculator.captured
         steer = fits and prepared
         how = V2_DRAFTER_CAPTURED if steer else (V2_DRAFTER_REASON if fits else "")

@@ -3,7 +3,8 @@ steering the target and the drafter means: :mod:`vllm_steer.integrations.worker.
 
 - **Target rows.** V2's ``sample()`` maps every verification row through
   ``expanded_idx_mapping`` (:mod:`vllm_steer.integrations.worker.v2`); a generation window
-  reads the true computed-token counts (:func:`device_computed_tokens`).
+  reads the true computed-token counts
+  (:func:`~vllm_steer.integrations.vllm_access.v2_device_computed_tokens`).
 - **A draft model** (``StandaloneARSpeculator``, which V2 runs eagerly: no CUDA graph)
   computes one row per request of the input batch per draft step: mapped to the batch's slots
   (``idx_mapping_np``, host) by :func:`propose_standalone_v2`, and steered as on V1.
@@ -18,8 +19,8 @@ steering the target and the drafter means: :mod:`vllm_steer.integrations.worker.
 
 from __future__ import annotations
 
-import numpy as np
 
+from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.worker.arguments import Arg
 from vllm_steer.integrations.worker.rows import CapturedRows, SlotRows
 from vllm_steer.integrations.worker.runtime import SpeculatorBinding
@@ -30,22 +31,6 @@ _INPUT_BATCH = Arg("input_batch")
 _IDX_MAPPING = Arg("idx_mapping")
 
 
-def device_computed_tokens(req_states, idx: np.ndarray) -> np.ndarray:
-    """The computed-token counts of slots ``idx`` from V2's device state.
-
-    With speculative decoding V2's host mirror (``num_computed_tokens_np``) is an upper bound:
-    the scheduler counts every draft of the previous step as accepted, and V2 corrects only
-    its device copy (``post_update``, after ``sample()``). A generation window needs the true
-    count: read the device copy, which at ``sample()`` holds this step's starting count. This
-    read waits for the step's forward (a device-to-host copy): only steps that hold a
-    windowed request under speculative decoding pay it."""
-    import torch
-
-    index = torch.as_tensor(np.asarray(idx, dtype=np.int64))
-    gpu = req_states.num_computed_tokens.gpu
-    return gpu.index_select(0, index.to(gpu.device)).cpu().numpy().astype(np.int64)
-
-
 def propose_standalone_v2(orig, self, *args, **kwargs):
     """``StandaloneARSpeculator.propose``: each of its ``compute_logits`` calls has one row per
     request of the input batch, in batch order (``idx_mapping[:num_reqs]``): mapped to those
@@ -54,11 +39,10 @@ def propose_standalone_v2(orig, self, *args, **kwargs):
     if rt is None:
         return orig(self, *args, **kwargs)
     input_batch = _INPUT_BATCH.get(orig, (self, *args), kwargs)
-    num_reqs = getattr(input_batch, "num_reqs", 0)
-    slots = getattr(input_batch, "idx_mapping_np", None)
-    if not num_reqs or slots is None or not rt.any_steered(slots[:num_reqs]):
+    slots = va.v2_drafter_batch_slots(input_batch)
+    if not len(slots) or not rt.any_steered(slots):
         return orig(self, *args, **kwargs)
-    rows = SlotRows(slots=np.asarray(slots[:num_reqs], dtype=np.int64), positions=None)
+    rows = SlotRows(slots=slots, positions=None)
     with rt.planner.rows(rows):
         return orig(self, *args, **kwargs)
 
@@ -76,10 +60,10 @@ def speculator_load_model(orig, self, *args, **kwargs):
     rt = state.runtime
     if rt is None or rt.bank_state.bank is None or type(self).__name__ == V2_EAGER_SPECULATOR:
         return out
-    heads = steered_heads(getattr(self, "model", None))
+    heads = steered_heads(va.speculator_model(self))
     if not heads:
         return out
-    fits, _, _ = drafter_fits(self.vllm_config.speculative_config, rt)
+    fits, _, _ = drafter_fits(va.speculative_config(va.speculator_vllm_config(self)), rt)
     if fits:
         rt.enable_fixed_drafter()
         state.captured = True

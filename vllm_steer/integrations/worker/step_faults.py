@@ -25,7 +25,7 @@ import contextlib
 from typing import Any, Iterator, Sequence
 
 from vllm_steer.integrations.guard import internal_message
-from vllm_steer.integrations.protocol import STEP_FAILED_ATTR
+from vllm_steer.integrations import vllm_access
 from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.logs import get_logger
 
@@ -124,8 +124,7 @@ class StepFaults:
 def attach(output: Any, failed: dict[str, str]) -> None:
     """Put ``failed`` on the step's ``ModelRunnerOutput`` ``output`` (never on vLLM's shared
     empty output: a step with requests has its own)."""
-    if failed and getattr(output, "req_ids", None):
-        setattr(output, STEP_FAILED_ATTR, failed)
+    vllm_access.attach_step_failures(output, failed)
 
 
 def capturing(t) -> bool:

@@ -32,9 +32,8 @@ from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.rows import MappedRows, NoRows, SlotRows
 from vllm_steer.integrations.worker.runtime import BINDINGS, V2RunnerBinding, current_runtime
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
-from vllm_steer.integrations.worker.spec_v2 import device_computed_tokens
 from vllm_steer.integrations.worker.step_faults import ROWS, attach
-from vllm_steer.integrations.vllm_access import v2_step_tokens
+from vllm_steer.integrations import vllm_access as va
 from vllm_steer.ops import to_device
 
 _INPUT_BATCH = Arg("input_batch")
@@ -92,7 +91,8 @@ def sample(orig, self, *args, **kwargs):
         input_batch = args[at]
     else:  # passed by keyword (or keyword-only)
         input_batch = _INPUT_BATCH.get(orig, (self, *args), kwargs)
-    ids = input_batch.req_ids  # the same requests in the same order, none added: the same slots
+    # the same requests in the same order, none added: the same slots
+    ids = va.v2_req_ids(input_batch)
     table = rt.slots
     sharded = False
     if ids == b.steady_ids and b.steady_assigned == table.assigned \
@@ -113,7 +113,7 @@ def sample(orig, self, *args, **kwargs):
         if not sharded:
             out = orig(self, *args, **kwargs)
         else:  # batch-sharded sampling: the rows' slots through the sharder's own sort
-            with _sorted_rows(self.batch_sharder, input_batch, planner.set_rows):
+            with _sorted_rows(va.v2_batch_sharder(self), input_batch, planner.set_rows):
                 out = orig(self, *args, **kwargs)
     finally:
         planner.row_source = prev
@@ -133,7 +133,7 @@ def prepare_inputs(orig, self, *args, **kwargs):
     rt = V2RunnerBinding.of(self).runtime
     if rt is not None and rt.mapping is not None:
         with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
-            rt.mapping.build_or_clear(*v2_step_tokens(self, input_batch))
+            rt.mapping.build_or_clear(*va.v2_step_tokens(self, input_batch))
     return input_batch
 
 
@@ -148,10 +148,8 @@ def sample_tokens(orig, self, *args, **kwargs):
     rt = V2RunnerBinding.of(self).runtime
     if rt is None or not rt.faults.pending:
         return out
-    output = getattr(out, "model_runner_output", out)  # V2's async output holds it
-    req_ids = getattr(output, "req_ids", None) or ()
-    index = self.req_states.req_id_to_index  # each request's slot
-    attach(output, rt.faults.take(req_ids, [index.get(r, -1) for r in req_ids],
+    output, req_ids = va.v2_step_output(out)
+    attach(output, rt.faults.take(req_ids, va.v2_request_slots(self, req_ids),
                                   rt.slots.steered))
     return out
 
@@ -169,17 +167,18 @@ def _batch_rows(runner, b, rt, input_batch) -> MappedRows | None:
     b.steady_rows = b.steady_ids = None
     if not table.num_active_slots:  # none of this runner's requests is steered
         return None
-    idx = input_batch.idx_mapping_np
+    idx = va.v2_batch_slots(input_batch)
     key = idx.tobytes()  # the batch's slots: the check's and the head's key
     if not table.any_steered(idx, key):
         return None
-    if getattr(runner, "batch_sharder", None) is not None:
+    if va.v2_batch_sharder(runner) is not None:
         return MappedRows(mapping=None)
     slots, positions = _host_rows(rt, runner, input_batch)
-    source = MappedRows(input_batch.expanded_idx_mapping, slots, positions,
+    source = MappedRows(va.v2_row_mapping(input_batch), slots, positions,
                         key if slots is idx else None)
-    if slots is idx and positions is None and getattr(runner, "speculator", None) is None:
-        b.steady_rows, b.steady_ids = source, list(input_batch.req_ids)  # a copy: never vLLM's
+    if slots is idx and positions is None and va.v2_speculator(runner) is None:
+        b.steady_rows = source
+        b.steady_ids = list(va.v2_req_ids(input_batch))  # a copy: never vLLM's
         b.steady_version, b.steady_assigned = table.version, table.assigned
     return source
 
@@ -198,11 +197,12 @@ HEAD_BYPASSED = (
 def _host_rows(rt, runner, input_batch):
     """The step's row -> slot (``expanded_idx_mapping``) and, while some slot has generation
     windows, the generated-token index each row samples, from the input batch's host arrays
-    (no device read): request i has ``cu_num_logits[i + 1] - cu_num_logits[i]`` rows, its last
-    one sampling token ``num_computed + num_scheduled - prompt_len``."""
-    idx = input_batch.idx_mapping_np  # [num_reqs]
+    (no device read): request i (slot ``idx[i]``) has ``cu_num_logits[i + 1] -
+    cu_num_logits[i]`` rows, its last one sampling token ``num_computed + num_scheduled -
+    prompt_len``."""
+    idx = va.v2_batch_slots(input_batch)
     nr = len(idx)
-    cu = input_batch.cu_num_logits_np
+    cu = va.v2_logits_offsets(input_batch)
     one_each = len(cu) <= nr or int(cu[nr]) - int(cu[0]) == nr  # no draft rows: the common case
     if one_each and not rt.slots.num_window_slots:
         return idx, None
@@ -211,15 +211,9 @@ def _host_rows(rt, runner, input_batch):
     slots = idx if one_each else np.repeat(idx, counts)
     if not rt.slots.num_window_slots:
         return slots, None
-    req_states = getattr(runner, "req_states", None)
-    if req_states is None:
-        return slots, None
-    computed = input_batch.num_computed_tokens_np[:nr]
-    if getattr(runner, "speculator", None) is not None and rt.slots.any_windowed(idx):
-        computed = device_computed_tokens(req_states, idx)
-    last = (computed + input_batch.num_scheduled_tokens[:nr]
-            - req_states.prompt_len.np[idx]).astype(np.int64)
-    if one_each:
+    true_counts = va.v2_speculator(runner) is not None and rt.slots.any_windowed(idx)
+    last = va.v2_last_positions(runner, input_batch, true_counts)
+    if last is None or one_each:
         return slots, last
     local = np.arange(cu[nr] - cu[0]) - np.repeat(cu[:-1] - cu[0], counts)
     return slots, np.repeat(last - counts + 1, counts) + local
@@ -235,8 +229,7 @@ def _sorted_rows(sharder, input_batch, set_rows):
     """Give ``set_rows`` the owner-sorted logits indices the sharder returns as the rows'
     device mapping (:class:`MappedRows` with no host copy: gathered on the device), through
     the hook on ``BatchSharder.shard_sampler_inputs`` (:func:`shard_sampler_inputs`)."""
-    qsl = input_batch.query_start_loc_np
-    token_slots = np.repeat(input_batch.idx_mapping_np, np.diff(qsl[: input_batch.num_reqs + 1]))
+    token_slots = va.v2_token_slots(input_batch)
     _SHARDING[id(sharder)] = (token_slots, set_rows)  # this step only
     try:
         yield
@@ -264,13 +257,6 @@ def shard_sampler_inputs(orig, self, *args, **kwargs):
     return out
 
 
-def _prompt_row_slots(input_batch) -> np.ndarray:
-    """The request slot of every scheduled token row of the step (host-side data only)."""
-    n = input_batch.num_reqs
-    qsl = np.asarray(input_batch.query_start_loc_np[: n + 1])
-    return np.repeat(np.asarray(input_batch.idx_mapping_np[:n], dtype=np.int64), np.diff(qsl))
-
-
 def _steered_logits_fn(rt, logits_fn, hidden_states, input_batch):
     """``logits_fn`` with each call's rows mapped to their slots by their offset in the step.
 
@@ -282,7 +268,7 @@ def _steered_logits_fn(rt, logits_fn, hidden_states, input_batch):
 
     def fn(h):
         if not table:
-            table.extend((_prompt_row_slots(input_batch), hidden_states.data_ptr(),
+            table.extend((va.v2_token_slots(input_batch), hidden_states.data_ptr(),
                           hidden_states.stride(0) * hidden_states.element_size(),
                           hidden_states.untyped_storage().data_ptr()))
         slots, base_ptr, row_bytes, storage = table
@@ -304,7 +290,7 @@ def prompt_logprobs(orig, self, *args, **kwargs):
     vLLM calls it at every step; it computes nothing unless a running request asked for
     prompt logprobs, which vLLM records in ``in_progress_prompt_logprobs`` (an entry per such
     request, from ``add_request`` to ``remove_request``): while that is empty, one check."""
-    if not self.in_progress_prompt_logprobs:
+    if not va.v2_prompt_logprobs_pending(self):
         return orig(self, *args, **kwargs)
     return _steered_prompt_call(orig, self, args, kwargs)
 
@@ -312,7 +298,7 @@ def prompt_logprobs(orig, self, *args, **kwargs):
 def prompt_token_id_logprobs(orig, self, *args, **kwargs):
     """``PromptLogprobsWorker.compute_prompt_token_id_logprobs`` (V2, ``prompt_logprob_token_ids``):
     as :func:`prompt_logprobs`; vLLM's own record of such requests is ``token_id_scores``."""
-    if not self.token_id_scores:
+    if not va.v2_prompt_token_ids_pending(self):
         return orig(self, *args, **kwargs)
     return _steered_prompt_call(orig, self, args, kwargs)
 
@@ -330,7 +316,7 @@ def _steered_prompt_call(orig, self, args, kwargs):
         return orig(self, *args, **kwargs)
     call = (self, *args)
     input_batch = _INPUT_BATCH.get(orig, call, kwargs)
-    if not rt.any_steered(input_batch.idx_mapping_np):
+    if not rt.any_steered(va.v2_batch_slots(input_batch)):
         return orig(self, *args, **kwargs)
     fn = _steered_logits_fn(rt, _LOGITS_FN.get(orig, call, kwargs),
                             _HIDDEN_STATES.get(orig, call, kwargs), input_batch)
