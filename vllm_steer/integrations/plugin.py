@@ -45,6 +45,14 @@ from vllm_steer.integrations.frontend import (async_llm, cli_args, endpoints, pr
 from vllm_steer.integrations.hooks import (ENGINE, RESOLVE_ATTR, V1, V1_LENS, V1_SPEC,
                                            V2, V2_LENS, V2_SPEC, WORKER, Hook, install_hooks,
                                            reads_of)
+from vllm_steer.integrations.vllm_names import (CONFIG as _CONFIG, ENGINE_CORE as _ENGINE_CORE,
+                                                MODEL as _MODEL, OUTPUT as _OUTPUT,
+                                                REGISTRY as _REGISTRY, SCHEDULER as _SCHEDULER,
+                                                SPEC_CONFIG as _SPEC_CONFIG, V1_BATCH as _V1_BATCH,
+                                                V1_RUNNER as _V1, V2 as _V2, V2_BATCH as _V2_BATCH,
+                                                V2_PROMPT as _V2_PROMPT, V2_RUNNER as _V2_RUNNER,
+                                                V2_SPECULATOR as _V2_SPECULATOR,
+                                                V2_STATES as _V2_STATES)
 
 
 @functools.cache
@@ -95,21 +103,6 @@ def _install_loader_checks(owner) -> None:
 
 _REQUESTS = request_field.REQUEST_CLASSES
 # vLLM's modules and classes the hooks name (targets and the names their wrappers read)
-_V1 = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
-_V1_BATCH = "vllm.v1.worker.gpu_input_batch:InputBatch"
-_V2 = "vllm.v1.worker.gpu"
-_V2_RUNNER = f"{_V2}.model_runner:GPUModelRunner"
-_V2_BATCH = f"{_V2}.input_batch:InputBatch"
-_V2_STATES = f"{_V2}.states:RequestState"
-_V2_SPECULATOR = f"{_V2}.spec_decode.speculator:DraftModelSpeculator"
-_V2_PROMPT = f"{_V2}.sample.prompt_logprob:PromptLogprobsWorker"
-_SPEC_CONFIG = "vllm.config.speculative:SpeculativeConfig"
-_CONFIG = "vllm.config:VllmConfig"
-_MODEL = "vllm.config.model:ModelConfig"
-_ENGINE_CORE = "vllm.v1.engine.core:EngineCore"
-_SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
-_OUTPUT = "vllm.v1.outputs:ModelRunnerOutput"
-_REGISTRY = "vllm.entrypoints.openai.models.serving:OpenAIModelRegistry"
 
 
 

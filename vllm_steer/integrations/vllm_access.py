@@ -25,6 +25,14 @@ from typing import Any, Callable
 from vllm_steer.integrations.hooks import (ENGINE, FRONTEND, V1, V1_LENS, V1_SPEC, V2,
                                            V2_LENS, V2_SPEC, WORKER, Alternative, HookGroup,
                                            reads_of)
+from vllm_steer.integrations.vllm_names import (CONFIG as _CONFIG, ENGINE_CORE as _CORE,
+                                                MODEL as _MODEL, OUTPUT as _OUTPUT,
+                                                REGISTRY as _REGISTRY, SCHEDULER as _SCHEDULER,
+                                                SPEC_CONFIG as _SPEC, V1_BATCH as _V1_BATCH,
+                                                V1_RUNNER as _V1, V2 as _V2, V2_BATCH as _V2_BATCH,
+                                                V2_PROMPT as _V2_PROMPT, V2_RUNNER as _V2_RUNNER,
+                                                V2_SPECULATOR as _V2_SPECULATOR,
+                                                V2_STATES as _V2_STATES)
 
 
 @dataclass(frozen=True)
@@ -90,31 +98,16 @@ class Access:
 
 
 # vLLM's classes the accesses name
-_CONFIG = "vllm.config:VllmConfig"
-_MODEL = "vllm.config.model:ModelConfig"
 _PARALLEL = "vllm.config.parallel:ParallelConfig"
-_SPEC = "vllm.config.speculative:SpeculativeConfig"
 _ENGINE_ARGS = "vllm.engine.arg_utils:EngineArgs"
-_CORE = "vllm.v1.engine.core:EngineCore"
 _INPUT_PROCESSOR = "vllm.v1.engine.input_processor:InputProcessor"
 _PARAMS = "vllm.sampling_params:SamplingParams"
 _ASYNC_LLM = "vllm.v1.engine.async_llm:AsyncLLM"
 _PYDANTIC = "pydantic._internal._decorators"
-_V1 = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
-_V1_BATCH = "vllm.v1.worker.gpu_input_batch:InputBatch"
 _V1_BUFFER = "vllm.v1.utils:CpuGpuBuffer"  # the runner's _make_buffer: .np (host), .gpu
-_OUTPUT = "vllm.v1.outputs:ModelRunnerOutput"
-_V2 = "vllm.v1.worker.gpu"
-_SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
-_REGISTRY = "vllm.entrypoints.openai.models.serving:OpenAIModelRegistry"
 _BASE_PATH = "vllm.entrypoints.openai.models.protocol:BaseModelPath"
 _LOGITS_LAYER = "vllm.model_executor.layers.logits_processor:LogitsProcessor"
-_V2_RUNNER = f"{_V2}.model_runner:GPUModelRunner"
-_V2_BATCH = f"{_V2}.input_batch:InputBatch"
-_V2_STATES = f"{_V2}.states:RequestState"
-_V2_SPECULATOR = f"{_V2}.spec_decode.speculator:DraftModelSpeculator"
 _V2_STANDALONE = f"{_V2}.spec_decode.standalone_ar.speculator:StandaloneARSpeculator"
-_V2_PROMPT = f"{_V2}.sample.prompt_logprob:PromptLogprobsWorker"
 #: The OpenAI request models that carry the ``steer`` field, ``(module, class)``.
 REQUEST_CLASSES = (
     ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
