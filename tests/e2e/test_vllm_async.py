@@ -100,14 +100,14 @@ def test_engine_runs_async_scheduling(llm):
 def test_requests_joining_and_leaving_get_their_own_tokens(llm, pair_ref):
     outs = llm.generate(PROMPTS, [sp(s, n) for s, n in REQUESTS], use_tqdm=False)
     plain_differs = 0
-    for o, (steer, n) in zip(outs, REQUESTS):
+    for o, (steer, n) in zip(outs, REQUESTS, strict=True):
         ids = list(o.prompt_token_ids)
         got = list(o.outputs[0].token_ids)
         want = pair_ref.greedy(ids, n, steer)
         assert got == want, (o.prompt, steer, got, want)
         plain_differs += steer is not None and want != pair_ref.greedy(ids, n)
         lp = pair_ref.logprobs(ids + got, steer)
-        for i, (t, e) in enumerate(zip(got, o.outputs[0].logprobs)):
+        for i, (t, e) in enumerate(zip(got, o.outputs[0].logprobs, strict=True)):
             assert e[t].logprob == pytest.approx(lp[len(ids) - 1 + i, t].item(), abs=2e-3)
     assert plain_differs >= 2  # the steers change tokens: the test can tell rows apart
 

@@ -348,7 +348,7 @@ def test_serve_unsteered_requests_equal_stock_vllm(fam, engines):
     # Same tokens and top-k; logprobs equal to fp32 rounding (the two engines run in one
     # process one after the other, and the CPU GEMMs may block the vocabulary differently:
     # a few units in the last place at |logprob| ~ 20, relative 2e-7, were seen).
-    for x, y in zip(a["logprobs"], b["logprobs"]):
+    for x, y in zip(a["logprobs"], b["logprobs"], strict=True):
         assert x.keys() == y.keys()
         assert [x[k] for k in x] == pytest.approx([y[k] for k in x], rel=1e-6, abs=1e-6)
 

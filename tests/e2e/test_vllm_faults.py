@@ -147,8 +147,8 @@ def test_concurrent_first_use_requests_get_200_400_or_429(server, tiny_model_dir
     # a request that fits waits for a slot while running requests hold them all (a 429 if
     # none frees in time): the 400s are the requests over the bank (more dir steers than its
     # 2 free slots)
-    over = [c for m, c in zip(mixes, codes) if len(m) > CAPACITY - 1]
-    fits = [c for m, c in zip(mixes, codes) if len(m) <= CAPACITY - 1]
+    over = [c for m, c in zip(mixes, codes, strict=True) if len(m) > CAPACITY - 1]
+    fits = [c for m, c in zip(mixes, codes, strict=True) if len(m) <= CAPACITY - 1]
     assert set(over) == {400}, (codes, mixes)
     assert 400 not in fits, (codes, mixes)
     assert fits.count(200) >= len(fits) // 2, (codes, mixes)

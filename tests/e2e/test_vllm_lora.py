@@ -112,7 +112,8 @@ def reference_logprobs(model, ids, steer=None, strength=0.0):
 
 def assert_matches(out, lp):
     n = len(out.prompt_token_ids)
-    for i, (tok, entry) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+    for i, (tok, entry) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs,
+                                         strict=True)):
         assert tok == int(lp[n - 1 + i].argmax()), i
         assert entry[tok].logprob == pytest.approx(lp[n - 1 + i, tok].item(), abs=2e-3), i
 

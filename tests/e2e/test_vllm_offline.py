@@ -120,7 +120,8 @@ def test_logprobs_match_transformers_on_the_same_weights(llm, tiny_model_dir, st
             logits = model(torch.tensor([ids])).logits[0].float()
         lp = torch.log_softmax(logits, -1)
         n_prompt = len(o.prompt_token_ids)
-        for i, (tok, entry) in enumerate(zip(o.outputs[0].token_ids, o.outputs[0].logprobs)):
+        for i, (tok, entry) in enumerate(zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
+                                             strict=True)):
             expected = lp[n_prompt - 1 + i, tok].item()
             assert entry[tok].logprob == pytest.approx(expected, abs=2e-3), (i, tok)
             # greedy: the sampled token is the argmax of the steered transformers logits
@@ -132,14 +133,16 @@ def test_composition_equals_the_summed_steer_and_strength_is_linear(llm):
     both = llm.generate(PROMPTS, sp({"a": 2, "b": 3}, **lp))
     merged = llm.generate(PROMPTS, sp({"comp": 1}, **lp))
     assert tokens(both) == tokens(merged)
-    for x, y in zip(both, merged):
-        for ex, ey, t in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, x.outputs[0].token_ids):
+    for x, y in zip(both, merged, strict=True):
+        for ex, ey, t in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, x.outputs[0].token_ids,
+                             strict=True):
             assert ex[t].logprob == pytest.approx(ey[t].logprob, abs=1e-4)
     s5 = llm.generate(PROMPTS, sp({"a": 5}, **lp))
     w5 = llm.generate(PROMPTS, sp({"a5": 1}, **lp))
     assert tokens(s5) == tokens(w5)
-    for x, y in zip(s5, w5):
-        for ex, ey, t in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, x.outputs[0].token_ids):
+    for x, y in zip(s5, w5, strict=True):
+        for ex, ey, t in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, x.outputs[0].token_ids,
+                             strict=True):
             assert ex[t].logprob == pytest.approx(ey[t].logprob, abs=1e-4)
 
 
@@ -170,10 +173,10 @@ def test_prompt_logprobs_are_steered_for_steered_requests(llm, tiny_model_dir, s
                         [sp({"a": 5}, prompt_logprobs=0, max_tokens=1),
                          sp(prompt_logprobs=0, max_tokens=1)])
     ids = list(outs[0].prompt_token_ids)
-    for o, strengths in zip(outs, ({"a": 5}, {"a": 0})):
+    for o, strengths in zip(outs, ({"a": 5}, {"a": 0}), strict=True):
         with torch.no_grad(), steering(model, steers, strengths):
             lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
-        got = [entry[t].logprob for entry, t in zip(o.prompt_logprobs[1:], ids[1:])]
+        got = [entry[t].logprob for entry, t in zip(o.prompt_logprobs[1:], ids[1:], strict=True)]
         want = [lp[i, t].item() for i, t in enumerate(ids[1:])]
         assert got == pytest.approx(want, abs=2e-3)
     assert outs[0].prompt_logprobs[1:] != outs[1].prompt_logprobs[1:]

@@ -185,14 +185,14 @@ def check_completions(url, ref, prompt_ids, strengths, changed=(), tol=2e-3):
     its steer mix (None: no ``steer`` field): tokens equal ``ref.greedy``, logprobs
     ``ref.logprobs``; those at ``changed`` differ from the unsteered reference."""
     with cf.ThreadPoolExecutor(len(strengths)) as ex:
-        rs = list(ex.map(lambda a: complete(url, *a), zip(prompt_ids, strengths)))
-    for k, (r, ids, s) in enumerate(zip(rs, prompt_ids, strengths)):
+        rs = list(ex.map(lambda a: complete(url, *a), zip(prompt_ids, strengths, strict=True)))
+    for k, (r, ids, s) in enumerate(zip(rs, prompt_ids, strengths, strict=True)):
         assert r.status_code == 200, (k, r.text)
         lp = r.json()["choices"][0]["logprobs"]
         got = [int(t.split(":")[1]) for t in lp["tokens"]]
         assert got == ref.greedy(ids, MAX_TOKENS, s), (k, s)
         want = ref.logprobs(ids + got, s)
-        for i, (tok, x) in enumerate(zip(got, lp["token_logprobs"])):
+        for i, (tok, x) in enumerate(zip(got, lp["token_logprobs"], strict=True)):
             assert x == pytest.approx(want[len(ids) - 1 + i, tok].item(), abs=tol), (k, s, i)
         if k in changed:
             assert got != ref.greedy(ids, MAX_TOKENS), (k, s, "the steer has no effect")

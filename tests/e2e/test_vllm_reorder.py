@@ -79,13 +79,13 @@ def test_swapped_rows_keep_their_own_steer(llm, pair_ref):
     assert swaps > 0, f"the batch was never reordered (moves {after}): the test shows nothing"
 
     plain_differs = 0
-    for o, (steer, n) in zip(outs, REQUESTS):
+    for o, (steer, n) in zip(outs, REQUESTS, strict=True):
         ids, got = list(o.prompt_token_ids), list(o.outputs[0].token_ids)
         want = pair_ref.greedy(ids, n, steer)
         assert got == want, (o.prompt, steer, got, want, f"{swaps} swaps")
         plain_differs += steer is not None and want != pair_ref.greedy(ids, n)
         lp = pair_ref.logprobs(ids + got, steer)
-        for i, (t, e) in enumerate(zip(got, o.outputs[0].logprobs)):
+        for i, (t, e) in enumerate(zip(got, o.outputs[0].logprobs, strict=True)):
             assert e[t].logprob == pytest.approx(lp[len(ids) - 1 + i, t].item(), abs=2e-3)
     assert plain_differs >= 2  # the steers change tokens: the test can tell rows apart
 

@@ -182,7 +182,7 @@ def test_greedy_steered_tokens_equal_the_steered_reference_in_a_mixed_batch(engi
     name, llm = engine
     outs, (drafted, accepted) = generate(llm, MIXED)
     assert drafted > 0, f"{name}: no draft tokens were verified; the test would prove nothing"
-    for o, steer, (plain, _) in zip(outs, MIXED, vanilla):
+    for o, steer, (plain, _) in zip(outs, MIXED, vanilla, strict=True):
         got = list(o.outputs[0].token_ids)
         if steer is None:
             assert got == plain, (name, o.prompt)
@@ -196,10 +196,10 @@ def test_unsteered_tokens_and_logprobs_equal_stock_vllm(engine, vanilla):
     name, llm = engine
     outs, (drafted, _) = generate(llm, [None] * len(PROMPTS), logprobs=0)
     assert drafted > 0
-    for o, (plain, plain_lp) in zip(outs, vanilla):
+    for o, (plain, plain_lp) in zip(outs, vanilla, strict=True):
         toks = list(o.outputs[0].token_ids)
         assert toks == plain, (name, o.prompt)
-        got = [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, toks)]
+        got = [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, toks, strict=True)]
         assert got == pytest.approx(plain_lp, abs=1e-4), (name, o.prompt)
 
 
@@ -207,11 +207,12 @@ def test_logprobs_follow_the_steered_target(engine, ref):
     name, llm = engine
     outs, (drafted, _) = generate(llm, MIXED, logprobs=0)
     assert drafted > 0
-    for o, steer in zip(outs, MIXED):
+    for o, steer in zip(outs, MIXED, strict=True):
         ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
         lp = ref.logprobs(ids, steer)
         n = len(o.prompt_token_ids)
-        for i, (tok, entry) in enumerate(zip(o.outputs[0].token_ids, o.outputs[0].logprobs)):
+        for i, (tok, entry) in enumerate(zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
+                                             strict=True)):
             assert entry[tok].logprob == pytest.approx(float(lp[n - 1 + i, tok]), abs=2e-3), \
                 (name, o.prompt, steer, i)
 

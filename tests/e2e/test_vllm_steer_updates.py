@@ -45,7 +45,7 @@ def reference_logprobs(model_dir, prompt, tokens, steer_path, strength):
 
 
 def assert_matches_reference(tokens, logprobs, ref):
-    for i, (tok, got) in enumerate(zip(tokens, logprobs)):
+    for i, (tok, got) in enumerate(zip(tokens, logprobs, strict=True)):
         assert tok == int(ref[i].argmax()), i  # greedy: the steered argmax
         assert got == pytest.approx(ref[i][tok].item(), abs=2e-3), i
 

@@ -90,7 +90,7 @@ def test_v1_a_finished_steered_request_costs_no_steer_work_on_any_rank(llm, ref)
     outs = llm.generate(PROMPTS[:2], [sp({"a": 5}, max_tokens=2), sp(max_tokens=6)])
     mid = llm.collective_rpc(steer_stats)
     # each rank steers the two steps that sampled the steered request, then nothing
-    assert [m["calls"] - b["calls"] for m, b in zip(mid, before)] == [2, 2]
+    assert [m["calls"] - b["calls"] for m, b in zip(mid, before, strict=True)] == [2, 2]
     assert list(outs[1].outputs[0].token_ids) == ref.greedy(list(outs[1].prompt_token_ids), 6)
     llm.generate(PROMPTS[2:3], sp())
     assert llm.collective_rpc(steer_stats) == mid

@@ -169,7 +169,8 @@ def test_logprobs_match_plain_torch_on_the_same_weights(llm, ref):
         ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
         lp = ref.logprobs(ids, strengths)
         n_prompt = len(o.prompt_token_ids)
-        for i, (tok, entry) in enumerate(zip(o.outputs[0].token_ids, o.outputs[0].logprobs)):
+        for i, (tok, entry) in enumerate(zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
+                                             strict=True)):
             assert entry[tok].logprob == pytest.approx(lp[n_prompt - 1 + i, tok].item(),
                                                        abs=2e-3), (i, tok)
             assert tok == int(lp[n_prompt - 1 + i].argmax())
@@ -181,7 +182,7 @@ def test_composition_equals_the_summed_steer(llm):
     for both, merged in ((outs[0], outs[1]),):
         assert tokens([both]) == tokens([merged])
         for ex, ey, t in zip(both.outputs[0].logprobs, merged.outputs[0].logprobs,
-                             both.outputs[0].token_ids):
+                             both.outputs[0].token_ids, strict=True):
             assert ex[t].logprob == pytest.approx(ey[t].logprob, abs=1e-4)
 
 
@@ -204,7 +205,7 @@ def test_prompt_logprobs_are_steered_per_request_in_a_mixed_batch(llm, ref, prom
     through the LM head in one call; each row must get its own request's steer."""
     cases = [{"a": 4, "b": -2}, None, {"a": -5}, None]
     outs = llm.generate(PROMPTS, [sp(s, max_tokens=1, prompt_logprobs=0) for s in cases])
-    for o, ids, s in zip(outs, prompt_ids, cases):
+    for o, ids, s in zip(outs, prompt_ids, cases, strict=True):
         assert list(o.prompt_token_ids) == ids
         lp = ref.logprobs(ids, s)
         for i in range(1, len(ids)):
@@ -222,14 +223,14 @@ def test_prompt_token_id_logprobs_are_steered_per_request_in_a_mixed_batch(llm, 
     cases = [{"a": 4, "b": -2}, None, {"b": -6}, {"a": 5}]
     extra = [17, 400, 4242]  # scored at every row besides the prompt's own next token
     params = []
-    for i, (ids, s) in enumerate(zip(prompt_ids, cases)):
+    for i, (ids, s) in enumerate(zip(prompt_ids, cases, strict=True)):
         if i == 3:  # ordinary prompt logprobs in the same batch (the other entry point)
             params.append(sp(s, max_tokens=1, prompt_logprobs=0))
             continue
         rows = np.array([[ids[j + 1], *extra] for j in range(len(ids) - 1)], dtype=np.int64)
         params.append(sp(s, max_tokens=1, prompt_logprob_token_ids=rows))
     outs = llm.generate(PROMPTS, params)
-    for i, (o, ids, s) in enumerate(zip(outs, prompt_ids, cases)):
+    for i, (o, ids, s) in enumerate(zip(outs, prompt_ids, cases, strict=True)):
         lp = ref.logprobs(ids, s)
         if i == 3:
             got = [o.prompt_logprobs[j][ids[j]].logprob for j in range(1, len(ids))]

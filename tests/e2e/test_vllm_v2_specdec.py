@@ -107,7 +107,7 @@ def test_v2_speculative_decoding_serves_the_steered_target_in_a_mixed_batch(engi
         assert got == ref.greedy(ids, MAX_TOKENS, steer), (name, o.prompt, steer)
         changed += steer is not None and got != ref.greedy(ids, MAX_TOKENS)
         lp = ref.logprobs(ids + got, steer)
-        lps = [lp_[t].logprob for lp_, t in zip(o.outputs[0].logprobs, got)]
+        lps = [lp_[t].logprob for lp_, t in zip(o.outputs[0].logprobs, got, strict=True)]
         assert lps == pytest.approx([float(lp[len(ids) - 1 + i, t]) for i, t in
                                      enumerate(got)], abs=2e-3), (name, o.prompt, steer)
     assert changed == sum(s is not None for _, s in BATCH), "a steer had no visible effect"
