@@ -305,49 +305,73 @@ _PICKLE_REASON = (
     "`vllm-steer convert FILE --unsafe-allow-pickle --out steer.safetensors`")
 
 
-def _read_header(path: str) -> tuple[dict[str, Any] | None, list[str], int]:
-    """Parse the safetensors header by hand (no torch). Returns (header, reasons, data_len).
+class _NotSafetensors(Exception):
+    """Raised with the reason when a file cannot be read as safetensors at all."""
 
-    ``header`` is None when the bytes are not a safetensors file at all; otherwise it is a
-    JSON object whose tensor entries and data offsets have been checked (``reasons`` lists
-    what is wrong with them).
-    """
+
+def _check_path(path: str) -> None:
+    """Refuse a path that is missing or a directory."""
     if not os.path.exists(path):
-        return None, [f"no such file: {path}"], 0
+        raise _NotSafetensors(f"no such file: {path}")
     if os.path.isdir(path):
-        return None, ["is a directory, expected a .safetensors file"], 0
+        raise _NotSafetensors("is a directory, expected a .safetensors file")
+
+
+def _read_header_bytes(path: str) -> tuple[int, bytes, int, bytes | None]:
+    """``(file size, first 8 bytes, declared header length, header bytes)``; the header bytes
+    are None when the declared length is out of bounds or does not fit in the file."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                return None, [f"file is {size} bytes, too short to be safetensors (truncated "
-                              "or empty)"], 0
+                raise _NotSafetensors(f"file is {size} bytes, too short to be safetensors "
+                                      "(truncated or empty)")
             (n,) = struct.unpack("<Q", head)
             raw = f.read(n) if 2 <= n <= MAX_HEADER_BYTES and n + 8 <= size else None
     except OSError as e:
-        return None, [f"cannot read the file ({e.strerror or e})"], 0
+        raise _NotSafetensors(f"cannot read the file ({e.strerror or e})") from None
+    return size, head, n, raw
+
+
+def _check_header_length(head: bytes, n: int, size: int, raw: bytes | None) -> None:
+    """Refuse a GGUF file, and a header length that was not read: a pickle, a header over
+    :data:`MAX_HEADER_BYTES`, or one longer than the file."""
     if head[:4] == b"GGUF":
-        return None, ["this is a GGUF file (a llama.cpp control vector is a vector steer, not "
-                      "an LM-Steer file): read it with vllm_steer.vectors.load_vector, or "
-                      "`vllm-steer convert FILE --out x.safetensors`"], 0
-    if raw is None:
-        if _looks_like_pickle(head):
-            return None, [_PICKLE_REASON], 0
-        if n > MAX_HEADER_BYTES and n + 8 <= size:
-            return None, [f"safetensors header is {n} bytes; a steer file's header may have "
-                          f"at most {MAX_HEADER_BYTES}"], 0
-        return None, [f"header length {n} does not fit in the file ({size} bytes): not "
-                      "safetensors, or truncated"], 0
+        raise _NotSafetensors("this is a GGUF file (a llama.cpp control vector is a vector "
+                              "steer, not an LM-Steer file): read it with "
+                              "vllm_steer.vectors.load_vector, or "
+                              "`vllm-steer convert FILE --out x.safetensors`")
+    if raw is not None:
+        return
+    if _looks_like_pickle(head):
+        raise _NotSafetensors(_PICKLE_REASON)
+    if n > MAX_HEADER_BYTES and n + 8 <= size:
+        raise _NotSafetensors(f"safetensors header is {n} bytes; a steer file's header may "
+                              f"have at most {MAX_HEADER_BYTES}")
+    raise _NotSafetensors(f"header length {n} does not fit in the file ({size} bytes): not "
+                          "safetensors, or truncated")
+
+
+def _parse_header_json(raw: bytes, head: bytes) -> dict[str, Any]:
+    """The header as a JSON object; refuse a pickle, invalid JSON or another JSON value."""
     try:
         header = _strict_json(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         if _looks_like_pickle(head):
-            return None, [_PICKLE_REASON], 0
-        return None, [f"safetensors header is not valid JSON ({str(e)[:200]})"], 0
+            raise _NotSafetensors(_PICKLE_REASON) from None
+        raise _NotSafetensors(f"safetensors header is not valid JSON ({str(e)[:200]})") from None
     if not isinstance(header, dict):
-        return None, [f"safetensors header must be a JSON object, got {type(header).__name__}"], 0
-    data_len = size - 8 - n
+        raise _NotSafetensors("safetensors header must be a JSON object, got "
+                              f"{type(header).__name__}")
+    return header
+
+
+def _entry_spans(header: dict[str, Any], data_len: int
+                 ) -> tuple[list[tuple[int, int, str]], list[str]]:
+    """``(spans, reasons)``: the data span ``(start, end, key)`` of each well-formed tensor
+    entry that fits in the data section, and what is wrong with the other entries and with
+    ``__metadata__``."""
     reasons: list[str] = []
     spans = []
     for key, info in header.items():
@@ -365,19 +389,41 @@ def _read_header(path: str) -> tuple[dict[str, Any] | None, list[str], int]:
                            f"file holds {data_len} bytes (truncated file)")
             continue
         spans.append((start, end, key))
+    return spans, reasons
+
+
+def _layout_problems(spans: list[tuple[int, int, str]], data_len: int) -> list[str]:
+    """The first gap or overlap between the tensors' spans, or trailing bytes after them."""
+    pos = 0
+    for start, end, key in sorted(spans):
+        if start != pos:
+            return [f"tensor {_echo(key)} starts at byte {start} of the data section, "
+                    f"expected {pos} (overlapping or gapped tensors)"]
+        pos = end
+    if pos != data_len:
+        return [f"the tensors cover {pos} bytes but the data section holds "
+                f"{data_len} (trailing bytes)"]
+    return []
+
+
+def _read_header(path: str) -> tuple[dict[str, Any] | None, list[str], int]:
+    """Parse the safetensors header by hand (no torch). Returns (header, reasons, data_len).
+
+    ``header`` is None when the bytes are not a safetensors file at all; otherwise it is a
+    JSON object whose tensor entries and data offsets have been checked (``reasons`` lists
+    what is wrong with them).
+    """
+    try:
+        _check_path(path)
+        size, head, n, raw = _read_header_bytes(path)
+        _check_header_length(head, n, size, raw)
+        header = _parse_header_json(raw, head)
+    except _NotSafetensors as e:
+        return None, [str(e)], 0
+    data_len = size - 8 - n
+    spans, reasons = _entry_spans(header, data_len)
     if not reasons:
-        spans.sort()
-        pos = 0
-        for start, end, key in spans:
-            if start != pos:
-                reasons.append(f"tensor {_echo(key)} starts at byte {start} of the data section, "
-                               f"expected {pos} (overlapping or gapped tensors)")
-                break
-            pos = end
-        else:
-            if pos != data_len:
-                reasons.append(f"the tensors cover {pos} bytes but the data section holds "
-                               f"{data_len} (trailing bytes)")
+        reasons = _layout_problems(spans, data_len)
     return header, reasons, data_len
 
 

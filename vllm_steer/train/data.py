@@ -219,74 +219,100 @@ def _check_file(path: str) -> None:
         raise DataError(f"{path}: file is empty")
 
 
-def iter_records(path: str, fmt: str, text_field: str | None, label_field: str | None,
-                 header: bool, need_label: bool, split: str | None = None
-                 ) -> Iterator[tuple[int, str, str | None]]:
-    """Yield ``(line_or_row_number, text, label_or_None)`` from one source."""
-    fmt = detect_format(path, fmt)
-    if fmt in ("parquet", "hf"):
-        if fmt == "parquet":
-            _check_file(path)
-            try:
-                import pyarrow.parquet as pq
-            except ImportError:
-                raise DataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow, "
-                                "or vllm-steer[train])") from None
-            table = pq.read_table(path)
-            tcol, lcol = _columns_named(path, table.column_names, text_field, label_field,
-                                        need_label)
-            texts = table.column(tcol).to_pylist()
-            labels = table.column(lcol).to_pylist() if lcol else None
-        else:
-            ds = load_hf(path, split)
-            tcol, lcol = _columns_named(path, list(ds.column_names), text_field, label_field,
-                                        need_label)
-            texts, labels = ds[tcol], (ds[lcol] if lcol else None)
-        if not texts:
-            raise DataError(f"{path}: no rows")
-        yield from _iter_table(path, texts, labels)
-        return
+def _parquet_columns(path: str, text_field: str | None, label_field: str | None,
+                     need_label: bool) -> tuple[list, list | None]:
+    """The texts and labels (None when not needed) of a Parquet file."""
     _check_file(path)
-    if fmt == "txt":
-        if need_label:
-            raise DataError(f"{path}: a plain-text file has no labels; give it with --positive "
-                            "or --negative, or use CSV/TSV/JSONL with a label column")
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for i, line in enumerate(f, 1):
-                yield i, line.rstrip("\r\n"), None
-        return
-    if fmt == "jsonl":
-        tkey = text_field or "text"
-        lkey = label_field or "label"
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{i}: not valid JSON ({e})") from None
-                if not isinstance(rec, dict):
-                    raise DataError(f"{path}:{i}: expected a JSON object per line, got "
-                                    f"{type(rec).__name__}")
-                if tkey not in rec:
-                    raise DataError(f"{path}:{i}: no field {tkey!r} (fields: {sorted(rec)}); "
-                                    "name the text field with --text-field")
-                text = rec[tkey]
-                if not isinstance(text, str):
-                    raise DataError(f"{path}:{i}: field {tkey!r} is {type(text).__name__}, "
-                                    "expected a string")
-                label = None
-                if need_label:
-                    if lkey not in rec:
-                        raise DataError(f"{path}:{i}: no label field {lkey!r} (fields: "
-                                        f"{sorted(rec)}); name it with --label-field")
-                    label = _label_str(rec[lkey])
-                yield i, text, label
-        return
-    if fmt not in ("csv", "tsv"):
-        raise DataError(f"{path}: unknown format {fmt!r}; choose jsonl, csv, tsv, parquet, "
-                        "hf (a Hugging Face dataset) or txt")
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow, "
+                        "or vllm-steer[train])") from None
+    table = pq.read_table(path)
+    tcol, lcol = _columns_named(path, table.column_names, text_field, label_field, need_label)
+    texts = table.column(tcol).to_pylist()
+    labels = table.column(lcol).to_pylist() if lcol else None
+    return texts, labels
+
+
+def _dataset_columns(path: str, split: str | None, text_field: str | None,
+                     label_field: str | None, need_label: bool) -> tuple[Any, Any]:
+    """The texts and labels (None when not needed) of a Hugging Face dataset's split."""
+    ds = load_hf(path, split)
+    tcol, lcol = _columns_named(path, list(ds.column_names), text_field, label_field,
+                                need_label)
+    return ds[tcol], (ds[lcol] if lcol else None)
+
+
+def _iter_txt(path: str, need_label: bool) -> Iterator[tuple[int, str, None]]:
+    """The lines of a plain-text file (which has no labels)."""
+    if need_label:
+        raise DataError(f"{path}: a plain-text file has no labels; give it with --positive "
+                        "or --negative, or use CSV/TSV/JSONL with a label column")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for i, line in enumerate(f, 1):
+            yield i, line.rstrip("\r\n"), None
+
+
+def _jsonl_record(where: str, rec: Any, tkey: str, lkey: str, need_label: bool
+                  ) -> tuple[str, str | None]:
+    """The text and label (None when not needed) of one parsed JSONL line."""
+    if not isinstance(rec, dict):
+        raise DataError(f"{where}: expected a JSON object per line, got {type(rec).__name__}")
+    if tkey not in rec:
+        raise DataError(f"{where}: no field {tkey!r} (fields: {sorted(rec)}); "
+                        "name the text field with --text-field")
+    text = rec[tkey]
+    if not isinstance(text, str):
+        raise DataError(f"{where}: field {tkey!r} is {type(text).__name__}, expected a string")
+    if not need_label:
+        return text, None
+    if lkey not in rec:
+        raise DataError(f"{where}: no label field {lkey!r} (fields: {sorted(rec)}); name it "
+                        "with --label-field")
+    return text, _label_str(rec[lkey])
+
+
+def _iter_jsonl(path: str, text_field: str | None, label_field: str | None, need_label: bool
+                ) -> Iterator[tuple[int, str, str | None]]:
+    """The records of a JSONL file, one JSON object a line; blank lines skipped."""
+    tkey = text_field or "text"
+    lkey = label_field or "label"
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{i}: not valid JSON ({e})") from None
+            text, label = _jsonl_record(f"{path}:{i}", rec, tkey, lkey, need_label)
+            yield i, text, label
+
+
+def _csv_column(path: str, columns: list[str] | None, spec: str | None, default_name: str,
+                default_idx: int, what: str) -> int:
+    """The index of a CSV/TSV column given by name or 0-based index (``spec``), by default
+    the column ``default_name`` of the header, or ``default_idx`` without a header."""
+    if spec is None:
+        if columns is not None:
+            if default_name in columns:
+                return columns.index(default_name)
+            raise DataError(f"{path}: no {what} column {default_name!r} in the header "
+                            f"{columns}; name it with --{what}-field (a name or a "
+                            "0-based index), or --no-header if the file has none")
+        return default_idx
+    if columns is not None and spec in columns:
+        return columns.index(spec)
+    if str(spec).isdigit():
+        return int(spec)
+    found = f"header {columns}" if columns is not None else "no header (--no-header)"
+    raise DataError(f"{path}: no {what} column {spec!r} ({found})")
+
+
+def _iter_delimited(path: str, fmt: str, text_field: str | None, label_field: str | None,
+                    header: bool, need_label: bool) -> Iterator[tuple[int, str, str | None]]:
+    """The rows of a CSV or TSV file; blank rows skipped."""
     delim = "," if fmt == "csv" else "\t"
     quoting = csv.QUOTE_MINIMAL if fmt == "csv" else csv.QUOTE_NONE
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
@@ -298,25 +324,8 @@ def iter_records(path: str, fmt: str, text_field: str | None, label_field: str |
                 columns = [c.strip() for c in next(reader)]
             except StopIteration:
                 raise DataError(f"{path}: file is empty") from None
-
-        def col_index(spec: str | None, default_name: str, default_idx: int, what: str) -> int:
-            if spec is None:
-                if columns is not None:
-                    if default_name in columns:
-                        return columns.index(default_name)
-                    raise DataError(f"{path}: no {what} column {default_name!r} in the header "
-                                    f"{columns}; name it with --{what}-field (a name or a "
-                                    "0-based index), or --no-header if the file has none")
-                return default_idx
-            if columns is not None and spec in columns:
-                return columns.index(spec)
-            if str(spec).isdigit():
-                return int(spec)
-            found = f"header {columns}" if columns is not None else "no header (--no-header)"
-            raise DataError(f"{path}: no {what} column {spec!r} ({found})")
-
-        ti = col_index(text_field, "text", 0, "text")
-        li = col_index(label_field, "label", 1, "label") if need_label else None
+        ti = _csv_column(path, columns, text_field, "text", 0, "text")
+        li = _csv_column(path, columns, label_field, "label", 1, "label") if need_label else None
         first = 2 if header else 1
         for n, row in enumerate(reader, first):
             if not row or (len(row) == 1 and not row[0].strip()):
@@ -327,6 +336,32 @@ def iter_records(path: str, fmt: str, text_field: str | None, label_field: str |
                                 f"{need + 1} (text column {ti}" +
                                 (f", label column {li})" if li is not None else ")"))
             yield n, row[ti], (_label_str(row[li]) if li is not None else None)
+
+
+def iter_records(path: str, fmt: str, text_field: str | None, label_field: str | None,
+                 header: bool, need_label: bool, split: str | None = None
+                 ) -> Iterator[tuple[int, str, str | None]]:
+    """Yield ``(line_or_row_number, text, label_or_None)`` from one source."""
+    fmt = detect_format(path, fmt)
+    if fmt in ("parquet", "hf"):
+        if fmt == "parquet":
+            texts, labels = _parquet_columns(path, text_field, label_field, need_label)
+        else:
+            texts, labels = _dataset_columns(path, split, text_field, label_field, need_label)
+        if not texts:
+            raise DataError(f"{path}: no rows")
+        yield from _iter_table(path, texts, labels)
+        return
+    _check_file(path)
+    if fmt == "txt":
+        yield from _iter_txt(path, need_label)
+    elif fmt == "jsonl":
+        yield from _iter_jsonl(path, text_field, label_field, need_label)
+    elif fmt in ("csv", "tsv"):
+        yield from _iter_delimited(path, fmt, text_field, label_field, header, need_label)
+    else:
+        raise DataError(f"{path}: unknown format {fmt!r}; choose jsonl, csv, tsv, parquet, "
+                        "hf (a Hugging Face dataset) or txt")
 
 
 @dataclass

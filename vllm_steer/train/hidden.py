@@ -265,7 +265,7 @@ def cache_key(model_path: str, model, texts: Sequence[str], sides: Sequence[int]
     h.update(json.dumps({"model": str(model_path), "config": model.config.to_json_string(),
                          "max_length": max_length, "model_dtype": str(model_dtype),
                          "cache_dtype": str(cache_dtype), "v": 1}, sort_keys=True).encode())
-    for t, s in zip(texts, sides):
+    for t, s in zip(texts, sides, strict=True):
         h.update(f"{s}\x00{t}\x01".encode("utf-8", "replace"))
     return h.hexdigest()
 

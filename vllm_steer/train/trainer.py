@@ -184,7 +184,7 @@ def hidden_states(prep: PreparedRun, split: str, ckpt_dir: str | None, progress:
     starts = prep.train_starts if split == "train" else prep.dev_starts
     texts = ["\x02".join(map(str, x)) for x in ids]
     if starts is not None:  # the first target is part of what a cached text is
-        texts = [f"{t}\x03{a}" for t, a in zip(texts, starts)]
+        texts = [f"{t}\x03{a}" for t, a in zip(texts, starts, strict=True)]
     key = cache_key(prep.model_path, prep.model, texts, sides, prep.cfg.max_length,
                     prep.model_dtype, prep.cache_dtype)
     path = os.path.join(ckpt_dir, f"hidden-{split}.safetensors") if ckpt_dir else None
@@ -286,9 +286,9 @@ def steer_check(lm: LMSteer, hs: HiddenStates, strengths, *, head_dtype=torch.fl
             c, t, _ = hs.batch(idx[a:a + batch_texts], device)
             part = lm.strength_nll(c, t, values, head_dtype=head_dtype,
                                    chunk_tokens=min(chunk_tokens, 512))
-            tot = [x + y for x, y in zip(tot, part)]
+            tot = [x + y for x, y in zip(tot, part, strict=True)]
             n += len(t)
-        out[side_name] = {k: v / max(n, 1) for k, v in zip(keys, tot)}
+        out[side_name] = {k: v / max(n, 1) for k, v in zip(keys, tot, strict=True)}
     return out
 
 
@@ -444,40 +444,56 @@ class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
-def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = None, *,
-                name: str | None = None, labels: dict[str, str] | None = None,
-                resume: bool = False, checkpoint_dir: str | None = None,
-                keep_checkpoint: bool = False, recommended_strength: float | None = None,
-                progress: bool = True, log: Callable[[str], None] | None = None,
-                prepared: PreparedRun | None = None) -> TrainResult:
-    """Train a steer and (if ``out``) write it as a steer file. See the module docstring."""
-    from tqdm.auto import tqdm
+@dataclass
+class _Run:
+    """What the steps of a training run share: the steer and its optimizer, the batch order,
+    the hidden states, the history and where checkpoints go."""
 
-    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    data_cfg = data if isinstance(data, DataConfig) else None
-    prep = prepared or prepare(cfg, data, log)
-    diff = [k for k in PREPARE_FIELDS if getattr(prep.cfg, k) != getattr(cfg, k)]
-    if diff:
-        raise ValueError(f"the prepared data was made with a different {', '.join(diff)}")
-    ds = prep.dataset
+    cfg: TrainConfig
+    prep: PreparedRun
+    lm: LMSteer
+    opt: Any
+    sched: BatchSchedule
+    used: torch.Tensor
+    train_hs: HiddenStates
+    dev_hs: HiddenStates | None
+    pos: torch.Tensor
+    history: list[dict[str, Any]]
+    ckpt_path: str | None
+    recipe: dict[str, Any]
+    data_desc: dict[str, Any]
+
+    def eval_kw(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`mean_loss` and :func:`steer_check`."""
+        return dict(head_dtype=self.prep.head_dtype, chunk_tokens=self.cfg.chunk_tokens,
+                    device=self.prep.device)
+
+
+def _name_and_labels(data_cfg: DataConfig | None, out: str | None, name: str | None,
+                     labels: dict[str, str] | None) -> tuple[str, dict[str, str]]:
+    """The steer's name (checked) and labels: as given, else the preset's, else the name
+    from ``out`` (or ``steer``) and no labels."""
     preset = PRESETS.get(data_cfg.preset) if data_cfg and data_cfg.preset else None
     name = name or (preset.name if preset else
                     safe_steer_name(os.path.basename(out).split(".")[0]) if out else "steer")
     check_steer_name(name)  # before training, not when saving its result
-    labels = labels or (dict(preset.labels) if preset else {})
-    recipe = cfg.to_dict()
+    return name, labels or (dict(preset.labels) if preset else {})
+
+
+def _data_description(prep: PreparedRun, data_cfg: DataConfig | None) -> dict[str, Any]:
+    """What the steer file and the checkpoint record of the data, tokenization included."""
+    ds = prep.dataset
     data_desc = ds.describe(data_cfg) if data_cfg else {"sha256": ds.sha256,
                                                          "counts": ds.counts(), "config": None}
     data_desc["tokenization"] = prep.reports
-    if checkpoint_dir is None and out and (cfg.checkpoint_every > 0 or resume):
-        checkpoint_dir = out + ".ckpt"
-    ckpt_path = os.path.join(checkpoint_dir, CHECKPOINT_NAME) if checkpoint_dir else None
+    return data_desc
 
-    lm = LMSteer(prep.model, cfg.rank, cfg.domain_rank, cfg.epsilon, cfg.init_std, cfg.seed)
-    check_head(prep, lm)
-    opt = torch.optim.Adam(lm.factor_params(), lr=cfg.lr)
-    start, history = 0, []
+
+def _resume_or_start(resume: bool, ckpt_path: str | None, checkpoint_dir: str | None,
+                     lm: LMSteer, opt, recipe: dict, data_desc: dict,
+                     log: Callable[[str], None]) -> tuple[int, list[dict[str, Any]]]:
+    """The first step and the history so far: with ``resume``, the checkpoint's (its factors
+    and optimizer state loaded into ``lm`` and ``opt``); else step 0 and no history."""
     if resume:
         if not (ckpt_path and os.path.exists(ckpt_path)):
             raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; run without "
@@ -487,91 +503,111 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
         opt.load_state_dict(state["optimizer"])
         start, history = int(state["step"]), json.loads(state["history"])
         log(f"[train] resuming from step {start} ({ckpt_path})")
-    elif ckpt_path and os.path.exists(ckpt_path):
+        return start, history
+    if ckpt_path and os.path.exists(ckpt_path):
         log(f"[train] note: starting over; the checkpoint in {checkpoint_dir} is replaced "
             "(--resume continues it)")
+    return 0, []
 
-    sched = BatchSchedule(len(prep.train_ids), cfg.batch_size, cfg.seed)
-    used = used_texts(sched, cfg.steps)
+
+def _log_plan(prep: PreparedRun, lm: LMSteer, used: torch.Tensor, start: int,
+              log: Callable[[str], None]) -> None:
+    """Log the run's estimated cost and how the texts are read (chat template or not)."""
+    cfg = prep.cfg
     log("[train] estimate: " + describe_estimate(estimate_run(prep, lm, used, start)))
     if cfg.chat_template:
         log("[train] " + CHAT_TRAIN_NOTE)
     elif getattr(prep.tokenizer, "chat_template", None):
         log("[train] " + CHAT_NOTE.format(model=cfg.model))
-    t_h = time.perf_counter()
-    train_hs = hidden_states(prep, "train", checkpoint_dir, progress, log, needed=used)
-    pos = local_index(train_hs, len(prep.train_ids))
-    dev_hs = hidden_states(prep, "dev", checkpoint_dir, progress, log) if prep.dev_ids else None
-    t_h = time.perf_counter() - t_h
-    kw = dict(head_dtype=prep.head_dtype, chunk_tokens=cfg.chunk_tokens, device=prep.device)
-    log(f"[train] {name}: {len(used)} of {len(prep.train_ids)} train texts used "
-        f"({train_hs.num_targets} tokens cached), "
-        f"{dev_hs.num_texts if dev_hs else 0} dev texts; rank {lm.rank} + domain "
-        f"{lm.domain_rank}; head {dtype_name(prep.head_dtype)} ({lm.route(prep.head_dtype)}); "
-        f"hidden states in {t_h:.1f}s")
 
-    metrics: dict[str, Any] = {}
-    if start == 0 and dev_hs is not None:
-        history.append({"step": 0, "dev_loss": mean_loss(lm, dev_hs, **kw)})
+
+def _train_step(run: _Run, step: int) -> float:
+    """One Adam step on the step's batch; its loss."""
+    cfg, hs, device = run.cfg, run.train_hs, run.prep.device
+    idx = run.pos[run.sched.indices(step)]
+    c, t, s = hs.batch(idx, device)
+    dom = domain_mask(hs, idx, cfg, step, device)
+    mag = strength_scale(hs, idx, cfg, step, device)
+    if mag is not None:
+        s = s * mag
+    sel = token_sample(len(t), cfg, step)
+    if sel is not None:
+        sel = sel.to(c.device)
+        c, t, s = c[sel], t[sel], s[sel]
+        dom = dom[sel] if torch.is_tensor(dom) else dom
+    run.opt.zero_grad(set_to_none=True)
+    loss = run.lm.loss_backward(c, t, s, head_dtype=run.prep.head_dtype,
+                                chunk_tokens=cfg.chunk_tokens, domain=dom)
+    if cfg.regularization > 0:
+        (cfg.regularization * run.lm.regularization()).backward()
+    run.opt.step()
+    return loss
+
+
+def _run_steps(run: _Run, start: int, name: str, progress: bool) -> float:
+    """Steps ``start .. cfg.steps-1`` under a progress bar, with the history's evaluations
+    and the checkpoints; the seconds they took."""
+    from tqdm.auto import tqdm
+
+    cfg = run.cfg
     t_train = time.perf_counter()
     window: list[float] = []
     bar = tqdm(range(start, cfg.steps), desc=f"train {name}", disable=not progress,
                initial=start, total=cfg.steps)
     for step in bar:
-        idx = pos[sched.indices(step)]
-        c, t, s = train_hs.batch(idx, prep.device)
-        dom = domain_mask(train_hs, idx, cfg, step, prep.device)
-        mag = strength_scale(train_hs, idx, cfg, step, prep.device)
-        if mag is not None:
-            s = s * mag
-        sel = token_sample(len(t), cfg, step)
-        if sel is not None:
-            sel = sel.to(c.device)
-            c, t, s = c[sel], t[sel], s[sel]
-            dom = dom[sel] if torch.is_tensor(dom) else dom
-        opt.zero_grad(set_to_none=True)
-        loss = lm.loss_backward(c, t, s, head_dtype=prep.head_dtype,
-                                chunk_tokens=cfg.chunk_tokens, domain=dom)
-        if cfg.regularization > 0:
-            (cfg.regularization * lm.regularization()).backward()
-        opt.step()
-        window.append(loss)
+        window.append(_train_step(run, step))
         bar.set_postfix(loss=f"{sum(window[-20:]) / len(window[-20:]):.4f}")
         done = step + 1
         last = done == cfg.steps
         if (cfg.eval_every and done % cfg.eval_every == 0) or last:
             entry = {"step": done, "train_loss": sum(window) / len(window)}
-            if dev_hs is not None:
-                entry["dev_loss"] = mean_loss(lm, dev_hs, **kw)
-            history.append(entry)
+            if run.dev_hs is not None:
+                entry["dev_loss"] = mean_loss(run.lm, run.dev_hs, **run.eval_kw())
+            run.history.append(entry)
             window = []
-        if ckpt_path and cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or last):
-            _save_checkpoint(ckpt_path, lm, opt, done, recipe, data_desc, history)
+        if run.ckpt_path and cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or last):
+            _save_checkpoint(run.ckpt_path, run.lm, run.opt, done, run.recipe, run.data_desc,
+                             run.history)
     bar.close()
-    t_train = time.perf_counter() - t_train
+    return time.perf_counter() - t_train
 
+
+def _final_metrics(run: _Run, t0: float, cpu0: float, t_h: float, t_train: float
+                   ) -> dict[str, Any]:
+    """The trained steer's losses (a sample of the texts trained on, the dev texts), its dev
+    check, the history, the timings and the dtypes."""
+    cfg, lm, prep, kw = run.cfg, run.lm, run.prep, run.eval_kw()
+    metrics: dict[str, Any] = {}
     t_e = time.perf_counter()
-    n_final = min(len(used), cfg.final_eval_max_texts)  # a sample of the texts trained on
+    n_final = min(len(run.used), cfg.final_eval_max_texts)  # a sample of the texts trained on
     g = torch.Generator().manual_seed(cfg.seed)
-    final_idx = pos[used[torch.randperm(len(used), generator=g)[:n_final]]]
-    metrics["train_loss"] = mean_loss(lm, train_hs, final_idx, **kw)
+    final_idx = run.pos[run.used[torch.randperm(len(run.used), generator=g)[:n_final]]]
+    metrics["train_loss"] = mean_loss(lm, run.train_hs, final_idx, **kw)
     metrics["train_loss_texts"] = n_final
-    if dev_hs is not None:
-        metrics["dev_loss"] = mean_loss(lm, dev_hs, **kw)
-        metrics["dev_check"] = steer_check(lm, dev_hs, cfg.check_strengths, **kw)
-    metrics["dev_loss_initial"] = next((h["dev_loss"] for h in history if h["step"] == 0), None)
+    if run.dev_hs is not None:
+        metrics["dev_loss"] = mean_loss(lm, run.dev_hs, **kw)
+        metrics["dev_check"] = steer_check(lm, run.dev_hs, cfg.check_strengths, **kw)
+    metrics["dev_loss_initial"] = next((h["dev_loss"] for h in run.history if h["step"] == 0),
+                                       None)
     metrics["steps"] = cfg.steps
-    metrics["history"] = history
+    metrics["history"] = run.history
     metrics["wall_s"] = {"hidden_states": round(t_h, 2), "train": round(t_train, 2),
                          "final_eval": round(time.perf_counter() - t_e, 2),
                          "total": round(time.perf_counter() - t0, 2),
                          "cpu_total": round(time.process_time() - cpu0, 2)}
-    metrics["train_tokens"] = int(train_hs.targets_per_text()[pos[used]].sum())
-    metrics["train_texts_used"] = len(used)
+    metrics["train_tokens"] = int(run.train_hs.targets_per_text()[run.pos[run.used]].sum())
+    metrics["train_texts_used"] = len(run.used)
     metrics["resolved_dtypes"] = {"model": dtype_name(prep.model_dtype),
                                   "cache": dtype_name(prep.cache_dtype),
                                   "head": dtype_name(prep.head_dtype)}
-    rec = recommended_strength
+    return metrics
+
+
+def _recommended(cfg: TrainConfig, metrics: dict[str, Any], given: float | None,
+                 log: Callable[[str], None]) -> float:
+    """The strength to recommend: ``given``, else by the dev check (its rule recorded in
+    ``metrics``; the smallest check strength when none is within the budget), else 5."""
+    rec = given
     if rec is None and metrics.get("dev_check"):
         rec, rule = recommend_strength(metrics["dev_check"], cfg.check_strengths,
                                        cfg.fluency_budget)
@@ -580,7 +616,58 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
             rec = min(cfg.check_strengths)
             log(f"[train] warning: even strength {rec:g} costs the steered-towards dev texts "
                 f"more than {cfg.fluency_budget} nats/token; recommending {rec:g}")
-    rec = 5.0 if rec is None else float(rec)
+    return 5.0 if rec is None else float(rec)
+
+
+def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = None, *,
+                name: str | None = None, labels: dict[str, str] | None = None,
+                resume: bool = False, checkpoint_dir: str | None = None,
+                keep_checkpoint: bool = False, recommended_strength: float | None = None,
+                progress: bool = True, log: Callable[[str], None] | None = None,
+                prepared: PreparedRun | None = None) -> TrainResult:
+    """Train a steer and (if ``out``) write it as a steer file. See the module docstring."""
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    data_cfg = data if isinstance(data, DataConfig) else None
+    prep = prepared or prepare(cfg, data, log)
+    diff = [k for k in PREPARE_FIELDS if getattr(prep.cfg, k) != getattr(cfg, k)]
+    if diff:
+        raise ValueError(f"the prepared data was made with a different {', '.join(diff)}")
+    name, labels = _name_and_labels(data_cfg, out, name, labels)
+    recipe = cfg.to_dict()
+    data_desc = _data_description(prep, data_cfg)
+    if checkpoint_dir is None and out and (cfg.checkpoint_every > 0 or resume):
+        checkpoint_dir = out + ".ckpt"
+    ckpt_path = os.path.join(checkpoint_dir, CHECKPOINT_NAME) if checkpoint_dir else None
+
+    lm = LMSteer(prep.model, cfg.rank, cfg.domain_rank, cfg.epsilon, cfg.init_std, cfg.seed)
+    check_head(prep, lm)
+    opt = torch.optim.Adam(lm.factor_params(), lr=cfg.lr)
+    start, history = _resume_or_start(resume, ckpt_path, checkpoint_dir, lm, opt, recipe,
+                                      data_desc, log)
+
+    sched = BatchSchedule(len(prep.train_ids), cfg.batch_size, cfg.seed)
+    used = used_texts(sched, cfg.steps)
+    _log_plan(prep, lm, used, start, log)
+    t_h = time.perf_counter()
+    train_hs = hidden_states(prep, "train", checkpoint_dir, progress, log, needed=used)
+    pos = local_index(train_hs, len(prep.train_ids))
+    dev_hs = hidden_states(prep, "dev", checkpoint_dir, progress, log) if prep.dev_ids else None
+    t_h = time.perf_counter() - t_h
+    run = _Run(cfg, prep, lm, opt, sched, used, train_hs, dev_hs, pos, history, ckpt_path,
+               recipe, data_desc)
+    log(f"[train] {name}: {len(used)} of {len(prep.train_ids)} train texts used "
+        f"({train_hs.num_targets} tokens cached), "
+        f"{dev_hs.num_texts if dev_hs else 0} dev texts; rank {lm.rank} + domain "
+        f"{lm.domain_rank}; head {dtype_name(prep.head_dtype)} ({lm.route(prep.head_dtype)}); "
+        f"hidden states in {t_h:.1f}s")
+
+    if start == 0 and dev_hs is not None:
+        history.append({"step": 0, "dev_loss": mean_loss(lm, dev_hs, **run.eval_kw())})
+    t_train = _run_steps(run, start, name, progress)
+
+    metrics = _final_metrics(run, t0, cpu0, t_h, t_train)
+    rec = _recommended(cfg, metrics, recommended_strength, log)
     steer = lm.to_steer(name, base_model=cfg.model if cfg.model == "smollm2" else prep.model_path,
                         labels=labels, domain="none", recommended_strength=rec,
                         recipe=recipe, data=data_desc, metrics=metrics)

@@ -115,8 +115,8 @@ class VectorResult:
 
 def _pairs(ids: list[list[int]], sides: list[int], limit: int | None
            ) -> tuple[list[list[int]], list[list[int]]]:
-    pos = [x for x, s in zip(ids, sides) if s > 0]
-    neg = [x for x, s in zip(ids, sides) if s < 0]
+    pos = [x for x, s in zip(ids, sides, strict=True) if s > 0]
+    neg = [x for x, s in zip(ids, sides, strict=True) if s < 0]
     n = min(len(pos), len(neg), limit or len(ids))
     return pos[:n], neg[:n]
 
@@ -170,9 +170,29 @@ def _joint_pairs(tok, pairs: list[tuple[str, str]], max_length: int, window, lim
 
     pos, kp, _ = tokenize(tok, [p for p, _ in pairs], max_length, window)
     neg, kn, _ = tokenize(tok, [n for _, n in pairs], max_length, window)
-    at_p, at_n = dict(zip(kp, pos)), dict(zip(kn, neg))
+    at_p, at_n = dict(zip(kp, pos, strict=True)), dict(zip(kn, neg, strict=True))
     both = [i for i in range(len(pairs)) if i in at_p and i in at_n][:limit or len(pairs)]
     return [at_p[i] for i in both], [at_n[i] for i in both]
+
+
+def _directions(method: str, layers: list[int], states: dict[str, Any]
+                ) -> tuple[dict[int, torch.Tensor], dict[str, dict[str, float]]]:
+    """Per block, the direction of ``method`` from the train block outputs, and its metrics:
+    norm, separation of the train (and dev) pairs, mean difference along it."""
+    directions, per_layer = {}, {}
+    tp, tn = states["train"]
+    for li, k in enumerate(layers):
+        v = (caa_direction if method == "caa" else pca_direction)(tp[li], tn[li])
+        directions[k] = v
+        unit = v.double() / max(float(v.double().norm()), 1e-30)
+        m = {"norm": round(float(v.norm()), 6),
+             "train_separation": round(separation(v, tp[li], tn[li]), 4),
+             "mean_difference_along": round(float(((tp[li] - tn[li]).double() @ unit).mean()), 6)}
+        if "dev" in states:
+            m["dev_separation"] = round(separation(v, states["dev"][0][li],
+                                                   states["dev"][1][li]), 4)
+        per_layer[str(k)] = m
+    return directions, per_layer
 
 
 def train_vector(cfg: VectorConfig, data: DataConfig | None, outs: list[str], *,
@@ -244,19 +264,7 @@ def train_vector(cfg: VectorConfig, data: DataConfig | None, outs: list[str], *,
         states[split] = (both[:, :len(pos)], both[:, len(pos):])
     log(f"[train] {name}: {counts['train']} training pairs, {counts.get('dev', 0)} dev pairs, "
         f"{cfg.method} on blocks {layers[0]}-{layers[-1]} ({len(layers)} blocks)")
-    directions, per_layer = {}, {}
-    tp, tn = states["train"]
-    for li, k in enumerate(layers):
-        v = (caa_direction if cfg.method == "caa" else pca_direction)(tp[li], tn[li])
-        directions[k] = v
-        unit = v.double() / max(float(v.double().norm()), 1e-30)
-        m = {"norm": round(float(v.norm()), 6),
-             "train_separation": round(separation(v, tp[li], tn[li]), 4),
-             "mean_difference_along": round(float(((tp[li] - tn[li]).double() @ unit).mean()), 6)}
-        if "dev" in states:
-            m["dev_separation"] = round(separation(v, states["dev"][0][li],
-                                                   states["dev"][1][li]), 4)
-        per_layer[str(k)] = m
+    directions, per_layer = _directions(cfg.method, layers, states)
     metrics: dict[str, Any] = {"pairs": counts, "per_layer": per_layer}
     if "dev" in states:
         best = max(per_layer, key=lambda k: per_layer[k]["dev_separation"])
