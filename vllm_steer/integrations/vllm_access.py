@@ -433,18 +433,6 @@ def v2_step_tokens(runner, input_batch):
     return idx, counts, computed + 1 - prompt_len[idx]
 
 
-def logits_layer_forward(logits_processor_cls, head, *args):
-    """vLLM's ``LogitsProcessor.forward`` on ``head`` (the steered head, or vLLM's LoRA wrapper
-    of it), after the head steered the rows."""
-    return logits_processor_cls.forward(head, *args)
-
-
-def logits_layer_top_tokens(logits_processor_cls, head, *args):
-    """vLLM's ``LogitsProcessor.get_top_tokens`` on ``head``, after the head steered the
-    rows."""
-    return logits_processor_cls.get_top_tokens(head, *args)
-
-
 def logits_as_input(head) -> bool:
     """Whether a ``LogitsProcessor`` takes logits, not hidden states (nothing to steer)."""
     return bool(head.logits_as_input)
@@ -1018,10 +1006,6 @@ ACCESSES: tuple[Access, ...] = (
                   "vllm.v1.worker.gpu.model_runner:GPUModelRunner.req_states",
                   "vllm.v1.worker.gpu.states:RequestState.prompt_len",
                   "vllm.v1.worker.gpu.buffer_utils:UvaBackedTensor.np")),
-    Access(logits_layer_forward, "the steered head runs vLLM's logits layer", WORKER,
-           reads=(f"{_LOGITS_LAYER}.forward",)),
-    Access(logits_layer_top_tokens, "the steered head runs vLLM's logits layer", WORKER,
-           reads=(f"{_LOGITS_LAYER}.get_top_tokens",)),
     Access(logits_as_input, "the steered head: hidden states in, or logits", WORKER,
            reads=(f"{_LOGITS_LAYER}.logits_as_input",)),
     Access(head_dtype, "the steered head's dtype", WORKER,

@@ -31,10 +31,6 @@ from vllm_steer.integrations.worker.step_faults import HEAD, capturing
 
 
 logger = get_logger()
-# vLLM's own logits layer, which ours calls after steering the rows (the base class's methods,
-# looked up at each call and called with ``self`` explicitly: see the module doc)
-_PLAIN_FORWARD = vllm_access.logits_layer_forward
-_PLAIN_TOP_TOKENS = vllm_access.logits_layer_top_tokens
 
 
 class SteeredLogitsProcessor(LogitsProcessor):
@@ -83,8 +79,7 @@ class SteeredLogitsProcessor(LogitsProcessor):
                     hidden_states = steer_rows(hidden_states)
                 except Exception as e:  # plain logits for every row; its requests fail
                     step_fault(self, hidden_states, e)
-        return _PLAIN_FORWARD(LogitsProcessor, self, lm_head, hidden_states, embedding_bias,
-                              skip_gather)
+        return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
 
     def get_top_tokens(self, lm_head, hidden_states, embedding_bias=None):
         if GATES.steered_slots or GATES.capture_scopes:
@@ -94,7 +89,7 @@ class SteeredLogitsProcessor(LogitsProcessor):
                     hidden_states = steer_rows(hidden_states)
                 except Exception as e:
                     step_fault(self, hidden_states, e)
-        return _PLAIN_TOP_TOKENS(LogitsProcessor, self, lm_head, hidden_states, embedding_bias)
+        return LogitsProcessor.get_top_tokens(self, lm_head, hidden_states, embedding_bias)
 
 
 def step_fault(head, hidden_states: torch.Tensor, exc: Exception) -> None:
