@@ -119,7 +119,9 @@ class Hook:
     (the plugin does not know which one it is in); hooks of other processes are never called
     there."""
     reads: tuple[str, ...] = ()
-    """Private names the wrapper (or the plugin code it calls) reads besides the target,
+    """Private names the hook's module uses itself besides the target and the accessors
+    (:mod:`~vllm_steer.integrations.vllm_access`, where every read of a vLLM object is
+    declared): a class it imports, its base class's own methods,
     ``module:Class.name``: class attributes, methods, fields, or instance attributes assigned
     in a method of the class (each checked in the source). Names of other packages than vLLM
     (pydantic) are checked in that package's installed source."""

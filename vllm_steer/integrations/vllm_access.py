@@ -1088,6 +1088,7 @@ ACCESSES: tuple[Access, ...] = (
            reads=("vllm.v1.engine:EngineCoreOutput", "vllm.v1.engine:FinishReason.ERROR")),
     Access(send_error_output, "a request refused at admission", ENGINE,
            reads=(f"{_CORE}Proc.output_queue", "vllm.v1.engine:EngineCoreOutputs",
+                  "vllm.v1.engine:EngineCoreOutputs.finished_requests",
                   *reads_of("vllm.v1.request:Request", "request_id", "client_index"))),
     Access(step_failures, "the requests a fault of the worker failed", ENGINE),
     Access(attach_step_failures, "the requests a fault of the worker failed", WORKER,
