@@ -75,8 +75,6 @@ class Touch:
     """1: on the vLLM object itself; more: on what one of its attributes holds."""
     how: str
     """``read``, ``set``, or the built-in called (``getattr``, ``setattr``, ...)."""
-    wrapper: bool
-    """Whether it is in a hook wrapper (first parameter ``orig``)."""
 
 
 def last(name: str) -> str:
@@ -205,7 +203,7 @@ def scan(source: str, rel: str) -> tuple[list[Touch], list[tuple[str, str]]]:
                 lv = taint.level(n.value)
                 if lv is not None:
                     how = "read" if isinstance(n.ctx, ast.Load) else "set"
-                    found.append(Touch(where, top, n.attr, lv + 1, how, wrapper))
+                    found.append(Touch(where, top, n.attr, lv + 1, how))
             elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and \
                     n.func.id in _ATTR_FUNCS and len(n.args) >= 2:
                 lv = taint.level(n.args[0])
@@ -213,7 +211,7 @@ def scan(source: str, rel: str) -> tuple[list[Touch], list[tuple[str, str]]]:
                     continue
                 name = n.args[1].value if isinstance(n.args[1], ast.Constant) else \
                     constants.get(getattr(n.args[1], "id", None))
-                found.append(Touch(where, top, name, lv + 1, n.func.id, wrapper))
+                found.append(Touch(where, top, name, lv + 1, n.func.id))
     return found, private
 
 

@@ -159,7 +159,7 @@ class SteerRuntime:
             self.set_slot(slot, coefs.row, coefs.windows)
         except Exception as e:
             self.set_slot(slot, None)
-            if (vllm_access.extra_args(params) or {}).get(BOUND_KEY):
+            if vllm_access.extra_args(params).get(BOUND_KEY):
                 self.faults.record_slot(slot, REQUEST_STATE, e)
             else:  # it asked for no steer: served as asked
                 self.faults.log(REQUEST_STATE, e, "no request fails (it asked for no steer)")
