@@ -63,12 +63,12 @@ def child(batches: list[int], calls: int) -> dict:
                        "mapping": MappedRows(mapping=torch.from_numpy(order), slots=order)}
             for name, src in sources.items():
                 times = []
-                with rt.planner.rows(src):
-                    for i in range(calls + 20):
-                        t0 = time.perf_counter()
-                        rt.planner.steer_rows(h)
-                        if i >= 20:
-                            times.append(time.perf_counter() - t0)
+                rt.planner.step.sampled = src  # as the runner adapter writes it
+                for i in range(calls + 20):
+                    t0 = time.perf_counter()
+                    rt.planner.steer_rows(h)
+                    if i >= 20:
+                        times.append(time.perf_counter() - t0)
                 out[f"{name}/{bs}"] = float(np.median(times) * 1e6)
             coefs = rt.slots.table[:bs].contiguous()
             plan = prepare_torch(*rt.bank_state.bank.factors, coefs)

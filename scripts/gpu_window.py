@@ -500,38 +500,38 @@ def check_head(dev, shapes=HEAD_SHAPES, rows_list=(1, 64), dtype=torch.bfloat16,
             src = MappedRows(torch.arange(rows, dtype=torch.int32, device=dev), idx, None,
                              idx.tobytes())
             hidden = torch.randn(rows, d, generator=gen).to(dev, dtype)
-            with rt.planner.rows(src):
-                out = rt.planner.steer_rows(hidden).clone()
-                ref = steer_reference(hidden, *rt.bank_state.bank.factors,
-                                      torch.from_numpy(np.tile(row, (rows, 1))).to(dev))
-                scale = (ref.float() - hidden.float()).abs().max().item()
-                tol = 2 ** -6 if dtype != torch.float32 else 1e-5
-                good = torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol * scale)
-                ok &= good
-                step = lambda: rt.planner.steer_rows(hidden)  # noqa: E731, B023 (timed here)
-                warm = _host_us(step, sync)
+            rt.planner.step.sampled = src  # as V2's sample() adapter writes it
+            out = rt.planner.steer_rows(hidden).clone()
+            ref = steer_reference(hidden, *rt.bank_state.bank.factors,
+                                  torch.from_numpy(np.tile(row, (rows, 1))).to(dev))
+            scale = (ref.float() - hidden.float()).abs().max().item()
+            tol = 2 ** -6 if dtype != torch.float32 else 1e-5
+            good = torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol * scale)
+            ok &= good
+            step = lambda: rt.planner.steer_rows(hidden)  # noqa: E731, B023 (timed here)
+            warm = _host_us(step, sync)
 
-                def cold_us(fn, n=steps):
-                    per = []
-                    for i in range(n):
-                        flush.sum()  # outside the timing: the caches hold vLLM's step's data
-                        t0 = time.perf_counter()
-                        fn()
-                        per.append((time.perf_counter() - t0) * 1e6)
-                        if i % 20 == 19:
-                            sync()
-                    sync()
-                    return float(np.median(per)), per
+            def cold_us(fn, n=steps):
+                per = []
+                for i in range(n):
+                    flush.sum()  # outside the timing: the caches hold vLLM's step's data
+                    t0 = time.perf_counter()
+                    fn()
+                    per.append((time.perf_counter() - t0) * 1e6)
+                    if i % 20 == 19:
+                        sync()
+                sync()
+                return float(np.median(per)), per
 
-                cold, _ = cold_us(step)
-                parts = [("graphs.run", SteerGraphs, "run"), ("timer", OpTimer, "start"),
-                         ("timer", OpTimer, "stop"), ("rows", StepPlanner, "_step_rows")]
-                with timed_methods(parts) as regions:
-                    _, per = cold_us(step)
-                    seconds, _ = regions.take()
-                means = {k: v / steps * 1e6 for k, v in seconds.items()}
-                means["the rest"] = float(np.mean(per)) - sum(means.values())
-                split = ", ".join(f"{k} {v:.1f}" for k, v in means.items())
+            cold, _ = cold_us(step)
+            parts = [("graphs.run", SteerGraphs, "run"), ("timer", OpTimer, "start"),
+                     ("timer", OpTimer, "stop"), ("rows", StepPlanner, "_step_rows")]
+            with timed_methods(parts) as regions:
+                _, per = cold_us(step)
+                seconds, _ = regions.take()
+            means = {k: v / steps * 1e6 for k, v in seconds.items()}
+            means["the rest"] = float(np.mean(per)) - sum(means.values())
+            split = ", ".join(f"{k} {v:.1f}" for k, v in means.items())
             replayed = (rt.bank_state.bank.graphs is not None
                         and rt.bank_state.bank.graphs.replays > 0)
             how = ("replayed from a stand-in graph on the CPU: not a GPU's figures" if dry else

@@ -18,6 +18,7 @@ import pytest
 import torch
 from helpers.capture import Record, StandIn
 
+from helpers.rows import sampled_rows
 from helpers.steers import random_steer
 from vllm_steer import ops
 from vllm_steer.bank import SlotBank
@@ -350,7 +351,7 @@ def test_the_serving_head_replays_the_graph_with_the_eager_ops_result_windows_in
     for step in range(4):
         slots, pos = np.array([2, 5, 7, 0]), np.array([step, step, step, step])
         h = torch.randn(4, 32, generator=gen).to(DEVICE)
-        with rt.planner.rows(SlotRows(slots=slots, positions=pos)):
+        with sampled_rows(rt.planner, SlotRows(slots=slots, positions=pos)):
             out = rt.planner.steer_rows(h)
         coefs = torch.zeros(4, rt.slots.num_columns)
         coefs[0, 1] = -4 * eps["b"]
@@ -416,7 +417,7 @@ def test_the_heads_graphs_are_captured_at_start_up_and_no_step_captures(tmp_path
     gen = torch.Generator().manual_seed(0)
     for n in (*range(1, 9), *range(7, 0, -1)):
         h = torch.randn(n, 32, generator=gen).to(DEVICE)
-        with rt.planner.rows(SlotRows(slots=np.arange(n))):
+        with sampled_rows(rt.planner, SlotRows(slots=np.arange(n))):
             out = rt.planner.steer_rows(h)
         coefs = torch.tensor(np.stack([row if i % 2 == 0 else 0 * row for i in range(n)]))
         ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(),
@@ -454,7 +455,7 @@ def test_enforce_eager_keeps_the_head_on_the_eager_op(tmp_path, log_lines):
     rt.set_slot(1, row)
     rt.slots.flush()
     h = torch.randn(3, 32, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    with rt.planner.rows(SlotRows(slots=np.arange(3))):
+    with sampled_rows(rt.planner, SlotRows(slots=np.arange(3))):
         out = rt.planner.steer_rows(h)
     coefs = torch.zeros(3, rt.slots.num_columns)
     coefs[1] = torch.from_numpy(row)
@@ -490,7 +491,7 @@ def test_with_speculative_decoding_the_buckets_cover_every_verification_row(tmp_
     rt.slots.flush()
     slots = np.repeat(np.arange(4), 4)  # each request's 3 draft tokens and its bonus token
     h = torch.randn(16, 32, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    with rt.planner.rows(SlotRows(slots=slots)):
+    with sampled_rows(rt.planner, SlotRows(slots=slots)):
         out = rt.planner.steer_rows(h)
     coefs = torch.from_numpy(np.stack([0 * row if s == 2 else row for s in slots]))
     ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(),
@@ -523,7 +524,7 @@ def test_an_fp32_head_captures_its_graphs_for_the_models_hidden_states(tmp_path)
     rt.set_slot(0, row)
     rt.slots.flush()
     h = torch.randn(2, 32, generator=torch.Generator().manual_seed(0)).to(DEVICE, torch.bfloat16)
-    with rt.planner.rows(SlotRows(slots=np.arange(2))):
+    with sampled_rows(rt.planner, SlotRows(slots=np.arange(2))):
         out = rt.planner.steer_rows(h)
     assert (rt.bank_state.bank.graphs.captures == 3 and rt.bank_state.bank.graphs.replays == 1
             and out.dtype == torch.bfloat16)
@@ -581,7 +582,7 @@ def test_a_capture_that_fails_leaves_the_head_on_the_eager_op_and_serving(tmp_pa
             rt.set_slot(slot, row if slot != 1 else None)
         rt.slots.flush()
         h = torch.randn(n, 32, generator=gen).to(DEVICE)
-        with rt.planner.rows(SlotRows(slots=np.arange(n))):
+        with sampled_rows(rt.planner, SlotRows(slots=np.arange(n))):
             out = rt.planner.steer_rows(h)
         coefs = torch.zeros(n, rt.slots.num_columns)
         coefs[:, 0] = 4 * eps
@@ -621,7 +622,7 @@ def test_run_time_loads_and_unloads_keep_every_graph_and_the_replays_read_the_ne
         rt.slots.flush()
         n = len(strengths)
         h = torch.randn(n, 32, generator=gen).to(DEVICE)
-        with rt.planner.rows(SlotRows(slots=np.arange(n))):
+        with sampled_rows(rt.planner, SlotRows(slots=np.arange(n))):
             out = rt.planner.steer_rows(h)
         coefs = torch.zeros(n, rt.slots.num_columns)
         for i, (col, s) in enumerate(strengths):
@@ -671,7 +672,7 @@ def test_steps_replayed_from_graphs_plan_nothing_and_an_eager_step_plans_its_own
             rt.set_slot(slot, row if s else None)
         rt.slots.flush()
         h = torch.randn(4, 32, generator=gen).to(DEVICE)
-        with rt.planner.rows(SlotRows(slots=np.arange(4))):
+        with sampled_rows(rt.planner, SlotRows(slots=np.arange(4))):
             out = rt.planner.steer_rows(h)
         coefs = torch.zeros(4, rt.slots.num_columns)
         coefs[:, 0] = torch.tensor(strengths, dtype=torch.float32) * eps
@@ -765,7 +766,7 @@ def test_real_cuda_graphs_captured_at_start_up_replay_and_are_captured_again_in_
             rt.set_slot(slot, row if slot % 2 == 0 else None)
         rt.slots.flush()
         h = torch.randn(n, 32, generator=gen).to(DEVICE)
-        with rt.planner.rows(SlotRows(slots=np.arange(n))):
+        with sampled_rows(rt.planner, SlotRows(slots=np.arange(n))):
             out = rt.planner.steer_rows(h).clone()
         coefs = torch.from_numpy(np.stack([row if i % 2 == 0 else 0 * row for i in range(n)]))
         ref = steer_reference(h.cpu(), rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu(),

@@ -65,8 +65,8 @@ class SteerRequestStateV2(LogitsProcessor):
         if self.runtime is not None:
             seqs, device = vllm_access.v2_request_states_size(req_states)
             self.runtime.ensure_slots(seqs, device, max_step_rows(vllm_config, seqs))
-            # outside sample() (prompt logprobs, warm-up) rows have no known slot: unsteered
-            self.runtime.planner.row_source = NO_ROWS
+            # V2's sampled rows are known only inside sample() (warm-up: none)
+            self.runtime.planner.step.sampled = NO_ROWS
 
     def add_request(self, req_idx: int, sampling_params) -> bool:
         rt = self.runtime

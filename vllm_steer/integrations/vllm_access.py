@@ -364,11 +364,6 @@ def v1_speculates(runner) -> bool:
     return runner.speculative_config is not None
 
 
-def v1_num_reqs(runner) -> int:
-    """The requests in V1's persistent batch."""
-    return runner.input_batch.num_reqs
-
-
 def v1_token_counts(input_batch):
     """``(computed, prompt)``: V1's per-row computed-token and prompt-token counts (host
     arrays, the persistent batch's rows)."""
@@ -986,8 +981,6 @@ ACCESSES: tuple[Access, ...] = (
                   f"{_V1_BUFFER}.np")),
     Access(v1_speculates, "speculative decoding: the step's verification rows (V1)", V1_SPEC,
            reads=(f"{_V1}.speculative_config",)),
-    Access(v1_num_reqs, "speculative decoding: the drafter's rows (V1)", V1_SPEC,
-           reads=(f"{_V1}.input_batch", f"{_V1_BATCH}.num_reqs")),
     Access(v1_token_counts, "speculative decoding: the verification rows' positions (V1)",
            V1_SPEC, reads=reads_of(_V1_BATCH, "num_computed_tokens_cpu", "num_prompt_tokens")),
     Access(v1_corrected_computed_tokens, "speculative decoding under async scheduling: the "

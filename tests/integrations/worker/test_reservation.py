@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.rows import sampled_rows
 from helpers.steers import random_steer
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.format import load_steer, make_steer, save_steer
@@ -115,7 +116,7 @@ def test_the_bank_is_reserved_at_start_up_and_run_time_loads_allocate_nothing(tm
     want = steer_reference(h.float(), torch.cat(p1, 1).to(torch.bfloat16).float(),
                            torch.cat(p2, 1).to(torch.bfloat16).float(), offs,
                            torch.from_numpy(cols))
-    with rt.planner.rows(SlotRows(slots=np.array(list(rows)))):
+    with sampled_rows(rt.planner, SlotRows(slots=np.array(list(rows)))):
         got = rt.planner.steer_rows(h.to(torch.bfloat16))
     torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.02)
 

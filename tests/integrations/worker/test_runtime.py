@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from helpers.rows import sampled_rows
 from helpers.steers import random_steer
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.format import save_steer
@@ -96,7 +97,7 @@ def test_rows_given_by_host_slots_get_their_slots_coefficients(tmp_path):
     rt.slots.flush()
     slots = np.array([5, 5, 3, 0, 3, 3])
     h = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
-    with rt.planner.rows(SlotRows(slots=slots)):
+    with sampled_rows(rt.planner, SlotRows(slots=slots)):
         out = rt.planner.steer_rows(h)
     torch.testing.assert_close(out, _want(rt, h, [b, b, a, none, a, a]))
     assert torch.equal(out[3], h[3])
@@ -180,7 +181,7 @@ def test_a_plain_request_in_a_clear_slot_changes_nothing_and_clears_a_used_one(t
     assert not table.windowed[[2, 5]].any() and not table.host[:6].any()
     assert not torch.count_nonzero(table.table[:5])  # the device copy too
     h = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
-    with rt.planner.rows(SlotRows(slots=np.arange(5), positions=np.full(5, 4))):
+    with sampled_rows(rt.planner, SlotRows(slots=np.arange(5), positions=np.full(5, 4))):
         assert torch.equal(rt.planner.steer_rows(h), h)  # every row as the plain model's
 
 
@@ -205,7 +206,7 @@ def test_a_steady_step_skips_the_row_lookup_and_every_change_ends_it(tmp_path, m
         if source is None:
             out = rt.planner.steer_rows(h)
         else:
-            with rt.planner.rows(source):
+            with sampled_rows(rt.planner, source):
                 out = rt.planner.steer_rows(h)
         torch.testing.assert_close(out, _want(rt, h, rows))
         return rt.planner.steps_planned - before

@@ -3,7 +3,6 @@ test_vllm_specdec.py)."""
 
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
 from unittest import mock
 
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_steer.integrations.worker.rows import SlotRows
+from vllm_steer.integrations.worker.rows import NO_ROWS, SlotRows, StepRows
 from vllm_steer.integrations.worker.spec_v1 import verification_rows
 from helpers.fakes import VllmObject
 
@@ -58,6 +57,14 @@ def test_positions_count_the_generated_tokens_each_row_samples():
     assert pos.tolist() == [3, 4, 5, 6, -1, 0, 7]
 
 
+def _target_rows(h):  # the target's view of the step (StepPlanner.steer_rows)
+    return h
+
+
+def _draft_rows(h):  # the drafter's view (StepPlanner.steer_draft_rows)
+    return h
+
+
 def _runner_with_drafter(draft_hidden, steer_hidden, steer_drafter=True, method="draft_model",
                          v2=False):
     """A stand-in runner whose drafter model has two of our heads, each bound to a runtime
@@ -66,7 +73,8 @@ def _runner_with_drafter(draft_hidden, steer_hidden, steer_drafter=True, method=
 
     rt = SimpleNamespace(bank_state=SimpleNamespace(bank=SimpleNamespace(hidden_size=steer_hidden)),
                          config=SimpleNamespace(steer_drafter=steer_drafter),
-                         planner=SimpleNamespace(steer_rows=lambda h: h))
+                         planner=SimpleNamespace(steer_rows=_target_rows,
+                                                 steer_draft_rows=_draft_rows))
     model = torch.nn.Module()
     for name in ("head", "mtp_head"):
         head = SteeredLogitsProcessor.__new__(SteeredLogitsProcessor)
@@ -99,7 +107,8 @@ def test_a_drafter_is_steered_only_when_its_hidden_size_fits(draft_hidden, steer
     runner, rt, heads = _runner_with_drafter(draft_hidden, 64, steer_drafter)
     prepare_drafter(runner, rt)
     assert [h.steer_runtime is rt for h in heads] == [steered, steered]
-    assert [h.steer_rows is not None for h in heads] == [steered, steered]
+    # a steered drafter's heads read the step's drafter rows, never the target's
+    assert [h.steer_rows for h in heads] == [_draft_rows if steered else None] * 2
 
 
 def _drafter_log(fn) -> list[str]:
@@ -187,17 +196,10 @@ def test_a_v2_draft_model_step_maps_its_rows_to_the_batch_slots():
     from vllm_steer.integrations.worker.spec_v2 import propose_standalone_v2
 
     seen = []
-
-    class Planner:
-        row_source = None
-
-        @contextlib.contextmanager
-        def rows(self, source):
-            seen.append(source)
-            yield
+    step = StepRows()
 
     class Runtime:
-        planner = Planner()
+        planner = SimpleNamespace(step=step)
 
         def any_steered(self, slots):
             return bool((slots == 5).any())
@@ -205,14 +207,17 @@ def test_a_v2_draft_model_step_maps_its_rows_to_the_batch_slots():
     rt = Runtime()
     spec = VllmObject(vllm_config=SimpleNamespace(additional_config={}))
     batch = SimpleNamespace(num_reqs=3, idx_mapping_np=np.array([5, 0, 2, 7]))
-    orig = lambda self, input_batch, *a, **kw: "proposed"  # noqa: E731
+    def orig(self, input_batch, *a, **kw):  # what the drafter's heads would read
+        seen.append(step.drafts)
+        return "proposed"
+
     with mock.patch("vllm_steer.integrations.worker.runtime.get_runtime", lambda cfg: rt):
         assert propose_standalone_v2(orig, spec, batch, 1, x=2) == "proposed"
         assert [s.slots.tolist() for s in seen] == [[5, 0, 2]]
         assert isinstance(seen[0], SlotRows) and seen[0].positions is None
         batch.idx_mapping_np = np.array([1, 0, 2, 5])  # slot 5 not among the batch's three
         propose_standalone_v2(orig, spec, batch)
-        assert len(seen) == 1
+        assert seen[1] is NO_ROWS  # the drafter's rows: none steered
 
 
 def test_an_ngram_runner_has_no_drafter_heads():

@@ -181,13 +181,14 @@ def test_batch_sharded_sampling_copies_its_row_slots_from_pinned_memory(fake_cud
             return b, sorted_idx, grammar_output, None
 
     from vllm_steer.integrations.hooks import wrap_method
+    from vllm_steer.integrations.worker.rows import NO_ROWS, StepRows
 
     wrap_method(Sharder, "shard_sampler_inputs", v2.shard_sampler_inputs)  # as HOOKS does
     sharder = Sharder()
-    sources = []
-    with v2._sorted_rows(sharder, batch, sources.append):
+    step = StepRows(sampled=NO_ROWS)
+    with v2._sorted_rows(sharder, batch, step):
         sharder.shard_sampler_inputs(batch, None)
-    source = sources[-1]
+    source = step.sampled  # the step's sampled rows: the sharder's order, on the device
     assert source.mapping is not None and source.mapping.device.type == "meta"
     assert dev.copies and all(pinned for _, pinned in dev.copies), (
         f"host -> device copies (what, pinned): {dev.copies}")

@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from helpers.rows import sampled_rows
 from helpers.steers import random_steer
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.request import Window
@@ -165,7 +166,7 @@ def _steps(rt, source: str, mode: DeviceReads, gen, device=None, dtype=torch.flo
         else:
             slots = order
             src = SlotRows(slots=order.copy())
-        with rt.planner.rows(src), mode:
+        with sampled_rows(rt.planner, src), mode:
             out = rt.planner.steer_rows(h)
         yield out, h, [state[int(s)] for s in slots]
 
@@ -260,12 +261,13 @@ def test_an_unchanged_step_reuses_everything(tmp_path, monkeypatch):
     h = torch.randn(3, HIDDEN)
     slots = np.array([5, 3, 0])
     for _ in range(4):
-        with rt.planner.rows(MappedRows(mapping=torch.from_numpy(slots), slots=slots.copy())):
+        src = MappedRows(mapping=torch.from_numpy(slots), slots=slots.copy())
+        with sampled_rows(rt.planner, src):
             rt.planner.steer_rows(h)
         calls["copy"] = rt.planner.coef_buffer is not None
     assert calls["plan"] == 1
     # another row order is another step: re-planned
-    with rt.planner.rows(SlotRows(slots=slots[::-1].copy())):
+    with sampled_rows(rt.planner, SlotRows(slots=slots[::-1].copy())):
         out = rt.planner.steer_rows(h)
     assert calls["plan"] == 2
     torch.testing.assert_close(out, _want(rt, h, [_row(rt), _row(rt, a=4), _row(rt, b=2)]))
@@ -336,7 +338,7 @@ def test_windows_at_mixed_positions(tmp_path):
         order = np.array([3, 1, 0, 2, 3])
         pos = np.array([t[3], t[1], t[0], t[2], -1])  # the last row: a prompt row (base)
         h5 = torch.randn(5, HIDDEN, generator=gen)
-        with rt.planner.rows(SlotRows(slots=order, positions=pos)):
+        with sampled_rows(rt.planner, SlotRows(slots=order, positions=pos)):
             out = rt.planner.steer_rows(h5)
         want = [_window_row(rt, windows[int(s)], int(p)) for s, p in zip(order, pos, strict=True)]
         torch.testing.assert_close(out, _want(rt, h5, want))
@@ -474,7 +476,7 @@ def test_v2_rows_and_positions_come_from_the_input_batchs_host_arrays(tmp_path):
     assert slots.tolist() == [5, 5, 5, 2, 0, 0]
     assert pos.tolist() == [4, 5, 6, 1, 1, 2]  # the last row of each samples 10 + 3 - 7 = 6
     h = torch.randn(6, HIDDEN)
-    with rt.planner.rows(MappedRows(mapping=torch.from_numpy(slots), slots=slots,
+    with sampled_rows(rt.planner, MappedRows(mapping=torch.from_numpy(slots), slots=slots,
                            positions=pos)):
         out = rt.planner.steer_rows(h)
     want = [_row(rt, a=win.at(4)), _row(rt, a=win.at(5)), _row(rt, a=win.at(6)),

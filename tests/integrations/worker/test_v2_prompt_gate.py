@@ -45,21 +45,23 @@ def test_v2_prompt_logprob_hooks_wrap_nothing_until_a_request_asks_for_prompt_lo
     given = []
 
     def orig(self, logits_fn, hidden_states, input_batch):  # records what vLLM would call
-        given.append(logits_fn)
+        given.append((logits_fn, rt.planner.step.prompt))
         return logits_fn(hidden_states)
 
     def logits_fn(x):  # the model's compute_logits: the steered head, logits = its input
-        return rt.planner.steer_rows(x.clone())
+        return rt.planner.steer_rows(x).clone()
 
     for hook in (v2.prompt_logprobs, v2.prompt_token_id_logprobs):
         given.clear()
         assert torch.equal(hook(orig, worker, logits_fn, h, batch), h)
-        assert given == [logits_fn], f"{hook.__name__} wrapped logits_fn with no request asking"
+        assert given == [(logits_fn, None)], \
+            f"{hook.__name__} gave the step prompt rows with no request asking"
 
     worker.add_request("r1", 1, SamplingParams(prompt_logprobs=1))
     given.clear()
     out = v2.prompt_logprobs(orig, worker, logits_fn, h.clone(), batch)
-    assert given[0] is not logits_fn
+    assert given[0][0] is logits_fn and given[0][1] is not None  # the step's prompt rows
+    assert rt.planner.step.prompt is None  # only for the call
     coefs = torch.tensor(np.stack([row] * 3 + [np.zeros_like(row)] * 2))
     want = steer_reference(h, *rt.bank_state.bank.factors, coefs)
     torch.testing.assert_close(out, want)
@@ -69,4 +71,4 @@ def test_v2_prompt_logprob_hooks_wrap_nothing_until_a_request_asks_for_prompt_lo
     worker.remove_request("r1")
     given.clear()
     v2.prompt_logprobs(orig, worker, logits_fn, h, batch)
-    assert given == [logits_fn]
+    assert given == [(logits_fn, None)]

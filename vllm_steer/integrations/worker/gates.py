@@ -5,13 +5,10 @@ A worker process may hold several runtimes (tests run several engines in one pro
 counts are over all of them:
 
 - ``steered_slots``: request slots holding a steered request, as of each request-slot table's
-  last flush (Model Runner V2's ``sample`` hook and the head read it);
+  last flush (Model Runner V2's ``sample`` hook and the head read it: zero, the head has
+  nothing to do, but for a drafter's head recorded into CUDA graphs);
 - ``windowed_slots``: request slots holding a request with a generation window (the V1
   runner's ``_prepare_inputs`` hook reads it);
-- ``capture_scopes``: open scopes of drafter rows being recorded into CUDA graphs
-  (:class:`~vllm_steer.integrations.worker.rows.CapturedRows`), which must record the steer
-  op whether or not a request is steered yet; with ``steered_slots`` it is the head's gate:
-  both zero, the head has nothing to do;
 - ``layer_mappings``: runtimes whose model's decoder layers have the op of decoder-layer
   steers (:mod:`~vllm_steer.integrations.worker.decoder_layers`): the runners' input hooks
   then build each step's mapping (:mod:`~vllm_steer.integrations.worker.step_mapping`);
@@ -20,7 +17,7 @@ counts are over all of them:
   hooks read it).
 
 The request-slot tables (:class:`~vllm_steer.integrations.worker.request_slots.RequestSlots`),
-the step planner's row scopes and the runtimes' step faults keep them; nothing else writes
+the runtimes' decoder-layer ops and step faults keep them; nothing else writes
 them.
 """
 
@@ -30,19 +27,18 @@ from __future__ import annotations
 class ProcessGates:
     """The counts the worker's hot paths read first (see the module docstring)."""
 
-    __slots__ = ("steered_slots", "windowed_slots", "capture_scopes", "worker_faults",
+    __slots__ = ("steered_slots", "windowed_slots", "worker_faults",
                  "layer_mappings")
 
     def __init__(self) -> None:
         self.steered_slots = 0
         self.windowed_slots = 0
-        self.capture_scopes = 0
         self.worker_faults = 0
         self.layer_mappings = 0
 
     def __repr__(self) -> str:
         return (f"ProcessGates(steered_slots={self.steered_slots}, windowed_slots="
-                f"{self.windowed_slots}, capture_scopes={self.capture_scopes}, "
+                f"{self.windowed_slots}, "
                 f"worker_faults={self.worker_faults}, layer_mappings={self.layer_mappings})")
 
 

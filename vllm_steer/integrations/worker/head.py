@@ -63,16 +63,31 @@ class SteeredLogitsProcessor(LogitsProcessor):
     @steer_runtime.setter
     def steer_runtime(self, rt: SteerRuntime | None) -> None:
         self._steer_runtime = rt
-        #: what each call runs on the hidden states (the runtime's planner's ``steer_rows``),
-        #: bound here rather than looked up through the runtime at every step
+        #: what each call runs on the hidden states (the runtime's planner's ``steer_rows``:
+        #: the step's sampled or prompt rows), bound here rather than looked up through the
+        #: runtime at every step
         self.steer_rows = None if rt is None or vllm_access.logits_as_input(self) \
             else rt.planner.steer_rows
+        #: a drafter's head recorded into CUDA graphs: it runs the op at every call, with or
+        #: without a steered request (:meth:`steer_as_drafter`)
+        self.steer_in_graphs = False
+
+    def steer_as_drafter(self, in_graphs: bool = False) -> None:
+        """Make this a drafter's head: its calls read the step's drafter rows
+        (:meth:`~vllm_steer.integrations.worker.planner.StepPlanner.steer_draft_rows`).
+        ``in_graphs``: its calls are recorded into CUDA graphs (V2's EAGLE / EAGLE-3 / MTP
+        draft steps), so it records the op even before any request is steered."""
+        rt = self._steer_runtime
+        if rt is None or self.steer_rows is None:
+            return
+        self.steer_rows = rt.planner.steer_draft_rows
+        self.steer_in_graphs = in_graphs
 
     def forward(self, lm_head, hidden_states: torch.Tensor, embedding_bias=None,
                 skip_gather: bool = False):
         # `self` may be vLLM's LoRA wrapper (see the module docstring). No steered request in
-        # the process and no drafter step being recorded: two integer reads, nothing else.
-        if GATES.steered_slots or GATES.capture_scopes:
+        # the process and not a drafter's head in CUDA graphs: two reads, nothing else.
+        if GATES.steered_slots or self.steer_in_graphs:
             steer_rows = self.steer_rows
             if steer_rows is not None:
                 try:
@@ -82,7 +97,7 @@ class SteeredLogitsProcessor(LogitsProcessor):
         return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
 
     def get_top_tokens(self, lm_head, hidden_states, embedding_bias=None):
-        if GATES.steered_slots or GATES.capture_scopes:
+        if GATES.steered_slots or self.steer_in_graphs:
             steer_rows = self.steer_rows
             if steer_rows is not None:
                 try:

@@ -1,8 +1,10 @@
 """The steer op on the rows of each ``compute_logits`` call, planned once per step. Semantics:
 see :mod:`vllm_steer.reference`.
 
-The runner hooks say where the rows of the next call come from (a row source,
-:mod:`~vllm_steer.integrations.worker.rows`); the head calls :meth:`StepPlanner.steer_rows`.
+The runner adapters write the step's views of its rows into :attr:`StepPlanner.step` (a
+:class:`~vllm_steer.integrations.worker.rows.StepRows`: the sampled, drafter and prompt rows);
+the target's head calls :meth:`StepPlanner.steer_rows`, a drafter's head
+:meth:`StepPlanner.steer_draft_rows`.
 
 The planner is sync-free by construction (no device tensor is read into Python): every row
 source gives its row -> slot on the host; the rows' coefficients are gathered from the request
@@ -14,17 +16,15 @@ TP > 1), whose row order exists on the device alone, gathers and plans on the de
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from vllm_steer.integrations.worker.gates import GATES
-from vllm_steer.integrations.worker.rows import (BATCH_ROWS, STEADY_KINDS, CapturedRows,
+from vllm_steer.integrations.worker.rows import (STEADY_KINDS, CapturedRows,
                                                  MappedRows, NoRows, PromptRows, RowSource,
-                                                 SlotRows)
+                                                 SlotRows, StepRows)
 from vllm_steer.kernels import staging
 from vllm_steer.logs import warn_once
 from vllm_steer.metrics import OpTimer
@@ -66,7 +66,7 @@ _DEVICE_MAPPING = object()
 
 
 class StepPlanner:
-    """The row source of the next ``compute_logits`` call, and the steer op on its rows with
+    """The step's views of its rows (:attr:`step`), and the steer op on each call's rows with
     a plan cached per step (coefficients, device buffer, backend plan). Reads the worker's
     bank (``bank_state``: :class:`~vllm_steer.integrations.worker.bank_state.BankState`) and
     request slots (``slots``: :class:`~vllm_steer.integrations.worker.request_slots.
@@ -82,7 +82,7 @@ class StepPlanner:
         self.op_rows = 0  # hidden-state rows passed through the steer op
         self.op_timer = OpTimer()  # the op's host and device time, from the timed ops
         self.op_untimed = 0  # ops to leave untimed before the next timed one (OpTimer.stop)
-        self.row_source: RowSource = BATCH_ROWS
+        self.step = StepRows()  # the step's rows: written by the runner adapters
         self.batch_size = 0  # V1: requests in the persistent batch
         # V1: the generated-token index each batch row samples (host, set by the runner hook
         # at every step while some slot has a generation window, and read only then)
@@ -111,12 +111,10 @@ class StepPlanner:
 
     @property
     def active(self) -> bool:
-        """Whether the head has steer work for the rows of the next ``compute_logits``."""
-        src = self.row_source
+        """Whether the target's head has steer work for the step's rows."""
         bank = self.bank_state.bank
-        if type(src) is CapturedRows:  # recorded whether or not a slot is steered
-            return bank is not None and bank.rank > 0
-        return bank is not None and self.slots.num_active_slots > 0 and type(src) is not NoRows
+        return bank is not None and self.slots.num_active_slots > 0 \
+            and type(self.step.view()) is not NoRows
 
     @property
     def step_coefs(self) -> torch.Tensor | None:
@@ -135,27 +133,22 @@ class StepPlanner:
         """The device buffer the steps' coefficients are copied into (None before the first)."""
         return self._coefs_dev
 
-    def set_rows(self, source: RowSource) -> None:
-        """Set the row source of the calls that follow (inside a :meth:`rows` block)."""
-        self.row_source = source
-
-    @contextlib.contextmanager
-    def rows(self, source: RowSource):
-        """Scope a row source to the calls inside the block (V2 sampling, prompt logprobs,
-        drafter steps recorded into CUDA graphs: counted in the process's gates,
-        :data:`~vllm_steer.integrations.worker.gates.GATES`)."""
-        prev, self.row_source = self.row_source, source
-        captured = type(source) is CapturedRows
-        GATES.capture_scopes += captured
-        try:
-            yield
-        finally:
-            self.row_source = prev
-            GATES.capture_scopes -= captured
-
     # ---- the head ------------------------------------------------------------------------
     def steer_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Steer the rows of one ``compute_logits`` call. Semantics: see reference.
+        """Steer the rows of one ``compute_logits`` call of the target's head, in the step's
+        view for it (:meth:`~vllm_steer.integrations.worker.rows.StepRows.view`: the prompt
+        rows while the step's prompt logprobs are computed, the sampled rows otherwise)."""
+        step = self.step
+        return self.steer(hidden, step.sampled if step.prompt is None else step.prompt)
+
+    def steer_draft_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Steer the rows of one ``compute_logits`` call of a drafter's head, in the step's
+        drafter view (:attr:`~vllm_steer.integrations.worker.rows.StepRows.drafts`)."""
+        return self.steer(hidden, self.step.drafts)
+
+    def steer(self, hidden: torch.Tensor, src: RowSource) -> torch.Tensor:
+        """Steer the rows of one ``compute_logits`` call, whose view of the step is ``src``.
+        Semantics: see reference.
 
         Sync-free by construction: the rows' slots (and generated-token positions) are host
         data, their coefficients are gathered from the host table, copied to a persistent
@@ -164,7 +157,6 @@ class StepPlanner:
         a key comparison and the kernels; a steady step (:meth:`_is_steady`) not even that.
         """
         self.head_calls += 1
-        src = self.row_source
         n = hidden.shape[0]
         if not self._is_steady(src, n):
             kind = type(src)
@@ -172,11 +164,11 @@ class StepPlanner:
                 return self.steer_fixed(hidden, src.mapping)
             if self._nothing_to_steer(kind) or n == 0:
                 return hidden
-            step = self._step_rows(hidden)
+            step = self._step_rows(hidden, src)
             if step is None:
                 return hidden
             if step is _DEVICE_MAPPING:  # no host row -> slot (batch-sharded sampling)
-                return self._steer_device_mapping(hidden)
+                return self._steer_device_mapping(hidden, src)
             slots, positions, row_key = step
             key = self._key(n, slots, positions, row_key)
             if key != self._step_key:
@@ -209,7 +201,7 @@ class StepPlanner:
 
     def _is_steady(self, src: RowSource, n: int) -> bool:
         """A *steady* step: the rows of the last planned batch step again (V1's persistent
-        batch; V2's batch with the same slots: the row source its ``sample`` hook reused, or
+        batch; V2's batch with the same slots: the sampled rows its ``sample`` hook reused, or
         one with the same bytes of ``idx_mapping``), as many rows, the request-slot table and
         the bank at the versions its plan was made for. That step had no generation window
         among its rows (it is recorded only then), and the table's version says none came
@@ -247,12 +239,11 @@ class StepPlanner:
         self.op_untimed = self.op_timer.stop(token)
         return out
 
-    def _step_rows(self, hidden: torch.Tensor):
-        """``(slots, positions, row_key)`` of the rows of this call, all host-side: ``slots``
-        None means row i = slot i; ``positions`` the generated-token index of each row (-1:
-        not a generated token) or None. None: the rows are left unsteered."""
+    def _step_rows(self, hidden: torch.Tensor, src: RowSource):
+        """``(slots, positions, row_key)`` of the rows of this call (in the view ``src``), all
+        host-side: ``slots`` None means row i = slot i; ``positions`` the generated-token index
+        of each row (-1: not a generated token) or None. None: the rows are left unsteered."""
         self.steps_planned += 1
-        src = self.row_source
         n = hidden.shape[0]
         kind = type(src)
         if kind is NoRows:
@@ -274,17 +265,13 @@ class StepPlanner:
             key = src.key if kind is MappedRows and slots is src.slots else None
             return slots, pos, slots.tobytes() if key is None else key
         if kind is PromptRows:
-            base = src.base
-            row_bytes = base.stride(0) * base.element_size()
-            offset = (hidden.data_ptr() - base.data_ptr()) // row_bytes
-            if hidden.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() \
-                    or not 0 <= offset < base.shape[0]:
-                warn_once("vllm-steer: prompt-logprob rows could not be matched to a request; "
-                          "they are computed unsteered")
+            return _prompt_rows(src, hidden)
+        if not src.sampled:  # BatchRows: V1's drafter rows, one per request in batch order
+            if n > self.batch_size:
+                warn_once("vllm-steer: drafter rows outnumber their known slots; they are "
+                          "computed unsteered")
                 return None
-            slot = int(np.searchsorted(src.query_start_loc, offset, side="right") - 1)
-            # prompt rows are no generated tokens: a window gives them its base strength
-            return np.full(n, slot, dtype=np.int64), np.full(n, -1, dtype=np.int64), ("p", slot)
+            return None, None, "b"
         # BatchRows: V1 samples one row per request, in persistent-batch order
         if n != self.batch_size:
             warn_once(f"vllm-steer: compute_logits got {n} rows for a batch of "
@@ -370,13 +357,13 @@ class StepPlanner:
         self._plan_checked = True
         return self._plan
 
-    def _steer_device_mapping(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _steer_device_mapping(self, hidden: torch.Tensor, src: MappedRows) -> torch.Tensor:
         """Rows known only through a device mapping (batch-sharded sampling): the slot table
         is gathered on the device and planned per call (the backend's own planning; the
         Triton backend's is a device launch, the torch backend's reads the device)."""
         n = hidden.shape[0]
         bank = self.bank_state.bank
-        coefs = self.slots.table.index_select(0, self.row_source.mapping[:n].long())
+        coefs = self.slots.table.index_select(0, src.mapping[:n].long())
         return self._timed(self.bank_state.fn, hidden, bank.p1, bank.p2, bank.rank_offsets,
                            coefs)
 
@@ -408,6 +395,25 @@ class StepPlanner:
 
         return ops.steer_fixed(hidden, bank.p1, bank.p2, bank.rank, table, mapping[:n],
                                max_per_row=self.bank_state.max_per_row, widths=bank.widths)
+
+
+def _prompt_rows(src: PromptRows, hidden: torch.Tensor):
+    """``(slots, positions, row_key)`` of prompt-logprob rows: each row's slot from its
+    token's (V2) or its request's (V1), found by the call's offset in the step's hidden
+    states; prompt rows are no generated tokens, so a window gives them its base strength."""
+    n = hidden.shape[0]
+    offset = src.offset_of(hidden)
+    tokens = src.token_slots
+    if offset is None or (tokens is not None and offset + n > len(tokens)):
+        warn_once("vllm-steer: prompt-logprob rows could not be matched to a request; "
+                  "they are computed unsteered")
+        return None
+    positions = np.full(n, -1, dtype=np.int64)
+    if tokens is not None:  # V2: a chunk may hold rows of several requests
+        slots = np.asarray(tokens[offset:offset + n], dtype=np.int64)
+        return slots, positions, slots.tobytes()
+    slot = int(np.searchsorted(src.query_start_loc, offset, side="right") - 1)
+    return np.full(n, slot, dtype=np.int64), positions, ("p", slot)
 
 
 def _same_mapped_rows(src: RowSource, key: StepKey) -> bool:

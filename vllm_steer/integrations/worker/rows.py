@@ -1,24 +1,43 @@
-"""The rows of each ``compute_logits`` call: typed row sources. Semantics: see
-:mod:`vllm_steer.reference`.
+"""The LM head's view of each step: which request slot each hidden-state row of a
+``compute_logits`` call belongs to. Semantics: see :mod:`vllm_steer.reference`.
 
-A *row source* says which request slot each hidden-state row of the next ``compute_logits``
-call belongs to; the runner hooks set it for the calls they scope
-(:meth:`~vllm_steer.integrations.worker.planner.StepPlanner.rows`), and the step planner
-(:mod:`~vllm_steer.integrations.worker.planner`) steers the rows it names.
-It is one of six small frozen types (a tagged union, :data:`RowSource`):
+vLLM's multi-LoRA keeps one ``LoRAMapping`` per step (each token's adapter, and each sampled
+row's), built once by the runner and read by every layer. The head's :class:`StepRows` is the
+same for the calls of the LM head in a step, one *view* per kind of call:
+
+- :attr:`StepRows.sampled`: the rows the runner samples (V1: the persistent batch, or the
+  verification rows of a speculative step; V2: ``expanded_idx_mapping``);
+- :attr:`StepRows.drafts`: the rows a drafter's head computes (one per request of the batch,
+  in batch order; inside CUDA graphs: the speculator's own slot buffer on the device);
+- :attr:`StepRows.prompt`: the prompt-logprob rows, which are views of the step's hidden
+  states: a call's rows are found by their address in them.
+
+Each view is written by one runner adapter, when the step's rows are known (V1:
+:func:`~vllm_steer.integrations.worker.spec_v1.execute_model` and
+:func:`~vllm_steer.integrations.worker.spec_v1.calc_spec_decode_metadata`; V2:
+:func:`~vllm_steer.integrations.worker.v2.sample`; the drafters:
+:mod:`~vllm_steer.integrations.worker.spec_v2`; prompt logprobs: the prompt-logprob hooks
+of both runners), and read by the head alone
+(:meth:`~vllm_steer.integrations.worker.planner.StepPlanner.steer_rows` for the target's head,
+:meth:`~vllm_steer.integrations.worker.planner.StepPlanner.steer_draft_rows` for a drafter's):
+a call's view follows from what it is (a drafter's head; rows of the step's hidden states
+while its prompt logprobs are computed; the sampled rows otherwise).
+
+A view is one of six small frozen types (a tagged union, :data:`RowSource`):
 
 - :class:`BatchRows` (V1): row i is request slot i (persistent-batch order);
 - :class:`MappedRows` (V2): the step's row -> slot on the device, with its host copy when
   known (a device mapping alone, under batch-sharded sampling, is gathered on the device);
-- :class:`SlotRows`: the slot of each row on the host (speculative decoding, V2 prompt
-  logprobs, drafters), optionally the generated-token index each row samples;
-- :class:`PromptRows` (V1 prompt logprobs): a slice of the step's hidden states, one request;
+- :class:`SlotRows`: the slot of each row on the host (verification rows, drafters),
+  optionally the generated-token index each row samples;
+- :class:`PromptRows`: the step's hidden states and each token's slot (or each request's
+  token offsets, V1: request i is slot i);
 - :class:`NoRows`: rows with no known slot, left unsteered;
 - :class:`CapturedRows` (V2 drafters inside CUDA graphs): row -> slot on the device only,
   read by the capture-safe op (:meth:`~vllm_steer.integrations.worker.planner.StepPlanner.
   steer_fixed`).
 
-Every row source but the last gives its row -> slot on the host, so that the planner reads no
+Every view but the last gives its row -> slot on the host, so that the planner reads no
 device tensor into Python (sync-free); only batch-sharded sampling (V2, TP > 1), whose row
 order exists on the device alone, is gathered on the device.
 """
@@ -34,7 +53,11 @@ import torch
 
 @dataclass(frozen=True)
 class BatchRows:
-    """V1: row i is request slot i (persistent-batch order)."""
+    """V1: row i is request slot i (persistent-batch order). ``sampled``: the runner's
+    sampled rows (one per request, each with its generated-token index when a window needs
+    it); otherwise a drafter's rows (as many as the batch's requests or fewer, no index)."""
+
+    sampled: bool = True
 
 
 @dataclass(frozen=True)
@@ -61,11 +84,23 @@ class SlotRows:
 
 @dataclass(frozen=True)
 class PromptRows:
-    """V1 prompt logprobs: a slice of the step's hidden states ``base``, mapped to its request
-    by its offset (``query_start_loc``: the requests' token offsets)."""
+    """Prompt logprobs: the step's hidden states ``base`` (one row per scheduled token), of
+    which each call's rows are a slice, found by its address. ``token_slots``: each token's
+    request slot (V2); or ``query_start_loc``: each request's first token (V1, request i is
+    slot i; a call holds one request's rows)."""
 
     base: torch.Tensor
-    query_start_loc: np.ndarray
+    token_slots: np.ndarray | None = None
+    query_start_loc: np.ndarray | None = None
+
+    def offset_of(self, hidden: torch.Tensor) -> int | None:
+        """The token index of ``hidden``'s first row in :attr:`base` (host addresses only);
+        None when ``hidden`` is not a slice of it."""
+        base = self.base
+        if hidden.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+            return None
+        offset = (hidden.data_ptr() - base.data_ptr()) // (base.stride(0) * base.element_size())
+        return offset if 0 <= offset < base.shape[0] else None
 
 
 @dataclass(frozen=True)
@@ -80,15 +115,46 @@ class CapturedRows:
     mapping: torch.Tensor | None
 
 
-#: Where the rows of the next ``compute_logits`` call come from.
+#: Where the rows of a ``compute_logits`` call come from.
 RowSource = Union[BatchRows, MappedRows, SlotRows, PromptRows, NoRows, CapturedRows]
 
 BATCH_ROWS = BatchRows()
+#: V1's drafter rows: row i is the persistent batch's request i (no generated-token index)
+DRAFT_BATCH_ROWS = BatchRows(sampled=False)
 NO_ROWS = NoRows()
-#: The row sources of a whole batch step, which the next step may repeat (a steady step:
+#: The views of a whole batch step, which the next step may repeat (a steady step:
 #: :meth:`~vllm_steer.integrations.worker.planner.StepPlanner.steer_rows`).
 STEADY_KINDS = (BatchRows, MappedRows)
 
 
+class StepRows:
+    """The step's rows as the LM head reads them, one view per kind of call (see the module
+    docstring). A V1 runner's sampled rows are its persistent batch until a speculative step
+    maps its verification rows; a V2 runner's are known only inside its ``sample()``
+    (``StepRows(sampled=NO_ROWS)``)."""
+
+    __slots__ = ("sampled", "drafts", "prompt")
+
+    def __init__(self, sampled: RowSource = BATCH_ROWS) -> None:
+        self.sampled: RowSource = sampled
+        """The rows the runner samples (verification rows included)."""
+        self.drafts: RowSource = NO_ROWS
+        """The rows of a drafter's head."""
+        self.prompt: PromptRows | None = None
+        """The step's hidden states while its prompt logprobs are computed (None otherwise)."""
+
+    def view(self) -> RowSource:
+        """The target head's view: the prompt rows while the step's prompt logprobs are
+        computed (each call a slice of the step's hidden states, found by its address; a
+        call that is not is left unsteered), the sampled rows otherwise."""
+        prompt = self.prompt
+        return self.sampled if prompt is None else prompt
+
+    def __repr__(self) -> str:
+        return f"StepRows(sampled={self.sampled!r}, drafts={self.drafts!r}, prompt=" \
+               f"{'None' if self.prompt is None else 'PromptRows(...)'})"
+
+
 __all__ = ["RowSource", "BatchRows", "MappedRows", "SlotRows", "PromptRows", "NoRows",
-           "CapturedRows", "BATCH_ROWS", "NO_ROWS", "STEADY_KINDS"]
+           "CapturedRows", "StepRows", "BATCH_ROWS", "DRAFT_BATCH_ROWS", "NO_ROWS",
+           "STEADY_KINDS"]

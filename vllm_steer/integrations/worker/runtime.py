@@ -11,12 +11,14 @@ one concept each:
   the coefficients (and generation windows) of the request in each batch slot (V1:
   persistent-batch index; V2: request-state slot), written by the per-request steer state
   when requests enter, leave or move, fully reset when a slot is reused;
-- the step planner (:class:`~vllm_steer.integrations.worker.planner.StepPlanner`): the typed
-  row source of the next ``compute_logits`` call (which request slot each row belongs to) and
-  the steer op on those rows, planned from host data only (sync-free).
+- the step planner (:class:`~vllm_steer.integrations.worker.planner.StepPlanner`): the step's
+  views of its rows (:class:`~vllm_steer.integrations.worker.rows.StepRows`: which request
+  slot each row of the sampled, drafter and prompt-logprob calls belongs to, written by the
+  runner adapters) and the steer op on each call's rows, planned from host data only
+  (sync-free).
 
 Hooks and tests use each part through its own methods (``rt.slots.flush()``,
-``rt.planner.rows(...)``, ``rt.bank_state.bank``); the runtime's own methods are the few that
+``rt.planner.step``, ``rt.bank_state.bank``); the runtime's own methods are the few that
 change more than one part together (a load, a drop, sizing the request slots).
 
 The head does no work at all while no request *of the current step* is steered (host-side
@@ -287,7 +289,7 @@ class V2RunnerBinding(Binding):
         self.drafter_checked = False
         """The runner's drafter heads were checked (``spec_decode.prepare_drafter_once``)."""
         self.steady_rows = None
-        """The row source (``MappedRows``) of its last steered step, kept while that batch
+        """The sampled rows (``MappedRows``) of its last steered step, kept while that batch
         had one row per request, no generation window and no drafter; a step with the same
         request ids (:attr:`steady_ids`), the request-slot table at :attr:`steady_version`
         and no request put into a slot since (:attr:`steady_assigned`) reuses it."""

@@ -85,10 +85,12 @@ def _log_drafter(spec, steer: bool, hidden, steer_hidden, how: str) -> None:
 
 
 def prepare_drafter(runner, rt) -> None:
-    """Detach the drafter's heads from the steers unless they can be steered: the same hidden
-    size as the steers and ``steer_drafter`` on; under V2, an EAGLE / EAGLE-3 / MTP drafter
-    only when its speculator was prepared for CUDA graphs at load
-    (:func:`~vllm_steer.integrations.worker.spec_v2.speculator_load_model`)."""
+    """Make the drafter's heads read the step's drafter rows
+    (:meth:`~vllm_steer.integrations.worker.head.SteeredLogitsProcessor.steer_as_drafter`)
+    when they can be steered: the same hidden size as the steers and ``steer_drafter`` on;
+    under V2, an EAGLE / EAGLE-3 / MTP drafter only when its speculator was prepared for CUDA
+    graphs at load (:func:`~vllm_steer.integrations.worker.spec_v2.speculator_load_model`).
+    Otherwise detach them from the steers."""
     heads = drafter_heads(runner)
     if not heads:
         return
@@ -96,13 +98,15 @@ def prepare_drafter(runner, rt) -> None:
         else va.v1_runner_speculative_config(runner)
     fits, hidden, steer_hidden = drafter_fits(spec, rt)
     how = ""
-    if _v2_captured(runner):
+    if _v2_captured(runner):  # its heads were made drafter heads when it loaded
         speculator = BINDINGS.get(va.v2_speculator(runner))  # made by its load hook, if it ran
         prepared = speculator is not None and speculator.captured
         steer = fits and prepared
         how = V2_DRAFTER_CAPTURED if steer else (V2_DRAFTER_REASON if fits else "")
     else:
         steer = fits
+        for head in heads if steer else ():
+            head.steer_as_drafter()  # the step's drafter rows
     if not steer:
         for head in heads:
             head.steer_runtime = None

@@ -2,17 +2,22 @@
 :mod:`vllm_steer.reference`; what steering the target and the drafter means:
 :mod:`vllm_steer.integrations.worker.spec_decode`.
 
+The adapter of a speculative V1 step writes the step's views of its rows
+(:class:`~vllm_steer.integrations.worker.rows.StepRows`) once per step:
+
 - **Target rows.** With a ``speculative_config`` every V1 step computes the logits of
   ``hidden_states[logits_indices]``: per request, in batch order, ``num_draft_tokens[i] + 1``
-  rows (``_calc_spec_decode_metadata``, host-side ``num_draft_tokens``). The wrapper of that
-  method scopes a host-side row -> slot mapping (:class:`~vllm_steer.integrations.worker.rows.
-  SlotRows`, with the index of the generated token each row samples) to the rest of
-  ``execute_model``, whose only ``compute_logits`` call is the verification one.
+  rows (``_calc_spec_decode_metadata``, host-side ``num_draft_tokens``). The step starts with
+  its sampled rows as the persistent batch (:func:`execute_model`: a step with no draft
+  tokens samples one row per request); the wrapper of that method makes them the
+  verification rows (:class:`~vllm_steer.integrations.worker.rows.SlotRows`, with the index
+  of the generated token each row samples).
 - **Drafter rows.** Every drafter with logits (``draft_model``, ``eagle``, ``eagle3``,
   ``mtp``: vLLM's ``SpecDecodeBaseProposer`` family) computes, in
   ``propose_draft_token_ids``, one row per request of the batch, in batch order, per draft
-  step (EAGLE: from the target's hidden state, then from its own): mapped to slots
-  ``0..num_reqs-1``. Rows the mapping does not cover (parallel drafting) are computed
+  step (EAGLE: from the target's hidden state, then from its own): the drafter's heads read
+  the drafter view, row i slot i (:data:`~vllm_steer.integrations.worker.rows.
+  DRAFT_BATCH_ROWS`). Rows past the batch's requests (parallel drafting) are computed
   unsteered by the runtime.
 
 Everything is planned from host data (numpy arrays the runner already has): no device read.
@@ -23,12 +28,12 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_steer.integrations.worker.arguments import Arg
-from vllm_steer.integrations.worker.rows import SlotRows
+from vllm_steer.integrations.worker.rows import BATCH_ROWS, DRAFT_BATCH_ROWS, SlotRows
 from vllm_steer.integrations.worker.runtime import BINDINGS, V1RunnerBinding
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
 from vllm_steer.integrations.vllm_access import (speculative_config, v1_add_logits_processor,
                                                   v1_corrected_computed_tokens, v1_input_batch,
-                                                  v1_num_reqs, v1_speculates, v1_token_counts)
+                                                  v1_speculates, v1_token_counts)
 
 #: Our V1 per-request steer state (:mod:`vllm_steer.integrations.request_state_v1`),
 #: loaded by name as vLLM loads custom logits processors.
@@ -62,21 +67,22 @@ def verification_rows(num_draft_tokens: np.ndarray, cu_num_scheduled: np.ndarray
 
 
 def execute_model(orig, self, *args, **kwargs):
-    """``GPUModelRunner.execute_model``: the verification rows of a speculative step are
-    mapped to their requests (by :func:`calc_spec_decode_metadata`) for this step only."""
+    """``GPUModelRunner.execute_model``: a speculative step starts its views of the rows: the
+    sampled rows are the persistent batch until :func:`calc_spec_decode_metadata` maps this
+    step's verification rows; the drafter's rows are the batch's requests in order."""
     if not v1_speculates(self):
         return orig(self, *args, **kwargs)
     state = V1RunnerBinding.of(self)
     rt = state.runtime
     if rt is None:
         return orig(self, *args, **kwargs)
-    prev = rt.planner.row_source
+    step = rt.planner.step
+    step.sampled, step.drafts = BATCH_ROWS, DRAFT_BATCH_ROWS
     state.spec_step = True  # the verification rows of this step are mapped
     try:
         return orig(self, *args, **kwargs)
     finally:
         state.spec_step = False
-        rt.planner.row_source = prev
 
 
 def calc_spec_decode_metadata(orig, self, *args, **kwargs):
@@ -94,22 +100,18 @@ def calc_spec_decode_metadata(orig, self, *args, **kwargs):
             computed = v1_corrected_computed_tokens(self, len(num_draft_tokens))
         slots, positions = verification_rows(num_draft_tokens, cu_num_scheduled_tokens,
                                              computed, prompt)
-        rt.planner.row_source = SlotRows(slots=slots, positions=positions)
+        rt.planner.step.sampled = SlotRows(slots=slots, positions=positions)
     return out
 
 
 def propose_draft_token_ids(orig, self, *args, **kwargs):
-    """``GPUModelRunner.propose_draft_token_ids``: the drafter's rows (one per request, batch
-    order) mapped to their requests; the drafter's heads checked once
-    (:func:`~vllm_steer.integrations.worker.spec_decode.prepare_drafter`)."""
+    """``GPUModelRunner.propose_draft_token_ids``: the drafter's heads are checked once, before
+    the drafter's first proposal (:func:`~vllm_steer.integrations.worker.spec_decode.
+    prepare_drafter`: steered ones read the step's drafter rows, the others are detached)."""
     state = V1RunnerBinding.of(self)
-    rt = state.runtime
-    if rt is None:
-        return orig(self, *args, **kwargs)
-    prepare_drafter_once(self, state)
-    slots = np.arange(v1_num_reqs(self), dtype=np.int64)
-    with rt.planner.rows(SlotRows(slots=slots, positions=None)):
-        return orig(self, *args, **kwargs)
+    if state.runtime is not None:
+        prepare_drafter_once(self, state)
+    return orig(self, *args, **kwargs)
 
 
 def build_logitsprocs(orig, vllm_config, device, is_pin_memory, is_pooling_model,

@@ -90,14 +90,19 @@ def get_prompt_logprobs_dict(orig, self, *args, **kwargs):
     like its sampled tokens.
 
     ``_get_prompt_logprobs_dict`` calls ``compute_logits`` once per request on a slice of the
-    step's hidden states; the runtime maps that slice back to the request's batch slot.
+    step's hidden states: the step's prompt view (:class:`PromptRows`: those hidden states and
+    each request's first token) is written for the call, and the head maps each slice back to
+    its request's batch slot by its address.
     """
     if not v1_has_prompt_logprobs(self):
         return orig(self, *args, **kwargs)
     rt = V1RunnerBinding.of(self).runtime
     if rt is None or not rt.planner.active:
         return orig(self, *args, **kwargs)
-    qsl = v1_query_start_loc(self)
-    hidden_states = _HIDDEN_STATES.get(orig, (self, *args), kwargs)
-    with rt.planner.rows(PromptRows(base=hidden_states, query_start_loc=qsl)):
+    step = rt.planner.step
+    step.prompt = PromptRows(base=_HIDDEN_STATES.get(orig, (self, *args), kwargs),
+                             query_start_loc=v1_query_start_loc(self))
+    try:
         return orig(self, *args, **kwargs)
+    finally:
+        step.prompt = None  # the step's hidden states are not kept

@@ -4,15 +4,16 @@ slots (the per-request state itself: :mod:`vllm_steer.integrations.request_state
 Semantics: see :mod:`vllm_steer.reference`. Thin by design: V2 keeps request state in slots
 (``add_request(slot, params)``) and tells, per step, which slot each logits row belongs to
 (``expanded_idx_mapping``). That mapping is needed *before* ``compute_logits``, so the runner's
-``sample()`` is wrapped to scope it (:meth:`StepPlanner.rows`) around the LM-head call.
+``sample()`` is wrapped to write it as the step's sampled rows
+(:class:`~vllm_steer.integrations.worker.rows.StepRows`) for the LM-head call.
 V2 never says that a request finished, so the head works only in steps whose batch
 (``idx_mapping``) holds a steered slot. Under batch-sharded sampling (TP > 1) rows come
 owner-sorted; they are mapped through the sharder's own sort. Tested live in
 tests/e2e/test_vllm_v2.py (through the test shim tests/v2shim) and piecewise in
 tests/integrations/worker/test_v2.py.
 Prompt logprobs are steered too: the prompt-logprob worker's ``compute_logits`` calls (chunks
-that may hold rows of several requests) get each row's request slot from host-side data
-(:func:`prompt_logprobs`).
+that may hold rows of several requests) are slices of the step's hidden states, each row's
+request slot that of its token, from host-side data (:func:`prompt_logprobs`).
 Speculative decoding: the verification rows (``num_draft_tokens + 1`` per request) come
 through the same ``expanded_idx_mapping``; drafters are steered too (a draft model on host
 rows, EAGLE / EAGLE-3 / MTP inside CUDA graphs: :mod:`vllm_steer.integrations.worker.spec_v2`).
@@ -29,7 +30,7 @@ import torch
 
 from vllm_steer.integrations.worker.arguments import Arg
 from vllm_steer.integrations.worker.gates import GATES
-from vllm_steer.integrations.worker.rows import MappedRows, NoRows, SlotRows
+from vllm_steer.integrations.worker.rows import NO_ROWS, MappedRows, PromptRows
 from vllm_steer.integrations.worker.runtime import BINDINGS, V2RunnerBinding, current_runtime
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
 from vllm_steer.integrations.worker.step_faults import ROWS, attach
@@ -38,13 +39,12 @@ from vllm_steer.ops import to_device
 
 _INPUT_BATCH = Arg("input_batch")
 _BINDINGS_BY_ID = BINDINGS.by_id  # each runner's binding: read in sample() with no call
-_LOGITS_FN = Arg("logits_fn")
 _HIDDEN_STATES = Arg("hidden_states")
 
 
 def sample(orig, self, *args, **kwargs):
-    """``GPUModelRunner.sample`` (V2): scope the step's row -> slot mapping around V2's
-    ``sample()`` (which calls the head).
+    """``GPUModelRunner.sample`` (V2): the step's sampled rows (row -> slot) for V2's
+    ``sample()``, which calls the head; outside it (warm-up, dummy runs) the step has none.
 
     The head works only when a slot of this step's batch (``idx_mapping``) is steered: V2 has
     no removal callback, and a finished request's slot must cost nothing.
@@ -106,17 +106,17 @@ def sample(orig, self, *args, **kwargs):
             return orig(self, *args, **kwargs)
         sharded = source.slots is None
     planner = rt.planner
+    step = planner.step
     calls = planner.head_calls
-    prev = planner.row_source
     try:
-        planner.row_source = source
+        step.sampled = source
         if not sharded:
             out = orig(self, *args, **kwargs)
         else:  # batch-sharded sampling: the rows' slots through the sharder's own sort
-            with _sorted_rows(va.v2_batch_sharder(self), input_batch, planner.set_rows):
+            with _sorted_rows(va.v2_batch_sharder(self), input_batch, step):
                 out = orig(self, *args, **kwargs)
     finally:
-        planner.row_source = prev
+        step.sampled = NO_ROWS
     if planner.head_calls == calls:
         raise HeadBypassedError(HEAD_BYPASSED)
     return out
@@ -155,7 +155,7 @@ def sample_tokens(orig, self, *args, **kwargs):
 
 
 def _batch_rows(runner, b, rt, input_batch) -> MappedRows | None:
-    """The row source of a step whose batch differs from the last steered step's (or whose
+    """The sampled rows of a step whose batch differs from the last steered step's (or whose
     request-slot table changed): None when no slot of its batch is steered. Its drafter heads
     are checked at the runner's first steered step (:func:`prepare_drafter_once`), before its
     drafter proposes. A batch of one row per request with no generation window and no drafter
@@ -220,17 +220,18 @@ def _host_rows(rt, runner, input_batch):
 
 
 #: Each sharder's pending row mapping while its runner's ``sample()`` runs (by ``id``):
-#: ``(token_slots, set_rows)``, read by :func:`shard_sampler_inputs`.
+#: ``(token_slots, step rows)``, read by :func:`shard_sampler_inputs`.
 _SHARDING: dict[int, tuple] = {}
 
 
 @contextlib.contextmanager
-def _sorted_rows(sharder, input_batch, set_rows):
-    """Give ``set_rows`` the owner-sorted logits indices the sharder returns as the rows'
-    device mapping (:class:`MappedRows` with no host copy: gathered on the device), through
-    the hook on ``BatchSharder.shard_sampler_inputs`` (:func:`shard_sampler_inputs`)."""
+def _sorted_rows(sharder, input_batch, step):
+    """Make the owner-sorted logits indices the sharder returns the step's sampled rows
+    (``step``: :class:`~vllm_steer.integrations.worker.rows.StepRows`; a device mapping,
+    :class:`MappedRows` with no host copy: gathered on the device), through the hook on
+    ``BatchSharder.shard_sampler_inputs`` (:func:`shard_sampler_inputs`)."""
     token_slots = va.v2_token_slots(input_batch)
-    _SHARDING[id(sharder)] = (token_slots, set_rows)  # this step only
+    _SHARDING[id(sharder)] = (token_slots, step)  # this step only
     try:
         yield
     finally:
@@ -245,7 +246,7 @@ def shard_sampler_inputs(orig, self, *args, **kwargs):
     pending = _SHARDING.get(id(self))
     if pending is None:
         return out
-    token_slots, set_rows = pending
+    token_slots, step = pending
     sorted_idx = out[1] if isinstance(out, tuple) and len(out) == 4 else None
     if not isinstance(sorted_idx, torch.Tensor) or sorted_idx.dtype.is_floating_point:
         raise RuntimeError(
@@ -253,34 +254,8 @@ def shard_sampler_inputs(orig, self, *args, **kwargs):
             "sorted_logits_indices, grammar_output, metadata) in this vLLM; steered rows "
             "cannot be matched to requests. Run without --enable-batch-sharded-sampling")
     slots = to_device(token_slots, sorted_idx.device)  # pinned: a pageable copy syncs
-    set_rows(MappedRows(mapping=slots[sorted_idx.long()]))
+    step.sampled = MappedRows(mapping=slots[sorted_idx.long()])
     return out
-
-
-def _steered_logits_fn(rt, logits_fn, hidden_states, input_batch):
-    """``logits_fn`` with each call's rows mapped to their slots by their offset in the step.
-
-    V2 passes views of the step's hidden states (``hidden_states[a:b]``); the offset is read
-    from the view's address on the host (no device read). The row -> slot table is made at the
-    first call: most steps ask for no prompt logprobs, and vLLM never calls ``logits_fn``.
-    """
-    table = []  # [row slots, base address, row bytes, storage address], at the first call
-
-    def fn(h):
-        if not table:
-            table.extend((va.v2_token_slots(input_batch), hidden_states.data_ptr(),
-                          hidden_states.stride(0) * hidden_states.element_size(),
-                          hidden_states.untyped_storage().data_ptr()))
-        slots, base_ptr, row_bytes, storage = table
-        offset = (h.data_ptr() - base_ptr) // row_bytes
-        if h.untyped_storage().data_ptr() != storage or not 0 <= offset <= len(slots):
-            source = NoRows()  # not a view of the step: leave it unsteered
-        else:
-            source = SlotRows(slots=slots[offset:offset + h.shape[0]], positions=None)
-        with rt.planner.rows(source):
-            return logits_fn(h)
-
-    return fn
 
 
 def prompt_logprobs(orig, self, *args, **kwargs):
@@ -310,8 +285,11 @@ def _steered_prompt_call(orig, self, args, kwargs):
 
     ``PromptLogprobsWorker.compute_prompt_logprobs`` runs the step's token rows through
     ``compute_logits`` in fixed-size chunks that may hold rows of several requests;
-    ``compute_prompt_token_id_logprobs`` slices one request at a time. Either way each row gets
-    its own request's slot (``idx_mapping_np`` repeated over ``query_start_loc_np``).
+    ``compute_prompt_token_id_logprobs`` slices one request at a time. Either way the calls are
+    views of the step's hidden states (``hidden_states[a:b]``): the step's prompt view
+    (:class:`PromptRows`: those hidden states and each token's slot, ``idx_mapping_np``
+    repeated over ``query_start_loc_np``) is written for the call, and the head finds each
+    call's rows by their address (host-side, no device read).
     """
     rt = current_runtime()  # the prompt-logprob worker has no config: the worker's runtime
     if rt is None or not rt.slots.num_active_slots:
@@ -320,7 +298,10 @@ def _steered_prompt_call(orig, self, args, kwargs):
     input_batch = _INPUT_BATCH.get(orig, call, kwargs)
     if not rt.any_steered(va.v2_batch_slots(input_batch)):
         return orig(self, *args, **kwargs)
-    fn = _steered_logits_fn(rt, _LOGITS_FN.get(orig, call, kwargs),
-                            _HIDDEN_STATES.get(orig, call, kwargs), input_batch)
-    call, kwargs = _LOGITS_FN.replace(orig, call, kwargs, fn)
-    return orig(*call, **kwargs)
+    step = rt.planner.step
+    step.prompt = PromptRows(base=_HIDDEN_STATES.get(orig, call, kwargs),
+                             token_slots=va.v2_token_slots(input_batch))
+    try:
+        return orig(self, *args, **kwargs)
+    finally:
+        step.prompt = None  # the step's hidden states are not kept
