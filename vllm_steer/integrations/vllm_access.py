@@ -248,6 +248,13 @@ def extra_args(params) -> dict:
     return getattr(params, "extra_args", None) or {}
 
 
+def asks_prompt_logprobs(params) -> bool:
+    """Whether a request (its ``SamplingParams``) asks for prompt logprobs, or for the
+    logprobs of given prompt tokens."""
+    return params.prompt_logprobs is not None \
+        or params.prompt_logprob_token_ids is not None
+
+
 def set_extra_args(params, extra: dict) -> None:
     """Write ``SamplingParams.extra_args`` (the bound steers travel there to the workers)."""
     params.extra_args = extra
@@ -940,6 +947,8 @@ ACCESSES: tuple[Access, ...] = (
     Access(sampling_params, "binding a request's steers at admission", ENGINE,
            reads=("vllm.v1.request:Request.sampling_params",)),
     Access(extra_args, "a request's steers", ENGINE, reads=(f"{_PARAMS}.extra_args",)),
+    Access(asks_prompt_logprobs, "which request slots may compute prompt logprobs", WORKER,
+           reads=(f"{_PARAMS}.prompt_logprobs", f"{_PARAMS}.prompt_logprob_token_ids")),
     Access(set_extra_args, "a request's bound steers", ENGINE,
            sets=(f"{_PARAMS}.extra_args",)),
     Access(cache_salt, "the prefix cache salted by a request's vector mix", ENGINE,

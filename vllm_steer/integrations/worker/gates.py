@@ -9,6 +9,9 @@ counts are over all of them:
   nothing to do, but for a drafter's head recorded into CUDA graphs);
 - ``windowed_slots``: request slots holding a request with a generation window (the V1
   runner's ``_prepare_inputs`` hook reads it);
+- ``prompt_logprob_slots``: request slots whose request asked for prompt logprobs, steered or
+  not (Model Runner V2 never says that a request left, so its slots count until reused): the
+  prompt-logprob hooks of both runners read it first;
 - ``layer_mappings``: runtimes whose model's decoder layers have the op of decoder-layer
   steers (:mod:`~vllm_steer.integrations.worker.decoder_layers`): the runners' input hooks
   then build each step's mapping (:mod:`~vllm_steer.integrations.worker.step_mapping`);
@@ -27,18 +30,19 @@ from __future__ import annotations
 class ProcessGates:
     """The counts the worker's hot paths read first (see the module docstring)."""
 
-    __slots__ = ("steered_slots", "windowed_slots", "worker_faults",
+    __slots__ = ("steered_slots", "windowed_slots", "prompt_logprob_slots", "worker_faults",
                  "layer_mappings")
 
     def __init__(self) -> None:
         self.steered_slots = 0
         self.windowed_slots = 0
+        self.prompt_logprob_slots = 0
         self.worker_faults = 0
         self.layer_mappings = 0
 
     def __repr__(self) -> str:
         return (f"ProcessGates(steered_slots={self.steered_slots}, windowed_slots="
-                f"{self.windowed_slots}, "
+                f"{self.windowed_slots}, prompt_logprob_slots={self.prompt_logprob_slots}, "
                 f"worker_faults={self.worker_faults}, layer_mappings={self.layer_mappings})")
 
 

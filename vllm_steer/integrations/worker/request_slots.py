@@ -81,6 +81,7 @@ def _uncount(counted: list[int]) -> None:
     """A table was collected: its slots leave the process's gates."""
     GATES.steered_slots -= counted[0]
     GATES.windowed_slots -= counted[1]
+    GATES.prompt_logprob_slots -= counted[2]
 
 
 #: the per-slot window arrays (host, ``[max_slots, capacity]`` float64 each)
@@ -99,6 +100,10 @@ class RequestSlots:
         self.host: np.ndarray | None = None  # [max_slots, K] host table
         self.steered: np.ndarray | None = None  # [max_slots] bool: slot has a non-zero row
         self.windowed: np.ndarray | None = None  # [max_slots] bool
+        self.prompt_logprobs: np.ndarray | None = None
+        """``[max_slots]`` bool: the slot's request asked for prompt logprobs (steered or not:
+        while none did, the prompt-logprob hooks have nothing to map)."""
+        self.num_prompt_slots = 0
         self.windows: dict[str, np.ndarray] | None = None  # WINDOW_FIELDS, None until used
         self.num_window_slots = 0
         self.num_active_slots = 0  # steered slots as of the last flush
@@ -111,7 +116,7 @@ class RequestSlots:
         self.dirty = False
         self._copy: staging.StagedCopy | None = None
         # this table's share of the process's counts, given back when the table is collected
-        self._counted = [0, 0]  # [steered slots, windowed slots]
+        self._counted = [0, 0, 0]  # [steered slots, windowed slots, prompt-logprob slots]
         self._last_batch: tuple = (None, -1, False)  # any_steered's (slots' bytes, version, answer)
         weakref.finalize(self, _uncount, self._counted)
 
@@ -125,6 +130,8 @@ class RequestSlots:
                                  device=device)
         self._copy = staging.StagedCopy(torch.device(device))
         self.windowed = np.zeros(max_slots, dtype=bool)
+        self.prompt_logprobs = np.zeros(max_slots, dtype=bool)
+        self._count_prompts(0)
         self.windows = None
         self._count_windows(0)
         self.dirty = False
@@ -134,7 +141,7 @@ class RequestSlots:
         return True
 
     def set(self, slot: int, row: np.ndarray | None, windows: dict | None,
-            bank: SlotBank | None) -> None:
+            bank: SlotBank | None, prompt_logprobs: bool = False) -> None:
         """(Re)initialise a slot fully: a reused slot keeps nothing of its previous request.
 
         ``windows`` (:attr:`RequestCoefs.windows`): the request's strength is a schedule over
@@ -144,9 +151,13 @@ class RequestSlots:
 
         A request that asks for no steer, in a slot that holds none (not steered, no windows:
         its row is all zeros), changes nothing: the table keeps its version and needs no copy
-        to the device."""
+        to the device. ``prompt_logprobs``: the request asked for prompt logprobs
+        (:attr:`prompt_logprobs`)."""
         assert self.host is not None
         self.assigned += 1
+        if self.prompt_logprobs[slot] != prompt_logprobs:
+            self.prompt_logprobs[slot] = prompt_logprobs
+            self._count_prompts(self.num_prompt_slots + (1 if prompt_logprobs else -1))
         if not windows and not self.steered[slot] and not self.windowed[slot] \
                 and (row is None or not row.any()):
             return
@@ -186,12 +197,13 @@ class RequestSlots:
 
     def move(self, src: int, dst: int, swap: bool) -> None:
         """Move (or swap) a slot's request to another slot. Two slots that hold no steer (all
-        zeros, no windows) stay as they are: nothing changes."""
+        zeros, no windows, no prompt logprobs) stay as they are: nothing changes."""
         assert self.host is not None
         if not (self.steered[src] or self.windowed[src] or self.steered[dst]
-                or self.windowed[dst]):
+                or self.windowed[dst] or self.prompt_logprobs[src]
+                or self.prompt_logprobs[dst]):
             return
-        arrays = [self.host, self.steered, self.windowed]
+        arrays = [self.host, self.steered, self.windowed, self.prompt_logprobs]
         if self.windows is not None:
             arrays += list(self.windows.values())
         for arr in arrays:
@@ -201,6 +213,7 @@ class RequestSlots:
                 arr[dst] = arr[src]
                 arr[src] = 0
         self._count_windows(int(np.count_nonzero(self.windowed)))
+        self._count_prompts(int(np.count_nonzero(self.prompt_logprobs)))
         self.dirty = True
         self.version += 1
 
@@ -215,6 +228,12 @@ class RequestSlots:
         (:data:`~vllm_steer.integrations.worker.gates.GATES`)."""
         GATES.windowed_slots += n - self.num_window_slots
         self.num_window_slots = self._counted[1] = n
+
+    def _count_prompts(self, n: int) -> None:
+        """Set :attr:`num_prompt_slots`, keeping the process's count
+        (:data:`~vllm_steer.integrations.worker.gates.GATES`)."""
+        GATES.prompt_logprob_slots += n - self.num_prompt_slots
+        self.num_prompt_slots = self._counted[2] = n
 
     def flush(self) -> None:
         """Copy changed slot coefficients to the device (once per step, only when changed),

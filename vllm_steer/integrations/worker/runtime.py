@@ -158,7 +158,8 @@ class SteerRuntime:
         is then served as asked. Returns the request's coefficients (None after a fault)."""
         try:
             coefs = self.decode(params)
-            self.set_slot(slot, coefs.row, coefs.windows)
+            self.set_slot(slot, coefs.row, coefs.windows,
+                          vllm_access.asks_prompt_logprobs(params))
         except Exception as e:
             self.set_slot(slot, None)
             if vllm_access.extra_args(params).get(BOUND_KEY):
@@ -170,9 +171,10 @@ class SteerRuntime:
             self.faults.clear_slot(slot)
         return coefs
 
-    def set_slot(self, slot: int, row: np.ndarray | None, windows: dict | None = None) -> None:
+    def set_slot(self, slot: int, row: np.ndarray | None, windows: dict | None = None,
+                 prompt_logprobs: bool = False) -> None:
         """(Re)initialise request slot ``slot`` fully (:meth:`RequestSlots.set`)."""
-        self.slots.set(slot, row, windows, self.bank_state.bank)
+        self.slots.set(slot, row, windows, self.bank_state.bank, prompt_logprobs)
 
     def any_steered(self, slots: np.ndarray) -> bool:
         """Whether any of these request slots (a step's ``idx_mapping``) is steered."""

@@ -94,7 +94,7 @@ def get_prompt_logprobs_dict(orig, self, *args, **kwargs):
     each request's first token) is written for the call, and the head maps each slice back to
     its request's batch slot by its address.
     """
-    if not v1_has_prompt_logprobs(self):
+    if not GATES.prompt_logprob_slots or not v1_has_prompt_logprobs(self):  # most steps: one read
         return orig(self, *args, **kwargs)
     rt = V1RunnerBinding.of(self).runtime
     if rt is None or not rt.planner.active:

@@ -264,10 +264,11 @@ def prompt_logprobs(orig, self, *args, **kwargs):
 
     vLLM calls it at every step; it computes nothing unless a running request asked for
     prompt logprobs, which vLLM records in ``in_progress_prompt_logprobs`` (an entry per such
-    request, from ``add_request`` to ``remove_request``). While no request in the process is
-    steered: one integer read (:data:`~vllm_steer.integrations.worker.gates.GATES`); then that
-    record."""
-    if not GATES.steered_slots or not va.v2_prompt_logprobs_pending(self):
+    request, from ``add_request`` to ``remove_request``). While no request slot of the process
+    holds a request that asked for prompt logprobs, or none is steered: one integer read
+    (:data:`~vllm_steer.integrations.worker.gates.GATES`); then that record."""
+    if not (GATES.prompt_logprob_slots and GATES.steered_slots) \
+            or not va.v2_prompt_logprobs_pending(self):
         return orig(self, *args, **kwargs)
     return _steered_prompt_call(orig, self, args, kwargs)
 
@@ -275,7 +276,8 @@ def prompt_logprobs(orig, self, *args, **kwargs):
 def prompt_token_id_logprobs(orig, self, *args, **kwargs):
     """``PromptLogprobsWorker.compute_prompt_token_id_logprobs`` (V2, ``prompt_logprob_token_ids``):
     as :func:`prompt_logprobs`; vLLM's own record of such requests is ``token_id_scores``."""
-    if not GATES.steered_slots or not va.v2_prompt_token_ids_pending(self):
+    if not (GATES.prompt_logprob_slots and GATES.steered_slots) \
+            or not va.v2_prompt_token_ids_pending(self):
         return orig(self, *args, **kwargs)
     return _steered_prompt_call(orig, self, args, kwargs)
 
