@@ -250,9 +250,9 @@ def extra_args(params) -> dict:
 
 def asks_prompt_logprobs(params) -> bool:
     """Whether a request (its ``SamplingParams``) asks for prompt logprobs, or for the
-    logprobs of given prompt tokens."""
-    return params.prompt_logprobs is not None \
-        or params.prompt_logprob_token_ids is not None
+    logprobs of given prompt tokens (a pooling request's parameters have neither)."""
+    return getattr(params, "prompt_logprobs", None) is not None \
+        or getattr(params, "prompt_logprob_token_ids", None) is not None
 
 
 def set_extra_args(params, extra: dict) -> None:

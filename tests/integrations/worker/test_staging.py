@@ -151,7 +151,7 @@ def test_a_prompt_logprob_step_never_waits_behind_the_forward(tmp_path, fake_cud
     grown = []
     for _step in range(2):
         for slot, row in rows.items():  # the requests join (first step) or stay
-            rt.set_slot(slot, row)
+            rt.set_slot(slot, row, prompt_logprobs=True)
         rt.slots.flush()
         worker = SimpleNamespace(in_progress_prompt_logprobs={f"r{i}": [] for i in range(3)})
         out = v2.prompt_logprobs(compute_prompt_logprobs, worker, rt.planner.steer_rows, h, batch)

@@ -58,6 +58,8 @@ def test_v2_prompt_logprob_hooks_wrap_nothing_until_a_request_asks_for_prompt_lo
             f"{hook.__name__} gave the step prompt rows with no request asking"
 
     worker.add_request("r1", 1, SamplingParams(prompt_logprobs=1))
+    rt.set_slot(1, row, prompt_logprobs=True)  # as the per-request state puts the same request
+    rt.slots.flush()
     given.clear()
     out = v2.prompt_logprobs(orig, worker, logits_fn, h.clone(), batch)
     assert given[0][0] is logits_fn and given[0][1] is not None  # the step's prompt rows
