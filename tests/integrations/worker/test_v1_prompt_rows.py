@@ -85,13 +85,25 @@ def test_v1_prompt_rows_get_their_own_requests_steer(runtime, monkeypatch):
     # request 1's two prompt rows: as many as the batch's requests, yet never the batch's rows
     assert torch.equal(got[1], h[3:5])
 
-    # slot 1 reused by a request that asks for none: the hook reads one count and passes
+    # slot 1 reused by a request that asks for none: the count goes back
     rt.assign(1, _params(None, None))
     rt.slots.flush()
-    assert GATES.prompt_logprob_slots == before
+    assert GATES.prompt_logprob_slots == before and rt.slots.num_prompt_slots == 0
+    # in a process where no request asked (other tests' runtimes may count here), the hook
+    # reads that count alone: not even vLLM's record of prompt-logprob requests
+    monkeypatch.setattr(GATES, "prompt_logprob_slots", 0)
+
+    class Unread(VllmObject):
+        @property
+        def num_prompt_logprobs(self):
+            raise AssertionError("vLLM's record read with no request asking")
+
+    runner = Unread(input_batch=VllmObject(num_reqs=2), query_start_loc=VllmObject(np=qsl))
+    BINDINGS.set(runner, V1RunnerBinding(rt))
     seen.clear()
-    v1.get_prompt_logprobs_dict(orig, _runner(rt, qsl, asks=True), h, {"r0": 3, "r1": 2})
+    v1.get_prompt_logprobs_dict(orig, runner, h, {"r0": 3, "r1": 2})
     assert seen == [False, False]
+    monkeypatch.undo()
     # the slot table follows V1's moves: the flag goes with its request
     rt.assign(2, _params(None, 1))
     rt.slots.move(2, 3, swap=False)

@@ -6,8 +6,8 @@ The runner adapters write the step's views of its rows into :attr:`StepPlanner.s
 the target's head calls :meth:`StepPlanner.steer_rows`, a drafter's head
 :meth:`StepPlanner.steer_draft_rows`.
 
-The planner is sync-free by construction (no device tensor is read into Python): every row
-source gives its row -> slot on the host; the rows' coefficients are gathered from the request
+The planner is sync-free by construction (no device tensor is read into Python): every view
+gives its row -> slot on the host; the rows' coefficients are gathered from the request
 slots' host table, copied from pinned staging (:class:`~vllm_steer.kernels.staging.StagedCopy`)
 into a persistent device buffer only when they changed, and the backend's plan is made from the
 host copy and cached under a host key (:class:`StepKey`). Only batch-sharded sampling (V2,
@@ -134,21 +134,16 @@ class StepPlanner:
         return self._coefs_dev
 
     # ---- the head ------------------------------------------------------------------------
-    def steer_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Steer the rows of one ``compute_logits`` call of the target's head, in the step's
-        view for it (:meth:`~vllm_steer.integrations.worker.rows.StepRows.view`: the prompt
-        rows while the step's prompt logprobs are computed, the sampled rows otherwise)."""
-        step = self.step
-        return self.steer(hidden, step.sampled if step.prompt is None else step.prompt)
-
     def steer_draft_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """Steer the rows of one ``compute_logits`` call of a drafter's head, in the step's
         drafter view (:attr:`~vllm_steer.integrations.worker.rows.StepRows.drafts`)."""
-        return self.steer(hidden, self.step.drafts)
+        return self.steer_rows(hidden, self.step.drafts)
 
-    def steer(self, hidden: torch.Tensor, src: RowSource) -> torch.Tensor:
-        """Steer the rows of one ``compute_logits`` call, whose view of the step is ``src``.
-        Semantics: see reference.
+    def steer_rows(self, hidden: torch.Tensor, src: RowSource | None = None) -> torch.Tensor:
+        """Steer the rows of one ``compute_logits`` call, whose view of the step is ``src``;
+        by default the target head's (:meth:`~vllm_steer.integrations.worker.rows.StepRows.
+        view`: the prompt rows while the step's prompt logprobs are computed, the sampled rows
+        otherwise). Semantics: see reference.
 
         Sync-free by construction: the rows' slots (and generated-token positions) are host
         data, their coefficients are gathered from the host table, copied to a persistent
@@ -157,6 +152,9 @@ class StepPlanner:
         a key comparison and the kernels; a steady step (:meth:`_is_steady`) not even that.
         """
         self.head_calls += 1
+        if src is None:  # the target's head (StepRows.view, inlined: every steered step)
+            step = self.step
+            src = step.sampled if step.prompt is None else step.prompt
         n = hidden.shape[0]
         if not self._is_steady(src, n):
             kind = type(src)
