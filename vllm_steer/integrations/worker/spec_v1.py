@@ -89,7 +89,7 @@ def calc_spec_decode_metadata(orig, self, *args, **kwargs):
     """``GPUModelRunner._calc_spec_decode_metadata``: each verification row's slot and
     generated-token index (:func:`verification_rows`)."""
     out = orig(self, *args, **kwargs)
-    state = BINDINGS.get(self)  # made by execute_model, which scopes the step
+    state = BINDINGS.get(self)  # made by execute_model, which starts the step
     if state is not None and state.spec_step and state.runtime is not None:
         rt = state.runtime
         call = (self, *args)
