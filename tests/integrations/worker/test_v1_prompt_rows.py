@@ -111,3 +111,22 @@ def test_v1_prompt_rows_get_their_own_requests_steer(runtime, monkeypatch):
     assert GATES.prompt_logprob_slots == before + 1
     rt.set_slot(3, None)  # removed
     assert GATES.prompt_logprob_slots == before
+
+
+def test_a_request_whose_steer_state_failed_still_counts_its_prompt_logprobs(runtime,
+                                                                             monkeypatch):
+    """A fault of the plugin's code while a request enters its slot leaves the slot unsteered
+    (the request fails, or is served plain if it asked for no steer), but the request still
+    asked for prompt logprobs: the hooks must keep mapping its prompt rows, never leave them to
+    the batch's sampled rows."""
+    rt = runtime
+
+    def broken(params):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(rt, "decode", broken)
+    assert rt.assign(2, _params(None, 1)) is None  # the fault: no coefficients
+    assert rt.slots.prompt_logprobs[2] and not rt.slots.steered[2]
+    monkeypatch.undo()
+    rt.assign(2, _params(None, None))  # the slot reused
+    assert not rt.slots.prompt_logprobs[2] and rt.slots.num_prompt_slots == 0

@@ -156,12 +156,12 @@ class SteerRuntime:
         code here leaves the slot unsteered and fails that request alone (HTTP 500,
         :mod:`~vllm_steer.integrations.worker.step_faults`), unless it asked for no steer: it
         is then served as asked. Returns the request's coefficients (None after a fault)."""
+        prompt = vllm_access.asks_prompt_logprobs(params)  # kept even when the rest fails
         try:
             coefs = self.decode(params)
-            self.set_slot(slot, coefs.row, coefs.windows,
-                          vllm_access.asks_prompt_logprobs(params))
+            self.set_slot(slot, coefs.row, coefs.windows, prompt)
         except Exception as e:
-            self.set_slot(slot, None)
+            self.set_slot(slot, None, prompt_logprobs=prompt)
             if vllm_access.extra_args(params).get(BOUND_KEY):
                 self.faults.record_slot(slot, REQUEST_STATE, e)
             else:  # it asked for no steer: served as asked
