@@ -195,7 +195,9 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
         live[leave] = rng.choice(free, size=leave.size, replace=False)
         for slot in live[leave] if step else live:
             slot_rows[slot] = _coef_row(rt, rng)
-            rt.set_slot(int(slot), slot_rows[slot])
+            # each request asks for prompt logprobs (the record below): as our per-request
+            # state puts it into its slot from its SamplingParams
+            rt.set_slot(int(slot), slot_rows[slot], prompt_logprobs=True)
             req_ids[int(slot)] = f"r{step}-{slot}"
         rt.slots.flush()
         order = rng.permutation(live)  # this step's batch order (idx_mapping)
