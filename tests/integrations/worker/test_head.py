@@ -228,3 +228,61 @@ def test_the_loader_hook_captures_the_heads_graphs_once_the_model_is_loaded(head
     plain = head_mod.load_model(lambda loader, vllm_config: TinyForCausalLM(), object(),
                                 VllmConfig())
     assert isinstance(plain, TinyForCausalLM) and len(back.captured) == 4
+
+
+def test_a_drafters_head_reads_the_steps_drafter_rows_and_records_its_op_in_graphs(
+        head_cls, tmp_path, monkeypatch):
+    """One step, two heads: the target's reads the step's sampled rows, a drafter's (marked
+    once, as V2's EAGLE speculator is when it loads) the drafter rows, each against the
+    reference with its own rows' slots. While a CUDA graph is recorded, with no request steered
+    yet in the process, the drafter's head still records the op (a graph without it would
+    serve every later replay unsteered); the target's head does nothing then."""
+    import numpy as np
+
+    from helpers.steers import random_steer
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.worker import planner as planner_mod
+    from vllm_steer.integrations.worker.gates import GATES
+    from vllm_steer.integrations.worker.rows import CapturedRows, SlotRows
+    from vllm_steer.integrations.worker.runtime import get_runtime
+    from vllm_steer.reference import steer_reference
+
+    path = str(tmp_path / "a.safetensors")
+    save_steer(path, random_steer(16, 4, "a", seed=4, scale=3.0))
+    rt = get_runtime({"vllm_steer": {"steers": {"a": path}, "backend": "torch"}})
+    rt.bank_state.load(16, torch.device("cpu"), torch.float32)
+    rt.ensure_slots(4, torch.device("cpu"))
+    rt.enable_fixed_drafter()
+    target, drafter = head_cls(50), head_cls(50)
+    target.steer_runtime = drafter.steer_runtime = rt
+    drafter.steer_as_drafter(in_graphs=True)
+    g = torch.Generator().manual_seed(2)
+    weight, hidden = torch.randn(50, 16, generator=g), torch.randn(2, 16, generator=g)
+    plain = hidden @ weight.T
+    step = rt.planner.step
+    step.sampled = SlotRows(slots=np.array([0, 1]))
+    step.drafts = CapturedRows(mapping=torch.tensor([1, 0], dtype=torch.int32))
+
+    # a capture at start-up: nothing steered in the process yet
+    monkeypatch.setattr(GATES, "steered_slots", 0)
+    monkeypatch.setattr(planner_mod, "_capturing", lambda t: True)
+    calls = rt.planner.op_calls
+    assert torch.allclose(drafter(fake_lm_head(weight), hidden), plain, atol=1e-5)
+    assert rt.planner.op_calls == calls + 1  # recorded: all-zero coefficients, plain logits
+    assert torch.allclose(target(fake_lm_head(weight), hidden), plain, atol=1e-5)
+    assert rt.planner.op_calls == calls + 1  # the target's head: the gate, nothing else
+    monkeypatch.undo()
+
+    row = np.zeros(rt.slots.num_columns, np.float32)
+    row[0] = 6e-3
+    rt.set_slot(0, row)  # slot 0 steered, slot 1 not
+    rt.slots.flush()
+    factors = rt.bank_state.bank.factors
+
+    def logits(rows_slots):
+        coefs = torch.from_numpy(np.stack([row if s == 0 else np.zeros_like(row)
+                                           for s in rows_slots]))
+        return steer_reference(hidden, *factors, coefs) @ weight.T
+
+    torch.testing.assert_close(target(fake_lm_head(weight), hidden), logits([0, 1]))
+    torch.testing.assert_close(drafter(fake_lm_head(weight), hidden), logits([1, 0]))
