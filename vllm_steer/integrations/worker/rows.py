@@ -44,6 +44,7 @@ order exists on the device alone, is gathered on the device.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Union
 
@@ -149,6 +150,17 @@ class StepRows:
         call that is not is left unsteered), the sampled rows otherwise."""
         prompt = self.prompt
         return self.sampled if prompt is None else prompt
+
+    @contextlib.contextmanager
+    def prompts(self, prompt: PromptRows):
+        """``prompt`` as the step's prompt rows while the block computes its prompt logprobs
+        (the prompt-logprob hooks of both runners); none after it, so that the step's hidden
+        states are not kept."""
+        self.prompt = prompt
+        try:
+            yield
+        finally:
+            self.prompt = None
 
     def __repr__(self) -> str:
         return f"StepRows(sampled={self.sampled!r}, drafts={self.drafts!r}, prompt=" \

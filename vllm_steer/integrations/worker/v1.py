@@ -99,10 +99,7 @@ def get_prompt_logprobs_dict(orig, self, *args, **kwargs):
     rt = V1RunnerBinding.of(self).runtime
     if rt is None or not rt.planner.active:
         return orig(self, *args, **kwargs)
-    step = rt.planner.step
-    step.prompt = PromptRows(base=_HIDDEN_STATES.get(orig, (self, *args), kwargs),
-                             query_start_loc=v1_query_start_loc(self))
-    try:
+    prompt = PromptRows(base=_HIDDEN_STATES.get(orig, (self, *args), kwargs),
+                        query_start_loc=v1_query_start_loc(self))
+    with rt.planner.step.prompts(prompt):
         return orig(self, *args, **kwargs)
-    finally:
-        step.prompt = None  # the step's hidden states are not kept

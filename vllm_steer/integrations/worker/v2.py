@@ -300,10 +300,7 @@ def _steered_prompt_call(orig, self, args, kwargs):
     input_batch = _INPUT_BATCH.get(orig, call, kwargs)
     if not rt.any_steered(va.v2_batch_slots(input_batch)):
         return orig(self, *args, **kwargs)
-    step = rt.planner.step
-    step.prompt = PromptRows(base=_HIDDEN_STATES.get(orig, call, kwargs),
-                             token_slots=va.v2_token_slots(input_batch))
-    try:
+    prompt = PromptRows(base=_HIDDEN_STATES.get(orig, call, kwargs),
+                        token_slots=va.v2_token_slots(input_batch))
+    with rt.planner.step.prompts(prompt):
         return orig(self, *args, **kwargs)
-    finally:
-        step.prompt = None  # the step's hidden states are not kept
