@@ -14,19 +14,12 @@ renamed one is refused at start-up, naming the access. ``tests/integrations/
 test_declared_reads.py`` keeps the rule: outside this module the plugin touches no attribute
 of a vLLM object.
 
-The few accesses read at every step of a runner are attribute getters
-(``operator.attrgetter``, defined here under the accessor's name), not functions: with the
-caches cold after vLLM's step, calling a Python function costs a few µs there (its frame and
-code are cold), a getter, which runs in C, a fraction of that. They are declared and checked
-like the functions.
-
 This module imports neither torch nor vLLM at import time (the frontend imports it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import Any, Callable
 
 from vllm_steer.integrations.hooks import (ENGINE, FRONTEND, V1, V1_LENS, V1_SPEC, V2,
@@ -59,8 +52,7 @@ class Access:
     """One function of this module that touches vLLM objects, and what it touches."""
 
     function: Callable
-    """The accessor: a function of this module, or an attribute getter it defines (see the
-    module doc)."""
+    """The accessor (a function of this module)."""
     purpose: str
     """What the plugin needs it for (shown when the installed vLLM lacks a name)."""
     group: HookGroup
@@ -76,13 +68,6 @@ class Access:
     """The names in other releases, where vLLM moved one: the first whose releases hold the
     installed vLLM is checked (:meth:`names_for`); on a release none holds, the start-up
     check refuses the group, naming the access."""
-
-    @property
-    def name(self) -> str:
-        """The accessor's name in this module."""
-        fn = self.function
-        return getattr(fn, "__name__", None) or next(
-            k for k, v in globals().items() if v is fn and not k.startswith("_"))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -381,9 +366,9 @@ def v1_query_start_loc(runner):
     return runner.query_start_loc.np[: n + 1].copy()
 
 
-#: ``v1_speculative_config(runner)``: V1's runner's ``speculative_config`` (None: it does not
-#: speculate). Read at every step: an attribute getter.
-v1_speculative_config = attrgetter("speculative_config")
+def v1_speculates(runner) -> bool:
+    """Whether V1's runner speculates (has a ``speculative_config``)."""
+    return runner.speculative_config is not None
 
 
 def v1_token_counts(input_batch):
@@ -499,10 +484,9 @@ def speculative_tokens(vllm_config) -> int:
     return int(k) if isinstance(k, int) and k > 0 else 0
 
 
-#: ``v2_req_ids(input_batch)``: the request ids of Model Runner V2's step, in batch order
-#: (vLLM's own list). Read at every steered step: an
-#: attribute getter.
-v2_req_ids = attrgetter("req_ids")
+def v2_req_ids(input_batch) -> list:
+    """The request ids of Model Runner V2's step, in batch order (vLLM's own list)."""
+    return input_batch.req_ids
 
 
 def v2_batch_slots(input_batch):
@@ -1004,7 +988,7 @@ ACCESSES: tuple[Access, ...] = (
     Access(v1_query_start_loc, "steered prompt logprobs (V1)", V1_LENS,
            reads=(*reads_of(_V1, "input_batch", "query_start_loc"), f"{_V1_BATCH}.num_reqs",
                   f"{_V1_BUFFER}.np")),
-    Access(v1_speculative_config, "speculative decoding: the step's verification rows (V1)", V1_SPEC,
+    Access(v1_speculates, "speculative decoding: the step's verification rows (V1)", V1_SPEC,
            reads=(f"{_V1}.speculative_config",)),
     Access(v1_token_counts, "speculative decoding: the verification rows' positions (V1)",
            V1_SPEC, reads=reads_of(_V1_BATCH, "num_computed_tokens_cpu", "num_prompt_tokens")),
@@ -1190,7 +1174,7 @@ ACCESSES: tuple[Access, ...] = (
 def access_problems(access: Access, surface: Any) -> list[str]:
     """What ``surface`` (a vLLM release's, as :func:`vllm_steer.integrations.hook_check.
     surface_problems` reads it) lacks of ``access``."""
-    where = f"vllm_steer.integrations.vllm_access.{access.name} ({access.purpose})"
+    where = f"vllm_steer.integrations.vllm_access.{access.function.__name__} ({access.purpose})"
     names = access.names_for(surface.version)
     if names is None:
         declared = "; ".join(v for v in (access.versions, *(r.versions for r in access.releases)))

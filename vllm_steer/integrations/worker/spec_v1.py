@@ -33,8 +33,7 @@ from vllm_steer.integrations.worker.runtime import BINDINGS, V1RunnerBinding
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
 from vllm_steer.integrations.vllm_access import (speculative_config, v1_add_logits_processor,
                                                   v1_corrected_computed_tokens, v1_input_batch,
-                                                  v1_speculative_config,
-                                                  v1_token_counts)
+                                                  v1_speculates, v1_token_counts)
 
 #: Our V1 per-request steer state (:mod:`vllm_steer.integrations.request_state_v1`),
 #: loaded by name as vLLM loads custom logits processors.
@@ -70,9 +69,8 @@ def verification_rows(num_draft_tokens: np.ndarray, cu_num_scheduled: np.ndarray
 def execute_model(orig, self, *args, **kwargs):
     """``GPUModelRunner.execute_model``: a speculative step starts its views of the rows: the
     sampled rows are the persistent batch until :func:`calc_spec_decode_metadata` maps this
-    step's verification rows; the drafter's rows are the batch's requests in order. A runner
-    that does not speculate: one attribute read (in C) per step."""
-    if v1_speculative_config(self) is None:
+    step's verification rows; the drafter's rows are the batch's requests in order."""
+    if not v1_speculates(self):
         return orig(self, *args, **kwargs)
     state = V1RunnerBinding.of(self)
     rt = state.runtime

@@ -39,7 +39,6 @@ from vllm_steer.ops import to_device
 
 _INPUT_BATCH = Arg("input_batch")
 _BINDINGS_BY_ID = BINDINGS.by_id  # each runner's binding: read in sample() with no call
-_REQ_IDS = va.v2_req_ids  # an attribute getter (C): read at every steered step
 _HIDDEN_STATES = Arg("hidden_states")
 
 
@@ -93,7 +92,7 @@ def sample(orig, self, *args, **kwargs):
     else:  # passed by keyword (or keyword-only)
         input_batch = _INPUT_BATCH.get(orig, (self, *args), kwargs)
     # the same requests in the same order, none added: the same slots
-    ids = _REQ_IDS(input_batch)
+    ids = va.v2_req_ids(input_batch)
     table = rt.slots
     sharded = False
     if ids == b.steady_ids and b.steady_assigned == table.assigned \
