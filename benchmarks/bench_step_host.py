@@ -55,7 +55,7 @@ def child(batches: list[int], calls: int) -> dict:
                 if slot % 4 != 3:
                     row[slot % K] = 4e-3
                 rt.set_slot(slot, row)
-            rt.planner.batch_size = bs
+            rt.step.batch_size = bs
             rt.slots.flush()
             h = torch.randn(bs, HIDDEN)
             order = np.random.default_rng(0).permutation(bs)
@@ -63,7 +63,7 @@ def child(batches: list[int], calls: int) -> dict:
                        "mapping": MappedRows(mapping=torch.from_numpy(order), slots=order)}
             for name, src in sources.items():
                 times = []
-                rt.planner.step.sampled = src  # as the runner adapter writes it
+                rt.step.sampled = src  # as the runner adapter writes it
                 for i in range(calls + 20):
                     t0 = time.perf_counter()
                     rt.planner.steer_rows(h)

@@ -143,7 +143,7 @@ def run(device="cuda", dtype=torch.bfloat16, steps: int = 24, batch: int = 64,
     lines: list[str] = []
     tmp = tempfile.TemporaryDirectory()
     rt, config = _runtime(device, dtype, hidden, 4, 16, 2 * batch, Path(tmp.name))
-    rt.planner.step.sampled = NO_ROWS  # as the V2 processor sets it: rows outside sample()
+    rt.step.sampled = NO_ROWS  # as the V2 processor sets it: rows outside sample()
     if not cuda and rt.bank_state.bank.graphs is None:  # the head's graphs as on a GPU, eagerly
         head_graphs(rt.bank_state.bank, graph_backend=EagerGraphs())
     if runtime_hook is not None:

@@ -162,7 +162,7 @@ def vector_stats(worker=None) -> dict[str, int]:
     layers = None if rt is None else rt.layers
     if layers is None:
         return {"blocks": 0, "steered_steps": 0}
-    return {"blocks": len(layers.blocks), "steered_steps": rt.mapping.steered_steps}
+    return {"blocks": len(layers.blocks), "steered_steps": rt.step.tokens.steered_steps}
 
 
 def summarize(runs: dict[str, list[tuple[int, float]]]) -> dict[str, dict]:

@@ -500,7 +500,7 @@ def check_head(dev, shapes=HEAD_SHAPES, rows_list=(1, 64), dtype=torch.bfloat16,
             src = MappedRows(torch.arange(rows, dtype=torch.int32, device=dev), idx, None,
                              idx.tobytes())
             hidden = torch.randn(rows, d, generator=gen).to(dev, dtype)
-            rt.planner.step.sampled = src  # as V2's sample() adapter writes it
+            rt.step.sampled = src  # as V2's sample() adapter writes it
             out = rt.planner.steer_rows(hidden).clone()
             ref = steer_reference(hidden, *rt.bank_state.bank.factors,
                                   torch.from_numpy(np.tile(row, (rows, 1))).to(dev))

@@ -13,7 +13,7 @@ from vllm_steer import kinds
 from vllm_steer.bank import SlotBank
 from vllm_steer.format import save_steer
 from vllm_steer.integrations.worker.request_slots import RequestSlots
-from vllm_steer.integrations.worker.step_mapping import LayerVectors, StepMapping
+from vllm_steer.integrations.worker.step_mapping import LayerVectors, TokenCoefs
 from vllm_steer.kernels.layer_vectors import add_to_block_output
 from vllm_steer.vectors import make_vector_steer, save_gguf, save_vector
 
@@ -62,7 +62,7 @@ def test_a_test_only_kind_is_served_by_the_bank_the_mapping_and_the_blocks_op(tm
     assert not problems
     slots.set(1, np.asarray(row, dtype=np.float32), None, bank)  # request slot 1: steered
     slots.flush()
-    mapping = StepMapping(layers, slots)
+    mapping = TokenCoefs(layers, slots)
     # three requests (slots 0, 1, 2) with 2, 3 and 1 tokens: only slot 1's tokens steered
     mapping.build(np.array([0, 1, 2]), np.array([2, 3, 1]), None)
     h = torch.randn(6, 16)
@@ -115,7 +115,7 @@ def test_the_op_in_a_16_bit_dtype_writes_the_strengths_and_keeps_plain_rows_bit_
     row, _ = bank.coef_row({"v": (1, 3)}, {"v": 0.75})
     slots.set(0, np.asarray(row, dtype=np.float32), None, bank)
     slots.flush()
-    StepMapping(layers, slots).build(np.array([0, 1]), np.array([2, 1]), None)
+    TokenCoefs(layers, slots).build(np.array([0, 1]), np.array([2, 1]), None)
     assert layers.token_coefs.dtype == torch.bfloat16
     assert layers.token_coefs[:3, 1].tolist() == [0.75, 0.75, 0.0]
     h = torch.randn(3, 16).to(torch.bfloat16)

@@ -450,7 +450,7 @@ def test_a_worker_reports_its_timed_steer_calls(tmp_path):
         4, rt.bank_state.bank.steers[0].metadata.epsilon, None)
     rt.set_slot(0, row)
     rt.slots.flush()
-    rt.planner.batch_size = 1  # the runner's step: one request, in slot 0
+    rt.step.batch_size = 1  # the runner's step: one request, in slot 0
     h = torch.randn(1, 32, generator=torch.Generator().manual_seed(0))
     worker = VllmObject(vllm_config=SimpleNamespace(additional_config=extra))
     for _ in range(3):

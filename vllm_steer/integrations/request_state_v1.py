@@ -72,5 +72,5 @@ class SteerRequestStateV1(LogitsProcessor):
                 rt.slots.move(a, b, swap=swap)
                 if rt.faults.slots:
                     rt.faults.move(a, b, swap)
-        rt.planner.batch_size = batch_update.batch_size
+        rt.step.batch_size = batch_update.batch_size
         rt.slots.flush()

@@ -66,7 +66,7 @@ class SteerRequestStateV2(LogitsProcessor):
             seqs, device = vllm_access.v2_request_states_size(req_states)
             self.runtime.ensure_slots(seqs, device, max_step_rows(vllm_config, seqs))
             # V2's sampled rows are known only inside sample() (warm-up: none)
-            self.runtime.planner.step.sampled = NO_ROWS
+            self.runtime.step.sampled = NO_ROWS
 
     def add_request(self, req_idx: int, sampling_params) -> bool:
         rt = self.runtime

@@ -93,7 +93,7 @@ def _head_gate(head_cls, tmp_path):
     g = torch.Generator().manual_seed(1)
     weight, hidden = torch.randn(50, 16, generator=g), torch.randn(2, 16, generator=g)
     plain = hidden @ weight.T
-    rt.planner.step.sampled = SlotRows(slots=np.array([0, 1]), positions=None)
+    rt.step.sampled = SlotRows(slots=np.array([0, 1]), positions=None)
     calls = rt.planner.head_calls
     assert torch.allclose(head(fake_lm_head(weight), hidden), plain, atol=1e-5)
     assert rt.planner.head_calls == calls  # the gate: the runtime was not reached
@@ -259,7 +259,7 @@ def test_a_drafters_head_reads_the_steps_drafter_rows_and_records_its_op_in_grap
     g = torch.Generator().manual_seed(2)
     weight, hidden = torch.randn(50, 16, generator=g), torch.randn(2, 16, generator=g)
     plain = hidden @ weight.T
-    step = rt.planner.step
+    step = rt.step
     step.sampled = SlotRows(slots=np.array([0, 1]))
     step.drafts = CapturedRows(mapping=torch.tensor([1, 0], dtype=torch.int32))
 

@@ -58,8 +58,8 @@ def test_v1_prepare_inputs_reads_its_arguments_by_name(monkeypatch):
     from vllm_steer.integrations.worker.step_faults import StepFaults
 
     rt = SimpleNamespace(slots=SimpleNamespace(num_window_slots=1),
-                         planner=SimpleNamespace(batch_positions=None), faults=StepFaults(),
-                         mapping=None)
+                         step=SimpleNamespace(batch_positions=None, tokens=None),
+                         faults=StepFaults())
     runner = _Runner(None)
     BINDINGS.set(runner, V1RunnerBinding(rt))
 
@@ -74,9 +74,9 @@ def test_v1_prepare_inputs_reads_its_arguments_by_name(monkeypatch):
                                (old, (None,), {"num_scheduled_tokens": scheduled}),
                                (newer, (None, "x", scheduled), {}),
                                (newer, (None, "x"), {"num_scheduled_tokens": scheduled})):
-        rt.planner.batch_positions = None
+        rt.step.batch_positions = None
         assert prepare_inputs(orig, runner, *args, **kwargs) == "out"
-        assert rt.planner.batch_positions.tolist() == [3, 5]
+        assert rt.step.batch_positions.tolist() == [3, 5]
 
 
 def test_an_argument_a_vllm_renamed_fails_loudly_naming_it():

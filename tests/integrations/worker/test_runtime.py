@@ -36,7 +36,7 @@ def test_decode_steps_reuse_the_plan_and_a_changed_slot_replans(tmp_path):
     a, b, none = (np.array(r + pad, dtype=np.float32) for r in ([5e-3, 0], [0, -3e-3], [0, 0]))
     for slot, row in enumerate((a, b, none)):
         rt.set_slot(slot, row)
-    rt.planner.batch_size = 3
+    rt.step.batch_size = 3
     rt.slots.flush()
     gen = torch.Generator().manual_seed(0)
     for _step in range(3):  # decode steps of an unchanged batch: one plan
@@ -64,14 +64,14 @@ def test_no_steer_work_once_the_last_steered_request_left(tmp_path):
     a[0] = 5e-3  # the first loaded steer's column
     rt.set_slot(0, none)
     rt.set_slot(1, a)
-    rt.planner.batch_size = 2
+    rt.step.batch_size = 2
     rt.slots.flush()
     h = torch.randn(2, 64)
     assert rt.planner.active and not torch.equal(rt.planner.steer_rows(h)[1], h[1])
     assert rt.planner.stats.as_dict() == {"calls": 1, "rows": 2}
     # V1: the steered request finishes (BatchUpdate.removed), the other one goes on
     rt.set_slot(1, None)
-    rt.planner.batch_size = 1
+    rt.step.batch_size = 1
     rt.slots.flush()
     assert not rt.planner.active and rt.slots.num_active_slots == 0
     assert torch.equal(rt.planner.steer_rows(h[:1]), h[:1])
@@ -213,21 +213,21 @@ def test_a_steady_step_skips_the_row_lookup_and_every_change_ends_it(tmp_path, m
 
     for slot, row in enumerate((a, b, none)):
         rt.set_slot(slot, row)
-    rt.planner.batch_size = 3
+    rt.step.batch_size = 3
     rt.slots.flush()
     assert [step([a, b, none]) for _ in range(4)] == [1, 0, 0, 0]  # V1 decode steps
     rt.set_slot(1, a)  # a request finishes and another takes its slot
     rt.slots.flush()
     assert [step([a, a, none]) for _ in range(2)] == [1, 0]
     rt.set_slot(3, b)  # one more request joins the batch
-    rt.planner.batch_size = 4
+    rt.step.batch_size = 4
     rt.slots.flush()
     assert [step([a, a, none, b]) for _ in range(2)] == [1, 0]
     rt.set_slot(4, None)  # a plain request joins: the table keeps its version
-    rt.planner.batch_size = 5
+    rt.step.batch_size = 5
     rt.slots.flush()
     assert [step([a, a, none, b, none]) for _ in range(2)] == [1, 0]
-    rt.planner.batch_size = 4  # and finishes
+    rt.step.batch_size = 4  # and finishes
     assert [step([a, a, none, b]) for _ in range(2)] == [1, 0]
     # other rows planned in between (a prompt-logprob chunk, a drafter's rows)
     assert step([b, a], SlotRows(slots=np.array([3, 0]))) == 1
@@ -236,7 +236,7 @@ def test_a_steady_step_skips_the_row_lookup_and_every_change_ends_it(tmp_path, m
     rt.set_slot(2, none, {0: Window(5.0, start=0, ramp=3)})
     rt.slots.flush()
     for t in range(3):
-        rt.planner.batch_positions = np.array([7, 7, t, 7])
+        rt.step.batch_positions = np.array([7, 7, t, 7])
         ramped = none.copy()
         ramped[0] = rt.slots.row_coefs(1, np.array([2]), np.array([t]))[0, 0]
         assert ramped[0] != 0

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_steer.integrations.worker.rows import NO_ROWS, SlotRows, StepRows
+from vllm_steer.integrations.worker.rows import NO_ROWS, SlotRows
+from vllm_steer.integrations.worker.step_mapping import StepMapping
 from vllm_steer.integrations.worker.spec_v1 import verification_rows
 from helpers.fakes import VllmObject
 
@@ -196,10 +197,11 @@ def test_a_v2_draft_model_step_maps_its_rows_to_the_batch_slots():
     from vllm_steer.integrations.worker.spec_v2 import propose_standalone_v2
 
     seen = []
-    step = StepRows()
+    step = mapping = StepMapping()
 
     class Runtime:
-        planner = SimpleNamespace(step=step)
+        planner = SimpleNamespace(step=mapping)
+        step = mapping
 
         def any_steered(self, slots):
             return bool((slots == 5).any())

@@ -181,11 +181,12 @@ def test_batch_sharded_sampling_copies_its_row_slots_from_pinned_memory(fake_cud
             return b, sorted_idx, grammar_output, None
 
     from vllm_steer.integrations.hooks import wrap_method
-    from vllm_steer.integrations.worker.rows import NO_ROWS, StepRows
+    from vllm_steer.integrations.worker.rows import NO_ROWS
+    from vllm_steer.integrations.worker.step_mapping import StepMapping
 
     wrap_method(Sharder, "shard_sampler_inputs", v2.shard_sampler_inputs)  # as HOOKS does
     sharder = Sharder()
-    step = StepRows(sampled=NO_ROWS)
+    step = StepMapping(sampled=NO_ROWS)
     with v2._sorted_rows(sharder, batch, step):
         sharder.shard_sampler_inputs(batch, None)
     source = step.sampled  # the step's sampled rows: the sharder's order, on the device

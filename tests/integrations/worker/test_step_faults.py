@@ -77,7 +77,7 @@ def test_a_fault_of_the_steer_op_gives_plain_logits_and_fails_the_steered_reques
     row[0] = 5e-3
     rt.set_slot(1, row)  # slot 1 steered; slots 0 and 2 not
     rt.slots.flush()
-    rt.planner.step.sampled = SlotRows(slots=np.array([0, 1, 2]), positions=None)
+    rt.step.sampled = SlotRows(slots=np.array([0, 1, 2]), positions=None)
     steered = head(fake_lm_head(weight), hidden)
     plain = LogitsProcessor.forward(head, fake_lm_head(weight), hidden)  # vLLM's layer, no plugin
     assert not torch.equal(steered[1], plain[1]) and torch.equal(steered[0], plain[0])

@@ -156,7 +156,7 @@ def _steps(rt, source: str, mode: DeviceReads, gen, device=None, dtype=torch.flo
         if device is not None:  # on the GPU, from pinned memory (a pageable copy syncs)
             h = h.pin_memory().to(device, non_blocking=True)
         if source == "batch":
-            rt.planner.batch_size = 4
+            rt.step.batch_size = 4
             slots = np.arange(4)
             src = BatchRows()
         elif source == "mapping":
@@ -330,7 +330,7 @@ def test_windows_at_mixed_positions(tmp_path):
     for step in range(8):
         t = start + step
         h = torch.randn(4, HIDDEN, generator=gen)
-        rt.planner.batch_size, rt.planner.batch_positions = 4, t
+        rt.step.batch_size, rt.step.batch_positions = 4, t
         out = rt.planner.steer_rows(h)
         want = [_window_row(rt, windows[s], int(t[s])) for s in range(4)]
         torch.testing.assert_close(out, _want(rt, h, want))
@@ -349,7 +349,7 @@ def test_windows_at_mixed_positions(tmp_path):
     windows = {0: {"b": Window(1.0, base=1.0)}, 1: {"a": Window(1.0, base=1.0)}, 2: w0, 3: w2}
     t = np.array([7, 0, 4, 3])
     h = torch.randn(4, HIDDEN, generator=gen)
-    rt.planner.batch_size, rt.planner.batch_positions = 4, t
+    rt.step.batch_size, rt.step.batch_positions = 4, t
     out = rt.planner.steer_rows(h)
     want = [_window_row(rt, windows[s], int(t[s])) for s in range(4)]
     torch.testing.assert_close(out, _want(rt, h, want))
@@ -369,9 +369,9 @@ def test_windows_cost_nothing_without_them_and_replan_only_on_change(tmp_path, m
     monkeypatch.setattr(rt.bank_state, "prepare",
                         lambda *a, **k: plans.append(1) or prepare(*a, **k))
     h = torch.randn(2, HIDDEN)
-    rt.planner.batch_size = 2
+    rt.step.batch_size = 2
     for t in range(6):
-        rt.planner.batch_positions = np.array([t, 10])
+        rt.step.batch_positions = np.array([t, 10])
         rt.planner.steer_rows(h)
     assert len(plans) == 2  # t = 0 (half strength) and t = 1 (full); then unchanged
 

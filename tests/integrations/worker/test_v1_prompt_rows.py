@@ -62,7 +62,7 @@ def test_v1_prompt_rows_get_their_own_requests_steer(runtime, monkeypatch):
     rt.assign(0, _params({"a": 4}, None))  # steered, no prompt logprobs
     rt.assign(1, _params(None, 2))  # plain, asks for prompt logprobs
     rt.slots.flush()
-    rt.planner.batch_size = 2
+    rt.step.batch_size = 2
     assert GATES.prompt_logprob_slots == before + 1
     qsl = [0, 3, 5]  # request 0: tokens 0-2; request 1: tokens 3-4
     h = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(0))
@@ -72,12 +72,12 @@ def test_v1_prompt_rows_get_their_own_requests_steer(runtime, monkeypatch):
         out = {}
         for req, (a, b) in enumerate(zip(qsl[:-1], qsl[1:], strict=True)):
             view = hidden_states[a:b]
-            seen.append(rt.planner.step.prompt is not None)
+            seen.append(rt.step.prompt is not None)
             out[req] = rt.planner.steer_rows(view)  # the head on the slice (logits = input)
         return out
 
     got = v1.get_prompt_logprobs_dict(orig, _runner(rt, qsl, asks=True), h, {"r0": 3, "r1": 2})
-    assert seen == [True, True] and rt.planner.step.prompt is None
+    assert seen == [True, True] and rt.step.prompt is None
     coefs = torch.from_numpy(rt.slots.host[[0, 0, 0]].copy())
     torch.testing.assert_close(got[0], steer_reference(h[:3], *rt.bank_state.bank.factors,
                                                        coefs))

@@ -322,7 +322,7 @@ cfg = types.SimpleNamespace(additional_config={"vllm_steer": {"steers": {
 rt = get_runtime(cfg.additional_config)
 rt.bank_state.load(64, torch.device("cpu"), torch.float32)
 rt.ensure_slots(8, torch.device("cpu"))
-rt.planner.step.sampled = NoRows()  # as the V2 processor sets it
+rt.step.sampled = NoRows()  # as the V2 processor sets it
 coefs = {1: [4e-3, 0], 2: [0, -3e-3], 3: [0, 5e-3], 4: [-2e-3, 1e-3]}  # slots 0, 5: unsteered
 for slot, row in coefs.items():
     full = np.zeros(rt.slots.num_columns, dtype=np.float32)  # the first two steers' columns

@@ -45,7 +45,7 @@ def test_v2_prompt_logprob_hooks_wrap_nothing_until_a_request_asks_for_prompt_lo
     given = []
 
     def orig(self, logits_fn, hidden_states, input_batch):  # records what vLLM would call
-        given.append((logits_fn, rt.planner.step.prompt))
+        given.append((logits_fn, rt.step.prompt))
         return logits_fn(hidden_states)
 
     def logits_fn(x):  # the model's compute_logits: the steered head, logits = its input
@@ -63,7 +63,7 @@ def test_v2_prompt_logprob_hooks_wrap_nothing_until_a_request_asks_for_prompt_lo
     given.clear()
     out = v2.prompt_logprobs(orig, worker, logits_fn, h.clone(), batch)
     assert given[0][0] is logits_fn and given[0][1] is not None  # the step's prompt rows
-    assert rt.planner.step.prompt is None  # only for the call
+    assert rt.step.prompt is None  # only for the call
     coefs = torch.tensor(np.stack([row] * 3 + [np.zeros_like(row)] * 2))
     want = steer_reference(h, *rt.bank_state.bank.factors, coefs)
     torch.testing.assert_close(out, want)

@@ -1,8 +1,9 @@
 """The steer op on the rows of each ``compute_logits`` call, planned once per step. Semantics:
 see :mod:`vllm_steer.reference`.
 
-The runner adapters write the step's views of its rows into :attr:`StepPlanner.step` (a
-:class:`~vllm_steer.integrations.worker.rows.StepRows`: the sampled, drafter and prompt rows);
+The runner adapters write the step's views of its rows into the worker's step mapping
+(:attr:`StepPlanner.step`, a :class:`~vllm_steer.integrations.worker.step_mapping.StepMapping`:
+the sampled, drafter and prompt rows, and V1's persistent batch);
 the target's head calls :meth:`StepPlanner.steer_rows`, a drafter's head
 :meth:`StepPlanner.steer_draft_rows`.
 
@@ -24,7 +25,8 @@ import torch
 
 from vllm_steer.integrations.worker.rows import (STEADY_KINDS, CapturedRows,
                                                  MappedRows, NoRows, PromptRows, RowSource,
-                                                 SlotRows, StepRows)
+                                                 SlotRows)
+from vllm_steer.integrations.worker.step_mapping import StepMapping
 from vllm_steer.kernels import staging
 from vllm_steer.logs import warn_once
 from vllm_steer.metrics import OpTimer
@@ -66,8 +68,9 @@ _DEVICE_MAPPING = object()
 
 
 class StepPlanner:
-    """The step's views of its rows (:attr:`step`), and the steer op on each call's rows with
-    a plan cached per step (coefficients, device buffer, backend plan). Reads the worker's
+    """The steer op on each ``compute_logits`` call's rows, read from the worker's step
+    mapping (:attr:`step`), with a plan cached per step (coefficients, device buffer, backend
+    plan). Reads the worker's
     bank (``bank_state``: :class:`~vllm_steer.integrations.worker.bank_state.BankState`) and
     request slots (``slots``: :class:`~vllm_steer.integrations.worker.request_slots.
     RequestSlots`). Counts its op calls and rows, and times one op in
@@ -75,18 +78,15 @@ class StepPlanner:
     countdown to the next timed op are its own plain integers, so that a steady step touches
     no other object for them (each cold object costs there)."""
 
-    def __init__(self, bank_state, slots):
+    def __init__(self, bank_state, slots, step: StepMapping | None = None):
         self.bank_state = bank_state
         self.slots = slots
         self.op_calls = 0  # steer-op calls (one per compute_logits with steered rows)
         self.op_rows = 0  # hidden-state rows passed through the steer op
         self.op_timer = OpTimer()  # the op's host and device time, from the timed ops
         self.op_untimed = 0  # ops to leave untimed before the next timed one (OpTimer.stop)
-        self.step = StepRows()  # the step's rows: written by the runner adapters
-        self.batch_size = 0  # V1: requests in the persistent batch
-        # V1: the generated-token index each batch row samples (host, set by the runner hook
-        # at every step while some slot has a generation window, and read only then)
-        self.batch_positions: np.ndarray | None = None
+        # the worker's step mapping: written by the runner adapters, read by the head
+        self.step = StepMapping() if step is None else step
         self.head_calls = 0  # calls into the head (steer_rows), steered rows or not
         self.steps_planned = 0  # calls whose rows were looked up (not a steady step)
         self.plans_made = 0  # eager plans made (the backend's planning function called)
@@ -136,14 +136,15 @@ class StepPlanner:
     # ---- the head ------------------------------------------------------------------------
     def steer_draft_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """Steer the rows of one ``compute_logits`` call of a drafter's head, in the step's
-        drafter view (:attr:`~vllm_steer.integrations.worker.rows.StepRows.drafts`)."""
+        drafter view (:attr:`~vllm_steer.integrations.worker.step_mapping.StepMapping.
+        drafts`)."""
         return self.steer_rows(hidden, self.step.drafts)
 
     def steer_rows(self, hidden: torch.Tensor, src: RowSource | None = None) -> torch.Tensor:
         """Steer the rows of one ``compute_logits`` call, whose view of the step is ``src``;
-        by default the target head's (:meth:`~vllm_steer.integrations.worker.rows.StepRows.
-        view`: the prompt rows while the step's prompt logprobs are computed, the sampled rows
-        otherwise). Semantics: see reference.
+        by default the target head's (:meth:`~vllm_steer.integrations.worker.step_mapping.
+        StepMapping.view`: the prompt rows while the step's prompt logprobs are computed, the
+        sampled rows otherwise). Semantics: see reference.
 
         Sync-free by construction: the rows' slots (and generated-token positions) are host
         data, their coefficients are gathered from the host table, copied to a persistent
@@ -152,7 +153,7 @@ class StepPlanner:
         a key comparison and the kernels; a steady step (:meth:`_is_steady`) not even that.
         """
         self.head_calls += 1
-        if src is None:  # the target's head (StepRows.view, inlined: every steered step)
+        if src is None:  # the target's head (StepMapping.view, inlined: every steered step)
             step = self.step
             src = step.sampled if step.prompt is None else step.prompt
         n = hidden.shape[0]
@@ -264,18 +265,19 @@ class StepPlanner:
             return slots, pos, slots.tobytes() if key is None else key
         if kind is PromptRows:
             return _prompt_rows(src, hidden)
+        batch_size = self.step.batch_size
         if not src.sampled:  # BatchRows: V1's drafter rows, one per request in batch order
-            if n > self.batch_size:
+            if n > batch_size:
                 warn_once("vllm-steer: drafter rows outnumber their known slots; they are "
                           "computed unsteered")
                 return None
             return None, None, "b"
         # BatchRows: V1 samples one row per request, in persistent-batch order
-        if n != self.batch_size:
+        if n != batch_size:
             warn_once(f"vllm-steer: compute_logits got {n} rows for a batch of "
-                      f"{self.batch_size} requests; rows left unsteered")
+                      f"{batch_size} requests; rows left unsteered")
             return None
-        pos = self.batch_positions
+        pos = self.step.batch_positions
         return None, (None if pos is None or len(pos) < n else pos[:n]), "b"
 
     def plan_step(self, n: int, slots, positions) -> None:

@@ -1,16 +1,16 @@
 """The LM head's view of each step: which request slot each hidden-state row of a
 ``compute_logits`` call belongs to. Semantics: see :mod:`vllm_steer.reference`.
 
-vLLM's multi-LoRA keeps one ``LoRAMapping`` per step (each token's adapter, and each sampled
-row's), built once by the runner and read by every layer. The head's :class:`StepRows` is the
-same for the calls of the LM head in a step, one *view* per kind of call:
+The head's part of the worker's step mapping
+(:class:`~vllm_steer.integrations.worker.step_mapping.StepMapping`) is one *view* per kind of
+call:
 
-- :attr:`StepRows.sampled`: the rows the runner samples (V1: the persistent batch, or the
-  verification rows of a speculative step; V2: ``expanded_idx_mapping``);
-- :attr:`StepRows.drafts`: the rows a drafter's head computes (one per request of the batch,
-  in batch order; inside CUDA graphs: the speculator's own slot buffer on the device);
-- :attr:`StepRows.prompt`: the prompt-logprob rows, which are views of the step's hidden
-  states: a call's rows are found by their address in them.
+- ``sampled``: the rows the runner samples (V1: the persistent batch, or the verification rows
+  of a speculative step; V2: ``expanded_idx_mapping``);
+- ``drafts``: the rows a drafter's head computes (one per request of the batch, in batch order;
+  inside CUDA graphs: the speculator's own slot buffer on the device);
+- ``prompt``: the prompt-logprob rows, which are views of the step's hidden states: a call's
+  rows are found by their address in them.
 
 Each view is written by one runner adapter, when the step's rows are known (V1:
 :func:`~vllm_steer.integrations.worker.spec_v1.execute_model` and
@@ -44,7 +44,6 @@ order exists on the device alone, is gathered on the device.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Union
 
@@ -128,45 +127,5 @@ NO_ROWS = NoRows()
 STEADY_KINDS = (BatchRows, MappedRows)
 
 
-class StepRows:
-    """The step's rows as the LM head reads them, one view per kind of call (see the module
-    docstring). A V1 runner's sampled rows are its persistent batch until a speculative step
-    maps its verification rows; a V2 runner's are known only inside its ``sample()``
-    (``StepRows(sampled=NO_ROWS)``)."""
-
-    __slots__ = ("sampled", "drafts", "prompt")
-
-    def __init__(self, sampled: RowSource = BATCH_ROWS) -> None:
-        self.sampled: RowSource = sampled
-        """The rows the runner samples (verification rows included)."""
-        self.drafts: RowSource = NO_ROWS
-        """The rows of a drafter's head."""
-        self.prompt: PromptRows | None = None
-        """The step's hidden states while its prompt logprobs are computed (None otherwise)."""
-
-    def view(self) -> RowSource:
-        """The target head's view: the prompt rows while the step's prompt logprobs are
-        computed (each call a slice of the step's hidden states, found by its address; a
-        call that is not is left unsteered), the sampled rows otherwise."""
-        prompt = self.prompt
-        return self.sampled if prompt is None else prompt
-
-    @contextlib.contextmanager
-    def prompts(self, prompt: PromptRows):
-        """``prompt`` as the step's prompt rows while the block computes its prompt logprobs
-        (the prompt-logprob hooks of both runners); none after it, so that the step's hidden
-        states are not kept."""
-        self.prompt = prompt
-        try:
-            yield
-        finally:
-            self.prompt = None
-
-    def __repr__(self) -> str:
-        return f"StepRows(sampled={self.sampled!r}, drafts={self.drafts!r}, prompt=" \
-               f"{'None' if self.prompt is None else 'PromptRows(...)'})"
-
-
 __all__ = ["RowSource", "BatchRows", "MappedRows", "SlotRows", "PromptRows", "NoRows",
-           "CapturedRows", "StepRows", "BATCH_ROWS", "DRAFT_BATCH_ROWS", "NO_ROWS",
-           "STEADY_KINDS"]
+           "CapturedRows", "BATCH_ROWS", "DRAFT_BATCH_ROWS", "NO_ROWS", "STEADY_KINDS"]

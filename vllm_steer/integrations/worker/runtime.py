@@ -11,14 +11,16 @@ one concept each:
   the coefficients (and generation windows) of the request in each batch slot (V1:
   persistent-batch index; V2: request-state slot), written by the per-request steer state
   when requests enter, leave or move, fully reset when a slot is reused;
-- the step planner (:class:`~vllm_steer.integrations.worker.planner.StepPlanner`): the step's
-  views of its rows (:class:`~vllm_steer.integrations.worker.rows.StepRows`: which request
-  slot each row of the sampled, drafter and prompt-logprob calls belongs to, written by the
-  runner adapters) and the steer op on each call's rows, planned from host data only
+- the step mapping (:class:`~vllm_steer.integrations.worker.step_mapping.StepMapping`):
+  which request slot, and which coefficients, each token of the step and each row of its
+  LM-head calls belong to (the sampled, drafter and prompt-logprob rows), written by the
+  runner adapters at every step;
+- the step planner (:class:`~vllm_steer.integrations.worker.planner.StepPlanner`): the steer
+  op on each LM-head call's rows, read from the step mapping and planned from host data only
   (sync-free).
 
 Hooks and tests use each part through its own methods (``rt.slots.flush()``,
-``rt.planner.step``, ``rt.bank_state.bank``); the runtime's own methods are the few that
+``rt.step.sampled``, ``rt.bank_state.bank``); the runtime's own methods are the few that
 change more than one part together (a load, a drop, sizing the request slots).
 
 The head does no work at all while no request *of the current step* is steered (host-side
@@ -52,7 +54,8 @@ from vllm_steer.integrations.worker.request_slots import (RequestCoefs, RequestS
                                                           decode_request)
 from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.planner import SteerStats, StepPlanner
-from vllm_steer.integrations.worker.step_mapping import LayerVectors, StepMapping, op_dtype
+from vllm_steer.integrations.worker.step_mapping import (LayerVectors, StepMapping,
+                                                         TokenCoefs, op_dtype)
 from vllm_steer.integrations.worker.step_faults import REQUEST_STATE, StepFaults
 from vllm_steer.request import BOUND_KEY
 
@@ -67,13 +70,14 @@ class SteerRuntime:
         self.config = config
         self.bank_state = BankState(config)
         self.slots = RequestSlots(config.capacity)
-        self.planner = StepPlanner(self.bank_state, self.slots)
+        #: the step mapping: each token's and each LM-head row's slot, per step
+        self.step = StepMapping()
+        self.planner = StepPlanner(self.bank_state, self.slots, self.step)
         #: faults of the plugin's worker code waiting for the step's output (step_faults.py)
         self.faults = StepFaults()
         #: the vector bank read by the decoder layers (None: no decoder-layer op in this
-        #: model: no vector steer configured), and the step mapping that feeds it
+        #: model: no vector steer configured); its tokens' coefficients: ``step.tokens``
         self.layers: LayerVectors | None = None
-        self.mapping: StepMapping | None = None
 
     # ---- steers inside the decoder layers -------------------------------------------------
     def install_layers(self, model: torch.nn.Module, num_blocks: int, hidden_size: int,
@@ -90,7 +94,7 @@ class SteerRuntime:
         layers = LayerVectors(blocks, num_blocks, self.config.capacity, hidden_size,
                               max_tokens, device, op_dtype(device, model_dtype))
         n = decoder_layers.install(model, layers, num_blocks)
-        self.layers, self.mapping = layers, StepMapping(layers, self.slots)
+        self.layers, self.step.tokens = layers, TokenCoefs(layers, self.slots)
         GATES.layer_mappings += 1
         bank = self.bank_state.bank
         placement = self.config.startup_placement()

@@ -3,7 +3,7 @@
 :mod:`vllm_steer.integrations.worker.spec_decode`.
 
 The adapter of a speculative V1 step writes the step's views of its rows
-(:class:`~vllm_steer.integrations.worker.rows.StepRows`) once per step:
+(:class:`~vllm_steer.integrations.worker.step_mapping.StepMapping`) once per step:
 
 - **Target rows.** With a ``speculative_config`` every V1 step computes the logits of
   ``hidden_states[logits_indices]``: per request, in batch order, ``num_draft_tokens[i] + 1``
@@ -76,7 +76,7 @@ def execute_model(orig, self, *args, **kwargs):
     rt = state.runtime
     if rt is None:
         return orig(self, *args, **kwargs)
-    step = rt.planner.step
+    step = rt.step
     step.sampled, step.drafts = BATCH_ROWS, DRAFT_BATCH_ROWS
     state.spec_step = True  # the verification rows of this step are mapped
     try:
@@ -100,7 +100,7 @@ def calc_spec_decode_metadata(orig, self, *args, **kwargs):
             computed = v1_corrected_computed_tokens(self, len(num_draft_tokens))
         slots, positions = verification_rows(num_draft_tokens, cu_num_scheduled_tokens,
                                              computed, prompt)
-        rt.planner.step.sampled = SlotRows(slots=slots, positions=positions)
+        rt.step.sampled = SlotRows(slots=slots, positions=positions)
     return out
 
 

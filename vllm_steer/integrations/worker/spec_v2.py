@@ -42,7 +42,7 @@ def propose_standalone_v2(orig, self, *args, **kwargs):
     if rt is None:
         return orig(self, *args, **kwargs)
     slots = va.v2_drafter_batch_slots(_INPUT_BATCH.get(orig, (self, *args), kwargs))
-    rt.planner.step.drafts = SlotRows(slots=slots, positions=None) \
+    rt.step.drafts = SlotRows(slots=slots, positions=None) \
         if len(slots) and rt.any_steered(slots) else NO_ROWS
     return orig(self, *args, **kwargs)
 
@@ -84,5 +84,5 @@ def sample_draft_v2(orig, self, *args, **kwargs):
     state = SpeculatorBinding.of(self)
     if state.captured:
         mapping = _IDX_MAPPING.get(orig, (self, *args), kwargs)
-        state.runtime.planner.step.drafts = CapturedRows(mapping=mapping)
+        state.runtime.step.drafts = CapturedRows(mapping=mapping)
     return orig(self, *args, **kwargs)

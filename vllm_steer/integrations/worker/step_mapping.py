@@ -1,28 +1,47 @@
-"""The step mapping: each token of the step, its request slot and its strengths, built once
-per step into persistent buffers that the model's compiled forward reads in place.
-Semantics: see :mod:`vllm_steer.reference`.
+"""The step mapping: which request slot, and which coefficients, each token of the step and
+each row of its LM-head calls belong to, one object per worker, rewritten by the runner
+adapters at every step. Semantics: see :mod:`vllm_steer.reference`.
 
-vLLM's multi-LoRA keeps a ``LoRAMapping`` per token, copied once per step into persistent
-device buffers that its kernels read inside the CUDA graphs. The step mapping is the same for
-steers applied inside the decoder layers (:data:`vllm_steer.kinds.AT_DECODER_LAYERS`): one
-runner adapter per model runner gives the step's tokens in the order of the model's input
-(:func:`~vllm_steer.integrations.vllm_access.v1_step_tokens`,
-:func:`~vllm_steer.integrations.vllm_access.v2_step_tokens`, in the accessor layer: each
-token's request slot and the index of the generated token its row samples), and
-:meth:`StepMapping.build` writes their coefficients into :attr:`LayerVectors.token_coefs`:
-pinned staging, then the device
-(:class:`~vllm_steer.kernels.staging.StagedCopy`: a ring of pinned buffers, so that an
-overlapping step under async scheduling never rewrites a copy in flight), only the rows that
-changed, and zeros past the step's tokens (padding tokens are never steered).
+vLLM's multi-LoRA keeps one ``LoRAMapping`` per step (each token's adapter, and each sampled
+row's), built by the runner and copied into persistent device buffers that its kernels read
+inside the CUDA graphs. The worker's :class:`StepMapping` is the same for steers, in two
+parts, one per place a steer is applied:
 
-A step with no vector-steered request costs one check once its rows are zero.
+- :attr:`StepMapping.tokens` (:class:`TokenCoefs`): each token of the model's input, its
+  coefficients for the steers applied inside the decoder layers
+  (:data:`vllm_steer.kinds.AT_DECODER_LAYERS`), in persistent device buffers that the
+  model's compiled forward reads in place. The runner adapters give the step's tokens in the
+  order of the model's input (:func:`~vllm_steer.integrations.vllm_access.v1_step_tokens`,
+  :func:`~vllm_steer.integrations.vllm_access.v2_step_tokens`: each token's request slot and
+  the index of the generated token its row samples) when the runner prepares its inputs, and
+  :meth:`TokenCoefs.build` writes their coefficients into :attr:`LayerVectors.token_coefs`:
+  pinned staging, then the device (:class:`~vllm_steer.kernels.staging.StagedCopy`: a ring of
+  pinned buffers, so that an overlapping step under async scheduling never rewrites a copy in
+  flight), only the rows that changed, and zeros past the step's tokens (padding tokens are
+  never steered). A step with no vector-steered request costs one check once its rows are
+  zero.
+- the LM head's rows, one view per kind of ``compute_logits`` call
+  (:mod:`~vllm_steer.integrations.worker.rows`): :attr:`StepMapping.sampled` (the rows the
+  runner samples, verification rows included), :attr:`StepMapping.drafts` (a drafter's head)
+  and :attr:`StepMapping.prompt` (the step's hidden states while its prompt logprobs are
+  computed), with V1's persistent batch (:attr:`StepMapping.batch_size`,
+  :attr:`StepMapping.batch_positions`). Each is written by the runner adapter that knows it
+  (V1: the per-request state and the ``_prepare_inputs``, ``execute_model`` and
+  ``_calc_spec_decode_metadata`` hooks; V2: ``sample``; the drafters:
+  :mod:`~vllm_steer.integrations.worker.spec_v2`; prompt logprobs: both runners'
+  prompt-logprob hooks) and read by the head alone
+  (:class:`~vllm_steer.integrations.worker.planner.StepPlanner`), which plans each call's
+  coefficients from them on the host and copies them to its own persistent device buffer.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
+from vllm_steer.integrations.worker.rows import BATCH_ROWS, NO_ROWS, PromptRows, RowSource
 from vllm_steer.kernels import staging
 
 
@@ -83,10 +102,11 @@ class LayerVectors:
         return self.vectors[self.blocks.index(block)]
 
 
-class StepMapping:
+class TokenCoefs:
     """Each token's coefficients for the decoder-layer steers of the step, in
-    :attr:`LayerVectors.token_coefs` (see the module doc). ``slots``: the worker's
-    :class:`~vllm_steer.integrations.worker.request_slots.RequestSlots`."""
+    :attr:`LayerVectors.token_coefs` (:attr:`StepMapping.tokens`, see the module doc).
+    ``slots``: the worker's :class:`~vllm_steer.integrations.worker.request_slots.
+    RequestSlots`."""
 
     def __init__(self, layers: LayerVectors, slots):
         self.layers = layers
@@ -185,6 +205,54 @@ class StepMapping:
             self.filled = 0
 
 
+class StepMapping:
+    """The worker's step mapping (see the module doc): the tokens' coefficients for the
+    decoder layers (:attr:`tokens`) and the LM head's views of the step's rows. A V1 runner's
+    sampled rows are its persistent batch until a speculative step maps its verification rows;
+    a V2 runner's are known only inside its ``sample()`` (``StepMapping(sampled=NO_ROWS)``)."""
+
+    __slots__ = ("tokens", "sampled", "drafts", "prompt", "batch_size", "batch_positions")
+
+    def __init__(self, sampled: RowSource = BATCH_ROWS) -> None:
+        self.tokens: TokenCoefs | None = None
+        """Each token's coefficients for the decoder layers (None: no decoder-layer op in
+        this worker's model)."""
+        self.sampled: RowSource = sampled
+        """The rows the runner samples (verification rows included)."""
+        self.drafts: RowSource = NO_ROWS
+        """The rows of a drafter's head."""
+        self.prompt: PromptRows | None = None
+        """The step's hidden states while its prompt logprobs are computed (None otherwise)."""
+        self.batch_size = 0
+        """V1: the requests in the persistent batch (its rows, :data:`BATCH_ROWS`)."""
+        self.batch_positions: np.ndarray | None = None
+        """V1: the generated-token index each batch row samples (host; written at every step
+        while some slot has a generation window, and read only then)."""
+
+    def view(self) -> RowSource:
+        """The target head's view: the prompt rows while the step's prompt logprobs are
+        computed (each call a slice of the step's hidden states, found by its address; a
+        call that is not is left unsteered), the sampled rows otherwise."""
+        prompt = self.prompt
+        return self.sampled if prompt is None else prompt
+
+    @contextlib.contextmanager
+    def prompts(self, prompt: PromptRows):
+        """``prompt`` as the step's prompt rows while the block computes its prompt logprobs
+        (the prompt-logprob hooks of both runners); none after it, so that the step's hidden
+        states are not kept."""
+        self.prompt = prompt
+        try:
+            yield
+        finally:
+            self.prompt = None
+
+    def __repr__(self) -> str:
+        return f"StepMapping(sampled={self.sampled!r}, drafts={self.drafts!r}, prompt=" \
+               f"{'None' if self.prompt is None else 'PromptRows(...)'}, tokens=" \
+               f"{'None' if self.tokens is None else 'TokenCoefs(...)'})"
+
+
 def op_dtype(device: torch.device, model_dtype: torch.dtype | None) -> torch.dtype:
     """The dtype of the layers' op: the model's 16-bit dtype on CUDA (its GEMM runs on the
     tensor cores; the strengths and vectors are rounded to it, well inside what a 16-bit
@@ -199,4 +267,4 @@ def _as_dtype(rows: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     return torch.from_numpy(rows).to(dtype).view(torch.int16).numpy()
 
 
-__all__ = ["LayerVectors", "StepMapping", "op_dtype"]
+__all__ = ["LayerVectors", "TokenCoefs", "StepMapping", "op_dtype"]

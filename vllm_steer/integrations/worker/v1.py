@@ -45,12 +45,12 @@ def prepare_inputs(orig, self, *args, **kwargs):
         return out
     if rt.slots.num_window_slots:  # read only for windowed slots' rows
         with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
-            rt.planner.batch_positions = None
-            rt.planner.batch_positions = v1_batch_positions(
+            rt.step.batch_positions = None
+            rt.step.batch_positions = v1_batch_positions(
                 v1_input_batch(self), _NUM_SCHEDULED.get(orig, (self, *args), kwargs))
-    if rt.mapping is not None:  # the step mapping of the decoder layers' steers
+    if rt.step.tokens is not None:  # the tokens' coefficients for the decoder layers' steers
         with rt.faults.guard(ROWS):
-            rt.mapping.build_or_clear(*v1_step_tokens(
+            rt.step.tokens.build_or_clear(*v1_step_tokens(
                 v1_input_batch(self), _NUM_SCHEDULED.get(orig, (self, *args), kwargs)))
     return out
 
@@ -101,5 +101,5 @@ def get_prompt_logprobs_dict(orig, self, *args, **kwargs):
         return orig(self, *args, **kwargs)
     prompt = PromptRows(base=_HIDDEN_STATES.get(orig, (self, *args), kwargs),
                         query_start_loc=v1_query_start_loc(self))
-    with rt.planner.step.prompts(prompt):
+    with rt.step.prompts(prompt):
         return orig(self, *args, **kwargs)

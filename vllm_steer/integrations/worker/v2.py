@@ -5,7 +5,7 @@ Semantics: see :mod:`vllm_steer.reference`. Thin by design: V2 keeps request sta
 (``add_request(slot, params)``) and tells, per step, which slot each logits row belongs to
 (``expanded_idx_mapping``). That mapping is needed *before* ``compute_logits``, so the runner's
 ``sample()`` is wrapped to write it as the step's sampled rows
-(:class:`~vllm_steer.integrations.worker.rows.StepRows`) for the LM-head call.
+(:class:`~vllm_steer.integrations.worker.step_mapping.StepMapping`) for the LM-head call.
 V2 never says that a request finished, so the head works only in steps whose batch
 (``idx_mapping``) holds a steered slot. Under batch-sharded sampling (TP > 1) rows come
 owner-sorted; they are mapped through the sharder's own sort. Tested live in
@@ -106,7 +106,7 @@ def sample(orig, self, *args, **kwargs):
             return orig(self, *args, **kwargs)
         sharded = source.slots is None
     planner = rt.planner
-    step = planner.step
+    step = rt.step
     calls = planner.head_calls
     try:
         step.sampled = source
@@ -123,17 +123,17 @@ def sample(orig, self, *args, **kwargs):
 
 
 def prepare_inputs(orig, self, *args, **kwargs):
-    """``GPUModelRunner.prepare_inputs`` (V2): the step mapping of the decoder layers' steers
-    (:mod:`~vllm_steer.integrations.worker.step_mapping`), built from the input batch's host
-    arrays before the model's forward. One integer read per step in a process whose model
-    has no such op."""
+    """``GPUModelRunner.prepare_inputs`` (V2): the tokens' part of the step mapping, for the
+    decoder layers' steers (:class:`~vllm_steer.integrations.worker.step_mapping.TokenCoefs`),
+    built from the input batch's host arrays before the model's forward. One integer read per
+    step in a process whose model has no such op."""
     input_batch = orig(self, *args, **kwargs)
     if not GATES.layer_mappings:
         return input_batch
     rt = V2RunnerBinding.of(self).runtime
-    if rt is not None and rt.mapping is not None:
+    if rt is not None and rt.step.tokens is not None:
         with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
-            rt.mapping.build_or_clear(*va.v2_step_tokens(self, input_batch))
+            rt.step.tokens.build_or_clear(*va.v2_step_tokens(self, input_batch))
     return input_batch
 
 
@@ -227,7 +227,8 @@ _SHARDING: dict[int, tuple] = {}
 @contextlib.contextmanager
 def _sorted_rows(sharder, input_batch, step):
     """Make the owner-sorted logits indices the sharder returns the step's sampled rows
-    (``step``: :class:`~vllm_steer.integrations.worker.rows.StepRows`; a device mapping,
+    (``step``: :class:`~vllm_steer.integrations.worker.step_mapping.StepMapping`; a device
+    mapping,
     :class:`MappedRows` with no host copy: gathered on the device), through the hook on
     ``BatchSharder.shard_sampler_inputs`` (:func:`shard_sampler_inputs`)."""
     token_slots = va.v2_token_slots(input_batch)
@@ -302,5 +303,5 @@ def _steered_prompt_call(orig, self, args, kwargs):
         return orig(self, *args, **kwargs)
     prompt = PromptRows(base=_HIDDEN_STATES.get(orig, call, kwargs),
                         token_slots=va.v2_token_slots(input_batch))
-    with rt.planner.step.prompts(prompt):
+    with rt.step.prompts(prompt):
         return orig(self, *args, **kwargs)
