@@ -150,14 +150,26 @@ class StepPlanner:
         data, their coefficients are gathered from the host table, copied to a persistent
         device buffer from pinned staging only when they changed, and the plan is made from
         the host copy and cached under a host key (:class:`StepKey`). An unchanged step costs
-        a key comparison and the kernels; a steady step (:meth:`_is_steady`) not even that.
+        a key comparison and the kernels; a *steady* step not even that: the rows of the last
+        planned batch step again (V1's persistent batch; V2's batch with the same slots: the
+        sampled rows its ``sample`` hook reused, or one with the same bytes of
+        ``idx_mapping``), as many rows, the request-slot table and the bank at the versions its
+        plan was made for. That step had no generation window among its rows (it is recorded
+        only then), and the table's version says none came since. Any other step planned since
+        (prompt logprobs, a drafter's rows) or a new coefficient buffer replaces the step's
+        key, which ends it. The check is written inline (a call costs on every steered step).
         """
         self.head_calls += 1
         if src is None:  # the target's head (StepMapping.view, inlined: every steered step)
             step = self.step
             src = step.sampled if step.prompt is None else step.prompt
         n = hidden.shape[0]
-        if not self._is_steady(src, n):
+        bank = self.bank_state.bank
+        key = self._steady_key  # the steady step's key (None: the last step was not one)
+        if key is None or key is not self._step_key or n != key.rows \
+                or not (src is self._steady_src or _same_mapped_rows(src, key)) \
+                or self.slots.version != key.slots_version \
+                or bank is None or bank.version != key.bank_version:
             kind = type(src)
             if kind is CapturedRows:
                 return self.steer_fixed(hidden, src.mapping)
@@ -184,7 +196,6 @@ class StepPlanner:
         self.op_rows += n
         untimed = self.op_untimed  # one call in TIMER_SAMPLE_EVERY is timed (_timed, inlined)
         t0 = None if untimed else self.op_timer.start(hidden)
-        bank = self.bank_state.bank
         graphs = bank.graphs
         out = None if graphs is None else graphs.run(hidden, self._coefs_dev)
         if out is None:  # launched eagerly (no graphs, or not for this step)
@@ -197,20 +208,6 @@ class StepPlanner:
                                          self._step_coefs_dev, prepared=plan)
         self.op_untimed = untimed - 1 if t0 is None else self.op_timer.stop(t0)
         return out
-
-    def _is_steady(self, src: RowSource, n: int) -> bool:
-        """A *steady* step: the rows of the last planned batch step again (V1's persistent
-        batch; V2's batch with the same slots: the sampled rows its ``sample`` hook reused, or
-        one with the same bytes of ``idx_mapping``), as many rows, the request-slot table and
-        the bank at the versions its plan was made for. That step had no generation window
-        among its rows (it is recorded only then), and the table's version says none came
-        since. Any other step planned since (prompt logprobs, a drafter's rows) or a new
-        coefficient buffer replaces :attr:`_step_key`, which ends it."""
-        key = self._steady_key
-        return key is not None and key is self._step_key and n == key.rows \
-            and (src is self._steady_src or _same_mapped_rows(src, key)) \
-            and self.slots.version == key.slots_version \
-            and self.bank_state.bank.version == key.bank_version
 
     def _nothing_to_steer(self, kind: type) -> bool:
         """No steered request slot, rows with no known slot, or no bank: the one check."""
