@@ -181,7 +181,7 @@ def test_without_the_v1_runner_start_up_steers_on_model_runner_v2_and_refuses_v1
     assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs" in v1
     assert "supports vllm>=0.32,<0.34" in v1
     assert "serve on Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)" in v1
-    assert f"vLLM {__version__} lacks 8 patch point(s)" in out.stderr
+    assert f"vLLM {__version__} lacks 7 patch point(s)" in out.stderr
     assert "unavailable: v1 (the V1 model runner" in out.stderr
     assert "v1-lens (steered prompt logprobs on the V1 model runner" in out.stderr
     assert "v1-spec (speculative decoding on the V1 model runner)" in out.stderr

@@ -177,6 +177,7 @@ HOOKS: tuple[Hook, ...] = (
          "no output-token tracking for our processor (V1)", _worker("v1", "input_batch_init"),
          group=V1),
     Hook(f"{_V1}._prepare_inputs",
+         "a speculative step's rows start as the batch while a request is steered; the "
          "generated-token positions of the batch rows for generation windows, and the step "
          "mapping of the decoder layers' steers (V1)",
          _worker("v1", "prepare_inputs"), group=V1,
@@ -188,9 +189,6 @@ HOOKS: tuple[Hook, ...] = (
          _worker("v1", "get_prompt_logprobs_dict"), group=V1_LENS,
          params=("hidden_states", "num_scheduled_tokens")),
     # ---- speculative decoding on the V1 model runner --------------------------------------
-    Hook(f"{_V1}.execute_model",
-         "speculative decoding: the step's verification rows -> requests (V1)",
-         _worker("spec_v1", "execute_model"), group=V1_SPEC),
     Hook(f"{_V1}._calc_spec_decode_metadata",
          "speculative decoding: draft-token counts per request (V1)",
          _worker("spec_v1", "calc_spec_decode_metadata"), group=V1_SPEC,

@@ -18,6 +18,8 @@ from vllm_steer.integrations.worker.v1 import prepare_inputs
 
 
 class _Runner:
+    speculative_config = None  # V1's runner without speculative decoding
+
     def __init__(self, config):
         self.vllm_config = SimpleNamespace(additional_config=config)
         self.input_batch = SimpleNamespace(num_reqs=2, num_computed_tokens_cpu=np.array([5, 7]),

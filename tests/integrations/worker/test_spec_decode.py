@@ -254,3 +254,54 @@ def test_async_counts_are_corrected_for_the_drafts_the_previous_step_rejected():
     runner.use_async_spec_decode = False
     assert corrected_computed_tokens(runner, 4).tolist() == [20, 31, 12, 7]
     assert len(calls) == 1  # the wait only where a count is optimistic
+
+
+def test_a_steered_speculative_v1_step_starts_its_rows_in_prepare_inputs(monkeypatch):
+    """V1's ``_prepare_inputs`` hook starts a steered speculative step's rows: the sampled rows
+    are the batch (one per request) until vLLM's ``_calc_spec_decode_metadata``, called inside
+    it, maps the verification rows (slot and generated-token index of each); that method
+    called outside a step (a dummy run) maps nothing; with no steered request in the process
+    the rows are left as they are (no head reads them)."""
+    from vllm_steer.integrations.hooks import wrap_method
+    from vllm_steer.integrations.worker import spec_v1, v1
+    from vllm_steer.integrations.worker.gates import GATES
+    from vllm_steer.integrations.worker.rows import BATCH_ROWS, DRAFT_BATCH_ROWS
+    from vllm_steer.integrations.worker.runtime import BINDINGS, V1RunnerBinding
+    from vllm_steer.integrations.worker.step_faults import StepFaults
+
+    for gate, value in (("steered_slots", 1), ("windowed_slots", 0), ("layer_mappings", 0)):
+        monkeypatch.setattr(GATES, gate, value)
+    step = StepMapping()
+    rt = SimpleNamespace(step=step, faults=StepFaults(),
+                         slots=SimpleNamespace(num_window_slots=0, any_windowed=lambda s: False))
+    seen = []
+
+    class Runner:  # V1's runner as the hooks read it: 2 requests, 2 and 0 draft tokens
+        speculative_config = object()
+        input_batch = SimpleNamespace(num_computed_tokens_cpu=np.array([5, 7]),
+                                      num_prompt_tokens=np.array([3, 3]))
+
+        def _calc_spec_decode_metadata(self, num_draft_tokens, cu_num_scheduled_tokens):
+            return "meta"
+
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+            seen.append((step.sampled, step.drafts))  # the step's rows as it starts
+            return self._calc_spec_decode_metadata(np.array([2, 0]), np.array([3, 4]))
+
+    wrap_method(Runner, "_calc_spec_decode_metadata", spec_v1.calc_spec_decode_metadata)
+    wrap_method(Runner, "_prepare_inputs", v1.prepare_inputs)
+    runner = Runner()
+    BINDINGS.set(runner, V1RunnerBinding(rt))
+    step.sampled = SlotRows(slots=np.array([9]))  # the previous step's verification rows
+    assert runner._prepare_inputs(None, np.array([3, 1])) == "meta"
+    assert seen == [(BATCH_ROWS, DRAFT_BATCH_ROWS)]
+    # request 0: 3 rows (2 drafts + 1), generated tokens 5 + 3 - 2 - 3 = 3 on; request 1: 7 + 1
+    # - 0 - 3 = 5
+    assert step.sampled.slots.tolist() == [0, 0, 0, 1]
+    assert step.sampled.positions.tolist() == [3, 4, 5, 5]
+    mapped = step.sampled
+    runner._calc_spec_decode_metadata(np.array([1, 1]), np.array([2, 4]))  # outside a step
+    assert step.sampled is mapped
+    monkeypatch.setattr(GATES, "steered_slots", 0)
+    runner._prepare_inputs(None, np.array([3, 1]))
+    assert seen[-1] == (mapped, DRAFT_BATCH_ROWS) and step.sampled is mapped

@@ -13,7 +13,7 @@ call:
   rows are found by their address in them.
 
 Each view is written by one runner adapter, when the step's rows are known (V1:
-:func:`~vllm_steer.integrations.worker.spec_v1.execute_model` and
+:func:`~vllm_steer.integrations.worker.spec_v1.start_step` and
 :func:`~vllm_steer.integrations.worker.spec_v1.calc_spec_decode_metadata`; V2:
 :func:`~vllm_steer.integrations.worker.v2.sample`; the drafters:
 :mod:`~vllm_steer.integrations.worker.spec_v2`; prompt logprobs: the prompt-logprob hooks

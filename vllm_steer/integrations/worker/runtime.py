@@ -279,7 +279,8 @@ class V1RunnerBinding(Binding):
         self.drafter_checked = False
         """The runner's drafter heads were checked (``spec_decode.prepare_drafter_once``)."""
         self.spec_step = False
-        """Inside a speculative ``execute_model``: its verification rows are mapped."""
+        """Inside a steered speculative step's ``_prepare_inputs``: its verification rows are
+        mapped (``spec_v1.start_step``)."""
 
 
 class V2RunnerBinding(Binding):

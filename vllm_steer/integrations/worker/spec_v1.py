@@ -7,11 +7,13 @@ The adapter of a speculative V1 step writes the step's views of its rows
 
 - **Target rows.** With a ``speculative_config`` every V1 step computes the logits of
   ``hidden_states[logits_indices]``: per request, in batch order, ``num_draft_tokens[i] + 1``
-  rows (``_calc_spec_decode_metadata``, host-side ``num_draft_tokens``). The step starts with
-  its sampled rows as the persistent batch (:func:`execute_model`: a step with no draft
-  tokens samples one row per request); the wrapper of that method makes them the
-  verification rows (:class:`~vllm_steer.integrations.worker.rows.SlotRows`, with the index
-  of the generated token each row samples).
+  rows (``_calc_spec_decode_metadata``, host-side ``num_draft_tokens``, called inside
+  ``_prepare_inputs``). The step starts with its sampled rows as the persistent batch
+  (:func:`start_step`, from the runner's ``_prepare_inputs`` hook while a request is steered:
+  a step with no draft tokens samples one row per request); the wrapper of
+  ``_calc_spec_decode_metadata`` makes them the verification rows
+  (:class:`~vllm_steer.integrations.worker.rows.SlotRows`, with the index of the generated
+  token each row samples).
 - **Drafter rows.** Every drafter with logits (``draft_model``, ``eagle``, ``eagle3``,
   ``mtp``: vLLM's ``SpecDecodeBaseProposer`` family) computes, in
   ``propose_draft_token_ids``, one row per request of the batch, in batch order, per draft
@@ -33,7 +35,7 @@ from vllm_steer.integrations.worker.runtime import BINDINGS, V1RunnerBinding
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
 from vllm_steer.integrations.vllm_access import (speculative_config, v1_add_logits_processor,
                                                   v1_corrected_computed_tokens, v1_input_batch,
-                                                  v1_speculates, v1_token_counts)
+                                                  v1_token_counts)
 
 #: Our V1 per-request steer state (:mod:`vllm_steer.integrations.request_state_v1`),
 #: loaded by name as vLLM loads custom logits processors.
@@ -66,21 +68,25 @@ def verification_rows(num_draft_tokens: np.ndarray, cu_num_scheduled: np.ndarray
     return slots, positions
 
 
-def execute_model(orig, self, *args, **kwargs):
-    """``GPUModelRunner.execute_model``: a speculative step starts its views of the rows: the
-    sampled rows are the persistent batch until :func:`calc_spec_decode_metadata` maps this
-    step's verification rows; the drafter's rows are the batch's requests in order."""
-    if not v1_speculates(self):
-        return orig(self, *args, **kwargs)
-    state = V1RunnerBinding.of(self)
+def start_step(orig, runner, args, kwargs):
+    """``orig`` (V1's ``GPUModelRunner._prepare_inputs``) of a speculative runner's step while a
+    request of the process is steered (:func:`~vllm_steer.integrations.worker.v1.
+    prepare_inputs` asks), with the step's views started: the sampled rows are the persistent
+    batch until :func:`calc_spec_decode_metadata`, which ``_prepare_inputs`` calls, maps this
+    step's verification rows; the drafter's rows are the batch's requests in order.
+
+    While no request is steered the views are left as they are: the heads read none then, and
+    the first steered step's ``_prepare_inputs`` (after vLLM put its requests into the batch)
+    starts them."""
+    state = V1RunnerBinding.of(runner)
     rt = state.runtime
     if rt is None:
-        return orig(self, *args, **kwargs)
+        return orig(runner, *args, **kwargs)
     step = rt.step
     step.sampled, step.drafts = BATCH_ROWS, DRAFT_BATCH_ROWS
     state.spec_step = True  # the verification rows of this step are mapped
     try:
-        return orig(self, *args, **kwargs)
+        return orig(runner, *args, **kwargs)
     finally:
         state.spec_step = False
 
@@ -89,7 +95,7 @@ def calc_spec_decode_metadata(orig, self, *args, **kwargs):
     """``GPUModelRunner._calc_spec_decode_metadata``: each verification row's slot and
     generated-token index (:func:`verification_rows`)."""
     out = orig(self, *args, **kwargs)
-    state = BINDINGS.get(self)  # made by execute_model, which starts the step
+    state = BINDINGS.get(self)  # made by start_step, which starts the step
     if state is not None and state.spec_step and state.runtime is not None:
         rt = state.runtime
         call = (self, *args)

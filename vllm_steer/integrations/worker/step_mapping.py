@@ -26,8 +26,8 @@ parts, one per place a steer is applied:
   and :attr:`StepMapping.prompt` (the step's hidden states while its prompt logprobs are
   computed), with V1's persistent batch (:attr:`StepMapping.batch_size`,
   :attr:`StepMapping.batch_positions`). Each is written by the runner adapter that knows it
-  (V1: the per-request state and the ``_prepare_inputs``, ``execute_model`` and
-  ``_calc_spec_decode_metadata`` hooks; V2: ``sample``; the drafters:
+  (V1: the per-request state and the ``_prepare_inputs`` and ``_calc_spec_decode_metadata``
+  hooks; V2: ``sample``; the drafters:
   :mod:`~vllm_steer.integrations.worker.spec_v2`; prompt logprobs: both runners'
   prompt-logprob hooks) and read by the head alone
   (:class:`~vllm_steer.integrations.worker.planner.StepPlanner`), which plans each call's

@@ -17,10 +17,11 @@ from vllm_steer.integrations.worker.arguments import Arg
 from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.rows import PromptRows
 from vllm_steer.integrations.worker.runtime import V1RunnerBinding
+from vllm_steer.integrations.worker.spec_v1 import start_step
 from vllm_steer.integrations.worker.step_faults import ROWS, attach
 from vllm_steer.integrations.vllm_access import (v1_batch_positions, v1_has_prompt_logprobs,
                                                   v1_input_batch, v1_query_start_loc,
-                                                  v1_step_output, v1_step_tokens,
+                                                  v1_speculates, v1_step_output, v1_step_tokens,
                                                   v1_untrack_output_token_ids)
 
 _NUM_SCHEDULED = Arg("num_scheduled_tokens")
@@ -28,17 +29,23 @@ _HIDDEN_STATES = Arg("hidden_states")
 
 
 def prepare_inputs(orig, self, *args, **kwargs):
-    """``GPUModelRunner._prepare_inputs``: give the runtime the index of the generated token
-    each batch row samples, while some slot has a generation window (host arrays only, one
-    vectorised expression per step).
+    """``GPUModelRunner._prepare_inputs``: a speculative step's views of its rows start here
+    while a request is steered (:func:`~vllm_steer.integrations.worker.spec_v1.start_step`;
+    vLLM maps the verification rows inside); then the runtime gets the index of the generated
+    token each batch row samples, while some slot has a generation window (host arrays only,
+    one vectorised expression per step), and the tokens' coefficients of the decoder layers'
+    steers. Most steps: two integer reads.
 
     Row i (request i of the persistent batch) samples the token after its scheduled ones:
     generated index ``num_computed_tokens + num_scheduled_tokens - num_prompt_tokens`` (0: the
     first generated token; a preempted request resumes with its outputs counted as computed;
     the sample of a non-final prefill chunk is discarded by vLLM, whatever its index).
     """
-    out = orig(self, *args, **kwargs)
-    if not (GATES.windowed_slots or GATES.layer_mappings):  # the one read, most steps
+    if GATES.steered_slots and v1_speculates(self):
+        out = start_step(orig, self, args, kwargs)
+    else:
+        out = orig(self, *args, **kwargs)
+    if not (GATES.windowed_slots or GATES.layer_mappings):  # most steps
         return out
     rt = V1RunnerBinding.of(self).runtime
     if rt is None:
