@@ -46,6 +46,8 @@ class SteerRequestStateV1(LogitsProcessor):
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.runtime = get_runtime(vllm_access.additional_config(vllm_config))
         if self.runtime is not None:
+            if vllm_access.speculative_config(vllm_config) is not None:
+                self.runtime.mark_speculative()  # the runner's _prepare_inputs hook asks then
             seqs = vllm_access.max_num_seqs(vllm_config)
             self.runtime.ensure_slots(seqs, device, max_step_rows(vllm_config, seqs))
 

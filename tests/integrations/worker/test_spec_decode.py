@@ -269,7 +269,8 @@ def test_a_steered_speculative_v1_step_starts_its_rows_in_prepare_inputs(monkeyp
     from vllm_steer.integrations.worker.runtime import BINDINGS, V1RunnerBinding
     from vllm_steer.integrations.worker.step_faults import StepFaults
 
-    for gate, value in (("steered_slots", 1), ("windowed_slots", 0), ("layer_mappings", 0)):
+    for gate, value in (("steered_slots", 1), ("speculative_runtimes", 1), ("windowed_slots", 0),
+                        ("layer_mappings", 0)):
         monkeypatch.setattr(GATES, gate, value)
     step = StepMapping()
     rt = SimpleNamespace(step=step, faults=StepFaults(),

@@ -15,13 +15,16 @@ counts are over all of them:
 - ``layer_mappings``: runtimes whose model's decoder layers have the op of decoder-layer
   steers (:mod:`~vllm_steer.integrations.worker.decoder_layers`): the runners' input hooks
   then build each step's mapping (:mod:`~vllm_steer.integrations.worker.step_mapping`);
+- ``speculative_runtimes``: runtimes whose engine speculates (a ``speculative_config``), counted
+  once each when its per-request state is made and never taken back: the V1 runner's
+  ``_prepare_inputs`` hook asks its runner whether it speculates only while it is not zero;
 - ``worker_faults``: runtimes with a fault of the plugin's worker code waiting for the step's
   output (:mod:`~vllm_steer.integrations.worker.step_faults`; the runners' ``sample_tokens``
   hooks read it).
 
 The request-slot tables (:class:`~vllm_steer.integrations.worker.request_slots.RequestSlots`),
-the runtimes' decoder-layer ops and step faults keep them; nothing else writes
-them.
+the runtimes (their decoder-layer ops, whether they speculate) and step faults keep them;
+nothing else writes them.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ class ProcessGates:
     """The counts the worker's hot paths read first (see the module docstring)."""
 
     __slots__ = ("steered_slots", "windowed_slots", "prompt_logprob_slots", "worker_faults",
-                 "layer_mappings")
+                 "layer_mappings", "speculative_runtimes")
 
     def __init__(self) -> None:
         self.steered_slots = 0
@@ -39,11 +42,13 @@ class ProcessGates:
         self.prompt_logprob_slots = 0
         self.worker_faults = 0
         self.layer_mappings = 0
+        self.speculative_runtimes = 0
 
     def __repr__(self) -> str:
         return (f"ProcessGates(steered_slots={self.steered_slots}, windowed_slots="
                 f"{self.windowed_slots}, prompt_logprob_slots={self.prompt_logprob_slots}, "
-                f"worker_faults={self.worker_faults}, layer_mappings={self.layer_mappings})")
+                f"worker_faults={self.worker_faults}, layer_mappings={self.layer_mappings}, "
+                f"speculative_runtimes={self.speculative_runtimes})")
 
 
 #: This process's gates.

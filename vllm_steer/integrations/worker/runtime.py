@@ -75,6 +75,7 @@ class SteerRuntime:
         self.planner = StepPlanner(self.bank_state, self.slots, self.step)
         #: faults of the plugin's worker code waiting for the step's output (step_faults.py)
         self.faults = StepFaults()
+        self.speculates = False  # its engine speculates (counted in GATES.speculative_runtimes)
         #: the vector bank read by the decoder layers (None: no decoder-layer op in this
         #: model: no vector steer configured); its tokens' coefficients: ``step.tokens``
         self.layers: LayerVectors | None = None
@@ -140,6 +141,13 @@ class SteerRuntime:
         return mib
 
     # ---- the request slots ---------------------------------------------------------------
+    def mark_speculative(self) -> None:
+        """Its engine speculates (a ``speculative_config``): counted once in the process gates,
+        which the V1 runner's ``_prepare_inputs`` hook reads before it asks its runner."""
+        if not self.speculates:
+            self.speculates = True
+            GATES.speculative_runtimes += 1
+
     def ensure_slots(self, max_slots: int, device: torch.device,
                      max_rows: int | None = None) -> None:
         """Size the request-slot table for ``max_slots`` (vLLM's ``max_num_seqs``); a step

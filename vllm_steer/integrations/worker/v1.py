@@ -34,18 +34,20 @@ def prepare_inputs(orig, self, *args, **kwargs):
     vLLM maps the verification rows inside); then the runtime gets the index of the generated
     token each batch row samples, while some slot has a generation window (host arrays only,
     one vectorised expression per step), and the tokens' coefficients of the decoder layers'
-    steers. Most steps: two integer reads.
+    steers. Most steps: two integer reads (three when steered; the runner is asked whether it
+    speculates only in a process with an engine that does).
 
     Row i (request i of the persistent batch) samples the token after its scheduled ones:
     generated index ``num_computed_tokens + num_scheduled_tokens - num_prompt_tokens`` (0: the
     first generated token; a preempted request resumes with its outputs counted as computed;
     the sample of a non-final prefill chunk is discarded by vLLM, whatever its index).
     """
-    if GATES.steered_slots and v1_speculates(self):
+    gates = GATES
+    if gates.steered_slots and gates.speculative_runtimes and v1_speculates(self):
         out = start_step(orig, self, args, kwargs)
     else:
         out = orig(self, *args, **kwargs)
-    if not (GATES.windowed_slots or GATES.layer_mappings):  # most steps
+    if not (gates.windowed_slots or gates.layer_mappings):  # most steps
         return out
     rt = V1RunnerBinding.of(self).runtime
     if rt is None:
