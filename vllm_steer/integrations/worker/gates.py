@@ -16,7 +16,7 @@ counts are over all of them:
   steers (:mod:`~vllm_steer.integrations.worker.decoder_layers`): the runners' input hooks
   then build each step's mapping (:mod:`~vllm_steer.integrations.worker.step_mapping`);
 - ``speculative_runtimes``: runtimes whose engine speculates (a ``speculative_config``), counted
-  once each when its per-request state is made and never taken back: the V1 runner's
+  once each when its V1 per-request state is made and never taken back: the V1 runner's
   ``_prepare_inputs`` hook asks its runner whether it speculates only while it is not zero;
 - ``worker_faults``: runtimes with a fault of the plugin's worker code waiting for the step's
   output (:mod:`~vllm_steer.integrations.worker.step_faults`; the runners' ``sample_tokens``

@@ -142,8 +142,9 @@ class SteerRuntime:
 
     # ---- the request slots ---------------------------------------------------------------
     def mark_speculative(self) -> None:
-        """Its engine speculates (a ``speculative_config``): counted once in the process gates,
-        which the V1 runner's ``_prepare_inputs`` hook reads before it asks its runner."""
+        """Its engine speculates (a ``speculative_config``; the V1 per-request state tells it when
+        made): counted once in the process gates, which the V1 runner's ``_prepare_inputs`` hook
+        reads before it asks its runner."""
         if not self.speculates:
             self.speculates = True
             GATES.speculative_runtimes += 1
