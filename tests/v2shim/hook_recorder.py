@@ -4,7 +4,9 @@ Installed before the plugin registers (``tests/conftest.py`` in the test process
 ``STEER_TEST_HOOKS_RECORD=DIR``, ``sitecustomize`` in every process the engine starts), it
 wraps the ``install_hooks`` the plugin's ``register()`` calls so that each hook is installed
 with a wrapper that notes the hook's target on its first call (the name installed for this
-vLLM release: an alternative target where one applies). The notes go to :data:`CALLED`, and,
+vLLM release: an alternative target where one applies); a gated hook
+(``Hook.gates``: while its gates are closed vLLM's method runs without calling the wrapper)
+is noted when vLLM calls the patched method. The notes go to :data:`CALLED`, and,
 with ``STEER_TEST_HOOKS_RECORD=DIR``, one line each to ``DIR/hooks-<pid>.txt``. The plugin's
 own wrappers are untouched: nothing of this is product code.
 """
@@ -69,6 +71,8 @@ def install(plugin) -> None:
         out = orig([dict((id(h), r) for h, r in pairs).get(id(h), h) for h in hooks])
         for h, r in pairs:  # the patched method names the plugin's own wrapper, as without
             _own(machinery, h.target_for(version), r.wrapper, h.wrapper)  # the recorder
+            if getattr(h, "gates", ()):
+                _note_calls(machinery, h.target_for(version), h.wrapper)
         return out
 
     install_hooks._steer_records = True
@@ -88,6 +92,29 @@ def _own(machinery, target, recording_wrapper, wrapper) -> None:
     fn = getattr(raw, "__func__", raw)
     if getattr(fn, machinery.WRAPPER_ATTR, None) is recording_wrapper:
         setattr(fn, machinery.WRAPPER_ATTR, wrapper)
+
+
+def _note_calls(machinery, target, wrapper) -> None:
+    """Note ``target`` when vLLM calls its patched method (a gated hook: its wrapper runs only
+    while one of its gates is open), then run the patched method as installed."""
+    module, _, qual = (target or "").partition(":")
+    try:
+        owner = machinery.resolve(module + ":" + qual.rpartition(".")[0])
+    except (ImportError, AttributeError):
+        return
+    name = qual.rpartition(".")[2]
+    patched = inspect.getattr_static(owner, name)
+    if not inspect.isfunction(patched) or getattr(patched, "_steer_notes", False):
+        return
+
+    def noting(*args, **kwargs):
+        note(target)
+        return patched(*args, **kwargs)
+
+    functools.update_wrapper(noting, patched)
+    noting._steer_notes = True
+    setattr(noting, machinery.WRAPPER_ATTR, wrapper)
+    setattr(owner, name, noting)
 
 
 def recorded(directory: str) -> set[str]:

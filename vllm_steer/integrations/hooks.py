@@ -137,6 +137,12 @@ class Hook:
     """The same attribute under other names, each in the releases that have it: the first
     of :attr:`targets` whose releases hold the installed vLLM is the one patched
     (:meth:`target_for`), so one plugin serves the releases before and after a rename."""
+    gates: tuple[str, ...] = ()
+    """A per-step worker hook with nothing to do in most steps: the process gates
+    (:class:`~vllm_steer.integrations.worker.gates.ProcessGates`' counts) while all of which
+    are zero the patched method calls vLLM's own at once, never the wrapper
+    (:func:`set_gate`). Empty: the wrapper is called at every call. Only for a wrapper that
+    does nothing while they are zero, and whose vLLM method never changes them."""
 
     @property
     def process(self) -> str:
@@ -181,13 +187,53 @@ def same_kind(like: Callable, call: Callable) -> Callable:
     return forward
 
 
-def wrap_method(owner: Any, name: str, wrapper: Callable) -> None:
+#: Whether each process gate is open (its count is not zero), as :func:`set_gate` was told.
+_GATE_OPEN: dict[str, bool] = {}
+#: The gated hooks' routes, by gate name (:class:`_Route`).
+_ROUTES: dict[str, list[_Route]] = {}
+#: A patched method's state (``state[0]``): call the wrapper (0), import it first, or call
+#: vLLM's own method (its gates are closed).
+_CALL, _RESOLVE, _CLOSED = 0, 1, 2
+
+
+class _Route:
+    """Where a gated hook's patched method goes: its wrapper while one of its gates is open,
+    vLLM's own method otherwise (its one state cell, read at every call anyway)."""
+
+    __slots__ = ("gates", "state", "resolved")
+
+    def __init__(self, gates: tuple[str, ...], state: list, resolved: bool) -> None:
+        self.gates = gates
+        self.state = state
+        self.resolved = resolved
+
+    def update(self) -> None:
+        if not any(_GATE_OPEN.get(g, False) for g in self.gates):
+            self.state[0] = _CLOSED
+        else:
+            self.state[0] = _CALL if self.resolved else _RESOLVE
+
+
+def set_gate(name: str, is_open: bool) -> None:
+    """Gate ``name`` opened or closed (called by the worker's process gates when a count
+    leaves or reaches zero): the hooks gated by it (:attr:`Hook.gates`) call their wrapper,
+    or vLLM's own method."""
+    if _GATE_OPEN.get(name, False) == is_open:
+        return
+    _GATE_OPEN[name] = is_open
+    for route in _ROUTES.get(name, ()):
+        route.update()
+
+
+def wrap_method(owner: Any, name: str, wrapper: Callable, gates: tuple[str, ...] = ()) -> None:
     """Replace ``owner.name`` (a method, static or class method of a class, or a module's
     function) by one that calls ``wrapper(orig, *args, **kwargs)``: the one way this plugin
     patches vLLM. Idempotent (a second call with the same wrapper changes nothing); a
     coroutine (async generator) wrapper makes a coroutine (async generator) method. A
     wrapper with :data:`RESOLVE_ATTR` is replaced at the first call by what that returns:
-    every later call costs one flag test."""
+    every later call costs one flag test. With ``gates`` (:attr:`Hook.gates`), while every
+    one of them is closed (:func:`set_gate`) the method calls ``orig`` itself, testing the
+    same flag: no call of the wrapper, no frame of the plugin's."""
     raw = inspect.getattr_static(owner, name)
     kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
     orig = raw.__func__ if kind else raw
@@ -200,12 +246,22 @@ def wrap_method(owner: Any, name: str, wrapper: Callable) -> None:
         # a lazily imported wrapper (RESOLVE_ATTR) is replaced by what it calls at the first
         # call: every later call goes straight to it (one flag test, no extra frame)
         resolve = getattr(wrapper, RESOLVE_ATTR, None)
-        call, first = [wrapper], [resolve is not None]  # one-element cells
+        call, state = [wrapper], [_CALL if resolve is None else _RESOLVE]  # one-element cells
+        route = None
+        if gates:
+            route = _Route(tuple(gates), state, resolved=resolve is None)
+            for g in route.gates:
+                _ROUTES.setdefault(g, []).append(route)
+            route.update()
 
         def patched(*args, **kwargs):
-            if first[0]:
-                first[0] = False
+            if state[0]:
+                if state[0] == _CLOSED:  # nothing for the wrapper to do: vLLM's own method
+                    return orig(*args, **kwargs)
                 call[0] = resolve()
+                state[0] = _CALL
+                if route is not None:
+                    route.resolved = True
             return call[0](orig, *args, **kwargs)
     functools.update_wrapper(patched, orig)
     setattr(patched, WRAPPER_ATTR, wrapper)
@@ -249,7 +305,7 @@ def install_hooks(hooks) -> list[str]:
             module, _, qualname = target.partition(":")
             owner = resolve(module + ":" + qualname.rpartition(".")[0])
             if hook.wrapper is not None:
-                wrap_method(owner, qualname.rpartition(".")[2], hook.wrapper)
+                wrap_method(owner, qualname.rpartition(".")[2], hook.wrapper, hook.gates)
             if hook.install is not None:
                 hook.install(owner)
         except (ImportError, AttributeError) as e:

@@ -181,13 +181,14 @@ HOOKS: tuple[Hook, ...] = (
          "generated-token positions of the batch rows for generation windows, and the step "
          "mapping of the decoder layers' steers (V1)",
          _worker("v1", "prepare_inputs"), group=V1,
-         params=("scheduler_output", "num_scheduled_tokens")),
+         params=("scheduler_output", "num_scheduled_tokens"),
+         gates=("speculative_runtimes", "windowed_slots", "layer_mappings")),
     Hook(f"{_V1}.sample_tokens",
          "the requests a fault of the plugin's worker code failed, named in the step's output "
          "(V1)", _worker("v1", "sample_tokens"), group=V1),
     Hook(f"{_V1}._get_prompt_logprobs_dict", "steered prompt logprobs (V1)",
          _worker("v1", "get_prompt_logprobs_dict"), group=V1_LENS,
-         params=("hidden_states", "num_scheduled_tokens")),
+         params=("hidden_states", "num_scheduled_tokens"), gates=("prompt_logprob_slots",)),
     # ---- speculative decoding on the V1 model runner --------------------------------------
     Hook(f"{_V1}._calc_spec_decode_metadata",
          "speculative decoding: draft-token counts per request (V1)",
@@ -208,23 +209,24 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{_V2_RUNNER}.sample",
          "the step's row -> request mapping (V2; verification rows too)",
          _worker("v2", "sample"), group=V2,
-         params=("hidden_states", "input_batch", "grammar_output")),
+         params=("hidden_states", "input_batch", "grammar_output"), gates=("steered_slots",)),
     Hook(f"{_V2_RUNNER}.prepare_inputs",
          "the step mapping of the decoder layers' steers (V2)",
-         _worker("v2", "prepare_inputs"), group=V2),  # the batch: vllm_access.v2_step_tokens
+         _worker("v2", "prepare_inputs"), group=V2,  # the batch: vllm_access.v2_step_tokens
+         gates=("layer_mappings",)),
     Hook(f"{_V2_RUNNER}.sample_tokens",
          "the requests a fault of the plugin's worker code failed, named in the step's output "
          "(V2)", _worker("v2", "sample_tokens"), group=V2),
     Hook(f"{_V2}.sample.batch_shard:BatchSharder.shard_sampler_inputs",
          "rows of batch-sharded sampling (V2, --enable-batch-sharded-sampling)",
-         _worker("v2", "shard_sampler_inputs"), group=V2),
+         _worker("v2", "shard_sampler_inputs"), group=V2, gates=("steered_slots",)),
     Hook(f"{_V2_PROMPT}.compute_prompt_logprobs",
          "steered prompt logprobs (V2)", _worker("v2", "prompt_logprobs"), group=V2_LENS,
-         params=("logits_fn", "hidden_states", "input_batch")),
+         params=("logits_fn", "hidden_states", "input_batch"), gates=("prompt_logprob_slots",)),
     Hook(f"{_V2_PROMPT}.compute_prompt_token_id_logprobs",
          "steered prompt logprobs (V2, prompt_logprob_token_ids)",
          _worker("v2", "prompt_token_id_logprobs"), group=V2_LENS,
-         params=("logits_fn", "hidden_states", "input_batch")),
+         params=("logits_fn", "hidden_states", "input_batch"), gates=("prompt_logprob_slots",)),
     # ---- speculative decoding on Model Runner V2 ------------------------------------------
     Hook(f"{_V2}.spec_decode.standalone_ar.speculator:StandaloneARSpeculator.propose",
          "speculative decoding: the draft model's rows -> requests (V2)",
@@ -263,5 +265,6 @@ def hooks_table() -> str:
     for h in HOOKS:
         names = f"`{h.target}`" + (f" (vLLM {h.versions})" if h.versions else "") + "".join(
             f"<br>or `{t.target}` (vLLM {t.versions})" for t in h.alternatives)
-        rows.append(f"| {h.group.name} | {names} | `{wrapper_name(h)}` | {h.purpose} |")
+        gated = "<br>while " + " or ".join(f"`{g}`" for g in h.gates) if h.gates else ""
+        rows.append(f"| {h.group.name} | {names} | `{wrapper_name(h)}`{gated} | {h.purpose} |")
     return "\n".join(rows)

@@ -25,9 +25,16 @@ counts are over all of them:
 The request-slot tables (:class:`~vllm_steer.integrations.worker.request_slots.RequestSlots`),
 the runtimes (their decoder-layer ops, whether they speculate) and step faults keep them;
 nothing else writes them.
+
+A count that leaves or reaches zero opens or closes the gate of that name
+(:func:`~vllm_steer.integrations.hooks.set_gate`): the per-step hooks declared gated by it
+(:attr:`~vllm_steer.integrations.hooks.Hook.gates`) then call the plugin's wrapper, or vLLM's
+own method with no call of the plugin's at all.
 """
 
 from __future__ import annotations
+
+from vllm_steer.integrations.hooks import set_gate
 
 
 class ProcessGates:
@@ -43,6 +50,12 @@ class ProcessGates:
         self.worker_faults = 0
         self.layer_mappings = 0
         self.speculative_runtimes = 0
+
+    def __setattr__(self, name: str, value: int) -> None:
+        was = getattr(self, name, 0)
+        object.__setattr__(self, name, value)
+        if bool(was) != bool(value):
+            set_gate(name, bool(value))
 
     def __repr__(self) -> str:
         return (f"ProcessGates(steered_slots={self.steered_slots}, windowed_slots="
