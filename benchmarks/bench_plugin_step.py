@@ -15,7 +15,8 @@ Steps alternate between the plugin and stand-ins at the very same sites (after :
 untimed steps of each kind; every step decodes the whole batch), timed by the same
 harness: a hook that only calls ``orig``, empty callbacks, and for the head the steer op alone
 on the same rows (launched as the plugin's head launches it, its result unused) before vLLM's
-plain logits layer. What the stand-ins measure is what the harness, the call sites and the op
+plain logits layer. A gated hook (``Hook.gates``) whose gates are all closed calls no wrapper
+in either kind of step (vLLM's patched method runs its own code): it shows no site. What the stand-ins measure is what the harness, the call sites and the op
 cost on this machine at that moment (cold caches, other load); ``net`` is the plugin's time
 less the stand-ins', medians over each kind of step: what the plugin adds to an unsteered
 step, and to a steered step beyond the op alone. ``net-op`` is the same without the op's own
