@@ -185,7 +185,8 @@ HOOKS: tuple[Hook, ...] = (
          gates=("speculative_runtimes", "windowed_slots", "layer_mappings")),
     Hook(f"{_V1}.sample_tokens",
          "the requests a fault of the plugin's worker code failed, named in the step's output "
-         "(V1)", _worker("v1", "sample_tokens"), group=V1),
+         "(V1)", _worker("v1", "sample_tokens"), group=V1,
+         gates=("steered_slots", "worker_faults")),
     Hook(f"{_V1}._get_prompt_logprobs_dict", "steered prompt logprobs (V1)",
          _worker("v1", "get_prompt_logprobs_dict"), group=V1_LENS,
          params=("hidden_states", "num_scheduled_tokens"), gates=("prompt_logprob_slots",)),
@@ -216,7 +217,8 @@ HOOKS: tuple[Hook, ...] = (
          gates=("layer_mappings",)),
     Hook(f"{_V2_RUNNER}.sample_tokens",
          "the requests a fault of the plugin's worker code failed, named in the step's output "
-         "(V2)", _worker("v2", "sample_tokens"), group=V2),
+         "(V2)", _worker("v2", "sample_tokens"), group=V2,
+         gates=("steered_slots", "worker_faults")),
     Hook(f"{_V2}.sample.batch_shard:BatchSharder.shard_sampler_inputs",
          "rows of batch-sharded sampling (V2, --enable-batch-sharded-sampling)",
          _worker("v2", "shard_sampler_inputs"), group=V2, gates=("steered_slots",)),

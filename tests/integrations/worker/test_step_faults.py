@@ -102,6 +102,41 @@ def test_a_fault_of_the_steer_op_gives_plain_logits_and_fails_the_steered_reques
     assert not rt.faults.pending
 
 
+def test_a_fault_while_no_request_is_steered_fails_none_then_or_later(head_cls, runtime,
+                                                                       monkeypatch):
+    """A drafter's head recorded into CUDA graphs runs its op with no steered request: a
+    fault there is logged, and nothing waits for a step output (whose hooks are gated off
+    while nothing is steered); a later steered step's requests are not failed for it."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from vllm_steer.integrations.worker.gates import GATES
+    from vllm_steer.integrations.worker.rows import SlotRows
+
+    rt = runtime
+    monkeypatch.setattr(GATES, "steered_slots", 0)  # no steered request in the process
+    head = head_cls(50)
+    head.steer_runtime = rt
+    head.steer_in_graphs = True  # as a drafter's head in graphs: the op runs all the same
+    g = torch.Generator().manual_seed(2)
+    weight, hidden = torch.randn(50, 16, generator=g), torch.randn(2, 16, generator=g)
+
+    def broken(h):
+        raise RuntimeError("the op broke")
+
+    head.steer_rows = broken
+    gate = GATES.worker_faults
+    got = head(fake_lm_head(weight), hidden)
+    assert torch.equal(got, LogitsProcessor.forward(head, fake_lm_head(weight), hidden))
+    assert not rt.faults.pending and GATES.worker_faults == gate
+    monkeypatch.undo()
+    row = np.zeros(rt.slots.num_columns, np.float32)
+    row[0] = 5e-3
+    rt.set_slot(0, row)  # the next step steers slot 0
+    rt.slots.flush()
+    rt.step.sampled = SlotRows(slots=np.array([0, 1]), positions=None)
+    assert rt.faults.take(["r0", "r1"], None, rt.slots.steered) == {}
+
+
 def test_a_fault_putting_one_request_in_its_slot_fails_that_request_alone(runtime, monkeypatch):
     from helpers.engines import bound_extra
 
