@@ -12,22 +12,22 @@ vLLM's own logits layer) and the per-request steer state's callbacks (``update_s
 calls) is timed on its own in the same calls.
 
 Steps alternate between the plugin and stand-ins at the very same sites (after :data:`WARM`
-untimed steps of each kind; every step decodes the whole batch), timed by the same
-harness: a hook that only calls ``orig``, empty callbacks, and for the head the steer op alone
-on the same rows (launched as the plugin's head launches it, its result unused) before vLLM's
-plain logits layer. A gated hook (``Hook.gates``) whose gates are all closed calls no wrapper
-in either kind of step (vLLM's patched method runs its own code): it shows no site. What the stand-ins measure is what the harness, the call sites and the op
-cost on this machine at that moment (cold caches, other load); ``net`` is the plugin's time
-less the stand-ins', medians over each kind of step: what the plugin adds to an unsteered
-step, and to a steered step beyond the op alone. ``net-op`` is the same without the op's own
-time, which is the same call in both kinds of step: its medians (``op us``, ``null op``)
-differ by a few µs from run to run, a noise that ``net`` carries and ``net-op`` does not (a
-plugin that made the op itself slower would show there, not in ``net-op``). The goals are
-judged by ``net-op``, whose medians are of each step's sites less that step's own op. The
-timer stamps each region's start and end into a log (exclusive times are worked out after the
-step), and its own cost per region, measured, is taken out of both. vLLM's step is the wall
-time of ``LLMEngine.step`` (scheduling, the forward on this CPU, sampling, output processing),
-plugin included.
+untimed steps of each kind; every step decodes the whole batch), timed by the same harness: a
+hook that only calls ``orig``, empty callbacks, and for the head the steer op alone on the same
+rows (launched as the plugin's head launches it, its result unused) before vLLM's plain logits
+layer. A gated hook (``Hook.gates``) whose gates are all closed calls no wrapper in either kind
+of step (vLLM's patched method runs its own code): it shows no site. What the stand-ins measure
+is what the harness, the call sites and the op cost on this machine at that moment (cold
+caches, other load); ``net`` is the plugin's time less the stand-ins', medians over each kind
+of step: what the plugin adds to an unsteered step, and to a steered step beyond the op alone.
+``net-op`` is the same without the op's own time, which is the same call in both kinds of step:
+its medians (``op us``, ``null op``) differ by a few µs from run to run, a noise that ``net``
+carries and ``net-op`` does not (a plugin that made the op itself slower would show there, not
+in ``net-op``). The goals are judged by ``net-op``, whose medians are of each step's sites less
+that step's own op. The timer stamps each region's start and end into a log (exclusive times
+are worked out after the step), and its own cost per region, measured, is taken out of both.
+vLLM's step is the wall time of ``LLMEngine.step`` (scheduling, the forward on this CPU,
+sampling, output processing), plugin included.
 
     python benchmarks/bench_plugin_step.py                       # V1 and V2, 0/1/256 rows
     python benchmarks/bench_plugin_step.py --runners v1 --steps 20 --rows 0,1

@@ -166,6 +166,40 @@ def test_sample_reads_input_batch_by_name_however_it_is_passed(processor, vllm_c
     assert v2._BINDINGS_BY_ID[id(runner)].sample_batch_at == 2  # h, new_param, input_batch
 
 
+def test_a_keyword_only_input_batch_is_read_by_name_at_every_step(processor, vllm_config):
+    """A vLLM whose ``sample()`` takes ``input_batch`` keyword-only: each steered step reads
+    it by name (never a positional argument in its place), steered as the reference says."""
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    from vllm_steer.integrations.hooks import wrap_method
+    from vllm_steer.integrations.worker import v2
+
+    rt = processor.runtime
+    processor.add_request(3, _params({"a": -2}))
+    processor.add_request(6, _params({"b": 4}))
+    processor.apply_staged_writes()
+    strengths = {3: (-2e-3, 0.0), 6: (0.0, 4e-3)}
+
+    class Runner:
+        def sample(self, hidden_states, extra=None, *, input_batch, grammar_output=None):
+            return rt.planner.steer_rows(hidden_states)
+
+    Runner.vllm_config = vllm_config
+    wrap_method(Runner, "sample", v2.sample)
+    runner = Runner()
+    for slots in ([3, 6], [6], [6, 3]):
+        batch = InputBatch.make_dummy(len(slots), len(slots),
+                                      InputBuffers(8, 64, torch.device("cpu")))
+        batch.idx_mapping_np = np.array(slots, dtype=np.int32)
+        batch.expanded_idx_mapping = torch.tensor(slots, dtype=torch.int32)
+        h = torch.randn(len(slots), 64)
+        out = runner.sample(h, "not the batch", input_batch=batch)
+        coefs = torch.zeros(len(slots), rt.slots.num_columns)
+        coefs[:, :2] = torch.tensor([strengths[s] for s in slots])
+        torch.testing.assert_close(out, steer_reference(h, *rt.bank_state.bank.factors, coefs))
+    assert v2._BINDINGS_BY_ID[id(runner)].sample_batch_at > 2  # past any call's arguments
+
+
 def test_steady_steps_reuse_their_rows_and_every_change_maps_them_again(processor, vllm_config,
                                                                          monkeypatch):
     """Decode steps of an unchanged batch map their rows once (V2 gives a new ``InputBatch``

@@ -319,7 +319,7 @@ class V2RunnerBinding(Binding):
         self.sample_batch_at: int | None = None
         """Where ``sample()``'s ``input_batch`` is among the positional arguments after
         ``self``, found by name from its signature at the first steered call (None: not yet;
-        -1: keyword-only, read by name)."""
+        keyword-only: a place past any call's, so it is read by name)."""
 
 
 class SpeculatorBinding(Binding):

@@ -35,6 +35,7 @@ from vllm_steer.integrations.worker.runtime import BINDINGS, V2RunnerBinding, cu
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
 from vllm_steer.integrations.worker.step_faults import ROWS, attach
 from vllm_steer.integrations import vllm_access as va
+from vllm_steer.integrations.vllm_access import v2_req_ids as _req_ids  # every steered step
 from vllm_steer.ops import to_device
 
 _INPUT_BATCH = Arg("input_batch")
@@ -83,16 +84,12 @@ def sample(orig, self, *args, **kwargs):
     rt = b.runtime
     if rt is None:
         return orig(self, *args, **kwargs)
-    at = b.sample_batch_at
-    if at is None:  # the first steered call: input_batch's place in orig's signature
-        pos = _INPUT_BATCH.position(orig)  # counts self
-        at = b.sample_batch_at = -1 if pos is None else pos - 1
-    if 0 <= at < len(args):
-        input_batch = args[at]
-    else:  # passed by keyword (or keyword-only)
-        input_batch = _INPUT_BATCH.get(orig, (self, *args), kwargs)
+    try:
+        input_batch = args[b.sample_batch_at]
+    except (TypeError, IndexError):  # its place not found yet (None), or passed by keyword
+        input_batch = _sample_input_batch(b, orig, self, args, kwargs)
     # the same requests in the same order, none added: the same slots
-    ids = va.v2_req_ids(input_batch)
+    ids = _req_ids(input_batch)
     table = rt.slots
     sharded = False
     if ids == b.steady_ids and b.steady_assigned == table.assigned \
@@ -120,6 +117,23 @@ def sample(orig, self, *args, **kwargs):
     if planner.head_calls == calls:
         raise HeadBypassedError(HEAD_BYPASSED)
     return out
+
+
+#: :attr:`V2RunnerBinding.sample_batch_at` of a ``sample()`` whose ``input_batch`` is
+#: keyword-only: past any call's positional arguments, so it is always read by name
+_BY_NAME = 1 << 30
+
+
+def _sample_input_batch(b, orig, runner, args, kwargs):
+    """``sample()``'s ``input_batch`` where it is not at its known place among ``args``: at the
+    runner's first steered call its place is found by name from ``orig``'s signature (and
+    kept in the binding); passed by keyword, it is read by name."""
+    if b.sample_batch_at is None:
+        pos = _INPUT_BATCH.position(orig)  # counts self
+        b.sample_batch_at = _BY_NAME if pos is None else pos - 1
+        if b.sample_batch_at < len(args):
+            return args[b.sample_batch_at]
+    return _INPUT_BATCH.get(orig, (runner, *args), kwargs)
 
 
 def prepare_inputs(orig, self, *args, **kwargs):
