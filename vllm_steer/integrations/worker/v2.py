@@ -60,14 +60,15 @@ def sample(orig, self, *args, **kwargs):
     logits without the model's logits layer) raises :class:`HeadBypassedError` instead of
     serving those rows unsteered: one integer comparison per steered step.
 
-    Per step: one integer read while no request in the process is steered
-    (:data:`~vllm_steer.integrations.worker.gates.GATES`). Otherwise the
-    runner's binding is one dictionary read and ``input_batch`` one index (its position, found
-    by name from ``orig``'s signature at the first steered call, kept in the binding): with the
-    caches cold after vLLM's step, each call made here costs a few µs. A step with the
-    request ids of the last steered step, in the same order, reuses its rows when no request
-    was put into a slot since and the request-slot table is unchanged (a steady decode step:
-    three comparisons, no numpy). V2 gives a request its slot when it adds the request (and
+    Per step: nothing while no request in the process is steered (the hook is gated by the
+    steered slots: vLLM's method runs without it, ``Hook.gates``). Otherwise the runner's
+    binding is one dictionary read, and a step with the request ids of the runner's last
+    steered step, in the same order, reuses its rows when no request was put into a slot
+    since and the request-slot table is unchanged (a steady decode step: ``input_batch`` one
+    index at the place found by name from ``orig``'s signature at the first steered call,
+    three comparisons, no numpy; that table still holds a steered slot, so no gate is read).
+    With the caches cold after vLLM's step, each call made here costs a few µs. V2 gives a
+    request its slot when it adds the request (and
     then calls the per-request state's ``add_request``, counted in
     :attr:`~vllm_steer.integrations.worker.request_slots.RequestSlots.assigned`), so the same
     ids with none added are the same slots, even when a finished request's id comes back.
@@ -76,40 +77,31 @@ def sample(orig, self, *args, **kwargs):
     (:meth:`~vllm_steer.integrations.worker.request_slots.RequestSlots.any_steered`) and the
     head's step (:class:`MappedRows` ``key``).
     """
-    if not GATES.steered_slots:  # no steered request in this process: the one read
-        return orig(self, *args, **kwargs)
     b = _BINDINGS_BY_ID.get(id(self))  # V2RunnerBinding.of(self), inline: every steered step
-    if b is None:
-        b = V2RunnerBinding.of(self)
-    rt = b.runtime
-    if rt is None:
-        return orig(self, *args, **kwargs)
-    try:
-        input_batch = args[b.sample_batch_at]
-    except (TypeError, IndexError):  # its place not found yet (None), or passed by keyword
-        input_batch = _sample_input_batch(b, orig, self, args, kwargs)
-    # the same requests in the same order, none added: the same slots
-    ids = _req_ids(input_batch)
-    table = rt.slots
-    sharded = False
-    if ids == b.steady_ids and b.steady_assigned == table.assigned \
-            and b.steady_version == table.version:
-        source = b.steady_rows  # a steady decode step: the last steered step's rows
-    else:
-        source = None
-        with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
-            source = _batch_rows(self, b, rt, input_batch)
+    source = None
+    if b is not None and b.steady_ids is not None:  # the runner's last steered batch
+        try:
+            ids = _req_ids(args[b.sample_batch_at])  # its place is known by then
+        except IndexError:  # passed by keyword
+            ids = None
+        if ids == b.steady_ids:  # the same requests in the same order, none added since
+            table = b.runtime.slots
+            if b.steady_assigned == table.assigned and b.steady_version == table.version:
+                source = b.steady_rows  # a steady decode step: the last steered step's rows
+    if source is None:
+        b, source = _step_rows(b, orig, self, args, kwargs)
         if source is None:  # no steered request in this step's batch (or a fault)
             return orig(self, *args, **kwargs)
-        sharded = source.slots is None
+    rt = b.runtime
     planner = rt.planner
     step = rt.step
     calls = planner.head_calls
     try:
         step.sampled = source
-        if not sharded:
+        if source.slots is not None:
             out = orig(self, *args, **kwargs)
         else:  # batch-sharded sampling: the rows' slots through the sharder's own sort
+            input_batch = _sample_input_batch(b, orig, self, args, kwargs)
             with _sorted_rows(va.v2_batch_sharder(self), input_batch, step):
                 out = orig(self, *args, **kwargs)
     finally:
@@ -125,15 +117,33 @@ _BY_NAME = 1 << 30
 
 
 def _sample_input_batch(b, orig, runner, args, kwargs):
-    """``sample()``'s ``input_batch`` where it is not at its known place among ``args``: at the
-    runner's first steered call its place is found by name from ``orig``'s signature (and
-    kept in the binding); passed by keyword, it is read by name."""
+    """``sample()``'s ``input_batch``: at the runner's first steered call its place among the
+    positional arguments is found by name from ``orig``'s signature (and kept in the
+    binding); passed by keyword (or keyword-only), it is read by name."""
     if b.sample_batch_at is None:
         pos = _INPUT_BATCH.position(orig)  # counts self
         b.sample_batch_at = _BY_NAME if pos is None else pos - 1
-        if b.sample_batch_at < len(args):
-            return args[b.sample_batch_at]
+    if b.sample_batch_at < len(args):
+        return args[b.sample_batch_at]
     return _INPUT_BATCH.get(orig, (runner, *args), kwargs)
+
+
+def _step_rows(b, orig, runner, args, kwargs):
+    """``(binding, sampled rows)`` of a ``sample()`` call that is not a steady step (or whose
+    runner has no binding yet): the rows are None when nothing is steered in the process or
+    in this step's batch, or when a fault of the mapping was recorded (the step's steered
+    requests fail)."""
+    if not GATES.steered_slots:  # no steered request in this process (a hook not gated)
+        return b, None
+    if b is None:
+        b = V2RunnerBinding.of(runner)
+    rt = b.runtime
+    if rt is None:
+        return b, None
+    input_batch = _sample_input_batch(b, orig, runner, args, kwargs)
+    with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
+        return b, _batch_rows(runner, b, rt, input_batch)
+    return b, None
 
 
 def prepare_inputs(orig, self, *args, **kwargs):
