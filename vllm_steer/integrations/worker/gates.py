@@ -1,5 +1,6 @@
 """The process-wide gates of the worker's hot paths: the counts each per-step hook reads
-before anything else, so that a step with nothing to steer costs one attribute read.
+before anything else, so that a step with nothing to steer costs one attribute read, or
+nothing at all where the hook is gated by them (vLLM's method then runs without it).
 
 A worker process may hold several runtimes (tests run several engines in one process); the
 counts are over all of them:

@@ -34,8 +34,10 @@ def prepare_inputs(orig, self, *args, **kwargs):
     vLLM maps the verification rows inside); then the runtime gets the index of the generated
     token each batch row samples, while some slot has a generation window (host arrays only,
     one vectorised expression per step), and the tokens' coefficients of the decoder layers'
-    steers. Most steps: two integer reads (three when steered; the runner is asked whether it
-    speculates only in a process with an engine that does).
+    steers. Gated (``Hook.gates``): in a process with no engine that speculates, no slot with
+    a generation window and no decoder-layer steer, vLLM's method runs without it; otherwise
+    two integer reads (three when steered; the runner is asked whether it speculates only in
+    a process with an engine that does).
 
     Row i (request i of the persistent batch) samples the token after its scheduled ones:
     generated index ``num_computed_tokens + num_scheduled_tokens - num_prompt_tokens`` (0: the
@@ -68,7 +70,8 @@ def sample_tokens(orig, self, *args, **kwargs):
     """``GPUModelRunner.sample_tokens`` (V1): the step's output names the requests a fault of
     the plugin's worker code failed in this step
     (:mod:`~vllm_steer.integrations.worker.step_faults`), for the engine core to finish with
-    HTTP 500. One integer read per step while there is none."""
+    HTTP 500. Gated: nothing while no request of the process is steered and no fault waits;
+    otherwise one integer read per step while there is none."""
     out = orig(self, *args, **kwargs)
     if not GATES.worker_faults:
         return out
@@ -103,7 +106,7 @@ def get_prompt_logprobs_dict(orig, self, *args, **kwargs):
     each request's first token) is written for the call, and the head maps each slice back to
     its request's batch slot by its address.
     """
-    if not GATES.prompt_logprob_slots or not v1_has_prompt_logprobs(self):  # most steps: one read
+    if not GATES.prompt_logprob_slots or not v1_has_prompt_logprobs(self):  # (gated by it)
         return orig(self, *args, **kwargs)
     rt = V1RunnerBinding.of(self).runtime
     if rt is None or not rt.planner.active:

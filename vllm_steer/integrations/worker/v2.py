@@ -149,8 +149,9 @@ def _step_rows(b, orig, runner, args, kwargs):
 def prepare_inputs(orig, self, *args, **kwargs):
     """``GPUModelRunner.prepare_inputs`` (V2): the tokens' part of the step mapping, for the
     decoder layers' steers (:class:`~vllm_steer.integrations.worker.step_mapping.TokenCoefs`),
-    built from the input batch's host arrays before the model's forward. One integer read per
-    step in a process whose model has no such op."""
+    built from the input batch's host arrays before the model's forward. Gated
+    (``Hook.gates``): in a process whose model has no such op, vLLM's method runs without
+    it."""
     input_batch = orig(self, *args, **kwargs)
     if not GATES.layer_mappings:
         return input_batch
@@ -165,7 +166,8 @@ def sample_tokens(orig, self, *args, **kwargs):
     """``GPUModelRunner.sample_tokens`` (V2): the step's output names the requests a fault of
     the plugin's worker code failed in this step
     (:mod:`~vllm_steer.integrations.worker.step_faults`), for the engine core to finish with
-    HTTP 500. One integer read per step while there is none."""
+    HTTP 500. Gated: nothing while no request of the process is steered and no fault waits;
+    otherwise one integer read per step while there is none."""
     out = orig(self, *args, **kwargs)
     if not GATES.worker_faults:
         return out
@@ -290,7 +292,8 @@ def prompt_logprobs(orig, self, *args, **kwargs):
     vLLM calls it at every step; it computes nothing unless a running request asked for
     prompt logprobs, which vLLM records in ``in_progress_prompt_logprobs`` (an entry per such
     request, from ``add_request`` to ``remove_request``). While no request slot of the process
-    holds a request that asked for prompt logprobs, or none is steered: one integer read
+    holds a request that asked for prompt logprobs, vLLM's method runs without it (gated,
+    ``Hook.gates``); while none is steered, one integer read
     (:data:`~vllm_steer.integrations.worker.gates.GATES`); then that record."""
     if not (GATES.prompt_logprob_slots and GATES.steered_slots) \
             or not va.v2_prompt_logprobs_pending(self):
