@@ -126,9 +126,15 @@ def _null_hook(orig, *args, **kwargs):
     return orig(*args, **kwargs)
 
 
-def _timed_hook(wrapper):
+def _null_after(orig, self, out):
+    """The stand-in of a hook run after vLLM's method (``Hook.after``): the output as is."""
+    return out
+
+
+def _timed_hook(wrapper, after: bool = False):
     """A hook wrapper whose own time goes to "plugin:<name>" and its ``orig``'s to "vllm"; in
-    a null step, a do-nothing hook in its place."""
+    a null step, a do-nothing hook in its place (``after``: one run after vLLM's method,
+    ``wrapper(orig, self, out)``, which calls no ``orig``)."""
     from vllm_steer.integrations import hooks
 
     name = "plugin:" + getattr(wrapper, "__name__", "timed")
@@ -138,7 +144,8 @@ def _timed_hook(wrapper):
     def timed(orig, *args, **kwargs):
         if not fn:
             fn.append(resolve() if resolve is not None else wrapper)
-        return REG.run(name, _null_hook if MODE["null"] else fn[0], _timed_orig(orig),
+        null = _null_after if after else _null_hook
+        return REG.run(name, null if MODE["null"] else fn[0], _timed_orig(orig),
                        *args, **kwargs)
 
     timed.__name__ = getattr(wrapper, "__name__", "timed")
@@ -186,7 +193,7 @@ def _instrument(processes: tuple[str, ...] = ("worker",)) -> None:
     from vllm_steer.integrations import plugin
 
     plugin.HOOKS = tuple(
-        dataclasses.replace(h, wrapper=_timed_hook(h.wrapper))
+        dataclasses.replace(h, wrapper=_timed_hook(h.wrapper, getattr(h, "after", False)))
         if h.process in processes and h.wrapper is not None else h for h in plugin.HOOKS)
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 

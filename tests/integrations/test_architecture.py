@@ -29,7 +29,7 @@ def test_every_function_the_hooks_table_names_exists():
     table = text.split("<!-- HOOKS:begin -->\n", 1)[1].split("\n<!-- HOOKS:end -->", 1)[0]
     named = []
     for row in table.splitlines()[2:]:
-        fn = row.split("|")[3].split("<br>while ")[0].strip().strip("`")
+        fn = row.split("|")[3].split("<br>")[0].strip().strip("`")
         if fn == "(checked only)":
             continue
         named.append(fn)
@@ -43,7 +43,7 @@ def test_every_function_the_hooks_table_names_exists():
         assert callable(obj), fn
     assert any(n.startswith("worker.") for n in named) and \
         any(n.startswith("install: ") for n in named), named
-    gates = re.findall(r"<br>while (.*?) \|", table)
+    gates = re.findall(r"<br>(?:after, )?while (.*?) \|", table)
     from vllm_steer.integrations.worker.gates import ProcessGates
     assert gates and {g for line in gates for g in re.findall(r"`(\w+)`", line)} <= set(
         ProcessGates.__slots__), gates  # every gate it names is one of the process gates

@@ -99,6 +99,37 @@ def test_a_lazily_imported_wrapper_is_imported_at_its_first_call_with_its_gate_o
     assert runner.step(6) == ("wrapped", 6) and imported == [True]
 
 
+def test_a_hook_after_vllms_method_sees_a_gate_opened_during_that_call(closed, monkeypatch):
+    """``Hook.after``: vLLM's method runs first; the wrapper gets ``(orig, self, out)`` and its
+    result is the call's, only when a gate is open as vLLM's method returns, even one that
+    method opened (a fault recorded during vLLM's step is named in that step's output)."""
+    seen = []
+
+    def after(orig, self, out):
+        seen.append(out)
+        return ("named", out)
+
+    class Runner:
+        opens = False
+
+        def sample_tokens(self, x):
+            if self.opens:  # a fault recorded during vLLM's step
+                GATES.worker_faults += 1
+            return x * 2
+
+    wrap_method(Runner, "sample_tokens", after, gates=("worker_faults",), after=True)
+    runner = Runner()
+    assert runner.sample_tokens(3) == 6 and seen == []  # no fault: vLLM's output, untouched
+    runner.opens = True
+    assert runner.sample_tokens(4) == ("named", 8) and seen == [8]
+    runner.opens = False
+    assert runner.sample_tokens(5) == ("named", 10)  # still open: the wrapper decides
+    monkeypatch.setattr(GATES, "worker_faults", 0)
+    assert runner.sample_tokens(6) == 12 and seen == [8, 10]
+    with pytest.raises(ValueError, match="needs gates"):
+        wrap_method(_target(), "step", after, after=True)
+
+
 def _only_calls_orig(wrapper) -> bool:
     """Called with a stand-in runner and vLLM method, whether ``wrapper`` only called that
     method (once, with the call's arguments) and returned its result unchanged."""
@@ -125,9 +156,12 @@ def test_every_gated_hook_of_the_plugin_only_calls_vllm_while_its_gates_are_clos
 
     gated = [h for h in HOOKS if h.gates]
     assert {h.target.rpartition(".")[2] for h in gated} >= {
-        "sample", "prepare_inputs", "_prepare_inputs", "compute_prompt_logprobs"}
+        "sample", "prepare_inputs", "_prepare_inputs", "compute_prompt_logprobs",
+        "sample_tokens"}
     for h in gated:
         assert set(h.gates) <= set(ProcessGates.__slots__), h.target
+        if h.after:  # never called with its gates closed (see the test of after-hooks)
+            continue
         fn = getattr(h.wrapper, RESOLVE_ATTR)()
         assert _only_calls_orig(fn), f"{h.target}: its wrapper does more than call vLLM " \
                                      f"with {h.gates} closed"

@@ -142,7 +142,13 @@ class Hook:
     (:class:`~vllm_steer.integrations.worker.gates.ProcessGates`' counts) while all of which
     are zero the patched method calls vLLM's own at once, never the wrapper
     (:func:`set_gate`). Empty: the wrapper is called at every call. Only for a wrapper that
-    does nothing while they are zero, and whose vLLM method never changes them."""
+    does nothing while they are zero, and whose vLLM method never changes them (else
+    :attr:`after`)."""
+    after: bool = False
+    """The wrapper runs after vLLM's method, as ``wrapper(orig, self, out)`` returning the
+    call's result, and only when one of :attr:`gates` is open as vLLM's method returns (a
+    count it opened during that call included): for a hook that only looks at the outcome of
+    vLLM's step."""
 
     @property
     def process(self) -> str:
@@ -225,7 +231,8 @@ def set_gate(name: str, is_open: bool) -> None:
         route.update()
 
 
-def wrap_method(owner: Any, name: str, wrapper: Callable, gates: tuple[str, ...] = ()) -> None:
+def wrap_method(owner: Any, name: str, wrapper: Callable, gates: tuple[str, ...] = (),
+                after: bool = False) -> None:
     """Replace ``owner.name`` (a method, static or class method of a class, or a module's
     function) by one that calls ``wrapper(orig, *args, **kwargs)``: the one way this plugin
     patches vLLM. Idempotent (a second call with the same wrapper changes nothing); a
@@ -233,7 +240,9 @@ def wrap_method(owner: Any, name: str, wrapper: Callable, gates: tuple[str, ...]
     wrapper with :data:`RESOLVE_ATTR` is replaced at the first call by what that returns:
     every later call costs one flag test. With ``gates`` (:attr:`Hook.gates`), while every
     one of them is closed (:func:`set_gate`) the method calls ``orig`` itself, testing the
-    same flag: no call of the wrapper, no frame of the plugin's."""
+    same flag: no call of the wrapper, no frame of the plugin's. With ``after``
+    (:attr:`Hook.after`, gated), vLLM's method runs first, and the wrapper is called as
+    ``wrapper(orig, self, out)`` only if a gate is open when it returns."""
     raw = inspect.getattr_static(owner, name)
     kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
     orig = raw.__func__ if kind else raw
@@ -254,15 +263,30 @@ def wrap_method(owner: Any, name: str, wrapper: Callable, gates: tuple[str, ...]
                 _ROUTES.setdefault(g, []).append(route)
             route.update()
 
-        def patched(*args, **kwargs):
-            if state[0]:
-                if state[0] == _CLOSED:  # nothing for the wrapper to do: vLLM's own method
-                    return orig(*args, **kwargs)
-                call[0] = resolve()
-                state[0] = _CALL
-                if route is not None:
-                    route.resolved = True
-            return call[0](orig, *args, **kwargs)
+        if after and route is None:
+            raise ValueError(f"{name}: a hook run after vLLM's method needs gates")
+
+        def resolved():  # the lazily imported wrapper, at its first call with a gate open
+            call[0] = resolve()
+            state[0] = _CALL
+            if route is not None:
+                route.resolved = True
+
+        if not after:
+            def patched(*args, **kwargs):
+                if state[0]:
+                    if state[0] == _CLOSED:  # nothing for the wrapper to do: vLLM's method
+                        return orig(*args, **kwargs)
+                    resolved()
+                return call[0](orig, *args, **kwargs)
+        else:
+            def patched(*args, **kwargs):
+                out = orig(*args, **kwargs)
+                if state[0]:  # the gates as vLLM's method returns
+                    if state[0] == _CLOSED:
+                        return out
+                    resolved()
+                return call[0](orig, args[0], out)
     functools.update_wrapper(patched, orig)
     setattr(patched, WRAPPER_ATTR, wrapper)
     setattr(owner, name, kind(patched) if kind else patched)
@@ -305,7 +329,8 @@ def install_hooks(hooks) -> list[str]:
             module, _, qualname = target.partition(":")
             owner = resolve(module + ":" + qualname.rpartition(".")[0])
             if hook.wrapper is not None:
-                wrap_method(owner, qualname.rpartition(".")[2], hook.wrapper, hook.gates)
+                wrap_method(owner, qualname.rpartition(".")[2], hook.wrapper, hook.gates,
+                            hook.after)
             if hook.install is not None:
                 hook.install(owner)
         except (ImportError, AttributeError) as e:

@@ -186,7 +186,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{_V1}.sample_tokens",
          "the requests a fault of the plugin's worker code failed, named in the step's output "
          "(V1)", _worker("v1", "sample_tokens"), group=V1,
-         gates=("steered_slots", "worker_faults")),
+         gates=("worker_faults",), after=True),
     Hook(f"{_V1}._get_prompt_logprobs_dict", "steered prompt logprobs (V1)",
          _worker("v1", "get_prompt_logprobs_dict"), group=V1_LENS,
          params=("hidden_states", "num_scheduled_tokens"), gates=("prompt_logprob_slots",)),
@@ -218,7 +218,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{_V2_RUNNER}.sample_tokens",
          "the requests a fault of the plugin's worker code failed, named in the step's output "
          "(V2)", _worker("v2", "sample_tokens"), group=V2,
-         gates=("steered_slots", "worker_faults")),
+         gates=("worker_faults",), after=True),
     Hook(f"{_V2}.sample.batch_shard:BatchSharder.shard_sampler_inputs",
          "rows of batch-sharded sampling (V2, --enable-batch-sharded-sampling)",
          _worker("v2", "shard_sampler_inputs"), group=V2, gates=("steered_slots",)),
@@ -267,6 +267,7 @@ def hooks_table() -> str:
     for h in HOOKS:
         names = f"`{h.target}`" + (f" (vLLM {h.versions})" if h.versions else "") + "".join(
             f"<br>or `{t.target}` (vLLM {t.versions})" for t in h.alternatives)
-        gated = "<br>while " + " or ".join(f"`{g}`" for g in h.gates) if h.gates else ""
+        gated = ("<br>after, " if h.after else "<br>") + "while " + " or ".join(
+            f"`{g}`" for g in h.gates) if h.gates else ""
         rows.append(f"| {h.group.name} | {names} | `{wrapper_name(h)}`{gated} | {h.purpose} |")
     return "\n".join(rows)

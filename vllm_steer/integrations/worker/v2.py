@@ -162,15 +162,12 @@ def prepare_inputs(orig, self, *args, **kwargs):
     return input_batch
 
 
-def sample_tokens(orig, self, *args, **kwargs):
-    """``GPUModelRunner.sample_tokens`` (V2): the step's output names the requests a fault of
-    the plugin's worker code failed in this step
+def sample_tokens(orig, self, out):
+    """``GPUModelRunner.sample_tokens`` (V2), run after it (``Hook.after``): the step's output
+    ``out`` names the requests a fault of the plugin's worker code failed in this step
     (:mod:`~vllm_steer.integrations.worker.step_faults`), for the engine core to finish with
-    HTTP 500. Gated: nothing while no request of the process is steered and no fault waits;
-    otherwise one integer read per step while there is none."""
-    out = orig(self, *args, **kwargs)
-    if not GATES.worker_faults:
-        return out
+    HTTP 500. Called only when a fault waits as vLLM's method returns (gated by the faults):
+    nothing of the plugin's runs in any other step."""
     rt = V2RunnerBinding.of(self).runtime
     if rt is None or not rt.faults.pending:
         return out
