@@ -401,8 +401,9 @@ def test_a_worker_fault_fails_only_the_steered_request_of_its_step(llm, ref, pro
                                                                   target):
     """A fault of the plugin's worker code (planted in the engine's worker, raising once) in a
     step with one steered and three unsteered requests: the steered one ends with an error
-    whose message names vllm-steer and the fault; the unsteered ones get exactly plain greedy
-    decoding; the engine goes on, and the next steered request is served correctly."""
+    whose message names vllm-steer and the fault, in that step (none of its tokens served);
+    the unsteered ones get exactly plain greedy decoding; the engine goes on, and the next
+    steered request is served correctly."""
     from vllm_steer.integrations.protocol import FAILED_PREFIX
 
     def arm(worker, target=target):  # in the worker: the next call raises, once
@@ -435,6 +436,8 @@ def test_a_worker_fault_fails_only_the_steered_request_of_its_step(llm, ref, pro
     assert "vllm-steer: internal error in" in bad.stop_reason
     assert f"fault injected by the test ({target})" in bad.stop_reason
     assert outs[1].request_id in bad.stop_reason
+    # failed in the step of the fault (its first): not one token of that step is served
+    assert list(bad.token_ids) == [], bad.token_ids
     got = tokens(outs)
     for i in (0, 2, 3):
         assert got[i] == ref.greedy(prompt_ids[i], MAX_TOKENS)
