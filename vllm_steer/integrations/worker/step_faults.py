@@ -63,8 +63,8 @@ class StepFaults:
     def record(self, where: str, exc: BaseException) -> None:
         """A fault of the step's code at ``where``: the step's steered requests fail. While no
         request slot of the process is steered (a drafter's head recorded into CUDA graphs
-        runs its op all the same) there is none to fail: logged, nothing waits for the step's
-        output (so the output hooks, gated by steered slots and faults, need not run)."""
+        runs its op all the same) there is none to fail: logged, and nothing waits for the
+        step's output."""
         if not GATES.steered_slots:
             self.log(where, exc, "no request of the step is steered, none fails")
             return
