@@ -79,16 +79,26 @@ def install(plugin) -> None:
     plugin.install_hooks = install_hooks
 
 
+def _patched(machinery, target):
+    """``(owner, name, attribute as stored)`` of the method patched at ``target``
+    (``module:Class.name``); None where the installed vLLM has no such name."""
+    module, _, qual = (target or "").partition(":")
+    name = qual.rpartition(".")[2]
+    try:
+        owner = machinery.resolve(module + ":" + qual.rpartition(".")[0])
+        return owner, name, inspect.getattr_static(owner, name)
+    except (ImportError, AttributeError):
+        return None
+
+
 def _own(machinery, target, recording_wrapper, wrapper) -> None:
     """Make the method patched at ``target`` name ``wrapper`` (``WRAPPER_ATTR``), so that
     installing the same hook again (a test installing some of ``HOOKS`` by hand) changes
     nothing, as it would without the recorder."""
-    module, _, qual = (target or "").partition(":")
-    try:
-        owner = machinery.resolve(module + ":" + qual.rpartition(".")[0])
-        raw = inspect.getattr_static(owner, qual.rpartition(".")[2])
-    except (ImportError, AttributeError):
+    found = _patched(machinery, target)
+    if found is None:
         return
+    raw = found[2]
     fn = getattr(raw, "__func__", raw)
     if getattr(fn, machinery.WRAPPER_ATTR, None) is recording_wrapper:
         setattr(fn, machinery.WRAPPER_ATTR, wrapper)
@@ -97,13 +107,10 @@ def _own(machinery, target, recording_wrapper, wrapper) -> None:
 def _note_calls(machinery, target, wrapper) -> None:
     """Note ``target`` when vLLM calls its patched method (a gated hook: its wrapper runs only
     while one of its gates is open), then run the patched method as installed."""
-    module, _, qual = (target or "").partition(":")
-    try:
-        owner = machinery.resolve(module + ":" + qual.rpartition(".")[0])
-    except (ImportError, AttributeError):
+    found = _patched(machinery, target)
+    if found is None:
         return
-    name = qual.rpartition(".")[2]
-    patched = inspect.getattr_static(owner, name)
+    owner, name, patched = found
     if not inspect.isfunction(patched) or getattr(patched, "_steer_notes", False):
         return
 

@@ -21,7 +21,7 @@ counts are over all of them:
   ``_prepare_inputs`` hook asks its runner whether it speculates only while it is not zero;
 - ``worker_faults``: runtimes with a fault of the plugin's worker code waiting for the step's
   output (:mod:`~vllm_steer.integrations.worker.step_faults`; the runners' ``sample_tokens``
-  hooks read it).
+  hooks run, after vLLM's method, only while it is open).
 
 The request-slot tables (:class:`~vllm_steer.integrations.worker.request_slots.RequestSlots`),
 the runtimes (their decoder-layer ops, whether they speculate) and step faults keep them;
