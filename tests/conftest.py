@@ -15,7 +15,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from helpers.engines import hook_recorder, use_uniproc_workers, v2_runner_env  # noqa: E402
+from helpers.engines import (  # noqa: E402
+    fork_engine_processes,
+    hook_recorder,
+    use_uniproc_workers,
+    v2_runner_env,
+)
 from helpers.models import make_tiny_llama, tokenizer_src  # noqa: E402
 from helpers.reference import HFReference  # noqa: E402
 from helpers.steers import random_steer, save_steers  # noqa: E402
@@ -31,6 +36,9 @@ os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
 # An engine of one worker runs it in its engine-core process, as on a GPU, not in a process of
 # its own as vLLM's CPU platform would: one process start less per engine (docs/internals.md).
 use_uniproc_workers()
+# Their engine-core and worker processes are forked, as on a GPU, not spawned as vLLM's CPU
+# platform would: no Python start and vLLM import per process (docs/internals.md).
+fork_engine_processes()
 # The plugin's hooks note their first call (tests/v2shim/hook_recorder.py): installed before
 # anything registers the plugin in this process (the engine processes: its sitecustomize).
 hook_recorder().install(plugin)

@@ -74,6 +74,25 @@ def use_uniproc_workers() -> None:
     shim.on_cpu_platform(shim.keep_uniproc_executor)  # this process builds offline configs
 
 
+FORK_FLAG = "STEER_TEST_FORK_SHIM"
+
+
+def fork_engine_processes() -> None:
+    """The engine-core and worker processes of the engines this process starts (offline
+    ``LLM``), or the processes it starts do (``vllm serve``), are forked, vLLM's default on a
+    GPU: vLLM's CPU platform would spawn them, each starting Python and importing vLLM again,
+    about 9 s per engine on this CPU. Engines whose caller asks for ``spawn``
+    (``VLLM_WORKER_MULTIPROC_METHOD``: :func:`v2_runner_env`) keep it.
+    ``STEER_TEST_FORK_SHIM=0`` turns this off."""
+    path = os.environ.get("PYTHONPATH", "")
+    if str(V2_SHIM_DIR) not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(V2_SHIM_DIR), path) if p)
+    if os.environ.setdefault(FORK_FLAG, "1") != "1":
+        return
+    shim = shim_module()
+    shim.on_cpu_platform(shim.keep_start_method)
+
+
 def v2_runner_env() -> dict[str, str]:
     """Environment that puts the vLLM engine processes started from it on Model Runner V2 on
     this CPU, through the test shim tests/v2shim/sitecustomize.py (a stand-in Triton "cpu"

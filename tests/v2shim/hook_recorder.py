@@ -22,6 +22,8 @@ import os
 RECORD_ENV = "STEER_TEST_HOOKS_RECORD"
 #: Targets of the hooks that ran in this process.
 CALLED: set[str] = set()
+# A process forked from this one (an engine's processes: tests/conftest.py) notes its own.
+os.register_at_fork(after_in_child=CALLED.clear)
 
 
 def note(target: str) -> None:

@@ -34,6 +34,13 @@ a GPU) by ``"mp"`` (a worker process of its own, spawned); the shim wraps
 ``CpuPlatform.check_and_update_config`` so that it keeps ``"uni"``, saving each engine a
 process start.
 
+Engine processes forked, independently, with ``STEER_TEST_FORK_SHIM=1`` (``tests/conftest.py``
+sets it for the whole suite): vLLM's CPU platform sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn``,
+so that every engine-core and worker process starts Python and imports vLLM again (about 9 s
+per engine on this CPU); the shim wraps ``CpuPlatform.check_and_update_config`` so that the
+variable keeps the value it had, and unset vLLM forks them, its default on a GPU. A ``spawn``
+set by the caller (Model Runner V2's engines: their shim must run at process start) is kept.
+
 Which of the plugin's hooks ran, independently, with ``STEER_TEST_HOOKS_RECORD=DIR``: each
 process notes them in ``DIR`` (``tests/v2shim/hook_recorder.py``).
 
@@ -144,6 +151,32 @@ def keep_uniproc_executor(platform_cls) -> None:
     _keep_given(platform_cls, "parallel_config", "distributed_executor_backend", only="uni")
 
 
+START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+
+
+def keep_start_method(platform_cls) -> None:
+    """Wrap ``platform_cls.check_and_update_config`` so that the start method of the engine's
+    processes (``VLLM_WORKER_MULTIPROC_METHOD``) keeps the value it had: vLLM's CPU platform
+    sets it to ``spawn`` (each engine-core and worker process starts Python and imports vLLM
+    again); unset, vLLM forks them, as it does on a GPU (its own reasons to spawn, a Ray actor
+    or CUDA already initialised, still apply). A ``spawn`` the caller set is kept. Idempotent."""
+    orig = platform_cls.__dict__["check_and_update_config"].__func__
+    tag = ("environ", START_METHOD_ENV)
+    if tag in getattr(orig, "_steer_keeps", ()):
+        return
+
+    def check_and_update_config(cls, vllm_config):
+        before = os.environ.get(START_METHOD_ENV)
+        orig(cls, vllm_config)
+        if before is None:
+            os.environ.pop(START_METHOD_ENV, None)
+        else:
+            os.environ[START_METHOD_ENV] = before
+
+    check_and_update_config._steer_keeps = (*getattr(orig, "_steer_keeps", ()), tag)
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+
+
 def _on_import(target: str, fn) -> None:
     """Call ``fn(module)`` right after ``target`` is imported (without importing it here)."""
     import importlib.abc
@@ -245,6 +278,8 @@ if __name__ == "sitecustomize" and os.environ.get("STEER_TEST_ASYNC_SHIM") == "1
     _install_async()
 if __name__ == "sitecustomize" and os.environ.get("STEER_TEST_UNIPROC_SHIM") == "1":
     on_cpu_platform(keep_uniproc_executor)
+if __name__ == "sitecustomize" and os.environ.get("STEER_TEST_FORK_SHIM") == "1":
+    on_cpu_platform(keep_start_method)
 if __name__ == "sitecustomize" and os.environ.get("STEER_TEST_NO_V1_LOGITSPROCS") == "1":
     hide_v1_logitsprocs_from_the_plugin()
 if __name__ == "sitecustomize" and os.environ.get("STEER_TEST_HOOKS_RECORD"):
