@@ -12,8 +12,9 @@ STEP_ROWS = "vllm_steer.integrations.worker.planner:StepPlanner._step_rows"
 
 def check_only_the_steered_request_failed(outs: Sequence, steered: int, target: str,
                                           greedy: Callable[[int, list[int]], list[int]]) -> None:
-    """``outs[steered]`` failed with the plugin's error for ``target``; every other output's
-    tokens are ``greedy(i, its prompt's token ids)`` (plain torch on the model's weights)."""
+    """``outs[steered]`` failed with the plugin's error for ``target`` at its first step, with
+    no token; every other output's tokens are ``greedy(i, its prompt's token ids)`` (plain
+    torch on the model's weights)."""
     from vllm_steer.integrations.protocol import FAILED_PREFIX
 
     bad = outs[steered].outputs[0]
@@ -21,6 +22,8 @@ def check_only_the_steered_request_failed(outs: Sequence, steered: int, target: 
     assert bad.stop_reason.startswith(FAILED_PREFIX + "vllm-steer: internal error in the "
                                       "steered LM head while serving request "), bad
     assert f"fault injected by the test ({target})" in bad.stop_reason
+    # the fault came at the request's first step: nothing of that step was served
+    assert list(bad.token_ids) == [], bad.token_ids
     for i, o in enumerate(outs):
         if i != steered:
             assert list(o.outputs[0].token_ids) == greedy(i, list(o.prompt_token_ids)), i
