@@ -471,6 +471,7 @@ def test_a_worker_fault_fails_only_the_steered_request_of_its_step(server, case,
     assert bad.status_code == 500, (bad.status_code, bad.text)
     assert "vllm-steer" in bad.text and "fault injected by the test" in bad.text, bad.text
     assert rid in bad.text, bad.text
+    assert bad.text.count("This request was not served") == 1, bad.text
     for r in others:
         assert tokens(r) == plain
     after = complete(server, steer, headers={"X-Request-Id": f"after-{rid}"})
@@ -479,3 +480,30 @@ def test_a_worker_fault_fails_only_the_steered_request_of_its_step(server, case,
     assert requests.get(server + "/health", timeout=10).status_code == 200
     log = STATE["log"].read_text(errors="replace")
     assert "internal error in" in log and f"fault injected by the test ({target})" in log
+
+
+def test_a_streamed_request_failed_by_a_worker_fault_gets_none_of_its_steps_tokens(server):
+    """Streamed, a steered request whose first step meets a fault of the plugin's worker code
+    gets no token of that step (a stream shows what a non-streamed answer's 500 hides): its
+    stream ends with an error naming vllm-steer and the request, and carries no text."""
+    import json
+
+    case, target, steer = WORKER_CASES[0]
+    (STATE["faults"] / target).write_text("")
+    rid = f"wfault-stream-{case}"
+    r = requests.post(server + "/v1/completions", stream=True, timeout=120,
+                      headers={"X-Request-Id": rid},
+                      json={"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                            "ignore_eos": True, "stream": True, "steer": steer})
+    events = [ln.removeprefix("data: ") for ln in r.iter_lines(decode_unicode=True) if ln]
+    assert not (STATE["faults"] / target).exists(), f"{target} was never called"
+    assert r.status_code == 200 and events[-1] == "[DONE]", events  # headers went first
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks if c.get("choices")] == [], chunks
+    (error,) = [c["error"] for c in chunks if "error" in c]
+    assert error["code"] == 500, error
+    message = error["message"]
+    assert message.startswith("vllm-steer: internal error in the steered LM head while serving "
+                              f"request cmpl-{rid}"), message
+    assert f"fault injected by the test ({target})" in message
+    assert message.count("This request was not served") == 1, message  # said once

@@ -149,7 +149,8 @@ def plugin_error_in(exc: BaseException) -> BaseException | None:
 def frontend(where: str, request_id: object = None, count: bool = True) -> Iterator[None]:
     """Run the plugin's code of frontend hook ``where`` (API server or ``LLM`` process) for
     one request: a client's error passes as it is (vLLM answers it with HTTP 400), and so
-    does :func:`busy_error`'s (HTTP 429); anything
+    do :func:`busy_error`'s (HTTP 429) and :func:`internal_error`'s (HTTP 500 with the message
+    already made, as for a fault the engine core reported); anything
     else is logged once and raised as vLLM's ``GenerationError`` (HTTP 500) naming
     vllm-steer, the hook and ``request_id``. Either is counted as this process's refusal
     (:func:`vllm_steer.metrics.count_refusal`) unless ``count`` is False (a refusal the
@@ -162,6 +163,10 @@ def frontend(where: str, request_id: object = None, count: bool = True) -> Itera
         if is_busy_error(e):
             if count:
                 count_refusal(e, BUSY_STATUS)
+            raise
+        if isinstance(e, _plugin_error_class()):  # the plugin's 500, its message already made
+            if count:                              # (a fault the engine core reported)
+                count_refusal(e, INTERNAL_STATUS)
             raise
         status, message = classify(e, where, request_id)
         if status == CLIENT_STATUS:

@@ -196,6 +196,35 @@ def test_an_engine_core_refusal_is_the_clients_400_and_not_counted_again():
     assert {s: _refused("bad_steer", s) for s in ("api_server", "engine_core")} == before
 
 
+def test_a_worker_fault_the_engine_core_reported_is_its_500_once_not_wrapped_again():
+    """A fault of the plugin's worker code fails the step's steered request with the engine
+    core's message (HTTP 500, naming vllm-steer, the hook and the request): the API server
+    raises that message as it is, not wrapped in a second "internal error" of its own hook."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm.exceptions import GenerationError
+
+    from vllm_steer.integrations.frontend import async_llm
+    from vllm_steer.integrations.guard import internal_message
+    from vllm_steer.integrations.protocol import FAILED_PREFIX
+
+    engine = internal_message("the steered LM head", "r1-abc", RuntimeError("boom"))
+
+    async def orig(self):
+        yield SimpleNamespace(request_id="r1", outputs=[SimpleNamespace(
+            stop_reason=FAILED_PREFIX + engine)])
+
+    async def run():
+        async for _ in async_llm.generate(orig, None):
+            pass
+
+    with pytest.raises(GenerationError) as e:
+        asyncio.run(run())
+    assert str(e.value) == engine
+    assert str(e.value).count("This request was not served") == 1
+
+
 def test_an_unknown_model_name_is_an_unknown_preset_404_counted_once():
     """vLLM answers a model name it does not serve with 404; on a steering server (presets are
     model names) it is counted as ``unknown_preset``; a served name counts nothing."""
