@@ -58,6 +58,14 @@ def hook_recorder():
     return sys.modules["hook_recorder"]
 
 
+def _shim_on_path() -> None:
+    """``tests/v2shim`` on the ``PYTHONPATH`` the processes started from here inherit: each of
+    its shims is off unless its flag is set (the hook recorder's too)."""
+    path = os.environ.get("PYTHONPATH", "")
+    if str(V2_SHIM_DIR) not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(V2_SHIM_DIR), path) if p)
+
+
 def use_uniproc_workers() -> None:
     """Engines of one worker, started by this process (offline ``LLM``) or by the processes it
     starts (``vllm serve``), run that worker in their engine-core process: vLLM's ``"uni"``
@@ -65,9 +73,7 @@ def use_uniproc_workers() -> None:
     process that imports vLLM, about 15 s per engine on this CPU. Engines that ask for
     ``distributed_executor_backend="mp"`` (``--distributed-executor-backend mp``) keep it, and
     engines of several workers are left alone. ``STEER_TEST_UNIPROC_SHIM=0`` turns this off."""
-    path = os.environ.get("PYTHONPATH", "")  # every shim there is off unless its flag is set
-    if str(V2_SHIM_DIR) not in path.split(os.pathsep):  # (the hook recorder's too)
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(V2_SHIM_DIR), path) if p)
+    _shim_on_path()
     if os.environ.setdefault(UNIPROC_FLAG, "1") != "1":
         return
     shim = shim_module()
@@ -84,9 +90,7 @@ def fork_engine_processes() -> None:
     about 9 s per engine on this CPU. Engines whose caller asks for ``spawn``
     (``VLLM_WORKER_MULTIPROC_METHOD``: :func:`v2_runner_env`) keep it.
     ``STEER_TEST_FORK_SHIM=0`` turns this off."""
-    path = os.environ.get("PYTHONPATH", "")
-    if str(V2_SHIM_DIR) not in path.split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(V2_SHIM_DIR), path) if p)
+    _shim_on_path()
     if os.environ.setdefault(FORK_FLAG, "1") != "1":
         return
     shim = shim_module()
