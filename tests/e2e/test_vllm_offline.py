@@ -54,8 +54,10 @@ def llm(tiny_model_dir, steer_files, hooks_record):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(RECORD_ENV, hooks_record)  # inherited by the engine core it starts
-        # vLLM's CPU default, a worker process of its own (the suite's other engines of one
-        # worker run it in the engine core, as on a GPU: tests/conftest.py)
+        # vLLM's CPU defaults: a worker process of its own, and the engine's processes spawned,
+        # each importing vLLM and the plugin afresh (the suite's other engines of one worker
+        # run it in the engine core, and fork their processes, as on a GPU: tests/conftest.py)
+        mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         engine = LLM(str(tiny_model_dir), distributed_executor_backend="mp",
                      additional_config={"vllm_steer": {"steers": steer_files}}, **ENGINE_KW)
     yield engine
