@@ -564,7 +564,10 @@ class Client(threading.Thread):
             self.send("preset_model", path, self.body(path, prompt, extra),
                       {200, 400, 404, 429})
         elif r < 0.92:  # invalid steer fields
-            extra = dict(rng.choice(INVALID_STEERS))
+            # beam search exists on completions and chat only: the Responses API has no such
+            # field, and a steered request with one is served (200) as if it were not there
+            extra = dict(rng.choice(INVALID_STEERS if path != "/v1/responses" else
+                                    [e for e in INVALID_STEERS if "use_beam_search" not in e]))
             stream = path != "/v1/responses" and rng.random() < 0.3
             b = self.body(path, prompt, extra)
             b["stream"] = stream
