@@ -47,6 +47,8 @@ def test_a_chaos_soak_leaves_no_5xx_no_dropped_connection_and_the_same_greedy_te
     assert r["connection_errors"] == 0, detail
     assert r["ops_5xx_or_conn_errors"] == 0, detail
     assert r["engine_alive"], detail
+    # every answer had a status its kind of request may get (a refusal: the right one)
+    assert not r["unexpected_status"], json.dumps(r["examples"].get("unexpected"))
     assert r["mismatches"] == 0, detail
     assert r["first_answer_mismatches"] == 0, json.dumps(r["first_answer_mismatch_examples"])
     # the traffic was real: answers and refusals, greedy texts compared, files changed
