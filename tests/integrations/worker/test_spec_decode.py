@@ -191,10 +191,14 @@ def test_a_model_runner_v2_drafter_is_prepared_for_cuda_graphs_when_it_loads(met
     assert [h.steer_runtime is rt for h in heads] == [True, True]
 
 
-def test_a_v2_draft_model_step_maps_its_rows_to_the_batch_slots():
+def test_a_v2_draft_model_step_maps_its_rows_to_the_batch_slots(monkeypatch):
     """V2's draft model computes one row per request of the input batch: the rows get the
-    slots of ``idx_mapping_np`` only while a slot of the batch is steered."""
+    slots of ``idx_mapping_np`` only while a slot of the batch is steered, and are none,
+    the batch unread, while no request of the process is steered."""
+    from vllm_steer.integrations.worker.gates import GATES
     from vllm_steer.integrations.worker.spec_v2 import propose_standalone_v2
+
+    monkeypatch.setattr(GATES, "steered_slots", 1)  # a steered request in the process
 
     seen = []
     step = mapping = StepMapping()
@@ -220,6 +224,11 @@ def test_a_v2_draft_model_step_maps_its_rows_to_the_batch_slots():
         batch.idx_mapping_np = np.array([1, 0, 2, 5])  # slot 5 not among the batch's three
         propose_standalone_v2(orig, spec, batch)
         assert seen[1] is NO_ROWS  # the drafter's rows: none steered
+        batch.idx_mapping_np = np.array([5, 0, 2, 7])
+        step.drafts = SlotRows(slots=np.array([5]), positions=None)  # the last step's
+        GATES.steered_slots = 0  # no steered request left in the process
+        propose_standalone_v2(orig, spec, SimpleNamespace())  # a batch with nothing to read
+        assert seen[2] is NO_ROWS
 
 
 def test_an_ngram_runner_has_no_drafter_heads():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.worker.arguments import Arg
+from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.rows import NO_ROWS, CapturedRows, SlotRows
 from vllm_steer.integrations.worker.runtime import SpeculatorBinding
 from vllm_steer.integrations.worker.spec_decode import (V2_EAGER_SPECULATOR, drafter_fits,
@@ -37,9 +38,13 @@ def propose_standalone_v2(orig, self, *args, **kwargs):
     """``StandaloneARSpeculator.propose``: each of its ``compute_logits`` calls has one row per
     request of the input batch, in batch order (``idx_mapping[:num_reqs]``): the step's
     drafter rows are those slots, from the host copy (``idx_mapping_np``); none while no
-    request of the batch is steered."""
+    request of the batch is steered, and none, with nothing read, while no request of the
+    process is (:data:`~vllm_steer.integrations.worker.gates.GATES`)."""
     rt = SpeculatorBinding.of(self).runtime
     if rt is None:
+        return orig(self, *args, **kwargs)
+    if not GATES.steered_slots:
+        rt.step.drafts = NO_ROWS
         return orig(self, *args, **kwargs)
     slots = va.v2_drafter_batch_slots(_INPUT_BATCH.get(orig, (self, *args), kwargs))
     rt.step.drafts = SlotRows(slots=slots, positions=None) \
