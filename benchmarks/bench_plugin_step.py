@@ -193,7 +193,7 @@ def _instrument(processes: tuple[str, ...] = ("worker",)) -> None:
     from vllm_steer.integrations import plugin
 
     plugin.HOOKS = tuple(
-        dataclasses.replace(h, wrapper=_timed_hook(h.wrapper, getattr(h, "after", False)))
+        dataclasses.replace(h, wrapper=_timed_hook(h.wrapper, h.after))
         if h.process in processes and h.wrapper is not None else h for h in plugin.HOOKS)
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 

@@ -66,6 +66,17 @@ def _shim_on_path() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(V2_SHIM_DIR), path) if p)
 
 
+def _platform_shim(flag: str, patch: str) -> None:
+    """The shim's CPU-platform patch ``patch`` in this process (which builds offline engines'
+    configs) and, by ``flag`` (set to 1 unless the caller set it), in the processes it starts;
+    ``flag=0``: neither."""
+    _shim_on_path()
+    if os.environ.setdefault(flag, "1") != "1":
+        return
+    shim = shim_module()
+    shim.on_cpu_platform(getattr(shim, patch))
+
+
 def use_uniproc_workers() -> None:
     """Engines of one worker, started by this process (offline ``LLM``) or by the processes it
     starts (``vllm serve``), run that worker in their engine-core process: vLLM's ``"uni"``
@@ -73,11 +84,7 @@ def use_uniproc_workers() -> None:
     process that imports vLLM, about 15 s per engine on this CPU. Engines that ask for
     ``distributed_executor_backend="mp"`` (``--distributed-executor-backend mp``) keep it, and
     engines of several workers are left alone. ``STEER_TEST_UNIPROC_SHIM=0`` turns this off."""
-    _shim_on_path()
-    if os.environ.setdefault(UNIPROC_FLAG, "1") != "1":
-        return
-    shim = shim_module()
-    shim.on_cpu_platform(shim.keep_uniproc_executor)  # this process builds offline configs
+    _platform_shim(UNIPROC_FLAG, "keep_uniproc_executor")
 
 
 FORK_FLAG = "STEER_TEST_FORK_SHIM"
@@ -90,11 +97,7 @@ def fork_engine_processes() -> None:
     about 9 s per engine on this CPU. Engines whose caller asks for ``spawn``
     (``VLLM_WORKER_MULTIPROC_METHOD``: :func:`v2_runner_env`) keep it.
     ``STEER_TEST_FORK_SHIM=0`` turns this off."""
-    _shim_on_path()
-    if os.environ.setdefault(FORK_FLAG, "1") != "1":
-        return
-    shim = shim_module()
-    shim.on_cpu_platform(shim.keep_start_method)
+    _platform_shim(FORK_FLAG, "keep_start_method")
 
 
 def v2_runner_env() -> dict[str, str]:

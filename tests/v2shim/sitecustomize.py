@@ -117,23 +117,36 @@ def _install() -> None:
     backends["cpu"] = Backend(InterpretOnlyBackend, CPUDriver)
 
 
-def _keep_given(platform_cls, section: str, field: str, only=None) -> None:
-    """Wrap ``platform_cls.check_and_update_config`` so that ``vllm_config.<section>.<field>``
-    keeps the value it was given (when that value is ``only``, if given). Idempotent."""
+def _keep_around_check(platform_cls, tag, keep) -> None:
+    """Wrap ``platform_cls.check_and_update_config`` so that ``keep(vllm_config)``, called
+    before it, gets back after it what it read (``keep`` returns the function that puts it
+    back). Idempotent per ``tag``; the wraps stack."""
     orig = platform_cls.__dict__["check_and_update_config"].__func__
-    tag = (section, field)
     if tag in getattr(orig, "_steer_keeps", ()):
         return
 
     def check_and_update_config(cls, vllm_config):
-        part = getattr(vllm_config, section)
-        before = getattr(part, field)
+        put_back = keep(vllm_config)
         orig(cls, vllm_config)
-        if only is None or before == only:
-            setattr(part, field, before)
+        put_back()
 
     check_and_update_config._steer_keeps = (*getattr(orig, "_steer_keeps", ()), tag)
     platform_cls.check_and_update_config = classmethod(check_and_update_config)
+
+
+def _keep_given(platform_cls, section: str, field: str, only=None) -> None:
+    """Wrap ``platform_cls.check_and_update_config`` so that ``vllm_config.<section>.<field>``
+    keeps the value it was given (when that value is ``only``, if given). Idempotent."""
+    def keep(vllm_config):
+        part = getattr(vllm_config, section)
+        before = getattr(part, field)
+
+        def put_back():
+            if only is None or before == only:
+                setattr(part, field, before)
+        return put_back
+
+    _keep_around_check(platform_cls, (section, field), keep)
 
 
 def keep_async_scheduling(platform_cls) -> None:
@@ -160,21 +173,17 @@ def keep_start_method(platform_cls) -> None:
     sets it to ``spawn`` (each engine-core and worker process starts Python and imports vLLM
     again); unset, vLLM forks them, as it does on a GPU (its own reasons to spawn, a Ray actor
     or CUDA already initialised, still apply). A ``spawn`` the caller set is kept. Idempotent."""
-    orig = platform_cls.__dict__["check_and_update_config"].__func__
-    tag = ("environ", START_METHOD_ENV)
-    if tag in getattr(orig, "_steer_keeps", ()):
-        return
-
-    def check_and_update_config(cls, vllm_config):
+    def keep(_vllm_config):
         before = os.environ.get(START_METHOD_ENV)
-        orig(cls, vllm_config)
-        if before is None:
-            os.environ.pop(START_METHOD_ENV, None)
-        else:
-            os.environ[START_METHOD_ENV] = before
 
-    check_and_update_config._steer_keeps = (*getattr(orig, "_steer_keeps", ()), tag)
-    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+        def put_back():
+            if before is None:
+                os.environ.pop(START_METHOD_ENV, None)
+            else:
+                os.environ[START_METHOD_ENV] = before
+        return put_back
+
+    _keep_around_check(platform_cls, ("environ", START_METHOD_ENV), keep)
 
 
 def _on_import(target: str, fn) -> None:
