@@ -70,6 +70,14 @@ def test_the_shims_stack_each_keeping_its_own_setting():
     assert cfg.parallel_config.distributed_executor_backend == "mp"
 
 
-def test_without_the_shim_the_stand_in_spawns():
+def test_vllms_cpu_platform_still_sets_spawn_as_the_stand_in_does():
+    """The premise of the start-method shim, read in the installed vLLM: its CPU platform's
+    config check sets the start method to ``spawn`` (if vLLM stops, the shim has nothing to
+    keep and this says so)."""
+    import inspect
+
+    import vllm.platforms.cpu as cpu
+
+    assert f'os.environ["{START}"] = "spawn"' in inspect.getsource(cpu)
     cpu_like_platform().check_and_update_config(config())
     assert os.environ[START] == "spawn"
