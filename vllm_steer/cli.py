@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import shlex
 import sys
@@ -139,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # `vllm-steer info FILE | head`: the reader stopped, as for `cat`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        return 1
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"vllm-steer {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -70,3 +70,22 @@ def test_serve_is_answered_with_the_vllm_serve_command(capsys):
     assert "invalid choice" not in err
     assert "vllm serve MODEL --steer NAME=PATH" in err
     assert "vllm serve my-model --steer detox=d.safetensors" in err
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """``vllm-steer info FILE | head``: when the reader has gone, no BrokenPipeError
+    traceback on stderr, and exit status 1 (here the reader closes the pipe before the first
+    write, so every write fails)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    steer = Path(__file__).resolve().parents[2] / "steers" / "smollm2-vector-detox.safetensors"
+    code = ("import sys; from vllm_steer.cli import main; sys.exit(main(['info', "
+            f"{str(steer)!r}]))")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # the reader is gone before the command writes
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 1
+    assert err == "", err
