@@ -49,12 +49,12 @@ def _cmd_model(args) -> int:
 
 
 def _cmd_info(args) -> int:
-    from vllm_steer.format import KIND_VECTOR, file_kind, read_document, read_metadata
-    from vllm_steer.vectors import is_gguf, read_vector_metadata
+    from vllm_steer.kinds import load_any
 
-    vector = is_gguf(args.file) or file_kind(read_document(args.file)[1]) == KIND_VECTOR
-    meta = read_vector_metadata(args.file) if vector else read_metadata(args.file)
-    print(json.dumps(json.loads(meta.to_json()), indent=2, sort_keys=True))
+    # the check serving runs on the file (every tensor read, every value finite), not only
+    # its header: what `info` passes, `vllm serve --steer` loads
+    steer = load_any(args.file)
+    print(json.dumps(json.loads(steer.metadata.to_json()), indent=2, sort_keys=True))
     return 0
 
 

@@ -89,3 +89,29 @@ def test_a_reader_that_stops_early_gets_no_traceback():
     err = p.stderr.read()
     assert p.wait(timeout=120) == 1
     assert err == "", err
+
+
+@pytest.mark.parametrize("shipped", ["smollm2-detox.safetensors",
+                                     "smollm2-vector-detox.safetensors"])
+def test_info_refuses_a_file_that_serving_refuses(tmp_path, capsys, shipped):
+    """``vllm-steer info`` is the check before a steer is published: a file whose header is
+    right but which holds a NaN (serving refuses it) fails there too, naming the tensor."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src = Path(__file__).resolve().parents[2] / "steers" / shipped
+    with safe_open(str(src), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
+    assert main(["info", str(src)]) == 0
+    capsys.readouterr()
+    name = sorted(tensors)[0]
+    tensors[name].view(-1)[3] = float("nan")
+    bad = tmp_path / shipped
+    save_file(tensors, str(bad), metadata=meta)
+    assert main(["info", str(bad)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("vllm-steer info: error: ") and "NaN" in err and name in err, err
