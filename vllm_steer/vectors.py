@@ -579,8 +579,33 @@ def same_model(a: str, b: str) -> bool:
     return _norm_name(a) == _norm_name(b) or a in b or b in a
 
 
+#: llama.cpp's architecture names (what its ``cvector-generator`` writes as
+#: ``controlvector.model_hint``) that differ from the ``model_type`` of the Hugging Face models
+#: it converts to them (its ``convert_hf_to_gguf.py``): Mistral and Mixtral become ``llama``.
+LLAMA_CPP_ARCH_MODEL_TYPES = {
+    "llama": ("mistral", "mixtral"),
+    "command-r": ("cohere",),
+    "phi2": ("phi",),
+    "starcoder": ("gpt_bigcode",),
+    "deepseek2": ("deepseek_v2", "deepseek_v3"),
+}
+
+
 def _norm_type(s: str) -> str:
-    return s.lower().replace("_", "").replace("-", "")
+    """A ``model_type`` compared: case, ``_`` and ``-`` ignored, and a text-only config's
+    ``_text`` suffix (Gemma 3's ``gemma3_text`` is a ``gemma3`` model's language model)."""
+    s = s.lower().replace("_", "").replace("-", "")
+    return s[:-4] if s.endswith("text") and len(s) > 4 else s
+
+
+def same_model_type(made_for: str, served: str) -> bool:
+    """Whether a steer made for architecture ``made_for`` (a config's ``model_type``, or
+    llama.cpp's name in a GGUF's model hint) fits a model whose config says ``served``: equal
+    once normalised (:func:`_norm_type`), or ``made_for`` is llama.cpp's name for ``served``
+    (:data:`LLAMA_CPP_ARCH_MODEL_TYPES`; one way: the served name is always the config's)."""
+    a, b = _norm_type(made_for), _norm_type(served)
+    return a == b or any(_norm_type(k) == a and b in {_norm_type(t) for t in v}
+                         for k, v in LLAMA_CPP_ARCH_MODEL_TYPES.items())
 
 
 def model_fit_problems(meta: VectorMetadata, *, hidden_size: int, num_layers: int,
@@ -603,7 +628,7 @@ def model_fit_problems(meta: VectorMetadata, *, hidden_size: int, num_layers: in
     if meta.model_layers is not None and meta.model_layers != num_layers:
         reasons.append(f"the steer was made for a model of {meta.model_layers} decoder blocks "
                        f"but {model} has {num_layers}")
-    if meta.model_type and model_type and _norm_type(meta.model_type) != _norm_type(model_type):
+    if meta.model_type and model_type and not same_model_type(meta.model_type, model_type):
         reasons.append(f"the steer was made for a {meta.model_type!r} model but {model} is a "
                        f"{model_type!r} model")
     if meta.base_model and model_name and not same_model(meta.base_model, model_name):

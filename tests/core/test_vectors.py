@@ -225,6 +225,35 @@ def test_fit_against_model_names_both_sides():
         check_fits_model(m, "calm.gguf", hidden_size=32, num_layers=6)
 
 
+
+@pytest.mark.parametrize("hint, served", [
+    ("llama", "mistral"), ("llama", "mixtral"), ("command-r", "cohere"), ("phi2", "phi"),
+    ("starcoder", "gpt_bigcode"), ("deepseek2", "deepseek_v3"), ("gemma3", "gemma3_text"),
+    ("qwen2moe", "qwen2_moe"), ("gptneox", "gpt_neox"), ("LLaMA", "llama")])
+def test_llama_cpps_architecture_names_fit_the_models_they_convert(tmp_path, hint, served):
+    """llama.cpp's ``cvector-generator`` writes its own architecture name as the model hint
+    (a Mistral model's vectors say ``llama``): a file made from a Mistral GGUF fits Mistral;
+    the served config's ``model_type`` may be a text config's (``gemma3_text``)."""
+    p = tmp_path / "cv.gguf"
+    write_repeng_gguf(p, _dirs(range(1, 6)), model_hint=hint)
+    meta = load_gguf(p).metadata
+    assert meta.model_type == hint
+    assert model_fit_problems(meta, hidden_size=HIDDEN, num_layers=6, model_type=served) == []
+
+
+@pytest.mark.parametrize("hint, served", [("llama", "qwen2"), ("mistral", "llama"),
+                                          ("command-r", "cohere2"), ("phi2", "phi3"),
+                                          ("gemma3", "gemma2")])
+def test_other_architectures_are_still_refused(hint, served):
+    """The aliases are llama.cpp's names for the architectures it converts, read one way: a
+    file's ``llama`` fits a served Mistral, but a file made on Mistral does not fit a served
+    Llama (the served ``model_type`` is always the Hugging Face config's)."""
+    meta = make_vector_steer(_dirs(range(1, 6)), "v", model_type=hint).metadata
+    reasons = model_fit_problems(meta, hidden_size=HIDDEN, num_layers=6, model_type=served)
+    assert reasons == [f"the steer was made for a {hint!r} model but the model is a "
+                       f"{served!r} model"]
+
+
 def test_parse_layers():
     assert parse_layers("1-3,7") == [1, 2, 3, 7]
     assert parse_layers("all", 3) == [0, 1, 2]
