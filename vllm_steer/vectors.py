@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -167,7 +168,9 @@ def vector_metadata_problems(d: Any) -> list[str]:
         reasons.append(f"metadata {KIND_KEY}={_echo(file_kind(d))}, expected {KIND_VECTOR!r} "
                        "(an LM-Steer file is read with vllm_steer.format.load_steer)")
     layers = d.get("layers", [])
-    if not (isinstance(layers, list) and layers
+    if "layers" not in d:
+        pass  # named among the required keys
+    elif not (isinstance(layers, list) and layers
             and all(_is_int(k) and 0 <= k < MAX_LAYERS for k in layers)):
         reasons.append(f"metadata layers={_echo(layers)}, expected a non-empty list of block "
                        f"indices from 0 to {MAX_LAYERS - 1}")
@@ -326,16 +329,21 @@ def _check_vector_file(path: str) -> tuple[dict[str, Any], VectorMetadata]:
     names = [k for k in header if k != "__metadata__"]
     found = {direction_layer(k): k for k in names if direction_layer(k) is not None}
     unknown = [k for k in names if direction_layer(k) is None]
-    if not reasons:
-        want = list(d["layers"])
-        if sorted(found) != want:
-            reasons.append(f"the file's direction tensors are for blocks "
-                           f"{_ranges(sorted(found)) or 'none'} but the metadata lists "
-                           f"{_ranges(want)}")
-        for _k, name in sorted(found.items()):
-            if header[name]["shape"] != [d["hidden_size"]]:
-                reasons.append(f"{name} has shape {header[name]['shape']} but the metadata's "
-                               f"hidden size is {d['hidden_size']}")
+    # the tensors against what of the metadata can be read, whatever else is wrong with it
+    want = d.get("layers") if isinstance(d, dict) else None
+    if isinstance(want, list) and all(_is_int(k) for k in want) \
+            and sorted(found) != sorted(set(want)):
+        reasons.append(f"the file's direction tensors are for blocks "
+                       f"{_ranges(sorted(found)) or 'none'} but the metadata lists "
+                       f"{_ranges(sorted(set(want))) or 'none'}")
+    hidden = d.get("hidden_size") if isinstance(d, dict) else None
+    for _k, name in sorted(found.items()):
+        shape = header[name].get("shape")
+        if _is_int(hidden) and shape != [hidden]:
+            reasons.append(f"{name} has shape {shape} but the metadata's hidden size is "
+                           f"{hidden}")
+        elif not _is_int(hidden) and not (isinstance(shape, list) and len(shape) == 1):
+            reasons.append(f"{name} has shape {shape}, expected one dimension [hidden]")
     if reasons:
         raise VectorFileError(path, reasons)
     if unknown:
@@ -345,12 +353,17 @@ def _check_vector_file(path: str) -> tuple[dict[str, Any], VectorMetadata]:
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
-    """Whether the file starts with the GGUF magic."""
+    """Whether the file is read as a GGUF: it starts with the GGUF magic, or it is named
+    ``.gguf`` and does not start as a safetensors file does (an 8-byte header length, then
+    ``{``), so that an empty or truncated ``.gguf`` is refused as a GGUF."""
     try:
         with open(path, "rb") as f:
-            return f.read(4) == GGUF_MAGIC
+            head = f.read(9)
     except OSError:
         return False
+    if head[:4] == GGUF_MAGIC:
+        return True
+    return os.fspath(path).lower().endswith(GGUF_SUFFIX) and head[8:9] != b"{"
 
 
 def read_vector_metadata(path: str | os.PathLike) -> VectorMetadata:
@@ -410,7 +423,7 @@ def load_gguf(path: str | os.PathLike, name: str | None = None) -> VectorSteer:
     reader = _open_gguf(path)
     reasons: list[str] = []
     arch = _gguf_value(reader, GGUF_KEY_ARCH)
-    if arch != GGUF_ARCH:
+    if arch is not None and arch != GGUF_ARCH:  # absent: llama.cpp does not read it either
         reasons.append(f"{GGUF_KEY_ARCH} is {_echo(arch)}, expected {GGUF_ARCH!r} (a control "
                        "vector; this looks like another kind of GGUF, e.g. a model)")
     dirs = _gguf_directions(reader, reasons)
@@ -431,14 +444,21 @@ def _open_gguf(path: str):
     if not os.path.isfile(path):
         raise VectorFileError(path, ["no such file" if not os.path.exists(path)
                                      else "is not a file, expected a .gguf file"])
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != GGUF_MAGIC:
+        size = os.path.getsize(path)
+        raise VectorFileError(path, [f"file is {size} bytes and does not start with GGUF's "
+                                     f"magic {GGUF_MAGIC.decode()!r}: empty, truncated or not "
+                                     "a GGUF file"])
     try:
         import gguf
         return gguf.GGUFReader(path)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 -- corrupt files raise anything
-        raise VectorFileError(path, [f"not a readable GGUF file ({type(e).__name__}: "
-                                     f"{str(e)[:200]})"]) from None
+        raise VectorFileError(path, [f"not a readable GGUF file: truncated or corrupt "
+                                     f"({type(e).__name__}: {str(e)[:200]})"]) from None
 
 
 def _gguf_directions(reader, reasons: list[str]) -> dict:
@@ -475,9 +495,11 @@ def _gguf_tensor_problem(t, k: int | None, n: int, hidden: int | None, gguf) -> 
                 "llama.cpp requires")
     if t.tensor_type != gguf.GGMLQuantizationType.F32:
         return f"{t.name} has type {t.tensor_type.name}, expected F32 (as llama.cpp requires)"
-    if len([s for s in t.shape if int(s) != 1]) > 1 or not 1 <= n <= MAX_HIDDEN_SIZE:
-        return (f"{t.name} has shape {[int(s) for s in t.shape]}, expected one dimension "
-                f"[hidden] of 1 to {MAX_HIDDEN_SIZE}")
+    ne = [int(s) for s in t.shape]  # ggml's order; trailing 1s are no dimension to ggml
+    n_dims = max([i + 1 for i, x in enumerate(ne) if x != 1] or [1])
+    if n_dims != 1 or not 1 <= n <= MAX_HIDDEN_SIZE:
+        return (f"{t.name} has shape {ne} (ggml's order), expected one dimension [hidden] of "
+                f"1 to {MAX_HIDDEN_SIZE}, as llama.cpp requires")
     if k >= MAX_LAYERS:
         return f"{t.name}: block {k} is beyond the {MAX_LAYERS} blocks a vector steer may have"
     if hidden is not None and n != hidden:
@@ -498,10 +520,7 @@ def _gguf_metadata(reader, path: str, dirs: dict, name: str | None) -> dict:
     doc_raw = _gguf_value(reader, GGUF_KEY_METADATA)
     with open(path, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
-    keys = {}
-    for key, v in ((GGUF_KEY_MODEL_HINT, hint), (GGUF_KEY_LAYER_COUNT, count)):
-        if isinstance(v, (str, int, float)):
-            keys[key] = v
+    keys = _gguf_provenance_keys(reader)
     source = {"kind": "llama.cpp control-vector GGUF", "file": os.path.basename(path),
               "sha256": sha, "keys": keys}
     meta_kwargs: dict[str, Any] = {}
@@ -523,6 +542,31 @@ def _gguf_metadata(reader, path: str, dirs: dict, name: str | None) -> dict:
     elif name:
         meta_kwargs["name"] = name
     return meta_kwargs
+
+
+#: The most keys, and the longest text value, kept from a GGUF's keys as provenance.
+MAX_SOURCE_KEYS = 64
+MAX_SOURCE_TEXT = 1000
+
+
+def _gguf_provenance_keys(reader) -> dict[str, Any]:
+    """The GGUF's own keys, kept under ``source["keys"]`` when the vectors are converted (the
+    model hint, the layer count, and what other writers add: EasySteer's method, ...): every
+    key with a number, a boolean or a text of at most :data:`MAX_SOURCE_TEXT` characters, but
+    the reader's ``GGUF.*`` entries, the architecture and our own metadata; at most
+    :data:`MAX_SOURCE_KEYS`."""
+    keys: dict[str, Any] = {}
+    for key in reader.fields:
+        if key.startswith("GGUF.") or key in (GGUF_KEY_ARCH, GGUF_KEY_METADATA):
+            continue
+        v = _gguf_value(reader, key)
+        if isinstance(v, float) and not math.isfinite(v):
+            continue
+        if isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= MAX_SOURCE_TEXT):
+            keys[key] = v
+            if len(keys) == MAX_SOURCE_KEYS:
+                break
+    return keys
 
 
 def save_gguf(path: str | os.PathLike, vs: VectorSteer) -> None:

@@ -134,6 +134,60 @@ def test_gguf_f16_and_junk_refused(tmp_path):
         load_vector(tmp_path / "missing.gguf")
 
 
+def test_gguf_shapes_as_llama_cpp_reads_them(tmp_path):
+    """llama.cpp refuses a direction of more than one dimension (``ggml_n_dims``, which does
+    not count trailing dimensions of 1): ``[1, hidden]`` is refused, ``[hidden, 1]`` read."""
+    p = tmp_path / "shapes.gguf"
+    write_llamacpp_gguf(p, {1: _dirs([1])[1][:, None], 2: _dirs([2])[2][None, :]})
+    raw = gguf.GGUFReader(str(p))
+    assert [list(map(int, t.shape)) for t in raw.tensors] == [[1, HIDDEN], [HIDDEN, 1]]
+    with pytest.raises(VectorFileError) as e:
+        load_vector(p)
+    assert str(e.value).count("has shape") == 1
+    assert f"direction.1 has shape [1, {HIDDEN}] (ggml's order), expected one dimension" \
+        in str(e.value)
+    write_llamacpp_gguf(p, {2: _dirs([2])[2][None, :]})
+    assert load_vector(p).layers == [2]
+
+
+def test_short_or_truncated_gguf_said_so(tmp_path):
+    for size in (0, 3):
+        p = tmp_path / f"short{size}.gguf"
+        p.write_bytes(b"GGU"[:size])
+        with pytest.raises(VectorFileError, match=f"file is {size} bytes and does not start "
+                                                  "with GGUF's magic 'GGUF': empty, truncated"):
+            load_vector(p)
+    whole = tmp_path / "whole.gguf"
+    write_llamacpp_gguf(whole, _dirs([1, 2]))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[:-HIDDEN])
+    with pytest.raises(VectorFileError, match="not a readable GGUF file: truncated or corrupt"):
+        load_vector(cut)
+
+
+def test_gguf_keys_kept_and_no_architecture_read_as_llama_cpp_does(tmp_path):
+    """Every key of another writer is kept as provenance (EasySteer's method, its floats);
+    a file without ``general.architecture`` is read (llama.cpp does not read it)."""
+    w = gguf.GGUFWriter(str(tmp_path / "es.gguf"), "controlvector")
+    w.add_string("controlvector.model_hint", "qwen2")
+    w.add_string("controlvector.method", "diffmean")
+    w.add_uint32("controlvector.layer_count", 2)
+    w.add_float32("controlvector.n_samples", 10.0)
+    for k, v in _dirs([1, 2]).items():
+        w.add_tensor(f"direction.{k}", v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    keys = load_vector(tmp_path / "es.gguf").metadata.source["keys"]
+    assert keys == {"controlvector.model_hint": "qwen2", "controlvector.method": "diffmean",
+                    "controlvector.layer_count": 2, "controlvector.n_samples": 10.0}
+    raw = (tmp_path / "es.gguf").read_bytes()
+    (tmp_path / "noarch.gguf").write_bytes(raw.replace(b"general.architecture",
+                                                       b"general.architectura", 1))
+    assert load_vector(tmp_path / "noarch.gguf").layers == [1, 2]
+
+
 def test_gguf_writer_refuses_block_0(tmp_path):
     vs = make_vector_steer(_dirs([0, 1, 2]), "v0")
     with pytest.raises(VectorFileError, match=r"block 0, which llama.cpp refuses.*--layers 1-2"):
@@ -174,7 +228,16 @@ def test_our_vector_file_refusals_listed_at_once(tmp_path):
         load_vector(p)
     msg = str(e.value)
     assert "labels.harmful='both'" in msg and "recommended_strength=inf" in msg
-    # the tensors are compared with the layers only once the metadata is sound
+    # the tensors are compared with the layers in the same error
+    assert "tensors are for blocks 1-2 but the metadata lists 1,3" in msg
+    _rewrite_meta(p, lambda d: (d.pop("layers"), d.update(hidden_size=HIDDEN + 1)))
+    with pytest.raises(VectorFileError) as e:
+        load_vector(p)
+    msg = str(e.value)
+    assert "lacks required keys ['layers']" in msg and "layers=" not in msg  # said once
+    assert f"direction.1 has shape [{HIDDEN}] but the metadata's hidden size is {HIDDEN + 1}" \
+        in msg
+    _rewrite_meta(p, lambda d: d.update(layers=[1, 3], hidden_size=HIDDEN))
     _rewrite_meta(p, lambda d: d.update(labels={}, recommended_strength=None, model_layers=3))
     with pytest.raises(VectorFileError, match=r"layers include block 3 but model_layers=3"):
         load_vector(p)
