@@ -196,12 +196,16 @@ class SlotBank:
         ``load_id`` (the engine core's, unique per load). A steer of a kind applied inside the
         decoder layers (:mod:`vllm_steer.kinds`) takes no factor columns: its slot's columns
         are zeros (the head's op reads nothing there) and its vectors go to :attr:`layers`
-        (the worker's vector bank), which must exist."""
+        (the worker's vector bank), which must exist. Whatever the slot held before is
+        replaced whole: a steer of another kind leaves nothing of its own behind (the slot is
+        reused when a name is loaded again into its own slot, on an eviction, and once a
+        draining steer's last request finishes)."""
         from vllm_steer.kinds import AT_DECODER_LAYERS, kind_of
 
         if kind_of(steer).applied_at == AT_DECODER_LAYERS:
             self._put_layer_steer(bank_slot, load_id, name, steer)
             return
+        self._drop_layer_vectors(bank_slot)
         if not self.keeps_factors:  # no head here: the steer is known, its factors are not kept
             self.steers[bank_slot] = steer.to(device="cpu")
             self.load_ids[bank_slot] = load_id
@@ -255,13 +259,18 @@ class SlotBank:
 
         return [j for j, st in enumerate(self.steers) if st is not None and applied_in_layers(st)]
 
-    def drop(self, bank_slot: int) -> None:
-        """Empty ``bank_slot``."""
+    def _drop_layer_vectors(self, bank_slot: int) -> None:
+        """Zero ``bank_slot``'s vectors in the decoder layers' bank when it holds a steer
+        applied there (the layers would otherwise go on adding them)."""
         if self.layers is not None and self.steers[bank_slot] is not None:
             from vllm_steer.kinds import applied_in_layers
 
             if applied_in_layers(self.steers[bank_slot]):
                 self.layers.drop(bank_slot)
+
+    def drop(self, bank_slot: int) -> None:
+        """Empty ``bank_slot``."""
+        self._drop_layer_vectors(bank_slot)
         self.steers[bank_slot] = None
         self.load_ids[bank_slot] = 0
         self.names[bank_slot] = None

@@ -87,6 +87,38 @@ def test_a_test_only_kind_is_served_by_the_bank_the_mapping_and_the_blocks_op(tm
     assert not layers.token_coefs.any()
 
 
+
+@pytest.mark.parametrize("keeps_factors", [True, False])
+def test_a_slot_reused_by_another_kind_keeps_nothing_of_the_old_steer(keeps_factors):
+    """A slot that held a vector steer takes an LM-Steer without being emptied first (a name
+    loaded again into its own slot, an eviction, a draining slot reaped): a request on the new
+    steer gets nothing added in the decoder blocks, where the old vector was; the other way
+    round, the new vector's slot has no factors. ``keeps_factors=False``: a pipeline stage
+    with decoder blocks and no LM head."""
+    bank = SlotBank(2, 16, reserve_rank=2)
+    bank.keeps_factors = keeps_factors
+    layers = LayerVectors([0], 1, 2, 16, max_tokens=4, device=torch.device("cpu"))
+    bank.layers = layers
+    bank.put(1, 3, "x", make_vector_steer({0: torch.linspace(-1, 1, 16)}, "x"))
+    lm = random_steer(16, 2, "x", seed=0)
+    bank.put(1, 4, "x", lm)  # the same slot, another kind, never dropped
+    assert bank.layer_slots() == []
+    slots = RequestSlots(2)
+    slots.ensure(2, torch.device("cpu"))
+    row, problems = bank.coef_row({"x": (1, 4)}, {"x": 3.0})
+    assert not problems
+    slots.set(0, np.asarray(row, dtype=np.float32), None, bank)
+    slots.flush()
+    TokenCoefs(layers, slots).build(np.array([0, 1]), np.array([2, 1]), None)
+    h = torch.randn(3, 16)
+    assert torch.equal(add_to_block_output(h, layers.token_coefs, layers.block_vectors(0)), h)
+    assert not layers.vectors.any()
+    if keeps_factors:
+        assert int(bank.widths[1]) == 2
+        bank.put(1, 5, "y", make_vector_steer({0: torch.ones(16)}, "y"))  # and back
+        assert int(bank.widths[1]) == 0 and not bank.p1.any() and bank.layer_slots() == [1]
+
+
 def test_unregistered_kinds_fall_back_to_lm_steer_s_reader(tmp_path):
     path = tmp_path / f"b{bias_kind.SUFFIX}"
     bias_kind.save(path, "b", 1, [1.0, 2.0])

@@ -9,6 +9,8 @@ an LM-Steer steer, plus run-time loads.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -142,6 +144,40 @@ def test_a_vector_loaded_and_unloaded_at_run_time_is_served_and_listed(llm, ref,
     offline.unload_steer(llm, "late")
     with pytest.raises(Exception, match="late"):
         llm.generate(PROMPTS[:1], [_sp({"late": 0.7})], use_tqdm=False)
+
+
+
+def test_an_lm_steer_loaded_into_a_vector_s_slot_gets_nothing_of_the_vector(llm, ref, files,
+                                                                            tmp_path):
+    """A full bank: a name held by a vector steer is loaded again with an LM-Steer file, into
+    its own slot. The new steer's requests get no vector in the decoder blocks, and neither do
+    the unsteered requests that share their prefix cache (LM-Steer mixes are not salted)."""
+    from vllm_steer import offline
+
+    paths, _, _ = files
+    big = tmp_path / "big.safetensors"
+    save_vector(big, make_vector_steer(_vec(9, [0, 1], scale=10.0), "big"))
+    lm2 = random_steer(64, 8, "swap", seed=6, scale=3.0)
+    save_steer(tmp_path / "swap.safetensors", lm2)
+    room = 8 - len(offline.list_steers(llm)) - 1  # --max-steers 8: all but one slot
+    fillers = [f"fill{i}" for i in range(room)]
+    for n in fillers:
+        offline.load_steer(llm, n, paths["lm"])
+    try:
+        assert offline.load_steer(llm, "swap", str(big))["kind"] == "vector"
+        assert len(offline.list_steers(llm)) == 8  # full: the next load takes its own slot
+        llm.generate([LONG_PROMPT], [_sp({"swap": 0.5})], use_tqdm=False)
+        assert offline.load_steer(llm, "swap", str(tmp_path / "swap.safetensors"))["kind"] \
+            == "lm-steer"
+        ref.steers["swap"] = lm2
+        ref.check_generate(llm, [LONG_PROMPT], [{"swap": 3.0}], MAX_TOKENS, changed=(0,))
+        plain = ref.check_generate(llm, [LONG_PROMPT], [None], MAX_TOKENS)[0]
+        assert plain.num_cached_tokens > 0  # from the LM-Steer request's blocks
+    finally:
+        ref.steers.pop("swap", None)
+        for n in [*fillers, "swap"]:
+            with contextlib.suppress(offline.SteerLoadError):  # "swap": if its load failed
+                offline.unload_steer(llm, n)
 
 
 def test_a_vector_for_another_model_is_refused_naming_both_sides(llm, files, tmp_path):
