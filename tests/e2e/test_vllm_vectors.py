@@ -131,6 +131,41 @@ def test_a_generation_window_on_a_vector_follows_each_token(llm, ref):
     assert list(outs[0].outputs[0].token_ids) != list(outs[1].outputs[0].token_ids)
 
 
+
+def test_a_later_turn_under_the_same_window_reuses_no_block_computed_at_other_strengths(
+        llm, ref):
+    """Turn 2's prompt is turn 1's prompt and reply, under the same window: the reply's
+    tokens were computed at the window's strengths in turn 1 and are prompt tokens, at the
+    base strength, in turn 2. Turn 2 equals the reference, token and logprob, although its
+    prompt starts with turn 1's cached blocks; the same prompt again reuses its own."""
+    from vllm.inputs import TokensPrompt
+
+    win = {"strength": 1.0, "start": 3, "end": 10, "base": 0.0}
+    p1 = llm.get_tokenizer()(LONG_PROMPT)["input_ids"][:40]
+    t1 = llm.generate([TokensPrompt(prompt_token_ids=p1)], [_sp({"calm": win}, max_tokens=30)],
+                      use_tqdm=False)[0]
+    p2 = p1 + list(t1.outputs[0].token_ids)  # two blocks of 32 and more
+    t2 = llm.generate([TokensPrompt(prompt_token_ids=p2)], [_sp({"calm": win})],
+                      use_tqdm=False)[0]
+
+    def at(t):  # the window's strength at generated token t (t < 0: a prompt token's row)
+        return win["strength"] if win["start"] <= t < win["end"] else win["base"]
+
+    # under a window a prompt of another length reads none of turn 1's blocks (served from
+    # them, turn 2's first token was wrong: its reply's tokens at the window's strengths)
+    assert t2.num_cached_tokens == 0
+    ids = list(p2)
+    for tok, entry in zip(t2.outputs[0].token_ids, t2.outputs[0].logprobs, strict=True):
+        lp = ref.logprobs(ids, {"calm": [at(p + 1 - len(p2)) for p in range(len(ids))]})[-1]
+        assert tok == int(lp.argmax()), len(ids) - len(p2)
+        assert entry[tok].logprob == pytest.approx(lp[tok].item(), abs=2e-3), len(ids) - len(p2)
+        ids.append(tok)
+    t3 = llm.generate([TokensPrompt(prompt_token_ids=p2)], [_sp({"calm": win})],
+                      use_tqdm=False)[0]
+    assert t3.num_cached_tokens >= 64  # the same prompt under the same window: its blocks
+    assert t3.outputs[0].token_ids == t2.outputs[0].token_ids
+
+
 def test_a_vector_loaded_and_unloaded_at_run_time_is_served_and_listed(llm, ref, files):
     from vllm_steer import offline
 

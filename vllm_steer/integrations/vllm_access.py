@@ -265,6 +265,11 @@ def cache_salt(request) -> str | None:
     return getattr(request, "cache_salt", None)
 
 
+def prompt_tokens(request) -> int:
+    """An engine-core ``Request``'s prompt length in tokens."""
+    return request.num_prompt_tokens
+
+
 def resalt_request(request, salt: str) -> None:
     """Give an engine-core ``Request`` a new ``cache_salt`` and compute its block hashes again
     (vLLM computed them from the old salt when it made the request; the hasher continues
@@ -953,6 +958,8 @@ ACCESSES: tuple[Access, ...] = (
            sets=(f"{_PARAMS}.extra_args",)),
     Access(cache_salt, "the prefix cache salted by a request's vector mix", ENGINE,
            reads=("vllm.v1.request:Request.cache_salt",)),
+    Access(prompt_tokens, "the prefix cache salted by a windowed vector mix's prompt length",
+           ENGINE, reads=("vllm.v1.request:Request.num_prompt_tokens",)),
     Access(resalt_request, "the prefix cache salted by a request's vector mix", ENGINE,
            reads=("vllm.v1.request:Request.block_hashes",
                   "vllm.v1.request:Request.update_block_hashes"),

@@ -19,7 +19,7 @@ from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.engine.management import in_use_by_requests, load_steer_file
 from vllm_steer.integrations.engine.state import engine_state
 from vllm_steer.integrations.protocol import SOURCE_STEER_DIR, count_problem, steer_dir_file
-from vllm_steer.request import (BOUND_KEY, BoundSteer, SteerRequest, SteerRequestError,
+from vllm_steer.request import (BOUND_KEY, BoundSteer, SteerRequest, SteerRequestError, Window,
                                  refusal_reason)
 
 
@@ -100,17 +100,25 @@ def bind_request(core, request) -> None:
 SALT_PREFIX = "vllm-steer-layers:"
 
 
-def layer_mix(reg, bound) -> str:
+def layer_mix(reg, bound, prompt_tokens: int) -> str:
     """The request's mix of decoder-layer steers (vector steers), as a stable string: each
     steer's name, load id and value (a strength or a window), in name order; empty when it
     has none. LM-Steer steers are left out: they change only the sampled rows, never the keys
-    and values, so their requests keep sharing the prefix cache."""
+    and values, so their requests keep sharing the prefix cache. With a generation window
+    the prompt's length too: a token's strength is the window's at the generated token its
+    row samples, so the same tokens under the same window are computed at other strengths
+    after a prompt of another length (a later turn of a chat reads its earlier reply's
+    tokens as prompt, at the base strength)."""
     parts = []
+    windowed = False
     for b in sorted(bound, key=lambda b: b.name):
         entry = reg.slots[b.bank_slot] if 0 <= b.bank_slot < len(reg.slots) else None
         if entry is None or entry.kind == "lm-steer" or not b.strength:
             continue
         parts.append(f"{b.name}#{b.load_id}={b.value!r}")
+        windowed = windowed or (isinstance(b.value, Window) and b.value.strength != b.value.base)
+    if windowed:
+        parts.append(f"@prompt={prompt_tokens}")
     return ";".join(parts)
 
 
@@ -120,7 +128,7 @@ def salt_prefix_cache(request, reg, bound) -> None:
     block hashes include), so that a prefix cached under one mix is never reused by a request
     with another mix, nor by an unsteered one. The request's own salt is kept in front. The
     block hashes vLLM computed when it made the request are computed again."""
-    mix = layer_mix(reg, bound)
+    mix = layer_mix(reg, bound, va.prompt_tokens(request))
     if not mix:
         return
     import hashlib
