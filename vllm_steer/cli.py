@@ -86,6 +86,16 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: {shown.replace('%', '%%')})"
 
 
+def os_error_text(e: OSError) -> str:
+    """An ``OSError`` as one line: ``FILE: reason`` (``[Errno 21] Is a directory: 'x'`` reads
+    ``x: Is a directory``), or its own message when it names no file."""
+    if e.strerror and e.filename is not None:
+        names = [os.fsdecode(e.filename)] + ([os.fsdecode(e.filename2)]
+                                             if e.filename2 is not None else [])
+        return f"{' -> '.join(names)}: {e.strerror}"
+    return e.strerror or str(e)
+
+
 def walk_parsers(parser: argparse.ArgumentParser):
     """``parser`` and every sub-command parser below it."""
     yield parser
@@ -143,8 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `vllm-steer info FILE | head`: the reader stopped, as for `cat`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
         return 1
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, RuntimeError) as e:
         print(f"vllm-steer {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a file that cannot be read or written: which one, and why
+        print(f"vllm-steer {args.command}: error: {os_error_text(e)}", file=sys.stderr)
         return 1
 
 

@@ -89,3 +89,16 @@ def test_a_reader_that_stops_early_gets_no_traceback():
     err = p.stderr.read()
     assert p.wait(timeout=120) == 1
     assert err == "", err
+
+
+def test_an_os_error_is_one_line_naming_the_file(capsys, monkeypatch):
+    """An OSError a command lets through ends as ``vllm-steer CMD: error: FILE: why`` with
+    exit status 1, not a traceback."""
+    import vllm_steer.cli as cli
+
+    def fails(args):
+        raise IsADirectoryError(21, "Is a directory", "some/dir")
+
+    monkeypatch.setattr(cli, "_cmd_info", fails)
+    assert main(["info", "x"]) == 1
+    assert capsys.readouterr().err == "vllm-steer info: error: some/dir: Is a directory\n"
