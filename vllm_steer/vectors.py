@@ -566,8 +566,9 @@ def is_gguf_name(path: str | os.PathLike) -> bool:
 
 
 def save_any(path: str | os.PathLike, vs: VectorSteer) -> None:
-    """Write ``vs`` as GGUF (``.gguf``) or as our safetensors file (any other suffix)."""
-    if os.fspath(path).endswith(GGUF_SUFFIX):
+    """Write ``vs`` as GGUF (``.gguf``, in any case) or as our safetensors file (any other
+    suffix)."""
+    if is_gguf_name(path):
         save_gguf(path, vs)
     else:
         save_vector(path, vs)
