@@ -58,10 +58,15 @@ def _cmd_info(args) -> int:
     return 0
 
 
+#: A help text that says its flag's default: the word "default", but not someone else's
+#: ("repeng's default", "the paper's default" say where a value comes from).
+STATES_DEFAULT = r"(?<!'s )\bdefault\b"
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Descriptions of several lines as written (one-line ones wrapped); every option's help
     ends with its default, once: appended unless the help already says it (or there is no
-    default worth saying: None, False, an empty list)."""
+    default worth saying: None, False, an empty list; a default of 0 is said)."""
 
     def _format_args(self, action, default_metavar):
         if getattr(action, "comma_list", False):  # shown in its one documented form
@@ -76,8 +81,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action):
         text = action.help or ""
         default = action.default
-        if ("%(default)" in text or re.search(r"\bdefault\b", text, re.I)
-                or default in (None, False, argparse.SUPPRESS) or default == []
+        if ("%(default)" in text or re.search(STATES_DEFAULT, text, re.I)
+                or default is None or default is False or default == argparse.SUPPRESS
+                or default == []
                 or not action.option_strings):
             return text
         shown = (",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in default)

@@ -122,7 +122,7 @@ def add_commands(subparsers) -> None:
                            "positive and negative texts paired (no steps)")
     kind.add_argument("--method", choices=["pca", "caa"], default=VectorConfig.method,
                       help="--kind vector: pca = first principal component of the paired "
-                           "differences (repeng's default), caa = their mean")
+                           "differences (as repeng makes them), caa = their mean")
     kind.add_argument("--layers", default=None, metavar="SPEC",
                       help="--kind vector: decoder blocks (0-based), e.g. 1-29, 5,10,12-14 or "
                            "all (default: every block but 0, what llama.cpp can steer)")
@@ -155,7 +155,7 @@ def add_commands(subparsers) -> None:
                      help="probability that a text is trained without the domain steer, so "
                           "that the steer also works alone as served (0 = the paper's recipe)")
     rec.add_argument("--regularization", type=float, default=d.regularization,
-                     help="L2 penalty on the factors (0 = off, the paper's default)")
+                     help="L2 penalty on the factors (0 = off, as in the paper)")
     rec.add_argument("--max-length", type=int, default=d.max_length,
                      help="tokens per text; longer texts are truncated (counted, reported)")
     rec.add_argument("--seed", type=int, default=d.seed,
@@ -183,7 +183,10 @@ def add_commands(subparsers) -> None:
                      help="steps between dev-loss evaluations (0 = only at the end)")
     rec.add_argument("--check-strengths", nargs="+", action=StrengthList,
                      default=list(d.check_strengths), metavar="S,S,...",
-                     help="strengths of the final dev check (+-s versus 0), comma-separated")
+                     help="strengths of the final dev check (+-s versus 0), comma-separated "
+                          f"(default: {','.join(f'{v:g}' for v in d.check_strengths)}; for "
+                          "--kind vector: fractions 0.01, 0.02, 0.03, 0.05, 0.1 of one mean "
+                          "difference per block)")
     rec.add_argument("--fluency-budget", type=float, default=d.fluency_budget,
                      help="nats/token the steered-towards dev texts may lose at the "
                           "recommended strength (the largest check strength within it)")
@@ -198,7 +201,8 @@ def add_commands(subparsers) -> None:
     out.add_argument("--negative-means", help="what negative strengths move towards")
     out.add_argument("--recommended-strength", type=float, default=None,
                      help="recorded in the metadata (default: measured, see "
-                          "--fluency-budget; 5, the paper's, when there is no dev set)")
+                          "--fluency-budget; with no dev set, 5 (the paper's) for an LM-Steer "
+                          "and none for --kind vector)")
     out.add_argument("--checkpoint-dir", help="default: OUT.ckpt")
     out.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                      help="steps between checkpoints (0 = none)")
