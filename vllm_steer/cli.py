@@ -58,10 +58,15 @@ def _cmd_info(args) -> int:
     return 0
 
 
+#: A help text that says its flag's default: the word "default", but not someone else's
+#: ("repeng's default", "the paper's default" say where a value comes from).
+STATES_DEFAULT = r"(?<!'s )\bdefault\b"
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Descriptions of several lines as written (one-line ones wrapped); every option's help
     ends with its default, once: appended unless the help already says it (or there is no
-    default worth saying: None, False, an empty list)."""
+    default worth saying: None, False, an empty list; a default of 0 is said)."""
 
     def _format_args(self, action, default_metavar):
         if getattr(action, "comma_list", False):  # shown in its one documented form
@@ -76,14 +81,25 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action):
         text = action.help or ""
         default = action.default
-        if ("%(default)" in text or re.search(r"\bdefault\b", text, re.I)
-                or default in (None, False, argparse.SUPPRESS) or default == []
+        if ("%(default)" in text or re.search(STATES_DEFAULT, text, re.I)
+                or default is None or default is False or default == argparse.SUPPRESS
+                or default == []
                 or not action.option_strings):
             return text
         shown = (",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in default)
                  if isinstance(default, (list, tuple)) else
                  f"{default:g}" if isinstance(default, float) else str(default))
         return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+def os_error_text(e: OSError) -> str:
+    """An ``OSError`` as one line: ``FILE: reason`` (``[Errno 21] Is a directory: 'x'`` reads
+    ``x: Is a directory``), or its own message when it names no file."""
+    if e.strerror and e.filename is not None:
+        names = [os.fsdecode(e.filename)] + ([os.fsdecode(e.filename2)]
+                                             if e.filename2 is not None else [])
+        return f"{' -> '.join(names)}: {e.strerror}"
+    return e.strerror or str(e)
 
 
 def walk_parsers(parser: argparse.ArgumentParser):
@@ -143,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `vllm-steer info FILE | head`: the reader stopped, as for `cat`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
         return 1
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, RuntimeError) as e:
         print(f"vllm-steer {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a file that cannot be read or written: which one, and why
+        print(f"vllm-steer {args.command}: error: {os_error_text(e)}", file=sys.stderr)
         return 1
 
 

@@ -29,7 +29,7 @@ import os
 import struct
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -602,6 +602,52 @@ def check_steer(steer: Steer, path: str = "<memory>") -> None:
         raise SteerFileError(path, reasons)
 
 
+class OutputPathError(ValueError):
+    """A file cannot be written at the path given; the message names the path, why, and
+    what to give instead."""
+
+
+def output_path_problem(path: str, suffix: str = FILE_SUFFIX) -> str | None:
+    """Why no file can be written at ``path`` (None: nothing against it before writing): an
+    empty path, a directory (or a path ending in ``/``), or a path below a file."""
+    if not path:
+        return f"no file name given: give one, e.g. NAME{suffix}"
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        return (f"{path!r} is a directory, not a file: give a file name in it, e.g. "
+                f"{os.path.join(path, 'NAME' + suffix)}")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(parent):  # the nearest folder above that exists
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return (f"cannot write {path!r}: {parent} is not a directory, so no file can be "
+                "written below it; give a path in a directory")
+    return None
+
+
+def write_atomically(path: str, write: Callable[[str], None], suffix: str = FILE_SUFFIX
+                     ) -> None:
+    """Write ``path`` whole or not at all: ``write(tmp)`` writes ``path + ".tmp"``, which is
+    then renamed onto ``path``. A path that cannot be a file is refused first
+    (:class:`OutputPathError`, naming it); on any failure the temporary file is removed and an
+    ``OSError`` says which file could not be written and why."""
+    problem = output_path_problem(path, suffix)
+    if problem:
+        raise OutputPathError(problem)
+    tmp = path + ".tmp"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError) and e.errno is not None:
+            raise type(e)(e.errno, f"cannot write {path!r} ({e.strerror})") from e
+        raise
+
+
 _TORCH_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -622,10 +668,8 @@ def save_steer(path: str | os.PathLike, steer: Steer) -> None:
         tensors[TENSOR_DOMAIN_P1] = steer.domain_p1
         tensors[TENSOR_DOMAIN_P2] = steer.domain_p2
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    save_file(tensors, tmp, metadata={METADATA_KEY: meta.to_json(), "format": "pt"})
-    os.replace(tmp, path)
+    write_atomically(path, lambda tmp: save_file(
+        tensors, tmp, metadata={METADATA_KEY: meta.to_json(), "format": "pt"}))
 
 
 def load_steer(path: str | os.PathLike, device=None, dtype=None) -> Steer:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_steer.format import (FORMAT_NAME, FORMAT_VERSION, KIND_KEY, KIND_VECTOR,
                                MAX_HIDDEN_SIZE, METADATA_KEY, SteerFileError,
                                TENSOR_DIRECTION_PREFIX, _echo, _is_int, common_metadata_problems,
-                               file_kind, read_document)
+                               file_kind, read_document, write_atomically)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -314,10 +314,8 @@ def save_vector(path: str | os.PathLike, vs: VectorSteer) -> None:
     check_vector_steer(vs, path)
     tensors = {direction_name(k): v.detach().to("cpu").float().contiguous()
                for k, v in sorted(vs.directions.items())}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    save_file(tensors, tmp, metadata={METADATA_KEY: vs.metadata.to_json(), "format": "pt"})
-    os.replace(tmp, path)
+    write_atomically(path, lambda tmp: save_file(
+        tensors, tmp, metadata={METADATA_KEY: vs.metadata.to_json(), "format": "pt"}))
 
 
 def _check_vector_file(path: str) -> tuple[dict[str, Any], VectorMetadata]:
@@ -586,26 +584,35 @@ def save_gguf(path: str | os.PathLike, vs: VectorSteer) -> None:
             f"(--layers 1-{max(vs.layers)})" if max(vs.layers) > 0 else
             "the steer's only vector is for block 0, which llama.cpp refuses"])
     meta = vs.metadata
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    w = gguf.GGUFWriter(tmp, GGUF_ARCH)
-    if meta.model_type:
-        w.add_string(GGUF_KEY_MODEL_HINT, meta.model_type)
-    w.add_uint32(GGUF_KEY_LAYER_COUNT, len(vs.directions))
-    w.add_string(GGUF_KEY_METADATA, meta.to_json())
-    for k in vs.layers:
-        w.add_tensor(direction_name(k), vs.directions[k].detach().cpu().float().numpy()
-                     .astype(np.float32, copy=False))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
+
+    def write(tmp: str) -> None:
+        w = gguf.GGUFWriter(tmp, GGUF_ARCH)
+        try:
+            if meta.model_type:
+                w.add_string(GGUF_KEY_MODEL_HINT, meta.model_type)
+            w.add_uint32(GGUF_KEY_LAYER_COUNT, len(vs.directions))
+            w.add_string(GGUF_KEY_METADATA, meta.to_json())
+            for k in vs.layers:
+                w.add_tensor(direction_name(k), vs.directions[k].detach().cpu().float().numpy()
+                             .astype(np.float32, copy=False))
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        finally:
+            w.close()
+
+    write_atomically(path, write, GGUF_SUFFIX)
+
+
+def is_gguf_name(path: str | os.PathLike) -> bool:
+    """Whether a file name asks for llama.cpp's GGUF: it ends in ``.gguf``, in any case."""
+    return os.fspath(path).lower().endswith(GGUF_SUFFIX)
 
 
 def save_any(path: str | os.PathLike, vs: VectorSteer) -> None:
-    """Write ``vs`` as GGUF (``.gguf``) or as our safetensors file (any other suffix)."""
-    if os.fspath(path).endswith(GGUF_SUFFIX):
+    """Write ``vs`` as GGUF (``.gguf``, in any case) or as our safetensors file (any other
+    suffix)."""
+    if is_gguf_name(path):
         save_gguf(path, vs)
     else:
         save_vector(path, vs)

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from vllm_steer.cli import HelpFormatter, build_parser, main, walk_parsers
+from vllm_steer.cli import STATES_DEFAULT, HelpFormatter, build_parser, main, walk_parsers
 
 
 def _help_problems(parser: argparse.ArgumentParser) -> list[str]:
@@ -23,9 +23,9 @@ def _help_problems(parser: argparse.ArgumentParser) -> list[str]:
                 problems.append(f"{q.prog} {name}: no help text")
                 continue
             text = fmt._expand_help(a)
-            n = len(re.findall(r"\bdefault\b", text, re.I))
-            meaningful = a.option_strings and a.default not in (None, False, [],
-                                                                argparse.SUPPRESS)
+            n = len(re.findall(STATES_DEFAULT, text, re.I))  # "repeng's default" says none
+            meaningful = a.option_strings and not (a.default is None or a.default is False
+                                                   or a.default in ([], argparse.SUPPRESS))
             if n > 1 or (meaningful and n == 0):
                 problems.append(f"{q.prog} {name}: the default is shown {n} times: {text!r}")
     return problems
@@ -43,10 +43,17 @@ def test_help_check_catches_missing_help_and_a_default_shown_twice():
     assert _help_problems(p) == []
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--rank", type=int, default=16, help="rank (default 16)")
+    p.add_argument("--method", default="pca", help="pca (repeng's default)")
+    p.add_argument("--l2", type=float, default=0.0, help="penalty")
+    p.formatter_class = argparse.HelpFormatter
+    got = _help_problems(p)
+    assert got == ["x --steps: the default is shown 0 times: 'optimiser steps'",
+                   "x --lr: no help text", "x --method: the default is shown 0 times: "
+                   "\"pca (repeng's default)\"", "x --l2: the default is shown 0 times: "
+                   "'penalty'"], got
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     got = _help_problems(p)
-    assert got[0] == "x --lr: no help text" and got[1].startswith(
-        "x --rank: the default is shown 2 times"), got
+    assert got[1].startswith("x --rank: the default is shown 2 times"), got
 
 
 def test_the_help_shows_each_default_and_points_to_vllm_serve(capsys):
@@ -115,3 +122,32 @@ def test_info_refuses_a_file_that_serving_refuses(tmp_path, capsys, shipped):
     out, err = capsys.readouterr()
     assert out == ""
     assert err.startswith("vllm-steer info: error: ") and "NaN" in err and name in err, err
+
+
+def test_an_os_error_is_one_line_naming_the_file(capsys, monkeypatch):
+    """An OSError a command lets through ends as ``vllm-steer CMD: error: FILE: why`` with
+    exit status 1, not a traceback."""
+    import vllm_steer.cli as cli
+
+    def fails(args):
+        raise IsADirectoryError(21, "Is a directory", "some/dir")
+
+    monkeypatch.setattr(cli, "_cmd_info", fails)
+    assert main(["info", "x"]) == 1
+    assert capsys.readouterr().err == "vllm-steer info: error: some/dir: Is a directory\n"
+
+
+def test_train_help_says_each_kinds_defaults(capsys):
+    """``--method`` shows its default although its help names repeng's; a vector steer's
+    check strengths and its recorded strength without a dev set are said, not the
+    LM-Steer's alone."""
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"--method \{pca,caa\} .*? caa = their mean \(default: pca\)", out), out
+    assert ("--check-strengths S,S,... strengths of the final dev check (+-s versus 0), "
+            "comma-separated (default: 1,2,3,5,10; for --kind vector: fractions 0.01, 0.02, "
+            "0.03, 0.05, 0.1 of one mean difference per block)") in out
+    assert ("(default: measured, see --fluency-budget; with no dev set, 5 (the paper's) for "
+            "an LM-Steer and none for --kind vector)") in out
+    assert re.search(r"--regularization REGULARIZATION .*? \(default: 0\)", out)

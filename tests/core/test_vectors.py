@@ -468,3 +468,25 @@ def test_mutated_files_load_or_are_refused(tmp_path, kind):
                    for v in got.directions.values())
         assert sorted(got.directions) == got.metadata.layers
     assert outcomes["refused"] > 50
+
+
+@pytest.mark.parametrize("save", [save_vector, save_gguf, "steer"])
+def test_writers_refuse_a_path_that_cannot_be_a_file_and_leave_nothing(tmp_path, save):
+    """Every writer refuses a directory (or a name ending in /) and a path below a file,
+    naming the path, before writing: no ``OUT.tmp`` or ``OUT/.tmp`` is left behind."""
+    from vllm_steer.format import OutputPathError
+
+    if save == "steer":
+        def save(p, _):
+            save_steer(p, make_steer(torch.randn(HIDDEN, 2), torch.randn(HIDDEN, 2), "s"))
+    vs = make_vector_steer(_dirs([1, 2]), "v")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_text("x")
+    for out, says in ((tmp_path / "d", "is a directory, not a file"),
+                      (f"{tmp_path / 'd'}/", "is a directory, not a file"),
+                      (tmp_path / "f" / "x.bin", f"{tmp_path / 'f'} is not a directory")):
+        with pytest.raises(OutputPathError, match=f"{str(out)!r}.*{says}|{says}") as e:
+            save(out, vs)
+        assert str(out) in str(e.value)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["d", "f"]
+    assert (tmp_path / "f").read_text() == "x"

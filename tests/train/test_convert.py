@@ -178,7 +178,7 @@ def test_unreadable_inputs_get_one_line_and_a_nonzero_exit(tmp_path, capsys):
     steer = tmp_path / "s.safetensors"
     assert main(["convert", str(good), "--out", str(steer), "--unsafe-allow-pickle"]) == 0
     capsys.readouterr()
-    assert "already a safetensors file" in _one_line_error(
+    assert "already an LM-Steer file in this project's format" in _one_line_error(
         capsys, ["convert", str(steer), "--out", str(tmp_path / "y.safetensors"),
                  "--unsafe-allow-pickle"])
 

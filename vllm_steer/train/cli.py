@@ -122,7 +122,7 @@ def add_commands(subparsers) -> None:
                            "positive and negative texts paired (no steps)")
     kind.add_argument("--method", choices=["pca", "caa"], default=VectorConfig.method,
                       help="--kind vector: pca = first principal component of the paired "
-                           "differences (repeng's default), caa = their mean")
+                           "differences (as repeng makes them), caa = their mean")
     kind.add_argument("--layers", default=None, metavar="SPEC",
                       help="--kind vector: decoder blocks (0-based), e.g. 1-29, 5,10,12-14 or "
                            "all (default: every block but 0, what llama.cpp can steer)")
@@ -155,7 +155,7 @@ def add_commands(subparsers) -> None:
                      help="probability that a text is trained without the domain steer, so "
                           "that the steer also works alone as served (0 = the paper's recipe)")
     rec.add_argument("--regularization", type=float, default=d.regularization,
-                     help="L2 penalty on the factors (0 = off, the paper's default)")
+                     help="L2 penalty on the factors (0 = off, as in the paper)")
     rec.add_argument("--max-length", type=int, default=d.max_length,
                      help="tokens per text; longer texts are truncated (counted, reported)")
     rec.add_argument("--seed", type=int, default=d.seed,
@@ -183,7 +183,10 @@ def add_commands(subparsers) -> None:
                      help="steps between dev-loss evaluations (0 = only at the end)")
     rec.add_argument("--check-strengths", nargs="+", action=StrengthList,
                      default=list(d.check_strengths), metavar="S,S,...",
-                     help="strengths of the final dev check (+-s versus 0), comma-separated")
+                     help="strengths of the final dev check (+-s versus 0), comma-separated "
+                          f"(default: {','.join(f'{v:g}' for v in d.check_strengths)}; for "
+                          "--kind vector: fractions 0.01, 0.02, 0.03, 0.05, 0.1 of one mean "
+                          "difference per block)")
     rec.add_argument("--fluency-budget", type=float, default=d.fluency_budget,
                      help="nats/token the steered-towards dev texts may lose at the "
                           "recommended strength (the largest check strength within it)")
@@ -198,7 +201,8 @@ def add_commands(subparsers) -> None:
     out.add_argument("--negative-means", help="what negative strengths move towards")
     out.add_argument("--recommended-strength", type=float, default=None,
                      help="recorded in the metadata (default: measured, see "
-                          "--fluency-budget; 5, the paper's, when there is no dev set)")
+                          "--fluency-budget; with no dev set, 5 (the paper's) for an LM-Steer "
+                          "and none for --kind vector)")
     out.add_argument("--checkpoint-dir", help="default: OUT.ckpt")
     out.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                      help="steps between checkpoints (0 = none)")
@@ -342,6 +346,7 @@ def cmd_train_vector(args) -> int:
 def cmd_train(args) -> int:
     from vllm_steer.train.trainer import train_steer
 
+    check_outs(args.out)
     if args.kind == "vector":
         return cmd_train_vector(args)
     given = _set_flags(args, VECTOR_ONLY)
@@ -389,9 +394,37 @@ def _is_vector_input(path: str) -> bool:
     return file_kind(d) == KIND_VECTOR
 
 
+def check_outs(outs: list[str]) -> None:
+    """Refuse, before any work, output paths that cannot be files (a directory, a path below
+    a file), every one named in one error."""
+    from vllm_steer.format import FILE_SUFFIX, output_path_problem
+    from vllm_steer.vectors import GGUF_SUFFIX, is_gguf_name
+
+    problems = [p for o in outs
+                if (p := output_path_problem(o, GGUF_SUFFIX if is_gguf_name(o) else FILE_SUFFIX))]
+    if problems:
+        raise ValueError("--out: " + "; ".join(problems))
+
+
+def file_layers(spec: str, vs, path: str) -> list[int]:
+    """The blocks ``--layers`` keeps of the vector steer ``vs`` read from ``path``: ``all`` is
+    every block the file has a vector for; any other block is refused, naming the file's."""
+    from vllm_steer.vectors import _ranges, parse_layers
+
+    if spec.strip().lower() == "all":
+        return list(vs.layers)
+    want = parse_layers(spec)
+    missing = sorted(set(want) - set(vs.layers))
+    if missing:
+        raise ValueError(f"--layers {spec}: {path} has no vector for blocks {_ranges(missing)}; "
+                         f"it has vectors for blocks {_ranges(vs.layers)} (--layers all keeps "
+                         "them all)")
+    return want
+
+
 def cmd_convert_vector(args) -> int:
     """GGUF -> our file, our file -> GGUF (or either to itself, e.g. to keep some layers)."""
-    from vllm_steer.vectors import GGUF_SUFFIX, load_vector, save_any
+    from vllm_steer.vectors import is_gguf_name, load_vector, save_any
 
     given = [f for f, on in (("--unsafe-allow-pickle", args.unsafe_allow_pickle),
                              ("--unsafe-full-unpickle", args.unsafe_full_unpickle),
@@ -403,9 +436,7 @@ def cmd_convert_vector(args) -> int:
                          f"{args.checkpoint} is a vector steer")
     vs = load_vector(args.checkpoint)
     if args.layers is not None:
-        from vllm_steer.vectors import parse_layers
-
-        vs = vs.select(parse_layers(args.layers, max(vs.layers) + 1))
+        vs = vs.select(file_layers(args.layers, vs, args.checkpoint))
     if args.name:
         from vllm_steer.names import check_steer_name
 
@@ -414,21 +445,47 @@ def cmd_convert_vector(args) -> int:
     if args.base_model:
         vs.metadata.base_model = args.base_model
     save_any(args.out, vs)
-    kind = "llama.cpp GGUF" if args.out.endswith(GGUF_SUFFIX) else "vector steer file"
+    kind = "llama.cpp GGUF" if is_gguf_name(args.out) else "vector steer file"
     print(f"wrote {args.out} ({kind}): {vs.name}, hidden size {vs.hidden_size}, blocks "
           f"{vs.layers[0]}-{vs.layers[-1]} ({len(vs.layers)} vectors)")
     return 0
+
+
+def _checkpoint_problems(args) -> list[str]:
+    """Every reason ``convert`` refuses an input that is no vector steer, before unpickling
+    anything: what the file is when it is no checkpoint of the paper's code (by its first
+    bytes), an LM-Steer asked for as a GGUF, ``--layers``. Empty for a missing file or a
+    directory (the loader names them)."""
+    from vllm_steer.format import KIND_LM_STEER, file_kind, read_document
+    from vllm_steer.train.convert import content_problem
+    from vllm_steer.vectors import is_gguf_name
+
+    path = args.checkpoint
+    if not os.path.isfile(path):
+        return []
+    problem = content_problem(path)
+    problems = [problem] if problem else []
+    lm_steer = problem is None or file_kind(read_document(path)[1]) == KIND_LM_STEER
+    if lm_steer and is_gguf_name(args.out):
+        problems.append(f"--out {args.out}: an LM-Steer cannot be written as llama.cpp's GGUF, "
+                        "which holds control vectors (vector steers) only; write a "
+                        ".safetensors file")
+    if args.layers is not None:
+        problems.append(f"--layers selects the blocks of a vector steer, and {path} is no "
+                        "vector steer; drop --layers")
+    return problems
 
 
 def cmd_convert(args) -> int:
     from vllm_steer.format import SteerFileError, save_steer
     from vllm_steer.train.convert import PickleRefused, convert_checkpoint, describe
 
+    check_outs([args.out])
     if _is_vector_input(args.checkpoint):
         return cmd_convert_vector(args)
-    if args.layers is not None:
-        raise ValueError("--layers selects the blocks of a vector steer; "
-                         f"{args.checkpoint} is an LM-Steer checkpoint")
+    problems = _checkpoint_problems(args)
+    if problems:
+        raise ValueError(f"{args.checkpoint}: " + "; ".join(problems))
 
     try:
         steer = convert_checkpoint(args.checkpoint, allow_pickle=args.unsafe_allow_pickle,

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from vllm_steer.format import DEFAULT_EPSILON, Steer, make_steer
+from vllm_steer.vectors import GGUF_MAGIC
 
 
 class PickleRefused(ValueError):
@@ -89,22 +90,14 @@ def load_paper_checkpoint(path: str, allow_pickle: bool = False, full_unpickle: 
         raise FileNotFoundError(f"{path}: no such file")
     if os.path.isdir(path):
         raise CheckpointError(f"{path}: is a directory, expected a checkpoint file")
+    problem = content_problem(path)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
     if not (allow_pickle or full_unpickle):
         raise PickleRefused(
             f"{path} is a torch.save pickle; unpickling can run arbitrary code, so it is read "
             "only with --unsafe-allow-pickle (use it only for files you trust): "
             f"vllm-steer convert {path} --unsafe-allow-pickle --out steer.safetensors")
-    size = os.path.getsize(path)
-    if size == 0:
-        raise CheckpointError(f"{path}: the file is empty, not a checkpoint")
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None
-    if len(head) == 8 and _is_safetensors(path, head, size):
-        raise CheckpointError(f"{path}: this is already a safetensors file, not a checkpoint "
-                              "of the paper's code (see `vllm-steer info FILE`)")
     try:
         if full_unpickle:
             warnings.warn(f"{path}: unpickling fully (--unsafe-full-unpickle): this runs any "
@@ -151,15 +144,42 @@ def load_paper_checkpoint(path: str, allow_pickle: bool = False, full_unpickle: 
     return args, p1.detach().float(), p2.detach().float(), step
 
 
-def _is_safetensors(path: str, head: bytes, size: int) -> bool:
-    import struct
+#: What the paper's checkpoints are, for the messages of :func:`content_problem`.
+_CHECKPOINT = "a checkpoint of the paper's code (a torch.save file)"
 
-    (n,) = struct.unpack("<Q", head)
-    if not 2 <= n <= min(size - 8, 1 << 24):
-        return False
-    with open(path, "rb") as f:
-        f.seek(8)
-        return f.read(1) == b"{"
+
+def content_problem(path: str) -> str | None:
+    """Why the file at ``path``, by its first bytes, is not a checkpoint of the paper's code
+    (None: it starts as ``torch.save`` writes, a zip archive or a pickle). Nothing is
+    unpickled: an empty or short file, one of this project's steer files, a GGUF and any
+    other content are named for what they are."""
+    from vllm_steer.format import KIND_LM_STEER, _looks_like_pickle, file_kind, read_document
+
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        return f"cannot read it ({e.strerror or e})"
+    if size == 0:
+        return f"the file is empty: not {_CHECKPOINT}, a control-vector GGUF or a steer file"
+    if len(head) >= 2 and _looks_like_pickle(head):
+        return None
+    if head[:4] == GGUF_MAGIC:
+        return f"a GGUF file, not {_CHECKPOINT}"
+    if size < 8:
+        return (f"the file is {size} bytes, too short to be {_CHECKPOINT}, a control-vector "
+                "GGUF or a steer file (truncated?)")
+    header, d, _ = read_document(path)
+    if header is not None and file_kind(d) == KIND_LM_STEER:
+        return ("already an LM-Steer file in this project's format (safetensors): there is "
+                "nothing to convert (`vllm-steer info FILE` prints its metadata)")
+    if header is not None:
+        return (f"a safetensors file, but not a steer file of this project nor {_CHECKPOINT} "
+                "(`vllm-steer info FILE` says why it is not a steer file)")
+    return (f"not {_CHECKPOINT}, a control-vector GGUF or a steer file: those start with a "
+            f"zip or pickle header, 'GGUF' or a safetensors header; this one starts with "
+            f"{head!r}")
 
 
 def convert_checkpoint(path: str, *, allow_pickle: bool = False, full_unpickle: bool = False,

@@ -24,7 +24,8 @@ from typing import Any, Callable
 import torch
 
 from vllm_steer.train.config import DataConfig, VectorConfig
-from vllm_steer.vectors import VectorSteer, make_vector_steer, parse_layers, save_any
+from vllm_steer.vectors import (VectorSteer, is_gguf_name, make_vector_steer, parse_layers,
+                               save_any)
 
 
 def caa_direction(pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
@@ -235,7 +236,7 @@ def train_vector(cfg: VectorConfig, data: DataConfig | None, outs: list[str], *,
     n_blocks = len(decoder_layers(model))
     layers = (parse_layers(cfg.layers, n_blocks) if cfg.layers is not None
               else list(range(1, n_blocks)) or [0])
-    if any(o.endswith(".gguf") for o in outs) and 0 in layers:
+    if any(is_gguf_name(o) for o in outs) and 0 in layers:
         raise ValueError("block 0 cannot be written to a llama.cpp GGUF (llama.cpp refuses "
                          f"direction.0): choose --layers from 1 (e.g. 1-{n_blocks - 1}), or "
                          "write only the .safetensors file")

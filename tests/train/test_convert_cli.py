@@ -1,0 +1,180 @@
+"""What ``vllm-steer convert`` tells a user whose output path or input file is not what it
+expects: the exit status, the one-line message on stderr, and the files left on disk. The
+inputs are made here in a moment (a control vector of 4 blocks, a paper checkpoint of hidden
+size 8); no model is loaded."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_steer.cli import main
+from vllm_steer.format import make_steer, save_steer
+from vllm_steer.vectors import load_vector, make_vector_steer, save_gguf
+
+pytest.importorskip("gguf")
+
+HIDDEN = 8
+
+
+@pytest.fixture()
+def cv(tmp_path):
+    """A llama.cpp control vector for blocks 1-4 (no block 0, as llama.cpp's files)."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "cv.gguf"
+    save_gguf(path, make_vector_steer({k: rng.standard_normal(HIDDEN) for k in range(1, 5)},
+                                      "cv"))
+    return path
+
+
+@pytest.fixture()
+def paper(tmp_path):
+    """A checkpoint as the paper's train.py writes it."""
+    path = tmp_path / "paper.pt"
+    state = {"projector1": torch.randn(2, HIDDEN, 2), "projector2": torch.randn(2, HIDDEN, 2)}
+    torch.save([argparse.Namespace(model_name="tiny", epsilon=1e-3, dummy_steer=1,
+                                   training_steer=0), state, 10], path)
+    return path
+
+
+def _error(capsys, argv, rc=1):
+    """Run the command; its exit status is ``rc`` and stderr is one line of
+    ``vllm-steer convert: error: ...`` (no traceback). Returns that line."""
+    assert main(argv) == rc
+    cap = capsys.readouterr()
+    err = cap.err.strip()
+    assert "Traceback" not in err and err.count("\n") == 0, err
+    assert err.startswith("vllm-steer convert: error: "), err
+    return err
+
+
+def _files(folder):
+    return sorted(os.listdir(folder))
+
+
+# ---- the output path --------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags", [[], ["--unsafe-allow-pickle"]], ids=["vector", "lm-steer"])
+def test_out_a_directory_is_refused_by_name_and_leaves_nothing(tmp_path, capsys, cv, paper,
+                                                               flags):
+    src = cv if not flags else paper
+    outdir = tmp_path / "outdir"
+    outdir.mkdir()
+    before = _files(tmp_path)
+    for out in (str(outdir), str(outdir) + "/"):
+        err = _error(capsys, ["convert", str(src), "--out", out, *flags])
+        assert f"'{out}' is a directory, not a file" in err
+        assert f"e.g. {os.path.join(out, 'NAME.safetensors')}" in err
+    assert _files(tmp_path) == before and _files(outdir) == []  # no OUT.tmp, no OUT/.tmp
+
+
+def test_out_below_a_file_is_refused_by_name(tmp_path, capsys, cv):
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    before = _files(tmp_path)
+    for out in ("/dev/null/x.gguf", str(blocker / "sub" / "x.gguf")):
+        err = _error(capsys, ["convert", str(cv), "--out", out])
+        assert f"cannot write '{out}'" in err and "is not a directory" in err
+    assert _files(tmp_path) == before and blocker.read_text() == "x"
+
+
+def test_a_failed_write_names_the_file_and_leaves_no_temporary(tmp_path, capsys, cv,
+                                                              monkeypatch):
+    """A write the operating system fails half-way (here: the disk fills) is one line naming
+    the file, with nothing half-written left behind."""
+    import safetensors.torch
+
+    def disk_full(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half")
+        raise OSError(28, "No space left on device", filename)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    out = tmp_path / "x.safetensors"
+    err = _error(capsys, ["convert", str(cv), "--out", str(out)])
+    assert err == f"vllm-steer convert: error: cannot write '{out}' (No space left on device)"
+    assert _files(tmp_path) == ["cv.gguf"]
+
+
+def test_train_refuses_an_out_directory_before_loading_anything(tmp_path, capsys):
+    err_argv = ["train", "--model", str(tmp_path / "no-such-model"), "--positive", "p.txt",
+                "--negative", "n.txt", "--out", str(tmp_path)]
+    assert main(err_argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"vllm-steer train: error: --out: '{tmp_path}' is a directory"), err
+
+
+# ---- the .gguf suffix -------------------------------------------------------------------
+
+def test_gguf_suffix_in_any_case_writes_gguf(tmp_path, capsys, cv):
+    out = tmp_path / "c.GGUF"
+    assert main(["convert", str(cv), "--out", str(out)]) == 0
+    assert "(llama.cpp GGUF)" in capsys.readouterr().out
+    assert out.read_bytes()[:4] == b"GGUF"
+    assert load_vector(out).layers == [1, 2, 3, 4]
+
+
+def test_an_lm_steer_is_not_written_as_gguf(tmp_path, capsys, paper):
+    for out in ("p.gguf", "p.GGUF"):
+        err = _error(capsys, ["convert", str(paper), "--unsafe-allow-pickle", "--out",
+                              str(tmp_path / out)])
+        assert "an LM-Steer cannot be written as llama.cpp's GGUF" in err
+        assert "write a .safetensors file" in err
+        assert not (tmp_path / out).exists()
+
+
+# ---- what the input is ------------------------------------------------------------------
+
+def test_a_steer_file_of_ours_is_named_as_one_not_as_a_pickle(tmp_path, capsys):
+    steer = tmp_path / "detox.safetensors"
+    save_steer(steer, make_steer(torch.randn(HIDDEN, 2), torch.randn(HIDDEN, 2), "detox"))
+    for flags in ([], ["--unsafe-allow-pickle"]):
+        err = _error(capsys, ["convert", str(steer), "--out", str(tmp_path / "y.gguf"),
+                              *flags])
+        assert "already an LM-Steer file in this project's format" in err
+        assert "nothing to convert" in err
+        assert "an LM-Steer cannot be written as llama.cpp's GGUF" in err  # both reasons
+        assert "is a torch.save pickle" not in err and "--unsafe" not in err
+    assert not (tmp_path / "y.gguf").exists()
+
+
+@pytest.mark.parametrize("raw, says", [
+    (b"", "the file is empty"),
+    (b"GGU", "the file is 3 bytes, too short"),  # a GGUF's magic cut short
+    (b"hello\n", "the file is 6 bytes, too short"),
+    (b"hello world, some text\n", "this one starts with b'hello wo'"),
+], ids=["empty", "3-byte-gguf", "short-text", "text"])
+def test_what_is_no_checkpoint_is_not_called_a_pickle(tmp_path, capsys, raw, says):
+    path = tmp_path / "in.pt"  # (a short or empty .gguf is refused as a GGUF: test_vectors.py)
+    path.write_bytes(raw)
+    for flags in ([], ["--unsafe-allow-pickle"]):
+        err = _error(capsys, ["convert", str(path), "--out", str(tmp_path / "y.safetensors"),
+                              *flags])
+        assert err.startswith(f"vllm-steer convert: error: {path}: ") and says in err, err
+        assert "is a torch.save pickle" not in err and "--unsafe" not in err
+    assert _files(tmp_path) == ["in.pt"]
+
+
+def test_only_a_torch_checkpoint_gets_the_pickle_advice(tmp_path, capsys, paper):
+    assert main(["convert", str(paper), "--out", str(tmp_path / "y.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "is a torch.save pickle" in err and "--unsafe-allow-pickle" in err
+
+
+# ---- --layers on a file -----------------------------------------------------------------
+
+def test_layers_name_the_files_blocks_not_a_model(tmp_path, capsys, cv):
+    out = tmp_path / "c.gguf"
+    err = _error(capsys, ["convert", str(cv), "--out", str(out), "--layers", "1-40"])
+    assert (f"--layers 1-40: {cv} has no vector for blocks 5-40; it has vectors for blocks "
+            "1-4") in err
+    assert "decoder blocks" not in err and "model" not in err
+    assert not out.exists()
+    assert main(["convert", str(cv), "--out", str(out), "--layers", "all"]) == 0
+    assert load_vector(out).layers == [1, 2, 3, 4]
+    assert main(["convert", str(cv), "--out", str(out), "--layers", "2-3"]) == 0
+    assert load_vector(out).layers == [2, 3]
