@@ -588,8 +588,10 @@ def save_gguf(path: str | os.PathLike, vs: VectorSteer) -> None:
     def write(tmp: str) -> None:
         w = gguf.GGUFWriter(tmp, GGUF_ARCH)
         try:
-            if meta.model_type:
-                w.add_string(GGUF_KEY_MODEL_HINT, meta.model_type)
+            # always written: repeng's and EasySteer's readers refuse a file without it (an
+            # empty hint when the architecture is unknown, read back here as none; the gguf
+            # package's add_string would drop an empty text)
+            w.add_key_value(GGUF_KEY_MODEL_HINT, meta.model_type or "", gguf.GGUFValueType.STRING)
             w.add_uint32(GGUF_KEY_LAYER_COUNT, len(vs.directions))
             w.add_string(GGUF_KEY_METADATA, meta.to_json())
             for k in vs.layers:

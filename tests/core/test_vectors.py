@@ -188,6 +188,19 @@ def test_gguf_keys_kept_and_no_architecture_read_as_llama_cpp_does(tmp_path):
     assert load_vector(tmp_path / "noarch.gguf").layers == [1, 2]
 
 
+
+def test_our_gguf_always_has_the_model_hint_other_readers_require(tmp_path):
+    """repeng's and EasySteer's ``import_gguf`` refuse a file without
+    ``controlvector.model_hint``: it is written even when the architecture is unknown (empty,
+    read back here as none, so it refuses no model)."""
+    p = tmp_path / "anon.gguf"
+    save_gguf(p, make_vector_steer(_dirs([1, 2]), "anon"))
+    field = gguf.GGUFReader(str(p)).get_field("controlvector.model_hint")
+    assert field is not None and len(field.parts) and field.contents() == ""
+    meta = load_vector(p).metadata
+    assert meta.model_type is None
+    assert model_fit_problems(meta, hidden_size=HIDDEN, num_layers=4, model_type="qwen2") == []
+
 def test_gguf_writer_refuses_block_0(tmp_path):
     vs = make_vector_steer(_dirs([0, 1, 2]), "v0")
     with pytest.raises(VectorFileError, match=r"block 0, which llama.cpp refuses.*--layers 1-2"):
