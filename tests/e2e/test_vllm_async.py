@@ -152,16 +152,18 @@ def test_a_worker_fault_fails_only_the_steered_request_under_async_scheduling(ll
 # schedules a step before the previous step's accepted draft count is back, so the runner's
 # token counts are optimistic (every draft accepted) until vLLM corrects them after the
 # forward. The windows must follow each request's real generated tokens.
+SPEC_VECTORS = random_vectors(64, [0, 1], seed=3, scale=0.6)  # blocks 0 and 1
 WINDOWED = [({"a": {"strength": 6, "start": 3, "end": 9}}, 14), (None, 10),
             ({"b": {"strength": -5, "start": 0, "end": 5, "base": 2}}, 12),
             ({"a": {"strength": 4, "start": 5, "ramp": 3}}, 13)]
 
 
 @pytest.fixture(scope="module", params=["v1", "v2"])
-def spec_llm(request, async_env, tiny_model_dir, pair_steers):
+def spec_llm(request, async_env, tiny_model_dir, pair_steers, tmp_path_factory):
     """Async scheduling, the target as its own draft model proposing unsteered
     (``steer_drafter: false``): steered requests reject drafts, so the optimistic counts of
-    async scheduling are wrong at the next step. One engine per model runner."""
+    async scheduling are wrong at the next step. One engine per model runner; the pair's
+    LM-Steer steers and a vector steer ``sv`` on blocks 0 and 1."""
     from vllm import LLM
 
     kw = dict(ENGINE_KW, max_num_seqs=4, enable_prefix_caching=False)
@@ -172,8 +174,10 @@ def spec_llm(request, async_env, tiny_model_dir, pair_steers):
             mp.setattr("vllm.config.vllm.HAS_TRITON", True)
         else:
             mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+        steers = {**pair_steers[1], "sv": save_vector_steer(
+            tmp_path_factory.mktemp("spec-vector") / "sv.safetensors", SPEC_VECTORS, "sv")}
         engine = LLM(str(tiny_model_dir), additional_config={"vllm_steer": {
-            "steers": pair_steers[1], "steer_drafter": False}},
+            "steers": steers, "steer_drafter": False}},
                      speculative_config={"method": "draft_model", "model": str(tiny_model_dir),
                                          "num_speculative_tokens": 3},
                      disable_log_stats=False, **kw)
@@ -199,3 +203,34 @@ def test_windows_with_a_draft_model_follow_the_real_generated_tokens(spec_llm, p
     assert 0 < accepted < drafted, (accepted, drafted)  # some drafts rejected: counts move
     matters = pair_ref.check_windowed(outs, [s for s, _ in WINDOWED], None)
     assert any(matters), "the windows change nothing: the test could not see a shift"
+
+
+def test_a_vector_window_with_a_draft_model_follows_the_real_generated_tokens(spec_llm,
+                                                                              tiny_model_dir):
+    """A vector steer's window is applied at every token of the step, in the decoder blocks:
+    each token's strength is the window's at the generated token its row samples, which
+    under async scheduling is known only once the previous step's rejected drafts are
+    counted. Every token and logprob equals the reference's, which applies the window per
+    position, and the window changes the output (it is seen)."""
+    from vllm_steer.request import Window
+
+    ref = HFReference(tiny_model_dir, {}, vectors={"sv": SPEC_VECTORS})
+    steers = [{"sv": {"strength": 1.5, "start": 3, "end": 9}},
+              {"sv": {"strength": -1.0, "start": 2, "end": 6, "base": 0.5}}, None]
+    outs = spec_llm.generate(PROMPTS[:3], [sp(s, 14) for s in steers], use_tqdm=False)
+    seen = False
+    for o, steer in zip(outs, steers, strict=True):
+        win = Window(**steer["sv"]) if steer else Window(0.0)
+        prompt = list(o.prompt_token_ids)
+        ids = list(prompt)
+        for t, (tok, entry) in enumerate(zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
+                                             strict=True)):
+            per_pos = [win.at(p + 1 - len(prompt)) for p in range(len(ids))]
+            lp = ref.logprobs(ids, {"sv": per_pos})[-1]
+            assert tok == int(lp.argmax()), (steer, t)
+            assert entry[tok].logprob == pytest.approx(lp[tok].item(), abs=2e-3), (steer, t)
+            ids.append(tok)
+        if steer:
+            seen = seen or ref.greedy(prompt, 14, {"sv": steer["sv"]["strength"]}) \
+                != list(o.outputs[0].token_ids)
+    assert seen, "the windows change nothing: the test could not see a shift"

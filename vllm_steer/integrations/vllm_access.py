@@ -310,16 +310,19 @@ _SEQUENCE_PARALLEL_FLAGS = ("enable_sp", "enable_sequence_parallelism")
 
 
 # ---- the runners' adapters of the step mapping -------------------------------------------
-def v1_step_tokens(input_batch, num_scheduled):
+def v1_step_tokens(input_batch, num_scheduled, computed=None):
     """V1's step (the persistent batch: request slot ``i`` is batch row ``i``, its tokens
     consecutive in batch order): ``(req_slots, counts, gen_first)``, each request's slot, its
     number of tokens in the step and the generated-token index its first token's row samples
-    (negative: a prompt token). Host arrays only."""
+    (negative: a prompt token). ``computed``: the true computed-token counts when the batch's
+    host counts are optimistic (:func:`v1_corrected_computed_tokens`). Host arrays only."""
     import numpy as np
 
     n = input_batch.num_reqs
     counts = np.asarray(num_scheduled[:n], dtype=np.int64)
-    computed = np.asarray(input_batch.num_computed_tokens_cpu[:n], dtype=np.int64)
+    if computed is None:
+        computed = input_batch.num_computed_tokens_cpu[:n]
+    computed = np.asarray(computed, dtype=np.int64)
     gen_first = computed + 1 - np.asarray(input_batch.num_prompt_tokens[:n], dtype=np.int64)
     return np.arange(n, dtype=np.int64), counts, gen_first
 
@@ -422,10 +425,12 @@ def v1_add_logits_processor(procs, proc, argmax_invariant: bool) -> None:
     (procs.argmax_invariant if argmax_invariant else procs.non_argmax_invariant).append(proc)
 
 
-def v2_step_tokens(runner, input_batch):
+def v2_step_tokens(runner, input_batch, true_counts=None):
     """Model Runner V2's step (request ``i`` in request-state slot ``idx_mapping[i]``, its
     tokens from ``query_start_loc[i]``): ``(req_slots, counts, gen_first)`` as
-    :func:`v1_step_tokens`. Host arrays only."""
+    :func:`v1_step_tokens`. Host arrays only, but with ``true_counts(idx)`` true (a generation
+    window under speculative decoding, where the host counts are an upper bound): the
+    computed-token counts are read from the device (:func:`v2_device_computed_tokens`)."""
     import numpy as np
 
     n = input_batch.num_reqs
@@ -435,7 +440,10 @@ def v2_step_tokens(runner, input_batch):
     req_states = getattr(runner, "req_states", None)
     if req_states is None:
         return idx, counts, None
-    computed = np.asarray(input_batch.num_computed_tokens_np[:n], dtype=np.int64)
+    if true_counts is not None and len(idx) and true_counts(idx):
+        computed = v2_device_computed_tokens(runner, idx)
+    else:
+        computed = np.asarray(input_batch.num_computed_tokens_np[:n], dtype=np.int64)
     prompt_len = np.asarray(req_states.prompt_len.np, dtype=np.int64)
     return idx, counts, computed + 1 - prompt_len[idx]
 

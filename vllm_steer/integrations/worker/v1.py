@@ -19,7 +19,9 @@ from vllm_steer.integrations.worker.rows import PromptRows
 from vllm_steer.integrations.worker.runtime import V1RunnerBinding
 from vllm_steer.integrations.worker.spec_v1 import start_step
 from vllm_steer.integrations.worker.step_faults import ROWS, attach
-from vllm_steer.integrations.vllm_access import (v1_batch_positions, v1_has_prompt_logprobs,
+from vllm_steer.integrations.vllm_access import (v1_batch_positions,
+                                                  v1_corrected_computed_tokens,
+                                                  v1_has_prompt_logprobs,
                                                   v1_input_batch, v1_query_start_loc,
                                                   v1_speculates, v1_step_output, v1_step_tokens,
                                                   v1_untrack_output_token_ids)
@@ -61,8 +63,15 @@ def prepare_inputs(orig, self, *args, **kwargs):
                 v1_input_batch(self), _NUM_SCHEDULED.get(orig, (self, *args), kwargs))
     if rt.step.tokens is not None:  # the tokens' coefficients for the decoder layers' steers
         with rt.faults.guard(ROWS):
-            rt.step.tokens.build_or_clear(*v1_step_tokens(
-                v1_input_batch(self), _NUM_SCHEDULED.get(orig, (self, *args), kwargs)))
+            batch = v1_input_batch(self)
+            scheduled = _NUM_SCHEDULED.get(orig, (self, *args), kwargs)
+            step = v1_step_tokens(batch, scheduled)
+            if gates.speculative_runtimes and rt.slots.any_windowed(step[0]):
+                # the host counts take the previous step's drafts as accepted (async
+                # scheduling): a window needs the true ones, as the verification rows do
+                step = v1_step_tokens(batch, scheduled,
+                                      v1_corrected_computed_tokens(self, len(step[0])))
+            rt.step.tokens.build_or_clear(*step)
     return out
 
 

@@ -158,7 +158,11 @@ def prepare_inputs(orig, self, *args, **kwargs):
     rt = V2RunnerBinding.of(self).runtime
     if rt is not None and rt.step.tokens is not None:
         with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
-            rt.step.tokens.build_or_clear(*va.v2_step_tokens(self, input_batch))
+            # a window under speculative decoding needs the true computed-token counts (the
+            # host's take the previous step's drafts as accepted), as the sampled rows do
+            true_counts = rt.slots.any_windowed if rt.slots.num_window_slots \
+                and va.v2_speculator(self) is not None else None
+            rt.step.tokens.build_or_clear(*va.v2_step_tokens(self, input_batch, true_counts))
     return input_batch
 
 
