@@ -153,3 +153,16 @@ def test_explain_cli_on_tiny_model(tiny_model_dir, tmp_path, capsys):
     assert all(w.strip() in plus for w in words) or all(w.strip() in minus for w in words)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert row1 in md.read_text().splitlines()
+    assert "domain component" not in out
+    # a domain component served with the steer is left out of S, and the table says so
+    served = tmp_path / "served.safetensors"
+    save_steer(served, make_steer(p1, p2, "served", labels={"positive": "joy"},
+                                  domain_p1=torch.randn(64, 1, generator=g),
+                                  domain_p2=torch.randn(64, 1, generator=g), domain="with_steer",
+                                  domain_strength=2.0))
+    assert main(["explain", "--steer", str(served), "--model", str(tiny_model_dir),
+                 "--directions", "2", "--top", "8", "--word-threshold", "0"]) == 0
+    out2 = capsys.readouterr().out
+    assert ("domain component (rank 1), served with it at domain strength 2 whatever the "
+            "request's strength, is not in S") in out2
+    assert [ln for ln in out2.splitlines() if ln.startswith("| 1 |")][0] == row1

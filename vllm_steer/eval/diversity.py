@@ -5,9 +5,11 @@ For one prompt with samples ``g_1..g_k``, each split on whitespace into words::
     dist-n = |{distinct n-grams over all k samples}| / (total words over all k samples)
 
 averaged over prompts. The denominator is the number of *words*, not of n-grams: this is the
-formula of the DExperts evaluation script the paper reuses, so the numbers compare with the
-paper's tables (with n-gram counts as the denominator dist-2/3 would come out slightly
-higher for short samples).
+formula of the DExperts evaluation script the paper reuses (with n-gram counts as the
+denominator dist-2/3 would come out slightly higher for short samples). One detail differs:
+DExperts splits on single spaces (``split(' ')``), which makes a continuation's leading
+space one more, empty, word; ``str.split()`` here does not (docs/eval.md gives the size of
+the difference).
 """
 
 from __future__ import annotations

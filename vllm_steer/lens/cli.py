@@ -108,6 +108,16 @@ def cmd_highlight(args) -> int:
 
 # --------------------------------------------------------------------------- explain
 
+def _domain_line(steer) -> str:
+    """What ``explain`` leaves out of ``S``: a domain component served with the steer."""
+    meta = steer.metadata
+    if meta.domain != "with_steer" or getattr(steer, "domain_p1", None) is None:
+        return ""
+    return (f" The steer's domain component (rank {steer.domain_p1.shape[1]}), served with it "
+            f"at domain strength {meta.domain_strength:g} whatever the request's strength, is "
+            "not in S: these are the directions that the strength scales.")
+
+
 def cmd_explain(args) -> int:
     import torch
 
@@ -140,7 +150,7 @@ def cmd_explain(args) -> int:
     table = markdown_table(rows, steer.metadata.labels)
     header = (f"Steer `{steer.name}` on `{name}`: rank {steer.metadata.rank}, top "
               f"{len(rows)} directions of S = P1 P2^T; tokens read along the output side "
-              f"(b_i). {_labels_line(steer)}\n\n")
+              f"(b_i). {_labels_line(steer)}{_domain_line(steer)}\n\n")
     if args.markdown:
         with open(args.markdown, "w", encoding="utf-8") as f:
             f.write(header + table)
