@@ -44,8 +44,8 @@ data-parallel rank, as in vLLM's own metrics (``0`` without data parallelism).
                                            server's refusals carry no ``engine``)
 ``vllm_steer:head_eager``                  gauge: 1 while the LM head's steer op is launched
                                            eagerly where it should replay from CUDA graphs
-                                           (graphs turned off for the bank's size, a steer
-                                           wider than the graphs' copy, a failed capture),
+                                           (no rank reserved: no ``--steer`` file and no
+                                           ``--max-steer-rank``; or a failed capture),
                                            else 0 (also where no graphs are used by choice:
                                            CPU, ``--enforce-eager``, a named backend)
 ``vllm_steer:start_time_seconds``          gauge: when this server's API server started
@@ -353,6 +353,7 @@ class SteerMetrics:
         for reason in REFUSAL_REASONS:  # every API server's series exist from the start at 0,
             # so that a ratio over them has a denominator before the first refusal
             self.refused.labels("", str(REASON_STATUS.get(reason, 400)), reason, API_SERVER)
+        self._engines: set[str] = set()  # engine cores seen (their refusal series made)
         self.head_eager = gauge(HEAD_EAGER, "1 while the LM head's steer op is launched "
                                 "eagerly where it should replay from CUDA graphs, else 0.",
                                 (ENGINE_LABEL,))
@@ -390,6 +391,13 @@ class SteerMetrics:
 
     def _add(self, new: dict) -> None:
         e = str(new.get("engine", "0"))
+        if e not in self._engines:  # its refusal series exist from its first poll, at 0: the
+            # first refusal of a kind is an increase, which an alert's increase() sees
+            self._engines.add(e)
+            from vllm_steer.request import REFUSAL_REASONS
+
+            for reason in REFUSAL_REASONS:
+                self.refused.labels(e, str(REASON_STATUS.get(reason, 400)), reason, ENGINE_CORE)
         for k, d in (new.get("counters") or {}).items():
             if k in self.counters:
                 self.counters[k].labels(e).inc(d)

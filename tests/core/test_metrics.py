@@ -471,13 +471,28 @@ def test_engine_core_refusals_reach_prometheus_by_status_and_reason():
     """The engine core's refusals (400: the request's error; 429: no room in the bank now;
     500: a fault of the plugin)
     become ``vllm_steer:requests_refused_total{engine, status, reason, source="engine_core"}``,
-    each increment once; the API server's own series are there at 0 from the start."""
+    each increment once; the API server's own series are there at 0 from the start, and an
+    engine core's from its first poll (so that its first 500 is an increase from 0, which an
+    alert's ``increase()`` sees)."""
     from vllm_steer.integrations.engine.state import EngineSteerState
 
     core = EngineSteerState(None, None, 0, engine=0)  # where the engine core keeps them
-    stats = {"counters": {}, "served": {}, "refused": {"429:bank_full": 3, "500:internal": 1}}
+    stats = {"counters": {}, "served": {}, "refused": {}}
     reg = CollectorRegistry()
     m = SteerMetrics(registry=reg)
+
+    def engine_series():
+        return {tuple(sorted(s.labels.items())): s.value
+                for s in families(generate_latest(reg).decode())[
+                    "vllm_steer:requests_refused_total"].samples
+                if s.name.endswith("_total") and s.labels.get("source") == "engine_core"}
+
+    m.update({"stats": stats, "metrics": take_new(core, stats, [])})  # the first poll
+    first = engine_series()
+    assert first[(("engine", "0"), ("reason", "internal"), ("source", "engine_core"),
+                  ("status", "500"))] == 0.0
+    assert set(first.values()) == {0.0}
+    stats["refused"].update({"429:bank_full": 3, "500:internal": 1})
     m.update({"stats": stats, "metrics": take_new(core, stats, [])})
     stats["refused"]["429:bank_full"] = 5
     stats["refused"]["400:unknown_steer"] = 2
@@ -486,7 +501,7 @@ def test_engine_core_refusals_reach_prometheus_by_status_and_reason():
     samples = {tuple(sorted(s.labels.items())): s.value
                for s in families(generate_latest(reg).decode())[
                    "vllm_steer:requests_refused_total"].samples if s.name.endswith("_total")}
-    engine = {k: v for k, v in samples.items() if ("source", "engine_core") in k}
+    engine = {k: v for k, v in samples.items() if ("source", "engine_core") in k and v}
     assert engine == {
         (("engine", "0"), ("reason", "bank_full"), ("source", "engine_core"),
          ("status", "429")): 5.0,

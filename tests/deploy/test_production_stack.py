@@ -52,6 +52,12 @@ PRODUCTION_STACK_KEYS = _obj({"servingEngineSpec": _obj({
     "imagePullPolicy": _PULL,
     "containerPort": {"type": "integer"},
     "startupProbe": _PROBE, "readinessProbe": _PROBE, "livenessProbe": _PROBE,
+    # an object there; the chart's helper chart.engineStrategy writes it as the Deployment's
+    # strategy (default: maxSurge 100%, maxUnavailable 0); its keys are Kubernetes'
+    "strategy": _obj({"type": {"type": "string", "enum": ["RollingUpdate", "Recreate"]},
+                      "rollingUpdate": _obj({"maxSurge": {"type": ["integer", "string"]},
+                                             "maxUnavailable": {"type": ["integer",
+                                                                         "string"]}})}),
     "tolerations": {"type": "array"},
     "runtimeClassName": {"type": "string"},
     "modelSpec": {"type": "array", "minItems": 1, "items": _obj({
@@ -162,6 +168,10 @@ def test_the_container_gets_the_plain_deployments_image_environment_volumes_and_
     assert f"{spec['repository']}:{spec['tag']}" == c["image"]
     assert top["imagePullPolicy"] == c["imagePullPolicy"]
     assert spec["replicaCount"] == deploy["spec"]["replicas"]
+    # rolled out one replica at a time on the freed GPU, as the Deployment (the chart's own
+    # default starts the new pods first)
+    assert top["strategy"] == deploy["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
     assert spec["resources"] == c["resources"]
     # the template's VLLM_API_KEY (from vllmApiKey) and the spec's env: the Deployment's
     key = {"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {

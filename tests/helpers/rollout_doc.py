@@ -23,8 +23,12 @@ def rollout_blocks() -> dict[str, str]:
     out = dict(zip(NAMES, blocks, strict=False))
     assert "mv " in out["copy"] and "/steers/detox-v2.safetensors" in out["copy"]
     for name, old, new in (("swap", "v1", "v2"), ("rollback", "v2", "v1")):
+        # the ConfigMap: the alias set whatever it holds (the shipped file's {detox: 4} too),
+        # and checked before it is applied
+        sed = f"""'s/^\\( *detox-stable:\\).*/\\1 "detox-{new}:4"/'"""
+        check = f"""grep -q 'detox-stable: "detox-{new}:4"'"""
+        assert sed in out[f"{name}_configmap"] and check in out[f"{name}_configmap"] \
+            and "kubectl apply -f " in out[f"{name}_configmap"], out[f"{name}_configmap"]
         sed = f"'s/\"detox-{old}:4\"/\"detox-{new}:4\"/'"
-        assert sed in out[f"{name}_configmap"] and "kubectl apply -f " in out[
-            f"{name}_configmap"], out[f"{name}_configmap"]
         assert sed in out[f"{name}_host"] and "mv " in out[f"{name}_host"], out[f"{name}_host"]
     return out
