@@ -217,6 +217,25 @@ def test_logprobs_follow_the_steered_target(engine, ref):
                 (name, o.prompt, steer, i)
 
 
+
+def test_prompt_logprobs_follow_the_steered_target(engine, ref):
+    """Prompt logprobs of steered requests are the steered model's, on every target: MiMo
+    (the MTP target) applies its final norm inside ``compute_logits``, so its head gets a new
+    tensor, not a slice of the step's hidden states (it was served unsteered)."""
+    name, llm = engine
+    outs = llm.generate(PROMPTS, [sp(s, prompt_logprobs=0) for s in MIXED],
+                        use_tqdm=False)
+    for o, steer in zip(outs, MIXED, strict=True):
+        ids = list(o.prompt_token_ids)
+        lp = ref.logprobs(ids, steer)
+        plain = ref.logprobs(ids)
+        for i in range(1, len(ids)):
+            got = o.prompt_logprobs[i][ids[i]].logprob
+            assert got == pytest.approx(float(lp[i - 1, ids[i]]), abs=2e-3), (name, steer, i)
+        if steer:
+            assert max(abs(float(lp[i - 1, ids[i]] - plain[i - 1, ids[i]]))
+                       for i in range(1, len(ids))) > 0.05, (name, steer)
+
 def test_a_steered_drafter_proposes_the_steered_tokens(engine):
     """A drafter that predicts the target exactly (the target itself as the draft model; the
     oracle EAGLE head on the bigram target): with its rows steered by each request's own

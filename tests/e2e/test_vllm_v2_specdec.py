@@ -125,6 +125,32 @@ def _acceptance(llm, steer) -> float:
     return (a1 - a0) / (d1 - d0)
 
 
+
+def test_v2_prompt_logprobs_of_mimo_follow_the_steered_target(engine, pair_steers):
+    """MiMo (the MTP target) applies its final norm inside ``compute_logits``: its head gets
+    a new tensor, not a slice of the step's hidden states; its steered requests' prompt
+    logprobs are still the steered model's (they were served unsteered). The other targets'
+    prompt logprobs: test_vllm_specdec.py (V1), test_vllm_v2.py."""
+    from vllm import SamplingParams
+
+    name, target, llm = engine
+    if name != "mtp":
+        pytest.skip("MiMo is the MTP target")
+    ref = HFReference(target, pair_steers[0])
+    steers = [MIXED[0], None]
+    outs = llm.generate(PROMPTS[:2], [SamplingParams(
+        temperature=0, max_tokens=1, prompt_logprobs=0,
+        extra_args=None if s is None else {"steer": s}) for s in steers], use_tqdm=False)
+    for o, steer in zip(outs, steers, strict=True):
+        ids = list(o.prompt_token_ids)
+        lp, plain = ref.logprobs(ids, steer), ref.logprobs(ids)
+        for i in range(1, len(ids)):
+            assert o.prompt_logprobs[i][ids[i]].logprob == pytest.approx(
+                float(lp[i - 1, ids[i]]), abs=2e-3), (steer, i)
+        if steer:
+            assert max(abs(float(lp[i - 1, ids[i]] - plain[i - 1, ids[i]]))
+                       for i in range(1, len(ids))) > 0.05
+
 def test_v2_draft_model_and_eagle_drafters_are_steered(engine):
     """Draft model (eager, rows mapped on the host) and EAGLE (its head inside captured draft
     steps on a GPU, rows mapped on the device): steered, so a steered batch accepts every

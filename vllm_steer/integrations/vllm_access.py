@@ -19,6 +19,7 @@ This module imports neither torch nor vLLM at import time (the frontend imports 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -107,6 +108,7 @@ _PYDANTIC = "pydantic._internal._decorators"
 _V1_BUFFER = "vllm.v1.utils:CpuGpuBuffer"  # the runner's _make_buffer: .np (host), .gpu
 _BASE_PATH = "vllm.entrypoints.openai.models.protocol:BaseModelPath"
 _LOGITS_LAYER = "vllm.model_executor.layers.logits_processor:LogitsProcessor"
+_TEXT_MODEL = "vllm.model_executor.models.interfaces_base:VllmModelForTextGeneration"
 _V2_STANDALONE = f"{_V2}.spec_decode.standalone_ar.speculator:StandaloneARSpeculator"
 #: The OpenAI request models that carry the ``steer`` field, ``(module, class)``.
 REQUEST_CLASSES = (
@@ -372,6 +374,24 @@ def v1_query_start_loc(runner):
     """The token offset of each request of V1's step (``[requests + 1]``, a host copy)."""
     n = runner.input_batch.num_reqs
     return runner.query_start_loc.np[: n + 1].copy()
+
+
+@contextlib.contextmanager
+def v1_model_compute_logits(runner, wrap):
+    """V1's model's ``compute_logits`` replaced by ``wrap(compute_logits)`` while the block
+    runs (the runner calls ``self.model.compute_logits``): an attribute of the model instance,
+    removed afterwards."""
+    model = runner.model
+    own = "compute_logits" in getattr(model, "__dict__", {})
+    old = model.compute_logits
+    model.compute_logits = wrap(old)
+    try:
+        yield
+    finally:
+        if own:
+            model.compute_logits = old
+        else:
+            del model.compute_logits
 
 
 def v1_speculates(runner) -> bool:
@@ -1003,6 +1023,10 @@ ACCESSES: tuple[Access, ...] = (
     Access(v1_query_start_loc, "steered prompt logprobs (V1)", V1_LENS,
            reads=(*reads_of(_V1, "input_batch", "query_start_loc"), f"{_V1_BATCH}.num_reqs",
                   f"{_V1_BUFFER}.np")),
+    Access(v1_model_compute_logits, "steered prompt logprobs (V1): each call's rows as the "
+           "model's compute_logits gets them", V1_LENS,
+           reads=(f"{_V1}.model", f"{_TEXT_MODEL}.compute_logits"),
+           sets=(f"{_TEXT_MODEL}.compute_logits",)),
     Access(v1_speculates, "speculative decoding: the step's verification rows (V1)", V1_SPEC,
            reads=(f"{_V1}.speculative_config",)),
     Access(v1_token_counts, "speculative decoding: the verification rows' positions (V1)",

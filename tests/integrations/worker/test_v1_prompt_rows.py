@@ -44,10 +44,25 @@ def runtime(tmp_path):
     return rt
 
 
-def _runner(rt, qsl, asks: bool):
+class _Model:
+    """The model's ``compute_logits``: the steered head on its input (logits = the head's
+    input, steered), after ``transform`` (MiMo applies its final norm there: the head then
+    gets a new tensor, not a slice of the step's hidden states)."""
+
+    def __init__(self, rt, transform=None):
+        self.rt, self.transform = rt, transform
+
+    def compute_logits(self, hidden):
+        if self.transform is not None:
+            hidden = self.transform(hidden)
+        return self.rt.planner.steer_rows(hidden)
+
+
+def _runner(rt, qsl, asks: bool, transform=None):
     runner = VllmObject(num_prompt_logprobs={"r1": 1} if asks else {},
                         input_batch=VllmObject(num_reqs=len(qsl) - 1),
-                        query_start_loc=VllmObject(np=np.asarray(qsl)))
+                        query_start_loc=VllmObject(np=np.asarray(qsl)),
+                        model=_Model(rt, transform))
     BINDINGS.set(runner, V1RunnerBinding(rt))
     return runner
 
@@ -73,7 +88,7 @@ def test_v1_prompt_rows_get_their_own_requests_steer(runtime, monkeypatch):
         for req, (a, b) in enumerate(zip(qsl[:-1], qsl[1:], strict=True)):
             view = hidden_states[a:b]
             seen.append(rt.step.prompt is not None)
-            out[req] = rt.planner.steer_rows(view)  # the head on the slice (logits = input)
+            out[req] = self.model.compute_logits(view)  # as vLLM calls it, on the slice
         return out
 
     got = v1.get_prompt_logprobs_dict(orig, _runner(rt, qsl, asks=True), h, {"r0": 3, "r1": 2})
@@ -84,6 +99,13 @@ def test_v1_prompt_rows_get_their_own_requests_steer(runtime, monkeypatch):
     assert not torch.equal(got[0], h[:3])
     # request 1's two prompt rows: as many as the batch's requests, yet never the batch's rows
     assert torch.equal(got[1], h[3:5])
+    # a model whose compute_logits transforms the rows first (MiMo's norm): the same steers
+    runner = _runner(rt, qsl, asks=True, transform=lambda x: x * 2.0)
+    got = v1.get_prompt_logprobs_dict(orig, runner, h, {"r0": 3, "r1": 2})
+    torch.testing.assert_close(got[0], steer_reference(2.0 * h[:3], *rt.bank_state.bank.factors,
+                                                       coefs))
+    assert torch.equal(got[1], 2.0 * h[3:5])
+    assert "compute_logits" not in vars(runner.model)  # the model as it was
 
     # slot 1 reused by a request that asks for none: the count goes back
     rt.assign(1, _params(None, None))
@@ -98,7 +120,8 @@ def test_v1_prompt_rows_get_their_own_requests_steer(runtime, monkeypatch):
         def num_prompt_logprobs(self):
             raise AssertionError("vLLM's record read with no request asking")
 
-    runner = Unread(input_batch=VllmObject(num_reqs=2), query_start_loc=VllmObject(np=qsl))
+    runner = Unread(input_batch=VllmObject(num_reqs=2), query_start_loc=VllmObject(np=qsl),
+                    model=_Model(rt))
     BINDINGS.set(runner, V1RunnerBinding(rt))
     seen.clear()
     v1.get_prompt_logprobs_dict(orig, runner, h, {"r0": 3, "r1": 2})

@@ -62,7 +62,8 @@ def test_v2_prompt_logprob_hooks_wrap_nothing_until_a_request_asks_for_prompt_lo
     rt.slots.flush()
     given.clear()
     out = v2.prompt_logprobs(orig, worker, logits_fn, h.clone(), batch)
-    assert given[0][0] is logits_fn and given[0][1] is not None  # the step's prompt rows
+    # the step's prompt rows, and the model's compute_logits recording each call's rows
+    assert given[0][0] is not logits_fn and given[0][1] is not None
     assert rt.step.prompt is None  # only for the call
     coefs = torch.tensor(np.stack([row] * 3 + [np.zeros_like(row)] * 2))
     want = steer_reference(h, *rt.bank_state.bank.factors, coefs)

@@ -399,7 +399,7 @@ def _prompt_rows(src: PromptRows, hidden: torch.Tensor):
     token's (V2) or its request's (V1), found by the call's offset in the step's hidden
     states; prompt rows are no generated tokens, so a window gives them its base strength."""
     n = hidden.shape[0]
-    offset = src.offset_of(hidden)
+    offset = src.row_offset(hidden)
     tokens = src.token_slots
     if offset is None or (tokens is not None and offset + n > len(tokens)):
         warn_once("vllm-steer: prompt-logprob rows could not be matched to a request; "

@@ -44,8 +44,8 @@ order exists on the device alone, is gathered on the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Union
+from dataclasses import dataclass, field
+from typing import Callable, Union
 
 import numpy as np
 import torch
@@ -92,6 +92,11 @@ class PromptRows:
     base: torch.Tensor
     token_slots: np.ndarray | None = None
     query_start_loc: np.ndarray | None = None
+    #: ``(offset, rows)`` of the logits call in progress, as the model's ``compute_logits``
+    #: received them (:meth:`logits_fn`): the rows of a model that transforms its input
+    #: before the LM head (MiMo applies its final norm there), which reaches the head as a
+    #: new tensor, not a slice of :attr:`base`
+    current: list = field(default_factory=list, compare=False)
 
     def offset_of(self, hidden: torch.Tensor) -> int | None:
         """The token index of ``hidden``'s first row in :attr:`base` (host addresses only);
@@ -101,6 +106,28 @@ class PromptRows:
             return None
         offset = (hidden.data_ptr() - base.data_ptr()) // (base.stride(0) * base.element_size())
         return offset if 0 <= offset < base.shape[0] else None
+
+    def row_offset(self, hidden: torch.Tensor) -> int | None:
+        """The token index of the head's input ``hidden``'s first row in :attr:`base`: its
+        address when it is a slice of it, else that of the rows the model's
+        ``compute_logits`` received in this call (:attr:`current`, the same number of
+        rows); None when neither."""
+        offset = self.offset_of(hidden)
+        if offset is None and self.current and self.current[0][1] == hidden.shape[0]:
+            return self.current[0][0]
+        return offset
+
+    def logits_fn(self, fn: Callable) -> Callable:
+        """``fn`` (the model's ``compute_logits``) recording the rows of each call in
+        :attr:`current` while it runs."""
+        def compute_logits(hidden, *args, **kwargs):
+            offset = self.offset_of(hidden)
+            self.current[:] = [] if offset is None else [(offset, hidden.shape[0])]
+            try:
+                return fn(hidden, *args, **kwargs)
+            finally:
+                self.current.clear()
+        return compute_logits
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from vllm_steer.integrations.worker.step_faults import ROWS, attach
 from vllm_steer.integrations.vllm_access import (v1_batch_positions,
                                                   v1_corrected_computed_tokens,
                                                   v1_has_prompt_logprobs,
-                                                  v1_input_batch, v1_query_start_loc,
+                                                  v1_input_batch, v1_model_compute_logits,
+                                                  v1_query_start_loc,
                                                   v1_speculates, v1_step_output, v1_step_tokens,
                                                   v1_untrack_output_token_ids)
 
@@ -119,5 +120,7 @@ def get_prompt_logprobs_dict(orig, self, *args, **kwargs):
         return orig(self, *args, **kwargs)
     prompt = PromptRows(base=_HIDDEN_STATES.get(orig, (self, *args), kwargs),
                         query_start_loc=v1_query_start_loc(self))
-    with rt.step.prompts(prompt):
+    # each call's rows as the model's compute_logits gets them (a model may transform them
+    # before the head: MiMo's final norm)
+    with rt.step.prompts(prompt), v1_model_compute_logits(self, prompt.logits_fn):
         return orig(self, *args, **kwargs)

@@ -41,6 +41,7 @@ from vllm_steer.ops import to_device
 _INPUT_BATCH = Arg("input_batch")
 _BINDINGS_BY_ID = BINDINGS.by_id  # each runner's binding: read in sample() with no call
 _HIDDEN_STATES = Arg("hidden_states")
+_LOGITS_FN = Arg("logits_fn")
 
 
 def sample(orig, self, *args, **kwargs):
@@ -331,5 +332,9 @@ def _steered_prompt_call(orig, self, args, kwargs):
         return orig(self, *args, **kwargs)
     prompt = PromptRows(base=_HIDDEN_STATES.get(orig, call, kwargs),
                         token_slots=va.v2_token_slots(input_batch))
+    # each call's rows as the model's compute_logits gets them (a model may transform them
+    # before the head: MiMo's final norm)
+    call, kwargs = _LOGITS_FN.replace(orig, call, kwargs,
+                                      prompt.logits_fn(_LOGITS_FN.get(orig, call, kwargs)))
     with rt.step.prompts(prompt):
-        return orig(self, *args, **kwargs)
+        return orig(*call, **kwargs)
