@@ -2,6 +2,7 @@
 
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -16,9 +17,21 @@ class Shouty:
         return [float(t.isupper()) for t in texts]
 
 
-def test_unknown_name_is_an_error_listing_the_registered_ones():
+def test_unknown_name_is_an_error_listing_the_registered_ones(tmp_path):
     with pytest.raises(KeyError, match="unknown toxicity scorer 'perspective'.*profanity-check"):
         get_scorer("toxicity", "perspective")
+    # on the command line, one line, no traceback (before any engine starts)
+    from vllm_steer.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": {"text": "Hello"}}\n')
+    err = _cli_error(main, ["eval", "toxicity", "--steer",
+                            str(root / "steers" / "smollm2-detox.safetensors"), "--prompts",
+                            str(prompts), "--out", str(tmp_path / "out"),
+                            "--toxicity-scorer", "perspective"])
+    assert err.startswith("vllm-steer eval: error: unknown toxicity scorer 'perspective'"), err
+    assert "Traceback" not in err and err.count("\n") == 1
     with pytest.raises(ValueError, match="unknown scorer kind 'fluency'"):
         get_scorer("fluency", "x")
 
@@ -81,3 +94,14 @@ def test_builtins_are_listed_without_importing_them_and_import_no_registry_back(
         assert not any(m and m.endswith("eval.scorers") for m in imported), mod.__name__
     assert type(get_scorer("sentiment", "vader")).__name__ == "VaderScorer"
     assert type(get_scorer("toxicity", "profanity-check")).__name__ == "ProfanityCheckScorer"
+
+
+def _cli_error(main, argv) -> str:
+    """The stderr of ``vllm-steer ARGV`` run in-process, which must fail with status 1."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(argv) == 1
+    return err.getvalue()

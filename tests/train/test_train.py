@@ -222,6 +222,13 @@ def test_resume_equals_uninterrupted_and_seed_repeats(prep, tmp_path):
     assert torch.equal(resumed.steer.domain_p2, full.steer.domain_p2)
     assert resumed.metrics["dev_loss"] == full.metrics["dev_loss"]
     assert not (tmp_path / "part.safetensors.ckpt").exists()  # removed after success
+    # a checkpoint folder the user named keeps the user's files: only the run's are removed
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    train_steer(cfg3, prep.dataset, str(tmp_path / "m.safetensors"), checkpoint_dir=str(mine),
+                **kw)
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
 
 
 def test_resume_refuses_a_different_recipe(prep, tmp_path):
@@ -232,6 +239,10 @@ def test_resume_refuses_a_different_recipe(prep, tmp_path):
     with pytest.raises(ValueError, match=r"(?s)cannot resume.*lr: checkpoint 0.01, now 0.05"):
         train_steer(_cfg(prep.cfg.model, steps=4, lr=0.05, checkpoint_every=2), prep.dataset,
                     out, resume=True, **kw)
+    with pytest.raises(ValueError, match=r"checkpoint is at step 2, past --steps 1 \(--steps "
+                                         r"may grow, not shrink: give --steps 2 or more\)"):
+        train_steer(_cfg(prep.cfg.model, steps=1, checkpoint_every=2), prep.dataset, out,
+                    resume=True, **kw)
     with pytest.raises(FileNotFoundError, match="--resume: no checkpoint"):
         train_steer(_cfg(prep.cfg.model, steps=4), prep.dataset, str(tmp_path / "x.safetensors"),
                     resume=True, **kw)

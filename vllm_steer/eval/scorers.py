@@ -73,6 +73,14 @@ def available(kind: str) -> list[str]:
     return sorted(_REGISTRY[kind])
 
 
+class UnknownScorerError(KeyError, ValueError):
+    """A scorer name that is not registered (a ``KeyError`` of the registry, and the bad
+    value of a command-line flag: the CLI prints its message as one line)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 def get_scorer(kind: str, name: str) -> TextScorer:
     """The scorer ``name`` of ``kind`` (built once, then reused). ``module:attr`` imports
     ``attr`` from ``module`` and registers it under that name first."""
@@ -87,7 +95,7 @@ def get_scorer(kind: str, name: str) -> TextScorer:
                              f"{mod_name!r} ({e})") from None
         register_scorer(kind, name, factory)
     if name not in _REGISTRY[kind]:
-        raise KeyError(f"unknown {kind} scorer {name!r}; registered: "
+        raise UnknownScorerError(f"unknown {kind} scorer {name!r}; registered: "
                        f"{', '.join(sorted(_REGISTRY[kind])) or 'none'} (register yours with "
                        f"vllm_steer.eval.register_scorer({kind!r}, {name!r}, Factory), or give "
                        "module:Class)")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -306,6 +305,26 @@ def recommend_strength(check: dict[str, Any], strengths, budget: float
     return (max(ok) if ok else None), rule
 
 
+#: The files a run writes into its checkpoint folder (and their temporary names).
+CHECKPOINT_FILES = (CHECKPOINT_NAME, "hidden-train.safetensors", "hidden-dev.safetensors")
+
+
+def _remove_checkpoint(checkpoint_dir: str) -> None:
+    """Remove what the run wrote into ``checkpoint_dir``, then the folder if that left it
+    empty: a folder the user named (``--checkpoint-dir``) may hold other files, kept."""
+    for name in CHECKPOINT_FILES:
+        for path in (os.path.join(checkpoint_dir, name),
+                     os.path.join(checkpoint_dir, name + ".tmp")):
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+    try:
+        os.rmdir(checkpoint_dir)
+    except OSError:  # not empty: the user's files stay
+        pass
+
+
 def _save_checkpoint(path: str, lm: LMSteer, opt, step: int, recipe: dict, data_desc: dict,
                      history: list) -> None:
     state = {"format": CHECKPOINT_FORMAT, "version": 1, "step": step,
@@ -331,6 +350,10 @@ def _load_checkpoint(path: str, recipe: dict, data_desc: dict) -> dict:
         diffs.append("the training files changed (sha256 differs)")
     if old_data.get("config") != data_desc.get("config"):
         diffs.append("the data configuration changed")
+    if int(recipe.get("steps", 0)) < int(state["step"]):
+        diffs.append(f"steps: the checkpoint is at step {state['step']}, past --steps "
+                     f"{recipe.get('steps')} (--steps may grow, not shrink: give "
+                     f"--steps {state['step']} or more)")
     if diffs:
         raise ValueError(f"cannot resume from {path}: the run differs from the checkpoint's:\n"
                          + "\n".join(f"  - {d}" for d in diffs)
@@ -675,7 +698,7 @@ def train_steer(cfg: TrainConfig, data: DataConfig | Dataset, out: str | None = 
         save_steer(out, steer)
         log(f"[train] wrote {out}")
     if checkpoint_dir and not keep_checkpoint and os.path.isdir(checkpoint_dir):
-        shutil.rmtree(checkpoint_dir, ignore_errors=True)
+        _remove_checkpoint(checkpoint_dir)
     _log_summary(log, metrics)
     log(f"[train] recommended strength {rec:g}")
     return TrainResult(steer, out, metrics, history)
