@@ -5,6 +5,7 @@ training, a short real run that steers held-out texts, the steer file, resume an
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -517,3 +518,33 @@ def test_cli_train_requires_a_model_outside_the_demo_presets(tmp_path, capsys):
     from vllm_steer.train.cli import train_model
 
     assert train_model(None, "detox") == "smollm2" and train_model("m", None) == "m"
+
+
+def test_a_hugging_face_id_is_read_from_the_cache_and_a_folder_without_a_model_refused(
+        tiny_model_dir, tmp_path):
+    """``--model org/name`` is a Hugging Face id (read from the local cache, offline here),
+    not a missing folder; a folder with no model in it is named as such."""
+    import shutil
+    import subprocess
+    import sys
+
+    from vllm_steer.train.module import load_model
+
+    snap = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_model_dir, snap)
+    (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("0123abcd")
+    code = ("import torch; from vllm_steer.train.module import load_model; "
+            "m, t, p = load_model('org/tiny', torch.device('cpu'), torch.float32); "
+            "print(type(m).__name__, p)")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["LlamaForCausalLM", "org/tiny"]
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="not a model folder \\(no config.json in it\\)"):
+        load_model(str(empty), torch.device("cpu"), torch.float32)
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        load_model(str(tmp_path / "missing" / "x"), torch.device("cpu"), torch.float32)
