@@ -293,7 +293,7 @@ def test_a_dp_load_that_fails_half_way_on_one_engine_core_is_rolled_back_on_the_
     cores[1].model_executor.fail("put", 1)  # engine core 0 loads it; engine core 1 half-way
     res = _manage(cores, "load", name="b", path=files("b"))
     assert res["ok"] is False and res["status"] == 500 and "rolled back" not in res, res
-    assert "unloaded again from the 1 engine core(s)" in res["error"], res
+    assert "undone on the 1 engine core(s) that had loaded it" in res["error"], res
     after = [state(c) for c in cores]
     for b, a in zip(before, after, strict=True):
         assert a["steers"] == b["steers"]
@@ -302,6 +302,27 @@ def test_a_dp_load_that_fails_half_way_on_one_engine_core_is_rolled_back_on_the_
     assert _manage(cores, "load", name="b", path=files("b"))["ok"]  # the next op succeeds
     assert [sorted(s[0] for s in state(c)["steers"]) for c in cores] == [["a", "b"]] * 2
 
+
+@pytest.mark.parametrize("room_on_0", [1, 2])
+def test_a_dp_replacement_refused_on_one_engine_core_keeps_the_name_on_every_one(files,
+                                                                                room_on_0):
+    """A name loaded again with another file: engine core 1 is full and a running request
+    holds the name's slot (507), engine core 0 replaces it (in the name's own slot, or in an
+    empty one). The call fails and changes nothing a user sees: both engine cores serve the
+    name, from its first file (read again where it was replaced), never half the engine
+    cores answering "unknown steer"."""
+    cores = [_core(0, capacity=room_on_0), _core(1, capacity=1)]
+    assert _manage(cores, "load", name="a", path=files("a"))["ok"]
+    admit(cores[1], "r1", {"a": 1.0})  # engine core 1's only slot is in use
+    res = _manage(cores, "load", name="a", path=files("b"))
+    assert res["ok"] is False and res["status"] == 507, res
+    assert "a name that held a file serves that file again" in res["error"], res
+    for c in cores:
+        listing = {s["name"]: s for s in op(c, "list")["steers"] if s["state"] == "loaded"}
+        assert set(listing) == {"a"} and listing["a"]["file"] == files("a"), listing
+        agree(c, stale_ok=True)
+    # a request on either engine core is admitted with the name
+    assert admit(cores[0], "r2", {"a": 1.0}) and admit(cores[1], "r3", {"a": 1.0})
 
 def test_a_dp_roll_back_whose_drop_fails_still_unbinds(files):
     cores = [_core(0), _core(1, capacity=1)]

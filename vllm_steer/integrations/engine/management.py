@@ -140,6 +140,9 @@ def _run_op(core, op: str, kwargs: dict | None = None) -> dict:
         load_id = (kwargs.get("load_ids") or {}).get(str(va.engine_index(core)))
         if entry is None or entry.load_id != load_id:
             return {"ok": True, "steer": None}
+        restored = _restore_replaced(core, st, kwargs["name"], load_id)
+        if restored is not None:
+            return {"ok": True, "steer": entry.to_json(), "restored": restored}
         _, freed = reg.unload(kwargs["name"], in_use_by_requests(core))
         reg.counters["unloads"] -= 1  # not an unload anyone asked for
         _drop(core, freed)
@@ -252,6 +255,7 @@ def load_steer_file(core, name: str, path: str, source: str,
         return _error(400, str(e))
     load_id = reg.new_load_id()
     taken = reg.slots[slot]  # the entry in that slot: the evicted one, or the name's own
+    previous = reg.get(name)  # the file the name holds now, if this load replaces it
     saved = _snapshot(reg)
     try:
         _workers(core, "put", slot, load_id, name, steer)
@@ -272,12 +276,38 @@ def load_steer_file(core, name: str, path: str, source: str,
                            " (read again on its next use)" if evicted is not None else "")
         _drop(core, [slot])
         raise
+    st.replaced.pop(name, None)
+    if previous is not None:
+        st.replaced[name] = (load_id, previous.file, previous.source)
     ms = (time.perf_counter() - t0) * 1e3
     logger.info("vllm-steer: loaded steer %r from %s (rank %d, bank slot %d, load id %d) in "
                 "%.1f ms%s", name, path, entry.rank, slot, load_id, ms,
                 f"; evicted {evicted.name!r} (least recently used)" if evicted else "")
     return {"ok": True, "steer": entry.to_json(), "evicted": evicted.name if evicted else None,
             "load_ms": ms}
+
+
+def _restore_replaced(core, st, name: str, load_id: int) -> dict | None:
+    """Undo load ``load_id`` of ``name`` that replaced another file of that name: that file
+    is loaded again from its path (its factors were overwritten), so that the name serves
+    what it served before the failed call. The entry loaded (None: the load replaced nothing,
+    or the file cannot be loaded again: the caller unloads the name)."""
+    prev = st.replaced.pop(name, None)
+    if prev is None or prev[0] != load_id:
+        return None
+    _, path, source = prev
+    res = load_steer_file(core, name, path, source)
+    if not res.get("ok"):
+        logger.warning("vllm-steer: rolling back the load of steer %r (load id %d): its "
+                       "previous file %s could not be loaded again (%s); the name is "
+                       "unloaded", name, load_id, path, res.get("error"))
+        return None
+    st.registry.counters["loads"] -= 1  # not a load anyone asked for
+    st.replaced.pop(name, None)
+    logger.info("vllm-steer: load of steer %r (load id %d) rolled back: it failed on another "
+                "data-parallel engine; its previous file %s serves the name again", name,
+                load_id, path)
+    return res["steer"]
 
 
 def layer_steer_problems(core, st, name: str, meta) -> list[str]:

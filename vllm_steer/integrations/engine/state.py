@@ -46,6 +46,10 @@ class EngineSteerState:
     layers_enabled: bool = False
     """Whether the workers' decoder layers have the op of decoder-layer steers (vector
     steers): :meth:`~vllm_steer.config.SteerServerConfig.layers_enabled`, read once."""
+    replaced: dict = field(default_factory=dict)
+    """Name -> ``(load id, path, source)``: the file a name held before its last load replaced
+    it, under that load's id; a data-parallel rollback of that load (it failed on another
+    engine core) loads it again rather than leave the name unbound here."""
 
 
 #: Each engine core's :class:`EngineSteerState`, kept beside it (nothing is set on vLLM's

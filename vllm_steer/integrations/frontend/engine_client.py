@@ -29,8 +29,9 @@ logger = get_logger()
 
 def _rolled_back(res: dict, undo: dict) -> dict:
     return {**res, "error": f"{res['error']} (data parallelism: refused by engine core "
-                            f"{res.get('engine')}; unloaded again from the "
-                            f"{len(undo['load_ids'])} engine core(s) that had loaded it)"}
+                            f"{res.get('engine')}; undone on the {len(undo['load_ids'])} "
+                            "engine core(s) that had loaded it: a name that held a file "
+                            "serves that file again)"}
 
 
 def _unload_failed_somewhere(res: dict, answers: list[dict]) -> dict:
