@@ -150,6 +150,14 @@ def test_score_cli_text_and_dataset(tiny_model_dir, tmp_path, capsys):
     assert sorted(p["label"] for p in ev["per_text"]) == ["0", "0", "0", "1", "1", "1"]
     assert main(["score", "--steer", str(path), "--model", str(tiny_model_dir), "--dataset",
                  "sst2", "--data", str(data), "--positive-label", "7"]) == 1
+    # a steer of another model: named, before any text is scored
+    narrow = tmp_path / "narrow.safetensors"
+    save_steer(narrow, random_steer(32, 4, "narrow", seed=3))
+    capsys.readouterr()
+    assert main(["score", "--steer", str(narrow), "--model", str(tiny_model_dir), "--text",
+                 "What a lovely day."]) == 1
+    err = capsys.readouterr().err
+    assert "has hidden size 32 but" in err and "takes 64" in err and "transfer" in err, err
 
 
 def test_training_texts_are_rebuilt_from_the_metadata(tmp_path):

@@ -278,6 +278,11 @@ def test_cli_train_writes_a_steer_and_reports_bad_input(tiny_model_dir, synth, t
     rc = main(["train", "--model", str(tiny_model_dir), "--positive", str(synth["pos"]),
                "--negative", str(synth["neg"]), "--out", str(out), "--max-length", "100000"])
     assert rc == 1 and "exceeds the model's context window of 512" in capsys.readouterr().err
+    gguf = tmp_path / "s.GGUF"  # an LM-Steer is no control vector, in any case of the suffix
+    rc = main(["train", "--model", str(tiny_model_dir), "--positive", str(synth["pos"]),
+               "--negative", str(synth["neg"]), "--out", str(gguf)])
+    assert rc == 1 and "llama.cpp's GGUF holds vector steers only" in capsys.readouterr().err
+    assert not gguf.exists()
 
 
 def test_recommended_strength_rule():

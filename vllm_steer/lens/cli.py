@@ -19,6 +19,13 @@ def _steer_and_model(args):
     if not name:
         raise ValueError(f"{args.steer} names no base_model in its metadata: pass --model")
     model, tok = load_lm(name)
+    from vllm_steer.lens.lm import output_embeddings
+
+    width = int(output_embeddings(model).shape[1])
+    if width != steer.hidden_size:
+        raise ValueError(f"{args.steer} has hidden size {steer.hidden_size} but {name}'s LM head "
+                         f"takes {width}: the steer is for another model (`vllm-steer "
+                         "transfer` carries a steer to this one)")
     return steer, model, tok, name
 
 

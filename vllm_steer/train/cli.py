@@ -353,9 +353,11 @@ def cmd_train(args) -> int:
     if given:
         raise ValueError(f"{', '.join(given)}: vector-steer flags; add --kind vector, or drop "
                          "them")
-    if len(args.out) != 1:
+    from vllm_steer.vectors import is_gguf_name
+
+    if len(args.out) != 1 or is_gguf_name(args.out[0]):
         raise ValueError(f"--out {' '.join(args.out)}: an LM-Steer is written to one "
-                         ".safetensors file")
+                         ".safetensors file (llama.cpp's GGUF holds vector steers only)")
     args.out = args.out[0]
 
     cfg = TrainConfig(model=train_model(args.model, args.preset), rank=args.rank,
