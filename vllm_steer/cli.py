@@ -156,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: said in one line, exit status 130 as a shell's
+        hint = ("; --resume continues from its last checkpoint (docs/training.md)"
+                if args.command == "train" else "")
+        print(f"\nvllm-steer {args.command}: interrupted{hint}", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `vllm-steer info FILE | head`: the reader stopped, as for `cat`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
         return 1

@@ -151,3 +151,21 @@ def test_train_help_says_each_kinds_defaults(capsys):
     assert ("(default: measured, see --fluency-budget; with no dev set, 5 (the paper's) for "
             "an LM-Steer and none for --kind vector)") in out
     assert re.search(r"--regularization REGULARIZATION .*? \(default: 0\)", out)
+
+
+def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
+    """Ctrl-C in a command: no KeyboardInterrupt traceback; ``train`` says how to go on."""
+    import vllm_steer.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_info", interrupted)
+    assert main(["info", "x"]) == 130
+    assert capsys.readouterr().err == "\nvllm-steer info: interrupted\n"
+    from vllm_steer.train import cli as train_cli
+
+    monkeypatch.setattr(train_cli, "cmd_train", interrupted)
+    assert main(["train", "--preset", "detox", "--out", "x.safetensors"]) == 130
+    assert "vllm-steer train: interrupted; --resume continues from its last checkpoint" in \
+        capsys.readouterr().err
