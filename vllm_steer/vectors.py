@@ -361,7 +361,7 @@ def is_gguf(path: str | os.PathLike) -> bool:
         return False
     if head[:4] == GGUF_MAGIC:
         return True
-    return os.fspath(path).lower().endswith(GGUF_SUFFIX) and head[8:9] != b"{"
+    return is_gguf_name(path) and head[8:9] != b"{"
 
 
 def read_vector_metadata(path: str | os.PathLike) -> VectorMetadata:

@@ -133,10 +133,7 @@ def cmd_explain(args) -> int:
     from vllm_steer.lens.lm import CALIBRATION_TEXTS, final_hidden_states, output_embeddings
 
     steer, model, tok, name = _steer_and_model(args)
-    E = output_embeddings(model).float().cpu()
-    if E.shape[1] != steer.hidden_size:
-        raise ValueError(f"steer hidden size {steer.hidden_size} does not match {name} "
-                         f"({E.shape[1]}); use `vllm-steer transfer` first")
+    E = output_embeddings(model).float().cpu()  # its width checked by _steer_and_model
     contexts = None
     if not args.no_orient:
         contexts = torch.cat([e.hidden for e in final_hidden_states(

@@ -170,6 +170,11 @@ def local_index(hs: HiddenStates, n_split: int) -> torch.Tensor:
     return pos
 
 
+def hidden_cache_name(split: str) -> str:
+    """The file of a split's cached hidden states in the checkpoint folder."""
+    return f"hidden-{split}.safetensors"
+
+
 def hidden_states(prep: PreparedRun, split: str, ckpt_dir: str | None, progress: bool,
                   log: Callable[[str], None] = print, needed: torch.Tensor | None = None
                   ) -> HiddenStates:
@@ -186,7 +191,7 @@ def hidden_states(prep: PreparedRun, split: str, ckpt_dir: str | None, progress:
         texts = [f"{t}\x03{a}" for t, a in zip(texts, starts, strict=True)]
     key = cache_key(prep.model_path, prep.model, texts, sides, prep.cfg.max_length,
                     prep.model_dtype, prep.cache_dtype)
-    path = os.path.join(ckpt_dir, f"hidden-{split}.safetensors") if ckpt_dir else None
+    path = os.path.join(ckpt_dir, hidden_cache_name(split)) if ckpt_dir else None
     want = torch.arange(len(ids)) if needed is None else torch.as_tensor(needed).long()
     hs = HiddenStates.load(path, key) if path else None
     have = torch.zeros(len(ids), dtype=torch.bool)
@@ -306,7 +311,7 @@ def recommend_strength(check: dict[str, Any], strengths, budget: float
 
 
 #: The files a run writes into its checkpoint folder (and their temporary names).
-CHECKPOINT_FILES = (CHECKPOINT_NAME, "hidden-train.safetensors", "hidden-dev.safetensors")
+CHECKPOINT_FILES = (CHECKPOINT_NAME, *(hidden_cache_name(s) for s in ("train", "dev")))
 
 
 def _remove_checkpoint(checkpoint_dir: str) -> None:
