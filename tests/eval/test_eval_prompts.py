@@ -30,3 +30,11 @@ def test_errors_name_the_problem(tmp_path):
     assert read_prompts(str(bad), 1) == ["ok"]
     with pytest.raises(ValueError, match="--num-prompts 0"):
         read_prompts(str(bad), 0)
+
+
+def test_a_prompt_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_bytes(b'{"prompt": {"text": "ok"}}\n{"prompt": {"text": "\xff"}}\n')
+    with pytest.raises(ValueError, match=rf"{bad}:2: not UTF-8 \(byte 0xff at column 22\)"):
+        read_prompts(str(bad))
+    assert read_prompts(str(bad), 1) == ["ok"]  # the first N read only what they need

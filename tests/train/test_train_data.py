@@ -96,6 +96,18 @@ def test_missing_column_missing_file_empty_file(tmp_path):
         read_examples(DataConfig(positive=[bad]))
 
 
+def test_a_jsonl_line_that_is_not_utf8_is_named_and_a_byte_order_mark_is_read(tmp_path):
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=rf"{bad}:2: not UTF-8 \(byte 0xe9 at column 14\); "
+                                        "save the file as UTF-8"):
+        read_examples(DataConfig(positive=[str(bad)]))
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes('{"text": "caf\u00e9"}\n{"text": "x"}\n'.encode("utf-8-sig"))
+    ex = read_examples(DataConfig(positive=[str(bom)]))
+    assert [e.text for e in ex] == ["caf\u00e9", "x"]
+
+
 def test_plain_text_cannot_be_labelled_and_both_sides_needed(tmp_path):
     t = _write(tmp_path / "a.txt", "x\ny\n")
     with pytest.raises(DataError, match="plain-text file has no labels"):

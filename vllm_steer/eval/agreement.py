@@ -52,7 +52,7 @@ def perspective_texts(data_dir: str, files: Sequence[str] = PERSPECTIVE_FILES
                       ) -> PerspectiveTexts:
     """The prompts and continuations of ``files`` (under ``data_dir``) with their
     Perspective toxicity; texts without a score are skipped, a repeated text is kept once."""
-    from vllm_steer.train.data import file_sha256
+    from vllm_steer.train.data import file_sha256, utf8_lines
 
     out = PerspectiveTexts()
     seen: set[str] = set()
@@ -61,24 +61,29 @@ def perspective_texts(data_dir: str, files: Sequence[str] = PERSPECTIVE_FILES
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path}: no such file (give --data DIR holding {rel})")
         out.files[rel] = file_sha256(path)
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
+        for n, line in utf8_lines(path):
+            if not line.strip():
+                continue
+            try:
                 rec = json.loads(line)
-                for part in PARTS:
-                    d = rec.get(part) or {}
-                    tox, text = d.get("toxicity"), d.get("text")
-                    if tox is None or not isinstance(text, str):
-                        out.skipped_null += 1
-                        continue
-                    if text in seen:
-                        out.skipped_repeat += 1
-                        continue
-                    seen.add(text)
-                    out.texts.append(text)
-                    out.perspective.append(float(tox))
-                    out.source.append(f"{rel}:{n}:{part}")
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object per line, got "
+                                 f"{type(rec).__name__}")
+            for part in PARTS:
+                d = rec.get(part) or {}
+                tox, text = d.get("toxicity"), d.get("text")
+                if tox is None or not isinstance(text, str):
+                    out.skipped_null += 1
+                    continue
+                if text in seen:
+                    out.skipped_repeat += 1
+                    continue
+                seen.add(text)
+                out.texts.append(text)
+                out.perspective.append(float(tox))
+                out.source.append(f"{rel}:{n}:{part}")
     return out
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 
+from vllm_steer.train.data import utf8_lines
+
 TASK_FILES = {
     "toxicity": {"rtp_nontoxic": "prompts/toxicity/rtp_nontoxic_1200.jsonl"},
     "sentiment": {s: f"prompts/sentiment/{s}_prompts.jsonl"
@@ -41,23 +43,22 @@ def read_prompts(path: str, num_prompts: int | None = None) -> list[str]:
     if num_prompts is not None and num_prompts < 1:
         raise ValueError(f"--num-prompts {num_prompts}: must be at least 1")
     out: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                text = rec["prompt"]["text"] if isinstance(rec.get("prompt"), dict) \
-                    else rec["prompt"]
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-                raise ValueError(f"{path}:{i}: expected a JSON object with prompt.text "
-                                 f"(got {line[:80]!r})") from None
-            if not isinstance(text, str):
-                raise ValueError(f"{path}:{i}: prompt.text is {type(text).__name__}, "
-                                 "expected a string")
-            out.append(text)
-            if num_prompts is not None and len(out) >= num_prompts:
-                break
+    for i, line in utf8_lines(path):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            text = rec["prompt"]["text"] if isinstance(rec.get("prompt"), dict) \
+                else rec["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{path}:{i}: expected a JSON object with prompt.text "
+                             f"(got {line[:80]!r})") from None
+        if not isinstance(text, str):
+            raise ValueError(f"{path}:{i}: prompt.text is {type(text).__name__}, "
+                             "expected a string")
+        out.append(text)
+        if num_prompts is not None and len(out) >= num_prompts:
+            break
     if not out:
         raise ValueError(f"{path}: no prompts found")
     return out

@@ -28,6 +28,21 @@ class DataError(ValueError):
     """A training file was refused; the message names the file and the problem."""
 
 
+def utf8_lines(path: str) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of a UTF-8 text file, line endings kept and a leading byte
+    order mark dropped; a line that is not UTF-8 is a :class:`DataError` naming the file, the
+    line and the column, not a bare codec error."""
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}:{i}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                    "save the file as UTF-8") from None
+            yield i, (line[1:] if i == 1 and line.startswith("\ufeff") else line)
+
+
 @dataclass(frozen=True)
 class Example:
     text: str
@@ -278,16 +293,15 @@ def _iter_jsonl(path: str, text_field: str | None, label_field: str | None, need
     """The records of a JSONL file, one JSON object a line; blank lines skipped."""
     tkey = text_field or "text"
     lkey = label_field or "label"
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{i}: not valid JSON ({e})") from None
-            text, label = _jsonl_record(f"{path}:{i}", rec, tkey, lkey, need_label)
-            yield i, text, label
+    for i, line in utf8_lines(path):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{i}: not valid JSON ({e})") from None
+        text, label = _jsonl_record(f"{path}:{i}", rec, tkey, lkey, need_label)
+        yield i, text, label
 
 
 def _csv_column(path: str, columns: list[str] | None, spec: str | None, default_name: str,
