@@ -123,7 +123,7 @@ def test_grid_crosses_two_steers(tiny_model_dir, data_dir, tmp_path, steer_path)
     assert "rows: `detox` strength, columns: `sentiment` strength" in md
 
 
-def test_config_errors_are_clear(tmp_path, steer_path, data_dir):
+def test_config_errors_are_clear(tmp_path, steer_path, data_dir, tiny_model_dir):
     with pytest.raises(ValueError, match="the grid crosses two steers; got 1"):
         EvalConfig(task="grid", steers=[steer_path]).validate()
     with pytest.raises(ValueError, match="unknown task 'poetry'"):
@@ -131,7 +131,8 @@ def test_config_errors_are_clear(tmp_path, steer_path, data_dir):
     with pytest.raises(ValueError, match="--samples 0"):
         EvalConfig(sampling=SamplingConfig(samples=0)).validate()
     with pytest.raises(FileNotFoundError, match="--baseline nope.safetensors: no such file"):
-        evaluate(EvalConfig(steers=[steer_path], baseline="nope.safetensors",
+        evaluate(EvalConfig(model=str(tiny_model_dir), steers=[steer_path],
+                            baseline="nope.safetensors",
                             data_dir=str(data_dir), out=str(tmp_path / "o"), num_prompts=1,
                             progress=False), generator_factory=FakeGenerator)
 

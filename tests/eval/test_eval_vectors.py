@@ -183,6 +183,35 @@ def test_a_vector_run_reports_its_method_blocks_and_goals(tmp_path, prompts_file
     assert "| vector | calm=+0.02 | 0.500 |" in md
 
 
+def test_steers_that_do_not_fit_the_model_are_refused_before_the_engine_starts(
+        tmp_path, prompts_file, tiny_model_dir):
+    # the tiny model: hidden 64, 2 decoder blocks; an LM-Steer of hidden 32 and a vector
+    # steer with a block 5 both refused, in one error, and no engine is made
+    lm = str(tmp_path / "small.safetensors")
+    save_steer(lm, random_steer(32, 4, "small"))
+    vec, _ = _vector_file(tmp_path, layers=(1, 5))
+    StandInGenerator.made.clear()
+    cfg = EvalConfig(task="grid", model=str(tiny_model_dir), steers=[lm, vec],
+                     strengths=[0, 1], grid_strengths=[0, 0.01], baseline="none",
+                     prompt_file=prompts_file,
+                     num_prompts=2, sampling=SamplingConfig(samples=1, max_tokens=4),
+                     out=str(tmp_path / "ev"), toxicity_scorer="standin-vtox",
+                     sentiment_scorers=["standin-vpos"], progress=False)
+    with pytest.raises(ValueError) as e:
+        evaluate(cfg, StandInGenerator, log=lambda m: None)
+    msg = str(e.value)
+    assert msg.startswith("the steers do not fit the model:")
+    assert (f"{lm}: steer 'small' has hidden size 32 but the model {tiny_model_dir} has 64"
+            in msg)
+    assert f"{vec}: the steer has vectors for blocks 5 but the model has 2 decoder blocks" in msg
+    assert StandInGenerator.made == []
+    fits = str(tmp_path / "fits.safetensors")
+    save_steer(fits, random_steer(HIDDEN, 4, "fits"))
+    cfg.steers = [fits, _vector_file(tmp_path, name="calm2", layers=(0, 1))[0]]
+    evaluate(cfg, StandInGenerator, log=lambda m: None)  # steers that fit run
+    assert len(StandInGenerator.made) == 1
+
+
 def test_grid_and_conditions_name_each_kind(tmp_path):
     lm = str(tmp_path / "detox.safetensors")
     save_steer(lm, random_steer(HIDDEN, 4, "detox"))

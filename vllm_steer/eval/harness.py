@@ -159,6 +159,44 @@ def load_steer_infos(paths: Sequence[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _model_shape(model_path: str) -> dict[str, Any] | None:
+    """Hidden size, decoder blocks and architecture of the model folder ``model_path`` (its
+    text model's, for a multimodal config), from its ``config.json``; None when the folder
+    has none (the engine then checks the steers when it starts)."""
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        return None
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_path)
+    c = c.get_text_config() if hasattr(c, "get_text_config") else c
+    return dict(hidden_size=int(c.hidden_size), num_layers=int(c.num_hidden_layers),
+                model_type=getattr(c, "model_type", None))
+
+
+def check_steers_fit(steers: dict[str, dict[str, Any]], model_path: str, model: str) -> None:
+    """Refuse, before the engine starts, steers that do not fit the model: every reason of
+    every steer in one error (an LM-Steer's hidden size; a vector steer's hidden size, blocks
+    and architecture, as the engine checks them)."""
+    from vllm_steer.kinds import applied_in_layers, read_any_metadata
+    from vllm_steer.vectors import model_fit_problems
+
+    shape = _model_shape(model_path)
+    if shape is None:
+        return
+    reasons: list[str] = []
+    for name, info in steers.items():
+        meta = read_any_metadata(info["path"])
+        if applied_in_layers(meta):
+            reasons += [f"{info['path']}: {r}" for r in model_fit_problems(meta, **shape)]
+        elif meta.hidden_size != shape["hidden_size"]:
+            reasons.append(f"{info['path']}: steer {name!r} has hidden size {meta.hidden_size} "
+                           f"but the model {model} has {shape['hidden_size']}; train or "
+                           "transfer the steer for this model (vllm-steer train / "
+                           "vllm-steer transfer), or give its model with --model")
+    if reasons:
+        raise ValueError("the steers do not fit the model:\n  " + "\n  ".join(reasons))
+
+
 def build_conditions(cfg: EvalConfig, steer_names: list[str], blacklist: str | None,
                      kinds: dict[str, str] | None = None) -> list[Condition]:
     """The run's conditions; ``kinds``: steer name -> its kind (``lm-steer`` when not given),
@@ -295,6 +333,7 @@ def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
     model_path = resolve_model(cfg.model)
     messages, scorer_prompts, model_prompts = _model_prompts(cfg, prompts, model_path)
     steers = load_steer_infos(cfg.steers)
+    check_steers_fit(steers, model_path, cfg.model)
     names = list(steers)
     first = steers[names[0]]["metadata"] if names else None
     os.makedirs(cfg.out, exist_ok=True)
