@@ -311,6 +311,18 @@ def sequence_parallelism(vllm_config) -> bool:
 _SEQUENCE_PARALLEL_FLAGS = ("enable_sp", "enable_sequence_parallelism")
 
 
+def token_splitting(vllm_config) -> dict[str, bool]:
+    """Whether each step's tokens are split before the model's blocks run: micro-batching
+    (``--enable-dbo``, or ``ubatch_size`` above 1: the blocks run once per slice of the step)
+    and prefill context parallelism (``--prefill-context-parallel-size`` above 1: each rank's
+    blocks run a reordered share of the step)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    return {"micro-batching (--enable-dbo / ubatch_size)":
+            bool(getattr(pc, "enable_dbo", False)) or int(getattr(pc, "ubatch_size", 0) or 0) > 1,
+            "prefill context parallelism (--prefill-context-parallel-size)":
+            int(getattr(pc, "prefill_context_parallel_size", 1) or 1) > 1}
+
+
 # ---- the runners' adapters of the step mapping -------------------------------------------
 def v1_step_tokens(input_batch, num_scheduled, computed=None):
     """V1's step (the persistent batch: request slot ``i`` is batch row ``i``, its tokens
@@ -1003,6 +1015,10 @@ ACCESSES: tuple[Access, ...] = (
     Access(sequence_parallelism, "refusing vector steers under sequence parallelism",
            FRONTEND, reads=(f"{_CONFIG}.compilation_config",
                             "vllm.config.compilation:CompilationConfig.pass_config")),
+    Access(token_splitting, "refusing vector steers where a step's tokens are split",
+           FRONTEND, reads=(f"{_CONFIG}.parallel_config", f"{_PARALLEL}.enable_dbo",
+                            f"{_PARALLEL}.ubatch_size",
+                            f"{_PARALLEL}.prefill_context_parallel_size")),
     Access(v1_step_tokens, "the step mapping of the decoder layers' steers (V1)", V1,
            reads=tuple(f"vllm.v1.worker.gpu_input_batch:InputBatch.{n}" for n in
                        ("num_reqs", "num_computed_tokens_cpu", "num_prompt_tokens"))),

@@ -214,3 +214,38 @@ def test_run_time_steers_are_refused_only_in_dp_modes_where_a_call_reaches_one_e
     # start-up steers only: fine in every mode
     check_runtime_steers_fit_parallelism(SteerServerConfig(steers={"a": "a.safetensors"}),
                                          dp(2, **{mode: True}))
+
+
+@pytest.mark.parametrize("flags, named", [
+    ({"enable_dbo": True}, "micro-batching (--enable-dbo / ubatch_size)"),
+    ({"ubatch_size": 2}, "micro-batching (--enable-dbo / ubatch_size)"),
+    ({"prefill_context_parallel_size": 2},
+     "prefill context parallelism (--prefill-context-parallel-size)"),
+])
+def test_vector_steers_are_refused_where_a_steps_tokens_are_split(flags, named):
+    # the decoder blocks would run on a slice (micro-batches) or a reordered share (prefill
+    # context parallelism) of the step's tokens, reading the whole step's per-token strengths
+    # from row 0: the wrong tokens steered. vLLM's CPU platform turns DBO off, so the refusal
+    # is read on stand-in configs carrying vLLM's own field names.
+    from types import SimpleNamespace
+
+    import dataclasses
+
+    from vllm.config import ParallelConfig
+
+    from vllm_steer.integrations.frontend.startup_checks import check_layer_steering
+
+    assert set(flags) <= {f.name for f in dataclasses.fields(ParallelConfig)}
+
+    def config(**kw):
+        return SimpleNamespace(parallel_config=SimpleNamespace(
+            **{"enable_dbo": False, "ubatch_size": 0, "prefill_context_parallel_size": 1, **kw}),
+            compilation_config=SimpleNamespace(pass_config=SimpleNamespace(enable_sp=False)))
+
+    import re
+
+    with pytest.raises(ValueError, match=f"vector steers cannot be served with {re.escape(named)}"
+                                         ": the decoder blocks then run on a slice"):
+        check_layer_steering(config(**flags))
+    check_layer_steering(config())  # none of them: served
+    check_layer_steering(config(ubatch_size=1))  # one micro-batch is the whole step

@@ -167,7 +167,9 @@ def check_steers_fit(cfg: SteerServerConfig, hidden_size: int, model: str,
 def check_layer_steering(vllm_config) -> None:
     """Refuse, before anything is loaded, the configuration decoder-layer steers (vector
     steers) cannot be served in: sequence parallelism (it splits the residual stream by token
-    across the tensor-parallel ranks, and the per-token coefficients are the whole step's).
+    across the tensor-parallel ranks, and the per-token coefficients are the whole step's),
+    micro-batching and prefill context parallelism (the blocks run on a slice or a reordered
+    share of the step's tokens).
     Pipeline parallelism is served: each stage holds its own blocks' vectors."""
     if va.sequence_parallelism(vllm_config):
         raise ValueError(
@@ -175,6 +177,13 @@ def check_layer_steering(vllm_config) -> None:
             "(compilation pass enable_sp): it splits the residual stream by token across the "
             "tensor-parallel ranks, and each step's per-token strengths are the whole step's. "
             "Turn sequence parallelism off, or serve without vector steers")
+    split = [mode for mode, on in va.token_splitting(vllm_config).items() if on]
+    if split:
+        raise ValueError(
+            f"vllm-steer: vector steers cannot be served with {' and '.join(split)}: the "
+            "decoder blocks then run on a slice (or a reordered share) of each step's tokens, "
+            "and each step's per-token strengths are the whole step's. Turn it off, or serve "
+            "without vector steers (LM-Steer steers act after the blocks, on the whole step)")
 
 
 #: Our per-request steer state per model runner, ``module:Class`` as vLLM loads custom logits
