@@ -781,3 +781,66 @@ def test_real_cuda_graphs_captured_at_start_up_replay_and_are_captured_again_in_
     for n in (2, 7):
         step(n, 1)
     assert rt.bank_state.bank.graphs.captures == 8 and rt.bank_state.bank.graphs.replays == 6
+
+
+def test_a_prompt_logprob_chunk_past_the_graphs_rows_keeps_their_buffer_and_graphs(tmp_path):
+    """A call with more rows than the graphs' coefficient buffer holds (Model Runner V2
+    computes prompt logprobs 1024 rows at a time) runs eagerly on a buffer of its own: the
+    graphs' buffer is never replaced, so no serving step after it drops or captures a graph;
+    every call's rows are the reference's."""
+    import numpy as np
+
+    from vllm_steer.integrations.worker.rows import PromptRows, SlotRows
+
+    rt = _one_steer_runtime(tmp_path, slots=8, seed=3)
+    graphs, planner = rt.bank_state.bank.graphs, rt.planner
+    table = planner.coef_buffer
+    assert graphs.captures == 4 and table.shape[0] < 1100
+    row = np.zeros(rt.slots.num_columns, np.float32)
+    row[0] = 4 * rt.bank_state.bank.steers[0].metadata.epsilon
+    for slot in range(8):
+        rt.set_slot(slot, row if slot % 2 == 0 else None)
+    rt.slots.flush()
+    p1, p2 = rt.bank_state.bank.p1.cpu(), rt.bank_state.bank.p2.cpu()
+    offs = rt.bank_state.bank.rank_offsets
+
+    def ref(h, slots):
+        coefs = torch.tensor(np.stack([row if s % 2 == 0 else 0 * row for s in slots]))
+        return steer_reference(h.cpu(), p1, p2, offs, coefs)
+
+    gen = torch.Generator().manual_seed(0)
+    for rows in (table.shape[0] + 10, 2 * table.shape[0] + 1, 4):  # grows, then reused
+        base = torch.randn(rows, 32, generator=gen).to(DEVICE)
+        token_slots = np.arange(rows) % 8
+        with rt.step.prompts(PromptRows(base=base, token_slots=token_slots)):
+            out = planner.steer_rows(base)
+        torch.testing.assert_close(out.cpu(), ref(base, token_slots), rtol=1e-5, atol=1e-5)
+        for n in (3, 8, 1):
+            h = torch.randn(n, 32, generator=gen).to(DEVICE)
+            with sampled_rows(planner, SlotRows(slots=np.arange(n))):
+                out = planner.steer_rows(h)
+            torch.testing.assert_close(out.cpu(), ref(h, range(n)), rtol=1e-5, atol=1e-5)
+    assert planner.coef_buffer is table  # the buffer the graphs read, never replaced
+    # replayed: the nine sampled steps and the 4-row prompt call
+    assert graphs.captures == 4 and graphs.backend.resets == 0 and graphs.replays == 10
+
+
+def test_a_step_with_fewer_rows_leaves_no_steer_in_its_buckets_padding_rows(tmp_path):
+    """A graph's bucket reads its padding rows too (a 5-row step replays the 8-row graph): the
+    rows a larger step left in the coefficient buffer are zeroed with the smaller step's
+    copy, so the op never reads a steer no row of the step uses."""
+    import numpy as np
+
+    from vllm_steer.integrations.worker.rows import SlotRows
+
+    rt = _one_steer_runtime(tmp_path, slots=8, seed=4)
+    row = np.zeros(rt.slots.num_columns, np.float32)
+    row[0] = 3 * rt.bank_state.bank.steers[0].metadata.epsilon
+    for slot in range(8):
+        rt.set_slot(slot, row if slot >= 5 else None)
+    rt.slots.flush()
+    for n in (8, 5, 8, 6):
+        with sampled_rows(rt.planner, SlotRows(slots=np.arange(n))):
+            rt.planner.steer_rows(torch.randn(n, 32).to(DEVICE))
+        table = rt.planner.coef_buffer.cpu()
+        assert torch.count_nonzero(table[:n]) == n - 5 and torch.count_nonzero(table[n:]) == 0

@@ -94,9 +94,13 @@ class StepPlanner:
         # device buffer they were copied to, the plan and what it was made for
         self._step_key: StepKey | None = None
         self._step_coefs: np.ndarray | None = None
-        self._coefs_dev: torch.Tensor | None = None
-        self._step_coefs_dev: torch.Tensor | None = None  # its first n rows (this step's)
+        self._coefs_dev: torch.Tensor | None = None  # the graphs' buffer (never replaced)
         self._coef_copy: staging.StagedCopy | None = None
+        self._rows_written = 0  # rows of _coefs_dev that may be non-zero (past them: zeros)
+        self._coefs_big: torch.Tensor | None = None  # steps with more rows (prompt logprobs)
+        self._big_copy: staging.StagedCopy | None = None
+        self._step_buf: torch.Tensor | None = None  # the buffer the step's rows are in
+        self._step_coefs_dev: torch.Tensor | None = None  # the step's n rows of it
         self._plan_key: object = None
         self._plan = None
         self._plan_checked = False  # _plan checked against the step's coefficients
@@ -185,7 +189,6 @@ class StepPlanner:
             if key != self._step_key:
                 self._step_key = None  # never keep a stale key on error
                 self.plan_step(n, slots, positions)
-                self._step_coefs_dev = self._coefs_dev[:n]
                 self._plan_checked = False
                 self._step_key = key
             # a batch step with no window among its rows: the next may be steady
@@ -292,31 +295,55 @@ class StepPlanner:
             coefs[:, :layers.capacity] *= 1.0 - layers.slot_is_vector
         last = self._step_coefs
         same = last is not None and last.shape == coefs.shape and np.array_equal(last, coefs)
-        if not same:
+        buf = self._coef_buffer(n)  # (may make a new buffer, and its staged copy)
+        same = same and buf is self._step_buf
+        if buf is self._coefs_dev:
+            written = self._rows_written
+            if not same:
+                self._step_coefs = None
+                if written > n:  # the rows the last step left past this one's: zeros again,
+                    # in the same copy (a graph's bucket reads its padding rows: no steer)
+                    coefs = np.concatenate(
+                        [coefs, np.zeros((written - n, coefs.shape[1]), coefs.dtype)])
+                self._coef_copy.copy_(buf[:max(n, written)], coefs)
+                self._rows_written = n
+                coefs = coefs[:n]
+        elif not same:
             self._step_coefs = None
-            buf = self._coef_buffer(n)  # (may make a new buffer, and its staged copy)
-            self._coef_copy.copy_(buf[:n], coefs)
-            self._step_coefs = coefs
+            self._big_copy.copy_(buf[:n], coefs)
+        self._step_coefs, self._step_buf, self._step_coefs_dev = coefs, buf, buf[:n]
 
     def _coef_buffer(self, n: int) -> torch.Tensor:
-        """The device buffer of the step's coefficients (``[rows >= n, columns]`` fp32), made
-        for the most rows a step samples (max_num_seqs) and, with the head's CUDA graphs, for
-        their largest bucket, from the start: the graphs read this buffer and are captured
-        again when it is replaced, which then happens only for a step with more rows
-        (prompt-logprob chunks), each time doubling. A new buffer starts all zero."""
+        """The device buffer of a step's coefficients (``[rows >= n, columns]`` fp32). The
+        graphs' buffer is made for the most rows a step samples (max_num_seqs) and, with the
+        head's CUDA graphs, for their largest bucket, and is never replaced once the graphs
+        are captured (they read it): a step with more rows than it holds (a prompt-logprob
+        chunk, launched eagerly) gets a buffer of its own, each time doubling, so that no
+        serving step drops or captures the graphs. A new buffer starts all zero."""
         bank_state = self.bank_state
         bank = bank_state.bank
         dev = bank.p1.device
+        graphs = bank.graphs
+        rows = max(bank_state.max_rows, 0 if graphs is None else graphs.max_rows)
         buf = self._coefs_dev
-        if buf is None or buf.shape[0] < n or buf.device != dev:
-            graphs = bank.graphs
-            rows = max(n, bank_state.max_rows, 0 if graphs is None else graphs.max_rows,
-                       2 * (0 if buf is None else buf.shape[0]))
-            self._step_coefs = self._step_key = None  # the new buffer holds no step's yet
-            self._coefs_dev = buf = torch.zeros((rows, self.slots.num_columns),
+        if buf is None or buf.device != dev or buf.shape[0] < (rows or n):
+            # first use, or the rows a step samples known only now: the graphs' buffer
+            self._step_coefs = self._step_key = self._step_buf = self._step_coefs_dev = None
+            self._coefs_dev = buf = torch.zeros((max(n, rows, 1), self.slots.num_columns),
                                                 dtype=torch.float32, device=dev)
             self._coef_copy = staging.StagedCopy(dev)
-        return buf
+            self._rows_written = 0
+        if n <= buf.shape[0]:
+            return buf
+        big = self._coefs_big
+        if big is None or big.shape[0] < n or big.device != dev:
+            if self._step_buf is big:
+                self._step_coefs = self._step_key = self._step_buf = self._step_coefs_dev = None
+            self._coefs_big = big = torch.zeros(
+                (max(n, 2 * (buf.shape[0] if big is None else big.shape[0])),
+                 self.slots.num_columns), dtype=torch.float32, device=dev)
+            self._big_copy = staging.StagedCopy(dev)
+        return big
 
     def capture_graphs(self) -> int:
         """Capture the head's CUDA graphs now (:meth:`~vllm_steer.kernels.graphs.SteerGraphs.
@@ -348,7 +375,7 @@ class StepPlanner:
         if plan_key != self._plan_key:
             self._plan_key, self._plan = None, None  # never keep a stale plan on error
             self._plan = bank_state.prepare(bank.p1, bank.p2, bank.rank_offsets,
-                                            self._coefs_dev[:n], host=coefs)
+                                            self._step_coefs_dev, host=coefs)
             self._plan_key = plan_key
             self.plans_made += 1
         self._plan_checked = True
