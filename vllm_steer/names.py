@@ -37,7 +37,9 @@ def steer_name_problem(name: object) -> str | None:
     if len(name) > MAX_NAME_LENGTH:
         return (f"steer name {echo(name)} is {len(name)} characters long; at most "
                 f"{MAX_NAME_LENGTH} are allowed")
-    if not _NAME_RE.fullmatch(name) or name in (".", ".."):
+    if name in (".", ".."):
+        return f"steer name {echo(name)} is reserved: as a file name it names a folder"
+    if not _NAME_RE.fullmatch(name):
         return (f"steer name {echo(name)} may use only {NAME_CHARSET} "
                 f"(at most {MAX_NAME_LENGTH} characters)")
     return None

@@ -15,7 +15,8 @@ def test_valid_names(name):
 
 @pytest.mark.parametrize("name, fragment", [
     ("", "empty"), ("a,b:c d", "may use only ASCII"), ("detox=1", "may use only"),
-    ("\uff15", "may use only"), (".", "may use only"), (7, "must be a string, got int"),
+    ("\uff15", "may use only"), (".", "'.' is reserved: as a file name it names a folder"),
+    ("..", "'..' is reserved"), (7, "must be a string, got int"),
     ("x" * (MAX_NAME_LENGTH + 1), f"at most {MAX_NAME_LENGTH}"),
 ])
 def test_invalid_names_say_why(name, fragment):

@@ -160,6 +160,44 @@ def test_every_route_works_with_the_key(server):
     assert call(server, "DELETE", "/v1/steer-presets/evil").status_code == 200
 
 
+def test_a_steer_that_presets_name_is_not_unloaded_unless_its_use_can_load_it_again(server):
+    """Unloading ``detox`` (a --steer file, not in --steer-dir) would make every request to
+    the presets naming it fail: refused with 409 naming each and how to change it, and the
+    presets keep serving. A --steer-dir steer a preset names is unloaded: its next use loads
+    it again."""
+    assert call(server, "PUT", "/v1/steer-presets/mild", {"steer": {"detox": 1}}).status_code \
+        == 200
+    r = call(server, "DELETE", "/v1/steers/detox")
+    assert r.status_code == 409, r.text
+    err = r.json()["error"]
+    assert err["type"] == "ConflictError" and "x-vllm-steer-applied" not in r.headers
+    msg = err["message"]
+    assert msg.startswith("steer 'detox' is named by --steer-preset polite (restart without "
+                          "it); the presets file's preset 'house' (edit --steer-presets-file)"
+                          "; the preset 'mild' (DELETE /v1/steer-presets/mild, or PUT it "
+                          "without 'detox')"), msg
+    assert "no file of --steer-dir" in msg
+    assert "detox" in world(server)["steers"]
+    for model, applied in (("polite", "detox=4"), ("mild", "detox=1")):
+        got = complete(server, model=model)
+        assert got.status_code == 200 and got.headers["x-vllm-steer-applied"] == applied
+    # a --steer-dir steer named by a preset: unloaded, and loaded again at the preset's use
+    assert call(server, "PUT", "/v1/steer-presets/mild", {"steer": {"a": 2}}).status_code == 200
+    assert complete(server, model="mild").headers["x-vllm-steer-applied"] == "a=2"
+    assert call(server, "DELETE", "/v1/steers/a").status_code == 200
+    got = complete(server, model="mild")
+    assert got.status_code == 200 and got.headers["x-vllm-steer-applied"] == "a=2"
+    assert call(server, "DELETE", "/v1/steer-presets/mild").status_code == 200
+    assert call(server, "DELETE", "/v1/steers/a").status_code == 200
+
+
+def test_adding_a_preset_named_like_one_of_the_presets_file_says_so(server):
+    r = call(server, "POST", "/v1/steer-presets", {"name": "house", "steer": {"detox": 1}})
+    assert r.status_code == 400
+    assert "a preset of the presets file (--steer-presets-file; edit the file to change it)" \
+        in r.json()["error"]["message"], r.text
+
+
 MIXES = [{"detox": 2.0}, {"detox": -3.0}, {"a": 2.0, "detox": 1.0}]
 HEADERS = {"detox=2", "detox=-3", "a=2,detox=1"}  # x-vllm-steer-applied of each
 

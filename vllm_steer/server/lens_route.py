@@ -24,7 +24,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, Field
 
 from vllm_steer.integrations import vllm_access as va
-from vllm_steer.server.errors import error_response
+from vllm_steer.server.errors import error_response, error_type
 
 router = APIRouter()
 
@@ -50,8 +50,7 @@ class HighlightRequest(BaseModel):
 
 
 def _error(status: int, message: str, param: str | None = "steer") -> JSONResponse:
-    kind = {429: "TooManyRequests", 501: "NotImplementedError",
-            503: "ServiceUnavailable"}.get(status, "BadRequestError")
+    kind = "NotImplementedError" if status == 501 else error_type(status)
     return error_response(status, message, kind, param)
 
 

@@ -42,10 +42,12 @@ from vllm_steer.integrations.frontend.engine_client import manage
 from vllm_steer.integrations.frontend import request_scope
 from vllm_steer.integrations.frontend.request_scope import close_scope, open_scope
 from vllm_steer.integrations.frontend.state import frontend_state
+from vllm_steer.integrations.engine.presets import FILE_TAKES
 from vllm_steer.integrations.protocol import steer_dir_names
 from vllm_steer.logs import get_logger
 from vllm_steer.server.admin import admin_refused
 from vllm_steer.server.errors import error_response as _error
+from vllm_steer.server.errors import error_type
 
 logger = get_logger()
 router = APIRouter()
@@ -100,9 +102,9 @@ class SteerHeadersMiddleware:
 
 
 def _with_headers(start: dict, box: dict) -> dict:
-    """The response's start with the ``x-vllm-steer-*`` headers, and ``Retry-After`` on a 429
-    of a full steer bank."""
-    extra = dict(box.get("headers") or {})
+    """The response's start with the ``x-vllm-steer-*`` headers (a response served: a refusal
+    served no steer), and ``Retry-After`` on a 429 of a full steer bank."""
+    extra = dict(box.get("headers") or {}) if start.get("status", 200) < 400 else {}
     refused = request_scope.busy(box)
     if refused is not None and start.get("status") == 429:
         extra["retry-after"] = str(refused[1])
@@ -115,12 +117,11 @@ def _with_headers(start: dict, box: dict) -> dict:
 
 def _busy_response(message: str, retry_after: int, start: dict) -> list[dict]:
     """The ASGI messages of HTTP 429 with ``Retry-After`` and vLLM's error body, for a
-    stream that had not begun (its held start's ``x-vllm-steer-*`` headers kept)."""
+    stream that had not begun (its held start's ``x-vllm-steer-*`` headers dropped: nothing
+    was served)."""
     body = json.dumps({"error": {"message": message, "type": "Too Many Requests",
                                  "param": None, "code": 429}}).encode()
-    headers = [(k, v) for k, v in start.get("headers") or []
-               if k.lower().startswith(b"x-vllm-steer")]
-    headers += [(b"content-type", b"application/json"),
+    headers = [(b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
                 (b"retry-after", str(retry_after).encode())]
     return [{"type": "http.response.start", "status": 429, "headers": headers},
@@ -203,8 +204,10 @@ def _model_names(state, cfg) -> dict[str, str]:
 def _reserved(raw: Request, cfg) -> dict[str, str]:
     """Model names a new preset (POST) may not take, as this API server knows them."""
     out = _model_names(raw.app.state, cfg)
-    out.update({n: "a preset added at run time (PUT /v1/steer-presets/"
-                f"{n} replaces it)" for n in frontend_state().presets_view()})
+    view = frontend_state()
+    out.update({n: FILE_TAKES if n in view.presets_from_file else
+                f"a preset added at run time (PUT /v1/steer-presets/{n} replaces it)"
+                for n in view.presets_view()})
     return out
 
 
@@ -260,7 +263,8 @@ async def _set_preset(raw: Request, name: str | None, replace: bool):
     res = await manage(engine, "preset_add", name=name, steer=mix, token=uuid.uuid4().hex,
                        replace=replace)
     if not res.get("ok"):
-        return _error(res.get("status", 400), res.get("error", "refused"))
+        return _error(res.get("status", 400), res.get("error", "refused"),
+                      error_type(res.get("status", 400)))
     out = {"object": "steer_preset", "name": name, "steer": mix, "source": "api"}
     if replace:
         out["replaced"] = res.get("replaced")
@@ -289,7 +293,7 @@ async def delete_preset(name: str, raw: Request):
     res = await manage(engine, "preset_delete", name=name)
     if not res.get("ok"):
         return _error(res.get("status", 400), res.get("error", "refused"),
-                      "NotFoundError" if res.get("status") == 404 else "BadRequestError")
+                      error_type(res.get("status", 400)))
     return JSONResponse({"object": "steer_preset", "deleted": True, **res["preset"],
                          "source": "api"})
 

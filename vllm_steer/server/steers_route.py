@@ -36,6 +36,7 @@ from vllm_steer.integrations.frontend.engine_client import manage
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.server.admin import admin_refused
 from vllm_steer.server.errors import error_response as _error
+from vllm_steer.server.errors import error_type
 from vllm_steer.logs import get_logger
 
 logger = get_logger()
@@ -119,7 +120,7 @@ async def load_steer(body: LoadSteerRequest, raw: Request):
     res = await manage(_engine(raw), "load", name=body.name, path=os.path.abspath(path),
                         source="api")
     if not res["ok"]:
-        return _error(res["status"], res["error"])
+        return _error(res["status"], res["error"], error_type(res["status"]))
     return JSONResponse({"object": "steer", **res["steer"], "evicted": res.get("evicted")})
 
 
@@ -130,8 +131,7 @@ async def unload_steer(name: str, raw: Request):
         return refused
     res = await manage(_engine(raw), "unload", name=name)
     if not res["ok"]:
-        return _error(res["status"], res["error"],
-                      "NotFoundError" if res["status"] == 404 else "BadRequestError")
+        return _error(res["status"], res["error"], error_type(res["status"]))
     return JSONResponse({"object": "steer", "deleted": True, **res["steer"]})
 
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 STARTUP, STEER_DIR, API = "--steer", "steer-dir", "api"
 
 # Refusal kinds (what the plugin's message must say, see ``refusal_kind`` in the test).
-PER_REQUEST, OVER_BANK, UNKNOWN, NO_ROOM, BAD_FILE, NEVER_FITS, NO_SLOT, FAULT = (
+PER_REQUEST, OVER_BANK, UNKNOWN, NO_ROOM, BAD_FILE, NEVER_FITS, NO_SLOT, FAULT, NAMED = (
     "per-request", "over-bank", "unknown", "no-room", "bad-file", "never-fits", "no-slot",
-    "fault")
+    "fault", "named")
 
 
 @dataclass(eq=False)
@@ -77,6 +77,9 @@ class SteerModel:
         self.served: dict[str, int] = {}
         self.reserved_presets = set(reserved_presets) | set(static_presets)
         self.static_presets = set(static_presets)
+        # the --steer-preset mixes (static_presets: a mapping of name -> mix, or names only)
+        self.static_mixes = {n: dict(m) for n, m in static_presets.items()} \
+            if isinstance(static_presets, dict) else {}
         self.presets: dict[str, dict[str, float]] = {}  # added over HTTP
         self.file_presets: dict[str, dict[str, float]] = {}
         self.file_stamp: tuple[int, str] | None = None
@@ -185,10 +188,17 @@ class SteerModel:
         self.max_load_id = load_id
         inst.load_id, inst.bank_slot = load_id, bank_slot
 
-    def unload(self, name: str) -> Outcome:
+    def unload(self, name: str, dir_file: bool = False) -> Outcome:
+        """DELETE /v1/steers/NAME. ``dir_file``: ``--steer-dir`` holds a file of the name (a
+        request's first use would load it again). A steer a preset names (``--steer-preset``,
+        the presets file, run time) that no first use could load again is kept: 409."""
         inst = self.loaded(name)
         if inst is None:
             return Outcome(False, 404, UNKNOWN)
+        mixes = [*self.static_mixes.values(), *self.presets.values(),
+                 *self.file_presets.values()]
+        if not dir_file and any(name in mix for mix in mixes):
+            return Outcome(False, 409, NAMED)
         inst.state = "draining"
         self.counters["unloads"] += 1
         self.reap()

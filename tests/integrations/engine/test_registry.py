@@ -115,16 +115,16 @@ def test_dir_path_stays_inside_the_directory(tmp_path):
 
 
 # ---- data parallelism: one answer from every engine core's (protocol.merge_answers) ---------
-def _core(index, capacity, steer_dir=None):
+def _core(index, capacity, steer_dir=None, **policy):
     """An engine core as management.run_op sees it: its own registry, no requests, workers that
-    accept every op."""
+    accept every op (``policy``: defaults, floors, presets)."""
     from types import SimpleNamespace
 
     from vllm_steer.config import SteerServerConfig
     from vllm_steer.integrations.engine.state import EngineSteerState
 
     cfg = SteerServerConfig(steers={}, max_steers=capacity, steer_dir=steer_dir,
-                            enable_updates=True)
+                            enable_updates=True, **policy)
     return engine_core(
         engine_index=index, steer_state=EngineSteerState(cfg, SteerRegistry(capacity), 64),
         scheduler=SimpleNamespace(requests={}),
@@ -339,3 +339,35 @@ def test_engine_core_admission_without_room_is_a_busy_refusal_and_never_fitting_
         extra_args={"steer": SteerRequest.parse({"c": 1.0}, None, 10.0).to_wire()}))
     engine_hooks.add_request(lambda core_, req, wave: admitted.append(req), core, request)
     assert admitted == [request] and set(reg.bound) == {"p", "q", "c"}
+
+
+def test_a_steer_a_default_or_positive_floor_names_is_not_unloaded_unless_a_use_reloads_it(
+        tmp_path):
+    from helpers.steers import random_steer
+
+    from vllm_steer.format import save_steer
+
+    d = tmp_path / "dir"
+    d.mkdir()
+    for n in ("b", "c", "f"):
+        save_steer(tmp_path / f"{n}.safetensors", random_steer(64, 4, n))
+    save_steer(d / "dd.safetensors", random_steer(64, 4, "dd"))
+    core = _core(0, 4, steer_dir=str(d), defaults={"b": 1.0, "dd": 2.0},
+                 floors={"c": 2.0, "f": -1.0})
+    for n, path in (("b", tmp_path / "b.safetensors"), ("c", tmp_path / "c.safetensors"),
+                    ("f", tmp_path / "f.safetensors"), ("dd", d / "dd.safetensors")):
+        assert _all([core], "load", name=n, path=str(path), source="api")[0]["ok"]
+    b, c = (_all([core], "unload", name=n)[0] for n in ("b", "c"))
+    assert (b["ok"], b["status"], c["ok"], c["status"]) == (False, 409, False, 409)
+    assert b["error"].startswith("steer 'b' is named by --steer-default b=1 (every request gets "
+                                 "it; restart without it): unloaded, it could not be loaded "
+                                 "again at a request's first use (it is no file of "
+                                 "--steer-dir)"), b["error"]
+    assert "--steer-floor c=2 (every request gets at least it" in c["error"]
+    # a negative floor changes only the requests naming the steer; a --steer-dir file is
+    # loaded again at its next use: both unloaded
+    assert _all([core], "unload", name="f")[0]["ok"]
+    assert _all([core], "unload", name="dd")[0]["ok"]
+    listing = _all([core], "list")[0]
+    assert {s["name"] for s in listing["steers"] if s["state"] == "loaded"} == {"b", "c"}
+    assert _all([core], "unload", name="nope")[0]["status"] == 404  # unknown: still a 404

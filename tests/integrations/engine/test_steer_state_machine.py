@@ -146,7 +146,8 @@ def refusal_kind(message: str) -> str:
                         (M.NEVER_FITS, ("never evicted", "more than")),
                         (M.NO_SLOT, ("steer slots are in use",)),
                         (M.BAD_FILE, ("' refused:",)),
-                        (M.UNKNOWN, ("unknown steer",))):
+                        (M.UNKNOWN, ("unknown steer",)),
+                        (M.NAMED, ("is named by", "no file of --steer-dir"))):
         if all(m in message for m in marks):
             return kind
     raise AssertionError(f"an undocumented refusal: {message}")
@@ -193,7 +194,7 @@ class SteerStateMachine(RuleBasedStateMachine):
                 model="tiny", served_model_name="tiny")))
         self.reg = reg
         self.model = M.SteerModel(CAPACITY, PER_REQUEST, reserved_presets={"tiny"},
-                                  static_presets={STATIC_PRESET})
+                                  static_presets={STATIC_PRESET: {PINNED: 1.0}})
         first = M.Instance(PINNED, M.STARTUP, pin, _sha(pin), self.model.tick())
         self.model.instances.append(first)
         self.model.learn(first, 1, 0)
@@ -433,7 +434,7 @@ class SteerStateMachine(RuleBasedStateMachine):
     def unload(self, name, fault):
         """DELETE /v1/steers/NAME; sometimes the second worker fails to empty the slot (the
         unload has happened: it answers so, and the slot is free)."""
-        want = self.model.unload(name)
+        want = self.model.unload(name, dir_file=name in self.disk)
         if fault:
             self.workers.arm("drop", 1)
         answer = self._manage("unload", name=name)

@@ -152,7 +152,7 @@ def test_a_stream_that_has_not_begun_is_answered_429_with_retry_after():
     assert sent[0]["status"] == 429
     headers = _headers(sent[0])
     assert headers["retry-after"] == "1" and headers["content-type"] == "application/json"
-    assert headers["x-vllm-steer-applied"]  # the steer headers kept
+    assert "x-vllm-steer-applied" not in headers  # nothing was served
     body = json.loads(sent[1]["body"])
     assert body["error"]["code"] == 429 and "all 3 steer slots" in body["error"]["message"]
     assert int(headers["content-length"]) == len(sent[1]["body"])
@@ -164,6 +164,7 @@ def test_a_held_stream_that_gets_its_slot_streams_unchanged():
     assert [m.get("status") for m in sent] == [200, None, None]
     assert [m.get("body") for m in sent[1:]] == [b"data: {}\n\n", b"data: [DONE]\n\n"]
     assert "retry-after" not in _headers(sent[0])
+    assert _headers(sent[0])["x-vllm-steer-applied"] == "d5=1"  # what was served
 
 
 def test_a_plain_429_gets_retry_after():
@@ -177,6 +178,21 @@ def test_a_plain_429_gets_retry_after():
     sent = _serve(app)
     assert sent[0]["status"] == 429 and _headers(sent[0])["retry-after"] == "1"
     assert sent[1]["body"] == b"{}"
+
+
+@pytest.mark.parametrize("status", [400, 429, 500])
+def test_a_refused_request_carries_no_applied_steer_header(status):
+    # the header says what was served; a refusal (an unknown steer: 400, a full bank: 429)
+    # served nothing
+    async def app(scope, receive, send):
+        request_scope.record_applied({"b": 1.0, "zzz": 1.0}, [])
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    sent = _serve(app)
+    assert sent[0]["status"] == status
+    assert not [k for k in _headers(sent[0]) if k.startswith("x-vllm-steer")]
 
 
 def test_the_busy_error_is_vllms_429_and_passes_the_guard():

@@ -32,7 +32,8 @@ from vllm_steer.integrations.engine.state import engine_state
 from vllm_steer.integrations.protocol import (OP_LIST, OP_LOAD, OP_PRESET_ADD, OP_PRESET_DELETE,
                                               OP_PRESET_FILE, OP_PRESET_ROLLBACK, OP_PRESETS,
                                               OP_ROLLBACK, OP_UNLOAD, SOURCE_API,
-                                              SOURCE_STEER_DIR, is_preset_op, op_totals)
+                                              SOURCE_STEER_DIR, dir_has_file, is_preset_op,
+                                              op_totals)
 from vllm_steer.logs import get_logger
 from vllm_steer.metrics import take_new
 
@@ -126,6 +127,14 @@ def _run_op(core, op: str, kwargs: dict | None = None) -> dict:
                                    protect, (list, tuple)) else ())
     if op == OP_UNLOAD:
         name = kwargs["name"]
+        named_by = policy_users(cfg, st.presets, name)
+        if named_by and reg.get(name) is not None and not dir_has_file(cfg.steer_dir, name):
+            return _error(409, f"steer {name!r} is named by {'; '.join(named_by)}: unloaded, "
+                          "it could not be loaded again at a request's first use (it is no "
+                          "file of --steer-dir), and every request that names it would be "
+                          "refused. Change what names it first (each item says how), or "
+                          "load a new version with POST /v1/steers (same name: it replaces "
+                          "this one)")
         try:
             entry, freed = reg.unload(name, in_use_by_requests(core))
         except KeyError:
@@ -150,6 +159,27 @@ def _run_op(core, op: str, kwargs: dict | None = None) -> dict:
                     "another data-parallel engine", kwargs["name"], load_id)
         return {"ok": True, "steer": entry.to_json()}
     return _error(400, f"unknown steer management op {op!r}")
+
+
+def policy_users(cfg, table, name: str) -> list[str]:
+    """What of the operator's policy names the steer ``name``: a default or a positive floor
+    (which every request gets), a ``--steer-preset`` preset, a preset of the presets file or one
+    added at run time (``table``: the engine core's :class:`~vllm_steer.integrations.engine.
+    presets.PresetTable`); each with how to change it."""
+    out = []
+    if name in cfg.defaults:
+        out.append(f"--steer-default {name}={cfg.defaults[name]:g} (every request gets it; "
+                   "restart without it)")
+    if cfg.floors.get(name, 0) > 0:  # raises every request (a negative floor: only its own)
+        out.append(f"--steer-floor {name}={cfg.floors[name]:g} (every request gets at least "
+                   "it; restart without it)")
+    out += [f"--steer-preset {p} (restart without it)" for p, mix in cfg.presets.items()
+            if name in mix]
+    out += [f"the presets file's preset {p!r} (edit --steer-presets-file)"
+            for p, mix in table.file.items() if name in mix]
+    out += [f"the preset {p!r} (DELETE /v1/steer-presets/{p}, or PUT it without {name!r})"
+            for p, mix in table.presets.items() if name in mix]
+    return out
 
 
 def _preset_op(core, cfg, op: str, kwargs: dict) -> dict:

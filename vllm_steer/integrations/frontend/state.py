@@ -84,9 +84,11 @@ class FrontendState:
         if answer["version"] >= self.presets_version:
             self.presets_version = answer["version"]
             self.presets = {n: dict(m) for n, m in answer["presets"].items()}
+            self.presets_from_file = set(answer.get("from_file") or ())
 
     def forget_presets(self) -> None:
         self.presets_version, self.presets = -1, {}
+        self.presets_from_file: set[str] = set()  # the names of the presets file's presets
 
     def set_engine(self, engine) -> None:
         """This API server's engine client (a new engine: a new preset table)."""
