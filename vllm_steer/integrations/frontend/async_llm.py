@@ -94,7 +94,7 @@ async def add_request(orig, self, request_id, prompt, params, *args, **kwargs):
 
 
 async def _preload_dir_steers(engine, cfg, params) -> None:
-    request = admitted((params.extra_args or {}).get(REQUEST_FIELD))
+    request = admitted(vllm_access.extra_args(params).get(REQUEST_FIELD))
     if request is None:
         return
     st = frontend_state()

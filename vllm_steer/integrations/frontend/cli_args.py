@@ -190,9 +190,10 @@ def _policy_args(args: argparse.Namespace) -> dict:
         presets[name] = mix
     if presets:
         out["presets"] = presets
-    for flag, key in (("--steer-default", "defaults"), ("--steer-floor", "floors")):
+    for flag, key, given in (("--steer-default", "defaults", getattr(args, "steer_default", None)),
+                             ("--steer-floor", "floors", getattr(args, "steer_floor", None))):
         values: dict = {}
-        for arg in getattr(args, flag[2:].replace("-", "_"), None) or []:
+        for arg in given or []:
             for name, v in parse_value_arg(arg, flag).items():
                 if name in values:
                     raise PolicyError(f"{flag} {name}: given twice; give each steer once")
