@@ -12,16 +12,21 @@ Read from the source (``ast``) of the code that runs in vLLM's processes:
 that drive vLLM as a user does, ``vllm_steer/eval`` and ``vllm_steer/offline.py``, use its
 public API and are not the plugin). A vLLM object, in each function, is: a name imported from
 ``vllm``; a parameter of a hook wrapper (``wrapper(orig, self, ...)``, ``orig`` too); a name in
-:data:`VLLM_NAMES` (the plugin's names for the vLLM objects it is handed); in the layer, each
-parameter of an accessor; and whatever is derived from one: an alias (``x = runner``), an
+:data:`VLLM_NAMES` (the plugin's names for the vLLM objects it is handed); a parameter
+annotated with a vLLM class or the CLI namespace vLLM's parser builds (:data:`VLLM_TYPES`);
+``app.state`` (vLLM's API server fills it); ``self`` in a class derived from a vLLM class (the
+names the class defines itself are its own); in the layer, each parameter of an accessor; and
+whatever is derived from one: an alias (``x = runner``), an
 attribute (``x.a``), ``getattr(x, "a")``, a call's result (``x.f()``, ``orig(...)``), an item
 (``x[i]``) or a loop variable over one. A touch is ``x.a`` (read or set),
 ``getattr``/``hasattr``/``setattr``/``delattr`` on one (a computed name is refused outside the
 layer: it cannot be checked), and each name an ``operator.attrgetter`` (``methodcaller``)
 reads, on whatever it is given (outside the layer always a touch: the scan cannot follow what
 it is applied to). Python's own names (``__init__``, ``__name__``: :data:`PYTHON`)
-are not vLLM's, and neither are the attributes of the plain types found behind a vLLM
-attribute (dict, list, ndarray, Tensor: :data:`PLAIN`), but on the vLLM object itself.
+are not vLLM's, nor are the plugin's own names on vLLM's objects (its flags on the CLI
+namespace, :data:`OUR_FLAGS`; ``vllm_steer_*`` on ``app.state``), and neither are the
+attributes of the plain types found behind a vLLM attribute (dict, list, ndarray, Tensor:
+:data:`PLAIN`), but on the vLLM object itself.
 Each import from a private module of another package (``pydantic._internal``) must be
 declared too."""
 
@@ -49,7 +54,12 @@ LAYER = "vllm_steer/integrations/vllm_access.py"
 #: wrappers' own parameters.
 VLLM_NAMES = {"core", "runner", "vllm_config", "model_config", "req_states", "input_batch",
               "sharder", "scheduler_output", "speculative_config", "engine", "llm", "scheduler",
-              "worker", "output", "models"}
+              "worker", "output", "models", "params", "sampling_params", "block"}
+#: Annotations of a parameter that vLLM built (the CLI namespace of vLLM's parser), besides
+#: the classes imported from ``vllm``.
+VLLM_TYPES = {"argparse.Namespace", "Namespace"}
+#: The plugin's prefix for what it keeps on vLLM's objects (``app.state.vllm_steer_engine``).
+OUR_PREFIX = "vllm_steer_"
 #: Attributes of the plain types found behind a vLLM attribute (``x.a.values()``): not vLLM's.
 PLAIN = {n for t in (dict, list, tuple, set, str, queue.Queue, np.ndarray, torch.Tensor,
                     torch.nn.Module, types.AsyncGeneratorType, types.CoroutineType)
@@ -60,6 +70,22 @@ PYTHON = {n for n in (*dir(object), *dir(type), "__func__", "__wrapped__", "__di
 #: Names the plugin's own classes define, read on the objects vLLM holds in its lists (our
 #: per-request state among its logits processors), with the class that defines each.
 OURS = {"needs_output_token_ids": "vllm_steer.integrations.request_state_v1:SteerRequestStateV1"}
+
+
+def _our_flags() -> set[str]:
+    """The plugin's own fields of vLLM's CLI namespace: the ``dest`` of each flag it adds
+    (:func:`~vllm_steer.integrations.frontend.cli_args.add_steer_args`)."""
+    import argparse
+
+    from vllm_steer.integrations.frontend.cli_args import add_steer_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_steer_args(parser)
+    return {a.dest for a in parser._actions}
+
+
+#: The plugin's flags on vLLM's CLI namespace (``args.steer_dir``): its names, not vLLM's.
+OUR_FLAGS = _our_flags()
 _ATTR_FUNCS = ("getattr", "hasattr", "setattr", "delattr")
 #: ``operator``'s getters: ``attrgetter("a")(x)`` reads ``x.a``, on whatever it is given later
 _GETTERS = ("attrgetter", "methodcaller")
@@ -88,13 +114,26 @@ def last(name: str) -> str:
 class _Taint:
     """The vLLM objects of one function: roots and what is derived from them, with depth."""
 
-    def __init__(self, roots: set[str]) -> None:
+    def __init__(self, roots: set[str], ours: set[tuple[str, str]] = frozenset()) -> None:
         self.depth = {r: 0 for r in roots}
+        self.ours = ours
+        """``(root, name)``: the plugin's own attribute of a root (a vLLM subclass's
+        ``self.name``), not a vLLM object."""
 
     def level(self, node) -> int | None:
         """0 for a vLLM object, k for what k attribute steps from one hold; None: not one."""
         if isinstance(node, ast.Name):
             return self.depth.get(node.id)
+        if _app_state(node):
+            return 0
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                (node.value.id, node.attr) in self.ours:
+            return None
+        name = node.attr if isinstance(node, ast.Attribute) else \
+            node.args[1].value if isinstance(node, ast.Call) and len(node.args) > 1 and \
+            isinstance(node.args[1], ast.Constant) else None
+        if isinstance(name, str) and name.startswith(OUR_PREFIX):
+            return None  # what the plugin keeps on a vLLM object is its own
         if isinstance(node, (ast.Attribute, ast.Subscript)):
             inner = self.level(node.value)
             return None if inner is None else inner + 1
@@ -141,6 +180,34 @@ class _Taint:
 
 
 _FUNCTION = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def _app_state(node) -> bool:
+    """``app.state`` or ``<x>.app.state``: the state vLLM's API server fills
+    (``init_app_state``: ``args``, ``openai_serving_models``, ...)."""
+    return isinstance(node, ast.Attribute) and node.attr == "state" and (
+        (isinstance(node.value, ast.Name) and node.value.id == "app")
+        or (isinstance(node.value, ast.Attribute) and node.value.attr == "app"))
+
+
+def _annotated_vllm(fn, imported: set[str]) -> set[str]:
+    """The parameters of ``fn`` annotated with a vLLM class (or a CLI namespace)."""
+    args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+    return {a.arg for a in args if a.annotation is not None and
+            ast.unparse(a.annotation).strip("'\"") in VLLM_TYPES | imported}
+
+
+def _own_names(cls: ast.ClassDef) -> set[str]:
+    """The names a class defines itself: its body's, and what its methods set on ``self``."""
+    own = {t.id for n in cls.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+           for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+           if isinstance(t, ast.Name)}
+    own |= {n.name for n in cls.body if isinstance(n, (*_FUNCTION, ast.ClassDef))}
+    own |= {t.attr for n in ast.walk(cls) if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+            and t.value.id == "self"}
+    return own
 
 
 def _functions(tree):
@@ -190,6 +257,10 @@ def scan(source: str, rel: str) -> tuple[list[Touch], list[tuple[str, str]]]:
     accessors = {a.function.__name__ for a in vllm_access.ACCESSES} if rel == LAYER else set()
     bases = {n.name: {b.id for b in n.bases if isinstance(b, ast.Name)} & imported
              for n in tree.body if isinstance(n, ast.ClassDef)}
+    # ``self`` in a class derived from a vLLM class is a vLLM object; the names the class
+    # defines itself are ours
+    own = {n.name: _own_names(n) for n in tree.body if isinstance(n, ast.ClassDef)
+           and bases[n.name]}
     found = []
     for node in tree.body:  # a getter made at module level (``get = attrgetter("a")``)
         getter = node.value if isinstance(node, ast.Assign) else None
@@ -201,12 +272,18 @@ def scan(source: str, rel: str) -> tuple[list[Touch], list[tuple[str, str]]]:
         roots = imported | VLLM_NAMES | (set(args) if wrapper or fn.name in accessors else set())
         roots |= {a for sub in ast.walk(fn) if isinstance(sub, _FUNCTION) and sub is not fn
                   and _params(sub)[:1] == ["orig"] for a in _params(sub)}
-        taint = _Taint(roots)
+        roots |= _annotated_vllm(fn, imported)
+        mine = set()
+        if top in own and args:  # ``self`` of a vLLM subclass; its own names are ours
+            roots.add(args[0])
+            mine = {(args[0], name) for name in own[top]}
+        taint = _Taint(roots, mine)
         taint.learn(fn)
         for n in ast.walk(fn):
             where = f"{rel}:{getattr(n, 'lineno', fn.lineno)} ({fn.name})"
             if isinstance(n, ast.Attribute):
-                if _base_call(n, fn, bases.get(top, ())):
+                if _base_call(n, fn, bases.get(top, ())) or taint.level(n) is None and \
+                        isinstance(n.value, ast.Name) and (n.value.id, n.attr) in taint.ours:
                     continue
                 lv = taint.level(n.value)
                 if lv is not None:
@@ -254,6 +331,8 @@ def violations(source: str, rel: str) -> list[str]:
     for t in touches:
         if t.name in PYTHON or (t.depth > 1 and (t.name in PLAIN or t.name in OURS)):
             continue
+        if t.name is not None and (t.name.startswith(OUR_PREFIX) or t.name in OUR_FLAGS):
+            continue  # the plugin's own names on vLLM's objects (app.state, the CLI namespace)
         what = f"{t.where}: {t.how} {t.name or '(a computed name)'}"
         if rel == LAYER:
             if t.function not in per_access:
@@ -405,3 +484,48 @@ def test_the_scan_finds_the_reads_it_is_meant_to():
     assert planted == ["idx_mapping_np"]
     private = {n for p in SOURCES for _, n in scan(p.read_text(), _rel(p))[1]}
     assert "pydantic._internal._decorators:Decorator" in private
+
+
+def test_the_shapes_a_review_found_missed_are_flagged():
+    """The reads once missed (the object reached the code under a name the scan did not
+    know): each planted, each flagged; the same through the layer, or on the plugin's own
+    names, passes."""
+    worker = "vllm_steer/integrations/worker/request_slots.py"
+    # a request's SamplingParams, in a worker module and in the engine core's registry
+    _one("def decode(params, bank):\n    return getattr(params, 'extra_args', None) or {}\n",
+         worker, "getattr extra_args", "outside")
+    _one("def bound(sampling_params):\n    return sampling_params.extra_args\n",
+         "vllm_steer/integrations/engine/registry.py", "read extra_args", "outside")
+    _one("def serve(params, served):\n    params.extra_args = {}\n", FRONTEND_FILE,
+         "set extra_args", "outside")
+    assert violations("from vllm_steer.integrations import vllm_access as va\n\n\n"
+                      "def decode(params):\n    return va.extra_args(params)\n", worker) == []
+    # vLLM's decoder blocks
+    _one("def install(block, t):\n    block.register_buffer('b', t, persistent=False)\n",
+         "vllm_steer/integrations/worker/decoder_layers.py", "read register_buffer", "outside")
+    # app.state, filled by vLLM's API server; the plugin's own names on it are its own
+    _one("def f(raw):\n    return getattr(raw.app.state, 'args', None)\n", SERVER_FILE,
+         "getattr args", "outside")
+    _one("def f(app):\n    return app.state.openai_serving_models.models\n", SERVER_FILE,
+         "read openai_serving_models", "outside")
+    assert violations("def f(raw):\n    w = getattr(raw.app.state, 'vllm_steer_presets_watcher',"
+                      " None)\n    return w.state(1)\n", SERVER_FILE) == []
+    # ``self`` in a subclass of a vLLM class: vLLM's names flagged, the subclass's own not
+    sub = ("from vllm.model_executor.layers.logits_processor import LogitsProcessor\n\n\n"
+           "class Ours(LogitsProcessor):\n    def __init__(self, n):\n        self.mine = n\n\n"
+           "    def forward(self, x):\n        return self.mine.step(x) + self.{}\n")
+    _one(sub.format("logits_as_input"), RUNNER_FILE, "read logits_as_input", "outside")
+    assert violations(sub.format("mine"), RUNNER_FILE) == []
+    # the CLI namespace vLLM's parser built: vLLM's fields flagged, the plugin's flags not
+    cli = "vllm_steer/integrations/frontend/cli_args.py"
+    _one("import argparse\n\n\ndef f(args: argparse.Namespace):\n"
+         "    return getattr(args, 'served_model_name', None)\n", cli,
+         "getattr served_model_name", "outside")
+    _one("import argparse\n\n\ndef f(args: argparse.Namespace):\n    args.api_key = []\n", cli,
+         "set api_key", "outside")
+    assert violations("import argparse\n\n\ndef f(args: argparse.Namespace):\n"
+                      "    return getattr(args, 'steer_dir', None)\n", cli) == []
+    # a RequestOutput's completions, in the API server's hook
+    _one("async def generate(orig, self, *args):\n    async for out in orig(self, *args):\n"
+         "        for o in out.outputs:\n            o.stop_reason\n",
+         "vllm_steer/integrations/frontend/async_llm.py", "read stop_reason")

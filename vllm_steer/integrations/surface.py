@@ -15,6 +15,8 @@ A name is ``module:Qualified.name``. :meth:`Surface.lookup` says what it is:
   class body: dataclass, msgspec and pydantic fields), ``module``, ``module attribute``;
 - ``instance attribute``: assigned to ``self.<name>`` in a method of the class or of one of
   its base classes of the same package (the method is named in ``where``);
+- ``parameter attribute``: ``module:function.name``, assigned to ``<parameter>.<name>`` in
+  the function (vLLM's API server filling the ``app.state`` it is handed);
 - ``outside vLLM`` (:data:`OUTSIDE`, whichever package is read): imported from another
   package, or the class has a base class from another package (pydantic's ``BaseModel``,
   ...), which may define it: accepted, not verified.
@@ -149,6 +151,9 @@ class Surface:
                     return (_outside(", ".join(outside)), None) \
                         if outside and part == parts[-1] else None
                 entry, (mod, node) = got
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    part == parts[-1] and _sets_on_parameter(node, part):
+                return {"kind": "parameter attribute", "where": f"{mod}:{node.name}"}, None
             else:
                 return None
         return entry, node
@@ -322,6 +327,18 @@ def _dotted(node) -> str | None:
         head = _dotted(node.value)
         return None if head is None else head + "." + node.attr
     return None
+
+
+def _sets_on_parameter(fn, name: str) -> bool:
+    """Whether function ``fn`` assigns ``<one of its parameters>.<name>``."""
+    names = set(params(fn))
+    for n in ast.walk(fn):
+        targets = n.targets if isinstance(n, ast.Assign) else \
+            [n.target] if isinstance(n, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Attribute) and t.attr == name and
+               isinstance(t.value, ast.Name) and t.value.id in names for t in targets):
+            return True
+    return False
 
 
 def _entry(module: str, node, cls: str | None = None) -> dict[str, Any]:

@@ -109,6 +109,9 @@ _V1_BUFFER = "vllm.v1.utils:CpuGpuBuffer"  # the runner's _make_buffer: .np (hos
 _BASE_PATH = "vllm.entrypoints.openai.models.protocol:BaseModelPath"
 _LOGITS_LAYER = "vllm.model_executor.layers.logits_processor:LogitsProcessor"
 _TEXT_MODEL = "vllm.model_executor.models.interfaces_base:VllmModelForTextGeneration"
+_LORA_PATH = "vllm.entrypoints.openai.models.protocol:LoRAModulePath"
+#: Where vLLM's API server fills ``app.state`` (``args``, ``openai_serving_models``, ...).
+_APP_STATE = "vllm.entrypoints.launchers.api_server.app_state"
 _V2_STANDALONE = f"{_V2}.spec_decode.standalone_ar.speculator:StandaloneARSpeculator"
 #: The OpenAI request models that carry the ``steer`` field, ``(module, class)``.
 REQUEST_CLASSES = (
@@ -936,6 +939,47 @@ def api_keys(args) -> list | None:
     return getattr(args, "api_key", None)
 
 
+
+def api_key_arg(args) -> bool:
+    """Whether the API server's arguments have ``--api-key`` (vLLM's ``FrontendArgs``)."""
+    return hasattr(args, "api_key")
+
+
+def set_api_keys(args, keys: list) -> None:
+    """Write ``--api-key`` of the API server's arguments (vLLM's list of accepted keys)."""
+    args.api_key = keys
+
+
+def cli_served_model_names(args) -> list:
+    """``--served-model-name`` of the CLI namespace vLLM's parser built (a name or a list),
+    else ``[model]`` (``model`` None when absent)."""
+    return getattr(args, "served_model_name", None) or [getattr(args, "model", None)]
+
+
+def cli_lora_module_names(args) -> list:
+    """The name of each ``--lora-modules`` entry of the CLI namespace (vLLM's
+    ``LoRAModulePath``, or its ``NAME=PATH`` text; None where neither names one)."""
+    return [getattr(m, "name", None) or (str(m).split("=", 1)[0] if m else None)
+            for m in getattr(args, "lora_modules", None) or []]
+
+
+# ---- the API server's application state (``app.state``, set by vLLM's api_server) --------
+def app_state_args(state):
+    """The API server's arguments vLLM keeps on ``app.state`` (None: not vLLM's server)."""
+    return getattr(state, "args", None)
+
+
+def app_state_serving_models(state):
+    """The model registry (``OpenAIServingModels``) vLLM keeps on ``app.state`` (None: none)."""
+    return getattr(state, "openai_serving_models", None)
+
+
+# ---- the engine's outputs (API server) ---------------------------------------------------
+def output_stop_reasons(out) -> list:
+    """The ``stop_reason`` of each completion of a ``RequestOutput`` (None where unset)."""
+    return [getattr(o, "stop_reason", None) for o in getattr(out, "outputs", None) or ()]
+
+
 # ---- the worker --------------------------------------------------------------------------
 def is_last_pp_rank() -> bool:
     """Whether this worker is the last pipeline-parallel stage (the one with the LM head);
@@ -946,6 +990,31 @@ def is_last_pp_rank() -> bool:
         return get_pp_group().is_last_rank
     except (ImportError, AssertionError):  # no pipeline group
         return True
+
+
+
+# ---- the model's decoder blocks (vector steers) -------------------------------------------
+def layer_range(module) -> tuple[int, int] | None:
+    """``(start_layer, end_layer)`` of a module laid out by vLLM's ``make_layers`` (this
+    pipeline stage's blocks), None when it has no such integer pair."""
+    start, end = getattr(module, "start_layer", None), getattr(module, "end_layer", None)
+    return (start, end) if isinstance(start, int) and isinstance(end, int) else None
+
+
+def is_pp_missing_layer(module) -> bool:
+    """Whether ``module`` is vLLM's ``PPMissingLayer`` (a block another pipeline stage runs),
+    by its class name (nothing of vLLM imported)."""
+    return type(module).__name__ == "PPMissingLayer"
+
+
+def steer_block(block, cls: type | None, buffers) -> None:
+    """Make one of vLLM's decoder blocks an instance of ``cls`` (its steered subclass; None:
+    it is one already) and register ``buffers`` (``(name, tensor)`` pairs) on it,
+    non-persistent."""
+    if cls is not None:
+        block.__class__ = cls
+    for name, tensor in buffers:
+        block.register_buffer(name, tensor, persistent=False)
 
 
 #: Every accessor and what it touches, checked at start-up with its group.
@@ -1223,6 +1292,38 @@ ACCESSES: tuple[Access, ...] = (
     Access(is_last_pp_rank, "only the last pipeline stage has the LM head", WORKER,
            reads=("vllm.distributed.parallel_state:get_pp_group",
                   "vllm.distributed.parallel_state:GroupCoordinator.is_last_rank")),
+    Access(api_key_arg, "API keys never pass as the steer admin key", FRONTEND,
+           reads=("vllm.entrypoints.launchers.cli_args:FrontendArgs.api_key",),
+           versions="<0.33", releases=(Release(">=0.33", reads=(
+               "vllm.entrypoints.common.cli_args:FrontendArgs.api_key",)),)),
+    Access(set_api_keys, "the steer admin key among vLLM's API keys", FRONTEND,
+           sets=("vllm.entrypoints.launchers.cli_args:FrontendArgs.api_key",),
+           versions="<0.33", releases=(Release(">=0.33", sets=(
+               "vllm.entrypoints.common.cli_args:FrontendArgs.api_key",)),)),
+    Access(cli_served_model_names, "presets never shadow the served model name", FRONTEND,
+           reads=reads_of(_ENGINE_ARGS, "served_model_name", "model")),
+    Access(cli_lora_module_names, "presets never shadow a LoRA module", FRONTEND,
+           reads=("vllm.entrypoints.launchers.cli_args:FrontendArgs.lora_modules",
+                  f"{_LORA_PATH}.name"),
+           versions="<0.33", releases=(Release(">=0.33", reads=(
+               "vllm.entrypoints.common.cli_args:FrontendArgs.lora_modules",
+               f"{_LORA_PATH}.name")),)),
+    Access(app_state_args, "the API keys the admin routes refuse", FRONTEND,
+           reads=(f"{_APP_STATE}:init_app_state.args",)),
+    Access(app_state_serving_models, "presets never shadow served models or LoRA adapters",
+           FRONTEND, reads=(f"{_APP_STATE}:init_app_state.openai_serving_models",)),
+    Access(output_stop_reasons, "an engine-side refusal answered by the API server", FRONTEND,
+           reads=("vllm.outputs:RequestOutput.outputs", "vllm.outputs:CompletionOutput."
+                  "stop_reason")),
+    Access(layer_range, "vector steers: the decoder blocks of this pipeline stage", WORKER,
+           reads=("vllm.model_executor.models.utils:make_layers",
+                  *reads_of("vllm.model_executor.models.llama:LlamaModel", "start_layer",
+                            "end_layer"))),
+    Access(is_pp_missing_layer, "vector steers: the blocks of this pipeline stage "
+           "(Transformers backend)", WORKER,
+           reads=("vllm.model_executor.models.utils:PPMissingLayer",)),
+    Access(steer_block, "vector steers: the op in each decoder block", WORKER,
+           reads=("torch.nn.modules.module:Module.register_buffer",)),
 )
 
 

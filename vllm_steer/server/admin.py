@@ -58,7 +58,7 @@ def _inference_keys(args) -> list[str]:
 def admin_refused(raw: Request, what: str) -> JSONResponse | None:
     """None when the request may ``what`` (no admin key set, or the request sends it); else
     the refusal (401 or 403) saying which key the route needs."""
-    args = getattr(raw.app.state, "args", None)
+    args = va.app_state_args(raw.app.state)
     key = admin_key(args)
     if not key:
         return None

@@ -192,7 +192,7 @@ def _model_names(state, cfg) -> dict[str, str]:
     """Model names no run-time or file preset may take, as this API server knows them: the
     served model, LoRA adapters, ``--steer-preset`` presets."""
     out: dict[str, str] = {}
-    models = getattr(state, "openai_serving_models", None)
+    models = vllm_access.app_state_serving_models(state)
     if models is not None:
         base, lora = vllm_access.registry_model_names(models)
         out.update({n: "the served model name" for n in base})

@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Collection, Iterable
 
+from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.protocol import (SOURCE_STARTUP, SOURCE_STEER_DIR, SOURCES,
                                               SteerNameError, check_name, dir_path, name_problem)
 from vllm_steer.request import BOUND_KEY, BoundSteer
@@ -237,8 +238,7 @@ def bound_in(requests: Iterable[Any]) -> set[tuple[int, int]]:
     """``(bank_slot, load_id)`` pairs bound by ``requests`` (objects with ``sampling_params``)."""
     used = set()
     for r in requests:
-        sp = getattr(r, "sampling_params", None)
-        extra = getattr(sp, "extra_args", None) or {}
+        extra = va.extra_args(va.sampling_params(r))
         used.update((b.bank_slot, b.load_id) for b in BoundSteer.from_wire(extra.get(BOUND_KEY)))
     return used
 

@@ -28,6 +28,7 @@ import functools
 from typing import Any, Mapping
 
 from vllm_steer import REQUEST_FIELD
+from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.frontend.request_scope import hold_start, record_applied
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.metrics import count_refusal
@@ -184,7 +185,7 @@ def serve(params: Any, request: SteerRequest | None,
         if cfg.steer_dir and served.strengths:
             hold_start()  # a first use may wait for a slot, then answer 429 (async_llm)
     if given or served.entries:
-        params.extra_args = {**(params.extra_args or {}), REQUEST_FIELD: served.to_wire()}
+        va.set_extra_args(params, {**va.extra_args(params), REQUEST_FIELD: served.to_wire()})
     return served
 
 
@@ -202,8 +203,7 @@ def validate(params: Any) -> None:
 
 
 def _validate(params: Any) -> None:
-    extra = getattr(params, "extra_args", None) or {}
-    value = extra.get(REQUEST_FIELD)
+    value = va.extra_args(params).get(REQUEST_FIELD)
     if admitted(value) is not None:
         return  # admitted by this frontend already (the OpenAI request's to_sampling_params)
     if value is None:

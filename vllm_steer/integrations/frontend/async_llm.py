@@ -55,15 +55,14 @@ def _steered(args: tuple, kwargs: dict) -> bool:
     """Whether the ``AsyncLLM.generate`` call with ``args`` / ``kwargs`` carries a steer (its
     sampling params: the second argument)."""
     params = kwargs.get("sampling_params", args[1] if len(args) > 1 else None)
-    return REQUEST_FIELD in (getattr(params, "extra_args", None) or {})
+    return REQUEST_FIELD in vllm_access.extra_args(params)
 
 
 def _raise_engine_refusal(out) -> None:
     """Raise the client's answer if the engine core finished ``out``'s request with a
     refusal (HTTP 400, ``param: "steer"``), no room in the bank now (HTTP 429 with
     ``Retry-After``) or a fault of the plugin (HTTP 500)."""
-    for o in getattr(out, "outputs", None) or ():
-        reason = getattr(o, "stop_reason", None)
+    for reason in vllm_access.output_stop_reasons(out):
         if not isinstance(reason, str):
             continue
         if reason.startswith(REFUSED_PREFIX):
@@ -95,7 +94,7 @@ async def add_request(orig, self, request_id, prompt, params, *args, **kwargs):
 
 
 async def _preload_dir_steers(engine, cfg, params) -> None:
-    request = admitted((params.extra_args or {}).get(REQUEST_FIELD))
+    request = admitted(vllm_access.extra_args(params).get(REQUEST_FIELD))
     if request is None:
         return
     st = frontend_state()

@@ -190,9 +190,10 @@ def _policy_args(args: argparse.Namespace) -> dict:
         presets[name] = mix
     if presets:
         out["presets"] = presets
-    for flag, key in (("--steer-default", "defaults"), ("--steer-floor", "floors")):
+    for flag, key, given in (("--steer-default", "defaults", getattr(args, "steer_default", None)),
+                             ("--steer-floor", "floors", getattr(args, "steer_floor", None))):
         values: dict = {}
-        for arg in getattr(args, flag[2:].replace("-", "_"), None) or []:
+        for arg in given or []:
             for name, v in parse_value_arg(arg, flag).items():
                 if name in values:
                     raise PolicyError(f"{flag} {name}: given twice; give each steer once")
@@ -205,12 +206,11 @@ def _policy_args(args: argparse.Namespace) -> dict:
 def _reserved_model_names(args: argparse.Namespace) -> dict[str, str]:
     """Model names a preset may not take: the served model name(s) and the LoRA modules."""
     out: dict[str, str] = {}
-    served = getattr(args, "served_model_name", None) or [getattr(args, "model", None)]
+    served = va.cli_served_model_names(args)
     for n in ([served] if isinstance(served, str) else served):
         if n:
             out[str(n)] = "the served model name"
-    for m in getattr(args, "lora_modules", None) or []:
-        name = getattr(m, "name", None) or (str(m).split("=", 1)[0] if m else None)
+    for name in va.cli_lora_module_names(args):
         if name:
             out[name] = "a LoRA module (--lora-modules)"
     return out
@@ -255,18 +255,19 @@ def admit_admin_key(args: argparse.Namespace) -> None:
     import os
 
     key = admin_key(args)
-    if not key or not hasattr(args, "api_key"):
+    if not key or not va.api_key_arg(args):
         return
-    if any(isinstance(k, SecretKey) for k in args.api_key or ()):
+    api_keys = va.api_keys(args)
+    if any(isinstance(k, SecretKey) for k in api_keys or ()):
         return  # admitted already (engine arguments built twice from one namespace)
-    keys = [k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k]
+    keys = [k for k in (api_keys or [os.environ.get("VLLM_API_KEY")]) if k]
     if key in keys:
         raise ValueError(f"vllm-steer: the steer admin key (--steer-admin-key / "
                          f"{ADMIN_KEY_ENV}) is one of the API keys (--api-key / VLLM_API_KEY): "
                          "every client could then change steers and presets; give the admin "
                          "key a value of its own")
     if keys:
-        args.api_key = [*keys, SecretKey(key)]
+        va.set_api_keys(args, [*keys, SecretKey(key)])
 
 
 def add_cli_args(orig, parser, *a, **kw):

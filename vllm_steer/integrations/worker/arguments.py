@@ -28,16 +28,17 @@ class Arg:
             return self._positions[orig]
         except KeyError:
             pass
-        params = list(inspect.signature(orig).parameters.values())
-        pos = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        signature = list(inspect.signature(orig).parameters.values())
+        pos = [p.name for p in signature
+               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if self.name in pos:
             index = pos.index(self.name)
-        elif any(p.name == self.name for p in params):
+        elif any(p.name == self.name for p in signature):
             index = None
         else:
             raise RuntimeError(
                 f"vllm-steer: {getattr(orig, '__qualname__', orig)} has no parameter "
-                f"{self.name!r} in this vLLM (its parameters: {[p.name for p in params]}); "
+                f"{self.name!r} in this vLLM (its parameters: {[p.name for p in signature]}); "
                 "the plugin cannot read it. Use a supported vLLM version")
         self._positions[orig] = index
         return index

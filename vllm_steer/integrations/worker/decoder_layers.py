@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.families import block_returns_stream_first
 from vllm_steer.kernels.layer_vectors import add_to_block_output
 
@@ -42,9 +43,10 @@ def find_blocks(model: torch.nn.Module, num_blocks: int) -> tuple[list[int], lis
     """``(block indices, block modules)`` of this worker's decoder blocks (0-based indices of
     the model's ``num_blocks``)."""
     for _, module in model.named_modules():
-        start, end = getattr(module, "start_layer", None), getattr(module, "end_layer", None)
-        if not isinstance(start, int) or not isinstance(end, int):
+        layers = va.layer_range(module)
+        if layers is None:
             continue
+        start, end = layers
         for child in module.children():
             if isinstance(child, torch.nn.ModuleList) and len(child) == num_blocks:
                 idx = list(range(start, end))
@@ -53,7 +55,7 @@ def find_blocks(model: torch.nn.Module, num_blocks: int) -> tuple[list[int], lis
     # this stage's blocks being those not replaced by vLLM's PPMissingLayer
     for _, module in model.named_modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) == num_blocks:
-            idx = [k for k, b in enumerate(module) if type(b).__name__ != "PPMissingLayer"]
+            idx = [k for k, b in enumerate(module) if not va.is_pp_missing_layer(b)]
             if idx and all(_is_block(module[k]) for k in idx):
                 return idx, [module[k] for k in idx]
     raise DecoderLayersNotFoundError(
@@ -96,10 +98,9 @@ def install(model: torch.nn.Module, layers, num_blocks: int) -> int:
             f"vllm-steer: this worker's decoder blocks are {blocks[:1]}..{blocks[-1:]} but the "
             f"vector bank was made for {layers.blocks[:1]}..{layers.blocks[-1:]}")
     for k, block in zip(blocks, modules, strict=True):
-        if type(block) not in _CLASSES.values():
-            block.__class__ = steered_class(type(block))
-        block.register_buffer(COEFS_BUFFER, layers.token_coefs, persistent=False)
-        block.register_buffer(VECTORS_BUFFER, layers.block_vectors(k), persistent=False)
+        cls = None if type(block) in _CLASSES.values() else steered_class(type(block))
+        va.steer_block(block, cls, ((COEFS_BUFFER, layers.token_coefs),
+                                    (VECTORS_BUFFER, layers.block_vectors(k))))
     return len(modules)
 
 

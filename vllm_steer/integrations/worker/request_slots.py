@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from vllm_steer.bank import SlotBank, coefficient_columns
+from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.kernels import staging
 from vllm_steer.logs import get_logger, warn_once
@@ -50,7 +51,7 @@ def decode_request(params: Any, bank: SlotBank | None, num_columns: int) -> Requ
     A bank slot that no longer holds the request's load id is never used (the engine core
     keeps a slot while a request bound to it runs, so this is a bug guard, logged). Never
     raises on request data."""
-    extra = getattr(params, "extra_args", None) or {}
+    extra = va.extra_args(params)
     wire = extra.get(BOUND_KEY)
     if bank is None or not wire:
         return RequestCoefs(np.zeros(num_columns, dtype=np.float32), None)
