@@ -174,3 +174,29 @@ def test_presets_cannot_be_added_or_deleted_without_enable_steer_updates(server,
     assert {m.id for m in client.models.list().data} == {"tiny", "polite"}
     assert [p["name"] for p in requests.get(server + "/v1/steer-presets").json()["data"]] == \
         ["polite"]
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"model": "polite"}, "the preset 'polite' (detox=4,sentiment=2) cannot be served with "
+                          "beam search"),
+    ({"steer": {"formal": 0}}, "beam search (use_beam_search) serves only the server's "
+                               "defaults and floors (formal=2), not the request's formal=0"),
+])
+def test_beam_search_refuses_a_preset_or_a_value_replacing_a_default(server, body, fragment):
+    """vLLM's beam search serves every step with the defaults and floors alone: a preset's
+    steers, or a 0 that opts out of a default, would be dropped silently. Refused, for
+    completions and chat; a beam search the defaults serve as asked still runs."""
+    r = requests.post(server + "/v1/completions", json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 2, "use_beam_search": True, "n": 2,
+        **body})
+    assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+    assert "x-vllm-steer-applied" not in r.headers
+    chat = requests.post(server + "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "use_beam_search": True, "n": 2, **body})
+    assert chat.status_code == 400 and fragment in chat.json()["error"]["message"], chat.text
+    for same in ({}, {"steer": {"formal": 2}}, {"steer": {"detox": 0}}):
+        ok = requests.post(server + "/v1/completions", json={
+            "model": "tiny", "prompt": PROMPT, "max_tokens": 2, "use_beam_search": True,
+            "n": 2, **same})
+        assert ok.status_code == 200, (same, ok.text)

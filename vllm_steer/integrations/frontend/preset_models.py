@@ -106,9 +106,15 @@ def apply_preset(params, model: str | None, request: SteerRequest | None) -> Non
     frontend's one application of the policy
     (:func:`vllm_steer.integrations.frontend.admission.serve`), which writes the steers into
     ``params.extra_args`` for the engine core and records them for the response headers."""
+    serve(params, request, preset_of(model))
+
+
+def preset_of(model: str | None) -> dict[str, float] | None:
+    """The mix of the preset a request's ``model`` names (None: not a preset): the one its
+    model check read, else this process's presets."""
     preset = None
     if frontend_state().enabled and isinstance(model, str):
         pinned, preset = pinned_preset(model)  # what this request's model check read
         if not pinned:
             preset = presets().get(model)
-    serve(params, request, preset)
+    return preset

@@ -96,30 +96,70 @@ _VALIDATOR_NAME = "_vllm_steer_check"
 
 def to_beam_search_params(orig, self, *a, **kw):
     """vLLM's beam search builds its own per-step ``SamplingParams`` with no ``extra_args``:
-    a steer would be dropped silently. Refuse a steered beam-search request (HTTP 400)."""
+    each step is served with the operator's defaults and floors only, and the request's own
+    steers and its preset's would be dropped silently. Refuse such a request (HTTP 400)."""
     with guard.frontend("to_beam_search_params", va.request_id(self)):
         refuse_steered_beam_search(self)
     return orig(self, *a, **kw)
 
 
 def refuse_steered_beam_search(request) -> None:
-    """Raise (HTTP 400) if a beam-search request carries a non-zero steer (a bad one was
-    refused when the body was parsed)."""
-    values = [va.request_value(request, REQUEST_FIELD),
-              (va.request_xargs(request) or {}).get(REQUEST_FIELD)]
-    for value in values:
+    """Raise (HTTP 400) if a beam-search request would be served with other steers than
+    beam search serves (the server's defaults and floors alone): a non-zero steer of its own,
+    a preset (its ``model``) with steers, or a value (a 0 too) that replaces a default (a bad
+    value was refused when the body was parsed)."""
+    from vllm_steer import policy
+    from vllm_steer.integrations.frontend.preset_models import preset_of
+    from vllm_steer.request import SteerRequest
+
+    own = SteerRequest()
+    for value in (va.request_value(request, REQUEST_FIELD),
+                  (va.request_xargs(request) or {}).get(REQUEST_FIELD)):
         if value is None:
             continue
         try:
-            steered = bool(admission.request_of(value))
+            own = admission.request_of(value)
         except Exception as e:  # noqa: BLE001 - a request built without the body's validator
             raise admission.field_error(str(e)) from None
-        if steered:
-            raise admission.field_error(
-                f"{REQUEST_FIELD}: beam search (use_beam_search) cannot be steered: vLLM's "
-                "beam search runs its own per-step sampling without the request's steer, "
-                "so it would be silently dropped; send the request without use_beam_search "
-                "(or without the steer)", "beam_search", "use_beam_search")
+        if own.entries:
+            break
+    st = frontend_state()
+    cfg = st.config if st.enabled else None
+    model = va.request_model(request)
+    preset = preset_of(model)
+    defaults, floors = (cfg.defaults, cfg.floors) if cfg is not None else ({}, {})
+    wanted, _ = policy.resolve(policy.with_preset(own, preset), None, defaults, floors)
+    served, _ = policy.resolve(SteerRequest(), None, defaults, floors)
+    if _non_zero(wanted) == _non_zero(served):
+        return
+    if own:
+        why = (f"{REQUEST_FIELD}: beam search (use_beam_search) cannot be steered: vLLM's "
+               "beam search runs its own per-step sampling without the request's steer, so "
+               "it would be silently dropped; send the request without use_beam_search (or "
+               "without the steer)")
+    elif preset and _non_zero(preset):
+        why = (f"the preset {model!r} ({_mix_text(preset)}) cannot be served with beam search "
+               "(use_beam_search): vLLM's beam search runs its own per-step sampling without "
+               "a request's steers, so it would be silently dropped; send the request to the "
+               "base model, or without use_beam_search")
+    else:
+        why = (f"{REQUEST_FIELD}: beam search (use_beam_search) serves only the server's "
+               f"defaults and floors ({_mix_text(_non_zero(served))}), not the request's "
+               f"{_mix_text(own.named)}: vLLM's beam search runs its own per-step sampling "
+               "without the request's steer; send the request without use_beam_search (or "
+               "without the steer)")
+    raise admission.field_error(why, "beam_search", "use_beam_search")
+
+
+def _non_zero(request_or_values) -> dict:
+    """The steers of a resolved request (or a mapping) that change anything."""
+    named = getattr(request_or_values, "named", request_or_values)
+    return {n: v for n, v in named.items() if not (isinstance(v, (int, float)) and v == 0)}
+
+
+def _mix_text(values) -> str:
+    return ",".join(f"{n}={v:g}" if isinstance(v, (int, float)) else f"{n}={v}"
+                    for n, v in values.items()) or "none"
 
 
 def input_processor_init(orig, self, vllm_config, *a, **kw):
