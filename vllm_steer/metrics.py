@@ -89,6 +89,7 @@ CUDA path (the worker has it loaded).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -164,6 +165,10 @@ class OpTimer:
     so the seconds are an estimate that only grows, exact in the mean, and trail the calls by
     at most ``TIMER_SAMPLE_EVERY - 1`` ops. The first op is timed alone.
 
+    Thread-safe where it must be: a worker's ``stats`` op (:meth:`report`) may run beside a
+    step (Ray's compiled graphs run the step on a thread of their own while the actor's other
+    calls run on its main thread), so the pairs are read under a lock.
+
     On CUDA a pair of timing events (reused) is recorded around a timed op on the current
     stream; the device time of a pair is read (``elapsed_time``) only after ``query()`` says
     the device has passed its end event; pairs not finished yet stay for the next read
@@ -179,6 +184,7 @@ class OpTimer:
         self.weight = 1  # the ops the next timed one stands for
         self._pending: deque = deque()  # (start, end, weight) of pairs not read yet
         self._free: list = []  # pairs read, for reuse
+        self._lock = threading.Lock()  # the pairs: a step's stop() and a stats op's report()
 
     def start(self, t: Any) -> tuple:
         """Before a timed op on tensor ``t``: the token :meth:`stop` takes."""
@@ -198,8 +204,10 @@ class OpTimer:
             self.timed_calls += w
         elif pair is not None:
             pair[1].record()
-            self._pending.append((*pair, w))
-            if len(self._pending) >= TIMER_POLL_EVERY:
+            with self._lock:
+                self._pending.append((*pair, w))
+                many = len(self._pending) >= TIMER_POLL_EVERY
+            if many:
                 self.poll()
         return TIMER_SAMPLE_EVERY - 1
 
@@ -208,19 +216,22 @@ class OpTimer:
 
         if torch.cuda.is_current_stream_capturing() or len(self._pending) >= TIMER_MAX_PENDING:
             return None
-        pair = self._free.pop() if self._free else (torch.cuda.Event(enable_timing=True),
-                                                    torch.cuda.Event(enable_timing=True))
+        with self._lock:
+            pair = self._free.pop() if self._free else None
+        if pair is None:
+            pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         pair[0].record()
         return pair
 
     def poll(self) -> None:
         """Add the device time of every op the device has finished, oldest first; stop at
         the first one it has not (``query()``: never a wait)."""
-        while self._pending and self._pending[0][1].query():
-            start, end, w = self._pending.popleft()
-            self.device_seconds += start.elapsed_time(end) / 1000.0 * w
-            self.timed_calls += w
-            self._free.append((start, end))
+        with self._lock:
+            while self._pending and self._pending[0][1].query():
+                start, end, w = self._pending.popleft()
+                self.device_seconds += start.elapsed_time(end) / 1000.0 * w
+                self.timed_calls += w
+                self._free.append((start, end))
 
     def report(self) -> dict:
         """The cumulative values a worker's ``stats`` answer carries (after a :meth:`poll`)."""

@@ -515,3 +515,48 @@ def test_engine_core_refusals_reach_prometheus_by_status_and_reason():
     assert api["strength_limit"] == ("400", 0) and api["bank_full"] == ("429", 0)
     # an API server's refusal names no engine core (an empty label: Prometheus drops it)
     assert {dict(k).get("engine", "") for k in samples if ("source", "api_server") in k} == {""}
+
+
+def test_a_stats_op_beside_a_step_never_reads_an_unfinished_timing_pair():
+    """Under Ray's compiled graphs a worker's ``stats`` op (``OpTimer.report``) runs on the
+    actor's main thread while a step runs on another: two reads of the pending pairs at once
+    must not take a pair the device has not finished (its ``elapsed_time`` raises: the step's
+    head fault, HTTP 500 for its steered requests)."""
+    import threading
+    import time
+
+    from vllm_steer.metrics import OpTimer
+
+    class Event:
+        def __init__(self, done, slow=False):
+            self.done, self.slow = done, slow
+
+        def query(self):
+            if self.slow:
+                time.sleep(0.05)  # the window between the check and the pop
+            return self.done
+
+        def elapsed_time(self, end):
+            if not end.done:
+                raise RuntimeError("the end event has not been recorded or completed")
+            return 2.0
+
+    errors = []
+    for _ in range(3):
+        timer = OpTimer()
+        timer._pending.extend([(Event(True), Event(True, slow=True), 1),
+                               (Event(True), Event(False), 1)])
+
+        def read(timer=timer):
+            try:
+                timer.report()
+            except RuntimeError as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=read) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert timer.timed_calls == 1 and len(timer._pending) == 1  # the unfinished one waits
+    assert errors == []
