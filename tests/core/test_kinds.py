@@ -155,3 +155,40 @@ def test_the_op_in_a_16_bit_dtype_writes_the_strengths_and_keeps_plain_rows_bit_
     assert torch.equal(out[2], h[2])
     want = h[:2].float() + 0.75 * torch.linspace(-1, 1, 16)
     assert torch.allclose(out[:2].float(), want, atol=2e-2)
+
+
+def test_a_window_on_an_lm_steer_maps_no_token_rows_and_one_on_a_vector_does(monkeypatch):
+    """The decoder blocks' token rows are computed per token only when a window is on a vector
+    steer: a step whose only window is an LM-Steer's (at the head) writes nothing here and
+    computes no per-token row; a vector's window whose strength is 0 but whose base is not
+    still gives the prompt tokens its base."""
+    from vllm_steer.request import Window
+
+    bank = SlotBank(2, 16, reserve_rank=2)
+    layers = LayerVectors([0], 1, 2, 16, max_tokens=8, device=torch.device("cpu"))
+    bank.layers = layers
+    bank.put(0, 1, "lm", random_steer(16, 2, "lm", seed=0))
+    v = torch.linspace(-1, 1, 16)
+    bank.put(1, 2, "v", make_vector_steer({0: v}, "v"))
+    slots = RequestSlots(2)
+    slots.ensure(2, torch.device("cpu"))
+    row, problems = bank.coef_row({"lm": (0, 1)}, {"lm": 3.0})
+    assert not problems
+    slots.set(0, np.asarray(row, dtype=np.float32), {0: Window(3.0, start=1)}, bank)
+    slots.flush()
+    mapping = TokenCoefs(layers, slots)
+    computed = []
+    real = mapping._windowed_rows
+    monkeypatch.setattr(mapping, "_windowed_rows", lambda *a: computed.append(1) or real(*a))
+    mapping.build(np.array([0, 1]), np.array([3, 1]), np.array([-2, 0]))
+    assert computed == [] and mapping.steered_steps == 0 and not layers.token_coefs.any()
+    # a vector window: strength 0 inside, base 2 outside it (the prompt tokens among them)
+    vrow, problems = bank.coef_row({"v": (1, 2)}, {"v": 0.0})
+    assert not problems
+    slots.set(1, np.asarray(vrow, dtype=np.float32), {1: Window(0.0, start=0, base=2.0)}, bank)
+    slots.flush()
+    mapping.build(np.array([1]), np.array([3]), np.array([-2]))  # 2 prompt tokens, then t=0
+    assert computed == [1] and mapping.steered_steps == 1
+    h = torch.zeros(3, 16)
+    out = add_to_block_output(h, layers.token_coefs, layers.block_vectors(0))
+    torch.testing.assert_close(out, torch.stack([2 * v, 2 * v, 0 * v]))

@@ -145,8 +145,8 @@ class TokenCoefs:
                     self.unchanged_steps += 1
                     return
             per_req = host[req_slots, :self.layers.capacity] * mask
-            if not windowed and not per_req.any():
-                per_req = None
+            if not per_req.any() and not (windowed and self._window_on_vectors(req_slots)):
+                per_req = None  # no vector steer among the step's requests: nothing to map
             elif windowed:
                 per_req = self._windowed_rows(req_slots, counts, gen_first, n)
             else:
@@ -183,6 +183,16 @@ class TokenCoefs:
             self.filled = max(self.filled, self.layers.max_tokens)
             self._clear()
             raise
+
+    def _window_on_vectors(self, req_slots: np.ndarray) -> bool:
+        """Whether a generation window of these slots' requests is on a vector steer (a
+        strength or a base that is not 0): else a windowed step (an LM-Steer window) has no
+        per-token row to compute here."""
+        w, cap = self.slots.windows, self.layers.capacity
+        if w is None:
+            return False
+        on = (w["strength"][req_slots, :cap] != 0) | (w["base"][req_slots, :cap] != 0)
+        return bool((on * self.layers.slot_is_vector).any())
 
     def _windowed_rows(self, req_slots, counts, gen_first, n: int) -> np.ndarray:
         """Per-token rows when a request of the step has a generation window: each token's
