@@ -8,6 +8,9 @@ dir larger than it, the shape of ``docs/deploy.md`` (``--max-steers 3``, one ste
   the model's own weights).
 - Concurrent first-use requests over the whole steer dir: every answer a 200 or a 400, and
   the server serves after them.
+- A streamed ``/v1/responses`` request (whose first events vLLM makes before the request
+  reaches the engine) refused by the plugin gets the refusal's status before any event: an
+  unknown steer the engine core refuses a 400, a full bank a 429 with ``Retry-After``.
 - **Fault injection**, one case per hook of the ``frontend`` and ``engine`` groups of
   ``HOOKS`` that runs per request or per management call: the plugin's code at that hook
   raises on a single request (``tests/faultshim``, in the server's processes); that request
@@ -246,6 +249,48 @@ def test_a_full_bank_is_a_429_with_retry_after_and_its_retry_is_served(server, t
     assert requests.get(server + "/health", timeout=10).status_code == 200
 
 
+def responses_stream(url, steer, headers=None, stream=True):
+    """A streamed ``/v1/responses`` request with ``steer``."""
+    return requests.post(url + "/v1/responses", stream=stream, timeout=120, headers=headers,
+                         json={"model": "tiny", "input": "hi", "max_output_tokens": 3,
+                               "temperature": 0, "stream": True, "steer": steer})
+
+
+def test_a_streamed_responses_request_refused_by_the_plugin_gets_its_status(server):
+    """vLLM's responses stream sends ``response.created`` before the request reaches the
+    engine: a steer the engine core refuses (unknown, on a server with run-time updates) is
+    still an HTTP 400 before any event, a full bank an HTTP 429 with ``Retry-After``, never a
+    cut stream; an admitted request streams every event, ``response.created`` first."""
+    r = responses_stream(server, {"zzz": 1})
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    err = r.json()["error"]
+    assert "unknown steer 'zzz'" in err["message"] and err["param"] == "steer", err
+    r = responses_stream(server, {"pin": 2})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-vllm-steer-applied"] == "pin=2"
+    events = [line for line in r.iter_lines() if line.startswith(b"event: ")]
+    assert events[0] == b"event: response.created", events
+    assert events[-1] == b"event: response.completed", events
+    for name in ("d3", "d4"):  # loaded, so the holders start at once
+        assert complete(server, {name: 1}).status_code == 200
+    holders = [Holder(server, "d3"), Holder(server, "d4")]
+    try:
+        r = responses_stream(server, {"d5": 1})
+        assert all(h.running() for h in holders), "the holders ended before the 429: longer"
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"].isdigit(), r.headers
+        msg = r.json()["error"]["message"]
+        assert ("all 3 steer slots are in use" in msg
+                or "only 0 of the 3 steer slots can take one now" in msg), msg
+    finally:
+        for h in holders:
+            h.t.join(timeout=300)
+    log = STATE["log"].read_text(errors="replace")
+    assert "response already started" not in log
+    assert requests.get(server + "/health", timeout=10).status_code == 200
+
+
 # ---- fault injection ---------------------------------------------------------------------
 _REQ = "vllm.entrypoints.openai"
 #: Hooks of the frontend and engine groups that run only at start-up (a fault there fails
@@ -278,6 +323,8 @@ def _fault_cases():
          "vllm_steer.integrations.frontend.async_llm:_preload_dir_steers", "completion"),
         ("AsyncLLM.generate",
          "vllm_steer.integrations.frontend.async_llm:_raise_engine_refusal", "completion"),
+        ("OpenAIServingResponses.create_responses",
+         "vllm_steer.integrations.frontend.responses_stream:held_box", "responses"),
         ("EngineCore.add_request", "vllm_steer.integrations.engine.core:bind_request",
          "completion"),
         ("EngineCore.collective_rpc", "vllm_steer.integrations.engine.core:run_op", "steers"),
@@ -312,6 +359,8 @@ def _send(url, kind, rid):
         return requests.get(url + "/v1/models", headers=h, timeout=60)
     if kind == "steers":
         return requests.get(url + "/v1/steers", headers=h, timeout=60)
+    if kind == "responses":
+        return responses_stream(url, {"d1": 2}, headers=h, stream=False)
     raise AssertionError(kind)
 
 

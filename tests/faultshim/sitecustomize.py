@@ -32,6 +32,7 @@ TARGETS = (
     "vllm_steer.integrations.frontend.preset_models:_runtime_presets_on",
     "vllm_steer.integrations.frontend.async_llm:_preload_dir_steers",
     "vllm_steer.integrations.frontend.async_llm:_raise_engine_refusal",
+    "vllm_steer.integrations.frontend.responses_stream:held_box",
     "vllm_steer.integrations.engine.core:bind_request",
     "vllm_steer.integrations.engine.core:run_op",
     # inside the management ops that write: after every worker's put and before the

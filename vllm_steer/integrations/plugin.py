@@ -41,7 +41,7 @@ import functools
 
 from vllm_steer.integrations.engine import core, worker_faults
 from vllm_steer.integrations.frontend import (async_llm, cli_args, endpoints, preset_models,
-                                              request_field, startup_checks)
+                                              request_field, responses_stream, startup_checks)
 from vllm_steer.integrations.hooks import (ENGINE, RESOLVE_ATTR, V1, V1_LENS, V1_SPEC,
                                            V2, V2_LENS, V2_SPEC, WORKER, Hook, install_hooks)
 from vllm_steer.integrations.vllm_names import (REGISTRY as _REGISTRY, V1_BATCH as _V1_BATCH,
@@ -145,6 +145,10 @@ HOOKS: tuple[Hook, ...] = (
          "an engine-side steer refusal answered as HTTP 400, not 500; a steered request's "
          "end wakes the requests waiting for a steer slot", async_llm.generate,
          params=("prompt", "sampling_params")),
+    Hook("vllm.entrypoints.openai.responses.serving:OpenAIServingResponses.create_responses",
+         "a streamed /v1/responses refused by the plugin answered with its status (400, 429 "
+         "with Retry-After) before its first event, not cut off after response.created",
+         responses_stream.create_responses, params=("request",)),
     # ---- engine core (vllm_steer.integrations.engine) ------------------------------------
     Hook("vllm.v1.engine.core:EngineCore.collective_rpc",
          "loading/unloading steers in the engine core (collective_rpc)", core.collective_rpc,

@@ -113,6 +113,7 @@ _LORA_PATH = "vllm.entrypoints.openai.models.protocol:LoRAModulePath"
 #: Where vLLM's API server fills ``app.state`` (``args``, ``openai_serving_models``, ...).
 _APP_STATE = "vllm.entrypoints.launchers.api_server.app_state"
 _V2_STANDALONE = f"{_V2}.spec_decode.standalone_ar.speculator:StandaloneARSpeculator"
+_RESPONSES_REQUEST = "vllm.entrypoints.openai.responses.protocol:ResponsesRequest"
 #: The OpenAI request models that carry the ``steer`` field, ``(module, class)``.
 REQUEST_CLASSES = (
     ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
@@ -871,6 +872,12 @@ def request_model(request) -> str | None:
     return getattr(request, "model", None)
 
 
+def responses_streamed_in_foreground(request) -> bool:
+    """Whether a ``/v1/responses`` request is streamed to its HTTP response (``stream``, not
+    ``background``)."""
+    return bool(request.stream) and not request.background
+
+
 # ---- the API server's engine client (AsyncLLM; LLM offline) -------------------------------
 def engine_vllm_config(engine):
     """The ``VllmConfig`` of an engine client (None: a client without one)."""
@@ -1265,6 +1272,9 @@ ACCESSES: tuple[Access, ...] = (
            reads=_each_request("request_id")),
     Access(request_model, "a preset served as a model name", FRONTEND,
            reads=_each_request("model")),
+    Access(responses_streamed_in_foreground, "a streamed /v1/responses request refused with "
+           "its status before its first event", FRONTEND,
+           reads=reads_of(_RESPONSES_REQUEST, "stream", "background")),
     Access(engine_vllm_config, "the steer configuration of the HTTP routes", FRONTEND,
            reads=("vllm.engine.protocol:EngineClient.vllm_config",)),
     Access(engine_model_config, "the served model of the HTTP routes", FRONTEND,

@@ -1,7 +1,9 @@
 """A full steer bank in the API server, without an engine: a first-use request asks the engine
 core again only when a steered request ends (or at the fallback period), never on a timer of
 its own; each wait counts once by outcome; a wait that ends without a slot is HTTP 429 with
-``Retry-After``, also for a stream that had not begun (the headers middleware)."""
+``Retry-After``, also for a stream that had not begun (the headers middleware), a streamed
+``/v1/responses`` included, whose first events vLLM makes before the request reaches the
+engine (and an engine-side refusal of its steer is its HTTP 400, not a cut stream)."""
 
 from __future__ import annotations
 
@@ -104,7 +106,7 @@ def test_a_steered_request_ending_wakes_the_waiters_and_an_unsteered_one_does_no
 
 
 # ---- the HTTP answer: 429 with Retry-After, a stream that had not begun included ------------
-def _serve(app):
+def _serve(app, scope=None):
     """Run ``app`` behind the headers middleware for one HTTP request: the messages sent."""
     from vllm_steer.server.presets_route import SteerHeadersMiddleware
 
@@ -116,7 +118,7 @@ def _serve(app):
     async def receive():
         return {"type": "http.request", "body": b"", "more_body": False}
 
-    asyncio.run(SteerHeadersMiddleware(app)({"type": "http"}, receive, send))
+    asyncio.run(SteerHeadersMiddleware(app)(scope or {"type": "http"}, receive, send))
     return sent
 
 
@@ -210,3 +212,115 @@ def test_the_busy_error_is_vllms_429_and_passes_the_guard():
     assert isinstance(e.value, GracefulHTTPError) and not isinstance(e.value, VLLMClientError)
     assert e.value.http_status == HTTPStatus.TOO_MANY_REQUESTS == 429
     assert e.value.message == "steer: no steer slot freed"
+
+
+# ---- a streamed /v1/responses: its first events come before the request reaches the engine --
+RESPONSES_EVENTS = [b"response.created", b"response.in_progress", b"response.output_text.delta",
+                    b"response.completed"]
+
+
+def _responses_app(stop_reason, steered=True, log=None):
+    """vLLM's streamed ``/v1/responses`` route, as far as the plugin meets it:
+    ``create_responses`` (the plugin's hook around a stand-in for vLLM's) returns the stream,
+    which yields ``response.created`` and ``response.in_progress`` before it iterates
+    ``AsyncLLM.generate`` (the plugin's hook around a stand-in engine whose one output carries
+    ``stop_reason``); an exception out of ``create_responses`` is answered by vLLM's handler
+    with the error's status, else a ``StreamingResponse`` sends HTTP 200, then each event; an
+    exception out of the stream ends the HTTP response half-way, as in vLLM (the bug: vLLM's
+    responses stream catches only its ``GenerationError``)."""
+    from starlette.responses import JSONResponse, StreamingResponse
+    from vllm.exceptions import GracefulHTTPError
+
+    from vllm_steer.integrations.frontend import responses_stream
+
+    log = [] if log is None else log
+    params = SimpleNamespace(extra_args={"steer": "wire form"} if steered else None)
+
+    async def engine(self, prompt, params, request_id):
+        log.append("add_request")
+        yield SimpleNamespace(request_id=request_id,
+                              outputs=[SimpleNamespace(stop_reason=stop_reason)])
+
+    async def vllm_create_responses(self, request, raw_request=None):
+        if steered:  # to_sampling_params: the policy served the request a steer
+            request_scope.record_applied({"d5": 1.0}, [])
+            request_scope.mark_steered()
+            request_scope.hold_start()  # a --steer-dir server
+
+        async def events():
+            yield b"response.created"
+            yield b"response.in_progress"
+            async for _ in async_llm.generate(engine, None, "p", params, "resp-1_0"):
+                yield b"response.output_text.delta"
+            yield b"response.completed"
+
+        return events()
+
+    async def app(scope, receive, send):
+        request = SimpleNamespace(stream=True, background=False, request_id="resp-1")
+        try:
+            events = await responses_stream.create_responses(vllm_create_responses, None,
+                                                             request)
+        except Exception as e:  # vLLM's exception handlers (create_error_response)
+            status = e.http_status if isinstance(e, GracefulHTTPError) else 400
+            log.append(type(e).__name__)
+            response = JSONResponse({"error": {"message": str(e), "code": status}},
+                                    status_code=status)
+        else:
+            async def sse():
+                async for event in events:
+                    log.append(event.decode())
+                    yield b"event: " + event + b"\n\n"
+
+            response = StreamingResponse(sse(), media_type="text/event-stream")
+        await response(scope, receive, send)
+
+    return app
+
+
+ASGI = {"type": "http", "asgi": {"spec_version": "2.4"}}
+
+
+def test_a_streamed_responses_request_found_no_slot_is_a_429_before_any_event():
+    from vllm_steer.integrations.protocol import BUSY_PREFIX
+
+    log: list = []
+    sent = _serve(_responses_app(BUSY_PREFIX + "steer: all 3 steer slots are in use", log=log),
+                  ASGI)
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"], sent
+    assert sent[0]["status"] == 429
+    headers = _headers(sent[0])
+    assert headers["retry-after"] == "1", headers
+    assert not [k for k in headers if k.startswith("x-vllm-steer")]  # nothing was served
+    body = json.loads(sent[-1]["body"])
+    assert body["error"]["code"] == 429 and "all 3 steer slots" in body["error"]["message"]
+    assert b"response.created" not in b"".join(m.get("body", b"") for m in sent)
+    # the engine was asked, then vLLM's handler answered the busy error (no event streamed)
+    assert log == ["add_request", "SteerBankFullError"], log
+
+
+def test_a_streamed_responses_request_whose_steer_the_engine_refused_is_a_400():
+    from vllm_steer.integrations.protocol import REFUSED_PREFIX
+
+    log: list = []
+    sent = _serve(_responses_app(REFUSED_PREFIX + "steer: unknown steer 'zzz'; loaded steers: "
+                                 "a", log=log), ASGI)
+    assert sent[0]["status"] == 400, sent
+    body = json.loads(sent[-1]["body"])
+    assert "unknown steer 'zzz'" in body["error"]["message"], body
+    assert "retry-after" not in _headers(sent[0])
+    assert log == ["add_request", "VLLMValidationError"], log
+
+
+@pytest.mark.parametrize("steered", [True, False])
+def test_an_admitted_responses_stream_sends_every_event_in_order(steered):
+    log: list = []
+    sent = _serve(_responses_app(None, steered=steered, log=log), ASGI)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    bodies = [m["body"] for m in sent[1:] if m.get("body")]
+    assert bodies == [b"event: " + e + b"\n\n" for e in RESPONSES_EVENTS]
+    if steered:  # its first events were taken before the HTTP response began: the engine first
+        assert log[0] == "add_request", log
+        assert _headers(sent[0])["x-vllm-steer-applied"] == "d5=1"
+    else:  # left as vLLM made it: the events stream before the request reaches the engine
+        assert log[:3] == ["response.created", "response.in_progress", "add_request"], log

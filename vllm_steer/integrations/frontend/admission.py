@@ -29,7 +29,8 @@ from typing import Any, Mapping
 
 from vllm_steer import REQUEST_FIELD
 from vllm_steer.integrations import vllm_access as va
-from vllm_steer.integrations.frontend.request_scope import hold_start, record_applied
+from vllm_steer.integrations.frontend.request_scope import (hold_start, mark_steered,
+                                                            record_applied)
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.metrics import count_refusal
 from vllm_steer.integrations.protocol import (count_problem, dir_has_file, name_problem,
@@ -182,6 +183,8 @@ def serve(params: Any, request: SteerRequest | None,
         if problem:  # the engine core would refuse it: say so before it is sent
             raise field_error(problem, "too_many_steers")
         record_applied(served.named, floored)
+        if served.strengths:
+            mark_steered()  # a streamed /v1/responses waits for its admission (responses_stream)
         if cfg.steer_dir and served.strengths:
             hold_start()  # a first use may wait for a slot, then answer 429 (async_llm)
     if given or served.entries:

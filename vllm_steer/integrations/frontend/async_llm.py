@@ -15,7 +15,7 @@ from vllm_steer import REQUEST_FIELD
 from vllm_steer.integrations import guard, vllm_access
 from vllm_steer.integrations.frontend import admission
 from vllm_steer.integrations.frontend.engine_client import manage
-from vllm_steer.integrations.frontend.request_scope import refuse_busy
+from vllm_steer.integrations.frontend.request_scope import mark_admitted, refuse_busy
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.integrations.protocol import (BUSY_PREFIX, FAILED_PREFIX, OP_LOAD, REFUSED_PREFIX,
                                               SOURCE_STEER_DIR, name_problem)
@@ -31,13 +31,20 @@ async def generate(orig, self, *args, **kwargs):
     (:func:`vllm_steer.integrations.engine.core.send_refusal`): a steer unloaded, or not yet
     loaded, in the engine while this API server's view of the names was a moment old. When a
     steered request ends, the requests waiting for a steer slot are woken
-    (:func:`_load_waiting_for_room`)."""
+    (:func:`_load_waiting_for_room`). The first output that passes marks the HTTP request admitted
+    (:func:`~vllm_steer.integrations.frontend.request_scope.mark_admitted`: a streamed
+    ``/v1/responses`` request's first events wait for it, :mod:`~vllm_steer.integrations.
+    frontend.responses_stream`)."""
     agen = orig(self, *args, **kwargs)
+    first = True
     try:
         async for out in agen:
             with guard.frontend("AsyncLLM.generate", vllm_access.request_id(out),
                                 count=False):  # the engine core counted its refusal
                 _raise_engine_refusal(out)
+            if first:  # a held /v1/responses stream may begin (responses_stream)
+                mark_admitted()
+                first = False
             yield out
     except Exception as e:
         ours = guard.plugin_error_in(e)  # the plugin's 500 from add_request, with its message

@@ -1,7 +1,8 @@
 """What one HTTP request of the API server carries between vLLM's hooks and our response
 headers: the steers it is served with (for ``x-vllm-steer-*``), the run-time preset its
-model check read, and whether it may wait for a steer slot or was refused with HTTP 429
-(``Retry-After``). One mutable box per HTTP request, opened by the headers middleware
+model check read, whether it is steered and its steers were admitted by the engine, and
+whether it may wait for a steer slot or was refused with HTTP 429 (``Retry-After``). One
+mutable box per HTTP request, opened by the headers middleware
 (:class:`vllm_steer.server.presets_route.SteerHeadersMiddleware`, :func:`open_scope`); outside
 an HTTP request (offline) every function here is a no-op.
 
@@ -59,6 +60,35 @@ def pinned_preset(name: str) -> tuple[bool, dict | None]:
     return False, None
 
 
+def current() -> dict | None:
+    """This HTTP request's box (None outside one)."""
+    return _BOX.get()
+
+
+def mark_steered() -> None:
+    """This HTTP request is served with a steer (its admission may refuse it: an unknown
+    steer the engine core knows nothing of, a full bank). No-op outside a request."""
+    box = _BOX.get()
+    if box is not None:
+        box["steered"] = True
+
+
+def mark_admitted() -> None:
+    """The engine's first output for this HTTP request passed the plugin's checks: its steers
+    were admitted, nothing of the plugin refuses it any more. No-op outside a request."""
+    box = _BOX.get()
+    if box is not None:
+        box["admitted"] = True
+
+
+def steered(box: dict) -> bool:
+    """Whether the request ``box`` belongs to is served with a steer (:func:`mark_steered`)."""
+    return bool(box.get("steered"))
+
+
+def admitted(box: dict) -> bool:
+    """Whether the request ``box`` belongs to was admitted (:func:`mark_admitted`)."""
+    return bool(box.get("admitted"))
 
 
 def hold_start() -> None:
