@@ -135,6 +135,14 @@ def test_config_errors_are_clear(tmp_path, steer_path, data_dir, tiny_model_dir)
                             baseline="nope.safetensors",
                             data_dir=str(data_dir), out=str(tmp_path / "o"), num_prompts=1,
                             progress=False), generator_factory=FakeGenerator)
+    assert not (tmp_path / "o").exists()  # a failed run leaves no empty results folder
+    (tmp_path / "mine").mkdir()  # one the user made is left as it was
+    with pytest.raises(FileNotFoundError):
+        evaluate(EvalConfig(model=str(tiny_model_dir), steers=[steer_path],
+                            baseline="nope.safetensors", data_dir=str(data_dir),
+                            out=str(tmp_path / "mine"), num_prompts=1, progress=False),
+                 generator_factory=FakeGenerator)
+    assert (tmp_path / "mine").is_dir()
 
 
 def test_runs_at_other_strengths_merge_into_one_report(tiny_model_dir, data_dir, tmp_path,

@@ -205,6 +205,7 @@ def test_steers_that_do_not_fit_the_model_are_refused_before_the_engine_starts(
             in msg)
     assert f"{vec}: the steer has vectors for blocks 5 but the model has 2 decoder blocks" in msg
     assert StandInGenerator.made == []
+    assert not (tmp_path / "ev").exists()  # no empty results folder left behind
     fits = str(tmp_path / "fits.safetensors")
     save_steer(fits, random_steer(HIDDEN, 4, "fits"))
     cfg.steers = [fits, _vector_file(tmp_path, name="calm2", layers=(0, 1))[0]]

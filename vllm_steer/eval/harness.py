@@ -317,7 +317,20 @@ def default_generator(model_path: str, steers: dict[str, str], blacklists: dict[
 
 def evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None = None,
              log: Callable[[str], None] = _log) -> dict[str, Any]:
-    """Run the evaluation; write the files in ``cfg.out``; return the results document."""
+    """Run the evaluation; write the files in ``cfg.out``; return the results document. A run
+    that fails leaves no empty ``cfg.out`` behind (a folder it did not make is left as it
+    was)."""
+    made = not os.path.exists(cfg.out)
+    try:
+        return _evaluate(cfg, generator_factory, log)
+    except BaseException:
+        if made and os.path.isdir(cfg.out) and not os.listdir(cfg.out):
+            os.rmdir(cfg.out)
+        raise
+
+
+def _evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None,
+              log: Callable[[str], None]) -> dict[str, Any]:
     from vllm_steer.eval import report
     from vllm_steer.eval.chat import DEFAULT_INSTRUCTION
     from vllm_steer.eval.fluency import PerplexityScorer
