@@ -142,6 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def quiet_libraries() -> None:
+    """``--quiet``: no progress bar of Hugging Face's libraries either (transformers loading
+    and writing a model's weights, the hub's downloads), as of now."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when transformers is imported
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:
@@ -154,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if getattr(args, "quiet", False):
+        quiet_libraries()
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:  # Ctrl-C: said in one line, exit status 130 as a shell's

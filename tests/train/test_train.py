@@ -258,6 +258,8 @@ def test_cli_train_writes_a_steer_and_reports_bad_input(tiny_model_dir, synth, t
                "--batch-size", "4", "--max-examples", "12", "--check-strengths", "5",
                "--positive-means", "upbeat", "--quiet", "--head-dtype", "float32"])
     assert rc == 0
+    err = capsys.readouterr().err
+    assert "it/s]" not in err and "Loading" not in err, err  # --quiet: no bar, transformers' too
     meta = read_metadata(out)
     assert meta.rank == 4 and meta.labels == {"positive": "upbeat"}
     assert meta.data["counts"]["train"] == {"positive": 12, "negative": 12}
