@@ -249,6 +249,21 @@ def test_resume_refuses_a_different_recipe(prep, tmp_path):
                     resume=True, **kw)
 
 
+def test_a_model_given_as_a_relative_path_is_recorded_as_its_absolute_path(
+        tiny_model_dir, synth, tmp_path, monkeypatch):
+    # the steer names its base model for the lens commands and the server's checks, run
+    # from any folder later
+    from vllm_steer.cli import main
+
+    monkeypatch.chdir(tiny_model_dir.parent)
+    out = tmp_path / "rel.safetensors"
+    assert main(["train", "--model", f"./{tiny_model_dir.name}", "--positive",
+                 str(synth["pos"]), "--negative", str(synth["neg"]), "--out", str(out),
+                 "--rank", "2", "--steps", "1", "--batch-size", "4", "--max-examples", "4",
+                 "--dev-fraction", "0", "--quiet"]) == 0
+    assert read_metadata(out).base_model == str(tiny_model_dir.resolve())
+
+
 def test_cli_train_writes_a_steer_and_reports_bad_input(tiny_model_dir, synth, tmp_path, capsys):
     from vllm_steer.cli import main
 

@@ -416,6 +416,8 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype):
                                 and not os.path.isfile(os.path.join(path, "config.json"))):
         raise FileNotFoundError(f"--model {name_or_path}: not a model folder (no config.json "
                                 "in it); give a Hugging Face model folder or id")
+    if os.path.isdir(path):  # recorded in the steer as its base model: valid from any folder
+        path = os.path.abspath(path)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     for p in model.parameters():
