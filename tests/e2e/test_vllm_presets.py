@@ -37,7 +37,8 @@ def server(tiny_model_dir, tmp_path_factory):
             "--steer-max-strength", "20",
             "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "16",
             "--kv-cache-memory-bytes", 1 << 28, "--enforce-eager"]
-    with serve(args, d / "server.log") as url:
+    # the lens route too (an endpoint plugin: opt-in), for the highlight against defaults
+    with serve(args, d / "server.log", env={"VLLM_PLUGINS": "vllm_steer,vllm_steer_lens"}) as url:
         yield url
 
 
@@ -200,3 +201,25 @@ def test_beam_search_refuses_a_preset_or_a_value_replacing_a_default(server, bod
             "model": "tiny", "prompt": PROMPT, "max_tokens": 2, "use_beam_search": True,
             "n": 2, **same})
         assert ok.status_code == 200, (same, ok.text)
+
+
+def test_the_highlight_compares_against_the_plain_model_whatever_the_defaults(server,
+                                                                              tiny_model_dir):
+    """``--steer-default formal=2`` is for generation requests: a highlight of ``detox=5``
+    is the steered model against the plain one (transformers' lens on the same steer), not
+    both with ``formal`` added."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_steer.lens.highlight import token_scores
+
+    text = "You are a wonderful person and I like the way you talk"
+    r = requests.post(server + "/v1/steer/highlight",
+                      json={"text": text, "steer": {"detox": 5}, "k": 2, "max_len": 4})
+    assert r.status_code == 200, r.text
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    pieces, want = token_scores(model, tok, text, STEERS["detox"], 5.0)
+    got = r.json()
+    assert got["tokens"] == pieces
+    assert got["scores"] == pytest.approx(want, abs=2e-3)
+    assert "x-vllm-steer-applied" not in r.headers

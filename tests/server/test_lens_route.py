@@ -14,6 +14,7 @@ from fastapi import FastAPI  # noqa: E402
 
 from vllm_steer.config import SteerServerConfig  # noqa: E402
 from vllm_steer.integrations.frontend.state import frontend_state  # noqa: E402
+from vllm_steer.request import SteerRequest  # noqa: E402
 from vllm_steer.server import lens_route  # noqa: E402
 
 CONTEXT = 64
@@ -26,6 +27,7 @@ class StandInEngine:
         self.tokenizer, self.gate = tokenizer, gate
         self.model_config = SimpleNamespace(max_model_len=CONTEXT)
         self.started = 0
+        self.sent = []
 
     async def get_tokenizer(self):
         return self.tokenizer
@@ -35,8 +37,11 @@ class StandInEngine:
         if self.gate is not None:
             await self.gate.wait()
         ids = prompt["prompt_token_ids"]
-        steer = (params.extra_args or {}).get("steer") or {}
-        s = sum(float(v) for v in steer.values())
+        # the route sends the mix it wants admitted already (the frontend's serialised form),
+        # so the operator's defaults and floors do not change it
+        request = SteerRequest.from_wire((params.extra_args or {})["steer"])
+        self.sent.append(dict(request.strengths))
+        s = sum(request.strengths.values())
         lps = [None] + [{t: SimpleNamespace(logprob=-1.0 + s / 10 * (1 if t % 2 else -1))}
                         for t in ids[1:]]
         yield SimpleNamespace(prompt_logprobs=lps)
@@ -80,6 +85,18 @@ def test_scores_are_the_logprob_difference(tokenizer):
     assert r.status_code == 200, r.text
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert r.json()["scores"] == pytest.approx([0.5 if t % 2 else -0.5 for t in ids])
+
+
+def test_a_highlight_is_sent_past_the_operators_defaults_and_floors(tokenizer):
+    # --steer-default and --steer-floor are for generation: the steered side is exactly the
+    # request's mix and the base the plain model (an admitted form the engine serves as is)
+    frontend_state().reset(SteerServerConfig(steers={"detox": "d", "calm": "c"},
+                                             max_strength=20, defaults={"calm": 2.0},
+                                             floors={"detox": 1.0}))
+    engine = StandInEngine(tokenizer)
+    r = post(_app(engine), {"text": "one two three four", "steer": {"detox": -5}, "k": 1})
+    assert r.status_code == 200, r.text
+    assert engine.sent == [{"detox": -5.0}, {}]
 
 
 def test_text_longer_than_the_context_is_400_on_text(tokenizer):
@@ -129,3 +146,12 @@ def test_concurrent_highlights_are_bounded(tokenizer):
     assert extra.status_code == 429 and "at most" in extra.json()["error"]["message"]
     assert [r.status_code for r in done] == [200] * lens_route.MAX_CONCURRENT_HIGHLIGHTS
     assert after.status_code == 200
+
+
+@pytest.mark.parametrize("body", [{"steer": {"detox": 3}, "against": {"detox": 3}},
+                                  {"steer": {}}, {"steer": {"detox": 0}}])
+def test_a_highlight_whose_two_sides_are_the_same_mix_is_refused(tokenizer, body):
+    engine = StandInEngine(tokenizer)
+    r = post(_app(engine), {"text": "one two three four", **body})
+    assert r.status_code == 400 and engine.started == 0
+    assert "are the same mix: every score would be 0" in r.json()["error"]["message"]

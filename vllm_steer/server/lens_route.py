@@ -59,20 +59,34 @@ def _check_strengths(body: HighlightRequest) -> JSONResponse | None:
     from vllm_steer.integrations.frontend.admission import check_value
     from vllm_steer.request import SteerRequestError
 
+    mixes = []
     for where in ("steer", "against"):
         try:
-            check_value(getattr(body, where), where)
+            named = check_value(getattr(body, where), where).named
+            mixes.append({n: v for n, v in named.items() if v != 0.0})
         except SteerRequestError as e:
             return _error(400, str(e), where)
+    if mixes[0] == mixes[1]:
+        plain = "none (the plain model)"
+        return _error(400, f"steer {mixes[0] or plain} and against {mixes[1] or plain} are the "
+                      "same mix: every score would be 0; give a steer to compare with the plain "
+                      "model, or another against")
     return None
 
 
 async def _prompt_logprobs(engine, ids: list[int], steer: dict | None) -> list[float | None]:
+    """The prompt logprobs of ``ids`` served with exactly ``steer`` (None: the plain model):
+    admitted here, so the operator's ``--steer-default`` and ``--steer-floor`` (which are for
+    generation requests) apply to neither side of a highlight."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm_steer.integrations.frontend.admission import check_value
+    from vllm_steer.request import SteerRequest
+
+    request = check_value(steer) if steer else SteerRequest()
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0,
-                            extra_args={"steer": steer} if steer else None)
+                            extra_args={"steer": request.to_wire()})
     final = None
     async for out in va.engine_generate(engine, TokensPrompt(prompt_token_ids=ids), params,
                                         f"steer-highlight-{uuid.uuid4().hex}"):
