@@ -14,7 +14,6 @@ and its Spearman rank correlation with Perspective's scores.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -52,7 +51,7 @@ def perspective_texts(data_dir: str, files: Sequence[str] = PERSPECTIVE_FILES
                       ) -> PerspectiveTexts:
     """The prompts and continuations of ``files`` (under ``data_dir``) with their
     Perspective toxicity; texts without a score are skipped, a repeated text is kept once."""
-    from vllm_steer.train.data import file_sha256, utf8_lines
+    from vllm_steer.train.data import file_sha256, json_lines
 
     out = PerspectiveTexts()
     seen: set[str] = set()
@@ -61,13 +60,7 @@ def perspective_texts(data_dir: str, files: Sequence[str] = PERSPECTIVE_FILES
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path}: no such file (give --data DIR holding {rel})")
         out.files[rel] = file_sha256(path)
-        for n, line in utf8_lines(path):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+        for n, rec in json_lines(path):
             if not isinstance(rec, dict):
                 raise ValueError(f"{path}:{n}: expected a JSON object per line, got "
                                  f"{type(rec).__name__}")

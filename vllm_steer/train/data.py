@@ -293,15 +293,21 @@ def _iter_jsonl(path: str, text_field: str | None, label_field: str | None, need
     """The records of a JSONL file, one JSON object a line; blank lines skipped."""
     tkey = text_field or "text"
     lkey = label_field or "label"
+    for i, rec in json_lines(path):
+        text, label = _jsonl_record(f"{path}:{i}", rec, tkey, lkey, need_label)
+        yield i, text, label
+
+
+def json_lines(path: str) -> Iterator[tuple[int, Any]]:
+    """``(line number, parsed value)`` of each non-blank line of a JSONL file
+    (:func:`utf8_lines`); a line that is not JSON is a :class:`DataError` naming it."""
     for i, line in utf8_lines(path):
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            yield i, json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{i}: not valid JSON ({e})") from None
-        text, label = _jsonl_record(f"{path}:{i}", rec, tkey, lkey, need_label)
-        yield i, text, label
 
 
 def _csv_column(path: str, columns: list[str] | None, spec: str | None, default_name: str,
