@@ -259,13 +259,25 @@ def responses_stream(url, steer, headers=None, stream=True):
 def test_a_streamed_responses_request_refused_by_the_plugin_gets_its_status(server):
     """vLLM's responses stream sends ``response.created`` before the request reaches the
     engine: a steer the engine core refuses (unknown, on a server with run-time updates) is
-    still an HTTP 400 before any event, a full bank an HTTP 429 with ``Retry-After``, never a
-    cut stream; an admitted request streams every event, ``response.created`` first."""
+    still an HTTP 400 before any event (a streamed chat completion's and completion's too,
+    whose HTTP 200 vLLM sends before the engine's first output), a full bank an HTTP 429
+    with ``Retry-After``, never a cut stream; an admitted request streams every event,
+    ``response.created`` first."""
     r = responses_stream(server, {"zzz": 1})
     assert r.status_code == 400, r.text
     assert r.headers["content-type"].startswith("application/json"), r.headers
     err = r.json()["error"]
     assert "unknown steer 'zzz'" in err["message"] and err["param"] == "steer", err
+    # a streamed chat completion and completion: the same 400, not HTTP 200 and an error event
+    for route, body in (("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                "content": "hi"}]}),
+                        ("/v1/completions", {"prompt": "hi"})):
+        r = requests.post(server + route, timeout=120, json={
+            "model": "tiny", "max_tokens": 3, "stream": True, "steer": {"zzz": 1}, **body})
+        assert r.status_code == 400, (route, r.text)
+        err = r.json()["error"]
+        assert "unknown steer 'zzz'" in err["message"] and err["param"] == "steer", err
+        assert not [k for k in r.headers if k.lower().startswith("x-vllm-steer")], r.headers
     r = responses_stream(server, {"pin": 2})
     assert r.status_code == 200, r.text
     assert r.headers["x-vllm-steer-applied"] == "pin=2"

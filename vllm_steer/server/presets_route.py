@@ -57,11 +57,14 @@ class SteerHeadersMiddleware:
     ``Retry-After`` to a request refused with HTTP 429 (every steer slot held by running
     requests, after the wait).
 
-    A request that may wait for a steer slot (:func:`~vllm_steer.integrations.frontend.
-    request_scope.hold_start`) has its response's start held until its first body: a stream,
-    whose HTTP 200 starlette sends before the first token, is then still answered with the
-    429 (JSON, vLLM's error format) when the wait ended with one, instead of an error event
-    after a 200."""
+    A steered request (:func:`~vllm_steer.integrations.frontend.request_scope.mark_steered`)
+    and one that may wait for a steer slot (:func:`~vllm_steer.integrations.frontend.
+    request_scope.hold_start`) have their response's start held until its first body: a
+    stream, whose HTTP 200 starlette sends before the first token, is then still answered
+    with the 429 (JSON, vLLM's error format) when the wait ended with one, and with HTTP 400
+    when the engine core refused its steer (:func:`~vllm_steer.integrations.frontend.
+    request_scope.refuse_steer`: a steer unknown there), instead of an error event after a
+    200. A stream is otherwise unchanged: its first body is its first token's."""
 
     def __init__(self, app):
         self.app = app
@@ -79,15 +82,16 @@ class SteerHeadersMiddleware:
             kind = message.get("type")
             if kind == "http.response.start":
                 message = _with_headers(message, box)
-                if request_scope.held(box) and message.get("status") == 200:
+                if message.get("status") == 200 and (request_scope.held(box)
+                                                     or request_scope.steered(box)):
                     held.append(message)
                     return
             elif kind == "http.response.body" and held:
                 start = held.pop()
-                refused = request_scope.busy(box)
-                if refused is not None:
+                answer = _refusal_response(box)
+                if answer is not None:
                     done.append(True)
-                    for m in _busy_response(*refused, start):
+                    for m in answer:
                         await send(m)
                     return
                 await send(start)
@@ -115,16 +119,32 @@ def _with_headers(start: dict, box: dict) -> dict:
     return {**start, "headers": headers}
 
 
-def _busy_response(message: str, retry_after: int, start: dict) -> list[dict]:
-    """The ASGI messages of HTTP 429 with ``Retry-After`` and vLLM's error body, for a
-    stream that had not begun (its held start's ``x-vllm-steer-*`` headers dropped: nothing
-    was served)."""
-    body = json.dumps({"error": {"message": message, "type": "Too Many Requests",
-                                 "param": None, "code": 429}}).encode()
+def _refusal_response(box: dict) -> list[dict] | None:
+    """The ASGI messages answering a held stream that had not begun, if the plugin refused
+    its request meanwhile: HTTP 429 with ``Retry-After`` (a full bank), or HTTP 400 (the
+    engine core refused its steer), with vLLM's error body; the held start's
+    ``x-vllm-steer-*`` headers dropped (nothing was served). None: not refused."""
+    busy = request_scope.busy(box)
+    if busy is not None:
+        message, retry_after = busy
+        return _error_messages(429, "Too Many Requests", message, None,
+                               [(b"retry-after", str(retry_after).encode())])
+    message = request_scope.refused(box)
+    if message is not None:
+        from vllm_steer import REQUEST_FIELD
+
+        return _error_messages(400, error_type(400), message, REQUEST_FIELD, [])
+    return None
+
+
+def _error_messages(status: int, type_: str, message: str, param: str | None,
+                    extra: list) -> list[dict]:
+    """The ASGI messages of an HTTP ``status`` with vLLM's error body."""
+    body = json.dumps({"error": {"message": message, "type": type_, "param": param,
+                                 "code": status}}).encode()
     headers = [(b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"retry-after", str(retry_after).encode())]
-    return [{"type": "http.response.start", "status": 429, "headers": headers},
+               (b"content-length", str(len(body)).encode()), *extra]
+    return [{"type": "http.response.start", "status": status, "headers": headers},
             {"type": "http.response.body", "body": body, "more_body": False}]
 
 

@@ -324,3 +324,64 @@ def test_an_admitted_responses_stream_sends_every_event_in_order(steered):
         assert _headers(sent[0])["x-vllm-steer-applied"] == "d5=1"
     else:  # left as vLLM made it: the events stream before the request reaches the engine
         assert log[:3] == ["response.created", "response.in_progress", "add_request"], log
+
+
+def _chat_stream_app(stop_reason, log: list):
+    """vLLM's streamed chat completion as its API server sends it, on a server without
+    ``--steer-dir`` (no first-use wait): HTTP 200 at once, then one event per engine output;
+    an exception of the engine's outputs is caught by the stream and sent as an error event
+    after the 200 (vLLM's ``chat_completion_stream_generator``)."""
+    from fastapi.responses import StreamingResponse
+
+    async def engine(self, prompt, params, request_id):
+        log.append("add_request")
+        yield SimpleNamespace(request_id=request_id,
+                              outputs=[SimpleNamespace(stop_reason=stop_reason)])
+
+    async def app(scope, receive, send):
+        request_scope.record_applied({"a": 2.0}, [])
+        request_scope.mark_steered()  # to_sampling_params: the request is steered
+
+        async def chunks():
+            try:
+                async for _ in async_llm.generate(engine, None, "p", SimpleNamespace(
+                        extra_args={"steer": "wire form"}), "chatcmpl-1"):
+                    yield b'data: {"choices": [{"delta": {"role": "assistant"}}]}\n\n'
+            except Exception as e:  # noqa: BLE001 - vLLM's stream: an error event
+                log.append(type(e).__name__)
+                yield b'data: {"error": {"message": "%s", "code": 400}}\n\n' % str(e).encode()
+            yield b"data: [DONE]\n\n"
+
+        await StreamingResponse(chunks(), media_type="text/event-stream")(scope, receive, send)
+
+    return app
+
+
+def test_a_stream_whose_steer_the_engine_core_refused_is_a_400_not_an_error_event():
+    # a server with run-time updates sends a steer it does not know to the engine core (it
+    # may be loaded there); the core's refusal reaches the stream after vLLM's HTTP 200
+    from vllm_steer.integrations.protocol import REFUSED_PREFIX
+
+    log: list = []
+    sent = _serve(_chat_stream_app(REFUSED_PREFIX + "steer: unknown steer 'zzz'; loaded "
+                                   "steers: a", log), ASGI)
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"], sent
+    assert sent[0]["status"] == 400
+    headers = _headers(sent[0])
+    assert headers["content-type"] == "application/json"
+    assert not [k for k in headers if k.startswith("x-vllm-steer")]  # nothing was served
+    body = json.loads(sent[1]["body"])
+    assert body["error"]["code"] == 400 and body["error"]["param"] == "steer", body
+    assert body["error"]["message"] == "steer: unknown steer 'zzz'; loaded steers: a", body
+    assert int(headers["content-length"]) == len(sent[1]["body"])
+    assert log == ["add_request", "VLLMValidationError"], log
+
+
+def test_an_admitted_steered_stream_is_sent_unchanged():
+    log: list = []
+    sent = _serve(_chat_stream_app(None, log), ASGI)
+    assert sent[0]["status"] == 200
+    assert _headers(sent[0])["x-vllm-steer-applied"] == "a=2"
+    assert [m["body"] for m in sent[1:] if m.get("body")] == [
+        b'data: {"choices": [{"delta": {"role": "assistant"}}]}\n\n', b"data: [DONE]\n\n"]
+    assert log == ["add_request"], log

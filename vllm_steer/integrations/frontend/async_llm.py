@@ -15,7 +15,8 @@ from vllm_steer import REQUEST_FIELD
 from vllm_steer.integrations import guard, vllm_access
 from vllm_steer.integrations.frontend import admission
 from vllm_steer.integrations.frontend.engine_client import manage
-from vllm_steer.integrations.frontend.request_scope import mark_admitted, refuse_busy
+from vllm_steer.integrations.frontend.request_scope import (mark_admitted, refuse_busy,
+                                                             refuse_steer)
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.integrations.protocol import (BUSY_PREFIX, FAILED_PREFIX, OP_LOAD, REFUSED_PREFIX,
                                               SOURCE_STEER_DIR, name_problem)
@@ -75,7 +76,9 @@ def _raise_engine_refusal(out) -> None:
         if reason.startswith(REFUSED_PREFIX):
             from vllm.exceptions import VLLMValidationError
 
-            raise VLLMValidationError(reason[len(REFUSED_PREFIX):], parameter=REQUEST_FIELD)
+            message = reason[len(REFUSED_PREFIX):]
+            refuse_steer(message)  # a stream that has not begun: a 400 (the middleware)
+            raise VLLMValidationError(message, parameter=REQUEST_FIELD)
         if reason.startswith(BUSY_PREFIX):
             message = reason[len(BUSY_PREFIX):]
             refuse_busy(message, RETRY_AFTER_SECONDS)

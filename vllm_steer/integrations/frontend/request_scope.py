@@ -1,7 +1,8 @@
 """What one HTTP request of the API server carries between vLLM's hooks and our response
 headers: the steers it is served with (for ``x-vllm-steer-*``), the run-time preset its
 model check read, whether it is steered and its steers were admitted by the engine, and
-whether it may wait for a steer slot or was refused with HTTP 429 (``Retry-After``). One
+whether it may wait for a steer slot or was refused with HTTP 429 (``Retry-After``) or by the
+engine core (HTTP 400). One
 mutable box per HTTP request, opened by the headers middleware
 (:class:`vllm_steer.server.presets_route.SteerHeadersMiddleware`, :func:`open_scope`); outside
 an HTTP request (offline) every function here is a no-op.
@@ -106,6 +107,20 @@ def refuse_busy(message: str, retry_after: int) -> None:
     box = _BOX.get()
     if box is not None:
         box["busy"] = (message, int(retry_after))
+
+
+def refuse_steer(message: str) -> None:
+    """The engine core refused this HTTP request's steer (HTTP 400, ``param: "steer"``):
+    ``message`` (no-op outside a request). A stream that has not begun is answered with it
+    (:class:`vllm_steer.server.presets_route.SteerHeadersMiddleware`)."""
+    box = _BOX.get()
+    if box is not None:
+        box["refused"] = message
+
+
+def refused(box: dict) -> str | None:
+    """The engine core's refusal of the request ``box`` belongs to (:func:`refuse_steer`)."""
+    return box.get("refused")
 
 
 def held(box: dict) -> bool:
