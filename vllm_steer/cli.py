@@ -1,8 +1,9 @@
-"""vllm-steer: make, check and manage LM-Steer steers for vLLM.
+"""vllm-steer: make, check and manage steers for vLLM.
 
-A steer is a small learned matrix on a model's final hidden state; requests choose which
-steers to apply and how strongly. Serving is vLLM's own command, with the flags this
-package adds to it:
+A steer is an LM-Steer (a small learned matrix on a model's final hidden state) or a control
+vector (one vector per decoder layer added to the residual stream, llama.cpp's and repeng's
+GGUF files read as they are); requests choose which steers to apply and how strongly.
+Serving is vLLM's own command, with the flags this package adds to it:
 
     vllm serve MODEL --steer NAME=PATH [NAME=PATH ...]
 
