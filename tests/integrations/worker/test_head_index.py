@@ -244,9 +244,10 @@ def _recorded_copies(monkeypatch) -> list[int]:
 
 def test_a_flush_copies_the_slots_that_changed_and_the_device_table_is_the_host_one(
         monkeypatch):
-    """One slot: its row; neighbours: their rows in one copy; scattered slots: their rows and
-    indices in one copy; more than half the table, or a move: as many rows as changed, up to
-    the whole table. After each flush the device table equals the host table."""
+    """One slot: its row; neighbours: their rows in one copy; two runs of neighbours (a
+    move): a copy each; more scattered slots: their rows and indices in one copy; more than
+    half the table: the whole table. After each flush the device table equals the host
+    table."""
     slots = RequestSlots(8)  # 16 columns
     slots.ensure(16, CPU)
     row_bytes = 4 * slots.num_columns
@@ -264,12 +265,13 @@ def test_a_flush_copies_the_slots_that_changed_and_the_device_table_is_the_host_
 
     assert put(4) == [row_bytes]
     assert put(6, 7, 8) == [3 * row_bytes]
+    assert put(3, 12, 13) == [row_bytes, 2 * row_bytes]
     assert put(1, 9, 14) == [3 * (row_bytes + 8)]
     assert put(*range(9)) == [16 * row_bytes]  # most of the table: whole
     slots.move(2, 11, swap=True)
     slots.flush()
-    assert sizes == [2 * (row_bytes + 8)] and torch.equal(slots.table,
-                                                          torch.from_numpy(slots.host))
+    assert sizes == [row_bytes, row_bytes]  # two runs: a copy each
+    assert torch.equal(slots.table, torch.from_numpy(slots.host))
     sizes.clear()
     version = slots.version
     slots.flush()  # nothing changed: nothing copied, the version kept

@@ -86,12 +86,32 @@ def decode_request(params: Any, bank: SlotBank | None, num_columns: int) -> Requ
     return RequestCoefs(np.asarray(row, dtype=np.float32), windows)
 
 
+def _runs(slots: list[int], most: int) -> list[tuple[int, int]] | None:
+    """The runs of neighbouring slots in ``slots`` (ascending) as ``[start, end)``; None when
+    there are more than ``most``."""
+    runs = []
+    start = prev = slots[0]
+    for s in slots[1:]:
+        if s != prev + 1:
+            if len(runs) + 1 >= most:
+                return None
+            runs.append((start, prev + 1))
+            start = s
+        prev = s
+    runs.append((start, prev + 1))
+    return runs
+
+
 def _uncount(counted: list[int]) -> None:
     """A table was collected: its slots leave the process's gates."""
     GATES.steered_slots -= counted[0]
     GATES.windowed_slots -= counted[1]
     GATES.prompt_logprob_slots -= counted[2]
 
+
+#: The most runs of neighbouring slots a flush copies one by one; more are scattered on the
+#: device from one copy (:meth:`RequestSlots.flush`).
+MAX_RUN_COPIES = 2
 
 #: the per-slot window arrays (host, ``[max_slots, capacity]`` float64 each)
 WINDOW_FIELDS = ("strength", "base", "start", "end", "ramp", "eps", "dom")
@@ -274,11 +294,12 @@ class RequestSlots:
 
     def flush(self) -> None:
         """Copy the slots changed since the last flush to the device (once per step, only when
-        changed), from pinned staging on CUDA (no sync; see :class:`StagedCopy`): one slot, or
-        a run of neighbouring ones, in one copy; a few scattered ones as their rows and
-        indices in one copy and a device scatter (``index_copy_``); the whole table when more
-        than half changed, or when the decoder layers' vector slots changed (:attr:`layers`:
-        their columns are zeros on the device, :meth:`head_mask`)."""
+        changed), from pinned staging on CUDA (no sync; see :class:`StagedCopy`): a run of
+        neighbouring slots in one copy (up to :data:`MAX_RUN_COPIES` runs: a request that
+        leaves and one that joins are two); more scattered ones as their rows and indices in
+        one copy and a device scatter (``index_copy_``); the whole table when more than half
+        changed, or when the decoder layers' vector slots changed (:attr:`layers`: their
+        columns are zeros on the device, :meth:`head_mask`)."""
         layers = self.layers
         stale = layers is not None and layers.version != self._mask_version
         if not (self.dirty or stale) or self.host is None:
@@ -289,15 +310,14 @@ class RequestSlots:
         if stale or self._all_changed or 2 * len(changed) > n:
             self._copy.copy_(self.table, self.host if mask is None else self.host * mask)
         elif changed:
-            slots = np.fromiter(changed, dtype=np.int64, count=len(changed))
-            slots.sort()
-            first, k = int(slots[0]), len(slots)
-            if int(slots[-1]) - first + 1 == k:  # neighbours: one copy
-                rows = self.host[first:first + k]
-                self._copy.copy_(self.table[first:first + k],
-                                 rows if mask is None else rows * mask)
-            else:
-                self._scatter(slots, mask)
+            slots = sorted(changed)
+            runs = _runs(slots, MAX_RUN_COPIES)
+            if runs is None:
+                self._scatter(np.array(slots, dtype=np.int64), mask)
+            else:  # a copy per run of neighbouring slots
+                for a, b in runs:
+                    rows = self.host[a:b]
+                    self._copy.copy_(self.table[a:b], rows if mask is None else rows * mask)
         self._changed.clear()
         self._all_changed = False
         self._mask_version = None if layers is None else layers.version
