@@ -784,9 +784,9 @@ def test_real_cuda_graphs_captured_at_start_up_replay_and_are_captured_again_in_
 
 
 def test_a_prompt_logprob_chunk_past_the_graphs_rows_keeps_their_buffer_and_graphs(tmp_path):
-    """A call with more rows than the graphs' coefficient buffer holds (Model Runner V2
-    computes prompt logprobs 1024 rows at a time) runs eagerly on a buffer of its own: the
-    graphs' buffer is never replaced, so no serving step after it drops or captures a graph;
+    """A call with more rows than the largest graph (Model Runner V2 computes prompt logprobs
+    1024 rows at a time) runs eagerly on a buffer of its own: the table and the row index the
+    graphs read are never replaced, so no serving step after it drops or captures a graph;
     every call's rows are the reference's."""
     import numpy as np
 
@@ -794,8 +794,8 @@ def test_a_prompt_logprob_chunk_past_the_graphs_rows_keeps_their_buffer_and_grap
 
     rt = _one_steer_runtime(tmp_path, slots=8, seed=3)
     graphs, planner = rt.bank_state.bank.graphs, rt.planner
-    table = planner.coef_buffer
-    assert graphs.captures == 4 and table.shape[0] < 1100
+    table, index = planner.head_table, planner.row_index
+    assert graphs.captures == 4 and index.shape == (graphs.max_rows,)
     row = np.zeros(rt.slots.num_columns, np.float32)
     row[0] = 4 * rt.bank_state.bank.steers[0].metadata.epsilon
     for slot in range(8):
@@ -809,7 +809,7 @@ def test_a_prompt_logprob_chunk_past_the_graphs_rows_keeps_their_buffer_and_grap
         return steer_reference(h.cpu(), p1, p2, offs, coefs)
 
     gen = torch.Generator().manual_seed(0)
-    for rows in (table.shape[0] + 10, 2 * table.shape[0] + 1, 4):  # grows, then reused
+    for rows in (graphs.max_rows + 10, 2 * graphs.max_rows + 1, 4):  # eager, eager, replayed
         base = torch.randn(rows, 32, generator=gen).to(DEVICE)
         token_slots = np.arange(rows) % 8
         with rt.step.prompts(PromptRows(base=base, token_slots=token_slots)):
@@ -820,14 +820,16 @@ def test_a_prompt_logprob_chunk_past_the_graphs_rows_keeps_their_buffer_and_grap
             with sampled_rows(planner, SlotRows(slots=np.arange(n))):
                 out = planner.steer_rows(h)
             torch.testing.assert_close(out.cpu(), ref(h, range(n)), rtol=1e-5, atol=1e-5)
-    assert planner.coef_buffer is table  # the buffer the graphs read, never replaced
+    # the buffers the graphs read, never replaced; the eager op's own grew past them
+    assert planner.head_table is table and planner.row_index is index
+    assert planner.coef_buffer.shape[0] >= 2 * graphs.max_rows + 1
     # replayed: the nine sampled steps and the 4-row prompt call
     assert graphs.captures == 4 and graphs.backend.resets == 0 and graphs.replays == 10
 
 
 def test_a_step_with_fewer_rows_leaves_no_steer_in_its_buckets_padding_rows(tmp_path):
     """A graph's bucket reads its padding rows too (a 5-row step replays the 8-row graph): the
-    rows a larger step left in the coefficient buffer are zeroed with the smaller step's
+    rows a larger step left in the row index are set to -1 (no steer) with the smaller step's
     copy, so the op never reads a steer no row of the step uses."""
     import numpy as np
 
@@ -840,7 +842,8 @@ def test_a_step_with_fewer_rows_leaves_no_steer_in_its_buckets_padding_rows(tmp_
         rt.set_slot(slot, row if slot >= 5 else None)
     rt.slots.flush()
     for n in (8, 5, 8, 6):
-        with sampled_rows(rt.planner, SlotRows(slots=np.arange(n))):
+        slots = np.arange(n)[::-1].copy()
+        with sampled_rows(rt.planner, SlotRows(slots=slots)):
             rt.planner.steer_rows(torch.randn(n, 32).to(DEVICE))
-        table = rt.planner.coef_buffer.cpu()
-        assert torch.count_nonzero(table[:n]) == n - 5 and torch.count_nonzero(table[n:]) == 0
+        index = rt.planner.row_index.cpu()
+        assert index[:n].tolist() == slots.tolist() and (index[n:] == -1).all()

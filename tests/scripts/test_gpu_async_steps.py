@@ -34,17 +34,27 @@ def test_the_worker_code_passes_the_one_step_ahead_check(dtype):
 
 def _hook(shift):
     def hook(rt):
-        real, last = rt.slots.row_coefs, []
+        if shift == "neighbour":  # each row gets the next row's request's coefficients
+            real_plan = rt.planner.plan_step
 
-        def row_coefs(n, slots, positions):
-            coefs = real(n, slots, positions)
-            if shift == "neighbour":  # each row gets the next row's request's coefficients
-                return np.roll(coefs, 1, axis=0)
-            prev = last[-1] if last and last[-1].shape == coefs.shape else coefs
-            last.append(coefs)
-            return prev  # the previous call's coefficients (a staging buffer reused too early)
+            def plan_step(n, slots, positions):
+                return real_plan(n, None if slots is None else np.roll(slots, 1), positions)
 
-        rt.slots.row_coefs = row_coefs
+            rt.planner.plan_step = plan_step
+            return
+        # the slot table reaches the device a step late (a staging buffer reused too early):
+        # each flush copies the rows the slots had at the flush before
+        real_flush, last = rt.slots.flush, []
+
+        def flush():
+            now = rt.slots.host.copy()
+            if last:
+                rt.slots.host[...] = last[-1]
+            last.append(now)
+            real_flush()
+            rt.slots.host[...] = now
+
+        rt.slots.flush = flush
     return hook
 
 

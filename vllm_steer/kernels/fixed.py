@@ -23,7 +23,8 @@ the op launches few: the two GEMMs, one scaling (the down-projection times each 
 coefficients, computed in fp32 and rounded once to the factors' dtype, with no repeated
 coefficient row and no fp32 copy), one residual add (in fp32, rounded once to ``hidden``'s
 dtype), and the test and the select that keep unsteered rows bit for bit. With ``index=None``
-(the LM head's graphs: row ``i`` takes table row ``i``) there is no gather either, and with
+(row ``i`` takes table row ``i``) there is no gather either; with an index (the drafters' and
+the LM head's graphs: each row's request slot) one gather of the rows' coefficients. With
 ``out`` the result is written where the graph's caller reads it, with no copy.
 """
 

@@ -12,17 +12,19 @@ input, one replay, the first rows of its static output returned.
 
 - static input ``[bucket, hidden]`` (the rows past the step's are padding: whatever an earlier
   step left there; their outputs are never read);
-- static index ``[bucket]`` = ``0, 1, ..., bucket - 1``: row ``i`` takes row ``i`` of the
-  coefficient table (the caller's per-step coefficient buffer, whose storage the graph keeps;
-  ``-1`` past the table's end);
+- the coefficient table and the row index the caller keeps (their storage the graph keeps):
+  row ``i`` takes row ``index[i]`` of the table, ``-1`` a padding row (no steer). The LM head
+  passes the request-slot table's device rows with its per-step rows after them, and its
+  persistent ``[rows]`` int64 index, rewritten only on a step whose rows changed. Without an
+  index, row ``i`` takes row ``i`` of the table (``-1`` past the table's end);
 - static output ``[bucket, hidden]``: what :meth:`SteerGraphs.run` returns a view of, valid
   until the next call (as the outputs of vLLM's captured model).
 
 The worker captures every bucket up to its most rows per step when the model loads
 (:meth:`SteerGraphs.capture`), and again after a load that dropped them; a bucket still
 missing is captured on the first step that needs it, then replayed. The cache is dropped
-(every bucket is captured again) when the caller passes another coefficient table (its
-buffer was re-allocated), when the activations change dtype or width, and when the bank's
+(every bucket is captured again) when the caller passes another coefficient table or index
+(its buffer was re-allocated), when the activations change dtype or width, and when the bank's
 storage moves (:meth:`SteerGraphs.use_bank`: only a bank without a reservation grows; a load
 into a reserved bank writes in place and keeps every graph). :meth:`SteerGraphs.run` returns
 None, and the caller launches the op eagerly, for more rows than the largest bucket, while
@@ -151,6 +153,7 @@ class SteerGraphs:
         self._graphs: dict[int, tuple] = {}
         self._steps: dict[int, tuple] = {}  # rows -> (graph, input view, output view)
         self._table: torch.Tensor | None = None  # what the graphs were captured with
+        self._index: torch.Tensor | None = None  # the caller's row index (None: row i = i)
         self._dtype: torch.dtype | None = None
         self._width = 0
 
@@ -173,19 +176,22 @@ class SteerGraphs:
             self._steps.clear()
             self.backend.reset()
 
-    def run(self, hidden: torch.Tensor, table: torch.Tensor) -> torch.Tensor | None:
+    def run(self, hidden: torch.Tensor, table: torch.Tensor,
+            index: torch.Tensor | None = None) -> torch.Tensor | None:
         """The steered ``hidden`` (``[rows, hidden]``), row ``i`` with the coefficients of
-        ``table[i]`` (``table``: ``[at least rows, columns]`` fp32, a buffer that keeps its
-        storage from step to step), replayed from the bucket's graph (captured now if it is
-        the bucket's first use); a view of the static output, valid until the next call.
-        None when the caller must launch the op eagerly (too many rows, :attr:`disabled`, or
-        :attr:`failed`)."""
+        ``table[index[i]]`` (``table``: ``[T, columns]`` fp32; ``index``: ``[at least the
+        largest bucket]`` int64, ``-1`` a padding row; both buffers that keep their storage from
+        step to step, read in place at the replay). Without an index, row ``i`` takes
+        ``table[i]`` (``table`` then has at least ``rows`` rows). Replayed from the bucket's
+        graph (captured now if it is the bucket's first use); a view of the static output,
+        valid until the next call. None when the caller must launch the op eagerly (too many
+        rows, :attr:`disabled`, or :attr:`failed`)."""
         n = hidden.shape[0]
         if n > self.max_rows or self.disabled is not None or self.failed is not None:
             return None
-        if table is not self._table or hidden.dtype != self._dtype \
-                or hidden.shape[1] != self._width:
-            self._use(table, hidden.dtype, hidden.shape[1])
+        if table is not self._table or index is not self._index \
+                or hidden.dtype != self._dtype or hidden.shape[1] != self._width:
+            self._use(table, index, hidden.dtype, hidden.shape[1])
         step = self._steps.get(n)
         if step is None:  # the bucket's graph and the views of its buffers for n rows
             bucket = row_bucket(n)
@@ -201,18 +207,21 @@ class SteerGraphs:
         self.replays += 1
         return out
 
-    def capture(self, rows: int, width: int, dtype: torch.dtype, table: torch.Tensor) -> int:
+    def capture(self, rows: int, width: int, dtype: torch.dtype, table: torch.Tensor,
+                index: torch.Tensor | None = None) -> int:
         """Capture now every bucket a step of 1..``rows`` rows replays (at most
         :attr:`max_rows`) that is not captured yet, for activations ``[rows, width]`` of
-        ``dtype`` and the coefficient buffer ``table`` (as :meth:`run` takes it): at start-up
+        ``dtype``, the coefficient table ``table`` and the row index ``index`` (as :meth:`run`
+        takes them): at start-up
         and after a load that dropped the graphs, so that no serving step captures. Returns the
         number captured (0 while :attr:`disabled`), logged with the time and device memory it
         took. A capture that fails leaves the caller on the eager op, logged
         (:attr:`failed`)."""
         if self.disabled is not None or self.failed is not None or rows < 1:
             return 0
-        if table is not self._table or dtype != self._dtype or width != self._width:
-            self._use(table, dtype, width)
+        if table is not self._table or index is not self._index or dtype != self._dtype \
+                or width != self._width:
+            self._use(table, index, dtype, width)
         dev = self.p1.device
         cuda = dev.type == "cuda"
         t0, held = time.perf_counter(), torch.cuda.memory_reserved(dev) if cuda else 0
@@ -230,10 +239,13 @@ class SteerGraphs:
                               time.perf_counter() - t0, mib)
         return done
 
-    def _use(self, table: torch.Tensor, dtype: torch.dtype, width: int) -> None:
-        """Graphs for another coefficient buffer or activations: drop the ones captured."""
-        self.invalidate()  # a graph reads the table it was captured with
-        self._table, self._dtype, self._width = table, dtype, int(width)
+    def _use(self, table: torch.Tensor, index: torch.Tensor | None, dtype: torch.dtype,
+             width: int) -> None:
+        """Graphs for another coefficient table, row index or activations: drop the ones
+        captured."""
+        self.invalidate()  # a graph reads the table and the index it was captured with
+        self._table, self._index = table, index
+        self._dtype, self._width = dtype, int(width)
 
     def _try_capture(self, bucket: int):
         """:meth:`_capture`, or None when it fails: the graphs are dropped and :attr:`failed`
@@ -254,7 +266,10 @@ class SteerGraphs:
         h_in = torch.zeros((bucket, self._width), dtype=self._dtype, device=dev)
         out = torch.zeros_like(h_in)
         index = None  # row i takes the table's row i, read in place (no gather)
-        if table.shape[0] < bucket:  # the bucket's rows past the table's: padding rows
+        if self._index is not None:  # the caller's row index, read in place
+            assert self._index.shape[0] >= bucket, (tuple(self._index.shape), bucket)
+            index = self._index[:bucket]
+        elif table.shape[0] < bucket:  # the bucket's rows past the table's: padding rows
             index = torch.arange(bucket, dtype=torch.int64, device=dev)
             index = torch.where(index < table.shape[0], index, -1)
         p1, p2, rank, widths = self.p1, self.p2, self.rank, self.widths

@@ -66,9 +66,13 @@ class StagedCopy:
         self._events: list = []  # spare events
         self.grown = 0  # pinned buffers allocated
         self.waits = 0  # copies waited for (ring full)
+        self.copies = 0  # copies made
+        self.bytes = 0  # bytes copied
 
     def copy_(self, dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
         """``dst.copy_(src)`` (``dst`` a contiguous device tensor of ``src``'s shape)."""
+        self.copies += 1
+        self.bytes += src.nbytes
         if not self.cuda:
             return dst.copy_(torch.from_numpy(src))
         buf = self._take(src.nbytes)

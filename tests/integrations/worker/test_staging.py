@@ -120,7 +120,8 @@ def _record_device_copies(monkeypatch, dev, rt):
     real_copy = torch.Tensor.copy_
 
     def copy_(dst, src, non_blocking=False):
-        bufs = [b for b in (rt.slots.table, rt.planner.coef_buffer) if b is not None]
+        bufs = [b for b in (rt.slots.device_rows, rt.planner.coef_buffer, rt.planner.row_index)
+                if b is not None]
         if any(dst.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in bufs):
             dev.copies.append(("coefficients", dev.is_pinned(src)))
         return real_copy(dst, src, non_blocking=non_blocking)

@@ -56,7 +56,8 @@ class DeviceReads(TorchDispatchMode):
         p = _ptr(t)
         if not p:
             return False
-        roots = [self.rt.slots.table, self.rt.planner.coef_buffer]
+        roots = [self.rt.slots.device_rows, self.rt.planner.coef_buffer,
+                 self.rt.planner.row_index]
         return p in self.marked or any(r is not None and p == _ptr(r) for r in roots)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

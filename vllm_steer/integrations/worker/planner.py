@@ -8,11 +8,25 @@ the target's head calls :meth:`StepPlanner.steer_rows`, a drafter's head
 :meth:`StepPlanner.steer_draft_rows`.
 
 The planner is sync-free by construction (no device tensor is read into Python): every view
-gives its row -> slot on the host; the rows' coefficients are gathered from the request
-slots' host table, copied from pinned staging (:class:`~vllm_steer.kernels.staging.StagedCopy`)
-into a persistent device buffer only when they changed, and the backend's plan is made from the
-host copy and cached under a host key (:class:`StepKey`). Only batch-sharded sampling (V2,
-TP > 1), whose row order exists on the device alone, gathers and plans on the device.
+gives its row -> slot on the host, and a step is planned again only when its host key
+(:class:`StepKey`) changed. Like vLLM's ``LoRAMapping``, the per-step work is one mapping in
+persistent device buffers, read by the LM head's CUDA graphs in place:
+
+- the *table*: the request slots' device rows
+  (:attr:`~vllm_steer.integrations.worker.request_slots.RequestSlots.device_rows`: each slot's
+  coefficients, copied by the request state only for the slots that changed), then rows the
+  planner fills per step with the coefficients of windowed rows (a generation window moves
+  them with each row's generated token);
+- the *row index* ``[rows]`` int64 (:attr:`StepPlanner.row_index`): each row's table row (its
+  slot's, or its windowed row's), ``-1`` for the padding rows of a graph's bucket; written from
+  pinned staging (:class:`~vllm_steer.kernels.staging.StagedCopy`) only when it changed.
+
+A changed step thus costs the host O(rows) (the index) and the windowed rows' coefficients. The
+eager op (no graphs: the CPU, ``VLLM_STEER_CUDA_GRAPHS=0``, a named backend, more rows than the
+largest graph) takes dense ``[rows, columns]`` coefficients: they are gathered on the host and
+copied to a device buffer of its own, and the backend's plan made from the host copy, only when
+the eager op runs. Only batch-sharded sampling (V2, TP > 1), whose row order exists on the device
+alone, gathers and plans on the device.
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ from vllm_steer.integrations.worker.rows import (STEADY_KINDS, CapturedRows,
                                                  SlotRows)
 from vllm_steer.integrations.worker.step_mapping import StepMapping
 from vllm_steer.kernels import staging
+from vllm_steer.kernels.layout import row_bucket
 from vllm_steer.logs import warn_once
 from vllm_steer.metrics import OpTimer
 
@@ -69,8 +84,8 @@ _DEVICE_MAPPING = object()
 
 class StepPlanner:
     """The steer op on each ``compute_logits`` call's rows, read from the worker's step
-    mapping (:attr:`step`), with a plan cached per step (coefficients, device buffer, backend
-    plan). Reads the worker's
+    mapping (:attr:`step`), with a plan cached per step (the graphs' row index; the eager op's
+    coefficients and backend plan). Reads the worker's
     bank (``bank_state``: :class:`~vllm_steer.integrations.worker.bank_state.BankState`) and
     request slots (``slots``: :class:`~vllm_steer.integrations.worker.request_slots.
     RequestSlots`). Counts its op calls and rows, and times one op in
@@ -90,17 +105,19 @@ class StepPlanner:
         self.head_calls = 0  # calls into the head (steer_rows), steered rows or not
         self.steps_planned = 0  # calls whose rows were looked up (not a steady step)
         self.plans_made = 0  # eager plans made (the backend's planning function called)
-        # the per-step cache (see steer_rows): the step's key, its host coefficients, the
-        # device buffer they were copied to, the plan and what it was made for
+        # the per-step cache (see steer_rows): the step's key and rows; the graphs' row index;
+        # the eager op's coefficients (gathered at its first launch of the step) and plan
         self._step_key: StepKey | None = None
-        self._step_coefs: np.ndarray | None = None
-        self._coefs_dev: torch.Tensor | None = None  # the graphs' buffer (never replaced)
-        self._coef_copy: staging.StagedCopy | None = None
-        self._rows_written = 0  # rows of _coefs_dev that may be non-zero (past them: zeros)
-        self._coefs_big: torch.Tensor | None = None  # steps with more rows (prompt logprobs)
-        self._big_copy: staging.StagedCopy | None = None
-        self._step_buf: torch.Tensor | None = None  # the buffer the step's rows are in
-        self._step_coefs_dev: torch.Tensor | None = None  # the step's n rows of it
+        self._rows: tuple | None = None  # (n, slots, positions) of the planned step
+        self._copy: staging.StagedCopy | None = None  # the planner's host -> device copies
+        self._index: torch.Tensor | None = None  # the graphs' row index (never replaced)
+        self._index_host = np.empty(0, dtype=np.int64)  # what _index holds (past it: -1)
+        self._table: torch.Tensor | None = None  # the graphs' table (the slots' device rows)
+        self._replay = False  # the step's index is written: the head's graphs may replay it
+        self._step_coefs: np.ndarray | None = None  # the eager op's host coefficients
+        self._step_coefs_dev: torch.Tensor | None = None  # their n device rows (None: none)
+        self._coefs_dev: torch.Tensor | None = None  # the eager op's device buffer
+        self._coefs_last: np.ndarray | None = None  # what _coefs_dev's first rows hold
         self._plan_key: object = None
         self._plan = None
         self._plan_checked = False  # _plan checked against the step's coefficients
@@ -123,8 +140,13 @@ class StepPlanner:
     @property
     def step_coefs(self) -> torch.Tensor | None:
         """The device coefficients of the last planned step (``[rows, columns]`` fp32), as the
-        head launches the op on them; None before the first."""
-        return None if self._step_key is None else self._step_coefs_dev
+        eager op takes them (gathered now when the step was replayed from the head's graphs,
+        which read the table and the row index instead); None before the first."""
+        if self._step_key is None:
+            return None
+        if self._step_coefs_dev is None:
+            self._gather(self._rows[0])
+        return self._step_coefs_dev
 
     @property
     def step_plan(self):
@@ -134,8 +156,21 @@ class StepPlanner:
 
     @property
     def coef_buffer(self) -> torch.Tensor | None:
-        """The device buffer the steps' coefficients are copied into (None before the first)."""
+        """The eager op's device buffer of a step's coefficients (None before the first eager
+        launch)."""
         return self._coefs_dev
+
+    @property
+    def row_index(self) -> torch.Tensor | None:
+        """The head's graphs' row index (``[rows]`` int64 on the device: each row's row of
+        :attr:`head_table`, -1 past the step's rows), None before the graphs are captured."""
+        return self._index
+
+    @property
+    def head_table(self) -> torch.Tensor | None:
+        """The table the head's graphs read (the request slots' device rows, then the rows of
+        the step's windowed rows), None before the request slots are sized."""
+        return self.slots.device_rows
 
     # ---- the head ------------------------------------------------------------------------
     def steer_draft_rows(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -151,17 +186,17 @@ class StepPlanner:
         sampled rows otherwise). Semantics: see reference.
 
         Sync-free by construction: the rows' slots (and generated-token positions) are host
-        data, their coefficients are gathered from the host table, copied to a persistent
-        device buffer from pinned staging only when they changed, and the plan is made from
-        the host copy and cached under a host key (:class:`StepKey`). An unchanged step costs
-        a key comparison and the kernels; a *steady* step not even that: the rows of the last
+        data; a step whose key (:class:`StepKey`) changed writes the graphs' row index (and its
+        windowed rows' coefficients) from pinned staging, and the eager op's coefficients and
+        plan are made from the host table at its first launch. An unchanged step costs a key
+        comparison and the kernels; a *steady* step not even that: the rows of the last
         planned batch step again (V1's persistent batch; V2's batch with the same slots: the
         sampled rows its ``sample`` hook reused, or one with the same bytes of
         ``idx_mapping``), as many rows, the request-slot table and the bank at the versions its
         plan was made for. That step had no generation window among its rows (it is recorded
         only then), and the table's version says none came since. Any other step planned since
-        (prompt logprobs, a drafter's rows) or a new coefficient buffer replaces the step's
-        key, which ends it. The check is written inline (a call costs on every steered step).
+        (prompt logprobs, a drafter's rows) replaces the step's key, which ends it. The check
+        is written inline (a call costs on every steered step).
         """
         self.head_calls += 1
         if src is None:  # the target's head (StepMapping.view, inlined: every steered step)
@@ -199,8 +234,7 @@ class StepPlanner:
         self.op_rows += n
         untimed = self.op_untimed  # one call in TIMER_SAMPLE_EVERY is timed (_timed, inlined)
         t0 = None if untimed else self.op_timer.start(hidden)
-        graphs = bank.graphs
-        out = None if graphs is None else graphs.run(hidden, self._coefs_dev)
+        out = bank.graphs.run(hidden, self._table, self._index) if self._replay else None
         if out is None:  # launched eagerly (no graphs, or not for this step)
             plan = self._plan if self._plan_checked else self._eager_plan(n)
             if plan is None:  # a backend with no plan (it plans inside the call)
@@ -281,90 +315,136 @@ class StepPlanner:
         return None, (None if pos is None or len(pos) < n else pos[:n]), "b"
 
     def plan_step(self, n: int, slots, positions) -> None:
-        """A step whose key changed: gather its coefficients on the host; when they differ from
-        the device buffer's, copy them (pinned, non-blocking). The eager op's plan waits for
-        the first eager launch of these coefficients (:meth:`_eager_plan`): a step replayed
-        from the head's CUDA graphs needs none."""
-        if slots is not None:
-            slots = np.asarray(slots, dtype=np.int64)
+        """A step whose key changed. Replayed from the head's CUDA graphs (:meth:`_write_index`):
+        its row index is written when it changed, and its windowed rows' coefficients; no
+        dense coefficients are gathered. The eager op's coefficients and plan wait for its
+        first launch of the step (:meth:`_eager_plan`)."""
+        if slots is not None:  # copies: kept for the step, whatever the runner does to its own
+            slots = np.array(slots, dtype=np.int64)
         if positions is not None:
-            positions = np.asarray(positions, dtype=np.int64)
-        coefs = self.slots.row_coefs(n, slots, positions)
-        layers = self.bank_state.bank.layers
-        if layers is not None and layers.slot_is_vector.any():  # the layers' columns: not here
-            coefs[:, :layers.capacity] *= 1.0 - layers.slot_is_vector
-        last = self._step_coefs
-        same = last is not None and last.shape == coefs.shape and np.array_equal(last, coefs)
-        buf = self._coef_buffer(n)  # (may make a new buffer, and its staged copy)
-        same = same and buf is self._step_buf
-        if buf is self._coefs_dev:
-            written = self._rows_written
-            if not same:
-                self._step_coefs = None
-                if written > n:  # the rows the last step left past this one's: zeros again,
-                    # in the same copy (a graph's bucket reads its padding rows: no steer)
-                    coefs = np.concatenate(
-                        [coefs, np.zeros((written - n, coefs.shape[1]), coefs.dtype)])
-                self._coef_copy.copy_(buf[:max(n, written)], coefs)
-                self._rows_written = n
-                coefs = coefs[:n]
-        elif not same:
-            self._step_coefs = None
-            self._big_copy.copy_(buf[:n], coefs)
-        self._step_coefs, self._step_buf, self._step_coefs_dev = coefs, buf, buf[:n]
+            positions = np.array(positions, dtype=np.int64)
+        bank = self.bank_state.bank
+        table = self.slots
+        table.use_layers(bank.layers)  # the device table leaves the vector slots out
+        self._rows = (n, slots, positions)
+        self._step_coefs = self._step_coefs_dev = None
+        self._replay = False
+        graphs = bank.graphs
+        if graphs is not None and n <= graphs.max_rows and graphs.failed is None \
+                and graphs.disabled is None and table.device_rows is not None:
+            self._replay = self._write_index(n, slots, positions)
+
+    def _write_index(self, n: int, slots: np.ndarray | None,
+                     positions: np.ndarray | None) -> bool:
+        """Point the graphs' row index at the step's rows: each row's slot in the table (row
+        i = slot i without ``slots``), a windowed row at its coefficients, computed now and
+        written after the slots' rows; ``-1`` for the rows a longer step wrote before (a graph's
+        bucket reads its padding rows: no steer). Copied only when it changed: O(rows) host
+        work, and the windowed rows' coefficients. False: the step is launched eagerly (more
+        windowed rows than the table has rows for them)."""
+        table = self.slots
+        buf = self._index_buffer()
+        self._table = table.device_rows
+        idx = np.arange(n, dtype=np.int64) if slots is None else slots
+        if table.num_window_slots:
+            rows = np.flatnonzero(table.windowed[:n] if slots is None else table.windowed[slots])
+            if rows.size:
+                if rows.size > table.extra_rows:
+                    return False
+                coefs = table.window_coefs(idx[rows],
+                                           None if positions is None else positions[rows])
+                mask = table.head_mask()
+                if mask is not None:
+                    coefs *= mask
+                first = table.max_slots
+                self._copy.copy_(self._table[first:first + rows.size], coefs)
+                idx = idx.copy()
+                idx[rows] = first + np.arange(rows.size, dtype=np.int64)
+        last = self._index_host
+        if len(last) == n and np.array_equal(idx, last):
+            return True  # the rows of the index as they are
+        if len(last) > n:  # the longer step's rows: padding again, in the same copy
+            idx = np.concatenate([idx, np.full(len(last) - n, -1, dtype=np.int64)])
+        self._index_host = np.full(buf.shape[0], -2, dtype=np.int64)  # on error: rewrite all
+        self._copy.copy_(buf[:len(idx)], idx)
+        self._index_host = idx[:n]  # the planner's own array (plan_step copied the slots)
+        return True
+
+    def _index_buffer(self) -> torch.Tensor:
+        """The graphs' row index (``[largest bucket]`` int64, all -1 at first), made once for
+        the bank's device; the graphs read it in place, so it is never replaced."""
+        bank = self.bank_state.bank
+        dev = bank.p1.device
+        if self._copy is None or self._copy.device != dev:
+            self._copy = staging.StagedCopy(dev)
+        buf = self._index
+        if buf is None or buf.device != dev:
+            rows = row_bucket(bank.graphs.max_rows if bank.graphs is not None else 1)
+            self._index = buf = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+            self._index_host = np.empty(0, dtype=np.int64)
+        return buf
+
+    def _gather(self, n: int) -> None:
+        """The eager op's coefficients of the planned step: the rows' coefficients gathered
+        from the host table (the vector slots' columns left out: :meth:`RequestSlots.
+        head_mask`), copied to the eager buffer unless it holds them already."""
+        _, slots, positions = self._rows
+        table = self.slots
+        coefs = table.row_coefs(n, slots, positions)
+        mask = table.head_mask()
+        if mask is not None:  # the layers' columns: not here
+            coefs *= mask
+        buf = self._coef_buffer(n)
+        last = self._coefs_last
+        if last is None or last.shape != coefs.shape or not np.array_equal(last, coefs):
+            self._coefs_last = None
+            self._copy.copy_(buf[:n], coefs)
+            self._coefs_last = coefs
+        self._step_coefs, self._step_coefs_dev = coefs, buf[:n]
 
     def _coef_buffer(self, n: int) -> torch.Tensor:
-        """The device buffer of a step's coefficients (``[rows >= n, columns]`` fp32). The
-        graphs' buffer is made for the most rows a step samples (max_num_seqs) and, with the
-        head's CUDA graphs, for their largest bucket, and is never replaced once the graphs
-        are captured (they read it): a step with more rows than it holds (a prompt-logprob
-        chunk, launched eagerly) gets a buffer of its own, each time doubling, so that no
-        serving step drops or captures the graphs. A new buffer starts all zero."""
+        """The eager op's device buffer (``[rows >= n, columns]`` fp32): made for the most rows
+        a step samples (max_num_seqs), doubled when a step has more (a prompt-logprob chunk).
+        Only the eager op reads it: the head's graphs read the table and the row index."""
         bank_state = self.bank_state
-        bank = bank_state.bank
-        dev = bank.p1.device
-        graphs = bank.graphs
-        rows = max(bank_state.max_rows, 0 if graphs is None else graphs.max_rows)
+        dev = bank_state.bank.p1.device
+        if self._copy is None or self._copy.device != dev:
+            self._copy = staging.StagedCopy(dev)
         buf = self._coefs_dev
-        if buf is None or buf.device != dev or buf.shape[0] < (rows or n):
-            # first use, or the rows a step samples known only now: the graphs' buffer
-            self._step_coefs = self._step_key = self._step_buf = self._step_coefs_dev = None
-            self._coefs_dev = buf = torch.zeros((max(n, rows, 1), self.slots.num_columns),
+        if buf is None or buf.device != dev or buf.shape[0] < n:
+            rows = max(n, bank_state.max_rows, 1)
+            if buf is not None and buf.device == dev:
+                rows = max(rows, 2 * buf.shape[0])
+            self._coefs_last = None
+            self._coefs_dev = buf = torch.zeros((rows, self.slots.num_columns),
                                                 dtype=torch.float32, device=dev)
-            self._coef_copy = staging.StagedCopy(dev)
-            self._rows_written = 0
-        if n <= buf.shape[0]:
-            return buf
-        big = self._coefs_big
-        if big is None or big.shape[0] < n or big.device != dev:
-            if self._step_buf is big:
-                self._step_coefs = self._step_key = self._step_buf = self._step_coefs_dev = None
-            self._coefs_big = big = torch.zeros(
-                (max(n, 2 * (buf.shape[0] if big is None else big.shape[0])),
-                 self.slots.num_columns), dtype=torch.float32, device=dev)
-            self._big_copy = staging.StagedCopy(dev)
-        return big
+        return buf
 
     def capture_graphs(self) -> int:
         """Capture the head's CUDA graphs now (:meth:`~vllm_steer.kernels.graphs.SteerGraphs.
-        capture`) for the most rows a step samples (vLLM's max_num_seqs) and this planner's
-        coefficient buffer, once the model is loaded and the request slots are sized
-        (whichever comes last), and after a load or unload that dropped them (a new layout of
-        the bank), so that no serving step stalls on a capture. Returns the number
-        captured."""
+        capture`) for the most rows a step samples (vLLM's max_num_seqs), the request slots'
+        device rows and this planner's row index, once the model is loaded and the request
+        slots are sized (whichever comes last), and after a load or unload that dropped them
+        (a new layout of the bank), so that no serving step stalls on a capture. Returns the
+        number captured."""
         bank_state = self.bank_state
         bank = bank_state.bank
         graphs = None if bank is None else bank.graphs
-        if graphs is None or not bank_state.max_rows or not bank_state.model_loaded:
+        table = self.slots.device_rows
+        if graphs is None or not bank_state.max_rows or not bank_state.model_loaded \
+                or table is None:
             return 0
         return graphs.capture(bank_state.max_rows, bank.hidden_size,
-                              bank_state.activation_dtype or bank.dtype,
-                              self._coef_buffer(min(bank_state.max_rows, graphs.max_rows)))
+                              bank_state.activation_dtype or bank.dtype, table,
+                              self._index_buffer())
 
     def _eager_plan(self, n: int):
         """The eager op's plan for this step's coefficients (None: the backend plans inside
         the call), made again only when what it depends on changed (the torch plan holds the
-        values; the Triton plan only the non-zero pattern)."""
+        values; the Triton plan only the non-zero pattern). The step's coefficients are
+        gathered first when they are not yet (:meth:`_gather`)."""
+        if self._step_coefs_dev is None:
+            self._gather(n)
         bank_state = self.bank_state
         if bank_state.prepare is None:
             self._plan, self._plan_checked = None, True

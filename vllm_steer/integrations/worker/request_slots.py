@@ -11,7 +11,15 @@ row and its windows, per bank slot.
 Generation windows (a request's strength as a schedule over its generated tokens,
 :class:`vllm_steer.request.Window`): per-slot window arrays on the host, set with the slot; each
 step computes the windowed rows' coefficients from the index of the token each row samples,
-vectorised (:meth:`RequestSlots.row_coefs`); requests without windows pay nothing for them.
+vectorised (:meth:`RequestSlots.window_coefs`); requests without windows pay nothing for them.
+
+The device mirror (:attr:`RequestSlots.table`) is what the LM head's CUDA graphs and the
+drafters' capture-safe op read in place: :meth:`RequestSlots.flush` copies only the slots that
+changed since the last flush (the whole table when most did), with the columns of decoder-layer
+(vector) steers left at zero (:attr:`RequestSlots.layers`: those steers are applied in the
+decoder blocks, never by the head). It is the first rows of :attr:`RequestSlots.device_rows`,
+whose last :attr:`RequestSlots.extra_rows` rows the step planner fills with the coefficients of
+the step's windowed rows.
 """
 
 from __future__ import annotations
@@ -78,6 +86,22 @@ def decode_request(params: Any, bank: SlotBank | None, num_columns: int) -> Requ
     return RequestCoefs(np.asarray(row, dtype=np.float32), windows)
 
 
+def _runs(slots: list[int], most: int) -> list[tuple[int, int]] | None:
+    """The runs of neighbouring slots in ``slots`` (ascending) as ``[start, end)``; None when
+    there are more than ``most``."""
+    runs = []
+    start = prev = slots[0]
+    for s in slots[1:]:
+        if s != prev + 1:
+            if len(runs) + 1 >= most:
+                return None
+            runs.append((start, prev + 1))
+            start = s
+        prev = s
+    runs.append((start, prev + 1))
+    return runs
+
+
 def _uncount(counted: list[int]) -> None:
     """A table was collected: its slots leave the process's gates."""
     GATES.steered_slots -= counted[0]
@@ -85,19 +109,30 @@ def _uncount(counted: list[int]) -> None:
     GATES.prompt_logprob_slots -= counted[2]
 
 
+#: The most runs of neighbouring slots a flush copies one by one; more are scattered on the
+#: device from one copy (:meth:`RequestSlots.flush`).
+MAX_RUN_COPIES = 2
+
 #: the per-slot window arrays (host, ``[max_slots, capacity]`` float64 each)
 WINDOW_FIELDS = ("strength", "base", "start", "end", "ramp", "eps", "dom")
 
 
 class RequestSlots:
     """Coefficients ``[max_slots, 2 * capacity]`` of the request in each request slot: the host
-    table, its device mirror (:attr:`table`, copied when changed: :meth:`flush`), which slots
-    are steered and which have generation windows."""
+    table, its device mirror (:attr:`table`, the changed slots copied: :meth:`flush`), which
+    slots are steered and which have generation windows."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.num_columns = coefficient_columns(capacity)
-        self.table: torch.Tensor | None = None  # [max_slots, K] fp32 on the device
+        self.device_rows: torch.Tensor | None = None
+        """``[max_slots + extra_rows, K]`` fp32 on the device: :attr:`table`, then the rows the
+        step planner writes per step (:attr:`extra_rows`). Allocated once (:meth:`ensure`):
+        CUDA graphs read it in place."""
+        self.table: torch.Tensor | None = None  # [max_slots, K]: device_rows' first rows
+        self.extra_rows = 0
+        """Rows of :attr:`device_rows` past the table's: the step's windowed rows'
+        coefficients, written by the step planner (at most this many per step)."""
         self.host: np.ndarray | None = None  # [max_slots, K] host table
         self.steered: np.ndarray | None = None  # [max_slots] bool: slot has a non-zero row
         self.windowed: np.ndarray | None = None  # [max_slots] bool
@@ -115,20 +150,39 @@ class RequestSlots:
         slot only when it adds it, and then calls the per-request state's ``add_request``)."""
         self.max_slots = 0
         self.dirty = False
+        self.layers = None
+        """The decoder layers' vector bank (:class:`~vllm_steer.integrations.worker.
+        step_mapping.LayerVectors`; None: no decoder-layer op): the columns of its vector
+        slots are zeros in the device table (:meth:`head_mask`)."""
+        self._mask_version: int | None = None  # layers.version the device table was masked at
+        self._changed: set[int] = set()  # slots changed since the last flush
+        self._all_changed = False  # the whole table is to be copied at the next flush
+        self._scratch: torch.Tensor | None = None  # device bytes of a partial flush
         self._copy: staging.StagedCopy | None = None
         # this table's share of the process's counts, given back when the table is collected
         self._counted = [0, 0, 0]  # [steered slots, windowed slots, prompt-logprob slots]
         self._last_batch: tuple = (None, -1, False)  # any_steered's (slots' bytes, version, answer)
         weakref.finalize(self, _uncount, self._counted)
 
-    def ensure(self, max_slots: int, device: torch.device) -> bool:
-        """Size the table for ``max_slots`` request slots (True: it was (re)made, empty)."""
+    def ensure(self, max_slots: int, device: torch.device, extra_rows: int | None = None
+               ) -> bool:
+        """Size the table for ``max_slots`` request slots, with ``extra_rows`` rows after it
+        for the step planner (default: ``max_slots``). True: it was (re)made, empty."""
         if self.host is not None and self.host.shape[0] >= max_slots:
             return False
-        self.host = np.zeros((max_slots, self.num_columns), dtype=np.float32)
+        cols = self.num_columns
+        extra = max_slots if extra_rows is None else max(0, int(extra_rows))
+        self.host = np.zeros((max_slots, cols), dtype=np.float32)
         self.steered = np.zeros(max_slots, dtype=bool)
-        self.table = torch.zeros((max_slots, self.num_columns), dtype=torch.float32,
-                                 device=device)
+        self.device_rows = torch.zeros((max_slots + extra, cols), dtype=torch.float32,
+                                       device=device)
+        self.table = self.device_rows[:max_slots]
+        self.extra_rows = extra
+        # a partial flush copies at most half the slots: their rows, then their indices
+        self._scratch = torch.empty((max_slots // 2 + 1) * (4 * cols + 8), dtype=torch.uint8,
+                                    device=device)
+        self._changed, self._all_changed = set(), False
+        self._mask_version = None if self.layers is None else self.layers.version
         self._copy = staging.StagedCopy(torch.device(device))
         self.windowed = np.zeros(max_slots, dtype=bool)
         self.prompt_logprobs = np.zeros(max_slots, dtype=bool)
@@ -171,6 +225,7 @@ class RequestSlots:
             self.windowed[slot] = False
             self._count_windows(self.num_window_slots - 1)
         self.steered[slot] = steered
+        self._changed.add(slot)
         self.dirty = True
         self.version += 1
 
@@ -215,6 +270,7 @@ class RequestSlots:
                 arr[src] = 0
         self._count_windows(int(np.count_nonzero(self.windowed)))
         self._count_prompts(int(np.count_nonzero(self.prompt_logprobs)))
+        self._changed.update((src, dst))
         self.dirty = True
         self.version += 1
 
@@ -237,15 +293,76 @@ class RequestSlots:
         self.num_prompt_slots = self._counted[2] = n
 
     def flush(self) -> None:
-        """Copy changed slot coefficients to the device (once per step, only when changed),
-        from pinned staging on CUDA (no sync; see :class:`StagedCopy`)."""
-        if not self.dirty or self.host is None:
+        """Copy the slots changed since the last flush to the device (once per step, only when
+        changed), from pinned staging on CUDA (no sync; see :class:`StagedCopy`): a run of
+        neighbouring slots in one copy (up to :data:`MAX_RUN_COPIES` runs: a request that
+        leaves and one that joins are two); more scattered ones as their rows and indices in
+        one copy and a device scatter (``index_copy_``); the whole table when more than half
+        changed, or when the decoder layers' vector slots changed (:attr:`layers`: their
+        columns are zeros on the device, :meth:`head_mask`)."""
+        layers = self.layers
+        stale = layers is not None and layers.version != self._mask_version
+        if not (self.dirty or stale) or self.host is None:
             return
+        mask = self.head_mask()
         n = self.host.shape[0]
-        self._copy.copy_(self.table[:n], self.host)
+        changed = self._changed
+        if stale or self._all_changed or 2 * len(changed) > n:
+            self._copy.copy_(self.table, self.host if mask is None else self.host * mask)
+        elif changed:
+            slots = sorted(changed)
+            runs = _runs(slots, MAX_RUN_COPIES)
+            if runs is None:
+                self._scatter(np.array(slots, dtype=np.int64), mask)
+            else:  # a copy per run of neighbouring slots
+                for a, b in runs:
+                    rows = self.host[a:b]
+                    self._copy.copy_(self.table[a:b], rows if mask is None else rows * mask)
+        self._changed.clear()
+        self._all_changed = False
+        self._mask_version = None if layers is None else layers.version
         self._count_active(int(np.count_nonzero(self.steered)))
         self.dirty = False
         self.version += 1
+
+    def _scatter(self, slots: np.ndarray, mask: np.ndarray | None) -> None:
+        """Copy the host rows of ``slots`` (ascending, at most half the table) to the device
+        table: their rows and their indices staged as one block of bytes, copied once, then
+        scattered on the device."""
+        k, cols = len(slots), self.num_columns
+        row_bytes = 4 * cols * k  # a multiple of 8 (cols is even): the indices stay aligned
+        packed = np.empty(row_bytes + 8 * k, dtype=np.uint8)
+        rows = packed[:row_bytes].view(np.float32).reshape(k, cols)
+        np.take(self.host, slots, axis=0, out=rows)
+        if mask is not None:
+            rows *= mask
+        packed[row_bytes:].view(np.int64)[:] = slots
+        dev = self._copy.copy_(self._scratch[:len(packed)], packed)
+        self.table.index_copy_(0, dev[row_bytes:].view(torch.int64),
+                               dev[:row_bytes].view(torch.float32).view(k, cols))
+
+    def use_layers(self, layers) -> None:
+        """The decoder layers' vector bank whose slots' columns the device table leaves at
+        zero (:attr:`layers`): when it is another one, or its slots changed since the last
+        flush, the whole table is copied again now (a load or an unload: rare)."""
+        if layers is self.layers and (layers is None or layers.version == self._mask_version):
+            return
+        self.layers = layers
+        if self.host is not None:
+            self._all_changed = True
+            self.dirty = True
+            self.flush()
+
+    def head_mask(self) -> np.ndarray | None:
+        """``[columns]`` fp32: 0 at the steer columns of the bank slots holding a decoder-layer
+        (vector) steer, 1 elsewhere; None while no slot does. The LM head never applies those
+        columns (the decoder blocks do, from the host table)."""
+        layers = self.layers
+        if layers is None or not layers.slot_is_vector.any():
+            return None
+        mask = np.ones(self.num_columns, dtype=np.float32)
+        mask[:layers.capacity] -= layers.slot_is_vector
+        return mask
 
     def any_steered(self, slots: np.ndarray, key: bytes | None = None) -> bool:
         """Whether any of these slots (a step's ``idx_mapping``) holds a steered request.
@@ -269,10 +386,8 @@ class RequestSlots:
     def row_coefs(self, n: int, slots: np.ndarray | None,
                   positions: np.ndarray | None) -> np.ndarray:
         """The rows' coefficients ``[n, columns]`` on the host: the slots' rows of the host
-        table; a slot with generation windows gets each steer's strength at the row's
-        generated token (``window_strengths``, vectorised over the windowed rows only), then
-        ``steer_coefficients``' rule: the domain component applies wherever the steer's
-        strength is non-zero. Semantics: see reference."""
+        table, a windowed slot's computed for the row's generated token
+        (:meth:`window_coefs`). Semantics: see reference."""
         coefs = self.host[:n].copy() if slots is None else self.host[slots]
         if not self.num_window_slots:
             return coefs
@@ -280,21 +395,32 @@ class RequestSlots:
         rows = np.flatnonzero(windowed)
         if rows.size == 0:
             return coefs
+        coefs[rows] = self.window_coefs(rows if slots is None else slots[rows],
+                                        None if positions is None else positions[rows])
+        return coefs
+
+    def window_coefs(self, slots: np.ndarray, positions: np.ndarray | None) -> np.ndarray:
+        """The coefficients ``[len(slots), columns]`` of rows of windowed slots (``slots``, each
+        with a generation window), each at its generated token (``positions``; None: unknown,
+        the windows' base strength, warned once): each steer's strength at the row's token
+        (``window_strengths``, vectorised), then ``steer_coefficients``' rule: the domain
+        component applies wherever the steer's strength is non-zero. Semantics: see
+        reference."""
         from vllm_steer.reference import window_strengths
 
-        ws = rows if slots is None else slots[rows]
         if positions is None:
             warn_once("vllm-steer: a windowed request's generated-token positions are unknown "
                       "in this step; its rows get the windows' base strength")
-            t = np.full(rows.size, -1, dtype=np.int64)
+            t = np.full(len(slots), -1, dtype=np.int64)
         else:
-            t = positions[rows]
+            t = positions
         w = self.windows
-        s = window_strengths(w["strength"][ws], w["base"][ws], w["start"][ws], w["end"][ws],
-                             w["ramp"][ws], t[:, None])  # [rows, capacity]
+        s = window_strengths(w["strength"][slots], w["base"][slots], w["start"][slots],
+                             w["end"][slots], w["ramp"][slots], t[:, None])  # [rows, capacity]
         cap = self.capacity
-        coefs[rows, :cap] = s * w["eps"][ws]
-        coefs[rows, cap:] = np.where(s != 0, w["dom"][ws], 0.0)
+        coefs = np.empty((len(slots), self.num_columns), dtype=np.float32)
+        coefs[:, :cap] = s * w["eps"][slots]
+        coefs[:, cap:] = np.where(s != 0, w["dom"][slots], 0.0)
         return coefs
 
 

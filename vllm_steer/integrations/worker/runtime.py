@@ -58,6 +58,7 @@ from vllm_steer.integrations.worker.step_mapping import (LayerVectors, StepMappi
                                                          TokenCoefs, op_dtype)
 from vllm_steer.integrations.worker.step_faults import REQUEST_STATE, StepFaults
 from vllm_steer.request import BOUND_KEY
+from vllm_steer.sizing import MAX_GRAPH_ROWS
 
 
 class SteerRuntime:
@@ -108,6 +109,7 @@ class SteerRuntime:
             bank.layers = layers
             for name, steer in self.bank_state.startup_layer_steers.items():
                 bank.put(*placement[name], name, steer)
+        self.slots.use_layers(layers)  # the head's table leaves the vector slots' columns out
         self.slots.version += 1
         return n
 
@@ -124,12 +126,14 @@ class SteerRuntime:
         """Load a steer into a bank slot no request uses (the engine core picked it, and
         issued its load id)."""
         self.bank_state.put(bank_slot, load_id, name, steer)
+        self.slots.use_layers(self.layers)  # a vector steer's columns: out of the head's table
         self.slots.version += 1
         self.planner.capture_graphs()  # again, if the load changed the bank's layout
 
     def drop_slots(self, bank_slots) -> None:
         """Empty these bank slots."""
         self.bank_state.drop(bank_slots)
+        self.slots.use_layers(self.layers)
         self.slots.version += 1
         self.planner.capture_graphs()
 
@@ -153,8 +157,10 @@ class SteerRuntime:
                      max_rows: int | None = None) -> None:
         """Size the request-slot table for ``max_slots`` (vLLM's ``max_num_seqs``); a step
         steers at most ``max_rows`` rows (:func:`max_step_rows`; ``max_slots`` when None): the
-        kernels are compiled and the head's graphs captured for that many."""
-        if self.slots.ensure(max_slots, device):
+        kernels are compiled and the head's graphs captured for that many, and the head's
+        table has rows for that many windowed rows (at most the largest graph's)."""
+        extra = min(max(max_rows or 0, max_slots), MAX_GRAPH_ROWS)
+        if self.slots.ensure(max_slots, device, extra):
             self.bank_state.max_rows = max(max_rows or 0, max_slots)
             self.bank_state.warm_up()
             self.planner.capture_graphs()
