@@ -366,6 +366,7 @@ def check_replay(dev, shapes=REPLAY_SHAPES, rows_list=(1, 64), dtype=torch.bfloa
     from vllm_steer.bank import SlotBank
     from vllm_steer.format import make_steer
     from vllm_steer.kernels import graphs as G
+    from vllm_steer.kernels.layout import row_bucket
     from vllm_steer.reference import steer_reference
 
     cuda = dev.type == "cuda"
@@ -394,7 +395,10 @@ def check_replay(dev, shapes=REPLAY_SHAPES, rows_list=(1, 64), dtype=torch.bfloa
             else:
                 launch = lambda: fn(  # noqa: E731, B023 (timed here)
                     hidden, p1, p2, offs, table, prepared=prepared.plan)  # noqa: B023 (timed here)
-            replay = lambda: graphs.run(hidden, table)  # noqa: E731, B023 (timed here)
+            # as the head replays them: the table read through a persistent row index
+            index = torch.full((row_bucket(rows),), -1, dtype=torch.int64, device=dev)
+            index[:rows] = torch.arange(rows, device=dev)
+            replay = lambda: graphs.run(hidden, table, index)  # noqa: E731, B023 (timed here)
             t0 = time.perf_counter()
             out = replay().clone()  # the bucket's first step: its capture
             sync()
