@@ -21,6 +21,7 @@ steer would be silently ignored). Light: no torch, no vLLM at import time.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from vllm_steer.integrations import vllm_access as va
 from vllm_steer.logs import get_logger
@@ -118,13 +119,52 @@ def model_identity(mc) -> dict:
 #: block is the first element (the next block starts again from it, ``residual =
 #: hidden_states``), not the sum of the two as in Llama-style blocks (``(mlp output,
 #: residual)``, summed by the next block's fused add-norm). A vector steer is added to the
-#: stream: the first element here, the residual there.
+#: stream: the first element here, the residual there. Named here: those checked by hand; any
+#: other block whose ``forward`` overwrites its ``residual`` before reading it (or has none) is
+#: found by :func:`block_returns_stream_first`.
 STREAM_FIRST_BLOCKS = frozenset({"CohereDecoderLayer"})
 
 
+@functools.cache
 def block_returns_stream_first(block_cls: type) -> bool:
     """Whether a decoder block class's tuple starts with the residual stream itself: the
-    blocks of :data:`STREAM_FIRST_BLOCKS`, and every transformers block (vLLM's Transformers
-    backend, whose blocks return ``(hidden_states, ...)``)."""
-    return block_cls.__name__ in STREAM_FIRST_BLOCKS \
-        or block_cls.__module__.startswith("transformers.")
+    blocks of :data:`STREAM_FIRST_BLOCKS`, every transformers block (vLLM's Transformers
+    backend, whose blocks return ``(hidden_states, ...)``), and every block whose ``forward``
+    ignores the residual it is given (:func:`ignores_residual`: StableLM, EXAONE 4, PhiMoE,
+    Granite MoE hybrid, HyperCLOVA X, Cohere 2 MoE, whose next block and final norm read the
+    first element alone). A Llama-style block reads it (``if residual is None: ...``, a
+    fused add-norm of the two): the stream is their sum."""
+    if block_cls.__name__ in STREAM_FIRST_BLOCKS \
+            or block_cls.__module__.startswith("transformers."):
+        return True
+    forward = getattr(block_cls, "forward", None)
+    return forward is not None and ignores_residual(forward) is True
+
+
+def ignores_residual(forward) -> bool | None:
+    """Whether a block's ``forward`` overwrites a ``residual`` parameter before any read of it,
+    or has no such parameter (its model then carries the whole stream in the block's first
+    output); None when its source cannot be read. Read from the source's syntax tree: the
+    first top-level statement of the body that names ``residual`` reads it (False) or assigns
+    it without reading it (True)."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    fn = tree.body[0] if tree.body else None
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    args = fn.args
+    if "residual" not in {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}:
+        return True
+    for stmt in fn.body:
+        names = [n for n in ast.walk(stmt) if isinstance(n, ast.Name) and n.id == "residual"]
+        if any(isinstance(n.ctx, ast.Load) for n in names):
+            return False
+        if names:  # assigned, not read: the given residual is dropped
+            return True
+    return True
