@@ -220,3 +220,80 @@ def test_pairs_file_keeps_each_pair_together(model_dir, tmp_path, capsys):
                  "--positive", str(f), "--out", str(tmp_path / "b.safetensors")]) == 1
     assert "--pairs and --positive: give the pairs or the sides, not both" in \
         capsys.readouterr().err
+
+
+def test_a_text_longer_than_max_length_is_read_at_its_own_last_token(model_dir, tmp_path,
+                                                                    capsys):
+    """Pairs of a long shared context and a different ending (repeng's usual data): a text
+    over --max-length keeps its end (and its beginning-of-sequence token), so the state read
+    is its own last token's, as repeng reads it; the cut is said. Before, the texts were cut
+    to their first tokens, the same in both texts of a pair: every difference was 0 and the
+    file held an arbitrary unit vector, without a word."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    context = " ".join(FILL * 3)
+    pairs = [(f"{context} {p}", f"{context} {n}") for p, n in zip(POS, NEG, strict=True)]
+    f = tmp_path / "pairs.jsonl"
+    f.write_text("\n".join(json.dumps({"positive": p, "negative": n}) for p, n in pairs))
+    out = tmp_path / "long.safetensors"
+    max_length = 8
+    assert main(["train", "--kind", "vector", "--model", str(model_dir), "--pairs", str(f),
+                 "--dev-fraction", "0", "--model-dtype", "float32", "--quiet",
+                 "--max-length", str(max_length), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"20 texts were longer than --max-length {max_length} tokens" in err, err
+    vs = load_vector(out)
+    assert vs.metadata.metrics["texts_cut_at_start"] == 20
+    # the reference: each text's end in plain transformers (block k's output: hidden_states
+    # [k + 1]), its first token kept when it is the beginning-of-sequence token
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def states(texts):
+        rows = []
+        for t in texts:
+            ids = tok(t)["input_ids"]
+            keep = ([ids[0]] + ids[len(ids) - max_length + 1:]
+                    if tok.bos_token_id is not None and ids[0] == tok.bos_token_id
+                    else ids[len(ids) - max_length:])
+            with torch.no_grad():
+                hs = model(torch.tensor([keep]), output_hidden_states=True).hidden_states
+            rows.append([hs[k + 1][0, -1].double().numpy() for k in range(LAYERS - 1)])
+        return np.array(rows).transpose(1, 0, 2)
+
+    hp, hn = states([p for p, _ in pairs]), states([n for _, n in pairs])
+    for k in (1, 2):
+        d = hp[k] - hn[k]
+        assert np.abs(d).max() > 1e-3  # the endings differ
+        _, _, vt = np.linalg.svd(d - d.mean(0), full_matrices=False)
+        np.testing.assert_allclose(abs(vs.directions[k].double().numpy() @ vt[0]), 1.0,
+                                   atol=1e-4)
+    same = tmp_path / "same.jsonl"
+    same.write_text("\n".join(json.dumps({"positive": p, "negative": p}) for p, _ in pairs))
+    assert main(["train", "--kind", "vector", "--model", str(model_dir), "--pairs", str(same),
+                 "--dev-fraction", "0", "--quiet", "--out", str(tmp_path / "s.safetensors")]) == 1
+    assert "every training pair's two texts have the same state at their last token" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "s.safetensors").exists()
+
+
+def test_pca_sign_on_a_tie_follows_the_mean_difference_not_the_solver():
+    """As many pairs project each way (an even number of pairs): the direction is signed so
+    that the mean difference projects positive, whatever sign the SVD returned (it was kept
+    as returned: an arbitrary half of such files were flipped)."""
+    from vllm_steer.train.vector import pca_direction
+
+    along = torch.tensor([3.0, 3.0, -1.0, -1.0], dtype=torch.float64)  # a tie, mean +1
+    for seed in range(8):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.linalg.qr(torch.randn(16, 16, generator=g, dtype=torch.float64))[0][:, 0]
+        neg = torch.randn(4, 16, generator=g, dtype=torch.float64)
+        pos = neg + along[:, None] * q
+        got = pca_direction(pos, neg).double()
+        torch.testing.assert_close(got, q, rtol=0, atol=1e-6)
+        # the rows in another order: the same direction
+        perm = torch.tensor([2, 0, 3, 1])
+        torch.testing.assert_close(pca_direction(pos[perm], neg[perm]).double(), q, rtol=0,
+                                   atol=1e-6)

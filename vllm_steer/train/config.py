@@ -251,7 +251,8 @@ class VectorConfig:
     ``None`` = every block but block 0 (1 to n-1: what llama.cpp can steer, repeng's
     default)."""
     max_length: int = 256
-    """Tokens kept per text (the state is read at the last kept token)."""
+    """Tokens kept per text. The state is read at each text's own last token: a longer text
+    keeps its end (and its beginning-of-sequence token), counted and reported."""
     max_pairs: int | None = None
     """Training pairs at most (a seeded subset); ``None`` = as many as the smaller side has."""
     seed: int = 0

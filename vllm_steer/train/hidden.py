@@ -90,22 +90,28 @@ class TokenizeReport:
 
 
 def tokenize(tokenizer, texts: Sequence[str], max_length: int, window: int | None,
-             where: Sequence[str] | None = None
+             where: Sequence[str] | None = None, keep_end: bool = False
              ) -> tuple[list[list[int]], list[int], TokenizeReport]:
-    """Token ids per text (truncated to ``max_length``), the indices kept, and a report."""
+    """Token ids per text (truncated to ``max_length``), the indices kept, and a report.
+    ``keep_end``: a longer text keeps its end (its first token too when that is the
+    tokenizer's beginning-of-sequence token), so that its last token is its own (what a
+    vector steer's training reads); else its start."""
     if window is not None and max_length > window:
         raise ValueError(f"--max-length {max_length} exceeds the model's context window of "
                          f"{window} tokens; use --max-length {window} or less")
     rep = TokenizeReport(texts=len(texts))
     enc = tokenizer(list(texts), add_special_tokens=True)["input_ids"] if len(texts) else []
-    ids_out, kept = _truncated(enc, max_length, 2, where, rep)
+    bos = getattr(tokenizer, "bos_token_id", None) if keep_end else None
+    ids_out, kept = _truncated(enc, max_length, 2, where, rep, keep_end, bos)
     return ids_out, kept, rep
 
 
 def _truncated(enc, max_length: int, min_length: int, where: Sequence[str] | None,
-               rep: TokenizeReport) -> tuple[list[list[int]], list[int]]:
-    """Each sequence of ``enc`` cut to ``max_length`` tokens, those under ``min_length``
-    dropped; the kept sequences and their indices, counted in ``rep``."""
+               rep: TokenizeReport, keep_end: bool = False, bos: int | None = None
+               ) -> tuple[list[list[int]], list[int]]:
+    """Each sequence of ``enc`` cut to ``max_length`` tokens (its end kept with ``keep_end``,
+    after a leading ``bos``), those under ``min_length`` dropped; the kept sequences and
+    their indices, counted in ``rep``."""
     ids_out, kept = [], []
     for i, ids in enumerate(enc):
         rep.max_tokens_seen = max(rep.max_tokens_seen, len(ids))
@@ -113,7 +119,12 @@ def _truncated(enc, max_length: int, min_length: int, where: Sequence[str] | Non
             rep.truncated += 1
             if where is not None and len(rep.examples_truncated) < 3:
                 rep.examples_truncated.append(where[i])
-            ids = ids[:max_length]
+            if not keep_end:
+                ids = ids[:max_length]
+            elif bos is not None and ids[0] == bos and max_length > 1:
+                ids = [ids[0], *ids[len(ids) - max_length + 1:]]
+            else:
+                ids = ids[len(ids) - max_length:]
         if len(ids) < min_length:
             rep.too_short += 1
             continue

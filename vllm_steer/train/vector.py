@@ -35,14 +35,20 @@ def caa_direction(pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
 
 def pca_direction(pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
     """The first principal component (unit norm) of the centred paired differences, signed so
-    that the positive text of a pair projects higher in more pairs than not."""
+    that the positive text of a pair projects higher in more pairs than not; on a tie (as many
+    pairs each way: an even number of pairs), so that the mean difference projects positive,
+    and failing that, its largest component is positive (never the solver's arbitrary sign)."""
     diffs = pos.double() - neg.double()
     if diffs.shape[0] < 2:
         raise ValueError(f"PCA needs at least 2 pairs, got {diffs.shape[0]}")
     centred = diffs - diffs.mean(0, keepdim=True)
     v = torch.linalg.svd(centred, full_matrices=False).Vh[0]
-    higher = (pos.double() @ v > neg.double() @ v).double().mean()
-    lower = (pos.double() @ v < neg.double() @ v).double().mean()
+    along = diffs @ v
+    higher, lower = int((along > 0).sum()), int((along < 0).sum())
+    if higher == lower:  # a tie: the mean difference, then the largest component
+        mean = float(along.mean())
+        higher, lower = (mean > 0, mean < 0) if mean else (float(v[v.abs().argmax()]) > 0,
+                                                           float(v[v.abs().argmax()]) < 0)
     if lower > higher:
         v = -v
     return v.float()
@@ -166,14 +172,16 @@ def load_pairs(files: list[str], *, dev_fraction: float = 0.1, dev_max: int = 20
 
 
 def _joint_pairs(tok, pairs: list[tuple[str, str]], max_length: int, window, limit):
-    """Token ids of each pair's two texts, a pair dropped when either text is."""
+    """Token ids of each pair's two texts, a pair dropped when either text is; and how many
+    texts were longer than ``max_length`` (their end kept)."""
     from vllm_steer.train.hidden import tokenize
 
-    pos, kp, _ = tokenize(tok, [p for p, _ in pairs], max_length, window)
-    neg, kn, _ = tokenize(tok, [n for _, n in pairs], max_length, window)
+    pos, kp, rp = tokenize(tok, [p for p, _ in pairs], max_length, window, keep_end=True)
+    neg, kn, rn = tokenize(tok, [n for _, n in pairs], max_length, window, keep_end=True)
     at_p, at_n = dict(zip(kp, pos, strict=True)), dict(zip(kn, neg, strict=True))
     both = [i for i in range(len(pairs)) if i in at_p and i in at_n][:limit or len(pairs)]
-    return [at_p[i] for i in both], [at_n[i] for i in both]
+    return ([at_p[i] for i in both], [at_n[i] for i in both], rp.truncated + rn.truncated,
+            max(rp.max_tokens_seen, rn.max_tokens_seen))
 
 
 def _directions(method: str, layers: list[int], states: dict[str, Any]
@@ -183,6 +191,10 @@ def _directions(method: str, layers: list[int], states: dict[str, Any]
     directions, per_layer = {}, {}
     tp, tn = states["train"]
     for li, k in enumerate(layers):
+        if not bool((tp[li] != tn[li]).any()):
+            raise ValueError(f"block {k}: every training pair's two texts have the same state "
+                             "at their last token, so there is no direction to learn; the "
+                             "positive and negative texts of each pair must differ")
         v = (caa_direction if method == "caa" else pca_direction)(tp[li], tn[li])
         directions[k] = v
         unit = v.double() / max(float(v.double().norm()), 1e-30)
@@ -194,6 +206,42 @@ def _directions(method: str, layers: list[int], states: dict[str, Any]
                                                    states["dev"][1][li]), 4)
         per_layer[str(k)] = m
     return directions, per_layer
+
+
+def _block_states(model, tok, cfg: VectorConfig, layers: list[int], window, progress: bool,
+                  pair_splits, ds):
+    """The chosen blocks' outputs at each text's last token, per split: ``(states, counts,
+    dev ids, texts cut at their start, the most tokens of a text)``; the texts from
+    ``pair_splits`` (train and dev pairs) or ``ds`` (a dataset's sides, paired)."""
+    from vllm_steer.train.hidden import block_outputs_at_last, tokenize
+
+    states, counts, dev_ids = {}, {}, None
+    cut, longest = 0, 0  # texts longer than --max-length (their end kept), the most tokens
+    for split in ("train", "dev"):
+        limit = cfg.max_pairs if split == "train" else None
+        if pair_splits is not None:
+            pos, neg, n_cut, most = _joint_pairs(tok, pair_splits[split == "dev"],
+                                                 cfg.max_length, window, limit)
+        else:
+            xs = ds.train if split == "train" else ds.dev
+            ids, kept, rep = tokenize(tok, [e.text for e in xs], cfg.max_length, window,
+                                      keep_end=True)
+            pos, neg = _pairs(ids, [xs[i].side for i in kept], limit)
+            n_cut, most = rep.truncated, rep.max_tokens_seen
+        cut, longest = cut + n_cut, max(longest, most)
+        counts[split] = len(pos)
+        if split == "train" and len(pos) < 2:
+            raise ValueError(f"{len(pos)} training pairs: a vector needs at least 2 (both "
+                             "sides need texts of 2 tokens or more)")
+        if not pos:
+            continue
+        if split == "dev":
+            dev_ids = (pos, neg)
+        both = block_outputs_at_last(model, tok, pos + neg, layers,
+                                     batch_tokens=cfg.batch_tokens, progress=progress,
+                                     desc=f"{split} block outputs")
+        states[split] = (both[:, :len(pos)], both[:, len(pos):])
+    return states, counts, dev_ids, cut, longest
 
 
 def train_vector(cfg: VectorConfig, data: DataConfig | None, outs: list[str], *,
@@ -209,7 +257,7 @@ def train_vector(cfg: VectorConfig, data: DataConfig | None, outs: list[str], *,
     from vllm_steer.hf import decoder_layers
     from vllm_steer.names import check_steer_name, safe_steer_name
     from vllm_steer.train.data import PRESETS, load_dataset
-    from vllm_steer.train.hidden import block_outputs_at_last, model_window, tokenize
+    from vllm_steer.train.hidden import model_window
     from vllm_steer.train.module import load_model, resolve_device, resolve_dtype
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -241,32 +289,21 @@ def train_vector(cfg: VectorConfig, data: DataConfig | None, outs: list[str], *,
                          f"direction.0): choose --layers from 1 (e.g. 1-{n_blocks - 1}), or "
                          "write only the .safetensors file")
     window = model_window(model)
-    states, counts, dev_ids = {}, {}, None
-    for split in ("train", "dev"):
-        limit = cfg.max_pairs if split == "train" else None
-        if pairs:
-            pos, neg = _joint_pairs(tok, train_p if split == "train" else dev_p,
-                                    cfg.max_length, window, limit)
-        else:
-            xs = ds.train if split == "train" else ds.dev
-            ids, kept, _ = tokenize(tok, [e.text for e in xs], cfg.max_length, window)
-            pos, neg = _pairs(ids, [xs[i].side for i in kept], limit)
-        counts[split] = len(pos)
-        if split == "train" and len(pos) < 2:
-            raise ValueError(f"{len(pos)} training pairs: a vector needs at least 2 (both "
-                             "sides need texts of 2 tokens or more)")
-        if not pos:
-            continue
-        if split == "dev":
-            dev_ids = (pos, neg)
-        both = block_outputs_at_last(model, tok, pos + neg, layers,
-                                     batch_tokens=cfg.batch_tokens, progress=progress,
-                                     desc=f"{split} block outputs")
-        states[split] = (both[:, :len(pos)], both[:, len(pos):])
+    states, counts, dev_ids, cut, longest = _block_states(
+        model, tok, cfg, layers, window, progress,
+        (train_p, dev_p) if pairs else None, None if pairs else ds)
     log(f"[train] {name}: {counts['train']} training pairs, {counts.get('dev', 0)} dev pairs, "
         f"{cfg.method} on blocks {layers[0]}-{layers[-1]} ({len(layers)} blocks)")
+    if cut:
+        log(f"[train] {cut} texts were longer than --max-length {cfg.max_length} tokens (the "
+            f"longest {longest}): each kept its last {cfg.max_length} tokens, so the state is "
+            "still read at its own last token, with less context before it ("
+            + (f"--max-length {longest} keeps every text whole)" if window is None
+               or longest <= window else f"the model's context window is {window} tokens)"))
     directions, per_layer = _directions(cfg.method, layers, states)
     metrics: dict[str, Any] = {"pairs": counts, "per_layer": per_layer}
+    if cut:
+        metrics["texts_cut_at_start"] = cut
     if "dev" in states:
         best = max(per_layer, key=lambda k: per_layer[k]["dev_separation"])
         metrics["best_dev_separation"] = {"layer": int(best),
