@@ -109,7 +109,8 @@ class StepPlanner:
         # the eager op's coefficients (gathered at its first launch of the step) and plan
         self._step_key: StepKey | None = None
         self._rows: tuple | None = None  # (n, slots, positions) of the planned step
-        self._copy: staging.StagedCopy | None = None  # the planner's host -> device copies
+        self._copy: staging.StagedCopy | None = None  # the row index and windowed rows
+        self._eager_copy: staging.StagedCopy | None = None  # the eager op's coefficients
         self._index: torch.Tensor | None = None  # the graphs' row index (never replaced)
         self._index_host = np.empty(0, dtype=np.int64)  # what _index holds (past it: -1)
         self._table: torch.Tensor | None = None  # the graphs' table (the slots' device rows)
@@ -398,7 +399,7 @@ class StepPlanner:
         last = self._coefs_last
         if last is None or last.shape != coefs.shape or not np.array_equal(last, coefs):
             self._coefs_last = None
-            self._copy.copy_(buf[:n], coefs)
+            self._eager_copy.copy_(buf[:n], coefs)
             self._coefs_last = coefs
         self._step_coefs, self._step_coefs_dev = coefs, buf[:n]
 
@@ -408,8 +409,9 @@ class StepPlanner:
         Only the eager op reads it: the head's graphs read the table and the row index."""
         bank_state = self.bank_state
         dev = bank_state.bank.p1.device
-        if self._copy is None or self._copy.device != dev:
-            self._copy = staging.StagedCopy(dev)
+        if self._eager_copy is None or self._eager_copy.device != dev:
+            # a ring of its own: its rows' copies (KiB to MiB) never take the index's buffers
+            self._eager_copy = staging.StagedCopy(dev)
         buf = self._coefs_dev
         if buf is None or buf.device != dev or buf.shape[0] < n:
             rows = max(n, bank_state.max_rows, 1)
