@@ -207,11 +207,11 @@ def _instrument(processes: tuple[str, ...] = ("worker",)) -> None:
         with the op it launches, at the same site."""
         rt = self.steer_runtime
         planner = None if rt is None else rt.planner
-        coefs = None if planner is None else planner.step_coefs
-        if coefs is not None and rt.slots.num_active_slots \
-                and coefs.shape[0] == hidden_states.shape[0]:
+        eager = None if planner is None else planner.eager_inputs()
+        if eager is not None and rt.slots.num_active_slots \
+                and eager[0].shape[0] == hidden_states.shape[0]:
             bank = rt.bank_state.bank
-            plan = planner.step_plan
+            coefs, plan = eager
             kw = {} if plan is None else {"prepared": plan}
             rt.bank_state.fn(hidden_states, bank.p1, bank.p2, bank.rank_offsets, coefs, **kw)
         return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)

@@ -35,6 +35,11 @@ CAPTURE_ERROR = (
     "--enforce-eager")
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (on ``t``'s device)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def check_not_capturing(device: torch.device) -> None:
     """Raise if a CUDA graph is being captured on the current stream (tensors on CUDA only:
     for any other device this is one comparison). Called by :func:`vllm_steer.ops.apply_steers`

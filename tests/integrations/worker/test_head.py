@@ -241,7 +241,7 @@ def test_a_drafters_head_reads_the_steps_drafter_rows_and_records_its_op_in_grap
 
     from helpers.steers import random_steer
     from vllm_steer.format import save_steer
-    from vllm_steer.integrations.worker import planner as planner_mod
+    from vllm_steer.kernels import staging
     from vllm_steer.integrations.worker.gates import GATES
     from vllm_steer.integrations.worker.rows import CapturedRows, SlotRows
     from vllm_steer.integrations.worker.runtime import get_runtime
@@ -265,7 +265,7 @@ def test_a_drafters_head_reads_the_steps_drafter_rows_and_records_its_op_in_grap
 
     # a capture at start-up: nothing steered in the process yet
     monkeypatch.setattr(GATES, "steered_slots", 0)
-    monkeypatch.setattr(planner_mod, "_capturing", lambda t: True)
+    monkeypatch.setattr(staging, "capturing", lambda t: True)  # the planner reads it
     calls = rt.planner.op_calls
     assert torch.allclose(drafter(fake_lm_head(weight), hidden), plain, atol=1e-5)
     assert rt.planner.op_calls == calls + 1  # recorded: all-zero coefficients, plain logits

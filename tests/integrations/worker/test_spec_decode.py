@@ -155,8 +155,8 @@ def _load_v2_drafter(runner, rt):
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
 def test_a_model_runner_v2_drafter_is_prepared_for_cuda_graphs_when_it_loads(method):
     """V2 captures its EAGLE / EAGLE-3 / MTP drafters' LM heads in CUDA graphs with their
-    sampling. When vLLM loads such a drafter (before it sizes the KV cache) the bank's
-    fixed-layout copy is allocated and the heads stay steered, and the log says how; a
+    sampling. When vLLM loads such a drafter (before it sizes the KV cache) its heads read the
+    bank in place (nothing allocated) and stay steered, and the log says how; a
     drafter whose speculator was not prepared at load is detached and the log says why;
     another hidden size is detached at load. Its draft model runs eagerly and is steered as
     on V1."""

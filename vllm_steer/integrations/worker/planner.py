@@ -113,6 +113,7 @@ class StepPlanner:
         self._eager_copy: staging.StagedCopy | None = None  # the eager op's coefficients
         self._index: torch.Tensor | None = None  # the graphs' row index (never replaced)
         self._index_host = np.empty(0, dtype=np.int64)  # what _index holds (past it: -1)
+        self._index_stale = self._index_host  # _index_host while a copy may have failed
         self._table: torch.Tensor | None = None  # the graphs' table (the slots' device rows)
         self._replay = False  # the step's index is written: the head's graphs may replay it
         self._step_coefs: np.ndarray | None = None  # the eager op's host coefficients
@@ -138,22 +139,15 @@ class StepPlanner:
         return bank is not None and self.slots.num_active_slots > 0 \
             and type(self.step.view()) is not NoRows
 
-    @property
-    def step_coefs(self) -> torch.Tensor | None:
-        """The device coefficients of the last planned step (``[rows, columns]`` fp32), as the
-        eager op takes them (gathered now when the step was replayed from the head's graphs,
-        which read the table and the row index instead); None before the first."""
+    def eager_inputs(self) -> tuple[torch.Tensor, object] | None:
+        """What the eager op takes for the last planned step, made now if it is not yet (a
+        step replayed from the head's graphs reads the table and the row index instead): its
+        rows' coefficients on the device (``[rows, columns]`` fp32) and the backend's plan of
+        them (None: a backend that plans inside the call). None before the first step."""
         if self._step_key is None:
             return None
-        if self._step_coefs_dev is None:
-            self._gather(self._rows[0])
-        return self._step_coefs_dev
-
-    @property
-    def step_plan(self):
-        """The backend's plan of the last planned step's coefficients (None: none made, or a
-        backend that plans inside the call)."""
-        return None if self._step_key is None else self._plan
+        plan = self._plan if self._plan_checked else self._eager_plan(self._rows[0])
+        return self._step_coefs_dev, plan
 
     @property
     def coef_buffer(self) -> torch.Tensor | None:
@@ -254,7 +248,7 @@ class StepPlanner:
     def _key(self, n: int, slots, positions, row_key) -> StepKey:
         """The step's :class:`StepKey` (with its rows' positions when a row is windowed)."""
         table = self.slots
-        if _rows_windowed(table, n, slots):  # the coefficients move with the rows' positions
+        if table.any_windowed(slice(n) if slots is None else slots):  # moved with positions
             return StepKey(table.version, self.bank_state.bank.version, n, row_key, True,
                            None if positions is None else positions.tobytes())
         return StepKey(table.version, self.bank_state.bank.version, n, row_key)
@@ -324,13 +318,11 @@ class StepPlanner:
             slots = np.array(slots, dtype=np.int64)
         if positions is not None:
             positions = np.array(positions, dtype=np.int64)
-        bank = self.bank_state.bank
         table = self.slots
-        table.use_layers(bank.layers)  # the device table leaves the vector slots out
         self._rows = (n, slots, positions)
         self._step_coefs = self._step_coefs_dev = None
         self._replay = False
-        graphs = bank.graphs
+        graphs = self.bank_state.bank.graphs
         if graphs is not None and n <= graphs.max_rows and graphs.failed is None \
                 and graphs.disabled is None and table.device_rows is not None:
             self._replay = self._write_index(n, slots, positions)
@@ -352,11 +344,8 @@ class StepPlanner:
             if rows.size:
                 if rows.size > table.extra_rows:
                     return False
-                coefs = table.window_coefs(idx[rows],
-                                           None if positions is None else positions[rows])
-                mask = table.head_mask()
-                if mask is not None:
-                    coefs *= mask
+                coefs = table.head_rows(table.window_coefs(
+                    idx[rows], None if positions is None else positions[rows]), in_place=True)
                 first = table.max_slots
                 self._copy.copy_(self._table[first:first + rows.size], coefs)
                 idx = idx.copy()
@@ -366,7 +355,7 @@ class StepPlanner:
             return True  # the rows of the index as they are
         if len(last) > n:  # the longer step's rows: padding again, in the same copy
             idx = np.concatenate([idx, np.full(len(last) - n, -1, dtype=np.int64)])
-        self._index_host = np.full(buf.shape[0], -2, dtype=np.int64)  # on error: rewrite all
+        self._index_host = self._index_stale  # on error: the next step rewrites it all
         self._copy.copy_(buf[:len(idx)], idx)
         self._index_host = idx[:n]  # the planner's own array (plan_step copied the slots)
         return True
@@ -383,6 +372,7 @@ class StepPlanner:
             rows = row_bucket(bank.graphs.max_rows if bank.graphs is not None else 1)
             self._index = buf = torch.full((rows,), -1, dtype=torch.int64, device=dev)
             self._index_host = np.empty(0, dtype=np.int64)
+            self._index_stale = np.full(rows, -2, dtype=np.int64)  # matches no step's rows
         return buf
 
     def _gather(self, n: int) -> None:
@@ -391,10 +381,7 @@ class StepPlanner:
         head_mask`), copied to the eager buffer unless it holds them already."""
         _, slots, positions = self._rows
         table = self.slots
-        coefs = table.row_coefs(n, slots, positions)
-        mask = table.head_mask()
-        if mask is not None:  # the layers' columns: not here
-            coefs *= mask
+        coefs = table.head_rows(table.row_coefs(n, slots, positions), in_place=True)
         buf = self._coef_buffer(n)
         last = self._coefs_last
         if last is None or last.shape != coefs.shape or not np.array_equal(last, coefs):
@@ -493,7 +480,7 @@ class StepPlanner:
             warn_once("vllm-steer: drafter rows outnumber their known slots; they are "
                       "computed unsteered")
             return hidden
-        if not self.slots.num_active_slots and not _capturing(hidden):
+        if not self.slots.num_active_slots and not staging.capturing(hidden):
             return hidden
         self.op_calls += 1
         self.op_rows += n
@@ -525,19 +512,6 @@ def _prompt_rows(src: PromptRows, hidden: torch.Tensor):
 def _same_mapped_rows(src: RowSource, key: StepKey) -> bool:
     """V2 rows with the same bytes of ``idx_mapping`` as the step of ``key``: the same rows."""
     return type(src) is MappedRows and src.key is not None and src.key == key.row_key
-
-
-def _rows_windowed(table, n: int, slots) -> bool:
-    """Whether the slot of any of the ``n`` rows (``slots``; None: row i is slot i) holds a
-    request with a generation window."""
-    if not table.num_window_slots:
-        return False
-    return bool((table.windowed[:n] if slots is None else table.windowed[slots]).any())
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured on the current stream (on ``t``'s device)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 __all__ = ["StepPlanner", "StepKey", "SteerStats"]

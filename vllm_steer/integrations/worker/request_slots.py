@@ -155,6 +155,7 @@ class RequestSlots:
         step_mapping.LayerVectors`; None: no decoder-layer op): the columns of its vector
         slots are zeros in the device table (:meth:`head_mask`)."""
         self._mask_version: int | None = None  # layers.version the device table was masked at
+        self._head_mask: tuple = (None, None, None)  # head_mask's (layers, version, mask)
         self._changed: set[int] = set()  # slots changed since the last flush
         self._all_changed = False  # the whole table is to be copied at the next flush
         self._scratch: torch.Tensor | None = None  # device bytes of a partial flush
@@ -304,20 +305,18 @@ class RequestSlots:
         stale = layers is not None and layers.version != self._mask_version
         if not (self.dirty or stale) or self.host is None:
             return
-        mask = self.head_mask()
         n = self.host.shape[0]
         changed = self._changed
         if stale or self._all_changed or 2 * len(changed) > n:
-            self._copy.copy_(self.table, self.host if mask is None else self.host * mask)
+            self._copy.copy_(self.table, self.head_rows(self.host))
         elif changed:
             slots = sorted(changed)
             runs = _runs(slots, MAX_RUN_COPIES)
             if runs is None:
-                self._scatter(np.array(slots, dtype=np.int64), mask)
+                self._scatter(np.array(slots, dtype=np.int64))
             else:  # a copy per run of neighbouring slots
                 for a, b in runs:
-                    rows = self.host[a:b]
-                    self._copy.copy_(self.table[a:b], rows if mask is None else rows * mask)
+                    self._copy.copy_(self.table[a:b], self.head_rows(self.host[a:b]))
         self._changed.clear()
         self._all_changed = False
         self._mask_version = None if layers is None else layers.version
@@ -325,7 +324,7 @@ class RequestSlots:
         self.dirty = False
         self.version += 1
 
-    def _scatter(self, slots: np.ndarray, mask: np.ndarray | None) -> None:
+    def _scatter(self, slots: np.ndarray) -> None:
         """Copy the host rows of ``slots`` (ascending, at most half the table) to the device
         table: their rows and their indices staged as one block of bytes, copied once, then
         scattered on the device."""
@@ -334,8 +333,7 @@ class RequestSlots:
         packed = np.empty(row_bytes + 8 * k, dtype=np.uint8)
         rows = packed[:row_bytes].view(np.float32).reshape(k, cols)
         np.take(self.host, slots, axis=0, out=rows)
-        if mask is not None:
-            rows *= mask
+        self.head_rows(rows, in_place=True)
         packed[row_bytes:].view(np.int64)[:] = slots
         dev = self._copy.copy_(self._scratch[:len(packed)], packed)
         self.table.index_copy_(0, dev[row_bytes:].view(torch.int64),
@@ -356,13 +354,33 @@ class RequestSlots:
     def head_mask(self) -> np.ndarray | None:
         """``[columns]`` fp32: 0 at the steer columns of the bank slots holding a decoder-layer
         (vector) steer, 1 elsewhere; None while no slot does. The LM head never applies those
-        columns (the decoder blocks do, from the host table)."""
+        columns (the decoder blocks do, from the host table). Made again only when the
+        layers' slots changed (their version)."""
         layers = self.layers
-        if layers is None or not layers.slot_is_vector.any():
+        if layers is None:
             return None
-        mask = np.ones(self.num_columns, dtype=np.float32)
-        mask[:layers.capacity] -= layers.slot_is_vector
+        cached = self._head_mask
+        if cached[0] is layers and cached[1] == layers.version:
+            return cached[2]
+        mask = None
+        if layers.slot_is_vector.any():
+            mask = np.ones(self.num_columns, dtype=np.float32)
+            mask[:layers.capacity] -= layers.slot_is_vector
+        self._head_mask = (layers, layers.version, mask)
         return mask
+
+    def head_rows(self, coefs: np.ndarray, in_place: bool = False) -> np.ndarray:
+        """Rows of coefficients (``[rows, columns]``, host) as the LM head applies them: the
+        vector slots' columns zeroed (:meth:`head_mask`): a copy, or ``coefs`` itself when
+        nothing is masked or ``in_place``. The one place the head's rows are masked (the
+        device table's copies, the head's windowed rows, the eager op's rows)."""
+        mask = self.head_mask()
+        if mask is None:
+            return coefs
+        if in_place:
+            coefs *= mask
+            return coefs
+        return coefs * mask
 
     def any_steered(self, slots: np.ndarray, key: bytes | None = None) -> bool:
         """Whether any of these slots (a step's ``idx_mapping``) holds a steered request.
@@ -379,8 +397,9 @@ class RequestSlots:
         self._last_batch = (key, self.version, out)
         return out
 
-    def any_windowed(self, slots: np.ndarray) -> bool:
-        """Whether any of these slots holds a request with a generation window."""
+    def any_windowed(self, slots: np.ndarray | slice) -> bool:
+        """Whether any of these slots (indices, or a slice of the table) holds a request with a
+        generation window."""
         return bool(self.num_window_slots) and bool(self.windowed[slots].any())
 
     def row_coefs(self, n: int, slots: np.ndarray | None,

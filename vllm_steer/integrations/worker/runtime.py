@@ -1,7 +1,7 @@
 """Per-worker steer state shared by the LM-head hook, the per-request steer state and the
 runner hooks, and how each runner finds it. Semantics: see :mod:`vllm_steer.reference`.
 
-One :class:`SteerRuntime` per worker process and steer configuration, made of three parts,
+One :class:`SteerRuntime` per worker process and steer configuration, made of four parts,
 one concept each:
 
 - the bank (:class:`~vllm_steer.integrations.worker.bank_state.BankState`): the

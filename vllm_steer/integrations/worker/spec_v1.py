@@ -102,7 +102,7 @@ def calc_spec_decode_metadata(orig, self, *args, **kwargs):
         num_draft_tokens = _NUM_DRAFT.get(orig, call, kwargs)
         cu_num_scheduled_tokens = _CU_SCHEDULED.get(orig, call, kwargs)
         computed, prompt = v1_token_counts(v1_input_batch(self))
-        if rt.slots.any_windowed(np.arange(len(num_draft_tokens))):
+        if rt.slots.any_windowed(slice(len(num_draft_tokens))):
             computed = v1_corrected_computed_tokens(self, len(num_draft_tokens))
         slots, positions = verification_rows(num_draft_tokens, cu_num_scheduled_tokens,
                                              computed, prompt)

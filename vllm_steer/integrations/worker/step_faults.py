@@ -27,6 +27,7 @@ from typing import Any, Iterator, Sequence
 from vllm_steer.integrations.guard import internal_message
 from vllm_steer.integrations import vllm_access
 from vllm_steer.integrations.worker.gates import GATES
+from vllm_steer.kernels.staging import capturing
 from vllm_steer.logs import get_logger
 
 logger = get_logger()
@@ -131,13 +132,6 @@ def attach(output: Any, failed: dict[str, str]) -> None:
     """Put ``failed`` on the step's ``ModelRunnerOutput`` ``output`` (never on vLLM's shared
     empty output: a step with requests has its own)."""
     vllm_access.attach_step_failures(output, failed)
-
-
-def capturing(t) -> bool:
-    """Whether a CUDA graph is being captured on the current stream (on ``t``'s device)."""
-    import torch
-
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 __all__ = ["StepFaults", "attach", "capturing", "HEAD", "ROWS", "REQUEST_STATE"]

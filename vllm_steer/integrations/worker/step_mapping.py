@@ -30,8 +30,9 @@ parts, one per place a steer is applied:
   hooks; V2: ``sample``; the drafters:
   :mod:`~vllm_steer.integrations.worker.spec_v2`; prompt logprobs: both runners'
   prompt-logprob hooks) and read by the head alone
-  (:class:`~vllm_steer.integrations.worker.planner.StepPlanner`), which plans each call's
-  coefficients from them on the host and copies them to its own persistent device buffer.
+  (:class:`~vllm_steer.integrations.worker.planner.StepPlanner`), which points the LM head's
+  row index at the request slots' device rows (and writes the step's windowed rows'
+  coefficients after them); the eager op alone gathers dense coefficients.
 """
 
 from __future__ import annotations
@@ -121,6 +122,12 @@ class TokenCoefs:
         # request-slot table's and the vector bank's versions, the requests' slots and token
         # counts; a step with the same key writes nothing
         self._key: tuple | None = None
+
+    @property
+    def idle(self) -> bool:
+        """No steered request slot and no row left non-zero: a step maps nothing (:meth:`build`
+        would write nothing), so the runner adapters need not read its tokens."""
+        return not self.slots.num_active_slots and not self.filled
 
     def build(self, req_slots: np.ndarray, counts: np.ndarray,
               gen_first: np.ndarray | None) -> None:

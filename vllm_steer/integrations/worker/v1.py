@@ -62,7 +62,8 @@ def prepare_inputs(orig, self, *args, **kwargs):
             rt.step.batch_positions = None
             rt.step.batch_positions = v1_batch_positions(
                 v1_input_batch(self), _NUM_SCHEDULED.get(orig, (self, *args), kwargs))
-    if rt.step.tokens is not None:  # the tokens' coefficients for the decoder layers' steers
+    tokens = rt.step.tokens  # the tokens' coefficients for the decoder layers' steers
+    if tokens is not None and not tokens.idle:
         with rt.faults.guard(ROWS):
             batch = v1_input_batch(self)
             scheduled = _NUM_SCHEDULED.get(orig, (self, *args), kwargs)
@@ -72,7 +73,7 @@ def prepare_inputs(orig, self, *args, **kwargs):
                 # scheduling): a window needs the true ones, as the verification rows do
                 step = v1_step_tokens(batch, scheduled,
                                       v1_corrected_computed_tokens(self, len(step[0])))
-            rt.step.tokens.build_or_clear(*step)
+            tokens.build_or_clear(*step)
     return out
 
 

@@ -157,7 +157,7 @@ def prepare_inputs(orig, self, *args, **kwargs):
     if not GATES.layer_mappings:
         return input_batch
     rt = V2RunnerBinding.of(self).runtime
-    if rt is not None and rt.step.tokens is not None:
+    if rt is not None and rt.step.tokens is not None and not rt.step.tokens.idle:
         with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
             # a window under speculative decoding needs the true computed-token counts (the
             # host's take the previous step's drafts as accepted), as the sampled rows do
