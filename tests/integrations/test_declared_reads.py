@@ -66,7 +66,7 @@ PLAIN = {n for t in (dict, list, tuple, set, str, queue.Queue, np.ndarray, torch
          for n in dir(t)}
 #: Python's names, on any object.
 PYTHON = {n for n in (*dir(object), *dir(type), "__func__", "__wrapped__", "__dict__",
-                      "__annotations__") if n.startswith("__")}
+                      "__annotations__", "__globals__") if n.startswith("__")}
 #: Names the plugin's own classes define, read on the objects vLLM holds in its lists (our
 #: per-request state among its logits processors), with the class that defines each.
 OURS = {"needs_output_token_ids": "vllm_steer.integrations.request_state_v1:SteerRequestStateV1"}

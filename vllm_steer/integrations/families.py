@@ -148,15 +148,9 @@ def ignores_residual(forward) -> bool | None:
     first top-level statement of the body that names ``residual`` reads it (False) or assigns
     it without reading it (True)."""
     import ast
-    import inspect
-    import textwrap
 
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    fn = tree.body[0] if tree.body else None
-    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+    fn = _forward_def(forward)
+    if fn is None:
         return None
     args = fn.args
     if "residual" not in {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}:
@@ -168,3 +162,70 @@ def ignores_residual(forward) -> bool | None:
         if names:  # assigned, not read: the given residual is dropped
             return True
     return True
+
+
+def _forward_def(forward):
+    """The syntax tree of a block's ``forward`` (its ``def``), None when its source cannot be
+    read."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    fn = tree.body[0] if tree.body else None
+    return fn if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+@functools.cache
+def residual_scaling(block_cls: type) -> tuple[str, str] | None:
+    """``(test, factor)`` when a decoder block class's ``forward`` scales the residual stream
+    it carries under a condition: its outermost ``if`` whose body multiplies ``residual`` in
+    place (``residual *= factor``, or divides it). vLLM's DeepSeek-V2/V3 blocks (and AXK1's,
+    openPangu's) do so in fp16 against overflow: ``hidden_states *= 1.0 /
+    self.routed_scaling_factor`` in every block, ``residual`` too in block 0 (the test of the
+    outer ``if``: fp16 and no ``DeepseekAttention``, or a ``routed_scaling_factor``); the
+    final norm undoes it. None: no such ``if`` (every other block), or no readable source."""
+    import ast
+
+    forward = getattr(block_cls, "forward", None)
+    fn = None if forward is None else _forward_def(forward)
+    if fn is None:
+        return None
+    for node in ast.walk(fn):  # breadth first: the outermost ``if`` first
+        if not isinstance(node, ast.If):
+            continue
+        for stmt in (n for s in node.body for n in ast.walk(s)):
+            if isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name) \
+                    and stmt.target.id == "residual" and isinstance(stmt.op, (ast.Mult, ast.Div)):
+                factor = ast.unparse(stmt.value)
+                if isinstance(stmt.op, ast.Div):
+                    factor = f"1.0 / ({factor})"
+                return ast.unparse(node.test), factor
+    return None
+
+
+def stream_scale(block, block_cls: type, dtype) -> float | None:
+    """The factor by which the served model's residual stream after ``block`` (an instance of
+    vLLM's ``block_cls``, its own class before any steered subclass) differs from the unscaled
+    model's (transformers', llama.cpp's, vLLM's in another dtype), in a model of ``dtype``:
+    1.0 for every block but those of :func:`residual_scaling` when its test holds (fp16
+    DeepSeek-style blocks: ``1 / routed_scaling_factor``). A vector steer's vector is
+    multiplied by it, so that it acts as strongly as in the unscaled model. The test and factor
+    are evaluated as the block's ``forward`` would (:func:`vllm_access.block_forward_value`).
+    None: they cannot be evaluated (the strength would be unknown)."""
+    found = residual_scaling(block_cls)
+    if found is None:
+        return 1.0
+    test, factor = found
+    try:
+        if not va.block_forward_value(block, block_cls, test, dtype):
+            return 1.0
+        return float(va.block_forward_value(block, block_cls, factor, dtype))
+    except Exception:  # any error of vLLM's expression: the strength is unknown
+        logger.warning("vllm-steer: cannot evaluate %s.forward's scaling of the residual stream "
+                       "(if %s: residual *= %s)", block_cls.__qualname__, test, factor,
+                       exc_info=True)
+        return None

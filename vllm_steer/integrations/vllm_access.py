@@ -1024,6 +1024,20 @@ def steer_block(block, cls: type | None, buffers) -> None:
         block.register_buffer(name, tensor, persistent=False)
 
 
+def block_forward_value(block, block_cls: type, expression: str, hidden_dtype):
+    """The value of ``expression``, an expression of ``block_cls.forward`` (``block``'s own
+    class; :func:`vllm_steer.integrations.families.residual_scaling` reads it from that
+    forward's source), evaluated as the forward would: in its module's globals, with ``self``
+    the block and ``hidden_states`` an empty tensor of ``hidden_dtype`` (the model's dtype).
+    Whatever it reads of the block, vLLM's own code reads in that release."""
+    import torch
+
+    forward = block_cls.forward
+    scope = {"self": block, "hidden_states": torch.empty(0, dtype=hidden_dtype, device="meta")}
+    return eval(compile(expression, f"<{block_cls.__qualname__}.forward>", "eval"),
+                dict(forward.__globals__), scope)
+
+
 #: Every accessor and what it touches, checked at start-up with its group.
 ACCESSES: tuple[Access, ...] = (
     Access(additional_config, "the --steer configuration", FRONTEND,
@@ -1334,6 +1348,9 @@ ACCESSES: tuple[Access, ...] = (
            reads=("vllm.model_executor.models.utils:PPMissingLayer",)),
     Access(steer_block, "vector steers: the op in each decoder block", WORKER,
            reads=("torch.nn.modules.module:Module.register_buffer",)),
+    Access(block_forward_value, "vector steers: a block's own scaling of the residual stream "
+           "(fp16 DeepSeek-style blocks)", WORKER,
+           reads=("torch.nn.modules.module:Module.forward",)),
 )
 
 

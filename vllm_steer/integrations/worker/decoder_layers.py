@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from vllm_steer.integrations import vllm_access as va
-from vllm_steer.integrations.families import block_returns_stream_first
+from vllm_steer.integrations.families import block_returns_stream_first, stream_scale
 from vllm_steer.kernels.layer_vectors import add_to_block_output
 
 #: The buffers registered on each steered block.
@@ -36,7 +36,8 @@ _CLASSES: dict[type, type] = {}
 
 
 class DecoderLayersNotFoundError(RuntimeError):
-    """The model's decoder blocks could not be found: decoder-layer steers cannot be served."""
+    """The model's decoder blocks could not be found (or read): decoder-layer steers cannot be
+    served."""
 
 
 def find_blocks(model: torch.nn.Module, num_blocks: int) -> tuple[list[int], list]:
@@ -88,15 +89,33 @@ def steered_class(cls: type) -> type:
     return sub
 
 
-def install(model: torch.nn.Module, layers, num_blocks: int) -> int:
+def install(model: torch.nn.Module, layers, num_blocks: int,
+            model_dtype: torch.dtype | None = None) -> int:
     """Give each of ``model``'s decoder blocks in this worker the op reading ``layers``
-    (:class:`~vllm_steer.integrations.worker.step_mapping.LayerVectors`). Returns the number
-    of blocks steered."""
+    (:class:`~vllm_steer.integrations.worker.step_mapping.LayerVectors`), and set each block's
+    stream scale in ``layers`` (:func:`~vllm_steer.integrations.families.stream_scale`: not 1
+    in an fp16 DeepSeek-style model, whose residual stream vLLM scales). ``model_dtype``: the
+    dtype of its hidden states (None: its first floating-point parameter's). Returns the
+    number of blocks steered."""
     blocks, modules = find_blocks(model, num_blocks)
     if blocks != layers.blocks:
         raise DecoderLayersNotFoundError(
             f"vllm-steer: this worker's decoder blocks are {blocks[:1]}..{blocks[-1:]} but the "
             f"vector bank was made for {layers.blocks[:1]}..{layers.blocks[-1:]}")
+    if model_dtype is None:
+        model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()),
+                           torch.float32)
+    scales = []
+    for block in modules:
+        own = type(block).__bases__[0] if type(block) in _CLASSES.values() else type(block)
+        scale = stream_scale(block, own, model_dtype)
+        if scale is None:
+            raise DecoderLayersNotFoundError(
+                f"vllm-steer: {own.__qualname__} scales its residual stream under a condition "
+                "vllm-steer cannot evaluate, so a vector steer's strength there is unknown; "
+                "serve this model without vector steers (or in bfloat16)")
+        scales.append(scale)
+    layers.set_stream_scales(scales)
     for k, block in zip(blocks, modules, strict=True):
         cls = None if type(block) in _CLASSES.values() else steered_class(type(block))
         va.steer_block(block, cls, ((COEFS_BUFFER, layers.token_coefs),

@@ -95,7 +95,7 @@ class SteerRuntime:
         blocks = decoder_layers.local_blocks(model, num_blocks)
         layers = LayerVectors(blocks, num_blocks, self.config.capacity, hidden_size,
                               max_tokens, device, op_dtype(device, model_dtype))
-        n = decoder_layers.install(model, layers, num_blocks)
+        n = decoder_layers.install(model, layers, num_blocks, model_dtype)
         self.layers, self.step.tokens = layers, TokenCoefs(layers, self.slots)
         GATES.layer_mappings += 1
         bank = self.bank_state.bank

@@ -69,6 +69,13 @@ class LayerVectors:
         self.vectors = torch.zeros(len(self.blocks), capacity, hidden_size, dtype=dtype,
                                    device=device)
         self.token_coefs = torch.zeros(max_tokens, capacity, dtype=dtype, device=device)
+        self.stream_scales = [1.0] * len(self.blocks)
+        """Per local block, the factor by which the served model's residual stream after it
+        differs from the unscaled model's, set at install
+        (:func:`~vllm_steer.integrations.families.stream_scale`): 1.0 but in an fp16
+        DeepSeek-style model, whose stream vLLM divides by its routed_scaling_factor. The
+        block's vectors are written multiplied by it, so that a vector acts as strongly as in
+        the unscaled model."""
         self.slot_is_vector = np.zeros(capacity, dtype=np.float32)
         """1.0 for each bank slot that holds a decoder-layer steer (its coefficient column is
         read here, and not by the head)."""
@@ -78,10 +85,19 @@ class LayerVectors:
     def reserved_bytes(self) -> int:
         return (self.vectors.numel() + self.token_coefs.numel()) * self.vectors.element_size()
 
+    def set_stream_scales(self, scales: list[float]) -> None:
+        """Each local block's :attr:`stream_scales` (before any steer is written)."""
+        if len(scales) != len(self.blocks):
+            raise ValueError(f"{len(scales)} stream scales for {len(self.blocks)} blocks")
+        if self.slot_is_vector.any():
+            raise RuntimeError("the stream scales must be set before any vector is written")
+        self.stream_scales = [float(s) for s in scales]
+
     def put(self, bank_slot: int, steer) -> None:
         """Write a decoder-layer steer's vectors (its kind's ``[num_blocks, hidden]``,
         :attr:`vllm_steer.kinds.SteerKind.layer_vectors`) into ``bank_slot``: this worker's
-        blocks' rows, in place."""
+        blocks' rows, in place, each multiplied in float32 by its block's stream scale
+        (:attr:`stream_scales`; rows of scale 1.0 written as they are)."""
         from vllm_steer.kinds import kind_of
 
         if steer.hidden_size != self.hidden_size:
@@ -89,6 +105,9 @@ class LayerVectors:
                              f"model's decoder blocks have {self.hidden_size}")
         stacked = kind_of(steer).layer_vectors(steer, self.num_blocks)
         rows = stacked[self.blocks] if self.blocks else stacked[:0]
+        if any(s != 1.0 for s in self.stream_scales):
+            rows = rows.float() * torch.tensor(self.stream_scales, dtype=torch.float32,
+                                               device=rows.device)[:, None]
         self.vectors[:, bank_slot, :].copy_(rows.to(self.vectors.device, self.dtype))
         self.slot_is_vector[bank_slot] = 1.0
         self.version += 1
