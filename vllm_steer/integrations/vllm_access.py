@@ -506,6 +506,13 @@ def platform_device_type() -> str:
     return current_platform.device_type
 
 
+def current_vllm_config():
+    """The ``VllmConfig`` vLLM is building a model with (read while a layer is constructed)."""
+    from vllm.config import get_current_vllm_config
+
+    return get_current_vllm_config()
+
+
 def worker_vllm_config(worker):
     """The ``VllmConfig`` a vLLM worker was built with."""
     return worker.vllm_config
@@ -619,6 +626,12 @@ def v2_batch_sharder(runner):
 def v2_speculator(runner):
     """V2's speculator (None: no speculative decoding)."""
     return getattr(runner, "speculator", None)
+
+
+def v2_eager_speculator(speculator) -> bool:
+    """Whether a V2 speculator runs its drafter eagerly (``StandaloneARSpeculator``, a draft
+    model: no CUDA graph; its rows are mapped as it proposes), by its class."""
+    return type(speculator).__name__ == _V2_STANDALONE.rpartition(":")[2]
 
 
 def v2_step_output(out):
@@ -1162,6 +1175,8 @@ ACCESSES: tuple[Access, ...] = (
     Access(platform_device_type, "the steers' device when the model loads on meta", WORKER,
            reads=("vllm.platforms:current_platform", "vllm.platforms.interface:Platform."
                   "device_type")),
+    Access(current_vllm_config, "the steered head's configuration as vLLM builds it", WORKER,
+           reads=("vllm.config:get_current_vllm_config",)),
     Access(worker_vllm_config, "the worker's runtime (run-time loads)", WORKER,
            reads=("vllm.v1.worker.worker_base:WorkerBase.vllm_config",)),
     Access(v1_runner_vllm_config, "the runner's runtime (V1)", V1,
@@ -1198,6 +1213,8 @@ ACCESSES: tuple[Access, ...] = (
            reads=(f"{_V2_RUNNER}.batch_sharder",)),
     Access(v2_speculator, "speculative decoding's rows and drafter (V2)", V2,
            reads=(f"{_V2_RUNNER}.speculator",)),
+    Access(v2_eager_speculator, "a draft model's rows, mapped as it proposes (V2)", V2_SPEC,
+           reads=(_V2_STANDALONE,)),
     Access(v2_step_output, "the requests a fault failed, named in the step's output (V2)", V2,
            reads=(f"{_V2}.async_utils:AsyncOutput.model_runner_output", f"{_OUTPUT}.req_ids")),
     Access(v2_request_slots, "the requests a fault failed, named in the step's output (V2)",

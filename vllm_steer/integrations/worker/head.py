@@ -20,7 +20,6 @@ every row and the step's steered requests fail with HTTP 500 (:func:`step_fault`
 from __future__ import annotations
 
 import torch
-from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
 from vllm_steer.integrations import vllm_access
@@ -39,7 +38,7 @@ class SteeredLogitsProcessor(LogitsProcessor):
     def __init__(self, *args, **kwargs) -> None:
         LogitsProcessor.__init__(self, *args, **kwargs)
         va = vllm_access
-        vllm_config = get_current_vllm_config()
+        vllm_config = va.current_vllm_config()
         self.steer_runtime = get_runtime(va.additional_config(vllm_config))
         if self.steer_runtime is not None and not va.logits_as_input(self):
             mc = va.model_config(vllm_config)

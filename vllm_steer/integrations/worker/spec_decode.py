@@ -46,14 +46,11 @@ V2_DRAFTER_REASON = ("Model Runner V2 runs the drafter's LM head inside CUDA-gra
 #: how a prepared V2 EAGLE / EAGLE-3 / MTP drafter is steered (logged with the decision)
 V2_DRAFTER_CAPTURED = ("inside CUDA-graph-captured draft steps: slots gathered on the device, "
                        "the bank read in place")
-#: the V2 speculator that runs its drafter eagerly (its rows mapped by propose_standalone_v2)
-V2_EAGER_SPECULATOR = "StandaloneARSpeculator"
-
 
 def _v2_captured(runner) -> bool:
     """A V2 runner whose speculator may capture its drafter's head in CUDA graphs."""
     speculator = va.v2_speculator(runner)
-    return speculator is not None and type(speculator).__name__ != V2_EAGER_SPECULATOR
+    return speculator is not None and not va.v2_eager_speculator(speculator)
 
 
 def drafter_fits(spec, rt) -> tuple[bool, int | None, int | None]:

@@ -27,8 +27,7 @@ from vllm_steer.integrations.worker.arguments import Arg
 from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.rows import NO_ROWS, CapturedRows, SlotRows
 from vllm_steer.integrations.worker.runtime import SpeculatorBinding
-from vllm_steer.integrations.worker.spec_decode import (V2_EAGER_SPECULATOR, drafter_fits,
-                                                        steered_heads)
+from vllm_steer.integrations.worker.spec_decode import drafter_fits, steered_heads
 
 _INPUT_BATCH = Arg("input_batch")
 _IDX_MAPPING = Arg("idx_mapping")
@@ -63,7 +62,7 @@ def speculator_load_model(orig, self, *args, **kwargs):
     out = orig(self, *args, **kwargs)
     state = SpeculatorBinding.of(self)
     rt = state.runtime
-    if rt is None or rt.bank_state.bank is None or type(self).__name__ == V2_EAGER_SPECULATOR:
+    if rt is None or rt.bank_state.bank is None or va.v2_eager_speculator(self):
         return out
     heads = steered_heads(va.speculator_model(self))
     if not heads:
