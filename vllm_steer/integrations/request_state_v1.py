@@ -75,4 +75,5 @@ class SteerRequestStateV1(LogitsProcessor):
                 if rt.faults.slots:
                     rt.faults.move(a, b, swap)
         rt.step.batch_size = batch_update.batch_size
-        rt.slots.flush()
+        with rt.faults.guard(REQUEST_STATE):  # the device copy of the changed slots
+            rt.slots.flush()

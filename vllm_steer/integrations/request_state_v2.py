@@ -30,13 +30,14 @@ from vllm_steer.integrations import vllm_access
 from vllm_steer.integrations.frontend import admission
 from vllm_steer.integrations.worker.rows import NO_ROWS
 from vllm_steer.integrations.worker.runtime import get_runtime, max_step_rows
+from vllm_steer.integrations.worker.step_faults import REQUEST_STATE
 
 # A sampling path of newer vLLM that computes greedy logits straight from ``lm_head.weight``
 # for batches where no request needs logits processing (not in vLLM 0.32 or 0.33). Where it
 # exists, steered requests declare that they need processing, so their batches keep going
 # through ``compute_logits``; where it does not, declaring would only cost an fp32 copy of the
-# logits at every steered step. Any path that still skips the head is refused at the step
-# (:class:`vllm_steer.integrations.worker.v2.HeadBypassedError`).
+# logits at every steered step. Any path that still skips the head fails the step's steered
+# requests (:class:`vllm_steer.integrations.worker.v2.HeadBypassedError`, a step fault).
 GREEDY_FAST_PATH_MODULE = "vllm.v1.worker.gpu.sample.screened_head"
 
 
@@ -84,7 +85,10 @@ class SteerRequestStateV2(LogitsProcessor):
     def apply_staged_writes(self) -> None:
         slots = self.slots  # called at every step: one flag read while nothing changed
         if slots is not None and slots.dirty:
-            slots.flush()
+            # a fault of the device copy fails the step's steered requests, not the engine
+            # (worker/step_faults.py)
+            with self.runtime.faults.guard(REQUEST_STATE):
+                slots.flush()
 
     def apply(self, logits, ctx):
         return logits

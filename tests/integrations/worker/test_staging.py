@@ -183,12 +183,13 @@ def test_batch_sharded_sampling_copies_its_row_slots_from_pinned_memory(fake_cud
 
     from vllm_steer.integrations.hooks import wrap_method
     from vllm_steer.integrations.worker.rows import NO_ROWS
+    from vllm_steer.integrations.worker.step_faults import StepFaults
     from vllm_steer.integrations.worker.step_mapping import StepMapping
 
     wrap_method(Sharder, "shard_sampler_inputs", v2.shard_sampler_inputs)  # as HOOKS does
     sharder = Sharder()
     step = StepMapping(sampled=NO_ROWS)
-    with v2._sorted_rows(sharder, batch, step):
+    with v2._sorted_rows(sharder, batch, step, StepFaults()):
         sharder.shard_sampler_inputs(batch, None)
     source = step.sampled  # the step's sampled rows: the sharder's order, on the device
     assert source.mapping is not None and source.mapping.device.type == "meta"

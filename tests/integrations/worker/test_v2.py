@@ -306,8 +306,10 @@ def test_a_finished_requests_stale_slot_costs_no_steer_work(processor, vllm_conf
 
 def test_a_step_sampled_without_the_head_is_refused_not_served_unsteered(processor, vllm_config):
     """A sampling path that computes logits straight from the LM-head weight (a greedy fast
-    path of a newer vLLM) would skip the steer: a steered step through it raises, naming the
-    cause; an unsteered step through it is left alone."""
+    path of a newer vLLM) would skip the steer: a steered step through it is served vLLM's
+    tokens for its unsteered requests and fails its steered ones with the cause (a fault of
+    the head: never an exception out of vLLM's step, which would end the engine core); an
+    unsteered step through it is left alone, and so is the next step."""
     from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 
     from vllm_steer.integrations.hooks import wrap_method
@@ -331,10 +333,17 @@ def test_a_step_sampled_without_the_head_is_refused_not_served_unsteered(process
     assert torch.equal(Runner().sample(h, batch, None), (h @ weight.T).argmax(-1))
     batch.idx_mapping_np = np.array([0])
     batch.expanded_idx_mapping = torch.tensor([0])
-    with pytest.raises(v2.HeadBypassedError) as e:
-        Runner().sample(h, batch, None)
-    assert str(e.value) == v2.HEAD_BYPASSED
-    assert "without calling the model's logits layer" in str(e.value) and "--steer" in str(e.value)
+    rt = processor.runtime
+    assert torch.equal(Runner().sample(h, batch, None), (h @ weight.T).argmax(-1))
+    failed = rt.faults.take(["r0"], [0], rt.slots.steered)
+    assert list(failed) == ["r0"]
+    assert failed["r0"].startswith("vllm-steer: internal error in the steered LM head while "
+                                   "serving request r0: HeadBypassedError: " + v2.HEAD_BYPASSED)
+    assert "without calling the model's logits layer" in failed["r0"] and "--steer" in failed["r0"]
+    batch.idx_mapping_np = np.array([1])
+    batch.expanded_idx_mapping = torch.tensor([1])
+    assert torch.equal(Runner().sample(h, batch, None), (h @ weight.T).argmax(-1))
+    assert not rt.faults.pending
 
 
 # Batch-sharded sampling (--enable-batch-sharded-sampling, TP > 1) runs vLLM's Triton shard-plan

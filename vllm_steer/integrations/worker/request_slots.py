@@ -305,6 +305,9 @@ class RequestSlots:
         stale = layers is not None and layers.version != self._mask_version
         if not (self.dirty or stale) or self.host is None:
             return
+        # counted before the copies: a fault in them fails the step's steered requests, those
+        # whose slots were just steered included (a fault fails none while none is counted)
+        self._count_active(int(np.count_nonzero(self.steered)))
         n = self.host.shape[0]
         changed = self._changed
         if stale or self._all_changed or 2 * len(changed) > n:
@@ -320,7 +323,6 @@ class RequestSlots:
         self._changed.clear()
         self._all_changed = False
         self._mask_version = None if layers is None else layers.version
-        self._count_active(int(np.count_nonzero(self.steered)))
         self.dirty = False
         self.version += 1
 

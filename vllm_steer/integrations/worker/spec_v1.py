@@ -30,9 +30,11 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_steer.integrations.worker.arguments import Arg
-from vllm_steer.integrations.worker.rows import BATCH_ROWS, DRAFT_BATCH_ROWS, SlotRows
+from vllm_steer.integrations.worker.rows import (BATCH_ROWS, DRAFT_BATCH_ROWS, NO_ROWS,
+                                                 SlotRows)
 from vllm_steer.integrations.worker.runtime import BINDINGS, V1RunnerBinding
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
+from vllm_steer.integrations.worker.step_faults import ROWS
 from vllm_steer.integrations.vllm_access import (speculative_config, v1_add_logits_processor,
                                                   v1_corrected_computed_tokens, v1_input_batch,
                                                   v1_token_counts)
@@ -93,20 +95,25 @@ def start_step(orig, runner, args, kwargs):
 
 def calc_spec_decode_metadata(orig, self, *args, **kwargs):
     """``GPUModelRunner._calc_spec_decode_metadata``: each verification row's slot and
-    generated-token index (:func:`verification_rows`)."""
+    generated-token index (:func:`verification_rows`). A fault here leaves every row of the
+    step unsteered and fails the step's steered requests (:mod:`~vllm_steer.integrations.
+    worker.step_faults`)."""
     out = orig(self, *args, **kwargs)
     state = BINDINGS.get(self)  # made by start_step, which starts the step
     if state is not None and state.spec_step and state.runtime is not None:
         rt = state.runtime
-        call = (self, *args)
-        num_draft_tokens = _NUM_DRAFT.get(orig, call, kwargs)
-        cu_num_scheduled_tokens = _CU_SCHEDULED.get(orig, call, kwargs)
-        computed, prompt = v1_token_counts(v1_input_batch(self))
-        if rt.slots.any_windowed(slice(len(num_draft_tokens))):
-            computed = v1_corrected_computed_tokens(self, len(num_draft_tokens))
-        slots, positions = verification_rows(num_draft_tokens, cu_num_scheduled_tokens,
-                                             computed, prompt)
-        rt.step.sampled = SlotRows(slots=slots, positions=positions)
+        rows = NO_ROWS  # a fault: no row is steered (the batch's rows are not the step's)
+        with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
+            call = (self, *args)
+            num_draft_tokens = _NUM_DRAFT.get(orig, call, kwargs)
+            cu_num_scheduled_tokens = _CU_SCHEDULED.get(orig, call, kwargs)
+            computed, prompt = v1_token_counts(v1_input_batch(self))
+            if rt.slots.any_windowed(slice(len(num_draft_tokens))):
+                computed = v1_corrected_computed_tokens(self, len(num_draft_tokens))
+            slots, positions = verification_rows(num_draft_tokens, cu_num_scheduled_tokens,
+                                                 computed, prompt)
+            rows = SlotRows(slots=slots, positions=positions)
+        rt.step.sampled = rows
     return out
 
 

@@ -42,7 +42,8 @@ import contextlib
 import numpy as np
 import torch
 
-from vllm_steer.integrations.worker.rows import BATCH_ROWS, NO_ROWS, PromptRows, RowSource
+from vllm_steer.integrations.worker.rows import (BATCH_ROWS, NO_ROWS, NoRows, PromptRows,
+                                                 RowSource)
 from vllm_steer.kernels import staging
 
 
@@ -257,7 +258,7 @@ class StepMapping:
         """The rows the runner samples (verification rows included)."""
         self.drafts: RowSource = NO_ROWS
         """The rows of a drafter's head."""
-        self.prompt: PromptRows | None = None
+        self.prompt: PromptRows | NoRows | None = None
         """The step's hidden states while its prompt logprobs are computed (None otherwise)."""
         self.batch_size = 0
         """V1: the requests in the persistent batch (its rows, :data:`BATCH_ROWS`)."""
@@ -273,10 +274,10 @@ class StepMapping:
         return self.sampled if prompt is None else prompt
 
     @contextlib.contextmanager
-    def prompts(self, prompt: PromptRows):
+    def prompts(self, prompt: PromptRows | NoRows):
         """``prompt`` as the step's prompt rows while the block computes its prompt logprobs
-        (the prompt-logprob hooks of both runners); none after it, so that the step's hidden
-        states are not kept."""
+        (the prompt-logprob hooks of both runners; :class:`NoRows` after a fault: none
+        steered); none after it, so that the step's hidden states are not kept."""
         self.prompt = prompt
         try:
             yield

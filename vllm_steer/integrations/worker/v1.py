@@ -13,9 +13,11 @@ dictionary read per step) and reads vLLM's arguments by name
 
 from __future__ import annotations
 
+import contextlib
+
 from vllm_steer.integrations.worker.arguments import Arg
 from vllm_steer.integrations.worker.gates import GATES
-from vllm_steer.integrations.worker.rows import PromptRows
+from vllm_steer.integrations.worker.rows import NO_ROWS, PromptRows
 from vllm_steer.integrations.worker.runtime import V1RunnerBinding
 from vllm_steer.integrations.worker.spec_v1 import start_step
 from vllm_steer.integrations.worker.step_faults import ROWS, attach
@@ -112,16 +114,25 @@ def get_prompt_logprobs_dict(orig, self, *args, **kwargs):
     ``_get_prompt_logprobs_dict`` calls ``compute_logits`` once per request on a slice of the
     step's hidden states: the step's prompt view (:class:`PromptRows`: those hidden states and
     each request's first token) is written for the call, and the head maps each slice back to
-    its request's batch slot by its address.
+    its request's batch slot by its address. A fault in preparing that view leaves every
+    prompt row unsteered and fails the step's steered requests.
     """
     if not GATES.prompt_logprob_slots or not v1_has_prompt_logprobs(self):  # (gated by it)
         return orig(self, *args, **kwargs)
     rt = V1RunnerBinding.of(self).runtime
     if rt is None or not rt.planner.active:
         return orig(self, *args, **kwargs)
-    prompt = PromptRows(base=_HIDDEN_STATES.get(orig, (self, *args), kwargs),
-                        query_start_loc=v1_query_start_loc(self))
-    # each call's rows as the model's compute_logits gets them (a model may transform them
-    # before the head: MiMo's final norm)
-    with rt.step.prompts(prompt), v1_model_compute_logits(self, prompt.logits_fn):
+    with contextlib.ExitStack() as scope:
+        ready = False
+        with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
+            prompt = PromptRows(base=_HIDDEN_STATES.get(orig, (self, *args), kwargs),
+                                query_start_loc=v1_query_start_loc(self))
+            scope.enter_context(rt.step.prompts(prompt))
+            # each call's rows as the model's compute_logits gets them (a model may transform
+            # them before the head: MiMo's final norm)
+            scope.enter_context(v1_model_compute_logits(self, prompt.logits_fn))
+            ready = True
+        if not ready:  # no prompt row steered (nor taken for the batch's sampled rows)
+            scope.close()
+            scope.enter_context(rt.step.prompts(NO_ROWS))
         return orig(self, *args, **kwargs)

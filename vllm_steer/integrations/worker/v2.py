@@ -33,7 +33,7 @@ from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.rows import NO_ROWS, MappedRows, PromptRows
 from vllm_steer.integrations.worker.runtime import BINDINGS, V2RunnerBinding, current_runtime
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
-from vllm_steer.integrations.worker.step_faults import ROWS, attach
+from vllm_steer.integrations.worker.step_faults import HEAD, ROWS, attach
 from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.vllm_access import v2_req_ids as _req_ids  # every steered step
 from vllm_steer.ops import to_device
@@ -58,8 +58,11 @@ def sample(orig, self, *args, **kwargs):
     through the very indices the runner's ``BatchSharder`` returns.
 
     A step with steered rows whose ``sample()`` never reached the head (a path that computes
-    logits without the model's logits layer) raises :class:`HeadBypassedError` instead of
-    serving those rows unsteered: one integer comparison per steered step.
+    logits without the model's logits layer) records :class:`HeadBypassedError` as a fault of
+    the head instead of serving those rows unsteered: the step's steered requests fail with
+    its message, the others are served (one integer comparison per steered step). A fault in
+    mapping the rows leaves them unsteered and fails the step's steered requests alike
+    (:mod:`~vllm_steer.integrations.worker.step_faults`).
 
     Per step: nothing while no request in the process is steered (the hook is gated by the
     steered slots: vLLM's method runs without it, ``Hook.gates``). Otherwise the runner's
@@ -102,13 +105,18 @@ def sample(orig, self, *args, **kwargs):
         if source.slots is not None:
             out = orig(self, *args, **kwargs)
         else:  # batch-sharded sampling: the rows' slots through the sharder's own sort
-            input_batch = _sample_input_batch(b, orig, self, args, kwargs)
-            with _sorted_rows(va.v2_batch_sharder(self), input_batch, step):
+            with contextlib.ExitStack() as scope:
+                with rt.faults.guard(ROWS):  # a fault: no row steered, steered requests fail
+                    step.sampled = NO_ROWS
+                    input_batch = _sample_input_batch(b, orig, self, args, kwargs)
+                    scope.enter_context(_sorted_rows(va.v2_batch_sharder(self), input_batch,
+                                                     step, rt.faults))
+                    step.sampled = source
                 out = orig(self, *args, **kwargs)
     finally:
         step.sampled = NO_ROWS
-    if planner.head_calls == calls:
-        raise HeadBypassedError(HEAD_BYPASSED)
+    if planner.head_calls == calls:  # sampled unsteered: the step's steered requests fail
+        rt.faults.record(HEAD, HeadBypassedError(HEAD_BYPASSED))
     return out
 
 
@@ -141,8 +149,8 @@ def _step_rows(b, orig, runner, args, kwargs):
     rt = b.runtime
     if rt is None:
         return b, None
-    input_batch = _sample_input_batch(b, orig, runner, args, kwargs)
     with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
+        input_batch = _sample_input_batch(b, orig, runner, args, kwargs)
         return b, _batch_rows(runner, b, rt, input_batch)
     return b, None
 
@@ -248,19 +256,21 @@ def _host_rows(rt, runner, input_batch):
 
 
 #: Each sharder's pending row mapping while its runner's ``sample()`` runs (by ``id``):
-#: ``(token_slots, step rows)``, read by :func:`shard_sampler_inputs`.
+#: ``(token_slots, step rows, faults)``, read by :func:`shard_sampler_inputs`.
 _SHARDING: dict[int, tuple] = {}
 
 
 @contextlib.contextmanager
-def _sorted_rows(sharder, input_batch, step):
+def _sorted_rows(sharder, input_batch, step, faults):
     """Make the owner-sorted logits indices the sharder returns the step's sampled rows
     (``step``: :class:`~vllm_steer.integrations.worker.step_mapping.StepMapping`; a device
     mapping,
     :class:`MappedRows` with no host copy: gathered on the device), through the hook on
-    ``BatchSharder.shard_sampler_inputs`` (:func:`shard_sampler_inputs`)."""
+    ``BatchSharder.shard_sampler_inputs`` (:func:`shard_sampler_inputs`), which records a
+    fault in ``faults`` (the runtime's :class:`~vllm_steer.integrations.worker.step_faults.
+    StepFaults`)."""
     token_slots = va.v2_token_slots(input_batch)
-    _SHARDING[id(sharder)] = (token_slots, step)  # this step only
+    _SHARDING[id(sharder)] = (token_slots, step, faults)  # this step only
     try:
         yield
     finally:
@@ -270,20 +280,25 @@ def _sorted_rows(sharder, input_batch, step):
 def shard_sampler_inputs(orig, self, *args, **kwargs):
     """``BatchSharder.shard_sampler_inputs`` (V2, batch-sharded sampling): inside a steered
     ``sample()`` (:func:`_sorted_rows`), map each owner-sorted logits row to its request's
-    slot; otherwise vLLM's own call, untouched (one dictionary read)."""
+    slot; otherwise vLLM's own call, untouched (one dictionary read). A fault here (this
+    vLLM returning another layout, named in the message) leaves every row unsteered and
+    fails the step's steered requests with it."""
     out = orig(self, *args, **kwargs)
     pending = _SHARDING.get(id(self))
     if pending is None:
         return out
-    token_slots, step = pending
-    sorted_idx = out[1] if isinstance(out, tuple) and len(out) == 4 else None
-    if not isinstance(sorted_idx, torch.Tensor) or sorted_idx.dtype.is_floating_point:
-        raise RuntimeError(
-            "vllm-steer: BatchSharder.shard_sampler_inputs no longer returns (batch, "
-            "sorted_logits_indices, grammar_output, metadata) in this vLLM; steered rows "
-            "cannot be matched to requests. Run without --enable-batch-sharded-sampling")
-    slots = to_device(token_slots, sorted_idx.device)  # pinned: a pageable copy syncs
-    step.sampled = MappedRows(mapping=slots[sorted_idx.long()])
+    token_slots, step, faults = pending
+    mapped = NO_ROWS  # a fault: no row steered
+    with faults.guard(ROWS):  # a fault: the step's steered requests fail
+        sorted_idx = out[1] if isinstance(out, tuple) and len(out) == 4 else None
+        if not isinstance(sorted_idx, torch.Tensor) or sorted_idx.dtype.is_floating_point:
+            raise RuntimeError(
+                "vllm-steer: BatchSharder.shard_sampler_inputs no longer returns (batch, "
+                "sorted_logits_indices, grammar_output, metadata) in this vLLM; steered rows "
+                "cannot be matched to requests. Run without --enable-batch-sharded-sampling")
+        slots = to_device(token_slots, sorted_idx.device)  # pinned: a pageable copy syncs
+        mapped = MappedRows(mapping=slots[sorted_idx.long()])
+    step.sampled = mapped
     return out
 
 
@@ -326,15 +341,24 @@ def _steered_prompt_call(orig, self, args, kwargs):
     rt = current_runtime()  # the prompt-logprob worker has no config: the worker's runtime
     if rt is None or not rt.slots.num_active_slots:
         return orig(self, *args, **kwargs)
-    call = (self, *args)
-    input_batch = _INPUT_BATCH.get(orig, call, kwargs)
-    if not rt.any_steered(va.v2_batch_slots(input_batch)):
+    steered = NO_ROWS  # a fault: vLLM's call, with no prompt row steered
+    with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
+        call = (self, *args)
+        input_batch = _INPUT_BATCH.get(orig, call, kwargs)
+        if not rt.any_steered(va.v2_batch_slots(input_batch)):
+            steered = None  # vLLM's call as it is
+        else:
+            prompt = PromptRows(base=_HIDDEN_STATES.get(orig, call, kwargs),
+                                token_slots=va.v2_token_slots(input_batch))
+            # each call's rows as the model's compute_logits gets them (a model may transform
+            # them before the head: MiMo's final norm)
+            fn = prompt.logits_fn(_LOGITS_FN.get(orig, call, kwargs))
+            steered = (*_LOGITS_FN.replace(orig, call, kwargs, fn), prompt)
+    if steered is None:
         return orig(self, *args, **kwargs)
-    prompt = PromptRows(base=_HIDDEN_STATES.get(orig, call, kwargs),
-                        token_slots=va.v2_token_slots(input_batch))
-    # each call's rows as the model's compute_logits gets them (a model may transform them
-    # before the head: MiMo's final norm)
-    call, kwargs = _LOGITS_FN.replace(orig, call, kwargs,
-                                      prompt.logits_fn(_LOGITS_FN.get(orig, call, kwargs)))
+    if steered is NO_ROWS:
+        with rt.step.prompts(NO_ROWS):
+            return orig(self, *args, **kwargs)
+    call, kwargs, prompt = steered
     with rt.step.prompts(prompt):
         return orig(*call, **kwargs)
