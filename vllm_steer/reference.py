@@ -54,6 +54,16 @@ def steer_coefficients(strength: float, epsilon: float,
     return steer, (0.0 if domain_strength is None else domain_strength * epsilon)
 
 
+def steer_coefficient_arrays(strength, epsilon, domain):
+    """:func:`steer_coefficients` on numpy arrays that broadcast together: ``(strength *
+    epsilon, domain where strength != 0 else 0)``, where ``domain`` is each steer's domain
+    coefficient ``domain_strength * epsilon`` (0.0: served without it)."""
+    import numpy as np
+
+    strength = np.asarray(strength)
+    return strength * epsilon, np.where(strength != 0, domain, 0.0)
+
+
 def window_strengths(strength, base, start, end, ramp, t):
     """Strengths at generated-token indices ``t`` (numpy arrays that broadcast together):
     the vectorised :class:`vllm_steer.request.Window` rule. ``end < 0``: an open window;

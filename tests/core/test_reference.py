@@ -74,6 +74,21 @@ def test_steer_coefficients_follow_the_paper_and_the_domain_rule():
     assert steer_coefficients(0, 1e-3, 1.0) == (0.0, 0.0)
 
 
+def test_steer_coefficient_arrays_equal_the_scalar_rule_element_by_element():
+    import numpy as np
+
+    from vllm_steer.reference import steer_coefficient_arrays, steer_coefficients
+
+    strengths = np.array([[5.0, 0.0, -2.5], [0.0, 1.0, -3.0]])
+    eps = np.array([1e-3, 2e-3, 1e-3])
+    domain_strength = [1.0, None, 0.5]  # None: served without the domain component
+    dom = np.array([0.0 if d is None else d * e for d, e in zip(domain_strength, eps,
+                                                                      strict=True)])
+    steer, domain = steer_coefficient_arrays(strengths, eps, dom)
+    for (r, j), s in np.ndenumerate(strengths):
+        assert (steer[r, j], domain[r, j]) == steer_coefficients(s, eps[j], domain_strength[j])
+
+
 def test_window_strengths_vectorised_equal_the_window_rule_token_by_token():
     """The vectorised schedule (runtime side) against the scalar rule written out here."""
     import numpy as np

@@ -427,7 +427,7 @@ class RequestSlots:
         (``window_strengths``, vectorised), then ``steer_coefficients``' rule: the domain
         component applies wherever the steer's strength is non-zero. Semantics: see
         reference."""
-        from vllm_steer.reference import window_strengths
+        from vllm_steer.reference import steer_coefficient_arrays, window_strengths
 
         if positions is None:
             warn_once("vllm-steer: a windowed request's generated-token positions are unknown "
@@ -440,8 +440,8 @@ class RequestSlots:
                              w["end"][slots], w["ramp"][slots], t[:, None])  # [rows, capacity]
         cap = self.capacity
         coefs = np.empty((len(slots), self.num_columns), dtype=np.float32)
-        coefs[:, :cap] = s * w["eps"][slots]
-        coefs[:, cap:] = np.where(s != 0, w["dom"][slots], 0.0)
+        coefs[:, :cap], coefs[:, cap:] = steer_coefficient_arrays(s, w["eps"][slots],
+                                                                  w["dom"][slots])
         return coefs
 
 
