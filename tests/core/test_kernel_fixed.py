@@ -160,7 +160,7 @@ def test_graphs_capture_each_row_bucket_once_and_follow_the_tables_values():
     assert graphs.buckets == [1, 2, 4, 8, 16] and graphs.captures == 5
     assert back.replayed == graphs.replays == 8
     assert graphs.run(torch.randn(17, 24, device=DEVICE), torch.zeros(17, 2)) is None  # eager
-    graphs.disabled = "a reason"
+    graphs.failed = "a reason"  # a failed capture: the eager op from now on
     assert graphs.run(torch.randn(2, 24, device=DEVICE), table) is None
 
 
@@ -181,7 +181,7 @@ def test_capture_records_every_missing_bucket_up_to_the_rows_asked_and_no_more()
                                rtol=1e-5, atol=1e-5)
     assert graphs.capture(4, 24, torch.bfloat16, table) == 3  # other activations: anew
     assert graphs.buckets == [1, 2, 4] and graphs.backend.resets == 1
-    graphs.disabled = "a reason"
+    graphs.failed = "a reason"
     graphs.invalidate()
     assert graphs.capture(4, 24, torch.float32, table) == 0 and graphs.buckets == []
 
@@ -683,7 +683,7 @@ def test_steps_replayed_from_graphs_plan_nothing_and_an_eager_step_plans_its_own
     for strengths in ([4, 0, 2, 0], [4, 1, 2, 0], [4, 1, 2, 0]):  # replayed
         step(strengths)
     assert rt.bank_state.bank.graphs.replays == 3 and planned == []
-    rt.bank_state.bank.graphs.disabled = "a steer wider than the copy"  # the eager op from now on
+    rt.bank_state.bank.graphs.failed = "a failed capture"  # the eager op from now on
     step([4, 1, 2, 0])
     step([4, 1, 2, 0])
     assert len(planned) == 1  # planned at its first eager launch, then kept

@@ -27,9 +27,8 @@ missing is captured on the first step that needs it, then replayed. The cache is
 (its buffer was re-allocated), when the activations change dtype or width, and when the bank's
 storage moves (:meth:`SteerGraphs.use_bank`: only a bank without a reservation grows; a load
 into a reserved bank writes in place and keeps every graph). :meth:`SteerGraphs.run` returns
-None, and the caller launches the op eagerly, for more rows than the largest bucket, while
-:attr:`SteerGraphs.disabled` says why, and for good once a capture failed
-(:attr:`SteerGraphs.failed`, logged).
+None, and the caller launches the op eagerly, for more rows than the largest bucket, and for
+good once a capture failed (:attr:`SteerGraphs.failed`, logged).
 
 The graph itself comes from a backend (:class:`CudaGraphBackend` on CUDA); tests pass a
 stand-in that records captures and replays, so the bucket and re-capture rules are checked on
@@ -144,7 +143,6 @@ class SteerGraphs:
         self.backend = backend if backend is not None else CudaGraphBackend(p1.device)
         self.max_rows = int(max_rows)
         self.max_per_row = max_per_row
-        self.disabled: str | None = None  # why the op is launched eagerly for now (or None)
         self.failed: str | None = None  # why it is launched eagerly for good: a failed capture
         self.captures = 0  # graphs captured (each bucket once per cache)
         self.replays = 0
@@ -185,9 +183,9 @@ class SteerGraphs:
         ``table[i]`` (``table`` then has at least ``rows`` rows). Replayed from the bucket's
         graph (captured now if it is the bucket's first use); a view of the static output,
         valid until the next call. None when the caller must launch the op eagerly (too many
-        rows, :attr:`disabled`, or :attr:`failed`)."""
+        rows, or :attr:`failed`)."""
         n = hidden.shape[0]
-        if n > self.max_rows or self.disabled is not None or self.failed is not None:
+        if n > self.max_rows or self.failed is not None:
             return None
         if table is not self._table or index is not self._index \
                 or hidden.dtype != self._dtype or hidden.shape[1] != self._width:
@@ -214,10 +212,10 @@ class SteerGraphs:
         ``dtype``, the coefficient table ``table`` and the row index ``index`` (as :meth:`run`
         takes them): at start-up
         and after a load that dropped the graphs, so that no serving step captures. Returns the
-        number captured (0 while :attr:`disabled`), logged with the time and device memory it
+        number captured (0 once :attr:`failed`), logged with the time and device memory it
         took. A capture that fails leaves the caller on the eager op, logged
         (:attr:`failed`)."""
-        if self.disabled is not None or self.failed is not None or rows < 1:
+        if self.failed is not None or rows < 1:
             return 0
         if table is not self._table or index is not self._index or dtype != self._dtype \
                 or width != self._width:

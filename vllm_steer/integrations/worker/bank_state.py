@@ -171,12 +171,12 @@ class BankState:
 
     def head_eager(self) -> bool:
         """Whether the LM head's op is launched eagerly where it should replay from CUDA
-        graphs (:attr:`graphs_expected`): no graphs (no reserved rank), or graphs disabled
-        for now or for good (a failed capture). The ``vllm_steer:head_eager`` gauge."""
+        graphs (:attr:`graphs_expected`): no graphs (no reserved rank), or graphs off for
+        good (a failed capture). The ``vllm_steer:head_eager`` gauge."""
         if not self.graphs_expected or self.bank is None:
             return False
         graphs = self.bank.graphs
-        return graphs is None or graphs.disabled is not None or graphs.failed is not None
+        return graphs is None or graphs.failed is not None
 
     def warm_up(self) -> None:
         """Compile, now, every kernel specialisation the backend can launch for this bank's

@@ -324,7 +324,7 @@ class StepPlanner:
         self._replay = False
         graphs = self.bank_state.bank.graphs
         if graphs is not None and n <= graphs.max_rows and graphs.failed is None \
-                and graphs.disabled is None and table.device_rows is not None:
+                and table.device_rows is not None:
             self._replay = self._write_index(n, slots, positions)
 
     def _write_index(self, n: int, slots: np.ndarray | None,
