@@ -583,6 +583,23 @@ def v2_token_slots(input_batch):
     return np.repeat(np.asarray(input_batch.idx_mapping_np[:n], dtype=np.int64), np.diff(qsl))
 
 
+def v2_logits_tokens(input_batch):
+    """The token each sampled row of V2's step is computed from, in batch order: request
+    ``i``'s ``cu_num_logits[i + 1] - cu_num_logits[i]`` rows are its last tokens (the rule
+    of V2's ``logits_indices`` and of its batch sharder's ``sorted_logits_indices``). Host
+    arrays only."""
+    import numpy as np
+
+    n = input_batch.num_reqs
+    ends = np.asarray(input_batch.query_start_loc_np[1:n + 1], dtype=np.int64)
+    cu = np.asarray(input_batch.cu_num_logits_np[:n + 1], dtype=np.int64)
+    if len(cu) < n + 1 or int(cu[n] - cu[0]) == n:  # one row per request: the common case
+        return ends - 1
+    counts = np.diff(cu)
+    local = np.arange(int(cu[n] - cu[0])) - np.repeat(cu[:-1] - cu[0], counts)
+    return np.repeat(ends - counts, counts) + local
+
+
 def v2_last_positions(runner, input_batch, true_counts: bool):
     """The generated-token index each request of V2's step samples last (``computed +
     scheduled - prompt``; None where the runner keeps no request states). ``true_counts``:
@@ -1199,6 +1216,8 @@ ACCESSES: tuple[Access, ...] = (
            reads=(f"{_V2_BATCH}.cu_num_logits_np",)),
     Access(v2_token_slots, "each token's slot: prompt logprobs, batch-sharded sampling (V2)",
            V2, reads=reads_of(_V2_BATCH, "num_reqs", "query_start_loc_np", "idx_mapping_np")),
+    Access(v2_logits_tokens, "the tokens of the sampled rows: batch-sharded sampling (V2)",
+           V2, reads=reads_of(_V2_BATCH, "num_reqs", "query_start_loc_np", "cu_num_logits_np")),
     Access(v2_last_positions, "generated-token positions of the rows for generation windows "
            "(V2)", V2,
            reads=(f"{_V2_RUNNER}.req_states",

@@ -168,14 +168,21 @@ def test_a_prompt_logprob_step_never_waits_behind_the_forward(tmp_path, fake_cud
     assert grown[1] == grown[0], f"the second step allocated pinned staging: {grown}"
 
 
-def test_batch_sharded_sampling_copies_its_row_slots_from_pinned_memory(fake_cuda):
-    """Batch-sharded sampling (V2, TP > 1): the step's row -> slot array goes to the device
-    next to the sharder's sorted indices from pinned memory (a pageable copy syncs)."""
+def test_batch_sharded_sampling_copies_its_row_slots_from_pinned_memory(tmp_path, fake_cuda,
+                                                                         monkeypatch):
+    """Batch-sharded sampling (V2, TP > 1): each token's table row goes to the device from
+    pinned staging (a pageable copy syncs) into a persistent buffer, picked there by the
+    sharder's sorted indices; a second step of the same batch copies nothing and allocates no
+    pinned memory; a windowed step's coefficients come the same way."""
     dev = fake_cuda
+    rt = _runtime(tmp_path)
+    rt.set_slot(1, _row(rt, "a", 4))
+    rt.slots.flush()
     batch = SimpleNamespace(num_reqs=3, idx_mapping_np=np.array([4, 1, 6]),
-                            query_start_loc_np=np.array([0, 2, 3, 5]))
-    sorted_idx = torch.tensor([3, 0, 4, 1, 2]).to("meta")  # a device other than the CPU
-    dev.copies.clear()
+                            query_start_loc_np=np.array([0, 2, 3, 5]),
+                            cu_num_logits_np=np.array([0, 1, 2, 3]))
+    sorted_idx = torch.tensor([4, 1, 2])  # the requests' last tokens, owner-sorted
+    runner = SimpleNamespace()
 
     class Sharder:
         def shard_sampler_inputs(self, b, grammar_output):
@@ -183,15 +190,35 @@ def test_batch_sharded_sampling_copies_its_row_slots_from_pinned_memory(fake_cud
 
     from vllm_steer.integrations.hooks import wrap_method
     from vllm_steer.integrations.worker.rows import NO_ROWS
-    from vllm_steer.integrations.worker.step_faults import StepFaults
-    from vllm_steer.integrations.worker.step_mapping import StepMapping
+    from vllm_steer.request import Window
 
     wrap_method(Sharder, "shard_sampler_inputs", v2.shard_sampler_inputs)  # as HOOKS does
     sharder = Sharder()
-    step = StepMapping(sampled=NO_ROWS)
-    with v2._sorted_rows(sharder, batch, step, StepFaults()):
+    real_copy = torch.Tensor.copy_
+
+    def copy_(dst, src, non_blocking=False):  # every copy into a device buffer (not pinned)
+        if not dev.is_pinned(dst):
+            dev.copies.append(("copy_", dev.is_pinned(src)))
+        return real_copy(dst, src, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    seen, pinned = [], []
+    for _step in range(2):
+        dev.copies.clear()
+        rt.step.sampled = NO_ROWS
+        with v2._sorted_rows(sharder, batch, rt, runner):
+            sharder.shard_sampler_inputs(batch, None)
+        source = rt.step.sampled  # the step's sampled rows: the sharder's order, on the device
+        seen.append((source.mapping.tolist(), list(dev.copies)))
+        pinned.append(len(dev.pinned))
+        dev.finish_step()
+    assert seen[0][0] == seen[1][0] == [6, 4, 1]  # slots of tokens 4, 1, 2
+    assert seen[0][1] and all(p for _, p in seen[0][1]), f"(what, pinned): {seen[0][1]}"
+    assert seen[1][1] == [] and pinned[1] == pinned[0], "an unchanged batch copied again"
+    rt.set_slot(6, _row(rt, "b", 2), {1: Window(2.0, start=3)})
+    rt.slots.flush()
+    dev.copies.clear()
+    with v2._sorted_rows(sharder, batch, rt, runner):  # no positions known: the base strength
         sharder.shard_sampler_inputs(batch, None)
-    source = step.sampled  # the step's sampled rows: the sharder's order, on the device
-    assert source.mapping is not None and source.mapping.device.type == "meta"
-    assert dev.copies and all(pinned for _, pinned in dev.copies), (
-        f"host -> device copies (what, pinned): {dev.copies}")
+    assert rt.step.sampled.table is not None and dev.copies
+    assert all(p for _, p in dev.copies), f"(what, pinned): {dev.copies}"

@@ -153,7 +153,7 @@ def _v2_batch(slots):
                            cu_num_logits_np=np.arange(n + 1), req_ids=[f"r{s}" for s in slots])
 
 
-@pytest.mark.parametrize("where", ["sample", "layout", "to_device"])
+@pytest.mark.parametrize("where", ["sample", "layout", "index"])
 def test_a_fault_mapping_batch_sharded_rows_leaves_the_step_unsteered(runtime, monkeypatch,
                                                                       where):
     rt = runtime
@@ -169,8 +169,8 @@ def test_a_fault_mapping_batch_sharded_rows_leaves_the_step_unsteered(runtime, m
         monkeypatch.setattr(vllm_access, "v2_token_slots", _broken)
     elif where == "layout":  # a vLLM whose sharder returns another layout
         sharder.layout = 3
-    else:  # the row slots' copy to the device
-        monkeypatch.setattr(v2, "to_device", _broken)
+    else:  # each token's table row, written to the device
+        monkeypatch.setattr(rt.planner, "sharded_index", _broken)
     got = runner.sample(h, batch, None)
     assert torch.equal(got, plain)  # every row: vLLM's plain output
     assert not v2._SHARDING

@@ -56,8 +56,9 @@ class DeviceReads(TorchDispatchMode):
         p = _ptr(t)
         if not p:
             return False
-        roots = [self.rt.slots.device_rows, self.rt.planner.coef_buffer,
-                 self.rt.planner.row_index]
+        planner = self.rt.planner
+        roots = [self.rt.slots.device_rows, planner.coef_buffer, planner.row_index,
+                 planner._shard_index, planner._shard_coefs]  # noqa: SLF001 - the last two
         return p in self.marked or any(r is not None and p == _ptr(r) for r in roots)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -164,12 +165,33 @@ def _steps(rt, source: str, mode: DeviceReads, gen, device=None, dtype=torch.flo
             slots = order
             src = MappedRows(mapping=torch.from_numpy(order.astype(np.int32)),
                             slots=order.copy())
+        elif source == "sharded":  # batch-sharded sampling: the order is the sharder's
+            slots = order[SHARDER_ORDER]
+            src = _sharded_rows(rt, order, None, SHARDER_ORDER, mode, device)
         else:
             slots = order
             src = SlotRows(slots=order.copy())
         with sampled_rows(rt.planner, src), mode:
             out = rt.planner.steer_rows(h)
         yield out, h, [state[int(s)] for s in slots]
+
+
+#: The row order of a batch-sharded step (the sharder's, on the device): rows of these tokens
+SHARDER_ORDER = np.array([1, 3, 0, 2])
+
+
+def _sharded_rows(rt, slots, positions, order, mode, device=None) -> MappedRows:
+    """A batch-sharded step's sampled rows as V2's adapter makes them: requests of one token
+    each (``slots``, ``positions``: batch order), each token's table row written from the host
+    (:meth:`StepPlanner.sharded_index`), then picked on the device by the sharder's token
+    indices ``order`` (the logits rows are those tokens' hidden states)."""
+    tokens = np.arange(len(slots))
+    with mode:
+        index, table = rt.planner.sharded_index(slots.copy(), tokens, slots.copy(), positions)
+        sorted_idx = torch.from_numpy(order.astype(np.int64))
+        if device is not None:
+            sorted_idx = sorted_idx.pin_memory().to(device, non_blocking=True)
+        return MappedRows(mapping=index.index_select(0, sorted_idx), table=table)
 
 
 def _pause_kernel_launches(monkeypatch, mode):
@@ -207,7 +229,7 @@ def _pause_kernel_launches(monkeypatch, mode):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("source", ["batch", "mapping", "slots"])
+@pytest.mark.parametrize("source", ["batch", "mapping", "slots", "sharded"])
 def test_steps_read_no_device_tensor(tmp_path, monkeypatch, backend, source):
     if backend == "triton":
         from vllm_steer.kernels import HAS_TRITON
@@ -343,6 +365,18 @@ def test_windows_at_mixed_positions(tmp_path):
             out = rt.planner.steer_rows(h5)
         want = [_window_row(rt, windows[int(s)], int(p)) for s, p in zip(order, pos, strict=True)]
         torch.testing.assert_close(out, _want(rt, h5, want))
+        # and in the order of a batch-sharded step (the sharder's, known on the device only):
+        # rows outside a window with base 0 come back bit for bit, and no device value is read
+        mode, sharded = DeviceReads(rt), np.array([4, 1, 3, 0, 2])
+        src = _sharded_rows(rt, order, pos, sharded, mode)
+        with sampled_rows(rt.planner, src), mode:
+            out = rt.planner.steer_rows(h5[sharded])
+        want = [want[i] for i in sharded]
+        torch.testing.assert_close(out, _want(rt, h5[sharded], want))
+        for i, r in enumerate(want):
+            if not r.any():
+                assert torch.equal(out[i], h5[sharded][i])
+        assert mode.reads == [], f"device tensors read into Python: {sorted(set(mode.reads))}"
     # a move carries the windows; a reused slot starts clean
     rt.slots.move(0, 2, swap=True)
     rt.set_slot(1, _row(rt, a=1))
@@ -398,7 +432,7 @@ def test_request_windows_reach_the_slot(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("source", ["batch", "mapping"])
+@pytest.mark.parametrize("source", ["batch", "mapping", "sharded"])
 def test_cuda_steps_do_not_sync(tmp_path, backend, source, dtype):
     """Steered decode steps on the GPU, in fp32 and bf16 (mixed steered/unsteered rows, a
     steering change and a move midway, flush included) raise on any device-to-host sync;

@@ -16,7 +16,7 @@ import torch
 
 from helpers.engines import v2_runner_env
 from helpers.v2_state import V2_FQCN, v2_request_state, v2_steer_config
-from vllm_steer.reference import steer_reference
+from vllm_steer.reference import steer_reference, steered_logits_reference
 
 
 @pytest.fixture(scope="module")
@@ -442,3 +442,139 @@ def test_batch_sharded_sampling_rows_get_their_own_requests_steer(tmp_path, vllm
                            [0, a.p1.shape[1], a.p1.shape[1] + b.p1.shape[1]], coefs)
     torch.testing.assert_close(steered, want)
     assert saved["stats"] == {"calls": 1, "rows": 5}
+
+
+# The same, with generation windows: two rows per request (as a step that verifies one draft
+# token per request), so that one request's rows straddle its window's start.
+SHARDED_WINDOWS = r"""
+import json, sys, types
+import numpy as np, torch
+from vllm import SamplingParams
+from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+from vllm.v1.worker.gpu.sample.batch_shard import BatchSharder
+from vllm_steer.integrations.worker.rows import NoRows
+from vllm_steer.integrations.worker.runtime import get_runtime
+from vllm_steer.integrations.hooks import wrap_method  # noqa: E402
+from vllm_steer.integrations.worker import v2  # noqa: E402
+
+steers, out_path, tests_dir, spec = sys.argv[1].split(","), sys.argv[2], sys.argv[3], \
+    json.loads(sys.argv[4])
+sys.path.insert(0, tests_dir)
+from helpers.engines import bound_extra  # noqa: E402
+
+cfg = types.SimpleNamespace(additional_config={"vllm_steer": {"steers": {
+    "a": steers[0], "b": steers[1]}}})
+rt = get_runtime(cfg.additional_config)
+rt.bank_state.load(64, torch.device("cpu"), torch.float32)
+rt.ensure_slots(8, torch.device("cpu"))
+rt.step.sampled = NoRows()  # as the V2 processor sets it
+for slot, steer in spec["requests"].items():  # each request as the engine core bound it
+    rt.assign(int(slot), SamplingParams(extra_args=bound_extra(["a", "b"], steer)))
+rt.slots.flush()
+
+# rank 0 of TP=2, built without a process group (the only thing __init__ asks it for)
+sharder = object.__new__(BatchSharder)
+sharder.tp_rank, sharder.tp_size, sharder.device = 0, 2, torch.device("cpu")
+sharder._padded_num_reqs, sharder._padded_num_logits_per_req, sharder._num_warps = 8, 2, 1
+
+# 5 requests of 2 tokens in batch order, both tokens sampled (a draft token verified)
+batch = InputBatch.make_dummy(5, 10, InputBuffers(8, 64, torch.device("cpu")))
+slots = np.array(spec["slots"])
+batch.idx_mapping_np = slots
+batch.idx_mapping = torch.from_numpy(slots).to(torch.int64)
+batch.expanded_idx_mapping = batch.idx_mapping.repeat_interleave(2)
+batch.cu_num_logits_np = np.arange(0, 11, 2, dtype=np.int32)
+batch.cu_num_logits = torch.from_numpy(batch.cu_num_logits_np)
+batch.num_computed_tokens_np = np.array(spec["computed"], dtype=np.int32)
+
+class Stop(Exception):
+    pass
+
+class Model:
+    def compute_logits_local(self, hidden):
+        torch.save({"rows": hidden.clone(), "steered": rt.planner.steer_rows(hidden)}, out_path)
+        raise Stop
+
+runner = object.__new__(GPUModelRunner)
+runner.vllm_config, runner.batch_sharder, runner.model = cfg, sharder, Model()
+runner.req_states = types.SimpleNamespace(
+    prompt_len=types.SimpleNamespace(np=np.full(8, spec["prompt_len"], dtype=np.int32)))
+wrap_method(GPUModelRunner, "sample", v2.sample)
+wrap_method(BatchSharder, "shard_sampler_inputs", v2.shard_sampler_inputs)
+hidden = torch.randn(10, 64, generator=torch.Generator().manual_seed(0))
+try:
+    GPUModelRunner.sample(runner, hidden, batch, None)
+except Stop:
+    pass
+saved = torch.load(out_path)
+saved["hidden"] = hidden
+torch.save(saved, out_path)
+print("DONE")
+"""
+
+
+def test_batch_sharded_sampling_rows_follow_their_generation_windows(tmp_path, vllm_config,
+                                                                    tiny_model_dir):
+    """Batch-sharded sampling with generation windows: each owner-sorted row gets its own
+    request's strength at the generated token it samples. A windowed request's rows outside
+    its window give the plain model's logits (hidden @ head weights) bit for bit, inside the
+    reference's on the model's own weights; beside them a steered request with no window, a
+    ramp, and an unsteered request."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from vllm_steer.format import load_steer
+
+    steers = vllm_config.additional_config["vllm_steer"]["steers"]
+    # batch order: slots 3, 0, 4, 1, 5; each request's two rows sample generated tokens
+    # last - 1 and last, last = computed + 2 scheduled - 10 prompt tokens
+    spec = {"slots": [3, 0, 4, 1, 5], "computed": [15, 11, 18, 11, 11], "prompt_len": 10,
+            "requests": {"3": {"a": {"strength": 6, "start": 7}},  # t 6, 7: out, in
+                         "0": None,  # unsteered
+                         "4": {"a": 5, "b": {"strength": -4, "end": 10}},  # t 9, 10
+                         "1": {"a": 3, "b": 2},  # no window
+                         "5": {"b": {"strength": 4, "start": 2, "ramp": 4}}}}  # t 2, 3
+    script, out = tmp_path / "sharded_windows.py", tmp_path / "out.pt"
+    script.write_text(SHARDED_WINDOWS)
+    tests_dir = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, **v2_runner_env())
+    res = subprocess.run([sys.executable, str(script), f"{steers['a']},{steers['b']}", str(out),
+                          tests_dir, json.dumps(spec)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert "DONE" in res.stdout, res.stderr[-3000:]
+    saved = torch.load(out)
+    hidden, rows, steered = saved["hidden"], saved["rows"], saved["steered"]
+    # owner-sorted (slot % 2): rank 0's requests (batch 1, 2), then rank 1's (batch 0, 3, 4),
+    # each request's two rows (tokens 2i, 2i + 1) in order
+    order = [2, 3, 4, 5, 0, 1, 6, 7, 8, 9]
+    assert torch.equal(rows, hidden[order])
+    strengths = [[0, 0], [0, 0],  # batch 1, slot 0: unsteered
+                 [5, -4], [5, 0],  # batch 2, slot 4: t 9 (b inside), 10 (b ended)
+                 [0, 0], [6, 0],  # batch 0, slot 3: t 6 (before the window), 7 (inside)
+                 [3, 2], [3, 2],  # batch 3, slot 1: no window
+                 [0, 1], [0, 2]]  # batch 4, slot 5: t 2, 3 of a ramp of 4 from t 2
+    a, b = load_steer(steers["a"]), load_steer(steers["b"])
+    eps = torch.tensor([a.metadata.epsilon, b.metadata.epsilon], dtype=torch.float32)
+    coefs = torch.tensor(strengths, dtype=torch.float32) * eps
+    weights = load_file(str(Path(tiny_model_dir) / "model.safetensors"))["lm_head.weight"]
+    weights = weights.float()
+    plain = rows @ weights.T
+    logits = steered @ weights.T
+    want = steered_logits_reference(rows, weights, torch.cat([a.p1, b.p1], 1),
+                                    torch.cat([a.p2, b.p2], 1),
+                                    [0, a.p1.shape[1], a.p1.shape[1] + b.p1.shape[1]], coefs)
+    unsteered = [i for i, s in enumerate(strengths) if s == [0, 0]]
+    assert unsteered == [0, 1, 4]
+    for i in unsteered:  # outside the window (row 4) as the unsteered request: the plain model
+        assert torch.equal(steered[i], rows[i]), f"row {i} was steered"
+        assert torch.equal(logits[i], plain[i]), f"row {i}'s logits differ from the plain model"
+    inside = [i for i in range(10) if i not in unsteered]
+    torch.testing.assert_close(logits[inside], want[inside], atol=1e-4, rtol=1e-4)
+    for i in inside:  # and each one is steered (the strengths differ from row to row)
+        assert not torch.equal(logits[i], plain[i]), f"row {i} was left unsteered"

@@ -26,7 +26,9 @@ eager op (no graphs: the CPU, ``VLLM_STEER_CUDA_GRAPHS=0``, a named backend, mor
 largest graph) takes dense ``[rows, columns]`` coefficients: they are gathered on the host and
 copied to a device buffer of its own, and the backend's plan made from the host copy, only when
 the eager op runs. Only batch-sharded sampling (V2, TP > 1), whose row order exists on the device
-alone, gathers and plans on the device.
+alone, maps tokens instead (:meth:`StepPlanner.sharded_index`: each token's table row, written
+from the host, windowed rows' coefficients included) and runs the capture-safe op, which reads
+the table in place through the rows' entries, picked on the device.
 """
 
 from __future__ import annotations
@@ -126,6 +128,13 @@ class StepPlanner:
         # the last planned batch step, while its rows have no window (see steer_rows)
         self._steady_src: RowSource | None = None
         self._steady_key: StepKey | None = None
+        # batch-sharded sampling (sharded_index): its staging, its device buffers (each
+        # token's table row; the windowed steps' coefficients) and what each holds
+        self._shard_copy: staging.StagedCopy | None = None
+        self._shard_index: torch.Tensor | None = None
+        self._shard_coefs: torch.Tensor | None = None
+        self._shard_index_for: tuple = (None, None)  # (buffer, host array it holds)
+        self._shard_coefs_for: tuple = (None, None)
 
     @property
     def stats(self) -> SteerStats:
@@ -451,14 +460,83 @@ class StepPlanner:
         return self._plan
 
     def _steer_device_mapping(self, hidden: torch.Tensor, src: MappedRows) -> torch.Tensor:
-        """Rows known only through a device mapping (batch-sharded sampling): the slot table
-        is gathered on the device and planned per call (the backend's own planning; the
-        Triton backend's is a device launch, the torch backend's reads the device)."""
+        """Rows known only through a device mapping (batch-sharded sampling): row ``i`` takes
+        row ``src.mapping[i]`` of ``src.table`` (the request slots' device table when None,
+        :meth:`sharded_index`), read in place by the capture-safe op: no plan, no value read
+        back to the host, whatever the backend."""
         n = hidden.shape[0]
         bank = self.bank_state.bank
-        coefs = self.slots.table.index_select(0, src.mapping[:n].long())
-        return self._timed(self.bank_state.fn, hidden, bank.p1, bank.p2, bank.rank_offsets,
-                           coefs)
+        mapping = src.mapping
+        if not bank.rank:
+            return hidden
+        if mapping.shape[0] < n:
+            warn_once("vllm-steer: logits rows outnumber their known slots; they are "
+                      "computed unsteered")
+            return hidden
+        table = self.slots.table if src.table is None else src.table
+        return self._timed(self._fixed_op, hidden, table, mapping[:n])
+
+    def _fixed_op(self, hidden: torch.Tensor, table: torch.Tensor,
+                  index: torch.Tensor) -> torch.Tensor:
+        """The capture-safe op (:func:`vllm_steer.ops.steer_fixed`) on the bank in place."""
+        from vllm_steer import ops
+
+        bank = self.bank_state.bank
+        return ops.steer_fixed(hidden, bank.p1, bank.p2, bank.rank, table, index,
+                               max_per_row=self.bank_state.max_per_row, widths=bank.widths)
+
+    # ---- batch-sharded sampling (V2, TP > 1): the row order exists on the device only ---------
+    def sharded_index(self, token_slots: np.ndarray, tokens: np.ndarray, slots: np.ndarray,
+                      positions: np.ndarray | None):
+        """``(index, table)`` of a batch-sharded step, whose logits rows come in an order
+        known only on the device (the sharder's token indices): ``index`` (``[tokens]`` int64
+        on the device) gives each scheduled token the row of ``table`` its logits row takes,
+        so that the sharder's indices pick each row's on the device, and the op reads the
+        table in place (:meth:`_steer_device_mapping`).
+
+        ``token_slots``: each token's request slot; ``tokens``: the token each sampled row (in
+        batch order) is computed from; ``slots`` and ``positions``: each sampled row's slot
+        and generated-token index (None: unknown), all host arrays. With no windowed slot
+        among the rows, each token's entry is its slot and the table is the request slots'
+        device table (None); otherwise the rows' coefficients are computed on the host as on
+        the other paths (:meth:`RequestSlots.row_coefs`: a windowed row's at its generated
+        token) and copied to a buffer of the planner's, which is the table, each sampled
+        token's entry its row there (the other tokens': -1, never read). Both copies come from
+        pinned staging into persistent buffers, and are skipped when they hold the same."""
+        bank = self.bank_state.bank
+        table = self.slots
+        table.use_layers(bank.layers)  # the device table leaves the vector slots out
+        n = len(slots)
+        if self._shard_copy is None or self._shard_copy.device != bank.p1.device:
+            self._shard_copy = staging.StagedCopy(bank.p1.device)
+            self._shard_index = self._shard_coefs = None
+        coefs_dev = None
+        if _rows_windowed(table, n, slots):
+            coefs = table.row_coefs(n, slots, positions)
+            mask = table.head_mask()
+            if mask is not None:  # the layers' columns: not here
+                coefs *= mask
+            index = np.full(len(token_slots), -1, dtype=np.int64)
+            index[tokens] = np.arange(n, dtype=np.int64)
+            buf = self._shard_coefs = _rows_buffer(self._shard_coefs, n, table.num_columns,
+                                                   torch.float32, bank.p1.device)
+            if buf is not self._shard_coefs_for[0] \
+                    or not np.array_equal(self._shard_coefs_for[1], coefs):
+                self._shard_coefs_for = (None, None)
+                self._shard_copy.copy_(buf[:n], coefs)
+                self._shard_coefs_for = (buf, coefs)
+            coefs_dev = buf[:n]
+        else:
+            index = np.array(token_slots, dtype=np.int64)  # a copy: never the runner's
+        m = len(index)
+        buf = self._shard_index = _rows_buffer(self._shard_index, m, None, torch.int64,
+                                               bank.p1.device)
+        if buf is not self._shard_index_for[0] \
+                or not np.array_equal(self._shard_index_for[1], index):
+            self._shard_index_for = (None, None)
+            self._shard_copy.copy_(buf[:m], index)
+            self._shard_index_for = (buf, index)
+        return buf[:m], coefs_dev
 
     # ---- drafter heads inside CUDA graphs (Model Runner V2's EAGLE / EAGLE-3 / MTP) -----------
     def steer_fixed(self, hidden: torch.Tensor, mapping: torch.Tensor | None) -> torch.Tensor:
@@ -488,6 +566,18 @@ class StepPlanner:
 
         return ops.steer_fixed(hidden, bank.p1, bank.p2, bank.rank, table, mapping[:n],
                                max_per_row=self.bank_state.max_per_row, widths=bank.widths)
+
+
+def _rows_buffer(buf: torch.Tensor | None, n: int, columns: int | None, dtype,
+                 device: torch.device) -> torch.Tensor:
+    """``buf``, or a new device buffer of at least ``n`` rows (``columns`` wide; None: a
+    vector) when it has fewer: twice as many as before, so that a growing step allocates
+    seldom (a new buffer's first copy is never skipped)."""
+    if buf is not None and buf.shape[0] >= n:
+        return buf
+    rows = max(n, 64, 0 if buf is None else 2 * buf.shape[0])
+    shape = (rows,) if columns is None else (rows, columns)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _prompt_rows(src: PromptRows, hidden: torch.Tensor):

@@ -27,7 +27,8 @@ A view is one of six small frozen types (a tagged union, :data:`RowSource`):
 
 - :class:`BatchRows` (V1): row i is request slot i (persistent-batch order);
 - :class:`MappedRows` (V2): the step's row -> slot on the device, with its host copy when
-  known (a device mapping alone, under batch-sharded sampling, is gathered on the device);
+  known (a device mapping alone, under batch-sharded sampling: each row's row of a table the
+  host wrote, read on the device);
 - :class:`SlotRows`: the slot of each row on the host (verification rows, drafters),
   optionally the generated-token index each row samples;
 - :class:`PromptRows`: the step's hidden states and each token's slot (or each request's
@@ -39,7 +40,8 @@ A view is one of six small frozen types (a tagged union, :data:`RowSource`):
 
 Every view but the last gives its row -> slot on the host, so that the planner reads no
 device tensor into Python (sync-free); only batch-sharded sampling (V2, TP > 1), whose row
-order exists on the device alone, is gathered on the device.
+order exists on the device alone, gets its rows' table rows through the device (each token's
+table row written from the host, picked by the sharder's own indices).
 """
 
 from __future__ import annotations
@@ -65,12 +67,14 @@ class MappedRows:
     """V2: the step's row -> slot. ``mapping`` on the device; ``slots`` (and ``positions``,
     the generated-token index of each row) its host copy, which plans are made from when
     given; ``key`` the bytes of ``slots`` when the runner hook has them already. A device
-    mapping alone (batch-sharded sampling) is gathered on the device."""
+    mapping alone (batch-sharded sampling) is each row's row of ``table`` (None: the request
+    slots' device table), read in place by the capture-safe op."""
 
     mapping: torch.Tensor | None = None
     slots: np.ndarray | None = None
     positions: np.ndarray | None = None
     key: bytes | None = None
+    table: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,6 @@ from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
 from vllm_steer.integrations.worker.step_faults import HEAD, ROWS, attach
 from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.vllm_access import v2_req_ids as _req_ids  # every steered step
-from vllm_steer.ops import to_device
 
 _INPUT_BATCH = Arg("input_batch")
 _BINDINGS_BY_ID = BINDINGS.by_id  # each runner's binding: read in sample() with no call
@@ -110,7 +109,7 @@ def sample(orig, self, *args, **kwargs):
                     step.sampled = NO_ROWS
                     input_batch = _sample_input_batch(b, orig, self, args, kwargs)
                     scope.enter_context(_sorted_rows(va.v2_batch_sharder(self), input_batch,
-                                                     step, rt.faults))
+                                                     rt, self))
                     step.sampled = source
                 out = orig(self, *args, **kwargs)
     finally:
@@ -255,22 +254,29 @@ def _host_rows(rt, runner, input_batch):
     return slots, np.repeat(last - counts + 1, counts) + local
 
 
-#: Each sharder's pending row mapping while its runner's ``sample()`` runs (by ``id``):
-#: ``(token_slots, step rows, faults)``, read by :func:`shard_sampler_inputs`.
+#: Each sharder's pending row index while its runner's ``sample()`` runs (by ``id``):
+#: ``(index, table, step rows, faults)``, read by :func:`shard_sampler_inputs`.
 _SHARDING: dict[int, tuple] = {}
 
 
 @contextlib.contextmanager
-def _sorted_rows(sharder, input_batch, step, faults):
-    """Make the owner-sorted logits indices the sharder returns the step's sampled rows
-    (``step``: :class:`~vllm_steer.integrations.worker.step_mapping.StepMapping`; a device
-    mapping,
-    :class:`MappedRows` with no host copy: gathered on the device), through the hook on
-    ``BatchSharder.shard_sampler_inputs`` (:func:`shard_sampler_inputs`), which records a
-    fault in ``faults`` (the runtime's :class:`~vllm_steer.integrations.worker.step_faults.
-    StepFaults`)."""
-    token_slots = va.v2_token_slots(input_batch)
-    _SHARDING[id(sharder)] = (token_slots, step, faults)  # this step only
+def _sorted_rows(sharder, input_batch, rt, runner):
+    """Make the owner-sorted logits rows the sharder returns the step's sampled rows, through
+    the hook on ``BatchSharder.shard_sampler_inputs`` (:func:`shard_sampler_inputs`), which
+    records a fault in the runtime's :class:`~vllm_steer.integrations.worker.step_faults.
+    StepFaults`.
+
+    The row order exists only on the device (``sorted_logits_indices``, token indices), so the
+    host maps *tokens*: each scheduled token's row of the table the head reads, from host
+    arrays (:meth:`~vllm_steer.integrations.worker.planner.StepPlanner.sharded_index`: its
+    slot, or, when a row of the step is windowed, its sampled row's coefficients at its
+    generated token, as the other paths compute them), copied to a persistent device buffer;
+    the sharder's indices then pick each sorted row's entry on the device. No device value is
+    read. A fault here is the caller's (``sample()``'s guard: no row steered)."""
+    slots, positions = _host_rows(rt, runner, input_batch)
+    index, table = rt.planner.sharded_index(
+        va.v2_token_slots(input_batch), va.v2_logits_tokens(input_batch), slots, positions)
+    _SHARDING[id(sharder)] = (index, table, rt.step, rt.faults)  # this step only
     try:
         yield
     finally:
@@ -279,15 +285,16 @@ def _sorted_rows(sharder, input_batch, step, faults):
 
 def shard_sampler_inputs(orig, self, *args, **kwargs):
     """``BatchSharder.shard_sampler_inputs`` (V2, batch-sharded sampling): inside a steered
-    ``sample()`` (:func:`_sorted_rows`), map each owner-sorted logits row to its request's
-    slot; otherwise vLLM's own call, untouched (one dictionary read). A fault here (this
-    vLLM returning another layout, named in the message) leaves every row unsteered and
-    fails the step's steered requests with it."""
+    ``sample()`` (:func:`_sorted_rows`), map each owner-sorted logits row to its row of the
+    head's table (one gather on the device, through the sharder's own indices); otherwise
+    vLLM's own call, untouched (one dictionary read). A fault here (this vLLM returning
+    another layout, named in the message) leaves every row unsteered and fails the step's
+    steered requests with it."""
     out = orig(self, *args, **kwargs)
     pending = _SHARDING.get(id(self))
     if pending is None:
         return out
-    token_slots, step, faults = pending
+    index, table, step, faults = pending
     mapped = NO_ROWS  # a fault: no row steered
     with faults.guard(ROWS):  # a fault: the step's steered requests fail
         sorted_idx = out[1] if isinstance(out, tuple) and len(out) == 4 else None
@@ -296,8 +303,7 @@ def shard_sampler_inputs(orig, self, *args, **kwargs):
                 "vllm-steer: BatchSharder.shard_sampler_inputs no longer returns (batch, "
                 "sorted_logits_indices, grammar_output, metadata) in this vLLM; steered rows "
                 "cannot be matched to requests. Run without --enable-batch-sharded-sampling")
-        slots = to_device(token_slots, sorted_idx.device)  # pinned: a pageable copy syncs
-        mapped = MappedRows(mapping=slots[sorted_idx.long()])
+        mapped = MappedRows(mapping=index.index_select(0, sorted_idx), table=table)
     step.sampled = mapped
     return out
 
