@@ -410,17 +410,28 @@ print("DONE")
 """
 
 
+def _script_env() -> dict:
+    """The environment of a script run with the test shim: this checkout's ``vllm_steer``
+    first on its path (the script's own folder comes first otherwise, then an installed one)."""
+    import os
+    from pathlib import Path
+
+    env = dict(os.environ, **v2_runner_env())
+    root = str(Path(__file__).resolve().parents[3])
+    env["PYTHONPATH"] = os.pathsep.join([root, env["PYTHONPATH"]])
+    return env
+
+
 def test_batch_sharded_sampling_rows_get_their_own_requests_steer(tmp_path, vllm_config):
     """Under batch-sharded sampling the head sees ``hidden_states[sorted_logits_indices]``
     (rows sorted by owner rank), not batch order: each row must get its own request's steer."""
-    import os
     import subprocess
     import sys
 
     steers = vllm_config.additional_config["vllm_steer"]["steers"]
     script, out = tmp_path / "sharded.py", tmp_path / "out.pt"
     script.write_text(SHARDED)
-    env = dict(os.environ, **v2_runner_env())
+    env = _script_env()
     res = subprocess.run([sys.executable, str(script), f"{steers['a']},{steers['b']}", str(out)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert "DONE" in res.stdout, res.stderr[-3000:]
@@ -522,7 +533,6 @@ def test_batch_sharded_sampling_rows_follow_their_generation_windows(tmp_path, v
     reference's on the model's own weights; beside them a steered request with no window, a
     ramp, and an unsteered request."""
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -543,7 +553,7 @@ def test_batch_sharded_sampling_rows_follow_their_generation_windows(tmp_path, v
     script, out = tmp_path / "sharded_windows.py", tmp_path / "out.pt"
     script.write_text(SHARDED_WINDOWS)
     tests_dir = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, **v2_runner_env())
+    env = _script_env()
     res = subprocess.run([sys.executable, str(script), f"{steers['a']},{steers['b']}", str(out),
                           tests_dir, json.dumps(spec)],
                          env=env, capture_output=True, text=True, timeout=600)

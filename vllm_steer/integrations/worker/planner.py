@@ -505,17 +505,13 @@ class StepPlanner:
         pinned staging into persistent buffers, and are skipped when they hold the same."""
         bank = self.bank_state.bank
         table = self.slots
-        table.use_layers(bank.layers)  # the device table leaves the vector slots out
         n = len(slots)
         if self._shard_copy is None or self._shard_copy.device != bank.p1.device:
             self._shard_copy = staging.StagedCopy(bank.p1.device)
             self._shard_index = self._shard_coefs = None
         coefs_dev = None
-        if _rows_windowed(table, n, slots):
-            coefs = table.row_coefs(n, slots, positions)
-            mask = table.head_mask()
-            if mask is not None:  # the layers' columns: not here
-                coefs *= mask
+        if table.any_windowed(slots):
+            coefs = table.head_rows(table.row_coefs(n, slots, positions), in_place=True)
             index = np.full(len(token_slots), -1, dtype=np.int64)
             index[tokens] = np.arange(n, dtype=np.int64)
             buf = self._shard_coefs = _rows_buffer(self._shard_coefs, n, table.num_columns,
