@@ -16,6 +16,7 @@ replaced, still used by a running request; freed when none uses it).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 STARTUP, STEER_DIR, API = "--steer", "steer-dir", "api"
@@ -255,10 +256,15 @@ class SteerModel:
         self.reap()
 
     # ---- presets ---------------------------------------------------------------------------
-    def preset_add(self, name: str, mix: dict, replace: bool) -> Outcome:
+    def preset_add(self, name: str, mix: dict, replace: bool,
+                   dir_files: Collection[str] = ()) -> Outcome:
         """POST (``replace`` False: a taken name is refused) or PUT (adds or replaces a
-        run-time preset in one step). Names of the model, ``--steer-preset`` presets and the
-        presets file are refused."""
+        run-time preset in one step). A mix naming a steer that is not loaded and that no
+        first use could load (``dir_files``: the names ``--steer-dir`` holds a file of) is
+        refused (409: it was unloaded after the API server checked the mix). Names of the
+        model, ``--steer-preset`` presets and the presets file are refused."""
+        if any(n not in self.names() and n not in dir_files for n in mix):
+            return Outcome(False, 409)
         if name in self.reserved_presets or name in self.file_presets or (
                 name in self.presets and not replace):
             return Outcome(False, 400)

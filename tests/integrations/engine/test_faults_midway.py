@@ -235,11 +235,12 @@ def _presets(core):
     return {k: v for k, v in op(core, "presets").items() if k != "engine"}
 
 
-def test_a_presets_file_swap_that_fails_half_way_changes_nothing():
+def test_a_presets_file_swap_that_fails_half_way_changes_nothing(files):
     """The file's second preset cannot be read, after the first one would take a run-time
     name over: the run-time preset stays, the file's presets and the version are as before;
     the next version loads."""
     core = _core()
+    assert op(core, "load", name="a", path=files("a"))["ok"]
     assert op(core, "preset_add", name="p1", steer={"a": 1.0}, token="t1")["ok"]
     assert op(core, "preset_file", presets={"f": {"a": 2.0}}, stamp=(1, "v1"))["ok"]
     before = _presets(core)
@@ -251,8 +252,9 @@ def test_a_presets_file_swap_that_fails_half_way_changes_nothing():
     assert _presets(core)["presets"] == {"p1": {"a": 3.0}}
 
 
-def test_a_preset_add_or_replace_with_a_bad_mix_changes_nothing():
+def test_a_preset_add_or_replace_with_a_bad_mix_changes_nothing(files):
     core = _core()
+    assert op(core, "load", name="a", path=files("a"))["ok"]
     assert op(core, "preset_add", name="p1", steer={"a": 1.0}, token="t1")["ok"]
     before = _presets(core)
     for replace in (False, True):
@@ -260,6 +262,56 @@ def test_a_preset_add_or_replace_with_a_bad_mix_changes_nothing():
                  steer={"a": 1.0, "b": "x"}, token="t2", replace=replace)
         assert res["ok"] is False, res
         assert _presets(core) == before
+
+
+def test_a_preset_naming_a_steer_unloaded_after_its_check_is_a_409_and_changes_nothing(
+        files, tmp_path):
+    """The API server checks a new preset's steers with a ``list``, then sends the add; an
+    unload of one of them in between (the preset did not name it yet, so the unload was not
+    refused) must not leave a preset every request of which would be refused: the add is a
+    409 naming the steer, the table as before. A steer ``--steer-dir`` could load again at a
+    first use is no conflict."""
+    core = _core()
+    assert op(core, "load", name="a", path=files("a"))["ok"]
+    assert op(core, "load", name="b", path=files("b"))["ok"]
+    assert {s["name"] for s in op(core, "list")["steers"]} == {"a", "b"}  # the route's check
+    assert op(core, "unload", name="a")["ok"]  # another caller, between check and add
+    before = _presets(core)
+    res = op(core, "preset_add", name="p1", steer={"a": 1.0, "b": 2.0}, token="t1")
+    assert res["ok"] is False and res["status"] == 409, res
+    assert "'a'" in res["error"] and "'b'" not in res["error"], res
+    assert _presets(core) == before
+    assert op(core, "preset_add", name="p1", steer={"b": 2.0}, token="t2")["ok"]
+
+    steer_dir = tmp_path / "dir"
+    steer_dir.mkdir()
+    save_steer(steer_dir / "c.safetensors", random_steer(HIDDEN, 2, "c", seed=7))
+    core = _core(steer_dir=str(steer_dir))
+    assert op(core, "preset_add", name="p1", steer={"c": 1.0}, token="t1")["ok"]  # first use
+
+
+@pytest.mark.parametrize("op_name,kw", [
+    ("preset_add", {"name": "p1", "steer": "detox"}),
+    ("preset_add", {"name": "p1", "steer": {"a": "4"}}),
+    ("preset_add", {"name": "p1", "steer": {"a": True}}),
+    ("preset_file", {"presets": ["p1"], "stamp": (1, "v1")}),
+    ("preset_file", {"presets": {"p1": {"a": "x"}}, "stamp": (1, "v1")}),
+    ("preset_file", {"presets": {"p1": {"a": 1.0}}, "stamp": "v1"}),
+    ("preset_file", {"presets": {"p1": {"a": 1.0}}}),
+])
+def test_a_preset_op_with_arguments_of_another_shape_is_a_400_naming_them(files, op_name,
+                                                                          kw):
+    """A direct caller of the management op (the API server sends them right): a 400 naming
+    the argument, not an internal error, and nothing changed."""
+    core = _core()
+    assert op(core, "load", name="a", path=files("a"))["ok"]
+    before = _presets(core)
+    res = op(core, op_name, **kw)
+    assert res["ok"] is False and res["status"] == 400, res
+    assert ('"steer"' if op_name == "preset_add" else '"presets"' if not isinstance(
+        kw.get("presets"), dict) or kw["presets"]["p1"] != {"a": 1.0} else '"stamp"'
+            ) in res["error"], res
+    assert _presets(core) == before
 
 
 # ---- data parallelism: one engine core applied it, the other failed ----------------------
@@ -338,10 +390,11 @@ def test_a_dp_roll_back_whose_drop_fails_still_unbinds(files):
 
 
 def test_a_dp_preset_add_that_fails_on_one_engine_core_is_rolled_back_on_the_other(
-        monkeypatch):
+        monkeypatch, files):
     from vllm_steer.integrations.engine.state import engine_state
 
     cores = [_core(0), _core(1)]
+    assert _manage(cores, "load", name="a", path=files("a"))["ok"]
     assert _manage(cores, "preset_add", name="p1", steer={"a": 1.0}, token="t1")["ok"]
     before = [_presets(c) for c in cores]
     table = engine_state(cores[1]).presets

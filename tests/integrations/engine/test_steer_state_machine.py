@@ -465,7 +465,7 @@ class SteerStateMachine(RuleBasedStateMachine):
         replace=st.booleans())
     def preset_add(self, name, mix, replace):
         """POST /v1/steer-presets, or PUT /v1/steer-presets/NAME (``replace``)."""
-        want = self.model.preset_add(name, mix, replace)
+        want = self.model.preset_add(name, mix, replace, dir_files=self.disk)
         self._check_answer(self._manage("preset_add", name=name, steer=mix,
                                         token=f"t{next(self.ids)}", replace=replace), want)
 

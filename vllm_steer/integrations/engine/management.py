@@ -21,7 +21,7 @@ theirs.
 from __future__ import annotations
 
 import time
-from typing import Collection
+from typing import Collection, Mapping
 
 from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.engine.presets import file_op
@@ -182,14 +182,52 @@ def policy_users(cfg, table, name: str) -> list[str]:
     return out
 
 
+def _is_mix(value) -> bool:
+    """A preset's mix: a mapping of steer names to numbers."""
+    return isinstance(value, Mapping) and all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+        for k, v in value.items())
+
+
+def _bad_preset_args(op: str, kwargs: dict) -> str | None:
+    """What is wrong with a preset op's arguments beyond :data:`_REQUIRED`'s strings (None:
+    nothing): a mix that is no mapping of names to numbers, a presets file's presets or stamp
+    of another shape. The API server sends them right; this answers a direct caller with a
+    400 rather than a 500."""
+    if op == OP_PRESET_ADD and not _is_mix(kwargs.get("steer")):
+        return '"steer" must be a mapping of steer names to numbers, e.g. {"detox": 4}'
+    if op == OP_PRESET_FILE:
+        presets, stamp = kwargs.get("presets"), kwargs.get("stamp")
+        if not isinstance(presets, Mapping) or not all(
+                isinstance(n, str) and _is_mix(m) for n, m in presets.items()):
+            return '"presets" must map preset names to mixes, e.g. {"kind": {"detox": 4}}'
+        if not isinstance(stamp, (list, tuple)) or len(stamp) != 2 \
+                or not isinstance(stamp[0], int) or isinstance(stamp[0], bool):
+            return '"stamp" must be the file\'s [mtime_ns, sha256]'
+    return None
+
+
 def _preset_op(core, cfg, op: str, kwargs: dict) -> dict:
     """``presets`` (read the table), ``preset_add`` ``{"name", "steer", "token", "replace"}``
     (checked by the API server; here only the name, atomically), ``preset_delete``
     ``{"name"}``, ``preset_rollback`` ``{"name", "token"}``, ``preset_file`` ``{"presets",
     "stamp", "path"}``."""
-    table = engine_state(core).presets
+    st = engine_state(core)
+    table = st.presets
     if op == OP_PRESETS:
         return {"ok": True, **table.snapshot()}
+    bad = _bad_preset_args(op, kwargs)
+    if bad is not None:
+        return _error(400, f"steer management op {op!r}: {bad}")
+    if op == OP_PRESET_ADD:
+        gone = [n for n in kwargs["steer"]
+                if st.registry.get(n) is None and not dir_has_file(cfg.steer_dir, n)]
+        if gone:  # unloaded since the API server checked the mix (its check and this op race)
+            return _error(409, f"preset {kwargs['name']!r} names {', '.join(map(repr, gone))}, "
+                          "which is no longer loaded (it was unloaded after the mix was "
+                          "checked) and is no file of --steer-dir: every request naming the "
+                          "preset would be refused. Load it again (POST /v1/steers), or leave "
+                          "it out of the preset")
     if op in (OP_PRESET_ADD, OP_PRESET_FILE):
         reserved = {str(n): "the served model name"
                     for n in va.served_model_names(va.core_model_config(core))}
