@@ -214,6 +214,38 @@ def test_the_busy_error_is_vllms_429_and_passes_the_guard():
     assert e.value.message == "steer: no steer slot freed"
 
 
+@pytest.mark.parametrize("answer,status", [
+    ({"ok": False, "status": 500, "error": "vllm-steer: the steer management op 'load' failed: "
+      "RuntimeError: fault injected in worker 1; nothing was changed"}, 500),
+    ({"ok": False, "status": 400, "reason": "bad_file",
+      "error": "steer 'c' in --steer-dir: rank 99 is over --max-steer-rank 64"}, 400)])
+def test_a_first_use_load_that_fails_in_the_plugin_is_a_500_and_a_refused_file_a_400(
+        monkeypatch, answer, status):
+    """The first use of a ``--steer-dir`` steer loads it before the request is admitted: a
+    load the engine core refused (the file) is the request's 400 naming the file's problem; a
+    load that failed in the plugin's own code (a worker's fault) is a 500 with that message,
+    not a 400 blaming the request's steer."""
+    from vllm.exceptions import VLLMValidationError
+
+    async def manage(engine_, op, **kw):
+        return dict(answer)
+
+    monkeypatch.setattr(async_llm, "manage", manage)
+    monkeypatch.setattr(async_llm, "admitted", lambda value: SimpleNamespace(strengths={"c": 1}))
+    monkeypatch.setattr(async_llm.admission, "dir_steer_file", lambda name, loaded: "/d/c")
+    monkeypatch.setattr(frontend_state(), "loaded_names", lambda: set())
+    params = SimpleNamespace(extra_args={"steer": {"c": 1}})
+    with pytest.raises(Exception) as e:
+        asyncio.run(async_llm._preload_dir_steers(None, None, params))
+    if status == 500:
+        assert getattr(e.value, "http_status", None) == 500 or type(e.value).__name__ == \
+            "SteerPluginError", repr(e.value)
+        assert not isinstance(e.value, VLLMValidationError)
+    else:
+        assert isinstance(e.value, VLLMValidationError), repr(e.value)
+    assert answer["error"] in str(e.value)
+
+
 # ---- a streamed /v1/responses: its first events come before the request reaches the engine --
 RESPONSES_EVENTS = [b"response.created", b"response.in_progress", b"response.output_text.delta",
                     b"response.completed"]

@@ -125,6 +125,8 @@ async def _preload_dir_steers(engine, cfg, params) -> None:
                        f"{RETRY_AFTER_SECONDS} s")
             refuse_busy(message, RETRY_AFTER_SECONDS)
             raise guard.busy_error(message)
+        if not res["ok"] and res.get("status", 400) >= 500 and name not in st.loaded_names():
+            raise guard.internal_error(res["error"])  # the load failed in the plugin: a 500
         if not res["ok"] and name not in st.loaded_names():
             raise admission.field_error(f"{REQUEST_FIELD}: {res['error']}",
                                         res.get("reason", "bad_file"))
