@@ -261,3 +261,29 @@ def test_the_engine_refuses_a_value_that_skipped_the_frontends_admission(files):
                            "frontend writes: the request did not pass its admission (send it "
                            "through vLLM's LLM, AsyncLLM or API server, with the plugin "
                            "installed)")
+
+
+def test_an_unsteered_request_needs_nothing_of_the_steer_state_and_a_steered_one_names_why(
+        files, tmp_path):
+    """The engine core reads its steer state (the ``--steer`` files' headers) at its first use:
+    if that fails (a file moved away since the workers loaded it), a steered request gets the
+    error, and an unsteered one is served as by vLLM alone."""
+    from vllm.sampling_params import SamplingParams
+
+    from vllm_steer.integrations.engine.state import STATES
+
+    paths, _ = files
+    moved = dict(paths, detox=str(tmp_path / "moved-away.safetensors"))
+    cfg = SteerServerConfig(steers=moved, max_strength=10.0, max_steers=4)
+    core = engine_core(engine_index=0, scheduler=SimpleNamespace(requests={}),
+                       vllm_config=SimpleNamespace(
+                           additional_config=cfg.to_additional_config(),
+                           model_config=SimpleNamespace(model="tiny")))
+    plain = SimpleNamespace(sampling_params=SamplingParams(max_tokens=4))
+    bind_request(core, plain)  # served: no error, nothing bound
+    assert BOUND_KEY not in (plain.sampling_params.extra_args or {})
+    assert STATES.get(core) is None  # nothing of the steer state was read for it
+    steered = SimpleNamespace(sampling_params=SamplingParams(
+        max_tokens=4, extra_args={"steer": SteerRequest.parse({"formal": 2}).to_wire()}))
+    with pytest.raises(Exception, match="moved-away"):
+        bind_request(core, steered)

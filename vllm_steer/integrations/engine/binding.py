@@ -57,10 +57,12 @@ def bind_request(core, request) -> None:
     if BOUND_KEY in extra:  # only the engine core writes it
         extra = {k: v for k, v in extra.items() if k != BOUND_KEY}
         va.set_extra_args(sp, extra)
+    value = extra.get(REQUEST_FIELD)
+    if value is None:  # an unsteered request: nothing of the plugin's state is read for it
+        return
     st = engine_state(core)
     reg = st.registry
-    value = extra.get(REQUEST_FIELD)
-    if reg is None or value is None:
+    if reg is None:
         return
     try:  # request data never raises out of the engine core: refuse this request only
         steers = SteerRequest.from_wire(value)
