@@ -332,6 +332,11 @@ def test_engine_core_admission_without_room_is_a_busy_refusal_and_never_fitting_
     reason = admit("r3", {"a": 1.0, "c": 1.0})  # with p and q: 4 steers in 3 slots, ever
     assert reason.startswith(REFUSED_PREFIX) and "--max-steers=3" in reason, reason
     assert reg.counters["failures"] == failures and reg.counters["bank_full"] == 2
+    # the message the API server's first-use load gives (docs/serving.md's table), word for word
+    load = _all([core], "load", name="c", path=str(tmp_path / "c.safetensors"),
+                source="steer-dir", protect=["a", "c"])[0]
+    assert load["status"] == 400 and "are more than the 3 steer slots" in load["error"], load
+    assert reason == f"{REFUSED_PREFIX}steer: {load['error']}", (reason, load)
     assert reg.refused == {"429:bank_full": 2, "400:too_many_steers": 1}, reg.refused
     core.scheduler.requests.clear()  # the request using 'a' ends: the same request fits
     admitted = []

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from vllm_steer import REQUEST_FIELD
 from vllm_steer.integrations import vllm_access as va
-from vllm_steer.integrations.engine.management import in_use_by_requests, load_steer_file
+from vllm_steer.integrations.engine.management import (in_use_by_requests, load_steer_file,
+                                                     never_fits)
 from vllm_steer.integrations.engine.state import engine_state
 from vllm_steer.integrations.protocol import SOURCE_STEER_DIR, count_problem, steer_dir_file
 from vllm_steer.request import (BOUND_KEY, BoundSteer, SteerRequest, SteerRequestError, Window,
@@ -79,7 +80,8 @@ def bind_request(core, request) -> None:
         room = reg.room(in_use, protect=names)
         if len(missing) > room:
             if len(reg.never_evicted() | set(names)) > reg.capacity:  # never fits: a 400
-                raise SteerAdmissionError(_no_room(reg, names, missing, room),
+                raise SteerAdmissionError(f"{REQUEST_FIELD}: "
+                                          + never_fits(reg, missing[0], names),
                                           "too_many_steers")
             reg.counters["bank_full"] += 1  # contention, not a failure: retry later (429)
             raise SteerBankFullError(_no_room(reg, names, missing, room), "bank_full")

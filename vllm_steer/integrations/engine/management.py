@@ -207,6 +207,18 @@ def _bad_preset_args(op: str, kwargs: dict) -> str | None:
     return None
 
 
+def never_fits(reg, name: str, names) -> str:
+    """Why loading ``name`` for a request served with the steers ``names`` can never succeed:
+    they and the steers never evicted are more than the bank's slots (no wait helps). The one
+    message, whichever process finds it (a first use's load, the engine core's admission)."""
+    never = reg.never_evicted()
+    return (f"cannot load steer {name!r}: the request's steers "
+            f"({', '.join(repr(n) for n in names)}) and the {len(never)} steer(s) never evicted "
+            f"({', '.join(sorted(never)) or 'none'}) are more than the {reg.capacity} steer "
+            f"slots (--max-steers={reg.capacity}); send fewer steers at once, or restart with a "
+            "larger --max-steers")
+
+
 def _preset_op(core, cfg, op: str, kwargs: dict) -> dict:
     """``presets`` (read the table), ``preset_add`` ``{"name", "steer", "token", "replace"}``
     (checked by the API server; here only the name, atomically), ``preset_delete``
@@ -278,12 +290,7 @@ def load_steer_file(core, name: str, path: str, source: str,
     never = reg.never_evicted()
     if protect and len(never | set(protect) | {name}) > reg.capacity:
         reg.counters["failures"] += 1  # never fits, however long the request waits
-        return _error(400, f"cannot load steer {name!r}: the request's steers "
-                      f"({', '.join(repr(n) for n in protect)}) and the {len(never)} steer(s) "
-                      f"never evicted ({', '.join(sorted(never)) or 'none'}) are more than "
-                      f"the {reg.capacity} steer slots (--max-steers={reg.capacity}); send "
-                      "fewer steers at once, or restart with a larger --max-steers",
-                      "too_many_steers")
+        return _error(400, never_fits(reg, name, protect), "too_many_steers")
     try:  # capacity before the file: a full bank costs no read (the slot stays ours: this
         # op runs on the engine core's one thread, nothing binds or loads in between)
         slot, evicted = reg.free_slot(in_use_by_requests(core), evictable=True, replacing=name,
