@@ -229,7 +229,7 @@ class SteerModel:
         self.reap()
         if len(missing) > self.room(protect=names):
             if len(self.never_evicted() | set(names)) > self.capacity:
-                return Outcome(False, 400, NO_ROOM)  # never fits: the request's error
+                return Outcome(False, 400, NEVER_FITS)  # never fits: no wait helps
             self.counters["bank_full"] += 1  # fits once running requests end: retry (429)
             return Outcome(False, 429, NO_ROOM)
         loads, evicted = [], []
