@@ -22,7 +22,9 @@ dir larger than it, the shape of ``docs/deploy.md`` (``--max-steers 3``, one ste
   every worker's put and before the registry's commit, an unload whose slot a worker fails to
   empty, a preset change that fails in the preset table. The listing afterwards is the one
   before the call (or, for the unload, the one after it: the unload is done and says so), the
-  same call then succeeds, and the engine serves the right tokens.
+  same call then succeeds, and the engine serves the right tokens. A replacement in the
+  name's own slot (a full bank) whose worker put fails: the name serves its previous file
+  again, and the 500 says so.
 - **Worker faults** (:data:`WORKER_CASES`): the plugin's per-step worker code (the steer op,
   the V1 runner's row positions, one request's slot) raises while one steered request runs
   beside unsteered ones: it gets a 500 naming vllm-steer and the request, the unsteered ones
@@ -477,6 +479,33 @@ def test_a_fault_half_way_through_a_management_write_changes_nothing(server, tin
         r = _call(server, method, path, body)
         assert r.status_code == 200, (method, r.text)
         assert _presets(server) == then, method
+
+
+def test_a_replacement_in_its_own_slot_whose_put_fails_keeps_serving_the_previous_file(
+        server, tiny_model_dir):
+    """The bank is full (the pinned steer and two loaded over HTTP), so loading one of those
+    names again takes its own slot; the worker's put fails there. The call is a 500 that says
+    the name serves its previous file again, the listing shows that file (a new load id), and
+    a request naming it is served with that file's tokens."""
+    d2, d3, d4 = (str(STATE["dir"] / f"{n}.safetensors") for n in ("d2", "d3", "d4"))
+    for name, source, _, _ in _steers(server):  # room for exactly the two loads below
+        if source == "steer-dir":
+            assert _call(server, "DELETE", f"/v1/steers/{name}").status_code == 200
+    for name, path in (("api2", d2), ("api3", d3)):
+        r = _call(server, "POST", "/v1/steers", {"name": name, "path": path})
+        assert r.status_code == 200, r.text
+    r = _faulted(server, "vllm_steer.integrations.worker.management:worker_op",
+                 "POST", "/v1/steers", {"name": "api2", "path": d4})
+    assert r.status_code == 500 and "vllm-steer" in r.text, r.text
+    assert "nothing was changed" not in r.text, r.text
+    assert f"steer 'api2' serves its previous file {d2} again" in r.text, r.text
+    listed = {s["name"]: s["file"] for s in requests.get(server + "/v1/steers",
+                                                         timeout=60).json()["data"]}
+    assert listed["api2"] == d2 and listed["api3"] == d3, listed
+    assert tokens(complete(server, {"api2": 2})) == reference_tokens(tiny_model_dir,
+                                                                     {"d2": 2.0})
+    for name in ("api2", "api3"):
+        assert _call(server, "DELETE", f"/v1/steers/{name}").status_code == 200
 
 
 # ---- faults of the plugin's worker code ---------------------------------------------------

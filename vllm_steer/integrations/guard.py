@@ -62,14 +62,34 @@ def is_client_error(exc: BaseException) -> bool:
     return isinstance(exc, VLLMClientError)
 
 
+#: The attribute of an exception that records what the plugin's code it ended had changed
+#: already (:func:`note_outcome`).
+OUTCOME_ATTR = "vllm_steer_outcome"
+
+
+def note_outcome(exc: BaseException, text: str) -> None:
+    """Record on ``exc`` what the failed step had changed already (a sentence: "steer 'a' is
+    unloaded"): the failure's message says it (:func:`management_failure`,
+    :func:`internal_message`) instead of "nothing was changed"."""
+    setattr(exc, OUTCOME_ATTR, text)  # every exception instance takes attributes
+
+
+def outcome_of(exc: BaseException) -> str | None:
+    """What the step ``exc`` ended had changed already (:func:`note_outcome`), or None."""
+    return getattr(exc, OUTCOME_ATTR, None)
+
+
 def internal_message(where: str, request_id: object, exc: BaseException) -> str:
     """The message of a fault of the plugin: names vllm-steer, the hook, the request id and
-    the error (the traceback is in the server's log)."""
+    the error, and what it had changed already (:func:`note_outcome`); the traceback is in
+    the server's log."""
     text = " ".join(str(exc).split())[:500]
     rid = f"request {request_id}" if request_id is not None else "a request"
+    changed = outcome_of(exc)
     return (f"vllm-steer: internal error in {where} while serving {rid}: "
-            f"{type(exc).__name__}{': ' + text if text else ''}. This request was not served; "
-            "the server goes on serving others (the traceback is in the server log)")
+            f"{type(exc).__name__}{': ' + text if text else ''}. This request was not served"
+            f"{'; ' + changed if changed else ''}; the server goes on serving others (the "
+            "traceback is in the server log)")
 
 
 def classify(exc: BaseException, where: str, request_id: object) -> tuple[int, str]:
@@ -181,11 +201,15 @@ def frontend(where: str, request_id: object = None, count: bool = True) -> Itera
 
 def management_failure(op: str, exc: BaseException) -> dict:
     """The answer of a management call whose op failed in the plugin's code: HTTP 500 naming
-    vllm-steer and the op (the traceback is logged once); the op changed nothing."""
+    vllm-steer and the op (the traceback is logged once); the op changed nothing, but what
+    the error records (:func:`note_outcome`: a load that failed after a worker wrote over
+    another steer's slot), which the message says."""
     status, message = classify(exc, f"the steer management op {op!r}", None)
     if status == CLIENT_STATUS:
         return {"ok": False, "status": status, "error": message}
+    changed = outcome_of(exc)
     return {"ok": False, "status": status,
             "error": (f"vllm-steer: the steer management op {op!r} failed: "
-                      f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}; nothing was "
-                      "changed (the traceback is in the server log)")}
+                      f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}; "
+                      + (f"{changed}; nothing else was changed" if changed else
+                         "nothing was changed") + " (the traceback is in the server log)")}

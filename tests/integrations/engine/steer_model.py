@@ -46,13 +46,17 @@ class Instance:
 @dataclass
 class Outcome:
     """What an operation answers: ok, or a refusal (``status``, ``kind``). ``loads``: the
-    instances it loaded (their load id and bank slot are learned from the answer)."""
+    instances it loaded (their load id and bank slot are learned from the answer). ``taken``:
+    for a load that failed after a worker wrote over another load's slot, what became of
+    that steer, as its error says: ``"evicted"``, ``"restored"`` (the name's previous file
+    read again into its own slot) or ``"unloaded"`` (that failed too)."""
 
     ok: bool
     status: int = 200
     kind: str | None = None
     loads: list = field(default_factory=list)
     evicted: list = field(default_factory=list)
+    taken: str | None = None
 
 
 def valid_name(name: str) -> bool:
@@ -135,11 +139,14 @@ class SteerModel:
         return "full", None
 
     def load(self, name: str, path: str, source: str, digest: str | None, protect=(),
-             fault: bool = False) -> Outcome:
+             fault: bool = False, digest_of=None) -> Outcome:
         """Load ``path`` (its bytes' sha256 ``digest``; None: missing or not a steer file) as
         ``name``. ``fault``: a worker fails half-way through the put (or the load fails
         before the name is bound): nothing changes but the steer whose slot it was taking,
-        which is unloaded (an evicted one counts as evicted)."""
+        which is unloaded (an evicted one counts as evicted); when that is the name's own
+        earlier load (a replacement in its slot), its file is read again into the slot
+        (``digest_of(path)``: that file's digest now, None if it is no steer file any more):
+        the name serves it again, as a new load, or, if it cannot be read, is unloaded."""
         if not valid_name(name):
             self.counters["failures"] += 1
             return Outcome(False, 400, BAD_FILE)
@@ -156,11 +163,22 @@ class SteerModel:
             return Outcome(False, 400, BAD_FILE)
         if fault:
             self.counters["failures"] += 1
+            out = Outcome(False, 500, FAULT)
             if taken is not None:
                 self.instances.remove(taken)
+                out.taken = "unloaded"
                 if where == "evict":
                     self.counters["evictions"] += 1
-            return Outcome(False, 500, FAULT)
+                    out.taken = "evicted"
+                elif digest_of is not None:  # its own: its file read again
+                    self.counters["file_reads"] += 1
+                    again = digest_of(taken.file)
+                    if again is not None:
+                        out.taken = "restored"
+                        out.loads.append(Instance(name, taken.source, taken.file, again,
+                                                  self.tick()))
+                        self.instances.append(out.loads[0])
+            return out
         out = Outcome(True)
         if where == "evict":
             self.counters["evictions"] += 1

@@ -34,20 +34,21 @@ HIDDEN = 16
 
 class Workers:
     """Two workers' banks (``slot -> (load_id, name)``); ``fail(op, worker)``: that worker
-    raises on the next ``op``, after the workers before it applied it."""
+    raises on the next ``op``, after the workers before it applied it (called twice: the
+    next two such ops fail, in turn)."""
 
     def __init__(self):
         self.banks = [{}, {}]
-        self.armed = None
+        self.armed = []
 
     def fail(self, op, worker):
-        self.armed = (op, worker)
+        self.armed.append((op, worker))
 
     def collective_rpc(self, fn, args=()):
         op, out = args[0], []
         for i, bank in enumerate(self.banks):
-            if self.armed == (op, i):
-                self.armed = None
+            if self.armed and self.armed[0] == (op, i):
+                self.armed.pop(0)
                 raise RuntimeError(f"fault injected in worker {i} during {op}")
             if op == "put":
                 bank[args[1]] = (args[2], args[3])
@@ -139,21 +140,63 @@ def test_a_load_into_a_free_slot_that_fails_half_way_changes_nothing(files, wher
         s[0]: s[4] for s in state(core)["steers"]}
 
 
-def test_a_replacement_in_its_own_slot_that_fails_half_way_unloads_the_name(files):
+def _listed(core) -> dict:
+    """The loaded steers as ``GET /v1/steers`` lists them: name -> (file, load id)."""
+    return {s["name"]: (s["file"], s["load_id"]) for s in op(core, "list")["steers"]
+            if s["state"] == "loaded"}
+
+
+def test_a_replacement_in_its_own_slot_that_fails_half_way_keeps_the_previous_file(files):
     """The bank is full and the name's slot is the only one: the second worker fails after
-    the first wrote the new factors over the old ones. The old load cannot be served any
-    more (one worker no longer holds it): the name is unloaded, the slot emptied in every
-    worker, nothing else changes; loading it again succeeds."""
+    the first wrote the new factors over the old ones. The previous file is read again into
+    that slot: the name keeps serving it (a new load id), the error says so, nothing else
+    changes; loading the new file again succeeds."""
     core = _core(capacity=2)
     assert op(core, "load", name="a", path=files("a"))["ok"]
     assert op(core, "load", name="b", path=files("b"))["ok"]
-    before = state(core)
+    before = _listed(core)
+    counters = state(core)["counters"]
     core.model_executor.fail("put", 1)
     answer = op(core, "load", name="a", path=files("c"))
     assert answer["ok"] is False and answer["status"] == 500, answer
-    after = state(core)
-    assert after["steers"] == [s for s in before["steers"] if s[0] != "a"], after
-    assert after["counters"] == before["counters"]
+    assert answer["error"].startswith("vllm-steer") and "fault injected" in answer["error"]
+    assert "nothing was changed" not in answer["error"], answer
+    assert f"steer 'a' serves its previous file {files('a')} again" in answer["error"], answer
+    after = _listed(core)
+    assert after["b"] == before["b"] and after["a"][0] == files("a"), after
+    assert after["a"][1] > before["a"][1]  # read again: a new load
+    assert state(core)["counters"] == counters  # the put back is no load anyone asked for
+    agree(core)
+    (bound,) = admit(core, "r1", {"a": 1})
+    assert (bound.load_id, core.model_executor.banks[1][bound.bank_slot]) == (
+        after["a"][1], (after["a"][1], "a"))
+    core.scheduler.requests.clear()  # r1 finished: the name's slot is free to replace
+    assert op(core, "load", name="a", path=files("c"))["ok"]  # the next op succeeds
+    agree(core)
+
+
+@pytest.mark.parametrize("why", ["its file is gone", "its put fails too"])
+def test_a_replacement_in_its_own_slot_whose_previous_file_cannot_come_back_says_unloaded(
+        files, why):
+    """As above, but the previous file cannot be put back: the name is unloaded, and the
+    error says so (never "nothing was changed"), naming the preset that names it."""
+    import os
+
+    core = _core(capacity=2)
+    assert op(core, "load", name="a", path=files("a"))["ok"]
+    assert op(core, "load", name="b", path=files("b"))["ok"]
+    assert op(core, "preset_add", name="p", steer={"a": 1.0}, token="t")["ok"]
+    core.model_executor.fail("put", 1)
+    if why == "its file is gone":
+        os.remove(files("a"))
+    else:
+        core.model_executor.fail("put", 0)
+    answer = op(core, "load", name="a", path=files("c"))
+    assert answer["ok"] is False and answer["status"] == 500, answer
+    assert "nothing was changed" not in answer["error"], answer
+    assert "steer 'a' is unloaded" in answer["error"], answer
+    assert "the preset 'p'" in answer["error"], answer
+    assert set(_listed(core)) == {"b"}
     agree(core)
     assert op(core, "load", name="a", path=files("c"))["ok"]
     agree(core)
@@ -345,7 +388,8 @@ def test_a_dp_load_that_fails_half_way_on_one_engine_core_is_rolled_back_on_the_
     cores[1].model_executor.fail("put", 1)  # engine core 0 loads it; engine core 1 half-way
     res = _manage(cores, "load", name="b", path=files("b"))
     assert res["ok"] is False and res["status"] == 500 and "rolled back" not in res, res
-    assert "undone on the 1 engine core(s) that had loaded it" in res["error"], res
+    assert res["error"].endswith("(data parallelism: refused by engine core 1; undone on "
+                                 "engine core 0)"), res
     after = [state(c) for c in cores]
     for b, a in zip(before, after, strict=True):
         assert a["steers"] == b["steers"]
@@ -368,7 +412,7 @@ def test_a_dp_replacement_refused_on_one_engine_core_keeps_the_name_on_every_one
     admit(cores[1], "r1", {"a": 1.0})  # engine core 1's only slot is in use
     res = _manage(cores, "load", name="a", path=files("b"))
     assert res["ok"] is False and res["status"] == 507, res
-    assert "a name that held a file serves that file again" in res["error"], res
+    assert "undone on engine core 0: 'a' serves its previous file there again" in res["error"]
     for c in cores:
         listing = {s["name"]: s for s in op(c, "list")["steers"] if s["state"] == "loaded"}
         assert set(listing) == {"a"} and listing["a"]["file"] == files("a"), listing
@@ -432,6 +476,99 @@ def test_a_dp_unload_that_fails_on_one_engine_core_says_so_and_a_retry_finishes_
     assert [state(c)["steers"] for c in cores] == [[], []]
     for c in cores:
         agree(c)
+
+
+def test_a_dp_replacement_that_fails_in_its_own_slot_on_one_engine_core_keeps_the_name(
+        files):
+    """Engine core 1 replaces the name in its own slot (its bank is full) and a worker's put
+    fails; engine core 0 replaced it in another slot. Both serve the previous file afterwards,
+    and the error says so for each."""
+    cores = [_core(0, capacity=3), _core(1, capacity=2)]
+    assert _manage(cores, "load", name="a", path=files("a"))["ok"]
+    assert _manage(cores, "load", name="b", path=files("b"))["ok"]
+    cores[1].model_executor.fail("put", 1)
+    res = _manage(cores, "load", name="a", path=files("c"))
+    assert res["ok"] is False and res["status"] == 500, res
+    assert "refused by engine core 1" in res["error"], res
+    assert f"steer 'a' serves its previous file {files('a')} again" in res["error"], res
+    assert "undone on engine core 0: 'a' serves its previous file there again" in res["error"]
+    for c in cores:
+        assert {n: f for n, (f, _) in _listed(c).items()} == {"a": files("a"),
+                                                              "b": files("b")}
+        agree(c, stale_ok=True)
+    assert admit(cores[0], "r1", {"a": 1.0}) and admit(cores[1], "r2", {"a": 1.0})
+
+
+def test_a_dp_roll_back_whose_put_back_fails_unloads_and_says_so(files):
+    """Engine core 0 replaced the name (another slot), engine core 1 refused (507): the
+    roll-back on engine core 0 reads the previous file again into an empty slot, and a
+    worker's put fails there. The new file must not stay bound: the name is unloaded on
+    engine core 0, and the error says so (engine core 1 serves the previous file)."""
+    cores = [_core(0, capacity=2), _core(1, capacity=1)]
+    assert _manage(cores, "load", name="a", path=files("a"))["ok"]
+    admit(cores[1], "r1", {"a": 1.0})  # engine core 1's only slot is in use
+    # the new load's put succeeds; the roll-back's put (the second) fails in worker 1
+    real = cores[0].model_executor.collective_rpc
+    puts = []
+
+    def collective_rpc(fn, args=()):
+        if args[0] == "put":
+            puts.append(args[1])
+            if len(puts) == 2:
+                cores[0].model_executor.fail("put", 1)
+        return real(fn, args)
+    cores[0].model_executor.collective_rpc = collective_rpc
+    res_load = _manage(cores, "load", name="a", path=files("b"))
+    assert len(puts) == 2, puts
+    assert res_load["ok"] is False and res_load["status"] == 507, res_load
+    assert "'a' is unloaded there" in res_load["error"], res_load
+    assert "fault injected" in res_load["error"], res_load
+    assert "serves its previous file" not in res_load["error"]
+    assert _listed(cores[0]) == {}  # not the new file
+    assert {n: f for n, (f, _) in _listed(cores[1]).items()} == {"a": files("a")}
+    for c in cores:
+        agree(c, stale_ok=True)
+
+
+def test_a_dp_roll_back_that_fails_says_which_engine_core_kept_the_load(files, monkeypatch):
+    """The roll-back itself fails on engine core 0 (its unload raises): the answer must not
+    claim the load was undone there; it names engine core 0, which keeps the new steer."""
+    cores = [_core(0), _core(1, capacity=1)]
+    assert _manage(cores, "load", name="a", path=files("a"))["ok"]
+    registry = engine_state_of(cores[0]).registry
+
+    def unload(*a, **kw):
+        raise RuntimeError("fault injected in engine core 0's unload")
+    monkeypatch.setattr(registry, "unload", unload)
+    res = _manage(cores, "load", name="b", path=files("b"))  # engine core 1 is full: 507
+    monkeypatch.undo()
+    assert res["ok"] is False and res["status"] == 507, res
+    assert "engine core 0 could not undo it" in res["error"], res
+    assert "undone on" not in res["error"], res
+    assert res["rollback_failed"] == ["0"], res
+    assert sorted(_listed(cores[0])) == ["a", "b"] and sorted(_listed(cores[1])) == ["a"]
+    listing = _manage(cores, "list")
+    assert {s["name"]: s["state"] for s in listing["steers"]} == {"a": "loaded",
+                                                                   "b": "partial"}
+
+
+# ---- a draining slot freed by an admission -------------------------------------------------
+def test_a_draining_slot_freed_by_a_first_use_is_emptied_in_the_workers(files, tmp_path):
+    """A steer unloaded while a request used it drains; the request finishes; the next
+    admission's first-use load frees the draining slot (and takes another, empty one): the
+    freed slot is emptied in every worker, not left holding factors no name is bound to."""
+    core = _core(capacity=3, steer_dir=str(tmp_path))
+    assert op(core, "load", name="x", path=files("d"))["ok"]  # slot 0
+    assert op(core, "load", name="y", path=files("d"))["ok"]  # slot 1
+    admit(core, "r1", {"y": 1})
+    assert op(core, "unload", name="y")["ok"]  # draining: r1 uses it
+    assert op(core, "unload", name="x")["ok"]  # slot 0: freed at once
+    core.scheduler.requests.clear()  # r1 finished
+    (bound,) = admit(core, "r2", {"c": 1})  # first use: frees slot 1, takes slot 0
+    assert bound.bank_slot == 0
+    for bank in core.model_executor.banks:
+        assert set(bank) == {0}, bank  # slot 1 emptied
+    agree(core)
 
 
 def engine_state_of(core):

@@ -240,6 +240,13 @@ class SteerStateMachine(RuleBasedStateMachine):
         os.replace(tmp, path)
         self.disk[name] = not corrupt
 
+    def _digest(self, path: str) -> str | None:
+        """The sha256 of the steer file at ``path`` now (None: none there, or no steer file)."""
+        if not path.startswith(self.dir + os.sep):
+            return _sha(path)  # the --steer file: never changed
+        found = self._file(os.path.basename(path).removesuffix(".safetensors"))
+        return found and found[1]
+
     def _file(self, name: str) -> tuple[str, str | None] | None:
         """``(path, sha256)`` of the steer-dir file of ``name`` as the disk has it now (sha256
         None: not a steer file), or None when there is none."""
@@ -395,12 +402,14 @@ class SteerStateMachine(RuleBasedStateMachine):
         first wrote), or the load fails between the put and the registry's commit."""
         path = os.path.join(self.dir, f"{src}.safetensors")
         found = self._file(src)
-        want = self.model.load(name, path, M.API, found and found[1], fault=bool(fault))
+        want = self.model.load(name, path, M.API, found and found[1], fault=bool(fault),
+                               digest_of=self._digest)
         restore = None
         if fault == "commit":
             real = self.reg.commit
 
-            def commit(*a, **kw):
+            def commit(*a, **kw):  # once: a put back into the slot commits
+                self.reg.commit = real
                 raise InjectedFault("fault injected between the put and the commit")
             self.reg.commit, restore = commit, real
         elif fault:
@@ -414,6 +423,12 @@ class SteerStateMachine(RuleBasedStateMachine):
         if fault and fault != "commit":
             assert fired == (want.kind == M.FAULT), (want, answer)
         self._check_answer(answer, want)
+        if want.kind == M.FAULT:  # the error says what became of the steer it overwrote
+            said = {"restored": f"steer {name!r} serves its previous file",
+                    "unloaded": "is unloaded", "evicted": "is unloaded",
+                    None: "nothing was changed"}[want.taken]
+            assert said in answer["error"], (want, answer)
+            self._learn(want.loads)
         if want.ok:
             assert answer["evicted"] == (want.evicted[0] if want.evicted else None), answer
             inst, = want.loads

@@ -29,6 +29,7 @@ from vllm_steer.kinds import applied_in_layers
 from vllm_steer.integrations.engine.registry import (SteerCapacityError, SteerEntry,
                                                      SteerNameError, bound_in, check_name)
 from vllm_steer.integrations.engine.state import engine_state
+from vllm_steer.integrations.guard import note_outcome
 from vllm_steer.integrations.protocol import (OP_LIST, OP_LOAD, OP_PRESET_ADD, OP_PRESET_DELETE,
                                               OP_PRESET_FILE, OP_PRESET_ROLLBACK, OP_PRESETS,
                                               OP_ROLLBACK, OP_UNLOAD, SOURCE_API,
@@ -145,20 +146,35 @@ def _run_op(core, op: str, kwargs: dict | None = None) -> dict:
                     "" if freed else "; its slot is freed when the requests using it finish")
         return {"ok": True, "steer": entry.to_json()}
     if op == OP_ROLLBACK:
-        entry = reg.get(kwargs["name"])
-        load_id = (kwargs.get("load_ids") or {}).get(str(va.engine_index(core)))
-        if entry is None or entry.load_id != load_id:
-            return {"ok": True, "steer": None}
-        restored = _restore_replaced(core, st, kwargs["name"], load_id)
-        if restored is not None:
-            return {"ok": True, "steer": entry.to_json(), "restored": restored}
-        _, freed = reg.unload(kwargs["name"], in_use_by_requests(core))
+        return _rollback(core, st, kwargs)
+    return _error(400, f"unknown steer management op {op!r}")
+
+
+def _rollback(core, st, kwargs: dict) -> dict:
+    """``rollback`` ``{"name", "load_ids"}``: undo this engine core's load ``load_ids[engine]``
+    of ``name``, which another engine core refused. The name's previous file is read again
+    where the load replaced one (answer ``restored``: the entry that serves it); else, or when
+    that fails (answer ``previous_lost``: why), the name is unloaded, never left serving the
+    refused load. ``steer`` None: that load is not the name's any more (nothing undone)."""
+    reg, name = st.registry, kwargs["name"]
+    entry = reg.get(name)
+    load_id = (kwargs.get("load_ids") or {}).get(str(va.engine_index(core)))
+    if entry is None or entry.load_id != load_id:
+        return {"ok": True, "steer": None}
+    restored, lost = _restore_replaced(core, st, name, load_id)
+    if restored is not None:
+        return {"ok": True, "steer": entry.to_json(), "restored": restored}
+    if reg.get(name) is entry:  # (a put back into its own slot that failed unbound it)
+        _, freed = reg.unload(name, in_use_by_requests(core))
         reg.counters["unloads"] -= 1  # not an unload anyone asked for
         _drop(core, freed)
-        logger.info("vllm-steer: load of steer %r (load id %d) rolled back: it failed on "
-                    "another data-parallel engine", kwargs["name"], load_id)
-        return {"ok": True, "steer": entry.to_json()}
-    return _error(400, f"unknown steer management op {op!r}")
+    logger.info("vllm-steer: load of steer %r (load id %d) rolled back: it failed on "
+                "another data-parallel engine; the name is unloaded here%s", name, load_id,
+                f" (its previous file could not be loaded again: {lost})" if lost else "")
+    out = {"ok": True, "steer": entry.to_json()}
+    if lost:
+        out["previous_lost"] = lost
+    return out
 
 
 def policy_users(cfg, table, name: str) -> list[str]:
@@ -264,7 +280,7 @@ def _preset_op(core, cfg, op: str, kwargs: dict) -> dict:
 
 
 def load_steer_file(core, name: str, path: str, source: str,
-                    protect: Collection[str] = ()) -> dict:
+                    protect: Collection[str] = (), put_back: bool = True) -> dict:
     """Load the steer file ``path`` as ``name``: pick a slot (never evicting a steer that a
     request uses or that ``protect`` names: the steers of the request being admitted), then
     read and check the file like at start-up, put the factors on every worker, bind the name
@@ -273,9 +289,14 @@ def load_steer_file(core, name: str, path: str, source: str,
     failure); a request that can never fit is a 400. A file that cannot be read is a 400
     naming it. A put that fails in a worker (or anything else before the name is bound) is
     raised with the registry as it was, but for the steer whose bank slot the load was
-    taking, whose factors some workers may have overwritten: it is unbound (a steer-dir steer
-    is read again on its next use; a name replaced in its own slot is unloaded) and the slot
-    emptied in every worker."""
+    taking, whose factors some workers may have overwritten: the slot is emptied in every
+    worker and that steer unbound (an evicted steer-dir steer is read again on its next
+    use); a name replaced in its own slot gets its previous file read again into it
+    (``put_back``; else, or if that fails too, the name stays unloaded). The error records
+    which (:func:`vllm_steer.integrations.guard.note_outcome`): its message says it.
+
+    Draining slots no request uses are freed first and emptied in every worker (an
+    admission's first-use load runs no op that would)."""
     from vllm_steer.format import SteerFileError
     from vllm_steer.kinds import load_any
 
@@ -291,10 +312,11 @@ def load_steer_file(core, name: str, path: str, source: str,
     if protect and len(never | set(protect) | {name}) > reg.capacity:
         reg.counters["failures"] += 1  # never fits, however long the request waits
         return _error(400, never_fits(reg, name, protect), "too_many_steers")
+    in_use = in_use_by_requests(core)
+    _drop(core, reg.reap(in_use))
     try:  # capacity before the file: a full bank costs no read (the slot stays ours: this
         # op runs on the engine core's one thread, nothing binds or loads in between)
-        slot, evicted = reg.free_slot(in_use_by_requests(core), evictable=True, replacing=name,
-                                      protect=protect)
+        slot, evicted = reg.free_slot(in_use, evictable=True, replacing=name, protect=protect)
     except SteerCapacityError as e:
         if source == SOURCE_STEER_DIR:  # contention, not a failure: the API server waits
             reg.counters["bank_full"] += 1
@@ -336,7 +358,7 @@ def load_steer_file(core, name: str, path: str, source: str,
         _workers(core, "put", slot, load_id, name, steer)
         entry = reg.commit(SteerEntry.from_metadata(name, path, steer.metadata, load_id, slot,
                                                     source), evicted)
-    except Exception:  # a worker's put, or anything before the name is bound: undo it all
+    except Exception as e:  # a worker's put, or anything before the name is bound: undo it all
         _restore(reg, saved)
         reg.counters["failures"] += 1
         if taken is not None:  # its slot may hold part of the new factors now
@@ -346,11 +368,13 @@ def load_steer_file(core, name: str, path: str, source: str,
             if evicted is not None:
                 reg.counters["evictions"] += 1
             logger.warning("vllm-steer: loading steer %r into bank slot %d failed; steer %r "
-                           "(load id %d), which held that slot, is unloaded%s", name, slot,
+                           "(load id %d), which held that slot, is unbound%s", name, slot,
                            taken.name, taken.load_id,
                            " (read again on its next use)" if evicted is not None else "")
         _drop(core, [slot])
-        raise
+        if taken is not None:
+            note_outcome(e, _taken_back(core, st, taken, evicted is not None, put_back))
+        raise e
     st.replaced.pop(name, None)
     if previous is not None:
         st.replaced[name] = (load_id, previous.file, previous.source)
@@ -362,27 +386,87 @@ def load_steer_file(core, name: str, path: str, source: str,
             "load_ms": ms}
 
 
-def _restore_replaced(core, st, name: str, load_id: int) -> dict | None:
+def _taken_back(core, st, taken: SteerEntry, evicted: bool, put_back: bool) -> str:
+    """What became of ``taken``, the steer whose bank slot a load that failed was taking (it
+    is unbound and the slot emptied): the sentence the load's error says. The name's own
+    earlier file (a replacement in its own slot) is read again into it (``put_back``)."""
+    try:
+        return _take_back(core, st, taken, evicted, put_back)
+    except Exception:  # the load's own error is the answer; say what the registry holds
+        logger.exception("vllm-steer: after a failed load, handling steer %r failed",
+                         taken.name)
+        now = st.registry.get(taken.name)
+        return (f"steer {taken.name!r} is unloaded" if now is None else
+                f"steer {taken.name!r} serves {now.file} (load id {now.load_id})")
+
+
+def _take_back(core, st, taken: SteerEntry, evicted: bool, put_back: bool) -> str:
+    name = taken.name
+    if evicted:
+        return (f"steer {name!r} (loaded from --steer-dir), whose bank slot the load was "
+                "taking, is unloaded; it is read again on its next use")
+    why = _load_again(core, st, name, taken.file, taken.source) if put_back else None
+    if put_back and why is None:
+        now = st.registry.get(name)
+        logger.info("vllm-steer: steer %r serves its previous file %s again (load id %d)",
+                    name, taken.file, now.load_id)
+        return (f"steer {name!r} serves its previous file {taken.file} again (read again "
+                f"into its bank slot {now.bank_slot}: load id {now.load_id})")
+    cfg = st.config
+    out = f"steer {name!r} is unloaded"
+    if put_back:
+        out += (f": the load was replacing its previous file {taken.file} in its own bank "
+                f"slot (no other was free), and that file could not be loaded again ({why})")
+        logger.warning("vllm-steer: steer %r is unloaded: its previous file %s could not be "
+                       "loaded again (%s)", name, taken.file, why)
+    if dir_has_file(cfg.steer_dir, name):
+        out += "; a request naming it loads it again from --steer-dir"
+    else:
+        out += "; requests naming it are refused until it is loaded again (POST /v1/steers)"
+        named_by = policy_users(cfg, st.presets, name)
+        if named_by:
+            out += f"; it is named by {'; '.join(named_by)}"
+    return out
+
+
+def _load_again(core, st, name: str, path: str, source: str) -> str | None:
+    """Load ``path`` as ``name`` again (its source kept): the file a failed op took from the
+    name. Why it failed (None: it serves the name again). Not a load anyone asked for: the
+    ``loads`` and ``failures`` counters do not count it."""
+    reg = st.registry
+    counted = {k: reg.counters[k] for k in ("loads", "failures")}
+    try:
+        res = load_steer_file(core, name, path, source, put_back=False)
+        why = None if res.get("ok") else str(res.get("error"))
+    except Exception as e:  # a worker's put again: the slot is emptied, the name unbound
+        logger.warning("vllm-steer: loading steer %r again from %s failed", name, path,
+                       exc_info=True)
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    reg.counters.update(counted)
+    return why
+
+
+def _restore_replaced(core, st, name: str, load_id: int) -> tuple[dict | None, str | None]:
     """Undo load ``load_id`` of ``name`` that replaced another file of that name: that file
     is loaded again from its path (its factors were overwritten), so that the name serves
-    what it served before the failed call. The entry loaded (None: the load replaced nothing,
-    or the file cannot be loaded again: the caller unloads the name)."""
+    what it served before the failed call. ``(the entry loaded, None)``; ``(None, why)``:
+    the file cannot be loaded again; ``(None, None)``: the load replaced nothing (either way
+    the caller unloads the name where it is still bound)."""
     prev = st.replaced.pop(name, None)
     if prev is None or prev[0] != load_id:
-        return None
+        return None, None
     _, path, source = prev
-    res = load_steer_file(core, name, path, source)
-    if not res.get("ok"):
+    why = _load_again(core, st, name, path, source)
+    if why is not None:
         logger.warning("vllm-steer: rolling back the load of steer %r (load id %d): its "
                        "previous file %s could not be loaded again (%s); the name is "
-                       "unloaded", name, load_id, path, res.get("error"))
-        return None
-    st.registry.counters["loads"] -= 1  # not a load anyone asked for
+                       "unloaded", name, load_id, path, why)
+        return None, why
     st.replaced.pop(name, None)
     logger.info("vllm-steer: load of steer %r (load id %d) rolled back: it failed on another "
                 "data-parallel engine; its previous file %s serves the name again", name,
                 load_id, path)
-    return res["steer"]
+    return st.registry.get(name).to_json(), None
 
 
 def layer_steer_problems(core, st, name: str, meta) -> list[str]:

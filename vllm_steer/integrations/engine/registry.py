@@ -128,7 +128,9 @@ class SteerRegistry:
         (``evictable``) the least recently used steer-dir steer no request uses and not named
         in ``protect`` (the steers of the request being admitted), whose entry is returned to
         be evicted. ``replacing``: the name being re-loaded (its old slot is free when no
-        request uses it). Raises :class:`SteerCapacityError` naming the limit."""
+        request uses it). Raises :class:`SteerCapacityError` naming the limit. Reaps first
+        (:meth:`reap`); a caller that drives workers reaps itself before, to empty the freed
+        slots in them."""
         self.reap(in_use)
         for i, e in enumerate(self.slots):
             if e is None:

@@ -27,11 +27,38 @@ from vllm_steer.logs import get_logger
 logger = get_logger()
 
 
-def _rolled_back(res: dict, undo: dict) -> dict:
-    return {**res, "error": f"{res['error']} (data parallelism: refused by engine core "
-                            f"{res.get('engine')}; undone on the {len(undo['load_ids'])} "
-                            "engine core(s) that had loaded it: a name that held a file "
-                            "serves that file again)"}
+def _rolled_back(res: dict, undo: dict, answers: list[dict]) -> dict:
+    """A load refused by an engine core and rolled back on those that had loaded it: the
+    refusal, saying what the name serves on each of those, from its ``rollback`` answer
+    (``answers``): its previous file again, nothing (unloaded: it had none, or it could not
+    be loaded again), or, where the rollback failed, still the refused load
+    (``rollback_failed``: those engine cores)."""
+    name = undo["name"]
+    by_engine = {str(a.get("engine")): a for a in answers}
+    notes, failed = [], []
+    for engine in sorted(undo["load_ids"]):
+        a = by_engine.get(engine) or {"error": "no answer"}
+        if not a.get("ok"):
+            failed.append(engine)
+            notes.append(f"engine core {engine} could not undo it ({a.get('error')}): there "
+                         f"{name!r} serves the file of this load; send the load again, or "
+                         f"DELETE /v1/steers/{name}")
+        elif a.get("restored"):
+            notes.append(f"undone on engine core {engine}: {name!r} serves its previous file "
+                         "there again")
+        elif a.get("previous_lost"):
+            notes.append(f"undone on engine core {engine}, but {name!r} is unloaded there: "
+                         f"its previous file could not be loaded again ({a['previous_lost']})")
+        elif a.get("steer") is None:
+            notes.append(f"nothing to undo on engine core {engine} ({name!r} was loaded "
+                         "again since)")
+        else:
+            notes.append(f"undone on engine core {engine}")
+    out = {**res, "error": f"{res['error']} (data parallelism: refused by engine core "
+                           f"{res.get('engine')}; {'; '.join(notes)})"}
+    if failed:
+        out["rollback_failed"] = failed
+    return out
 
 
 def _unload_failed_somewhere(res: dict, answers: list[dict]) -> dict:
@@ -73,9 +100,8 @@ async def manage(engine, op: str, **kwargs) -> dict:
     res = merge_answers(op, answers)
     if op == OP_LOAD and not res.get("ok"):
         undo = rollback_kwargs(kwargs["name"], answers)
-        if undo is not None:  # loaded by some engine cores only: unload it from those
-            await _every_engine(engine, OP_ROLLBACK, undo)
-            res = _rolled_back(res, undo)
+        if undo is not None:  # loaded by some engine cores only: undo it on those
+            res = _rolled_back(res, undo, await _every_engine(engine, OP_ROLLBACK, undo))
     if op == OP_UNLOAD and res.get("ok"):
         res = _unload_failed_somewhere(res, answers)
     if op == OP_PRESET_ADD and not res.get("ok") and any(a.get("ok") for a in answers):
