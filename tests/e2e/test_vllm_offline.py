@@ -254,3 +254,129 @@ def test_every_hook_of_the_v1_runner_groups_ran_in_the_engine(llm, hooks_record)
     assert len(want) == 9, sorted(want)
     assert want - ran == set(), f"hooks never called: {sorted(want - ran)}"
     assert not ran & wrapped_targets(HOOKS, ("v2", "v2-lens", "v2-spec"))
+
+
+# ---- the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) -------------------
+_IN_PROCESS = r'''
+import json
+import os
+import sys
+import threading
+
+from vllm import LLM, SamplingParams
+
+from vllm_steer import offline
+from vllm_steer.integrations.engine import core
+
+spec = json.loads(sys.argv[1])
+seen = {}
+
+
+def within(label, fn):
+    """fn() in a thread; one still running after the timeout ends this process with what it
+    saw (a generate that never returns)."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            box["error"] = f"{type(e).__name__}: {e}"
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(spec["timeout"])
+    if t.is_alive():
+        seen["hung"] = label
+        print("RESULT" + json.dumps(seen), flush=True)
+        os._exit(0)
+    return box
+
+
+def generate(label, prompts, steers):
+    params = [SamplingParams(temperature=0, max_tokens=spec["max_tokens"],
+                             extra_args=None if s is None else {"steer": s}) for s in steers]
+    box = within(label, lambda: llm.generate(prompts, params, use_tqdm=False))
+    seen[label] = box.get("error") or [
+        [list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.outputs[0].stop_reason]
+        for o in box["value"]]
+
+
+def listed(label):
+    seen[label] = sorted([s["name"], s["load_id"], s["bank_slot"], s["file"]]
+                         for s in within(label, lambda: offline.list_steers(llm))["value"])
+
+
+def planted_fault(*args):
+    raise RuntimeError("planted fault")
+
+
+if __name__ == "__main__":
+    llm = LLM(spec["model"], additional_config={"vllm_steer": spec["steer_config"]},
+              **spec["engine_kw"])
+    prompts, steered = spec["prompts"], spec["steered"]
+    for when in ("before", "after"):
+        if when == "after":
+            # a steer the engine core refuses (its file's rank over --max-steer-rank), beside
+            # a plain request; then a fault of the plugin's admission code
+            generate("refused", prompts[:2], [spec["refused"], None])
+            core.bind_request, bind = planted_fault, core.bind_request
+            generate("fault", prompts[:1], [steered[0]])
+            core.bind_request = bind
+        generate(f"plain_{when}", prompts, [None] * len(prompts))
+        generate(f"steered_{when}", prompts, steered)
+        listed(f"listed_{when}")
+    print("RESULT" + json.dumps(seen), flush=True)
+'''
+
+
+def test_an_engine_side_refusal_in_process_is_an_error_output_and_the_llm_keeps_serving(
+        tiny_model_dir, steer_files, tmp_path):
+    """Offline, with the engine core in the ``LLM``'s process: a request the engine core
+    refuses (a ``--steer-dir`` file the frontend accepts, of a rank over ``--max-steer-rank``)
+    ends with ``finish_reason`` ``"error"`` and the refusal in ``stop_reason``, as with the
+    engine core in a process of its own, and a request of the same call is served; so is a
+    fault of the plugin's admission code (``vllm-steer failed: ``). The ``LLM`` keeps serving:
+    plain and steered requests give the tokens they gave before (greedy), and every loaded
+    steer is still listed in its slot. Each call runs under a timeout (a generate that never
+    returns fails the test), the engine in a subprocess (the environment variable)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from vllm_steer.integrations.protocol import FAILED_PREFIX, REFUSED_PREFIX
+
+    steer_dir = tmp_path / "steer-dir"
+    steer_dir.mkdir()
+    save_steer(str(steer_dir / "wide.safetensors"), random_steer(64, 16, "wide", seed=4))
+    spec = {"model": str(tiny_model_dir), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+            "steer_config": {"steers": {n: steer_files[n] for n in ("a", "b")},
+                             "steer_dir": str(steer_dir), "max_steer_rank": 8},
+            "engine_kw": dict(dtype="float32", kv_cache_memory_bytes=1 << 26,
+                              max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=0,
+                              enable_prefix_caching=False),
+            "steered": [{"a": 5}, {"b": -7}, {"a": 2, "b": 3}, None],
+            "refused": {"wide": 3}, "timeout": 120}
+    script = tmp_path / "in_process.py"
+    script.write_text(_IN_PROCESS)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    out = subprocess.run([sys.executable, str(script), json.dumps(spec)], env=env,
+                         capture_output=True, text=True, timeout=900)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, out.stderr[-3000:]
+    seen = json.loads(line[0][len("RESULT"):])
+    assert "hung" not in seen, f"{seen['hung']}: generate never returned; before it: {seen}"
+    assert isinstance(seen["refused"], list), seen["refused"]  # not raised
+    (refused_tokens, refused_reason, refusal), plain = seen["refused"]
+    assert refused_tokens == [] and refused_reason == "error", seen["refused"]
+    assert refusal.startswith(REFUSED_PREFIX) and "over --max-steer-rank=8" in refusal
+    assert plain == seen["plain_before"][1]  # the call's other request is served
+    [(fault_tokens, fault_reason, fault)] = seen["fault"]
+    assert fault_tokens == [] and fault_reason == "error" and fault.startswith(FAILED_PREFIX)
+    assert "planted fault" in fault
+    for kind in ("plain", "steered"):
+        assert seen[f"{kind}_after"] == seen[f"{kind}_before"]
+    assert seen["steered_before"][:3] != seen["plain_before"][:3]  # the steers steer
+    assert [e[0] for e in seen["listed_after"]] == ["a", "b"]
+    assert seen["listed_after"] == seen["listed_before"]

@@ -42,8 +42,9 @@ import functools
 from vllm_steer.integrations.engine import core, worker_faults
 from vllm_steer.integrations.frontend import (async_llm, cli_args, endpoints, preset_models,
                                               request_field, responses_stream, startup_checks)
-from vllm_steer.integrations.hooks import (ENGINE, RESOLVE_ATTR, V1, V1_LENS, V1_SPEC,
-                                           V2, V2_LENS, V2_SPEC, WORKER, Hook, install_hooks)
+from vllm_steer.integrations.hooks import (ENGINE, FRONTEND, RESOLVE_ATTR, V1, V1_LENS,
+                                           V1_SPEC, V2, V2_LENS, V2_SPEC, WORKER, Hook,
+                                           install_hooks)
 from vllm_steer.integrations.vllm_names import (REGISTRY as _REGISTRY, V1_BATCH as _V1_BATCH,
                                                 V1_RUNNER as _V1, V2 as _V2,
                                                 V2_PROMPT as _V2_PROMPT, V2_RUNNER as _V2_RUNNER,
@@ -156,6 +157,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook("vllm.v1.engine.core:EngineCore.add_request",
          "binding a request's steers to (bank slot, load) at admission",
          core.add_request, group=ENGINE, params=("request", "request_wave")),
+    Hook("vllm.v1.engine.core_client:InprocClient.get_output",
+         "offline with the engine core in the LLM's process: a request the engine core "
+         "refused ends with its error output, not unfinished for ever", core.inproc_get_output,
+         group=FRONTEND),  # the LLM's process
     Hook("vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
          "a fault of the plugin's worker code fails only the requests its step steered "
          "(HTTP 500)", worker_faults.update_from_output, group=ENGINE,

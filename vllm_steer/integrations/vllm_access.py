@@ -760,6 +760,17 @@ def send_error_output(core, request, stop_reason: str) -> None:
                                                  outputs=[out])))
 
 
+def inproc_engine_core(client):
+    """The engine core an ``InprocClient`` steps in the caller's process (offline ``LLM``
+    with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    return client.engine_core
+
+
+def extend_outputs(outputs, more: list) -> None:
+    """Append ``more`` (``EngineCoreOutput``) to one client's ``EngineCoreOutputs``."""
+    outputs.outputs = [*outputs.outputs, *more]
+
+
 def step_failures(output) -> dict | None:
     """The requests the plugin's worker code failed in a step, ``{request id: message}``,
     attached to the step's ``ModelRunnerOutput`` (:func:`attach_step_failures`)."""
@@ -1273,6 +1284,11 @@ ACCESSES: tuple[Access, ...] = (
            reads=(f"{_CORE}Proc.output_queue", "vllm.v1.engine:EngineCoreOutputs",
                   "vllm.v1.engine:EngineCoreOutputs.finished_requests",
                   *reads_of("vllm.v1.request:Request", "request_id", "client_index"))),
+    Access(inproc_engine_core, "a request refused by an engine core in the LLM's process",
+           FRONTEND, reads=("vllm.v1.engine.core_client:InprocClient.engine_core",)),
+    Access(extend_outputs, "a request refused by an engine core in the LLM's process",
+           FRONTEND, reads=("vllm.v1.engine:EngineCoreOutputs.outputs",),
+           sets=("vllm.v1.engine:EngineCoreOutputs.outputs",)),
     Access(step_failures, "the requests a fault of the worker failed", ENGINE),
     Access(attach_step_failures, "the requests a fault of the worker failed", WORKER,
            reads=(f"{_OUTPUT}.req_ids",)),

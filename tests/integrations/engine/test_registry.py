@@ -346,6 +346,44 @@ def test_engine_core_admission_without_room_is_a_busy_refusal_and_never_fitting_
     assert admitted == [request] and set(reg.bound) == {"p", "q", "c"}
 
 
+def test_an_engine_core_in_the_callers_process_hands_its_refusals_to_the_next_step(
+        monkeypatch):
+    """With the engine core in the ``LLM``'s process (no output queue), a refused request is
+    not raised out of ``EngineCore.add_request`` (vLLM's output processor would keep it
+    unfinished for ever): its error output is added to the next step's outputs of the
+    in-process client, once; a fault of the admission code too."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine import EngineCoreOutputs, FinishReason
+
+    from vllm_steer.integrations.engine import core as engine_hooks
+    from vllm_steer.integrations.protocol import FAILED_PREFIX, REFUSED_PREFIX
+    from vllm_steer.request import SteerRequest
+
+    core = _core(0, 2)
+    client = SimpleNamespace(engine_core=core)
+    step = EngineCoreOutputs(outputs=[SimpleNamespace(request_id="served")])
+
+    def request(rid, steers):
+        return SimpleNamespace(request_id=rid, client_index=0, sampling_params=SimpleNamespace(
+            extra_args={"steer": SteerRequest.parse(steers, None, 10.0).to_wire()}))
+
+    engine_hooks.add_request(lambda *a: pytest.fail("admitted"), core, request("r1", {"x": 1}))
+
+    def fault(core, request):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(engine_hooks, "bind_request", fault)
+    engine_hooks.add_request(lambda *a: pytest.fail("admitted"), core, request("r2", {"x": 1}))
+    outs = engine_hooks.inproc_get_output(lambda c: step, client).outputs
+    assert [o.request_id for o in outs] == ["served", "r1", "r2"]
+    assert all(o.finish_reason == FinishReason.ERROR for o in outs[1:])
+    assert outs[1].stop_reason.startswith(REFUSED_PREFIX) and "'x'" in outs[1].stop_reason
+    assert outs[2].stop_reason.startswith(FAILED_PREFIX)
+    empty = EngineCoreOutputs()
+    assert engine_hooks.inproc_get_output(lambda c: empty, client).outputs == []  # once
+
+
 def test_a_steer_a_default_or_positive_floor_names_is_not_unloaded_unless_a_use_reloads_it(
         tmp_path):
     from helpers.steers import random_steer

@@ -5,7 +5,10 @@
 :mod:`vllm_steer.integrations.engine.management`), and ``EngineCore.add_request`` binds each
 request's steers to (bank slot, load) (:mod:`vllm_steer.integrations.engine.binding`); a
 request refused there is finished at once with an error output (:func:`send_refusal`), which
-the API server turns into HTTP 400 (:mod:`vllm_steer.integrations.frontend.async_llm`).
+the API server turns into HTTP 400 (:mod:`vllm_steer.integrations.frontend.async_llm`). An
+engine core in the caller's process (offline ``LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+hands its refusals to its client's next step (:func:`inproc_get_output`), so they end as with
+an engine core process.
 
 This module imports no torch.
 """
@@ -20,6 +23,7 @@ from vllm_steer.integrations.guard import (BUSY_STATUS, CLIENT_STATUS, classify,
                                            management_failure)
 from vllm_steer.integrations.protocol import (BUSY_PREFIX, FAILED_PREFIX, MANAGEMENT_METHOD,
                                               REFUSED_PREFIX)
+from vllm_steer.integrations.side_table import SideTable
 from vllm_steer.logs import get_logger
 from vllm_steer.metrics import refusal_key
 from vllm_steer.request import refusal_reason
@@ -57,10 +61,6 @@ def add_request(orig, self, request, request_wave: int = 0):
     except Exception as e:
         request_id = vllm_access.request_id(request)
         status, message = classify(e, "EngineCore.add_request", request_id)
-        if vllm_access.core_output_queue(self) is None:  # engine core in this process
-            if status == CLIENT_STATUS:
-                raise  # (offline): the caller sees it
-            raise RuntimeError(message) from e
         if status == CLIENT_STATUS:
             logger.warning("vllm-steer: request %s refused: %s", request_id, message)
             reason = refusal_reason(e)
@@ -92,7 +92,35 @@ def send_refusal(core, request, message: str, status: int = CLIENT_STATUS) -> No
     429) or
     :data:`~vllm_steer.integrations.protocol.FAILED_PREFIX` (a fault of the plugin, HTTP 500)
     and ``message``: the API server's ``AsyncLLM.generate`` hook turns it into the client's
-    answer instead of vLLM's generic 500."""
+    answer instead of vLLM's generic 500. An engine core in the caller's process has no output
+    queue: the output goes out with its client's next step (:func:`inproc_get_output`)."""
     prefix = {CLIENT_STATUS: REFUSED_PREFIX, BUSY_STATUS: BUSY_PREFIX}.get(status,
                                                                           FAILED_PREFIX)
-    vllm_access.send_error_output(core, request, prefix + message)
+    if vllm_access.core_output_queue(core) is not None:
+        vllm_access.send_error_output(core, request, prefix + message)
+        return
+    refused = REFUSED_IN_PROCESS.get(core)
+    if refused is None:
+        refused = REFUSED_IN_PROCESS.set(core, [])
+    refused.append(vllm_access.error_output(vllm_access.request_id(request), prefix + message))
+
+
+#: The error outputs of the requests an engine core in the caller's process refused, not yet
+#: handed to its client (:func:`inproc_get_output`).
+REFUSED_IN_PROCESS: SideTable[list] = SideTable()
+
+
+def inproc_get_output(orig, self):
+    """``InprocClient.get_output`` (the engine core stepped in the caller's process: offline
+    ``LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the step's outputs, and the error
+    outputs of the requests the engine core refused since the last step (:func:`send_refusal`),
+    as an engine core process hands them to its client on its output queue. vLLM's output
+    processor then finishes each refused request (``finish_reason`` ``"error"``, the refusal in
+    ``stop_reason``): raised from the engine core instead, it would stay unfinished there,
+    and the ``LLM``'s next ``generate`` would wait for it forever."""
+    outputs = orig(self)
+    refused = REFUSED_IN_PROCESS.get(vllm_access.inproc_engine_core(self))
+    if refused:
+        vllm_access.extend_outputs(outputs, refused)
+        refused.clear()
+    return outputs
