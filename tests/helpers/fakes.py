@@ -40,3 +40,24 @@ def fake_lm_head(weight):
                                                  org_vocab_start_index=0)
 
     return FakeLMHead()
+
+
+def v1_spec_runner_class() -> type:
+    """A stand-in for V1's runner as its speculative-decoding hooks read it: 2 requests (5 and
+    7 computed tokens, 3 prompt tokens each) whose step verifies 2 and 0 draft tokens over 3
+    and 1 scheduled tokens (``_prepare_inputs`` calls ``_calc_spec_decode_metadata``, which
+    returns ``"meta"``). A new class at each call: a test wraps its methods on its own."""
+    import numpy as np
+
+    class Runner:
+        speculative_config = object()
+        input_batch = SimpleNamespace(num_computed_tokens_cpu=np.array([5, 7]),
+                                      num_prompt_tokens=np.array([3, 3]))
+
+        def _calc_spec_decode_metadata(self, num_draft_tokens, cu_num_scheduled_tokens):
+            return "meta"
+
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+            return self._calc_spec_decode_metadata(np.array([2, 0]), np.array([3, 4]))
+
+    return Runner

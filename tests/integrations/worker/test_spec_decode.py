@@ -13,7 +13,7 @@ import torch
 from vllm_steer.integrations.worker.rows import NO_ROWS, SlotRows
 from vllm_steer.integrations.worker.step_mapping import StepMapping
 from vllm_steer.integrations.worker.spec_v1 import verification_rows
-from helpers.fakes import VllmObject
+from helpers.fakes import VllmObject, v1_spec_runner_class
 
 
 def _vllm_logits_indices(num_draft, cu_scheduled):
@@ -286,17 +286,10 @@ def test_a_steered_speculative_v1_step_starts_its_rows_in_prepare_inputs(monkeyp
                          slots=SimpleNamespace(num_window_slots=0, any_windowed=lambda s: False))
     seen = []
 
-    class Runner:  # V1's runner as the hooks read it: 2 requests, 2 and 0 draft tokens
-        speculative_config = object()
-        input_batch = SimpleNamespace(num_computed_tokens_cpu=np.array([5, 7]),
-                                      num_prompt_tokens=np.array([3, 3]))
-
-        def _calc_spec_decode_metadata(self, num_draft_tokens, cu_num_scheduled_tokens):
-            return "meta"
-
+    class Runner(v1_spec_runner_class()):  # 2 requests, 2 and 0 draft tokens
         def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
             seen.append((step.sampled, step.drafts))  # the step's rows as it starts
-            return self._calc_spec_decode_metadata(np.array([2, 0]), np.array([3, 4]))
+            return super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
 
     wrap_method(Runner, "_calc_spec_decode_metadata", spec_v1.calc_spec_decode_metadata)
     wrap_method(Runner, "_prepare_inputs", v1.prepare_inputs)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.fakes import VllmObject
+from helpers.fakes import VllmObject, v1_spec_runner_class
 from helpers.steers import random_steer
 from vllm_steer.format import save_steer
 from vllm_steer.integrations import vllm_access
@@ -80,17 +80,7 @@ def test_a_fault_mapping_the_verification_rows_leaves_the_step_unsteered(runtime
     rt = runtime
     _steer(rt, 0)  # slot 0 steered, slot 1 not
 
-    class Runner:  # V1's runner as the hook reads it: 2 requests, 2 and 0 draft tokens
-        speculative_config = object()
-        input_batch = SimpleNamespace(num_computed_tokens_cpu=np.array([5, 7]),
-                                      num_prompt_tokens=np.array([3, 3]))
-
-        def _calc_spec_decode_metadata(self, num_draft_tokens, cu_num_scheduled_tokens):
-            return "meta"
-
-        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-            return self._calc_spec_decode_metadata(np.array([2, 0]), np.array([3, 4]))
-
+    Runner = v1_spec_runner_class()  # 2 requests, 2 and 0 draft tokens
     wrap_method(Runner, "_calc_spec_decode_metadata", spec_v1.calc_spec_decode_metadata)
     runner = Runner()
     binding = V1RunnerBinding(rt)

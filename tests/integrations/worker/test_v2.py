@@ -348,9 +348,14 @@ def test_a_step_sampled_without_the_head_is_refused_not_served_unsteered(process
 
 # Batch-sharded sampling (--enable-batch-sharded-sampling, TP > 1) runs vLLM's Triton shard-plan
 # kernel, so it is driven in a process with the test shim (tests/v2shim, Triton interpreter).
-SHARDED = r"""
-import sys, types
+# What both batch-sharded scripts share: imports, rank 0 of TP=2 built without a process group
+# (the only thing __init__ asks it for), and the steered sample() run up to the head's call
+# (``SHARDED_RUN``, after the script set ``cfg``, ``rt``, ``sharder``, ``batch`` and
+# ``runner_attrs``).
+SHARDED_HEAD = r"""
+import json, sys, types
 import numpy as np, torch
+from vllm import SamplingParams
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu.sample.batch_shard import BatchSharder
@@ -359,32 +364,26 @@ from vllm_steer.integrations.worker.runtime import get_runtime
 from vllm_steer.integrations.hooks import wrap_method  # noqa: E402
 from vllm_steer.integrations.worker import v2  # noqa: E402
 
-steers, out_path = sys.argv[1].split(","), sys.argv[2]
-cfg = types.SimpleNamespace(additional_config={"vllm_steer": {"steers": {
-    "a": steers[0], "b": steers[1]}}})
-rt = get_runtime(cfg.additional_config)
-rt.bank_state.load(64, torch.device("cpu"), torch.float32)
-rt.ensure_slots(8, torch.device("cpu"))
-rt.step.sampled = NoRows()  # as the V2 processor sets it
-coefs = {1: [4e-3, 0], 2: [0, -3e-3], 3: [0, 5e-3], 4: [-2e-3, 1e-3]}  # slots 0, 5: unsteered
-for slot, row in coefs.items():
-    full = np.zeros(rt.slots.num_columns, dtype=np.float32)  # the first two steers' columns
-    full[:2] = row
-    rt.set_slot(slot, full)
-rt.slots.flush()
 
-# rank 0 of TP=2, built without a process group (the only thing __init__ asks it for)
-sharder = object.__new__(BatchSharder)
-sharder.tp_rank, sharder.tp_size, sharder.device = 0, 2, torch.device("cpu")
-sharder._padded_num_reqs, sharder._padded_num_logits_per_req, sharder._num_warps = 8, 1, 1
+def make_sharder(logits_per_req):
+    sharder = object.__new__(BatchSharder)
+    sharder.tp_rank, sharder.tp_size, sharder.device = 0, 2, torch.device("cpu")
+    sharder._padded_num_reqs, sharder._padded_num_logits_per_req = 8, logits_per_req
+    sharder._num_warps = 1
+    return sharder
 
-# 5 requests, 2 tokens each, in batch order -> slots 3, 0, 4, 1, 5 (owner = slot % 2)
-batch = InputBatch.make_dummy(5, 10, InputBuffers(8, 64, torch.device("cpu")))
-slots = np.array([3, 0, 4, 1, 5])
-batch.idx_mapping_np = slots
-batch.idx_mapping = torch.from_numpy(slots).to(torch.int64)
-batch.expanded_idx_mapping = batch.idx_mapping.clone()
 
+def steered_runtime(steers):
+    cfg = types.SimpleNamespace(additional_config={"vllm_steer": {"steers": {
+        "a": steers[0], "b": steers[1]}}})
+    rt = get_runtime(cfg.additional_config)
+    rt.bank_state.load(64, torch.device("cpu"), torch.float32)
+    rt.ensure_slots(8, torch.device("cpu"))
+    rt.step.sampled = NoRows()  # as the V2 processor sets it
+    return cfg, rt
+"""
+
+SHARDED_RUN = r"""
 class Stop(Exception):
     pass
 
@@ -395,6 +394,8 @@ class Model:
 
 runner = object.__new__(GPUModelRunner)
 runner.vllm_config, runner.batch_sharder, runner.model = cfg, sharder, Model()
+for name, value in runner_attrs.items():
+    setattr(runner, name, value)
 wrap_method(GPUModelRunner, "sample", v2.sample)
 wrap_method(BatchSharder, "shard_sampler_inputs", v2.shard_sampler_inputs)
 hidden = torch.randn(10, 64, generator=torch.Generator().manual_seed(0))
@@ -408,6 +409,26 @@ saved["stats"] = rt.planner.stats.as_dict()
 torch.save(saved, out_path)
 print("DONE")
 """
+
+SHARDED = SHARDED_HEAD + r"""
+steers, out_path = sys.argv[1].split(","), sys.argv[2]
+cfg, rt = steered_runtime(steers)
+coefs = {1: [4e-3, 0], 2: [0, -3e-3], 3: [0, 5e-3], 4: [-2e-3, 1e-3]}  # slots 0, 5: unsteered
+for slot, row in coefs.items():
+    full = np.zeros(rt.slots.num_columns, dtype=np.float32)  # the first two steers' columns
+    full[:2] = row
+    rt.set_slot(slot, full)
+rt.slots.flush()
+sharder = make_sharder(1)
+
+# 5 requests, 2 tokens each, in batch order -> slots 3, 0, 4, 1, 5 (owner = slot % 2)
+batch = InputBatch.make_dummy(5, 10, InputBuffers(8, 64, torch.device("cpu")))
+slots = np.array([3, 0, 4, 1, 5])
+batch.idx_mapping_np = slots
+batch.idx_mapping = torch.from_numpy(slots).to(torch.int64)
+batch.expanded_idx_mapping = batch.idx_mapping.clone()
+runner_attrs = {}
+""" + SHARDED_RUN
 
 
 def _script_env() -> dict:
@@ -457,37 +478,17 @@ def test_batch_sharded_sampling_rows_get_their_own_requests_steer(tmp_path, vllm
 
 # The same, with generation windows: two rows per request (as a step that verifies one draft
 # token per request), so that one request's rows straddle its window's start.
-SHARDED_WINDOWS = r"""
-import json, sys, types
-import numpy as np, torch
-from vllm import SamplingParams
-from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
-from vllm.v1.worker.gpu.model_runner import GPUModelRunner
-from vllm.v1.worker.gpu.sample.batch_shard import BatchSharder
-from vllm_steer.integrations.worker.rows import NoRows
-from vllm_steer.integrations.worker.runtime import get_runtime
-from vllm_steer.integrations.hooks import wrap_method  # noqa: E402
-from vllm_steer.integrations.worker import v2  # noqa: E402
-
+SHARDED_WINDOWS = SHARDED_HEAD + r"""
 steers, out_path, tests_dir, spec = sys.argv[1].split(","), sys.argv[2], sys.argv[3], \
     json.loads(sys.argv[4])
 sys.path.insert(0, tests_dir)
 from helpers.engines import bound_extra  # noqa: E402
 
-cfg = types.SimpleNamespace(additional_config={"vllm_steer": {"steers": {
-    "a": steers[0], "b": steers[1]}}})
-rt = get_runtime(cfg.additional_config)
-rt.bank_state.load(64, torch.device("cpu"), torch.float32)
-rt.ensure_slots(8, torch.device("cpu"))
-rt.step.sampled = NoRows()  # as the V2 processor sets it
+cfg, rt = steered_runtime(steers)
 for slot, steer in spec["requests"].items():  # each request as the engine core bound it
     rt.assign(int(slot), SamplingParams(extra_args=bound_extra(["a", "b"], steer)))
 rt.slots.flush()
-
-# rank 0 of TP=2, built without a process group (the only thing __init__ asks it for)
-sharder = object.__new__(BatchSharder)
-sharder.tp_rank, sharder.tp_size, sharder.device = 0, 2, torch.device("cpu")
-sharder._padded_num_reqs, sharder._padded_num_logits_per_req, sharder._num_warps = 8, 2, 1
+sharder = make_sharder(2)
 
 # 5 requests of 2 tokens in batch order, both tokens sampled (a draft token verified)
 batch = InputBatch.make_dummy(5, 10, InputBuffers(8, 64, torch.device("cpu")))
@@ -498,31 +499,9 @@ batch.expanded_idx_mapping = batch.idx_mapping.repeat_interleave(2)
 batch.cu_num_logits_np = np.arange(0, 11, 2, dtype=np.int32)
 batch.cu_num_logits = torch.from_numpy(batch.cu_num_logits_np)
 batch.num_computed_tokens_np = np.array(spec["computed"], dtype=np.int32)
-
-class Stop(Exception):
-    pass
-
-class Model:
-    def compute_logits_local(self, hidden):
-        torch.save({"rows": hidden.clone(), "steered": rt.planner.steer_rows(hidden)}, out_path)
-        raise Stop
-
-runner = object.__new__(GPUModelRunner)
-runner.vllm_config, runner.batch_sharder, runner.model = cfg, sharder, Model()
-runner.req_states = types.SimpleNamespace(
-    prompt_len=types.SimpleNamespace(np=np.full(8, spec["prompt_len"], dtype=np.int32)))
-wrap_method(GPUModelRunner, "sample", v2.sample)
-wrap_method(BatchSharder, "shard_sampler_inputs", v2.shard_sampler_inputs)
-hidden = torch.randn(10, 64, generator=torch.Generator().manual_seed(0))
-try:
-    GPUModelRunner.sample(runner, hidden, batch, None)
-except Stop:
-    pass
-saved = torch.load(out_path)
-saved["hidden"] = hidden
-torch.save(saved, out_path)
-print("DONE")
-"""
+runner_attrs = {"req_states": types.SimpleNamespace(
+    prompt_len=types.SimpleNamespace(np=np.full(8, spec["prompt_len"], dtype=np.int32)))}
+""" + SHARDED_RUN
 
 
 def test_batch_sharded_sampling_rows_follow_their_generation_windows(tmp_path, vllm_config,
