@@ -558,10 +558,7 @@ class StepPlanner:
             return hidden
         self.op_calls += 1
         self.op_rows += n
-        from vllm_steer import ops
-
-        return ops.steer_fixed(hidden, bank.p1, bank.p2, bank.rank, table, mapping[:n],
-                               max_per_row=self.bank_state.max_per_row, widths=bank.widths)
+        return self._fixed_op(hidden, table, mapping[:n])
 
 
 def _rows_buffer(buf: torch.Tensor | None, n: int, columns: int | None, dtype,

@@ -123,16 +123,13 @@ def get_prompt_logprobs_dict(orig, self, *args, **kwargs):
     if rt is None or not rt.planner.active:
         return orig(self, *args, **kwargs)
     with contextlib.ExitStack() as scope:
-        ready = False
+        prompt = NO_ROWS  # a fault: no prompt row steered (nor taken for the sampled rows)
         with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
-            prompt = PromptRows(base=_HIDDEN_STATES.get(orig, (self, *args), kwargs),
-                                query_start_loc=v1_query_start_loc(self))
-            scope.enter_context(rt.step.prompts(prompt))
+            rows = PromptRows(base=_HIDDEN_STATES.get(orig, (self, *args), kwargs),
+                              query_start_loc=v1_query_start_loc(self))
             # each call's rows as the model's compute_logits gets them (a model may transform
             # them before the head: MiMo's final norm)
-            scope.enter_context(v1_model_compute_logits(self, prompt.logits_fn))
-            ready = True
-        if not ready:  # no prompt row steered (nor taken for the batch's sampled rows)
-            scope.close()
-            scope.enter_context(rt.step.prompts(NO_ROWS))
+            scope.enter_context(v1_model_compute_logits(self, rows.logits_fn))
+            prompt = rows
+        scope.enter_context(rt.step.prompts(prompt))
         return orig(self, *args, **kwargs)

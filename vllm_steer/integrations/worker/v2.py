@@ -347,24 +347,20 @@ def _steered_prompt_call(orig, self, args, kwargs):
     rt = current_runtime()  # the prompt-logprob worker has no config: the worker's runtime
     if rt is None or not rt.slots.num_active_slots:
         return orig(self, *args, **kwargs)
-    steered = NO_ROWS  # a fault: vLLM's call, with no prompt row steered
+    call, prompt = (self, *args), NO_ROWS  # a fault: vLLM's call, no prompt row steered
     with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
-        call = (self, *args)
         input_batch = _INPUT_BATCH.get(orig, call, kwargs)
-        if not rt.any_steered(va.v2_batch_slots(input_batch)):
-            steered = None  # vLLM's call as it is
-        else:
-            prompt = PromptRows(base=_HIDDEN_STATES.get(orig, call, kwargs),
-                                token_slots=va.v2_token_slots(input_batch))
+        if rt.any_steered(va.v2_batch_slots(input_batch)):
+            rows = PromptRows(base=_HIDDEN_STATES.get(orig, call, kwargs),
+                              token_slots=va.v2_token_slots(input_batch))
             # each call's rows as the model's compute_logits gets them (a model may transform
             # them before the head: MiMo's final norm)
-            fn = prompt.logits_fn(_LOGITS_FN.get(orig, call, kwargs))
-            steered = (*_LOGITS_FN.replace(orig, call, kwargs, fn), prompt)
-    if steered is None:
-        return orig(self, *args, **kwargs)
-    if steered is NO_ROWS:
-        with rt.step.prompts(NO_ROWS):
-            return orig(self, *args, **kwargs)
-    call, kwargs, prompt = steered
+            fn = rows.logits_fn(_LOGITS_FN.get(orig, call, kwargs))
+            call, kwargs = _LOGITS_FN.replace(orig, call, kwargs, fn)
+            prompt = rows
+        else:
+            prompt = None  # no steered request in the batch: vLLM's call as it is
+    if prompt is None:
+        return orig(*call, **kwargs)
     with rt.step.prompts(prompt):
         return orig(*call, **kwargs)
