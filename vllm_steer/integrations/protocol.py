@@ -70,9 +70,19 @@ OP_PRESET_DELETE = "preset_delete"
 OP_PRESET_ROLLBACK = "preset_rollback"
 #: ``{"presets", "stamp", "path"}``: the presets file's presets, replacing its last version.
 OP_PRESET_FILE = "preset_file"
+#: ``{}`` -> ``{"ok": True, "ticket": n}``: a number for a change (data parallelism: engine
+#: core 0's orders the changes of a name, see
+#: :mod:`vllm_steer.integrations.engine.change_order`).
+OP_TICKET = "ticket"
+#: The argument of a load, unload, preset add or delete that carries its ticket.
+TICKET_KEY = "ticket"
+#: The ops that change a name and carry a ticket under data parallelism, and the kind of name
+#: each changes (a steer's and a preset's names are ordered apart).
+ORDERED_OPS = {OP_LOAD: "steer", OP_UNLOAD: "steer", OP_PRESET_ADD: "preset",
+               OP_PRESET_DELETE: "preset"}
 #: Every op the engine core answers.
 OPS = (OP_LIST, OP_LOAD, OP_UNLOAD, OP_ROLLBACK, OP_PRESETS, OP_PRESET_ADD, OP_PRESET_DELETE,
-       OP_PRESET_ROLLBACK, OP_PRESET_FILE)
+       OP_PRESET_ROLLBACK, OP_PRESET_FILE, OP_TICKET)
 #: Where a steer was loaded from (``"source"`` of a load; ``--steer`` ones at start-up).
 SOURCE_STARTUP, SOURCE_STEER_DIR, SOURCE_API, SOURCE_OFFLINE = \
     "--steer", "steer-dir", "api", "offline"
@@ -205,9 +215,15 @@ def merge_answers(op: str, answers: list[dict]) -> dict:
       see :func:`rollback_kwargs`); the first refusal is the answer.
     - ``unload``: ok if any engine core had it bound (it is bound in none afterwards).
     - the preset ops: see :func:`merge_preset_answers`.
+    - a change an engine core refused because a newer change of the name reached it first
+      (``superseded``, see :mod:`vllm_steer.integrations.engine.change_order`): that refusal,
+      whatever the others answered (the newer change stands on every engine core).
     """
     if len(answers) == 1:
         return answers[0]
+    superseded = next((a for a in answers if a.get("superseded")), None)
+    if superseded is not None:
+        return superseded
     if is_preset_op(op):
         return merge_preset_answers(op, answers)
     if op == OP_LIST:

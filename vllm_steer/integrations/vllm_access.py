@@ -970,11 +970,19 @@ async def collective_rpc_every_core(engine, method: str, args: tuple) -> list:
     call to every engine core but returns the first answer
     (``DPLBAsyncMPClient.call_utility_async``); its ``call_utility_all_async`` gives them all.
     A single engine core: ``collective_rpc``, its first answer."""
-    client = getattr(engine, "engine_core", None)
-    call_all = getattr(client, "call_utility_all_async", None)
-    if call_all is None or len(getattr(client, "core_engines", ()) or ()) < 2:
+    if engine_core_count(engine) < 2:
         return list(await engine.collective_rpc(method, args=args))[:1]
-    return [r[0] for r in await call_all("collective_rpc", method, None, args, None)]
+    return [r[0] for r in await engine.engine_core.call_utility_all_async(
+        "collective_rpc", method, None, args, None)]
+
+
+def engine_core_count(engine) -> int:
+    """How many engine cores the API server's client sends a management op to (data
+    parallelism with vLLM's load-balancing client: every one; else 1)."""
+    client = getattr(engine, "engine_core", None)
+    if getattr(client, "call_utility_all_async", None) is None:
+        return 1
+    return max(1, len(getattr(client, "core_engines", ()) or ()))
 
 
 def llm_collective_rpc(llm, method: str, args: tuple) -> list:
@@ -1357,6 +1365,10 @@ ACCESSES: tuple[Access, ...] = (
            reads=("vllm.outputs:RequestOutput.prompt_logprobs", "vllm.logprobs:Logprob.logprob")),
     Access(collective_rpc_every_core, "a management op in every engine core", FRONTEND,
            reads=(f"{_ASYNC_LLM}.engine_core", f"{_ASYNC_LLM}.collective_rpc",
+                  "vllm.v1.engine.core_client:DPLBAsyncMPClient.call_utility_all_async",
+                  "vllm.v1.engine.core_client:MPClient.core_engines")),
+    Access(engine_core_count, "a change of a name ordered in every engine core", FRONTEND,
+           reads=(f"{_ASYNC_LLM}.engine_core",
                   "vllm.v1.engine.core_client:DPLBAsyncMPClient.call_utility_all_async",
                   "vllm.v1.engine.core_client:MPClient.core_engines")),
     Access(llm_collective_rpc, "a management op offline", FRONTEND,

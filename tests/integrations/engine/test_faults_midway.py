@@ -19,44 +19,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers.fakes import engine_core
+from helpers.engine_cores import HIDDEN, DPClient, management_core, op
 from helpers.steers import random_steer
-from vllm_steer.config import SteerServerConfig
 from vllm_steer.format import save_steer
 from vllm_steer.integrations.engine import core as hooks
 from vllm_steer.integrations.engine.registry import SteerRegistry
-from vllm_steer.integrations.engine.state import EngineSteerState
-from vllm_steer.integrations.protocol import MANAGEMENT_METHOD
 from vllm_steer.request import BOUND_KEY, BoundSteer, SteerRequest
-
-HIDDEN = 16
-
-
-class Workers:
-    """Two workers' banks (``slot -> (load_id, name)``); ``fail(op, worker)``: that worker
-    raises on the next ``op``, after the workers before it applied it (called twice: the
-    next two such ops fail, in turn)."""
-
-    def __init__(self):
-        self.banks = [{}, {}]
-        self.armed = []
-
-    def fail(self, op, worker):
-        self.armed.append((op, worker))
-
-    def collective_rpc(self, fn, args=()):
-        op, out = args[0], []
-        for i, bank in enumerate(self.banks):
-            if self.armed and self.armed[0] == (op, i):
-                self.armed.pop(0)
-                raise RuntimeError(f"fault injected in worker {i} during {op}")
-            if op == "put":
-                bank[args[1]] = (args[2], args[3])
-            elif op == "drop":
-                for s in args[1]:
-                    bank.pop(s, None)
-            out.append({} if op == "stats" else True)
-        return out
 
 
 @pytest.fixture
@@ -64,22 +32,6 @@ def files(tmp_path):
     for i, n in enumerate(("a", "b", "c", "d")):
         save_steer(tmp_path / f"{n}.safetensors", random_steer(HIDDEN, 2, n, seed=i))
     return lambda n: str(tmp_path / f"{n}.safetensors")
-
-
-def _core(index=0, capacity=2, steer_dir=None):
-    cfg = SteerServerConfig(steers={}, max_steers=capacity, steer_dir=steer_dir,
-                            enable_updates=True)
-    return engine_core(
-        engine_index=index, steer_state=EngineSteerState(cfg, SteerRegistry(capacity), HIDDEN),
-        scheduler=SimpleNamespace(requests={}), model_executor=Workers(),
-        output_queue=SimpleNamespace(put_nowait=lambda item: None),
-        vllm_config=SimpleNamespace(model_config=SimpleNamespace(model="tiny",
-                                                                 served_model_name="tiny")))
-
-
-def op(core, op_name, /, **kw) -> dict:
-    (answer,) = hooks.collective_rpc(None, core, MANAGEMENT_METHOD, args=(op_name, kw))
-    return answer
 
 
 def state(core) -> dict:
@@ -119,7 +71,7 @@ def admit(core, rid, steers: dict) -> list[BoundSteer]:
                                    "the commit (both workers wrote)"])
 def test_a_load_into_a_free_slot_that_fails_half_way_changes_nothing(files, where,
                                                                       monkeypatch):
-    core = _core()
+    core = management_core()
     assert op(core, "load", name="a", path=files("a"))["ok"]
     before = state(core)
     if where.startswith("the commit"):
@@ -151,7 +103,7 @@ def test_a_replacement_in_its_own_slot_that_fails_half_way_keeps_the_previous_fi
     the first wrote the new factors over the old ones. The previous file is read again into
     that slot: the name keeps serving it (a new load id), the error says so, nothing else
     changes; loading the new file again succeeds."""
-    core = _core(capacity=2)
+    core = management_core(capacity=2)
     assert op(core, "load", name="a", path=files("a"))["ok"]
     assert op(core, "load", name="b", path=files("b"))["ok"]
     before = _listed(core)
@@ -182,7 +134,7 @@ def test_a_replacement_in_its_own_slot_whose_previous_file_cannot_come_back_says
     error says so (never "nothing was changed"), naming the preset that names it."""
     import os
 
-    core = _core(capacity=2)
+    core = management_core(capacity=2)
     assert op(core, "load", name="a", path=files("a"))["ok"]
     assert op(core, "load", name="b", path=files("b"))["ok"]
     assert op(core, "preset_add", name="p", steer={"a": 1.0}, token="t")["ok"]
@@ -205,7 +157,7 @@ def test_a_replacement_in_its_own_slot_whose_previous_file_cannot_come_back_says
 def test_a_replacement_that_fails_keeps_the_old_file_for_running_and_new_requests(files):
     """A replacement with a free slot whose put fails in the second worker: the old load
     stays bound (new requests get it) and the request running on it keeps its slot."""
-    core = _core(capacity=3)
+    core = management_core(capacity=3)
     assert op(core, "load", name="a", path=files("a"))["ok"]
     (running,) = admit(core, "r1", {"a": 1})
     before = state(core)
@@ -226,7 +178,7 @@ def test_a_first_use_load_that_fails_half_way_unbinds_the_steer_it_was_evicting(
     """A first use from --steer-dir evicts the idle least-recently-used steer-dir steer: the
     put fails in the second worker after the first wrote over it. The request fails (500),
     the evicted steer is unbound (read again on its next use), nothing else changes."""
-    core = _core(capacity=2, steer_dir=str(tmp_path))
+    core = management_core(capacity=2, steer_dir=str(tmp_path))
     admit(core, "r1", {"a": 1})
     admit(core, "r2", {"b": 1})
     core.scheduler.requests.clear()  # both finished; 'a' is the least recently used
@@ -250,7 +202,7 @@ def test_a_first_use_load_that_fails_half_way_unbinds_the_steer_it_was_evicting(
 
 # ---- an unload -----------------------------------------------------------------------------
 def test_an_unload_whose_slot_a_worker_fails_to_empty_is_done_and_says_so(files):
-    core = _core(capacity=1)
+    core = management_core(capacity=1)
     assert op(core, "load", name="a", path=files("a"))["ok"]
     core.model_executor.fail("drop", 1)
     answer = op(core, "unload", name="a")
@@ -262,7 +214,7 @@ def test_an_unload_whose_slot_a_worker_fails_to_empty_is_done_and_says_so(files)
 
 
 def test_a_drain_whose_slot_a_worker_fails_to_empty_frees_it_and_serves_on(files):
-    core = _core(capacity=1)
+    core = management_core(capacity=1)
     assert op(core, "load", name="a", path=files("a"))["ok"]
     admit(core, "r1", {"a": 1})
     assert op(core, "unload", name="a")["ok"]
@@ -282,7 +234,7 @@ def test_a_presets_file_swap_that_fails_half_way_changes_nothing(files):
     """The file's second preset cannot be read, after the first one would take a run-time
     name over: the run-time preset stays, the file's presets and the version are as before;
     the next version loads."""
-    core = _core()
+    core = management_core()
     assert op(core, "load", name="a", path=files("a"))["ok"]
     assert op(core, "preset_add", name="p1", steer={"a": 1.0}, token="t1")["ok"]
     assert op(core, "preset_file", presets={"f": {"a": 2.0}}, stamp=(1, "v1"))["ok"]
@@ -296,7 +248,7 @@ def test_a_presets_file_swap_that_fails_half_way_changes_nothing(files):
 
 
 def test_a_preset_add_or_replace_with_a_bad_mix_changes_nothing(files):
-    core = _core()
+    core = management_core()
     assert op(core, "load", name="a", path=files("a"))["ok"]
     assert op(core, "preset_add", name="p1", steer={"a": 1.0}, token="t1")["ok"]
     before = _presets(core)
@@ -314,7 +266,7 @@ def test_a_preset_naming_a_steer_unloaded_after_its_check_is_a_409_and_changes_n
     refused) must not leave a preset every request of which would be refused: the add is a
     409 naming the steer, the table as before. A steer ``--steer-dir`` could load again at a
     first use is no conflict."""
-    core = _core()
+    core = management_core()
     assert op(core, "load", name="a", path=files("a"))["ok"]
     assert op(core, "load", name="b", path=files("b"))["ok"]
     assert {s["name"] for s in op(core, "list")["steers"]} == {"a", "b"}  # the route's check
@@ -329,7 +281,7 @@ def test_a_preset_naming_a_steer_unloaded_after_its_check_is_a_409_and_changes_n
     steer_dir = tmp_path / "dir"
     steer_dir.mkdir()
     save_steer(steer_dir / "c.safetensors", random_steer(HIDDEN, 2, "c", seed=7))
-    core = _core(steer_dir=str(steer_dir))
+    core = management_core(steer_dir=str(steer_dir))
     assert op(core, "preset_add", name="p1", steer={"c": 1.0}, token="t1")["ok"]  # first use
 
 
@@ -346,7 +298,7 @@ def test_a_preset_op_with_arguments_of_another_shape_is_a_400_naming_them(files,
                                                                           kw):
     """A direct caller of the management op (the API server sends them right): a 400 naming
     the argument, not an internal error, and nothing changed."""
-    core = _core()
+    core = management_core()
     assert op(core, "load", name="a", path=files("a"))["ok"]
     before = _presets(core)
     res = op(core, op_name, **kw)
@@ -358,18 +310,6 @@ def test_a_preset_op_with_arguments_of_another_shape_is_a_400_naming_them(files,
 
 
 # ---- data parallelism: one engine core applied it, the other failed ----------------------
-class DPClient:
-    """vLLM's data-parallel client as the API server's management client uses it: a utility
-    call to every engine core, one answer each."""
-
-    def __init__(self, cores):
-        self.core_engines = cores
-
-    async def call_utility_all_async(self, method, *args):
-        assert method == "collective_rpc"
-        return [hooks.collective_rpc(None, c, *args) for c in self.core_engines]
-
-
 def _manage(cores, op_name, /, **kw):
     from vllm_steer.integrations.frontend.engine_client import manage
     from vllm_steer.integrations.frontend.state import frontend_state
@@ -382,7 +322,7 @@ def _manage(cores, op_name, /, **kw):
 
 
 def test_a_dp_load_that_fails_half_way_on_one_engine_core_is_rolled_back_on_the_other(files):
-    cores = [_core(0), _core(1)]
+    cores = [management_core(0), management_core(1)]
     assert _manage(cores, "load", name="a", path=files("a"))["ok"]
     before = [state(c) for c in cores]
     cores[1].model_executor.fail("put", 1)  # engine core 0 loads it; engine core 1 half-way
@@ -407,7 +347,7 @@ def test_a_dp_replacement_refused_on_one_engine_core_keeps_the_name_on_every_one
     empty one). The call fails and changes nothing a user sees: both engine cores serve the
     name, from its first file (read again where it was replaced), never half the engine
     cores answering "unknown steer"."""
-    cores = [_core(0, capacity=room_on_0), _core(1, capacity=1)]
+    cores = [management_core(0, capacity=room_on_0), management_core(1, capacity=1)]
     assert _manage(cores, "load", name="a", path=files("a"))["ok"]
     admit(cores[1], "r1", {"a": 1.0})  # engine core 1's only slot is in use
     res = _manage(cores, "load", name="a", path=files("b"))
@@ -421,7 +361,7 @@ def test_a_dp_replacement_refused_on_one_engine_core_keeps_the_name_on_every_one
     assert admit(cores[0], "r2", {"a": 1.0}) and admit(cores[1], "r3", {"a": 1.0})
 
 def test_a_dp_roll_back_whose_drop_fails_still_unbinds(files):
-    cores = [_core(0), _core(1, capacity=1)]
+    cores = [management_core(0), management_core(1, capacity=1)]
     assert _manage(cores, "load", name="a", path=files("a"))["ok"] is True
     cores[0].model_executor.fail("drop", 0)  # engine core 1 is full: 507, then roll back
     res = _manage(cores, "load", name="b", path=files("b"))
@@ -437,7 +377,7 @@ def test_a_dp_preset_add_that_fails_on_one_engine_core_is_rolled_back_on_the_oth
         monkeypatch, files):
     from vllm_steer.integrations.engine.state import engine_state
 
-    cores = [_core(0), _core(1)]
+    cores = [management_core(0), management_core(1)]
     assert _manage(cores, "load", name="a", path=files("a"))["ok"]
     assert _manage(cores, "preset_add", name="p1", steer={"a": 1.0}, token="t1")["ok"]
     before = [_presets(c) for c in cores]
@@ -460,7 +400,7 @@ def test_a_dp_unload_that_fails_on_one_engine_core_says_so_and_a_retry_finishes_
     """One engine core unloads the name, the other fails: it still serves the name, so the
     call answers the failure (not the first engine core's success), and sending it again
     unloads it there."""
-    cores = [_core(0), _core(1)]
+    cores = [management_core(0), management_core(1)]
     assert _manage(cores, "load", name="a", path=files("a"))["ok"]
     registry = engine_state_of(cores[1]).registry
 
@@ -483,7 +423,7 @@ def test_a_dp_replacement_that_fails_in_its_own_slot_on_one_engine_core_keeps_th
     """Engine core 1 replaces the name in its own slot (its bank is full) and a worker's put
     fails; engine core 0 replaced it in another slot. Both serve the previous file afterwards,
     and the error says so for each."""
-    cores = [_core(0, capacity=3), _core(1, capacity=2)]
+    cores = [management_core(0, capacity=3), management_core(1, capacity=2)]
     assert _manage(cores, "load", name="a", path=files("a"))["ok"]
     assert _manage(cores, "load", name="b", path=files("b"))["ok"]
     cores[1].model_executor.fail("put", 1)
@@ -504,7 +444,7 @@ def test_a_dp_roll_back_whose_put_back_fails_unloads_and_says_so(files):
     roll-back on engine core 0 reads the previous file again into an empty slot, and a
     worker's put fails there. The new file must not stay bound: the name is unloaded on
     engine core 0, and the error says so (engine core 1 serves the previous file)."""
-    cores = [_core(0, capacity=2), _core(1, capacity=1)]
+    cores = [management_core(0, capacity=2), management_core(1, capacity=1)]
     assert _manage(cores, "load", name="a", path=files("a"))["ok"]
     admit(cores[1], "r1", {"a": 1.0})  # engine core 1's only slot is in use
     # the new load's put succeeds; the roll-back's put (the second) fails in worker 1
@@ -533,7 +473,7 @@ def test_a_dp_roll_back_whose_put_back_fails_unloads_and_says_so(files):
 def test_a_dp_roll_back_that_fails_says_which_engine_core_kept_the_load(files, monkeypatch):
     """The roll-back itself fails on engine core 0 (its unload raises): the answer must not
     claim the load was undone there; it names engine core 0, which keeps the new steer."""
-    cores = [_core(0), _core(1, capacity=1)]
+    cores = [management_core(0), management_core(1, capacity=1)]
     assert _manage(cores, "load", name="a", path=files("a"))["ok"]
     registry = engine_state_of(cores[0]).registry
 
@@ -557,7 +497,7 @@ def test_a_draining_slot_freed_by_a_first_use_is_emptied_in_the_workers(files, t
     """A steer unloaded while a request used it drains; the request finishes; the next
     admission's first-use load frees the draining slot (and takes another, empty one): the
     freed slot is emptied in every worker, not left holding factors no name is bound to."""
-    core = _core(capacity=3, steer_dir=str(tmp_path))
+    core = management_core(capacity=3, steer_dir=str(tmp_path))
     assert op(core, "load", name="x", path=files("d"))["ok"]  # slot 0
     assert op(core, "load", name="y", path=files("d"))["ok"]  # slot 1
     admit(core, "r1", {"y": 1})

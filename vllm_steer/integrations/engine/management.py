@@ -32,7 +32,7 @@ from vllm_steer.integrations.engine.state import engine_state
 from vllm_steer.integrations.guard import note_outcome
 from vllm_steer.integrations.protocol import (OP_LIST, OP_LOAD, OP_PRESET_ADD, OP_PRESET_DELETE,
                                               OP_PRESET_FILE, OP_PRESET_ROLLBACK, OP_PRESETS,
-                                              OP_ROLLBACK, OP_UNLOAD, SOURCE_API,
+                                              OP_ROLLBACK, OP_TICKET, OP_UNLOAD, SOURCE_API,
                                               SOURCE_STEER_DIR, dir_has_file, is_preset_op,
                                               op_totals)
 from vllm_steer.logs import get_logger
@@ -101,11 +101,16 @@ def _run_op(core, op: str, kwargs: dict | None = None) -> dict:
     if missing:
         return _error(400, f"steer management op {op!r}: {', '.join(missing)} must be given "
                       "as a string")
+    if op == OP_TICKET:
+        return {"ok": True, "ticket": st.order.ticket()}
     if reg is None:
         if op == OP_LIST:
             return {"enabled": False, "steers": [], "stats": {}, "workers": []}
         return _error(404, "steering is not enabled on this server (start it with --steer, "
                       "--steer-dir or --enable-steer-updates)")
+    superseded = st.order.refusal(op, kwargs, st.engine)
+    if superseded is not None:  # data parallelism: a newer change of the name came first
+        return superseded
     if is_preset_op(op):  # run-time presets: no worker involved
         return _preset_op(core, cfg, op, kwargs)
     _drop(core, reg.reap(in_use_by_requests(core)))

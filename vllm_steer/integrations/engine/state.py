@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.kinds import read_any_metadata
+from vllm_steer.integrations.engine.change_order import ChangeOrder
 from vllm_steer.integrations.engine.presets import PresetTable
 from vllm_steer.integrations.engine.registry import SteerEntry, SteerRegistry
 from vllm_steer.integrations import vllm_access as va
@@ -37,6 +38,9 @@ class EngineSteerState:
         """The largest rank a steer loaded at run time may have: what the bank reserved."""
         return self.config.reserved_rank(self.startup_ranks) if self.config else 0
 
+    order: ChangeOrder = field(default_factory=ChangeOrder)
+    """The tickets of the changes to each name (data parallelism: the engine cores apply the
+    changes of a name in one order)."""
     engine: int = 0
     """This engine core's data-parallel rank (vLLM's ``EngineCore.engine_index``; 0 without
     data parallelism), which names its answers and metrics."""

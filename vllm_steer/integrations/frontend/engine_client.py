@@ -19,8 +19,8 @@ from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.integrations.protocol import (MANAGEMENT_METHOD, OP_LIST, OP_LOAD,
                                               OP_PRESET_ADD, OP_PRESET_ROLLBACK, OP_PRESETS,
-                                              OP_ROLLBACK, OP_UNLOAD, SOURCE_STEER_DIR,
-                                              is_preset_op,
+                                              OP_ROLLBACK, OP_TICKET, OP_UNLOAD, ORDERED_OPS,
+                                              SOURCE_STEER_DIR, TICKET_KEY, is_preset_op,
                                               merge_answers, rollback_kwargs)
 from vllm_steer.logs import get_logger
 
@@ -95,7 +95,15 @@ def _take_views(op: str, res: dict, metrics: bool = True) -> None:
 async def manage(engine, op: str, **kwargs) -> dict:
     """One management op in every engine core: their answers merged, a load or preset add
     that only some of them took rolled back, this process's views (names, presets, metrics)
-    refreshed."""
+    refreshed. With data parallelism a change of a name first takes a ticket from engine core
+    0, so that every engine core applies the changes of one name in one order (see
+    :mod:`vllm_steer.integrations.engine.change_order`)."""
+    if _ordered(engine, op, kwargs):
+        tickets = await _every_engine(engine, OP_TICKET, {})
+        first = min(tickets, key=lambda a: int(a.get("engine") or 0))
+        if not first.get("ok"):
+            return first
+        kwargs = {**kwargs, TICKET_KEY: first["ticket"]}
     answers = await _every_engine(engine, op, kwargs)
     res = merge_answers(op, answers)
     if op == OP_LOAD and not res.get("ok"):
@@ -113,6 +121,14 @@ async def manage(engine, op: str, **kwargs) -> dict:
     if op in (OP_LOAD, OP_UNLOAD) and not _bank_full(op, kwargs, answers):
         await manage(engine, OP_LIST)  # refused ones too: the failure counters moved
     return res
+
+
+def _ordered(engine, op: str, kwargs: dict) -> bool:
+    """Whether ``op`` changes a name in several engine cores (data parallelism), so it takes a
+    ticket first. A first use's load does not: it fills the name where it is missing, and each
+    engine core evicts its first-use steers on its own anyway."""
+    return (op in ORDERED_OPS and kwargs.get("source") != SOURCE_STEER_DIR
+            and va.engine_core_count(engine) > 1)
 
 
 def _bank_full(op: str, kwargs: dict, answers: list[dict]) -> bool:
