@@ -287,3 +287,36 @@ def test_an_unsteered_request_needs_nothing_of_the_steer_state_and_a_steered_one
         max_tokens=4, extra_args={"steer": SteerRequest.parse({"formal": 2}).to_wire()}))
     with pytest.raises(Exception, match="moved-away"):
         bind_request(core, steered)
+
+
+def test_the_engine_core_reads_its_steers_as_it_starts(files, tmp_path):
+    """The hook on ``EngineCore.__init__`` makes the steer state right after vLLM's own start
+    (its workers read the ``--steer`` files then to reserve the bank): a file replaced on
+    disk afterwards changes nothing the engine core lists or binds, and a file that cannot be
+    read fails the start, naming it (not the first request, hours later)."""
+    from helpers.engine_cores import Workers
+    from vllm_steer.integrations.engine import core as hooks
+    from vllm_steer.integrations.engine.management import run_op
+
+    paths, _ = files
+    cfg = SteerServerConfig(steers=paths, max_strength=10.0, max_steers=4)
+    vllm_config = SimpleNamespace(additional_config=cfg.to_additional_config(),
+                                  model_config=SimpleNamespace(
+                                      model="tiny", architectures=["LlamaForCausalLM"],
+                                      get_hidden_size=lambda: HIDDEN))
+    started = []
+    core = engine_core(engine_index=0, scheduler=SimpleNamespace(requests={}),
+                       model_executor=Workers())
+    hooks.start(lambda self, cfg: (started.append(cfg), setattr(self, "vllm_config", cfg)),
+                core, vllm_config)
+    assert started == [vllm_config]
+    ranks = {s["name"]: s["rank"] for s in run_op(core, "list")["steers"]}
+    save_steer(paths["formal"], random_steer(HIDDEN, 8, "formal", seed=9))  # replaced on disk
+    assert {s["name"]: s["rank"] for s in run_op(core, "list")["steers"]} == ranks
+    assert ranks["formal"] == 4
+    moved = dict(paths, detox=str(tmp_path / "moved-away.safetensors"))
+    bad = SimpleNamespace(**{**vars(vllm_config), "additional_config": SteerServerConfig(
+        steers=moved, max_strength=10.0, max_steers=4).to_additional_config()})
+    with pytest.raises(Exception, match="moved-away"):
+        hooks.start(lambda self, cfg: setattr(self, "vllm_config", cfg),
+                    engine_core(engine_index=0), bad)

@@ -1,5 +1,6 @@
 """The engine core's hooks: run-time steer management and admission.
 
+``EngineCore.__init__`` makes the engine core's steer state (:func:`start`),
 ``EngineCore.collective_rpc`` answers the management method
 (:data:`~vllm_steer.integrations.protocol.MANAGEMENT_METHOD`: load / unload / list / presets,
 :mod:`vllm_steer.integrations.engine.management`), and ``EngineCore.add_request`` binds each
@@ -18,7 +19,7 @@ from __future__ import annotations
 from vllm_steer.integrations import vllm_access
 from vllm_steer.integrations.engine.binding import SteerBankFullError, bind_request
 from vllm_steer.integrations.engine.management import run_op
-from vllm_steer.integrations.engine.state import STATES
+from vllm_steer.integrations.engine.state import STATES, engine_state
 from vllm_steer.integrations.guard import (BUSY_STATUS, CLIENT_STATUS, classify,
                                            management_failure)
 from vllm_steer.integrations.protocol import (BUSY_PREFIX, FAILED_PREFIX, MANAGEMENT_METHOD,
@@ -29,6 +30,14 @@ from vllm_steer.metrics import refusal_key
 from vllm_steer.request import refusal_reason
 
 logger = get_logger()
+
+
+def start(orig, self, *args, **kwargs):
+    """``EngineCore.__init__``: the engine core's steer state made as it starts, after its
+    workers (the ``--steer`` files' headers read now, as the workers read them to reserve the
+    bank, not at the first request or listing; a file that cannot be read fails the start)."""
+    orig(self, *args, **kwargs)
+    engine_state(self)
 
 
 def collective_rpc(orig, self, method, timeout=None, args=(), kwargs=None):

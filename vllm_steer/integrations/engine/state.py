@@ -73,7 +73,9 @@ def _engine_index(core) -> int:
 
 
 def engine_state(core) -> EngineSteerState:
-    """This engine core's :class:`EngineSteerState`, created on first use (the one accessor)."""
+    """This engine core's :class:`EngineSteerState` (the one accessor): made as the engine
+    core starts (:func:`vllm_steer.integrations.engine.core.start`), or on first use where
+    an engine core is built by hand."""
     st = STATES.get(core)
     if st is not None:
         return st
