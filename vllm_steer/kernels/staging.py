@@ -1,5 +1,6 @@
 """What the kernels do on the host around CUDA: host-to-device copies with no device sync
-(:func:`to_device`, :class:`StagedCopy`), and the guard that keeps the steer op out of CUDA
+(:func:`to_device`, :class:`StagedCopy`; :class:`StagedRows`, a persistent buffer written only
+when what it should hold changed), and the guard that keeps the steer op out of CUDA
 graph capture."""
 
 from __future__ import annotations
@@ -109,6 +110,48 @@ class StagedCopy:
             buf = torch.empty(max(nbytes, 1024), dtype=torch.uint8, pin_memory=True)
             self.grown += 1
         return buf
+
+
+class StagedRows:
+    """A persistent device buffer the host writes whole arrays into (through its own
+    :class:`StagedCopy`), copied only when what it should hold changed.
+
+    :meth:`write` returns the buffer's first rows holding the array. The buffer is made on
+    the first write (at least ``min_rows`` rows: the most a step usually has), and made again
+    only when a write has more rows (twice as many as before, so that a growing step allocates
+    seldom), other columns, or another device; a new buffer is always written. What the
+    buffer holds is the writer's own array (callers hand over one they do not change)."""
+
+    def __init__(self, dtype: torch.dtype, min_rows: int = 64):
+        self.dtype = dtype
+        self.min_rows = min_rows
+        self.buffer: torch.Tensor | None = None
+        """The device buffer (None before the first write)."""
+        self._holds: np.ndarray | None = None  # what the buffer's first rows hold (None: unknown)
+        self._copy: StagedCopy | None = None
+
+    def write(self, host: np.ndarray, device: torch.device, min_rows: int = 0) -> torch.Tensor:
+        """The buffer's first ``len(host)`` rows on ``device``, holding ``host`` (``[rows]`` or
+        ``[rows, columns]`` of :attr:`dtype`): copied unless they hold it already.
+        ``min_rows``: rows to make room for when the buffer is made (beside ``min_rows`` of
+        the constructor)."""
+        n = len(host)
+        buf = self.buffer
+        if buf is None or buf.device != device or buf.shape[0] < n \
+                or buf.shape[1:] != host.shape[1:]:
+            same = buf is not None and buf.device == device and buf.shape[1:] == host.shape[1:]
+            rows = max(n, self.min_rows, min_rows, 2 * buf.shape[0] if same else 0)
+            self._holds = None
+            self.buffer = buf = torch.zeros((rows, *host.shape[1:]), dtype=self.dtype,
+                                            device=device)
+        if self._copy is None or self._copy.device != buf.device:
+            self._copy = StagedCopy(buf.device)
+        last = self._holds
+        if last is None or last.shape != host.shape or not np.array_equal(last, host):
+            self._holds = None  # a copy that fails leaves the rows unknown: the next one writes
+            self._copy.copy_(buf[:n], host)
+            self._holds = host
+        return buf[:n]
 
 
 #: The most coefficient copies one :class:`StagedCopy` keeps in flight before it waits.

@@ -222,3 +222,42 @@ def test_batch_sharded_sampling_copies_its_row_slots_from_pinned_memory(tmp_path
         sharder.shard_sampler_inputs(batch, None)
     assert rt.step.sampled.table is not None and dev.copies
     assert all(p for _, p in dev.copies), f"(what, pinned): {dev.copies}"
+
+
+def test_staged_rows_copy_only_what_changed_and_grow_without_losing_it(monkeypatch):
+    """A persistent buffer the planner writes each step's rows into: the same rows again cost
+    no copy, changed rows one; a step with more rows gets a buffer twice as large, written
+    whole; a copy that fails leaves the rows unknown, so the next write copies them."""
+    rows = staging.StagedRows(torch.float32, min_rows=4)
+    copies = []
+    real = staging.StagedCopy.copy_
+
+    def counted(self, dst, src):
+        copies.append(len(src))
+        return real(self, dst, src)
+    monkeypatch.setattr(staging.StagedCopy, "copy_", counted)
+    a = np.arange(6, dtype=np.float32).reshape(3, 2)
+    out = rows.write(a, torch.device("cpu"))
+    assert torch.equal(out, torch.from_numpy(a)) and rows.buffer.shape == (4, 2)
+    first = rows.buffer
+    rows.write(a.copy(), torch.device("cpu"))
+    assert copies == [3] and rows.buffer is first  # the same rows: no copy
+    b = a + 1
+    assert torch.equal(rows.write(b, torch.device("cpu")), torch.from_numpy(b))
+    assert copies == [3, 3] and rows.buffer is first
+    c = np.ones((5, 2), dtype=np.float32)  # more rows than the buffer: twice as many
+    assert torch.equal(rows.write(c, torch.device("cpu")), torch.from_numpy(c))
+    assert rows.buffer.shape == (8, 2) and copies == [3, 3, 5]
+
+    def broken(self, dst, src):
+        raise RuntimeError("copy failed")
+    monkeypatch.setattr(staging.StagedCopy, "copy_", broken)
+    with pytest.raises(RuntimeError):
+        rows.write(a, torch.device("cpu"))
+    monkeypatch.setattr(staging.StagedCopy, "copy_", counted)
+    assert torch.equal(rows.write(c, torch.device("cpu")), torch.from_numpy(c))
+    assert copies[-1] == 5  # written again, though it held these rows before the failure
+    index = staging.StagedRows(torch.int64)  # a vector
+    assert torch.equal(index.write(np.array([2, -1, 0]), torch.device("cpu")),
+                       torch.tensor([2, -1, 0]))
+    assert index.buffer.shape == (64,)

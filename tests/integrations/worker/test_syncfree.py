@@ -58,7 +58,7 @@ class DeviceReads(TorchDispatchMode):
             return False
         planner = self.rt.planner
         roots = [self.rt.slots.device_rows, planner.coef_buffer, planner.row_index,
-                 planner._shard_index, planner._shard_coefs]  # noqa: SLF001 - the last two
+                 planner._shard_index.buffer, planner._shard_coefs.buffer]  # noqa: SLF001
         return p in self.marked or any(r is not None and p == _ptr(r) for r in roots)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

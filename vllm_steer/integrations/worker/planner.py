@@ -112,7 +112,6 @@ class StepPlanner:
         self._step_key: StepKey | None = None
         self._rows: tuple | None = None  # (n, slots, positions) of the planned step
         self._copy: staging.StagedCopy | None = None  # the row index and windowed rows
-        self._eager_copy: staging.StagedCopy | None = None  # the eager op's coefficients
         self._index: torch.Tensor | None = None  # the graphs' row index (never replaced)
         self._index_host = np.empty(0, dtype=np.int64)  # what _index holds (past it: -1)
         self._index_stale = self._index_host  # _index_host while a copy may have failed
@@ -120,21 +119,19 @@ class StepPlanner:
         self._replay = False  # the step's index is written: the head's graphs may replay it
         self._step_coefs: np.ndarray | None = None  # the eager op's host coefficients
         self._step_coefs_dev: torch.Tensor | None = None  # their n device rows (None: none)
-        self._coefs_dev: torch.Tensor | None = None  # the eager op's device buffer
-        self._coefs_last: np.ndarray | None = None  # what _coefs_dev's first rows hold
+        # the eager op's device buffer (fp32 [rows, columns]), on a staging ring of its own:
+        # its rows' copies (KiB to MiB) never take the index's pinned buffers
+        self._coefs = staging.StagedRows(torch.float32)
         self._plan_key: object = None
         self._plan = None
         self._plan_checked = False  # _plan checked against the step's coefficients
         # the last planned batch step, while its rows have no window (see steer_rows)
         self._steady_src: RowSource | None = None
         self._steady_key: StepKey | None = None
-        # batch-sharded sampling (sharded_index): its staging, its device buffers (each
-        # token's table row; the windowed steps' coefficients) and what each holds
-        self._shard_copy: staging.StagedCopy | None = None
-        self._shard_index: torch.Tensor | None = None
-        self._shard_coefs: torch.Tensor | None = None
-        self._shard_index_for: tuple = (None, None)  # (buffer, host array it holds)
-        self._shard_coefs_for: tuple = (None, None)
+        # batch-sharded sampling (sharded_index): its device buffers (each token's table row;
+        # the windowed steps' coefficients)
+        self._shard_index = staging.StagedRows(torch.int64)
+        self._shard_coefs = staging.StagedRows(torch.float32)
 
     @property
     def stats(self) -> SteerStats:
@@ -162,7 +159,7 @@ class StepPlanner:
     def coef_buffer(self) -> torch.Tensor | None:
         """The eager op's device buffer of a step's coefficients (None before the first eager
         launch)."""
-        return self._coefs_dev
+        return self._coefs.buffer
 
     @property
     def row_index(self) -> torch.Tensor | None:
@@ -391,32 +388,12 @@ class StepPlanner:
         _, slots, positions = self._rows
         table = self.slots
         coefs = table.head_rows(table.row_coefs(n, slots, positions), in_place=True)
-        buf = self._coef_buffer(n)
-        last = self._coefs_last
-        if last is None or last.shape != coefs.shape or not np.array_equal(last, coefs):
-            self._coefs_last = None
-            self._eager_copy.copy_(buf[:n], coefs)
-            self._coefs_last = coefs
-        self._step_coefs, self._step_coefs_dev = coefs, buf[:n]
-
-    def _coef_buffer(self, n: int) -> torch.Tensor:
-        """The eager op's device buffer (``[rows >= n, columns]`` fp32): made for the most rows
-        a step samples (max_num_seqs), doubled when a step has more (a prompt-logprob chunk).
-        Only the eager op reads it: the head's graphs read the table and the row index."""
-        bank_state = self.bank_state
-        dev = bank_state.bank.p1.device
-        if self._eager_copy is None or self._eager_copy.device != dev:
-            # a ring of its own: its rows' copies (KiB to MiB) never take the index's buffers
-            self._eager_copy = staging.StagedCopy(dev)
-        buf = self._coefs_dev
-        if buf is None or buf.device != dev or buf.shape[0] < n:
-            rows = max(n, bank_state.max_rows, 1)
-            if buf is not None and buf.device == dev:
-                rows = max(rows, 2 * buf.shape[0])
-            self._coefs_last = None
-            self._coefs_dev = buf = torch.zeros((rows, self.slots.num_columns),
-                                                dtype=torch.float32, device=dev)
-        return buf
+        # made for the most rows a step samples (max_num_seqs), doubled when a step has more
+        # (a prompt-logprob chunk); only the eager op reads it (the head's graphs read the
+        # table and the row index)
+        self._step_coefs = coefs
+        self._step_coefs_dev = self._coefs.write(coefs, self.bank_state.bank.p1.device,
+                                                 min_rows=self.bank_state.max_rows)
 
     def capture_graphs(self) -> int:
         """Capture the head's CUDA graphs now (:meth:`~vllm_steer.kernels.graphs.SteerGraphs.
@@ -503,36 +480,18 @@ class StepPlanner:
         token) and copied to a buffer of the planner's, which is the table, each sampled
         token's entry its row there (the other tokens': -1, never read). Both copies come from
         pinned staging into persistent buffers, and are skipped when they hold the same."""
-        bank = self.bank_state.bank
+        device = self.bank_state.bank.p1.device
         table = self.slots
         n = len(slots)
-        if self._shard_copy is None or self._shard_copy.device != bank.p1.device:
-            self._shard_copy = staging.StagedCopy(bank.p1.device)
-            self._shard_index = self._shard_coefs = None
         coefs_dev = None
         if table.any_windowed(slots):
             coefs = table.head_rows(table.row_coefs(n, slots, positions), in_place=True)
             index = np.full(len(token_slots), -1, dtype=np.int64)
             index[tokens] = np.arange(n, dtype=np.int64)
-            buf = self._shard_coefs = _rows_buffer(self._shard_coefs, n, table.num_columns,
-                                                   torch.float32, bank.p1.device)
-            if buf is not self._shard_coefs_for[0] \
-                    or not np.array_equal(self._shard_coefs_for[1], coefs):
-                self._shard_coefs_for = (None, None)
-                self._shard_copy.copy_(buf[:n], coefs)
-                self._shard_coefs_for = (buf, coefs)
-            coefs_dev = buf[:n]
+            coefs_dev = self._shard_coefs.write(coefs, device)
         else:
             index = np.array(token_slots, dtype=np.int64)  # a copy: never the runner's
-        m = len(index)
-        buf = self._shard_index = _rows_buffer(self._shard_index, m, None, torch.int64,
-                                               bank.p1.device)
-        if buf is not self._shard_index_for[0] \
-                or not np.array_equal(self._shard_index_for[1], index):
-            self._shard_index_for = (None, None)
-            self._shard_copy.copy_(buf[:m], index)
-            self._shard_index_for = (buf, index)
-        return buf[:m], coefs_dev
+        return self._shard_index.write(index, device), coefs_dev
 
     # ---- drafter heads inside CUDA graphs (Model Runner V2's EAGLE / EAGLE-3 / MTP) -----------
     def steer_fixed(self, hidden: torch.Tensor, mapping: torch.Tensor | None) -> torch.Tensor:
@@ -559,18 +518,6 @@ class StepPlanner:
         self.op_calls += 1
         self.op_rows += n
         return self._fixed_op(hidden, table, mapping[:n])
-
-
-def _rows_buffer(buf: torch.Tensor | None, n: int, columns: int | None, dtype,
-                 device: torch.device) -> torch.Tensor:
-    """``buf``, or a new device buffer of at least ``n`` rows (``columns`` wide; None: a
-    vector) when it has fewer: twice as many as before, so that a growing step allocates
-    seldom (a new buffer's first copy is never skipped)."""
-    if buf is not None and buf.shape[0] >= n:
-        return buf
-    rows = max(n, 64, 0 if buf is None else 2 * buf.shape[0])
-    shape = (rows,) if columns is None else (rows, columns)
-    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _prompt_rows(src: PromptRows, hidden: torch.Tensor):
