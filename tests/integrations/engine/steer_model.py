@@ -146,7 +146,8 @@ class SteerModel:
         which is unloaded (an evicted one counts as evicted); when that is the name's own
         earlier load (a replacement in its slot), its file is read again into the slot
         (``digest_of(path)``: that file's digest now, None if it is no steer file any more):
-        the name serves it again, as a new load, or, if it cannot be read, is unloaded."""
+        the name serves it again, as a new load, or, if it changed on disk since that load
+        (another digest, or none), is unloaded, the file not read."""
         if not valid_name(name):
             self.counters["failures"] += 1
             return Outcome(False, 400, BAD_FILE)
@@ -170,10 +171,10 @@ class SteerModel:
                 if where == "evict":
                     self.counters["evictions"] += 1
                     out.taken = "evicted"
-                elif digest_of is not None:  # its own: its file read again
-                    self.counters["file_reads"] += 1
+                elif digest_of is not None:  # its own: its file read again if unchanged
                     again = digest_of(taken.file)
-                    if again is not None:
+                    if again is not None and again == taken.digest:
+                        self.counters["file_reads"] += 1
                         out.taken = "restored"
                         out.loads.append(Instance(name, taken.source, taken.file, again,
                                                   self.tick()))

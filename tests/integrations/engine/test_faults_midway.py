@@ -515,3 +515,25 @@ def engine_state_of(core):
     from vllm_steer.integrations.engine.state import engine_state
 
     return engine_state(core)
+
+
+def test_a_dp_roll_back_never_reads_a_previous_file_changed_on_disk_since(files):
+    """Engine core 0 replaced the name, engine core 1 refused (507): the roll-back would read
+    the previous file again, but it was rewritten on disk since it was loaded (same path,
+    another steer). Reading it would serve a steer nobody loaded under the name; it is not
+    read, the name is unloaded on engine core 0, and the error says why."""
+    cores = [management_core(0, capacity=2), management_core(1, capacity=1)]
+    assert _manage(cores, "load", name="a", path=files("a"))["ok"]
+    admit(cores[1], "r1", {"a": 1.0})  # engine core 1's only slot is in use
+    save_steer(files("a"), random_steer(HIDDEN, 2, "a", seed=99))  # rewritten in place
+    reads = [op(c, "list")["stats"]["counters"]["file_reads"] for c in cores]
+    res = _manage(cores, "load", name="a", path=files("b"))
+    assert res["ok"] is False and res["status"] == 507, res
+    assert "'a' is unloaded there" in res["error"], res
+    assert "was changed on disk since it was loaded" in res["error"], res
+    assert _listed(cores[0]) == {}
+    assert {n: f for n, (f, _) in _listed(cores[1]).items()} == {"a": files("a")}
+    assert [op(c, "list")["stats"]["counters"]["file_reads"] for c in cores] == [
+        reads[0] + 1, reads[1]]  # engine core 0 read only the new file
+    for c in cores:
+        agree(c, stale_ok=True)

@@ -62,7 +62,8 @@ from vllm_steer.config import SteerServerConfig  # noqa: E402
 from vllm_steer.format import read_metadata, save_steer  # noqa: E402
 from vllm_steer.integrations.engine import core as engine_hooks  # noqa: E402
 from vllm_steer.integrations.engine import registry as registry_module  # noqa: E402
-from vllm_steer.integrations.engine.registry import SteerEntry, SteerRegistry  # noqa: E402
+from vllm_steer.integrations.engine.registry import (SteerEntry, SteerRegistry,  # noqa: E402
+                                                     file_stamp)
 from vllm_steer.integrations.engine.state import EngineSteerState  # noqa: E402
 from vllm_steer.integrations.protocol import (BUSY_PREFIX, FAILED_PREFIX,  # noqa: E402
                                               MANAGEMENT_METHOD, REFUSED_PREFIX)
@@ -179,8 +180,8 @@ class SteerStateMachine(RuleBasedStateMachine):
         self._restore = [(registry_module, "time", registry_module.time)]
         registry_module.time = self.clock
         reg = SteerRegistry(self.cfg.capacity)
-        reg.commit(SteerEntry.from_metadata(PINNED, pin, read_metadata(pin),
-                                            reg.new_load_id(), 0, "--steer"))
+        reg.commit(SteerEntry.from_metadata(PINNED, pin, read_metadata(pin),  # as at start
+                                            reg.new_load_id(), 0, "--steer", file_stamp(pin)))
         reg.counters["loads"] = 0
         self.workers = FakeWorkers()
         for bank in self.workers.banks:

@@ -27,7 +27,8 @@ from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.engine.presets import file_op
 from vllm_steer.kinds import applied_in_layers
 from vllm_steer.integrations.engine.registry import (SteerCapacityError, SteerEntry,
-                                                     SteerNameError, bound_in, check_name)
+                                                     SteerNameError, bound_in, check_name,
+                                                     file_stamp)
 from vllm_steer.integrations.engine.state import engine_state
 from vllm_steer.integrations.guard import note_outcome
 from vllm_steer.integrations.protocol import (OP_LIST, OP_LOAD, OP_PRESET_ADD, OP_PRESET_DELETE,
@@ -331,6 +332,7 @@ def load_steer_file(core, name: str, path: str, source: str,
     try:
         try:
             reg.counters["file_reads"] += 1
+            stamp = file_stamp(path)
             steer = load_any(path)
         except OSError as e:  # gone, unreadable, or a folder since it was named
             raise SteerFileError(path, [f"cannot be read: {type(e).__name__}: {e}"]) from None
@@ -362,7 +364,7 @@ def load_steer_file(core, name: str, path: str, source: str,
     try:
         _workers(core, "put", slot, load_id, name, steer)
         entry = reg.commit(SteerEntry.from_metadata(name, path, steer.metadata, load_id, slot,
-                                                    source), evicted)
+                                                    source, stamp), evicted)
     except Exception as e:  # a worker's put, or anything before the name is bound: undo it all
         _restore(reg, saved)
         reg.counters["failures"] += 1
@@ -382,7 +384,7 @@ def load_steer_file(core, name: str, path: str, source: str,
         raise e
     st.replaced.pop(name, None)
     if previous is not None:
-        st.replaced[name] = (load_id, previous.file, previous.source)
+        st.replaced[name] = (load_id, previous)
     ms = (time.perf_counter() - t0) * 1e3
     logger.info("vllm-steer: loaded steer %r from %s (rank %d, bank slot %d, load id %d) in "
                 "%.1f ms%s", name, path, entry.rank, slot, load_id, ms,
@@ -410,7 +412,7 @@ def _take_back(core, st, taken: SteerEntry, evicted: bool, put_back: bool) -> st
     if evicted:
         return (f"steer {name!r} (loaded from --steer-dir), whose bank slot the load was "
                 "taking, is unloaded; it is read again on its next use")
-    why = _load_again(core, st, name, taken.file, taken.source) if put_back else None
+    why = _load_again(core, st, taken) if put_back else None
     if put_back and why is None:
         now = st.registry.get(name)
         logger.info("vllm-steer: steer %r serves its previous file %s again (load id %d)",
@@ -434,14 +436,20 @@ def _take_back(core, st, taken: SteerEntry, evicted: bool, put_back: bool) -> st
     return out
 
 
-def _load_again(core, st, name: str, path: str, source: str) -> str | None:
-    """Load ``path`` as ``name`` again (its source kept): the file a failed op took from the
-    name. Why it failed (None: it serves the name again). Not a load anyone asked for: the
-    ``loads`` and ``failures`` counters do not count it."""
+def _load_again(core, st, was: SteerEntry) -> str | None:
+    """Load the file of ``was`` again under its name (its source kept): the file a failed op
+    took from the name. Why it failed (None: it serves the name again). A file changed on disk
+    since it was loaded is not read (the name would serve another steer than before the
+    failed op). Not a load anyone asked for: the ``loads`` and ``failures`` counters do not
+    count it."""
+    name, path = was.name, was.file
+    if was.stamp is None or file_stamp(path) != was.stamp:
+        return (f"{path} is gone or was changed on disk since it was loaded; it is not read "
+                "again as this steer")
     reg = st.registry
     counted = {k: reg.counters[k] for k in ("loads", "failures")}
     try:
-        res = load_steer_file(core, name, path, source, put_back=False)
+        res = load_steer_file(core, name, path, was.source, put_back=False)
         why = None if res.get("ok") else str(res.get("error"))
     except Exception as e:  # a worker's put again: the slot is emptied, the name unbound
         logger.warning("vllm-steer: loading steer %r again from %s failed", name, path,
@@ -460,8 +468,8 @@ def _restore_replaced(core, st, name: str, load_id: int) -> tuple[dict | None, s
     prev = st.replaced.pop(name, None)
     if prev is None or prev[0] != load_id:
         return None, None
-    _, path, source = prev
-    why = _load_again(core, st, name, path, source)
+    path = prev[1].file
+    why = _load_again(core, st, prev[1])
     if why is not None:
         logger.warning("vllm-steer: rolling back the load of steer %r (load id %d): its "
                        "previous file %s could not be loaded again (%s); the name is "

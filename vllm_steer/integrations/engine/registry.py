@@ -72,9 +72,11 @@ class SteerEntry:
     state: str = "loaded"  # "loaded" (bound to its name) or "draining" (unloaded, still used)
     kind: str = "lm-steer"  # the steer's kind (vllm_steer.kinds): lm-steer or vector
     layers: list | None = None  # a vector steer's decoder blocks (0-based)
+    stamp: tuple | None = None  # the file as it was read (file_stamp), not listed
 
     @classmethod
-    def from_metadata(cls, name, path, meta, load_id, bank_slot, source) -> "SteerEntry":
+    def from_metadata(cls, name, path, meta, load_id, bank_slot, source,
+                      stamp: tuple | None = None) -> "SteerEntry":
         now = time.time()
         return cls(name=name, file=os.path.abspath(path), load_id=load_id, bank_slot=bank_slot,
                    hidden_size=int(meta.hidden_size), rank=int(meta.rank),
@@ -82,13 +84,26 @@ class SteerEntry:
                    recommended_strength=meta.recommended_strength, base_model=meta.base_model,
                    source=source, loaded_at=now, last_used=now,
                    kind=str(getattr(meta, "kind", "lm-steer")),
-                   layers=list(meta.layers) if hasattr(meta, "layers") else None)
+                   layers=list(meta.layers) if hasattr(meta, "layers") else None,
+                   stamp=stamp)
 
     def to_json(self) -> dict:
         d = asdict(self)
         d.pop("last_used")
+        d.pop("stamp")
         d["loaded_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.loaded_at))
         return d
+
+
+def file_stamp(path: str) -> tuple | None:
+    """What tells a file apart from another one later at its path: ``(device, inode, size,
+    mtime_ns)`` (a file replaced or rewritten has another), None when it cannot be read. Taken
+    before the file is read, so that a change during the read counts as a change."""
+    try:
+        s = os.stat(path)
+    except OSError:
+        return None
+    return (s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns)
 
 
 class SteerRegistry:

@@ -11,7 +11,7 @@ from vllm_steer.config import SteerServerConfig
 from vllm_steer.kinds import read_any_metadata
 from vllm_steer.integrations.engine.change_order import ChangeOrder
 from vllm_steer.integrations.engine.presets import PresetTable
-from vllm_steer.integrations.engine.registry import SteerEntry, SteerRegistry
+from vllm_steer.integrations.engine.registry import SteerEntry, SteerRegistry, file_stamp
 from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.protocol import SOURCE_STARTUP
 from vllm_steer.integrations.side_table import SideTable
@@ -51,9 +51,9 @@ class EngineSteerState:
     """Whether the workers' decoder layers have the op of decoder-layer steers (vector
     steers): :meth:`~vllm_steer.config.SteerServerConfig.layers_enabled`, read once."""
     replaced: dict = field(default_factory=dict)
-    """Name -> ``(load id, path, source)``: the file a name held before its last load replaced
-    it, under that load's id; a data-parallel rollback of that load (it failed on another
-    engine core) loads it again rather than leave the name unbound here."""
+    """Name -> ``(load id, entry)``: the entry a name held before its last load (that load id)
+    replaced it; a data-parallel rollback of that load (it failed on another engine core)
+    reads its file again, if unchanged on disk, rather than leave the name unbound here."""
 
 
 #: Each engine core's :class:`EngineSteerState`, kept beside it (nothing is set on vLLM's
@@ -90,10 +90,11 @@ def engine_state(core) -> EngineSteerState:
         reg = SteerRegistry(cfg.capacity)
         ranks = []
         for name, (bank_slot, load_id) in cfg.startup_placement().items():  # the workers' too
+            stamp = file_stamp(cfg.steers[name])
             meta = read_any_metadata(cfg.steers[name])
             ranks.append(int(meta.rank))
             reg.commit(SteerEntry.from_metadata(name, cfg.steers[name], meta, load_id, bank_slot,
-                                                SOURCE_STARTUP))
+                                                SOURCE_STARTUP, stamp))
             reg.next_load_id = max(reg.next_load_id, load_id + 1)
         reg.counters["loads"] = 0  # start-up steers are not run-time loads
         st = EngineSteerState(cfg, reg, head_input_size(va.model_config(vllm_config)),
