@@ -251,7 +251,7 @@ def test_every_hook_of_the_v1_runner_groups_ran_in_the_engine(llm, hooks_record)
     want = wrapped_targets(HOOKS, ("engine", "v1", "v1-lens")) | {
         "vllm.engine.arg_utils:EngineArgs.create_engine_config",
         "vllm.v1.engine.input_processor:InputProcessor.__init__"}
-    assert len(want) == 9, sorted(want)
+    assert len(want) == 10, sorted(want)
     assert want - ran == set(), f"hooks never called: {sorted(want - ran)}"
     assert not ran & wrapped_targets(HOOKS, ("v2", "v2-lens", "v2-spec"))
 

@@ -151,9 +151,10 @@ HOOKS: tuple[Hook, ...] = (
          "with Retry-After) before its first event, not cut off after response.created",
          responses_stream.create_responses, params=("request",)),
     # ---- engine core (vllm_steer.integrations.engine) ------------------------------------
-    Hook("vllm.v1.engine.core:EngineCore.__init__",
-         "the engine core's steers read as it starts, as its workers read them", core.start,
-         group=ENGINE),
+    Hook("vllm.v1.engine.core:EngineCore._initialize_kv_caches",
+         "the engine core's steers read as it starts, once its workers have read them "
+         "(EngineCore.__init__ loads the plugins: a spawned engine core's own call of it is "
+         "not patched yet)", core.start, group=ENGINE, params=("vllm_config",)),
     Hook("vllm.v1.engine.core:EngineCore.collective_rpc",
          "loading/unloading steers in the engine core (collective_rpc)", core.collective_rpc,
          group=ENGINE, params=("method", "timeout", "args", "kwargs")),

@@ -290,10 +290,10 @@ def test_an_unsteered_request_needs_nothing_of_the_steer_state_and_a_steered_one
 
 
 def test_the_engine_core_reads_its_steers_as_it_starts(files, tmp_path):
-    """The hook on ``EngineCore.__init__`` makes the steer state right after vLLM's own start
-    (its workers read the ``--steer`` files then to reserve the bank): a file replaced on
-    disk afterwards changes nothing the engine core lists or binds, and a file that cannot be
-    read fails the start, naming it (not the first request, hours later)."""
+    """The hook on the engine core's start (``EngineCore._initialize_kv_caches``, once its
+    workers read the ``--steer`` files to reserve the bank) makes the steer state: a file
+    replaced on disk afterwards changes nothing the engine core lists or binds, and a file
+    that cannot be read fails the start, naming it (not the first request, hours later)."""
     from helpers.engine_cores import Workers
     from vllm_steer.integrations.engine import core as hooks
     from vllm_steer.integrations.engine.management import run_op

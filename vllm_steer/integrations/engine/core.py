@@ -1,6 +1,6 @@
 """The engine core's hooks: run-time steer management and admission.
 
-``EngineCore.__init__`` makes the engine core's steer state (:func:`start`),
+The engine core's start makes its steer state (:func:`start`),
 ``EngineCore.collective_rpc`` answers the management method
 (:data:`~vllm_steer.integrations.protocol.MANAGEMENT_METHOD`: load / unload / list / presets,
 :mod:`vllm_steer.integrations.engine.management`), and ``EngineCore.add_request`` binds each
@@ -32,12 +32,15 @@ from vllm_steer.request import refusal_reason
 logger = get_logger()
 
 
-def start(orig, self, *args, **kwargs):
-    """``EngineCore.__init__``: the engine core's steer state made as it starts, after its
-    workers (the ``--steer`` files' headers read now, as the workers read them to reserve the
-    bank, not at the first request or listing; a file that cannot be read fails the start)."""
-    orig(self, *args, **kwargs)
+def start(orig, self, vllm_config):
+    """``EngineCore._initialize_kv_caches``, which ``EngineCore.__init__`` calls once its
+    workers are up: the engine core's steer state made then (the ``--steer`` files' headers
+    read now, as the workers read them to reserve the bank, not at the first request or
+    listing; a file that cannot be read fails the start). Not ``__init__`` itself: it loads
+    the plugins, so a spawned engine core's own call of it runs unpatched."""
+    out = orig(self, vllm_config)
     engine_state(self)
+    return out
 
 
 def collective_rpc(orig, self, method, timeout=None, args=(), kwargs=None):
