@@ -158,7 +158,6 @@ class TokenCoefs:
         rows a longer previous step left."""
         self.steps += 1
         table = self.slots
-        mask = self.layers.slot_is_vector
         host = table.host
         n = int(counts.sum()) if len(counts) else 0
         per_req = None
@@ -171,7 +170,7 @@ class TokenCoefs:
                 if key == self._key:
                     self.unchanged_steps += 1
                     return
-            per_req = host[req_slots, :self.layers.capacity] * mask
+            per_req = self._vector_part(host[req_slots])
             if not per_req.any() and not (windowed and self._window_on_vectors(req_slots)):
                 per_req = None  # no vector steer among the step's requests: nothing to map
             elif windowed:
@@ -215,11 +214,11 @@ class TokenCoefs:
         """Whether a generation window of these slots' requests is on a vector steer (a
         strength or a base that is not 0): else a windowed step (an LM-Steer window) has no
         per-token row to compute here."""
-        w, cap = self.slots.windows, self.layers.capacity
+        w = self.slots.windows
         if w is None:
             return False
-        on = (w["strength"][req_slots, :cap] != 0) | (w["base"][req_slots, :cap] != 0)
-        return bool((on * self.layers.slot_is_vector).any())
+        return bool(self._vector_part((w["strength"][req_slots] != 0)
+                                      | (w["base"][req_slots] != 0)).any())
 
     def _windowed_rows(self, req_slots, counts, gen_first, n: int) -> np.ndarray:
         """Per-token rows when a request of the step has a generation window: each token's
@@ -231,7 +230,11 @@ class TokenCoefs:
             starts = np.cumsum(counts) - counts
             positions = (np.repeat(gen_first, counts)
                          + (np.arange(n) - np.repeat(starts, counts))).astype(np.int64)
-        rows = self.slots.row_coefs(n, token_slots, positions)
+        return self._vector_part(self.slots.row_coefs(n, token_slots, positions))
+
+    def _vector_part(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` (request-slot table rows) with only the vector slots' columns (the
+        decoder layers' bank; the LM-Steer slots' columns zero)."""
         return rows[:, :self.layers.capacity] * self.layers.slot_is_vector
 
     def _clear(self) -> None:
