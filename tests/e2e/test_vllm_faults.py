@@ -317,6 +317,9 @@ STARTUP = {
     "vllm.v1.engine.input_processor:InputProcessor._build_logits_processors_params_validator",
     "vllm.plugins:load_endpoint_plugins",
     "vllm.v1.engine:EngineCoreOutput.stop_reason",
+    # the engine core's steers read as it starts: a file that cannot be read fails the start
+    # (tests/integrations/engine/test_binding.py)
+    "vllm.v1.engine.core:EngineCore._initialize_kv_caches",
 }
 #: Hooks that run only with the engine core in the ``LLM``'s process (offline,
 #: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), never in a server: tests/e2e/test_vllm_offline.py
