@@ -205,6 +205,38 @@ def test_windows_with_a_draft_model_follow_the_real_generated_tokens(spec_llm, p
     assert any(matters), "the windows change nothing: the test could not see a shift"
 
 
+def count_device_count_reads(stop: bool = False):
+    """A function for ``LLM.collective_rpc``: in each worker, count the V2 runner's reads of
+    the device's computed-token counts per step (``prepare_inputs`` calls); ``stop``: undo
+    that and return each step's count of reads (steps with none left out)."""
+
+    def arm(worker):
+        from vllm_steer.integrations import vllm_access as va
+
+        runner_cls = type(worker.model_runner)
+        if stop:
+            va.v2_device_computed_tokens = va.v2_device_computed_tokens.__wrapped__
+            runner_cls.prepare_inputs = runner_cls.prepare_inputs.__wrapped__
+            return [n for n in runner_cls.reads_per_step if n]
+        read, prepare = va.v2_device_computed_tokens, runner_cls.prepare_inputs
+        runner_cls.reads_per_step = []
+
+        def counted(*args, **kwargs):
+            runner_cls.reads_per_step[-1] += 1
+            return read(*args, **kwargs)
+
+        def step(self, *args, **kwargs):
+            runner_cls.reads_per_step.append(0)
+            return prepare(self, *args, **kwargs)
+
+        counted.__wrapped__, step.__wrapped__ = read, prepare
+        va.v2_device_computed_tokens = counted
+        runner_cls.prepare_inputs = step
+        return True
+
+    return arm
+
+
 def test_a_vector_window_with_a_draft_model_follows_the_real_generated_tokens(spec_llm,
                                                                               tiny_model_dir):
     """A vector steer's window is applied at every token of the step, in the decoder blocks:
@@ -217,7 +249,16 @@ def test_a_vector_window_with_a_draft_model_follows_the_real_generated_tokens(sp
     ref = HFReference(tiny_model_dir, {}, vectors={"sv": SPEC_VECTORS})
     steers = [{"sv": {"strength": 1.5, "start": 3, "end": 9}},
               {"sv": {"strength": -1.0, "start": 2, "end": 6, "base": 0.5}}, None]
-    outs = spec_llm.generate(PROMPTS[:3], [sp(s, 14) for s in steers], use_tqdm=False)
+    if spec_llm.runner_kind == "v2":
+        assert spec_llm.collective_rpc(count_device_count_reads()) == [True]
+    try:
+        outs = spec_llm.generate(PROMPTS[:3], [sp(s, 14) for s in steers], use_tqdm=False)
+    finally:
+        reads = spec_llm.collective_rpc(count_device_count_reads(stop=True)) \
+            if spec_llm.runner_kind == "v2" else None
+    if reads:  # V2 reads the true counts from the device: once a step, for tokens and rows
+        (per_step,) = reads
+        assert per_step and max(per_step) == 1, per_step
     seen = False
     for o, steer in zip(outs, steers, strict=True):
         win = Window(**steer["sv"]) if steer else Window(0.0)

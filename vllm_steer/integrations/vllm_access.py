@@ -350,6 +350,11 @@ def v1_input_batch(runner):
     return runner.input_batch
 
 
+def v1_num_reqs(input_batch) -> int:
+    """The requests in V1's persistent batch (its rows ``0 .. num_reqs - 1``)."""
+    return input_batch.num_reqs
+
+
 def v1_batch_positions(input_batch, num_scheduled):
     """The generated-token index each row of V1's persistent batch samples: ``computed +
     scheduled - prompt`` (0: the first generated token). Host arrays only."""
@@ -461,12 +466,12 @@ def v1_add_logits_processor(procs, proc, argmax_invariant: bool) -> None:
     (procs.argmax_invariant if argmax_invariant else procs.non_argmax_invariant).append(proc)
 
 
-def v2_step_tokens(runner, input_batch, true_counts=None):
+def v2_step_tokens(runner, input_batch, computed=None):
     """Model Runner V2's step (request ``i`` in request-state slot ``idx_mapping[i]``, its
     tokens from ``query_start_loc[i]``): ``(req_slots, counts, gen_first)`` as
-    :func:`v1_step_tokens`. Host arrays only, but with ``true_counts(idx)`` true (a generation
-    window under speculative decoding, where the host counts are an upper bound): the
-    computed-token counts are read from the device (:func:`v2_device_computed_tokens`)."""
+    :func:`v1_step_tokens`. Host arrays only; ``computed``: the requests' computed-token
+    counts read from the device (:func:`v2_device_computed_tokens`; a generation window under
+    speculative decoding, where the host's are an upper bound), None: the host's."""
     import numpy as np
 
     n = input_batch.num_reqs
@@ -476,10 +481,9 @@ def v2_step_tokens(runner, input_batch, true_counts=None):
     req_states = getattr(runner, "req_states", None)
     if req_states is None:
         return idx, counts, None
-    if true_counts is not None and len(idx) and true_counts(idx):
-        computed = v2_device_computed_tokens(runner, idx)
-    else:
-        computed = np.asarray(input_batch.num_computed_tokens_np[:n], dtype=np.int64)
+    if computed is None:
+        computed = input_batch.num_computed_tokens_np
+    computed = np.asarray(computed[:n], dtype=np.int64)
     prompt_len = np.asarray(req_states.prompt_len.np, dtype=np.int64)
     return idx, counts, computed + 1 - prompt_len[idx]
 
@@ -600,11 +604,11 @@ def v2_logits_tokens(input_batch):
     return np.repeat(ends - counts, counts) + local
 
 
-def v2_last_positions(runner, input_batch, true_counts: bool):
+def v2_last_positions(runner, input_batch, computed=None):
     """The generated-token index each request of V2's step samples last (``computed +
-    scheduled - prompt``; None where the runner keeps no request states). ``true_counts``:
-    the computed-token counts from the device (:func:`v2_device_computed_tokens`) rather than
-    the host mirror."""
+    scheduled - prompt``; None where the runner keeps no request states). ``computed``: the
+    computed-token counts read from the device (:func:`v2_device_computed_tokens`), None: the
+    host mirror's."""
     import numpy as np
 
     req_states = getattr(runner, "req_states", None)
@@ -612,8 +616,8 @@ def v2_last_positions(runner, input_batch, true_counts: bool):
         return None
     idx = input_batch.idx_mapping_np  # [num_reqs]
     n = len(idx)
-    computed = v2_device_computed_tokens(runner, idx) if true_counts \
-        else input_batch.num_computed_tokens_np[:n]
+    if computed is None:
+        computed = input_batch.num_computed_tokens_np[:n]
     return (computed + input_batch.num_scheduled_tokens[:n]
             - req_states.prompt_len.np[idx]).astype(np.int64)
 
@@ -1162,6 +1166,7 @@ ACCESSES: tuple[Access, ...] = (
            reads=tuple(f"vllm.v1.worker.gpu_input_batch:InputBatch.{n}" for n in
                        ("num_reqs", "num_computed_tokens_cpu", "num_prompt_tokens"))),
     Access(v1_input_batch, "the step's rows (V1)", V1, reads=(f"{_V1}.input_batch",)),
+    Access(v1_num_reqs, "the step's requests (V1)", V1, reads=(f"{_V1_BATCH}.num_reqs",)),
     Access(v1_batch_positions, "generated-token positions of the batch rows for generation "
            "windows (V1)", V1, reads=reads_of(_V1_BATCH, "num_reqs", "num_computed_tokens_cpu",
                                             "num_prompt_tokens")),

@@ -251,7 +251,8 @@ class StepMapping:
     sampled rows are its persistent batch until a speculative step maps its verification rows;
     a V2 runner's are known only inside its ``sample()`` (``StepMapping(sampled=NO_ROWS)``)."""
 
-    __slots__ = ("tokens", "sampled", "drafts", "prompt", "batch_size", "batch_positions")
+    __slots__ = ("tokens", "sampled", "drafts", "prompt", "batch_size", "batch_positions",
+                 "computed")
 
     def __init__(self, sampled: RowSource = BATCH_ROWS) -> None:
         self.tokens: TokenCoefs | None = None
@@ -268,6 +269,10 @@ class StepMapping:
         self.batch_positions: np.ndarray | None = None
         """V1: the generated-token index each batch row samples (host; written at every step
         while some slot has a generation window, and read only then)."""
+        self.computed: tuple[object, np.ndarray] | None = None
+        """V2: ``(input batch, its requests' computed-token counts)`` read from the device
+        before the step's forward, taken by its ``sample()`` (a generation window under
+        speculative decoding: one read a step)."""
 
     def view(self) -> RowSource:
         """The target head's view: the prompt rows while the step's prompt logprobs are

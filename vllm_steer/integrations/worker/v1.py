@@ -25,6 +25,7 @@ from vllm_steer.integrations.vllm_access import (v1_batch_positions,
                                                   v1_corrected_computed_tokens,
                                                   v1_has_prompt_logprobs,
                                                   v1_input_batch, v1_model_compute_logits,
+                                                  v1_num_reqs,
                                                   v1_query_start_loc,
                                                   v1_speculates, v1_step_output, v1_step_tokens,
                                                   v1_untrack_output_token_ids)
@@ -69,13 +70,12 @@ def prepare_inputs(orig, self, *args, **kwargs):
         with rt.faults.guard(ROWS):
             batch = v1_input_batch(self)
             scheduled = _NUM_SCHEDULED.get(orig, (self, *args), kwargs)
-            step = v1_step_tokens(batch, scheduled)
-            if gates.speculative_runtimes and rt.slots.any_windowed(step[0]):
+            n, computed = v1_num_reqs(batch), None
+            if gates.speculative_runtimes and rt.slots.any_windowed(slice(n)):
                 # the host counts take the previous step's drafts as accepted (async
                 # scheduling): a window needs the true ones, as the verification rows do
-                step = v1_step_tokens(batch, scheduled,
-                                      v1_corrected_computed_tokens(self, len(step[0])))
-            tokens.build_or_clear(*step)
+                computed = v1_corrected_computed_tokens(self, n)
+            tokens.build_or_clear(*v1_step_tokens(batch, scheduled, computed))
     return out
 
 

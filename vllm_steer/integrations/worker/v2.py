@@ -166,11 +166,8 @@ def prepare_inputs(orig, self, *args, **kwargs):
     rt = V2RunnerBinding.of(self).runtime
     if rt is not None and rt.step.tokens is not None and not rt.step.tokens.idle:
         with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
-            # a window under speculative decoding needs the true computed-token counts (the
-            # host's take the previous step's drafts as accepted), as the sampled rows do
-            true_counts = rt.slots.any_windowed if rt.slots.num_window_slots \
-                and va.v2_speculator(self) is not None else None
-            rt.step.tokens.build_or_clear(*va.v2_step_tokens(self, input_batch, true_counts))
+            rt.step.tokens.build_or_clear(*va.v2_step_tokens(
+                self, input_batch, _true_computed(rt, self, input_batch, keep=True)))
     return input_batch
 
 
@@ -246,12 +243,31 @@ def _host_rows(rt, runner, input_batch):
     slots = idx if one_each else np.repeat(idx, counts)
     if not rt.slots.num_window_slots:
         return slots, None
-    true_counts = va.v2_speculator(runner) is not None and rt.slots.any_windowed(idx)
-    last = va.v2_last_positions(runner, input_batch, true_counts)
+    last = va.v2_last_positions(runner, input_batch, _true_computed(rt, runner, input_batch))
     if last is None or one_each:
         return slots, last
     local = np.arange(cu[nr] - cu[0]) - np.repeat(cu[:-1] - cu[0], counts)
     return slots, np.repeat(last - counts + 1, counts) + local
+
+
+def _true_computed(rt, runner, input_batch, keep: bool = False):
+    """The computed-token counts of the step's requests read from the device, where a
+    generation window under speculative decoding needs them (the host's take the previous
+    step's drafts as accepted); None where the host's serve. A wait for the device, once a
+    step: the read of ``prepare_inputs`` (``keep``: the decoder layers' tokens) is kept for the
+    same input batch's ``sample()`` (the head's rows), which takes it."""
+    kept, rt.step.computed = rt.step.computed, None
+    if not rt.slots.num_window_slots or va.v2_speculator(runner) is None:
+        return None
+    if kept is not None and kept[0] is input_batch:
+        return kept[1]
+    idx = va.v2_batch_slots(input_batch)
+    if not len(idx) or not rt.slots.any_windowed(idx):
+        return None
+    computed = va.v2_device_computed_tokens(runner, idx)
+    if keep:
+        rt.step.computed = (input_batch, computed)
+    return computed
 
 
 #: Each sharder's pending row index while its runner's ``sample()`` runs (by ``id``):
