@@ -8,8 +8,9 @@ fault happened, the request, the error); the next step is served as before. Poin
 speculative step's verification rows (``_calc_spec_decode_metadata``), V2's batch-sharded
 rows in ``sample()`` and ``BatchSharder.shard_sampler_inputs`` (a vLLM that returns another
 layout included), the per-request state's copy of the slots to the device (V1 and V2, a
-first steered request included), and the prompt-logprob hooks of both runners. A V2 step
-sampled without the head: test_v2.py.
+first steered request included), the prompt-logprob hooks of both runners and the model's
+``compute_logits`` as they wrap it. A V2 step sampled without the head, and a V2 steady
+step whose request ids cannot be read: test_v2.py.
 """
 
 from __future__ import annotations
@@ -285,6 +286,46 @@ def test_a_fault_preparing_v1_prompt_rows_leaves_them_unsteered(runtime, monkeyp
     failed = _failed(rt, ["r0", "r1"])
     assert list(failed) == ["r0"]
     assert failed["r0"].startswith(ROWS_FAULT + "r0: RuntimeError: the callee broke")
+
+
+def test_a_fault_finding_a_prompt_calls_rows_fails_the_steered_request_not_the_step(
+        runtime, monkeypatch):
+    """The model's ``compute_logits`` as the prompt-logprob hooks wrap it finds the call's rows
+    by their address before vLLM's own call: a fault there (a tensor without a readable
+    storage) does not escape vLLM's call. The head meets it again, under its guard: every row
+    gets vLLM's plain logits and the steered request alone fails, naming the head."""
+    from vllm_steer.integrations.worker import head, rows
+
+    rt = runtime
+    _steer(rt, 1, prompt_logprobs=True)
+    batch = SimpleNamespace(num_reqs=2, idx_mapping_np=np.array([1, 0]),
+                            query_start_loc_np=np.array([0, 3, 5]))
+    worker = SimpleNamespace(in_progress_prompt_logprobs={"r1": []})
+    h = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(4))
+    steer_head = SimpleNamespace(steer_runtime=rt)
+
+    def orig(self, logits_fn, hidden_states, input_batch):
+        return torch.cat([logits_fn(hidden_states[a:a + 2]) for a in range(0, 5, 2)])
+
+    def logits_fn(x):  # the model's compute_logits: the head steers, under its guard
+        try:
+            return rt.planner.steer_rows(x).clone()
+        except Exception as e:
+            head.step_fault(steer_head, x, e)
+            return x.clone()
+
+    with monkeypatch.context() as m:
+        m.setattr(v2, "current_runtime", lambda: rt)
+        steered = v2.prompt_logprobs(orig, worker, logits_fn, h, batch)
+        assert not torch.equal(steered[:3], h[:3]) and torch.equal(steered[3:], h[3:])
+        m.setattr(rows.PromptRows, "offset_of", _broken)
+        got = v2.prompt_logprobs(orig, worker, logits_fn, h, batch)
+    assert torch.equal(got, h)  # vLLM's own
+    failed = _failed(rt, ["r1", "r0"], [1, 0])
+    assert list(failed) == ["r1"]
+    assert failed["r1"].startswith("vllm-steer: internal error in the steered LM head while "
+                                   "serving request r1: RuntimeError: the callee broke")
+    assert torch.equal(v2.prompt_logprobs(orig, worker, logits_fn, h, batch), steered)
 
 
 def test_a_fault_preparing_v2_prompt_rows_leaves_them_unsteered(runtime, monkeypatch):

@@ -266,6 +266,25 @@ def test_steady_steps_reuse_their_rows_and_every_change_maps_them_again(processo
     strengths[7] = (0.0, 1e-3)
     assert [step([2, 7]) for _ in range(2)] == [1, 0]
 
+    # a steady step whose request ids cannot be read (a vLLM object unlike the declared one)
+    # is mapped again, under the fault guard: nothing escapes vLLM's step, every row gets the
+    # plain hidden states, the steered request alone fails; the next step is served again
+    class Unreadable(InputBatch):
+        @property
+        def req_ids(self):
+            raise RuntimeError("the callee broke")
+
+    batch = InputBatch.make_dummy(2, 2, InputBuffers(8, 64, torch.device("cpu")))
+    batch.idx_mapping_np = np.array([2, 7], dtype=np.int32)
+    batch.expanded_idx_mapping = torch.tensor([2, 7], dtype=torch.int32)
+    batch.__class__ = Unreadable
+    h = torch.randn(2, 64)
+    assert torch.equal(runner.sample(h, batch, None), h)
+    failed = rt.faults.take(["r2", "r7"], [2, 7], rt.slots.steered)
+    assert list(failed) == ["r7"] and "RuntimeError: the callee broke" in failed["r7"]
+    mapped[:] = []
+    assert [step([2, 7]) for _ in range(2)] == [1, 0]
+
 
 def test_a_finished_requests_stale_slot_costs_no_steer_work(processor, vllm_config):
     """V2 never tells a request left: its slot keeps its steer until reused. A step whose batch

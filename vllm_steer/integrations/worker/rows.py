@@ -123,9 +123,14 @@ class PromptRows:
 
     def logits_fn(self, fn: Callable) -> Callable:
         """``fn`` (the model's ``compute_logits``) recording the rows of each call in
-        :attr:`current` while it runs."""
+        :attr:`current` while it runs. A fault finding them records none: the head's own
+        search (:meth:`row_offset`, under its fault guard) fails the step's steered requests,
+        and vLLM's call goes on."""
         def compute_logits(hidden, *args, **kwargs):
-            offset = self.offset_of(hidden)
+            try:
+                offset = self.offset_of(hidden)
+            except Exception:  # noqa: BLE001 - met again, and recorded, by the head
+                offset = None
             self.current[:] = [] if offset is None else [(offset, hidden.shape[0])]
             try:
                 return fn(hidden, *args, **kwargs)

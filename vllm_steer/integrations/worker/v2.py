@@ -85,8 +85,8 @@ def sample(orig, self, *args, **kwargs):
     if b is not None and b.steady_ids is not None:  # the runner's last steered batch
         try:
             ids = _req_ids(args[b.sample_batch_at])  # its place is known by then
-        except IndexError:  # passed by keyword
-            ids = None
+        except Exception:  # noqa: BLE001 - passed by keyword (IndexError), or unreadable:
+            ids = None  # the step is mapped again, under its fault guard (_step_rows)
         if ids == b.steady_ids:  # the same requests in the same order, none added since
             table = b.runtime.slots
             if b.steady_assigned == table.assigned and b.steady_version == table.version:
