@@ -255,14 +255,40 @@ def test_a_saved_hugging_face_dataset_and_its_splits(tmp_path):
         load_dataset(_cfg(tmp_path / "dd", split="test"))
 
 
-def test_a_dataset_name_not_in_the_local_cache_says_how_to_get_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("imported_online", [False, True])
+def test_a_dataset_name_not_in_the_local_cache_says_how_to_get_it(tmp_path, monkeypatch,
+                                                                   imported_online):
+    """Read offline, with no connection tried, also in a process that imported ``datasets``
+    and ``huggingface_hub`` online before (they read their offline switches at import): on a
+    host without network the answer comes at once, not after the Hub client's retries."""
+    import socket
+
+    datasets = pytest.importorskip("datasets")
+    import huggingface_hub.constants as hub
+
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
+    if imported_online:
+        monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
+        monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    switches = (datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE)
+    tried = []
+
+    def no_network(self, address, *a, **k):
+        tried.append(address)
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket.socket, "connect_ex", no_network)
     with pytest.raises(DataError) as e:
         load_dataset(_cfg("no_such_org/no_such_dataset"))
     msg = str(e.value)
-    assert msg.startswith("no_such_org/no_such_dataset: ")
+    assert msg.startswith("no_such_org/no_such_dataset: no such file, and no Hugging Face "
+                          "dataset of that name in the local cache"), msg
     assert "offline" in msg and "save_to_disk" in msg
+    assert not tried, tried
+    assert (datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE) == switches  # put back
     with pytest.raises(DataError, match=r"missing\.parquet: no such file"):
         load_dataset(_cfg(tmp_path / "missing.parquet"))
 

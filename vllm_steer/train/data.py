@@ -9,6 +9,7 @@ Every problem is a :class:`DataError` naming the file (and line) and what to do.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import json
@@ -157,6 +158,27 @@ def source_sha256(path: str) -> str:
 _HF_FINGERPRINTS: dict[str, str] = {}
 
 
+@contextlib.contextmanager
+def _hub_offline(datasets) -> Iterator[None]:
+    """The Hugging Face Hub offline for ``datasets`` while the block runs, however the process
+    imported it: ``datasets`` and ``huggingface_hub`` read their offline switches from the
+    environment once, at import, so a process that imported either before (a notebook,
+    ``transformers``) would otherwise try the network, and wait out its retries on a host
+    without one, before saying a name is not in the cache. Restored after."""
+    import huggingface_hub.constants as hub
+
+    flags = [(datasets.config, "HF_HUB_OFFLINE"), (datasets.config, "HF_DATASETS_OFFLINE"),
+             (hub, "HF_HUB_OFFLINE")]
+    was = [(obj, name, getattr(obj, name)) for obj, name in flags if hasattr(obj, name)]
+    for obj, name, _ in was:
+        setattr(obj, name, True)
+    try:
+        yield
+    finally:
+        for obj, name, value in was:
+            setattr(obj, name, value)
+
+
 def load_hf(source: str, split: str | None):
     """A Hugging Face dataset, offline: a ``save_to_disk`` folder, or a name (or a local
     dataset folder) already in the Hugging Face cache. A ``DatasetDict`` gives ``split``."""
@@ -168,13 +190,13 @@ def load_hf(source: str, split: str | None):
         raise DataError(f"{source}: reading a Hugging Face dataset needs the `datasets` "
                         "package (pip install datasets, or vllm-steer[train]); or give a "
                         "JSONL/CSV/Parquet file") from None
-    datasets.config.HF_DATASETS_OFFLINE = True
     saved = os.path.isdir(source) and any(
         os.path.exists(os.path.join(source, f))
         for f in ("dataset_dict.json", "state.json", "dataset_info.json"))
     try:
-        ds = datasets.load_from_disk(source) if saved else datasets.load_dataset(source)
-    except FileNotFoundError:
+        with _hub_offline(datasets):
+            ds = datasets.load_from_disk(source) if saved else datasets.load_dataset(source)
+    except (FileNotFoundError, ConnectionError):  # offline: a name not in the cache
         raise DataError(f"{source}: no such file, and no Hugging Face dataset of that name in "
                         "the local cache (datasets are read offline). On a machine with "
                         "network access save it once, e.g. python -c \"import datasets; "
