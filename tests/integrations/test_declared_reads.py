@@ -15,7 +15,10 @@ public API and are not the plugin). A vLLM object, in each function, is: a name 
 :data:`VLLM_NAMES` (the plugin's names for the vLLM objects it is handed); a parameter
 annotated with a vLLM class or the CLI namespace vLLM's parser builds (:data:`VLLM_TYPES`);
 ``app.state`` (vLLM's API server fills it); ``self`` in a class derived from a vLLM class (the
-names the class defines itself are its own); in the layer, each parameter of an accessor; and
+names the class defines itself are its own); in the layer, each parameter of an accessor; a
+parameter of a module-level function that a caller in the scanned files hands one, by position
+or keyword, under whatever name (followed to a fixed point across modules; a parameter
+annotated with the standard library's type it is used as, :data:`STDLIB_TYPES`, excepted); and
 whatever is derived from one: an alias (``x = runner``), an
 attribute (``x.a``), ``getattr(x, "a")``, a call's result (``x.f()``, ``orig(...)``), an item
 (``x[i]``) or a loop variable over one. A touch is ``x.a`` (read or set),
@@ -58,6 +61,9 @@ VLLM_NAMES = {"core", "runner", "vllm_config", "model_config", "req_states", "in
 #: Annotations of a parameter that vLLM built (the CLI namespace of vLLM's parser), besides
 #: the classes imported from ``vllm``.
 VLLM_TYPES = {"argparse.Namespace", "Namespace"}
+#: Annotations of a parameter that takes a vLLM object through the standard library's API
+#: only (vLLM's ``FlexibleArgumentParser``, through argparse's): not followed into it.
+STDLIB_TYPES = {"argparse.ArgumentParser"}
 #: The plugin's prefix for what it keeps on vLLM's objects (``app.state.vllm_steer_engine``).
 OUR_PREFIX = "vllm_steer_"
 #: Attributes of the plain types found behind a vLLM attribute (``x.a.values()``): not vLLM's.
@@ -114,8 +120,9 @@ def last(name: str) -> str:
 class _Taint:
     """The vLLM objects of one function: roots and what is derived from them, with depth."""
 
-    def __init__(self, roots: set[str], ours: set[tuple[str, str]] = frozenset()) -> None:
-        self.depth = {r: 0 for r in roots}
+    def __init__(self, roots: set[str], ours: set[tuple[str, str]] = frozenset(),
+                 handed: dict[str, int] | None = None) -> None:
+        self.depth = {**(handed or {}), **{r: 0 for r in roots}}
         self.ours = ours
         """``(root, name)``: the plugin's own attribute of a root (a vLLM subclass's
         ``self.name``), not a vLLM object."""
@@ -225,8 +232,12 @@ def _functions(tree):
             yield getattr(top, "name", "<module>"), fn
 
 
+def _args(fn) -> list[ast.arg]:
+    return fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+
+
 def _params(fn) -> list[str]:
-    return [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+    return [a.arg for a in _args(fn)]
 
 
 def _base_call(node: ast.Attribute, fn, bases) -> bool:
@@ -237,23 +248,61 @@ def _base_call(node: ast.Attribute, fn, bases) -> bool:
         and node.attr == fn.name
 
 
-def scan(source: str, rel: str) -> tuple[list[Touch], list[tuple[str, str]]]:
-    """Every touch of a vLLM object in ``source`` (the file ``rel``), and ``(where,
-    module:Name)`` of each import from a private module of another package."""
-    tree = ast.parse(source)
-    imported, private = set(), []
-    constants = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
-                 and isinstance(n.value, ast.Constant) for t in n.targets
-                 if isinstance(t, ast.Name)}
+#: ``{(file, function): {parameter: level}}``: the parameters of a module-level function
+#: that some caller hands a vLLM object (level: as :meth:`_Taint.level`).
+Handed = dict[tuple[str, str], dict[str, int]]
+
+
+def _callees(tree, rel: str, files: set[str]) -> dict[str, tuple[str, str]]:
+    """The names a module calls its functions and those of the other scanned files by:
+    ``{local name: (file, function)}`` (its own module-level functions, and each
+    ``from vllm_steer... import f`` of a file in ``files``)."""
+    out = {n.name: (rel, n.name) for n in tree.body if isinstance(n, _FUNCTION)}
     for n in ast.walk(tree):
-        if isinstance(n, ast.ImportFrom) and n.module:
-            if n.module.split(".")[0] == "vllm":
-                imported |= {a.asname or a.name for a in n.names}
-            elif n.module != "__future__" and any(p.startswith("_") for p in n.module.split(".")):
-                private += [(f"{rel}:{n.lineno}", f"{n.module}:{a.name}") for a in n.names]
-        elif isinstance(n, ast.Import):
-            imported |= {(a.asname or a.name).split(".")[0] for a in n.names
-                         if a.name.split(".")[0] == "vllm"}
+        if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("vllm_steer"):
+            target = n.module.replace(".", "/") + ".py"
+            if target in files:
+                out.update({a.asname or a.name: (target, a.name) for a in n.names})
+    return out
+
+
+def handed(sources: dict[str, str]) -> Handed:
+    """Which parameters of the module-level functions of ``sources`` (``{file: source}``)
+    are handed a vLLM object by a caller in them, under whatever name: the callers' vLLM
+    objects followed into the functions they call, to a fixed point."""
+    trees = {rel: ast.parse(src) for rel, src in sources.items()}
+    defs = {(rel, n.name): [None if a.annotation is not None and ast.unparse(a.annotation)
+                            in STDLIB_TYPES else a.arg for a in _args(n)]
+            for rel, tree in trees.items() for n in tree.body if isinstance(n, _FUNCTION)}
+    found: Handed = {}
+    for _ in range(len(defs) + 1):
+        before = {k: dict(v) for k, v in found.items()}
+        for rel, tree in trees.items():
+            callees = _callees(tree, rel, set(sources))
+            for _top, fn, taint in _taints(tree, rel, found):
+                for call in ast.walk(fn):
+                    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                            and (target := callees.get(call.func.id)) in defs):
+                        continue
+                    params = defs[target]
+                    given = [(params[i], a) for i, a in enumerate(call.args)
+                             if i < len(params) and not any(
+                                 isinstance(b, ast.Starred) for b in call.args[:i + 1])]
+                    given += [(k.arg, k.value) for k in call.keywords if k.arg in params]
+                    for param, arg in given:
+                        level = taint.level(arg)
+                        if level is not None and param is not None:
+                            have = found.setdefault(target, {})
+                            have[param] = min(level, have.get(param, level))
+        if found == before:
+            return found
+    raise AssertionError("the vLLM objects handed between functions did not settle")
+
+
+def _taints(tree, rel: str, given: Handed | None = None):
+    """``(top-level name, function, its vLLM objects)`` for every outermost function of
+    ``tree`` (the file ``rel``); ``given``: the parameters callers hand vLLM objects."""
+    imported = _vllm_imports(tree)
     accessors = {a.function.__name__ for a in vllm_access.ACCESSES} if rel == LAYER else set()
     bases = {n.name: {b.id for b in n.bases if isinstance(b, ast.Name)} & imported
              for n in tree.body if isinstance(n, ast.ClassDef)}
@@ -261,11 +310,6 @@ def scan(source: str, rel: str) -> tuple[list[Touch], list[tuple[str, str]]]:
     # defines itself are ours
     own = {n.name: _own_names(n) for n in tree.body if isinstance(n, ast.ClassDef)
            and bases[n.name]}
-    found = []
-    for node in tree.body:  # a getter made at module level (``get = attrgetter("a")``)
-        getter = node.value if isinstance(node, ast.Assign) else None
-        if isinstance(getter, ast.Call) and _getter(getter):
-            found += _getter_touches(getter, f"{rel}:{node.lineno}", "<module>")
     for top, fn in _functions(tree):
         args = _params(fn)
         wrapper = bool(args) and args[0] == "orig"
@@ -277,8 +321,50 @@ def scan(source: str, rel: str) -> tuple[list[Touch], list[tuple[str, str]]]:
         if top in own and args:  # ``self`` of a vLLM subclass; its own names are ours
             roots.add(args[0])
             mine = {(args[0], name) for name in own[top]}
-        taint = _Taint(roots, mine)
+        from_callers = (given or {}).get((rel, fn.name), {}) if top == fn.name else {}
+        taint = _Taint(roots, mine, from_callers)
         taint.learn(fn)
+        yield top, fn, taint
+
+
+def _vllm_imports(tree) -> set[str]:
+    """The names a module imports from ``vllm``."""
+    imported = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] == "vllm":
+            imported |= {a.asname or a.name for a in n.names}
+        elif isinstance(n, ast.Import):
+            imported |= {(a.asname or a.name).split(".")[0] for a in n.names
+                         if a.name.split(".")[0] == "vllm"}
+    return imported
+
+
+def scan(source: str, rel: str, given: Handed | None = None
+         ) -> tuple[list[Touch], list[tuple[str, str]]]:
+    """Every touch of a vLLM object in ``source`` (the file ``rel``), and ``(where,
+    module:Name)`` of each import from a private module of another package. ``given``: the
+    vLLM objects callers hand its functions (:func:`handed`; by default those of its own
+    functions' calls in it)."""
+    tree = ast.parse(source)
+    if given is None:
+        given = handed({rel: source})
+    private = []
+    constants = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                 and isinstance(n.value, ast.Constant) for t in n.targets
+                 if isinstance(t, ast.Name)}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] != "vllm" \
+                and n.module != "__future__" and any(p.startswith("_")
+                                                     for p in n.module.split(".")):
+            private += [(f"{rel}:{n.lineno}", f"{n.module}:{a.name}") for a in n.names]
+    bases = {n.name: {b.id for b in n.bases if isinstance(b, ast.Name)} & _vllm_imports(tree)
+             for n in tree.body if isinstance(n, ast.ClassDef)}
+    found = []
+    for node in tree.body:  # a getter made at module level (``get = attrgetter("a")``)
+        getter = node.value if isinstance(node, ast.Assign) else None
+        if isinstance(getter, ast.Call) and _getter(getter):
+            found += _getter_touches(getter, f"{rel}:{node.lineno}", "<module>")
+    for top, fn, taint in _taints(tree, rel, given):
         for n in ast.walk(fn):
             where = f"{rel}:{getattr(n, 'lineno', fn.lineno)} ({fn.name})"
             if isinstance(n, ast.Attribute):
@@ -322,9 +408,10 @@ def _getter_touches(call: ast.Call, where: str, top: str) -> list[Touch]:
     return out
 
 
-def violations(source: str, rel: str) -> list[str]:
-    """What breaks the rule in ``source`` (the file ``rel``, relative to the repository)."""
-    touches, _ = scan(source, rel)
+def violations(source: str, rel: str, given: Handed | None = None) -> list[str]:
+    """What breaks the rule in ``source`` (the file ``rel``, relative to the repository);
+    ``given``: as :func:`scan`'s."""
+    touches, _ = scan(source, rel, given)
     per_access = {a.function.__name__: {last(n) for n in a.all_names}
                   for a in vllm_access.ACCESSES}
     out = []
@@ -348,8 +435,14 @@ def _rel(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
 
+def _sources() -> dict[str, str]:
+    return {_rel(p): p.read_text() for p in SOURCES}
+
+
 def test_no_vllm_object_is_touched_outside_the_layer_and_every_name_is_declared():
-    bad = [v for p in SOURCES for v in violations(p.read_text(), _rel(p))]
+    sources = _sources()
+    given = handed(sources)
+    bad = [v for rel, src in sources.items() for v in violations(src, rel, given)]
     assert bad == [], "; ".join(bad)
 
 
@@ -404,6 +497,37 @@ def test_an_alias_of_a_vllm_object_is_followed():
          FRONTEND_FILE, "set req_ids", "outside")
     _one("def f(runner):\n    batch = runner.input_batch\n    batch.num_reqs = 0\n",
          RUNNER_FILE, "set num_reqs", "outside")
+
+
+def test_a_vllm_object_handed_to_a_function_is_followed_into_it():
+    """Under whatever name the function calls it: in the same module (by position or by
+    keyword, one call deep or two), and in a function imported from another scanned module;
+    what the function does with objects of its own is not a touch."""
+    helper = "def _rows(thing, n=0):\n    return thing.idx_mapping_np[:n]\n"
+    _one(f"def f(orig, self, *args):\n    return _rows(orig(self, *args))\n\n\n{helper}",
+         RUNNER_FILE, "read idx_mapping_np", "(_rows)", "outside")
+    _one(f"def f(runner):\n    return _rows(n=1, thing=runner.input_batch)\n\n\n{helper}",
+         RUNNER_FILE, "read idx_mapping_np", "(_rows)")
+    _one("def f(runner):\n    return _mid(3, runner)\n\n\ndef _mid(k, x):\n"
+         f"    return _rows(x, k)\n\n\n{helper}", RUNNER_FILE, "read idx_mapping_np", "(_rows)")
+    assert violations(f"def f(runner, table):\n    return _rows(table)\n\n\n{helper}",
+                      RUNNER_FILE) == []
+    # across modules: the caller's import names the callee's file
+    other = "vllm_steer/integrations/worker/rows.py"
+    sources = {RUNNER_FILE: "from vllm_steer.integrations.worker.rows import rows_of as r\n\n\n"
+                            "def f(orig, self):\n    return r(0, self)\n",
+               other: "def rows_of(k, source):\n    return source.expanded_idx_mapping[k]\n"}
+    given = handed(sources)
+    assert given == {(other, "rows_of"): {"source": 0}}
+    got = violations(sources[other], other, given)
+    assert any("read expanded_idx_mapping" in v and "(rows_of)" in v for v in got), got
+    assert violations(sources[other], other) == []  # alone, nothing hands it one
+    # a parameter that takes vLLM's parser as argparse's is not followed; another one is
+    parser = ("import argparse\n\n\ndef hook(orig, parser):\n    add(orig(parser))\n\n\n"
+              "def add(p: argparse.ArgumentParser):\n    p.add_argument('--x')\n")
+    assert violations(parser, FRONTEND_FILE) == []
+    _one(parser.replace("p: argparse.ArgumentParser", "p"), FRONTEND_FILE,
+         "read add_argument", "(add)")
 
 
 def test_getattr_on_a_vllm_object_is_a_touch():

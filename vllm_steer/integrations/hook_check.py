@@ -133,13 +133,13 @@ def surface_problems(hook: Hook, surface) -> list[str]:
     if entry is None:
         return [f"{where}: not found"]
     if hook.params:
-        params = entry.get("params")
-        if params is None and entry.get("kind") != OUTSIDE:
+        signature = entry.get("params")
+        if signature is None and entry.get("kind") != OUTSIDE:
             out.append(f"{where}: no signature to bind {', '.join(hook.params)} by name")
-        elif params is not None:
-            lost = [p for p in hook.params if p not in bindable(params)]
+        elif signature is not None:
+            lost = [p for p in hook.params if p not in bindable(signature)]
             if lost:
-                out.append(f"{where}: its signature ({', '.join(params)}) has no parameter "
+                out.append(f"{where}: its signature ({', '.join(signature)}) has no parameter "
                            f"{', '.join(lost)}, which the plugin binds by name")
     for name in hook.reads:
         if surface.lookup(name) is None:

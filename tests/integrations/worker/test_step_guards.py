@@ -302,7 +302,6 @@ def test_a_fault_finding_a_prompt_calls_rows_fails_the_steered_request_not_the_s
                             query_start_loc_np=np.array([0, 3, 5]))
     worker = SimpleNamespace(in_progress_prompt_logprobs={"r1": []})
     h = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(4))
-    steer_head = SimpleNamespace(steer_runtime=rt)
 
     def orig(self, logits_fn, hidden_states, input_batch):
         return torch.cat([logits_fn(hidden_states[a:a + 2]) for a in range(0, 5, 2)])
@@ -311,7 +310,7 @@ def test_a_fault_finding_a_prompt_calls_rows_fails_the_steered_request_not_the_s
         try:
             return rt.planner.steer_rows(x).clone()
         except Exception as e:
-            head.step_fault(steer_head, x, e)
+            head.step_fault(rt, x, e)
             return x.clone()
 
     with monkeypatch.context() as m:

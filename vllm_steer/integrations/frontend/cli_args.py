@@ -34,8 +34,8 @@ STEER_HELP = (
 )
 
 
-def add_steer_args(parser) -> None:
-    """Add our arguments to a vLLM (engine args) parser."""
+def add_steer_args(parser: argparse.ArgumentParser) -> None:
+    """Add our arguments to a vLLM (engine args) parser (argparse's API)."""
     if any("--steer" in a.option_strings for a in parser._actions):
         return
     group = parser.add_argument_group(

@@ -92,7 +92,7 @@ class SteeredLogitsProcessor(LogitsProcessor):
                 try:
                     hidden_states = steer_rows(hidden_states)
                 except Exception as e:  # plain logits for every row; its requests fail
-                    step_fault(self, hidden_states, e)
+                    step_fault(self.steer_runtime, hidden_states, e)
         return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
 
     def get_top_tokens(self, lm_head, hidden_states, embedding_bias=None):
@@ -102,17 +102,17 @@ class SteeredLogitsProcessor(LogitsProcessor):
                 try:
                     hidden_states = steer_rows(hidden_states)
                 except Exception as e:
-                    step_fault(self, hidden_states, e)
+                    step_fault(self.steer_runtime, hidden_states, e)
         return LogitsProcessor.get_top_tokens(self, lm_head, hidden_states, embedding_bias)
 
 
-def step_fault(head, hidden_states: torch.Tensor, exc: Exception) -> None:
+def step_fault(rt, hidden_states: torch.Tensor, exc: Exception) -> None:
     """A fault of the steer op (or of the step planner behind it) on one call: recorded for
     the step's output (the step's steered requests fail with HTTP 500,
     :mod:`~vllm_steer.integrations.worker.step_faults`), and the call goes on with the hidden
-    states as they came, so every row gets vLLM's plain logits. Raised again while a CUDA
-    graph is being captured (a graph without the op would serve unsteered at every replay)."""
-    rt = getattr(head, "steer_runtime", None)
+    states as they came, so every row gets vLLM's plain logits. ``rt``: the head's runtime
+    (None: raised again). Raised again while a CUDA graph is being captured (a graph without
+    the op would serve unsteered at every replay)."""
     if rt is None or capturing(hidden_states):
         raise exc
     rt.faults.record(HEAD, exc)
