@@ -253,17 +253,38 @@ def _base_call(node: ast.Attribute, fn, bases) -> bool:
 Handed = dict[tuple[str, str], dict[str, int]]
 
 
-def _callees(tree, rel: str, files: set[str]) -> dict[str, tuple[str, str]]:
+def _callees(tree, rel: str, files: set[str]) -> tuple[dict[str, tuple[str, str]],
+                                                        dict[str, str]]:
     """The names a module calls its functions and those of the other scanned files by:
-    ``{local name: (file, function)}`` (its own module-level functions, and each
-    ``from vllm_steer... import f`` of a file in ``files``)."""
+    ``({local name: (file, function)}, {module alias: file})`` (its own module-level
+    functions, each ``from vllm_steer... import f`` of a file in ``files``, and each module of
+    them imported whole: ``from vllm_steer.x import y``, ``import vllm_steer.x.y as y``)."""
     out = {n.name: (rel, n.name) for n in tree.body if isinstance(n, _FUNCTION)}
+    modules = {}
     for n in ast.walk(tree):
         if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("vllm_steer"):
-            target = n.module.replace(".", "/") + ".py"
-            if target in files:
-                out.update({a.asname or a.name: (target, a.name) for a in n.names})
-    return out
+            for a in n.names:
+                target = n.module.replace(".", "/") + ".py"
+                whole = f"{n.module}.{a.name}".replace(".", "/") + ".py"
+                if whole in files:
+                    modules[a.asname or a.name] = whole
+                elif target in files:
+                    out[a.asname or a.name] = (target, a.name)
+        elif isinstance(n, ast.Import):
+            for a in n.names:
+                if a.asname and a.name.replace(".", "/") + ".py" in files:
+                    modules[a.asname] = a.name.replace(".", "/") + ".py"
+    return out, modules
+
+
+def _callee(func, callees, modules) -> tuple[str, str] | None:
+    """``(file, function)`` a call's ``func`` names (``f`` or ``module.f``), if scanned."""
+    if isinstance(func, ast.Name):
+        return callees.get(func.id)
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) \
+            and func.value.id in modules:
+        return modules[func.value.id], func.attr
+    return None
 
 
 def handed(sources: dict[str, str]) -> Handed:
@@ -278,11 +299,11 @@ def handed(sources: dict[str, str]) -> Handed:
     for _ in range(len(defs) + 1):
         before = {k: dict(v) for k, v in found.items()}
         for rel, tree in trees.items():
-            callees = _callees(tree, rel, set(sources))
+            callees, modules = _callees(tree, rel, set(sources))
             for _top, fn, taint in _taints(tree, rel, found):
                 for call in ast.walk(fn):
-                    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
-                            and (target := callees.get(call.func.id)) in defs):
+                    if not (isinstance(call, ast.Call)
+                            and (target := _callee(call.func, callees, modules)) in defs):
                         continue
                     params = defs[target]
                     given = [(params[i], a) for i, a in enumerate(call.args)
@@ -522,6 +543,11 @@ def test_a_vllm_object_handed_to_a_function_is_followed_into_it():
     got = violations(sources[other], other, given)
     assert any("read expanded_idx_mapping" in v and "(rows_of)" in v for v in got), got
     assert violations(sources[other], other) == []  # alone, nothing hands it one
+    for imported in ("from vllm_steer.integrations.worker import rows as m\n",
+                     "import vllm_steer.integrations.worker.rows as m\n"):
+        whole = {**sources, RUNNER_FILE: f"{imported}\n\ndef f(orig, self):\n"
+                                         "    return m.rows_of(0, source=self)\n"}
+        assert handed(whole) == given, imported
     # a parameter that takes vLLM's parser as argparse's is not followed; another one is
     parser = ("import argparse\n\n\ndef hook(orig, parser):\n    add(orig(parser))\n\n\n"
               "def add(p: argparse.ArgumentParser):\n    p.add_argument('--x')\n")
