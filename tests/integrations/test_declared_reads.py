@@ -16,8 +16,9 @@ public API and are not the plugin). A vLLM object, in each function, is: a name 
 annotated with a vLLM class or the CLI namespace vLLM's parser builds (:data:`VLLM_TYPES`);
 ``app.state`` (vLLM's API server fills it); ``self`` in a class derived from a vLLM class (the
 names the class defines itself are its own); in the layer, each parameter of an accessor; a
-parameter of a module-level function that a caller in the scanned files hands one, by position
-or keyword, under whatever name (followed to a fixed point across modules; a parameter
+parameter of a function that a caller in the scanned files hands one (a module's function,
+called by name or through its module; a method, through ``self``), by position or keyword,
+under whatever name (followed to a fixed point across modules; a parameter
 annotated with the standard library's type it is used as, :data:`STDLIB_TYPES`, excepted); and
 whatever is derived from one: an alias (``x = runner``), an
 attribute (``x.a``), ``getattr(x, "a")``, a call's result (``x.f()``, ``orig(...)``), an item
@@ -248,8 +249,8 @@ def _base_call(node: ast.Attribute, fn, bases) -> bool:
         and node.attr == fn.name
 
 
-#: ``{(file, function): {parameter: level}}``: the parameters of a module-level function
-#: that some caller hands a vLLM object (level: as :meth:`_Taint.level`).
+#: ``{(file, function): {parameter: level}}``: the parameters of a function (``Class.name``:
+#: a method) that some caller hands a vLLM object (level: as :meth:`_Taint.level`).
 Handed = dict[tuple[str, str], dict[str, int]]
 
 
@@ -288,22 +289,34 @@ def _callee(func, callees, modules) -> tuple[str, str] | None:
 
 
 def handed(sources: dict[str, str]) -> Handed:
-    """Which parameters of the module-level functions of ``sources`` (``{file: source}``)
+    """Which parameters of the functions and methods of ``sources`` (``{file: source}``)
     are handed a vLLM object by a caller in them, under whatever name: the callers' vLLM
     objects followed into the functions they call, to a fixed point."""
     trees = {rel: ast.parse(src) for rel, src in sources.items()}
-    defs = {(rel, n.name): [None if a.annotation is not None and ast.unparse(a.annotation)
-                            in STDLIB_TYPES else a.arg for a in _args(n)]
-            for rel, tree in trees.items() for n in tree.body if isinstance(n, _FUNCTION)}
+    def params(fn, method: bool) -> list[str | None]:
+        args = _args(fn)[1:] if method and not any(
+            getattr(d, "id", None) == "staticmethod" for d in fn.decorator_list) else _args(fn)
+        return [None if a.annotation is not None and ast.unparse(a.annotation) in STDLIB_TYPES
+                else a.arg for a in args]
+
+    defs = {_key(rel, top, fn): params(fn, top != fn.name)
+            for rel, tree in trees.items() for top, fn in _functions(tree)}
     found: Handed = {}
     for _ in range(len(defs) + 1):
         before = {k: dict(v) for k, v in found.items()}
         for rel, tree in trees.items():
             callees, modules = _callees(tree, rel, set(sources))
-            for _top, fn, taint in _taints(tree, rel, found):
+            for top, fn, taint in _taints(tree, rel, found):
                 for call in ast.walk(fn):
-                    if not (isinstance(call, ast.Call)
-                            and (target := _callee(call.func, callees, modules)) in defs):
+                    if not isinstance(call, ast.Call):
+                        continue
+                    target = _callee(call.func, callees, modules)
+                    f = call.func  # self.method(...) in a method: the class's own method
+                    if top != fn.name and isinstance(f, ast.Attribute) and \
+                            isinstance(f.value, ast.Name) and f.value.id == "self" and \
+                            _params(fn)[:1] == ["self"]:
+                        target = (rel, f"{top}.{f.attr}")
+                    if target not in defs:
                         continue
                     params = defs[target]
                     given = [(params[i], a) for i, a in enumerate(call.args)
@@ -318,6 +331,12 @@ def handed(sources: dict[str, str]) -> Handed:
         if found == before:
             return found
     raise AssertionError("the vLLM objects handed between functions did not settle")
+
+
+def _key(rel: str, top: str, fn) -> tuple[str, str]:
+    """A function's key in :data:`Handed`: ``(file, name)``, ``(file, "Class.name")`` for a
+    method."""
+    return rel, fn.name if top == fn.name else f"{top}.{fn.name}"
 
 
 def _taints(tree, rel: str, given: Handed | None = None):
@@ -342,7 +361,7 @@ def _taints(tree, rel: str, given: Handed | None = None):
         if top in own and args:  # ``self`` of a vLLM subclass; its own names are ours
             roots.add(args[0])
             mine = {(args[0], name) for name in own[top]}
-        from_callers = (given or {}).get((rel, fn.name), {}) if top == fn.name else {}
+        from_callers = (given or {}).get(_key(rel, top, fn), {})
         taint = _Taint(roots, mine, from_callers)
         taint.learn(fn)
         yield top, fn, taint
@@ -548,6 +567,12 @@ def test_a_vllm_object_handed_to_a_function_is_followed_into_it():
         whole = {**sources, RUNNER_FILE: f"{imported}\n\ndef f(orig, self):\n"
                                          "    return m.rows_of(0, source=self)\n"}
         assert handed(whole) == given, imported
+    # a method handed one by another method of its class, through self
+    method = ("class Rows:\n    def f(self, runner):\n        return self._of(1, runner)\n\n"
+              "    def _of(self, k, source):\n        return source.input_batch\n")
+    _one(method, RUNNER_FILE, "read input_batch", "(_of)")
+    assert violations(method.replace("self._of(1, runner)", "self._of(1, k)"),
+                      RUNNER_FILE) == []
     # a parameter that takes vLLM's parser as argparse's is not followed; another one is
     parser = ("import argparse\n\n\ndef hook(orig, parser):\n    add(orig(parser))\n\n\n"
               "def add(p: argparse.ArgumentParser):\n    p.add_argument('--x')\n")
