@@ -37,6 +37,7 @@ declared too."""
 from __future__ import annotations
 
 import ast
+import functools
 import queue
 import types
 from dataclasses import dataclass
@@ -475,22 +476,27 @@ def _rel(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
 
+@functools.cache
 def _sources() -> dict[str, str]:
     return {_rel(p): p.read_text() for p in SOURCES}
 
 
+@functools.cache
+def _given() -> Handed:
+    """The vLLM objects the scanned files hand their functions (computed once)."""
+    return handed(_sources())
+
+
 def test_no_vllm_object_is_touched_outside_the_layer_and_every_name_is_declared():
-    sources = _sources()
-    given = handed(sources)
-    bad = [v for rel, src in sources.items() for v in violations(src, rel, given)]
+    bad = [v for rel, src in _sources().items() for v in violations(src, rel, _given())]
     assert bad == [], "; ".join(bad)
 
 
 def test_every_private_import_of_another_package_is_declared():
     reads = {r for h in HOOKS for r in h.reads} | \
         {n for a in vllm_access.ACCESSES for n in a.all_names}
-    missing = [f"{where}: {name}" for p in SOURCES for where, name in
-               scan(p.read_text(), _rel(p))[1] if name not in reads]
+    missing = [f"{where}: {name}" for rel, src in _sources().items() for where, name in
+               scan(src, rel, _given())[1] if name not in reads]
     assert missing == [], "private imports without a declaration: " + "; ".join(missing)
 
 
@@ -499,7 +505,7 @@ def test_every_accessor_is_a_function_of_the_layer_and_declared_once():
     assert len(set(fns)) == len(fns)
     assert all(f.__module__ == vllm_access.__name__ for f in fns)
     tree = ast.parse((ROOT / LAYER).read_text())
-    touching = {t.function for t in scan((ROOT / LAYER).read_text(), LAYER)[0]}
+    touching = {t.function for t in scan(_sources()[LAYER], LAYER, _given())[0]}
     public = {n.name for n in tree.body if isinstance(n, _FUNCTION)}
     assert touching <= {f.__name__ for f in fns} | {"access_problems"}, touching
     assert {f.__name__ for f in fns} <= public
@@ -648,8 +654,8 @@ def test_the_same_reads_through_the_layer_pass():
 def test_the_scan_finds_the_reads_it_is_meant_to():
     """The scan is not vacuous on the plugin itself: it sees reads of known vLLM objects in
     known places."""
-    got = {(t.where.split(":")[0], t.name) for p in SOURCES
-           for t in scan(p.read_text(), _rel(p))[0]}
+    got = {(t.where.split(":")[0], t.name) for rel, src in _sources().items()
+           for t in scan(src, rel, _given())[0]}
     assert (LAYER, "idx_mapping_np") in got and (LAYER, "max_num_reqs") in got
     assert (LAYER, "scheduler") in got and (LAYER, "output_queue") in got
     assert (LAYER, "enforce_eager") in got and (LAYER, "is_last_rank") in got
