@@ -4,6 +4,7 @@ label rules, presets, the dev split, and clear errors for bad input."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -260,7 +261,9 @@ def test_a_dataset_name_not_in_the_local_cache_says_how_to_get_it(tmp_path, monk
                                                                    imported_online):
     """Read offline, with no connection tried, also in a process that imported ``datasets``
     and ``huggingface_hub`` online before (they read their offline switches at import): on a
-    host without network the answer comes at once, not after the Hub client's retries."""
+    host without network the answer comes at once, not after the Hub client's retries. The
+    switches are put back, and the environment is left as it was (a process reading a model
+    from the Hub later is not made offline)."""
     import socket
 
     datasets = pytest.importorskip("datasets")
@@ -273,6 +276,7 @@ def test_a_dataset_name_not_in_the_local_cache_says_how_to_get_it(tmp_path, monk
         monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
         monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
     switches = (datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE)
+    environment = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
     tried = []
 
     def no_network(self, address, *a, **k):
@@ -289,6 +293,7 @@ def test_a_dataset_name_not_in_the_local_cache_says_how_to_get_it(tmp_path, monk
     assert "offline" in msg and "save_to_disk" in msg
     assert not tried, tried
     assert (datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE) == switches  # put back
+    assert {k: os.environ.get(k) for k in environment} == environment  # nor set for later
     with pytest.raises(DataError, match=r"missing\.parquet: no such file"):
         load_dataset(_cfg(tmp_path / "missing.parquet"))
 

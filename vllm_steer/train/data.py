@@ -164,7 +164,9 @@ def _hub_offline(datasets) -> Iterator[None]:
     imported it: ``datasets`` and ``huggingface_hub`` read their offline switches from the
     environment once, at import, so a process that imported either before (a notebook,
     ``transformers``) would otherwise try the network, and wait out its retries on a host
-    without one, before saying a name is not in the cache. Restored after."""
+    without one, before saying a name is not in the cache. Restored after; the environment
+    is left as it was (its variables reach only modules imported later, and child
+    processes)."""
     import huggingface_hub.constants as hub
 
     flags = [(datasets.config, "HF_HUB_OFFLINE"), (datasets.config, "HF_DATASETS_OFFLINE"),
@@ -182,8 +184,6 @@ def _hub_offline(datasets) -> Iterator[None]:
 def load_hf(source: str, split: str | None):
     """A Hugging Face dataset, offline: a ``save_to_disk`` folder, or a name (or a local
     dataset folder) already in the Hugging Face cache. A ``DatasetDict`` gives ``split``."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import datasets
     except ImportError:
