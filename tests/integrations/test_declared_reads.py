@@ -11,7 +11,8 @@ Read from the source (``ast``) of the code that runs in vLLM's processes:
 ``vllm_steer/integrations``, ``vllm_steer/server`` and ``vllm_steer/metrics.py`` (the tools
 that drive vLLM as a user does, ``vllm_steer/eval`` and ``vllm_steer/offline.py``, use its
 public API and are not the plugin). A vLLM object, in each function, is: a name imported from
-``vllm``; a parameter of a hook wrapper (``wrapper(orig, self, ...)``, ``orig`` too); a name in
+``vllm``; a parameter of a hook wrapper (``wrapper(orig, self, ...)``, ``orig`` too, and each
+item of its ``*args`` and ``**kwargs``); a name in
 :data:`VLLM_NAMES` (the plugin's names for the vLLM objects it is handed); a parameter
 annotated with a vLLM class or the CLI namespace vLLM's parser builds (:data:`VLLM_TYPES`);
 ``app.state`` (vLLM's API server fills it); ``self`` in a class derived from a vLLM class (the
@@ -110,7 +111,8 @@ class Touch:
     name: str | None
     """The attribute (None: a name computed at run time)."""
     depth: int
-    """1: on the vLLM object itself; more: on what one of its attributes holds."""
+    """1: on the vLLM object itself; more: on what one of its attributes holds; 0: on the
+    tuple or dict of a hook wrapper's ``*args`` / ``**kwargs`` (vLLM's arguments)."""
     how: str
     """``read``, ``set``, or the built-in called (``getattr``, ``setattr``, ...)."""
 
@@ -358,12 +360,16 @@ def _taints(tree, rel: str, given: Handed | None = None):
         roots |= {a for sub in ast.walk(fn) if isinstance(sub, _FUNCTION) and sub is not fn
                   and _params(sub)[:1] == ["orig"] for a in _params(sub)}
         roots |= _annotated_vllm(fn, imported)
+        # a wrapper's ``*args`` / ``**kwargs``: vLLM's arguments, each item a vLLM object
+        rest = {a.arg: -1 for sub in ast.walk(fn) if isinstance(sub, _FUNCTION)
+                and _params(sub)[:1] == ["orig"] for a in (sub.args.vararg, sub.args.kwarg)
+                if a is not None}
         mine = set()
         if top in own and args:  # ``self`` of a vLLM subclass; its own names are ours
             roots.add(args[0])
             mine = {(args[0], name) for name in own[top]}
         from_callers = (given or {}).get(_key(rel, top, fn), {})
-        taint = _Taint(roots, mine, from_callers)
+        taint = _Taint(roots, mine, {**rest, **from_callers})
         taint.learn(fn)
         yield top, fn, taint
 
@@ -457,7 +463,8 @@ def violations(source: str, rel: str, given: Handed | None = None) -> list[str]:
                   for a in vllm_access.ACCESSES}
     out = []
     for t in touches:
-        if t.name in PYTHON or (t.depth > 1 and (t.name in PLAIN or t.name in OURS)):
+        if t.name in PYTHON or ((t.depth > 1 or t.depth == 0) and (t.name in PLAIN
+                                                               or t.name in OURS)):
             continue
         if t.name is not None and (t.name.startswith(OUR_PREFIX) or t.name in OUR_FLAGS):
             continue  # the plugin's own names on vLLM's objects (app.state, the CLI namespace)
@@ -543,6 +550,17 @@ def test_an_alias_of_a_vllm_object_is_followed():
          FRONTEND_FILE, "set req_ids", "outside")
     _one("def f(runner):\n    batch = runner.input_batch\n    batch.num_reqs = 0\n",
          RUNNER_FILE, "set num_reqs", "outside")
+    # a wrapper's *args / **kwargs hold vLLM's arguments: each item is one, the tuple and
+    # dict themselves are Python's; and so in a function they are handed to
+    _one("def f(orig, self, *args, **kwargs):\n    return args[0].num_reqs\n", RUNNER_FILE,
+         "read num_reqs", "outside")
+    _one("def f(orig, self, *a, **kw):\n    return kw['input_batch'].req_ids\n", RUNNER_FILE,
+         "read req_ids", "outside")
+    _one("def f(orig, self, *args):\n    return g(args)\n\n\ndef g(xs):\n"
+         "    return [x.req_ids for x in xs]\n", RUNNER_FILE, "read req_ids", "(g)")
+    assert violations("def f(orig, self, *args, **kwargs):\n"
+                      "    return args.index(self), kwargs.get('a'), len(args)\n",
+                      RUNNER_FILE) == []
 
 
 def test_a_vllm_object_handed_to_a_function_is_followed_into_it():
