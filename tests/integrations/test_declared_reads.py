@@ -347,8 +347,7 @@ def _taints(tree, rel: str, given: Handed | None = None):
     ``tree`` (the file ``rel``); ``given``: the parameters callers hand vLLM objects."""
     imported = _vllm_imports(tree)
     accessors = {a.function.__name__ for a in vllm_access.ACCESSES} if rel == LAYER else set()
-    bases = {n.name: {b.id for b in n.bases if isinstance(b, ast.Name)} & imported
-             for n in tree.body if isinstance(n, ast.ClassDef)}
+    bases = _vllm_bases(tree, imported)
     # ``self`` in a class derived from a vLLM class is a vLLM object; the names the class
     # defines itself are ours
     own = {n.name: _own_names(n) for n in tree.body if isinstance(n, ast.ClassDef)
@@ -372,6 +371,12 @@ def _taints(tree, rel: str, given: Handed | None = None):
         taint = _Taint(roots, mine, {**rest, **from_callers})
         taint.learn(fn)
         yield top, fn, taint
+
+
+def _vllm_bases(tree, imported: set[str]) -> dict[str, set[str]]:
+    """Each module-level class's base classes imported from ``vllm`` (``imported``)."""
+    return {n.name: {b.id for b in n.bases if isinstance(b, ast.Name)} & imported
+            for n in tree.body if isinstance(n, ast.ClassDef)}
 
 
 def _vllm_imports(tree) -> set[str]:
@@ -404,8 +409,7 @@ def scan(source: str, rel: str, given: Handed | None = None
                 and n.module != "__future__" and any(p.startswith("_")
                                                      for p in n.module.split(".")):
             private += [(f"{rel}:{n.lineno}", f"{n.module}:{a.name}") for a in n.names]
-    bases = {n.name: {b.id for b in n.bases if isinstance(b, ast.Name)} & _vllm_imports(tree)
-             for n in tree.body if isinstance(n, ast.ClassDef)}
+    bases = _vllm_bases(tree, _vllm_imports(tree))
     found = []
     for node in tree.body:  # a getter made at module level (``get = attrgetter("a")``)
         getter = node.value if isinstance(node, ast.Assign) else None

@@ -288,6 +288,17 @@ def test_a_fault_preparing_v1_prompt_rows_leaves_them_unsteered(runtime, monkeyp
     assert failed["r0"].startswith(ROWS_FAULT + "r0: RuntimeError: the callee broke")
 
 
+def _v2_prompt_step(rt):
+    """A V2 prompt-logprob step: ``(worker, hidden states, input batch)``, two requests of 3
+    and 2 tokens in slots 1 (steered, asking for prompt logprobs as ``r1``) and 0."""
+    _steer(rt, 1, prompt_logprobs=True)
+    batch = SimpleNamespace(num_reqs=2, idx_mapping_np=np.array([1, 0]),
+                            query_start_loc_np=np.array([0, 3, 5]))
+    worker = SimpleNamespace(in_progress_prompt_logprobs={"r1": []})
+    h = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(4))
+    return worker, h, batch
+
+
 def test_a_fault_finding_a_prompt_calls_rows_fails_the_steered_request_not_the_step(
         runtime, monkeypatch):
     """The model's ``compute_logits`` as the prompt-logprob hooks wrap it finds the call's rows
@@ -297,11 +308,7 @@ def test_a_fault_finding_a_prompt_calls_rows_fails_the_steered_request_not_the_s
     from vllm_steer.integrations.worker import head, rows
 
     rt = runtime
-    _steer(rt, 1, prompt_logprobs=True)
-    batch = SimpleNamespace(num_reqs=2, idx_mapping_np=np.array([1, 0]),
-                            query_start_loc_np=np.array([0, 3, 5]))
-    worker = SimpleNamespace(in_progress_prompt_logprobs={"r1": []})
-    h = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(4))
+    worker, h, batch = _v2_prompt_step(rt)
 
     def orig(self, logits_fn, hidden_states, input_batch):
         return torch.cat([logits_fn(hidden_states[a:a + 2]) for a in range(0, 5, 2)])
@@ -329,11 +336,7 @@ def test_a_fault_finding_a_prompt_calls_rows_fails_the_steered_request_not_the_s
 
 def test_a_fault_preparing_v2_prompt_rows_leaves_them_unsteered(runtime, monkeypatch):
     rt = runtime
-    _steer(rt, 1, prompt_logprobs=True)
-    batch = SimpleNamespace(num_reqs=2, idx_mapping_np=np.array([1, 0]),
-                            query_start_loc_np=np.array([0, 3, 5]))
-    worker = SimpleNamespace(in_progress_prompt_logprobs={"r1": []})
-    h = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(4))
+    worker, h, batch = _v2_prompt_step(rt)
     seen = []
 
     def orig(self, logits_fn, hidden_states, input_batch):
