@@ -461,15 +461,17 @@ def _load_again(core, st, was: SteerEntry) -> str | None:
 
 def _restore_replaced(core, st, name: str, load_id: int) -> tuple[dict | None, str | None]:
     """Undo load ``load_id`` of ``name`` that replaced another file of that name: that file
-    is loaded again from its path (its factors were overwritten), so that the name serves
-    what it served before the failed call. ``(the entry loaded, None)``; ``(None, why)``:
-    the file cannot be loaded again; ``(None, None)``: the load replaced nothing (either way
-    the caller unloads the name where it is still bound)."""
+    is loaded again from its path (its factors were overwritten), unless it changed on disk
+    since (:func:`_load_again`), so that the name serves what it served before the failed
+    call. ``(the entry loaded, None)``; ``(None, why)``: the file is not loaded again;
+    ``(None, None)``: the load replaced nothing (either way the caller unloads the name where
+    it is still bound)."""
     prev = st.replaced.pop(name, None)
     if prev is None or prev[0] != load_id:
         return None, None
-    path = prev[1].file
-    why = _load_again(core, st, prev[1])
+    was = prev[1]
+    path = was.file
+    why = _load_again(core, st, was)
     if why is not None:
         logger.warning("vllm-steer: rolling back the load of steer %r (load id %d): its "
                        "previous file %s could not be loaded again (%s); the name is "
