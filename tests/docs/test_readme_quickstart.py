@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.engines import serve_spawns_engines
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -79,6 +81,7 @@ def test_readme_quickstart_and_client_run_as_written(tiny_model_dir, tmp_path, m
 
     _write_data(tmp_path)
     monkeypatch.chdir(tmp_path)  # README's relative paths, for every process started here
+    serve_spawns_engines(monkeypatch)  # `vllm serve` as a host runs it: engine core spawned
     train, tune, vllm_serve = [[str(tiny_model_dir) if w == "MODEL" else w for w in c]
                                for c in quickstart_commands()]
     run = dict(cwd=tmp_path, capture_output=True, text=True, timeout=900)

@@ -88,16 +88,29 @@ def use_uniproc_workers() -> None:
 
 
 FORK_FLAG = "STEER_TEST_FORK_SHIM"
+START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
 def fork_engine_processes() -> None:
     """The engine-core and worker processes of the engines this process starts (offline
-    ``LLM``), or the processes it starts do (``vllm serve``), are forked, vLLM's default on a
-    GPU: vLLM's CPU platform would spawn them, each starting Python and importing vLLM again,
-    about 9 s per engine on this CPU. Engines whose caller asks for ``spawn``
-    (``VLLM_WORKER_MULTIPROC_METHOD``: :func:`v2_runner_env`) keep it.
-    ``STEER_TEST_FORK_SHIM=0`` turns this off."""
+    ``LLM``), and of the ``vllm serve`` processes it starts, are forked: vLLM's CPU platform
+    would spawn them, each starting Python and importing vLLM and the plugin again, about 10 s
+    per engine on this CPU. An offline engine forks by vLLM's default once the shim keeps the
+    platform from setting ``spawn``; ``vllm serve`` sets ``spawn`` itself unless
+    ``VLLM_WORKER_MULTIPROC_METHOD`` is set (on every platform), so this process sets it to
+    ``fork`` (unless the caller set it), a setting vLLM supports. Engines whose caller asks for
+    ``spawn`` keep it (:func:`v2_runner_env`), and :func:`serve_spawns_engines` gives a test
+    ``vllm serve``'s own default back. ``STEER_TEST_FORK_SHIM=0`` turns this off."""
     _platform_shim(FORK_FLAG, "keep_start_method")
+    if os.environ.get(FORK_FLAG) == "1":
+        os.environ.setdefault(START_METHOD_ENV, "fork")
+
+
+def serve_spawns_engines(mp: pytest.MonkeyPatch) -> None:
+    """``vllm serve`` started from here with its own start method, as on a host: it spawns its
+    engine core (and that its workers), each importing vLLM and the plugin afresh. For the
+    tests that run a server as deployed (the README's quick start, the chaos soak)."""
+    mp.delenv(START_METHOD_ENV, raising=False)
 
 
 def v2_runner_env() -> dict[str, str]:
@@ -107,7 +120,7 @@ def v2_runner_env() -> dict[str, str]:
     path = os.environ.get("PYTHONPATH", "")
     return {"PYTHONPATH": os.pathsep.join(p for p in (str(V2_SHIM_DIR), path) if p),
             "STEER_TEST_V2_SHIM": "1", "VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1",
-            "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}  # sitecustomize runs at process start
+            START_METHOD_ENV: "spawn"}  # sitecustomize runs at process start
 
 
 def bound_extra(names, steer) -> dict:
@@ -133,6 +146,7 @@ from vllm import LLM, SamplingParams
 if __name__ == "__main__":
     results = []
     for job in json.loads(sys.argv[1]):  # one engine after another, in this one process
+        gc.freeze()  # vLLM's gc.collect() calls as an engine starts skip what exists now
         llm = LLM(job["model"], **job["engine_kw"])
         outs = llm.generate(job["prompts"], SamplingParams(max_tokens=job["max_tokens"],
                                                            temperature=0, logprobs=0))

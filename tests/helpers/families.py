@@ -123,6 +123,7 @@ def _run_engines(spec: dict, plugin: bool) -> dict:
         if plugin and fam.get("ready"):  # the test process is still writing its steers
             _wait_for(fam["ready"], spec.get("wait_s", 900))
         reqs = [r for r in spec["requests"] if plugin or not r["steer"]]
+        gc.freeze()  # vLLM's gc.collect() calls as an engine starts (1-2 s) skip what exists now
         try:
             llm = LLM(fam["model"], **kw)
         except Exception as e:  # noqa: BLE001 -- reported to the test, which asserts on it

@@ -5,6 +5,7 @@ does to the settings they keep."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -81,3 +82,106 @@ def test_vllms_cpu_platform_still_sets_spawn_as_the_stand_in_does():
     assert f'os.environ["{START}"] = "spawn"' in inspect.getsource(cpu)
     cpu_like_platform().check_and_update_config(config())
     assert os.environ[START] == "spawn"
+
+
+def test_vllm_serve_sets_spawn_only_when_the_start_method_is_unset():
+    """The premise of the suite's ``VLLM_WORKER_MULTIPROC_METHOD=fork``
+    (``helpers.engines.fork_engine_processes``), read in the installed vLLM: ``vllm serve``
+    sets ``spawn`` unless the variable is set."""
+    import inspect
+
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    src = inspect.getsource(cli_env_setup)
+    assert f'if "{START}" not in os.environ' in src and f'os.environ["{START}"] = "spawn"' in src
+
+
+_WIDE_BLOCKS = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from helpers.engines import shim_module
+
+shim = shim_module()
+shim._install()  # before vLLM is imported: its HAS_TRITON
+shim._bool_masks()
+from triton.runtime import interpreter
+from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+
+launches = []
+own = interpreter.GridExecutor.__call__
+
+
+def record(self, *args, **kwargs):  # what Triton's own launch gets
+    launches.append([self.fn.__name__, list(self.grid), kwargs.get("BLOCK_SIZE")])
+    return own(self, *args, **kwargs)
+
+
+interpreter.GridExecutor.__call__ = record
+out = {}
+for vocab in (49152, 50257):  # a multiple of the blocks' 1,024 tokens, and not
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=g) * 3
+    logits[0, [100, 30000, vocab - 1]] = 50.0  # a tie across blocks: the first wins
+    logits[1, [5, 6]] = 50.0  # a tie inside a block
+    logits[2, vocab - 1] = 50.0  # the last token, in the last (partial) block
+    temperature = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.7, 1.5])
+    seed = torch.tensor([0, 0, 0, 11, 12, 13])
+    rows = torch.arange(6, dtype=torch.int32)
+    pos = torch.tensor([3, 4, 5, 6, 7, 8])
+    for name in ("own", "wide"):
+        if name == "wide":
+            shim._one_vocabulary_block_per_row()
+        launches.clear()
+        sampled = gumbel_sample(logits, rows, temperature, seed, pos, apply_temperature=True,
+                                is_drafting=False)
+        scores = compute_topk_scores(logits, 3, sampled)
+        out[f"{vocab}-{name}"] = {"sampled": sampled.tolist(),
+                                  "ids": scores.logprob_token_ids.tolist(),
+                                  "logprobs": scores.logprobs.tolist(),
+                                  "ranks": scores.selected_token_ranks.tolist(),
+                                  "launches": list(launches)}
+        interpreter.GridExecutor.__call__ = record  # the next vocabulary: Triton's own again
+    ref = torch.log_softmax(logits, -1)
+    out[f"{vocab}-reference"] = {"argmax": logits.argmax(-1).tolist(), "logprobs": ref.tolist()}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_v2s_vocabulary_kernels_read_a_row_as_one_block_with_the_same_tokens_and_logprobs(
+        tmp_path):
+    """The V2 shim's one block per vocabulary row (``_one_vocabulary_block_per_row``), on vLLM's
+    own ``gumbel_sample`` and ``compute_topk_scores``: the same sampled tokens (greedy rows with
+    ties across and inside blocks and at the last partial block, seeded random rows), the same
+    ranks and top tokens, logprobs within 1e-5 of Triton's own blocked launches and of
+    ``log_softmax``; and the wide launches did run (one program per row, one block)."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "wide.py"
+    script.write_text(_WIDE_BLOCKS)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, str(script), tests_dir], env=env, capture_output=True,
+                          text=True, timeout=600)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, proc.stderr[-3000:]
+    out = json.loads(line[0][len("RESULT"):])
+    for vocab in (49152, 50257):
+        own, wide = out[f"{vocab}-own"], out[f"{vocab}-wide"]
+        ref = out[f"{vocab}-reference"]
+        assert wide["sampled"] == own["sampled"]
+        assert wide["sampled"][:3] == ref["argmax"][:3] == [100, 5, vocab - 1]
+        assert wide["ids"] == own["ids"] and wide["ranks"] == own["ranks"]
+        rows = zip(wide["logprobs"], own["logprobs"], wide["ids"], ref["logprobs"], strict=True)
+        for w, o, ids, r in rows:
+            assert max(abs(a - b) for a, b in zip(w, o, strict=True)) < 1e-5
+            assert max(abs(a - r[i]) for a, i in zip(w, ids, strict=True)) < 1e-5
+        blocks = -(-vocab // 1024)
+        wide_block = 1 << (vocab - 1).bit_length()
+        assert ["_gumbel_sample_kernel", [6, blocks], 1024] in own["launches"]
+        assert ["_gumbel_sample_kernel", [6, 1], wide_block] in wide["launches"]
+        assert ["_topk_log_softmax_kernel", [6], wide_block] in wide["launches"]
+        assert ["_ranks_kernel", [6], wide_block] in wide["launches"]

@@ -8,7 +8,8 @@ SIGKILL to the engine core under traffic, the server's exit, and a restart with 
 Twenty seconds of traffic hold every kind of operation (the operator's first dozen go through
 each kind, the presets file and the steer files first; the first requests of clients 0-3 are
 the fixed greedy and invalid checks); the long soak is the script itself (``--duration 900``,
-benchmarks/RESULTS.md).
+benchmarks/RESULTS.md). The servers start as on a host: ``vllm serve`` spawns its engine
+core (the suite's other servers fork theirs: ``helpers.engines.fork_engine_processes``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.engines import serve_spawns_engines
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 #: seconds of traffic in the suite
@@ -30,13 +33,19 @@ DURATION_S = 20
 def run(tmp_path_factory):
     work = tmp_path_factory.mktemp("chaos")
     report = work / "report.json"
-    proc = subprocess.run(
+    with pytest.MonkeyPatch.context() as mp:  # as deployed: the engine core spawned
+        serve_spawns_engines(mp)
+        proc = _soak(work, report)
+    assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(report.read_text())
+
+
+def _soak(work, report):
+    return subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "chaos_soak.py"), "--duration", str(DURATION_S),
          "--clients", "8", "--seed", "0", "--report", str(report), "--work", str(work),
          "--restart-check"],
         cwd=ROOT, capture_output=True, text=True, timeout=1500)
-    assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc, json.loads(report.read_text())
 
 
 def test_a_chaos_soak_leaves_no_5xx_no_dropped_connection_and_the_same_greedy_text(run):
