@@ -325,7 +325,7 @@ VOCAB_GRID_KERNEL = "_gumbel_sample_kernel"
 
 def _one_vocabulary_block_per_row() -> None:
     """Model Runner V2's sampling and logprob kernels read each row of the vocabulary in blocks
-    of 1,024 tokens: in the interpreter, every block is a round of numpy calls in Python (of a
+    of 1,024 tokens: in the interpreter, every block is a series of numpy calls in Python (of a
     49,152-token vocabulary, 48 per row for the logprobs, 48 programs per row for the sample),
     about 90% of a V2 step's time here. In the interpreter only, they read a row as one block:
     ``BLOCK_SIZE`` becomes the vocabulary's next power of two; the sampling kernel runs one
