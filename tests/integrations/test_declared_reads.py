@@ -259,11 +259,13 @@ Handed = dict[tuple[str, str], dict[str, int]]
 
 def _callees(tree, rel: str, files: set[str]) -> tuple[dict[str, tuple[str, str]],
                                                         dict[str, str]]:
-    """The names a module calls its functions and those of the other scanned files by:
-    ``({local name: (file, function)}, {module alias: file})`` (its own module-level
-    functions, each ``from vllm_steer... import f`` of a file in ``files``, and each module of
-    them imported whole: ``from vllm_steer.x import y``, ``import vllm_steer.x.y as y``)."""
-    out = {n.name: (rel, n.name) for n in tree.body if isinstance(n, _FUNCTION)}
+    """The names a module calls its functions (and classes) and those of the other scanned
+    files by: ``({local name: (file, name)}, {module alias: file})`` (its own module-level
+    functions and classes, each ``from vllm_steer... import f`` of a file in ``files``, and
+    each module of them imported whole: ``from vllm_steer.x import y``,
+    ``import vllm_steer.x.y as y``)."""
+    out = {n.name: (rel, n.name) for n in tree.body
+           if isinstance(n, (*_FUNCTION, ast.ClassDef))}
     modules = {}
     for n in ast.walk(tree):
         if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("vllm_steer"):
@@ -304,36 +306,93 @@ def handed(sources: dict[str, str]) -> Handed:
 
     defs = {_key(rel, top, fn): params(fn, top != fn.name)
             for rel, tree in trees.items() for top, fn in _functions(tree)}
+    # ``obj.name(...)`` on an object of the plugin's (``self.runtime.bind(x)``): the scan does
+    # not know the object's class, so every scanned method of that name is followed
+    methods: dict[str, list[tuple[str, str]]] = {}
+    for key in defs:
+        if "." in key[1]:
+            methods.setdefault(key[1].rpartition(".")[2], []).append(key)
+    # ``super().name(...)``: the method of a scanned base class (a vLLM base's is vLLM's)
+    bases = {n.name: [b.id for b in n.bases if isinstance(b, ast.Name)]
+             for tree in trees.values() for n in tree.body if isinstance(n, ast.ClassDef)}
     found: Handed = {}
     for _ in range(len(defs) + 1):
         before = {k: dict(v) for k, v in found.items()}
         for rel, tree in trees.items():
             callees, modules = _callees(tree, rel, set(sources))
+            foreign = _foreign_imports(tree)
             for top, fn, taint in _taints(tree, rel, found):
                 for call in ast.walk(fn):
                     if not isinstance(call, ast.Call):
                         continue
-                    target = _callee(call.func, callees, modules)
-                    f = call.func  # self.method(...) in a method: the class's own method
-                    if top != fn.name and isinstance(f, ast.Attribute) and \
-                            isinstance(f.value, ast.Name) and f.value.id == "self" and \
-                            _params(fn)[:1] == ["self"]:
-                        target = (rel, f"{top}.{f.attr}")
-                    if target not in defs:
-                        continue
-                    params = defs[target]
-                    given = [(params[i], a) for i, a in enumerate(call.args)
-                             if i < len(params) and not any(
-                                 isinstance(b, ast.Starred) for b in call.args[:i + 1])]
-                    given += [(k.arg, k.value) for k in call.keywords if k.arg in params]
-                    for param, arg in given:
-                        level = taint.level(arg)
-                        if level is not None and param is not None:
-                            have = found.setdefault(target, {})
-                            have[param] = min(level, have.get(param, level))
+                    if _is_super(getattr(call.func, "value", None)):
+                        supers = [(r, f"{b}.{call.func.attr}") for b in bases.get(top, [])
+                                  for r in sources]
+                        targets = [k for k in supers if k in defs]
+                    elif isinstance(getattr(call.func, "value", None), ast.Name) and \
+                            call.func.value.id in foreign:
+                        targets = []  # a class or module of another package
+                    else:
+                        targets = _targets(call.func, (rel, top, fn), callees, modules, defs,
+                                           methods, taint)
+                    for target in targets:
+                        _hand(call, target, defs[target], taint, found)
         if found == before:
             return found
     raise AssertionError("the vLLM objects handed between functions did not settle")
+
+
+def _targets(f, where, callees, modules, defs, methods, taint) -> list[tuple[str, str]]:
+    """The scanned functions (keys of ``defs``) a call's ``f`` may run: a function by name or
+    through its module, a class's ``__init__`` by the class's name, the class's own method
+    through ``self``, and else every scanned method of that name on an object that is not
+    vLLM's (``obj.name``, ``self.attr.name``)."""
+    rel, top, fn = where
+    target = _callee(f, callees, modules)
+    if target is not None and target not in defs:
+        target = (target[0], f"{target[1]}.__init__")
+    if top != fn.name and isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) \
+            and f.value.id == "self" and _params(fn)[:1] == ["self"] and \
+            (rel, f"{top}.{f.attr}") in defs:
+        target = (rel, f"{top}.{f.attr}")
+    if target in defs:
+        return [target]
+    if isinstance(f, ast.Attribute) and taint.level(f.value) is None and not (
+            isinstance(f.value, ast.Name) and f.value.id in modules):
+        return methods.get(f.attr, [])
+    return []
+
+
+def _is_super(node) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+        node.func.id == "super"
+
+
+def _foreign_imports(tree) -> set[str]:
+    """The names a module imports from packages other than the plugin's (vLLM's included)."""
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and not (n.module or "").startswith("vllm_steer") \
+                and n.level == 0:
+            out |= {a.asname or a.name for a in n.names}
+        elif isinstance(n, ast.Import):
+            out |= {(a.asname or a.name).split(".")[0] for a in n.names
+                    if not a.name.startswith("vllm_steer")}
+    return out
+
+
+def _hand(call, target, params, taint, found: Handed) -> None:
+    """Note in ``found`` the parameters of ``target`` (named ``params``) that ``call`` hands
+    a vLLM object (by position, before any ``*args``, or by keyword)."""
+    given = [(params[i], a) for i, a in enumerate(call.args)
+             if i < len(params) and not any(
+                 isinstance(b, ast.Starred) for b in call.args[:i + 1])]
+    given += [(k.arg, k.value) for k in call.keywords if k.arg in params]
+    for param, arg in given:
+        level = taint.level(arg)
+        if level is not None and param is not None:
+            have = found.setdefault(target, {})
+            have[param] = min(level, have.get(param, level))
 
 
 def _key(rel: str, top: str, fn) -> tuple[str, str]:
@@ -607,6 +666,36 @@ def test_a_vllm_object_handed_to_a_function_is_followed_into_it():
     assert violations(parser, FRONTEND_FILE) == []
     _one(parser.replace("p: argparse.ArgumentParser", "p"), FRONTEND_FILE,
          "read add_argument", "(add)")
+
+
+def test_a_vllm_object_handed_to_a_method_of_a_plugin_object_is_followed():
+    """Into a method called on an object of the plugin's, whose class the scan does not know
+    (``rows.of(x)``, ``self.rows.of(x)``: every scanned method of that name), into a class's
+    ``__init__`` through the class's name, and into a scanned base class's method through
+    ``super()``; not into a method of another package's class of the same name."""
+    rows = ("class Rows:\n    def __init__(self, source=None):\n        self.n = 0\n\n"
+            "    def of(self, k, source):\n        return source.input_batch\n\n\n")
+    _one(rows + "def f(runner):\n    rows = Rows()\n    return rows.of(1, runner)\n",
+         RUNNER_FILE, "read input_batch", "(of)", "outside")
+    _one(rows + "class Head:\n    def __init__(self):\n        self.rows = Rows()\n\n"
+                "    def step(self, runner):\n        return self.rows.of(1, source=runner)\n",
+         RUNNER_FILE, "read input_batch", "(of)")
+    assert violations(rows + "def f(runner, table):\n    return Rows().of(1, table)\n",
+                      RUNNER_FILE) == []
+    init = rows.replace("self.n = 0", "self.n = source.num_reqs")
+    _one(init + "def f(runner):\n    return Rows(runner)\n", RUNNER_FILE,
+         "read num_reqs", "(__init__)")
+    sub = "class Mine(Rows):\n    def of(self, k, runner):\n        return super().of(k, runner)\n"
+    _one(rows + sub.replace("def of(self, k, runner)", "def of(self, k, runner: SamplingParams)")
+         .replace("class Mine", "from vllm import SamplingParams\n\n\nclass Mine"),
+         RUNNER_FILE, "read input_batch", "(of)")
+    # pydantic's ``Decorator.build``, not the plugin's ``build``
+    other = ("from pydantic import Decorator\n\n\nclass Table:\n    def build(self, rows):\n"
+             "        return rows.input_batch\n\n\ndef f(runner):\n"
+             "    return Decorator.build(runner)\n")
+    assert violations(other, RUNNER_FILE) == []
+    _one(other.replace("Decorator.build(runner)", "Table().build(runner)"), RUNNER_FILE,
+         "read input_batch", "(build)")
 
 
 def test_getattr_on_a_vllm_object_is_a_touch():
