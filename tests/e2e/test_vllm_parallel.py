@@ -6,7 +6,9 @@ line *before* vLLM loads plugins there; the steer configuration must reach it an
 validates nothing and one bad request kills an engine. Run-time steers (``--steer-dir``,
 ``--enable-steer-updates``) must reach both engine cores (issue 23). The steer metrics on
 ``/metrics`` count each request once across both API servers and engine cores. One server for
-the module (slow to start: four processes import vLLM on this CPU).
+the module (slow to start: four processes import vLLM on this CPU), started as on a host:
+``vllm serve`` spawns its engine cores, so that what reaches them is what they are sent, not
+what they would inherit from the process that parsed the command line.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import requests
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers.engines import serve_spawns_engines
 from helpers.steers import random_steer, random_vectors, save_vector_steer
 from vllm_steer.format import load_steer, save_steer
 from vllm_steer.server.launch import serve
@@ -46,8 +49,10 @@ def dp_server(tiny_model_dir, tmp_path_factory):
             "--data-parallel-size", "2", "--api-server-count", "2",
             "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4",
             "--kv-cache-memory-bytes", 1 << 27, "--enforce-eager"]
-    with serve(args, d / "server.log") as url:
-        yield url, d
+    with pytest.MonkeyPatch.context() as mp:  # engine cores spawned, as on a host: what
+        serve_spawns_engines(mp)  # reaches them is what they are sent, nothing inherited
+        with serve(args, d / "server.log") as url:
+            yield url, d
 
 
 def _complete(url, **extra):

@@ -109,7 +109,8 @@ def fork_engine_processes() -> None:
 def serve_spawns_engines(mp: pytest.MonkeyPatch) -> None:
     """``vllm serve`` started from here with its own start method, as on a host: it spawns its
     engine core (and that its workers), each importing vLLM and the plugin afresh. For the
-    tests that run a server as deployed (the README's quick start, the chaos soak)."""
+    tests that run a server as deployed (the README's quick start, the chaos soak, the
+    data-parallel server)."""
     mp.delenv(START_METHOD_ENV, raising=False)
 
 
