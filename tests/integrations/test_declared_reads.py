@@ -125,11 +125,15 @@ class _Taint:
     """The vLLM objects of one function: roots and what is derived from them, with depth."""
 
     def __init__(self, roots: set[str], ours: set[tuple[str, str]] = frozenset(),
-                 handed: dict[str, int] | None = None) -> None:
+                 handed: dict[str, int] | None = None, held: dict[str, int] | None = None
+                 ) -> None:
         self.depth = {**(handed or {}), **{r: 0 for r in roots}}
         self.ours = ours
         """``(root, name)``: the plugin's own attribute of a root (a vLLM subclass's
         ``self.name``), not a vLLM object."""
+        self.held = held or {}
+        """``{name: level}``: the attributes by which some object of the plugin's holds a vLLM
+        object (:data:`HELD`): ``x.name`` on any object that is not vLLM's is one."""
 
     def level(self, node) -> int | None:
         """0 for a vLLM object, k for what k attribute steps from one hold; None: not one."""
@@ -147,6 +151,8 @@ class _Taint:
             return None  # what the plugin keeps on a vLLM object is its own
         if isinstance(node, (ast.Attribute, ast.Subscript)):
             inner = self.level(node.value)
+            if inner is None and isinstance(node, ast.Attribute):
+                return self.held.get(node.attr)
             return None if inner is None else inner + 1
         if isinstance(node, ast.Await):
             return self.level(node.value)
@@ -255,6 +261,10 @@ def _base_call(node: ast.Attribute, fn, bases) -> bool:
 #: ``{(file, function): {parameter: level}}``: the parameters of a function (``Class.name``:
 #: a method) that some caller hands a vLLM object (level: as :meth:`_Taint.level`).
 Handed = dict[tuple[str, str], dict[str, int]]
+#: The key of :data:`Handed` under which it keeps the attributes by which the plugin's objects
+#: hold a vLLM object (``self.engine = engine``), ``{name: level}``: a read of that name on
+#: any object of the plugin's is a vLLM object (by name: the scan does not know the class)
+HELD = ("<any object of the plugin's>", "<its attributes>")
 
 
 def _callees(tree, rel: str, files: set[str]) -> tuple[dict[str, tuple[str, str]],
@@ -322,6 +332,7 @@ def handed(sources: dict[str, str]) -> Handed:
             callees, modules = _callees(tree, rel, set(sources))
             foreign = _foreign_imports(tree)
             for top, fn, taint in _taints(tree, rel, found):
+                _note_held(fn, taint, found)
                 for call in ast.walk(fn):
                     if not isinstance(call, ast.Call):
                         continue
@@ -361,6 +372,24 @@ def _targets(f, where, callees, modules, defs, methods, taint) -> list[tuple[str
             isinstance(f.value, ast.Name) and f.value.id in modules):
         return methods.get(f.attr, [])
     return []
+
+
+def _note_held(fn, taint, found: Handed) -> None:
+    """Note in ``found`` (under :data:`HELD`) each attribute of an object of the plugin's
+    that ``fn`` sets to a vLLM object (``self.engine = engine``)."""
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Assign):
+            targets = n.targets
+        elif isinstance(n, ast.AnnAssign) and n.value is not None:
+            targets = [n.target]
+        else:
+            continue
+        level = taint.level(n.value)
+        for t in targets:
+            if level is not None and isinstance(t, ast.Attribute) and \
+                    taint.level(t.value) is None:
+                have = found.setdefault(HELD, {})
+                have[t.attr] = min(level, have.get(t.attr, level))
 
 
 def _is_super(node) -> bool:
@@ -427,7 +456,7 @@ def _taints(tree, rel: str, given: Handed | None = None):
             roots.add(args[0])
             mine = {(args[0], name) for name in own[top]}
         from_callers = (given or {}).get(_key(rel, top, fn), {})
-        taint = _Taint(roots, mine, {**rest, **from_callers})
+        taint = _Taint(roots, mine, {**rest, **from_callers}, (given or {}).get(HELD))
         taint.learn(fn)
         yield top, fn, taint
 
@@ -696,6 +725,30 @@ def test_a_vllm_object_handed_to_a_method_of_a_plugin_object_is_followed():
     assert violations(other, RUNNER_FILE) == []
     _one(other.replace("Decorator.build(runner)", "Table().build(runner)"), RUNNER_FILE,
          "read input_batch", "(build)")
+
+
+def test_a_vllm_object_kept_on_an_object_of_the_plugins_is_followed_where_it_is_read():
+    """An attribute by which an object of the plugin's keeps a vLLM object (the API server's
+    engine client on its state): reading it back, on any object of the plugin's and in any
+    scanned module, is a vLLM object; an attribute of the same name that nothing sets to one
+    is not."""
+    state = ("from vllm.v1.engine.async_llm import AsyncLLM\n\n\nclass State:\n"
+             "    def set_engine(self, engine: AsyncLLM):\n        self.engine = engine\n\n\n")
+    _one(state + "def f(st):\n    return st.engine.errored\n", FRONTEND_FILE, "read errored",
+         "(f)", "outside")
+    _one(state + "def f(st):\n    e = st.engine\n    return getattr(e, 'errored')\n",
+         FRONTEND_FILE, "getattr errored")
+    plain = state.replace("self.engine = engine", "self.engine = 0")
+    assert violations(plain + "def f(st):\n    return st.engine.errored\n",
+                      FRONTEND_FILE) == []
+    # set in one module, read in another (the HTTP server's routes)
+    sources = {FRONTEND_FILE: state,
+               SERVER_FILE: "def route(st):\n    return st.engine.errored\n"}
+    given = handed(sources)
+    assert given[HELD] == {"engine": 0}
+    got = violations(sources[SERVER_FILE], SERVER_FILE, given)
+    assert any("read errored" in v and "(route)" in v for v in got), got
+    assert violations(sources[SERVER_FILE], SERVER_FILE) == []  # alone: nothing keeps one
 
 
 def test_getattr_on_a_vllm_object_is_a_touch():
