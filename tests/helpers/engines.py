@@ -66,15 +66,16 @@ def _shim_on_path() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(V2_SHIM_DIR), path) if p)
 
 
-def _platform_shim(flag: str, patch: str) -> None:
+def _platform_shim(flag: str, patch: str) -> bool:
     """The shim's CPU-platform patch ``patch`` in this process (which builds offline engines'
     configs) and, by ``flag`` (set to 1 unless the caller set it), in the processes it starts;
-    ``flag=0``: neither."""
+    ``flag=0``: neither. Whether it is on."""
     _shim_on_path()
     if os.environ.setdefault(flag, "1") != "1":
-        return
+        return False
     shim = shim_module()
     shim.on_cpu_platform(getattr(shim, patch))
+    return True
 
 
 def use_uniproc_workers() -> None:
@@ -101,8 +102,7 @@ def fork_engine_processes() -> None:
     ``fork`` (unless the caller set it), a setting vLLM supports. Engines whose caller asks for
     ``spawn`` keep it (:func:`v2_runner_env`), and :func:`serve_spawns_engines` gives a test
     ``vllm serve``'s own default back. ``STEER_TEST_FORK_SHIM=0`` turns this off."""
-    _platform_shim(FORK_FLAG, "keep_start_method")
-    if os.environ.get(FORK_FLAG) == "1":
+    if _platform_shim(FORK_FLAG, "keep_start_method"):
         os.environ.setdefault(START_METHOD_ENV, "fork")
 
 

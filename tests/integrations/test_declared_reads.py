@@ -325,53 +325,66 @@ def handed(sources: dict[str, str]) -> Handed:
     # ``super().name(...)``: the method of a scanned base class (a vLLM base's is vLLM's)
     bases = {n.name: [b.id for b in n.bases if isinstance(b, ast.Name)]
              for tree in trees.values() for n in tree.body if isinstance(n, ast.ClassDef)}
+    scopes = {rel: _Scope(rel, defs, methods, bases, *_callees(tree, rel, set(sources)),
+                          _foreign_imports(tree)) for rel, tree in trees.items()}
     found: Handed = {}
     for _ in range(len(defs) + 1):
         before = {k: dict(v) for k, v in found.items()}
         for rel, tree in trees.items():
-            callees, modules = _callees(tree, rel, set(sources))
-            foreign = _foreign_imports(tree)
             for top, fn, taint in _taints(tree, rel, found):
                 _note_held(fn, taint, found)
                 for call in ast.walk(fn):
-                    if not isinstance(call, ast.Call):
-                        continue
-                    if _is_super(getattr(call.func, "value", None)):
-                        supers = [(r, f"{b}.{call.func.attr}") for b in bases.get(top, [])
-                                  for r in sources]
-                        targets = [k for k in supers if k in defs]
-                    elif isinstance(getattr(call.func, "value", None), ast.Name) and \
-                            call.func.value.id in foreign:
-                        targets = []  # a class or module of another package
-                    else:
-                        targets = _targets(call.func, (rel, top, fn), callees, modules, defs,
-                                           methods, taint)
-                    for target in targets:
-                        _hand(call, target, defs[target], taint, found)
+                    if isinstance(call, ast.Call):
+                        for target in scopes[rel].targets(call.func, top, fn, taint):
+                            _hand(call, target, defs[target], taint, found)
         if found == before:
             return found
     raise AssertionError("the vLLM objects handed between functions did not settle")
 
 
-def _targets(f, where, callees, modules, defs, methods, taint) -> list[tuple[str, str]]:
-    """The scanned functions (keys of ``defs``) a call's ``f`` may run: a function by name or
-    through its module, a class's ``__init__`` by the class's name, the class's own method
-    through ``self``, and else every scanned method of that name on an object that is not
-    vLLM's (``obj.name``, ``self.attr.name``)."""
-    rel, top, fn = where
-    target = _callee(f, callees, modules)
-    if target is not None and target not in defs:
-        target = (target[0], f"{target[1]}.__init__")
-    if top != fn.name and isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) \
-            and f.value.id == "self" and _params(fn)[:1] == ["self"] and \
-            (rel, f"{top}.{f.attr}") in defs:
-        target = (rel, f"{top}.{f.attr}")
-    if target in defs:
-        return [target]
-    if isinstance(f, ast.Attribute) and taint.level(f.value) is None and not (
-            isinstance(f.value, ast.Name) and f.value.id in modules):
-        return methods.get(f.attr, [])
-    return []
+@dataclass(frozen=True)
+class _Scope:
+    """What :func:`handed` knows of the functions a call in the module ``rel`` may run."""
+
+    rel: str
+    defs: dict[tuple[str, str], list[str | None]]
+    """Every scanned function and method, with its parameters (after ``self``)."""
+    methods: dict[str, list[tuple[str, str]]]
+    """Every scanned method, by its name."""
+    bases: dict[str, list[str]]
+    """Every scanned class's base classes, by name."""
+    callees: dict[str, tuple[str, str]]
+    """The module's names of scanned functions and classes (:func:`_callees`)."""
+    modules: dict[str, str]
+    """The module's names of scanned modules."""
+    foreign: set[str]
+    """The names it imports from other packages (:func:`_foreign_imports`)."""
+
+    def targets(self, f, top: str, fn, taint: _Taint) -> list[tuple[str, str]]:
+        """The scanned functions (keys of ``defs``) a call's ``f`` in ``fn`` (of the top-level
+        ``top``) may run: a function by name or through its module, a class's ``__init__`` by
+        the class's name, the class's own method through ``self``, a scanned base class's
+        through ``super()``; none on a class or module of another package; else every scanned
+        method of that name on an object that is not vLLM's (``obj.name``,
+        ``self.attr.name``)."""
+        value = f.value if isinstance(f, ast.Attribute) else None
+        if _is_super(value):
+            return [k for k in self.methods.get(f.attr, [])
+                    if k[1].rpartition(".")[0] in self.bases.get(top, [])]
+        if isinstance(value, ast.Name) and value.id in self.foreign:
+            return []
+        target = _callee(f, self.callees, self.modules)
+        if target is not None and target not in self.defs:
+            target = (target[0], f"{target[1]}.__init__")
+        if top != fn.name and isinstance(value, ast.Name) and value.id == "self" and \
+                _params(fn)[:1] == ["self"] and (self.rel, f"{top}.{f.attr}") in self.defs:
+            target = (self.rel, f"{top}.{f.attr}")
+        if target in self.defs:
+            return [target]
+        if value is not None and taint.level(value) is None and not (
+                isinstance(value, ast.Name) and value.id in self.modules):
+            return self.methods.get(f.attr, [])
+        return []
 
 
 def _note_held(fn, taint, found: Handed) -> None:

@@ -35,17 +35,13 @@ def run(tmp_path_factory):
     report = work / "report.json"
     with pytest.MonkeyPatch.context() as mp:  # as deployed: the engine core spawned
         serve_spawns_engines(mp)
-        proc = _soak(work, report)
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "chaos_soak.py"), "--duration",
+             str(DURATION_S), "--clients", "8", "--seed", "0", "--report", str(report),
+             "--work", str(work), "--restart-check"],
+            cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(report.read_text())
-
-
-def _soak(work, report):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "chaos_soak.py"), "--duration", str(DURATION_S),
-         "--clients", "8", "--seed", "0", "--report", str(report), "--work", str(work),
-         "--restart-check"],
-        cwd=ROOT, capture_output=True, text=True, timeout=1500)
 
 
 def test_a_chaos_soak_leaves_no_5xx_no_dropped_connection_and_the_same_greedy_text(run):

@@ -335,14 +335,9 @@ def _one_vocabulary_block_per_row() -> None:
     the vocabulary, not by its block, and the first maximum of the row is the first maximum of
     the first block that holds it. A logprob's sum over the row is added in another order (a
     difference of about an ulp). Other kernels and launches are Triton's own."""
-    import math
-
     from triton.runtime import interpreter
 
     launch = interpreter.GridExecutor.__call__
-
-    def wide(vocab_size: int, block: int) -> int:
-        return max(block, 1 << max(0, math.ceil(math.log2(max(1, vocab_size)))))
 
     def __call__(self, *args, **kwargs):
         name = getattr(self.fn, "__name__", "")
@@ -350,16 +345,17 @@ def _one_vocabulary_block_per_row() -> None:
             return launch(self, *args, **kwargs)
         given = dict(zip(self.arg_names, args, strict=False))  # constexprs: keywords
         vocab_size, block = given.get("vocab_size"), kwargs.get("BLOCK_SIZE")
-        if not isinstance(vocab_size, int) or not isinstance(block, int):
+        if not isinstance(vocab_size, int) or not isinstance(block, int) or vocab_size < 1:
             return launch(self, *args, **kwargs)  # not the launch this was written for
+        one_block = dict(kwargs, BLOCK_SIZE=max(block, 1 << (vocab_size - 1).bit_length()))
         if name in VOCAB_LOOP_KERNELS:
-            return launch(self, *args, **dict(kwargs, BLOCK_SIZE=wide(vocab_size, block)))
+            return launch(self, *args, **one_block)
         grid = self.grid
         if not (isinstance(grid, tuple) and len(grid) == 2 and grid[1] > 1):
             return launch(self, *args, **kwargs)
         self.grid = (grid[0], 1)
         try:
-            out = launch(self, *args, **dict(kwargs, BLOCK_SIZE=wide(vocab_size, block)))
+            out = launch(self, *args, **one_block)
         finally:
             self.grid = grid
         given["local_max_ptr"][:, 1:] = float("-inf")
