@@ -106,6 +106,19 @@ def fork_engine_processes() -> None:
         os.environ.setdefault(START_METHOD_ENV, "fork")
 
 
+GC_FLAG = "STEER_TEST_GC_SHIM"
+
+
+def freeze_imports_in_started_processes() -> None:
+    """The processes started from here (``vllm serve``, its engine and API server processes,
+    scripts) freeze for the collector what their imports made
+    (``tests/v2shim/sitecustomize.py``, :func:`freeze_what_imports_made`): vLLM's start-up
+    objects are not scanned again by every full collection. ``STEER_TEST_GC_SHIM=0`` turns this
+    off."""
+    _shim_on_path()
+    os.environ.setdefault(GC_FLAG, "1")
+
+
 def serve_spawns_engines(mp: pytest.MonkeyPatch) -> None:
     """``vllm serve`` started from here with its own start method, as on a host: it spawns its
     engine core (and that its workers), each importing vLLM and the plugin afresh. For the

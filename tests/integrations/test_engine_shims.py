@@ -185,3 +185,65 @@ def test_v2s_vocabulary_kernels_read_a_row_as_one_block_with_the_same_tokens_and
         assert ["_gumbel_sample_kernel", [6, 1], wide_block] in wide["launches"]
         assert ["_topk_log_softmax_kernel", [6], wide_block] in wide["launches"]
         assert ["_ranks_kernel", [6], wide_block] in wide["launches"]
+
+
+_GC_PROBE = r"""
+import gc, json, os, weakref
+import vllm.config  # about half a million objects: full collections run while it imports
+import vllm.platforms.cpu  # the fork shim's heap freeze registers with the platform's patch
+frozen = gc.get_freeze_count()
+
+
+class Node:
+    pass
+
+
+def cycle_collected():  # a cycle made after the imports, unreachable: collected as always
+    a, b = Node(), Node()
+    a.b, b.a = b, a
+    ref = weakref.ref(a)
+    del a, b
+    gc.collect()
+    return ref() is None
+
+
+out = {"frozen": frozen, "cycle_collected": cycle_collected()}
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:  # a forked child: everything it inherited frozen, nothing scanned again
+    os.write(w, json.dumps({"frozen": gc.get_freeze_count(),
+                            "cycle_collected": cycle_collected()}).encode())
+    os._exit(0)
+os.waitpid(pid, 0)
+out["child"] = json.loads(os.read(r, 65536))
+out["after_fork"] = gc.get_freeze_count()  # the parent's as it was
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("on", ["1", "0"])
+def test_started_processes_freeze_what_importing_vllm_made_and_still_collect_cycles(on,
+                                                                                   tmp_path):
+    """``STEER_TEST_GC_SHIM=1`` (``helpers.engines.freeze_imports_in_started_processes``):
+    after importing vLLM, what the imports made is frozen for the collector (the next full
+    collections do not scan it), a cycle made later is collected as always, and a forked child
+    (the fork shim) starts with everything frozen while the parent's freezes stay. Off, a
+    process freezes nothing but its forked children's heaps."""
+    import json
+    import subprocess
+    import sys
+
+    shims = str(Path(__file__).resolve().parents[1] / "v2shim")
+    env = dict(os.environ, PYTHONPATH=shims, STEER_TEST_GC_SHIM=on, STEER_TEST_FORK_SHIM="1")
+    out = subprocess.run([sys.executable, "-c", _GC_PROBE], env=env, capture_output=True,
+                         text=True, timeout=300)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, out.stderr[-3000:]
+    r = json.loads(line[0][len("RESULT"):])
+    assert r["cycle_collected"] and r["child"]["cycle_collected"], r
+    if on == "1":
+        assert r["frozen"] > 100_000, r
+    else:
+        assert r["frozen"] == 0, r
+    assert r["after_fork"] == r["frozen"], r
+    assert r["child"]["frozen"] > max(r["frozen"], 100_000), r

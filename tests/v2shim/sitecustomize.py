@@ -41,6 +41,12 @@ per engine on this CPU); the shim wraps ``CpuPlatform.check_and_update_config`` 
 variable keeps the value it had, and unset vLLM forks them, its default on a GPU. A ``spawn``
 set by the caller (Model Runner V2's engines: their shim must run at process start) is kept.
 
+The objects a process's imports made frozen for the collector, independently, with
+``STEER_TEST_GC_SHIM=1`` (``tests/conftest.py`` sets it for the whole suite): after each full
+collection run during an import, what it left alive goes to the permanent generation
+(:func:`freeze_what_imports_made`), so that the next collections do not scan vLLM's 800,000
+start-up objects again (about 3 s of every process that imports vLLM here).
+
 Which of the plugin's hooks ran, independently, with ``STEER_TEST_HOOKS_RECORD=DIR``: each
 process notes them in ``DIR`` (``tests/v2shim/hook_recorder.py``).
 
@@ -189,18 +195,55 @@ def keep_start_method(platform_cls) -> None:
 
 def _heap_frozen_in_forks() -> None:
     """A forked child starts with the parent's objects in the collector's permanent
-    generation (``gc.freeze()`` just before ``os.fork``, undone in the parent right after):
-    an engine process forked from the test process (or from ``vllm serve``'s API server)
-    calls ``gc.collect()`` about eight times while it starts (vLLM's memory profiling), each
-    a scan of every object it inherited (0.5 s and more each here), none of which it made.
-    vLLM freezes its own engine core's heap the same way once it has started. The parent's
-    collection is unchanged. Idempotent."""
+    generation (``gc.freeze()`` first thing in the child): an engine process forked from the
+    test process (or from ``vllm serve``'s API server) calls ``gc.collect()`` about eight
+    times while it starts (vLLM's memory profiling), each a scan of every object it inherited
+    (0.5 s and more each here), none of which it made. vLLM freezes its own engine core's heap
+    the same way once it has started. The parent's collection is unchanged. Idempotent."""
     import gc
 
     if getattr(_heap_frozen_in_forks, "done", False):
         return
     _heap_frozen_in_forks.done = True
-    os.register_at_fork(before=gc.freeze, after_in_parent=gc.unfreeze)
+    os.register_at_fork(after_in_child=gc.freeze)
+
+
+def freeze_what_imports_made() -> None:
+    """After each full collection that ran while a module was being imported, the objects it
+    left alive go to the collector's permanent generation (``gc.freeze()``), and at exit back
+    (``gc.unfreeze()``, so that extension modules see their objects freed as before).
+
+    Importing vLLM makes about 800,000 objects (torch, transformers, vLLM's configs); Python
+    starts a full collection each time a quarter more objects have survived since the last,
+    about ten times during that import, each a scan of every object so far: about 2 s of a
+    fresh process's start here, and vLLM's own ``gc.collect()`` calls as an engine starts scan
+    them all again (about 1 s more). Frozen, each scan sees only what came since: the
+    collections still run, and every object made after them is collected as before; what a
+    freeze keeps alive for good is only the part of an object alive then that later becomes
+    unreachable in a reference cycle (a module's objects, mostly, live as long as the process).
+    Idempotent."""
+    import atexit
+    import gc
+    import sys
+
+    if getattr(freeze_what_imports_made, "done", False):
+        return
+    freeze_what_imports_made.done = True
+
+    def importing() -> bool:
+        f = sys._getframe()
+        while f is not None:
+            if f.f_code.co_name == "_find_and_load":  # importlib._bootstrap, any import
+                return True
+            f = f.f_back
+        return False
+
+    def after_collection(phase, info):
+        if phase == "stop" and info["generation"] == 2 and importing():
+            gc.freeze()
+
+    gc.callbacks.append(after_collection)
+    atexit.register(gc.unfreeze)
 
 
 def _on_import(target: str, fn) -> None:
@@ -401,6 +444,8 @@ if __name__ == "sitecustomize" and os.environ.get("STEER_TEST_ASYNC_SHIM") == "1
     _install_async()
 if __name__ == "sitecustomize" and os.environ.get("STEER_TEST_UNIPROC_SHIM") == "1":
     on_cpu_platform(keep_uniproc_executor)
+if __name__ == "sitecustomize" and os.environ.get("STEER_TEST_GC_SHIM") == "1":
+    freeze_what_imports_made()
 if __name__ == "sitecustomize" and os.environ.get("STEER_TEST_FORK_SHIM") == "1":
     on_cpu_platform(keep_start_method)
 if __name__ == "sitecustomize" and os.environ.get("STEER_TEST_NO_V1_LOGITSPROCS") == "1":
