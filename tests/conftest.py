@@ -4,7 +4,6 @@ in :mod:`helpers` (``from helpers.models import make_tiny_llama``)."""
 
 from __future__ import annotations
 
-import gc
 import os
 
 # One OpenMP thread per process (this one, its engines and servers), set before torch is
@@ -47,9 +46,6 @@ freeze_imports_in_started_processes()
 # The plugin's hooks note their first call (tests/v2shim/hook_recorder.py): installed before
 # anything registers the plugin in this process (the engine processes: its sitecustomize).
 hook_recorder().install(plugin)
-# This process too: what the imports above made (torch, transformers, vLLM, the plugin) is not
-# scanned again by every full collection while the tests run.
-gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
