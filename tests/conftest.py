@@ -40,12 +40,19 @@ use_uniproc_workers()
 # Their engine-core and worker processes are forked, as on a GPU, not spawned as vLLM's CPU
 # platform would: no Python start and vLLM import per process (docs/internals.md).
 fork_engine_processes()
-# The processes started from here freeze for the collector what their imports made: vLLM's
-# 800,000 start-up objects are not scanned again at every full collection (docs/internals.md).
-freeze_imports_in_started_processes()
 # The plugin's hooks note their first call (tests/v2shim/hook_recorder.py): installed before
 # anything registers the plugin in this process (the engine processes: its sitecustomize).
 hook_recorder().install(plugin)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def started_processes_freeze_their_imports():
+    """The processes started from here freeze for the collector what their imports made:
+    vLLM's 800,000 start-up objects are not scanned again at every full collection
+    (docs/internals.md). Set by a fixture, in each test process, not when this file is
+    imported: pytest-xdist's controller imports it too, and its test workers would inherit the
+    setting (their own heaps are left as they are)."""
+    freeze_imports_in_started_processes()
 
 
 def pytest_collection_modifyitems(config, items):
