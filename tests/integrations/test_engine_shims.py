@@ -37,6 +37,18 @@ def config(backend="uni", async_scheduling=True):
                            scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
 
 
+def probe_result(argv, env, timeout):
+    """Run a probe script in a fresh process and return what it printed after ``RESULT`` (JSON);
+    without that line, fail with the end of its stderr."""
+    import json
+    import subprocess
+
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, proc.stderr[-3000:]
+    return json.loads(line[0][len("RESULT"):])
+
+
 @pytest.mark.parametrize("given", [None, "fork", "spawn"])
 def test_the_start_method_keeps_the_value_it_had(given):
     shim = shim_module()
@@ -156,19 +168,13 @@ def test_v2s_vocabulary_kernels_read_a_row_as_one_block_with_the_same_tokens_and
     ties across and inside blocks and at the last partial block, seeded random rows), the same
     ranks and top tokens, logprobs within 1e-5 of Triton's own blocked launches and of
     ``log_softmax``; and the wide launches did run (one program per row, one block)."""
-    import json
-    import subprocess
     import sys
 
     script = tmp_path / "wide.py"
     script.write_text(_WIDE_BLOCKS)
     env = dict(os.environ, TRITON_INTERPRET="1", STEER_TEST_V2_SHIM="0")  # patched here only
     tests_dir = str(Path(__file__).resolve().parents[1])
-    proc = subprocess.run([sys.executable, str(script), tests_dir], env=env, capture_output=True,
-                          text=True, timeout=600)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
-    assert line, proc.stderr[-3000:]
-    out = json.loads(line[0][len("RESULT"):])
+    out = probe_result([sys.executable, str(script), tests_dir], env, timeout=600)
     for vocab in (49152, 50257):
         own, wide = out[f"{vocab}-own"], out[f"{vocab}-wide"]
         ref = out[f"{vocab}-reference"]
@@ -222,24 +228,17 @@ print("RESULT" + json.dumps(out))
 
 
 @pytest.mark.parametrize("on", ["1", "0"])
-def test_started_processes_freeze_what_importing_vllm_made_and_still_collect_cycles(on,
-                                                                                   tmp_path):
+def test_started_processes_freeze_what_importing_vllm_made_and_still_collect_cycles(on):
     """``STEER_TEST_GC_SHIM=1`` (``helpers.engines.freeze_imports_in_started_processes``):
     after importing vLLM, what the imports made is frozen for the collector (the next full
     collections do not scan it), a cycle made later is collected as always, and a forked child
     (the fork shim) starts with everything frozen while the parent's freezes stay. Off, a
     process freezes nothing but its forked children's heaps."""
-    import json
-    import subprocess
     import sys
 
     shims = str(Path(__file__).resolve().parents[1] / "v2shim")
     env = dict(os.environ, PYTHONPATH=shims, STEER_TEST_GC_SHIM=on, STEER_TEST_FORK_SHIM="1")
-    out = subprocess.run([sys.executable, "-c", _GC_PROBE], env=env, capture_output=True,
-                         text=True, timeout=300)
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
-    assert line, out.stderr[-3000:]
-    r = json.loads(line[0][len("RESULT"):])
+    r = probe_result([sys.executable, "-c", _GC_PROBE], env, timeout=300)
     assert r["cycle_collected"] and r["child"]["cycle_collected"], r
     if on == "1":
         assert r["frozen"] > 100_000, r
