@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers.engines import shim_module
+from helpers.engines import GC_FLAG, shim_module
 
 START = "VLLM_WORKER_MULTIPROC_METHOD"
 
@@ -237,7 +237,7 @@ def test_started_processes_freeze_what_importing_vllm_made_and_still_collect_cyc
     import sys
 
     shims = str(Path(__file__).resolve().parents[1] / "v2shim")
-    env = dict(os.environ, PYTHONPATH=shims, STEER_TEST_GC_SHIM=on, STEER_TEST_FORK_SHIM="1")
+    env = {**os.environ, "PYTHONPATH": shims, GC_FLAG: on, "STEER_TEST_FORK_SHIM": "1"}
     r = probe_result([sys.executable, "-c", _GC_PROBE], env, timeout=300)
     assert r["cycle_collected"] and r["child"]["cycle_collected"], r
     if on == "1":
