@@ -100,6 +100,9 @@ async def load_steer(body: LoadSteerRequest, raw: Request):
     refused = admin_refused(raw, "load steers") or _updates_refused()
     if refused is not None:
         return refused
+    engine = _engine(raw)
+    if engine is None:
+        return _error(503, "no engine behind this server")
     cfg = frontend_state().config
     try:
         check_name(body.name)
@@ -110,15 +113,15 @@ async def load_steer(body: LoadSteerRequest, raw: Request):
             path = dir_path(cfg.steer_dir, body.name)
     except SteerNameError as e:
         return _error(400, str(e))
+    if not os.path.isabs(path) and cfg.steer_dir:  # a relative path is under --steer-dir
+        path = os.path.join(cfg.steer_dir, path)
+    path = os.path.abspath(path)  # the one path checked and loaded
     if not cfg.updates_any_path and not path_inside(path, cfg.steer_dir):
         where = (f"inside --steer-dir {cfg.steer_dir}" if cfg.steer_dir
                  else "in --steer-dir (this server has none)")
         return _error(403, f"path {body.path!r}: steer files must be {where}; start the server "
                       "with --steer-updates-any-path to allow any path", "PermissionError")
-    if not os.path.isabs(path) and cfg.steer_dir:
-        path = os.path.join(cfg.steer_dir, path)
-    res = await manage(_engine(raw), "load", name=body.name, path=os.path.abspath(path),
-                        source="api")
+    res = await manage(engine, "load", name=body.name, path=path, source="api")
     if not res["ok"]:
         return _error(res["status"], res["error"], error_type(res["status"]))
     return JSONResponse({"object": "steer", **res["steer"], "evicted": res.get("evicted")})
@@ -129,7 +132,10 @@ async def unload_steer(name: str, raw: Request):
     refused = admin_refused(raw, "unload steers") or _updates_refused()
     if refused is not None:
         return refused
-    res = await manage(_engine(raw), "unload", name=name)
+    engine = _engine(raw)
+    if engine is None:
+        return _error(503, "no engine behind this server")
+    res = await manage(engine, "unload", name=name)
     if not res["ok"]:
         return _error(res["status"], res["error"], error_type(res["status"]))
     return JSONResponse({"object": "steer", "deleted": True, **res["steer"]})
