@@ -203,6 +203,8 @@ def _model_dir(tiny_model_dir):
 
 @pytest.mark.parametrize("steer, fragment", [
     ({"nothere": 1}, "no file nothere.safetensors or nothere.gguf in --steer-dir"),
+    ({"nothere": 0}, "no file nothere.safetensors or nothere.gguf in --steer-dir"),
+    ({"detox": 1, "nothere": 0}, "unknown steer 'nothere'"),
     ({"../detox": 1}, "may use only"),
     ({"a/b": 1}, "may use only"),
     ({"..": 1}, "steer name"),

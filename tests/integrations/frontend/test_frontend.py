@@ -126,6 +126,27 @@ def test_a_new_engine_configuration_forgets_run_time_loads_of_the_last_one():
     frontend_state().reset(None)
 
 
+def test_a_name_at_strength_zero_must_name_a_steer_as_at_any_strength(tmp_path):
+    """``{"typo": 0}`` is refused like ``{"typo": 1}``, whether the server's names are fixed
+    (``--steer``) or come and go (``--steer-dir``, loads at run time): the same message."""
+    (tmp_path / "ondisk.safetensors").write_bytes(b"")
+    for cfg, loaded in ((SteerServerConfig(steers={"a": "a.safetensors"}), None),
+                        (SteerServerConfig(steers={"a": "a.safetensors"},
+                                           steer_dir=str(tmp_path)), ["a"])):
+        frontend_state().reset(cfg)
+        if loaded:
+            frontend_state().set_loaded(loaded)
+        try:
+            for strength in (1, 0):
+                with pytest.raises(frontend.SteerRequestError, match="unknown steer 'typo'"):
+                    frontend.check_value({"a": 1, "typo": strength})
+            assert frontend.check_value({"a": 0}).named == {"a": 0.0}
+            if cfg.steer_dir:  # a --steer-dir file at 0 needs no load and is not read
+                assert frontend.check_value({"ondisk": 0}).strengths == {}
+        finally:
+            frontend_state().reset(None)
+
+
 def _refused(reason: str, source: str = "api_server") -> float:
     """``vllm_steer:requests_refused_total`` of this process for ``reason`` (the API server's
     own counter, on vLLM's default registry)."""

@@ -70,6 +70,9 @@ def bind_request(core, request) -> None:
     except SteerRequestError as e:
         raise SteerAdmissionError(str(e), refusal_reason(e)) from None
     names = list(steers.strengths)
+    for name in steers.named:  # a name at strength 0 applies nothing, but must exist
+        if name not in steers.strengths and reg.get(name) is None:
+            _steer_dir_path(core, name)
     problem = count_problem(names, st.config.per_request, reg.capacity, REQUEST_FIELD)
     if problem:
         raise SteerAdmissionError(problem, "too_many_steers")

@@ -67,7 +67,7 @@ def _check_unloaded(request: SteerRequest, where: str = REQUEST_FIELD) -> None:
     st = frontend_state()
     cfg = st.config
     loaded = st.loaded_names()
-    for name in request.strengths:
+    for name in request.named:  # a name at strength 0 too: it must name a steer
         if name in loaded:
             continue
         if cfg.enable_updates and not name_problem(name) \
@@ -77,7 +77,10 @@ def _check_unloaded(request: SteerRequest, where: str = REQUEST_FIELD) -> None:
             # decides; it refuses an unknown name with this same message (HTTP 400 through
             # frontend.async_llm), so no API server refuses a just-loaded steer
             continue
-        dir_steer_file(name, loaded, where)
+        if name in request.strengths:
+            dir_steer_file(name, loaded, where)
+        else:  # at strength 0 it is not loaded: it must only name a steer
+            steer_dir_file(cfg.steer_dir, name, loaded, where)
 
 
 def check_value(value: Any, where: str = REQUEST_FIELD) -> SteerRequest:
