@@ -4,14 +4,14 @@ A request's steers are :mod:`vllm_steer.request`."""
 
 from __future__ import annotations
 
-import math
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Mapping
 
 from vllm_steer import ADDITIONAL_CONFIG_KEY
 from vllm_steer.names import echo, steer_name_problem
-from vllm_steer.policy import parse_mix
+from vllm_steer.policy import parse_mix, strength_value
 
 DEFAULT_MAX_STRENGTH = 50.0
 #: The rank per steer the steer bank reserves without ``--max-steer-rank`` (or the largest
@@ -83,9 +83,11 @@ class SteerServerConfig:
     it changes (:mod:`vllm_steer.server.presets_file`). None: no file."""
 
     def __post_init__(self):
-        if not (isinstance(self.max_strength, (int, float)) and math.isfinite(self.max_strength)
-                and self.max_strength > 0):
-            raise ValueError(f"--steer-max-strength={self.max_strength!r}: must be a positive "
+        if not (isinstance(self.max_strength, (int, float))
+                and not isinstance(self.max_strength, bool)
+                and 0 < self.max_strength <= sys.float_info.max):  # finite as a float too
+            raise ValueError(f"--steer-max-strength={echo(self.max_strength, 40)}: must be a "
+                             "positive "
                              f"finite number (default {DEFAULT_MAX_STRENGTH})")
         self.max_strength = float(self.max_strength)
         if not isinstance(self.steers, dict):
@@ -219,15 +221,22 @@ def _policy_fields(d: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(presets, Mapping):
             raise ValueError("additional_config presets: expected a mapping preset name -> "
                              "{steer: strength} (or 'steer:strength,...')")
-        out["presets"] = {n: (parse_mix(m, "presets", f"{n}={m}") if isinstance(m, str)
-                              else {k: float(v) for k, v in dict(m).items()})
-                          for n, m in presets.items()}
+        out["presets"] = {}
+        for n, m in presets.items():
+            if isinstance(m, str):
+                out["presets"][n] = parse_mix(m, "presets", f"{n}={m}")
+            elif isinstance(m, Mapping):
+                out["presets"][n] = {k: strength_value(f"additional_config presets {n}", k, v)
+                                     for k, v in m.items()}
+            else:
+                raise ValueError(f"additional_config presets {n}: expected a mapping steer -> "
+                                 f"strength (or 'steer:strength,...'), got {echo(m)}")
     for k in ("defaults", "floors"):
         v = d.get(k) or {}
         if v:
             if not isinstance(v, Mapping):
                 raise ValueError(f"additional_config {k}: expected a mapping steer -> strength")
-            out[k] = {n: float(s) for n, s in v.items()}
+            out[k] = {n: strength_value(f"additional_config {k}", n, s) for n, s in v.items()}
     return out
 
 

@@ -55,6 +55,27 @@ def _number(flag: str, arg: str, name: str, text: str) -> float:
     return v
 
 
+def strength_value(owner: str, name: Any, value: Any) -> float:
+    """A strength given as a JSON / Python value (a number, or a string holding one): the float,
+    or a :class:`PolicyError` naming ``owner``, the steer and the problem (not a number, a
+    boolean, not finite, too large for a float)."""
+    if isinstance(value, str):
+        return _number(owner, value, str(name), value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PolicyError(f"{owner}: strength {echo(value)} of steer {echo(name)} is not a "
+                          "number (e.g. {\"detox\": 4})")
+    try:
+        v = float(value)
+    except OverflowError:  # an int beyond any float: not repeated (it may be thousands of digits)
+        raise PolicyError(f"{owner}: strength of steer {echo(name)} is an integer of "
+                          f"{value.bit_length()} bits, too large for a number; give a finite "
+                          "strength (e.g. 4)") from None
+    if not math.isfinite(v):
+        raise PolicyError(f"{owner}: strength {echo(value, 40)} of steer {echo(name)} must be "
+                          "a finite number")
+    return v
+
+
 def parse_mix(text: str, flag: str = "--steer-preset", arg: str | None = None
               ) -> dict[str, float]:
     """``"detox:4,sentiment:2"`` -> ``{"detox": 4.0, "sentiment": 2.0}`` (zeros kept)."""
@@ -186,11 +207,10 @@ def preset_from_body(body: Any, steers, max_strength: float,
         problem = steer_name_problem(steer)
         if problem:
             raise PolicyError(f"preset {name!r}: {problem}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, str):
             raise PolicyError(f"preset {name!r}: strength {echo(value)} of steer {steer!r} "
                               "is not a number (e.g. {\"detox\": 4})")
-        if not math.isfinite(value):
-            raise PolicyError(f"preset {name!r}: strength of steer {steer!r} must be finite")
+        value = strength_value(f"preset {name!r}", steer, value)
         if steer not in steers:
             raise PolicyError(unknown_steer(f"preset {name!r}", steer, steers,
                                             label=_KNOWN_LABEL,
@@ -200,7 +220,7 @@ def preset_from_body(body: Any, steers, max_strength: float,
             raise PolicyError(f"preset {name!r}: strength {value:g} of steer {steer!r} exceeds "
                               f"the server's maximum |strength| {max_strength:g} "
                               "(--steer-max-strength); lower it")
-        out[steer] = float(value)
+        out[steer] = value
     return name, out
 
 
@@ -256,7 +276,8 @@ def header_values(values: Mapping[str, float | Window], floored: list[str]) -> d
             d = {k: (int(x) if isinstance(x, float) and x.is_integer() else x)
                  for k, x in d.items() if k in ("strength", "start") or x not in (None, 0, 0.0)}
             return json.dumps(d, separators=(",", ":"), sort_keys=True)
-        return f"{float(v):g}"
+        v = float(v)  # exactly the strength served: an integer as one, else Python's repr
+        return str(int(v)) if v.is_integer() and abs(v) < 2 ** 53 else repr(v)
 
     def nonzero(v: float | Window) -> bool:
         return (v.strength != 0.0 or v.base != 0.0) if isinstance(v, Window) else v != 0.0

@@ -111,16 +111,41 @@ def read_file(path: str) -> tuple[str, tuple[int, str]]:
     return text, (mtime, hashlib.sha256(data).hexdigest())
 
 
+class DuplicateKeyError(ValueError):
+    """A key given twice in one object of the file (JSON and YAML would keep the last)."""
+
+
+def _unique(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """An object of the file from its pairs, refusing a key given twice."""
+    out: dict[Any, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKeyError(f"{echo(k, 80)} is given twice")
+        out[k] = v
+    return out
+
+
+def _yaml(text: str) -> Any:
+    """``yaml.safe_load`` refusing a key given twice in one mapping."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            self.flatten_mapping(node)
+            return _unique([(self.construct_object(k, deep=deep),
+                             self.construct_object(v, deep=deep)) for k, v in node.value])
+
+    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader
+
+
 def parse(text: str, path: str) -> dict[str, Any]:
     """The file's ``presets`` mapping as written (name -> mix), its shape checked."""
     fmt = file_format(path)
     try:
-        if fmt == "json":
-            doc = json.loads(text)
-        else:
-            import yaml
-
-            doc = yaml.safe_load(text)
+        doc = json.loads(text, object_pairs_hook=_unique) if fmt == "json" else _yaml(text)
+    except DuplicateKeyError as e:
+        raise PresetsFileError(f"presets file {path}: {e}; each name may be given once") \
+            from None
     except Exception as e:  # noqa: BLE001 - json and yaml raise their own errors
         raise PresetsFileError(f"presets file {path}: not valid {fmt.upper()} ({e}); e.g. "
                                f"{FILE_EXAMPLE}") from None

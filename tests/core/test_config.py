@@ -59,6 +59,35 @@ def test_server_config_round_trip_and_limits():
         SteerServerConfig(max_strength=-1)
     with pytest.raises(ValueError, match="unknown keys"):
         SteerServerConfig.from_additional_config({"vllm_steer": {"steer": {}}})
+    for bad in (True, 10 ** 400, float("nan"), float("inf"), "10"):
+        with pytest.raises(ValueError, match="must be a positive finite number"):
+            SteerServerConfig(max_strength=bad)
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("defaults", {"detox": float("nan")}, "additional_config defaults: strength nan of steer "
+                                          "'detox' must be a finite number"),
+    ("floors", {"detox": True}, "additional_config floors: strength True of steer 'detox' is "
+                                "not a number"),
+    ("defaults", {"detox": "abc"}, "strength 'abc' of steer 'detox' is not a number"),
+    ("defaults", {"detox": None}, "strength None of steer 'detox' is not a number"),
+    ("floors", {"detox": 10 ** 400}, "an integer of 1329 bits, too large"),
+    ("presets", {"p": {"detox": float("inf")}}, "additional_config presets p: strength inf"),
+    ("presets", {"p": {"detox": [1]}}, "strength [1] of steer 'detox' is not a number"),
+    ("presets", {"p": 4}, "additional_config presets p: expected a mapping steer -> strength"),
+])
+def test_additional_config_policy_values_are_checked_like_the_flags(key, value, fragment):
+    """Offline users give presets, defaults and floors in ``additional_config``: a bad
+    strength is refused naming the key, the steer and the problem, as the flags are."""
+    with pytest.raises(ValueError) as e:
+        SteerServerConfig.from_additional_config({"vllm_steer": {key: value}})
+    assert fragment in str(e.value), str(e.value)
+
+
+def test_additional_config_policy_strings_are_numbers():
+    cfg = SteerServerConfig.from_additional_config(
+        {"vllm_steer": {"defaults": {"detox": "2.5"}, "presets": {"p": {"detox": 3}}}})
+    assert cfg.defaults == {"detox": 2.5} and cfg.presets == {"p": {"detox": 3.0}}
 
 
 # ---- hostile values (issue 14) --------------------------------------------------------------

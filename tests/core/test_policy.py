@@ -85,6 +85,14 @@ def test_headers_name_the_applied_steers_and_the_floored_ones():
     assert header_values({}, []) == {APPLIED_HEADER: ""}
 
 
+def test_the_applied_header_gives_each_strength_exactly():
+    """Not rounded: the header reads back as the very strengths served."""
+    values = {"a": 12.3456789, "b": -0.1 + 0.2, "c": 1e-7, "d": 5.0, "e": 2.5e20}
+    got = header_values(values, [])[APPLIED_HEADER]
+    assert {k: float(v) for k, v in (kv.split("=") for kv in got.split(","))} == values
+    assert "d=5," in got
+
+
 def test_flag_parsing():
     assert parse_preset_arg("polite=detox:4,sentiment:-2.5") == \
         ("polite", {"detox": 4.0, "sentiment": -2.5})
@@ -197,7 +205,9 @@ def test_a_preset_body_is_checked_like_the_flag():
     ({"name": "kind", "steer": {"detox": "4"}}, "strength '4' of steer 'detox' is not a "
                                                 "number"),
     ({"name": "kind", "steer": {"detox": True}}, "strength True of steer 'detox' is not a"),
-    ({"name": "kind", "steer": {"detox": float("nan")}}, "must be finite"),
+    ({"name": "kind", "steer": {"detox": float("nan")}}, "must be a finite number"),
+    ({"name": "kind", "steer": {"detox": 10 ** 400}}, "an integer of 1329 bits, too large"),
+    ({"name": "kind", "steer": {"detox": -10 ** 400}}, "an integer of 1329 bits, too large"),
     ({"name": "kind", "steer": {"toxic": 1}}, "unknown steer 'toxic'; loaded steers (and "
                                               "--steer-dir files): detox, sentiment. Load it"),
     ({"name": "kind", "steer": {"detox": -10.5}}, "strength -10.5 of steer 'detox' exceeds "

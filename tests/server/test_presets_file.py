@@ -60,6 +60,15 @@ def test_json_and_yaml_files_give_the_same_presets(tmp_path):
     ("p.json", {"presets": {"polite": {"detox": 1}}},
      "preset name 'polite' is already a preset set by --steer-preset"),
     ("p.toml", {"presets": {}}, "unknown format; name the file .json (JSON) or .yaml / .yml"),
+    ("p.json", '{"presets": {"kind": {"detox": 1}, "kind": {"detox": 2}}}',
+     "'kind' is given twice; each name may be given once"),
+    ("p.yaml", "presets:\n  kind: {detox: 1}\n  kind: {detox: 2}\n",
+     "'kind' is given twice; each name may be given once"),
+    ("p.json", '{"presets": {"kind": {"detox": 1, "detox": 2}}}', "'detox' is given twice"),
+    ("p.yaml", "presets:\n  kind: {detox: 1, detox: 2}\n", "'detox' is given twice"),
+    ("p.json", '{"presets": {"kind": {"detox": 1' + "0" * 400 + '}}}',
+     "preset 'kind': strength of steer 'detox' is an integer of 1329 bits, too large"),
+    ("p.yaml", "presets:\n  kind: {detox: 1" + "0" * 400 + "}\n", "integer of 1329 bits"),
 ])
 def test_a_bad_file_is_refused_naming_the_file_and_the_problem(tmp_path, name, doc, fragment):
     path = write(tmp_path / name, doc)
