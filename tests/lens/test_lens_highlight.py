@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import json
 import random
 import subprocess
@@ -52,7 +53,24 @@ def test_best_spans_matches_brute_force(seed):
         assert [(sp.start, sp.end) for sp in spans] == want_spans
 
 
+@pytest.mark.parametrize("seed", range(200))
+def test_best_spans_never_returns_a_span_of_zero_gain(seed):
+    """Scores with exact zeros and decimals whose float sums round (0.3 - 0.9 + 0.9): the
+    prefix sums' rounding must not add a span that gains nothing; the total is still the
+    brute force's."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 8)
+    k, max_len = rng.randint(1, 3), rng.randint(1, 4)
+    scores = [rng.choice([0.0, 0.0, 0.1, 0.2, 0.3, -0.3, -0.9, 0.7, -0.1]) for _ in range(n)]
+    spans = best_spans(scores, k, max_len)
+    want, _ = _brute(scores, k, max_len)
+    assert sum(sp.score for sp in spans) == pytest.approx(want, abs=1e-9), (scores, spans)
+    for sp in spans:
+        assert math.fsum(scores[sp.start:sp.end]) > 0, (scores, k, max_len, spans)
+
+
 def test_best_spans_examples():
+    assert best_spans([0.3, -0.9, 0.0], 2, 3) == [Span(0, 1, 0.3)]
     assert best_spans([], 3, 4) == []
     assert best_spans([-1.0, -2.0], 3, 4) == []
     # one clear span, capped by max_len

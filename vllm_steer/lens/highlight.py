@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import html as _html
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -115,12 +116,16 @@ def best_spans(scores: Sequence[float], k: int = DEFAULT_K,
         if row[i] <= 0.0:
             break
         # the first position where the row reaches row[i]: a span ends there
-        i = int(np.searchsorted(row, row[i], side="left"))
-        lo = max(0, i - width)
-        starts = np.arange(lo, i)
+        end = int(np.searchsorted(row, row[i], side="left"))
+        lo = max(0, end - width)
+        starts = np.arange(lo, end)
         gain = np.where(starts >= 1, prev[np.maximum(starts - 1, 0)], 0.0) - prefix[starts]
         s = int(starts[len(gain) - 1 - int(np.argmax(gain[::-1]))])  # the shortest best span
-        spans.append(Span(s, i, float(prefix[i] - prefix[s])))
+        score = math.fsum(vals[s:end].tolist())  # its sum, exactly rounded
+        if score <= 0.0:  # the prefix sums' rounding made it look like a gain: one span fewer
+            j -= 1
+            continue
+        spans.append(Span(s, end, score))
         i, j = s - 1, j - 1
     spans.reverse()
     return spans
