@@ -29,7 +29,7 @@ import os
 import struct
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -598,6 +598,8 @@ def check_steer(steer: Steer, path: str = "<memory>") -> None:
                                f"{sorted(_TORCH_DTYPES)}")
             elif not torch.isfinite(t).all():
                 reasons.append(f"tensor {k} holds NaN or inf")
+            else:
+                reasons += beyond_range({k: t}, torch.float32)
     if reasons:
         raise SteerFileError(path, reasons)
 
@@ -696,6 +698,7 @@ def load_steer(path: str | os.PathLike, device=None, dtype=None) -> Steer:
                                     f"{str(e)[:300]}"]) from e
     reasons = [f"tensor {k!r} holds NaN or inf values"
                for k, t in tensors.items() if not torch.isfinite(t).all()]
+    reasons += beyond_range(tensors, torch.float32) if not reasons else []
     if reasons:
         raise SteerFileError(path, reasons)
     steer = Steer(tensors[TENSOR_P1], tensors[TENSOR_P2], meta,
@@ -703,6 +706,30 @@ def load_steer(path: str | os.PathLike, device=None, dtype=None) -> Steer:
     if device is not None or dtype is not None:
         steer = steer.to(device=device, dtype=dtype)
     return steer
+
+
+def beyond_range(tensors: Mapping[str, "torch.Tensor"], dtype: "torch.dtype") -> list[str]:
+    """Each tensor (finite as stored) with values that ``dtype`` cannot hold (an F64 tensor
+    beyond float32's range; an F32 one beyond float16's when the model is served in fp16):
+    they would be infinite once cast."""
+    import torch
+
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        return []  # (a dtype not known yet)
+    top = torch.finfo(dtype).max
+    return [f"tensor {k!r} holds values up to {t.abs().max().item():.4g}, beyond {dtype}'s "
+            f"range (±{top:.4g}); they would be infinite in {dtype}"
+            for k, t in tensors.items() if t.is_floating_point() and t.numel()
+            and t.abs().max().item() > top]
+
+
+def served_range_problems(steer: Steer, dtype: "torch.dtype") -> list[str]:
+    """:func:`beyond_range` for a loaded steer's factors against the dtype the bank holds
+    them in (the model's)."""
+    tensors = {TENSOR_P1: steer.p1, TENSOR_P2: steer.p2}
+    if steer.domain_p1 is not None:
+        tensors.update({TENSOR_DOMAIN_P1: steer.domain_p1, TENSOR_DOMAIN_P2: steer.domain_p2})
+    return beyond_range(tensors, dtype)
 
 
 def harmful_side(meta: SteerMetadata) -> str | None:

@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_steer.format import (FORMAT_NAME, FORMAT_VERSION, KIND_KEY, KIND_VECTOR,
-                               MAX_HIDDEN_SIZE, METADATA_KEY, SteerFileError,
-                               TENSOR_DIRECTION_PREFIX, _echo, _is_int, common_metadata_problems,
-                               file_kind, read_document, write_atomically)
+                               MAX_HIDDEN_SIZE, MAX_METADATA_BYTES, METADATA_KEY, SteerFileError,
+                               TENSOR_DIRECTION_PREFIX, _echo, _is_int, beyond_range,
+                               common_metadata_problems, file_kind, read_document,
+                               write_atomically)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -254,21 +255,25 @@ def parse_layers(spec: str, num_layers: int | None = None) -> list[int]:
         if num_layers is None:
             raise ValueError("layers 'all' needs the model's layer count")
         return list(range(num_layers))
-    out: set[int] = set()
+    spans: list[tuple[int, int]] = []
     try:
         for part in text.split(","):
-            a, _, b = part.strip().partition("-")
-            lo, hi = int(a), int(b) if b else int(a)
+            a, dash, b = part.strip().partition("-")
+            lo, hi = int(a), int(b) if dash else int(a)  # "5-" has no end: refused
             if lo < 0 or hi < lo:
                 raise ValueError
-            out.update(range(lo, hi + 1))
+            spans.append((lo, hi))
     except ValueError:
-        raise ValueError(f"layers {spec!r}: give block indices (0-based) like 1-29, 5,10,12-14 "
-                         "or all") from None
-    if num_layers is not None and max(out) >= num_layers:
-        raise ValueError(f"layers {spec!r}: block {max(out)} does not exist; the model has "
-                         f"{num_layers} decoder blocks (0 to {num_layers - 1})")
-    return sorted(out)
+        raise ValueError(f"layers {_echo(spec)}: give block indices (0-based) like 1-29, "
+                         "5,10,12-14 or all") from None
+    top = max(hi for _, hi in spans)  # checked before any range is built
+    limit = MAX_LAYERS if num_layers is None else num_layers
+    if top >= limit:
+        raise ValueError(f"layers {_echo(spec)}: block {_echo(top)} does not exist; "
+                         + (f"the model has {num_layers} decoder blocks (0 to {num_layers - 1})"
+                            if num_layers is not None
+                            else f"a vector steer names blocks 0 to {MAX_LAYERS - 1}"))
+    return sorted({k for lo, hi in spans for k in range(lo, hi + 1)})
 
 
 def make_vector_steer(directions: dict[int, Any], name: str, **meta_kwargs) -> VectorSteer:
@@ -293,6 +298,10 @@ def check_vector_steer(vs: VectorSteer, path: str = "<memory>") -> None:
     except (TypeError, ValueError) as e:
         raise VectorFileError(path, [f"metadata is not JSON-serialisable ({e})"]) from None
     reasons = vector_metadata_problems(doc)
+    size = len(meta.to_json().encode("utf-8", "surrogatepass"))
+    if size > MAX_METADATA_BYTES:  # the reader's limit: a file written is a file read
+        reasons.append(f"metadata is {size} bytes as JSON; at most {MAX_METADATA_BYTES} bytes "
+                       "are allowed")
     if sorted(vs.directions) != list(meta.layers):
         reasons.append(f"the vectors are for blocks {_ranges(sorted(vs.directions))} but the "
                        f"metadata lists {_ranges(list(meta.layers))}")
@@ -302,6 +311,8 @@ def check_vector_steer(vs: VectorSteer, path: str = "<memory>") -> None:
                            f"[{meta.hidden_size}] (the hidden size)")
         elif not torch.isfinite(v).all():
             reasons.append(f"{direction_name(k)} holds NaN or inf")
+        else:  # written as float32
+            reasons += beyond_range({direction_name(k): v}, torch.float32)
     if reasons:
         raise VectorFileError(path, reasons)
 
@@ -396,6 +407,8 @@ def load_vector(path: str | os.PathLike) -> VectorSteer:
                                      f"{str(e)[:300]}"]) from e
     reasons = [f"{direction_name(k)} holds NaN or inf values"
                for k, t in dirs.items() if not torch.isfinite(t).all()]
+    if not reasons:  # read as float32: an F64 file's values must fit it
+        reasons = beyond_range({direction_name(k): t for k, t in dirs.items()}, torch.float32)
     if reasons:
         raise VectorFileError(path, reasons)
     return VectorSteer({k: t.float() for k, t in dirs.items()}, meta)
@@ -430,6 +443,10 @@ def load_gguf(path: str | os.PathLike, name: str | None = None) -> VectorSteer:
     meta_kwargs = _gguf_metadata(reader, path, dirs, name)
     known = {f.name for f in dataclasses.fields(VectorMetadata)}
     extra = {k: v for k, v in meta_kwargs.items() if k not in known}
+    if extra:
+        warnings.warn(f"vector steer file {path!r}: unknown metadata keys {sorted(extra)} in "
+                      f"{GGUF_KEY_METADATA} (written by a newer vllm-steer?); they are kept "
+                      "but not used", stacklevel=2)
     meta_kwargs = {k: v for k, v in meta_kwargs.items() if k in known and k != "extra"}
     vs = make_vector_steer(dirs, **meta_kwargs)
     vs.metadata.extra = extra
@@ -522,40 +539,61 @@ def _gguf_metadata(reader, path: str, dirs: dict, name: str | None) -> dict:
     source = {"kind": "llama.cpp control-vector GGUF", "file": os.path.basename(path),
               "sha256": sha, "keys": keys}
     meta_kwargs: dict[str, Any] = {}
-    if isinstance(doc_raw, str):  # written here: our metadata travelled with the vectors
-        try:
-            d = json.loads(doc_raw)
-        except ValueError:
-            d = None
-        if isinstance(d, dict) and not vector_metadata_problems(d):
-            meta_kwargs = {k: v for k, v in d.items() if k not in ("hidden_size", "layers")}
-    if not meta_kwargs:
-        meta_kwargs = {"name": name or safe_steer_name(os.path.basename(path).split(".")[0],
-                                                       "vector"),
+    if doc_raw is not None:  # written here: our metadata travelled with the vectors
+        d = _gguf_own_metadata(doc_raw, path)
+        meta_kwargs = {k: v for k, v in d.items() if k not in ("hidden_size", "layers")}
+    else:
+        if isinstance(hint, str) and len(hint) > MAX_MODEL_TYPE_LENGTH:
+            raise VectorFileError(path, [f"{GGUF_KEY_MODEL_HINT} is {len(hint)} characters "
+                                         f"({_echo(hint)}), expected an architecture name of "
+                                         f"at most {MAX_MODEL_TYPE_LENGTH}"])
+        stem = os.path.splitext(os.path.basename(path))[0]  # detox.v2.gguf -> detox.v2
+        meta_kwargs = {"name": name or safe_steer_name(stem, "vector"),
                        "model_type": hint if isinstance(hint, str) and hint else None,
                        "source": source}
         if isinstance(count, int) and count != len(dirs):
             source["note"] = (f"{GGUF_KEY_LAYER_COUNT}={count} but the file holds {len(dirs)} "
                               "directions (the directions are what is applied)")
-    elif name:
+    if name and doc_raw is not None:
         meta_kwargs["name"] = name
     return meta_kwargs
+
+
+def _gguf_own_metadata(raw: Any, path: str) -> dict:
+    """Our metadata document from a GGUF's :data:`GGUF_KEY_METADATA`, checked as a vector
+    file's is: a file that carries it but whose document is refused is refused (its name,
+    labels and strength would be lost unseen), every reason named."""
+    if not isinstance(raw, str):
+        raise VectorFileError(path, [f"{GGUF_KEY_METADATA} is not a string (our JSON "
+                                     "metadata document)"])
+    try:
+        d = json.loads(raw)
+    except ValueError as e:
+        raise VectorFileError(path, [f"{GGUF_KEY_METADATA} is not valid JSON ({e})"]) from None
+    reasons = vector_metadata_problems(d)
+    if reasons:
+        raise VectorFileError(path, [f"{GGUF_KEY_METADATA}: {r}" for r in reasons])
+    return d
 
 
 #: The most keys, and the longest text value, kept from a GGUF's keys as provenance.
 MAX_SOURCE_KEYS = 64
 MAX_SOURCE_TEXT = 1000
+#: The longest key name kept (longer ones are no writer's provenance).
+MAX_SOURCE_KEY_NAME = 200
 
 
 def _gguf_provenance_keys(reader) -> dict[str, Any]:
     """The GGUF's own keys, kept under ``source["keys"]`` when the vectors are converted (the
     model hint, the layer count, and what other writers add: EasySteer's method, ...): every
-    key with a number, a boolean or a text of at most :data:`MAX_SOURCE_TEXT` characters, but
+    key (a name of at most :data:`MAX_SOURCE_KEY_NAME` characters) with a number, a boolean
+    or a text of at most :data:`MAX_SOURCE_TEXT` characters, but
     the reader's ``GGUF.*`` entries, the architecture and our own metadata; at most
     :data:`MAX_SOURCE_KEYS`."""
     keys: dict[str, Any] = {}
     for key in reader.fields:
-        if key.startswith("GGUF.") or key in (GGUF_KEY_ARCH, GGUF_KEY_METADATA):
+        if key.startswith("GGUF.") or key in (GGUF_KEY_ARCH, GGUF_KEY_METADATA) \
+                or len(key) > MAX_SOURCE_KEY_NAME:
             continue
         v = _gguf_value(reader, key)
         if isinstance(v, float) and not math.isfinite(v):
@@ -628,8 +666,10 @@ def _norm_name(s: str) -> str:
 
 def same_model(a: str, b: str) -> bool:
     """Whether two model names (HF ids, paths, ``smollm2``) name the same model: equal last
-    path parts (case, ``_``/``-`` ignored), or one contains the other."""
-    return _norm_name(a) == _norm_name(b) or a in b or b in a
+    path parts, or one contains the other (case, ``_``/``-`` ignored: ``smollm2`` names
+    ``HuggingFaceTB/SmolLM2-135M-Instruct``)."""
+    la, lb = (s.lower().replace("_", "-") for s in (a, b))
+    return _norm_name(a) == _norm_name(b) or la in lb or lb in la
 
 
 #: llama.cpp's architecture names (what its ``cvector-generator`` writes as
@@ -641,6 +681,11 @@ LLAMA_CPP_ARCH_MODEL_TYPES = {
     "phi2": ("phi",),
     "starcoder": ("gpt_bigcode",),
     "deepseek2": ("deepseek_v2", "deepseek_v3"),
+    "granitehybrid": ("granitemoehybrid",),
+    "hunyuan-moe": ("hunyuan_v1_moe",),
+    "hunyuan-dense": ("hunyuan_v1_dense",),
+    "nemotron_h_moe": ("nemotron_h",),
+    "deci": ("nemotron-nas",),  # Nemotron-51B's remote-code config (DeciLM's is "deci")
 }
 
 

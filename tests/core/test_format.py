@@ -97,6 +97,45 @@ def test_nan_values_are_refused(tmp_path):
         save_steer(tmp_path / "n2.safetensors", s)
 
 
+def test_f64_values_beyond_float32_are_refused_not_read_as_inf(tmp_path):
+    """An F64 file is read as float32 by the bank's cast: a finite 1e39 would become inf,
+    which steers every token to NaN. Refused on load and on save, naming the tensor."""
+    from safetensors.torch import save_file
+
+    s = random_steer(16, 2, "big")
+    p1 = s.p1.double()
+    p1[0, 0] = 1e39
+    assert torch.isinf(p1.float()).any() and torch.isfinite(p1).all()  # the premise
+    path = tmp_path / "big.safetensors"
+    save_file({TENSOR_P1: p1, TENSOR_P2: s.p2.double()}, path,
+              metadata={METADATA_KEY: s.metadata.to_json()})
+    msg = _refusal(path)
+    assert (f"tensor {TENSOR_P1!r} holds values up to 1e+39, beyond torch.float32's range"
+            in msg), msg
+    s.p1 = p1
+    with pytest.raises(SteerFileError, match="beyond torch.float32's range"):
+        save_steer(tmp_path / "big2.safetensors", s)
+    ok = random_steer(16, 2, "ok")  # F64 within range loads, values kept
+    save_file({TENSOR_P1: ok.p1.double() * 1e30, TENSOR_P2: ok.p2.double()}, tmp_path / "ok.st",
+              metadata={METADATA_KEY: ok.metadata.to_json()})
+    assert torch.equal(load_steer(tmp_path / "ok.st").p1, ok.p1.double() * 1e30)
+
+
+def test_factors_beyond_the_served_dtype_are_named():
+    """The bank holds the factors in the model's dtype: an fp32 factor of 7e4 is inf in fp16
+    (largest 65504) but fits bf16."""
+    from vllm_steer.format import served_range_problems
+
+    s = random_steer(16, 2, "loud")
+    s.p2[1, 1] = 7e4
+    assert torch.isinf(s.p2.half()).any() and torch.isfinite(s.p2.bfloat16()).all()
+    assert served_range_problems(s, torch.float16) == [
+        f"tensor {TENSOR_P2!r} holds values up to 7e+04, beyond torch.float16's range "
+        "(±6.55e+04); they would be infinite in torch.float16"]
+    assert served_range_problems(s, torch.bfloat16) == []
+    assert served_range_problems(s, None) == []
+
+
 def test_wrong_shapes_and_every_reason_listed(tmp_path):
     from safetensors.torch import save_file
 

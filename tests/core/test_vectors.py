@@ -16,9 +16,9 @@ from vllm_steer.format import (KIND_VECTOR, SteerFileError, load_steer, make_ste
                                read_metadata, save_steer)
 from vllm_steer.hf import decoder_layers, vector_steering
 from vllm_steer.reference import vector_steer_reference
-from vllm_steer.vectors import (VectorFileError, check_fits_model, load_gguf, load_vector,
-                                make_vector_steer, model_fit_problems, parse_layers,
-                                read_vector_metadata, save_gguf, save_vector)
+from vllm_steer.vectors import (MAX_LAYERS, VectorFileError, check_fits_model, load_gguf,
+                                load_vector, make_vector_steer, model_fit_problems,
+                                parse_layers, read_vector_metadata, save_gguf, save_vector)
 
 gguf = pytest.importorskip("gguf")
 
@@ -212,6 +212,89 @@ def test_gguf_writer_refuses_block_0(tmp_path):
     assert load_vector(tmp_path / "v0.safetensors").layers == [0, 1, 2]
 
 
+def test_gguf_carrying_our_metadata_that_is_refused_is_refused_naming_it(tmp_path):
+    """A GGUF written here carries our metadata: a document that fails our checks (a newer
+    format, a bad label) refuses the file, every reason named, instead of being dropped for
+    the file's stem and losing its name, labels and strength unseen."""
+    p = tmp_path / "ours.gguf"
+    save_gguf(p, make_vector_steer(_dirs([1, 2]), "calm", labels={"harmful": "negative"}))
+    assert load_gguf(p).metadata.labels == {"harmful": "negative"}
+
+    def rewrite(doc_text):
+        r = gguf.GGUFReader(str(p))
+        w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "controlvector")
+        w.add_string("controlvector.model_hint", "")
+        w.add_string("controlvector.vllm_steer_metadata", doc_text)
+        for t in r.tensors:
+            w.add_tensor(t.name, np.array(t.data))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return tmp_path / "bad.gguf"
+
+    doc = json.loads(gguf.GGUFReader(str(p)).get_field(
+        "controlvector.vllm_steer_metadata").contents())
+    with pytest.raises(VectorFileError) as e:
+        load_gguf(rewrite(json.dumps({**doc, "format_version": 99,
+                                      "labels": {"harmful": "both"}})))
+    msg = str(e.value)
+    assert "controlvector.vllm_steer_metadata: " in msg and "format_version" in msg, msg
+    assert "harmful" in msg, msg
+    with pytest.raises(VectorFileError, match="vllm_steer_metadata is not valid JSON"):
+        load_gguf(rewrite("{not json"))
+    with pytest.warns(UserWarning, match=r"unknown metadata keys \['future'\]"):
+        vs = load_gguf(rewrite(json.dumps({**doc, "future": 1})))
+    assert vs.name == "calm" and vs.metadata.extra == {"future": 1}
+
+
+def test_a_foreign_gguf_is_named_by_its_file_stem(tmp_path):
+    p = tmp_path / "detox.v2.gguf"
+    write_repeng_gguf(p, _dirs([1, 2]))
+    assert load_gguf(p).name == "detox.v2"
+
+
+def test_a_foreign_ggufs_overlong_hint_or_key_names(tmp_path):
+    p = tmp_path / "h.gguf"
+    write_repeng_gguf(p, _dirs([1, 2]), model_hint="x" * 200)
+    with pytest.raises(VectorFileError, match="controlvector.model_hint is 200 characters"):
+        load_gguf(p)
+    w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "controlvector")
+    w.add_string("controlvector.model_hint", "llama")
+    w.add_string("k" * 5000, "v")
+    w.add_string("easysteer.method", "diffmean")
+    for k, v in _dirs([1, 2]).items():
+        w.add_tensor(f"direction.{k}", v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    vs = load_gguf(tmp_path / "k.gguf")
+    assert vs.metadata.source["keys"] == {"controlvector.model_hint": "llama",
+                                          "easysteer.method": "diffmean"}
+    save_vector(tmp_path / "k.safetensors", vs)  # its provenance is a file we can write
+
+
+def test_vectors_beyond_float32_and_oversized_metadata_are_refused(tmp_path):
+    """An F64 vector file is read as float32: values it cannot hold are refused, not read as
+    inf; and the writer refuses metadata the reader would refuse, so a file it writes is one
+    it reads."""
+    from safetensors.torch import save_file
+
+    vs = make_vector_steer(_dirs([1, 2]), "v")
+    big = {f"direction.{k}": v.double() for k, v in vs.directions.items()}
+    big["direction.2"][3] = -1e300
+    save_file(big, tmp_path / "big.safetensors",
+              metadata={"vllm_steer": vs.metadata.to_json(), "format": "pt"})
+    with pytest.raises(VectorFileError, match="direction.2' holds values up to 1e\\+300, "
+                                              "beyond torch.float32's range"):
+        load_vector(tmp_path / "big.safetensors")
+    fat = make_vector_steer(_dirs([1, 2]), "v", recipe={"notes": "x" * (300 << 10)})
+    with pytest.raises(VectorFileError, match="at most 262144 bytes"):
+        save_vector(tmp_path / "fat.safetensors", fat)
+    assert not (tmp_path / "fat.safetensors").exists()
+
+
 def _rewrite_meta(path, edit):
     """Rewrite the JSON metadata of a safetensors file in place (same tensors)."""
     raw = path.read_bytes()
@@ -305,7 +388,10 @@ def test_fit_against_model_names_both_sides():
 @pytest.mark.parametrize("hint, served", [
     ("llama", "mistral"), ("llama", "mixtral"), ("command-r", "cohere"), ("phi2", "phi"),
     ("starcoder", "gpt_bigcode"), ("deepseek2", "deepseek_v3"), ("gemma3", "gemma3_text"),
-    ("qwen2moe", "qwen2_moe"), ("gptneox", "gpt_neox"), ("LLaMA", "llama")])
+    ("qwen2moe", "qwen2_moe"), ("gptneox", "gpt_neox"), ("LLaMA", "llama"),
+    ("granitehybrid", "granitemoehybrid"), ("hunyuan-moe", "hunyuan_v1_moe"),
+    ("hunyuan-dense", "hunyuan_v1_dense"), ("nemotron_h_moe", "nemotron_h"),
+    ("deci", "nemotron-nas")])
 def test_llama_cpps_architecture_names_fit_the_models_they_convert(tmp_path, hint, served):
     """llama.cpp's ``cvector-generator`` writes its own architecture name as the model hint
     (a Mistral model's vectors say ``llama``): a file made from a Mistral GGUF fits Mistral;
@@ -315,6 +401,37 @@ def test_llama_cpps_architecture_names_fit_the_models_they_convert(tmp_path, hin
     meta = load_gguf(p).metadata
     assert meta.model_type == hint
     assert model_fit_problems(meta, hidden_size=HIDDEN, num_layers=6, model_type=served) == []
+
+
+#: ``model_type`` of configs that ship as remote code, not in transformers.
+REMOTE_CODE_MODEL_TYPES = {"nemotron-nas"}
+
+
+def test_the_aliases_name_llama_cpps_architectures_and_real_model_types():
+    """Each alias is read from the two projects: its key one of llama.cpp's architecture
+    names (the ``gguf`` package's table), its values ``model_type`` s of transformers'
+    configs (or of a known remote-code config)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from vllm_steer.vectors import LLAMA_CPP_ARCH_MODEL_TYPES
+
+    arches = set(gguf.MODEL_ARCH_NAMES.values())
+    for arch, types in LLAMA_CPP_ARCH_MODEL_TYPES.items():
+        assert arch in arches, arch
+        for t in types:
+            assert t in CONFIG_MAPPING_NAMES or t in REMOTE_CODE_MODEL_TYPES, (arch, t)
+
+
+def test_a_short_base_model_name_fits_the_served_hub_id_in_any_case():
+    """The shipped smollm2 vector steer says ``base_model: smollm2``: it fits the model served
+    by its Hugging Face id or a local copy's path, whatever their case."""
+    meta = make_vector_steer(_dirs(range(1, 6)), "v", base_model="smollm2").metadata
+    for served in ("HuggingFaceTB/SmolLM2-135M-Instruct", "/models/SMOLLM2-135M", "smollm2"):
+        assert model_fit_problems(meta, hidden_size=HIDDEN, num_layers=6,
+                                  model_name=served) == [], served
+    assert model_fit_problems(meta, hidden_size=HIDDEN, num_layers=6,
+                              model_name="Qwen/Qwen3-0.6B") == [
+        "the steer was made for 'smollm2' but the model is 'Qwen/Qwen3-0.6B'"]
 
 
 @pytest.mark.parametrize("hint, served", [("llama", "qwen2"), ("mistral", "llama"),
@@ -337,6 +454,14 @@ def test_parse_layers():
         parse_layers("2-5", 4)
     with pytest.raises(ValueError, match="like 1-29"):
         parse_layers("3-1")
+    for spec in ("5-", "-5", "1,,2", "", "a-b"):  # a missing end is not block 5 alone
+        with pytest.raises(ValueError, match="like 1-29"):
+            parse_layers(spec, 30)
+    # refused at once, before any range is built (no seconds, no memory)
+    with pytest.raises(ValueError, match="block 30000000 does not exist; the model has 30"):
+        parse_layers("1-30000000", 30)
+    with pytest.raises(ValueError, match=f"names blocks 0 to {MAX_LAYERS - 1}"):
+        parse_layers("0-99999")
 
 
 def test_reference_against_a_loop():

@@ -303,7 +303,7 @@ def load_steer_file(core, name: str, path: str, source: str,
 
     Draining slots no request uses are freed first and emptied in every worker (an
     admission's first-use load runs no op that would)."""
-    from vllm_steer.format import SteerFileError
+    from vllm_steer.format import SteerFileError, served_range_problems
     from vllm_steer.kinds import load_any
 
     st = engine_state(core)
@@ -343,6 +343,8 @@ def load_steer_file(core, name: str, path: str, source: str,
             reasons.append(f"steer {name!r} has hidden size {steer.hidden_size} but the model "
                            f"{va.model_name(va.core_model_config(core))} has {hidden}; train or "
                            "transfer the steer for this model (vllm-steer train / transfer)")
+        else:  # the bank holds the factors in the model's dtype
+            reasons += served_range_problems(steer, va.model_dtype(va.core_model_config(core)))
         limit = st.reserved_rank
         for what, p in (("rank", getattr(steer, "p1", None)),
                         ("domain rank", getattr(steer, "domain_p1", None))):

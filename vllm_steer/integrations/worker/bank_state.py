@@ -17,9 +17,10 @@ import torch
 
 from vllm_steer.bank import SlotBank
 from vllm_steer.config import SteerServerConfig
-from vllm_steer.format import SteerFileError
+from vllm_steer.format import SteerFileError, served_range_problems
 from vllm_steer.kinds import applied_in_layers, load_any, read_any_metadata
 from vllm_steer.logs import get_logger
+from vllm_steer.vectors import same_model
 
 logger = get_logger()
 
@@ -84,7 +85,7 @@ class BankState:
                                f"fit the model's hidden size {hidden_size}; train or transfer it "
                                "for this model (vllm-steer train / vllm-steer transfer)")
                 continue
-            if meta.base_model and model_id and not _same_model(meta.base_model, model_id):
+            if meta.base_model and model_id and not same_model(meta.base_model, model_id):
                 logger.warning("vllm-steer: steer %r (%s) was trained on %r but the server runs "
                                "%r; it fits (same hidden size) but may not steer as intended",
                                name, path, meta.base_model, model_id)
@@ -92,6 +93,9 @@ class BankState:
                 steers[name] = load_any(path)
             except SteerFileError as e:
                 reasons.append(str(e).replace("\n", " "))
+                continue
+            reasons += [f"steer {name!r} ({path}): {r}"
+                        for r in served_range_problems(steers[name], dtype)]
         if reasons:
             raise SteerFileError(", ".join(self.config.steers.values()), reasons)
         self.bank = self._reserve_bank(hidden_size, device, dtype, steers)
@@ -224,11 +228,6 @@ class BankState:
             logger.info("vllm-steer: the drafter's steers, inside CUDA graphs, read the bank in "
                         "place (rank %d per steer): no more memory", bank.rank)
         return 0.0
-
-
-def _same_model(a: str, b: str) -> bool:
-    norm = lambda s: s.rstrip("/").split("/")[-1].lower().replace("_", "-")  # noqa: E731
-    return norm(a) == norm(b) or a in b or b in a
 
 
 __all__ = ["BankState"]
