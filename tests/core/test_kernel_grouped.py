@@ -240,3 +240,18 @@ def test_with_widths_a_narrower_steers_padding_is_never_read(dtype):
     assert not out.isnan().any()
     check(out, expected(h, p1, p2, offs, table, index), h, dtype)
     assert run(h, q1, q2, rank, table, index).isnan().any()  # without them, the padding is read
+
+
+def test_a_scratch_made_for_a_lower_rank_or_another_hidden_size_is_refused():
+    """The scratch's down-projection buffer is ``rank`` wide: one made for a lower rank (a
+    bank that grew) would be written past its end; refused before any launch."""
+    d, rank, rows, C = 64, 32, 5, 3
+    p = torch.zeros(d, C * rank, device=DEVICE)
+    table = torch.zeros(rows, C, device=DEVICE)
+    h = torch.randn(rows, d, device=DEVICE)
+    for bad in (grouped.grouped_scratch(rows, C, 2, 8, d, DEVICE),  # rank 8 (buffer 16 wide)
+                grouped.grouped_scratch(rows, C, 2, rank, 4096, DEVICE)):  # split 4 ways
+        with pytest.raises(AssertionError, match="another hidden size or a lower rank"):
+            grouped.steer_grouped(h, p, p, rank, table, None, scratch=bad)
+    good = grouped.grouped_scratch(rows, C, 2, rank, d, DEVICE)
+    assert torch.equal(grouped.steer_grouped(h, p, p, rank, table, None, scratch=good), h)

@@ -14,7 +14,7 @@ from vllm_steer.bank import SlotBank
 from vllm_steer.format import save_steer
 from vllm_steer.integrations.worker.request_slots import RequestSlots
 from vllm_steer.integrations.worker.step_mapping import LayerVectors, TokenCoefs
-from vllm_steer.kernels.layer_vectors import add_to_block_output
+from vllm_steer.kernels.layer_vectors import add_to_block_output, add_vectors
 from vllm_steer.vectors import make_vector_steer, save_gguf, save_vector
 
 
@@ -86,6 +86,27 @@ def test_a_test_only_kind_is_served_by_the_bank_the_mapping_and_the_blocks_op(tm
     mapping.build(np.array([0]), np.array([1]), None)
     assert not layers.token_coefs.any()
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_layers_op_keeps_unsteered_tokens_bit_for_bit_negative_zeros_too(dtype):
+    """Against plain torch: steered tokens get ``h + sum a_i v_i`` (fp32 math), the others
+    keep their bits, ``-0.0`` included (``-0.0 + 0.0`` would be ``+0.0``)."""
+    g = torch.Generator().manual_seed(0)
+    vecs = torch.randn(3, 16, generator=g)
+    coefs = torch.zeros(8, 3)
+    coefs[1, 0], coefs[3] = 2.0, torch.tensor([0.5, -1.0, 0.25])
+    h = torch.randn(5, 16, generator=g).to(dtype)
+    h[0, :4] = -0.0
+    h[2] = -0.0
+    out = add_vectors(h, coefs, vecs)
+    want = h.clone()
+    for t in (1, 3):
+        want[t] = (h[t].float() + coefs[t] @ vecs).to(dtype)
+    assert out.dtype == dtype and torch.equal(out[[1, 3]], want[[1, 3]])
+    for t in (0, 2, 4):  # the same bits
+        assert torch.equal(out[t].view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           h[t].view(torch.int16 if dtype != torch.float32 else torch.int32))
 
 
 @pytest.mark.parametrize("keeps_factors", [True, False])

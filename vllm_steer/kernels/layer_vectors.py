@@ -11,8 +11,8 @@ fp32).
 Capture-safe by construction: it reads the two persistent buffers in place (their storage
 never changes), its shapes depend only on the number of tokens, and nothing goes back to the
 host; so the graph vLLM compiles and captures computes each step's tokens with that step's
-coefficients. A token whose row is all zeros gets ``h + 0``: the same bits (in fp32, bf16 and
-fp16, as ``h`` is widened exactly to fp32 and rounded back).
+coefficients. A token whose row is all zeros keeps ``h``, the same bits (``-0.0`` too), in
+fp32, bf16 and fp16.
 """
 
 from __future__ import annotations
@@ -29,8 +29,13 @@ def add_vectors(hidden: torch.Tensor,  # [..., n, hidden]: a block's output (or 
     its rows are the step's tokens in order)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     n = flat.shape[0]
-    delta = torch.mm(token_coefs[:n], vectors)  # fp32, or the model's 16-bit dtype on CUDA
-    return (flat.float() + delta.float()).to(hidden.dtype).reshape(hidden.shape)
+    coefs = token_coefs[:n]
+    delta = torch.mm(coefs, vectors)  # fp32, or the model's 16-bit dtype on CUDA
+    out = (flat.float() + delta.float()).to(hidden.dtype)
+    # an unsteered token keeps its very bits (h + 0.0 would turn -0.0 into +0.0); fused with
+    # the add by the compiler, it costs no extra pass there
+    steered = (coefs != 0).any(dim=1, keepdim=True)
+    return torch.where(steered, out, flat).reshape(hidden.shape)
 
 
 def add_to_block_output(out, token_coefs: torch.Tensor, vectors: torch.Tensor,

@@ -134,6 +134,10 @@ def steer_grouped(
     S = scratch.slots.shape[1]
     assert scratch.slots.shape[0] == rows and scratch.seg.shape == (C, rows), \
         "the scratch was made for another row count or bank"
+    assert scratch.buf.shape[0] == split_d(d) and scratch.buf.shape[1] == rows * S \
+        and scratch.buf.shape[2] >= rank, \
+        (f"the scratch was made for another hidden size or a lower rank: buf "
+         f"{tuple(scratch.buf.shape)}, needs [{split_d(d)}, {rows * S}, >= {rank}]")
     if rows == 0:
         return out
     interpret = _interpreting()
