@@ -77,6 +77,37 @@ def test_chat_completions_take_two_steers(client):
     assert plain != steered and chat(steer={"detox": 5, "sentiment": -3}) == steered
 
 
+def test_anthropic_messages_take_the_steer_as_chat_completions_do(server):
+    """``/v1/messages`` (vLLM's Anthropic Messages API) is served as a chat completion: its
+    ``steer`` (the field or ``vllm_xargs``) reaches it, with the same tokens as the same steer
+    on ``/v1/chat/completions``; a bad one is a 400 naming it, not dropped."""
+    messages = [{"role": "user", "content": "Tell me about your day"}]
+
+    def post(route, **extra):
+        body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0,
+                **extra}
+        return requests.post(server + route, json=body, timeout=60)
+
+    def anthropic(**extra):
+        r = post("/v1/messages", **extra)
+        assert r.status_code == 200, r.text
+        return "".join(b.get("text", "") for b in r.json()["content"]), r.headers
+
+    def chat(**extra):
+        r = post("/v1/chat/completions", **extra)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    plain, _ = anthropic()
+    steered, headers = anthropic(steer={"detox": 5, "sentiment": -3})
+    assert plain == chat() and steered == chat(steer={"detox": 5, "sentiment": -3})
+    assert steered != plain
+    assert headers["x-vllm-steer-applied"] == "detox=5,sentiment=-3"
+    assert anthropic(vllm_xargs={"steer": "detox:5,sentiment:-3"})[0] == steered
+    r = post("/v1/messages", steer={"toxic": 1})
+    assert r.status_code == 400 and "unknown steer 'toxic'" in r.text, r.text
+
+
 def test_concurrent_mixed_requests_match_their_solo_results(client):
     prompts = ["The city at night", "My favourite food is", "In the beginning"]
     strengths = [None, {"detox": 5}, {"sentiment": -4}, {"detox": 3, "sentiment": 3}]

@@ -45,7 +45,9 @@ from vllm_steer.integrations.frontend import (async_llm, cli_args, endpoints, pr
 from vllm_steer.integrations.hooks import (ENGINE, FRONTEND, RESOLVE_ATTR, V1, V1_LENS,
                                            V1_SPEC, V2, V2_LENS, V2_SPEC, WORKER, Hook,
                                            install_hooks)
-from vllm_steer.integrations.vllm_names import (REGISTRY as _REGISTRY, V1_BATCH as _V1_BATCH,
+from vllm_steer.integrations.vllm_names import (ANTHROPIC_REQUEST as _ANTHROPIC_REQUEST,
+                                                ANTHROPIC_SERVING as _ANTHROPIC_SERVING,
+                                                REGISTRY as _REGISTRY, V1_BATCH as _V1_BATCH,
                                                 V1_RUNNER as _V1, V2 as _V2,
                                                 V2_PROMPT as _V2_PROMPT, V2_RUNNER as _V2_RUNNER,
                                                 V2_SPECULATOR as _V2_SPECULATOR)
@@ -126,6 +128,12 @@ HOOKS: tuple[Hook, ...] = (
     *(Hook(f"{module}:{name}.to_beam_search_params", "refusing steered beam search",
            request_field.to_beam_search_params)
       for module, name in _REQUESTS if name != "ResponsesRequest"),
+    Hook(f"{_ANTHROPIC_REQUEST}.model_fields",
+         "the `steer` request field on /v1/messages (parsed once)",
+         install=request_field.add_request_field),
+    Hook(f"{_ANTHROPIC_SERVING}._build_base_request",
+         "/v1/messages' `steer` carried into the chat request it is served as",
+         request_field.anthropic_to_chat, params=("anthropic_request", "openai_messages")),
     Hook(f"{_REGISTRY}.is_base_model",
          "presets served as model names", preset_models.is_base_model,
          params=("model_name",)),

@@ -226,17 +226,22 @@ class SteerModel:
 
     # ---- requests --------------------------------------------------------------------------
     def admit(self, rid: str, names: list[str], files: dict[str, str | None],
-              fault: bool = False) -> Outcome:
+              fault: bool = False, zeros: Collection[str] = ()) -> Outcome:
         """Admit a request served with the steers ``names`` (distinct, in order).
         ``files``: for each name not loaded, its ``--steer-dir`` file as ``(path, digest)``
         (digest None: not a steer file), or None when there is no such file. ``fault``: the
-        first first-use load fails in a worker."""
-        out = self._admit(rid, names, files, fault)
+        first first-use load fails in a worker. ``zeros``: names the request gives at
+        strength 0 (applied nowhere, but each must name a steer: loaded, or a file of
+        ``--steer-dir``, which is not read)."""
+        out = self._admit(rid, names, files, fault, zeros)
         if not out.ok:
             self.refused[out.status] = self.refused.get(out.status, 0) + 1
         return out
 
-    def _admit(self, rid, names, files, fault) -> Outcome:
+    def _admit(self, rid, names, files, fault, zeros=()) -> Outcome:
+        for n in zeros:
+            if self.loaded(n) is None and (not valid_name(n) or files.get(n) is None):
+                return Outcome(False, 400, UNKNOWN)
         if len(names) > self.per_request:
             return Outcome(False, 400, PER_REQUEST)
         if len(names) > self.capacity:

@@ -276,11 +276,13 @@ class SteerStateMachine(RuleBasedStateMachine):
         """One request through ``EngineCore.add_request``, and the model's admission of the
         same steers: they must agree. Returns the model's outcome and the bound steers."""
         rid = f"r{next(self.ids)}"
-        names = list(SteerRequest.from_wire(wire).strengths) if wire is not None else []
-        files = {n: self._file(n) for n in names if n not in self.model.names()}
+        req = SteerRequest.from_wire(wire) if wire is not None else SteerRequest()
+        names = list(req.strengths)
+        zeros = [n for n in req.named if n not in req.strengths]
+        files = {n: self._file(n) for n in names + zeros if n not in self.model.names()}
         if fault:
             self.workers.arm("put", int(fault[-1]))
-        want = self.model.admit(rid, names, files, fault=bool(fault))
+        want = self.model.admit(rid, names, files, fault=bool(fault), zeros=zeros)
         extra = {} if wire is None else {"steer": wire}
         request = SimpleNamespace(request_id=rid, client_index=0,
                                   sampling_params=SimpleNamespace(extra_args=extra))

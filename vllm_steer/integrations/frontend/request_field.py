@@ -91,6 +91,18 @@ def to_sampling_params(orig, self, *a, **kw):
     return params
 
 
+def anthropic_to_chat(orig, cls, anthropic_request, *a, **kw):
+    """``AnthropicServingMessages._build_base_request``: ``/v1/messages`` is served as a chat
+    completion request built field by field; the ``steer`` its body's validator parsed
+    (:func:`add_request_field`, from the field or ``vllm_xargs``) is carried across as parsed,
+    so it is neither dropped nor parsed twice."""
+    req = orig(cls, anthropic_request, *a, **kw)
+    value = va.request_value(anthropic_request, REQUEST_FIELD)
+    if value is not None:
+        va.set_request_value(req, REQUEST_FIELD, value)
+    return req
+
+
 _VALIDATOR_NAME = "_vllm_steer_check"
 
 
