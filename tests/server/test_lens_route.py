@@ -144,6 +144,7 @@ def test_concurrent_highlights_are_bounded(tokenizer):
 
     extra, done, after = asyncio.run(run())
     assert extra.status_code == 429 and "at most" in extra.json()["error"]["message"]
+    assert extra.headers["Retry-After"] == "1"  # as a completion's 429 says when to retry
     assert [r.status_code for r in done] == [200] * lens_route.MAX_CONCURRENT_HIGHLIGHTS
     assert after.status_code == 200
 

@@ -24,6 +24,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, Field
 
 from vllm_steer.integrations import vllm_access as va
+from vllm_steer.integrations.frontend.async_llm import RETRY_AFTER_SECONDS
 from vllm_steer.server.errors import error_response, error_type
 
 router = APIRouter()
@@ -107,8 +108,11 @@ async def highlight(body: HighlightRequest, raw: Request):
     if bad is not None:
         return bad
     if _in_flight >= MAX_CONCURRENT_HIGHLIGHTS:
-        return _error(429, f"too many highlight requests at once (at most "
-                           f"{MAX_CONCURRENT_HIGHLIGHTS}); retry later", None)
+        busy = _error(429, f"too many highlight requests at once (at most "
+                           f"{MAX_CONCURRENT_HIGHLIGHTS}); retry after {RETRY_AFTER_SECONDS} s",
+                      None)
+        busy.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)  # as the completions' 429
+        return busy
     _in_flight += 1
     try:
         return await _highlight(body, engine)
