@@ -164,6 +164,40 @@ def test_a_fault_putting_one_request_in_its_slot_fails_that_request_alone(runtim
     assert list(failed) == ["q"]
 
 
+def test_a_fault_half_way_into_a_fresh_slot_leaves_nothing_for_the_next_request(runtime,
+                                                                              monkeypatch):
+    """A fault after the slot's row was written but before it was marked steered (here: its
+    generation window): the slot is reset all the same, so the next request put into it,
+    one asking for no steer, gets plain logits from the head (plain torch: ``h`` itself)."""
+    from helpers.engines import bound_extra
+    from helpers.rows import sampled_rows
+
+    from vllm_steer.integrations.worker.request_slots import RequestSlots
+    from vllm_steer.integrations.worker.rows import SlotRows
+
+    rt = runtime
+    windowed = SimpleNamespace(extra_args=bound_extra(["a"], {"a": {"strength": 5, "start": 0,
+                                                                   "end": 4}}))
+
+    def broken(*a, **k):
+        raise RuntimeError("window broke")
+
+    with monkeypatch.context() as m:
+        m.setattr(RequestSlots, "_set_windows", broken)
+        assert rt.assign(3, windowed) is None
+    assert "window broke" in rt.faults.take(["w0", "w1", "w2", "w3"], None,
+                                            rt.slots.steered)["w3"]
+    assert rt.assign(3, SimpleNamespace(extra_args=None)) is not None  # asks for no steer
+    rt.slots.flush()
+    assert not rt.slots.host[3].any() and not rt.slots.table[3].any()
+    assert rt.assign(0, SimpleNamespace(extra_args=bound_extra(["a"], {"a": 4}))) is not None
+    rt.slots.flush()  # another request steered in the step: the op runs
+    h = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
+    with sampled_rows(rt.planner, SlotRows(slots=np.array([3, 0]))):
+        out = rt.planner.steer_rows(h)
+    assert torch.equal(out[0], h[0]) and not torch.equal(out[1], h[1])
+
+
 def test_the_failed_requests_survive_the_outputs_trip_between_processes():
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 

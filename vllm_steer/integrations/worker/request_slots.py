@@ -215,8 +215,8 @@ class RequestSlots:
             self.prompt_logprobs[slot] = prompt_logprobs
             self._count_prompts(self.num_prompt_slots + (1 if prompt_logprobs else -1))
         if not windows and not self.steered[slot] and not self.windowed[slot] \
-                and (row is None or not row.any()):
-            return
+                and (row is None or not row.any()) and not self.host[slot].any():
+            return  # (a host row left by a fault half-way through the last set is reset)
         self.host[slot] = 0.0 if row is None else row
         steered = bool(np.any(self.host[slot]))
         if windows:
