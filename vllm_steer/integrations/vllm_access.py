@@ -355,12 +355,18 @@ def v1_num_reqs(input_batch) -> int:
     return input_batch.num_reqs
 
 
-def v1_batch_positions(input_batch, num_scheduled):
+def v1_batch_positions(input_batch, num_scheduled, computed=None):
     """The generated-token index each row of V1's persistent batch samples: ``computed +
-    scheduled - prompt`` (0: the first generated token). Host arrays only."""
+    scheduled - prompt`` (0: the first generated token). ``computed``: the true
+    computed-token counts when the batch's host counts are optimistic
+    (:func:`v1_corrected_computed_tokens`). Host arrays only."""
+    import numpy as np
+
     n = input_batch.num_reqs
-    return (input_batch.num_computed_tokens_cpu[:n] + num_scheduled[:n]
-            - input_batch.num_prompt_tokens[:n]).astype("int64")
+    if computed is None:
+        computed = input_batch.num_computed_tokens_cpu[:n]
+    return (np.asarray(computed, dtype=np.int64) + np.asarray(num_scheduled[:n], dtype=np.int64)
+            - np.asarray(input_batch.num_prompt_tokens[:n], dtype=np.int64))
 
 
 def v1_step_output(out):

@@ -308,3 +308,43 @@ def test_a_steered_speculative_v1_step_starts_its_rows_in_prepare_inputs(monkeyp
     monkeypatch.setattr(GATES, "steered_slots", 0)
     runner._prepare_inputs(None, np.array([3, 1]))
     assert seen[-1] == (mapped, DRAFT_BATCH_ROWS) and step.sampled is mapped
+
+
+def test_a_step_without_drafts_reads_windows_at_the_true_generated_token(monkeypatch):
+    """Async scheduling with speculative decoding, a step in which no request has draft
+    tokens (an n-gram drafter that found nothing): the head's rows stay the batch, and a
+    windowed row's generated-token index must come from the corrected count, as the
+    verification rows' and the decoder layers' do. Request: a 10-token prompt, 2 tokens
+    generated, the previous step's 3 drafts all rejected (the host counts them accepted)."""
+    from vllm_steer.integrations.hooks import wrap_method
+    from vllm_steer.integrations.worker import v1
+    from vllm_steer.integrations.worker.gates import GATES
+    from vllm_steer.integrations.worker.runtime import BINDINGS, V1RunnerBinding
+    from vllm_steer.integrations.worker.step_faults import StepFaults
+
+    for gate, value in (("steered_slots", 0), ("speculative_runtimes", 1), ("windowed_slots", 1),
+                        ("layer_mappings", 0)):
+        monkeypatch.setattr(GATES, gate, value)
+    step = StepMapping()
+    rt = SimpleNamespace(step=step, faults=StepFaults(),
+                         slots=SimpleNamespace(num_window_slots=1, any_windowed=lambda s: True))
+    ib = SimpleNamespace(num_reqs=1, num_computed_tokens_cpu=np.array([14]),
+                         num_prompt_tokens=np.array([10]), req_ids=["r0"],
+                         prev_req_id_to_index={"r0": 0})
+
+    class Runner(VllmObject):
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+            return "out"
+
+    wrap_method(Runner, "_prepare_inputs", v1.prepare_inputs)
+    runner = Runner(input_batch=ib, use_async_spec_decode=True,
+                    prev_num_draft_tokens=SimpleNamespace(np=np.array([3])),
+                    _get_valid_sampled_token_count=lambda: np.array([1]))
+    BINDINGS.set(runner, V1RunnerBinding(rt))
+    assert runner._prepare_inputs(None, np.array([1])) == "out"
+    # computed 14 - (3 - (1 - 1)) = 11; the row samples generated token 11 + 1 - 10 = 2
+    assert step.batch_positions.tolist() == [2]
+    runner.use_async_spec_decode = False  # synchronous: the host counts are true
+    ib.num_computed_tokens_cpu = np.array([11])
+    runner._prepare_inputs(None, np.array([1]))
+    assert step.batch_positions.tolist() == [2]

@@ -60,21 +60,23 @@ def prepare_inputs(orig, self, *args, **kwargs):
     rt = V1RunnerBinding.of(self).runtime
     if rt is None:
         return out
-    if rt.slots.num_window_slots:  # read only for windowed slots' rows
-        with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
-            rt.step.batch_positions = None
-            rt.step.batch_positions = v1_batch_positions(
-                v1_input_batch(self), _NUM_SCHEDULED.get(orig, (self, *args), kwargs))
     tokens = rt.step.tokens  # the tokens' coefficients for the decoder layers' steers
-    if tokens is not None and not tokens.idle:
-        with rt.faults.guard(ROWS):
-            batch = v1_input_batch(self)
-            scheduled = _NUM_SCHEDULED.get(orig, (self, *args), kwargs)
-            n, computed = v1_num_reqs(batch), None
-            if gates.speculative_runtimes and rt.slots.any_windowed(slice(n)):
-                # the host counts take the previous step's drafts as accepted (async
-                # scheduling): a window needs the true ones, as the verification rows do
-                computed = v1_corrected_computed_tokens(self, n)
+    layers = tokens is not None and not tokens.idle
+    if not (rt.slots.num_window_slots or layers):
+        return out
+    with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail
+        rt.step.batch_positions = None
+        batch = v1_input_batch(self)
+        scheduled = _NUM_SCHEDULED.get(orig, (self, *args), kwargs)
+        n, computed = v1_num_reqs(batch), None
+        if gates.speculative_runtimes and rt.slots.any_windowed(slice(n)):
+            # the host counts take the previous step's drafts as accepted (async scheduling):
+            # a window needs the true ones, for the head's rows and the layers' tokens alike,
+            # as the verification rows do
+            computed = v1_corrected_computed_tokens(self, n)
+        if rt.slots.num_window_slots:  # read only for windowed slots' rows
+            rt.step.batch_positions = v1_batch_positions(batch, scheduled, computed)
+        if layers:
             tokens.build_or_clear(*v1_step_tokens(batch, scheduled, computed))
     return out
 
