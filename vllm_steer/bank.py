@@ -205,8 +205,8 @@ class SlotBank:
         if kind_of(steer).applied_at == AT_DECODER_LAYERS:
             self._put_layer_steer(bank_slot, load_id, name, steer)
             return
-        self._drop_layer_vectors(bank_slot)
         if not self.keeps_factors:  # no head here: the steer is known, its factors are not kept
+            self._drop_layer_vectors(bank_slot)
             self.steers[bank_slot] = steer.to(device="cpu")
             self.load_ids[bank_slot] = load_id
             self.names[bank_slot] = name
@@ -220,6 +220,7 @@ class SlotBank:
                 raise ValueError(f"steer {name!r} has {what} {p.shape[1]} over "
                                  f"--max-steer-rank={self.max_rank}; raise --max-steer-rank "
                                  f"(the bank is reserved for it at start-up)")
+        self._drop_layer_vectors(bank_slot)  # checked first: a refused steer changes nothing
         host = steer.to(device="cpu", dtype=self.dtype)
         served = host.metadata.domain == "with_steer" and host.domain_p1 is not None
         width = max(host.p1.shape[1], host.domain_p1.shape[1] if served else 0)

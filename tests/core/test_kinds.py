@@ -213,3 +213,21 @@ def test_a_window_on_an_lm_steer_maps_no_token_rows_and_one_on_a_vector_does(mon
     h = torch.zeros(3, 16)
     out = add_to_block_output(h, layers.token_coefs, layers.block_vectors(0))
     torch.testing.assert_close(out, torch.stack([2 * v, 2 * v, 0 * v]))
+
+
+def test_a_refused_load_into_a_vector_steers_slot_leaves_the_vector_steering():
+    """An LM-Steer refused by the bank (its hidden size, its rank over the reservation) in a
+    slot that holds a vector steer changes nothing: the vector steer, still bound there,
+    keeps steering its requests."""
+    bank = SlotBank(2, 16, reserve_rank=2)
+    bank.max_rank = 2
+    layers = LayerVectors([0], 1, 2, 16, max_tokens=4, device=torch.device("cpu"))
+    bank.layers = layers
+    v = torch.linspace(-1, 1, 16)
+    bank.put(1, 3, "x", make_vector_steer({0: v}, "x"))
+    for bad, fragment in ((random_steer(32, 2, "y"), "hidden size 32"),
+                          (random_steer(16, 4, "y"), "rank 4 over --max-steer-rank=2")):
+        with pytest.raises(ValueError, match=fragment):
+            bank.put(1, 4, "y", bad)
+        assert bank.layer_slots() == [1] and bank.load_ids[1] == 3
+        assert torch.equal(layers.block_vectors(0)[1], v)
