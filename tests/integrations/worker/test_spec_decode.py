@@ -203,9 +203,12 @@ def test_a_v2_draft_model_step_maps_its_rows_to_the_batch_slots(monkeypatch):
     seen = []
     step = mapping = StepMapping()
 
+    from vllm_steer.integrations.worker.step_faults import StepFaults
+
     class Runtime:
         planner = SimpleNamespace(step=mapping)
         step = mapping
+        faults = StepFaults()
 
         def any_steered(self, slots):
             return bool((slots == 5).any())
@@ -229,6 +232,13 @@ def test_a_v2_draft_model_step_maps_its_rows_to_the_batch_slots(monkeypatch):
         GATES.steered_slots = 0  # no steered request left in the process
         propose_standalone_v2(orig, spec, SimpleNamespace())  # a batch with nothing to read
         assert seen[2] is NO_ROWS
+        # a batch the plugin cannot read while a request is steered: the drafts go unsteered,
+        # the fault is recorded for the step (its steered requests fail), vLLM's method runs
+        GATES.steered_slots = 1
+        step.drafts = SlotRows(slots=np.array([5]), positions=None)
+        unreadable = SimpleNamespace(num_reqs=2, idx_mapping_np=object())
+        assert propose_standalone_v2(orig, spec, unreadable) == "proposed"
+        assert seen[3] is NO_ROWS and rt.faults.pending
 
 
 def test_an_ngram_runner_has_no_drafter_heads():

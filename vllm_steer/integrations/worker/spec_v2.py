@@ -28,6 +28,7 @@ from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.rows import NO_ROWS, CapturedRows, SlotRows
 from vllm_steer.integrations.worker.runtime import SpeculatorBinding
 from vllm_steer.integrations.worker.spec_decode import drafter_fits, steered_heads
+from vllm_steer.integrations.worker.step_faults import ROWS
 
 _INPUT_BATCH = Arg("input_batch")
 _IDX_MAPPING = Arg("idx_mapping")
@@ -45,9 +46,11 @@ def propose_standalone_v2(orig, self, *args, **kwargs):
     if not GATES.steered_slots:
         rt.step.drafts = NO_ROWS
         return orig(self, *args, **kwargs)
-    slots = va.v2_drafter_batch_slots(_INPUT_BATCH.get(orig, (self, *args), kwargs))
-    rt.step.drafts = SlotRows(slots=slots, positions=None) \
-        if len(slots) and rt.any_steered(slots) else NO_ROWS
+    rt.step.drafts = NO_ROWS
+    with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail, vLLM goes on
+        slots = va.v2_drafter_batch_slots(_INPUT_BATCH.get(orig, (self, *args), kwargs))
+        rt.step.drafts = SlotRows(slots=slots, positions=None) \
+            if len(slots) and rt.any_steered(slots) else NO_ROWS
     return orig(self, *args, **kwargs)
 
 
@@ -87,6 +90,8 @@ def sample_draft_v2(orig, self, *args, **kwargs):
     replay's)."""
     state = SpeculatorBinding.of(self)
     if state.captured:
-        mapping = _IDX_MAPPING.get(orig, (self, *args), kwargs)
-        state.runtime.step.drafts = CapturedRows(mapping=mapping)
+        rt = state.runtime
+        rt.step.drafts = NO_ROWS
+        with rt.faults.guard(ROWS):  # a fault: the step's steered requests fail, vLLM goes on
+            rt.step.drafts = CapturedRows(mapping=_IDX_MAPPING.get(orig, (self, *args), kwargs))
     return orig(self, *args, **kwargs)
