@@ -85,6 +85,21 @@ def test_headers_name_the_applied_steers_and_the_floored_ones():
     assert header_values({}, []) == {APPLIED_HEADER: ""}
 
 
+def test_the_applied_header_reads_back_split_at_the_commas_outside_braces():
+    """As docs/serving.md says to read it: a window is its JSON object."""
+    import json
+    import re
+
+    values = {"detox": Window(strength=5.0, start=0, end=32, ramp=4, base=1.5),
+              "sentiment": -3.0, "calm": Window(strength=2.0, start=8)}
+    got = header_values(values, [])[APPLIED_HEADER]
+    items = dict(kv.split("=", 1) for kv in re.split(r",(?![^{]*})", got))
+    assert json.loads(items["detox"]) == {"strength": 5, "start": 0, "end": 32, "ramp": 4,
+                                          "base": 1.5}
+    assert json.loads(items["calm"]) == {"strength": 2, "start": 8}
+    assert float(items["sentiment"]) == -3.0
+
+
 def test_the_applied_header_gives_each_strength_exactly():
     """Not rounded: the header reads back as the very strengths served."""
     values = {"a": 12.3456789, "b": -0.1 + 0.2, "c": 1e-7, "d": 5.0, "e": 2.5e20}
