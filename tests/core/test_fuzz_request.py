@@ -320,3 +320,49 @@ def test_any_json_as_the_serialised_forms_steers(steers):
         assert is_steer_name(name)
         for s in ((v.strength, v.base) if isinstance(v, Window) else (v,)):
             assert isinstance(s, float) and math.isfinite(s)
+
+
+# ---- the operator's policy: presets, defaults and floors from any value --------------------
+
+def _policy_expected(value):
+    """An independent reading of a preset's strength: a finite int or float (no bool) within
+    the limit, else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, int) and abs(value) > 10 ** 308:
+        return None
+    v = float(value)
+    return v if math.isfinite(v) and abs(v) <= MAX else None
+
+
+@FUZZ
+@given(mix=st.dictionaries(NAMES, JSON, max_size=3) | JSON)
+def test_a_preset_body_from_any_json_is_the_exact_mix_or_a_policy_error(mix):
+    """``POST /v1/steer-presets`` (and each preset of a presets file): any JSON gives the
+    exact numbers or a ``PolicyError`` (HTTP 400), never another exception (HTTP 500)."""
+    from vllm_steer.policy import PolicyError, preset_from_body
+
+    try:
+        name, got = preset_from_body({"name": "p", "steer": mix}, set(KNOWN), MAX)
+    except PolicyError as e:
+        assert len(str(e)) < 2000
+        if isinstance(mix, dict) and mix and all(n in KNOWN for n in mix):
+            assert any(_policy_expected(v) is None for v in mix.values()), (mix, str(e))
+        return
+    assert name == "p" and isinstance(mix, (dict, str))
+    if isinstance(mix, dict):
+        assert got == {n: _policy_expected(v) for n, v in mix.items()}, mix
+
+
+@FUZZ
+@given(key=st.sampled_from(["defaults", "floors", "presets"]), value=JSON)
+def test_additional_config_policy_from_any_value_is_numbers_or_a_value_error(key, value):
+    try:
+        cfg = SteerServerConfig.from_additional_config({"vllm_steer": {key: value}})
+    except ValueError as e:
+        assert len(str(e)) < 2000
+        return
+    table = getattr(cfg, key)
+    for v in (table.values() if key != "presets" else
+              [s for mix in table.values() for s in mix.values()]):
+        assert isinstance(v, float) and math.isfinite(v)
