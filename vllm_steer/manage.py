@@ -38,8 +38,12 @@ def _call(method: str, url: str, path: str, body=None, api_key: str | None = Non
     except ValueError:
         data = {"error": {"message": r.text}}
     if r.status_code != 200:
-        msg = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
-        raise RuntimeError(f"HTTP {r.status_code}: {msg or r.text}")
+        err = data.get("error") if isinstance(data, dict) else None
+        msg = err.get("message") if isinstance(err, dict) else err  # vLLM's 401: a string
+        hint = ("; give the server's key with --api-key or $OPENAI_API_KEY (the admin key "
+                "for loads, unloads and presets when the server has one)"
+                if r.status_code == 401 else "")
+        raise RuntimeError(f"HTTP {r.status_code}: {msg or r.text}{hint}")
     return data
 
 

@@ -192,3 +192,28 @@ def test_which_vllm_routes_the_api_key_leaves_open(steer_dir, restore_state, env
     r = client.post("/invocations", json={"prompt": "hi"})
     assert r.status_code != 401, r.text
 
+
+
+def test_the_command_line_client_names_the_key_on_vllms_401(steer_dir, restore_state,
+                                                            env_clean, monkeypatch, capsys):
+    """``vllm-steer steers|presets ...`` against a server with ``--api-key`` and no key given:
+    vLLM's own 401 (its body's ``error`` is a string) is said in one line naming the flag to
+    give, not a traceback; with the key the command works."""
+    import requests
+
+    from vllm_steer.cli import main
+
+    client, engine, _ = _server(steer_dir, ["--api-key", INFERENCE], {})
+
+    def through_app(method, url, json=None, headers=None, timeout=None):
+        return client.request(method, url.replace("http://srv", ""), json=json,
+                              headers=headers)
+
+    monkeypatch.setattr(requests, "request", through_app)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    for argv in (["steers", "list"], ["presets", "delete", "polite"]):
+        assert main([*argv, "--url", "http://srv"]) == 1
+        err = capsys.readouterr().err
+        assert "HTTP 401: Unauthorized; give the server's key with --api-key" in err, err
+        assert "Traceback" not in err
+    assert main(["steers", "list", "--url", "http://srv", "--api-key", INFERENCE]) == 0
