@@ -224,8 +224,10 @@ def generate(model, tokenizer, prompts: Sequence[str], steers=None, strengths=No
     ctx = steering(model, steers, strengths) if steers is not None else contextlib.nullcontext()
     device = output_head(model).weight.device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    side = tokenizer.padding_side
+    side, pad_token = tokenizer.padding_side, tokenizer.pad_token
     tokenizer.padding_side = "left"
+    if pad_token is None:  # GPT-2's, GPT-NeoX's: batches are padded with end-of-text
+        tokenizer.pad_token = tokenizer.eos_token
     outs: list[str] = []
     try:
         with ctx:
@@ -249,4 +251,6 @@ def generate(model, tokenizer, prompts: Sequence[str], steers=None, strengths=No
                 outs += tokenizer.batch_decode(new, skip_special_tokens=True)
     finally:
         tokenizer.padding_side = side
+        if pad_token is None:
+            tokenizer.pad_token = None
     return outs

@@ -199,3 +199,18 @@ def test_generate_greedy_matches_manual_decoding(tiny):
     both = generate(model, tok, [prompt, "A much longer prompt that needs padding here"],
                     {"a": steer}, {"a": 8.0}, max_new_tokens=6)
     assert both[0] == steered[0]
+
+
+def test_generate_pads_a_batch_for_a_tokenizer_without_a_pad_token(tiny):
+    """GPT-2's and GPT-NeoX's tokenizers have no pad token: a batch is padded with the end of
+    text and each prompt gets what it gets alone; the tokenizer is left as it was."""
+    model, tok = tiny
+    saved = tok.pad_token
+    tok.pad_token = None
+    try:
+        prompts = ["Once upon a time", "A much longer prompt that needs padding here"]
+        both = generate(model, tok, prompts, max_new_tokens=5)
+        assert both == [generate(model, tok, [p], max_new_tokens=5)[0] for p in prompts]
+        assert tok.pad_token is None
+    finally:
+        tok.pad_token = saved

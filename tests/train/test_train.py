@@ -570,3 +570,82 @@ def test_a_hugging_face_id_is_read_from_the_cache_and_a_folder_without_a_model_r
         load_model(str(empty), torch.device("cpu"), torch.float32)
     with pytest.raises(FileNotFoundError, match="no such folder"):
         load_model(str(tmp_path / "missing" / "x"), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--check-strengths", "0"], "check_strengths=(0.0,): give strengths in (0, 10000]"),
+    (["--check-strengths=-2,1"], "give strengths in (0, 10000]"),
+    (["--max-examples", "-3"], "--max-examples -3: must be an integer >= 1"),
+    (["--dev-max", "0"], "--dev-max 0: must be an integer >= 1"),
+    (["--dev-fraction", "-0.5"], "--dev-fraction -0.5: must be in [0, 1)"),
+    (["--lr", "inf"], "lr=inf: must be a positive finite number"),
+    (["--init-std", "nan"], "init_std=nan: must be a positive finite number"),
+    (["--regularization", "nan"], "regularization=nan: must be a finite number >= 0"),
+    (["--fluency-budget", "nan"], "fluency_budget=nan: must be a finite number >= 0"),
+    (["--recommended-strength", "nan"], "--recommended-strength nan: give a finite strength"),
+    (["--recommended-strength", "1e6"], "of at most 10000 in size"),
+    (["--kind", "vector", "--dev-fraction", "-0.5"], "--dev-fraction -0.5"),
+    (["--kind", "vector", "--max-examples", "0"], "--max-examples 0"),
+])
+def test_cli_train_refuses_bad_numbers_before_any_work(tmp_path, capsys, extra, fragment):
+    """Refused naming the flag and the rule before the model or a file is read (the model
+    here does not exist: a later check would say so instead), never after the training."""
+    from vllm_steer.cli import main
+
+    (tmp_path / "p.txt").write_text("good\n")
+    out = tmp_path / "x.safetensors"
+    assert main(["train", "--model", str(tmp_path / "no-model"), "--positive",
+                 str(tmp_path / "p.txt"), "--negative", str(tmp_path / "p.txt"), "--out",
+                 str(out), *extra]) == 1
+    err = capsys.readouterr().err
+    assert fragment in err and "no-model" not in err, err
+    assert not out.exists()
+
+
+def test_cli_train_vector_pairs_refuse_unused_and_bad_data_flags(tmp_path, capsys):
+    from vllm_steer.cli import main
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"positive": "good", "negative": "bad"}\n' * 4)
+    base = ["train", "--kind", "vector", "--model", str(tmp_path / "no-model"), "--pairs",
+            str(pairs), "--out", str(tmp_path / "v.gguf")]
+    for extra, fragment in ((["--max-examples", "2"], "--max-examples and --pairs"),
+                            (["--dev-fraction", "-0.5"], "--dev-fraction -0.5")):
+        assert main([*base, *extra]) == 1
+        err = capsys.readouterr().err
+        assert fragment in err and "no-model" not in err, err
+
+
+def test_an_explicit_check_strength_list_equal_to_the_lm_steer_default_is_kept(monkeypatch,
+                                                                              tmp_path):
+    """``--kind vector --check-strengths 1,2,3,5,10`` is what the user asked for, though it
+    equals an LM-Steer's default; without the flag a vector steer uses its own default."""
+    from vllm_steer.cli import main
+    from vllm_steer.train import vector
+
+    seen = []
+    monkeypatch.setattr(vector, "train_vector", lambda cfg, *a, **k: seen.append(cfg))
+    (tmp_path / "p.txt").write_text("good\n")
+    base = ["train", "--kind", "vector", "--model", "m", "--positive", str(tmp_path / "p.txt"),
+            "--negative", str(tmp_path / "p.txt"), "--out", str(tmp_path / "v.gguf")]
+    assert main([*base, "--check-strengths", "1,2,3,5,10"]) == 0
+    assert main(base) == 0
+    assert seen[0].check_strengths == (1.0, 2.0, 3.0, 5.0, 10.0)
+    assert seen[1].check_strengths is None
+
+
+def test_a_long_loss_history_is_thinned_to_what_a_steer_file_holds():
+    """``--eval-every 1`` over thousands of steps: the file keeps 500 evaluations, the first
+    and the last among them, in order, and its metadata stays under the reader's limit."""
+    from vllm_steer.format import MAX_METADATA_BYTES
+    from vllm_steer.train.trainer import MAX_HISTORY_POINTS, thin_history
+
+    history = [{"step": k, "dev_loss": 4.0 + 1.0 / (k + 1)} for k in range(4001)]
+    thin = thin_history(history)
+    assert len(thin) == MAX_HISTORY_POINTS == 500
+    assert thin[0] == history[0] and thin[-1] == history[-1]
+    steps = [h["step"] for h in thin]
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+    assert steps == sorted(set(steps)) and max(gaps) <= 9
+    assert len(json.dumps(thin)) < MAX_METADATA_BYTES // 4
+    assert thin_history(history[:10]) == history[:10]

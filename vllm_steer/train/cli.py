@@ -12,9 +12,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
+from vllm_steer.format import MAX_META_STRENGTH
 from vllm_steer.train.config import DataConfig, TrainConfig, VectorConfig
 
 #: The model the demo presets (``--preset``) train when no ``--model`` is given.
@@ -182,7 +184,7 @@ def add_commands(subparsers) -> None:
     rec.add_argument("--eval-every", type=int, default=d.eval_every,
                      help="steps between dev-loss evaluations (0 = only at the end)")
     rec.add_argument("--check-strengths", nargs="+", action=StrengthList,
-                     default=list(d.check_strengths), metavar="S,S,...",
+                     default=None, metavar="S,S,...",
                      help="strengths of the final dev check (+-s versus 0), comma-separated "
                           f"(default: {','.join(f'{v:g}' for v in d.check_strengths)}; for "
                           "--kind vector: fractions 0.01, 0.02, 0.03, 0.05, 0.1 of one mean "
@@ -254,6 +256,7 @@ def _data_config(args) -> DataConfig:
 
     common = dict(dev_fraction=args.dev_fraction, dev_max_per_side=args.dev_max,
                   max_examples=args.max_examples)
+    DataConfig(**common).validate()  # before any file is read
     if args.preset:
         if args.positive or args.negative:
             raise ValueError("--preset reads its own files; drop --positive/--negative")
@@ -318,8 +321,8 @@ def cmd_train_vector(args) -> int:
                        layers=args.layers, max_length=args.max_length,
                        max_pairs=args.max_pairs, seed=args.seed, device=args.device,
                        model_dtype=args.model_dtype,
-                       check_strengths=(tuple(args.check_strengths) if _set_flags(
-                           args, ("check_strengths",)) else None),
+                       check_strengths=(None if args.check_strengths is None
+                                        else tuple(args.check_strengths)),
                        fluency_budget=args.fluency_budget)
     cfg.validate()
     if args.layers is not None and args.layers.strip().lower() != "all":
@@ -334,7 +337,11 @@ def cmd_train_vector(args) -> int:
         if other:
             raise ValueError(f"--pairs and {', '.join(other)}: give the pairs or the "
                              "sides, not both")
+        if args.max_examples is not None:
+            raise ValueError("--max-examples and --pairs: the pairs are subset with "
+                             "--max-pairs N")
         data = DataConfig(dev_fraction=args.dev_fraction, dev_max_per_side=args.dev_max)
+        data.validate()
     else:
         data = _data_config(args)
     train_vector(cfg, data, args.out, name=args.name, labels=labels or None,
@@ -347,6 +354,10 @@ def cmd_train(args) -> int:
     from vllm_steer.train.trainer import train_steer
 
     check_outs(args.out)
+    rec = args.recommended_strength
+    if rec is not None and not (math.isfinite(rec) and abs(rec) <= MAX_META_STRENGTH):
+        raise ValueError(f"--recommended-strength {rec!r}: give a finite strength of at most "
+                         f"{MAX_META_STRENGTH:g} in size (or omit it: it is measured)")
     if args.kind == "vector":
         return cmd_train_vector(args)
     given = _set_flags(args, VECTOR_ONLY)
@@ -371,7 +382,9 @@ def cmd_train(args) -> int:
                       step_tokens=args.step_tokens,
                       train_strengths=tuple(args.train_strengths),
                       eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
-                      check_strengths=tuple(args.check_strengths),
+                      check_strengths=(TrainConfig.check_strengths
+                                       if args.check_strengths is None
+                                       else tuple(args.check_strengths)),
                       fluency_budget=args.fluency_budget, chat_template=args.chat_template)
     cfg.validate()
     data = _data_config(args)

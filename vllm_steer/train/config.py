@@ -29,6 +29,11 @@ def default_data_dir() -> str:
     return str(Path(__file__).resolve().parents[3] / "shared" / "data")
 
 
+#: The largest strength the final dev check may use (a recommended strength is one of them,
+#: and a steer file holds at most :data:`vllm_steer.format.MAX_META_STRENGTH`).
+MAX_CHECK_STRENGTH = 1e4
+
+
 @dataclass
 class TrainConfig:
     """The training recipe. Every field is written to the steer file's ``recipe``."""
@@ -153,22 +158,9 @@ class TrainConfig:
             problems.append(f"rank={self.rank}: must be >= 1 (or None for full rank)")
         if self.domain_rank is not None and self.domain_rank < 0:
             problems.append(f"domain_rank={self.domain_rank}: must be >= 0 (0 = no domain steer)")
-        for name in ("epsilon", "lr", "init_std"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v > 0):
-                problems.append(f"{name}={v!r}: must be a positive number")
-        from vllm_steer.format import MAX_EPSILON, MIN_EPSILON
-
-        if isinstance(self.epsilon, (int, float)) and self.epsilon > 0 and not (
-                MIN_EPSILON <= self.epsilon <= MAX_EPSILON):
-            problems.append(f"epsilon={self.epsilon!r}: must be from {MIN_EPSILON:g} to "
-                            f"{MAX_EPSILON:g}, the range a steer file may hold")
+        problems += self._number_problems()
         if not 0 <= self.domain_dropout < 1:
             problems.append(f"domain_dropout={self.domain_dropout}: must be in [0, 1)")
-        if self.fluency_budget < 0:
-            problems.append(f"fluency_budget={self.fluency_budget}: must be >= 0")
-        if self.regularization < 0:
-            problems.append(f"regularization={self.regularization}: must be >= 0")
         for name in ("model_dtype", "cache_dtype", "head_dtype"):
             v = getattr(self, name)
             if v not in ("auto", "float32", "bfloat16", "float16"):
@@ -176,6 +168,32 @@ class TrainConfig:
         if problems:
             raise ValueError("invalid training configuration:\n" +
                              "\n".join(f"  - {p}" for p in problems))
+
+    def _number_problems(self) -> list[str]:
+        """What is wrong with the numbers of the recipe (finite, in range)."""
+        from vllm_steer.format import MAX_EPSILON, MIN_EPSILON
+
+        problems = []
+        for name in ("epsilon", "lr", "init_std"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 < v < math.inf):
+                problems.append(f"{name}={v!r}: must be a positive finite number")
+        if not (self.check_strengths and all(
+                isinstance(v, (int, float)) and 0 < v <= MAX_CHECK_STRENGTH
+                for v in self.check_strengths)):
+            problems.append(f"check_strengths={self.check_strengths!r}: give strengths in "
+                            f"(0, {MAX_CHECK_STRENGTH:g}], e.g. (1, 2, 3, 5, 10): each is "
+                            "checked at +s and -s, and the recommended strength is one of "
+                            "them")
+        if isinstance(self.epsilon, (int, float)) and self.epsilon > 0 and not (
+                MIN_EPSILON <= self.epsilon <= MAX_EPSILON):
+            problems.append(f"epsilon={self.epsilon!r}: must be from {MIN_EPSILON:g} to "
+                            f"{MAX_EPSILON:g}, the range a steer file may hold")
+        for name in ("fluency_budget", "regularization"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 <= v < math.inf):
+                problems.append(f"{name}={v!r}: must be a finite number >= 0")
+        return problems
 
 
 @dataclass
@@ -232,6 +250,25 @@ class DataConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def validate(self) -> None:
+        """Refuse the split and subset settings before any file is read, each naming its
+        flag, the value and the rule."""
+        problems = []
+        f = self.dev_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 1:
+            problems.append(f"--dev-fraction {f!r}: must be in [0, 1) (0: no dev split)")
+        n = self.dev_max_per_side
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            problems.append(f"--dev-max {n!r}: must be an integer >= 1 (use --dev-fraction 0 "
+                            "for no dev split)")
+        m = self.max_examples
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            problems.append(f"--max-examples {m!r}: must be an integer >= 1 (omit it for all "
+                            "the texts)")
+        if problems:
+            raise ValueError("invalid training data settings:\n" +
+                             "\n".join(f"  - {p}" for p in problems))
 
 
 @dataclass

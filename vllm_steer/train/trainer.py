@@ -600,6 +600,21 @@ def _run_steps(run: _Run, start: int, name: str, progress: bool) -> float:
     return time.perf_counter() - t_train
 
 
+#: The most dev-loss evaluations the file's ``metrics.history`` keeps (its metadata has a
+#: size limit): a longer history keeps its first and last points and evenly spaced ones.
+MAX_HISTORY_POINTS = 500
+
+
+def thin_history(history: list[dict[str, Any]], limit: int = MAX_HISTORY_POINTS
+                 ) -> list[dict[str, Any]]:
+    """At most ``limit`` points of ``history``, the first and the last always among them."""
+    n = len(history)
+    if n <= limit:
+        return list(history)
+    keep = sorted({round(i * (n - 1) / (limit - 1)) for i in range(limit)})
+    return [history[i] for i in keep]
+
+
 def _final_metrics(run: _Run, t0: float, cpu0: float, t_h: float, t_train: float
                    ) -> dict[str, Any]:
     """The trained steer's losses (a sample of the texts trained on, the dev texts), its dev
@@ -618,7 +633,7 @@ def _final_metrics(run: _Run, t0: float, cpu0: float, t_h: float, t_train: float
     metrics["dev_loss_initial"] = next((h["dev_loss"] for h in run.history if h["step"] == 0),
                                        None)
     metrics["steps"] = cfg.steps
-    metrics["history"] = run.history
+    metrics["history"] = thin_history(run.history)
     metrics["wall_s"] = {"hidden_states": round(t_h, 2), "train": round(t_train, 2),
                          "final_eval": round(time.perf_counter() - t_e, 2),
                          "total": round(time.perf_counter() - t0, 2),
