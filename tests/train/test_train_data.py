@@ -109,6 +109,23 @@ def test_a_jsonl_line_that_is_not_utf8_is_named_and_a_byte_order_mark_is_read(tm
     assert [e.text for e in ex] == ["caf\u00e9", "x"]
 
 
+@pytest.mark.parametrize("name", ["p.txt", "p.csv", "p.tsv"])
+def test_csv_tsv_and_plain_text_read_utf8_strictly_with_a_byte_order_mark(tmp_path, name):
+    """As JSONL: Excel's "CSV UTF-8" (a byte order mark before the header) reads its header;
+    a plain-text file's first text has no mark; a Latin-1 file is refused naming the line,
+    not trained on with replacement characters."""
+    header = "" if name.endswith(".txt") else "text\n"
+    bom = tmp_path / name
+    bom.write_bytes((header + "caf\u00e9 au lait\nthe end\n").encode("utf-8-sig"))
+    ex = read_examples(DataConfig(positive=[str(bom)]))
+    assert [e.text for e in ex] == ["caf\u00e9 au lait", "the end"]
+    bad = tmp_path / ("latin1" + name[1:])
+    bad.write_bytes((header + "ok\ncaf\u00e9 au lait\n").encode("latin-1"))
+    line = 2 if not header else 3
+    with pytest.raises(DataError, match=rf"{bad}:{line}: not UTF-8 \(byte 0xe9 at column 4\)"):
+        read_examples(DataConfig(positive=[str(bad)]))
+
+
 def test_plain_text_cannot_be_labelled_and_both_sides_needed(tmp_path):
     t = _write(tmp_path / "a.txt", "x\ny\n")
     with pytest.raises(DataError, match="plain-text file has no labels"):

@@ -286,9 +286,8 @@ def _iter_txt(path: str, need_label: bool) -> Iterator[tuple[int, str, None]]:
     if need_label:
         raise DataError(f"{path}: a plain-text file has no labels; give it with --positive "
                         "or --negative, or use CSV/TSV/JSONL with a label column")
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for i, line in enumerate(f, 1):
-            yield i, line.rstrip("\r\n"), None
+    for i, line in utf8_lines(path):  # strict UTF-8, a byte order mark dropped
+        yield i, line.rstrip("\r\n"), None
 
 
 def _jsonl_record(where: str, rec: Any, tkey: str, lkey: str, need_label: bool
@@ -358,26 +357,27 @@ def _iter_delimited(path: str, fmt: str, text_field: str | None, label_field: st
     delim = "," if fmt == "csv" else "\t"
     quoting = csv.QUOTE_MINIMAL if fmt == "csv" else csv.QUOTE_NONE
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
-    with open(path, encoding="utf-8", errors="replace", newline="") as f:
-        reader = csv.reader(f, delimiter=delim, quoting=quoting)
-        columns: list[str] | None = None
-        if header:
-            try:
-                columns = [c.strip() for c in next(reader)]
-            except StopIteration:
-                raise DataError(f"{path}: file is empty") from None
-        ti = _csv_column(path, columns, text_field, "text", 0, "text")
-        li = _csv_column(path, columns, label_field, "label", 1, "label") if need_label else None
-        first = 2 if header else 1
-        for n, row in enumerate(reader, first):
-            if not row or (len(row) == 1 and not row[0].strip()):
-                continue
-            need = max(ti, li if li is not None else 0)
-            if len(row) <= need:
-                raise DataError(f"{path}: row {n} has {len(row)} column(s), expected at least "
-                                f"{need + 1} (text column {ti}" +
-                                (f", label column {li})" if li is not None else ")"))
-            yield n, row[ti], (_label_str(row[li]) if li is not None else None)
+    # strict UTF-8, a byte order mark dropped (Excel's "CSV UTF-8"); lines as the file has them
+    lines = (line for _, line in utf8_lines(path))
+    reader = csv.reader(lines, delimiter=delim, quoting=quoting)
+    columns: list[str] | None = None
+    if header:
+        try:
+            columns = [c.strip() for c in next(reader)]
+        except StopIteration:
+            raise DataError(f"{path}: file is empty") from None
+    ti = _csv_column(path, columns, text_field, "text", 0, "text")
+    li = _csv_column(path, columns, label_field, "label", 1, "label") if need_label else None
+    first = 2 if header else 1
+    for n, row in enumerate(reader, first):
+        if not row or (len(row) == 1 and not row[0].strip()):
+            continue
+        need = max(ti, li if li is not None else 0)
+        if len(row) <= need:
+            raise DataError(f"{path}: row {n} has {len(row)} column(s), expected at least "
+                            f"{need + 1} (text column {ti}" +
+                            (f", label column {li})" if li is not None else ")"))
+        yield n, row[ti], (_label_str(row[li]) if li is not None else None)
 
 
 def iter_records(path: str, fmt: str, text_field: str | None, label_field: str | None,
