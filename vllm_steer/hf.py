@@ -195,6 +195,9 @@ def token_logprobs(model, tokenizer, texts: Sequence[str], steers=None, strength
                 ids, start = tokenize_scored(tokenizer, text, p, max_length)
                 ids_list.append(ids), starts.append(start)
             T = max(len(x) for x in ids_list)
+            if T < 2:  # nothing has a context: no token to score (and nothing to run)
+                results += [torch.zeros(0) for _ in ids_list]
+                continue
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
             inp = torch.full((len(ids_list), T), pad, dtype=torch.long)
             att = torch.zeros((len(ids_list), T), dtype=torch.long)
@@ -206,7 +209,8 @@ def token_logprobs(model, tokenizer, texts: Sequence[str], steers=None, strength
             tgt = inp[:, 1:].to(device)
             tok_lp = lp.gather(-1, tgt[..., None])[..., 0]
             for j, ids in enumerate(ids_list):
-                results.append(tok_lp[j, starts[j] - 1:len(ids) - 1].cpu())
+                # tokens start..len-1 (none for a text shorter than that, never the padding)
+                results.append(tok_lp[j, starts[j] - 1:max(len(ids) - 1, starts[j] - 1)].cpu())
     return results
 
 

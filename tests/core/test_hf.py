@@ -214,3 +214,15 @@ def test_generate_pads_a_batch_for_a_tokenizer_without_a_pad_token(tiny):
         assert tok.pad_token is None
     finally:
         tok.pad_token = saved
+
+
+def test_token_logprobs_of_an_empty_text_are_empty_alone_or_batched(tiny):
+    """An empty text has no token to score, batched with others or alone; a one-token text
+    neither; the other texts of the batch get what they get alone."""
+    model, tok = tiny
+    text = "hello there, how are you"
+    alone = token_logprobs(model, tok, [text])[0]
+    got = token_logprobs(model, tok, ["", text, "a"])
+    assert [t.numel() for t in got] == [0, alone.numel(), 0]
+    assert torch.allclose(got[1], alone, atol=1e-5)
+    assert [t.numel() for t in token_logprobs(model, tok, ["", ""])] == [0, 0]
