@@ -178,3 +178,24 @@ def test_layers_name_the_files_blocks_not_a_model(tmp_path, capsys, cv):
     assert load_vector(out).layers == [1, 2, 3, 4]
     assert main(["convert", str(cv), "--out", str(out), "--layers", "2-3"]) == 0
     assert load_vector(out).layers == [2, 3]
+
+
+def test_a_checkpoints_zero_epsilon_is_refused_not_made_the_default(tmp_path, capsys):
+    """``args.epsilon = 0`` in a checkpoint (a steer that does nothing) is refused naming it
+    and the fix, not silently served at 1e-3; ``--epsilon`` then converts it."""
+    path = tmp_path / "zero.pt"
+    state = {"projector1": torch.randn(2, HIDDEN, 2), "projector2": torch.randn(2, HIDDEN, 2)}
+    torch.save([argparse.Namespace(model_name="tiny", epsilon=0.0, dummy_steer=1,
+                                   training_steer=0), state, 10], path)
+    out = tmp_path / "z.safetensors"
+    argv = ["convert", str(path), "--out", str(out), "--unsafe-allow-pickle"]
+    err = _error(capsys, argv)
+    assert "the checkpoint's args.epsilon=0.0 is outside 1e-09 to 1" in err
+    assert "give --epsilon" in err and not out.exists()
+    assert main([*argv, "--epsilon", "2e-3"]) == 0
+
+
+def test_a_vector_steer_refuses_the_lm_steer_domain_flag(tmp_path, capsys, cv):
+    err = _error(capsys, ["convert", str(cv), "--out", str(tmp_path / "x.gguf"),
+                          "--domain", "none"])
+    assert "--domain: flags of LM-Steer checkpoints" in err

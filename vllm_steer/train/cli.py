@@ -445,7 +445,8 @@ def cmd_convert_vector(args) -> int:
                              ("--unsafe-full-unpickle", args.unsafe_full_unpickle),
                              ("--steer-index", args.steer_index is not None),
                              ("--dummy-index", args.dummy_index is not None),
-                             ("--no-dummy", args.no_dummy), ("--epsilon", args.epsilon)) if on]
+                             ("--no-dummy", args.no_dummy), ("--epsilon", args.epsilon),
+                             ("--domain", args.domain != "with_steer")) if on]
     if given:
         raise ValueError(f"{', '.join(given)}: flags of LM-Steer checkpoints; "
                          f"{args.checkpoint} is a vector steer")

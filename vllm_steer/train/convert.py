@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from vllm_steer.format import DEFAULT_EPSILON, Steer, make_steer
+from vllm_steer.format import DEFAULT_EPSILON, MAX_EPSILON, MIN_EPSILON, Steer, make_steer
 from vllm_steer.vectors import GGUF_MAGIC
 
 
@@ -211,10 +211,16 @@ def convert_checkpoint(path: str, *, allow_pickle: bool = False, full_unpickle: 
         raise ValueError(f"--domain {domain!r}: choose none or with_steer")
     if dummy_index is None and domain == "with_steer":
         domain = "none"
-    eps = epsilon if epsilon is not None else args.get("epsilon") or DEFAULT_EPSILON
+    recorded = args.get("epsilon")
+    eps = epsilon if epsilon is not None else (DEFAULT_EPSILON if recorded is None else recorded)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise CheckpointError(f"{path}: args.epsilon={eps!r:.40} is not a number; give --epsilon")
     eps = float(eps)
+    if not MIN_EPSILON <= eps <= MAX_EPSILON:  # (0 would be no steer at all)
+        what = "--epsilon" if epsilon is not None else "the checkpoint's args.epsilon"
+        raise CheckpointError(f"{path}: {what}={eps!r} is outside {MIN_EPSILON:g} to "
+                              f"{MAX_EPSILON:g}, the range a steer file holds; give --epsilon "
+                              f"(the paper's unit is {DEFAULT_EPSILON:g})")
     with open(path, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
     source = {"kind": "LM-Steer checkpoint (github.com/Glaciohound/LM-Steer)",
