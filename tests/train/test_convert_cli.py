@@ -108,6 +108,16 @@ def test_train_refuses_an_out_directory_before_loading_anything(tmp_path, capsys
     assert err.startswith(f"vllm-steer train: error: --out: '{tmp_path}' is a directory"), err
 
 
+def test_train_refuses_the_same_out_file_twice_before_loading_anything(tmp_path, capsys):
+    out = tmp_path / "v.safetensors"
+    argv = ["train", "--kind", "vector", "--model", str(tmp_path / "no-such-model"),
+            "--positive", "p.txt", "--negative", "n.txt", "--out", str(out),
+            str(tmp_path / "." / "v.safetensors")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "is given twice" in err and "no-such-model" not in err, err
+
+
 # ---- the .gguf suffix -------------------------------------------------------------------
 
 def test_gguf_suffix_in_any_case_writes_gguf(tmp_path, capsys, cv):

@@ -417,6 +417,13 @@ def check_outs(outs: list[str]) -> None:
 
     problems = [p for o in outs
                 if (p := output_path_problem(o, GGUF_SUFFIX if is_gguf_name(o) else FILE_SUFFIX))]
+    seen: dict[str, str] = {}
+    for o in outs:
+        key = os.path.realpath(o)
+        if key in seen:
+            problems.append(f"{o!r} is given twice ({seen[key]!r} names the same file); give "
+                            "each output once")
+        seen.setdefault(key, o)
     if problems:
         raise ValueError("--out: " + "; ".join(problems))
 
