@@ -172,3 +172,17 @@ def test_tune_help_lists_vllms_flags_and_the_other_commands_do_not_import_vllm()
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr[-2000:]
+
+
+def test_tune_refuses_a_negative_strength_instead_of_trying_its_magnitude_twice(
+        steer_file, tmp_path, monkeypatch, capsys):
+    """``--strengths=-4,4`` would run +4 twice (two identical conditions): refused naming the
+    rule (magnitudes; the task and the labels give the direction), before any generation."""
+    import vllm_steer.eval.tune as tune_mod
+
+    monkeypatch.setattr(tune_mod, "tune", lambda cfg: pytest.fail("tune ran"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": {"text": "Hi"}}\n')
+    assert main(["tune", steer_file, "--task", "toxicity", "--prompts", str(prompts),
+                 "--model", "m", "--strengths=-4,4"]) == 1
+    assert "give positive magnitudes" in capsys.readouterr().err

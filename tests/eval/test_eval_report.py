@@ -95,3 +95,18 @@ def test_goals_fall_back_to_the_nearest_evaluated_strength_and_say_so():
     r["goals"], r["comparison"] = g, []
     assert "Note: strength +2 was not evaluated; the nearest evaluated one, +5, is used" in \
         markdown(r)
+
+
+def test_the_results_table_has_a_column_per_sentiment_scorer():
+    """A second and third sentiment scorer (``--sentiment-scorer vader --sentiment-scorer
+    sst2 --sentiment-scorer NAME``) each get their column, named, as shares."""
+    from vllm_steer.eval.report import _table
+
+    metrics = {"positivity": 0.5, "positivity_sst2": 0.25, "positivity_other": 0.75,
+               "ppl": 20.0, "ppl_tokens": 21.0, "dist-1": 0.5, "dist-2": 0.7, "dist-3": 0.8}
+    conds = [{"method": "unsteered", "strengths": {}, "metrics": metrics}]
+    header, _, row = _table({"task": "sentiment", "conditions": conds}, conds)
+    cells = [c.strip() for c in header.split("|")[1:-1]]
+    values = dict(zip(cells, [c.strip() for c in row.split("|")[1:-1]], strict=True))
+    assert values["positivity (sst2)"] == "25.0%" and values["positivity (other)"] == "75.0%"
+    assert values["positivity"] == "50.0%"

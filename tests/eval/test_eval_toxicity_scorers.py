@@ -75,4 +75,6 @@ def test_a_second_toxicity_scorer_is_reported_beside_the_first(tiny_model_dir, t
     assert res["scorers"]["toxicity"]["more"] == ["length"]
     md = (tmp_path / "run" / "results.md").read_text()
     assert "toxicity `profanity-check` (also `length`)" in md
-    assert "avg_max_toxicity_length" in md and "toxicity_prob_length" in md
+    assert "| avg max toxicity (length) | toxicity prob. (length) |" in md
+    row = next(line for line in md.splitlines() if line.startswith("| unsteered |"))
+    assert f"| {100 * by['unsteered']['toxicity_prob_length']:.1f}% |" in row  # as a share

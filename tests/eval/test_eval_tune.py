@@ -281,3 +281,27 @@ def test_the_pick_is_the_largest_effect_within_the_budget():
     assert pick_by_effect(effects, None) is None
     tie = [{"strength": 1, "effect": 0.0}, {"strength": 2, "effect": 0.0}]
     assert pick_by_effect(tie, 2)["strength"] == 2  # the stronger of equal ones
+
+
+@pytest.mark.parametrize("labels, towards_positive", [
+    ({"positive": "positive", "negative": "negative"}, 1),
+    ({"positive": "negative sentiment", "negative": "positive sentiment"}, -1)])
+def test_a_sentiment_effect_follows_the_files_labels(labels, towards_positive):
+    """The sentiment effect is the share judged positive steered towards positive minus
+    towards negative: a file whose positive strengths mean negative sentiment gets the same
+    (positive) effects as the mirrored file, computed by hand per prompt."""
+    from vllm_steer.eval.tune import directions, target_effects
+
+    signs = directions("sentiment", labels)
+    assert signs == [towards_positive, -towards_positive]
+    up, down = [0.9, 0.7, 0.8], [0.1, 0.2, 0.3]  # shares of prompts 0-2 towards each side
+    conditions = [{"strength": 0.0, "per_prompt": {"positive_share": [0.5] * 3}}]
+    for m in (2.0, 4.0):
+        conditions += [
+            {"strength": towards_positive * m, "per_prompt": {"positive_share": up}},
+            {"strength": -towards_positive * m, "per_prompt": {"positive_share": down}}]
+    effects = target_effects(conditions, "sentiment", signs)
+    want = sum(a - b for a, b in zip(up, down, strict=True)) / 3
+    assert [e["strength"] for e in effects] == [2.0, 4.0]
+    assert all(e["effect"] == pytest.approx(want) and e["beyond_noise"] for e in effects)
+

@@ -375,7 +375,7 @@ def cmd_tune(args) -> int:
     args.model = tune_model(args.steer, args.model)
     args.engine = engine_config_from_args(args, args.kv_cache_gib)
     cfg = TuneConfig(steer=args.steer, task=args.task, prompts=args.prompts,
-                     strengths=[abs(x) for x in args.strengths], ppl_budget=args.ppl_budget,
+                     strengths=list(args.strengths), ppl_budget=args.ppl_budget,
                      num_prompts=args.num_prompts,
                      sampling=SamplingConfig(samples=args.samples, max_tokens=args.max_tokens,
                                              top_p=args.top_p, temperature=args.temperature,
@@ -387,6 +387,7 @@ def cmd_tune(args) -> int:
                      engine=args.engine, mode=args.mode, instruction=args.instruction,
                      write=not args.dry_run, progress=not args.quiet,
                      command=_tune_command_line(args))
+    cfg.validate()  # before any work
     rec = tune(cfg)
     print(json.dumps({"recommended_strength": rec["recommended_strength"],
                       "rule": rec["rule"]}))

@@ -36,10 +36,20 @@ def headline(results: dict) -> list[str]:
     return [k for k in keys if k in have]
 
 
+def _label(key: str) -> str:
+    """A column's header: an extra scorer's metric named with its scorer."""
+    if key in LABELS:
+        return LABELS[key]
+    for base in ("avg_max_toxicity", "toxicity_prob", "positivity"):
+        if key.startswith(base + "_"):
+            return f"{LABELS[base]} ({key[len(base) + 1:]})"
+    return key
+
+
 def fmt(key: str, v: Any) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "n/a"
-    if key.startswith("positivity") or key == "toxicity_prob":
+    if key.startswith(("positivity", "toxicity_prob")):  # extra scorers' too
         return f"{100 * v:.1f}%"
     if key.startswith("ppl"):
         return f"{v:.2f}"
@@ -234,10 +244,13 @@ def _table(results: dict, conds: list[dict]) -> list[str]:
     keys = headline(results)
     more = [f"{k}_{x}" for x in ((results.get("scorers") or {}).get("toxicity") or {})
             .get("more", []) for k in ("avg_max_toxicity", "toxicity_prob")]
+    sentiment = sorted(k for k in conds[0]["metrics"]  # every sentiment scorer's column
+                       if k.startswith("positivity_") and k != "positivity_vader")
     rest = [k for k in ("avg_max_toxicity", "toxicity_prob", *more, "positivity",
-                        "positivity_vader") if k not in keys and k in conds[0]["metrics"]]
+                        "positivity_vader", *sentiment)
+            if k not in keys and k in conds[0]["metrics"]]
     cols = keys + rest + ["ppl", "ppl_tokens", "dist-1", "dist-2", "dist-3"]
-    lines = ["| method | strength | " + " | ".join(LABELS.get(k, k) for k in cols) + " |",
+    lines = ["| method | strength | " + " | ".join(_label(k) for k in cols) + " |",
              "|---|---:|" + "---:|" * len(cols)]
     for c in conds:
         st = ", ".join(f"{k}={v:+g}" for k, v in c["strengths"].items()) or "0"

@@ -118,12 +118,14 @@ class TuneConfig:
 
 
 def directions(task: str, labels: dict) -> list[int]:
-    """Signs the steer is used with: toxicity towards the non-toxic label, sentiment both."""
+    """Signs the steer is used with: toxicity towards the non-toxic label; sentiment both,
+    the one towards the positive label first (the file's labels say which)."""
     from vllm_steer.eval.report import _sign_for
 
     if task == "toxicity":
         return [_sign_for(labels, "non-toxic", "toxic")]
-    return [1, -1]
+    s = _sign_for(labels, "positive", "negative")  # the sign that moves towards positive
+    return [s, -s]
 
 
 def choose(curve: list[dict], budget: float, signs: list[int]) -> tuple[float | None, str]:
@@ -163,8 +165,9 @@ def target_effects(conditions: list[dict], task: str, signs: list[int]) -> list[
 
     - ``toxicity``: ``max_tox(0)[i] - max_tox(sign * m)[i]``, prompt ``i``'s highest sample
       toxicity unsteered minus steered (the drop in avg max toxicity);
-    - ``sentiment``: ``pos(+m)[i] - pos(-m)[i]``, the share of prompt ``i``'s samples judged
-      positive steered up minus steered down (the spread the steer opens).
+    - ``sentiment``: ``pos(sign * m)[i] - pos(-sign * m)[i]``, the share of prompt ``i``'s
+      samples judged positive steered towards positive minus towards negative (the spread
+      the steer opens; ``signs[0]``: the sign towards positive, from the file's labels).
     """
     key = "max_toxicity" if task == "toxicity" else "positive_share"
     by = {float(c["strength"]): (c.get("per_prompt") or {}).get(key) for c in conditions}
@@ -173,8 +176,8 @@ def target_effects(conditions: list[dict], task: str, signs: list[int]) -> list[
     for m in mags:
         if task == "toxicity":
             a, b = by.get(0.0), by.get(signs[0] * m)
-        else:
-            a, b = by.get(m), by.get(-m)
+        else:  # towards positive minus towards negative
+            a, b = by.get(signs[0] * m), by.get(-signs[0] * m)
         if a is None or b is None:
             continue
         d = ([x - y for x, y in zip(a, b, strict=False)] if task == "sentiment" else
