@@ -173,3 +173,20 @@ def test_runs_at_other_strengths_merge_into_one_report(tiny_model_dir, data_dir,
         merge([str(tmp_path / "a"), str(tmp_path / "c")], str(tmp_path / "ac"))
     with pytest.raises(FileNotFoundError, match="results.json"):
         merge([str(tmp_path / "a"), str(tmp_path / "nope")], str(tmp_path / "x"))
+    # the same draws scored in other batches: perplexity moves in its fifth digit (as two
+    # real runs did), the scores not at all; a real difference is still refused
+    doc = json.loads((tmp_path / "b" / "results.json").read_text())
+    base = next(c for c in doc["conditions"] if c["label"] == "unsteered")
+    for factor, merges in ((1 + 8.2e-6, True), (1.01, False)):
+        base["metrics"]["ppl"] *= factor
+        (tmp_path / "b" / "results.json").write_text(json.dumps(doc))
+        if merges:
+            merge([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "ab2"))
+        else:
+            with pytest.raises(ValueError, match="'unsteered' has different metrics"):
+                merge([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "ab3"))
+    base["metrics"]["ppl"] /= 1.01 * (1 + 8.2e-6)
+    base["metrics"]["positivity"] += 1e-5  # a score is the draws': exact
+    (tmp_path / "b" / "results.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="'unsteered' has different metrics"):
+        merge([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "ab4"))

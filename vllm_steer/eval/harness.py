@@ -621,6 +621,17 @@ _MERGE_KEYS: dict[str, Callable[[dict], Any]] = {
 }
 
 
+#: How far a condition's metric may differ between two runs of the same draws and still be
+#: the same: the scores of the same texts agree to rounding, but perplexity is computed in
+#: batches of whatever the run scored with them, and moves in the fifth digit (8e-6 relative
+#: seen on the same samples).
+MERGE_TOLERANCE = {"ppl": 1e-4}
+
+
+def _merge_tolerance(key: str) -> float:
+    return next((t for prefix, t in MERGE_TOLERANCE.items() if key.startswith(prefix)), 1e-6)
+
+
 def merge(runs: Sequence[str], out: str) -> dict[str, Any]:
     """One report from several finished runs of the same evaluation at different strengths
     (same prompts, sampling, seeds, steers, baseline and scorers: the draws are the same, so
@@ -646,7 +657,7 @@ def merge(runs: Sequence[str], out: str) -> dict[str, Any]:
             if seen is None:
                 by_label[c["label"]] = c
             elif problems == [] and any(
-                    abs(seen["metrics"][k] - v) > 1e-6 * max(1.0, abs(v))
+                    abs(seen["metrics"][k] - v) > _merge_tolerance(k) * max(1.0, abs(v))
                     for k, v in c["metrics"].items() if isinstance(v, (int, float))
                     and isinstance(seen["metrics"].get(k), (int, float))):
                 problems.append(f"condition {c['label']!r} has different metrics in {run} "
