@@ -8,6 +8,8 @@ import json
 import random
 import subprocess
 import sys
+import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -224,3 +226,17 @@ def test_highlight_cli(tiny_model_dir, tmp_path):
     assert 1 <= len(d["spans"]) <= 2
     assert d["strength"] == 8.0 and d["steer"] == "s"
     assert out_html.read_text().startswith("<!DOCTYPE html>")
+
+
+def test_the_highlights_label_line_reads_the_shipped_detox_steers_labels():
+    """``harmful`` names a side, not a direction of the strength: the shipped detox steer's
+    labels read as its two sides and which of them is harmful."""
+    from vllm_steer.format import read_metadata
+    from vllm_steer.lens.cli import _labels_line
+
+    meta = read_metadata(os.path.join(os.path.dirname(__file__), "..", "..", "steers",
+                                      "smollm2-detox.safetensors"))
+    line = _labels_line(SimpleNamespace(metadata=meta))
+    assert line == (f"positive strength -> {meta.labels['positive']}, negative strength -> "
+                    f"{meta.labels['negative']}, the negative side is the harmful one")
+    assert "harmful strength" not in line

@@ -48,7 +48,12 @@ def _labels_line(steer) -> str:
     lab = steer.metadata.labels or {}
     if not lab:
         return ""
-    return ", ".join(f"{k} strength -> {v}" for k, v in sorted(lab.items()))
+    sides = [f"{k} strength -> {lab[k]}" for k in ("positive", "negative") if k in lab]
+    harmful = lab.get("harmful")  # which side moves towards harmful text, not a direction
+    other = [f"{k}: {v}" for k, v in sorted(lab.items())
+             if k not in ("positive", "negative", "harmful")]
+    return ", ".join(sides + ([f"the {harmful} side is the harmful one"] if harmful else [])
+                     + other)
 
 
 # --------------------------------------------------------------------------- transfer
