@@ -61,3 +61,35 @@ def test_replot_redraws_the_figures_of_a_run_from_its_results_json(tmp_path):
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     assert (run / "ablation.png").stat().st_size > 0
+
+
+def test_a_vector_steer_and_the_blacklist_each_span_the_ablation_axis(tmp_path, monkeypatch):
+    """A vector steer's strengths (the coefficient a, here +-0.08) and the soft blacklist's
+    (units of epsilon, +-10) share no unit: each is drawn against its strength over its
+    largest, so neither collapses into a vertical line at 0; one method alone keeps its own
+    unit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from vllm_steer.eval.plots import ablation
+
+    run = results(conditions=[cond("unsteered", 0, 20.0, 0.3, 0.2)]
+                  + [cond("vector", s, 21.0, 0.25, 0.15, name="calm") for s in (-0.08, 0.08)]
+                  + [cond("soft-blacklist", s, 25.0, 0.2, 0.1) for s in (-10, 10)])
+    run["steers"]["detox"]["kind"] = "vector"
+    kept = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: kept.append(fig))
+    ablation(run, str(tmp_path / "a.png"))
+    ax = kept[-1].axes[0]
+    spans = {ln.get_label().split(" ")[0]: (min(ln.get_xdata()), max(ln.get_xdata()))
+             for ln in ax.get_lines()}
+    assert spans == {"vector": (-1.0, 1.0), "soft-blacklist": (-1.0, 1.0)}
+    assert "each in its own unit" in ax.get_xlabel()
+    run["conditions"] = [c for c in run["conditions"] if c["method"] != "soft-blacklist"]
+    ablation(run, str(tmp_path / "b.png"))
+    ax = kept[-1].axes[0]
+    assert ax.get_xlabel() == "strength (coefficient a)"
+    assert [(min(ln.get_xdata()), max(ln.get_xdata())) for ln in ax.get_lines()] == [(-0.08,
+                                                                                        0.08)]

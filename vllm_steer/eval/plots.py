@@ -39,6 +39,11 @@ def ablation(results: dict, path: str) -> None:
     plt = _plt()
     keys = headline(results)
     fig, axes = plt.subplots(1, len(keys), figsize=(5.2 * len(keys), 3.8), squeeze=False)
+    # a vector steer's strength (the coefficient a) and the soft blacklist's (units of
+    # epsilon) share no unit: each method is then drawn against its strength over the largest
+    # it was run at, so both curves span the axis
+    relative = steer_kind_label(results) == "vector steer" and len(
+        [m for m, _ in METHOD_COLORS if _curve(results, m)]) > 1
     for ax, key in zip(axes[0], keys, strict=True):
         ax2 = ax.twinx()
         for method, color in METHOD_COLORS:
@@ -46,11 +51,16 @@ def ablation(results: dict, path: str) -> None:
             if not cs:
                 continue
             x = [c["strength"] for c in cs]
-            ax.plot(x, [c["metrics"][key] for c in cs], "o-", color=color, label=method)
+            top = max(abs(v) for v in x) or 1.0
+            if relative:
+                x = [v / top for v in x]
+            label = f"{method} (largest {top:g})" if relative else method
+            ax.plot(x, [c["metrics"][key] for c in cs], "o-", color=color, label=label)
             ax2.plot(x, [c["metrics"]["ppl"] for c in cs], "s--", color=color, alpha=0.45,
                      label=f"{method} perplexity")
-        ax.set_xlabel("strength (coefficient a)" if steer_kind_label(results) == "vector steer"
-                      else "strength (units of epsilon)")
+        ax.set_xlabel("strength / the method's largest (each in its own unit)" if relative
+                      else "strength (coefficient a)" if steer_kind_label(results) ==
+                      "vector steer" else "strength (units of epsilon)")
         ax.set_ylabel(LABELS.get(key, key))
         ax2.set_ylabel("perplexity (dashed)")
         ax.grid(alpha=0.3)
