@@ -334,6 +334,8 @@ def _fault_cases():
          "completion"),
         ("to_beam_search_params",
          "vllm_steer.integrations.frontend.request_field:refuse_steered_beam_search", "beam"),
+        ("AnthropicServingMessages._build_base_request",
+         "vllm_steer.integrations.frontend.request_field:carry_steer", "messages"),
         ("OpenAIModelRegistry.is_base_model",
          "vllm_steer.integrations.frontend.preset_models:pinned_preset", "preset"),
         ("OpenAIModelRegistry.show_available_models",
@@ -383,6 +385,10 @@ def _send(url, kind, rid):
         return requests.get(url + "/v1/steers", headers=h, timeout=60)
     if kind == "responses":
         return responses_stream(url, {"d1": 2}, headers=h, stream=False)
+    if kind == "messages":  # vLLM's Anthropic Messages API
+        return requests.post(url + "/v1/messages", headers=h, timeout=120, json={
+            "model": "tiny", "max_tokens": 4, "temperature": 0, "steer": {"d1": 2},
+            "messages": [{"role": "user", "content": "Hello"}]})
     raise AssertionError(kind)
 
 

@@ -27,6 +27,7 @@ import os
 TARGETS = (
     "vllm_steer.integrations.frontend.preset_models:apply_preset",
     "vllm_steer.integrations.frontend.request_field:refuse_steered_beam_search",
+    "vllm_steer.integrations.frontend.request_field:carry_steer",
     "vllm_steer.integrations.frontend.preset_models:pinned_preset",
     "vllm_steer.integrations.frontend.preset_models:presets",
     "vllm_steer.integrations.frontend.preset_models:_runtime_presets_on",

@@ -97,10 +97,17 @@ def anthropic_to_chat(orig, cls, anthropic_request, *a, **kw):
     (:func:`add_request_field`, from the field or ``vllm_xargs``) is carried across as parsed,
     so it is neither dropped nor parsed twice."""
     req = orig(cls, anthropic_request, *a, **kw)
-    value = va.request_value(anthropic_request, REQUEST_FIELD)
-    if value is not None:
-        va.set_request_value(req, REQUEST_FIELD, value)
+    with guard.frontend("AnthropicServingMessages._build_base_request"):
+        carry_steer(anthropic_request, req)
     return req
+
+
+def carry_steer(src, dst) -> None:
+    """The parsed ``steer`` of the request model ``src``, set on the request model ``dst``
+    (nothing when ``src`` has none)."""
+    value = va.request_value(src, REQUEST_FIELD)
+    if value is not None:
+        va.set_request_value(dst, REQUEST_FIELD, value)
 
 
 _VALIDATOR_NAME = "_vllm_steer_check"
