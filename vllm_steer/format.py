@@ -575,9 +575,7 @@ def check_steer(steer: Steer, path: str = "<memory>") -> None:
         doc = meta.to_json()
     except (TypeError, ValueError) as e:
         raise SteerFileError(path, [f"metadata is not JSON-serialisable ({e})"]) from None
-    if len(doc.encode("utf-8", "surrogatepass")) > MAX_METADATA_BYTES:
-        reasons.append(f"the metadata JSON is {len(doc)} characters; at most "
-                       f"{MAX_METADATA_BYTES} bytes are allowed")
+    reasons += metadata_size_problems(doc)
     reasons += metadata_problems(json.loads(doc))
     pairs = [(TENSOR_P1, steer.p1, TENSOR_P2, steer.p2)]
     if (steer.domain_p1 is None) != (steer.domain_p2 is None):
@@ -706,6 +704,15 @@ def load_steer(path: str | os.PathLike, device=None, dtype=None) -> Steer:
     if device is not None or dtype is not None:
         steer = steer.to(device=device, dtype=dtype)
     return steer
+
+
+def metadata_size_problems(doc: str) -> list[str]:
+    """The writers' check of a metadata document (JSON text) against the readers' limit,
+    :data:`MAX_METADATA_BYTES`: a file written is a file read."""
+    if len(doc.encode("utf-8", "surrogatepass")) > MAX_METADATA_BYTES:
+        return [f"the metadata JSON is {len(doc)} characters; at most {MAX_METADATA_BYTES} "
+                "bytes are allowed"]
+    return []
 
 
 def beyond_range(tensors: Mapping[str, "torch.Tensor"], dtype: "torch.dtype") -> list[str]:

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_steer.format import (FORMAT_NAME, FORMAT_VERSION, KIND_KEY, KIND_VECTOR,
-                               MAX_HIDDEN_SIZE, MAX_METADATA_BYTES, METADATA_KEY, SteerFileError,
+                               MAX_HIDDEN_SIZE, METADATA_KEY, SteerFileError,
                                TENSOR_DIRECTION_PREFIX, _echo, _is_int, beyond_range,
-                               common_metadata_problems, file_kind, read_document,
-                               write_atomically)
+                               common_metadata_problems, file_kind, metadata_size_problems,
+                               read_document, write_atomically)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -294,14 +294,11 @@ def check_vector_steer(vs: VectorSteer, path: str = "<memory>") -> None:
 
     meta = vs.metadata
     try:
-        doc = json.loads(meta.to_json())
+        text = meta.to_json()
+        doc = json.loads(text)
     except (TypeError, ValueError) as e:
         raise VectorFileError(path, [f"metadata is not JSON-serialisable ({e})"]) from None
-    reasons = vector_metadata_problems(doc)
-    size = len(meta.to_json().encode("utf-8", "surrogatepass"))
-    if size > MAX_METADATA_BYTES:  # the reader's limit: a file written is a file read
-        reasons.append(f"metadata is {size} bytes as JSON; at most {MAX_METADATA_BYTES} bytes "
-                       "are allowed")
+    reasons = vector_metadata_problems(doc) + metadata_size_problems(text)
     if sorted(vs.directions) != list(meta.layers):
         reasons.append(f"the vectors are for blocks {_ranges(sorted(vs.directions))} but the "
                        f"metadata lists {_ranges(list(meta.layers))}")

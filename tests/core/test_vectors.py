@@ -59,6 +59,20 @@ def write_llamacpp_gguf(path, dirs, arch="controlvector", dtype=None, extra_tens
     w.close()
 
 
+def write_gguf(path, fields, dirs):
+    """A control-vector GGUF with ``fields`` (``(GGUFWriter method, key, value)`` each, in
+    order) and the directions ``dirs``, written with the ``gguf`` package (not ours)."""
+    w = gguf.GGUFWriter(str(path), "controlvector")
+    for add, key, value in fields:
+        getattr(w, add)(key, value)
+    for k, v in dirs.items():
+        w.add_tensor(f"direction.{k}", v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def raw_tensors(path):
     """name -> raw bytes, read with gguf's reader (not ours)."""
     r = gguf.GGUFReader(str(path))
@@ -168,17 +182,11 @@ def test_short_or_truncated_gguf_said_so(tmp_path):
 def test_gguf_keys_kept_and_no_architecture_read_as_llama_cpp_does(tmp_path):
     """Every key of another writer is kept as provenance (EasySteer's method, its floats);
     a file without ``general.architecture`` is read (llama.cpp does not read it)."""
-    w = gguf.GGUFWriter(str(tmp_path / "es.gguf"), "controlvector")
-    w.add_string("controlvector.model_hint", "qwen2")
-    w.add_string("controlvector.method", "diffmean")
-    w.add_uint32("controlvector.layer_count", 2)
-    w.add_float32("controlvector.n_samples", 10.0)
-    for k, v in _dirs([1, 2]).items():
-        w.add_tensor(f"direction.{k}", v)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(tmp_path / "es.gguf", [("add_string", "controlvector.model_hint", "qwen2"),
+                                      ("add_string", "controlvector.method", "diffmean"),
+                                      ("add_uint32", "controlvector.layer_count", 2),
+                                      ("add_float32", "controlvector.n_samples", 10.0)],
+               _dirs([1, 2]))
     keys = load_vector(tmp_path / "es.gguf").metadata.source["keys"]
     assert keys == {"controlvector.model_hint": "qwen2", "controlvector.method": "diffmean",
                     "controlvector.layer_count": 2, "controlvector.n_samples": 10.0}
@@ -221,16 +229,11 @@ def test_gguf_carrying_our_metadata_that_is_refused_is_refused_naming_it(tmp_pat
     assert load_gguf(p).metadata.labels == {"harmful": "negative"}
 
     def rewrite(doc_text):
-        r = gguf.GGUFReader(str(p))
-        w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "controlvector")
-        w.add_string("controlvector.model_hint", "")
-        w.add_string("controlvector.vllm_steer_metadata", doc_text)
-        for t in r.tensors:
-            w.add_tensor(t.name, np.array(t.data))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        dirs = {int(t.name.split(".")[1]): np.array(t.data)
+                for t in gguf.GGUFReader(str(p)).tensors}
+        write_gguf(tmp_path / "bad.gguf",
+                   [("add_string", "controlvector.model_hint", ""),
+                    ("add_string", "controlvector.vllm_steer_metadata", doc_text)], dirs)
         return tmp_path / "bad.gguf"
 
     doc = json.loads(gguf.GGUFReader(str(p)).get_field(
@@ -259,16 +262,10 @@ def test_a_foreign_ggufs_overlong_hint_or_key_names(tmp_path):
     write_repeng_gguf(p, _dirs([1, 2]), model_hint="x" * 200)
     with pytest.raises(VectorFileError, match="controlvector.model_hint is 200 characters"):
         load_gguf(p)
-    w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "controlvector")
-    w.add_string("controlvector.model_hint", "llama")
-    w.add_string("k" * 5000, "v")
-    w.add_string("easysteer.method", "diffmean")
-    for k, v in _dirs([1, 2]).items():
-        w.add_tensor(f"direction.{k}", v)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(tmp_path / "k.gguf", [("add_string", "controlvector.model_hint", "llama"),
+                                     ("add_string", "k" * 5000, "v"),
+                                     ("add_string", "easysteer.method", "diffmean")],
+               _dirs([1, 2]))
     vs = load_gguf(tmp_path / "k.gguf")
     assert vs.metadata.source["keys"] == {"controlvector.model_hint": "llama",
                                           "easysteer.method": "diffmean"}

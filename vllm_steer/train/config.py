@@ -29,11 +29,6 @@ def default_data_dir() -> str:
     return str(Path(__file__).resolve().parents[3] / "shared" / "data")
 
 
-#: The largest strength the final dev check may use (a recommended strength is one of them,
-#: and a steer file holds at most :data:`vllm_steer.format.MAX_META_STRENGTH`).
-MAX_CHECK_STRENGTH = 1e4
-
-
 @dataclass
 class TrainConfig:
     """The training recipe. Every field is written to the steer file's ``recipe``."""
@@ -171,7 +166,8 @@ class TrainConfig:
 
     def _number_problems(self) -> list[str]:
         """What is wrong with the numbers of the recipe (finite, in range)."""
-        from vllm_steer.format import MAX_EPSILON, MIN_EPSILON
+        # a recommended strength is one of the check strengths: what a steer file may hold
+        from vllm_steer.format import MAX_EPSILON, MAX_META_STRENGTH, MIN_EPSILON
 
         problems = []
         for name in ("epsilon", "lr", "init_std"):
@@ -179,10 +175,10 @@ class TrainConfig:
             if not (isinstance(v, (int, float)) and 0 < v < math.inf):
                 problems.append(f"{name}={v!r}: must be a positive finite number")
         if not (self.check_strengths and all(
-                isinstance(v, (int, float)) and 0 < v <= MAX_CHECK_STRENGTH
+                isinstance(v, (int, float)) and 0 < v <= MAX_META_STRENGTH
                 for v in self.check_strengths)):
             problems.append(f"check_strengths={self.check_strengths!r}: give strengths in "
-                            f"(0, {MAX_CHECK_STRENGTH:g}], e.g. (1, 2, 3, 5, 10): each is "
+                            f"(0, {MAX_META_STRENGTH:g}], e.g. (1, 2, 3, 5, 10): each is "
                             "checked at +s and -s, and the recommended strength is one of "
                             "them")
         if isinstance(self.epsilon, (int, float)) and self.epsilon > 0 and not (

@@ -275,6 +275,21 @@ def test_async_counts_are_corrected_for_the_drafts_the_previous_step_rejected():
     assert len(calls) == 1  # the wait only where a count is optimistic
 
 
+def _speculative_v1_runtime(monkeypatch, steered: int, windowed: int):
+    """The process's gates (an engine that speculates, ``steered`` steered and ``windowed``
+    windowed slots, no decoder-layer steer) and a runtime stand-in: its step mapping, its
+    faults and a slot table with ``windowed`` slots that have a window."""
+    from vllm_steer.integrations.worker.gates import GATES
+    from vllm_steer.integrations.worker.step_faults import StepFaults
+
+    for gate, value in (("steered_slots", steered), ("speculative_runtimes", 1),
+                        ("windowed_slots", windowed), ("layer_mappings", 0)):
+        monkeypatch.setattr(GATES, gate, value)
+    step = StepMapping()
+    return step, SimpleNamespace(step=step, faults=StepFaults(), slots=SimpleNamespace(
+        num_window_slots=windowed, any_windowed=lambda s: bool(windowed)))
+
+
 def test_a_steered_speculative_v1_step_starts_its_rows_in_prepare_inputs(monkeypatch):
     """V1's ``_prepare_inputs`` hook starts a steered speculative step's rows: the sampled rows
     are the batch (one per request) until vLLM's ``_calc_spec_decode_metadata``, called inside
@@ -286,14 +301,8 @@ def test_a_steered_speculative_v1_step_starts_its_rows_in_prepare_inputs(monkeyp
     from vllm_steer.integrations.worker.gates import GATES
     from vllm_steer.integrations.worker.rows import BATCH_ROWS, DRAFT_BATCH_ROWS
     from vllm_steer.integrations.worker.runtime import BINDINGS, V1RunnerBinding
-    from vllm_steer.integrations.worker.step_faults import StepFaults
 
-    for gate, value in (("steered_slots", 1), ("speculative_runtimes", 1), ("windowed_slots", 0),
-                        ("layer_mappings", 0)):
-        monkeypatch.setattr(GATES, gate, value)
-    step = StepMapping()
-    rt = SimpleNamespace(step=step, faults=StepFaults(),
-                         slots=SimpleNamespace(num_window_slots=0, any_windowed=lambda s: False))
+    step, rt = _speculative_v1_runtime(monkeypatch, steered=1, windowed=0)
     seen = []
 
     class Runner(v1_spec_runner_class()):  # 2 requests, 2 and 0 draft tokens
@@ -328,16 +337,9 @@ def test_a_step_without_drafts_reads_windows_at_the_true_generated_token(monkeyp
     generated, the previous step's 3 drafts all rejected (the host counts them accepted)."""
     from vllm_steer.integrations.hooks import wrap_method
     from vllm_steer.integrations.worker import v1
-    from vllm_steer.integrations.worker.gates import GATES
     from vllm_steer.integrations.worker.runtime import BINDINGS, V1RunnerBinding
-    from vllm_steer.integrations.worker.step_faults import StepFaults
 
-    for gate, value in (("steered_slots", 0), ("speculative_runtimes", 1), ("windowed_slots", 1),
-                        ("layer_mappings", 0)):
-        monkeypatch.setattr(GATES, gate, value)
-    step = StepMapping()
-    rt = SimpleNamespace(step=step, faults=StepFaults(),
-                         slots=SimpleNamespace(num_window_slots=1, any_windowed=lambda s: True))
+    step, rt = _speculative_v1_runtime(monkeypatch, steered=0, windowed=1)
     ib = SimpleNamespace(num_reqs=1, num_computed_tokens_cpu=np.array([14]),
                          num_prompt_tokens=np.array([10]), req_ids=["r0"],
                          prev_req_id_to_index={"r0": 0})
