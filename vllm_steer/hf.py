@@ -159,29 +159,40 @@ def vector_steering(model, vectors: "Mapping[str, VectorSteer] | VectorSteer",
             h.remove()
 
 
-def tokenize_scored(tokenizer, text: str, prefix: str | None = None,
+def tokenize_scored(tokenizer, text: str, prefix: str | Sequence[int] | None = None,
                     max_length: int | None = None) -> tuple[list[int], int]:
     """Token ids of ``prefix + text`` (no special tokens) and the index of the first scored
-    token: the first text token after a prefix, else token 1 (token 0 has no context)."""
-    if prefix:
-        a = tokenizer(prefix, add_special_tokens=False)["input_ids"]
-        b = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids, start = a + b, len(a)
+    token: the first text token after a prefix, else token 1 (token 0 has no context).
+
+    A prefix given as token ids is used as it is (a prompt as the model was given it, with
+    the special tokens its tokenizer adds, such as Llama's BOS); only the text is tokenised.
+    """
+    if prefix is not None and not isinstance(prefix, str):
+        a = [int(t) for t in prefix]
     else:
-        ids, start = tokenizer(text, add_special_tokens=False)["input_ids"], 1
+        a = tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []
+    ids = a + tokenizer(text, add_special_tokens=False)["input_ids"]
     if max_length:
         ids = ids[:max_length]
-    return ids, max(start, 1)
+    return ids, max(len(a), 1)
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The token ids a model is given for a text prompt: the tokenizer's default encoding,
+    with the special tokens it adds (Llama's and Mistral's BOS; none for GPT-2 or SmolLM2),
+    as vLLM tokenises a text prompt."""
+    return list(tokenizer(prompt)["input_ids"])
 
 
 @torch.no_grad()
 def token_logprobs(model, tokenizer, texts: Sequence[str], steers=None, strengths=None,
-                   prefixes: Sequence[str] | None = None, batch_size: int = 8,
+                   prefixes: Sequence[str | Sequence[int]] | None = None, batch_size: int = 8,
                    max_length: int | None = None) -> list[torch.Tensor]:
     """Per-token log-likelihood of each text (steered if ``steers`` given).
 
     Returns, per text, a float32 tensor ``[num_tokens - 1]``: ``log p(t_i | t_<i)`` for tokens
-    1..n-1 (or for the text's tokens after ``prefixes[i]`` when prefixes are given).
+    1..n-1 (or for the text's tokens after ``prefixes[i]`` when prefixes are given; a prefix
+    is a string, tokenised without special tokens, or token ids used as they are).
     """
     ctx = steering(model, steers, strengths) if steers is not None else contextlib.nullcontext()
     device = output_head(model).weight.device

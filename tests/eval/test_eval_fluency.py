@@ -58,3 +58,84 @@ def test_empty_continuations_are_left_out_and_counted():
 def test_mismatched_lengths_are_refused(scorer):
     with pytest.raises(ValueError, match="2 prompts but 1 continuations"):
         scorer.nll(["a", "b"], ["c"])
+
+
+@pytest.fixture(scope="module")
+def bos_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a tokenizer that adds BOS before every text (as Llama's does)."""
+    import shutil
+
+    from helpers.models import add_bos
+
+    out = tmp_path_factory.mktemp("tiny-bos") / "model"
+    shutil.copytree(tiny_model_dir, out)
+    return add_bos(out)
+
+
+def _nll_of_ids(model, prompt_ids, cont_ids):
+    """Sum of -log p(cont | prompt ids) from one plain forward pass of the model."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + cont_ids])).logits[0].double()
+    lp = torch.log_softmax(logits, -1)
+    return -sum(lp[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(cont_ids))
+
+
+def test_a_text_prompt_is_scored_after_the_bos_the_model_was_given(bos_model_dir):
+    """A Llama-style tokenizer puts BOS before a text prompt (vLLM generates after it): the
+    continuation is scored given BOS + prompt, and a templated prompt (which carries its own
+    special tokens) is scored as it is."""
+    scorer = PerplexityScorer(str(bos_model_dir), dtype="float32", batch_size=2)
+    tok = scorer.tokenizer
+    bos = tok.bos_token_id
+    prompts, conts = ["The weather today", "Once"], [" is sunny and warm.", " upon a time"]
+    got = scorer.nll(prompts, conts, progress=False)
+    plain = scorer.nll(prompts, conts, progress=False, special_tokens=False)
+    for p, c, g, q in zip(prompts, conts, got, plain, strict=True):
+        a = tok(p, add_special_tokens=False)["input_ids"]
+        b = tok(c, add_special_tokens=False)["input_ids"]
+        assert g.tokens == q.tokens == len(b)
+        with_bos = _nll_of_ids(scorer.model, [bos] + a, b)
+        assert g.nll_sum == pytest.approx(with_bos, rel=1e-4)
+        assert q.nll_sum == pytest.approx(_nll_of_ids(scorer.model, a, b), rel=1e-4)
+        assert abs(with_bos - q.nll_sum) > 1e-3  # the BOS changes the score
+
+
+def test_the_engine_scores_a_text_prompt_after_the_bos_it_generated_after(bos_model_dir):
+    """The vLLM backend's prompt logprobs are asked for BOS + prompt + continuation (what
+    vLLM generated from, tokenising the text prompt); an engine that answers from the model's
+    own weights gives the independent score."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_steer.eval.generation import VLLMGenerator
+
+    tok = AutoTokenizer.from_pretrained(bos_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(bos_model_dir, dtype=torch.float32).eval()
+    asked = []
+
+    class Engine:
+        def get_tokenizer(self):
+            return tok
+
+        def generate(self, prompts, params, use_tqdm=False):
+            outs = []
+            for p in prompts:
+                ids = list(p["prompt_token_ids"])
+                asked.append(ids)
+                with torch.no_grad():
+                    lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+                plp = [None] + [{t: SimpleNamespace(logprob=lp[k - 1, t].item())}
+                                for k, t in enumerate(ids) if k]
+                outs.append(SimpleNamespace(prompt_token_ids=ids, prompt_logprobs=plp))
+            return outs
+
+    gen = VLLMGenerator.__new__(VLLMGenerator)
+    gen.llm = Engine()
+    prompt, cont = "The weather today", " is sunny"
+    (got,) = gen.nll([prompt], [cont], progress=False)
+    a = tok(prompt)["input_ids"]  # as vLLM tokenises a text prompt
+    b = tok(cont, add_special_tokens=False)["input_ids"]
+    assert a[0] == tok.bos_token_id and asked == [a + b]
+    assert got.tokens == len(b)
+    assert got.nll_sum == pytest.approx(_nll_of_ids(model, a, b), rel=1e-6)

@@ -24,6 +24,22 @@ def copy_tokenizer(out: Path) -> None:
             shutil.copy(src / f, Path(out) / f)
 
 
+def add_bos(folder: Path) -> Path:
+    """Make ``folder``'s tokenizer add its BOS token (``<|im_start|>``) before every text, as
+    Llama's, Mistral's and Gemma's do (the embedded model's adds nothing)."""
+    import json
+
+    path = Path(folder) / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    bos = {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}
+    spec["post_processor"]["single"] = [bos, *spec["post_processor"]["single"]]
+    ids = [t["id"] for t in spec["added_tokens"] if t["content"] == "<|im_start|>"]
+    spec["post_processor"]["special_tokens"] = {
+        "<|im_start|>": {"id": "<|im_start|>", "ids": ids, "tokens": ["<|im_start|>"]}}
+    path.write_text(json.dumps(spec))
+    return Path(folder)
+
+
 def make_tiny_llama(out: Path, hidden: int = 64, layers: int = 2, tie: bool = False,
                     seed: int = 0, bigram: bool = False) -> Path:
     """A random-weight Llama with the embedded model's tokenizer (vocab 49152), saved as an

@@ -14,8 +14,9 @@ Reported per condition:
 Samples with no tokens (an immediate end of sequence) are left out and counted.
 
 The scorer is a transformers causal LM (default: the evaluated model, unsteered); the log
-probabilities come from :func:`vllm_steer.hf.token_logprobs` with ``prefixes=prompts``
-(prompt and continuation tokenised separately and concatenated).
+probabilities come from :func:`vllm_steer.hf.token_logprobs` with the prompts as prefixes
+(prompt and continuation tokenised separately and concatenated; the prompt with the special
+tokens its tokenizer adds, such as Llama's BOS, as the model was given it).
 """
 
 from __future__ import annotations
@@ -57,11 +58,16 @@ class PerplexityScorer:
             self.device).eval()
 
     def nll(self, prompts: Sequence[str], continuations: Sequence[str],
-            progress: bool = True, desc: str = "perplexity") -> list[SampleNLL]:
-        """One :class:`SampleNLL` per (prompt, continuation), in order."""
+            progress: bool = True, desc: str = "perplexity",
+            special_tokens: bool = True) -> list[SampleNLL]:
+        """One :class:`SampleNLL` per (prompt, continuation), in order.
+
+        ``special_tokens``: a prompt is tokenised as a model is given a text prompt, with the
+        special tokens its tokenizer adds (Llama's BOS), as vLLM does; False for text that
+        carries its own (a chat template's rendering). The continuation never gets any."""
         from tqdm.auto import tqdm
 
-        from vllm_steer.hf import token_logprobs
+        from vllm_steer.hf import prompt_ids, token_logprobs
 
         if len(prompts) != len(continuations):
             raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations")
@@ -72,8 +78,10 @@ class PerplexityScorer:
         bar = tqdm(total=len(order), desc=desc, unit="sample", disable=not progress, leave=False)
         for a in range(0, len(order), step):
             idx = order[a:a + step]
+            pre = [prompt_ids(self.tokenizer, prompts[i]) if special_tokens else prompts[i]
+                   for i in idx]
             lps = token_logprobs(self.model, self.tokenizer, [continuations[i] for i in idx],
-                                 prefixes=[prompts[i] for i in idx], batch_size=self.batch_size)
+                                 prefixes=pre, batch_size=self.batch_size)
             for i, lp in zip(idx, lps, strict=True):
                 out[i] = SampleNLL(-float(lp.double().sum()), int(lp.numel()))
             bar.update(len(idx))

@@ -252,13 +252,15 @@ class VLLMGenerator:
         """Unsteered log-likelihood of each continuation given its prompt, from the engine's
         prompt logprobs (the same model and weights that generated; prompt and continuation
         tokenised separately and concatenated, as :func:`vllm_steer.hf.token_logprobs`
-        does; a prompt given as token ids, a chat-templated one, is used as it is, so a
-        chat reply is scored given the templated prompt). Returns
+        does; a text prompt with the special tokens vLLM added when it generated, such as
+        Llama's BOS; a prompt given as token ids, a chat-templated one, is used as it is, so
+        a chat reply is scored given the templated prompt). Returns
         :class:`~vllm_steer.eval.fluency.SampleNLL` per pair."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         from vllm_steer.eval.fluency import SampleNLL
+        from vllm_steer.hf import prompt_ids
 
         if len(prompts) != len(continuations):
             raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations")
@@ -269,7 +271,7 @@ class VLLMGenerator:
         for i, (p, c) in enumerate(zip(prompts, continuations, strict=True)):
             if isinstance(p, str):
                 if p not in cache:
-                    cache[p] = tok(p, add_special_tokens=False)["input_ids"]
+                    cache[p] = prompt_ids(tok, p)
                 a = cache[p]
             else:
                 a = list(p)

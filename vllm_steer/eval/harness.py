@@ -405,7 +405,7 @@ def _evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None,
         t = time.perf_counter()
         ppl_scorer = PerplexityScorer(cfg.scorer_model or model_path, dtype=cfg.scorer_dtype)
         nll = ppl_scorer.nll([scorer_prompts[i] for i in flat_prompts], flat_texts,
-                             progress=cfg.progress)
+                             progress=cfg.progress, special_tokens=cfg.mode == "plain")
         scorer_info = {"model": cfg.scorer_model or cfg.model, "path": ppl_scorer.path,
                        "backend": "transformers", "dtype": ppl_scorer.dtype_name}
         del ppl_scorer
