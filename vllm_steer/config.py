@@ -21,6 +21,10 @@ DEFAULT_RESERVED_RANK = 64
 #: ``--max-steers-per-request`` unless given: the most steers one request may be served with
 #: (presets, defaults and floors counted); the bank's capacity (``--max-steers``) bounds it too.
 DEFAULT_MAX_STEERS_PER_REQUEST = 8
+#: The largest ``--max-steers``, ``--max-steers-per-request`` and ``--max-steer-rank``: far
+#: beyond any device (65,536 steers of rank 64 at hidden size 4096 in bf16 reserve 128 GiB),
+#: so that a typo is refused by name before anything is built for it.
+MAX_COUNT_FLAG = 65536
 
 
 @dataclass
@@ -105,6 +109,9 @@ class SteerServerConfig:
                         ("--max-steer-rank", self.max_steer_rank)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{flag}={v!r}: must be a positive integer")
+            if v is not None and v > MAX_COUNT_FLAG:
+                raise ValueError(f"{flag}={v}: over the limit of {MAX_COUNT_FLAG}; give the "
+                                 "steers (or the rank) the server will really hold")
         if self.max_steers is not None and self.max_steers < len(self.steers):
             raise ValueError(f"--max-steers={self.max_steers} is less than the "
                              f"{len(self.steers)} steers given with --steer; raise it")
@@ -120,7 +127,8 @@ class SteerServerConfig:
     def reserved_rank(self, startup_ranks=()) -> int:
         """The rank per steer (and per domain component) the steer bank reserves at start-up,
         the largest a steer loaded at run time may have: ``--max-steer-rank``, else the
-        largest of :data:`DEFAULT_RESERVED_RANK` and the ``--steer`` files' ranks."""
+        largest of :data:`DEFAULT_RESERVED_RANK` and the ranks of the ``--steer`` files'
+        factors, domain components included (:func:`vllm_steer.format.factor_ranks`)."""
         if self.max_steer_rank is not None:
             return self.max_steer_rank
         return max([DEFAULT_RESERVED_RANK, *startup_ranks])

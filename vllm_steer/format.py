@@ -533,6 +533,15 @@ def read_metadata(path: str | os.PathLike) -> SteerMetadata:
     return _check_file(path)[1]
 
 
+def factor_ranks(path: str | os.PathLike) -> tuple[int, ...]:
+    """The ranks of an LM-Steer file's factors, the steer's and its domain component's if it
+    has one, from the header (no tensors loaded): what a bank slot must reserve for it, as
+    the loaded steer's ``p1`` and ``domain_p1`` say. Raises :class:`SteerFileError`."""
+    header = _check_file(os.fspath(path))[0]
+    return tuple(int(header[t]["shape"][1]) for t in (TENSOR_P1, TENSOR_DOMAIN_P1)
+                 if t in header)
+
+
 @dataclass
 class Steer:
     """A loaded steer: factors (row-vector convention) and metadata."""

@@ -192,3 +192,30 @@ def test_a_reservation_the_device_cannot_hold_is_refused_at_start_up(tmp_path, m
     msg = str(e.value)
     assert f"needs {want_mib:.1f} MiB" in msg and "CUDA out of memory" in msg
     assert "--max-steers (now 64)" in msg and "--max-steer-rank (now 1024)" in msg
+
+
+def test_the_engine_core_refuses_by_the_rank_the_workers_reserved_for_a_domain_component(
+        tmp_path):
+    """A ``--steer`` file of rank 8 whose domain component has rank 96 makes the workers
+    reserve rank 96: the engine core, which checks run-time loads, holds the same limit, so a
+    file like it loads at run time (and one of rank 97 is refused naming 96)."""
+    from vllm_steer.integrations.engine import management
+    from vllm_steer.integrations.engine.state import engine_state
+
+    start = _steer(tmp_path, "start", 8, 1, domain_rank=96)
+    cfg = {"steers": {"start": start}, "max_steers": 3, "enable_updates": True}
+    model = SimpleNamespace(model="m", architectures=["LlamaForCausalLM"],
+                            get_hidden_size=lambda: HIDDEN)
+    core = engine_core(
+        vllm_config=SimpleNamespace(additional_config={"vllm_steer": cfg}, model_config=model),
+        model_executor=SimpleNamespace(collective_rpc=lambda fn, args=(): [True]),
+        scheduler=SimpleNamespace(requests={}))
+    rt = SteerRuntime(SteerServerConfig(steers={"start": start}, backend="torch", max_steers=3))
+    rt.bank_state.load(HIDDEN, torch.device("cpu"), torch.float32)
+    assert rt.bank_state.bank.reserved_rank == 96
+    assert engine_state(core).reserved_rank == 96
+    ok = management.load_steer_file(core, "alike", _steer(tmp_path, "alike", 8, 2, 96), "api")
+    assert ok["ok"] is True, ok
+    out = management.load_steer_file(core, "over", _steer(tmp_path, "over", 8, 3, 97), "api")
+    assert out["ok"] is False and out["status"] == 400, out
+    assert "domain rank 97, over --max-steer-rank=96" in out["error"]

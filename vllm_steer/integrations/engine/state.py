@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm_steer.config import SteerServerConfig
-from vllm_steer.kinds import read_any_metadata
+from vllm_steer.format import factor_ranks
+from vllm_steer.kinds import applied_in_layers, read_any_metadata
 from vllm_steer.integrations.engine.change_order import ChangeOrder
 from vllm_steer.integrations.engine.presets import PresetTable
 from vllm_steer.integrations.engine.registry import SteerEntry, SteerRegistry, file_stamp
@@ -92,7 +93,8 @@ def engine_state(core) -> EngineSteerState:
         for name, (bank_slot, load_id) in cfg.startup_placement().items():  # the workers' too
             stamp = file_stamp(cfg.steers[name])
             meta = read_any_metadata(cfg.steers[name])
-            ranks.append(int(meta.rank))
+            if not applied_in_layers(meta):  # the factors' ranks, as the workers reserve them
+                ranks += factor_ranks(cfg.steers[name])
             reg.commit(SteerEntry.from_metadata(name, cfg.steers[name], meta, load_id, bank_slot,
                                                 SOURCE_STARTUP, stamp))
             reg.next_load_id = max(reg.next_load_id, load_id + 1)
