@@ -64,6 +64,18 @@ def test_server_config_round_trip_and_limits():
             SteerServerConfig(max_strength=bad)
 
 
+@pytest.mark.parametrize("field, flag", [("max_steers", "--max-steers"),
+                                         ("max_steers_per_request", "--max-steers-per-request"),
+                                         ("max_steer_rank", "--max-steer-rank")])
+def test_counts_beyond_any_device_are_refused_by_name_before_anything_is_built(field, flag):
+    """``--max-steers 1000000000`` was a MemoryError (one list entry per slot, built before
+    the bank's own check); now the flag, the value and the limit."""
+    assert SteerServerConfig(**{field: 65536})  # the limit itself is taken
+    with pytest.raises(ValueError) as e:
+        SteerServerConfig(**{field: 10 ** 9})
+    assert str(e.value).startswith(f"{flag}=1000000000: over the limit of 65536")
+
+
 @pytest.mark.parametrize("key, value, fragment", [
     ("defaults", {"detox": float("nan")}, "additional_config defaults: strength nan of steer "
                                           "'detox' must be a finite number"),
