@@ -513,10 +513,12 @@ class StepPlanner:
             warn_once("vllm-steer: drafter rows outnumber their known slots; they are "
                       "computed unsteered")
             return hidden
-        if not self.slots.num_active_slots and not staging.capturing(hidden):
+        capturing = staging.capturing(hidden)
+        if not self.slots.num_active_slots and not capturing:
             return hidden
-        self.op_calls += 1
-        self.op_rows += n
+        if not capturing:  # a capture is no call: its replays run without the host
+            self.op_calls += 1
+            self.op_rows += n
         return self._fixed_op(hidden, table, mapping[:n])
 
 

@@ -53,12 +53,15 @@ from vllm_steer.integrations.worker.bank_state import BankState
 from vllm_steer.integrations.worker.request_slots import (RequestCoefs, RequestSlots,
                                                           decode_request)
 from vllm_steer.integrations.worker.gates import GATES
+from vllm_steer.logs import get_logger
 from vllm_steer.integrations.worker.planner import SteerStats, StepPlanner
 from vllm_steer.integrations.worker.step_mapping import (LayerVectors, StepMapping,
                                                          TokenCoefs, op_dtype)
 from vllm_steer.integrations.worker.step_faults import REQUEST_STATE, StepFaults
 from vllm_steer.request import BOUND_KEY
 from vllm_steer.sizing import MAX_GRAPH_ROWS
+
+logger = get_logger()
 
 
 class SteerRuntime:
@@ -96,6 +99,10 @@ class SteerRuntime:
         layers = LayerVectors(blocks, num_blocks, self.config.capacity, hidden_size,
                               max_tokens, device, op_dtype(device, model_dtype))
         n = decoder_layers.install(model, layers, num_blocks, model_dtype)
+        logger.info("vllm-steer: vector bank reserves %.1f MiB (%d max steers x (%d blocks x "
+                    "hidden %d + %d step tokens) x %s)", layers.reserved_bytes / 2**20,
+                    self.config.capacity, len(blocks), hidden_size, max_tokens,
+                    str(layers.dtype).replace("torch.", ""))
         self.layers, self.step.tokens = layers, TokenCoefs(layers, self.slots)
         GATES.layer_mappings += 1
         bank = self.bank_state.bank
