@@ -139,3 +139,51 @@ def test_the_engine_scores_a_text_prompt_after_the_bos_it_generated_after(bos_mo
     assert a[0] == tok.bos_token_id and asked == [a + b]
     assert got.tokens == len(b)
     assert got.nll_sum == pytest.approx(_nll_of_ids(model, a, b), rel=1e-6)
+
+
+def test_a_scorer_dtype_is_honoured_by_scoring_in_transformers(tmp_path, tiny_model_dir):
+    """``--scorer-dtype`` is the transformers scorer's: with ``--ppl-backend auto`` it picks
+    transformers (the engine would score in its own dtype and ignore it); with ``vllm`` it is
+    refused by name."""
+    import json as _json
+
+    from helpers.eval_standins import standin_generator
+    from helpers.steers import random_steer
+    from vllm_steer.eval import register_scorer
+    from vllm_steer.eval.generation import SamplingConfig
+    from vllm_steer.eval.harness import EvalConfig, evaluate
+    from vllm_steer.format import save_steer
+
+    class Flat:
+        name = "standin-flat"
+
+        def score(self, texts):
+            return [0.5 for _ in texts]
+
+    register_scorer("toxicity", "standin-flat", Flat, overwrite=True)
+    register_scorer("sentiment", "standin-flat", Flat, overwrite=True)
+    steer = str(tmp_path / "s.safetensors")
+    save_steer(steer, random_steer(64, 4, "s"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(_json.dumps({"prompt": {"text": f"Prompt {i}"}})
+                                 for i in range(2)))
+    kw = dict(task="toxicity", model=str(tiny_model_dir), steers=[steer], strengths=[0, 1],
+              baseline="none", prompt_file=str(prompts), num_prompts=2,
+              sampling=SamplingConfig(samples=1, max_tokens=4), toxicity_scorer="standin-flat",
+              sentiment_scorers=["standin-flat"], progress=False)
+    gen = standin_generator(lambda s: 7.0)  # the engine's perplexity: 7 everywhere
+    engine = evaluate(EvalConfig(out=str(tmp_path / "a"), **kw), gen, log=lambda m: None)
+    assert engine["scorers"]["perplexity"]["backend"] == "vllm"
+    res = evaluate(EvalConfig(out=str(tmp_path / "b"), scorer_dtype="float32", **kw), gen,
+                   log=lambda m: None)
+    assert res["scorers"]["perplexity"]["backend"] == "transformers"
+    assert res["scorers"]["perplexity"]["dtype"] == "float32"
+    ref = PerplexityScorer(str(tiny_model_dir), dtype="float32")
+    rec = _json.loads((tmp_path / "b" / "generations.jsonl").read_text().splitlines()[0])
+    (sample,) = rec["samples"]
+    (want,) = ref.nll([rec["prompt"]], [sample["text"]], progress=False)
+    assert sample["ppl"] == pytest.approx(want.ppl, rel=1e-4) and sample["ppl"] != 7.0
+    with pytest.raises(ValueError, match="--ppl-backend vllm scores in the engine's dtype; "
+                                         "--scorer-dtype float32 is the transformers"):
+        EvalConfig(out=str(tmp_path / "c"), scorer_dtype="float32", ppl_backend="vllm",
+                   **kw).validate()

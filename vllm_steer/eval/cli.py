@@ -120,7 +120,8 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
     o.add_argument("--ppl-backend", default="auto", choices=["auto", "vllm", "transformers"],
                    help="who computes perplexity: the evaluation's vLLM engine (unsteered "
                         "prompt logprobs, same weights; about 2x faster on CPU), transformers, "
-                        "or auto (vllm unless --scorer-model names another model)")
+                        "or auto (vllm unless --scorer-model names another model or "
+                        "--scorer-dtype is given)")
     o.add_argument("--quiet", action="store_true", help="no progress bars")
     _kv_cache_flag(p)
     p.set_defaults(func=cmd_eval, eval_task=task)

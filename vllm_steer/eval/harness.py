@@ -80,8 +80,9 @@ class EvalConfig:
     float32)."""
     ppl_backend: str = "auto"
     """Who computes perplexity: ``vllm`` (the evaluation's engine, unsteered prompt logprobs;
-    only when the scorer is the evaluated model), ``transformers``
-    (:func:`vllm_steer.hf.token_logprobs`), or ``auto`` (vllm when possible)."""
+    only when the scorer is the evaluated model, in the engine's dtype), ``transformers``
+    (:func:`vllm_steer.hf.token_logprobs`), or ``auto`` (vllm when possible: no other
+    ``scorer_model`` and no ``scorer_dtype`` given)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """vLLM engine settings."""
     recommended_strength: float | None = None
@@ -119,6 +120,10 @@ class EvalConfig:
             raise ValueError(f"--ppl-backend vllm scores with the evaluated model "
                              f"({self.model}); --scorer-model {self.scorer_model} needs "
                              "--ppl-backend transformers")
+        if self.ppl_backend == "vllm" and self.scorer_dtype != "auto":
+            raise ValueError(f"--ppl-backend vllm scores in the engine's dtype; --scorer-dtype "
+                             f"{self.scorer_dtype} is the transformers scorer's: drop it, or "
+                             "use --ppl-backend transformers")
         self.sampling.validate()
 
 
@@ -375,6 +380,7 @@ def _evaluate(cfg: EvalConfig, generator_factory: GeneratorFactory | None,
     engine_args = dict(getattr(gen, "engine_args", None) or {})
     same_model = cfg.scorer_model in (None, cfg.model)
     engine_ppl = cfg.ppl_backend == "vllm" or (cfg.ppl_backend == "auto" and same_model
+                                                and cfg.scorer_dtype == "auto"
                                                 and callable(getattr(gen, "nll", None)))
     nll = None
     try:
