@@ -11,6 +11,7 @@ import torch
 from helpers.steers import random_steer
 from vllm_steer.cli import build_parser, main
 from vllm_steer.eval.cli import config_from_args, parse_strengths
+from vllm_steer.format import save_steer
 
 
 def test_strength_lists_parse_including_leading_negatives():
@@ -41,6 +42,31 @@ def test_the_recorded_command_reproduces_the_config(tmp_path):
 def test_missing_steer_is_a_clear_error(capsys):
     assert main(["eval", "toxicity", "--steer", "nope.safetensors"]) == 1
     assert "--steer nope.safetensors: no such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["toxicity", "--strengths", "1,1.0000001"],
+     "--strengths: 1.0000001 and 1.0, which the report labels alike (+1)"),
+    (["grid", "--steer", "b.safetensors", "--strengths", "0,5",
+      "--grid-strengths", "-5,-5.0000002"],
+     "--grid-strengths: -5.0000002 and -5.0, which the report labels alike (-5)")])
+def test_strengths_that_would_be_one_condition_are_refused_before_any_work(
+        flags, said, tmp_path, capsys):
+    """Two strengths the report labels alike were run twice and their samples merged under one
+    label (each condition's metrics over both runs' samples); the same value twice, which the
+    command line drops, is refused through the Python API."""
+    from vllm_steer.eval.harness import EvalConfig
+
+    with pytest.raises(ValueError, match=r"--strengths: 5 twice \(\+5\); give each"):
+        EvalConfig(task="toxicity", steers=["a"], strengths=[0, 5, 5]).validate()
+    for n in ("a", "b"):
+        save_steer(str(tmp_path / f"{n}.safetensors"), random_steer(64, 4, n))
+    flags = [f.replace("b.safetensors", str(tmp_path / "b.safetensors")) for f in flags]
+    assert main(["eval", *flags[:1], "--steer", str(tmp_path / "a.safetensors"), *flags[1:],
+                 "--out", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert said in err and "give each strength once" in err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.vllm

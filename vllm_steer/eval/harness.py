@@ -110,6 +110,12 @@ class EvalConfig:
                              f"{len(self.steers)} (use `vllm-steer eval grid` for two)")
         if not self.strengths:
             raise ValueError("--strengths is empty")
+        same = [p for flag, values in (("--strengths", self.strengths),
+                                       ("--grid-strengths", self.grid_strengths),
+                                       ("--baseline-strengths", self.baseline_strengths))
+                for p in _same_label_problems(flag, values or [])]
+        if same:
+            raise ValueError("; ".join(same))
         from vllm_steer.eval.chat import check_mode
 
         check_mode(self.mode, self.instruction)
@@ -128,6 +134,23 @@ class EvalConfig:
 
 
 # ------------------------------------------------------------------------------- helpers
+
+def _same_label_problems(flag: str, values) -> list[str]:
+    """Strengths of one flag that would be one condition in the report: the same value twice,
+    or values its labels (``{v:+g}``, six digits) cannot tell apart."""
+    seen: dict[str, float] = {}
+    problems = []
+    for v in values:
+        key = f"{float(v):+g}"
+        if key in seen:
+            what = ("twice" if float(v) == seen[key]
+                    else f"and {seen[key]!r}, which the report labels alike")
+            problems.append(f"{flag}: {v!r} {what} ({key}); give each strength once, at most "
+                            "six significant digits")
+        else:
+            seen[key] = float(v)
+    return problems
+
 
 def _log(msg: str) -> None:
     print(f"[eval] {msg}", file=sys.stderr, flush=True)
