@@ -8,7 +8,9 @@ only addition), so that everything the plain manifests are tested for holds for 
 too; the rendered objects pass the Kubernetes schema strictly, with the defaults and with
 every scheduling, registry, environment and claim value set; the chart's values.schema.json
 refuses a bad value at render time; changed values reach the fields Kubernetes reads; the
-Jobs are named from the release and each can be left out.
+presets file is replaced as a whole and parses as the server parses it; string values stay
+strings; a GPU request that differs from its limit fails the render; the Jobs are named from
+the release and each can be left out.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 import yaml
 
 from deploy_helpers import DEPLOY, manifests
+from vllm_steer import presets_file
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk not installed (test extra)")
 
@@ -70,9 +73,6 @@ def test_the_chart_with_its_defaults_renders_the_plain_manifests():
     assert set(got) == set(want)
     assert {k for k, _ in want} == CHART_KINDS - {"PrometheusRule"}
     for key, obj in want.items():
-        if key[0] == "ConfigMap":  # the file's text may differ in layout, not in content
-            assert _presets_doc(got[key]) == _presets_doc(obj)
-            got[key]["data"] = obj["data"]
         if key[0] == "PersistentVolumeClaim":  # `helm uninstall` keeps both claims
             assert got[key]["metadata"].pop("annotations") == KEEP, key
         assert got[key] == obj, key
@@ -101,8 +101,7 @@ def test_the_values_schema_refuses_a_bad_value():
 def test_values_reach_the_objects():
     got = render({"replicas": 4, "storageClassName": "efs-sc",
                   "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
-                  # Helm merges maps into the defaults: null drops a default preset
-                  "presets": {"kind": {"detox": 2}, "detox-stable": None},
+                  "presetsFile": "presets:\n  kind: {detox: 2}\n",
                   "serviceMonitor": {"enabled": False}, "networkPolicy": {"enabled": False}})
     deploy = got[("Deployment", RELEASE)]
     assert deploy["spec"]["replicas"] == 4
@@ -112,6 +111,96 @@ def test_values_reach_the_objects():
     assert _presets_doc(got[("ConfigMap", f"{RELEASE}-presets")]) == {
         "presets": {"kind": {"detox": 2}}}
     assert {k for k, _ in got} == CHART_KINDS - {"ServiceMonitor", "NetworkPolicy"}
+
+
+def _served_presets(objects: dict) -> dict:
+    """The presets of the file the replicas read, parsed and checked as the server does at
+    start-up: the ConfigMap's key that the Deployment mounts where --steer-presets-file
+    points (its steers: the --steer ones)."""
+    (c,) = objects[("Deployment", RELEASE)]["spec"]["template"]["spec"]["containers"]
+    (path,) = [a.split("=", 1)[1] for a in c["args"]
+               if a.startswith("--steer-presets-file=")]
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "presets"]
+    assert path.startswith(mount["mountPath"] + "/"), (path, mount)
+    text = objects[("ConfigMap", f"{RELEASE}-presets")]["data"][path.rsplit("/", 1)[1]]
+    steers = {"detox", "sentiment"}
+    return presets_file.check(presets_file.parse(text, path), path, steers, 10.0)
+
+
+MY_PRESETS = """\
+# the fleet's aliases
+presets:
+  kind: {detox: 2}
+  upbeat: "sentiment:3"
+"""
+
+
+def test_the_presets_file_is_replaced_as_a_whole():
+    """`--set-file presetsFile=FILE` (a string value) gives the ConfigMap that very text: no
+    preset of the chart's default file is merged in, and an empty one serves none."""
+    got = render({"presetsFile": MY_PRESETS})
+    assert got[("ConfigMap", f"{RELEASE}-presets")]["data"] == {"presets.yaml": MY_PRESETS}
+    assert _served_presets(got) == {"kind": {"detox": 2.0}, "upbeat": {"sentiment": 3.0}}
+    # the default file, served the same way, is the one replaced
+    assert _served_presets(render()) == {"detox-stable": {"detox": 4.0}}
+    assert _served_presets(render({"presetsFile": "presets: {}\n"})) == {}
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"presetsFile": "presets: null\n"}, 'needs a "presets:" mapping'),
+    ({"presetsFile": "kind: {detox: 2}\n"}, 'needs a "presets:" mapping'),
+    ({"presetsFile": "presets: [kind\n"}, "presetsFile: not a YAML mapping"),
+    ({"presetsFile": ""}, "at '/presetsFile': minLength"),
+    # the map value of earlier versions of the chart, merged into the default presets
+    ({"presets": {"kind": {"detox": 2}}}, "'presets' not allowed"),
+], ids=["null", "no-presets-key", "not-yaml", "empty", "old-map-value"])
+def test_a_presets_file_the_server_refuses_fails_the_install(values, message):
+    with pytest.raises(helm.HelmError) as e:
+        render(values)
+    assert message in str(e.value), str(e.value)
+
+
+def test_environment_values_render_as_strings():
+    """A string value that YAML would read as a number or null stays a string: Kubernetes
+    refuses an EnvVar value that is not one, and an empty VLLM_PLUGINS loads no plugin."""
+    got = render({"modelDownload": {"modelId": "org/2024", "modelDir": "2024",
+                                    "hfTokenSecret": {"name": "hf", "key": "1"}},
+                  "plugins": "vllm_steer,vllm_steer_lens",
+                  "apiKeySecret": {"name": "keys", "key": "0123"}})
+    (job,) = _pod_spec(got[("Job", f"{RELEASE}-model-download")])["containers"]
+    env = {e["name"]: e for e in job["env"]}
+    assert env["MODEL_DIR"]["value"] == "2024" and env["MODEL_ID"]["value"] == "org/2024"
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "1"}
+    (c,) = _pod_spec(got[("Deployment", RELEASE)])["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["VLLM_PLUGINS"]["value"] == "vllm_steer,vllm_steer_lens"
+    assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "0123"}
+    (c,) = _pod_spec(render({"plugins": "1"})[("Deployment", RELEASE)])["containers"]
+    assert {"name": "VLLM_PLUGINS", "value": "1"} in c["env"]
+    with pytest.raises(helm.HelmError) as e:
+        render({"plugins": ""})
+    assert "/plugins" in str(e.value) and "minLength" in str(e.value), str(e.value)
+
+
+def test_a_gpu_request_that_differs_from_its_limit_fails_the_install():
+    """Helm merges `resources` into the defaults: raising only the limit would keep the
+    request of 1 GPU, which Kubernetes refuses (an extended resource's request equals its
+    limit). The chart says so, with both values and the fix."""
+    with pytest.raises(helm.HelmError) as e:
+        render({"resources": {"limits": {"nvidia.com/gpu": "2"}}})
+    msg = str(e.value)
+    for part in ("requests.nvidia.com/gpu is 1", "limits.nvidia.com/gpu is 2",
+                 "set both to the same value",
+                 "--set resources.requests.nvidia\\.com/gpu=2"):
+        assert part in msg, msg
+    with pytest.raises(helm.HelmError) as e:
+        render({"resources": {"requests": {"nvidia.com/gpu": 2}}})
+    assert "requests.nvidia.com/gpu is 2 but limits.nvidia.com/gpu is 1" in str(e.value)
+    got = render({"resources": {"requests": {"nvidia.com/gpu": 2},
+                                "limits": {"nvidia.com/gpu": 2}}})
+    (c,) = _pod_spec(got[("Deployment", RELEASE)])["containers"]
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == 2
+    assert c["resources"]["limits"] == {"memory": "64Gi", "nvidia.com/gpu": 2}
 
 
 def _pod_spec(obj: dict) -> dict:

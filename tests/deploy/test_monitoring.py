@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy_helpers import KUBERNETES, ROOT
+from deploy_helpers import KUBERNETES, ROOT, manifests
 from vllm_steer import metrics as M
 
 MONITORING = KUBERNETES / "monitoring"
@@ -56,12 +56,14 @@ cfg.model_config.is_diffusion = False
 cfg.speculative_config = cfg.kv_transfer_config = cfg.ec_transfer_config = None
 cfg.lora_config = None
 PrometheusStatLogger(cfg)
-out = {}
+out, itl = {}, set()
 for fam in REGISTRY.collect():
     for s in fam.samples:
         if s.name.startswith("vllm:"):
             out.setdefault(s.name, {}).update(s.labels)
-print(json.dumps(out))
+        if s.name == "vllm:inter_token_latency_seconds_bucket":
+            itl.add(s.labels["le"])
+print(json.dumps({"samples": out, "itl_buckets": sorted(itl, key=float)}))
 """
 
 
@@ -75,12 +77,24 @@ def _samples(registry) -> dict[str, dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def emitted() -> dict[str, dict[str, str]]:
-    """{sample name: {label: an example value}} of everything on /metrics."""
+def vllm_probe() -> dict:
+    """vLLM's own metrics: their samples' names and labels, the inter-token buckets' bounds."""
     r = subprocess.run([sys.executable, "-c", VLLM_PROBE], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().split("\n")[-1])
+    return json.loads(r.stdout.strip().split("\n")[-1])
+
+
+@pytest.fixture(scope="module")
+def itl_buckets(vllm_probe) -> list[str]:
+    """The ``le`` bounds of vLLM's inter-token latency histogram, as /metrics writes them."""
+    return vllm_probe["itl_buckets"]
+
+
+@pytest.fixture(scope="module")
+def emitted(vllm_probe) -> dict[str, dict[str, str]]:
+    """{sample name: {label: an example value}} of everything on /metrics."""
+    out = dict(vllm_probe["samples"])
     assert "vllm:request_success_total" in out and "vllm:num_requests_running" in out
     from prometheus_client import CollectorRegistry
 
@@ -215,6 +229,32 @@ def test_the_expression_check_catches_a_planted_error(emitted, planted, fragment
     assert any(fragment in p for p in found), found
 
 
+def test_the_absent_alerts_job_is_the_shipped_services_and_each_set_up_is_documented():
+    """``job`` is what Prometheus names the scrape target: the shipped ServiceMonitor (no
+    ``jobLabel``) gives the Service's name, which the rule selects; the docs give the value of
+    the other set-ups: annotation discovery's scrape job and production-stack's engine Service
+    (``RELEASE-MODELSPEC-engine-service``, named from the docs' install and the values file)."""
+    (expr,) = [e for w, e in rule_expressions() if w == "rule VllmSteerMetricsAbsent"]
+    job = re.fullmatch(r'absent\(vllm_steer:max_steers\{job="([^"]+)"\}\)', expr.strip())
+    assert job, expr
+    (service,) = [o for (k, _), o in manifests().items() if k == "Service"]
+    monitor = yaml.safe_load((MONITORING / "servicemonitor.yaml").read_text())
+    assert "jobLabel" not in monitor["spec"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= \
+        service["metadata"]["labels"].items()
+    assert job.group(1) == service["metadata"]["name"]
+    deploy = (ROOT / "docs" / "deploy.md").read_text()
+    stack = (ROOT / "docs" / "production-stack.md").read_text()
+    release = re.search(r"helm install (\S+) vllm/vllm-stack", stack).group(1)
+    values = yaml.safe_load((ROOT / "deploy" / "production-stack" / "values.yaml").read_text())
+    (spec,) = values["servingEngineSpec"]["modelSpec"]
+    assert f"`{release}-{spec['name']}-engine-service`" in stack
+    for text in (deploy, stack):
+        assert "RELEASE-MODELSPEC-engine-service" in text
+    assert "`kubernetes-pods`" in deploy and "the Service's name" in deploy
+    assert "VllmSteerMetricsAbsent" in stack
+
+
 # --------------------------------------------------------------------------- promtool
 
 def _promtool() -> str:
@@ -255,7 +295,56 @@ def _series(emitted, name: str, pod: str, values: str, **labels) -> dict:
     return {"series": f"{name}{{{sel}}}", "values": values}
 
 
-def _alert_tests(emitted) -> dict:
+#: The p99 of vLLM's inter-token histogram against its own baseline (the form of the rule
+#: before it compared means): what the latency test's series show it to miss and to make up.
+ITL_P99_RISING = (
+    "histogram_quantile(0.99, sum by (namespace, pod, le) "
+    "(rate(vllm:inter_token_latency_seconds_bucket[10m]))) > bool 1.5 * "
+    "histogram_quantile(0.99, sum by (namespace, pod, le) "
+    "(rate(vllm:inter_token_latency_seconds_bucket[6h] offset 1h)))")
+
+
+def _latency_test(s, itl_buckets: list[str], fired) -> dict:
+    """``VllmSteerInterTokenLatencyRising`` on vLLM's own bucket bounds: 6000 tokens a minute
+    per replica for 7 hours at an 11 ms step (the 8B shape's), then at minute 420:
+
+    - ``sick`` (serving steered requests) and ``plain`` (serving none) slow to 22 ms: every
+      token still in vLLM's 10-25 ms bucket, only the histogram's sum shows it; sick fires,
+      plain does not;
+    - ``tailnoise`` keeps its mean but 2% of its tokens land in the 25-50 ms bucket instead of
+      0.5% (its interpolated p99 rises 1.5 times): no alert;
+    - ``well`` stays as it was.
+    """
+    assert itl_buckets[:3] == ["0.01", "0.025", "0.05"] and itl_buckets[-1] == "+Inf", \
+        itl_buckets
+    lat = "vllm:inter_token_latency_seconds"
+    n = 6000  # tokens a minute
+    steady = f"0+{n}x500"
+    # (cumulative count of le=0.025, sum in seconds) of each replica
+    shapes = {"sick": (steady, "0+66x420 27720+132x80"),
+              "plain": (steady, "0+66x420 27720+132x80"),
+              "tailnoise": ("0+5970x420 2507400+5880x80", "0+66x500"),
+              "well": (steady, "0+66x500")}
+    series = []
+    for pod, (le_25ms, total) in shapes.items():
+        for le in itl_buckets:
+            values = "0x500" if float(le) < 0.025 else le_25ms if le == "0.025" else steady
+            series.append(s(f"{lat}_bucket", pod, values, le=le))
+        series += [s(f"{lat}_sum", pod, total), s(f"{lat}_count", pod, steady),
+                   s(M.REQUESTS_STEERED, pod, "0x500" if pod == "plain" else "0+60x500",
+                     engine="0", steer="detox")]
+    alert = "VllmSteerInterTokenLatencyRising"
+    return {"interval": "1m", "input_series": series, "alert_rule_test": [
+        {"eval_time": "450m", "alertname": alert, "exp_alerts": fired(alert)},
+        {"eval_time": "432m", "alertname": alert, "exp_alerts": []},  # not yet 15 minutes
+        {"eval_time": "400m", "alertname": alert, "exp_alerts": []}],
+        # the buckets' p99 misses the doubled step and follows the tail: 1 where it would fire
+        "promql_expr_test": [{"expr": ITL_P99_RISING, "eval_time": "450m", "exp_samples": [
+            {"labels": f'{{namespace="llm", pod="{pod}"}}',
+             "value": int(pod == "tailnoise")} for pod in shapes]}]}
+
+
+def _alert_tests(emitted, itl_buckets: list[str]) -> dict:
     """Made-up series for replicas: ``sick`` should fire each alert, ``well`` never (and
     ``plain``, in the latency test, is slow but serves no steer)."""
     s = lambda *a, **k: _series(emitted, *a, job="vllm-steer", **k)  # noqa: E731
@@ -331,32 +420,14 @@ def _alert_tests(emitted) -> dict:
             {"eval_time": "20m", "alertname": "VllmSteerMetricsAbsent", "exp_alerts": [
                 {"exp_labels": {"severity": "critical", "job": "vllm-steer"}}]},
             {"eval_time": "10m", "alertname": "VllmSteerMetricsAbsent", "exp_alerts": []}]})
-    # inter-token latency: 600 tokens a minute at <= 20 ms for 7 hours, then at minute 420
-    # sick's and plain's move to 20-200 ms; sick serves steered requests, plain none, well
-    # stays fast
-    lat = "vllm:inter_token_latency_seconds_bucket"
-    fast, slow = "0+600x420 252000+600x80", "0+600x420 252000+0x80"
-    lat_series = []
-    for pod, jump in (("sick", True), ("plain", True), ("well", False)):
-        lat_series += [s(lat, pod, slow if jump else fast, le="0.02"),
-                       s(lat, pod, "0+600x500", le="0.2"),
-                       s(lat, pod, "0+600x500", le="+Inf")]
-        lat_series.append(s(M.REQUESTS_STEERED, pod, "0x500" if pod == "plain" else
-                            "0+60x500", engine="0", steer="detox"))
-    groups.append({"interval": "1m", "input_series": lat_series, "alert_rule_test": [
-        {"eval_time": "450m", "alertname": "VllmSteerInterTokenP99Rising",
-         "exp_alerts": fired("VllmSteerInterTokenP99Rising")},
-        {"eval_time": "432m", "alertname": "VllmSteerInterTokenP99Rising",
-         "exp_alerts": []},  # risen, not yet for 15 minutes
-        {"eval_time": "400m", "alertname": "VllmSteerInterTokenP99Rising",
-         "exp_alerts": []}]})
+    groups.append(_latency_test(s, itl_buckets, fired))
     return {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": groups}
 
 
-def test_each_alert_fires_on_the_sick_replica_only(emitted, tmp_path):
+def test_each_alert_fires_on_the_sick_replica_only(emitted, itl_buckets, tmp_path):
     exe = _promtool()
     _rule_file(tmp_path / "rules.yaml", strip_annotations=True)
-    tests = _alert_tests(emitted)
+    tests = _alert_tests(emitted, itl_buckets)
     checks = [c for g in tests["tests"] for c in g["alert_rule_test"]]
     # every alert of the file is exercised, each both firing and silent
     alerts = {w.split(" ", 1)[1] for w, _ in rule_expressions()}
@@ -371,7 +442,7 @@ def test_each_alert_fires_on_the_sick_replica_only(emitted, tmp_path):
     rules = tmp_path / "rules.yaml"
     spec = yaml.safe_load(rules.read_text())
     for alert, old, new in (("VllmSteerOpOverBudget", "> 0.05 *", "> 5 *"),
-                            ("VllmSteerInterTokenP99Rising", "> 1.5 *", "> 15 *"),
+                            ("VllmSteerInterTokenLatencyRising", "> 1.5 *", "> 15 *"),
                             ("VllmSteerRefusalsRising", "> 0.05", "> 0.5"),
                             ("VllmSteerHeadEager", "== 1", "== 2")):
         changed = json.loads(json.dumps(spec))

@@ -19,3 +19,16 @@ imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
+
+{{/* Refuses a GPU (any extended resource, a name with a "/") whose request differs from its
+  limit: Kubernetes requires them equal, and Helm merges `resources` into the defaults, so
+  raising only limits."nvidia.com/gpu" would keep the default request of 1. */}}
+{{- define "vllm-steer.checkResources" -}}
+{{- $requests := .Values.resources.requests | default dict -}}
+{{- $limits := .Values.resources.limits | default dict -}}
+{{- range $name, $request := $requests -}}
+{{- if and (contains "/" $name) (ne (toString $request) (toString (get $limits $name))) -}}
+{{- fail (printf "resources: requests.%s is %v but limits.%s is %v; Kubernetes requires the request of %s equal to its limit: set both to the same value, e.g. --set resources.requests.%s=2 --set resources.limits.%s=2" $name $request $name (get $limits $name | default "not set") $name ($name | replace "." "\\.") ($name | replace "." "\\.")) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
