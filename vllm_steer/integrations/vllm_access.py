@@ -1042,8 +1042,11 @@ def app_state_serving_models(state):
 
 # ---- the engine's outputs (API server) ---------------------------------------------------
 def output_stop_reasons(out) -> list:
-    """The ``stop_reason`` of each completion of a ``RequestOutput`` (None where unset)."""
-    return [getattr(o, "stop_reason", None) for o in getattr(out, "outputs", None) or ()]
+    """The ``stop_reason`` of each completion of a ``RequestOutput`` that vLLM finished with an
+    error (where the engine core's refusals travel: :func:`error_output`); None elsewhere (a
+    user's stop string is a ``stop_reason`` too, of a completion finished with ``stop``)."""
+    return [getattr(o, "stop_reason", None) if getattr(o, "finish_reason", None) == "error"
+            else None for o in getattr(out, "outputs", None) or ()]
 
 
 # ---- the worker --------------------------------------------------------------------------
@@ -1412,7 +1415,7 @@ ACCESSES: tuple[Access, ...] = (
            FRONTEND, reads=(f"{_APP_STATE}:init_app_state.openai_serving_models",)),
     Access(output_stop_reasons, "an engine-side refusal answered by the API server", FRONTEND,
            reads=("vllm.outputs:RequestOutput.outputs", "vllm.outputs:CompletionOutput."
-                  "stop_reason")),
+                  "stop_reason", "vllm.outputs:CompletionOutput.finish_reason")),
     Access(layer_range, "vector steers: the decoder blocks of this pipeline stage", WORKER,
            reads=("vllm.model_executor.models.utils:make_layers",
                   *reads_of("vllm.model_executor.models.llama:LlamaModel", "start_layer",

@@ -270,8 +270,8 @@ def _responses_app(stop_reason, steered=True, log=None):
 
     async def engine(self, prompt, params, request_id):
         log.append("add_request")
-        yield SimpleNamespace(request_id=request_id,
-                              outputs=[SimpleNamespace(stop_reason=stop_reason)])
+        yield SimpleNamespace(request_id=request_id, outputs=[SimpleNamespace(
+            stop_reason=stop_reason, finish_reason="error" if stop_reason else None)])
 
     async def vllm_create_responses(self, request, raw_request=None):
         if steered:  # to_sampling_params: the policy served the request a steer
@@ -367,8 +367,8 @@ def _chat_stream_app(stop_reason, log: list):
 
     async def engine(self, prompt, params, request_id):
         log.append("add_request")
-        yield SimpleNamespace(request_id=request_id,
-                              outputs=[SimpleNamespace(stop_reason=stop_reason)])
+        yield SimpleNamespace(request_id=request_id, outputs=[SimpleNamespace(
+            stop_reason=stop_reason, finish_reason="error" if stop_reason else None)])
 
     async def app(scope, receive, send):
         request_scope.record_applied({"a": 2.0}, [])

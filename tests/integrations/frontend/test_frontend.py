@@ -205,7 +205,7 @@ def test_an_engine_core_refusal_is_the_clients_400_and_not_counted_again():
 
     async def orig(self):
         yield SimpleNamespace(request_id="r1", outputs=[SimpleNamespace(
-            stop_reason=REFUSED_PREFIX + "steer: no room")])
+            finish_reason="error", stop_reason=REFUSED_PREFIX + "steer: no room")])
 
     async def run():
         async for _ in async_llm.generate(orig, None):
@@ -234,7 +234,7 @@ def test_a_worker_fault_the_engine_core_reported_is_its_500_once_not_wrapped_aga
 
     async def orig(self):
         yield SimpleNamespace(request_id="r1", outputs=[SimpleNamespace(
-            stop_reason=FAILED_PREFIX + engine)])
+            finish_reason="error", stop_reason=FAILED_PREFIX + engine)])
 
     async def run():
         async for _ in async_llm.generate(orig, None):

@@ -186,8 +186,8 @@ def serve(params: Any, request: SteerRequest | None,
         if problem:  # the engine core would refuse it: say so before it is sent
             raise field_error(problem, "too_many_steers")
         record_applied(served.named, floored)
-        if served.strengths:
-            mark_steered()  # a streamed /v1/responses waits for its admission (responses_stream)
+        if served.named:  # a name at strength 0 too: the engine core may refuse it (unknown)
+            mark_steered()  # its start waits for its admission (the middleware, responses_stream)
         if cfg.steer_dir and served.strengths:
             hold_start()  # a first use may wait for a slot, then answer 429 (async_llm)
     if given or served.entries:

@@ -128,8 +128,9 @@ async def _preload_dir_steers(engine, cfg, params) -> None:
         if not res["ok"] and res.get("status", 400) >= 500 and name not in st.loaded_names():
             raise guard.internal_error(res["error"])  # the load failed in the plugin: a 500
         if not res["ok"] and name not in st.loaded_names():
-            raise admission.field_error(f"{REQUEST_FIELD}: {res['error']}",
-                                        res.get("reason", "bad_file"))
+            message = f"{REQUEST_FIELD}: {res['error']}"
+            refuse_steer(message)  # a stream that has not begun: a 400 (the middleware)
+            raise admission.field_error(message, res.get("reason", "bad_file"))
 
 
 def first_use_wait_seconds() -> float:
