@@ -256,9 +256,11 @@ def resolve(request: SteerRequest, preset: Mapping[str, float] | None = None,
         out.setdefault(name, float(v))
     floored = []
     for name, f in (floors or {}).items():
-        out[name], changed = _floor(out.get(name, 0.0), float(f))
+        value, changed = _floor(out.get(name, 0.0), float(f))
         if changed:
             floored.append(name)
+        if changed or name in out:  # a floor that raises nothing names no steer
+            out[name] = value
     return SteerRequest(tuple(out.items())), sorted(floored)
 
 

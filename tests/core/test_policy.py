@@ -51,7 +51,9 @@ PRESET = {"detox": 4.0, "sentiment": 2.0}
     # a negative floor bounds the negative direction only
     ({"detox": -7}, None, {}, {"detox": -2}, {"detox": -2}, ["detox"]),
     ({"detox": -1}, None, {}, {"detox": -2}, {"detox": -1}, []),
-    (None, None, {}, {"detox": -2}, {"detox": 0.0}, []),
+    # ... and names no steer in a request that does not (nor does a floor of 0)
+    (None, None, {}, {"detox": -2}, {}, []),
+    ({"formal": 1}, None, {}, {"detox": 0}, {"formal": 1}, []),
 ])
 def test_precedence_table(request_value, preset, defaults, floors, want, floored):
     got, got_floored = resolve(SteerRequest.parse(request_value), preset, defaults, floors)

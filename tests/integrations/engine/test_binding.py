@@ -139,6 +139,23 @@ def test_floors_raise_a_strength_below_them_and_leave_the_others(files):
     assert got["detox"][2] == Window(2.0, 3, None, 0, 2.0)  # strength and base raised
 
 
+@pytest.mark.parametrize("floor", [-1.0, 0.0])
+def test_a_floor_that_raises_nothing_names_no_steer_so_its_steer_may_be_unloaded(files, floor):
+    """A floor at or below 0 changes only the requests that name its steer: the others are
+    sent without it, so unloading it (allowed: no request needs it) refuses nothing after."""
+    from vllm_steer.integrations.engine.management import run_op
+
+    core, _ = _server(files[0], floors={"sentiment": floor}, enable_updates=True)
+    assert _admit(core, {"detox": 2}) == {"detox": (*_slot(core, "detox"), 2.0)}
+    assert run_op(core, "unload", {"name": "sentiment"})["ok"] is True
+    frontend_state().set_loaded(["detox", "formal"])  # the API server's view after it
+    assert _admit(core) == {}  # a plain request: served plain
+    assert _admit(core, {"formal": 3}) == {"formal": (*_slot(core, "formal"), 3.0)}
+    with pytest.raises(SteerAdmissionError) as e:  # naming it is refused, as for any name
+        _admit(core, {"sentiment": -3})
+    assert "unknown steer 'sentiment'" in _refusal(e)
+
+
 def test_a_steer_dir_steer_is_loaded_on_first_use_and_bound_to_its_new_slot(files):
     paths, steer_dir = files
     core, puts = _server(paths, steer_dir)
