@@ -461,9 +461,11 @@ class SteerWire(dict):
     JSON-safe dict wherever it is sent (msgpack, JSON keep only the dict), which in the process
     that made it still holds the typed request (``request``), so that process never decodes
     it. A plain dict of the same keys is a value from outside: the frontend parses it as a
-    user's value (and refuses it), the engine core decodes it."""
+    user's value (and refuses it), the engine core decodes it. ``origin``: the caller's own
+    value, when admission wrote this form into the caller's ``SamplingParams`` (offline, or an
+    ``AsyncLLM`` caller), which may be passed again after the caller changed that value."""
 
-    __slots__ = ("request",)
+    __slots__ = ("request", "origin")
 
 
 def is_wire(value: Any) -> bool:

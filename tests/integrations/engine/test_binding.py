@@ -139,6 +139,45 @@ def test_floors_raise_a_strength_below_them_and_leave_the_others(files):
     assert got["detox"][2] == Window(2.0, 3, None, 0, 2.0)  # strength and base raised
 
 
+def test_sampling_params_reused_across_calls_are_served_at_their_values_now(files):
+    """vLLM admits the caller's own ``SamplingParams`` (then copies them): one object reused for
+    a strength sweep, with the caller's dict changed between calls, is served at each new
+    strength (it was served at the first one every time); a steer unloaded since is refused;
+    an edit of the form admission wrote is refused by name."""
+    from vllm import SamplingParams
+
+    from vllm_steer.integrations.frontend.admission import CHANGED_FORM
+
+    core, _ = _server(files[0], enable_updates=True)
+    mix = {"detox": 0.0}
+    sp = SamplingParams(max_tokens=4, extra_args={"steer": mix})
+
+    def served():
+        admission.validate(sp)  # what LLM.generate runs on the caller's params
+        sent = _sent(sp)
+        bind_request(core, SimpleNamespace(request_id="r", sampling_params=sent))
+        return {b.name: b.value for b in BoundSteer.from_wire(sent.extra_args.get(BOUND_KEY))}
+
+    for s in (2.0, 5.0, -3.0):
+        mix["detox"] = s
+        assert served() == {"detox": s}
+    mix["formal"] = 1.0
+    assert served() == {"detox": -3.0, "formal": 1.0}
+    from vllm_steer.integrations.engine.management import run_op
+
+    assert run_op(core, "unload", {"name": "detox"})["ok"]  # detox unloaded since
+    frontend_state().set_loaded(["formal", "sentiment"])
+    with pytest.raises(SteerAdmissionError) as e:
+        served()
+    assert "unknown steer 'detox'" in _refusal(e)
+    sp.extra_args["steer"] = {"formal": 2}
+    assert served() == {"formal": 2.0}
+    sp.extra_args["steer"]["steers"] = [["formal", 9.0]]  # the form admission wrote, edited
+    with pytest.raises(Exception) as e:
+        admission.validate(sp)
+    assert CHANGED_FORM in str(e.value)
+
+
 @pytest.mark.parametrize("floor", [-1.0, 0.0])
 def test_a_floor_that_raises_nothing_names_no_steer_so_its_steer_may_be_unloaded(files, floor):
     """A floor at or below 0 changes only the requests that name its steer: the others are

@@ -35,8 +35,8 @@ from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.metrics import count_refusal
 from vllm_steer.integrations.protocol import (count_problem, dir_has_file, name_problem,
                                               steer_dir_file)
-from vllm_steer.request import (BAD_STEER, SteerRequest, SteerRequestError, admitted,
-                                 refusal_reason)
+from vllm_steer.request import (BAD_STEER, SteerRequest, SteerRequestError, SteerWire,
+                                 admitted, refusal_reason)
 
 
 def dir_steer_file(name: str, loaded, where: str = REQUEST_FIELD) -> str:
@@ -208,10 +208,25 @@ def validate(params: Any) -> None:
         raise
 
 
+#: ``SteerWire.origin`` of a form no caller's value made (the OpenAI request's own).
+_NO_ORIGIN = object()
+
+#: The refusal of a serialised form changed after admission wrote it.
+CHANGED_FORM = (f"{REQUEST_FIELD}: the serialised form vllm-steer wrote into these "
+                f"SamplingParams was changed; set extra_args[{REQUEST_FIELD!r}] to a new value "
+                "(e.g. {'detox': 5}) instead of editing it")
+
+
 def _validate(params: Any) -> None:
     value = va.extra_args(params).get(REQUEST_FIELD)
-    if admitted(value) is not None:
-        return  # admitted by this frontend already (the OpenAI request's to_sampling_params)
+    request = admitted(value)
+    if request is not None:
+        if value != request.to_wire():
+            raise field_error(CHANGED_FORM)
+        origin = getattr(value, "origin", _NO_ORIGIN)
+        if origin is _NO_ORIGIN:
+            return  # admitted by this frontend already (the OpenAI request's to_sampling_params)
+        value = origin  # the caller's params again: its own value, as it is now, admitted again
     if value is None:
         st = frontend_state()
         if not (st.enabled and (st.config.defaults or st.config.floors)):
@@ -221,3 +236,6 @@ def _validate(params: Any) -> None:
     except SteerRequestError as e:
         raise field_error(str(e), refusal_reason(e)) from None
     serve(params, request)
+    wire = va.extra_args(params).get(REQUEST_FIELD)
+    if isinstance(wire, SteerWire):  # written into the caller's params: may come again
+        wire.origin = value
