@@ -156,3 +156,29 @@ def test_two_api_servers_changing_one_preset_at_once_leave_the_engine_cores_agre
     effects = [{"s": 2.0}, None if delete else {"s": 3.0}]
     ok = [e for a, e in zip(answers, effects, strict=True) if a["ok"]]
     assert ok and mixes[0] in ok, (mixes, answers)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), preset_race=st.booleans())
+def test_a_change_every_engine_core_refuses_holds_back_no_older_change(files, data, preset_race):
+    """A ``POST /v1/steers`` of a file that does not exist (HTTP 400 on every engine core)
+    racing a ``DELETE`` of the name, or a preset ``PUT`` with a strength that is no number
+    racing the preset's ``DELETE``: the refused change changed nothing, so the ``DELETE`` applies on
+    every engine core (it was refused as superseded where the refused change came first)."""
+    cores = [management_core(0, capacity=3), management_core(1, capacity=3)]
+    for c in cores:
+        assert op(c, "load", name="s", path=files("a"))["ok"]
+        if preset_race:
+            assert op(c, "preset_add", name="p", steer={"s": 1.0}, token="t0")["ok"]
+    if preset_race:
+        calls = [("preset_add", {"name": "p", "steer": {"s": "x"}, "token": "t1",
+                                 "replace": True}), ("preset_delete", {"name": "p"})]
+    else:
+        calls = [("load", {"name": "s", "path": files("a") + ".missing", "source": "api"}),
+                 ("unload", {"name": "s"})]
+    answers = race(cores, calls, lambda n: data.draw(st.integers(0, n - 1)))
+    assert answers[1]["ok"] is True, answers
+    assert not answers[0]["ok"] and answers[0]["status"] in (400, 409), answers
+    left = [preset(c, "p") if preset_race else serves(c, "s") for c in cores]
+    assert left == [None, None], (left, answers)

@@ -12,8 +12,11 @@ the change. Each engine core applies the changes of a name in ticket order: a ch
 ticket is older than one it has already taken for that name is refused (HTTP 409,
 ``superseded``; the newer change stands there). The newest change of a name is refused
 nowhere, so the engine cores end on it; a change refused on some engine cores only is undone
-on the others by the API server (as any change that only some engine cores took). Without
-data parallelism changes carry no ticket: the one engine core orders them as they come.
+on the others by the API server (as any change that only some engine cores took). A change
+refused for what it is (HTTP 400: a bad file, a rank over the reservation, a bad mix), which
+every engine core refuses alike, takes no ticket: it changed nothing anywhere, so an older
+change of the name still applies everywhere. Without data parallelism changes carry no
+ticket: the one engine core orders them as they come.
 Light: standard library only.
 """
 
@@ -44,7 +47,7 @@ class ChangeOrder:
     def refusal(self, op: str, kwargs: dict, engine: int) -> dict | None:
         """The answer refusing the change ``op`` ``kwargs`` here because a newer change of its
         name was taken first (409, ``superseded``), or the answer refusing a ticket that is
-        no whole number (400); else None, the change's ticket taken for its name. A change
+        no whole number (400); else None (then :meth:`take` once it is answered). A change
         without a ticket (one engine core; a first use) is never refused."""
         ticket = kwargs.get(TICKET_KEY)
         kind = ORDERED_OPS.get(op)
@@ -62,5 +65,17 @@ class ChangeOrder:
                              f"another call, which reached engine core {engine} first: this "
                              f"{op.replace('_', ' ')} is not applied (the other change stands "
                              "on every engine core); send it again to apply it after"}
-        self.taken[key] = ticket
         return None
+
+    def take(self, op: str, kwargs: dict, answer: dict) -> None:
+        """The change ``op`` ``kwargs`` was answered ``answer`` here (not refused by
+        :meth:`refusal`): its ticket is taken for its name, unless it was refused for what it
+        is (HTTP 400), which every engine core refuses alike."""
+        ticket = kwargs.get(TICKET_KEY)
+        kind = ORDERED_OPS.get(op)
+        if (kind is None or not isinstance(ticket, int) or isinstance(ticket, bool)
+                or not isinstance(kwargs.get("name"), str)
+                or (not answer.get("ok") and answer.get("status") == 400)):
+            return
+        key = (kind, kwargs["name"])
+        self.taken[key] = max(self.taken.get(key, 0), ticket)

@@ -88,7 +88,10 @@ def run_op(core, op: str, kwargs: dict | None = None) -> dict:
     engine core. The engine-core hook runs it inside the plugin's guard
     (:func:`vllm_steer.integrations.engine.core.collective_rpc`): an op that fails in the
     plugin's code answers HTTP 500 and changes nothing."""
-    return {**_run_op(core, op, kwargs), "engine": va.engine_index(core)}
+    answer = _run_op(core, op, kwargs)
+    if isinstance(kwargs, dict) and not answer.get("superseded"):
+        engine_state(core).order.take(op, kwargs, answer)  # data parallelism: its ticket
+    return {**answer, "engine": va.engine_index(core)}
 
 
 def _run_op(core, op: str, kwargs: dict | None = None) -> dict:
