@@ -537,3 +537,27 @@ def test_a_dp_roll_back_never_reads_a_previous_file_changed_on_disk_since(files)
         reads[0] + 1, reads[1]]  # engine core 0 read only the new file
     for c in cores:
         agree(c, stale_ok=True)
+
+
+def test_a_dp_first_use_loaded_where_there_is_room_is_kept_not_undone(files, tmp_path):
+    """Data parallelism, ``--steer-dir``: engine core 1's bank is full of first-use steers its
+    running requests use, engine core 0 has room. The request's first use loads the steer on
+    engine core 0 and keeps it there (``partial``), read once, instead of undoing it and
+    answering 429 after the wait on every try; engine core 1 loads it at its own first use."""
+    cores = [management_core(i, capacity=2, steer_dir=str(tmp_path)) for i in (0, 1)]
+    for n in ("c", "d"):
+        a = op(cores[1], "load", name=n, path=files(n), source="steer-dir")
+        cores[1].scheduler.requests[n] = SimpleNamespace(sampling_params=SimpleNamespace(
+            extra_args={BOUND_KEY: [[n, a["steer"]["bank_slot"], a["steer"]["load_id"], 1.0]]}))
+    for _ in range(3):  # the waiting request asks again
+        res = _manage(cores, "load", name="a", path=files("a"), source="steer-dir",
+                      protect=["a"])
+        assert res["ok"] is True and res["steer"]["name"] == "a", res
+    zero = op(cores[0], "list")
+    assert [s["name"] for s in zero["steers"]] == ["a"]
+    assert zero["stats"]["counters"]["file_reads"] == 1  # read once, never undone
+    assert {s["name"] for s in op(cores[1], "list")["steers"]} == {"c", "d"}
+    listing = _manage(cores, "list")
+    assert {s["name"]: s["state"] for s in listing["steers"]}["a"] == "partial"
+    for c in cores:
+        agree(c)

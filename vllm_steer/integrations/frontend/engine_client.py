@@ -106,7 +106,12 @@ async def manage(engine, op: str, **kwargs) -> dict:
         kwargs = {**kwargs, TICKET_KEY: first["ticket"]}
     answers = await _every_engine(engine, op, kwargs)
     res = merge_answers(op, answers)
-    if op == OP_LOAD and not res.get("ok"):
+    first_use = op == OP_LOAD and kwargs.get("source") == SOURCE_STEER_DIR
+    if first_use and not res.get("ok") and any(a.get("ok") for a in answers):
+        # data parallelism: a first use loaded where there was room is kept (partial), not
+        # undone; an engine core without room loads it at its own first use, or refuses there
+        res = next(a for a in answers if a.get("ok"))
+    elif op == OP_LOAD and not res.get("ok"):
         undo = rollback_kwargs(kwargs["name"], answers)
         if undo is not None:  # loaded by some engine cores only: undo it on those
             res = _rolled_back(res, undo, await _every_engine(engine, OP_ROLLBACK, undo))
