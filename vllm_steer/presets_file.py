@@ -92,11 +92,15 @@ def _open(path: str):
     raise AssertionError("unreachable")
 
 
-def read_file(path: str) -> tuple[str, tuple[int, str]]:
-    """The file's text and its stamp ``(mtime_ns, sha256 of the bytes)``."""
+def read_file(path: str) -> tuple[str, tuple[int, str, int]]:
+    """The file's text and its stamp ``(mtime_ns, sha256 of the bytes, ctime_ns)``: the
+    change time (``ctime``, set by the system when the file is written or renamed into place,
+    which no copy keeps) orders versions; a backup restored with its old ``mtime`` (``cp -p``,
+    ``rsync -a``) is still the newest version."""
     try:
         with _open(path) as f:
-            mtime = os.fstat(f.fileno()).st_mtime_ns
+            st = os.fstat(f.fileno())
+            mtime, ctime = st.st_mtime_ns, st.st_ctime_ns
             data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise PresetsFileError(f"presets file {path}: cannot be read ({e.strerror or e}); "
@@ -108,7 +112,7 @@ def read_file(path: str) -> tuple[str, tuple[int, str]]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise PresetsFileError(f"presets file {path}: not UTF-8 text ({e})") from None
-    return text, (mtime, hashlib.sha256(data).hexdigest())
+    return text, (mtime, hashlib.sha256(data).hexdigest(), ctime)
 
 
 class DuplicateKeyError(ValueError):

@@ -35,7 +35,8 @@ def test_json_and_yaml_files_give_the_same_presets(tmp_path):
         got, stamp = pf.load(path, STEERS, 10.0, RESERVED)
         assert got == want
         data = open(path, "rb").read()
-        assert stamp == (os.stat(path).st_mtime_ns, hashlib.sha256(data).hexdigest())
+        st = os.stat(path)
+        assert stamp == (st.st_mtime_ns, hashlib.sha256(data).hexdigest(), st.st_ctime_ns)
     assert pf.load(write(tmp_path / "e.yml", "presets: {}\n"), STEERS, 10.0)[0] == {}
 
 
@@ -211,6 +212,41 @@ def file_metrics(monkeypatch):
         return {n: got.get(n) for n in names}
 
     return read
+
+
+def test_a_backup_restored_with_its_old_modification_time_is_served(tmp_path, monkeypatch):
+    """A roll-back to a saved version copied with its modification time (``cp -p``,
+    ``rsync -a``) and renamed over the file: the newest version, served (it was ignored as
+    older than the version in force, while the reader counted it as served)."""
+    import shutil
+
+    from vllm_steer.config import SteerServerConfig
+    from vllm_steer.integrations.frontend.state import frontend_state
+    from vllm_steer.server import presets_route
+
+    fake = FakeEngine()
+    monkeypatch.setattr(presets_route, "manage", fake.control)
+    monkeypatch.setattr(frontend_state(), "presets", {})
+    monkeypatch.setattr(frontend_state(), "presets_version", -1)
+    backup = write(tmp_path / "saved.json", {"presets": {"house": {"detox": 1}}})
+    os.utime(backup, ns=(1_700_000_000 * 10**9,) * 2)  # saved long ago
+    path = str(tmp_path / "p.json")
+    shutil.copy2(backup, path)
+    cfg = SteerServerConfig(steers={"detox": "x"}, presets_file=path)
+    w = presets_route.PresetsFileWatcher(path)
+    assert asyncio.run(w.check(None, cfg))["presets"] == {"house": {"detox": 1.0}}
+    write(tmp_path / "new.json", {"presets": {"house": {"detox": 4}}})
+    os.replace(tmp_path / "new.json", path)  # an edit
+    assert asyncio.run(w.check(None, cfg))["presets"] == {"house": {"detox": 4.0}}
+    shutil.copy2(backup, tmp_path / "restore.json")  # the roll-back, its mtime kept
+    os.replace(tmp_path / "restore.json", path)
+    assert os.stat(path).st_mtime_ns < fake.table.file_stamp[0]
+    got = asyncio.run(w.check(None, cfg))
+    assert got["changed"] and got["presets"] == {"house": {"detox": 1.0}}
+    assert fake.table.file == {"house": {"detox": 1.0}}
+    state = w.state(fake.table.snapshot())
+    assert state["refused"] is None
+    assert state["serving"]["sha256"] == hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
 def test_the_reader_loads_each_new_version_once_and_keeps_the_last_good_one(tmp_path,

@@ -226,9 +226,9 @@ def _bad_preset_args(op: str, kwargs: dict) -> str | None:
         if not isinstance(presets, Mapping) or not all(
                 isinstance(n, str) and _is_mix(m) for n, m in presets.items()):
             return '"presets" must map preset names to mixes, e.g. {"kind": {"detox": 4}}'
-        if not isinstance(stamp, (list, tuple)) or len(stamp) != 2 \
-                or not isinstance(stamp[0], int) or isinstance(stamp[0], bool):
-            return '"stamp" must be the file\'s [mtime_ns, sha256]'
+        if not isinstance(stamp, (list, tuple)) or len(stamp) not in (2, 3) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in stamp[::2]):
+            return '"stamp" must be the file\'s [mtime_ns, sha256, ctime_ns]'
     return None
 
 

@@ -54,6 +54,7 @@ class PresetTable:
         self.previous: dict[str, dict[str, float] | None] = {}  # name -> mix before that
         self.file: dict[str, dict[str, float]] = {}
         self.file_stamp: tuple[int, str] | None = None  # (mtime_ns, sha256) of the file read
+        self.file_order = 0  # its change time (ctime_ns): what orders the versions
         self.version = 0
 
     def snapshot(self) -> dict:
@@ -131,18 +132,21 @@ class PresetTable:
     def set_file(self, presets: Mapping[str, Mapping[str, float]], stamp,
                  reserved: Mapping[str, str] | None = None) -> dict:
         """The presets file's presets, replacing the last version read as a whole (checked by
-        the API server that read it; here only the names). ``stamp``: ``(mtime_ns, sha256)``
-        of what was read: a read older than the one loaded (another API server was slower) is
-        ignored, the same content changes nothing. A name added over HTTP that the file now
-        sets is the file's from then on (``"took_over"``)."""
+        the API server that read it; here only the names). ``stamp``: ``(mtime_ns, sha256,
+        ctime_ns)`` of what was read (:func:`vllm_steer.presets_file.read_file`): a version
+        older than the one loaded (another API server read it earlier and sent it later) is
+        ignored, by the change time (the modification time when a stamp has none), the same
+        content changes nothing. A name added over HTTP that the file now sets is the file's
+        from then on (``"took_over"``)."""
         mtime, digest = int(stamp[0]), str(stamp[1])
+        order = int(stamp[2]) if len(stamp) > 2 else mtime
         for name in presets:
             taken = (reserved or {}).get(name)
             if taken is not None:
                 return {"ok": False, "status": 400,
                         "error": f"presets file: preset name {name!r} is already {taken}; "
                                  "give the preset another name in the file", **self.snapshot()}
-        if self.file_stamp is not None and (mtime < self.file_stamp[0]
+        if self.file_stamp is not None and (order < self.file_order
                                             or digest == self.file_stamp[1]):
             return {"ok": True, "changed": False, **self.snapshot()}
         new = {n: {k: float(v) for k, v in m.items()} for n, m in presets.items()}
@@ -153,7 +157,7 @@ class PresetTable:
             self.previous.pop(name, None)
         old = self.file
         self.file = new
-        self.file_stamp = (mtime, digest)
+        self.file_stamp, self.file_order = (mtime, digest), order
         self.version += 1
         return {"ok": True, "changed": True, "took_over": took,
                 "added": sorted(set(self.file) - set(old)),
