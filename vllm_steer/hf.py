@@ -160,18 +160,24 @@ def vector_steering(model, vectors: "Mapping[str, VectorSteer] | VectorSteer",
 
 
 def tokenize_scored(tokenizer, text: str, prefix: str | Sequence[int] | None = None,
-                    max_length: int | None = None) -> tuple[list[int], int]:
+                    max_length: int | None = None, max_text_tokens: int | None = None
+                    ) -> tuple[list[int], int]:
     """Token ids of ``prefix + text`` (no special tokens) and the index of the first scored
     token: the first text token after a prefix, else token 1 (token 0 has no context).
 
     A prefix given as token ids is used as it is (a prompt as the model was given it, with
     the special tokens its tokenizer adds, such as Llama's BOS); only the text is tokenised.
+    ``max_length`` cuts prefix and text together to that many tokens; ``max_text_tokens``
+    keeps the text's first that many tokens, whatever the prefix's length.
     """
     if prefix is not None and not isinstance(prefix, str):
         a = [int(t) for t in prefix]
     else:
         a = tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []
-    ids = a + tokenizer(text, add_special_tokens=False)["input_ids"]
+    b = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if max_text_tokens is not None:
+        b = b[:max(int(max_text_tokens), 0)]
+    ids = a + b
     if max_length:
         ids = ids[:max_length]
     return ids, max(len(a), 1)

@@ -65,7 +65,7 @@ def _cmd_list(args) -> int:
 def _cmd_load(args) -> int:
     body = {"name": args.name}
     if args.path:
-        body["path"] = os.path.abspath(args.path) if os.path.exists(args.path) else args.path
+        body["path"] = args.path  # as given: a relative path is read inside --steer-dir there
     data = _call("POST", args.url, "/v1/steers", body, api_key=args.api_key)
     print(json.dumps(data, indent=2) if args.json else
           f"loaded {data['name']} (rank {data['rank']}, load id {data['load_id']}) from "
@@ -137,7 +137,9 @@ def add_commands(sub) -> None:
             q.add_argument("name", help="steer name")
         if name == "load":
             q.add_argument("path", nargs="?", default=None,
-                           help="steer file on the server (default: --steer-dir/NAME.safetensors)")
+                           help="steer file on the server, sent as given: a relative path is "
+                           "read inside the server's --steer-dir (default: "
+                           "--steer-dir/NAME.safetensors)")
         _client_flags(q)
         q.set_defaults(func=func)
 

@@ -616,7 +616,7 @@ def save_gguf(path: str | os.PathLike, vs: VectorSteer) -> None:
         raise VectorFileError(path, [
             "the steer has a vector for block 0, which llama.cpp refuses (direction.0 is "
             "invalid there: it never steers block 0's output); keep blocks from 1 on "
-            f"(--layers 1-{max(vs.layers)})" if max(vs.layers) > 0 else
+            f"(--layers {_ranges([k for k in vs.layers if k > 0])})" if max(vs.layers) > 0 else
             "the steer's only vector is for block 0, which llama.cpp refuses"])
     meta = vs.metadata
 

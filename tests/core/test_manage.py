@@ -114,6 +114,21 @@ def test_steers_list_load_unload(server, capsys, tmp_path):
     assert seen[-1] == ("DELETE", "/v1/steers/formal", None)
 
 
+def test_steers_load_sends_a_relative_path_as_given(server, capsys, tmp_path, monkeypatch):
+    """The path names a file on the server (a relative one inside its --steer-dir), so a
+    same-named file in the client's working directory must not turn it into the client's
+    absolute path."""
+    url, seen = server
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "formal.safetensors").write_bytes(b"x")  # exists here, on the client
+    assert main(["steers", "load", "formal", "formal.safetensors", "--url", url]) == 0
+    assert seen[-1] == ("POST", "/v1/steers", {"name": "formal", "path": "formal.safetensors"})
+    assert "from formal.safetensors" in capsys.readouterr().out
+    assert main(["steers", "load", "formal", "sub/other.safetensors", "--url", url]) == 0
+    assert seen[-1] == ("POST", "/v1/steers",
+                        {"name": "formal", "path": "sub/other.safetensors"})
+
+
 def test_an_unreachable_server_is_named(capsys):
     assert main(["presets", "list", "--url", "http://127.0.0.1:9"]) == 1
     assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err

@@ -177,3 +177,182 @@ def test_training_texts_are_rebuilt_from_the_metadata(tmp_path):
     assert texts is not None and len(texts) == 10
     assert sum(t.startswith("clean") for t in texts) == 5
     assert texts <= {f"{w} text {i}" for w in ("clean", "toxic") for i in range(30)}
+
+
+# ---- texts with no token to score, --prefix and --max-tokens ---------------------------
+
+def _strict_json(path):
+    """The file parsed as standard JSON: a bare NaN or Infinity fails."""
+    def refuse(c):
+        raise ValueError(f"non-standard JSON constant {c}")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def _plain_loglik(model, tok, text, steer, strengths, prefix_ids=(), max_text=None):
+    """Mean token log-likelihood at each strength in plain float64 torch: the final hidden
+    states h, the steered head input h + s eps (h P1) P2^T, log-softmax of its logits, over
+    the text's tokens that have a context (all of them after a prefix, else from the 2nd)."""
+    text_ids = tok(text, add_special_tokens=False)["input_ids"][:max_text]
+    ids = list(prefix_ids) + text_ids
+    start = max(len(prefix_ids), 1)
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    h = out.hidden_states[-1][0].double()
+    W = model.lm_head.weight.detach().double()
+    assert torch.allclose(h @ W.T, out.logits[0].double(), atol=1e-4)  # h is the head input
+    p1, p2, eps = steer.p1.double(), steer.p2.double(), steer.metadata.epsilon
+    tgt = torch.tensor(ids[start:])
+    res = []
+    for s in strengths:
+        lp = torch.log_softmax((h + s * eps * (h @ p1) @ p2.T) @ W.T, -1)
+        res.append(float(lp[start - 1:len(ids) - 1].gather(-1, tgt[:, None]).mean()))
+    return res
+
+
+def test_text_scores_without_a_score():
+    sc = TextScores([-5.0, 0.0, 5.0], [[-3.0, -2.0, -1.0], None])
+    assert sc.scored() == [True, False]
+    assert sc.best() == [5.0, None]
+    assert sc.contrast(5) == [2.0, None]
+
+
+def test_score_cli_a_text_with_no_token_to_score_has_no_score_and_no_side(
+        tiny, tiny_model_dir, tmp_path, capsys):
+    """--max-tokens 1 without a prefix leaves a text no token with a context: the row says
+    "no score" (no side, no "negative"), the JSON is standard with nulls, a note says why;
+    the other text of the file is scored as plain torch computes it."""
+    from vllm_steer.cli import main
+
+    model, tok = tiny
+    steer = random_steer(64, 4, "s", seed=2)
+    path = tmp_path / "s.safetensors"
+    save_steer(path, steer)
+    texts = tmp_path / "t.txt"
+    texts.write_text("What a lovely day.\nHello\n")
+    assert len(tok("Hello", add_special_tokens=False)["input_ids"]) == 1
+    out = tmp_path / "o.json"
+    assert main(["score", "--steer", str(path), "--model", str(tiny_model_dir), "--file",
+                 str(texts), "--json", str(out), "--strengths=0", "--strength", "2"]) == 0
+    cap = capsys.readouterr()
+    rows = [line for line in cap.out.splitlines() if line.startswith("loglik")]
+    assert len(rows) == 2
+    assert "no score (no token to score)" in rows[1] and "'Hello'" in rows[1]
+    assert "negative" not in rows[1] and "positive" not in rows[1] and "nan" not in rows[1]
+    assert ("note: 1 of 2 text(s) had no token to score, so no score and no side (without a "
+            "--prefix a text's first token has no context") in cap.err
+    d = _strict_json(out)
+    assert d[1] == {"text": "Hello", "tokens_scored": 0, "loglik": None, "best_strength": None,
+                    "contrast": None, "side": None, "label": None}
+    want = _plain_loglik(model, tok, "What a lovely day.", steer, [-2.0, 0.0, 2.0])
+    got = [d[0]["loglik"][k] for k in ("-2", "0", "2")]
+    assert got == pytest.approx(want, abs=1e-4)
+    assert d[0]["contrast"] == pytest.approx(want[2] - want[0], abs=1e-4)
+    assert d[0]["side"] == ("positive" if want[2] > want[0] else "negative")
+    assert d[0]["tokens_scored"] == len(tok("What a lovely day.",
+                                            add_special_tokens=False)["input_ids"]) - 1
+    # every text cut to one token: each has no score
+    assert main(["score", "--steer", str(path), "--model", str(tiny_model_dir), "--text",
+                 "What a lovely day.", "--max-tokens", "1", "--json", str(out)]) == 0
+    assert "no score" in capsys.readouterr().out
+    assert _strict_json(out)[0]["side"] is None
+
+
+def test_score_cli_max_tokens_counts_the_text_not_the_prefix(tiny, tiny_model_dir, tmp_path,
+                                                             capsys):
+    """A --prefix longer than --max-tokens (default 128) leaves the text scored: the limit
+    keeps the text's first N tokens, after the whole prefix."""
+    from vllm_steer.cli import main
+
+    model, tok = tiny
+    steer = random_steer(64, 4, "s", seed=2)
+    path = tmp_path / "s.safetensors"
+    save_steer(path, steer)
+    prefix = "word " * 200
+    pre_ids = tok(prefix, add_special_tokens=False)["input_ids"]
+    assert len(pre_ids) > 128
+    text = "What a lovely day."
+    out = tmp_path / "o.json"
+    for extra, max_text in (([], None), (["--max-tokens", "2"], 2)):
+        assert main(["score", "--steer", str(path), "--model", str(tiny_model_dir), "--text",
+                     text, "--prefix", prefix, "--json", str(out), "--strengths=0",
+                     "--strength", "3", *extra]) == 0
+        assert "no score" not in capsys.readouterr().out
+        d = _strict_json(out)[0]
+        n_text = len(tok(text, add_special_tokens=False)["input_ids"])
+        assert d["tokens_scored"] == (max_text or n_text)
+        want = _plain_loglik(model, tok, text, steer, [-3.0, 0.0, 3.0], pre_ids, max_text)
+        assert [d["loglik"][k] for k in ("-3", "0", "3")] == pytest.approx(want, abs=1e-4)
+
+
+def test_score_help_default_max_tokens_is_the_functions():
+    from vllm_steer.lens import cli, score
+
+    assert cli.DEFAULT_MAX_TOKENS == score.DEFAULT_MAX_TOKENS
+
+
+@pytest.mark.parametrize("cmd", ["score", "highlight"])
+@pytest.mark.parametrize("bad", ["0", "-3", "x"])
+def test_max_tokens_must_be_a_positive_integer(cmd, bad, tmp_path, capsys):
+    from vllm_steer.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--steer", str(tmp_path / "none.safetensors"), "--text", "hi",
+              f"--max-tokens={bad}"])
+    assert e.value.code == 2
+    assert (f"argument --max-tokens: '{bad}' is not a positive integer: give the number of "
+            "tokens to keep from each text, e.g. 128") in capsys.readouterr().err
+
+
+def test_score_cli_dataset_counts_texts_without_a_score_apart(tiny, tiny_model_dir, tmp_path,
+                                                              capsys):
+    """With --prefix '' the one-token rows have no score: they are not predictions. The line
+    and the JSON give their number, ``n`` and the accuracy cover the scored rows only (the
+    accuracy checked against each scored row's contrast and label)."""
+    from vllm_steer.cli import main
+
+    model, tok = tiny
+    path = tmp_path / "s.safetensors"
+    save_steer(path, random_steer(64, 4, "s", seed=2))
+    data = tmp_path / "data"
+    (data / "sst2").mkdir(parents=True)
+    rows = [(f"nice film number {i}", "1") for i in range(3)] + [
+        (f"bad film number {i}", "0") for i in range(3)] + [("Hello", "1"), ("Hello", "0")]
+    (data / "sst2" / "test.tsv").write_text(
+        "sentence\tlabel\n" + "".join(f"{t}\t{lab}\n" for t, lab in rows))
+    ev_json = tmp_path / "ev.json"
+    assert main(["score", "--steer", str(path), "--model", str(tiny_model_dir), "--dataset",
+                 "sst2", "--data", str(data), "--limit", "0", "--prefix", "", "--json",
+                 str(ev_json), "--quiet", "--strength", "5"]) == 0
+    cap = capsys.readouterr()
+    assert ("(n=6, +/-5, positive side = label 1); 2 more text(s) had no token to score and "
+            "are not counted") in cap.out
+    assert "note: 2 of 8 texts had no token to score and are left out" in cap.err
+    ev = _strict_json(ev_json)
+    assert ev["n"] == 6 and ev["unscored"] == 2
+    per = ev["per_text"]  # --limit 0: every row, in the file's order
+    assert [p["label"] for p in per] == [lab for _, lab in rows]
+    assert [p["loglik"] is None for p in per] == [t == "Hello" for t, _ in rows]
+    strengths = ev["strengths"]
+    ip, im = strengths.index(5.0), strengths.index(-5.0)
+    scored = [p for p in per if p["loglik"] is not None]
+    right = sum((p["loglik"][ip] - p["loglik"][im] > 0) == (p["label"] == "1") for p in scored)
+    assert ev["accuracy"] == pytest.approx(right / 6)
+    assert sum(sum(c.values()) for c in ev["best_strength_by_class"].values()) == 6
+    # the scored rows' numbers are plain torch's
+    steer = random_steer(64, 4, "s", seed=2)
+    for (text, _), p in list(zip(rows, per, strict=True))[:6:5]:
+        assert p["loglik"] == pytest.approx(_plain_loglik(model, tok, text, steer, strengths),
+                                            abs=1e-4)
+
+
+def test_tokenize_scored_max_text_tokens_keeps_the_prefix_and_max_length_is_unchanged(tiny):
+    from vllm_steer.hf import tokenize_scored
+
+    _, tok = tiny
+    pre = tok("some context here", add_special_tokens=False)["input_ids"]
+    txt = tok("What a lovely day.", add_special_tokens=False)["input_ids"]
+    assert tokenize_scored(tok, "What a lovely day.", "some context here",
+                           max_text_tokens=2) == (pre + txt[:2], len(pre))
+    assert tokenize_scored(tok, "What a lovely day.", "some context here",
+                           max_length=2) == (pre[:2], len(pre))  # prefix and text together
+    assert tokenize_scored(tok, "What a lovely day.") == (txt, 1)

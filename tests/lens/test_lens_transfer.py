@@ -97,6 +97,50 @@ def test_logit_form_keeps_the_shift_when_the_map_also_scales():
     assert ratios["congruence"] == pytest.approx(1 / 9, rel=1e-3)
 
 
+def _narrower_pair(seed, v=600, d_a=12, d_b=8):
+    """E_A = E_B H_true + a mean: B is narrower, so H^T H [d_a, d_a] is singular."""
+    g = torch.Generator().manual_seed(seed)
+    E_b = torch.randn(v, d_b, generator=g, dtype=torch.float64)
+    H_true = torch.randn(d_b, d_a, generator=g, dtype=torch.float64)
+    E_a = E_b @ H_true + torch.randn(d_a, generator=g, dtype=torch.float64)
+    return E_a, E_b, g
+
+
+def test_ridge_0_is_the_least_norm_map_when_the_target_is_narrower():
+    """ridge 0 on a narrower target: G is the least-norm solution of c_A H^T = c_B, so the
+    logit form reproduces A's centred logit shift at corresponding contexts; the A-context
+    is computed independently from the embeddings (pseudo-inverse of centred E_A)."""
+    E_a, E_b, g = _narrower_pair(seed=7)
+    m = fit_map(E_b.float(), E_a.float(), ridge=0.0)
+    H = torch.linalg.lstsq(E_b - E_b.mean(0), E_a - E_a.mean(0)).solution  # [d_b, d_a]
+    assert torch.allclose(m.H, H, atol=1e-5)
+    g_star = torch.linalg.solve(H @ H.T, H)  # (H H^T)^-1 H: least norm, d_b <= d_a
+    assert float(torch.linalg.norm(m.context_map() - g_star) / torch.linalg.norm(g_star)) < 1e-5
+    p1 = torch.randn(12, 3, generator=g, dtype=torch.float64)
+    p2 = torch.randn(12, 3, generator=g, dtype=torch.float64)
+    q1, q2 = transfer_factors(p1, p2, m, "logit")
+    c_b = torch.randn(6, 8, generator=g, dtype=torch.float64)
+    Ea_c, Eb_c = E_a - E_a.mean(0), E_b - E_b.mean(0)
+    c_a = (torch.linalg.pinv(Ea_c) @ (Eb_c @ c_b.T)).T  # same centred logits as c_b on B
+    want, got = _shift(c_a, p1, p2, E_a), _shift(c_b, q1.double(), q2.double(), E_b)
+    assert float(torch.linalg.norm(got - want) / torch.linalg.norm(want)) < 1e-5
+    # the default ridge is close to it; both are finite and of the same size
+    q1r, _ = transfer_factors(p1, p2, fit_map(E_b.float(), E_a.float()), "logit")
+    assert float(torch.linalg.norm(q1r - q1) / torch.linalg.norm(q1)) < 1e-2
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_a_ridge_that_is_not_a_finite_number_ge_0_is_refused(bad):
+    E_a, E_b, _ = _narrower_pair(seed=1, v=100)
+    with pytest.raises(ValueError, match=rf"ridge {bad} is not a finite number >= 0.*"
+                                         r"default 0.0001 \(0 = no regularisation\)"):
+        fit_map(E_b, E_a, ridge=bad)
+    from vllm_steer.lens.transfer import TransferConfig
+
+    with pytest.raises(ValueError, match=rf"ridge {bad} is not a finite number >= 0"):
+        TransferConfig(ridge=bad)
+
+
 def test_transfer_steer_metadata_and_domain():
     E_a, g = _synthetic(seed=4, v=500, d=16)
     m = fit_map(E_a[:, :12].clone(), E_a)  # B = first 12 coordinates of A
@@ -172,6 +216,51 @@ def test_transfer_cli_between_two_tiny_models(tiny_pair, tmp_path, capsys):
     assert st.metadata.recommended_strength == pytest.approx(
         5.0 * src_meta["logit_shift_rms_source"] / src_meta["logit_shift_rms_target"],
         rel=1e-3)
+
+
+def test_transfer_cli_ridge_0_to_a_narrower_model_writes_the_least_norm_steer(
+        tiny_pair, tmp_path, capsys):
+    """--ridge 0 from hidden 64 to hidden 32: the file holds P1_B = (H H^T)^-1 H P1 and
+    P2_B = H P2, with H the plain least-squares fit on the same anchor tokens."""
+    from vllm_steer.cli import main
+    from vllm_steer.lens.lm import load_lm, output_embeddings
+
+    big, small, _, _ = tiny_pair
+    steer = random_steer(64, 4, "detox", seed=5, base_model=str(big))
+    src, out = tmp_path / "s.safetensors", tmp_path / "s0.safetensors"
+    save_steer(src, steer)
+    assert main(["transfer", "--steer", str(src), "--from", str(big), "--to", str(small),
+                 "--out", str(out), "--anchors", "2000", "--heldout", "500",
+                 "--ridge", "0"]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    st = load_steer(out)
+    assert st.metadata.source["ridge"] == 0.0
+    (ma, ta), (mb, tb) = load_lm(str(big)), load_lm(str(small))
+    E_a, E_b = output_embeddings(ma).double(), output_embeddings(mb).double()
+    anc = shared_anchors(ta.get_vocab(), tb.get_vocab(), 2000, 500, ta.all_special_ids,
+                         tb.all_special_ids, rows_a=E_a.shape[0], rows_b=E_b.shape[0])
+    ia = torch.tensor([anc.ids_a[i] for i in anc.fit])
+    ib = torch.tensor([anc.ids_b[i] for i in anc.fit])
+    X, Y = E_b[ib] - E_b[ib].mean(0), E_a[ia] - E_a[ia].mean(0)
+    H = torch.linalg.lstsq(X, Y).solution  # [32, 64]
+    p1_b = torch.linalg.solve(H @ H.T, H) @ steer.p1.double()
+    assert torch.allclose(st.p1.double(), p1_b, rtol=1e-3, atol=1e-4 * float(p1_b.abs().max()))
+    assert torch.allclose(st.p2.double(), H @ steer.p2.double(), rtol=1e-3,
+                          atol=1e-4 * float(steer.p2.abs().max()))
+
+
+@pytest.mark.parametrize("bad", ["-1", "nan", "inf", "x"])
+def test_transfer_cli_refuses_a_ridge_below_0_or_not_finite(bad, tmp_path, capsys):
+    from vllm_steer.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["transfer", "--steer", str(tmp_path / "none.safetensors"), "--from", "a",
+              "--to", "b", "--out", str(tmp_path / "o.safetensors"), f"--ridge={bad}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert (f"argument --ridge: '{bad}' is not a finite number >= 0: give the relative ridge "
+            "strength, e.g. the default 0.0001 (0 = no regularisation)") in err
+    assert not (tmp_path / "o.safetensors").exists()
 
 
 def test_logit_shift_rms_scales_linearly():

@@ -190,6 +190,36 @@ def test_layers_name_the_files_blocks_not_a_model(tmp_path, capsys, cv):
     assert load_vector(out).layers == [2, 3]
 
 
+def test_block_0_to_gguf_suggests_layers_that_work_when_the_blocks_have_gaps(tmp_path,
+                                                                                 capsys):
+    """A steer for blocks 0, 1, 2 and 5 cannot go to GGUF with block 0; the ``--layers`` the
+    error suggests is run as given and keeps exactly the other blocks, and the summary line
+    names the blocks written as the errors do (``1-2,5``, not ``1-5``)."""
+    import re
+
+    from vllm_steer.vectors import save_vector
+
+    rng = np.random.default_rng(1)
+    dirs = {k: rng.standard_normal(HIDDEN).astype(np.float32) for k in (0, 1, 2, 5)}
+    src = tmp_path / "gaps.safetensors"
+    save_vector(src, make_vector_steer(dirs, "gaps"))
+    out = tmp_path / "gaps.gguf"
+    assert main(["convert", str(src), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("vllm-steer convert: error: ") and "Traceback" not in err
+    assert "keep blocks from 1 on (--layers 1-2,5)" in err and not out.exists()
+    hint = re.search(r"\(--layers ([^)]+)\)", err).group(1)
+    assert main(["convert", str(src), "--out", str(out), "--layers", hint]) == 0
+    assert capsys.readouterr().out.strip() == (
+        f"wrote {out} (llama.cpp GGUF): gaps, hidden size {HIDDEN}, blocks 1-2,5 (3 vectors)")
+    back = load_vector(out)
+    assert back.layers == [1, 2, 5]
+    for k in (1, 2, 5):
+        assert np.array_equal(back.directions[k].numpy(), dirs[k])
+    assert main(["convert", str(src), "--out", str(tmp_path / "same.safetensors")]) == 0
+    assert capsys.readouterr().out.strip().endswith("blocks 0-2,5 (4 vectors)")
+
+
 def test_a_checkpoints_zero_epsilon_is_refused_not_made_the_default(tmp_path, capsys):
     """``args.epsilon = 0`` in a checkpoint (a steer that does nothing) is refused naming it
     and the fix, not silently served at 1e-3; ``--epsilon`` then converts it."""

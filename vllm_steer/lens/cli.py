@@ -6,7 +6,9 @@ parser stays fast.
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import sys
 
 
@@ -173,6 +175,12 @@ def cmd_explain(args) -> int:
 
 # --------------------------------------------------------------------------- score
 
+#: Why a text gets no score, and what helps.
+_NO_SCORE_WHY = ("without a --prefix a text's first token has no context to be scored in, "
+                 "so a text needs two tokens or more, counted after --max-tokens; with a "
+                 "--prefix, one")
+
+
 def cmd_score(args) -> int:
     from vllm_steer.lens import score as S
 
@@ -213,14 +221,19 @@ def cmd_score(args) -> int:
         for lab in sorted(ev.best_strength_by_class):
             print(f"  label {lab}: mean contrast {ev.mean_contrast_by_class[lab]:+.4f}; "
                   f"best strength counts {ev.best_strength_by_class[lab]}")
+        if ev.unscored:
+            print(f"note: {ev.unscored} of {len(rows)} texts had no token to score and are "
+                  f"left out of the accuracy and the AUC ({_NO_SCORE_WHY})", file=sys.stderr)
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({**ev.__dict__, "model": name, "split": args.split,
-                           "excluded_training_rows": excluded,
-                           "limit": args.limit, "seed": args.seed,
-                           "strengths": sc.strengths,
-                           "per_text": [{"label": lab, "loglik": ll} for (_, lab), ll
-                                        in zip(rows, sc.loglik, strict=True)]}, f, indent=2)
+                json.dump(S.json_safe(
+                    {**ev.__dict__, "model": name, "split": args.split,
+                     "excluded_training_rows": excluded,
+                     "limit": args.limit, "seed": args.seed,
+                     "strengths": sc.strengths,
+                     "per_text": [{"label": lab, "loglik": ll} for (_, lab), ll
+                                  in zip(rows, sc.loglik, strict=True)]}),
+                    f, indent=2, allow_nan=False)
                 f.write("\n")
         return 0
     if args.file is not None and args.text is None:
@@ -234,21 +247,31 @@ def cmd_score(args) -> int:
     con = sc.contrast(strength)
     lab = steer.metadata.labels or {}
     out = []
-    for text, row, best, c in zip(texts, sc.loglik, sc.best(), con, strict=True):
-        side = "positive" if c > 0 else "negative"
-        out.append({"text": text, "loglik": dict(zip([f"{s:g}" for s in grid], row, strict=True)),
+    for text, row, best, c, n in zip(texts, sc.loglik, sc.best(), con, sc.tokens, strict=True):
+        side = None if c is None else "positive" if c > 0 else "negative"
+        out.append({"text": text, "tokens_scored": n,
+                    "loglik": None if row is None else dict(zip([f"{s:g}" for s in grid], row,
+                                                                strict=True)),
                     "best_strength": best, "contrast": c, "side": side,
-                    "label": lab.get(side)})
+                    "label": lab.get(side) if side else None})
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=2, ensure_ascii=False)
+            json.dump(S.json_safe(out), f, indent=2, ensure_ascii=False, allow_nan=False)
             f.write("\n")
     print("strength  " + "  ".join(f"{s:>8g}" for s in grid) + "   best  contrast  side")
     for o, row in zip(out, sc.loglik, strict=True):
         short = o["text"][:60].replace("\n", " ")
+        if row is None:
+            print("loglik    " + "  ".join(f"{'-':>8}" for _ in grid) +
+                  f"  {'-':>5}  {'-':>7}  no score (no token to score)   {short!r}")
+            continue
         print("loglik    " + "  ".join(f"{v:8.4f}" for v in row) +
               f"  {o['best_strength']:5g}  {o['contrast']:+.4f}  {o['side']}"
               + (f" ({o['label']})" if o["label"] else "") + f"   {short!r}")
+    unscored = sum(r is None for r in sc.loglik)
+    if unscored:
+        print(f"note: {unscored} of {len(texts)} text(s) had no token to score, so no score "
+              f"and no side ({_NO_SCORE_WHY})", file=sys.stderr)
     return 0
 
 
@@ -257,6 +280,33 @@ def cmd_score(args) -> int:
 #: Shown in --help; the values used are TransferConfig's (kept equal by a test). Not imported
 #: from vllm_steer.lens.transfer so that building the parser does not import torch.
 DEFAULT_ANCHORS, DEFAULT_HELDOUT, DEFAULT_RIDGE = 4000, 1000, 1e-4
+#: ``score``'s --max-tokens default (vllm_steer.lens.score.DEFAULT_MAX_TOKENS).
+DEFAULT_MAX_TOKENS = 128
+
+
+def _positive_int(text: str) -> int:
+    """``--max-tokens``: a positive integer."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer: give the number "
+                                         "of tokens to keep from each text, e.g. 128")
+    return n
+
+
+def _ridge_arg(text: str) -> float:
+    """``--ridge``: a finite number >= 0 (0 is the unregularised, pseudo-inverse limit)."""
+    try:
+        r = float(text)
+    except ValueError:
+        r = math.nan
+    if not (math.isfinite(r) and r >= 0):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a finite number >= 0: give the relative ridge strength, e.g. the "
+            f"default {DEFAULT_RIDGE} (0 = no regularisation)")
+    return r
 
 
 def add_commands(subparsers) -> None:
@@ -275,8 +325,9 @@ def add_commands(subparsers) -> None:
                    help=f"shared tokens used to fit the map (default {DEFAULT_ANCHORS})")
     t.add_argument("--heldout", type=int, default=None,
                    help=f"shared tokens held out to report the fit (default {DEFAULT_HELDOUT})")
-    t.add_argument("--ridge", type=float, default=None,
-                   help=f"relative ridge strength (default {DEFAULT_RIDGE})")
+    t.add_argument("--ridge", type=_ridge_arg, default=None,
+                   help=f"relative ridge strength, a finite number >= 0 (default "
+                   f"{DEFAULT_RIDGE}; 0 = none: the least-norm least-squares map)")
     t.add_argument("--form", choices=["logit", "congruence"], default="logit",
                    help="logit: keep the logit shift (default); congruence: the paper's H S H^T")
     t.add_argument("--calibration-file", help="sentences (one a line) for the strength "
@@ -284,16 +335,18 @@ def add_commands(subparsers) -> None:
     t.add_argument("--name", help="name of the transferred steer (default: the source's)")
     t.set_defaults(func=cmd_transfer)
 
-    def common(p, strength_help):
+    def common(p, strength_help, prefix_help, max_tokens_default):
         p.add_argument("--steer", required=True, help="steer file (.safetensors)")
         p.add_argument("--model", help="model (HF folder/id or smollm2; default: the steer's "
                        "base_model)")
         p.add_argument("--strength", type=float, default=None, help=strength_help)
-        p.add_argument("--prefix", default=None, help="context before each text (default: "
-                       "the tokenizer's BOS/EOS token so the first token is scored too; '' "
-                       "for none)")
-        p.add_argument("--max-tokens", type=int, default=None,
-                       help="truncate texts to this many tokens")
+        p.add_argument("--prefix", default=None, help=prefix_help)
+        p.add_argument("--max-tokens", type=_positive_int, default=max_tokens_default,
+                       metavar="N",
+                       help="keep each text's first N tokens, a positive integer (the "
+                       "--prefix does not count; default "
+                       + ("no limit)" if max_tokens_default is None
+                          else f"{max_tokens_default})"))
 
     # highlight
     h = subparsers.add_parser(
@@ -302,7 +355,9 @@ def add_commands(subparsers) -> None:
         "spans by dynamic programming.")
     common(h, "strength of the steered model (default: the steer's recommended strength, "
               "else 5); a negative strength highlights the negative side (e.g. toxic text "
-              "for a detox steer)")
+              "for a detox steer)",
+           "context before the text (default: the tokenizer's BOS/EOS token so the first "
+           "token is scored too; '' for none)", None)
     h.add_argument("--text", help="the text")
     h.add_argument("--file", help="read the text from this file")
     h.add_argument("--against", type=float, default=0.0,
@@ -342,7 +397,9 @@ def add_commands(subparsers) -> None:
         "score", help="which strength best explains a text (zero-shot style classifier)",
         description="Mean token log-likelihood under several strengths; the contrast "
         "loglik(+s) - loglik(-s) classifies the text. With --dataset, measure accuracy.")
-    common(s, "the s of the +s/-s contrast (default: recommended strength, else 5)")
+    common(s, "the s of the +s/-s contrast (default: recommended strength, else 5)",
+           "context before each text, so that its first token is scored too (default: none; "
+           "a text then needs two tokens or more to get a score)", DEFAULT_MAX_TOKENS)
     s.add_argument("--text", help="one text")
     s.add_argument("--file", help="texts, one a line")
     s.add_argument("--strengths",
@@ -363,4 +420,4 @@ def add_commands(subparsers) -> None:
     s.add_argument("--batch-size", type=int, default=8, help="texts per forward pass")
     s.add_argument("--json", help="write results as JSON here")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
-    s.set_defaults(func=cmd_score, max_tokens=128)
+    s.set_defaults(func=cmd_score)

@@ -65,13 +65,17 @@ class _Captured(Exception):
 @torch.no_grad()
 def final_hidden_states(model, tokenizer, texts: Sequence[str],
                         prefixes: Sequence[str] | None = None, batch_size: int = 8,
-                        max_length: int | None = None, progress: bool = False) -> list[Encoded]:
+                        max_length: int | None = None, progress: bool = False,
+                        max_text_tokens: int | None = None) -> list[Encoded]:
     """The input of the output head for each predicted token of each text.
 
     Tokenisation and alignment follow :func:`vllm_steer.hf.token_logprobs` exactly: the text
     is tokenised without special tokens; with a prefix, every text token is predicted,
-    otherwise tokens ``1..n-1``. Texts are batched by length (less padding) and the forward
-    stops at the head's input (no logits are computed here).
+    otherwise tokens ``1..n-1``. ``max_length`` cuts prefix and text together,
+    ``max_text_tokens`` the text alone (see :func:`vllm_steer.hf.tokenize_scored`). A text
+    with no token to predict (empty, or one token without a prefix) gets no rows. Texts are
+    batched by length (less padding) and the forward stops at the head's input (no logits
+    are computed here).
     """
     from tqdm.auto import tqdm
 
@@ -84,9 +88,14 @@ def final_hidden_states(model, tokenizer, texts: Sequence[str],
         raise _Captured
 
     toks = [tokenize_scored(tokenizer, t, prefixes[i] if prefixes is not None else None,
-                            max_length) for i, t in enumerate(texts)]
-    order = sorted(range(len(texts)), key=lambda i: len(toks[i][0]))
+                            max_length, max_text_tokens) for i, t in enumerate(texts)]
     out: list[Encoded | None] = [None] * len(texts)
+    for j, (ids, s) in enumerate(toks):
+        if len(ids) <= s:  # no token to predict: no rows, and nothing to run
+            out[j] = Encoded(torch.zeros(0, head.weight.shape[1]),
+                             torch.zeros(0, dtype=torch.long))
+    order = sorted((j for j in range(len(texts)) if out[j] is None),
+                   key=lambda i: len(toks[i][0]))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     handle = head.register_forward_pre_hook(grab)
     try:

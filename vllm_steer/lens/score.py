@@ -9,6 +9,9 @@ likelihood is the style the text is closest to. As a binary classifier we use th
 and predict the steer's *positive* side when ``score > 0`` (no threshold is fitted: zero-shot).
 ``AUC`` (threshold-free) is reported next to the accuracy, and the grid read-out (the argmax
 strength over ``--strengths``) per class.
+A text with no token to score (empty, or a single token without a prefix to give it a
+context) has no score: no likelihood, no best strength, no side; an evaluation counts such
+texts apart and leaves them out of the accuracy and the AUC.
 
 Datasets (read from the data folder, never copied): ``sst2`` (``sst2/{test,dev}.tsv``,
 label 1 = positive sentiment) and ``jigsaw`` (``jigsaw/jigsaw_balanced.csv``, label 0 =
@@ -20,6 +23,7 @@ sentiment / non-toxic).
 from __future__ import annotations
 
 import csv
+import math
 import os
 import random
 from dataclasses import dataclass, field
@@ -126,25 +130,42 @@ def auc(scores: Sequence[float], positive: Sequence[bool]) -> float:
     return (rsum - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg))
 
 
+def check_max_tokens(max_tokens: int | None) -> None:
+    """``max_tokens`` is ``None`` (no limit) or a positive integer."""
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(
+            max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"max_tokens={max_tokens!r}: give a positive number of text tokens "
+                         f"(default {DEFAULT_MAX_TOKENS}), or None for no limit")
+
+
 @dataclass
 class TextScores:
     """Log-likelihoods of texts at each strength."""
 
     strengths: list[float]
-    loglik: list[list[float]]  # [text][strength]: mean token log-likelihood
+    loglik: list[list[float] | None]
+    """[text][strength]: mean token log-likelihood; ``None`` for a text with no token to
+    score (no score at any strength)."""
+    tokens: list[int] | None = None
+    """Tokens scored per text (``None``: not recorded)."""
 
-    def best(self) -> list[float]:
-        """The strength with the highest likelihood, per text."""
-        return [self.strengths[max(range(len(r)), key=r.__getitem__)] for r in self.loglik]
+    def scored(self) -> list[bool]:
+        """Whether each text has a score."""
+        return [r is not None for r in self.loglik]
 
-    def contrast(self, s: float) -> list[float]:
-        """``loglik(+s) - loglik(-s)`` per text."""
+    def best(self) -> list[float | None]:
+        """The strength with the highest likelihood, per text (``None``: no score)."""
+        return [None if r is None else self.strengths[max(range(len(r)), key=r.__getitem__)]
+                for r in self.loglik]
+
+    def contrast(self, s: float) -> list[float | None]:
+        """``loglik(+s) - loglik(-s)`` per text (``None``: no score)."""
         try:
             ip, im = self.strengths.index(abs(s)), self.strengths.index(-abs(s))
         except ValueError:
             raise ValueError(f"the contrast needs both +{abs(s)} and -{abs(s)} among the "
                              f"strengths {self.strengths}") from None
-        return [r[ip] - r[im] for r in self.loglik]
+        return [None if r is None else r[ip] - r[im] for r in self.loglik]
 
 
 def score_texts(model, tokenizer, steer, texts: Sequence[str],
@@ -152,15 +173,19 @@ def score_texts(model, tokenizer, steer, texts: Sequence[str],
                 max_tokens: int | None = DEFAULT_MAX_TOKENS, batch_size: int = 8,
                 prefix: str | None = None, progress: bool = False) -> TextScores:
     """Mean token log-likelihood of each text at each strength (one pass through the model
-    body per text; see :func:`vllm_steer.lens.lm.logprobs_at_strengths`)."""
+    body per text; see :func:`vllm_steer.lens.lm.logprobs_at_strengths`). ``max_tokens``
+    keeps each text's first that many tokens (the prefix does not count); a text with no
+    token to score gets ``None``."""
     from tqdm.auto import tqdm
 
     from vllm_steer.lens.lm import final_hidden_states, logprobs_at_strengths
 
+    check_max_tokens(max_tokens)
     strengths = [float(s) for s in strengths]
     if not strengths:
         raise ValueError("give at least one strength")
-    rows: list[list[float]] = []
+    rows: list[list[float] | None] = []
+    tokens: list[int] = []
     step = max(batch_size, 1) * 4
     bar = tqdm(total=len(texts), desc=f"scoring ({steer.name})", disable=not progress,
                unit="text")
@@ -168,11 +193,13 @@ def score_texts(model, tokenizer, steer, texts: Sequence[str],
         chunk = list(texts[i:i + step])
         pre = [prefix] * len(chunk) if prefix else None
         enc = final_hidden_states(model, tokenizer, chunk, prefixes=pre, batch_size=batch_size,
-                                  max_length=max_tokens)
-        rows += logprobs_at_strengths(model, enc, steer, strengths).tolist()
+                                  max_text_tokens=max_tokens)
+        res = logprobs_at_strengths(model, enc, steer, strengths).tolist()
+        rows += [r if e.targets.numel() else None for r, e in zip(res, enc, strict=True)]
+        tokens += [int(e.targets.numel()) for e in enc]
         bar.update(len(chunk))
     bar.close()
-    return TextScores(strengths, rows)
+    return TextScores(strengths, rows, tokens)
 
 
 @dataclass
@@ -182,6 +209,7 @@ class Evaluation:
     dataset: str
     steer: str
     n: int
+    """Texts with a score: the ones the accuracy and the AUC count."""
     strength: float
     accuracy: float
     auc: float
@@ -191,11 +219,17 @@ class Evaluation:
     by_strength: dict[str, dict[str, float]] = field(default_factory=dict)
     """Accuracy and AUC of the contrast at every ``s`` with both ``+s`` and ``-s`` in the
     grid (keys ``"s"``)."""
+    unscored: int = 0
+    """Texts of the sample with no token to score: not in ``n``, the accuracy or the AUC."""
 
     def line(self) -> str:
-        return (f"{self.steer} on {self.dataset}: accuracy {self.accuracy:.1%}  AUC "
-                f"{self.auc:.3f}  (n={self.n}, +/-{self.strength:g}, positive side = label "
-                f"{self.positive_label})")
+        out = (f"{self.steer} on {self.dataset}: accuracy {self.accuracy:.1%}  AUC "
+               f"{self.auc:.3f}  (n={self.n}, +/-{self.strength:g}, positive side = label "
+               f"{self.positive_label})")
+        if self.unscored:
+            out += (f"; {self.unscored} more text(s) had no token to score and are not "
+                    "counted")
+        return out
 
 
 def evaluate(model, tokenizer, steer, rows: Sequence[tuple[str, str]], dataset: str,
@@ -203,28 +237,51 @@ def evaluate(model, tokenizer, steer, rows: Sequence[tuple[str, str]], dataset: 
              strengths: Sequence[float] = DEFAULT_STRENGTHS,
              max_tokens: int | None = DEFAULT_MAX_TOKENS, batch_size: int = 8,
              prefix: str | None = None, progress: bool = True) -> tuple[Evaluation, TextScores]:
-    """Run the classifier on labelled ``rows`` and measure it."""
+    """Run the classifier on labelled ``rows`` and measure it. Texts with no token to score
+    are counted apart (:attr:`Evaluation.unscored`), not as predictions."""
     grid = sorted(set(float(s) for s in strengths) | {abs(strength), -abs(strength)})
     texts = [t for t, _ in rows]
     sc = score_texts(model, tokenizer, steer, texts, grid, max_tokens, batch_size, prefix,
                      progress)
-    con = sc.contrast(strength)
-    truth = [lab == positive_label for _, lab in rows]
-    acc = sum((c > 0) == t for c, t in zip(con, truth, strict=True)) / max(len(rows), 1)
-    best = sc.best()
+    keep = [i for i, ok in enumerate(sc.scored()) if ok]
+    if rows and not keep:
+        raise ValueError(f"none of the {len(rows)} texts has a token to score (each is empty "
+                         "or one token long): give a --prefix, or texts of two tokens or more")
+    truth = [rows[i][1] == positive_label for i in keep]
+
+    def measure(s: float) -> tuple[float, float]:
+        con = sc.contrast(s)
+        cs = [con[i] for i in keep]
+        return (sum((c > 0) == t for c, t in zip(cs, truth, strict=True)) / max(len(keep), 1),
+                auc(cs, truth))
+
+    acc, area = measure(strength)
+    best, con = sc.best(), sc.contrast(strength)
     by: dict[str, dict[str, int]] = {}
     mean_con: dict[str, list[float]] = {}
-    for (_, lab), b, c in zip(rows, best, con, strict=True):
+    for i in keep:
+        lab, b = rows[i][1], best[i]
         by.setdefault(lab, {}).setdefault(f"{b:g}", 0)
         by[lab][f"{b:g}"] += 1
-        mean_con.setdefault(lab, []).append(c)
+        mean_con.setdefault(lab, []).append(con[i])
     by_s: dict[str, dict[str, float]] = {}
     for g in grid:
         if g > 0 and -g in grid:
-            cg = sc.contrast(g)
-            by_s[f"{g:g}"] = {"accuracy": sum((c > 0) == t for c, t in zip(cg, truth, strict=True))
-                              / max(len(rows), 1), "auc": auc(cg, truth)}
-    ev = Evaluation(dataset, steer.name, len(rows), abs(strength), acc, auc(con, truth),
+            a_g, auc_g = measure(g)
+            by_s[f"{g:g}"] = {"accuracy": a_g, "auc": auc_g}
+    ev = Evaluation(dataset, steer.name, len(keep), abs(strength), acc, area,
                     positive_label, by, {k: sum(v) / len(v) for k, v in mean_con.items()},
-                    by_s)
+                    by_s, unscored=len(rows) - len(keep))
     return ev, sc
+
+
+def json_safe(obj):
+    """``obj`` with every NaN or infinite float replaced by ``None`` (JSON ``null``), so that
+    ``json.dump(..., allow_nan=False)`` writes standard JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj

@@ -15,6 +15,8 @@ Conventions (row vectors, as everywhere in vllm-steer; semantics: see
 
 by ridge least squares in closed form, ``H = (X^T X + lam I)^{-1} X^T Y`` with the centred
 anchor rows ``X = E_B - mean_B``, ``Y = E_A - mean_A`` and ``lam = ridge * trace(X^T X) / d_B``.
+``ridge = 0`` is the unregularised limit, computed with the pseudo-inverse (``H = X^+ Y``, the
+least-norm least-squares fit) rather than by solving a system that can be singular.
 Centring is free: adding a vector ``m`` to every output embedding adds the same number
 ``c . m`` to every logit of a context, which the softmax ignores. The fit is reported on
 held-out anchor tokens (R^2 and the mean cosine between predicted and true centred rows).
@@ -22,7 +24,8 @@ held-out anchor tokens (R^2 and the mean cosine between predicted and true centr
 **The steer** (``form="logit"``, the default). Take a context ``c_B`` of model B. The
 A-context that gives the same logits satisfies ``c_A E_A^T = c_B E_B^T``; with
 ``E_A = E_B H`` (up to the ignored mean) this is ``c_A H^T = c_B``, solved (least norm, with
-the same small ridge) by ``c_A = c_B G``, ``G = H (H^T H + lam' I)^{-1}`` [d_B, d_A]. The steer
+the same small ridge) by ``c_A = c_B G``, ``G = H (H^T H + lam' I)^{-1}`` [d_B, d_A] (at
+``ridge = 0``: ``G = (H^T)^+``; for ``d_B < d_A`` the matrix ``H^T H`` is singular). The steer
 changes A's logits by ``eps c_A S_A E_A^T = eps c_B G S_A H^T E_B^T``, so on B::
 
     S_B = G S_A H^T = (G P1)(H P2)^T,     i.e.   P1_B = G @ P1,   P2_B = H @ P2
@@ -48,6 +51,7 @@ recommended strength, else 5). Both numbers are stored in the metadata ``source`
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
 
@@ -76,7 +80,8 @@ class TransferConfig:
     heldout: int = DEFAULT_HELDOUT
     """Further shared tokens, interleaved with the fitting ones, used only for the report."""
     ridge: float = DEFAULT_RIDGE
-    """Ridge strength relative to the mean eigenvalue of ``X^T X`` (and of ``H^T H``)."""
+    """Ridge strength relative to the mean eigenvalue of ``X^T X`` (and of ``H^T H``); 0 = no
+    regularisation (pseudo-inverse: the least-norm least-squares solutions)."""
     form: Form = "logit"
     """``logit`` (keeps the logit shift; see the module doc) or ``congruence`` (the paper's
     ``H S H^T``)."""
@@ -85,10 +90,29 @@ class TransferConfig:
         if self.anchors < 1 or self.heldout < 0:
             raise ValueError(f"anchors={self.anchors} must be >= 1 and heldout={self.heldout} "
                              ">= 0")
-        if not self.ridge >= 0:
-            raise ValueError(f"ridge={self.ridge} must be >= 0 (default {DEFAULT_RIDGE})")
+        check_ridge(self.ridge)
         if self.form not in ("logit", "congruence"):
             raise ValueError(f"form={self.form!r}: choose 'logit' or 'congruence'")
+
+
+def ridge_problem(ridge: float) -> str | None:
+    """Why ``ridge`` cannot be used (``None`` when it can): it must be a finite number >= 0."""
+    try:
+        r = float(ridge)
+    except (TypeError, ValueError):
+        r = float("nan")
+    if math.isfinite(r) and r >= 0:
+        return None
+    return (f"ridge {ridge} is not a finite number >= 0: give the relative ridge strength, "
+            f"e.g. the default {DEFAULT_RIDGE} (0 = no regularisation)")
+
+
+def check_ridge(ridge: float) -> None:
+    """Raise ``ValueError`` naming the value, the limit and the fix unless ``ridge`` is a
+    finite number >= 0."""
+    problem = ridge_problem(ridge)
+    if problem:
+        raise ValueError(problem)
 
 
 def normalise_token(tok: str) -> str:
@@ -164,7 +188,11 @@ class EmbeddingMap:
 
     def context_map(self) -> torch.Tensor:
         """``G = H (H^T H + lam I)^{-1}`` [d_b, d_a]: ``c_A = c_B @ G`` gives (least-norm,
-        ridge-regularised) ``c_A H^T ~= c_B``, i.e. the A-context with the same logits."""
+        ridge-regularised) ``c_A H^T ~= c_B``, i.e. the A-context with the same logits. At
+        ridge 0 it is the limit ``(H^T)^+`` (pseudo-inverse): ``H^T H`` [d_a, d_a] has rank at
+        most d_b, so for d_b < d_a the unregularised system is singular."""
+        if self.ridge == 0:
+            return torch.linalg.pinv(self.H.T)
         hth = self.H.T @ self.H
         d = hth.shape[0]
         lam = self.ridge * float(torch.trace(hth)) / d
@@ -172,12 +200,17 @@ class EmbeddingMap:
 
 
 def fit_map(e_b: torch.Tensor, e_a: torch.Tensor, ridge: float = DEFAULT_RIDGE) -> EmbeddingMap:
-    """Ridge least squares ``(E_A - mean) ~= (E_B - mean) H`` in closed form (float64)."""
+    """Ridge least squares ``(E_A - mean) ~= (E_B - mean) H`` in closed form (float64);
+    ``ridge=0``: the least-norm least-squares fit ``H = X^+ Y`` (pseudo-inverse)."""
+    check_ridge(ridge)
+    ridge = float(ridge)
     if e_a.shape[0] != e_b.shape[0]:
         raise ValueError(f"anchor rows differ: {e_b.shape[0]} in B, {e_a.shape[0]} in A")
     x, y = e_b.double(), e_a.double()
     mb, ma = x.mean(0), y.mean(0)
     x, y = x - mb, y - ma
+    if ridge == 0:
+        return EmbeddingMap(torch.linalg.pinv(x) @ y, ma, mb, ridge)
     xtx = x.T @ x
     d = xtx.shape[0]
     lam = ridge * float(torch.trace(xtx)) / d

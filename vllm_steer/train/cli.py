@@ -446,7 +446,7 @@ def file_layers(spec: str, vs, path: str) -> list[int]:
 
 def cmd_convert_vector(args) -> int:
     """GGUF -> our file, our file -> GGUF (or either to itself, e.g. to keep some layers)."""
-    from vllm_steer.vectors import is_gguf_name, load_vector, save_any
+    from vllm_steer.vectors import _ranges, is_gguf_name, load_vector, save_any
 
     given = [f for f, on in (("--unsafe-allow-pickle", args.unsafe_allow_pickle),
                              ("--unsafe-full-unpickle", args.unsafe_full_unpickle),
@@ -470,7 +470,7 @@ def cmd_convert_vector(args) -> int:
     save_any(args.out, vs)
     kind = "llama.cpp GGUF" if is_gguf_name(args.out) else "vector steer file"
     print(f"wrote {args.out} ({kind}): {vs.name}, hidden size {vs.hidden_size}, blocks "
-          f"{vs.layers[0]}-{vs.layers[-1]} ({len(vs.layers)} vectors)")
+          f"{_ranges(vs.layers)} ({len(vs.layers)} vectors)")
     return 0
 
 
