@@ -340,3 +340,50 @@ def test_the_graphs_read_each_rows_table_row_through_the_index_in_place(dtype):
     assert graphs.captures == 3  # buckets 4, 8, 1
     graphs.run(torch.randn(2, HIDDEN), table, index.clone())  # another index: anew
     assert graphs.backend.resets == 1 and graphs.captures == 4
+
+
+def test_batch_invariant_rows_do_not_depend_on_whether_the_graphs_took_their_step(
+        tmp_path, monkeypatch):
+    """``VLLM_BATCH_INVARIANT=1``: a step with more rows than the graphs' largest bucket runs
+    the graphs' op launched eagerly, so a request's steered row is the same bits in a step of
+    2 rows (replayed) and of 10 (launched). The backend's eager op (the fused Triton op in
+    this mode) sums hidden in one slice, the graphs' grouped op in two at hidden 2048."""
+    from vllm_steer import ops
+    from vllm_steer.kernels import capture_safe
+
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    # the graphs' op as on CUDA: the grouped Triton op (in the interpreter)
+    monkeypatch.setattr(capture_safe, "grouped_on", lambda device: True)
+    hidden = 2048
+    path = str(tmp_path / "a.safetensors")
+    save_steer(path, random_steer(hidden, 4, "a", seed=1))
+    rt = SteerRuntime(SteerServerConfig.from_additional_config(
+        {"vllm_steer": {"steers": {"a": path}, "max_steers": 2, "max_steer_rank": 4}}))
+    rt.bank_state.graph_backend = StandIn()
+    rt.ensure_slots(4, CPU)
+    rt.bank_state.load(hidden, CPU, torch.float32)
+    # the eager op ``auto`` picks on CUDA in this mode (the torch op on the CPU)
+    assert ops.resolve_backend("auto", torch.device("cuda"), hidden, 4) == "triton"
+    bs = rt.bank_state
+    bs.backend, bs.fn, bs.prepare = "triton", ops.backend_fn("triton"), ops.backend_prepare(
+        "triton")
+    rt.model_loaded()
+    graphs = rt.bank_state.bank.graphs
+    monkeypatch.setattr(graphs, "max_rows", 8)  # (512 when serving: a smaller step here)
+    row = np.zeros(rt.slots.num_columns, np.float32)
+    row[0] = 4 * rt.bank_state.bank.steers[0].metadata.epsilon
+    rt.set_slot(0, row)
+    rt.slots.flush()
+
+    def step(slots, h):
+        with sampled_rows(rt.planner, SlotRows(slots=np.asarray(slots, dtype=np.int64))):
+            return rt.planner.steer_rows(h).clone()
+
+    h = torch.randn(10, hidden, generator=torch.Generator().manual_seed(3))
+    small = step([0, 1], h[:2])
+    replays = graphs.replays
+    big = step([0, 1] + [1] * 8, h)
+    assert graphs.replays == replays  # launched, not replayed
+    assert torch.equal(big[:2], small) and torch.equal(big[1:], h[1:])
+    want = h[0] + float(row[0]) * (rt.bank_state.bank.steers[0].matrix() @ h[0])
+    torch.testing.assert_close(big[0], want, rtol=1e-5, atol=1e-5)

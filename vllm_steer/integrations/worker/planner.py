@@ -43,7 +43,7 @@ from vllm_steer.integrations.worker.rows import (STEADY_KINDS, CapturedRows,
                                                  MappedRows, NoRows, PromptRows, RowSource,
                                                  SlotRows)
 from vllm_steer.integrations.worker.step_mapping import StepMapping
-from vllm_steer.kernels import staging
+from vllm_steer.kernels import batch_invariant, staging
 from vllm_steer.kernels.layout import row_bucket
 from vllm_steer.logs import warn_once
 from vllm_steer.metrics import OpTimer
@@ -236,6 +236,12 @@ class StepPlanner:
         untimed = self.op_untimed  # one call in TIMER_SAMPLE_EVERY is timed (_timed, inlined)
         t0 = None if untimed else self.op_timer.start(hidden)
         out = bank.graphs.run(hidden, self._table, self._index) if self._replay else None
+        if out is None and bank.graphs is not None and batch_invariant():
+            # a step the graphs do not take (more rows than their largest bucket) runs their
+            # op, launched now: a row's result then does not depend on its step's row count
+            if self._step_coefs_dev is None:
+                self._gather(n)
+            out = self._fixed_op(hidden, self._step_coefs_dev, None)
         if out is None:  # launched eagerly (no graphs, or not for this step)
             plan = self._plan if self._plan_checked else self._eager_plan(n)
             if plan is None:  # a backend with no plan (it plans inside the call)
