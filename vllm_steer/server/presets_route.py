@@ -88,7 +88,7 @@ class SteerHeadersMiddleware:
                     return
             elif kind == "http.response.body" and held:
                 start = held.pop()
-                answer = _refusal_response(box)
+                answer = _refusal_response(box, scope.get("path", ""))
                 if answer is not None:
                     done.append(True)
                     for m in answer:
@@ -119,29 +119,38 @@ def _with_headers(start: dict, box: dict) -> dict:
     return {**start, "headers": headers}
 
 
-def _refusal_response(box: dict) -> list[dict] | None:
+def _refusal_response(box: dict, path: str = "") -> list[dict] | None:
     """The ASGI messages answering a held stream that had not begun, if the plugin refused
     its request meanwhile: HTTP 429 with ``Retry-After`` (a full bank), or HTTP 400 (the
-    engine core refused its steer), with vLLM's error body; the held start's
-    ``x-vllm-steer-*`` headers dropped (nothing was served). None: not refused."""
+    engine core refused its steer), with vLLM's error body for the route (``path``); the held
+    start's ``x-vllm-steer-*`` headers dropped (nothing was served). None: not refused."""
     busy = request_scope.busy(box)
     if busy is not None:
         message, retry_after = busy
         return _error_messages(429, "Too Many Requests", message, None,
-                               [(b"retry-after", str(retry_after).encode())])
+                               [(b"retry-after", str(retry_after).encode())], path)
     message = request_scope.refused(box)
     if message is not None:
         from vllm_steer import REQUEST_FIELD
 
-        return _error_messages(400, error_type(400), message, REQUEST_FIELD, [])
+        return _error_messages(400, error_type(400), message, REQUEST_FIELD, [], path)
     return None
 
 
+#: The route whose errors vLLM gives in the Anthropic Messages API's form.
+ANTHROPIC_MESSAGES = "/v1/messages"
+
+
 def _error_messages(status: int, type_: str, message: str, param: str | None,
-                    extra: list) -> list[dict]:
-    """The ASGI messages of an HTTP ``status`` with vLLM's error body."""
-    body = json.dumps({"error": {"message": message, "type": type_, "param": param,
-                                 "code": status}}).encode()
+                    extra: list, path: str = "") -> list[dict]:
+    """The ASGI messages of an HTTP ``status`` with vLLM's error body (on ``/v1/messages``,
+    the Anthropic form vLLM answers there: ``{"type": "error", "error": {type, message}}``)."""
+    if path.rstrip("/") == ANTHROPIC_MESSAGES:
+        body = json.dumps({"type": "error", "error": {"type": type_,
+                                                      "message": message}}).encode()
+    else:
+        body = json.dumps({"error": {"message": message, "type": type_, "param": param,
+                                     "code": status}}).encode()
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode()), *extra]
     return [{"type": "http.response.start", "status": status, "headers": headers},

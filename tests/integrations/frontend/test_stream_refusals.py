@@ -42,7 +42,7 @@ class Engine:
         return async_llm.generate(Engine._generate, self, prompt, params, request_id)
 
 
-def _stream(value, engine) -> list[dict]:
+def _stream(value, engine, path: str = "/v1/chat/completions") -> list[dict]:
     """One streamed chat completion with ``steer: value`` behind the headers middleware, as
     vLLM's stream generator makes it (an exception becomes an error event): the messages."""
 
@@ -68,8 +68,8 @@ def _stream(value, engine) -> list[dict]:
     async def receive():
         return {"type": "http.request", "body": b"", "more_body": False}
 
-    asyncio.run(SteerHeadersMiddleware(app)({"type": "http", "asgi": {"spec_version": "2.4"}},
-                                            receive, send))
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "path": path}
+    asyncio.run(SteerHeadersMiddleware(app)(scope, receive, send))
     return sent
 
 
@@ -148,3 +148,14 @@ def test_a_users_stop_string_that_reads_like_a_refusal_is_text(updates_server):
     status, headers, body = _answer(_stream({"a": 1}, Engine([stopped])))
     assert status == 200 and headers["x-vllm-steer-applied"] == "a=1"
     assert b'"error"' not in body and body.endswith(b"data: [DONE]\n\n")
+
+
+def test_a_streamed_messages_refusal_has_the_anthropic_error_body(updates_server):
+    """``/v1/messages`` (the Anthropic Messages API): the 400 of a stream that had not begun
+    has the error body vLLM gives there, as a non-streamed refusal has."""
+    refusal = SimpleNamespace(finish_reason="error", stop_reason=REFUSED_PREFIX + (
+        "steer: unknown steer 'typo'; loaded steers: a"))
+    status, headers, body = _answer(_stream({"typo": 3}, Engine([refusal]), "/v1/messages"))
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert json.loads(body) == {"type": "error", "error": {
+        "type": "BadRequestError", "message": "steer: unknown steer 'typo'; loaded steers: a"}}
