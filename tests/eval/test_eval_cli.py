@@ -92,7 +92,7 @@ def test_eval_end_to_end_on_the_tiny_model(tiny_model_dir, data_dir, tmp_path):
                "--strengths", "-5,0,5", "--baseline", bl, "--baseline-strengths", "1",
                "--num-prompts", "2", "--samples", "2", "--max-tokens", "5",
                "--data", str(data_dir), "--out", str(out), "--max-num-seqs", "16",
-               "--kv-cache-gib", "0.25", "--scorer-dtype", "float32", "--quiet"])
+               "--kv-cache-gib", "0.25", "--quiet"])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert [c["label"] for c in res["conditions"]] == [
