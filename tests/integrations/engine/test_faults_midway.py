@@ -289,6 +289,8 @@ def test_a_preset_naming_a_steer_unloaded_after_its_check_is_a_409_and_changes_n
     ("preset_add", {"name": "p1", "steer": "detox"}),
     ("preset_add", {"name": "p1", "steer": {"a": "4"}}),
     ("preset_add", {"name": "p1", "steer": {"a": True}}),
+    ("preset_add", {"name": "p1", "steer": {"a": float("nan")}}),
+    ("preset_file", {"presets": {"p1": {"a": float("inf")}}, "stamp": (1, "v1")}),
     ("preset_file", {"presets": ["p1"], "stamp": (1, "v1")}),
     ("preset_file", {"presets": {"p1": {"a": "x"}}, "stamp": (1, "v1")}),
     ("preset_file", {"presets": {"p1": {"a": 1.0}}, "stamp": "v1"}),

@@ -20,6 +20,7 @@ theirs.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Collection, Mapping
 
@@ -208,10 +209,10 @@ def policy_users(cfg, table, name: str) -> list[str]:
 
 
 def _is_mix(value) -> bool:
-    """A preset's mix: a mapping of steer names to numbers."""
+    """A preset's mix: a mapping of steer names to finite numbers."""
     return isinstance(value, Mapping) and all(
         isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-        for k, v in value.items())
+        and math.isfinite(v) for k, v in value.items())
 
 
 def _bad_preset_args(op: str, kwargs: dict) -> str | None:
@@ -220,12 +221,13 @@ def _bad_preset_args(op: str, kwargs: dict) -> str | None:
     of another shape. The API server sends them right; this answers a direct caller with a
     400 rather than a 500."""
     if op == OP_PRESET_ADD and not _is_mix(kwargs.get("steer")):
-        return '"steer" must be a mapping of steer names to numbers, e.g. {"detox": 4}'
+        return '"steer" must be a mapping of steer names to finite numbers, e.g. {"detox": 4}'
     if op == OP_PRESET_FILE:
         presets, stamp = kwargs.get("presets"), kwargs.get("stamp")
         if not isinstance(presets, Mapping) or not all(
                 isinstance(n, str) and _is_mix(m) for n, m in presets.items()):
-            return '"presets" must map preset names to mixes, e.g. {"kind": {"detox": 4}}'
+            return '"presets" must map preset names to mixes of finite numbers, e.g. ' \
+                '{"kind": {"detox": 4}}'
         if not isinstance(stamp, (list, tuple)) or len(stamp) not in (2, 3) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in stamp[::2]):
             return '"stamp" must be the file\'s [mtime_ns, sha256, ctime_ns]'
