@@ -671,9 +671,11 @@ def same_model(a: str, b: str) -> bool:
 
 #: llama.cpp's architecture names (what its ``cvector-generator`` writes as
 #: ``controlvector.model_hint``) that differ from the ``model_type`` of the Hugging Face models
-#: it converts to them (its ``convert_hf_to_gguf.py``): Mistral and Mixtral become ``llama``.
+#: it converts to them (its ``convert_hf_to_gguf.py``): Mistral, Mixtral and InternLM3 become
+#: ``llama``.
 LLAMA_CPP_ARCH_MODEL_TYPES = {
-    "llama": ("mistral", "mixtral"),
+    "llama": ("mistral", "mixtral", "internlm3"),
+    "qwen2vl": ("qwen2_5_vl",),  # Qwen2.5-VL converts to llama.cpp's Qwen2-VL
     "command-r": ("cohere",),
     "phi2": ("phi",),
     "starcoder": ("gpt_bigcode",),

@@ -388,7 +388,8 @@ def test_fit_against_model_names_both_sides():
     ("qwen2moe", "qwen2_moe"), ("gptneox", "gpt_neox"), ("LLaMA", "llama"),
     ("granitehybrid", "granitemoehybrid"), ("hunyuan-moe", "hunyuan_v1_moe"),
     ("hunyuan-dense", "hunyuan_v1_dense"), ("nemotron_h_moe", "nemotron_h"),
-    ("deci", "nemotron-nas")])
+    ("deci", "nemotron-nas"), ("llama", "internlm3"), ("qwen2vl", "qwen2_5_vl_text"),
+    ("qwen2vl", "qwen2_vl_text")])
 def test_llama_cpps_architecture_names_fit_the_models_they_convert(tmp_path, hint, served):
     """llama.cpp's ``cvector-generator`` writes its own architecture name as the model hint
     (a Mistral model's vectors say ``llama``): a file made from a Mistral GGUF fits Mistral;
@@ -401,7 +402,7 @@ def test_llama_cpps_architecture_names_fit_the_models_they_convert(tmp_path, hin
 
 
 #: ``model_type`` of configs that ship as remote code, not in transformers.
-REMOTE_CODE_MODEL_TYPES = {"nemotron-nas"}
+REMOTE_CODE_MODEL_TYPES = {"nemotron-nas", "internlm3"}
 
 
 def test_the_aliases_name_llama_cpps_architectures_and_real_model_types():
