@@ -114,6 +114,12 @@ def test_text_longer_than_the_context_is_400_on_text(tokenizer):
     ({"steer": {"toxic": 1}}, "steer", "unknown steer 'toxic'"),
     ({"steer": {"detox": int("9" * 400)}}, "steer", "exceeds"),
     ({"steer": {"detox": 1}, "against": {"detox": "1_0"}}, "against", "must be a number"),
+    # a window applies to generated tokens: on the text's own tokens it would be its base
+    # (0 here: every score 0, answered 200 before)
+    ({"steer": {"detox": {"strength": 5, "start": 0, "end": 32}}}, "steer",
+     "steer 'detox' is given a generation window, which applies to generated tokens only"),
+    ({"steer": {"detox": 2}, "against": {"detox": {"strength": 5, "base": 1}}}, "against",
+     "give a strength (a number)"),
 ])
 def test_bad_strengths_are_400_before_the_engine(tokenizer, body, param, fragment):
     engine = StandInEngine(tokenizer)

@@ -58,15 +58,21 @@ def _error(status: int, message: str, param: str | None = "steer") -> JSONRespon
 def _check_strengths(body: HighlightRequest) -> JSONResponse | None:
     """The request-field check of the completions routes, on ``steer`` and ``against``."""
     from vllm_steer.integrations.frontend.admission import check_value
-    from vllm_steer.request import SteerRequestError
+    from vllm_steer.request import SteerRequestError, Window
 
     mixes = []
     for where in ("steer", "against"):
         try:
             named = check_value(getattr(body, where), where).named
-            mixes.append({n: v for n, v in named.items() if v != 0.0})
         except SteerRequestError as e:
             return _error(400, str(e), where)
+        windows = sorted(n for n, v in named.items() if isinstance(v, Window))
+        if windows:  # a text's own tokens are no generated tokens: a window would be its base
+            return _error(400, f"{where}: steer {', '.join(map(repr, windows))} is given a "
+                          "generation window, which applies to generated tokens only; a "
+                          "highlight scores the text's own tokens: give a strength (a number)",
+                          where)
+        mixes.append({n: v for n, v in named.items() if v != 0.0})
     if mixes[0] == mixes[1]:
         plain = "none (the plain model)"
         return _error(400, f"steer {mixes[0] or plain} and against {mixes[1] or plain} are the "
