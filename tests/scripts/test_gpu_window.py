@@ -39,3 +39,27 @@ def test_the_dry_run_runs_the_replay_check_and_writes_its_lines(tmp_path):
         assert m and all(float(m[i]) > 0 for i in (1, 2, 3)), line
     assert sum("steered rows match the reference: PASS" in line for line in lines) == 2
     assert "head d64 r8: 0 graph(s) captured by the steps (captured at start-up: 4): PASS" in lines
+
+
+def test_the_async_check_runs_without_vllm_as_on_the_gpu_host(tmp_path):
+    """The GPU host has no vLLM: the async check (the worker's steps, no engine) must not
+    import it. vLLM is hidden from the dry run as it is absent there; a steered step that
+    imported it served its rows unsteered and the check failed."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import importlib.abc, sys\n"
+        "class NoVllm(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'vllm':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, NoVllm())\n")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{site}{os.pathsep}{ROOT}")
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_window.py"), "--dry-run",
+                          "--skip", "invariance", "replay", "head", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    lines = (tmp_path / "gpu_window_results.txt").read_text().splitlines()
+    assert res.returncode == 0, "\n".join(lines) + res.stderr[-3000:]
+    assert "No module named 'vllm'" not in res.stdout + res.stderr
+    assert [line for line in lines if line.startswith("async")], lines
+    assert not [line for line in lines if "FAIL" in line], lines

@@ -32,10 +32,12 @@ def drafter_heads(runner) -> list:
 
 
 def steered_heads(model) -> list:
-    from vllm_steer.integrations.worker.head import SteeredLogitsProcessor
-
+    """The steered logits layers of ``model`` (none without a model: no drafter, where vLLM's
+    layers need not even be importable)."""
     if model is None:
         return []
+    from vllm_steer.integrations.worker.head import SteeredLogitsProcessor
+
     return [m for _, m in model.named_modules() if isinstance(m, SteeredLogitsProcessor)]
 
 
