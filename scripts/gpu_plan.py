@@ -17,8 +17,9 @@ seconds. It executes nothing on a GPU: the plan's commands are the ones to send.
      and compiled, CUDA graphs), then ``scripts/gpu_window.sh`` (kernel
      tests on CUDA, compile count after warm-up, batch invariance, capture guard, one-step-ahead
      steps after a CUDA-graph forward,
-     ``auto``) and the worker's CUDA tests (the sync test in bf16 and fp32 steps, the
-     event-wait / pinned-copy step of tests/integrations/worker/test_staging.py);
+     ``auto``) and the worker's CUDA tests (the sync test in bf16 and fp32 steps; the
+     staging tests run a recording fake of CUDA, on this CPU); the LoRA op files it carries
+     (``build/lora_ops``) are made from the installed vLLM when missing;
   2. the lean vLLM carry, one chunk per call (``scripts/gpu_vllm_carry.py download --lean``:
      chunks of 56 MiB, less when the working tree is over 7 MiB; the last call assembles,
      installs and says which attention extensions load, ``scripts/gpu_vllm_lean.py host``);
@@ -83,7 +84,7 @@ UPLOAD_S_PER_MIB = 0.15  # carrying the working tree and a chunk; estimate (unme
 GPU_WINDOW_S = 125  # `make gpu-window` on the H100: 124 s with its replay and head checks
 #                    (131 s with the worker's CUDA tests); on the H200 92 s before the head
 #                    check, 104 s with it and the worker's tests (benchmarks/RESULTS.md)
-WORKER_CUDA_TESTS_S = 10  # test_syncfree's CUDA tests (bf16, fp32) + test_staging: 7 s (H200)
+WORKER_CUDA_TESTS_S = 10  # test_syncfree's CUDA tests (bf16, fp32): under 7 s (H200)
 RECEIVE_S = 3  # sha256 and copy of one 56 MiB chunk; estimate
 INSTALL_S_PER_MIB = 0.14  # assemble + pip install --no-deps + the host check: 38 s for the
 #                          253.8 MiB lean carry's last call (H200)
@@ -173,6 +174,26 @@ class Runner:
 LORA_OPS_DIR = "build/lora_ops"  # vLLM's LoRA op files (benchmarks/lora_ops.py carry)
 
 
+def ensure_lora_ops() -> None:
+    """Make :data:`LORA_OPS_DIR` from the installed vLLM when it is missing (the first call
+    carries it: the GPU host has no vLLM, and a carried path missing here is removed there, so
+    the grouped-vs-LoRA table would be lost); refused when there is no vLLM to copy it from."""
+    folder = ROOT / LORA_OPS_DIR
+    if folder.is_dir():
+        return
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import lora_ops
+    finally:
+        sys.path.pop(0)
+    if lora_ops.installed_dir() is None:
+        raise PlanError(f"{LORA_OPS_DIR} is missing and no installed vLLM has its LoRA op files "
+                        "to copy: run `python benchmarks/lora_ops.py carry build/lora_ops` "
+                        "where vLLM is installed, then plan again")
+    lora_ops.carry(folder)
+    print(f"# gpu_plan: made {LORA_OPS_DIR} from the installed vLLM (the first call carries it)")
+
+
 def lora_ops_bytes() -> int:
     """Bytes of the carried LoRA op files: the folder when made, else the installed vLLM's
     five files (without importing vLLM), else 64 KiB (their size in vLLM 0.32: 51 KiB)."""
@@ -207,14 +228,14 @@ def plan(wheels: str | None = None, chunk: int | None = None,
     tree = tree_bytes()
     chunk = default_chunk(tree) if chunk is None else chunk
     r = Runner()
+    ensure_lora_ops()
     lora = lora_ops_bytes()
     r.run("kernels, no vLLM: the grouped op beside lora_shrink/lora_expand, the vector op, "
           "then the window",
           "python3 benchmarks/bench_grouped_vs_lora.py --device cuda --lora-ops build/lora_ops; "
           "b=$?; python3 benchmarks/bench_layer_vectors.py --device cuda; v=$?; "
           "bash scripts/gpu_window.sh; w=$?; python3 -m pytest -q -p no:cacheprovider "
-          "tests/integrations/worker/test_syncfree.py -k cuda "
-          "tests/integrations/worker/test_staging.py; exit $((b | v | w | $?))",
+          "tests/integrations/worker/test_syncfree.py -k cuda; exit $((b | v | w | $?))",
           [LORA_OPS_DIR], tree + lora, 360,
           BENCH_LORA_S + BENCH_LAYER_VECTORS_S + GPU_WINDOW_S + WORKER_CUDA_TESTS_S)
     total, source = wheel_bytes(wheels)

@@ -35,7 +35,11 @@ def test_the_plan_fits_the_hosts_limits_and_twelve_minutes(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     calls = calls_of(res.stdout)
     assert calls[0]["name"].startswith("kernels") and "gpu_window.sh" in calls[0]["command"]
-    assert "test_staging.py" in calls[0]["command"] and "vllm" not in calls[0]["command"]
+    assert "test_syncfree.py -k cuda" in calls[0]["command"]
+    assert "vllm" not in calls[0]["command"]
+    # the LoRA op files the first call carries exist here, or the plan made them (a carried
+    # path missing here is removed on the device, and the table with it)
+    assert (ROOT / "build" / "lora_ops" / "lora_shrink_op.py").is_file()
     # first of all, the grouped op beside vLLM's LoRA kernels, carried alone
     assert calls[0]["command"].startswith("python3 benchmarks/bench_grouped_vs_lora.py "
                                           "--device cuda --lora-ops build/lora_ops;")
