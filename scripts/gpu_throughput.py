@@ -272,14 +272,26 @@ def run_engine(a) -> int:
         run(mode, warm_up=True)
     runs: dict[str, list] = {m: [] for m in modes}
     order = random.Random(1)
-    for _ in range(spec["rounds"]):
+    for done in range(1, spec["rounds"] + 1):
         for mode in order.sample(modes, len(modes)):
             runs[mode].append(run(mode))
-    Path(a.result).write_text(json.dumps({
-        "runs": runs, "rows_steered": steered, "profile": profile, "engine": engine,
-        "vector": {**vector, "rows_changed": rows_changed(tokens)} if vector else vector,
-        "plugin_loaded": "vllm_steer.integrations.plugin" in sys.modules}))
+        # after every round: an engine stopped by its timeout leaves the rounds it ran
+        Path(a.result).write_text(json.dumps({
+            "runs": runs, "rows_steered": steered, "profile": profile, "engine": engine,
+            "vector": {**vector, "rows_changed": rows_changed(tokens)} if vector else vector,
+            "plugin_loaded": "vllm_steer.integrations.plugin" in sys.modules,
+            "rounds_done": done}))
     return 0
+
+
+def partial_result(path: Path) -> dict | None:
+    """The result an engine stopped by its timeout left after its last whole round (None:
+    it ran none)."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return result if result.get("rounds_done", 0) >= 1 else None
 
 
 class Profiler:
@@ -460,19 +472,26 @@ def main(argv=None) -> int:
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         text = log.read_text()
-        if rc != 0:
+        result = partial_result(out) if rc == "timeout" else None
+        if rc != 0 and result is None:
             print(f"FAIL [{shape}] engine exit {rc} in {time.time() - t0:.0f}s:\n{text[-3000:]}")
             results[shape] = {"error": f"exit {rc}"}
             ok = False
             continue
-        result = json.loads(out.read_text())
+        if result is None:
+            result = json.loads(out.read_text())
+        else:  # the rounds that ran before the engine's timeout: reported, and a failure
+            print(f"FAIL [{shape}] engine timed out after {time.time() - t0:.0f}s and "
+                  f"{result['rounds_done']} of {a.rounds} rounds: the figures below are those "
+                  f"rounds' (--engine-timeout {a.engine_timeout:g} s)", flush=True)
+            ok = False
         runs, steered = result["runs"], result["rows_steered"]
         if not result["plugin_loaded"]:
             print(f"FAIL [{shape}] vLLM did not load the plugin (no vllm.general_plugins entry "
                   f"point named vllm_steer on the engine's path): every mode ran unsteered")
             ok = False
         want = a.rows * a.output_len
-        complete = all(t == want for rs in runs.values() for t, _ in rs)
+        complete = rc == 0 and all(t == want for rs in runs.values() for t, _ in rs)
         # the last run of each mode: plain rows never reach the steer op, steered rows do
         # (at least one row per generated token of every request)
         complete &= steered["plain"] == 0 and all(
@@ -495,6 +514,7 @@ def main(argv=None) -> int:
                           "rows_steered_last_run": steered,
                           "runs": runs, "profile": result.get("profile") or None,
                           "engine": result.get("engine"),
+                          "rounds_done": result.get("rounds_done", a.rounds),
                           "vector": ({**vector, "k": a.vector_k,
                                       "max_steers": spec["vector"]["max_steers"]}
                                      if a.vector_k else None),

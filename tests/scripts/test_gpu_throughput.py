@@ -166,3 +166,35 @@ def test_rows_changed_counts_the_requests_whose_tokens_differ_from_unused():
               "vector K=4": [[1, 2], [3, 4], [5, 6], [7, 8]]}
     assert gt.rows_changed(tokens) == {"vector K=1": 0.5, "vector K=4": 0.0}
     assert gt.rows_changed({"plain": [[1]]}) == {}
+
+
+def test_an_engine_stopped_by_its_timeout_leaves_the_rounds_it_ran(tmp_path, monkeypatch,
+                                                                   capsys):
+    """The engine writes its result after every round: one stopped by ``--engine-timeout``
+    (the window's throughput call is the one that may overrun) still reports the rounds it
+    ran, marked a failure, instead of nothing."""
+    import json
+    import subprocess
+
+    real = subprocess.run
+
+    def engine(cmd, timeout=None, **kw):  # two of three rounds, then the timeout
+        if "--result" not in cmd:  # not the engine
+            return real(cmd, timeout=timeout, **kw)
+        result = Path(cmd[cmd.index("--result") + 1])
+        result.write_text(json.dumps({
+            "runs": {"plain": [[32, 1.0], [32, 1.1]], "K=1": [[32, 1.05], [32, 1.1]]},
+            "rows_steered": {"plain": 0, "K=1": 40}, "profile": {}, "engine": {},
+            "vector": {}, "plugin_loaded": True, "rounds_done": 2}))
+        raise subprocess.TimeoutExpired(cmd, timeout)
+
+    monkeypatch.setattr(gt.subprocess, "run", engine)
+    rc = gt.main(["--device", "cpu", "--shapes", "tiny", "--dtype", "float32", "--runner", "v1",
+                  "--rows", "8", "--k", "1", "--output-len", "4", "--rounds", "3",
+                  "--workdir", str(tmp_path / "w"), "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 1 and "engine timed out after" in out and "2 of 3 rounds" in out
+    got = json.loads((tmp_path / "gpu_throughput.json").read_text())["shapes"]["tiny"]
+    assert got["rounds_done"] == 2 and got["complete"] is False
+    assert got["modes"]["K=1"]["ratio_to_plain"] == statistics.median([1 / 1.05, 1.0])
+    assert "FAIL [tiny" in out and "K=1:" in out
