@@ -93,14 +93,16 @@ def _open(path: str):
 
 
 def read_file(path: str) -> tuple[str, tuple[int, str, int]]:
-    """The file's text and its stamp ``(mtime_ns, sha256 of the bytes, ctime_ns)``: the
-    change time (``ctime``, set by the system when the file is written or renamed into place,
-    which no copy keeps) orders versions; a backup restored with its old ``mtime`` (``cp -p``,
-    ``rsync -a``) is still the newest version."""
+    """The file's text and its stamp ``(mtime_ns, sha256 of the bytes, read_ns)``: when the
+    read began (the wall clock, just before the file is opened) orders versions. A read that
+    began later saw the file as it was later, whatever the file's own times say: a backup
+    restored with its old modification time (``cp -p``, ``rsync -a``) is the newest version,
+    and a read of the old version that began before a swap (a ConfigMap's ``..data``) is older
+    than any read of the new one, however late it is sent."""
+    began = time.time_ns()
     try:
         with _open(path) as f:
-            st = os.fstat(f.fileno())
-            mtime, ctime = st.st_mtime_ns, st.st_ctime_ns
+            mtime = os.fstat(f.fileno()).st_mtime_ns
             data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise PresetsFileError(f"presets file {path}: cannot be read ({e.strerror or e}); "
@@ -112,7 +114,7 @@ def read_file(path: str) -> tuple[str, tuple[int, str, int]]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise PresetsFileError(f"presets file {path}: not UTF-8 text ({e})") from None
-    return text, (mtime, hashlib.sha256(data).hexdigest(), ctime)
+    return text, (mtime, hashlib.sha256(data).hexdigest(), began)
 
 
 class DuplicateKeyError(ValueError):

@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import json
 import os
+import time
 
 import pytest
 
@@ -32,11 +33,12 @@ def test_json_and_yaml_files_give_the_same_presets(tmp_path):
                                    "  calm: 'detox:1.5'\n")
     want = {"kind": {"detox": 4.0, "sentiment": -2.0}, "calm": {"detox": 1.5}}
     for path in (j, y):
+        began = time.time_ns()
         got, stamp = pf.load(path, STEERS, 10.0, RESERVED)
         assert got == want
         data = open(path, "rb").read()
-        st = os.stat(path)
-        assert stamp == (st.st_mtime_ns, hashlib.sha256(data).hexdigest(), st.st_ctime_ns)
+        assert stamp[:2] == (os.stat(path).st_mtime_ns, hashlib.sha256(data).hexdigest())
+        assert began <= stamp[2] <= time.time_ns()  # when the read began orders versions
     assert pf.load(write(tmp_path / "e.yml", "presets: {}\n"), STEERS, 10.0)[0] == {}
 
 
@@ -617,3 +619,40 @@ def test_the_docs_host_steps_swap_the_presets_file_and_the_reader_serves_each(tm
         res = asyncio.run(w.check(fake, cfg))
         assert res["changed"] and res["presets"] == {"detox-stable": {new: 4.0}}, res
     assert sorted(p.name for p in tmp_path.iterdir()) == ["presets.json"]  # no .tmp left
+
+
+def test_a_read_of_the_old_version_that_began_before_a_configmap_swap_loses(tmp_path,
+                                                                             monkeypatch):
+    """A reader opens the old version, the kubelet swaps ``..data`` to the new one and removes
+    the old folder (which moves the open file's change time past the new version's), and the
+    old version is sent after the new one: it is older (its read began first), so the new
+    version stays served, and is not ignored when sent again."""
+    import shutil
+
+    from helpers import kubelet
+    from vllm_steer.integrations.engine.presets import PresetTable
+
+    old, new = '{"presets": {"kind": {"detox": 1}}}', '{"presets": {"kind": {"detox": 9}}}'
+    kubelet.atomic_write(tmp_path, {"presets.json": old})
+    path = str(tmp_path / "presets.json")
+    real_open, real_rmtree = pf._open, shutil.rmtree
+
+    def open_then_swap(p):
+        f = real_open(p)  # the old version, open
+        monkeypatch.setattr(kubelet.shutil, "rmtree",
+                            lambda *a, **k: (time.sleep(0.01), real_rmtree(*a, **k)))
+        kubelet.atomic_write(tmp_path, {"presets.json": new})
+        monkeypatch.setattr(kubelet.shutil, "rmtree", real_rmtree)
+        return f
+
+    monkeypatch.setattr(pf, "_open", open_then_swap)
+    text_old, stamp_old = pf.read_file(path)
+    monkeypatch.setattr(pf, "_open", real_open)
+    text_new, stamp_new = pf.read_file(path)
+    assert (json.loads(text_old), json.loads(text_new)) == (json.loads(old), json.loads(new))
+    t = PresetTable()
+    assert t.set_file(json.loads(text_new)["presets"], list(stamp_new))["changed"]
+    assert not t.set_file(json.loads(text_old)["presets"], list(stamp_old))["changed"]
+    assert t.file == {"kind": {"detox": 9.0}}
+    again = t.set_file(json.loads(text_new)["presets"], list(stamp_new))
+    assert again["ok"] and t.file == {"kind": {"detox": 9.0}}

@@ -230,7 +230,7 @@ def _bad_preset_args(op: str, kwargs: dict) -> str | None:
                 '{"kind": {"detox": 4}}'
         if not isinstance(stamp, (list, tuple)) or len(stamp) not in (2, 3) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in stamp[::2]):
-            return '"stamp" must be the file\'s [mtime_ns, sha256, ctime_ns]'
+            return '"stamp" must be the file\'s [mtime_ns, sha256, read_ns]'
     return None
 
 

@@ -54,7 +54,7 @@ class PresetTable:
         self.previous: dict[str, dict[str, float] | None] = {}  # name -> mix before that
         self.file: dict[str, dict[str, float]] = {}
         self.file_stamp: tuple[int, str] | None = None  # (mtime_ns, sha256) of the file read
-        self.file_order = 0  # its change time (ctime_ns): what orders the versions
+        self.file_order = 0  # when its read began (read_ns): what orders the versions
         self.version = 0
 
     def snapshot(self) -> dict:
@@ -133,10 +133,10 @@ class PresetTable:
                  reserved: Mapping[str, str] | None = None) -> dict:
         """The presets file's presets, replacing the last version read as a whole (checked by
         the API server that read it; here only the names). ``stamp``: ``(mtime_ns, sha256,
-        ctime_ns)`` of what was read (:func:`vllm_steer.presets_file.read_file`): a version
-        older than the one loaded (another API server read it earlier and sent it later) is
-        ignored, by the change time (the modification time when a stamp has none), the same
-        content changes nothing. A name added over HTTP that the file now sets is the file's
+        read_ns)`` of what was read (:func:`vllm_steer.presets_file.read_file`): a version
+        read before the one loaded (another API server read it earlier and sent it later) is
+        ignored, by when its read began (the modification time when a stamp has none), the
+        same content changes nothing. A name added over HTTP that the file now sets is the file's
         from then on (``"took_over"``)."""
         mtime, digest = int(stamp[0]), str(stamp[1])
         order = int(stamp[2]) if len(stamp) > 2 else mtime
