@@ -266,6 +266,17 @@ def set_extra_args(params, extra: dict) -> None:
     params.extra_args = extra
 
 
+def put_extra_arg(params, key: str, value) -> None:
+    """Set ``SamplingParams.extra_args[key]`` in the dict the params hold, when they hold one
+    (a caller's own, reused across calls: its later changes reach the next admission), else
+    in a new one."""
+    extra = getattr(params, "extra_args", None)
+    if isinstance(extra, dict):
+        extra[key] = value
+    else:
+        params.extra_args = {key: value}
+
+
 def cache_salt(request) -> str | None:
     """An engine-core ``Request``'s ``cache_salt`` (None: unsalted)."""
     return getattr(request, "cache_salt", None)
@@ -1148,6 +1159,8 @@ ACCESSES: tuple[Access, ...] = (
            reads=(f"{_PARAMS}.prompt_logprobs", f"{_PARAMS}.prompt_logprob_token_ids")),
     Access(set_extra_args, "a request's bound steers", ENGINE,
            sets=(f"{_PARAMS}.extra_args",)),
+    Access(put_extra_arg, "a request's admitted steers, in the caller's own extra_args",
+           FRONTEND, reads=(f"{_PARAMS}.extra_args",), sets=(f"{_PARAMS}.extra_args",)),
     Access(cache_salt, "the prefix cache salted by a request's vector mix", ENGINE,
            reads=("vllm.v1.request:Request.cache_salt",)),
     Access(prompt_tokens, "the prefix cache salted by a windowed vector mix's prompt length",

@@ -153,7 +153,7 @@ def test_sampling_params_reused_across_calls_are_served_at_their_values_now(file
     sp = SamplingParams(max_tokens=4, extra_args={"steer": mix})
 
     def served():
-        admission.validate(sp)  # what LLM.generate runs on the caller's params
+        admission.validate(sp)  # what LLM.generate runs on the caller's params (``sp`` now)
         sent = _sent(sp)
         bind_request(core, SimpleNamespace(request_id="r", sampling_params=sent))
         return {b.name: b.value for b in BoundSteer.from_wire(sent.extra_args.get(BOUND_KEY))}
@@ -163,6 +163,13 @@ def test_sampling_params_reused_across_calls_are_served_at_their_values_now(file
         assert served() == {"detox": s}
     mix["formal"] = 1.0
     assert served() == {"detox": -3.0, "formal": 1.0}
+    # the caller's own extra_args dict, its key given a new value between calls
+    xa = {"steer": {"detox": 1.0}}
+    sp = SamplingParams(max_tokens=4, extra_args=xa)
+    for s in (1.0, 4.0, -2.0):
+        xa["steer"] = {"detox": s}
+        assert served() == {"detox": s}
+    assert sp.extra_args is xa
     from vllm_steer.integrations.engine.management import run_op
 
     assert run_op(core, "unload", {"name": "detox"})["ok"]  # detox unloaded since

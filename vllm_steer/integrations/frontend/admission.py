@@ -191,7 +191,7 @@ def serve(params: Any, request: SteerRequest | None,
         if cfg.steer_dir and served.strengths:
             hold_start()  # a first use may wait for a slot, then answer 429 (async_llm)
     if given or served.entries:
-        va.set_extra_args(params, {**va.extra_args(params), REQUEST_FIELD: served.to_wire()})
+        va.put_extra_arg(params, REQUEST_FIELD, served.to_wire())
     return served
 
 
