@@ -236,9 +236,11 @@ class StepPlanner:
         untimed = self.op_untimed  # one call in TIMER_SAMPLE_EVERY is timed (_timed, inlined)
         t0 = None if untimed else self.op_timer.start(hidden)
         out = bank.graphs.run(hidden, self._table, self._index) if self._replay else None
-        if out is None and bank.graphs is not None and batch_invariant():
+        if out is None and bank.graphs is not None and bank.graphs.failed is None \
+                and batch_invariant():
             # a step the graphs do not take (more rows than their largest bucket) runs their
             # op, launched now: a row's result then does not depend on its step's row count
+            # (graphs that failed: every step launches the backend's op, alike)
             if self._step_coefs_dev is None:
                 self._gather(n)
             out = self._fixed_op(hidden, self._step_coefs_dev, None)
