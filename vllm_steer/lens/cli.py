@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 
@@ -268,7 +267,7 @@ def cmd_score(args) -> int:
         print("loglik    " + "  ".join(f"{v:8.4f}" for v in row) +
               f"  {o['best_strength']:5g}  {o['contrast']:+.4f}  {o['side']}"
               + (f" ({o['label']})" if o["label"] else "") + f"   {short!r}")
-    unscored = sum(r is None for r in sc.loglik)
+    unscored = sc.scored().count(False)
     if unscored:
         print(f"note: {unscored} of {len(texts)} text(s) had no token to score, so no score "
               f"and no side ({_NO_SCORE_WHY})", file=sys.stderr)
@@ -297,16 +296,15 @@ def _positive_int(text: str) -> int:
 
 
 def _ridge_arg(text: str) -> float:
-    """``--ridge``: a finite number >= 0 (0 is the unregularised, pseudo-inverse limit)."""
-    try:
-        r = float(text)
-    except ValueError:
-        r = math.nan
-    if not (math.isfinite(r) and r >= 0):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a finite number >= 0: give the relative ridge strength, e.g. the "
-            f"default {DEFAULT_RIDGE} (0 = no regularisation)")
-    return r
+    """``--ridge``: a finite number >= 0 (0 is the unregularised, pseudo-inverse limit); the
+    rule is :func:`vllm_steer.lens.transfer.ridge_problem`'s (imported only when the flag is
+    given: building the parser imports no torch)."""
+    from vllm_steer.lens.transfer import ridge_problem
+
+    problem = ridge_problem(text, repr(text))
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return float(text)
 
 
 def add_commands(subparsers) -> None:

@@ -95,16 +95,17 @@ class TransferConfig:
             raise ValueError(f"form={self.form!r}: choose 'logit' or 'congruence'")
 
 
-def ridge_problem(ridge: float) -> str | None:
-    """Why ``ridge`` cannot be used (``None`` when it can): it must be a finite number >= 0."""
+def ridge_problem(ridge, shown: str | None = None) -> str | None:
+    """Why ``ridge`` (a number, or the text of one) cannot be used (``None`` when it can): it
+    must be a finite number >= 0. ``shown``: how the message names it (``ridge VALUE``)."""
     try:
         r = float(ridge)
     except (TypeError, ValueError):
         r = float("nan")
     if math.isfinite(r) and r >= 0:
         return None
-    return (f"ridge {ridge} is not a finite number >= 0: give the relative ridge strength, "
-            f"e.g. the default {DEFAULT_RIDGE} (0 = no regularisation)")
+    return (f"{shown or f'ridge {ridge}'} is not a finite number >= 0: give the relative ridge "
+            f"strength, e.g. the default {DEFAULT_RIDGE} (0 = no regularisation)")
 
 
 def check_ridge(ridge: float) -> None:
