@@ -36,6 +36,13 @@ def steer_method(kinds: Sequence[str]) -> str:
     return "+".join(METHOD_VECTOR if k == METHOD_VECTOR else METHOD_STEER for k in ks)
 
 
+
+def strength_label(value: float) -> str:
+    """A strength as a condition's label writes it (``+5``, ``-0.02``: six significant
+    digits, so two strengths that agree to them share a label)."""
+    return f"{value:+g}"
+
+
 @dataclass(frozen=True)
 class Condition:
     """One generation setting."""
@@ -63,7 +70,8 @@ class Condition:
     def label(self) -> str:
         if self.method == METHOD_NONE:
             return "unsteered"
-        return f"{self.method} " + ",".join(f"{k}={v:+g}" for k, v in self.strengths.items())
+        return f"{self.method} " + ",".join(f"{k}={strength_label(v)}"
+                                            for k, v in self.strengths.items())
 
     def extra_args(self) -> dict | None:
         from vllm_steer.eval.logits_processor import REQUEST_KEY

@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from vllm_steer.eval.generation import (METHOD_BLACKLIST, METHOD_NONE, Condition, EngineConfig,
-                                        Generations, Generator, SamplingConfig, steer_method)
+                                        Generations, Generator, SamplingConfig, steer_method,
+                                        strength_label)
 
 TASKS = ("toxicity", "sentiment", "grid")
 TASK_PRESET = {"toxicity": "detox", "sentiment": "sentiment"}
@@ -137,11 +138,12 @@ class EvalConfig:
 
 def _same_label_problems(flag: str, values) -> list[str]:
     """Strengths of one flag that would be one condition in the report: the same value twice,
-    or values its labels (``{v:+g}``, six digits) cannot tell apart."""
+    or values its labels (:func:`~vllm_steer.eval.generation.strength_label`) cannot tell
+    apart."""
     seen: dict[str, float] = {}
     problems = []
     for v in values:
-        key = f"{float(v):+g}"
+        key = strength_label(float(v))
         if key in seen:
             what = ("twice" if float(v) == seen[key]
                     else f"and {seen[key]!r}, which the report labels alike")
