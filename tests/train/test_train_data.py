@@ -332,3 +332,15 @@ def test_numeric_label_rules_for_scores(tmp_path):
                           negative_labels=[">=0.5"], ignore_labels=["*"]))
     with pytest.raises(DataError, match=r"label rule '>=high': >= must be followed by a number"):
         load_dataset(_cfg(src, label_field="score", negative_labels=[">=high"]))
+
+
+def test_load_dataset_refuses_bad_split_settings_before_reading(tmp_path):
+    """The Python API refuses every bad split setting at once, like the command line, before a
+    file is read (the missing file is not what the error names)."""
+    cfg = DataConfig(positive=[str(tmp_path / "missing.txt")], negative=[str(tmp_path / "n")],
+                     dev_fraction=1.5, dev_max_per_side=0, max_examples=-3)
+    with pytest.raises(DataError) as e:
+        load_dataset(cfg)
+    msg = str(e.value)
+    assert "--dev-fraction 1.5" in msg and "--dev-max 0" in msg and "--max-examples -3" in msg
+    assert "no such file" not in msg

@@ -545,8 +545,10 @@ def load_dataset(cfg: DataConfig, seed: int = 0) -> Dataset:
     if not (cfg.positive or cfg.negative or cfg.labelled):
         raise DataError("no training data: give --positive FILE and --negative FILE, a "
                         "labelled file with --data FILE, or --preset NAME")
-    if not 0 <= cfg.dev_fraction < 1:
-        raise DataError(f"dev_fraction={cfg.dev_fraction}: must be in [0, 1)")
+    try:
+        cfg.validate()  # the split and subset settings, before any file is read
+    except ValueError as e:
+        raise DataError(str(e)) from None
     report = LoadReport()
     all_train = read_examples(cfg, dev=False, report=report)
     has_dev_files = bool(cfg.dev_positive or cfg.dev_negative or cfg.dev_labelled)
