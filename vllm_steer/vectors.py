@@ -29,6 +29,7 @@ import dataclasses
 import json
 import os
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -661,10 +662,22 @@ def _norm_name(s: str) -> str:
     return s.rstrip("/").split("/")[-1].lower().replace("_", "-")
 
 
+#: A Hugging Face hub cache folder: ``.../models--ORG--NAME/snapshots/REVISION``.
+_HF_CACHE_PATH = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
+
+
+def _hub_id(s: str) -> str:
+    """``ORG/NAME`` for a path into the Hugging Face hub cache (what ``vllm serve`` is given
+    offline), else ``s``."""
+    m = _HF_CACHE_PATH.search(s.replace(os.sep, "/"))
+    return f"{m.group(1)}/{m.group(2)}" if m else s
+
+
 def same_model(a: str, b: str) -> bool:
     """Whether two model names (HF ids, paths, ``smollm2``) name the same model: equal last
     path parts, or one contains the other (case, ``_``/``-`` ignored: ``smollm2`` names
-    ``HuggingFaceTB/SmolLM2-135M-Instruct``)."""
+    ``HuggingFaceTB/SmolLM2-135M-Instruct``); a hub cache snapshot folder is its model's id."""
+    a, b = _hub_id(a), _hub_id(b)
     la, lb = (s.lower().replace("_", "-") for s in (a, b))
     return _norm_name(a) == _norm_name(b) or la in lb or lb in la
 
@@ -706,12 +719,12 @@ def same_model_type(made_for: str, served: str) -> bool:
 
 
 def model_fit_problems(meta: VectorMetadata, *, hidden_size: int, num_layers: int,
-                       model_name: str | None = None, model_type: str | None = None
-                       ) -> list[str]:
+                       model_name: str | None = None, model_type: str | None = None,
+                       served_names: tuple[str, ...] = ()) -> list[str]:
     """Every reason the vector steer ``meta`` does not fit a model with ``hidden_size``,
-    ``num_layers`` decoder blocks, name ``model_name`` and architecture ``model_type`` (its
-    config's ``model_type``); each names both sides. Empty when it fits. Pure: reads only
-    the metadata."""
+    ``num_layers`` decoder blocks, name ``model_name`` (or any of ``served_names``, its
+    ``--served-model-name``) and architecture ``model_type`` (its config's ``model_type``);
+    each names both sides. Empty when it fits. Pure: reads only the metadata."""
     model = repr(model_name) if model_name else "the model"
     reasons = []
     if meta.hidden_size != hidden_size:
@@ -728,9 +741,11 @@ def model_fit_problems(meta: VectorMetadata, *, hidden_size: int, num_layers: in
     if meta.model_type and model_type and not same_model_type(meta.model_type, model_type):
         reasons.append(f"the steer was made for a {meta.model_type!r} model but {model} is a "
                        f"{model_type!r} model")
-    if meta.base_model and model_name and not same_model(meta.base_model, model_name):
+    if meta.base_model and model_name and not any(
+            same_model(meta.base_model, n) for n in (model_name, *served_names)):
+        served = f" (served as {', '.join(map(repr, served_names))})" if served_names else ""
         reasons.append(f"the steer was made for {meta.base_model!r} but the model is "
-                       f"{model_name!r}")
+                       f"{model_name!r}{served}")
     return reasons
 
 

@@ -626,3 +626,40 @@ def test_writers_refuse_a_path_that_cannot_be_a_file_and_leave_nothing(tmp_path,
         assert str(out) in str(e.value)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["d", "f"]
     assert (tmp_path / "f").read_text() == "x"
+
+
+def test_a_hub_cache_snapshot_folder_is_its_model():
+    # `vllm serve /root/.cache/huggingface/hub/models--ORG--NAME/snapshots/REV` (offline
+    # serving) serves the very model a steer made for ORG/NAME names
+    from vllm_steer.vectors import VectorMetadata
+
+    meta = VectorMetadata(name="calm", hidden_size=HIDDEN, layers=[1], model_layers=4,
+                          base_model="meta-llama/Llama-3.1-8B-Instruct", model_type="llama")
+    snap = ("/root/.cache/huggingface/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/"
+            "0e9e39f249a16976918f6564b8830bc894c89659")
+    assert model_fit_problems(meta, hidden_size=HIDDEN, num_layers=4, model_name=snap,
+                              model_type="llama") == []
+    other = snap.replace("Llama-3.1-8B-Instruct", "Mistral-7B-v0.1")
+    assert model_fit_problems(meta, hidden_size=HIDDEN, num_layers=4, model_name=other,
+                              model_type="llama")
+
+
+def test_a_model_served_from_a_folder_fits_by_its_served_model_name():
+    # `vllm serve /models/llama8b --served-model-name meta-llama/Llama-3.1-8B-Instruct` (the
+    # chart's way: the model's folder on a claim) serves the model the steer names
+    from types import SimpleNamespace
+
+    from vllm_steer.integrations.families import model_identity
+    from vllm_steer.vectors import VectorMetadata
+
+    meta = VectorMetadata(name="calm", hidden_size=HIDDEN, layers=[1], model_layers=4,
+                          base_model="meta-llama/Llama-3.1-8B-Instruct", model_type="llama")
+    hf = SimpleNamespace(hidden_size=HIDDEN, num_hidden_layers=4, model_type="llama")
+    mc = SimpleNamespace(model="/models/llama8b", served_model_name=["chat", "meta-llama/"
+                         "Llama-3.1-8B-Instruct"], hf_config=hf, hf_text_config=hf,
+                         get_hidden_size=lambda: HIDDEN, get_num_layers=lambda *a: 4)
+    assert model_fit_problems(meta, **model_identity(mc)) == []
+    mc.served_model_name = "chat"
+    [why] = model_fit_problems(meta, **model_identity(mc))
+    assert why == ("the steer was made for 'meta-llama/Llama-3.1-8B-Instruct' but the model is "
+                   "'/models/llama8b' (served as 'chat')")

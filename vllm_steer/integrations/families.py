@@ -110,9 +110,11 @@ def check_model(model_config) -> int:
 def model_identity(mc) -> dict:
     """The served model (vLLM's ``ModelConfig``) as
     :func:`vllm_steer.vectors.model_fit_problems` checks a vector steer against it: hidden
-    size, decoder blocks, name and architecture."""
+    size, decoder blocks, name (its path or id, and its ``--served-model-name``) and
+    architecture."""
     return dict(hidden_size=va.hidden_size(mc), num_layers=va.num_hidden_layers(mc),
-                model_name=str(va.model_name(mc)), model_type=va.model_type(mc))
+                model_name=str(va.model_name(mc)), model_type=va.model_type(mc),
+                served_names=tuple(va.served_model_names(mc)))
 
 
 #: vLLM decoder blocks that return ``(stream, input residual)``: the residual stream after the
