@@ -61,6 +61,11 @@ FILE_SUFFIX = ".safetensors"
 
 DomainMode = Literal["none", "with_steer"]
 _SAFETENSORS_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+#: Bytes per element of the safetensors dtypes an unknown tensor may have: it is ignored, so
+#: it is only checked to lie where the header says (a step counter, a bias, a newer writer's).
+_ANY_SAFETENSORS_DTYPES = {**_SAFETENSORS_DTYPES, "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1,
+                           "F8_E4M3": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8,
+                           "U64": 8}
 
 #: ``labels`` key naming the side of a steer that moves towards harmful text: ``"negative"``
 #: (a detox steer: negative strengths make text toxic) or ``"positive"``. Pages that show a
@@ -433,23 +438,27 @@ def _tensor_entry_problems(key: str, info: Any) -> list[str]:
         return [f"tensor {k}: header entry must be a JSON object, got {type(info).__name__}"]
     out = []
     dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if not (isinstance(dtype, str) and dtype in _SAFETENSORS_DTYPES):
-        out.append(f"tensor {k} has dtype {_echo(dtype)}, expected one of "
-                   f"{sorted(_SAFETENSORS_DTYPES)}")
-    # a vector file's direction.K is one row [hidden]; every other tensor is [hidden, rank]
+    # a vector file's direction.K is one row [hidden]; the LM-Steer factors are [hidden, rank];
+    # any other tensor is ignored (with a warning), so it only has to be well-formed
     vector = isinstance(key, str) and key.startswith(TENSOR_DIRECTION_PREFIX)
+    known = vector or key in KNOWN_TENSORS
+    sizes = _SAFETENSORS_DTYPES if known else _ANY_SAFETENSORS_DTYPES
+    if not (isinstance(dtype, str) and dtype in sizes):
+        out.append(f"tensor {k} has dtype {_echo(dtype)}, expected one of {sorted(sizes)}")
     ndim, form = (1, "[hidden]") if vector else (2, "[hidden, rank]")
-    if not (isinstance(shape, list) and len(shape) == ndim
-            and all(_is_int(x) and 1 <= x <= MAX_HIDDEN_SIZE for x in shape)):
+    if not known:
+        if not (isinstance(shape, list) and all(_is_int(x) and x >= 0 for x in shape)):
+            out.append(f"tensor {k} has shape {_echo(shape)}, expected a list of sizes")
+    elif not (isinstance(shape, list) and len(shape) == ndim
+              and all(_is_int(x) and 1 <= x <= MAX_HIDDEN_SIZE for x in shape)):
         out.append(f"tensor {k} has shape {_echo(shape)}, expected {form} with each "
                    f"size from 1 to {MAX_HIDDEN_SIZE}")
     if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(x) for x in offs)
             and 0 <= offs[0] <= offs[1]):
         out.append(f"tensor {k}: malformed data_offsets {_echo(offs)}, expected [start, end]")
-    elif not out and offs[1] - offs[0] != math.prod(shape) * _SAFETENSORS_DTYPES[dtype]:
+    elif not out and offs[1] - offs[0] != math.prod(shape) * sizes[dtype]:
         out.append(f"tensor {k}: data_offsets {offs} span {offs[1] - offs[0]} bytes but a "
-                   f"{dtype} {shape} tensor takes "
-                   f"{math.prod(shape) * _SAFETENSORS_DTYPES[dtype]}")
+                   f"{dtype} {shape} tensor takes {math.prod(shape) * sizes[dtype]}")
     return out
 
 
@@ -676,9 +685,22 @@ def save_steer(path: str | os.PathLike, steer: Steer) -> None:
     if steer.domain_p1 is not None:
         tensors[TENSOR_DOMAIN_P1] = steer.domain_p1
         tensors[TENSOR_DOMAIN_P2] = steer.domain_p2
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    tensors = own_storage({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})
     write_atomically(path, lambda tmp: save_file(
         tensors, tmp, metadata={METADATA_KEY: meta.to_json(), "format": "pt"}))
+
+
+def own_storage(tensors: dict[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:
+    """``tensors`` with each one that shares its storage with an earlier one copied:
+    safetensors' ``save_file`` refuses tensors that share memory (``P1 is P2``, a symmetric
+    steer; one vector given for several blocks), which are valid steers all the same."""
+    seen: set[int] = set()
+    out = {}
+    for k, t in tensors.items():
+        ptr = t.untyped_storage().data_ptr()
+        out[k] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    return out
 
 
 def load_steer(path: str | os.PathLike, device=None, dtype=None) -> Steer:

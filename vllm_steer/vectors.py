@@ -38,7 +38,7 @@ from vllm_steer.format import (FORMAT_NAME, FORMAT_VERSION, KIND_KEY, KIND_VECTO
                                MAX_HIDDEN_SIZE, METADATA_KEY, SteerFileError,
                                TENSOR_DIRECTION_PREFIX, _echo, _is_int, beyond_range,
                                common_metadata_problems, file_kind, metadata_size_problems,
-                               read_document, write_atomically)
+                               own_storage, read_document, write_atomically)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -321,8 +321,8 @@ def save_vector(path: str | os.PathLike, vs: VectorSteer) -> None:
 
     path = os.fspath(path)
     check_vector_steer(vs, path)
-    tensors = {direction_name(k): v.detach().to("cpu").float().contiguous()
-               for k, v in sorted(vs.directions.items())}
+    tensors = own_storage({direction_name(k): v.detach().to("cpu").float().contiguous()
+                           for k, v in sorted(vs.directions.items())})
     write_atomically(path, lambda tmp: save_file(
         tensors, tmp, metadata={METADATA_KEY: vs.metadata.to_json(), "format": "pt"}))
 
@@ -483,8 +483,18 @@ def _gguf_directions(reader, reasons: list[str]) -> dict:
 
     dirs: dict[int, torch.Tensor] = {}
     hidden = None
+    others = [t.name for t in reader.tensors if direction_layer(t.name) is None]
+    if others:  # one reason for them all: a model's GGUF has hundreds
+        names = ", ".join(_echo(n) for n in others[:5])
+        more = f" and {len(others) - 5} more" if len(others) > 5 else ""
+        reasons.append(f"tensor {names} is not named direction.K (K a block index), as "
+                       "llama.cpp requires" if len(others) == 1 else
+                       f"{len(others)} tensors ({names}{more}) are not named direction.K (K a "
+                       "block index), as llama.cpp requires")
     for t in reader.tensors:
         k = direction_layer(t.name)
+        if k is None:
+            continue
         n = int(t.n_elements)
         problem = _gguf_tensor_problem(t, k, n, hidden, gguf)
         if problem is None:
@@ -500,12 +510,9 @@ def _gguf_directions(reader, reasons: list[str]) -> dict:
     return dirs
 
 
-def _gguf_tensor_problem(t, k: int | None, n: int, hidden: int | None, gguf) -> str | None:
+def _gguf_tensor_problem(t, k: int, n: int, hidden: int | None, gguf) -> str | None:
     """Why the GGUF tensor ``t`` (block ``k``, ``n`` values) is not a direction (None: it is);
     ``hidden``: the values of the directions before it."""
-    if k is None:
-        return (f"tensor {_echo(t.name)} is not named direction.K (K a block index), as "
-                "llama.cpp requires")
     if t.tensor_type != gguf.GGMLQuantizationType.F32:
         return f"{t.name} has type {t.tensor_type.name}, expected F32 (as llama.cpp requires)"
     ne = [int(s) for s in t.shape]  # ggml's order; trailing 1s are no dimension to ggml

@@ -355,3 +355,42 @@ def test_the_shipped_detox_steer_marks_its_negative_side_harmful():
                             LABEL_HARMFUL: "negative"}
     assert harmful_side(detox) == "negative"
     assert harmful_side(read_metadata(steers / "smollm2-sentiment.safetensors")) is None
+
+
+@pytest.mark.parametrize("extra", [torch.zeros(16), torch.tensor(1.0), torch.tensor([5]),
+                                   torch.zeros(1, 200_000, dtype=torch.float16)],
+                         ids=["bias-1d", "scalar", "int64-step", "wide"])
+def test_unknown_tensors_of_any_shape_or_dtype_warn_and_are_ignored(tmp_path, extra):
+    # docs/format.md: "Unknown tensors and unknown metadata keys only warn" -- whatever their
+    # shape or dtype (a step counter, a bias, a newer writer's tensor)
+    from safetensors.torch import save_file
+
+    s = random_steer(16, 2, "x", seed=3)
+    path = tmp_path / "x.safetensors"
+    save_file({TENSOR_P1: s.p1, TENSOR_P2: s.p2, "steer.extra": extra}, path,
+              metadata={METADATA_KEY: s.metadata.to_json()})
+    with pytest.warns(UserWarning, match="unknown tensors 'steer.extra' are ignored"):
+        back = load_steer(path)
+        assert read_metadata(path).rank == 2
+    assert torch.equal(back.p1, s.p1)
+
+
+def test_a_model_shard_is_refused_for_what_it_is_not_per_tensor(tmp_path):
+    # a model's safetensors given as a steer: the reasons say it is no steer file, not one
+    # line per norm weight
+    from safetensors.torch import save_file
+
+    tensors = {f"model.layers.{i}.input_layernorm.weight": torch.ones(8) for i in range(40)}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(SteerFileError) as e:
+        load_steer(tmp_path / "model.safetensors")
+    assert len(e.value.reasons) <= 4 and "no 'vllm_steer' entry" in str(e.value)
+
+
+def test_save_accepts_factors_that_share_memory(tmp_path):
+    # a symmetric steer (W = P P^T: P1 is P2) is a valid steer; safetensors refuses tensors
+    # that share memory, so the writer must not hand it the same storage twice
+    p = torch.randn(16, 2)
+    save_steer(tmp_path / "sym.safetensors", make_steer(p, p, "sym"))
+    back = load_steer(tmp_path / "sym.safetensors")
+    assert torch.equal(back.p1, p) and torch.equal(back.p2, p)

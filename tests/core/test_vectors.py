@@ -663,3 +663,31 @@ def test_a_model_served_from_a_folder_fits_by_its_served_model_name():
     [why] = model_fit_problems(meta, **model_identity(mc))
     assert why == ("the steer was made for 'meta-llama/Llama-3.1-8B-Instruct' but the model is "
                    "'/models/llama8b' (served as 'chat')")
+
+
+def test_a_model_gguf_is_refused_in_a_few_lines(tmp_path):
+    # a model's GGUF given as a control vector: its hundreds of tensors are one reason
+    p = tmp_path / "model.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    for i in range(100):
+        for n in ("attn_q", "attn_k", "ffn_up"):
+            w.add_tensor(f"blk.{i}.{n}.weight", np.zeros((4, 4), np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(VectorFileError) as e:
+        load_vector(p)
+    assert "'llama', expected 'controlvector'" in str(e.value)
+    assert len(e.value.reasons) <= 3 and len(str(e.value)) < 2000
+    assert "300 tensors ('blk.0.attn_q.weight'" in str(e.value) and "and 295 more" in str(e.value)
+
+
+def test_one_vector_for_several_blocks_is_saved(tmp_path):
+    # the same direction at several blocks: make_vector_steer keeps one tensor for all of them
+    v = torch.randn(HIDDEN)
+    vs = make_vector_steer({k: v for k in (2, 3, 4)}, "same")
+    save_vector(tmp_path / "s.safetensors", vs)
+    back = load_vector(tmp_path / "s.safetensors")
+    assert back.layers == [2, 3, 4]
+    assert all(torch.equal(back.directions[k], v) for k in (2, 3, 4))
