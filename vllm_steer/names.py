@@ -24,6 +24,8 @@ def echo(value: object, limit: int = ECHO_LENGTH) -> str:
     """``repr`` of ``value`` cut to about ``limit`` characters (error messages stay short)."""
     if isinstance(value, str) and len(value) > limit:
         return repr(value[:limit]) + f"... ({len(value)} characters)"
+    if isinstance(value, int) and value.bit_length() > 4096:  # repr refuses > 4300 digits
+        return f"an integer of {value.bit_length()} bits"
     r = repr(value)
     return r if len(r) <= limit + 2 else r[:limit] + "..."
 

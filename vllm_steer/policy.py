@@ -85,9 +85,11 @@ def parse_mix(text: str, flag: str = "--steer-preset", arg: str | None = None
         name, sep, s = part.partition(":")
         name = name.strip()
         if not sep or not name or not s.strip():
+            form = ("NAME=steer:strength[,steer:strength...], e.g. polite=detox:4,sentiment:2"
+                    if flag == "--steer-preset" else  # elsewhere the preset's name is its key
+                    "steer:strength[,steer:strength...], e.g. detox:4,sentiment:2")
             raise PolicyError(f"{flag} {echo(arg, 80)}: malformed entry {echo(part)}; expected "
-                              "NAME=steer:strength[,steer:strength...], e.g. "
-                              "polite=detox:4,sentiment:2")
+                              f"{form}")
         problem = steer_name_problem(name)
         if problem:
             raise PolicyError(f"{flag} {echo(arg, 80)}: {problem}")

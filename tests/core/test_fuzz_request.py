@@ -366,3 +366,15 @@ def test_additional_config_policy_from_any_value_is_numbers_or_a_value_error(key
     for v in (table.values() if key != "presets" else
               [s for mix in table.values() for s in mix.values()]):
         assert isinstance(v, float) and math.isfinite(v)
+
+
+@pytest.mark.parametrize("value", [{"detox": 10**5000}, {"detox": {"strength": 10**5000}},
+                                   {"detox": {"strength": 1, "base": -10**5000}},
+                                   {10**5000: 1}])
+@pytest.mark.parametrize("max_strength", [MAX, math.inf])
+def test_an_integer_of_thousands_of_digits_is_refused_as_a_steer_error(value, max_strength):
+    """Beyond Python's 4300-digit limit ``repr`` of an int raises ``ValueError``: the message
+    must still be the steer field's own (an offline ``SamplingParams`` can hold such an int)."""
+    with pytest.raises(SteerRequestError) as e:
+        parse_request_steer(value, KNOWN, max_strength)
+    assert str(e.value).startswith("steer: ") and "set_int_max_str_digits" not in str(e.value)

@@ -285,3 +285,19 @@ def test_data_parallel_answers_and_the_api_servers_view():
     assert st.presets_view() == {}
     st.update_presets({"ok": False, "status": 404})  # no table in it: ignored
     assert st.presets_view() == {}
+
+
+@pytest.mark.parametrize("mix", ["detox", "detox=4", "detox:4,"])
+def test_a_string_mix_outside_the_flag_is_explained_without_the_flag_s_preset_name(mix):
+    """A preset's string mix in a ``POST /v1/steer-presets`` body or a presets file has no
+    ``NAME=`` (the preset's name is its own key): the message must not ask for one, else
+    following it (``polite=detox:4``) only gives another error."""
+    from vllm_steer import presets_file
+    from vllm_steer.policy import preset_from_body
+
+    with pytest.raises(PolicyError) as e:
+        preset_from_body({"name": "polite", "steer": mix}, {"detox"}, 10.0)
+    assert "NAME=" not in str(e.value) and "detox:4" in str(e.value), str(e.value)
+    with pytest.raises(presets_file.PresetsFileError) as e:
+        presets_file.check({"polite": mix}, "presets.yaml", {"detox"}, 10.0)
+    assert "NAME=" not in str(e.value) and "detox:4" in str(e.value), str(e.value)
