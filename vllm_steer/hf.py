@@ -124,7 +124,8 @@ def vector_steering(model, vectors: "Mapping[str, VectorSteer] | VectorSteer",
     if unknown:
         raise KeyError(f"unknown vector steers {sorted(unknown)}; given: {sorted(vectors)}")
     layers = decoder_layers(model)
-    hidden = int(model.config.hidden_size)
+    cfg = model.config  # a multimodal model's (Gemma 3, Mistral 3): its text config's
+    hidden = int((cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg).hidden_size)
     for name, vs in vectors.items():
         problems = model_fit_problems(vs.metadata, hidden_size=hidden, num_layers=len(layers))
         if problems:

@@ -297,3 +297,102 @@ def test_pca_sign_on_a_tie_follows_the_mean_difference_not_the_solver():
         perm = torch.tensor([2, 0, 3, 1])
         torch.testing.assert_close(pca_direction(pos[perm], neg[perm]).double(), q, rtol=0,
                                    atol=1e-6)
+
+
+def test_a_multimodal_checkpoint_trains_on_its_language_model(tmp_path):
+    """Gemma 3 4B and up (and Mistral 3, Qwen2.5-VL, ...) load through AutoModelForCausalLM
+    as a ...ForConditionalGeneration whose config holds the hidden size in its text config:
+    the vector is read at its language model's blocks (hidden_states[k + 1]) like any other."""
+    import transformers as tf
+
+    from helpers.models import copy_tokenizer
+
+    text = tf.Gemma3TextConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                               vocab_size=49152, max_position_embeddings=512,
+                               query_pre_attn_scalar=64, sliding_window=256, bos_token_id=1,
+                               eos_token_id=2, pad_token_id=2)
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = tf.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, image_token_index=3, boi_token_index=4,
+                          eoi_token_index=5)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    assert not hasattr(model.config, "hidden_size")  # only its text config has one
+    folder = tmp_path / "gemma3"
+    model.save_pretrained(folder)
+    copy_tokenizer(folder)
+    pos, neg = _texts(POS, 12, 1), _texts(NEG, 12, 2)
+    (tmp_path / "p.txt").write_text("\n".join(pos))
+    (tmp_path / "n.txt").write_text("\n".join(neg))
+    data = DataConfig(positive=[str(tmp_path / "p.txt")], negative=[str(tmp_path / "n.txt")],
+                      dev_fraction=0.0)
+    vcfg = VectorConfig(model=str(folder), method="caa", layers="0-1", model_dtype="float32")
+    res = train_vector(vcfg, data, [str(tmp_path / "v.safetensors")], progress=False,
+                       log=lambda m: None)
+    tp, tn = _train_pairs(folder, data, vcfg)
+    tok = tf.AutoTokenizer.from_pretrained(folder)
+    model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def states(texts):
+        with torch.no_grad():
+            return np.array([[model(torch.tensor([tok(t)["input_ids"]]),
+                                    output_hidden_states=True).hidden_states[k + 1][0, -1]
+                              .double().numpy() for t in texts] for k in (0, 1)])
+
+    hp, hn = states(tp), states(tn)
+    for k in (0, 1):
+        want = (hp[k] - hn[k]).mean(0)
+        np.testing.assert_allclose(res.steer.directions[k].double().numpy(), want,
+                                   rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    assert res.steer.metadata.model_layers == 3
+
+
+def test_pairs_refuse_the_flags_they_would_ignore(model_dir, tmp_path, capsys):
+    """--pairs takes its dev pairs out of its own files: dev texts by side (--dev-positive,
+    --dev-negative, --dev-data) and the flags of labelled data were ignored without a word
+    (the dev check then ran on pairs held out of the training pairs)."""
+    import json
+
+    f = tmp_path / "pairs.jsonl"
+    f.write_text("\n".join(json.dumps({"positive": f"the day was {p}",
+                                       "negative": f"the day was {n}"})
+                           for p, n in zip(POS, NEG, strict=True)))
+    dev = tmp_path / "dev.txt"
+    dev.write_text("the day was fine\nthe day was good\n")
+    base = ["train", "--kind", "vector", "--model", str(model_dir), "--pairs", str(f),
+            "--quiet", "--out", str(tmp_path / "v.safetensors")]
+    assert main([*base, "--dev-positive", str(dev), "--dev-negative", str(dev)]) == 1
+    assert "--pairs and --dev-positive, --dev-negative" in capsys.readouterr().err
+    assert main([*base, "--text-field", "sentence"]) == 1
+    assert "--text-field: flags of --data/--positive/--negative" in capsys.readouterr().err
+    assert not (tmp_path / "v.safetensors").exists()
+
+
+def test_pca_of_differences_that_do_not_vary_is_refused(model_dir, tmp_path, capsys):
+    """One pair repeated: the centred differences are all 0 and their "first principal
+    component" is whatever axis the solver returns (hidden dimension 0), written with a
+    perfect train separation. Refused, pointing to --method caa, which has a direction."""
+    import json
+
+    from vllm_steer.train.vector import pca_direction
+
+    g = torch.Generator().manual_seed(0)
+    neg = torch.randn(5, 16, generator=g)
+    pos = neg + torch.randn(16, generator=g)  # every pair differs by the same vector
+    with pytest.raises(ValueError, match="--method caa"):
+        pca_direction(pos, neg)
+    f = tmp_path / "same.jsonl"
+    f.write_text("\n".join(json.dumps({"positive": "I feel very happy today",
+                                       "negative": "I feel very sad today"})
+                           for _ in range(6)))
+    out = tmp_path / "v.safetensors"
+    assert main(["train", "--kind", "vector", "--model", str(model_dir), "--pairs", str(f),
+                 "--dev-fraction", "0", "--model-dtype", "float32", "--quiet",
+                 "--out", str(out)]) == 1
+    assert "the pairs' differences are all the same" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["train", "--kind", "vector", "--model", str(model_dir), "--pairs", str(f),
+                 "--dev-fraction", "0", "--model-dtype", "float32", "--quiet", "--method",
+                 "caa", "--out", str(out)]) == 0

@@ -340,6 +340,20 @@ def cmd_train_vector(args) -> int:
         if args.max_examples is not None:
             raise ValueError("--max-examples and --pairs: the pairs are subset with "
                              "--max-pairs N")
+        dev = [f for f, on in (("--dev-positive", args.dev_positive),
+                               ("--dev-negative", args.dev_negative),
+                               ("--dev-data", args.dev_data)) if on]
+        if dev:
+            raise ValueError(f"--pairs and {', '.join(dev)}: the dev pairs are held out of "
+                             "the --pairs files (--dev-fraction, --dev-max); dev texts by side "
+                             "go with --positive/--negative/--data")
+        unused = _set_flags(args, ("format", "split", "dev_split", "text_field", "label_field",
+                                   "no_header", "positive_labels", "negative_labels",
+                                   "ignore_labels"))
+        if unused:
+            raise ValueError(f"{', '.join(unused)}: flags of --data/--positive/--negative, not "
+                             "used by --pairs (one JSON object a line with \"positive\" and "
+                             "\"negative\"); drop them")
         data = DataConfig(dev_fraction=args.dev_fraction, dev_max_per_side=args.dev_max)
         data.validate()
     else:

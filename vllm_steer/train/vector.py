@@ -42,7 +42,13 @@ def pca_direction(pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
     if diffs.shape[0] < 2:
         raise ValueError(f"PCA needs at least 2 pairs, got {diffs.shape[0]}")
     centred = diffs - diffs.mean(0, keepdim=True)
-    v = torch.linalg.svd(centred, full_matrices=False).Vh[0]
+    _, sv, vh = torch.linalg.svd(centred, full_matrices=False)
+    if float(sv[0]) <= 1e-5 * max(float(pos.double().norm()), float(neg.double().norm()),
+                                  1e-30):
+        raise ValueError("the pairs' differences are all the same (one pair repeated?), so "
+                         "they have no principal component (any unit vector would do); give "
+                         "pairs that vary, or use --method caa (their mean difference)")
+    v = vh[0]
     along = diffs @ v
     higher, lower = int((along > 0).sum()), int((along < 0).sum())
     if higher == lower:  # a tie: the mean difference, then the largest component
@@ -195,7 +201,10 @@ def _directions(method: str, layers: list[int], states: dict[str, Any]
             raise ValueError(f"block {k}: every training pair's two texts have the same state "
                              "at their last token, so there is no direction to learn; the "
                              "positive and negative texts of each pair must differ")
-        v = (caa_direction if method == "caa" else pca_direction)(tp[li], tn[li])
+        try:
+            v = (caa_direction if method == "caa" else pca_direction)(tp[li], tn[li])
+        except ValueError as e:
+            raise ValueError(f"block {k}: {e}") from None
         directions[k] = v
         unit = v.double() / max(float(v.double().norm()), 1e-30)
         m = {"norm": round(float(v.norm()), 6),
