@@ -35,6 +35,33 @@ def output_head(model) -> torch.nn.Module:
     return head
 
 
+def logit_postprocess(model):
+    """The model's processing of its head's output, as a function on float32 logits, or None
+    where the logits are the head's (most models): Cohere's ``* logit_scale``, Granite's
+    ``/ logits_scaling``, Gemma 2/3's final soft-cap ``cap * tanh(l / cap)`` -- what the
+    model's forward applies after the head. The one place this processing is written
+    (training, the lens)."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    softcap = getattr(cfg, "final_logit_softcapping", None)
+    scale = getattr(cfg, "logit_scale", None)
+    divide = getattr(cfg, "logits_scaling", None)
+    if softcap is None and scale is None and divide is None:
+        return None
+
+    def post(logits: torch.Tensor) -> torch.Tensor:
+        if scale is not None:
+            logits = logits * float(scale)
+        if divide is not None:
+            logits = logits / float(divide)
+        if softcap is not None:
+            logits = torch.tanh(logits / float(softcap)) * float(softcap)
+        return logits
+
+    return post
+
+
 def _as_bank(steers, model) -> SteerBank:
     if isinstance(steers, SteerBank):
         return steers

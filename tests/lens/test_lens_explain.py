@@ -166,3 +166,54 @@ def test_explain_cli_on_tiny_model(tiny_model_dir, tmp_path, capsys):
     assert ("domain component (rank 1), served with it at domain strength 2 whatever the "
             "request's strength, is not in S") in out2
     assert [ln for ln in out2.splitlines() if ln.startswith("| 1 |")][0] == row1
+
+
+def _spm_tokenizer(words):
+    """A Llama-2 / Mistral-style SentencePiece BPE in memory: "▁" word starts, byte fallback
+    and the SPM decoder (which strips the leading space of a decoded sequence's first token)."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    merges = []
+    for w in ["\u2581" + w for w in words]:
+        for ch in w:
+            vocab.setdefault(ch, len(vocab))
+        for j in range(2, len(w) + 1):
+            if w[:j] not in vocab:
+                merges.append([w[:j - 1], w[j - 1]])
+                vocab[w[:j]] = len(vocab)
+    special = [{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
+                "normalized": False, "special": True} for c, i in (("<unk>", 0), ("<s>", 1),
+                                                                   ("</s>", 2))]
+    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": special,
+            "normalizer": {"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": "\u2581"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]},
+            "pre_tokenizer": None, "post_processor": None,
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+            "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>",
+                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                      "fuse_unk": True, "byte_fallback": True, "vocab": vocab,
+                      "merges": merges}}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                   bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_token_pieces_keep_the_word_start_space_of_sentencepiece_tokens():
+    from vllm_steer.lens.explain import token_pieces
+
+    words = ["hello", "world", "apple", "a"]
+    tok = _spm_tokenizer(words)
+    ids = tok("hello world", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["\u2581hello", "\u2581world"]
+    pieces = token_pieces(tok, len(tok))
+    assert [pieces[i] for i in ids] == [" hello", " world"]
+    assert word_like(pieces[ids[0]])
+    assert pieces[tok.convert_tokens_to_ids("h")] == "h"  # a word-inside piece: no space

@@ -240,3 +240,24 @@ def test_the_highlights_label_line_reads_the_shipped_detox_steers_labels():
     assert line == (f"positive strength -> {meta.labels['positive']}, negative strength -> "
                     f"{meta.labels['negative']}, the negative side is the harmful one")
     assert "harmful strength" not in line
+
+
+def test_a_text_longer_than_the_models_context_is_refused(tmp_path):
+    """GPT-2-style models have learned position embeddings: a longer text would crash with
+    "IndexError: index out of range in self" inside the model. Refused before, naming
+    --max-tokens; cut to fit, it is scored."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from helpers.families import HIDDEN, make_family_model
+    from helpers.steers import random_steer
+    from vllm_steer.lens.highlight import token_scores
+
+    path = make_family_model("gpt2", tmp_path / "gpt2")
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    steer = random_steer(HIDDEN, 4, "s", seed=1)
+    text = "The quick brown fox jumps over the lazy dog. " * 60  # 600 tokens > 512 positions
+    with pytest.raises(ValueError, match="--max-tokens 511 or less"):
+        token_scores(model, tok, text, steer, 5.0)
+    pieces, scores = token_scores(model, tok, text, steer, 5.0, max_length=511)
+    assert len(pieces) == len(scores) == 511 and all(s is not None for s in scores)

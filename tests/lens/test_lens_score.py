@@ -356,3 +356,27 @@ def test_tokenize_scored_max_text_tokens_keeps_the_prefix_and_max_length_is_unch
     assert tokenize_scored(tok, "What a lovely day.", "some context here",
                            max_length=2) == (pre[:2], len(pre))  # prefix and text together
     assert tokenize_scored(tok, "What a lovely day.") == (txt, 1)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "granite", "cohere"])
+def test_loglik_at_strengths_matches_token_logprobs_with_logit_postprocessing(
+        family, tmp_path):
+    """Gemma 2's soft-cap, Granite's logits_scaling and Cohere's logit_scale act after the
+    head: the scores are the model's own log-likelihoods, as token_logprobs (and the
+    server) compute them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from helpers.families import HIDDEN, make_family_model
+    from vllm_steer.hf import token_logprobs
+
+    path = make_family_model(family, tmp_path / family)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    steer = random_steer(HIDDEN, 4, "s", seed=7)
+    texts = ["A somewhat longer sentence about the weather today.", "Medium length text."]
+    sc = score_texts(model, tok, steer, texts, [-5.0, 0.0, 5.0], max_tokens=None)
+    for k, s in enumerate(sc.strengths):
+        ref = (token_logprobs(model, tok, texts, {"s": steer}, {"s": s}) if s
+               else token_logprobs(model, tok, texts))
+        for t in range(len(texts)):
+            assert sc.loglik[t][k] == pytest.approx(float(ref[t].mean()), abs=1e-4)

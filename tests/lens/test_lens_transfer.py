@@ -289,3 +289,34 @@ def test_cli_help_defaults_match_the_config_and_parser_is_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("family", ["granite", "cohere"])
+def test_logit_shift_rms_is_the_models_own_logit_shift(family, tmp_path):
+    """Granite divides its logits by logits_scaling and Cohere multiplies them by
+    logit_scale after the head: the RMS (and so the recommended strength of a transfer to
+    or from such a model) is that of the model's own logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from helpers.families import HIDDEN, make_family_model
+    from vllm_steer.hf import steering
+    from vllm_steer.lens.lm import CALIBRATION_TEXTS
+
+    path = make_family_model(family, tmp_path / family)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    steer = random_steer(HIDDEN, 4, "s", seed=7)
+    tot = n = 0
+    for text in CALIBRATION_TEXTS:
+        x = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            plain = model(input_ids=x).logits[0, :-1].float()
+            with steering(model, {"s": steer}, {"s": 1.0}):
+                steered = model(input_ids=x).logits[0, :-1].float()
+        d = steered - plain
+        d = d - d.mean(-1, keepdim=True)
+        tot, n = tot + float((d ** 2).sum()), n + d.numel()
+    want = (tot / n) ** 0.5
+    _, report = transfer(steer, model, tok, model, tok)
+    assert report.rms_source == pytest.approx(want, rel=1e-3)
+    assert report.rms_target == pytest.approx(want, rel=1e-2)

@@ -256,7 +256,14 @@ def all_singular_values(steer: Steer) -> torch.Tensor:
 
 
 def token_pieces(tokenizer, vocab_rows: int) -> list[str]:
-    """Each token id decoded on its own (ids beyond the tokenizer's vocabulary give "")."""
+    """Each token id's text as it reads inside a text, word-start space included (ids beyond
+    the tokenizer's vocabulary give ""). A token is decoded after a fixed one and that one's
+    text removed: SentencePiece tokenizers (Llama 2, Mistral, Phi-3) strip the leading space
+    of the *first* token of a decoded sequence, so decoding ``▁word`` alone gives ``word``."""
     n = min(vocab_rows, len(tokenizer))
-    pieces = tokenizer.batch_decode([[i] for i in range(n)])
+    ref = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    head = tokenizer.decode(ref) if ref else ""
+    pieces = []
+    for i, s in enumerate(tokenizer.batch_decode([ref + [i] for i in range(n)])):
+        pieces.append(s[len(head):] if ref and s.startswith(head) else tokenizer.decode([i]))
     return pieces + [""] * (vocab_rows - n)

@@ -312,6 +312,14 @@ def token_scores(model, tokenizer, text: str, steer, strength: float, against: f
     if max_length and len(ids) > max_length:
         text = "".join(pieces[:max_length])
         ids, pieces = text_pieces(tokenizer, text)
+    from vllm_steer.train.hidden import model_window
+
+    window = model_window(model)
+    n_prefix = len(tokenizer(prefix, add_special_tokens=False)["input_ids"]) if prefix else 0
+    if window and n_prefix + len(ids) > window:
+        raise ValueError(f"the text is {len(ids)} tokens (with the prefix, "
+                         f"{n_prefix + len(ids)}) but the model reads at most {window}: "
+                         f"pass --max-tokens {window - n_prefix} or less")
     kw = dict(prefixes=[prefix] if prefix else None)
     name = steer.name
     text_in = text

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from vllm_steer.hf import output_head, tokenize_scored
+from vllm_steer.hf import logit_postprocess, output_head, tokenize_scored
 
 #: A few plain sentences used when a tool needs the model's typical final hidden states
 #: (orienting directions in ``explain``, calibrating strength in ``transfer``).
@@ -141,15 +141,15 @@ def logprobs_at_strengths(model, encoded: Sequence[Encoded], steer,
         logits(s) = logits(0) + s * eps * (c P1) (P2^T E^T) [+ domain term when s != 0]
 
     so two head-sized products serve every strength. Another head goes through
-    :class:`~vllm_steer.bank.SteerBank` per strength. (A model whose logits are
-    post-processed outside its head, e.g. soft-capping, needs
-    :func:`vllm_steer.hf.token_logprobs` instead.)
+    :class:`~vllm_steer.bank.SteerBank` per strength. The model's processing of the head's
+    output (soft-capping, logit scaling: :func:`logit_postprocess`) is applied after.
     """
     from vllm_steer.bank import SteerBank
 
     head = output_head(model)
     w = head.weight
     linear = isinstance(head, torch.nn.Linear)
+    post = logit_postprocess(model)
     bank = SteerBank({steer.name: steer}, device=w.device, dtype=torch.float32)
     res = torch.zeros(len(encoded), len(strengths))
     Wf = w.float()
@@ -180,6 +180,8 @@ def logprobs_at_strengths(model, encoded: Sequence[Encoded], steer,
             else:
                 hs = bank.apply(h, bank.coefs({steer.name: s}, h.shape[0], device=w.device))
                 logits = head(hs.to(w.dtype)).float()
+            if post is not None:
+                logits = post(logits)
             lp = logits.gather(-1, tgt[:, None])[:, 0] - torch.logsumexp(logits, -1)
             res[t, k] = lp.mean().cpu()
     return res

@@ -258,15 +258,21 @@ def transfer_steer(steer: Steer, m: EmbeddingMap, form: Form = "logit",
 
 
 def logit_shift_rms(hidden: torch.Tensor, E: torch.Tensor, steer: Steer,
-                    chunk: int = 256) -> float:
+                    chunk: int = 256, post=None, bias: torch.Tensor | None = None) -> float:
     """RMS over contexts and tokens of the centred logit shift per unit strength,
-    ``eps (c S) E^T`` minus its mean over the vocabulary (the part the softmax sees)."""
+    ``eps (c S) E^T`` minus its mean over the vocabulary (the part the softmax sees).
+    ``post`` (optional): the model's processing of its head's output
+    (:func:`vllm_steer.lens.lm.logit_postprocess`; ``bias`` its head bias), so that the
+    shift is the one of the model's own logits: ``post(l + delta) - post(l)``."""
     eps = steer.metadata.epsilon
     p1, p2, E = steer.p1.float(), steer.p2.float(), E.float()
     tot, n = 0.0, 0
     for i in range(0, hidden.shape[0], chunk):
         c = hidden[i:i + chunk].float()
         delta = eps * ((c @ p1) @ p2.T) @ E.T  # [rows, vocab]
+        if post is not None:
+            base = c @ E.T + (bias.float() if bias is not None else 0.0)
+            delta = post(base + delta) - post(base)
         delta = delta - delta.mean(-1, keepdim=True)
         tot += float((delta ** 2).sum())
         n += delta.numel()
@@ -328,7 +334,9 @@ def transfer(steer: Steer, model_a, tok_a, model_b, tok_b, cfg: TransferConfig |
              name_a: str | None = None, name_b: str | None = None,
              calibration_texts: Sequence[str] | None = None) -> tuple[Steer, TransferReport]:
     """Transfer ``steer`` from (model_a, tok_a) to (model_b, tok_b) (transformers objects)."""
-    from vllm_steer.lens.lm import CALIBRATION_TEXTS, final_hidden_states, output_embeddings
+    from vllm_steer.hf import output_head
+    from vllm_steer.lens.lm import (CALIBRATION_TEXTS, final_hidden_states, logit_postprocess,
+                                    output_embeddings)
 
     cfg = cfg or TransferConfig()
     E_a, E_b = output_embeddings(model_a).float().cpu(), output_embeddings(model_b).float().cpu()
@@ -343,8 +351,14 @@ def transfer(steer: Steer, model_a, tok_a, model_b, tok_b, cfg: TransferConfig |
     texts = list(calibration_texts or CALIBRATION_TEXTS)
     h_a = torch.cat([e.hidden for e in final_hidden_states(model_a, tok_a, texts)]).cpu()
     h_b = torch.cat([e.hidden for e in final_hidden_states(model_b, tok_b, texts)]).cpu()
-    rms_a = logit_shift_rms(h_a, E_a, steer.to(dtype=torch.float32))
-    rms_b = logit_shift_rms(h_b, E_b, provisional)
+    def head_bias(model):
+        b = getattr(output_head(model), "bias", None)
+        return None if b is None else b.detach().float().cpu()
+
+    rms_a = logit_shift_rms(h_a, E_a, steer.to(dtype=torch.float32),
+                            post=logit_postprocess(model_a), bias=head_bias(model_a))
+    rms_b = logit_shift_rms(h_b, E_b, provisional, post=logit_postprocess(model_b),
+                            bias=head_bias(model_b))
     rec = src_strength * rms_a / rms_b if rms_b > 0 else None
     report = TransferReport(anc.shared_total, len(anc.fit), len(anc.heldout), q_fit, q_held,
                             rms_a, rms_b, src_strength, rec)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_steer.format import Steer, make_steer
-from vllm_steer.hf import output_head
+from vllm_steer.hf import logit_postprocess, output_head
 from vllm_steer.reference import steer_reference
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,10 +82,8 @@ class Head:
         self.weight: torch.Tensor = head.weight.detach()  # [vocab, hidden]
         b = getattr(head, "bias", None)
         self.bias: torch.Tensor | None = None if b is None else b.detach().float()
-        cfg = getattr(model, "config", None)
-        self.softcap = getattr(cfg, "final_logit_softcapping", None)
-        self.scale = getattr(cfg, "logit_scale", None)  # Cohere: logits * logit_scale
-        self.divide = getattr(cfg, "logits_scaling", None)  # Granite: logits / logits_scaling
+        #: the model's soft-cap or logit scaling (None: none)
+        self.postprocess = logit_postprocess(model)
         self._w: dict[torch.dtype, torch.Tensor] = {}
 
     @property
@@ -105,13 +103,7 @@ class Head:
         """Bias and the model's logit post-processing, on float32 logits."""
         if self.bias is not None:
             logits = logits + self.bias
-        if self.scale is not None:
-            logits = logits * float(self.scale)
-        if self.divide is not None:
-            logits = logits / float(self.divide)
-        if self.softcap is not None:
-            logits = torch.tanh(logits / float(self.softcap)) * float(self.softcap)
-        return logits
+        return logits if self.postprocess is None else self.postprocess(logits)
 
     def logits(self, c: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Unsteered logits, float32."""
@@ -254,8 +246,7 @@ class LMSteer(nn.Module):
         return sums
 
     def _fusable(self) -> bool:
-        h = self.head
-        return h.softcap is None and h.scale is None and h.divide is None
+        return self.head.postprocess is None
 
     def loss_backward(self, c: torch.Tensor, targets: torch.Tensor, signs: torch.Tensor, *,
                       head_dtype: torch.dtype = torch.float32, chunk_tokens: int = 1024,
