@@ -236,6 +236,10 @@ HOOKS: tuple[Hook, ...] = (
          "the step mapping of the decoder layers' steers (V2)",
          _worker("v2", "prepare_inputs"), group=V2,  # the batch: vllm_access.v2_step_tokens
          gates=("layer_mappings",)),
+    Hook(f"{_V2_RUNNER}.add_requests",
+         "a pipeline stage without the LM head (no sampler): its requests' slots for the "
+         "decoder layers' steers (V2)", _worker("v2", "add_requests"), group=V2,
+         params=("scheduler_output",), gates=("layer_mappings",)),
     Hook(f"{_V2_RUNNER}.sample_tokens",
          "the requests a fault of the plugin's worker code failed, named in the step's output "
          "(V2)", _worker("v2", "sample_tokens"), group=V2,

@@ -158,6 +158,14 @@ def speculative_method(vllm_config) -> str | None:
     return getattr(speculative_config(vllm_config), "method", None)
 
 
+def adaptive_verification(vllm_config) -> bool:
+    """Whether speculative decoding verifies an adaptive share of the drafts
+    (``enable_adaptive_verification``: Model Runner V2 splits the draft budget between the
+    requests on the device, and its host ``query_start_loc_np`` / ``cu_num_logits_np`` are
+    placeholders)."""
+    return bool(getattr(speculative_config(vllm_config), "enable_adaptive_verification", False))
+
+
 def data_parallel_size(vllm_config) -> int:
     """``--data-parallel-size`` (1 without a parallel config)."""
     pc = getattr(vllm_config, "parallel_config", None)
@@ -481,6 +489,20 @@ def v1_add_logits_processor(procs, proc, argmax_invariant: bool) -> None:
     """Add ``proc`` to V1's built ``LogitsProcessors`` ``procs``, in its argmax-invariant
     list or the other, as vLLM sorts them."""
     (procs.argmax_invariant if argmax_invariant else procs.non_argmax_invariant).append(proc)
+
+
+def v2_has_sampler(runner) -> bool:
+    """Whether Model Runner V2 has a sampler (the last pipeline stage; its logits processors,
+    ours included, get each request's ``add_request`` there only)."""
+    return getattr(runner, "sampler", None) is not None
+
+
+def v2_new_request_slots(runner, scheduler_output):
+    """``(request-state slot, SamplingParams)`` of each request V2's ``add_requests`` added
+    in this step (those with sampling params)."""
+    index = runner.req_states.req_id_to_index
+    return [(index[r.req_id], r.sampling_params) for r in scheduler_output.scheduled_new_reqs
+            if r.sampling_params is not None and r.req_id in index]
 
 
 def v2_step_tokens(runner, input_batch, computed=None):
@@ -1125,6 +1147,8 @@ ACCESSES: tuple[Access, ...] = (
            reads=(f"{_CONFIG}.speculative_config",)),
     Access(speculative_method, "refusing an unsupported speculative method", FRONTEND,
            reads=(f"{_CONFIG}.speculative_config", f"{_SPEC}.method")),
+    Access(adaptive_verification, "refusing adaptive draft verification", FRONTEND,
+           reads=(f"{_CONFIG}.speculative_config", f"{_SPEC}.enable_adaptive_verification")),
     Access(data_parallel_size, "run-time steers under data parallelism", FRONTEND,
            reads=(f"{_CONFIG}.parallel_config", f"{_PARALLEL}.data_parallel_size")),
     Access(data_parallel_modes, "run-time steers under data parallelism", FRONTEND,
@@ -1282,6 +1306,13 @@ ACCESSES: tuple[Access, ...] = (
            reads=(_V2_STANDALONE,)),
     Access(v2_step_output, "the requests a fault failed, named in the step's output (V2)", V2,
            reads=(f"{_V2}.async_utils:AsyncOutput.model_runner_output", f"{_OUTPUT}.req_ids")),
+    Access(v2_has_sampler, "a pipeline stage without the LM head: its requests' slots (V2)",
+           V2, reads=(f"{_V2_RUNNER}.sampler",)),
+    Access(v2_new_request_slots, "a pipeline stage without the LM head: its requests' slots "
+           "(V2)", V2, reads=(f"{_V2_RUNNER}.req_states", f"{_V2_STATES}.req_id_to_index",
+                               "vllm.v1.core.sched.output:SchedulerOutput.scheduled_new_reqs",
+                               *(f"vllm.v1.core.sched.output:NewRequestData.{n}"
+                                 for n in ("req_id", "sampling_params")))),
     Access(v2_request_slots, "the requests a fault failed, named in the step's output (V2)",
            V2, reads=(f"{_V2_RUNNER}.req_states", f"{_V2_STATES}.req_id_to_index")),
     Access(v2_prompt_logprobs_pending, "steered prompt logprobs (V2)", V2_LENS,

@@ -139,6 +139,24 @@ def test_speculative_decoding_methods_with_mapped_rows_are_accepted_on_both_runn
             speculative_config=SimpleNamespace(method=method), use_v2_model_runner=v2))
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+def test_adaptive_draft_verification_is_refused_naming_the_option(method):
+    """With ``enable_adaptive_verification`` V2 decides each request's draft count on the
+    device: the host offsets the step's tokens and verification rows are mapped from are
+    placeholders, so a request's rows would get another request's steer."""
+    from types import SimpleNamespace
+
+    from vllm_steer.integrations.frontend.startup_checks import check_speculative_config
+
+    with pytest.raises(ValueError, match="enable_adaptive_verification"):
+        check_speculative_config(SimpleNamespace(
+            speculative_config=SimpleNamespace(method=method, enable_adaptive_verification=True),
+            use_v2_model_runner=True))
+    check_speculative_config(SimpleNamespace(  # off (vLLM's default): served
+        speculative_config=SimpleNamespace(method=method, enable_adaptive_verification=False),
+        use_v2_model_runner=True))
+
+
 def test_speculative_decoding_ngram_draft_model_and_eagle_are_accepted(registered,
                                                                       tiny_model_dir,
                                                                       tmp_path):

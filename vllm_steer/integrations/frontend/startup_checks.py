@@ -81,6 +81,14 @@ def check_speculative_config(vllm_config) -> None:
         raise ValueError(f"vllm-steer: speculative decoding method {method!r} is not supported "
                          f"with steers (supported: {', '.join(SUPPORTED_SPEC_METHODS)}); its "
                          "drafter rows are not mapped to their requests (untested); " + fix)
+    if va.adaptive_verification(vllm_config):
+        raise ValueError(
+            "vllm-steer: speculative decoding with enable_adaptive_verification cannot be served "
+            "with steers: Model Runner V2 then splits each step's drafts between the requests on "
+            "the device, and the host's token and logits offsets, from which each token's and "
+            "each verification row's request is mapped, are placeholders (vLLM refuses LoRA "
+            "with it for the same reason). Set \"enable_adaptive_verification\": false in "
+            "--speculative-config, or serve without the --steer options")
 
 
 def check_runtime_steers_fit_parallelism(cfg: SteerServerConfig, vllm_config) -> None:

@@ -33,11 +33,12 @@ from vllm_steer.integrations.worker.gates import GATES
 from vllm_steer.integrations.worker.rows import NO_ROWS, MappedRows, PromptRows
 from vllm_steer.integrations.worker.runtime import BINDINGS, V2RunnerBinding, current_runtime
 from vllm_steer.integrations.worker.spec_decode import prepare_drafter_once
-from vllm_steer.integrations.worker.step_faults import HEAD, ROWS, attach
+from vllm_steer.integrations.worker.step_faults import HEAD, REQUEST_STATE, ROWS, attach
 from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.vllm_access import v2_req_ids as _req_ids  # every steered step
 
 _INPUT_BATCH = Arg("input_batch")
+_SCHEDULER_OUTPUT = Arg("scheduler_output")
 _BINDINGS_BY_ID = BINDINGS.by_id  # each runner's binding: read in sample() with no call
 _HIDDEN_STATES = Arg("hidden_states")
 _LOGITS_FN = Arg("logits_fn")
@@ -169,6 +170,26 @@ def prepare_inputs(orig, self, *args, **kwargs):
             rt.step.tokens.build_or_clear(*va.v2_step_tokens(
                 self, input_batch, _true_computed(rt, self, input_batch, keep=True)))
     return input_batch
+
+
+def add_requests(orig, self, *args, **kwargs):
+    """``GPUModelRunner.add_requests`` (V2), then: on a pipeline
+    stage without the LM head vLLM builds no sampler, so the per-request steer state (a
+    logits processor of the sampler) never gets ``add_request``; the stage's decoder blocks
+    still add each request's vectors, so its new requests are put into their request slots
+    here. Gated by the decoder-layer mappings."""
+    out = orig(self, *args, **kwargs)
+    if not GATES.layer_mappings:
+        return out
+    rt = V2RunnerBinding.of(self).runtime
+    if rt is None or rt.step.tokens is None or va.v2_has_sampler(self):
+        return out
+    scheduler_output = _SCHEDULER_OUTPUT.get(orig, (self, *args), kwargs)
+    with rt.faults.guard(REQUEST_STATE):
+        for slot, params in va.v2_new_request_slots(self, scheduler_output):
+            rt.assign(slot, params)
+        rt.slots.flush()
+    return out
 
 
 def sample_tokens(orig, self, out):
