@@ -396,3 +396,44 @@ def test_pca_of_differences_that_do_not_vary_is_refused(model_dir, tmp_path, cap
     assert main(["train", "--kind", "vector", "--model", str(model_dir), "--pairs", str(f),
                  "--dev-fraction", "0", "--model-dtype", "float32", "--quiet", "--method",
                  "caa", "--out", str(out)]) == 0
+
+
+def test_a_recommended_strength_beyond_the_budget_is_said(model_dir, data, tmp_path, capsys):
+    """No check strength within --fluency-budget: the smallest is recorded, as LM-Steer
+    training does, and said (it was recorded silently)."""
+    out = tmp_path / "v.safetensors"
+    assert main(["train", "--kind", "vector", "--model", str(model_dir), "--positive",
+                 *data.positive, "--negative", *data.negative, "--dev-positive",
+                 *data.dev_positive, "--dev-negative", *data.dev_negative, "--method", "caa",
+                 "--check-strengths", "20,40", "--fluency-budget", "0", "--model-dtype",
+                 "float32", "--quiet", "--out", str(out)]) == 0
+    meta = load_vector(out).metadata
+    check = meta.metrics["dev_check"]
+    assert max(check["positive"]["+20"] - check["positive"]["0"],
+               check["negative"]["-20"] - check["negative"]["0"]) > 0  # over the budget
+    assert meta.recommended_strength == 20
+    assert "warning: even strength 20 costs the steered-towards dev texts" in \
+        capsys.readouterr().err
+
+
+def test_pairs_dropped_for_a_short_text_are_said_and_counted(model_dir, tmp_path, capsys):
+    """A pair whose text is empty (or one token) is dropped: said, counted in the file, and
+    when that empties the dev pairs the missing recommended strength is explained (before,
+    half the pairs and every dev pair went without a word)."""
+    import json
+
+    both = enumerate(zip(POS * 2, NEG * 2, strict=True))
+    lines = [{"positive": f"the day was very {p}", "negative": "" if i % 2 == 0 else
+              f"the day was very {n}"} for i, (p, n) in both]
+    f = tmp_path / "pairs.jsonl"
+    f.write_text("\n".join(json.dumps(d) for d in lines))
+    out = tmp_path / "v.safetensors"
+    assert main(["train", "--kind", "vector", "--model", str(model_dir), "--pairs", str(f),
+                 "--model-dtype", "float32", "--quiet", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    vs = load_vector(out)
+    dropped = vs.metadata.metrics["dropped_too_short"]
+    assert dropped["train"] + dropped["dev"] == 10
+    assert f"dropped {dropped['train']} training and {dropped['dev']} dev pairs" in err
+    if vs.metadata.metrics["pairs"]["dev"] == 0:
+        assert "no recommended strength" in err

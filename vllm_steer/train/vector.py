@@ -185,9 +185,10 @@ def _joint_pairs(tok, pairs: list[tuple[str, str]], max_length: int, window, lim
     pos, kp, rp = tokenize(tok, [p for p, _ in pairs], max_length, window, keep_end=True)
     neg, kn, rn = tokenize(tok, [n for _, n in pairs], max_length, window, keep_end=True)
     at_p, at_n = dict(zip(kp, pos, strict=True)), dict(zip(kn, neg, strict=True))
-    both = [i for i in range(len(pairs)) if i in at_p and i in at_n][:limit or len(pairs)]
+    whole = [i for i in range(len(pairs)) if i in at_p and i in at_n]
+    both = whole[:limit or len(pairs)]
     return ([at_p[i] for i in both], [at_n[i] for i in both], rp.truncated + rn.truncated,
-            max(rp.max_tokens_seen, rn.max_tokens_seen))
+            max(rp.max_tokens_seen, rn.max_tokens_seen), len(pairs) - len(whole))
 
 
 def _directions(method: str, layers: list[int], states: dict[str, Any]
@@ -226,17 +227,18 @@ def _block_states(model, tok, cfg: VectorConfig, layers: list[int], window, prog
 
     states, counts, dev_ids = {}, {}, None
     cut, longest = 0, 0  # texts longer than --max-length (their end kept), the most tokens
+    dropped = {}  # per split: pairs (texts, for a dataset's sides) of fewer than 2 tokens
     for split in ("train", "dev"):
         limit = cfg.max_pairs if split == "train" else None
         if pair_splits is not None:
-            pos, neg, n_cut, most = _joint_pairs(tok, pair_splits[split == "dev"],
-                                                 cfg.max_length, window, limit)
+            pos, neg, n_cut, most, dropped[split] = _joint_pairs(
+                tok, pair_splits[split == "dev"], cfg.max_length, window, limit)
         else:
             xs = ds.train if split == "train" else ds.dev
             ids, kept, rep = tokenize(tok, [e.text for e in xs], cfg.max_length, window,
                                       keep_end=True)
             pos, neg = _pairs(ids, [xs[i].side for i in kept], limit)
-            n_cut, most = rep.truncated, rep.max_tokens_seen
+            n_cut, most, dropped[split] = rep.truncated, rep.max_tokens_seen, rep.too_short
         cut, longest = cut + n_cut, max(longest, most)
         counts[split] = len(pos)
         if split == "train" and len(pos) < 2:
@@ -250,7 +252,7 @@ def _block_states(model, tok, cfg: VectorConfig, layers: list[int], window, prog
                                      batch_tokens=cfg.batch_tokens, progress=progress,
                                      desc=f"{split} block outputs")
         states[split] = (both[:, :len(pos)], both[:, len(pos):])
-    return states, counts, dev_ids, cut, longest
+    return states, counts, dev_ids, cut, longest, dropped
 
 
 def train_vector(cfg: VectorConfig, data: DataConfig | None, outs: list[str], *,
@@ -298,11 +300,17 @@ def train_vector(cfg: VectorConfig, data: DataConfig | None, outs: list[str], *,
                          f"direction.0): choose --layers from 1 (e.g. 1-{n_blocks - 1}), or "
                          "write only the .safetensors file")
     window = model_window(model)
-    states, counts, dev_ids, cut, longest = _block_states(
+    states, counts, dev_ids, cut, longest, dropped = _block_states(
         model, tok, cfg, layers, window, progress,
         (train_p, dev_p) if pairs else None, None if pairs else ds)
     log(f"[train] {name}: {counts['train']} training pairs, {counts.get('dev', 0)} dev pairs, "
         f"{cfg.method} on blocks {layers[0]}-{layers[-1]} ({len(layers)} blocks)")
+    if any(dropped.values()):
+        what = "pairs" if pairs else "texts"
+        log(f"[train] dropped {dropped['train']} training and {dropped['dev']} dev {what}: "
+            "a text of fewer than 2 tokens (empty, or a single token)"
+            + ("; no dev pairs are left, so there is no dev check and no recommended "
+               "strength" if dropped["dev"] and not counts.get("dev") else ""))
     if cut:
         log(f"[train] {cut} texts were longer than --max-length {cfg.max_length} tokens (the "
             f"longest {longest}): each kept its last {cfg.max_length} tokens, so the state is "
@@ -313,6 +321,8 @@ def train_vector(cfg: VectorConfig, data: DataConfig | None, outs: list[str], *,
     metrics: dict[str, Any] = {"pairs": counts, "per_layer": per_layer}
     if cut:
         metrics["texts_cut_at_start"] = cut
+    if any(dropped.values()):
+        metrics["dropped_too_short"] = dropped
     if "dev" in states:
         best = max(per_layer, key=lambda k: per_layer[k]["dev_separation"])
         metrics["best_dev_separation"] = {"layer": int(best),
@@ -337,6 +347,10 @@ def train_vector(cfg: VectorConfig, data: DataConfig | None, outs: list[str], *,
         metrics["recommended_strength_rule"] = rule
         if rec is None:
             vs.metadata.recommended_strength = best if best is not None else min(strengths)
+        if best is None:  # as LM-Steer training says it
+            log(f"[train] warning: even strength {min(strengths):g} costs the steered-towards "
+                f"dev texts more than {cfg.fluency_budget:g} nats/token"
+                + (f"; recommending {min(strengths):g}" if rec is None else ""))
         log("[train] dev check: " + ", ".join(
             f"{side} " + " ".join(f"{k}:{v:.3f}" for k, v in row.items())
             for side, row in check.items()))
