@@ -11,8 +11,8 @@ modes alike):
   * ``K=64``: the requests spread over 64 distinct steers (one each at 64 rows).
 
 With ``--vector-k``, a second engine at the same shape, in the same process, whose steers are
-the first engine's (loaded, never used: the process's frontend admits every engine's requests
-by the steers of the engine made last) and max(``--vector-k``) random vector steers (control
+the first engine's (loaded, never used: its bank the first engine's plus the vectors) and
+max(``--vector-k``) random vector steers (control
 vectors) on every decoder layer (the op inside vLLM's compiled forward), its bank of
 max(``--k``) + max(``--vector-k``) slots; its modes join the same rounds, and their ratios are
 to the first engine's ``plain`` (no vector op in its model):

@@ -1033,6 +1033,16 @@ def llm_collective_rpc(llm, method: str, args: tuple) -> list:
     return llm.collective_rpc(method, args=args)
 
 
+def engine_input_processor(engine):
+    """The ``InputProcessor`` of an ``AsyncLLM`` (None: another engine client)."""
+    return getattr(engine, "input_processor", None)
+
+
+def llm_input_processor(llm):
+    """The ``InputProcessor`` of an offline ``LLM``'s engine (None: not found)."""
+    return getattr(getattr(llm, "llm_engine", None), "input_processor", None)
+
+
 def api_keys(args) -> list | None:
     """``--api-key`` of the API server's arguments (None: not given)."""
     return getattr(args, "api_key", None)
@@ -1430,6 +1440,11 @@ ACCESSES: tuple[Access, ...] = (
                   "vllm.v1.engine.core_client:MPClient.core_engines")),
     Access(llm_collective_rpc, "a management op offline", FRONTEND,
            reads=("vllm.entrypoints.llm:LLM.collective_rpc",)),
+    Access(engine_input_processor, "each engine of a process admits by its own steers",
+           FRONTEND, reads=(f"{_ASYNC_LLM}.input_processor",)),
+    Access(llm_input_processor, "each engine of a process admits by its own steers", FRONTEND,
+           reads=("vllm.entrypoints.llm:LLM.llm_engine",
+                  "vllm.v1.engine.llm_engine:LLMEngine.input_processor")),
     Access(api_keys, "API keys never pass as the steer admin key", FRONTEND,
            reads=("vllm.entrypoints.launchers.cli_args:FrontendArgs.api_key",),
            versions="<0.33", releases=(Release(">=0.33", reads=(

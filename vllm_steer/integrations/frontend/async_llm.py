@@ -17,7 +17,7 @@ from vllm_steer.integrations.frontend import admission
 from vllm_steer.integrations.frontend.engine_client import manage
 from vllm_steer.integrations.frontend.request_scope import (mark_admitted, refuse_busy,
                                                              refuse_steer)
-from vllm_steer.integrations.frontend.state import frontend_state
+from vllm_steer.integrations.frontend.state import engine_scope, frontend_state
 from vllm_steer.integrations.protocol import (BUSY_PREFIX, FAILED_PREFIX, OP_LOAD, REFUSED_PREFIX,
                                               SOURCE_STEER_DIR, name_problem)
 from vllm_steer.logs import get_logger
@@ -54,7 +54,8 @@ async def generate(orig, self, *args, **kwargs):
         raise
     finally:
         await agen.aclose()
-        st = frontend_state()
+        with engine_scope(vllm_access.engine_input_processor(self)):
+            st = frontend_state()
         if st.slot_waiters and _steered(args, kwargs):  # its steers' slots may be free now
             st.slot_may_be_free()
 
@@ -95,11 +96,12 @@ async def add_request(orig, self, request_id, prompt, params, *args, **kwargs):
     request the frontend has not admitted yet (a caller of ``AsyncLLM`` with a steer value of
     its own) is admitted here first (:func:`~vllm_steer.integrations.frontend.admission.
     validate`), so its value is parsed once."""
-    cfg = frontend_state().config
-    if cfg is not None and cfg.steer_dir and vllm_access.has_extra_args(params):
-        with guard.frontend("AsyncLLM.add_request", request_id):
-            admission.validate(params)
-            await _preload_dir_steers(self, cfg, params)
+    with engine_scope(vllm_access.engine_input_processor(self)):  # this engine's steers
+        cfg = frontend_state().config
+        if cfg is not None and cfg.steer_dir and vllm_access.has_extra_args(params):
+            with guard.frontend("AsyncLLM.add_request", request_id):
+                admission.validate(params)
+                await _preload_dir_steers(self, cfg, params)
     return await orig(self, request_id, prompt, params, *args, **kwargs)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_steer.integrations import vllm_access as va
-from vllm_steer.integrations.frontend.state import frontend_state
+from vllm_steer.integrations.frontend.state import engine_scope, frontend_state
 from vllm_steer.integrations.protocol import (MANAGEMENT_METHOD, OP_LIST, OP_LOAD,
                                               OP_PRESET_ADD, OP_PRESET_ROLLBACK, OP_PRESETS,
                                               OP_ROLLBACK, OP_TICKET, OP_UNLOAD, ORDERED_OPS,
@@ -172,7 +172,8 @@ def manage_sync(llm: Any, op: str, **kwargs) -> dict:
     """:func:`manage` for an offline ``vllm.LLM`` (one engine core, in order with its
     ``generate`` calls): the op, then the list that refreshes this process's views."""
     res = va.llm_collective_rpc(llm, MANAGEMENT_METHOD, (op, kwargs))[0]
-    _take_views(op, res, metrics=False)
+    with engine_scope(va.llm_input_processor(llm)):  # this LLM's view, not another engine's
+        _take_views(op, res, metrics=False)
     if op != OP_LIST:
         _take_views(OP_LIST, va.llm_collective_rpc(llm, MANAGEMENT_METHOD, (OP_LIST, {}))[0],
                     metrics=False)

@@ -14,12 +14,15 @@ This module imports no torch (the frontend imports it).
 
 from __future__ import annotations
 
+import weakref
+
 from vllm_steer import REQUEST_FIELD
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.integrations import guard
 from vllm_steer.integrations import vllm_access as va
 from vllm_steer.integrations.frontend import admission
-from vllm_steer.integrations.frontend.state import frontend_state
+from vllm_steer.integrations.frontend.state import (bind_engine, engine_scope, frontend_state,
+                                                     new_engine)
 from vllm_steer.integrations.frontend.startup_checks import processor_fqcn
 from vllm_steer.metrics import count_refusal
 from vllm_steer.request import SteerRequestError
@@ -183,27 +186,33 @@ def _mix_text(values) -> str:
 
 def input_processor_init(orig, self, vllm_config, *a, **kw):
     """``InputProcessor.__init__``: every frontend process (also each of `--api-server-count N`)
-    learns the steer names and limits from its own config, for admission."""
+    learns the steer names and limits from its own config, for admission; each engine client
+    of a process (one ``InputProcessor`` each) keeps its own (``state.bind_engine``)."""
     from vllm_steer.integrations.families import head_input_size
 
-    st = frontend_state()
-    st.reset(SteerServerConfig.from_additional_config(va.additional_config(vllm_config)))
+    st = new_engine(SteerServerConfig.from_additional_config(va.additional_config(vllm_config)))
     st.hidden_size = int(head_input_size(va.model_config(vllm_config)) or 0)
+    bind_engine(self)
     orig(self, vllm_config, *a, **kw)
 
 
 def params_validator(orig, self, *a, **kw):
     """``InputProcessor._build_logits_processors_params_validator``: without our logits
     processor (no steers loaded), the steer field is still checked at admission: a request
-    asking for a non-zero steer is refused, never served unsteered."""
+    asking for a non-zero steer is refused, never served unsteered. Either way a request is
+    admitted by its own engine's configuration (``state.engine_scope``), whichever engine of
+    the process was built last."""
     inner = orig(self, *a, **kw)
     vllm_config = va.input_processor_config(self)
     procs = [str(p) for p in va.logits_processors(va.model_config(vllm_config))]
-    if processor_fqcn(vllm_config) in procs:
-        return inner
+    ours = processor_fqcn(vllm_config) in procs  # our state's validate_params admits it
+    processor = weakref.ref(self)  # the validator lives as long as the processor
 
     def validate(params):
-        admission.validate(params)
-        inner(params)
+        with engine_scope(processor()):
+            if not ours:
+                admission.validate(params)
+            if inner is not None:
+                inner(params)
 
     return validate

@@ -20,7 +20,7 @@ from __future__ import annotations
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.integrations.frontend.cli_args import check_policy_config
 from vllm_steer.integrations import vllm_access as va
-from vllm_steer.integrations.frontend.state import frontend_state
+from vllm_steer.integrations.frontend.state import new_engine
 from vllm_steer.integrations.hook_check import check_hooks
 from vllm_steer.logs import get_logger
 
@@ -43,7 +43,7 @@ def configure_engine(vllm_config) -> None:
     """Check the steers, refuse what we cannot steer, and install our per-request steer state
     (as a logits processor)."""
     cfg = SteerServerConfig.from_additional_config(va.additional_config(vllm_config))
-    frontend_state().reset(cfg)
+    new_engine(cfg)
     if cfg is None or not cfg.enabled:
         return
     check_hooks(vllm_config)  # the hook groups this configuration uses

@@ -1,6 +1,7 @@
-"""The frontend process's one state object (API server, or the process of an offline ``LLM``):
-what it knows of the steers, held in :class:`FrontendState` and reached through
-:func:`frontend_state` alone.
+"""The frontend process's state (API server, or the process of an offline ``LLM``): what it
+knows of the steers, held in a :class:`FrontendState` per engine client and reached through
+:func:`frontend_state` alone (an API server has one engine; an offline process may build
+several ``LLM``s, each admitting its requests by its own configuration: :func:`engine_scope`).
 
 - ``config``: this engine's :class:`~vllm_steer.config.SteerServerConfig` (set when vLLM
   creates the engine config, and again by each ``InputProcessor``);
@@ -17,10 +18,13 @@ Light: no torch, no vLLM at import time.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from vllm_steer.config import SteerServerConfig
+from vllm_steer.integrations.side_table import SideTable
 
 
 @dataclass
@@ -42,6 +46,8 @@ class FrontendState:
     slot_waiters: set = field(default_factory=set)
     """Futures of the requests waiting for a steer slot, set when a steered request of this
     process finishes (:mod:`vllm_steer.integrations.frontend.async_llm`)."""
+    owner_id: int | None = None
+    """``id`` of the ``InputProcessor`` of the engine this state is (None: none yet)."""
 
     def slot_may_be_free(self) -> None:
         """A steered request of this process finished: wake every request waiting for a
@@ -97,8 +103,52 @@ class FrontendState:
 
 
 _STATE = FrontendState()
+#: Each engine client's state, by its ``InputProcessor`` (one per ``LLM`` or ``AsyncLLM``):
+#: a process may hold several engines (an offline steered ``LLM`` beside a plain one).
+_ENGINES: SideTable[FrontendState] = SideTable()
+#: The state of the engine whose call is running (None: the process's latest engine's).
+_CURRENT: contextvars.ContextVar[FrontendState | None] = contextvars.ContextVar(
+    "vllm_steer_frontend_state", default=None)
 
 
 def frontend_state() -> FrontendState:
-    """This process's :class:`FrontendState` (the one accessor)."""
+    """The :class:`FrontendState` of the engine whose call is running (:func:`engine_scope`:
+    its admission, its management calls), else of the process's latest engine (the one
+    accessor). An API server has one engine: always the same state."""
+    current = _CURRENT.get()
+    return _STATE if current is None else current
+
+
+def new_engine(config: SteerServerConfig | None) -> FrontendState:
+    """A new engine's configuration in this process (its engine config created, or its
+    ``InputProcessor`` built): the latest engine's state starts from it. Where an engine's
+    ``InputProcessor`` already holds that state (an earlier engine of the process), that
+    engine keeps it and the new engine gets a state of its own."""
+    global _STATE
+    if _STATE.owner_id is not None and _ENGINES.by_id.get(_STATE.owner_id) is _STATE:
+        _STATE = FrontendState()
+    _STATE.reset(config)
     return _STATE
+
+
+def bind_engine(processor) -> FrontendState:
+    """The latest engine's state becomes ``processor``'s (its ``InputProcessor``: one per
+    engine client), read whenever a call of that engine runs (:func:`engine_scope`)."""
+    _STATE.owner_id = id(processor)
+    return _ENGINES.set(processor, _STATE)
+
+
+def state_of(processor) -> FrontendState | None:
+    """The state of the engine whose ``InputProcessor`` is ``processor`` (None: unknown)."""
+    return _ENGINES.get(processor)
+
+
+@contextlib.contextmanager
+def engine_scope(processor):
+    """Run a call of the engine whose ``InputProcessor`` is ``processor`` with its own state
+    (an engine the plugin does not know: the process's latest engine's)."""
+    token = _CURRENT.set(_ENGINES.get(processor))
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
