@@ -240,6 +240,8 @@ def test_beam_search_with_a_steer_is_refused_naming_the_reason(server, body, fra
     # beam search itself, and a zero steer (nothing to steer), still work
     assert _raw(server, use_beam_search=True, n=2).status_code == 200
     assert _raw(server, use_beam_search=True, n=2, steer={"detox": 0}).status_code == 200
+    zero_window = {"detox": {"strength": 0, "start": 2}}  # 0 inside and outside its window
+    assert _raw(server, use_beam_search=True, n=2, steer=zero_window).status_code == 200
 
 
 def test_n_greater_than_one_steers_every_choice(server, ref_model):

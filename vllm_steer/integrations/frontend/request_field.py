@@ -176,7 +176,14 @@ def refuse_steered_beam_search(request) -> None:
 def _non_zero(request_or_values) -> dict:
     """The steers of a resolved request (or a mapping) that change anything."""
     named = getattr(request_or_values, "named", request_or_values)
-    return {n: v for n, v in named.items() if not (isinstance(v, (int, float)) and v == 0)}
+    return {n: v for n, v in named.items() if not _zero(v)}
+
+
+def _zero(value) -> bool:
+    """A strength, or a window whose strength and base are both 0: no change at any token."""
+    if isinstance(value, (int, float)):
+        return value == 0
+    return getattr(value, "strength", None) == 0 and getattr(value, "base", None) == 0
 
 
 def _mix_text(values) -> str:
