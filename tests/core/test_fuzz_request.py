@@ -162,8 +162,18 @@ def test_xargs_strings_from_pairs(pairs):
         assert got == _expected({n: v.strip() for n, v in pairs})  # entries are stripped
 
 
+#: xargs strings built from the form's own pieces (names, separators, strength texts), so
+#: that accepted strings are drawn too, not only refused ones
+XARGS_ENTRY = st.tuples(
+    st.sampled_from([*sorted(KNOWN), "nope", "", " detox", "detox "]),
+    st.sampled_from([":", ":", "", "::", " : "]),
+    st.sampled_from(["5", "-2.5", "+1", "1e1", "0", "99", "", "\uff15", " 3 ", "1_0", "inf",
+                     "0.5"])).map("".join)
+XARGS_PIECES = st.lists(XARGS_ENTRY, max_size=4).map(",".join)
+
+
 @FUZZ
-@given(st.text(alphabet="detoxsnim:,+-.e0123456789 _\t\uff15", max_size=30))
+@given(XARGS_PIECES | st.text(alphabet="detoxsnim:,+-.e0123456789 _\t\uff15", max_size=30))
 def test_any_xargs_string(text):
     got = _parse(text)
     if got is not None:
@@ -302,7 +312,7 @@ def test_the_serialised_form_round_trips_and_is_not_a_users_value(value):
 
 
 @FUZZ
-@given(JSON)
+@given(st.lists(st.tuples(NAMES, STRENGTH | WINDOW_VALUE).map(list), max_size=3) | JSON)
 def test_any_json_as_the_serialised_forms_steers(steers):
     """Whatever a serialised form holds, decoding it gives a request of valid names and finite
     strengths or a SteerRequestError naming the field, never another exception."""
@@ -336,7 +346,8 @@ def _policy_expected(value):
 
 
 @FUZZ
-@given(mix=st.dictionaries(NAMES, JSON, max_size=3) | JSON)
+@given(mix=st.dictionaries(NAMES, st.integers(-25, 25) | st.floats(-25, 25) | JSON,
+                           max_size=3) | JSON)
 def test_a_preset_body_from_any_json_is_the_exact_mix_or_a_policy_error(mix):
     """``POST /v1/steer-presets`` (and each preset of a presets file): any JSON gives the
     exact numbers or a ``PolicyError`` (HTTP 400), never another exception (HTTP 500)."""

@@ -87,6 +87,10 @@ def test_caa_is_the_mean_difference(model_dir, data, tmp_path):
     res = train_vector(cfg, data, [str(tmp_path / "caa.safetensors")], progress=False,
                        log=lambda m: None)
     pos, neg = _train_pairs(model_dir, data, cfg)
+    # the training texts read from the files by hand, not through load_dataset: every line of
+    # --positive is a positive text (the dev texts have files of their own, so all are used)
+    assert sorted(pos) == sorted(open(data.positive[0]).read().splitlines())
+    assert sorted(neg) == sorted(open(data.negative[0]).read().splitlines())
     hp, hn = _last_token_states(model_dir, pos), _last_token_states(model_dir, neg)
     assert res.steer.layers == [0, 1, 2, 3]
     for k in range(LAYERS):
