@@ -114,3 +114,40 @@ def test_a_lazily_imported_worker_wrapper_is_imported_once_then_called_directly(
     assert calls == ["resolved"]  # imported once, then called directly
     assert real_target().__module__ == "vllm_steer.integrations.worker.runtime"
     assert "vllm_steer.integrations.worker.runtime" in sys.modules
+
+
+def test_a_hook_installed_again_under_another_hook_of_the_method_wraps_it_once():
+    """Hooks installed in another order (a subset first, then the whole plugin) leave each
+    wrapper once around a method: the second install of a wrapper that sits under another
+    changes nothing (a request's steer was parsed twice, and refused as given twice)."""
+    import functools
+
+    from vllm_steer.integrations.hooks import wrap_method
+
+    calls = []
+
+    class Owner:
+        def method(self, x):
+            calls.append("vllm")
+            return x
+
+    def first(orig, self, x):
+        calls.append("first")
+        return orig(self, x) + 1
+
+    def second(orig, self, x):
+        calls.append("second")
+        return orig(self, x) * 10
+
+    def recording(wrapper):  # a test's recording wrapper around the plugin's (functools)
+        def rec(*args, **kwargs):
+            calls.append("recorded")
+            return wrapper(*args, **kwargs)
+        return functools.update_wrapper(rec, wrapper)
+
+    wrap_method(Owner, "method", first)
+    wrap_method(Owner, "method", second)
+    wrap_method(Owner, "method", first)  # already there, under `second`
+    wrap_method(Owner, "method", second)
+    wrap_method(Owner, "method", recording(first))  # `first`, recorded: there already
+    assert Owner().method(1) == 20 and calls == ["second", "first", "vllm"]

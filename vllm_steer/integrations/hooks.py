@@ -246,7 +246,7 @@ def wrap_method(owner: Any, name: str, wrapper: Callable, gates: tuple[str, ...]
     raw = inspect.getattr_static(owner, name)
     kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
     orig = raw.__func__ if kind else raw
-    if getattr(orig, WRAPPER_ATTR, None) is wrapper:
+    if _wrapped_by(orig, wrapper):
         return
 
     if inspect.isasyncgenfunction(wrapper) or inspect.iscoroutinefunction(wrapper):
@@ -290,6 +290,25 @@ def wrap_method(owner: Any, name: str, wrapper: Callable, gates: tuple[str, ...]
     functools.update_wrapper(patched, orig)
     setattr(patched, WRAPPER_ATTR, wrapper)
     setattr(owner, name, kind(patched) if kind else patched)
+
+
+def _wrapped_by(func: Any, wrapper: Callable) -> bool:
+    """Whether ``wrapper`` is among the plugin's wrappers around ``func`` (the outermost, or
+    one under another of the plugin's wrappers of the same method: hooks installed in
+    another order, or a second time, must not wrap a method twice). A wrapper made with
+    ``functools.wraps`` around another (a recording or timing one) counts as the one it
+    wraps."""
+    def innermost(f):
+        while getattr(f, "__wrapped__", None) is not None:
+            f = f.__wrapped__
+        return f
+
+    wrapper = innermost(wrapper)
+    while getattr(func, WRAPPER_ATTR, None) is not None:
+        if innermost(getattr(func, WRAPPER_ATTR)) is wrapper:
+            return True
+        func = getattr(func, "__wrapped__", None)
+    return False
 
 
 _MISSING: list[str] = []  # "target (purpose): error" of every hook not found at registration
