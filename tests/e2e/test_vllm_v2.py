@@ -383,7 +383,7 @@ def test_every_hook_of_the_model_runner_v2_groups_ran_in_the_engine(llm, hooks_r
     hooks_next = nr.hooks(HOOKS)  # what the engine's plugin installed: the rename declared
     want = wrapped_targets(hooks_next, ("engine", "v2", "v2-lens"), nr.VERSION)
     want.discard(SHARDER)  # only under --enable-batch-sharded-sampling (test_v2.py)
-    assert len(want) == 9 and nr.RENAMED[1] in want, sorted(want)
+    assert len(want) == 10 and nr.RENAMED[1] in want, sorted(want)
     assert want - ran == set(), f"hooks never called: {sorted(want - ran)}"
     assert nr.RENAMED[0] not in ran
     assert not ran & wrapped_targets(HOOKS, ("v1", "v1-lens", "v1-spec", "v2-spec"))
