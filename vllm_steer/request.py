@@ -101,7 +101,7 @@ class Window:
 
 #: What a strength string may look like: a JSON number, optionally with a leading '+'
 #: (ASCII digits only; no '_' separators, no 'inf'/'nan', no full-width digits).
-_STRENGTH_RE = re.compile(r"[+-]?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+STRENGTH_RE = re.compile(r"[+-]?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 #: Longest strength string accepted.
 MAX_STRENGTH_CHARS = 32
 #: Longest ``vllm_xargs`` steer string accepted.
@@ -127,7 +127,7 @@ def _strength(name: str, value: Any, where: str, max_strength: float) -> float:
             raise bad(f"must be finite, got {echo(value)}") from None
     if isinstance(value, str):
         text = value.strip(" \t")
-        if len(text) > MAX_STRENGTH_CHARS or not _STRENGTH_RE.fullmatch(text):
+        if len(text) > MAX_STRENGTH_CHARS or not STRENGTH_RE.fullmatch(text):
             raise bad(f"must be a number, got {echo(value)} (a JSON number such as 5, -2.5 "
                       "or 1e1)")
         s = float(text)

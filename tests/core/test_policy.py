@@ -128,6 +128,9 @@ def test_flag_parsing():
     ("polite=detox:strong", "strength 'strong' of steer 'detox' is not a number"),
     ("polite=detox:inf", "must be finite"),
     ("polite=detox:1,detox:2", "given twice"),
+    # a request's grammar: Python's float() would read these as 10 and 5
+    ("polite=detox:1_0", "strength '1_0' of steer 'detox' is not a number"),
+    ("polite=detox:\uff15", "strength '\uff15' of steer 'detox' is not a number"),
 ])
 def test_bad_preset_flags_name_the_flag_and_problem(arg, fragment):
     with pytest.raises(PolicyError, match="--steer-preset") as e:
@@ -301,3 +304,10 @@ def test_a_string_mix_outside_the_flag_is_explained_without_the_flag_s_preset_na
     with pytest.raises(presets_file.PresetsFileError) as e:
         presets_file.check({"polite": mix}, "presets.yaml", {"detox"}, 10.0)
     assert "NAME=" not in str(e.value) and "detox:4" in str(e.value), str(e.value)
+
+
+def test_preset_strengths_take_a_requests_number_forms():
+    assert parse_preset_arg("polite=detox:+4,sentiment:1e1") == (
+        "polite", {"detox": 4.0, "sentiment": 10.0})
+    assert parse_preset_arg("polite=detox:-2.5 ,sentiment: 0") == (
+        "polite", {"detox": -2.5, "sentiment": 0.0})
