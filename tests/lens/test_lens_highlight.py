@@ -261,3 +261,26 @@ def test_a_text_longer_than_the_models_context_is_refused(tmp_path):
         token_scores(model, tok, text, steer, 5.0)
     pieces, scores = token_scores(model, tok, text, steer, 5.0, max_length=511)
     assert len(pieces) == len(scores) == 511 and all(s is not None for s in scores)
+
+
+def test_max_tokens_inside_the_first_character_is_refused_not_an_empty_result(tmp_path):
+    """A character the tokenizer splits into several byte tokens: a cut inside the first one
+    left no text at all (an empty result, no error); refused, naming the tokens it takes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from helpers.families import HIDDEN, make_family_model
+    from helpers.steers import random_steer
+    from vllm_steer.lens.highlight import text_pieces, token_scores
+
+    path = make_family_model("gpt2", tmp_path / "gpt2")
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    steer = random_steer(HIDDEN, 4, "s", seed=1)
+    text = "\U0001F600\U0001F600 hi"
+    ids, pieces = text_pieces(tok, text)
+    first = next(i + 1 for i, p in enumerate(pieces) if p)
+    assert first > 1  # the emoji takes several tokens with this tokenizer
+    with pytest.raises(ValueError, match=f"--max-tokens {first} or more"):
+        token_scores(model, tok, text, steer, 5.0, max_length=first - 1)
+    got, scores = token_scores(model, tok, text, steer, 5.0, max_length=first)
+    assert "".join(got) == "\U0001F600" and len(scores) == first

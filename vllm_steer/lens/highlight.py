@@ -310,7 +310,12 @@ def token_scores(model, tokenizer, text: str, steer, strength: float, against: f
     if not ids:
         raise ValueError("the text is empty after tokenisation")
     if max_length and len(ids) > max_length:
-        text = "".join(pieces[:max_length])
+        first = next((i + 1 for i, p in enumerate(pieces) if p), len(pieces))
+        if first > max_length:  # the cut would leave no whole character
+            raise ValueError(f"--max-tokens {max_length} cuts inside the text's first "
+                             f"character, which takes {first} tokens: pass --max-tokens "
+                             f"{first} or more")
+        text = "".join(pieces[:max_length])  # whole characters: a split one is left out
         ids, pieces = text_pieces(tokenizer, text)
     from vllm_steer.train.hidden import model_window
 
