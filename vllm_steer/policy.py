@@ -27,7 +27,8 @@ from dataclasses import replace
 from typing import Any, Mapping
 
 from vllm_steer.names import echo, steer_name_problem
-from vllm_steer.request import STRENGTH_RE, SteerRequest, Window, unknown_steer
+from vllm_steer.request import (MAX_STRENGTH_CHARS, STRENGTH_RE, SteerRequest, Window,
+                                unknown_steer)
 
 #: Response headers the API server sets on a steered request (see :func:`header_values`).
 APPLIED_HEADER = "x-vllm-steer-applied"
@@ -47,7 +48,7 @@ def _number(flag: str, arg: str, name: str, text: str) -> float:
     """A strength written as text, in a request's grammar (:data:`vllm_steer.request.
     STRENGTH_RE`: a JSON number, optionally with a leading '+'; not ``1_0`` nor full-width
     digits, which Python's ``float`` would take)."""
-    t = text.strip()
+    t = text.strip(" \t")
     try:
         v = float(t)
     except ValueError:
@@ -55,7 +56,7 @@ def _number(flag: str, arg: str, name: str, text: str) -> float:
     if v is not None and not math.isfinite(v):
         raise PolicyError(f"{flag} {echo(arg, 80)}: strength of steer {echo(name)} must be "
                           "finite")
-    if v is None or not STRENGTH_RE.fullmatch(t):
+    if v is None or len(t) > MAX_STRENGTH_CHARS or not STRENGTH_RE.fullmatch(t):
         raise PolicyError(f"{flag} {echo(arg, 80)}: strength {echo(text)} of steer {echo(name)} "
                           "is not a number (e.g. detox:4)")
     return v

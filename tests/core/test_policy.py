@@ -131,6 +131,8 @@ def test_flag_parsing():
     # a request's grammar: Python's float() would read these as 10 and 5
     ("polite=detox:1_0", "strength '1_0' of steer 'detox' is not a number"),
     ("polite=detox:\uff15", "strength '\uff15' of steer 'detox' is not a number"),
+    ("polite=detox:\u30004", "strength '\\u30004' of steer 'detox' is not a number"),
+    ("polite=detox:" + "1" * 33, "of steer 'detox' is not a number"),
 ])
 def test_bad_preset_flags_name_the_flag_and_problem(arg, fragment):
     with pytest.raises(PolicyError, match="--steer-preset") as e:

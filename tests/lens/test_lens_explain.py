@@ -217,3 +217,20 @@ def test_token_pieces_keep_the_word_start_space_of_sentencepiece_tokens():
     assert [pieces[i] for i in ids] == [" hello", " world"]
     assert word_like(pieces[ids[0]])
     assert pieces[tok.convert_tokens_to_ids("h")] == "h"  # a word-inside piece: no space
+
+
+def test_the_soft_blacklist_report_keeps_the_word_start_space_too():
+    """``eval``'s soft-blacklist report names its tokens as they read in a text, like
+    ``explain`` (it decoded each alone: SentencePiece tokenizers dropped the space)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_steer.eval.soft_blacklist import describe
+
+    tok = _spm_tokenizer(["hello", "world", "apple", "a"])
+    hello, world = (tok.convert_tokens_to_ids(t) for t in ("\u2581hello", "\u2581world"))
+    bias = torch.zeros(len(tok))
+    bias[hello], bias[world] = 2.0, -2.0
+    d = describe(SimpleNamespace(bias=bias, epsilon=1e-3), k=1, tokenizer=tok)
+    assert d["raised"] == [" hello"] and d["lowered"] == [" world"]

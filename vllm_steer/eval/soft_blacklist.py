@@ -331,8 +331,13 @@ def describe(sb: SoftBlacklist, k: int = 12, tokenizer=None) -> dict[str, Any]:
     """The tokens the blacklist raises and lowers most (for reports)."""
     top = torch.topk(sb.bias, k).indices.tolist()
     bot = torch.topk(-sb.bias, k).indices.tolist()
-    dec = (lambda i: tokenizer.decode([i])) if tokenizer is not None else str
-    return {"raised": [dec(i) for i in top], "lowered": [dec(i) for i in bot],
+    if tokenizer is not None:  # as each token reads in a text, its word-start space kept
+        from vllm_steer.lens.explain import pieces_of
+
+        raised, lowered = pieces_of(tokenizer, top), pieces_of(tokenizer, bot)
+    else:
+        raised, lowered = [str(i) for i in top], [str(i) for i in bot]
+    return {"raised": raised, "lowered": lowered,
             "max_abs_offset_at_1": float(sb.bias.abs().max() * sb.epsilon),
             "rms_offset_at_1": float(math.sqrt(float((sb.bias.float() ** 2).mean()))
                                      * sb.epsilon)}

@@ -261,9 +261,15 @@ def token_pieces(tokenizer, vocab_rows: int) -> list[str]:
     text removed: SentencePiece tokenizers (Llama 2, Mistral, Phi-3) strip the leading space
     of the *first* token of a decoded sequence, so decoding ``▁word`` alone gives ``word``."""
     n = min(vocab_rows, len(tokenizer))
+    return pieces_of(tokenizer, range(n)) + [""] * (vocab_rows - n)
+
+
+def pieces_of(tokenizer, ids) -> list[str]:
+    """The text of each token of ``ids`` as it reads inside a text (:func:`token_pieces`)."""
+    ids = list(ids)
     ref = list(tokenizer("a", add_special_tokens=False)["input_ids"])
     head = tokenizer.decode(ref) if ref else ""
     pieces = []
-    for i, s in enumerate(tokenizer.batch_decode([ref + [i] for i in range(n)])):
+    for i, s in zip(ids, tokenizer.batch_decode([ref + [i] for i in ids]), strict=True):
         pieces.append(s[len(head):] if ref and s.startswith(head) else tokenizer.decode([i]))
-    return pieces + [""] * (vocab_rows - n)
+    return pieces

@@ -67,15 +67,17 @@ def test_an_offline_management_call_updates_its_own_engines_view():
     view of the engine built last."""
     from vllm_steer.integrations.frontend.engine_client import manage_sync
     from vllm_steer.integrations.frontend.state import state_of
-    from vllm_steer.integrations.protocol import OP_LIST
+    from vllm_steer.integrations.protocol import OP_LIST, OP_LOAD
 
     first = _input_processor(SteerServerConfig(steers={"detox": "detox.safetensors"}))
     second = _input_processor(SteerServerConfig(steers={"calm": "calm.safetensors"}))
     listed = {"ok": True, "enabled": True, "steers": [
         {"name": n, "state": "loaded"} for n in ("detox", "extra")]}
-    llm = SimpleNamespace(collective_rpc=lambda method, args: [listed],
-                          llm_engine=SimpleNamespace(input_processor=first.processor))
-    manage_sync(llm, OP_LIST)
+    loaded = {"ok": True, "name": "extra"}
+    llm = SimpleNamespace(  # a load, then the list that refreshes the view
+        collective_rpc=lambda method, args: [listed if args[0] == OP_LIST else loaded],
+        llm_engine=SimpleNamespace(input_processor=first.processor))
+    assert manage_sync(llm, OP_LOAD, name="extra", path="extra.safetensors") == loaded
     assert state_of(first.processor).loaded_names() == {"detox", "extra"}
     assert state_of(second.processor).loaded_names() == {"calm"}
     params = SamplingParams(extra_args={"steer": {"extra": 2}})

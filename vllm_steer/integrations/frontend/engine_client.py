@@ -172,9 +172,10 @@ def manage_sync(llm: Any, op: str, **kwargs) -> dict:
     """:func:`manage` for an offline ``vllm.LLM`` (one engine core, in order with its
     ``generate`` calls): the op, then the list that refreshes this process's views."""
     res = va.llm_collective_rpc(llm, MANAGEMENT_METHOD, (op, kwargs))[0]
+    listed = res if op == OP_LIST else va.llm_collective_rpc(llm, MANAGEMENT_METHOD,
+                                                             (OP_LIST, {}))[0]
     with engine_scope(va.llm_input_processor(llm)):  # this LLM's view, not another engine's
         _take_views(op, res, metrics=False)
-    if op != OP_LIST:
-        _take_views(OP_LIST, va.llm_collective_rpc(llm, MANAGEMENT_METHOD, (OP_LIST, {}))[0],
-                    metrics=False)
+        if op != OP_LIST:
+            _take_views(OP_LIST, listed, metrics=False)
     return res
