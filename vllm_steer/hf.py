@@ -35,15 +35,19 @@ def output_head(model) -> torch.nn.Module:
     return head
 
 
+def text_config(config):
+    """A model config's language model's: a multimodal checkpoint's text config (Gemma 3 4B
+    and up, Mistral 3: their hidden size and window are there), else the config itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def logit_postprocess(model):
     """The model's processing of its head's output, as a function on float32 logits, or None
     where the logits are the head's (most models): Cohere's ``* logit_scale``, Granite's
     ``/ logits_scaling``, Gemma 2/3's final soft-cap ``cap * tanh(l / cap)`` -- what the
     model's forward applies after the head. The one place this processing is written
     (training, the lens)."""
-    cfg = getattr(model, "config", None)
-    if cfg is not None and hasattr(cfg, "get_text_config"):
-        cfg = cfg.get_text_config()
+    cfg = text_config(getattr(model, "config", None))
     softcap = getattr(cfg, "final_logit_softcapping", None)
     scale = getattr(cfg, "logit_scale", None)
     divide = getattr(cfg, "logits_scaling", None)
@@ -151,8 +155,7 @@ def vector_steering(model, vectors: "Mapping[str, VectorSteer] | VectorSteer",
     if unknown:
         raise KeyError(f"unknown vector steers {sorted(unknown)}; given: {sorted(vectors)}")
     layers = decoder_layers(model)
-    cfg = model.config  # a multimodal model's (Gemma 3, Mistral 3): its text config's
-    hidden = int((cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg).hidden_size)
+    hidden = int(text_config(model.config).hidden_size)
     for name, vs in vectors.items():
         problems = model_fit_problems(vs.metadata, hidden_size=hidden, num_layers=len(layers))
         if problems:

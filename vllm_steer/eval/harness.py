@@ -197,8 +197,9 @@ def _model_shape(model_path: str) -> dict[str, Any] | None:
         return None
     from transformers import AutoConfig
 
-    c = AutoConfig.from_pretrained(model_path)
-    c = c.get_text_config() if hasattr(c, "get_text_config") else c
+    from vllm_steer.hf import text_config
+
+    c = text_config(AutoConfig.from_pretrained(model_path))
     return dict(hidden_size=int(c.hidden_size), num_layers=int(c.num_hidden_layers),
                 model_type=getattr(c, "model_type", None))
 

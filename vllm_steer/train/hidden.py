@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from vllm_steer.hf import output_head
+from vllm_steer.hf import output_head, text_config
 from vllm_steer.logs import warn_once
 
 
@@ -67,8 +67,7 @@ def final_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def model_window(model) -> int | None:
-    cfg = model.config
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg  # multimodal
+    cfg = text_config(model.config)
     for k in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
         v = getattr(cfg, k, None)
         if isinstance(v, int) and v > 0:
@@ -435,8 +434,7 @@ def block_outputs_at_last(model, tokenizer, ids_list: Sequence[Sequence[int]],
         raise ValueError(f"blocks {bad} do not exist: the model has {n_blocks} decoder blocks "
                          f"(0 to {n_blocks - 1})")
     device = output_head(model).weight.device
-    cfg = model.config
-    d = int((cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg).hidden_size)
+    d = int(text_config(model.config).hidden_size)
     out = torch.empty(len(layers), len(ids_list), d, dtype=torch.float32)
     order = sorted(range(len(ids_list)), key=lambda i: -len(ids_list[i]))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
