@@ -46,8 +46,6 @@ class FrontendState:
     slot_waiters: set = field(default_factory=set)
     """Futures of the requests waiting for a steer slot, set when a steered request of this
     process finishes (:mod:`vllm_steer.integrations.frontend.async_llm`)."""
-    owner_id: int | None = None
-    """``id`` of the ``InputProcessor`` of the engine this state is (None: none yet)."""
 
     def slot_may_be_free(self) -> None:
         """A steered request of this process finished: wake every request waiting for a
@@ -125,7 +123,7 @@ def new_engine(config: SteerServerConfig | None) -> FrontendState:
     ``InputProcessor`` already holds that state (an earlier engine of the process), that
     engine keeps it and the new engine gets a state of its own."""
     global _STATE
-    if _STATE.owner_id is not None and _ENGINES.by_id.get(_STATE.owner_id) is _STATE:
+    if any(st is _STATE for st in _ENGINES.by_id.values()):  # an engine's own already
         _STATE = FrontendState()
     _STATE.reset(config)
     return _STATE
@@ -134,7 +132,6 @@ def new_engine(config: SteerServerConfig | None) -> FrontendState:
 def bind_engine(processor) -> FrontendState:
     """The latest engine's state becomes ``processor``'s (its ``InputProcessor``: one per
     engine client), read whenever a call of that engine runs (:func:`engine_scope`)."""
-    _STATE.owner_id = id(processor)
     return _ENGINES.set(processor, _STATE)
 
 
