@@ -262,7 +262,7 @@ def logit_shift_rms(hidden: torch.Tensor, E: torch.Tensor, steer: Steer,
     """RMS over contexts and tokens of the centred logit shift per unit strength,
     ``eps (c S) E^T`` minus its mean over the vocabulary (the part the softmax sees).
     ``post`` (optional): the model's processing of its head's output
-    (:func:`vllm_steer.lens.lm.logit_postprocess`; ``bias`` its head bias), so that the
+    (:func:`vllm_steer.hf.logit_postprocess`; ``bias`` its head bias), so that the
     shift is the one of the model's own logits: ``post(l + delta) - post(l)``."""
     eps = steer.metadata.epsilon
     p1, p2, E = steer.p1.float(), steer.p2.float(), E.float()
@@ -334,9 +334,8 @@ def transfer(steer: Steer, model_a, tok_a, model_b, tok_b, cfg: TransferConfig |
              name_a: str | None = None, name_b: str | None = None,
              calibration_texts: Sequence[str] | None = None) -> tuple[Steer, TransferReport]:
     """Transfer ``steer`` from (model_a, tok_a) to (model_b, tok_b) (transformers objects)."""
-    from vllm_steer.hf import output_head
-    from vllm_steer.lens.lm import (CALIBRATION_TEXTS, final_hidden_states, logit_postprocess,
-                                    output_embeddings)
+    from vllm_steer.hf import logit_postprocess, output_head
+    from vllm_steer.lens.lm import CALIBRATION_TEXTS, final_hidden_states, output_embeddings
 
     cfg = cfg or TransferConfig()
     E_a, E_b = output_embeddings(model_a).float().cpu(), output_embeddings(model_b).float().cpu()
