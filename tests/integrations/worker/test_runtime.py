@@ -254,3 +254,27 @@ def test_a_steady_step_skips_the_row_lookup_and_every_change_ends_it(tmp_path, m
     assert step([a, b, none], mapped(slots[[1, 0, 2]].copy())) == 1  # another order
     assert step([b, a, none], mapped(slots.copy())) == 1
     assert step([b, a, none], MappedRows(mapping=None, slots=slots.copy())) == 1  # no key
+
+
+def test_a_steer_of_the_served_model_is_not_warned_about_when_served_from_a_folder(
+        tmp_path, caplog, monkeypatch):
+    """``vllm serve /models/llama8b --served-model-name meta-llama/Llama-3.1-8B-Instruct``
+    runs the model an LM-Steer file names: no "trained on another model" warning (a vector
+    steer's fit check takes the served names alike); a model of another name is warned
+    about."""
+    import logging
+
+    from vllm_steer.logs import LOGGER_NAME
+
+    path = str(tmp_path / "a.safetensors")
+    save_steer(path, random_steer(64, 4, "a", seed=1,
+                                  base_model="meta-llama/Llama-3.1-8B-Instruct"))
+    monkeypatch.setattr(logging.getLogger(LOGGER_NAME), "propagate", True)
+    for ids, warned in ((("/models/llama8b", "meta-llama/Llama-3.1-8B-Instruct"), False),
+                        (("/models/llama8b", "chat"), True)):
+        caplog.clear()
+        rt = SteerRuntime(SteerServerConfig(steers={"a": path}))
+        with caplog.at_level(logging.WARNING):
+            rt.bank_state.load(64, torch.device("cpu"), torch.float32, model_ids=ids)
+        assert ("was trained on 'meta-llama/Llama-3.1-8B-Instruct' but the server runs "
+                "'/models/llama8b'" in caplog.text) == warned, caplog.text

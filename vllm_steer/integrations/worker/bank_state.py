@@ -64,8 +64,10 @@ class BankState:
         self.startup_layer_steers: dict = {}
 
     def load(self, hidden_size: int, device: torch.device, dtype: torch.dtype,
-             model_id: str | None = None, cuda_graphs: bool = True) -> None:
+             model_ids: tuple[str, ...] = (), cuda_graphs: bool = True) -> None:
         """Load every steer on the model's device/dtype; refuse a steer that does not fit.
+        ``model_ids``: the served model's path or id and its ``--served-model-name``s (a steer
+        trained on another model is warned about).
         ``cuda_graphs`` False (vLLM's ``--enforce-eager``): the head launches its op eagerly,
         no CUDA graph of it is captured."""
         if self.bank is not None:
@@ -85,10 +87,11 @@ class BankState:
                                f"fit the model's hidden size {hidden_size}; train or transfer it "
                                "for this model (vllm-steer train / vllm-steer transfer)")
                 continue
-            if meta.base_model and model_id and not same_model(meta.base_model, model_id):
+            if meta.base_model and model_ids and not any(same_model(meta.base_model, m)
+                                                         for m in model_ids):
                 logger.warning("vllm-steer: steer %r (%s) was trained on %r but the server runs "
                                "%r; it fits (same hidden size) but may not steer as intended",
-                               name, path, meta.base_model, model_id)
+                               name, path, meta.base_model, model_ids[0])
             try:
                 steers[name] = load_any(path)
             except SteerFileError as e:

@@ -50,7 +50,8 @@ class SteeredLogitsProcessor(LogitsProcessor):
 
             # --enforce-eager: no CUDA graphs of vLLM's, nor of the head's op
             self.steer_runtime.bank_state.load(
-                head_input_size(mc), device, dtype, model_id=va.model_name(mc),
+                head_input_size(mc), device, dtype,
+                model_ids=(str(va.model_name(mc)), *va.served_model_names(mc)),
                 cuda_graphs=not va.enforce_eager(mc))
 
     @property
