@@ -117,6 +117,23 @@ def load_any(path: str | os.PathLike) -> Any:
     return kind_of_file(path).load(os.fspath(path))
 
 
+def content_digest(steer: Any, num_blocks: int) -> str | None:
+    """What a steer applied in the decoder layers adds to a model of ``num_blocks`` blocks,
+    as a SHA-256 hex digest of its kind's name and ``layer_vectors(steer, num_blocks)`` in
+    float32: equal for two loads of the same vectors, in any process and whatever their file's
+    format (the prefix cache's salt names a steer by it). None for a head kind: it changes no
+    key or value."""
+    import hashlib
+
+    kind = kind_of(steer)
+    if kind.applied_at != AT_DECODER_LAYERS or kind.layer_vectors is None:
+        return None
+    vectors = kind.layer_vectors(steer, num_blocks).detach().float().cpu().contiguous()
+    h = hashlib.sha256(f"{kind.name}:{tuple(vectors.shape)}:".encode())
+    h.update(vectors.numpy().tobytes())
+    return h.hexdigest()
+
+
 def applied_in_layers(steer_or_meta: Any) -> bool:
     """Whether a steer (or its metadata) is applied inside the decoder layers."""
     name = getattr(steer_or_meta, "kind", None)
@@ -207,5 +224,5 @@ register_kind(VECTOR)
 
 
 __all__ = ["SteerKind", "AT_HEAD", "AT_DECODER_LAYERS", "LM_STEER", "VECTOR", "register_kind",
-           "unregister_kind", "kinds", "kind_of_file", "kind_of", "kind_named",
+           "unregister_kind", "kinds", "kind_of_file", "kind_of", "kind_named", "content_digest",
            "read_any_metadata", "load_any", "applied_in_layers"]

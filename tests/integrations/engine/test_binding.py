@@ -383,3 +383,81 @@ def test_the_engine_core_reads_its_steers_as_it_starts(files, tmp_path):
     with pytest.raises(Exception, match="moved-away"):
         hooks.start(lambda self, cfg: setattr(self, "vllm_config", cfg),
                     engine_core(engine_index=0), bad)
+
+
+def _vector_replica(paths: dict, steer_dir: str | None = None):
+    """An engine core started (as vLLM starts it) with the vector steers ``paths`` on a
+    two-block model of hidden size :data:`HIDDEN`, its workers taking every op: one replica
+    or one run of a server."""
+    from helpers.engine_cores import Workers
+    from vllm_steer.integrations.engine import core as hooks
+
+    cfg = SteerServerConfig(steers=paths, max_strength=10.0, max_steers=4, steer_dir=steer_dir,
+                            enable_updates=True)
+    st = frontend_state()  # the frontend admitting its requests (each replica's is alike)
+    st.reset(cfg)
+    st.hidden_size = HIDDEN
+    hf = SimpleNamespace(num_hidden_layers=2, hidden_size=HIDDEN, model_type="llama")
+    vllm_config = SimpleNamespace(additional_config=cfg.to_additional_config(),
+                                  model_config=SimpleNamespace(
+                                      model="tiny", architectures=["LlamaForCausalLM"],
+                                      hf_config=hf, hf_text_config=hf,
+                                      get_hidden_size=lambda: HIDDEN))
+    core = engine_core(engine_index=0, scheduler=SimpleNamespace(requests={}),
+                       model_executor=Workers())
+    hooks.start(lambda self, c: setattr(self, "vllm_config", c), core, vllm_config)
+    return core
+
+
+def _block_hashes(core, steer) -> list:
+    """The prefix-cache block hashes (what vLLM's prefix cache and a KV connector's store are
+    keyed by) of a three-block prompt admitted with ``steer``, computed by vLLM's own
+    hasher."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256_cbor)
+    params = SamplingParams(max_tokens=4, extra_args={"steer": steer})
+    admission.validate(params)
+    request = Request("r", list(range(3 * 16)), _sent(params), None,
+                      block_hasher=get_request_block_hasher(16, sha256_cbor))
+    bind_request(core, request)
+    return list(request.block_hashes)
+
+
+def test_the_prefix_cache_names_a_vector_steer_by_its_vectors_not_its_load(tmp_path):
+    """A KV store that outlives the process or is shared by replicas (a KV connector) is
+    keyed by vLLM's block hashes. A server restarted with a changed ``calm`` file (the same
+    name, the same load id) must not find the old file's blocks; the same vectors find the
+    same blocks in another replica, in llama.cpp's GGUF, and loaded again at run time."""
+    from vllm_steer.integrations.engine.management import run_op
+    from vllm_steer.vectors import make_vector_steer, save_gguf, save_vector
+
+    torch = pytest.importorskip("torch")
+
+    def vec(seed):
+        g = torch.Generator().manual_seed(seed)
+        return make_vector_steer({1: torch.randn(HIDDEN, generator=g)}, "calm")
+
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v2").mkdir()
+    save_vector(tmp_path / "v1/calm.safetensors", vec(1))
+    save_vector(tmp_path / "v2/calm.safetensors", vec(2))  # the file changed
+    save_gguf(tmp_path / "v1/calm.gguf", vec(1))  # the same vectors as llama.cpp writes them
+    before = _vector_replica({"calm": str(tmp_path / "v1/calm.safetensors")})
+    after = _vector_replica({"calm": str(tmp_path / "v2/calm.safetensors")})
+    other = _vector_replica({"calm": str(tmp_path / "v1/calm.gguf")})
+    assert _slot(before, "calm") == _slot(after, "calm")  # the same name and load id
+    plain = _block_hashes(before, {"calm": 0})
+    steered = _block_hashes(before, {"calm": 0.5})
+    assert len(steered) == 3 and not set(steered) & set(plain)
+    assert not set(_block_hashes(after, {"calm": 0.5})) & set(steered)  # other vectors
+    assert _block_hashes(other, {"calm": 0.5}) == steered  # the same vectors elsewhere
+    assert not set(_block_hashes(before, {"calm": -0.5})) & set(steered)  # another strength
+    for op, kw in (("unload", {"name": "calm"}),
+                   ("load", {"name": "calm", "path": str(tmp_path / "v1/calm.gguf")})):
+        assert run_op(before, op, kw)["ok"]
+    assert _slot(before, "calm")[1] != _slot(other, "calm")[1]  # a new load id
+    assert _block_hashes(before, {"calm": 0.5}) == steered

@@ -108,22 +108,27 @@ SALT_PREFIX = "vllm-steer-layers:"
 
 
 def layer_mix(reg, bound, prompt_tokens: int) -> str:
-    """The request's mix of decoder-layer steers (vector steers), as a stable string: each
-    steer's name, load id and value (a strength or a window), in name order; empty when it
-    has none. LM-Steer steers are left out: they change only the sampled rows, never the keys
-    and values, so their requests keep sharing the prefix cache. With a generation window
-    the prompt's length too: a token's strength is the window's at the generated token its
-    row samples, so the same tokens under the same window are computed at other strengths
-    after a prompt of another length (a later turn of a chat reads its earlier reply's
-    tokens as prompt, at the base strength)."""
+    """The request's mix of decoder-layer steers (vector steers), as a stable string: what
+    each steer adds (its vectors' digest, :func:`vllm_steer.kinds.content_digest`) and its
+    value (a strength or a window), in order; empty when it has none. A steer is named by its
+    vectors, not by its name or load: a KV store that outlives the process or is shared by
+    replicas (a KV connector) never serves blocks computed with other vectors loaded under the
+    same name, and two loads of the same file share their blocks. LM-Steer steers are left
+    out: they change only the sampled rows, never the keys and values, so their requests keep
+    sharing the prefix cache. With a generation window the prompt's length too: a token's
+    strength is the window's at the generated token its row samples, so the same tokens under
+    the same window are computed at other strengths after a prompt of another length (a later
+    turn of a chat reads its earlier reply's tokens as prompt, at the base strength)."""
     parts = []
     windowed = False
-    for b in sorted(bound, key=lambda b: b.name):
+    for b in bound:
         entry = reg.slots[b.bank_slot] if 0 <= b.bank_slot < len(reg.slots) else None
         if entry is None or entry.kind == "lm-steer" or not b.strength:
             continue
-        parts.append(f"{b.name}#{b.load_id}={b.value!r}")
+        what = entry.content or f"{b.name}#{b.load_id}"  # content: set by every load
+        parts.append(f"{what}={b.value!r}")
         windowed = windowed or (isinstance(b.value, Window) and b.value.strength != b.value.base)
+    parts.sort()
     if windowed:
         parts.append(f"@prompt={prompt_tokens}")
     return ";".join(parts)

@@ -309,7 +309,7 @@ def load_steer_file(core, name: str, path: str, source: str,
     Draining slots no request uses are freed first and emptied in every worker (an
     admission's first-use load runs no op that would)."""
     from vllm_steer.format import SteerFileError, served_range_problems
-    from vllm_steer.kinds import load_any
+    from vllm_steer.kinds import content_digest, load_any
 
     st = engine_state(core)
     reg, hidden = st.registry, st.hidden_size
@@ -364,6 +364,8 @@ def load_steer_file(core, name: str, path: str, source: str,
     except SteerFileError as e:
         reg.counters["failures"] += 1
         return _error(400, str(e))
+    content = (content_digest(steer, va.num_hidden_layers(va.model_config(va.engine_config(core))))
+               if applied_in_layers(steer) else None)
     load_id = reg.new_load_id()
     taken = reg.slots[slot]  # the entry in that slot: the evicted one, or the name's own
     previous = reg.get(name)  # the file the name holds now, if this load replaces it
@@ -371,7 +373,7 @@ def load_steer_file(core, name: str, path: str, source: str,
     try:
         _workers(core, "put", slot, load_id, name, steer)
         entry = reg.commit(SteerEntry.from_metadata(name, path, steer.metadata, load_id, slot,
-                                                    source, stamp), evicted)
+                                                    source, stamp, content), evicted)
     except Exception as e:  # a worker's put, or anything before the name is bound: undo it all
         _restore(reg, saved)
         reg.counters["failures"] += 1

@@ -73,10 +73,12 @@ class SteerEntry:
     kind: str = "lm-steer"  # the steer's kind (vllm_steer.kinds): lm-steer or vector
     layers: list | None = None  # a vector steer's decoder blocks (0-based)
     stamp: tuple | None = None  # the file as it was read (file_stamp), not listed
+    # a decoder-layer steer's vectors as served (vllm_steer.kinds.content_digest), not listed
+    content: str | None = None
 
     @classmethod
     def from_metadata(cls, name, path, meta, load_id, bank_slot, source,
-                      stamp: tuple | None = None) -> "SteerEntry":
+                      stamp: tuple | None = None, content: str | None = None) -> "SteerEntry":
         now = time.time()
         return cls(name=name, file=os.path.abspath(path), load_id=load_id, bank_slot=bank_slot,
                    hidden_size=int(meta.hidden_size), rank=int(meta.rank),
@@ -85,12 +87,13 @@ class SteerEntry:
                    source=source, loaded_at=now, last_used=now,
                    kind=str(getattr(meta, "kind", "lm-steer")),
                    layers=list(meta.layers) if hasattr(meta, "layers") else None,
-                   stamp=stamp)
+                   stamp=stamp, content=content)
 
     def to_json(self) -> dict:
         d = asdict(self)
         d.pop("last_used")
         d.pop("stamp")
+        d.pop("content")
         d["loaded_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.loaded_at))
         return d
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from vllm_steer.config import SteerServerConfig
 from vllm_steer.format import factor_ranks
-from vllm_steer.kinds import applied_in_layers, read_any_metadata
+from vllm_steer.kinds import applied_in_layers, content_digest, load_any, read_any_metadata
 from vllm_steer.integrations.engine.change_order import ChangeOrder
 from vllm_steer.integrations.engine.presets import PresetTable
 from vllm_steer.integrations.engine.registry import SteerEntry, SteerRegistry, file_stamp
@@ -93,10 +93,14 @@ def engine_state(core) -> EngineSteerState:
         for name, (bank_slot, load_id) in cfg.startup_placement().items():  # the workers' too
             stamp = file_stamp(cfg.steers[name])
             meta = read_any_metadata(cfg.steers[name])
+            content = None
             if not applied_in_layers(meta):  # the factors' ranks, as the workers reserve them
                 ranks += factor_ranks(cfg.steers[name])
+            else:  # what its vectors add, which names them in the prefix cache's salt
+                content = content_digest(load_any(cfg.steers[name]),
+                                         va.num_hidden_layers(va.model_config(vllm_config)))
             reg.commit(SteerEntry.from_metadata(name, cfg.steers[name], meta, load_id, bank_slot,
-                                                SOURCE_STARTUP, stamp))
+                                                SOURCE_STARTUP, stamp, content))
             reg.next_load_id = max(reg.next_load_id, load_id + 1)
         reg.counters["loads"] = 0  # start-up steers are not run-time loads
         st = EngineSteerState(cfg, reg, head_input_size(va.model_config(vllm_config)),
