@@ -219,3 +219,26 @@ def test_the_engine_core_refuses_by_the_rank_the_workers_reserved_for_a_domain_c
     out = management.load_steer_file(core, "over", _steer(tmp_path, "over", 8, 3, 97), "api")
     assert out["ok"] is False and out["status"] == 400, out
     assert "domain rank 97, over --max-steer-rank=96" in out["error"]
+
+
+def test_a_vector_bank_the_device_cannot_hold_is_refused_at_start_up(tmp_path, monkeypatch):
+    """The vector bank (``--steer-vectors``) is allocated when the model is loaded, like the
+    steer bank: one the device cannot hold is refused with its figure and the flags that size
+    it, not a bare CUDA out-of-memory error (a pipeline stage without the LM head allocates
+    nothing else of the plugin's)."""
+    from vllm_steer.integrations.worker import decoder_layers, runtime
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 18.00 GiB")
+
+    monkeypatch.setattr(runtime, "LayerVectors", out_of_memory)
+    monkeypatch.setattr(decoder_layers, "local_blocks", lambda model, n: list(range(n // 2)))
+    rt = SteerRuntime(SteerServerConfig(steer_vectors=True, max_steers=65536))
+    with pytest.raises(RuntimeError) as e:
+        rt.install_layers(torch.nn.Module(), 32, 4096, 8192, torch.device("cpu"),
+                          torch.bfloat16)
+    want_mib = 4 * 65536 * (16 * 4096 + 8192) / 2**20  # fp32 off CUDA
+    msg = str(e.value)
+    assert f"vector bank needs {want_mib:.1f} MiB" in msg and "CUDA out of memory" in msg
+    assert "65536 max steers x (16 blocks x hidden 4096 + 8192 step tokens) x float32" in msg
+    assert "--max-steers (now 65536)" in msg and "--max-num-batched-tokens (now 8192)" in msg

@@ -96,8 +96,22 @@ class SteerRuntime:
         if self.layers is not None:
             return 0
         blocks = decoder_layers.local_blocks(model, num_blocks)
-        layers = LayerVectors(blocks, num_blocks, self.config.capacity, hidden_size,
-                              max_tokens, device, op_dtype(device, model_dtype))
+        dtype = op_dtype(device, model_dtype)
+        try:
+            layers = LayerVectors(blocks, num_blocks, self.config.capacity, hidden_size,
+                                  max_tokens, device, dtype)
+        except torch.OutOfMemoryError as e:
+            from vllm_steer.sizing import vector_bank_bytes
+
+            cap, name = self.config.capacity, str(dtype).replace("torch.", "")
+            mib = vector_bank_bytes(cap, len(blocks), hidden_size, max_tokens, name) / 2**20
+            raise RuntimeError(
+                f"vllm-steer: the vector bank needs {mib:.1f} MiB on {device} ({cap} max "
+                f"steers x ({len(blocks)} blocks x hidden {hidden_size} + {max_tokens} step "
+                f"tokens) x {name}) and the device cannot hold it "
+                f"({str(e).splitlines()[0]}); lower --max-steers (now {cap}) or "
+                f"--max-num-batched-tokens (now {max_tokens}), or serve without vector "
+                "steers (no --steer-vectors and no vector --steer file)") from None
         n = decoder_layers.install(model, layers, num_blocks, model_dtype)
         logger.info("vllm-steer: vector bank reserves %.1f MiB (%d max steers x (%d blocks x "
                     "hidden %d + %d step tokens) x %s)", layers.reserved_bytes / 2**20,
