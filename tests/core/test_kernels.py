@@ -536,3 +536,36 @@ def test_bmm_stacked_factors_follow_bank_changes_and_subsets():
     plan = prepare_torch(p1, p2, offs, coefs, strategy="bmm")
     torch.testing.assert_close(steer_torch(h, p1, p2, offs, coefs, prepared=plan),
                                steer_reference(h, p1, p2, offs, coefs))
+
+
+def test_bmm_keeps_one_set_of_stacks_per_bank_when_it_is_rewritten_in_place():
+    """A serving bank is rewritten in place at every load or unload (same tensors, a new
+    version): its stale fp32 stacks (a copy of every column of that rank, twice a 16-bit
+    bank) are replaced, not kept beside the new ones, so the backend's own device memory
+    stays at one copy of the bank, not two."""
+    from vllm_steer.kernels import torch_steer
+    from vllm_steer.kernels.torch_steer import prepare_torch
+
+    torch_steer._STACKS.clear()
+    g = torch.Generator().manual_seed(0)
+    d, rank, K = 32, 4, 8
+    offs = [k * rank for k in range(K + 1)]  # the serving layout: every column one rank
+    coefs = torch.zeros(6, K)
+    coefs[range(6), [0, 1, 2, 0, 1, 2]] = 5e-3
+    p1 = torch.randn(d, K * rank, generator=g, dtype=torch.bfloat16)
+    p2 = torch.randn(d, K * rank, generator=g, dtype=torch.bfloat16)
+    bank = 2 * p1.numel() * p1.element_size()
+
+    def held() -> int:
+        return sum(t.numel() * t.element_size() for _, per_rank in torch_steer._STACKS.values()
+                   for _, down, up in per_rank.values() for t in (down, up))
+
+    assert prepare_torch(p1, p2, offs, coefs, strategy="bmm").stacks
+    assert held() == 2 * bank  # fp32 stacks of a bf16 bank
+    p1[:, 3 * rank:4 * rank] = 1.0  # a load into slot 3, in place
+    assert prepare_torch(p1, p2, offs, coefs, strategy="bmm").stacks
+    assert len(torch_steer._STACKS) == 1 and held() == 2 * bank
+    other = torch.randn(d, K * rank, generator=g, dtype=torch.bfloat16)  # another bank
+    prepare_torch(other, p2, offs, coefs, strategy="bmm")
+    assert len(torch_steer._STACKS) == 2  # the last two banks are kept
+    torch_steer._STACKS.clear()

@@ -283,7 +283,10 @@ def prepare_torch(
 # The factors of a bank, stacked per rank ([G, d, r] and [G, r, d]), for the 'bmm' strategy:
 # made once per bank (a bank changes only when steers are loaded or unloaded) instead of
 # slicing and stacking the steers of a batch at every re-plan (K slices of strided columns:
-# 0.3 s at K = 256, rank 64, d = 576 on the development CPU). The last two banks are kept.
+# 0.3 s at K = 256, rank 64, d = 576 on the development CPU). The last two banks are kept, one
+# entry per bank: a bank rewritten in place (a load or an unload: same tensors, new version)
+# replaces its stale stacks, an fp32 copy of every column of that rank (twice a 16-bit bank),
+# rather than keeping them beside the new ones.
 _STACKS: dict = {}
 
 
@@ -295,6 +298,8 @@ def _stacked_factors(p1, p2, offs: list[int], ks: list[int], f32) -> tuple:
     if entry is None or entry[0]() is not p1:
         import weakref
 
+        for stale in [k for k, (ref, _) in _STACKS.items() if ref() is p1]:
+            del _STACKS[stale]  # this bank's stacks before it was rewritten
         while len(_STACKS) >= 2:
             _STACKS.pop(next(iter(_STACKS)))
         entry = _STACKS[key] = (weakref.ref(p1), {})
