@@ -14,7 +14,8 @@ A *kind* of steer says, for its files and its loaded steers:
   decoder-layer kind gives one vector per decoder block (:attr:`SteerKind.layer_vectors`),
   written into the vector bank (``[blocks, bank slots, hidden]``) read by the layers' op;
 - **its memory reservation** (:attr:`SteerKind.reserve_bytes`): the device bytes one bank
-  slot of the kind takes, reserved at start-up.
+  slot of the kind takes, reserved at start-up, in the dtype of the store it goes to
+  (:mod:`vllm_steer.sizing` computes them).
 
 Every bank slot holds a steer of one kind; a request mixes kinds freely
 (``{"calm": 0.8, "detox": 4}``): each kind's op reads only its own columns of the request's
@@ -56,8 +57,11 @@ class SteerKind:
     layer_vectors: Callable[[Any, int], Any] | None = None
     """A decoder-layer kind: ``[num_blocks, hidden]`` float32, block ``k``'s vector in row ``k``
     (zeros where it has none)."""
-    reserve_bytes: Callable[[int, int, int], int] | None = None
-    """Device bytes one bank slot of the kind reserves: ``(hidden, num_blocks, rank)``."""
+    reserve_bytes: Callable[[int, int, int, Any], int] | None = None
+    """Device bytes one bank slot of the kind reserves: ``(hidden, num_blocks, rank, dtype)``,
+    ``dtype`` (a torch dtype or its name) that of the store its steers go to: the bank's
+    (the LM head's dtype) for a head kind, the vector bank's (the model's 16-bit dtype on CUDA,
+    float32 elsewhere) for a decoder-layer kind."""
 
 
 _KINDS: list[SteerKind] = []
@@ -196,6 +200,12 @@ def _vector_layers(steer, num_blocks: int):
     return steer.stacked(num_blocks)
 
 
+def _sizing():
+    from vllm_steer import sizing
+
+    return sizing
+
+
 def _lm_type():
     from vllm_steer.format import Steer
 
@@ -211,14 +221,17 @@ def _vector_type():
 LM_STEER = SteerKind(
     name="lm-steer", applied_at=AT_HEAD, claims=_lm_claims, read_metadata=_lm_read,
     load=_lm_load, steer_type=_lm_type(),
-    # both factors of the steer and of its domain component, at the reserved rank, in bf16/fp16
-    reserve_bytes=lambda hidden, blocks, rank: 2 * 2 * hidden * rank * 2)
+    # both factors of the steer and of its domain component, at the reserved rank
+    reserve_bytes=lambda hidden, blocks, rank, dtype: _sizing().bank_bytes(1, rank, hidden,
+                                                                           dtype))
 VECTOR = SteerKind(
     name="vector", applied_at=AT_DECODER_LAYERS, claims=_vector_claims,
     read_metadata=_vector_read, load=_vector_load, steer_type=_vector_type(),
     layer_vectors=_vector_layers,
-    # one float32 vector per decoder block
-    reserve_bytes=lambda hidden, blocks, rank: blocks * hidden * 4)
+    # one vector per decoder block of the worker (the step mapping's per-token strengths, a
+    # column per bank slot, come on top: vllm_steer.sizing.vector_bank_bytes)
+    reserve_bytes=lambda hidden, blocks, rank, dtype: _sizing().vector_bank_bytes(
+        1, blocks, hidden, 0, dtype))
 register_kind(LM_STEER)
 register_kind(VECTOR)
 

@@ -231,3 +231,18 @@ def test_a_refused_load_into_a_vector_steers_slot_leaves_the_vector_steering():
             bank.put(1, 4, "y", bad)
         assert bank.layer_slots() == [1] and bank.load_ids[1] == 3
         assert torch.equal(layers.block_vectors(0)[1], v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_each_kinds_reservation_is_what_its_store_allocates_per_slot(dtype):
+    """:attr:`SteerKind.reserve_bytes` of the shipped kinds, per bank slot and dtype, is what
+    the bank (an LM-Steer slot: both factors of the steer and of its domain component) and
+    the vector bank (a vector slot: a vector per block of the worker) allocate."""
+    cap, rank, hidden, blocks = 5, 8, 48, [1, 2, 3]
+    bank = SlotBank(cap, hidden, dtype=dtype, reserve_rank=rank)
+    factors = sum(t.numel() * t.element_size() for t in (bank.p1, bank.p2))
+    assert cap * kinds.LM_STEER.reserve_bytes(hidden, 4, rank, dtype) == factors
+    layers = LayerVectors(blocks, 4, cap, hidden, max_tokens=16, device=torch.device("cpu"),
+                          dtype=dtype)
+    assert cap * kinds.VECTOR.reserve_bytes(hidden, len(blocks), rank, str(dtype)) == \
+        layers.vectors.numel() * layers.vectors.element_size()

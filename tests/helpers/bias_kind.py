@@ -71,7 +71,7 @@ def save(path, name: str, block: int, vector) -> None:
 BIAS = SteerKind(name="bias-test", applied_at=AT_DECODER_LAYERS,
                  claims=lambda p: str(p).endswith(SUFFIX), read_metadata=_read, load=_load,
                  steer_type=BiasSteer, layer_vectors=_stack,
-                 reserve_bytes=lambda hidden, blocks, rank: hidden * 4)
+                 reserve_bytes=lambda hidden, blocks, rank, dtype: hidden * 4)
 
 
 def register() -> SteerKind:
