@@ -150,6 +150,30 @@ def vector_bank_bytes(max_steers: int, blocks: int, hidden_size: int,
                                                    + int(max_step_tokens))
 
 
+def request_table_bytes(max_num_seqs: int, max_steers: int, max_step_rows: int | None = None
+                        ) -> int:
+    """Device bytes of the request-slot table (each running request's coefficients, two
+    columns a bank slot, fp32), made when vLLM builds its per-request state (before it sizes
+    the KV cache): ``max_num_seqs`` rows, then a row per windowed row of a step (``max_step_rows``,
+    :func:`vllm_steer.integrations.worker.runtime.max_step_rows`, at most
+    :data:`MAX_GRAPH_ROWS`), and the scratch of a partial copy (half the rows, each its
+    coefficients and its index)."""
+    seqs, cols = int(max_num_seqs), bank_columns(max_steers, 1)
+    extra = min(max(int(max_step_rows or 0), seqs), MAX_GRAPH_ROWS)
+    return 4 * (seqs + extra) * cols + (seqs // 2 + 1) * (4 * cols + 8)
+
+
+def eager_scratch_bytes(rows: int, max_steers: int, rank: int) -> int:
+    """Device bytes of the eager op's plan on CUDA (the Triton backend) for a
+    ``compute_logits`` call of ``rows`` steered-step rows that the head's graphs do not take
+    (more rows than :data:`MAX_GRAPH_ROWS`, a request's prompt logprobs, ``--enforce-eager``,
+    ``VLLM_STEER_CUDA_GRAPHS=0``, a named ``--steer-backend``): ``[rows, 2 * max_steers *
+    rank]`` fp32, the whole bank's width whatever steers the step uses. Allocated when such a
+    step runs, after vLLM sized the KV cache (its profiling run steers nothing), and kept
+    until the next plan."""
+    return 4 * int(rows) * bank_columns(max_steers, rank)
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f}"
 
@@ -168,4 +192,5 @@ def sizing_table(rows=DOC_ROWS) -> str:
 
 __all__ = ["DTYPE_BYTES", "MAX_GRAPH_ROWS", "DEFAULT_PER_REQUEST", "SizingRow", "DOC_ROWS",
            "bank_bytes", "graph_rows_bytes", "grouped_scratch_bytes", "graph_scratch_bytes",
-           "head_graph_bytes", "sizing_table", "dtype_bytes", "split_d"]
+           "head_graph_bytes", "sizing_table", "dtype_bytes", "split_d", "vector_bank_bytes",
+           "request_table_bytes", "eager_scratch_bytes"]

@@ -5,6 +5,7 @@ turns the head's graphs off, and the Deployment's row is the Deployment's settin
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -132,3 +133,53 @@ def test_the_vector_bank_s_size_is_what_the_step_mapping_allocates():
     # the 8B Deployment: 256 slots, 32 blocks, hidden 4096, 8192 tokens per step
     assert vector_bank_bytes(256, 32, 4096, 8192) == 136 * 2**20
     assert vector_bank_bytes(256, 32, 4096, 8192, "bfloat16") == 68 * 2**20
+
+
+def test_the_request_slot_table_is_what_the_sizing_says():
+    from vllm_steer.integrations.worker.request_slots import RequestSlots
+
+    for seqs, cap, rows in ((4, 3, None), (16, 8, 32), (1024, 5, 4096)):
+        slots = RequestSlots(cap)
+        slots.ensure(seqs, torch.device("cpu"), min(max(rows or 0, seqs), sizing.MAX_GRAPH_ROWS))
+        assert _nbytes(slots.device_rows, slots._scratch) == \
+            sizing.request_table_bytes(seqs, cap, rows)
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    mib = sizing.request_table_bytes(1024, 256, 1024) / 2**20
+    assert f"{round(mib)} MiB at 256 slots and 1,024 sequences" in text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and
+                    os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton backend on CPU needs TRITON_INTERPRET=1")
+def test_the_eager_ops_scratch_is_what_the_sizing_says(tmp_path):
+    """A step the head's graphs do not take runs the eager op, whose Triton plan holds
+    ``[rows, 2 x max_steers x rank]`` fp32 whatever steers the step uses: measured through the
+    worker's planner, and the figures deploy.md gives for it."""
+    import numpy as np
+
+    from helpers.rows import sampled_rows
+    from vllm_steer.config import SteerServerConfig
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.worker.rows import SlotRows
+    from vllm_steer.integrations.worker.runtime import SteerRuntime
+
+    hidden, cap, rank, rows = 32, 6, 8, 40
+    path = str(tmp_path / "a.safetensors")
+    save_steer(path, random_steer(hidden, 4, "a", seed=1))
+    rt = SteerRuntime(SteerServerConfig(steers={"a": path}, backend="triton", max_steers=cap,
+                                        max_steer_rank=rank))
+    rt.bank_state.load(hidden, torch.device("cpu"), torch.float32)
+    rt.ensure_slots(rows, torch.device("cpu"), rows)
+    row = np.zeros(rt.slots.num_columns, np.float32)
+    row[0] = 1e-3
+    rt.set_slot(0, row)
+    rt.slots.flush()
+    with sampled_rows(rt.planner, SlotRows(slots=np.zeros(rows, dtype=np.int64))):
+        rt.planner.steer_rows(torch.randn(rows, hidden))
+    assert _nbytes(rt.planner._plan.buf) == sizing.eager_scratch_bytes(rows, cap, rank)
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    for n, slots, figure in ((1024, 8, "4 MiB"), (1024, 256, "128 MiB"),
+                             (8192, 256, "1 GiB")):
+        b = sizing.eager_scratch_bytes(n, slots, 64)
+        assert f"{b // 2**20} MiB" == figure or f"{b // 2**30} GiB" == figure
+        assert figure in text
