@@ -542,6 +542,12 @@ def model_dtype(model_config):
     return getattr(model_config, "dtype", None)
 
 
+def model_head_dtype(model_config):
+    """The LM head's dtype as vLLM resolves it (``ModelConfig.head_dtype``: the model's, or
+    ``--hf-overrides '{"head_dtype": ...}'``); the model's where this vLLM has none."""
+    return getattr(model_config, "head_dtype", None) or model_dtype(model_config)
+
+
 def platform_device_type() -> str:
     """vLLM's current platform's device type (``"cuda"``, ``"cpu"``, ...)."""
     from vllm.platforms import current_platform
@@ -1269,6 +1275,8 @@ ACCESSES: tuple[Access, ...] = (
            reads=(f"{_LOGITS_LAYER}.head_dtype",)),
     Access(model_dtype, "the steers' dtype on the device", WORKER,
            reads=(f"{_MODEL}.dtype",)),
+    Access(model_head_dtype, "the steer bank's size in vLLM's KV-cache memory error", ENGINE,
+           reads=(f"{_MODEL}.head_dtype",)),
     Access(platform_device_type, "the steers' device when the model loads on meta", WORKER,
            reads=("vllm.platforms:current_platform", "vllm.platforms.interface:Platform."
                   "device_type")),

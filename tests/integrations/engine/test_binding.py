@@ -461,3 +461,39 @@ def test_the_prefix_cache_names_a_vector_steer_by_its_vectors_not_its_load(tmp_p
         assert run_op(before, op, kw)["ok"]
     assert _slot(before, "calm")[1] != _slot(other, "calm")[1]  # a new load id
     assert _block_hashes(before, {"calm": 0.5}) == steered
+
+
+def test_vllms_kv_cache_error_says_what_the_steer_bank_took(files):
+    """A bank that fits on the device but leaves the KV cache too little: vLLM's error names
+    only its own flags (``gpu_memory_utilization``, ``max_model_len``); raised again with the
+    bank's figure and the flags that size it. Any other error is raised as it is."""
+    from vllm_steer.integrations.engine import core as hooks
+    from vllm_steer.sizing import bank_bytes
+
+    paths, _ = files
+    cfg = SteerServerConfig(steers=paths, max_strength=10.0, max_steers=1024,
+                            max_steer_rank=256)
+    vllm_config = SimpleNamespace(additional_config=cfg.to_additional_config(),
+                                  model_config=SimpleNamespace(
+                                      model="tiny", architectures=["LlamaForCausalLM"],
+                                      get_hidden_size=lambda: HIDDEN, dtype="torch.bfloat16",
+                                      head_dtype="torch.bfloat16"))
+    short = ("No available memory for the cache blocks. Try increasing "
+             "`gpu_memory_utilization` when initializing the engine.")
+
+    def no_room(self, cfg):
+        raise ValueError(short)
+
+    with pytest.raises(ValueError) as e:
+        hooks.start(no_room, engine_core(engine_index=0), vllm_config)
+    msg = str(e.value)
+    mib = bank_bytes(1024, 256, HIDDEN, "bfloat16") / 2**20
+    assert msg.startswith(short) and f"the steer bank, {mib:,.1f} MiB" in msg
+    assert f"1024 max steers x rank 256 x hidden {HIDDEN} x bfloat16" in msg
+    assert "--max-steers (now 1024)" in msg and "--max-steer-rank (now 256)" in msg
+
+    def other(self, cfg):
+        raise ValueError("something else")
+
+    with pytest.raises(ValueError, match="^something else$"):
+        hooks.start(other, engine_core(engine_index=0), vllm_config)

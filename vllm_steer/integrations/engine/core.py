@@ -37,10 +37,58 @@ def start(orig, self, vllm_config):
     workers are up: the engine core's steer state made then (the ``--steer`` files' headers
     read now, as the workers read them to reserve the bank, not at the first request or
     listing; a file that cannot be read fails the start). Not ``__init__`` itself: it loads
-    the plugins, so a spawned engine core's own call of it runs unpatched."""
-    out = orig(self, vllm_config)
+    the plugins, so a spawned engine core's own call of it runs unpatched. vLLM refusing the
+    KV cache for want of memory (its ``ValueError``, which names only vLLM's own flags) is
+    raised again with what the plugin took of that memory and the flags that size it
+    (:func:`kv_cache_note`)."""
+    try:
+        out = orig(self, vllm_config)
+    except ValueError as e:
+        note = kv_cache_note(vllm_config, e)
+        if note is None:
+            raise
+        raise ValueError(f"{e}\n{note}") from e
     engine_state(self)
     return out
+
+
+#: Words of vLLM's errors when the memory left for the KV cache is too small
+#: (``vllm.v1.core.kv_cache_utils``: "No available memory for the cache blocks", "... KV cache
+#: is needed, which is larger than the available KV cache memory ...").
+_KV_CACHE_SHORT = ("memory for the cache blocks", "available KV cache memory")
+
+
+def kv_cache_note(vllm_config, error: Exception) -> str | None:
+    """For vLLM's error that too little memory is left for the KV cache: the steer bank's
+    share of what vLLM measured before sizing it, and the flags that size it (None: another
+    error, no steering, or the figure cannot be computed; the error is then raised as it is)."""
+    if not any(w in str(error) for w in _KV_CACHE_SHORT):
+        return None
+    try:
+        from vllm_steer import sizing
+        from vllm_steer.config import SteerServerConfig
+        from vllm_steer.format import factor_ranks
+        from vllm_steer.integrations.families import head_input_size
+        from vllm_steer.kinds import applied_in_layers, read_any_metadata
+
+        cfg = SteerServerConfig.from_additional_config(vllm_access.additional_config(vllm_config))
+        if cfg is None or not cfg.enabled:
+            return None
+        mc = vllm_access.model_config(vllm_config)
+        ranks = [r for path in cfg.steers.values()
+                 if not applied_in_layers(read_any_metadata(path)) for r in factor_ranks(path)]
+        rank, hidden = cfg.reserved_rank(ranks), head_input_size(mc)
+        dtype = str(vllm_access.model_head_dtype(mc))
+        bank = sizing.bank_bytes(cfg.capacity, rank, hidden, dtype)
+        graphs = sizing.head_graph_bytes(cfg.capacity, rank, hidden, dtype, cfg.per_request)
+    except Exception:  # noqa: BLE001 - vLLM's own error is what matters; the note is extra
+        return None
+    return (f"vllm-steer: of that memory, each GPU with the LM head holds the steer bank, "
+            f"{bank / 2**20:,.1f} MiB ({cfg.capacity} max steers x rank {rank} x hidden "
+            f"{hidden} x {dtype.replace('torch.', '')}, x2 factors, x2 for domain components), "
+            f"and the head's CUDA graphs, up to {graphs / 2**20:,.1f} MiB; lower --max-steers "
+            f"(now {cfg.capacity}) or --max-steer-rank (now {rank}) to leave it to the KV "
+            "cache (docs/deploy.md, Sizing)")
 
 
 def collective_rpc(orig, self, method, timeout=None, args=(), kwargs=None):
