@@ -170,7 +170,9 @@ def eager_scratch_bytes(rows: int, max_steers: int, rank: int) -> int:
     ``VLLM_STEER_CUDA_GRAPHS=0``, a named ``--steer-backend``): ``[rows, 2 * max_steers *
     rank]`` fp32, the whole bank's width whatever steers the step uses. Allocated when such a
     step runs, after vLLM sized the KV cache (its profiling run steers nothing), and kept
-    until the next plan."""
+    until the next plan. A step over
+    :data:`vllm_steer.integrations.worker.planner.MAX_EAGER_SCRATCH_BYTES` runs the grouped
+    op instead, :data:`MAX_GRAPH_ROWS` rows at a time (:func:`grouped_scratch_bytes`)."""
     return 4 * int(rows) * bank_columns(max_steers, rank)
 
 

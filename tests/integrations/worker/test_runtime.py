@@ -278,3 +278,53 @@ def test_a_steer_of_the_served_model_is_not_warned_about_when_served_from_a_fold
             rt.bank_state.load(64, torch.device("cpu"), torch.float32, model_ids=ids)
         assert ("was trained on 'meta-llama/Llama-3.1-8B-Instruct' but the server runs "
                 "'/models/llama8b'" in caplog.text) == warned, caplog.text
+
+
+def test_a_step_whose_plan_would_hold_a_large_scratch_runs_the_grouped_op_in_chunks(
+        tmp_path, monkeypatch):
+    """The Triton backend's eager plan holds ``[rows, the bank's columns]`` fp32 whatever
+    steers the step uses, allocated after vLLM sized the KV cache. A step over
+    ``MAX_EAGER_SCRATCH_BYTES`` (many rows on a large bank: a prompt-logprob chunk) runs the
+    grouped op instead, ``MAX_GRAPH_ROWS`` rows at a time: no such plan is made, and every
+    row, across the chunks' edges, is steered as the reference says."""
+    import os
+
+    import pytest
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton backend on CPU needs TRITON_INTERPRET=1")
+    from vllm_steer.integrations.worker import planner as planner_mod
+    from vllm_steer.integrations.worker.rows import SlotRows
+
+    steers = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        steers[name] = str(tmp_path / f"{name}.safetensors")
+        save_steer(steers[name], random_steer(32, 4, name, seed=seed, scale=3.0))
+    rows = 40
+    rt = SteerRuntime(SteerServerConfig(steers=steers, backend="triton", max_steers=6,
+                                        max_steer_rank=8))
+    rt.bank_state.load(32, torch.device("cpu"), torch.float32)
+    rt.ensure_slots(rows, torch.device("cpu"), rows)
+    pad = [0.0] * (rt.slots.num_columns - 2)
+    a, b, none = (np.array(r + pad, dtype=np.float32) for r in ([5e-3, 0], [0, -3e-3], [0, 0]))
+    for slot, row in ((0, a), (1, b), (2, none)):
+        rt.set_slot(slot, row)
+    rt.slots.flush()
+    slots = np.arange(rows) % 3
+    h = torch.randn(rows, 32, generator=torch.Generator().manual_seed(3))
+    want = _want(rt, h, [(a, b, none)[s] for s in slots])
+    with sampled_rows(rt.planner, SlotRows(slots=slots)):
+        torch.testing.assert_close(rt.planner.steer_rows(h), want)  # under the limit: a plan
+    assert rt.planner.plans_made == 1 and rt.planner._plan.buf.shape == (rows, 6 * 2 * 8)
+    rt.planner._plan = rt.planner._plan_key = None
+    monkeypatch.setattr(planner_mod, "MAX_EAGER_SCRATCH_BYTES", 4 * rows * 6 * 2 * 8 - 1,
+                        raising=False)
+    monkeypatch.setattr(planner_mod, "MAX_GRAPH_ROWS", 16, raising=False)  # chunks: 16, 16, 8
+    h = torch.randn(rows, 32, generator=torch.Generator().manual_seed(4))
+    rt.set_slot(1, a)  # a request changed: the step is planned again
+    rt.slots.flush()
+    with sampled_rows(rt.planner, SlotRows(slots=slots)):
+        out = rt.planner.steer_rows(h)
+    torch.testing.assert_close(out, _want(rt, h, [(a, a, none)[s] for s in slots]))
+    assert rt.planner.plans_made == 1 and rt.planner._plan is None  # no plan, no scratch
+    assert all(torch.equal(out[i], h[i]) for i in range(rows) if slots[i] == 2)

@@ -47,6 +47,12 @@ from vllm_steer.kernels import batch_invariant, staging
 from vllm_steer.kernels.layout import row_bucket
 from vllm_steer.logs import warn_once
 from vllm_steer.metrics import OpTimer
+from vllm_steer.sizing import MAX_GRAPH_ROWS
+
+#: The most device bytes the eager Triton op's plan may hold as scratch (its ``[rows, the
+#: bank's columns]`` fp32 partial products); a larger step runs the grouped op
+#: (:meth:`StepPlanner._eager_scratch_too_big`). 64 MiB: 512 rows at 256 steers of rank 64.
+MAX_EAGER_SCRATCH_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -244,6 +250,10 @@ class StepPlanner:
             if self._step_coefs_dev is None:
                 self._gather(n)
             out = self._fixed_op(hidden, self._step_coefs_dev, None)
+        elif out is None and self._eager_scratch_too_big(n):
+            if self._step_coefs_dev is None:
+                self._gather(n)
+            out = self._fixed_op_chunked(hidden, self._step_coefs_dev)
         if out is None:  # launched eagerly (no graphs, or not for this step)
             plan = self._plan if self._plan_checked else self._eager_plan(n)
             if plan is None:  # a backend with no plan (it plans inside the call)
@@ -253,6 +263,32 @@ class StepPlanner:
                 out = self.bank_state.fn(hidden, bank.p1, bank.p2, bank.rank_offsets,
                                          self._step_coefs_dev, prepared=plan)
         self.op_untimed = untimed - 1 if t0 is None else self.op_timer.stop(t0)
+        return out
+
+    def _eager_scratch_too_big(self, n: int) -> bool:
+        """Whether the Triton backend's plan for ``n`` rows would hold a scratch of over
+        :data:`MAX_EAGER_SCRATCH_BYTES` (``[rows, the bank's columns]`` fp32, whatever steers
+        the step uses: :func:`vllm_steer.sizing.eager_scratch_bytes`), allocated after vLLM
+        sized the KV cache: such a step (many rows, a prompt-logprob chunk, on a large bank)
+        runs the grouped op instead (:meth:`_fixed_op_chunked`)."""
+        bank_state = self.bank_state
+        return bank_state.backend == "triton" \
+            and 4 * n * bank_state.bank.p1.shape[1] > MAX_EAGER_SCRATCH_BYTES
+
+    def _fixed_op_chunked(self, hidden: torch.Tensor, coefs: torch.Tensor) -> torch.Tensor:
+        """Row ``i`` steered with ``coefs[i]`` by the grouped op, :data:`MAX_GRAPH_ROWS` rows
+        at a time: its scratch grows with the steers a row may use, not with the bank, and is
+        at most what the head's largest graph holds (counted before vLLM sized the KV
+        cache). Semantics: see reference."""
+        from vllm_steer import ops
+
+        bank, n = self.bank_state.bank, hidden.shape[0]
+        out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+        for i in range(0, n, MAX_GRAPH_ROWS):
+            j = min(n, i + MAX_GRAPH_ROWS)
+            ops.steer_fixed(hidden[i:j], bank.p1, bank.p2, bank.rank, coefs[i:j], None,
+                            out=out[i:j], max_per_row=self.bank_state.max_per_row,
+                            widths=bank.widths)
         return out
 
     def _nothing_to_steer(self, kind: type) -> bool:
