@@ -242,3 +242,25 @@ def test_a_vector_bank_the_device_cannot_hold_is_refused_at_start_up(tmp_path, m
     assert f"vector bank needs {want_mib:.1f} MiB" in msg and "CUDA out of memory" in msg
     assert "65536 max steers x (16 blocks x hidden 4096 + 8192 step tokens) x float32" in msg
     assert "--max-steers (now 65536)" in msg and "--max-num-batched-tokens (now 8192)" in msg
+
+
+def test_a_bank_the_device_cannot_hold_is_refused_with_the_flags_that_size_it(tmp_path,
+                                                                              monkeypatch):
+    """The bank is allocated with the weights, before vLLM sizes the KV cache: a bank the
+    device cannot hold names its figure and the flags that shrink it, and does not send the
+    user to --gpu-memory-utilization, which changes nothing at that point."""
+    from vllm_steer.integrations.worker import bank_state as bank_state_mod
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(bank_state_mod, "SlotBank", out_of_memory)
+    rt = SteerRuntime(SteerServerConfig(steers={"a": _steer(tmp_path, "a", 4, 1)},
+                                        max_steers=4096, max_steer_rank=256))
+    with pytest.raises(RuntimeError) as e:
+        rt.bank_state.load(HIDDEN, torch.device("cpu"), torch.bfloat16)
+    msg = str(e.value)
+    assert "4096 max steers x rank 256 x hidden 48 x bfloat16" in msg
+    assert "--max-steers (now 4096)" in msg and "--max-steer-rank (now 256)" in msg
+    assert "CUDA out of memory" in msg and "--tensor-parallel-size" in msg
+    assert "--gpu-memory-utilization does not change it" in msg

@@ -169,9 +169,11 @@ class BankState:
         except torch.OutOfMemoryError as e:
             raise RuntimeError(
                 f"vllm-steer: the steer bank needs {mib:.1f} MiB on {device} ({figure}) and the "
-                f"device cannot hold it ({str(e).splitlines()[0]}); lower --max-steers "
-                f"(now {cap}) or --max-steer-rank (now {rank}), or "
-                "--gpu-memory-utilization") from None
+                f"device cannot hold it beside the model's weights ({str(e).splitlines()[0]}); "
+                f"lower --max-steers (now {cap}) or --max-steer-rank (now {rank}), or spread "
+                "the model over more GPUs (--tensor-parallel-size). It is allocated with the "
+                "weights, before the KV cache: --gpu-memory-utilization does not change "
+                "it") from None
         logger.info("vllm-steer: steer bank reserves %.1f MiB (%s); a steer of a larger rank "
                     "is refused", mib, figure)
         return bank
