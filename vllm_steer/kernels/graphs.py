@@ -146,6 +146,9 @@ class SteerGraphs:
         self.failed: str | None = None  # why it is launched eagerly for good: a failed capture
         self.captures = 0  # graphs captured (each bucket once per cache)
         self.replays = 0
+        # the largest bucket capture() was asked for (0: none yet): a step of more rows runs
+        # the op eagerly rather than capture while serving
+        self.captured_top = 0
         # bucket -> (graph, static input, static output, and what else the graph reads: the
         # index and the table, referenced here so that their memory is never handed out again)
         self._graphs: dict[int, tuple] = {}
@@ -181,9 +184,12 @@ class SteerGraphs:
         largest bucket]`` int64, ``-1`` a padding row; both buffers that keep their storage from
         step to step, read in place at the replay). Without an index, row ``i`` takes
         ``table[i]`` (``table`` then has at least ``rows`` rows). Replayed from the bucket's
-        graph (captured now if it is the bucket's first use); a view of the static output,
-        valid until the next call. None when the caller must launch the op eagerly (too many
-        rows, or :attr:`failed`)."""
+        graph (captured now if it is the bucket's first use since a :meth:`drop`); a view of
+        the static output, valid until the next call. None when the caller must launch the op
+        eagerly: too many rows, a bucket over the largest :meth:`capture` was asked for (a
+        prompt-logprob chunk longer than any step's sampled rows: never captured while
+        serving, which would stall the step and take memory after vLLM sized the KV cache),
+        or :attr:`failed`."""
         n = hidden.shape[0]
         if n > self.max_rows or self.failed is not None:
             return None
@@ -195,6 +201,8 @@ class SteerGraphs:
             bucket = row_bucket(n)
             entry = self._graphs.get(bucket)
             if entry is None:
+                if self.captured_top and bucket > self.captured_top:
+                    return None  # past what start-up captured: no capture inside a step
                 entry = self._try_capture(bucket)
                 if entry is None:
                     return None
@@ -224,6 +232,7 @@ class SteerGraphs:
         cuda = dev.type == "cuda"
         t0, held = time.perf_counter(), torch.cuda.memory_reserved(dev) if cuda else 0
         top = row_bucket(min(int(rows), self.max_rows))
+        self.captured_top = max(self.captured_top, top)
         done = 0
         for bucket in (1 << i for i in range(top.bit_length())):
             if bucket not in self._graphs:

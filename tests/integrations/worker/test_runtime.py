@@ -328,3 +328,37 @@ def test_a_step_whose_plan_would_hold_a_large_scratch_runs_the_grouped_op_in_chu
     torch.testing.assert_close(out, _want(rt, h, [(a, a, none)[s] for s in slots]))
     assert rt.planner.plans_made == 1 and rt.planner._plan is None  # no plan, no scratch
     assert all(torch.equal(out[i], h[i]) for i in range(rows) if slots[i] == 2)
+
+
+def test_a_prompt_logprob_chunk_longer_than_any_step_is_never_captured_while_serving(tmp_path):
+    """The head's graphs are captured at start-up for the buckets of up to max_num_seqs rows.
+    A prompt-logprob chunk of more rows (300 at max_num_seqs 8) runs the op eagerly: no
+    capture inside a serving step (it would stall the step and take memory after vLLM sized
+    the KV cache), and its rows are steered as the reference says; a step of sampled rows
+    still replays."""
+    from helpers.capture import StandIn
+    from vllm_steer.integrations.worker.rows import PromptRows
+
+    path = str(tmp_path / "a.safetensors")
+    save_steer(path, random_steer(32, 4, "a", seed=1))
+    rt = SteerRuntime(SteerServerConfig(steers={"a": path}, max_steers=4, max_steer_rank=8))
+    rt.bank_state.graph_backend = back = StandIn()
+    rt.ensure_slots(8, torch.device("cpu"))
+    rt.bank_state.load(32, torch.device("cpu"), torch.float32)
+    rt.model_loaded()
+    graphs = rt.bank_state.bank.graphs
+    assert graphs.buckets == [1, 2, 4, 8] and len(back.captured) == 4
+    row = np.zeros(rt.slots.num_columns, np.float32)
+    row[0] = 1e-3
+    rt.set_slot(0, row)
+    rt.slots.flush()
+    base = torch.randn(300, 32, generator=torch.Generator().manual_seed(5))
+    with rt.step.prompts(PromptRows(base=base, token_slots=np.zeros(300, dtype=np.int64))):
+        out = rt.planner.steer_rows(base)
+    torch.testing.assert_close(out, _want(rt, base, [row] * 300))
+    assert graphs.buckets == [1, 2, 4, 8] and len(back.captured) == 4  # nothing captured
+    replays = graphs.replays
+    rt.step.batch_size = 1
+    h = torch.randn(1, 32)
+    torch.testing.assert_close(rt.planner.steer_rows(h), _want(rt, h, [row]))
+    assert graphs.replays == replays + 1
