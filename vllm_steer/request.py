@@ -45,6 +45,8 @@ REFUSAL_REASONS = {
     "unknown_preset": "a model name that is neither the served model, a LoRA adapter nor a "
                       "preset (HTTP 404)",
     "beam_search": "a steered beam-search request",
+    "preset_route": "a preset named as the model of a route that builds its own sampling "
+                    "parameters (it would be served without the preset's steers)",
     "internal": "a fault of the plugin (HTTP 500)",
 }
 #: The reason of a refusal that names no other.

@@ -166,6 +166,31 @@ def adaptive_verification(vllm_config) -> bool:
     return bool(getattr(speculative_config(vllm_config), "enable_adaptive_verification", False))
 
 
+def rejection_sample_method(vllm_config) -> str:
+    """How speculative decoding verifies the drafts (``rejection_sample_method``:
+    ``"standard"`` when unset or without speculative decoding)."""
+    return getattr(speculative_config(vllm_config), "rejection_sample_method",
+                   None) or "standard"
+
+
+#: ``additional_config["decode_backend"]`` of the models with a specialized decode executor
+#: (vLLM 0.33: DeepSeek-V4.1 and Kimi-K3 on NVIDIA, Kimi-K3 on ROCm); "auto": vLLM's decode.
+DECODE_BACKEND_KEY = "decode_backend"
+
+
+def decode_backend(vllm_config) -> str:
+    """The decode backend asked for in ``additional_config`` (``"auto"`` when not given)."""
+    extra = additional_config(vllm_config)
+    value = extra.get(DECODE_BACKEND_KEY) if isinstance(extra, dict) else None
+    return "auto" if value is None else str(value)
+
+
+def monokernel(vllm_config) -> bool:
+    """``--monokernel`` (vLLM 0.33's ``KernelConfig.monokernel``: fused decode layers of some
+    models on ROCm); False on a vLLM without it."""
+    return bool(getattr(getattr(vllm_config, "kernel_config", None), "monokernel", False))
+
+
 def data_parallel_size(vllm_config) -> int:
     """``--data-parallel-size`` (1 without a parallel config)."""
     pc = getattr(vllm_config, "parallel_config", None)
@@ -288,6 +313,14 @@ def put_extra_arg(params, key: str, value) -> None:
 def cache_salt(request) -> str | None:
     """An engine-core ``Request``'s ``cache_salt`` (None: unsalted)."""
     return getattr(request, "cache_salt", None)
+
+
+def aborts_immediately(request) -> bool:
+    """Whether an engine-core ``Request`` is only a clean-up marker that vLLM adds to abort it
+    at once (``abort_immediately``: the connector's ``request_finished`` frees the KV-transfer
+    resources held for it). vLLM 0.33's paused engine re-adds a client's rejected request this
+    way, its sampling params (and steer) included; it never runs."""
+    return bool(getattr(request, "abort_immediately", False))
 
 
 def prompt_tokens(request) -> int:
@@ -1157,6 +1190,12 @@ ACCESSES: tuple[Access, ...] = (
            sets=(f"{_ENGINE_ARGS}.additional_config",)),
     Access(model_config, "the model's configuration", FRONTEND,
            reads=(f"{_CONFIG}.model_config",)),
+    Access(decode_backend, "refusing a model's specialized decode executor", FRONTEND,
+           reads=(f"{_CONFIG}.additional_config",)),
+    Access(monokernel, "refusing vector steers with fused decode layers (--monokernel)",
+           FRONTEND, versions="<0.33", reads=(f"{_CONFIG}.kernel_config",),
+           releases=(Release(">=0.33", reads=(f"{_CONFIG}.kernel_config",
+                                               "vllm.config.kernel:KernelConfig.monokernel")),)),
     Access(uses_v2_runner, "the model runner's hook groups and per-request state", FRONTEND,
            reads=(f"{_CONFIG}.use_v2_model_runner",)),
     Access(speculative_config, "speculative decoding's hook groups", FRONTEND,
@@ -1165,6 +1204,9 @@ ACCESSES: tuple[Access, ...] = (
            reads=(f"{_CONFIG}.speculative_config", f"{_SPEC}.method")),
     Access(adaptive_verification, "refusing adaptive draft verification", FRONTEND,
            reads=(f"{_CONFIG}.speculative_config", f"{_SPEC}.enable_adaptive_verification")),
+    Access(rejection_sample_method, "refusing draft verification that does not keep the "
+           "steered model's distribution", FRONTEND,
+           reads=(f"{_CONFIG}.speculative_config", f"{_SPEC}.rejection_sample_method")),
     Access(data_parallel_size, "run-time steers under data parallelism", FRONTEND,
            reads=(f"{_CONFIG}.parallel_config", f"{_PARALLEL}.data_parallel_size")),
     Access(data_parallel_modes, "run-time steers under data parallelism", FRONTEND,
@@ -1203,6 +1245,8 @@ ACCESSES: tuple[Access, ...] = (
            FRONTEND, reads=(f"{_PARAMS}.extra_args",), sets=(f"{_PARAMS}.extra_args",)),
     Access(cache_salt, "the prefix cache salted by a request's vector mix", ENGINE,
            reads=("vllm.v1.request:Request.cache_salt",)),
+    Access(aborts_immediately, "no steer bound for a request vLLM adds only to abort it",
+           ENGINE, reads=("vllm.v1.request:Request.abort_immediately",)),
     Access(prompt_tokens, "the prefix cache salted by a windowed vector mix's prompt length",
            ENGINE, reads=("vllm.v1.request:Request.num_prompt_tokens",)),
     Access(resalt_request, "the prefix cache salted by a request's vector mix", ENGINE,

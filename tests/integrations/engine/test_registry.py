@@ -414,3 +414,41 @@ def test_a_steer_a_default_or_positive_floor_names_is_not_unloaded_unless_a_use_
     listing = _all([core], "list")[0]
     assert {s["name"] for s in listing["steers"] if s["state"] == "loaded"} == {"b", "c"}
     assert _all([core], "unload", name="nope")[0]["status"] == 404  # unknown: still a 404
+
+
+def test_a_request_added_only_to_be_aborted_is_handed_to_vllm_unbound(tmp_path):
+    """vLLM 0.33's paused engine finishes a rejected request with its own error, then re-adds
+    the client's request with ``abort_immediately`` (its sampling params, steer included) so
+    the KV connector frees what it holds: that request never runs. It reaches vLLM's
+    ``add_request`` as it is: no steer loaded from --steer-dir for it, no refusal (which
+    would skip the clean-up), no bound form written."""
+    from types import SimpleNamespace
+
+    from helpers.steers import random_steer
+
+    from vllm_steer.format import save_steer
+    from vllm_steer.integrations.engine import core as engine_hooks
+    from vllm_steer.integrations.engine.state import engine_state
+    from vllm_steer.request import BOUND_KEY, SteerRequest
+
+    save_steer(tmp_path / "d.safetensors", random_steer(64, 4, "d"))
+    core = _core(0, 2, steer_dir=str(tmp_path))
+    sent = []
+    core.output_queue = SimpleNamespace(put_nowait=sent.append)
+
+    def request(rid, steers, abort):
+        return SimpleNamespace(
+            request_id=rid, client_index=0, abort_immediately=abort,
+            sampling_params=SimpleNamespace(extra_args={
+                "steer": SteerRequest.parse(steers, None, 10.0).to_wire()}))
+
+    added = []
+    for steers in ({"d": 1.0}, {"unknown": 1.0}):  # a first use, and a name it would refuse
+        req = request("r", steers, abort=True)
+        engine_hooks.add_request(lambda core_, r, wave: added.append(r), core, req)
+        assert added[-1] is req and BOUND_KEY not in req.sampling_params.extra_args
+    assert sent == [] and engine_state(core).registry.get("d") is None  # nothing loaded
+    # the same request when it is to run: bound (its --steer-dir steer loaded on first use)
+    req = request("r2", {"d": 1.0}, abort=False)
+    engine_hooks.add_request(lambda core_, r, wave: added.append(r), core, req)
+    assert added[-1] is req and BOUND_KEY in req.sampling_params.extra_args

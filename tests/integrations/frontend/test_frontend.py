@@ -271,3 +271,54 @@ def test_an_unknown_model_name_is_an_unknown_preset_404_counted_once():
         assert _refused("unknown_preset") == before + 1
     finally:
         frontend_state().reset(old)
+
+
+def test_a_preset_named_on_a_route_that_builds_its_own_sampling_params_is_refused():
+    """Routes such as vLLM 0.33's ``/v1/decisions`` (and ``/v1/systemone``,
+    ``/generative_scoring``) run vLLM's model check, which admits a preset's name, but build
+    their ``SamplingParams`` themselves (no ``to_sampling_params``): the preset's steers would
+    be dropped and its name served by the plain model. Such a request is refused (HTTP 400,
+    ``param: "model"``) when it reaches the engine's admission; the routes that apply the
+    preset, a served model name and a request outside an HTTP request are not."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import SamplingParams
+
+    from vllm_steer.integrations.frontend import preset_models, request_scope
+    from vllm_steer.request import SteerRequestError
+
+    old = frontend_state().config
+    frontend_state().reset(SteerServerConfig(steers={"detox": "d"},
+                                             presets={"polite": {"detox": 4.0}}))
+    serving = SimpleNamespace(models=SimpleNamespace(
+        base_model_paths=[SimpleNamespace(name="m")], lora_requests={"adapter": object()}))
+
+    async def orig(self, request):
+        return None  # vLLM's model check admits each of these names
+
+    def http_request(model, route_applies_policy):
+        box, token = request_scope.open_scope()
+        try:
+            assert asyncio.run(preset_models.check_model(
+                orig, serving, SimpleNamespace(model=model))) is None
+            params = SamplingParams(max_tokens=1)
+            if route_applies_policy:  # what to_sampling_params does
+                preset_models.apply_preset(params, model, None)
+            frontend.validate(params)  # the engine's admission (InputProcessor)
+            return params
+        finally:
+            request_scope.close_scope(token)
+
+    try:
+        with pytest.raises(SteerRequestError, match="'polite' is a steer preset") as e:
+            http_request("polite", route_applies_policy=False)
+        assert e.value.reason == "preset_route"
+        assert getattr(e.value, "parameter", "model") == "model"
+        served = http_request("polite", route_applies_policy=True)  # completions, chat, ...
+        assert "steer" in served.extra_args
+        for name in ("m", "adapter"):  # not presets: served as vLLM serves them
+            assert http_request(name, route_applies_policy=False).extra_args is None
+        frontend.validate(SamplingParams(max_tokens=1))  # outside an HTTP request: no scope
+    finally:
+        frontend_state().reset(old)

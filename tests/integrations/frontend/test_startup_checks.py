@@ -157,6 +157,40 @@ def test_adaptive_draft_verification_is_refused_naming_the_option(method):
         use_v2_model_runner=True))
 
 
+@pytest.mark.parametrize("verify", ["synthetic", "fly"])
+@pytest.mark.parametrize("v2", [False, True])
+def test_lossy_draft_verification_is_refused_naming_the_option(verify, v2):
+    """``rejection_sample_method`` "synthetic" (fixed acceptance rates) and "fly" (vLLM 0.33:
+    a rejected draft accepted when the target's entropy is high) accept drafts the steered
+    target rejects: a steered request would get the drafter's tokens (an n-gram drafter's, or
+    a drafter left unsteered). "standard" and "block" verify exactly: served."""
+    from types import SimpleNamespace
+
+    from vllm_steer.integrations.frontend.startup_checks import (LOSSY_VERIFICATION,
+                                                                 check_speculative_config)
+
+    assert verify in LOSSY_VERIFICATION
+    with pytest.raises(ValueError, match=f"rejection_sample_method '{verify}'.*\"standard\""):
+        check_speculative_config(SimpleNamespace(speculative_config=SimpleNamespace(
+            method="ngram", rejection_sample_method=verify), use_v2_model_runner=v2))
+    for exact in ("standard", "block", None):
+        check_speculative_config(SimpleNamespace(speculative_config=SimpleNamespace(
+            method="ngram", rejection_sample_method=exact), use_v2_model_runner=v2))
+
+
+def test_lossy_draft_verification_is_refused_at_engine_config_creation(registered,
+                                                                        tiny_model_dir,
+                                                                        tmp_path):
+    """The same refusal on vLLM's own SpeculativeConfig (``create_engine_config``)."""
+    p = tmp_path / "a.safetensors"
+    save_steer(p, random_steer(64, 4, "a"))
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1, "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": [0.5, 0.25]}
+    with pytest.raises(ValueError, match="rejection_sample_method 'synthetic'"):
+        _engine_config(tiny_model_dir, {"a": str(p)}, speculative_config=spec)
+
+
 def test_speculative_decoding_ngram_draft_model_and_eagle_are_accepted(registered,
                                                                       tiny_model_dir,
                                                                       tmp_path):
@@ -267,3 +301,56 @@ def test_vector_steers_are_refused_where_a_steps_tokens_are_split(flags, named):
         check_layer_steering(config(**flags))
     check_layer_steering(config())  # none of them: served
     check_layer_steering(config(ubatch_size=1))  # one micro-batch is the whole step
+
+
+def test_a_models_specialized_decode_executor_is_refused_naming_the_option():
+    """vLLM 0.33's ``additional_config={"decode_backend": "latency_specialized"}`` (DeepSeek-V4.1,
+    Kimi-K3) builds a decode executor after the model is loaded: its decode steps run through
+    kernels prepared from the blocks' weights (a vector steer's op skipped), and DeepSeek-V4.1's
+    swaps the model's logits layer for its own subclass after the plugin checked the head.
+    Refused at start-up; vLLM's own decode ("auto", or no key) is served."""
+    from types import SimpleNamespace
+
+    from vllm_steer.integrations.frontend.startup_checks import check_decode_backend
+
+    def config(extra):
+        return SimpleNamespace(additional_config=extra)
+
+    with pytest.raises(ValueError, match="decode_backend='latency_specialized' cannot be "
+                                         "served with steers"):
+        check_decode_backend(config({"vllm_steer": {}, "decode_backend": "latency_specialized"}))
+    for served in ({"vllm_steer": {}}, {"decode_backend": "auto"}, None):
+        check_decode_backend(config(served))
+
+
+def test_vector_steers_are_refused_with_monokernel_and_lm_steer_is_not():
+    """``--monokernel`` (vLLM 0.33) runs some models' decode steps through fused layers
+    (MiniMax-M3 on ROCm: ``(kernel or layer)(...)`` for each block), never the steered block's
+    forward: vector steers are refused; the LM head is untouched (LM-Steer steers served)."""
+    from types import SimpleNamespace
+
+    from vllm_steer.integrations.frontend.startup_checks import check_layer_steering
+
+    def config(**kernel):
+        return SimpleNamespace(
+            parallel_config=SimpleNamespace(enable_dbo=False, ubatch_size=0,
+                                            prefill_context_parallel_size=1),
+            compilation_config=SimpleNamespace(pass_config=SimpleNamespace()),
+            kernel_config=SimpleNamespace(**kernel))
+
+    with pytest.raises(ValueError, match="vector steers cannot be served with --monokernel"):
+        check_layer_steering(config(monokernel=True))
+    check_layer_steering(config(monokernel=False))
+    check_layer_steering(config())  # a vLLM without the flag (0.32)
+
+
+def test_the_decode_backend_refusal_runs_at_engine_config_creation(registered, tiny_model_dir,
+                                                                   tmp_path):
+    from vllm.engine.arg_utils import EngineArgs
+
+    p = tmp_path / "a.safetensors"
+    save_steer(p, random_steer(64, 4, "a"))
+    args = EngineArgs(model=str(tiny_model_dir), max_model_len=256, additional_config={
+        "vllm_steer": {"steers": {"a": str(p)}}, "decode_backend": "latency_specialized"})
+    with pytest.raises(ValueError, match="decode_backend='latency_specialized'"):
+        args.create_engine_config()

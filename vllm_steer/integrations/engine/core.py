@@ -115,7 +115,15 @@ def add_request(orig, self, request, request_wave: int = 0):
     guard (:mod:`vllm_steer.integrations.guard`): a request refused there (HTTP 400) or whose
     admission failed in the plugin's code (HTTP 500, logged once with its traceback) is
     finished at once with an error output (:func:`send_refusal`), and the engine core goes on
-    with every other request. Only vLLM's own ``add_request`` runs outside the guard."""
+    with every other request. Only vLLM's own ``add_request`` runs outside the guard.
+
+    A request vLLM adds only to abort it at once (``abort_immediately``: the KV connector's
+    clean-up of a request that never runs, which vLLM 0.33's paused engine sends with the
+    client's own sampling params after it rejected the request) is handed to vLLM as it is:
+    binding it could load a ``--steer-dir`` steer for nothing, or refuse it and so skip the
+    clean-up (the remote KV blocks held for it would never be freed)."""
+    if vllm_access.aborts_immediately(request):
+        return orig(self, request, request_wave)
     try:
         bind_request(self, request)
     except Exception as e:

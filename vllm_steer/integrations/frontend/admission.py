@@ -217,8 +217,21 @@ CHANGED_FORM = (f"{REQUEST_FIELD}: the serialised form vllm-steer wrote into the
                 "(e.g. {'detox': 5}) instead of editing it")
 
 
+#: The refusal of a preset named as the model of a route that never applies it.
+PRESET_ROUTE = ("model: {name!r} is a steer preset, served as a model name by the completions, "
+                "chat completions, responses and messages routes; this route builds its own "
+                "sampling parameters and would serve it without the preset's steers. Send the "
+                "request to the served model instead")
+
+
 def _validate(params: Any) -> None:
     value = va.extra_args(params).get(REQUEST_FIELD)
+    if value is None:
+        from vllm_steer.integrations.frontend.request_scope import unserved_preset
+
+        preset = unserved_preset()  # its model check admitted a preset no route applied
+        if preset is not None:
+            raise field_error(PRESET_ROUTE.format(name=preset), "preset_route", "model")
     request = admitted(value)
     if request is not None:
         if value != request.to_wire():

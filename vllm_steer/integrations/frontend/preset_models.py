@@ -18,7 +18,10 @@ from __future__ import annotations
 from vllm_steer.integrations import guard, vllm_access
 from vllm_steer.integrations.frontend.admission import serve
 from vllm_steer.integrations.frontend.engine_client import refresh_presets
-from vllm_steer.integrations.frontend.request_scope import pin_preset, pinned_preset
+from vllm_steer.integrations.frontend import request_scope
+from vllm_steer.integrations.frontend.request_scope import (note_policy_applied,
+                                                             note_preset_model, pin_preset,
+                                                             pinned_preset)
 from vllm_steer.integrations.frontend.state import frontend_state
 from vllm_steer.request import SteerRequest
 
@@ -55,7 +58,25 @@ async def check_model(orig, self, request, *a, **kw):
     error = await orig(self, request, *a, **kw)
     if error is not None and frontend_state().enabled:  # vLLM's 404: no such model name
         count_unknown_model()
+    elif error is None and frontend_state().enabled:
+        with guard.frontend("BaseServing._check_model", vllm_access.request_id(request)):
+            note_if_preset(self, vllm_access.request_model_field(request))
     return error
+
+
+def note_if_preset(serving, name) -> None:
+    """Record in this HTTP request's scope that its model check admitted ``name`` as a preset
+    with steers (not a served model name nor a LoRA adapter): a route that never applies it
+    (:func:`apply_preset`) is refused when the request reaches the engine
+    (:func:`vllm_steer.integrations.frontend.admission.validate`), instead of serving the
+    preset's name without its steers."""
+    if not isinstance(name, str) or not name or request_scope.current() is None:
+        return  # outside an HTTP request (offline): nothing to record
+    base, lora = vllm_access.registry_model_names(vllm_access.serving_models(serving))
+    if name in base or name in lora:
+        return
+    if preset_of(name):
+        note_preset_model(name)
 
 
 def count_unknown_model() -> None:
@@ -106,6 +127,7 @@ def apply_preset(params, model: str | None, request: SteerRequest | None) -> Non
     frontend's one application of the policy
     (:func:`vllm_steer.integrations.frontend.admission.serve`), which writes the steers into
     ``params.extra_args`` for the engine core and records them for the response headers."""
+    note_policy_applied()  # this route serves presets: its model check's preset is applied
     serve(params, request, preset_of(model))
 
 

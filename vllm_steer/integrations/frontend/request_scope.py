@@ -61,6 +61,32 @@ def pinned_preset(name: str) -> tuple[bool, dict | None]:
     return False, None
 
 
+def note_preset_model(name: str) -> None:
+    """This HTTP request's model check admitted ``name`` as a preset (a model name that is
+    neither a served model nor a LoRA adapter). No-op outside a request."""
+    box = _BOX.get()
+    if box is not None:
+        box["preset_model"] = name
+
+
+def note_policy_applied() -> None:
+    """A ``to_sampling_params`` of this HTTP request applied the policy (its preset, defaults,
+    floors): the route serves presets. No-op outside a request."""
+    box = _BOX.get()
+    if box is not None:
+        box["policy_applied"] = True
+
+
+def unserved_preset() -> str | None:
+    """The preset this HTTP request names as its model when no ``to_sampling_params`` of the
+    request applied it (a route that builds its own sampling parameters); None otherwise, or
+    outside a request."""
+    box = _BOX.get()
+    if box is None or box.get("policy_applied"):
+        return None
+    return box.get("preset_model")
+
+
 def current() -> dict | None:
     """This HTTP request's box (None outside one)."""
     return _BOX.get()

@@ -30,6 +30,12 @@ logger = get_logger()
 #: runner and on Model Runner V2 (:mod:`vllm_steer.integrations.worker.spec_decode`).
 SUPPORTED_SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 
+#: ``rejection_sample_method`` values that accept draft tokens the steered target would not
+#: (refused): ``synthetic`` accepts at fixed rates (benchmarking), ``fly`` (vLLM 0.33) accepts a
+#: rejected draft when the target's entropy is high. "standard" and "block" (block
+#: verification) keep the target's distribution.
+LOSSY_VERIFICATION = ("synthetic", "fly")
+
 
 def create_engine_config(orig, self, *a, **kw):
     """``EngineArgs.create_engine_config``: the checks and our per-request steer state
@@ -53,6 +59,7 @@ def configure_engine(vllm_config) -> None:
     check_steers_fit(cfg, check_model(mc), va.model_name(mc), vllm_config)
     check_policy_config(cfg, {n: "the served model name" for n in va.served_model_names(mc)})
     check_speculative_config(vllm_config)
+    check_decode_backend(vllm_config)
     check_runtime_steers_fit_parallelism(cfg, vllm_config)
     if va.is_pooling(mc):
         raise ValueError("vllm-steer: --steer needs a generative model; "
@@ -70,7 +77,9 @@ def check_speculative_config(vllm_config) -> None:
     """Speculative decoding: the target's verification rows, and the drafter's rows where it
     is steered, are mapped to their requests by
     :mod:`vllm_steer.integrations.worker.spec_decode` for the methods in
-    ``SUPPORTED_SPEC_METHODS``, on both runners; any other method is refused here."""
+    ``SUPPORTED_SPEC_METHODS``, on both runners; any other method is refused here, and so is a
+    verification that does not keep the steered model's distribution
+    (:data:`LOSSY_VERIFICATION`)."""
     if va.speculative_config(vllm_config) is None:
         return
     method = va.speculative_method(vllm_config)
@@ -81,6 +90,15 @@ def check_speculative_config(vllm_config) -> None:
         raise ValueError(f"vllm-steer: speculative decoding method {method!r} is not supported "
                          f"with steers (supported: {', '.join(SUPPORTED_SPEC_METHODS)}); its "
                          "drafter rows are not mapped to their requests (untested); " + fix)
+    verify = va.rejection_sample_method(vllm_config)
+    if verify in LOSSY_VERIFICATION:
+        raise ValueError(
+            f"vllm-steer: speculative decoding with rejection_sample_method {verify!r} cannot be "
+            "served with steers: it accepts draft tokens that the steered model's verification "
+            "rejects, so a steered request would get tokens of the drafter (unsteered for "
+            "n-gram, or a drafter left unsteered) instead of the steered model's. Use "
+            '"rejection_sample_method": "standard" (or "block") in --speculative-config, or '
+            "serve without the --steer options")
     if va.adaptive_verification(vllm_config):
         raise ValueError(
             "vllm-steer: speculative decoding with enable_adaptive_verification cannot be served "
@@ -89,6 +107,24 @@ def check_speculative_config(vllm_config) -> None:
             "each verification row's request is mapped, are placeholders (vLLM refuses LoRA "
             "with it for the same reason). Set \"enable_adaptive_verification\": false in "
             "--speculative-config, or serve without the --steer options")
+
+
+def check_decode_backend(vllm_config) -> None:
+    """Refuse a model's own decode executor (vLLM 0.33, ``additional_config={"decode_backend":
+    "latency_specialized"}``: DeepSeek-V4.1 and Kimi-K3). It is built after the model is
+    loaded, so after the plugin checked the model's logits layer: it runs its decode steps
+    through kernels prepared from the decoder blocks' weights, never through the blocks
+    themselves (a vector steer's op is skipped), and DeepSeek-V4.1's replaces the model's
+    logits layer with its own subclass, which the plugin does not steer."""
+    backend = va.decode_backend(vllm_config)
+    if backend != "auto":
+        raise ValueError(
+            f"vllm-steer: additional_config decode_backend={backend!r} cannot be served with "
+            "steers: the model's specialized decode executor runs decode steps through its own "
+            "kernels (not the decoder blocks the plugin steers) and may replace the model's "
+            "logits layer after the plugin checked it, so steered requests would be served "
+            "unsteered. Remove decode_backend (vLLM's decode: \"auto\"), or serve without "
+            "the --steer options")
 
 
 def check_runtime_steers_fit_parallelism(cfg: SteerServerConfig, vllm_config) -> None:
@@ -177,7 +213,7 @@ def check_layer_steering(vllm_config) -> None:
     steers) cannot be served in: sequence parallelism (it splits the residual stream by token
     across the tensor-parallel ranks, and the per-token coefficients are the whole step's),
     micro-batching and prefill context parallelism (the blocks run on a slice or a reordered
-    share of the step's tokens).
+    share of the step's tokens), and ``--monokernel`` (decode steps through fused layers).
     Pipeline parallelism is served: each stage holds its own blocks' vectors."""
     if va.sequence_parallelism(vllm_config):
         raise ValueError(
@@ -185,6 +221,12 @@ def check_layer_steering(vllm_config) -> None:
             "(compilation pass enable_sp): it splits the residual stream by token across the "
             "tensor-parallel ranks, and each step's per-token strengths are the whole step's. "
             "Turn sequence parallelism off, or serve without vector steers")
+    if va.monokernel(vllm_config):
+        raise ValueError(
+            "vllm-steer: vector steers cannot be served with --monokernel: the fused decode "
+            "layers it enables (vLLM 0.33, e.g. MiniMax-M3 on ROCm) run decode steps without "
+            "the decoder blocks' forward, where a vector steer is added. Serve without "
+            "--monokernel, or without vector steers (LM-Steer steers act on the LM head)")
     split = [mode for mode, on in va.token_splitting(vllm_config).items() if on]
     if split:
         raise ValueError(
