@@ -642,12 +642,28 @@ def output_path_problem(path: str, suffix: str = FILE_SUFFIX) -> str | None:
     return None
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where the system tells it (Linux's
+    ``/proc/self/status``: another thread creating a file meanwhile keeps its mode)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomically(path: str, write: Callable[[str], None], suffix: str = FILE_SUFFIX
                      ) -> None:
     """Write ``path`` whole or not at all: ``write(tmp)`` writes ``path + ".tmp"``, which is
-    then renamed onto ``path``. A path that cannot be a file is refused first
-    (:class:`OutputPathError`, naming it); on any failure the temporary file is removed and an
-    ``OSError`` says which file could not be written and why."""
+    then renamed onto ``path``, with the mode ``open()`` gives a new file (0644 under umask
+    022: a server running as another user reads it). A path that cannot be a file is refused
+    first (:class:`OutputPathError`, naming it); on any failure the temporary file is removed
+    and an ``OSError`` says which file could not be written and why."""
     problem = output_path_problem(path, suffix)
     if problem:
         raise OutputPathError(problem)
@@ -655,6 +671,7 @@ def write_atomically(path: str, write: Callable[[str], None], suffix: str = FILE
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # as open() makes a file: safetensors makes it 0600
         os.replace(tmp, path)
     except BaseException as e:
         try:

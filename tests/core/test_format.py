@@ -394,3 +394,17 @@ def test_save_accepts_factors_that_share_memory(tmp_path):
     save_steer(tmp_path / "sym.safetensors", make_steer(p, p, "sym"))
     back = load_steer(tmp_path / "sym.safetensors")
     assert torch.equal(back.p1, p) and torch.equal(back.p2, p)
+
+
+def test_a_written_steer_is_readable_as_a_new_file_is(tmp_path):
+    """safetensors writes its files 0600: a steer written by `train` or `convert` must take
+    the mode open() gives (0644 under umask 022), or a server running as another user (a
+    container's) cannot read it."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        save_steer(tmp_path / "d.safetensors", random_steer(64, 8, "detox"))
+    finally:
+        os.umask(old)
+    assert oct((tmp_path / "d.safetensors").stat().st_mode & 0o777) == "0o644"
