@@ -118,8 +118,23 @@ def _cmd_presets_delete(args) -> int:
     return 0
 
 
+def _url(text: str) -> str:
+    """``--url``: a server's base URL with its scheme (``localhost:8000`` alone reads to the
+    HTTP library as an unknown scheme, ``No connection adapters were found``)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        import argparse
+
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an http:// or https:// URL: give the server's base URL with its "
+            f"scheme, e.g. http://{text.split('://')[-1] or 'localhost:8000'}")
+    return text
+
+
 def _client_flags(q) -> None:
-    q.add_argument("--url", default=os.environ.get("VLLM_STEER_URL", DEFAULT_URL),
+    q.add_argument("--url", type=_url, default=os.environ.get("VLLM_STEER_URL", DEFAULT_URL),
                    help=f"server (default $VLLM_STEER_URL or {DEFAULT_URL})")
     q.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="bearer token if the server uses --api-key (default $OPENAI_API_KEY)")

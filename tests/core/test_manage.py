@@ -132,3 +132,14 @@ def test_steers_load_sends_a_relative_path_as_given(server, capsys, tmp_path, mo
 def test_an_unreachable_server_is_named(capsys):
     assert main(["presets", "list", "--url", "http://127.0.0.1:9"]) == 1
     assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("url", ["localhost:8000", "ftp://localhost:8000", "http://"])
+def test_a_url_without_http_scheme_is_a_usage_error_naming_it(url, capsys):
+    """`--url localhost:8000` is refused at parse time (exit 2) naming the value and the fix,
+    not sent to the HTTP library (``No connection adapters were found``)."""
+    with pytest.raises(SystemExit) as e:
+        main(["steers", "list", "--url", url])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert repr(url) in err and "http://" in err
