@@ -29,10 +29,64 @@ def is_embedded(name: str) -> bool:
 
 
 def resolve_model(name_or_path: str, quiet: bool = True) -> str:
-    """Map ``smollm2`` to its prepared HF folder; anything else is returned unchanged."""
+    """Map ``smollm2`` to its prepared HF folder; anything else is returned unchanged, once
+    :func:`model_problem` found nothing wrong with it (raises ``FileNotFoundError`` naming
+    it)."""
     if is_embedded(name_or_path):
         return str(prepare_embedded(name_or_path, quiet=quiet))
+    problem = model_problem(name_or_path)
+    if problem:
+        raise FileNotFoundError(problem)
     return name_or_path
+
+
+def looks_like_a_path(name: str) -> bool:
+    """Whether ``name`` is meant as a local folder rather than a Hugging Face id (``org/name``,
+    one ``/``, read from the local cache or the hub as transformers does)."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 \
+        or (os.path.sep != "/" and os.path.sep in name)
+
+
+def model_problem(name: str) -> str | None:
+    """Why ``name`` (a ``--model``) cannot be loaded, found before any loader runs: a folder
+    that does not exist (said at once, instead of a minute of Hugging Face Hub retries on a
+    host without network, then an error that does not name it), or a Hub id that is not in
+    the local cache while the Hub is switched off (``HF_HUB_OFFLINE``). A Hub id not in the
+    cache is downloaded by the loaders otherwise (a note says so). None: no problem seen."""
+    if not isinstance(name, str) or not name or os.path.exists(os.path.expanduser(name)):
+        return None
+    embedded = ", ".join(sorted(EMBEDDED))
+    if looks_like_a_path(name):
+        return (f"model {name!r}: no such folder; give a Hugging Face model folder (with its "
+                f"config.json), a Hub id in the local cache, or {embedded}")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub.constants import HF_HUB_OFFLINE
+
+        cached = try_to_load_from_cache(name, "config.json")
+    except Exception:  # noqa: BLE001 - not an id the Hub takes: the loader says why
+        return None
+    if isinstance(cached, str):
+        return None
+    if HF_HUB_OFFLINE or os.environ.get("TRANSFORMERS_OFFLINE", "").lower() in ("1", "true"):
+        return (f"model {name!r}: no such folder, and not in the Hugging Face cache "
+                f"({_hub_cache()}) while the Hub is switched off (HF_HUB_OFFLINE); give a "
+                f"model folder, download it first (huggingface-cli download {name}), or "
+                f"{embedded}")
+    from vllm_steer.logs import get_logger
+
+    get_logger().warning("vllm-steer: model %r is not a folder here nor in the Hugging Face "
+                         "cache (%s): downloading it from the Hub", name, _hub_cache())
+    return None
+
+
+def _hub_cache() -> str:
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        return str(HF_HUB_CACHE)
+    except Exception:  # noqa: BLE001
+        return "$HF_HOME/hub"
 
 
 def prepare_embedded(name: str = "smollm2", quiet: bool = False) -> Path:

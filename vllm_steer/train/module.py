@@ -387,21 +387,14 @@ class LMSteer(nn.Module):
                 for k in ("p1", "p2", "q1", "q2") if getattr(self, k) is not None}
 
 
-def _looks_like_a_path(name: str) -> bool:
-    """Whether ``name`` is meant as a local folder rather than a Hugging Face id (``org/name``,
-    one ``/``, read from the local cache or the hub as transformers does)."""
-    return name.startswith(("/", ".", "~")) or name.count("/") > 1 \
-        or (os.path.sep != "/" and os.path.sep in name)
-
-
 def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype):
     """(model, tokenizer, resolved path) for a name, path or ``smollm2``; frozen, eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_steer.models import resolve_model
+    from vllm_steer.models import looks_like_a_path, resolve_model
 
     path = resolve_model(name_or_path)
-    if not os.path.exists(path) and _looks_like_a_path(name_or_path):
+    if not os.path.exists(path) and looks_like_a_path(name_or_path):
         raise FileNotFoundError(f"--model {name_or_path}: no such folder")
     if os.path.isfile(path) or (os.path.isdir(path)
                                 and not os.path.isfile(os.path.join(path, "config.json"))):
