@@ -811,6 +811,23 @@ def core_requests(core) -> list:
     return list(core.scheduler.requests.values())
 
 
+def streaming_session(core, request):
+    """The streaming-input session that ``request`` continues or ends: the unfinished request
+    of its id that the engine core's scheduler holds, made resumable (vLLM's streaming input:
+    each later input chunk, and the end of the input, reach the engine core as a new request
+    of the session's id); None for any other request."""
+    session = core.scheduler.requests.get(getattr(request, "request_id", None))
+    if session is None or session.is_finished() or not session.resumable:
+        return None
+    return session
+
+
+def is_resumable(request) -> bool:
+    """Whether an engine-core ``Request`` is an input chunk of a streaming-input session
+    (``resumable``); the request that ends a session's input is not."""
+    return bool(getattr(request, "resumable", False))
+
+
 def core_run_in_workers(core, fn, args: tuple) -> list:
     """``fn(worker, *args)`` in every worker, through the engine core's executor."""
     return core.model_executor.collective_rpc(fn, args=args)
@@ -1401,6 +1418,12 @@ ACCESSES: tuple[Access, ...] = (
            reads=(f"{_CORE}Proc.output_queue",)),
     Access(core_requests, "steers in use by requests are never evicted", ENGINE,
            reads=(f"{_CORE}.scheduler", f"{_SCHEDULER}.requests")),
+    Access(streaming_session, "a streaming-input session's later chunks and its end",
+           ENGINE, reads=(f"{_CORE}.scheduler", f"{_SCHEDULER}.requests",
+                          *reads_of("vllm.v1.request:Request", "request_id", "is_finished",
+                                    "resumable"))),
+    Access(is_resumable, "a streaming-input session's later chunks and its end", ENGINE,
+           reads=("vllm.v1.request:Request.resumable",)),
     Access(core_run_in_workers, "a management op in every worker", ENGINE,
            reads=(f"{_CORE}.model_executor",
                   "vllm.v1.executor.abstract:Executor.collective_rpc")),

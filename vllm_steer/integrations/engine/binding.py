@@ -45,12 +45,28 @@ def bind_request(core, request) -> None:
     all of them at once without evicting a steer a running request uses or one this request
     names. A first-use load therefore never evicts a steer bound earlier in the same request.
 
+    A streaming-input session (vLLM's ``resumable`` requests) sends each later input chunk,
+    and the end of its input, as a new request of its id. The end is not bound: vLLM reads
+    only its id and finishes the session, which a refusal would keep waiting for ever. A
+    later chunk is bound as any request, and must keep the session's vector steers
+    (:func:`check_session_chunk`).
+
     Raises :class:`SteerAdmissionError` when a named steer is not loaded (and not in
     ``--steer-dir``), its file there is refused, the request names too many steers, or the
     serialised form cannot be read; :class:`SteerBankFullError` when the bank has no room
     for them now; the message is the one
     the API server's own check gives (:func:`vllm_steer.integrations.protocol.steer_dir_file`).
     """
+    session = va.streaming_session(core, request)
+    if session is not None and not va.is_resumable(request):
+        return  # the end of a session's input: nothing of it is served
+    _bind(core, request)
+    if session is not None:
+        check_session_chunk(core, session, request)
+
+
+def _bind(core, request) -> None:
+    """:func:`bind_request` of one request, a session's input chunk included."""
     sp = va.sampling_params(request)
     if sp is None:
         return
@@ -100,6 +116,8 @@ def bind_request(core, request) -> None:
     bound = [BoundSteer(n, *slots[n], values[n]) for n in names]
     va.set_extra_args(sp, {**extra, BOUND_KEY: BoundSteer.to_wire(bound)})
     if st.layers_enabled:
+        if va.is_resumable(request):
+            check_session_windows(reg, bound)
         salt_prefix_cache(request, reg, bound)
 
 
@@ -121,17 +139,30 @@ def layer_mix(reg, bound, prompt_tokens: int) -> str:
     turn of a chat reads its earlier reply's tokens as prompt, at the base strength)."""
     parts = []
     windowed = False
-    for b in bound:
-        entry = reg.slots[b.bank_slot] if 0 <= b.bank_slot < len(reg.slots) else None
-        if entry is None or entry.kind == "lm-steer" or not b.strength:
-            continue
+    for b, entry in _layer_steers(reg, bound):
         what = entry.content or f"{b.name}#{b.load_id}"  # content: set by every load
         parts.append(f"{what}={b.value!r}")
-        windowed = windowed or (isinstance(b.value, Window) and b.value.strength != b.value.base)
+        windowed = windowed or _windowed(b)
     parts.sort()
     if windowed:
         parts.append(f"@prompt={prompt_tokens}")
     return ";".join(parts)
+
+
+def _layer_steers(reg, bound) -> list:
+    """``(bound steer, registry entry)`` of each decoder-layer steer (vector steer) of
+    ``bound`` that applies something (a strength or a window's base not 0)."""
+    out = []
+    for b in bound:
+        entry = reg.slots[b.bank_slot] if 0 <= b.bank_slot < len(reg.slots) else None
+        if entry is not None and entry.kind != "lm-steer" and b.strength:
+            out.append((b, entry))
+    return out
+
+
+def _windowed(b) -> bool:
+    """Whether a bound steer's strength changes over the generated tokens (a window)."""
+    return isinstance(b.value, Window) and b.value.strength != b.value.base
 
 
 def salt_prefix_cache(request, reg, bound) -> None:
@@ -148,6 +179,66 @@ def salt_prefix_cache(request, reg, bound) -> None:
     digest = hashlib.sha256(mix.encode()).hexdigest()[:32]
     own = va.cache_salt(request)
     va.resalt_request(request, f"{own or ''}|{SALT_PREFIX}{digest}")
+
+
+def _layer_salt(request) -> str:
+    """The part of a request's ``cache_salt`` that names its vector steers (what
+    :func:`salt_prefix_cache` added); empty when it has none."""
+    salt = va.cache_salt(request) or ""
+    at = salt.rfind("|" + SALT_PREFIX)
+    return salt[at + 1:] if at >= 0 else ""
+
+
+def check_session_chunk(core, session, request) -> None:
+    """Refuse a later input chunk of a streaming-input session (``request``, bound) whose
+    vector steers are not the session's. vLLM keeps the session's ``cache_salt`` from its
+    first chunk (a later chunk brings only its tokens and sampling params), and the salt enters
+    only the first block's hash, the later blocks chaining from it: the blocks a chunk computes
+    under another vector mix would be cached as the first mix's, and served, wrong, to the
+    next request of that mix with the same tokens. LM-Steer steers change no key or value:
+    they may change from chunk to chunk (the workers apply each chunk's own). The refusal
+    reaches the client as the request's error, and its frontend aborts the session (the
+    plugin's ``AsyncLLM.generate`` hook as it raises the refusal; vLLM 0.33 on any error)."""
+    if _layer_salt(request) == _layer_salt(session):
+        return
+    reg = engine_state(core).registry  # a salt of the plugin's: steering is configured
+    was, now = (_describe_layers(reg, va.sampling_params(r)) for r in (session, request))
+    again = (" (the same names now hold other vectors: a steer was loaded again since the "
+             "session began)") if was == now else ""
+    raise SteerAdmissionError(
+        f"{REQUEST_FIELD}: a streaming-input session keeps the vector steers it started with "
+        f"({was}), but this input chunk asks for {now}{again}. Vector steers change the keys "
+        "and values the session caches, and its prefix cache stays keyed by its first "
+        "chunk's vector steers: send every chunk of the session with the same vector steers "
+        "(LM-Steer steers may change from chunk to chunk), or start a new session for "
+        "another mix of vector steers")
+
+
+def check_session_windows(reg, bound) -> None:
+    """Refuse a generation window on a vector steer of a streaming-input session's input
+    chunk. The window counts the tokens generated since the chunk's input, and a later chunk
+    reads the session's earlier output as prompt, at the window's base strength, while the
+    prefix cache, salted once for the session (:func:`check_session_chunk`), takes each
+    token's strength to follow from the first chunk's prompt length (:func:`layer_mix`)."""
+    names = [b.name for b, _ in _layer_steers(reg, bound) if _windowed(b)]
+    if names:
+        raise SteerAdmissionError(
+            f"{REQUEST_FIELD}: a generation window on a vector steer "
+            f"({', '.join(repr(n) for n in names)}) is not served to a streaming-input "
+            "session: a later input chunk reads the session's output as prompt, at the "
+            "window's base strength, and the prefix cache would hand its blocks to requests "
+            "that computed the same tokens at other strengths. Give the vector steer a plain "
+            "strength in a streaming-input session, or send the request without streaming "
+            "input")
+
+
+def _describe_layers(reg, params) -> str:
+    """The vector steers a request's bound steers apply, ``name=strength``, or "no vector
+    steers"."""
+    bound = BoundSteer.from_wire(va.extra_args(params).get(BOUND_KEY))
+    steers = sorted(f"{b.name}={b.strength:g}" for b, _ in _layer_steers(reg, bound)) \
+        if reg is not None else []
+    return ", ".join(steers) or "no vector steers"
 
 
 def _steer_dir_path(core, name: str) -> str:
