@@ -69,3 +69,24 @@ class DPClient:
     async def call_utility_all_async(self, method, *args):
         assert method == "collective_rpc"
         return [hooks.collective_rpc(None, c, *args) for c in self.core_engines]
+
+
+def start_vector_core(cfg: SteerServerConfig, hidden: int, **attrs):
+    """An engine core started as vLLM starts it (the plugin's start hook makes its steer
+    state) with ``cfg`` on a two-block Llama stand-in of ``hidden`` (vector steers fit it);
+    ``attrs``: the core's scheduler, executor, output queue. The frontend of its process
+    admits by ``cfg`` too (the caller puts the previous configuration back)."""
+    from vllm_steer.integrations.frontend.state import frontend_state
+
+    st = frontend_state()
+    st.reset(cfg)
+    st.hidden_size = hidden
+    hf = SimpleNamespace(num_hidden_layers=2, hidden_size=hidden, model_type="llama")
+    vllm_config = SimpleNamespace(additional_config=cfg.to_additional_config(),
+                                  model_config=SimpleNamespace(
+                                      model="tiny", architectures=["LlamaForCausalLM"],
+                                      hf_config=hf, hf_text_config=hf,
+                                      get_hidden_size=lambda: hidden))
+    core = engine_core(engine_index=0, **attrs)
+    hooks.start(lambda self, c: setattr(self, "vllm_config", c), core, vllm_config)
+    return core

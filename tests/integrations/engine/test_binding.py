@@ -389,24 +389,12 @@ def _vector_replica(paths: dict, steer_dir: str | None = None):
     """An engine core started (as vLLM starts it) with the vector steers ``paths`` on a
     two-block model of hidden size :data:`HIDDEN`, its workers taking every op: one replica
     or one run of a server."""
-    from helpers.engine_cores import Workers
-    from vllm_steer.integrations.engine import core as hooks
+    from helpers.engine_cores import Workers, start_vector_core
 
     cfg = SteerServerConfig(steers=paths, max_strength=10.0, max_steers=4, steer_dir=steer_dir,
                             enable_updates=True)
-    st = frontend_state()  # the frontend admitting its requests (each replica's is alike)
-    st.reset(cfg)
-    st.hidden_size = HIDDEN
-    hf = SimpleNamespace(num_hidden_layers=2, hidden_size=HIDDEN, model_type="llama")
-    vllm_config = SimpleNamespace(additional_config=cfg.to_additional_config(),
-                                  model_config=SimpleNamespace(
-                                      model="tiny", architectures=["LlamaForCausalLM"],
-                                      hf_config=hf, hf_text_config=hf,
-                                      get_hidden_size=lambda: HIDDEN))
-    core = engine_core(engine_index=0, scheduler=SimpleNamespace(requests={}),
-                       model_executor=Workers())
-    hooks.start(lambda self, c: setattr(self, "vllm_config", c), core, vllm_config)
-    return core
+    return start_vector_core(cfg, HIDDEN, scheduler=SimpleNamespace(requests={}),
+                             model_executor=Workers())
 
 
 def _block_hashes(core, steer) -> list:

@@ -16,8 +16,7 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from helpers.engine_cores import Workers  # noqa: E402
-from helpers.fakes import engine_core  # noqa: E402
+from helpers.engine_cores import Workers, start_vector_core  # noqa: E402
 from helpers.steers import random_steer  # noqa: E402
 from vllm_steer.config import SteerServerConfig  # noqa: E402
 from vllm_steer.format import save_steer  # noqa: E402
@@ -70,28 +69,18 @@ def core(files, vllm_config):
 
     cfg = SteerServerConfig(steers=files, max_strength=10.0, max_steers=4,
                             enable_updates=True)
-    st = frontend_state()  # the frontend that admits the session's requests
-    old = st.config
-    st.reset(cfg)
-    st.hidden_size = HIDDEN
-    hf = SimpleNamespace(num_hidden_layers=2, hidden_size=HIDDEN, model_type="llama")
-    steer_config = SimpleNamespace(additional_config=cfg.to_additional_config(),
-                                   model_config=SimpleNamespace(
-                                       model="tiny", architectures=["LlamaForCausalLM"],
-                                       hf_config=hf, hf_text_config=hf,
-                                       get_hidden_size=lambda: HIDDEN))
+    old = frontend_state().config  # the frontend that admits the session's requests
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[],
                        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
     scheduler = Scheduler(vllm_config, kv, StructuredOutputManager(vllm_config),
                           block_size=BLOCK, log_stats=False)
     sent = []
-    c = engine_core(engine_index=0, scheduler=scheduler, model_executor=Workers(),
-                    output_queue=SimpleNamespace(put_nowait=sent.append))
-    hooks.start(lambda self, conf: setattr(self, "vllm_config", conf), c, steer_config)
+    c = start_vector_core(cfg, HIDDEN, scheduler=scheduler, model_executor=Workers(),
+                          output_queue=SimpleNamespace(put_nowait=sent.append))
     c.sent = sent
     yield c
-    st.reset(old)
+    frontend_state().reset(old)
 
 
 def _request(tokens, steer, resumable=True, rid="session", max_tokens=2):
