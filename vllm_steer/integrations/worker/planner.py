@@ -280,15 +280,11 @@ class StepPlanner:
         at a time: its scratch grows with the steers a row may use, not with the bank, and is
         at most what the head's largest graph holds (counted before vLLM sized the KV
         cache). Semantics: see reference."""
-        from vllm_steer import ops
-
-        bank, n = self.bank_state.bank, hidden.shape[0]
+        n = hidden.shape[0]
         out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
         for i in range(0, n, MAX_GRAPH_ROWS):
             j = min(n, i + MAX_GRAPH_ROWS)
-            ops.steer_fixed(hidden[i:j], bank.p1, bank.p2, bank.rank, coefs[i:j], None,
-                            out=out[i:j], max_per_row=self.bank_state.max_per_row,
-                            widths=bank.widths)
+            self._fixed_op(hidden[i:j], coefs[i:j], None, out=out[i:j])
         return out
 
     def _nothing_to_steer(self, kind: type) -> bool:
@@ -498,12 +494,12 @@ class StepPlanner:
         return self._timed(self._fixed_op, hidden, table, mapping[:n])
 
     def _fixed_op(self, hidden: torch.Tensor, table: torch.Tensor,
-                  index: torch.Tensor) -> torch.Tensor:
+                  index: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The capture-safe op (:func:`vllm_steer.ops.steer_fixed`) on the bank in place."""
         from vllm_steer import ops
 
         bank = self.bank_state.bank
-        return ops.steer_fixed(hidden, bank.p1, bank.p2, bank.rank, table, index,
+        return ops.steer_fixed(hidden, bank.p1, bank.p2, bank.rank, table, index, out=out,
                                max_per_row=self.bank_state.max_per_row, widths=bank.widths)
 
     # ---- batch-sharded sampling (V2, TP > 1): the row order exists on the device only ---------
