@@ -488,6 +488,8 @@ KIND = {"detox": 4.0, "a": -2.0}  # a --steer steer and a --steer-dir one
 
 
 def openai_client(url):
+    """A new client each time it is used after a pause: a pooled connection left idle for
+    uvicorn's 5 s keep-alive may be closed by the server as it is reused, and retries are off."""
     import openai
 
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -519,8 +521,8 @@ def test_a_preset_added_at_run_time_is_a_model_name_on_every_api_server(server):
     # (no extra_body) with "model": "kind" gets the mix
     assert [plain_client_text(openai_client(server), "kind") for _ in range(8)] == [want] * 8
     msgs = [{"role": "user", "content": "Tell me about your day"}]
-    chat = [client.chat.completions.create(model=m, messages=msgs, max_tokens=8, temperature=0,
-                                           **kw).choices[0].message.content
+    chat = [openai_client(server).chat.completions.create(
+        model=m, messages=msgs, max_tokens=8, temperature=0, **kw).choices[0].message.content
             for m, kw in (("kind", {}), ("tiny", {"extra_body": {"steer": KIND}}))]
     assert chat[0] == chat[1]
     # the tokens are the formula's, computed by hand on the model's weights
