@@ -37,8 +37,7 @@ def _strength(args, steer) -> float:
 
 
 def _read_text(args) -> str:
-    if (args.text is None) == (args.file is None):
-        raise ValueError("give exactly one of --text TEXT or --file PATH")
+    """The text of ``--text`` or ``--file`` (the parser takes exactly one of them)."""
     if args.file is not None:
         with open(args.file, encoding="utf-8") as f:
             return f.read()
@@ -187,8 +186,6 @@ def cmd_score(args) -> int:
     strengths = list(args.strengths) if args.strengths else list(S.DEFAULT_STRENGTHS)
     strength = _strength(args, steer)
     if args.dataset:
-        if args.text is not None or args.file is not None:
-            raise ValueError("give either --dataset or --text/--file, not both")
         pos = args.positive_label or S.DATASETS[args.dataset][1]
         rows = S.read_dataset(args.dataset, args.data_dir, args.split)
         labels = sorted({lab for _, lab in rows})
@@ -234,11 +231,11 @@ def cmd_score(args) -> int:
                     f, indent=2, allow_nan=False)
                 f.write("\n")
         return 0
-    if args.file is not None and args.text is None:
+    if args.file is not None:
         with open(args.file, encoding="utf-8") as f:
             texts = [line.rstrip("\n") for line in f if line.strip()]
     else:
-        texts = [_read_text(args)]
+        texts = [args.text]
     grid = sorted(set(strengths) | {abs(strength), -abs(strength)})
     sc = S.score_texts(model, tok, steer, texts, grid, args.max_tokens, args.batch_size,
                        args.prefix, progress=len(texts) > 8 and not args.quiet)
@@ -377,8 +374,9 @@ def add_commands(subparsers) -> None:
               "for a detox steer)",
            "context before the text (default: the tokenizer's BOS/EOS token so the first "
            "token is scored too; '' for none)", None)
-    h.add_argument("--text", help="the text")
-    h.add_argument("--file", help="read the text from this file")
+    text = h.add_mutually_exclusive_group(required=True)  # one, refused before any load
+    text.add_argument("--text", help="the text")
+    text.add_argument("--file", help="read the text from this file")
     h.add_argument("--against", type=float, default=0.0,
                    help="baseline strength (default 0 = the plain model)")
     h.add_argument("--spans", type=_int_at_least(0, 3), default=3,
@@ -422,12 +420,14 @@ def add_commands(subparsers) -> None:
     common(s, "the s of the +s/-s contrast (default: recommended strength, else 5)",
            "context before each text, so that its first token is scored too (default: none; "
            "a text then needs two tokens or more to get a score)", DEFAULT_MAX_TOKENS)
-    s.add_argument("--text", help="one text")
-    s.add_argument("--file", help="texts, one a line")
+    texts = s.add_mutually_exclusive_group(required=True)  # one, refused before any load
+    texts.add_argument("--text", help="one text")
+    texts.add_argument("--file", help="texts, one a line")
     s.add_argument("--strengths", type=_strengths_arg,
                    help="comma-separated grid for the read-out, e.g. --strengths=-10,-5,0,5,10 "
                    "(default -5,0,5; +/-strength are always added)")
-    s.add_argument("--dataset", choices=["sst2", "jigsaw"], help="evaluate on this data set")
+    texts.add_argument("--dataset", choices=["sst2", "jigsaw"],
+                       help="evaluate on this data set")
     s.add_argument("--split", default="test", help="sst2 split: test or dev (default test)")
     s.add_argument("--data", "--data-dir", dest="data_dir", metavar="DIR",
                    help="data folder (default $VLLM_STEER_DATA or ../shared/data)")
