@@ -36,6 +36,8 @@ import re
 import shlex
 import sys
 
+from vllm_steer.usage import UsageError
+
 #: Modules that contribute sub-commands: each has ``add_commands(subparsers)``; a parser's
 #: ``func`` default receives the parsed args. Imported lazily so ``--help`` stays fast.
 COMMAND_MODULES = ("vllm_steer.train.cli", "vllm_steer.eval.cli", "vllm_steer.lens.cli",
@@ -112,6 +114,14 @@ def walk_parsers(parser: argparse.ArgumentParser):
                 yield from walk_parsers(sub)
 
 
+def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The sub-command parser of ``command`` (``parser`` itself if there is none)."""
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction) and command in a.choices:
+            return a.choices[command]
+    return parser
+
+
 SERVE_HINT = """serving is vLLM's own command, with the flags this package adds to it:
 
     vllm serve MODEL --steer NAME=PATH [NAME=PATH ...]
@@ -177,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `vllm-steer info FILE | head`: the reader stopped, as for `cat`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
         return 1
+    except UsageError as e:  # flags that do not go together: as argparse's own errors
+        command_parser(parser, args.command).print_usage(sys.stderr)
+        print(f"vllm-steer {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except (ValueError, RuntimeError) as e:
         print(f"vllm-steer {args.command}: error: {e}", file=sys.stderr)
         return 1

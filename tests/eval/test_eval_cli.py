@@ -44,6 +44,26 @@ def test_missing_steer_is_a_clear_error(capsys):
     assert "--steer nope.safetensors: no such file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["eval", "toxicity", "--num-prompts", "0"],
+     "argument --num-prompts: '0' is not an integer >= 1: give e.g. 100"),
+    (["tune", "s.safetensors", "--task", "toxicity", "--num-prompts", "-1"],
+     "argument --num-prompts: '-1' is not an integer >= 1"),
+    (["eval", "train-baseline", "--out", "b.safetensors"],
+     "one of the arguments --like --preset is required"),
+    (["eval", "train-baseline", "--out", "b.safetensors", "--like", "s.safetensors",
+      "--preset", "detox"], "argument --preset: not allowed with argument --like"),
+])
+def test_flags_out_of_range_or_together_are_usage_errors(argv, said, capsys):
+    """Refused by the parser (exit status 2, the flag and the value named) before any file,
+    model or engine is touched: these exited with status 1 after the parser (--num-prompts),
+    or after the steer's metadata was read (train-baseline's choice)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert said in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags, said", [
     (["toxicity", "--strengths", "1,1.0000001"],
      "--strengths: 1.0000001 and 1.0, which the report labels alike (+1)"),

@@ -41,13 +41,20 @@ def paper(tmp_path):
     return path
 
 
+def usage_error(err: str) -> str:
+    """The error line of a usage error's stderr: the command's usage, then one line."""
+    assert err.startswith("usage: vllm-steer "), err
+    return err.strip().splitlines()[-1]
+
+
 def _error(capsys, argv, rc=1):
     """Run the command; its exit status is ``rc`` and stderr is one line of
-    ``vllm-steer convert: error: ...`` (no traceback). Returns that line."""
+    ``vllm-steer convert: error: ...`` (no traceback), after the command's usage for a usage
+    error (flags that do not go together: exit status 2, as argparse's). Returns that line."""
     assert main(argv) == rc
     cap = capsys.readouterr()
-    err = cap.err.strip()
-    assert "Traceback" not in err and err.count("\n") == 0, err
+    err = usage_error(cap.err) if rc == 2 else cap.err.strip()
+    assert "Traceback" not in cap.err and err.count("\n") == 0, err
     assert err.startswith("vllm-steer convert: error: "), err
     return err
 
@@ -66,7 +73,7 @@ def test_out_a_directory_is_refused_by_name_and_leaves_nothing(tmp_path, capsys,
     outdir.mkdir()
     before = _files(tmp_path)
     for out in (str(outdir), str(outdir) + "/"):
-        err = _error(capsys, ["convert", str(src), "--out", out, *flags])
+        err = _error(capsys, ["convert", str(src), "--out", out, *flags], rc=2)
         assert f"'{out}' is a directory, not a file" in err
         assert f"e.g. {os.path.join(out, 'NAME.safetensors')}" in err
     assert _files(tmp_path) == before and _files(outdir) == []  # no OUT.tmp, no OUT/.tmp
@@ -77,7 +84,7 @@ def test_out_below_a_file_is_refused_by_name(tmp_path, capsys, cv):
     blocker.write_text("x")
     before = _files(tmp_path)
     for out in ("/dev/null/x.gguf", str(blocker / "sub" / "x.gguf")):
-        err = _error(capsys, ["convert", str(cv), "--out", out])
+        err = _error(capsys, ["convert", str(cv), "--out", out], rc=2)
         assert f"cannot write '{out}'" in err and "is not a directory" in err
     assert _files(tmp_path) == before and blocker.read_text() == "x"
 
@@ -103,8 +110,8 @@ def test_a_failed_write_names_the_file_and_leaves_no_temporary(tmp_path, capsys,
 def test_train_refuses_an_out_directory_before_loading_anything(tmp_path, capsys):
     err_argv = ["train", "--model", str(tmp_path / "no-such-model"), "--positive", "p.txt",
                 "--negative", "n.txt", "--out", str(tmp_path)]
-    assert main(err_argv) == 1
-    err = capsys.readouterr().err
+    assert main(err_argv) == 2
+    err = usage_error(capsys.readouterr().err)
     assert err.startswith(f"vllm-steer train: error: --out: '{tmp_path}' is a directory"), err
 
 
@@ -113,7 +120,7 @@ def test_train_refuses_the_same_out_file_twice_before_loading_anything(tmp_path,
     argv = ["train", "--kind", "vector", "--model", str(tmp_path / "no-such-model"),
             "--positive", "p.txt", "--negative", "n.txt", "--out", str(out),
             str(tmp_path / "." / "v.safetensors")]
-    assert main(argv) == 1
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert "is given twice" in err and "no-such-model" not in err, err
 
@@ -237,5 +244,5 @@ def test_a_checkpoints_zero_epsilon_is_refused_not_made_the_default(tmp_path, ca
 
 def test_a_vector_steer_refuses_the_lm_steer_domain_flag(tmp_path, capsys, cv):
     err = _error(capsys, ["convert", str(cv), "--out", str(tmp_path / "x.gguf"),
-                          "--domain", "none"])
+                          "--domain", "none"], rc=2)
     assert "--domain: flags of LM-Steer checkpoints" in err

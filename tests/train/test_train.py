@@ -298,7 +298,7 @@ def test_cli_train_writes_a_steer_and_reports_bad_input(tiny_model_dir, synth, t
     gguf = tmp_path / "s.GGUF"  # an LM-Steer is no control vector, in any case of the suffix
     rc = main(["train", "--model", str(tiny_model_dir), "--positive", str(synth["pos"]),
                "--negative", str(synth["neg"]), "--out", str(gguf)])
-    assert rc == 1 and "llama.cpp's GGUF holds vector steers only" in capsys.readouterr().err
+    assert rc == 2 and "llama.cpp's GGUF holds vector steers only" in capsys.readouterr().err
     assert not gguf.exists()
 
 
@@ -532,7 +532,7 @@ def test_cli_train_requires_a_model_outside_the_demo_presets(tmp_path, capsys):
 
     (tmp_path / "p.txt").write_text("good\n")
     assert main(["train", "--positive", str(tmp_path / "p.txt"), "--negative",
-                 str(tmp_path / "p.txt"), "--out", str(tmp_path / "x.safetensors")]) == 1
+                 str(tmp_path / "p.txt"), "--out", str(tmp_path / "x.safetensors")]) == 2
     err = capsys.readouterr().err
     assert "vllm-steer train: error: --model is required" in err
     assert "--preset detox, --preset sentiment" in err and "default to smollm2" in err
@@ -596,7 +596,7 @@ def test_cli_train_refuses_bad_numbers_before_any_work(tmp_path, capsys, extra, 
     out = tmp_path / "x.safetensors"
     assert main(["train", "--model", str(tmp_path / "no-model"), "--positive",
                  str(tmp_path / "p.txt"), "--negative", str(tmp_path / "p.txt"), "--out",
-                 str(out), *extra]) == 1
+                 str(out), *extra]) == 2
     err = capsys.readouterr().err
     assert fragment in err and "no-model" not in err, err
     assert not out.exists()
@@ -611,7 +611,7 @@ def test_cli_train_vector_pairs_refuse_unused_and_bad_data_flags(tmp_path, capsy
             str(pairs), "--out", str(tmp_path / "v.gguf")]
     for extra, fragment in ((["--max-examples", "2"], "--max-examples and --pairs"),
                             (["--dev-fraction", "-0.5"], "--dev-fraction -0.5")):
-        assert main([*base, *extra]) == 1
+        assert main([*base, *extra]) == 2
         err = capsys.readouterr().err
         assert fragment in err and "no-model" not in err, err
 

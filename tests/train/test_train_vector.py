@@ -173,10 +173,10 @@ def test_cli_refusals(model_dir, data, tmp_path, capsys):
     base = ["train", "--model", str(model_dir), "--positive", *data.positive, "--negative",
             *data.negative]
     assert main([*base, "--kind", "vector", "--steps", "5", "--out",
-                 str(tmp_path / "x.safetensors")]) == 1
+                 str(tmp_path / "x.safetensors")]) == 2
     assert "--steps: LM-Steer training flags, not used by --kind vector" in \
         capsys.readouterr().err
-    assert main([*base, "--layers", "1-2", "--out", str(tmp_path / "x.safetensors")]) == 1
+    assert main([*base, "--layers", "1-2", "--out", str(tmp_path / "x.safetensors")]) == 2
     assert "--layers: vector-steer flags; add --kind vector" in capsys.readouterr().err
     assert main([*base, "--kind", "vector", "--layers", "0-3", "--out",
                  str(tmp_path / "x.gguf")]) == 1
@@ -221,7 +221,7 @@ def test_pairs_file_keeps_each_pair_together(model_dir, tmp_path, capsys):
     assert 'bad.jsonl:2: expected an object with string keys "positive" and "negative"' in \
         capsys.readouterr().err
     assert main(["train", "--kind", "vector", "--model", str(model_dir), "--pairs", str(f),
-                 "--positive", str(f), "--out", str(tmp_path / "b.safetensors")]) == 1
+                 "--positive", str(f), "--out", str(tmp_path / "b.safetensors")]) == 2
     assert "--pairs and --positive: give the pairs or the sides, not both" in \
         capsys.readouterr().err
 
@@ -367,9 +367,9 @@ def test_pairs_refuse_the_flags_they_would_ignore(model_dir, tmp_path, capsys):
     dev.write_text("the day was fine\nthe day was good\n")
     base = ["train", "--kind", "vector", "--model", str(model_dir), "--pairs", str(f),
             "--quiet", "--out", str(tmp_path / "v.safetensors")]
-    assert main([*base, "--dev-positive", str(dev), "--dev-negative", str(dev)]) == 1
+    assert main([*base, "--dev-positive", str(dev), "--dev-negative", str(dev)]) == 2
     assert "--pairs and --dev-positive, --dev-negative" in capsys.readouterr().err
-    assert main([*base, "--text-field", "sentence"]) == 1
+    assert main([*base, "--text-field", "sentence"]) == 2
     assert "--text-field: flags of --data/--positive/--negative" in capsys.readouterr().err
     assert not (tmp_path / "v.safetensors").exists()
 

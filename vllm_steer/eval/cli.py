@@ -28,6 +28,7 @@ import os
 import shlex
 
 from vllm_steer.strengths import parse_strengths  # noqa: F401  (re-exported)
+from vllm_steer.usage import int_at_least
 
 _NEG_LIST = re.compile(r"^-[\d.]+(\s*,\s*-?[\d.]+)*$")
 
@@ -91,7 +92,7 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
                             "else 5)")
     _mode_flags(g)
     r = p.add_argument_group("sampling (the paper's protocol by default)")
-    r.add_argument("--num-prompts", type=int, default=None,
+    r.add_argument("--num-prompts", type=int_at_least(1, 100), default=None,
                    help="first N prompts (default: all)")
     r.add_argument("--samples", type=int, default=s.samples, help="samples per prompt")
     r.add_argument("--max-tokens", type=int, default=s.max_tokens, help="tokens per sample")
@@ -190,10 +191,12 @@ def add_commands(subparsers) -> None:
                 description="Train a soft blacklist (logits + s * eps * b, a learned "
                             "context-free logit offset) on the same data as a steer.")
     t.add_argument("--out", required=True, help="file to write (.safetensors)")
-    t.add_argument("--like", metavar="STEER",
-                   help="use this steer's data and steps/batch/max length (from its metadata)")
-    t.add_argument("--preset", choices=["detox", "sentiment"],
-                   help="else: a training preset (detox = Jigsaw, sentiment = SST-5)")
+    like = t.add_mutually_exclusive_group(required=True)  # one, refused before any load
+    like.add_argument("--like", metavar="STEER",
+                      help="use this steer's data and steps/batch/max length (from its "
+                           "metadata)")
+    like.add_argument("--preset", choices=["detox", "sentiment"],
+                      help="else: a training preset (detox = Jigsaw, sentiment = SST-5)")
     t.add_argument("--max-examples", type=int, default=1000, help="texts per side (--preset)")
     t.add_argument("--model", default="smollm2",
                    help="model (HF folder or id, or smollm2; with --like: the steer's)")
@@ -312,7 +315,8 @@ def _tune_command(subparsers) -> None:
     _mode_flags(t)
     t.add_argument("--ppl-budget", type=float, default=0.15,
                    help="largest relative perplexity increase over unsteered (0.15 = +15%%)")
-    t.add_argument("--num-prompts", type=int, default=100, help="first N prompts")
+    t.add_argument("--num-prompts", type=int_at_least(1, 100), default=100,
+                   help="first N prompts")
     t.add_argument("--samples", type=int, default=4, help="samples per prompt")
     t.add_argument("--max-tokens", type=int, default=s.max_tokens,
                    help="tokens per continuation")
@@ -367,8 +371,6 @@ def cmd_tune(args) -> int:
     from vllm_steer.eval.tune import TuneConfig, default_strengths, tune
     from vllm_steer.kinds import read_any_metadata
 
-    if args.num_prompts is not None and args.num_prompts < 1:
-        raise ValueError(f"--num-prompts {args.num_prompts}: must be at least 1")
     if args.strengths is None:
         if not os.path.exists(args.steer):
             raise FileNotFoundError(f"{args.steer}: no such steer file")
@@ -388,7 +390,7 @@ def cmd_tune(args) -> int:
                      engine=args.engine, mode=args.mode, instruction=args.instruction,
                      write=not args.dry_run, progress=not args.quiet,
                      command=_tune_command_line(args))
-    cfg.validate()  # before any work
+    cfg.validate()  # before any work (its files and its numbers, in one error)
     rec = tune(cfg)
     print(json.dumps({"recommended_strength": rec["recommended_strength"],
                       "rule": rec["rule"]}))
@@ -511,8 +513,6 @@ def config_from_args(args):
     else:
         tag = "-".join(m.name for m in metas) or "unsteered"
         out = os.path.join("eval_out", f"{task}-{tag}")
-    if args.num_prompts is not None and args.num_prompts < 1:
-        raise ValueError(f"--num-prompts {args.num_prompts}: must be at least 1")
     grid = task == "grid"
     strengths = args.strengths
     if strengths is None:
@@ -598,8 +598,6 @@ def cmd_train_baseline(args) -> int:
     from vllm_steer.models import resolve_model
     from vllm_steer.train.data import preset_data_config
 
-    if (args.like is None) == (args.preset is None):
-        raise ValueError("give exactly one of --like STEER (its data and recipe) or --preset")
     cfg = EvalConfig(task="toxicity" if args.preset != "sentiment" else "sentiment",
                      model=args.model, data_dir=args.data)
     data_dir = data_dir_of(cfg)

@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from vllm_steer.usage import int_at_least
+
 
 def _steer_and_model(args):
     from vllm_steer.format import load_steer
@@ -291,21 +293,6 @@ def _positive_int(text: str) -> int:
     return n
 
 
-def _int_at_least(minimum: int, example: int):
-    """A count flag's type: an integer >= ``minimum``, refused at parse time (exit 2, before
-    any model is loaded) with the value, the limit and an example."""
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            n = None
-        if n is None or n < minimum:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not an integer >= {minimum}: give e.g. {example}")
-        return n
-    return parse
-
-
 def _strengths_arg(text: str) -> list[float]:
     """``score --strengths``: the one strength-list syntax (:mod:`vllm_steer.strengths`)."""
     from vllm_steer.strengths import parse_strengths
@@ -337,9 +324,9 @@ def add_commands(subparsers) -> None:
                    help="model the steer was trained on (HF folder/id or smollm2)")
     t.add_argument("--to", dest="to_model", required=True, help="target model")
     t.add_argument("--out", required=True, help="output steer file")
-    t.add_argument("--anchors", type=_int_at_least(1, DEFAULT_ANCHORS), default=None,
+    t.add_argument("--anchors", type=int_at_least(1, DEFAULT_ANCHORS), default=None,
                    help=f"shared tokens used to fit the map (default {DEFAULT_ANCHORS})")
-    t.add_argument("--heldout", type=_int_at_least(0, DEFAULT_HELDOUT), default=None,
+    t.add_argument("--heldout", type=int_at_least(0, DEFAULT_HELDOUT), default=None,
                    help=f"shared tokens held out to report the fit (default {DEFAULT_HELDOUT})")
     t.add_argument("--ridge", type=_ridge_arg, default=None,
                    help=f"relative ridge strength, a finite number >= 0 (default "
@@ -379,9 +366,9 @@ def add_commands(subparsers) -> None:
     text.add_argument("--file", help="read the text from this file")
     h.add_argument("--against", type=float, default=0.0,
                    help="baseline strength (default 0 = the plain model)")
-    h.add_argument("--spans", type=_int_at_least(0, 3), default=3,
+    h.add_argument("--spans", type=int_at_least(0, 3), default=3,
                    help="at most this many spans (default 3)")
-    h.add_argument("--max-span", type=_int_at_least(1, 8), default=8,
+    h.add_argument("--max-span", type=int_at_least(1, 8), default=8,
                    help="at most this many tokens per span (default 8)")
     h.add_argument("--json", help="write JSON here ('-' = stdout only)")
     h.add_argument("--html", help="write a self-contained HTML page here")
@@ -396,9 +383,9 @@ def add_commands(subparsers) -> None:
         "projection of their output embedding on each output-side direction.")
     e.add_argument("--steer", required=True, help="steer file (.safetensors)")
     e.add_argument("--model", help="model (default: the steer's base_model)")
-    e.add_argument("--directions", type=_int_at_least(1, 5), default=5,
+    e.add_argument("--directions", type=int_at_least(1, 5), default=5,
                    help="directions shown (default 5)")
-    e.add_argument("--top", type=_int_at_least(1, 12), default=12,
+    e.add_argument("--top", type=int_at_least(1, 12), default=12,
                    help="tokens per end (default 12)")
     e.add_argument("--all-tokens", action="store_true",
                    help="do not restrict to word-like tokens (' word')")
@@ -431,7 +418,7 @@ def add_commands(subparsers) -> None:
     s.add_argument("--split", default="test", help="sst2 split: test or dev (default test)")
     s.add_argument("--data", "--data-dir", dest="data_dir", metavar="DIR",
                    help="data folder (default $VLLM_STEER_DATA or ../shared/data)")
-    s.add_argument("--limit", type=_int_at_least(0, 300), default=300,
+    s.add_argument("--limit", type=int_at_least(0, 300), default=300,
                    help="balanced sample of this many rows (default 300; 0 = all)")
     s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     s.add_argument("--positive-label", help="dataset label of the steer's positive side "
@@ -439,7 +426,7 @@ def add_commands(subparsers) -> None:
     s.add_argument("--keep-training-texts", action="store_true",
                    help="do not leave out the texts the steer was trained on (by default "
                    "they are rebuilt from its metadata and left out of --dataset samples)")
-    s.add_argument("--batch-size", type=_int_at_least(1, 8), default=8,
+    s.add_argument("--batch-size", type=int_at_least(1, 8), default=8,
                    help="texts per forward pass")
     s.add_argument("--json", help="write results as JSON here")
     s.add_argument("--quiet", action="store_true", help="no progress bar")

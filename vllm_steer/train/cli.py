@@ -18,6 +18,7 @@ import sys
 
 from vllm_steer.format import MAX_META_STRENGTH
 from vllm_steer.train.config import DataConfig, TrainConfig, VectorConfig
+from vllm_steer.usage import UsageError, checked
 
 #: The model the demo presets (``--preset``) train when no ``--model`` is given.
 DEMO_MODEL = "smollm2"
@@ -256,15 +257,15 @@ def _data_config(args) -> DataConfig:
 
     common = dict(dev_fraction=args.dev_fraction, dev_max_per_side=args.dev_max,
                   max_examples=args.max_examples)
-    DataConfig(**common).validate()  # before any file is read
+    checked(DataConfig(**common).validate)  # before any file is read
     if args.preset:
         if args.positive or args.negative:
-            raise ValueError("--preset reads its own files; drop --positive/--negative")
+            raise UsageError("--preset reads its own files; drop --positive/--negative")
         if args.data and len(args.data) > 1:
-            raise ValueError("with --preset, --data takes one folder")
+            raise UsageError("with --preset, --data takes one folder")
         return preset_data_config(args.preset, args.data[0] if args.data else None, **common)
     if not (args.positive or args.negative or args.data):
-        raise ValueError("no training data: give --positive FILE --negative FILE, a labelled "
+        raise UsageError("no training data: give --positive FILE --negative FILE, a labelled "
                          "--data FILE with --positive-labels/--negative-labels, or --preset")
     return DataConfig(positive=args.positive, negative=args.negative, labelled=args.data or [],
                       dev_positive=args.dev_positive, dev_negative=args.dev_negative,
@@ -285,7 +286,7 @@ def train_model(model: str | None, preset: str | None) -> str:
     from vllm_steer.train.data import PRESETS
 
     demos = ", ".join(f"--preset {p}" for p in sorted(PRESETS))
-    raise ValueError("--model is required: the model the steer is for (a Hugging Face "
+    raise UsageError("--model is required: the model the steer is for (a Hugging Face "
                      "folder or id, e.g. --model meta-llama/Llama-3.1-8B-Instruct); a steer "
                      "only works on the model it was trained on. Only the demo presets "
                      f"({demos}) default to {DEMO_MODEL}, the embedded model")
@@ -313,7 +314,7 @@ def cmd_train_vector(args) -> int:
 
     given = _set_flags(args, LM_STEER_ONLY)
     if given:
-        raise ValueError(f"{', '.join(given)}: LM-Steer training flags, not used by --kind "
+        raise UsageError(f"{', '.join(given)}: LM-Steer training flags, not used by --kind "
                          "vector (its recipe: --method, --layers, --max-pairs, --max-length, "
                          "--seed, --model-dtype, --check-strengths, --fluency-budget); drop "
                          "them")
@@ -324,38 +325,38 @@ def cmd_train_vector(args) -> int:
                        check_strengths=(None if args.check_strengths is None
                                         else tuple(args.check_strengths)),
                        fluency_budget=args.fluency_budget)
-    cfg.validate()
+    checked(cfg.validate)
     if args.layers is not None and args.layers.strip().lower() != "all":
         from vllm_steer.vectors import parse_layers
 
-        parse_layers(args.layers)  # its syntax, before the model loads
+        checked(lambda: parse_layers(args.layers))  # its syntax, before the model loads
     labels = {k: v for k, v in (("positive", args.positive_means),
                                 ("negative", args.negative_means)) if v}
     if args.pairs:
         other = [f for f, on in (("--positive", args.positive), ("--negative", args.negative),
                                  ("--data", args.data), ("--preset", args.preset)) if on]
         if other:
-            raise ValueError(f"--pairs and {', '.join(other)}: give the pairs or the "
+            raise UsageError(f"--pairs and {', '.join(other)}: give the pairs or the "
                              "sides, not both")
         if args.max_examples is not None:
-            raise ValueError("--max-examples and --pairs: the pairs are subset with "
+            raise UsageError("--max-examples and --pairs: the pairs are subset with "
                              "--max-pairs N")
         dev = [f for f, on in (("--dev-positive", args.dev_positive),
                                ("--dev-negative", args.dev_negative),
                                ("--dev-data", args.dev_data)) if on]
         if dev:
-            raise ValueError(f"--pairs and {', '.join(dev)}: the dev pairs are held out of "
+            raise UsageError(f"--pairs and {', '.join(dev)}: the dev pairs are held out of "
                              "the --pairs files (--dev-fraction, --dev-max); dev texts by side "
                              "go with --positive/--negative/--data")
         unused = _set_flags(args, ("format", "split", "dev_split", "text_field", "label_field",
                                    "no_header", "positive_labels", "negative_labels",
                                    "ignore_labels"))
         if unused:
-            raise ValueError(f"{', '.join(unused)}: flags of --data/--positive/--negative, not "
+            raise UsageError(f"{', '.join(unused)}: flags of --data/--positive/--negative, not "
                              "used by --pairs (one JSON object a line with \"positive\" and "
                              "\"negative\"); drop them")
         data = DataConfig(dev_fraction=args.dev_fraction, dev_max_per_side=args.dev_max)
-        data.validate()
+        checked(data.validate)
     else:
         data = _data_config(args)
     train_vector(cfg, data, args.out, name=args.name, labels=labels or None,
@@ -370,18 +371,18 @@ def cmd_train(args) -> int:
     check_outs(args.out)
     rec = args.recommended_strength
     if rec is not None and not (math.isfinite(rec) and abs(rec) <= MAX_META_STRENGTH):
-        raise ValueError(f"--recommended-strength {rec!r}: give a finite strength of at most "
+        raise UsageError(f"--recommended-strength {rec!r}: give a finite strength of at most "
                          f"{MAX_META_STRENGTH:g} in size (or omit it: it is measured)")
     if args.kind == "vector":
         return cmd_train_vector(args)
     given = _set_flags(args, VECTOR_ONLY)
     if given:
-        raise ValueError(f"{', '.join(given)}: vector-steer flags; add --kind vector, or drop "
+        raise UsageError(f"{', '.join(given)}: vector-steer flags; add --kind vector, or drop "
                          "them")
     from vllm_steer.vectors import is_gguf_name
 
     if len(args.out) != 1 or is_gguf_name(args.out[0]):
-        raise ValueError(f"--out {' '.join(args.out)}: an LM-Steer is written to one "
+        raise UsageError(f"--out {' '.join(args.out)}: an LM-Steer is written to one "
                          ".safetensors file (llama.cpp's GGUF holds vector steers only)")
     args.out = args.out[0]
 
@@ -400,7 +401,7 @@ def cmd_train(args) -> int:
                                        if args.check_strengths is None
                                        else tuple(args.check_strengths)),
                       fluency_budget=args.fluency_budget, chat_template=args.chat_template)
-    cfg.validate()
+    checked(cfg.validate)
     data = _data_config(args)
     labels = {k: v for k, v in (("positive", args.positive_means),
                                 ("negative", args.negative_means)) if v}
@@ -439,7 +440,7 @@ def check_outs(outs: list[str]) -> None:
                             "each output once")
         seen.setdefault(key, o)
     if problems:
-        raise ValueError("--out: " + "; ".join(problems))
+        raise UsageError("--out: " + "; ".join(problems))
 
 
 def file_layers(spec: str, vs, path: str) -> list[int]:
@@ -469,7 +470,7 @@ def cmd_convert_vector(args) -> int:
                              ("--no-dummy", args.no_dummy), ("--epsilon", args.epsilon),
                              ("--domain", args.domain != "with_steer")) if on]
     if given:
-        raise ValueError(f"{', '.join(given)}: flags of LM-Steer checkpoints; "
+        raise UsageError(f"{', '.join(given)}: flags of LM-Steer checkpoints; "
                          f"{args.checkpoint} is a vector steer")
     vs = load_vector(args.checkpoint)
     if args.layers is not None:
