@@ -51,3 +51,26 @@ def test_the_texts_to_read_are_one_source_refused_at_parse_time(command, given, 
         main([command, "--steer", str(steer), *given])
     assert e.value.code == 2
     assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["transfer", "highlight", "explain", "score"])
+@pytest.mark.parametrize("suffix", [".gguf", ".safetensors"])
+def test_a_control_vector_is_refused_naming_what_the_lens_reads(command, suffix, tmp_path,
+                                                                capsys):
+    """A control vector (llama.cpp's GGUF or ours) given to a lens command: one line naming
+    the file, its kind and what the lens reads; it was the LM-Steer reader's advice to call a
+    Python function (``vllm_steer.vectors.load_vector``) or to convert the file."""
+    from helpers.steers import random_vectors, save_vector_steer
+
+    path = save_vector_steer(tmp_path / f"cv{suffix}", random_vectors(16, range(1, 3), 0), "cv")
+    argv = [command, "--steer", path]
+    argv += (["--from", "a", "--to", "b", "--out", str(tmp_path / "o.safetensors")]
+             if command == "transfer" else ["--text", "hello"]
+             if command in ("highlight", "score") else [])
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"vllm-steer {command}: error: --steer {path}: a vector steer (a control "
+                   "vector); the lens reads LM-Steer files, whose matrix W it transfers, "
+                   f"highlights, explains and scores (`vllm-steer info {path}` shows this "
+                   "file)"), err
+    assert not (tmp_path / "o.safetensors").exists()

@@ -13,11 +13,24 @@ import sys
 from vllm_steer.usage import int_at_least
 
 
-def _steer_and_model(args):
+def _load_lm_steer(path: str):
+    """The LM-Steer file at ``path``; a steer of another kind (a control vector) is refused
+    naming what the lens reads, not with the LM-Steer reader's advice."""
     from vllm_steer.format import load_steer
+    from vllm_steer.kinds import LM_STEER, kind_of_file
+
+    kind = kind_of_file(path)
+    if kind is not LM_STEER:
+        raise ValueError(f"--steer {path}: a {kind.name} steer (a control vector); the lens "
+                         "reads LM-Steer files, whose matrix W it transfers, highlights, "
+                         f"explains and scores (`vllm-steer info {path}` shows this file)")
+    return load_steer(path)
+
+
+def _steer_and_model(args):
     from vllm_steer.lens.lm import load_lm
 
-    steer = load_steer(args.steer)
+    steer = _load_lm_steer(args.steer)
     name = args.model or steer.metadata.base_model
     if not name:
         raise ValueError(f"{args.steer} names no base_model in its metadata: pass --model")
@@ -61,11 +74,11 @@ def _labels_line(steer) -> str:
 # --------------------------------------------------------------------------- transfer
 
 def cmd_transfer(args) -> int:
-    from vllm_steer.format import load_steer, save_steer
+    from vllm_steer.format import save_steer
     from vllm_steer.lens.lm import load_lm
     from vllm_steer.lens.transfer import TransferConfig, transfer
 
-    steer = load_steer(args.steer)
+    steer = _load_lm_steer(args.steer)
     given = dict(anchors=args.anchors, heldout=args.heldout, ridge=args.ridge, form=args.form)
     cfg = TransferConfig(**{k: v for k, v in given.items() if v is not None})
     model_a, tok_a = load_lm(args.from_model)
