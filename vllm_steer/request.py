@@ -47,6 +47,8 @@ REFUSAL_REASONS = {
     "beam_search": "a steered beam-search request",
     "preset_route": "a preset named as the model of a route that builds its own sampling "
                     "parameters (it would be served without the preset's steers)",
+    "streaming_input": "a streaming-input request's later input chunk with other vector "
+                       "steers than its first, or a window on a vector steer in such a request",
     "internal": "a fault of the plugin (HTTP 500)",
 }
 #: The reason of a refusal that names no other.

@@ -136,6 +136,14 @@ def _refusals(core) -> list[str]:
             if isinstance(o.stop_reason, str) and o.stop_reason.startswith(REFUSED_PREFIX)]
 
 
+def _refusal_counts(core) -> dict[str, int]:
+    """The engine core's refusal counts (``status:reason``), which
+    ``vllm_steer:requests_refused_total{source="engine_core"}`` reports."""
+    from vllm_steer.integrations.engine.state import engine_state
+
+    return dict(engine_state(core).registry.refused)
+
+
 def _session(core, steer, tokens=range(100, 100 + 3 * BLOCK)) -> None:
     """A streaming-input session whose first chunk (``tokens``, ``steer``) has been served:
     it waits for its next chunk, holding its KV blocks."""
@@ -170,6 +178,7 @@ def test_a_later_chunk_with_another_vector_mix_is_refused(core, later, asks):
             f"but this input chunk asks for {asks}.") in refusal
     assert "send every chunk of the session with the same vector steers" in refusal
     assert "start a new session" in refusal
+    assert _refusal_counts(core) == {"400:streaming_input": 1}  # its own metrics label
     assert list(session.all_token_ids) == tokens and session.block_hashes == hashes
 
 
@@ -227,6 +236,7 @@ def test_a_window_on_a_vector_steer_is_refused_with_streaming_input(core):
     assert "a generation window on a vector steer ('calm') is not served to a streaming-input " \
            "session" in refusal
     assert "Give the vector steer a plain strength in a streaming-input session" in refusal
+    assert _refusal_counts(core) == {"400:streaming_input": 1}
     assert "session" not in core.scheduler.requests
     _add(core, _request(range(100, 100 + BLOCK), window, resumable=False, rid="alone"))
     assert len(_refusals(core)) == 1 and "alone" in core.scheduler.requests

@@ -24,6 +24,10 @@ from vllm_steer.request import (BOUND_KEY, BoundSteer, SteerRequest, SteerReques
                                  refusal_reason)
 
 
+#: The refusal reason (``REFUSAL_REASONS``) of a streaming-input session's chunk refused.
+STREAMING_INPUT = "streaming_input"
+
+
 class SteerAdmissionError(SteerRequestError):
     """A request names a steer the engine cannot serve (unloaded, its file refused, more
     steers than the bank holds at once): the request's HTTP 400."""
@@ -211,7 +215,7 @@ def check_session_chunk(core, session, request) -> None:
         "and values the session caches, and its prefix cache stays keyed by its first "
         "chunk's vector steers: send every chunk of the session with the same vector steers "
         "(LM-Steer steers may change from chunk to chunk), or start a new session for "
-        "another mix of vector steers")
+        "another mix of vector steers", STREAMING_INPUT)
 
 
 def check_session_windows(reg, bound) -> None:
@@ -229,7 +233,7 @@ def check_session_windows(reg, bound) -> None:
             "window's base strength, and the prefix cache would hand its blocks to requests "
             "that computed the same tokens at other strengths. Give the vector steer a plain "
             "strength in a streaming-input session, or send the request without streaming "
-            "input")
+            "input", STREAMING_INPUT)
 
 
 def _describe_layers(reg, params) -> str:
