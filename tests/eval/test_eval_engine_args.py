@@ -186,3 +186,35 @@ def test_tune_refuses_a_negative_strength_instead_of_trying_its_magnitude_twice(
     assert main(["tune", steer_file, "--task", "toxicity", "--prompts", str(prompts),
                  "--model", "m", "--strengths=-4,4"]) == 1
     assert "give positive magnitudes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["eval", "toxicity", "--max-model-len", "2k", "--num-prompts", "0"],
+     "argument --num-prompts: '0' is not an integer >= 1: give e.g. 100"),
+    (["tune", "s.safetensors", "-tp", "2", "--task", "toxicity", "--prompts", "p.jsonl",
+      "--num-prompts", "-1"], "argument --num-prompts: '-1' is not an integer >= 1"),
+    (["tune", "s.safetensors", "--dtype", "float16", "--prompts", "p.jsonl"],
+     "the following arguments are required: --task"),
+])
+def test_a_mistake_in_the_commands_own_flags_is_refused_before_vllm_is_imported(argv, said):
+    """The command's own flags are parsed before vLLM is imported for its engine flags: a
+    usage error among them is answered at once (it waited for vLLM's import, half a minute
+    on this CPU); vLLM's flags given beside them (``-tp 2``, ``--max-model-len 2k``) are
+    left to the full parse."""
+    code = ("import sys\nfrom vllm_steer.cli import main\ntry:\n"
+            f"    main({argv!r})\nexcept SystemExit as e:\n"
+            "    print('EXIT', e.code, sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300)
+    assert "EXIT 2 []" in r.stdout, r.stdout + r.stderr[-2000:]
+    assert said in r.stderr, r.stderr
+
+
+def test_vllms_short_and_long_flags_and_the_tools_abbreviations_still_parse(steer_file):
+    """vLLM's short alias (``-tp``) and the tool's own flags abbreviated (``--num-prom``)
+    parse as before: the early check of the tool's flags takes no vLLM flag for one of them,
+    and the full parse keeps argparse's abbreviations."""
+    args = build_parser().parse_args(["tune", steer_file, "--task", "toxicity", "-tp", "2",
+                                      "--prompts", "p.jsonl", "--num-prom", "5",
+                                      "--max-model-len", "2k"])
+    assert (args.tensor_parallel_size, args.num_prompts, args.max_model_len) == (2, 5, 2000)

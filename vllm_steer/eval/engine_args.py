@@ -11,7 +11,8 @@ seeds both the samples and the engine. The settings that depend on the device
 device's choice when not given (:data:`~vllm_steer.eval.generation.DEVICE_DEFAULTS`).
 
 vLLM is imported only when such a command's parser is used (to parse or to print its help),
-so ``vllm-steer`` and its other commands stay fast.
+so ``vllm-steer`` and its other commands stay fast; the command's own flags are checked
+before that import, so a mistake in them is refused at once.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import copy
 import json
 import os
+import sys
 
 #: ``EngineConfig`` fields set from vLLM's flags of the same name (default: the device's).
 DEVICE_FIELDS = ("dtype", "enforce_eager", "max_model_len", "max_num_seqs")
@@ -45,8 +47,25 @@ class EngineFlagsParser(argparse.ArgumentParser):
             add_engine_flags(self)
 
     def parse_known_args(self, args=None, namespace=None):
+        if not self._engine_flags_added:
+            self._check_own_flags(args)
         self._add_engine_flags()
         return super().parse_known_args(args, namespace)
+
+    def _check_own_flags(self, args) -> None:
+        """Parse the command's own flags before vLLM is imported for its engine flags: a
+        mistake in them (a count out of range, a missing or conflicting flag) is refused at
+        once, as the full parse would refuse it, not after vLLM's import. The flags this
+        parser does not know yet (vLLM's) are left, unabbreviated, to the full parse; so is
+        ``--help``, which lists them."""
+        args = list(sys.argv[1:] if args is None else args)
+        if "-h" in args or "--help" in args:
+            return
+        abbrev, self.allow_abbrev = self.allow_abbrev, False  # a vLLM flag is no own flag's
+        try:
+            super().parse_known_args(args, None)
+        finally:
+            self.allow_abbrev = abbrev
 
     def format_help(self):
         self._add_engine_flags()
