@@ -69,8 +69,8 @@ def test_a_control_vector_is_refused_naming_what_the_lens_reads(command, suffix,
              if command in ("highlight", "score") else [])
     assert main(argv) == 1
     err = capsys.readouterr().err.strip()
-    assert err == (f"vllm-steer {command}: error: --steer {path}: a vector steer (a control "
-                   "vector); the lens reads LM-Steer files, whose matrix W it transfers, "
+    assert err == (f"vllm-steer {command}: error: --steer {path}: a vector steer, not an "
+                   "LM-Steer; the lens reads LM-Steer files, whose matrix W it transfers, "
                    f"highlights, explains and scores (`vllm-steer info {path}` shows this "
                    "file)"), err
     assert not (tmp_path / "o.safetensors").exists()

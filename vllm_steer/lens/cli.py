@@ -21,7 +21,7 @@ def _load_lm_steer(path: str):
 
     kind = kind_of_file(path)
     if kind is not LM_STEER:
-        raise ValueError(f"--steer {path}: a {kind.name} steer (a control vector); the lens "
+        raise ValueError(f"--steer {path}: a {kind.name} steer, not an LM-Steer; the lens "
                          "reads LM-Steer files, whose matrix W it transfers, highlights, "
                          f"explains and scores (`vllm-steer info {path}` shows this file)")
     return load_steer(path)
