@@ -94,8 +94,10 @@ def _common(p: argparse.ArgumentParser, task: str) -> None:
     r = p.add_argument_group("sampling (the paper's protocol by default)")
     r.add_argument("--num-prompts", type=int_at_least(1, 100), default=None,
                    help="first N prompts (default: all)")
-    r.add_argument("--samples", type=int, default=s.samples, help="samples per prompt")
-    r.add_argument("--max-tokens", type=int, default=s.max_tokens, help="tokens per sample")
+    r.add_argument("--samples", type=int_at_least(1, s.samples), default=s.samples,
+                   help="samples per prompt")
+    r.add_argument("--max-tokens", type=int_at_least(1, s.max_tokens), default=s.max_tokens,
+                   help="tokens per sample")
     r.add_argument("--top-p", type=float, default=s.top_p, help="nucleus sampling mass")
     r.add_argument("--temperature", type=float, default=s.temperature,
                    help="sampling temperature")
@@ -197,7 +199,8 @@ def add_commands(subparsers) -> None:
                            "metadata)")
     like.add_argument("--preset", choices=["detox", "sentiment"],
                       help="else: a training preset (detox = Jigsaw, sentiment = SST-5)")
-    t.add_argument("--max-examples", type=int, default=1000, help="texts per side (--preset)")
+    t.add_argument("--max-examples", type=int_at_least(1, 1000), default=1000,
+                   help="texts per side (--preset)")
     t.add_argument("--model", default="smollm2",
                    help="model (HF folder or id, or smollm2; with --like: the steer's)")
     t.add_argument("--data", default=None,
@@ -317,8 +320,8 @@ def _tune_command(subparsers) -> None:
                    help="largest relative perplexity increase over unsteered (0.15 = +15%%)")
     t.add_argument("--num-prompts", type=int_at_least(1, 100), default=100,
                    help="first N prompts")
-    t.add_argument("--samples", type=int, default=4, help="samples per prompt")
-    t.add_argument("--max-tokens", type=int, default=s.max_tokens,
+    t.add_argument("--samples", type=int_at_least(1, 4), default=4, help="samples per prompt")
+    t.add_argument("--max-tokens", type=int_at_least(1, s.max_tokens), default=s.max_tokens,
                    help="tokens per continuation")
     t.add_argument("--top-p", type=float, default=s.top_p, help="nucleus sampling mass")
     t.add_argument("--temperature", type=float, default=s.temperature,
